@@ -1,0 +1,40 @@
+"""jax_lora: multi-LoRA (Punica) ops, metadata and wrapper for JAX.
+
+Public names (SPEC section 8): LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
+PunicaWrapper; `jax_lora.ops` (lora_shrink, lora_expand, bgmv_*, sgmv_*); `jax_lora.nn` (Flax).
+
+Imports are lazy: `jax_lora.host_mapping` and `jax_lora.checks` are plain NumPy, so `torch_lora`
+uses them without importing JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LoRAMapping": "jax_lora.host_mapping",
+    "LongContextLoRAContext": "jax_lora.host_mapping",
+    "convert_mapping": "jax_lora.mapping",
+    "compute_meta": "jax_lora.mapping",
+    "LoRAKernelMeta": "jax_lora.meta",
+    "PunicaWrapper": "jax_lora.wrapper",
+}
+_SUBMODULES = ("ops", "nn", "meta", "mapping", "host_mapping", "checks", "wrapper")
+
+__all__ = list(_EXPORTS) + ["ops", "nn"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"jax_lora.{name}")
+    raise AttributeError(f"module 'jax_lora' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,156 @@
+"""Argument checks shared by both sides (SPEC section 6), on shapes and dtype names only.
+
+Framework-free: callers pass shapes as tuples and dtypes as their string names, so the same
+messages come from `jax_lora` and `torch_lora`. Every error names the argument, what was expected
+and what was received.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+# SPEC section 4: activations fp16/bf16/fp32; weights fp16/bf16 (fp32 on reference paths too).
+ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
+WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
+INDEX_DTYPES = ("int32", "int64", "int16", "int8", "uint8")
+
+
+def dtype_name(dtype: Any) -> str:
+    """'torch.bfloat16' / dtype('bfloat16') / jnp.bfloat16 -> 'bfloat16'."""
+    name = getattr(dtype, "name", None) if not isinstance(dtype, str) else dtype
+    if name is None:
+        name = str(dtype)
+    return str(name).replace("torch.", "")
+
+
+def check_dtype(name: str, dtype: Any, allowed: Sequence[str]) -> None:
+    got = dtype_name(dtype)
+    if got not in allowed:
+        raise TypeError(f"{name} must have dtype in {tuple(allowed)}, got {got}")
+
+
+def check_ndim(name: str, shape: Sequence[int], ndims: Sequence[int], meaning: str) -> None:
+    if len(shape) not in ndims:
+        raise ValueError(f"{name} must be {meaning}, got shape {tuple(shape)}")
+
+
+def weight_dims(name: str, shape: Sequence[int], what: str) -> tuple[int, int, int]:
+    """A stacked weight's (num_slots, rows, cols); accepts (L, 1, a, b) and (L, a, b)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 4 and shape[1] == 1:
+        return shape[0], shape[2], shape[3]
+    if len(shape) == 3:
+        return shape
+    raise ValueError(f"{name} must have shape (num_slots, 1, {what}) or (num_slots, {what}), "
+                     f"got {shape}")
+
+
+def check_shrink(x_shape, x_dtype, a_shapes, a_dtypes, arg_x="x", arg_a="lora_a_stacked") -> tuple[int, int, int]:
+    """Checks x (T, H) against lora_a slices (L, [1,] r, H); returns (num_slots, rank, hidden)."""
+    check_ndim(arg_x, x_shape, (2,), "2-D (num_tokens, hidden_size)")
+    check_dtype(arg_x, x_dtype, ACTIVATION_DTYPES)
+    if len(a_shapes) == 0:
+        raise ValueError(f"{arg_a} must hold at least one slice, got none")
+    hidden = int(x_shape[1])
+    dims = []
+    for s, (shape, dtype) in enumerate(zip(a_shapes, a_dtypes)):
+        nm = f"{arg_a}[{s}]"
+        check_dtype(nm, dtype, WEIGHT_DTYPES)
+        num_slots, rank, h = weight_dims(nm, shape, "rank, hidden_size")
+        if h != hidden:
+            raise ValueError(f"{nm} has hidden size {h} (shape {tuple(shape)}), but {arg_x} has hidden "
+                             f"size {hidden} (shape {tuple(x_shape)})")
+        dims.append((num_slots, rank))
+    if len(set(dims)) != 1:
+        raise ValueError(f"every slice of {arg_a} must have the same (num_slots, rank), got {dims}")
+    return dims[0][0], dims[0][1], hidden
+
+
+def check_expand(buf_shape, buf_dtype, b_shapes, b_dtypes, y_shape, y_dtype, offset_start: int,
+                 arg_buf="x", arg_b="lora_b_stacked", arg_y="y") -> tuple[int, int, list[int]]:
+    """Checks buf (S, T, r), lora_b slices (L, [1,] n_s, r) and y (T, N).
+
+    Returns (num_slots, rank, slice widths). The slices must fit: offset_start + sum(n_s) <= N.
+    """
+    check_ndim(arg_buf, buf_shape, (3,), "3-D (num_slices, num_tokens, rank)")
+    check_dtype(arg_buf, buf_dtype, ACTIVATION_DTYPES)
+    check_ndim(arg_y, y_shape, (2,), "2-D (num_tokens, out_features)")
+    check_dtype(arg_y, y_dtype, ACTIVATION_DTYPES)
+    num_slices, num_tokens, rank = (int(v) for v in buf_shape)
+    if num_slices != len(b_shapes):
+        raise ValueError(f"{arg_buf} has {num_slices} slices (shape {tuple(buf_shape)}), but {arg_b} "
+                         f"has {len(b_shapes)}")
+    if int(y_shape[0]) != num_tokens:
+        raise ValueError(f"{arg_y} has {y_shape[0]} rows (shape {tuple(y_shape)}), but {arg_buf} has "
+                         f"{num_tokens} tokens (shape {tuple(buf_shape)})")
+    widths, slots = [], set()
+    for s, (shape, dtype) in enumerate(zip(b_shapes, b_dtypes)):
+        nm = f"{arg_b}[{s}]"
+        check_dtype(nm, dtype, WEIGHT_DTYPES)
+        num_slots, n, r = weight_dims(nm, shape, "out_features, rank")
+        if r != rank:
+            raise ValueError(f"{nm} has rank {r} (shape {tuple(shape)}), but {arg_buf} has rank {rank} "
+                             f"(shape {tuple(buf_shape)}): A and B ranks differ")
+        widths.append(n)
+        slots.add(num_slots)
+    if len(slots) != 1:
+        raise ValueError(f"every slice of {arg_b} must have the same number of slots, got {sorted(slots)}")
+    if not isinstance(offset_start, int) or offset_start < 0:
+        raise ValueError(f"offset_start must be an int >= 0, got {offset_start!r}")
+    if offset_start + sum(widths) > int(y_shape[1]):
+        raise ValueError(f"offset_start {offset_start} + slice widths {widths} = "
+                         f"{offset_start + sum(widths)} exceed {arg_y}'s {y_shape[1]} columns")
+    return slots.pop(), rank, widths
+
+
+def check_output_slices(output_slices: Sequence[int], num_b: int, arg_b="lora_b_stacked") -> tuple[int, ...]:
+    try:
+        slices = tuple(int(s) for s in output_slices)
+    except TypeError:
+        raise TypeError(f"output_slices must be a sequence of ints, got {output_slices!r}") from None
+    if len(slices) != num_b:
+        raise ValueError(f"len(output_slices) = {len(slices)} but {arg_b} has {num_b} slices")
+    if any(s <= 0 for s in slices):
+        raise ValueError(f"output_slices must be positive widths, got {slices}")
+    return slices
+
+
+def check_slice_widths(output_slices: Sequence[int], widths: Sequence[int], arg_b="lora_b_stacked") -> None:
+    if tuple(output_slices) != tuple(widths):
+        raise ValueError(f"output_slices {tuple(output_slices)} differ from the widths of {arg_b}: "
+                         f"{tuple(widths)}")
+
+
+def check_bias(bias_shapes: Sequence[Optional[Sequence[int]]], output_slices: Sequence[int],
+               num_slots: int, arg="lora_bias_stacked") -> None:
+    if len(bias_shapes) != len(output_slices):
+        raise ValueError(f"{arg} has {len(bias_shapes)} slices, but output_slices has {len(output_slices)}")
+    for s, (shape, width) in enumerate(zip(bias_shapes, output_slices)):
+        if shape is None:
+            continue
+        shape = tuple(int(v) for v in shape)
+        core = shape if len(shape) == 2 else (shape[0], shape[2]) if len(shape) == 3 and shape[1] == 1 else None
+        if core is None or core != (num_slots, width):
+            raise ValueError(f"{arg}[{s}] must have shape ({num_slots}, {width}) or ({num_slots}, 1, "
+                             f"{width}), got {shape}")
+
+
+def check_indices(name: str, shape: Sequence[int], dtype: Any, num_tokens: Optional[int] = None) -> None:
+    check_ndim(name, shape, (1,), "1-D (one index per token)")
+    check_dtype(name, dtype, INDEX_DTYPES)
+    if num_tokens is not None and int(shape[0]) < num_tokens:
+        raise ValueError(f"{name} has {shape[0]} entries but there are {num_tokens} tokens")
+
+
+def check_index_values(name: str, lo: int, hi: int, num_slots: int, arg_w: str) -> None:
+    """lo/hi: min and max of an index array (host values). Valid: -1 .. num_slots-1."""
+    if lo < -1:
+        raise ValueError(f"{name} holds {lo}; indices must be -1 (no LoRA) or a slot 0..{num_slots - 1}")
+    if hi >= num_slots:
+        raise ValueError(f"{name} holds slot {hi}, but {arg_w} has only {num_slots} slots "
+                         f"(0..{num_slots - 1})")
+
+
+def check_capacity(name: str, count: int, capacity: int, capacity_name: str) -> None:
+    if count > capacity:
+        raise ValueError(f"{name} has {count} entries, more than {capacity_name}={capacity}")

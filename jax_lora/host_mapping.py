@@ -1,0 +1,270 @@
+"""Host-side mapping from user LoRA ids to slot indices (SPEC section 2), in plain NumPy.
+
+Both sides build their index arrays here, on the host, before anything reaches a device:
+`jax_lora` turns the results into `jax.Array`s, `torch_lora` into `torch.Tensor`s. This module
+imports neither framework, so `torch_lora` can use it without importing JAX.
+
+Words (SPEC section 1): a *slot* is a row of the stacked weights (`0 .. num_slots-1`); a *LoRA id*
+is a positive integer naming an adapter (`0`, or any id <= 0, means "no LoRA"); an *index* is the
+slot of a token's adapter, or `-1` for no LoRA. All index arrays are int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "LoRAMapping",
+    "LongContextLoRAContext",
+    "HostIndices",
+    "PrefillMeta",
+    "convert_mapping_host",
+    "compute_meta_host",
+    "pad_prompt_mapping",
+    "next_power_of_two",
+    "MIN_NUM_SEQS",
+]
+
+# The TPU seed pads the prompt mapping to at least this many rows (vLLM's MIN_NUM_SEQS).
+MIN_NUM_SEQS = 8
+
+
+@dataclasses.dataclass
+class LoRAMapping:
+    """Which adapter each token and each sampled row uses, as LoRA ids (0 = no LoRA).
+
+    Attributes:
+      index_mapping: one LoRA id per token of the batch, length T.
+      prompt_mapping: one LoRA id per sampled row (logits row), length R.
+      is_prefill: whether the batch is a prefill batch (tokens of a request contiguous).
+    """
+
+    index_mapping: tuple[int, ...]
+    prompt_mapping: tuple[int, ...]
+    is_prefill: bool = False
+
+    def __post_init__(self):
+        self.index_mapping = _as_id_tuple("index_mapping", self.index_mapping)
+        self.prompt_mapping = _as_id_tuple("prompt_mapping", self.prompt_mapping)
+        self.is_prefill = bool(self.is_prefill)
+
+
+@dataclasses.dataclass
+class LongContextLoRAContext:
+    """Long-context LoRA offsets: `offsets_by_lora_id[id]` is added to positions of that id's tokens.
+
+    Any object with an `offsets_by_lora_id` mapping can be passed instead (vLLM's class works).
+    """
+
+    offsets_by_lora_id: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+def _as_id_tuple(name: str, ids: Any) -> tuple[int, ...]:
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"LoRAMapping.{name} must be a 1-D sequence of int LoRA ids, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"LoRAMapping.{name} must hold integer LoRA ids, got dtype {arr.dtype}")
+    return tuple(int(v) for v in arr.tolist())
+
+
+def next_power_of_two(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 2 ** math.ceil(math.log2(n))
+
+
+def pad_prompt_mapping(prompt_mapping: Sequence[int], capacity: Optional[int] = None) -> tuple[int, ...]:
+    """Pads a prompt mapping with -1 to `max(next_power_of_two(n), MIN_NUM_SEQS)` entries.
+
+    This is the TPU seed's shape bucketing: one compiled program serves every batch whose number of
+    sampled rows falls in the same bucket. `capacity`, when given, caps the padded length (a buffer
+    of that many rows holds it); the padded entries mean "no LoRA" and never change real rows.
+    """
+    n = len(prompt_mapping)
+    padded = max(next_power_of_two(n), MIN_NUM_SEQS)
+    if capacity is not None:
+        padded = max(n, min(padded, capacity))
+    return tuple(prompt_mapping) + (-1,) * (padded - n)
+
+
+def _slot_table(lora_index_to_id: Sequence[Optional[int]]) -> dict[int, int]:
+    """LoRA id -> slot. Rejects duplicate or non-positive ids in the slot list."""
+    table: dict[int, int] = {}
+    for slot, lora_id in enumerate(lora_index_to_id):
+        if lora_id is None:
+            continue
+        if not isinstance(lora_id, (int, np.integer)) or int(lora_id) <= 0:
+            raise ValueError(
+                f"lora_index_to_id[{slot}] must be None or a positive int LoRA id, got {lora_id!r}")
+        if int(lora_id) in table:
+            raise ValueError(
+                f"lora_index_to_id holds LoRA id {int(lora_id)} twice (slots {table[int(lora_id)]} and {slot})")
+        table[int(lora_id)] = slot
+    return table
+
+
+def _slots_of(name: str, ids: Sequence[int], table: dict[int, int], num_slots_allowed: int,
+              none_value: int) -> np.ndarray:
+    out = np.empty(len(ids), dtype=np.int32)
+    for i, lora_id in enumerate(ids):
+        if lora_id <= 0:
+            out[i] = none_value
+            continue
+        slot = table.get(lora_id)
+        if slot is None:
+            raise ValueError(
+                f"LoRA id {lora_id} (mapping.{name}[{i}]) is in no slot: lora_index_to_id holds "
+                f"{sorted(table)}")
+        if slot >= num_slots_allowed:
+            raise ValueError(
+                f"LoRA id {lora_id} (mapping.{name}[{i}]) is in slot {slot}, but max_loras="
+                f"{num_slots_allowed} allows slots 0..{num_slots_allowed - 1}")
+        out[i] = slot
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HostIndices:
+    """The six results of `convert_mapping`, as NumPy int32 arrays (SPEC section 2).
+
+    base_indices: (T,) slot per token, -1 for no LoRA ("token_lora_indices").
+    sampler_indices: (R,) slot per sampled row, -1 for no LoRA.
+    sampler_indices_padded: (R,) `j + p_j * R`, p_j the sampler slot with -1 -> max_loras - 1.
+    embeddings_indices: (2, T) offsets into the added-vocab and LoRA-A embedding tables.
+    long_lora_indices: (T,) long-context offsets, or None without a long-LoRA context.
+    indices_len: the lengths of the five arrays above (None for an absent long-LoRA array).
+    """
+
+    base_indices: np.ndarray
+    sampler_indices: np.ndarray
+    sampler_indices_padded: np.ndarray
+    embeddings_indices: np.ndarray
+    long_lora_indices: Optional[np.ndarray]
+    indices_len: list
+
+    def as_tuple(self):
+        return (self.base_indices, self.sampler_indices, self.sampler_indices_padded,
+                self.embeddings_indices, self.long_lora_indices, self.indices_len)
+
+
+def convert_mapping_host(
+    mapping: LoRAMapping,
+    lora_index_to_id: Sequence[Optional[int]],
+    max_loras: int,
+    vocab_size: int,
+    extra_vocab_size: int,
+    long_lora_context: Optional[Any] = None,
+) -> HostIndices:
+    """Converts a LoRAMapping to slot-index arrays on the host (SPEC section 2).
+
+    Args:
+      mapping: LoRA id per token (`index_mapping`, length T) and per sampled row (`prompt_mapping`,
+        length R).
+      lora_index_to_id: slot -> LoRA id (None for an empty slot).
+      max_loras: the caller's table height (vLLM passes number of slots + 1: the extra row is the
+        "no LoRA" row of the sampler table). Slots must be < max_loras.
+      vocab_size, extra_vocab_size: sizes of the base and added vocabularies.
+      long_lora_context: an object with `offsets_by_lora_id`, or None.
+
+    Raises:
+      ValueError: a LoRA id in the mapping that no slot holds, a slot >= max_loras, bad sizes.
+    """
+    if not isinstance(mapping, LoRAMapping):
+        raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
+    for name, value in (("max_loras", max_loras), ("vocab_size", vocab_size),
+                        ("extra_vocab_size", extra_vocab_size)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if max_loras < 1:
+        raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+    if vocab_size < 0 or extra_vocab_size < 0:
+        raise ValueError(
+            f"vocab_size and extra_vocab_size must be >= 0, got {vocab_size} and {extra_vocab_size}")
+    if long_lora_context is not None and not hasattr(long_lora_context, "offsets_by_lora_id"):
+        raise TypeError("long_lora_context must have an `offsets_by_lora_id` mapping, got "
+                        f"{type(long_lora_context).__name__}")
+
+    table = _slot_table(lora_index_to_id)
+    index_ids = mapping.index_mapping
+    base = _slots_of("index_mapping", index_ids, table, max_loras, none_value=-1)
+    sampler = _slots_of("prompt_mapping", mapping.prompt_mapping, table, max_loras, none_value=-1)
+
+    num_rows = len(sampler)
+    sampler_padded = np.where(sampler == -1, max_loras - 1, sampler).astype(np.int64)
+    sampler_padded = (np.arange(num_rows, dtype=np.int64) + sampler_padded * num_rows)
+
+    emb_slot = np.where(base == -1, 0, base).astype(np.int64)
+    embeddings = np.stack([emb_slot * extra_vocab_size, emb_slot * (vocab_size + extra_vocab_size)])
+    embeddings[embeddings == -1] = max_loras - 1  # the seed's rule; unreachable for ids > 0
+
+    long_lora = None
+    if long_lora_context is not None:
+        offsets = long_lora_context.offsets_by_lora_id
+        long_lora = np.asarray([int(offsets.get(i, 0)) for i in index_ids], dtype=np.int64)
+
+    for name, arr in (("sampler_indices_padded", sampler_padded), ("embeddings_indices", embeddings),
+                      ("long_lora_indices", long_lora)):
+        if arr is not None and arr.size and (arr.max() > np.iinfo(np.int32).max
+                                             or arr.min() < np.iinfo(np.int32).min):
+            raise ValueError(f"{name} overflows int32 (max {arr.max()}): vocabulary or table too large")
+
+    def i32(a):
+        return None if a is None else np.ascontiguousarray(a, dtype=np.int32)
+
+    indices_len = [len(base), num_rows, num_rows, embeddings.shape[-1],
+                   None if long_lora is None else len(long_lora)]
+    return HostIndices(i32(base), i32(sampler), i32(sampler_padded), i32(embeddings), i32(long_lora),
+                       indices_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillMeta:
+    """Segments of consecutive equal token indices (SGMV metadata, SPEC section 2).
+
+    seq_start_locs: (B,) int32 first token of each segment.
+    seq_lengths: (B,) int32 tokens in each segment.
+    lora_indices_per_batch: (B,) int32 the segment's slot (-1 = no LoRA).
+    batch_size: B. max_length: the longest segment. token_nums: the total number of tokens.
+    no_lora: True when no token uses a LoRA (the only segment is -1, or there are no tokens).
+    """
+
+    seq_start_locs: np.ndarray
+    seq_lengths: np.ndarray
+    lora_indices_per_batch: np.ndarray
+    batch_size: int
+    max_length: int
+    token_nums: int
+    no_lora: bool
+
+    def as_tuple(self):
+        return (self.seq_start_locs, self.seq_lengths, self.lora_indices_per_batch, self.batch_size,
+                self.max_length, self.token_nums, self.no_lora)
+
+
+def compute_meta_host(token_lora_indices: Any) -> PrefillMeta:
+    """Merges runs of equal consecutive token indices into segments (vLLM's `compute_meta`).
+
+    Example: indices [2, 2, -1, 0, 0, 0] -> starts [0, 2, 3], lengths [2, 1, 3],
+    lora indices [2, -1, 0], batch_size 3, max_length 3, token_nums 6, no_lora False.
+    """
+    m = np.asarray(token_lora_indices)
+    if m.ndim != 1:
+        raise ValueError(f"token_lora_tensor must be 1-D (one index per token), got shape {m.shape}")
+    if m.size and not np.issubdtype(m.dtype, np.integer):
+        raise TypeError(f"token_lora_tensor must hold integer indices, got dtype {m.dtype}")
+    m = m.astype(np.int32)
+    n = m.shape[0]
+    if n == 0:
+        empty = np.zeros(0, np.int32)
+        return PrefillMeta(empty, empty, empty, 0, 0, 0, True)
+    boundaries = np.flatnonzero(np.diff(m)) + 1
+    starts = np.concatenate([[0], boundaries]).astype(np.int32)
+    lengths = np.diff(np.concatenate([starts, [n]])).astype(np.int32)
+    loras = m[starts]
+    no_lora = bool(len(loras) == 1 and loras[0] == -1)
+    return PrefillMeta(starts, lengths, loras.astype(np.int32), int(len(starts)), int(lengths.max()),
+                       int(n), no_lora)

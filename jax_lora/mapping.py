@@ -1,0 +1,37 @@
+"""JAX-facing mapping functions: SPEC section 2's results as int32 `jax.Array`s.
+
+The conversion itself runs on the host (`host_mapping`, NumPy); these functions only place the
+results on a device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .host_mapping import LoRAMapping, LongContextLoRAContext, compute_meta_host, convert_mapping_host
+
+__all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta"]
+
+
+def convert_mapping(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]], max_loras: int,
+                    vocab_size: int, extra_vocab_size: int, long_lora_context: Optional[Any] = None,
+                    *, device=None):
+    """(base_indices (T,), sampler_indices (R,), sampler_indices_padded (R,), embeddings_indices
+    (2, T), long_lora_indices (T,) or None, indices_len) as int32 jax arrays; see SPEC section 2."""
+    host = convert_mapping_host(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
+                                long_lora_context)
+    arrays = jax.device_put(host.as_tuple()[:5], device)
+    return (*arrays, list(host.indices_len))
+
+
+def compute_meta(token_lora_tensor):
+    """(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+    no_lora): segments of equal consecutive indices, computed on the host (the values are read)."""
+    meta = compute_meta_host(np.asarray(token_lora_tensor))
+    return (jnp.asarray(meta.seq_start_locs), jnp.asarray(meta.seq_lengths),
+            jnp.asarray(meta.lora_indices_per_batch), meta.batch_size, meta.max_length, meta.token_nums,
+            meta.no_lora)

@@ -1,0 +1,149 @@
+"""Kernel metadata: tokens grouped by adapter (SPEC section 3), built by one jitted function.
+
+From a per-token index array `m` (slot or -1) of fixed capacity `max_num_tokens`, of which the
+first `num_tokens` entries are real:
+
+  token_lora_mapping[t]               = m[t] for t < num_tokens; -1 past it and for invalid slots
+  token_indices_sorted_by_lora_ids    = stable argsort of the mapping, with the positions past
+                                        num_tokens moved last (so [:T] is a permutation of 0..T-1
+                                        for every T >= num_tokens)
+  active_lora_ids                     = unique ids of the real tokens, ascending (-1 first when
+                                        present), padded with -1 to max_loras + 1
+  num_tokens_per_lora[i]              = count of active_lora_ids[i] (0 for padding)
+  lora_token_start_loc                = [0, cumsum(num_tokens_per_lora)] (length max_loras + 2);
+                                        group i's tokens are sorted[start[i]:start[i+1]]
+  no_lora                             = no real token has a slot (a device bool scalar)
+
+Invariants relied on by kernels: sum(num_tokens_per_lora) == num_tokens; groups are contiguous in
+the sorted order and ascend by id; entries of active_lora_ids past the active ones are -1 with count
+0. The build counts (a scatter-add over max_loras + 2 bins) instead of calling `jnp.unique`, and
+sorts once; every shape depends only on (max_num_tokens, max_loras), never on the mapping, so one
+compiled program serves every step, and nothing is read back to the host.
+
+Values outside -1 .. max_loras-1 (which only a caller inside jit can pass unchecked) are treated
+as -1: they never index weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["LoRAKernelMeta", "build_kernel_meta"]
+
+
+@functools.partial(jax.jit, static_argnames=("max_loras",))
+def build_kernel_meta(token_lora_mapping: jax.Array, num_tokens: jax.Array, *, max_loras: int
+                      ) -> "LoRAKernelMeta":
+    """Builds LoRAKernelMeta from a (max_num_tokens,) int32 index buffer and the real token count.
+
+    Args:
+      token_lora_mapping: (max_num_tokens,) integer slots (-1 = no LoRA); entries at positions
+        >= num_tokens are ignored.
+      num_tokens: int32 scalar (may be a traced value): how many leading entries are real.
+      max_loras: number of slots (static).
+    """
+    m = jnp.asarray(token_lora_mapping).astype(jnp.int32)
+    capacity = m.shape[0]
+    pos = jnp.arange(capacity, dtype=jnp.int32)
+    real = pos < num_tokens
+    valid = (m >= 0) & (m < max_loras)
+    mapping = jnp.where(real & valid, m, -1)
+    # Step 1: sort key. Bin b = slot + 1 for real tokens (0 for -1); padding goes to the last bin,
+    # max_loras + 1, so it sorts after every group and is counted in no group.
+    key = jnp.where(real, mapping + 1, max_loras + 1)
+    # Step 2: counts per bin by a scatter-add (no sort, no dynamic shapes).
+    counts = jnp.zeros(max_loras + 2, jnp.int32).at[key].add(1)[: max_loras + 1]
+    # Step 3: compact the present ids to the front, ascending. The sort is over max_loras + 1
+    # small keys: present bins keep their id order, absent bins go last.
+    present = counts > 0
+    bins = jnp.arange(max_loras + 1, dtype=jnp.int32)
+    order = jnp.argsort(jnp.where(present, bins, max_loras + 1 + bins), stable=True)
+    active_present = present[order]
+    active_lora_ids = jnp.where(active_present, order - 1, -1).astype(jnp.int32)
+    num_tokens_per_lora = jnp.where(active_present, counts[order], 0).astype(jnp.int32)
+    lora_token_start_loc = jnp.concatenate(
+        [jnp.zeros(1, jnp.int32), jnp.cumsum(num_tokens_per_lora, dtype=jnp.int32)])
+    # Step 4: token order grouped by bin; stable so tokens keep their order inside a group.
+    sorted_tokens = jnp.argsort(key, stable=True).astype(jnp.int32)
+    no_lora = jnp.sum(counts[1:]) == 0
+    return LoRAKernelMeta(mapping, sorted_tokens, active_lora_ids, num_tokens_per_lora,
+                          lora_token_start_loc, no_lora)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAKernelMeta:
+    """Token-to-adapter metadata for the grouped kernels (a pytree of int32 device arrays).
+
+    Shapes: token_lora_mapping, token_indices_sorted_by_lora_ids: (max_num_tokens,);
+    active_lora_ids, num_tokens_per_lora: (max_loras + 1,); lora_token_start_loc: (max_loras + 2,);
+    no_lora: () bool. Immutable: `prepare_tensors` returns a new object.
+    """
+
+    token_lora_mapping: jax.Array
+    token_indices_sorted_by_lora_ids: jax.Array
+    active_lora_ids: jax.Array
+    num_tokens_per_lora: jax.Array
+    lora_token_start_loc: jax.Array
+    no_lora: jax.Array
+
+    @property
+    def max_loras(self) -> int:
+        return self.active_lora_ids.shape[0] - 1
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.token_lora_mapping.shape[0]
+
+    @staticmethod
+    def make(max_loras: int, max_num_tokens: int, device=None) -> "LoRAKernelMeta":
+        """Metadata for `max_num_tokens` tokens and `max_loras` slots, every token without LoRA."""
+        if max_loras < 1 or max_num_tokens < 1:
+            raise ValueError(f"max_loras and max_num_tokens must be >= 1, got {max_loras}, {max_num_tokens}")
+        meta = build_kernel_meta(jnp.full(max_num_tokens, -1, jnp.int32), jnp.int32(0),
+                                 max_loras=max_loras)
+        return jax.device_put(meta, device) if device is not None else meta
+
+    @staticmethod
+    def build(token_lora_mapping, max_loras: int, max_num_tokens: Optional[int] = None,
+              num_tokens=None) -> "LoRAKernelMeta":
+        """Metadata for a (T,) index array, padded to `max_num_tokens` (default T) capacity.
+
+        `num_tokens` (default T) may be a traced scalar when called inside jit.
+        """
+        m = jnp.asarray(token_lora_mapping)
+        if m.ndim != 1 or not jnp.issubdtype(m.dtype, jnp.integer):
+            raise ValueError(f"token_lora_mapping must be a 1-D integer array, got {m.shape} {m.dtype}")
+        t = m.shape[0]
+        capacity = t if max_num_tokens is None else max_num_tokens
+        if t > capacity:
+            raise ValueError(f"token_lora_mapping has {t} tokens, more than max_num_tokens={capacity}")
+        if t < capacity:
+            m = jnp.concatenate([m.astype(jnp.int32), jnp.full(capacity - t, -1, jnp.int32)])
+        n = jnp.int32(t) if num_tokens is None else jnp.asarray(num_tokens, jnp.int32)
+        return build_kernel_meta(m, n, max_loras=max_loras)
+
+    def prepare_tensors(self, token_lora_mapping) -> "LoRAKernelMeta":
+        """The seed's `prepare_tensors`, functional: new metadata of this capacity for a (T,) mapping."""
+        return LoRAKernelMeta.build(token_lora_mapping, self.max_loras, self.max_num_tokens)
+
+    def meta_args(self, token_nums: int) -> tuple:
+        """(token_lora_mapping[:T], token_indices_sorted_by_lora_ids[:T], num_tokens_per_lora,
+        lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums, the seed's order."""
+        return (self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
+                self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def host_value(x):
+    """NumPy value of a concrete array (None for a tracer): for checks outside jit."""
+    return None if not _is_concrete(x) else np.asarray(x)

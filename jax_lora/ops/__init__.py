@@ -1,0 +1,310 @@
+"""Multi-LoRA ops for JAX (SPEC section 4): functional, they return the result.
+
+  lora_shrink(x (T,H), lora_a_stacked, meta, scale) -> (S, T, r) float32
+  lora_expand(buf (S,T,r), lora_b_stacked, y (T,N), meta, offset_start=0, add_inputs=False) -> y
+  bgmv_shrink(x (T,H), w (L,[1,]r,H), idx (T,), scale=1.0) -> (T, r) float32
+  bgmv_expand(x (T,r), w (L,[1,]n,r), y (T,N), idx, add_inputs=True) -> y     (columns [0, min(n,N)))
+  bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs=True) -> y
+  sgmv_shrink / sgmv_expand / sgmv_expand_slice: as BGMV with `idx` replaced by the six prefill
+      metadata values (seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
+      token_nums): every token of a segment uses the segment's index.
+
+Every op accumulates in float32; tokens with index -1 contribute nothing (shrink rows are 0, expand
+rows are left untouched). `backend=` forces "xla", "pallas_tpu" or "triton"; None lets the device
+decide. `lora_ranks` (L,) int32, optional: each slot's real rank; results equal the computation with
+the weights past that rank zeroed.
+
+Checks: shapes, dtypes, slices and devices are checked on every call. Index *values* are checked
+when they are concrete and on the host CPU (NumPy arrays, CPU jax arrays); on accelerators and
+inside jit they cannot be read without a host sync, so out-of-range indices are masked instead: they
+never read or write out of bounds and contribute nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import checks
+from ..meta import LoRAKernelMeta
+from . import dispatch
+
+__all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
+           "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]
+
+ArrayLike = Union[jax.Array, np.ndarray]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def as_slices(name: str, stacked) -> tuple:
+    """A tuple of arrays from a tuple/list of stacked weights or one stacked array."""
+    if isinstance(stacked, (list, tuple)):
+        if any(w is None for w in stacked):
+            raise ValueError(f"{name} holds None; every slice needs weights")
+        return tuple(jnp.asarray(w) for w in stacked)
+    return (jnp.asarray(stacked),)
+
+
+def to_3d(w: jax.Array) -> jax.Array:
+    """(L, 1, a, b) -> (L, a, b); 3-D unchanged (shapes already checked)."""
+    return w.reshape(w.shape[0], w.shape[-2], w.shape[-1]) if w.ndim == 4 else w
+
+
+def _on_host(a) -> bool:
+    if isinstance(a, np.ndarray):
+        return True
+    if isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array):
+        return False
+    try:
+        return all(d.platform == "cpu" for d in a.devices())
+    except Exception:  # noqa: BLE001 - deleted or abstract arrays
+        return False
+
+
+def check_same_device(**arrays) -> None:
+    """All committed, concrete jax arrays among `arrays` must live on the same device(s)."""
+    seen = {}
+    for name, a in arrays.items():
+        items = a if isinstance(a, (list, tuple)) else (a,)
+        for i, item in enumerate(items):
+            if isinstance(item, jax.Array) and not isinstance(item, jax.core.Tracer):
+                try:
+                    if not item.committed:
+                        continue
+                    devs = frozenset(item.devices())
+                except Exception:  # noqa: BLE001
+                    continue
+                label = name if len(items) == 1 else f"{name}[{i}]"
+                seen.setdefault(devs, label)
+    if len(seen) > 1:
+        desc = ", ".join(f"{label} on {sorted(str(d) for d in devs)}" for devs, label in seen.items())
+        raise ValueError(f"arrays are on different devices: {desc}")
+
+
+def check_index_values(name: str, idx, num_slots: int, arg_w: str) -> None:
+    """Checks concrete host-resident index values (-1 .. num_slots-1); no-op otherwise."""
+    if _on_host(idx):
+        v = np.asarray(idx)
+        if v.size:
+            checks.check_index_values(name, int(v.min()), int(v.max()), num_slots, arg_w)
+
+
+def as_meta(meta) -> LoRAKernelMeta:
+    if isinstance(meta, LoRAKernelMeta):
+        return meta
+    if isinstance(meta, (tuple, list)) and len(meta) == 6:
+        mapping, sorted_tokens, num_per, start, active, no_lora = meta
+        return LoRAKernelMeta(jnp.asarray(mapping), jnp.asarray(sorted_tokens), jnp.asarray(active),
+                              jnp.asarray(num_per), jnp.asarray(start), jnp.asarray(no_lora))
+    raise TypeError("meta must be a LoRAKernelMeta or its meta_args(T) tuple, got "
+                    f"{type(meta).__name__}")
+
+
+def _check_meta(meta: LoRAKernelMeta, num_tokens: int, num_slots: int, arg_w: str) -> None:
+    if meta.token_lora_mapping.shape[0] < num_tokens:
+        raise ValueError(f"meta covers {meta.token_lora_mapping.shape[0]} tokens, but the input has "
+                         f"{num_tokens}")
+    check_index_values("meta.token_lora_mapping", meta.token_lora_mapping[:num_tokens], num_slots, arg_w)
+
+
+def _ranks(lora_ranks, num_slots: int):
+    if lora_ranks is None:
+        return None
+    r = jnp.asarray(lora_ranks)
+    if r.ndim != 1 or r.shape[0] < num_slots or not jnp.issubdtype(r.dtype, jnp.integer):
+        raise ValueError(f"lora_ranks must be a 1-D integer array of >= {num_slots} entries (one per "
+                         f"slot), got shape {r.shape} dtype {r.dtype}")
+    return r.astype(jnp.int32)
+
+
+def _index_meta(idx, num_tokens: int, num_slots: int, arg="lora_indices_tensor") -> LoRAKernelMeta:
+    idx = jnp.asarray(idx)
+    checks.check_indices(arg, idx.shape, idx.dtype, num_tokens)
+    check_index_values(arg, idx[:num_tokens], num_slots, "the weights")
+    return LoRAKernelMeta.build(idx[:num_tokens].astype(jnp.int32), max_loras=num_slots)
+
+
+def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size,
+                    num_tokens: int) -> jax.Array:
+    """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment.
+
+    Works inside jit (batch_size may be traced); buffers longer than batch_size are ignored.
+    """
+    starts = jnp.asarray(seq_start_locs, jnp.int32)
+    lengths = jnp.asarray(seq_lengths, jnp.int32)
+    loras = jnp.asarray(lora_indices_per_batch, jnp.int32)
+    if not (starts.ndim == lengths.ndim == loras.ndim == 1) or not (
+            starts.shape == lengths.shape == loras.shape):
+        raise ValueError("seq_start_locs, seq_lengths and lora_indices_per_batch must be 1-D of one "
+                         f"length, got {starts.shape}, {lengths.shape}, {loras.shape}")
+    live = jnp.arange(starts.shape[0]) < batch_size
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    inside = (t >= starts[None]) & (t < (starts + lengths)[None]) & live[None]
+    return (jnp.max(jnp.where(inside, loras[None] + 1, 0), axis=1, initial=0) - 1).astype(jnp.int32)
+
+
+def _check_segments(starts, lengths, batch_size, token_nums, num_tokens: int) -> None:
+    if all(_on_host(a) or isinstance(a, (int, np.integer)) for a in (starts, lengths)) and not any(
+            isinstance(v, jax.core.Tracer) for v in (batch_size, token_nums)):
+        b = int(batch_size)
+        s, n = np.asarray(starts)[:b], np.asarray(lengths)[:b]
+        if b and (s.min() < 0 or (s + n).max() > num_tokens):
+            raise ValueError(f"segments [{s.min()}, {(s + n).max()}) fall outside the {num_tokens} "
+                             "tokens of x")
+        if int(token_nums) > num_tokens:
+            raise ValueError(f"token_nums={int(token_nums)} exceeds the {num_tokens} tokens of x")
+
+
+# ----------------------------------------------------------------------------- metadata-driven ops
+
+def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: Optional[str] = None,
+                lora_ranks=None) -> jax.Array:
+    """buf[s, t] = scale * x[t] @ lora_a_stacked[s][idx[t]].T, 0 for idx -1.
+
+    Args:
+      x: (T, H) fp16/bf16/fp32.
+      lora_a_stacked: S arrays (L, 1, r, H) or (L, r, H) (or one array: S = 1).
+      meta: LoRAKernelMeta covering >= T tokens (or its `meta_args(T)` tuple).
+      scale: float multiplier.
+    Returns: (S, T, r) float32.
+    """
+    x = jnp.asarray(x)
+    lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+    num_slots, _, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
+                                          [a.dtype for a in lora_a])
+    meta = as_meta(meta)
+    check_same_device(x=x, lora_a_stacked=lora_a)
+    _check_meta(meta, x.shape[0], num_slots, "lora_a_stacked")
+    impl = dispatch.resolve(backend, _device_of(x))
+    return impl.shrink(x, tuple(to_3d(a) for a in lora_a), meta, float(scale),
+                       _ranks(lora_ranks, num_slots))
+
+
+def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start: int = 0,
+                add_inputs: bool = False, *, backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+    """y[t, off_s:off_s+n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T.
+
+    Args:
+      buf: (S, T, r) float (the shrink buffer, normally float32).
+      lora_b_stacked: S arrays (L, 1, n_s, r) or (L, n_s, r); widths may differ.
+      y: (T, N); slices start at `offset_start` and are laid side by side.
+      meta: LoRAKernelMeta covering >= T tokens (or its `meta_args(T)` tuple).
+    Returns: a new y (same shape and dtype). Rows with index -1 and columns outside the slices are
+    unchanged.
+    """
+    buf, y = jnp.asarray(buf), jnp.asarray(y)
+    lora_b = as_slices("lora_b_stacked", lora_b_stacked)
+    num_slots, _, widths = checks.check_expand(buf.shape, buf.dtype, [b.shape for b in lora_b],
+                                               [b.dtype for b in lora_b], y.shape, y.dtype,
+                                               offset_start, arg_buf="inputs")
+    meta = as_meta(meta)
+    check_same_device(inputs=buf, lora_b_stacked=lora_b, y=y)
+    _check_meta(meta, y.shape[0], num_slots, "lora_b_stacked")
+    impl = dispatch.resolve(backend, _device_of(y))
+    return impl.expand(buf, tuple(to_3d(b) for b in lora_b), y, meta, _offsets(offset_start, widths),
+                       bool(add_inputs), _ranks(lora_ranks, num_slots))
+
+
+def _offsets(offset_start: int, widths: Sequence[int]) -> tuple[int, ...]:
+    out, off = [], offset_start
+    for w in widths:
+        out.append(off)
+        off += w
+    return tuple(out)
+
+
+def _device_of(a):
+    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+        try:
+            return next(iter(a.devices()))
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+# ----------------------------------------------------------------------------- BGMV
+
+def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, *,
+                backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+    """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    num_slots, _, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="lora_a_weights")
+    check_same_device(x=x, lora_a_weights=w, lora_indices_tensor=idx)
+    meta = _index_meta(idx, x.shape[0], num_slots)
+    impl = dispatch.resolve(backend, _device_of(x))
+    return impl.shrink(x, (to_3d(w),), meta, float(scale), _ranks(lora_ranks, num_slots))[0]
+
+
+def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_inputs: bool = True, *,
+                backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+    """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w[idx[t]].T)[:c], c = min(n, N).
+
+    x: (T, r); w: (L, [1,] n, r); y: (T, N). Rows with idx -1 untouched. A LoRA output wider than y
+    (vocabulary padding) is cut to y's width, as in vLLM.
+    """
+    x, w, y = jnp.asarray(x), jnp.asarray(w), jnp.asarray(y)
+    w3 = to_3d(w) if w.ndim in (3, 4) else w
+    if w.ndim in (3, 4) and y.ndim == 2 and w3.shape[1] > y.shape[1]:
+        w3 = w3[:, : y.shape[1]]
+    return _expand_one(x, w3, w, y, idx, 0, add_inputs, backend, lora_ranks)
+
+
+def bgmv_expand_slice(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, y_offset: int,
+                      y_slice_size: int, add_inputs: bool = True, *, backend: Optional[str] = None,
+                      lora_ranks=None) -> jax.Array:
+    """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T; w: (L, [1,] y_slice_size, r)."""
+    x, w, y = jnp.asarray(x), jnp.asarray(w), jnp.asarray(y)
+    w3 = to_3d(w) if w.ndim in (3, 4) else w
+    if w.ndim in (3, 4) and w3.shape[1] != y_slice_size:
+        raise ValueError(f"lora_b_weights has {w3.shape[1]} output rows (shape {w.shape}), but "
+                         f"y_slice_size is {y_slice_size}")
+    return _expand_one(x, w3, w, y, idx, y_offset, add_inputs, backend, lora_ranks)
+
+
+def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks):
+    if x.ndim != 2:
+        raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {x.shape}")
+    checks.weight_dims("lora_b_weights", w_orig.shape, "out_features, rank")
+    num_slots, _, widths = checks.check_expand((1,) + x.shape, x.dtype, [w3.shape], [w3.dtype], y.shape,
+                                               y.dtype, int(offset), arg_buf="inputs",
+                                               arg_b="lora_b_weights")
+    check_same_device(inputs=x, lora_b_weights=w3, y=y, lora_indices_tensor=idx)
+    meta = _index_meta(idx, y.shape[0], num_slots)
+    impl = dispatch.resolve(backend, _device_of(y))
+    return impl.expand(x[None], (w3,), y, meta, (int(offset),), bool(add_inputs),
+                       _ranks(lora_ranks, num_slots))
+
+
+# ----------------------------------------------------------------------------- SGMV
+
+def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
+                token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None):
+    """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata)."""
+    x = jnp.asarray(x)
+    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, x.shape[0] if x.ndim else 0)
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, x.shape[0])
+    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks)
+
+
+def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
+                token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None):
+    """bgmv_expand with each segment's tokens using the segment's index (prefill metadata)."""
+    y = jnp.asarray(y)
+    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0] if y.ndim else 0)
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0])
+    return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks)
+
+
+def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size,
+                      max_length, token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True,
+                      *, backend: Optional[str] = None, lora_ranks=None):
+    """bgmv_expand_slice with each segment's tokens using the segment's index."""
+    y = jnp.asarray(y)
+    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0] if y.ndim else 0)
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0])
+    return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,
+                             lora_ranks=lora_ranks)

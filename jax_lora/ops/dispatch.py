@@ -1,0 +1,66 @@
+"""Backend registry and selection for the JAX ops (SPEC sections 5 and 8).
+
+A backend is a module (or object) with:
+  NAME: str
+  shrink(x (T,H), lora_a: tuple of (L,r,H), meta: LoRAKernelMeta, scale, lora_ranks) -> (S,T,r) f32
+  expand(buf (S,T,r), lora_b: tuple of (L,n_s,r), y (T,N), meta, offsets: tuple[int], add_inputs,
+         lora_ranks, bias=None) -> y      (bias: None or S entries of None / (L, n_s))
+Weights arrive as 3-D arrays (the size-1 axis removed), indices through the metadata (SPEC
+section 3), already checked. Adding a backend means registering it here; callers never change.
+
+Without `backend=`, the device decides: TPU -> "pallas_tpu", GPU -> "triton", CPU -> "xla", each
+falling back to "xla" when its kernels are not importable on this machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import jax
+
+BACKENDS = ("xla", "pallas_tpu", "triton")
+_MODULES = {
+    "xla": "jax_lora.ops.xla",
+    "pallas_tpu": "jax_lora.ops.pallas_tpu",
+    "triton": "jax_lora.ops.triton",
+}
+_DEVICE_DEFAULT = {"tpu": "pallas_tpu", "gpu": "triton", "cuda": "triton", "rocm": "xla", "cpu": "xla"}
+_loaded: dict = {}
+
+
+def load_backend(name: str):
+    """The backend module `name`; a clear error if it is unknown or cannot run here."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} (or None to let the device decide), got {name!r}")
+    if name not in _loaded:
+        try:
+            _loaded[name] = importlib.import_module(_MODULES[name])
+        except ImportError as e:
+            raise RuntimeError(f"backend {name!r} is not available on this machine: {e}") from e
+    return _loaded[name]
+
+
+def platform_of(device) -> str:
+    """'cpu' / 'gpu' / 'tpu' for a jax Device, a platform string, or None (the default backend)."""
+    if device is None:
+        return jax.default_backend()
+    if isinstance(device, str):
+        p = device.split(":")[0].lower()
+        return "gpu" if p in ("cuda", "gpu") else p
+    return getattr(device, "platform", "cpu")
+
+
+def default_backend_name(device=None) -> str:
+    name = _DEVICE_DEFAULT.get(platform_of(device), "xla")
+    if name != "xla":
+        try:
+            load_backend(name)
+        except RuntimeError:
+            return "xla"
+    return name
+
+
+def resolve(backend: Optional[str], device=None):
+    """The backend module for an explicit name, or the device's default."""
+    return load_backend(backend if backend is not None else default_backend_name(device))

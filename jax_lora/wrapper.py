@@ -1,0 +1,409 @@
+"""PunicaWrapper for JAX: vLLM's multi-LoRA wrapper API (SPEC section 5), functional and jittable.
+
+The wrapper holds one step's index arrays, padded to fixed buffer lengths so that their shapes
+never change (one compiled program per bucket). It is a pytree: the index arrays and the kernel
+metadata are leaves, the sizes and the backend are static, so a jitted step function can take it as
+an argument:
+
+    w = PunicaWrapper(max_num_batched_tokens=512, max_batches=64, device=None, max_loras=8)
+    w.update_metadata(mapping, lora_index_to_id, max_loras=9, vocab_size=32000)   # host, per step
+    step = jax.jit(lambda w, y, x: w.add_lora_linear(y, x, A, B, None, 1.0, (4096,)))
+    y = step(w, y, x)
+
+`update_metadata` runs on the host (outside jit): it converts the mapping with NumPy, pads it (the
+prompt mapping with -1 to `max(next_power_of_two(n), 8)` rows, every buffer with 0 to its length),
+sends the buffers in one transfer and builds the kernel metadata with one jitted call. The `add_*`
+methods never mutate: they return the new `y` (vLLM TPU semantics). Inside the ops, positions past
+the real token count are treated as "no LoRA", so padded rows never change and cost nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import checks
+from .host_mapping import LoRAMapping, compute_meta_host, convert_mapping_host, pad_prompt_mapping
+from .meta import LoRAKernelMeta, build_kernel_meta
+from .ops import as_slices, check_same_device, to_3d
+from .ops import dispatch
+
+__all__ = ["PunicaWrapper"]
+
+# Positions in the `_lengths` leaf.
+_N_TOKENS, _N_SAMPLER, _N_SAMPLER_PADDED, _N_EMBEDDINGS, _N_LONG, _BATCH, _MAX_LEN, _TOKEN_NUMS = range(8)
+
+
+def _step_meta(token_buf, sampler_buf, n_tokens, n_sampler, max_loras):
+    """Kernel metadata for the tokens and for the sampled rows, in one compiled program."""
+    return (build_kernel_meta(token_buf, n_tokens, max_loras=max_loras),
+            build_kernel_meta(sampler_buf, n_sampler, max_loras=max_loras))
+
+
+@jax.tree_util.register_pytree_node_class
+class PunicaWrapper:
+    """Multi-LoRA wrapper over the JAX ops (SPEC section 5).
+
+    Args:
+      max_num_batched_tokens: token capacity T_max of one step (index buffers have this length).
+      max_batches: capacity for prefill segments (SGMV metadata buffers).
+      device: a jax Device, a platform string ("cpu", "gpu", "tpu") or None (the default device).
+      max_loras: number of weight slots (keyword-only, as in vLLM).
+      backend: force "xla", "pallas_tpu" or "triton"; default: chosen by the device.
+    """
+
+    def __init__(self, max_num_batched_tokens: int, max_batches: int, device=None, *, max_loras: int,
+                 backend: Optional[str] = None, **options: Any):
+        for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_batches", max_batches),
+                        ("max_loras", max_loras)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if options:
+            raise TypeError(f"unknown PunicaWrapper options: {sorted(options)}")
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.max_batches = int(max_batches)
+        self.max_loras = int(max_loras)
+        self.device = _resolve_device(device)
+        self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
+        dispatch.load_backend(self.backend)  # fail now, not at the first op
+        t, b = self.max_num_batched_tokens, self.max_batches
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        lengths = np.zeros(8, np.int32)
+        lengths[_N_LONG] = -1
+        self._set_host_state(zeros(t), zeros(t), zeros(t), zeros(2, t), zeros(t), zeros(b), zeros(b),
+                             zeros(b), lengths, np.zeros(2, bool), np.full(t, -1, np.int32), 0,
+                             np.full(t, -1, np.int32), 0)
+        self._host_max_slot = -1
+
+    # ------------------------------------------------------------------ pytree
+    def tree_flatten(self):
+        children = (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
+                    self._embeddings_indices, self._long_lora_indices, self._seq_start_locs,
+                    self._seq_lengths, self._lora_indices_per_batch, self._lengths, self._flags,
+                    self.token_meta, self.prompt_meta)
+        aux = (self.max_num_batched_tokens, self.max_batches, self.max_loras, self.device, self.backend)
+        return children, aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        (obj.max_num_batched_tokens, obj.max_batches, obj.max_loras, obj.device, obj.backend) = aux
+        (obj._token_lora_indices, obj._sampler_indices, obj._sampler_indices_padded,
+         obj._embeddings_indices, obj._long_lora_indices, obj._seq_start_locs, obj._seq_lengths,
+         obj._lora_indices_per_batch, obj._lengths, obj._flags, obj.token_meta, obj.prompt_meta) = children
+        obj._host_max_slot = None  # unknown inside a trace: index values are masked, not checked
+        return obj
+
+    # ------------------------------------------------------------------ metadata (host)
+    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]],
+                        max_loras: int, vocab_size: int, extra_vocab_size: int = 0,
+                        long_lora_context=None, **kwargs: Any) -> None:
+        """Converts `mapping` on the host and uploads this step's padded index buffers.
+
+        Raises ValueError for more tokens than max_num_batched_tokens, a LoRA id in no slot, a slot
+        >= the wrapper's max_loras, or more prefill segments than max_batches.
+        """
+        if not isinstance(mapping, LoRAMapping):
+            raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
+        t_max = self.max_num_batched_tokens
+        checks.check_capacity("mapping.index_mapping", len(mapping.index_mapping), t_max,
+                              "max_num_batched_tokens")
+        checks.check_capacity("mapping.prompt_mapping", len(mapping.prompt_mapping), t_max,
+                              "max_num_batched_tokens")
+        padded = LoRAMapping(mapping.index_mapping, pad_prompt_mapping(mapping.prompt_mapping, t_max),
+                             mapping.is_prefill)
+        host = convert_mapping_host(padded, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
+                                    long_lora_context)
+        used = np.concatenate([host.base_indices, host.sampler_indices])
+        max_slot = int(used.max()) if used.size else -1
+        if max_slot >= self.max_loras:
+            raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras="
+                             f"{self.max_loras} (slots 0..{self.max_loras - 1})")
+        prefill = compute_meta_host(host.base_indices)
+        checks.check_capacity("the prefill segments", prefill.batch_size, self.max_batches, "max_batches")
+
+        lengths = np.array([host.indices_len[0], host.indices_len[1], host.indices_len[2],
+                            host.indices_len[3], -1 if host.indices_len[4] is None else host.indices_len[4],
+                            prefill.batch_size, prefill.max_length, prefill.token_nums], np.int32)
+        flags = np.array([mapping.is_prefill, prefill.no_lora], bool)
+        b = self.max_batches
+        self._set_host_state(
+            _pad1(host.base_indices, t_max), _pad1(host.sampler_indices, t_max),
+            _pad1(host.sampler_indices_padded, t_max), _pad2(host.embeddings_indices, t_max),
+            _pad1(host.long_lora_indices if host.long_lora_indices is not None else np.zeros(0, np.int32), t_max),
+            _pad1(prefill.seq_start_locs, b), _pad1(prefill.seq_lengths, b),
+            _pad1(prefill.lora_indices_per_batch, b), lengths, flags,
+            _pad1(host.base_indices, t_max, -1), len(host.base_indices),
+            _pad1(host.sampler_indices, t_max, -1), len(host.sampler_indices))
+        self._host_max_slot = max_slot
+
+    def _set_host_state(self, token, sampler, sampler_padded, embeddings, long_lora, starts, lengths_b,
+                        loras_b, lengths, flags, token_for_meta, n_tokens, sampler_for_meta, n_sampler):
+        """One transfer of every buffer to the device, then one jitted metadata build."""
+        host = (token, sampler, sampler_padded, embeddings, long_lora, starts, lengths_b, loras_b, lengths,
+                flags, token_for_meta, sampler_for_meta, np.int32(n_tokens), np.int32(n_sampler))
+        dev = jax.device_put(host, self.device)
+        (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
+         self._embeddings_indices, self._long_lora_indices, self._seq_start_locs, self._seq_lengths,
+         self._lora_indices_per_batch, self._lengths, self._flags) = dev[:10]
+        self.token_meta, self.prompt_meta = _jitted_step_meta(dev[10], dev[11], dev[12], dev[13],
+                                                              max_loras=self.max_loras)
+
+    # ------------------------------------------------------------------ properties
+    def _length(self, i: int) -> Optional[int]:
+        v = self._lengths
+        if isinstance(v, jax.core.Tracer):
+            return None
+        n = int(np.asarray(v)[i])
+        return None if n < 0 else n
+
+    def _narrow(self, buf, i):
+        n = self._length(i)
+        return buf if n is None else buf[..., :n]
+
+    @property
+    def token_lora_indices(self) -> jax.Array:
+        """(T,) int32 slot per token (-1 no LoRA). Inside jit: the whole (T_max,) buffer, 0-padded."""
+        return self._narrow(self._token_lora_indices, _N_TOKENS)
+
+    @property
+    def sampler_indices(self) -> jax.Array:
+        """(R_padded,) int32 slot per sampled row, the prompt mapping padded with -1 to a bucket."""
+        return self._narrow(self._sampler_indices, _N_SAMPLER)
+
+    @property
+    def sampler_indices_padded(self) -> jax.Array:
+        """(R_padded,) int32 flat row indices `j + p_j * R_padded` (SPEC section 2)."""
+        return self._narrow(self._sampler_indices_padded, _N_SAMPLER_PADDED)
+
+    @property
+    def embeddings_indices(self) -> jax.Array:
+        """(2, T) int32 embedding-table offsets (SPEC section 2)."""
+        return self._narrow(self._embeddings_indices, _N_EMBEDDINGS)
+
+    @property
+    def long_lora_indices(self) -> jax.Array:
+        """(T,) int32 long-context offsets (zeros without a long-LoRA context)."""
+        n = self._length(_N_LONG)
+        return self._long_lora_indices if n is None and isinstance(self._lengths, jax.core.Tracer) \
+            else self._long_lora_indices[: (n or 0)]
+
+    @property
+    def indices_len(self) -> list:
+        if isinstance(self._lengths, jax.core.Tracer):
+            raise RuntimeError("indices_len is host data; read it outside jit")
+        v = np.asarray(self._lengths)
+        return [int(v[0]), int(v[1]), int(v[2]), int(v[3]), None if v[4] < 0 else int(v[4])]
+
+    @property
+    def prefill_metadata(self) -> tuple:
+        """(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums).
+
+        Outside jit: arrays of length batch_size and Python ints. Inside jit: the max_batches-long
+        buffers and int32 scalars (entries past batch_size have length 0).
+        """
+        if isinstance(self._lengths, jax.core.Tracer):
+            return (self._seq_start_locs, self._seq_lengths, self._lora_indices_per_batch,
+                    self._lengths[_BATCH], self._lengths[_MAX_LEN], self._lengths[_TOKEN_NUMS])
+        v = np.asarray(self._lengths)
+        b = int(v[_BATCH])
+        return (self._seq_start_locs[:b], self._seq_lengths[:b], self._lora_indices_per_batch[:b], b,
+                int(v[_MAX_LEN]), int(v[_TOKEN_NUMS]))
+
+    @property
+    def is_prefill(self):
+        return _host_bool(self._flags[0])
+
+    @property
+    def no_lora(self):
+        return _host_bool(self._flags[1])
+
+    # ------------------------------------------------------------------ ops
+    def _impl(self):
+        return dispatch.load_backend(self.backend)
+
+    def _check_tokens(self, name: str, num_tokens: int) -> None:
+        checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,
+                              "max_num_batched_tokens")
+
+    def _check_slots(self, name: str, num_slots: int) -> None:
+        if self._host_max_slot is not None and self._host_max_slot >= num_slots:
+            raise ValueError(f"the mapping uses slot {self._host_max_slot}, but {name} has only "
+                             f"{num_slots} slots (0..{num_slots - 1})")
+
+    def add_shrink(self, y, x, lora_a_stacked, scale: float, **kwargs) -> jax.Array:
+        """y[s] = scale * x @ lora_a_stacked[s][idx].T per token (0 for -1): returns y (S, T, r).
+
+        y: (S, T, r) buffer (its dtype is kept); x: (..., H), flattened to (T, H).
+        """
+        y = jnp.asarray(y)
+        x = _flatten_tokens(jnp.asarray(x), "x")
+        lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+        num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
+                                                 [a.dtype for a in lora_a])
+        _check_buffer("y", y, (len(lora_a), x.shape[0], rank))
+        self._check_tokens("x", x.shape[0])
+        self._check_slots("lora_a_stacked", num_slots)
+        check_same_device(x=x, lora_a_stacked=lora_a, y=y)
+        out = self._impl().shrink(x, tuple(to_3d(a) for a in lora_a), self.token_meta, float(scale), None)
+        return out.astype(y.dtype)
+
+    def add_expand(self, y, x, lora_b_stacked, lora_bias_stacked, output_slices: Sequence[int],
+                   offset_start: int = 0, add_inputs: bool = True, **kwargs) -> jax.Array:
+        """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx].
+
+        y: (..., N); x: (S, T, r) or S arrays (T, r); slices laid from `offset_start`. Rows with
+        index -1 are unchanged. Returns the new y (same shape).
+        """
+        y = jnp.asarray(y)
+        y2 = _flatten_tokens(y, "y")
+        buf = _stack_buffer(x)
+        return self._expand(y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start,
+                            add_inputs, self.token_meta).reshape(y.shape)
+
+    def _expand(self, y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
+                meta, cut_to_y=False):
+        lora_b = as_slices("lora_b_stacked", lora_b_stacked)
+        slices = checks.check_output_slices(output_slices, len(lora_b))
+        if cut_to_y:  # logits: a LoRA vocabulary wider than y is cut to y's width (vLLM)
+            lora_b = tuple(b[..., : y2.shape[1], :] for b in lora_b)
+            slices = tuple(min(s, y2.shape[1]) for s in slices)
+        num_slots, _, widths = checks.check_expand(buf.shape, buf.dtype, [b.shape for b in lora_b],
+                                                   [b.dtype for b in lora_b], y2.shape, y2.dtype,
+                                                   offset_start)
+        checks.check_slice_widths(slices, widths)
+        self._check_tokens("y", y2.shape[0])
+        self._check_slots("lora_b_stacked", num_slots)
+        bias = None
+        if lora_bias_stacked is not None:
+            bias_list = list(lora_bias_stacked) if isinstance(lora_bias_stacked, (list, tuple)) \
+                else [lora_bias_stacked]
+            checks.check_bias([None if b is None else jnp.shape(b) for b in bias_list], slices, num_slots)
+            bias = tuple(None if b is None else jnp.asarray(b).reshape(num_slots, -1) for b in bias_list)
+        check_same_device(x=buf, lora_b_stacked=lora_b, y=y2)
+        offsets = tuple(offset_start + sum(slices[:s]) for s in range(len(slices)))
+        return self._impl().expand(buf, tuple(to_3d(b) for b in lora_b), y2, meta, offsets,
+                                   bool(add_inputs), None, bias)
+
+    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs: bool = True, **kwargs) -> jax.Array:
+        """y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r) looked-up LoRA-A rows; y: (T, N)."""
+        y = jnp.asarray(y)
+        y2 = _flatten_tokens(y, "y")
+        x = jnp.asarray(x)
+        if x.ndim != 2:
+            raise ValueError(f"x must be 2-D (num_tokens, rank), got shape {x.shape}")
+        b = jnp.asarray(lora_b_stacked)
+        _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "out_features, rank")
+        return self._expand(y2, x[None], (b,), None, (width,), 0, add_inputs,
+                            self.token_meta).reshape(y.shape)
+
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, scale: float,
+                        output_slices: Sequence[int], *, buffer=None, **kwargs) -> jax.Array:
+        """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], at the slice offsets.
+
+        x: (..., H) -> (T, H); y: (..., N) with N >= sum(output_slices); A_s: (L, [1,] r, H);
+        B_s: (L, [1,] n_s, r); bias_s: (L, [1,] n_s) or None. `buffer` (S, T, r), optional, is only
+        checked (JAX is functional: the shrink result is a new array). Returns the new y.
+        """
+        lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+        lora_b = as_slices("lora_b_stacked", lora_b_stacked)
+        if not (len(lora_a) == len(lora_b) == len(output_slices)):
+            raise ValueError(f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
+                             f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
+        y = jnp.asarray(y)
+        y2 = _flatten_tokens(y, "y")
+        x2 = _flatten_tokens(jnp.asarray(x), "x")
+        if x2.shape[0] != y2.shape[0]:
+            raise ValueError(f"x has {x2.shape[0]} tokens (shape {jnp.shape(x)}) but y has {y2.shape[0]} "
+                             f"(shape {y.shape})")
+        num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [a.shape for a in lora_a],
+                                                 [a.dtype for a in lora_a])
+        if buffer is not None:
+            _check_buffer("buffer", jnp.asarray(buffer), (len(lora_a), x2.shape[0], rank))
+        self._check_tokens("x", x2.shape[0])
+        self._check_slots("lora_a_stacked", num_slots)
+        check_same_device(x=x2, lora_a_stacked=lora_a)
+        buf = self._impl().shrink(x2, tuple(to_3d(a) for a in lora_a), self.token_meta, float(scale), None)
+        return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True,
+                            self.token_meta).reshape(y.shape)
+
+    def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale: float, *, buffer=None,
+                        **kwargs) -> jax.Array:
+        """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T with s_j the sampler index of row j.
+
+        x: (R, H) hidden states of the sampled rows; y: (R, V) logits; A: (L, [1,] r, H);
+        B: (L, [1,] V', r), cut to V columns when V' > V. Rows past the sampler indices, and rows
+        whose sampler index is -1, are unchanged.
+        """
+        y = jnp.asarray(y)
+        y2 = _flatten_tokens(y, "y")
+        x2 = _flatten_tokens(jnp.asarray(x), "x")
+        if x2.shape[0] != y2.shape[0]:
+            raise ValueError(f"x has {x2.shape[0]} rows but y has {y2.shape[0]}")
+        a = jnp.asarray(lora_a_stacked)
+        b = jnp.asarray(lora_b_stacked)
+        num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [a.shape], [a.dtype])
+        if buffer is not None:
+            _check_buffer("buffer", jnp.asarray(buffer), (x2.shape[0], rank), allow_leading_one=True)
+        self._check_tokens("x", x2.shape[0])
+        self._check_slots("lora_a_stacked", num_slots)
+        check_same_device(x=x2, lora_a_stacked=a, lora_b_stacked=b, y=y2)
+        buf = self._impl().shrink(x2, (to_3d(a),), self.prompt_meta, float(scale), None)
+        _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")
+        return self._expand(y2, buf, (b,), None, (width,), 0, True, self.prompt_meta,
+                            cut_to_y=True).reshape(y.shape)
+
+
+_jitted_step_meta = jax.jit(_step_meta, static_argnames=("max_loras",))
+
+
+def _resolve_device(device):
+    if device is None or not isinstance(device, str):
+        return device
+    platform = dispatch.platform_of(device)
+    idx = int(device.split(":")[1]) if ":" in device else 0
+    try:
+        return jax.devices(platform)[idx]
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not available: {e}") from e
+
+
+def _pad1(a: np.ndarray, n: int, value: int = 0) -> np.ndarray:
+    out = np.full(n, value, np.int32)
+    out[: len(a)] = a
+    return out
+
+
+def _pad2(a: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros((a.shape[0], n), np.int32)
+    out[:, : a.shape[1]] = a
+    return out
+
+
+def _host_bool(v):
+    return v if isinstance(v, jax.core.Tracer) else bool(np.asarray(v))
+
+
+def _flatten_tokens(a: jax.Array, name: str) -> jax.Array:
+    if a.ndim < 2:
+        raise ValueError(f"{name} must have shape (..., features) with a token axis, got {a.shape}")
+    return a.reshape(-1, a.shape[-1])
+
+
+def _stack_buffer(x) -> jax.Array:
+    if isinstance(x, (list, tuple)):
+        parts = [jnp.asarray(p) for p in x]
+        if any(p.ndim != 2 for p in parts):
+            raise ValueError(f"x as a sequence must hold (T, r) arrays, got {[p.shape for p in parts]}")
+        return jnp.stack(parts)
+    return jnp.asarray(x)
+
+
+def _check_buffer(name: str, buf: jax.Array, shape: tuple, allow_leading_one: bool = False) -> None:
+    got = tuple(buf.shape)
+    if got != tuple(shape) and not (allow_leading_one and got == (1,) + tuple(shape)):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (num_slices, num_tokens, rank), got {got}")
+    checks.check_dtype(name, buf.dtype, checks.ACTIVATION_DTYPES)

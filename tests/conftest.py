@@ -1,0 +1,39 @@
+"""Test configuration shared by every test file.
+
+TRITON_INTERPRET=1 must be set before any `@triton.jit` decorator runs, so it is set here, before
+the packages are imported, unless CUDA is present (then the compiled kernels are tested).
+"""
+
+import os
+
+import pytest
+
+
+def _cuda_present() -> bool:
+    if os.environ.get("JAX_LORA_TEST_CUDA") == "0":
+        return False
+    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+if not _cuda_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device machine)")
+    config.addinivalue_line("markers", "slow: longer CPU test, still part of CI")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
