@@ -1,0 +1,17 @@
+"""torch_lora: multi-LoRA (Punica) ops, metadata and wrapper for PyTorch.
+
+Public names (SPEC section 8): LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
+PunicaWrapper; `torch_lora.ops` (lora_shrink, lora_expand in the GPU seed's argument order,
+bgmv_*, sgmv_*). `LoRAMapping` is the same class as `jax_lora.LoRAMapping`.
+"""
+
+from jax_lora.host_mapping import LoRAMapping, LongContextLoRAContext
+
+from . import ops
+from .mapping import compute_meta, convert_mapping
+from .meta import LoRAKernelMeta
+from .wrapper import PunicaWrapper
+
+__version__ = "0.1.0"
+__all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta", "LoRAKernelMeta",
+           "PunicaWrapper", "ops"]

@@ -1,0 +1,299 @@
+"""Multi-LoRA ops for PyTorch (SPEC section 4). They write into their output tensor and return it.
+
+GPU-seed argument order for the metadata-driven ops:
+
+  lora_shrink(inputs (T,H), lora_a_weights, output_tensor (S,T,r) fp32, *meta.meta_args(T), scaling)
+  lora_expand(inputs (S,T,r), lora_b_weights, output_tensor (T,N), *meta.meta_args(T),
+              offset_start=0, add_inputs=False)
+
+BGMV / SGMV, as in SPEC section 4 (shrink returns a new float32 tensor, expand updates y in place):
+
+  bgmv_shrink(x (T,H), w (L,[1,]r,H), idx (T,), scale=1.0) -> (T, r)
+  bgmv_expand(x (T,r), w (L,[1,]n,r), y (T,N), idx, add_inputs=True) -> y   (columns [0, min(n,N)))
+  bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs=True) -> y
+  sgmv_*: BGMV with `idx` replaced by the six prefill-metadata values (seq_start_locs, seq_lengths,
+          lora_indices_per_batch, batch_size, max_length, token_nums).
+
+Every op accumulates in float32; tokens with index -1 contribute nothing. `backend=` forces "torch"
+or "triton". Index *values* are checked when the indices are CPU tensors; on CUDA that would need a
+host sync, so out-of-range indices are masked instead (never read or written out of bounds).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from jax_lora import checks
+
+from ..meta import LoRAKernelMeta
+from . import dispatch
+
+__all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
+           "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def as_slices(name: str, stacked) -> tuple:
+    if isinstance(stacked, (list, tuple)):
+        if len(stacked) and any(w is None for w in stacked):
+            raise ValueError(f"{name} holds None; every slice needs weights")
+        return tuple(stacked)
+    return (stacked,)
+
+
+def to_3d(w: torch.Tensor) -> torch.Tensor:
+    """(L, 1, a, b) -> (L, a, b) view; 3-D unchanged."""
+    return w.squeeze(1) if w.dim() == 4 else w
+
+
+def check_tensors(**named) -> None:
+    """Every value must be a tensor, and all on one device."""
+    devices = {}
+    for name, value in named.items():
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for i, t in enumerate(items):
+            if t is None:
+                continue
+            label = name if len(items) == 1 else f"{name}[{i}]"
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
+            devices.setdefault(t.device, label)
+    if len(devices) > 1:
+        desc = ", ".join(f"{label} on {dev}" for dev, label in devices.items())
+        raise ValueError(f"tensors are on different devices: {desc}")
+
+
+def check_index_values(name: str, idx: torch.Tensor, num_slots: int, arg_w: str) -> None:
+    """Checks CPU index values (-1 .. num_slots-1); on CUDA nothing is read (no host sync)."""
+    if idx.device.type == "cpu" and idx.numel():
+        checks.check_index_values(name, int(idx.min()), int(idx.max()), num_slots, arg_w)
+
+
+def _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+                     lora_token_start_loc, lora_ids, num_tokens: int, num_slots: int, arg_w: str):
+    for name, t in (("token_lora_mapping", token_lora_mapping),
+                    ("token_indices_sorted_by_lora_ids", token_indices_sorted_by_lora_ids),
+                    ("num_tokens_per_lora", num_tokens_per_lora),
+                    ("lora_token_start_loc", lora_token_start_loc), ("lora_ids", lora_ids)):
+        checks.check_ndim(name, t.shape, (1,), "1-D")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 (or int64), got {t.dtype}")
+    if token_lora_mapping.shape[0] < num_tokens or token_indices_sorted_by_lora_ids.shape[0] < num_tokens:
+        raise ValueError(f"token_lora_mapping / token_indices_sorted_by_lora_ids cover "
+                         f"{token_lora_mapping.shape[0]} / {token_indices_sorted_by_lora_ids.shape[0]} "
+                         f"tokens, but the inputs have {num_tokens}")
+    if lora_token_start_loc.shape[0] != lora_ids.shape[0] + 1 or num_tokens_per_lora.shape[0] != lora_ids.shape[0]:
+        raise ValueError(f"lora_ids ({lora_ids.shape[0]}), num_tokens_per_lora ({num_tokens_per_lora.shape[0]}) "
+                         f"and lora_token_start_loc ({lora_token_start_loc.shape[0]}) must have lengths "
+                         "K, K and K + 1")
+    check_index_values("token_lora_mapping", token_lora_mapping[:num_tokens], num_slots, arg_w)
+
+
+def _ranks(lora_ranks, num_slots: int, device):
+    if lora_ranks is None:
+        return None
+    r = torch.as_tensor(lora_ranks, device=device)
+    if r.dim() != 1 or r.shape[0] < num_slots or r.dtype.is_floating_point:
+        raise ValueError(f"lora_ranks must be a 1-D integer tensor of >= {num_slots} entries (one per "
+                         f"slot), got shape {tuple(r.shape)} dtype {r.dtype}")
+    return r.to(torch.int32)
+
+
+def _offsets(offset_start: int, widths: Sequence[int]) -> tuple:
+    out, off = [], offset_start
+    for w in widths:
+        out.append(off)
+        off += w
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- metadata-driven ops
+
+def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tensor,
+                token_lora_mapping: torch.Tensor, token_indices_sorted_by_lora_ids: torch.Tensor,
+                num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor,
+                lora_ids: torch.Tensor, no_lora_flag: torch.Tensor, scaling: float, *,
+                backend: Optional[str] = None, lora_ranks=None) -> torch.Tensor:
+    """output_tensor[s, t] = scaling * inputs[t] @ lora_a_weights[s][idx[t]].T (0 for idx -1).
+
+    inputs: (T, H); lora_a_weights: S tensors (L, [1,] r, H); output_tensor: (S, T, r), written
+    whole. The six metadata tensors are `LoRAKernelMeta.meta_args(T)`.
+    """
+    lora_a = as_slices("lora_a_weights", lora_a_weights)
+    check_tensors(inputs=inputs, lora_a_weights=lora_a, output_tensor=output_tensor,
+                  token_lora_mapping=token_lora_mapping)
+    num_slots, rank, _ = checks.check_shrink(tuple(inputs.shape), inputs.dtype, [a.shape for a in lora_a],
+                                             [a.dtype for a in lora_a], arg_x="inputs", arg_a="lora_a_weights")
+    _check_out("output_tensor", output_tensor, (len(lora_a), inputs.shape[0], rank))
+    _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+                     lora_token_start_loc, lora_ids, inputs.shape[0], num_slots, "lora_a_weights")
+    meta = (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+            lora_token_start_loc, lora_ids, no_lora_flag)
+    impl = dispatch.resolve(backend, inputs.device)
+    impl.shrink(inputs, tuple(to_3d(a) for a in lora_a), output_tensor, meta, float(scaling),
+                _ranks(lora_ranks, num_slots, inputs.device))
+    return output_tensor
+
+
+def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tensor,
+                token_lora_mapping: torch.Tensor, token_indices_sorted_by_lora_ids: torch.Tensor,
+                num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor,
+                lora_ids: torch.Tensor, no_lora_flag: torch.Tensor, offset_start: int = 0,
+                add_inputs: bool = False, *, backend: Optional[str] = None, lora_ranks=None) -> torch.Tensor:
+    """output_tensor[t, off_s:off_s+n_s] = (old if add_inputs else 0) + inputs[s, t] @ B_s[idx[t]].T.
+
+    inputs: (S, T, r); lora_b_weights: S tensors (L, [1,] n_s, r); output_tensor: (T, N), updated in
+    place from column `offset_start`. Rows with idx -1 and columns outside the slices are untouched.
+    """
+    lora_b = as_slices("lora_b_weights", lora_b_weights)
+    check_tensors(inputs=inputs, lora_b_weights=lora_b, output_tensor=output_tensor,
+                  token_lora_mapping=token_lora_mapping)
+    num_slots, _, widths = checks.check_expand(tuple(inputs.shape), inputs.dtype, [b.shape for b in lora_b],
+                                               [b.dtype for b in lora_b], tuple(output_tensor.shape),
+                                               output_tensor.dtype, offset_start, arg_buf="inputs",
+                                               arg_b="lora_b_weights", arg_y="output_tensor")
+    _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+                     lora_token_start_loc, lora_ids, output_tensor.shape[0], num_slots, "lora_b_weights")
+    meta = (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+            lora_token_start_loc, lora_ids, no_lora_flag)
+    impl = dispatch.resolve(backend, output_tensor.device)
+    impl.expand(inputs, tuple(to_3d(b) for b in lora_b), output_tensor, meta, _offsets(offset_start, widths),
+                bool(add_inputs), _ranks(lora_ranks, num_slots, output_tensor.device), None)
+    return output_tensor
+
+
+def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (num_slices, num_tokens, rank), "
+                         f"got {tuple(t.shape)}")
+    checks.check_dtype(name, t.dtype, checks.ACTIVATION_DTYPES)
+
+
+# ----------------------------------------------------------------------------- BGMV
+
+def _index_meta(idx: torch.Tensor, num_tokens: int, num_slots: int) -> tuple:
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"lora_indices_tensor must be a torch.Tensor, got {type(idx).__name__}")
+    checks.check_indices("lora_indices_tensor", tuple(idx.shape), idx.dtype, num_tokens)
+    check_index_values("lora_indices_tensor", idx[:num_tokens], num_slots, "the weights")
+    meta = LoRAKernelMeta.make(num_slots, max(num_tokens, 1), idx.device)
+    meta.prepare_tensors(idx[:num_tokens])
+    return meta.meta_args(num_tokens)
+
+
+def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float = 1.0, *,
+                out: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+                lora_ranks=None) -> torch.Tensor:
+    """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
+    check_tensors(x=x, lora_a_weights=w, lora_indices_tensor=idx, out=out)
+    num_slots, rank, _ = checks.check_shrink(tuple(x.shape), x.dtype, [w.shape], [w.dtype],
+                                             arg_a="lora_a_weights")
+    result = torch.empty((1, x.shape[0], rank), dtype=torch.float32, device=x.device)
+    impl = dispatch.resolve(backend, x.device)
+    impl.shrink(x, (to_3d(w),), result, _index_meta(idx, x.shape[0], num_slots), float(scale),
+                _ranks(lora_ranks, num_slots, x.device))
+    if out is None:
+        return result[0]
+    _check_out("out", out, (x.shape[0], rank))
+    return out.copy_(result[0])
+
+
+def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
+                add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None) -> torch.Tensor:
+    """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w[idx[t]].T)[:c], c = min(n, N), in place.
+
+    x: (T, r); w: (L, [1,] n, r); y: (T, N). A LoRA output wider than y is cut to y's width (vLLM).
+    """
+    check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
+    checks.weight_dims("lora_b_weights", tuple(w.shape), "out_features, rank")
+    w3 = to_3d(w)
+    if y.dim() == 2 and w3.shape[1] > y.shape[1]:
+        w3 = w3[:, : y.shape[1]]
+    return _expand_one(x, w3, y, idx, 0, add_inputs, backend, lora_ranks)
+
+
+def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
+                      y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
+                      backend: Optional[str] = None, lora_ranks=None) -> torch.Tensor:
+    """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T in place; w: (L, [1,] y_slice_size, r)."""
+    check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
+    _, n, _ = checks.weight_dims("lora_b_weights", tuple(w.shape), "out_features, rank")
+    if n != y_slice_size:
+        raise ValueError(f"lora_b_weights has {n} output rows (shape {tuple(w.shape)}), but y_slice_size "
+                         f"is {y_slice_size}")
+    return _expand_one(x, to_3d(w), y, idx, y_offset, add_inputs, backend, lora_ranks)
+
+
+def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks):
+    if x.dim() != 2:
+        raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {tuple(x.shape)}")
+    num_slots, _, widths = checks.check_expand((1,) + tuple(x.shape), x.dtype, [w3.shape], [w3.dtype],
+                                               tuple(y.shape), y.dtype, int(offset), arg_buf="inputs",
+                                               arg_b="lora_b_weights")
+    impl = dispatch.resolve(backend, y.device)
+    impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots), (int(offset),), bool(add_inputs),
+                _ranks(lora_ranks, num_slots, y.device), None)
+    return y
+
+
+# ----------------------------------------------------------------------------- SGMV
+
+def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, num_tokens: int,
+                    device) -> torch.Tensor:
+    """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment."""
+    starts = torch.as_tensor(seq_start_locs, device=device).to(torch.int32)
+    lengths = torch.as_tensor(seq_lengths, device=device).to(torch.int32)
+    loras = torch.as_tensor(lora_indices_per_batch, device=device).to(torch.int32)
+    if not (starts.dim() == lengths.dim() == loras.dim() == 1) or not (
+            starts.shape == lengths.shape == loras.shape):
+        raise ValueError("seq_start_locs, seq_lengths and lora_indices_per_batch must be 1-D of one "
+                         f"length, got {tuple(starts.shape)}, {tuple(lengths.shape)}, {tuple(loras.shape)}")
+    live = torch.arange(starts.shape[0], device=device) < int(batch_size)
+    t = torch.arange(num_tokens, device=device, dtype=torch.int32)[:, None]
+    inside = (t >= starts[None]) & (t < (starts + lengths)[None]) & live[None]
+    marked = torch.where(inside, loras[None] + 1, 0)
+    best = marked.max(dim=1).values if marked.shape[1] else torch.zeros(num_tokens, dtype=torch.int32,
+                                                                         device=device)
+    return (best - 1).to(torch.int32)
+
+
+def _check_segments(starts, lengths, batch_size, token_nums, num_tokens: int) -> None:
+    s, n = torch.as_tensor(starts), torch.as_tensor(lengths)
+    if s.device.type != "cpu":
+        return  # reading them would be a host sync
+    b = int(batch_size)
+    s, n = s[:b], n[:b]
+    if b and (int(s.min()) < 0 or int((s + n).max()) > num_tokens):
+        raise ValueError(f"segments [{int(s.min())}, {int((s + n).max())}) fall outside the {num_tokens} "
+                         "tokens of x")
+    if int(token_nums) > num_tokens:
+        raise ValueError(f"token_nums={int(token_nums)} exceeds the {num_tokens} tokens of x")
+
+
+def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
+                token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None):
+    """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata)."""
+    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, x.shape[0])
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, x.shape[0], x.device)
+    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks)
+
+
+def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
+                token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None):
+    """bgmv_expand with each segment's tokens using the segment's index (prefill metadata)."""
+    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0])
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0], y.device)
+    return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks)
+
+
+def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
+                      token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
+                      backend: Optional[str] = None, lora_ranks=None):
+    """bgmv_expand_slice with each segment's tokens using the segment's index."""
+    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0])
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0], y.device)
+    return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,
+                             lora_ranks=lora_ranks)

@@ -1,0 +1,63 @@
+"""Backend registry and selection for the torch ops (SPEC sections 5 and 8).
+
+A backend is a module with:
+  NAME: str
+  shrink(x (T,H), lora_a: tuple of (L,r,H), out (S,T,r) float32, meta_args, scale, lora_ranks) -> None
+      writes every row of `out` (0 for tokens without LoRA)
+  expand(buf (S,T,r), lora_b: tuple of (L,n_s,r), y (T,N), meta_args, offsets: tuple[int], add_inputs,
+         lora_ranks, bias) -> None
+      writes the slices of y in place; bias: None or S entries of None / (L, n_s)
+`meta_args` is `LoRAKernelMeta.meta_args(T)` (SPEC section 3). Weights arrive as 3-D views (the
+size-1 axis removed), arguments already checked.
+
+Without `backend=`, the device decides: CUDA -> "triton" (when importable), otherwise "torch".
+Forcing "triton" on a CPU tensor runs Triton's interpreter, which needs TRITON_INTERPRET=1 set
+before this package was imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Optional
+
+import torch
+
+BACKENDS = ("torch", "triton")
+_MODULES = {"torch": "torch_lora.ops.torch_ref", "triton": "torch_lora.ops.triton"}
+_loaded: dict = {}
+
+
+def load_backend(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} (or None to let the device decide), got {name!r}")
+    if name not in _loaded:
+        try:
+            _loaded[name] = importlib.import_module(_MODULES[name])
+        except ImportError as e:
+            raise RuntimeError(f"backend {name!r} is not available on this machine: {e}") from e
+    return _loaded[name]
+
+
+def default_backend_name(device) -> str:
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        try:
+            load_backend("triton")
+            return "triton"
+        except RuntimeError:
+            return "torch"
+    return "torch"
+
+
+def check_backend_device(name: str, device) -> None:
+    """A kernel backend on a CPU tensor needs the interpreter (SPEC section 8)."""
+    if name == "triton" and torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("backend 'triton' on CPU tensors runs in Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before importing torch_lora (or use CUDA tensors)")
+
+
+def resolve(backend: Optional[str], device):
+    name = backend if backend is not None else default_backend_name(device)
+    check_backend_device(name, device)
+    return load_backend(name)

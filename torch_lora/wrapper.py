@@ -1,0 +1,317 @@
+"""PunicaWrapper for PyTorch: vLLM's multi-LoRA wrapper API (SPEC section 5), updating y in place.
+
+    w = PunicaWrapper(max_num_batched_tokens=512, max_batches=64, device="cuda", max_loras=8)
+    w.update_metadata(mapping, lora_index_to_id, max_loras=9, vocab_size=32000)   # per step
+    y = w.add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, None, 1.0, (4096,))
+
+`update_metadata` converts the mapping on the host (NumPy), writes every index buffer into one
+pinned staging block and sends it with a single non-blocking copy into one persistent device
+block (the index tensors are views of it, so their addresses never change: CUDA graphs captured
+once stay valid), then rebuilds the kernel metadata on the device. Nothing is read back to the
+host, on any path. The `add_*` methods write into `y` and also return it, so
+`y = w.add_lora_linear(y, ...)` works on both sides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from jax_lora import checks
+from jax_lora.host_mapping import LoRAMapping, compute_meta_host, convert_mapping_host
+
+from .meta import LoRAKernelMeta
+from .ops import as_slices, check_tensors, dispatch, to_3d
+
+__all__ = ["PunicaWrapper"]
+
+
+class PunicaWrapper:
+    """Multi-LoRA wrapper over the torch ops (SPEC section 5).
+
+    Args:
+      max_num_batched_tokens: token capacity T_max of one step.
+      max_batches: capacity for prefill segments.
+      device: where the index tensors and metadata live ("cuda", "cpu", a torch.device).
+      max_loras: number of weight slots (keyword-only, as in vLLM).
+      backend: force "torch" or "triton"; default: chosen by the device.
+    """
+
+    def __init__(self, max_num_batched_tokens: int, max_batches: int, device="cpu", *, max_loras: int,
+                 backend: Optional[str] = None, **options: Any):
+        for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_batches", max_batches),
+                        ("max_loras", max_loras)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if options:
+            raise TypeError(f"unknown PunicaWrapper options: {sorted(options)}")
+        self.max_num_batched_tokens = t = int(max_num_batched_tokens)
+        self.max_batches = b = int(max_batches)
+        self.max_loras = int(max_loras)
+        self.device = torch.device(device if device is not None else "cpu")
+        self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
+        dispatch.check_backend_device(self.backend, self.device)
+        self._impl = dispatch.load_backend(self.backend)
+
+        # One device block; every index tensor is a fixed view of it.
+        self._layout = _Layout(t, b)
+        self._block = torch.zeros(self._layout.size, dtype=torch.int32, device=self.device)
+        v = self._layout.views(self._block)
+        (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
+         self._embeddings_indices, self._long_lora_indices, self._seq_start_locs, self._seq_lengths,
+         self._lora_indices_per_batch) = v
+        self.indices_len: list = [None] * 5
+        self.batch_size = -1
+        self.max_length = 0
+        self.token_nums = 0
+        self.is_prefill = False
+        self.no_lora = False
+        self._max_slot = -1
+        self.token_mapping_meta = LoRAKernelMeta.make(self.max_loras, t, self.device)
+        self.prompt_mapping_meta = LoRAKernelMeta.make(self.max_loras, t, self.device)
+
+    # ------------------------------------------------------------------ metadata
+    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]],
+                        max_loras: int, vocab_size: int, extra_vocab_size: int = 0,
+                        long_lora_context=None, **kwargs: Any) -> None:
+        """Converts `mapping` on the host and uploads this step's index tensors (no host sync).
+
+        Raises ValueError for more tokens than max_num_batched_tokens, a LoRA id in no slot, a slot
+        >= the wrapper's max_loras, or more prefill segments than max_batches.
+        """
+        if not isinstance(mapping, LoRAMapping):
+            raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
+        t_max = self.max_num_batched_tokens
+        checks.check_capacity("mapping.index_mapping", len(mapping.index_mapping), t_max,
+                              "max_num_batched_tokens")
+        checks.check_capacity("mapping.prompt_mapping", len(mapping.prompt_mapping), t_max,
+                              "max_num_batched_tokens")
+        host = convert_mapping_host(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
+                                    long_lora_context)
+        used = np.concatenate([host.base_indices, host.sampler_indices])
+        max_slot = int(used.max()) if used.size else -1
+        if max_slot >= self.max_loras:
+            raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras="
+                             f"{self.max_loras} (slots 0..{self.max_loras - 1})")
+        prefill = compute_meta_host(host.base_indices)
+        checks.check_capacity("the prefill segments", prefill.batch_size, self.max_batches, "max_batches")
+
+        staging = torch.zeros(self._layout.size, dtype=torch.int32,
+                              pin_memory=self.device.type == "cuda")
+        parts = self._layout.views(staging.numpy())
+        long_lora = host.long_lora_indices if host.long_lora_indices is not None else np.zeros(0, np.int32)
+        for dst, src in zip(parts, (host.base_indices, host.sampler_indices, host.sampler_indices_padded,
+                                    host.embeddings_indices, long_lora, prefill.seq_start_locs,
+                                    prefill.seq_lengths, prefill.lora_indices_per_batch)):
+            dst[..., : src.shape[-1]] = src
+        # The caching pinned allocator keeps `staging` alive until this copy has run.
+        self._block.copy_(staging, non_blocking=True)
+
+        self.indices_len = list(host.indices_len)
+        self.batch_size, self.max_length, self.token_nums = (prefill.batch_size, prefill.max_length,
+                                                             prefill.token_nums)
+        self.is_prefill = mapping.is_prefill
+        self.no_lora = prefill.no_lora
+        self._max_slot = max_slot
+        self.token_mapping_meta.prepare_tensors(self.token_lora_indices)
+        self.prompt_mapping_meta.prepare_tensors(self.sampler_indices)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def token_lora_indices(self) -> torch.Tensor:
+        """(T,) int32 slot per token, -1 for no LoRA."""
+        return self._token_lora_indices[: self.indices_len[0] or 0]
+
+    @property
+    def sampler_indices(self) -> torch.Tensor:
+        """(R,) int32 slot per sampled row."""
+        return self._sampler_indices[: self.indices_len[1] or 0]
+
+    @property
+    def sampler_indices_padded(self) -> torch.Tensor:
+        """(R,) int32 flat row indices `j + p_j * R` (SPEC section 2)."""
+        return self._sampler_indices_padded[: self.indices_len[2] or 0]
+
+    @property
+    def embeddings_indices(self) -> torch.Tensor:
+        """(2, T) int32 embedding-table offsets (SPEC section 2)."""
+        return self._embeddings_indices[:, : self.indices_len[3] or 0]
+
+    @property
+    def long_lora_indices(self) -> torch.Tensor:
+        """(T,) int32 long-context offsets (empty without a long-LoRA context)."""
+        return self._long_lora_indices[: self.indices_len[4] or 0]
+
+    @property
+    def prefill_metadata(self) -> tuple:
+        """(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)."""
+        b = max(self.batch_size, 0)
+        return (self._seq_start_locs[:b], self._seq_lengths[:b], self._lora_indices_per_batch[:b],
+                self.batch_size, self.max_length, self.token_nums)
+
+    # ------------------------------------------------------------------ ops
+    def _check_tokens(self, name: str, num_tokens: int, available: Optional[int]) -> None:
+        checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,
+                              "max_num_batched_tokens")
+        if available is not None and num_tokens > available:
+            raise ValueError(f"{name} has {num_tokens} rows, but update_metadata mapped only {available}")
+
+    def _check_slots(self, name: str, num_slots: int) -> None:
+        if self._max_slot >= num_slots:
+            raise ValueError(f"the mapping uses slot {self._max_slot}, but {name} has only {num_slots} slots "
+                             f"(0..{num_slots - 1})")
+
+    def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, scale: float, **kwargs) -> torch.Tensor:
+        """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H)."""
+        lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+        check_tensors(y=y, x=x, lora_a_stacked=lora_a)
+        x2 = x.reshape(-1, x.shape[-1])
+        num_slots, rank, _ = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
+                                                 [a.dtype for a in lora_a])
+        _check_buffer("y", y, (len(lora_a), x2.shape[0], rank))
+        self._check_tokens("x", x2.shape[0], self.indices_len[0])
+        self._check_slots("lora_a_stacked", num_slots)
+        self._impl.shrink(x2, tuple(to_3d(a) for a in lora_a), y,
+                          self.token_mapping_meta.meta_args(x2.shape[0]), float(scale), None)
+        return y
+
+    def add_expand(self, y: torch.Tensor, x, lora_b_stacked, lora_bias_stacked,
+                   output_slices: Sequence[int], offset_start: int = 0, add_inputs: bool = True,
+                   **kwargs) -> torch.Tensor:
+        """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx], in place.
+
+        y: (..., N); x: (S, T, r) or S tensors (T, r). Rows with index -1 are untouched.
+        """
+        buf = torch.stack(list(x)) if isinstance(x, (list, tuple)) else x
+        self._expand(y, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
+                     self.token_mapping_meta, self.indices_len[0])
+        return y
+
+    def _expand(self, y, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
+                meta: LoRAKernelMeta, available, cut_to_y: bool = False) -> None:
+        lora_b = as_slices("lora_b_stacked", lora_b_stacked)
+        check_tensors(y=y, x=buf, lora_b_stacked=lora_b)
+        y2 = _token_view(y)
+        slices = checks.check_output_slices(output_slices, len(lora_b))
+        if cut_to_y:  # logits: a LoRA vocabulary wider than y is cut to y's width (vLLM)
+            lora_b = tuple(b[..., : y2.shape[1], :] for b in lora_b)
+            slices = tuple(min(s, y2.shape[1]) for s in slices)
+        num_slots, _, widths = checks.check_expand(tuple(buf.shape), buf.dtype, [b.shape for b in lora_b],
+                                                   [b.dtype for b in lora_b], tuple(y2.shape), y2.dtype,
+                                                   offset_start, arg_buf="x")
+        checks.check_slice_widths(slices, widths)
+        self._check_tokens("y", y2.shape[0], available)
+        self._check_slots("lora_b_stacked", num_slots)
+        bias = None
+        if lora_bias_stacked is not None:
+            bias_list = list(lora_bias_stacked) if isinstance(lora_bias_stacked, (list, tuple)) \
+                else [lora_bias_stacked]
+            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots)
+            check_tensors(y=y, lora_bias_stacked=[b for b in bias_list if b is not None])
+            bias = tuple(None if b is None else b.reshape(num_slots, -1) for b in bias_list)
+        offsets, off = [], offset_start
+        for s in slices:
+            offsets.append(off)
+            off += s
+        self._impl.expand(buf, tuple(to_3d(b) for b in lora_b), y2, meta.meta_args(y2.shape[0]),
+                          tuple(offsets), bool(add_inputs), None, bias)
+
+    def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
+                           add_inputs: bool = True, **kwargs) -> torch.Tensor:
+        """y (+)= x @ lora_b_stacked[idx].T per token, in place. x: (T, r); y: (T, N)."""
+        check_tensors(y=y, x=x, lora_b_stacked=lora_b_stacked)
+        if x.dim() != 2:
+            raise ValueError(f"x must be 2-D (num_tokens, rank), got shape {tuple(x.shape)}")
+        _, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "out_features, rank")
+        self._expand(y, x.unsqueeze(0), (lora_b_stacked,), None, (width,), 0, add_inputs,
+                     self.token_mapping_meta, self.indices_len[0])
+        return y
+
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
+                        lora_bias_stacked, scale: float, output_slices: Sequence[int], *,
+                        buffer: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+        """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], in place.
+
+        x: (..., H); y: (..., N); `buffer` (S, T, r) float32, optional workspace for the shrink.
+        """
+        lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+        lora_b = as_slices("lora_b_stacked", lora_b_stacked)
+        if not (len(lora_a) == len(lora_b) == len(output_slices)):
+            raise ValueError(f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
+                             f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
+        check_tensors(y=y, x=x, lora_a_stacked=lora_a, buffer=buffer)
+        x2 = x.reshape(-1, x.shape[-1])
+        num_slots, rank, _ = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
+                                                 [a.dtype for a in lora_a])
+        shape = (len(lora_a), x2.shape[0], rank)
+        if buffer is None:
+            buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
+        else:
+            _check_buffer("buffer", buffer, shape)
+        self._check_tokens("x", x2.shape[0], self.indices_len[0])
+        self._check_slots("lora_a_stacked", num_slots)
+        self._impl.shrink(x2, tuple(to_3d(a) for a in lora_a), buffer,
+                          self.token_mapping_meta.meta_args(x2.shape[0]), float(scale), None)
+        self._expand(y, buffer, lora_b, lora_bias_stacked, output_slices, 0, True, self.token_mapping_meta,
+                     self.indices_len[0])
+        return y
+
+    def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
+                        lora_b_stacked: torch.Tensor, scale: float, *, buffer: Optional[torch.Tensor] = None,
+                        **kwargs) -> torch.Tensor:
+        """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j, in place.
+
+        x: (R, H); y: (R, V); B: (L, [1,] V', r), cut to V columns when V' > V.
+        """
+        check_tensors(y=y, x=x, lora_a_stacked=lora_a_stacked, lora_b_stacked=lora_b_stacked, buffer=buffer)
+        x2 = x.reshape(-1, x.shape[-1])
+        num_slots, rank, _ = checks.check_shrink(tuple(x2.shape), x2.dtype, [lora_a_stacked.shape],
+                                                 [lora_a_stacked.dtype])
+        shape = (1, x2.shape[0], rank)
+        if buffer is None:
+            buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
+        else:
+            buffer = buffer.view(shape) if buffer.numel() == x2.shape[0] * rank else buffer
+            _check_buffer("buffer", buffer, shape)
+        self._check_tokens("x", x2.shape[0], self.indices_len[1])
+        self._check_slots("lora_a_stacked", num_slots)
+        self._impl.shrink(x2, (to_3d(lora_a_stacked),), buffer, self.prompt_mapping_meta.meta_args(x2.shape[0]),
+                          float(scale), None)
+        _, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "vocab_size, rank")
+        self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
+                     self.indices_len[1], cut_to_y=True)
+        return y
+
+
+class _Layout:
+    """Offsets of the index tensors inside the one int32 block (host staging and device)."""
+
+    def __init__(self, t: int, b: int):
+        self.t, self.b = t, b
+        self.size = 6 * t + 3 * b  # token, sampler, sampler_padded, embeddings (2t), long, 3 x b
+
+    def views(self, block):
+        t, b = self.t, self.b
+        return (block[0:t], block[t:2 * t], block[2 * t:3 * t], block[3 * t:5 * t].reshape(2, t),
+                block[5 * t:6 * t], block[6 * t:6 * t + b], block[6 * t + b:6 * t + 2 * b],
+                block[6 * t + 2 * b:6 * t + 3 * b])
+
+
+def _token_view(y: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> (T, N) view sharing y's memory (in-place updates must reach y)."""
+    if y.dim() < 2:
+        raise ValueError(f"y must have shape (..., features) with a token axis, got {tuple(y.shape)}")
+    try:
+        return y.view(-1, y.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"y (shape {tuple(y.shape)}, strides {y.stride()}) cannot be viewed as "
+                         "(tokens, features) without a copy, so it cannot be updated in place") from None
+
+
+def _check_buffer(name: str, buf: torch.Tensor, shape: tuple) -> None:
+    if tuple(buf.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (num_slices, num_tokens, rank), "
+                         f"got {tuple(buf.shape)}")
+    checks.check_dtype(name, buf.dtype, checks.ACTIVATION_DTYPES)
