@@ -1,0 +1,1 @@
+"""bridge: zero-copy DLPack exchange between torch and JAX (issue 5)."""

@@ -1,0 +1,150 @@
+"""The implementations the conformance suite runs over, behind one NumPy-in/NumPy-out adapter.
+
+Each entry of IMPLS wraps one side (JAX or torch) with one backend. A new backend (a kernel, a
+bridge direction) joins the suite by appending ONE entry here; tests/test_conformance.py never
+changes for it. Adapters convert NumPy inputs (already rounded to the test dtype) to native arrays,
+call the public API exactly as a user would, and return float64 NumPy results.
+
+Fields an entry may set:
+  dtypes: the activation/weight dtypes it is tested with.
+  small: True for interpreters (Triton interpreter, Pallas TPU interpret mode): the suite then
+         uses its smallest shapes and skips the hypothesis sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import ml_dtypes
+import numpy as np
+
+ALL_DTYPES = ("float32", "bfloat16", "float16")
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values exactly representable in `dtype` (what the implementation will see)."""
+    return np.asarray(a, np.float32).astype(NP_DTYPES[dtype]).astype(np.float32)
+
+
+@dataclasses.dataclass
+class Impl:
+    name: str
+    side: str                      # "jax" or "torch"
+    backend: Optional[str]         # forced backend, or None for the device default
+    dtypes: tuple = ALL_DTYPES
+    small: bool = False
+    wrapper_factory: Optional[Callable[..., Any]] = None  # (T, B, L, backend) -> wrapper
+    ops_module: Optional[Any] = None                      # defaults to the side's ops
+    marks: tuple = ()
+
+    def __str__(self):
+        return self.name
+
+    # -------------------------------------------------------------- arrays
+    def arr(self, a, dtype=None):
+        a = np.asarray(a)
+        if self.side == "jax":
+            import jax.numpy as jnp
+            if dtype is None:
+                return jnp.asarray(a)
+            return jnp.asarray(a.astype(np.float32)).astype(getattr(jnp, dtype))
+        import torch
+        if dtype is None:
+            return torch.from_numpy(np.ascontiguousarray(a))
+        return torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(getattr(torch, dtype))
+
+    def idx(self, a):
+        return self.arr(np.asarray(a, np.int32))
+
+    def to_np(self, a):
+        if self.side == "torch":
+            return a.detach().to("cpu").double().numpy()
+        return np.asarray(a).astype(np.float64)
+
+    # -------------------------------------------------------------- namespaces
+    @property
+    def pkg(self):
+        if self.side == "jax":
+            import jax_lora
+            return jax_lora
+        import torch_lora
+        return torch_lora
+
+    @property
+    def ops(self):
+        return self.ops_module if self.ops_module is not None else self.pkg.ops
+
+    def wrapper(self, max_num_batched_tokens, max_batches, max_loras):
+        if self.wrapper_factory is not None:
+            return self.wrapper_factory(max_num_batched_tokens, max_batches, max_loras, self.backend)
+        device = None if self.side == "jax" else "cpu"
+        return self.pkg.PunicaWrapper(max_num_batched_tokens, max_batches, device, max_loras=max_loras,
+                                      backend=self.backend)
+
+    @property
+    def mutates(self) -> bool:
+        """torch updates y in place (vLLM GPU semantics); JAX returns a new array."""
+        return self.side == "torch"
+
+    @property
+    def pads_prompt_mapping(self) -> bool:
+        """The JAX wrapper pads the prompt mapping to a power-of-two bucket (TPU seed)."""
+        return self.side == "jax"
+
+    # -------------------------------------------------------------- ops through the public API
+    def meta(self, idx, max_loras, capacity=None):
+        idx = np.asarray(idx, np.int32)
+        if self.side == "jax":
+            return self.pkg.LoRAKernelMeta.build(idx, max_loras, capacity or len(idx))
+        meta = self.pkg.LoRAKernelMeta.make(max_loras, capacity or max(len(idx), 1), "cpu")
+        meta.prepare_tensors(self.idx(idx))
+        return meta
+
+    def lora_shrink(self, x, lora_a, idx, scale, max_loras, lora_ranks=None):
+        meta = self.meta(idx, max_loras, capacity=len(idx) + 3)
+        kw = dict(backend=self.backend, lora_ranks=lora_ranks)
+        if self.side == "jax":
+            return self.to_np(self.ops.lora_shrink(x, lora_a, meta, scale, **kw))
+        import torch
+        rank = lora_a[0].shape[-2]
+        out = torch.full((len(lora_a), x.shape[0], rank), float("nan"), dtype=torch.float32)
+        res = self.ops.lora_shrink(x, lora_a, out, *meta.meta_args(x.shape[0]), scale, **kw)
+        assert res is out
+        return self.to_np(out)
+
+    def lora_expand(self, buf, lora_b, y, idx, offset_start, add_inputs, max_loras, lora_ranks=None):
+        meta = self.meta(idx, max_loras, capacity=len(idx) + 3)
+        kw = dict(backend=self.backend, lora_ranks=lora_ranks)
+        if self.side == "jax":
+            return self.to_np(self.ops.lora_expand(buf, lora_b, y, meta, offset_start, add_inputs, **kw))
+        res = self.ops.lora_expand(buf, lora_b, y, *meta.meta_args(y.shape[0]), offset_start=offset_start,
+                                   add_inputs=add_inputs, **kw)
+        assert res is y
+        return self.to_np(y)
+
+    def call_op(self, name, *args, **kwargs):
+        """A BGMV/SGMV op; returns its result as NumPy (for torch expand: y, updated in place)."""
+        res = getattr(self.ops, name)(*args, backend=self.backend, **kwargs)
+        if self.side == "torch" and "expand" in name:
+            assert res is args[2], f"{name} must update y in place and return it"
+        return self.to_np(res)
+
+    def wrapper_call(self, w, method, y, *args, **kwargs):
+        """Calls a wrapper `add_*` method; checks the calling convention; returns NumPy y."""
+        res = getattr(w, method)(y, *args, **kwargs)
+        if self.mutates:
+            assert res is y, f"torch {method} must return the y it updated in place"
+        return self.to_np(res)
+
+
+def _jax_impls():
+    return [Impl("jax-xla", "jax", "xla")]
+
+
+def _torch_impls():
+    return [Impl("torch-ref", "torch", "torch")]
+
+
+IMPLS: list = _jax_impls() + _torch_impls()

@@ -1,0 +1,124 @@
+"""The float64 NumPy oracle: SPEC sections 2-5 written as plainly as possible, loops included.
+
+Every implementation in the conformance suite is compared to these functions. Inputs are NumPy
+arrays already rounded to the implementation's dtype (so the oracle sees the same values), and all
+arithmetic here is float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def f64(a):
+    return np.asarray(a, dtype=np.float64)
+
+
+def w3(w):
+    """(L, 1, a, b) -> (L, a, b)."""
+    w = np.asarray(w)
+    return w.reshape(w.shape[0], w.shape[-2], w.shape[-1]) if w.ndim == 4 else w
+
+
+def shrink(x, lora_a, idx, scale):
+    """(S, T, r): scale * x[t] @ A_s[idx[t]].T, 0 for idx -1."""
+    x = f64(x)
+    out = []
+    for a in lora_a:
+        a = f64(w3(a))
+        o = np.zeros((x.shape[0], a.shape[1]))
+        for t, i in enumerate(idx):
+            if i >= 0:
+                o[t] = scale * (a[i] @ x[t])
+        out.append(o)
+    return np.stack(out)
+
+
+def expand(buf, lora_b, y, idx, offset_start=0, add_inputs=True, bias=None):
+    """y with y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ B_s[idx].T + bias_s[idx]."""
+    y = f64(y).copy()
+    off = offset_start
+    for s, b in enumerate(lora_b):
+        b = f64(w3(b))
+        n = b.shape[1]
+        for t, i in enumerate(idx):
+            if i < 0:
+                continue
+            delta = b[i] @ f64(buf[s][t])
+            if bias is not None and bias[s] is not None:
+                delta = delta + f64(bias[s]).reshape(b.shape[0], -1)[i]
+            y[t, off:off + n] = (y[t, off:off + n] if add_inputs else 0.0) + delta
+        off += n
+    return y
+
+
+def lora_linear(y, x, lora_a, lora_b, bias, scale, idx):
+    return expand(shrink(x, lora_a, idx, scale), lora_b, y, idx, 0, True, bias)
+
+
+def logits(y, x, lora_a, lora_b, scale, sampler_idx):
+    """LM-head LoRA: one slice, sampler indices, B cut to y's width."""
+    width = y.shape[1]
+    b = w3(lora_b)[:, :width]
+    return expand(shrink(x, [lora_a], sampler_idx, scale), [b], y, sampler_idx, 0, True)
+
+
+def segments_to_indices(starts, lengths, loras, num_tokens):
+    idx = np.full(num_tokens, -1, np.int64)
+    for s, n, l in zip(starts, lengths, loras):
+        idx[s:s + n] = l
+    return idx
+
+
+def convert_mapping(index_mapping, prompt_mapping, lora_index_to_id, max_loras, vocab_size,
+                    extra_vocab_size, offsets_by_lora_id=None):
+    """SPEC section 2, literally."""
+    def slot(i):
+        return lora_index_to_id.index(i) if i > 0 else -1
+
+    base = [slot(i) for i in index_mapping]
+    sampler = [slot(i) for i in prompt_mapping]
+    n = len(sampler)
+    padded = [j + (p if p != -1 else max_loras - 1) * n for j, p in enumerate(sampler)]
+    e = [slot(i) if i > 0 else 0 for i in index_mapping]
+    emb = [[v * extra_vocab_size for v in e], [v * (vocab_size + extra_vocab_size) for v in e]]
+    emb = [[max_loras - 1 if v == -1 else v for v in row] for row in emb]
+    long_lora = None if offsets_by_lora_id is None else [offsets_by_lora_id.get(i, 0) for i in index_mapping]
+    lens = [len(base), n, n, len(index_mapping), None if long_lora is None else len(long_lora)]
+    return base, sampler, padded, emb, long_lora, lens
+
+
+def compute_meta(idx):
+    """Segments of equal consecutive indices."""
+    starts, lengths, loras = [], [], []
+    for t, i in enumerate(idx):
+        if t == 0 or i != idx[t - 1]:
+            starts.append(t)
+            lengths.append(0)
+            loras.append(i)
+        lengths[-1] += 1
+    no_lora = len(loras) == 0 or (len(loras) == 1 and loras[0] == -1)
+    return starts, lengths, loras, len(starts), max(lengths, default=0), len(idx), no_lora
+
+
+def kernel_meta(idx, max_loras):
+    """SPEC section 3 for a mapping of exactly T tokens."""
+    idx = list(idx)
+    ids = sorted(set(idx))
+    counts = [idx.count(i) for i in ids]
+    active = ids + [-1] * (max_loras + 1 - len(ids))
+    num = counts + [0] * (max_loras + 1 - len(ids))
+    start = [0] + list(np.cumsum(counts)) + [0] * (max_loras + 1 - len(ids))
+    order = sorted(range(len(idx)), key=lambda t: (idx[t], t))
+    return idx, order, active, num, start, all(i == -1 for i in idx)
+
+
+def rel_err(got, want):
+    got, want = f64(got), f64(want)
+    if not np.all(np.isfinite(got)):
+        return np.inf
+    denom = np.linalg.norm(want)
+    return np.linalg.norm(got - want) / (denom if denom > 0 else 1.0)
+
+
+TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 2e-2}

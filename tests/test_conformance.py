@@ -1,0 +1,409 @@
+"""The conformance suite: every implementation in tests/impls.py against the float64 oracle.
+
+Same cases for all: unequal slice widths, bias, -1 tokens (rows untouched, bit for bit),
+offset_start, add_inputs both ways, embeddings, logits through the sampler indices, prefill
+segments, the index-array properties, every op family. Fresh random data per case; outputs that a
+kernel must write are poisoned with NaN first (NaN never passes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_lora.host_mapping import LoRAMapping, LongContextLoRAContext, pad_prompt_mapping
+
+from . import oracle
+from .impls import IMPLS, round_to
+
+IMPL_PARAMS = [pytest.param(impl, id=impl.name, marks=impl.marks) for impl in IMPLS]
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_params():
+    return [pytest.param(impl, dt, id=f"{impl.name}-{dt}", marks=impl.marks)
+            for impl in IMPLS for dt in DTYPES if dt in impl.dtypes]
+
+
+IMPL_DTYPE_PARAMS = _dtype_params()
+
+
+# ----------------------------------------------------------------------------- case builders
+
+class Case:
+    """Random weights for `num_slots` slots, ids 101.. in slots (one slot empty), and a mapping."""
+
+    def __init__(self, seed, dtype, num_tokens=11, hidden=64, rank=16, slices=(24, 8, 16), num_slots=4,
+                 frac_none=0.3, empty_slot=1):
+        rng = np.random.default_rng(seed)
+        self.rng, self.dtype, self.slices = rng, dtype, tuple(slices)
+        self.num_slots, self.rank, self.hidden, self.num_tokens = num_slots, rank, hidden, num_tokens
+        self.lora_index_to_id = [None if s == empty_slot else 101 + s for s in range(num_slots)]
+        usable = [s for s in range(num_slots) if s != empty_slot]
+        idx = rng.choice(usable, size=num_tokens)
+        idx[rng.random(num_tokens) < frac_none] = -1
+        self.idx = idx.astype(np.int32)
+        self.x = round_to(rng.standard_normal((num_tokens, hidden)), dtype)
+        self.lora_a = [round_to(rng.standard_normal((num_slots, 1, rank, hidden)) / np.sqrt(hidden), dtype)
+                       for _ in slices]
+        self.lora_b = [round_to(rng.standard_normal((num_slots, 1, n, rank)) / np.sqrt(rank), dtype)
+                       for n in slices]
+        self.bias = [round_to(rng.standard_normal((num_slots, n)), dtype) for n in slices]
+        self.y = round_to(rng.standard_normal((num_tokens, sum(slices) + 5)), dtype)
+        self.scale = 0.75
+
+    def ids(self, idx):
+        return tuple(0 if i < 0 else self.lora_index_to_id[i] for i in idx)
+
+    def mapping(self, prompt_idx=None, is_prefill=False):
+        prompt = self.idx if prompt_idx is None else prompt_idx
+        return LoRAMapping(self.ids(self.idx), self.ids(prompt), is_prefill)
+
+    def native(self, impl, arrays):
+        return [impl.arr(a, self.dtype) for a in arrays]
+
+
+def assert_close(got, want, dtype, what=""):
+    err = oracle.rel_err(got, want)
+    assert err <= oracle.TOL[dtype], f"{what}: relative error {err:.3g} > {oracle.TOL[dtype]} ({dtype})"
+
+
+def assert_rows_untouched(got, y0, idx, what=""):
+    rows = np.asarray(idx) < 0
+    np.testing.assert_array_equal(got[rows], np.asarray(y0, np.float64)[rows],
+                                  err_msg=f"{what}: rows with index -1 changed")
+
+
+def make_wrapper(impl, case, capacity_extra=5, max_batches=16):
+    w = impl.wrapper(case.num_tokens + capacity_extra, max_batches, case.num_slots)
+    return w
+
+
+# ----------------------------------------------------------------------------- wrapper methods
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_add_lora_linear(impl, dtype, with_bias):
+    case = Case(1 + with_bias, dtype)
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    bias = case.bias if with_bias else None
+    y0 = case.y.copy()
+    x, y = case.native(impl, [case.x, case.y])
+    got = impl.wrapper_call(w, "add_lora_linear", y, x, case.native(impl, case.lora_a),
+                            case.native(impl, case.lora_b),
+                            case.native(impl, bias) if with_bias else None, case.scale, case.slices)
+    want = oracle.lora_linear(y0, case.x, case.lora_a, case.lora_b, bias, case.scale, case.idx)
+    assert_close(got, want, dtype, "add_lora_linear")
+    assert_rows_untouched(got, y0, case.idx, "add_lora_linear")
+    np.testing.assert_array_equal(got[:, sum(case.slices):], y0[:, sum(case.slices):],
+                                  err_msg="columns outside the slices changed")
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_add_lora_linear_3d_weights_and_token_axes(impl):
+    """3-D weights (no size-1 axis), one slice, x and y with two leading token axes."""
+    dtype = impl.dtypes[0]
+    case = Case(3, dtype, num_tokens=12, slices=(40,))
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    a3 = [a[:, 0] for a in case.lora_a]
+    b3 = [b[:, 0] for b in case.lora_b]
+    y0 = case.y.copy()
+    x, y = case.native(impl, [case.x.reshape(3, 4, -1), case.y.reshape(3, 4, -1)])
+    got = impl.wrapper_call(w, "add_lora_linear", y, x, case.native(impl, a3), case.native(impl, b3), None,
+                            case.scale, case.slices)
+    want = oracle.lora_linear(y0, case.x, a3, b3, None, case.scale, case.idx)
+    assert got.shape == (3, 4, y0.shape[1])
+    assert_close(got.reshape(12, -1), want, dtype, "add_lora_linear 3-D")
+
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+def test_add_shrink_then_add_expand(impl, dtype):
+    case = Case(4, dtype)
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    import_buf = np.full((len(case.slices), case.num_tokens, case.rank), np.nan, np.float32)
+    buf = impl.arr(import_buf, "float32")
+    got_buf = impl.wrapper_call(w, "add_shrink", buf, impl.arr(case.x, dtype),
+                                case.native(impl, case.lora_a), case.scale)
+    want_buf = oracle.shrink(case.x, case.lora_a, case.idx, case.scale)
+    assert_close(got_buf, want_buf, dtype, "add_shrink")
+    assert np.all(got_buf[:, case.idx < 0] == 0), "shrink rows of -1 tokens must be 0"
+    for add_inputs in (True, False):
+        for offset_start in (0, 3):
+            y0 = case.y.copy()
+            y = impl.arr(y0, dtype)
+            got = impl.wrapper_call(w, "add_expand", y, impl.arr(want_buf.astype(np.float32), "float32"),
+                                    case.native(impl, case.lora_b), case.native(impl, case.bias),
+                                    case.slices, offset_start=offset_start, add_inputs=add_inputs)
+            want = oracle.expand(want_buf, case.lora_b, y0, case.idx, offset_start, add_inputs, case.bias)
+            what = f"add_expand add_inputs={add_inputs} offset_start={offset_start}"
+            assert_close(got, want, dtype, what)
+            assert_rows_untouched(got, y0, case.idx, what)
+            end = offset_start + sum(case.slices)
+            np.testing.assert_array_equal(got[:, :offset_start], y0[:, :offset_start], err_msg=what)
+            np.testing.assert_array_equal(got[:, end:], y0[:, end:], err_msg=what)
+
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+def test_add_expand_sequence_input(impl, dtype):
+    """x given as a sequence of (T, r) buffers, one per slice (TPU seed form)."""
+    case = Case(5, dtype, slices=(16, 8))
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    buf = case.rng.standard_normal((2, case.num_tokens, case.rank)).astype(np.float32)
+    y0 = case.y.copy()
+    got = impl.wrapper_call(w, "add_expand", impl.arr(y0, dtype), [impl.arr(b, "float32") for b in buf],
+                            case.native(impl, case.lora_b), None, case.slices)
+    assert_close(got, oracle.expand(buf, case.lora_b, y0, case.idx), dtype, "add_expand sequence")
+
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+@pytest.mark.parametrize("add_inputs", [True, False])
+def test_add_lora_embedding(impl, dtype, add_inputs):
+    case = Case(6, dtype, slices=(48,))
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    x = round_to(case.rng.standard_normal((case.num_tokens, case.rank)), dtype)
+    y0 = case.y[:, :48].copy()
+    got = impl.wrapper_call(w, "add_lora_embedding", impl.arr(y0, dtype), impl.arr(x, dtype),
+                            impl.arr(case.lora_b[0], dtype), add_inputs=add_inputs)
+    want = oracle.expand(x[None], [case.lora_b[0]], y0, case.idx, 0, add_inputs)
+    assert_close(got, want, dtype, "add_lora_embedding")
+    assert_rows_untouched(got, y0, case.idx, "add_lora_embedding")
+
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+@pytest.mark.parametrize("vocab_cut", [0, 7], ids=["same_vocab", "lora_vocab_wider"])
+def test_add_lora_logits(impl, dtype, vocab_cut):
+    """Rows are routed by the sampler indices (prompt mapping), not the token indices."""
+    case = Case(7, dtype, slices=(40,))
+    rng = case.rng
+    rows = 5
+    prompt_idx = np.array([0, -1, 3, 2, 0], np.int32)
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(prompt_idx=prompt_idx), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    x = round_to(rng.standard_normal((rows, case.hidden)), dtype)
+    vocab = 40 - vocab_cut
+    y0 = round_to(rng.standard_normal((rows, vocab)), dtype)
+    got = impl.wrapper_call(w, "add_lora_logits", impl.arr(y0, dtype), impl.arr(x, dtype),
+                            impl.arr(case.lora_a[0], dtype), impl.arr(case.lora_b[0], dtype), case.scale)
+    want = oracle.logits(y0, x, case.lora_a[0], case.lora_b[0], case.scale, prompt_idx)
+    assert_close(got, want, dtype, "add_lora_logits")
+    assert_rows_untouched(got, y0, prompt_idx, "add_lora_logits")
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_metadata_update_between_calls(impl):
+    """One wrapper, several steps with different mappings and token counts: each result is right."""
+    dtype = impl.dtypes[0]
+    case = Case(8, dtype, num_tokens=10, slices=(16,))
+    w = impl.wrapper(16, 8, case.num_slots)
+    for step in range(3):
+        n = [10, 3, 7][step]
+        idx = case.rng.choice([-1, 0, 2, 3], size=n).astype(np.int32)
+        w.update_metadata(LoRAMapping(case.ids(idx), case.ids(idx[:2])), case.lora_index_to_id,
+                          case.num_slots + 1, 32, 0)
+        y0 = case.y[:n].copy()
+        got = impl.wrapper_call(w, "add_lora_linear", impl.arr(y0, dtype), impl.arr(case.x[:n], dtype),
+                                case.native(impl, case.lora_a), case.native(impl, case.lora_b), None,
+                                case.scale, case.slices)
+        want = oracle.lora_linear(y0, case.x[:n], case.lora_a, case.lora_b, None, case.scale, idx)
+        assert_close(got, want, dtype, f"step {step}")
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_all_tokens_without_lora(impl):
+    dtype = impl.dtypes[0]
+    case = Case(9, dtype, frac_none=1.0, slices=(16,))
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    y0 = case.y.copy()
+    got = impl.wrapper_call(w, "add_lora_linear", impl.arr(y0, dtype), impl.arr(case.x, dtype),
+                            case.native(impl, case.lora_a), case.native(impl, case.lora_b),
+                            case.native(impl, case.bias[:1]), case.scale, case.slices)
+    np.testing.assert_array_equal(got, y0.astype(np.float64))
+
+
+# ----------------------------------------------------------------------------- index properties
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("long_lora", [False, True])
+def test_index_properties(impl, long_lora):
+    lora_index_to_id = [7, None, 3, 9]
+    index_mapping = (3, 3, 0, 7, 9, 9, 0, 3)
+    prompt_mapping = (3, 0, 9)
+    ctx = LongContextLoRAContext({3: 100, 9: 200}) if long_lora else None
+    max_loras, vocab, extra = 5, 50, 6
+    w = impl.wrapper(12, 6, 4)
+    w.update_metadata(LoRAMapping(index_mapping, prompt_mapping, True), lora_index_to_id, max_loras, vocab,
+                      extra, ctx)
+    prompt = pad_prompt_mapping(prompt_mapping, 12) if impl.pads_prompt_mapping else prompt_mapping
+    base, sampler, padded, emb, longl, _ = oracle.convert_mapping(
+        index_mapping, prompt, lora_index_to_id, max_loras, vocab, extra,
+        ctx.offsets_by_lora_id if long_lora else None)
+    as_list = lambda a: np.asarray(impl.to_np(a)).astype(np.int64).tolist()  # noqa: E731
+    assert as_list(w.token_lora_indices) == base
+    assert as_list(w.sampler_indices) == sampler
+    assert as_list(w.sampler_indices_padded) == padded
+    assert as_list(w.embeddings_indices) == emb
+    if long_lora:
+        assert as_list(w.long_lora_indices) == longl
+    starts, lengths, loras, b, max_len, token_nums, _ = oracle.compute_meta(base)
+    pm = w.prefill_metadata
+    assert [as_list(pm[0]), as_list(pm[1]), as_list(pm[2])] == [starts, lengths, loras]
+    assert (int(pm[3]), int(pm[4]), int(pm[5])) == (b, max_len, token_nums)
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_convert_mapping_function(impl):
+    lora_index_to_id = [None, 4, 2]
+    mapping = LoRAMapping((2, 0, 4, 4), (4, 2, 0, 0, 2), False)
+    got = impl.pkg.convert_mapping(mapping, lora_index_to_id, 4, 100, 10, LongContextLoRAContext({4: 64}))
+    want = oracle.convert_mapping(mapping.index_mapping, mapping.prompt_mapping, lora_index_to_id, 4, 100, 10,
+                                  {4: 64})
+    for g, wv in zip(got[:5], want[:5]):
+        assert np.asarray(impl.to_np(g)).astype(np.int64).tolist() == wv
+        assert str(g.dtype).endswith("int32")
+    assert got[5] == want[5]
+    no_long = impl.pkg.convert_mapping(mapping, lora_index_to_id, 4, 100, 10)
+    assert no_long[4] is None and no_long[5][4] is None
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_compute_meta_function(impl):
+    for idx in ([2, 2, -1, 0, 0, 0], [-1, -1, -1], [1], [0, 1, 0, 1]):
+        got = impl.pkg.compute_meta(impl.idx(idx))
+        want = oracle.compute_meta(idx)
+        assert [np.asarray(impl.to_np(g)).astype(np.int64).tolist() for g in got[:3]] == list(want[:3])
+        assert tuple(got[3:]) == tuple(want[3:])
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_kernel_meta_matches_spec(impl):
+    rng = np.random.default_rng(10)
+    for trial in range(4):
+        max_loras = int(rng.integers(1, 6))
+        n = int(rng.integers(1, 20))
+        idx = rng.integers(-1, max_loras, n).astype(np.int32)
+        if trial == 0:
+            idx[:] = -1
+        meta = impl.meta(idx, max_loras, capacity=n + 4)
+        got = [impl.to_np(a).astype(np.int64).tolist() for a in meta.meta_args(n)]
+        want = oracle.kernel_meta(idx.tolist(), max_loras)
+        assert got[0] == want[0] and got[1] == want[1]
+        assert got[4] == want[2] and got[2] == want[3]
+        k = len(set(idx.tolist()))
+        assert got[3][: k + 1] == want[4][: k + 1]
+        assert bool(np.asarray(impl.to_np(meta.meta_args(n)[5])).reshape(-1)[0]) == want[5]
+
+
+# ----------------------------------------------------------------------------- ops
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+def test_lora_shrink_expand_ops(impl, dtype):
+    case = Case(11, dtype)
+    x = impl.arr(case.x, dtype)
+    got_buf = impl.lora_shrink(x, case.native(impl, case.lora_a), case.idx, case.scale, case.num_slots)
+    want_buf = oracle.shrink(case.x, case.lora_a, case.idx, case.scale)
+    assert_close(got_buf, want_buf, dtype, "lora_shrink")
+    assert np.all(got_buf[:, case.idx < 0] == 0)
+    for add_inputs in (False, True):
+        y0 = case.y.copy()
+        got = impl.lora_expand(impl.arr(want_buf.astype(np.float32), "float32"), case.native(impl, case.lora_b),
+                               impl.arr(y0, dtype), case.idx, 2, add_inputs, case.num_slots)
+        want = oracle.expand(want_buf, case.lora_b, y0, case.idx, 2, add_inputs)
+        assert_close(got, want, dtype, f"lora_expand add_inputs={add_inputs}")
+        assert_rows_untouched(got, y0, case.idx, "lora_expand")
+
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+def test_bgmv_ops(impl, dtype):
+    case = Case(12, dtype, slices=(24, 24))
+    a, b = case.lora_a[0], case.lora_b[0]
+    idx = impl.idx(case.idx)
+    got = impl.call_op("bgmv_shrink", impl.arr(case.x, dtype), impl.arr(a, dtype), idx, case.scale)
+    buf = oracle.shrink(case.x, [a], case.idx, case.scale)
+    assert_close(got, buf[0], dtype, "bgmv_shrink")
+    xb = buf[0].astype(np.float32)
+    for add_inputs in (True, False):
+        y0 = case.y.copy()
+        got = impl.call_op("bgmv_expand", impl.arr(xb, "float32"), impl.arr(b, dtype), impl.arr(y0, dtype), idx,
+                           add_inputs)
+        assert_close(got, oracle.expand(buf, [b], y0, case.idx, 0, add_inputs), dtype, "bgmv_expand")
+        y0 = case.y.copy()
+        got = impl.call_op("bgmv_expand_slice", impl.arr(xb, "float32"), impl.arr(b, dtype), impl.arr(y0, dtype),
+                           idx, 9, 24, add_inputs)
+        assert_close(got, oracle.expand(buf, [b], y0, case.idx, 9, add_inputs), dtype, "bgmv_expand_slice")
+        assert_rows_untouched(got, y0, case.idx, "bgmv_expand_slice")
+
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+def test_sgmv_ops_with_prefill_metadata(impl, dtype):
+    """Prefill: requests' tokens contiguous; SGMV over the wrapper's prefill_metadata == BGMV."""
+    case = Case(13, dtype, slices=(24,))
+    seg_idx = np.repeat(np.array([2, -1, 0, 2, 3], np.int32), [3, 2, 1, 4, 1])
+    case.idx = seg_idx
+    w = impl.wrapper(16, 8, case.num_slots)
+    w.update_metadata(case.mapping(is_prefill=True), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    meta = w.prefill_metadata
+    a, b = case.lora_a[0], case.lora_b[0]
+    got = impl.call_op("sgmv_shrink", impl.arr(case.x, dtype), impl.arr(a, dtype), *meta, case.scale)
+    buf = oracle.shrink(case.x, [a], seg_idx, case.scale)
+    assert_close(got, buf[0], dtype, "sgmv_shrink")
+    y0 = case.y.copy()
+    got = impl.call_op("sgmv_expand", impl.arr(buf[0].astype(np.float32), "float32"), impl.arr(b, dtype),
+                       impl.arr(y0, dtype), *meta, True)
+    assert_close(got, oracle.expand(buf, [b], y0, seg_idx, 0, True), dtype, "sgmv_expand")
+    y0 = case.y.copy()
+    got = impl.call_op("sgmv_expand_slice", impl.arr(buf[0].astype(np.float32), "float32"), impl.arr(b, dtype),
+                       impl.arr(y0, dtype), *meta, 4, 24, False)
+    assert_close(got, oracle.expand(buf, [b], y0, seg_idx, 4, False), dtype, "sgmv_expand_slice")
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_heterogeneous_ranks_equal_zero_padding(impl):
+    """lora_ranks: results equal the computation with weights past each slot's rank zeroed."""
+    dtype = impl.dtypes[0]
+    case = Case(14, dtype, slices=(24, 8), rank=16)
+    ranks = np.array([4, 16, 8, 1], np.int32)
+    padded_a = [a.copy() for a in case.lora_a]
+    padded_b = [b.copy() for b in case.lora_b]
+    for s in range(len(case.slices)):
+        for slot, r in enumerate(ranks):
+            padded_a[s][slot, :, r:] = 0
+            padded_b[s][slot, :, :, r:] = 0
+    lr = impl.idx(ranks)
+    got_buf = impl.lora_shrink(impl.arr(case.x, dtype), case.native(impl, case.lora_a), case.idx, case.scale,
+                               case.num_slots, lora_ranks=lr)
+    want_buf = oracle.shrink(case.x, padded_a, case.idx, case.scale)
+    assert_close(got_buf, want_buf, dtype, "shrink with lora_ranks")
+    y0 = case.y.copy()
+    # Values past a token's rank in the buffer must not leak into y.
+    dirty = want_buf.astype(np.float32)
+    for t, slot in enumerate(case.idx):
+        if slot >= 0:
+            dirty[:, t, ranks[slot]:] = case.rng.standard_normal(dirty[:, t, ranks[slot]:].shape)
+    got = impl.lora_expand(impl.arr(dirty, "float32"), case.native(impl, case.lora_b), impl.arr(y0, dtype),
+                           case.idx, 0, True, case.num_slots, lora_ranks=lr)
+    assert_close(got, oracle.expand(want_buf, padded_b, y0, case.idx, 0, True), dtype, "expand with lora_ranks")
+
+
+# ----------------------------------------------------------------------------- JAX specifics
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].side == "jax"])
+def test_jax_padded_rows_never_change_real_rows(impl):
+    """A bucket-padded batch: x has more rows than the mapping; padded rows are left unchanged."""
+    dtype = impl.dtypes[0]
+    case = Case(15, dtype, num_tokens=6, slices=(16,))
+    w = impl.wrapper(16, 8, case.num_slots)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    x = np.concatenate([case.x, round_to(case.rng.standard_normal((4, case.hidden)), dtype)])
+    y0 = round_to(case.rng.standard_normal((10, 16)), dtype)
+    got = impl.wrapper_call(w, "add_lora_linear", impl.arr(y0, dtype), impl.arr(x, dtype),
+                            case.native(impl, case.lora_a), case.native(impl, case.lora_b), None, case.scale,
+                            case.slices)
+    idx = np.concatenate([case.idx, np.full(4, -1, np.int32)])
+    assert_close(got, oracle.lora_linear(y0, x, case.lora_a, case.lora_b, None, case.scale, idx), dtype, "padded")
+    np.testing.assert_array_equal(got[6:], y0[6:].astype(np.float64))
