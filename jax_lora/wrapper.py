@@ -122,13 +122,14 @@ class PunicaWrapper:
         if max_slot >= self.max_loras:
             raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras="
                              f"{self.max_loras} (slots 0..{self.max_loras - 1})")
-        prefill = compute_meta_host(host.base_indices)
+        # Segments only for prefill batches (vLLM); a decode batch leaves prefill_metadata empty.
+        prefill = compute_meta_host(host.base_indices if mapping.is_prefill else np.zeros(0, np.int32))
         checks.check_capacity("the prefill segments", prefill.batch_size, self.max_batches, "max_batches")
 
         lengths = np.array([host.indices_len[0], host.indices_len[1], host.indices_len[2],
                             host.indices_len[3], -1 if host.indices_len[4] is None else host.indices_len[4],
                             prefill.batch_size, prefill.max_length, prefill.token_nums], np.int32)
-        flags = np.array([mapping.is_prefill, prefill.no_lora], bool)
+        flags = np.array([mapping.is_prefill, bool(np.all(host.base_indices < 0))], bool)
         b = self.max_batches
         self._set_host_state(
             _pad1(host.base_indices, t_max), _pad1(host.sampler_indices, t_max),

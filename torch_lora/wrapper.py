@@ -95,7 +95,8 @@ class PunicaWrapper:
         if max_slot >= self.max_loras:
             raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras="
                              f"{self.max_loras} (slots 0..{self.max_loras - 1})")
-        prefill = compute_meta_host(host.base_indices)
+        # Segments only for prefill batches (vLLM); a decode batch leaves prefill_metadata empty.
+        prefill = compute_meta_host(host.base_indices if mapping.is_prefill else np.zeros(0, np.int32))
         checks.check_capacity("the prefill segments", prefill.batch_size, self.max_batches, "max_batches")
 
         staging = torch.zeros(self._layout.size, dtype=torch.int32,
@@ -113,7 +114,7 @@ class PunicaWrapper:
         self.batch_size, self.max_length, self.token_nums = (prefill.batch_size, prefill.max_length,
                                                              prefill.token_nums)
         self.is_prefill = mapping.is_prefill
-        self.no_lora = prefill.no_lora
+        self.no_lora = bool(np.all(host.base_indices < 0))
         self._max_slot = max_slot
         self.token_mapping_meta.prepare_tensors(self.token_lora_indices)
         self.prompt_mapping_meta.prepare_tensors(self.sampler_indices)

@@ -121,10 +121,10 @@ def _ranks(lora_ranks, num_slots: int):
     return r.astype(jnp.int32)
 
 
-def _index_meta(idx, num_tokens: int, num_slots: int, arg="lora_indices_tensor") -> LoRAKernelMeta:
+def _index_meta(idx, num_tokens: int, num_slots: int, arg_w: str, arg="lora_indices_tensor") -> LoRAKernelMeta:
     idx = jnp.asarray(idx)
     checks.check_indices(arg, idx.shape, idx.dtype, num_tokens)
-    check_index_values(arg, idx[:num_tokens], num_slots, "the weights")
+    check_index_values(arg, idx[:num_tokens], num_slots, arg_w)
     return LoRAKernelMeta.build(idx[:num_tokens].astype(jnp.int32), max_loras=num_slots)
 
 
@@ -234,7 +234,7 @@ def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, 
     x, w = jnp.asarray(x), jnp.asarray(w)
     num_slots, _, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="lora_a_weights")
     check_same_device(x=x, lora_a_weights=w, lora_indices_tensor=idx)
-    meta = _index_meta(idx, x.shape[0], num_slots)
+    meta = _index_meta(idx, x.shape[0], num_slots, "lora_a_weights")
     impl = dispatch.resolve(backend, _device_of(x))
     return impl.shrink(x, (to_3d(w),), meta, float(scale), _ranks(lora_ranks, num_slots))[0]
 
@@ -273,7 +273,7 @@ def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks):
                                                y.dtype, int(offset), arg_buf="inputs",
                                                arg_b="lora_b_weights")
     check_same_device(inputs=x, lora_b_weights=w3, y=y, lora_indices_tensor=idx)
-    meta = _index_meta(idx, y.shape[0], num_slots)
+    meta = _index_meta(idx, y.shape[0], num_slots, "lora_b_weights")
     impl = dispatch.resolve(backend, _device_of(y))
     return impl.expand(x[None], (w3,), y, meta, (int(offset),), bool(add_inputs),
                        _ranks(lora_ranks, num_slots))

@@ -174,11 +174,11 @@ def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
 
 # ----------------------------------------------------------------------------- BGMV
 
-def _index_meta(idx: torch.Tensor, num_tokens: int, num_slots: int) -> tuple:
+def _index_meta(idx: torch.Tensor, num_tokens: int, num_slots: int, arg_w: str) -> tuple:
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"lora_indices_tensor must be a torch.Tensor, got {type(idx).__name__}")
     checks.check_indices("lora_indices_tensor", tuple(idx.shape), idx.dtype, num_tokens)
-    check_index_values("lora_indices_tensor", idx[:num_tokens], num_slots, "the weights")
+    check_index_values("lora_indices_tensor", idx[:num_tokens], num_slots, arg_w)
     meta = LoRAKernelMeta.make(num_slots, max(num_tokens, 1), idx.device)
     meta.prepare_tensors(idx[:num_tokens])
     return meta.meta_args(num_tokens)
@@ -193,7 +193,7 @@ def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: floa
                                              arg_a="lora_a_weights")
     result = torch.empty((1, x.shape[0], rank), dtype=torch.float32, device=x.device)
     impl = dispatch.resolve(backend, x.device)
-    impl.shrink(x, (to_3d(w),), result, _index_meta(idx, x.shape[0], num_slots), float(scale),
+    impl.shrink(x, (to_3d(w),), result, _index_meta(idx, x.shape[0], num_slots, "lora_a_weights"), float(scale),
                 _ranks(lora_ranks, num_slots, x.device))
     if out is None:
         return result[0]
@@ -234,7 +234,7 @@ def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks):
                                                tuple(y.shape), y.dtype, int(offset), arg_buf="inputs",
                                                arg_b="lora_b_weights")
     impl = dispatch.resolve(backend, y.device)
-    impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots), (int(offset),), bool(add_inputs),
+    impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots, "lora_b_weights"), (int(offset),), bool(add_inputs),
                 _ranks(lora_ranks, num_slots, y.device), None)
     return y
 

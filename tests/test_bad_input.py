@@ -1,0 +1,192 @@
+"""SPEC section 6: every bad input gets a clear error naming the argument, on both sides."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_lora.host_mapping import LoRAMapping
+
+from .impls import IMPLS
+
+SIDES = {}
+for _impl in IMPLS:
+    SIDES.setdefault(_impl.side, _impl)  # the reference entry of each side
+SIDE_PARAMS = [pytest.param(impl, id=impl.side) for impl in SIDES.values()]
+
+
+def setup(impl, num_tokens=6, hidden=32, rank=8, slices=(16, 8), slots=3, capacity=8):
+    rng = np.random.default_rng(0)
+    w = impl.wrapper(capacity, 4, slots)
+    ids = [11, 12, 13][:slots]
+    w.update_metadata(LoRAMapping((11, 0, 13, 12, 11, 0)[:num_tokens], (11,)), ids, slots + 1, 32, 0)
+    f = lambda *s: impl.arr(rng.standard_normal(s).astype(np.float32), "float32")  # noqa: E731
+    x = f(num_tokens, hidden)
+    a = [f(slots, 1, rank, hidden) for _ in slices]
+    b = [f(slots, 1, n, rank) for n in slices]
+    y = f(num_tokens, sum(slices))
+    return w, x, a, b, y, f
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_mismatched_hidden_size(impl):
+    w, x, a, b, y, f = setup(impl)
+    bad_a = [f(3, 1, 8, 31), a[1]]
+    with pytest.raises(ValueError, match=r"lora_a_stacked\[0\] has hidden size 31.*x has hidden size 32"):
+        w.add_lora_linear(y, x, bad_a, b, None, 1.0, (16, 8))
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_rank_differs_between_a_and_b(impl):
+    w, x, a, b, y, f = setup(impl)
+    bad_b = [f(3, 1, 16, 4), b[1]]
+    with pytest.raises(ValueError, match=r"lora_b_stacked\[0\] has rank 4.*ranks differ"):
+        w.add_lora_linear(y, x, a, bad_b, None, 1.0, (16, 8))
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_output_slices_length(impl):
+    w, x, a, b, y, f = setup(impl)
+    with pytest.raises(ValueError, match="output_slices"):
+        w.add_lora_linear(y, x, a, b, None, 1.0, (24,))
+    buf = impl.arr(np.zeros((2, 6, 8), np.float32), "float32")
+    with pytest.raises(ValueError, match=r"len\(output_slices\) = 1 but lora_b_stacked has 2"):
+        w.add_expand(y, buf, b, None, (24,))
+    with pytest.raises(ValueError, match=r"output_slices \(16, 9\) differ"):
+        w.add_expand(impl.arr(np.zeros((6, 30), np.float32), "float32"), buf, b, None, (16, 9))
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_slices_wider_than_y(impl):
+    w, x, a, b, _, f = setup(impl)
+    with pytest.raises(ValueError, match=r"exceed y's 20 columns"):
+        w.add_lora_linear(f(6, 20), x, a, b, None, 1.0, (16, 8))
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_bias_shape(impl):
+    w, x, a, b, y, f = setup(impl)
+    with pytest.raises(ValueError, match=r"lora_bias_stacked\[1\] must have shape \(3, 8\)"):
+        w.add_lora_linear(y, x, a, b, [f(3, 16), f(3, 9)], 1.0, (16, 8))
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_index_beyond_slots_in_ops(impl):
+    rng = np.random.default_rng(1)
+    x = impl.arr(rng.standard_normal((4, 16)).astype(np.float32), "float32")
+    wa = impl.arr(rng.standard_normal((2, 4, 16)).astype(np.float32), "float32")
+    with pytest.raises(ValueError, match=r"lora_indices_tensor holds slot 2, but lora_a_weights has only 2 slots"):
+        impl.ops.bgmv_shrink(x, wa, impl.idx([0, 1, 2, -1]), 1.0)
+    with pytest.raises(ValueError, match=r"lora_indices_tensor holds -2"):
+        impl.ops.bgmv_shrink(x, wa, impl.idx([0, 1, -2, -1]), 1.0)
+    with pytest.raises(ValueError, match=r"token_lora_mapping holds slot 3"):
+        impl.lora_shrink(x, [wa], np.array([0, 3, 1, -1]), 1.0, max_loras=4)
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_mapping_slot_beyond_weights(impl):
+    """The wrapper knows (on the host) which slots the step uses: weights with fewer slots fail."""
+    w, x, _, _, y, f = setup(impl, slots=3)
+    small_a = [f(2, 1, 8, 32)]
+    small_b = [f(2, 1, 24, 8)]
+    with pytest.raises(ValueError, match=r"mapping uses slot 2, but lora_a_stacked has only 2 slots"):
+        w.add_lora_linear(y, x, small_a, small_b, None, 1.0, (24,))
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_lora_id_in_no_slot(impl):
+    w = impl.wrapper(8, 4, 3)
+    with pytest.raises(ValueError, match=r"LoRA id 77 \(mapping.index_mapping\[1\]\) is in no slot"):
+        w.update_metadata(LoRAMapping((11, 77), (11,)), [11, None, 12], 4, 32, 0)
+    with pytest.raises(ValueError, match=r"LoRA id 5 \(mapping.prompt_mapping\[0\]\) is in no slot"):
+        impl.pkg.convert_mapping(LoRAMapping((11,), (5,)), [11], 2, 32, 0)
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_slot_beyond_wrapper_max_loras(impl):
+    w = impl.wrapper(8, 4, 2)
+    with pytest.raises(ValueError, match=r"slot 2 is used, but the wrapper was made with max_loras=2"):
+        w.update_metadata(LoRAMapping((13, 0), (0,)), [11, 12, 13], 4, 32, 0)
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_too_many_tokens(impl):
+    w, x, a, b, y, f = setup(impl, capacity=6)
+    with pytest.raises(ValueError, match=r"mapping.index_mapping has 7 entries, more than max_num_batched_tokens=6"):
+        w.update_metadata(LoRAMapping((11,) * 7, (11,)), [11, 12, 13], 4, 32, 0)
+    with pytest.raises(ValueError, match=r"more than max_num_batched_tokens=6"):
+        w.add_lora_linear(f(7, 24), f(7, 32), a, b, None, 1.0, (16, 8))
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_too_many_prefill_segments(impl):
+    w = impl.wrapper(8, 2, 3)
+    with pytest.raises(ValueError, match=r"prefill segments has 3 entries, more than max_batches=2"):
+        w.update_metadata(LoRAMapping((11, 12, 11), (11,), True), [11, 12, 13], 4, 32, 0)
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_dtypes_outside_spec(impl):
+    w, x, a, b, y, f = setup(impl)
+    x_int = impl.arr(np.ones((6, 32), np.int32))
+    with pytest.raises(TypeError, match=r"x must have dtype in .*got int32"):
+        w.add_lora_linear(y, x_int, a, b, None, 1.0, (16, 8))
+    a_int = [impl.arr(np.ones((3, 1, 8, 32), np.int32)), a[1]]
+    with pytest.raises(TypeError, match=r"lora_a_stacked\[0\] must have dtype"):
+        w.add_lora_linear(y, x, a_int, b, None, 1.0, (16, 8))
+    idx_f = impl.arr(np.zeros(6, np.float32), "float32")
+    with pytest.raises((TypeError, ValueError), match=r"lora_indices_tensor"):
+        impl.ops.bgmv_shrink(x, a[0], idx_f, 1.0)
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_bad_mapping_and_sizes(impl):
+    with pytest.raises(TypeError, match="mapping must be a LoRAMapping"):
+        impl.wrapper(8, 4, 2).update_metadata({"index_mapping": (1,)}, [1], 3, 32, 0)
+    with pytest.raises(ValueError, match="lora_index_to_id holds LoRA id 4 twice"):
+        impl.pkg.convert_mapping(LoRAMapping((4,), (4,)), [4, 4], 3, 32, 0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be an int >= 1"):
+        impl.wrapper(0, 4, 2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        impl.pkg.PunicaWrapper(8, 4, None if impl.side == "jax" else "cpu", max_loras=2, backend="cuda-magic")
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_shape_errors_in_ops(impl):
+    rng = np.random.default_rng(2)
+    f = lambda *s: impl.arr(rng.standard_normal(s).astype(np.float32), "float32")  # noqa: E731
+    with pytest.raises(ValueError, match=r"x must be 2-D"):
+        impl.ops.bgmv_shrink(f(2, 3, 16), f(2, 4, 16), impl.idx([0, 1]), 1.0)
+    with pytest.raises(ValueError, match=r"lora_b_weights must have shape"):
+        impl.ops.bgmv_expand(f(2, 4), f(2, 2, 2, 8, 4), f(2, 8), impl.idx([0, 1]))
+    with pytest.raises(ValueError, match=r"y_slice_size is 6"):
+        impl.ops.bgmv_expand_slice(f(2, 4), f(2, 8, 4), f(2, 16), impl.idx([0, 1]), 0, 6)
+
+
+def test_torch_tensors_on_different_devices():
+    torch = pytest.importorskip("torch")
+    import torch_lora
+    x = torch.randn(4, 16)
+    w_meta = torch.empty(2, 4, 16, device="meta")
+    with pytest.raises(ValueError, match=r"tensors are on different devices: x on cpu, lora_a_weights on meta"):
+        torch_lora.ops.bgmv_shrink(x, w_meta, torch.zeros(4, dtype=torch.int32))
+
+
+def test_jax_arrays_on_different_devices():
+    import jax
+    import jax_lora
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip("needs two CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    x = jax.device_put(np.ones((4, 16), np.float32), devices[0])
+    w = jax.device_put(np.ones((2, 4, 16), np.float32), devices[1])
+    with pytest.raises(ValueError, match=r"arrays are on different devices"):
+        jax_lora.ops.bgmv_shrink(x, w, np.zeros(4, np.int32))
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from torch_lora.ops import dispatch
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        dispatch.resolve("triton", torch.device("cpu"))

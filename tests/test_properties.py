@@ -1,0 +1,84 @@
+"""Hypothesis property tests over shapes and mappings (reference implementations: interpreters
+are too slow for a sweep; they run the fixed conformance cases)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jax_lora.host_mapping import LoRAMapping, compute_meta_host
+
+from . import oracle
+from .impls import IMPLS
+
+FAST = [pytest.param(i, id=i.name) for i in IMPLS if not i.small and i.wrapper_factory is None]
+
+
+@st.composite
+def problems(draw):
+    num_slots = draw(st.integers(1, 5))
+    num_tokens = draw(st.integers(1, 24))
+    hidden = draw(st.sampled_from([1, 8, 24, 40]))
+    rank = draw(st.integers(1, 12))
+    slices = tuple(draw(st.lists(st.integers(1, 20), min_size=1, max_size=3)))
+    idx = draw(st.lists(st.integers(-1, num_slots - 1), min_size=num_tokens, max_size=num_tokens))
+    with_bias = draw(st.booleans())
+    seed = draw(st.integers(0, 2**31 - 1))
+    return num_slots, hidden, rank, slices, np.array(idx, np.int32), with_bias, seed
+
+
+@pytest.mark.parametrize("impl", FAST)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems())
+def test_add_lora_linear_any_shape_and_mapping(impl, problem):
+    num_slots, hidden, rank, slices, idx, with_bias, seed = problem
+    rng = np.random.default_rng(seed)
+    t = len(idx)
+    x = rng.standard_normal((t, hidden)).astype(np.float32)
+    a = [rng.standard_normal((num_slots, 1, rank, hidden)).astype(np.float32) for _ in slices]
+    b = [rng.standard_normal((num_slots, 1, n, rank)).astype(np.float32) for n in slices]
+    bias = [rng.standard_normal((num_slots, n)).astype(np.float32) for n in slices] if with_bias else None
+    y = rng.standard_normal((t, sum(slices))).astype(np.float32)
+    ids = [100 + s for s in range(num_slots)]
+    mapping = LoRAMapping(tuple(0 if i < 0 else ids[i] for i in idx), (0,), False)
+    w = impl.wrapper(t + 2, 4, num_slots)
+    w.update_metadata(mapping, ids, num_slots + 1, 10, 0)
+    arr = lambda v: impl.arr(v, "float32")  # noqa: E731
+    got = impl.wrapper_call(w, "add_lora_linear", arr(y), arr(x), [arr(v) for v in a], [arr(v) for v in b],
+                            None if bias is None else [arr(v) for v in bias], 0.5, slices)
+    want = oracle.lora_linear(y, x, a, b, bias, 0.5, idx)
+    assert oracle.rel_err(got, want) <= 1e-5
+    np.testing.assert_array_equal(got[idx < 0], y[idx < 0].astype(np.float64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(idx=st.lists(st.integers(-1, 6), min_size=0, max_size=40))
+def test_compute_meta_segments_rebuild_the_mapping(idx):
+    meta = compute_meta_host(np.array(idx, np.int32))
+    rebuilt = oracle.segments_to_indices(meta.seq_start_locs, meta.seq_lengths, meta.lora_indices_per_batch,
+                                         len(idx))
+    assert rebuilt.tolist() == idx
+    assert meta.token_nums == len(idx) and meta.batch_size == len(meta.seq_lengths)
+    assert all(meta.lora_indices_per_batch[i] != meta.lora_indices_per_batch[i + 1]
+               for i in range(meta.batch_size - 1))
+
+
+@pytest.mark.parametrize("impl", FAST)
+@settings(max_examples=40, deadline=None)
+@given(idx=st.lists(st.integers(-1, 5), min_size=1, max_size=30), extra=st.integers(0, 5))
+def test_kernel_meta_invariants(impl, idx, extra):
+    max_loras = 6
+    n = len(idx)
+    meta = impl.meta(np.array(idx, np.int32), max_loras, capacity=n + extra)
+    mapping, order, num, start, active, no_lora = [np.asarray(impl.to_np(a)).astype(np.int64).reshape(-1)
+                                                   for a in meta.meta_args(n)]
+    assert sorted(order.tolist()) == list(range(n))
+    assert num.sum() == n and start[0] == 0
+    for k in range(max_loras + 1):
+        group = order[start[k]:start[k] + num[k]]
+        assert all(mapping[t] == active[k] for t in group)
+    k = int((num > 0).sum())
+    assert list(active[:k]) == sorted(set(idx)) and (active[k:] == -1).all() and (num[k:] == 0).all()
+    assert bool(no_lora[0]) == all(i == -1 for i in idx)

@@ -1,0 +1,211 @@
+"""Backend "triton" for torch: launches the shared kernels of `jax_lora.kernels.lora_triton`.
+
+Contract (torch_lora.ops.dispatch): `shrink` writes every row of `out` (0 for tokens without
+LoRA), `expand` writes the slices of `y` in place; `linear` is shrink + expand with add_inputs
+(`add_lora_linear`'s math), one launch (fused kernel) at decode sizes and two otherwise.
+
+No host synchronisation: every decision (which adapters are active, whether any is) is made on the
+device from the metadata; the grids depend only on shapes, so calls can be captured in a CUDA
+graph and replayed with new mappings. Launch plans are cached by shapes, strides-free keys and
+dtypes only (never by data pointers).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+
+from jax_lora.kernels import configs
+from jax_lora.kernels import lora_triton as K
+
+NAME = "triton"
+MAX_SLICES = K.MAX_SLICES
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def _dn(t: torch.Tensor) -> str:
+    return _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
+
+
+def _chunks(n: int):
+    return [(i, min(i + MAX_SLICES, n)) for i in range(0, n, MAX_SLICES)]
+
+
+def _weight_strides(ws: Sequence[torch.Tensor]) -> list:
+    flat = []
+    for w in ws:
+        flat.extend(w.stride())
+    flat.extend(flat[:3] * (MAX_SLICES - len(ws)))
+    return flat
+
+
+def _bias_args(bias, lo: int, hi: int, dummy: torch.Tensor):
+    ptrs, strides, flags = [], [], []
+    for s in range(lo, hi):
+        c = None if bias is None else bias[s]
+        if c is None:
+            ptrs.append(dummy)
+            strides.extend((0, 0))
+            flags.append(False)
+        else:
+            c = c.reshape(c.shape[0], -1) if c.dim() != 2 else c
+            ptrs.append(c)
+            strides.extend(c.stride())
+            flags.append(True)
+    while len(ptrs) < MAX_SLICES:
+        ptrs.append(dummy)
+        strides.extend((0, 0))
+    return ptrs, strides, tuple(flags)
+
+
+# ------------------------------------------------------------------------------------- plans
+
+@functools.lru_cache(maxsize=4096)
+def _shrink_plan(T, H, R, S, G, L, xd, wd, lora_only, workspace, has_ranks, cfg_key):
+    cfg = dict(cfg_key) if cfg_key else configs.shrink_config(T, H, R, S, L)
+    return K.plan_shrink(T, H, R, S, G, xd, wd, cfg, lora_only=lora_only, workspace=workspace,
+                         has_ranks=has_ranks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, has_ranks, cfg_key):
+    cfg = dict(cfg_key) if cfg_key else configs.expand_config(T, max(widths), R, len(widths), L)
+    return K.plan_expand(T, R, widths, G, partials, wd, yd, cfg, add_inputs=add_inputs,
+                         bias_flags=bias_flags, has_ranks=has_ranks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fused_plan(T, H, R, widths, G, L, xd, wd, bias_flags, has_ranks, cfg_key):
+    cfg = dict(cfg_key) if cfg_key else configs.fused_config(T, H, max(widths), R, len(widths), L)
+    return K.plan_fused(T, H, R, widths, G, xd, wd, cfg, add_inputs=True, bias_flags=bias_flags,
+                        has_ranks=has_ranks)
+
+
+def _key(config: Optional[dict]):
+    return tuple(sorted(config.items())) if config else None
+
+
+# ------------------------------------------------------------------------------------- launches
+
+def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, config):
+    T, H = x.shape
+    L, R, _ = lora_a[0].shape
+    return _shrink_plan(T, H, R, len(lora_a), meta_args[4].shape[0], L, _dn(x), _dn(lora_a[0]), lora_only,
+                        workspace, lora_ranks is not None, _key(config))
+
+
+def _launch_shrink(x, lora_a, out, meta_args, scale, lora_ranks, plan):
+    _, sorted_ids, counts, starts, active, _ = meta_args
+    T, H = x.shape
+    L = lora_a[0].shape[0]
+    a = list(lora_a) + [lora_a[0]] * (MAX_SLICES - len(lora_a))
+    ranks = lora_ranks if lora_ranks is not None else counts
+    o = out if out.dim() == 4 else out[None]
+    K.lora_shrink_kernel[plan.grid](
+        x, a[0], a[1], a[2], a[3], ranks, sorted_ids, counts, starts, active,
+        scale, T, H, sorted_ids.shape[0], L,
+        x.stride(0), x.stride(1), *_weight_strides(lora_a),
+        o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        o, num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
+
+
+def _launch_expand(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bias, lo, hi,
+                   config=None):
+    _, sorted_ids, counts, starts, active, _ = meta_args
+    T = y.shape[0]
+    bs = lora_b[lo:hi]
+    L, _, R = bs[0].shape
+    widths = tuple(int(b.shape[1]) for b in bs)
+    c_ptrs, c_strides, flags = _bias_args(bias, lo, hi, bs[0])
+    b4 = d4 = buf if buf.dim() == 4 else buf[None]
+    plan = _expand_plan(T, R, widths, active.shape[0], L, b4.shape[0], _dn(bs[0]), _dn(y),
+                        bool(add_inputs), flags, lora_ranks is not None, _key(config))
+    b = list(bs) + [bs[0]] * (MAX_SLICES - len(bs))
+    ranks = lora_ranks if lora_ranks is not None else counts
+    d4 = d4[:, lo:hi]
+    K.lora_expand_kernel[plan.grid](
+        d4, b[0], b[1], b[2], b[3], *c_ptrs, ranks, sorted_ids, counts, starts, active, y,
+        T, sorted_ids.shape[0], L,
+        d4.stride(0), d4.stride(1), d4.stride(2), d4.stride(3),
+        *_weight_strides(bs), *c_strides,
+        *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0),
+        y.stride(0), y.stride(1),
+        y, num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
+
+
+def _launch_fused(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi, config=None):
+    _, sorted_ids, counts, starts, active, _ = meta_args
+    T, H = x.shape
+    as_, bs = lora_a[lo:hi], lora_b[lo:hi]
+    L, R, _ = as_[0].shape
+    widths = tuple(int(b.shape[1]) for b in bs)
+    c_ptrs, c_strides, flags = _bias_args(bias, lo, hi, bs[0])
+    plan = _fused_plan(T, H, R, widths, active.shape[0], L, _dn(x), _dn(as_[0]), flags,
+                       lora_ranks is not None, _key(config))
+    a = list(as_) + [as_[0]] * (MAX_SLICES - len(as_))
+    b = list(bs) + [bs[0]] * (MAX_SLICES - len(bs))
+    ranks = lora_ranks if lora_ranks is not None else counts
+    K.lora_fused_kernel[plan.grid](
+        x, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], *c_ptrs, ranks,
+        sorted_ids, counts, starts, active, y,
+        scale, T, H, sorted_ids.shape[0], L,
+        x.stride(0), x.stride(1), *_weight_strides(as_), *_weight_strides(bs), *c_strides,
+        *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0),
+        y.stride(0), y.stride(1),
+        y, num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
+
+
+# ------------------------------------------------------------------------------------- backend API
+
+def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args, scale: float,
+           lora_ranks: Optional[torch.Tensor] = None, *, config: Optional[dict] = None) -> None:
+    """out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T (float32, 0 for tokens without LoRA)."""
+    if x.shape[0] == 0:
+        return
+    for lo, hi in _chunks(len(lora_a)):
+        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, False, False, config)
+        if plan.atomic:
+            out[lo:hi].zero_()                       # split-K adds atomically into zeros
+        _launch_shrink(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan)
+
+
+def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args,
+           offsets: Sequence[int], add_inputs: bool, lora_ranks: Optional[torch.Tensor] = None,
+           bias=None, *, config: Optional[dict] = None) -> None:
+    """y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias."""
+    if y.shape[0] == 0:
+        return
+    for lo, hi in _chunks(len(lora_b)):
+        _launch_expand(buf, lora_b, y, meta_args, tuple(offsets), add_inputs, lora_ranks, bias, lo, hi,
+                       config=config)
+
+
+def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+           meta_args, scale: float, offsets: Sequence[int], lora_ranks: Optional[torch.Tensor] = None,
+           bias=None, *, fused: Optional[bool] = None, shrink_config: Optional[dict] = None,
+           expand_config: Optional[dict] = None, fused_config: Optional[dict] = None) -> None:
+    """add_lora_linear's math in place: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx].
+
+    One launch (fused kernel) when `configs.use_fused` says so for this size (or fused=True), else
+    a split-K shrink into a float32 workspace and an expand that sums its planes.
+    """
+    T, H = x.shape
+    if T == 0:
+        return
+    L, R, _ = lora_a[0].shape
+    offsets = tuple(offsets)
+    if fused is None:
+        fused = configs.use_fused(T, H, R, len(lora_a), L)
+    for lo, hi in _chunks(len(lora_a)):
+        if fused:
+            _launch_fused(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi,
+                          config=fused_config)
+            continue
+        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config)
+        ws = torch.empty((plan.num_partials, hi - lo, T, R), dtype=torch.float32, device=x.device)
+        _launch_shrink(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan)
+        _launch_expand(ws, lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), True, lora_ranks,
+                       None if bias is None else tuple(bias[lo:hi]), 0, hi - lo, config=expand_config)
