@@ -22,6 +22,8 @@ __all__ = [
     "LongContextLoRAContext",
     "HostIndices",
     "PrefillMeta",
+    "HostStep",
+    "prepare_step",
     "convert_mapping_host",
     "compute_meta_host",
     "pad_prompt_mapping",
@@ -268,3 +270,60 @@ def compute_meta_host(token_lora_indices: Any) -> PrefillMeta:
     no_lora = bool(len(loras) == 1 and loras[0] == -1)
     return PrefillMeta(starts, lengths, loras.astype(np.int32), int(len(starts)), int(lengths.max()),
                        int(n), no_lora)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostStep:
+    """One wrapper step's host-side data: the converted indices and prefill segments, checked.
+
+    `buffers()` lists the eight index arrays every wrapper stores, in this order: base (token)
+    indices, sampler indices, sampler_indices_padded, embeddings_indices (2, T), long-LoRA indices
+    (empty without a context), and the segments' starts, lengths and slots.
+    """
+
+    indices: HostIndices
+    prefill: PrefillMeta
+    max_slot: int     # the largest slot the step uses (-1: none), to check weights on the host
+    no_lora: bool     # no token uses a LoRA
+    is_prefill: bool
+
+    def buffers(self) -> tuple:
+        h, p = self.indices, self.prefill
+        long_lora = h.long_lora_indices if h.long_lora_indices is not None else np.zeros(0, np.int32)
+        return (h.base_indices, h.sampler_indices, h.sampler_indices_padded, h.embeddings_indices, long_lora,
+                p.seq_start_locs, p.seq_lengths, p.lora_indices_per_batch)
+
+
+def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]], max_loras: int,
+                 vocab_size: int, extra_vocab_size: int, long_lora_context: Optional[Any], *,
+                 max_num_batched_tokens: int, max_batches: int, num_slots: int,
+                 pad_prompt: bool) -> HostStep:
+    """`update_metadata`'s host half, shared by both wrappers (SPEC sections 2 and 6).
+
+    Checks the mapping against the wrapper's capacities (tokens, sampled rows, prefill segments) and
+    slot count, pads the prompt mapping when `pad_prompt` (the TPU seed's bucketing), converts it,
+    and computes prefill segments for prefill mappings only (vLLM: a decode step has none).
+    """
+    if not isinstance(mapping, LoRAMapping):
+        raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
+    for name, ids in (("mapping.index_mapping", mapping.index_mapping),
+                      ("mapping.prompt_mapping", mapping.prompt_mapping)):
+        if len(ids) > max_num_batched_tokens:
+            raise ValueError(f"{name} has {len(ids)} entries, more than max_num_batched_tokens="
+                             f"{max_num_batched_tokens}")
+    if pad_prompt:
+        mapping = LoRAMapping(mapping.index_mapping,
+                              pad_prompt_mapping(mapping.prompt_mapping, max_num_batched_tokens),
+                              mapping.is_prefill)
+    host = convert_mapping_host(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
+                                long_lora_context)
+    used = np.concatenate([host.base_indices, host.sampler_indices])
+    max_slot = int(used.max()) if used.size else -1
+    if max_slot >= num_slots:
+        raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras={num_slots} "
+                         f"(slots 0..{num_slots - 1})")
+    prefill = compute_meta_host(host.base_indices if mapping.is_prefill else np.zeros(0, np.int32))
+    if prefill.batch_size > max_batches:
+        raise ValueError(f"the prefill segments has {prefill.batch_size} entries, more than max_batches="
+                         f"{max_batches}")
+    return HostStep(host, prefill, max_slot, bool(np.all(host.base_indices < 0)), mapping.is_prefill)

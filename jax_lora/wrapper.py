@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks
-from .host_mapping import LoRAMapping, compute_meta_host, convert_mapping_host, pad_prompt_mapping
-from .meta import LoRAKernelMeta, build_kernel_meta
+from .host_mapping import LoRAMapping, prepare_step
+from .meta import build_kernel_meta
 from .ops import as_slices, check_same_device, to_3d
 from .ops import dispatch
 
@@ -74,7 +74,7 @@ class PunicaWrapper:
         lengths = np.zeros(8, np.int32)
         lengths[_N_LONG] = -1
         self._set_host_state(zeros(t), zeros(t), zeros(t), zeros(2, t), zeros(t), zeros(b), zeros(b),
-                             zeros(b), lengths, np.zeros(2, bool), np.full(t, -1, np.int32), 0,
+                             zeros(b), lengths, np.array([False, True]), np.full(t, -1, np.int32), 0,
                              np.full(t, -1, np.int32), 0)
         self._host_max_slot = -1
 
@@ -106,40 +106,20 @@ class PunicaWrapper:
         Raises ValueError for more tokens than max_num_batched_tokens, a LoRA id in no slot, a slot
         >= the wrapper's max_loras, or more prefill segments than max_batches.
         """
-        if not isinstance(mapping, LoRAMapping):
-            raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
-        t_max = self.max_num_batched_tokens
-        checks.check_capacity("mapping.index_mapping", len(mapping.index_mapping), t_max,
-                              "max_num_batched_tokens")
-        checks.check_capacity("mapping.prompt_mapping", len(mapping.prompt_mapping), t_max,
-                              "max_num_batched_tokens")
-        padded = LoRAMapping(mapping.index_mapping, pad_prompt_mapping(mapping.prompt_mapping, t_max),
-                             mapping.is_prefill)
-        host = convert_mapping_host(padded, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
-                                    long_lora_context)
-        used = np.concatenate([host.base_indices, host.sampler_indices])
-        max_slot = int(used.max()) if used.size else -1
-        if max_slot >= self.max_loras:
-            raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras="
-                             f"{self.max_loras} (slots 0..{self.max_loras - 1})")
-        # Segments only for prefill batches (vLLM); a decode batch leaves prefill_metadata empty.
-        prefill = compute_meta_host(host.base_indices if mapping.is_prefill else np.zeros(0, np.int32))
-        checks.check_capacity("the prefill segments", prefill.batch_size, self.max_batches, "max_batches")
-
-        lengths = np.array([host.indices_len[0], host.indices_len[1], host.indices_len[2],
-                            host.indices_len[3], -1 if host.indices_len[4] is None else host.indices_len[4],
-                            prefill.batch_size, prefill.max_length, prefill.token_nums], np.int32)
-        flags = np.array([mapping.is_prefill, bool(np.all(host.base_indices < 0))], bool)
-        b = self.max_batches
-        self._set_host_state(
-            _pad1(host.base_indices, t_max), _pad1(host.sampler_indices, t_max),
-            _pad1(host.sampler_indices_padded, t_max), _pad2(host.embeddings_indices, t_max),
-            _pad1(host.long_lora_indices if host.long_lora_indices is not None else np.zeros(0, np.int32), t_max),
-            _pad1(prefill.seq_start_locs, b), _pad1(prefill.seq_lengths, b),
-            _pad1(prefill.lora_indices_per_batch, b), lengths, flags,
-            _pad1(host.base_indices, t_max, -1), len(host.base_indices),
-            _pad1(host.sampler_indices, t_max, -1), len(host.sampler_indices))
-        self._host_max_slot = max_slot
+        step = prepare_step(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
+                            long_lora_context, max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_batches=self.max_batches, num_slots=self.max_loras, pad_prompt=True)
+        h, p = step.indices, step.prefill
+        lengths = np.array([h.indices_len[0], h.indices_len[1], h.indices_len[2], h.indices_len[3],
+                            -1 if h.indices_len[4] is None else h.indices_len[4],
+                            p.batch_size, p.max_length, p.token_nums], np.int32)
+        flags = np.array([step.is_prefill, step.no_lora], bool)
+        t_max, b = self.max_num_batched_tokens, self.max_batches
+        bufs = step.buffers()
+        padded = [_pad(a, t_max) for a in bufs[:5]] + [_pad(a, b) for a in bufs[5:]]
+        self._set_host_state(*padded, lengths, flags, _pad(h.base_indices, t_max, -1), len(h.base_indices),
+                             _pad(h.sampler_indices, t_max, -1), len(h.sampler_indices))
+        self._host_max_slot = step.max_slot
 
     def _set_host_state(self, token, sampler, sampler_padded, embeddings, long_lora, starts, lengths_b,
                         loras_b, lengths, flags, token_for_meta, n_tokens, sampler_for_meta, n_sampler):
@@ -372,15 +352,10 @@ def _resolve_device(device):
         raise ValueError(f"device {device!r} is not available: {e}") from e
 
 
-def _pad1(a: np.ndarray, n: int, value: int = 0) -> np.ndarray:
-    out = np.full(n, value, np.int32)
-    out[: len(a)] = a
-    return out
-
-
-def _pad2(a: np.ndarray, n: int) -> np.ndarray:
-    out = np.zeros((a.shape[0], n), np.int32)
-    out[:, : a.shape[1]] = a
+def _pad(a: np.ndarray, n: int, value: int = 0) -> np.ndarray:
+    """Pads the last axis of a 1-D or 2-D int32 array to length n."""
+    out = np.full(a.shape[:-1] + (n,), value, np.int32)
+    out[..., : a.shape[-1]] = a
     return out
 
 

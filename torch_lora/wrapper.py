@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from jax_lora import checks
-from jax_lora.host_mapping import LoRAMapping, compute_meta_host, convert_mapping_host
+from jax_lora.host_mapping import LoRAMapping, prepare_step
 
 from .meta import LoRAKernelMeta
 from .ops import as_slices, check_tensors, dispatch, to_3d
@@ -81,41 +81,22 @@ class PunicaWrapper:
         Raises ValueError for more tokens than max_num_batched_tokens, a LoRA id in no slot, a slot
         >= the wrapper's max_loras, or more prefill segments than max_batches.
         """
-        if not isinstance(mapping, LoRAMapping):
-            raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
-        t_max = self.max_num_batched_tokens
-        checks.check_capacity("mapping.index_mapping", len(mapping.index_mapping), t_max,
-                              "max_num_batched_tokens")
-        checks.check_capacity("mapping.prompt_mapping", len(mapping.prompt_mapping), t_max,
-                              "max_num_batched_tokens")
-        host = convert_mapping_host(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
-                                    long_lora_context)
-        used = np.concatenate([host.base_indices, host.sampler_indices])
-        max_slot = int(used.max()) if used.size else -1
-        if max_slot >= self.max_loras:
-            raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras="
-                             f"{self.max_loras} (slots 0..{self.max_loras - 1})")
-        # Segments only for prefill batches (vLLM); a decode batch leaves prefill_metadata empty.
-        prefill = compute_meta_host(host.base_indices if mapping.is_prefill else np.zeros(0, np.int32))
-        checks.check_capacity("the prefill segments", prefill.batch_size, self.max_batches, "max_batches")
-
+        step = prepare_step(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
+                            long_lora_context, max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_batches=self.max_batches, num_slots=self.max_loras, pad_prompt=False)
         staging = torch.zeros(self._layout.size, dtype=torch.int32,
                               pin_memory=self.device.type == "cuda")
-        parts = self._layout.views(staging.numpy())
-        long_lora = host.long_lora_indices if host.long_lora_indices is not None else np.zeros(0, np.int32)
-        for dst, src in zip(parts, (host.base_indices, host.sampler_indices, host.sampler_indices_padded,
-                                    host.embeddings_indices, long_lora, prefill.seq_start_locs,
-                                    prefill.seq_lengths, prefill.lora_indices_per_batch)):
+        for dst, src in zip(self._layout.views(staging.numpy()), step.buffers()):
             dst[..., : src.shape[-1]] = src
         # The caching pinned allocator keeps `staging` alive until this copy has run.
         self._block.copy_(staging, non_blocking=True)
 
-        self.indices_len = list(host.indices_len)
-        self.batch_size, self.max_length, self.token_nums = (prefill.batch_size, prefill.max_length,
-                                                             prefill.token_nums)
-        self.is_prefill = mapping.is_prefill
-        self.no_lora = bool(np.all(host.base_indices < 0))
-        self._max_slot = max_slot
+        p = step.prefill
+        self.indices_len = list(step.indices.indices_len)
+        self.batch_size, self.max_length, self.token_nums = p.batch_size, p.max_length, p.token_nums
+        self.is_prefill = step.is_prefill
+        self.no_lora = step.no_lora
+        self._max_slot = step.max_slot
         self.token_mapping_meta.prepare_tensors(self.token_lora_indices)
         self.prompt_mapping_meta.prepare_tensors(self.sampler_indices)
 
