@@ -24,6 +24,7 @@ __all__ = [
     "PrefillMeta",
     "HostStep",
     "prepare_step",
+    "StepLayout",
     "convert_mapping_host",
     "compute_meta_host",
     "pad_prompt_mapping",
@@ -111,21 +112,27 @@ def _slot_table(lora_index_to_id: Sequence[Optional[int]]) -> dict[int, int]:
 
 def _slots_of(name: str, ids: Sequence[int], table: dict[int, int], num_slots_allowed: int,
               none_value: int) -> np.ndarray:
-    out = np.empty(len(ids), dtype=np.int32)
-    for i, lora_id in enumerate(ids):
-        if lora_id <= 0:
-            out[i] = none_value
-            continue
-        slot = table.get(lora_id)
-        if slot is None:
-            raise ValueError(
-                f"LoRA id {lora_id} (mapping.{name}[{i}]) is in no slot: lora_index_to_id holds "
-                f"{sorted(table)}")
-        if slot >= num_slots_allowed:
-            raise ValueError(
-                f"LoRA id {lora_id} (mapping.{name}[{i}]) is in slot {slot}, but max_loras="
-                f"{num_slots_allowed} allows slots 0..{num_slots_allowed - 1}")
-        out[i] = slot
+    """Slot per LoRA id (vectorised lookup); ids <= 0 give `none_value`."""
+    ids_arr = np.asarray(ids, dtype=np.int64)
+    out = np.full(ids_arr.shape[0], none_value, dtype=np.int32)
+    want = ids_arr > 0
+    if not want.any():
+        return out
+    keys = np.array(sorted(table), dtype=np.int64)
+    slots = np.array([table[k] for k in keys], dtype=np.int32)
+    pos = np.clip(np.searchsorted(keys, ids_arr), 0, max(len(keys) - 1, 0))
+    found = want & (keys[pos] == ids_arr) if len(keys) else np.zeros_like(want)
+    missing = np.flatnonzero(want & ~found)
+    if missing.size:
+        i = int(missing[0])
+        raise ValueError(f"LoRA id {int(ids_arr[i])} (mapping.{name}[{i}]) is in no slot: lora_index_to_id "
+                         f"holds {sorted(table)}")
+    out[want] = slots[pos[want]]
+    too_big = np.flatnonzero(out >= num_slots_allowed)
+    if too_big.size:
+        i = int(too_big[0])
+        raise ValueError(f"LoRA id {int(ids_arr[i])} (mapping.{name}[{i}]) is in slot {int(out[i])}, but "
+                         f"max_loras={num_slots_allowed} allows slots 0..{num_slots_allowed - 1}")
     return out
 
 
@@ -327,3 +334,48 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]]
         raise ValueError(f"the prefill segments has {prefill.batch_size} entries, more than max_batches="
                          f"{max_batches}")
     return HostStep(host, prefill, max_slot, bool(np.all(host.base_indices < 0)), mapping.is_prefill)
+
+
+class StepLayout:
+    """Where a step's index arrays sit inside one flat int32 block (host staging and device copy).
+
+    Both wrappers send a step's indices in ONE host-to-device transfer of this block:
+
+      [0, t)          token (base) indices          [t, 2t)     sampler indices
+      [2t, 3t)        sampler_indices_padded        [3t, 5t)    embeddings_indices as (2, t)
+      [5t, 6t)        long-LoRA indices             [6t, 6t+3b) segment starts, lengths, slots
+      [6t+3b, +10)    tail: indices_len[0..4] (-1 for None), batch_size, max_length, token_nums,
+                      is_prefill, no_lora
+
+    Every array is zero-padded to its capacity (t = max_num_batched_tokens, b = max_batches).
+    """
+
+    TAIL = 10
+
+    def __init__(self, max_num_batched_tokens: int, max_batches: int):
+        self.t, self.b = int(max_num_batched_tokens), int(max_batches)
+        self.size = 6 * self.t + 3 * self.b + self.TAIL
+
+    def __eq__(self, other):
+        return isinstance(other, StepLayout) and (self.t, self.b) == (other.t, other.b)
+
+    def __hash__(self):
+        return hash((StepLayout, self.t, self.b))
+
+    def views(self, block):
+        """The eight index arrays and the tail, as views (slices) of `block` (NumPy, torch or jax)."""
+        t, b = self.t, self.b
+        return (block[0:t], block[t:2 * t], block[2 * t:3 * t], block[3 * t:5 * t].reshape(2, t),
+                block[5 * t:6 * t], block[6 * t:6 * t + b], block[6 * t + b:6 * t + 2 * b],
+                block[6 * t + 2 * b:6 * t + 3 * b], block[6 * t + 3 * b:])
+
+    def fill(self, block: np.ndarray, step: HostStep) -> np.ndarray:
+        """Writes `step` into the int32 NumPy array `block` (length `size`); returns it."""
+        block[:] = 0
+        *parts, tail = self.views(block)
+        for dst, src in zip(parts, step.buffers()):
+            dst[..., : src.shape[-1]] = src
+        lens, p = step.indices.indices_len, step.prefill
+        tail[:] = [lens[0], lens[1], lens[2], lens[3], -1 if lens[4] is None else lens[4],
+                   p.batch_size, p.max_length, p.token_nums, int(step.is_prefill), int(step.no_lora)]
+        return block

@@ -19,6 +19,7 @@ the real token count are treated as "no LoRA", so padded rows never change and c
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 import jax
@@ -26,21 +27,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks
-from .host_mapping import LoRAMapping, prepare_step
+from .host_mapping import LoRAMapping, StepLayout, prepare_step
 from .meta import build_kernel_meta
 from .ops import as_slices, check_same_device, to_3d
 from .ops import dispatch
 
 __all__ = ["PunicaWrapper"]
 
-# Positions in the `_lengths` leaf.
-_N_TOKENS, _N_SAMPLER, _N_SAMPLER_PADDED, _N_EMBEDDINGS, _N_LONG, _BATCH, _MAX_LEN, _TOKEN_NUMS = range(8)
+# Positions in the `_tail` leaf (StepLayout's tail).
+(_N_TOKENS, _N_SAMPLER, _N_SAMPLER_PADDED, _N_EMBEDDINGS, _N_LONG, _BATCH, _MAX_LEN, _TOKEN_NUMS, _IS_PREFILL,
+ _NO_LORA) = range(StepLayout.TAIL)
 
 
-def _step_meta(token_buf, sampler_buf, n_tokens, n_sampler, max_loras):
-    """Kernel metadata for the tokens and for the sampled rows, in one compiled program."""
-    return (build_kernel_meta(token_buf, n_tokens, max_loras=max_loras),
-            build_kernel_meta(sampler_buf, n_sampler, max_loras=max_loras))
+@functools.partial(jax.jit, static_argnames=("layout", "max_loras"))
+def _unpack_step(block: jax.Array, *, layout: StepLayout, max_loras: int):
+    """The eight index buffers and the tail as separate arrays, plus the kernel metadata of the
+    tokens (first tail[0] entries of the token buffer) and of the sampled rows (first tail[1])."""
+    *buffers, tail = layout.views(block)
+    token_meta = build_kernel_meta(buffers[0], tail[_N_TOKENS], max_loras=max_loras)
+    prompt_meta = build_kernel_meta(buffers[1], tail[_N_SAMPLER], max_loras=max_loras)
+    return (*buffers, tail, token_meta, prompt_meta)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -69,31 +75,30 @@ class PunicaWrapper:
         self.device = _resolve_device(device)
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
         dispatch.load_backend(self.backend)  # fail now, not at the first op
-        t, b = self.max_num_batched_tokens, self.max_batches
-        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        lengths = np.zeros(8, np.int32)
-        lengths[_N_LONG] = -1
-        self._set_host_state(zeros(t), zeros(t), zeros(t), zeros(2, t), zeros(t), zeros(b), zeros(b),
-                             zeros(b), lengths, np.array([False, True]), np.full(t, -1, np.int32), 0,
-                             np.full(t, -1, np.int32), 0)
+        self._layout = StepLayout(self.max_num_batched_tokens, self.max_batches)
+        empty = np.zeros(self._layout.size, np.int32)
+        empty[-StepLayout.TAIL:] = [0, 0, 0, 0, -1, 0, 0, 0, 0, 1]  # no tokens, no LoRA
+        self._upload(empty)
         self._host_max_slot = -1
 
     # ------------------------------------------------------------------ pytree
     def tree_flatten(self):
         children = (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
                     self._embeddings_indices, self._long_lora_indices, self._seq_start_locs,
-                    self._seq_lengths, self._lora_indices_per_batch, self._lengths, self._flags,
+                    self._seq_lengths, self._lora_indices_per_batch, self._tail,
                     self.token_meta, self.prompt_meta)
-        aux = (self.max_num_batched_tokens, self.max_batches, self.max_loras, self.device, self.backend)
+        aux = (self.max_num_batched_tokens, self.max_batches, self.max_loras, self.device, self.backend,
+               self._layout)
         return children, aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
-        (obj.max_num_batched_tokens, obj.max_batches, obj.max_loras, obj.device, obj.backend) = aux
+        (obj.max_num_batched_tokens, obj.max_batches, obj.max_loras, obj.device, obj.backend,
+         obj._layout) = aux
         (obj._token_lora_indices, obj._sampler_indices, obj._sampler_indices_padded,
          obj._embeddings_indices, obj._long_lora_indices, obj._seq_start_locs, obj._seq_lengths,
-         obj._lora_indices_per_batch, obj._lengths, obj._flags, obj.token_meta, obj.prompt_meta) = children
+         obj._lora_indices_per_batch, obj._tail, obj.token_meta, obj.prompt_meta) = children
         obj._host_max_slot = None  # unknown inside a trace: index values are masked, not checked
         return obj
 
@@ -109,33 +114,19 @@ class PunicaWrapper:
         step = prepare_step(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                             long_lora_context, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_batches=self.max_batches, num_slots=self.max_loras, pad_prompt=True)
-        h, p = step.indices, step.prefill
-        lengths = np.array([h.indices_len[0], h.indices_len[1], h.indices_len[2], h.indices_len[3],
-                            -1 if h.indices_len[4] is None else h.indices_len[4],
-                            p.batch_size, p.max_length, p.token_nums], np.int32)
-        flags = np.array([step.is_prefill, step.no_lora], bool)
-        t_max, b = self.max_num_batched_tokens, self.max_batches
-        bufs = step.buffers()
-        padded = [_pad(a, t_max) for a in bufs[:5]] + [_pad(a, b) for a in bufs[5:]]
-        self._set_host_state(*padded, lengths, flags, _pad(h.base_indices, t_max, -1), len(h.base_indices),
-                             _pad(h.sampler_indices, t_max, -1), len(h.sampler_indices))
+        self._upload(self._layout.fill(np.empty(self._layout.size, np.int32), step))
         self._host_max_slot = step.max_slot
 
-    def _set_host_state(self, token, sampler, sampler_padded, embeddings, long_lora, starts, lengths_b,
-                        loras_b, lengths, flags, token_for_meta, n_tokens, sampler_for_meta, n_sampler):
-        """One transfer of every buffer to the device, then one jitted metadata build."""
-        host = (token, sampler, sampler_padded, embeddings, long_lora, starts, lengths_b, loras_b, lengths,
-                flags, token_for_meta, sampler_for_meta, np.int32(n_tokens), np.int32(n_sampler))
-        dev = jax.device_put(host, self.device)
+    def _upload(self, block: np.ndarray) -> None:
+        """One transfer of the packed step to the device, then one jitted unpack + metadata build."""
         (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
          self._embeddings_indices, self._long_lora_indices, self._seq_start_locs, self._seq_lengths,
-         self._lora_indices_per_batch, self._lengths, self._flags) = dev[:10]
-        self.token_meta, self.prompt_meta = _jitted_step_meta(dev[10], dev[11], dev[12], dev[13],
-                                                              max_loras=self.max_loras)
+         self._lora_indices_per_batch, self._tail, self.token_meta, self.prompt_meta) = _unpack_step(
+            jax.device_put(block, self.device), layout=self._layout, max_loras=self.max_loras)
 
     # ------------------------------------------------------------------ properties
     def _length(self, i: int) -> Optional[int]:
-        v = self._lengths
+        v = self._tail
         if isinstance(v, jax.core.Tracer):
             return None
         n = int(np.asarray(v)[i])
@@ -169,14 +160,14 @@ class PunicaWrapper:
     def long_lora_indices(self) -> jax.Array:
         """(T,) int32 long-context offsets (zeros without a long-LoRA context)."""
         n = self._length(_N_LONG)
-        return self._long_lora_indices if n is None and isinstance(self._lengths, jax.core.Tracer) \
+        return self._long_lora_indices if n is None and isinstance(self._tail, jax.core.Tracer) \
             else self._long_lora_indices[: (n or 0)]
 
     @property
     def indices_len(self) -> list:
-        if isinstance(self._lengths, jax.core.Tracer):
+        if isinstance(self._tail, jax.core.Tracer):
             raise RuntimeError("indices_len is host data; read it outside jit")
-        v = np.asarray(self._lengths)
+        v = np.asarray(self._tail)
         return [int(v[0]), int(v[1]), int(v[2]), int(v[3]), None if v[4] < 0 else int(v[4])]
 
     @property
@@ -186,21 +177,21 @@ class PunicaWrapper:
         Outside jit: arrays of length batch_size and Python ints. Inside jit: the max_batches-long
         buffers and int32 scalars (entries past batch_size have length 0).
         """
-        if isinstance(self._lengths, jax.core.Tracer):
+        if isinstance(self._tail, jax.core.Tracer):
             return (self._seq_start_locs, self._seq_lengths, self._lora_indices_per_batch,
-                    self._lengths[_BATCH], self._lengths[_MAX_LEN], self._lengths[_TOKEN_NUMS])
-        v = np.asarray(self._lengths)
+                    self._tail[_BATCH], self._tail[_MAX_LEN], self._tail[_TOKEN_NUMS])
+        v = np.asarray(self._tail)
         b = int(v[_BATCH])
         return (self._seq_start_locs[:b], self._seq_lengths[:b], self._lora_indices_per_batch[:b], b,
                 int(v[_MAX_LEN]), int(v[_TOKEN_NUMS]))
 
     @property
     def is_prefill(self):
-        return _host_bool(self._flags[0])
+        return _host_bool(self._tail[_IS_PREFILL] != 0)
 
     @property
     def no_lora(self):
-        return _host_bool(self._flags[1])
+        return _host_bool(self._tail[_NO_LORA] != 0)
 
     # ------------------------------------------------------------------ ops
     def _impl(self):
@@ -338,9 +329,6 @@ class PunicaWrapper:
                             cut_to_y=True).reshape(y.shape)
 
 
-_jitted_step_meta = jax.jit(_step_meta, static_argnames=("max_loras",))
-
-
 def _resolve_device(device):
     if device is None or not isinstance(device, str):
         return device
@@ -350,13 +338,6 @@ def _resolve_device(device):
         return jax.devices(platform)[idx]
     except RuntimeError as e:
         raise ValueError(f"device {device!r} is not available: {e}") from e
-
-
-def _pad(a: np.ndarray, n: int, value: int = 0) -> np.ndarray:
-    """Pads the last axis of a 1-D or 2-D int32 array to length n."""
-    out = np.full(a.shape[:-1] + (n,), value, np.int32)
-    out[..., : a.shape[-1]] = a
-    return out
 
 
 def _host_bool(v):

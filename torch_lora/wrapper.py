@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from jax_lora import checks
-from jax_lora.host_mapping import LoRAMapping, prepare_step
+from jax_lora.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .meta import LoRAKernelMeta
 from .ops import as_slices, check_tensors, dispatch, to_3d
@@ -56,12 +56,11 @@ class PunicaWrapper:
         self._impl = dispatch.load_backend(self.backend)
 
         # One device block; every index tensor is a fixed view of it.
-        self._layout = _Layout(t, b)
+        self._layout = StepLayout(t, b)
         self._block = torch.zeros(self._layout.size, dtype=torch.int32, device=self.device)
-        v = self._layout.views(self._block)
         (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
          self._embeddings_indices, self._long_lora_indices, self._seq_start_locs, self._seq_lengths,
-         self._lora_indices_per_batch) = v
+         self._lora_indices_per_batch, _) = self._layout.views(self._block)
         self.indices_len: list = [None] * 5
         self.batch_size = -1
         self.max_length = 0
@@ -84,10 +83,8 @@ class PunicaWrapper:
         step = prepare_step(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                             long_lora_context, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_batches=self.max_batches, num_slots=self.max_loras, pad_prompt=False)
-        staging = torch.zeros(self._layout.size, dtype=torch.int32,
-                              pin_memory=self.device.type == "cuda")
-        for dst, src in zip(self._layout.views(staging.numpy()), step.buffers()):
-            dst[..., : src.shape[-1]] = src
+        staging = torch.empty(self._layout.size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._layout.fill(staging.numpy(), step)
         # The caching pinned allocator keeps `staging` alive until this copy has run.
         self._block.copy_(staging, non_blocking=True)
 
@@ -265,20 +262,6 @@ class PunicaWrapper:
         self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
                      self.indices_len[1], cut_to_y=True)
         return y
-
-
-class _Layout:
-    """Offsets of the index tensors inside the one int32 block (host staging and device)."""
-
-    def __init__(self, t: int, b: int):
-        self.t, self.b = t, b
-        self.size = 6 * t + 3 * b  # token, sampler, sampler_padded, embeddings (2t), long, 3 x b
-
-    def views(self, block):
-        t, b = self.t, self.b
-        return (block[0:t], block[t:2 * t], block[2 * t:3 * t], block[3 * t:5 * t].reshape(2, t),
-                block[5 * t:6 * t], block[6 * t:6 * t + b], block[6 * t + b:6 * t + 2 * b],
-                block[6 * t + 2 * b:6 * t + 3 * b])
 
 
 def _token_view(y: torch.Tensor) -> torch.Tensor:
