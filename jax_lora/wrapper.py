@@ -238,12 +238,20 @@ class PunicaWrapper:
 
     def _expand(self, y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
                 meta, cut_to_y=False):
+        lora_b, offsets, bias = self._expand_args(y2, buf.shape, buf.dtype, lora_b_stacked, lora_bias_stacked,
+                                                  output_slices, offset_start, cut_to_y)
+        check_same_device(x=buf, lora_b_stacked=lora_b, y=y2)
+        return self._impl().expand(buf, lora_b, y2, meta, offsets, bool(add_inputs), None, bias)
+
+    def _expand_args(self, y2, buf_shape, buf_dtype, lora_b_stacked, lora_bias_stacked, output_slices,
+                     offset_start, cut_to_y=False):
+        """Checks the expand half; returns (3-D lora_b, slice offsets, bias as (L, n_s) or None)."""
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
         slices = checks.check_output_slices(output_slices, len(lora_b))
         if cut_to_y:  # logits: a LoRA vocabulary wider than y is cut to y's width (vLLM)
             lora_b = tuple(b[..., : y2.shape[1], :] for b in lora_b)
             slices = tuple(min(s, y2.shape[1]) for s in slices)
-        num_slots, _, widths = checks.check_expand(buf.shape, buf.dtype, [b.shape for b in lora_b],
+        num_slots, _, widths = checks.check_expand(buf_shape, buf_dtype, [b.shape for b in lora_b],
                                                    [b.dtype for b in lora_b], y2.shape, y2.dtype,
                                                    offset_start)
         checks.check_slice_widths(slices, widths)
@@ -255,10 +263,8 @@ class PunicaWrapper:
                 else [lora_bias_stacked]
             checks.check_bias([None if b is None else jnp.shape(b) for b in bias_list], slices, num_slots)
             bias = tuple(None if b is None else jnp.asarray(b).reshape(num_slots, -1) for b in bias_list)
-        check_same_device(x=buf, lora_b_stacked=lora_b, y=y2)
         offsets = tuple(offset_start + sum(slices[:s]) for s in range(len(slices)))
-        return self._impl().expand(buf, tuple(to_3d(b) for b in lora_b), y2, meta, offsets,
-                                   bool(add_inputs), None, bias)
+        return tuple(to_3d(b) for b in lora_b), offsets, bias
 
     def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs: bool = True, **kwargs) -> jax.Array:
         """y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r) looked-up LoRA-A rows; y: (T, N)."""
@@ -298,7 +304,15 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         check_same_device(x=x2, lora_a_stacked=lora_a)
-        buf = self._impl().shrink(x2, tuple(to_3d(a) for a in lora_a), self.token_meta, float(scale), None)
+        lora_a3 = tuple(to_3d(a) for a in lora_a)
+        impl = self._impl()
+        if buffer is None and hasattr(impl, "linear"):  # the backend may fuse shrink and expand
+            lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), jnp.float32,
+                                                       lora_b, lora_bias_stacked, output_slices, 0)
+            check_same_device(x=x2, lora_b_stacked=lora_b3, y=y2)
+            return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, float(scale), offsets, None,
+                               bias).reshape(y.shape)
+        buf = impl.shrink(x2, lora_a3, self.token_meta, float(scale), None)
         return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True,
                             self.token_meta).reshape(y.shape)
 

@@ -14,6 +14,7 @@ host, on any path. The `add_*` methods write into `y` and also return it, so
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -70,6 +71,8 @@ class PunicaWrapper:
         self._max_slot = -1
         self.token_mapping_meta = LoRAKernelMeta.make(self.max_loras, t, self.device)
         self.prompt_mapping_meta = LoRAKernelMeta.make(self.max_loras, t, self.device)
+        self._plans: dict = {}
+        self._token_meta_args: dict = {}   # T -> token_mapping_meta.meta_args(T): views, valid forever
 
     # ------------------------------------------------------------------ metadata
     def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]],
@@ -213,29 +216,90 @@ class PunicaWrapper:
                         buffer: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], in place.
 
-        x: (..., H); y: (..., N); `buffer` (S, T, r) float32, optional workspace for the shrink.
+        x: (..., H); y: (..., N); `buffer` (S, T, r) float32, optional: when given, the shrink result
+        is written there (two launches); without it the backend may fuse shrink and expand.
+
+        The hot path of a forward pass: the checks of the persistent arguments (weights, bias,
+        slices, dtypes, devices) run once per combination and are cached (see `_LinearPlan`); each
+        call checks only what changes per step (token count, slots in use).
         """
-        lora_a = as_slices("lora_a_stacked", lora_a_stacked)
-        lora_b = as_slices("lora_b_stacked", lora_b_stacked)
-        if not (len(lora_a) == len(lora_b) == len(output_slices)):
-            raise ValueError(f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
-                             f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
-        check_tensors(y=y, x=x, lora_a_stacked=lora_a, buffer=buffer)
-        x2 = x.reshape(-1, x.shape[-1])
-        num_slots, rank, _ = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
-                                                 [a.dtype for a in lora_a])
-        shape = (len(lora_a), x2.shape[0], rank)
+        plan = self._linear_plan(y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices)
+        x2 = x if x.dim() == 2 else x.reshape(-1, plan.hidden)
+        y2 = y if y.dim() == 2 else _token_view(y)
+        t = x2.shape[0]
+        if y2.shape[0] != t or t > (self.indices_len[0] or 0) or self._max_slot >= plan.num_slots:
+            if y2.shape[0] != t:
+                raise ValueError(f"x has {t} tokens (shape {tuple(x.shape)}) but y has {y2.shape[0]} "
+                                 f"(shape {tuple(y.shape)})")
+            self._check_tokens("x", t, self.indices_len[0])
+            self._check_slots("lora_a_stacked", plan.num_slots)
+        meta_args = self._token_meta_args.get(t)
+        if meta_args is None:
+            meta_args = self._token_meta_args[t] = self.token_mapping_meta.meta_args(t)
+        if buffer is None and plan.linear is not None:
+            plan.linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, float(scale), plan.offsets, None, plan.bias)
+            return y
+        shape = (len(plan.lora_a), t, plan.rank)
         if buffer is None:
             buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
         else:
+            check_tensors(x=x, buffer=buffer)
             _check_buffer("buffer", buffer, shape)
-        self._check_tokens("x", x2.shape[0], self.indices_len[0])
-        self._check_slots("lora_a_stacked", num_slots)
-        self._impl.shrink(x2, tuple(to_3d(a) for a in lora_a), buffer,
-                          self.token_mapping_meta.meta_args(x2.shape[0]), float(scale), None)
-        self._expand(y, buffer, lora_b, lora_bias_stacked, output_slices, 0, True, self.token_mapping_meta,
-                     self.indices_len[0])
+        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, float(scale), None)
+        self._impl.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, None, plan.bias)
         return y
+
+    def _linear_plan(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices):
+        seq = (list, tuple)
+        lora_a = tuple(lora_a_stacked) if isinstance(lora_a_stacked, seq) else (lora_a_stacked,)
+        lora_b = tuple(lora_b_stacked) if isinstance(lora_b_stacked, seq) else (lora_b_stacked,)
+        bias_list = None if lora_bias_stacked is None else (
+            tuple(lora_bias_stacked) if isinstance(lora_bias_stacked, seq) else (lora_bias_stacked,))
+        tensors = lora_a + lora_b + (bias_list or ())
+        try:
+            slices_key = tuple(output_slices)
+        except TypeError:
+            slices_key = output_slices
+        key = (tuple(map(id, tensors)), len(lora_a), slices_key, x.dtype, x.shape[-1] if x.dim() else None,
+               x.device, y.dtype, y.shape[-1] if y.dim() else None, y.device)
+        plan = self._plans.get(key)
+        if plan is not None and plan.refers_to(tensors):
+            return plan
+        plan = self._build_linear_plan(y, x, lora_a, lora_b, bias_list, output_slices)
+        plan.watch(tensors, self._plans, key)
+        if len(self._plans) >= 1024:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan
+        return plan
+
+    def _build_linear_plan(self, y, x, lora_a, lora_b, bias_list, output_slices) -> "_LinearPlan":
+        """Every check of SPEC section 6 that does not depend on the step."""
+        lora_a = as_slices("lora_a_stacked", lora_a)
+        lora_b = as_slices("lora_b_stacked", lora_b)
+        if not (len(lora_a) == len(lora_b) == len(output_slices)):
+            raise ValueError(f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
+                             f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
+        check_tensors(y=y, x=x, lora_a_stacked=lora_a, lora_b_stacked=lora_b,
+                      lora_bias_stacked=[b for b in (bias_list or ()) if b is not None])
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x
+        num_slots, rank, hidden = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
+                                                      [a.dtype for a in lora_a])
+        y2 = _token_view(y)
+        slices = checks.check_output_slices(output_slices, len(lora_b))
+        num_slots_b, _, widths = checks.check_expand((len(lora_b), x2.shape[0], rank), "float32",
+                                                     [b.shape for b in lora_b], [b.dtype for b in lora_b],
+                                                     (x2.shape[0], y2.shape[1]), y2.dtype, 0, arg_buf="x")
+        checks.check_slice_widths(slices, widths)
+        if num_slots_b != num_slots:
+            raise ValueError(f"lora_a_stacked has {num_slots} slots but lora_b_stacked has {num_slots_b}")
+        bias = None
+        if bias_list is not None:
+            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots)
+            bias = tuple(None if b is None else b.detach().reshape(num_slots, -1) for b in bias_list)
+        offsets = tuple(sum(slices[:s]) for s in range(len(slices)))
+        return _LinearPlan(hidden, num_slots, rank, tuple(to_3d(a.detach()) for a in lora_a),
+                           tuple(to_3d(b.detach()) for b in lora_b), bias, offsets,
+                           getattr(self._impl, "linear", None))
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
                         lora_b_stacked: torch.Tensor, scale: float, *, buffer: Optional[torch.Tensor] = None,
@@ -262,6 +326,33 @@ class PunicaWrapper:
         self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
                      self.indices_len[1], cut_to_y=True)
         return y
+
+
+class _LinearPlan:
+    """The checked, normalised persistent arguments of `add_lora_linear`: weights as 3-D tensors
+    sharing the caller's storage, bias as (L, n_s), slice offsets.
+
+    Lifetime: the plan holds detached views (they share storage, so in-place weight updates are
+    seen, but they do not keep the caller's tensor objects alive) and weak references to the
+    caller's tensors. It is found by the tensors' ids and accepted only if the weak references
+    still point to those very objects (ids are reused after a tensor dies); when any of them dies,
+    its callback drops the plan, releasing the storage.
+    """
+
+    __slots__ = ("_refs", "hidden", "num_slots", "rank", "lora_a", "lora_b", "bias", "offsets", "linear")
+
+    def __init__(self, hidden, num_slots, rank, lora_a, lora_b, bias, offsets, linear):
+        self._refs = ()
+        self.hidden, self.num_slots, self.rank = hidden, num_slots, rank
+        self.lora_a, self.lora_b, self.bias, self.offsets, self.linear = lora_a, lora_b, bias, offsets, linear
+
+    def watch(self, tensors, cache: dict, key) -> None:
+        def drop(_ref, cache=cache, key=key):
+            cache.pop(key, None)
+        self._refs = tuple(weakref.ref(t, drop) for t in tensors)
+
+    def refers_to(self, tensors) -> bool:
+        return len(tensors) == len(self._refs) and all(r() is t for r, t in zip(self._refs, tensors))
 
 
 def _token_view(y: torch.Tensor) -> torch.Tensor:
