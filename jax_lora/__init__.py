@@ -21,7 +21,8 @@ _EXPORTS = {
     "LoRAKernelMeta": "jax_lora.meta",
     "PunicaWrapper": "jax_lora.wrapper",
 }
-_SUBMODULES = ("ops", "nn", "meta", "mapping", "host_mapping", "checks", "wrapper")
+_SUBMODULES = ("ops", "nn", "meta", "mapping", "host_mapping", "checks", "wrapper", "models", "adapters",
+               "serving", "cli", "kernels")
 
 __all__ = list(_EXPORTS) + ["ops", "nn"]
 

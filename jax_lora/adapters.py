@@ -1,0 +1,518 @@
+"""PEFT LoRA adapters: loading (safetensors only), slot placement, and a slot manager with an LRU cache.
+
+A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, use_rslora, target_modules,
+rank_pattern, alpha_pattern, ...) and `adapter_model.safetensors` with, per targeted module `m`:
+
+  base_model.model.<m>.lora_A.weight           (r, in)        linear layers
+  base_model.model.<m>.lora_B.weight           (out, r)
+  base_model.model.<m>.lora_embedding_A        (r, vocab)     embeddings
+  base_model.model.<m>.lora_embedding_B        (dim, r)
+
+The adapter's output is `scaling * x @ A.T @ B.T` with `scaling = lora_alpha / r`
+(`lora_alpha / sqrt(r)` with use_rslora; per-module r / alpha from rank_pattern / alpha_pattern).
+Loading folds the scaling into B, so the layers run with scale 1. Pickled `adapter_model.bin` files
+are refused (they can run code when loaded).
+
+Placement: `prepare_adapter(model, adapter)` checks every tensor against the model's multi-LoRA layers
+(jax_lora.nn) and returns host arrays in slot layout, zero-padded to the layers' max_rank (ranks
+differ between adapters; padding changes no result). `AdapterManager` owns the model's slots: it
+loads adapters on demand (host LRU cache, then disk), evicts the least recently used slot not needed
+by the current batch, and writes a slot with one jitted update whose shapes never change, so
+load / unload / hot-swap never recompile the serving step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import nn as lnn
+
+__all__ = [
+    "AdapterError",
+    "AdapterManager",
+    "PeftAdapter",
+    "load_peft_adapter",
+    "merge_adapter",
+    "prepare_adapter",
+    "save_peft_adapter",
+]
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be loaded into this model (message says which tensor and why)."""
+
+
+@dataclasses.dataclass
+class PeftAdapter:
+    """A LoRA adapter in PEFT terms, weights on the host.
+
+    modules: {module name (Hugging Face path, e.g. "model.layers.0.self_attn.q_proj"):
+              (A, B, scaling, kind)} with kind "linear" (A (r, in), B (out, r)) or "embedding"
+              (A (r, vocab), B (dim, r)); scaling not yet applied.
+    """
+
+    name: str
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: Any
+    modules: dict
+    config: dict = dataclasses.field(default_factory=dict)
+    base_layer_shapes: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def max_rank(self) -> int:
+        return max(a.shape[0] for a, _, _, _ in self.modules.values())
+
+    @property
+    def ranks(self) -> set:
+        return {a.shape[0] for a, _, _, _ in self.modules.values()}
+
+
+def _pattern_value(pattern: Mapping[str, Any], module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: a key matches a module name's suffix (regex)."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _scaling(alpha: float, r: int, rslora: bool) -> float:
+    return alpha / math.sqrt(r) if rslora else alpha / r
+
+
+_KEY = re.compile(r"^(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?P<rest>(\.[^.]+)*)$")
+
+
+def load_peft_adapter(path: str, name: str | None = None) -> PeftAdapter:
+    """Reads a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors).
+
+    Raises AdapterError for a missing file, a pickled checkpoint, a non-LoRA or unsupported PEFT
+    feature (DoRA, LoRA bias, modules_to_save, fan_in_fan_out), or inconsistent tensor shapes.
+    """
+    from safetensors.numpy import load_file
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    w_path = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(cfg_path):
+        raise AdapterError(f"{path!r} is not a PEFT adapter directory: {CONFIG_NAME} is missing")
+    if not os.path.isfile(w_path):
+        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
+            raise AdapterError(f"{path!r} holds adapter_model.bin (pickle); only {WEIGHTS_NAME} is loaded. "
+                               "Re-save it with save_pretrained(..., safe_serialization=True)")
+        raise AdapterError(f"{path!r}: {WEIGHTS_NAME} is missing")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{path!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for key, bad, what in (("use_dora", True, "DoRA"), ("lora_bias", True, "LoRA bias"),
+                           ("fan_in_fan_out", True, "fan_in_fan_out (Conv1D) layers")):
+        if cfg.get(key) == bad:
+            raise AdapterError(f"{path!r}: {what} ({key}={bad}) is not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(f"{path!r}: modules_to_save={cfg['modules_to_save']} replaces whole layers per "
+                           "adapter, which multi-LoRA serving does not support")
+    r = int(cfg["r"])
+    alpha = float(cfg.get("lora_alpha", r))
+    rslora = bool(cfg.get("use_rslora", False))
+    for key in ("trainable_token_indices", "target_parameters", "layer_replication"):
+        if cfg.get(key):
+            raise AdapterError(f"{path!r}: {key}={cfg[key]!r} is not supported")
+    tensors = load_file(w_path)
+    parts: dict = collections.defaultdict(dict)
+    base_layers = {}
+    for key, value in tensors.items():
+        k = key.removeprefix("base_model.model.")
+        if k.endswith(".base_layer.weight"):
+            # PEFT saves a copy of a targeted embedding / LM head (for resized vocabularies): it is
+            # the base model's own weight; only its shape is checked against the model.
+            base_layers[k[: -len(".base_layer.weight")]] = tuple(value.shape)
+            continue
+        m = _KEY.match(k)
+        rest = m.group("rest").split(".")[1:] if m else []
+        if m is None or "bias" in rest or len(rest) > 2 or (len(rest) == 2 and rest[-1] != "weight"):
+            raise AdapterError(f"{path!r}: tensor {key!r} is not a LoRA A/B weight (unsupported PEFT feature?)")
+        parts[m.group("module")][m.group("kind")] = np.asarray(value, np.float32)
+    modules = {}
+    for module, kinds in sorted(parts.items()):
+        if set(kinds) == {"lora_A", "lora_B"}:
+            a, b, kind = kinds["lora_A"], kinds["lora_B"], "linear"
+        elif set(kinds) == {"lora_embedding_A", "lora_embedding_B"}:
+            a, b, kind = kinds["lora_embedding_A"], kinds["lora_embedding_B"], "embedding"
+        else:
+            raise AdapterError(f"{path!r}: module {module!r} has tensors {sorted(kinds)}; expected lora_A and "
+                               "lora_B (or lora_embedding_A and lora_embedding_B)")
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{path!r}: module {module!r}: A {a.shape} and B {b.shape} do not have one "
+                               "rank (A (r, in), B (out, r))")
+        r_m = int(_pattern_value(cfg.get("rank_pattern"), module, r))
+        alpha_m = float(_pattern_value(cfg.get("alpha_pattern"), module, alpha))
+        if a.shape[0] != r_m:
+            raise AdapterError(f"{path!r}: module {module!r} has rank {a.shape[0]}, but adapter_config.json "
+                               f"says r={r_m}")
+        modules[module] = (a, b, _scaling(alpha_m, r_m, rslora), kind)
+    if not modules:
+        raise AdapterError(f"{path!r}: {WEIGHTS_NAME} holds no LoRA weights")
+    return PeftAdapter(name or os.path.basename(os.path.normpath(path)), r, alpha, rslora,
+                       cfg.get("target_modules"), modules, cfg, base_layers)
+
+
+def save_peft_adapter(path: str, modules: Mapping[str, tuple], *, r: int, lora_alpha: float,
+                      use_rslora: bool = False, base_model_name_or_path: str | None = None,
+                      rank_pattern: dict | None = None) -> None:
+    """Writes an adapter in PEFT's format (what `PeftModel.save_pretrained` writes).
+
+    modules: {Hugging Face module name: (A, B)}; embeddings are recognised by name ("embed_tokens")
+    and stored as lora_embedding_A (r, vocab) / lora_embedding_B (dim, r).
+    """
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for module, (a, b) in modules.items():
+        emb = module.split(".")[-1] in ("embed_tokens", "wte", "word_embeddings")
+        ka, kb = ("lora_embedding_A", "lora_embedding_B") if emb else ("lora_A.weight", "lora_B.weight")
+        tensors[f"base_model.model.{module}.{ka}"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"base_model.model.{module}.{kb}"] = np.ascontiguousarray(b, np.float32)
+    save_file(tensors, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+    targets = sorted({m.split(".")[-1] for m in modules})
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(r), "lora_alpha": lora_alpha,
+           "use_rslora": bool(use_rslora), "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+           "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None,
+           "rank_pattern": rank_pattern or {}, "alpha_pattern": {}, "init_lora_weights": True,
+           "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+# ----------------------------------------------------------------------------- placement
+
+def _locate(module: str, layers: Mapping[str, nnx.Module], packed: Mapping[str, Sequence[str]]):
+    """(layer path, slice index) of a Hugging Face module name in the model, or None."""
+    if module in layers:
+        return module, 0
+    head, _, leaf = module.rpartition(".")
+    for packed_name, subs in packed.items():
+        if leaf in subs:
+            path = f"{head}.{packed_name}" if head else packed_name
+            if path in layers:
+                return path, list(subs).index(leaf)
+    return None
+
+
+def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
+    """Checks `adapter` against the model's multi-LoRA layers and returns slot data on the host.
+
+    Returns {layer path: (A, B)} with every layer of the model present (zeros where the adapter has
+    nothing): MultiLoRALinear A (S, max_rank, in), B (out, max_rank); MultiLoRAEmbed A (vocab,
+    max_rank), B (dim, max_rank); MultiLoRALogits A (max_rank, in), B (vocab, max_rank). Scaling is
+    folded into B. Raises AdapterError naming the module, expected and received shapes.
+    """
+    layers = lnn.lora_layers(model)
+    if not layers:
+        raise AdapterError(f"{type(model).__name__} has no multi-LoRA layers: call add_lora / "
+                           "jax_lora.nn.replace_lora_layers first")
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    out = {}
+    for path, layer in layers.items():
+        r = layer.max_rank
+        if isinstance(layer, lnn.MultiLoRALinear):
+            out[path] = (np.zeros((len(layer.output_slices), r, layer.in_features), np.float32),
+                         np.zeros((layer.out_features, r), np.float32))
+        elif isinstance(layer, lnn.MultiLoRAEmbed):
+            out[path] = (np.zeros((layer.num_embeddings, r), np.float32),
+                         np.zeros((layer.features, r), np.float32))
+        else:
+            out[path] = (np.zeros((r, layer.in_features), np.float32),
+                         np.zeros((layer.out_features, r), np.float32))
+    for module, (a, b, scaling, kind) in adapter.modules.items():
+        where = _locate(module, layers, packed)
+        if where is None:
+            raise AdapterError(f"adapter {adapter.name!r} targets {module!r}, which is not a LoRA layer of the "
+                               f"model (LoRA layers: {sorted(layers)[:6]}{' ...' if len(layers) > 6 else ''}); "
+                               "add it to the model's target modules")
+        path, s = where
+        layer = layers[path]
+        rank = a.shape[0]
+        saved = adapter.base_layer_shapes.get(module)
+        if saved is not None:
+            expect = ((layer.num_embeddings, layer.features) if isinstance(layer, lnn.MultiLoRAEmbed)
+                      else (layer.out_features, layer.in_features))
+            if tuple(saved) != expect:
+                raise AdapterError(f"adapter {adapter.name!r} was trained on a {module!r} of shape {saved} "
+                                   f"(resized vocabulary?), the model's is {expect}")
+        if rank > layer.max_rank:
+            raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: rank {rank} exceeds the model's "
+                               f"max_rank={layer.max_rank}; rebuild the LoRA layers with max_rank >= {rank}")
+        A, B = out[path]
+        bs = (b * scaling).astype(np.float32)
+        if isinstance(layer, lnn.MultiLoRALinear):
+            if kind != "linear":
+                raise AdapterError(f"adapter {adapter.name!r}: {module!r} is an embedding adapter but "
+                                   f"{path!r} is a linear layer")
+            width = layer.output_slices[s]
+            off = sum(layer.output_slices[:s])
+            if a.shape[1] != layer.in_features or b.shape[0] != width:
+                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_A {a.shape} / lora_B "
+                                   f"{b.shape} do not fit the layer: expected lora_A ({rank}, "
+                                   f"{layer.in_features}) and lora_B ({width}, {rank})")
+            A[s, :rank] = a
+            B[off:off + width, :rank] = bs
+        elif isinstance(layer, lnn.MultiLoRAEmbed):
+            if kind != "embedding":
+                raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds linear weights but {path!r} "
+                                   "is an embedding")
+            if a.shape[1] != layer.num_embeddings or b.shape[0] != layer.features:
+                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_embedding_A {a.shape} / "
+                                   f"lora_embedding_B {b.shape} do not fit the embedding: expected "
+                                   f"({rank}, {layer.num_embeddings}) and ({layer.features}, {rank})")
+            A[:, :rank] = a.T
+            B[:, :rank] = bs
+        else:
+            if kind != "linear":
+                raise AdapterError(f"adapter {adapter.name!r}: {module!r} is an embedding adapter but "
+                                   f"{path!r} is the LM head")
+            if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
+                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_A {a.shape} / lora_B "
+                                   f"{b.shape} do not fit the LM head: expected ({rank}, {layer.in_features}) "
+                                   f"and ({layer.out_features}, {rank})")
+            A[:rank] = a
+            B[:, :rank] = bs
+    return out
+
+
+def _write_slot_impl(arrays, slot, new, axes):
+    """arrays[i] with index `slot` along axes[i] replaced by new[i] (shapes never change)."""
+    out = []
+    for arr, n, ax in zip(arrays, new, axes):
+        idx = (slice(None),) * ax + (slot,)
+        out.append(arr.at[idx].set(n.astype(arr.dtype)))
+    return tuple(out)
+
+
+_write_slot = jax.jit(_write_slot_impl, static_argnames=("axes",), donate_argnums=(0,))
+
+
+class AdapterManager:
+    """Owns the adapter slots of a model with multi-LoRA layers.
+
+    Args:
+      model: the NNX model (after add_lora / replace_lora_layers). Its LoRA layers' variables are
+        updated in place (new arrays of the same shapes); `version` increases with every write.
+      host_cache_size: adapters kept prepared on the host (LRU) so a reload skips the disk.
+
+    Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
+    `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table.
+    """
+
+    def __init__(self, model: nnx.Module, *, host_cache_size: int = 8):
+        self.model = model
+        self.layers = lnn.lora_layers(model)
+        if not self.layers:
+            raise AdapterError(f"{type(model).__name__} has no multi-LoRA layers")
+        slots = {l.max_loras for l in self.layers.values()}
+        if len(slots) != 1:
+            raise AdapterError(f"the model's LoRA layers disagree on max_loras: {sorted(slots)}")
+        self.num_slots = slots.pop()
+        if host_cache_size < 1:
+            raise ValueError(f"host_cache_size must be >= 1, got {host_cache_size}")
+        self.host_cache_size = host_cache_size
+        self._sources: dict = {}                       # id -> directory or PeftAdapter
+        self._names: dict = {}
+        self._ranks: dict = {}                         # id -> the adapter's largest rank
+        self._host: collections.OrderedDict = collections.OrderedDict()   # id -> prepared (LRU)
+        self._slots: list = [None] * self.num_slots   # slot -> id
+        self._slot_use: collections.OrderedDict = collections.OrderedDict()  # id -> None, LRU order
+        self.version = 0
+        self.stats = collections.Counter()
+        self._paths = sorted(self.layers)
+        self._vars = [(self.layers[p], n) for p in self._paths for n in ("lora_a", "lora_b")]
+        self._path_by_id = {id(self.layers[p]): p for p in self._paths}
+        self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
+
+    # -------------------------------------------------------------- registry
+    def register(self, lora_id: int, adapter: str | os.PathLike | PeftAdapter, name: str | None = None) -> None:
+        """Makes `lora_id` name `adapter` (validated now). Re-registering an id hot-swaps it."""
+        if not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or lora_id <= 0:
+            raise ValueError(f"lora_id must be an int > 0 (0 means no adapter), got {lora_id!r}")
+        lora_id = int(lora_id)
+        src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
+        adapter_obj = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
+        self.stats["disk_loads" if not isinstance(src, PeftAdapter) else "prepares"] += 1
+        prepared = prepare_adapter(self.model, adapter_obj)   # fails here for a bad adapter, nothing changed
+        self._ranks[lora_id] = adapter_obj.max_rank
+        self._sources[lora_id] = src
+        self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter) else os.path.basename(src))
+        self._host.pop(lora_id, None)
+        self._cache(lora_id, prepared)
+        if lora_id in self._slots:                     # hot swap: same slot, new weights
+            self._write(self._slots.index(lora_id), prepared)
+            self.stats["hot_swaps"] += 1
+
+    def unregister(self, lora_id: int) -> None:
+        self.unload(lora_id)
+        self._sources.pop(lora_id, None)
+        self._names.pop(lora_id, None)
+        self._host.pop(lora_id, None)
+
+    @property
+    def registered(self) -> dict:
+        return dict(self._names)
+
+    # -------------------------------------------------------------- slots
+    @property
+    def lora_index_to_id(self) -> list:
+        """slot -> LoRA id or None (the wrapper's table)."""
+        return list(self._slots)
+
+    @property
+    def slot_ranks(self) -> np.ndarray:
+        """(num_slots,) int32: each slot's real rank (largest over its modules; 0 when empty).
+
+        For backends that skip rank padding (SPEC section 7, `lora_ranks`); results do not depend
+        on it, the padding is zero.
+        """
+        return np.array([self._ranks.get(i, 0) if i is not None else 0 for i in self._slots], np.int32)
+
+    def slot_of(self, lora_id: int) -> int | None:
+        return self._slots.index(lora_id) if lora_id in self._slots else None
+
+    def can_activate(self, ids: Iterable[int | None]) -> bool:
+        return len({i for i in ids if i}) <= self.num_slots
+
+    def activate(self, ids: Iterable[int | None]) -> list:
+        """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
+
+        Free slots first, then the least recently used slots whose adapter is not in `ids`.
+        Raises ValueError for an unknown id or more distinct adapters than slots.
+        """
+        need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
+        unknown = [i for i in need if i not in self._sources]
+        if unknown:
+            raise ValueError(f"LoRA ids {unknown} are not registered (registered: {sorted(self._sources)})")
+        if len(need) > self.num_slots:
+            raise ValueError(f"{len(need)} distinct adapters requested at once, but the model has "
+                             f"{self.num_slots} slots")
+        for i in need:
+            if i in self._slots:
+                self.stats["slot_hits"] += 1
+            else:
+                self._write(self._free_slot(set(need)), self._host_get(i), lora_id=i)
+            self._slot_use.pop(i, None)
+            self._slot_use[i] = None
+        return self.lora_index_to_id
+
+    def load(self, lora_id: int, adapter=None) -> int:
+        """Registers (when `adapter` is given) and activates one adapter; returns its slot."""
+        if adapter is not None:
+            self.register(lora_id, adapter)
+        self.activate([lora_id])
+        return self.slot_of(lora_id)
+
+    def unload(self, lora_id: int) -> None:
+        """Frees the adapter's slot (zeroed); it stays registered and in the host cache."""
+        if lora_id in self._slots:
+            slot = self._slots.index(lora_id)
+            self._write(slot, None)
+            self._slots[slot] = None
+            self._slot_use.pop(lora_id, None)
+            self.stats["unloads"] += 1
+
+    def _free_slot(self, keep: set) -> int:
+        if None in self._slots:
+            return self._slots.index(None)
+        for victim in self._slot_use:                  # least recently used first
+            if victim not in keep:
+                self._slot_use.pop(victim)
+                self.stats["evictions"] += 1
+                return self._slots.index(victim)
+        raise ValueError("no slot can be freed")      # unreachable: activate checked the count
+
+    # -------------------------------------------------------------- host side
+    def _prepare(self, src) -> dict:
+        adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
+        self.stats["disk_loads" if not isinstance(src, PeftAdapter) else "prepares"] += 1
+        return prepare_adapter(self.model, adapter)
+
+    def _cache(self, lora_id: int, prepared: dict) -> None:
+        self._host[lora_id] = prepared
+        self._host.move_to_end(lora_id)
+        while len(self._host) > self.host_cache_size:
+            self._host.popitem(last=False)
+            self.stats["host_evictions"] += 1
+
+    def _host_get(self, lora_id: int) -> dict:
+        if lora_id in self._host:
+            self._host.move_to_end(lora_id)
+            self.stats["host_hits"] += 1
+            return self._host[lora_id]
+        prepared = self._prepare(self._sources[lora_id])
+        self._cache(lora_id, prepared)
+        return prepared
+
+    def _write(self, slot: int, prepared: dict | None, lora_id: int | None = None) -> None:
+        """One jitted update of every LoRA variable at `slot` (zeros when prepared is None)."""
+        new = []
+        for layer, n in self._vars:
+            shape = list(getattr(layer, n).get_value().shape)
+            del shape[type(layer).slot_axis[n]]
+            if prepared is None:
+                new.append(np.zeros(shape, np.float32))
+            else:
+                new.append(prepared[self._path_by_id[id(layer)]][0 if n == "lora_a" else 1])
+        old = tuple(getattr(layer, n).get_value() for layer, n in self._vars)
+        slot_dev, new_dev = jax.device_put((np.int32(slot), tuple(new)))
+        updated = _write_slot(old, slot_dev, new_dev, axes=self._axes)
+        for (layer, n), arr in zip(self._vars, updated):
+            getattr(layer, n).set_value(arr)
+        if lora_id is not None:
+            self._slots[slot] = lora_id
+            self.stats["slot_loads"] += 1
+        self.version += 1
+
+
+
+# ----------------------------------------------------------------------------- merged weights (oracle)
+
+def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
+    """A copy of a plain model (no multi-LoRA layers) with `adapter` merged into its weights.
+
+    W' = W + scaling * B @ A for linear layers (at the slice's columns of fused layers),
+    E' = E + scaling * A.T @ B.T for embeddings. Computed in float64. This is the test oracle; the
+    serving path never merges.
+    """
+    merged = nnx.clone(model)
+    modules = {".".join(str(p) for p in path): node for path, node in nnx.iter_graph(merged)
+               if isinstance(node, (nnx.Linear, nnx.Embed))}
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    slices = model.lora_slices() if hasattr(model, "lora_slices") else {}
+    for module, (a, b, scaling, kind) in adapter.modules.items():
+        where = _locate(module, modules, packed)
+        if where is None:
+            raise AdapterError(f"adapter {adapter.name!r} targets {module!r}, which the model does not have")
+        path, s = where
+        layer = modules[path]
+        delta = scaling * (b.astype(np.float64) @ a.astype(np.float64))      # (out, in) / (dim, vocab)
+        if isinstance(layer, nnx.Embed):
+            e = np.asarray(layer.embedding.get_value(), np.float64) + delta.T
+            layer.embedding.set_value(jnp.asarray(e, layer.embedding.get_value().dtype))
+        else:
+            k = np.asarray(layer.kernel.get_value(), np.float64)                   # (in, out)
+            widths = slices.get(path.rsplit(".", 1)[-1], (k.shape[1],))
+            off = sum(widths[:s])
+            k[:, off:off + delta.shape[0]] += delta.T
+            layer.kernel.set_value(jnp.asarray(k, layer.kernel.get_value().dtype))
+    return merged

@@ -1,0 +1,408 @@
+"""A Llama-style decoder in Flax NNX with a KV cache, loading Hugging Face-format checkpoints.
+
+Module names follow the Hugging Face layout (`model.layers.3.self_attn...`) except that q/k/v and
+gate/up are fused (`qkv_proj`, `gate_up_proj`), as vLLM does: `packed_modules_mapping` says which
+Hugging Face (and PEFT) names live in which slice, so adapters for `q_proj` and `v_proj` land in
+slices 0 and 2 of `qkv_proj` (GQA: the slices have unequal widths).
+
+Math is Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half RoPE, GQA, SiLU MLP) in float32
+accumulation. Rope scaling variants are not implemented (a clear error says so).
+
+KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
+tokens' keys/values at (row, position) and attends, per query, to the row's positions <= its own.
+Writes to row index >= rows (padding) are dropped; nothing is ever read out of bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import nn as lnn
+
+__all__ = [
+    "HF_LORA_TARGETS",
+    "KVCache",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "add_lora",
+    "init_cache",
+    "load_llama",
+    "save_llama",
+]
+
+HF_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "embed_tokens", "lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The Hugging Face LlamaConfig fields this model reads (frozen: it is static in the jit key)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        scaling = d.get("rope_scaling")
+        if scaling not in (None, {}) and (scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
+            raise NotImplementedError(f"rope_scaling {scaling!r} is not supported by jax_lora's Llama")
+        if d.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {d['hidden_act']!r} is not supported (silu only)")
+        rope_theta = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs["rope_theta"] = float(rope_theta)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str) -> LlamaConfig:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+                 torch_dtype="float32", rope_scaling=None)
+        return d
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per layer keys and values, each (rows, max_len, kv_heads, head_dim)."""
+
+    k: tuple
+    v: tuple
+
+
+def init_cache(config: LlamaConfig, rows: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    shape = (rows, max_len, config.num_key_value_heads, config.head_dim)
+    n = config.num_hidden_layers
+    return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+                   tuple(jnp.zeros(shape, dtype) for _ in range(n)))
+
+
+def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Hugging Face's rotate-half RoPE. x (B, S, heads, d); positions (B, S)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq          # (B, S, d/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]         # (B, S, 1, d)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xf = x.astype(jnp.float32)
+    rot = jnp.concatenate([-xf[..., d // 2:], xf[..., : d // 2]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.qkv_proj = nnx.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.attention_bias,
+                                   dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.o_proj = nnx.Linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.attention_bias, dtype=dtype,
+                                 param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, kv=None, rows=None):
+        cfg = self.cfg
+        b, s, _ = x.shape
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = self.qkv_proj(x)
+        q = qkv[..., : cfg.q_size].reshape(b, s, nh, hd)
+        k = qkv[..., cfg.q_size: cfg.q_size + cfg.kv_size].reshape(b, s, nkv, hd)
+        v = qkv[..., cfg.q_size + cfg.kv_size:].reshape(b, s, nkv, hd)
+        q = _rope(q, positions, cfg.rope_theta)
+        k = _rope(k, positions, cfg.rope_theta)
+        if kv is None:                     # no cache: attend within the sequence (causal)
+            keys, values, key_pos = k, v, positions                          # (B, M, ...), (B, M)
+        else:
+            k_cache, v_cache = kv
+            n_rows, max_len = k_cache.shape[:2]
+            r = rows[:, None]
+            # Write first, then read: a query at position p only reads positions <= p, all written by
+            # this request (prompt now or earlier steps). Padding rows (row >= n_rows) are dropped.
+            k_cache = k_cache.at[r, positions].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[r, positions].set(v.astype(v_cache.dtype), mode="drop")
+            safe_rows = jnp.minimum(rows, n_rows - 1)
+            keys, values = k_cache[safe_rows], v_cache[safe_rows]             # (B, M, nkv, hd)
+            key_pos = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
+            kv = (k_cache, v_cache)
+        g = nh // nkv
+        qf = q.astype(jnp.float32).reshape(b, s, nkv, g, hd)
+        scores = jnp.einsum("bsngd,bmnd->bngsm", qf, keys.astype(jnp.float32)) / math.sqrt(hd)
+        mask = key_pos[:, None, :] <= positions[:, :, None]                 # (B, S, M)
+        scores = jnp.where(mask[:, None, None], scores, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bngsm,bmnd->bsngd", probs, values.astype(jnp.float32))
+        out = out.reshape(b, s, nh * hd).astype(x.dtype)
+        return self.o_proj(out), kv
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nnx.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, use_bias=cfg.mlp_bias,
+                                       dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.down_proj = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
+                                    dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        gu = self.gate_up_proj(x)
+        i = self.intermediate_size
+        return self.down_proj(jax.nn.silu(gu[..., :i]) * gu[..., i:])
+
+
+class RMSNorm(nnx.Module):
+    """Hugging Face's LlamaRMSNorm: normalise in float32, then scale by `weight`."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight.get_value() * xf.astype(x.dtype)
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = LlamaMLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, kv=None, rows=None):
+        h, kv = self.self_attn(self.input_layernorm(x), positions, kv, rows)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                      rngs=rngs)
+        self.layers = nnx.List([LlamaDecoderLayer(cfg, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama decoder + LM head.
+
+    __call__(tokens (B, S) int32, positions (B, S) int32, cache=None, rows=None, sample_idx=None)
+      -> (logits, cache). With `sample_idx` (B,) the logits are (B, V) at those positions (the
+      sampled rows: the LoRA LM head is indexed per sampled row); without, (B, S, V) at every
+      position. With `cache` (a KVCache) and `rows` (B,) the step reads and writes cache rows.
+    """
+
+    packed_modules_mapping: ClassVar[dict] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.model = LlamaModel(config, dtype=dtype, rngs=rngs)
+        self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
+            config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+    def lora_slices(self) -> dict:
+        c = self.config
+        return {"qkv_proj": (c.q_size, c.kv_size, c.kv_size),
+                "gate_up_proj": (c.intermediate_size, c.intermediate_size)}
+
+    def __call__(self, tokens, positions, cache: KVCache | None = None, rows=None, sample_idx=None):
+        x = self.model.embed_tokens(tokens)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.model.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, kv = layer(x, positions, kv, rows)
+            if cache is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        x = self.model.norm(x)
+        if sample_idx is not None:
+            x = jnp.take_along_axis(x, sample_idx[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return logits.astype(jnp.float32), (None if cache is None else KVCache(tuple(new_k), tuple(new_v)))
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
+             target_modules: Sequence[str] = HF_LORA_TARGETS, dtype=None) -> dict:
+    """Replaces the layers that `target_modules` (Hugging Face / PEFT names) name by multi-LoRA layers.
+
+    q/k/v_proj select `qkv_proj`, gate/up_proj select `gate_up_proj` (all slices get slots; an
+    adapter that targets only some of them has zeros in the others). Returns {path: layer}.
+    """
+    unknown = [t for t in target_modules if t not in HF_LORA_TARGETS]
+    if unknown:
+        raise ValueError(f"target_modules {unknown} are not LoRA-targetable Llama layers {HF_LORA_TARGETS}")
+    ours = set()
+    for t in target_modules:
+        packed = [p for p, subs in model.packed_modules_mapping.items() if t in subs]
+        ours.add(packed[0] if packed else t)
+    if "lm_head" in ours and model.lm_head is None:
+        raise ValueError("lm_head is tied to embed_tokens in this model (tie_word_embeddings=True); "
+                         "LoRA on a tied lm_head is not supported")
+    return lnn.replace_lora_layers(model, sorted(ours), max_loras=max_loras, max_rank=max_rank,
+                                   output_slices=model.lora_slices(), dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def _read_safetensors_dir(model_dir: str) -> dict:
+    from safetensors.numpy import load_file
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(model_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{model_dir} has no model.safetensors or model.safetensors.index.json "
+                                "(only safetensors checkpoints are loaded; pickled .bin files are refused)")
+    out = {}
+    for fn in files:
+        out.update(load_file(os.path.join(model_dir, fn)))
+    return out
+
+
+def load_llama(model_dir: str, *, dtype=jnp.float32) -> LlamaForCausalLM:
+    """Builds the model from `config.json` and Hugging Face-format safetensors in `model_dir`."""
+    cfg = LlamaConfig.from_json(os.path.join(model_dir, "config.json"))
+    weights = _read_safetensors_dir(model_dir)
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    used = set()
+
+    def get(name, shape):
+        if name not in weights:
+            raise ValueError(f"checkpoint {model_dir} lacks tensor {name!r}")
+        w = weights[name]
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)} "
+                             "from config.json")
+        used.add(name)
+        return np.asarray(w, np.float32)
+
+    def put(var, value):
+        var.set_value(jnp.asarray(value, dtype))
+
+    c = cfg
+    put(model.model.embed_tokens.embedding, get("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        at = layer.self_attn
+        q = get(p + "self_attn.q_proj.weight", (c.q_size, c.hidden_size))
+        k = get(p + "self_attn.k_proj.weight", (c.kv_size, c.hidden_size))
+        v = get(p + "self_attn.v_proj.weight", (c.kv_size, c.hidden_size))
+        put(at.qkv_proj.kernel, np.concatenate([q, k, v]).T)
+        put(at.o_proj.kernel, get(p + "self_attn.o_proj.weight", (c.hidden_size, c.q_size)).T)
+        if c.attention_bias:
+            put(at.qkv_proj.bias, np.concatenate([get(p + f"self_attn.{n}_proj.bias", (s,)) for n, s in
+                                                  (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size))]))
+            put(at.o_proj.bias, get(p + "self_attn.o_proj.bias", (c.hidden_size,)))
+        g = get(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
+        u = get(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
+        put(layer.mlp.gate_up_proj.kernel, np.concatenate([g, u]).T)
+        put(layer.mlp.down_proj.kernel, get(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)).T)
+        if c.mlp_bias:
+            put(layer.mlp.gate_up_proj.bias, np.concatenate([get(p + "mlp.gate_proj.bias", (c.intermediate_size,)),
+                                                             get(p + "mlp.up_proj.bias", (c.intermediate_size,))]))
+            put(layer.mlp.down_proj.bias, get(p + "mlp.down_proj.bias", (c.hidden_size,)))
+        put(layer.input_layernorm.weight, get(p + "input_layernorm.weight", (c.hidden_size,)))
+        put(layer.post_attention_layernorm.weight, get(p + "post_attention_layernorm.weight", (c.hidden_size,)))
+    put(model.model.norm.weight, get("model.norm.weight", (c.hidden_size,)))
+    if model.lm_head is not None:
+        put(model.lm_head.kernel, get("lm_head.weight", (c.vocab_size, c.hidden_size)).T)
+    extra = sorted(set(weights) - used - {"lm_head.weight"})
+    extra = [e for e in extra if "rotary_emb.inv_freq" not in e]
+    if extra:
+        raise ValueError(f"checkpoint {model_dir} has tensors this Llama does not use: {extra[:5]}")
+    return model
+
+
+def save_llama(model: LlamaForCausalLM, model_dir: str) -> None:
+    """Writes `config.json` and `model.safetensors` in the Hugging Face layout (unfused q/k/v etc.)."""
+    from safetensors.numpy import save_file
+    os.makedirs(model_dir, exist_ok=True)
+    c = model.config
+    out = {}
+
+    def arr(var):
+        return np.asarray(var.get_value(), np.float32)
+
+    def base(layer):  # the plain layer under a multi-LoRA wrapper
+        return getattr(layer, "base", layer)
+
+    out["model.embed_tokens.weight"] = arr(base(model.model.embed_tokens).embedding)
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        qkv = arr(base(layer.self_attn.qkv_proj).kernel).T
+        out[p + "self_attn.q_proj.weight"] = qkv[: c.q_size]
+        out[p + "self_attn.k_proj.weight"] = qkv[c.q_size: c.q_size + c.kv_size]
+        out[p + "self_attn.v_proj.weight"] = qkv[c.q_size + c.kv_size:]
+        out[p + "self_attn.o_proj.weight"] = arr(base(layer.self_attn.o_proj).kernel).T
+        gu = arr(base(layer.mlp.gate_up_proj).kernel).T
+        out[p + "mlp.gate_proj.weight"] = gu[: c.intermediate_size]
+        out[p + "mlp.up_proj.weight"] = gu[c.intermediate_size:]
+        out[p + "mlp.down_proj.weight"] = arr(base(layer.mlp.down_proj).kernel).T
+        if c.attention_bias:
+            qkv_b = arr(base(layer.self_attn.qkv_proj).bias)
+            out[p + "self_attn.q_proj.bias"] = qkv_b[: c.q_size]
+            out[p + "self_attn.k_proj.bias"] = qkv_b[c.q_size: c.q_size + c.kv_size]
+            out[p + "self_attn.v_proj.bias"] = qkv_b[c.q_size + c.kv_size:]
+            out[p + "self_attn.o_proj.bias"] = arr(base(layer.self_attn.o_proj).bias)
+        if c.mlp_bias:
+            gu_b = arr(base(layer.mlp.gate_up_proj).bias)
+            out[p + "mlp.gate_proj.bias"] = gu_b[: c.intermediate_size]
+            out[p + "mlp.up_proj.bias"] = gu_b[c.intermediate_size:]
+            out[p + "mlp.down_proj.bias"] = arr(base(layer.mlp.down_proj).bias)
+        out[p + "input_layernorm.weight"] = arr(layer.input_layernorm.weight)
+        out[p + "post_attention_layernorm.weight"] = arr(layer.post_attention_layernorm.weight)
+    out["model.norm.weight"] = arr(model.model.norm.weight)
+    if model.lm_head is not None:
+        out["lm_head.weight"] = arr(base(model.lm_head).kernel).T
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, os.path.join(model_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(c.to_dict(), f, indent=2)

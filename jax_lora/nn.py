@@ -1,0 +1,275 @@
+"""Flax NNX multi-adapter layers driven by the PunicaWrapper (SPEC sections 5 and 8).
+
+Every layer keeps its base layer (`.base`, an `nnx.Linear` / `nnx.Embed`, untouched) and adds the
+stacked per-slot adapter weights as `LoRAWeight` variables, in the layouts the wrapper takes:
+
+  MultiLoRALinear   lora_a (S, L, r, in)   lora_b (L, out, r)    slices of out: `output_slices`
+  MultiLoRAEmbed    lora_a (L, V, r)       lora_b (L, D, r)      (PEFT lora_embedding_A.T / _B)
+  MultiLoRALogits   lora_a (L, r, H)       lora_b (L, V, r)      the LM head, on sampled rows
+
+with L = max_loras slots, r = max_rank (a smaller adapter rank is zero-padded), S = number of
+slices of a fused projection (QKV, gate_up; widths may differ). The adapter scaling is folded into
+`lora_b` when an adapter is loaded (jax_lora.adapters), so the layers call the wrapper with scale 1.
+
+Which adapter each token uses is not a module attribute: it is the wrapper of the current step,
+installed with `punica_context(wrapper)` around the model call (inside `jax.jit`, where the wrapper
+is a traced argument) or passed as `punica=` to a layer. Without a wrapper a layer computes its base
+layer only, so the same model serves the "no adapters" baseline.
+
+`replace_lora_layers(model, targets, ...)` swaps the targeted `nnx.Linear` / `nnx.Embed` layers of any
+NNX model for these layers, in place. Filter the adapter state with `nnx.state(model, LoRAWeight)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import numbers
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = [
+    "LORA_LAYER_TYPES",
+    "LoRAWeight",
+    "MultiLoRAEmbed",
+    "MultiLoRALinear",
+    "MultiLoRALogits",
+    "current_punica",
+    "lora_layers",
+    "punica_context",
+    "replace_lora_layers",
+]
+
+_ACTIVE = contextvars.ContextVar("jax_lora_punica", default=None)
+
+
+class LoRAWeight(nnx.Variable):
+    """Stacked per-slot adapter weights: served, not trained (filter with `nnx.state(m, LoRAWeight)`)."""
+
+
+@contextlib.contextmanager
+def punica_context(wrapper) -> Iterator[Any]:
+    """Makes `wrapper` (a PunicaWrapper, or None for base-only) the one the LoRA layers use.
+
+    Use it inside the jitted step around the model call; the wrapper there is a traced pytree.
+    """
+    token = _ACTIVE.set(wrapper)
+    try:
+        yield wrapper
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current_punica():
+    """The wrapper installed by the innermost `punica_context`, or None."""
+    return _ACTIVE.get()
+
+
+def _pick(punica):
+    return punica if punica is not None else _ACTIVE.get()
+
+
+def _check_int(name: str, v: int) -> int:
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return int(v)
+
+
+class MultiLoRALinear(nnx.Module):
+    """An `nnx.Linear` plus one adapter per token, with fused output slices.
+
+    Args:
+      base: the layer (kernel (in, out)); kept as `self.base`.
+      max_loras: slots L. max_rank: r (adapters of smaller rank are zero-padded).
+      output_slices: widths of the fused outputs (q, k, v / gate, up), summing to `out`; default
+        one slice. dtype: of the adapter weights (default: the base kernel's).
+
+    __call__(x (..., in), punica=None) -> (..., out): `base(x)` plus, per token t with slot
+    i = idx[t] >= 0, `x[t] @ A_s[i].T @ B_s[i].T` at each slice's columns (the wrapper's
+    add_lora_linear with scale 1: the scaling is folded into B).
+    """
+
+    def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int,
+                 output_slices: Sequence[int] | None = None, dtype=None):
+        if not isinstance(base, nnx.Linear):
+            raise TypeError(f"base must be an nnx.Linear, got {type(base).__name__}")
+        self.base = base
+        self.in_features = int(base.in_features)
+        self.out_features = int(base.out_features)
+        slices = tuple(int(s) for s in output_slices) if output_slices else (self.out_features,)
+        if any(s < 1 for s in slices) or sum(slices) != self.out_features:
+            raise ValueError(f"output_slices {slices} must be positive widths summing to the layer's "
+                             f"out_features={self.out_features}")
+        self.output_slices = slices
+        self.max_loras = max_loras = _check_int("max_loras", max_loras)
+        self.max_rank = max_rank = _check_int("max_rank", max_rank)
+        dtype = dtype or base.kernel.get_value().dtype
+        self.lora_a = LoRAWeight(jnp.zeros((len(slices), max_loras, max_rank, self.in_features), dtype))
+        self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
+
+    def __call__(self, x: jax.Array, punica=None) -> jax.Array:
+        y = self.base(x)
+        w = _pick(punica)
+        if w is None:
+            return y
+        a, b = self.lora_a.get_value(), self.lora_b.get_value()
+        lora_a = tuple(a[s] for s in range(len(self.output_slices)))
+        lora_b, off = [], 0
+        for n in self.output_slices:
+            lora_b.append(b[:, off:off + n, :])
+            off += n
+        return w.add_lora_linear(y, x, lora_a, tuple(lora_b), None, 1.0, self.output_slices)
+
+    slot_axis: ClassVar[dict] = {"lora_a": 1, "lora_b": 0}
+
+
+class MultiLoRAEmbed(nnx.Module):
+    """An `nnx.Embed` plus one adapter per token.
+
+    The token's LoRA-A row is looked up in the flattened (L * V, r) table at `id + slot * V` (the
+    wrapper's `embeddings_indices[1]`), then the wrapper's add_lora_embedding adds `row @ B[slot].T`.
+    Tokens without adapter keep the base embedding.
+    """
+
+    def __init__(self, base: nnx.Embed, *, max_loras: int, max_rank: int, dtype=None):
+        if not isinstance(base, nnx.Embed):
+            raise TypeError(f"base must be an nnx.Embed, got {type(base).__name__}")
+        self.base = base
+        self.num_embeddings = int(base.num_embeddings)
+        self.features = int(base.features)
+        self.max_loras = max_loras = _check_int("max_loras", max_loras)
+        self.max_rank = max_rank = _check_int("max_rank", max_rank)
+        dtype = dtype or base.embedding.get_value().dtype
+        self.lora_a = LoRAWeight(jnp.zeros((max_loras, self.num_embeddings, max_rank), dtype))
+        self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.features, max_rank), dtype))
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """The base embedding's `attend` (tied LM heads): adapters do not apply here."""
+        return self.base.attend(query)
+
+    def __call__(self, ids: jax.Array, punica=None) -> jax.Array:
+        y = self.base(ids)
+        w = _pick(punica)
+        if w is None:
+            return y
+        flat = ids.reshape(-1).astype(jnp.int32)
+        t = flat.shape[0]
+        offsets = w.embeddings_indices[1]
+        if offsets.shape[0] < t:
+            raise ValueError(f"ids has {t} tokens but the wrapper's mapping has {offsets.shape[0]}")
+        table = self.lora_a.get_value().reshape(self.max_loras * self.num_embeddings, self.max_rank)
+        # Slot offsets are < L * V by construction; clip anyway so no read is out of bounds.
+        rows = jnp.take(table, flat + offsets[:t], axis=0, mode="clip")
+        out = w.add_lora_embedding(y.reshape(t, self.features), rows.astype(y.dtype), self.lora_b.get_value())
+        return out.reshape(y.shape)
+
+    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0}
+
+
+class MultiLoRALogits(nnx.Module):
+    """The LM head (an `nnx.Linear` hidden -> vocab) plus one adapter per sampled row.
+
+    __call__(h (R, H)) -> (R, V): rows are the sampled rows of the step, in the order of the
+    mapping's `prompt_mapping` (the wrapper's sampler indices; add_lora_logits).
+    """
+
+    def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int, dtype=None):
+        if not isinstance(base, nnx.Linear):
+            raise TypeError(f"base must be an nnx.Linear, got {type(base).__name__}")
+        self.base = base
+        self.in_features = int(base.in_features)
+        self.out_features = int(base.out_features)
+        self.max_loras = max_loras = _check_int("max_loras", max_loras)
+        self.max_rank = max_rank = _check_int("max_rank", max_rank)
+        dtype = dtype or base.kernel.get_value().dtype
+        self.lora_a = LoRAWeight(jnp.zeros((max_loras, max_rank, self.in_features), dtype))
+        self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
+
+    def __call__(self, h: jax.Array, punica=None) -> jax.Array:
+        y = self.base(h)
+        w = _pick(punica)
+        if w is None:
+            return y
+        h2 = h.reshape(-1, h.shape[-1])
+        out = w.add_lora_logits(y.reshape(h2.shape[0], -1), h2, self.lora_a.get_value(), self.lora_b.get_value(), 1.0)
+        return out.reshape(y.shape)
+
+    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0}
+
+
+LORA_LAYER_TYPES = (MultiLoRALinear, MultiLoRAEmbed, MultiLoRALogits)
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _matches(name: str, leaf: str, targets: str | Sequence[str]) -> bool:
+    """PEFT's rule: a string is a regex over the full name; a list matches the last name part(s)."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) or leaf == t for t in targets)
+
+
+def lora_layers(model: nnx.Module) -> dict[str, nnx.Module]:
+    """The multi-LoRA layers of `model`, by dotted path ("model.layers.0.self_attn.qkv_proj")."""
+    return {_path_str(p): node for p, node in nnx.iter_graph(model) if isinstance(node, LORA_LAYER_TYPES)}
+
+
+def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], *, max_loras: int,
+                        max_rank: int, output_slices: Mapping[str, Sequence[int]] | None = None,
+                        logits_modules: Sequence[str] = ("lm_head",), dtype=None) -> dict[str, nnx.Module]:
+    """Replaces the targeted layers of an NNX model by multi-adapter layers, in place.
+
+    Args:
+      model: any NNX module tree (attributes, nnx.List, nnx.Dict).
+      target_modules: layer names (a list matches a path's last part(s), as PEFT) or one regex over
+        the dotted path. `nnx.Linear` -> MultiLoRALinear (MultiLoRALogits for `logits_modules`),
+        `nnx.Embed` -> MultiLoRAEmbed.
+      max_loras, max_rank: slots and the largest adapter rank the slots hold.
+      output_slices: {layer name (last part) or full path: slice widths} for fused projections.
+      dtype: adapter weight dtype (default: each base layer's).
+
+    Returns {path: new layer}. Raises ValueError when nothing matches (a typo should not silently
+    give a model without adapters).
+    """
+    output_slices = dict(output_slices or {})
+    found = []
+    nodes = list(nnx.iter_graph(model))
+    inside = [p for p, n in nodes if isinstance(n, LORA_LAYER_TYPES)]   # already multi-LoRA: skip their bases
+    for path, node in nodes:
+        if not path or not isinstance(node, (nnx.Linear, nnx.Embed)) or isinstance(node, LORA_LAYER_TYPES):
+            continue
+        if any(tuple(path[:len(p)]) == tuple(p) for p in inside):
+            continue
+        name, leaf = _path_str(path), str(path[-1])
+        if _matches(name, leaf, target_modules):
+            found.append((path, node))
+    if not found:
+        raise ValueError(f"target_modules {target_modules!r} match no nnx.Linear / nnx.Embed layer of "
+                         f"{type(model).__name__}")
+    replaced = {}
+    for path, node in found:
+        name, leaf = _path_str(path), str(path[-1])
+        if isinstance(node, nnx.Embed):
+            new = MultiLoRAEmbed(node, max_loras=max_loras, max_rank=max_rank, dtype=dtype)
+        elif leaf in logits_modules:
+            new = MultiLoRALogits(node, max_loras=max_loras, max_rank=max_rank, dtype=dtype)
+        else:
+            slices = output_slices.get(name, output_slices.get(leaf))
+            new = MultiLoRALinear(node, max_loras=max_loras, max_rank=max_rank, output_slices=slices,
+                                  dtype=dtype)
+        parent = model
+        for p in path[:-1]:
+            parent = parent[p] if isinstance(p, int) or not hasattr(parent, str(p)) else getattr(parent, p)
+        if isinstance(path[-1], int):
+            parent[path[-1]] = new
+        else:
+            setattr(parent, path[-1], new)
+        replaced[name] = new
+    return replaced

@@ -1,0 +1,305 @@
+"""A jax.jit serving loop: continuous batching of requests that each name an adapter (or none).
+
+Per step, on the host: pick the rows, build a LoRAMapping (LoRA id per token and per sampled row),
+`PunicaWrapper.update_metadata` (host NumPy, one upload, one jitted metadata build). On the device:
+one jitted call `step(state, cache, wrapper, tokens, positions, rows, sample_idx)` that runs the
+model with `jax_lora.nn.punica_context(wrapper)`, samples greedily and returns the new KV cache
+(the old one is donated), the next tokens and the logits. Nothing inside the step reads back to the
+host; between steps the host reads the (rows,) next tokens to schedule the next step.
+
+Shapes are bucketed, so one compiled program serves every step of a bucket:
+  prefill: (rows, length) with rows = max(next power of two of the admitted requests,
+           min_prefill_rows = 8 by default, the seed's rule), capped at max_seqs; length =
+           max(min_prefill_len, next power of two of the longest prompt);
+  decode:  (max_seqs, 1), every row (free rows write nowhere: their row index is out of range and
+           their writes are dropped).
+The wrapper's buffers have fixed lengths (the prompt mapping padded by the seed's rule, max(next
+power of two, 8) rows); padded tokens and rows use LoRA id 0 (no adapter) and never change real rows.
+Adapters are swapped by AdapterManager between steps with same-shape writes: no recompilation.
+`compile_count` counts the compiled step programs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import nn as lnn
+from .adapters import AdapterManager
+from .host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
+from .models.llama import init_cache
+from .wrapper import PunicaWrapper
+
+__all__ = ["Completion", "Request", "ServingEngine"]
+
+
+@dataclasses.dataclass
+class Request:
+    """prompt: token ids; lora_id: registered adapter id, or None / 0 for the base model."""
+
+    prompt: Sequence[int]
+    lora_id: int | None = None
+    max_new_tokens: int = 16
+    request_id: Any = None
+    eos_token_id: int | None = None
+
+
+@dataclasses.dataclass
+class Completion:
+    """tokens: the generated ids. logits: (len(tokens), vocab) float32 when the engine keeps logits."""
+
+    request_id: Any
+    prompt: list
+    lora_id: int | None
+    tokens: list
+    logits: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class _Seq:
+    req: Request
+    index: int
+    row: int
+    tokens: list = dataclasses.field(default_factory=list)
+    logits: list = dataclasses.field(default_factory=list)
+
+    @property
+    def lora(self) -> int:
+        return int(self.req.lora_id or 0)
+
+    @property
+    def done(self) -> bool:
+        eos = self.req.eos_token_id
+        return len(self.tokens) >= self.req.max_new_tokens or (eos is not None and bool(self.tokens)
+                                                               and self.tokens[-1] == eos)
+
+
+def _step(graphdef, state, cache, punica, tokens, positions, rows, sample_idx, use_lora):
+    model = nnx.merge(graphdef, state)
+    with lnn.punica_context(punica if use_lora else None):
+        logits, cache = model(tokens, positions, cache=cache, rows=rows, sample_idx=sample_idx)
+    return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+
+class ServingEngine:
+    """Greedy generation for many requests, each with its own adapter, through one jitted step.
+
+    Args:
+      model: a LlamaForCausalLM (jax_lora.models) after `add_lora` (or a plain one: base only).
+      adapters: the AdapterManager of `model` (None: no adapters).
+      max_seqs: rows of the KV cache = most requests in flight.
+      max_len: positions per row (prompt + generated tokens must fit).
+      max_prefill_tokens: most tokens (padded rows x padded length) in one prefill step.
+      min_prefill_len: smallest prefill length bucket.
+      min_prefill_rows: smallest prefill row bucket (default 8, the seed's MIN_NUM_SEQS; capped at
+        max_seqs): fewer buckets, fewer compilations.
+      keep_logits: return each generated token's logits (for verification).
+      backend: the PunicaWrapper backend (None: the device's default).
+    """
+
+    def __init__(self, model: nnx.Module, adapters: AdapterManager | None = None, *, max_seqs: int = 8,
+                 max_len: int = 256, max_prefill_tokens: int = 512, min_prefill_len: int = 16,
+                 min_prefill_rows: int = MIN_NUM_SEQS, keep_logits: bool = False, backend: str | None = None):
+        if adapters is not None and adapters.model is not model:
+            raise ValueError("adapters must be the AdapterManager of this model")
+        self.model = model
+        self.config = model.config
+        self.adapters = adapters
+        self.max_seqs, self.max_len = int(max_seqs), int(max_len)
+        self.max_prefill_tokens, self.min_prefill_len = int(max_prefill_tokens), int(min_prefill_len)
+        if self.max_prefill_tokens < self.min_prefill_len:
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens} < min_prefill_len={min_prefill_len}")
+        self.min_prefill_rows = max(1, int(min_prefill_rows))
+        self.keep_logits = keep_logits
+        self.graphdef, self._state = nnx.split(model)
+        self._state_version = adapters.version if adapters is not None else 0
+        self.cache = init_cache(self.config, self.max_seqs, self.max_len)
+        capacity = max(self.max_prefill_tokens, self.max_seqs)
+        self.punica = None
+        if adapters is not None:
+            self.punica = PunicaWrapper(capacity, capacity, None, max_loras=adapters.num_slots, backend=backend)
+        # The graph definition is closed over, not a static argument: hashing it on every call
+        # costs more than the step at small sizes.
+        self._jit_step = jax.jit(functools.partial(_step, self.graphdef), static_argnums=(7,), donate_argnums=(1,))
+        self.last_stats: dict = {}
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def compile_count(self) -> int:
+        """Compiled step programs so far (one per bucket and LoRA on/off)."""
+        return self._jit_step._cache_size()
+
+    def _bucket_len(self, n: int) -> int:
+        return min(max(self.min_prefill_len, next_power_of_two(n)), self.max_len)
+
+    def prefill_shape(self, num_seqs: int, longest_prompt: int) -> tuple | None:
+        """The (rows, length) bucket of a prefill step, or None when it exceeds max_prefill_tokens.
+
+        length = max(min_prefill_len, next_pow2(longest)) capped at max_len; rows = max(next_pow2(n),
+        min_prefill_rows), capped at max_seqs and at the largest power of two that keeps
+        rows * length <= max_prefill_tokens.
+        """
+        s = self._bucket_len(longest_prompt)
+        cap = self.max_prefill_tokens // s
+        if cap < 1:
+            return None
+        cap = 1 << (cap.bit_length() - 1)                      # largest power of two <= cap
+        b = min(max(next_power_of_two(num_seqs), self.min_prefill_rows), self.max_seqs, cap)
+        return (b, s) if b >= num_seqs else None
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, reqs: Sequence[Request], use_lora: bool) -> None:
+        vocab = self.config.vocab_size
+        for i, r in enumerate(reqs):
+            n = len(r.prompt)
+            if n == 0:
+                raise ValueError(f"request {i}: empty prompt")
+            if r.max_new_tokens < 1:
+                raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            if n + r.max_new_tokens > self.max_len:
+                raise ValueError(f"request {i}: prompt ({n}) + max_new_tokens ({r.max_new_tokens}) exceeds "
+                                 f"max_len={self.max_len}")
+            if self._bucket_len(n) > self.max_prefill_tokens:
+                raise ValueError(f"request {i}: prompt of {n} tokens does not fit max_prefill_tokens="
+                                 f"{self.max_prefill_tokens}")
+            p = np.asarray(r.prompt)
+            if p.min() < 0 or p.max() >= vocab:
+                raise ValueError(f"request {i}: token ids must be in [0, {vocab}), got {p.min()}..{p.max()}")
+            if use_lora and r.lora_id:
+                if self.adapters is None:
+                    raise ValueError(f"request {i} names adapter {r.lora_id} but the engine has no adapters")
+                if r.lora_id not in self.adapters.registered:
+                    raise ValueError(f"request {i}: LoRA id {r.lora_id} is not registered "
+                                     f"(registered: {sorted(self.adapters.registered)})")
+
+    # ------------------------------------------------------------------ steps
+    def _run(self, tokens, positions, rows, sample_idx, token_ids, row_ids, is_prefill, use_lora):
+        if self.adapters is not None and self.adapters.version != self._state_version:
+            self._state = nnx.state(self.model)
+            self._state_version = self.adapters.version
+        punica = None
+        if use_lora:
+            self.punica.update_metadata(LoRAMapping(token_ids, row_ids, is_prefill),
+                                        self.adapters.lora_index_to_id, self.adapters.num_slots + 1,
+                                        self.config.vocab_size)
+            punica = self.punica
+        # One explicit upload of the step's inputs (so a transfer guard can prove there is no other).
+        tokens, positions, rows, sample_idx = jax.device_put((tokens, positions, rows, sample_idx))
+        self.cache, next_tok, logits = self._jit_step(self._state, self.cache, punica, tokens, positions, rows,
+                                                      sample_idx, use_lora)
+        return next_tok, logits
+
+    def _prefill(self, seqs: list, use_lora: bool):
+        b, s = self.prefill_shape(len(seqs), max(len(q.req.prompt) for q in seqs))
+        tokens = np.zeros((b, s), np.int32)
+        positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
+        rows = np.full(b, self.max_seqs, np.int32)          # padding rows: out of range, writes dropped
+        sample = np.zeros(b, np.int32)
+        token_ids = np.zeros((b, s), np.int32)
+        row_ids = np.zeros(b, np.int32)
+        for i, q in enumerate(seqs):
+            n = len(q.req.prompt)
+            tokens[i, :n] = q.req.prompt
+            rows[i], sample[i], row_ids[i] = q.row, n - 1, q.lora
+            token_ids[i, :n] = q.lora                          # padded tokens: no adapter
+        next_tok, logits = self._run(tokens, positions, rows, sample, token_ids.reshape(-1), row_ids, True, use_lora)
+        return [(q, i) for i, q in enumerate(seqs)], next_tok, logits
+
+    def _decode(self, by_row: list, use_lora: bool):
+        m = self.max_seqs
+        tokens = np.zeros((m, 1), np.int32)
+        positions = np.zeros((m, 1), np.int32)
+        rows = np.full(m, m, np.int32)
+        ids = np.zeros(m, np.int32)
+        live = []
+        for r, q in enumerate(by_row):
+            if q is None or q.done:
+                continue
+            tokens[r, 0] = q.tokens[-1]
+            positions[r, 0] = len(q.req.prompt) + len(q.tokens) - 1
+            rows[r], ids[r] = r, q.lora
+            live.append((q, r))
+        if not live:
+            return
+        next_tok, logits = self._run(tokens, positions, rows, np.zeros(m, np.int32), ids, ids, False, use_lora)
+        self._collect(live, next_tok, logits)
+
+    def _collect(self, pairs, next_tok, logits):
+        # The one read-back, between steps (explicit, like every transfer of the loop).
+        toks, lg = jax.device_get((next_tok, logits if self.keep_logits else None))
+        for q, i in pairs:
+            q.tokens.append(int(toks[i]))
+            if lg is not None:
+                q.logits.append(lg[i])
+
+    # ------------------------------------------------------------------ public
+    def generate(self, requests: Iterable[Request], *, use_lora: bool = True,
+                 progress: Callable[[int, int], None] | None = None) -> list:
+        """Serves `requests` to completion (greedy); returns Completions in request order.
+
+        use_lora=False serves every request with the base model (adapter ids ignored; the "no
+        adapters" baseline). progress(done, total) is called as requests finish.
+        """
+        reqs = list(requests)
+        use_lora = bool(use_lora and self.adapters is not None)
+        self._check(reqs, use_lora)
+        waiting = collections.deque(range(len(reqs)))
+        by_row: list = [None] * self.max_seqs
+        done: dict = {}
+        steps = generated = 0
+        t0 = time.perf_counter()
+        while waiting or any(q is not None for q in by_row):
+            admitted = []
+            free = [r for r, q in enumerate(by_row) if q is None]
+            running = {q.lora for q in by_row if q is not None} if use_lora else set()
+            while waiting and len(admitted) < len(free):
+                req = reqs[waiting[0]]
+                lora = int(req.lora_id or 0) if use_lora else 0
+                ids = running | {q.lora for q in admitted} | {lora}
+                if use_lora and not self.adapters.can_activate(ids):
+                    break
+                longest = max([len(req.prompt)] + [len(q.req.prompt) for q in admitted])
+                if self.prefill_shape(len(admitted) + 1, longest) is None:
+                    break
+                seq = _Seq(req if use_lora else dataclasses.replace(req, lora_id=None), waiting.popleft(),
+                           free[len(admitted)])
+                admitted.append(seq)
+            if not admitted and len(free) == self.max_seqs:
+                raise RuntimeError(f"request {waiting[0]} cannot be admitted into an empty batch")
+            if admitted:
+                if use_lora:
+                    self.adapters.activate(running | {q.lora for q in admitted})
+                for q in admitted:
+                    by_row[q.row] = q
+                pairs, next_tok, logits = self._prefill(admitted, use_lora)
+                self._collect(pairs, next_tok, logits)
+                steps += 1
+            if any(q is not None and not q.done for q in by_row):
+                self._decode(by_row, use_lora)
+                steps += 1
+            for r, q in enumerate(by_row):
+                if q is not None and q.done:
+                    done[q.index] = q
+                    generated += len(q.tokens)
+                    by_row[r] = None
+                    if progress is not None:
+                        progress(len(done), len(reqs))
+        seconds = time.perf_counter() - t0
+        self.last_stats = {"requests": len(reqs), "generated_tokens": generated, "steps": steps,
+                           "seconds": seconds, "tokens_per_s": generated / seconds if seconds > 0 else 0.0}
+        out = []
+        for i in range(len(reqs)):
+            q = done[i]
+            out.append(Completion(reqs[i].request_id if reqs[i].request_id is not None else i,
+                                  list(reqs[i].prompt), reqs[i].lora_id if use_lora else None, q.tokens,
+                                  np.stack(q.logits) if q.logits else None))
+        return out

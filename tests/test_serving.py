@@ -1,0 +1,175 @@
+"""The jit serving loop: mixed adapters equal merged weights, one compilation per bucket, hot swap."""
+
+import contextlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jax_lora.adapters import AdapterManager, load_peft_adapter
+from jax_lora.cli import build_demo_assets, verify
+from jax_lora.models import add_lora, load_llama
+from jax_lora.serving import Request, ServingEngine
+
+MAX_LEN = 48
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Counts XLA backend compilations (of anything) inside the block."""
+    events = []
+
+    def listener(name, _secs, **_kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            events.append(name)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    model_dir, adapter_dirs = build_demo_assets(str(root), seed=3)
+    # Two more adapters (copies of 1 and 3 under new ids) so 5 adapters share 4 slots: LRU swaps.
+    extra = [shutil.copytree(adapter_dirs[0], str(root / "a4")), shutil.copytree(adapter_dirs[2], str(root / "a5"))]
+    dirs = adapter_dirs + extra
+    model = load_llama(model_dir)
+    add_lora(model, max_loras=4, max_rank=16)
+    mgr = AdapterManager(model, host_cache_size=3)
+    for i, d in enumerate(dirs):
+        mgr.register(i + 1, d)
+    engine = ServingEngine(model, mgr, max_seqs=8, max_len=MAX_LEN, keep_logits=True)
+    adapters = {i + 1: load_peft_adapter(d) for i, d in enumerate(dirs)}
+    return engine, load_llama(model_dir), adapters, dirs
+
+
+def _requests(rng, n, ids, vocab=512, new=(3, 9)):
+    return [Request([int(t) for t in rng.integers(0, vocab, size=int(rng.integers(2, 17)))], lora_id=ids[i % len(ids)],
+                    max_new_tokens=int(rng.integers(*new)), request_id=i) for i in range(n)]
+
+
+def _check(engine, base, adapters, completions):
+    matches, worst, differ = verify(base, adapters, completions, max_len=MAX_LEN)
+    assert all(matches), (worst, matches)
+    return differ
+
+
+def test_mixed_adapters_equal_merged_weights(served):
+    engine, base, adapters, _ = served
+    reqs = _requests(np.random.default_rng(0), 14, [1, None, 2, 3])
+    out = engine.generate(reqs)
+    assert [c.request_id for c in out] == list(range(14))
+    assert all(len(c.tokens) == r.max_new_tokens for c, r in zip(out, reqs))
+    assert _check(engine, base, adapters, out) > 0.2            # the adapters really change the outputs
+    assert engine.compile_count == 2                             # one prefill bucket + decode
+    # Without adapters the same loop serves the base model (the baseline).
+    plain = engine.generate(reqs[:4], use_lora=False)
+    assert all(c.lora_id is None for c in plain)
+    assert _check(engine, base, {}, plain) == 0.0
+
+
+def test_no_recompilation_once_buckets_are_warm(served):
+    engine, base, adapters, _ = served
+    engine.generate(_requests(np.random.default_rng(1), 3, [2]))          # warm (may be warm already)
+    programs = engine.compile_count
+    rng = np.random.default_rng(2)
+    for ids, n in (([None], 1), ([3, 1], 5), ([2, 2, None, 1, 3], 11), ([1, 2, 3, 4], 9)):
+        out = engine.generate(_requests(rng, n, ids))
+        if n == 11:
+            _check(engine, base, adapters, out)      # (the oracle compiles its own program)
+    assert engine.compile_count == programs
+    with count_compilations() as compiles:
+        engine.generate(_requests(rng, 6, [4, 1, None]))
+    assert compiles == [] and engine.compile_count == programs
+
+
+def test_lru_swaps_and_hot_swap_without_recompiling(served):
+    engine, base, adapters, dirs = served
+    mgr = engine.adapters
+    engine.generate(_requests(np.random.default_rng(3), 2, [1]))
+    programs = engine.compile_count
+    evictions = mgr.stats["evictions"]
+    with count_compilations() as compiles:
+        out = engine.generate(_requests(np.random.default_rng(4), 15, [5, 4, 1, 2, 3]))   # 5 adapters, 4 slots
+    assert compiles == [] and mgr.stats["evictions"] > evictions
+    _check(engine, base, adapters, out)
+    # Hot swap: id 1 now names adapter 2's weights; same slot shapes, no new program.
+    try:
+        mgr.register(1, dirs[1])
+        with count_compilations() as compiles:
+            out = engine.generate(_requests(np.random.default_rng(5), 4, [1]))
+        assert compiles == []
+        _check(engine, base, {1: adapters[2]}, out)
+    finally:
+        mgr.register(1, dirs[0])
+    assert engine.compile_count == programs
+
+
+def test_batch_invariance_eos_and_donation(served):
+    engine, _, _, _ = served
+    reqs = _requests(np.random.default_rng(6), 6, [3, None, 1])
+    together = engine.generate(reqs)
+    alone = engine.generate([reqs[2]])[0]
+    assert alone.tokens == together[2].tokens
+    np.testing.assert_allclose(alone.logits, together[2].logits, rtol=1e-5, atol=1e-5)
+    eos = together[0].tokens[0]
+    stopped = engine.generate([Request(reqs[0].prompt, reqs[0].lora_id, max_new_tokens=8, eos_token_id=eos)])[0]
+    assert stopped.tokens == [eos]
+    old = engine.cache.k[0]
+    engine.generate([Request([1, 2], None, max_new_tokens=1)])
+    assert old.is_deleted()                                       # the KV cache buffers were donated
+
+
+def test_no_implicit_transfer_on_the_serving_path(served):
+    """A warm serving loop makes no implicit transfer: no `.item()` / `float()` / `bool()` of a device
+    value and no implicit upload anywhere on the per-step path (the guard raises on those)."""
+    engine = served[0]
+    reqs = _requests(np.random.default_rng(7), 5, [2, None, 5, 3])
+    engine.generate(reqs)
+    with jax.transfer_guard("disallow"):
+        engine.generate(reqs)
+
+
+def test_prefill_buckets(served):
+    engine = served[0]
+    assert engine.prefill_shape(1, 5) == (8, 16)          # the seed's minimum of 8 rows
+    assert engine.prefill_shape(3, 30) == (8, 32)
+    saved = engine.max_prefill_tokens
+    try:
+        engine.max_prefill_tokens = 64                     # long prompts get fewer rows
+        assert engine.prefill_shape(1, 30) == (2, 32)
+        assert engine.prefill_shape(2, 17) == (2, 32)
+        assert engine.prefill_shape(3, 30) is None
+    finally:
+        engine.max_prefill_tokens = saved
+
+
+def test_request_errors(served):
+    engine = served[0]
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        engine.generate([Request([1] * 40, None, max_new_tokens=20)])
+    with pytest.raises(ValueError, match="not registered"):
+        engine.generate([Request([1, 2], 42)])
+    with pytest.raises(ValueError, match="token ids"):
+        engine.generate([Request([1, 9999], None)])
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([Request([], None)])
+
+
+def test_demo_command_verifies_every_request(capsys):
+    from jax_lora.cli import main
+    assert main(["demo", "--requests", "7", "--max-new-tokens", "3", "--slots", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "verified: 7/7 requests match merged-weights outputs"
+    assert any(line.startswith("recompilations after warm-up: 0") for line in out)
+    assert any("tokens/s" in line for line in out) and any("LoRA overhead" in line for line in out)
+
+
+def test_demo_command_reports_a_bad_adapter(tmp_path, capsys):
+    from jax_lora.cli import main
+    assert main(["demo", str(tmp_path), str(tmp_path)]) == 2
+    assert "error" in capsys.readouterr().err
