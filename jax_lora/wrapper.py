@@ -29,7 +29,7 @@ import numpy as np
 from . import checks
 from .host_mapping import LoRAMapping, StepLayout, prepare_step
 from .meta import build_kernel_meta
-from .ops import as_slices, check_same_device, to_3d
+from .ops import as_lora_ranks, as_slices, check_same_device, to_3d
 from .ops import dispatch
 
 __all__ = ["PunicaWrapper"]
@@ -206,7 +206,7 @@ class PunicaWrapper:
             raise ValueError(f"the mapping uses slot {self._host_max_slot}, but {name} has only "
                              f"{num_slots} slots (0..{num_slots - 1})")
 
-    def add_shrink(self, y, x, lora_a_stacked, scale: float, **kwargs) -> jax.Array:
+    def add_shrink(self, y, x, lora_a_stacked, scale: float, *, lora_ranks=None, **kwargs) -> jax.Array:
         """y[s] = scale * x @ lora_a_stacked[s][idx].T per token (0 for -1): returns y (S, T, r).
 
         y: (S, T, r) buffer (its dtype is kept); x: (..., H), flattened to (T, H).
@@ -220,11 +220,12 @@ class PunicaWrapper:
         self._check_tokens("x", x.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         check_same_device(x=x, lora_a_stacked=lora_a, y=y)
-        out = self._impl().shrink(x, tuple(to_3d(a) for a in lora_a), self.token_meta, float(scale), None)
+        out = self._impl().shrink(x, tuple(to_3d(a) for a in lora_a), self.token_meta, float(scale),
+                                  as_lora_ranks(lora_ranks, num_slots))
         return out.astype(y.dtype)
 
     def add_expand(self, y, x, lora_b_stacked, lora_bias_stacked, output_slices: Sequence[int],
-                   offset_start: int = 0, add_inputs: bool = True, **kwargs) -> jax.Array:
+                   offset_start: int = 0, add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> jax.Array:
         """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx].
 
         y: (..., N); x: (S, T, r) or S arrays (T, r); slices laid from `offset_start`. Rows with
@@ -234,14 +235,15 @@ class PunicaWrapper:
         y2 = _flatten_tokens(y, "y")
         buf = _stack_buffer(x)
         return self._expand(y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start,
-                            add_inputs, self.token_meta).reshape(y.shape)
+                            add_inputs, self.token_meta, lora_ranks=lora_ranks).reshape(y.shape)
 
     def _expand(self, y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
-                meta, cut_to_y=False):
+                meta, cut_to_y=False, lora_ranks=None):
         lora_b, offsets, bias = self._expand_args(y2, buf.shape, buf.dtype, lora_b_stacked, lora_bias_stacked,
                                                   output_slices, offset_start, cut_to_y)
         check_same_device(x=buf, lora_b_stacked=lora_b, y=y2)
-        return self._impl().expand(buf, lora_b, y2, meta, offsets, bool(add_inputs), None, bias)
+        return self._impl().expand(buf, lora_b, y2, meta, offsets, bool(add_inputs),
+                                   as_lora_ranks(lora_ranks, lora_b[0].shape[0]), bias)
 
     def _expand_args(self, y2, buf_shape, buf_dtype, lora_b_stacked, lora_bias_stacked, output_slices,
                      offset_start, cut_to_y=False):
@@ -266,7 +268,8 @@ class PunicaWrapper:
         offsets = tuple(offset_start + sum(slices[:s]) for s in range(len(slices)))
         return tuple(to_3d(b) for b in lora_b), offsets, bias
 
-    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs: bool = True, **kwargs) -> jax.Array:
+    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs: bool = True, *, lora_ranks=None,
+                           **kwargs) -> jax.Array:
         """y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r) looked-up LoRA-A rows; y: (T, N)."""
         y = jnp.asarray(y)
         y2 = _flatten_tokens(y, "y")
@@ -275,16 +278,17 @@ class PunicaWrapper:
             raise ValueError(f"x must be 2-D (num_tokens, rank), got shape {x.shape}")
         b = jnp.asarray(lora_b_stacked)
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "out_features, rank")
-        return self._expand(y2, x[None], (b,), None, (width,), 0, add_inputs,
-                            self.token_meta).reshape(y.shape)
+        return self._expand(y2, x[None], (b,), None, (width,), 0, add_inputs, self.token_meta,
+                            lora_ranks=lora_ranks).reshape(y.shape)
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, scale: float,
-                        output_slices: Sequence[int], *, buffer=None, **kwargs) -> jax.Array:
+                        output_slices: Sequence[int], *, buffer=None, lora_ranks=None, **kwargs) -> jax.Array:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], at the slice offsets.
 
         x: (..., H) -> (T, H); y: (..., N) with N >= sum(output_slices); A_s: (L, [1,] r, H);
         B_s: (L, [1,] n_s, r); bias_s: (L, [1,] n_s) or None. `buffer` (S, T, r), optional, is only
-        checked (JAX is functional: the shrink result is a new array). Returns the new y.
+        checked (JAX is functional: the shrink result is a new array). `lora_ranks` (L,) int32,
+        optional: each slot's real rank (kernels then skip the zero padding). Returns the new y.
         """
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
@@ -305,19 +309,20 @@ class PunicaWrapper:
         self._check_slots("lora_a_stacked", num_slots)
         check_same_device(x=x2, lora_a_stacked=lora_a)
         lora_a3 = tuple(to_3d(a) for a in lora_a)
+        ranks = as_lora_ranks(lora_ranks, num_slots)
         impl = self._impl()
         if buffer is None and hasattr(impl, "linear"):  # the backend may fuse shrink and expand
             lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), jnp.float32,
                                                        lora_b, lora_bias_stacked, output_slices, 0)
             check_same_device(x=x2, lora_b_stacked=lora_b3, y=y2)
-            return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, float(scale), offsets, None,
+            return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, float(scale), offsets, ranks,
                                bias).reshape(y.shape)
-        buf = impl.shrink(x2, lora_a3, self.token_meta, float(scale), None)
-        return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True,
-                            self.token_meta).reshape(y.shape)
+        buf = impl.shrink(x2, lora_a3, self.token_meta, float(scale), ranks)
+        return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True, self.token_meta,
+                            lora_ranks=lora_ranks).reshape(y.shape)
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale: float, *, buffer=None,
-                        **kwargs) -> jax.Array:
+                        lora_ranks=None, **kwargs) -> jax.Array:
         """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T with s_j the sampler index of row j.
 
         x: (R, H) hidden states of the sampled rows; y: (R, V) logits; A: (L, [1,] r, H);
@@ -337,10 +342,11 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         check_same_device(x=x2, lora_a_stacked=a, lora_b_stacked=b, y=y2)
-        buf = self._impl().shrink(x2, (to_3d(a),), self.prompt_meta, float(scale), None)
+        buf = self._impl().shrink(x2, (to_3d(a),), self.prompt_meta, float(scale),
+                                  as_lora_ranks(lora_ranks, num_slots))
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")
-        return self._expand(y2, buf, (b,), None, (width,), 0, True, self.prompt_meta,
-                            cut_to_y=True).reshape(y.shape)
+        return self._expand(y2, buf, (b,), None, (width,), 0, True, self.prompt_meta, cut_to_y=True,
+                            lora_ranks=lora_ranks).reshape(y.shape)
 
 
 def _resolve_device(device):

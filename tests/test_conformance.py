@@ -407,3 +407,24 @@ def test_jax_padded_rows_never_change_real_rows(impl):
     idx = np.concatenate([case.idx, np.full(4, -1, np.int32)])
     assert_close(got, oracle.lora_linear(y0, x, case.lora_a, case.lora_b, None, case.scale, idx), dtype, "padded")
     np.testing.assert_array_equal(got[6:], y0[6:].astype(np.float64))
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_add_lora_linear_with_lora_ranks(impl):
+    """The wrapper's `lora_ranks=`: equal to zero padding past each slot's rank."""
+    dtype = impl.dtypes[0]
+    case = Case(16, dtype, slices=(24, 8), rank=16)
+    ranks = np.array([16, 2, 8, 5], np.int32)
+    padded_a, padded_b = [a.copy() for a in case.lora_a], [b.copy() for b in case.lora_b]
+    for s in range(len(case.slices)):
+        for slot, r in enumerate(ranks):
+            padded_a[s][slot, :, r:] = 0
+            padded_b[s][slot, :, :, r:] = 0
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    y0 = case.y.copy()
+    got = impl.wrapper_call(w, "add_lora_linear", impl.arr(y0, dtype), impl.arr(case.x, dtype),
+                            case.native(impl, case.lora_a), case.native(impl, case.lora_b),
+                            case.native(impl, case.bias), case.scale, case.slices, lora_ranks=impl.idx(ranks))
+    want = oracle.lora_linear(y0, case.x, padded_a, padded_b, case.bias, case.scale, case.idx)
+    assert_close(got, want, dtype, "add_lora_linear lora_ranks")

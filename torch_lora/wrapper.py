@@ -24,7 +24,7 @@ from jax_lora import checks
 from jax_lora.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .meta import LoRAKernelMeta
-from .ops import as_slices, check_tensors, dispatch, to_3d
+from .ops import as_lora_ranks, as_slices, check_tensors, dispatch, to_3d
 
 __all__ = ["PunicaWrapper"]
 
@@ -145,7 +145,8 @@ class PunicaWrapper:
             raise ValueError(f"the mapping uses slot {self._max_slot}, but {name} has only {num_slots} slots "
                              f"(0..{num_slots - 1})")
 
-    def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, scale: float, **kwargs) -> torch.Tensor:
+    def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, scale: float, *, lora_ranks=None,
+                   **kwargs) -> torch.Tensor:
         """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H)."""
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         check_tensors(y=y, x=x, lora_a_stacked=lora_a)
@@ -156,23 +157,24 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0], self.indices_len[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._impl.shrink(x2, tuple(to_3d(a) for a in lora_a), y,
-                          self.token_mapping_meta.meta_args(x2.shape[0]), float(scale), None)
+                          self.token_mapping_meta.meta_args(x2.shape[0]), float(scale),
+                          as_lora_ranks(lora_ranks, num_slots, x.device))
         return y
 
     def add_expand(self, y: torch.Tensor, x, lora_b_stacked, lora_bias_stacked,
-                   output_slices: Sequence[int], offset_start: int = 0, add_inputs: bool = True,
-                   **kwargs) -> torch.Tensor:
+                   output_slices: Sequence[int], offset_start: int = 0, add_inputs: bool = True, *,
+                   lora_ranks=None, **kwargs) -> torch.Tensor:
         """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx], in place.
 
         y: (..., N); x: (S, T, r) or S tensors (T, r). Rows with index -1 are untouched.
         """
         buf = torch.stack(list(x)) if isinstance(x, (list, tuple)) else x
         self._expand(y, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
-                     self.token_mapping_meta, self.indices_len[0])
+                     self.token_mapping_meta, self.indices_len[0], lora_ranks=lora_ranks)
         return y
 
     def _expand(self, y, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
-                meta: LoRAKernelMeta, available, cut_to_y: bool = False) -> None:
+                meta: LoRAKernelMeta, available, cut_to_y: bool = False, lora_ranks=None) -> None:
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
         check_tensors(y=y, x=buf, lora_b_stacked=lora_b)
         y2 = _token_view(y)
@@ -198,26 +200,27 @@ class PunicaWrapper:
             offsets.append(off)
             off += s
         self._impl.expand(buf, tuple(to_3d(b) for b in lora_b), y2, meta.meta_args(y2.shape[0]),
-                          tuple(offsets), bool(add_inputs), None, bias)
+                          tuple(offsets), bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), bias)
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
-                           add_inputs: bool = True, **kwargs) -> torch.Tensor:
+                           add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> torch.Tensor:
         """y (+)= x @ lora_b_stacked[idx].T per token, in place. x: (T, r); y: (T, N)."""
         check_tensors(y=y, x=x, lora_b_stacked=lora_b_stacked)
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D (num_tokens, rank), got shape {tuple(x.shape)}")
         _, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "out_features, rank")
         self._expand(y, x.unsqueeze(0), (lora_b_stacked,), None, (width,), 0, add_inputs,
-                     self.token_mapping_meta, self.indices_len[0])
+                     self.token_mapping_meta, self.indices_len[0], lora_ranks=lora_ranks)
         return y
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
                         lora_bias_stacked, scale: float, output_slices: Sequence[int], *,
-                        buffer: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+                        buffer: Optional[torch.Tensor] = None, lora_ranks=None, **kwargs) -> torch.Tensor:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], in place.
 
         x: (..., H); y: (..., N); `buffer` (S, T, r) float32, optional: when given, the shrink result
         is written there (two launches); without it the backend may fuse shrink and expand.
+        `lora_ranks` (L,) int32, optional: each slot's real rank (kernels skip the zero padding).
 
         The hot path of a forward pass: the checks of the persistent arguments (weights, bias,
         slices, dtypes, devices) run once per combination and are cached (see `_LinearPlan`); each
@@ -236,8 +239,9 @@ class PunicaWrapper:
         meta_args = self._token_meta_args.get(t)
         if meta_args is None:
             meta_args = self._token_meta_args[t] = self.token_mapping_meta.meta_args(t)
+        ranks = None if lora_ranks is None else as_lora_ranks(lora_ranks, plan.num_slots, x.device)
         if buffer is None and plan.linear is not None:
-            plan.linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, float(scale), plan.offsets, None, plan.bias)
+            plan.linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, float(scale), plan.offsets, ranks, plan.bias)
             return y
         shape = (len(plan.lora_a), t, plan.rank)
         if buffer is None:
@@ -245,8 +249,8 @@ class PunicaWrapper:
         else:
             check_tensors(x=x, buffer=buffer)
             _check_buffer("buffer", buffer, shape)
-        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, float(scale), None)
-        self._impl.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, None, plan.bias)
+        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, float(scale), ranks)
+        self._impl.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, plan.bias)
         return y
 
     def _linear_plan(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices):
@@ -303,7 +307,7 @@ class PunicaWrapper:
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
                         lora_b_stacked: torch.Tensor, scale: float, *, buffer: Optional[torch.Tensor] = None,
-                        **kwargs) -> torch.Tensor:
+                        lora_ranks=None, **kwargs) -> torch.Tensor:
         """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j, in place.
 
         x: (R, H); y: (R, V); B: (L, [1,] V', r), cut to V columns when V' > V.
@@ -321,10 +325,10 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0], self.indices_len[1])
         self._check_slots("lora_a_stacked", num_slots)
         self._impl.shrink(x2, (to_3d(lora_a_stacked),), buffer, self.prompt_mapping_meta.meta_args(x2.shape[0]),
-                          float(scale), None)
+                          float(scale), as_lora_ranks(lora_ranks, num_slots, x.device))
         _, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "vocab_size, rank")
         self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
-                     self.indices_len[1], cut_to_y=True)
+                     self.indices_len[1], cut_to_y=True, lora_ranks=lora_ranks)
         return y
 
 

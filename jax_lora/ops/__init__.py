@@ -111,7 +111,7 @@ def _check_meta(meta: LoRAKernelMeta, num_tokens: int, num_slots: int, arg_w: st
     check_index_values("meta.token_lora_mapping", meta.token_lora_mapping[:num_tokens], num_slots, arg_w)
 
 
-def _ranks(lora_ranks, num_slots: int):
+def as_lora_ranks(lora_ranks, num_slots: int):
     if lora_ranks is None:
         return None
     r = jnp.asarray(lora_ranks)
@@ -181,7 +181,7 @@ def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: Op
     _check_meta(meta, x.shape[0], num_slots, "lora_a_stacked")
     impl = dispatch.resolve(backend, _device_of(x))
     return impl.shrink(x, tuple(to_3d(a) for a in lora_a), meta, float(scale),
-                       _ranks(lora_ranks, num_slots))
+                       as_lora_ranks(lora_ranks, num_slots))
 
 
 def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start: int = 0,
@@ -206,7 +206,7 @@ def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start
     _check_meta(meta, y.shape[0], num_slots, "lora_b_stacked")
     impl = dispatch.resolve(backend, _device_of(y))
     return impl.expand(buf, tuple(to_3d(b) for b in lora_b), y, meta, _offsets(offset_start, widths),
-                       bool(add_inputs), _ranks(lora_ranks, num_slots))
+                       bool(add_inputs), as_lora_ranks(lora_ranks, num_slots))
 
 
 def _offsets(offset_start: int, widths: Sequence[int]) -> tuple[int, ...]:
@@ -236,7 +236,7 @@ def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, 
     check_same_device(x=x, lora_a_weights=w, lora_indices_tensor=idx)
     meta = _index_meta(idx, x.shape[0], num_slots, "lora_a_weights")
     impl = dispatch.resolve(backend, _device_of(x))
-    return impl.shrink(x, (to_3d(w),), meta, float(scale), _ranks(lora_ranks, num_slots))[0]
+    return impl.shrink(x, (to_3d(w),), meta, float(scale), as_lora_ranks(lora_ranks, num_slots))[0]
 
 
 def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_inputs: bool = True, *,
@@ -276,7 +276,7 @@ def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks):
     meta = _index_meta(idx, y.shape[0], num_slots, "lora_b_weights")
     impl = dispatch.resolve(backend, _device_of(y))
     return impl.expand(x[None], (w3,), y, meta, (int(offset),), bool(add_inputs),
-                       _ranks(lora_ranks, num_slots))
+                       as_lora_ranks(lora_ranks, num_slots))
 
 
 # ----------------------------------------------------------------------------- SGMV

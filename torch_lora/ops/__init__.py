@@ -92,7 +92,7 @@ def _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_t
     check_index_values("token_lora_mapping", token_lora_mapping[:num_tokens], num_slots, arg_w)
 
 
-def _ranks(lora_ranks, num_slots: int, device):
+def as_lora_ranks(lora_ranks, num_slots: int, device):
     if lora_ranks is None:
         return None
     r = torch.as_tensor(lora_ranks, device=device)
@@ -134,7 +134,7 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
             lora_token_start_loc, lora_ids, no_lora_flag)
     impl = dispatch.resolve(backend, inputs.device)
     impl.shrink(inputs, tuple(to_3d(a) for a in lora_a), output_tensor, meta, float(scaling),
-                _ranks(lora_ranks, num_slots, inputs.device))
+                as_lora_ranks(lora_ranks, num_slots, inputs.device))
     return output_tensor
 
 
@@ -161,7 +161,7 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
             lora_token_start_loc, lora_ids, no_lora_flag)
     impl = dispatch.resolve(backend, output_tensor.device)
     impl.expand(inputs, tuple(to_3d(b) for b in lora_b), output_tensor, meta, _offsets(offset_start, widths),
-                bool(add_inputs), _ranks(lora_ranks, num_slots, output_tensor.device), None)
+                bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, output_tensor.device), None)
     return output_tensor
 
 
@@ -194,7 +194,7 @@ def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: floa
     result = torch.empty((1, x.shape[0], rank), dtype=torch.float32, device=x.device)
     impl = dispatch.resolve(backend, x.device)
     impl.shrink(x, (to_3d(w),), result, _index_meta(idx, x.shape[0], num_slots, "lora_a_weights"), float(scale),
-                _ranks(lora_ranks, num_slots, x.device))
+                as_lora_ranks(lora_ranks, num_slots, x.device))
     if out is None:
         return result[0]
     _check_out("out", out, (x.shape[0], rank))
@@ -235,7 +235,7 @@ def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks):
                                                arg_b="lora_b_weights")
     impl = dispatch.resolve(backend, y.device)
     impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots, "lora_b_weights"), (int(offset),), bool(add_inputs),
-                _ranks(lora_ranks, num_slots, y.device), None)
+                as_lora_ranks(lora_ranks, num_slots, y.device), None)
     return y
 
 
