@@ -312,7 +312,7 @@ class PunicaWrapper:
         ranks = as_lora_ranks(lora_ranks, num_slots)
         impl = self._impl()
         if buffer is None and hasattr(impl, "linear"):  # the backend may fuse shrink and expand
-            lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), jnp.float32,
+            lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32",
                                                        lora_b, lora_bias_stacked, output_slices, 0)
             check_same_device(x=x2, lora_b_stacked=lora_b3, y=y2)
             return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, float(scale), offsets, ranks,

@@ -2,7 +2,9 @@
 
 Contract (torch_lora.ops.dispatch): `shrink` writes every row of `out` (0 for tokens without
 LoRA), `expand` writes the slices of `y` in place; `linear` is shrink + expand with add_inputs
-(`add_lora_linear`'s math), one launch (fused kernel) at decode sizes and two otherwise.
+(`add_lora_linear`'s math): a split-K shrink into a float32 workspace and an expand launched as its
+programmatic dependent (Hopper), or the one-launch fused kernel for the shape classes where the
+tuned table says it wins (none on the H200 as of 2026-11-30; `fused=True` forces it).
 
 No host synchronisation: every decision (which adapters are active, whether any is) is made on the
 device from the metadata; the grids depend only on shapes, so calls can be captured in a CUDA
@@ -13,6 +15,7 @@ dtypes only (never by data pointers).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -22,6 +25,15 @@ from jax_lora.kernels import lora_triton as K
 
 NAME = "triton"
 MAX_SLICES = K.MAX_SLICES
+# Programmatic dependent launch between the shrink and the expand of `linear` (Hopper and newer):
+# the expand's prologue (metadata and y loads) overlaps the shrink. Off with TORCH_LORA_TRITON_PDL=0.
+# Decided at the first launch, not at import (importing must not initialise CUDA).
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_enabled() -> bool:
+    return (K.HAVE_PDL and not K.interpreting() and os.environ.get("TORCH_LORA_TRITON_PDL", "1") != "0"
+            and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -67,14 +79,14 @@ def _bias_args(bias, lo: int, hi: int, dummy: torch.Tensor):
 def _shrink_plan(T, H, R, S, G, L, xd, wd, lora_only, workspace, has_ranks, cfg_key):
     cfg = dict(cfg_key) if cfg_key else configs.shrink_config(T, H, R, S, L)
     return K.plan_shrink(T, H, R, S, G, xd, wd, cfg, lora_only=lora_only, workspace=workspace,
-                         has_ranks=has_ranks)
+                         has_ranks=has_ranks, pdl=workspace and _pdl_enabled())
 
 
 @functools.lru_cache(maxsize=4096)
-def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, has_ranks, cfg_key):
+def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, has_ranks, cfg_key, pdl):
     cfg = dict(cfg_key) if cfg_key else configs.expand_config(T, max(widths), R, len(widths), L)
     return K.plan_expand(T, R, widths, G, partials, wd, yd, cfg, add_inputs=add_inputs,
-                         bias_flags=bias_flags, has_ranks=has_ranks)
+                         bias_flags=bias_flags, has_ranks=has_ranks, pdl=pdl and _pdl_enabled())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -89,6 +101,47 @@ def _key(config: Optional[dict]):
 
 
 # ------------------------------------------------------------------------------------- launches
+# Triton's own launcher (`kernel[grid](...)`) re-derives the specialisation of ~60 arguments on
+# every call (tens of microseconds of host time). After the first launch of a given specialisation
+# the compiled kernel is kept and launched directly. Its key holds everything Triton specialises
+# on: the kernel, the plan (meta-parameters), every integer argument's value, every tensor's dtype,
+# and whether every tensor is 16-byte aligned (else Triton's own launcher is used) -- never a data
+# pointer itself.
+_COMPILED: dict = {}
+_FAST = [os.environ.get("TORCH_LORA_TRITON_FAST_LAUNCH", "1") != "0" and not K.interpreting()]
+_MAX_COMPILED = 4096
+
+
+def _launch(kernel, plan, tensors, scalars, out):
+    """kernel[plan.grid](*tensors, *scalars, out, **plan.constexprs), with the direct fast path."""
+    if _FAST[0]:
+        misaligned = out.data_ptr() & 15
+        for p in [t.data_ptr() for t in tensors]:
+            misaligned |= p
+        # (the kernel by name: a JITFunction hashes in Python, microseconds per lookup)
+        key = (kernel.__name__, plan.key, scalars, tuple([t.dtype for t in tensors]), out.dtype,
+               misaligned & 15)
+        c = _COMPILED.get(key)
+        if c is not None and not misaligned & 15:
+            grid = plan.grid
+            stream = torch._C._cuda_getCurrentRawStream(out.device.index)
+            c[0].run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, c[0].function,
+                     c[0].packed_metadata, None, None, None, *tensors, *scalars, out, *c[1])
+            return
+    extra = {"launch_pdl": True} if plan.constexprs.get("USE_PDL") else {}
+    compiled = kernel[plan.grid](*tensors, *scalars, out, num_warps=plan.num_warps,
+                                 num_stages=plan.num_stages, **extra, **plan.constexprs)
+    if _FAST[0]:
+        try:
+            names = kernel.arg_names[len(tensors) + len(scalars) + 1:]
+            consts = tuple(plan.constexprs[n] for n in names)
+            compiled.function  # noqa: B018 - fails early if this Triton has another layout
+            if len(_COMPILED) > _MAX_COMPILED:
+                _COMPILED.clear()
+            _COMPILED[key] = (compiled, consts)
+        except Exception:  # noqa: BLE001 - keep Triton's own launcher
+            _FAST[0] = False
+
 
 def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, config):
     T, H = x.shape
@@ -98,23 +151,20 @@ def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, con
 
 
 def _launch_shrink(x, lora_a, out, meta_args, scale, lora_ranks, plan):
-    _, sorted_ids, counts, starts, active, _ = meta_args
+    mapping, sorted_ids, counts, starts, active, _ = meta_args
     T, H = x.shape
     L = lora_a[0].shape[0]
     a = list(lora_a) + [lora_a[0]] * (MAX_SLICES - len(lora_a))
     ranks = lora_ranks if lora_ranks is not None else counts
     o = out if out.dim() == 4 else out[None]
-    K.lora_shrink_kernel[plan.grid](
-        x, a[0], a[1], a[2], a[3], ranks, sorted_ids, counts, starts, active,
-        scale, T, H, sorted_ids.shape[0], L,
-        x.stride(0), x.stride(1), *_weight_strides(lora_a),
-        o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        o, num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
+    _launch(K.lora_shrink_kernel, plan,
+            (x, a[0], a[1], a[2], a[3], ranks, mapping, sorted_ids, counts, starts, active),
+            (scale, T, H, sorted_ids.shape[0], L, *x.stride(), *_weight_strides(lora_a), *o.stride()), o)
 
 
 def _launch_expand(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bias, lo, hi,
-                   config=None):
-    _, sorted_ids, counts, starts, active, _ = meta_args
+                   config=None, pdl=False):
+    mapping, sorted_ids, counts, starts, active, _ = meta_args
     T = y.shape[0]
     bs = lora_b[lo:hi]
     L, _, R = bs[0].shape
@@ -122,22 +172,18 @@ def _launch_expand(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, b
     c_ptrs, c_strides, flags = _bias_args(bias, lo, hi, bs[0])
     b4 = d4 = buf if buf.dim() == 4 else buf[None]
     plan = _expand_plan(T, R, widths, active.shape[0], L, b4.shape[0], _dn(bs[0]), _dn(y),
-                        bool(add_inputs), flags, lora_ranks is not None, _key(config))
+                        bool(add_inputs), flags, lora_ranks is not None, _key(config), pdl)
     b = list(bs) + [bs[0]] * (MAX_SLICES - len(bs))
     ranks = lora_ranks if lora_ranks is not None else counts
     d4 = d4[:, lo:hi]
-    K.lora_expand_kernel[plan.grid](
-        d4, b[0], b[1], b[2], b[3], *c_ptrs, ranks, sorted_ids, counts, starts, active, y,
-        T, sorted_ids.shape[0], L,
-        d4.stride(0), d4.stride(1), d4.stride(2), d4.stride(3),
-        *_weight_strides(bs), *c_strides,
-        *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0),
-        y.stride(0), y.stride(1),
-        y, num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
+    _launch(K.lora_expand_kernel, plan,
+            (d4, b[0], b[1], b[2], b[3], *c_ptrs, ranks, mapping, sorted_ids, counts, starts, active, y),
+            (T, sorted_ids.shape[0], L, *d4.stride(), *_weight_strides(bs), *c_strides,
+             *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0), *y.stride()), y)
 
 
 def _launch_fused(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi, config=None):
-    _, sorted_ids, counts, starts, active, _ = meta_args
+    mapping, sorted_ids, counts, starts, active, _ = meta_args
     T, H = x.shape
     as_, bs = lora_a[lo:hi], lora_b[lo:hi]
     L, R, _ = as_[0].shape
@@ -148,14 +194,11 @@ def _launch_fused(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, b
     a = list(as_) + [as_[0]] * (MAX_SLICES - len(as_))
     b = list(bs) + [bs[0]] * (MAX_SLICES - len(bs))
     ranks = lora_ranks if lora_ranks is not None else counts
-    K.lora_fused_kernel[plan.grid](
-        x, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], *c_ptrs, ranks,
-        sorted_ids, counts, starts, active, y,
-        scale, T, H, sorted_ids.shape[0], L,
-        x.stride(0), x.stride(1), *_weight_strides(as_), *_weight_strides(bs), *c_strides,
-        *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0),
-        y.stride(0), y.stride(1),
-        y, num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
+    _launch(K.lora_fused_kernel, plan,
+            (x, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], *c_ptrs, ranks, mapping, sorted_ids, counts,
+             starts, active, y),
+            (scale, T, H, sorted_ids.shape[0], L, *x.stride(), *_weight_strides(as_), *_weight_strides(bs),
+             *c_strides, *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0), *y.stride()), y)
 
 
 # ------------------------------------------------------------------------------------- backend API
@@ -190,7 +233,8 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
     """add_lora_linear's math in place: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx].
 
     One launch (fused kernel) when `configs.use_fused` says so for this size (or fused=True), else
-    a split-K shrink into a float32 workspace and an expand that sums its planes.
+    a split-K shrink into a float32 workspace and an expand that sums its planes (launched as a
+    programmatic dependent of the shrink on Hopper).
     """
     T, H = x.shape
     if T == 0:
@@ -208,4 +252,5 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
         ws = torch.empty((plan.num_partials, hi - lo, T, R), dtype=torch.float32, device=x.device)
         _launch_shrink(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan)
         _launch_expand(ws, lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), True, lora_ranks,
-                       None if bias is None else tuple(bias[lo:hi]), 0, hi - lo, config=expand_config)
+                       None if bias is None else tuple(bias[lo:hi]), 0, hi - lo, config=expand_config,
+                       pdl=plan.constexprs["USE_PDL"])

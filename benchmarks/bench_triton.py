@@ -1,0 +1,472 @@
+"""The anchor sweep of BENCHMARKS.md for the Triton kernels (torch and JAX), on one CUDA GPU.
+
+One command runs everything and writes JSON + markdown + a roofline plot (PNG):
+
+    PYTHONPATH=. python benchmarks/bench_triton.py --out benchmarks/results
+
+What is measured (BENCHMARKS.md "How to time"):
+  * graph: `add_lora_linear` (torch_lora.ops.triton.linear: shrink + expand with add_inputs, or the
+    fused kernel at decode sizes) captured once per input set into one CUDA graph; enough input
+    sets (fresh weights, x, y and mapping each) that the bytes touched exceed 4x the 60 MB L2, so
+    weights are cold; the graph is replayed ~10 times and the median per call is reported.
+  * host: CPU time to enqueue one eager call (no graph), median over many calls.
+  * jax: the same op under jax.jit through jax_triton, called many times in one program (a scan),
+    compared with torch timed the same way (one input set, hot weights, graph of as many calls).
+Correctness is checked on every case before timing (relative error vs float64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from torch_lora.meta import LoRAKernelMeta  # noqa: E402
+from torch_lora.ops import triton as TT  # noqa: E402
+
+HIDDEN = 4096
+SLICES = {"s1": (4096,), "s3": (4096, 1024, 1024)}
+PEAK_GBS = 4300.0
+L2_BYTES = 60e6
+LAUNCH_US = 2.0
+
+# vLLM 0.33.0 Triton kernels on this H200 (BENCHMARKS.md), us per add_lora_linear: (s1, s3).
+VLLM = {
+    "dec T1 D1 r16": (9.3, 14.5), "dec T8 D1 r16": (8.4, 12.8), "dec T8 D8 r64": (16.0, 76.4),
+    "dec T32 D8 r16": (10.5, 37.5), "dec T32 D32 r64": (42.7, 284), "dec T128 D8 r16": (20.1, 39.3),
+    "dec T128 D64 r64": (57.8, 255), "dec T512 D8 r64": (27.6, 79.2), "dec T512 D64 r64": (74.0, 383),
+    "dec T128 D8 r16 25% -1": (19.9, 39.7), "pre T2048 D4 r16": (37.0, 145),
+    "pre T2048 D16 r64": (67.3, 305), "pre T8192 D1 r16": (107, 552), "pre T8192 D4 r64": (182, 837),
+    "pre T8192 D16 r64": (210, 1157),
+}
+
+
+# ------------------------------------------------------------------------------------------ cases
+
+def sweep_cases(quick: bool = False):
+    """(name, kind, T, D, rank, frac_none, ranks_of_slots or None)."""
+    cases = []
+    for T in (1, 8, 32, 128, 512):
+        big = 32 if T <= 32 else 64
+        for D in sorted({1, min(T, 8), min(T, big)}):
+            for r in (16, 64):
+                cases.append((f"dec T{T} D{D} r{r}", "dec", T, D, r, 0.0, None))
+    cases.append(("dec T128 D8 r16 25% -1", "dec", 128, 8, 16, 0.25, None))
+    for T in (2048, 8192):
+        for D in (1, 4, 16):
+            for r in (16, 64):
+                cases.append((f"pre T{T} D{D} r{r}", "pre", T, D, r, 0.0, None))
+    het = (8, 16, 32, 64)
+    cases.append(("het dec T128 D8 r{8..64}", "dec", 128, 8, 64, 0.0, het))
+    cases.append(("het pre T2048 D4 r{8..64}", "pre", 2048, 4, 64, 0.0, het))
+    # the same batches computed at their true ranks would need separate launches per rank; the
+    # padded (max-rank) time is the het case with ranks=None, measured as its own case:
+    cases.append(("pad dec T128 D8 r64", "dec", 128, 8, 64, 0.0, None))
+    if quick:
+        cases = [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T128 D64 r64", "pre T8192 D4 r64")]
+    return cases
+
+
+def make_mapping(kind, T, D, slots, frac_none, gen):
+    """int32 (T,) slots: decode = every token its own request with exactly D distinct adapters
+    (shuffled); prefill = tokens of one adapter contiguous."""
+    chosen = torch.randperm(slots, generator=gen)[:D]
+    if kind == "dec":
+        idx = chosen[torch.arange(T) % D]
+        idx = idx[torch.randperm(T, generator=gen)]
+    else:
+        bounds = torch.linspace(0, T, D + 1).round().long()
+        idx = torch.empty(T, dtype=torch.long)
+        for i in range(D):
+            idx[bounds[i]:bounds[i + 1]] = chosen[i]
+    if frac_none > 0:
+        none = torch.randperm(T, generator=gen)[: int(round(frac_none * T))]
+        idx[none] = -1
+    return idx.to(torch.int32)
+
+
+def min_bytes(T_l, D, S_widths, r, H=HIDDEN, rank_sum=None):
+    """BENCHMARKS.md minimal bytes (shrink + expand), tokens with a LoRA only; rank_sum: the sum
+    of the active adapters' real ranks (D * r when all have rank r)."""
+    S = len(S_widths)
+    n = sum(S_widths)
+    rank_sum = D * r if rank_sum is None else rank_sum
+    shrink = T_l * H * 2 + S * rank_sum * H * 2 + S * T_l * r * 4
+    expand = S * T_l * r * 4 + n * rank_sum * 2 + 2 * T_l * n * 2
+    return shrink + expand
+
+
+class InputSet:
+    def __init__(self, kind, T, D, r, widths, slots, frac_none, ranks, gen, device, dtype=torch.bfloat16):
+        H = HIDDEN
+        dg = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+        kw = dict(generator=dg, device=device)
+        self.x = torch.randn(T, H, **kw).to(dtype)
+        self.y = torch.randn(T, sum(widths), **kw).to(dtype)
+        self.a = [(torch.randn(slots, r, H, **kw) / math.sqrt(H)).to(dtype) for _ in widths]
+        self.b = [(torch.randn(slots, n, r, **kw) / math.sqrt(r)).to(dtype) for n in widths]
+        self.idx = make_mapping(kind, T, D, slots, frac_none, gen).to(device)
+        self.meta = LoRAKernelMeta.make(slots, T, device)
+        self.meta.prepare_tensors(self.idx)
+        self.ranks = None
+        if ranks is not None:
+            self.ranks = torch.tensor([ranks[i % len(ranks)] for i in range(slots)], dtype=torch.int32,
+                                      device=device)
+        self.offsets = tuple(int(v) for v in np.cumsum((0,) + tuple(widths))[:-1])
+        self.scale = 0.5
+
+    def call(self, y=None):
+        TT.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
+                  self.scale, self.offsets, self.ranks)
+
+    def reference(self):
+        """float64 y + sum_s (scale x A_s^T) B_s^T, grouped by adapter (no (T, r, H) gather)."""
+        y = self.y.double().clone()
+        x = self.x.double()
+        for slot in torch.unique(self.idx).tolist():
+            if slot < 0:
+                continue
+            rows = (self.idx == slot).nonzero().squeeze(1)
+            for a, b, off in zip(self.a, self.b, self.offsets):
+                aa, bb = a[slot].double(), b[slot].double()
+                if self.ranks is not None:
+                    k = int(self.ranks[slot])
+                    aa, bb = aa[:k], bb[:, :k]
+                y[rows, off:off + b.shape[1]] += (self.scale * x[rows] @ aa.T) @ bb.T
+        return y
+
+
+def rel_err(got, ref):
+    got = got.double()
+    if torch.isnan(got).any():
+        return float("inf")
+    return float(torch.linalg.norm(got - ref) / torch.linalg.norm(ref))
+
+
+def graph_time_us(sets, replays=10):
+    """Median us per call: one graph holding one call per input set, replayed `replays` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets[:2]:
+            s.call()                                   # warm-up / compile outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for s in sets:
+            s.call()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / len(sets))
+    del g
+    return float(np.median(times))
+
+
+def host_time_us(s, n=300):
+    """CPU time to enqueue one eager call (median of per-batch means)."""
+    for _ in range(20):
+        s.call()
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n // 5):
+            s.call()
+        per.append((time.perf_counter() - t0) * 1e6 / (n // 5))
+        torch.cuda.synchronize()
+    return float(np.median(per))
+
+
+def run_case(case, slice_name, device, seed=0):
+    name, kind, T, D, r, frac_none, ranks = case
+    widths = SLICES[slice_name]
+    slots = max(8, D)
+    gen = torch.Generator().manual_seed(seed)
+    first = InputSet(kind, T, D, r, widths, slots, frac_none, ranks, gen, device)
+    # correctness on fresh data, poisoned nothing (y is read: add_inputs) but compared in full
+    ref = first.reference()
+    y = first.y.clone()
+    first.call(y)
+    torch.cuda.synchronize()
+    err = rel_err(y, ref)
+    T_l = int((first.idx >= 0).sum())
+    rank_sum = None
+    if first.ranks is not None:
+        active = torch.unique(first.idx[first.idx >= 0]).long()
+        rank_sum = int(first.ranks[active].sum())
+    nbytes = min_bytes(T_l, D, widths, r, rank_sum=rank_sum)
+    per_set_touched = nbytes
+    n_sets = int(min(400, max(3, math.ceil(4 * L2_BYTES / per_set_touched))))
+    mem_per_set = sum(t.numel() * t.element_size() for t in [first.x, first.y, *first.a, *first.b])
+    n_sets = int(max(3, min(n_sets, (20e9 // mem_per_set))))
+    sets = [first] + [InputSet(kind, T, D, r, widths, slots, frac_none, ranks, gen, device)
+                      for _ in range(n_sets - 1)]
+    t_us = graph_time_us(sets)
+    floor_us = max(nbytes / (PEAK_GBS * 1e3), LAUNCH_US if T <= 1024 else 0.0)
+    base_name = name if name in VLLM else None
+    vllm = VLLM[base_name][0 if slice_name == "s1" else 1] if base_name else None
+    del sets
+    torch.cuda.empty_cache()
+    return dict(case=name, slices=slice_name, kind=kind, T=T, D=D, rank=r, slots=slots,
+                ranks=list(ranks) if ranks else None, frac_none=frac_none, rel_err=err,
+                fused=bool(TT.configs.use_fused(T, HIDDEN, r, len(widths), slots)),
+                time_us=t_us, min_bytes=nbytes, gbs=nbytes / (t_us * 1e3),
+                pct_peak=100 * nbytes / (t_us * 1e3) / PEAK_GBS, floor_us=nbytes / (PEAK_GBS * 1e3),
+                floor_launch_us=floor_us, n_sets=n_sets, vllm_us=vllm,
+                speedup_vs_vllm=(vllm / t_us) if vllm else None)
+
+
+# ------------------------------------------------------------------------------------------ JAX
+
+def jax_vs_torch(device, cases, steps=50):
+    """Per-op time of the JAX triton backend under jit (a scan of `steps` calls) vs torch (a graph of
+    `steps` calls on the same inputs). Both hot (same weights each call), so only launch and kernel
+    efficiency differ."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_lora.meta import LoRAKernelMeta as JMeta
+    from jax_lora.ops import triton as JT
+
+    out = []
+    for case, slice_name in cases:
+        name, kind, T, D, r, frac_none, ranks = case
+        widths = SLICES[slice_name]
+        slots = max(8, D)
+        gen = torch.Generator().manual_seed(1)
+        s = InputSet(kind, T, D, r, widths, slots, frac_none, ranks, gen, device)
+        # torch: graph of `steps` calls on one set
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            s.call()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(steps):
+                s.call()
+        g.replay()
+        torch.cuda.synchronize()
+        tt = []
+        for _ in range(10):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            tt.append(e0.elapsed_time(e1) * 1e3 / steps)
+        torch_us = float(np.median(tt))
+        del g
+
+        def j(t):
+            return jnp.from_dlpack(t.contiguous())
+
+        x, y0 = j(s.x), j(s.y)
+        a = tuple(j(t) for t in s.a)
+        b = tuple(j(t) for t in s.b)
+        meta = JMeta.build(j(s.idx), slots, T)
+        offsets, scale = s.offsets, s.scale
+
+        @jax.jit
+        def one(y, x, a, b, meta):
+            return JT.linear(y, x, a, b, meta, scale, offsets)
+
+        @jax.jit
+        def many(y, x, a, b, meta):
+            def body(c, _):
+                return JT.linear(c, x, a, b, meta, scale, offsets), None
+            return jax.lax.scan(body, y, None, length=steps, unroll=True)[0]
+
+        y1 = one(y0, x, a, b, meta)
+        ref = s.reference()
+        jerr = rel_err(torch.from_dlpack(y1), ref)
+        many(y0, x, a, b, meta).block_until_ready()
+        jt = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            many(y0, x, a, b, meta).block_until_ready()
+            jt.append((time.perf_counter() - t0) * 1e6 / steps)
+        jax_us = float(np.median(jt))
+        out.append(dict(case=name, slices=slice_name, torch_hot_us=torch_us, jax_us=jax_us,
+                        ratio=jax_us / torch_us, jax_rel_err=jerr))
+        print(f"JAX {name} {slice_name}: jax {jax_us:.2f} us torch {torch_us:.2f} us "
+              f"ratio {jax_us / torch_us:.2f} err {jerr:.2e}", flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def geomean(v):
+    v = [x for x in v if x]
+    return float(math.exp(sum(math.log(x) for x in v) / len(v))) if v else float("nan")
+
+
+def markdown(res):
+    lines = ["| case | slices | time us | vLLM us | speedup | min MB | GB/s | % of 4300 | floor us | err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["sweep"]:
+        v = f"{r['vllm_us']:.1f}" if r["vllm_us"] else "-"
+        sp = f"{r['speedup_vs_vllm']:.2f}x" if r["speedup_vs_vllm"] else "-"
+        lines.append(f"| {r['case']}{' (fused)' if r['fused'] else ''} | {r['slices']} | {r['time_us']:.2f} | {v} "
+                     f"| {sp} | {r['min_bytes'] / 1e6:.2f} | {r['gbs']:.0f} | {r['pct_peak']:.1f} "
+                     f"| {r['floor_us']:.2f} | {r['rel_err']:.1e} |")
+    s = res["summary"]
+    lines.append("")
+    lines.append(f"geomean speedup vs vLLM: {s['geomean_speedup']:.2f}x over {s['n_vs_vllm']} cases; "
+                 f"worst ratio ours/vLLM {s['worst_ratio']:.2f} ({s['worst_case']})")
+    if res.get("host"):
+        lines.append("")
+        lines.append("| host enqueue (eager linear) | us |")
+        lines.append("|---|---|")
+        for h in res["host"]:
+            lines.append(f"| {h['case']} {h['slices']} | {h['host_us']:.1f} |")
+    if res.get("jax"):
+        lines.append("")
+        lines.append("| JAX vs torch (hot, per op) | slices | jax us | torch us | ratio | jax err |")
+        lines.append("|---|---|---|---|---|---|")
+        for j in res["jax"]:
+            lines.append(f"| {j['case']} | {j['slices']} | {j['jax_us']:.2f} | {j['torch_hot_us']:.2f} "
+                         f"| {j['ratio']:.2f} | {j['jax_rel_err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    mb = np.logspace(-2, 3, 200)
+    ax.plot(mb, np.maximum(mb * 1e6 / (PEAK_GBS * 1e3), 0.0), "k--", lw=1, label="bytes / 4300 GB/s")
+    ax.axhline(LAUNCH_US, color="gray", lw=0.8, ls=":", label="~launch floor (2 us)")
+    for sl, mk in (("s1", "o"), ("s3", "s")):
+        pts = [r for r in res["sweep"] if r["slices"] == sl]
+        ax.scatter([r["min_bytes"] / 1e6 for r in pts], [r["time_us"] for r in pts], marker=mk, c="C0",
+                   label=f"ours {sl}")
+        vp = [r for r in pts if r["vllm_us"]]
+        ax.scatter([r["min_bytes"] / 1e6 for r in vp], [r["vllm_us"] for r in vp], marker=mk, facecolors="none",
+                   edgecolors="C3", label=f"vLLM 0.33 {sl}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("minimal bytes per add_lora_linear (MB)")
+    ax.set_ylabel("time per call, CUDA-graph replay (us)")
+    ax.set_title(f"multi-LoRA add_lora_linear on {res['meta']['device']} (bf16, H=4096)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def env_meta():
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001
+        commit = os.environ.get("GIT_COMMIT", "unknown")
+    import triton
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version(), commit=commit)
+    from importlib import metadata
+    for pkg in ("jax", "jax-triton"):
+        try:
+            meta[pkg] = metadata.version(pkg)
+        except Exception:  # noqa: BLE001 - not installed
+            pass
+    from jax_lora.kernels import configs
+    meta["configs"] = configs.TUNED_ON
+    return meta
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-jax", action="store_true")
+    p.add_argument("--tag", default="")
+    p.add_argument("--profile-host", action="store_true", help="cProfile of eager calls, top entries")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = dict(meta=env_meta(), sweep=[], host=[], jax=[])
+    cases = sweep_cases(args.quick)
+    if args.profile_host:
+        import cProfile
+        import pstats
+        s = InputSet("dec", 8, 8, 16, SLICES["s3"], 8, 0.0, None, torch.Generator().manual_seed(3), device)
+        for _ in range(50):
+            s.call()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            s.call()
+        prof.disable()
+        torch.cuda.synchronize()
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+    for case in cases:
+        for sl in ("s1", "s3"):
+            r = run_case(case, sl, device)
+            res["sweep"].append(r)
+            v = f"vLLM {r['vllm_us']:.1f}" if r["vllm_us"] else ""
+            print(f"{r['case']:28s} {sl} {r['time_us']:8.2f} us {r['pct_peak']:5.1f}% err {r['rel_err']:.1e} "
+                  f"{v}", flush=True)
+    for case in [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T8 D1 r16", "pre T2048 D4 r16")]:
+        for sl in ("s1", "s3"):
+            name, kind, T, D, r, fn, rk = case
+            s = InputSet(kind, T, D, r, SLICES[sl], max(8, D), fn, rk, torch.Generator().manual_seed(2), device)
+            h = host_time_us(s)
+            res["host"].append(dict(case=name, slices=sl, host_us=h))
+            print(f"host {name} {sl}: {h:.1f} us", flush=True)
+    if not args.no_jax:
+        try:
+            jc = [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T1 D1 r16", "dec T128 D64 r64",
+                                               "pre T8192 D4 r64")]
+            res["jax"] = jax_vs_torch(device, [(c, sl) for c in jc for sl in ("s1", "s3")])
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            res["jax_error"] = repr(e)
+    vs = [r for r in res["sweep"] if r["vllm_us"]]
+    worst = max(vs, key=lambda r: r["time_us"] / r["vllm_us"]) if vs else None
+    res["summary"] = dict(geomean_speedup=geomean([r["speedup_vs_vllm"] for r in vs]), n_vs_vllm=len(vs),
+                          worst_ratio=(worst["time_us"] / worst["vllm_us"]) if worst else float("nan"),
+                          worst_case=f"{worst['case']} {worst['slices']}" if worst else "")
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M")
+    base = os.path.join(args.out, f"triton_h200_{stamp}{args.tag}")
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    md = markdown(res)
+    with open(base + ".md", "w") as f:
+        f.write(f"run {res['meta']}\n\n" + md)
+    try:
+        plot(res, base + ".png")
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

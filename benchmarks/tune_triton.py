@@ -1,0 +1,172 @@
+"""Tunes the launch configs of the Triton LoRA kernels per shape class on the GPU at hand.
+
+    PYTHONPATH=. python benchmarks/tune_triton.py --out benchmarks/results
+
+For one representative shape per (token class, rank class) of jax_lora/kernels/configs.py it
+times `add_lora_linear` (three slices 4096/1024/1024, bf16, hidden 4096, cold weights, CUDA-graph
+replay as in bench_triton.py) over a small candidate list: first the shrink config with the
+default expand, then the expand config with the best shrink, then (decode classes) the fused
+kernel. It writes the winning table as JSON (`--table jax_lora/kernels/tuned_h200.json` puts it where
+configs.py reads it) and all timings beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_triton import L2_BYTES, InputSet, graph_time_us, min_bytes  # noqa: E402
+
+from jax_lora.kernels import configs  # noqa: E402
+from torch_lora.ops import triton as TT  # noqa: E402
+
+# (token class, rank class) -> representative (kind, T, D)
+SHAPES = {
+    ("t16", "r16"): ("dec", 8, 8), ("t16", "r64"): ("dec", 8, 8),
+    ("t64", "r16"): ("dec", 32, 32), ("t64", "r64"): ("dec", 32, 32),
+    ("t256", "r16"): ("dec", 128, 64), ("t256", "r64"): ("dec", 128, 64),
+    ("t1024", "r16"): ("dec", 512, 64), ("t1024", "r64"): ("dec", 512, 64),
+    ("tbig", "r16"): ("pre", 8192, 4), ("tbig", "r64"): ("pre", 8192, 4),
+}
+RANK_OF = {"r16": 16, "r64": 64}
+WIDTHS = (4096, 1024, 1024)
+
+
+def shrink_candidates(tc):
+    if tc in ("t16", "t64", "t256"):
+        return [configs._s(16, bk, 0, w, st) for bk, w, st in
+                ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 3), (512, 8, 2))]
+    if tc == "t1024":
+        return [configs._s(bm, bk, 0, w, st) for bm, bk, w, st in
+                ((16, 128, 4, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 256, 8, 3))]
+    return [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
+            ((64, 128, 0, 4, 3), (64, 64, 1, 4, 4), (128, 64, 1, 4, 3), (128, 128, 1, 8, 3),
+             (64, 128, 1, 4, 3))]
+
+
+def expand_candidates(tc, rank):
+    br = min(64, max(16, rank))
+    if tc in ("t16", "t64", "t256"):
+        return [configs._e(16, bn, br, w, st) for bn, w, st in
+                ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 2), (512, 8, 2))]
+    if tc == "t1024":
+        return [configs._e(bm, bn, br, w, st) for bm, bn, w, st in
+                ((16, 128, 4, 2), (32, 128, 4, 2), (64, 128, 4, 2), (32, 256, 8, 2))]
+    return [configs._e(bm, bn, br, w, st) for bm, bn, w, st in
+            ((64, 128, 4, 2), (128, 128, 8, 2), (64, 256, 8, 2), (128, 64, 4, 2), (128, 256, 8, 2))]
+
+
+def fused_candidates(rank):
+    return [configs._f(16, bn, bk, w, st) for bn, bk, w, st in
+            ((128, 256, 4, 3), (256, 256, 4, 4), (128, 512, 4, 3), (256, 512, 8, 3), (64, 1024, 8, 2),
+             (512, 256, 8, 4))]
+
+
+class Tuned(InputSet):
+    mode = dict(fused=False, shrink_config=None, expand_config=None, fused_config=None)
+
+    def call(self, y=None):
+        TT.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
+                  self.scale, self.offsets, self.ranks, **Tuned.mode)
+
+
+def timed(sets, **mode):
+    Tuned.mode = dict(fused=False, shrink_config=None, expand_config=None, fused_config=None)
+    Tuned.mode.update(mode)
+    try:
+        return graph_time_us(sets, replays=5)
+    except Exception as e:  # noqa: BLE001 - a config that does not compile/fit is skipped
+        print("   failed:", type(e).__name__, str(e)[:200], flush=True)
+        return float("inf")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--budget-s", type=float, default=420)
+    p.add_argument("--classes", default="", help="token classes to tune (default all), e.g. t16,t64")
+    p.add_argument("--table", default="", help="also write the table here (jax_lora/kernels/tuned_h200.json)")
+    args = p.parse_args()
+    t_start = time.time()
+    device = torch.device("cuda")
+    results, best = {}, {}
+    if args.table and os.path.exists(args.table):        # keep the classes not tuned this time
+        with open(args.table) as f:
+            best.update(json.load(f)["best"])
+    only = set(filter(None, args.classes.split(",")))
+    for (tc, rc), (kind, T, D) in SHAPES.items():
+        if only and tc not in only:
+            continue
+        if time.time() - t_start > args.budget_s:
+            print("budget exhausted; remaining classes keep their defaults", flush=True)
+            break
+        r = RANK_OF[rc]
+        slots = max(8, D)
+        gen = torch.Generator().manual_seed(0)
+        nbytes = min_bytes(T, D, WIDTHS, r)
+        n_sets = int(min(60, max(3, math.ceil(4 * L2_BYTES / nbytes))))
+        sets = [Tuned(kind, T, D, r, WIDTHS, slots, 0.0, None, gen, device) for _ in range(n_sets)]
+        key = f"{tc}/{rc}"
+        results[key] = dict(shrink=[], expand=[], fused=[])
+        e_default = configs.expand_config(T, 4096, r, 3, slots)
+        shr = []
+        for c in shrink_candidates(tc):
+            t = timed(sets, shrink_config=_resolve_split(c, T, slots), expand_config=e_default)
+            shr.append((t, c))
+            results[key]["shrink"].append(dict(config=c, us=t))
+        t_s, c_s = min(shr, key=lambda v: v[0])
+        exp = []
+        for c in expand_candidates(tc, r):
+            t = timed(sets, shrink_config=_resolve_split(c_s, T, slots), expand_config=c)
+            exp.append((t, c))
+            results[key]["expand"].append(dict(config=c, us=t))
+        t_e, c_e = min(exp, key=lambda v: v[0])
+        entry = dict(shrink=c_s, expand=c_e, two_kernel_us=t_e)
+        if tc in ("t16", "t64"):
+            fus = []
+            for c in fused_candidates(r):
+                t = timed(sets, fused=True, fused_config=c)
+                fus.append((t, c))
+                results[key]["fused"].append(dict(config=c, us=t))
+            t_f, c_f = min(fus, key=lambda v: v[0])
+            entry.update(fused=c_f, fused_us=t_f)
+        best[key] = entry
+        print(f"{key}: two-kernel {t_e:.2f} us shrink {c_s} expand {c_e}"
+              + (f" | fused {entry['fused_us']:.2f} us {entry['fused']}" if "fused" in entry else ""), flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
+    with open(os.path.join(args.out, "tune_triton_h200_all.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), date=stamp, results=results), f, indent=1)
+    table = dict(device=torch.cuda.get_device_name(), date=stamp, best=best,
+                 note="written by benchmarks/tune_triton.py; read by jax_lora/kernels/configs.py")
+    for path in [os.path.join(args.out, "tuned_h200.json")] + ([args.table] if args.table else []):
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+    print("# ---- table for jax_lora/kernels/configs.py")
+    for key, e in best.items():
+        print(f"{key} SHRINK {e['shrink']} EXPAND {e['expand']} FUSED {e.get('fused')} "
+              f"two={e['two_kernel_us']:.2f} fused={e.get('fused_us', float('nan')):.2f}")
+
+
+def _resolve_split(cfg, T, slots):
+    """A candidate with SPLIT_K = 0 resolved the way configs.shrink_config does it."""
+    c = dict(cfg)
+    if c["SPLIT_K"] == 0:
+        busy = 3 * configs._estimated_tiles(T, slots, c["BLOCK_M"])
+        chunks = max(1, -(-4096 // c["BLOCK_K"]))
+        c["SPLIT_K"] = max(1, min(chunks, configs.TARGET_PROGRAMS // busy))
+    return c
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Launch configurations for the Triton LoRA kernels, per shape class (tuned on the H200).
+
+A shape class is (token class, rank class): tokens T in <=16, <=64, <=256, <=1024, <=4096, larger; rank
+(the stacked weights' rank) in <=16, <=64, larger. The dicts below are hand-written defaults; the
+tuned table, `tuned_h200.json` beside this file, is written by `benchmarks/tune_triton.py` on the
+lent H200 and overrides them when present (TUNED_ON says which is in use). Configs change block
+shapes, warps, stages and the fused/two-kernel choice, never the semantics. `SPLIT_K = 0` means "choose from
+the grid": enough splits of the hidden size that about TARGET_PROGRAMS programs run (decode sizes,
+where a handful of adapters would otherwise leave most SMs idle).
+
+`use_fused(...)` decides between the one-launch fused kernel and shrink + expand: the tuner times
+both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30, it won in
+no class: see docs/benchmarks.md). For T > 128 the split-K count is capped (workspace re-reads).
+Under Triton's interpreter (CPU tests) large tiles are used instead: the interpreter's cost is per
+program and per loop trip, not per element.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .lora_triton import interpreting, next_pow2
+
+TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+
+_TOKEN_CLASSES = ((16, "t16"), (64, "t64"), (256, "t256"), (1024, "t1024"), (4096, "t4096"))
+_RANK_CLASSES = ((16, "r16"), (64, "r64"))
+
+
+def token_class(num_tokens: int) -> str:
+    for bound, name in _TOKEN_CLASSES:
+        if num_tokens <= bound:
+            return name
+    return "tbig"
+
+
+def rank_class(rank: int) -> str:
+    for bound, name in _RANK_CLASSES:
+        if rank <= bound:
+            return name
+    return "r256"
+
+
+def _s(bm, bk, split, warps, stages):
+    return dict(BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+
+
+def _e(bm, bn, br, warps, stages):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, num_warps=warps, num_stages=stages)
+
+
+def _f(bm, bn, bk, warps, stages):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+# (token class, rank class) -> config. BEGIN TABLE (rewritten by benchmarks/tune_triton.py)
+SHRINK = {
+    ("t16", "r16"): _s(16, 256, 0, 4, 2), ("t16", "r64"): _s(16, 128, 0, 4, 2),
+    ("t16", "r256"): _s(16, 64, 0, 4, 2),
+    ("t64", "r16"): _s(16, 256, 0, 4, 2), ("t64", "r64"): _s(16, 128, 0, 4, 2),
+    ("t64", "r256"): _s(16, 64, 0, 4, 2),
+    ("t256", "r16"): _s(16, 256, 0, 4, 2), ("t256", "r64"): _s(16, 128, 0, 4, 2),
+    ("t256", "r256"): _s(16, 64, 0, 4, 2),
+    ("t1024", "r16"): _s(32, 128, 0, 4, 3), ("t1024", "r64"): _s(32, 128, 0, 4, 3),
+    ("t1024", "r256"): _s(32, 64, 0, 4, 3),
+    ("t4096", "r16"): _s(64, 128, 0, 4, 3), ("t4096", "r64"): _s(64, 64, 0, 4, 4),
+    ("t4096", "r256"): _s(64, 64, 0, 8, 3),
+    ("tbig", "r16"): _s(64, 128, 0, 4, 3), ("tbig", "r64"): _s(64, 128, 0, 4, 3),
+    ("tbig", "r256"): _s(64, 64, 0, 8, 3),
+}
+EXPAND = {
+    ("t16", "r16"): _e(16, 128, 16, 4, 2), ("t16", "r64"): _e(16, 128, 64, 4, 2),
+    ("t16", "r256"): _e(16, 64, 64, 4, 2),
+    ("t64", "r16"): _e(16, 128, 16, 4, 2), ("t64", "r64"): _e(16, 128, 64, 4, 2),
+    ("t64", "r256"): _e(16, 64, 64, 4, 2),
+    ("t256", "r16"): _e(16, 128, 16, 4, 2), ("t256", "r64"): _e(16, 128, 64, 4, 2),
+    ("t256", "r256"): _e(16, 64, 64, 4, 2),
+    ("t1024", "r16"): _e(32, 128, 16, 4, 2), ("t1024", "r64"): _e(32, 128, 64, 4, 2),
+    ("t1024", "r256"): _e(32, 128, 64, 4, 2),
+    ("t4096", "r16"): _e(64, 128, 16, 4, 2), ("t4096", "r64"): _e(128, 64, 64, 4, 2),
+    ("t4096", "r256"): _e(64, 128, 64, 8, 2),
+    ("tbig", "r16"): _e(64, 128, 16, 4, 2), ("tbig", "r64"): _e(64, 128, 64, 4, 2),
+    ("tbig", "r256"): _e(64, 128, 64, 8, 2),
+}
+FUSED = {
+    ("t16", "r16"): _f(16, 256, 256, 4, 2), ("t16", "r64"): _f(16, 128, 128, 4, 2),
+    ("t64", "r16"): _f(16, 256, 256, 4, 2), ("t64", "r64"): _f(16, 128, 128, 4, 2),
+}
+FUSED_CLASSES = {("t16", "r16")}  # shape classes where the one-launch fused kernel wins
+# END TABLE
+
+
+def _load_tuned(path: str) -> str:
+    """Overrides the defaults above with the table `benchmarks/tune_triton.py` wrote (JSON)."""
+    global FUSED_CLASSES
+    try:
+        with open(path) as f:
+            tuned = json.load(f)
+    except (OSError, ValueError):
+        return "defaults (no tuned table)"
+    for key, entry in tuned["best"].items():
+        k = tuple(key.split("/"))
+        SHRINK[k] = dict(entry["shrink"])
+        EXPAND[k] = dict(entry["expand"])
+        if entry.get("fused"):
+            FUSED[k] = dict(entry["fused"])
+    FUSED_CLASSES = {tuple(k.split("/")) for k, e in tuned["best"].items()
+                     if e.get("fused_us", float("inf")) < e["two_kernel_us"]}
+    return f"{tuned.get('device', '?')} ({os.path.basename(path)}, {tuned.get('date', '?')})"
+
+
+TUNED_ON = _load_tuned(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_h200.json"))
+
+
+def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """Busy token tiles to expect without reading the mapping: one per adapter at decode sizes,
+    cdiv(T, BLOCK_M) at prefill sizes (the launch shape may not depend on the mapping)."""
+    return max(1, min(num_tokens, num_slots), -(-num_tokens // block_m))
+
+
+def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
+    if interpreting():
+        return _s(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
+    cfg = dict(SHRINK[(token_class(num_tokens), rank_class(rank))])
+    if cfg["SPLIT_K"] == 0:
+        busy = num_slices * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])
+        chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
+        cfg["SPLIT_K"] = max(1, min(chunks, TARGET_PROGRAMS // busy))
+    if num_tokens > 128:
+        # Past decode sizes every expand program re-reads its rows of all SPLIT_K workspace planes
+        # (SPLIT_K * rank floats per token per output tile): keep that below ~1 KB per token, and
+        # at prefill sizes with rank >= 64 do not split at all (measured: T=2048, rank 64 ran 49 us
+        # unsplit, 68 us with 4 splits; T=512, rank 64 ran 31 us with 16 splits, 18.6 us with 4).
+        cap = 1 if (num_tokens > 1024 and rank >= 64) else 256 // max(rank, 1)
+        cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], cap))
+    return cfg
+
+
+def expand_config(num_tokens: int, width: int, rank: int, num_slices: int, num_slots: int) -> dict:
+    if interpreting():
+        return _e(16, min(256, max(16, next_pow2(width))), 64, 4, 1)
+    return dict(EXPAND[(token_class(num_tokens), rank_class(rank))])
+
+
+def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices: int,
+                 num_slots: int) -> dict:
+    if interpreting():
+        return _f(16, min(256, max(16, next_pow2(width))), min(256, max(16, next_pow2(hidden))), 4, 1)
+    key = (token_class(num_tokens), rank_class(rank))
+    return dict(FUSED.get(key, _f(16, 128, 128, 4, 2)))
+
+
+def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> bool:
+    """True when the one-launch fused kernel is expected to beat shrink + expand (decode sizes)."""
+    return (token_class(num_tokens), rank_class(rank)) in FUSED_CLASSES

@@ -1,0 +1,631 @@
+"""Multi-LoRA (Punica) kernels in Triton: shrink, expand and a fused shrink+expand.
+
+One kernel source for both sides: this module imports only `triton` (no torch, no jax).
+`torch_lora.ops.triton` launches the kernels on torch tensors, `jax_lora.ops.triton` inside
+`jax.jit` through `jax_triton`; both take their grids and meta-parameters from the `plan_*`
+functions at the bottom, which are plain Python over shapes and dtype names.
+
+Math (SPEC section 4), idx[t] = slot of token t (or -1), every product accumulated in float32:
+
+  shrink:  buf[s, t, :] = scale * x[t] @ A_s[idx[t]].T                     (0 where idx[t] = -1)
+  expand:  y[t, off_s:off_s+n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
+                                   + bias_s[idx[t]]        (rows with idx[t] = -1 untouched)
+  fused:   expand(shrink(x)) in one launch, the rank-sized intermediate kept in registers.
+
+Work decomposition. Tokens are grouped by adapter through the kernel metadata (SPEC section 3):
+group g holds the tokens sorted[start[g] : start[g] + count[g]] of slot active[g]. A group is cut
+into tiles of BLOCK_M tokens, and the grid's "tile" axis enumerates the tiles of all groups one
+after another: program p finds its group by a prefix sum over the (max_loras + 1) per-group tile
+counts, done in registers at the start of every program (`_group_tile`). The number of tiles is at
+most cdiv(T, BLOCK_M) + number of groups, so a grid of that size covers every mapping, and the grid
+depends only on (T, max_loras), never on the mapping (CUDA-graph capturable, one jit program).
+Programs past the last tile return at once. Each active adapter's weights are read by the programs
+of its own tiles only: inactive slots are never read, and with one tile per group (decode) each
+weight byte is read once per step.
+
+Weights: A_s is (L, r, H), B_s (L, n_s, r), any strides. Several slices go in one launch: the
+slice is a grid coordinate and its pointers/strides are picked with a select (up to MAX_SLICES
+per launch). Heterogeneous ranks: with `ranks` given, slot l uses only its first ranks[l] rank
+rows/columns (masked loads, so the padding is neither read nor used), equal to the zero-padded
+computation.
+
+Small batches (T <= SMALL_T_MAX, decode): the whole batch is one tile per group; program g takes
+group g and finds its tokens by comparing the mapping with the group's id, in the same round trip
+as the group ids (no prefix sum, no sorted-order load): decode time is made of dependent loads.
+
+Programmatic dependent launch (USE_PDL, torch on Hopper): in the two-kernel path the expand is
+launched as a dependent of the shrink and loads its metadata and y tile before `gdc_wait()`.
+
+Split-K (shrink): the hidden dimension is cut into SPLIT_K chunks, one per program, to spread the
+weight reads of few adapters over many SMs at decode sizes. The partial sums either go to separate
+planes of a float32 workspace (NUM_PARTIALS planes, summed by the expand kernel on load: no atomics,
+no zeroing) or, for the stand-alone shrink, are atomically added into a zeroed output.
+
+Interpreter: under TRITON_INTERPRET=1 tiles are upcast to float32 right after loading
+(CAST_FP32): the interpreter computes bf16 arithmetic wrongly (ENV.md). Compiled kernels never do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Optional, Sequence
+
+import triton
+import triton.language as tl
+
+try:  # programmatic dependent launch (Hopper); absent from older Triton: then never used
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAVE_PDL = True
+except ImportError:  # pragma: no cover - depends on the Triton version
+    HAVE_PDL = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+__all__ = [
+    "MAX_SLICES", "lora_shrink_kernel", "lora_expand_kernel", "lora_fused_kernel",
+    "ShrinkPlan", "ExpandPlan", "FusedPlan", "plan_shrink", "plan_expand", "plan_fused",
+    "interpreting", "next_pow2",
+]
+
+MAX_SLICES = 4  # slices handled by one launch; more are launched in groups of MAX_SLICES
+MAX_PARTIALS = 32  # split-K planes the expand kernel sums (unrolled loads)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 at import time)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------------- device helpers
+
+@triton.jit
+def _group_tile(pid, counts_ptr, starts_ptr, active_ptr, num_slots,
+                BLOCK_M: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
+                LORA_ONLY: tl.constexpr):
+    """Which tile program `pid` computes: (slot id, first sorted position, tokens in the tile).
+
+    Group g owns cdiv(count[g], BLOCK_M) consecutive tile numbers (0 for an empty group, and with
+    LORA_ONLY for groups whose id is not a slot 0..num_slots-1). A tile count <= 0 means idle.
+    """
+    g = tl.arange(0, GROUPS_P2)
+    real_group = g < NUM_GROUPS
+    ids = tl.load(active_ptr + g, mask=real_group, other=-1)
+    counts = tl.load(counts_ptr + g, mask=real_group, other=0)
+    if LORA_ONLY:
+        counts = tl.where((ids >= 0) & (ids < num_slots), counts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, axis=0)                    # inclusive prefix sum
+    grp = tl.sum((tiles_end <= pid).to(tl.int32), axis=0)    # first group whose tiles reach past pid
+    mine = g == grp
+    lora_id = tl.sum(tl.where(mine, ids, 0), axis=0)
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0), axis=0)
+    m0 = (pid - first_tile) * BLOCK_M
+    starts = tl.load(starts_ptr + g, mask=real_group, other=0)  # loaded with the counts: one round trip
+    start = tl.sum(tl.where(mine, starts, 0), axis=0)
+    n_tok = tl.minimum(count - m0, BLOCK_M)                  # <= 0 past the last tile
+    return lora_id, start + m0, n_tok
+
+
+@triton.jit
+def _tile_tokens(sorted_ptr, pos0, n_tok, num_sorted, num_tokens, BLOCK_M: tl.constexpr):
+    """Token ids of a tile and the mask of real ones (inside the group, the sorted array and x)."""
+    offs = tl.arange(0, BLOCK_M)
+    pos = pos0 + offs
+    in_tile = (offs < n_tok) & (pos < num_sorted)
+    tok = tl.load(sorted_ptr + pos, mask=in_tile, other=0)
+    tok_ok = in_tile & (tok >= 0) & (tok < num_tokens)
+    return tl.where(tok_ok, tok, 0).to(tl.int64), tok_ok
+
+
+@triton.jit
+def _tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, num_slots, num_tokens, num_sorted,
+          BLOCK_M: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, LORA_ONLY: tl.constexpr,
+          SMALL_T: tl.constexpr):
+    """(slot id, token ids (BLOCK_M,) int64, mask of real tokens, number of real tokens) of program pid.
+
+    SMALL_T (the whole batch fits one tile, T <= BLOCK_M): program g serves group g, and its tokens
+    are the rows whose mapping equals the group's id -- read together with the group ids in one
+    round trip, without the sorted order (two fewer dependent loads: what decode latency is made
+    of). Without LORA_ONLY one extra program (pid == NUM_GROUPS) owns the rows without LoRA (they
+    get zero rows); programs of non-slot groups are idle.
+    Otherwise tiles of BLOCK_M tokens of the sorted order (`_group_tile`).
+    """
+    if SMALL_T:
+        offs = tl.arange(0, BLOCK_M)
+        lora_id = tl.load(active_ptr + tl.minimum(pid, NUM_GROUPS - 1))
+        lora_id = tl.where(pid < NUM_GROUPS, lora_id, -1)
+        m = tl.load(mapping_ptr + offs, mask=offs < num_tokens, other=-2)   # -2: past the batch
+        # (vector-only masks: the interpreter mishandles vector & scalar booleans)
+        slot_row = (m >= 0) & (m < num_slots)
+        tok_ok = (m == lora_id) & slot_row                  # false for every row if lora_id is no slot
+        if not LORA_ONLY:
+            extra = (offs * 0 + pid) == NUM_GROUPS
+            tok_ok = tok_ok | ((m != -2) & (slot_row == 0) & extra)
+            lora_id = tl.where((lora_id >= 0) & (lora_id < num_slots), lora_id, -1)
+        tok = offs.to(tl.int64)
+    else:
+        lora_id, pos0, n = _group_tile(pid, counts_ptr, starts_ptr, active_ptr, num_slots,
+                                       BLOCK_M, NUM_GROUPS, GROUPS_P2, LORA_ONLY)
+        tok, tok_ok = _tile_tokens(sorted_ptr, pos0, n, num_sorted, num_tokens, BLOCK_M)
+    n_tok = tl.sum(tok_ok.to(tl.int32), axis=0)
+    return lora_id, tok, tok_ok, n_tok
+
+
+@triton.jit
+def _hint16(v, ALIGNED: tl.constexpr):
+    """v, with its divisibility by 16 made visible to the compiler when the launcher checked it
+    (ALIGNED). Triton specialises integer arguments itself when launched from torch; through
+    jax_triton it does not, and without the hint loads along a row are not vectorised."""
+    if ALIGNED:
+        v = v // 16 * 16
+    return v
+
+
+@triton.jit
+def _pick(s, v0, v1, v2, v3):
+    """v_s for a slice number s in 0..3 (pointers or integers)."""
+    return tl.where(s == 0, v0, tl.where(s == 1, v1, tl.where(s == 2, v2, v3)))
+
+
+@triton.jit
+def _slot_rank(ranks_ptr, lora_id, has_lora, RANK: tl.constexpr, HAS_RANKS: tl.constexpr):
+    """The rank columns slot `lora_id` really uses (RANK without a ranks array; 0 without LoRA)."""
+    rank = RANK
+    if HAS_RANKS:
+        rank = tl.minimum(tl.load(ranks_ptr + tl.where(has_lora, lora_id, 0)), RANK)
+        rank = tl.maximum(rank, 0)
+    return tl.where(has_lora, rank, 0)
+
+
+@triton.jit
+def _load_rank_cols(ptrs, row_ok, kk, rank, RANK: tl.constexpr, HAS_RANKS: tl.constexpr):
+    """A tile whose columns kk are rank columns: those >= rank come out 0.
+
+    With per-slot ranks the load mask is rounded up to 8 columns (16 bytes, inside the same DRAM
+    sectors) so loads stay vectorised; the exact rank is then applied in registers."""
+    if HAS_RANKS:
+        rank_ld = tl.minimum((rank + 7) // 8 * 8, RANK)
+        t = tl.load(ptrs, mask=row_ok[:, None] & (kk < rank_ld)[None, :], other=0.0)
+        t = tl.where((kk < rank)[None, :], t, tl.zeros_like(t))
+    else:
+        t = tl.load(ptrs, mask=row_ok[:, None] & (kk < RANK)[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def _shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidden,
+                 stride_xt, stride_xh, stride_al, stride_ar, stride_ah,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                 CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc[m, r] = sum_{k in [k_begin, k_end)} x[tok[m], k] * A[lora_id, r, k], for r < rank."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    rank_ok = offs_r < rank                                  # real rank rows of A: padding is not read
+    x_rows = x_ptr + tok[:, None] * stride_xt
+    a_rows = a_ptr + lora_id.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < hidden                                    # the last chunk of a hidden size that
+        xt = tl.load(x_rows + k[None, :] * stride_xh,        # is not a multiple of BLOCK_K
+                     mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_rows + k[None, :] * stride_ah,
+                     mask=rank_ok[:, None] & k_ok[None, :], other=0.0)
+        if CAST_FP32:
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
+        acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _y_tile(y_ptr, tok, tok_ok, cols, col_ok, y_col0, stride_yt, stride_yn, ADD_INPUTS: tl.constexpr):
+    """Offsets and write mask of the output tile, and (ADD_INPUTS) its current values as float32.
+
+    Loaded before the tile's math so that its latency overlaps the weight loads."""
+    y_offs = tok[:, None] * stride_yt + (y_col0 + cols)[None, :] * stride_yn
+    write = tok_ok[:, None] & col_ok[None, :]                # rows of real LoRA tokens, slice columns
+    y_old = tl.zeros((tok.shape[0], cols.shape[0]), dtype=tl.float32)
+    if ADD_INPUTS:
+        y_old = tl.load(y_ptr + y_offs, mask=write, other=0.0).to(tl.float32)
+    return y_offs, write, y_old
+
+
+@triton.jit
+def _store_slice(acc, y_old, out_ptr, y_offs, write, bias_ptr, lora_id, cols, col_ok, stride_cl, stride_cn,
+                 has_bias):
+    """y[tok, y_col0 + cols] = (y if ADD_INPUTS else 0) + acc + bias[lora_id, cols], cast once."""
+    if has_bias:
+        bias = tl.load(bias_ptr + lora_id.to(tl.int64) * stride_cl + cols * stride_cn, mask=col_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    tl.store(out_ptr + y_offs, (acc + y_old).to(out_ptr.dtype.element_ty), mask=write)
+
+
+@triton.jit
+def _slice_of_tile(j, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Slice s of output tile j, and the tile's first column inside the slice.
+
+    NT1..NT3: the first tile number of slices 1..3 (a large number for absent slices)."""
+    s = (j >= NT1).to(tl.int32) + (j >= NT2).to(tl.int32) + (j >= NT3).to(tl.int32)
+    first = tl.where(s == 0, 0, tl.where(s == 1, NT1, tl.where(s == 2, NT2, NT3)))
+    return s, (j - first) * BLOCK_N
+
+
+# ------------------------------------------------------------------------------------------ shrink
+
+@triton.jit
+def lora_shrink_kernel(
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr,
+        mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
+        scale, num_tokens, hidden, num_sorted, num_slots,
+        stride_xt, stride_xh,
+        sa0_l, sa0_r, sa0_h, sa1_l, sa1_r, sa1_h, sa2_l, sa2_r, sa2_h, sa3_l, sa3_r, sa3_h,
+        stride_op, stride_os, stride_ot, stride_or,
+        out_ptr,
+        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        K_PER_SPLIT: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
+        LORA_ONLY: tl.constexpr, ATOMIC: tl.constexpr, HAS_RANKS: tl.constexpr,
+        CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[p, s, t, :RANK] = scale * x[t, chunk p] @ A_s[idx[t], :, chunk p].T.
+
+    Grid (slices, SPLIT_K, tiles). Plain stores write one plane per split (the workspace the
+    expand kernel sums); ATOMIC adds every split into plane 0 of a zeroed output. Without
+    LORA_ONLY (stand-alone shrink, no atomics), tokens of non-slot groups get zero rows.
+    """
+    if USE_PDL:
+        gdc_launch_dependents()                              # let the expand start its prologue
+    s = tl.program_id(0)
+    split = tl.program_id(1)
+    pid = tl.program_id(2)
+    lora_id, tok, tok_ok, n_tok = _tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
+                                        num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
+                                        LORA_ONLY, SMALL_T)
+    if n_tok <= 0:
+        return
+    has_lora = (lora_id >= 0) & (lora_id < num_slots)   # only False without LORA_ONLY (not ATOMIC)
+    rank = _slot_rank(ranks_ptr, lora_id, has_lora, RANK, HAS_RANKS)
+    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
+    stride_al = _hint16(_pick(s, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED)
+    stride_ar = _hint16(_pick(s, sa0_r, sa1_r, sa2_r, sa3_r), ALIGNED)
+    stride_ah = _pick(s, sa0_h, sa1_h, sa2_h, sa3_h)
+    hidden = _hint16(hidden, ALIGNED)
+    stride_xt = _hint16(stride_xt, ALIGNED)
+    k_begin = split * K_PER_SPLIT
+    k_end = tl.where(has_lora, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)  # no LoRA: no loop
+    acc = _shrink_tile(x_ptr, a_ptr, tok, tok_ok, tl.where(has_lora, lora_id, 0), rank, k_begin, k_end,
+                       hidden, stride_xt, stride_xh, stride_al, stride_ar, stride_ah,
+                       BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
+    acc = acc * scale
+    offs_r = tl.arange(0, BLOCK_R)
+    plane = tl.where(ATOMIC, 0, split)
+    out = (out_ptr + plane.to(tl.int64) * _hint16(stride_op, ALIGNED) + s * _hint16(stride_os, ALIGNED)
+           + tok[:, None] * _hint16(stride_ot, ALIGNED) + offs_r[None, :] * stride_or)
+    write = tok_ok[:, None] & (offs_r < RANK)[None, :]       # real tokens, the buffer's rank columns
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=write, sem="relaxed")
+    else:
+        tl.store(out, acc, mask=write)
+
+
+# ------------------------------------------------------------------------------------------ expand
+
+@triton.jit
+def lora_expand_kernel(
+        buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, c0_ptr, c1_ptr, c2_ptr, c3_ptr, ranks_ptr,
+        mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
+        num_tokens, num_sorted, num_slots,
+        stride_bp, stride_bs, stride_bt, stride_br,
+        sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
+        sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
+        width0, width1, width2, width3, off0, off1, off2, off3,
+        stride_yt, stride_yn,
+        out_ptr,
+        RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr,
+        NT3: tl.constexpr, BIAS0: tl.constexpr, BIAS1: tl.constexpr, BIAS2: tl.constexpr,
+        BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
+        CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr):
+    """y[t, off_s + n] = (y if ADD_INPUTS else 0) + sum_p buf[p, s, t, :] @ B_s[idx[t], n, :] + bias.
+
+    Grid (output tiles over all slices, token tiles). `y_ptr` (read) and `out_ptr` (written) are
+    the same buffer (in place on torch, aliased under jax). Only groups of real slots are visited,
+    so rows without LoRA and columns outside the slices are never written. USE_PDL (launched as a
+    programmatic dependent of the shrink): the metadata and the y tile -- which the shrink does not
+    write -- are loaded before waiting for the shrink grid.
+    """
+    j = tl.program_id(0)
+    pid = tl.program_id(1)
+    lora_id, tok, tok_ok, n_tok = _tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
+                                        num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
+                                        True, SMALL_T)
+    if n_tok <= 0:
+        return
+    s, n0 = _slice_of_tile(j, NT1, NT2, NT3, BLOCK_N)
+    rank = _slot_rank(ranks_ptr, lora_id, lora_id >= 0, RANK, HAS_RANKS)
+    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
+    stride_bl = _hint16(_pick(s, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
+    stride_bn = _hint16(_pick(s, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
+    stride_bk = _pick(s, sb0_r, sb1_r, sb2_r, sb3_r)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < _hint16(_pick(s, width0, width1, width2, width3), ALIGNED)  # the slice's own columns
+    offs_r = tl.arange(0, BLOCK_R)
+    b_rows = b_ptr + lora_id.to(tl.int64) * stride_bl + cols[:, None] * stride_bn
+    buf_rows = (buf_ptr + s * _hint16(stride_bs, ALIGNED) + tok[:, None] * _hint16(stride_bt, ALIGNED))
+    stride_bp = _hint16(stride_bp, ALIGNED)
+    y_offs, write, y_old = _y_tile(y_ptr, tok, tok_ok, cols, col_ok, _hint16(_pick(s, off0, off1, off2, off3), ALIGNED),
+                                   _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS)
+    if USE_PDL:
+        # The shrink's workspace is complete past this point. Outside the loop on purpose: the
+        # software pipeliner hoists the first iteration's loads above anything inside it.
+        gdc_wait()
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, rank, BLOCK_R):                       # real rank only
+        kk = k0 + offs_r
+        lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        bt = _load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS)
+        for p in tl.static_range(NUM_PARTIALS):              # split-K planes: independent loads
+            lhs += _load_rank_cols(buf_rows + p * stride_bp + kk[None, :] * stride_br, tok_ok, kk, rank,
+                                   RANK, HAS_RANKS).to(tl.float32)
+        if CAST_FP32:
+            bt = bt.to(tl.float32)
+        else:
+            lhs = lhs.to(bt.dtype)
+        acc = tl.dot(lhs, tl.trans(bt), acc, input_precision=DOT_PRECISION)
+    has_bias = _pick(s, BIAS0, BIAS1, BIAS2, BIAS3)
+    _store_slice(acc, y_old, out_ptr, y_offs, write, _pick(s, c0_ptr, c1_ptr, c2_ptr, c3_ptr), lora_id,
+                 cols, col_ok, _hint16(_pick(s, sc0_l, sc1_l, sc2_l, sc3_l), ALIGNED),
+                 _pick(s, sc0_n, sc1_n, sc2_n, sc3_n), has_bias)
+
+
+# ------------------------------------------------------------------------------------------- fused
+
+@triton.jit
+def lora_fused_kernel(
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
+        c0_ptr, c1_ptr, c2_ptr, c3_ptr, ranks_ptr,
+        mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
+        scale, num_tokens, hidden, num_sorted, num_slots,
+        stride_xt, stride_xh,
+        sa0_l, sa0_r, sa0_h, sa1_l, sa1_r, sa1_h, sa2_l, sa2_r, sa2_h, sa3_l, sa3_r, sa3_h,
+        sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
+        sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
+        width0, width1, width2, width3, off0, off1, off2, off3,
+        stride_yt, stride_yn,
+        out_ptr,
+        RANK: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr,
+        BIAS0: tl.constexpr, BIAS1: tl.constexpr, BIAS2: tl.constexpr, BIAS3: tl.constexpr,
+        ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
+        CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+        SMALL_T: tl.constexpr):
+    """y[t, off_s + n] = (y if ADD_INPUTS else 0) + (scale * x[t] @ A_s[idx].T) @ B_s[idx, n].T + bias.
+
+    One launch for decode sizes: grid (output tiles over all slices, token tiles); each program
+    computes its tokens' rank-sized shrink over the whole hidden size in registers (the A rows of
+    its adapter, which the programs of the same adapter share through L2), then its output tile.
+    Needs BLOCK_R >= RANK (one rank chunk).
+    """
+    j = tl.program_id(0)
+    pid = tl.program_id(1)
+    lora_id, tok, tok_ok, n_tok = _tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
+                                        num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
+                                        True, SMALL_T)
+    if n_tok <= 0:
+        return
+    s, n0 = _slice_of_tile(j, NT1, NT2, NT3, BLOCK_N)
+    rank = _slot_rank(ranks_ptr, lora_id, lora_id >= 0, RANK, HAS_RANKS)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < _hint16(_pick(s, width0, width1, width2, width3), ALIGNED)
+    y_offs, write, y_old = _y_tile(y_ptr, tok, tok_ok, cols, col_ok, _hint16(_pick(s, off0, off1, off2, off3), ALIGNED),
+                                   _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS)
+    lhs = _shrink_tile(x_ptr, _pick(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr), tok, tok_ok, lora_id, rank,
+                       0, _hint16(hidden, ALIGNED), _hint16(hidden, ALIGNED), _hint16(stride_xt, ALIGNED), stride_xh,
+                       _hint16(_pick(s, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED),
+                       _hint16(_pick(s, sa0_r, sa1_r, sa2_r, sa3_r), ALIGNED),
+                       _pick(s, sa0_h, sa1_h, sa2_h, sa3_h),
+                       BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
+    lhs = lhs * scale
+    offs_r = tl.arange(0, BLOCK_R)
+    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
+    bt = _load_rank_cols(b_ptr + lora_id.to(tl.int64) * _hint16(_pick(s, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
+                         + cols[:, None] * _hint16(_pick(s, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
+                         + offs_r[None, :] * _pick(s, sb0_r, sb1_r, sb2_r, sb3_r),
+                         col_ok, offs_r, rank, RANK, HAS_RANKS)
+    if CAST_FP32:
+        bt = bt.to(tl.float32)
+    else:
+        lhs = lhs.to(bt.dtype)
+    acc = tl.dot(lhs, tl.trans(bt), input_precision=DOT_PRECISION)
+    has_bias = _pick(s, BIAS0, BIAS1, BIAS2, BIAS3)
+    _store_slice(acc, y_old, out_ptr, y_offs, write, _pick(s, c0_ptr, c1_ptr, c2_ptr, c3_ptr), lora_id,
+                 cols, col_ok, _hint16(_pick(s, sc0_l, sc1_l, sc2_l, sc3_l), ALIGNED),
+                 _pick(s, sc0_n, sc1_n, sc2_n, sc3_n), has_bias)
+
+
+# ------------------------------------------------------------------------------- launch planning
+# Plain Python over shapes and dtype names: the torch and JAX launchers both call these, so the
+# two sides launch identical kernels with identical meta-parameters.
+
+def _cast_and_precision(dtypes: Sequence[str]) -> tuple[bool, str]:
+    """(CAST_FP32, DOT_PRECISION): upcast under the interpreter or when operand dtypes differ."""
+    cast = interpreting() or len(set(dtypes)) > 1
+    fp32 = cast or "float32" in dtypes
+    return cast, ("ieee" if fp32 else "tf32")
+
+
+def _check_dot_dims(*dims: int) -> None:
+    # The interpreter does not enforce tl.dot's rules; assert them so CPU tests catch them.
+    for d in dims:
+        if d < 16 or d & (d - 1):
+            raise AssertionError(f"tl.dot block dims must be powers of two >= 16, got {d}")
+
+
+def _slice_tiles(widths: Sequence[int], block_n: int) -> dict:
+    """NT1..NT3: the first output-tile number of slices 1..3, and the total number of tiles."""
+    starts, total = [], 0
+    for w in widths:
+        starts.append(total)
+        total += triton.cdiv(int(w), block_n)
+    big = 1 << 30
+    nt = {f"NT{i}": (starts[i] if i < len(widths) else big) for i in (1, 2, 3)}
+    return nt, total
+
+
+SMALL_T_MAX = 32  # batches up to this many tokens use the one-tile-per-group mode (SMALL_T)
+
+
+def small_t_block(num_tokens: int, block_m: int) -> tuple[bool, int]:
+    """(SMALL_T, BLOCK_M): the whole batch in one tile per group when T <= SMALL_T_MAX."""
+    if num_tokens <= SMALL_T_MAX:
+        return True, max(block_m, max(16, next_pow2(num_tokens)))
+    return False, block_m
+
+
+def max_tiles(num_tokens: int, num_groups: int, block_m: int, small_t: bool = False,
+              lora_only: bool = True) -> int:
+    """Tiles of any mapping of num_tokens tokens into num_groups groups: the tile-axis grid size."""
+    if small_t:
+        return num_groups + (0 if lora_only else 1)
+    return triton.cdiv(num_tokens, block_m) + min(num_groups, num_tokens)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShrinkPlan:
+    grid: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    num_partials: int          # planes of the output (1 for the stand-alone shrink)
+    atomic: bool               # the output must be zeroed first
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """Hashable identity of the launch (grid, meta-parameters, warps, stages)."""
+        return (self.grid, tuple(sorted(self.constexprs.items())), self.num_warps, self.num_stages)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExpandPlan:
+    grid: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """Hashable identity of the launch (grid, meta-parameters, warps, stages)."""
+        return (self.grid, tuple(sorted(self.constexprs.items())), self.num_warps, self.num_stages)
+
+
+FusedPlan = ExpandPlan
+
+
+def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_groups: int,
+                x_dtype: str, w_dtype: str, config: dict, *, lora_only: bool, workspace: bool,
+                has_ranks: bool, aligned: bool = False, pdl: bool = False) -> ShrinkPlan:
+    """Grid and meta-parameters of `lora_shrink_kernel`.
+
+    workspace=True: the output has one plane per split (the linear path); else SPLIT_K > 1 means
+    atomic adds into a zeroed output. config: BLOCK_M, BLOCK_K, SPLIT_K, num_warps, num_stages.
+    """
+    block_m, block_k = int(config["BLOCK_M"]), int(config["BLOCK_K"])
+    small_t, block_m = small_t_block(num_tokens, block_m)
+    block_r = max(16, next_pow2(rank))
+    _check_dot_dims(block_m, block_k, block_r)
+    split = max(1, min(int(config.get("SPLIT_K", 1)), triton.cdiv(hidden, block_k), MAX_PARTIALS))
+    k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
+    split = triton.cdiv(hidden, k_per_split)
+    atomic = split > 1 and not workspace
+    cast, precision = _cast_and_precision((x_dtype, w_dtype))
+    constexprs = dict(RANK=rank, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+                      K_PER_SPLIT=k_per_split, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
+                      LORA_ONLY=bool(lora_only or atomic), ATOMIC=atomic, HAS_RANKS=bool(has_ranks),
+                      CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
+                      USE_PDL=bool(pdl))
+    grid = (num_slices, split, max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))
+    return ShrinkPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
+                      split if workspace else 1, atomic)
+
+
+def _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n):
+    nt, total = _slice_tiles(widths, block_n)
+    flags = list(bias_flags) + [False] * (MAX_SLICES - len(bias_flags))
+    c = dict(nt)
+    c.update({f"BIAS{i}": bool(flags[i]) for i in range(MAX_SLICES)})
+    c.update(ADD_INPUTS=bool(add_inputs), HAS_RANKS=bool(has_ranks))
+    return c, total
+
+
+def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: int, num_partials: int,
+                w_dtype: str, y_dtype: str, config: dict, *, add_inputs: bool, bias_flags: Sequence[bool],
+                has_ranks: bool, aligned: bool = False, pdl: bool = False) -> ExpandPlan:
+    """Grid and meta-parameters of `lora_expand_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_R, warps, stages."""
+    assert 1 <= len(widths) <= MAX_SLICES
+    block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
+    small_t, block_m = small_t_block(num_tokens, block_m)
+    block_r = max(16, min(next_pow2(rank), int(config.get("BLOCK_R", 64))))
+    _check_dot_dims(block_m, block_n, block_r)
+    cast, precision = _cast_and_precision((w_dtype,) if not interpreting() else (w_dtype, y_dtype))
+    c, total = _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n)
+    c.update(RANK=rank, NUM_PARTIALS=int(num_partials), BLOCK_M=block_m, BLOCK_N=block_n,
+             BLOCK_R=block_r, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
+             CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
+             USE_PDL=bool(pdl))
+    grid = (total, max_tiles(num_tokens, num_groups, block_m, small_t))
+    return ExpandPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))
+
+
+def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], num_groups: int,
+               x_dtype: str, w_dtype: str, config: dict, *, add_inputs: bool,
+               bias_flags: Sequence[bool], has_ranks: bool, aligned: bool = False) -> FusedPlan:
+    """Grid and meta-parameters of `lora_fused_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages."""
+    assert 1 <= len(widths) <= MAX_SLICES
+    block_m, block_n, block_k = int(config["BLOCK_M"]), int(config["BLOCK_N"]), int(config["BLOCK_K"])
+    small_t, block_m = small_t_block(num_tokens, block_m)
+    block_r = max(16, next_pow2(rank))
+    _check_dot_dims(block_m, block_n, block_k, block_r)
+    cast, precision = _cast_and_precision((x_dtype, w_dtype))
+    c, total = _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n)
+    c.update(RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+             NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), CAST_FP32=cast,
+             DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t)
+    grid = (total, max_tiles(num_tokens, num_groups, block_m, small_t))
+    return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))
+
+
+def row_major_strides(shape: Sequence[int]) -> tuple:
+    """Element strides of a contiguous array of `shape` (what jax arrays have)."""
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= int(d)
+    return tuple(reversed(strides))
+
+
+def all_aligned(ints: Sequence[int]) -> bool:
+    """ALIGNED meta-parameter: every integer argument (strides, sizes, offsets) other than 0 and 1
+    is a multiple of 16, so the kernels may tell the compiler (see `_hint16`)."""
+    return all(v % 16 == 0 for v in ints if v not in (0, 1))
+
+
+def pad4(values: Sequence, fill) -> list:
+    """values padded to MAX_SLICES entries with `fill` (unused slices' arguments)."""
+    values = list(values)
+    return values + [fill] * (MAX_SLICES - len(values))

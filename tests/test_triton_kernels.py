@@ -1,0 +1,205 @@
+"""CPU tests of the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set by conftest).
+
+Small shapes and large tiles (the interpreter's cost is per program and per loop trip). Both
+token-tiling modes are covered (T <= 32: one tile per adapter found through the mapping; T > 32:
+tiles of the sorted order), split-K through a workspace and through atomics, heterogeneous ranks,
+bias, -1 tokens, ids that are no slot of the weights, more slices than one launch takes, and the
+JAX backend through jax.pure_callback. Results against a float64 NumPy oracle; outputs poisoned.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs Triton's interpreter (TRITON_INTERPRET=1) or CUDA")
+
+from jax_lora.kernels import configs  # noqa: E402
+from jax_lora.kernels import lora_triton as K  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _rel(got, ref):
+    got = np.asarray(got, np.float64)
+    assert not np.isnan(got).any(), "NaN in the result (unwritten output?)"
+    return np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def _meta(idx, num_slots, capacity=None):
+    from torch_lora.meta import LoRAKernelMeta
+    meta = LoRAKernelMeta.make(num_slots, capacity or len(idx), DEV)
+    meta.prepare_tensors(torch.as_tensor(np.asarray(idx, np.int32), device=DEV))
+    return meta
+
+
+def _problem(seed, T, H, R, widths, L, dtype, frac_none=0.25):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, L, T).astype(np.int32)
+    idx[rng.random(T) < frac_none] = -1
+    f = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(DEV, dtype)  # noqa: E731
+    x = f(rng.standard_normal((T, H)))
+    a = [f(rng.standard_normal((L, R, H)) / np.sqrt(H)) for _ in widths]
+    b = [f(rng.standard_normal((L, n, R)) / np.sqrt(R)) for n in widths]
+    return rng, idx, x, a, b
+
+
+def _np(t):
+    return t.detach().to("cpu", torch.float64).numpy()
+
+
+def _oracle_linear(y, x, a, b, idx, scale, offsets, ranks=None, bias=None, add_inputs=True):
+    y, x = _np(y).copy(), _np(x)
+    for t, slot in enumerate(idx):
+        if slot < 0 or slot >= a[0].shape[0]:
+            continue
+        for s, (aa, bb, off) in enumerate(zip(a, b, offsets)):
+            A, B = _np(aa[slot]), _np(bb[slot])
+            if ranks is not None:
+                A, B = A[:ranks[slot]], B[:, :ranks[slot]]
+            d = (scale * x[t] @ A.T) @ B.T
+            if bias is not None and bias[s] is not None:
+                d = d + _np(bias[s][slot])
+            y[t, off:off + B.shape[0]] = (y[t, off:off + B.shape[0]] if add_inputs else 0) + d
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,fused", [(9, False), (9, True), (40, False), (40, True)])
+def test_linear_ranks_bias(dtype, T, fused):
+    from torch_lora.ops import triton as TT
+    H, R, widths, L = 96, 16, (48, 16, 32), 4
+    rng, idx, x, a, b = _problem(1, T, H, R, widths, L, dtype)
+    bias = [torch.from_numpy(rng.standard_normal((L, n)).astype(np.float32)).to(DEV, dtype) if s != 1 else None
+            for s, n in enumerate(widths)]
+    ranks = np.array([16, 5, 0, 9], np.int32)
+    offsets = (3, 51, 67)
+    y = torch.from_numpy(rng.standard_normal((T, 101)).astype(np.float32)).to(DEV, dtype)
+    ref = _oracle_linear(y, x, a, b, idx, 0.5, offsets, ranks, bias)
+    out = y.clone()
+    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
+              fused=fused)
+    assert _rel(_np(out), ref) < TOL[dtype]
+    keep = idx < 0
+    assert torch.equal(out[torch.from_numpy(keep).to(DEV)], y[torch.from_numpy(keep).to(DEV)])
+    assert torch.equal(out[:, :3], y[:, :3]) and torch.equal(out[:, 99:], y[:, 99:])
+
+
+@pytest.mark.parametrize("T", [7, 37])
+def test_shrink_poisoned_and_split(T):
+    """Every row written (0 without LoRA); split-K by atomics and by workspace planes agree."""
+    from torch_lora.ops import triton as TT
+    H, R, widths, L = 160, 16, (32, 32), 3
+    _, idx, x, a, b = _problem(2, T, H, R, widths, L, torch.float32)
+    meta = _meta(idx, L, capacity=T + 5)
+    ref = np.stack([np.where((idx >= 0)[:, None],
+                             0.25 * np.einsum("th,trh->tr", _np(x), _np(aa)[np.maximum(idx, 0)]), 0.0)
+                    for aa in a])
+    for cfg in (None, dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=1)):
+        out = torch.full((2, T, R), float("nan"), device=DEV)
+        TT.shrink(x, a, out, meta.meta_args(T), 0.25, None, config=cfg)
+        assert _rel(_np(out), ref) < 1e-5
+    # the workspace path of linear with 3 planes equals the unsplit one
+    y = torch.randn(T, 64, device=DEV)
+    y1, y2 = y.clone(), y.clone()
+    TT.linear(y1, x, a, b, meta.meta_args(T), 0.25, (0, 32), fused=False)
+    TT.linear(y2, x, a, b, meta.meta_args(T), 0.25, (0, 32), fused=False,
+              shrink_config=dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=1))
+    assert _rel(_np(y2), _np(y1)) < 1e-6
+
+
+@pytest.mark.parametrize("T", [6, 34])
+def test_expand_replace_and_offsets(T):
+    from torch_lora.ops import triton as TT
+    R, widths, L = 16, (40, 24), 3
+    rng, idx, _, _, b = _problem(3, T, 8, R, widths, L, torch.float16)
+    buf = torch.from_numpy(rng.standard_normal((2, T, R)).astype(np.float32)).to(DEV)
+    y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV, torch.float16)
+    out = y.clone()
+    TT.expand(buf, b, out, _meta(idx, L).meta_args(T), (10, 50), False, None, None)
+    ref = _np(y).copy()
+    for s, (bb, off) in enumerate(zip(b, (10, 50))):
+        d = np.einsum("tr,tnr->tn", _np(buf[s]), _np(bb)[np.maximum(idx, 0)])
+        ref[idx >= 0, off:off + bb.shape[1]] = d[idx >= 0]
+    assert _rel(_np(out), ref) < 5e-3
+
+
+def test_more_slices_than_one_launch_and_bad_ids():
+    """5 slices (two launches) and mapping ids that are no slot of the weights (no LoRA)."""
+    from torch_lora.ops import triton as TT
+    T, H, R, widths, L = 11, 64, 16, (16, 16, 32, 16, 16), 3
+    rng, idx, x, a, b = _problem(4, T, H, R, widths, L, torch.float32, frac_none=0.0)
+    idx[[1, 4]] = [4, 3]                              # slots the metadata knows, the weights do not
+    meta = _meta(idx, 5)
+    y = torch.from_numpy(rng.standard_normal((T, 96)).astype(np.float32)).to(DEV)
+    offsets = tuple(int(o) for o in np.cumsum((0,) + widths)[:-1])
+    for fused in (False, True):
+        out = y.clone()
+        TT.linear(out, x, a, b, meta.meta_args(T), 1.0, offsets, fused=fused)
+        assert _rel(_np(out), _oracle_linear(y, x, a, b, idx, 1.0, offsets)) < 1e-5
+        assert torch.equal(out[[1, 4]], y[[1, 4]])
+
+
+def test_no_lora_batch_leaves_y():
+    from torch_lora.ops import triton as TT
+    T, L = 5, 2
+    _, _, x, a, b = _problem(5, T, 32, 16, (16,), L, torch.float32)
+    meta = _meta(np.full(T, -1), L)
+    y = torch.randn(T, 16, device=DEV)
+    out = y.clone()
+    TT.linear(out, x, a, b, meta.meta_args(T), 1.0, (0,))
+    assert torch.equal(out, y)
+    buf = torch.full((1, T, 16), float("nan"), device=DEV)
+    TT.shrink(x, a, buf, meta.meta_args(T), 1.0, None)
+    assert torch.count_nonzero(buf) == 0
+
+
+def test_plans_are_mapping_independent_and_checked():
+    p1 = K.plan_shrink(8, 4096, 16, 3, 9, "bfloat16", "bfloat16", dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4),
+                       lora_only=True, workspace=True, has_ranks=False)
+    assert p1.grid == (3, 4, 9) and p1.constexprs["SMALL_T"] and p1.num_partials == 4
+    p2 = K.plan_expand(1000, 64, (4096, 1024, 1024), 9, 1, "bfloat16", "bfloat16",
+                       dict(BLOCK_M=64, BLOCK_N=128), add_inputs=True, bias_flags=(False,) * 3, has_ranks=False)
+    assert p2.grid == (32 + 8 + 8, 16 + 9) and not p2.constexprs["SMALL_T"]
+    with pytest.raises(AssertionError):
+        K.plan_expand(100, 16, (64,), 3, 1, "float16", "float16", dict(BLOCK_M=8, BLOCK_N=64),
+                      add_inputs=True, bias_flags=(False,), has_ranks=False)
+    assert K.all_aligned([4096, 1, 0, 1024]) and not K.all_aligned([4096, 1000])
+    assert configs.token_class(8) == "t16" and configs.rank_class(64) == "r64"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_jax_backend_in_interpreter(fused):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from jax_lora.meta import LoRAKernelMeta
+    from jax_lora.ops import triton as JT
+    from jax_lora.ops import xla as JX
+    rng = np.random.default_rng(6)
+    T, H, R, widths, L = 10, 64, 16, (32, 16), 3
+    idx = rng.integers(-1, L, T).astype(np.int32)
+    meta = LoRAKernelMeta.build(jnp.asarray(idx), L, T + 3)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    a = tuple(jnp.asarray(rng.standard_normal((L, R, H)) / 8, jnp.bfloat16) for _ in widths)
+    b = tuple(jnp.asarray(rng.standard_normal((L, n, R)) / 4, jnp.bfloat16) for n in widths)
+    bias = (jnp.asarray(rng.standard_normal((L, 32)), jnp.bfloat16), None)
+    ranks = jnp.asarray([16, 7, 0], jnp.int32)
+    y = jnp.asarray(rng.standard_normal((T, 50)), jnp.bfloat16)
+    offs = (2, 34)
+    buf_ref = JX.shrink(x, a, meta, 0.5, ranks)
+    y_ref = JX.expand(buf_ref, b, y, meta, offs, True, ranks, bias)
+    buf = jax.jit(lambda x_, m_: JT.shrink(x_, a, m_, 0.5, ranks))(x, meta)
+    assert _rel(np.asarray(buf, np.float64), np.asarray(buf_ref, np.float64)) < 1e-5
+    y2 = jax.jit(lambda y_, x_, m_: JT.linear(y_, x_, a, b, m_, 0.5, offs, ranks, bias, fused=fused))(y, x, meta)
+    ref = np.asarray(y_ref.astype(jnp.float32), np.float64)
+    assert _rel(np.asarray(y2.astype(jnp.float32), np.float64), ref) < 2e-2
+    y3 = jax.jit(lambda b_, y_, m_: JT.expand(b_, b, y_, m_, offs, True, ranks, bias))(buf_ref, y, meta)
+    assert _rel(np.asarray(y3.astype(jnp.float32), np.float64), ref) < 2e-2
