@@ -105,7 +105,7 @@ class LoRAKernelMeta:
         self.token_lora_mapping[t:].fill_(-1)
         self.active_lora_ids.copy_(torch.where(active_present, order.to(torch.int32) - 1, -1))
         self.num_tokens_per_lora.copy_(torch.where(active_present, counts[order], 0))
-        self.lora_token_start_loc[0] = 0
+        self.lora_token_start_loc[:1].zero_()  # a device fill: no host value, capturable
         torch.cumsum(self.num_tokens_per_lora, 0, out=self.lora_token_start_loc[1:])
         self.token_indices_sorted_by_lora_ids[:t].copy_(torch.sort(key, stable=True).indices)
         self.token_indices_sorted_by_lora_ids[t:].copy_(self._positions_()[t:])
