@@ -25,6 +25,7 @@ __all__ = [
     "HostStep",
     "prepare_step",
     "StepLayout",
+    "kernel_meta_host",
     "convert_mapping_host",
     "compute_meta_host",
     "pad_prompt_mapping",
@@ -184,6 +185,12 @@ def convert_mapping_host(
     """
     if not isinstance(mapping, LoRAMapping):
         raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
+    _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context)
+    return _convert_ids(mapping.index_mapping, mapping.prompt_mapping, lora_index_to_id, max_loras, vocab_size,
+                        extra_vocab_size, long_lora_context)
+
+
+def _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context) -> None:
     for name, value in (("max_loras", max_loras), ("vocab_size", vocab_size),
                         ("extra_vocab_size", extra_vocab_size)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
@@ -197,10 +204,13 @@ def convert_mapping_host(
         raise TypeError("long_lora_context must have an `offsets_by_lora_id` mapping, got "
                         f"{type(long_lora_context).__name__}")
 
+
+def _convert_ids(index_ids: Sequence[int], prompt_ids: Sequence[int], lora_index_to_id, max_loras: int,
+                 vocab_size: int, extra_vocab_size: int, long_lora_context) -> HostIndices:
+    """convert_mapping_host's work on already-validated id sequences."""
     table = _slot_table(lora_index_to_id)
-    index_ids = mapping.index_mapping
     base = _slots_of("index_mapping", index_ids, table, max_loras, none_value=-1)
-    sampler = _slots_of("prompt_mapping", mapping.prompt_mapping, table, max_loras, none_value=-1)
+    sampler = _slots_of("prompt_mapping", prompt_ids, table, max_loras, none_value=-1)
 
     num_rows = len(sampler)
     sampler_padded = np.where(sampler == -1, max_loras - 1, sampler).astype(np.int64)
@@ -318,12 +328,11 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]]
         if len(ids) > max_num_batched_tokens:
             raise ValueError(f"{name} has {len(ids)} entries, more than max_num_batched_tokens="
                              f"{max_num_batched_tokens}")
-    if pad_prompt:
-        mapping = LoRAMapping(mapping.index_mapping,
-                              pad_prompt_mapping(mapping.prompt_mapping, max_num_batched_tokens),
-                              mapping.is_prefill)
-    host = convert_mapping_host(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
-                                long_lora_context)
+    prompt = pad_prompt_mapping(mapping.prompt_mapping, max_num_batched_tokens) if pad_prompt \
+        else mapping.prompt_mapping
+    _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context)
+    host = _convert_ids(mapping.index_mapping, prompt, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
+                        long_lora_context)
     used = np.concatenate([host.base_indices, host.sampler_indices])
     max_slot = int(used.max()) if used.size else -1
     if max_slot >= num_slots:
@@ -336,46 +345,99 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]]
     return HostStep(host, prefill, max_slot, bool(np.all(host.base_indices < 0)), mapping.is_prefill)
 
 
+def kernel_meta_host(token_lora_mapping: np.ndarray, max_loras: int, capacity: int) -> dict:
+    """SPEC section 3's kernel metadata computed on the host, equal to `jax_lora.meta.build_kernel_meta`
+    and to torch's `LoRAKernelMeta.prepare_tensors` for the same mapping (tests check all three).
+
+    The wrappers have every step's mapping on the host anyway (it comes from a LoRAMapping), so they
+    build the metadata here and send it with the index arrays in one copy: no kernel runs for it.
+
+    Returns int32 arrays: mapping (capacity,), sorted (capacity,), active (max_loras + 1,),
+    num (max_loras + 1,), start (max_loras + 2,), no_lora (1,) (1 = no token uses a LoRA).
+    """
+    m = np.asarray(token_lora_mapping, dtype=np.int64)
+    n = m.shape[0]
+    if n > capacity:
+        raise ValueError(f"token_lora_mapping has {n} tokens, more than the capacity {capacity}")
+    m = np.where((m >= 0) & (m < max_loras), m, -1)
+    key = m + 1                                                  # bin 0 = no LoRA
+    counts = np.bincount(key, minlength=max_loras + 1)
+    present = np.flatnonzero(counts)                             # ascending bins = ascending ids
+    k = present.shape[0]
+    active = np.full(max_loras + 1, -1, np.int32)
+    active[:k] = present - 1
+    num = np.zeros(max_loras + 1, np.int32)
+    num[:k] = counts[present]
+    start = np.zeros(max_loras + 2, np.int32)
+    start[1:] = np.cumsum(num)
+    mapping = np.full(capacity, -1, np.int32)
+    mapping[:n] = m
+    order = np.concatenate([np.argsort(key, kind="stable"), np.arange(n, capacity)]).astype(np.int32)
+    return dict(mapping=mapping, sorted=order, active=active, num=num, start=start,
+                no_lora=np.array([int(counts[1:].sum() == 0)], np.int32))
+
+
+META_FIELDS = ("mapping", "sorted", "active", "num", "start", "no_lora")
+
+
 class StepLayout:
-    """Where a step's index arrays sit inside one flat int32 block (host staging and device copy).
+    """Where a step's arrays sit inside one flat int32 block (host staging and device copy).
 
-    Both wrappers send a step's indices in ONE host-to-device transfer of this block:
+    Both wrappers send a whole step in ONE host-to-device transfer of this block, in this order
+    (t = max_num_batched_tokens, b = max_batches, L = max_loras):
 
-      [0, t)          token (base) indices          [t, 2t)     sampler indices
-      [2t, 3t)        sampler_indices_padded        [3t, 5t)    embeddings_indices as (2, t)
-      [5t, 6t)        long-LoRA indices             [6t, 6t+3b) segment starts, lengths, slots
-      [6t+3b, +10)    tail: indices_len[0..4] (-1 for None), batch_size, max_length, token_nums,
-                      is_prefill, no_lora
+      token, sampler, sampler_padded (t each), embeddings (2, t), long_lora (t),
+      seq_start_locs, seq_lengths, lora_indices_per_batch (b each),
+      tail (10): indices_len[0..4] (-1 for None), batch_size, max_length, token_nums, is_prefill, no_lora,
+      token_meta.* and prompt_meta.*: mapping (t), sorted (t), active (L+1), num (L+1), start (L+2),
+                                      no_lora (1)   (the kernel metadata of the tokens / sampled rows)
 
-    Every array is zero-padded to its capacity (t = max_num_batched_tokens, b = max_batches).
+    Index arrays are zero-padded to their capacity (the TPU seed's padding).
     """
 
     TAIL = 10
 
-    def __init__(self, max_num_batched_tokens: int, max_batches: int):
-        self.t, self.b = int(max_num_batched_tokens), int(max_batches)
-        self.size = 6 * self.t + 3 * self.b + self.TAIL
+    def __init__(self, max_num_batched_tokens: int, max_batches: int, max_loras: int):
+        t, b, L = int(max_num_batched_tokens), int(max_batches), int(max_loras)
+        self.t, self.b, self.max_loras = t, b, L
+        shapes = [("token", (t,)), ("sampler", (t,)), ("sampler_padded", (t,)), ("embeddings", (2, t)),
+                  ("long_lora", (t,)), ("seq_start_locs", (b,)), ("seq_lengths", (b,)),
+                  ("lora_indices_per_batch", (b,)), ("tail", (self.TAIL,))]
+        meta_shapes = dict(mapping=(t,), sorted=(t,), active=(L + 1,), num=(L + 1,), start=(L + 2,), no_lora=(1,))
+        for prefix in ("token_meta", "prompt_meta"):
+            shapes += [(f"{prefix}.{f}", meta_shapes[f]) for f in META_FIELDS]
+        self.segments, offset = [], 0
+        for name, shape in shapes:
+            size = int(np.prod(shape))
+            self.segments.append((name, offset, size, shape))
+            offset += size
+        self.size = offset
 
     def __eq__(self, other):
-        return isinstance(other, StepLayout) and (self.t, self.b) == (other.t, other.b)
+        return isinstance(other, StepLayout) and (self.t, self.b, self.max_loras) == (
+            other.t, other.b, other.max_loras)
 
     def __hash__(self):
-        return hash((StepLayout, self.t, self.b))
+        return hash((StepLayout, self.t, self.b, self.max_loras))
 
-    def views(self, block):
-        """The eight index arrays and the tail, as views (slices) of `block` (NumPy, torch or jax)."""
-        t, b = self.t, self.b
-        return (block[0:t], block[t:2 * t], block[2 * t:3 * t], block[3 * t:5 * t].reshape(2, t),
-                block[5 * t:6 * t], block[6 * t:6 * t + b], block[6 * t + b:6 * t + 2 * b],
-                block[6 * t + 2 * b:6 * t + 3 * b], block[6 * t + 3 * b:])
+    def views(self, block) -> dict:
+        """name -> view (slice, reshaped) of `block`: NumPy, torch and jax arrays alike."""
+        return {name: block[off:off + size].reshape(shape) for name, off, size, shape in self.segments}
 
-    def fill(self, block: np.ndarray, step: HostStep) -> np.ndarray:
-        """Writes `step` into the int32 NumPy array `block` (length `size`); returns it."""
+    def fill(self, block: np.ndarray, step: "HostStep") -> np.ndarray:
+        """Writes `step` (indices, segments, tail and both kernel metadata) into the int32 NumPy
+        array `block` (length `size`); returns it."""
         block[:] = 0
-        *parts, tail = self.views(block)
-        for dst, src in zip(parts, step.buffers()):
-            dst[..., : src.shape[-1]] = src
+        v = self.views(block)
+        names = ("token", "sampler", "sampler_padded", "embeddings", "long_lora", "seq_start_locs",
+                 "seq_lengths", "lora_indices_per_batch")
+        for name, src in zip(names, step.buffers()):
+            v[name][..., : src.shape[-1]] = src
         lens, p = step.indices.indices_len, step.prefill
-        tail[:] = [lens[0], lens[1], lens[2], lens[3], -1 if lens[4] is None else lens[4],
-                   p.batch_size, p.max_length, p.token_nums, int(step.is_prefill), int(step.no_lora)]
+        v["tail"][:] = [lens[0], lens[1], lens[2], lens[3], -1 if lens[4] is None else lens[4],
+                        p.batch_size, p.max_length, p.token_nums, int(step.is_prefill), int(step.no_lora)]
+        for prefix, mapping in (("token_meta", step.indices.base_indices),
+                                ("prompt_meta", step.indices.sampler_indices)):
+            for field, arr in kernel_meta_host(mapping, self.max_loras, self.t).items():
+                v[f"{prefix}.{field}"][:] = arr
         return block

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import checks
 from .host_mapping import LoRAMapping, StepLayout, prepare_step
-from .meta import build_kernel_meta
+from .meta import LoRAKernelMeta
 from .ops import as_lora_ranks, as_slices, check_same_device, to_3d
 from .ops import dispatch
 
@@ -39,14 +39,17 @@ __all__ = ["PunicaWrapper"]
  _NO_LORA) = range(StepLayout.TAIL)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "max_loras"))
-def _unpack_step(block: jax.Array, *, layout: StepLayout, max_loras: int):
-    """The eight index buffers and the tail as separate arrays, plus the kernel metadata of the
-    tokens (first tail[0] entries of the token buffer) and of the sampled rows (first tail[1])."""
-    *buffers, tail = layout.views(block)
-    token_meta = build_kernel_meta(buffers[0], tail[_N_TOKENS], max_loras=max_loras)
-    prompt_meta = build_kernel_meta(buffers[1], tail[_N_SAMPLER], max_loras=max_loras)
-    return (*buffers, tail, token_meta, prompt_meta)
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _unpack_step(block: jax.Array, *, layout: StepLayout):
+    """The index buffers, the tail and the two kernel metadata as separate arrays (StepLayout)."""
+    v = layout.views(block)
+
+    def meta(prefix):
+        return LoRAKernelMeta(v[f"{prefix}.mapping"], v[f"{prefix}.sorted"], v[f"{prefix}.active"],
+                              v[f"{prefix}.num"], v[f"{prefix}.start"], v[f"{prefix}.no_lora"][0] != 0)
+
+    return (v["token"], v["sampler"], v["sampler_padded"], v["embeddings"], v["long_lora"], v["seq_start_locs"],
+            v["seq_lengths"], v["lora_indices_per_batch"], v["tail"], meta("token_meta"), meta("prompt_meta"))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -75,10 +78,10 @@ class PunicaWrapper:
         self.device = _resolve_device(device)
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
         dispatch.load_backend(self.backend)  # fail now, not at the first op
-        self._layout = StepLayout(self.max_num_batched_tokens, self.max_batches)
-        empty = np.zeros(self._layout.size, np.int32)
-        empty[-StepLayout.TAIL:] = [0, 0, 0, 0, -1, 0, 0, 0, 0, 1]  # no tokens, no LoRA
-        self._upload(empty)
+        self._layout = StepLayout(self.max_num_batched_tokens, self.max_batches, self.max_loras)
+        empty = prepare_step(LoRAMapping((), ()), [], 1, 0, 0, None, max_num_batched_tokens=self.max_num_batched_tokens,
+                             max_batches=self.max_batches, num_slots=self.max_loras, pad_prompt=True)
+        self._upload(self._layout.fill(np.empty(self._layout.size, np.int32), empty))
         self._host_max_slot = -1
 
     # ------------------------------------------------------------------ pytree
@@ -118,11 +121,12 @@ class PunicaWrapper:
         self._host_max_slot = step.max_slot
 
     def _upload(self, block: np.ndarray) -> None:
-        """One transfer of the packed step to the device, then one jitted unpack + metadata build."""
+        """One transfer of the packed step (indices and kernel metadata, built on the host) to the
+        device, then one jitted call that splits it into the pytree's leaves."""
         (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
          self._embeddings_indices, self._long_lora_indices, self._seq_start_locs, self._seq_lengths,
          self._lora_indices_per_batch, self._tail, self.token_meta, self.prompt_meta) = _unpack_step(
-            jax.device_put(block, self.device), layout=self._layout, max_loras=self.max_loras)
+            jax.device_put(block, self.device), layout=self._layout)
 
     # ------------------------------------------------------------------ properties
     def _length(self, i: int) -> Optional[int]:

@@ -82,3 +82,29 @@ def test_kernel_meta_invariants(impl, idx, extra):
     k = int((num > 0).sum())
     assert list(active[:k]) == sorted(set(idx)) and (active[k:] == -1).all() and (num[k:] == 0).all()
     assert bool(no_lora[0]) == all(i == -1 for i in idx)
+
+
+@settings(max_examples=40, deadline=None)
+@given(idx=st.lists(st.integers(-2, 6), min_size=0, max_size=30), extra=st.integers(0, 5),
+       max_loras=st.integers(1, 6))
+def test_host_metadata_equals_both_device_builds(idx, extra, max_loras):
+    """The wrappers build kernel metadata on the host; it must equal the jitted JAX build and the
+    torch device build, field by field (including padding and out-of-range slots)."""
+    import jax.numpy as jnp
+    import torch
+
+    import torch_lora
+    from jax_lora.host_mapping import kernel_meta_host
+    from jax_lora.meta import LoRAKernelMeta as JaxMeta
+
+    n = len(idx)
+    capacity = n + extra if n + extra > 0 else 1
+    host = kernel_meta_host(np.array(idx, np.int32), max_loras, capacity)
+    jm = JaxMeta.build(jnp.asarray(np.array(idx, np.int32)), max_loras, capacity)
+    tm = torch_lora.LoRAKernelMeta.make(max_loras, capacity, "cpu")
+    tm.prepare_tensors(torch.tensor(idx, dtype=torch.int32))
+    fields = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active_lora_ids", "num_tokens_per_lora",
+              "lora_token_start_loc")
+    for key, field in zip(("mapping", "sorted", "active", "num", "start"), fields):
+        assert host[key].tolist() == np.asarray(getattr(jm, field)).tolist() == getattr(tm, field).tolist(), field
+    assert bool(host["no_lora"][0]) == bool(jm.no_lora) == bool(tm.no_lora[0])

@@ -57,11 +57,16 @@ class PunicaWrapper:
         self._impl = dispatch.load_backend(self.backend)
 
         # One device block; every index tensor is a fixed view of it.
-        self._layout = StepLayout(t, b)
+        # One device block holds the step: index tensors and both kernel metadata are fixed views of
+        # it (stable addresses for CUDA graphs), filled by one copy per step (StepLayout).
+        self._layout = StepLayout(t, b, self.max_loras)
         self._block = torch.zeros(self._layout.size, dtype=torch.int32, device=self.device)
+        v = self._layout.views(self._block)
         (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
          self._embeddings_indices, self._long_lora_indices, self._seq_start_locs, self._seq_lengths,
-         self._lora_indices_per_batch, _) = self._layout.views(self._block)
+         self._lora_indices_per_batch) = (v[k] for k in ("token", "sampler", "sampler_padded", "embeddings",
+                                                          "long_lora", "seq_start_locs", "seq_lengths",
+                                                          "lora_indices_per_batch"))
         self.indices_len: list = [None] * 5
         self.batch_size = -1
         self.max_length = 0
@@ -69,8 +74,11 @@ class PunicaWrapper:
         self.is_prefill = False
         self.no_lora = False
         self._max_slot = -1
-        self.token_mapping_meta = LoRAKernelMeta.make(self.max_loras, t, self.device)
-        self.prompt_mapping_meta = LoRAKernelMeta.make(self.max_loras, t, self.device)
+        self.token_mapping_meta = _meta_view(v, "token_meta")
+        self.prompt_mapping_meta = _meta_view(v, "prompt_meta")
+        self._block.copy_(torch.from_numpy(self._layout.fill(np.empty(self._layout.size, np.int32), prepare_step(
+            LoRAMapping((), ()), [], 1, 0, 0, None, max_num_batched_tokens=t, max_batches=b,
+            num_slots=self.max_loras, pad_prompt=False))))
         self._plans: dict = {}
         self._token_meta_args: dict = {}   # T -> token_mapping_meta.meta_args(T): views, valid forever
 
@@ -97,8 +105,6 @@ class PunicaWrapper:
         self.is_prefill = step.is_prefill
         self.no_lora = step.no_lora
         self._max_slot = step.max_slot
-        self.token_mapping_meta.prepare_tensors(self.token_lora_indices)
-        self.prompt_mapping_meta.prepare_tensors(self.sampler_indices)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -330,6 +336,13 @@ class PunicaWrapper:
         self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
                      self.indices_len[1], cut_to_y=True, lora_ranks=lora_ranks)
         return y
+
+
+def _meta_view(views: dict, prefix: str) -> LoRAKernelMeta:
+    """A LoRAKernelMeta whose tensors are views of the wrapper's block (filled on the host)."""
+    return LoRAKernelMeta(views[f"{prefix}.mapping"], views[f"{prefix}.sorted"], views[f"{prefix}.active"],
+                          views[f"{prefix}.num"], views[f"{prefix}.start"],
+                          views[f"{prefix}.no_lora"].view(torch.bool)[:1])  # low byte of an int32 0/1
 
 
 class _LinearPlan:
