@@ -140,11 +140,19 @@ class Impl:
 
 
 def _jax_impls():
-    return [Impl("jax-xla", "jax", "xla")]
+    from .pallas_tpu_impl import make_impl as pallas_tpu_impl  # TPU interpret mode, races checked
+    return [Impl("jax-xla", "jax", "xla"), pallas_tpu_impl(Impl),
+            Impl("jax-triton", "jax", "triton", small=True)]  # Triton interpreter via pure_callback on CPU
 
 
 def _torch_impls():
-    return [Impl("torch-ref", "torch", "torch")]
+    return [Impl("torch-ref", "torch", "torch"),
+            Impl("torch-triton", "torch", "triton", small=True)]  # Triton interpreter on CPU tensors
 
 
-IMPLS: list = _jax_impls() + _torch_impls()
+def _bridge_impls():
+    from . import bridge_impl  # each side's API over the other side's kernels (bridge/, issue 5)
+    return [bridge_impl.torch_over_jax(Impl), bridge_impl.jax_over_torch(Impl)]
+
+
+IMPLS: list = _jax_impls() + _torch_impls() + _bridge_impls()
