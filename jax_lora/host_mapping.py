@@ -12,6 +12,7 @@ slot of a token's adapter, or `-1` for no LoRA. All index arrays are int32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -32,6 +33,8 @@ __all__ = [
     "next_power_of_two",
     "MIN_NUM_SEQS",
 ]
+
+_INT32_MAX, _INT32_MIN = int(np.iinfo(np.int32).max), int(np.iinfo(np.int32).min)
 
 # The TPU seed pads the prompt mapping to at least this many rows (vLLM's MIN_NUM_SEQS).
 MIN_NUM_SEQS = 8
@@ -68,12 +71,14 @@ class LongContextLoRAContext:
 
 
 def _as_id_tuple(name: str, ids: Any) -> tuple[int, ...]:
+    if type(ids) is tuple and all(type(v) is int for v in ids):  # the common case, kept as is
+        return ids
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ValueError(f"LoRAMapping.{name} must be a 1-D sequence of int LoRA ids, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"LoRAMapping.{name} must hold integer LoRA ids, got dtype {arr.dtype}")
-    return tuple(int(v) for v in arr.tolist())
+    return tuple(arr.tolist())
 
 
 def next_power_of_two(n: int) -> int:
@@ -95,23 +100,38 @@ def pad_prompt_mapping(prompt_mapping: Sequence[int], capacity: Optional[int] = 
     return tuple(prompt_mapping) + (-1,) * (padded - n)
 
 
-def _slot_table(lora_index_to_id: Sequence[Optional[int]]) -> dict[int, int]:
-    """LoRA id -> slot. Rejects duplicate or non-positive ids in the slot list."""
+def _slot_table(lora_index_to_id: Sequence[Optional[int]]) -> "_SlotTable":
+    """LoRA id -> slot lookup, cached per slot list (it changes only when adapters are loaded)."""
+    return _slot_table_cached(tuple(lora_index_to_id))
+
+
+class _SlotTable:
+    """Sorted LoRA ids and their slots, for a vectorised lookup."""
+
+    def __init__(self, table: dict):
+        self.ids = sorted(table)
+        self.keys = np.array(self.ids, dtype=np.int64)
+        self.slots = np.array([table[k] for k in self.ids], dtype=np.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_table_cached(lora_index_to_id: tuple) -> _SlotTable:
+    """Rejects duplicate or non-positive ids in the slot list."""
     table: dict[int, int] = {}
     for slot, lora_id in enumerate(lora_index_to_id):
         if lora_id is None:
             continue
-        if not isinstance(lora_id, (int, np.integer)) or int(lora_id) <= 0:
+        if not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or int(lora_id) <= 0:
             raise ValueError(
                 f"lora_index_to_id[{slot}] must be None or a positive int LoRA id, got {lora_id!r}")
         if int(lora_id) in table:
             raise ValueError(
                 f"lora_index_to_id holds LoRA id {int(lora_id)} twice (slots {table[int(lora_id)]} and {slot})")
         table[int(lora_id)] = slot
-    return table
+    return _SlotTable(table)
 
 
-def _slots_of(name: str, ids: Sequence[int], table: dict[int, int], num_slots_allowed: int,
+def _slots_of(name: str, ids: Sequence[int], table: _SlotTable, num_slots_allowed: int,
               none_value: int) -> np.ndarray:
     """Slot per LoRA id (vectorised lookup); ids <= 0 give `none_value`."""
     ids_arr = np.asarray(ids, dtype=np.int64)
@@ -119,15 +139,14 @@ def _slots_of(name: str, ids: Sequence[int], table: dict[int, int], num_slots_al
     want = ids_arr > 0
     if not want.any():
         return out
-    keys = np.array(sorted(table), dtype=np.int64)
-    slots = np.array([table[k] for k in keys], dtype=np.int32)
+    keys, slots = table.keys, table.slots
     pos = np.clip(np.searchsorted(keys, ids_arr), 0, max(len(keys) - 1, 0))
     found = want & (keys[pos] == ids_arr) if len(keys) else np.zeros_like(want)
     missing = np.flatnonzero(want & ~found)
     if missing.size:
         i = int(missing[0])
         raise ValueError(f"LoRA id {int(ids_arr[i])} (mapping.{name}[{i}]) is in no slot: lora_index_to_id "
-                         f"holds {sorted(table)}")
+                         f"holds {table.ids}")
     out[want] = slots[pos[want]]
     too_big = np.flatnonzero(out >= num_slots_allowed)
     if too_big.size:
@@ -227,8 +246,7 @@ def _convert_ids(index_ids: Sequence[int], prompt_ids: Sequence[int], lora_index
 
     for name, arr in (("sampler_indices_padded", sampler_padded), ("embeddings_indices", embeddings),
                       ("long_lora_indices", long_lora)):
-        if arr is not None and arr.size and (arr.max() > np.iinfo(np.int32).max
-                                             or arr.min() < np.iinfo(np.int32).min):
+        if arr is not None and arr.size and (arr.max() > _INT32_MAX or arr.min() < _INT32_MIN):
             raise ValueError(f"{name} overflows int32 (max {arr.max()}): vocabulary or table too large")
 
     def i32(a):
