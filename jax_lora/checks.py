@@ -7,6 +7,7 @@ and what was received.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Sequence
 
 # SPEC section 4: activations fp16/bf16/fp32; weights fp16/bf16 (fp32 on reference paths too).
@@ -154,3 +155,12 @@ def check_index_values(name: str, lo: int, hi: int, num_slots: int, arg_w: str) 
 def check_capacity(name: str, count: int, capacity: int, capacity_name: str) -> None:
     if count > capacity:
         raise ValueError(f"{name} has {count} entries, more than {capacity_name}={capacity}")
+
+
+def check_wrapper_sizes(*, options: dict, **sizes) -> None:
+    """PunicaWrapper's constructor arguments: positive ints, and no unknown options."""
+    for name, v in sizes.items():
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:  # NumPy ints are Integral
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if options:
+        raise TypeError(f"unknown PunicaWrapper options: {sorted(options)}")

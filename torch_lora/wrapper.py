@@ -42,12 +42,8 @@ class PunicaWrapper:
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device="cpu", *, max_loras: int,
                  backend: Optional[str] = None, **options: Any):
-        for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_batches", max_batches),
-                        ("max_loras", max_loras)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if options:
-            raise TypeError(f"unknown PunicaWrapper options: {sorted(options)}")
+        checks.check_wrapper_sizes(max_num_batched_tokens=max_num_batched_tokens, max_batches=max_batches,
+                                   max_loras=max_loras, options=options)
         self.max_num_batched_tokens = t = int(max_num_batched_tokens)
         self.max_batches = b = int(max_batches)
         self.max_loras = int(max_loras)

@@ -14,31 +14,24 @@ falling back to "xla" when its kernels are not importable on this machine.
 
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 import jax
 
-BACKENDS = ("xla", "pallas_tpu", "triton")
-_MODULES = {
+from ..backend_registry import BackendRegistry
+
+_REGISTRY = BackendRegistry({
     "xla": "jax_lora.ops.xla",
     "pallas_tpu": "jax_lora.ops.pallas_tpu",
     "triton": "jax_lora.ops.triton",
-}
+})
+BACKENDS = _REGISTRY.names
 _DEVICE_DEFAULT = {"tpu": "pallas_tpu", "gpu": "triton", "cuda": "triton", "rocm": "xla", "cpu": "xla"}
-_loaded: dict = {}
 
 
 def load_backend(name: str):
     """The backend module `name`; a clear error if it is unknown or cannot run here."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} (or None to let the device decide), got {name!r}")
-    if name not in _loaded:
-        try:
-            _loaded[name] = importlib.import_module(_MODULES[name])
-        except ImportError as e:
-            raise RuntimeError(f"backend {name!r} is not available on this machine: {e}") from e
-    return _loaded[name]
+    return _REGISTRY.load(name)
 
 
 def platform_of(device) -> str:

@@ -17,26 +17,20 @@ before this package was imported.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Optional
 
 import torch
 
-BACKENDS = ("torch", "triton")
-_MODULES = {"torch": "torch_lora.ops.torch_ref", "triton": "torch_lora.ops.triton"}
-_loaded: dict = {}
+from jax_lora.backend_registry import BackendRegistry
+
+_REGISTRY = BackendRegistry({"torch": "torch_lora.ops.torch_ref", "triton": "torch_lora.ops.triton"})
+BACKENDS = _REGISTRY.names
 
 
 def load_backend(name: str):
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} (or None to let the device decide), got {name!r}")
-    if name not in _loaded:
-        try:
-            _loaded[name] = importlib.import_module(_MODULES[name])
-        except ImportError as e:
-            raise RuntimeError(f"backend {name!r} is not available on this machine: {e}") from e
-    return _loaded[name]
+    """The backend module `name`; a clear error if it is unknown or cannot run here."""
+    return _REGISTRY.load(name)
 
 
 def default_backend_name(device) -> str:
