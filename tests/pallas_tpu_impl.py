@@ -4,13 +4,14 @@ Every kernel call made through the entry runs under `pltpu.InterpretParams(detec
 out-of-bounds reads raising and uninitialised memory reading as NaN (so an unwritten output row
 shows up as NaN and fails the comparison). The race detector only prints and sets a flag, so
 `races_checked` records every detector instance created during the call and raises if any found a
-race.
+race. On a TPU backend the same tests run the kernels compiled (no interpreter, no race check).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import jax
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
 from jax.experimental.pallas import tpu as pltpu
 
@@ -21,8 +22,11 @@ RACE_PARAMS = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="rais
 
 
 @contextlib.contextmanager
-def races_checked(params=RACE_PARAMS):
-    """Runs the pallas_tpu kernels in the block under `params`; fails if a race was detected."""
+def races_checked(params=None):
+    """Runs the pallas_tpu kernels in the block under `params` (default: RACE_PARAMS, or compiled on
+    a TPU backend); fails if a race was detected."""
+    if params is None:
+        params = False if jax.default_backend() == "tpu" else RACE_PARAMS
     seen = []
     original = _ipc.RaceDetectionState
 
@@ -40,7 +44,7 @@ def races_checked(params=RACE_PARAMS):
         raise
     finally:
         _ipc.RaceDetectionState = original
-    if params.detect_races and any(r.races_found for r in seen):
+    if params and params.detect_races and any(r.races_found for r in seen):
         raise AssertionError("TPU interpret mode detected a data race in a pallas_tpu kernel")
 
 
