@@ -452,8 +452,25 @@ def _halve_tm(tm: int) -> int:
     return max(16, tm // 2 // 16 * 16)
 
 
+class _RankChunked:
+    """Properties shared by the shrink and expand plans (fields: rank, rank_chunk, num_tokens, tm)."""
+
+    @property
+    def rc(self) -> int:
+        """Rank rows per block: `rank_chunk`, or the whole rank."""
+        return self.rank_chunk or self.rank
+
+    @property
+    def chunks(self) -> int:
+        return self.rank // self.rc
+
+    @property
+    def tiles_m(self) -> int:
+        return -(-self.num_tokens // self.tm)
+
+
 @dataclasses.dataclass(frozen=True)
-class ShrinkPlan:
+class ShrinkPlan(_RankChunked):
     """Static tiling of one shrink call: grid (steps, tiles_k)."""
 
     num_tokens: int
@@ -466,18 +483,6 @@ class ShrinkPlan:
     lanes: int  # P: the packed output width
     rank_chunk: int = 0  # rows of A per block; < rank: heterogeneous ranks read real chunks only
     row_dma: bool = True  # sorted order with tk = H: the kernel DMAs x rows (else an XLA gather)
-
-    @property
-    def rc(self) -> int:
-        return self.rank_chunk or self.rank
-
-    @property
-    def chunks(self) -> int:
-        return self.rank // self.rc
-
-    @property
-    def tiles_m(self) -> int:
-        return -(-self.num_tokens // self.tm)
 
     @property
     def tiles_k(self) -> int:
@@ -532,7 +537,7 @@ def plan_shrink(num_tokens: int, hidden: int, num_slices: int, rank: int, num_sl
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpandPlan:
+class ExpandPlan(_RankChunked):
     """Static tiling of one expand call over all S slices: grid (J, steps).
 
     Slice s is cut into tiles_n[s] column tiles of width tn[s]; the column tiles of all slices are
@@ -553,18 +558,6 @@ class ExpandPlan:
     inplace: bool = False
     rank_chunk: int = 0  # rank-major B only: rows per block, fetched only up to each slot's rank
     by_rows: bool = False  # with inplace: y rows moved by DMA (sorted order), no y BlockSpec
-
-    @property
-    def rc(self) -> int:
-        return self.rank_chunk or self.rank
-
-    @property
-    def chunks(self) -> int:
-        return self.rank // self.rc
-
-    @property
-    def tiles_m(self) -> int:
-        return -(-self.num_tokens // self.tm)
 
     @property
     def tiles_n(self) -> tuple:
