@@ -430,6 +430,7 @@ class StepLayout:
             self.segments.append((name, offset, size, shape))
             offset += size
         self.size = offset
+        self._index = {name: (off, size, shape) for name, off, size, shape in self.segments}
 
     def __eq__(self, other):
         return isinstance(other, StepLayout) and (self.t, self.b, self.max_loras) == (
@@ -441,6 +442,11 @@ class StepLayout:
     def views(self, block) -> dict:
         """name -> view (slice, reshaped) of `block`: NumPy, torch and jax arrays alike."""
         return {name: block[off:off + size].reshape(shape) for name, off, size, shape in self.segments}
+
+    def view(self, block, name: str):
+        """One segment of `block` (a static slice: free inside jit)."""
+        off, size, shape = self._index[name]
+        return block[off:off + size].reshape(shape)
 
     def fill(self, block: np.ndarray, step: "HostStep") -> np.ndarray:
         """Writes `step` (indices, segments, tail and both kernel metadata) into the int32 NumPy

@@ -1,9 +1,9 @@
 """PunicaWrapper for JAX: vLLM's multi-LoRA wrapper API (SPEC section 5), functional and jittable.
 
 The wrapper holds one step's index arrays, padded to fixed buffer lengths so that their shapes
-never change (one compiled program per bucket). It is a pytree: the index arrays and the kernel
-metadata are leaves, the sizes and the backend are static, so a jitted step function can take it as
-an argument:
+never change (one compiled program per bucket). It is a pytree with one leaf, the step's int32
+block (`StepLayout`: index arrays, prefill segments and both kernel metadata, sliced where used), and
+static sizes and backend, so a jitted step function can take it as an argument:
 
     w = PunicaWrapper(max_num_batched_tokens=512, max_batches=64, device=None, max_loras=8)
     w.update_metadata(mapping, lora_index_to_id, max_loras=9, vocab_size=32000)   # host, per step
@@ -12,14 +12,13 @@ an argument:
 
 `update_metadata` runs on the host (outside jit): it converts the mapping with NumPy, pads it (the
 prompt mapping with -1 to `max(next_power_of_two(n), 8)` rows, every buffer with 0 to its length),
-sends the buffers in one transfer and builds the kernel metadata with one jitted call. The `add_*`
+builds the kernel metadata (equal to `LoRAKernelMeta.build`'s) and sends the block in one transfer. The `add_*`
 methods never mutate: they return the new `y` (vLLM TPU semantics). Inside the ops, positions past
 the real token count are treated as "no LoRA", so padded rows never change and cost nothing.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, Sequence
 
 import jax
@@ -37,19 +36,6 @@ __all__ = ["PunicaWrapper"]
 # Positions in the `_tail` leaf (StepLayout's tail).
 (_N_TOKENS, _N_SAMPLER, _N_SAMPLER_PADDED, _N_EMBEDDINGS, _N_LONG, _BATCH, _MAX_LEN, _TOKEN_NUMS, _IS_PREFILL,
  _NO_LORA) = range(StepLayout.TAIL)
-
-
-@functools.partial(jax.jit, static_argnames=("layout",))
-def _unpack_step(block: jax.Array, *, layout: StepLayout):
-    """The index buffers, the tail and the two kernel metadata as separate arrays (StepLayout)."""
-    v = layout.views(block)
-
-    def meta(prefix):
-        return LoRAKernelMeta(v[f"{prefix}.mapping"], v[f"{prefix}.sorted"], v[f"{prefix}.active"],
-                              v[f"{prefix}.num"], v[f"{prefix}.start"], v[f"{prefix}.no_lora"][0] != 0)
-
-    return (v["token"], v["sampler"], v["sampler_padded"], v["embeddings"], v["long_lora"], v["seq_start_locs"],
-            v["seq_lengths"], v["lora_indices_per_batch"], v["tail"], meta("token_meta"), meta("prompt_meta"))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -81,31 +67,29 @@ class PunicaWrapper:
         self._host_max_slot = -1
 
     # ------------------------------------------------------------------ pytree
+    # One leaf: the step's int32 block (StepLayout). Every index array and both kernel metadata are
+    # static slices of it, taken where they are used: free inside jit (XLA fuses them), and a jitted
+    # step flattens one array per wrapper instead of seventeen.
     def tree_flatten(self):
-        children = (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
-                    self._embeddings_indices, self._long_lora_indices, self._seq_start_locs,
-                    self._seq_lengths, self._lora_indices_per_batch, self._tail,
-                    self.token_meta, self.prompt_meta)
         aux = (self.max_num_batched_tokens, self.max_batches, self.max_loras, self.device, self.backend,
                self._layout)
-        return children, aux
+        return (self._block,), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
         (obj.max_num_batched_tokens, obj.max_batches, obj.max_loras, obj.device, obj.backend,
          obj._layout) = aux
-        (obj._token_lora_indices, obj._sampler_indices, obj._sampler_indices_padded,
-         obj._embeddings_indices, obj._long_lora_indices, obj._seq_start_locs, obj._seq_lengths,
-         obj._lora_indices_per_batch, obj._tail, obj.token_meta, obj.prompt_meta) = children
-        obj._host_max_slot = None  # unknown inside a trace: index values are masked, not checked
+        (obj._block,) = children
+        obj._host_tail = None       # read from the block when concrete; traced inside jit
+        obj._host_max_slot = None   # unknown inside a trace: index values are masked, not checked
         return obj
 
     # ------------------------------------------------------------------ metadata (host)
     def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]],
                         max_loras: int, vocab_size: int, extra_vocab_size: int = 0,
                         long_lora_context=None, **kwargs: Any) -> None:
-        """Converts `mapping` on the host and uploads this step's padded index buffers.
+        """Converts `mapping` on the host and uploads this step in one transfer (no kernel runs).
 
         Raises ValueError for more tokens than max_num_batched_tokens, a LoRA id in no slot, a slot
         >= the wrapper's max_loras, or more prefill segments than max_batches.
@@ -117,57 +101,73 @@ class PunicaWrapper:
         self._host_max_slot = step.max_slot
 
     def _upload(self, block: np.ndarray) -> None:
-        """One transfer of the packed step (indices and kernel metadata, built on the host) to the
-        device, then one jitted call that splits it into the pytree's leaves."""
-        (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
-         self._embeddings_indices, self._long_lora_indices, self._seq_start_locs, self._seq_lengths,
-         self._lora_indices_per_batch, self._tail, self.token_meta, self.prompt_meta) = _unpack_step(
-            jax.device_put(block, self.device), layout=self._layout)
+        """The packed step (indices, segments, tail, both kernel metadata built on the host) to the device."""
+        self._block = jax.device_put(block, self.device)
+        self._host_tail = self._layout.views(block)["tail"].copy()
+
+    def _view(self, name: str) -> jax.Array:
+        return self._layout.view(self._block, name)
+
+    def _meta(self, prefix: str) -> LoRAKernelMeta:
+        v = self._view
+        return LoRAKernelMeta(v(f"{prefix}.mapping"), v(f"{prefix}.sorted"), v(f"{prefix}.active"),
+                              v(f"{prefix}.num"), v(f"{prefix}.start"), v(f"{prefix}.no_lora")[0] != 0)
+
+    @property
+    def token_meta(self) -> LoRAKernelMeta:
+        """Kernel metadata of the tokens (SPEC section 3), capacity max_num_batched_tokens."""
+        return self._meta("token_meta")
+
+    @property
+    def prompt_meta(self) -> LoRAKernelMeta:
+        """Kernel metadata of the sampled rows (the padded prompt mapping)."""
+        return self._meta("prompt_meta")
 
     # ------------------------------------------------------------------ properties
-    def _length(self, i: int) -> Optional[int]:
-        v = self._tail
-        if isinstance(v, jax.core.Tracer):
-            return None
-        n = int(np.asarray(v)[i])
-        return None if n < 0 else n
+    def _tail(self):
+        """The tail as host ints (NumPy) outside jit, or the traced int32 array inside jit."""
+        if self._host_tail is not None:
+            return self._host_tail
+        tail = self._view("tail")
+        return tail if isinstance(tail, jax.core.Tracer) else np.asarray(tail)
 
-    def _narrow(self, buf, i):
-        n = self._length(i)
-        return buf if n is None else buf[..., :n]
+    def _narrow(self, name: str, i: int):
+        buf, tail = self._view(name), self._tail()
+        if isinstance(tail, jax.core.Tracer):
+            return buf
+        n = int(tail[i])
+        return buf[..., : max(n, 0)]
 
     @property
     def token_lora_indices(self) -> jax.Array:
         """(T,) int32 slot per token (-1 no LoRA). Inside jit: the whole (T_max,) buffer, 0-padded."""
-        return self._narrow(self._token_lora_indices, _N_TOKENS)
+        return self._narrow("token", _N_TOKENS)
 
     @property
     def sampler_indices(self) -> jax.Array:
         """(R_padded,) int32 slot per sampled row, the prompt mapping padded with -1 to a bucket."""
-        return self._narrow(self._sampler_indices, _N_SAMPLER)
+        return self._narrow("sampler", _N_SAMPLER)
 
     @property
     def sampler_indices_padded(self) -> jax.Array:
         """(R_padded,) int32 flat row indices `j + p_j * R_padded` (SPEC section 2)."""
-        return self._narrow(self._sampler_indices_padded, _N_SAMPLER_PADDED)
+        return self._narrow("sampler_padded", _N_SAMPLER_PADDED)
 
     @property
     def embeddings_indices(self) -> jax.Array:
         """(2, T) int32 embedding-table offsets (SPEC section 2)."""
-        return self._narrow(self._embeddings_indices, _N_EMBEDDINGS)
+        return self._narrow("embeddings", _N_EMBEDDINGS)
 
     @property
     def long_lora_indices(self) -> jax.Array:
-        """(T,) int32 long-context offsets (zeros without a long-LoRA context)."""
-        n = self._length(_N_LONG)
-        return self._long_lora_indices if n is None and isinstance(self._tail, jax.core.Tracer) \
-            else self._long_lora_indices[: (n or 0)]
+        """(T,) int32 long-context offsets (empty without a long-LoRA context; inside jit, the buffer)."""
+        return self._narrow("long_lora", _N_LONG)
 
     @property
     def indices_len(self) -> list:
-        if isinstance(self._tail, jax.core.Tracer):
+        v = self._tail()
+        if isinstance(v, jax.core.Tracer):
             raise RuntimeError("indices_len is host data; read it outside jit")
-        v = np.asarray(self._tail)
         return [int(v[0]), int(v[1]), int(v[2]), int(v[3]), None if v[4] < 0 else int(v[4])]
 
     @property
@@ -177,21 +177,20 @@ class PunicaWrapper:
         Outside jit: arrays of length batch_size and Python ints. Inside jit: the max_batches-long
         buffers and int32 scalars (entries past batch_size have length 0).
         """
-        if isinstance(self._tail, jax.core.Tracer):
-            return (self._seq_start_locs, self._seq_lengths, self._lora_indices_per_batch,
-                    self._tail[_BATCH], self._tail[_MAX_LEN], self._tail[_TOKEN_NUMS])
-        v = np.asarray(self._tail)
+        v, starts, lengths, loras = (self._tail(), self._view("seq_start_locs"), self._view("seq_lengths"),
+                                     self._view("lora_indices_per_batch"))
+        if isinstance(v, jax.core.Tracer):
+            return starts, lengths, loras, v[_BATCH], v[_MAX_LEN], v[_TOKEN_NUMS]
         b = int(v[_BATCH])
-        return (self._seq_start_locs[:b], self._seq_lengths[:b], self._lora_indices_per_batch[:b], b,
-                int(v[_MAX_LEN]), int(v[_TOKEN_NUMS]))
+        return starts[:b], lengths[:b], loras[:b], b, int(v[_MAX_LEN]), int(v[_TOKEN_NUMS])
 
     @property
     def is_prefill(self):
-        return _host_bool(self._tail[_IS_PREFILL] != 0)
+        return _host_bool(self._tail()[_IS_PREFILL] != 0)
 
     @property
     def no_lora(self):
-        return _host_bool(self._tail[_NO_LORA] != 0)
+        return _host_bool(self._tail()[_NO_LORA] != 0)
 
     # ------------------------------------------------------------------ ops
     def _impl(self):
