@@ -1153,6 +1153,20 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
                 out, jnp.where(rows.has_lora[:, None], new.astype(y.dtype), old), offsets[s], axis=1)
         return out
 
+    def b_specs(p, tn):
+        """BlockSpecs and operands of every slice's B chunks (and bias) for the in-place plan `p`."""
+        specs, ops = [], []
+        for s in range(s_count):
+            w_map, bias_map, _ = _slice_maps(p, s)
+            for c in range(p.chunks):
+                specs.append(pl.BlockSpec((None, tn, r) if plan.b_layout == "nr" else (None, p.rc, tn),
+                                          w_map(c)))
+                ops.append(lora_b[s])
+            if plan.has_bias[s]:
+                specs.append(pl.BlockSpec((None, 1, tn), bias_map))
+                ops.append(bias[s].reshape(plan.num_slots, 1, plan.widths[s]))
+        return specs, ops
+
     def run_inplace(sched: Schedule, row_slot, rows_buf):
         tn = inplace.tn[0]
         base = inplace.tile_base
@@ -1167,17 +1181,8 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
                 first_j = jnp.where(j >= base[s], base[s], first_j)
             return tile[i], col0[s_of_j] + j - first_j
 
-        specs = [pl.BlockSpec((tm, 1), row_map), pl.BlockSpec((tm, plan.lanes), row_map)]
-        ops = []
-        for s in range(s_count):
-            w_map, bias_map, _ = _slice_maps(inplace, s)
-            for c in range(inplace.chunks):
-                specs.append(pl.BlockSpec((None, tn, r) if plan.b_layout == "nr" else (None, inplace.rc, tn),
-                                          w_map(c)))
-                ops.append(lora_b[s])
-            if plan.has_bias[s]:
-                specs.append(pl.BlockSpec((None, 1, tn), bias_map))
-                ops.append(bias[s].reshape(plan.num_slots, 1, plan.widths[s]))
+        w_specs, ops = b_specs(inplace, tn)
+        specs = [pl.BlockSpec((tm, 1), row_map), pl.BlockSpec((tm, plan.lanes), row_map), *w_specs]
         specs.append(pl.BlockSpec((tm, tn), y_map))
         col0 = (offsets // tn).astype(jnp.int32)
         return pl.pallas_call(
@@ -1206,17 +1211,8 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
         def row_map(j, i, tile, *_):
             return tile[i], 0
 
-        specs = [pl.BlockSpec((tm, 1), row_map), pl.BlockSpec((tm, plan.lanes), row_map)]
-        ops = []
-        for s in range(s_count):
-            w_map, bias_map, _ = _slice_maps(scatter, s)
-            for c in range(scatter.chunks):
-                specs.append(pl.BlockSpec((None, tn, r) if plan.b_layout == "nr" else (None, scatter.rc, tn),
-                                          w_map(c)))
-                ops.append(lora_b[s])
-            if plan.has_bias[s]:
-                specs.append(pl.BlockSpec((None, 1, tn), bias_map))
-                ops.append(bias[s].reshape(plan.num_slots, 1, plan.widths[s]))
+        w_specs, ops = b_specs(scatter, tn)
+        specs = [pl.BlockSpec((tm, 1), row_map), pl.BlockSpec((tm, plan.lanes), row_map), *w_specs]
         specs.append(pl.BlockSpec(memory_space=pl.ANY))
         row_tok = jnp.where(row_slot >= 0, rows.order, -1).astype(jnp.int32)
         return pl.pallas_call(
