@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
 import triton
 import triton.language as tl
@@ -629,3 +629,35 @@ def pad4(values: Sequence, fill) -> list:
     """values padded to MAX_SLICES entries with `fill` (unused slices' arguments)."""
     values = list(values)
     return values + [fill] * (MAX_SLICES - len(values))
+
+
+def slice_weight_strides(weights: Sequence, strides_of) -> list:
+    """The (slot, row, col) strides of up to MAX_SLICES weights, flattened; unused slices repeat
+    the first. `strides_of(w)` gives an array's element strides (torch: `w.stride()`; jax:
+    `row_major_strides(w.shape)`)."""
+    flat = []
+    for w in weights:
+        flat.extend(strides_of(w))
+    flat.extend(flat[:3] * (MAX_SLICES - len(weights)))
+    return flat
+
+
+def bias_args(bias, lo: int, hi: int, dummy, strides_of):
+    """Pointers, (slot, col) strides and presence flags of slices lo..hi's biases, padded to
+    MAX_SLICES. A missing bias passes `dummy` with zero strides (its flag keeps it unread)."""
+    ptrs, strides, flags = [], [], []
+    for s in range(lo, hi):
+        c = None if bias is None else bias[s]
+        if c is None:
+            ptrs.append(dummy)
+            strides.extend((0, 0))
+            flags.append(False)
+        else:
+            c = c if c.ndim == 2 else c.reshape(c.shape[0], -1)
+            ptrs.append(c)
+            strides.extend(strides_of(c))
+            flags.append(True)
+    while len(ptrs) < MAX_SLICES:
+        ptrs.append(dummy)
+        strides.extend((0, 0))
+    return ptrs, strides, tuple(flags)

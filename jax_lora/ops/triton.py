@@ -81,31 +81,16 @@ def _meta_arrays(meta: LoRAKernelMeta):
             meta.lora_token_start_loc, meta.active_lora_ids)
 
 
+def _jax_strides(a) -> tuple:
+    return K.row_major_strides(a.shape)
+
+
 def _wstrides(ws) -> list:
-    flat = []
-    for w in ws:
-        flat.extend(K.row_major_strides(w.shape))
-    flat.extend(flat[:3] * (MAX_SLICES - len(ws)))
-    return flat
+    return K.slice_weight_strides(ws, _jax_strides)
 
 
 def _bias(bias, lo, hi, dummy):
-    ptrs, strides, flags = [], [], []
-    for s in range(lo, hi):
-        c = None if bias is None else bias[s]
-        if c is None:
-            ptrs.append(dummy)
-            strides.extend((0, 0))
-            flags.append(False)
-        else:
-            c = c.reshape(c.shape[0], -1)
-            ptrs.append(c)
-            strides.extend(K.row_major_strides(c.shape))
-            flags.append(True)
-    while len(ptrs) < MAX_SLICES:
-        ptrs.append(dummy)
-        strides.extend((0, 0))
-    return ptrs, strides, tuple(flags)
+    return K.bias_args(bias, lo, hi, dummy, _jax_strides)
 
 
 def _ranks(lora_ranks, counts):

@@ -46,31 +46,16 @@ def _chunks(n: int):
     return [(i, min(i + MAX_SLICES, n)) for i in range(0, n, MAX_SLICES)]
 
 
+def _torch_strides(t: torch.Tensor) -> tuple:
+    return t.stride()
+
+
 def _weight_strides(ws: Sequence[torch.Tensor]) -> list:
-    flat = []
-    for w in ws:
-        flat.extend(w.stride())
-    flat.extend(flat[:3] * (MAX_SLICES - len(ws)))
-    return flat
+    return K.slice_weight_strides(ws, _torch_strides)
 
 
 def _bias_args(bias, lo: int, hi: int, dummy: torch.Tensor):
-    ptrs, strides, flags = [], [], []
-    for s in range(lo, hi):
-        c = None if bias is None else bias[s]
-        if c is None:
-            ptrs.append(dummy)
-            strides.extend((0, 0))
-            flags.append(False)
-        else:
-            c = c.reshape(c.shape[0], -1) if c.dim() != 2 else c
-            ptrs.append(c)
-            strides.extend(c.stride())
-            flags.append(True)
-    while len(ptrs) < MAX_SLICES:
-        ptrs.append(dummy)
-        strides.extend((0, 0))
-    return ptrs, strides, tuple(flags)
+    return K.bias_args(bias, lo, hi, dummy, _torch_strides)
 
 
 # ------------------------------------------------------------------------------------- plans
