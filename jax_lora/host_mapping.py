@@ -448,6 +448,12 @@ class StepLayout:
         off, size, shape = self._index[name]
         return block[off:off + size].reshape(shape)
 
+    def empty_block(self, pad_prompt: bool) -> np.ndarray:
+        """The block of a step without tokens (a wrapper's state before its first update)."""
+        step = prepare_step(LoRAMapping((), ()), [], 1, 0, 0, None, max_num_batched_tokens=self.t,
+                            max_batches=self.b, num_slots=self.max_loras, pad_prompt=pad_prompt)
+        return self.fill(np.empty(self.size, np.int32), step)
+
     def fill(self, block: np.ndarray, step: "HostStep") -> np.ndarray:
         """Writes `step` (indices, segments, tail and both kernel metadata) into the int32 NumPy
         array `block` (length `size`); returns it."""

@@ -61,9 +61,7 @@ class PunicaWrapper:
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
         dispatch.load_backend(self.backend)  # fail now, not at the first op
         self._layout = StepLayout(self.max_num_batched_tokens, self.max_batches, self.max_loras)
-        empty = prepare_step(LoRAMapping((), ()), [], 1, 0, 0, None, max_num_batched_tokens=self.max_num_batched_tokens,
-                             max_batches=self.max_batches, num_slots=self.max_loras, pad_prompt=True)
-        self._upload(self._layout.fill(np.empty(self._layout.size, np.int32), empty))
+        self._upload(self._layout.empty_block(pad_prompt=True))
         self._host_max_slot = -1
 
     # ------------------------------------------------------------------ pytree

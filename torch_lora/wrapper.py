@@ -17,7 +17,6 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import torch
 
 from jax_lora import checks
@@ -72,9 +71,7 @@ class PunicaWrapper:
         self._max_slot = -1
         self.token_mapping_meta = _meta_view(v, "token_meta")
         self.prompt_mapping_meta = _meta_view(v, "prompt_meta")
-        self._block.copy_(torch.from_numpy(self._layout.fill(np.empty(self._layout.size, np.int32), prepare_step(
-            LoRAMapping((), ()), [], 1, 0, 0, None, max_num_batched_tokens=t, max_batches=b,
-            num_slots=self.max_loras, pad_prompt=False))))
+        self._block.copy_(torch.from_numpy(self._layout.empty_block(pad_prompt=False)))
         self._plans: dict = {}
         self._token_meta_args: dict = {}   # T -> token_mapping_meta.meta_args(T): views, valid forever
 
