@@ -196,6 +196,28 @@ def host_time_us(s, n=300):
     return float(np.median(per))
 
 
+class WrapperCall:
+    """One eager `PunicaWrapper.add_lora_linear` (BENCHMARKS.md's host figure): the input set's
+    weights as (L, 1, n, r) stacks, its mapping through `update_metadata` (once; a step's
+    metadata is shared by every layer)."""
+
+    def __init__(self, s: InputSet, widths):
+        import torch_lora
+        self.s, self.widths = s, tuple(widths)
+        slots = s.a[0].shape[0]
+        ids = list(range(1, slots + 1))
+        idx = s.idx.cpu().tolist()
+        m = tuple(0 if i < 0 else ids[i] for i in idx)
+        self.w = torch_lora.PunicaWrapper(max(len(idx), 8), 256, s.x.device, max_loras=slots, backend="triton")
+        self.w.update_metadata(torch_lora.LoRAMapping(m, m, is_prefill=False), ids, slots, 32000)
+        self.a = [t[:, None] for t in s.a]
+        self.b = [t[:, None] for t in s.b]
+
+    def call(self, y=None):
+        self.w.add_lora_linear(self.s.y if y is None else y, self.s.x, self.a, self.b, None, self.s.scale,
+                               self.widths)
+
+
 def run_case(case, slice_name, device, seed=0):
     name, kind, T, D, r, frac_none, ranks = case
     widths = SLICES[slice_name]
@@ -336,10 +358,10 @@ def markdown(res):
                  f"worst ratio ours/vLLM {s['worst_ratio']:.2f} ({s['worst_case']})")
     if res.get("host"):
         lines.append("")
-        lines.append("| host enqueue (eager linear) | us |")
-        lines.append("|---|---|")
+        lines.append("| host enqueue (eager) | ops.linear us | PunicaWrapper.add_lora_linear us |")
+        lines.append("|---|---|---|")
         for h in res["host"]:
-            lines.append(f"| {h['case']} {h['slices']} | {h['host_us']:.1f} |")
+            lines.append(f"| {h['case']} {h['slices']} | {h['host_us']:.1f} | {h.get('wrapper_host_us', float('nan')):.1f} |")
     if res.get("jax"):
         lines.append("")
         lines.append("| JAX vs torch (hot, per op) | slices | jax us | torch us | ratio | jax err |")
@@ -412,7 +434,8 @@ def main():
     if args.profile_host:
         import cProfile
         import pstats
-        s = InputSet("dec", 8, 8, 16, SLICES["s3"], 8, 0.0, None, torch.Generator().manual_seed(3), device)
+        s = WrapperCall(InputSet("dec", 8, 8, 16, SLICES["s3"], 8, 0.0, None, torch.Generator().manual_seed(3),
+                                 device), SLICES["s3"])
         for _ in range(50):
             s.call()
         torch.cuda.synchronize()
@@ -437,8 +460,16 @@ def main():
             name, kind, T, D, r, fn, rk = case
             s = InputSet(kind, T, D, r, SLICES[sl], max(8, D), fn, rk, torch.Generator().manual_seed(2), device)
             h = host_time_us(s)
-            res["host"].append(dict(case=name, slices=sl, host_us=h))
-            print(f"host {name} {sl}: {h:.1f} us", flush=True)
+            wc = WrapperCall(s, SLICES[sl])
+            yw = s.y.clone()
+            ref = s.reference()
+            wc.call(yw)
+            torch.cuda.synchronize()
+            hw = host_time_us(wc)
+            res["host"].append(dict(case=name, slices=sl, host_us=h, wrapper_host_us=hw,
+                                    wrapper_rel_err=rel_err(yw, ref)))
+            print(f"host {name} {sl}: ops.linear {h:.1f} us, PunicaWrapper.add_lora_linear {hw:.1f} us "
+                  f"(err {rel_err(yw, ref):.1e})", flush=True)
     if not args.no_jax:
         try:
             jc = [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T1 D1 r16", "dec T128 D64 r64",

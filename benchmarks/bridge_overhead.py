@@ -91,6 +91,30 @@ def _interleaved(a, b, iters: int, repeats: int, sync=None, sync_each: bool = Fa
     return statistics.median(ta), statistics.median(tb)
 
 
+def _to_jax_parts(x, iters: int, repeats: int) -> dict:
+    """Host us of each step of bridge.to_jax on a CUDA tensor, timed alone."""
+    import torch
+
+    from bridge import dlpack as D
+    jdev = D.jax_device_for(x.device)
+    jstream = D._jax_ready_stream(jdev)
+    producer = torch.cuda.current_stream(x.device)
+    event = torch.cuda.Event()
+    external = torch.cuda.ExternalStream(jstream, device=x.device)
+    return {
+        "current_stream": _timer(lambda: torch.cuda.current_stream(x.device), iters, repeats),
+        "raw_current_stream": _timer(lambda: torch._C._cuda_getCurrentRawStream(x.device.index), iters, repeats),
+        "event_record": _timer(lambda: event.record(producer), iters, repeats),
+        "wait_event": _timer(lambda: external.wait_event(event), iters, repeats),
+        "wait_for_producer": _timer(lambda: D._wait_for_producer(jstream, producer, x.device), iters, repeats),
+        "torch_to_dlpack": _timer(lambda: D._TO_DLPACK(x), iters, repeats),
+        "to_dlpack_and_import": _timer(lambda: D._import_capsule(D._TO_DLPACK(x), jdev, jstream, D._DL_CUDA),
+                                       iters, repeats),
+        "import_no_stream": _timer(lambda: D._import_capsule(D._TO_DLPACK(x), jdev, None, D._DL_CUDA),
+                                   iters, repeats),
+    }
+
+
 def _case(T: int, slices, rng, device, torch):
     from jax_lora.host_mapping import LoRAMapping
     ids = list(range(1, SLOTS + 1))
@@ -120,6 +144,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: 1 on the CPU, where a shared host's scheduling "
                          "otherwise adds ms-scale noise to small parallel copies)")
+    ap.add_argument("--parts-only", action="store_true", help="per-tensor figures only, printed, not written")
     args = ap.parse_args()
 
     import torch
@@ -165,11 +190,12 @@ def main() -> None:
         if cuda:
             side = torch.cuda.Stream(device)
             row["to_jax_side_stream_us"] = _timer(lambda: bridge.to_jax(x, stream=side), it * 5, rep)
+            row["to_jax_parts_us"] = _to_jax_parts(x, it * 5, rep)
         results["per_tensor"].append(row)
         print("per tensor", row, flush=True)
 
     # ------------------------------------------------------------------ per call
-    for T in (int(t) for t in args.tokens.split(",")):
+    for T in () if args.parts_only else (int(t) for t in args.tokens.split(",")):
         for sname, slices in SLICES.items():
             mapping, ids, x, y, a, b = _case(T, slices, rng, device, torch)
             # torch-over-jax vs native jax_lora on the same (shared) arrays
@@ -274,6 +300,9 @@ def main() -> None:
     except OSError:
         pass
     results["meta"] = meta
+    if args.parts_only:
+        print(json.dumps(results, indent=1))
+        return
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"bridge_overhead_{device.type}")
     with open(stem + ".json", "w") as f:

@@ -161,6 +161,82 @@ def test_graph_capture_replay_with_new_mappings():
             assert _err(work, ref) < 2e-2, (fused, trial)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("ranks", [False, True])
+def test_prepared_linear_direct_path(fused, ranks):
+    """PreparedLinear (the wrapper's per-layer launcher): after its first call every call goes
+    through the direct path with new x, y, scale and lora_ranks, bit-equal to `linear`; captured in
+    a graph it follows in-place mapping changes; misaligned or differently laid out activations
+    take the generic path, still correct."""
+    from torch_lora.ops import triton as TT
+    T, H, R, widths, L = 24, 1000, 32, (520, 130, 130), 6
+    x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, 5, torch.bfloat16, 7, ranks=ranks, bias=True)
+    offsets = (0, 520, 650)
+    run = TT.PreparedLinear(a, b, meta.meta_args(T), offsets, c, fused=fused)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for call in range(4):
+        xs = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+        ys = torch.randn(T, sum(widths), device="cuda", generator=g).to(torch.bfloat16)
+        rks = None if rk is None else torch.randint(0, R + 1, (L,), device="cuda", generator=g, dtype=torch.int32)
+        scale = 0.25 + call
+        want = ys.clone()
+        TT.linear(want, xs, a, b, meta.meta_args(T), scale, offsets, rks, c, fused=fused)
+        got = ys.clone()
+        run(got, xs, scale, rks)
+        assert run._steps is not None, "the direct path was not built"
+        assert torch.equal(got, want), call
+        ref = _ref_linear(ys, xs, a, b, idx, scale, offsets, None if rks is None else rks.cpu(), c)
+        assert _err(got, ref) < 2e-2
+    # misaligned x (2 bytes off a 16-byte boundary) and another layout: generic path, same result
+    big = torch.randn(T * H + 1, device="cuda").to(torch.bfloat16)
+    xm = big[1:].view(T, H)
+    for xx, yy in ((xm, ys), (xs[:, :], torch.randn(T, 2 * sum(widths), device="cuda").to(torch.bfloat16)[:, ::2])):
+        want, got = yy.clone(), yy.clone()
+        TT.linear(want, xx, a, b, meta.meta_args(T), 0.5, offsets, rks, c, fused=fused)
+        run(got, xx, 0.5, rks)
+        assert torch.equal(got, want)
+    # captured in a CUDA graph, replayed after in-place mapping changes
+    work = ys.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(work, xs, 0.5, rks)
+    rng = np.random.default_rng(9)
+    for trial in range(3):
+        new_idx = rng.integers(-1, L, T).astype(np.int32)
+        meta.prepare_tensors(torch.from_numpy(new_idx).cuda())
+        work.copy_(ys)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _ref_linear(ys, xs, a, b, new_idx, 0.5, offsets, None if rks is None else rks.cpu(), c)
+        assert _err(work, ref) < 2e-2, trial
+
+
+def test_wrapper_add_lora_linear_many_steps():
+    """The torch wrapper's cached per-layer launchers across steps of changing mappings and token
+    counts (bucketed decode sizes and a prefill), against the float64 reference."""
+    import torch_lora
+    H, R, widths, L = 512, 16, (512, 128, 128), 4
+    g = torch.Generator(device="cuda").manual_seed(10)
+    a = [(torch.randn(L, 1, R, H, device="cuda", generator=g) / math.sqrt(H)).to(torch.bfloat16) for _ in widths]
+    b = [(torch.randn(L, 1, n, R, device="cuda", generator=g) / math.sqrt(R)).to(torch.bfloat16) for n in widths]
+    ids = [21, 22, 23, 24]
+    w = torch_lora.PunicaWrapper(256, 16, torch.device("cuda"), max_loras=L, backend="triton")
+    rng = np.random.default_rng(11)
+    for step, T in enumerate((8, 8, 16, 8, 200, 16, 8)):
+        idx = rng.integers(-1, L, T).astype(np.int32)
+        if T > 16:
+            idx = np.sort(idx)                       # a prefill: each adapter's tokens contiguous
+        mapping = torch_lora.LoRAMapping(tuple(0 if i < 0 else ids[i] for i in idx),
+                                         tuple(0 if i < 0 else ids[i] for i in idx), is_prefill=T > 16)
+        w.update_metadata(mapping, ids, L, 1000)
+        x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+        y = torch.randn(T, sum(widths), device="cuda", generator=g).to(torch.bfloat16)
+        y0 = y.clone()
+        w.add_lora_linear(y, x, a, b, None, 0.5, widths)
+        ref = _ref_linear(y0, x, [t[:, 0] for t in a], [t[:, 0] for t in b], idx, 0.5, (0, 512, 640))
+        assert _err(y, ref) < 2e-2, (step, T)
+
+
 def test_heterogeneous_ranks_equal_padded():
     from torch_lora.ops import triton as TT
     T, H, R, widths, L = 96, 4096, 64, (4096, 1024, 1024), 8

@@ -239,6 +239,14 @@ class PunicaWrapper:
         if meta_args is None:
             meta_args = self._token_meta_args[t] = self.token_mapping_meta.meta_args(t)
         ranks = None if lora_ranks is None else as_lora_ranks(lora_ranks, plan.num_slots, x.device)
+        if buffer is None and plan.prepare is not None:
+            run = plan.prepared.get(t)
+            if run is None:
+                if len(plan.prepared) >= 64:          # (prefill token counts vary without bound)
+                    plan.prepared.clear()
+                run = plan.prepared[t] = plan.prepare(plan.lora_a, plan.lora_b, meta_args, plan.offsets, plan.bias)
+            run(y2, x2, float(scale), ranks)
+            return y
         if buffer is None and plan.linear is not None:
             plan.linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, float(scale), plan.offsets, ranks, plan.bias)
             return y
@@ -302,7 +310,7 @@ class PunicaWrapper:
         offsets = tuple(sum(slices[:s]) for s in range(len(slices)))
         return _LinearPlan(hidden, num_slots, rank, tuple(to_3d(a.detach()) for a in lora_a),
                            tuple(to_3d(b.detach()) for b in lora_b), bias, offsets,
-                           getattr(self._impl, "linear", None))
+                           getattr(self._impl, "linear", None), getattr(self._impl, "prepare_linear", None))
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
                         lora_b_stacked: torch.Tensor, scale: float, *, buffer: Optional[torch.Tensor] = None,
@@ -347,14 +355,20 @@ class _LinearPlan:
     caller's tensors. It is found by the tensors' ids and accepted only if the weak references
     still point to those very objects (ids are reused after a tensor dies); when any of them dies,
     its callback drops the plan, releasing the storage.
+
+    `prepared[T]`: the backend's `prepare_linear` result for T tokens (the kernels' argument lists
+    with the weights' and the metadata views' pointers filled in; the views of the wrapper's
+    metadata block for T never change).
     """
 
-    __slots__ = ("_refs", "hidden", "num_slots", "rank", "lora_a", "lora_b", "bias", "offsets", "linear")
+    __slots__ = ("_refs", "bias", "hidden", "linear", "lora_a", "lora_b", "num_slots", "offsets", "prepare",
+                 "prepared", "rank")
 
-    def __init__(self, hidden, num_slots, rank, lora_a, lora_b, bias, offsets, linear):
+    def __init__(self, hidden, num_slots, rank, lora_a, lora_b, bias, offsets, linear, prepare=None):
         self._refs = ()
         self.hidden, self.num_slots, self.rank = hidden, num_slots, rank
         self.lora_a, self.lora_b, self.bias, self.offsets, self.linear = lora_a, lora_b, bias, offsets, linear
+        self.prepare, self.prepared = prepare, {}
 
     def watch(self, tensors, cache: dict, key) -> None:
         def drop(_ref, cache=cache, key=key):

@@ -7,6 +7,12 @@ A backend is a module with:
   expand(buf (S,T,r), lora_b: tuple of (L,n_s,r), y (T,N), meta_args, offsets: tuple[int], add_inputs,
          lora_ranks, bias) -> None
       writes the slices of y in place; bias: None or S entries of None / (L, n_s)
+Optional:
+  linear(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias) -> None
+      add_lora_linear's math in place (y += shrink then expand), in the backend's best way
+  prepare_linear(lora_a, lora_b, meta_args, offsets, bias) -> run(y, x, scale, lora_ranks)
+      `linear` with the persistent arguments bound, for repeated calls with new activations
+      (the wrapper keeps one per layer and token count; see torch_lora.ops.triton.PreparedLinear)
 `meta_args` is `LoRAKernelMeta.meta_args(T)` (SPEC section 3). Weights arrive as 3-D views (the
 size-1 axis removed), arguments already checked.
 

@@ -97,17 +97,22 @@ _FAST = [os.environ.get("TORCH_LORA_TRITON_FAST_LAUNCH", "1") != "0" and not K.i
 _MAX_COMPILED = 4096
 
 
+def _compiled_key(kernel, plan, tensors, scalars, out):
+    """(key of `_COMPILED`, misalignment bits of every pointer argument)."""
+    misaligned = out.data_ptr() & 15
+    for p in [t.data_ptr() for t in tensors]:
+        misaligned |= p
+    # (the kernel by name: a JITFunction hashes in Python, microseconds per lookup)
+    return (kernel.__name__, plan.key, scalars, tuple([t.dtype for t in tensors]), out.dtype,
+            misaligned & 15), misaligned & 15
+
+
 def _launch(kernel, plan, tensors, scalars, out):
     """kernel[plan.grid](*tensors, *scalars, out, **plan.constexprs), with the direct fast path."""
     if _FAST[0]:
-        misaligned = out.data_ptr() & 15
-        for p in [t.data_ptr() for t in tensors]:
-            misaligned |= p
-        # (the kernel by name: a JITFunction hashes in Python, microseconds per lookup)
-        key = (kernel.__name__, plan.key, scalars, tuple([t.dtype for t in tensors]), out.dtype,
-               misaligned & 15)
+        key, misaligned = _compiled_key(kernel, plan, tensors, scalars, out)
         c = _COMPILED.get(key)
-        if c is not None and not misaligned & 15:
+        if c is not None and not misaligned:
             grid = plan.grid
             stream = torch._C._cuda_getCurrentRawStream(out.device.index)
             c[0].run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, c[0].function,
@@ -135,20 +140,22 @@ def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, con
                         workspace, lora_ranks is not None, _key(config))
 
 
-def _launch_shrink(x, lora_a, out, meta_args, scale, lora_ranks, plan):
+# A launch spec: (kernel, plan, tensor arguments, scalar arguments, out) = the arguments of `_launch`.
+
+def _shrink_spec(x, lora_a, out, meta_args, scale, lora_ranks, plan):
     mapping, sorted_ids, counts, starts, active, _ = meta_args
     T, H = x.shape
     L = lora_a[0].shape[0]
     a = list(lora_a) + [lora_a[0]] * (MAX_SLICES - len(lora_a))
     ranks = lora_ranks if lora_ranks is not None else counts
     o = out if out.dim() == 4 else out[None]
-    _launch(K.lora_shrink_kernel, plan,
+    return (K.lora_shrink_kernel, plan,
             (x, a[0], a[1], a[2], a[3], ranks, mapping, sorted_ids, counts, starts, active),
             (scale, T, H, sorted_ids.shape[0], L, *x.stride(), *_weight_strides(lora_a), *o.stride()), o)
 
 
-def _launch_expand(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bias, lo, hi,
-                   config=None, pdl=False):
+def _expand_spec(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bias, lo, hi,
+                 config=None, pdl=False):
     mapping, sorted_ids, counts, starts, active, _ = meta_args
     T = y.shape[0]
     bs = lora_b[lo:hi]
@@ -161,13 +168,13 @@ def _launch_expand(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, b
     b = list(bs) + [bs[0]] * (MAX_SLICES - len(bs))
     ranks = lora_ranks if lora_ranks is not None else counts
     d4 = d4[:, lo:hi]
-    _launch(K.lora_expand_kernel, plan,
+    return (K.lora_expand_kernel, plan,
             (d4, b[0], b[1], b[2], b[3], *c_ptrs, ranks, mapping, sorted_ids, counts, starts, active, y),
             (T, sorted_ids.shape[0], L, *d4.stride(), *_weight_strides(bs), *c_strides,
              *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0), *y.stride()), y)
 
 
-def _launch_fused(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi, config=None):
+def _fused_spec(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi, config=None):
     mapping, sorted_ids, counts, starts, active, _ = meta_args
     T, H = x.shape
     as_, bs = lora_a[lo:hi], lora_b[lo:hi]
@@ -179,11 +186,155 @@ def _launch_fused(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, b
     a = list(as_) + [as_[0]] * (MAX_SLICES - len(as_))
     b = list(bs) + [bs[0]] * (MAX_SLICES - len(bs))
     ranks = lora_ranks if lora_ranks is not None else counts
-    _launch(K.lora_fused_kernel, plan,
+    return (K.lora_fused_kernel, plan,
             (x, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], *c_ptrs, ranks, mapping, sorted_ids, counts,
              starts, active, y),
             (scale, T, H, sorted_ids.shape[0], L, *x.stride(), *_weight_strides(as_), *_weight_strides(bs),
              *c_strides, *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0), *y.stride()), y)
+
+
+def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
+                   shrink_config=None, expand_config=None, fused_config=None):
+    """add_lora_linear's launches, per chunk of <= MAX_SLICES slices: (workspace or None, [specs]).
+    Each chunk's workspace is allocated here; its launches must be enqueued before the next chunk."""
+    T = x.shape[0]
+    R = lora_a[0].shape[1]
+    for lo, hi in _chunks(len(lora_a)):
+        if fused:
+            yield None, [_fused_spec(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi,
+                                     config=fused_config)]
+            continue
+        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config)
+        ws = torch.empty((plan.num_partials, hi - lo, T, R), dtype=torch.float32, device=x.device)
+        yield ws, [_shrink_spec(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan),
+                   _expand_spec(ws, lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), True, lora_ranks,
+                                None if bias is None else tuple(bias[lo:hi]), 0, hi - lo, config=expand_config,
+                                pdl=plan.constexprs["USE_PDL"])]
+
+
+# ------------------------------------------------------------------------------------- prepared linear
+# What changes between two `add_lora_linear` calls of one layer in one step shape is only x, y,
+# the workspace, lora_ranks and scale. `PreparedLinear` builds each launch's argument list once
+# and fills in those five values per call: no plan lookups, stride tuples or launch keys.
+
+# The variable arguments of a launch, by kernel argument name: index into the per-call values
+# (x pointer, y pointer, lora_ranks pointer, workspace pointer, scale).
+_X, _Y, _RANKS, _WS, _SCALE = range(5)
+_VARIABLE_ARGS = {
+    "lora_shrink_kernel": {"x_ptr": _X, "ranks_ptr": _RANKS, "scale": _SCALE, "out_ptr": _WS},
+    "lora_expand_kernel": {"buf_ptr": _WS, "ranks_ptr": _RANKS, "y_ptr": _Y, "out_ptr": _Y},
+    "lora_fused_kernel": {"x_ptr": _X, "ranks_ptr": _RANKS, "scale": _SCALE, "y_ptr": _Y, "out_ptr": _Y},
+}
+
+
+class PreparedLinear:
+    """`linear` for fixed persistent arguments (weights, bias, metadata views, slice offsets) and
+    the activation layout of its first call (x and y shapes, strides, dtypes; lora_ranks given or
+    not; calls with another layout take the generic path).
+
+    `prepared(y, x, scale, lora_ranks)` == `linear(y, x, lora_a, lora_b, meta_args, scale,
+    offsets, lora_ranks, bias)` for any x, y of that layout. The first call goes through `linear`
+    (compiling); after it each launch's argument list is kept with the fixed arguments as data
+    pointers, and a call only fills in the pointers of x, y, the fresh workspace and lora_ranks,
+    and the scale. Falls back to `linear` for 16-byte-misaligned x/y/lora_ranks (Triton
+    specialises on alignment), under the interpreter, or when the direct launch is off.
+
+    The persistent tensors' data pointers are taken once: their storage must not be replaced
+    (in-place updates of their contents are fine). The caller keys a PreparedLinear by the
+    tensors' identities and the layout (torch_lora.PunicaWrapper does).
+    """
+
+    __slots__ = ("_args", "_device", "_layout", "_steps", "_tries")
+
+    def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: Optional[bool] = None):
+        self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused)
+        self._steps = None
+        self._layout = None
+        self._device = lora_a[0].device.index
+        self._tries = 0
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, scale: float, lora_ranks: Optional[torch.Tensor] = None):
+        steps = self._steps
+        if steps is not None and (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype,
+                                  lora_ranks is None) == self._layout:
+            xp, yp = x.data_ptr(), y.data_ptr()
+            rp = lora_ranks.data_ptr() if lora_ranks is not None else 0
+            if not (xp | yp | rp) & 15:
+                stream = torch._C._cuda_getCurrentRawStream(self._device)
+                vals = [xp, yp, rp, 0, scale]
+                for ws_shape, launches in steps:
+                    ws = None
+                    if ws_shape is not None:
+                        ws = torch.empty(ws_shape, dtype=torch.float32, device=x.device)
+                        vals[_WS] = ws.data_ptr()
+                    for run, g0, g1, g2, function, packed, template, slots in launches:
+                        args = template.copy()
+                        for pos, v in slots:
+                            args[pos] = vals[v]
+                        run(g0, g1, g2, stream, function, packed, None, None, None, *args)
+                    del ws
+                return
+        if x.shape[0] == 0:
+            return
+        lora_a, lora_b, meta_args, offsets, bias, fused = self._args
+        T, H = x.shape
+        if fused is None:
+            fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0])
+        chunks = []
+        for ws, specs in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused):
+            for spec in specs:
+                _launch(*spec)
+            chunks.append((ws, specs))
+        if steps is None and self._tries < 2:
+            self._tries += 1
+            self._steps = self._build(chunks, y, x, lora_ranks)
+            self._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, lora_ranks is None)
+
+    @staticmethod
+    def _build(chunks, y, x, lora_ranks):
+        """The per-chunk (workspace shape, launches) of the direct path, or None if it cannot be used."""
+        if not _FAST[0]:
+            return None
+        var_ptrs = {x.data_ptr(): _X, y.data_ptr(): _Y}
+        if lora_ranks is not None:
+            var_ptrs[lora_ranks.data_ptr()] = _RANKS
+        steps = []
+        for ws, specs in chunks:
+            if ws is not None:
+                var_ptrs = {**var_ptrs, ws.data_ptr(): _WS}
+            launches = []
+            for kernel, plan, tensors, scalars, out in specs:
+                key, misaligned = _compiled_key(kernel, plan, tensors, scalars, out)
+                c = _COMPILED.get(key)
+                if c is None or misaligned:
+                    return None
+                args = [*tensors, *scalars, out]
+                names = kernel.arg_names[:len(args)]
+                variable = _VARIABLE_ARGS[kernel.__name__]
+                template, slots = [], []
+                for pos, (name, v) in enumerate(zip(names, args)):
+                    which = variable.get(name)
+                    if isinstance(v, torch.Tensor):
+                        ptr = v.data_ptr()
+                        if which is None and ptr in var_ptrs:
+                            return None        # a persistent tensor aliases an activation
+                        if which is not None and var_ptrs.get(ptr) == which:
+                            slots.append((pos, which))
+                            v = 0
+                        elif which is not None and which != _RANKS:
+                            return None        # unexpected layout: keep the generic path
+                        else:
+                            v = ptr
+                    elif which == _SCALE:
+                        slots.append((pos, which))
+                    template.append(v)
+                template.extend(c[1])
+                grid = plan.grid
+                compiled = c[0]
+                launches.append((compiled.run, grid[0], grid[1], grid[2] if len(grid) > 2 else 1,
+                                 compiled.function, compiled.packed_metadata, template, tuple(slots)))
+            steps.append((None if ws is None else tuple(ws.shape), tuple(launches)))
+        return tuple(steps)
 
 
 # ------------------------------------------------------------------------------------- backend API
@@ -197,7 +348,7 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
         plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, False, False, config)
         if plan.atomic:
             out[lo:hi].zero_()                       # split-K adds atomically into zeros
-        _launch_shrink(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan)
+        _launch(*_shrink_spec(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan))
 
 
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args,
@@ -207,8 +358,8 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
     if y.shape[0] == 0:
         return
     for lo, hi in _chunks(len(lora_b)):
-        _launch_expand(buf, lora_b, y, meta_args, tuple(offsets), add_inputs, lora_ranks, bias, lo, hi,
-                       config=config)
+        _launch(*_expand_spec(buf, lora_b, y, meta_args, tuple(offsets), add_inputs, lora_ranks, bias, lo, hi,
+                              config=config))
 
 
 def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
@@ -224,18 +375,15 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
     T, H = x.shape
     if T == 0:
         return
-    L, R, _ = lora_a[0].shape
-    offsets = tuple(offsets)
     if fused is None:
-        fused = configs.use_fused(T, H, R, len(lora_a), L)
-    for lo, hi in _chunks(len(lora_a)):
-        if fused:
-            _launch_fused(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi,
-                          config=fused_config)
-            continue
-        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config)
-        ws = torch.empty((plan.num_partials, hi - lo, T, R), dtype=torch.float32, device=x.device)
-        _launch_shrink(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan)
-        _launch_expand(ws, lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), True, lora_ranks,
-                       None if bias is None else tuple(bias[lo:hi]), 0, hi - lo, config=expand_config,
-                       pdl=plan.constexprs["USE_PDL"])
+        fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0])
+    for _ws, specs in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, tuple(offsets), lora_ranks, bias,
+                                     fused, shrink_config, expand_config, fused_config):
+        for spec in specs:
+            _launch(*spec)
+
+
+def prepare_linear(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], meta_args,
+                   offsets: Sequence[int], bias=None) -> PreparedLinear:
+    """`linear` with its persistent arguments bound, for repeated calls (see PreparedLinear)."""
+    return PreparedLinear(lora_a, lora_b, meta_args, offsets, bias)

@@ -1,0 +1,81 @@
+"""JAX at decode: does XLA's command buffer (CUDA graph) capture of jax_triton's custom calls remove
+the per-launch cost? One CUDA GPU; each XLA_FLAGS setting runs in its own process (XLA reads the
+flags once).
+
+    PYTHONPATH=. python benchmarks/jax_launch_modes.py --out benchmarks/results
+
+jax_triton lowers each kernel to the legacy custom call `triton_kernel_call`; XLA records legacy
+custom calls into command buffers only when they are listed in
+`--legacy_command_buffer_custom_call_targets` (and CUSTOM_CALL is an enabled command type), so by
+default every launch of the unrolled scan is a separate stream launch from the host. The timing is
+bench_triton.jax_vs_torch's: the per-op time of a jitted, unrolled scan of 50 calls vs torch in a
+CUDA graph of 50 calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+MODES = {
+    "default": "",
+    "cmdbuf_triton": "--xla_gpu_enable_command_buffer=+CUSTOM_CALL "
+                     "--legacy_command_buffer_custom_call_targets=triton_kernel_call "
+                     "--xla_gpu_graph_min_graph_size=1",
+}
+CASES = ("dec T1 D1 r16", "dec T8 D8 r64", "dec T128 D64 r64")
+
+
+def child(mode: str) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+
+    import bench_triton as B
+    cases = [c for c in B.sweep_cases() if c[0] in CASES]
+    res = B.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")])
+    print("RESULT " + json.dumps(dict(mode=mode, xla_flags=MODES[mode], results=res)), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--child", default=None)
+    p.add_argument("--commit", default=None)
+    args = p.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    runs = []
+    for mode, flags in MODES.items():
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode], env=env,
+                              capture_output=True, text=True, timeout=400)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if lines:
+            runs.append(json.loads(lines[-1][len("RESULT "):]))
+        else:
+            runs.append(dict(mode=mode, xla_flags=flags, error=(proc.stderr or proc.stdout)[-3000:]))
+        print(mode, "->", "ok" if lines else "FAILED", flush=True)
+        print(proc.stdout[-2000:], proc.stderr[-1500:] if not lines else "", flush=True)
+    import jax
+    import torch
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
+                torch=torch.__version__, device=torch.cuda.get_device_name(0), commit=args.commit)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M")
+    path = os.path.join(args.out, f"jax_launch_modes_h200_{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, runs=runs), f, indent=1)
+    for r in runs:
+        for j in r.get("results", []):
+            print(f"{r['mode']:14s} {j['case']:18s} {j['slices']} jax {j['jax_us']:7.2f} us "
+                  f"torch {j['torch_hot_us']:6.2f} us ratio {j['ratio']:.2f} err {j['jax_rel_err']:.1e}")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
