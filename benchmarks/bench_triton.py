@@ -358,10 +358,12 @@ def markdown(res):
                  f"worst ratio ours/vLLM {s['worst_ratio']:.2f} ({s['worst_case']})")
     if res.get("host"):
         lines.append("")
-        lines.append("| host enqueue (eager) | ops.linear us | PunicaWrapper.add_lora_linear us |")
-        lines.append("|---|---|---|")
+        lines.append("| host enqueue (eager) | ops.linear us | PreparedLinear us | PunicaWrapper.add_lora_linear us |")
+        lines.append("|---|---|---|---|")
+        nan = float("nan")
         for h in res["host"]:
-            lines.append(f"| {h['case']} {h['slices']} | {h['host_us']:.1f} | {h.get('wrapper_host_us', float('nan')):.1f} |")
+            lines.append(f"| {h['case']} {h['slices']} | {h['host_us']:.1f} | {h.get('prepared_host_us', nan):.1f} "
+                         f"| {h.get('wrapper_host_us', nan):.1f} |")
     if res.get("jax"):
         lines.append("")
         lines.append("| JAX vs torch (hot, per op) | slices | jax us | torch us | ratio | jax err |")
@@ -426,6 +428,7 @@ def main():
     p.add_argument("--no-jax", action="store_true")
     p.add_argument("--tag", default="")
     p.add_argument("--profile-host", action="store_true", help="cProfile of eager calls, top entries")
+    p.add_argument("--host-only", action="store_true", help="no graph sweep: host enqueue figures (and jax)")
     args = p.parse_args()
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -448,7 +451,9 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
-    for case in cases:
+        with open(os.path.join(args.out, "host_profile.txt")) as f:
+            print(f.read()[:6000])
+    for case in [] if args.host_only else cases:
         for sl in ("s1", "s3"):
             r = run_case(case, sl, device)
             res["sweep"].append(r)
@@ -460,16 +465,20 @@ def main():
             name, kind, T, D, r, fn, rk = case
             s = InputSet(kind, T, D, r, SLICES[sl], max(8, D), fn, rk, torch.Generator().manual_seed(2), device)
             h = host_time_us(s)
+            prepared = TT.PreparedLinear(s.a, s.b, s.meta.meta_args(T), s.offsets)
+            hp = host_time_us(type("P", (), {"call": lambda self_: prepared(s.y, s.x, s.scale, s.ranks)})())
             wc = WrapperCall(s, SLICES[sl])
             yw = s.y.clone()
             ref = s.reference()
             wc.call(yw)
             torch.cuda.synchronize()
             hw = host_time_us(wc)
-            res["host"].append(dict(case=name, slices=sl, host_us=h, wrapper_host_us=hw,
-                                    wrapper_rel_err=rel_err(yw, ref)))
-            print(f"host {name} {sl}: ops.linear {h:.1f} us, PunicaWrapper.add_lora_linear {hw:.1f} us "
-                  f"(err {rel_err(yw, ref):.1e})", flush=True)
+            direct = all(p._steps is not None for plan in wc.w._plans.values() for p in plan.prepared.values())
+            res["host"].append(dict(case=name, slices=sl, host_us=h, prepared_host_us=hp, wrapper_host_us=hw,
+                                    wrapper_rel_err=rel_err(yw, ref), wrapper_direct_launch=direct))
+            print(f"host {name} {sl}: ops.linear {h:.1f} us, PreparedLinear {hp:.1f} us, "
+                  f"PunicaWrapper.add_lora_linear {hw:.1f} us (err {rel_err(yw, ref):.1e}, direct {direct})",
+                  flush=True)
     if not args.no_jax:
         try:
             jc = [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T1 D1 r16", "dec T128 D64 r64",

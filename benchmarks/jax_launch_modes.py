@@ -4,10 +4,11 @@ flags once).
 
     PYTHONPATH=. python benchmarks/jax_launch_modes.py --out benchmarks/results
 
-jax_triton lowers each kernel to the legacy custom call `triton_kernel_call`; XLA records legacy
-custom calls into command buffers only when they are listed in
-`--legacy_command_buffer_custom_call_targets` (and CUSTOM_CALL is an enabled command type), so by
-default every launch of the unrolled scan is a separate stream launch from the host. The timing is
+jax_triton lowers each kernel to the custom call `triton_kernel_call` (api_version 2, a legacy
+registration); XLA records a custom call into a command buffer only if it is an FFI handler marked
+command-buffer compatible (or, in XLA versions that have the flag, a legacy target listed in
+`--legacy_command_buffer_custom_call_targets`), so each launch of the unrolled scan is otherwise a
+separate launch from the host. The timing is
 bench_triton.jax_vs_torch's: the per-op time of a jitted, unrolled scan of 50 calls vs torch in a
 CUDA graph of 50 calls.
 """
@@ -23,9 +24,10 @@ import sys
 
 MODES = {
     "default": "",
-    "cmdbuf_triton": "--xla_gpu_enable_command_buffer=+CUSTOM_CALL "
-                     "--legacy_command_buffer_custom_call_targets=triton_kernel_call "
-                     "--xla_gpu_graph_min_graph_size=1",
+    # FFI custom calls marked command-buffer compatible are captured; is jaxlib's triton call one?
+    "cmdbuf_custom_call": "--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+    # (`--legacy_command_buffer_custom_call_targets=triton_kernel_call` would name the legacy target, but
+    # jax 0.11.2's XLA rejects it: "Unknown flag in XLA_FLAGS", run of 2026-11-30T10:41)
 }
 CASES = ("dec T1 D1 r16", "dec T8 D8 r64", "dec T128 D64 r64")
 

@@ -190,9 +190,31 @@ def _wait_for_producer(jax_stream: int, producer: "torch.cuda.Stream", device: t
     external.wait_event(event)
 
 
+def current_stream(index: int) -> "torch.cuda.Stream":
+    """torch's current stream on CUDA device `index`, as a Stream object.
+
+    `torch.cuda.current_stream` builds a new Python object per call (~2-6 us on the H200 host);
+    this reads the raw handle (~0.4 us) and keeps one ExternalStream per handle (per thread)."""
+    raw = torch._C._cuda_getCurrentRawStream(index)
+    cache = getattr(_tls, "streams", None)
+    if cache is None:
+        cache = _tls.streams = {}
+    s = cache.get((index, raw))
+    if s is None:
+        if len(cache) > 256:
+            cache.clear()
+        dev = torch.device("cuda", index)
+        s = cache[(index, raw)] = (torch.cuda.current_stream(dev) if raw == 0  # the legacy default stream
+                                   else torch.cuda.ExternalStream(raw, device=dev))
+    return s
+
+
 def _consumer_stream_ptr(stream, device: torch.device) -> int:
-    s = stream if stream is not None else torch.cuda.current_stream(device)
-    ptr = int(s.cuda_stream) if not isinstance(s, int) else s
+    if stream is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        ptr = torch._C._cuda_getCurrentRawStream(index)
+    else:
+        ptr = int(stream.cuda_stream) if not isinstance(stream, int) else stream
     return 1 if ptr == 0 else ptr  # DLPack: 1 names CUDA's legacy default stream
 
 
@@ -321,7 +343,7 @@ def _share_with_jax(x: torch.Tensor, stream, cuda: bool) -> jax.Array:
         jdev = _jdev_by_index[index] = jax_device_for(x.device)
     producer = None
     if cuda:
-        producer = stream if stream is not None else torch.cuda.current_stream(x.device)
+        producer = stream if stream is not None else current_stream(index)
     if _fast["import"]:
         jstream = None
         if cuda:

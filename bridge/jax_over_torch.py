@@ -42,7 +42,7 @@ import torch_lora.ops as tops
 from jax_lora import checks
 from jax_lora.host_mapping import LoRAMapping, pad_prompt_mapping
 
-from .dlpack import _ARRAY_IMPL, ConversionCache, to_jax, to_torch, torch_device_for
+from .dlpack import _ARRAY_IMPL, ConversionCache, current_stream, to_jax, to_torch, torch_device_for
 
 __all__ = ["JaxPunicaWrapper", "lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand",
            "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]
@@ -82,7 +82,7 @@ class _KeepAlive:
         while self._pending and self._pending[0][0].query():
             self._pending.popleft()
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
+        event.record(current_stream(device.index if device.index is not None else torch.cuda.current_device()))
         self._pending.append((event, tensors))
 
 

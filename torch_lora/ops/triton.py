@@ -119,6 +119,10 @@ def _launch(kernel, plan, tensors, scalars, out):
                      c[0].packed_metadata, None, None, None, *tensors, *scalars, out, *c[1])
             return
     extra = {"launch_pdl": True} if plan.constexprs.get("USE_PDL") else {}
+    if os.environ.get("TRITON_CACHE_DIR") == "":
+        # jax_triton sets it to "" when imported (through any importer, not only jax_lora, which
+        # restores it); Triton then cannot compile: "Could not create or locate cache dir".
+        os.environ.pop("TRITON_CACHE_DIR")
     compiled = kernel[plan.grid](*tensors, *scalars, out, num_warps=plan.num_warps,
                                  num_stages=plan.num_stages, **extra, **plan.constexprs)
     if _FAST[0]:
