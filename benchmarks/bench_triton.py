@@ -259,7 +259,7 @@ def run_case(case, slice_name, device, seed=0):
 
 # ------------------------------------------------------------------------------------------ JAX
 
-def jax_vs_torch(device, cases, steps=50):
+def jax_vs_torch(device, cases, steps=50, jax_fused=None):
     """Per-op time of the JAX triton backend under jit (a scan of `steps` calls) vs torch (a graph of
     `steps` calls on the same inputs). Both hot (same weights each call), so only launch and kernel
     efficiency differ."""
@@ -311,12 +311,12 @@ def jax_vs_torch(device, cases, steps=50):
 
         @jax.jit
         def one(y, x, a, b, meta):
-            return JT.linear(y, x, a, b, meta, scale, offsets)
+            return JT.linear(y, x, a, b, meta, scale, offsets, fused=jax_fused)
 
         @jax.jit
         def many(y, x, a, b, meta):
             def body(c, _):
-                return JT.linear(c, x, a, b, meta, scale, offsets), None
+                return JT.linear(c, x, a, b, meta, scale, offsets, fused=jax_fused), None
             return jax.lax.scan(body, y, None, length=steps, unroll=True)[0]
 
         y1 = one(y0, x, a, b, meta)

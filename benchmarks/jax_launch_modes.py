@@ -22,10 +22,12 @@ import os
 import subprocess
 import sys
 
-MODES = {
-    "default": "",
+MODES = {  # name -> (XLA_FLAGS, jax_lora.ops.triton.linear's `fused`)
+    "default": ("", None),
+    # one launch per op (the fused kernel) instead of two: fewer of XLA's per-launch costs
+    "fused": ("", True),
     # FFI custom calls marked command-buffer compatible are captured; is jaxlib's triton call one?
-    "cmdbuf_custom_call": "--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+    "cmdbuf_custom_call": ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1", None),
     # (`--legacy_command_buffer_custom_call_targets=triton_kernel_call` would name the legacy target, but
     # jax 0.11.2's XLA rejects it: "Unknown flag in XLA_FLAGS", run of 2026-11-30T10:41)
 }
@@ -38,8 +40,9 @@ def child(mode: str) -> None:
 
     import bench_triton as B
     cases = [c for c in B.sweep_cases() if c[0] in CASES]
-    res = B.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")])
-    print("RESULT " + json.dumps(dict(mode=mode, xla_flags=MODES[mode], results=res)), flush=True)
+    flags, fused = MODES[mode]
+    res = B.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")], jax_fused=fused)
+    print("RESULT " + json.dumps(dict(mode=mode, xla_flags=flags, jax_fused=fused, results=res)), flush=True)
 
 
 def main() -> None:
@@ -47,12 +50,15 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--child", default=None)
     p.add_argument("--commit", default=None)
+    p.add_argument("--modes", default=None, help="comma-separated subset of MODES")
     args = p.parse_args()
     if args.child:
         child(args.child)
         return
     runs = []
-    for mode, flags in MODES.items():
+    for mode, (flags, _fused) in MODES.items():
+        if args.modes and mode not in args.modes.split(","):
+            continue
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode], env=env,
                               capture_output=True, text=True, timeout=400)

@@ -410,10 +410,14 @@ class StepLayout:
       token_meta.* and prompt_meta.*: mapping (t), sorted (t), active (L+1), num (L+1), start (L+2),
                                       no_lora (1)   (the kernel metadata of the tokens / sampled rows)
 
-    Index arrays are zero-padded to their capacity (the TPU seed's padding).
+    Index arrays are zero-padded to their capacity (the TPU seed's padding). Every segment starts
+    at a multiple of ALIGN int32s (16 bytes; the gaps are zeros): a kernel argument pointing into
+    the device block is then 16-byte aligned, which Triton specialises on (vectorised loads, and
+    torch_lora's direct launch path takes only aligned pointers).
     """
 
     TAIL = 10
+    ALIGN = 4
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, max_loras: int):
         t, b, L = int(max_num_batched_tokens), int(max_batches), int(max_loras)
@@ -427,6 +431,7 @@ class StepLayout:
         self.segments, offset = [], 0
         for name, shape in shapes:
             size = int(np.prod(shape))
+            offset = -(-offset // self.ALIGN) * self.ALIGN
             self.segments.append((name, offset, size, shape))
             offset += size
         self.size = offset

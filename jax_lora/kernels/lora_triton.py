@@ -34,7 +34,9 @@ group g and finds its tokens by comparing the mapping with the group's id, in th
 as the group ids (no prefix sum, no sorted-order load): decode time is made of dependent loads.
 
 Programmatic dependent launch (USE_PDL, torch on Hopper): in the two-kernel path the expand is
-launched as a dependent of the shrink and loads its metadata and y tile before `gdc_wait()`.
+launched as a dependent of the shrink and loads its metadata and y tile before `gdc_wait()`. The
+shrink itself is a normal launch (it waits for the kernel before it, which may write x or y); it
+only signals `gdc_launch_dependents()` so that the expand can start early.
 
 Split-K (shrink): the hidden dimension is cut into SPLIT_K chunks, one per program, to spread the
 weight reads of few adapters over many SMs at decode sizes. The partial sums either go to separate
@@ -370,23 +372,38 @@ def lora_expand_kernel(
     stride_bp = _hint16(stride_bp, ALIGNED)
     y_offs, write, y_old = _y_tile(y_ptr, tok, tok_ok, cols, col_ok, _hint16(_pick(s, off0, off1, off2, off3), ALIGNED),
                                    _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS)
+    if RANK <= BLOCK_R:
+        # One rank block (decode ranks): its B tile -- cold weights the shrink does not write --
+        # is loaded before waiting for the shrink, off the critical path.
+        bt = _load_rank_cols(b_rows + offs_r[None, :] * stride_bk, col_ok, offs_r, rank, RANK, HAS_RANKS)
     if USE_PDL:
         # The shrink's workspace is complete past this point. Outside the loop on purpose: the
         # software pipeliner hoists the first iteration's loads above anything inside it.
         gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, rank, BLOCK_R):                       # real rank only
-        kk = k0 + offs_r
+    if RANK <= BLOCK_R:
         lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        bt = _load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS)
         for p in tl.static_range(NUM_PARTIALS):              # split-K planes: independent loads
-            lhs += _load_rank_cols(buf_rows + p * stride_bp + kk[None, :] * stride_br, tok_ok, kk, rank,
-                                   RANK, HAS_RANKS).to(tl.float32)
+            lhs += _load_rank_cols(buf_rows + p * stride_bp + offs_r[None, :] * stride_br, tok_ok, offs_r,
+                                   rank, RANK, HAS_RANKS).to(tl.float32)
         if CAST_FP32:
             bt = bt.to(tl.float32)
         else:
             lhs = lhs.to(bt.dtype)
         acc = tl.dot(lhs, tl.trans(bt), acc, input_precision=DOT_PRECISION)
+    else:
+        for k0 in range(0, rank, BLOCK_R):                   # real rank only
+            kk = k0 + offs_r
+            lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            bt = _load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS)
+            for p in tl.static_range(NUM_PARTIALS):          # split-K planes: independent loads
+                lhs += _load_rank_cols(buf_rows + p * stride_bp + kk[None, :] * stride_br, tok_ok, kk, rank,
+                                       RANK, HAS_RANKS).to(tl.float32)
+            if CAST_FP32:
+                bt = bt.to(tl.float32)
+            else:
+                lhs = lhs.to(bt.dtype)
+            acc = tl.dot(lhs, tl.trans(bt), acc, input_precision=DOT_PRECISION)
     has_bias = _pick(s, BIAS0, BIAS1, BIAS2, BIAS3)
     _store_slice(acc, y_old, out_ptr, y_offs, write, _pick(s, c0_ptr, c1_ptr, c2_ptr, c3_ptr), lora_id,
                  cols, col_ok, _hint16(_pick(s, sc0_l, sc1_l, sc2_l, sc3_l), ALIGNED),
@@ -515,6 +532,11 @@ class ShrinkPlan:
     num_partials: int          # planes of the output (1 for the stand-alone shrink)
     atomic: bool               # the output must be zeroed first
 
+    # Never launched as a programmatic dependent of the kernel before it (whose writes, x or y,
+    # must be complete and visible: the shrink has no gdc_wait); with USE_PDL it only lets the
+    # expand after it start early.
+    launch_pdl = False
+
     @functools.cached_property
     def key(self) -> tuple:
         """Hashable identity of the launch (grid, meta-parameters, warps, stages)."""
@@ -532,6 +554,13 @@ class ExpandPlan:
     def key(self) -> tuple:
         """Hashable identity of the launch (grid, meta-parameters, warps, stages)."""
         return (self.grid, tuple(sorted(self.constexprs.items())), self.num_warps, self.num_stages)
+
+    @property
+    def launch_pdl(self) -> bool:
+        """Launched as a programmatic dependent of the shrink before it (USE_PDL: its gdc_wait
+        precedes every workspace read; the y tile it loads earlier was complete before the shrink,
+        a normal launch, started)."""
+        return bool(self.constexprs.get("USE_PDL"))
 
 
 FusedPlan = ExpandPlan

@@ -118,7 +118,7 @@ def _launch(kernel, plan, tensors, scalars, out):
             c[0].run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, c[0].function,
                      c[0].packed_metadata, None, None, None, *tensors, *scalars, out, *c[1])
             return
-    extra = {"launch_pdl": True} if plan.constexprs.get("USE_PDL") else {}
+    extra = {"launch_pdl": True} if plan.launch_pdl else {}
     if os.environ.get("TRITON_CACHE_DIR") == "":
         # jax_triton sets it to "" when imported (through any importer, not only jax_lora, which
         # restores it); Triton then cannot compile: "Could not create or locate cache dir".
