@@ -211,6 +211,43 @@ def test_prepared_linear_direct_path(fused, ranks):
         assert _err(work, ref) < 2e-2, trial
 
 
+def test_chained_calls_wait_for_the_previous_kernel():
+    """Programmatic dependent launch: each call's shrink may be scheduled while the previous call's
+    expand still runs, and must wait for it (gdc_wait) before reading x. Chain 12 calls where x of
+    call i+1 is y of call i, eagerly and in a CUDA graph, and compare bit for bit with the same
+    chain synchronised after every call (no overlap possible)."""
+    from torch_lora.ops import triton as TT
+    T, H, R, L = 16, 2048, 16, 4
+    x, a, b, idx, meta, _, _ = _setup(T, H, R, (H,), L, 4, torch.bfloat16, 12, frac_none=0.0)
+    ys0 = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(12)]
+
+    def chain(ys, sync):
+        prev = x
+        for y in ys:
+            TT.linear(y, prev, a, b, meta.meta_args(T), 0.5, (0,))
+            if sync:
+                torch.cuda.synchronize()
+            prev = y
+        return ys
+
+    want = chain([y.clone() for y in ys0], sync=True)
+    got = chain([y.clone() for y in ys0], sync=False)
+    torch.cuda.synchronize()
+    for i, (g_, w_) in enumerate(zip(got, want)):
+        assert torch.equal(g_, w_), i
+    work = [y.clone() for y in ys0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(work, sync=False)
+    for _ in range(3):
+        for w_, y in zip(work, ys0):
+            w_.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (g_, w_) in enumerate(zip(work, want)):
+            assert torch.equal(g_, w_), i
+
+
 def test_wrapper_add_lora_linear_many_steps():
     """The torch wrapper's cached per-layer launchers across steps of changing mappings and token
     counts (bucketed decode sizes and a prefill), against the float64 reference."""

@@ -34,9 +34,11 @@ group g and finds its tokens by comparing the mapping with the group's id, in th
 as the group ids (no prefix sum, no sorted-order load): decode time is made of dependent loads.
 
 Programmatic dependent launch (USE_PDL, torch on Hopper): in the two-kernel path the expand is
-launched as a dependent of the shrink and loads its metadata and y tile before `gdc_wait()`. The
-shrink itself is a normal launch (it waits for the kernel before it, which may write x or y); it
-only signals `gdc_launch_dependents()` so that the expand can start early.
+launched as a dependent of the shrink and loads its metadata, y tile and (one rank block) B tile
+before `gdc_wait()`. The shrink is launched as a dependent too, of whatever kernel precedes it: it
+waits (`gdc_wait()`) before reading anything, and only then signals `gdc_launch_dependents()`, so
+everything before the shrink is complete when the expand's early loads run. The expand signals at
+its start, so a dependent after it (the next layer's shrink) can be scheduled early and wait there.
 
 Split-K (shrink): the hidden dimension is cut into SPLIT_K chunks, one per program, to spread the
 weight reads of few adapters over many SMs at decode sizes. The partial sums either go to separate
@@ -289,7 +291,10 @@ def lora_shrink_kernel(
     LORA_ONLY (stand-alone shrink, no atomics), tokens of non-slot groups get zero rows.
     """
     if USE_PDL:
-        gdc_launch_dependents()                              # let the expand start its prologue
+        # Launched as a programmatic dependent of whatever kernel precedes it: wait until that one
+        # is complete (it may write x or the metadata), then let the expand start its prologue.
+        gdc_wait()
+        gdc_launch_dependents()
     s = tl.program_id(0)
     split = tl.program_id(1)
     pid = tl.program_id(2)
@@ -351,6 +356,10 @@ def lora_expand_kernel(
     programmatic dependent of the shrink): the metadata and the y tile -- which the shrink does not
     write -- are loaded before waiting for the shrink grid.
     """
+    if USE_PDL:
+        # A programmatic dependent after this kernel (the next layer's shrink) may be scheduled
+        # now; it waits (gdc_wait) for this grid to complete before it touches memory.
+        gdc_launch_dependents()
     j = tl.program_id(0)
     pid = tl.program_id(1)
     lora_id, tok, tok_ok, n_tok = _tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
@@ -532,10 +541,12 @@ class ShrinkPlan:
     num_partials: int          # planes of the output (1 for the stand-alone shrink)
     atomic: bool               # the output must be zeroed first
 
-    # Never launched as a programmatic dependent of the kernel before it (whose writes, x or y,
-    # must be complete and visible: the shrink has no gdc_wait); with USE_PDL it only lets the
-    # expand after it start early.
-    launch_pdl = False
+    @property
+    def launch_pdl(self) -> bool:
+        """Launched as a programmatic dependent of the kernel before it (USE_PDL: its first
+        instruction is gdc_wait, so the kernel before -- which may write x, y or the metadata -- is
+        complete before anything is read, and only then is the expand allowed to start)."""
+        return bool(self.constexprs.get("USE_PDL"))
 
     @functools.cached_property
     def key(self) -> tuple:
