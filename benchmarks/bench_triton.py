@@ -429,11 +429,16 @@ def main():
     p.add_argument("--tag", default="")
     p.add_argument("--profile-host", action="store_true", help="cProfile of eager calls, top entries")
     p.add_argument("--host-only", action="store_true", help="no graph sweep: host enqueue figures (and jax)")
+    p.add_argument("--no-host", action="store_true", help="no host enqueue figures")
+    p.add_argument("--cases", default=None, help="regex: only the sweep cases whose name matches")
     args = p.parse_args()
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     res = dict(meta=env_meta(), sweep=[], host=[], jax=[])
     cases = sweep_cases(args.quick)
+    if args.cases:
+        import re
+        cases = [c for c in cases if re.search(args.cases, c[0])]
     if args.profile_host:
         import cProfile
         import pstats
@@ -460,7 +465,8 @@ def main():
             v = f"vLLM {r['vllm_us']:.1f}" if r["vllm_us"] else ""
             print(f"{r['case']:28s} {sl} {r['time_us']:8.2f} us {r['pct_peak']:5.1f}% err {r['rel_err']:.1e} "
                   f"{v}", flush=True)
-    for case in [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T8 D1 r16", "pre T2048 D4 r16")]:
+    for case in [] if args.no_host else [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T8 D1 r16",
+                                                                      "pre T2048 D4 r16")]:
         for sl in ("s1", "s3"):
             name, kind, T, D, r, fn, rk = case
             s = InputSet(kind, T, D, r, SLICES[sl], max(8, D), fn, rk, torch.Generator().manual_seed(2), device)

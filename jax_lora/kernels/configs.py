@@ -23,6 +23,10 @@ import os
 from .lora_triton import interpreting, next_pow2
 
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+# At most this many split-K planes from the SPLIT_K = 0 rule: the expand sums every plane of its
+# rows, a cost the shrink's extra parallelism must pay for (JAX_LORA_TRITON_SPLIT_CAP overrides it,
+# for tuning runs).
+SPLIT_CAP = int(os.environ.get("JAX_LORA_TRITON_SPLIT_CAP", "32"))
 
 _TOKEN_CLASSES = ((16, "t16"), (64, "t64"), (256, "t256"), (1024, "t1024"), (4096, "t4096"))
 _RANK_CLASSES = ((16, "r16"), (64, "r64"))
@@ -126,7 +130,7 @@ def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_
     if cfg["SPLIT_K"] == 0:
         busy = num_slices * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])
         chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
-        cfg["SPLIT_K"] = max(1, min(chunks, TARGET_PROGRAMS // busy))
+        cfg["SPLIT_K"] = max(1, min(chunks, TARGET_PROGRAMS // busy, SPLIT_CAP))
     if num_tokens > 128:
         # Past decode sizes every expand program re-reads its rows of all SPLIT_K workspace planes
         # (SPLIT_K * rank floats per token per output tile): keep that below ~1 KB per token, and
