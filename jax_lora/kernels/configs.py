@@ -24,9 +24,11 @@ from .lora_triton import interpreting, next_pow2
 
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 # At most this many split-K planes from the SPLIT_K = 0 rule: the expand sums every plane of its
-# rows, a cost the shrink's extra parallelism must pay for (JAX_LORA_TRITON_SPLIT_CAP overrides it,
-# for tuning runs).
-SPLIT_CAP = int(os.environ.get("JAX_LORA_TRITON_SPLIT_CAP", "32"))
+# rows, a cost the shrink's extra parallelism must pay for. Measured on the H200 (2026-11-30,
+# benchmarks/results/split_cap_20261130, decode T <= 128, D <= 8): caps 2 / 4 / 8 / 16 / 32 gave
+# 14.5 / 8.9 / 6.7 / 6.9 / 10.0 us for T1 D1 r16 with one slice; 8 was best or within noise of
+# the best in most cases. JAX_LORA_TRITON_SPLIT_CAP overrides it (tuning runs).
+SPLIT_CAP = int(os.environ.get("JAX_LORA_TRITON_SPLIT_CAP", "8"))
 
 _TOKEN_CLASSES = ((16, "t16"), (64, "t64"), (256, "t256"), (1024, "t1024"), (4096, "t4096"))
 _RANK_CLASSES = ((16, "r16"), (64, "r64"))
