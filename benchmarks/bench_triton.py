@@ -401,11 +401,14 @@ def plot(res, path):
 
 
 def env_meta():
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001
-        commit = os.environ.get("GIT_COMMIT", "unknown")
+    # GIT_COMMIT first: the device machine's copy of the tree may carry a stale .git
+    commit = os.environ.get("GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                             stderr=subprocess.DEVNULL).strip()
+        except Exception:  # noqa: BLE001
+            commit = "unknown"
     import triton
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -293,12 +293,14 @@ def main() -> None:
             "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__,
             "host_cores": os.cpu_count(), "iters": it, "repeats": rep}
-    try:
-        import subprocess
-        meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        pass
+    meta["commit"] = os.environ.get("GIT_COMMIT")  # first: a device copy may carry a stale .git
+    if not meta["commit"]:
+        try:
+            import subprocess
+            meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except OSError:
+            pass
     results["meta"] = meta
     if args.parts_only:
         print(json.dumps(results, indent=1))
