@@ -94,6 +94,7 @@ def main():
     p.add_argument("--budget-s", type=float, default=420)
     p.add_argument("--classes", default="", help="token classes to tune (default all), e.g. t16,t64")
     p.add_argument("--table", default="", help="also write the table here (jax_lora/kernels/tuned_h200.json)")
+    p.add_argument("--no-fused", action="store_true", help="skip the fused kernel's candidates")
     args = p.parse_args()
     t_start = time.time()
     device = torch.device("cuda")
@@ -130,7 +131,7 @@ def main():
             results[key]["expand"].append(dict(config=c, us=t))
         t_e, c_e = min(exp, key=lambda v: v[0])
         entry = dict(shrink=c_s, expand=c_e, two_kernel_us=t_e)
-        if tc in ("t16", "t64"):
+        if tc in ("t16", "t64") and not args.no_fused:
             fus = []
             for c in fused_candidates(r):
                 t = timed(sets, fused=True, fused_config=c)
@@ -138,6 +139,8 @@ def main():
                 results[key]["fused"].append(dict(config=c, us=t))
             t_f, c_f = min(fus, key=lambda v: v[0])
             entry.update(fused=c_f, fused_us=t_f)
+        if args.no_fused and "fused_us" in best.get(key, {}):   # keep the last fused measurement
+            entry.update(fused=best[key]["fused"], fused_us=best[key]["fused_us"])
         best[key] = entry
         print(f"{key}: two-kernel {t_e:.2f} us shrink {c_s} expand {c_e}"
               + (f" | fused {entry['fused_us']:.2f} us {entry['fused']}" if "fused" in entry else ""), flush=True)
@@ -164,7 +167,7 @@ def _resolve_split(cfg, T, slots):
     if c["SPLIT_K"] == 0:
         busy = 3 * configs._estimated_tiles(T, slots, c["BLOCK_M"])
         chunks = max(1, -(-4096 // c["BLOCK_K"]))
-        c["SPLIT_K"] = max(1, min(chunks, configs.TARGET_PROGRAMS // busy))
+        c["SPLIT_K"] = max(1, min(chunks, configs.TARGET_PROGRAMS // busy, configs.SPLIT_CAP))
     return c
 
 
