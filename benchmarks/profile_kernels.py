@@ -1,0 +1,43 @@
+"""One `add_lora_linear` per case under Nsight Compute: the evidence behind docs/benchmarks.md's
+"why the misses" (prefill bandwidth, decode latency). One CUDA GPU, ncu on the PATH:
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats -o prof python benchmarks/profile_kernels.py
+    ncu --import prof.ncu-rep --page details > profile.txt
+
+Each case is warmed up (compiled) first; only the profiled call sits between cudaProfilerStart and
+cudaProfilerStop. Cases: (kind, T, adapters, rank, slices) of bench_triton's sweep.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_triton import SLICES, InputSet  # noqa: E402
+
+CASES = (("pre", 8192, 1, 16, "s1"), ("pre", 8192, 4, 64, "s1"), ("dec", 1, 1, 16, "s1"),
+         ("dec", 128, 64, 64, "s1"))
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    for kind, T, D, r, sl in CASES:
+        s = InputSet(kind, T, D, r, SLICES[sl], max(8, D), 0.0, None, torch.Generator().manual_seed(0), device)
+        for _ in range(3):
+            s.call()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        s.call()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"profiled {kind} T{T} D{D} r{r} {sl}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
