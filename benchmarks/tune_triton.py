@@ -3,8 +3,9 @@
     PYTHONPATH=. python benchmarks/tune_triton.py --out benchmarks/results
 
 For one representative shape per (token class, rank class) of jax_lora/kernels/configs.py it
-times `add_lora_linear` (three slices 4096/1024/1024, bf16, hidden 4096, cold weights, CUDA-graph
-replay as in bench_triton.py) over a small candidate list: first the shrink config with the
+times `add_lora_linear` (one slice of 4096 and three slices 4096/1024/1024, scored by the geometric
+mean of the two; bf16, hidden 4096, cold weights, CUDA-graph replay as in bench_triton.py) over a
+small candidate list: first the shrink config with the
 default expand, then the expand config with the best shrink, then (decode classes) the fused
 kernel. It writes the winning table as JSON (`--table jax_lora/kernels/tuned_h200.json` puts it where
 configs.py reads it) and all timings beside it.
@@ -47,9 +48,12 @@ def shrink_candidates(tc):
     if tc == "t1024":
         return [configs._s(bm, bk, 0, w, st) for bm, bk, w, st in
                 ((16, 128, 4, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 256, 8, 3))]
+    # (prefill: ncu, 2026-11-30: the unsplit BLOCK_M 64 shrink runs 137 programs at T=8192, 6.4%
+    # achieved occupancy, 54% of DRAM bandwidth -- hence smaller token tiles and splits)
     return [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
             ((64, 128, 0, 4, 3), (64, 64, 1, 4, 4), (128, 64, 1, 4, 3), (128, 128, 1, 8, 3),
-             (64, 128, 1, 4, 3))]
+             (64, 128, 1, 4, 3), (32, 128, 1, 4, 3), (64, 128, 2, 4, 3), (64, 128, 4, 4, 3),
+             (64, 128, 1, 8, 4), (32, 256, 2, 8, 3))]
 
 
 def expand_candidates(tc, rank):
@@ -112,29 +116,40 @@ def main():
         r = RANK_OF[rc]
         slots = max(8, D)
         gen = torch.Generator().manual_seed(0)
-        nbytes = min_bytes(T, D, WIDTHS, r)
-        n_sets = int(min(60, max(3, math.ceil(4 * L2_BYTES / nbytes))))
-        sets = [Tuned(kind, T, D, r, WIDTHS, slots, 0.0, None, gen, device) for _ in range(n_sets)]
+        # Each candidate is timed on one slice and on three (WIDTHS) and scored by the geometric
+        # mean: a class's best block shapes differ between them (grids of 1x vs 3x the programs).
+        groups = []
+        for widths in ((4096,), WIDTHS):
+            nbytes = min_bytes(T, D, widths, r)
+            n_sets = int(min(60, max(3, math.ceil(4 * L2_BYTES / nbytes))))
+            groups.append((len(widths), [Tuned(kind, T, D, r, widths, slots, 0.0, None, gen, device)
+                                         for _ in range(n_sets)]))
         key = f"{tc}/{rc}"
         results[key] = dict(shrink=[], expand=[], fused=[])
         e_default = configs.expand_config(T, 4096, r, 3, slots)
+
+        def score(shrink_cfg, expand_cfg, groups=groups):
+            ts = [timed(sets_, shrink_config=_resolve_split(shrink_cfg, T, slots, r, n_sl), expand_config=expand_cfg)
+                  for n_sl, sets_ in groups]
+            return math.sqrt(ts[0] * ts[1]), ts
+
         shr = []
         for c in shrink_candidates(tc):
-            t = timed(sets, shrink_config=_resolve_split(c, T, slots), expand_config=e_default)
+            t, ts = score(c, e_default)
             shr.append((t, c))
-            results[key]["shrink"].append(dict(config=c, us=t))
+            results[key]["shrink"].append(dict(config=c, us=t, us_s1_s3=ts))
         t_s, c_s = min(shr, key=lambda v: v[0])
         exp = []
         for c in expand_candidates(tc, r):
-            t = timed(sets, shrink_config=_resolve_split(c_s, T, slots), expand_config=c)
+            t, ts = score(c_s, c)
             exp.append((t, c))
-            results[key]["expand"].append(dict(config=c, us=t))
+            results[key]["expand"].append(dict(config=c, us=t, us_s1_s3=ts))
         t_e, c_e = min(exp, key=lambda v: v[0])
         entry = dict(shrink=c_s, expand=c_e, two_kernel_us=t_e)
         if tc in ("t16", "t64") and not args.no_fused:
             fus = []
             for c in fused_candidates(r):
-                t = timed(sets, fused=True, fused_config=c)
+                t = math.sqrt(math.prod(timed(sets_, fused=True, fused_config=c) for _, sets_ in groups))
                 fus.append((t, c))
                 results[key]["fused"].append(dict(config=c, us=t))
             t_f, c_f = min(fus, key=lambda v: v[0])
@@ -144,7 +159,7 @@ def main():
         best[key] = entry
         print(f"{key}: two-kernel {t_e:.2f} us shrink {c_s} expand {c_e}"
               + (f" | fused {entry['fused_us']:.2f} us {entry['fused']}" if "fused" in entry else ""), flush=True)
-        del sets
+        del groups
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
@@ -161,14 +176,9 @@ def main():
               f"two={e['two_kernel_us']:.2f} fused={e.get('fused_us', float('nan')):.2f}")
 
 
-def _resolve_split(cfg, T, slots):
-    """A candidate with SPLIT_K = 0 resolved the way configs.shrink_config does it."""
-    c = dict(cfg)
-    if c["SPLIT_K"] == 0:
-        busy = 3 * configs._estimated_tiles(T, slots, c["BLOCK_M"])
-        chunks = max(1, -(-4096 // c["BLOCK_K"]))
-        c["SPLIT_K"] = max(1, min(chunks, configs.TARGET_PROGRAMS // busy, configs.SPLIT_CAP))
-    return c
+def _resolve_split(cfg, T, slots, rank, num_slices):
+    """A candidate resolved the way configs.shrink_config resolves a table entry."""
+    return configs.resolve_split(dict(cfg), T, 4096, rank, num_slices, slots)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,12 @@ def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
 def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
     if interpreting():
         return _s(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
-    cfg = dict(SHRINK[(token_class(num_tokens), rank_class(rank))])
+    return resolve_split(dict(SHRINK[(token_class(num_tokens), rank_class(rank))]), num_tokens, hidden, rank,
+                         num_slices, num_slots)
+
+
+def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
+    """cfg (a shrink config) with SPLIT_K = 0 resolved and the split caps applied (in place)."""
     if cfg["SPLIT_K"] == 0:
         busy = num_slices * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])
         chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
