@@ -46,6 +46,7 @@ __all__ = [
     "load_peft_adapter",
     "merge_adapter",
     "prepare_adapter",
+    "adapter_ranks",
     "save_peft_adapter",
 ]
 
@@ -294,6 +295,21 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
     return out
 
 
+def adapter_ranks(model: nnx.Module, adapter: PeftAdapter) -> dict:
+    """{layer path: the adapter's rank there} for every multi-LoRA layer of the model: the largest
+    rank among the adapter's modules placed in that layer (the slices of a fused layer may differ,
+    with PEFT's rank_pattern), 0 where the adapter has nothing. Call after `prepare_adapter` has
+    validated the adapter against the model."""
+    layers = lnn.lora_layers(model)
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    ranks = dict.fromkeys(layers, 0)
+    for module, (a, _b, _scaling, _kind) in adapter.modules.items():
+        where = _locate(module, layers, packed)
+        if where is not None:
+            ranks[where[0]] = max(ranks[where[0]], int(a.shape[0]))
+    return ranks
+
+
 def _write_slot_impl(arrays, slot, new, axes):
     """arrays[i] with index `slot` along axes[i] replaced by new[i] (shapes never change)."""
     out = []
@@ -339,7 +355,7 @@ class AdapterManager:
         self.version = 0
         self.stats = collections.Counter()
         self._paths = sorted(self.layers)
-        self._vars = [(self.layers[p], n) for p in self._paths for n in ("lora_a", "lora_b")]
+        self._vars = [(self.layers[p], n) for p in self._paths for n in ("lora_a", "lora_b", "lora_ranks")]
         self._path_by_id = {id(self.layers[p]): p for p in self._paths}
         self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
 
@@ -352,7 +368,7 @@ class AdapterManager:
         src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
         adapter_obj = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
         self.stats["disk_loads" if not isinstance(src, PeftAdapter) else "prepares"] += 1
-        prepared = prepare_adapter(self.model, adapter_obj)   # fails here for a bad adapter, nothing changed
+        prepared = self._prepared(adapter_obj)           # fails here for a bad adapter, nothing changed
         self._ranks[lora_id] = adapter_obj.max_rank
         self._sources[lora_id] = src
         self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter) else os.path.basename(src))
@@ -442,19 +458,23 @@ class AdapterManager:
         raise ValueError("no slot can be freed")      # unreachable: activate checked the count
 
     # -------------------------------------------------------------- host side
-    def _prepare(self, src) -> dict:
+    def _prepare(self, src) -> tuple:
         adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
         self.stats["disk_loads" if not isinstance(src, PeftAdapter) else "prepares"] += 1
-        return prepare_adapter(self.model, adapter)
+        return self._prepared(adapter)
 
-    def _cache(self, lora_id: int, prepared: dict) -> None:
+    def _prepared(self, adapter: PeftAdapter) -> tuple:
+        """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}): one slot's host data."""
+        return prepare_adapter(self.model, adapter), adapter_ranks(self.model, adapter)
+
+    def _cache(self, lora_id: int, prepared: tuple) -> None:
         self._host[lora_id] = prepared
         self._host.move_to_end(lora_id)
         while len(self._host) > self.host_cache_size:
             self._host.popitem(last=False)
             self.stats["host_evictions"] += 1
 
-    def _host_get(self, lora_id: int) -> dict:
+    def _host_get(self, lora_id: int) -> tuple:
         if lora_id in self._host:
             self._host.move_to_end(lora_id)
             self.stats["host_hits"] += 1
@@ -463,16 +483,20 @@ class AdapterManager:
         self._cache(lora_id, prepared)
         return prepared
 
-    def _write(self, slot: int, prepared: dict | None, lora_id: int | None = None) -> None:
-        """One jitted update of every LoRA variable at `slot` (zeros when prepared is None)."""
+    def _write(self, slot: int, prepared: tuple | None, lora_id: int | None = None) -> None:
+        """One jitted update of every LoRA variable at `slot`: the adapter's weights and per-layer
+        ranks, or zeros (rank 0: the kernels skip the slot) when prepared is None."""
         new = []
         for layer, n in self._vars:
             shape = list(getattr(layer, n).get_value().shape)
             del shape[type(layer).slot_axis[n]]
+            path = self._path_by_id[id(layer)]
             if prepared is None:
                 new.append(np.zeros(shape, np.float32))
+            elif n == "lora_ranks":
+                new.append(np.int32(prepared[1][path]))
             else:
-                new.append(prepared[self._path_by_id[id(layer)]][0 if n == "lora_a" else 1])
+                new.append(prepared[0][path][0 if n == "lora_a" else 1])
         old = tuple(getattr(layer, n).get_value() for layer, n in self._vars)
         slot_dev, new_dev = jax.device_put((np.int32(slot), tuple(new)))
         updated = _write_slot(old, slot_dev, new_dev, axes=self._axes)

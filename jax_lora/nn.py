@@ -8,7 +8,9 @@ stacked per-slot adapter weights as `LoRAWeight` variables, in the layouts the w
   MultiLoRALogits   lora_a (L, r, H)       lora_b (L, V, r)      the LM head, on sampled rows
 
 with L = max_loras slots, r = max_rank (a smaller adapter rank is zero-padded), S = number of
-slices of a fused projection (QKV, gate_up; widths may differ). The adapter scaling is folded into
+slices of a fused projection (QKV, gate_up; widths may differ), and `lora_ranks` (L,) int32, each
+slot's real rank in the layer, passed to the wrapper so kernels skip the zero padding (PEFT's
+rank_pattern gives modules of one adapter different ranks). The adapter scaling is folded into
 `lora_b` when an adapter is loaded (jax_lora.adapters), so the layers call the wrapper with scale 1.
 
 Which adapter each token uses is not a module attribute: it is the wrapper of the current step,
@@ -74,6 +76,14 @@ def _pick(punica):
     return punica if punica is not None else _ACTIVE.get()
 
 
+def _ranks_variable(max_loras: int, max_rank: int) -> LoRAWeight:
+    """(max_loras,) int32: each slot's real rank in this layer, passed to the wrapper as `lora_ranks`
+    so kernels that skip rank padding read only the real columns. Starts at max_rank (weights set by
+    hand use every column); AdapterManager writes the loaded adapter's rank, 0 for an empty slot.
+    The padding is zero either way, so results never depend on it."""
+    return LoRAWeight(jnp.full((max_loras,), max_rank, jnp.int32))
+
+
 def _check_int(name: str, v: int) -> int:
     if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -111,6 +121,7 @@ class MultiLoRALinear(nnx.Module):
         dtype = dtype or base.kernel.get_value().dtype
         self.lora_a = LoRAWeight(jnp.zeros((len(slices), max_loras, max_rank, self.in_features), dtype))
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
+        self.lora_ranks = _ranks_variable(max_loras, max_rank)
 
     def __call__(self, x: jax.Array, punica=None) -> jax.Array:
         y = self.base(x)
@@ -123,9 +134,10 @@ class MultiLoRALinear(nnx.Module):
         for n in self.output_slices:
             lora_b.append(b[:, off:off + n, :])
             off += n
-        return w.add_lora_linear(y, x, lora_a, tuple(lora_b), None, 1.0, self.output_slices)
+        return w.add_lora_linear(y, x, lora_a, tuple(lora_b), None, 1.0, self.output_slices,
+                                 lora_ranks=self.lora_ranks.get_value())
 
-    slot_axis: ClassVar[dict] = {"lora_a": 1, "lora_b": 0}
+    slot_axis: ClassVar[dict] = {"lora_a": 1, "lora_b": 0, "lora_ranks": 0}
 
 
 class MultiLoRAEmbed(nnx.Module):
@@ -147,6 +159,7 @@ class MultiLoRAEmbed(nnx.Module):
         dtype = dtype or base.embedding.get_value().dtype
         self.lora_a = LoRAWeight(jnp.zeros((max_loras, self.num_embeddings, max_rank), dtype))
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.features, max_rank), dtype))
+        self.lora_ranks = _ranks_variable(max_loras, max_rank)
 
     def attend(self, query: jax.Array) -> jax.Array:
         """The base embedding's `attend` (tied LM heads): adapters do not apply here."""
@@ -165,10 +178,11 @@ class MultiLoRAEmbed(nnx.Module):
         table = self.lora_a.get_value().reshape(self.max_loras * self.num_embeddings, self.max_rank)
         # Slot offsets are < L * V by construction; clip anyway so no read is out of bounds.
         rows = jnp.take(table, flat + offsets[:t], axis=0, mode="clip")
-        out = w.add_lora_embedding(y.reshape(t, self.features), rows.astype(y.dtype), self.lora_b.get_value())
+        out = w.add_lora_embedding(y.reshape(t, self.features), rows.astype(y.dtype), self.lora_b.get_value(),
+                                   lora_ranks=self.lora_ranks.get_value())
         return out.reshape(y.shape)
 
-    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0}
+    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0, "lora_ranks": 0}
 
 
 class MultiLoRALogits(nnx.Module):
@@ -189,6 +203,7 @@ class MultiLoRALogits(nnx.Module):
         dtype = dtype or base.kernel.get_value().dtype
         self.lora_a = LoRAWeight(jnp.zeros((max_loras, max_rank, self.in_features), dtype))
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
+        self.lora_ranks = _ranks_variable(max_loras, max_rank)
 
     def __call__(self, h: jax.Array, punica=None) -> jax.Array:
         y = self.base(h)
@@ -196,10 +211,11 @@ class MultiLoRALogits(nnx.Module):
         if w is None:
             return y
         h2 = h.reshape(-1, h.shape[-1])
-        out = w.add_lora_logits(y.reshape(h2.shape[0], -1), h2, self.lora_a.get_value(), self.lora_b.get_value(), 1.0)
+        out = w.add_lora_logits(y.reshape(h2.shape[0], -1), h2, self.lora_a.get_value(), self.lora_b.get_value(), 1.0,
+                                lora_ranks=self.lora_ranks.get_value())
         return out.reshape(y.shape)
 
-    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0}
+    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0, "lora_ranks": 0}
 
 
 LORA_LAYER_TYPES = (MultiLoRALinear, MultiLoRAEmbed, MultiLoRALogits)

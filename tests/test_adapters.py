@@ -13,6 +13,7 @@ from jax_lora import nn as lnn
 from jax_lora.adapters import (
     AdapterError,
     AdapterManager,
+    adapter_ranks,
     load_peft_adapter,
     merge_adapter,
     prepare_adapter,
@@ -148,6 +149,39 @@ def test_manager_slots_lru_and_host_cache(tmp_path):
         mgr.activate([9])
     with pytest.raises(ValueError, match="lora_id must be an int > 0"):
         mgr.register(0, paths[0])
+
+
+def test_manager_writes_each_layers_rank_and_the_wrapper_uses_it(tmp_path):
+    """Per-layer ranks (PEFT rank_pattern): the slot's `lora_ranks` entry is the adapter's largest
+    rank among the layer's modules, 0 where it has none and after unload; the layers pass it to
+    the wrapper, which reads only those rank columns (a rank set too low changes the result, the
+    real one gives the padded result)."""
+    from jax_lora import LoRAMapping, PunicaWrapper
+    model = _model(slots=2, rank=8)
+    mgr = AdapterManager(model)
+    p, _ = _write(tmp_path, "pat", 4, targets=("q_proj", "v_proj", "down_proj"),
+                  rank_pattern={"down_proj": 2, "v_proj": 6})
+    slot = mgr.load(1, p)
+    assert adapter_ranks(model, load_peft_adapter(p))["model.layers.0.self_attn.qkv_proj"] == 6
+    layers = lnn.lora_layers(model)
+    ranks = {path: int(layer.lora_ranks.get_value()[slot]) for path, layer in layers.items()}
+    assert ranks["model.layers.0.self_attn.qkv_proj"] == 6              # max(q 4, v 6)
+    assert ranks["model.layers.0.mlp.down_proj"] == 2
+    assert ranks["model.layers.0.self_attn.o_proj"] == 0                # not targeted
+    assert all(int(layer.lora_ranks.get_value()[1 - slot]) == 8 for layer in layers.values())  # default
+    qkv = layers["model.layers.0.self_attn.qkv_proj"]
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(5, H)), jnp.float32)
+    w = PunicaWrapper(8, 8, None, max_loras=2)
+    w.update_metadata(LoRAMapping((1, 0, 1, 1, 0), (1,)), mgr.lora_index_to_id, 2, V)
+    real = np.asarray(qkv(x, punica=w))
+    full = qkv.lora_ranks.get_value()
+    qkv.lora_ranks.set_value(full.at[slot].set(8))
+    np.testing.assert_allclose(np.asarray(qkv(x, punica=w)), real, rtol=1e-6, atol=1e-6)  # padding is zero
+    qkv.lora_ranks.set_value(full.at[slot].set(1))
+    assert not np.allclose(np.asarray(qkv(x, punica=w)), real, atol=1e-3)        # rank 1: columns dropped
+    qkv.lora_ranks.set_value(full)
+    mgr.unload(1)
+    assert all(int(layer.lora_ranks.get_value()[slot]) == 0 for layer in layers.values())
 
 
 def test_unload_zeroes_and_hot_swap_rewrites_in_place(tmp_path):

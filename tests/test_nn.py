@@ -154,7 +154,7 @@ def test_replace_lora_layers_swaps_targets_in_place():
     np.testing.assert_allclose(model(ids), before)                    # no wrapper: unchanged model
     assert set(lnn.lora_layers(model)) == set(replaced)
     lora_state = nnx.state(model, lnn.LoRAWeight)                      # filterable adapter weights
-    assert len(jax.tree.leaves(lora_state)) == 2 * len(replaced)
+    assert len(jax.tree.leaves(lora_state)) == 3 * len(replaced)             # lora_a, lora_b, lora_ranks
     # A regex over the full path, as PEFT's string form.
     model2 = _Toy(nnx.Rngs(0))
     got = lnn.replace_lora_layers(model2, r"blocks\.1\..*proj", max_loras=2, max_rank=2)
