@@ -40,6 +40,21 @@ def test_index_tensors_keep_their_addresses_across_steps():
     assert w.token_lora_indices.tolist() == [2, 2, -1]
 
 
+@pytest.mark.parametrize("sizes", [(8, 4, 3), (7, 3, 5), (13, 1, 1), (256, 16, 64)])
+def test_every_kernel_argument_view_is_16_byte_aligned(sizes):
+    """The index tensors and kernel metadata are views of one step block; Triton specialises
+    pointer arguments on 16-byte alignment and the direct launch path takes aligned ones only, so
+    every view must start 16-byte aligned, whatever the capacities (StepLayout.ALIGN)."""
+    t, b, loras = sizes
+    w = torch_lora.PunicaWrapper(t, b, "cpu", max_loras=loras, backend="torch")
+    views = [w._token_lora_indices, w._sampler_indices, w._sampler_indices_padded, w._embeddings_indices,
+             w._long_lora_indices, w._seq_start_locs, w._seq_lengths, w._lora_indices_per_batch]
+    for meta in (w.token_mapping_meta, w.prompt_mapping_meta):
+        views += [meta.token_lora_mapping, meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora,
+                  meta.lora_token_start_loc, meta.active_lora_ids, meta.no_lora]
+    assert all(v.data_ptr() % 16 == 0 for v in views), [v.data_ptr() % 16 for v in views]
+
+
 def test_in_place_weight_update_is_seen_through_the_cache():
     w = _wrapper()
     a, b = _weights(0)
