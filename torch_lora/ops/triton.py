@@ -3,13 +3,16 @@
 Contract (torch_lora.ops.dispatch): `shrink` writes every row of `out` (0 for tokens without
 LoRA), `expand` writes the slices of `y` in place; `linear` is shrink + expand with add_inputs
 (`add_lora_linear`'s math): a split-K shrink into a float32 workspace and an expand launched as its
-programmatic dependent (Hopper), or the one-launch fused kernel for the shape classes where the
+programmatic dependent (Hopper; the shrink itself is a dependent of the kernel before it and waits
+for it before reading anything), or the one-launch fused kernel for the shape classes where the
 tuned table says it wins (none on the H200 as of 2026-11-30; `fused=True` forces it).
+`prepare_linear` binds `linear`'s persistent arguments once (`PreparedLinear`: the argument lists
+of both launches, built once; a call fills in x, y, workspace, lora_ranks and scale).
 
 No host synchronisation: every decision (which adapters are active, whether any is) is made on the
 device from the metadata; the grids depend only on shapes, so calls can be captured in a CUDA
 graph and replayed with new mappings. Launch plans are cached by shapes, strides-free keys and
-dtypes only (never by data pointers).
+dtypes only (never by data pointers; only a PreparedLinear, owned by its caller, holds pointers).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from jax_lora.kernels import lora_triton as K
 
 NAME = "triton"
 MAX_SLICES = K.MAX_SLICES
-# Programmatic dependent launch between the shrink and the expand of `linear` (Hopper and newer):
-# the expand's prologue (metadata and y loads) overlaps the shrink. Off with TORCH_LORA_TRITON_PDL=0.
+# Programmatic dependent launch for `linear` (Hopper and newer): the expand's prologue (metadata, y
+# and B loads) overlaps the shrink, and each launch's scheduling overlaps the kernel before it; both
+# kernels gdc_wait before reading what the kernel before them wrote. Off with TORCH_LORA_TRITON_PDL=0.
 # Decided at the first launch, not at import (importing must not initialise CUDA).
 
 
