@@ -400,6 +400,18 @@ def plot(res, path):
     fig.savefig(path, dpi=120)
 
 
+def host_cpu() -> str:
+    """The host CPU's model name: host-time figures differ up to 2x between machines of one kind."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def env_meta():
     # GIT_COMMIT first: the device machine's copy of the tree may carry a stale .git
     commit = os.environ.get("GIT_COMMIT")
@@ -412,7 +424,7 @@ def env_meta():
     import triton
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version(), commit=commit)
+                python=platform.python_version(), commit=commit, host_cpu=host_cpu())
     from importlib import metadata
     for pkg in ("jax", "jax-triton"):
         try:
