@@ -236,6 +236,22 @@ def _shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidde
 
 
 @triton.jit
+def _expand_rank_block(acc, bt, buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK: tl.constexpr,
+                       HAS_RANKS: tl.constexpr, NUM_PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + (sum of the NUM_PARTIALS workspace planes at rank columns kk) @ bt.T, bt (BLOCK_N, BLOCK_R)."""
+    lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for p in tl.static_range(NUM_PARTIALS):                  # split-K planes: independent loads
+        lhs += _load_rank_cols(buf_rows + p * stride_bp + kk[None, :] * stride_br, tok_ok, kk, rank,
+                               RANK, HAS_RANKS).to(tl.float32)
+    if CAST_FP32:
+        bt = bt.to(tl.float32)
+    else:
+        lhs = lhs.to(bt.dtype)
+    return tl.dot(lhs, tl.trans(bt), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _y_tile(y_ptr, tok, tok_ok, cols, col_ok, y_col0, stride_yt, stride_yn, ADD_INPUTS: tl.constexpr):
     """Offsets and write mask of the output tile, and (ADD_INPUTS) its current values as float32.
 
@@ -391,28 +407,14 @@ def lora_expand_kernel(
         gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if RANK <= BLOCK_R:
-        lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for p in tl.static_range(NUM_PARTIALS):              # split-K planes: independent loads
-            lhs += _load_rank_cols(buf_rows + p * stride_bp + offs_r[None, :] * stride_br, tok_ok, offs_r,
-                                   rank, RANK, HAS_RANKS).to(tl.float32)
-        if CAST_FP32:
-            bt = bt.to(tl.float32)
-        else:
-            lhs = lhs.to(bt.dtype)
-        acc = tl.dot(lhs, tl.trans(bt), acc, input_precision=DOT_PRECISION)
+        acc = _expand_rank_block(acc, bt, buf_rows, stride_bp, stride_br, offs_r, tok_ok, rank, RANK, HAS_RANKS,
+                                 NUM_PARTIALS, BLOCK_M, BLOCK_R, CAST_FP32, DOT_PRECISION)
     else:
         for k0 in range(0, rank, BLOCK_R):                   # real rank only
             kk = k0 + offs_r
-            lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             bt = _load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS)
-            for p in tl.static_range(NUM_PARTIALS):          # split-K planes: independent loads
-                lhs += _load_rank_cols(buf_rows + p * stride_bp + kk[None, :] * stride_br, tok_ok, kk, rank,
-                                       RANK, HAS_RANKS).to(tl.float32)
-            if CAST_FP32:
-                bt = bt.to(tl.float32)
-            else:
-                lhs = lhs.to(bt.dtype)
-            acc = tl.dot(lhs, tl.trans(bt), acc, input_precision=DOT_PRECISION)
+            acc = _expand_rank_block(acc, bt, buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK, HAS_RANKS,
+                                     NUM_PARTIALS, BLOCK_M, BLOCK_R, CAST_FP32, DOT_PRECISION)
     has_bias = _pick(s, BIAS0, BIAS1, BIAS2, BIAS3)
     _store_slice(acc, y_old, out_ptr, y_offs, write, _pick(s, c0_ptr, c1_ptr, c2_ptr, c3_ptr), lora_id,
                  cols, col_ok, _hint16(_pick(s, sc0_l, sc1_l, sc2_l, sc3_l), ALIGNED),
