@@ -1,0 +1,118 @@
+"""The Triton kernels compile for the H200 (sm_90) on a machine without a GPU.
+
+The interpreter (tests/test_triton_kernels.py, the conformance suite) checks the kernels' results
+but not that Triton's compiler accepts them: loop-carried types, constexpr branches, PDL
+instructions and dot shapes are only checked when compiling. Triton compiles to PTX and a cubin
+without a GPU (its bundled ptxas), so each launch variant the backends use is compiled here for
+GPUTarget("cuda", 90, 32). Running them stays with the `gpu` tests.
+
+The test session runs with TRITON_INTERPRET=1 (kernels become interpreted functions), so the
+compiles run in a child process without it: `python tests/test_triton_compile.py KERNEL`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INT32_POINTERS = {"ranks_ptr", "mapping_ptr", "sorted_ptr", "counts_ptr", "starts_ptr", "active_ptr"}
+
+
+def _signature(kernel, plan, act: str, float32_pointers=()) -> dict:
+    sig = {}
+    for name in kernel.arg_names:
+        if name in plan.constexprs:
+            sig[name] = "constexpr"
+        elif name in INT32_POINTERS:
+            sig[name] = "*i32"
+        elif name in float32_pointers:
+            sig[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = f"*{act}"
+        elif name == "scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _cfg(**kw):
+    return dict(num_warps=4, num_stages=2, **kw)
+
+
+def _variants(kernel_name: str):
+    """(label, kernel, plan, activation dtype, float32 pointer arguments) per launch variant."""
+    from jax_lora.kernels import lora_triton as K
+    if kernel_name == "shrink":
+        return [
+            # the linear path at decode on Hopper: workspace planes, per-slot ranks, PDL
+            ("decode-pdl-ranks", K.lora_shrink_kernel,
+             K.plan_shrink(8, 4096, 16, 3, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8),
+                           lora_only=True, workspace=True, has_ranks=True, pdl=True), "bf16", ("out_ptr",)),
+            ("prefill-fp16", K.lora_shrink_kernel,
+             K.plan_shrink(2048, 4096, 64, 1, 5, "float16", "float16", _cfg(BLOCK_M=64, BLOCK_K=128, SPLIT_K=1),
+                           lora_only=True, workspace=True, has_ranks=False), "fp16", ("out_ptr",)),
+            # the stand-alone shrink: split-K atomics into a zeroed output
+            ("atomic", K.lora_shrink_kernel,
+             K.plan_shrink(512, 4096, 16, 2, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4),
+                           lora_only=False, workspace=False, has_ranks=False), "bf16", ("out_ptr",)),
+        ]
+    if kernel_name == "expand":
+        out = []
+        # one rank block (B loaded before the PDL wait) and looped rank blocks
+        for rank, block_r, pdl, ranks in ((16, 16, True, True), (128, 64, False, False), (64, 64, True, False)):
+            plan = K.plan_expand(8, rank, (4096, 1024, 1024), 9, 8, "bfloat16", "bfloat16",
+                                 _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_R=block_r), add_inputs=True,
+                                 bias_flags=(True, False, False), has_ranks=ranks, pdl=pdl)
+            out.append((f"r{rank}-R{block_r}-pdl{int(pdl)}-ranks{int(ranks)}", K.lora_expand_kernel, plan,
+                        "bf16", ("buf_ptr",)))
+        return out
+    plan = K.plan_fused(8, 4096, 16, (4096, 1024), 9, "bfloat16", "bfloat16",
+                        _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), add_inputs=True, bias_flags=(False, True),
+                        has_ranks=True)
+    return [("decode", K.lora_fused_kernel, plan, "bf16", ())]
+
+
+def compile_all(kernel_name: str) -> int:
+    """Child process: compiles every variant of one kernel for sm_90; prints one line each."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    failed = 0
+    for label, kernel, plan, act, f32 in _variants(kernel_name):
+        names = kernel.arg_names
+        src = ASTSource(kernel, _signature(kernel, plan, act, f32),
+                        constexprs={(names.index(k),): v for k, v in plan.constexprs.items()})
+        try:
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
+            ok = bool(compiled.asm.get("cubin"))
+            print(f"{kernel_name} {label}: {'ok' if ok else 'no cubin'}", flush=True)
+            failed += not ok
+        except Exception as e:  # noqa: BLE001 - reported to the parent test
+            print(f"{kernel_name} {label}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            failed += 1
+    return failed
+
+
+@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused"])
+def test_kernel_compiles_for_sm90(kernel_name):
+    triton = pytest.importorskip("triton")
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401 - the CUDA backend (ptxas) must be present
+    except ImportError:  # pragma: no cover - depends on the Triton build
+        pytest.skip(f"Triton {triton.__version__} has no CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), kernel_name], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "FAILED" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count(": ok") == len(proc.stdout.strip().splitlines())
+
+
+if __name__ == "__main__":
+    sys.exit(min(1, compile_all(sys.argv[1])))
