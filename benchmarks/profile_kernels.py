@@ -7,11 +7,13 @@
     ncu --import prof.ncu-rep --page details > profile.txt
 
 Each case is warmed up (compiled) first; only the profiled call sits between cudaProfilerStart and
-cudaProfilerStop. Cases: (kind, T, adapters, rank, slices) of bench_triton's sweep.
+cudaProfilerStop. Cases: (kind, T, adapters, rank, slices) of bench_triton's sweep; `--cases
+pre:2048:4:64:s1,dec:512:1:16:s1` profiles others.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -25,9 +27,21 @@ CASES = (("pre", 8192, 1, 16, "s1"), ("pre", 8192, 4, 64, "s1"), ("dec", 1, 1, 1
          ("dec", 128, 64, 64, "s1"))
 
 
+def parse_cases(text: str) -> tuple:
+    """'pre:2048:4:64:s1,dec:1:1:16:s3' -> ((kind, T, D, rank, slices), ...)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        kind, T, D, r, sl = item.split(":")
+        out.append((kind, int(T), int(D), int(r), sl))
+    return tuple(out)
+
+
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", default="", help="kind:T:D:rank:slices,... (default: CASES)")
+    cases = parse_cases(p.parse_args().cases) or CASES
     device = torch.device("cuda")
-    for kind, T, D, r, sl in CASES:
+    for kind, T, D, r, sl in cases:
         s = InputSet(kind, T, D, r, SLICES[sl], max(8, D), 0.0, None, torch.Generator().manual_seed(0), device)
         for _ in range(3):
             s.call()
