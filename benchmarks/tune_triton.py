@@ -35,6 +35,7 @@ SHAPES = {
     ("t64", "r16"): ("dec", 32, 32), ("t64", "r64"): ("dec", 32, 32),
     ("t256", "r16"): ("dec", 128, 64), ("t256", "r64"): ("dec", 128, 64),
     ("t1024", "r16"): ("dec", 512, 64), ("t1024", "r64"): ("dec", 512, 64),
+    ("t4096", "r16"): ("pre", 2048, 16), ("t4096", "r64"): ("pre", 2048, 16),
     ("tbig", "r16"): ("pre", 8192, 4), ("tbig", "r64"): ("pre", 8192, 4),
 }
 RANK_OF = {"r16": 16, "r64": 64}
@@ -42,12 +43,16 @@ WIDTHS = (4096, 1024, 1024)
 
 
 def shrink_candidates(tc):
-    if tc in ("t16", "t64", "t256"):
+    if tc in ("t16", "t64"):
         return [configs._s(16, bk, 0, w, st) for bk, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 3), (512, 8, 2))]
-    if tc == "t1024":
-        return [configs._s(bm, bk, 0, w, st) for bm, bk, w, st in
-                ((16, 128, 4, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 256, 8, 3))]
+    if tc in ("t256", "t1024", "t4096"):
+        # Explicit splits next to the SPLIT_K = 0 rule: at rank 64 the expand's unrolled sum of
+        # the workspace planes costs ~12 registers per plane (134 at 4 planes, 86 at 1: ptxas, T=512).
+        return [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
+                ((16, 256, 0, 4, 2), (16, 128, 0, 4, 2), (32, 128, 0, 4, 3), (64, 64, 0, 4, 3),
+                 (16, 256, 1, 4, 3), (16, 128, 2, 4, 3), (32, 128, 2, 4, 3), (32, 256, 1, 8, 3),
+                 (64, 128, 2, 4, 3))]
     # (prefill: ncu, 2026-11-30: the unsplit BLOCK_M 64 shrink runs 137 programs at T=8192, 6.4%
     # achieved occupancy, 54% of DRAM bandwidth -- hence smaller token tiles and splits)
     return [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
@@ -58,12 +63,18 @@ def shrink_candidates(tc):
 
 def expand_candidates(tc, rank):
     br = min(64, max(16, rank))
-    if tc in ("t16", "t64", "t256"):
+    if tc in ("t16", "t64"):
         return [configs._e(16, bn, br, w, st) for bn, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 2), (512, 8, 2))]
-    if tc == "t1024":
-        return [configs._e(bm, bn, br, w, st) for bm, bn, w, st in
-                ((16, 128, 4, 2), (32, 128, 4, 2), (64, 128, 4, 2), (32, 256, 8, 2))]
+    if tc in ("t256", "t1024", "t4096"):
+        # 8 warps and 32-wide rank blocks lower the registers per thread at rank 64 (ptxas, T=512,
+        # 16x128 tile, 4 planes: 134 at 4 warps, 89 at 8 warps, 92 with BLOCK_R 32)
+        out = [configs._e(bm, bn, br, w, st) for bm, bn, w, st in
+               ((16, 128, 4, 2), (16, 128, 8, 2), (16, 256, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2),
+                (64, 128, 4, 2), (64, 128, 8, 2), (16, 64, 4, 2))]
+        if rank > 32:
+            out += [configs._e(bm, bn, 32, w, st) for bm, bn, w, st in ((16, 128, 4, 2), (32, 128, 8, 2))]
+        return out
     return [configs._e(bm, bn, br, w, st) for bm, bn, w, st in
             ((64, 128, 4, 2), (128, 128, 8, 2), (64, 256, 8, 2), (128, 64, 4, 2), (128, 256, 8, 2))]
 

@@ -134,17 +134,19 @@ def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_
 
 def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
     """cfg (a shrink config) with SPLIT_K = 0 resolved and the split caps applied (in place)."""
+    chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
     if cfg["SPLIT_K"] == 0:
         busy = num_slices * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])
-        chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
         cfg["SPLIT_K"] = max(1, min(chunks, TARGET_PROGRAMS // busy, SPLIT_CAP))
-    if num_tokens > 128:
-        # Past decode sizes every expand program re-reads its rows of all SPLIT_K workspace planes
-        # (SPLIT_K * rank floats per token per output tile): keep that below ~1 KB per token, and
-        # at prefill sizes with rank >= 64 do not split at all (measured: T=2048, rank 64 ran 49 us
-        # unsplit, 68 us with 4 splits; T=512, rank 64 ran 31 us with 16 splits, 18.6 us with 4).
-        cap = 1 if (num_tokens > 1024 and rank >= 64) else 256 // max(rank, 1)
-        cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], cap))
+        if num_tokens > 128:
+            # Past decode sizes every expand program re-reads its rows of all SPLIT_K workspace
+            # planes (SPLIT_K * rank floats per token per output tile): keep that below ~1 KB per
+            # token, and at prefill sizes with rank >= 64 do not split at all (measured: T=2048,
+            # rank 64 ran 49 us unsplit, 68 us with 4 splits; T=512, rank 64 ran 31 us with 16
+            # splits, 18.6 us with 4). A table entry with an explicit SPLIT_K (tuned) is kept.
+            cap = 1 if (num_tokens > 1024 and rank >= 64) else 256 // max(rank, 1)
+            cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], cap))
+    cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], chunks))
     return cfg
 
 

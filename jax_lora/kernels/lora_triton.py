@@ -253,14 +253,16 @@ def _expand_rank_block(acc, bt, buf_rows, stride_bp, stride_br, kk, tok_ok, rank
 
 @triton.jit
 def _y_tile(y_ptr, tok, tok_ok, cols, col_ok, y_col0, stride_yt, stride_yn, ADD_INPUTS: tl.constexpr):
-    """Offsets and write mask of the output tile, and (ADD_INPUTS) its current values as float32.
+    """Offsets and write mask of the output tile, and (ADD_INPUTS) its current values.
 
-    Loaded before the tile's math so that its latency overlaps the weight loads."""
+    Loaded before the tile's math so that its latency overlaps the weight loads, and kept in y's
+    own dtype until the store (half the registers of float32 for 16-bit y: the expand's tile is
+    register-limited at prefill sizes)."""
     y_offs = tok[:, None] * stride_yt + (y_col0 + cols)[None, :] * stride_yn
     write = tok_ok[:, None] & col_ok[None, :]                # rows of real LoRA tokens, slice columns
-    y_old = tl.zeros((tok.shape[0], cols.shape[0]), dtype=tl.float32)
+    y_old = tl.zeros((tok.shape[0], cols.shape[0]), dtype=y_ptr.dtype.element_ty)
     if ADD_INPUTS:
-        y_old = tl.load(y_ptr + y_offs, mask=write, other=0.0).to(tl.float32)
+        y_old = tl.load(y_ptr + y_offs, mask=write, other=0.0)
     return y_offs, write, y_old
 
 
@@ -271,7 +273,7 @@ def _store_slice(acc, y_old, out_ptr, y_offs, write, bias_ptr, lora_id, cols, co
     if has_bias:
         bias = tl.load(bias_ptr + lora_id.to(tl.int64) * stride_cl + cols * stride_cn, mask=col_ok, other=0.0)
         acc += bias.to(tl.float32)[None, :]
-    tl.store(out_ptr + y_offs, (acc + y_old).to(out_ptr.dtype.element_ty), mask=write)
+    tl.store(out_ptr + y_offs, (acc + y_old.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=write)
 
 
 @triton.jit
