@@ -329,8 +329,10 @@ def jax_vs_torch(device, cases, steps=50, jax_fused=None):
             many(y0, x, a, b, meta).block_until_ready()
             jt.append((time.perf_counter() - t0) * 1e6 / steps)
         jax_us = float(np.median(jt))
+        from jax_lora.ops import ffi_launcher
         out.append(dict(case=name, slices=slice_name, torch_hot_us=torch_us, jax_us=jax_us,
-                        ratio=jax_us / torch_us, jax_rel_err=jerr))
+                        ratio=jax_us / torch_us, jax_rel_err=jerr,
+                        launcher="ffi" if ffi_launcher.available() else "jax_triton"))
         print(f"JAX {name} {slice_name}: jax {jax_us:.2f} us torch {torch_us:.2f} us "
               f"ratio {jax_us / torch_us:.2f} err {jerr:.2e}", flush=True)
     return out

@@ -1,5 +1,4 @@
-"""JAX at decode: does XLA's command buffer (CUDA graph) capture of jax_triton's custom calls remove
-the per-launch cost? One CUDA GPU; each XLA_FLAGS setting runs in its own process (XLA reads the
+"""JAX at decode: the launchers of jax_lora's Triton kernels under jit, and XLA's command buffers. One CUDA GPU; each XLA_FLAGS setting runs in its own process (XLA reads the
 flags once).
 
     PYTHONPATH=. python benchmarks/jax_launch_modes.py --out benchmarks/results
@@ -8,7 +7,8 @@ jax_triton lowers each kernel to the custom call `triton_kernel_call` (api_versi
 registration); XLA records a custom call into a command buffer only if it is an FFI handler marked
 command-buffer compatible (or, in XLA versions that have the flag, a legacy target listed in
 `--legacy_command_buffer_custom_call_targets`), so each launch of the unrolled scan is otherwise a
-separate launch from the host. The timing is
+separate launch from the host. jax_lora's own FFI launcher (jax_lora/ops/ffi_launcher.py) is such
+a handler. The timing is
 bench_triton.jax_vs_torch's: the per-op time of a jitted, unrolled scan of 50 calls vs torch in a
 CUDA graph of 50 calls.
 """
@@ -22,12 +22,19 @@ import os
 import subprocess
 import sys
 
-MODES = {  # name -> (XLA_FLAGS, jax_lora.ops.triton.linear's `fused`)
-    "default": ("", None),
+MODES = {  # name -> (XLA_FLAGS, jax_lora.ops.triton.linear's `fused`, extra environment)
+    # the FFI launcher (default since 2026-11-30 12:40): command-buffer compatible, PDL shrink -> expand
+    "ffi": ("", None, {}),
+    "ffi_no_pdl": ("", None, {"JAX_LORA_TRITON_PDL": "0"}),
+    # XLA's command buffers off: what the FFI launcher gains from being recorded into them
+    "ffi_no_cmdbuf": ("--xla_gpu_enable_command_buffer=", None, {}),
+    # jax_triton's legacy custom call (the only launcher before)
+    "jax_triton": ("", None, {"JAX_LORA_TRITON_LAUNCHER": "jax_triton"}),
     # one launch per op (the fused kernel) instead of two: fewer of XLA's per-launch costs
-    "fused": ("", True),
-    # FFI custom calls marked command-buffer compatible are captured; is jaxlib's triton call one?
-    "cmdbuf_custom_call": ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1", None),
+    "jax_triton_fused": ("", True, {"JAX_LORA_TRITON_LAUNCHER": "jax_triton"}),
+    # is jaxlib's legacy triton call captured with CUSTOM_CALL command buffers? (no: slower, 10:45)
+    "jax_triton_cmdbuf": ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1", None,
+                          {"JAX_LORA_TRITON_LAUNCHER": "jax_triton"}),
     # (`--legacy_command_buffer_custom_call_targets=triton_kernel_call` would name the legacy target, but
     # jax 0.11.2's XLA rejects it: "Unknown flag in XLA_FLAGS", run of 2026-11-30T10:41)
 }
@@ -36,13 +43,15 @@ CASES = ("dec T1 D1 r16", "dec T8 D8 r64", "dec T128 D64 r64")
 
 def child(mode: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import torch
-
     import bench_triton as B
+    import torch
     cases = [c for c in B.sweep_cases() if c[0] in CASES]
-    flags, fused = MODES[mode]
+    flags, fused, _env = MODES[mode]
+    from jax_lora.ops import ffi_launcher
     res = B.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")], jax_fused=fused)
-    print("RESULT " + json.dumps(dict(mode=mode, xla_flags=flags, jax_fused=fused, results=res)), flush=True)
+    print("RESULT " + json.dumps(dict(mode=mode, xla_flags=flags, jax_fused=fused, env=_env,
+                                      launcher="ffi" if ffi_launcher.available() else "jax_triton",
+                                      results=res)), flush=True)
 
 
 def main() -> None:
@@ -56,10 +65,10 @@ def main() -> None:
         child(args.child)
         return
     runs = []
-    for mode, (flags, _fused) in MODES.items():
+    for mode, (flags, _fused, extra) in MODES.items():
         if args.modes and mode not in args.modes.split(","):
             continue
-        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip(), **extra)
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode], env=env,
                               capture_output=True, text=True, timeout=400)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -293,10 +293,24 @@ def test_heterogeneous_ranks_equal_padded():
     assert _err(y1, y2.double()) < 1e-2
 
 
+@pytest.fixture(params=["ffi", "jax_triton"])
+def jax_launcher(request, monkeypatch):
+    """The JAX side's two launchers: the FFI handler (default) and jax_triton's custom call."""
+    pytest.importorskip("jax")
+    from jax_lora.ops import ffi_launcher as F
+    if request.param == "jax_triton":
+        pytest.importorskip("jax_triton")
+    monkeypatch.setenv("JAX_LORA_TRITON_LAUNCHER", request.param)
+    F.available.cache_clear()
+    # on a CUDA GPU the FFI launcher must really be used (no silent fallback to jax_triton)
+    assert F.available() == (request.param == "ffi")
+    yield request.param
+    F.available.cache_clear()
+
+
 @pytest.mark.parametrize("fused", [False, True])
-def test_jax_triton_under_jit(fused):
-    jax = pytest.importorskip("jax")
-    pytest.importorskip("jax_triton")
+def test_jax_triton_under_jit(fused, jax_launcher):
+    import jax
     import jax.numpy as jnp
 
     from jax_lora.meta import LoRAKernelMeta as JMeta
@@ -317,3 +331,38 @@ def test_jax_triton_under_jit(fused):
     buf = jax.jit(lambda x_, m_: JT.shrink(x_, ja, m_, 0.5, j(rk)))(j(x), jm)
     y3 = jax.jit(lambda b_, y_, m_: JT.expand(b_, jb, y_, m_, offsets, True, j(rk), jc))(buf, j(y), jm)
     assert _err(torch.from_dlpack(y3), ref) < 2e-2
+
+
+def test_jax_chained_calls_under_jit_match_separate_calls(jax_launcher):
+    """JAX: 12 chained add_lora_linear calls (x of call i+1 = y of call i) in one jitted, unrolled
+    scan -- where XLA may record the calls into a command buffer and the FFI launcher runs the
+    expand as a programmatic dependent of the shrink -- equal bit for bit the same chain run as
+    separate jitted calls, each waited for."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_lora.meta import LoRAKernelMeta as JMeta
+    from jax_lora.ops import triton as JT
+    T, H, R, L, steps = 16, 2048, 16, 4, 12
+    x, a, b, idx, _, _, _ = _setup(T, H, R, (H,), L, 4, torch.bfloat16, 13, frac_none=0.0)
+    j = lambda t: jnp.from_dlpack(t.contiguous())  # noqa: E731
+    jm = JMeta.build(jnp.asarray(idx), L, T)
+    ja, jb = (j(a[0]),), (j(b[0]),)
+    ys = jnp.asarray(np.random.default_rng(13).standard_normal((steps, T, H)), jnp.bfloat16)
+    one = jax.jit(lambda y_, x_, m_: JT.linear(y_, x_, ja, jb, m_, 0.5, (0,)))
+    want, prev = [], j(x)
+    for i in range(steps):
+        prev = one(ys[i], prev, jm).block_until_ready()
+        want.append(prev)
+
+    @jax.jit
+    def chain(ys_, x_, m_):
+        def body(prev_, y_):
+            out = JT.linear(y_, prev_, ja, jb, m_, 0.5, (0,))
+            return out, out
+        return jax.lax.scan(body, x_, ys_, unroll=True)[1]
+
+    for _ in range(3):
+        got = chain(ys, j(x), jm)
+        for i in range(steps):
+            assert bool(jnp.array_equal(got[i], want[i])), i

@@ -1,7 +1,12 @@
 """Backend "triton" for JAX: the shared Triton kernels (`jax_lora.kernels.lora_triton`) under jit.
 
-On a GPU the kernels are called through `jax_triton.triton_call` (a custom call inside the jitted
-program; y is aliased in and out, so XLA can update it in place). The grids and meta-parameters come
+On a CUDA GPU the kernels are compiled by Triton and launched by an XLA FFI handler
+(`ffi_launcher`): one custom call per operation (add_lora_linear's shrink and expand are one call
+with two launches, the expand a programmatic dependent of the shrink on Hopper), declared
+command-buffer compatible so XLA records it into its CUDA graphs; y is aliased in and out, so XLA
+updates it in place. Without a C compiler, on a non-CUDA GPU, or with
+JAX_LORA_TRITON_LAUNCHER=jax_triton, `jax_triton.triton_call` launches them instead (a legacy
+custom call, launched from the host one by one, without PDL). The grids and meta-parameters come
 from the same `plan_*` functions the torch side uses, so both sides run identical kernels.
 
 On the CPU (tests), with TRITON_INTERPRET=1 set before import, the same kernels run in Triton's
@@ -10,14 +15,13 @@ lazily there). Without the interpreter a clear error says what to do.
 
 Contract (jax_lora.ops.dispatch): shrink -> (S, T, r) float32; expand -> new y; `linear` is the
 add_lora_linear path (y + sum_s slices, add_inputs=True): split-K shrink into a workspace + expand,
-or the one-launch fused kernel where the tuned table says it wins. jax_triton cannot launch with
-programmatic dependent launch, so the JAX side runs the kernels with USE_PDL off (same results).
+or the one-launch fused kernel where the tuned table says it wins.
 """
-
 from __future__ import annotations
 
+import functools
 import os
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -97,11 +101,40 @@ def _ranks(lora_ranks, counts):
     return counts if lora_ranks is None else jnp.asarray(lora_ranks, jnp.int32)
 
 
-# --------------------------------------------------------------------------------- GPU (jax_triton)
+# --------------------------------------------------------------------------------- GPU
+#
+# Each kernel call is first described as a `_Spec`: the kernel, its plan, its non-constexpr
+# parameters in order (arrays, Python scalars, or WORKSPACE: the shrink's output inside a combined
+# call) and its output. The default launcher (ffi_launcher: an XLA FFI handler that XLA can record
+# into its command buffers) runs specs; jax_triton's `triton_call` is the fallback
+# (JAX_LORA_TRITON_LAUNCHER=jax_triton, or no C compiler / non-CUDA GPU).
 
-def _gpu_shrink(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, config=None):
-    """(planes, S, T, r) float32 (planes = 1 unless workspace split-K)."""
-    jt = _jt()
+WORKSPACE = object()  # parameter placeholder: the workspace written by the shrink of the same call
+
+
+class _Spec(NamedTuple):
+    kernel: object
+    plan: object
+    values: list          # the kernel's parameters before out_ptr
+    out_shape: jax.ShapeDtypeStruct
+    y_pos: int = -1       # position in values of the array the output aliases (-1: none)
+
+
+def _is_array(v) -> bool:
+    return hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, (int, float, np.generic))
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl() -> bool:
+    """Programmatic dependent launch for the FFI launcher's shrink -> expand (Hopper and newer)."""
+    if not K.HAVE_PDL or os.environ.get("JAX_LORA_TRITON_PDL", "1") == "0":
+        return False
+    devices = [d for d in jax.local_devices() if d.platform == "gpu"]
+    return bool(devices) and int(devices[0].compute_capability.split(".")[0]) >= 9
+
+
+def _shrink_spec(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, config=None, pdl=False) -> _Spec:
+    """lora_shrink_kernel's launch; its output is (planes, S, T, r) float32 (planes = 1 unless workspace split-K)."""
     mapping, sorted_ids, counts, starts, active = _meta_arrays(meta)
     T, H = x.shape
     L, R, _ = lora_a[0].shape
@@ -114,45 +147,37 @@ def _gpu_shrink(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, config=N
     hinted += [v for w in lora_a for v in K.row_major_strides(w.shape)[:2]]
     plan = K.plan_shrink(T, H, R, S, active.shape[0], _dn(x), _dn(lora_a[0]), cfg, lora_only=workspace,
                          workspace=workspace, has_ranks=lora_ranks is not None,
-                         aligned=K.all_aligned(hinted))
+                         aligned=K.all_aligned(hinted), pdl=pdl)
     a = list(lora_a) + [lora_a[0]] * (MAX_SLICES - S)
-    return jt.triton_call(
-        x, *a, _ranks(lora_ranks, counts), mapping, sorted_ids, counts, starts, active,
-        float(scale), T, H, sorted_ids.shape[0], L,
-        *K.row_major_strides(x.shape), *_wstrides(lora_a),
-        *K.row_major_strides(out_shape.shape),
-        kernel=K.lora_shrink_kernel, out_shape=out_shape, grid=plan.grid,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-        zeroed_outputs=(0,) if plan.atomic else (), **plan.constexprs)
+    values = [x, *a, _ranks(lora_ranks, counts), mapping, sorted_ids, counts, starts, active,
+              float(scale), T, H, sorted_ids.shape[0], L,
+              *K.row_major_strides(x.shape), *_wstrides(lora_a), *K.row_major_strides(out_shape.shape)]
+    return _Spec(K.lora_shrink_kernel, plan, values, out_shape)
 
 
-def _gpu_expand(buf4, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config=None):
-    jt = _jt()
+def _expand_spec(buf, buf_shape, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config=None,
+                 pdl=False) -> _Spec:
+    """lora_expand_kernel's launch; buf: the (planes, S, T, r) workspace array, or WORKSPACE."""
     mapping, sorted_ids, counts, starts, active = _meta_arrays(meta)
     T = y.shape[0]
     L, _, R = lora_b[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
     c_ptrs, c_strides, flags = _bias(bias, 0, len(lora_b), lora_b[0])
     cfg = config or configs.expand_config(T, max(widths), R, len(widths), L)
-    hinted = [*widths, *offsets, *K.row_major_strides(buf4.shape)[:3], K.row_major_strides(y.shape)[0],
+    hinted = [*widths, *offsets, *K.row_major_strides(buf_shape)[:3], K.row_major_strides(y.shape)[0],
               *c_strides[0::2]] + [v for w in lora_b for v in K.row_major_strides(w.shape)[:2]]
-    plan = K.plan_expand(T, R, widths, active.shape[0], buf4.shape[0], _dn(lora_b[0]), _dn(y), cfg,
+    plan = K.plan_expand(T, R, widths, active.shape[0], buf_shape[0], _dn(lora_b[0]), _dn(y), cfg,
                          add_inputs=add_inputs, bias_flags=flags, has_ranks=lora_ranks is not None,
-                         aligned=K.all_aligned(hinted))
+                         aligned=K.all_aligned(hinted), pdl=pdl)
     b = list(lora_b) + [lora_b[0]] * (MAX_SLICES - len(lora_b))
-    args = [buf4, *b, *c_ptrs, _ranks(lora_ranks, counts), mapping, sorted_ids, counts, starts, active, y]
-    y_index = len(args) - 1
-    return jt.triton_call(
-        *args, T, sorted_ids.shape[0], L,
-        *K.row_major_strides(buf4.shape), *_wstrides(lora_b), *c_strides,
-        *K.pad4(widths, 0), *K.pad4(offsets, 0), *K.row_major_strides(y.shape),
-        kernel=K.lora_expand_kernel, out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype), grid=plan.grid,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-        input_output_aliases={y_index: 0}, **plan.constexprs)
+    values = [buf, *b, *c_ptrs, _ranks(lora_ranks, counts), mapping, sorted_ids, counts, starts, active, y]
+    y_pos = len(values) - 1
+    values += [T, sorted_ids.shape[0], L, *K.row_major_strides(buf_shape), *_wstrides(lora_b), *c_strides,
+               *K.pad4(widths, 0), *K.pad4(offsets, 0), *K.row_major_strides(y.shape)]
+    return _Spec(K.lora_expand_kernel, plan, values, jax.ShapeDtypeStruct(y.shape, y.dtype), y_pos)
 
 
-def _gpu_fused(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None):
-    jt = _jt()
+def _fused_spec(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None) -> _Spec:
     mapping, sorted_ids, counts, starts, active = _meta_arrays(meta)
     T, H = x.shape
     L, R, _ = lora_a[0].shape
@@ -165,15 +190,89 @@ def _gpu_fused(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, con
                         bias_flags=flags, has_ranks=lora_ranks is not None, aligned=K.all_aligned(hinted))
     a = list(lora_a) + [lora_a[0]] * (MAX_SLICES - len(lora_a))
     b = list(lora_b) + [lora_b[0]] * (MAX_SLICES - len(lora_b))
-    args = [x, *a, *b, *c_ptrs, _ranks(lora_ranks, counts), mapping, sorted_ids, counts, starts, active, y]
-    y_index = len(args) - 1
-    return jt.triton_call(
-        *args, float(scale), T, H, sorted_ids.shape[0], L,
-        *K.row_major_strides(x.shape), *_wstrides(lora_a), *_wstrides(lora_b), *c_strides,
-        *K.pad4(widths, 0), *K.pad4(offsets, 0), *K.row_major_strides(y.shape),
-        kernel=K.lora_fused_kernel, out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype), grid=plan.grid,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-        input_output_aliases={y_index: 0}, **plan.constexprs)
+    values = [x, *a, *b, *c_ptrs, _ranks(lora_ranks, counts), mapping, sorted_ids, counts, starts, active, y]
+    y_pos = len(values) - 1
+    values += [float(scale), T, H, sorted_ids.shape[0], L,
+               *K.row_major_strides(x.shape), *_wstrides(lora_a), *_wstrides(lora_b), *c_strides,
+               *K.pad4(widths, 0), *K.pad4(offsets, 0), *K.row_major_strides(y.shape)]
+    return _Spec(K.lora_fused_kernel, plan, values, jax.ShapeDtypeStruct(y.shape, y.dtype), y_pos)
+
+
+def _run_jax_triton(spec: _Spec):
+    jt = _jt()
+    aliases = {spec.y_pos: 0} if spec.y_pos >= 0 else {}
+    zeroed = (0,) if getattr(spec.plan, "atomic", False) else ()
+    return jt.triton_call(*spec.values, kernel=spec.kernel, out_shape=spec.out_shape, grid=spec.plan.grid,
+                          num_warps=spec.plan.num_warps, num_stages=spec.plan.num_stages,
+                          input_output_aliases=aliases, zeroed_outputs=zeroed, **spec.plan.constexprs)
+
+
+def _run_ffi(specs: Sequence[_Spec], outs: Sequence[int], pdl: Sequence[bool] = ()) -> list:
+    """One FFI call running `specs` in order; spec i writes result outs[i] (results are numbered
+    0.. by outs; a spec whose output aliases its y operand updates y in place). WORKSPACE
+    parameters are result 1. Returns the results."""
+    from . import ffi_launcher as F  # noqa: PLC0415
+    operands, index, aliases, launches = [], {}, {}, []
+    results = {}
+    for i, spec in enumerate(specs):
+        results.setdefault(outs[i], spec.out_shape)
+        params = []
+        for pos, v in enumerate(spec.values):
+            if v is WORKSPACE:
+                params.append(F.Out(1))
+            elif _is_array(v):
+                if id(v) not in index:
+                    index[id(v)] = len(operands)
+                    operands.append(v)
+                params.append(F.Arg(index[id(v)]))
+                if pos == spec.y_pos:
+                    aliases[index[id(v)]] = outs[i]
+            else:
+                params.append(v)
+        params.append(F.Out(outs[i]))
+        launches.append(F.Launch(spec.kernel, spec.plan.grid, spec.plan.num_warps, spec.plan.num_stages,
+                                 spec.plan.constexprs, tuple(params),
+                                 zero_out=outs[i] if getattr(spec.plan, "atomic", False) else -1,
+                                 pdl=bool(pdl[i]) if pdl else False))
+    shapes = [results[j] for j in range(len(results))]
+    return F.call(launches, operands, shapes, aliases)
+
+
+def _use_ffi() -> bool:
+    from . import ffi_launcher as F  # noqa: PLC0415
+    return F.available()
+
+
+def _gpu_shrink(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, config=None):
+    """(planes, S, T, r) float32 (planes = 1 unless workspace split-K)."""
+    spec = _shrink_spec(x, lora_a, meta, scale, lora_ranks, workspace=workspace, config=config)
+    return _run_ffi([spec], [0])[0] if _use_ffi() else _run_jax_triton(spec)
+
+
+def _gpu_expand(buf4, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config=None):
+    spec = _expand_spec(buf4, buf4.shape, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config)
+    return _run_ffi([spec], [0])[0] if _use_ffi() else _run_jax_triton(spec)
+
+
+def _gpu_fused(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None):
+    spec = _fused_spec(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config)
+    return _run_ffi([spec], [0])[0] if _use_ffi() else _run_jax_triton(spec)
+
+
+def _gpu_linear_two_kernel(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, shrink_config,
+                           expand_config):
+    """Split-K shrink into a float32 workspace, then the expand; one FFI call with both launches
+    (the expand a programmatic dependent of the shrink on Hopper) or two jax_triton calls."""
+    if not _use_ffi():
+        ws = _run_jax_triton(_shrink_spec(x, lora_a, meta, scale, lora_ranks, workspace=True,
+                                          config=shrink_config))
+        return _run_jax_triton(_expand_spec(ws, ws.shape, lora_b, y, meta, offsets, True, lora_ranks, bias,
+                                            expand_config))
+    pdl = _pdl()
+    shrink = _shrink_spec(x, lora_a, meta, scale, lora_ranks, workspace=True, config=shrink_config, pdl=pdl)
+    expand = _expand_spec(WORKSPACE, shrink.out_shape.shape, lora_b, y, meta, offsets, True, lora_ranks, bias,
+                          expand_config, pdl=pdl)
+    return _run_ffi([shrink, expand], [1, 0], [pdl, pdl])[0]
 
 
 # --------------------------------------------------------------------------------- CPU (interpreter)
@@ -302,7 +401,6 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
             y = _gpu_fused(y, x, lora_a[lo:hi], lora_b[lo:hi], meta, scale, offsets[lo:hi], lora_ranks, c,
                            config=fused_config)
         else:
-            ws = _gpu_shrink(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=True, config=shrink_config)
-            y = _gpu_expand(ws, lora_b[lo:hi], y, meta, offsets[lo:hi], True, lora_ranks, c,
-                            config=expand_config)
+            y = _gpu_linear_two_kernel(y, x, lora_a[lo:hi], lora_b[lo:hi], meta, scale, offsets[lo:hi],
+                                       lora_ranks, c, shrink_config, expand_config)
     return y

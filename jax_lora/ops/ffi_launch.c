@@ -1,0 +1,335 @@
+/* XLA FFI handler that launches compiled Triton kernels (cubins) on XLA's CUDA stream.
+
+   Why: jax_triton's `triton_kernel_call` is a legacy custom call, which XLA launches from the host
+   one by one, outside its command buffers (CUDA graphs); at decode sizes that host time is the
+   whole cost. This handler declares itself command-buffer compatible (it always launches the same
+   kernels for the same attributes), so XLA can record it into its graphs.
+
+   Written against the XLA FFI C API only (xla/ffi/api/c_api.h, shipped in jaxlib's include
+   directory) and CUDA's driver API (cuda.h, as bundled with Triton), loaded with dlopen: it builds
+   with a plain C compiler at first use (jax_lora/ops/ffi_launcher.py) and links nothing.
+
+   Kernels are registered from Python under a 63-bit id (a hash of the cubin and the kernel name)
+   and loaded into each device's primary context at registration, never inside a launch (which may
+   run under stream capture). A call carries, as attributes:
+
+     kernels  int64[n]      ids of the n kernels launched in order on the stream
+     launch   int64[8 * n]  per kernel: grid x, y, z, threads per block, dynamic shared memory,
+                            programmatic dependent launch (0/1), number of parameters, index of a
+                            result to zero before the launch (-1: none)
+     params   int64[2 * sum of parameters]  per parameter (kind, value):
+                            0 operand pointer (value: operand index), 1 result pointer (index),
+                            2 int32, 3 float32 (value: its bits), 4 int64, 5 null pointer
+                            (Triton's global / profile scratch when the kernel needs none)
+*/
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cuda.h"
+#include "xla/ffi/api/c_api.h"
+
+#define JL_MAX_KERNELS 4096 /* table slots (open addressing) */
+#define JL_MAX_DEVICES 16
+#define JL_MAX_PARAMS 256   /* parameters of one kernel */
+#define JL_MAX_LAUNCHES 4
+
+typedef CUresult (*LaunchKernelEx_t)(const CUlaunchConfig*, CUfunction, void**, void**);
+typedef CUresult (*MemsetD8Async_t)(CUdeviceptr, unsigned char, size_t, CUstream);
+typedef CUresult (*CtxGetDevice_t)(CUdevice*);
+typedef CUresult (*DeviceGet_t)(CUdevice*, int);
+typedef CUresult (*PrimaryCtxRetain_t)(CUcontext*, CUdevice);
+typedef CUresult (*CtxPushCurrent_t)(CUcontext);
+typedef CUresult (*CtxPopCurrent_t)(CUcontext*);
+typedef CUresult (*ModuleLoadData_t)(CUmodule*, const void*);
+typedef CUresult (*ModuleGetFunction_t)(CUfunction*, CUmodule, const char*);
+typedef CUresult (*FuncSetAttribute_t)(CUfunction, CUfunction_attribute, int);
+typedef CUresult (*GetErrorString_t)(CUresult, const char**);
+typedef CUresult (*Init_t)(unsigned int);
+
+static struct {
+  int ready;
+  LaunchKernelEx_t launch;
+  MemsetD8Async_t memset8;
+  CtxGetDevice_t ctx_get_device;
+  DeviceGet_t device_get;
+  PrimaryCtxRetain_t primary_retain;
+  CtxPushCurrent_t push;
+  CtxPopCurrent_t pop;
+  ModuleLoadData_t module_load;
+  ModuleGetFunction_t get_function;
+  FuncSetAttribute_t set_attribute;
+  GetErrorString_t error_string;
+} cu;
+
+typedef struct {
+  int64_t id; /* 0: free slot */
+  CUfunction fn[JL_MAX_DEVICES];
+} Kernel;
+
+static Kernel table[JL_MAX_KERNELS];
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int load_driver(char* err, int err_len) {
+  if (cu.ready) return 0;
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  if (!lib) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_GLOBAL);
+  if (!lib) {
+    snprintf(err, err_len, "jax_lora ffi launcher: cannot dlopen libcuda.so.1: %s", dlerror());
+    return -1;
+  }
+#define JL_SYM(field, name)                                                      \
+  cu.field = (__typeof__(cu.field))dlsym(lib, name);                             \
+  if (!cu.field) {                                                               \
+    snprintf(err, err_len, "jax_lora ffi launcher: libcuda has no %s", name);   \
+    return -1;                                                                   \
+  }
+  JL_SYM(launch, "cuLaunchKernelEx");
+  JL_SYM(memset8, "cuMemsetD8Async");
+  JL_SYM(ctx_get_device, "cuCtxGetDevice");
+  JL_SYM(device_get, "cuDeviceGet");
+  JL_SYM(primary_retain, "cuDevicePrimaryCtxRetain");
+  JL_SYM(push, "cuCtxPushCurrent_v2");
+  JL_SYM(pop, "cuCtxPopCurrent_v2");
+  JL_SYM(module_load, "cuModuleLoadData");
+  JL_SYM(get_function, "cuModuleGetFunction");
+  JL_SYM(set_attribute, "cuFuncSetAttribute");
+  JL_SYM(error_string, "cuGetErrorString");
+#undef JL_SYM
+  Init_t init = (Init_t)dlsym(lib, "cuInit");
+  if (!init || init(0) != CUDA_SUCCESS) {
+    snprintf(err, err_len, "jax_lora ffi launcher: cuInit failed");
+    return -1;
+  }
+  cu.ready = 1;
+  return 0;
+}
+
+static const char* cu_error(CUresult r) {
+  const char* s = NULL;
+  if (cu.error_string) cu.error_string(r, &s);
+  return s ? s : "unknown CUDA error";
+}
+
+static Kernel* find_slot(int64_t id, int insert) {
+  uint64_t h = (uint64_t)id * 0x9E3779B97F4A7C15ull;
+  for (int probe = 0; probe < JL_MAX_KERNELS; ++probe) {
+    Kernel* k = &table[(h + (uint64_t)probe) % JL_MAX_KERNELS];
+    int64_t key = __atomic_load_n(&k->id, __ATOMIC_ACQUIRE);
+    if (key == id) return k;
+    if (key == 0) {
+      if (!insert) return NULL;
+      __atomic_store_n(&k->id, id, __ATOMIC_RELEASE);
+      return k;
+    }
+  }
+  return NULL;
+}
+
+/* Loads `cubin` (kernel `name`) into device `device`'s primary context under `id`.
+   Returns 0, or -1 with a message in err. Called from Python (ctypes), never from a launch. */
+int jl_load_kernel(int64_t id, const void* cubin, const char* name, int shared_bytes, int device, char* err,
+                   int err_len) {
+  if (id == 0 || device < 0 || device >= JL_MAX_DEVICES) {
+    snprintf(err, err_len, "jax_lora ffi launcher: bad kernel id or device %d", device);
+    return -1;
+  }
+  if (load_driver(err, err_len)) return -1;
+  pthread_mutex_lock(&table_lock);
+  int rc = -1;
+  Kernel* k = find_slot(id, 1);
+  if (!k) {
+    snprintf(err, err_len, "jax_lora ffi launcher: more than %d kernels", JL_MAX_KERNELS);
+    goto done;
+  }
+  if (__atomic_load_n(&k->fn[device], __ATOMIC_ACQUIRE)) {
+    rc = 0;
+    goto done;
+  }
+  CUdevice dev;
+  CUcontext ctx, popped;
+  CUmodule mod;
+  CUfunction fn;
+  CUresult r = cu.device_get(&dev, device);
+  if (r == CUDA_SUCCESS) r = cu.primary_retain(&ctx, dev);
+  if (r != CUDA_SUCCESS) {
+    snprintf(err, err_len, "jax_lora ffi launcher: device %d: %s", device, cu_error(r));
+    goto done;
+  }
+  if ((r = cu.push(ctx)) != CUDA_SUCCESS) {
+    snprintf(err, err_len, "jax_lora ffi launcher: cuCtxPushCurrent: %s", cu_error(r));
+    goto done;
+  }
+  r = cu.module_load(&mod, cubin);
+  if (r == CUDA_SUCCESS) r = cu.get_function(&fn, mod, name);
+  if (r == CUDA_SUCCESS && shared_bytes > 49152)
+    r = cu.set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes);
+  cu.pop(&popped);
+  if (r != CUDA_SUCCESS) {
+    snprintf(err, err_len, "jax_lora ffi launcher: loading %s: %s", name, cu_error(r));
+    goto done;
+  }
+  __atomic_store_n(&k->fn[device], fn, __ATOMIC_RELEASE);
+  rc = 0;
+done:
+  pthread_mutex_unlock(&table_lock);
+  return rc;
+}
+
+static XLA_FFI_Error* ffi_error(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const char* msg) {
+  XLA_FFI_Error_Create_Args a;
+  memset(&a, 0, sizeof(a));
+  a.struct_size = XLA_FFI_Error_Create_Args_STRUCT_SIZE;
+  a.message = msg;
+  a.errc = code;
+  return api->XLA_FFI_Error_Create(&a);
+}
+
+static const XLA_FFI_Array* int64_attr(const XLA_FFI_CallFrame* cf, const char* name) {
+  size_t len = strlen(name);
+  for (int64_t i = 0; i < cf->attrs.size; ++i) {
+    const XLA_FFI_ByteSpan* n = cf->attrs.names[i];
+    if (n->len == len && memcmp(n->ptr, name, len) == 0) {
+      if (cf->attrs.types[i] != XLA_FFI_AttrType_ARRAY) return NULL;
+      const XLA_FFI_Array* a = (const XLA_FFI_Array*)cf->attrs.attrs[i];
+      return a->dtype == XLA_FFI_DataType_S64 ? a : NULL;
+    }
+  }
+  return NULL;
+}
+
+static size_t dtype_bytes(XLA_FFI_DataType t) {
+  switch (t) {
+    case XLA_FFI_DataType_PRED: case XLA_FFI_DataType_S8: case XLA_FFI_DataType_U8: return 1;
+    case XLA_FFI_DataType_S16: case XLA_FFI_DataType_U16: case XLA_FFI_DataType_F16:
+    case XLA_FFI_DataType_BF16: return 2;
+    case XLA_FFI_DataType_S32: case XLA_FFI_DataType_U32: case XLA_FFI_DataType_F32: return 4;
+    case XLA_FFI_DataType_S64: case XLA_FFI_DataType_U64: case XLA_FFI_DataType_F64: return 8;
+    default: return 0;
+  }
+}
+
+static XLA_FFI_Error* report_metadata(XLA_FFI_CallFrame* cf) {
+  XLA_FFI_Metadata_Extension* ext = (XLA_FFI_Metadata_Extension*)cf->extension_start;
+  XLA_FFI_Metadata* m = ext->metadata;
+  m->api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+  m->api_version.extension_start = NULL;
+  m->api_version.major_version = XLA_FFI_API_MAJOR;
+  m->api_version.minor_version = XLA_FFI_API_MINOR;
+  m->traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
+  if (m->struct_size >= offsetof(XLA_FFI_Metadata, state_type_id) + sizeof(m->state_type_id))
+    memset(&m->state_type_id, 0, sizeof(m->state_type_id)); /* stateless */
+  return NULL;
+}
+
+/* The handler (execute stage). */
+XLA_FFI_Error* jl_triton_launch(XLA_FFI_CallFrame* cf) {
+  if (cf->extension_start && cf->extension_start->type == XLA_FFI_Extension_Metadata)
+    return report_metadata(cf);
+  if (cf->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  const XLA_FFI_Api* api = cf->api;
+  char msg[512];
+  const XLA_FFI_Array* kernels = int64_attr(cf, "kernels");
+  const XLA_FFI_Array* launch = int64_attr(cf, "launch");
+  const XLA_FFI_Array* params = int64_attr(cf, "params");
+  if (!kernels || !launch || !params || launch->size != 8 * kernels->size || kernels->size > JL_MAX_LAUNCHES)
+    return ffi_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                     "jax_lora ffi launcher: attributes kernels/launch/params missing or inconsistent");
+  if (!cu.ready) return ffi_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION,
+                                  "jax_lora ffi launcher: no kernel was registered in this process");
+
+  XLA_FFI_Stream_Get_Args sa;
+  memset(&sa, 0, sizeof(sa));
+  sa.struct_size = XLA_FFI_Stream_Get_Args_STRUCT_SIZE;
+  sa.ctx = cf->ctx;
+  XLA_FFI_Error* e = api->XLA_FFI_Stream_Get(&sa);
+  if (e) return e;
+  CUstream stream = (CUstream)sa.stream;
+  CUdevice device;
+  CUresult r = cu.ctx_get_device(&device);
+  if (r != CUDA_SUCCESS || (int)device < 0 || (int)device >= JL_MAX_DEVICES) {
+    snprintf(msg, sizeof(msg), "jax_lora ffi launcher: no current CUDA device (%s)", cu_error(r));
+    return ffi_error(api, XLA_FFI_Error_Code_INTERNAL, msg);
+  }
+
+  const int64_t* ids = (const int64_t*)kernels->data;
+  const int64_t* lc = (const int64_t*)launch->data;
+  const int64_t* pv = (const int64_t*)params->data;
+  size_t p_at = 0;
+  uint64_t store[JL_MAX_PARAMS];
+  void* ptrs[JL_MAX_PARAMS];
+  for (size_t l = 0; l < kernels->size; ++l, lc += 8) {
+    Kernel* k = find_slot(ids[l], 0);
+    CUfunction fn = k ? __atomic_load_n(&k->fn[(int)device], __ATOMIC_ACQUIRE) : NULL;
+    if (!fn) {
+      snprintf(msg, sizeof(msg),
+               "jax_lora ffi launcher: kernel %lld is not loaded on device %d in this process (kernels are "
+               "loaded when the program is traced)", (long long)ids[l], (int)device);
+      return ffi_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION, msg);
+    }
+    int64_t n = lc[6];
+    if (n < 0 || n > JL_MAX_PARAMS || p_at + 2 * (size_t)n > params->size)
+      return ffi_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "jax_lora ffi launcher: bad parameter count");
+    for (int64_t i = 0; i < n; ++i, p_at += 2) {
+      int64_t kind = pv[p_at], v = pv[p_at + 1];
+      store[i] = 0;
+      if (kind == 0 || kind == 1) {
+        const XLA_FFI_Args* a = &cf->args;
+        const XLA_FFI_Rets* rt = &cf->rets;
+        int64_t count = kind == 0 ? a->size : rt->size;
+        if (v < 0 || v >= count)
+          return ffi_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "jax_lora ffi launcher: bad buffer index");
+        const XLA_FFI_Buffer* b = (const XLA_FFI_Buffer*)(kind == 0 ? a->args[v] : rt->rets[v]);
+        CUdeviceptr p = (CUdeviceptr)(uintptr_t)b->data;
+        memcpy(&store[i], &p, sizeof(p));
+      } else if (kind == 2 || kind == 3) {
+        int32_t w = (int32_t)v; /* int32, or the bits of a float32 */
+        memcpy(&store[i], &w, sizeof(w));
+      } else if (kind == 4) {
+        memcpy(&store[i], &v, sizeof(v));
+      } else if (kind != 5) {
+        return ffi_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "jax_lora ffi launcher: bad parameter kind");
+      }
+      ptrs[i] = &store[i];
+    }
+    int64_t zero = lc[7];
+    if (zero >= 0) {
+      if (zero >= cf->rets.size)
+        return ffi_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "jax_lora ffi launcher: bad zeroed result");
+      const XLA_FFI_Buffer* b = (const XLA_FFI_Buffer*)cf->rets.rets[zero];
+      size_t bytes = dtype_bytes(b->dtype);
+      for (int64_t d = 0; d < b->rank; ++d) bytes *= (size_t)b->dims[d];
+      if (bytes && (r = cu.memset8((CUdeviceptr)(uintptr_t)b->data, 0, bytes, stream)) != CUDA_SUCCESS) {
+        snprintf(msg, sizeof(msg), "jax_lora ffi launcher: cuMemsetD8Async: %s", cu_error(r));
+        return ffi_error(api, XLA_FFI_Error_Code_INTERNAL, msg);
+      }
+    }
+    if (lc[0] * lc[1] * lc[2] == 0) continue;
+    CUlaunchAttribute attr[1];
+    CUlaunchConfig cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    memset(attr, 0, sizeof(attr));
+    cfg.gridDimX = (unsigned)lc[0];
+    cfg.gridDimY = (unsigned)lc[1];
+    cfg.gridDimZ = (unsigned)lc[2];
+    cfg.blockDimX = (unsigned)lc[3];
+    cfg.blockDimY = 1;
+    cfg.blockDimZ = 1;
+    cfg.sharedMemBytes = (unsigned)lc[4];
+    cfg.hStream = stream;
+    cfg.attrs = attr;
+    if (lc[5]) {
+      attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attr[0].value.programmaticStreamSerializationAllowed = 1;
+      cfg.numAttrs = 1;
+    }
+    if ((r = cu.launch(&cfg, fn, ptrs, NULL)) != CUDA_SUCCESS) {
+      snprintf(msg, sizeof(msg), "jax_lora ffi launcher: cuLaunchKernelEx: %s", cu_error(r));
+      return ffi_error(api, XLA_FFI_Error_Code_INTERNAL, msg);
+    }
+  }
+  return NULL;
+}

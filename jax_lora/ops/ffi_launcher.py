@@ -1,0 +1,275 @@
+"""Launching the shared Triton kernels under `jax.jit` through an XLA FFI handler.
+
+jax_triton's `triton_call` lowers to a legacy custom call, which XLA launches from the host one at
+a time and never records into its command buffers (CUDA graphs); at decode sizes that host work is
+the whole cost of a LoRA layer (docs/benchmarks.md). This module instead:
+
+  * compiles each kernel variant with Triton (`triton.compile`, specialised the way Triton's own
+    JIT specialises a launch: 16-byte aligned pointers, integers equal to 1 as constants, integers
+    divisible by 16 marked so), and loads the cubin on every local CUDA device (`jl_load_kernel`);
+  * lowers a call to `jax.ffi.ffi_call` of one FFI target, `jax_lora_triton_launch`, whose handler
+    (`ffi_launch.c`, built at first use with the C compiler Triton itself needs) launches one or
+    more of those kernels in order on XLA's stream, with programmatic dependent launch where asked.
+    The handler is declared command-buffer compatible, so XLA can capture it into its graphs.
+
+A call is a sequence of `Launch`es. Each names the kernel, grid, warps, stages and constexprs, and
+gives every non-constexpr kernel parameter in order as `Arg(i)` (operand i's pointer), `Out(j)`
+(result j's pointer), an int or a float. Kernels that need Triton's global or profile scratch
+memory are refused (the LoRA kernels need none).
+
+`available()` says whether the launcher can be used here (a CUDA backend and a C compiler);
+jax_lora's backend "triton" falls back to jax_triton otherwise, or when JAX_LORA_TRITON_LAUNCHER=jax_triton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+TARGET = "jax_lora_triton_launch"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ffi_launch.c")
+_TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
+                 "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8",
+                 "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1"}
+# parameter kinds of the handler's `params` attribute (ffi_launch.c)
+_ARG, _OUT, _I32, _F32, _I64, _NULL = range(6)
+_LOCK = threading.Lock()
+
+
+class Arg(NamedTuple):
+    """A kernel pointer parameter: operand `index` of the call."""
+    index: int
+
+
+class Out(NamedTuple):
+    """A kernel pointer parameter: result `index` of the call."""
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a call.
+
+    params: one entry per non-constexpr parameter of `kernel`, in order (Arg, Out, int or float).
+    zero_out: index of a result to set to zero on the stream before this launch (-1: none).
+    pdl: launch as a programmatic dependent of the previous kernel on the stream (Hopper+).
+    """
+    kernel: Any
+    grid: tuple
+    num_warps: int
+    num_stages: int
+    constexprs: dict
+    params: tuple
+    zero_out: int = -1
+    pdl: bool = False
+
+
+def launcher_choice() -> str:
+    """'ffi' (default) or 'jax_triton' (JAX_LORA_TRITON_LAUNCHER)."""
+    choice = os.environ.get("JAX_LORA_TRITON_LAUNCHER", "ffi")
+    if choice not in ("ffi", "jax_triton"):
+        raise ValueError(f"JAX_LORA_TRITON_LAUNCHER must be 'ffi' or 'jax_triton', got {choice!r}")
+    return choice
+
+
+def _cache_dir() -> str:
+    d = os.environ.get("JAX_LORA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jax_lora")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _include_dirs() -> list:
+    import triton  # noqa: PLC0415 - GPU dependency
+    cuda = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")
+    return [cuda, jax.ffi.include_dir()]
+
+
+def build_library(out_dir: str | None = None) -> str:
+    """Compiles ffi_launch.c into a shared library (once per source and header version); its path."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise RuntimeError("the JAX Triton launcher needs a C compiler (cc, gcc or clang, or $CC)")
+    includes = _include_dirs()
+    with open(_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read())
+    for inc in includes:
+        for name in ("cuda.h", os.path.join("xla", "ffi", "api", "c_api.h")):
+            path = os.path.join(inc, name)
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    out_dir = out_dir or _cache_dir()
+    path = os.path.join(out_dir, f"ffi_launch_{digest.hexdigest()[:20]}.so")
+    if os.path.exists(path):
+        return path
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [compiler, "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror", *[f"-I{i}" for i in includes],
+           _SOURCE, "-o", tmp, "-ldl", "-lpthread"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"building the JAX Triton launcher failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    os.replace(tmp, path)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(build_library())
+    lib.jl_load_kernel.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_char_p, ctypes.c_int]
+    lib.jl_load_kernel.restype = ctypes.c_int
+    from jaxlib import xla_client  # noqa: PLC0415
+    traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jl_triton_launch), platform="CUDA",
+                                api_version=1, traits=traits)
+    return lib
+
+
+def _gpu_devices() -> list:
+    return [d for d in jax.local_devices() if d.platform == "gpu"]
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """True when calls can go through the FFI launcher: CUDA devices, Triton's CUDA backend, a C compiler."""
+    if launcher_choice() != "ffi":
+        return False
+    try:
+        devices = _gpu_devices()
+        if not devices or "cuda" not in devices[0].client.platform_version.lower():
+            return False
+        _library()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: use jax_triton
+        return False
+
+
+def _triton_type(dtype) -> str:
+    return _TRITON_TYPES[np.dtype(dtype).name]
+
+
+class _Compiled(NamedTuple):
+    id: int
+    shared: int
+    threads: int
+    scratch: int  # trailing null pointers (Triton's global / profile scratch parameters)
+
+
+_COMPILED: dict = {}
+
+
+def _specialise(launch: Launch, operands, results):
+    """(signature, constexprs, attrs, passed) the way Triton's JIT specialises this launch.
+
+    passed: (kind, value) per kernel parameter handed to the handler (ints equal to 1 become
+    constants and are not passed)."""
+    names = launch.kernel.arg_names
+    free = [n for n in names if n not in launch.constexprs]
+    if len(free) != len(launch.params):
+        raise ValueError(f"{launch.kernel.__name__}: {len(launch.params)} parameters given for {len(free)} "
+                         f"non-constexpr kernel parameters")
+    sig, consts, attrs, passed = {}, {}, {}, []
+    values = dict(zip(free, launch.params))
+    for i, name in enumerate(names):
+        if name in launch.constexprs:
+            sig[name] = "constexpr"
+            consts[(i,)] = launch.constexprs[name]
+            continue
+        v = values[name]
+        if isinstance(v, (Arg, Out)):
+            aval = operands[v.index] if isinstance(v, Arg) else results[v.index]
+            sig[name] = "*" + _triton_type(aval.dtype)
+            attrs[(i,)] = [["tt.divisibility", 16]]              # XLA buffers are >= 16-byte aligned
+            passed.append((_ARG if isinstance(v, Arg) else _OUT, v.index))
+        elif isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{launch.kernel.__name__}.{name}: pass booleans as constexprs")
+        elif isinstance(v, (int, np.integer)):
+            v = int(v)
+            if v == 1:
+                sig[name] = "constexpr"
+                consts[(i,)] = 1
+                continue
+            wide = not -2 ** 31 <= v < 2 ** 31
+            sig[name] = "i64" if wide else "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            passed.append((_I64 if wide else _I32, v))
+        elif isinstance(v, (float, np.floating)):
+            sig[name] = "fp32"
+            passed.append((_F32, int(np.array(v, np.float32).view(np.int32))))
+        else:
+            raise TypeError(f"{launch.kernel.__name__}.{name}: unsupported parameter {type(v).__name__}")
+    return sig, consts, attrs, passed
+
+
+def _capability() -> int:
+    major, minor = (int(p) for p in _gpu_devices()[0].compute_capability.split("."))
+    return 10 * major + minor
+
+
+def _compile(launch: Launch, sig: dict, consts: dict, attrs: dict) -> _Compiled:
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+    cc = _capability()
+    key = (launch.kernel.__module__, launch.kernel.__name__, tuple(sig.items()), tuple(sorted(consts.items())),
+           tuple(sorted((k, str(v)) for k, v in attrs.items())), launch.num_warps, launch.num_stages, cc)
+    hit = _COMPILED.get(key)
+    if hit is not None:
+        return hit
+    with _LOCK:
+        hit = _COMPILED.get(key)
+        if hit is not None:
+            return hit
+        src = ASTSource(launch.kernel, sig, constexprs=consts, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                                  options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+        md = compiled.metadata
+        if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+            raise NotImplementedError(f"{launch.kernel.__name__} needs Triton scratch memory, which the JAX "
+                                      "launcher does not provide")
+        if getattr(md, "num_ctas", 1) != 1:
+            raise NotImplementedError("the JAX Triton launcher launches one CTA per program")
+        cubin = compiled.asm["cubin"]
+        digest = hashlib.sha256(cubin + md.name.encode()).digest()
+        kid = (int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)) or 1
+        lib = _library()
+        err = ctypes.create_string_buffer(512)
+        for d in _gpu_devices():
+            if lib.jl_load_kernel(kid, cubin, md.name.encode(), int(md.shared), int(d.local_hardware_id),
+                                  err, len(err)):
+                raise RuntimeError(err.value.decode())
+        scratch = int(hasattr(md, "global_scratch_size")) + int(hasattr(md, "profile_scratch_size"))
+        hit = _Compiled(kid, int(md.shared), 32 * int(md.num_warps), scratch)
+        _COMPILED[key] = hit
+        return hit
+
+
+def call(launches: Sequence[Launch], operands: Sequence[jax.Array], result_shapes: Sequence[jax.ShapeDtypeStruct],
+         input_output_aliases: dict | None = None) -> list:
+    """Runs `launches` in order on XLA's stream; the results (list, one per result_shapes)."""
+    kernels, launch_attr, params = [], [], []
+    for ln in launches:
+        sig, consts, attrs, passed = _specialise(ln, operands, result_shapes)
+        c = _compile(ln, sig, consts, attrs)
+        passed = passed + [(_NULL, 0)] * c.scratch
+        grid = tuple(ln.grid) + (1,) * (3 - len(ln.grid))
+        kernels.append(c.id)
+        launch_attr += [*grid, c.threads, c.shared, int(ln.pdl), len(passed), ln.zero_out]
+        params += [v for pair in passed for v in pair]
+    fn = jax.ffi.ffi_call(TARGET, list(result_shapes), input_output_aliases=input_output_aliases or {})
+    return fn(*operands, kernels=np.asarray(kernels, np.int64), launch=np.asarray(launch_attr, np.int64),
+              params=np.asarray(params, np.int64))

@@ -1,0 +1,135 @@
+"""The JAX side's FFI launcher (jax_lora/ops/ffi_launcher.py, ffi_launch.c) without a GPU.
+
+What runs here: the handler library builds with the machine's C compiler against jaxlib's FFI
+headers and Triton's cuda.h; registered on the CPU platform, XLA calls it and it reports malformed
+calls and missing kernels as errors (the attribute decoding and the error path of the C code);
+loading a kernel without a CUDA driver fails with a message; and the parameter list handed to
+the handler matches the kernel's signature the way Triton's JIT specialises it. Launching the
+compiled kernels is covered on the GPU (tests/test_gpu_triton.py, JAX cases).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_lora.ops import ffi_launcher as F
+
+_NAMES = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    try:
+        path = F.build_library(str(tmp_path_factory.mktemp("ffi")))
+    except (RuntimeError, ImportError) as e:  # no C compiler / no Triton CUDA headers here
+        pytest.skip(str(e))
+    return ctypes.CDLL(path)
+
+
+def _probe(library):
+    name = f"jax_lora_ffi_probe_{next(_NAMES)}"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(library.jl_triton_launch), platform="cpu")
+    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((4,), jnp.float32))
+
+
+def test_the_handler_rejects_inconsistent_attributes(library):
+    call = _probe(library)
+    with pytest.raises(Exception, match="inconsistent"):
+        call(jnp.ones(4), kernels=np.array([5], np.int64), launch=np.ones(7, np.int64),
+             params=np.zeros(2, np.int64)).block_until_ready()
+
+
+def test_the_handler_reports_kernels_that_were_never_loaded(library):
+    call = _probe(library)
+    with pytest.raises(Exception, match="no kernel was registered|not loaded"):
+        call(jnp.ones(4), kernels=np.array([5], np.int64), launch=np.ones(8, np.int64),
+             params=np.zeros(0, np.int64)).block_until_ready()
+
+
+def test_loading_a_kernel_without_a_driver_or_a_valid_cubin_fails_with_a_message(library):
+    library.jl_load_kernel.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                       ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    err = ctypes.create_string_buffer(512)
+    rc = library.jl_load_kernel(7, b"\x00" * 64, b"not_a_kernel", 0, 0, err, len(err))
+    assert rc == -1
+    assert err.value.startswith(b"jax_lora ffi launcher:"), err.value
+    assert library.jl_load_kernel(0, b"", b"k", 0, 0, err, len(err)) == -1   # id 0 is reserved
+    assert b"bad kernel id" in err.value
+
+
+def _shrink_spec():
+    from jax_lora.meta import LoRAKernelMeta
+    from jax_lora.ops import triton as JT
+    T, H, R, L = 8, 256, 16, 4
+    x = jnp.zeros((T, H), jnp.bfloat16)
+    a = [jnp.zeros((L, R, H), jnp.bfloat16) for _ in range(3)]
+    meta = LoRAKernelMeta.build(np.array([0, 1, 1, -1, 2, 0, 3, 3], np.int32), L, T)
+    return JT._shrink_spec(x, a, meta, 0.5, None, workspace=True,
+                           config=dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2))
+
+
+def test_parameters_follow_the_kernel_signature_as_triton_specialises_it():
+    from jax_lora.ops import triton as JT
+    spec = _shrink_spec()
+    operands, params = [], []
+    for v in spec.values:
+        if JT._is_array(v):
+            operands.append(v)
+            params.append(F.Arg(len(operands) - 1))
+        else:
+            params.append(v)
+    launch = F.Launch(spec.kernel, spec.plan.grid, 4, 2, spec.plan.constexprs, tuple(params) + (F.Out(0),))
+    sig, consts, attrs, passed = F._specialise(launch, operands, [spec.out_shape])
+    names = spec.kernel.arg_names
+    assert list(sig) == list(names)
+    for name, v in zip([n for n in names if n not in spec.plan.constexprs], launch.params):
+        i = names.index(name)
+        if isinstance(v, F.Arg):
+            assert sig[name] == "*" + F._triton_type(operands[v.index].dtype)
+            assert attrs[(i,)] == [["tt.divisibility", 16]]
+        elif isinstance(v, F.Out):
+            assert sig[name] == "*fp32" and name == "out_ptr"
+        elif isinstance(v, float):
+            assert sig[name] == "fp32"
+        elif v == 1:                                    # Triton's JIT makes ints equal to 1 constants
+            assert sig[name] == "constexpr" and consts[(i,)] == 1
+        else:
+            assert sig[name] == "i32"
+            assert ((i,) in attrs) == (v % 16 == 0)
+    assert sig["out_ptr"] == "*fp32"
+    kinds = [k for k, _ in passed]
+    n_free = sum(1 for n in names if sig[n] != "constexpr")
+    assert len(passed) == n_free
+    assert kinds[0] == F._ARG and kinds[-1] == F._OUT
+    scale = passed[[n for n in names if sig[n] != "constexpr"].index("scale")]
+    assert scale == (F._F32, int(np.array(0.5, np.float32).view(np.int32)))
+
+
+def test_a_parameter_count_that_does_not_match_the_kernel_is_an_error():
+    spec = _shrink_spec()
+    launch = F.Launch(spec.kernel, spec.plan.grid, 4, 2, spec.plan.constexprs, (F.Arg(0),))
+    with pytest.raises(ValueError, match="non-constexpr"):
+        F._specialise(launch, [spec.values[0]], [spec.out_shape])
+
+
+def test_the_launcher_choice_is_validated(monkeypatch):
+    monkeypatch.setenv("JAX_LORA_TRITON_LAUNCHER", "cuda_graphs")
+    with pytest.raises(ValueError, match="JAX_LORA_TRITON_LAUNCHER"):
+        F.launcher_choice()
+    monkeypatch.setenv("JAX_LORA_TRITON_LAUNCHER", "jax_triton")
+    assert F.launcher_choice() == "jax_triton"
+
+
+def test_the_cpu_never_selects_the_ffi_launcher():
+    if any(d.platform == "gpu" for d in jax.local_devices()):
+        pytest.skip("a GPU is present")
+    F.available.cache_clear()
+    assert not F.available()
+    assert os.path.exists(F._SOURCE)
