@@ -234,6 +234,10 @@ def _compile(launch: Launch, sig: dict, consts: dict, attrs: dict) -> _Compiled:
         hit = _COMPILED.get(key)
         if hit is not None:
             return hit
+        if os.environ.get("TRITON_CACHE_DIR") == "":
+            # jax_triton sets it to "" when imported; Triton then cannot compile ("Could not
+            # create or locate cache dir")
+            os.environ.pop("TRITON_CACHE_DIR")
         src = ASTSource(launch.kernel, sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                                   options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
