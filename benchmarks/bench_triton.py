@@ -259,10 +259,17 @@ def run_case(case, slice_name, device, seed=0):
 
 # ------------------------------------------------------------------------------------------ JAX
 
-def jax_vs_torch(device, cases, steps=50, jax_fused=None):
+def jax_vs_torch(device, cases, steps=50, jax_fused=None, barrier=True, donate=True):
     """Per-op time of the JAX triton backend under jit (a scan of `steps` calls) vs torch (a graph of
     `steps` calls on the same inputs). Both hot (same weights each call), so only launch and kernel
-    efficiency differ."""
+    efficiency differ.
+
+    barrier: each step's x goes through `lax.optimization_barrier` together with the carried y, so
+    XLA can neither merge the steps' identical shrinks (x @ A does not depend on y: with
+    separate shrink and expand custom calls, XLA's CSE kept one shrink for all steps -- the JAX
+    figures before 2026-11-30 12:30 were measured that way) nor start a step before the previous
+    one: the steps are serialised like layers, as torch's graph is. donate: y is donated and fed
+    back, as a serving loop does (stable buffers, so XLA's command buffers are not re-recorded)."""
     import jax
     import jax.numpy as jnp
 
@@ -313,26 +320,32 @@ def jax_vs_torch(device, cases, steps=50, jax_fused=None):
         def one(y, x, a, b, meta):
             return JT.linear(y, x, a, b, meta, scale, offsets, fused=jax_fused)
 
-        @jax.jit
         def many(y, x, a, b, meta):
             def body(c, _):
-                return JT.linear(c, x, a, b, meta, scale, offsets, fused=jax_fused), None
+                xs = x
+                if barrier:
+                    xs, c = jax.lax.optimization_barrier((x, c))
+                return JT.linear(c, xs, a, b, meta, scale, offsets, fused=jax_fused), None
             return jax.lax.scan(body, y, None, length=steps, unroll=True)[0]
 
+        many = jax.jit(many, donate_argnums=(0,) if donate else ())
         y1 = one(y0, x, a, b, meta)
         ref = s.reference()
         jerr = rel_err(torch.from_dlpack(y1), ref)
-        many(y0, x, a, b, meta).block_until_ready()
+        yc = many(jnp.copy(y0), x, a, b, meta)
+        yc.block_until_ready()
         jt = []
         for _ in range(10):
             t0 = time.perf_counter()
-            many(y0, x, a, b, meta).block_until_ready()
+            yc = many(yc if donate else y0, x, a, b, meta)
+            yc.block_until_ready()
             jt.append((time.perf_counter() - t0) * 1e6 / steps)
         jax_us = float(np.median(jt))
         from jax_lora.ops import ffi_launcher
         out.append(dict(case=name, slices=slice_name, torch_hot_us=torch_us, jax_us=jax_us,
                         ratio=jax_us / torch_us, jax_rel_err=jerr,
-                        launcher="ffi" if ffi_launcher.available() else "jax_triton"))
+                        launcher="ffi" if ffi_launcher.available() else "jax_triton", barrier=barrier,
+                        donate=donate))
         print(f"JAX {name} {slice_name}: jax {jax_us:.2f} us torch {torch_us:.2f} us "
               f"ratio {jax_us / torch_us:.2f} err {jerr:.2e}", flush=True)
     return out

@@ -35,6 +35,10 @@ MODES = {  # name -> (XLA_FLAGS, jax_lora.ops.triton.linear's `fused`, extra env
     # is jaxlib's legacy triton call captured with CUSTOM_CALL command buffers? (no: slower, 10:45)
     "jax_triton_cmdbuf": ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1", None,
                           {"JAX_LORA_TRITON_LAUNCHER": "jax_triton"}),
+    # the measurement before 12:30: no barrier (XLA merged the steps' shrinks), y not donated
+    "ffi_as_before": ("", None, {"BENCH_JAX_BARRIER": "0", "BENCH_JAX_DONATE": "0"}),
+    "jax_triton_as_before": ("", None, {"JAX_LORA_TRITON_LAUNCHER": "jax_triton", "BENCH_JAX_BARRIER": "0",
+                                        "BENCH_JAX_DONATE": "0"}),
     # (`--legacy_command_buffer_custom_call_targets=triton_kernel_call` would name the legacy target, but
     # jax 0.11.2's XLA rejects it: "Unknown flag in XLA_FLAGS", run of 2026-11-30T10:41)
 }
@@ -48,7 +52,9 @@ def child(mode: str) -> None:
     cases = [c for c in B.sweep_cases() if c[0] in CASES]
     flags, fused, _env = MODES[mode]
     from jax_lora.ops import ffi_launcher
-    res = B.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")], jax_fused=fused)
+    res = B.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")], jax_fused=fused,
+                         barrier=os.environ.get("BENCH_JAX_BARRIER", "1") != "0",
+                         donate=os.environ.get("BENCH_JAX_DONATE", "1") != "0")
     print("RESULT " + json.dumps(dict(mode=mode, xla_flags=flags, jax_fused=fused, env=_env,
                                       launcher="ffi" if ffi_launcher.available() else "jax_triton",
                                       results=res)), flush=True)
