@@ -28,6 +28,8 @@ MODES = {  # name -> (XLA_FLAGS, jax_lora.ops.triton.linear's `fused`, extra env
     "ffi_no_pdl": ("", None, {"JAX_LORA_TRITON_PDL": "0"}),
     # XLA's command buffers off: what the FFI launcher gains from being recorded into them
     "ffi_no_cmdbuf": ("--xla_gpu_enable_command_buffer=", None, {}),
+    # CUSTOM_CALL named explicitly among the command buffer types (in case it is not a default)
+    "ffi_cmdbuf_custom_call": ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL", None, {}),
     # jax_triton's legacy custom call (the only launcher before)
     "jax_triton": ("", None, {"JAX_LORA_TRITON_LAUNCHER": "jax_triton"}),
     # one launch per op (the fused kernel) instead of two: fewer of XLA's per-launch costs
