@@ -12,7 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .host_mapping import LoRAMapping, LongContextLoRAContext, compute_meta_host, convert_mapping_host
+from .host_mapping import (
+    LongContextLoRAContext,
+    LoRAMapping,
+    compute_meta_host,
+    convert_mapping_host,
+)
 
 __all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta"]
 

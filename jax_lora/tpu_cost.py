@@ -40,8 +40,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .meta import LoRAKernelMeta
-from .ops.pallas_tpu import (OrderCost, expand_order_cost, plan_expand, plan_inplace, plan_shrink,
-                              prefers_token_order, shrink_order_cost)
+from .ops.pallas_tpu import (
+    OrderCost,
+    expand_order_cost,
+    plan_expand,
+    plan_inplace,
+    plan_shrink,
+    prefers_token_order,
+    shrink_order_cost,
+)
 
 
 @dataclasses.dataclass(frozen=True)

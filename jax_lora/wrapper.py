@@ -28,8 +28,7 @@ import numpy as np
 from . import checks
 from .host_mapping import LoRAMapping, StepLayout, prepare_step
 from .meta import LoRAKernelMeta
-from .ops import as_lora_ranks, as_slices, check_same_device, to_3d
-from .ops import dispatch
+from .ops import as_lora_ranks, as_slices, check_same_device, dispatch, to_3d
 
 __all__ = ["PunicaWrapper"]
 

@@ -1,4 +1,4 @@
-"""The JAX side's FFI launcher (jax_lora/ops/ffi_launcher.py, ffi_launch.c) without a GPU.
+"""The C launcher (jax_lora/kernels/cuda_launch.c) and the JAX side's FFI launcher, without a GPU.
 
 What runs here: the handler library builds with the machine's C compiler against jaxlib's FFI
 headers and Triton's cuda.h; registered on the CPU platform, XLA calls it and it reports malformed
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_lora.kernels import cuda_launch as C
 from jax_lora.ops import ffi_launcher as F
 
 _NAMES = itertools.count()
@@ -27,10 +28,10 @@ _NAMES = itertools.count()
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     try:
-        path = F.build_library(str(tmp_path_factory.mktemp("ffi")))
+        path = C.build_library(True, str(tmp_path_factory.mktemp("ffi")))
     except (RuntimeError, ImportError) as e:  # no C compiler / no Triton CUDA headers here
         pytest.skip(str(e))
-    return ctypes.CDLL(path)
+    return C.declare(ctypes.CDLL(path))
 
 
 def _probe(library):
@@ -54,8 +55,6 @@ def test_the_handler_reports_kernels_that_were_never_loaded(library):
 
 
 def test_loading_a_kernel_without_a_driver_or_a_valid_cubin_fails_with_a_message(library):
-    library.jl_load_kernel.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
-                                       ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     err = ctypes.create_string_buffer(512)
     rc = library.jl_load_kernel(7, b"\x00" * 64, b"not_a_kernel", 0, 0, err, len(err))
     assert rc == -1
@@ -132,4 +131,38 @@ def test_the_cpu_never_selects_the_ffi_launcher():
         pytest.skip("a GPU is present")
     F.available.cache_clear()
     assert not F.available()
-    assert os.path.exists(F._SOURCE)
+    assert os.path.exists(C.SOURCE)
+
+
+def test_the_plain_library_for_torch_builds_without_xla_headers(tmp_path, monkeypatch):
+    monkeypatch.setattr(C, "_include_dirs", lambda xla_ffi: [d for d in _triton_include()])
+    try:
+        path = C.build_library(False, str(tmp_path))
+    except (RuntimeError, ImportError) as e:
+        pytest.skip(str(e))
+    lib = C.declare(ctypes.CDLL(path))
+    assert not hasattr(lib, "jl_triton_launch") or _missing(lib, "jl_triton_launch")
+
+
+def _triton_include():
+    import triton
+    return [os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")]
+
+
+def _missing(lib, name):
+    try:
+        getattr(lib, name)
+        return False
+    except AttributeError:
+        return True
+
+
+def test_prepared_launches_reject_bad_input_with_a_message(library):
+    err = ctypes.create_string_buffer(512)
+    kv = (ctypes.c_int64 * 2)(9, 0)                     # kind 9 does not exist
+    slots = (ctypes.c_int32 * 2)(0, 0)
+    h = library.jl_prepared_new(ctypes.c_void_p(1), 1, 1, 1, 128, 0, 0, 1, kv, 0, slots, err, len(err))
+    # without a CUDA driver the driver load fails first; with one, the parameter kind is refused
+    assert not h and err.value.startswith((b"jax_lora ffi launcher:", b"jax_lora prepared launch:")), err.value
+    with pytest.raises(RuntimeError, match="jax_lora"):
+        C.PreparedLaunches([(1, (1, 1, 1), 128, 0, False, [(C.I32, 5)], [(3, 0)])], lib=library)

@@ -161,14 +161,17 @@ def test_graph_capture_replay_with_new_mappings():
             assert _err(work, ref) < 2e-2, (fused, trial)
 
 
+@pytest.mark.parametrize("c_launch", [True, False])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("ranks", [False, True])
-def test_prepared_linear_direct_path(fused, ranks):
+def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
     """PreparedLinear (the wrapper's per-layer launcher): after its first call every call goes
-    through the direct path with new x, y, scale and lora_ranks, bit-equal to `linear`; captured in
+    through the direct path -- launched from C (jax_lora/kernels/cuda_launch.c) or through
+    Triton's launcher -- with new x, y, scale and lora_ranks, bit-equal to `linear`; captured in
     a graph it follows in-place mapping changes; misaligned or differently laid out activations
     take the generic path, still correct."""
     from torch_lora.ops import triton as TT
+    monkeypatch.setattr(TT, "_C_LAUNCH", [c_launch])
     T, H, R, widths, L = 24, 1000, 32, (520, 130, 130), 6
     x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, 5, torch.bfloat16, 7, ranks=ranks, bias=True)
     offsets = (0, 520, 650)
@@ -184,6 +187,7 @@ def test_prepared_linear_direct_path(fused, ranks):
         got = ys.clone()
         run(got, xs, scale, rks)
         assert run._steps is not None, "the direct path was not built"
+        assert (run._c_steps is not None) == c_launch, "the C launches were not built"
         assert torch.equal(got, want), call
         ref = _ref_linear(ys, xs, a, b, idx, scale, offsets, None if rks is None else rks.cpu(), c)
         assert _err(got, ref) < 2e-2

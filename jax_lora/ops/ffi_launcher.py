@@ -8,7 +8,7 @@ the whole cost of a LoRA layer (docs/benchmarks.md). This module instead:
     JIT specialises a launch: 16-byte aligned pointers, integers equal to 1 as constants, integers
     divisible by 16 marked so), and loads the cubin on every local CUDA device (`jl_load_kernel`);
   * lowers a call to `jax.ffi.ffi_call` of one FFI target, `jax_lora_triton_launch`, whose handler
-    (`ffi_launch.c`, built at first use with the C compiler Triton itself needs) launches one or
+    (`jax_lora/kernels/cuda_launch.c`, built at first use with the C compiler Triton itself needs) launches one or
     more of those kernels in order on XLA's stream, with programmatic dependent launch where asked.
     The handler is declared command-buffer compatible, so XLA can capture it into its graphs.
 
@@ -28,22 +28,21 @@ import dataclasses
 import functools
 import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
+from ..kernels import cuda_launch
+
 TARGET = "jax_lora_triton_launch"
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ffi_launch.c")
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
                  "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8",
                  "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1"}
-# parameter kinds of the handler's `params` attribute (ffi_launch.c)
-_ARG, _OUT, _I32, _F32, _I64, _NULL = range(6)
+# parameter kinds of the handler's `params` attribute (cuda_launch.c)
+_ARG, _OUT, _I32, _F32, _I64, _NULL = (cuda_launch.ARG, cuda_launch.OUT, cuda_launch.I32, cuda_launch.F32,
+                                       cuda_launch.I64, cuda_launch.NULL)
 _LOCK = threading.Lock()
 
 
@@ -83,54 +82,9 @@ def launcher_choice() -> str:
     return choice
 
 
-def _cache_dir() -> str:
-    d = os.environ.get("JAX_LORA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jax_lora")
-    os.makedirs(d, exist_ok=True)
-    return d
-
-
-def _include_dirs() -> list:
-    import triton  # noqa: PLC0415 - GPU dependency
-    cuda = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")
-    return [cuda, jax.ffi.include_dir()]
-
-
-def build_library(out_dir: str | None = None) -> str:
-    """Compiles ffi_launch.c into a shared library (once per source and header version); its path."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not compiler:
-        raise RuntimeError("the JAX Triton launcher needs a C compiler (cc, gcc or clang, or $CC)")
-    includes = _include_dirs()
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read())
-    for inc in includes:
-        for name in ("cuda.h", os.path.join("xla", "ffi", "api", "c_api.h")):
-            path = os.path.join(inc, name)
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    digest.update(f.read())
-    out_dir = out_dir or _cache_dir()
-    path = os.path.join(out_dir, f"ffi_launch_{digest.hexdigest()[:20]}.so")
-    if os.path.exists(path):
-        return path
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    cmd = [compiler, "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror", *[f"-I{i}" for i in includes],
-           _SOURCE, "-o", tmp, "-ldl", "-lpthread"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        os.unlink(tmp)
-        raise RuntimeError(f"building the JAX Triton launcher failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
-    os.replace(tmp, path)
-    return path
-
-
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(build_library())
-    lib.jl_load_kernel.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_char_p, ctypes.c_int]
-    lib.jl_load_kernel.restype = ctypes.c_int
+    lib = cuda_launch.declare(ctypes.CDLL(cuda_launch.build_library(xla_ffi=True)))
     from jaxlib import xla_client  # noqa: PLC0415
     traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jl_triton_launch), platform="CUDA",

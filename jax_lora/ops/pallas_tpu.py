@@ -75,7 +75,9 @@ from typing import NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as _jax_config  # the flag behind pltpu.force_tpu_interpret_mode
+from jax._src import (
+    config as _jax_config,  # the flag behind pltpu.force_tpu_interpret_mode
+)
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 

@@ -252,7 +252,7 @@ class PreparedLinear:
     tensors' identities and the layout (torch_lora.PunicaWrapper does).
     """
 
-    __slots__ = ("_args", "_device", "_layout", "_steps", "_tries")
+    __slots__ = ("_args", "_device", "_layout", "_steps", "_tries", "_c_steps", "_c_vars", "_c_scale")
 
     def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: Optional[bool] = None):
         self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused)
@@ -260,6 +260,9 @@ class PreparedLinear:
         self._layout = None
         self._device = lora_a[0].device.index
         self._tries = 0
+        self._c_steps = None      # per chunk (workspace shape, cuda_launch.PreparedLaunches)
+        self._c_vars = None       # ctypes uint64[5]: the per-call values (_X.._SCALE)
+        self._c_scale = None
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, scale: float, lora_ranks: Optional[torch.Tensor] = None):
         steps = self._steps
@@ -269,13 +272,30 @@ class PreparedLinear:
             rp = lora_ranks.data_ptr() if lora_ranks is not None else 0
             if not (xp | yp | rp) & 15:
                 stream = torch._C._cuda_getCurrentRawStream(self._device)
+                c_steps = self._c_steps
+                if c_steps is not None:          # launched from C (jax_lora/kernels/cuda_launch.c)
+                    v = self._c_vars
+                    v[_X] = xp
+                    v[_Y] = yp
+                    v[_RANKS] = rp
+                    if scale != self._c_scale:
+                        v[_SCALE] = _float_bits(scale)
+                        self._c_scale = scale
+                    for ws_shape, prepared in c_steps:
+                        ws = None
+                        if ws_shape is not None:
+                            ws = torch.empty(ws_shape, dtype=torch.float32, device=x.device)
+                            v[_WS] = ws.data_ptr()
+                        prepared.launch(stream, v)
+                        del ws
+                    return
                 vals = [xp, yp, rp, 0, scale]
                 for ws_shape, launches in steps:
                     ws = None
                     if ws_shape is not None:
                         ws = torch.empty(ws_shape, dtype=torch.float32, device=x.device)
                         vals[_WS] = ws.data_ptr()
-                    for run, g0, g1, g2, function, packed, template, slots in launches:
+                    for run, g0, g1, g2, function, packed, template, slots, _, _ in launches:
                         args = template.copy()
                         for pos, v in slots:
                             args[pos] = vals[v]
@@ -297,6 +317,11 @@ class PreparedLinear:
             self._tries += 1
             self._steps = self._build(chunks, y, x, lora_ranks)
             self._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, lora_ranks is None)
+            self._c_steps = _c_launches(self._steps)
+            if self._c_steps is not None:
+                import ctypes  # noqa: PLC0415
+                self._c_vars = (ctypes.c_uint64 * 5)()
+                self._c_scale = None
 
     @staticmethod
     def _build(chunks, y, x, lora_ranks):
@@ -340,9 +365,75 @@ class PreparedLinear:
                 grid = plan.grid
                 compiled = c[0]
                 launches.append((compiled.run, grid[0], grid[1], grid[2] if len(grid) > 2 else 1,
-                                 compiled.function, compiled.packed_metadata, template, tuple(slots)))
+                                 compiled.function, compiled.packed_metadata, template, tuple(slots),
+                                 compiled, names))
             steps.append((None if ws is None else tuple(ws.shape), tuple(launches)))
         return tuple(steps)
+
+
+_C_LAUNCH = [os.environ.get("TORCH_LORA_TRITON_C_LAUNCH", "1") != "0"]
+
+
+def _float_bits(v: float) -> int:
+    import struct  # noqa: PLC0415
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _c_launches(steps):
+    """PreparedLinear's launches as C prepared launches (jax_lora/kernels/cuda_launch.c): each
+    kernel's parameter block built once, launched without Triton's Python launcher. None when the
+    direct path is off, the C library cannot be built, or a kernel's parameters are not understood
+    (then Triton's launcher keeps running them)."""
+    if steps is None or not _C_LAUNCH[0]:
+        return None
+    try:
+        from jax_lora.kernels import cuda_launch as C  # noqa: PLC0415
+        out = []
+        for ws_shape, launches in steps:
+            specs = []
+            for _run, g0, g1, g2, function, _packed, template, slots, compiled, names in launches:
+                spec = _c_launch_spec(C, compiled, names, template, dict(slots), (g0, g1, g2), function)
+                if spec is None:
+                    return None
+                specs.append(spec)
+            out.append((ws_shape, C.PreparedLaunches(specs)))
+        return tuple(out)
+    except Exception:  # noqa: BLE001 - no compiler, no driver symbol, ...: keep Triton's launcher
+        _C_LAUNCH[0] = False
+        return None
+
+
+def _c_launch_spec(C, compiled, names, template, slots, grid, function):
+    """(function, grid, threads, shared, pdl, params, slots) of one launch for C.PreparedLaunches."""
+    md = compiled.metadata
+    sig = getattr(compiled.src, "signature", None)
+    if not isinstance(sig, dict) or getattr(md, "num_ctas", 1) != 1:
+        return None
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        return None
+    params, c_slots = [], []
+    for pos, name in enumerate(names):
+        ty = sig.get(name)
+        if ty == "constexpr":
+            continue
+        if ty is None or not isinstance(ty, str):
+            return None
+        if pos in slots:
+            c_slots.append((len(params), slots[pos]))
+        v = template[pos]
+        if ty.startswith("*"):
+            params.append((C.PTR, int(v)))
+        elif ty in ("i32", "u32"):
+            params.append((C.I32, int(v)))
+        elif ty in ("i64", "u64"):
+            params.append((C.I64, int(v)))
+        elif ty == "fp32":
+            params.append((C.F32, float(v)))
+        else:
+            return None
+    params += [(C.NULL, 0)] * (int(hasattr(md, "global_scratch_size")) + int(hasattr(md, "profile_scratch_size")))
+    return (function, grid, 32 * int(md.num_warps), int(md.shared), bool(getattr(md, "launch_pdl", False)),
+            params, c_slots)
 
 
 # ------------------------------------------------------------------------------------- backend API

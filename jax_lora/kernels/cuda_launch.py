@@ -1,0 +1,150 @@
+"""Builds and loads `cuda_launch.c` (launching compiled Triton kernels from C; see its header).
+
+The library is compiled at first use with the machine's C compiler (the one Triton itself needs
+for its launchers), against Triton's bundled cuda.h and, for the XLA FFI handler, jaxlib's FFI
+headers; it is cached under $JAX_LORA_CACHE_DIR (default ~/.cache/jax_lora) by a hash of the
+source and headers. Nothing here imports torch; jax is imported only to find its FFI headers.
+
+`PreparedLaunches` is the torch side's use: kernel launches whose parameter blocks are built
+once, launched in order with a few parameters patched per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from typing import Sequence
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_launch.c")
+# parameter kinds of jl_prepared_new (and, 0-5, of the FFI handler's `params` attribute)
+ARG, OUT, I32, F32, I64, NULL, PTR = range(7)
+
+
+def _cache_dir() -> str:
+    d = os.environ.get("JAX_LORA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jax_lora")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _include_dirs(xla_ffi: bool) -> list:
+    import triton  # noqa: PLC0415 - GPU dependency
+    dirs = [os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")]
+    if xla_ffi:
+        import jax  # noqa: PLC0415
+        dirs.append(jax.ffi.include_dir())
+    return dirs
+
+
+def build_library(xla_ffi: bool, out_dir: str | None = None) -> str:
+    """Compiles cuda_launch.c into a shared library (once per source and header version); its path.
+
+    xla_ffi: include the XLA FFI handler (needs jaxlib's headers)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise RuntimeError("launching Triton kernels from C needs a C compiler (cc, gcc or clang, or $CC)")
+    includes = _include_dirs(xla_ffi)
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read())
+    digest.update(b"xla" if xla_ffi else b"plain")
+    for inc in includes:
+        for name in ("cuda.h", os.path.join("xla", "ffi", "api", "c_api.h")):
+            path = os.path.join(inc, name)
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    out_dir = out_dir or _cache_dir()
+    path = os.path.join(out_dir, f"cuda_launch_{digest.hexdigest()[:20]}.so")
+    if os.path.exists(path):
+        return path
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [compiler, "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror",
+           *(["-DJL_XLA_FFI"] if xla_ffi else []), *[f"-I{i}" for i in includes], SOURCE, "-o", tmp,
+           "-ldl", "-lpthread"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"building the C launcher failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    os.replace(tmp, path)
+    return path
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Sets the ctypes signatures of the library's plain C entry points."""
+    c = ctypes
+    lib.jl_load_kernel.argtypes = [c.c_int64, c.c_char_p, c.c_char_p, c.c_int, c.c_int, c.c_char_p, c.c_int]
+    lib.jl_load_kernel.restype = c.c_int
+    lib.jl_prepared_new.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int,
+                                    c.c_void_p, c.c_int, c.c_void_p, c.c_char_p, c.c_int]
+    lib.jl_prepared_new.restype = c.c_void_p
+    lib.jl_prepared_free.argtypes = [c.c_void_p]
+    lib.jl_prepared_free.restype = None
+    lib.jl_prepared_launch.argtypes = [c.POINTER(c.c_void_p), c.c_int, c.c_void_p, c.POINTER(c.c_uint64)]
+    lib.jl_prepared_launch.restype = c.c_int
+    lib.jl_error_string.argtypes = [c.c_int]
+    lib.jl_error_string.restype = c.c_char_p
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def plain_library() -> ctypes.CDLL:
+    """The library without the XLA FFI handler (what torch needs)."""
+    return declare(ctypes.CDLL(build_library(xla_ffi=False)))
+
+
+class PreparedLaunches:
+    """Kernel launches with their parameter blocks built once; `launch(stream, vars)` runs them in
+    order, each with its slots set from vars.
+
+    launches: per kernel (function handle, grid (3 ints), threads per block, dynamic shared bytes,
+    pdl, params, slots): params a list of (kind, value) with kinds I32, F32 (value: the float),
+    I64, NULL, PTR; slots a list of (parameter index, variable index). `vars` is a ctypes
+    uint64 array the caller fills per call (pointers; float32 variables as their bits).
+    """
+
+    __slots__ = ("_lib", "_handles", "_array", "n")
+
+    def __init__(self, launches: Sequence[tuple], lib: ctypes.CDLL | None = None):
+        import numpy as np  # noqa: PLC0415
+        self._lib = lib or plain_library()
+        self._handles = []
+        err = ctypes.create_string_buffer(512)
+        for fn, grid, threads, shared, pdl, params, slots in launches:
+            kv = []
+            for kind, v in params:
+                if kind == F32:
+                    v = int(np.array(v, np.float32).view(np.int32))
+                kv += [int(kind), int(v)]
+            kv_arr = (ctypes.c_int64 * max(1, len(kv)))(*kv)
+            sl = [int(v) for pair in slots for v in pair]
+            sl_arr = (ctypes.c_int32 * max(1, len(sl)))(*sl)
+            h = self._lib.jl_prepared_new(ctypes.c_void_p(fn), *[int(g) for g in grid], int(threads), int(shared),
+                                          int(bool(pdl)), len(params), kv_arr, len(slots), sl_arr, err, len(err))
+            if not h:
+                self.close()
+                raise RuntimeError(err.value.decode())
+            self._handles.append(h)
+        self.n = len(self._handles)
+        self._array = (ctypes.c_void_p * max(1, self.n))(*self._handles)
+
+    def launch(self, stream: int, vars_) -> None:
+        r = self._lib.jl_prepared_launch(self._array, self.n, stream, vars_)
+        if r:
+            raise RuntimeError(f"cuLaunchKernelEx failed: {self._lib.jl_error_string(r).decode()} ({r})")
+
+    def close(self) -> None:
+        for h in self._handles:
+            self._lib.jl_prepared_free(h)
+        self._handles = []
+        self.n = 0
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
