@@ -75,8 +75,14 @@ def expand_candidates(tc, rank):
         if rank > 32:
             out += [configs._e(bm, bn, 32, w, st) for bm, bn, w, st in ((16, 128, 4, 2), (32, 128, 8, 2))]
         return out
-    return [configs._e(bm, bn, br, w, st) for bm, bn, w, st in
-            ((64, 128, 4, 2), (128, 128, 8, 2), (64, 256, 8, 2), (128, 64, 4, 2), (128, 256, 8, 2))]
+    # (prefill: ncu, 2026-11-30: the 64x128 expand tile is register-limited, 108-136 registers,
+    # 18-25% occupancy -- hence also smaller tiles and 32-wide rank blocks at rank 64)
+    out = [configs._e(bm, bn, br, w, st) for bm, bn, w, st in
+           ((64, 128, 4, 2), (128, 128, 8, 2), (64, 256, 8, 2), (128, 64, 4, 2), (128, 256, 8, 2),
+            (32, 128, 4, 2), (32, 256, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 4, 3))]
+    if rank > 32:
+        out += [configs._e(bm, bn, 32, w, st) for bm, bn, w, st in ((64, 128, 4, 2), (32, 128, 4, 2))]
+    return out
 
 
 def fused_candidates(rank):
