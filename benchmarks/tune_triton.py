@@ -30,13 +30,16 @@ from jax_lora.kernels import configs  # noqa: E402
 from torch_lora.ops import triton as TT  # noqa: E402
 
 # (token class, rank class) -> representative (kind, T, D)
+# (token class, rank class) -> representative (kind, T, adapter counts). Mid classes are scored
+# on few and many adapters: tuned on D=64 alone (12:16), their explicit-split shrinks lost 1.3-2.4x
+# at T128 D1/D8 (sweep 12:33), where the SPLIT_K = 0 rule splits more.
 SHAPES = {
-    ("t16", "r16"): ("dec", 8, 8), ("t16", "r64"): ("dec", 8, 8),
-    ("t64", "r16"): ("dec", 32, 32), ("t64", "r64"): ("dec", 32, 32),
-    ("t256", "r16"): ("dec", 128, 64), ("t256", "r64"): ("dec", 128, 64),
-    ("t1024", "r16"): ("dec", 512, 64), ("t1024", "r64"): ("dec", 512, 64),
-    ("t4096", "r16"): ("pre", 2048, 16), ("t4096", "r64"): ("pre", 2048, 16),
-    ("tbig", "r16"): ("pre", 8192, 4), ("tbig", "r64"): ("pre", 8192, 4),
+    ("t16", "r16"): ("dec", 8, (8,)), ("t16", "r64"): ("dec", 8, (8,)),
+    ("t64", "r16"): ("dec", 32, (32,)), ("t64", "r64"): ("dec", 32, (32,)),
+    ("t256", "r16"): ("dec", 128, (8, 64)), ("t256", "r64"): ("dec", 128, (8, 64)),
+    ("t1024", "r16"): ("dec", 512, (8, 64)), ("t1024", "r64"): ("dec", 512, (8, 64)),
+    ("t4096", "r16"): ("pre", 2048, (16,)), ("t4096", "r64"): ("pre", 2048, (16,)),
+    ("tbig", "r16"): ("pre", 8192, (4,)), ("tbig", "r64"): ("pre", 8192, (4,)),
 }
 RANK_OF = {"r16": 16, "r64": 64}
 WIDTHS = (4096, 1024, 1024)
@@ -124,31 +127,34 @@ def main():
         with open(args.table) as f:
             best.update(json.load(f)["best"])
     only = set(filter(None, args.classes.split(",")))
-    for (tc, rc), (kind, T, D) in SHAPES.items():
+    for (tc, rc), (kind, T, Ds) in SHAPES.items():
         if only and tc not in only:
             continue
         if time.time() - t_start > args.budget_s:
             print("budget exhausted; remaining classes keep their defaults", flush=True)
             break
         r = RANK_OF[rc]
-        slots = max(8, D)
+        slots = max(8, Ds[-1])
         gen = torch.Generator().manual_seed(0)
-        # Each candidate is timed on one slice and on three (WIDTHS) and scored by the geometric
-        # mean: a class's best block shapes differ between them (grids of 1x vs 3x the programs).
+        # Each candidate is timed on one slice and on three (WIDTHS), for each adapter count, and
+        # scored by the geometric mean: a class's best block shapes differ between them (grids of
+        # 1x vs 3x the programs; split-K wants few adapters).
         groups = []
-        for widths in ((4096,), WIDTHS):
-            nbytes = min_bytes(T, D, widths, r)
-            n_sets = int(min(60, max(3, math.ceil(4 * L2_BYTES / nbytes))))
-            groups.append((len(widths), [Tuned(kind, T, D, r, widths, slots, 0.0, None, gen, device)
-                                         for _ in range(n_sets)]))
+        for D in Ds:
+            for widths in ((4096,), WIDTHS):
+                nbytes = min_bytes(T, D, widths, r)
+                n_sets = int(min(60, max(3, math.ceil(4 * L2_BYTES / nbytes))))
+                groups.append((len(widths), max(8, D),
+                               [Tuned(kind, T, D, r, widths, max(8, D), 0.0, None, gen, device)
+                                for _ in range(n_sets)]))
         key = f"{tc}/{rc}"
         results[key] = dict(shrink=[], expand=[], fused=[])
         e_default = configs.expand_config(T, 4096, r, 3, slots)
 
         def score(shrink_cfg, expand_cfg, groups=groups):
-            ts = [timed(sets_, shrink_config=_resolve_split(shrink_cfg, T, slots, r, n_sl), expand_config=expand_cfg)
-                  for n_sl, sets_ in groups]
-            return math.sqrt(ts[0] * ts[1]), ts
+            ts = [timed(sets_, shrink_config=_resolve_split(shrink_cfg, T, sl, r, n_sl), expand_config=expand_cfg)
+                  for n_sl, sl, sets_ in groups]
+            return math.prod(ts) ** (1 / len(ts)), ts
 
         shr = []
         for c in shrink_candidates(tc):
@@ -166,7 +172,7 @@ def main():
         if tc in ("t16", "t64") and not args.no_fused:
             fus = []
             for c in fused_candidates(r):
-                t = math.sqrt(math.prod(timed(sets_, fused=True, fused_config=c) for _, sets_ in groups))
+                t = math.prod(timed(sets_, fused=True, fused_config=c) for _, _, sets_ in groups) ** (1 / len(groups))
                 fus.append((t, c))
                 results[key]["fused"].append(dict(config=c, us=t))
             t_f, c_f = min(fus, key=lambda v: v[0])
