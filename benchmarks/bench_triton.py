@@ -332,22 +332,27 @@ def jax_vs_torch(device, cases, steps=50, jax_fused=None, barrier=True, donate=T
         y1 = one(y0, x, a, b, meta)
         ref = s.reference()
         jerr = rel_err(torch.from_dlpack(y1), ref)
+        from jax_lora.ops import ffi_launcher
+        ffi = ffi_launcher.available()
         yc = many(jnp.copy(y0), x, a, b, meta)
         yc.block_until_ready()
         jt = []
+        calls0 = ffi_launcher.handler_calls() if ffi else 0
         for _ in range(10):
             t0 = time.perf_counter()
             yc = many(yc if donate else y0, x, a, b, meta)
             yc.block_until_ready()
             jt.append((time.perf_counter() - t0) * 1e6 / steps)
+        # FFI handler executions per step: 0 when XLA replays its command buffer, 1 when each
+        # call is recorded again or launched eagerly
+        handler_per_step = (ffi_launcher.handler_calls() - calls0) / (10 * steps) if ffi else None
         jax_us = float(np.median(jt))
-        from jax_lora.ops import ffi_launcher
         out.append(dict(case=name, slices=slice_name, torch_hot_us=torch_us, jax_us=jax_us,
                         ratio=jax_us / torch_us, jax_rel_err=jerr,
-                        launcher="ffi" if ffi_launcher.available() else "jax_triton", barrier=barrier,
-                        donate=donate))
+                        launcher="ffi" if ffi else "jax_triton", barrier=barrier, donate=donate,
+                        ffi_handler_calls_per_step=handler_per_step))
         print(f"JAX {name} {slice_name}: jax {jax_us:.2f} us torch {torch_us:.2f} us "
-              f"ratio {jax_us / torch_us:.2f} err {jerr:.2e}", flush=True)
+              f"ratio {jax_us / torch_us:.2f} err {jerr:.2e} handler calls/step {handler_per_step}", flush=True)
     return out
 
 

@@ -98,7 +98,8 @@ def main() -> None:
     for r in runs:
         for j in r.get("results", []):
             print(f"{r['mode']:14s} {j['case']:18s} {j['slices']} jax {j['jax_us']:7.2f} us "
-                  f"torch {j['torch_hot_us']:6.2f} us ratio {j['ratio']:.2f} err {j['jax_rel_err']:.1e}")
+                  f"torch {j['torch_hot_us']:6.2f} us ratio {j['ratio']:.2f} err {j['jax_rel_err']:.1e} "
+                  f"handler calls/step {j.get('ffi_handler_calls_per_step')}")
     print("wrote", path)
 
 

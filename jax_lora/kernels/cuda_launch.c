@@ -344,11 +344,18 @@ static XLA_FFI_Error* report_metadata(XLA_FFI_CallFrame* cf) {
   return NULL;
 }
 
+static int64_t handler_calls; /* execute-stage calls, for diagnostics (jl_handler_calls) */
+
+/* How many times XLA has called the handler's execute stage: a call replayed from one of XLA's
+   command buffers does not call it, a recorded or eagerly launched one does. */
+int64_t jl_handler_calls(void) { return __atomic_load_n(&handler_calls, __ATOMIC_RELAXED); }
+
 /* The handler (execute stage). */
 XLA_FFI_Error* jl_triton_launch(XLA_FFI_CallFrame* cf) {
   if (cf->extension_start && cf->extension_start->type == XLA_FFI_Extension_Metadata)
     return report_metadata(cf);
   if (cf->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  __atomic_fetch_add(&handler_calls, 1, __ATOMIC_RELAXED);
   const XLA_FFI_Api* api = cf->api;
   char msg[512];
   const XLA_FFI_Array* kernels = int64_attr(cf, "kernels");

@@ -92,6 +92,14 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+def handler_calls() -> int:
+    """How many times XLA has run the handler (execute stage) in this process: launches replayed
+    from XLA's command buffers do not count, recorded or eagerly issued ones do (diagnostics)."""
+    lib = _library()
+    lib.jl_handler_calls.restype = ctypes.c_int64
+    return int(lib.jl_handler_calls())
+
+
 def _gpu_devices() -> list:
     return [d for d in jax.local_devices() if d.platform == "gpu"]
 
