@@ -166,3 +166,32 @@ def test_prepared_launches_reject_bad_input_with_a_message(library):
     assert not h and err.value.startswith((b"jax_lora ffi launcher:", b"jax_lora prepared launch:")), err.value
     with pytest.raises(RuntimeError, match="jax_lora"):
         C.PreparedLaunches([(1, (1, 1, 1), 128, 0, False, [(C.I32, 5)], [(3, 0)])], lib=library)
+
+
+def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
+    """torch_lora's PreparedLinear hands C each kernel's non-constexpr parameters with their C types
+    (from the compiled kernel's signature: pointers, int32, int64, float32), its slots for the
+    per-call values, and Triton's two scratch pointers as nulls; an unknown type or a kernel that
+    needs scratch memory keeps Triton's launcher."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from torch_lora.ops import triton as TT
+    names = ["x_ptr", "n", "one", "big", "scale", "out_ptr"]
+    sig = {"x_ptr": "*bf16", "n": "i32", "one": "constexpr", "big": "i64", "scale": "fp32", "out_ptr": "*fp32",
+           "BLOCK": "constexpr"}
+    md = SimpleNamespace(num_warps=4, shared=1024, launch_pdl=True, num_ctas=1, global_scratch_size=0,
+                         profile_scratch_size=0)
+    compiled = SimpleNamespace(metadata=md, src=SimpleNamespace(signature=sig))
+    template = [0, 48, 1, 2 ** 40, 0.5, 0]
+    slots = {0: TT._X, 4: TT._SCALE, 5: TT._WS}
+    fn, grid, threads, shared, pdl, params, c_slots = TT._c_launch_spec(C, compiled, names, template, slots,
+                                                                         (3, 2, 1), 1234)
+    assert (fn, grid, threads, shared, pdl) == (1234, (3, 2, 1), 128, 1024, True)
+    assert params == [(C.PTR, 0), (C.I32, 48), (C.I64, 2 ** 40), (C.F32, 0.5), (C.PTR, 0), (C.NULL, 0), (C.NULL, 0)]
+    assert c_slots == [(0, TT._X), (3, TT._SCALE), (4, TT._WS)]     # positions among the passed parameters
+    sig["n"] = "bf16"                                                # not a type a launch parameter has here
+    assert TT._c_launch_spec(C, compiled, names, template, slots, (1, 1, 1), 1) is None
+    sig["n"] = "i32"
+    md.global_scratch_size = 64
+    assert TT._c_launch_spec(C, compiled, names, template, slots, (1, 1, 1), 1) is None
