@@ -195,3 +195,56 @@ def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
     sig["n"] = "i32"
     md.global_scratch_size = 64
     assert TT._c_launch_spec(C, compiled, names, template, slots, (1, 1, 1), 1) is None
+
+
+@pytest.mark.parametrize("c_launch", [True, False])
+def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monkeypatch):
+    """PreparedLinear's direct path, its Python logic on the CPU: per call it sets x, y, lora_ranks
+    and the scale (float32 bits for C), allocates one workspace per chunk and hands each chunk's
+    launches the values -- to C's prepared launches, or into Triton's argument templates. The
+    launchers are recorders here; the GPU test runs the real ones (test_prepared_linear_direct_path)."""
+    torch = pytest.importorskip("torch")
+    import struct
+
+    from torch_lora.ops import triton as TT
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    seen = []
+
+    class Recorder:                                      # stands in for cuda_launch.PreparedLaunches
+        def __init__(self, i):
+            self.i = i
+
+        def launch(self, stream, vals):
+            seen.append((self.i, stream, list(vals)))
+
+    def run(g0, g1, g2, stream, function, packed, h0, h1, h2, *args):   # stands in for CompiledKernel.run
+        seen.append((function, stream, list(args)))
+
+    x, y = torch.zeros(4, 8), torch.zeros(4, 16)
+    p = TT.PreparedLinear([torch.zeros(2, 4, 8)], [torch.zeros(2, 16, 4)], None, (0,))
+    # two chunks: the first with a workspace, the second without (a fused launch)
+    template = [0, 0, 5, 0.0]                            # x, workspace, a fixed int, the scale
+    slots = ((0, TT._X), (1, TT._WS), (3, TT._SCALE))
+    p._steps = (((1, 1, 4, 4), ((run, 1, 1, 1, "f0", None, template, slots, None, None),)),
+                (None, ((run, 1, 1, 1, "f1", None, [0, 0.0], ((0, TT._Y), (1, TT._SCALE)), None, None),)))
+    p._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, True)
+    if c_launch:
+        import ctypes
+        p._c_steps = (Recorder(0), Recorder(1))
+        p._c_vars = (ctypes.c_uint64 * 5)()
+    for scale in (0.5, 0.5, 2.0):
+        seen.clear()
+        p(y, x, scale)
+        assert len(seen) == 2
+        if c_launch:
+            bits = struct.unpack("<I", struct.pack("<f", scale))[0]
+            (i0, s0, v0), (i1, s1, v1) = seen
+            assert (i0, i1, s0, s1) == (0, 1, 77, 77)
+            assert v0[TT._X] == x.data_ptr() and v0[TT._Y] == y.data_ptr() and v0[TT._RANKS] == 0
+            assert v0[TT._SCALE] == bits and v1[TT._SCALE] == bits
+            assert v0[TT._WS] != 0 and v1[TT._WS] == v0[TT._WS]   # the second chunk has no workspace of its own
+        else:
+            (f0, _, a0), (f1, _, a1) = seen
+            assert (f0, f1) == ("f0", "f1")
+            assert a0[0] == x.data_ptr() and a0[1] != 0 and a0[2] == 5 and a0[3] == scale
+            assert a1 == [y.data_ptr(), scale]

@@ -260,7 +260,7 @@ class PreparedLinear:
         self._layout = None
         self._device = lora_a[0].device.index
         self._tries = 0
-        self._c_steps = None      # per chunk (workspace shape, cuda_launch.PreparedLaunches)
+        self._c_steps = None      # per chunk of _steps: its cuda_launch.PreparedLaunches
         self._c_vars = None       # ctypes uint64[5]: the per-call values (_X.._SCALE)
         self._c_scale = None
 
@@ -272,34 +272,28 @@ class PreparedLinear:
             rp = lora_ranks.data_ptr() if lora_ranks is not None else 0
             if not (xp | yp | rp) & 15:
                 stream = torch._C._cuda_getCurrentRawStream(self._device)
-                c_steps = self._c_steps
-                if c_steps is not None:          # launched from C (jax_lora/kernels/cuda_launch.c)
-                    v = self._c_vars
-                    v[_X] = xp
-                    v[_Y] = yp
-                    v[_RANKS] = rp
+                c_steps = self._c_steps          # launched from C (jax_lora/kernels/cuda_launch.c)
+                if c_steps is not None:
+                    vals = self._c_vars
+                    vals[_X], vals[_Y], vals[_RANKS] = xp, yp, rp
                     if scale != self._c_scale:
-                        v[_SCALE] = _float_bits(scale)
+                        vals[_SCALE] = _float_bits(scale)
                         self._c_scale = scale
-                    for ws_shape, prepared in c_steps:
-                        ws = None
-                        if ws_shape is not None:
-                            ws = torch.empty(ws_shape, dtype=torch.float32, device=x.device)
-                            v[_WS] = ws.data_ptr()
-                        prepared.launch(stream, v)
-                        del ws
-                    return
-                vals = [xp, yp, rp, 0, scale]
-                for ws_shape, launches in steps:
+                else:
+                    vals = [xp, yp, rp, 0, scale]
+                for i, (ws_shape, launches) in enumerate(steps):
                     ws = None
                     if ws_shape is not None:
                         ws = torch.empty(ws_shape, dtype=torch.float32, device=x.device)
                         vals[_WS] = ws.data_ptr()
-                    for run, g0, g1, g2, function, packed, template, slots, _, _ in launches:
-                        args = template.copy()
-                        for pos, v in slots:
-                            args[pos] = vals[v]
-                        run(g0, g1, g2, stream, function, packed, None, None, None, *args)
+                    if c_steps is not None:
+                        c_steps[i].launch(stream, vals)
+                    else:
+                        for run, g0, g1, g2, function, packed, template, slots, _, _ in launches:
+                            args = template.copy()
+                            for pos, v in slots:
+                                args[pos] = vals[v]
+                            run(g0, g1, g2, stream, function, packed, None, None, None, *args)
                     del ws
                 return
         if x.shape[0] == 0:
@@ -389,14 +383,14 @@ def _c_launches(steps):
     try:
         from jax_lora.kernels import cuda_launch as C  # noqa: PLC0415
         out = []
-        for ws_shape, launches in steps:
+        for _ws_shape, launches in steps:
             specs = []
             for _run, g0, g1, g2, function, _packed, template, slots, compiled, names in launches:
                 spec = _c_launch_spec(C, compiled, names, template, dict(slots), (g0, g1, g2), function)
                 if spec is None:
                     return None
                 specs.append(spec)
-            out.append((ws_shape, C.PreparedLaunches(specs)))
+            out.append(C.PreparedLaunches(specs))
         return tuple(out)
     except Exception:  # noqa: BLE001 - no compiler, no driver symbol, ...: keep Triton's launcher
         _C_LAUNCH[0] = False
