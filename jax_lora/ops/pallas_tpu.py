@@ -717,6 +717,23 @@ def _shrink_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, row_s
         out_ref[...] = jnp.where(rows, acc_ref[...], out_ref[...])
 
 
+def _rows_dma(row_tok_ref, tile, tm: int, wait: bool, make_copy) -> None:
+    """For each of the tile's tm rows whose token (row_tok_ref[tile * tm + row]) is real (>= 0),
+    start -- or, with wait, wait for -- the row's DMA `make_copy(tok, row)`."""
+    def body(row, carry):
+        tok = row_tok_ref[tile * tm + row]
+
+        @pl.when(tok >= 0)
+        def _():
+            copy = make_copy(tok, row)
+            if wait:
+                copy.wait()
+            else:
+                copy.start()
+        return carry
+    lax.fori_loop(0, tm, body, 0)
+
+
 def _shrink_gather_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, row_tok_ref, row_slot_ref,
                           x_hbm, *refs, num_slices: int, rank: int, rc: int, tm: int, lanes: int):
     """Sorted order without an XLA gather (tk = H): on the first step of an m-tile the x rows of its
@@ -730,18 +747,8 @@ def _shrink_gather_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref
     first = (i == 0) | (tile != tile_ref[jnp.maximum(i - 1, 0)])
 
     def rows_dma(wait: bool):
-        def body(row, carry):
-            tok = row_tok_ref[tile * tm + row]
-
-            @pl.when(tok >= 0)
-            def _():
-                copy = pltpu.make_async_copy(x_hbm.at[pl.ds(tok, 1), :], xbuf.at[pl.ds(row, 1), :], sem)
-                if wait:
-                    copy.wait()
-                else:
-                    copy.start()
-            return carry
-        lax.fori_loop(0, tm, body, 0)
+        _rows_dma(row_tok_ref, tile, tm, wait,
+                  lambda tok, row: pltpu.make_async_copy(x_hbm.at[pl.ds(tok, 1), :], xbuf.at[pl.ds(row, 1), :], sem))
 
     @pl.when(first)
     def _gather():
@@ -1025,20 +1032,11 @@ def _expand_scatter_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
     col = pl.multiple_of(_column_of(plan, j, col0_ref), 128)
 
     def rows_dma(to_hbm: bool, wait: bool):
-        def body(row, carry):
-            tok = row_tok_ref[tile * tm + row]
-
-            @pl.when(tok >= 0)
-            def _():
-                hbm = y_hbm.at[pl.ds(tok, 1), pl.ds(col, tn)]
-                vmem = ybuf.at[pl.ds(row, 1), :]
-                copy = pltpu.make_async_copy(vmem, hbm, sem) if to_hbm else pltpu.make_async_copy(hbm, vmem, sem)
-                if wait:
-                    copy.wait()
-                else:
-                    copy.start()
-            return carry
-        lax.fori_loop(0, tm, body, 0)
+        def copy(tok, row):
+            hbm = y_hbm.at[pl.ds(tok, 1), pl.ds(col, tn)]
+            vmem = ybuf.at[pl.ds(row, 1), :]
+            return pltpu.make_async_copy(vmem, hbm, sem) if to_hbm else pltpu.make_async_copy(hbm, vmem, sem)
+        _rows_dma(row_tok_ref, tile, tm, wait, copy)
 
     @pl.when(first)
     def _gather():
