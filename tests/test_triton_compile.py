@@ -19,7 +19,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INT32_POINTERS = {"ranks_ptr", "mapping_ptr", "sorted_ptr", "counts_ptr", "starts_ptr", "active_ptr"}
+INT32_POINTERS = {"ranks_ptr", "mapping_ptr", "sorted_ptr", "counts_ptr", "starts_ptr", "active_ptr", "sync_ptr"}
 
 
 def _signature(kernel, plan, act: str, float32_pointers=()) -> dict:
@@ -71,10 +71,14 @@ def _variants(kernel_name: str):
             out.append((f"r{rank}-R{block_r}-pdl{int(pdl)}-ranks{int(ranks)}", K.lora_expand_kernel, plan,
                         "bf16", ("buf_ptr",)))
         return out
-    plan = K.plan_fused(8, 4096, 16, (4096, 1024), 9, "bfloat16", "bfloat16",
-                        _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256), add_inputs=True, bias_flags=(False, True),
-                        has_ranks=True)
-    return [("decode", K.lora_fused_kernel, plan, "bf16", ())]
+    out = []
+    # decode (one tile per group) and token tiles; rank 16 and 64; with and without PDL
+    for T, rank, pdl in ((8, 16, True), (8, 64, False), (100, 16, True)):
+        plan = K.plan_fused(T, 4096, rank, (4096, 1024), 9, "bfloat16", "bfloat16",
+                            _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128), add_inputs=True,
+                            bias_flags=(False, True), has_ranks=True, pdl=pdl)
+        out.append((f"T{T}-r{rank}-pdl{int(pdl)}", K.lora_fused_kernel, plan, "bf16", ("ws_ptr",)))
+    return out
 
 
 def compile_all(kernel_name: str) -> int:

@@ -56,8 +56,8 @@ def _e(bm, bn, br, warps, stages):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, num_warps=warps, num_stages=stages)
 
 
-def _f(bm, bn, bk, warps, stages):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+def _f(bm, bn, bk, warps, stages, split=0):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
 
 
 # (token class, rank class) -> config. BEGIN TABLE (rewritten by benchmarks/tune_triton.py)
@@ -90,10 +90,10 @@ EXPAND = {
     ("tbig", "r256"): _e(64, 128, 64, 8, 2),
 }
 FUSED = {
-    ("t16", "r16"): _f(16, 256, 256, 4, 2), ("t16", "r64"): _f(16, 128, 128, 4, 2),
-    ("t64", "r16"): _f(16, 256, 256, 4, 2), ("t64", "r64"): _f(16, 128, 128, 4, 2),
+    ("t16", "r16"): _f(16, 128, 128, 4, 2), ("t16", "r64"): _f(16, 128, 128, 4, 2, 8),
+    ("t64", "r16"): _f(16, 128, 128, 4, 2), ("t64", "r64"): _f(16, 128, 128, 4, 2, 8),
 }
-FUSED_CLASSES = {("t16", "r16")}  # shape classes where the one-launch fused kernel wins
+FUSED_CLASSES = set()  # shape classes where the one-launch fused kernel wins (the tuned table says)
 # END TABLE
 
 
@@ -159,11 +159,21 @@ def expand_config(num_tokens: int, width: int, rank: int, num_slices: int, num_s
 def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices: int,
                  num_slots: int) -> dict:
     if interpreting():
-        return _f(16, min(256, max(16, next_pow2(width))), min(256, max(16, next_pow2(hidden))), 4, 1)
+        return _f(16, min(256, max(16, next_pow2(width))), min(256, max(16, next_pow2(hidden))), 4, 1, 0)
     key = (token_class(num_tokens), rank_class(rank))
     return dict(FUSED.get(key, _f(16, 128, 128, 4, 2)))
 
 
+# JAX_LORA_TRITON_FUSED=1 / 0 forces the fused kernel on / off where `linear` is not told
+# (benchmarks, experiments); unset or "auto": the table decides.
+_FORCE_FUSED = os.environ.get("JAX_LORA_TRITON_FUSED", "auto")
+
+
 def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> bool:
-    """True when the one-launch fused kernel is expected to beat shrink + expand (decode sizes)."""
+    """True when the one-launch fused kernel is expected to beat shrink + expand (decode sizes).
+    The fused kernel needs the whole rank in one block (rank <= 64 here)."""
+    if rank > 64:
+        return False
+    if _FORCE_FUSED in ("0", "1"):
+        return _FORCE_FUSED == "1"
     return (token_class(num_tokens), rank_class(rank)) in FUSED_CLASSES

@@ -20,8 +20,8 @@
 
      kernels  int64[n]      ids of the n kernels launched in order on the stream
      launch   int64[8 * n]  per kernel: grid x, y, z, threads per block, dynamic shared memory,
-                            programmatic dependent launch (0/1), number of parameters, index of a
-                            result to zero before the launch (-1: none)
+                            flags (1 programmatic dependent launch, 2 cooperative), number of
+                            parameters, index of a result to zero before the launch (-1: none)
      params   int64[2 * sum of parameters]  per parameter (kind, value):
                             0 operand pointer (value: operand index), 1 result pointer (index),
                             2 int32, 3 float32 (value: its bits), 4 int64, 5 null pointer
@@ -187,12 +187,29 @@ done:
   return rc;
 }
 
+/* Launch attributes from flags: 1 programmatic dependent launch, 2 cooperative (the driver refuses
+   a grid whose blocks cannot all be resident at once). Returns how many were written (<= 2). */
+static unsigned launch_attrs(CUlaunchAttribute* attr, int flags) {
+  unsigned n = 0;
+  if (flags & 1) {
+    attr[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr[n].value.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (flags & 2) {
+    attr[n].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attr[n].value.cooperative = 1;
+    ++n;
+  }
+  return n;
+}
+
 /* ------------------------------------------------------------------ prepared launches (torch) */
 
 typedef struct {
   CUfunction fn;
   unsigned grid[3], threads, shared;
-  int pdl, nparams, nslots;
+  int flags, nparams, nslots;
   int slot_param[8], slot_var[8], slot_float[8];
   uint64_t store[JL_MAX_PARAMS];
 } JlPrepared;
@@ -201,7 +218,7 @@ typedef struct {
    kinds 2 int32, 3 float32 (its bits), 4 int64, 5 null pointer, 6 pointer (value: the address);
    slots: nslots (parameter index, variable index) pairs, patched at every launch from `vars`.
    Returns NULL with a message in err on bad input. */
-void* jl_prepared_new(void* fn, int gx, int gy, int gz, int threads, int shared, int pdl, int nparams,
+void* jl_prepared_new(void* fn, int gx, int gy, int gz, int threads, int shared, int flags, int nparams,
                       const int64_t* kv, int nslots, const int32_t* slots, char* err, int err_len) {
   if (load_driver(err, err_len)) return NULL;
   if (!fn || nparams < 0 || nparams > JL_MAX_PARAMS || nslots < 0 || nslots > 8) {
@@ -219,7 +236,7 @@ void* jl_prepared_new(void* fn, int gx, int gy, int gz, int threads, int shared,
   p->grid[2] = (unsigned)gz;
   p->threads = (unsigned)threads;
   p->shared = (unsigned)shared;
-  p->pdl = pdl;
+  p->flags = flags;
   p->nparams = nparams;
   p->nslots = nslots;
   for (int i = 0; i < nparams; ++i) {
@@ -269,7 +286,7 @@ int jl_prepared_launch(void* const* launches, int n, void* stream, const uint64_
       }
     }
     for (int i = 0; i < p->nparams; ++i) ptrs[i] = &store[i];
-    CUlaunchAttribute attr[1];
+    CUlaunchAttribute attr[2];
     CUlaunchConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
     memset(attr, 0, sizeof(attr));
@@ -282,11 +299,7 @@ int jl_prepared_launch(void* const* launches, int n, void* stream, const uint64_
     cfg.sharedMemBytes = p->shared;
     cfg.hStream = (CUstream)stream;
     cfg.attrs = attr;
-    if (p->pdl) {
-      attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-      attr[0].value.programmaticStreamSerializationAllowed = 1;
-      cfg.numAttrs = 1;
-    }
+    cfg.numAttrs = launch_attrs(attr, p->flags);
     if (p->grid[0] * p->grid[1] * p->grid[2] == 0) continue;
     CUresult r = cu.launch(&cfg, p->fn, ptrs, NULL);
     if (r != CUDA_SUCCESS) return (int)r;
@@ -434,7 +447,7 @@ XLA_FFI_Error* jl_triton_launch(XLA_FFI_CallFrame* cf) {
       }
     }
     if (lc[0] * lc[1] * lc[2] == 0) continue;
-    CUlaunchAttribute attr[1];
+    CUlaunchAttribute attr[2];
     CUlaunchConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
     memset(attr, 0, sizeof(attr));
@@ -447,11 +460,7 @@ XLA_FFI_Error* jl_triton_launch(XLA_FFI_CallFrame* cf) {
     cfg.sharedMemBytes = (unsigned)lc[4];
     cfg.hStream = stream;
     cfg.attrs = attr;
-    if (lc[5]) {
-      attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-      attr[0].value.programmaticStreamSerializationAllowed = 1;
-      cfg.numAttrs = 1;
-    }
+    cfg.numAttrs = launch_attrs(attr, (int)lc[5]);
     if ((r = cu.launch(&cfg, fn, ptrs, NULL)) != CUDA_SUCCESS) {
       snprintf(msg, sizeof(msg), "jax_lora ffi launcher: cuLaunchKernelEx: %s", cu_error(r));
       return ffi_error(api, XLA_FFI_Error_Code_INTERNAL, msg);

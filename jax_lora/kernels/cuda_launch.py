@@ -97,12 +97,17 @@ def plain_library() -> ctypes.CDLL:
     return declare(ctypes.CDLL(build_library(xla_ffi=False)))
 
 
+# Launch flags (jl_prepared_new's `flags`; the FFI handler's per-kernel launch word 5).
+FLAG_PDL = 1          # programmatic dependent launch (programmatic stream serialization)
+FLAG_COOPERATIVE = 2  # cooperative launch: the driver refuses a grid that cannot be co-resident
+
+
 class PreparedLaunches:
     """Kernel launches with their parameter blocks built once; `launch(stream, vars)` runs them in
     order, each with its slots set from vars.
 
     launches: per kernel (function handle, grid (3 ints), threads per block, dynamic shared bytes,
-    pdl, params, slots): params a list of (kind, value) with kinds I32, F32 (value: the float),
+    flags, params, slots): flags FLAG_PDL | FLAG_COOPERATIVE; params a list of (kind, value) with kinds I32, F32 (value: the float),
     I64, NULL, PTR; slots a list of (parameter index, variable index). `vars` is a ctypes
     uint64 array the caller fills per call (pointers; float32 variables as their bits).
     """
@@ -114,7 +119,7 @@ class PreparedLaunches:
         self._lib = lib or plain_library()
         self._handles = []
         err = ctypes.create_string_buffer(512)
-        for fn, grid, threads, shared, pdl, params, slots in launches:
+        for fn, grid, threads, shared, flags, params, slots in launches:
             kv = []
             for kind, v in params:
                 if kind == F32:
@@ -124,7 +129,7 @@ class PreparedLaunches:
             sl = [int(v) for pair in slots for v in pair]
             sl_arr = (ctypes.c_int32 * max(1, len(sl)))(*sl)
             h = self._lib.jl_prepared_new(ctypes.c_void_p(fn), *[int(g) for g in grid], int(threads), int(shared),
-                                          int(bool(pdl)), len(params), kv_arr, len(slots), sl_arr, err, len(err))
+                                          int(flags), len(params), kv_arr, len(slots), sl_arr, err, len(err))
             if not h:
                 self.close()
                 raise RuntimeError(err.value.decode())

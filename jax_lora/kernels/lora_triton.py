@@ -426,67 +426,122 @@ def lora_expand_kernel(
 # ------------------------------------------------------------------------------------------- fused
 
 @triton.jit
+def _row_barrier(sync_ptr, num_programs, WAIT: tl.constexpr):
+    """Barrier of the `num_programs` programs that share one (count, generation) pair of int32 at
+    sync_ptr. Every program arrives once; the last one to arrive resets the count to 0 and advances
+    the generation, the others (WAIT) spin until the generation moves. The count is 0 between
+    launches, so the pair needs zeroing only once; the generation's value never matters.
+    Release/acquire at GPU scope: every store before the barrier is visible after it."""
+    gen0 = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+    ticket = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_programs - 1:
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+    elif WAIT:
+        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") == gen0:
+            pass
+
+
+@triton.jit
 def lora_fused_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
         c0_ptr, c1_ptr, c2_ptr, c3_ptr, ranks_ptr,
-        mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
+        mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr, sync_ptr, ws_ptr,
         scale, num_tokens, hidden, num_sorted, num_slots,
         stride_xt, stride_xh,
         sa0_l, sa0_r, sa0_h, sa1_l, sa1_r, sa1_h, sa2_l, sa2_r, sa2_h, sa3_l, sa3_r, sa3_h,
         sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
         sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
         width0, width1, width2, width3, off0, off1, off2, off3,
-        stride_yt, stride_yn,
+        stride_yt, stride_yn, stride_wp, stride_ws, stride_wt,
         out_ptr,
-        RANK: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr,
+        RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr,
+        K_PER_SPLIT: tl.constexpr,
+        NUM_TILES: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr,
         BIAS0: tl.constexpr, BIAS1: tl.constexpr, BIAS2: tl.constexpr, BIAS3: tl.constexpr,
         ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-        NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
+        NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, PHASE: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
-        SMALL_T: tl.constexpr):
+        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + (scale * x[t] @ A_s[idx].T) @ B_s[idx, n].T + bias.
 
-    One launch for decode sizes: grid (output tiles over all slices, token tiles); each program
-    computes its tokens' rank-sized shrink over the whole hidden size in registers (the A rows of
-    its adapter, which the programs of the same adapter share through L2), then its output tile.
-    Needs BLOCK_R >= RANK (one rank chunk).
+    One launch, grid (P, token tiles): the P programs of a token tile share its work and meet once.
+      1. Program p < NUM_SLICES * SPLIT_K computes the shrink of slice p % NUM_SLICES over hidden
+         chunk p // NUM_SLICES (K_PER_SPLIT columns) into plane p // NUM_SLICES of the float32
+         workspace ws (SPLIT_K, NUM_SLICES, T, RANK); program p < NUM_TILES first loads what its
+         output tile p needs besides the shrink (its B tile and y tile), so those loads overlap.
+      2. All P programs of the tile meet at a barrier (`_row_barrier`, one (count, generation)
+         int32 pair per token tile at sync_ptr, zeroed once, never by a launch).
+      3. Program p < NUM_TILES sums its slice's SPLIT_K planes and writes output tile p.
+    The barrier needs the P programs of a tile resident together: the launchers ask for a
+    cooperative launch, which the driver refuses when the grid cannot be co-resident. The
+    interpreter runs programs one after another, so it launches twice: PHASE 1 (steps 1-2 without
+    waiting), PHASE 2 (step 3); PHASE 0 (compiled) does everything in one launch.
+    Needs BLOCK_R >= RANK (one rank block). USE_PDL: launched as a programmatic dependent of the
+    kernel before it, waiting for it before reading anything (x and y may be its outputs).
     """
-    j = tl.program_id(0)
-    pid = tl.program_id(1)
-    lora_id, tok, tok_ok, n_tok = _tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    p = tl.program_id(0)
+    row = tl.program_id(1)
+    lora_id, tok, tok_ok, n_tok = _tile(row, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
                                         num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
                                         True, SMALL_T)
     if n_tok <= 0:
-        return
-    s, n0 = _slice_of_tile(j, NT1, NT2, NT3, BLOCK_N)
+        return                                   # the whole row (every program of it) is idle
     rank = _slot_rank(ranks_ptr, lora_id, lora_id >= 0, RANK, HAS_RANKS)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < _hint16(_pick(s, width0, width1, width2, width3), ALIGNED)
-    y_offs, write, y_old = _y_tile(y_ptr, tok, tok_ok, cols, col_ok, _hint16(_pick(s, off0, off1, off2, off3), ALIGNED),
-                                   _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS)
-    lhs = _shrink_tile(x_ptr, _pick(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr), tok, tok_ok, lora_id, rank,
-                       0, _hint16(hidden, ALIGNED), _hint16(hidden, ALIGNED), _hint16(stride_xt, ALIGNED), stride_xh,
-                       _hint16(_pick(s, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED),
-                       _hint16(_pick(s, sa0_r, sa1_r, sa2_r, sa3_r), ALIGNED),
-                       _pick(s, sa0_h, sa1_h, sa2_h, sa3_h),
-                       BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
-    lhs = lhs * scale
     offs_r = tl.arange(0, BLOCK_R)
-    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
-    bt = _load_rank_cols(b_ptr + lora_id.to(tl.int64) * _hint16(_pick(s, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
-                         + cols[:, None] * _hint16(_pick(s, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
-                         + offs_r[None, :] * _pick(s, sb0_r, sb1_r, sb2_r, sb3_r),
-                         col_ok, offs_r, rank, RANK, HAS_RANKS)
-    if CAST_FP32:
-        bt = bt.to(tl.float32)
-    else:
-        lhs = lhs.to(bt.dtype)
-    acc = tl.dot(lhs, tl.trans(bt), input_precision=DOT_PRECISION)
-    has_bias = _pick(s, BIAS0, BIAS1, BIAS2, BIAS3)
-    _store_slice(acc, y_old, out_ptr, y_offs, write, _pick(s, c0_ptr, c1_ptr, c2_ptr, c3_ptr), lora_id,
-                 cols, col_ok, _hint16(_pick(s, sc0_l, sc1_l, sc2_l, sc3_l), ALIGNED),
-                 _pick(s, sc0_n, sc1_n, sc2_n, sc3_n), has_bias)
+    stride_wt = _hint16(stride_wt, ALIGNED)
+    # Output tile p: its B tile and y tile, loaded before the shrink (not written by it).
+    is_out = p < NUM_TILES
+    s_out, n0 = _slice_of_tile(tl.minimum(p, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = (cols < _hint16(_pick(s_out, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + p) < NUM_TILES)
+    if PHASE != 1:
+        y_offs, write, y_old = _y_tile(y_ptr, tok, tok_ok, cols, col_ok,
+                                       _hint16(_pick(s_out, off0, off1, off2, off3), ALIGNED),
+                                       _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS)
+        b_ptr = _pick(s_out, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
+        bt = _load_rank_cols(b_ptr + lora_id.to(tl.int64) * _hint16(_pick(s_out, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
+                             + cols[:, None] * _hint16(_pick(s_out, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
+                             + offs_r[None, :] * _pick(s_out, sb0_r, sb1_r, sb2_r, sb3_r),
+                             col_ok, offs_r, rank, RANK, HAS_RANKS)
+    if PHASE != 2:
+        if p < NUM_SLICES * SPLIT_K:
+            s_in = p % NUM_SLICES
+            split = p // NUM_SLICES
+            hidden = _hint16(hidden, ALIGNED)
+            k_begin = split * K_PER_SPLIT
+            acc = _shrink_tile(x_ptr, _pick(s_in, a0_ptr, a1_ptr, a2_ptr, a3_ptr), tok, tok_ok, lora_id, rank,
+                               k_begin, tl.minimum(k_begin + K_PER_SPLIT, hidden), hidden,
+                               _hint16(stride_xt, ALIGNED), stride_xh,
+                               _hint16(_pick(s_in, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED),
+                               _hint16(_pick(s_in, sa0_r, sa1_r, sa2_r, sa3_r), ALIGNED),
+                               _pick(s_in, sa0_h, sa1_h, sa2_h, sa3_h),
+                               BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
+            ws = (ws_ptr + split.to(tl.int64) * _hint16(stride_wp, ALIGNED) + s_in * _hint16(stride_ws, ALIGNED)
+                  + tok[:, None] * stride_wt + offs_r[None, :])
+            tl.store(ws, acc * scale, mask=tok_ok[:, None] & (offs_r < RANK)[None, :])
+        _row_barrier(sync_ptr + 2 * row, tl.num_programs(0), PHASE == 0)
+    if PHASE != 1:
+        if is_out:
+            # All SPLIT_K planes in one load (all in flight at once), from L2 (".cg": not L1), summed.
+            planes = tl.arange(0, SPLIT_P2)
+            ws_rows = (ws_ptr + planes[:, None, None].to(tl.int64) * _hint16(stride_wp, ALIGNED)
+                       + s_out * _hint16(stride_ws, ALIGNED) + tok[None, :, None] * stride_wt + offs_r[None, None, :])
+            ws_ok = ((planes < SPLIT_K)[:, None, None] & tok_ok[None, :, None]
+                     & (offs_r < rank)[None, None, :])
+            lhs = tl.sum(tl.load(ws_rows, mask=ws_ok, other=0.0, cache_modifier=".cg"), axis=0)
+            if CAST_FP32:
+                bt = bt.to(tl.float32)
+            else:
+                lhs = lhs.to(bt.dtype)
+            acc = tl.dot(lhs, tl.trans(bt), input_precision=DOT_PRECISION)
+            _store_slice(acc, y_old, out_ptr, y_offs, write, _pick(s_out, c0_ptr, c1_ptr, c2_ptr, c3_ptr), lora_id,
+                         cols, col_ok, _hint16(_pick(s_out, sc0_l, sc1_l, sc2_l, sc3_l), ALIGNED),
+                         _pick(s_out, sc0_n, sc1_n, sc2_n, sc3_n), _pick(s_out, BIAS0, BIAS1, BIAS2, BIAS3))
 
 
 # ------------------------------------------------------------------------------- launch planning
@@ -532,7 +587,9 @@ def max_tiles(num_tokens: int, num_groups: int, block_m: int, small_t: bool = Fa
               lora_only: bool = True) -> int:
     """Tiles of any mapping of num_tokens tokens into num_groups groups: the tile-axis grid size."""
     if small_t:
-        return num_groups + (0 if lora_only else 1)
+        # Program g serves group g. The active ids are unique values in ascending order, padded
+        # (SPEC section 3): at most num_tokens + 1 groups (one of them -1) hold tokens.
+        return min(num_groups, num_tokens + 1) if lora_only else num_groups + 1
     return triton.cdiv(num_tokens, block_m) + min(num_groups, num_tokens)
 
 
@@ -578,7 +635,22 @@ class ExpandPlan:
         return bool(self.constexprs.get("USE_PDL"))
 
 
-FusedPlan = ExpandPlan
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusedPlan(ExpandPlan):
+    workspace_shape: tuple = ()   # (SPLIT_K, slices, T, rank) float32
+
+    cooperative = True            # the P programs of a token tile wait for each other
+
+    @property
+    def sync_ints(self) -> int:
+        """int32 barrier words the launch needs (zeroed once, reused by every launch)."""
+        return 2 * self.grid[1]
+
+    @property
+    def phases(self) -> tuple:
+        """PHASE values to launch in order: one launch compiled, two under the interpreter."""
+        phase = self.constexprs["PHASE"]
+        return (1, 2) if interpreting() and phase == 0 else (phase,)
 
 
 def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_groups: int,
@@ -638,8 +710,14 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
 
 def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], num_groups: int,
                x_dtype: str, w_dtype: str, config: dict, *, add_inputs: bool,
-               bias_flags: Sequence[bool], has_ranks: bool, aligned: bool = False) -> FusedPlan:
-    """Grid and meta-parameters of `lora_fused_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages."""
+               bias_flags: Sequence[bool], has_ranks: bool, aligned: bool = False,
+               pdl: bool = False) -> FusedPlan:
+    """Grid and meta-parameters of `lora_fused_kernel`.
+
+    config: BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K (hidden chunks per slice; 0: one shrink program per
+    output tile), num_warps, num_stages. P = max(output tiles, slices * SPLIT_K) programs per token
+    tile; the workspace has SPLIT_K planes (`FusedPlan.workspace_shape`).
+    """
     assert 1 <= len(widths) <= MAX_SLICES
     block_m, block_n, block_k = int(config["BLOCK_M"]), int(config["BLOCK_N"]), int(config["BLOCK_K"])
     small_t, block_m = small_t_block(num_tokens, block_m)
@@ -647,11 +725,20 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
     _check_dot_dims(block_m, block_n, block_k, block_r)
     cast, precision = _cast_and_precision((x_dtype, w_dtype))
     c, total = _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n)
-    c.update(RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-             NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), CAST_FP32=cast,
-             DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t)
-    grid = (total, max_tiles(num_tokens, num_groups, block_m, small_t))
-    return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))
+    num_slices = len(widths)
+    chunks = triton.cdiv(hidden, block_k)
+    split = int(config.get("SPLIT_K", 0)) or max(1, total // num_slices)
+    split = max(1, min(split, chunks, MAX_PARTIALS))
+    k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
+    split = triton.cdiv(hidden, k_per_split)
+    c.update(RANK=rank, NUM_SLICES=num_slices, SPLIT_K=split, SPLIT_P2=next_pow2(split), K_PER_SPLIT=k_per_split,
+             NUM_TILES=total,
+             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+             NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
+             DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl))
+    grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
+    return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
+                     (split, num_slices, num_tokens, rank))
 
 
 def row_major_strides(shape: Sequence[int]) -> tuple:

@@ -63,6 +63,7 @@ class Launch:
     params: one entry per non-constexpr parameter of `kernel`, in order (Arg, Out, int or float).
     zero_out: index of a result to set to zero on the stream before this launch (-1: none).
     pdl: launch as a programmatic dependent of the previous kernel on the stream (Hopper+).
+    cooperative: a cooperative launch (the driver refuses a grid that cannot be co-resident).
     """
     kernel: Any
     grid: tuple
@@ -72,6 +73,7 @@ class Launch:
     params: tuple
     zero_out: int = -1
     pdl: bool = False
+    cooperative: bool = False
 
 
 def launcher_choice() -> str:
@@ -234,7 +236,8 @@ def call(launches: Sequence[Launch], operands: Sequence[jax.Array], result_shape
         passed = passed + [(_NULL, 0)] * c.scratch
         grid = tuple(ln.grid) + (1,) * (3 - len(ln.grid))
         kernels.append(c.id)
-        launch_attr += [*grid, c.threads, c.shared, int(ln.pdl), len(passed), ln.zero_out]
+        flags = (cuda_launch.FLAG_PDL if ln.pdl else 0) | (cuda_launch.FLAG_COOPERATIVE if ln.cooperative else 0)
+        launch_attr += [*grid, c.threads, c.shared, flags, len(passed), ln.zero_out]
         params += [v for pair in passed for v in pair]
     fn = jax.ffi.ffi_call(TARGET, list(result_shapes), input_output_aliases=input_output_aliases or {})
     return fn(*operands, kernels=np.asarray(kernels, np.int64), launch=np.asarray(launch_attr, np.int64),

@@ -110,6 +110,7 @@ def _ranks(lora_ranks, counts):
 # (JAX_LORA_TRITON_LAUNCHER=jax_triton, or no C compiler / non-CUDA GPU).
 
 WORKSPACE = object()  # parameter placeholder: the workspace written by the shrink of the same call
+SYNC = object()       # parameter placeholder: the fused kernel's barrier words (zeroed by the call)
 
 
 class _Spec(NamedTuple):
@@ -118,6 +119,7 @@ class _Spec(NamedTuple):
     values: list          # the kernel's parameters before out_ptr
     out_shape: jax.ShapeDtypeStruct
     y_pos: int = -1       # position in values of the array the output aliases (-1: none)
+    extra: tuple = ()     # (result index, ShapeDtypeStruct) of the WORKSPACE / SYNC results it needs
 
 
 def _is_array(v) -> bool:
@@ -177,25 +179,32 @@ def _expand_spec(buf, buf_shape, lora_b, y, meta, offsets, add_inputs, lora_rank
     return _Spec(K.lora_expand_kernel, plan, values, jax.ShapeDtypeStruct(y.shape, y.dtype), y_pos)
 
 
-def _fused_spec(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None) -> _Spec:
+def _fused_spec(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False) -> _Spec:
+    """lora_fused_kernel's launch: result 0 is y, 1 the float32 workspace, 2 the barrier words."""
     mapping, sorted_ids, counts, starts, active = _meta_arrays(meta)
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
     c_ptrs, c_strides, flags = _bias(bias, 0, len(lora_b), lora_b[0])
     cfg = config or configs.fused_config(T, H, max(widths), R, len(widths), L)
+    args = (T, H, R, widths, active.shape[0], _dn(x), _dn(lora_a[0]), cfg)
+    kw = dict(add_inputs=True, bias_flags=flags, has_ranks=lora_ranks is not None, pdl=pdl)
+    ws_shape = K.plan_fused(*args, **kw).workspace_shape
     hinted = [H, *widths, *offsets, K.row_major_strides(x.shape)[0], K.row_major_strides(y.shape)[0],
-              *c_strides[0::2]] + [v for w in (*lora_a, *lora_b) for v in K.row_major_strides(w.shape)[:2]]
-    plan = K.plan_fused(T, H, R, widths, active.shape[0], _dn(x), _dn(lora_a[0]), cfg, add_inputs=True,
-                        bias_flags=flags, has_ranks=lora_ranks is not None, aligned=K.all_aligned(hinted))
+              *K.row_major_strides(ws_shape)[:3], *c_strides[0::2]]
+    hinted += [v for w in (*lora_a, *lora_b) for v in K.row_major_strides(w.shape)[:2]]
+    plan = K.plan_fused(*args, aligned=K.all_aligned(hinted), **kw)
     a = list(lora_a) + [lora_a[0]] * (MAX_SLICES - len(lora_a))
     b = list(lora_b) + [lora_b[0]] * (MAX_SLICES - len(lora_b))
-    values = [x, *a, *b, *c_ptrs, _ranks(lora_ranks, counts), mapping, sorted_ids, counts, starts, active, y]
-    y_pos = len(values) - 1
+    values = [x, *a, *b, *c_ptrs, _ranks(lora_ranks, counts), mapping, sorted_ids, counts, starts, active, y,
+              SYNC, WORKSPACE]
+    y_pos = values.index(y)
     values += [float(scale), T, H, sorted_ids.shape[0], L,
                *K.row_major_strides(x.shape), *_wstrides(lora_a), *_wstrides(lora_b), *c_strides,
-               *K.pad4(widths, 0), *K.pad4(offsets, 0), *K.row_major_strides(y.shape)]
-    return _Spec(K.lora_fused_kernel, plan, values, jax.ShapeDtypeStruct(y.shape, y.dtype), y_pos)
+               *K.pad4(widths, 0), *K.pad4(offsets, 0), *K.row_major_strides(y.shape),
+               *K.row_major_strides(ws_shape)[:3]]
+    extra = ((1, jax.ShapeDtypeStruct(ws_shape, jnp.float32)), (2, jax.ShapeDtypeStruct((plan.sync_ints,), jnp.int32)))
+    return _Spec(K.lora_fused_kernel, plan, values, jax.ShapeDtypeStruct(y.shape, y.dtype), y_pos, extra)
 
 
 def _run_jax_triton(spec: _Spec):
@@ -216,10 +225,14 @@ def _run_ffi(specs: Sequence[_Spec], outs: Sequence[int], pdl: Sequence[bool] = 
     results = {}
     for i, spec in enumerate(specs):
         results.setdefault(outs[i], spec.out_shape)
+        for j, shape in spec.extra:
+            results.setdefault(j, shape)
         params = []
         for pos, v in enumerate(spec.values):
             if v is WORKSPACE:
                 params.append(F.Out(1))
+            elif v is SYNC:
+                params.append(F.Out(2))
             elif _is_array(v):
                 if id(v) not in index:
                     index[id(v)] = len(operands)
@@ -232,8 +245,10 @@ def _run_ffi(specs: Sequence[_Spec], outs: Sequence[int], pdl: Sequence[bool] = 
         params.append(F.Out(outs[i]))
         launches.append(F.Launch(spec.kernel, spec.plan.grid, spec.plan.num_warps, spec.plan.num_stages,
                                  spec.plan.constexprs, tuple(params),
-                                 zero_out=outs[i] if getattr(spec.plan, "atomic", False) else -1,
-                                 pdl=bool(pdl[i]) if pdl else False))
+                                 zero_out=2 if any(v is SYNC for v in spec.values) else (
+                                     outs[i] if getattr(spec.plan, "atomic", False) else -1),
+                                 pdl=bool(pdl[i]) if pdl else False,
+                                 cooperative=bool(getattr(spec.plan, "cooperative", False))))
     shapes = [results[j] for j in range(len(results))]
     return F.call(launches, operands, shapes, aliases)
 
@@ -255,8 +270,11 @@ def _gpu_expand(buf4, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, co
 
 
 def _gpu_fused(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None):
-    spec = _fused_spec(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config)
-    return _run_ffi([spec], [0])[0] if _use_ffi() else _run_jax_triton(spec)
+    """The fused kernel in one FFI call (FFI launcher only: jax_triton cannot provide its
+    workspace and barrier words, see `linear`)."""
+    pdl = _pdl()
+    spec = _fused_spec(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config, pdl=pdl)
+    return _run_ffi([spec], [0], [pdl])[0]
 
 
 def _gpu_linear_two_kernel(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, shrink_config,
@@ -395,6 +413,7 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
         ranks = _ranks(lora_ranks, meta.num_tokens_per_lora)
         return _interp_call(host, jax.ShapeDtypeStruct(y.shape, y.dtype), y, x, ranks, *_meta_arrays(meta),
                             *lora_a, *lora_b, *[bias[s] for s in bias_idx])
+    fused = fused and _use_ffi()         # jax_triton launches: always shrink + expand
     for lo, hi in _chunks(len(lora_a)):
         c = None if bias is None else tuple(bias[lo:hi])
         if fused:

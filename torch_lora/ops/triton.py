@@ -17,6 +17,7 @@ dtypes only (never by data pointers; only a PreparedLinear, owned by its caller,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Optional, Sequence
@@ -82,7 +83,28 @@ def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, h
 def _fused_plan(T, H, R, widths, G, L, xd, wd, bias_flags, has_ranks, cfg_key):
     cfg = dict(cfg_key) if cfg_key else configs.fused_config(T, H, max(widths), R, len(widths), L)
     return K.plan_fused(T, H, R, widths, G, xd, wd, cfg, add_inputs=True, bias_flags=bias_flags,
-                        has_ranks=has_ranks)
+                        has_ranks=has_ranks, pdl=_pdl_enabled())
+
+
+# ------------------------------------------------------------------------------------- barrier words
+# The fused kernel's programs of one token tile meet at a barrier made of two int32 per tile (a
+# count that every launch leaves at 0, and a generation), zeroed once. Launches that may run at the
+# same time must not share them: one buffer per (device, stream). A buffer first needed while a
+# CUDA graph is being captured is allocated (and zeroed) inside that capture: the graph's private
+# pool holds it, and every replay zeroes it first -- harmless, its count is 0 between launches.
+# Two graphs captured on one stream share that stream's buffer: do not replay them concurrently.
+_SYNC_INTS = 2 * 1024
+_SYNC_BUFFERS: dict = {}
+
+
+def _sync_buffer(device: torch.device, stream: int, ints: int) -> torch.Tensor:
+    """The barrier words of launches on (device, stream): int32, at least `ints` of them."""
+    key = (device.index, stream)
+    buf = _SYNC_BUFFERS.get(key)
+    if buf is None or buf.numel() < ints:
+        buf = torch.zeros(max(_SYNC_INTS, ints), dtype=torch.int32, device=device)
+        _SYNC_BUFFERS[key] = buf
+    return buf
 
 
 def _key(config: Optional[dict]):
@@ -97,6 +119,9 @@ def _key(config: Optional[dict]):
 # and whether every tensor is 16-byte aligned (else Triton's own launcher is used) -- never a data
 # pointer itself.
 _COMPILED: dict = {}
+# The fused kernel's barrier needs the programs of a token tile co-resident: ask the driver for a
+# cooperative launch (it refuses grids that cannot be). TORCH_LORA_TRITON_COOPERATIVE=0: plain launch.
+_COOPERATIVE = [os.environ.get("TORCH_LORA_TRITON_COOPERATIVE", "1") != "0" and not K.interpreting()]
 _FAST = [os.environ.get("TORCH_LORA_TRITON_FAST_LAUNCH", "1") != "0" and not K.interpreting()]
 _MAX_COMPILED = 4096
 
@@ -113,6 +138,12 @@ def _compiled_key(kernel, plan, tensors, scalars, out):
 
 def _launch(kernel, plan, tensors, scalars, out):
     """kernel[plan.grid](*tensors, *scalars, out, **plan.constexprs), with the direct fast path."""
+    phases = getattr(plan, "phases", (0,))
+    if len(phases) > 1:                  # the fused kernel under the interpreter: one launch per phase
+        for phase in phases:
+            _launch(kernel, dataclasses.replace(plan, constexprs={**plan.constexprs, "PHASE": phase}),
+                    tensors, scalars, out)
+        return
     if _FAST[0]:
         key, misaligned = _compiled_key(kernel, plan, tensors, scalars, out)
         c = _COMPILED.get(key)
@@ -123,6 +154,8 @@ def _launch(kernel, plan, tensors, scalars, out):
                      c[0].packed_metadata, None, None, None, *tensors, *scalars, out, *c[1])
             return
     extra = {"launch_pdl": True} if plan.launch_pdl else {}
+    if getattr(plan, "cooperative", False) and _COOPERATIVE[0]:
+        extra["launch_cooperative_grid"] = True
     if os.environ.get("TRITON_CACHE_DIR") == "":
         # jax_triton sets it to "" when imported (through any importer, not only jax_lora, which
         # restores it); Triton then cannot compile: "Could not create or locate cache dir".
@@ -183,6 +216,7 @@ def _expand_spec(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bia
 
 
 def _fused_spec(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi, config=None):
+    """(workspace, spec) of the fused launch of slices lo..hi (the workspace allocated here)."""
     mapping, sorted_ids, counts, starts, active, _ = meta_args
     T, H = x.shape
     as_, bs = lora_a[lo:hi], lora_b[lo:hi]
@@ -194,11 +228,14 @@ def _fused_spec(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bia
     a = list(as_) + [as_[0]] * (MAX_SLICES - len(as_))
     b = list(bs) + [bs[0]] * (MAX_SLICES - len(bs))
     ranks = lora_ranks if lora_ranks is not None else counts
-    return (K.lora_fused_kernel, plan,
-            (x, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], *c_ptrs, ranks, mapping, sorted_ids, counts,
-             starts, active, y),
-            (scale, T, H, sorted_ids.shape[0], L, *x.stride(), *_weight_strides(as_), *_weight_strides(bs),
-             *c_strides, *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0), *y.stride()), y)
+    ws = torch.empty(plan.workspace_shape, dtype=torch.float32, device=x.device)
+    sync = _sync_buffer(x.device, torch._C._cuda_getCurrentRawStream(x.device.index) if x.is_cuda else 0,
+                        plan.sync_ints)
+    return ws, (K.lora_fused_kernel, plan,
+                (x, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], *c_ptrs, ranks, mapping, sorted_ids, counts,
+                 starts, active, y, sync, ws),
+                (scale, T, H, sorted_ids.shape[0], L, *x.stride(), *_weight_strides(as_), *_weight_strides(bs),
+                 *c_strides, *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0), *y.stride(), *ws.stride()[:3]), y)
 
 
 def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
@@ -209,8 +246,9 @@ def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, 
     R = lora_a[0].shape[1]
     for lo, hi in _chunks(len(lora_a)):
         if fused:
-            yield None, [_fused_spec(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi,
-                                     config=fused_config)]
+            ws, spec = _fused_spec(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi,
+                                   config=fused_config)
+            yield ws, [spec]
             continue
         plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config)
         ws = torch.empty((plan.num_partials, hi - lo, T, R), dtype=torch.float32, device=x.device)
@@ -227,11 +265,12 @@ def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, 
 
 # The variable arguments of a launch, by kernel argument name: index into the per-call values
 # (x pointer, y pointer, lora_ranks pointer, workspace pointer, scale).
-_X, _Y, _RANKS, _WS, _SCALE = range(5)
+_X, _Y, _RANKS, _WS, _SCALE, _SYNC = range(6)
 _VARIABLE_ARGS = {
     "lora_shrink_kernel": {"x_ptr": _X, "ranks_ptr": _RANKS, "scale": _SCALE, "out_ptr": _WS},
     "lora_expand_kernel": {"buf_ptr": _WS, "ranks_ptr": _RANKS, "y_ptr": _Y, "out_ptr": _Y},
-    "lora_fused_kernel": {"x_ptr": _X, "ranks_ptr": _RANKS, "scale": _SCALE, "y_ptr": _Y, "out_ptr": _Y},
+    "lora_fused_kernel": {"x_ptr": _X, "ranks_ptr": _RANKS, "scale": _SCALE, "y_ptr": _Y, "out_ptr": _Y,
+                          "ws_ptr": _WS, "sync_ptr": _SYNC},
 }
 
 
@@ -252,7 +291,8 @@ class PreparedLinear:
     tensors' identities and the layout (torch_lora.PunicaWrapper does).
     """
 
-    __slots__ = ("_args", "_device", "_layout", "_steps", "_tries", "_c_steps", "_c_vars", "_c_scale")
+    __slots__ = ("_args", "_device", "_layout", "_steps", "_tries", "_c_steps", "_c_vars", "_c_scale",
+                 "_sync_ints")
 
     def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: Optional[bool] = None):
         self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused)
@@ -261,7 +301,8 @@ class PreparedLinear:
         self._device = lora_a[0].device.index
         self._tries = 0
         self._c_steps = None      # per chunk of _steps: its cuda_launch.PreparedLaunches
-        self._c_vars = None       # ctypes uint64[5]: the per-call values (_X.._SCALE)
+        self._c_vars = None       # ctypes uint64[6]: the per-call values (_X.._SYNC)
+        self._sync_ints = 0       # barrier words of the fused launches (0: none)
         self._c_scale = None
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, scale: float, lora_ranks: Optional[torch.Tensor] = None):
@@ -280,7 +321,9 @@ class PreparedLinear:
                         vals[_SCALE] = _float_bits(scale)
                         self._c_scale = scale
                 else:
-                    vals = [xp, yp, rp, 0, scale]
+                    vals = [xp, yp, rp, 0, scale, 0]
+                if self._sync_ints:
+                    vals[_SYNC] = _sync_buffer(x.device, stream, self._sync_ints).data_ptr()
                 for i, (ws_shape, launches) in enumerate(steps):
                     ws = None
                     if ws_shape is not None:
@@ -310,11 +353,12 @@ class PreparedLinear:
         if steps is None and self._tries < 2:
             self._tries += 1
             self._steps = self._build(chunks, y, x, lora_ranks)
+            self._sync_ints = max([getattr(spec[1], "sync_ints", 0) for _, specs in chunks for spec in specs])
             self._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, lora_ranks is None)
             self._c_steps = _c_launches(self._steps)
             if self._c_steps is not None:
                 import ctypes  # noqa: PLC0415
-                self._c_vars = (ctypes.c_uint64 * 5)()
+                self._c_vars = (ctypes.c_uint64 * 6)()
                 self._c_scale = None
 
     @staticmethod
@@ -329,6 +373,9 @@ class PreparedLinear:
         for ws, specs in chunks:
             if ws is not None:
                 var_ptrs = {**var_ptrs, ws.data_ptr(): _WS}
+            for _k, plan, tensors, _s, _o in specs:
+                if getattr(plan, "sync_ints", 0):
+                    var_ptrs = {**var_ptrs, tensors[-2].data_ptr(): _SYNC}
             launches = []
             for kernel, plan, tensors, scalars, out in specs:
                 key, misaligned = _compiled_key(kernel, plan, tensors, scalars, out)
@@ -426,8 +473,9 @@ def _c_launch_spec(C, compiled, names, template, slots, grid, function):
         else:
             return None
     params += [(C.NULL, 0)] * (int(hasattr(md, "global_scratch_size")) + int(hasattr(md, "profile_scratch_size")))
-    return (function, grid, 32 * int(md.num_warps), int(md.shared), bool(getattr(md, "launch_pdl", False)),
-            params, c_slots)
+    flags = (C.FLAG_PDL if getattr(md, "launch_pdl", False) else 0) | (
+        C.FLAG_COOPERATIVE if getattr(md, "launch_cooperative_grid", False) else 0)
+    return (function, grid, 32 * int(md.num_warps), int(md.shared), flags, params, c_slots)
 
 
 # ------------------------------------------------------------------------------------- backend API
