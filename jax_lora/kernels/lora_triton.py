@@ -33,12 +33,16 @@ Small batches (T <= SMALL_T_MAX, decode): the whole batch is one tile per group;
 group g and finds its tokens by comparing the mapping with the group's id, in the same round trip
 as the group ids (no prefix sum, no sorted-order load): decode time is made of dependent loads.
 
-Programmatic dependent launch (USE_PDL, torch on Hopper): in the two-kernel path the expand is
-launched as a dependent of the shrink and loads its metadata, y tile and (one rank block) B tile
-before `gdc_wait()`. The shrink is launched as a dependent too, of whatever kernel precedes it: it
-waits (`gdc_wait()`) before reading anything, and only then signals `gdc_launch_dependents()`, so
-everything before the shrink is complete when the expand's early loads run. The expand signals at
-its start, so a dependent after it (the next layer's shrink) can be scheduled early and wait there.
+Programmatic dependent launch (USE_PDL, Hopper): in the two-kernel path the expand is launched as
+a dependent of the shrink and loads its metadata, y tile and (one rank block) B tile before
+`gdc_wait()`. The shrink is launched as a dependent too, of whatever kernel precedes it: it reads
+the metadata and ranks and prefetches its A chunk into L2 before waiting (`gdc_wait()`), reads x
+only after, and only then signals `gdc_launch_dependents()`, so everything before the shrink is
+complete when the expand's early loads run. The expand signals at its start, so a dependent after
+it (the next layer's shrink) can be scheduled early: its metadata loads and weight prefetch then
+overlap the expand. What is read before the wait -- metadata, ranks, weights -- must therefore
+not be written by a kernel that lets its dependents start early (ours only write y and the
+workspace; XLA's and torch's own kernels never do: they release dependents when they complete).
 
 Split-K (shrink): the hidden dimension is cut into SPLIT_K chunks, one per program, to spread the
 weight reads of few adapters over many SMs at decode sizes. The partial sums either go to separate
@@ -179,6 +183,23 @@ def _hint16(v, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """Asks for the cache lines at ptrs (where mask) to be brought into L2, without waiting or
+    using registers (PTX prefetch.global.L2). Compiled kernels only: not under the interpreter."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(row_ptrs, row_ok, k_begin, k_end, stride_k, LINES: tl.constexpr, LINE: tl.constexpr):
+    """L2 prefetch of columns [k_begin, k_end) of the rows at row_ptrs (BLOCK,), LINE elements per
+    128-byte line, at most LINES lines per row (columns contiguous: stride_k == 1 is the case that
+    matters; other strides prefetch one element per line-sized step)."""
+    k = k_begin + tl.arange(0, LINES) * LINE
+    _prefetch_l2(row_ptrs[:, None] + k[None, :] * stride_k, row_ok[:, None] & (k < k_end)[None, :])
+
+
+@triton.jit
 def _pick(s, v0, v1, v2, v3):
     """v_s for a slice number s in 0..3 (pointers or integers)."""
     return tl.where(s == 0, v0, tl.where(s == 1, v1, tl.where(s == 2, v2, v3)))
@@ -301,27 +322,26 @@ def lora_shrink_kernel(
         K_PER_SPLIT: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
         LORA_ONLY: tl.constexpr, ATOMIC: tl.constexpr, HAS_RANKS: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
-        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr):
+        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+        PREFETCH_LINE: tl.constexpr):
     """out[p, s, t, :RANK] = scale * x[t, chunk p] @ A_s[idx[t], :, chunk p].T.
 
     Grid (slices, SPLIT_K, tiles). Plain stores write one plane per split (the workspace the
     expand kernel sums); ATOMIC adds every split into plane 0 of a zeroed output. Without
     LORA_ONLY (stand-alone shrink, no atomics), tokens of non-slot groups get zero rows.
+    PREFETCH_LINES > 0 (with USE_PDL): the program's A chunk is prefetched into L2 while the
+    kernel before it still runs.
     """
-    if USE_PDL:
-        # Launched as a programmatic dependent of whatever kernel precedes it: wait until that one
-        # is complete (it may write x or the metadata), then let the expand start its prologue.
-        gdc_wait()
-        gdc_launch_dependents()
     s = tl.program_id(0)
     split = tl.program_id(1)
     pid = tl.program_id(2)
+    # USE_PDL: launched as a programmatic dependent of the kernel before it. The metadata, ranks
+    # and A are read before waiting for it (not outputs of a kernel that lets dependents start
+    # early: see the module docstring); x only after.
     lora_id, tok, tok_ok, n_tok = _tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
                                         num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
                                         LORA_ONLY, SMALL_T)
-    if n_tok <= 0:
-        return
-    has_lora = (lora_id >= 0) & (lora_id < num_slots)   # only False without LORA_ONLY (not ATOMIC)
+    has_lora = (lora_id >= 0) & (lora_id < num_slots) & (n_tok > 0)  # False without LORA_ONLY: no-LoRA rows
     rank = _slot_rank(ranks_ptr, lora_id, has_lora, RANK, HAS_RANKS)
     a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
     stride_al = _hint16(_pick(s, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED)
@@ -331,6 +351,17 @@ def lora_shrink_kernel(
     stride_xt = _hint16(stride_xt, ALIGNED)
     k_begin = split * K_PER_SPLIT
     k_end = tl.where(has_lora, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)  # no LoRA: no loop
+    if PREFETCH_LINES > 0:
+        offs_r = tl.arange(0, BLOCK_R)
+        _prefetch_rows(a_ptr + tl.where(has_lora, lora_id, 0).to(tl.int64) * stride_al + offs_r * stride_ar,
+                       offs_r < rank, k_begin, k_end, stride_ah, PREFETCH_LINES, PREFETCH_LINE)
+    if USE_PDL:
+        # Every program waits, idle ones too: the grid must not complete (and let the expand and
+        # the kernels after it run) before the kernel before it has.
+        gdc_wait()
+        gdc_launch_dependents()
+    if n_tok <= 0:
+        return
     acc = _shrink_tile(x_ptr, a_ptr, tok, tok_ok, tl.where(has_lora, lora_id, 0), rank, k_begin, k_end,
                        hidden, stride_xt, stride_xh, stride_al, stride_ar, stride_ah,
                        BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
@@ -425,20 +456,25 @@ def lora_expand_kernel(
 
 # ------------------------------------------------------------------------------------------- fused
 
+BARRIER_SPAN = tl.constexpr(1 << 20)  # what one launch adds to a token tile's barrier counter (> programs per tile)
+
+
 @triton.jit
-def _row_barrier(sync_ptr, num_programs, WAIT: tl.constexpr):
-    """Barrier of the `num_programs` programs that share one (count, generation) pair of int32 at
-    sync_ptr. Every program arrives once; the last one to arrive resets the count to 0 and advances
-    the generation, the others (WAIT) spin until the generation moves. The count is 0 between
-    launches, so the pair needs zeroing only once; the generation's value never matters.
-    Release/acquire at GPU scope: every store before the barrier is visible after it."""
-    gen0 = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-    ticket = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == num_programs - 1:
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
-    elif WAIT:
-        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") == gen0:
+def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr):
+    """Barrier of the `num_programs` programs sharing the int32 counter at sync_ptr (one atomic each).
+
+    Every launch adds exactly BARRIER_SPAN to the counter -- program `first` adds
+    BARRIER_SPAN - (num_programs - 1), the others 1 -- so between launches it is a multiple of
+    BARRIER_SPAN (0 when allocated; 32-bit wrap-around keeps that, BARRIER_SPAN being a power of
+    two), and every program of a launch sees, as the value before its own add, one in
+    [base, base + BARRIER_SPAN): the launch is complete when the counter reaches base +
+    BARRIER_SPAN. acq_rel add / acquire polls at GPU scope: every store before the barrier is
+    visible after it. WAIT=False (interpreter's first phase): arrive only."""
+    inc = tl.where(first, BARRIER_SPAN - num_programs + 1, 1)
+    ticket = tl.atomic_add(sync_ptr, inc, sem="acq_rel", scope="gpu")
+    target = (ticket & (-BARRIER_SPAN)) + BARRIER_SPAN
+    if WAIT:
+        while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") != target:
             pass
 
 
@@ -463,7 +499,8 @@ def lora_fused_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
         NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, PHASE: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
-        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr):
+        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+        PREFETCH_LINE: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + (scale * x[t] @ A_s[idx].T) @ B_s[idx, n].T + bias.
 
     One launch, grid (P, token tiles): the P programs of a token tile share its work and meet once.
@@ -471,60 +508,72 @@ def lora_fused_kernel(
          chunk p // NUM_SLICES (K_PER_SPLIT columns) into plane p // NUM_SLICES of the float32
          workspace ws (SPLIT_K, NUM_SLICES, T, RANK); program p < NUM_TILES first loads what its
          output tile p needs besides the shrink (its B tile and y tile), so those loads overlap.
-      2. All P programs of the tile meet at a barrier (`_row_barrier`, one (count, generation)
-         int32 pair per token tile at sync_ptr, zeroed once, never by a launch).
+      2. All P programs of the tile meet at a barrier (`_row_barrier`: one int32 counter per
+         token tile at sync_ptr, zeroed once when allocated, one atomic add per program).
       3. Program p < NUM_TILES sums its slice's SPLIT_K planes and writes output tile p.
-    The barrier needs the P programs of a tile resident together: the launchers ask for a
-    cooperative launch, which the driver refuses when the grid cannot be co-resident. The
-    interpreter runs programs one after another, so it launches twice: PHASE 1 (steps 1-2 without
-    waiting), PHASE 2 (step 3); PHASE 0 (compiled) does everything in one launch.
-    Needs BLOCK_R >= RANK (one rank block). USE_PDL: launched as a programmatic dependent of the
-    kernel before it, waiting for it before reading anything (x and y may be its outputs).
+    The barrier needs the P programs of a tile resident together. They are consecutive blocks of
+    the grid (P <= a few hundred, far below what the GPU holds at once), and the GPU dispatches
+    blocks in order, so the programs of earlier tiles are all resident and finish first. A
+    cooperative launch would guarantee it, but the driver refuses one whose whole grid cannot be
+    co-resident (decode grids of 33 tiles x 32 programs were refused on the H200): the launchers
+    ask for it only when told to (FusedPlan.cooperative). The interpreter runs programs one after
+    another, so it launches twice: PHASE 1 (steps 1-2 without waiting), PHASE 2 (step 3); PHASE 0
+    (compiled) does everything in one launch. Needs BLOCK_R >= RANK (one rank block).
+    USE_PDL: launched as a programmatic dependent of the kernel before it, waiting for it before
+    reading x and y (metadata and weights are read, or prefetched, before: as in the shrink).
     """
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     p = tl.program_id(0)
     row = tl.program_id(1)
+    # Before waiting for the kernel before (USE_PDL): the metadata, the B tile (registers) and the
+    # A chunk (L2 prefetch); x and y only after.
     lora_id, tok, tok_ok, n_tok = _tile(row, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
                                         num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
                                         True, SMALL_T)
-    if n_tok <= 0:
-        return                                   # the whole row (every program of it) is idle
-    rank = _slot_rank(ranks_ptr, lora_id, lora_id >= 0, RANK, HAS_RANKS)
+    busy = n_tok > 0
+    lora_id = tl.where(busy, lora_id, 0)
+    rank = _slot_rank(ranks_ptr, lora_id, busy, RANK, HAS_RANKS)
     offs_r = tl.arange(0, BLOCK_R)
     stride_wt = _hint16(stride_wt, ALIGNED)
-    # Output tile p: its B tile and y tile, loaded before the shrink (not written by it).
     is_out = p < NUM_TILES
     s_out, n0 = _slice_of_tile(tl.minimum(p, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = (cols < _hint16(_pick(s_out, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + p) < NUM_TILES)
     if PHASE != 1:
-        y_offs, write, y_old = _y_tile(y_ptr, tok, tok_ok, cols, col_ok,
-                                       _hint16(_pick(s_out, off0, off1, off2, off3), ALIGNED),
-                                       _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS)
         b_ptr = _pick(s_out, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
         bt = _load_rank_cols(b_ptr + lora_id.to(tl.int64) * _hint16(_pick(s_out, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
                              + cols[:, None] * _hint16(_pick(s_out, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
                              + offs_r[None, :] * _pick(s_out, sb0_r, sb1_r, sb2_r, sb3_r),
                              col_ok, offs_r, rank, RANK, HAS_RANKS)
+    s_in = p % NUM_SLICES
+    split = p // NUM_SLICES
+    a_ptr = _pick(s_in, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
+    stride_al = _hint16(_pick(s_in, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED)
+    stride_ar = _hint16(_pick(s_in, sa0_r, sa1_r, sa2_r, sa3_r), ALIGNED)
+    stride_ah = _pick(s_in, sa0_h, sa1_h, sa2_h, sa3_h)
+    hidden = _hint16(hidden, ALIGNED)
+    k_begin = split * K_PER_SPLIT
+    k_end = tl.where(p < NUM_SLICES * SPLIT_K, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)
+    if PREFETCH_LINES > 0:
+        _prefetch_rows(a_ptr + lora_id.to(tl.int64) * stride_al + offs_r * stride_ar, offs_r < rank,
+                       k_begin, k_end, stride_ah, PREFETCH_LINES, PREFETCH_LINE)
+    if USE_PDL:
+        gdc_wait()                               # every program, idle ones too (see the shrink)
+        gdc_launch_dependents()
+    if n_tok <= 0:
+        return                                   # the whole row (every program of it) is idle
+    if PHASE != 1:
+        y_offs, write, y_old = _y_tile(y_ptr, tok, tok_ok, cols, col_ok,
+                                       _hint16(_pick(s_out, off0, off1, off2, off3), ALIGNED),
+                                       _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS)
     if PHASE != 2:
         if p < NUM_SLICES * SPLIT_K:
-            s_in = p % NUM_SLICES
-            split = p // NUM_SLICES
-            hidden = _hint16(hidden, ALIGNED)
-            k_begin = split * K_PER_SPLIT
-            acc = _shrink_tile(x_ptr, _pick(s_in, a0_ptr, a1_ptr, a2_ptr, a3_ptr), tok, tok_ok, lora_id, rank,
-                               k_begin, tl.minimum(k_begin + K_PER_SPLIT, hidden), hidden,
-                               _hint16(stride_xt, ALIGNED), stride_xh,
-                               _hint16(_pick(s_in, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED),
-                               _hint16(_pick(s_in, sa0_r, sa1_r, sa2_r, sa3_r), ALIGNED),
-                               _pick(s_in, sa0_h, sa1_h, sa2_h, sa3_h),
+            acc = _shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidden,
+                               _hint16(stride_xt, ALIGNED), stride_xh, stride_al, stride_ar, stride_ah,
                                BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
             ws = (ws_ptr + split.to(tl.int64) * _hint16(stride_wp, ALIGNED) + s_in * _hint16(stride_ws, ALIGNED)
                   + tok[:, None] * stride_wt + offs_r[None, :])
             tl.store(ws, acc * scale, mask=tok_ok[:, None] & (offs_r < RANK)[None, :])
-        _row_barrier(sync_ptr + 2 * row, tl.num_programs(0), PHASE == 0)
+        _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0)
     if PHASE != 1:
         if is_out:
             # All SPLIT_K planes in one load (all in flight at once), from L2 (".cg": not L1), summed.
@@ -639,18 +688,32 @@ class ExpandPlan:
 class FusedPlan(ExpandPlan):
     workspace_shape: tuple = ()   # (SPLIT_K, slices, T, rank) float32
 
-    cooperative = True            # the P programs of a token tile wait for each other
+    # Ask for a cooperative launch (co-residency checked by the driver, which refuses large decode
+    # grids: see lora_fused_kernel). JAX_LORA_TRITON_COOPERATIVE=1 turns it on.
+    cooperative = os.environ.get("JAX_LORA_TRITON_COOPERATIVE", "0") == "1"
 
     @property
     def sync_ints(self) -> int:
-        """int32 barrier words the launch needs (zeroed once, reused by every launch)."""
-        return 2 * self.grid[1]
+        """int32 barrier counters the launch needs, one per token tile (zeroed once, reused)."""
+        return self.grid[1]
 
     @property
     def phases(self) -> tuple:
         """PHASE values to launch in order: one launch compiled, two under the interpreter."""
         phase = self.constexprs["PHASE"]
         return (1, 2) if interpreting() and phase == 0 else (phase,)
+
+
+PREFETCH_MAX_LINES = 64  # L2 prefetch of at most this many 128-byte lines per weight row
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _prefetch(pdl: bool, columns: int, w_dtype: str) -> dict:
+    """PREFETCH_LINES / PREFETCH_LINE: prefetch a program's weight chunk into L2 before waiting for
+    the kernel before it (PDL launches, compiled only: inline PTX)."""
+    line = 128 // _DTYPE_BYTES.get(w_dtype, 2)
+    lines = 0 if (not pdl or interpreting()) else min(PREFETCH_MAX_LINES, next_pow2(triton.cdiv(columns, line)))
+    return dict(PREFETCH_LINES=lines, PREFETCH_LINE=line)
 
 
 def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_groups: int,
@@ -674,7 +737,7 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
                       K_PER_SPLIT=k_per_split, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
                       LORA_ONLY=bool(lora_only or atomic), ATOMIC=atomic, HAS_RANKS=bool(has_ranks),
                       CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
-                      USE_PDL=bool(pdl))
+                      USE_PDL=bool(pdl), **_prefetch(pdl, k_per_split, w_dtype))
     grid = (num_slices, split, max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))
     return ShrinkPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
                       split if workspace else 1, atomic)
@@ -735,7 +798,8 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              NUM_TILES=total,
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
-             DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl))
+             DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl),
+             **_prefetch(pdl, k_per_split, w_dtype))
     grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
                      (split, num_slices, num_tokens, rank))

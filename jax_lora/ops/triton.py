@@ -198,7 +198,7 @@ def _fused_spec(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, co
     b = list(lora_b) + [lora_b[0]] * (MAX_SLICES - len(lora_b))
     values = [x, *a, *b, *c_ptrs, _ranks(lora_ranks, counts), mapping, sorted_ids, counts, starts, active, y,
               SYNC, WORKSPACE]
-    y_pos = values.index(y)
+    y_pos = len(values) - 3
     values += [float(scale), T, H, sorted_ids.shape[0], L,
                *K.row_major_strides(x.shape), *_wstrides(lora_a), *_wstrides(lora_b), *c_strides,
                *K.pad4(widths, 0), *K.pad4(offsets, 0), *K.row_major_strides(y.shape),

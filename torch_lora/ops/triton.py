@@ -119,9 +119,8 @@ def _key(config: Optional[dict]):
 # and whether every tensor is 16-byte aligned (else Triton's own launcher is used) -- never a data
 # pointer itself.
 _COMPILED: dict = {}
-# The fused kernel's barrier needs the programs of a token tile co-resident: ask the driver for a
-# cooperative launch (it refuses grids that cannot be). TORCH_LORA_TRITON_COOPERATIVE=0: plain launch.
-_COOPERATIVE = [os.environ.get("TORCH_LORA_TRITON_COOPERATIVE", "1") != "0" and not K.interpreting()]
+# FusedPlan.cooperative (JAX_LORA_TRITON_COOPERATIVE=1): the fused kernel as a cooperative launch.
+_COOPERATIVE = [not K.interpreting()]
 _FAST = [os.environ.get("TORCH_LORA_TRITON_FAST_LAUNCH", "1") != "0" and not K.interpreting()]
 _MAX_COMPILED = 4096
 
