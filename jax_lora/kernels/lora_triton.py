@@ -712,7 +712,8 @@ def _prefetch(pdl: bool, columns: int, w_dtype: str) -> dict:
     """PREFETCH_LINES / PREFETCH_LINE: prefetch a program's weight chunk into L2 before waiting for
     the kernel before it (PDL launches, compiled only: inline PTX)."""
     line = 128 // _DTYPE_BYTES.get(w_dtype, 2)
-    lines = 0 if (not pdl or interpreting()) else min(PREFETCH_MAX_LINES, next_pow2(triton.cdiv(columns, line)))
+    off = not pdl or interpreting() or os.environ.get("JAX_LORA_TRITON_PREFETCH", "1") == "0"
+    lines = 0 if off else min(PREFETCH_MAX_LINES, next_pow2(triton.cdiv(columns, line)))
     return dict(PREFETCH_LINES=lines, PREFETCH_LINE=line)
 
 
