@@ -92,6 +92,34 @@ def test_linear_ranks_bias(dtype, T, fused):
     assert torch.equal(out[:, :3], y[:, :3]) and torch.equal(out[:, 99:], y[:, 99:])
 
 
+@pytest.mark.parametrize("T", [6, 40])
+def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
+    """The fused kernel's per-tile barrier: every program of a busy token tile arrives exactly once
+    per launch (the counter moves by BARRIER_SPAN), idle tiles never; split-K over several planes
+    and several output tiles per token tile, so the tile really has many programs."""
+    from torch_lora.ops import triton as TT
+    H, R, widths, L = 256, 16, (64, 32), 4
+    rng, idx, x, a, b = _problem(3, T, H, R, widths, L, torch.float32)
+    idx[: T // 3] = 2                            # some adapters busy, slot 3 never: idle tiles
+    idx[idx == 3] = -1
+    meta = _meta(idx, L)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=1)
+    plan = TT._fused_plan(T, H, R, widths, meta.meta_args(T)[4].shape[0], L, "float32", "float32", (False, False),
+                          False, TT._key(cfg))
+    assert plan.grid[0] == max(sum(-(-w // 16) for w in widths), 2 * 4) > 4 and plan.constexprs["SPLIT_K"] == 4
+    TT._SYNC_BUFFERS.clear()
+    ref = None
+    for launch in range(1, 3):
+        y = torch.zeros(T, sum(widths), dtype=torch.float32, device=DEV)
+        TT.linear(y, x, a, b, meta.meta_args(T), 0.5, (0, 64), fused=True, fused_config=cfg)
+        counters = next(iter(TT._SYNC_BUFFERS.values()))[: plan.grid[1]].cpu().numpy().astype(np.int64)
+        busy = counters != 0
+        assert busy.sum() >= 2 and (~busy).sum() >= 1, counters
+        assert np.all(counters[busy] == launch * K.BARRIER_SPAN.value), counters
+        ref = ref if ref is not None else _oracle_linear(torch.zeros(T, 96), x, a, b, idx, 0.5, (0, 64))
+        assert _rel(_np(y), ref) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("T", [7, 37])
 def test_shrink_poisoned_and_split(T):
     """Every row written (0 without LoRA); split-K by atomics and by workspace planes agree."""

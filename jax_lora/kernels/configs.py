@@ -132,8 +132,20 @@ def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_
                          num_slices, num_slots)
 
 
+def use_prefetch(num_tokens: int, rank: int) -> bool:
+    """Whether the shrink prefetches its A chunk into L2 before waiting for the kernel before it
+    (PDL launches only). Measured on the H200 (2026-11-30 13:48, the whole sweep with and without,
+    benchmarks/results/triton_h200_20261130T1348_prefetch_on / _1349_prefetch_off): 2-11% faster
+    for T <= 16 and for T <= 256 at rank 16 (few adapters); up to 40% slower at T = 32 with 8
+    adapters and 10-20% slower at rank 64 from T = 128 on (many programs prefetching the same
+    chunks). JAX_LORA_TRITON_PREFETCH=0 turns it off everywhere."""
+    return num_tokens <= 16 or (num_tokens <= 256 and rank <= 16 and num_tokens > 64)
+
+
 def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
-    """cfg (a shrink config) with SPLIT_K = 0 resolved and the split caps applied (in place)."""
+    """cfg (a shrink config) with SPLIT_K = 0 resolved and the split caps applied (in place);
+    PREFETCH (use_prefetch) set unless the config says."""
+    cfg.setdefault("PREFETCH", use_prefetch(num_tokens, rank))
     chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
     if cfg["SPLIT_K"] == 0:
         busy = num_slices * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])

@@ -723,7 +723,8 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
     """Grid and meta-parameters of `lora_shrink_kernel`.
 
     workspace=True: the output has one plane per split (the linear path); else SPLIT_K > 1 means
-    atomic adds into a zeroed output. config: BLOCK_M, BLOCK_K, SPLIT_K, num_warps, num_stages.
+    atomic adds into a zeroed output. config: BLOCK_M, BLOCK_K, SPLIT_K, num_warps, num_stages,
+    PREFETCH (default True: L2 prefetch of the A chunk before the PDL wait, if pdl).
     """
     block_m, block_k = int(config["BLOCK_M"]), int(config["BLOCK_K"])
     small_t, block_m = small_t_block(num_tokens, block_m)
@@ -738,7 +739,7 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
                       K_PER_SPLIT=k_per_split, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
                       LORA_ONLY=bool(lora_only or atomic), ATOMIC=atomic, HAS_RANKS=bool(has_ranks),
                       CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
-                      USE_PDL=bool(pdl), **_prefetch(pdl, k_per_split, w_dtype))
+                      USE_PDL=bool(pdl), **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
     grid = (num_slices, split, max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))
     return ShrinkPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
                       split if workspace else 1, atomic)
@@ -800,7 +801,7 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
              DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl),
-             **_prefetch(pdl, k_per_split, w_dtype))
+             **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
     grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
                      (split, num_slices, num_tokens, rank))
