@@ -391,7 +391,10 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
     L, R, _ = lora_a[0].shape
     offsets = tuple(int(o) for o in offsets)
     if fused is None:
-        fused = configs.use_fused(T, H, R, len(lora_a), L)
+        # Not by default under jit: the call zeroes the fused kernel's barrier counters with a
+        # memset node, and measured on the H200 (2026-11-30 14:0x) that made T1 slower than the
+        # two-kernel call (14.0-14.4 vs 7.8-10.3 us); explicit fused=True still runs it.
+        fused = configs.use_fused(T, H, R, len(lora_a), L) and K.interpreting()
     if _use_interpreter(y, x, *lora_a):
         from torch_lora.ops import triton as TT  # noqa: PLC0415
         S = len(lora_b)
