@@ -111,6 +111,48 @@ def test_parameters_follow_the_kernel_signature_as_triton_specialises_it():
     assert scale == (F._F32, int(np.array(0.5, np.float32).view(np.int32)))
 
 
+def test_the_fused_kernel_gets_the_persistent_barrier_counters_not_a_result():
+    """Its barrier counters are the handler's zeroed-once buffer (kind COUNTERS, *i32), so the call
+    has no per-call memset; its workspace is result 1."""
+    from jax_lora.meta import LoRAKernelMeta
+    from jax_lora.ops import triton as JT
+    T, H, R, L = 8, 256, 16, 4
+    x = jnp.zeros((T, H), jnp.bfloat16)
+    y = jnp.zeros((T, 192), jnp.bfloat16)
+    a = [jnp.zeros((L, R, H), jnp.bfloat16) for _ in range(2)]
+    b = [jnp.zeros((L, n, R), jnp.bfloat16) for n in (128, 64)]
+    meta = LoRAKernelMeta.build(np.array([0, 1, 1, -1, 2, 0, 3, 3], np.int32), L, T)
+    spec = JT._fused_spec(y, x, a, b, meta, 0.5, (0, 128), None, None,
+                          config=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2))
+    assert [j for j, _ in spec.extra] == [1]
+    operands, params = [], []
+    for v in spec.values:
+        if v is JT.SYNC:
+            params.append(F.Counters(spec.plan.sync_ints))
+        elif v is JT.WORKSPACE:
+            params.append(F.Out(1))
+        elif JT._is_array(v):
+            operands.append(v)
+            params.append(F.Arg(len(operands) - 1))
+        else:
+            params.append(v)
+    launch = F.Launch(spec.kernel, spec.plan.grid, 4, 2, spec.plan.constexprs, tuple(params) + (F.Out(0),))
+    sig, _, attrs, passed = F._specialise(launch, operands, [spec.out_shape, spec.extra[0][1]])
+    free = [n for n in spec.kernel.arg_names if sig[n] != "constexpr"]
+    assert sig["sync_ptr"] == "*i32" and sig["ws_ptr"] == "*fp32"
+    assert passed[free.index("sync_ptr")] == (F._COUNTERS, 0)
+    assert passed[free.index("ws_ptr")] == (F._OUT, 1)
+    assert spec.plan.sync_ints == spec.plan.grid[1]
+
+
+def test_counter_allocation_without_a_driver_fails_with_a_message(library):
+    err = ctypes.create_string_buffer(512)
+    assert library.jl_ensure_counters(-1, 4, err, len(err)) == -1
+    assert b"bad device" in err.value
+    rc = library.jl_ensure_counters(0, 4, err, len(err))
+    assert rc == 0 or err.value.startswith(b"jax_lora ffi launcher:"), err.value
+
+
 def test_a_parameter_count_that_does_not_match_the_kernel_is_an_error():
     spec = _shrink_spec()
     launch = F.Launch(spec.kernel, spec.plan.grid, 4, 2, spec.plan.constexprs, (F.Arg(0),))

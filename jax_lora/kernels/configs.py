@@ -181,6 +181,11 @@ def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices
 _FORCE_FUSED = os.environ.get("JAX_LORA_TRITON_FUSED", "auto")
 
 
+def fused_forced():
+    """True / False when JAX_LORA_TRITON_FUSED forces the fused kernel on / off, else None."""
+    return None if _FORCE_FUSED not in ("0", "1") else _FORCE_FUSED == "1"
+
+
 def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> bool:
     """True when the one-launch fused kernel is expected to beat shrink + expand (decode sizes).
     The fused kernel needs the whole rank in one block (rank <= 64 here)."""

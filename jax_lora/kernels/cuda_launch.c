@@ -25,7 +25,8 @@
      params   int64[2 * sum of parameters]  per parameter (kind, value):
                             0 operand pointer (value: operand index), 1 result pointer (index),
                             2 int32, 3 float32 (value: its bits), 4 int64, 5 null pointer
-                            (Triton's global / profile scratch when the kernel needs none)
+                            (Triton's global / profile scratch when the kernel needs none),
+                            7 the device's barrier counters (value: first int32)
 */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -57,6 +58,8 @@ typedef CUresult (*ModuleGetFunction_t)(CUfunction*, CUmodule, const char*);
 typedef CUresult (*FuncSetAttribute_t)(CUfunction, CUfunction_attribute, int);
 typedef CUresult (*GetErrorString_t)(CUresult, const char**);
 typedef CUresult (*Init_t)(unsigned int);
+typedef CUresult (*MemAlloc_t)(CUdeviceptr*, size_t);
+typedef CUresult (*MemsetD8_t)(CUdeviceptr, unsigned char, size_t);
 
 static struct {
   int ready;
@@ -71,6 +74,8 @@ static struct {
   ModuleGetFunction_t get_function;
   FuncSetAttribute_t set_attribute;
   GetErrorString_t error_string;
+  MemAlloc_t mem_alloc;
+  MemsetD8_t memset8_sync;
 } cu;
 
 typedef struct {
@@ -106,6 +111,8 @@ static int load_driver(char* err, int err_len) {
   JL_SYM(get_function, "cuModuleGetFunction");
   JL_SYM(set_attribute, "cuFuncSetAttribute");
   JL_SYM(error_string, "cuGetErrorString");
+  JL_SYM(mem_alloc, "cuMemAlloc_v2");
+  JL_SYM(memset8_sync, "cuMemsetD8_v2");
 #undef JL_SYM
   Init_t init = (Init_t)dlsym(lib, "cuInit");
   if (!init || init(0) != CUDA_SUCCESS) {
@@ -181,6 +188,51 @@ int jl_load_kernel(int64_t id, const void* cubin, const char* name, int shared_b
     goto done;
   }
   __atomic_store_n(&k->fn[device], fn, __ATOMIC_RELEASE);
+  rc = 0;
+done:
+  pthread_mutex_unlock(&table_lock);
+  return rc;
+}
+
+/* Barrier counters (parameter kind 7 of the FFI handler): one zeroed int32 buffer per device,
+   allocated outside any launch (jl_ensure_counters, called when a program is traced) and never
+   freed (recorded graphs keep its address). Kernels using them leave every counter as a multiple
+   of their span (lora_fused_kernel), so they need zeroing only once. One buffer per device: XLA
+   launches a device's work on one compute stream; two such kernels must not run concurrently. */
+static CUdeviceptr counters[JL_MAX_DEVICES];
+static int64_t counter_ints[JL_MAX_DEVICES];
+
+/* Makes device `device`'s counter buffer hold at least `ints` int32 (a new, zeroed buffer when
+   it is smaller). 0, or -1 with a message in err. */
+int jl_ensure_counters(int device, int64_t ints, char* err, int err_len) {
+  if (device < 0 || device >= JL_MAX_DEVICES || ints < 0) {
+    snprintf(err, err_len, "jax_lora ffi launcher: bad device %d or counter count", device);
+    return -1;
+  }
+  if (load_driver(err, err_len)) return -1;
+  pthread_mutex_lock(&table_lock);
+  int rc = -1;
+  if (__atomic_load_n(&counter_ints[device], __ATOMIC_ACQUIRE) >= ints) {
+    rc = 0;
+    goto done;
+  }
+  int64_t n = ints < 16384 ? 16384 : ints;
+  CUdevice dev;
+  CUcontext ctx, popped;
+  CUdeviceptr p = 0;
+  CUresult r = cu.device_get(&dev, device);
+  if (r == CUDA_SUCCESS) r = cu.primary_retain(&ctx, dev);
+  if (r == CUDA_SUCCESS && (r = cu.push(ctx)) == CUDA_SUCCESS) {
+    r = cu.mem_alloc(&p, (size_t)n * 4);
+    if (r == CUDA_SUCCESS) r = cu.memset8_sync(p, 0, (size_t)n * 4);
+    cu.pop(&popped);
+  }
+  if (r != CUDA_SUCCESS) {
+    snprintf(err, err_len, "jax_lora ffi launcher: barrier counters on device %d: %s", device, cu_error(r));
+    goto done;
+  }
+  counters[device] = p;
+  __atomic_store_n(&counter_ints[device], n, __ATOMIC_RELEASE);
   rc = 0;
 done:
   pthread_mutex_unlock(&table_lock);
@@ -429,6 +481,13 @@ XLA_FFI_Error* jl_triton_launch(XLA_FFI_CallFrame* cf) {
         memcpy(&store[i], &w, sizeof(w));
       } else if (kind == 4) {
         memcpy(&store[i], &v, sizeof(v));
+      } else if (kind == 7) {
+        if (v < 0 || v >= __atomic_load_n(&counter_ints[(int)device], __ATOMIC_ACQUIRE))
+          return ffi_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION,
+                           "jax_lora ffi launcher: barrier counters not allocated on this device (they are "
+                           "allocated when the program is traced)");
+        CUdeviceptr p = counters[(int)device] + (CUdeviceptr)(4 * v);
+        memcpy(&store[i], &p, sizeof(p));
       } else if (kind != 5) {
         return ffi_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "jax_lora ffi launcher: bad parameter kind");
       }

@@ -22,7 +22,7 @@ from typing import Sequence
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_launch.c")
 # parameter kinds of jl_prepared_new (and, 0-5, of the FFI handler's `params` attribute)
-ARG, OUT, I32, F32, I64, NULL, PTR = range(7)
+ARG, OUT, I32, F32, I64, NULL, PTR, COUNTERS = range(8)
 
 
 def _cache_dir() -> str:
@@ -86,6 +86,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.jl_prepared_free.restype = None
     lib.jl_prepared_launch.argtypes = [c.POINTER(c.c_void_p), c.c_int, c.c_void_p, c.POINTER(c.c_uint64)]
     lib.jl_prepared_launch.restype = c.c_int
+    lib.jl_ensure_counters.argtypes = [c.c_int, c.c_int64, c.c_char_p, c.c_int]
+    lib.jl_ensure_counters.restype = c.c_int
     lib.jl_error_string.argtypes = [c.c_int]
     lib.jl_error_string.restype = c.c_char_p
     return lib

@@ -14,7 +14,8 @@ the whole cost of a LoRA layer (docs/benchmarks.md). This module instead:
 
 A call is a sequence of `Launch`es. Each names the kernel, grid, warps, stages and constexprs, and
 gives every non-constexpr kernel parameter in order as `Arg(i)` (operand i's pointer), `Out(j)`
-(result j's pointer), an int or a float. Kernels that need Triton's global or profile scratch
+(result j's pointer), `Counters(n)` (n int32 of the device's persistent barrier counters), an int
+or a float. Kernels that need Triton's global or profile scratch
 memory are refused (the LoRA kernels need none).
 
 `available()` says whether the launcher can be used here (a CUDA backend and a C compiler);
@@ -43,12 +44,31 @@ _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "floa
 # parameter kinds of the handler's `params` attribute (cuda_launch.c)
 _ARG, _OUT, _I32, _F32, _I64, _NULL = (cuda_launch.ARG, cuda_launch.OUT, cuda_launch.I32, cuda_launch.F32,
                                        cuda_launch.I64, cuda_launch.NULL)
+_COUNTERS = cuda_launch.COUNTERS
 _LOCK = threading.Lock()
+
+
+def _ensure_counters(ints: int) -> None:
+    """Every local GPU's barrier-counter buffer holds at least `ints` int32 (at trace time)."""
+    devices = _gpu_devices()
+    if not devices:
+        return
+    lib = _library()
+    err = ctypes.create_string_buffer(512)
+    for d in devices:
+        if lib.jl_ensure_counters(int(d.local_hardware_id), int(ints), err, len(err)):
+            raise RuntimeError(err.value.decode())
 
 
 class Arg(NamedTuple):
     """A kernel pointer parameter: operand `index` of the call."""
     index: int
+
+
+class Counters(NamedTuple):
+    """An int32 pointer parameter: `ints` barrier counters of the device's persistent, zeroed-once
+    buffer (cuda_launch.c `jl_ensure_counters`; for kernels that leave them as they found them)."""
+    ints: int
 
 
 class Out(NamedTuple):
@@ -158,6 +178,11 @@ def _specialise(launch: Launch, operands, results):
             sig[name] = "*" + _triton_type(aval.dtype)
             attrs[(i,)] = [["tt.divisibility", 16]]              # XLA buffers are >= 16-byte aligned
             passed.append((_ARG if isinstance(v, Arg) else _OUT, v.index))
+        elif isinstance(v, Counters):
+            sig[name] = "*i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+            passed.append((_COUNTERS, 0))
+            _ensure_counters(v.ints)
         elif isinstance(v, (bool, np.bool_)):
             raise TypeError(f"{launch.kernel.__name__}.{name}: pass booleans as constexprs")
         elif isinstance(v, (int, np.integer)):

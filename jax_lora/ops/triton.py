@@ -109,8 +109,14 @@ def _ranks(lora_ranks, counts):
 # into its command buffers) runs specs; jax_triton's `triton_call` is the fallback
 # (JAX_LORA_TRITON_LAUNCHER=jax_triton, or no C compiler / non-CUDA GPU).
 
+# Whether jit-compiled calls follow the tuned table's fused classes (torch always does). Off while
+# the JAX fused call zeroed its barrier counters with a memset node per call (T1: 14.0-14.4 us
+# against 7.8-10.3 for the two-kernel call, H200 2026-11-30 ~14:05, benchmarks/results/
+# jax_fused_vs_two_kernel_20261130T1405.md).
+JAX_FUSED_BY_TABLE = False
+
 WORKSPACE = object()  # parameter placeholder: the workspace written by the shrink of the same call
-SYNC = object()       # parameter placeholder: the fused kernel's barrier words (zeroed by the call)
+SYNC = object()       # parameter placeholder: the fused kernel's barrier counters (the handler's)
 
 
 class _Spec(NamedTuple):
@@ -180,7 +186,8 @@ def _expand_spec(buf, buf_shape, lora_b, y, meta, offsets, add_inputs, lora_rank
 
 
 def _fused_spec(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False) -> _Spec:
-    """lora_fused_kernel's launch: result 0 is y, 1 the float32 workspace, 2 the barrier words."""
+    """lora_fused_kernel's launch: result 0 is y, 1 the float32 workspace; its barrier counters are
+    the FFI handler's persistent per-device buffer (SYNC)."""
     mapping, sorted_ids, counts, starts, active = _meta_arrays(meta)
     T, H = x.shape
     L, R, _ = lora_a[0].shape
@@ -203,7 +210,7 @@ def _fused_spec(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, co
                *K.row_major_strides(x.shape), *_wstrides(lora_a), *_wstrides(lora_b), *c_strides,
                *K.pad4(widths, 0), *K.pad4(offsets, 0), *K.row_major_strides(y.shape),
                *K.row_major_strides(ws_shape)[:3]]
-    extra = ((1, jax.ShapeDtypeStruct(ws_shape, jnp.float32)), (2, jax.ShapeDtypeStruct((plan.sync_ints,), jnp.int32)))
+    extra = ((1, jax.ShapeDtypeStruct(ws_shape, jnp.float32)),)
     return _Spec(K.lora_fused_kernel, plan, values, jax.ShapeDtypeStruct(y.shape, y.dtype), y_pos, extra)
 
 
@@ -232,7 +239,7 @@ def _run_ffi(specs: Sequence[_Spec], outs: Sequence[int], pdl: Sequence[bool] = 
             if v is WORKSPACE:
                 params.append(F.Out(1))
             elif v is SYNC:
-                params.append(F.Out(2))
+                params.append(F.Counters(spec.plan.sync_ints))
             elif _is_array(v):
                 if id(v) not in index:
                     index[id(v)] = len(operands)
@@ -245,8 +252,7 @@ def _run_ffi(specs: Sequence[_Spec], outs: Sequence[int], pdl: Sequence[bool] = 
         params.append(F.Out(outs[i]))
         launches.append(F.Launch(spec.kernel, spec.plan.grid, spec.plan.num_warps, spec.plan.num_stages,
                                  spec.plan.constexprs, tuple(params),
-                                 zero_out=2 if any(v is SYNC for v in spec.values) else (
-                                     outs[i] if getattr(spec.plan, "atomic", False) else -1),
+                                 zero_out=outs[i] if getattr(spec.plan, "atomic", False) else -1,
                                  pdl=bool(pdl[i]) if pdl else False,
                                  cooperative=bool(getattr(spec.plan, "cooperative", False))))
     shapes = [results[j] for j in range(len(results))]
@@ -391,10 +397,9 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
     L, R, _ = lora_a[0].shape
     offsets = tuple(int(o) for o in offsets)
     if fused is None:
-        # Not by default under jit: the call zeroes the fused kernel's barrier counters with a
-        # memset node, and measured on the H200 (2026-11-30 14:0x) that made T1 slower than the
-        # two-kernel call (14.0-14.4 vs 7.8-10.3 us); explicit fused=True still runs it.
-        fused = configs.use_fused(T, H, R, len(lora_a), L) and K.interpreting()
+        forced = configs.fused_forced()
+        fused = forced if forced is not None else (
+            configs.use_fused(T, H, R, len(lora_a), L) and (K.interpreting() or JAX_FUSED_BY_TABLE))
     if _use_interpreter(y, x, *lora_a):
         from torch_lora.ops import triton as TT  # noqa: PLC0415
         S = len(lora_b)
