@@ -109,11 +109,12 @@ def _ranks(lora_ranks, counts):
 # into its command buffers) runs specs; jax_triton's `triton_call` is the fallback
 # (JAX_LORA_TRITON_LAUNCHER=jax_triton, or no C compiler / non-CUDA GPU).
 
-# Whether jit-compiled calls follow the tuned table's fused classes (torch always does). Off while
-# the JAX fused call zeroed its barrier counters with a memset node per call (T1: 14.0-14.4 us
-# against 7.8-10.3 for the two-kernel call, H200 2026-11-30 ~14:05, benchmarks/results/
-# jax_fused_vs_two_kernel_20261130T1405.md).
-JAX_FUSED_BY_TABLE = False
+# Whether jit-compiled calls follow the tuned table's fused classes, as torch does (same kernels,
+# same numerics on both sides). It was off while the JAX fused call zeroed its barrier counters
+# with a memset node per call (T1: 14.0-14.4 us against 7.8-10.3 for the two-kernel call); with the
+# handler's persistent counters the two are within JAX's run-to-run spread (T1 s1 8.9 vs 11.1, s3
+# 10.1 vs 9.4 us; H200 2026-11-30, benchmarks/results/jax_fused_vs_two_kernel_20261130T1405.md).
+JAX_FUSED_BY_TABLE = True
 
 WORKSPACE = object()  # parameter placeholder: the workspace written by the shrink of the same call
 SYNC = object()       # parameter placeholder: the fused kernel's barrier counters (the handler's)
