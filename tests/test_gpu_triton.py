@@ -215,11 +215,13 @@ def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
         assert _err(work, ref) < 2e-2, trial
 
 
-def test_chained_calls_wait_for_the_previous_kernel():
-    """Programmatic dependent launch: each call's shrink may be scheduled while the previous call's
-    expand still runs, and must wait for it (gdc_wait) before reading x. Chain 12 calls where x of
-    call i+1 is y of call i, eagerly and in a CUDA graph, and compare bit for bit with the same
-    chain synchronised after every call (no overlap possible)."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_chained_calls_wait_for_the_previous_kernel(fused):
+    """Programmatic dependent launch: each call's shrink (or fused kernel) may be scheduled while the
+    previous call still runs -- reading metadata and prefetching weights -- and must wait for it
+    (gdc_wait) before reading x. Chain 12 calls where x of call i+1 is y of call i, eagerly and in a
+    CUDA graph, and compare bit for bit with the same chain synchronised after every call (no
+    overlap possible)."""
     from torch_lora.ops import triton as TT
     T, H, R, L = 16, 2048, 16, 4
     x, a, b, idx, meta, _, _ = _setup(T, H, R, (H,), L, 4, torch.bfloat16, 12, frac_none=0.0)
@@ -228,7 +230,7 @@ def test_chained_calls_wait_for_the_previous_kernel():
     def chain(ys, sync):
         prev = x
         for y in ys:
-            TT.linear(y, prev, a, b, meta.meta_args(T), 0.5, (0,))
+            TT.linear(y, prev, a, b, meta.meta_args(T), 0.5, (0,), fused=fused)
             if sync:
                 torch.cuda.synchronize()
             prev = y

@@ -9,8 +9,9 @@ the grid": enough splits of the hidden size that about TARGET_PROGRAMS programs 
 where a handful of adapters would otherwise leave most SMs idle).
 
 `use_fused(...)` decides between the one-launch fused kernel and shrink + expand: the tuner times
-both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30, it won in
-no class: see docs/benchmarks.md). For T > 128 the split-K count is capped (workspace re-reads).
+both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30: T <= 16 at
+rank 16, see docs/benchmarks.md). `use_prefetch(...)` decides where the shrink prefetches its
+weights into L2 before its PDL wait. For T > 128 the split-K count is capped (workspace re-reads).
 Under Triton's interpreter (CPU tests) large tiles are used instead: the interpreter's cost is per
 program and per loop trip, not per element.
 """

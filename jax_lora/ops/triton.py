@@ -15,7 +15,8 @@ lazily there). Without the interpreter a clear error says what to do.
 
 Contract (jax_lora.ops.dispatch): shrink -> (S, T, r) float32; expand -> new y; `linear` is the
 add_lora_linear path (y + sum_s slices, add_inputs=True): split-K shrink into a workspace + expand,
-or the one-launch fused kernel where the tuned table says it wins.
+or the one-launch fused kernel where the tuned table says it wins (FFI launcher only; its barrier
+counters are the handler's persistent per-device buffer, `ffi_launcher.Counters`).
 """
 from __future__ import annotations
 

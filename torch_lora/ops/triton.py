@@ -4,10 +4,12 @@ Contract (torch_lora.ops.dispatch): `shrink` writes every row of `out` (0 for to
 LoRA), `expand` writes the slices of `y` in place; `linear` is shrink + expand with add_inputs
 (`add_lora_linear`'s math): a split-K shrink into a float32 workspace and an expand launched as its
 programmatic dependent (Hopper; the shrink itself is a dependent of the kernel before it and waits
-for it before reading anything), or the one-launch fused kernel for the shape classes where the
-tuned table says it wins (none on the H200 as of 2026-11-30; `fused=True` forces it).
-`prepare_linear` binds `linear`'s persistent arguments once (`PreparedLinear`: the argument lists
-of both launches, built once; a call fills in x, y, workspace, lora_ranks and scale).
+for it before reading x), or the one-launch fused kernel for the shape classes where the tuned
+table says it wins (on the H200: T <= 16 at rank 16; `fused=True` / `False` forces either). The
+fused kernel's barrier counters come from `_sync_buffer` (one zeroed-once buffer per (device,
+stream)). `prepare_linear` binds `linear`'s persistent arguments once (`PreparedLinear`: the
+argument lists of the launches, built once; a call fills in x, y, workspace, lora_ranks, scale
+and the stream's barrier counters).
 
 No host synchronisation: every decision (which adapters are active, whether any is) is made on the
 device from the metadata; the grids depend only on shapes, so calls can be captured in a CUDA
