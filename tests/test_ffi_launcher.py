@@ -74,17 +74,27 @@ def _shrink_spec():
                            config=dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2))
 
 
-def test_parameters_follow_the_kernel_signature_as_triton_specialises_it():
+def _launch_of(spec):
+    """(Launch, operands) of a spec the way jax_lora.ops.triton._run_ffi builds them: arrays become
+    operands, WORKSPACE result 1, SYNC the handler's barrier counters, the output result 0."""
     from jax_lora.ops import triton as JT
-    spec = _shrink_spec()
     operands, params = [], []
     for v in spec.values:
-        if JT._is_array(v):
+        if v is JT.SYNC:
+            params.append(F.Counters(spec.plan.sync_ints))
+        elif v is JT.WORKSPACE:
+            params.append(F.Out(1))
+        elif JT._is_array(v):
             operands.append(v)
             params.append(F.Arg(len(operands) - 1))
         else:
             params.append(v)
-    launch = F.Launch(spec.kernel, spec.plan.grid, 4, 2, spec.plan.constexprs, tuple(params) + (F.Out(0),))
+    return F.Launch(spec.kernel, spec.plan.grid, 4, 2, spec.plan.constexprs, tuple(params) + (F.Out(0),)), operands
+
+
+def test_parameters_follow_the_kernel_signature_as_triton_specialises_it():
+    spec = _shrink_spec()
+    launch, operands = _launch_of(spec)
     sig, consts, attrs, passed = F._specialise(launch, operands, [spec.out_shape])
     names = spec.kernel.arg_names
     assert list(sig) == list(names)
@@ -125,18 +135,7 @@ def test_the_fused_kernel_gets_the_persistent_barrier_counters_not_a_result():
     spec = JT._fused_spec(y, x, a, b, meta, 0.5, (0, 128), None, None,
                           config=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2))
     assert [j for j, _ in spec.extra] == [1]
-    operands, params = [], []
-    for v in spec.values:
-        if v is JT.SYNC:
-            params.append(F.Counters(spec.plan.sync_ints))
-        elif v is JT.WORKSPACE:
-            params.append(F.Out(1))
-        elif JT._is_array(v):
-            operands.append(v)
-            params.append(F.Arg(len(operands) - 1))
-        else:
-            params.append(v)
-    launch = F.Launch(spec.kernel, spec.plan.grid, 4, 2, spec.plan.constexprs, tuple(params) + (F.Out(0),))
+    launch, operands = _launch_of(spec)
     sig, _, attrs, passed = F._specialise(launch, operands, [spec.out_shape, spec.extra[0][1]])
     free = [n for n in spec.kernel.arg_names if sig[n] != "constexpr"]
     assert sig["sync_ptr"] == "*i32" and sig["ws_ptr"] == "*fp32"
