@@ -89,21 +89,25 @@ def _fused_plan(T, H, R, widths, G, L, xd, wd, bias_flags, has_ranks, cfg_key):
 
 
 # ------------------------------------------------------------------------------------- barrier words
-# The fused kernel's programs of one token tile meet at a barrier made of two int32 per tile (a
-# count that every launch leaves at 0, and a generation), zeroed once. Launches that may run at the
-# same time must not share them: one buffer per (device, stream). A buffer first needed while a
-# CUDA graph is being captured is allocated (and zeroed) inside that capture: the graph's private
-# pool holds it, and every replay zeroes it first -- harmless, its count is 0 between launches.
-# Two graphs captured on one stream share that stream's buffer: do not replay them concurrently.
+# The fused kernel's programs of one token tile meet at a barrier: one int32 counter per tile,
+# zeroed once; every launch leaves it a multiple of lora_triton.BARRIER_SPAN. Launches that may run
+# at the same time must not share counters: one buffer per (device, stream). A buffer first needed
+# while a CUDA graph is being captured is allocated (and zeroed) inside that capture: the graph's
+# private pool holds it, and every replay zeroes it again -- harmless. Two graphs captured on one
+# stream share that stream's buffer: do not replay them concurrently. A buffer that is outgrown is
+# kept (never freed): graphs captured earlier still point at it.
 _SYNC_INTS = 2 * 1024
 _SYNC_BUFFERS: dict = {}
+_SYNC_OUTGROWN: list = []
 
 
 def _sync_buffer(device: torch.device, stream: int, ints: int) -> torch.Tensor:
-    """The barrier words of launches on (device, stream): int32, at least `ints` of them."""
+    """The barrier counters of launches on (device, stream): int32, at least `ints` of them."""
     key = (device.index, stream)
     buf = _SYNC_BUFFERS.get(key)
     if buf is None or buf.numel() < ints:
+        if buf is not None:
+            _SYNC_OUTGROWN.append(buf)
         buf = torch.zeros(max(_SYNC_INTS, ints), dtype=torch.int32, device=device)
         _SYNC_BUFFERS[key] = buf
     return buf
@@ -265,7 +269,7 @@ def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, 
 # and fills in those five values per call: no plan lookups, stride tuples or launch keys.
 
 # The variable arguments of a launch, by kernel argument name: index into the per-call values
-# (x pointer, y pointer, lora_ranks pointer, workspace pointer, scale).
+# (x pointer, y pointer, lora_ranks pointer, workspace pointer, scale, barrier counters pointer).
 _X, _Y, _RANKS, _WS, _SCALE, _SYNC = range(6)
 _VARIABLE_ARGS = {
     "lora_shrink_kernel": {"x_ptr": _X, "ranks_ptr": _RANKS, "scale": _SCALE, "out_ptr": _WS},
