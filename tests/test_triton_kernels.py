@@ -120,6 +120,19 @@ def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
         assert _rel(_np(y), ref) < TOL[torch.float32]
 
 
+def test_barrier_counter_buffers_are_per_stream_zeroed_and_never_freed():
+    from torch_lora.ops import triton as TT
+    TT._SYNC_BUFFERS.clear()
+    dev = torch.device(DEV)
+    a = TT._sync_buffer(dev, 1, 8)
+    assert a.dtype == torch.int32 and a.numel() >= 8 and not a.any()
+    assert TT._sync_buffer(dev, 1, 8) is a                  # one buffer per (device, stream)
+    assert TT._sync_buffer(dev, 2, 8) is not a
+    big = TT._sync_buffer(dev, 1, a.numel() + 1)            # outgrown: a new one, the old one kept
+    assert big is not a and big.numel() > a.numel() and any(o is a for o in TT._SYNC_OUTGROWN)
+    TT._SYNC_BUFFERS.clear()
+
+
 @pytest.mark.parametrize("T", [7, 37])
 def test_shrink_poisoned_and_split(T):
     """Every row written (0 without LoRA); split-K by atomics and by workspace planes agree."""
