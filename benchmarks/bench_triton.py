@@ -432,6 +432,29 @@ def host_cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+_SOURCE_DIRS = ("jax_lora", "torch_lora", "bridge", "benchmarks")
+_SOURCE_EXTS = (".py", ".c", ".json")
+
+
+def source_digest(root: str | None = None) -> str:
+    """sha256 (16 hex digits) of the library and benchmark sources (paths and bytes, sorted): names
+    the tree a result came from even where .git is stale (the device machine's copy). Compare with
+    `python benchmarks/bench_triton.py --digest` on a checkout."""
+    import hashlib
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    files = []
+    for d in _SOURCE_DIRS:
+        for base, dirs, names in os.walk(os.path.join(root, d)):
+            dirs[:] = sorted(x for x in dirs if x not in ("results", "__pycache__"))
+            files += [os.path.join(base, n) for n in names if n.endswith(_SOURCE_EXTS)]
+    for f in sorted(files):
+        h.update(os.path.relpath(f, root).encode() + b"\0")
+        with open(f, "rb") as fh:
+            h.update(fh.read() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def env_meta():
     # GIT_COMMIT first: the device machine's copy of the tree may carry a stale .git
     commit = os.environ.get("GIT_COMMIT")
@@ -444,7 +467,8 @@ def env_meta():
     import triton
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version(), commit=commit, host_cpu=host_cpu())
+                python=platform.python_version(), commit=commit, source_digest=source_digest(),
+                host_cpu=host_cpu())
     from importlib import metadata
     for pkg in ("jax", "jax-triton"):
         try:
@@ -466,7 +490,11 @@ def main():
     p.add_argument("--host-only", action="store_true", help="no graph sweep: host enqueue figures (and jax)")
     p.add_argument("--no-host", action="store_true", help="no host enqueue figures")
     p.add_argument("--cases", default=None, help="regex: only the sweep cases whose name matches")
+    p.add_argument("--digest", action="store_true", help="print the sources' digest (meta.source_digest) and exit")
     args = p.parse_args()
+    if args.digest:
+        print(source_digest())
+        return
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     res = dict(meta=env_meta(), sweep=[], host=[], jax=[])
