@@ -697,7 +697,7 @@ class FusedPlan(ExpandPlan):
         """int32 barrier counters the launch needs, one per token tile (zeroed once, reused)."""
         return self.grid[1]
 
-    @property
+    @functools.cached_property
     def phases(self) -> tuple:
         """PHASE values to launch in order: one launch compiled, two under the interpreter."""
         phase = self.constexprs["PHASE"]
