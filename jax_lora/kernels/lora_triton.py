@@ -507,7 +507,8 @@ def lora_fused_kernel(
       1. Program p < NUM_SLICES * SPLIT_K computes the shrink of slice p % NUM_SLICES over hidden
          chunk p // NUM_SLICES (K_PER_SPLIT columns) into plane p // NUM_SLICES of the float32
          workspace ws (SPLIT_K, NUM_SLICES, T, RANK); program p < NUM_TILES first loads what its
-         output tile p needs besides the shrink (its B tile and y tile), so those loads overlap.
+         output tile p needs besides the shrink (its B tile, before the PDL wait; its y tile,
+         after it), so those loads overlap the shrink.
       2. All P programs of the tile meet at a barrier (`_row_barrier`: one int32 counter per
          token tile at sync_ptr, zeroed once when allocated, one atomic add per program).
       3. Program p < NUM_TILES sums its slice's SPLIT_K planes and writes output tile p.
