@@ -705,6 +705,14 @@ class FusedPlan(ExpandPlan):
         return (1, 2) if interpreting() and phase == 0 else (phase,)
 
 
+def _hidden_split(hidden: int, split: int, block_k: int) -> tuple[int, int]:
+    """(SPLIT_K, K_PER_SPLIT): `split` clamped to 1..min(BLOCK_K chunks, MAX_PARTIALS), each split a
+    whole number of BLOCK_K chunks, and the count of splits those chunks really make."""
+    split = max(1, min(split, triton.cdiv(hidden, block_k), MAX_PARTIALS))
+    k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
+    return triton.cdiv(hidden, k_per_split), k_per_split
+
+
 PREFETCH_MAX_LINES = 64  # L2 prefetch of at most this many 128-byte lines per weight row
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -731,9 +739,7 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
     small_t, block_m = small_t_block(num_tokens, block_m)
     block_r = max(16, next_pow2(rank))
     _check_dot_dims(block_m, block_k, block_r)
-    split = max(1, min(int(config.get("SPLIT_K", 1)), triton.cdiv(hidden, block_k), MAX_PARTIALS))
-    k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
-    split = triton.cdiv(hidden, k_per_split)
+    split, k_per_split = _hidden_split(hidden, int(config.get("SPLIT_K", 1)), block_k)
     atomic = split > 1 and not workspace
     cast, precision = _cast_and_precision((x_dtype, w_dtype))
     constexprs = dict(RANK=rank, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
@@ -792,11 +798,8 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
     cast, precision = _cast_and_precision((x_dtype, w_dtype))
     c, total = _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n)
     num_slices = len(widths)
-    chunks = triton.cdiv(hidden, block_k)
-    split = int(config.get("SPLIT_K", 0)) or max(1, total // num_slices)
-    split = max(1, min(split, chunks, MAX_PARTIALS))
-    k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
-    split = triton.cdiv(hidden, k_per_split)
+    split, k_per_split = _hidden_split(hidden, int(config.get("SPLIT_K", 0)) or max(1, total // num_slices),
+                                       block_k)
     c.update(RANK=rank, NUM_SLICES=num_slices, SPLIT_K=split, SPLIT_P2=next_pow2(split), K_PER_SPLIT=k_per_split,
              NUM_TILES=total,
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,

@@ -125,8 +125,6 @@ def _key(config: Optional[dict]):
 # and whether every tensor is 16-byte aligned (else Triton's own launcher is used) -- never a data
 # pointer itself.
 _COMPILED: dict = {}
-# FusedPlan.cooperative (JAX_LORA_TRITON_COOPERATIVE=1): the fused kernel as a cooperative launch.
-_COOPERATIVE = [not K.interpreting()]
 _FAST = [os.environ.get("TORCH_LORA_TRITON_FAST_LAUNCH", "1") != "0" and not K.interpreting()]
 _MAX_COMPILED = 4096
 
@@ -159,7 +157,7 @@ def _launch(kernel, plan, tensors, scalars, out):
                      c[0].packed_metadata, None, None, None, *tensors, *scalars, out, *c[1])
             return
     extra = {"launch_pdl": True} if plan.launch_pdl else {}
-    if getattr(plan, "cooperative", False) and _COOPERATIVE[0]:
+    if getattr(plan, "cooperative", False) and not K.interpreting():   # JAX_LORA_TRITON_COOPERATIVE=1
         extra["launch_cooperative_grid"] = True
     if os.environ.get("TRITON_CACHE_DIR") == "":
         # jax_triton sets it to "" when imported (through any importer, not only jax_lora, which
