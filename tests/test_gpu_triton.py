@@ -254,6 +254,50 @@ def test_chained_calls_wait_for_the_previous_kernel(fused):
             assert torch.equal(g_, w_), i
 
 
+_TRAP_CHILD = """
+import math, torch
+from jax_lora.kernels import lora_triton as K
+K.BARRIER_POLL_LIMIT = 1 << 12                  # give up after ~ms, not seconds
+from torch_lora.meta import LoRAKernelMeta
+from torch_lora.ops import triton as TT
+T, H, L = 8, 1024, 4
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+a = [(torch.randn(L, 16, H, device="cuda", generator=g) / math.sqrt(H)).to(torch.bfloat16)]
+b = [(torch.randn(L, H, 16, device="cuda", generator=g) / 4).to(torch.bfloat16)]
+meta = LoRAKernelMeta.make(L, T + 5, "cuda")
+meta.prepare_tensors(torch.arange(T, device="cuda", dtype=torch.int32) % L)
+y = torch.zeros(T, H, device="cuda", dtype=torch.bfloat16)
+TT.linear(y, x, a, b, meta.meta_args(T), 1.0, (0,), fused=True)
+torch.cuda.synchronize()
+print("FIRST OK", float(y.float().abs().sum()) > 0, flush=True)
+for buf in TT._SYNC_BUFFERS.values():
+    buf.fill_(1)                                # not a multiple of BARRIER_SPAN: no launch completes it
+TT.linear(y, x, a, b, meta.meta_args(T), 1.0, (0,), fused=True)
+try:
+    torch.cuda.synchronize()
+    print("NO ERROR", flush=True)
+except RuntimeError as e:
+    print("TRAPPED", str(e).splitlines()[0], flush=True)
+"""
+
+
+def test_fused_barrier_that_cannot_complete_fails_instead_of_hanging():
+    """The fused kernel's barrier wait is bounded (`lora_triton.BARRIER_POLL_LIMIT`): with its
+    counters corrupted so that no launch can complete it, the launch must fail with a CUDA error
+    (PTX trap) within the poll limit, not hang. In a child process: the error poisons its context."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _TRAP_CHILD], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr[-2000:]
+    assert "FIRST OK True" in proc.stdout, out
+    assert "TRAPPED" in proc.stdout, out
+
+
 def test_wrapper_add_lora_linear_many_steps():
     """The torch wrapper's cached per-layer launchers across steps of changing mappings and token
     counts (bucketed decode sizes and a prefill), against the float64 reference."""

@@ -139,7 +139,10 @@ def use_prefetch(num_tokens: int, rank: int) -> bool:
     benchmarks/results/triton_h200_20261130T1348_prefetch_on / _1349_prefetch_off): 2-11% faster
     for T <= 16 and for T <= 256 at rank 16 (few adapters); up to 40% slower at T = 32 with 8
     adapters and 10-20% slower at rank 64 from T = 128 on (many programs prefetching the same
-    chunks). JAX_LORA_TRITON_PREFETCH=0 turns it off everywhere."""
+    chunks). JAX_LORA_TRITON_PREFETCH=0 / 1 turns it off / on everywhere (experiments)."""
+    forced = os.environ.get("JAX_LORA_TRITON_PREFETCH", "auto")
+    if forced in ("0", "1"):
+        return forced == "1"
     return num_tokens <= 16 or (num_tokens <= 256 and rank <= 16 and num_tokens > 64)
 
 

@@ -459,8 +459,20 @@ def lora_expand_kernel(
 BARRIER_SPAN = tl.constexpr(1 << 20)  # what one launch adds to a token tile's barrier counter (> programs per tile)
 
 
+# Polls after which a waiting program gives up with a `trap` (a CUDA error instead of a hang): at
+# ~0.5-1 us per L2 round trip, 2^24 polls are 8-16 s, far beyond any legitimate wait (a tile's
+# programs arrive within microseconds unless the GPU could not make them co-resident).
+BARRIER_POLL_LIMIT = 1 << 24
+
+
 @triton.jit
-def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr):
+def _trap():
+    """Aborts the kernel with an error (PTX `trap`): the launch fails, the host sees a CUDA error."""
+    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr, POLL_LIMIT: tl.constexpr):
     """Barrier of the `num_programs` programs sharing the int32 counter at sync_ptr (one atomic each).
 
     Every launch adds exactly BARRIER_SPAN to the counter -- program `first` adds
@@ -469,13 +481,20 @@ def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr):
     two), and every program of a launch sees, as the value before its own add, one in
     [base, base + BARRIER_SPAN): the launch is complete when the counter reaches base +
     BARRIER_SPAN. acq_rel add / acquire polls at GPU scope: every store before the barrier is
-    visible after it. WAIT=False (interpreter's first phase): arrive only."""
+    visible after it. WAIT=False (interpreter's first phase): arrive only. A program still waiting
+    after POLL_LIMIT polls traps (`_trap`): a barrier that cannot complete (programs of a tile not
+    co-resident, a counter written by someone else) fails the launch instead of hanging the GPU."""
     inc = tl.where(first, BARRIER_SPAN - num_programs + 1, 1)
     ticket = tl.atomic_add(sync_ptr, inc, sem="acq_rel", scope="gpu")
     target = (ticket & (-BARRIER_SPAN)) + BARRIER_SPAN
     if WAIT:
-        while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") != target:
-            pass
+        polls = 0
+        seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        while (seen != target) & (polls < POLL_LIMIT):
+            polls += 1
+            seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        if seen != target:
+            _trap()
 
 
 @triton.jit
@@ -500,7 +519,7 @@ def lora_fused_kernel(
         NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, PHASE: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr):
+        PREFETCH_LINE: tl.constexpr, BARRIER_POLLS: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + (scale * x[t] @ A_s[idx].T) @ B_s[idx, n].T + bias.
 
     One launch, grid (P, token tiles): the P programs of a token tile share its work and meet once.
@@ -574,7 +593,7 @@ def lora_fused_kernel(
             ws = (ws_ptr + split.to(tl.int64) * _hint16(stride_wp, ALIGNED) + s_in * _hint16(stride_ws, ALIGNED)
                   + tok[:, None] * stride_wt + offs_r[None, :])
             tl.store(ws, acc * scale, mask=tok_ok[:, None] & (offs_r < RANK)[None, :])
-        _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0)
+        _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
     if PHASE != 1:
         if is_out:
             # All SPLIT_K planes in one load (all in flight at once), from L2 (".cg": not L1), summed.
@@ -805,7 +824,7 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
              DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl),
-             **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
+             BARRIER_POLLS=BARRIER_POLL_LIMIT, **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
     grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
                      (split, num_slices, num_tokens, rank))
