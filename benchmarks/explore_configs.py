@@ -8,8 +8,8 @@ behind a tuned-table change, before the tuner is taught a new candidate.
 "expand_config": {...}, "fused_config": {...}} (absent keys: what the table says). The label
 "table" (fused null, no configs) is always timed first. Each case is timed the way bench_triton
 times it (CUDA-graph replay over enough input sets to keep the weights cold, bf16, hidden 4096;
-cases as in profile_kernels: kind:T:D:rank:slices); a shrink config with SPLIT_K 0 is resolved as
-the table's would be. Prints one line per (case, mode) and writes them all as JSON.
+cases kind:T:D:rank:slices[:slots], slots -- the adapter slots, max_loras -- defaulting to
+max(8, D) as in bench_triton); a shrink config with SPLIT_K 0 is resolved as the table's would be. Prints one line per (case, mode) and writes them all as JSON.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from bench_triton import (  # noqa: E402
     min_bytes,
     rel_err,
 )
-from profile_kernels import parse_cases  # noqa: E402
 
 from jax_lora.kernels import configs  # noqa: E402
 from torch_lora.ops import triton as TT  # noqa: E402
@@ -48,6 +47,15 @@ class ModeSet(InputSet):
     def call(self, y=None):
         TT.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
                   self.scale, self.offsets, self.ranks, **ModeSet.mode)
+
+
+def parse_cases(text: str) -> list:
+    """'dec:32:8:16:s1,dec:32:8:16:s1:32' -> [(kind, T, D, rank, slices, slots), ...]."""
+    out = []
+    for item in filter(None, text.split(",")):
+        kind, T, D, r, sl, *rest = item.split(":")
+        out.append((kind, int(T), int(D), int(r), sl, int(rest[0]) if rest else max(8, int(D))))
+    return out
 
 
 def resolved(mode: dict, T: int, rank: int, num_slices: int, slots: int) -> dict:
@@ -69,17 +77,17 @@ def main() -> None:
         modes = [dict(label="table")] + json.load(f)
     device = torch.device("cuda")
     rows = []
-    for kind, T, D, r, sl in parse_cases(args.cases):
+    for kind, T, D, r, sl, slots in parse_cases(args.cases):
         widths = SLICES[sl]
-        slots = max(8, D)
         gen = torch.Generator().manual_seed(0)
         n_sets = int(min(200, max(3, math.ceil(4 * L2_BYTES / min_bytes(T, D, widths, r)))))
         sets = [ModeSet(kind, T, D, r, widths, slots, 0.0, None, gen, device) for _ in range(n_sets)]
         ref = sets[0].reference()
+        y0 = sets[0].y.clone()                   # the graph replays below accumulate into sets[0].y
         for mode in modes:
             ModeSet.mode = resolved(mode, T, r, len(widths), slots)
             try:
-                y = sets[0].y.clone()
+                y = y0.clone()
                 sets[0].call(y)
                 torch.cuda.synchronize()
                 err = rel_err(y, ref)
@@ -87,8 +95,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported
                 err, us = float("nan"), float("inf")
                 print(f"   {mode['label']}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-            rows.append(dict(case=f"{kind}:{T}:{D}:{r}:{sl}", label=mode["label"], us=us, rel_err=err, mode=mode))
-            print(f"{kind} T{T} D{D} r{r} {sl} | {mode['label']:<28} {us:8.2f} us  err {err:.1e}", flush=True)
+            rows.append(dict(case=f"{kind}:{T}:{D}:{r}:{sl}:{slots}", label=mode["label"], us=us, rel_err=err, mode=mode))
+            print(f"{kind} T{T} D{D} r{r} {sl} L{slots} | {mode['label']:<28} {us:8.2f} us  err {err:.1e}", flush=True)
         del sets
         torch.cuda.empty_cache()
     if args.out:
