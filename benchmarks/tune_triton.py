@@ -202,7 +202,7 @@ def main():
             entry.update(fused=c_f, fused_us=t_f)
         if args.no_fused and "fused_us" in best.get(key, {}):   # keep the last fused measurement
             entry.update(fused=best[key]["fused"], fused_us=best[key]["fused_us"])
-        best[key] = entry
+        best[key] = kept_variants(best.get(key, {}), entry)
         print(f"{key}: two-kernel {t_e:.2f} us shrink {c_s} expand {c_e}"
               + (f" | fused {entry['fused_us']:.2f} us {entry['fused']}" if "fused" in entry else ""), flush=True)
         del groups
@@ -220,6 +220,14 @@ def main():
     for key, e in best.items():
         print(f"{key} SHRINK {e['shrink']} EXPAND {e['expand']} FUSED {e.get('fused')} "
               f"two={e['two_kernel_us']:.2f} fused={e.get('fused_us', float('nan')):.2f}")
+
+
+def kept_variants(old: dict, entry: dict) -> dict:
+    """entry with the old entry's slot-count `variants` (configs.VARIANTS) carried over: they come
+    from explore_configs.py measurements at other slot counts, which this tuner does not repeat."""
+    if old.get("variants") and "variants" not in entry:
+        entry = {**entry, "variants": old["variants"]}
+    return entry
 
 
 def _resolve_split(cfg, T, slots, rank, num_slices):

@@ -9,8 +9,9 @@ the grid": enough splits of the hidden size that about TARGET_PROGRAMS programs 
 where a handful of adapters would otherwise leave most SMs idle).
 
 `use_fused(...)` decides between the one-launch fused kernel and shrink + expand: the tuner times
-both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30: T <= 16 at
-rank 16, see docs/benchmarks.md). `use_prefetch(...)` decides where the shrink prefetches its
+both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30: T <= 64 at
+rank 16, see docs/benchmarks.md). A table entry may carry `variants`: configs for launches with at
+most `max_slots` adapter slots (VARIANTS; the slot count, max_loras, is static). `use_prefetch(...)` decides where the shrink prefetches its
 weights into L2 before its PDL wait. For T > 128 the split-K count is capped (workspace re-reads).
 Under Triton's interpreter (CPU tests) large tiles are used instead: the interpreter's cost is per
 program and per loop trip, not per element.
@@ -96,6 +97,13 @@ FUSED = {
 }
 FUSED_CLASSES = set()  # shape classes where the one-launch fused kernel wins (the tuned table says)
 # END TABLE
+# (token class, rank class) -> [(max_slots, {"shrink"/"expand"/"fused": config, "use_fused": bool})]:
+# a class's configs for launches with at most max_slots adapter slots (max_loras), first match
+# wins. The slot count is static (it sizes the weight stacks), so the launch shape still never
+# depends on the mapping; few slots means many tokens per adapter, which wants larger token tiles
+# (measured on the H200: T = 320-1024, rank 64, <= 16 slots ran 1.3-1.7x faster with 64-token
+# expand tiles, and 1.7x slower with 64 slots; benchmarks/results/explore_*_20261130T15*).
+VARIANTS: dict = {}
 
 
 def _load_tuned(path: str) -> str:
@@ -112,12 +120,22 @@ def _load_tuned(path: str) -> str:
         EXPAND[k] = dict(entry["expand"])
         if entry.get("fused"):
             FUSED[k] = dict(entry["fused"])
+        VARIANTS[k] = [(int(v["max_slots"]), {n: v[n] for n in ("shrink", "expand", "fused", "use_fused") if n in v})
+                       for v in entry.get("variants", ())]
     FUSED_CLASSES = {tuple(k.split("/")) for k, e in tuned["best"].items()
                      if e.get("fused_us", float("inf")) < e["two_kernel_us"]}
     return f"{tuned.get('device', '?')} ({os.path.basename(path)}, {tuned.get('date', '?')})"
 
 
 TUNED_ON = _load_tuned(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_h200.json"))
+
+
+def _variant(num_tokens: int, rank: int, num_slots: int) -> dict:
+    """The first VARIANTS entry of the shape class that applies to num_slots slots ({} if none)."""
+    for max_slots, overrides in VARIANTS.get((token_class(num_tokens), rank_class(rank)), ()):
+        if num_slots <= max_slots:
+            return overrides
+    return {}
 
 
 def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
@@ -129,8 +147,8 @@ def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
 def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
     if interpreting():
         return _s(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
-    return resolve_split(dict(SHRINK[(token_class(num_tokens), rank_class(rank))]), num_tokens, hidden, rank,
-                         num_slices, num_slots)
+    cfg = _variant(num_tokens, rank, num_slots).get("shrink") or SHRINK[(token_class(num_tokens), rank_class(rank))]
+    return resolve_split(dict(cfg), num_tokens, hidden, rank, num_slices, num_slots)
 
 
 def use_prefetch(num_tokens: int, rank: int) -> bool:
@@ -169,7 +187,7 @@ def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices
 def expand_config(num_tokens: int, width: int, rank: int, num_slices: int, num_slots: int) -> dict:
     if interpreting():
         return _e(16, min(256, max(16, next_pow2(width))), 64, 4, 1)
-    return dict(EXPAND[(token_class(num_tokens), rank_class(rank))])
+    return dict(_variant(num_tokens, rank, num_slots).get("expand") or EXPAND[(token_class(num_tokens), rank_class(rank))])
 
 
 def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices: int,
@@ -177,7 +195,7 @@ def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices
     if interpreting():
         return _f(16, min(256, max(16, next_pow2(width))), min(256, max(16, next_pow2(hidden))), 4, 1, 0)
     key = (token_class(num_tokens), rank_class(rank))
-    return dict(FUSED.get(key, _f(16, 128, 128, 4, 2)))
+    return dict(_variant(num_tokens, rank, num_slots).get("fused") or FUSED.get(key, _f(16, 128, 128, 4, 2)))
 
 
 # JAX_LORA_TRITON_FUSED=1 / 0 forces the fused kernel on / off where `linear` is not told
@@ -197,4 +215,7 @@ def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slot
         return False
     if _FORCE_FUSED in ("0", "1"):
         return _FORCE_FUSED == "1"
+    variant = _variant(num_tokens, rank, num_slots)
+    if "use_fused" in variant:
+        return bool(variant["use_fused"])
     return (token_class(num_tokens), rank_class(rank)) in FUSED_CLASSES

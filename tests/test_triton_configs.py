@@ -1,0 +1,74 @@
+"""The launch-config table (jax_lora/kernels/configs.py + tuned_h200.json): shape classes, the
+slot-count variants, and the fused/two-kernel choice. Plain Python: no GPU, no kernels run."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from jax_lora.kernels import configs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """configs as on the GPU (the interpreter's large-tile configs switched off)."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "_FORCE_FUSED", "auto")
+
+
+def test_committed_table_loads_with_its_variants(compiled):
+    assert configs.TUNED_ON.startswith("NVIDIA H200")
+    for key, variants in configs.VARIANTS.items():
+        assert key in configs.SHRINK, key
+        for max_slots, overrides in variants:
+            assert max_slots >= 1 and set(overrides) <= {"shrink", "expand", "fused", "use_fused"}, (key, overrides)
+    # t1024/r64: 64-token expand tiles up to 16 slots, the class entry beyond
+    few = configs.expand_config(512, 4096, 64, 1, 16)
+    many = configs.expand_config(512, 4096, 64, 1, 17)
+    assert few["BLOCK_M"] == 64 and many == configs.EXPAND[("t1024", "r64")]
+    assert configs.shrink_config(512, 4096, 64, 1, 8)["BLOCK_M"] == 32
+    assert configs.shrink_config(512, 4096, 64, 1, 64)["BLOCK_M"] == configs.SHRINK[("t1024", "r64")]["BLOCK_M"]
+    # the fused kernel at decode sizes with rank 16 (T <= 64), never at rank 64 or past T = 64
+    assert configs.use_fused(1, 4096, 16, 1, 8) and configs.use_fused(32, 4096, 16, 3, 32)
+    assert not configs.use_fused(32, 4096, 64, 1, 8) and not configs.use_fused(128, 4096, 16, 1, 8)
+
+
+def test_variants_apply_by_slot_count_first_match_wins(compiled, monkeypatch):
+    key = ("t256", "r16")
+    small = configs._s(16, 64, 2, 4, 2)
+    mid = configs._e(32, 64, 16, 4, 2)
+    monkeypatch.setitem(configs.VARIANTS, key, [(4, {"shrink": small, "use_fused": True}),
+                                               (8, {"expand": mid, "use_fused": False})])
+    monkeypatch.setattr(configs, "FUSED_CLASSES", {key})
+    assert configs.shrink_config(100, 4096, 16, 1, 4)["BLOCK_K"] == 64
+    assert configs.shrink_config(100, 4096, 16, 1, 5)["BLOCK_K"] == configs.SHRINK[key]["BLOCK_K"] != 64
+    assert configs.expand_config(100, 4096, 16, 1, 4) == configs.EXPAND[key]     # first match: no expand
+    assert configs.expand_config(100, 4096, 16, 1, 8) == mid
+    assert configs.use_fused(100, 4096, 16, 1, 4) and not configs.use_fused(100, 4096, 16, 1, 8)
+    assert configs.use_fused(100, 4096, 16, 1, 9)                                # the class says fused
+
+
+def test_forced_fused_switch_beats_the_variants(compiled, monkeypatch):
+    monkeypatch.setitem(configs.VARIANTS, ("t64", "r16"), [(64, {"use_fused": False})])
+    assert not configs.use_fused(32, 4096, 16, 1, 8)
+    monkeypatch.setattr(configs, "_FORCE_FUSED", "1")
+    assert configs.use_fused(32, 4096, 16, 1, 8)
+    assert not configs.use_fused(32, 4096, 128, 1, 8)                           # rank > 64: never
+
+
+def test_tuner_keeps_the_variants_it_does_not_measure():
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from tune_triton import kept_variants
+    finally:
+        sys.path.pop(0)
+    old = dict(shrink={}, expand={}, two_kernel_us=1.0, variants=[dict(max_slots=8, expand={})])
+    new = dict(shrink={"BLOCK_M": 16}, expand={}, two_kernel_us=0.5)
+    assert kept_variants(old, new)["variants"] == old["variants"]
+    assert kept_variants({}, new) == new
+    assert kept_variants(old, {**new, "variants": []})["variants"] == []
