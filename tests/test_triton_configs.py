@@ -72,3 +72,14 @@ def test_tuner_keeps_the_variants_it_does_not_measure():
     assert kept_variants(old, new)["variants"] == old["variants"]
     assert kept_variants({}, new) == new
     assert kept_variants(old, {**new, "variants": []})["variants"] == []
+
+
+def test_a_config_target_sets_the_split_rule(compiled):
+    """SPLIT_K = 0 aims at TARGET programs (a config key, consumed) or TARGET_PROGRAMS."""
+    base = dict(configs._s(16, 256, 0, 8, 3))
+    # T=32, 32 slots, one slice: 32 busy tiles; hidden 4096 = 16 chunks of 256
+    assert configs.resolve_split(dict(base), 32, 4096, 64, 1, 32)["SPLIT_K"] == min(
+        16, configs.TARGET_PROGRAMS // 32, configs.SPLIT_CAP)
+    got = configs.resolve_split(dict(base, TARGET=128), 32, 4096, 64, 1, 32)
+    assert got["SPLIT_K"] == 4 and "TARGET" not in got
+    assert configs.resolve_split(dict(base, TARGET=128), 32, 4096, 64, 3, 32)["SPLIT_K"] == 1

@@ -166,12 +166,14 @@ def use_prefetch(num_tokens: int, rank: int) -> bool:
 
 def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
     """cfg (a shrink config) with SPLIT_K = 0 resolved and the split caps applied (in place);
-    PREFETCH (use_prefetch) set unless the config says."""
+    PREFETCH (use_prefetch) set unless the config says. A config's TARGET (programs the SPLIT_K = 0
+    rule aims at; TARGET_PROGRAMS if absent) is consumed here."""
     cfg.setdefault("PREFETCH", use_prefetch(num_tokens, rank))
+    target = int(cfg.pop("TARGET", TARGET_PROGRAMS))
     chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
     if cfg["SPLIT_K"] == 0:
         busy = num_slices * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])
-        cfg["SPLIT_K"] = max(1, min(chunks, TARGET_PROGRAMS // busy, SPLIT_CAP))
+        cfg["SPLIT_K"] = max(1, min(chunks, target // busy, SPLIT_CAP))
         if num_tokens > 128:
             # Past decode sizes every expand program re-reads its rows of all SPLIT_K workspace
             # planes (SPLIT_K * rank floats per token per output tile): keep that below ~1 KB per
