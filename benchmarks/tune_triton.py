@@ -47,8 +47,10 @@ WIDTHS = (4096, 1024, 1024)
 
 def shrink_candidates(tc):
     if tc in ("t16", "t64"):
+        # (+ 512-column chunks split for ~132 programs: T32 rank 64, explore 2026-11-30 15:09)
         return [configs._s(16, bk, 0, w, st) for bk, w, st in
-                ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 3), (512, 8, 2))]
+                ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 3), (512, 8, 2))] + [
+                dict(configs._s(16, 512, 0, 8, 3), TARGET=132)]
     if tc in ("t256", "t1024", "t4096"):
         # Explicit splits next to the SPLIT_K = 0 rule: at rank 64 the expand's unrolled sum of
         # the workspace planes costs ~12 registers per plane (134 at 4 planes, 86 at 1: ptxas, T=512).
@@ -94,8 +96,9 @@ def fused_candidates(rank):
     (BLOCK_M * rank floats each), so rank 64 takes fewer, larger chunks."""
     if rank <= 16:
         # (13:47, T8 D8: BLOCK_N 256 with 8 warps best; 64-wide tiles 2-3x slower)
+        # (+ 256/512 with 4 warps: best at T1-T64 with 8 slots, explore 2026-11-30 15:07-15:10)
         cands = ((256, 256, 0, 8, 2), (256, 128, 0, 4, 2), (256, 128, 0, 8, 2), (512, 256, 0, 8, 2),
-                 (256, 512, 0, 8, 2), (128, 256, 0, 4, 2), (256, 256, 8, 8, 2))
+                 (256, 512, 0, 8, 2), (128, 256, 0, 4, 2), (256, 256, 8, 8, 2), (256, 512, 0, 4, 2))
     else:
         cands = ((256, 128, 8, 8, 2), (128, 128, 4, 4, 2), (256, 256, 4, 8, 2), (256, 128, 4, 8, 2),
                  (512, 128, 4, 8, 2))
