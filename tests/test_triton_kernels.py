@@ -92,6 +92,35 @@ def test_linear_ranks_bias(dtype, T, fused):
     assert torch.equal(out[:, :3], y[:, :3]) and torch.equal(out[:, 99:], y[:, 99:])
 
 
+@pytest.mark.parametrize("tiles_n,rank,ahead", [(2, 16, False), (4, 16, True), (4, 40, False), (3, 40, True)])
+def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
+    """TILES_N output tiles per expand program (prefill configs): tiles that straddle slices, a
+    program whose last tiles lie past the last slice, the rank in one block and in several, the
+    next tile's y loaded ahead (Y_AHEAD) or not."""
+    from torch_lora.ops import triton as TT
+    T, H, widths, L = 40, 64, (48, 16, 32), 4
+    rng, idx, x, a, b = _problem(11, T, H, rank, widths, L, torch.float16)
+    bias = [torch.from_numpy(rng.standard_normal((L, n)).astype(np.float32)).to(DEV, torch.float16)
+            if s != 1 else None for s, n in enumerate(widths)]
+    ranks = np.array([rank, 5, 0, 9], np.int32)
+    offsets = (3, 51, 67)
+    y = torch.from_numpy(rng.standard_normal((T, 101)).astype(np.float32)).to(DEV, torch.float16)
+    ref = _oracle_linear(y, x, a, b, idx, 0.5, offsets, ranks, bias)
+    plan = K.plan_expand(T, rank, widths, L + 1, 1, "float16", "float16",
+                         dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, TILES_N=tiles_n, Y_AHEAD=ahead), add_inputs=True,
+                         bias_flags=(True, False, True), has_ranks=True)
+    assert plan.grid[0] == -(-6 // tiles_n) and plan.constexprs["NUM_TILES"] == 6   # 3 + 1 + 2 tiles of 16
+    assert plan.constexprs["Y_AHEAD"] == ahead
+    out = y.clone()
+    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
+              fused=False, expand_config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, TILES_N=tiles_n,
+                                              Y_AHEAD=ahead, num_warps=4, num_stages=1))
+    assert _rel(_np(out), ref) < TOL[torch.float16]
+    assert torch.equal(out[:, :3], y[:, :3]) and torch.equal(out[:, 99:], y[:, 99:])
+    keep = torch.from_numpy(idx < 0).to(DEV)
+    assert torch.equal(out[keep], y[keep])
+
+
 @pytest.mark.parametrize("T", [6, 40])
 def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
     """The fused kernel's per-tile barrier: every program of a busy token tile arrives exactly once

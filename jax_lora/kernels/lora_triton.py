@@ -380,63 +380,59 @@ def lora_shrink_kernel(
 # ------------------------------------------------------------------------------------------ expand
 
 @triton.jit
-def lora_expand_kernel(
-        buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, c0_ptr, c1_ptr, c2_ptr, c3_ptr, ranks_ptr,
-        mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
-        num_tokens, num_sorted, num_slots,
-        stride_bp, stride_bs, stride_bt, stride_br,
-        sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
-        sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
-        width0, width1, width2, width3, off0, off1, off2, off3,
-        stride_yt, stride_yn,
-        out_ptr,
-        RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr,
-        NT3: tl.constexpr, BIAS0: tl.constexpr, BIAS1: tl.constexpr, BIAS2: tl.constexpr,
-        BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
-        CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
-        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr):
-    """y[t, off_s + n] = (y if ADD_INPUTS else 0) + sum_p buf[p, s, t, :] @ B_s[idx[t], n, :] + bias.
+def _expand_y(j, live, tok, tok_ok, y_ptr, width0, width1, width2, width3, off0, off1, off2, off3, stride_yt,
+              stride_yn, NUM_TILES: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr,
+              ADD_INPUTS: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr):
+    """The current y of output tile j (zeros unless live > 0, past NUM_TILES, or outside its slice):
+    what `_expand_tile` adds to, loaded one tile ahead by lora_expand_kernel's Y_AHEAD loop."""
+    s, n0 = _slice_of_tile(tl.minimum(j, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = ((cols < _hint16(_pick(s, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + j) < NUM_TILES)
+              & ((cols * 0 + live) > 0))
+    _, _, y_old = _y_tile(y_ptr, tok, tok_ok, cols, col_ok, _hint16(_pick(s, off0, off1, off2, off3), ALIGNED),
+                          _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS)
+    return y_old
 
-    Grid (output tiles over all slices, token tiles). `y_ptr` (read) and `out_ptr` (written) are
-    the same buffer (in place on torch, aliased under jax). Only groups of real slots are visited,
-    so rows without LoRA and columns outside the slices are never written. USE_PDL (launched as a
-    programmatic dependent of the shrink): the metadata and the y tile -- which the shrink does not
-    write -- are loaded before waiting for the shrink grid.
-    """
-    if USE_PDL:
-        # A programmatic dependent after this kernel (the next layer's shrink) may be scheduled
-        # now; it waits (gdc_wait) for this grid to complete before it touches memory.
-        gdc_launch_dependents()
-    j = tl.program_id(0)
-    pid = tl.program_id(1)
-    lora_id, tok, tok_ok, n_tok = _tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
-                                        num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
-                                        True, SMALL_T)
-    if n_tok <= 0:
-        return
-    s, n0 = _slice_of_tile(j, NT1, NT2, NT3, BLOCK_N)
-    rank = _slot_rank(ranks_ptr, lora_id, lora_id >= 0, RANK, HAS_RANKS)
+
+@triton.jit
+def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
+                 c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr,
+                 stride_bp, stride_bs, stride_bt, stride_br,
+                 sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
+                 sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
+                 width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
+                 RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_TILES: tl.constexpr, NT1: tl.constexpr,
+                 NT2: tl.constexpr, NT3: tl.constexpr, BIAS0: tl.constexpr, BIAS1: tl.constexpr,
+                 BIAS2: tl.constexpr, BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                 CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+                 WAIT: tl.constexpr, y_given, Y_GIVEN: tl.constexpr):
+    """Output tile j (over all slices; none past NUM_TILES) of one token tile: see lora_expand_kernel.
+    WAIT: gdc_wait (PDL) after the loads the shrink does not write (B tile, y tile), before the
+    workspace's. Y_GIVEN: y_given is the tile's current y (`_expand_y`, loaded ahead), else loaded here."""
+    s, n0 = _slice_of_tile(tl.minimum(j, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
     stride_bl = _hint16(_pick(s, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
     stride_bn = _hint16(_pick(s, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
     stride_bk = _pick(s, sb0_r, sb1_r, sb2_r, sb3_r)
     cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < _hint16(_pick(s, width0, width1, width2, width3), ALIGNED)  # the slice's own columns
+    # the slice's own columns, of a real tile (a program's last tiles may lie past NUM_TILES)
+    col_ok = (cols < _hint16(_pick(s, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + j) < NUM_TILES)
     offs_r = tl.arange(0, BLOCK_R)
     b_rows = b_ptr + lora_id.to(tl.int64) * stride_bl + cols[:, None] * stride_bn
     buf_rows = (buf_ptr + s * _hint16(stride_bs, ALIGNED) + tok[:, None] * _hint16(stride_bt, ALIGNED))
     stride_bp = _hint16(stride_bp, ALIGNED)
     y_offs, write, y_old = _y_tile(y_ptr, tok, tok_ok, cols, col_ok, _hint16(_pick(s, off0, off1, off2, off3), ALIGNED),
-                                   _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS)
+                                   _hint16(stride_yt, ALIGNED), stride_yn, ADD_INPUTS and not Y_GIVEN)
+    if Y_GIVEN:
+        y_old = y_given
     if RANK <= BLOCK_R:
         # One rank block (decode ranks): its B tile -- cold weights the shrink does not write --
         # is loaded before waiting for the shrink, off the critical path.
         bt = _load_rank_cols(b_rows + offs_r[None, :] * stride_bk, col_ok, offs_r, rank, RANK, HAS_RANKS)
-    if USE_PDL:
-        # The shrink's workspace is complete past this point. Outside the loop on purpose: the
-        # software pipeliner hoists the first iteration's loads above anything inside it.
+    if WAIT:
+        # The shrink's workspace is complete past this point. Outside the rank loop on purpose:
+        # the software pipeliner hoists the first iteration's loads above anything inside it.
         gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if RANK <= BLOCK_R:
@@ -452,6 +448,84 @@ def lora_expand_kernel(
     _store_slice(acc, y_old, out_ptr, y_offs, write, _pick(s, c0_ptr, c1_ptr, c2_ptr, c3_ptr), lora_id,
                  cols, col_ok, _hint16(_pick(s, sc0_l, sc1_l, sc2_l, sc3_l), ALIGNED),
                  _pick(s, sc0_n, sc1_n, sc2_n, sc3_n), has_bias)
+
+
+@triton.jit
+def lora_expand_kernel(
+        buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, c0_ptr, c1_ptr, c2_ptr, c3_ptr, ranks_ptr,
+        mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
+        num_tokens, num_sorted, num_slots,
+        stride_bp, stride_bs, stride_bt, stride_br,
+        sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
+        sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
+        width0, width1, width2, width3, off0, off1, off2, off3,
+        stride_yt, stride_yn,
+        out_ptr,
+        RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_TILES: tl.constexpr, NT1: tl.constexpr,
+        NT2: tl.constexpr, NT3: tl.constexpr, BIAS0: tl.constexpr, BIAS1: tl.constexpr, BIAS2: tl.constexpr,
+        BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILES_N: tl.constexpr,
+        Y_AHEAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
+        CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr):
+    """y[t, off_s + n] = (y if ADD_INPUTS else 0) + sum_p buf[p, s, t, :] @ B_s[idx[t], n, :] + bias.
+
+    Grid (cdiv(NUM_TILES, TILES_N), token tiles): program (i, tile) writes output tiles
+    i * TILES_N ... + TILES_N - 1 (numbered over all slices; BLOCK_N columns each) of its token
+    tile. TILES_N > 1 (prefill sizes) reads the tile's metadata once for several output tiles and
+    gives the software pipeliner a loop whose next tile's loads overlap this one's math (the B tile
+    and workspace rows, which feed the dot; Y_AHEAD: also the next tile's y, loaded by hand before
+    this tile's math -- the pipeliner leaves loads that do not feed a dot in place). `y_ptr`
+    (read) and `out_ptr` (written) are the same buffer (in place on torch, aliased under jax). Only
+    groups of real slots are visited, so rows without LoRA and columns outside the slices are never
+    written. USE_PDL (launched as a programmatic dependent of the shrink): the metadata -- and with
+    one tile per program the B and y tiles, which the shrink does not write -- are loaded before
+    waiting for the shrink grid.
+    """
+    if USE_PDL:
+        # A programmatic dependent after this kernel (the next layer's shrink) may be scheduled
+        # now; it waits (gdc_wait) for this grid to complete before it touches memory.
+        gdc_launch_dependents()
+    i = tl.program_id(0)
+    pid = tl.program_id(1)
+    lora_id, tok, tok_ok, n_tok = _tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
+                                        num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
+                                        True, SMALL_T)
+    if n_tok <= 0:
+        return
+    rank = _slot_rank(ranks_ptr, lora_id, lora_id >= 0, RANK, HAS_RANKS)
+    if TILES_N == 1:
+        _expand_tile(i, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
+                     c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr, stride_bp, stride_bs, stride_bt, stride_br,
+                     sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
+                     sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
+                     width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
+                     RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
+                     HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, USE_PDL,
+                     0.0, False)
+    else:
+        if USE_PDL:
+            gdc_wait()                                   # before the loop: every tile reads the workspace
+        if Y_AHEAD:
+            y_next = _expand_y(i * TILES_N, 1, tok, tok_ok, y_ptr, width0, width1, width2, width3,
+                               off0, off1, off2, off3, stride_yt, stride_yn, NUM_TILES, NT1, NT2, NT3,
+                               ADD_INPUTS, BLOCK_N, ALIGNED)
+        else:
+            y_next = 0.0
+        for t in range(TILES_N):
+            y_cur = y_next
+            if Y_AHEAD:
+                y_next = _expand_y(i * TILES_N + t + 1, TILES_N - 1 - t, tok, tok_ok, y_ptr, width0, width1,
+                                   width2, width3, off0, off1, off2, off3, stride_yt, stride_yn, NUM_TILES,
+                                   NT1, NT2, NT3, ADD_INPUTS, BLOCK_N, ALIGNED)
+            _expand_tile(i * TILES_N + t, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
+                         c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr, stride_bp, stride_bs, stride_bt, stride_br,
+                         sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
+                         sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
+                         width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
+                         RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
+                         HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, False,
+                         y_cur, Y_AHEAD)
 
 
 # ------------------------------------------------------------------------------------------- fused
@@ -783,7 +857,9 @@ def _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n):
 def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: int, num_partials: int,
                 w_dtype: str, y_dtype: str, config: dict, *, add_inputs: bool, bias_flags: Sequence[bool],
                 has_ranks: bool, aligned: bool = False, pdl: bool = False) -> ExpandPlan:
-    """Grid and meta-parameters of `lora_expand_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_R, warps, stages."""
+    """Grid and meta-parameters of `lora_expand_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_R, warps, stages,
+    TILES_N (output tiles per program, default 1), Y_AHEAD (with TILES_N > 1: load the next tile's y
+    before this tile's math; default False)."""
     assert 1 <= len(widths) <= MAX_SLICES
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
     small_t, block_m = small_t_block(num_tokens, block_m)
@@ -791,11 +867,13 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
     _check_dot_dims(block_m, block_n, block_r)
     cast, precision = _cast_and_precision((w_dtype,) if not interpreting() else (w_dtype, y_dtype))
     c, total = _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n)
-    c.update(RANK=rank, NUM_PARTIALS=int(num_partials), BLOCK_M=block_m, BLOCK_N=block_n,
-             BLOCK_R=block_r, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
+    tiles_n = max(1, min(int(config.get("TILES_N", 1)), total))
+    c.update(RANK=rank, NUM_PARTIALS=int(num_partials), NUM_TILES=total, BLOCK_M=block_m, BLOCK_N=block_n,
+             BLOCK_R=block_r, TILES_N=tiles_n, Y_AHEAD=bool(config.get("Y_AHEAD", False)) and tiles_n > 1,
+             NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
              CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
              USE_PDL=bool(pdl))
-    grid = (total, max_tiles(num_tokens, num_groups, block_m, small_t))
+    grid = (triton.cdiv(total, tiles_n), max_tiles(num_tokens, num_groups, block_m, small_t))
     return ExpandPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))
 
 
