@@ -87,6 +87,9 @@ def expand_candidates(tc, rank):
             (32, 128, 4, 2), (32, 256, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 4, 3))]
     if rank > 32:
         out += [configs._e(bm, bn, 32, w, st) for bm, bn, w, st in ((64, 128, 4, 2), (32, 128, 4, 2))]
+    # several output tiles per program (explore 2026-11-30 15:19: 4 tiles, 3 stages at rank 16; 8
+    # tiles with the next y loaded ahead at rank 64)
+    out += [dict(configs._e(32, 128, br, 4, 3), TILES_N=4), dict(configs._e(64, 128, br, 4, 2), TILES_N=8, Y_AHEAD=True)]
     return out
 
 
