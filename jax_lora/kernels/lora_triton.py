@@ -494,6 +494,9 @@ def lora_expand_kernel(
     if n_tok <= 0:
         return
     rank = _slot_rank(ranks_ptr, lora_id, lora_id >= 0, RANK, HAS_RANKS)
+    # Two call sites on purpose: one tile waits (PDL) between its B/y loads and its workspace loads,
+    # which a loop would let the software pipeliner reorder; several tiles wait once, before a real
+    # loop (scf.for) that the pipeliner overlaps -- unrolling it (static_range) would lose that.
     if TILES_N == 1:
         _expand_tile(i, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
                      c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr, stride_bp, stride_bs, stride_bt, stride_br,
