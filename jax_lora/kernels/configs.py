@@ -11,8 +11,8 @@ where a handful of adapters would otherwise leave most SMs idle).
 `use_fused(...)` decides between the one-launch fused kernel and shrink + expand: the tuner times
 both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30: T <= 64 at
 rank 16, see docs/benchmarks.md). A table entry may carry `variants`: configs for launches with at
-most `max_slots` adapter slots (VARIANTS; the slot count, max_loras, is static). `use_prefetch(...)` decides where the shrink prefetches its
-weights into L2 before its PDL wait. For T > 128 the split-K count is capped (workspace re-reads).
+most `max_slots` adapter slots (VARIANTS; the slot count, max_loras, is static). `use_prefetch(...)`
+decides where the shrink prefetches its weights into L2 before its PDL wait. For T > 128 the split-K count is capped (workspace re-reads).
 Under Triton's interpreter (CPU tests) large tiles are used instead: the interpreter's cost is per
 program and per loop trip, not per element.
 """
