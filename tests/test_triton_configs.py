@@ -83,3 +83,22 @@ def test_a_config_target_sets_the_split_rule(compiled):
     got = configs.resolve_split(dict(base, TARGET=128), 32, 4096, 64, 1, 32)
     assert got["SPLIT_K"] == 4 and "TARGET" not in got
     assert configs.resolve_split(dict(base, TARGET=128), 32, 4096, 64, 3, 32)["SPLIT_K"] == 1
+
+
+def test_explore_configs_cases_and_modes():
+    """benchmarks/explore_configs.py: case strings (optional slot count) and a mode's SPLIT_K = 0
+    resolved as the table's would be (TARGET consumed)."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from explore_configs import parse_cases, resolved
+    finally:
+        sys.path.pop(0)
+    assert parse_cases("dec:32:8:16:s1,pre:2048:16:64:s3:32") == [
+        ("dec", 32, 8, 16, "s1", 8), ("pre", 2048, 16, 64, "s3", 32)]
+    assert parse_cases("dec:1:1:16:s1")[0][-1] == 8                        # max(8, D) as bench_triton
+    mode = dict(label="x", fused=False, shrink_config=dict(configs._s(16, 512, 0, 8, 3), TARGET=132))
+    got = resolved(mode, 32, 64, 1, 32)
+    assert got["shrink_config"]["SPLIT_K"] == 4 and "TARGET" not in got["shrink_config"]
+    assert got["fused"] is False and got["expand_config"] is None and got["fused_config"] is None
+    assert mode["shrink_config"]["TARGET"] == 132                           # the mode itself untouched
