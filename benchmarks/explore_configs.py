@@ -35,6 +35,7 @@ from bench_triton import (  # noqa: E402
     min_bytes,
     rel_err,
 )
+from profile_kernels import parse_cases  # noqa: E402
 
 from jax_lora.kernels import configs  # noqa: E402
 from torch_lora.ops import triton as TT  # noqa: E402
@@ -47,15 +48,6 @@ class ModeSet(InputSet):
     def call(self, y=None):
         TT.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
                   self.scale, self.offsets, self.ranks, **ModeSet.mode)
-
-
-def parse_cases(text: str) -> list:
-    """'dec:32:8:16:s1,dec:32:8:16:s1:32' -> [(kind, T, D, rank, slices, slots), ...]."""
-    out = []
-    for item in filter(None, text.split(",")):
-        kind, T, D, r, sl, *rest = item.split(":")
-        out.append((kind, int(T), int(D), int(r), sl, int(rest[0]) if rest else max(8, int(D))))
-    return out
 
 
 def resolved(mode: dict, T: int, rank: int, num_slices: int, slots: int) -> dict:

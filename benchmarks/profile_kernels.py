@@ -7,8 +7,9 @@
     ncu --import prof.ncu-rep --page details > profile.txt
 
 Each case is warmed up (compiled) first; only the profiled call sits between cudaProfilerStart and
-cudaProfilerStop. Cases: (kind, T, adapters, rank, slices) of bench_triton's sweep; `--cases
-pre:2048:4:64:s1,dec:512:1:16:s1` profiles others.
+cudaProfilerStop. Cases: (kind, T, adapters, rank, slices, slots) of bench_triton's sweep; `--cases
+pre:2048:4:64:s1,dec:512:1:16:s1` profiles others (kind:T:D:rank:slices[:slots], slots -- the
+adapter slots, max_loras -- defaulting to max(8, D) as in bench_triton).
 """
 
 from __future__ import annotations
@@ -23,26 +24,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_triton import SLICES, InputSet  # noqa: E402
 
-CASES = (("pre", 8192, 1, 16, "s1"), ("pre", 8192, 4, 64, "s1"), ("dec", 1, 1, 16, "s1"),
-         ("dec", 128, 64, 64, "s1"))
+CASES = [("pre", 8192, 1, 16, "s1", 8), ("pre", 8192, 4, 64, "s1", 8), ("dec", 1, 1, 16, "s1", 8),
+         ("dec", 128, 64, 64, "s1", 64)]
 
 
-def parse_cases(text: str) -> tuple:
-    """'pre:2048:4:64:s1,dec:1:1:16:s3' -> ((kind, T, D, rank, slices), ...)."""
+def parse_cases(text: str) -> list:
+    """'dec:32:8:16:s1,dec:32:8:16:s1:32' -> [(kind, T, D, rank, slices, slots), ...]."""
     out = []
     for item in filter(None, text.split(",")):
-        kind, T, D, r, sl = item.split(":")
-        out.append((kind, int(T), int(D), int(r), sl))
-    return tuple(out)
+        kind, T, D, r, sl, *rest = item.split(":")
+        out.append((kind, int(T), int(D), int(r), sl, int(rest[0]) if rest else max(8, int(D))))
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--cases", default="", help="kind:T:D:rank:slices,... (default: CASES)")
+    p.add_argument("--cases", default="", help="kind:T:D:rank:slices[:slots],... (default: CASES)")
     cases = parse_cases(p.parse_args().cases) or CASES
     device = torch.device("cuda")
-    for kind, T, D, r, sl in cases:
-        s = InputSet(kind, T, D, r, SLICES[sl], max(8, D), 0.0, None, torch.Generator().manual_seed(0), device)
+    for kind, T, D, r, sl, slots in cases:
+        s = InputSet(kind, T, D, r, SLICES[sl], slots, 0.0, None, torch.Generator().manual_seed(0), device)
         for _ in range(3):
             s.call()
         torch.cuda.synchronize()
@@ -50,7 +51,7 @@ def main() -> None:
         s.call()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        print(f"profiled {kind} T{T} D{D} r{r} {sl}", flush=True)
+        print(f"profiled {kind} T{T} D{D} r{r} {sl} L{slots}", flush=True)
 
 
 if __name__ == "__main__":

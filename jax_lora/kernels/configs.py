@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 
-from .lora_triton import interpreting, next_pow2
+from .lora_triton import PREFETCH_SWITCH, interpreting, next_pow2
 
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 # At most this many split-K planes from the SPLIT_K = 0 rule: the expand sums every plane of its
@@ -158,9 +158,8 @@ def use_prefetch(num_tokens: int, rank: int) -> bool:
     for T <= 16 and for T <= 256 at rank 16 (few adapters); up to 40% slower at T = 32 with 8
     adapters and 10-20% slower at rank 64 from T = 128 on (many programs prefetching the same
     chunks). JAX_LORA_TRITON_PREFETCH=0 / 1 turns it off / on everywhere (experiments)."""
-    forced = os.environ.get("JAX_LORA_TRITON_PREFETCH", "auto")
-    if forced in ("0", "1"):
-        return forced == "1"
+    if PREFETCH_SWITCH in ("0", "1"):
+        return PREFETCH_SWITCH == "1"
     return num_tokens <= 16 or (num_tokens <= 256 and rank <= 16 and num_tokens > 64)
 
 

@@ -810,6 +810,9 @@ def _hidden_split(hidden: int, split: int, block_k: int) -> tuple[int, int]:
 
 
 PREFETCH_MAX_LINES = 64  # L2 prefetch of at most this many 128-byte lines per weight row
+# JAX_LORA_TRITON_PREFETCH: "0" / "1" turn the L2 weight prefetch off / on everywhere (experiments);
+# otherwise configs.use_prefetch decides per size. Read once, here, for both places that ask.
+PREFETCH_SWITCH = os.environ.get("JAX_LORA_TRITON_PREFETCH", "auto")
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
@@ -817,7 +820,7 @@ def _prefetch(pdl: bool, columns: int, w_dtype: str) -> dict:
     """PREFETCH_LINES / PREFETCH_LINE: prefetch a program's weight chunk into L2 before waiting for
     the kernel before it (PDL launches, compiled only: inline PTX)."""
     line = 128 // _DTYPE_BYTES.get(w_dtype, 2)
-    off = not pdl or interpreting() or os.environ.get("JAX_LORA_TRITON_PREFETCH", "1") == "0"
+    off = not pdl or interpreting() or PREFETCH_SWITCH == "0"
     lines = 0 if off else min(PREFETCH_MAX_LINES, next_pow2(triton.cdiv(columns, line)))
     return dict(PREFETCH_LINES=lines, PREFETCH_LINE=line)
 
