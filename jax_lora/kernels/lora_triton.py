@@ -588,7 +588,7 @@ def lora_fused_kernel(
         stride_yt, stride_yn, stride_wp, stride_ws, stride_wt,
         out_ptr,
         RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr,
-        K_PER_SPLIT: tl.constexpr,
+        K_PER_SPLIT: tl.constexpr, WS_GROUP: tl.constexpr,
         NUM_TILES: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr,
         BIAS0: tl.constexpr, BIAS1: tl.constexpr, BIAS2: tl.constexpr, BIAS3: tl.constexpr,
         ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
@@ -673,13 +673,17 @@ def lora_fused_kernel(
         _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
     if PHASE != 1:
         if is_out:
-            # All SPLIT_K planes in one load (all in flight at once), from L2 (".cg": not L1), summed.
-            planes = tl.arange(0, SPLIT_P2)
-            ws_rows = (ws_ptr + planes[:, None, None].to(tl.int64) * _hint16(stride_wp, ALIGNED)
-                       + s_out * _hint16(stride_ws, ALIGNED) + tok[None, :, None] * stride_wt + offs_r[None, None, :])
-            ws_ok = ((planes < SPLIT_K)[:, None, None] & tok_ok[None, :, None]
-                     & (offs_r < rank)[None, None, :])
-            lhs = tl.sum(tl.load(ws_rows, mask=ws_ok, other=0.0, cache_modifier=".cg"), axis=0)
+            # The SPLIT_K planes, WS_GROUP at a time in one load (all of a group in flight at once;
+            # decode: every plane in one load), from L2 (".cg": not L1), summed.
+            lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for g in tl.static_range(0, SPLIT_P2, WS_GROUP):
+                planes = g + tl.arange(0, WS_GROUP)
+                ws_rows = (ws_ptr + planes[:, None, None].to(tl.int64) * _hint16(stride_wp, ALIGNED)
+                           + s_out * _hint16(stride_ws, ALIGNED) + tok[None, :, None] * stride_wt
+                           + offs_r[None, None, :])
+                ws_ok = ((planes < SPLIT_K)[:, None, None] & tok_ok[None, :, None]
+                         & (offs_r < rank)[None, None, :])
+                lhs += tl.sum(tl.load(ws_rows, mask=ws_ok, other=0.0, cache_modifier=".cg"), axis=0)
             if CAST_FP32:
                 bt = bt.to(tl.float32)
             else:
@@ -883,6 +887,9 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
     return ExpandPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))
 
 
+WS_LOAD_MAX = 4096  # floats of workspace planes the fused kernel loads at once (32 registers at 4 warps)
+
+
 def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], num_groups: int,
                x_dtype: str, w_dtype: str, config: dict, *, add_inputs: bool,
                bias_flags: Sequence[bool], has_ranks: bool, aligned: bool = False,
@@ -903,8 +910,12 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
     num_slices = len(widths)
     split, k_per_split = _hidden_split(hidden, int(config.get("SPLIT_K", 0)) or max(1, total // num_slices),
                                        block_k)
-    c.update(RANK=rank, NUM_SLICES=num_slices, SPLIT_K=split, SPLIT_P2=next_pow2(split), K_PER_SPLIT=k_per_split,
-             NUM_TILES=total,
+    split_p2 = next_pow2(split)
+    # planes summed per load: all of them while the (planes, BLOCK_M, BLOCK_R) block stays within
+    # WS_LOAD_MAX floats (decode tiles), else groups of that size (prefill tiles: registers)
+    ws_group = max(1, min(split_p2, WS_LOAD_MAX // (block_m * block_r)))
+    c.update(RANK=rank, NUM_SLICES=num_slices, SPLIT_K=split, SPLIT_P2=split_p2, K_PER_SPLIT=k_per_split,
+             WS_GROUP=ws_group, NUM_TILES=total,
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
              DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl),
