@@ -70,13 +70,17 @@ def _variants(kernel_name: str):
                                  bias_flags=(True, False, False), has_ranks=ranks, pdl=pdl)
             out.append((f"r{rank}-R{block_r}-pdl{int(pdl)}-ranks{int(ranks)}", K.lora_expand_kernel, plan,
                         "bf16", ("buf_ptr",)))
-        # several output tiles per program (prefill configs): one rank block and looped ones
-        for rank, block_r, ahead in ((16, 16, False), (16, 16, True), (64, 32, True)):
+        # several output tiles per program (prefill and mid-decode configs): one rank block and
+        # looped ones, the next y loaded ahead, the B tiles prefetched into L2 before the PDL wait
+        for rank, block_r, ahead, prefetch in ((16, 16, False, False), (16, 16, True, True), (64, 32, True, False),
+                                               (64, 64, False, True)):
             plan = K.plan_expand(8192, rank, (4096, 1024, 1024), 5, 2, "bfloat16", "bfloat16",
-                                 _cfg(BLOCK_M=32, BLOCK_N=128, BLOCK_R=block_r, TILES_N=4, Y_AHEAD=ahead),
-                                 add_inputs=True, bias_flags=(False, False, False), has_ranks=False, pdl=True)
-            out.append((f"tiles4-r{rank}-R{block_r}-ahead{int(ahead)}", K.lora_expand_kernel, plan, "bf16",
-                        ("buf_ptr",)))
+                                 _cfg(BLOCK_M=32, BLOCK_N=128, BLOCK_R=block_r, TILES_N=4, Y_AHEAD=ahead,
+                                      PREFETCH=prefetch),
+                                 add_inputs=True, bias_flags=(False, False, False), has_ranks=prefetch, pdl=True)
+            assert plan.constexprs["PREFETCH_LINES"] == (1 if prefetch else 0)
+            out.append((f"tiles4-r{rank}-R{block_r}-ahead{int(ahead)}-prefetch{int(prefetch)}", K.lora_expand_kernel,
+                        plan, "bf16", ("buf_ptr",)))
         return out
     out = []
     # decode (one tile per group) and token tiles; rank 16 and 64; with and without PDL

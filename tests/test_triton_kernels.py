@@ -94,9 +94,10 @@ def test_linear_ranks_bias(dtype, T, fused):
 
 @pytest.mark.parametrize("tiles_n,rank,ahead", [(2, 16, False), (4, 16, True), (4, 40, False), (3, 40, True)])
 def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
-    """TILES_N output tiles per expand program (prefill configs): tiles that straddle slices, a
-    program whose last tiles lie past the last slice, the rank in one block and in several, the
-    next tile's y loaded ahead (Y_AHEAD) or not."""
+    """TILES_N output tiles per expand program (prefill configs): slices whose tile counts are not
+    multiples of TILES_N (padded, so a program's tiles share one slice and, with one rank block,
+    its summed workspace rows), the rank in one block and in several, two split-K workspace
+    planes, the next tile's y loaded ahead (Y_AHEAD) or not."""
     from torch_lora.ops import triton as TT
     T, H, widths, L = 40, 64, (48, 16, 32), 4
     rng, idx, x, a, b = _problem(11, T, H, rank, widths, L, torch.float16)
@@ -109,12 +110,17 @@ def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
     plan = K.plan_expand(T, rank, widths, L + 1, 1, "float16", "float16",
                          dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, TILES_N=tiles_n, Y_AHEAD=ahead), add_inputs=True,
                          bias_flags=(True, False, True), has_ranks=True)
-    assert plan.grid[0] == -(-6 // tiles_n) and plan.constexprs["NUM_TILES"] == 6   # 3 + 1 + 2 tiles of 16
+    tn = plan.constexprs["TILES_N"]
+    assert tn == min(tiles_n, 3)                                     # at most the largest slice's tiles
+    padded = sum(-(-n // tn) * tn for n in (3, 1, 2))                # 3 + 1 + 2 tiles of 16, padded
+    assert plan.constexprs["NUM_TILES"] == padded and plan.grid[0] == padded // tn
+    assert (plan.constexprs["NT1"], plan.constexprs["NT2"]) == (-(-3 // tn) * tn, padded - -(-2 // tn) * tn)
     assert plan.constexprs["Y_AHEAD"] == ahead
     out = y.clone()
     TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
               fused=False, expand_config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, TILES_N=tiles_n,
-                                              Y_AHEAD=ahead, num_warps=4, num_stages=1))
+                                              Y_AHEAD=ahead, num_warps=4, num_stages=1),
+              shrink_config=dict(BLOCK_M=16, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1))
     assert _rel(_np(out), ref) < TOL[torch.float16]
     assert torch.equal(out[:, :3], y[:, :3]) and torch.equal(out[:, 99:], y[:, 99:])
     keep = torch.from_numpy(idx < 0).to(DEV)

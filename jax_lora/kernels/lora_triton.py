@@ -257,14 +257,19 @@ def _shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidde
 
 
 @triton.jit
-def _expand_rank_block(acc, bt, buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK: tl.constexpr,
-                       HAS_RANKS: tl.constexpr, NUM_PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + (sum of the NUM_PARTIALS workspace planes at rank columns kk) @ bt.T, bt (BLOCK_N, BLOCK_R)."""
+def _workspace_lhs(buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK: tl.constexpr, HAS_RANKS: tl.constexpr,
+                   NUM_PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(BLOCK_M, BLOCK_R) float32: the sum of the NUM_PARTIALS workspace planes at rank columns kk."""
     lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for p in tl.static_range(NUM_PARTIALS):                  # split-K planes: independent loads
         lhs += _load_rank_cols(buf_rows + p * stride_bp + kk[None, :] * stride_br, tok_ok, kk, rank,
                                RANK, HAS_RANKS).to(tl.float32)
+    return lhs
+
+
+@triton.jit
+def _rank_dot(acc, lhs, bt, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + lhs @ bt.T: lhs (BLOCK_M, BLOCK_R) float32, bt (BLOCK_N, BLOCK_R) in the weights' dtype."""
     if CAST_FP32:
         bt = bt.to(tl.float32)
     else:
@@ -406,10 +411,12 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
                  BIAS2: tl.constexpr, BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
-                 WAIT: tl.constexpr, y_given, Y_GIVEN: tl.constexpr):
+                 WAIT: tl.constexpr, y_given, Y_GIVEN: tl.constexpr, lhs_given, LHS_GIVEN: tl.constexpr):
     """Output tile j (over all slices; none past NUM_TILES) of one token tile: see lora_expand_kernel.
     WAIT: gdc_wait (PDL) after the loads the shrink does not write (B tile, y tile), before the
-    workspace's. Y_GIVEN: y_given is the tile's current y (`_expand_y`, loaded ahead), else loaded here."""
+    workspace's. Y_GIVEN: y_given is the tile's current y (`_expand_y`, loaded ahead), else loaded here.
+    LHS_GIVEN (one rank block): lhs_given is the token tile's summed workspace rows of this tile's
+    slice (`_workspace_lhs`, loaded once per program), else loaded here."""
     s, n0 = _slice_of_tile(tl.minimum(j, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
     stride_bl = _hint16(_pick(s, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
@@ -436,14 +443,19 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
         gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if RANK <= BLOCK_R:
-        acc = _expand_rank_block(acc, bt, buf_rows, stride_bp, stride_br, offs_r, tok_ok, rank, RANK, HAS_RANKS,
-                                 NUM_PARTIALS, BLOCK_M, BLOCK_R, CAST_FP32, DOT_PRECISION)
+        if LHS_GIVEN:
+            lhs = lhs_given
+        else:
+            lhs = _workspace_lhs(buf_rows, stride_bp, stride_br, offs_r, tok_ok, rank, RANK, HAS_RANKS,
+                                 NUM_PARTIALS, BLOCK_M, BLOCK_R)
+        acc = _rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
     else:
         for k0 in range(0, rank, BLOCK_R):                   # real rank only
             kk = k0 + offs_r
             bt = _load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS)
-            acc = _expand_rank_block(acc, bt, buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK, HAS_RANKS,
-                                     NUM_PARTIALS, BLOCK_M, BLOCK_R, CAST_FP32, DOT_PRECISION)
+            lhs = _workspace_lhs(buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK, HAS_RANKS,
+                                 NUM_PARTIALS, BLOCK_M, BLOCK_R)
+            acc = _rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
     has_bias = _pick(s, BIAS0, BIAS1, BIAS2, BIAS3)
     _store_slice(acc, y_old, out_ptr, y_offs, write, _pick(s, c0_ptr, c1_ptr, c2_ptr, c3_ptr), lora_id,
                  cols, col_ok, _hint16(_pick(s, sc0_l, sc1_l, sc2_l, sc3_l), ALIGNED),
@@ -467,7 +479,8 @@ def lora_expand_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILES_N: tl.constexpr,
         Y_AHEAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
-        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr):
+        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+        PREFETCH_LINE: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + sum_p buf[p, s, t, :] @ B_s[idx[t], n, :] + bias.
 
     Grid (cdiv(NUM_TILES, TILES_N), token tiles): program (i, tile) writes output tiles
@@ -480,7 +493,8 @@ def lora_expand_kernel(
     groups of real slots are visited, so rows without LoRA and columns outside the slices are never
     written. USE_PDL (launched as a programmatic dependent of the shrink): the metadata -- and with
     one tile per program the B and y tiles, which the shrink does not write -- are loaded before
-    waiting for the shrink grid.
+    waiting for the shrink grid; with several tiles (PREFETCH_LINES > 0) their B tiles are
+    prefetched into L2 before the wait instead (loaded after it, by the pipelined loop).
     """
     if USE_PDL:
         # A programmatic dependent after this kernel (the next layer's shrink) may be scheduled
@@ -505,10 +519,30 @@ def lora_expand_kernel(
                      width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
                      RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
                      HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, USE_PDL,
-                     0.0, False)
+                     0.0, False, 0.0, False)
     else:
+        if PREFETCH_LINES > 0:
+            # The program's B tiles (weights: not written by the shrink) into L2 while it runs.
+            s0, n0 = _slice_of_tile(tl.minimum(i * TILES_N, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
+            b_rows0 = (_pick(s0, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
+                       + lora_id.to(tl.int64) * _hint16(_pick(s0, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED))
+            stride_bn0 = _hint16(_pick(s0, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
+            width_s0 = _pick(s0, width0, width1, width2, width3)
+            for t in tl.static_range(TILES_N):
+                cols = n0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
+                _prefetch_rows(b_rows0 + cols * stride_bn0, cols < width_s0, 0, rank,
+                               _pick(s0, sb0_r, sb1_r, sb2_r, sb3_r), PREFETCH_LINES, PREFETCH_LINE)
         if USE_PDL:
             gdc_wait()                                   # before the loop: every tile reads the workspace
+        # The program's tiles lie in one slice (plan_expand pads each slice's tiles to a multiple
+        # of TILES_N), so with one rank block its workspace rows are summed once, here.
+        if RANK <= BLOCK_R:
+            s0, _ = _slice_of_tile(tl.minimum(i * TILES_N, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
+            lhs = _workspace_lhs(buf_ptr + s0 * _hint16(stride_bs, ALIGNED) + tok[:, None] * _hint16(stride_bt, ALIGNED),
+                                 _hint16(stride_bp, ALIGNED), stride_br, tl.arange(0, BLOCK_R), tok_ok, rank, RANK,
+                                 HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R)
+        else:
+            lhs = 0.0
         if Y_AHEAD:
             y_next = _expand_y(i * TILES_N, 1, tok, tok_ok, y_ptr, width0, width1, width2, width3,
                                off0, off1, off2, off3, stride_yt, stride_yn, NUM_TILES, NT1, NT2, NT3,
@@ -528,7 +562,7 @@ def lora_expand_kernel(
                          width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
                          RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
                          HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, False,
-                         y_cur, Y_AHEAD)
+                         y_cur, Y_AHEAD, lhs, RANK <= BLOCK_R)
 
 
 # ------------------------------------------------------------------------------------------- fused
@@ -712,12 +746,14 @@ def _check_dot_dims(*dims: int) -> None:
             raise AssertionError(f"tl.dot block dims must be powers of two >= 16, got {d}")
 
 
-def _slice_tiles(widths: Sequence[int], block_n: int) -> dict:
-    """NT1..NT3: the first output-tile number of slices 1..3, and the total number of tiles."""
+def _slice_tiles(widths: Sequence[int], block_n: int, tiles_per_program: int = 1) -> dict:
+    """NT1..NT3: the first output-tile number of slices 1..3, and the total number of tiles. Each
+    slice's tile count is rounded up to a multiple of tiles_per_program, so that the tiles of one
+    program never straddle two slices (the padding tiles lie past the slice's width: masked)."""
     starts, total = [], 0
     for w in widths:
         starts.append(total)
-        total += triton.cdiv(int(w), block_n)
+        total += triton.cdiv(triton.cdiv(int(w), block_n), tiles_per_program) * tiles_per_program
     big = 1 << 30
     nt = {f"NT{i}": (starts[i] if i < len(widths) else big) for i in (1, 2, 3)}
     return nt, total
@@ -855,8 +891,8 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
                       split if workspace else 1, atomic)
 
 
-def _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n):
-    nt, total = _slice_tiles(widths, block_n)
+def _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n, tiles_per_program=1):
+    nt, total = _slice_tiles(widths, block_n, tiles_per_program)
     flags = list(bias_flags) + [False] * (MAX_SLICES - len(bias_flags))
     c = dict(nt)
     c.update({f"BIAS{i}": bool(flags[i]) for i in range(MAX_SLICES)})
@@ -869,21 +905,22 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
                 has_ranks: bool, aligned: bool = False, pdl: bool = False) -> ExpandPlan:
     """Grid and meta-parameters of `lora_expand_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_R, warps, stages,
     TILES_N (output tiles per program, default 1), Y_AHEAD (with TILES_N > 1: load the next tile's y
-    before this tile's math; default False)."""
+    before this tile's math; default False), PREFETCH (with TILES_N > 1 and pdl: prefetch the
+    program's B tiles into L2 before waiting for the shrink; default False)."""
     assert 1 <= len(widths) <= MAX_SLICES
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
     small_t, block_m = small_t_block(num_tokens, block_m)
     block_r = max(16, min(next_pow2(rank), int(config.get("BLOCK_R", 64))))
     _check_dot_dims(block_m, block_n, block_r)
     cast, precision = _cast_and_precision((w_dtype,) if not interpreting() else (w_dtype, y_dtype))
-    c, total = _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n)
-    tiles_n = max(1, min(int(config.get("TILES_N", 1)), total))
+    tiles_n = max(1, min(int(config.get("TILES_N", 1)), max(triton.cdiv(int(w), block_n) for w in widths)))
+    c, total = _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n, tiles_n)
     c.update(RANK=rank, NUM_PARTIALS=int(num_partials), NUM_TILES=total, BLOCK_M=block_m, BLOCK_N=block_n,
              BLOCK_R=block_r, TILES_N=tiles_n, Y_AHEAD=bool(config.get("Y_AHEAD", False)) and tiles_n > 1,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
              CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
-             USE_PDL=bool(pdl))
-    grid = (triton.cdiv(total, tiles_n), max_tiles(num_tokens, num_groups, block_m, small_t))
+             USE_PDL=bool(pdl), **_prefetch(pdl and tiles_n > 1 and bool(config.get("PREFETCH", False)), rank, w_dtype))
+    grid = (total // tiles_n, max_tiles(num_tokens, num_groups, block_m, small_t))
     return ExpandPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))
 
 
