@@ -76,9 +76,10 @@ def _variants(kernel_name: str):
                                                (64, 64, False, True)):
             plan = K.plan_expand(8192, rank, (4096, 1024, 1024), 5, 2, "bfloat16", "bfloat16",
                                  _cfg(BLOCK_M=32, BLOCK_N=128, BLOCK_R=block_r, TILES_N=4, Y_AHEAD=ahead,
-                                      PREFETCH=prefetch),
+                                      PREFETCH=prefetch, PREFETCH_Y=prefetch),
                                  add_inputs=True, bias_flags=(False, False, False), has_ranks=prefetch, pdl=True)
             assert plan.constexprs["PREFETCH_LINES"] == (1 if prefetch else 0)
+            assert plan.constexprs["PREFETCH_Y_LINES"] == (8 if prefetch else 0)   # 512 columns, 64 per line
             out.append((f"tiles4-r{rank}-R{block_r}-ahead{int(ahead)}-prefetch{int(prefetch)}", K.lora_expand_kernel,
                         plan, "bf16", ("buf_ptr",)))
         return out

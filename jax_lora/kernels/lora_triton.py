@@ -480,7 +480,7 @@ def lora_expand_kernel(
         Y_AHEAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr):
+        PREFETCH_LINE: tl.constexpr, PREFETCH_Y_LINES: tl.constexpr, PREFETCH_Y_LINE: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + sum_p buf[p, s, t, :] @ B_s[idx[t], n, :] + bias.
 
     Grid (cdiv(NUM_TILES, TILES_N), token tiles): program (i, tile) writes output tiles
@@ -493,8 +493,9 @@ def lora_expand_kernel(
     groups of real slots are visited, so rows without LoRA and columns outside the slices are never
     written. USE_PDL (launched as a programmatic dependent of the shrink): the metadata -- and with
     one tile per program the B and y tiles, which the shrink does not write -- are loaded before
-    waiting for the shrink grid; with several tiles (PREFETCH_LINES > 0) their B tiles are
-    prefetched into L2 before the wait instead (loaded after it, by the pipelined loop).
+    waiting for the shrink grid; with several tiles, the first tile's y (Y_AHEAD) is loaded
+    before the wait, and the B tiles (PREFETCH_LINES > 0) and y rows (PREFETCH_Y_LINES > 0) of
+    all of them can be prefetched into L2 before it (loaded after it, by the pipelined loop).
     """
     if USE_PDL:
         # A programmatic dependent after this kernel (the next layer's shrink) may be scheduled
@@ -521,34 +522,42 @@ def lora_expand_kernel(
                      HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, USE_PDL,
                      0.0, False, 0.0, False)
     else:
+        # The program's tiles lie in one slice (plan_expand pads each slice's tiles to a multiple
+        # of TILES_N): its slice s0 and first column n0.
+        s0, n0 = _slice_of_tile(tl.minimum(i * TILES_N, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
+        width_s0 = _pick(s0, width0, width1, width2, width3)
         if PREFETCH_LINES > 0:
             # The program's B tiles (weights: not written by the shrink) into L2 while it runs.
-            s0, n0 = _slice_of_tile(tl.minimum(i * TILES_N, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
             b_rows0 = (_pick(s0, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
                        + lora_id.to(tl.int64) * _hint16(_pick(s0, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED))
             stride_bn0 = _hint16(_pick(s0, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
-            width_s0 = _pick(s0, width0, width1, width2, width3)
             for t in tl.static_range(TILES_N):
                 cols = n0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
                 _prefetch_rows(b_rows0 + cols * stride_bn0, cols < width_s0, 0, rank,
                                _pick(s0, sb0_r, sb1_r, sb2_r, sb3_r), PREFETCH_LINES, PREFETCH_LINE)
-        if USE_PDL:
-            gdc_wait()                                   # before the loop: every tile reads the workspace
-        # The program's tiles lie in one slice (plan_expand pads each slice's tiles to a multiple
-        # of TILES_N), so with one rank block its workspace rows are summed once, here.
-        if RANK <= BLOCK_R:
-            s0, _ = _slice_of_tile(tl.minimum(i * TILES_N, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
-            lhs = _workspace_lhs(buf_ptr + s0 * _hint16(stride_bs, ALIGNED) + tok[:, None] * _hint16(stride_bt, ALIGNED),
-                                 _hint16(stride_bp, ALIGNED), stride_br, tl.arange(0, BLOCK_R), tok_ok, rank, RANK,
-                                 HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R)
-        else:
-            lhs = 0.0
+        if ADD_INPUTS and PREFETCH_Y_LINES > 0:
+            # The program's y rows (final: the kernel before the shrink completed before the shrink
+            # let this grid start) into L2 while the shrink runs.
+            y_rows0 = (y_ptr + tok * _hint16(stride_yt, ALIGNED)
+                       + (_hint16(_pick(s0, off0, off1, off2, off3), ALIGNED) + n0) * stride_yn)
+            _prefetch_rows(y_rows0, tok_ok, 0, tl.minimum(TILES_N * BLOCK_N, width_s0 - n0), stride_yn,
+                           PREFETCH_Y_LINES, PREFETCH_Y_LINE)
         if Y_AHEAD:
+            # the first tile's y, before the wait (final already, as above)
             y_next = _expand_y(i * TILES_N, 1, tok, tok_ok, y_ptr, width0, width1, width2, width3,
                                off0, off1, off2, off3, stride_yt, stride_yn, NUM_TILES, NT1, NT2, NT3,
                                ADD_INPUTS, BLOCK_N, ALIGNED)
         else:
             y_next = 0.0
+        if USE_PDL:
+            gdc_wait()                                   # before the loop: every tile reads the workspace
+        if RANK <= BLOCK_R:
+            # one rank block: the token tile's workspace rows of slice s0, summed once
+            lhs = _workspace_lhs(buf_ptr + s0 * _hint16(stride_bs, ALIGNED) + tok[:, None] * _hint16(stride_bt, ALIGNED),
+                                 _hint16(stride_bp, ALIGNED), stride_br, tl.arange(0, BLOCK_R), tok_ok, rank, RANK,
+                                 HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R)
+        else:
+            lhs = 0.0
         for t in range(TILES_N):
             y_cur = y_next
             if Y_AHEAD:
@@ -905,8 +914,8 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
                 has_ranks: bool, aligned: bool = False, pdl: bool = False) -> ExpandPlan:
     """Grid and meta-parameters of `lora_expand_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_R, warps, stages,
     TILES_N (output tiles per program, default 1), Y_AHEAD (with TILES_N > 1: load the next tile's y
-    before this tile's math; default False), PREFETCH (with TILES_N > 1 and pdl: prefetch the
-    program's B tiles into L2 before waiting for the shrink; default False)."""
+    before this tile's math; default False), PREFETCH / PREFETCH_Y (with TILES_N > 1 and pdl:
+    prefetch the program's B tiles / y rows into L2 before waiting for the shrink; default False)."""
     assert 1 <= len(widths) <= MAX_SLICES
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
     small_t, block_m = small_t_block(num_tokens, block_m)
@@ -920,6 +929,8 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
              CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
              USE_PDL=bool(pdl), **_prefetch(pdl and tiles_n > 1 and bool(config.get("PREFETCH", False)), rank, w_dtype))
+    y_prefetch = _prefetch(pdl and tiles_n > 1 and bool(config.get("PREFETCH_Y", False)), tiles_n * block_n, y_dtype)
+    c.update(PREFETCH_Y_LINES=y_prefetch["PREFETCH_LINES"], PREFETCH_Y_LINE=y_prefetch["PREFETCH_LINE"])
     grid = (total // tiles_n, max_tiles(num_tokens, num_groups, block_m, small_t))
     return ExpandPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))
 
