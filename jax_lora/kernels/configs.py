@@ -166,14 +166,17 @@ def use_prefetch(num_tokens: int, rank: int) -> bool:
 def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
     """cfg (a shrink config) with SPLIT_K = 0 resolved and the split caps applied (in place);
     PREFETCH (use_prefetch) set unless the config says. A config's TARGET (programs the SPLIT_K = 0
-    rule aims at; TARGET_PROGRAMS if absent) is consumed here."""
+    rule aims at; TARGET_PROGRAMS if absent) is consumed here; a config that names its TARGET is
+    not subject to the T > 128 caps below (a tuned choice, measured with the expand that sums
+    the planes once per program: lora_expand_kernel with TILES_N > 1)."""
     cfg.setdefault("PREFETCH", use_prefetch(num_tokens, rank))
+    own_target = "TARGET" in cfg
     target = int(cfg.pop("TARGET", TARGET_PROGRAMS))
     chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
     if cfg["SPLIT_K"] == 0:
         busy = num_slices * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])
         cfg["SPLIT_K"] = max(1, min(chunks, target // busy, SPLIT_CAP))
-        if num_tokens > 128:
+        if num_tokens > 128 and not own_target:
             # Past decode sizes every expand program re-reads its rows of all SPLIT_K workspace
             # planes (SPLIT_K * rank floats per token per output tile): keep that below ~1 KB per
             # token, and at prefill sizes with rank >= 64 do not split at all (measured: T=2048,
