@@ -24,8 +24,9 @@ def test_committed_table_loads_with_its_variants(compiled):
     assert configs.TUNED_ON.startswith("NVIDIA H200")
     for key, variants in configs.VARIANTS.items():
         assert key in configs.SHRINK, key
-        for max_slots, overrides in variants:
-            assert max_slots >= 1 and set(overrides) <= {"shrink", "expand", "fused", "use_fused"}, (key, overrides)
+        for max_slots, min_slices, overrides in variants:
+            assert max_slots >= 1 and min_slices >= 1, (key, max_slots, min_slices)
+            assert set(overrides) <= {"shrink", "expand", "fused", "use_fused"}, (key, overrides)
     # t1024/r64: 64-token expand tiles up to 16 slots, the class entry beyond
     few = configs.expand_config(512, 4096, 64, 1, 16)
     many = configs.expand_config(512, 4096, 64, 1, 17)
@@ -41,8 +42,8 @@ def test_variants_apply_by_slot_count_first_match_wins(compiled, monkeypatch):
     key = ("t256", "r16")
     small = configs._s(16, 64, 2, 4, 2)
     mid = configs._e(32, 64, 16, 4, 2)
-    monkeypatch.setitem(configs.VARIANTS, key, [(4, {"shrink": small, "use_fused": True}),
-                                               (8, {"expand": mid, "use_fused": False})])
+    monkeypatch.setitem(configs.VARIANTS, key, [(4, 1, {"shrink": small, "use_fused": True}),
+                                               (8, 1, {"expand": mid, "use_fused": False})])
     monkeypatch.setattr(configs, "FUSED_CLASSES", {key})
     assert configs.shrink_config(100, 4096, 16, 1, 4)["BLOCK_K"] == 64
     assert configs.shrink_config(100, 4096, 16, 1, 5)["BLOCK_K"] == configs.SHRINK[key]["BLOCK_K"] != 64
@@ -52,8 +53,18 @@ def test_variants_apply_by_slot_count_first_match_wins(compiled, monkeypatch):
     assert configs.use_fused(100, 4096, 16, 1, 9)                                # the class says fused
 
 
+def test_variants_by_slice_count(compiled, monkeypatch):
+    key = ("tbig", "r64")
+    three = configs._e(64, 128, 64, 4, 2)
+    monkeypatch.setitem(configs.VARIANTS, key, [(16, 3, {"expand": three}), (configs.ANY_SLOTS, 2, {"use_fused": False})])
+    assert configs.expand_config(8192, 4096, 64, 3, 16) == three
+    assert configs.expand_config(8192, 4096, 64, 3, 17) == configs.EXPAND[key]     # too many slots
+    assert configs.expand_config(8192, 4096, 64, 2, 8) == configs.EXPAND[key]      # too few slices
+    assert configs.expand_config(8192, 4096, 64, 1, 8) == configs.EXPAND[key]
+
+
 def test_forced_fused_switch_beats_the_variants(compiled, monkeypatch):
-    monkeypatch.setitem(configs.VARIANTS, ("t64", "r16"), [(64, {"use_fused": False})])
+    monkeypatch.setitem(configs.VARIANTS, ("t64", "r16"), [(64, 1, {"use_fused": False})])
     assert not configs.use_fused(32, 4096, 16, 1, 8)
     monkeypatch.setattr(configs, "_FORCE_FUSED", "1")
     assert configs.use_fused(32, 4096, 16, 1, 8)

@@ -11,7 +11,7 @@ where a handful of adapters would otherwise leave most SMs idle).
 `use_fused(...)` decides between the one-launch fused kernel and shrink + expand: the tuner times
 both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30: T <= 64 at
 rank 16, see docs/benchmarks.md). A table entry may carry `variants`: configs for launches with at
-most `max_slots` adapter slots (VARIANTS; the slot count, max_loras, is static). `use_prefetch(...)`
+most `max_slots` adapter slots and at least `min_slices` slices (VARIANTS; both are static). `use_prefetch(...)`
 decides where the shrink prefetches its weights into L2 before its PDL wait. For T > 128 the split-K count is capped (workspace re-reads).
 Under Triton's interpreter (CPU tests) large tiles are used instead: the interpreter's cost is per
 program and per loop trip, not per element.
@@ -97,13 +97,16 @@ FUSED = {
 }
 FUSED_CLASSES = set()  # shape classes where the one-launch fused kernel wins (the tuned table says)
 # END TABLE
-# (token class, rank class) -> [(max_slots, {"shrink"/"expand"/"fused": config, "use_fused": bool})]:
-# a class's configs for launches with at most max_slots adapter slots (max_loras), first match
-# wins. The slot count is static (it sizes the weight stacks), so the launch shape still never
-# depends on the mapping; few slots means many tokens per adapter, which wants larger token tiles
+# (token class, rank class) -> [(max_slots, min_slices, {"shrink"/"expand"/"fused": config,
+# "use_fused": bool})]: a class's configs for launches with at most max_slots adapter slots
+# (max_loras) and at least min_slices slices, first match wins. Both are static (the slot count
+# sizes the weight stacks, the slice count is the layer's), so the launch shape still never
+# depends on the mapping. Few slots means many tokens per adapter, which wants larger token tiles
 # (measured on the H200: T = 320-1024, rank 64, <= 16 slots ran 1.3-1.7x faster with 64-token
-# expand tiles, and 1.7x slower with 64 slots; benchmarks/results/explore_*_20261130T15*).
+# expand tiles, and 1.7x slower with 64 slots; benchmarks/results/explore_*_20261130T15*); three
+# slices triple the shrink's programs and the workspace, which wants fewer splits (rank-64 prefill).
 VARIANTS: dict = {}
+ANY_SLOTS = 1 << 30  # a variant without max_slots applies to any slot count
 
 
 def _load_tuned(path: str) -> str:
@@ -120,7 +123,8 @@ def _load_tuned(path: str) -> str:
         EXPAND[k] = dict(entry["expand"])
         if entry.get("fused"):
             FUSED[k] = dict(entry["fused"])
-        VARIANTS[k] = [(int(v["max_slots"]), {n: v[n] for n in ("shrink", "expand", "fused", "use_fused") if n in v})
+        VARIANTS[k] = [(int(v.get("max_slots", ANY_SLOTS)), int(v.get("min_slices", 1)),
+                        {n: v[n] for n in ("shrink", "expand", "fused", "use_fused") if n in v})
                        for v in entry.get("variants", ())]
     FUSED_CLASSES = {tuple(k.split("/")) for k, e in tuned["best"].items()
                      if e.get("fused_us", float("inf")) < e["two_kernel_us"]}
@@ -130,10 +134,11 @@ def _load_tuned(path: str) -> str:
 TUNED_ON = _load_tuned(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_h200.json"))
 
 
-def _variant(num_tokens: int, rank: int, num_slots: int) -> dict:
-    """The first VARIANTS entry of the shape class that applies to num_slots slots ({} if none)."""
-    for max_slots, overrides in VARIANTS.get((token_class(num_tokens), rank_class(rank)), ()):
-        if num_slots <= max_slots:
+def _variant(num_tokens: int, rank: int, num_slots: int, num_slices: int) -> dict:
+    """The first VARIANTS entry of the shape class that applies to num_slots slots and num_slices
+    slices ({} if none)."""
+    for max_slots, min_slices, overrides in VARIANTS.get((token_class(num_tokens), rank_class(rank)), ()):
+        if num_slots <= max_slots and num_slices >= min_slices:
             return overrides
     return {}
 
@@ -147,7 +152,7 @@ def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
 def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
     if interpreting():
         return _s(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
-    cfg = _variant(num_tokens, rank, num_slots).get("shrink") or SHRINK[(token_class(num_tokens), rank_class(rank))]
+    cfg = _variant(num_tokens, rank, num_slots, num_slices).get("shrink") or SHRINK[(token_class(num_tokens), rank_class(rank))]
     return resolve_split(dict(cfg), num_tokens, hidden, rank, num_slices, num_slots)
 
 
@@ -191,7 +196,7 @@ def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices
 def expand_config(num_tokens: int, width: int, rank: int, num_slices: int, num_slots: int) -> dict:
     if interpreting():
         return _e(16, min(256, max(16, next_pow2(width))), 64, 4, 1)
-    return dict(_variant(num_tokens, rank, num_slots).get("expand") or EXPAND[(token_class(num_tokens), rank_class(rank))])
+    return dict(_variant(num_tokens, rank, num_slots, num_slices).get("expand") or EXPAND[(token_class(num_tokens), rank_class(rank))])
 
 
 def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices: int,
@@ -199,7 +204,7 @@ def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices
     if interpreting():
         return _f(16, min(256, max(16, next_pow2(width))), min(256, max(16, next_pow2(hidden))), 4, 1, 0)
     key = (token_class(num_tokens), rank_class(rank))
-    return dict(_variant(num_tokens, rank, num_slots).get("fused") or FUSED.get(key, _f(16, 128, 128, 4, 2)))
+    return dict(_variant(num_tokens, rank, num_slots, num_slices).get("fused") or FUSED.get(key, _f(16, 128, 128, 4, 2)))
 
 
 # JAX_LORA_TRITON_FUSED=1 / 0 forces the fused kernel on / off where `linear` is not told
@@ -219,7 +224,7 @@ def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slot
         return False
     if _FORCE_FUSED in ("0", "1"):
         return _FORCE_FUSED == "1"
-    variant = _variant(num_tokens, rank, num_slots)
+    variant = _variant(num_tokens, rank, num_slots, num_slices)
     if "use_fused" in variant:
         return bool(variant["use_fused"])
     return (token_class(num_tokens), rank_class(rank)) in FUSED_CLASSES
