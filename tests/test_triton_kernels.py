@@ -155,6 +155,26 @@ def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
         assert _rel(_np(y), ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("T", [9, 40])
+def test_fused_sums_the_workspace_planes_in_groups(T, monkeypatch):
+    """Large token tiles: the fused kernel loads WS_GROUP planes at a time (here one plane per
+    load, four planes) instead of all of them in one block of registers; same result."""
+    from torch_lora.ops import triton as TT
+    H, R, widths, L = 256, 16, (48, 32), 4
+    rng, idx, x, a, b = _problem(5, T, H, R, widths, L, torch.float32)
+    monkeypatch.setattr(K, "WS_LOAD_MAX", 16 * 16)
+    TT._fused_plan.cache_clear()
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=1)
+    plan = TT._fused_plan(T, H, R, widths, L + 1, L, "float32", "float32", (False, False), False, TT._key(cfg))
+    assert plan.constexprs["SPLIT_P2"] == 4 and plan.constexprs["WS_GROUP"] == 1
+    y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV)
+    ref = _oracle_linear(y, x, a, b, idx, 0.5, (0, 48))
+    out = y.clone()
+    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), fused=True, fused_config=cfg)
+    TT._fused_plan.cache_clear()
+    assert _rel(_np(out), ref) < TOL[torch.float32]
+
+
 def test_barrier_counter_buffers_are_per_stream_zeroed_and_never_freed():
     from torch_lora.ops import triton as TT
     TT._SYNC_BUFFERS.clear()
