@@ -416,3 +416,50 @@ def test_jax_chained_calls_under_jit_match_separate_calls(jax_launcher):
         got = chain(ys, j(x), jm)
         for i in range(steps):
             assert bool(jnp.array_equal(got[i], want[i])), i
+
+
+def _table_feature_cases():
+    """(T, rank, slots, slices) shapes, one per distinct (shrink, expand) config of the tuned table
+    that uses a multi-tile expand (TILES_N, Y_AHEAD, L2 prefetch) or a variant (slot / slice count)."""
+    from jax_lora.kernels import configs
+    seen, cases = set(), []
+    for T in (8, 32, 128, 512, 2048, 8192):
+        for R in (16, 64):
+            for L in (8, 64):
+                for S in (1, 3):
+                    e = configs.expand_config(T, 4096, R, S, L)
+                    special = (e.get("TILES_N", 1) > 1 or e.get("PREFETCH") or e.get("PREFETCH_Y")
+                               or configs._variant(T, R, L, S))
+                    key = (str(sorted(configs.shrink_config(T, 4096, R, S, L).items())), str(sorted(e.items())))
+                    if special and key not in seen and not configs.use_fused(T, 4096, R, S, L):
+                        seen.add(key)
+                        cases.append((T, R, L, S))
+    return cases
+
+
+@pytest.mark.parametrize("case", _table_feature_cases(), ids=lambda c: f"T{c[0]}-r{c[1]}-L{c[2]}-S{c[3]}")
+def test_tuned_table_multi_tile_configs_torch_and_jax(case):
+    """Every distinct table config with several output tiles per expand program (workspace rows
+    summed once, slices padded), the next y ahead, the B / y L2 prefetch, or a slot/slice variant:
+    torch and JAX (FFI launcher, under jit) against float64, with the table's own launch configs."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_lora.meta import LoRAKernelMeta as JMeta
+    from jax_lora.ops import triton as JT
+    from torch_lora.ops import triton as TT
+    T, R, L, S = case
+    widths = (4096,) if S == 1 else (4096, 1024, 1024)
+    D = min(L, 8 if T >= 2048 else L)
+    x, a, b, idx, meta, _, _ = _setup(T, 4096, R, widths, L, D, torch.bfloat16, 17, kind="pre" if T >= 2048 else "dec")
+    y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
+    offsets = tuple(int(v) for v in np.cumsum((0,) + widths)[:-1])
+    ref = _ref_linear(y, x, a, b, idx, 0.5, offsets)
+    y_t = y.clone()
+    TT.linear(y_t, x, a, b, meta.meta_args(T), 0.5, offsets)
+    assert _err(y_t, ref) < 2e-2
+    j = lambda t: jnp.from_dlpack(t.contiguous())  # noqa: E731
+    jm = JMeta.build(jnp.asarray(idx), L, T)
+    ja, jb = tuple(j(t) for t in a), tuple(j(t) for t in b)
+    out = jax.jit(lambda y_, x_, m_: JT.linear(y_, x_, ja, jb, m_, 0.5, offsets))(j(y), j(x), jm)
+    assert _err(torch.from_dlpack(out), ref) < 2e-2
