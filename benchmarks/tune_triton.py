@@ -54,23 +54,33 @@ def shrink_candidates(tc):
     if tc in ("t256", "t1024", "t4096"):
         # Explicit splits next to the SPLIT_K = 0 rule: at rank 64 the expand's unrolled sum of
         # the workspace planes costs ~12 registers per plane (134 at 4 planes, 86 at 1: ptxas, T=512).
-        return [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
-                ((16, 256, 0, 4, 2), (16, 128, 0, 4, 2), (32, 128, 0, 4, 3), (64, 64, 0, 4, 3),
-                 (16, 256, 1, 4, 3), (16, 128, 2, 4, 3), (32, 128, 2, 4, 3), (32, 256, 1, 8, 3),
-                 (64, 128, 2, 4, 3))]
+        # (+ session 6, explores 16:24-16:41: 128-column chunks with 4 stages at rank 16 with many
+        # adapters; at T2048 64-token tiles with 4 splits, or the split rule aimed at 400 programs)
+        out = [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
+               ((16, 256, 0, 4, 2), (16, 128, 0, 4, 2), (32, 128, 0, 4, 3), (64, 64, 0, 4, 3),
+                (16, 256, 1, 4, 3), (16, 128, 2, 4, 3), (32, 128, 2, 4, 3), (32, 256, 1, 8, 3),
+                (64, 128, 2, 4, 3), (16, 128, 0, 4, 4), (16, 256, 2, 4, 3))]
+        if tc == "t4096":
+            out += [configs._s(64, 128, 4, 4, 3), dict(configs._s(64, 128, 0, 4, 3), TARGET=400)]
+        return out
     # (prefill: ncu, 2026-11-30: the unsplit BLOCK_M 64 shrink runs 137 programs at T=8192, 6.4%
     # achieved occupancy, 54% of DRAM bandwidth -- hence smaller token tiles and splits)
+    # (+ session 6: the split rule aimed at 264 programs -- 2 splits at T8192 with one slice, 1 with
+    # three -- now that the expand sums the workspace planes once per program)
     return [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
             ((64, 128, 0, 4, 3), (64, 64, 1, 4, 4), (128, 64, 1, 4, 3), (128, 128, 1, 8, 3),
              (64, 128, 1, 4, 3), (32, 128, 1, 4, 3), (64, 128, 2, 4, 3), (64, 128, 4, 4, 3),
-             (64, 128, 1, 8, 4), (32, 256, 2, 8, 3))]
+             (64, 128, 1, 8, 4), (32, 256, 2, 8, 3))] + [dict(configs._s(64, 128, 0, 4, 3), TARGET=264)]
 
 
 def expand_candidates(tc, rank):
     br = min(64, max(16, rank))
     if tc in ("t16", "t64"):
+        # (+ session 6: 2 tiles per program with the B tiles prefetched into L2 before the PDL wait;
+        # won at T32 with 32 adapters, lost with one adapter -- explore 16:24, sweep 16:29)
         return [configs._e(16, bn, br, w, st) for bn, w, st in
-                ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 2), (512, 8, 2))]
+                ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 2), (512, 8, 2))] + [
+                dict(configs._e(16, 128, br, 4, 2), TILES_N=2, PREFETCH=True)]
     if tc in ("t256", "t1024", "t4096"):
         # 8 warps and 32-wide rank blocks lower the registers per thread at rank 64 (ptxas, T=512,
         # 16x128 tile, 4 planes: 134 at 4 warps, 89 at 8 warps, 92 with BLOCK_R 32)
@@ -79,6 +89,14 @@ def expand_candidates(tc, rank):
                 (64, 128, 4, 2), (64, 128, 8, 2), (16, 64, 4, 2))]
         if rank > 32:
             out += [configs._e(bm, bn, 32, w, st) for bm, bn, w, st in ((16, 128, 4, 2), (32, 128, 8, 2))]
+        # several output tiles per program, the workspace rows summed once (session 6, explores
+        # 16:20-16:32): 4 tiles at many adapters, 2 (+ y prefetch) with 64-token tiles at few,
+        # 4-8 tiles of 32 tokens at T2048 (+ the next y ahead with one slice)
+        out += [dict(configs._e(bm, bn, br, 4, st), TILES_N=tn) for bm, bn, tn, st in
+                ((16, 128, 4, 3), (16, 128, 2, 2), (16, 64, 8, 3), (32, 128, 4, 3))]
+        out += [dict(configs._e(64, 128, br, 4, 3), TILES_N=2, PREFETCH_Y=True)]
+        if tc == "t4096":
+            out += [dict(configs._e(32, 128, br, 4, 3), TILES_N=8), dict(configs._e(32, 128, br, 4, 3), TILES_N=4, Y_AHEAD=True)]
         return out
     # (prefill: ncu, 2026-11-30: the 64x128 expand tile is register-limited, 108-136 registers,
     # 18-25% occupancy -- hence also smaller tiles and 32-wide rank blocks at rank 64)
@@ -90,6 +108,8 @@ def expand_candidates(tc, rank):
     # several output tiles per program (explore 2026-11-30 15:19: 4 tiles, 3 stages at rank 16; 8
     # tiles with the next y loaded ahead at rank 64)
     out += [dict(configs._e(32, 128, br, 4, 3), TILES_N=4), dict(configs._e(64, 128, br, 4, 2), TILES_N=8, Y_AHEAD=True)]
+    # (session 6, explores 16:24-16:34: 32-token tiles, 8 or 16 per program, 3 stages; rank 64 one slice)
+    out += [dict(configs._e(32, 128, br, 4, 3), TILES_N=8), dict(configs._e(32, 128, br, 4, 3), TILES_N=16, Y_AHEAD=True)]
     return out
 
 
@@ -229,8 +249,10 @@ def main():
 
 
 def kept_variants(old: dict, entry: dict) -> dict:
-    """entry with the old entry's slot-count `variants` (configs.VARIANTS) carried over: they come
-    from explore_configs.py measurements at other slot counts, which this tuner does not repeat."""
+    """entry with the old entry's `variants` (configs.VARIANTS: by slot count and slice count)
+    carried over: they come from explore_configs.py measurements at other slot counts, or from one
+    slice count alone, which this tuner (scoring one representative slot count, and s1 with s3
+    together) does not repeat."""
     if old.get("variants") and "variants" not in entry:
         entry = {**entry, "variants": old["variants"]}
     return entry

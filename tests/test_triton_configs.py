@@ -113,3 +113,27 @@ def test_explore_configs_cases_and_modes():
     assert got["shrink_config"]["SPLIT_K"] == 4 and "TARGET" not in got["shrink_config"]
     assert got["fused"] is False and got["expand_config"] is None and got["fused_config"] is None
     assert mode["shrink_config"]["TARGET"] == 132                           # the mode itself untouched
+
+
+def test_tuner_candidates_all_plan(compiled):
+    """Every candidate the tuner times is a launch the planners accept (block rules, TILES_N,
+    prefetch flags, TARGET) at its class's representative shape, one and three slices."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import tune_triton as TU
+    finally:
+        sys.path.pop(0)
+    from jax_lora.kernels import lora_triton as K
+    for (tc, rc), (kind, T, ds) in TU.SHAPES.items():
+        r = TU.RANK_OF[rc]
+        for widths in ((4096,), TU.WIDTHS):
+            for c in TU.shrink_candidates(tc):
+                cfg = configs.resolve_split(dict(c), T, 4096, r, len(widths), max(8, max(ds)))
+                plan = K.plan_shrink(T, 4096, r, len(widths), 9, "bfloat16", "bfloat16", cfg, lora_only=True,
+                                     workspace=True, has_ranks=False, pdl=True)
+                assert plan.grid[1] >= 1
+            for c in TU.expand_candidates(tc, r):
+                plan = K.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", dict(c), add_inputs=True,
+                                     bias_flags=(False,) * len(widths), has_ranks=False, pdl=True)
+                assert plan.grid[0] * plan.constexprs["TILES_N"] == plan.constexprs["NUM_TILES"]
