@@ -127,43 +127,6 @@ def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
     assert torch.equal(out[keep], y[keep])
 
 
-@pytest.mark.parametrize("T,tiles_n,rank,ahead", [(9, 1, 16, False), (40, 2, 16, True), (40, 4, 40, False),
-                                                  (40, 3, 40, True)])
-def test_fused_rows_mode(T, tiles_n, rank, ahead):
-    """The fused kernel's barrier-free ROWS mode (prefill configs): every program computes its
-    slice's shrink over the whole hidden size (several BLOCK_K chunks, one not full) and then
-    TILES_N output tiles, slices padded to multiples of TILES_N; heterogeneous ranks, bias, -1
-    tokens, y loaded ahead or not. No barrier counters are used (sync_ints 0) and the workspace is
-    a dummy."""
-    from torch_lora.ops import triton as TT
-    H, widths, L = 80, (48, 16, 32), 4
-    rng, idx, x, a, b = _problem(13, T, H, rank, widths, L, torch.float16)
-    bias = [torch.from_numpy(rng.standard_normal((L, n)).astype(np.float32)).to(DEV, torch.float16)
-            if s != 1 else None for s, n in enumerate(widths)]
-    ranks = np.array([rank, 5, 0, 9], np.int32)
-    offsets = (3, 51, 67)
-    y = torch.from_numpy(rng.standard_normal((T, 101)).astype(np.float32)).to(DEV, torch.float16)
-    ref = _oracle_linear(y, x, a, b, idx, 0.5, offsets, ranks, bias)
-    cfg = dict(ROWS=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, TILES_N=tiles_n, Y_AHEAD=ahead, num_warps=4,
-               num_stages=1)
-    plan = K.plan_fused(T, H, rank, widths, L + 1, "float16", "float16", cfg, add_inputs=True,
-                        bias_flags=(True, False, True), has_ranks=True)
-    tn = plan.constexprs["TILES_N"]
-    assert tn == min(tiles_n, 3) and plan.constexprs["ROWS"] and plan.sync_ints == 0
-    padded = sum(-(-n // tn) * tn for n in (3, 1, 2))
-    assert plan.constexprs["NUM_TILES"] == padded and plan.grid[0] == padded // tn
-    assert plan.workspace_shape == (1, 1, 1, 1) and plan.phases == (0,)
-    TT._SYNC_BUFFERS.clear()
-    out = y.clone()
-    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
-              fused=True, fused_config=cfg)
-    assert _rel(_np(out), ref) < TOL[torch.float16]
-    assert torch.equal(out[:, :3], y[:, :3]) and torch.equal(out[:, 99:], y[:, 99:])
-    keep = torch.from_numpy(idx < 0).to(DEV)
-    assert torch.equal(out[keep], y[keep])
-    assert all(not buf.any() for buf in TT._SYNC_BUFFERS.values())
-
-
 @pytest.mark.parametrize("T", [6, 40])
 def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
     """The fused kernel's per-tile barrier: every program of a busy token tile arrives exactly once

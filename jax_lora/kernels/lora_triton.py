@@ -618,73 +618,6 @@ def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr, POLL_LIMIT: 
 
 
 @triton.jit
-def _fused_rows_program(
-        p, row, x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-        c0_ptr, c1_ptr, c2_ptr, c3_ptr, ranks_ptr, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr,
-        active_ptr, y_ptr, ws_ptr, scale, num_tokens, hidden, num_sorted, num_slots, stride_xt, stride_xh,
-        sa0_l, sa0_r, sa0_h, sa1_l, sa1_r, sa1_h, sa2_l, sa2_r, sa2_h, sa3_l, sa3_r, sa3_h,
-        sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
-        sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
-        width0, width1, width2, width3, off0, off1, off2, off3,
-        stride_yt, stride_yn, stride_wp, stride_ws, stride_wt, out_ptr,
-        RANK: tl.constexpr, NUM_TILES: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr,
-        BIAS0: tl.constexpr, BIAS1: tl.constexpr, BIAS2: tl.constexpr, BIAS3: tl.constexpr,
-        ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-        NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        ALIGNED: tl.constexpr, SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr, TILES_N: tl.constexpr, Y_AHEAD: tl.constexpr):
-    """lora_fused_kernel's ROWS mode, program (p, row): output tiles p * TILES_N .. + TILES_N - 1 of
-    token tile `row`, from the shrink of their slice computed here over the whole hidden size."""
-    lora_id, tok, tok_ok, n_tok = _tile(row, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
-                                        num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
-                                        True, SMALL_T)
-    busy = n_tok > 0
-    lora_id = tl.where(busy, lora_id, 0)
-    rank = _slot_rank(ranks_ptr, lora_id, busy, RANK, HAS_RANKS)
-    j0 = p * TILES_N
-    s0, _ = _slice_of_tile(tl.minimum(j0, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
-    a_ptr = _pick(s0, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
-    stride_al = _hint16(_pick(s0, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED)
-    stride_ar = _hint16(_pick(s0, sa0_r, sa1_r, sa2_r, sa3_r), ALIGNED)
-    stride_ah = _pick(s0, sa0_h, sa1_h, sa2_h, sa3_h)
-    hidden = _hint16(hidden, ALIGNED)
-    if PREFETCH_LINES > 0:
-        # the slice's A rows into L2 while the kernel before still runs (weights: never written)
-        offs_r = tl.arange(0, BLOCK_R)
-        _prefetch_rows(a_ptr + lora_id.to(tl.int64) * stride_al + offs_r * stride_ar, (offs_r < rank) & busy,
-                       0, hidden, stride_ah, PREFETCH_LINES, PREFETCH_LINE)
-    if USE_PDL:
-        gdc_wait()                               # every program, idle ones too (see the shrink)
-        gdc_launch_dependents()
-    if n_tok <= 0:
-        return
-    if Y_AHEAD:
-        # the first tile's y, in flight during the shrink
-        y_next = _expand_y(j0, 1, tok, tok_ok, y_ptr, width0, width1, width2, width3, off0, off1, off2, off3,
-                           stride_yt, stride_yn, NUM_TILES, NT1, NT2, NT3, ADD_INPUTS, BLOCK_N, ALIGNED)
-    else:
-        y_next = 0.0
-    lhs = scale * _shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, 0, hidden, hidden,
-                               _hint16(stride_xt, ALIGNED), stride_xh, stride_al, stride_ar, stride_ah,
-                               BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
-    for t in range(TILES_N):
-        y_cur = y_next
-        if Y_AHEAD:
-            y_next = _expand_y(j0 + t + 1, TILES_N - 1 - t, tok, tok_ok, y_ptr, width0, width1, width2, width3,
-                               off0, off1, off2, off3, stride_yt, stride_yn, NUM_TILES, NT1, NT2, NT3,
-                               ADD_INPUTS, BLOCK_N, ALIGNED)
-        _expand_tile(j0 + t, lora_id, tok, tok_ok, rank, ws_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-                     c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr, stride_wp, stride_ws, stride_wt, 1,
-                     sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
-                     sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
-                     width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
-                     RANK, 1, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
-                     HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, False,
-                     y_cur, Y_AHEAD, lhs, True)
-
-
-@triton.jit
 def lora_fused_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
         c0_ptr, c1_ptr, c2_ptr, c3_ptr, ranks_ptr,
@@ -706,8 +639,7 @@ def lora_fused_kernel(
         NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, PHASE: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr, BARRIER_POLLS: tl.constexpr,
-        ROWS: tl.constexpr, TILES_N: tl.constexpr, Y_AHEAD: tl.constexpr):
+        PREFETCH_LINE: tl.constexpr, BARRIER_POLLS: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + (scale * x[t] @ A_s[idx].T) @ B_s[idx, n].T + bias.
 
     One launch, grid (P, token tiles): the P programs of a token tile share its work and meet once.
@@ -729,32 +661,9 @@ def lora_fused_kernel(
     (compiled) does everything in one launch. Needs BLOCK_R >= RANK (one rank block).
     USE_PDL: launched as a programmatic dependent of the kernel before it, waiting for it before
     reading x and y (metadata and weights are read, or prefetched, before: as in the shrink).
-
-    ROWS (prefill sizes): no barrier and no workspace. Program p of a token tile takes output
-    tiles p * TILES_N .. + TILES_N - 1 (one slice's: slices are padded to multiples of TILES_N),
-    computes that slice's whole shrink for the tile's tokens in registers (the full hidden size,
-    its x rows shared through L2 with the tile's other programs, which are its grid neighbours),
-    then its output tiles as the expand kernel does (Y_AHEAD: the next tile's y loaded before this
-    tile's math; the first before the shrink). x and y each cross DRAM once and the shrink's
-    result never leaves the SM; the price is the shrink computed once per program instead of once
-    per token tile (cheap at ranks <= 64, where the expand's y traffic dominates).
     """
     p = tl.program_id(0)
     row = tl.program_id(1)
-    if ROWS:
-        _fused_rows_program(
-            p, row, x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-            c0_ptr, c1_ptr, c2_ptr, c3_ptr, ranks_ptr, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr,
-            active_ptr, y_ptr, ws_ptr, scale, num_tokens, hidden, num_sorted, num_slots, stride_xt, stride_xh,
-            sa0_l, sa0_r, sa0_h, sa1_l, sa1_r, sa1_h, sa2_l, sa2_r, sa2_h, sa3_l, sa3_r, sa3_h,
-            sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
-            sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
-            width0, width1, width2, width3, off0, off1, off2, off3,
-            stride_yt, stride_yn, stride_wp, stride_ws, stride_wt, out_ptr,
-            RANK, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS, HAS_RANKS,
-            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, NUM_GROUPS, GROUPS_P2, CAST_FP32, DOT_PRECISION, ALIGNED,
-            SMALL_T, USE_PDL, PREFETCH_LINES, PREFETCH_LINE, TILES_N, Y_AHEAD)
-        return
     # Before waiting for the kernel before (USE_PDL): the metadata, the B tile (registers) and the
     # A chunk (L2 prefetch); x and y only after.
     lora_id, tok, tok_ok, n_tok = _tile(row, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
@@ -931,15 +840,14 @@ class FusedPlan(ExpandPlan):
 
     @property
     def sync_ints(self) -> int:
-        """int32 barrier counters the launch needs, one per token tile (zeroed once, reused); none
-        in ROWS mode."""
-        return 0 if self.constexprs.get("ROWS") else self.grid[1]
+        """int32 barrier counters the launch needs, one per token tile (zeroed once, reused)."""
+        return self.grid[1]
 
     @functools.cached_property
     def phases(self) -> tuple:
         """PHASE values to launch in order: one launch compiled, two under the interpreter."""
         phase = self.constexprs["PHASE"]
-        return (1, 2) if interpreting() and phase == 0 and not self.constexprs.get("ROWS") else (phase,)
+        return (1, 2) if interpreting() and phase == 0 else (phase,)
 
 
 def _hidden_split(hidden: int, split: int, block_k: int) -> tuple[int, int]:
@@ -1039,9 +947,6 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
     config: BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K (hidden chunks per slice; 0: one shrink program per
     output tile), num_warps, num_stages. P = max(output tiles, slices * SPLIT_K) programs per token
     tile; the workspace has SPLIT_K planes (`FusedPlan.workspace_shape`).
-    ROWS=True (prefill): the barrier-free mode, P = output tiles / TILES_N (default 1) programs per
-    token tile, each with its own shrink; Y_AHEAD as in `plan_expand`; SPLIT_K is ignored and the
-    workspace is a dummy (1, 1, 1, 1).
     """
     assert 1 <= len(widths) <= MAX_SLICES
     block_m, block_n, block_k = int(config["BLOCK_M"]), int(config["BLOCK_N"]), int(config["BLOCK_K"])
@@ -1049,18 +954,6 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
     block_r = max(16, next_pow2(rank))
     _check_dot_dims(block_m, block_n, block_k, block_r)
     cast, precision = _cast_and_precision((x_dtype, w_dtype))
-    if config.get("ROWS"):
-        tiles_n = max(1, min(int(config.get("TILES_N", 1)), max(triton.cdiv(int(w), block_n) for w in widths)))
-        c, total = _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n, tiles_n)
-        c.update(RANK=rank, NUM_SLICES=len(widths), SPLIT_K=1, SPLIT_P2=1, K_PER_SPLIT=hidden, WS_GROUP=1,
-                 NUM_TILES=total, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-                 NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
-                 DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl),
-                 BARRIER_POLLS=BARRIER_POLL_LIMIT, ROWS=True, TILES_N=tiles_n,
-                 Y_AHEAD=bool(config.get("Y_AHEAD", False)) and tiles_n > 1,
-                 **_prefetch(pdl and config.get("PREFETCH", False), hidden, w_dtype))
-        grid = (total // tiles_n, max_tiles(num_tokens, num_groups, block_m, small_t))
-        return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)), (1, 1, 1, 1))
     c, total = _epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n)
     num_slices = len(widths)
     split, k_per_split = _hidden_split(hidden, int(config.get("SPLIT_K", 0)) or max(1, total // num_slices),
@@ -1074,8 +967,7 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
              DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl),
-             BARRIER_POLLS=BARRIER_POLL_LIMIT, ROWS=False, TILES_N=1, Y_AHEAD=False,
-             **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
+             BARRIER_POLLS=BARRIER_POLL_LIMIT, **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
     grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
                      (split, num_slices, num_tokens, rank))
