@@ -259,10 +259,38 @@ def run_case(case, slice_name, device, seed=0):
 
 # ------------------------------------------------------------------------------------------ JAX
 
-def jax_vs_torch(device, cases, steps=50, jax_fused=None, barrier=True, donate=True):
+def _torch_graph_us(s, steps, reps=10):
+    """Median device time (CUDA events) of replaying a graph of `steps` calls on one input set."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(steps):
+            s.call()
+    g.replay()
+    torch.cuda.synchronize()
+    tt = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        tt.append(e0.elapsed_time(e1) * 1e3)
+    del g
+    return float(np.median(tt))
+
+
+def jax_vs_torch(device, cases, steps=50, long_steps=200, jax_fused=None, barrier=True, donate=True):
     """Per-op time of the JAX triton backend under jit (a scan of `steps` calls) vs torch (a graph of
     `steps` calls on the same inputs). Both hot (same weights each call), so only launch and kernel
     efficiency differ.
+
+    Two readings per side. `jax_us` / `torch_hot_us`: one program of `steps` calls, divided by
+    `steps` -- JAX timed on the host (dispatch of the jitted call to block_until_ready: its fixed
+    cost, tens of microseconds, is spread over the steps), torch by CUDA events around the graph
+    replay (no host part). `jax_slope_us` / `torch_slope_us`: the per-call increment between
+    programs of `steps` and `long_steps` calls, (t_long - t_short) / (long_steps - steps), which
+    both sides measure the same way and which leaves out every fixed cost of launching and waiting
+    for one program (what a serving loop of many layers per step pays once, not per op).
 
     barrier: each step's x goes through `lax.optimization_barrier` together with the carried y, so
     XLA can neither merge the steps' identical shrinks (x @ A does not depend on y: with
@@ -274,6 +302,7 @@ def jax_vs_torch(device, cases, steps=50, jax_fused=None, barrier=True, donate=T
     import jax.numpy as jnp
 
     from jax_lora.meta import LoRAKernelMeta as JMeta
+    from jax_lora.ops import ffi_launcher
     from jax_lora.ops import triton as JT
 
     out = []
@@ -283,29 +312,13 @@ def jax_vs_torch(device, cases, steps=50, jax_fused=None, barrier=True, donate=T
         slots = max(8, D)
         gen = torch.Generator().manual_seed(1)
         s = InputSet(kind, T, D, r, widths, slots, frac_none, ranks, gen, device)
-        # torch: graph of `steps` calls on one set
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             s.call()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(steps):
-                s.call()
-        g.replay()
-        torch.cuda.synchronize()
-        tt = []
-        for _ in range(10):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            tt.append(e0.elapsed_time(e1) * 1e3 / steps)
-        torch_us = float(np.median(tt))
-        del g
+        torch_total = {n: _torch_graph_us(s, n) for n in (steps, long_steps)}
 
         def j(t):
             return jnp.from_dlpack(t.contiguous())
@@ -320,39 +333,51 @@ def jax_vs_torch(device, cases, steps=50, jax_fused=None, barrier=True, donate=T
         def one(y, x, a, b, meta):
             return JT.linear(y, x, a, b, meta, scale, offsets, fused=jax_fused)
 
-        def many(y, x, a, b, meta):
-            def body(c, _):
-                xs = x
-                if barrier:
-                    xs, c = jax.lax.optimization_barrier((x, c))
-                return JT.linear(c, xs, a, b, meta, scale, offsets, fused=jax_fused), None
-            return jax.lax.scan(body, y, None, length=steps, unroll=True)[0]
+        def program(n):
+            def many(y, x, a, b, meta):
+                def body(c, _):
+                    xs = x
+                    if barrier:
+                        xs, c = jax.lax.optimization_barrier((x, c))
+                    return JT.linear(c, xs, a, b, meta, scale, offsets, fused=jax_fused), None
+                return jax.lax.scan(body, y, None, length=n, unroll=True)[0]
+            return jax.jit(many, donate_argnums=(0,) if donate else ())
 
-        many = jax.jit(many, donate_argnums=(0,) if donate else ())
         y1 = one(y0, x, a, b, meta)
         ref = s.reference()
         jerr = rel_err(torch.from_dlpack(y1), ref)
-        from jax_lora.ops import ffi_launcher
         ffi = ffi_launcher.available()
-        yc = many(jnp.copy(y0), x, a, b, meta)
-        yc.block_until_ready()
-        jt = []
-        calls0 = ffi_launcher.handler_calls() if ffi else 0
-        for _ in range(10):
-            t0 = time.perf_counter()
-            yc = many(yc if donate else y0, x, a, b, meta)
+        jax_total, handler_per_step = {}, None
+        for n in (steps, long_steps):
+            many = program(n)
+            yc = many(jnp.copy(y0), x, a, b, meta)
             yc.block_until_ready()
-            jt.append((time.perf_counter() - t0) * 1e6 / steps)
-        # FFI handler executions per step: 0 when XLA replays its command buffer, 1 when each
-        # call is recorded again or launched eagerly
-        handler_per_step = (ffi_launcher.handler_calls() - calls0) / (10 * steps) if ffi else None
-        jax_us = float(np.median(jt))
+            jt = []
+            calls0 = ffi_launcher.handler_calls() if ffi else 0
+            for _ in range(10):
+                t0 = time.perf_counter()
+                yc = many(yc if donate else y0, x, a, b, meta)
+                yc.block_until_ready()
+                jt.append((time.perf_counter() - t0) * 1e6)
+            if n == steps:
+                # FFI handler executions per step: 0 when XLA replays its command buffer, 1 when
+                # each call is recorded again or launched eagerly
+                handler_per_step = (ffi_launcher.handler_calls() - calls0) / (10 * n) if ffi else None
+            jax_total[n] = float(np.median(jt))
+            del many, yc
+        dn = long_steps - steps
+        jax_us, torch_us = jax_total[steps] / steps, torch_total[steps] / steps
+        jax_slope = (jax_total[long_steps] - jax_total[steps]) / dn
+        torch_slope = (torch_total[long_steps] - torch_total[steps]) / dn
         out.append(dict(case=name, slices=slice_name, torch_hot_us=torch_us, jax_us=jax_us,
-                        ratio=jax_us / torch_us, jax_rel_err=jerr,
+                        ratio=jax_us / torch_us, jax_slope_us=jax_slope, torch_slope_us=torch_slope,
+                        ratio_slope=jax_slope / torch_slope, steps=(steps, long_steps),
+                        jax_total_us=jax_total, torch_total_us=torch_total, jax_rel_err=jerr,
                         launcher="ffi" if ffi else "jax_triton", barrier=barrier, donate=donate,
                         ffi_handler_calls_per_step=handler_per_step))
-        print(f"JAX {name} {slice_name}: jax {jax_us:.2f} us torch {torch_us:.2f} us "
-              f"ratio {jax_us / torch_us:.2f} err {jerr:.2e} handler calls/step {handler_per_step}", flush=True)
+        print(f"JAX {name} {slice_name}: jax {jax_us:.2f} us torch {torch_us:.2f} us ratio {jax_us / torch_us:.2f}; "
+              f"per-op slope jax {jax_slope:.2f} torch {torch_slope:.2f} ratio {jax_slope / torch_slope:.2f}; "
+              f"err {jerr:.2e} handler calls/step {handler_per_step}", flush=True)
     return out
 
 
@@ -386,11 +411,18 @@ def markdown(res):
                          f"| {h.get('wrapper_host_us', nan):.1f} |")
     if res.get("jax"):
         lines.append("")
-        lines.append("| JAX vs torch (hot, per op) | slices | jax us | torch us | ratio | jax err |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| JAX vs torch (hot, per op) | slices | jax us | torch us | ratio | jax slope us "
+                     "| torch slope us | slope ratio | jax err |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for j in res["jax"]:
+            slope = (f"{j['jax_slope_us']:.2f} | {j['torch_slope_us']:.2f} | {j['ratio_slope']:.2f}"
+                     if "jax_slope_us" in j else "- | - | -")
             lines.append(f"| {j['case']} | {j['slices']} | {j['jax_us']:.2f} | {j['torch_hot_us']:.2f} "
-                         f"| {j['ratio']:.2f} | {j['jax_rel_err']:.1e} |")
+                         f"| {j['ratio']:.2f} | {slope} | {j['jax_rel_err']:.1e} |")
+        lines.append("")
+        lines.append("jax / torch us: one program of 50 calls / 50 (JAX: host-timed dispatch to ready; torch: "
+                     "CUDA events around the graph replay). slope: per-call increment from 50 to 200 calls, "
+                     "both sides, fixed costs of one program left out.")
     return "\n".join(lines) + "\n"
 
 
