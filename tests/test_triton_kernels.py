@@ -211,6 +211,40 @@ def test_shrink_poisoned_and_split(T):
     assert _rel(_np(y2), _np(y1)) < 1e-6
 
 
+@pytest.mark.parametrize("T", [7, 37])
+@pytest.mark.parametrize("num_slices", [2, 3, 4])
+def test_shrink_all_slices_in_one_program(T, num_slices):
+    """ALL_SLICES: each shrink program computes every slice of the launch from one x tile (grid
+    axis 0 of size 1). Equal to the oracle stand-alone (plain stores; split-K by atomics) with
+    heterogeneous ranks, and through linear's workspace (two planes) for unequal output widths."""
+    from torch_lora.ops import triton as TT
+    H, R, L = 160, 16, 3
+    widths = (32, 16, 48, 24)[:num_slices]
+    _, idx, x, a, b = _problem(4, T, H, R, widths, L, torch.float16)
+    meta = _meta(idx, L, capacity=T + 5)
+    ranks = np.array([16, 3, 9], np.int32)
+    ref = np.stack([np.where((idx >= 0)[:, None],
+                             0.25 * np.einsum("th,trh->tr", _np(x),
+                                              _np(aa)[np.maximum(idx, 0)] * (np.arange(R) < ranks[np.maximum(idx, 0)][:, None])[..., None]),
+                             0.0)
+                    for aa in a])
+    for split in (1, 3):
+        cfg = dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=1, ALL_SLICES=True)
+        plan = K.plan_shrink(T, H, R, num_slices, L + 1, "float16", "float16", cfg, lora_only=False,
+                             workspace=False, has_ranks=True)
+        assert plan.grid[0] == 1 and plan.constexprs["SLICES"] == num_slices and plan.atomic == (split > 1)
+        out = torch.full((num_slices, T, R), float("nan"), device=DEV)
+        TT.shrink(x, a, out, meta.meta_args(T), 0.25, torch.from_numpy(ranks).to(DEV), config=cfg)
+        assert _rel(_np(out), ref) < TOL[torch.float16]
+    offsets = tuple(int(v) for v in np.cumsum((0,) + widths[:-1]))
+    y = torch.randn(T, sum(widths), device=DEV).to(torch.float16)
+    ref_y = _oracle_linear(y, x, a, b, idx, 0.25, offsets, ranks)
+    out = y.clone()
+    TT.linear(out, x, a, b, meta.meta_args(T), 0.25, offsets, torch.from_numpy(ranks).to(DEV), fused=False,
+              shrink_config=dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1, ALL_SLICES=True))
+    assert _rel(_np(out), ref_y) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("T", [6, 34])
 def test_expand_replace_and_offsets(T):
     from torch_lora.ops import triton as TT

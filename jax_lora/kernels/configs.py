@@ -179,7 +179,8 @@ def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices
     target = int(cfg.pop("TARGET", TARGET_PROGRAMS))
     chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
     if cfg["SPLIT_K"] == 0:
-        busy = num_slices * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])
+        programs_per_tile = 1 if cfg.get("ALL_SLICES") else num_slices
+        busy = programs_per_tile * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])
         cfg["SPLIT_K"] = max(1, min(chunks, target // busy, SPLIT_CAP))
         if num_tokens > 128 and not own_target:
             # Past decode sizes every expand program re-reads its rows of all SPLIT_K workspace

@@ -231,28 +231,60 @@ def _load_rank_cols(ptrs, row_ok, kk, rank, RANK: tl.constexpr, HAS_RANKS: tl.co
 
 
 @triton.jit
-def _shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidden,
-                 stride_xt, stride_xh, stride_al, stride_ar, stride_ah,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                 CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc[m, r] = sum_{k in [k_begin, k_end)} x[tok[m], k] * A[lora_id, r, k], for r < rank."""
+def _shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, sa0_h, sa1_h, sa2_h, sa3_h, tok, tok_ok, rank,
+                   k_begin, k_end, hidden, stride_xt, stride_xh, NUM_SLICES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(acc0, acc1, acc2, acc3), acc_s[m, r] = sum_{k in [k_begin, k_end)} x[tok[m], k] * A_s[r, k]
+    for r < rank and the first NUM_SLICES slices (the others stay zero): a{s}_rows (BLOCK_R,) point
+    at the rank rows of slice s's A for one slot, sa{s}_h is its column stride. Each x tile is
+    loaded once for all the slices."""
     offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
-    rank_ok = offs_r < rank                                  # real rank rows of A: padding is not read
+    rank_ok = tl.arange(0, BLOCK_R) < rank                   # real rank rows of A: padding is not read
     x_rows = x_ptr + tok[:, None] * stride_xt
-    a_rows = a_ptr + lora_id.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < hidden                                    # the last chunk of a hidden size that
         xt = tl.load(x_rows + k[None, :] * stride_xh,        # is not a multiple of BLOCK_K
                      mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_rows + k[None, :] * stride_ah,
-                     mask=rank_ok[:, None] & k_ok[None, :], other=0.0)
+        a_ok = rank_ok[:, None] & k_ok[None, :]
+        at0 = tl.load(a0_rows[:, None] + k[None, :] * sa0_h, mask=a_ok, other=0.0)
         if CAST_FP32:
             xt = xt.to(tl.float32)
-            at = at.to(tl.float32)
-        acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PRECISION)
+            at0 = at0.to(tl.float32)
+        acc0 = tl.dot(xt, tl.trans(at0), acc0, input_precision=DOT_PRECISION)
+        if NUM_SLICES > 1:
+            at1 = tl.load(a1_rows[:, None] + k[None, :] * sa1_h, mask=a_ok, other=0.0)
+            acc1 = tl.dot(xt, tl.trans(at1.to(xt.dtype)), acc1, input_precision=DOT_PRECISION)
+        if NUM_SLICES > 2:
+            at2 = tl.load(a2_rows[:, None] + k[None, :] * sa2_h, mask=a_ok, other=0.0)
+            acc2 = tl.dot(xt, tl.trans(at2.to(xt.dtype)), acc2, input_precision=DOT_PRECISION)
+        if NUM_SLICES > 3:
+            at3 = tl.load(a3_rows[:, None] + k[None, :] * sa3_h, mask=a_ok, other=0.0)
+            acc3 = tl.dot(xt, tl.trans(at3.to(xt.dtype)), acc3, input_precision=DOT_PRECISION)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _a_rows(a_ptr, lora_id, stride_al, stride_ar, BLOCK_R: tl.constexpr):
+    """(BLOCK_R,) pointers to the rank rows of slot lora_id's A."""
+    return a_ptr + lora_id.to(tl.int64) * stride_al + tl.arange(0, BLOCK_R) * stride_ar
+
+
+@triton.jit
+def _shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidden,
+                 stride_xt, stride_xh, stride_al, stride_ar, stride_ah,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                 CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc[m, r] = sum_{k in [k_begin, k_end)} x[tok[m], k] * A[lora_id, r, k], for r < rank."""
+    a_rows = _a_rows(a_ptr, lora_id, stride_al, stride_ar, BLOCK_R)
+    acc, _1, _2, _3 = _shrink_slices(x_ptr, a_rows, a_rows, a_rows, a_rows, stride_ah, stride_ah, stride_ah,
+                                     stride_ah, tok, tok_ok, rank, k_begin, k_end, hidden, stride_xt, stride_xh,
+                                     1, BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
     return acc
 
 
@@ -315,6 +347,14 @@ def _slice_of_tile(j, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr, B
 # ------------------------------------------------------------------------------------------ shrink
 
 @triton.jit
+def _store_rank_rows(out, acc, write, ATOMIC: tl.constexpr):
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=write, sem="relaxed")
+    else:
+        tl.store(out, acc, mask=write)
+
+
+@triton.jit
 def lora_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr,
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
@@ -328,14 +368,16 @@ def lora_shrink_kernel(
         LORA_ONLY: tl.constexpr, ATOMIC: tl.constexpr, HAS_RANKS: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr):
+        PREFETCH_LINE: tl.constexpr, SLICES: tl.constexpr):
     """out[p, s, t, :RANK] = scale * x[t, chunk p] @ A_s[idx[t], :, chunk p].T.
 
-    Grid (slices, SPLIT_K, tiles). Plain stores write one plane per split (the workspace the
-    expand kernel sums); ATOMIC adds every split into plane 0 of a zeroed output. Without
-    LORA_ONLY (stand-alone shrink, no atomics), tokens of non-slot groups get zero rows.
-    PREFETCH_LINES > 0 (with USE_PDL): the program's A chunk is prefetched into L2 while the
-    kernel before it still runs.
+    Grid (slice programs, SPLIT_K, tiles). SLICES == 1: program (s, p, tile) computes slice s.
+    SLICES > 1 (grid axis 0 of size 1): each program computes all SLICES slices, loading every x
+    tile once for all of them (a multi-slice shrink reads x once instead of once per slice).
+    Plain stores write one plane per split (the workspace the expand kernel sums); ATOMIC adds
+    every split into plane 0 of a zeroed output. Without LORA_ONLY (stand-alone shrink, no
+    atomics), tokens of non-slot groups get zero rows. PREFETCH_LINES > 0 (with USE_PDL): the
+    program's A chunks are prefetched into L2 while the kernel before it still runs.
     """
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -348,18 +390,30 @@ def lora_shrink_kernel(
                                         LORA_ONLY, SMALL_T)
     has_lora = (lora_id >= 0) & (lora_id < num_slots) & (n_tok > 0)  # False without LORA_ONLY: no-LoRA rows
     rank = _slot_rank(ranks_ptr, lora_id, has_lora, RANK, HAS_RANKS)
-    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
-    stride_al = _hint16(_pick(s, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED)
-    stride_ar = _hint16(_pick(s, sa0_r, sa1_r, sa2_r, sa3_r), ALIGNED)
-    stride_ah = _pick(s, sa0_h, sa1_h, sa2_h, sa3_h)
+    slot = tl.where(has_lora, lora_id, 0)
+    if SLICES == 1:
+        a0_rows = _a_rows(_pick(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr), slot,
+                          _hint16(_pick(s, sa0_l, sa1_l, sa2_l, sa3_l), ALIGNED),
+                          _hint16(_pick(s, sa0_r, sa1_r, sa2_r, sa3_r), ALIGNED), BLOCK_R)
+        sa0_h = _pick(s, sa0_h, sa1_h, sa2_h, sa3_h)
+    else:
+        a0_rows = _a_rows(a0_ptr, slot, _hint16(sa0_l, ALIGNED), _hint16(sa0_r, ALIGNED), BLOCK_R)
+    a1_rows = _a_rows(a1_ptr, slot, _hint16(sa1_l, ALIGNED), _hint16(sa1_r, ALIGNED), BLOCK_R)
+    a2_rows = _a_rows(a2_ptr, slot, _hint16(sa2_l, ALIGNED), _hint16(sa2_r, ALIGNED), BLOCK_R)
+    a3_rows = _a_rows(a3_ptr, slot, _hint16(sa3_l, ALIGNED), _hint16(sa3_r, ALIGNED), BLOCK_R)
     hidden = _hint16(hidden, ALIGNED)
     stride_xt = _hint16(stride_xt, ALIGNED)
     k_begin = split * K_PER_SPLIT
     k_end = tl.where(has_lora, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)  # no LoRA: no loop
     if PREFETCH_LINES > 0:
-        offs_r = tl.arange(0, BLOCK_R)
-        _prefetch_rows(a_ptr + tl.where(has_lora, lora_id, 0).to(tl.int64) * stride_al + offs_r * stride_ar,
-                       offs_r < rank, k_begin, k_end, stride_ah, PREFETCH_LINES, PREFETCH_LINE)
+        rank_ok = tl.arange(0, BLOCK_R) < rank
+        _prefetch_rows(a0_rows, rank_ok, k_begin, k_end, sa0_h, PREFETCH_LINES, PREFETCH_LINE)
+        if SLICES > 1:
+            _prefetch_rows(a1_rows, rank_ok, k_begin, k_end, sa1_h, PREFETCH_LINES, PREFETCH_LINE)
+        if SLICES > 2:
+            _prefetch_rows(a2_rows, rank_ok, k_begin, k_end, sa2_h, PREFETCH_LINES, PREFETCH_LINE)
+        if SLICES > 3:
+            _prefetch_rows(a3_rows, rank_ok, k_begin, k_end, sa3_h, PREFETCH_LINES, PREFETCH_LINE)
     if USE_PDL:
         # Every program waits, idle ones too: the grid must not complete (and let the expand and
         # the kernels after it run) before the kernel before it has.
@@ -367,19 +421,22 @@ def lora_shrink_kernel(
         gdc_launch_dependents()
     if n_tok <= 0:
         return
-    acc = _shrink_tile(x_ptr, a_ptr, tok, tok_ok, tl.where(has_lora, lora_id, 0), rank, k_begin, k_end,
-                       hidden, stride_xt, stride_xh, stride_al, stride_ar, stride_ah,
-                       BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
-    acc = acc * scale
+    acc0, acc1, acc2, acc3 = _shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, sa0_h, sa1_h, sa2_h, sa3_h,
+                                            tok, tok_ok, rank, k_begin, k_end, hidden, stride_xt, stride_xh,
+                                            SLICES, BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
     offs_r = tl.arange(0, BLOCK_R)
     plane = tl.where(ATOMIC, 0, split)
-    out = (out_ptr + plane.to(tl.int64) * _hint16(stride_op, ALIGNED) + s * _hint16(stride_os, ALIGNED)
+    stride_os = _hint16(stride_os, ALIGNED)
+    out = (out_ptr + plane.to(tl.int64) * _hint16(stride_op, ALIGNED) + s * stride_os
            + tok[:, None] * _hint16(stride_ot, ALIGNED) + offs_r[None, :] * stride_or)
     write = tok_ok[:, None] & (offs_r < RANK)[None, :]       # real tokens, the buffer's rank columns
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=write, sem="relaxed")
-    else:
-        tl.store(out, acc, mask=write)
+    _store_rank_rows(out, acc0 * scale, write, ATOMIC)
+    if SLICES > 1:
+        _store_rank_rows(out + stride_os, acc1 * scale, write, ATOMIC)
+    if SLICES > 2:
+        _store_rank_rows(out + 2 * stride_os, acc2 * scale, write, ATOMIC)
+    if SLICES > 3:
+        _store_rank_rows(out + 3 * stride_os, acc3 * scale, write, ATOMIC)
 
 
 # ------------------------------------------------------------------------------------------ expand
@@ -881,7 +938,9 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
 
     workspace=True: the output has one plane per split (the linear path); else SPLIT_K > 1 means
     atomic adds into a zeroed output. config: BLOCK_M, BLOCK_K, SPLIT_K, num_warps, num_stages,
-    PREFETCH (default True: L2 prefetch of the A chunk before the PDL wait, if pdl).
+    PREFETCH (default True: L2 prefetch of the A chunk before the PDL wait, if pdl), ALL_SLICES
+    (default False: one program per slice; True: every program computes all the launch's slices,
+    x read once for them -- SLICES = num_slices, grid axis 0 of size 1).
     """
     block_m, block_k = int(config["BLOCK_M"]), int(config["BLOCK_K"])
     small_t, block_m = small_t_block(num_tokens, block_m)
@@ -894,8 +953,10 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
                       K_PER_SPLIT=k_per_split, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
                       LORA_ONLY=bool(lora_only or atomic), ATOMIC=atomic, HAS_RANKS=bool(has_ranks),
                       CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
-                      USE_PDL=bool(pdl), **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
-    grid = (num_slices, split, max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))
+                      USE_PDL=bool(pdl), **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype),
+                      SLICES=num_slices if config.get("ALL_SLICES") else 1)
+    grid = (num_slices // constexprs["SLICES"], split,
+            max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))
     return ShrinkPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
                       split if workspace else 1, atomic)
 
