@@ -8,8 +8,8 @@ behind a tuned-table change, before the tuner is taught a new candidate.
 "expand_config": {...}, "fused_config": {...}} (absent keys: what the table says). The label
 "table" (fused null, no configs) is always timed first. Each case is timed the way bench_triton
 times it (CUDA-graph replay over enough input sets to keep the weights cold, bf16, hidden 4096;
-cases kind:T:D:rank:slices[:slots], slots -- the adapter slots, max_loras -- defaulting to
-max(8, D) as in bench_triton); a shrink config with SPLIT_K 0 is resolved as the table's would be. Prints one line per (case, mode) and writes them all as JSON.
+cases kind:T:D:rank:slices[:slots][:het], slots -- the adapter slots, max_loras -- defaulting to
+max(8, D) as in bench_triton, het -- the sweep's heterogeneous ranks per slot); a shrink config with SPLIT_K 0 is resolved as the table's would be. Prints one line per (case, mode) and writes them all as JSON.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def resolved(mode: dict, T: int, rank: int, num_slices: int, slots: int) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--cases", required=True, help="kind:T:D:rank:slices,...")
+    p.add_argument("--cases", required=True, help="kind:T:D:rank:slices[:slots][:het],...")
     p.add_argument("--modes", required=True, help="JSON file: a list of modes (see the module docstring)")
     p.add_argument("--out", default="")
     p.add_argument("--replays", type=int, default=10)
@@ -69,11 +69,11 @@ def main() -> None:
         modes = [dict(label="table")] + json.load(f)
     device = torch.device("cuda")
     rows = []
-    for kind, T, D, r, sl, slots in parse_cases(args.cases):
+    for kind, T, D, r, sl, slots, ranks in parse_cases(args.cases):
         widths = SLICES[sl]
         gen = torch.Generator().manual_seed(0)
         n_sets = int(min(200, max(3, math.ceil(4 * L2_BYTES / min_bytes(T, D, widths, r)))))
-        sets = [ModeSet(kind, T, D, r, widths, slots, 0.0, None, gen, device) for _ in range(n_sets)]
+        sets = [ModeSet(kind, T, D, r, widths, slots, 0.0, ranks, gen, device) for _ in range(n_sets)]
         ref = sets[0].reference()
         y0 = sets[0].y.clone()                   # the graph replays below accumulate into sets[0].y
         for mode in modes:
@@ -87,7 +87,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported
                 err, us = float("nan"), float("inf")
                 print(f"   {mode['label']}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-            rows.append(dict(case=f"{kind}:{T}:{D}:{r}:{sl}:{slots}", label=mode["label"], us=us, rel_err=err, mode=mode))
+            case = f"{kind}:{T}:{D}:{r}:{sl}:{slots}" + (":het" if ranks else "")
+            rows.append(dict(case=case, label=mode["label"], us=us, rel_err=err, mode=mode, ranks=ranks))
             print(f"{kind} T{T} D{D} r{r} {sl} L{slots} | {mode['label']:<28} {us:8.2f} us  err {err:.1e}", flush=True)
         del sets
         torch.cuda.empty_cache()

@@ -24,26 +24,33 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_triton import SLICES, InputSet  # noqa: E402
 
-CASES = [("pre", 8192, 1, 16, "s1", 8), ("pre", 8192, 4, 64, "s1", 8), ("dec", 1, 1, 16, "s1", 8),
-         ("dec", 128, 64, 64, "s1", 64)]
+CASES = [("pre", 8192, 1, 16, "s1", 8, None), ("pre", 8192, 4, 64, "s1", 8, None), ("dec", 1, 1, 16, "s1", 8, None),
+         ("dec", 128, 64, 64, "s1", 64, None)]
+
+
+HET_RANKS = (8, 16, 32, 64)  # the sweep's heterogeneous ranks (slot i has HET_RANKS[i % 4], capped at the rank)
 
 
 def parse_cases(text: str) -> list:
-    """'dec:32:8:16:s1,dec:32:8:16:s1:32' -> [(kind, T, D, rank, slices, slots), ...]."""
+    """'dec:32:8:16:s1,dec:32:8:16:s1:32,pre:2048:4:64:s1:8:het' -> [(kind, T, D, rank, slices, slots,
+    ranks), ...]; a trailing 'het' gives the slots the sweep's heterogeneous ranks (else None)."""
     out = []
     for item in filter(None, text.split(",")):
         kind, T, D, r, sl, *rest = item.split(":")
-        out.append((kind, int(T), int(D), int(r), sl, int(rest[0]) if rest else max(8, int(D))))
+        het = bool(rest) and rest[-1] == "het"
+        rest = rest[:-1] if het else rest
+        ranks = tuple(min(v, int(r)) for v in HET_RANKS) if het else None
+        out.append((kind, int(T), int(D), int(r), sl, int(rest[0]) if rest else max(8, int(D)), ranks))
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--cases", default="", help="kind:T:D:rank:slices[:slots],... (default: CASES)")
+    p.add_argument("--cases", default="", help="kind:T:D:rank:slices[:slots][:het],... (default: CASES)")
     cases = parse_cases(p.parse_args().cases) or CASES
     device = torch.device("cuda")
-    for kind, T, D, r, sl, slots in cases:
-        s = InputSet(kind, T, D, r, SLICES[sl], slots, 0.0, None, torch.Generator().manual_seed(0), device)
+    for kind, T, D, r, sl, slots, ranks in cases:
+        s = InputSet(kind, T, D, r, SLICES[sl], slots, 0.0, ranks, torch.Generator().manual_seed(0), device)
         for _ in range(3):
             s.call()
         torch.cuda.synchronize()
@@ -51,7 +58,7 @@ def main() -> None:
         s.call()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        print(f"profiled {kind} T{T} D{D} r{r} {sl} L{slots}", flush=True)
+        print(f"profiled {kind} T{T} D{D} r{r} {sl} L{slots}{' ranks ' + str(ranks) if ranks else ''}", flush=True)
 
 
 if __name__ == "__main__":

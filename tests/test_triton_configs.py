@@ -105,9 +105,10 @@ def test_explore_configs_cases_and_modes():
         from explore_configs import parse_cases, resolved
     finally:
         sys.path.pop(0)
-    assert parse_cases("dec:32:8:16:s1,pre:2048:16:64:s3:32") == [
-        ("dec", 32, 8, 16, "s1", 8), ("pre", 2048, 16, 64, "s3", 32)]
-    assert parse_cases("dec:1:1:16:s1")[0][-1] == 8                        # max(8, D) as bench_triton
+    assert parse_cases("dec:32:8:16:s1,pre:2048:16:64:s3:32,pre:2048:4:64:s1:het,dec:8:8:16:s1:16:het") == [
+        ("dec", 32, 8, 16, "s1", 8, None), ("pre", 2048, 16, 64, "s3", 32, None),
+        ("pre", 2048, 4, 64, "s1", 8, (8, 16, 32, 64)), ("dec", 8, 8, 16, "s1", 16, (8, 16, 16, 16))]
+    assert parse_cases("dec:1:1:16:s1")[0][-2] == 8                        # max(8, D) as bench_triton
     mode = dict(label="x", fused=False, shrink_config=dict(configs._s(16, 512, 0, 8, 3), TARGET=132))
     got = resolved(mode, 32, 64, 1, 32)
     assert got["shrink_config"]["SPLIT_K"] == 4 and "TARGET" not in got["shrink_config"]
