@@ -57,6 +57,11 @@ def _variants(kernel_name: str):
              K.plan_shrink(2048, 4096, 64, 1, 5, "float16", "float16", _cfg(BLOCK_M=64, BLOCK_K=128, SPLIT_K=1),
                            lora_only=True, workspace=True, has_ranks=False), "fp16", ("out_ptr",)),
             # the stand-alone shrink: split-K atomics into a zeroed output
+            # every slice of the launch in one program (ALL_SLICES), with ranks, prefetch and PDL
+            ("all-slices-pdl-ranks", K.lora_shrink_kernel,
+             K.plan_shrink(512, 4096, 64, 3, 9, "bfloat16", "bfloat16",
+                           _cfg(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4, ALL_SLICES=True, PREFETCH=True),
+                           lora_only=True, workspace=True, has_ranks=True, pdl=True), "bf16", ("out_ptr",)),
             ("atomic", K.lora_shrink_kernel,
              K.plan_shrink(512, 4096, 16, 2, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4),
                            lora_only=False, workspace=False, has_ranks=False), "bf16", ("out_ptr",)),

@@ -127,6 +127,33 @@ def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
     assert torch.equal(out[keep], y[keep])
 
 
+@pytest.mark.parametrize("T,fused,tiles_n", [(9, True, 1), (40, False, 1), (40, False, 2)])
+def test_rank_padding_may_hold_nan(T, fused, tiles_n):
+    """Per-slot ranks: whatever the weights hold past a slot's rank -- NaN here -- never reaches y.
+    B is loaded to the next multiple of 8 rank columns (vectorised), so for ranks that are not
+    multiples of 8 the extra columns must be zeroed in registers (the expand's B_TAIL copy of its
+    loop); ranks that are multiples of 8 run the copy without that step."""
+    from torch_lora.ops import triton as TT
+    H, R, widths, L = 64, 16, (48, 32), 4
+    rng, idx, x, a, b = _problem(17, T, H, R, widths, L, torch.float16)
+    ranks = np.array([16, 5, 8, 11], np.int32)
+    for aa, bb in zip(a, b):
+        for slot, r in enumerate(ranks):
+            aa[slot, r:] = float("nan")
+            bb[slot, :, r:] = float("nan")
+    clean_a = [torch.nan_to_num(aa, nan=0.0) for aa in a]
+    clean_b = [torch.nan_to_num(bb, nan=0.0) for bb in b]
+    y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV, torch.float16)
+    ref = _oracle_linear(y, x, clean_a, clean_b, idx, 0.5, (0, 48), ranks)
+    out = y.clone()
+    kw = dict(fused=True) if fused else dict(
+        fused=False, expand_config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, TILES_N=tiles_n, num_warps=4,
+                                        num_stages=1))
+    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), torch.from_numpy(ranks).to(DEV), **kw)
+    assert not torch.isnan(out).any()
+    assert _rel(_np(out), ref) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("T", [6, 40])
 def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
     """The fused kernel's per-tile barrier: every program of a busy token tile arrives exactly once

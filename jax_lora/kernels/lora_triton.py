@@ -216,15 +216,30 @@ def _slot_rank(ranks_ptr, lora_id, has_lora, RANK: tl.constexpr, HAS_RANKS: tl.c
 
 
 @triton.jit
-def _load_rank_cols(ptrs, row_ok, kk, rank, RANK: tl.constexpr, HAS_RANKS: tl.constexpr):
+def _runs_copy(odd_rank, b_tail: tl.constexpr, HAS_RANKS: tl.constexpr):
+    """Whether the program runs copy b_tail (1: with B_TAIL) of code compiled per B_TAIL: without
+    per-slot ranks the only copy (0); with them, copy 1 for ranks that are not multiples of 8."""
+    if HAS_RANKS:
+        return odd_rank == (b_tail == 1)
+    else:
+        return True
+
+
+@triton.jit
+def _load_rank_cols(ptrs, row_ok, kk, rank, RANK: tl.constexpr, HAS_RANKS: tl.constexpr,
+                    ZERO_TAIL: tl.constexpr):
     """A tile whose columns kk are rank columns: those >= rank come out 0.
 
     With per-slot ranks the load mask is rounded up to 8 columns (16 bytes, inside the same DRAM
-    sectors) so loads stay vectorised; the exact rank is then applied in registers."""
+    sectors) so loads stay vectorised; the exact rank is then applied in registers (ZERO_TAIL).
+    ZERO_TAIL=False: the caller knows rank is a multiple of 8 (the rounded mask is exact), and the
+    tile goes from the load to its dot untouched -- what the software pipeliner needs to keep it in
+    shared memory (a select in between costs a shared-memory round trip per tile)."""
     if HAS_RANKS:
         rank_ld = tl.minimum((rank + 7) // 8 * 8, RANK)
         t = tl.load(ptrs, mask=row_ok[:, None] & (kk < rank_ld)[None, :], other=0.0)
-        t = tl.where((kk < rank)[None, :], t, tl.zeros_like(t))
+        if ZERO_TAIL:
+            t = tl.where((kk < rank)[None, :], t, tl.zeros_like(t))
     else:
         t = tl.load(ptrs, mask=row_ok[:, None] & (kk < RANK)[None, :], other=0.0)
     return t
@@ -295,7 +310,7 @@ def _workspace_lhs(buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK: tl.co
     lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for p in tl.static_range(NUM_PARTIALS):                  # split-K planes: independent loads
         lhs += _load_rank_cols(buf_rows + p * stride_bp + kk[None, :] * stride_br, tok_ok, kk, rank,
-                               RANK, HAS_RANKS).to(tl.float32)
+                               RANK, HAS_RANKS, True).to(tl.float32)
     return lhs
 
 
@@ -468,8 +483,11 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
                  BIAS2: tl.constexpr, BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
-                 WAIT: tl.constexpr, y_given, Y_GIVEN: tl.constexpr, lhs_given, LHS_GIVEN: tl.constexpr):
+                 WAIT: tl.constexpr, y_given, Y_GIVEN: tl.constexpr, lhs_given, LHS_GIVEN: tl.constexpr,
+                 B_TAIL: tl.constexpr):
     """Output tile j (over all slices; none past NUM_TILES) of one token tile: see lora_expand_kernel.
+    B_TAIL: zero B's columns past the slot's rank in registers (`_load_rank_cols` ZERO_TAIL; needed
+    with per-slot ranks unless the rank is a multiple of 8).
     WAIT: gdc_wait (PDL) after the loads the shrink does not write (B tile, y tile), before the
     workspace's. Y_GIVEN: y_given is the tile's current y (`_expand_y`, loaded ahead), else loaded here.
     LHS_GIVEN (one rank block): lhs_given is the token tile's summed workspace rows of this tile's
@@ -493,7 +511,7 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
     if RANK <= BLOCK_R:
         # One rank block (decode ranks): its B tile -- cold weights the shrink does not write --
         # is loaded before waiting for the shrink, off the critical path.
-        bt = _load_rank_cols(b_rows + offs_r[None, :] * stride_bk, col_ok, offs_r, rank, RANK, HAS_RANKS)
+        bt = _load_rank_cols(b_rows + offs_r[None, :] * stride_bk, col_ok, offs_r, rank, RANK, HAS_RANKS, B_TAIL)
     if WAIT:
         # The shrink's workspace is complete past this point. Outside the rank loop on purpose:
         # the software pipeliner hoists the first iteration's loads above anything inside it.
@@ -509,7 +527,7 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
     else:
         for k0 in range(0, rank, BLOCK_R):                   # real rank only
             kk = k0 + offs_r
-            bt = _load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS)
+            bt = _load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS, B_TAIL)
             lhs = _workspace_lhs(buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK, HAS_RANKS,
                                  NUM_PARTIALS, BLOCK_M, BLOCK_R)
             acc = _rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
@@ -569,15 +587,22 @@ def lora_expand_kernel(
     # Two call sites on purpose: one tile waits (PDL) between its B/y loads and its workspace loads,
     # which a loop would let the software pipeliner reorder; several tiles wait once, before a real
     # loop (scf.for) that the pipeliner overlaps -- unrolling it (static_range) would lose that.
+    # Per-slot ranks: B's columns past a rank that is not a multiple of 8 are zeroed in registers,
+    # which costs a pipelined loop a shared-memory round trip per B tile (measured: T2048 D4 expand
+    # 15% slower). The rank is uniform over a program (one slot), so the code is compiled twice,
+    # with and without that step (B_TAIL), and each program runs the copy its rank needs.
+    odd_rank = (rank % 8) != 0
     if TILES_N == 1:
-        _expand_tile(i, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-                     c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr, stride_bp, stride_bs, stride_bt, stride_br,
-                     sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
-                     sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
-                     width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
-                     RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
-                     HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, USE_PDL,
-                     0.0, False, 0.0, False)
+        for b_tail in tl.static_range(1 + HAS_RANKS):
+            if _runs_copy(odd_rank, b_tail, HAS_RANKS):
+                _expand_tile(i, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
+                             c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr, stride_bp, stride_bs, stride_bt,
+                             stride_br, sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r,
+                             sb3_l, sb3_n, sb3_r, sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
+                             width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
+                             RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
+                             HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, USE_PDL,
+                             0.0, False, 0.0, False, b_tail == 1)
     else:
         # The program's tiles lie in one slice (plan_expand pads each slice's tiles to a multiple
         # of TILES_N): its slice s0 and first column n0.
@@ -588,8 +613,8 @@ def lora_expand_kernel(
             b_rows0 = (_pick(s0, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
                        + lora_id.to(tl.int64) * _hint16(_pick(s0, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED))
             stride_bn0 = _hint16(_pick(s0, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
-            for t in tl.static_range(TILES_N):
-                cols = n0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
+            for tp in tl.static_range(TILES_N):
+                cols = n0 + tp * BLOCK_N + tl.arange(0, BLOCK_N)
                 _prefetch_rows(b_rows0 + cols * stride_bn0, cols < width_s0, 0, rank,
                                _pick(s0, sb0_r, sb1_r, sb2_r, sb3_r), PREFETCH_LINES, PREFETCH_LINE)
         if ADD_INPUTS and PREFETCH_Y_LINES > 0:
@@ -615,20 +640,22 @@ def lora_expand_kernel(
                                  HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R)
         else:
             lhs = 0.0
-        for t in range(TILES_N):
-            y_cur = y_next
-            if Y_AHEAD:
-                y_next = _expand_y(i * TILES_N + t + 1, TILES_N - 1 - t, tok, tok_ok, y_ptr, width0, width1,
-                                   width2, width3, off0, off1, off2, off3, stride_yt, stride_yn, NUM_TILES,
-                                   NT1, NT2, NT3, ADD_INPUTS, BLOCK_N, ALIGNED)
-            _expand_tile(i * TILES_N + t, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-                         c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr, stride_bp, stride_bs, stride_bt, stride_br,
-                         sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r, sb3_l, sb3_n, sb3_r,
-                         sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
-                         width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
-                         RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
-                         HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, False,
-                         y_cur, Y_AHEAD, lhs, RANK <= BLOCK_R)
+        for b_tail in tl.static_range(1 + HAS_RANKS):
+            if _runs_copy(odd_rank, b_tail, HAS_RANKS):
+                for t in range(TILES_N):
+                    y_cur = y_next
+                    if Y_AHEAD:
+                        y_next = _expand_y(i * TILES_N + t + 1, TILES_N - 1 - t, tok, tok_ok, y_ptr, width0,
+                                           width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
+                                           NUM_TILES, NT1, NT2, NT3, ADD_INPUTS, BLOCK_N, ALIGNED)
+                    _expand_tile(i * TILES_N + t, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
+                                 b3_ptr, c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr, stride_bp, stride_bs,
+                                 stride_bt, stride_br, sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n,
+                                 sb2_r, sb3_l, sb3_n, sb3_r, sc0_l, sc0_n, sc1_l, sc1_n, sc2_l, sc2_n, sc3_l, sc3_n,
+                                 width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
+                                 RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3,
+                                 ADD_INPUTS, HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION,
+                                 ALIGNED, False, y_cur, Y_AHEAD, lhs, RANK <= BLOCK_R, b_tail == 1)
 
 
 # ------------------------------------------------------------------------------------------- fused
@@ -740,7 +767,7 @@ def lora_fused_kernel(
         bt = _load_rank_cols(b_ptr + lora_id.to(tl.int64) * _hint16(_pick(s_out, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
                              + cols[:, None] * _hint16(_pick(s_out, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
                              + offs_r[None, :] * _pick(s_out, sb0_r, sb1_r, sb2_r, sb3_r),
-                             col_ok, offs_r, rank, RANK, HAS_RANKS)
+                             col_ok, offs_r, rank, RANK, HAS_RANKS, True)
     s_in = p % NUM_SLICES
     split = p // NUM_SLICES
     a_ptr = _pick(s_in, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
