@@ -5,7 +5,8 @@ behind a tuned-table change, before the tuner is taught a new candidate.
         --modes benchmarks/modes.json --out benchmarks/results/explore.json
 
 `--modes` is a JSON list of {"label": ..., "fused": true/false/null, "shrink_config": {...},
-"expand_config": {...}, "fused_config": {...}} (absent keys: what the table says). The label
+"expand_config": {...}, "fused_config": {...}, "shrink_extra": {...}, "expand_extra": {...}} (absent
+keys: what the table says; the *_extra dicts are merged into the table's config of each case). The label
 "table" (fused null, no configs) is always timed first. Each case is timed the way bench_triton
 times it (CUDA-graph replay over enough input sets to keep the weights cold, bf16, hidden 4096;
 cases kind:T:D:rank:slices[:slots][:het], slots -- the adapter slots, max_loras -- defaulting to
@@ -51,8 +52,17 @@ class ModeSet(InputSet):
 
 
 def resolved(mode: dict, T: int, rank: int, num_slices: int, slots: int) -> dict:
-    """linear's keywords for a mode: SPLIT_K 0 of a shrink config resolved as the table's is."""
+    """linear's keywords for a mode: SPLIT_K 0 of a shrink config resolved as the table's is; a
+    mode's "shrink_extra" / "expand_extra" (dicts) are merged into the table's config for the case
+    (one mode that changes a single key of every class's config)."""
     out = {k: mode.get(k) for k in ("fused", "shrink_config", "expand_config", "fused_config")}
+    if mode.get("shrink_extra"):
+        base = out["shrink_config"] or dict(configs._variant(T, rank, slots, num_slices).get("shrink")
+                                            or configs.SHRINK[(configs.token_class(T), configs.rank_class(rank))])
+        out["shrink_config"] = {**base, **mode["shrink_extra"]}
+    if mode.get("expand_extra"):
+        base = out["expand_config"] or configs.expand_config(T, HIDDEN, rank, num_slices, slots)
+        out["expand_config"] = {**base, **mode["expand_extra"]}
     if out["shrink_config"] is not None:
         out["shrink_config"] = configs.resolve_split(dict(out["shrink_config"]), T, HIDDEN, rank, num_slices, slots)
     return out

@@ -75,6 +75,12 @@ def _variants(kernel_name: str):
                                  bias_flags=(True, False, False), has_ranks=ranks, pdl=pdl)
             out.append((f"r{rank}-R{block_r}-pdl{int(pdl)}-ranks{int(ranks)}", K.lora_expand_kernel, plan,
                         "bf16", ("buf_ptr",)))
+        # one tile, one rank block, the B tile through the rank select without per-slot ranks
+        plan = K.plan_expand(128, 64, (4096,), 9, 8, "bfloat16", "bfloat16",
+                             _cfg(BLOCK_M=16, BLOCK_N=256, BLOCK_R=64, B_SELECT=True), add_inputs=True,
+                             bias_flags=(False,), has_ranks=False, pdl=True)
+        assert plan.constexprs["B_SELECT"]
+        out.append(("b-select-r64", K.lora_expand_kernel, plan, "bf16", ("buf_ptr",)))
         # several output tiles per program (prefill and mid-decode configs): one rank block and
         # looped ones, the next y loaded ahead, the B tiles prefetched into L2 before the PDL wait
         for rank, block_r, ahead, prefetch in ((16, 16, False, False), (16, 16, True, True), (64, 32, True, False),

@@ -127,6 +127,28 @@ def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
     assert torch.equal(out[keep], y[keep])
 
 
+@pytest.mark.parametrize("T,ranks", [(9, None), (40, None), (40, (16, 5, 8, 0))])
+def test_expand_b_select(T, ranks):
+    """B_SELECT (one output tile per program, one rank block): the B tile goes through the rank
+    select without per-slot ranks too (a code-generation choice); same result as the oracle, and
+    the plan drops it where it does not apply (several tiles per program)."""
+    from torch_lora.ops import triton as TT
+    H, R, widths, L = 64, 16, (48, 32), 4
+    rng, idx, x, a, b = _problem(19, T, H, R, widths, L, torch.float16)
+    r = None if ranks is None else torch.tensor(ranks, dtype=torch.int32, device=DEV)
+    y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV, torch.float16)
+    ref = _oracle_linear(y, x, a, b, idx, 0.5, (0, 48), None if ranks is None else np.array(ranks))
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, B_SELECT=True, num_warps=4, num_stages=1)
+    plan = K.plan_expand(T, R, widths, L + 1, 1, "float16", "float16", cfg, add_inputs=True,
+                         bias_flags=(False, False), has_ranks=ranks is not None)
+    assert plan.constexprs["B_SELECT"]
+    assert not K.plan_expand(T, R, widths, L + 1, 1, "float16", "float16", dict(cfg, TILES_N=2), add_inputs=True,
+                             bias_flags=(False, False), has_ranks=False).constexprs["B_SELECT"]
+    out = y.clone()
+    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), r, fused=False, expand_config=cfg)
+    assert _rel(_np(out), ref) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("T,fused,tiles_n", [(9, True, 1), (40, False, 1), (40, False, 2)])
 def test_rank_padding_may_hold_nan(T, fused, tiles_n):
     """Per-slot ranks: whatever the weights hold past a slot's rank -- NaN here -- never reaches y.

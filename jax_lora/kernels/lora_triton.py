@@ -234,7 +234,10 @@ def _load_rank_cols(ptrs, row_ok, kk, rank, RANK: tl.constexpr, HAS_RANKS: tl.co
     sectors) so loads stay vectorised; the exact rank is then applied in registers (ZERO_TAIL).
     ZERO_TAIL=False: the caller knows rank is a multiple of 8 (the rounded mask is exact), and the
     tile goes from the load to its dot untouched -- what the software pipeliner needs to keep it in
-    shared memory (a select in between costs a shared-memory round trip per tile)."""
+    shared memory (a select in between costs a shared-memory round trip per tile). Without per-slot
+    ranks, ZERO_TAIL=True applies the (runtime) rank select all the same: a tile loaded once, outside
+    any loop, is then staged through shared memory instead of being held in registers in the dot's
+    layout (the expand's B_SELECT: 183 -> 76 registers for a 256 x 64 B tile)."""
     if HAS_RANKS:
         rank_ld = tl.minimum((rank + 7) // 8 * 8, RANK)
         t = tl.load(ptrs, mask=row_ok[:, None] & (kk < rank_ld)[None, :], other=0.0)
@@ -242,6 +245,8 @@ def _load_rank_cols(ptrs, row_ok, kk, rank, RANK: tl.constexpr, HAS_RANKS: tl.co
             t = tl.where((kk < rank)[None, :], t, tl.zeros_like(t))
     else:
         t = tl.load(ptrs, mask=row_ok[:, None] & (kk < RANK)[None, :], other=0.0)
+        if ZERO_TAIL:
+            t = tl.where((kk < rank)[None, :], t, tl.zeros_like(t))
     return t
 
 
@@ -305,12 +310,14 @@ def _shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidde
 
 @triton.jit
 def _workspace_lhs(buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK: tl.constexpr, HAS_RANKS: tl.constexpr,
-                   NUM_PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """(BLOCK_M, BLOCK_R) float32: the sum of the NUM_PARTIALS workspace planes at rank columns kk."""
+                   NUM_PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   ZERO_TAIL: tl.constexpr):
+    """(BLOCK_M, BLOCK_R) float32: the sum of the NUM_PARTIALS workspace planes at rank columns kk
+    (columns past the slot's rank zeroed exactly: ZERO_TAIL, which per-slot ranks need)."""
     lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for p in tl.static_range(NUM_PARTIALS):                  # split-K planes: independent loads
         lhs += _load_rank_cols(buf_rows + p * stride_bp + kk[None, :] * stride_br, tok_ok, kk, rank,
-                               RANK, HAS_RANKS, True).to(tl.float32)
+                               RANK, HAS_RANKS, ZERO_TAIL).to(tl.float32)
     return lhs
 
 
@@ -522,14 +529,14 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
             lhs = lhs_given
         else:
             lhs = _workspace_lhs(buf_rows, stride_bp, stride_br, offs_r, tok_ok, rank, RANK, HAS_RANKS,
-                                 NUM_PARTIALS, BLOCK_M, BLOCK_R)
+                                 NUM_PARTIALS, BLOCK_M, BLOCK_R, HAS_RANKS or B_TAIL)
         acc = _rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
     else:
         for k0 in range(0, rank, BLOCK_R):                   # real rank only
             kk = k0 + offs_r
             bt = _load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS, B_TAIL)
             lhs = _workspace_lhs(buf_rows, stride_bp, stride_br, kk, tok_ok, rank, RANK, HAS_RANKS,
-                                 NUM_PARTIALS, BLOCK_M, BLOCK_R)
+                                 NUM_PARTIALS, BLOCK_M, BLOCK_R, HAS_RANKS)
             acc = _rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
     has_bias = _pick(s, BIAS0, BIAS1, BIAS2, BIAS3)
     _store_slice(acc, y_old, out_ptr, y_offs, write, _pick(s, c0_ptr, c1_ptr, c2_ptr, c3_ptr), lora_id,
@@ -555,7 +562,8 @@ def lora_expand_kernel(
         Y_AHEAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr, PREFETCH_Y_LINES: tl.constexpr, PREFETCH_Y_LINE: tl.constexpr):
+        PREFETCH_LINE: tl.constexpr, PREFETCH_Y_LINES: tl.constexpr, PREFETCH_Y_LINE: tl.constexpr,
+        B_SELECT: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + sum_p buf[p, s, t, :] @ B_s[idx[t], n, :] + bias.
 
     Grid (cdiv(NUM_TILES, TILES_N), token tiles): program (i, tile) writes output tiles
@@ -571,6 +579,8 @@ def lora_expand_kernel(
     waiting for the shrink grid; with several tiles, the first tile's y (Y_AHEAD) is loaded
     before the wait, and the B tiles (PREFETCH_LINES > 0) and y rows (PREFETCH_Y_LINES > 0) of
     all of them can be prefetched into L2 before it (loaded after it, by the pipelined loop).
+    B_SELECT (one tile, one rank block): the B tile goes through the rank select even without
+    per-slot ranks, which makes Triton stage it through shared memory (see `_load_rank_cols`).
     """
     if USE_PDL:
         # A programmatic dependent after this kernel (the next layer's shrink) may be scheduled
@@ -589,12 +599,16 @@ def lora_expand_kernel(
     # loop (scf.for) that the pipeliner overlaps -- unrolling it (static_range) would lose that.
     # Per-slot ranks: B's columns past a rank that is not a multiple of 8 are zeroed in registers,
     # which costs a pipelined loop a shared-memory round trip per B tile (measured: T2048 D4 expand
-    # 15% slower). The rank is uniform over a program (one slot), so the code is compiled twice,
-    # with and without that step (B_TAIL), and each program runs the copy its rank needs.
+    # 15% slower). The rank is uniform over a program (one slot), so a pipelined loop over B tiles
+    # (several output tiles, or rank blocks) is compiled twice, with and without that step
+    # (B_TAIL), and each program runs the copy its rank needs. One tile of one rank block loads
+    # its B tile once, outside any loop: one copy, with the step (two would cost registers:
+    # 80 -> 142 at T128, rank 64).
     odd_rank = (rank % 8) != 0
     if TILES_N == 1:
-        for b_tail in tl.static_range(1 + HAS_RANKS):
-            if _runs_copy(odd_rank, b_tail, HAS_RANKS):
+        TWO_COPIES: tl.constexpr = HAS_RANKS and RANK > BLOCK_R
+        for b_tail in tl.static_range(1 + TWO_COPIES):
+            if _runs_copy(odd_rank, b_tail, TWO_COPIES):
                 _expand_tile(i, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
                              c0_ptr, c1_ptr, c2_ptr, c3_ptr, y_ptr, out_ptr, stride_bp, stride_bs, stride_bt,
                              stride_br, sb0_l, sb0_n, sb0_r, sb1_l, sb1_n, sb1_r, sb2_l, sb2_n, sb2_r,
@@ -602,7 +616,7 @@ def lora_expand_kernel(
                              width0, width1, width2, width3, off0, off1, off2, off3, stride_yt, stride_yn,
                              RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
                              HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, USE_PDL,
-                             0.0, False, 0.0, False, b_tail == 1)
+                             0.0, False, 0.0, False, (b_tail == 1) or ((HAS_RANKS or B_SELECT) and not TWO_COPIES))
     else:
         # The program's tiles lie in one slice (plan_expand pads each slice's tiles to a multiple
         # of TILES_N): its slice s0 and first column n0.
@@ -637,7 +651,7 @@ def lora_expand_kernel(
             # one rank block: the token tile's workspace rows of slice s0, summed once
             lhs = _workspace_lhs(buf_ptr + s0 * _hint16(stride_bs, ALIGNED) + tok[:, None] * _hint16(stride_bt, ALIGNED),
                                  _hint16(stride_bp, ALIGNED), stride_br, tl.arange(0, BLOCK_R), tok_ok, rank, RANK,
-                                 HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R)
+                                 HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R, HAS_RANKS)
         else:
             lhs = 0.0
         for b_tail in tl.static_range(1 + HAS_RANKS):
@@ -767,7 +781,7 @@ def lora_fused_kernel(
         bt = _load_rank_cols(b_ptr + lora_id.to(tl.int64) * _hint16(_pick(s_out, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
                              + cols[:, None] * _hint16(_pick(s_out, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
                              + offs_r[None, :] * _pick(s_out, sb0_r, sb1_r, sb2_r, sb3_r),
-                             col_ok, offs_r, rank, RANK, HAS_RANKS, True)
+                             col_ok, offs_r, rank, RANK, HAS_RANKS, HAS_RANKS)
     s_in = p % NUM_SLICES
     split = p // NUM_SLICES
     a_ptr = _pick(s_in, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
@@ -1003,7 +1017,8 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
     """Grid and meta-parameters of `lora_expand_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_R, warps, stages,
     TILES_N (output tiles per program, default 1), Y_AHEAD (with TILES_N > 1: load the next tile's y
     before this tile's math; default False), PREFETCH / PREFETCH_Y (with TILES_N > 1 and pdl:
-    prefetch the program's B tiles / y rows into L2 before waiting for the shrink; default False)."""
+    prefetch the program's B tiles / y rows into L2 before waiting for the shrink; default False),
+    B_SELECT (with one tile and one rank block: B through shared memory, see the kernel; default False)."""
     assert 1 <= len(widths) <= MAX_SLICES
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
     small_t, block_m = small_t_block(num_tokens, block_m)
@@ -1018,7 +1033,8 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
              CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
              USE_PDL=bool(pdl), **_prefetch(pdl and tiles_n > 1 and bool(config.get("PREFETCH", False)), rank, w_dtype))
     y_prefetch = _prefetch(pdl and tiles_n > 1 and bool(config.get("PREFETCH_Y", False)), tiles_n * block_n, y_dtype)
-    c.update(PREFETCH_Y_LINES=y_prefetch["PREFETCH_LINES"], PREFETCH_Y_LINE=y_prefetch["PREFETCH_LINE"])
+    c.update(PREFETCH_Y_LINES=y_prefetch["PREFETCH_LINES"], PREFETCH_Y_LINE=y_prefetch["PREFETCH_LINE"],
+             B_SELECT=bool(config.get("B_SELECT", False)) and tiles_n == 1 and rank <= block_r)
     grid = (total // tiles_n, max_tiles(num_tokens, num_groups, block_m, small_t))
     return ExpandPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))
 
