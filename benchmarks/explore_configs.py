@@ -5,7 +5,8 @@ behind a tuned-table change, before the tuner is taught a new candidate.
         --modes benchmarks/modes.json --out benchmarks/results/explore.json
 
 `--modes` is a JSON list of {"label": ..., "fused": true/false/null, "shrink_config": {...},
-"expand_config": {...}, "fused_config": {...}, "shrink_extra": {...}, "expand_extra": {...}} (absent
+"expand_config": {...}, "fused_config": {...}, "shrink_extra": {...}, "expand_extra": {...},
+"fused_extra": {...}} (absent
 keys: what the table says; the *_extra dicts are merged into the table's config of each case). The label
 "table" (fused null, no configs) is always timed first. Each case is timed the way bench_triton
 times it (CUDA-graph replay over enough input sets to keep the weights cold, bf16, hidden 4096;
@@ -63,6 +64,9 @@ def resolved(mode: dict, T: int, rank: int, num_slices: int, slots: int) -> dict
     if mode.get("expand_extra"):
         base = out["expand_config"] or configs.expand_config(T, HIDDEN, rank, num_slices, slots)
         out["expand_config"] = {**base, **mode["expand_extra"]}
+    if mode.get("fused_extra"):
+        base = out["fused_config"] or configs.fused_config(T, HIDDEN, HIDDEN, rank, num_slices, slots)
+        out["fused_config"] = {**base, **mode["fused_extra"]}
     if out["shrink_config"] is not None:
         out["shrink_config"] = configs.resolve_split(dict(out["shrink_config"]), T, HIDDEN, rank, num_slices, slots)
     return out

@@ -737,7 +737,7 @@ def lora_fused_kernel(
         NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, PHASE: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr, BARRIER_POLLS: tl.constexpr):
+        PREFETCH_LINE: tl.constexpr, BARRIER_POLLS: tl.constexpr, B_SELECT: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + (scale * x[t] @ A_s[idx].T) @ B_s[idx, n].T + bias.
 
     One launch, grid (P, token tiles): the P programs of a token tile share its work and meet once.
@@ -781,7 +781,7 @@ def lora_fused_kernel(
         bt = _load_rank_cols(b_ptr + lora_id.to(tl.int64) * _hint16(_pick(s_out, sb0_l, sb1_l, sb2_l, sb3_l), ALIGNED)
                              + cols[:, None] * _hint16(_pick(s_out, sb0_n, sb1_n, sb2_n, sb3_n), ALIGNED)
                              + offs_r[None, :] * _pick(s_out, sb0_r, sb1_r, sb2_r, sb3_r),
-                             col_ok, offs_r, rank, RANK, HAS_RANKS, HAS_RANKS)
+                             col_ok, offs_r, rank, RANK, HAS_RANKS, HAS_RANKS or B_SELECT)
     s_in = p % NUM_SLICES
     split = p // NUM_SLICES
     a_ptr = _pick(s_in, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
@@ -1071,7 +1071,8 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
              DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl),
-             BARRIER_POLLS=BARRIER_POLL_LIMIT, **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
+             BARRIER_POLLS=BARRIER_POLL_LIMIT, B_SELECT=bool(config.get("B_SELECT", False)),
+             **_prefetch(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
     grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
                      (split, num_slices, num_tokens, rank))
