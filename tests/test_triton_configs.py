@@ -33,8 +33,11 @@ def test_committed_table_loads_with_its_variants(compiled):
     assert few["BLOCK_M"] == 64 and many == configs.EXPAND[("t1024", "r64")]
     assert configs.shrink_config(512, 4096, 64, 1, 8)["BLOCK_M"] == 32
     assert configs.shrink_config(512, 4096, 64, 1, 64)["BLOCK_M"] == configs.SHRINK[("t1024", "r64")]["BLOCK_M"]
-    # the fused kernel at decode sizes with rank 16 (T <= 64), never at rank 64 or past T = 64
-    assert configs.use_fused(1, 4096, 16, 1, 8) and configs.use_fused(32, 4096, 16, 3, 32)
+    # the fused kernel at decode sizes with rank 16 (T <= 64), never at rank 64 or past T = 64, nor
+    # for one token; at T <= 16 for one slice only, at 16 < T <= 64 for <= 16 slots only
+    assert configs.use_fused(8, 4096, 16, 1, 8) and configs.use_fused(32, 4096, 16, 3, 16)
+    assert not configs.use_fused(1, 4096, 16, 1, 8) and not configs.use_fused(8, 4096, 16, 3, 8)
+    assert not configs.use_fused(32, 4096, 16, 1, 32)
     assert not configs.use_fused(32, 4096, 64, 1, 8) and not configs.use_fused(128, 4096, 16, 1, 8)
 
 

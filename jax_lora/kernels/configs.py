@@ -10,7 +10,8 @@ where a handful of adapters would otherwise leave most SMs idle).
 
 `use_fused(...)` decides between the one-launch fused kernel and shrink + expand: the tuner times
 both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30: T <= 64 at
-rank 16, see docs/benchmarks.md). A table entry may carry `variants`: configs for launches with at
+rank 16, see docs/benchmarks.md); an entry's "use_fused" overrides the figures, and a single token
+never uses it (FUSED_MIN_TOKENS). A table entry may carry `variants`: configs for launches with at
 most `max_slots` adapter slots and at least `min_slices` slices (VARIANTS; both are static). `use_prefetch(...)`
 decides where the shrink prefetches its weights into L2 before its PDL wait. For T > 128 the split-K count is capped (workspace re-reads).
 Under Triton's interpreter (CPU tests) large tiles are used instead: the interpreter's cost is per
@@ -127,7 +128,7 @@ def _load_tuned(path: str) -> str:
                         {n: v[n] for n in ("shrink", "expand", "fused", "use_fused") if n in v})
                        for v in entry.get("variants", ())]
     FUSED_CLASSES = {tuple(k.split("/")) for k, e in tuned["best"].items()
-                     if e.get("fused_us", float("inf")) < e["two_kernel_us"]}
+                     if e.get("use_fused", e.get("fused_us", float("inf")) < e["two_kernel_us"])}
     return f"{tuned.get('device', '?')} ({os.path.basename(path)}, {tuned.get('date', '?')})"
 
 
@@ -225,7 +226,15 @@ def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slot
         return False
     if _FORCE_FUSED in ("0", "1"):
         return _FORCE_FUSED == "1"
+    if num_tokens < FUSED_MIN_TOKENS:
+        return False
     variant = _variant(num_tokens, rank, num_slots, num_slices)
     if "use_fused" in variant:
         return bool(variant["use_fused"])
     return (token_class(num_tokens), rank_class(rank)) in FUSED_CLASSES
+
+
+# One token means one adapter: the two-kernel path (its expand's B tile staged through shared
+# memory, B_SELECT) beats the fused kernel's barrier there. H200, 2026-11-30 17:50
+# (benchmarks/results/explore_b_select_fused_20261130T1750.json): T1 D1 r16 3.43 vs 3.62 us (s1), 3.49 vs 3.65 (s3).
+FUSED_MIN_TOKENS = 2
