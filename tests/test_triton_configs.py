@@ -27,10 +27,13 @@ def test_committed_table_loads_with_its_variants(compiled):
         for max_slots, min_slices, overrides in variants:
             assert max_slots >= 1 and min_slices >= 1, (key, max_slots, min_slices)
             assert set(overrides) <= {"shrink", "expand", "fused", "use_fused"}, (key, overrides)
-    # t1024/r64: 64-token expand tiles up to 16 slots, the class entry beyond
+    # t1024/r64 up to 16 slots: 16 x 256 one-tile expands for one slice, 64-token tiles for 2+
+    # slices; the class entry beyond 16 slots
     few = configs.expand_config(512, 4096, 64, 1, 16)
+    few3 = configs.expand_config(512, 4096, 64, 3, 16)
     many = configs.expand_config(512, 4096, 64, 1, 17)
-    assert few["BLOCK_M"] == 64 and many == configs.EXPAND[("t1024", "r64")]
+    assert (few["BLOCK_M"], few["BLOCK_N"]) == (16, 256) and few3["BLOCK_M"] == 64
+    assert many == configs.EXPAND[("t1024", "r64")]
     assert configs.shrink_config(512, 4096, 64, 1, 8)["BLOCK_M"] == 32
     assert configs.shrink_config(512, 4096, 64, 1, 64)["BLOCK_M"] == configs.SHRINK[("t1024", "r64")]["BLOCK_M"]
     # the fused kernel at decode sizes with rank 16 (T <= 64), never at rank 64 or past T = 64, nor
