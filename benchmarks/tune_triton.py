@@ -62,15 +62,21 @@ def shrink_candidates(tc):
                 (64, 128, 2, 4, 3), (16, 128, 0, 4, 4), (16, 256, 2, 4, 3))]
         if tc == "t4096":
             out += [configs._s(64, 128, 4, 4, 3), dict(configs._s(64, 128, 0, 4, 3), TARGET=400)]
+        # (session 7, explores 17:31-17:33: every slice in one program; won with 2+ slices at
+        # T512 rank 64 with few slots, lost at T2048)
+        out += [dict(configs._s(16, 128, 0, 4, 4), ALL_SLICES=True)]
         return out
     # (prefill: ncu, 2026-11-30: the unsplit BLOCK_M 64 shrink runs 137 programs at T=8192, 6.4%
     # achieved occupancy, 54% of DRAM bandwidth -- hence smaller token tiles and splits)
     # (+ session 6: the split rule aimed at 264 programs -- 2 splits at T8192 with one slice, 1 with
     # three -- now that the expand sums the workspace planes once per program)
+    # (+ session 7, explores 17:31/17:33: every slice in one program, 32-token tiles, 2 splits --
+    # won with three slices at rank 16, lost at rank 64)
     return [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
             ((64, 128, 0, 4, 3), (64, 64, 1, 4, 4), (128, 64, 1, 4, 3), (128, 128, 1, 8, 3),
              (64, 128, 1, 4, 3), (32, 128, 1, 4, 3), (64, 128, 2, 4, 3), (64, 128, 4, 4, 3),
-             (64, 128, 1, 8, 4), (32, 256, 2, 8, 3))] + [dict(configs._s(64, 128, 0, 4, 3), TARGET=264)]
+             (64, 128, 1, 8, 4), (32, 256, 2, 8, 3))] + [dict(configs._s(64, 128, 0, 4, 3), TARGET=264),
+                                                         dict(configs._s(32, 128, 2, 4, 3), ALL_SLICES=True)]
 
 
 def expand_candidates(tc, rank):
@@ -95,6 +101,9 @@ def expand_candidates(tc, rank):
         out += [dict(configs._e(bm, bn, br, 4, st), TILES_N=tn) for bm, bn, tn, st in
                 ((16, 128, 4, 3), (16, 128, 2, 2), (16, 64, 8, 3), (32, 128, 4, 3))]
         out += [dict(configs._e(64, 128, br, 4, 3), TILES_N=2, PREFETCH_Y=True)]
+        # (session 7, explore 18:05: one 16x256 tile with B through shared memory -- B_SELECT, on
+        # by default for one-tile expands -- at T512 with few slots)
+        out += [configs._e(16, 256, br, 4, 2)]
         if tc == "t4096":
             out += [dict(configs._e(32, 128, br, 4, 3), TILES_N=8), dict(configs._e(32, 128, br, 4, 3), TILES_N=4, Y_AHEAD=True)]
         return out
@@ -252,9 +261,12 @@ def kept_variants(old: dict, entry: dict) -> dict:
     """entry with the old entry's `variants` (configs.VARIANTS: by slot count and slice count)
     carried over: they come from explore_configs.py measurements at other slot counts, or from one
     slice count alone, which this tuner (scoring one representative slot count, and s1 with s3
-    together) does not repeat."""
+    together) does not repeat. The entry-level "use_fused" override (set by hand with variants
+    that undo it for some slot counts, e.g. t64/r16) is carried over with them."""
     if old.get("variants") and "variants" not in entry:
         entry = {**entry, "variants": old["variants"]}
+    if "use_fused" in old and "use_fused" not in entry:
+        entry = {**entry, "use_fused": old["use_fused"]}
     return entry
 
 

@@ -89,6 +89,7 @@ def test_tuner_keeps_the_variants_it_does_not_measure():
     assert kept_variants(old, new)["variants"] == old["variants"]
     assert kept_variants({}, new) == new
     assert kept_variants(old, {**new, "variants": []})["variants"] == []
+    assert kept_variants({**old, "use_fused": False}, new)["use_fused"] is False
 
 
 def test_a_config_target_sets_the_split_rule(compiled):
