@@ -163,10 +163,15 @@ def graph_time_us(sets, replays=10):
             s.call()                                   # warm-up / compile outside the graph
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    return _graph_replay_us([s.call for s in sets], replays) / len(sets)
+
+
+def _graph_replay_us(calls, replays=10):
+    """Median us (CUDA events) of replaying one graph that holds `calls` in order."""
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for s in sets:
-            s.call()
+        for call in calls:
+            call()
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -176,7 +181,7 @@ def graph_time_us(sets, replays=10):
         g.replay()
         e1.record()
         e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(sets))
+        times.append(e0.elapsed_time(e1) * 1e3)
     del g
     return float(np.median(times))
 
@@ -259,26 +264,6 @@ def run_case(case, slice_name, device, seed=0):
 
 # ------------------------------------------------------------------------------------------ JAX
 
-def _torch_graph_us(s, steps, reps=10):
-    """Median device time (CUDA events) of replaying a graph of `steps` calls on one input set."""
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(steps):
-            s.call()
-    g.replay()
-    torch.cuda.synchronize()
-    tt = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        tt.append(e0.elapsed_time(e1) * 1e3)
-    del g
-    return float(np.median(tt))
-
-
 def jax_vs_torch(device, cases, steps=50, long_steps=200, jax_fused=None, barrier=True, donate=True):
     """Per-op time of the JAX triton backend under jit (a scan of `steps` calls) vs torch (a graph of
     `steps` calls on the same inputs). Both hot (same weights each call), so only launch and kernel
@@ -318,7 +303,7 @@ def jax_vs_torch(device, cases, steps=50, long_steps=200, jax_fused=None, barrie
             s.call()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        torch_total = {n: _torch_graph_us(s, n) for n in (steps, long_steps)}
+        torch_total = {n: _graph_replay_us([s.call] * n) for n in (steps, long_steps)}
 
         def j(t):
             return jnp.from_dlpack(t.contiguous())
