@@ -58,8 +58,7 @@ def resolved(mode: dict, T: int, rank: int, num_slices: int, slots: int) -> dict
     (one mode that changes a single key of every class's config)."""
     out = {k: mode.get(k) for k in ("fused", "shrink_config", "expand_config", "fused_config")}
     if mode.get("shrink_extra"):
-        base = out["shrink_config"] or dict(configs._variant(T, rank, slots, num_slices).get("shrink")
-                                            or configs.SHRINK[(configs.token_class(T), configs.rank_class(rank))])
+        base = out["shrink_config"] or configs.table_shrink_config(T, rank, num_slices, slots)
         out["shrink_config"] = {**base, **mode["shrink_extra"]}
     if mode.get("expand_extra"):
         base = out["expand_config"] or configs.expand_config(T, HIDDEN, rank, num_slices, slots)

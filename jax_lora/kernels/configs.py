@@ -33,6 +33,11 @@ TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 # the best in most cases. JAX_LORA_TRITON_SPLIT_CAP overrides it (tuning runs).
 SPLIT_CAP = int(os.environ.get("JAX_LORA_TRITON_SPLIT_CAP", "8"))
 
+# One token means one adapter: the two-kernel path (its expand's B tile staged through shared
+# memory, B_SELECT) beats the fused kernel's barrier there. H200, 2026-11-30 17:50
+# (benchmarks/results/explore_b_select_fused_20261130T1750.json): T1 D1 r16 3.43 vs 3.62 us (s1), 3.49 vs 3.65 (s3).
+FUSED_MIN_TOKENS = 2
+
 _TOKEN_CLASSES = ((16, "t16"), (64, "t64"), (256, "t256"), (1024, "t1024"), (4096, "t4096"))
 _RANK_CLASSES = ((16, "r16"), (64, "r64"))
 
@@ -150,11 +155,17 @@ def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
     return max(1, min(num_tokens, num_slots), -(-num_tokens // block_m))
 
 
+def table_shrink_config(num_tokens: int, rank: int, num_slices: int, num_slots: int) -> dict:
+    """The table's shrink config for a launch as written (SPLIT_K 0 and TARGET not yet resolved)."""
+    return dict(_variant(num_tokens, rank, num_slots, num_slices).get("shrink")
+                or SHRINK[(token_class(num_tokens), rank_class(rank))])
+
+
 def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
     if interpreting():
         return _s(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
-    cfg = _variant(num_tokens, rank, num_slots, num_slices).get("shrink") or SHRINK[(token_class(num_tokens), rank_class(rank))]
-    return resolve_split(dict(cfg), num_tokens, hidden, rank, num_slices, num_slots)
+    return resolve_split(table_shrink_config(num_tokens, rank, num_slices, num_slots), num_tokens, hidden, rank,
+                         num_slices, num_slots)
 
 
 def use_prefetch(num_tokens: int, rank: int) -> bool:
@@ -233,8 +244,3 @@ def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slot
         return bool(variant["use_fused"])
     return (token_class(num_tokens), rank_class(rank)) in FUSED_CLASSES
 
-
-# One token means one adapter: the two-kernel path (its expand's B tile staged through shared
-# memory, B_SELECT) beats the fused kernel's barrier there. H200, 2026-11-30 17:50
-# (benchmarks/results/explore_b_select_fused_20261130T1750.json): T1 D1 r16 3.43 vs 3.62 us (s1), 3.49 vs 3.65 (s3).
-FUSED_MIN_TOKENS = 2

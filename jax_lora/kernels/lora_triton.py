@@ -241,12 +241,10 @@ def _load_rank_cols(ptrs, row_ok, kk, rank, RANK: tl.constexpr, HAS_RANKS: tl.co
     if HAS_RANKS:
         rank_ld = tl.minimum((rank + 7) // 8 * 8, RANK)
         t = tl.load(ptrs, mask=row_ok[:, None] & (kk < rank_ld)[None, :], other=0.0)
-        if ZERO_TAIL:
-            t = tl.where((kk < rank)[None, :], t, tl.zeros_like(t))
     else:
         t = tl.load(ptrs, mask=row_ok[:, None] & (kk < RANK)[None, :], other=0.0)
-        if ZERO_TAIL:
-            t = tl.where((kk < rank)[None, :], t, tl.zeros_like(t))
+    if ZERO_TAIL:
+        t = tl.where((kk < rank)[None, :], t, tl.zeros_like(t))
     return t
 
 
