@@ -201,6 +201,44 @@ def host_time_us(s, n=300):
     return float(np.median(per))
 
 
+def host_breakdown(s, n=3000) -> str:
+    """The parts of one PreparedLinear call, timed alone on this host (us per call, median of 5
+    batches): what the host figure is made of (--profile-host)."""
+    prepared = TT.PreparedLinear(s.a, s.b, s.meta.meta_args(s.x.shape[0]), s.offsets)
+    for _ in range(3):
+        prepared(s.y, s.x, s.scale, s.ranks)
+    torch.cuda.synchronize()
+    steps = prepared._steps or ()
+    ws_shape = next((shape for shape, _ in steps if shape is not None), (8, 1, 8, 16))
+    dev = s.x.device
+    c_steps = prepared._c_steps
+    parts = {
+        "torch.empty(workspace) + free": lambda: torch.empty(ws_shape, dtype=torch.float32, device=dev),
+        "current raw stream": lambda: torch._C._cuda_getCurrentRawStream(dev.index),
+        "x/y data_ptr + layout tuple": lambda: (s.x.data_ptr(), s.y.data_ptr(), s.x.shape, s.x.stride(),
+                                                s.x.dtype, s.y.shape, s.y.stride(), s.y.dtype),
+        "PreparedLinear call": lambda: prepared(s.y, s.x, s.scale, s.ranks),
+    }
+    if c_steps:
+        vals = prepared._c_vars
+        ws = torch.empty(ws_shape, dtype=torch.float32, device=dev)
+        vals[3] = ws.data_ptr()
+        stream = torch._C._cuda_getCurrentRawStream(dev.index)
+        parts["C launches only"] = lambda: [c.launch(stream, vals) for c in c_steps]
+    lines = [f"host breakdown ({len(steps)} chunk(s), {sum(len(lc) for _, lc in steps)} launch(es), "
+             f"C launcher {'on' if c_steps else 'off'}):"]
+    for name, fn in parts.items():
+        per = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n // 5):
+                fn()
+            per.append((time.perf_counter() - t0) * 1e6 / (n // 5))
+            torch.cuda.synchronize()
+        lines.append(f"  {name:34s} {float(np.median(per)):7.2f} us")
+    return "\n".join(lines)
+
+
 class WrapperCall:
     """One eager `PunicaWrapper.add_lora_linear` (BENCHMARKS.md's host figure): the input set's
     weights as (L, 1, n, r) stacks, its mapping through `update_metadata` (once; a step's
@@ -538,6 +576,7 @@ def main():
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
         with open(os.path.join(args.out, "host_profile.txt")) as f:
             print(f.read()[:6000])
+        print(host_breakdown(s.s), flush=True)
     for case in [] if args.host_only else cases:
         for sl in ("s1", "s3"):
             r = run_case(case, sl, device)
