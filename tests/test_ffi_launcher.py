@@ -241,9 +241,10 @@ def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
 @pytest.mark.parametrize("c_launch", [True, False])
 def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monkeypatch):
     """PreparedLinear's direct path, its Python logic on the CPU: per call it sets x, y, lora_ranks
-    and the scale (float32 bits for C), allocates one workspace per chunk and hands each chunk's
-    launches the values -- to C's prepared launches, or into Triton's argument templates. The
-    launchers are recorders here; the GPU test runs the real ones (test_prepared_linear_direct_path)."""
+    and the scale (float32 bits for C), points every chunk at the stream's workspace (one buffer
+    per (device, stream), nothing allocated per call) and hands each chunk's launches the values
+    -- to C's prepared launches, or into Triton's argument templates. The launchers are recorders
+    here; the GPU test runs the real ones (test_prepared_linear_direct_path)."""
     torch = pytest.importorskip("torch")
     import struct
 
@@ -269,6 +270,8 @@ def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monk
     p._steps = (((1, 1, 4, 4), ((run, 1, 1, 1, "f0", None, template, slots, None, None),)),
                 (None, ((run, 1, 1, 1, "f1", None, [0, 0.0], ((0, TT._Y), (1, TT._SCALE)), None, None),)))
     p._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, True)
+    p._ws_floats = 16
+    TT._WORKSPACES.clear()
     if c_launch:
         import ctypes
         p._c_steps = (Recorder(0), Recorder(1))
@@ -283,9 +286,20 @@ def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monk
             assert (i0, i1, s0, s1) == (0, 1, 77, 77)
             assert v0[TT._X] == x.data_ptr() and v0[TT._Y] == y.data_ptr() and v0[TT._RANKS] == 0
             assert v0[TT._SCALE] == bits and v1[TT._SCALE] == bits
-            assert v0[TT._WS] != 0 and v1[TT._WS] == v0[TT._WS]   # the second chunk has no workspace of its own
+            ws = TT._WORKSPACES[(x.device.index, 77)]
+            assert v0[TT._WS] == ws.data_ptr() and v1[TT._WS] == v0[TT._WS]   # the stream's workspace
         else:
             (f0, _, a0), (f1, _, a1) = seen
             assert (f0, f1) == ("f0", "f1")
-            assert a0[0] == x.data_ptr() and a0[1] != 0 and a0[2] == 5 and a0[3] == scale
+            assert a0[0] == x.data_ptr() and a0[1] == TT._WORKSPACES[(x.device.index, 77)].data_ptr()
+            assert a0[2] == 5 and a0[3] == scale
             assert a1 == [y.data_ptr(), scale]
+    assert TT._WORKSPACES[(x.device.index, 77)].numel() >= 16
+    # another stream: its own workspace
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 78, raising=False)
+    seen.clear()
+    p(y, x, 0.5)
+    ws78 = TT._WORKSPACES[(x.device.index, 78)]
+    assert ws78.data_ptr() != TT._WORKSPACES[(x.device.index, 77)].data_ptr()
+    assert (seen[0][2][TT._WS] if c_launch else seen[0][2][1]) == ws78.data_ptr()
+    TT._WORKSPACES.clear()

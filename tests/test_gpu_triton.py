@@ -254,6 +254,65 @@ def test_chained_calls_wait_for_the_previous_kernel(fused):
             assert torch.equal(g_, w_), i
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_prepared_linears_share_the_stream_workspace(fused):
+    """Every PreparedLinear on a stream uses that stream's one workspace (`_workspace_buffer`): a
+    call's first kernel writes it only after the previous call's last kernel completed. Chain 12
+    calls of two layers with different workspace sizes (rank 16 with three slices, rank 64 with
+    one), x of call i+1 = y of call i, on two streams at once, eagerly and in a CUDA graph, and
+    compare bit for bit with `linear` (fresh workspaces) synchronised after every call."""
+    from torch_lora.ops import triton as TT
+    T, H, L = 16, 2048, 4
+    widths3 = (1024, 512, 512)
+    _, a16, b16, idx, meta, _, _ = _setup(T, H, 16, widths3, L, 4, torch.bfloat16, 21, frac_none=0.1)
+    _, a64, b64, _, _, _, _ = _setup(T, H, 64, (H,), L, 4, torch.bfloat16, 22)
+    layers = [(a16, b16, (0, 1024, 1536)), (a64, b64, (0,))]
+    preps = [TT.PreparedLinear(a, b, meta.meta_args(T), off, fused=fused) for a, b, off in layers]
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
+    x0s = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in streams]
+    ys0 = [[torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(12)] for _ in streams]
+
+    def chain(x, ys, prepared):
+        prev = x
+        for i, y in enumerate(ys):
+            a, b, off = layers[i % 2]
+            if prepared:
+                preps[i % 2](y, prev, 0.5)
+            else:
+                TT.linear(y, prev, a, b, meta.meta_args(T), 0.5, off, fused=fused)
+                torch.cuda.synchronize()
+            prev = y
+
+    want = [[y.clone() for y in ys] for ys in ys0]
+    for x, ys in zip(x0s, want):
+        chain(x, ys, prepared=False)
+    for ys in ys0:                                         # first calls: compile, build the direct path
+        chain(x0s[0], [y.clone() for y in ys], prepared=True)
+    torch.cuda.synchronize()
+    assert all(p._steps is not None for p in preps)
+    got = [[y.clone() for y in ys] for ys in ys0]
+    torch.cuda.synchronize()
+    for stream, x, ys in zip(streams, x0s, got):           # both chains in flight at once
+        with torch.cuda.stream(stream):
+            chain(x, ys, prepared=True)
+    torch.cuda.synchronize()
+    assert len({(k, v.data_ptr()) for k, v in TT._WORKSPACES.items() if k[0] == x0s[0].device.index}) >= 2
+    for c, (g_, w_) in enumerate(zip(got, want)):
+        for i, (gi, wi) in enumerate(zip(g_, w_)):
+            assert torch.equal(gi, wi), (c, i)
+    work = [y.clone() for y in ys0[0]]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(x0s[0], work, prepared=True)
+    for _ in range(2):
+        for w_, y in zip(work, ys0[0]):
+            w_.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (gi, wi) in enumerate(zip(work, want[0])):
+            assert torch.equal(gi, wi), i
+
+
 _TRAP_CHILD = """
 import math, torch
 from jax_lora.kernels import lora_triton as K
