@@ -48,9 +48,11 @@ WIDTHS = (4096, 1024, 1024)
 def shrink_candidates(tc):
     if tc in ("t16", "t64"):
         # (+ 512-column chunks split for ~132 programs: T32 rank 64, explore 2026-11-30 15:09)
+        # (+ session 8, explores 18:43/18:47: 4 warps, 3 stages, A prefetched into L2 before the
+        # PDL wait at T 17-64 too -- T32 with 32 adapters 8.1 vs 10.2 us)
         return [configs._s(16, bk, 0, w, st) for bk, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 3), (512, 8, 2))] + [
-                dict(configs._s(16, 512, 0, 8, 3), TARGET=132)]
+                dict(configs._s(16, 512, 0, 8, 3), TARGET=132), dict(configs._s(16, 256, 0, 4, 3), PREFETCH=True)]
     if tc in ("t256", "t1024", "t4096"):
         # Explicit splits next to the SPLIT_K = 0 rule: at rank 64 the expand's unrolled sum of
         # the workspace planes costs ~12 registers per plane (134 at 4 planes, 86 at 1: ptxas, T=512).

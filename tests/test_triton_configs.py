@@ -36,11 +36,15 @@ def test_committed_table_loads_with_its_variants(compiled):
     assert many == configs.EXPAND[("t1024", "r64")]
     assert configs.shrink_config(512, 4096, 64, 1, 8)["BLOCK_M"] == 32
     assert configs.shrink_config(512, 4096, 64, 1, 64)["BLOCK_M"] == configs.SHRINK[("t1024", "r64")]["BLOCK_M"]
-    # the fused kernel at decode sizes with rank 16 (T <= 64), never at rank 64 or past T = 64, nor
-    # for one token; at T <= 16 for one slice only, at 16 < T <= 64 for <= 16 slots only
-    assert configs.use_fused(8, 4096, 16, 1, 8) and configs.use_fused(32, 4096, 16, 3, 16)
-    assert not configs.use_fused(1, 4096, 16, 1, 8) and not configs.use_fused(8, 4096, 16, 3, 8)
-    assert not configs.use_fused(32, 4096, 16, 1, 32)
+    # the fused kernel (session 8) only for one slice at rank 16, 16 < T <= 64, <= 16 slots: never
+    # at T <= 16 (shrink + expand with an 8-warp shrink for one slice, 4 warps for more), with 2+
+    # slices, more slots, rank 64 or past T = 64
+    assert configs.use_fused(32, 4096, 16, 1, 8) and configs.use_fused(64, 4096, 16, 1, 16)
+    assert not configs.use_fused(32, 4096, 16, 3, 16) and not configs.use_fused(32, 4096, 16, 1, 32)
+    assert not any(configs.use_fused(t, 4096, 16, s, 8) for t in (1, 8, 16) for s in (1, 3))
+    assert configs.shrink_config(8, 4096, 16, 1, 8)["num_warps"] == 8
+    assert configs.shrink_config(8, 4096, 16, 3, 8)["num_warps"] == 4
+    assert configs.shrink_config(32, 4096, 16, 1, 32)["PREFETCH"]
     assert not configs.use_fused(32, 4096, 64, 1, 8) and not configs.use_fused(128, 4096, 16, 1, 8)
 
 

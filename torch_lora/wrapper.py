@@ -376,7 +376,12 @@ class _LinearPlan:
         self._refs = tuple(weakref.ref(t, drop) for t in tensors)
 
     def refers_to(self, tensors) -> bool:
-        return len(tensors) == len(self._refs) and all(r() is t for r, t in zip(self._refs, tensors))
+        if len(tensors) != len(self._refs):
+            return False
+        for r, t in zip(self._refs, tensors):      # (a plain loop: every add_lora_linear runs it)
+            if r() is not t:
+                return False
+        return True
 
 
 def _token_view(y: torch.Tensor) -> torch.Tensor:
