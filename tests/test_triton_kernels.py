@@ -149,6 +149,38 @@ def test_expand_b_select(T, ranks):
     assert _rel(_np(out), ref) < TOL[torch.float16]
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_small_batch_in_sorted_tiles(fused):
+    """SMALL_T False in a launch config: a batch of at most SMALL_T_MAX tokens is tiled like a
+    large one (BLOCK_M-token tiles of the sorted order) instead of one whole-batch tile per
+    adapter; same result as the oracle, with -1 tokens and heterogeneous ranks."""
+    from torch_lora.ops import triton as TT
+    T, H, R, widths, L = 20, 64, 16, (48, 32), 3
+    rng, idx, x, a, b = _problem(23, T, H, R, widths, L, torch.float16)
+    ranks = np.array([16, 5, 8], np.int32)
+    y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV, torch.float16)
+    ref = _oracle_linear(y, x, a, b, idx, 0.5, (0, 48), ranks)
+    s_cfg = dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1, SMALL_T=False)
+    e_cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, num_warps=4, num_stages=1, SMALL_T=False)
+    f_cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=0, num_warps=4, num_stages=1, SMALL_T=False)
+    G = L + 1
+    plans = [K.plan_shrink(T, H, R, 2, G, "float16", "float16", s_cfg, lora_only=True, workspace=True,
+                           has_ranks=True),
+             K.plan_expand(T, R, widths, G, 2, "float16", "float16", e_cfg, add_inputs=True,
+                           bias_flags=(False, False), has_ranks=True),
+             K.plan_fused(T, H, R, widths, G, "float16", "float16", f_cfg, add_inputs=True,
+                          bias_flags=(False, False), has_ranks=True)]
+    for plan in plans:
+        assert not plan.constexprs["SMALL_T"] and plan.constexprs["BLOCK_M"] == 16
+        assert plan.grid[-1] == K.max_tiles(T, G, 16)                       # cdiv(T, 16) + min(G, T)
+    assert K.plan_expand(T, R, widths, G, 2, "float16", "float16", dict(e_cfg, SMALL_T=True), add_inputs=True,
+                         bias_flags=(False, False), has_ranks=True).constexprs["BLOCK_M"] == 32
+    out = y.clone()
+    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), torch.from_numpy(ranks).to(DEV), fused=fused,
+              shrink_config=s_cfg, expand_config=e_cfg, fused_config=f_cfg)
+    assert _rel(_np(out), ref) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("T,fused,tiles_n", [(9, True, 1), (40, False, 1), (40, False, 2)])
 def test_rank_padding_may_hold_nan(T, fused, tiles_n):
     """Per-slot ranks: whatever the weights hold past a slot's rank -- NaN here -- never reaches y.

@@ -867,9 +867,11 @@ def _slice_tiles(widths: Sequence[int], block_n: int, tiles_per_program: int = 1
 SMALL_T_MAX = 32  # batches up to this many tokens use the one-tile-per-group mode (SMALL_T)
 
 
-def small_t_block(num_tokens: int, block_m: int) -> tuple[bool, int]:
-    """(SMALL_T, BLOCK_M): the whole batch in one tile per group when T <= SMALL_T_MAX."""
-    if num_tokens <= SMALL_T_MAX:
+def small_t_block(num_tokens: int, block_m: int, config: dict | None = None) -> tuple[bool, int]:
+    """(SMALL_T, BLOCK_M): the whole batch in one tile per group when T <= SMALL_T_MAX, unless the
+    launch config says SMALL_T False (then BLOCK_M-token tiles of the sorted order, as past
+    SMALL_T_MAX: smaller tiles at T = 17-32, two more dependent metadata loads)."""
+    if num_tokens <= SMALL_T_MAX and (config or {}).get("SMALL_T", True):
         return True, max(block_m, max(16, next_pow2(num_tokens)))
     return False, block_m
 
@@ -982,7 +984,7 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
     x read once for them -- SLICES = num_slices, grid axis 0 of size 1).
     """
     block_m, block_k = int(config["BLOCK_M"]), int(config["BLOCK_K"])
-    small_t, block_m = small_t_block(num_tokens, block_m)
+    small_t, block_m = small_t_block(num_tokens, block_m, config)
     block_r = max(16, next_pow2(rank))
     _check_dot_dims(block_m, block_k, block_r)
     split, k_per_split = _hidden_split(hidden, int(config.get("SPLIT_K", 1)), block_k)
@@ -1020,7 +1022,7 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
     True: H200 2026-11-30 17:48 (explore_b_select_20261130T1748.json), T128 D8 r16 7.7 -> 5.5 us, T32 D8 r64 10.0 -> 7.7, T1 r64 5.3 -> 4.6)."""
     assert 1 <= len(widths) <= MAX_SLICES
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
-    small_t, block_m = small_t_block(num_tokens, block_m)
+    small_t, block_m = small_t_block(num_tokens, block_m, config)
     block_r = max(16, min(next_pow2(rank), int(config.get("BLOCK_R", 64))))
     _check_dot_dims(block_m, block_n, block_r)
     cast, precision = _cast_and_precision((w_dtype,) if not interpreting() else (w_dtype, y_dtype))
@@ -1053,7 +1055,7 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
     """
     assert 1 <= len(widths) <= MAX_SLICES
     block_m, block_n, block_k = int(config["BLOCK_M"]), int(config["BLOCK_N"]), int(config["BLOCK_K"])
-    small_t, block_m = small_t_block(num_tokens, block_m)
+    small_t, block_m = small_t_block(num_tokens, block_m, config)
     block_r = max(16, next_pow2(rank))
     _check_dot_dims(block_m, block_n, block_k, block_r)
     cast, precision = _cast_and_precision((x_dtype, w_dtype))
