@@ -45,6 +45,14 @@ RANK_OF = {"r16": 16, "r64": 64}
 WIDTHS = (4096, 1024, 1024)
 
 
+def class_keys(tc: str, cfg: dict) -> dict:
+    """cfg with the keys every config of shape class tc carries: at t64 (17-64 tokens) SMALL_T
+    False -- 17-32 tokens in 16-token tiles of the sorted order, not one whole-batch tile per
+    adapter (session 8, explore 2026-11-30 19:09: T32 D8 fused 4.55 vs 5.24 us, rank 64 three
+    slices 10.5 vs 13.4)."""
+    return dict(cfg, SMALL_T=False) if tc == "t64" else cfg
+
+
 def shrink_candidates(tc):
     if tc in ("t16", "t64"):
         # (+ 512-column chunks split for ~132 programs: T32 rank 64, explore 2026-11-30 15:09)
@@ -213,6 +221,7 @@ def main():
             results[key]["expand"].append(dict(config=c_e, us=t_e, us_s1_s3=ts, table=True))
         shr = []
         for c in shrink_candidates(tc) if not args.fused_only else ():
+            c = class_keys(tc, c)
             t, ts = score(c, e_default)
             shr.append((t, c))
             results[key]["shrink"].append(dict(config=c, us=t, us_s1_s3=ts))
@@ -220,6 +229,7 @@ def main():
             t_s, c_s = min(shr, key=lambda v: v[0])
             exp = []
             for c in expand_candidates(tc, r):
+                c = class_keys(tc, c)
                 t, ts = score(c_s, c)
                 exp.append((t, c))
                 results[key]["expand"].append(dict(config=c, us=t, us_s1_s3=ts))
@@ -230,6 +240,7 @@ def main():
         if tc in ("t16", "t64") and not args.no_fused:
             fus = []
             for c in fused_candidates(r):
+                c = class_keys(tc, c)
                 ts = [timed(sets_, fused=True, fused_config=c) for _, _, sets_ in groups]
                 t = math.prod(ts) ** (1 / len(groups))
                 fus.append((t, c))

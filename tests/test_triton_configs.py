@@ -45,6 +45,12 @@ def test_committed_table_loads_with_its_variants(compiled):
     assert configs.shrink_config(8, 4096, 16, 1, 8)["num_warps"] == 8
     assert configs.shrink_config(8, 4096, 16, 3, 8)["num_warps"] == 4
     assert configs.shrink_config(32, 4096, 16, 1, 32)["PREFETCH"]
+    # 17-64 tokens (t64): every config turns the whole-batch tile off (16-token sorted tiles at T <= 32)
+    for r, s, slots in ((16, 1, 8), (16, 3, 8), (16, 1, 32), (64, 1, 8), (64, 3, 8), (64, 1, 32)):
+        assert configs.shrink_config(32, 4096, r, s, slots)["SMALL_T"] is False
+        assert configs.expand_config(32, 4096, r, s, slots)["SMALL_T"] is False
+    assert configs.fused_config(32, 4096, 4096, 16, 1, 8)["SMALL_T"] is False
+    assert "SMALL_T" not in configs.shrink_config(8, 4096, 16, 1, 8)
     assert not configs.use_fused(32, 4096, 64, 1, 8) and not configs.use_fused(128, 4096, 16, 1, 8)
 
 
@@ -141,11 +147,11 @@ def test_tuner_candidates_all_plan(compiled):
         r = TU.RANK_OF[rc]
         for widths in ((4096,), TU.WIDTHS):
             for c in TU.shrink_candidates(tc):
-                cfg = configs.resolve_split(dict(c), T, 4096, r, len(widths), max(8, max(ds)))
+                cfg = configs.resolve_split(TU.class_keys(tc, c), T, 4096, r, len(widths), max(8, max(ds)))
                 plan = K.plan_shrink(T, 4096, r, len(widths), 9, "bfloat16", "bfloat16", cfg, lora_only=True,
                                      workspace=True, has_ranks=False, pdl=True)
                 assert plan.grid[1] >= 1
             for c in TU.expand_candidates(tc, r):
-                plan = K.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", dict(c), add_inputs=True,
+                plan = K.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", TU.class_keys(tc, c), add_inputs=True,
                                      bias_flags=(False,) * len(widths), has_ranks=False, pdl=True)
                 assert plan.grid[0] * plan.constexprs["TILES_N"] == plan.constexprs["NUM_TILES"]
