@@ -256,17 +256,23 @@ def test_fused_sums_the_workspace_planes_in_groups(T, monkeypatch):
     assert _rel(_np(out), ref) < TOL[torch.float32]
 
 
-def test_barrier_counter_buffers_are_per_stream_zeroed_and_never_freed():
+@pytest.mark.parametrize("kind", ["sync", "workspace"])
+def test_stream_buffers_are_per_stream_zeroed_and_never_freed(kind):
+    """The fused kernel's barrier counters (int32) and PreparedLinear's workspace (float32): one
+    zeroed buffer per (device, stream); an outgrown one is replaced and kept (graphs may hold it)."""
     from torch_lora.ops import triton as TT
-    TT._SYNC_BUFFERS.clear()
+    get, store, dtype = {"sync": (TT._sync_buffer, TT._SYNC_BUFFERS, torch.int32),
+                         "workspace": (TT._workspace_buffer, TT._WORKSPACES, torch.float32)}[kind]
+    store.clear()
     dev = torch.device(DEV)
-    a = TT._sync_buffer(dev, 1, 8)
-    assert a.dtype == torch.int32 and a.numel() >= 8 and not a.any()
-    assert TT._sync_buffer(dev, 1, 8) is a                  # one buffer per (device, stream)
-    assert TT._sync_buffer(dev, 2, 8) is not a
-    big = TT._sync_buffer(dev, 1, a.numel() + 1)            # outgrown: a new one, the old one kept
-    assert big is not a and big.numel() > a.numel() and any(o is a for o in TT._SYNC_OUTGROWN)
-    TT._SYNC_BUFFERS.clear()
+    a = get(dev, 1, 8)
+    assert a.dtype == dtype and a.numel() >= 8 and not a.any()
+    assert get(dev, 1, 8) is a                              # one buffer per (device, stream)
+    assert get(dev, 2, 8) is not a
+    big = get(dev, 1, a.numel() + 1)                        # outgrown: a new one, the old one kept
+    assert big is not a and big.numel() > a.numel() and any(o is a for o in TT._OUTGROWN)
+    assert get(dev, 1, 8) is big
+    store.clear()
 
 
 @pytest.mark.parametrize("T", [7, 37])
