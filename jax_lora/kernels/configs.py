@@ -9,8 +9,9 @@ the grid": enough splits of the hidden size that about TARGET_PROGRAMS programs 
 where a handful of adapters would otherwise leave most SMs idle).
 
 `use_fused(...)` decides between the one-launch fused kernel and shrink + expand: the tuner times
-both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30: T <= 64 at
-rank 16, see docs/benchmarks.md); an entry's "use_fused" overrides the figures, and a single token
+both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30, since
+session 8: one slice at rank 16, 17-64 tokens, <= 16 slots; see docs/benchmarks.md); an entry's
+"use_fused" (or a variant's) overrides the figures, and a single token
 never uses it (FUSED_MIN_TOKENS). A table entry may carry `variants`: configs for launches with at
 most `max_slots` adapter slots and at least `min_slices` slices (VARIANTS; both are static). `use_prefetch(...)`
 decides where the shrink prefetches its weights into L2 before its PDL wait. For T > 128 the split-K count is capped (workspace re-reads).
@@ -243,4 +244,3 @@ def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slot
     if "use_fused" in variant:
         return bool(variant["use_fused"])
     return (token_class(num_tokens), rank_class(rank)) in FUSED_CLASSES
-

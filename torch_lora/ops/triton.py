@@ -5,7 +5,8 @@ LoRA), `expand` writes the slices of `y` in place; `linear` is shrink + expand w
 (`add_lora_linear`'s math): a split-K shrink into a float32 workspace and an expand launched as its
 programmatic dependent (Hopper; the shrink itself is a dependent of the kernel before it and waits
 for it before reading x), or the one-launch fused kernel for the shape classes where the tuned
-table says it wins (on the H200: T <= 16 at rank 16; `fused=True` / `False` forces either). The
+table says it wins (on the H200: one slice at rank 16 with 17-64 tokens and <= 16 slots;
+`fused=True` / `False` forces either). The
 fused kernel's barrier counters come from `_sync_buffer` (one zeroed-once buffer per (device,
 stream)). `prepare_linear` binds `linear`'s persistent arguments once (`PreparedLinear`: the
 argument lists of the launches, built once; a call fills in x, y, lora_ranks, scale and the
