@@ -527,7 +527,7 @@ def env_meta():
             meta[pkg] = metadata.version(pkg)
         except Exception:  # noqa: BLE001 - not installed
             pass
-    from jax_lora.kernels import configs
+    from lora_core.kernels import configs
     meta["configs"] = configs.TUNED_ON
     return meta
 

@@ -116,7 +116,7 @@ def _to_jax_parts(x, iters: int, repeats: int) -> dict:
 
 
 def _case(T: int, slices, rng, device, torch):
-    from jax_lora.host_mapping import LoRAMapping
+    from lora_core.host_mapping import LoRAMapping
     ids = list(range(1, SLOTS + 1))
     idx = rng.integers(0, SLOTS, T)
     mapping = LoRAMapping(tuple(int(ids[i]) for i in idx), tuple(int(ids[i]) for i in idx))

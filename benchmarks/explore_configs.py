@@ -39,7 +39,7 @@ from bench_triton import (  # noqa: E402
 )
 from profile_kernels import parse_cases  # noqa: E402
 
-from jax_lora.kernels import configs  # noqa: E402
+from lora_core.kernels import configs  # noqa: E402
 from torch_lora.ops import triton as TT  # noqa: E402
 
 

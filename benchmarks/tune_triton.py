@@ -2,12 +2,12 @@
 
     PYTHONPATH=. python benchmarks/tune_triton.py --out benchmarks/results
 
-For one representative shape per (token class, rank class) of jax_lora/kernels/configs.py it
+For one representative shape per (token class, rank class) of lora_core/kernels/configs.py it
 times `add_lora_linear` (one slice of 4096 and three slices 4096/1024/1024, scored by the geometric
 mean of the two; bf16, hidden 4096, cold weights, CUDA-graph replay as in bench_triton.py) over a
 small candidate list: first the shrink config with the
 default expand, then the expand config with the best shrink, then (decode classes) the fused
-kernel. It writes the winning table as JSON (`--table jax_lora/kernels/tuned_h200.json` puts it where
+kernel. It writes the winning table as JSON (`--table lora_core/kernels/tuned_h200.json` puts it where
 configs.py reads it) and all timings beside it.
 """
 
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_triton import L2_BYTES, InputSet, graph_time_us, min_bytes  # noqa: E402
 
-from jax_lora.kernels import configs  # noqa: E402
+from lora_core.kernels import configs  # noqa: E402
 from torch_lora.ops import triton as TT  # noqa: E402
 
 # (token class, rank class) -> representative (kind, T, D)
@@ -173,7 +173,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--budget-s", type=float, default=420)
     p.add_argument("--classes", default="", help="token classes to tune (default all), e.g. t16,t64")
-    p.add_argument("--table", default="", help="also write the table here (jax_lora/kernels/tuned_h200.json)")
+    p.add_argument("--table", default="", help="also write the table here (lora_core/kernels/tuned_h200.json)")
     p.add_argument("--no-fused", action="store_true", help="skip the fused kernel's candidates")
     p.add_argument("--fused-only", action="store_true",
                    help="time the table's shrink + expand once, then only the fused candidates")
@@ -260,11 +260,11 @@ def main():
     with open(os.path.join(args.out, "tune_triton_h200_all.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), date=stamp, results=results), f, indent=1)
     table = dict(device=torch.cuda.get_device_name(), date=stamp, best=best,
-                 note="written by benchmarks/tune_triton.py; read by jax_lora/kernels/configs.py")
+                 note="written by benchmarks/tune_triton.py; read by lora_core/kernels/configs.py")
     for path in [os.path.join(args.out, "tuned_h200.json")] + ([args.table] if args.table else []):
         with open(path, "w") as f:
             json.dump(table, f, indent=1)
-    print("# ---- table for jax_lora/kernels/configs.py")
+    print("# ---- table for lora_core/kernels/configs.py")
     for key, e in best.items():
         print(f"{key} SHRINK {e['shrink']} EXPAND {e['expand']} FUSED {e.get('fused')} "
               f"two={e['two_kernel_us']:.2f} fused={e.get('fused_us', float('nan')):.2f}")

@@ -39,8 +39,8 @@ import torch
 
 import torch_lora
 import torch_lora.ops as tops
-from jax_lora import checks
-from jax_lora.host_mapping import LoRAMapping, pad_prompt_mapping
+from lora_core import checks
+from lora_core.host_mapping import LoRAMapping, pad_prompt_mapping
 
 from .dlpack import _ARRAY_IMPL, ConversionCache, current_stream, to_jax, to_torch, torch_device_for
 

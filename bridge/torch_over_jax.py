@@ -42,8 +42,8 @@ import torch
 
 import jax_lora
 import jax_lora.ops as jops
-from jax_lora import checks
-from jax_lora.host_mapping import LoRAMapping, convert_mapping_host
+from lora_core import checks
+from lora_core.host_mapping import LoRAMapping, convert_mapping_host
 from torch_lora.ops import check_tensors
 
 from .dlpack import ConversionCache, jax_device_for, to_jax, to_torch

@@ -3,8 +3,8 @@
 Public names (SPEC section 8): LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
 PunicaWrapper; `jax_lora.ops` (lora_shrink, lora_expand, bgmv_*, sgmv_*); `jax_lora.nn` (Flax).
 
-Imports are lazy: `jax_lora.host_mapping` and `jax_lora.checks` are plain NumPy, so `torch_lora`
-uses them without importing JAX.
+Imports are lazy (`import jax_lora` loads nothing else until a name is used). The host mapping,
+argument checks and Triton kernels live in the framework-free `lora_core` package.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LoRAMapping": "jax_lora.host_mapping",
-    "LongContextLoRAContext": "jax_lora.host_mapping",
+    "LoRAMapping": "lora_core.host_mapping",
+    "LongContextLoRAContext": "lora_core.host_mapping",
     "convert_mapping": "jax_lora.mapping",
     "compute_meta": "jax_lora.mapping",
     "LoRAKernelMeta": "jax_lora.meta",
     "PunicaWrapper": "jax_lora.wrapper",
 }
-_SUBMODULES = ("ops", "nn", "meta", "mapping", "host_mapping", "checks", "wrapper", "models", "adapters",
-               "serving", "cli", "kernels")
+_SUBMODULES = ("ops", "nn", "meta", "mapping", "wrapper", "models", "adapters", "serving", "cli")
 
 __all__ = list(_EXPORTS) + ["ops", "nn"]
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .host_mapping import (
+from lora_core.host_mapping import (
     LongContextLoRAContext,
     LoRAMapping,
     compute_meta_host,

@@ -35,7 +35,7 @@ from flax import nnx
 
 from . import nn as lnn
 from .adapters import AdapterManager
-from .host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
+from lora_core.host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
 from .models.llama import init_cache
 from .wrapper import PunicaWrapper
 

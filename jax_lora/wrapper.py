@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks
-from .host_mapping import LoRAMapping, StepLayout, prepare_step
+from lora_core import checks
+from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 from .meta import LoRAKernelMeta
 from .ops import as_lora_ranks, as_slices, check_same_device, dispatch, to_3d
 

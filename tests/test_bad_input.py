@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_lora.host_mapping import LoRAMapping
+from lora_core.host_mapping import LoRAMapping
 
 from .impls import IMPLS
 

@@ -22,7 +22,7 @@ import bridge
 import jax_lora
 import torch_lora
 from bridge import dlpack
-from jax_lora.host_mapping import LoRAMapping
+from lora_core.host_mapping import LoRAMapping
 
 DTYPES = ["float32", "bfloat16", "float16", "int32", "int8", "uint8", "bool"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_lora.host_mapping import LoRAMapping, LongContextLoRAContext, pad_prompt_mapping
+from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext, pad_prompt_mapping
 
 from . import oracle
 from .impls import IMPLS, round_to

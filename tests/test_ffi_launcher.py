@@ -1,4 +1,4 @@
-"""The C launcher (jax_lora/kernels/cuda_launch.c) and the JAX side's FFI launcher, without a GPU.
+"""The C launcher (lora_core/kernels/cuda_launch.c) and the JAX side's FFI launcher, without a GPU.
 
 What runs here: the handler library builds with the machine's C compiler against jaxlib's FFI
 headers and Triton's cuda.h; registered on the CPU platform, XLA calls it and it reports malformed
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_lora.kernels import cuda_launch as C
+from lora_core.kernels import cuda_launch as C
 from jax_lora.ops import ffi_launcher as F
 
 _NAMES = itertools.count()

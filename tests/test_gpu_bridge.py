@@ -134,7 +134,7 @@ def test_cuda_refusals():
 
 
 def _case(T=24, H=512, R=16, slices=(256, 64, 64), L=4, dtype=torch.bfloat16, seed=0):
-    from jax_lora.host_mapping import LoRAMapping
+    from lora_core.host_mapping import LoRAMapping
     g = torch.Generator(device="cuda").manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)  # noqa: E731
     ids = [7, None, 9, 11]

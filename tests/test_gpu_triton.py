@@ -166,7 +166,7 @@ def test_graph_capture_replay_with_new_mappings():
 @pytest.mark.parametrize("ranks", [False, True])
 def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
     """PreparedLinear (the wrapper's per-layer launcher): after its first call every call goes
-    through the direct path -- launched from C (jax_lora/kernels/cuda_launch.c) or through
+    through the direct path -- launched from C (lora_core/kernels/cuda_launch.c) or through
     Triton's launcher -- with new x, y, scale and lora_ranks, bit-equal to `linear`; captured in
     a graph it follows in-place mapping changes; misaligned or differently laid out activations
     take the generic path, still correct."""
@@ -315,7 +315,7 @@ def test_prepared_linears_share_the_stream_workspace(fused):
 
 _TRAP_CHILD = """
 import math, torch
-from jax_lora.kernels import lora_triton as K
+from lora_core.kernels import lora_triton as K
 K.BARRIER_POLL_LIMIT = 1 << 12                  # give up after ~ms, not seconds
 from torch_lora.meta import LoRAKernelMeta
 from torch_lora.ops import triton as TT
@@ -480,7 +480,7 @@ def test_jax_chained_calls_under_jit_match_separate_calls(jax_launcher):
 def _table_feature_cases():
     """(T, rank, slots, slices) shapes, one per distinct (shrink, expand) config of the tuned table
     that uses a multi-tile expand (TILES_N, Y_AHEAD, L2 prefetch) or a variant (slot / slice count)."""
-    from jax_lora.kernels import configs
+    from lora_core.kernels import configs
     seen, cases = set(), []
     for T in (8, 32, 128, 512, 2048, 8192):
         for R in (16, 64):

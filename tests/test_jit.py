@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_lora
-from jax_lora.host_mapping import LoRAMapping
+from lora_core.host_mapping import LoRAMapping
 from jax_lora.meta import build_kernel_meta
 
 from . import oracle

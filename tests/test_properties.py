@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jax_lora.host_mapping import LoRAMapping, compute_meta_host
+from lora_core.host_mapping import LoRAMapping, compute_meta_host
 
 from . import oracle
 from .impls import IMPLS
@@ -94,7 +94,7 @@ def test_host_metadata_equals_both_device_builds(idx, extra, max_loras):
     import torch
 
     import torch_lora
-    from jax_lora.host_mapping import kernel_meta_host
+    from lora_core.host_mapping import kernel_meta_host
     from jax_lora.meta import LoRAKernelMeta as JaxMeta
 
     n = len(idx)

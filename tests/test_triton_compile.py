@@ -46,7 +46,7 @@ def _cfg(**kw):
 
 def _variants(kernel_name: str):
     """(label, kernel, plan, activation dtype, float32 pointer arguments) per launch variant."""
-    from jax_lora.kernels import lora_triton as K
+    from lora_core.kernels import lora_triton as K
     if kernel_name == "shrink":
         return [
             # the linear path at decode on Hopper: workspace planes, per-slot ranks, PDL

@@ -1,4 +1,4 @@
-"""The launch-config table (jax_lora/kernels/configs.py + tuned_h200.json): shape classes, the
+"""The launch-config table (lora_core/kernels/configs.py + tuned_h200.json): shape classes, the
 slot-count variants, and the fused/two-kernel choice. Plain Python: no GPU, no kernels run."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jax_lora.kernels import configs
+from lora_core.kernels import configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,7 +142,7 @@ def test_tuner_candidates_all_plan(compiled):
         import tune_triton as TU
     finally:
         sys.path.pop(0)
-    from jax_lora.kernels import lora_triton as K
+    from lora_core.kernels import lora_triton as K
     for (tc, rc), (kind, T, ds) in TU.SHAPES.items():
         r = TU.RANK_OF[rc]
         for widths in ((4096,), TU.WIDTHS):

@@ -20,8 +20,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs Triton's interpreter (TRITON_INTERPRET=1) or CUDA")
 
-from jax_lora.kernels import configs  # noqa: E402
-from jax_lora.kernels import lora_triton as K  # noqa: E402
+from lora_core.kernels import configs  # noqa: E402
+from lora_core.kernels import lora_triton as K  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_lora.host_mapping import LoRAMapping, LongContextLoRAContext, pad_prompt_mapping
+from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext, pad_prompt_mapping
 
 from .impls import IMPLS
 

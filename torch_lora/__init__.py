@@ -5,7 +5,7 @@ PunicaWrapper; `torch_lora.ops` (lora_shrink, lora_expand in the GPU seed's argu
 bgmv_*, sgmv_*). `LoRAMapping` is the same class as `jax_lora.LoRAMapping`.
 """
 
-from jax_lora.host_mapping import LoRAMapping, LongContextLoRAContext
+from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext
 
 from . import ops
 from .mapping import compute_meta, convert_mapping

@@ -1,6 +1,6 @@
 """Torch-facing mapping functions: SPEC section 2's results as int32 `torch.Tensor`s.
 
-The conversion runs on the host in NumPy (`jax_lora.host_mapping`, which imports no JAX); these
+The conversion runs on the host in NumPy (`lora_core.host_mapping`, framework-free); these
 functions place the results on a device.
 """
 
@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from jax_lora.host_mapping import LoRAMapping, LongContextLoRAContext, compute_meta_host, convert_mapping_host
+from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext, compute_meta_host, convert_mapping_host
 
 __all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta"]
 

@@ -19,8 +19,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from jax_lora import checks
-from jax_lora.host_mapping import LoRAMapping, StepLayout, prepare_step
+from lora_core import checks
+from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .meta import LoRAKernelMeta
 from .ops import as_lora_ranks, as_slices, check_tensors, dispatch, to_3d

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import checks
+from lora_core import checks
 from ..meta import LoRAKernelMeta
 from . import dispatch
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import jax
 
-from ..backend_registry import BackendRegistry
+from lora_core.backend_registry import BackendRegistry
 
 _REGISTRY = BackendRegistry({
     "xla": "jax_lora.ops.xla",

@@ -8,7 +8,7 @@ the whole cost of a LoRA layer (docs/benchmarks.md). This module instead:
     JIT specialises a launch: 16-byte aligned pointers, integers equal to 1 as constants, integers
     divisible by 16 marked so), and loads the cubin on every local CUDA device (`jl_load_kernel`);
   * lowers a call to `jax.ffi.ffi_call` of one FFI target, `jax_lora_triton_launch`, whose handler
-    (`jax_lora/kernels/cuda_launch.c`, built at first use with the C compiler Triton itself needs) launches one or
+    (`lora_core/kernels/cuda_launch.c`, built at first use with the C compiler Triton itself needs) launches one or
     more of those kernels in order on XLA's stream, with programmatic dependent launch where asked.
     The handler is declared command-buffer compatible, so XLA can capture it into its graphs.
 
@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from ..kernels import cuda_launch
+from lora_core.kernels import cuda_launch
 
 TARGET = "jax_lora_triton_launch"
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",

@@ -1,4 +1,4 @@
-"""Backend "triton" for JAX: the shared Triton kernels (`jax_lora.kernels.lora_triton`) under jit.
+"""Backend "triton" for JAX: the shared Triton kernels (`lora_core.kernels.lora_triton`) under jit.
 
 On a CUDA GPU the kernels are compiled by Triton and launched by an XLA FFI handler
 (`ffi_launcher`): one custom call per operation (add_lora_linear's shrink and expand are one call
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..kernels import configs
-from ..kernels import lora_triton as K
+from lora_core.kernels import configs
+from lora_core.kernels import lora_triton as K
 from ..meta import LoRAKernelMeta
 
 NAME = "triton"

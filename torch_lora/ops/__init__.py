@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from jax_lora import checks
+from lora_core import checks
 
 from ..meta import LoRAKernelMeta
 from . import dispatch

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from jax_lora.backend_registry import BackendRegistry
+from lora_core.backend_registry import BackendRegistry
 
 _REGISTRY = BackendRegistry({"torch": "torch_lora.ops.torch_ref", "triton": "torch_lora.ops.triton"})
 BACKENDS = _REGISTRY.names

@@ -1,4 +1,4 @@
-"""Backend "triton" for torch: launches the shared kernels of `jax_lora.kernels.lora_triton`.
+"""Backend "triton" for torch: launches the shared kernels of `lora_core.kernels.lora_triton`.
 
 Contract (torch_lora.ops.dispatch): `shrink` writes every row of `out` (0 for tokens without
 LoRA), `expand` writes the slices of `y` in place; `linear` is shrink + expand with add_inputs
@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from jax_lora.kernels import configs
-from jax_lora.kernels import lora_triton as K
+from lora_core.kernels import configs
+from lora_core.kernels import lora_triton as K
 
 NAME = "triton"
 MAX_SLICES = K.MAX_SLICES
@@ -342,7 +342,7 @@ class PreparedLinear:
             rp = lora_ranks.data_ptr() if lora_ranks is not None else 0
             if not (xp | yp | rp) & 15:
                 stream = torch._C._cuda_getCurrentRawStream(self._device)
-                c_steps = self._c_steps          # launched from C (jax_lora/kernels/cuda_launch.c)
+                c_steps = self._c_steps          # launched from C (lora_core/kernels/cuda_launch.c)
                 if c_steps is not None:
                     vals = self._c_vars
                     vals[_X], vals[_Y], vals[_RANKS] = xp, yp, rp
@@ -452,14 +452,14 @@ def _float_bits(v: float) -> int:
 
 
 def _c_launches(steps):
-    """PreparedLinear's launches as C prepared launches (jax_lora/kernels/cuda_launch.c): each
+    """PreparedLinear's launches as C prepared launches (lora_core/kernels/cuda_launch.c): each
     kernel's parameter block built once, launched without Triton's Python launcher. None when the
     direct path is off, the C library cannot be built, or a kernel's parameters are not understood
     (then Triton's launcher keeps running them)."""
     if steps is None or not _C_LAUNCH[0]:
         return None
     try:
-        from jax_lora.kernels import cuda_launch as C  # noqa: PLC0415
+        from lora_core.kernels import cuda_launch as C  # noqa: PLC0415
         out = []
         for _ws_shape, launches in steps:
             specs = []

@@ -1,0 +1,18 @@
+"""lora_core: the framework-free half of jax-torch-lora (NumPy, and Triton for the GPU kernels).
+
+Everything here is shared by `jax_lora` and `torch_lora` and imports neither JAX nor PyTorch:
+
+- `host_mapping`: SPEC sections 2-3 on the host (LoRAMapping -> index arrays -> kernel metadata,
+  and `StepLayout`, a whole step packed into one int32 block).
+- `checks`: the public-boundary argument checks and their messages (SPEC section 6).
+- `backend_registry`: how each side's `ops.dispatch` names and finds its backends.
+- `kernels`: the Triton kernels (shrink, expand, fused), their launch plans, the one
+  kernel-argument builder every launcher uses, the per-device launch configs and the C launcher.
+  Importing `lora_core.kernels` imports Triton; nothing else here does.
+"""
+
+from __future__ import annotations
+
+from .host_mapping import LongContextLoRAContext, LoRAMapping
+
+__all__ = ["LoRAMapping", "LongContextLoRAContext"]
