@@ -63,42 +63,37 @@ def test_loading_a_kernel_without_a_driver_or_a_valid_cubin_fails_with_a_message
     assert b"bad kernel id" in err.value
 
 
-def _shrink_spec():
+def _shrink_launch():
     from jax_lora.meta import LoRAKernelMeta
-    from jax_lora.ops import triton as JT
+    from jax_lora.ops import triton as jax_triton_backend
     T, H, R, L = 8, 256, 16, 4
     x = jnp.zeros((T, H), jnp.bfloat16)
     a = [jnp.zeros((L, R, H), jnp.bfloat16) for _ in range(3)]
     meta = LoRAKernelMeta.build(np.array([0, 1, 1, -1, 2, 0, 3, 3], np.int32), L, T)
-    return JT._shrink_spec(x, a, meta, 0.5, None, workspace=True,
-                           config=dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2))
+    return jax_triton_backend._shrink_launch(x, a, meta, 0.5, None, workspace=True,
+                                             config=dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2))
 
 
-def _launch_of(spec):
-    """(Launch, operands) of a spec the way jax_lora.ops.triton._run_ffi builds them: arrays become
-    operands, WORKSPACE result 1, SYNC the handler's barrier counters, the output result 0."""
-    from jax_lora.ops import triton as JT
-    operands, params = [], []
-    for v in spec.values:
-        if v is JT.SYNC:
-            params.append(F.Counters(spec.plan.sync_ints))
-        elif v is JT.WORKSPACE:
-            params.append(F.Out(1))
-        elif JT._is_array(v):
-            operands.append(v)
-            params.append(F.Arg(len(operands) - 1))
-        else:
-            params.append(v)
-    return F.Launch(spec.kernel, spec.plan.grid, 4, 2, spec.plan.constexprs, tuple(params) + (F.Out(0),)), operands
+def _result_shape(result):
+    return jax.ShapeDtypeStruct(result.shape, result.dtype)
+
+
+def _launch_of(launch):
+    """(ffi_launcher.Launch, operands) of one launch as the JAX backend hands it to the handler:
+    arrays become operands, placeholders results or the handler's counters, `out` its result."""
+    from jax_lora.ops import triton as jax_triton_backend
+    ffi, operands, _aliases = jax_triton_backend._ffi_launches([launch])
+    return ffi[0], operands
 
 
 def test_parameters_follow_the_kernel_signature_as_triton_specialises_it():
-    spec = _shrink_spec()
-    launch, operands = _launch_of(spec)
-    sig, consts, attrs, passed = F._specialise(launch, operands, [spec.out_shape])
-    names = spec.kernel.arg_names
+    shrink = _shrink_launch()
+    launch, operands = _launch_of(shrink)
+    results = [_result_shape(shrink.call.out)]
+    sig, consts, attrs, passed = F._specialise(launch, operands, results)
+    names = shrink.call.kernel.arg_names
     assert list(sig) == list(names)
-    for name, v in zip([n for n in names if n not in spec.plan.constexprs], launch.params):
+    for name, v in zip([n for n in names if n not in shrink.call.plan.constexprs], launch.params):
         i = names.index(name)
         if isinstance(v, F.Arg):
             assert sig[name] == "*" + F._triton_type(operands[v.index].dtype)
@@ -116,7 +111,7 @@ def test_parameters_follow_the_kernel_signature_as_triton_specialises_it():
     kinds = [k for k, _ in passed]
     n_free = sum(1 for n in names if sig[n] != "constexpr")
     assert len(passed) == n_free
-    assert kinds[0] == F._ARG and kinds[-1] == F._OUT
+    assert kinds[0] == F._ARG and passed[-1] == (F._OUT, 0)
     scale = passed[[n for n in names if sig[n] != "constexpr"].index("scale")]
     assert scale == (F._F32, int(np.array(0.5, np.float32).view(np.int32)))
 
@@ -125,23 +120,26 @@ def test_the_fused_kernel_gets_the_persistent_barrier_counters_not_a_result():
     """Its barrier counters are the handler's zeroed-once buffer (kind COUNTERS, *i32), so the call
     has no per-call memset; its workspace is result 1."""
     from jax_lora.meta import LoRAKernelMeta
-    from jax_lora.ops import triton as JT
+    from jax_lora.ops import triton as jax_triton_backend
     T, H, R, L = 8, 256, 16, 4
     x = jnp.zeros((T, H), jnp.bfloat16)
     y = jnp.zeros((T, 192), jnp.bfloat16)
     a = [jnp.zeros((L, R, H), jnp.bfloat16) for _ in range(2)]
     b = [jnp.zeros((L, n, R), jnp.bfloat16) for n in (128, 64)]
     meta = LoRAKernelMeta.build(np.array([0, 1, 1, -1, 2, 0, 3, 3], np.int32), L, T)
-    spec = JT._fused_spec(y, x, a, b, meta, 0.5, (0, 128), None, None,
-                          config=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2))
-    assert [j for j, _ in spec.extra] == [1]
-    launch, operands = _launch_of(spec)
-    sig, _, attrs, passed = F._specialise(launch, operands, [spec.out_shape, spec.extra[0][1]])
-    free = [n for n in spec.kernel.arg_names if sig[n] != "constexpr"]
+    fused = jax_triton_backend._fused_launch(
+        y, x, a, b, meta, 0.5, (0, 128), None, None,
+        config=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2))
+    workspace = fused.call.pointers[-1]
+    assert workspace.index == 1
+    launch, operands = _launch_of(fused)
+    sig, _, attrs, passed = F._specialise(launch, operands, [jax.ShapeDtypeStruct(y.shape, y.dtype),
+                                                             _result_shape(workspace)])
+    free = [n for n in fused.call.kernel.arg_names if sig[n] != "constexpr"]
     assert sig["sync_ptr"] == "*i32" and sig["ws_ptr"] == "*fp32"
     assert passed[free.index("sync_ptr")] == (F._COUNTERS, 0)
     assert passed[free.index("ws_ptr")] == (F._OUT, 1)
-    assert spec.plan.sync_ints == spec.plan.grid[1]
+    assert fused.call.plan.sync_ints == fused.call.plan.grid[1]
 
 
 def test_counter_allocation_without_a_driver_fails_with_a_message(library):
@@ -153,10 +151,10 @@ def test_counter_allocation_without_a_driver_fails_with_a_message(library):
 
 
 def test_a_parameter_count_that_does_not_match_the_kernel_is_an_error():
-    spec = _shrink_spec()
-    launch = F.Launch(spec.kernel, spec.plan.grid, 4, 2, spec.plan.constexprs, (F.Arg(0),))
+    shrink = _shrink_launch()
+    launch = F.Launch(shrink.call.kernel, shrink.call.plan.grid, 4, 2, shrink.call.plan.constexprs, (F.Arg(0),))
     with pytest.raises(ValueError, match="non-constexpr"):
-        F._specialise(launch, [spec.values[0]], [spec.out_shape])
+        F._specialise(launch, [shrink.call.pointers[0]], [_result_shape(shrink.call.out)])
 
 
 def test_the_launcher_choice_is_validated(monkeypatch):
@@ -170,7 +168,7 @@ def test_the_launcher_choice_is_validated(monkeypatch):
 def test_the_cpu_never_selects_the_ffi_launcher():
     if any(d.platform == "gpu" for d in jax.local_devices()):
         pytest.skip("a GPU is present")
-    F.available.cache_clear()
+    F.unavailable_reason.cache_clear()
     assert not F.available()
     assert os.path.exists(C.SOURCE)
 

@@ -315,8 +315,8 @@ def test_prepared_linears_share_the_stream_workspace(fused):
 
 _TRAP_CHILD = """
 import math, torch
-from lora_core.kernels import lora_triton as K
-K.BARRIER_POLL_LIMIT = 1 << 12                  # give up after ~ms, not seconds
+import lora_core.kernels as kernels
+kernels.BARRIER_POLL_LIMIT = 1 << 12                  # give up after ~ms, not seconds
 from torch_lora.meta import LoRAKernelMeta
 from torch_lora.ops import triton as TT
 T, H, L = 8, 1024, 4
@@ -410,11 +410,11 @@ def jax_launcher(request, monkeypatch):
     if request.param == "jax_triton":
         pytest.importorskip("jax_triton")
     monkeypatch.setenv("JAX_LORA_TRITON_LAUNCHER", request.param)
-    F.available.cache_clear()
+    F.unavailable_reason.cache_clear()
     # on a CUDA GPU the FFI launcher must really be used (no silent fallback to jax_triton)
     assert F.available() == (request.param == "ffi")
     yield request.param
-    F.available.cache_clear()
+    F.unavailable_reason.cache_clear()
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -46,61 +46,61 @@ def _cfg(**kw):
 
 def _variants(kernel_name: str):
     """(label, kernel, plan, activation dtype, float32 pointer arguments) per launch variant."""
-    from lora_core.kernels import lora_triton as K
+    import lora_core.kernels as kernels
     if kernel_name == "shrink":
         return [
             # the linear path at decode on Hopper: workspace planes, per-slot ranks, PDL
-            ("decode-pdl-ranks", K.lora_shrink_kernel,
-             K.plan_shrink(8, 4096, 16, 3, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8),
+            ("decode-pdl-ranks", kernels.lora_shrink_kernel,
+             kernels.plan_shrink(8, 4096, 16, 3, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8),
                            lora_only=True, workspace=True, has_ranks=True, pdl=True), "bf16", ("out_ptr",)),
-            ("prefill-fp16", K.lora_shrink_kernel,
-             K.plan_shrink(2048, 4096, 64, 1, 5, "float16", "float16", _cfg(BLOCK_M=64, BLOCK_K=128, SPLIT_K=1),
+            ("prefill-fp16", kernels.lora_shrink_kernel,
+             kernels.plan_shrink(2048, 4096, 64, 1, 5, "float16", "float16", _cfg(BLOCK_M=64, BLOCK_K=128, SPLIT_K=1),
                            lora_only=True, workspace=True, has_ranks=False), "fp16", ("out_ptr",)),
             # the stand-alone shrink: split-K atomics into a zeroed output
             # every slice of the launch in one program (ALL_SLICES), with ranks, prefetch and PDL
-            ("all-slices-pdl-ranks", K.lora_shrink_kernel,
-             K.plan_shrink(512, 4096, 64, 3, 9, "bfloat16", "bfloat16",
+            ("all-slices-pdl-ranks", kernels.lora_shrink_kernel,
+             kernels.plan_shrink(512, 4096, 64, 3, 9, "bfloat16", "bfloat16",
                            _cfg(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4, ALL_SLICES=True, PREFETCH=True),
                            lora_only=True, workspace=True, has_ranks=True, pdl=True), "bf16", ("out_ptr",)),
-            ("atomic", K.lora_shrink_kernel,
-             K.plan_shrink(512, 4096, 16, 2, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4),
+            ("atomic", kernels.lora_shrink_kernel,
+             kernels.plan_shrink(512, 4096, 16, 2, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4),
                            lora_only=False, workspace=False, has_ranks=False), "bf16", ("out_ptr",)),
         ]
     if kernel_name == "expand":
         out = []
         # one rank block (B loaded before the PDL wait) and looped rank blocks
         for rank, block_r, pdl, ranks in ((16, 16, True, True), (128, 64, False, False), (64, 64, True, False)):
-            plan = K.plan_expand(8, rank, (4096, 1024, 1024), 9, 8, "bfloat16", "bfloat16",
+            plan = kernels.plan_expand(8, rank, (4096, 1024, 1024), 9, 8, "bfloat16", "bfloat16",
                                  _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_R=block_r), add_inputs=True,
                                  bias_flags=(True, False, False), has_ranks=ranks, pdl=pdl)
-            out.append((f"r{rank}-R{block_r}-pdl{int(pdl)}-ranks{int(ranks)}", K.lora_expand_kernel, plan,
+            out.append((f"r{rank}-R{block_r}-pdl{int(pdl)}-ranks{int(ranks)}", kernels.lora_expand_kernel, plan,
                         "bf16", ("buf_ptr",)))
         # one tile, one rank block, the B tile through the rank select without per-slot ranks
-        plan = K.plan_expand(128, 64, (4096,), 9, 8, "bfloat16", "bfloat16",
+        plan = kernels.plan_expand(128, 64, (4096,), 9, 8, "bfloat16", "bfloat16",
                              _cfg(BLOCK_M=16, BLOCK_N=256, BLOCK_R=64, B_SELECT=True), add_inputs=True,
                              bias_flags=(False,), has_ranks=False, pdl=True)
         assert plan.constexprs["B_SELECT"]
-        out.append(("b-select-r64", K.lora_expand_kernel, plan, "bf16", ("buf_ptr",)))
+        out.append(("b-select-r64", kernels.lora_expand_kernel, plan, "bf16", ("buf_ptr",)))
         # several output tiles per program (prefill and mid-decode configs): one rank block and
         # looped ones, the next y loaded ahead, the B tiles prefetched into L2 before the PDL wait
         for rank, block_r, ahead, prefetch in ((16, 16, False, False), (16, 16, True, True), (64, 32, True, False),
                                                (64, 64, False, True)):
-            plan = K.plan_expand(8192, rank, (4096, 1024, 1024), 5, 2, "bfloat16", "bfloat16",
+            plan = kernels.plan_expand(8192, rank, (4096, 1024, 1024), 5, 2, "bfloat16", "bfloat16",
                                  _cfg(BLOCK_M=32, BLOCK_N=128, BLOCK_R=block_r, TILES_N=4, Y_AHEAD=ahead,
                                       PREFETCH=prefetch, PREFETCH_Y=prefetch),
                                  add_inputs=True, bias_flags=(False, False, False), has_ranks=prefetch, pdl=True)
             assert plan.constexprs["PREFETCH_LINES"] == (1 if prefetch else 0)
             assert plan.constexprs["PREFETCH_Y_LINES"] == (8 if prefetch else 0)   # 512 columns, 64 per line
-            out.append((f"tiles4-r{rank}-R{block_r}-ahead{int(ahead)}-prefetch{int(prefetch)}", K.lora_expand_kernel,
+            out.append((f"tiles4-r{rank}-R{block_r}-ahead{int(ahead)}-prefetch{int(prefetch)}", kernels.lora_expand_kernel,
                         plan, "bf16", ("buf_ptr",)))
         return out
     out = []
     # decode (one tile per group) and token tiles; rank 16 and 64; with and without PDL
     for T, rank, pdl in ((8, 16, True), (8, 64, False), (100, 16, True)):
-        plan = K.plan_fused(T, 4096, rank, (4096, 1024), 9, "bfloat16", "bfloat16",
+        plan = kernels.plan_fused(T, 4096, rank, (4096, 1024), 9, "bfloat16", "bfloat16",
                             _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128), add_inputs=True,
                             bias_flags=(False, True), has_ranks=True, pdl=pdl)
-        out.append((f"T{T}-r{rank}-pdl{int(pdl)}", K.lora_fused_kernel, plan, "bf16", ("ws_ptr",)))
+        out.append((f"T{T}-r{rank}-pdl{int(pdl)}", kernels.lora_fused_kernel, plan, "bf16", ("ws_ptr",)))
     return out
 
 

@@ -142,16 +142,16 @@ def test_tuner_candidates_all_plan(compiled):
         import tune_triton as TU
     finally:
         sys.path.pop(0)
-    from lora_core.kernels import lora_triton as K
+    import lora_core.kernels as kernels
     for (tc, rc), (kind, T, ds) in TU.SHAPES.items():
         r = TU.RANK_OF[rc]
         for widths in ((4096,), TU.WIDTHS):
             for c in TU.shrink_candidates(tc):
                 cfg = configs.resolve_split(TU.class_keys(tc, c), T, 4096, r, len(widths), max(8, max(ds)))
-                plan = K.plan_shrink(T, 4096, r, len(widths), 9, "bfloat16", "bfloat16", cfg, lora_only=True,
+                plan = kernels.plan_shrink(T, 4096, r, len(widths), 9, "bfloat16", "bfloat16", cfg, lora_only=True,
                                      workspace=True, has_ranks=False, pdl=True)
                 assert plan.grid[1] >= 1
             for c in TU.expand_candidates(tc, r):
-                plan = K.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", TU.class_keys(tc, c), add_inputs=True,
+                plan = kernels.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", TU.class_keys(tc, c), add_inputs=True,
                                      bias_flags=(False,) * len(widths), has_ranks=False, pdl=True)
                 assert plan.grid[0] * plan.constexprs["TILES_N"] == plan.constexprs["NUM_TILES"]

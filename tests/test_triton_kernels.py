@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
                                 reason="needs Triton's interpreter (TRITON_INTERPRET=1) or CUDA")
 
 from lora_core.kernels import configs  # noqa: E402
-from lora_core.kernels import lora_triton as K  # noqa: E402
+import lora_core.kernels as kernels  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -107,7 +107,7 @@ def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
     offsets = (3, 51, 67)
     y = torch.from_numpy(rng.standard_normal((T, 101)).astype(np.float32)).to(DEV, torch.float16)
     ref = _oracle_linear(y, x, a, b, idx, 0.5, offsets, ranks, bias)
-    plan = K.plan_expand(T, rank, widths, L + 1, 1, "float16", "float16",
+    plan = kernels.plan_expand(T, rank, widths, L + 1, 1, "float16", "float16",
                          dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, TILES_N=tiles_n, Y_AHEAD=ahead), add_inputs=True,
                          bias_flags=(True, False, True), has_ranks=True)
     tn = plan.constexprs["TILES_N"]
@@ -139,10 +139,10 @@ def test_expand_b_select(T, ranks):
     y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV, torch.float16)
     ref = _oracle_linear(y, x, a, b, idx, 0.5, (0, 48), None if ranks is None else np.array(ranks))
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, B_SELECT=True, num_warps=4, num_stages=1)
-    plan = K.plan_expand(T, R, widths, L + 1, 1, "float16", "float16", cfg, add_inputs=True,
+    plan = kernels.plan_expand(T, R, widths, L + 1, 1, "float16", "float16", cfg, add_inputs=True,
                          bias_flags=(False, False), has_ranks=ranks is not None)
     assert plan.constexprs["B_SELECT"]
-    assert not K.plan_expand(T, R, widths, L + 1, 1, "float16", "float16", dict(cfg, TILES_N=2), add_inputs=True,
+    assert not kernels.plan_expand(T, R, widths, L + 1, 1, "float16", "float16", dict(cfg, TILES_N=2), add_inputs=True,
                              bias_flags=(False, False), has_ranks=False).constexprs["B_SELECT"]
     out = y.clone()
     TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), r, fused=False, expand_config=cfg)
@@ -164,16 +164,16 @@ def test_small_batch_in_sorted_tiles(fused):
     e_cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, num_warps=4, num_stages=1, SMALL_T=False)
     f_cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=0, num_warps=4, num_stages=1, SMALL_T=False)
     G = L + 1
-    plans = [K.plan_shrink(T, H, R, 2, G, "float16", "float16", s_cfg, lora_only=True, workspace=True,
+    plans = [kernels.plan_shrink(T, H, R, 2, G, "float16", "float16", s_cfg, lora_only=True, workspace=True,
                            has_ranks=True),
-             K.plan_expand(T, R, widths, G, 2, "float16", "float16", e_cfg, add_inputs=True,
+             kernels.plan_expand(T, R, widths, G, 2, "float16", "float16", e_cfg, add_inputs=True,
                            bias_flags=(False, False), has_ranks=True),
-             K.plan_fused(T, H, R, widths, G, "float16", "float16", f_cfg, add_inputs=True,
+             kernels.plan_fused(T, H, R, widths, G, "float16", "float16", f_cfg, add_inputs=True,
                           bias_flags=(False, False), has_ranks=True)]
     for plan in plans:
         assert not plan.constexprs["SMALL_T"] and plan.constexprs["BLOCK_M"] == 16
-        assert plan.grid[-1] == K.max_tiles(T, G, 16)                       # cdiv(T, 16) + min(G, T)
-    assert K.plan_expand(T, R, widths, G, 2, "float16", "float16", dict(e_cfg, SMALL_T=True), add_inputs=True,
+        assert plan.grid[-1] == kernels.max_tiles(T, G, 16)                       # cdiv(T, 16) + min(G, T)
+    assert kernels.plan_expand(T, R, widths, G, 2, "float16", "float16", dict(e_cfg, SMALL_T=True), add_inputs=True,
                          bias_flags=(False, False), has_ranks=True).constexprs["BLOCK_M"] == 32
     out = y.clone()
     TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), torch.from_numpy(ranks).to(DEV), fused=fused,
@@ -231,7 +231,7 @@ def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
         counters = next(iter(TT._SYNC_BUFFERS.values()))[: plan.grid[1]].cpu().numpy().astype(np.int64)
         busy = counters != 0
         assert busy.sum() >= 2 and (~busy).sum() >= 1, counters
-        assert np.all(counters[busy] == launch * K.BARRIER_SPAN.value), counters
+        assert np.all(counters[busy] == launch * kernels.BARRIER_SPAN.value), counters
         ref = ref if ref is not None else _oracle_linear(torch.zeros(T, 96), x, a, b, idx, 0.5, (0, 64))
         assert _rel(_np(y), ref) < TOL[torch.float32]
 
@@ -243,7 +243,8 @@ def test_fused_sums_the_workspace_planes_in_groups(T, monkeypatch):
     from torch_lora.ops import triton as TT
     H, R, widths, L = 256, 16, (48, 32), 4
     rng, idx, x, a, b = _problem(5, T, H, R, widths, L, torch.float32)
-    monkeypatch.setattr(K, "WS_LOAD_MAX", 16 * 16)
+    import lora_core.kernels.fused as fused_module
+    monkeypatch.setattr(fused_module, "WS_LOAD_MAX", 16 * 16)
     TT._fused_plan.cache_clear()
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=1)
     plan = TT._fused_plan(T, H, R, widths, L + 1, L, "float32", "float32", (False, False), False, TT._key(cfg))
@@ -317,7 +318,7 @@ def test_shrink_all_slices_in_one_program(T, num_slices):
                     for aa in a])
     for split in (1, 3):
         cfg = dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=1, ALL_SLICES=True)
-        plan = K.plan_shrink(T, H, R, num_slices, L + 1, "float16", "float16", cfg, lora_only=False,
+        plan = kernels.plan_shrink(T, H, R, num_slices, L + 1, "float16", "float16", cfg, lora_only=False,
                              workspace=False, has_ranks=True)
         assert plan.grid[0] == 1 and plan.constexprs["SLICES"] == num_slices and plan.atomic == (split > 1)
         out = torch.full((num_slices, T, R), float("nan"), device=DEV)
@@ -379,16 +380,15 @@ def test_no_lora_batch_leaves_y():
 
 
 def test_plans_are_mapping_independent_and_checked():
-    p1 = K.plan_shrink(8, 4096, 16, 3, 9, "bfloat16", "bfloat16", dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4),
+    p1 = kernels.plan_shrink(8, 4096, 16, 3, 9, "bfloat16", "bfloat16", dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4),
                        lora_only=True, workspace=True, has_ranks=False)
     assert p1.grid == (3, 4, 9) and p1.constexprs["SMALL_T"] and p1.num_partials == 4
-    p2 = K.plan_expand(1000, 64, (4096, 1024, 1024), 9, 1, "bfloat16", "bfloat16",
+    p2 = kernels.plan_expand(1000, 64, (4096, 1024, 1024), 9, 1, "bfloat16", "bfloat16",
                        dict(BLOCK_M=64, BLOCK_N=128), add_inputs=True, bias_flags=(False,) * 3, has_ranks=False)
     assert p2.grid == (32 + 8 + 8, 16 + 9) and not p2.constexprs["SMALL_T"]
     with pytest.raises(AssertionError):
-        K.plan_expand(100, 16, (64,), 3, 1, "float16", "float16", dict(BLOCK_M=8, BLOCK_N=64),
+        kernels.plan_expand(100, 16, (64,), 3, 1, "float16", "float16", dict(BLOCK_M=8, BLOCK_N=64),
                       add_inputs=True, bias_flags=(False,), has_ranks=False)
-    assert K.all_aligned([4096, 1, 0, 1024]) and not K.all_aligned([4096, 1000])
     assert configs.token_class(8) == "t16" and configs.rank_class(64) == "r64"
 
 

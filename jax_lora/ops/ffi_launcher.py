@@ -126,19 +126,26 @@ def _gpu_devices() -> list:
     return [d for d in jax.local_devices() if d.platform == "gpu"]
 
 
-@functools.lru_cache(maxsize=None)
 def available() -> bool:
     """True when calls can go through the FFI launcher: CUDA devices, Triton's CUDA backend, a C compiler."""
+    return not unavailable_reason()
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason() -> str:
+    """Why the FFI launcher cannot be used here ("" when it can); logged once by the caller."""
     if launcher_choice() != "ffi":
-        return False
+        return "JAX_LORA_TRITON_LAUNCHER=jax_triton"
+    devices = _gpu_devices()
+    if not devices:
+        return "no GPU device"
+    if "cuda" not in devices[0].client.platform_version.lower():
+        return f"not a CUDA GPU ({devices[0].client.platform_version})"
     try:
-        devices = _gpu_devices()
-        if not devices or "cuda" not in devices[0].client.platform_version.lower():
-            return False
         _library()
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: use jax_triton
-        return False
+    except Exception as e:  # noqa: BLE001 - no C compiler, no driver, ...: reported, then jax_triton is used
+        return f"the FFI handler could not be built or registered: {type(e).__name__}: {e}"
+    return ""
 
 
 def _triton_type(dtype) -> str:

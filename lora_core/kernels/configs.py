@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 
-from .lora_triton import PREFETCH_SWITCH, interpreting, next_pow2
+from .planning import PREFETCH_SWITCH, interpreting, next_pow2
 
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 # At most this many split-K planes from the SPLIT_K = 0 rule: the expand sums every plane of its

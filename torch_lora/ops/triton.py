@@ -1,4 +1,4 @@
-"""Backend "triton" for torch: launches the shared kernels of `lora_core.kernels.lora_triton`.
+"""Backend "triton" for torch: launches the shared Triton kernels of `lora_core.kernels`.
 
 Contract (torch_lora.ops.dispatch): `shrink` writes every row of `out` (0 for tokens without
 LoRA), `expand` writes the slices of `y` in place; `linear` is shrink + expand with add_inputs
@@ -20,18 +20,21 @@ dtypes only (never by data pointers; only a PreparedLinear, owned by its caller,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Optional, Sequence
 
 import torch
 
-from lora_core.kernels import configs
-from lora_core.kernels import lora_triton as K
+from lora_core.kernels import arguments, configs
+from lora_core.kernels.common import HAVE_PDL
+from lora_core.kernels.expand import plan_expand
+from lora_core.kernels.fused import plan_fused
+from lora_core.kernels.launch import triton_launch
+from lora_core.kernels.planning import interpreting, next_pow2, slice_chunks
+from lora_core.kernels.shrink import plan_shrink
 
 NAME = "triton"
-MAX_SLICES = K.MAX_SLICES
 # Programmatic dependent launch for `linear` (Hopper and newer): the expand's prologue (metadata, y
 # and B loads) overlaps the shrink, and each launch's scheduling overlaps the kernel before it; both
 # kernels gdc_wait before reading what the kernel before them wrote. Off with TORCH_LORA_TRITON_PDL=0.
@@ -40,30 +43,18 @@ MAX_SLICES = K.MAX_SLICES
 
 @functools.lru_cache(maxsize=None)
 def _pdl_enabled() -> bool:
-    return (K.HAVE_PDL and not K.interpreting() and os.environ.get("TORCH_LORA_TRITON_PDL", "1") != "0"
+    return (HAVE_PDL and not interpreting() and os.environ.get("TORCH_LORA_TRITON_PDL", "1") != "0"
             and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def _dn(t: torch.Tensor) -> str:
+def _dtype_name(t: torch.Tensor) -> str:
     return _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
-
-
-def _chunks(n: int):
-    return [(i, min(i + MAX_SLICES, n)) for i in range(0, n, MAX_SLICES)]
 
 
 def _torch_strides(t: torch.Tensor) -> tuple:
     return t.stride()
-
-
-def _weight_strides(ws: Sequence[torch.Tensor]) -> list:
-    return K.slice_weight_strides(ws, _torch_strides)
-
-
-def _bias_args(bias, lo: int, hi: int, dummy: torch.Tensor):
-    return K.bias_args(bias, lo, hi, dummy, _torch_strides)
 
 
 # ------------------------------------------------------------------------------------- plans
@@ -71,21 +62,21 @@ def _bias_args(bias, lo: int, hi: int, dummy: torch.Tensor):
 @functools.lru_cache(maxsize=4096)
 def _shrink_plan(T, H, R, S, G, L, xd, wd, lora_only, workspace, has_ranks, cfg_key):
     cfg = dict(cfg_key) if cfg_key else configs.shrink_config(T, H, R, S, L)
-    return K.plan_shrink(T, H, R, S, G, xd, wd, cfg, lora_only=lora_only, workspace=workspace,
+    return plan_shrink(T, H, R, S, G, xd, wd, cfg, lora_only=lora_only, workspace=workspace,
                          has_ranks=has_ranks, pdl=workspace and _pdl_enabled())
 
 
 @functools.lru_cache(maxsize=4096)
 def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, has_ranks, cfg_key, pdl):
     cfg = dict(cfg_key) if cfg_key else configs.expand_config(T, max(widths), R, len(widths), L)
-    return K.plan_expand(T, R, widths, G, partials, wd, yd, cfg, add_inputs=add_inputs,
+    return plan_expand(T, R, widths, G, partials, wd, yd, cfg, add_inputs=add_inputs,
                          bias_flags=bias_flags, has_ranks=has_ranks, pdl=pdl and _pdl_enabled())
 
 
 @functools.lru_cache(maxsize=4096)
 def _fused_plan(T, H, R, widths, G, L, xd, wd, bias_flags, has_ranks, cfg_key):
     cfg = dict(cfg_key) if cfg_key else configs.fused_config(T, H, max(widths), R, len(widths), L)
-    return K.plan_fused(T, H, R, widths, G, xd, wd, cfg, add_inputs=True, bias_flags=bias_flags,
+    return plan_fused(T, H, R, widths, G, xd, wd, cfg, add_inputs=True, bias_flags=bias_flags,
                         has_ranks=has_ranks, pdl=_pdl_enabled())
 
 
@@ -117,7 +108,7 @@ def _stream_buffer(store: dict, dtype, minimum: int, device: torch.device, strea
     if buf is None or buf.numel() < n:
         if buf is not None:
             _OUTGROWN.append(buf)
-        buf = torch.zeros(max(minimum, K.next_pow2(n)), dtype=dtype, device=device)
+        buf = torch.zeros(max(minimum, next_pow2(n)), dtype=dtype, device=device)
         store[key] = buf
     return buf
 
@@ -144,49 +135,42 @@ def _key(config: Optional[dict]):
 # and whether every tensor is 16-byte aligned (else Triton's own launcher is used) -- never a data
 # pointer itself.
 _COMPILED: dict = {}
-_FAST = [os.environ.get("TORCH_LORA_TRITON_FAST_LAUNCH", "1") != "0" and not K.interpreting()]
+_FAST = [os.environ.get("TORCH_LORA_TRITON_FAST_LAUNCH", "1") != "0" and not interpreting()]
 _MAX_COMPILED = 4096
 
 
-def _compiled_key(kernel, plan, tensors, scalars, out):
+def _compiled_key(call: arguments.KernelCall):
     """(key of `_COMPILED`, misalignment bits of every pointer argument)."""
-    misaligned = out.data_ptr() & 15
-    for p in [t.data_ptr() for t in tensors]:
+    misaligned = call.out.data_ptr() & 15
+    for p in [t.data_ptr() for t in call.pointers]:
         misaligned |= p
     # (the kernel by name: a JITFunction hashes in Python, microseconds per lookup)
-    return (kernel.__name__, plan.key, scalars, tuple([t.dtype for t in tensors]), out.dtype,
-            misaligned & 15), misaligned & 15
+    return (call.kernel.__name__, call.plan.key, call.scalars, tuple([t.dtype for t in call.pointers]),
+            call.out.dtype, misaligned & 15), misaligned & 15
 
 
-def _launch(kernel, plan, tensors, scalars, out):
-    """kernel[plan.grid](*tensors, *scalars, out, **plan.constexprs), with the direct fast path."""
-    phases = getattr(plan, "phases", (0,))
-    if len(phases) > 1:                  # the fused kernel under the interpreter: one launch per phase
-        for phase in phases:
-            _launch(kernel, dataclasses.replace(plan, constexprs={**plan.constexprs, "PHASE": phase}),
-                    tensors, scalars, out)
+def _launch(call: arguments.KernelCall) -> None:
+    """The call through the direct fast path once its specialisation is compiled, else Triton's launcher."""
+    plan = call.plan
+    if len(getattr(plan, "phases", (0,))) > 1:   # the fused kernel under the interpreter: one launch per phase
+        triton_launch(call)
         return
     if _FAST[0]:
-        key, misaligned = _compiled_key(kernel, plan, tensors, scalars, out)
+        key, misaligned = _compiled_key(call)
         c = _COMPILED.get(key)
         if c is not None and not misaligned:
             grid = plan.grid
-            stream = torch._C._cuda_getCurrentRawStream(out.device.index)
+            stream = torch._C._cuda_getCurrentRawStream(call.out.device.index)
             c[0].run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, c[0].function,
-                     c[0].packed_metadata, None, None, None, *tensors, *scalars, out, *c[1])
+                     c[0].packed_metadata, None, None, None, *call.args, *c[1])
             return
-    extra = {"launch_pdl": True} if plan.launch_pdl else {}
-    if getattr(plan, "cooperative", False) and not K.interpreting():   # JAX_LORA_TRITON_COOPERATIVE=1
-        extra["launch_cooperative_grid"] = True
-    if os.environ.get("TRITON_CACHE_DIR") == "":
-        # jax_triton sets it to "" when imported (through any importer, not only jax_lora, which
-        # restores it); Triton then cannot compile: "Could not create or locate cache dir".
-        os.environ.pop("TRITON_CACHE_DIR")
-    compiled = kernel[plan.grid](*tensors, *scalars, out, num_warps=plan.num_warps,
-                                 num_stages=plan.num_stages, **extra, **plan.constexprs)
+    options = {"launch_pdl": True} if plan.launch_pdl else {}
+    if getattr(plan, "cooperative", False) and not interpreting():
+        options["launch_cooperative_grid"] = True
+    compiled = triton_launch(call, **options)
     if _FAST[0]:
         try:
-            names = kernel.arg_names[len(tensors) + len(scalars) + 1:]
+            names = call.kernel.arg_names[len(call.args):]
             consts = tuple(plan.constexprs[n] for n in names)
             compiled.function  # noqa: B018 - fails early if this Triton has another layout
             if len(_COMPILED) > _MAX_COMPILED:
@@ -199,85 +183,59 @@ def _launch(kernel, plan, tensors, scalars, out):
 def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, config):
     T, H = x.shape
     L, R, _ = lora_a[0].shape
-    return _shrink_plan(T, H, R, len(lora_a), meta_args[4].shape[0], L, _dn(x), _dn(lora_a[0]), lora_only,
-                        workspace, lora_ranks is not None, _key(config))
+    return _shrink_plan(T, H, R, len(lora_a), meta_args[4].shape[0], L, _dtype_name(x), _dtype_name(lora_a[0]),
+                        lora_only, workspace, lora_ranks is not None, _key(config))
 
 
-# A launch spec: (kernel, plan, tensor arguments, scalar arguments, out) = the arguments of `_launch`.
+def _shrink_call(x, lora_a, out, meta_args, scale, lora_ranks, plan) -> arguments.KernelCall:
+    return arguments.shrink_call(plan, x, lora_a, lora_ranks, meta_args[:5], scale, out if out.dim() == 4 else out[None],
+                                 _torch_strides)
 
-def _shrink_spec(x, lora_a, out, meta_args, scale, lora_ranks, plan):
-    mapping, sorted_ids, counts, starts, active, _ = meta_args
+
+def _expand_call(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bias, config=None,
+                 pdl=False) -> arguments.KernelCall:
+    """The expand of slices lora_b (at most MAX_SLICES) from buf (S, T, r) or (planes, S, T, r)."""
+    L, _, R = lora_b[0].shape
+    widths = tuple(int(b.shape[1]) for b in lora_b)
+    buf4 = buf if buf.dim() == 4 else buf[None]
+    plan = _expand_plan(y.shape[0], R, widths, meta_args[4].shape[0], L, buf4.shape[0], _dtype_name(lora_b[0]),
+                        _dtype_name(y), bool(add_inputs), arguments.bias_flags(bias, len(lora_b)),
+                        lora_ranks is not None, _key(config), pdl)
+    return arguments.expand_call(plan, buf4, lora_b, bias, lora_ranks, meta_args[:5], y, offsets, _torch_strides)
+
+
+def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, config=None):
+    """(workspace, call) of the fused launch of slices lora_a / lora_b (the workspace allocated here)."""
     T, H = x.shape
-    L = lora_a[0].shape[0]
-    a = list(lora_a) + [lora_a[0]] * (MAX_SLICES - len(lora_a))
-    ranks = lora_ranks if lora_ranks is not None else counts
-    o = out if out.dim() == 4 else out[None]
-    return (K.lora_shrink_kernel, plan,
-            (x, a[0], a[1], a[2], a[3], ranks, mapping, sorted_ids, counts, starts, active),
-            (scale, T, H, sorted_ids.shape[0], L, *x.stride(), *_weight_strides(lora_a), *o.stride()), o)
-
-
-def _expand_spec(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bias, lo, hi,
-                 config=None, pdl=False):
-    mapping, sorted_ids, counts, starts, active, _ = meta_args
-    T = y.shape[0]
-    bs = lora_b[lo:hi]
-    L, _, R = bs[0].shape
-    widths = tuple(int(b.shape[1]) for b in bs)
-    c_ptrs, c_strides, flags = _bias_args(bias, lo, hi, bs[0])
-    b4 = d4 = buf if buf.dim() == 4 else buf[None]
-    plan = _expand_plan(T, R, widths, active.shape[0], L, b4.shape[0], _dn(bs[0]), _dn(y),
-                        bool(add_inputs), flags, lora_ranks is not None, _key(config), pdl)
-    b = list(bs) + [bs[0]] * (MAX_SLICES - len(bs))
-    ranks = lora_ranks if lora_ranks is not None else counts
-    d4 = d4[:, lo:hi]
-    return (K.lora_expand_kernel, plan,
-            (d4, b[0], b[1], b[2], b[3], *c_ptrs, ranks, mapping, sorted_ids, counts, starts, active, y),
-            (T, sorted_ids.shape[0], L, *d4.stride(), *_weight_strides(bs), *c_strides,
-             *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0), *y.stride()), y)
-
-
-def _fused_spec(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi, config=None):
-    """(workspace, spec) of the fused launch of slices lo..hi (the workspace allocated here)."""
-    mapping, sorted_ids, counts, starts, active, _ = meta_args
-    T, H = x.shape
-    as_, bs = lora_a[lo:hi], lora_b[lo:hi]
-    L, R, _ = as_[0].shape
-    widths = tuple(int(b.shape[1]) for b in bs)
-    c_ptrs, c_strides, flags = _bias_args(bias, lo, hi, bs[0])
-    plan = _fused_plan(T, H, R, widths, active.shape[0], L, _dn(x), _dn(as_[0]), flags,
-                       lora_ranks is not None, _key(config))
-    a = list(as_) + [as_[0]] * (MAX_SLICES - len(as_))
-    b = list(bs) + [bs[0]] * (MAX_SLICES - len(bs))
-    ranks = lora_ranks if lora_ranks is not None else counts
+    L, R, _ = lora_a[0].shape
+    widths = tuple(int(b.shape[1]) for b in lora_b)
+    plan = _fused_plan(T, H, R, widths, meta_args[4].shape[0], L, _dtype_name(x), _dtype_name(lora_a[0]),
+                       arguments.bias_flags(bias, len(lora_b)), lora_ranks is not None, _key(config))
     ws = torch.empty(plan.workspace_shape, dtype=torch.float32, device=x.device)
     sync = _sync_buffer(x.device, torch._C._cuda_getCurrentRawStream(x.device.index) if x.is_cuda else 0,
                         plan.sync_ints)
-    return ws, (K.lora_fused_kernel, plan,
-                (x, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], *c_ptrs, ranks, mapping, sorted_ids, counts,
-                 starts, active, y, sync, ws),
-                (scale, T, H, sorted_ids.shape[0], L, *x.stride(), *_weight_strides(as_), *_weight_strides(bs),
-                 *c_strides, *K.pad4(widths, 0), *K.pad4(offsets[lo:hi], 0), *y.stride(), *ws.stride()[:3]), y)
+    return ws, arguments.fused_call(plan, x, lora_a, lora_b, bias, lora_ranks, meta_args[:5], y, sync, ws, scale,
+                                    offsets, _torch_strides)
 
 
 def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
                    shrink_config=None, expand_config=None, fused_config=None):
-    """add_lora_linear's launches, per chunk of <= MAX_SLICES slices: (workspace or None, [specs]).
+    """add_lora_linear's launches, per chunk of <= MAX_SLICES slices: (workspace, [calls]).
     Each chunk's workspace is allocated here; its launches must be enqueued before the next chunk."""
     T = x.shape[0]
     R = lora_a[0].shape[1]
-    for lo, hi in _chunks(len(lora_a)):
+    for lo, hi in slice_chunks(len(lora_a)):
+        chunk_bias = None if bias is None else tuple(bias[lo:hi])
         if fused:
-            ws, spec = _fused_spec(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, lo, hi,
-                                   config=fused_config)
-            yield ws, [spec]
+            ws, call = _fused_call(y, x, lora_a[lo:hi], lora_b[lo:hi], meta_args, scale, offsets[lo:hi], lora_ranks,
+                                   chunk_bias, config=fused_config)
+            yield ws, [call]
             continue
         plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config)
         ws = torch.empty((plan.num_partials, hi - lo, T, R), dtype=torch.float32, device=x.device)
-        yield ws, [_shrink_spec(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan),
-                   _expand_spec(ws, lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), True, lora_ranks,
-                                None if bias is None else tuple(bias[lo:hi]), 0, hi - lo, config=expand_config,
-                                pdl=plan.constexprs["USE_PDL"])]
+        yield ws, [_shrink_call(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan),
+                   _expand_call(ws, lora_b[lo:hi], y, meta_args, offsets[lo:hi], True, lora_ranks, chunk_bias,
+                                config=expand_config, pdl=plan.constexprs["USE_PDL"])]
 
 
 # ------------------------------------------------------------------------------------- prepared linear
@@ -375,14 +333,14 @@ class PreparedLinear:
         if fused is None:
             fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0])
         chunks = []
-        for ws, specs in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused):
-            for spec in specs:
-                _launch(*spec)
-            chunks.append((ws, specs))
+        for ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused):
+            for call in calls:
+                _launch(call)
+            chunks.append((ws, calls))
         if steps is None and self._tries < 2:
             self._tries += 1
             self._steps = self._build(chunks, y, x, lora_ranks)
-            self._sync_ints = max([getattr(spec[1], "sync_ints", 0) for _, specs in chunks for spec in specs])
+            self._sync_ints = max([getattr(call.plan, "sync_ints", 0) for _, calls in chunks for call in calls])
             self._ws_floats = max([1] + [ws.numel() for ws, _ in chunks if ws is not None])
             self._ws_stream = None
             self._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, lora_ranks is None)
@@ -401,21 +359,21 @@ class PreparedLinear:
         if lora_ranks is not None:
             var_ptrs[lora_ranks.data_ptr()] = _RANKS
         steps = []
-        for ws, specs in chunks:
+        for ws, calls in chunks:
             if ws is not None:
                 var_ptrs = {**var_ptrs, ws.data_ptr(): _WS}
-            for _k, plan, tensors, _s, _o in specs:
-                if getattr(plan, "sync_ints", 0):
-                    var_ptrs = {**var_ptrs, tensors[-2].data_ptr(): _SYNC}
+            for call in calls:
+                if getattr(call.plan, "sync_ints", 0):
+                    var_ptrs = {**var_ptrs, call.pointers[-2].data_ptr(): _SYNC}
             launches = []
-            for kernel, plan, tensors, scalars, out in specs:
-                key, misaligned = _compiled_key(kernel, plan, tensors, scalars, out)
+            for call in calls:
+                key, misaligned = _compiled_key(call)
                 c = _COMPILED.get(key)
                 if c is None or misaligned:
                     return None
-                args = [*tensors, *scalars, out]
-                names = kernel.arg_names[:len(args)]
-                variable = _VARIABLE_ARGS[kernel.__name__]
+                args = call.args
+                names = call.kernel.arg_names[:len(args)]
+                variable = _VARIABLE_ARGS[call.kernel.__name__]
                 template, slots = [], []
                 for pos, (name, v) in enumerate(zip(names, args)):
                     which = variable.get(name)
@@ -434,7 +392,7 @@ class PreparedLinear:
                         slots.append((pos, which))
                     template.append(v)
                 template.extend(c[1])
-                grid = plan.grid
+                grid = call.plan.grid
                 compiled = c[0]
                 launches.append((compiled.run, grid[0], grid[1], grid[2] if len(grid) > 2 else 1,
                                  compiled.function, compiled.packed_metadata, template, tuple(slots),
@@ -459,24 +417,24 @@ def _c_launches(steps):
     if steps is None or not _C_LAUNCH[0]:
         return None
     try:
-        from lora_core.kernels import cuda_launch as C  # noqa: PLC0415
+        from lora_core.kernels import cuda_launch  # noqa: PLC0415
         out = []
         for _ws_shape, launches in steps:
             specs = []
             for _run, g0, g1, g2, function, _packed, template, slots, compiled, names in launches:
-                spec = _c_launch_spec(C, compiled, names, template, dict(slots), (g0, g1, g2), function)
+                spec = _c_launch_spec(cuda_launch, compiled, names, template, dict(slots), (g0, g1, g2), function)
                 if spec is None:
                     return None
                 specs.append(spec)
-            out.append(C.PreparedLaunches(specs))
+            out.append(cuda_launch.PreparedLaunches(specs))
         return tuple(out)
     except Exception:  # noqa: BLE001 - no compiler, no driver symbol, ...: keep Triton's launcher
         _C_LAUNCH[0] = False
         return None
 
 
-def _c_launch_spec(C, compiled, names, template, slots, grid, function):
-    """(function, grid, threads, shared, pdl, params, slots) of one launch for C.PreparedLaunches."""
+def _c_launch_spec(cuda_launch, compiled, names, template, slots, grid, function):
+    """(function, grid, threads, shared, pdl, params, slots) of one launch for cuda_launch.PreparedLaunches."""
     md = compiled.metadata
     sig = getattr(compiled.src, "signature", None)
     if not isinstance(sig, dict) or getattr(md, "num_ctas", 1) != 1:
@@ -494,18 +452,18 @@ def _c_launch_spec(C, compiled, names, template, slots, grid, function):
             c_slots.append((len(params), slots[pos]))
         v = template[pos]
         if ty.startswith("*"):
-            params.append((C.PTR, int(v)))
+            params.append((cuda_launch.PTR, int(v)))
         elif ty in ("i32", "u32"):
-            params.append((C.I32, int(v)))
+            params.append((cuda_launch.I32, int(v)))
         elif ty in ("i64", "u64"):
-            params.append((C.I64, int(v)))
+            params.append((cuda_launch.I64, int(v)))
         elif ty == "fp32":
-            params.append((C.F32, float(v)))
+            params.append((cuda_launch.F32, float(v)))
         else:
             return None
-    params += [(C.NULL, 0)] * (int(hasattr(md, "global_scratch_size")) + int(hasattr(md, "profile_scratch_size")))
-    flags = (C.FLAG_PDL if getattr(md, "launch_pdl", False) else 0) | (
-        C.FLAG_COOPERATIVE if getattr(md, "launch_cooperative_grid", False) else 0)
+    params += [(cuda_launch.NULL, 0)] * (int(hasattr(md, "global_scratch_size")) + int(hasattr(md, "profile_scratch_size")))
+    flags = (cuda_launch.FLAG_PDL if getattr(md, "launch_pdl", False) else 0) | (
+        cuda_launch.FLAG_COOPERATIVE if getattr(md, "launch_cooperative_grid", False) else 0)
     return (function, grid, 32 * int(md.num_warps), int(md.shared), flags, params, c_slots)
 
 
@@ -516,11 +474,11 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
     """out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T (float32, 0 for tokens without LoRA)."""
     if x.shape[0] == 0:
         return
-    for lo, hi in _chunks(len(lora_a)):
+    for lo, hi in slice_chunks(len(lora_a)):
         plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, False, False, config)
         if plan.atomic:
             out[lo:hi].zero_()                       # split-K adds atomically into zeros
-        _launch(*_shrink_spec(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan))
+        _launch(_shrink_call(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan))
 
 
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args,
@@ -529,9 +487,10 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
     """y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias."""
     if y.shape[0] == 0:
         return
-    for lo, hi in _chunks(len(lora_b)):
-        _launch(*_expand_spec(buf, lora_b, y, meta_args, tuple(offsets), add_inputs, lora_ranks, bias, lo, hi,
-                              config=config))
+    buf4 = buf if buf.dim() == 4 else buf[None]
+    for lo, hi in slice_chunks(len(lora_b)):
+        _launch(_expand_call(buf4[:, lo:hi], lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), add_inputs,
+                             lora_ranks, None if bias is None else tuple(bias[lo:hi]), config=config))
 
 
 def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
@@ -549,10 +508,10 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
         return
     if fused is None:
         fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0])
-    for _ws, specs in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, tuple(offsets), lora_ranks, bias,
+    for _ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, tuple(offsets), lora_ranks, bias,
                                      fused, shrink_config, expand_config, fused_config):
-        for spec in specs:
-            _launch(*spec)
+        for call in calls:
+            _launch(call)
 
 
 def prepare_linear(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], meta_args,

@@ -1,0 +1,178 @@
+"""The one kernel-argument builder: every launcher's parameter list for the three kernels.
+
+Each kernel takes ~30-90 non-constexpr parameters in a fixed order: its arrays (pointer
+parameters), then scalars (scale, sizes, element strides, slice widths and offsets), then the
+array it writes (`out_ptr`). `shrink_call`, `expand_call` and `fused_call` build that list once,
+for every launcher: torch's (Triton's launcher, the direct launch and the C launcher of
+`PreparedLinear`), JAX's (the XLA FFI handler, jax_triton) and the interpreter's.
+
+Arrays are whatever the launcher passes (torch tensors, jax arrays, NumPy arrays, or a launcher's
+placeholders for buffers it provides itself); the builder reads only their `.shape`, and their
+element strides through the `strides` function it is given (torch: `Tensor.stride()`; JAX: the
+row-major strides of the shape). Slices past the launch's own (up to MAX_SLICES = 4 per launch)
+repeat slice 0's weights and strides; a missing bias passes slice 0's B with zero strides (its
+BIAS flag keeps it unread); without per-slot ranks the ranks pointer is the counts array (never
+read: HAS_RANKS is off).
+
+`KernelCall.with_alignment_hints()` sets the ALIGNED meta-parameter when every integer the kernel
+passes through `hint16` is a multiple of 16 (JAX's launchers: Triton's own launcher specialises
+integers itself, so torch leaves it off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from .expand import lora_expand_kernel
+from .fused import lora_fused_kernel
+from .planning import MAX_SLICES
+from .shrink import lora_shrink_kernel
+
+Strides = Callable[[object], Sequence[int]]
+
+# Integer parameters each kernel passes through `hint16` (ALIGNED tells the compiler that they are
+# multiples of 16): the slot/row strides of the weights and biases, the token strides of x, y and
+# the buffers, the hidden size, slice widths and offsets.
+_WEIGHT_HINTS = {f"stride_{w}{s}_{axis}" for s in range(MAX_SLICES) for w, axis in
+                 (("a", "slot"), ("a", "rank"), ("b", "slot"), ("b", "col"), ("bias", "slot"))}
+_SLICE_HINTS = {f"{name}{s}" for s in range(MAX_SLICES) for name in ("width", "offset")}
+_HINTED = {
+    "lora_shrink_kernel": _WEIGHT_HINTS | {"hidden", "stride_x_token", "stride_out_plane", "stride_out_slice",
+                                           "stride_out_token"},
+    "lora_expand_kernel": _WEIGHT_HINTS | _SLICE_HINTS | {"stride_buf_plane", "stride_buf_slice",
+                                                          "stride_buf_token", "stride_y_token"},
+    "lora_fused_kernel": _WEIGHT_HINTS | _SLICE_HINTS | {"hidden", "stride_x_token", "stride_y_token",
+                                                         "stride_ws_plane", "stride_ws_slice", "stride_ws_token"},
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelCall:
+    """One launch: `kernel[plan.grid](*pointers, *scalars, out, **plan.constexprs)`.
+
+    pointers: the array parameters before the scalars, in the kernel's order; scalars: the scale,
+    sizes and strides, in order; out: the array the kernel writes (its last parameter)."""
+    kernel: object
+    plan: object
+    pointers: tuple
+    scalars: tuple
+    out: object
+
+    @property
+    def args(self) -> tuple:
+        """Every non-constexpr parameter, in the kernel's order."""
+        return (*self.pointers, *self.scalars, self.out)
+
+    def named_scalars(self) -> dict:
+        """{parameter name: value} of the scalar parameters."""
+        names = self.kernel.arg_names[len(self.pointers):len(self.pointers) + len(self.scalars)]
+        return dict(zip(names, self.scalars))
+
+    def with_alignment_hints(self) -> "KernelCall":
+        """This call with ALIGNED set when every hinted integer (0 and 1 aside) is a multiple of 16."""
+        hinted = _HINTED[self.kernel.__name__]
+        aligned = all(int(v) % 16 == 0 for name, v in self.named_scalars().items()
+                      if name in hinted and int(v) not in (0, 1))
+        if aligned == bool(self.plan.constexprs.get("ALIGNED")):
+            return self
+        plan = dataclasses.replace(self.plan, constexprs={**self.plan.constexprs, "ALIGNED": aligned})
+        return dataclasses.replace(self, plan=plan)
+
+
+def row_major_strides(shape: Sequence[int]) -> tuple:
+    """Element strides of a contiguous array of `shape` (what jax arrays have)."""
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= int(d)
+    return tuple(reversed(strides))
+
+
+def shape_strides(array) -> tuple:
+    """`Strides` of arrays laid out row-major (jax arrays, launcher placeholders with a shape)."""
+    return row_major_strides(array.shape)
+
+
+def _padded(values: Sequence, fill) -> list:
+    """values padded to MAX_SLICES entries with `fill`."""
+    values = list(values)
+    return values + [fill] * (MAX_SLICES - len(values))
+
+
+def _weight_strides(weights: Sequence, strides: Strides) -> list:
+    """The (slot, row, col) strides of up to MAX_SLICES weights, flattened; unused slices repeat
+    the first's."""
+    flat = []
+    for w in weights:
+        flat.extend(strides(w))
+    flat.extend(flat[:3] * (MAX_SLICES - len(weights)))
+    return flat
+
+
+def bias_flags(bias, num_slices: int) -> tuple:
+    """BIAS0.. flags of a launch's slices: whether slice s has a bias."""
+    return tuple(bias is not None and bias[s] is not None for s in range(num_slices))
+
+
+def _bias_args(bias, num_slices: int, dummy, strides: Strides) -> tuple:
+    """(pointers, (slot, col) strides) of the slices' biases padded to MAX_SLICES; a missing bias
+    passes `dummy` with zero strides."""
+    pointers, flat = [], []
+    for s in range(MAX_SLICES):
+        b = None if bias is None or s >= num_slices else bias[s]
+        if b is None:
+            pointers.append(dummy)
+            flat.extend((0, 0))
+        else:
+            b = b if b.ndim == 2 else b.reshape(b.shape[0], -1)
+            pointers.append(b)
+            flat.extend(strides(b))
+    return pointers, flat
+
+
+def shrink_call(plan, x, lora_a: Sequence, lora_ranks, meta: Sequence, scale: float, out,
+                strides: Strides) -> KernelCall:
+    """`lora_shrink_kernel`'s call. x (T, H); lora_a: up to MAX_SLICES (L, r, H) weights; lora_ranks
+    (L,) int32 or None; meta: (token_lora_mapping, token_indices_sorted_by_lora_ids,
+    num_tokens_per_lora, lora_token_start_loc, active_lora_ids); out: (planes, S, T, r) float32."""
+    mapping, sorted_ids, counts, starts, active = meta
+    weights = _padded(lora_a, lora_a[0])
+    ranks = counts if lora_ranks is None else lora_ranks
+    pointers = (x, *weights, ranks, mapping, sorted_ids, counts, starts, active)
+    scalars = (scale, x.shape[0], x.shape[1], sorted_ids.shape[0], lora_a[0].shape[0], *strides(x),
+               *_weight_strides(lora_a, strides), *strides(out))
+    return KernelCall(lora_shrink_kernel, plan, pointers, scalars, out)
+
+
+def expand_call(plan, buf, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y, offsets: Sequence[int],
+                strides: Strides) -> KernelCall:
+    """`lora_expand_kernel`'s call, writing y in place. buf: (planes, S, T, r) float32; lora_b: up to
+    MAX_SLICES (L, n_s, r) weights; bias: None or per slice None / (L, n_s) (or (L, 1, n_s));
+    offsets: the slices' first columns in y (T, N)."""
+    mapping, sorted_ids, counts, starts, active = meta
+    weights = _padded(lora_b, lora_b[0])
+    bias_pointers, bias_strides = _bias_args(bias, len(lora_b), lora_b[0], strides)
+    ranks = counts if lora_ranks is None else lora_ranks
+    pointers = (buf, *weights, *bias_pointers, ranks, mapping, sorted_ids, counts, starts, active, y)
+    scalars = (y.shape[0], sorted_ids.shape[0], lora_b[0].shape[0], *strides(buf),
+               *_weight_strides(lora_b, strides), *bias_strides, *_padded([int(b.shape[1]) for b in lora_b], 0),
+               *_padded([int(o) for o in offsets], 0), *strides(y))
+    return KernelCall(lora_expand_kernel, plan, pointers, scalars, y)
+
+
+def fused_call(plan, x, lora_a: Sequence, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y, sync, workspace,
+               scale: float, offsets: Sequence[int], strides: Strides) -> KernelCall:
+    """`lora_fused_kernel`'s call, writing y in place. sync: the int32 barrier counters
+    (plan.sync_ints, zeroed once); workspace: plan.workspace_shape float32."""
+    mapping, sorted_ids, counts, starts, active = meta
+    bias_pointers, bias_strides = _bias_args(bias, len(lora_b), lora_b[0], strides)
+    ranks = counts if lora_ranks is None else lora_ranks
+    pointers = (x, *_padded(lora_a, lora_a[0]), *_padded(lora_b, lora_b[0]), *bias_pointers, ranks, mapping,
+                sorted_ids, counts, starts, active, y, sync, workspace)
+    scalars = (scale, x.shape[0], x.shape[1], sorted_ids.shape[0], lora_a[0].shape[0], *strides(x),
+               *_weight_strides(lora_a, strides), *_weight_strides(lora_b, strides), *bias_strides,
+               *_padded([int(b.shape[1]) for b in lora_b], 0), *_padded([int(o) for o in offsets], 0),
+               *strides(y), *strides(workspace)[:3])
+    return KernelCall(lora_fused_kernel, plan, pointers, scalars, y)
+

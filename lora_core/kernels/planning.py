@@ -1,0 +1,127 @@
+"""Launch planning shared by the three kernels: plain Python over shapes and dtype names.
+
+The torch and JAX launchers both plan through `plan_shrink` / `plan_expand` / `plan_fused` (each
+beside its kernel), which use these helpers, so the two sides launch identical kernels with
+identical meta-parameters. Nothing here touches an array.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+import triton
+
+MAX_SLICES = 4  # slices handled by one launch; more are launched in groups of MAX_SLICES
+MAX_PARTIALS = 32  # split-K planes the expand kernel sums (unrolled loads)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 at import time)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def slice_chunks(num_slices: int) -> list:
+    """(lo, hi) slice ranges of at most MAX_SLICES slices: one launch each."""
+    return [(i, min(i + MAX_SLICES, num_slices)) for i in range(0, num_slices, MAX_SLICES)]
+
+
+def cast_and_precision(dtypes: Sequence[str]) -> tuple[bool, str]:
+    """(CAST_FP32, DOT_PRECISION): upcast under the interpreter or when operand dtypes differ."""
+    cast = interpreting() or len(set(dtypes)) > 1
+    fp32 = cast or "float32" in dtypes
+    return cast, ("ieee" if fp32 else "tf32")
+
+
+def check_dot_dims(*dims: int) -> None:
+    # The interpreter does not enforce tl.dot's rules; assert them so CPU tests catch them.
+    for d in dims:
+        if d < 16 or d & (d - 1):
+            raise AssertionError(f"tl.dot block dims must be powers of two >= 16, got {d}")
+
+
+def slice_tiles(widths: Sequence[int], block_n: int, tiles_per_program: int = 1) -> dict:
+    """NT1..NT3: the first output-tile number of slices 1..3, and the total number of tiles. Each
+    slice's tile count is rounded up to a multiple of tiles_per_program, so that the tiles of one
+    program never straddle two slices (the padding tiles lie past the slice's width: masked)."""
+    starts, total = [], 0
+    for w in widths:
+        starts.append(total)
+        total += triton.cdiv(triton.cdiv(int(w), block_n), tiles_per_program) * tiles_per_program
+    big = 1 << 30
+    nt = {f"NT{i}": (starts[i] if i < len(widths) else big) for i in (1, 2, 3)}
+    return nt, total
+
+
+SMALL_T_MAX = 32  # batches up to this many tokens use the one-tile-per-group mode (SMALL_T)
+
+
+def small_t_block(num_tokens: int, block_m: int, config: dict | None = None) -> tuple[bool, int]:
+    """(SMALL_T, BLOCK_M): the whole batch in one tile per group when T <= SMALL_T_MAX, unless the
+    launch config says SMALL_T False (then BLOCK_M-token tiles of the sorted order, as past
+    SMALL_T_MAX: smaller tiles at T = 17-32, two more dependent metadata loads)."""
+    if num_tokens <= SMALL_T_MAX and (config or {}).get("SMALL_T", True):
+        return True, max(block_m, max(16, next_pow2(num_tokens)))
+    return False, block_m
+
+
+def max_tiles(num_tokens: int, num_groups: int, block_m: int, small_t: bool = False,
+              lora_only: bool = True) -> int:
+    """Tiles of any mapping of num_tokens tokens into num_groups groups: the tile-axis grid size."""
+    if small_t:
+        # Program g serves group g. The active ids are unique values in ascending order, padded
+        # (SPEC section 3): at most num_tokens + 1 groups (one of them -1) hold tokens.
+        return min(num_groups, num_tokens + 1) if lora_only else num_groups + 1
+    return triton.cdiv(num_tokens, block_m) + min(num_groups, num_tokens)
+
+
+def hidden_split(hidden: int, split: int, block_k: int) -> tuple[int, int]:
+    """(SPLIT_K, K_PER_SPLIT): `split` clamped to 1..min(BLOCK_K chunks, MAX_PARTIALS), each split a
+    whole number of BLOCK_K chunks, and the count of splits those chunks really make."""
+    split = max(1, min(split, triton.cdiv(hidden, block_k), MAX_PARTIALS))
+    k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
+    return triton.cdiv(hidden, k_per_split), k_per_split
+
+
+PREFETCH_MAX_LINES = 64  # L2 prefetch of at most this many 128-byte lines per weight row
+# JAX_LORA_TRITON_PREFETCH: "0" / "1" turn the L2 weight prefetch off / on everywhere (experiments);
+# otherwise configs.use_prefetch decides per size. Read once, here, for both places that ask.
+PREFETCH_SWITCH = os.environ.get("JAX_LORA_TRITON_PREFETCH", "auto")
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def prefetch_constexprs(pdl: bool, columns: int, w_dtype: str) -> dict:
+    """PREFETCH_LINES / PREFETCH_LINE: prefetch a program's weight chunk into L2 before waiting for
+    the kernel before it (PDL launches, compiled only: inline PTX)."""
+    line = 128 // DTYPE_BYTES.get(w_dtype, 2)
+    off = not pdl or interpreting() or PREFETCH_SWITCH == "0"
+    lines = 0 if off else min(PREFETCH_MAX_LINES, next_pow2(triton.cdiv(columns, line)))
+    return dict(PREFETCH_LINES=lines, PREFETCH_LINE=line)
+
+
+def epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n, tiles_per_program=1):
+    nt, total = slice_tiles(widths, block_n, tiles_per_program)
+    flags = list(bias_flags) + [False] * (MAX_SLICES - len(bias_flags))
+    c = dict(nt)
+    c.update({f"BIAS{i}": bool(flags[i]) for i in range(MAX_SLICES)})
+    c.update(ADD_INPUTS=bool(add_inputs), HAS_RANKS=bool(has_ranks))
+    return c, total
+
+
+class PlanKey:
+    """Mixin of the three plans: `key` (hashable identity of the launch) and `launch_pdl`."""
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """Hashable identity of the launch (grid, meta-parameters, warps, stages)."""
+        return (self.grid, tuple(sorted(self.constexprs.items())), self.num_warps, self.num_stages)
+
+    @property
+    def launch_pdl(self) -> bool:
+        """Launched as a programmatic dependent of the kernel before it (USE_PDL)."""
+        return bool(self.constexprs.get("USE_PDL"))

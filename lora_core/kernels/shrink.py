@@ -1,0 +1,160 @@
+"""The shrink kernel: the rank-sized buffer of every token, from its adapter's A.
+
+Math (SPEC section 4), idx[t] = slot of token t (or -1), products accumulated in float32:
+
+  out[p, s, t, :] = scale * x[t, chunk p] @ A_s[idx[t], :, chunk p].T     (0 where idx[t] = -1)
+
+summed over the split-K planes p (by the expand when it reads them, or by atomic adds into a
+zeroed output for the stand-alone shrink). Grid and meta-parameters: `plan_shrink`; arguments:
+`arguments.shrink_call`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from .common import gdc_launch_dependents, gdc_wait, hint16, lora_a_rows, pick_slice, prefetch_rows, shrink_slices, \
+    slot_rank, token_tile
+from .planning import (PlanKey, cast_and_precision, check_dot_dims, hidden_split, max_tiles, next_pow2,
+                       prefetch_constexprs, small_t_block)
+
+
+@triton.jit
+def _store_rank_rows(out, acc, write, ATOMIC: tl.constexpr):
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=write, sem="relaxed")
+    else:
+        tl.store(out, acc, mask=write)
+
+
+@triton.jit
+def lora_shrink_kernel(
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr,
+        mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
+        scale, num_tokens, hidden, num_sorted, num_slots,
+        stride_x_token, stride_x_hidden,
+        stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden, stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
+        stride_out_plane, stride_out_slice, stride_out_token, stride_out_rank,
+        out_ptr,
+        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        K_PER_SPLIT: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
+        LORA_ONLY: tl.constexpr, ATOMIC: tl.constexpr, HAS_RANKS: tl.constexpr,
+        CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+        SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+        PREFETCH_LINE: tl.constexpr, SLICES: tl.constexpr):
+    """out[p, s, t, :RANK] = scale * x[t, chunk p] @ A_s[idx[t], :, chunk p].T.
+
+    Grid (slice programs, SPLIT_K, tiles). SLICES == 1: program (s, p, tile) computes slice s.
+    SLICES > 1 (grid axis 0 of size 1): each program computes all SLICES slices, loading every x
+    tile once for all of them (a multi-slice shrink reads x once instead of once per slice).
+    Plain stores write one plane per split (the workspace the expand kernel sums); ATOMIC adds
+    every split into plane 0 of a zeroed output. Without LORA_ONLY (stand-alone shrink, no
+    atomics), tokens of non-slot groups get zero rows. PREFETCH_LINES > 0 (with USE_PDL): the
+    program's A chunks are prefetched into L2 while the kernel before it still runs.
+    """
+    s = tl.program_id(0)
+    split = tl.program_id(1)
+    pid = tl.program_id(2)
+    # USE_PDL: launched as a programmatic dependent of the kernel before it. The metadata, ranks
+    # and A are read before waiting for it (not outputs of a kernel that lets dependents start
+    # early: see the module docstring); x only after.
+    lora_id, tok, tok_ok, n_tok = token_tile(pid, mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
+                                        num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
+                                        LORA_ONLY, SMALL_T)
+    has_lora = (lora_id >= 0) & (lora_id < num_slots) & (n_tok > 0)  # False without LORA_ONLY: no-LoRA rows
+    rank = slot_rank(ranks_ptr, lora_id, has_lora, RANK, HAS_RANKS)
+    slot = tl.where(has_lora, lora_id, 0)
+    if SLICES == 1:
+        a0_rows = lora_a_rows(pick_slice(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr), slot,
+                          hint16(pick_slice(s, stride_a0_slot, stride_a1_slot, stride_a2_slot, stride_a3_slot), ALIGNED),
+                          hint16(pick_slice(s, stride_a0_rank, stride_a1_rank, stride_a2_rank, stride_a3_rank), ALIGNED), BLOCK_R)
+        stride_a0_hidden = pick_slice(s, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden)
+    else:
+        a0_rows = lora_a_rows(a0_ptr, slot, hint16(stride_a0_slot, ALIGNED), hint16(stride_a0_rank, ALIGNED), BLOCK_R)
+    a1_rows = lora_a_rows(a1_ptr, slot, hint16(stride_a1_slot, ALIGNED), hint16(stride_a1_rank, ALIGNED), BLOCK_R)
+    a2_rows = lora_a_rows(a2_ptr, slot, hint16(stride_a2_slot, ALIGNED), hint16(stride_a2_rank, ALIGNED), BLOCK_R)
+    a3_rows = lora_a_rows(a3_ptr, slot, hint16(stride_a3_slot, ALIGNED), hint16(stride_a3_rank, ALIGNED), BLOCK_R)
+    hidden = hint16(hidden, ALIGNED)
+    stride_x_token = hint16(stride_x_token, ALIGNED)
+    k_begin = split * K_PER_SPLIT
+    k_end = tl.where(has_lora, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)  # no LoRA: no loop
+    if PREFETCH_LINES > 0:
+        rank_ok = tl.arange(0, BLOCK_R) < rank
+        prefetch_rows(a0_rows, rank_ok, k_begin, k_end, stride_a0_hidden, PREFETCH_LINES, PREFETCH_LINE)
+        if SLICES > 1:
+            prefetch_rows(a1_rows, rank_ok, k_begin, k_end, stride_a1_hidden, PREFETCH_LINES, PREFETCH_LINE)
+        if SLICES > 2:
+            prefetch_rows(a2_rows, rank_ok, k_begin, k_end, stride_a2_hidden, PREFETCH_LINES, PREFETCH_LINE)
+        if SLICES > 3:
+            prefetch_rows(a3_rows, rank_ok, k_begin, k_end, stride_a3_hidden, PREFETCH_LINES, PREFETCH_LINE)
+    if USE_PDL:
+        # Every program waits, idle ones too: the grid must not complete (and let the expand and
+        # the kernels after it run) before the kernel before it has.
+        gdc_wait()
+        gdc_launch_dependents()
+    if n_tok <= 0:
+        return
+    acc0, acc1, acc2, acc3 = shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden,
+                                            tok, tok_ok, rank, k_begin, k_end, hidden, stride_x_token, stride_x_hidden,
+                                            SLICES, BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
+    offs_r = tl.arange(0, BLOCK_R)
+    plane = tl.where(ATOMIC, 0, split)
+    stride_out_slice = hint16(stride_out_slice, ALIGNED)
+    out = (out_ptr + plane.to(tl.int64) * hint16(stride_out_plane, ALIGNED) + s * stride_out_slice
+           + tok[:, None] * hint16(stride_out_token, ALIGNED) + offs_r[None, :] * stride_out_rank)
+    write = tok_ok[:, None] & (offs_r < RANK)[None, :]       # real tokens, the buffer's rank columns
+    _store_rank_rows(out, acc0 * scale, write, ATOMIC)
+    if SLICES > 1:
+        _store_rank_rows(out + stride_out_slice, acc1 * scale, write, ATOMIC)
+    if SLICES > 2:
+        _store_rank_rows(out + 2 * stride_out_slice, acc2 * scale, write, ATOMIC)
+    if SLICES > 3:
+        _store_rank_rows(out + 3 * stride_out_slice, acc3 * scale, write, ATOMIC)
+
+
+# ------------------------------------------------------------------------------- launch plan
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShrinkPlan(PlanKey):
+    """How `lora_shrink_kernel` is launched. USE_PDL: launched as a programmatic dependent of the
+    kernel before it; its gdc_wait comes before any read of x, so the kernel before -- which may
+    write x, y or the metadata -- is complete first, and only then may the expand start."""
+    grid: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    num_partials: int          # planes of the output (1 for the stand-alone shrink)
+    atomic: bool               # the output must be zeroed first
+
+
+def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_groups: int,
+                x_dtype: str, w_dtype: str, config: dict, *, lora_only: bool, workspace: bool,
+                has_ranks: bool, aligned: bool = False, pdl: bool = False) -> ShrinkPlan:
+    """Grid and meta-parameters of `lora_shrink_kernel`.
+
+    workspace=True: the output has one plane per split (the linear path); else SPLIT_K > 1 means
+    atomic adds into a zeroed output. config: BLOCK_M, BLOCK_K, SPLIT_K, num_warps, num_stages,
+    PREFETCH (default True: L2 prefetch of the A chunk before the PDL wait, if pdl), ALL_SLICES
+    (default False: one program per slice; True: every program computes all the launch's slices,
+    x read once for them -- SLICES = num_slices, grid axis 0 of size 1).
+    """
+    block_m, block_k = int(config["BLOCK_M"]), int(config["BLOCK_K"])
+    small_t, block_m = small_t_block(num_tokens, block_m, config)
+    block_r = max(16, next_pow2(rank))
+    check_dot_dims(block_m, block_k, block_r)
+    split, k_per_split = hidden_split(hidden, int(config.get("SPLIT_K", 1)), block_k)
+    atomic = split > 1 and not workspace
+    cast, precision = cast_and_precision((x_dtype, w_dtype))
+    constexprs = dict(RANK=rank, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+                      K_PER_SPLIT=k_per_split, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
+                      LORA_ONLY=bool(lora_only or atomic), ATOMIC=atomic, HAS_RANKS=bool(has_ranks),
+                      CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
+                      USE_PDL=bool(pdl), **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split, w_dtype),
+                      SLICES=num_slices if config.get("ALL_SLICES") else 1)
+    grid = (num_slices // constexprs["SLICES"], split,
+            max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))
+    return ShrinkPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
+                      split if workspace else 1, atomic)
