@@ -528,7 +528,7 @@ def env_meta():
         except Exception:  # noqa: BLE001 - not installed
             pass
     from lora_core.kernels import configs
-    meta["configs"] = configs.TUNED_ON
+    meta["configs"] = configs.current_table().source
     return meta
 
 

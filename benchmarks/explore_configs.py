@@ -107,7 +107,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.out:
         meta = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), device=torch.cuda.get_device_name(),
-                    commit=os.environ.get("GIT_COMMIT", ""), table=configs.TUNED_ON)
+                    commit=os.environ.get("GIT_COMMIT", ""), table=configs.current_table().source)
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

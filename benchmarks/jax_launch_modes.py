@@ -25,7 +25,7 @@ import sys
 MODES = {  # name -> (XLA_FLAGS, jax_lora.ops.triton.linear's `fused`, extra environment)
     # the FFI launcher (default since 2026-11-30 12:40): command-buffer compatible, PDL shrink -> expand
     "ffi": ("", None, {}),
-    "ffi_no_pdl": ("", None, {"JAX_LORA_TRITON_PDL": "0"}),
+    "ffi_no_pdl": ("", None, {"LORA_CORE_PDL": "0"}),
     # XLA's command buffers off: what the FFI launcher gains from being recorded into them
     "ffi_no_cmdbuf": ("--xla_gpu_enable_command_buffer=", None, {}),
     # CUSTOM_CALL named explicitly among the command buffer types (in case it is not a default)

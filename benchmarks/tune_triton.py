@@ -7,8 +7,9 @@ times `add_lora_linear` (one slice of 4096 and three slices 4096/1024/1024, scor
 mean of the two; bf16, hidden 4096, cold weights, CUDA-graph replay as in bench_triton.py) over a
 small candidate list: first the shrink config with the
 default expand, then the expand config with the best shrink, then (decode classes) the fused
-kernel. It writes the winning table as JSON (`--table lora_core/kernels/tuned_h200.json` puts it where
-configs.py reads it) and all timings beside it.
+kernel. It writes the winning table into `lora_core/kernels/tuned/<device>.json` (where configs.py
+reads it; the classes not tuned this time keep their entries) and every timing into
+`--out`/tune_triton_<device>_all.json (the measurements behind the table's choices).
 """
 
 from __future__ import annotations
@@ -58,23 +59,23 @@ def shrink_candidates(tc):
         # (+ 512-column chunks split for ~132 programs: T32 rank 64, explore 2026-11-30 15:09)
         # (+ session 8, explores 18:43/18:47: 4 warps, 3 stages, A prefetched into L2 before the
         # PDL wait at T 17-64 too -- T32 with 32 adapters 8.1 vs 10.2 us)
-        return [configs._s(16, bk, 0, w, st) for bk, w, st in
+        return [configs.shrink_params(16, bk, 0, w, st) for bk, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 3), (512, 8, 2))] + [
-                dict(configs._s(16, 512, 0, 8, 3), TARGET=132), dict(configs._s(16, 256, 0, 4, 3), PREFETCH=True)]
+                dict(configs.shrink_params(16, 512, 0, 8, 3), TARGET=132), dict(configs.shrink_params(16, 256, 0, 4, 3), PREFETCH=True)]
     if tc in ("t256", "t1024", "t4096"):
         # Explicit splits next to the SPLIT_K = 0 rule: at rank 64 the expand's unrolled sum of
         # the workspace planes costs ~12 registers per plane (134 at 4 planes, 86 at 1: ptxas, T=512).
         # (+ session 6, explores 16:24-16:41: 128-column chunks with 4 stages at rank 16 with many
         # adapters; at T2048 64-token tiles with 4 splits, or the split rule aimed at 400 programs)
-        out = [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
+        out = [configs.shrink_params(bm, bk, sp, w, st) for bm, bk, sp, w, st in
                ((16, 256, 0, 4, 2), (16, 128, 0, 4, 2), (32, 128, 0, 4, 3), (64, 64, 0, 4, 3),
                 (16, 256, 1, 4, 3), (16, 128, 2, 4, 3), (32, 128, 2, 4, 3), (32, 256, 1, 8, 3),
                 (64, 128, 2, 4, 3), (16, 128, 0, 4, 4), (16, 256, 2, 4, 3))]
         if tc == "t4096":
-            out += [configs._s(64, 128, 4, 4, 3), dict(configs._s(64, 128, 0, 4, 3), TARGET=400)]
+            out += [configs.shrink_params(64, 128, 4, 4, 3), dict(configs.shrink_params(64, 128, 0, 4, 3), TARGET=400)]
         # (session 7, explores 17:31-17:33: every slice in one program; won with 2+ slices at
         # T512 rank 64 with few slots, lost at T2048)
-        out += [dict(configs._s(16, 128, 0, 4, 4), ALL_SLICES=True)]
+        out += [dict(configs.shrink_params(16, 128, 0, 4, 4), ALL_SLICES=True)]
         return out
     # (prefill: ncu, 2026-11-30: the unsplit BLOCK_M 64 shrink runs 137 programs at T=8192, 6.4%
     # achieved occupancy, 54% of DRAM bandwidth -- hence smaller token tiles and splits)
@@ -82,11 +83,11 @@ def shrink_candidates(tc):
     # three -- now that the expand sums the workspace planes once per program)
     # (+ session 7, explores 17:31/17:33: every slice in one program, 32-token tiles, 2 splits --
     # won with three slices at rank 16, lost at rank 64)
-    return [configs._s(bm, bk, sp, w, st) for bm, bk, sp, w, st in
+    return [configs.shrink_params(bm, bk, sp, w, st) for bm, bk, sp, w, st in
             ((64, 128, 0, 4, 3), (64, 64, 1, 4, 4), (128, 64, 1, 4, 3), (128, 128, 1, 8, 3),
              (64, 128, 1, 4, 3), (32, 128, 1, 4, 3), (64, 128, 2, 4, 3), (64, 128, 4, 4, 3),
-             (64, 128, 1, 8, 4), (32, 256, 2, 8, 3))] + [dict(configs._s(64, 128, 0, 4, 3), TARGET=264),
-                                                         dict(configs._s(32, 128, 2, 4, 3), ALL_SLICES=True)]
+             (64, 128, 1, 8, 4), (32, 256, 2, 8, 3))] + [dict(configs.shrink_params(64, 128, 0, 4, 3), TARGET=264),
+                                                         dict(configs.shrink_params(32, 128, 2, 4, 3), ALL_SLICES=True)]
 
 
 def expand_candidates(tc, rank):
@@ -94,41 +95,41 @@ def expand_candidates(tc, rank):
     if tc in ("t16", "t64"):
         # (+ session 6: 2 tiles per program with the B tiles prefetched into L2 before the PDL wait;
         # won at T32 with 32 adapters, lost with one adapter -- explore 16:24, sweep 16:29)
-        return [configs._e(16, bn, br, w, st) for bn, w, st in
+        return [configs.expand_params(16, bn, br, w, st) for bn, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 2), (512, 8, 2))] + [
-                dict(configs._e(16, 128, br, 4, 2), TILES_N=2, PREFETCH=True)]
+                dict(configs.expand_params(16, 128, br, 4, 2), TILES_N=2, PREFETCH=True)]
     if tc in ("t256", "t1024", "t4096"):
         # 8 warps and 32-wide rank blocks lower the registers per thread at rank 64 (ptxas, T=512,
         # 16x128 tile, 4 planes: 134 at 4 warps, 89 at 8 warps, 92 with BLOCK_R 32)
-        out = [configs._e(bm, bn, br, w, st) for bm, bn, w, st in
+        out = [configs.expand_params(bm, bn, br, w, st) for bm, bn, w, st in
                ((16, 128, 4, 2), (16, 128, 8, 2), (16, 256, 8, 2), (32, 128, 4, 2), (32, 128, 8, 2),
                 (64, 128, 4, 2), (64, 128, 8, 2), (16, 64, 4, 2))]
         if rank > 32:
-            out += [configs._e(bm, bn, 32, w, st) for bm, bn, w, st in ((16, 128, 4, 2), (32, 128, 8, 2))]
+            out += [configs.expand_params(bm, bn, 32, w, st) for bm, bn, w, st in ((16, 128, 4, 2), (32, 128, 8, 2))]
         # several output tiles per program, the workspace rows summed once (session 6, explores
         # 16:20-16:32): 4 tiles at many adapters, 2 (+ y prefetch) with 64-token tiles at few,
         # 4-8 tiles of 32 tokens at T2048 (+ the next y ahead with one slice)
-        out += [dict(configs._e(bm, bn, br, 4, st), TILES_N=tn) for bm, bn, tn, st in
+        out += [dict(configs.expand_params(bm, bn, br, 4, st), TILES_N=tn) for bm, bn, tn, st in
                 ((16, 128, 4, 3), (16, 128, 2, 2), (16, 64, 8, 3), (32, 128, 4, 3))]
-        out += [dict(configs._e(64, 128, br, 4, 3), TILES_N=2, PREFETCH_Y=True)]
+        out += [dict(configs.expand_params(64, 128, br, 4, 3), TILES_N=2, PREFETCH_Y=True)]
         # (session 7, explore 18:05: one 16x256 tile with B through shared memory -- B_SELECT, on
         # by default for one-tile expands -- at T512 with few slots)
-        out += [configs._e(16, 256, br, 4, 2)]
+        out += [configs.expand_params(16, 256, br, 4, 2)]
         if tc == "t4096":
-            out += [dict(configs._e(32, 128, br, 4, 3), TILES_N=8), dict(configs._e(32, 128, br, 4, 3), TILES_N=4, Y_AHEAD=True)]
+            out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8), dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4, Y_AHEAD=True)]
         return out
     # (prefill: ncu, 2026-11-30: the 64x128 expand tile is register-limited, 108-136 registers,
     # 18-25% occupancy -- hence also smaller tiles and 32-wide rank blocks at rank 64)
-    out = [configs._e(bm, bn, br, w, st) for bm, bn, w, st in
+    out = [configs.expand_params(bm, bn, br, w, st) for bm, bn, w, st in
            ((64, 128, 4, 2), (128, 128, 8, 2), (64, 256, 8, 2), (128, 64, 4, 2), (128, 256, 8, 2),
             (32, 128, 4, 2), (32, 256, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 4, 3))]
     if rank > 32:
-        out += [configs._e(bm, bn, 32, w, st) for bm, bn, w, st in ((64, 128, 4, 2), (32, 128, 4, 2))]
+        out += [configs.expand_params(bm, bn, 32, w, st) for bm, bn, w, st in ((64, 128, 4, 2), (32, 128, 4, 2))]
     # several output tiles per program (explore 2026-11-30 15:19: 4 tiles, 3 stages at rank 16; 8
     # tiles with the next y loaded ahead at rank 64)
-    out += [dict(configs._e(32, 128, br, 4, 3), TILES_N=4), dict(configs._e(64, 128, br, 4, 2), TILES_N=8, Y_AHEAD=True)]
+    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4), dict(configs.expand_params(64, 128, br, 4, 2), TILES_N=8, Y_AHEAD=True)]
     # (session 6, explores 16:24-16:34: 32-token tiles, 8 or 16 per program, 3 stages; rank 64 one slice)
-    out += [dict(configs._e(32, 128, br, 4, 3), TILES_N=8), dict(configs._e(32, 128, br, 4, 3), TILES_N=16, Y_AHEAD=True)]
+    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8), dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=16, Y_AHEAD=True)]
     return out
 
 
@@ -144,7 +145,7 @@ def fused_candidates(rank):
     else:
         cands = ((256, 128, 8, 8, 2), (128, 128, 4, 4, 2), (256, 256, 4, 8, 2), (256, 128, 4, 8, 2),
                  (512, 128, 4, 8, 2))
-    out = [configs._f(16, bn, bk, w, st, sp) for bn, bk, sp, w, st in cands]
+    out = [configs.fused_params(16, bn, bk, w, st, sp) for bn, bk, sp, w, st in cands]
     # the L2 weight prefetch before the PDL wait lost at T = 32 in the two-kernel shrink (13:48)
     out += [dict(c, PREFETCH=False) for c in out[:2]]
     return out
@@ -173,7 +174,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--budget-s", type=float, default=420)
     p.add_argument("--classes", default="", help="token classes to tune (default all), e.g. t16,t64")
-    p.add_argument("--table", default="", help="also write the table here (lora_core/kernels/tuned_h200.json)")
+    p.add_argument("--table", default="", help="the table to update (default: lora_core/kernels/tuned/<device>.json)")
     p.add_argument("--no-fused", action="store_true", help="skip the fused kernel's candidates")
     p.add_argument("--fused-only", action="store_true",
                    help="time the table's shrink + expand once, then only the fused candidates")
@@ -181,9 +182,10 @@ def main():
     t_start = time.time()
     device = torch.device("cuda")
     results, best = {}, {}
-    if args.table and os.path.exists(args.table):        # keep the classes not tuned this time
-        with open(args.table) as f:
-            best.update(json.load(f)["best"])
+    table_path = args.table or configs._table_file(torch.cuda.get_device_name())
+    if os.path.exists(table_path):                       # keep the classes not tuned this time
+        with open(table_path) as f:
+            best.update(json.load(f)["classes"])
     only = set(filter(None, args.classes.split(",")))
     for (tc, rc), (kind, T, Ds) in SHAPES.items():
         if only and tc not in only:
@@ -215,8 +217,8 @@ def main():
             return math.prod(ts) ** (1 / len(ts)), ts
 
         if args.fused_only:
-            c_s = configs.SHRINK[(tc, rc)]
-            c_e = configs.EXPAND[(tc, rc)]
+            c_s = configs.current_table().shrink[(tc, rc)]
+            c_e = configs.current_table().expand[(tc, rc)]
             t_e, ts = score(c_s, c_e)
             results[key]["expand"].append(dict(config=c_e, us=t_e, us_s1_s3=ts, table=True))
         shr = []
@@ -237,6 +239,7 @@ def main():
         entry = dict(shrink=c_s, expand=c_e, two_kernel_us=t_e)
         if args.fused_only and key in best:          # the table's two-kernel entry stays as it was
             entry = {**best[key], "two_kernel_us": t_e}
+            entry.pop("use_fused", None)
         if tc in ("t16", "t64") and not args.no_fused:
             fus = []
             for c in fused_candidates(r):
@@ -257,28 +260,38 @@ def main():
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
-    with open(os.path.join(args.out, "tune_triton_h200_all.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), date=stamp, results=results), f, indent=1)
-    table = dict(device=torch.cuda.get_device_name(), date=stamp, best=best,
-                 note="written by benchmarks/tune_triton.py; read by lora_core/kernels/configs.py")
-    for path in [os.path.join(args.out, "tuned_h200.json")] + ([args.table] if args.table else []):
-        with open(path, "w") as f:
-            json.dump(table, f, indent=1)
-    print("# ---- table for lora_core/kernels/configs.py")
+    device_file = os.path.basename(configs._table_file(torch.cuda.get_device_name()))[:-len(".json")]
+    with open(os.path.join(args.out, f"tune_triton_{device_file}_all.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), date=stamp, results=results, best=best), f, indent=1)
+    table = dict(device=torch.cuda.get_device_name(), format=1,
+                 classes={key: table_entry(e) for key, e in best.items()})
+    with open(table_path, "w") as f:
+        json.dump(table, f, indent=1)
+    print(f"# ---- {table_path}")
     for key, e in best.items():
         print(f"{key} SHRINK {e['shrink']} EXPAND {e['expand']} FUSED {e.get('fused')} "
-              f"two={e['two_kernel_us']:.2f} fused={e.get('fused_us', float('nan')):.2f}")
+              f"two={e.get('two_kernel_us', float('nan')):.2f} fused={e.get('fused_us', float('nan')):.2f}")
+
+
+def table_entry(entry: dict) -> dict:
+    """What the device table keeps of a class's tuning: its configs and the fused/two-kernel
+    decision (the timings stay in the results file)."""
+    kept = {k: entry[k] for k in ("shrink", "expand", "fused", "variants") if k in entry}
+    kept["use_fused"] = bool(entry.get("use_fused", entry.get("fused_us", float("inf"))
+                                       < entry.get("two_kernel_us", float("inf"))))
+    return kept
 
 
 def kept_variants(old: dict, entry: dict) -> dict:
-    """entry with the old entry's `variants` (configs.VARIANTS: by slot count and slice count)
+    """entry with the old entry's `variants` (the table's variants: by slot count and slice count)
     carried over: they come from explore_configs.py measurements at other slot counts, or from one
     slice count alone, which this tuner (scoring one representative slot count, and s1 with s3
     together) does not repeat. The entry-level "use_fused" override (set by hand with variants
-    that undo it for some slot counts, e.g. t64/r16) is carried over with them."""
+    that undo it for some slot counts, e.g. t64/r16) is carried over with them; without variants
+    the new measurement decides."""
     if old.get("variants") and "variants" not in entry:
         entry = {**entry, "variants": old["variants"]}
-    if "use_fused" in old and "use_fused" not in entry:
+    if old.get("variants") and "use_fused" in old and "use_fused" not in entry:
         entry = {**entry, "use_fused": old["use_fused"]}
     return entry
 

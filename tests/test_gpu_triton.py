@@ -488,7 +488,7 @@ def _table_feature_cases():
                 for S in (1, 3):
                     e = configs.expand_config(T, 4096, R, S, L)
                     special = (e.get("TILES_N", 1) > 1 or e.get("PREFETCH") or e.get("PREFETCH_Y")
-                               or configs._variant(T, R, L, S))
+                               or configs.current_table().variant(T, R, L, S))
                     key = (str(sorted(configs.shrink_config(T, 4096, R, S, L).items())), str(sorted(e.items())))
                     if special and key not in seen and not configs.use_fused(T, 4096, R, S, L):
                         seen.add(key)

@@ -1,8 +1,10 @@
-"""The launch-config table (lora_core/kernels/configs.py + tuned_h200.json): shape classes, the
-slot-count variants, and the fused/two-kernel choice. Plain Python: no GPU, no kernels run."""
+"""The launch configs (lora_core/kernels/configs.py + tuned/<device>.json): shape classes, the
+slot-count variants, the fused/two-kernel choice, the table per device. Plain Python: no GPU, no kernels run."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 
@@ -13,17 +15,31 @@ from lora_core.kernels import configs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+H200 = "NVIDIA H200"
+
+
 @pytest.fixture
 def compiled(monkeypatch):
-    """configs as on the GPU (the interpreter's large-tile configs switched off)."""
+    """configs as on an H200 (the interpreter's large-tile configs switched off, its tuned table)."""
     monkeypatch.setattr(configs, "interpreting", lambda: False)
-    monkeypatch.setattr(configs, "_FORCE_FUSED", "auto")
+    monkeypatch.setattr(configs, "FORCE_FUSED", None)
+    monkeypatch.setattr(configs, "device_name", lambda: H200)
+
+
+def _with_variants(monkeypatch, variants, fused_classes=None):
+    """The H200 table with other variants (and fused classes) as the table of the GPU present."""
+    base = configs.table(H200)
+    changed = dataclasses.replace(base, variants={**base.variants, **variants},
+                                  fused_classes=base.fused_classes if fused_classes is None else frozenset(fused_classes))
+    monkeypatch.setattr(configs, "current_table", lambda: changed)
+    return changed
 
 
 def test_committed_table_loads_with_its_variants(compiled):
-    assert configs.TUNED_ON.startswith("NVIDIA H200")
-    for key, variants in configs.VARIANTS.items():
-        assert key in configs.SHRINK, key
+    h200 = configs.table(H200)
+    assert h200.source.startswith("NVIDIA H200") and configs.current_table() is h200
+    for key, variants in h200.variants.items():
+        assert key in h200.shrink, key
         for max_slots, min_slices, overrides in variants:
             assert max_slots >= 1 and min_slices >= 1, (key, max_slots, min_slices)
             assert set(overrides) <= {"shrink", "expand", "fused", "use_fused"}, (key, overrides)
@@ -33,10 +49,10 @@ def test_committed_table_loads_with_its_variants(compiled):
     few3 = configs.expand_config(512, 4096, 64, 3, 16)
     many = configs.expand_config(512, 4096, 64, 1, 17)
     assert (few["BLOCK_M"], few["BLOCK_N"]) == (16, 256) and few3["BLOCK_M"] == 64
-    assert many == configs.EXPAND[("t1024", "r64")]
+    assert many == h200.expand[("t1024", "r64")]
     assert configs.shrink_config(512, 4096, 64, 1, 8)["BLOCK_M"] == 32
-    assert configs.shrink_config(512, 4096, 64, 1, 64)["BLOCK_M"] == configs.SHRINK[("t1024", "r64")]["BLOCK_M"]
-    # the fused kernel (session 8) only for one slice at rank 16, 16 < T <= 64, <= 16 slots: never
+    assert configs.shrink_config(512, 4096, 64, 1, 64)["BLOCK_M"] == h200.shrink[("t1024", "r64")]["BLOCK_M"]
+    # the fused kernel only for one slice at rank 16, 16 < T <= 64, <= 16 slots: never
     # at T <= 16 (shrink + expand with an 8-warp shrink for one slice, 4 warps for more), with 2+
     # slices, more slots, rank 64 or past T = 64
     assert configs.use_fused(32, 4096, 16, 1, 8) and configs.use_fused(64, 4096, 16, 1, 16)
@@ -56,14 +72,13 @@ def test_committed_table_loads_with_its_variants(compiled):
 
 def test_variants_apply_by_slot_count_first_match_wins(compiled, monkeypatch):
     key = ("t256", "r16")
-    small = configs._s(16, 64, 2, 4, 2)
-    mid = configs._e(32, 64, 16, 4, 2)
-    monkeypatch.setitem(configs.VARIANTS, key, [(4, 1, {"shrink": small, "use_fused": True}),
-                                               (8, 1, {"expand": mid, "use_fused": False})])
-    monkeypatch.setattr(configs, "FUSED_CLASSES", {key})
+    small = configs.shrink_params(16, 64, 2, 4, 2)
+    mid = configs.expand_params(32, 64, 16, 4, 2)
+    table = _with_variants(monkeypatch, {key: [(4, 1, {"shrink": small, "use_fused": True}),
+                                               (8, 1, {"expand": mid, "use_fused": False})]}, {key})
     assert configs.shrink_config(100, 4096, 16, 1, 4)["BLOCK_K"] == 64
-    assert configs.shrink_config(100, 4096, 16, 1, 5)["BLOCK_K"] == configs.SHRINK[key]["BLOCK_K"] != 64
-    assert configs.expand_config(100, 4096, 16, 1, 4) == configs.EXPAND[key]     # first match: no expand
+    assert configs.shrink_config(100, 4096, 16, 1, 5)["BLOCK_K"] == table.shrink[key]["BLOCK_K"] != 64
+    assert configs.expand_config(100, 4096, 16, 1, 4) == table.expand[key]     # first match: no expand
     assert configs.expand_config(100, 4096, 16, 1, 8) == mid
     assert configs.use_fused(100, 4096, 16, 1, 4) and not configs.use_fused(100, 4096, 16, 1, 8)
     assert configs.use_fused(100, 4096, 16, 1, 9)                                # the class says fused
@@ -71,18 +86,18 @@ def test_variants_apply_by_slot_count_first_match_wins(compiled, monkeypatch):
 
 def test_variants_by_slice_count(compiled, monkeypatch):
     key = ("tbig", "r64")
-    three = configs._e(64, 128, 64, 4, 2)
-    monkeypatch.setitem(configs.VARIANTS, key, [(16, 3, {"expand": three}), (configs.ANY_SLOTS, 2, {"use_fused": False})])
+    three = configs.expand_params(64, 128, 64, 4, 2)
+    table = _with_variants(monkeypatch, {key: [(16, 3, {"expand": three}), (configs.ANY_SLOTS, 2, {"use_fused": False})]})
     assert configs.expand_config(8192, 4096, 64, 3, 16) == three
-    assert configs.expand_config(8192, 4096, 64, 3, 17) == configs.EXPAND[key]     # too many slots
-    assert configs.expand_config(8192, 4096, 64, 2, 8) == configs.EXPAND[key]      # too few slices
-    assert configs.expand_config(8192, 4096, 64, 1, 8) == configs.EXPAND[key]
+    assert configs.expand_config(8192, 4096, 64, 3, 17) == table.expand[key]     # too many slots
+    assert configs.expand_config(8192, 4096, 64, 2, 8) == table.expand[key]      # too few slices
+    assert configs.expand_config(8192, 4096, 64, 1, 8) == table.expand[key]
 
 
 def test_forced_fused_switch_beats_the_variants(compiled, monkeypatch):
-    monkeypatch.setitem(configs.VARIANTS, ("t64", "r16"), [(64, 1, {"use_fused": False})])
+    _with_variants(monkeypatch, {("t64", "r16"): [(64, 1, {"use_fused": False})]})
     assert not configs.use_fused(32, 4096, 16, 1, 8)
-    monkeypatch.setattr(configs, "_FORCE_FUSED", "1")
+    monkeypatch.setattr(configs, "FORCE_FUSED", True)
     assert configs.use_fused(32, 4096, 16, 1, 8)
     assert not configs.use_fused(32, 4096, 128, 1, 8)                           # rank > 64: never
 
@@ -100,11 +115,12 @@ def test_tuner_keeps_the_variants_it_does_not_measure():
     assert kept_variants({}, new) == new
     assert kept_variants(old, {**new, "variants": []})["variants"] == []
     assert kept_variants({**old, "use_fused": False}, new)["use_fused"] is False
+    assert "use_fused" not in kept_variants({"use_fused": False}, new)       # no variants: measured anew
 
 
 def test_a_config_target_sets_the_split_rule(compiled):
     """SPLIT_K = 0 aims at TARGET programs (a config key, consumed) or TARGET_PROGRAMS."""
-    base = dict(configs._s(16, 256, 0, 8, 3))
+    base = configs.shrink_params(16, 256, 0, 8, 3)
     # T=32, 32 slots, one slice: 32 busy tiles; hidden 4096 = 16 chunks of 256
     assert configs.resolve_split(dict(base), 32, 4096, 64, 1, 32)["SPLIT_K"] == min(
         16, configs.TARGET_PROGRAMS // 32, configs.SPLIT_CAP)
@@ -126,7 +142,7 @@ def test_explore_configs_cases_and_modes():
         ("dec", 32, 8, 16, "s1", 8, None), ("pre", 2048, 16, 64, "s3", 32, None),
         ("pre", 2048, 4, 64, "s1", 8, (8, 16, 32, 64)), ("dec", 8, 8, 16, "s1", 16, (8, 16, 16, 16))]
     assert parse_cases("dec:1:1:16:s1")[0][-2] == 8                        # max(8, D) as bench_triton
-    mode = dict(label="x", fused=False, shrink_config=dict(configs._s(16, 512, 0, 8, 3), TARGET=132))
+    mode = dict(label="x", fused=False, shrink_config=dict(configs.shrink_params(16, 512, 0, 8, 3), TARGET=132))
     got = resolved(mode, 32, 64, 1, 32)
     assert got["shrink_config"]["SPLIT_K"] == 4 and "TARGET" not in got["shrink_config"]
     assert got["fused"] is False and got["expand_config"] is None and got["fused_config"] is None
@@ -155,3 +171,34 @@ def test_tuner_candidates_all_plan(compiled):
                 plan = kernels.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", TU.class_keys(tc, c), add_inputs=True,
                                      bias_flags=(False,) * len(widths), has_ranks=False, pdl=True)
                 assert plan.grid[0] * plan.constexprs["TILES_N"] == plan.constexprs["NUM_TILES"]
+
+
+def test_a_gpu_without_a_table_gets_the_generic_defaults(monkeypatch, caplog):
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    configs.table.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="lora_core"):
+            unknown = configs.table("NVIDIA Imaginary 9000")
+        assert unknown is configs.GENERIC and "generic defaults" in caplog.text
+        assert "NVIDIA_Imaginary_9000.json" in caplog.text
+        monkeypatch.setattr(configs, "device_name", lambda: "NVIDIA Imaginary 9000")
+        assert configs.shrink_config(8, 4096, 16, 1, 8)["num_warps"] == configs.GENERIC_SHRINK[("t16", "r16")]["num_warps"]
+        assert not configs.use_fused(32, 4096, 16, 1, 8)
+        assert configs.table(None) is configs.GENERIC
+    finally:
+        configs.table.cache_clear()
+
+
+def test_every_tuned_table_is_data_only():
+    """One JSON per device: classes of configs and decisions, no tuning history."""
+    files = [f for f in os.listdir(configs.TUNED_DIR) if f.endswith(".json")]
+    assert "NVIDIA_H200.json" in files
+    for name in files:
+        with open(os.path.join(configs.TUNED_DIR, name)) as f:
+            data = json.load(f)
+        assert set(data) == {"device", "format", "classes"}, name
+        for key, entry in data["classes"].items():
+            assert set(entry) <= {"shrink", "expand", "fused", "use_fused", "variants"}, (name, key)
+            for variant in entry.get("variants", ()):
+                assert set(variant) <= {"max_slots", "min_slices", "shrink", "expand", "fused", "use_fused"}
+        assert configs._table_file(data["device"]).endswith(name)

@@ -39,7 +39,7 @@ from lora_core.kernels.common import HAVE_PDL
 from lora_core.kernels.expand import plan_expand
 from lora_core.kernels.fused import plan_fused
 from lora_core.kernels.launch import HostArray, triton_launch
-from lora_core.kernels.planning import interpreting, slice_chunks
+from lora_core.kernels.planning import interpreting, pdl_allowed, slice_chunks
 from lora_core.kernels.shrink import plan_shrink
 
 from ..meta import LoRAKernelMeta
@@ -115,7 +115,7 @@ def _ranks(lora_ranks):
 @functools.lru_cache(maxsize=None)
 def _pdl() -> bool:
     """Programmatic dependent launch for the FFI launcher's shrink -> expand (Hopper and newer)."""
-    if not HAVE_PDL or os.environ.get("JAX_LORA_TRITON_PDL", "1") == "0":
+    if not HAVE_PDL or not pdl_allowed():
         return False
     devices = [d for d in jax.local_devices() if d.platform == "gpu"]
     return bool(devices) and int(devices[0].compute_capability.split(".")[0]) >= 9

@@ -1,43 +1,56 @@
-"""Launch configurations for the Triton LoRA kernels, per shape class (tuned on the H200).
+"""Launch configurations of the Triton LoRA kernels, per shape class and per device.
 
-A shape class is (token class, rank class): tokens T in <=16, <=64, <=256, <=1024, <=4096, larger; rank
-(the stacked weights' rank) in <=16, <=64, larger. The dicts below are hand-written defaults; the
-tuned table, `tuned_h200.json` beside this file, is written by `benchmarks/tune_triton.py` on the
-lent H200 and overrides them when present (TUNED_ON says which is in use). Configs change block
-shapes, warps, stages and the fused/two-kernel choice, never the semantics. `SPLIT_K = 0` means "choose from
-the grid": enough splits of the hidden size that about TARGET_PROGRAMS programs run (decode sizes,
-where a handful of adapters would otherwise leave most SMs idle).
+A shape class is (token class, rank class): tokens T in <=16, <=64, <=256, <=1024, <=4096, larger;
+rank (the stacked weights' rank) in <=16, <=64, larger. A config gives block shapes, warps, stages
+and switches of one kernel; configs never change the semantics.
 
-`use_fused(...)` decides between the one-launch fused kernel and shrink + expand: the tuner times
-both per decode class and keeps the fused kernel where it wins (on the H200, 2026-11-30, since
-session 8: one slice at rank 16, 17-64 tokens, <= 16 slots; see docs/benchmarks.md); an entry's
-"use_fused" (or a variant's) overrides the figures, and a single token
-never uses it (FUSED_MIN_TOKENS). A table entry may carry `variants`: configs for launches with at
-most `max_slots` adapter slots and at least `min_slices` slices (VARIANTS; both are static). `use_prefetch(...)`
-decides where the shrink prefetches its weights into L2 before its PDL wait. For T > 128 the split-K count is capped (workspace re-reads).
-Under Triton's interpreter (CPU tests) large tiles are used instead: the interpreter's cost is per
-program and per loop trip, not per element.
+Where the configs come from: `tuned/<device name>.json` beside this file (e.g. `NVIDIA_H200.json`,
+written by `benchmarks/tune_triton.py` and edited from `benchmarks/explore_configs.py`
+measurements), for the GPU actually present (`device_name()`, asked of the CUDA driver), loaded at
+first use and cached (`table`). A GPU without a table, and the CPU, get the generic defaults below
+(logged once). Under Triton's interpreter (CPU tests) large tiles are used instead: the
+interpreter's cost is per program and per loop trip, not per element.
+
+A table entry per class: "shrink", "expand", "fused" configs, "use_fused" (whether the one-launch
+fused kernel beats shrink + expand for the class) and optional "variants": configs for launches
+with at most `max_slots` adapter slots and at least `min_slices` slices, first match wins. Both are
+static (the slot count sizes the weight stacks, the slice count is the layer's), so the launch
+shape never depends on the mapping. Few slots means many tokens per adapter, which wants larger
+token tiles; three slices triple the shrink's programs and the workspace, which wants fewer splits.
+
+`SPLIT_K = 0` in a shrink config means "choose from the grid" (`resolve_split`): enough splits of
+the hidden size that about TARGET_PROGRAMS programs run at decode sizes, where a handful of
+adapters would otherwise leave most SMs idle; capped past decode sizes, where the expand re-reads
+every plane. A single token never uses the fused kernel (FUSED_MIN_TOKENS).
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import functools
 import json
+import logging
 import os
+import re
 
-from .planning import PREFETCH_SWITCH, interpreting, next_pow2
+from . import planning
+from .planning import interpreting, next_pow2
+
+_LOG = logging.getLogger("lora_core")
+TUNED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 # At most this many split-K planes from the SPLIT_K = 0 rule: the expand sums every plane of its
-# rows, a cost the shrink's extra parallelism must pay for. Measured on the H200 (2026-11-30,
-# benchmarks/results/split_cap_20261130, decode T <= 128, D <= 8): caps 2 / 4 / 8 / 16 / 32 gave
-# 14.5 / 8.9 / 6.7 / 6.9 / 10.0 us for T1 D1 r16 with one slice; 8 was best or within noise of
-# the best in most cases. JAX_LORA_TRITON_SPLIT_CAP overrides it (tuning runs).
-SPLIT_CAP = int(os.environ.get("JAX_LORA_TRITON_SPLIT_CAP", "8"))
-
+# rows, a cost the shrink's extra parallelism must pay for (8 was best or within noise of the best
+# for decode T <= 128, D <= 8 on the H200). Benchmark scripts may change it.
+SPLIT_CAP = 8
 # One token means one adapter: the two-kernel path (its expand's B tile staged through shared
-# memory, B_SELECT) beats the fused kernel's barrier there. H200, 2026-11-30 17:50
-# (benchmarks/results/explore_b_select_fused_20261130T1750.json): T1 D1 r16 3.43 vs 3.62 us (s1), 3.49 vs 3.65 (s3).
+# memory, B_SELECT) beats the fused kernel's barrier there.
 FUSED_MIN_TOKENS = 2
+# True / False forces the fused kernel on / off wherever `linear` is not told (benchmarks).
+FORCE_FUSED = None
+ANY_SLOTS = 1 << 30  # a variant without max_slots applies to any slot count
 
 _TOKEN_CLASSES = ((16, "t16"), (64, "t64"), (256, "t256"), (1024, "t1024"), (4096, "t4096"))
 _RANK_CLASSES = ((16, "r16"), (64, "r64"))
@@ -57,97 +70,144 @@ def rank_class(rank: int) -> str:
     return "r256"
 
 
-def _s(bm, bk, split, warps, stages):
-    return dict(BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+def shrink_params(block_m, block_k, split_k, num_warps, num_stages) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
 
 
-def _e(bm, bn, br, warps, stages):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, num_warps=warps, num_stages=stages)
+def expand_params(block_m, block_n, block_r, num_warps, num_stages) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=num_warps, num_stages=num_stages)
 
 
-def _f(bm, bn, bk, warps, stages, split=0):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+def fused_params(block_m, block_n, block_k, num_warps, num_stages, split_k=0) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps,
+                num_stages=num_stages)
 
 
-# (token class, rank class) -> config. BEGIN TABLE (rewritten by benchmarks/tune_triton.py)
-SHRINK = {
-    ("t16", "r16"): _s(16, 256, 0, 4, 2), ("t16", "r64"): _s(16, 128, 0, 4, 2),
-    ("t16", "r256"): _s(16, 64, 0, 4, 2),
-    ("t64", "r16"): _s(16, 256, 0, 4, 2), ("t64", "r64"): _s(16, 128, 0, 4, 2),
-    ("t64", "r256"): _s(16, 64, 0, 4, 2),
-    ("t256", "r16"): _s(16, 256, 0, 4, 2), ("t256", "r64"): _s(16, 128, 0, 4, 2),
-    ("t256", "r256"): _s(16, 64, 0, 4, 2),
-    ("t1024", "r16"): _s(32, 128, 0, 4, 3), ("t1024", "r64"): _s(32, 128, 0, 4, 3),
-    ("t1024", "r256"): _s(32, 64, 0, 4, 3),
-    ("t4096", "r16"): _s(64, 128, 0, 4, 3), ("t4096", "r64"): _s(64, 64, 0, 4, 4),
-    ("t4096", "r256"): _s(64, 64, 0, 8, 3),
-    ("tbig", "r16"): _s(64, 128, 0, 4, 3), ("tbig", "r64"): _s(64, 128, 0, 4, 3),
-    ("tbig", "r256"): _s(64, 64, 0, 8, 3),
+_CLASSES = [(t, r) for t in ("t16", "t64", "t256", "t1024", "t4096", "tbig") for r in ("r16", "r64", "r256")]
+# Generic defaults: what a GPU without a tuned table runs (sensible for any recent NVIDIA GPU).
+GENERIC_SHRINK = {
+    **{(t, r): shrink_params(16, bk, 0, 4, 2) for t in ("t16", "t64", "t256")
+       for r, bk in (("r16", 256), ("r64", 128), ("r256", 64))},
+    ("t1024", "r16"): shrink_params(32, 128, 0, 4, 3), ("t1024", "r64"): shrink_params(32, 128, 0, 4, 3),
+    ("t1024", "r256"): shrink_params(32, 64, 0, 4, 3),
+    ("t4096", "r16"): shrink_params(64, 128, 0, 4, 3), ("t4096", "r64"): shrink_params(64, 64, 0, 4, 4),
+    ("t4096", "r256"): shrink_params(64, 64, 0, 8, 3),
+    ("tbig", "r16"): shrink_params(64, 128, 0, 4, 3), ("tbig", "r64"): shrink_params(64, 128, 0, 4, 3),
+    ("tbig", "r256"): shrink_params(64, 64, 0, 8, 3),
 }
-EXPAND = {
-    ("t16", "r16"): _e(16, 128, 16, 4, 2), ("t16", "r64"): _e(16, 128, 64, 4, 2),
-    ("t16", "r256"): _e(16, 64, 64, 4, 2),
-    ("t64", "r16"): _e(16, 128, 16, 4, 2), ("t64", "r64"): _e(16, 128, 64, 4, 2),
-    ("t64", "r256"): _e(16, 64, 64, 4, 2),
-    ("t256", "r16"): _e(16, 128, 16, 4, 2), ("t256", "r64"): _e(16, 128, 64, 4, 2),
-    ("t256", "r256"): _e(16, 64, 64, 4, 2),
-    ("t1024", "r16"): _e(32, 128, 16, 4, 2), ("t1024", "r64"): _e(32, 128, 64, 4, 2),
-    ("t1024", "r256"): _e(32, 128, 64, 4, 2),
-    ("t4096", "r16"): _e(64, 128, 16, 4, 2), ("t4096", "r64"): _e(128, 64, 64, 4, 2),
-    ("t4096", "r256"): _e(64, 128, 64, 8, 2),
-    ("tbig", "r16"): _e(64, 128, 16, 4, 2), ("tbig", "r64"): _e(64, 128, 64, 4, 2),
-    ("tbig", "r256"): _e(64, 128, 64, 8, 2),
+GENERIC_EXPAND = {
+    **{(t, r): expand_params(16, bn, br, 4, 2) for t in ("t16", "t64", "t256")
+       for r, bn, br in (("r16", 128, 16), ("r64", 128, 64), ("r256", 64, 64))},
+    ("t1024", "r16"): expand_params(32, 128, 16, 4, 2), ("t1024", "r64"): expand_params(32, 128, 64, 4, 2),
+    ("t1024", "r256"): expand_params(32, 128, 64, 4, 2),
+    ("t4096", "r16"): expand_params(64, 128, 16, 4, 2), ("t4096", "r64"): expand_params(128, 64, 64, 4, 2),
+    ("t4096", "r256"): expand_params(64, 128, 64, 8, 2),
+    ("tbig", "r16"): expand_params(64, 128, 16, 4, 2), ("tbig", "r64"): expand_params(64, 128, 64, 4, 2),
+    ("tbig", "r256"): expand_params(64, 128, 64, 8, 2),
 }
-FUSED = {
-    ("t16", "r16"): _f(16, 128, 128, 4, 2), ("t16", "r64"): _f(16, 128, 128, 4, 2, 8),
-    ("t64", "r16"): _f(16, 128, 128, 4, 2), ("t64", "r64"): _f(16, 128, 128, 4, 2, 8),
+GENERIC_FUSED = {
+    ("t16", "r16"): fused_params(16, 128, 128, 4, 2), ("t16", "r64"): fused_params(16, 128, 128, 4, 2, 8),
+    ("t64", "r16"): fused_params(16, 128, 128, 4, 2), ("t64", "r64"): fused_params(16, 128, 128, 4, 2, 8),
 }
-FUSED_CLASSES = set()  # shape classes where the one-launch fused kernel wins (the tuned table says)
-# END TABLE
-# (token class, rank class) -> [(max_slots, min_slices, {"shrink"/"expand"/"fused": config,
-# "use_fused": bool})]: a class's configs for launches with at most max_slots adapter slots
-# (max_loras) and at least min_slices slices, first match wins. Both are static (the slot count
-# sizes the weight stacks, the slice count is the layer's), so the launch shape still never
-# depends on the mapping. Few slots means many tokens per adapter, which wants larger token tiles
-# (measured on the H200: T = 320-1024, rank 64, <= 16 slots ran 1.3-1.7x faster with 64-token
-# expand tiles, and 1.7x slower with 64 slots; benchmarks/results/explore_*_20261130T15*); three
-# slices triple the shrink's programs and the workspace, which wants fewer splits (rank-64 prefill).
-VARIANTS: dict = {}
-ANY_SLOTS = 1 << 30  # a variant without max_slots applies to any slot count
+_FUSED_FALLBACK = fused_params(16, 128, 128, 4, 2)
 
 
-def _load_tuned(path: str) -> str:
-    """Overrides the defaults above with the table `benchmarks/tune_triton.py` wrote (JSON)."""
-    global FUSED_CLASSES
-    try:
-        with open(path) as f:
-            tuned = json.load(f)
-    except (OSError, ValueError):
-        return "defaults (no tuned table)"
-    for key, entry in tuned["best"].items():
-        k = tuple(key.split("/"))
-        SHRINK[k] = dict(entry["shrink"])
-        EXPAND[k] = dict(entry["expand"])
+@dataclasses.dataclass(frozen=True)
+class LaunchTable:
+    """The launch configs of one device: per class `shrink`, `expand`, `fused` configs, the classes
+    that use the fused kernel, and the variants by slot and slice count."""
+    source: str
+    shrink: dict
+    expand: dict
+    fused: dict
+    fused_classes: frozenset
+    variants: dict
+
+    def variant(self, num_tokens: int, rank: int, num_slots: int, num_slices: int) -> dict:
+        """The first variant of the shape class that applies to num_slots slots and num_slices slices ({} if none)."""
+        for max_slots, min_slices, overrides in self.variants.get((token_class(num_tokens), rank_class(rank)), ()):
+            if num_slots <= max_slots and num_slices >= min_slices:
+                return overrides
+        return {}
+
+    def config(self, kind: str, num_tokens: int, rank: int, num_slices: int, num_slots: int) -> dict:
+        """A copy of the "shrink", "expand" or "fused" config of a launch, as the table writes it."""
+        key = (token_class(num_tokens), rank_class(rank))
+        chosen = self.variant(num_tokens, rank, num_slots, num_slices).get(kind)
+        if chosen is None:
+            chosen = getattr(self, kind).get(key, _FUSED_FALLBACK) if kind == "fused" else getattr(self, kind)[key]
+        return dict(chosen)
+
+    def fused_wins(self, num_tokens: int, rank: int, num_slots: int, num_slices: int) -> bool:
+        variant = self.variant(num_tokens, rank, num_slots, num_slices)
+        if "use_fused" in variant:
+            return bool(variant["use_fused"])
+        return (token_class(num_tokens), rank_class(rank)) in self.fused_classes
+
+
+def _table_file(device: str) -> str:
+    return os.path.join(TUNED_DIR, re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ".json")
+
+
+def _read_table(path: str, device: str) -> LaunchTable:
+    with open(path) as f:
+        data = json.load(f)
+    shrink, expand, fused = dict(GENERIC_SHRINK), dict(GENERIC_EXPAND), dict(GENERIC_FUSED)
+    fused_classes, variants = set(), {}
+    for name, entry in data["classes"].items():
+        key = tuple(name.split("/"))
+        shrink[key] = dict(entry["shrink"])
+        expand[key] = dict(entry["expand"])
         if entry.get("fused"):
-            FUSED[k] = dict(entry["fused"])
-        VARIANTS[k] = [(int(v.get("max_slots", ANY_SLOTS)), int(v.get("min_slices", 1)),
-                        {n: v[n] for n in ("shrink", "expand", "fused", "use_fused") if n in v})
-                       for v in entry.get("variants", ())]
-    FUSED_CLASSES = {tuple(k.split("/")) for k, e in tuned["best"].items()
-                     if e.get("use_fused", e.get("fused_us", float("inf")) < e["two_kernel_us"])}
-    return f"{tuned.get('device', '?')} ({os.path.basename(path)}, {tuned.get('date', '?')})"
+            fused[key] = dict(entry["fused"])
+        if entry.get("use_fused"):
+            fused_classes.add(key)
+        variants[key] = tuple((int(v.get("max_slots", ANY_SLOTS)), int(v.get("min_slices", 1)),
+                               {n: v[n] for n in ("shrink", "expand", "fused", "use_fused") if n in v})
+                              for v in entry.get("variants", ()))
+    return LaunchTable(f"{device} ({os.path.basename(path)})", shrink, expand, fused, frozenset(fused_classes),
+                       variants)
 
 
-TUNED_ON = _load_tuned(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_h200.json"))
+GENERIC = LaunchTable("generic defaults", GENERIC_SHRINK, GENERIC_EXPAND, GENERIC_FUSED, frozenset(), {})
 
 
-def _variant(num_tokens: int, rank: int, num_slots: int, num_slices: int) -> dict:
-    """The first VARIANTS entry of the shape class that applies to num_slots slots and num_slices
-    slices ({} if none)."""
-    for max_slots, min_slices, overrides in VARIANTS.get((token_class(num_tokens), rank_class(rank)), ()):
-        if num_slots <= max_slots and num_slices >= min_slices:
-            return overrides
-    return {}
+@functools.lru_cache(maxsize=None)
+def table(device: str | None) -> LaunchTable:
+    """The launch table of a device by name ("NVIDIA H200"): its tuned file, or the generic defaults."""
+    if device:
+        path = _table_file(device)
+        if os.path.exists(path):
+            found = _read_table(path, device)
+            _LOG.info("launch configs: %s", found.source)
+            return found
+        _LOG.info("launch configs: no tuned table for %s (%s): generic defaults", device, os.path.basename(path))
+    return GENERIC
+
+
+@functools.lru_cache(maxsize=None)
+def device_name() -> str | None:
+    """The name of CUDA device 0 as the driver reports it ("NVIDIA H200"), None without a CUDA driver."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        device = ctypes.c_int()
+        name = ctypes.create_string_buffer(256)
+        if driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), 0):
+            return None
+        if driver.cuDeviceGetName(name, len(name), device):
+            return None
+        return name.value.decode()
+    except OSError:
+        return None
+
+
+def current_table() -> LaunchTable:
+    """The table of the GPU present (generic defaults without one)."""
+    return table(device_name())
+
+
+def _table(device: str | None) -> LaunchTable:
+    return current_table() if device is None else table(device)
 
 
 def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
@@ -156,28 +216,28 @@ def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
     return max(1, min(num_tokens, num_slots), -(-num_tokens // block_m))
 
 
-def table_shrink_config(num_tokens: int, rank: int, num_slices: int, num_slots: int) -> dict:
+def table_shrink_config(num_tokens: int, rank: int, num_slices: int, num_slots: int, *,
+                        device: str | None = None) -> dict:
     """The table's shrink config for a launch as written (SPLIT_K 0 and TARGET not yet resolved)."""
-    return dict(_variant(num_tokens, rank, num_slots, num_slices).get("shrink")
-                or SHRINK[(token_class(num_tokens), rank_class(rank))])
+    return _table(device).config("shrink", num_tokens, rank, num_slices, num_slots)
 
 
-def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
+def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int, *,
+                  device: str | None = None) -> dict:
     if interpreting():
-        return _s(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
-    return resolve_split(table_shrink_config(num_tokens, rank, num_slices, num_slots), num_tokens, hidden, rank,
-                         num_slices, num_slots)
+        return shrink_params(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
+    return resolve_split(table_shrink_config(num_tokens, rank, num_slices, num_slots, device=device), num_tokens,
+                         hidden, rank, num_slices, num_slots)
 
 
 def use_prefetch(num_tokens: int, rank: int) -> bool:
     """Whether the shrink prefetches its A chunk into L2 before waiting for the kernel before it
-    (PDL launches only). Measured on the H200 (2026-11-30 13:48, the whole sweep with and without,
-    benchmarks/results/triton_h200_20261130T1348_prefetch_on / _1349_prefetch_off): 2-11% faster
-    for T <= 16 and for T <= 256 at rank 16 (few adapters); up to 40% slower at T = 32 with 8
-    adapters and 10-20% slower at rank 64 from T = 128 on (many programs prefetching the same
-    chunks). JAX_LORA_TRITON_PREFETCH=0 / 1 turns it off / on everywhere (experiments)."""
-    if PREFETCH_SWITCH in ("0", "1"):
-        return PREFETCH_SWITCH == "1"
+    (PDL launches only). Measured on the H200 over the whole sweep: 2-11% faster for T <= 16 and
+    for T <= 256 at rank 16 (few adapters); up to 40% slower at T = 32 with 8 adapters and 10-20%
+    slower at rank 64 from T = 128 on (many programs prefetching the same chunks).
+    `planning.FORCE_PREFETCH` overrides it (benchmarks)."""
+    if planning.FORCE_PREFETCH is not None:
+        return bool(planning.FORCE_PREFETCH)
     return num_tokens <= 16 or (num_tokens <= 256 and rank <= 16 and num_tokens > 64)
 
 
@@ -207,40 +267,33 @@ def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices
     return cfg
 
 
-def expand_config(num_tokens: int, width: int, rank: int, num_slices: int, num_slots: int) -> dict:
+def expand_config(num_tokens: int, width: int, rank: int, num_slices: int, num_slots: int, *,
+                  device: str | None = None) -> dict:
     if interpreting():
-        return _e(16, min(256, max(16, next_pow2(width))), 64, 4, 1)
-    return dict(_variant(num_tokens, rank, num_slots, num_slices).get("expand") or EXPAND[(token_class(num_tokens), rank_class(rank))])
+        return expand_params(16, min(256, max(16, next_pow2(width))), 64, 4, 1)
+    return _table(device).config("expand", num_tokens, rank, num_slices, num_slots)
 
 
 def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices: int,
-                 num_slots: int) -> dict:
+                 num_slots: int, *, device: str | None = None) -> dict:
     if interpreting():
-        return _f(16, min(256, max(16, next_pow2(width))), min(256, max(16, next_pow2(hidden))), 4, 1, 0)
-    key = (token_class(num_tokens), rank_class(rank))
-    return dict(_variant(num_tokens, rank, num_slots, num_slices).get("fused") or FUSED.get(key, _f(16, 128, 128, 4, 2)))
-
-
-# JAX_LORA_TRITON_FUSED=1 / 0 forces the fused kernel on / off where `linear` is not told
-# (benchmarks, experiments); unset or "auto": the table decides.
-_FORCE_FUSED = os.environ.get("JAX_LORA_TRITON_FUSED", "auto")
+        return fused_params(16, min(256, max(16, next_pow2(width))), min(256, max(16, next_pow2(hidden))), 4, 1, 0)
+    return _table(device).config("fused", num_tokens, rank, num_slices, num_slots)
 
 
 def fused_forced():
-    """True / False when JAX_LORA_TRITON_FUSED forces the fused kernel on / off, else None."""
-    return None if _FORCE_FUSED not in ("0", "1") else _FORCE_FUSED == "1"
+    """FORCE_FUSED: True / False when a benchmark forces the fused kernel on / off, else None."""
+    return FORCE_FUSED
 
 
-def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> bool:
+def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int, *,
+              device: str | None = None) -> bool:
     """True when the one-launch fused kernel is expected to beat shrink + expand (decode sizes).
     The fused kernel needs the whole rank in one block (rank <= 64 here)."""
     if rank > 64:
         return False
-    if _FORCE_FUSED in ("0", "1"):
-        return _FORCE_FUSED == "1"
+    if FORCE_FUSED is not None:
+        return bool(FORCE_FUSED)
     if num_tokens < FUSED_MIN_TOKENS:
         return False
-    variant = _variant(num_tokens, rank, num_slots, num_slices)
-    if "use_fused" in variant:
-        return bool(variant["use_fused"])
-    return (token_class(num_tokens), rank_class(rank)) in FUSED_CLASSES
+    return _table(device).fused_wins(num_tokens, rank, num_slots, num_slices)

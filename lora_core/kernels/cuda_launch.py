@@ -2,7 +2,7 @@
 
 The library is compiled at first use with the machine's C compiler (the one Triton itself needs
 for its launchers), against Triton's bundled cuda.h and, for the XLA FFI handler, jaxlib's FFI
-headers; it is cached under $JAX_LORA_CACHE_DIR (default ~/.cache/jax_lora) by a hash of the
+headers; it is cached under $LORA_CORE_CACHE_DIR (default ~/.cache/lora_core) by a hash of the
 source and headers. Nothing here imports torch; jax is imported only to find its FFI headers.
 
 `PreparedLaunches` is the torch side's use: kernel launches whose parameter blocks are built
@@ -26,7 +26,7 @@ ARG, OUT, I32, F32, I64, NULL, PTR, COUNTERS = range(8)
 
 
 def _cache_dir() -> str:
-    d = os.environ.get("JAX_LORA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jax_lora")
+    d = os.environ.get("LORA_CORE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "lora_core")
     os.makedirs(d, exist_ok=True)
     return d
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Sequence
 
 import triton
@@ -195,8 +194,8 @@ class FusedPlan(ExpandPlan):
     workspace_shape: tuple = ()   # (SPLIT_K, slices, T, rank) float32
 
     # Ask for a cooperative launch (co-residency checked by the driver, which refuses large decode
-    # grids: see lora_fused_kernel). JAX_LORA_TRITON_COOPERATIVE=1 turns it on.
-    cooperative = os.environ.get("JAX_LORA_TRITON_COOPERATIVE", "0") == "1"
+    # grids: see lora_fused_kernel). Off; benchmark experiments may set it on the class.
+    cooperative = False
 
     @property
     def sync_ints(self) -> int:

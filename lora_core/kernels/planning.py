@@ -22,6 +22,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def pdl_allowed() -> bool:
+    """Programmatic dependent launch unless LORA_CORE_PDL=0 (both launchers; Hopper and newer only)."""
+    return os.environ.get("LORA_CORE_PDL", "1") != "0"
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -89,9 +94,9 @@ def hidden_split(hidden: int, split: int, block_k: int) -> tuple[int, int]:
 
 
 PREFETCH_MAX_LINES = 64  # L2 prefetch of at most this many 128-byte lines per weight row
-# JAX_LORA_TRITON_PREFETCH: "0" / "1" turn the L2 weight prefetch off / on everywhere (experiments);
-# otherwise configs.use_prefetch decides per size. Read once, here, for both places that ask.
-PREFETCH_SWITCH = os.environ.get("JAX_LORA_TRITON_PREFETCH", "auto")
+# True / False turns the L2 weight prefetch on / off everywhere (benchmark experiments); None:
+# configs.use_prefetch decides per size.
+FORCE_PREFETCH = None
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
@@ -99,7 +104,7 @@ def prefetch_constexprs(pdl: bool, columns: int, w_dtype: str) -> dict:
     """PREFETCH_LINES / PREFETCH_LINE: prefetch a program's weight chunk into L2 before waiting for
     the kernel before it (PDL launches, compiled only: inline PTX)."""
     line = 128 // DTYPE_BYTES.get(w_dtype, 2)
-    off = not pdl or interpreting() or PREFETCH_SWITCH == "0"
+    off = not pdl or interpreting() or FORCE_PREFETCH is False
     lines = 0 if off else min(PREFETCH_MAX_LINES, next_pow2(triton.cdiv(columns, line)))
     return dict(PREFETCH_LINES=lines, PREFETCH_LINE=line)
 

@@ -31,7 +31,7 @@ from lora_core.kernels.common import HAVE_PDL
 from lora_core.kernels.expand import plan_expand
 from lora_core.kernels.fused import plan_fused
 from lora_core.kernels.launch import triton_launch
-from lora_core.kernels.planning import interpreting, next_pow2, slice_chunks
+from lora_core.kernels.planning import interpreting, next_pow2, pdl_allowed, slice_chunks
 from lora_core.kernels.shrink import plan_shrink
 
 NAME = "triton"
@@ -43,7 +43,7 @@ NAME = "triton"
 
 @functools.lru_cache(maxsize=None)
 def _pdl_enabled() -> bool:
-    return (HAVE_PDL and not interpreting() and os.environ.get("TORCH_LORA_TRITON_PDL", "1") != "0"
+    return (HAVE_PDL and not interpreting() and pdl_allowed()
             and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -135,7 +135,12 @@ def _key(config: Optional[dict]):
 # and whether every tensor is 16-byte aligned (else Triton's own launcher is used) -- never a data
 # pointer itself.
 _COMPILED: dict = {}
-_FAST = [os.environ.get("TORCH_LORA_TRITON_FAST_LAUNCH", "1") != "0" and not interpreting()]
+# TORCH_LORA_LAUNCHER: "c" (default: PreparedLinear's launches from C), "direct" (compiled kernels
+# launched from Python without Triton's launcher), "triton" (Triton's own launcher for every call).
+_LAUNCHER = os.environ.get("TORCH_LORA_LAUNCHER", "c")
+if _LAUNCHER not in ("c", "direct", "triton"):
+    raise ValueError(f"TORCH_LORA_LAUNCHER must be 'c', 'direct' or 'triton', got {_LAUNCHER!r}")
+_FAST = [_LAUNCHER != "triton" and not interpreting()]
 _MAX_COMPILED = 4096
 
 
@@ -401,7 +406,7 @@ class PreparedLinear:
         return tuple(steps)
 
 
-_C_LAUNCH = [os.environ.get("TORCH_LORA_TRITON_C_LAUNCH", "1") != "0"]
+_C_LAUNCH = [_LAUNCHER == "c"]
 
 
 def _float_bits(v: float) -> int:
