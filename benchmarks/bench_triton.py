@@ -484,7 +484,7 @@ def host_cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-_SOURCE_DIRS = ("jax_lora", "torch_lora", "bridge", "benchmarks")
+_SOURCE_DIRS = ("lora_core", "jax_lora", "torch_lora", "bridge", "benchmarks")
 _SOURCE_EXTS = (".py", ".c", ".json")
 
 

@@ -28,7 +28,7 @@ def test_the_source_digest_follows_the_sources_and_ignores_results(tmp_path):
     (tmp_path / "benchmarks" / "results").mkdir()
     (tmp_path / "benchmarks" / "results" / "new.json").write_text("{}")      # results do not count
     assert bench_triton.source_digest(str(tmp_path)) == here
-    kernel = tmp_path / "jax_lora" / "kernels" / "lora_triton.py"
+    kernel = tmp_path / "lora_core" / "kernels" / "shrink.py"
     kernel.write_text(kernel.read_text() + "\n# changed\n")
     assert bench_triton.source_digest(str(tmp_path)) != here
 
