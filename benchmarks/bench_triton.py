@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torch_lora.meta import LoRAKernelMeta  # noqa: E402
-from torch_lora.ops import triton as TT  # noqa: E402
+from torch_lora.ops import triton as torch_triton  # noqa: E402
 
 HIDDEN = 4096
 SLICES = {"s1": (4096,), "s3": (4096, 1024, 1024)}
@@ -127,7 +127,7 @@ class InputSet:
         self.scale = 0.5
 
     def call(self, y=None):
-        TT.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
+        torch_triton.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
                   self.scale, self.offsets, self.ranks)
 
     def reference(self):
@@ -211,7 +211,7 @@ def host_breakdown(s, n=3000) -> str:
     """The parts of one PreparedLinear call, timed alone on this host (us per call, median of 5
     batches): what the host figure is made of (--profile-host). The workspace allocation is what
     a call paid before session 8 (PreparedLinear now reuses its stream's buffer)."""
-    prepared = TT.PreparedLinear(s.a, s.b, s.meta.meta_args(s.x.shape[0]), s.offsets)
+    prepared = torch_triton.PreparedLinear(s.a, s.b, s.meta.meta_args(s.x.shape[0]), s.offsets)
     prepared(s.y, s.x, s.scale, s.ranks)                    # builds the direct path
     prepared(s.y, s.x, s.scale, s.ranks)                    # fills in the per-call values
     torch.cuda.synchronize()
@@ -290,7 +290,7 @@ def run_case(case, slice_name, device, seed=0):
     torch.cuda.empty_cache()
     return dict(case=name, slices=slice_name, kind=kind, T=T, D=D, rank=r, slots=slots,
                 ranks=list(ranks) if ranks else None, frac_none=frac_none, rel_err=err,
-                fused=bool(TT.configs.use_fused(T, HIDDEN, r, len(widths), slots)),
+                fused=bool(torch_triton.configs.use_fused(T, HIDDEN, r, len(widths), slots)),
                 time_us=t_us, min_bytes=nbytes, gbs=nbytes / (t_us * 1e3),
                 pct_peak=100 * nbytes / (t_us * 1e3) / PEAK_GBS, floor_us=nbytes / (PEAK_GBS * 1e3),
                 floor_launch_us=floor_us, n_sets=n_sets, vllm_us=vllm,
@@ -323,7 +323,7 @@ def jax_vs_torch(device, cases, steps=50, long_steps=200, jax_fused=None, barrie
 
     from jax_lora.meta import LoRAKernelMeta as JMeta
     from jax_lora.ops import ffi_launcher
-    from jax_lora.ops import triton as JT
+    from jax_lora.ops import triton as jax_triton_backend
 
     out = []
     for case, slice_name in cases:
@@ -351,7 +351,7 @@ def jax_vs_torch(device, cases, steps=50, long_steps=200, jax_fused=None, barrie
 
         @jax.jit
         def one(y, x, a, b, meta):
-            return JT.linear(y, x, a, b, meta, scale, offsets, fused=jax_fused)
+            return jax_triton_backend.linear(y, x, a, b, meta, scale, offsets, fused=jax_fused)
 
         def program(n):
             def many(y, x, a, b, meta):
@@ -359,7 +359,7 @@ def jax_vs_torch(device, cases, steps=50, long_steps=200, jax_fused=None, barrie
                     xs = x
                     if barrier:
                         xs, c = jax.lax.optimization_barrier((x, c))
-                    return JT.linear(c, xs, a, b, meta, scale, offsets, fused=jax_fused), None
+                    return jax_triton_backend.linear(c, xs, a, b, meta, scale, offsets, fused=jax_fused), None
                 return jax.lax.scan(body, y, None, length=n, unroll=True)[0]
             return jax.jit(many, donate_argnums=(0,) if donate else ())
 
@@ -587,7 +587,7 @@ def main():
             name, kind, T, D, r, fn, rk = case
             s = InputSet(kind, T, D, r, SLICES[sl], max(8, D), fn, rk, torch.Generator().manual_seed(2), device)
             h = host_time_us(s)
-            prepared = TT.PreparedLinear(s.a, s.b, s.meta.meta_args(T), s.offsets)
+            prepared = torch_triton.PreparedLinear(s.a, s.b, s.meta.meta_args(T), s.offsets)
             hp = _host_us(lambda: prepared(s.y, s.x, s.scale, s.ranks), 300)
             wc = WrapperCall(s, SLICES[sl])
             yw = s.y.clone()

@@ -95,9 +95,9 @@ def _to_jax_parts(x, iters: int, repeats: int) -> dict:
     """Host us of each step of bridge.to_jax on a CUDA tensor, timed alone."""
     import torch
 
-    from bridge import dlpack as D
-    jdev = D.jax_device_for(x.device)
-    jstream = D._jax_ready_stream(jdev)
+    from bridge import dlpack
+    jdev = dlpack.jax_device_for(x.device)
+    jstream = dlpack._jax_ready_stream(jdev)
     producer = torch.cuda.current_stream(x.device)
     event = torch.cuda.Event()
     external = torch.cuda.ExternalStream(jstream, device=x.device)
@@ -106,11 +106,11 @@ def _to_jax_parts(x, iters: int, repeats: int) -> dict:
         "raw_current_stream": _timer(lambda: torch._C._cuda_getCurrentRawStream(x.device.index), iters, repeats),
         "event_record": _timer(lambda: event.record(producer), iters, repeats),
         "wait_event": _timer(lambda: external.wait_event(event), iters, repeats),
-        "wait_for_producer": _timer(lambda: D._wait_for_producer(jstream, producer, x.device), iters, repeats),
-        "torch_to_dlpack": _timer(lambda: D._TO_DLPACK(x), iters, repeats),
-        "to_dlpack_and_import": _timer(lambda: D._import_capsule(D._TO_DLPACK(x), jdev, jstream, D._DL_CUDA),
+        "wait_for_producer": _timer(lambda: dlpack._wait_for_producer(jstream, producer, x.device), iters, repeats),
+        "torch_to_dlpack": _timer(lambda: dlpack._TO_DLPACK(x), iters, repeats),
+        "to_dlpack_and_import": _timer(lambda: dlpack._import_capsule(dlpack._TO_DLPACK(x), jdev, jstream, dlpack._DL_CUDA),
                                        iters, repeats),
-        "import_no_stream": _timer(lambda: D._import_capsule(D._TO_DLPACK(x), jdev, None, D._DL_CUDA),
+        "import_no_stream": _timer(lambda: dlpack._import_capsule(dlpack._TO_DLPACK(x), jdev, None, dlpack._DL_CUDA),
                                    iters, repeats),
     }
 

@@ -40,7 +40,7 @@ from bench_triton import (  # noqa: E402
 from profile_kernels import parse_cases  # noqa: E402
 
 from lora_core.kernels import configs  # noqa: E402
-from torch_lora.ops import triton as TT  # noqa: E402
+from torch_lora.ops import triton as torch_triton  # noqa: E402
 
 
 class ModeSet(InputSet):
@@ -48,7 +48,7 @@ class ModeSet(InputSet):
     mode: dict = {}
 
     def call(self, y=None):
-        TT.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
+        torch_triton.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
                   self.scale, self.offsets, self.ranks, **ModeSet.mode)
 
 

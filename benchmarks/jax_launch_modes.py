@@ -49,12 +49,12 @@ CASES = ("dec T1 D1 r16", "dec T8 D8 r64", "dec T128 D64 r64")
 
 def child(mode: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_triton as B
+    import bench_triton
     import torch
-    cases = [c for c in B.sweep_cases() if c[0] in CASES]
+    cases = [c for c in bench_triton.sweep_cases() if c[0] in CASES]
     flags, fused, _env = MODES[mode]
     from jax_lora.ops import ffi_launcher
-    res = B.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")], jax_fused=fused,
+    res = bench_triton.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")], jax_fused=fused,
                          barrier=os.environ.get("BENCH_JAX_BARRIER", "1") != "0",
                          donate=os.environ.get("BENCH_JAX_DONATE", "1") != "0")
     print("RESULT " + json.dumps(dict(mode=mode, xla_flags=flags, jax_fused=fused, env=_env,

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_triton import L2_BYTES, InputSet, graph_time_us, min_bytes  # noqa: E402
 
 from lora_core.kernels import configs  # noqa: E402
-from torch_lora.ops import triton as TT  # noqa: E402
+from torch_lora.ops import triton as torch_triton  # noqa: E402
 
 # (token class, rank class) -> representative (kind, T, D)
 # (token class, rank class) -> representative (kind, T, adapter counts). Mid classes are scored
@@ -155,7 +155,7 @@ class Tuned(InputSet):
     mode = dict(fused=False, shrink_config=None, expand_config=None, fused_config=None)
 
     def call(self, y=None):
-        TT.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
+        torch_triton.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
                   self.scale, self.offsets, self.ranks, **Tuned.mode)
 
 

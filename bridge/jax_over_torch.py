@@ -58,7 +58,7 @@ def _jax_device(device):
     return device
 
 
-def _t(a, name: str = "array"):
+def _as_torch(a, name: str = "array"):
     """A torch view of a JAX array (numpy / Python values go through jnp.asarray first)."""
     if type(a) is _ARRAY_IMPL:  # the common case first
         return to_torch(a)
@@ -186,11 +186,11 @@ class JaxPunicaWrapper:
     def _weight_one(self, w, name: str):
         if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer):
             return self._weights.get(w, to_torch)
-        return _t(w, name)  # numpy / tracer (raises): not cached, a numpy array can change in place
+        return _as_torch(w, name)  # numpy / tracer (raises): not cached, a numpy array can change in place
 
     def _out(self, y, name: str = "y") -> torch.Tensor:
         """A fresh torch tensor holding y's values: the torch kernels update it, JAX receives it."""
-        return _t(y, name).clone(memory_format=torch.contiguous_format)
+        return _as_torch(y, name).clone(memory_format=torch.contiguous_format)
 
     def _mapped(self, t: torch.Tensor, mapped: int, axis: int = 0) -> torch.Tensor:
         """The first `mapped` token rows of a (.., T, ..) view: rows past the mapping are "no LoRA".
@@ -221,17 +221,17 @@ class JaxPunicaWrapper:
     # ------------------------------------------------------------------ ops
     def add_shrink(self, y, x, lora_a_stacked, scale: float, *, lora_ranks=None, **kwargs) -> jax.Array:
         """Returns y' (S, T, r) with y's dtype: scale * x @ A_s[idx].T per token (0 for -1 and unmapped rows)."""
-        y_t, x_t = _t(y, "y"), self._rows(_t(x, "x"), "x")
+        y_t, x_t = _as_torch(y, "y"), self._rows(_as_torch(x, "x"), "x")
         n = self._num_tokens
         if y_t.dim() != 3 or y_t.shape[1] <= n:  # every row is mapped (or a bad y: the torch wrapper says so)
             out = torch.empty(y_t.shape, dtype=y_t.dtype, device=y_t.device)  # shrink writes every row
             self.torch_wrapper.add_shrink(out, x_t, self._weight(lora_a_stacked, "lora_a_stacked"), scale,
-                                          lora_ranks=_t(lora_ranks, "lora_ranks"))
+                                          lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
         else:  # a bucket-padded batch: rows past the mapping are 0
             out = torch.zeros(y_t.shape, dtype=y_t.dtype, device=y_t.device)
             part = out[:, :n].contiguous()
             self.torch_wrapper.add_shrink(part, self._mapped(x_t, n), self._weight(lora_a_stacked, "lora_a_stacked"),
-                                          scale, lora_ranks=_t(lora_ranks, "lora_ranks"))
+                                          scale, lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
             out[:, :n] = part
         return self._finish(out, x_t, y_t)
 
@@ -242,25 +242,25 @@ class JaxPunicaWrapper:
         out2 = self._rows(out, "y")
         n = self._num_tokens
         if isinstance(x, (list, tuple)):
-            buf = [self._mapped(_t(p, "x"), n) for p in x]
+            buf = [self._mapped(_as_torch(p, "x"), n) for p in x]
         else:
-            buf = _t(x, "x")
+            buf = _as_torch(x, "x")
             buf = self._mapped(buf, n, axis=1) if buf.dim() == 3 else buf
         self.torch_wrapper.add_expand(self._mapped(out2, n), buf, self._weight(lora_b_stacked, "lora_b_stacked"),
                                       self._weight(lora_bias_stacked, "lora_bias_stacked"), output_slices,
                                       offset_start=offset_start, add_inputs=add_inputs,
-                                      lora_ranks=_t(lora_ranks, "lora_ranks"))
+                                      lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
         return self._finish(out, buf)
 
     def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs: bool = True, *, lora_ranks=None,
                            **kwargs) -> jax.Array:
         """Returns y' = y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r); y: (T, N)."""
         out = self._out(y)
-        x_t = _t(x, "x")
+        x_t = _as_torch(x, "x")
         n = self._num_tokens
         self.torch_wrapper.add_lora_embedding(self._mapped(self._rows(out, "y"), n), self._mapped(x_t, n),
                                               self._weight(lora_b_stacked, "lora_b_stacked"), add_inputs=add_inputs,
-                                              lora_ranks=_t(lora_ranks, "lora_ranks"))
+                                              lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
         return self._finish(out, x_t)
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, scale: float,
@@ -270,7 +270,7 @@ class JaxPunicaWrapper:
         `buffer` is only checked (as in jax_lora: JAX is functional).
         """
         out = self._out(y)
-        out2, x_t = self._rows(out, "y"), self._rows(_t(x, "x"), "x")
+        out2, x_t = self._rows(out, "y"), self._rows(_as_torch(x, "x"), "x")
         if x_t.shape[0] != out2.shape[0]:
             raise ValueError(f"x has {x_t.shape[0]} tokens (shape {jnp.shape(x)}) but y has {out2.shape[0]} "
                              f"(shape {jnp.shape(y)})")
@@ -285,21 +285,21 @@ class JaxPunicaWrapper:
                                            self._weight(lora_a_stacked, "lora_a_stacked"),
                                            self._weight(lora_b_stacked, "lora_b_stacked"),
                                            self._weight(lora_bias_stacked, "lora_bias_stacked"), scale, output_slices,
-                                           lora_ranks=_t(lora_ranks, "lora_ranks"))
+                                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
         return self._finish(out, x_t)
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale: float, *, buffer=None, lora_ranks=None,
                         **kwargs) -> jax.Array:
         """Returns y' with y'[j] = y[j] + (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j."""
         out = self._out(y)
-        out2, x_t = self._rows(out, "y"), self._rows(_t(x, "x"), "x")
+        out2, x_t = self._rows(out, "y"), self._rows(_as_torch(x, "x"), "x")
         if x_t.shape[0] != out2.shape[0]:
             raise ValueError(f"x has {x_t.shape[0]} rows but y has {out2.shape[0]}")
         n = self._num_rows
         self.torch_wrapper.add_lora_logits(self._mapped(out2, n), self._mapped(x_t, n),
                                            self._weight(lora_a_stacked, "lora_a_stacked"),
                                            self._weight(lora_b_stacked, "lora_b_stacked"), scale,
-                                           lora_ranks=_t(lora_ranks, "lora_ranks"))
+                                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
         return self._finish(out, x_t)
 
 
@@ -308,8 +308,8 @@ class JaxPunicaWrapper:
 
 def _torch_all(value, name: str):
     if isinstance(value, (list, tuple)):
-        return [_t(v, f"{name}[{i}]") for i, v in enumerate(value)]
-    return _t(value, name)
+        return [_as_torch(v, f"{name}[{i}]") for i, v in enumerate(value)]
+    return _as_torch(value, name)
 
 
 def _meta_args(meta, num_tokens: int) -> tuple:
@@ -320,24 +320,24 @@ def _meta_args(meta, num_tokens: int) -> tuple:
         mapping, sorted_tokens, num_per, start, active, no_lora = (
             meta.token_lora_mapping, meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora,
             meta.lora_token_start_loc, meta.active_lora_ids, meta.no_lora)
-    mapping, sorted_tokens = _t(mapping, "meta"), _t(sorted_tokens, "meta")
+    mapping, sorted_tokens = _as_torch(mapping, "meta"), _as_torch(sorted_tokens, "meta")
     if mapping.shape[0] < num_tokens:
         raise ValueError(f"meta covers {mapping.shape[0]} tokens, but the input has {num_tokens}")
-    return (mapping[:num_tokens], sorted_tokens[:num_tokens], _t(num_per, "meta"), _t(start, "meta"),
-            _t(active, "meta"), _t(no_lora, "meta").reshape(1))
+    return (mapping[:num_tokens], sorted_tokens[:num_tokens], _as_torch(num_per, "meta"), _as_torch(start, "meta"),
+            _as_torch(active, "meta"), _as_torch(no_lora, "meta").reshape(1))
 
 
 def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: Optional[str] = None,
                 lora_ranks=None) -> jax.Array:
     """jax_lora.ops.lora_shrink over torch_lora.ops.lora_shrink: returns (S, T, r) float32."""
-    x_t = _t(x, "x")
+    x_t = _as_torch(x, "x")
     a_t = _torch_all(lora_a_stacked, "lora_a_stacked")
     a_list = a_t if isinstance(a_t, list) else [a_t]
     num_slots, rank, _ = checks.check_shrink(tuple(x_t.shape), x_t.dtype, [a.shape for a in a_list],
                                              [a.dtype for a in a_list])
     out = torch.empty((len(a_list), x_t.shape[0], rank), dtype=torch.float32, device=x_t.device)
     tops.lora_shrink(x_t, a_t, out, *_meta_args(meta, x_t.shape[0]), scale, backend=backend,
-                     lora_ranks=_t(lora_ranks, "lora_ranks"))
+                     lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
     _keepalive.hold(x_t.device, x_t, a_t)
     return to_jax(out)
 
@@ -345,28 +345,28 @@ def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: Optional[str]
 def lora_expand(buf, lora_b_stacked, y, meta, offset_start: int = 0, add_inputs: bool = False, *,
                 backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
     """jax_lora.ops.lora_expand over torch_lora.ops.lora_expand: returns a new y."""
-    out = _t(y, "y").clone(memory_format=torch.contiguous_format)
-    buf_t = _t(buf, "buf")
+    out = _as_torch(y, "y").clone(memory_format=torch.contiguous_format)
+    buf_t = _as_torch(buf, "buf")
     tops.lora_expand(buf_t, _torch_all(lora_b_stacked, "lora_b_stacked"), out, *_meta_args(meta, out.shape[0]),
                      offset_start=offset_start, add_inputs=add_inputs, backend=backend,
-                     lora_ranks=_t(lora_ranks, "lora_ranks"))
+                     lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
     _keepalive.hold(out.device, buf_t)
     return to_jax(out)
 
 
 def bgmv_shrink(x, w, idx, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1."""
-    x_t = _t(x, "x")
-    res = tops.bgmv_shrink(x_t, _t(w, "w"), _t(idx, "idx"), scale, backend=backend,
-                           lora_ranks=_t(lora_ranks, "lora_ranks"))
+    x_t = _as_torch(x, "x")
+    res = tops.bgmv_shrink(x_t, _as_torch(w, "w"), _as_torch(idx, "idx"), scale, backend=backend,
+                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
     _keepalive.hold(x_t.device, x_t)
     return to_jax(res)
 
 
 def _expand(fn, x, w, y, idx_args, tail, backend, lora_ranks) -> jax.Array:
-    out = _t(y, "y").clone(memory_format=torch.contiguous_format)
-    x_t = _t(x, "x")
-    fn(x_t, _t(w, "w"), out, *idx_args, *tail, backend=backend, lora_ranks=_t(lora_ranks, "lora_ranks"))
+    out = _as_torch(y, "y").clone(memory_format=torch.contiguous_format)
+    x_t = _as_torch(x, "x")
+    fn(x_t, _as_torch(w, "w"), out, *idx_args, *tail, backend=backend, lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
     _keepalive.hold(out.device, x_t)
     return to_jax(out)
 
@@ -374,29 +374,29 @@ def _expand(fn, x, w, y, idx_args, tail, backend, lora_ranks) -> jax.Array:
 def bgmv_expand(x, w, y, idx, add_inputs: bool = True, *, backend: Optional[str] = None,
                 lora_ranks=None) -> jax.Array:
     """A new y with y[t, :c] (+)= (x[t] @ w[idx[t]].T)[:c]."""
-    return _expand(tops.bgmv_expand, x, w, y, (_t(idx, "idx"),), (add_inputs,), backend, lora_ranks)
+    return _expand(tops.bgmv_expand, x, w, y, (_as_torch(idx, "idx"),), (add_inputs,), backend, lora_ranks)
 
 
 def bgmv_expand_slice(x, w, y, idx, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
                       backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
     """A new y with y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T."""
-    return _expand(tops.bgmv_expand_slice, x, w, y, (_t(idx, "idx"),), (y_offset, y_slice_size, add_inputs),
+    return _expand(tops.bgmv_expand_slice, x, w, y, (_as_torch(idx, "idx"),), (y_offset, y_slice_size, add_inputs),
                    backend, lora_ranks)
 
 
 def _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums) -> tuple:
     as_int = lambda v: int(v) if isinstance(v, (jax.Array, np.ndarray, np.integer)) else v  # noqa: E731
-    return (_t(seq_start_locs, "seq_start_locs"), _t(seq_lengths, "seq_lengths"),
-            _t(lora_indices_per_batch, "lora_indices_per_batch"), as_int(batch_size), as_int(max_length),
+    return (_as_torch(seq_start_locs, "seq_start_locs"), _as_torch(seq_lengths, "seq_lengths"),
+            _as_torch(lora_indices_per_batch, "lora_indices_per_batch"), as_int(batch_size), as_int(max_length),
             as_int(token_nums))
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                 scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
     """bgmv_shrink with each segment's tokens using the segment's index."""
-    x_t = _t(x, "x")
+    x_t = _as_torch(x, "x")
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
-    res = tops.sgmv_shrink(x_t, _t(w, "w"), *seg, scale, backend=backend, lora_ranks=_t(lora_ranks, "lora_ranks"))
+    res = tops.sgmv_shrink(x_t, _as_torch(w, "w"), *seg, scale, backend=backend, lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
     _keepalive.hold(x_t.device, x_t)
     return to_jax(res)
 

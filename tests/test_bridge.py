@@ -464,13 +464,13 @@ def _torch_side(c, dtype, bridged):
 
 
 def _jax_side(c, dtype, bridged):
-    import jax_lora as jl
-    w = (bridge.JaxPunicaWrapper if bridged else jl.PunicaWrapper)(16, 8, "cpu", max_loras=c["slots"])
+    import jax_lora
+    w = (bridge.JaxPunicaWrapper if bridged else jax_lora.PunicaWrapper)(16, 8, "cpu", max_loras=c["slots"])
     w.update_metadata(c["mapping"], c["ids"], c["slots"] + 1, 32)
-    ops = bridge.jax_over_torch if bridged else jl.ops
+    ops = bridge.jax_over_torch if bridged else jax_lora.ops
     conv = lambda v, dt=dtype: jnp.asarray(np.asarray(v, np.float32)).astype(dt)  # noqa: E731
     c = dict(c, idx=jnp.asarray(c["idx_np"]))
-    meta = jl.LoRAKernelMeta.build(c["idx"], c["slots"], 16)
+    meta = jax_lora.LoRAKernelMeta.build(c["idx"], c["slots"], 16)
 
     def meta_for(kind, inp, weights, y=None):
         if kind == "shrink":

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lora_core.kernels import cuda_launch as C
-from jax_lora.ops import ffi_launcher as F
+from lora_core.kernels import cuda_launch
+from jax_lora.ops import ffi_launcher
 
 _NAMES = itertools.count()
 
@@ -28,10 +28,10 @@ _NAMES = itertools.count()
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     try:
-        path = C.build_library(True, str(tmp_path_factory.mktemp("ffi")))
+        path = cuda_launch.build_library(True, str(tmp_path_factory.mktemp("ffi")))
     except (RuntimeError, ImportError) as e:  # no C compiler / no Triton CUDA headers here
         pytest.skip(str(e))
-    return C.declare(ctypes.CDLL(path))
+    return cuda_launch.declare(ctypes.CDLL(path))
 
 
 def _probe(library):
@@ -90,15 +90,15 @@ def test_parameters_follow_the_kernel_signature_as_triton_specialises_it():
     shrink = _shrink_launch()
     launch, operands = _launch_of(shrink)
     results = [_result_shape(shrink.call.out)]
-    sig, consts, attrs, passed = F._specialise(launch, operands, results)
+    sig, consts, attrs, passed = ffi_launcher._specialise(launch, operands, results)
     names = shrink.call.kernel.arg_names
     assert list(sig) == list(names)
     for name, v in zip([n for n in names if n not in shrink.call.plan.constexprs], launch.params):
         i = names.index(name)
-        if isinstance(v, F.Arg):
-            assert sig[name] == "*" + F._triton_type(operands[v.index].dtype)
+        if isinstance(v, ffi_launcher.Arg):
+            assert sig[name] == "*" + ffi_launcher._triton_type(operands[v.index].dtype)
             assert attrs[(i,)] == [["tt.divisibility", 16]]
-        elif isinstance(v, F.Out):
+        elif isinstance(v, ffi_launcher.Out):
             assert sig[name] == "*fp32" and name == "out_ptr"
         elif isinstance(v, float):
             assert sig[name] == "fp32"
@@ -111,9 +111,9 @@ def test_parameters_follow_the_kernel_signature_as_triton_specialises_it():
     kinds = [k for k, _ in passed]
     n_free = sum(1 for n in names if sig[n] != "constexpr")
     assert len(passed) == n_free
-    assert kinds[0] == F._ARG and passed[-1] == (F._OUT, 0)
+    assert kinds[0] == ffi_launcher._ARG and passed[-1] == (ffi_launcher._OUT, 0)
     scale = passed[[n for n in names if sig[n] != "constexpr"].index("scale")]
-    assert scale == (F._F32, int(np.array(0.5, np.float32).view(np.int32)))
+    assert scale == (ffi_launcher._F32, int(np.array(0.5, np.float32).view(np.int32)))
 
 
 def test_the_fused_kernel_gets_the_persistent_barrier_counters_not_a_result():
@@ -133,12 +133,12 @@ def test_the_fused_kernel_gets_the_persistent_barrier_counters_not_a_result():
     workspace = fused.call.pointers[-1]
     assert workspace.index == 1
     launch, operands = _launch_of(fused)
-    sig, _, attrs, passed = F._specialise(launch, operands, [jax.ShapeDtypeStruct(y.shape, y.dtype),
+    sig, _, attrs, passed = ffi_launcher._specialise(launch, operands, [jax.ShapeDtypeStruct(y.shape, y.dtype),
                                                              _result_shape(workspace)])
     free = [n for n in fused.call.kernel.arg_names if sig[n] != "constexpr"]
     assert sig["sync_ptr"] == "*i32" and sig["ws_ptr"] == "*fp32"
-    assert passed[free.index("sync_ptr")] == (F._COUNTERS, 0)
-    assert passed[free.index("ws_ptr")] == (F._OUT, 1)
+    assert passed[free.index("sync_ptr")] == (ffi_launcher._COUNTERS, 0)
+    assert passed[free.index("ws_ptr")] == (ffi_launcher._OUT, 1)
     assert fused.call.plan.sync_ints == fused.call.plan.grid[1]
 
 
@@ -152,34 +152,34 @@ def test_counter_allocation_without_a_driver_fails_with_a_message(library):
 
 def test_a_parameter_count_that_does_not_match_the_kernel_is_an_error():
     shrink = _shrink_launch()
-    launch = F.Launch(shrink.call.kernel, shrink.call.plan.grid, 4, 2, shrink.call.plan.constexprs, (F.Arg(0),))
+    launch = ffi_launcher.Launch(shrink.call.kernel, shrink.call.plan.grid, 4, 2, shrink.call.plan.constexprs, (ffi_launcher.Arg(0),))
     with pytest.raises(ValueError, match="non-constexpr"):
-        F._specialise(launch, [shrink.call.pointers[0]], [_result_shape(shrink.call.out)])
+        ffi_launcher._specialise(launch, [shrink.call.pointers[0]], [_result_shape(shrink.call.out)])
 
 
 def test_the_launcher_choice_is_validated(monkeypatch):
     monkeypatch.setenv("JAX_LORA_TRITON_LAUNCHER", "cuda_graphs")
     with pytest.raises(ValueError, match="JAX_LORA_TRITON_LAUNCHER"):
-        F.launcher_choice()
+        ffi_launcher.launcher_choice()
     monkeypatch.setenv("JAX_LORA_TRITON_LAUNCHER", "jax_triton")
-    assert F.launcher_choice() == "jax_triton"
+    assert ffi_launcher.launcher_choice() == "jax_triton"
 
 
 def test_the_cpu_never_selects_the_ffi_launcher():
     if any(d.platform == "gpu" for d in jax.local_devices()):
         pytest.skip("a GPU is present")
-    F.unavailable_reason.cache_clear()
-    assert not F.available()
-    assert os.path.exists(C.SOURCE)
+    ffi_launcher.unavailable_reason.cache_clear()
+    assert not ffi_launcher.available()
+    assert os.path.exists(cuda_launch.SOURCE)
 
 
 def test_the_plain_library_for_torch_builds_without_xla_headers(tmp_path, monkeypatch):
-    monkeypatch.setattr(C, "_include_dirs", lambda xla_ffi: [d for d in _triton_include()])
+    monkeypatch.setattr(cuda_launch, "_include_dirs", lambda xla_ffi: [d for d in _triton_include()])
     try:
-        path = C.build_library(False, str(tmp_path))
+        path = cuda_launch.build_library(False, str(tmp_path))
     except (RuntimeError, ImportError) as e:
         pytest.skip(str(e))
-    lib = C.declare(ctypes.CDLL(path))
+    lib = cuda_launch.declare(ctypes.CDLL(path))
     assert not hasattr(lib, "jl_triton_launch") or _missing(lib, "jl_triton_launch")
 
 
@@ -204,7 +204,7 @@ def test_prepared_launches_reject_bad_input_with_a_message(library):
     # without a CUDA driver the driver load fails first; with one, the parameter kind is refused
     assert not h and err.value.startswith((b"jax_lora ffi launcher:", b"jax_lora prepared launch:")), err.value
     with pytest.raises(RuntimeError, match="jax_lora"):
-        C.PreparedLaunches([(1, (1, 1, 1), 128, 0, False, [(C.I32, 5)], [(3, 0)])], lib=library)
+        cuda_launch.PreparedLaunches([(1, (1, 1, 1), 128, 0, False, [(cuda_launch.I32, 5)], [(3, 0)])], lib=library)
 
 
 def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
@@ -215,7 +215,7 @@ def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
     pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     names = ["x_ptr", "n", "one", "big", "scale", "out_ptr"]
     sig = {"x_ptr": "*bf16", "n": "i32", "one": "constexpr", "big": "i64", "scale": "fp32", "out_ptr": "*fp32",
            "BLOCK": "constexpr"}
@@ -223,17 +223,17 @@ def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
                          profile_scratch_size=0)
     compiled = SimpleNamespace(metadata=md, src=SimpleNamespace(signature=sig))
     template = [0, 48, 1, 2 ** 40, 0.5, 0]
-    slots = {0: TT._X, 4: TT._SCALE, 5: TT._WS}
-    fn, grid, threads, shared, pdl, params, c_slots = TT._c_launch_spec(C, compiled, names, template, slots,
+    slots = {0: torch_triton._X, 4: torch_triton._SCALE, 5: torch_triton._WS}
+    fn, grid, threads, shared, pdl, params, c_slots = torch_triton._c_launch_spec(cuda_launch, compiled, names, template, slots,
                                                                          (3, 2, 1), 1234)
     assert (fn, grid, threads, shared, pdl) == (1234, (3, 2, 1), 128, 1024, True)
-    assert params == [(C.PTR, 0), (C.I32, 48), (C.I64, 2 ** 40), (C.F32, 0.5), (C.PTR, 0), (C.NULL, 0), (C.NULL, 0)]
-    assert c_slots == [(0, TT._X), (3, TT._SCALE), (4, TT._WS)]     # positions among the passed parameters
+    assert params == [(cuda_launch.PTR, 0), (cuda_launch.I32, 48), (cuda_launch.I64, 2 ** 40), (cuda_launch.F32, 0.5), (cuda_launch.PTR, 0), (cuda_launch.NULL, 0), (cuda_launch.NULL, 0)]
+    assert c_slots == [(0, torch_triton._X), (3, torch_triton._SCALE), (4, torch_triton._WS)]     # positions among the passed parameters
     sig["n"] = "bf16"                                                # not a type a launch parameter has here
-    assert TT._c_launch_spec(C, compiled, names, template, slots, (1, 1, 1), 1) is None
+    assert torch_triton._c_launch_spec(cuda_launch, compiled, names, template, slots, (1, 1, 1), 1) is None
     sig["n"] = "i32"
     md.global_scratch_size = 64
-    assert TT._c_launch_spec(C, compiled, names, template, slots, (1, 1, 1), 1) is None
+    assert torch_triton._c_launch_spec(cuda_launch, compiled, names, template, slots, (1, 1, 1), 1) is None
 
 
 @pytest.mark.parametrize("c_launch", [True, False])
@@ -246,7 +246,7 @@ def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monk
     torch = pytest.importorskip("torch")
     import struct
 
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     seen = []
 
@@ -261,15 +261,15 @@ def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monk
         seen.append((function, stream, list(args)))
 
     x, y = torch.zeros(4, 8), torch.zeros(4, 16)
-    p = TT.PreparedLinear([torch.zeros(2, 4, 8)], [torch.zeros(2, 16, 4)], None, (0,))
+    p = torch_triton.PreparedLinear([torch.zeros(2, 4, 8)], [torch.zeros(2, 16, 4)], None, (0,))
     # two chunks: the first with a workspace, the second without (a fused launch)
     template = [0, 0, 5, 0.0]                            # x, workspace, a fixed int, the scale
-    slots = ((0, TT._X), (1, TT._WS), (3, TT._SCALE))
+    slots = ((0, torch_triton._X), (1, torch_triton._WS), (3, torch_triton._SCALE))
     p._steps = (((1, 1, 4, 4), ((run, 1, 1, 1, "f0", None, template, slots, None, None),)),
-                (None, ((run, 1, 1, 1, "f1", None, [0, 0.0], ((0, TT._Y), (1, TT._SCALE)), None, None),)))
+                (None, ((run, 1, 1, 1, "f1", None, [0, 0.0], ((0, torch_triton._Y), (1, torch_triton._SCALE)), None, None),)))
     p._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, True)
     p._ws_floats = 16
-    TT._WORKSPACES.clear()
+    torch_triton._WORKSPACES.clear()
     if c_launch:
         import ctypes
         p._c_steps = (Recorder(0), Recorder(1))
@@ -282,22 +282,22 @@ def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monk
             bits = struct.unpack("<I", struct.pack("<f", scale))[0]
             (i0, s0, v0), (i1, s1, v1) = seen
             assert (i0, i1, s0, s1) == (0, 1, 77, 77)
-            assert v0[TT._X] == x.data_ptr() and v0[TT._Y] == y.data_ptr() and v0[TT._RANKS] == 0
-            assert v0[TT._SCALE] == bits and v1[TT._SCALE] == bits
-            ws = TT._WORKSPACES[(x.device.index, 77)]
-            assert v0[TT._WS] == ws.data_ptr() and v1[TT._WS] == v0[TT._WS]   # the stream's workspace
+            assert v0[torch_triton._X] == x.data_ptr() and v0[torch_triton._Y] == y.data_ptr() and v0[torch_triton._RANKS] == 0
+            assert v0[torch_triton._SCALE] == bits and v1[torch_triton._SCALE] == bits
+            ws = torch_triton._WORKSPACES[(x.device.index, 77)]
+            assert v0[torch_triton._WS] == ws.data_ptr() and v1[torch_triton._WS] == v0[torch_triton._WS]   # the stream's workspace
         else:
             (f0, _, a0), (f1, _, a1) = seen
             assert (f0, f1) == ("f0", "f1")
-            assert a0[0] == x.data_ptr() and a0[1] == TT._WORKSPACES[(x.device.index, 77)].data_ptr()
+            assert a0[0] == x.data_ptr() and a0[1] == torch_triton._WORKSPACES[(x.device.index, 77)].data_ptr()
             assert a0[2] == 5 and a0[3] == scale
             assert a1 == [y.data_ptr(), scale]
-    assert TT._WORKSPACES[(x.device.index, 77)].numel() >= 16
+    assert torch_triton._WORKSPACES[(x.device.index, 77)].numel() >= 16
     # another stream: its own workspace
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 78, raising=False)
     seen.clear()
     p(y, x, 0.5)
-    ws78 = TT._WORKSPACES[(x.device.index, 78)]
-    assert ws78.data_ptr() != TT._WORKSPACES[(x.device.index, 77)].data_ptr()
-    assert (seen[0][2][TT._WS] if c_launch else seen[0][2][1]) == ws78.data_ptr()
-    TT._WORKSPACES.clear()
+    ws78 = torch_triton._WORKSPACES[(x.device.index, 78)]
+    assert ws78.data_ptr() != torch_triton._WORKSPACES[(x.device.index, 77)].data_ptr()
+    assert (seen[0][2][torch_triton._WS] if c_launch else seen[0][2][1]) == ws78.data_ptr()
+    torch_triton._WORKSPACES.clear()

@@ -70,7 +70,7 @@ def _err(got, ref):
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("ranks", [False, True])
 def test_linear(dtype, fused, ranks):
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 37, 1000, 32, (520, 130, 130), 6
     x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, 5, dtype, 1, ranks=ranks, bias=True)
     N = sum(widths) + 10
@@ -78,7 +78,7 @@ def test_linear(dtype, fused, ranks):
     offsets = (10, 530, 660)
     ref = _ref_linear(y, x, a, b, idx, 0.7, offsets, None if rk is None else rk.cpu(), c)
     y2 = y.clone()
-    TT.linear(y2, x, a, b, meta.meta_args(T), 0.7, offsets, rk, c, fused=fused)
+    torch_triton.linear(y2, x, a, b, meta.meta_args(T), 0.7, offsets, rk, c, fused=fused)
     assert _err(y2, ref) < TOL[dtype]
     none = torch.from_numpy(idx < 0).cuda()
     assert torch.equal(y2[none], y[none])            # rows without LoRA untouched, bit for bit
@@ -87,18 +87,18 @@ def test_linear(dtype, fused, ranks):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_shrink_expand(dtype):
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 64, 4096 + 24, 16, (4096, 1024, 1024), 8
     x, a, b, idx, meta, rk, _ = _setup(T, H, R, widths, L, 8, dtype, 2)
     buf = torch.full((3, T, R), float("nan"), device="cuda")
-    TT.shrink(x, a, buf, meta.meta_args(T), 0.5, None)
+    torch_triton.shrink(x, a, buf, meta.meta_args(T), 0.5, None)
     sel = torch.from_numpy(np.maximum(idx, 0)).cuda()
     ref = torch.stack([0.5 * torch.einsum("th,trh->tr", x.double(), aa[sel].double()) for aa in a])
     ref[:, torch.from_numpy(idx < 0).cuda()] = 0
     assert _err(buf, ref) < 1e-3
     y = torch.randn(T, sum(widths), device="cuda").to(dtype)
     y2 = y.clone()
-    TT.expand(buf, b, y2, meta.meta_args(T), (0, 4096, 5120), False, None, None)
+    torch_triton.expand(buf, b, y2, meta.meta_args(T), (0, 4096, 5120), False, None, None)
     yr = y.double().clone()
     for s, (bb, off) in enumerate(zip(b, (0, 4096, 5120))):
         d = torch.einsum("tr,tnr->tn", buf[s].double(), bb[sel].double())
@@ -119,7 +119,7 @@ SWEEP = [  # (T, H, rank, widths, slots, adapters, kind)
 
 @pytest.mark.parametrize("case", SWEEP, ids=[f"T{c[0]}-H{c[1]}-r{c[2]}-S{len(c[3])}-L{c[4]}" for c in SWEEP])
 def test_vllm_scale_sweep(case):
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L, D, kind = case
     x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, D, torch.bfloat16, 3, kind=kind)
     y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
@@ -127,13 +127,13 @@ def test_vllm_scale_sweep(case):
     ref = _ref_linear(y, x, a, b, idx, 1.0, offsets)
     for fused in (False, True):
         y2 = y.clone()
-        TT.linear(y2, x, a, b, meta.meta_args(T), 1.0, offsets, None, None, fused=fused)
+        torch_triton.linear(y2, x, a, b, meta.meta_args(T), 1.0, offsets, None, None, fused=fused)
         assert _err(y2, ref) < 2e-2, fused
 
 
 def test_graph_capture_replay_with_new_mappings():
     """Capture once, then change the mapping in place (prepare_tensors) and replay: new results."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 24, 2048, 16, (2048, 512, 512), 8
     for fused in (False, True):
         x, a, b, idx, meta, rk, _ = _setup(T, H, R, widths, L, 6, torch.bfloat16, 4)
@@ -143,11 +143,11 @@ def test_graph_capture_replay_with_new_mappings():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            TT.linear(work, x, a, b, meta.meta_args(T), 0.5, offsets, None, None, fused=fused)
+            torch_triton.linear(work, x, a, b, meta.meta_args(T), 0.5, offsets, None, None, fused=fused)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            TT.linear(work, x, a, b, meta.meta_args(T), 0.5, offsets, None, None, fused=fused)
+            torch_triton.linear(work, x, a, b, meta.meta_args(T), 0.5, offsets, None, None, fused=fused)
         rng = np.random.default_rng(5)
         for trial in range(4):
             new_idx = rng.integers(-1, L, T).astype(np.int32)
@@ -170,12 +170,12 @@ def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
     Triton's launcher -- with new x, y, scale and lora_ranks, bit-equal to `linear`; captured in
     a graph it follows in-place mapping changes; misaligned or differently laid out activations
     take the generic path, still correct."""
-    from torch_lora.ops import triton as TT
-    monkeypatch.setattr(TT, "_C_LAUNCH", [c_launch])
+    from torch_lora.ops import triton as torch_triton
+    monkeypatch.setattr(torch_triton, "_C_LAUNCH", [c_launch])
     T, H, R, widths, L = 24, 1000, 32, (520, 130, 130), 6
     x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, 5, torch.bfloat16, 7, ranks=ranks, bias=True)
     offsets = (0, 520, 650)
-    run = TT.PreparedLinear(a, b, meta.meta_args(T), offsets, c, fused=fused)
+    run = torch_triton.PreparedLinear(a, b, meta.meta_args(T), offsets, c, fused=fused)
     g = torch.Generator(device="cuda").manual_seed(8)
     for call in range(4):
         xs = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
@@ -183,7 +183,7 @@ def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
         rks = None if rk is None else torch.randint(0, R + 1, (L,), device="cuda", generator=g, dtype=torch.int32)
         scale = 0.25 + call
         want = ys.clone()
-        TT.linear(want, xs, a, b, meta.meta_args(T), scale, offsets, rks, c, fused=fused)
+        torch_triton.linear(want, xs, a, b, meta.meta_args(T), scale, offsets, rks, c, fused=fused)
         got = ys.clone()
         run(got, xs, scale, rks)
         assert run._steps is not None, "the direct path was not built"
@@ -196,7 +196,7 @@ def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
     xm = big[1:].view(T, H)
     for xx, yy in ((xm, ys), (xs[:, :], torch.randn(T, 2 * sum(widths), device="cuda").to(torch.bfloat16)[:, ::2])):
         want, got = yy.clone(), yy.clone()
-        TT.linear(want, xx, a, b, meta.meta_args(T), 0.5, offsets, rks, c, fused=fused)
+        torch_triton.linear(want, xx, a, b, meta.meta_args(T), 0.5, offsets, rks, c, fused=fused)
         run(got, xx, 0.5, rks)
         assert torch.equal(got, want)
     # captured in a CUDA graph, replayed after in-place mapping changes
@@ -222,7 +222,7 @@ def test_chained_calls_wait_for_the_previous_kernel(fused):
     (gdc_wait) before reading x. Chain 12 calls where x of call i+1 is y of call i, eagerly and in a
     CUDA graph, and compare bit for bit with the same chain synchronised after every call (no
     overlap possible)."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, R, L = 16, 2048, 16, 4
     x, a, b, idx, meta, _, _ = _setup(T, H, R, (H,), L, 4, torch.bfloat16, 12, frac_none=0.0)
     ys0 = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(12)]
@@ -230,7 +230,7 @@ def test_chained_calls_wait_for_the_previous_kernel(fused):
     def chain(ys, sync):
         prev = x
         for y in ys:
-            TT.linear(y, prev, a, b, meta.meta_args(T), 0.5, (0,), fused=fused)
+            torch_triton.linear(y, prev, a, b, meta.meta_args(T), 0.5, (0,), fused=fused)
             if sync:
                 torch.cuda.synchronize()
             prev = y
@@ -261,13 +261,13 @@ def test_prepared_linears_share_the_stream_workspace(fused):
     calls of two layers with different workspace sizes (rank 16 with three slices, rank 64 with
     one), x of call i+1 = y of call i, on two streams at once, eagerly and in a CUDA graph, and
     compare bit for bit with `linear` (fresh workspaces) synchronised after every call."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, L = 16, 2048, 4
     widths3 = (1024, 512, 512)
     _, a16, b16, idx, meta, _, _ = _setup(T, H, 16, widths3, L, 4, torch.bfloat16, 21, frac_none=0.1)
     _, a64, b64, _, _, _, _ = _setup(T, H, 64, (H,), L, 4, torch.bfloat16, 22)
     layers = [(a16, b16, (0, 1024, 1536)), (a64, b64, (0,))]
-    preps = [TT.PreparedLinear(a, b, meta.meta_args(T), off, fused=fused) for a, b, off in layers]
+    preps = [torch_triton.PreparedLinear(a, b, meta.meta_args(T), off, fused=fused) for a, b, off in layers]
     streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
     x0s = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in streams]
     ys0 = [[torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(12)] for _ in streams]
@@ -279,7 +279,7 @@ def test_prepared_linears_share_the_stream_workspace(fused):
             if prepared:
                 preps[i % 2](y, prev, 0.5)
             else:
-                TT.linear(y, prev, a, b, meta.meta_args(T), 0.5, off, fused=fused)
+                torch_triton.linear(y, prev, a, b, meta.meta_args(T), 0.5, off, fused=fused)
                 torch.cuda.synchronize()
             prev = y
 
@@ -296,7 +296,7 @@ def test_prepared_linears_share_the_stream_workspace(fused):
         with torch.cuda.stream(stream):
             chain(x, ys, prepared=True)
     torch.cuda.synchronize()
-    assert len({(k, v.data_ptr()) for k, v in TT._WORKSPACES.items() if k[0] == x0s[0].device.index}) >= 2
+    assert len({(k, v.data_ptr()) for k, v in torch_triton._WORKSPACES.items() if k[0] == x0s[0].device.index}) >= 2
     for c, (g_, w_) in enumerate(zip(got, want)):
         for i, (gi, wi) in enumerate(zip(g_, w_)):
             assert torch.equal(gi, wi), (c, i)
@@ -318,7 +318,7 @@ import math, torch
 import lora_core.kernels as kernels
 kernels.BARRIER_POLL_LIMIT = 1 << 12                  # give up after ~ms, not seconds
 from torch_lora.meta import LoRAKernelMeta
-from torch_lora.ops import triton as TT
+from torch_lora.ops import triton as torch_triton
 T, H, L = 8, 1024, 4
 g = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
@@ -327,12 +327,12 @@ b = [(torch.randn(L, H, 16, device="cuda", generator=g) / 4).to(torch.bfloat16)]
 meta = LoRAKernelMeta.make(L, T + 5, "cuda")
 meta.prepare_tensors(torch.arange(T, device="cuda", dtype=torch.int32) % L)
 y = torch.zeros(T, H, device="cuda", dtype=torch.bfloat16)
-TT.linear(y, x, a, b, meta.meta_args(T), 1.0, (0,), fused=True)
+torch_triton.linear(y, x, a, b, meta.meta_args(T), 1.0, (0,), fused=True)
 torch.cuda.synchronize()
 print("FIRST OK", float(y.float().abs().sum()) > 0, flush=True)
-for buf in TT._SYNC_BUFFERS.values():
+for buf in torch_triton._SYNC_BUFFERS.values():
     buf.fill_(1)                                # not a multiple of BARRIER_SPAN: no launch completes it
-TT.linear(y, x, a, b, meta.meta_args(T), 1.0, (0,), fused=True)
+torch_triton.linear(y, x, a, b, meta.meta_args(T), 1.0, (0,), fused=True)
 try:
     torch.cuda.synchronize()
     print("NO ERROR", flush=True)
@@ -384,7 +384,7 @@ def test_wrapper_add_lora_linear_many_steps():
 
 
 def test_heterogeneous_ranks_equal_padded():
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 96, 4096, 64, (4096, 1024, 1024), 8
     x, a, b, idx, meta, _, _ = _setup(T, H, R, widths, L, 8, torch.bfloat16, 6, frac_none=0.0)
     ranks = torch.tensor([8, 16, 32, 64, 8, 16, 32, 64], dtype=torch.int32, device="cuda")
@@ -397,8 +397,8 @@ def test_heterogeneous_ranks_equal_padded():
     y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
     offsets = (0, 4096, 5120)
     y1, y2 = y.clone(), y.clone()
-    TT.linear(y1, x, a, b, meta.meta_args(T), 1.0, offsets, ranks, None)
-    TT.linear(y2, x, pa, pb, meta.meta_args(T), 1.0, offsets, None, None)
+    torch_triton.linear(y1, x, a, b, meta.meta_args(T), 1.0, offsets, ranks, None)
+    torch_triton.linear(y2, x, pa, pb, meta.meta_args(T), 1.0, offsets, None, None)
     assert _err(y1, y2.double()) < 1e-2
 
 
@@ -406,15 +406,15 @@ def test_heterogeneous_ranks_equal_padded():
 def jax_launcher(request, monkeypatch):
     """The JAX side's two launchers: the FFI handler (default) and jax_triton's custom call."""
     pytest.importorskip("jax")
-    from jax_lora.ops import ffi_launcher as F
+    from jax_lora.ops import ffi_launcher
     if request.param == "jax_triton":
         pytest.importorskip("jax_triton")
     monkeypatch.setenv("JAX_LORA_TRITON_LAUNCHER", request.param)
-    F.unavailable_reason.cache_clear()
+    ffi_launcher.unavailable_reason.cache_clear()
     # on a CUDA GPU the FFI launcher must really be used (no silent fallback to jax_triton)
-    assert F.available() == (request.param == "ffi")
+    assert ffi_launcher.available() == (request.param == "ffi")
     yield request.param
-    F.unavailable_reason.cache_clear()
+    ffi_launcher.unavailable_reason.cache_clear()
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -423,7 +423,7 @@ def test_jax_triton_under_jit(fused, jax_launcher):
     import jax.numpy as jnp
 
     from jax_lora.meta import LoRAKernelMeta as JMeta
-    from jax_lora.ops import triton as JT
+    from jax_lora.ops import triton as jax_triton_backend
     T, H, R, widths, L = 40, 1500, 16, (1500, 300, 300), 8
     x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, 6, torch.bfloat16, 7, ranks=True, bias=True)
     y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
@@ -433,12 +433,12 @@ def test_jax_triton_under_jit(fused, jax_launcher):
     jm = JMeta.build(jnp.asarray(idx), L, T + 3)
     ja, jb = tuple(j(t) for t in a), tuple(j(t) for t in b)
     jc = tuple(None if t is None else j(t) for t in c)
-    f = jax.jit(lambda y_, x_, m_: JT.linear(y_, x_, ja, jb, m_, 0.5, offsets, j(rk), jc, fused=fused))
+    f = jax.jit(lambda y_, x_, m_: jax_triton_backend.linear(y_, x_, ja, jb, m_, 0.5, offsets, j(rk), jc, fused=fused))
     out = f(j(y), j(x), jm)
     assert _err(torch.from_dlpack(out), ref) < 2e-2
     # shrink + expand separately, through the dispatch contract
-    buf = jax.jit(lambda x_, m_: JT.shrink(x_, ja, m_, 0.5, j(rk)))(j(x), jm)
-    y3 = jax.jit(lambda b_, y_, m_: JT.expand(b_, jb, y_, m_, offsets, True, j(rk), jc))(buf, j(y), jm)
+    buf = jax.jit(lambda x_, m_: jax_triton_backend.shrink(x_, ja, m_, 0.5, j(rk)))(j(x), jm)
+    y3 = jax.jit(lambda b_, y_, m_: jax_triton_backend.expand(b_, jb, y_, m_, offsets, True, j(rk), jc))(buf, j(y), jm)
     assert _err(torch.from_dlpack(y3), ref) < 2e-2
 
 
@@ -451,14 +451,14 @@ def test_jax_chained_calls_under_jit_match_separate_calls(jax_launcher):
     import jax.numpy as jnp
 
     from jax_lora.meta import LoRAKernelMeta as JMeta
-    from jax_lora.ops import triton as JT
+    from jax_lora.ops import triton as jax_triton_backend
     T, H, R, L, steps = 16, 2048, 16, 4, 12
     x, a, b, idx, _, _, _ = _setup(T, H, R, (H,), L, 4, torch.bfloat16, 13, frac_none=0.0)
     j = lambda t: jnp.from_dlpack(t.contiguous())  # noqa: E731
     jm = JMeta.build(jnp.asarray(idx), L, T)
     ja, jb = (j(a[0]),), (j(b[0]),)
     ys = jnp.asarray(np.random.default_rng(13).standard_normal((steps, T, H)), jnp.bfloat16)
-    one = jax.jit(lambda y_, x_, m_: JT.linear(y_, x_, ja, jb, m_, 0.5, (0,)))
+    one = jax.jit(lambda y_, x_, m_: jax_triton_backend.linear(y_, x_, ja, jb, m_, 0.5, (0,)))
     want, prev = [], j(x)
     for i in range(steps):
         prev = one(ys[i], prev, jm).block_until_ready()
@@ -467,7 +467,7 @@ def test_jax_chained_calls_under_jit_match_separate_calls(jax_launcher):
     @jax.jit
     def chain(ys_, x_, m_):
         def body(prev_, y_):
-            out = JT.linear(y_, prev_, ja, jb, m_, 0.5, (0,))
+            out = jax_triton_backend.linear(y_, prev_, ja, jb, m_, 0.5, (0,))
             return out, out
         return jax.lax.scan(body, x_, ys_, unroll=True)[1]
 
@@ -505,8 +505,8 @@ def test_tuned_table_multi_tile_configs_torch_and_jax(case):
     import jax.numpy as jnp
 
     from jax_lora.meta import LoRAKernelMeta as JMeta
-    from jax_lora.ops import triton as JT
-    from torch_lora.ops import triton as TT
+    from jax_lora.ops import triton as jax_triton_backend
+    from torch_lora.ops import triton as torch_triton
     T, R, L, S = case
     widths = (4096,) if S == 1 else (4096, 1024, 1024)
     D = min(L, 8 if T >= 2048 else L)
@@ -515,10 +515,10 @@ def test_tuned_table_multi_tile_configs_torch_and_jax(case):
     offsets = tuple(int(v) for v in np.cumsum((0,) + widths)[:-1])
     ref = _ref_linear(y, x, a, b, idx, 0.5, offsets)
     y_t = y.clone()
-    TT.linear(y_t, x, a, b, meta.meta_args(T), 0.5, offsets)
+    torch_triton.linear(y_t, x, a, b, meta.meta_args(T), 0.5, offsets)
     assert _err(y_t, ref) < 2e-2
     j = lambda t: jnp.from_dlpack(t.contiguous())  # noqa: E731
     jm = JMeta.build(jnp.asarray(idx), L, T)
     ja, jb = tuple(j(t) for t in a), tuple(j(t) for t in b)
-    out = jax.jit(lambda y_, x_, m_: JT.linear(y_, x_, ja, jb, m_, 0.5, offsets))(j(y), j(x), jm)
+    out = jax.jit(lambda y_, x_, m_: jax_triton_backend.linear(y_, x_, ja, jb, m_, 0.5, offsets))(j(y), j(x), jm)
     assert _err(torch.from_dlpack(out), ref) < 2e-2

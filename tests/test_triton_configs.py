@@ -155,20 +155,20 @@ def test_tuner_candidates_all_plan(compiled):
     pytest.importorskip("torch")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
-        import tune_triton as TU
+        import tune_triton
     finally:
         sys.path.pop(0)
     import lora_core.kernels as kernels
-    for (tc, rc), (kind, T, ds) in TU.SHAPES.items():
-        r = TU.RANK_OF[rc]
-        for widths in ((4096,), TU.WIDTHS):
-            for c in TU.shrink_candidates(tc):
-                cfg = configs.resolve_split(TU.class_keys(tc, c), T, 4096, r, len(widths), max(8, max(ds)))
+    for (tc, rc), (kind, T, ds) in tune_triton.SHAPES.items():
+        r = tune_triton.RANK_OF[rc]
+        for widths in ((4096,), tune_triton.WIDTHS):
+            for c in tune_triton.shrink_candidates(tc):
+                cfg = configs.resolve_split(tune_triton.class_keys(tc, c), T, 4096, r, len(widths), max(8, max(ds)))
                 plan = kernels.plan_shrink(T, 4096, r, len(widths), 9, "bfloat16", "bfloat16", cfg, lora_only=True,
                                      workspace=True, has_ranks=False, pdl=True)
                 assert plan.grid[1] >= 1
-            for c in TU.expand_candidates(tc, r):
-                plan = kernels.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", TU.class_keys(tc, c), add_inputs=True,
+            for c in tune_triton.expand_candidates(tc, r):
+                plan = kernels.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", tune_triton.class_keys(tc, c), add_inputs=True,
                                      bias_flags=(False,) * len(widths), has_ranks=False, pdl=True)
                 assert plan.grid[0] * plan.constexprs["TILES_N"] == plan.constexprs["NUM_TILES"]
 

@@ -74,7 +74,7 @@ def _oracle_linear(y, x, a, b, idx, scale, offsets, ranks=None, bias=None, add_i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("T,fused", [(9, False), (9, True), (40, False), (40, True)])
 def test_linear_ranks_bias(dtype, T, fused):
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     H, R, widths, L = 96, 16, (48, 16, 32), 4
     rng, idx, x, a, b = _problem(1, T, H, R, widths, L, dtype)
     bias = [torch.from_numpy(rng.standard_normal((L, n)).astype(np.float32)).to(DEV, dtype) if s != 1 else None
@@ -84,7 +84,7 @@ def test_linear_ranks_bias(dtype, T, fused):
     y = torch.from_numpy(rng.standard_normal((T, 101)).astype(np.float32)).to(DEV, dtype)
     ref = _oracle_linear(y, x, a, b, idx, 0.5, offsets, ranks, bias)
     out = y.clone()
-    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
+    torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
               fused=fused)
     assert _rel(_np(out), ref) < TOL[dtype]
     keep = idx < 0
@@ -98,7 +98,7 @@ def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
     multiples of TILES_N (padded, so a program's tiles share one slice and, with one rank block,
     its summed workspace rows), the rank in one block and in several, two split-K workspace
     planes, the next tile's y loaded ahead (Y_AHEAD) or not."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, widths, L = 40, 64, (48, 16, 32), 4
     rng, idx, x, a, b = _problem(11, T, H, rank, widths, L, torch.float16)
     bias = [torch.from_numpy(rng.standard_normal((L, n)).astype(np.float32)).to(DEV, torch.float16)
@@ -117,7 +117,7 @@ def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
     assert (plan.constexprs["NT1"], plan.constexprs["NT2"]) == (-(-3 // tn) * tn, padded - -(-2 // tn) * tn)
     assert plan.constexprs["Y_AHEAD"] == ahead
     out = y.clone()
-    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
+    torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
               fused=False, expand_config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, TILES_N=tiles_n,
                                               Y_AHEAD=ahead, num_warps=4, num_stages=1),
               shrink_config=dict(BLOCK_M=16, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1))
@@ -132,7 +132,7 @@ def test_expand_b_select(T, ranks):
     """B_SELECT (one output tile per program, one rank block): the B tile goes through the rank
     select without per-slot ranks too (a code-generation choice); same result as the oracle, and
     the plan drops it where it does not apply (several tiles per program)."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     H, R, widths, L = 64, 16, (48, 32), 4
     rng, idx, x, a, b = _problem(19, T, H, R, widths, L, torch.float16)
     r = None if ranks is None else torch.tensor(ranks, dtype=torch.int32, device=DEV)
@@ -145,7 +145,7 @@ def test_expand_b_select(T, ranks):
     assert not kernels.plan_expand(T, R, widths, L + 1, 1, "float16", "float16", dict(cfg, TILES_N=2), add_inputs=True,
                              bias_flags=(False, False), has_ranks=False).constexprs["B_SELECT"]
     out = y.clone()
-    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), r, fused=False, expand_config=cfg)
+    torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), r, fused=False, expand_config=cfg)
     assert _rel(_np(out), ref) < TOL[torch.float16]
 
 
@@ -154,7 +154,7 @@ def test_small_batch_in_sorted_tiles(fused):
     """SMALL_T False in a launch config: a batch of at most SMALL_T_MAX tokens is tiled like a
     large one (BLOCK_M-token tiles of the sorted order) instead of one whole-batch tile per
     adapter; same result as the oracle, with -1 tokens and heterogeneous ranks."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 20, 64, 16, (48, 32), 3
     rng, idx, x, a, b = _problem(23, T, H, R, widths, L, torch.float16)
     ranks = np.array([16, 5, 8], np.int32)
@@ -176,7 +176,7 @@ def test_small_batch_in_sorted_tiles(fused):
     assert kernels.plan_expand(T, R, widths, G, 2, "float16", "float16", dict(e_cfg, SMALL_T=True), add_inputs=True,
                          bias_flags=(False, False), has_ranks=True).constexprs["BLOCK_M"] == 32
     out = y.clone()
-    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), torch.from_numpy(ranks).to(DEV), fused=fused,
+    torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), torch.from_numpy(ranks).to(DEV), fused=fused,
               shrink_config=s_cfg, expand_config=e_cfg, fused_config=f_cfg)
     assert _rel(_np(out), ref) < TOL[torch.float16]
 
@@ -187,7 +187,7 @@ def test_rank_padding_may_hold_nan(T, fused, tiles_n):
     B is loaded to the next multiple of 8 rank columns (vectorised), so for ranks that are not
     multiples of 8 the extra columns must be zeroed in registers (the expand's B_TAIL copy of its
     loop); ranks that are multiples of 8 run the copy without that step."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     H, R, widths, L = 64, 16, (48, 32), 4
     rng, idx, x, a, b = _problem(17, T, H, R, widths, L, torch.float16)
     ranks = np.array([16, 5, 8, 11], np.int32)
@@ -203,7 +203,7 @@ def test_rank_padding_may_hold_nan(T, fused, tiles_n):
     kw = dict(fused=True) if fused else dict(
         fused=False, expand_config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, TILES_N=tiles_n, num_warps=4,
                                         num_stages=1))
-    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), torch.from_numpy(ranks).to(DEV), **kw)
+    torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), torch.from_numpy(ranks).to(DEV), **kw)
     assert not torch.isnan(out).any()
     assert _rel(_np(out), ref) < TOL[torch.float16]
 
@@ -213,22 +213,22 @@ def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
     """The fused kernel's per-tile barrier: every program of a busy token tile arrives exactly once
     per launch (the counter moves by BARRIER_SPAN), idle tiles never; split-K over several planes
     and several output tiles per token tile, so the tile really has many programs."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     H, R, widths, L = 256, 16, (64, 32), 4
     rng, idx, x, a, b = _problem(3, T, H, R, widths, L, torch.float32)
     idx[: T // 3] = 2                            # some adapters busy, slot 3 never: idle tiles
     idx[idx == 3] = -1
     meta = _meta(idx, L)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=1)
-    plan = TT._fused_plan(T, H, R, widths, meta.meta_args(T)[4].shape[0], L, "float32", "float32", (False, False),
-                          False, TT._key(cfg))
+    plan = torch_triton._fused_plan(T, H, R, widths, meta.meta_args(T)[4].shape[0], L, "float32", "float32", (False, False),
+                          False, torch_triton._key(cfg))
     assert plan.grid[0] == max(sum(-(-w // 16) for w in widths), 2 * 4) > 4 and plan.constexprs["SPLIT_K"] == 4
-    TT._SYNC_BUFFERS.clear()
+    torch_triton._SYNC_BUFFERS.clear()
     ref = None
     for launch in range(1, 3):
         y = torch.zeros(T, sum(widths), dtype=torch.float32, device=DEV)
-        TT.linear(y, x, a, b, meta.meta_args(T), 0.5, (0, 64), fused=True, fused_config=cfg)
-        counters = next(iter(TT._SYNC_BUFFERS.values()))[: plan.grid[1]].cpu().numpy().astype(np.int64)
+        torch_triton.linear(y, x, a, b, meta.meta_args(T), 0.5, (0, 64), fused=True, fused_config=cfg)
+        counters = next(iter(torch_triton._SYNC_BUFFERS.values()))[: plan.grid[1]].cpu().numpy().astype(np.int64)
         busy = counters != 0
         assert busy.sum() >= 2 and (~busy).sum() >= 1, counters
         assert np.all(counters[busy] == launch * kernels.BARRIER_SPAN.value), counters
@@ -240,20 +240,20 @@ def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
 def test_fused_sums_the_workspace_planes_in_groups(T, monkeypatch):
     """Large token tiles: the fused kernel loads WS_GROUP planes at a time (here one plane per
     load, four planes) instead of all of them in one block of registers; same result."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     H, R, widths, L = 256, 16, (48, 32), 4
     rng, idx, x, a, b = _problem(5, T, H, R, widths, L, torch.float32)
     import lora_core.kernels.fused as fused_module
     monkeypatch.setattr(fused_module, "WS_LOAD_MAX", 16 * 16)
-    TT._fused_plan.cache_clear()
+    torch_triton._fused_plan.cache_clear()
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=1)
-    plan = TT._fused_plan(T, H, R, widths, L + 1, L, "float32", "float32", (False, False), False, TT._key(cfg))
+    plan = torch_triton._fused_plan(T, H, R, widths, L + 1, L, "float32", "float32", (False, False), False, torch_triton._key(cfg))
     assert plan.constexprs["SPLIT_P2"] == 4 and plan.constexprs["WS_GROUP"] == 1
     y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV)
     ref = _oracle_linear(y, x, a, b, idx, 0.5, (0, 48))
     out = y.clone()
-    TT.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), fused=True, fused_config=cfg)
-    TT._fused_plan.cache_clear()
+    torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), fused=True, fused_config=cfg)
+    torch_triton._fused_plan.cache_clear()
     assert _rel(_np(out), ref) < TOL[torch.float32]
 
 
@@ -261,9 +261,9 @@ def test_fused_sums_the_workspace_planes_in_groups(T, monkeypatch):
 def test_stream_buffers_are_per_stream_zeroed_and_never_freed(kind):
     """The fused kernel's barrier counters (int32) and PreparedLinear's workspace (float32): one
     zeroed buffer per (device, stream); an outgrown one is replaced and kept (graphs may hold it)."""
-    from torch_lora.ops import triton as TT
-    get, store, dtype = {"sync": (TT._sync_buffer, TT._SYNC_BUFFERS, torch.int32),
-                         "workspace": (TT._workspace_buffer, TT._WORKSPACES, torch.float32)}[kind]
+    from torch_lora.ops import triton as torch_triton
+    get, store, dtype = {"sync": (torch_triton._sync_buffer, torch_triton._SYNC_BUFFERS, torch.int32),
+                         "workspace": (torch_triton._workspace_buffer, torch_triton._WORKSPACES, torch.float32)}[kind]
     store.clear()
     dev = torch.device(DEV)
     a = get(dev, 1, 8)
@@ -271,7 +271,7 @@ def test_stream_buffers_are_per_stream_zeroed_and_never_freed(kind):
     assert get(dev, 1, 8) is a                              # one buffer per (device, stream)
     assert get(dev, 2, 8) is not a
     big = get(dev, 1, a.numel() + 1)                        # outgrown: a new one, the old one kept
-    assert big is not a and big.numel() > a.numel() and any(o is a for o in TT._OUTGROWN)
+    assert big is not a and big.numel() > a.numel() and any(o is a for o in torch_triton._OUTGROWN)
     assert get(dev, 1, 8) is big
     store.clear()
 
@@ -279,7 +279,7 @@ def test_stream_buffers_are_per_stream_zeroed_and_never_freed(kind):
 @pytest.mark.parametrize("T", [7, 37])
 def test_shrink_poisoned_and_split(T):
     """Every row written (0 without LoRA); split-K by atomics and by workspace planes agree."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     H, R, widths, L = 160, 16, (32, 32), 3
     _, idx, x, a, b = _problem(2, T, H, R, widths, L, torch.float32)
     meta = _meta(idx, L, capacity=T + 5)
@@ -288,13 +288,13 @@ def test_shrink_poisoned_and_split(T):
                     for aa in a])
     for cfg in (None, dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=1)):
         out = torch.full((2, T, R), float("nan"), device=DEV)
-        TT.shrink(x, a, out, meta.meta_args(T), 0.25, None, config=cfg)
+        torch_triton.shrink(x, a, out, meta.meta_args(T), 0.25, None, config=cfg)
         assert _rel(_np(out), ref) < 1e-5
     # the workspace path of linear with 3 planes equals the unsplit one
     y = torch.randn(T, 64, device=DEV)
     y1, y2 = y.clone(), y.clone()
-    TT.linear(y1, x, a, b, meta.meta_args(T), 0.25, (0, 32), fused=False)
-    TT.linear(y2, x, a, b, meta.meta_args(T), 0.25, (0, 32), fused=False,
+    torch_triton.linear(y1, x, a, b, meta.meta_args(T), 0.25, (0, 32), fused=False)
+    torch_triton.linear(y2, x, a, b, meta.meta_args(T), 0.25, (0, 32), fused=False,
               shrink_config=dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=1))
     assert _rel(_np(y2), _np(y1)) < 1e-6
 
@@ -305,7 +305,7 @@ def test_shrink_all_slices_in_one_program(T, num_slices):
     """ALL_SLICES: each shrink program computes every slice of the launch from one x tile (grid
     axis 0 of size 1). Equal to the oracle stand-alone (plain stores; split-K by atomics) with
     heterogeneous ranks, and through linear's workspace (two planes) for unequal output widths."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     H, R, L = 160, 16, 3
     widths = (32, 16, 48, 24)[:num_slices]
     _, idx, x, a, b = _problem(4, T, H, R, widths, L, torch.float16)
@@ -322,26 +322,26 @@ def test_shrink_all_slices_in_one_program(T, num_slices):
                              workspace=False, has_ranks=True)
         assert plan.grid[0] == 1 and plan.constexprs["SLICES"] == num_slices and plan.atomic == (split > 1)
         out = torch.full((num_slices, T, R), float("nan"), device=DEV)
-        TT.shrink(x, a, out, meta.meta_args(T), 0.25, torch.from_numpy(ranks).to(DEV), config=cfg)
+        torch_triton.shrink(x, a, out, meta.meta_args(T), 0.25, torch.from_numpy(ranks).to(DEV), config=cfg)
         assert _rel(_np(out), ref) < TOL[torch.float16]
     offsets = tuple(int(v) for v in np.cumsum((0,) + widths[:-1]))
     y = torch.randn(T, sum(widths), device=DEV).to(torch.float16)
     ref_y = _oracle_linear(y, x, a, b, idx, 0.25, offsets, ranks)
     out = y.clone()
-    TT.linear(out, x, a, b, meta.meta_args(T), 0.25, offsets, torch.from_numpy(ranks).to(DEV), fused=False,
+    torch_triton.linear(out, x, a, b, meta.meta_args(T), 0.25, offsets, torch.from_numpy(ranks).to(DEV), fused=False,
               shrink_config=dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1, ALL_SLICES=True))
     assert _rel(_np(out), ref_y) < TOL[torch.float16]
 
 
 @pytest.mark.parametrize("T", [6, 34])
 def test_expand_replace_and_offsets(T):
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     R, widths, L = 16, (40, 24), 3
     rng, idx, _, _, b = _problem(3, T, 8, R, widths, L, torch.float16)
     buf = torch.from_numpy(rng.standard_normal((2, T, R)).astype(np.float32)).to(DEV)
     y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV, torch.float16)
     out = y.clone()
-    TT.expand(buf, b, out, _meta(idx, L).meta_args(T), (10, 50), False, None, None)
+    torch_triton.expand(buf, b, out, _meta(idx, L).meta_args(T), (10, 50), False, None, None)
     ref = _np(y).copy()
     for s, (bb, off) in enumerate(zip(b, (10, 50))):
         d = np.einsum("tr,tnr->tn", _np(buf[s]), _np(bb)[np.maximum(idx, 0)])
@@ -351,7 +351,7 @@ def test_expand_replace_and_offsets(T):
 
 def test_more_slices_than_one_launch_and_bad_ids():
     """5 slices (two launches) and mapping ids that are no slot of the weights (no LoRA)."""
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 11, 64, 16, (16, 16, 32, 16, 16), 3
     rng, idx, x, a, b = _problem(4, T, H, R, widths, L, torch.float32, frac_none=0.0)
     idx[[1, 4]] = [4, 3]                              # slots the metadata knows, the weights do not
@@ -360,22 +360,22 @@ def test_more_slices_than_one_launch_and_bad_ids():
     offsets = tuple(int(o) for o in np.cumsum((0,) + widths)[:-1])
     for fused in (False, True):
         out = y.clone()
-        TT.linear(out, x, a, b, meta.meta_args(T), 1.0, offsets, fused=fused)
+        torch_triton.linear(out, x, a, b, meta.meta_args(T), 1.0, offsets, fused=fused)
         assert _rel(_np(out), _oracle_linear(y, x, a, b, idx, 1.0, offsets)) < 1e-5
         assert torch.equal(out[[1, 4]], y[[1, 4]])
 
 
 def test_no_lora_batch_leaves_y():
-    from torch_lora.ops import triton as TT
+    from torch_lora.ops import triton as torch_triton
     T, L = 5, 2
     _, _, x, a, b = _problem(5, T, 32, 16, (16,), L, torch.float32)
     meta = _meta(np.full(T, -1), L)
     y = torch.randn(T, 16, device=DEV)
     out = y.clone()
-    TT.linear(out, x, a, b, meta.meta_args(T), 1.0, (0,))
+    torch_triton.linear(out, x, a, b, meta.meta_args(T), 1.0, (0,))
     assert torch.equal(out, y)
     buf = torch.full((1, T, 16), float("nan"), device=DEV)
-    TT.shrink(x, a, buf, meta.meta_args(T), 1.0, None)
+    torch_triton.shrink(x, a, buf, meta.meta_args(T), 1.0, None)
     assert torch.count_nonzero(buf) == 0
 
 
@@ -398,8 +398,8 @@ def test_jax_backend_in_interpreter(fused):
     import jax.numpy as jnp
 
     from jax_lora.meta import LoRAKernelMeta
-    from jax_lora.ops import triton as JT
-    from jax_lora.ops import xla as JX
+    from jax_lora.ops import triton as jax_triton_backend
+    from jax_lora.ops import xla as jax_xla
     rng = np.random.default_rng(6)
     T, H, R, widths, L = 10, 64, 16, (32, 16), 3
     idx = rng.integers(-1, L, T).astype(np.int32)
@@ -411,12 +411,12 @@ def test_jax_backend_in_interpreter(fused):
     ranks = jnp.asarray([16, 7, 0], jnp.int32)
     y = jnp.asarray(rng.standard_normal((T, 50)), jnp.bfloat16)
     offs = (2, 34)
-    buf_ref = JX.shrink(x, a, meta, 0.5, ranks)
-    y_ref = JX.expand(buf_ref, b, y, meta, offs, True, ranks, bias)
-    buf = jax.jit(lambda x_, m_: JT.shrink(x_, a, m_, 0.5, ranks))(x, meta)
+    buf_ref = jax_xla.shrink(x, a, meta, 0.5, ranks)
+    y_ref = jax_xla.expand(buf_ref, b, y, meta, offs, True, ranks, bias)
+    buf = jax.jit(lambda x_, m_: jax_triton_backend.shrink(x_, a, m_, 0.5, ranks))(x, meta)
     assert _rel(np.asarray(buf, np.float64), np.asarray(buf_ref, np.float64)) < 1e-5
-    y2 = jax.jit(lambda y_, x_, m_: JT.linear(y_, x_, a, b, m_, 0.5, offs, ranks, bias, fused=fused))(y, x, meta)
+    y2 = jax.jit(lambda y_, x_, m_: jax_triton_backend.linear(y_, x_, a, b, m_, 0.5, offs, ranks, bias, fused=fused))(y, x, meta)
     ref = np.asarray(y_ref.astype(jnp.float32), np.float64)
     assert _rel(np.asarray(y2.astype(jnp.float32), np.float64), ref) < 2e-2
-    y3 = jax.jit(lambda b_, y_, m_: JT.expand(b_, b, y_, m_, offs, True, ranks, bias))(buf_ref, y, meta)
+    y3 = jax.jit(lambda b_, y_, m_: jax_triton_backend.expand(b_, b, y_, m_, offs, True, ranks, bias))(buf_ref, y, meta)
     assert _rel(np.asarray(y3.astype(jnp.float32), np.float64), ref) < 2e-2

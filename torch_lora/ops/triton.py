@@ -270,8 +270,7 @@ class PreparedLinear:
     (compiling); after it each launch's argument list is kept with the fixed arguments as data
     pointers, and a call only fills in the pointers of x, y, lora_ranks and the current stream's
     float32 workspace (`_workspace_buffer`: shared by every PreparedLinear on that stream, nothing
-    allocated per call -- 7.8 us of the 26.8 us host time of a call on the H200 host of
-    2026-11-30 18:43 was the workspace's torch.empty), and the scale. Falls back to `linear` for
+    allocated per call: a torch.empty there would cost ~8 us of host time), and the scale. Falls back to `linear` for
     16-byte-misaligned x/y/lora_ranks (Triton specialises on alignment), under the interpreter,
     or when the direct launch is off.
 
