@@ -50,12 +50,15 @@ those private signatures, it falls back to the public `jax.dlpack.from_dlpack` /
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import Any, Callable, Optional
 
 import jax
 import torch
+
+_LOG = logging.getLogger("bridge")
 
 __all__ = ["to_jax", "to_torch", "CopyRequiredError", "ConversionCache", "jax_device_for",
            "torch_device_for", "shareable_problem"]
@@ -351,8 +354,8 @@ def _share_with_jax(x: torch.Tensor, stream, cuda: bool) -> jax.Array:
             _wait_for_producer(jstream, producer, x.device)
         try:
             return _import_capsule(_TO_DLPACK(x), jdev, jstream, _DL_CUDA if cuda else _DL_CPU)
-        except TypeError:
-            _fast["import"] = False  # a jaxlib with another private signature: public path from now on
+        except TypeError as e:
+            _fast_path_off("import", e)
     return jax.dlpack.from_dlpack(_Exported(x, producer), copy=False)
 
 
@@ -413,8 +416,8 @@ def to_torch(x: jax.Array, *, copy: bool = False, stream: Optional["torch.cuda.S
             cuda, tdev = target
             try:
                 return _FROM_DLPACK(_EXPORT(x, stream=_consumer_stream_ptr(stream, tdev) if cuda else None))
-            except TypeError:
-                _fast["export"] = False
+            except TypeError as e:
+                _fast_path_off("export", e)
             except Exception:  # noqa: BLE001 - deleted/donated and the like: diagnosed below
                 pass
     if isinstance(x, jax.core.Tracer):
@@ -435,10 +438,18 @@ def to_torch(x: jax.Array, *, copy: bool = False, stream: Optional["torch.cuda.S
     if _fast["export"]:
         try:
             return _FROM_DLPACK(_EXPORT(x, stream=ptr))
-        except TypeError:
-            _fast["export"] = False
+        except TypeError as e:
+            _fast_path_off("export", e)
     capsule = x.__dlpack__(stream=ptr) if cuda else x.__dlpack__()
     return torch.utils.dlpack.from_dlpack(capsule)
+
+
+def _fast_path_off(direction: str, error: Exception) -> None:
+    """The private jaxlib DLPack path of `direction` is off from now on (a jaxlib with another
+    signature): the public DLPack protocol is used instead, and the logger says so once."""
+    _fast[direction] = False
+    _LOG.warning("DLPack %s: jaxlib's private fast path failed (%s: %s); the public DLPack protocol is used "
+                 "from now on", direction, type(error).__name__, error)
 
 
 def _torch_share_problem(x: jax.Array) -> Optional[str]:

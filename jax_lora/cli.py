@@ -144,16 +144,77 @@ def verify(base_model, adapters: dict, completions, *, max_len: int, rtol: float
 
 # ----------------------------------------------------------------------------- demo
 
+def _load_demo_model(model_dir, adapter_dirs, slots, say):
+    """(model with LoRA layers, its AdapterManager, {lora id: adapter}, slot count) of the demo."""
+    from .adapters import AdapterManager, load_peft_adapter
+    from .models.llama import HF_LORA_TARGETS, add_lora, load_llama
+
+    adapters = {i + 1: load_peft_adapter(d) for i, d in enumerate(adapter_dirs)}
+    model = load_llama(model_dir)
+    cfg = model.config
+    leaves = {m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules}
+    targets = [t for t in HF_LORA_TARGETS if t in leaves]
+    max_rank = max(a.max_rank for a in adapters.values())
+    num_slots = slots or len(adapters) + 1
+    add_lora(model, max_loras=num_slots, max_rank=max_rank, target_modules=targets)
+    manager = AdapterManager(model)
+    for lora_id, adapter in adapters.items():
+        manager.register(lora_id, adapter)
+    say(f"model: {model_dir}: Llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} (q/kv), vocab {cfg.vocab_size}")
+    for lora_id, a in adapters.items():
+        mods = sorted({m.rsplit(".", 1)[-1] for m in a.modules})
+        say(f"adapter {lora_id}: {os.path.basename(os.path.normpath(adapter_dirs[lora_id - 1]))}  rank "
+            f"{a.r}, alpha {a.lora_alpha:g}{', rslora' if a.use_rslora else ''}: {', '.join(mods)}")
+    return model, manager, adapters, num_slots
+
+
+def _demo_requests(vocab_size: int, lora_ids: Sequence, num_requests: int, max_new_tokens: int, seed: int,
+                   max_prompt: int = 16) -> list:
+    """Random prompts of 4..max_prompt tokens, adapters taken in turn (None = no adapter), shuffled."""
+    import numpy as np
+
+    from .serving import Request
+
+    rng = np.random.default_rng(seed)
+    requests = [Request(prompt=[int(t) for t in rng.integers(0, vocab_size, size=int(rng.integers(4,
+                                                                                                  max_prompt + 1)))],
+                        lora_id=lora_ids[i % len(lora_ids)], max_new_tokens=max_new_tokens, request_id=i)
+                for i in range(num_requests)]
+    rng.shuffle(requests)
+    return requests
+
+
+def _serve_timed(engine, requests, say) -> tuple:
+    """(completions with adapters, stats with adapters, stats without): the batch served with and
+    without adapters, timings the best of three runs of each."""
+    completions = engine.generate(requests, progress=_progress_bar("serving (mixed adapters)"))
+    lora_stats = dict(engine.last_stats)
+    engine.generate(requests, use_lora=False, progress=_progress_bar("serving (no adapters)   "))
+    base_stats = dict(engine.last_stats)
+    for _ in range(2):
+        engine.generate(requests)
+        lora_stats = min(lora_stats, dict(engine.last_stats), key=lambda s: s["seconds"])
+        engine.generate(requests, use_lora=False)
+        base_stats = min(base_stats, dict(engine.last_stats), key=lambda s: s["seconds"])
+    overhead = lora_stats["seconds"] / base_stats["seconds"] - 1.0
+    say(f"mixed adapters: {lora_stats['generated_tokens']} tokens in {lora_stats['seconds']:.3f}s = "
+        f"{lora_stats['tokens_per_s']:.0f} tokens/s ({lora_stats['steps']} steps)")
+    say(f"no adapters:    {base_stats['generated_tokens']} tokens in {base_stats['seconds']:.3f}s = "
+        f"{base_stats['tokens_per_s']:.0f} tokens/s")
+    say(f"LoRA overhead: {overhead * 100:+.0f}% time against no adapters (best of 3 runs; backend "
+        f"{engine.punica.backend}, host metadata included)")
+    return completions, lora_stats, base_stats
+
+
 def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, num_requests: int = 24,
              max_new_tokens: int = 16, max_seqs: int = 8, slots: int | None = None, seed: int = 0,
              backend: str | None = None, out=None) -> int:
     """The demo; returns the process exit status (0 when every request verifies)."""
     t_start = time.perf_counter()
     import jax
-    import numpy as np
 
-    from .adapters import AdapterManager, load_peft_adapter
-    from .models.llama import HF_LORA_TARGETS, add_lora, load_llama
+    from .models.llama import load_llama
     from .serving import Request, ServingEngine
 
     def say(msg=""):
@@ -169,32 +230,10 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
     if not adapter_dirs:
         raise SystemExit("jax-lora demo: give at least one adapter directory after MODEL_DIR")
     try:
-        adapters = {i + 1: load_peft_adapter(d) for i, d in enumerate(adapter_dirs)}
-        model = load_llama(model_dir)
-        cfg = model.config
-        leaves = {m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules}
-        targets = [t for t in HF_LORA_TARGETS if t in leaves]
-        max_rank = max(a.max_rank for a in adapters.values())
-        num_slots = slots or len(adapters) + 1
-        add_lora(model, max_loras=num_slots, max_rank=max_rank, target_modules=targets)
-        manager = AdapterManager(model)
-        for lora_id, adapter in adapters.items():
-            manager.register(lora_id, adapter)
-        say(f"model: {model_dir}: Llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-            f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} (q/kv), vocab {cfg.vocab_size}")
-        for lora_id, a in adapters.items():
-            mods = sorted({m.rsplit(".", 1)[-1] for m in a.modules})
-            say(f"adapter {lora_id}: {os.path.basename(os.path.normpath(adapter_dirs[lora_id - 1]))}  rank "
-                f"{a.r}, alpha {a.lora_alpha:g}{', rslora' if a.use_rslora else ''}: {', '.join(mods)}")
-
-        rng = np.random.default_rng(seed)
+        model, manager, adapters, num_slots = _load_demo_model(model_dir, adapter_dirs, slots, say)
         ids = [None] + list(adapters)
-        max_prompt = 16
-        max_len = max(64, max_prompt + max_new_tokens)
-        requests = [Request(prompt=[int(t) for t in rng.integers(0, cfg.vocab_size, size=int(rng.integers(4, max_prompt + 1)))],
-                            lora_id=ids[i % len(ids)], max_new_tokens=max_new_tokens, request_id=i)
-                    for i in range(num_requests)]
-        rng.shuffle(requests)
+        max_len = max(64, 16 + max_new_tokens)
+        requests = _demo_requests(model.config.vocab_size, ids, num_requests, max_new_tokens, seed)
         engine = ServingEngine(model, manager, max_seqs=max_seqs, max_len=max_len, keep_logits=True,
                                backend=backend)
         counts = {i: sum(1 for r in requests if r.lora_id == i) for i in ids}
@@ -211,29 +250,13 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
         say(f"warm-up: compiled {warm_programs} step programs (prefill + decode bucket, with and without "
             f"adapters) in {time.perf_counter() - t0:.1f}s")
 
-        completions = engine.generate(requests, progress=_progress_bar("serving (mixed adapters)"))
-        lora_stats = dict(engine.last_stats)
-        engine.generate(requests, use_lora=False, progress=_progress_bar("serving (no adapters)   "))
-        base_stats = dict(engine.last_stats)
-        for _ in range(2):        # timings: the best of three runs of the same batch
-            engine.generate(requests)
-            lora_stats = min(lora_stats, dict(engine.last_stats), key=lambda s: s["seconds"])
-            engine.generate(requests, use_lora=False)
-            base_stats = min(base_stats, dict(engine.last_stats), key=lambda s: s["seconds"])
+        completions, _, _ = _serve_timed(engine, requests, say)
         recompiles = engine.compile_count - warm_programs
-        overhead = lora_stats["seconds"] / base_stats["seconds"] - 1.0
-        say(f"mixed adapters: {lora_stats['generated_tokens']} tokens in {lora_stats['seconds']:.3f}s = "
-            f"{lora_stats['tokens_per_s']:.0f} tokens/s ({lora_stats['steps']} steps)")
-        say(f"no adapters:    {base_stats['generated_tokens']} tokens in {base_stats['seconds']:.3f}s = "
-            f"{base_stats['tokens_per_s']:.0f} tokens/s")
-        say(f"LoRA overhead: {overhead * 100:+.0f}% time against no adapters (best of 3 runs; backend "
-            f"{engine.punica.backend}, host metadata included)")
         say(f"recompilations after warm-up: {recompiles}")
         st = manager.stats
         say(f"adapter slots: {st['slot_loads']} slot loads, {st['evictions']} evictions, {st['slot_hits']} slot hits")
 
-        base = load_llama(model_dir)
-        matches, worst, differ = verify(base, adapters, completions, max_len=max_len)
+        matches, worst, differ = verify(load_llama(model_dir), adapters, completions, max_len=max_len)
         say(f"adapters changed {differ * 100:.0f}% of generated tokens against the base model")
         say(f"largest logit error against merged weights: {worst:.1e} (relative; tolerance {RTOL:.0e})")
         bad = [c.request_id for c, ok in zip(completions, matches) if not ok]

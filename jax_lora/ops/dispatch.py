@@ -24,7 +24,7 @@ _REGISTRY = BackendRegistry({
     "xla": "jax_lora.ops.xla",
     "pallas_tpu": "jax_lora.ops.pallas_tpu",
     "triton": "jax_lora.ops.triton",
-})
+}, "jax_lora")
 BACKENDS = _REGISTRY.names
 _DEVICE_DEFAULT = {"tpu": "pallas_tpu", "gpu": "triton", "cuda": "triton", "rocm": "xla", "cpu": "xla"}
 
@@ -45,15 +45,21 @@ def platform_of(device) -> str:
 
 
 def default_backend_name(device=None) -> str:
-    name = _DEVICE_DEFAULT.get(platform_of(device), "xla")
+    platform = platform_of(device)
+    name = _DEVICE_DEFAULT.get(platform, "xla")
     if name != "xla":
         try:
             load_backend(name)
-        except RuntimeError:
-            return "xla"
+        except RuntimeError as e:
+            return _REGISTRY.fallback(name, "xla", platform, e)
     return name
 
 
 def resolve(backend: Optional[str], device=None):
-    """The backend module for an explicit name, or the device's default."""
-    return load_backend(backend if backend is not None else default_backend_name(device))
+    """The backend module for an explicit name, or the device's default (said once on the
+    `jax_lora` logger)."""
+    if backend is not None:
+        return load_backend(backend)
+    name = default_backend_name(device)
+    _REGISTRY.log_choice(name, platform_of(device), "the device's default")
+    return load_backend(name)

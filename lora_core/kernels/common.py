@@ -179,7 +179,8 @@ def load_rank_cols(ptrs, row_ok, kk, rank, RANK: tl.constexpr, HAS_RANKS: tl.con
 
 
 @triton.jit
-def shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden, tok, tok_ok, rank,
+def shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden,
+                  stride_a3_hidden, tok, tok_ok, rank,
                    k_begin, k_end, hidden, stride_x_token, stride_x_hidden, NUM_SLICES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -230,14 +231,17 @@ def shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidden
                  CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc[m, r] = sum_{k in [k_begin, k_end)} x[tok[m], k] * A[lora_id, r, k], for r < rank."""
     a_rows = lora_a_rows(a_ptr, lora_id, stride_a_slot, stride_a_rank, BLOCK_R)
-    acc, _1, _2, _3 = shrink_slices(x_ptr, a_rows, a_rows, a_rows, a_rows, stride_a_hidden, stride_a_hidden, stride_a_hidden,
-                                     stride_a_hidden, tok, tok_ok, rank, k_begin, k_end, hidden, stride_x_token, stride_x_hidden,
+    acc, _1, _2, _3 = shrink_slices(x_ptr, a_rows, a_rows, a_rows, a_rows, stride_a_hidden, stride_a_hidden,
+                                    stride_a_hidden,
+                                     stride_a_hidden, tok, tok_ok, rank, k_begin, k_end, hidden, stride_x_token,
+                                     stride_x_hidden,
                                      1, BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
     return acc
 
 
 @triton.jit
-def workspace_lhs(buf_rows, stride_buf_plane, stride_buf_rank, kk, tok_ok, rank, RANK: tl.constexpr, HAS_RANKS: tl.constexpr,
+def workspace_lhs(buf_rows, stride_buf_plane, stride_buf_rank, kk, tok_ok, rank, RANK: tl.constexpr,
+                  HAS_RANKS: tl.constexpr,
                    NUM_PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                    ZERO_TAIL: tl.constexpr):
     """(BLOCK_M, BLOCK_R) float32: the sum of the NUM_PARTIALS workspace planes at rank columns kk
@@ -275,11 +279,13 @@ def y_tile(y_ptr, tok, tok_ok, cols, col_ok, y_col0, stride_y_token, stride_y_co
 
 
 @triton.jit
-def store_slice(acc, y_old, out_ptr, y_offs, write, bias_ptr, lora_id, cols, col_ok, stride_bias_slot, stride_bias_col,
+def store_slice(acc, y_old, out_ptr, y_offs, write, bias_ptr, lora_id, cols, col_ok, stride_bias_slot,
+                stride_bias_col,
                  has_bias):
     """y[tok, y_col0 + cols] = (y if ADD_INPUTS else 0) + acc + bias[lora_id, cols], cast once."""
     if has_bias:
-        bias = tl.load(bias_ptr + lora_id.to(tl.int64) * stride_bias_slot + cols * stride_bias_col, mask=col_ok, other=0.0)
+        bias = tl.load(bias_ptr + lora_id.to(tl.int64) * stride_bias_slot + cols * stride_bias_col, mask=col_ok,
+                       other=0.0)
         acc += bias.to(tl.float32)[None, :]
     tl.store(out_ptr + y_offs, (acc + y_old.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=write)
 

@@ -25,7 +25,8 @@ from .planning import (MAX_SLICES, PlanKey, cast_and_precision, check_dot_dims, 
 
 
 @triton.jit
-def _expand_y(j, live, tok, tok_ok, y_ptr, width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
+def _expand_y(j, live, tok, tok_ok, y_ptr, width0, width1, width2, width3, offset0, offset1, offset2, offset3,
+              stride_y_token,
               stride_y_col, NUM_TILES: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr,
               ADD_INPUTS: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr):
     """The current y of output tile j (zeros unless live > 0, past NUM_TILES, or outside its slice):
@@ -34,7 +35,8 @@ def _expand_y(j, live, tok, tok_ok, y_ptr, width0, width1, width2, width3, offse
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = ((cols < hint16(pick_slice(s, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + j) < NUM_TILES)
               & ((cols * 0 + live) > 0))
-    _, _, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok, hint16(pick_slice(s, offset0, offset1, offset2, offset3), ALIGNED),
+    _, _, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok, hint16(pick_slice(s, offset0, offset1, offset2, offset3),
+                                                                  ALIGNED),
                           hint16(stride_y_token, ALIGNED), stride_y_col, ADD_INPUTS)
     return y_old
 
@@ -43,8 +45,10 @@ def _expand_y(j, live, tok, tok_ok, y_ptr, width0, width1, width2, width3, offse
 def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
                  bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr,
                  stride_buf_plane, stride_buf_slice, stride_buf_token, stride_buf_rank,
-                 stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
-                 stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot, stride_bias2_col, stride_bias3_slot, stride_bias3_col,
+                 stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank,
+                 stride_b2_slot, stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
+                 stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
+                 stride_bias2_col, stride_bias3_slot, stride_bias3_col,
                  width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token, stride_y_col,
                  RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_TILES: tl.constexpr, NT1: tl.constexpr,
                  NT2: tl.constexpr, NT3: tl.constexpr, BIAS0: tl.constexpr, BIAS1: tl.constexpr,
@@ -72,7 +76,8 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
     b_rows = b_ptr + lora_id.to(tl.int64) * stride_bl + cols[:, None] * stride_bn
     buf_rows = (buf_ptr + s * hint16(stride_buf_slice, ALIGNED) + tok[:, None] * hint16(stride_buf_token, ALIGNED))
     stride_buf_plane = hint16(stride_buf_plane, ALIGNED)
-    y_offs, write, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok, hint16(pick_slice(s, offset0, offset1, offset2, offset3), ALIGNED),
+    y_offs, write, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok, hint16(pick_slice(s, offset0, offset1, offset2,
+                                                                                      offset3), ALIGNED),
                                    hint16(stride_y_token, ALIGNED), stride_y_col, ADD_INPUTS and not Y_GIVEN)
     if Y_GIVEN:
         y_old = y_given
@@ -100,8 +105,10 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
                                  NUM_PARTIALS, BLOCK_M, BLOCK_R, HAS_RANKS)
             acc = rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
     has_bias = pick_slice(s, BIAS0, BIAS1, BIAS2, BIAS3)
-    store_slice(acc, y_old, out_ptr, y_offs, write, pick_slice(s, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr), lora_id,
-                 cols, col_ok, hint16(pick_slice(s, stride_bias0_slot, stride_bias1_slot, stride_bias2_slot, stride_bias3_slot), ALIGNED),
+    store_slice(acc, y_old, out_ptr, y_offs, write, pick_slice(s, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr),
+                lora_id,
+                 cols, col_ok, hint16(pick_slice(s, stride_bias0_slot, stride_bias1_slot, stride_bias2_slot,
+                                                 stride_bias3_slot), ALIGNED),
                  pick_slice(s, stride_bias0_col, stride_bias1_col, stride_bias2_col, stride_bias3_col), has_bias)
 
 
@@ -111,8 +118,10 @@ def lora_expand_kernel(
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
         num_tokens, num_sorted, num_slots,
         stride_buf_plane, stride_buf_slice, stride_buf_token, stride_buf_rank,
-        stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
-        stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot, stride_bias2_col, stride_bias3_slot, stride_bias3_col,
+        stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot,
+        stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
+        stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
+        stride_bias2_col, stride_bias3_slot, stride_bias3_col,
         width0, width1, width2, width3, offset0, offset1, offset2, offset3,
         stride_y_token, stride_y_col,
         out_ptr,
@@ -171,10 +180,15 @@ def lora_expand_kernel(
         for b_tail in tl.static_range(1 + TWO_COPIES):
             if runs_copy(odd_rank, b_tail, TWO_COPIES):
                 _expand_tile(i, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-                             bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr, stride_buf_plane, stride_buf_slice, stride_buf_token,
-                             stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col, stride_b2_rank,
-                             stride_b3_slot, stride_b3_col, stride_b3_rank, stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot, stride_bias2_col, stride_bias3_slot, stride_bias3_col,
-                             width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token, stride_y_col,
+                             bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr, stride_buf_plane,
+                             stride_buf_slice, stride_buf_token,
+                             stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot,
+                             stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col, stride_b2_rank,
+                             stride_b3_slot, stride_b3_col, stride_b3_rank, stride_bias0_slot, stride_bias0_col,
+                             stride_bias1_slot, stride_bias1_col, stride_bias2_slot, stride_bias2_col,
+                             stride_bias3_slot, stride_bias3_col,
+                             width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
+                             stride_y_col,
                              RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
                              HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, USE_PDL,
                              0.0, False, 0.0, False, (b_tail == 1) or ((HAS_RANKS or B_SELECT) and not TWO_COPIES))
@@ -186,12 +200,14 @@ def lora_expand_kernel(
         if PREFETCH_LINES > 0:
             # The program's B tiles (weights: not written by the shrink) into L2 while it runs.
             b_rows0 = (pick_slice(s0, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
-                       + lora_id.to(tl.int64) * hint16(pick_slice(s0, stride_b0_slot, stride_b1_slot, stride_b2_slot, stride_b3_slot), ALIGNED))
+                       + lora_id.to(tl.int64) * hint16(pick_slice(s0, stride_b0_slot, stride_b1_slot, stride_b2_slot,
+                                                                  stride_b3_slot), ALIGNED))
             stride_bn0 = hint16(pick_slice(s0, stride_b0_col, stride_b1_col, stride_b2_col, stride_b3_col), ALIGNED)
             for tp in tl.static_range(TILES_N):
                 cols = n0 + tp * BLOCK_N + tl.arange(0, BLOCK_N)
                 prefetch_rows(b_rows0 + cols * stride_bn0, cols < width_s0, 0, rank,
-                               pick_slice(s0, stride_b0_rank, stride_b1_rank, stride_b2_rank, stride_b3_rank), PREFETCH_LINES, PREFETCH_LINE)
+                               pick_slice(s0, stride_b0_rank, stride_b1_rank, stride_b2_rank, stride_b3_rank),
+                               PREFETCH_LINES, PREFETCH_LINE)
         if ADD_INPUTS and PREFETCH_Y_LINES > 0:
             # The program's y rows (final: the kernel before the shrink completed before the shrink
             # let this grid start) into L2 while the shrink runs.
@@ -202,7 +218,8 @@ def lora_expand_kernel(
         if Y_AHEAD:
             # the first tile's y, before the wait (final already, as above)
             y_next = _expand_y(i * TILES_N, 1, tok, tok_ok, y_ptr, width0, width1, width2, width3,
-                               offset0, offset1, offset2, offset3, stride_y_token, stride_y_col, NUM_TILES, NT1, NT2, NT3,
+                               offset0, offset1, offset2, offset3, stride_y_token, stride_y_col, NUM_TILES, NT1, NT2,
+                               NT3,
                                ADD_INPUTS, BLOCK_N, ALIGNED)
         else:
             y_next = 0.0
@@ -210,9 +227,10 @@ def lora_expand_kernel(
             gdc_wait()                                   # before the loop: every tile reads the workspace
         if RANK <= BLOCK_R:
             # one rank block: the token tile's workspace rows of slice s0, summed once
-            lhs = workspace_lhs(buf_ptr + s0 * hint16(stride_buf_slice, ALIGNED) + tok[:, None] * hint16(stride_buf_token, ALIGNED),
-                                 hint16(stride_buf_plane, ALIGNED), stride_buf_rank, tl.arange(0, BLOCK_R), tok_ok, rank, RANK,
-                                 HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R, HAS_RANKS)
+            buf_rows = (buf_ptr + s0 * hint16(stride_buf_slice, ALIGNED)
+                        + tok[:, None] * hint16(stride_buf_token, ALIGNED))
+            lhs = workspace_lhs(buf_rows, hint16(stride_buf_plane, ALIGNED), stride_buf_rank, tl.arange(0, BLOCK_R),
+                                tok_ok, rank, RANK, HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R, HAS_RANKS)
         else:
             lhs = 0.0
         for b_tail in tl.static_range(1 + HAS_RANKS):
@@ -221,13 +239,19 @@ def lora_expand_kernel(
                     y_cur = y_next
                     if Y_AHEAD:
                         y_next = _expand_y(i * TILES_N + t + 1, TILES_N - 1 - t, tok, tok_ok, y_ptr, width0,
-                                           width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token, stride_y_col,
+                                           width1, width2, width3, offset0, offset1, offset2, offset3,
+                                           stride_y_token, stride_y_col,
                                            NUM_TILES, NT1, NT2, NT3, ADD_INPUTS, BLOCK_N, ALIGNED)
                     _expand_tile(i * TILES_N + t, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
-                                 b3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr, stride_buf_plane, stride_buf_slice,
-                                 stride_buf_token, stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col,
-                                 stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank, stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot, stride_bias2_col, stride_bias3_slot, stride_bias3_col,
-                                 width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token, stride_y_col,
+                                 b3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr,
+                                 stride_buf_plane, stride_buf_slice,
+                                 stride_buf_token, stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank,
+                                 stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col,
+                                 stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank, stride_bias0_slot,
+                                 stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
+                                 stride_bias2_col, stride_bias3_slot, stride_bias3_col,
+                                 width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
+                                 stride_y_col,
                                  RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3,
                                  ADD_INPUTS, HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION,
                                  ALIGNED, False, y_cur, Y_AHEAD, lhs, RANK <= BLOCK_R, b_tail == 1)
@@ -267,8 +291,10 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
              BLOCK_R=block_r, TILES_N=tiles_n, Y_AHEAD=bool(config.get("Y_AHEAD", False)) and tiles_n > 1,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
              CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
-             USE_PDL=bool(pdl), **prefetch_constexprs(pdl and tiles_n > 1 and bool(config.get("PREFETCH", False)), rank, w_dtype))
-    y_prefetch = prefetch_constexprs(pdl and tiles_n > 1 and bool(config.get("PREFETCH_Y", False)), tiles_n * block_n, y_dtype)
+             USE_PDL=bool(pdl), **prefetch_constexprs(pdl and tiles_n > 1 and bool(config.get("PREFETCH", False)),
+                                                      rank, w_dtype))
+    y_prefetch = prefetch_constexprs(pdl and tiles_n > 1 and bool(config.get("PREFETCH_Y", False)),
+                                     tiles_n * block_n, y_dtype)
     c.update(PREFETCH_Y_LINES=y_prefetch["PREFETCH_LINES"], PREFETCH_Y_LINE=y_prefetch["PREFETCH_LINE"],
              B_SELECT=bool(config.get("B_SELECT", True)) and tiles_n == 1 and rank <= block_r)
     grid = (total // tiles_n, max_tiles(num_tokens, num_groups, block_m, small_t))

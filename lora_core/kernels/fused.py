@@ -73,9 +73,12 @@ def lora_fused_kernel(
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr, sync_ptr, ws_ptr,
         scale, num_tokens, hidden, num_sorted, num_slots,
         stride_x_token, stride_x_hidden,
-        stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden, stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
-        stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
-        stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot, stride_bias2_col, stride_bias3_slot, stride_bias3_col,
+        stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden,
+        stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
+        stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot,
+        stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
+        stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
+        stride_bias2_col, stride_bias3_slot, stride_bias3_col,
         width0, width1, width2, width3, offset0, offset1, offset2, offset3,
         stride_y_token, stride_y_col, stride_ws_plane, stride_ws_slice, stride_ws_token,
         out_ptr,
@@ -126,12 +129,16 @@ def lora_fused_kernel(
     is_out = p < NUM_TILES
     s_out, n0 = slice_of_tile(tl.minimum(p, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = (cols < hint16(pick_slice(s_out, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + p) < NUM_TILES)
+    col_ok = (cols < hint16(pick_slice(s_out, width0, width1, width2, width3),
+                            ALIGNED)) & ((cols * 0 + p) < NUM_TILES)
     if PHASE != 1:
         b_ptr = pick_slice(s_out, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
-        bt = load_rank_cols(b_ptr + lora_id.to(tl.int64) * hint16(pick_slice(s_out, stride_b0_slot, stride_b1_slot, stride_b2_slot, stride_b3_slot), ALIGNED)
-                             + cols[:, None] * hint16(pick_slice(s_out, stride_b0_col, stride_b1_col, stride_b2_col, stride_b3_col), ALIGNED)
-                             + offs_r[None, :] * pick_slice(s_out, stride_b0_rank, stride_b1_rank, stride_b2_rank, stride_b3_rank),
+        bt = load_rank_cols(b_ptr + lora_id.to(tl.int64) * hint16(pick_slice(s_out, stride_b0_slot, stride_b1_slot,
+                                                                             stride_b2_slot, stride_b3_slot), ALIGNED)
+                             + cols[:, None] * hint16(pick_slice(s_out, stride_b0_col, stride_b1_col, stride_b2_col,
+                                                                 stride_b3_col), ALIGNED)
+                             + offs_r[None, :] * pick_slice(s_out, stride_b0_rank, stride_b1_rank, stride_b2_rank,
+                                                            stride_b3_rank),
                              col_ok, offs_r, rank, RANK, HAS_RANKS, HAS_RANKS or B_SELECT)
     s_in = p % NUM_SLICES
     split = p // NUM_SLICES
@@ -157,9 +164,11 @@ def lora_fused_kernel(
     if PHASE != 2:
         if p < NUM_SLICES * SPLIT_K:
             acc = shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidden,
-                               hint16(stride_x_token, ALIGNED), stride_x_hidden, stride_a_slot, stride_a_rank, stride_a_hidden,
+                               hint16(stride_x_token, ALIGNED), stride_x_hidden, stride_a_slot, stride_a_rank,
+                               stride_a_hidden,
                                BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
-            ws = (ws_ptr + split.to(tl.int64) * hint16(stride_ws_plane, ALIGNED) + s_in * hint16(stride_ws_slice, ALIGNED)
+            ws = (ws_ptr + split.to(tl.int64) * hint16(stride_ws_plane, ALIGNED) + s_in * hint16(stride_ws_slice,
+                                                                                                 ALIGNED)
                   + tok[:, None] * stride_ws_token + offs_r[None, :])
             tl.store(ws, acc * scale, mask=tok_ok[:, None] & (offs_r < RANK)[None, :])
         _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
@@ -181,9 +190,12 @@ def lora_fused_kernel(
             else:
                 lhs = lhs.to(bt.dtype)
             acc = tl.dot(lhs, tl.trans(bt), input_precision=DOT_PRECISION)
-            store_slice(acc, y_old, out_ptr, y_offs, write, pick_slice(s_out, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr), lora_id,
-                         cols, col_ok, hint16(pick_slice(s_out, stride_bias0_slot, stride_bias1_slot, stride_bias2_slot, stride_bias3_slot), ALIGNED),
-                         pick_slice(s_out, stride_bias0_col, stride_bias1_col, stride_bias2_col, stride_bias3_col), pick_slice(s_out, BIAS0, BIAS1, BIAS2, BIAS3))
+            store_slice(acc, y_old, out_ptr, y_offs, write, pick_slice(s_out, bias0_ptr, bias1_ptr, bias2_ptr,
+                                                                       bias3_ptr), lora_id,
+                         cols, col_ok, hint16(pick_slice(s_out, stride_bias0_slot, stride_bias1_slot,
+                                                         stride_bias2_slot, stride_bias3_slot), ALIGNED),
+                         pick_slice(s_out, stride_bias0_col, stride_bias1_col, stride_bias2_col, stride_bias3_col),
+                         pick_slice(s_out, BIAS0, BIAS1, BIAS2, BIAS3))
 
 
 # ------------------------------------------------------------------------------- launch plan

@@ -36,7 +36,8 @@ def lora_shrink_kernel(
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
         scale, num_tokens, hidden, num_sorted, num_slots,
         stride_x_token, stride_x_hidden,
-        stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden, stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
+        stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden,
+        stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
         stride_out_plane, stride_out_slice, stride_out_token, stride_out_rank,
         out_ptr,
         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -69,8 +70,10 @@ def lora_shrink_kernel(
     slot = tl.where(has_lora, lora_id, 0)
     if SLICES == 1:
         a0_rows = lora_a_rows(pick_slice(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr), slot,
-                          hint16(pick_slice(s, stride_a0_slot, stride_a1_slot, stride_a2_slot, stride_a3_slot), ALIGNED),
-                          hint16(pick_slice(s, stride_a0_rank, stride_a1_rank, stride_a2_rank, stride_a3_rank), ALIGNED), BLOCK_R)
+                          hint16(pick_slice(s, stride_a0_slot, stride_a1_slot, stride_a2_slot, stride_a3_slot),
+                                 ALIGNED),
+                          hint16(pick_slice(s, stride_a0_rank, stride_a1_rank, stride_a2_rank, stride_a3_rank),
+                                 ALIGNED), BLOCK_R)
         stride_a0_hidden = pick_slice(s, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden)
     else:
         a0_rows = lora_a_rows(a0_ptr, slot, hint16(stride_a0_slot, ALIGNED), hint16(stride_a0_rank, ALIGNED), BLOCK_R)
@@ -97,8 +100,10 @@ def lora_shrink_kernel(
         gdc_launch_dependents()
     if n_tok <= 0:
         return
-    acc0, acc1, acc2, acc3 = shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden,
-                                            tok, tok_ok, rank, k_begin, k_end, hidden, stride_x_token, stride_x_hidden,
+    acc0, acc1, acc2, acc3 = shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden,
+                                           stride_a1_hidden, stride_a2_hidden, stride_a3_hidden,
+                                            tok, tok_ok, rank, k_begin, k_end, hidden, stride_x_token,
+                                            stride_x_hidden,
                                             SLICES, BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
     offs_r = tl.arange(0, BLOCK_R)
     plane = tl.where(ATOMIC, 0, split)
@@ -152,7 +157,8 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
                       K_PER_SPLIT=k_per_split, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
                       LORA_ONLY=bool(lora_only or atomic), ATOMIC=atomic, HAS_RANKS=bool(has_ranks),
                       CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
-                      USE_PDL=bool(pdl), **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split, w_dtype),
+                      USE_PDL=bool(pdl), **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split,
+                                                               w_dtype),
                       SLICES=num_slices if config.get("ALL_SLICES") else 1)
     grid = (num_slices // constexprs["SLICES"], split,
             max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))

@@ -30,7 +30,7 @@ import torch
 
 from lora_core.backend_registry import BackendRegistry
 
-_REGISTRY = BackendRegistry({"torch": "torch_lora.ops.torch_ref", "triton": "torch_lora.ops.triton"})
+_REGISTRY = BackendRegistry({"torch": "torch_lora.ops.torch_ref", "triton": "torch_lora.ops.triton"}, "torch_lora")
 BACKENDS = _REGISTRY.names
 
 
@@ -45,8 +45,8 @@ def default_backend_name(device) -> str:
         try:
             load_backend("triton")
             return "triton"
-        except RuntimeError:
-            return "torch"
+        except RuntimeError as e:
+            return _REGISTRY.fallback("triton", "torch", "cuda", e)
     return "torch"
 
 
@@ -60,4 +60,6 @@ def check_backend_device(name: str, device) -> None:
 def resolve(backend: Optional[str], device):
     name = backend if backend is not None else default_backend_name(device)
     check_backend_device(name, device)
+    if backend is None:
+        _REGISTRY.log_choice(name, torch.device(device).type if device is not None else "cpu", "the device's default")
     return load_backend(name)

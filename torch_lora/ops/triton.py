@@ -21,6 +21,7 @@ dtypes only (never by data pointers; only a PreparedLinear, owned by its caller,
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Optional, Sequence
 
@@ -35,6 +36,7 @@ from lora_core.kernels.planning import interpreting, next_pow2, pdl_allowed, sli
 from lora_core.kernels.shrink import plan_shrink
 
 NAME = "triton"
+_LOG = logging.getLogger("torch_lora")
 # Programmatic dependent launch for `linear` (Hopper and newer): the expand's prologue (metadata, y
 # and B loads) overlaps the shrink, and each launch's scheduling overlaps the kernel before it; both
 # kernels gdc_wait before reading what the kernel before them wrote. Off with TORCH_LORA_TRITON_PDL=0.
@@ -181,8 +183,10 @@ def _launch(call: arguments.KernelCall) -> None:
             if len(_COMPILED) > _MAX_COMPILED:
                 _COMPILED.clear()
             _COMPILED[key] = (compiled, consts)
-        except Exception:  # noqa: BLE001 - keep Triton's own launcher
+        except Exception as e:  # noqa: BLE001 - keep Triton's own launcher
             _FAST[0] = False
+            _LOG.warning("direct launches of compiled kernels are off (Triton's launcher from now on): %s: %s",
+                         type(e).__name__, e)
 
 
 def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, config):
@@ -193,7 +197,8 @@ def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, con
 
 
 def _shrink_call(x, lora_a, out, meta_args, scale, lora_ranks, plan) -> arguments.KernelCall:
-    return arguments.shrink_call(plan, x, lora_a, lora_ranks, meta_args[:5], scale, out if out.dim() == 4 else out[None],
+    return arguments.shrink_call(plan, x, lora_a, lora_ranks, meta_args[:5], scale,
+                                 out if out.dim() == 4 else out[None],
                                  _torch_strides)
 
 
@@ -432,8 +437,9 @@ def _c_launches(steps):
                 specs.append(spec)
             out.append(cuda_launch.PreparedLaunches(specs))
         return tuple(out)
-    except Exception:  # noqa: BLE001 - no compiler, no driver symbol, ...: keep Triton's launcher
+    except Exception as e:  # noqa: BLE001 - no compiler, no driver symbol, ...: keep Triton's launcher
         _C_LAUNCH[0] = False
+        _LOG.warning("the C launcher is off (launches from Python from now on): %s: %s", type(e).__name__, e)
         return None
 
 
@@ -465,7 +471,8 @@ def _c_launch_spec(cuda_launch, compiled, names, template, slots, grid, function
             params.append((cuda_launch.F32, float(v)))
         else:
             return None
-    params += [(cuda_launch.NULL, 0)] * (int(hasattr(md, "global_scratch_size")) + int(hasattr(md, "profile_scratch_size")))
+    params += [(cuda_launch.NULL, 0)] * (int(hasattr(md, "global_scratch_size")) + int(hasattr(md,
+                                                                                               "profile_scratch_size")))
     flags = (cuda_launch.FLAG_PDL if getattr(md, "launch_pdl", False) else 0) | (
         cuda_launch.FLAG_COOPERATIVE if getattr(md, "launch_cooperative_grid", False) else 0)
     return (function, grid, 32 * int(md.num_warps), int(md.shared), flags, params, c_slots)
