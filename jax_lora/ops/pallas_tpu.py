@@ -91,7 +91,7 @@ __all__ = [
     "Schedule", "make_schedule", "make_token_schedule", "token_groups", "chunk_slots",  # schedules
     "OrderCost", "choose_token_order", "prefers_token_order", "shrink_order_cost", "expand_order_cost",
     "ShrinkPlan", "ExpandPlan", "plan_shrink", "plan_expand", "plan_inplace", "rank_chunk_for",
-    "interpret_mode", "current_interpret", "shrink_reference", "expand_reference",
+    "interpret_mode", "current_interpret",
 ]
 
 HIGHEST = lax.Precision.HIGHEST
@@ -1398,36 +1398,3 @@ def transpose_lora_b(lora_b: Sequence[jax.Array]) -> tuple:
     Do it once when adapters are loaded, not per step (it reads every slot)."""
     return tuple(jnp.swapaxes(b, 1, 2) for b in lora_b)
 
-
-# ----------------------------------------------------------------------------- references
-
-def shrink_reference(x, lora_a, idx, scale, lora_ranks=None):
-    """The same math by a per-token gather in plain jnp (the kernel's twin, for reading)."""
-    num_slots, r, _ = lora_a[0].shape
-    ok = (idx >= 0) & (idx < num_slots)
-    safe = jnp.where(ok, idx, 0)
-    ranks = _ranks_or_full(lora_ranks, num_slots, r)
-    keep = (jnp.arange(r)[None, :] < ranks[safe][:, None]) & ok[:, None]
-    outs = [jnp.where(keep, scale * jnp.einsum("th,trh->tr", x.astype(jnp.float32),
-                                                a[safe].astype(jnp.float32), precision=HIGHEST), 0.0)
-            for a in lora_a]
-    return jnp.stack(outs)
-
-
-def expand_reference(buf, lora_b, y, idx, offsets, add_inputs, lora_ranks=None, bias=None):
-    """The same math by a per-token gather in plain jnp (the kernel's twin, for reading)."""
-    num_slots, _, r = lora_b[0].shape
-    ok = (idx >= 0) & (idx < num_slots)
-    safe = jnp.where(ok, idx, 0)
-    ranks = _ranks_or_full(lora_ranks, num_slots, r)
-    keep = jnp.arange(r)[None, :] < ranks[safe][:, None]
-    for s, (b, off) in enumerate(zip(lora_b, offsets)):
-        width = b.shape[1]
-        part = jnp.where(keep, buf[s].astype(jnp.float32), 0.0)
-        delta = jnp.einsum("tr,tnr->tn", part, b[safe].astype(jnp.float32), precision=HIGHEST)
-        if bias is not None and bias[s] is not None:
-            delta = delta + bias[s][safe].astype(jnp.float32)
-        old = y[:, off:off + width]
-        new = delta + old.astype(jnp.float32) if add_inputs else delta
-        y = y.at[:, off:off + width].set(jnp.where(ok[:, None], new.astype(y.dtype), old))
-    return y
