@@ -1095,11 +1095,22 @@ def _slice_maps(plan: ExpandPlan, s: int):
     return w_map, bias_map, out_map
 
 
-def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPlan,
-                   inplace: Optional[ExpandPlan], scatter: Optional[ExpandPlan], add_inputs: bool, interpret):
-    """(token-order fn, sorted-order fn): each takes the packed (tp, P) rank rows in its own order
-    and returns the new y."""
-    t, r, s_count, tm = plan.num_tokens, plan.rank, len(plan.widths), plan.tm
+class _ExpandOperands(NamedTuple):
+    """What every expand kernel of one call reads besides the rank rows and the schedule."""
+
+    lora_b: tuple  # S arrays (L, n_s, r) or (L, r, n_s)
+    y: jax.Array  # (T, N)
+    ranks: jax.Array  # (L,) int32
+    bias: Optional[tuple]  # None or S entries of None / (L, n_s)
+    offsets: jax.Array  # (S,) int32 column offsets of the slices in y
+    add_inputs: bool
+    interpret: object  # False or pltpu.InterpretParams
+
+
+def _delta_blocks(plan: ExpandPlan, lora_b, bias):
+    """BlockSpecs and operands of the delta kernel (`_expand_kernel`) on grid (j, i):
+    (in_specs, weight operands, out_specs, out_shapes), one float32 (tp, n_s) delta per slice."""
+    r, tm = plan.rank, plan.tm
     tp = plan.tiles_m * tm
 
     def buf_map(j, i, tile, *_):
@@ -1107,7 +1118,7 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
 
     in_specs = [pl.BlockSpec((tm, 1), buf_map), pl.BlockSpec((tm, plan.lanes), buf_map)]
     operands, out_specs, out_shapes = [], [], []
-    for s in range(s_count):
+    for s in range(len(plan.widths)):
         w_map, bias_map, out_map = _slice_maps(plan, s)
         tn, width = plan.tn[s], plan.widths[s]
         w_block = (None, tn, r) if plan.b_layout == "nr" else (None, plan.rc, tn)
@@ -1119,124 +1130,156 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
             operands.append(bias[s].reshape(plan.num_slots, 1, width))
         out_specs.append(pl.BlockSpec((tm, tn), out_map))
         out_shapes.append(jax.ShapeDtypeStruct((tp, width), jnp.float32))
-    n_total = sum(plan.widths)
+    return in_specs, operands, out_specs, out_shapes
 
-    def run(sched: Schedule, row_slot, rows_buf):
-        return pl.pallas_call(
-            functools.partial(_expand_kernel, plan=plan),
-            out_shape=tuple(out_shapes),
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=5,
-                grid=(plan.grid_n, _live_steps(sched)),
-                in_specs=in_specs,
-                out_specs=tuple(out_specs),
-            ),
-            compiler_params=_compiler_params(plan.vmem_bytes(lora_b[0].dtype.itemsize)),
-            cost_estimate=pl.CostEstimate(
-                flops=2 * tp * n_total * r, transcendentals=0,
-                bytes_accessed=plan.grid_n * tp * plan.lanes * 4
-                + plan.steps * n_total * r * lora_b[0].dtype.itemsize + tp * n_total * 4),
-            interpret=interpret,
-        )(*sched, ranks, chunk_slots(sched, ranks, plan.rc, plan.chunks), row_slot[:, None], rows_buf,
-          *operands)
 
-    def finish(deltas):
-        # Epilogue: y added in float32, one cast; rows without LoRA keep y.
-        out = y
-        for s in range(s_count):
-            width = plan.widths[s]
-            old = lax.dynamic_slice_in_dim(out, offsets[s], width, axis=1)
-            new = deltas[s]
-            if add_inputs:
-                new = new + old.astype(jnp.float32)
-            out = lax.dynamic_update_slice_in_dim(
-                out, jnp.where(rows.has_lora[:, None], new.astype(y.dtype), old), offsets[s], axis=1)
-        return out
+def _run_delta(args: _ExpandOperands, plan: ExpandPlan, blocks, sched: Schedule, row_slot, rows_buf) -> tuple:
+    """The delta kernel over rows in the order of `sched`: S float32 (tp, n_s) deltas, only the rows
+    of scheduled groups written. blocks: `_delta_blocks(plan, ...)`."""
+    in_specs, operands, out_specs, out_shapes = blocks
+    r, tp, n_total = plan.rank, plan.tiles_m * plan.tm, sum(plan.widths)
+    b_item = args.lora_b[0].dtype.itemsize
+    return pl.pallas_call(
+        functools.partial(_expand_kernel, plan=plan),
+        out_shape=tuple(out_shapes),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(plan.grid_n, _live_steps(sched)),
+            in_specs=in_specs,
+            out_specs=tuple(out_specs),
+        ),
+        compiler_params=_compiler_params(plan.vmem_bytes(b_item)),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * tp * n_total * r, transcendentals=0,
+            bytes_accessed=plan.grid_n * tp * plan.lanes * 4
+            + plan.steps * n_total * r * b_item + tp * n_total * 4),
+        interpret=args.interpret,
+    )(*sched, args.ranks, chunk_slots(sched, args.ranks, plan.rc, plan.chunks), row_slot[:, None], rows_buf,
+      *operands)
 
-    def b_specs(p, tn):
-        """BlockSpecs and operands of every slice's B chunks (and bias) for the in-place plan `p`."""
-        specs, ops = [], []
-        for s in range(s_count):
-            w_map, bias_map, _ = _slice_maps(p, s)
-            for c in range(p.chunks):
-                specs.append(pl.BlockSpec((None, tn, r) if plan.b_layout == "nr" else (None, p.rc, tn),
-                                          w_map(c)))
-                ops.append(lora_b[s])
-            if plan.has_bias[s]:
-                specs.append(pl.BlockSpec((None, 1, tn), bias_map))
-                ops.append(bias[s].reshape(plan.num_slots, 1, plan.widths[s]))
-        return specs, ops
 
-    def run_inplace(sched: Schedule, row_slot, rows_buf):
-        tn = inplace.tn[0]
-        base = inplace.tile_base
+def _add_deltas(args: _ExpandOperands, plan: ExpandPlan, has_lora, deltas) -> jax.Array:
+    """The delta path's XLA epilogue: y[:, slice s] = cast((y if add_inputs else 0) + deltas[s])
+    in float32 with one cast; rows without LoRA keep y. deltas: S (T, n_s) in token order."""
+    out = args.y
+    for s in range(len(plan.widths)):
+        width = plan.widths[s]
+        old = lax.dynamic_slice_in_dim(out, args.offsets[s], width, axis=1)
+        new = deltas[s]
+        if args.add_inputs:
+            new = new + old.astype(jnp.float32)
+        out = lax.dynamic_update_slice_in_dim(
+            out, jnp.where(has_lora[:, None], new.astype(args.y.dtype), old), args.offsets[s], axis=1)
+    return out
 
-        def row_map(j, i, tile, *_):
-            return tile[i], 0
 
-        def y_map(j, i, tile, slot, live, rk, chunk_slot, col0):
-            s_of_j, first_j = 0, 0  # the slice owning column tile j, and its first j
-            for s in range(1, s_count):
-                s_of_j = jnp.where(j >= base[s], s, s_of_j)
-                first_j = jnp.where(j >= base[s], base[s], first_j)
-            return tile[i], col0[s_of_j] + j - first_j
+def _weight_blocks(args: _ExpandOperands, plan: ExpandPlan, inplace: ExpandPlan, tn: int):
+    """BlockSpecs and operands of every slice's B chunks (and bias) for the in-place plan `inplace`
+    (a variant of `plan` with one column tile width tn)."""
+    r, specs, ops = plan.rank, [], []
+    for s in range(len(plan.widths)):
+        w_map, bias_map, _ = _slice_maps(inplace, s)
+        for c in range(inplace.chunks):
+            specs.append(pl.BlockSpec((None, tn, r) if plan.b_layout == "nr" else (None, inplace.rc, tn),
+                                      w_map(c)))
+            ops.append(args.lora_b[s])
+        if plan.has_bias[s]:
+            specs.append(pl.BlockSpec((None, 1, tn), bias_map))
+            ops.append(args.bias[s].reshape(plan.num_slots, 1, plan.widths[s]))
+    return specs, ops
 
-        w_specs, ops = b_specs(inplace, tn)
-        specs = [pl.BlockSpec((tm, 1), row_map), pl.BlockSpec((tm, plan.lanes), row_map), *w_specs]
-        specs.append(pl.BlockSpec((tm, tn), y_map))
-        col0 = (offsets // tn).astype(jnp.int32)
-        return pl.pallas_call(
-            functools.partial(_expand_inplace_kernel, plan=inplace, add_inputs=add_inputs),
-            out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=6,
-                grid=(inplace.grid_n, _live_steps(sched)),
-                in_specs=specs,
-                out_specs=pl.BlockSpec((tm, tn), y_map),
-            ),
-            input_output_aliases={6 + 2 + len(ops): 0},
-            compiler_params=_compiler_params(inplace.vmem_bytes(lora_b[0].dtype.itemsize)),
-            interpret=interpret,
-        )(*sched, ranks, chunk_slots(sched, ranks, inplace.rc, inplace.chunks), col0, row_slot[:, None],
-          rows_buf, *ops, y)
+
+def _run_inplace(args: _ExpandOperands, plan: ExpandPlan, inplace: ExpandPlan, sched: Schedule, row_slot,
+                 rows_buf) -> jax.Array:
+    """Token order, y aliased in and out and updated by (tm, tn) blocks (`_expand_inplace_kernel`):
+    the new y."""
+    tm, tn, s_count = plan.tm, inplace.tn[0], len(plan.widths)
+    base = inplace.tile_base
+
+    def row_map(j, i, tile, *_):
+        return tile[i], 0
+
+    def y_map(j, i, tile, slot, live, rk, chunk_slot, col0):
+        s_of_j, first_j = 0, 0  # the slice owning column tile j, and its first j
+        for s in range(1, s_count):
+            s_of_j = jnp.where(j >= base[s], s, s_of_j)
+            first_j = jnp.where(j >= base[s], base[s], first_j)
+        return tile[i], col0[s_of_j] + j - first_j
+
+    w_specs, ops = _weight_blocks(args, plan, inplace, tn)
+    specs = [pl.BlockSpec((tm, 1), row_map), pl.BlockSpec((tm, plan.lanes), row_map), *w_specs]
+    specs.append(pl.BlockSpec((tm, tn), y_map))
+    col0 = (args.offsets // tn).astype(jnp.int32)
+    return pl.pallas_call(
+        functools.partial(_expand_inplace_kernel, plan=inplace, add_inputs=args.add_inputs),
+        out_shape=jax.ShapeDtypeStruct(args.y.shape, args.y.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(inplace.grid_n, _live_steps(sched)),
+            in_specs=specs,
+            out_specs=pl.BlockSpec((tm, tn), y_map),
+        ),
+        input_output_aliases={6 + 2 + len(ops): 0},
+        compiler_params=_compiler_params(inplace.vmem_bytes(args.lora_b[0].dtype.itemsize)),
+        interpret=args.interpret,
+    )(*sched, args.ranks, chunk_slots(sched, args.ranks, inplace.rc, inplace.chunks), col0, row_slot[:, None],
+      rows_buf, *ops, args.y)
+
+
+def _run_scatter(args: _ExpandOperands, plan: ExpandPlan, scatter: ExpandPlan, sched: Schedule, order,
+                 row_slot, rows_buf) -> jax.Array:
+    """Sorted order, y aliased in and out and updated by row DMAs (`_expand_scatter_kernel`): the
+    new y. order: the token at each sorted row."""
+    tm, tn = plan.tm, scatter.tn[0]
+
+    def row_map(j, i, tile, *_):
+        return tile[i], 0
+
+    w_specs, ops = _weight_blocks(args, plan, scatter, tn)
+    specs = [pl.BlockSpec((tm, 1), row_map), pl.BlockSpec((tm, plan.lanes), row_map), *w_specs]
+    specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    row_tok = jnp.where(row_slot >= 0, order, -1).astype(jnp.int32)
+    return pl.pallas_call(
+        functools.partial(_expand_scatter_kernel, plan=scatter, add_inputs=args.add_inputs),
+        out_shape=jax.ShapeDtypeStruct(args.y.shape, args.y.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=7,
+            grid=(scatter.grid_n, _live_steps(sched)),
+            in_specs=specs,
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            scratch_shapes=[pltpu.VMEM((tm, tn), args.y.dtype), pltpu.SemaphoreType.DMA],
+        ),
+        input_output_aliases={7 + 2 + len(ops): 0},
+        compiler_params=_compiler_params(scatter.vmem_bytes(args.lora_b[0].dtype.itemsize)),
+        interpret=args.interpret,
+    )(*sched, args.ranks, chunk_slots(sched, args.ranks, scatter.rc, scatter.chunks),
+      (args.offsets // tn).astype(jnp.int32), row_tok, row_slot[:, None], rows_buf, *ops, args.y)
+
+
+def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPlan,
+                   inplace: Optional[ExpandPlan], scatter: Optional[ExpandPlan], add_inputs: bool, interpret):
+    """(token-order fn, sorted-order fn): each takes the packed (tp, P) rank rows in its own order
+    and returns the new y.
+
+    Token order updates y in place by blocks when `inplace` is given, sorted order by row DMAs when
+    `scatter` is given; otherwise either runs the delta kernel and the XLA epilogue adds the deltas."""
+    args = _ExpandOperands(lora_b, y, ranks, bias, offsets, add_inputs, interpret)
+    t, tp = plan.num_tokens, plan.tiles_m * plan.tm
+    blocks = _delta_blocks(plan, lora_b, bias)  # traced here, outside the branches that share it
 
     def token_order(packed_rows):
+        row_slot = _pad_rows(rows.idx, tp, -1)
         if inplace is not None:
-            return run_inplace(rows.token_sched, _pad_rows(rows.idx, tp, -1), packed_rows)
-        return finish(tuple(d[:t] for d in run(rows.token_sched, _pad_rows(rows.idx, tp, -1), packed_rows)))
-
-    def run_scatter(sched: Schedule, row_slot, rows_buf):
-        tn = scatter.tn[0]
-
-        def row_map(j, i, tile, *_):
-            return tile[i], 0
-
-        w_specs, ops = b_specs(scatter, tn)
-        specs = [pl.BlockSpec((tm, 1), row_map), pl.BlockSpec((tm, plan.lanes), row_map), *w_specs]
-        specs.append(pl.BlockSpec(memory_space=pl.ANY))
-        row_tok = jnp.where(row_slot >= 0, rows.order, -1).astype(jnp.int32)
-        return pl.pallas_call(
-            functools.partial(_expand_scatter_kernel, plan=scatter, add_inputs=add_inputs),
-            out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=7,
-                grid=(scatter.grid_n, _live_steps(sched)),
-                in_specs=specs,
-                out_specs=pl.BlockSpec(memory_space=pl.ANY),
-                scratch_shapes=[pltpu.VMEM((tm, tn), y.dtype), pltpu.SemaphoreType.DMA],
-            ),
-            input_output_aliases={7 + 2 + len(ops): 0},
-            compiler_params=_compiler_params(scatter.vmem_bytes(lora_b[0].dtype.itemsize)),
-            interpret=interpret,
-        )(*sched, ranks, chunk_slots(sched, ranks, scatter.rc, scatter.chunks), (offsets // tn).astype(jnp.int32),
-          row_tok, row_slot[:, None], rows_buf, *ops, y)
+            return _run_inplace(args, plan, inplace, rows.token_sched, row_slot, packed_rows)
+        deltas = _run_delta(args, plan, blocks, rows.token_sched, row_slot, packed_rows)
+        return _add_deltas(args, plan, rows.has_lora, tuple(d[:t] for d in deltas))
 
     def sorted_order(packed_rows):
         row_slot = _sorted_slots(rows.idx, rows.order, t)
         if scatter is not None:
-            return run_scatter(rows.sorted_sched, row_slot, packed_rows)
-        deltas = run(rows.sorted_sched, row_slot, packed_rows)
-        return finish(tuple(jnp.take(d, rows.position, axis=0) for d in deltas))
+            return _run_scatter(args, plan, scatter, rows.sorted_sched, rows.order, row_slot, packed_rows)
+        deltas = _run_delta(args, plan, blocks, rows.sorted_sched, row_slot, packed_rows)
+        return _add_deltas(args, plan, rows.has_lora, tuple(jnp.take(d, rows.position, axis=0) for d in deltas))
 
     return token_order, sorted_order
 
