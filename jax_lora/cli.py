@@ -214,8 +214,6 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
     t_start = time.perf_counter()
     import jax
 
-    from .models.llama import load_llama
-    from .serving import Request, ServingEngine
 
     def say(msg=""):
         print(msg, file=out if out is not None else sys.stdout, flush=True)
@@ -229,6 +227,21 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
         say(f"built a small random Llama and {len(adapter_dirs)} PEFT adapters in {tmp.name}")
     if not adapter_dirs:
         raise SystemExit("jax-lora demo: give at least one adapter directory after MODEL_DIR")
+    # The check compares float32 serving with float32 merged weights at a 1e-4 relative tolerance:
+    # on NVIDIA GPUs JAX's default float32 matmul is TF32 (~1e-3), so both run at full float32.
+    with jax.default_matmul_precision("highest"):
+        return _serve_and_verify(model_dir, adapter_dirs, tmp, slots, num_requests, max_new_tokens, max_seqs,
+                                 seed, backend, say, t_start)
+
+
+def _serve_and_verify(model_dir, adapter_dirs, tmp, slots, num_requests, max_new_tokens, max_seqs, seed, backend,
+                      say, t_start) -> int:
+    """The demo after its assets exist: load, serve, time, verify (removes `tmp` at the end)."""
+    import jax
+
+    from .models.llama import load_llama
+    from .serving import Request, ServingEngine
+
     try:
         model, manager, adapters, num_slots = _load_demo_model(model_dir, adapter_dirs, slots, say)
         ids = [None] + list(adapters)

@@ -23,7 +23,7 @@ def torch_over_jax(impl_cls):
             return super().arr(a, dtype).clone()  # torch's allocator: 64-byte aligned
 
     return TorchOverJaxImpl(
-        "torch-over-jax", "torch", "xla", ops_module=bridge.torch_over_jax,
+        "torch-over-jax", "torch", "xla", ops_module=bridge.torch_over_jax, torch_device="cpu",
         wrapper_factory=lambda T, B, L, backend: bridge.TorchPunicaWrapper(T, B, "cpu", max_loras=L, backend=backend))
 
 

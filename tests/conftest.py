@@ -25,6 +25,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 
 def pytest_configure(config):
+    # Float32 results are compared with float64 oracles and with torch/PEFT at float32 tolerances:
+    # JAX's default float32 matmul precision on NVIDIA GPUs is TF32 (10-bit mantissa), so ask for
+    # full float32 (the CPU computes that anyway).
+    try:
+        import jax
+        jax.config.update("jax_default_matmul_precision", "highest")
+    except ImportError:  # pragma: no cover - the torch-only install
+        pass
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device machine)")
     config.addinivalue_line("markers", "slow: longer CPU test, still part of CI")
 

@@ -9,6 +9,8 @@ Fields an entry may set:
   dtypes: the activation/weight dtypes it is tested with.
   small: True for interpreters (Triton interpreter, Pallas TPU interpret mode): the suite then
          uses its smallest shapes and skips the hypothesis sweep.
+  torch_device: where the torch side's tensors live; None: CUDA when a GPU is present (the compiled
+         Triton kernels), else the CPU (the Triton interpreter). JAX arrays go to JAX's default device.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Impl:
     wrapper_factory: Optional[Callable[..., Any]] = None  # (T, B, L, backend) -> wrapper
     ops_module: Optional[Any] = None                      # defaults to the side's ops
     marks: tuple = ()
+    torch_device: Optional[str] = None
 
     def __str__(self):
         return self.name
@@ -52,8 +55,16 @@ class Impl:
             return jnp.asarray(a.astype(np.float32)).astype(getattr(jnp, dtype))
         import torch
         if dtype is None:
-            return torch.from_numpy(np.ascontiguousarray(a))
-        return torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(getattr(torch, dtype))
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(self.device, getattr(torch, dtype))
+
+    @property
+    def device(self) -> str:
+        """The torch side's device (see `torch_device`)."""
+        if self.torch_device is not None:
+            return self.torch_device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def idx(self, a):
         return self.arr(np.asarray(a, np.int32))
@@ -79,7 +90,7 @@ class Impl:
     def wrapper(self, max_num_batched_tokens, max_batches, max_loras):
         if self.wrapper_factory is not None:
             return self.wrapper_factory(max_num_batched_tokens, max_batches, max_loras, self.backend)
-        device = None if self.side == "jax" else "cpu"
+        device = None if self.side == "jax" else self.device
         return self.pkg.PunicaWrapper(max_num_batched_tokens, max_batches, device, max_loras=max_loras,
                                       backend=self.backend)
 
@@ -98,7 +109,7 @@ class Impl:
         idx = np.asarray(idx, np.int32)
         if self.side == "jax":
             return self.pkg.LoRAKernelMeta.build(idx, max_loras, capacity or len(idx))
-        meta = self.pkg.LoRAKernelMeta.make(max_loras, capacity or max(len(idx), 1), "cpu")
+        meta = self.pkg.LoRAKernelMeta.make(max_loras, capacity or max(len(idx), 1), self.device)
         meta.prepare_tensors(self.idx(idx))
         return meta
 
@@ -109,7 +120,7 @@ class Impl:
             return self.to_np(self.ops.lora_shrink(x, lora_a, meta, scale, **kw))
         import torch
         rank = lora_a[0].shape[-2]
-        out = torch.full((len(lora_a), x.shape[0], rank), float("nan"), dtype=torch.float32)
+        out = torch.full((len(lora_a), x.shape[0], rank), float("nan"), dtype=torch.float32, device=self.device)
         res = self.ops.lora_shrink(x, lora_a, out, *meta.meta_args(x.shape[0]), scale, **kw)
         assert res is out
         return self.to_np(out)

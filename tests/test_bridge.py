@@ -27,6 +27,14 @@ from lora_core.host_mapping import LoRAMapping
 DTYPES = ["float32", "bfloat16", "float16", "int32", "int8", "uint8", "bool"]
 
 
+@pytest.fixture(autouse=True)
+def _jax_on_the_cpu():
+    """These tests pair JAX arrays with CPU torch tensors, so JAX's side runs on its CPU device too
+    (on a GPU machine JAX's default device is the GPU); tests/test_gpu_bridge.py pairs CUDA ones."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _torch_tensor(dtype: str, shape=(8, 32)) -> torch.Tensor:
     t = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape) % 7
     return t.to(getattr(torch, dtype))

@@ -40,17 +40,22 @@ def _probe(library):
     return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((4,), jnp.float32))
 
 
+def _cpu_ones():
+    """The probe's operand on a CPU device (the probe handler is registered for the CPU platform)."""
+    return jax.device_put(np.ones(4, np.float32), jax.devices("cpu")[0])
+
+
 def test_the_handler_rejects_inconsistent_attributes(library):
     call = _probe(library)
     with pytest.raises(Exception, match="inconsistent"):
-        call(jnp.ones(4), kernels=np.array([5], np.int64), launch=np.ones(7, np.int64),
+        call(_cpu_ones(), kernels=np.array([5], np.int64), launch=np.ones(7, np.int64),
              params=np.zeros(2, np.int64)).block_until_ready()
 
 
 def test_the_handler_reports_kernels_that_were_never_loaded(library):
     call = _probe(library)
     with pytest.raises(Exception, match="no kernel was registered|not loaded"):
-        call(jnp.ones(4), kernels=np.array([5], np.int64), launch=np.ones(8, np.int64),
+        call(_cpu_ones(), kernels=np.array([5], np.int64), launch=np.ones(8, np.int64),
              params=np.zeros(0, np.int64)).block_until_ready()
 
 
