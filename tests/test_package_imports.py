@@ -58,6 +58,9 @@ def test_the_jax_interpreter_path_runs_without_torch():
     """backend 'triton' on the CPU: the kernels in Triton's interpreter on NumPy memory."""
     pytest.importorskip("jax")
     pytest.importorskip("triton")
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("the CPU machine's path (a GPU runs the compiled kernels; the GPU image's Triton 3.6 "
+                    "interpreter also fails with its NumPy 2.5)")
     code = """
 import numpy as np, jax, jax.numpy as jnp
 from jax_lora.meta import LoRAKernelMeta
