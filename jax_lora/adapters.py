@@ -158,6 +158,11 @@ def adapter_ranks(model: nnx.Module, adapter: PeftAdapter) -> dict:
     return ranks
 
 
+def _largest_rank(prepared: tuple) -> int:
+    """An adapter's largest rank from its prepared slot data (the per-layer ranks)."""
+    return max(prepared[1].values(), default=0)
+
+
 def _write_slot_impl(arrays, slot, new, axes):
     """arrays[i] with index `slot` along axes[i] replaced by new[i] (shapes never change)."""
     out = []
@@ -214,10 +219,8 @@ class AdapterManager:
             raise ValueError(f"lora_id must be an int > 0 (0 means no adapter), got {lora_id!r}")
         lora_id = int(lora_id)
         src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
-        adapter_obj = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
-        self.stats["disk_loads" if not isinstance(src, PeftAdapter) else "prepares"] += 1
-        prepared = self._prepared(adapter_obj)           # fails here for a bad adapter, nothing changed
-        self._ranks[lora_id] = adapter_obj.max_rank
+        prepared = self._prepare(src)                    # fails here for a bad adapter, nothing changed
+        self._ranks[lora_id] = _largest_rank(prepared)
         self._sources[lora_id] = src
         self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter) else os.path.basename(src))
         self._host.pop(lora_id, None)
@@ -261,7 +264,9 @@ class AdapterManager:
         """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
 
         Free slots first, then the least recently used slots whose adapter is not in `ids`.
-        Raises ValueError for an unknown id or more distinct adapters than slots.
+        Raises ValueError for an unknown id or more distinct adapters than slots, and AdapterError
+        when an adapter cannot be reloaded; either way the manager is left as it was (every adapter
+        is prepared before any slot changes).
         """
         need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
         unknown = [i for i in need if i not in self._sources]
@@ -270,11 +275,19 @@ class AdapterManager:
         if len(need) > self.num_slots:
             raise ValueError(f"{len(need)} distinct adapters requested at once, but the model has "
                              f"{self.num_slots} slots")
+        incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
         for i in need:
             if i in self._slots:
                 self.stats["slot_hits"] += 1
             else:
-                self._write(self._free_slot(set(need)), self._host_get(i), lora_id=i)
+                prepared, cached = incoming[i]
+                if cached:
+                    self.stats["host_hits"] += 1
+                else:
+                    self._count_prepare(self._sources[i])
+                    self._ranks[i] = _largest_rank(prepared)
+                self._cache(i, prepared)          # (re)inserted: caching another may have evicted it
+                self._write(self._free_slot(set(need)), prepared, lora_id=i)
             self._slot_use.pop(i, None)
             self._slot_use[i] = None
         return self.lora_index_to_id
@@ -307,9 +320,16 @@ class AdapterManager:
 
     # -------------------------------------------------------------- host side
     def _prepare(self, src) -> tuple:
-        adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
-        self.stats["disk_loads" if not isinstance(src, PeftAdapter) else "prepares"] += 1
-        return self._prepared(adapter)
+        """One slot's host data for a directory (read from disk) or a PeftAdapter; counted."""
+        prepared = self._prepare_uncounted(src)
+        self._count_prepare(src)
+        return prepared
+
+    def _prepare_uncounted(self, src) -> tuple:
+        return self._prepared(src if isinstance(src, PeftAdapter) else load_peft_adapter(src))
+
+    def _count_prepare(self, src) -> None:
+        self.stats["prepares" if isinstance(src, PeftAdapter) else "disk_loads"] += 1
 
     def _prepared(self, adapter: PeftAdapter) -> tuple:
         """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}): one slot's host data."""
@@ -322,14 +342,12 @@ class AdapterManager:
             self._host.popitem(last=False)
             self.stats["host_evictions"] += 1
 
-    def _host_get(self, lora_id: int) -> tuple:
+    def _host_peek(self, lora_id: int) -> tuple:
+        """(one slot's host data, whether it came from the host cache), changing nothing: the
+        caller updates the cache and the counters once every adapter of the batch is prepared."""
         if lora_id in self._host:
-            self._host.move_to_end(lora_id)
-            self.stats["host_hits"] += 1
-            return self._host[lora_id]
-        prepared = self._prepare(self._sources[lora_id])
-        self._cache(lora_id, prepared)
-        return prepared
+            return self._host[lora_id], True
+        return self._prepare_uncounted(self._sources[lora_id]), False
 
     def _write(self, slot: int, prepared: tuple | None, lora_id: int | None = None) -> None:
         """One jitted update of every LoRA variable at `slot`: the adapter's weights and per-layer

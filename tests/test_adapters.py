@@ -151,6 +151,51 @@ def test_manager_slots_lru_and_host_cache(tmp_path):
         mgr.register(0, paths[0])
 
 
+def test_a_failed_load_in_activate_changes_nothing(tmp_path):
+    """An adapter whose file goes bad after registration fails inside activate(); the manager is
+    left exactly as before the call: the same adapters in the same slots with the same weights, the
+    same LRU order (the next eviction takes the least recently used adapter), the same counters."""
+    model = _model(slots=2)
+    mgr = AdapterManager(model, host_cache_size=1)          # one cached adapter: reloads read the disk
+    paths = [_write(tmp_path, f"a{i}", 2 + i, seed=i)[0] for i in range(4)]
+    for i, p in enumerate(paths[:3]):
+        mgr.register(i + 1, p)
+    assert mgr.activate([1, 2]) == [1, 2]                   # 1 is the least recently used
+    files = [os.path.join(p, "adapter_model.safetensors") for p in paths]
+    good = [open(f, "rb").read() for f in files]
+
+    def state():
+        return (mgr.lora_index_to_id, list(mgr.slot_ranks), dict(mgr.stats), mgr.version,
+                [w for slot in range(2) for w in _slot_weights(model, slot)])
+
+    def same(before, after):
+        assert before[:4] == after[:4]
+        for b, a in zip(before[4], after[4]):
+            np.testing.assert_array_equal(b, a)
+
+    with open(files[2], "wb") as f:
+        f.write(good[2][:-9])                               # truncated after registration
+    before = state()
+    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+        mgr.activate([3])
+    same(before, state())
+    with open(files[2], "wb") as f:
+        f.write(good[2])
+    assert mgr.activate([2, 3]) == [3, 2]                   # evicts 1, the least recently used
+    # Several adapters at once: one that loads and one that fails; neither is placed, none evicted.
+    mgr.register(4, paths[3])
+    with open(files[0], "wb") as f:
+        f.write(b"garbage")
+    before = state()
+    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+        mgr.activate([4, 1])
+    same(before, state())
+    with open(files[0], "wb") as f:
+        f.write(good[0])
+    assert mgr.activate([4, 1]) == [1, 4]                   # 4 evicts 2, then 1 evicts 3
+    assert mgr.stats["evictions"] == 3
+
+
 def test_manager_writes_each_layers_rank_and_the_wrapper_uses_it(tmp_path):
     """Per-layer ranks (PEFT rank_pattern): the slot's `lora_ranks` entry is the adapter's largest
     rank among the layer's modules, 0 where it has none and after unload; the layers pass it to
