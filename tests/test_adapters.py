@@ -51,6 +51,14 @@ def _write(tmp_path, name, r, targets=("q_proj", "v_proj"), alpha=None, rslora=F
     return path, mods
 
 
+def test_reading_is_the_framework_free_parser():
+    """jax_lora.adapters re-exports lora_core.peft's reader, so both sides read adapters alike."""
+    from jax_lora import adapters
+    from lora_core import peft as core
+    for name in ("AdapterError", "PeftAdapter", "load_peft_adapter", "save_peft_adapter"):
+        assert getattr(adapters, name) is getattr(core, name), name
+
+
 def test_load_scaling_and_patterns(tmp_path):
     path, mods = _write(tmp_path, "a", 4, targets=("q_proj", "down_proj"), alpha=8, rank_pattern={"down_proj": 2})
     ad = load_peft_adapter(path)
@@ -162,7 +170,10 @@ def test_a_failed_load_in_activate_changes_nothing(tmp_path):
         mgr.register(i + 1, p)
     assert mgr.activate([1, 2]) == [1, 2]                   # 1 is the least recently used
     files = [os.path.join(p, "adapter_model.safetensors") for p in paths]
-    good = [open(f, "rb").read() for f in files]
+    good = []
+    for name in files:
+        with open(name, "rb") as f:
+            good.append(f.read())
 
     def state():
         return (mgr.lora_index_to_id, list(mgr.slot_ranks), dict(mgr.stats), mgr.version,
