@@ -1,7 +1,8 @@
 """PEFT LoRA adapters without a framework: adapter_config.json and adapter_model.safetensors as NumPy.
 
-`jax_lora.adapters` (and the torch side) place the adapter read here into their own layers; this
-module imports NumPy and safetensors only. A PEFT adapter directory holds `adapter_config.json`
+`jax_lora.adapters` (and the torch side) place the adapter read here into their own layers. Reading
+needs NumPy alone (the safetensors format is parsed here); `save_peft_adapter` writes with the
+safetensors package. A PEFT adapter directory holds `adapter_config.json`
 (r, lora_alpha, use_rslora, target_modules, rank_pattern, alpha_pattern, ...) and
 `adapter_model.safetensors` with, per targeted module `m` (its name in the base model):
 
