@@ -1,17 +1,9 @@
-"""PEFT LoRA adapters: loading (safetensors only), slot placement, and a slot manager with an LRU cache.
+"""PEFT LoRA adapters in a Flax model: slot placement, and a slot manager with an LRU cache.
 
-A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, use_rslora, target_modules,
-rank_pattern, alpha_pattern, ...) and `adapter_model.safetensors` with, per targeted module `m`:
-
-  base_model.model.<m>.lora_A.weight           (r, in)        linear layers
-  base_model.model.<m>.lora_B.weight           (out, r)
-  base_model.model.<m>.lora_embedding_A        (r, vocab)     embeddings
-  base_model.model.<m>.lora_embedding_B        (dim, r)
-
-The adapter's output is `scaling * x @ A.T @ B.T` with `scaling = lora_alpha / r`
-(`lora_alpha / sqrt(r)` with use_rslora; per-module r / alpha from rank_pattern / alpha_pattern).
-Loading folds the scaling into B, so the layers run with scale 1. Pickled `adapter_model.bin` files
-are refused (they can run code when loaded).
+Reading an adapter directory is framework-free and lives in `lora_core.peft` (re-exported here:
+`load_peft_adapter`, `save_peft_adapter`, `PeftAdapter`, `AdapterError`); it returns the adapter's
+NumPy weights with each module's scaling, which `prepare_adapter` folds into B so the layers run
+with scale 1.
 
 Placement: `prepare_adapter(model, adapter)` checks every tensor against the model's multi-LoRA layers
 (jax_lora.nn) and returns host arrays in slot layout, zero-padded to the layers' max_rank (ranks
@@ -24,18 +16,22 @@ load / unload / hot-swap never recompile the serving step.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
-import math
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file names, for callers)
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    AdapterError,
+    PeftAdapter,
+    load_peft_adapter,
+    save_peft_adapter,
+)
 
 from . import nn as lnn
 
@@ -49,154 +45,6 @@ __all__ = [
     "adapter_ranks",
     "save_peft_adapter",
 ]
-
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be loaded into this model (message says which tensor and why)."""
-
-
-@dataclasses.dataclass
-class PeftAdapter:
-    """A LoRA adapter in PEFT terms, weights on the host.
-
-    modules: {module name (Hugging Face path, e.g. "model.layers.0.self_attn.q_proj"):
-              (A, B, scaling, kind)} with kind "linear" (A (r, in), B (out, r)) or "embedding"
-              (A (r, vocab), B (dim, r)); scaling not yet applied.
-    """
-
-    name: str
-    r: int
-    lora_alpha: float
-    use_rslora: bool
-    target_modules: Any
-    modules: dict
-    config: dict = dataclasses.field(default_factory=dict)
-    base_layer_shapes: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def max_rank(self) -> int:
-        return max(a.shape[0] for a, _, _, _ in self.modules.values())
-
-    @property
-    def ranks(self) -> set:
-        return {a.shape[0] for a, _, _, _ in self.modules.values()}
-
-
-def _pattern_value(pattern: Mapping[str, Any], module: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: a key matches a module name's suffix (regex)."""
-    for key, value in (pattern or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def _scaling(alpha: float, r: int, rslora: bool) -> float:
-    return alpha / math.sqrt(r) if rslora else alpha / r
-
-
-_KEY = re.compile(r"^(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?P<rest>(\.[^.]+)*)$")
-
-
-def load_peft_adapter(path: str, name: str | None = None) -> PeftAdapter:
-    """Reads a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors).
-
-    Raises AdapterError for a missing file, a pickled checkpoint, a non-LoRA or unsupported PEFT
-    feature (DoRA, LoRA bias, modules_to_save, fan_in_fan_out), or inconsistent tensor shapes.
-    """
-    from safetensors.numpy import load_file
-    cfg_path = os.path.join(path, CONFIG_NAME)
-    w_path = os.path.join(path, WEIGHTS_NAME)
-    if not os.path.isfile(cfg_path):
-        raise AdapterError(f"{path!r} is not a PEFT adapter directory: {CONFIG_NAME} is missing")
-    if not os.path.isfile(w_path):
-        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
-            raise AdapterError(f"{path!r} holds adapter_model.bin (pickle); only {WEIGHTS_NAME} is loaded. "
-                               "Re-save it with save_pretrained(..., safe_serialization=True)")
-        raise AdapterError(f"{path!r}: {WEIGHTS_NAME} is missing")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{path!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    for key, bad, what in (("use_dora", True, "DoRA"), ("lora_bias", True, "LoRA bias"),
-                           ("fan_in_fan_out", True, "fan_in_fan_out (Conv1D) layers")):
-        if cfg.get(key) == bad:
-            raise AdapterError(f"{path!r}: {what} ({key}={bad}) is not supported")
-    if cfg.get("modules_to_save"):
-        raise AdapterError(f"{path!r}: modules_to_save={cfg['modules_to_save']} replaces whole layers per "
-                           "adapter, which multi-LoRA serving does not support")
-    r = int(cfg["r"])
-    alpha = float(cfg.get("lora_alpha", r))
-    rslora = bool(cfg.get("use_rslora", False))
-    for key in ("trainable_token_indices", "target_parameters", "layer_replication"):
-        if cfg.get(key):
-            raise AdapterError(f"{path!r}: {key}={cfg[key]!r} is not supported")
-    tensors = load_file(w_path)
-    parts: dict = collections.defaultdict(dict)
-    base_layers = {}
-    for key, value in tensors.items():
-        k = key.removeprefix("base_model.model.")
-        if k.endswith(".base_layer.weight"):
-            # PEFT saves a copy of a targeted embedding / LM head (for resized vocabularies): it is
-            # the base model's own weight; only its shape is checked against the model.
-            base_layers[k[: -len(".base_layer.weight")]] = tuple(value.shape)
-            continue
-        m = _KEY.match(k)
-        rest = m.group("rest").split(".")[1:] if m else []
-        if m is None or "bias" in rest or len(rest) > 2 or (len(rest) == 2 and rest[-1] != "weight"):
-            raise AdapterError(f"{path!r}: tensor {key!r} is not a LoRA A/B weight (unsupported PEFT feature?)")
-        parts[m.group("module")][m.group("kind")] = np.asarray(value, np.float32)
-    modules = {}
-    for module, kinds in sorted(parts.items()):
-        if set(kinds) == {"lora_A", "lora_B"}:
-            a, b, kind = kinds["lora_A"], kinds["lora_B"], "linear"
-        elif set(kinds) == {"lora_embedding_A", "lora_embedding_B"}:
-            a, b, kind = kinds["lora_embedding_A"], kinds["lora_embedding_B"], "embedding"
-        else:
-            raise AdapterError(f"{path!r}: module {module!r} has tensors {sorted(kinds)}; expected lora_A and "
-                               "lora_B (or lora_embedding_A and lora_embedding_B)")
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise AdapterError(f"{path!r}: module {module!r}: A {a.shape} and B {b.shape} do not have one "
-                               "rank (A (r, in), B (out, r))")
-        r_m = int(_pattern_value(cfg.get("rank_pattern"), module, r))
-        alpha_m = float(_pattern_value(cfg.get("alpha_pattern"), module, alpha))
-        if a.shape[0] != r_m:
-            raise AdapterError(f"{path!r}: module {module!r} has rank {a.shape[0]}, but adapter_config.json "
-                               f"says r={r_m}")
-        modules[module] = (a, b, _scaling(alpha_m, r_m, rslora), kind)
-    if not modules:
-        raise AdapterError(f"{path!r}: {WEIGHTS_NAME} holds no LoRA weights")
-    return PeftAdapter(name or os.path.basename(os.path.normpath(path)), r, alpha, rslora,
-                       cfg.get("target_modules"), modules, cfg, base_layers)
-
-
-def save_peft_adapter(path: str, modules: Mapping[str, tuple], *, r: int, lora_alpha: float,
-                      use_rslora: bool = False, base_model_name_or_path: str | None = None,
-                      rank_pattern: dict | None = None) -> None:
-    """Writes an adapter in PEFT's format (what `PeftModel.save_pretrained` writes).
-
-    modules: {Hugging Face module name: (A, B)}; embeddings are recognised by name ("embed_tokens")
-    and stored as lora_embedding_A (r, vocab) / lora_embedding_B (dim, r).
-    """
-    from safetensors.numpy import save_file
-    os.makedirs(path, exist_ok=True)
-    tensors = {}
-    for module, (a, b) in modules.items():
-        emb = module.split(".")[-1] in ("embed_tokens", "wte", "word_embeddings")
-        ka, kb = ("lora_embedding_A", "lora_embedding_B") if emb else ("lora_A.weight", "lora_B.weight")
-        tensors[f"base_model.model.{module}.{ka}"] = np.ascontiguousarray(a, np.float32)
-        tensors[f"base_model.model.{module}.{kb}"] = np.ascontiguousarray(b, np.float32)
-    save_file(tensors, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
-    targets = sorted({m.split(".")[-1] for m in modules})
-    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(r), "lora_alpha": lora_alpha,
-           "use_rslora": bool(use_rslora), "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
-           "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None,
-           "rank_pattern": rank_pattern or {}, "alpha_pattern": {}, "init_lora_weights": True,
-           "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(cfg, f, indent=2)
 
 
 # ----------------------------------------------------------------------------- placement
@@ -310,6 +158,11 @@ def adapter_ranks(model: nnx.Module, adapter: PeftAdapter) -> dict:
     return ranks
 
 
+def _largest_rank(prepared: tuple) -> int:
+    """An adapter's largest rank from its prepared slot data (the per-layer ranks)."""
+    return max(prepared[1].values(), default=0)
+
+
 def _write_slot_impl(arrays, slot, new, axes):
     """arrays[i] with index `slot` along axes[i] replaced by new[i] (shapes never change)."""
     out = []
@@ -366,10 +219,8 @@ class AdapterManager:
             raise ValueError(f"lora_id must be an int > 0 (0 means no adapter), got {lora_id!r}")
         lora_id = int(lora_id)
         src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
-        adapter_obj = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
-        self.stats["disk_loads" if not isinstance(src, PeftAdapter) else "prepares"] += 1
-        prepared = self._prepared(adapter_obj)           # fails here for a bad adapter, nothing changed
-        self._ranks[lora_id] = adapter_obj.max_rank
+        prepared = self._prepare(src)                    # fails here for a bad adapter, nothing changed
+        self._ranks[lora_id] = _largest_rank(prepared)
         self._sources[lora_id] = src
         self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter) else os.path.basename(src))
         self._host.pop(lora_id, None)
@@ -413,7 +264,9 @@ class AdapterManager:
         """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
 
         Free slots first, then the least recently used slots whose adapter is not in `ids`.
-        Raises ValueError for an unknown id or more distinct adapters than slots.
+        Raises ValueError for an unknown id or more distinct adapters than slots, and AdapterError
+        when an adapter cannot be reloaded; either way the manager is left as it was (every adapter
+        is prepared before any slot changes).
         """
         need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
         unknown = [i for i in need if i not in self._sources]
@@ -422,11 +275,19 @@ class AdapterManager:
         if len(need) > self.num_slots:
             raise ValueError(f"{len(need)} distinct adapters requested at once, but the model has "
                              f"{self.num_slots} slots")
+        incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
         for i in need:
             if i in self._slots:
                 self.stats["slot_hits"] += 1
             else:
-                self._write(self._free_slot(set(need)), self._host_get(i), lora_id=i)
+                prepared, cached = incoming[i]
+                if cached:
+                    self.stats["host_hits"] += 1
+                else:
+                    self._count_prepare(self._sources[i])
+                    self._ranks[i] = _largest_rank(prepared)
+                self._cache(i, prepared)          # (re)inserted: caching another may have evicted it
+                self._write(self._free_slot(set(need)), prepared, lora_id=i)
             self._slot_use.pop(i, None)
             self._slot_use[i] = None
         return self.lora_index_to_id
@@ -459,9 +320,16 @@ class AdapterManager:
 
     # -------------------------------------------------------------- host side
     def _prepare(self, src) -> tuple:
-        adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
-        self.stats["disk_loads" if not isinstance(src, PeftAdapter) else "prepares"] += 1
-        return self._prepared(adapter)
+        """One slot's host data for a directory (read from disk) or a PeftAdapter; counted."""
+        prepared = self._prepare_uncounted(src)
+        self._count_prepare(src)
+        return prepared
+
+    def _prepare_uncounted(self, src) -> tuple:
+        return self._prepared(src if isinstance(src, PeftAdapter) else load_peft_adapter(src))
+
+    def _count_prepare(self, src) -> None:
+        self.stats["prepares" if isinstance(src, PeftAdapter) else "disk_loads"] += 1
 
     def _prepared(self, adapter: PeftAdapter) -> tuple:
         """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}): one slot's host data."""
@@ -474,14 +342,12 @@ class AdapterManager:
             self._host.popitem(last=False)
             self.stats["host_evictions"] += 1
 
-    def _host_get(self, lora_id: int) -> tuple:
+    def _host_peek(self, lora_id: int) -> tuple:
+        """(one slot's host data, whether it came from the host cache), changing nothing: the
+        caller updates the cache and the counters once every adapter of the batch is prepared."""
         if lora_id in self._host:
-            self._host.move_to_end(lora_id)
-            self.stats["host_hits"] += 1
-            return self._host[lora_id]
-        prepared = self._prepare(self._sources[lora_id])
-        self._cache(lora_id, prepared)
-        return prepared
+            return self._host[lora_id], True
+        return self._prepare_uncounted(self._sources[lora_id]), False
 
     def _write(self, slot: int, prepared: tuple | None, lora_id: int | None = None) -> None:
         """One jitted update of every LoRA variable at `slot`: the adapter's weights and per-layer

@@ -51,6 +51,14 @@ def _write(tmp_path, name, r, targets=("q_proj", "v_proj"), alpha=None, rslora=F
     return path, mods
 
 
+def test_reading_is_the_framework_free_parser():
+    """jax_lora.adapters re-exports lora_core.peft's reader, so both sides read adapters alike."""
+    from jax_lora import adapters
+    from lora_core import peft as core
+    for name in ("AdapterError", "PeftAdapter", "load_peft_adapter", "save_peft_adapter"):
+        assert getattr(adapters, name) is getattr(core, name), name
+
+
 def test_load_scaling_and_patterns(tmp_path):
     path, mods = _write(tmp_path, "a", 4, targets=("q_proj", "down_proj"), alpha=8, rank_pattern={"down_proj": 2})
     ad = load_peft_adapter(path)
@@ -149,6 +157,54 @@ def test_manager_slots_lru_and_host_cache(tmp_path):
         mgr.activate([9])
     with pytest.raises(ValueError, match="lora_id must be an int > 0"):
         mgr.register(0, paths[0])
+
+
+def test_a_failed_load_in_activate_changes_nothing(tmp_path):
+    """An adapter whose file goes bad after registration fails inside activate(); the manager is
+    left exactly as before the call: the same adapters in the same slots with the same weights, the
+    same LRU order (the next eviction takes the least recently used adapter), the same counters."""
+    model = _model(slots=2)
+    mgr = AdapterManager(model, host_cache_size=1)          # one cached adapter: reloads read the disk
+    paths = [_write(tmp_path, f"a{i}", 2 + i, seed=i)[0] for i in range(4)]
+    for i, p in enumerate(paths[:3]):
+        mgr.register(i + 1, p)
+    assert mgr.activate([1, 2]) == [1, 2]                   # 1 is the least recently used
+    files = [os.path.join(p, "adapter_model.safetensors") for p in paths]
+    good = []
+    for name in files:
+        with open(name, "rb") as f:
+            good.append(f.read())
+
+    def state():
+        return (mgr.lora_index_to_id, list(mgr.slot_ranks), dict(mgr.stats), mgr.version,
+                [w for slot in range(2) for w in _slot_weights(model, slot)])
+
+    def same(before, after):
+        assert before[:4] == after[:4]
+        for b, a in zip(before[4], after[4]):
+            np.testing.assert_array_equal(b, a)
+
+    with open(files[2], "wb") as f:
+        f.write(good[2][:-9])                               # truncated after registration
+    before = state()
+    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+        mgr.activate([3])
+    same(before, state())
+    with open(files[2], "wb") as f:
+        f.write(good[2])
+    assert mgr.activate([2, 3]) == [3, 2]                   # evicts 1, the least recently used
+    # Several adapters at once: one that loads and one that fails; neither is placed, none evicted.
+    mgr.register(4, paths[3])
+    with open(files[0], "wb") as f:
+        f.write(b"garbage")
+    before = state()
+    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+        mgr.activate([4, 1])
+    same(before, state())
+    with open(files[0], "wb") as f:
+        f.write(good[0])
+    assert mgr.activate([4, 1]) == [1, 4]                   # 4 evicts 2, then 1 evicts 3
+    assert mgr.stats["evictions"] == 3
 
 
 def test_manager_writes_each_layers_rank_and_the_wrapper_uses_it(tmp_path):

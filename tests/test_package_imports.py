@@ -26,7 +26,8 @@ def _loaded(code: str, env: dict | None = None) -> set:
 
 
 @pytest.mark.parametrize("module", ["lora_core", "lora_core.host_mapping", "lora_core.checks",
-                                    "lora_core.backend_registry", "lora_core.kernels.configs"])
+                                    "lora_core.backend_registry", "lora_core.peft",
+                                    "lora_core.kernels.configs"])
 def test_the_core_imports_no_framework(module):
     if module == "lora_core.kernels.configs":
         pytest.importorskip("triton")
