@@ -1,0 +1,174 @@
+"""`load_peft_adapter`: a PEFT adapter directory as NumPy factors and per-module scaling; `save_peft_adapter`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .config import (AdapterError, CONFIG_NAME, MAX_HEADER_BYTES, MAX_TENSOR_BYTES, PICKLE_NAME, WEIGHTS_NAME,
+                     TRAINING_STATE_TENSORS)
+from .files import read_adapter_config, resolve_adapter_file
+from .safetensors_format import read_safetensors, read_safetensors_header
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+class LoraModule(NamedTuple):
+    """One module's LoRA: lora_a (r, in) and lora_b (out, r) for a linear layer, lora_a (r, vocab) and
+    lora_b (dim, r) for an embedding (kind "embedding"); float32. scaling is not applied."""
+
+    lora_a: np.ndarray
+    lora_b: np.ndarray
+    scaling: float
+    kind: str
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_a.shape[0])
+
+
+@dataclasses.dataclass
+class PeftAdapter:
+    """A LoRA adapter in PEFT terms, weights on the host as NumPy.
+
+    modules: {module name in the base model (e.g. "model.layers.0.self_attn.q_proj"): LoraModule}
+      (a named tuple: lora_a, lora_b, scaling, kind); each module has its own rank and scaling.
+    config: adapter_config.json as decoded; base_layer_shapes: {module: shape} of the base weights
+      PEFT saved beside an embedding / LM-head LoRA (their data is not read).
+    """
+
+    name: str
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: Any
+    modules: dict
+    config: dict = dataclasses.field(default_factory=dict)
+    base_layer_shapes: dict = dataclasses.field(default_factory=dict)
+    path: str | None = None
+
+    @property
+    def max_rank(self) -> int:
+        return max(m[0].shape[0] for m in self.modules.values())
+
+    @property
+    def ranks(self) -> set:
+        return {m[0].shape[0] for m in self.modules.values()}
+
+
+_KEY = re.compile(r"^(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?P<rest>(\.[^.]+)*)$")
+_PAIRS = {"linear": ("lora_A", "lora_B"), "embedding": ("lora_embedding_A", "lora_embedding_B")}
+
+
+def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_tensor_bytes: int = MAX_TENSOR_BYTES,
+                      max_header_bytes: int = MAX_HEADER_BYTES) -> PeftAdapter:
+    """Reads a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors).
+
+    Everything is checked before tensor data is read: the config (see the module docstring), the
+    files' real paths, the safetensors header, and every module: a lora_A / lora_B (or
+    lora_embedding_A / lora_embedding_B) pair of 2-D tensors with one rank equal to the config's r
+    for that module, on a module the config targets. Returns float32 factors and each module's
+    scaling. Raises AdapterError naming the file and the field or tensor.
+    """
+    directory = os.fspath(path)
+    if not os.path.isdir(directory):
+        raise AdapterError(f"{directory}: expected a PEFT adapter directory, got "
+                           f"{'a file' if os.path.exists(directory) else 'nothing (no such path)'}")
+    config, raw = read_adapter_config(directory)
+    weights_path = os.path.join(directory, WEIGHTS_NAME)
+    weights = resolve_adapter_file(directory, WEIGHTS_NAME)
+    if weights is None:
+        if os.path.lexists(os.path.join(directory, PICKLE_NAME)):
+            raise AdapterError(f"{os.path.join(directory, PICKLE_NAME)}: a pickle, which can run code when loaded, so "
+                               f"it is never read; only {WEIGHTS_NAME} is. Re-save the adapter with "
+                               "save_pretrained(..., safe_serialization=True)")
+        raise AdapterError(f"{weights_path}: missing ({CONFIG_NAME} is there)")
+    header = read_safetensors_header(weights, max_header_bytes=max_header_bytes)
+    skip = tuple(part for field, parts in TRAINING_STATE_TENSORS.items() if raw.get(field) is not None for part in parts)
+
+    # Sort the tensor names into modules before any data is read.
+    parts: dict = {}
+    base_layers = {}
+    for key, info in header.items():
+        name_in_model = key.removeprefix("base_model.model.")
+        if name_in_model.endswith(".base_layer.weight"):
+            # PEFT's copy of a targeted embedding / LM head (for resized vocabularies): the base
+            # model's own weight; only its shape is checked against the model.
+            base_layers[name_in_model[: -len(".base_layer.weight")]] = info.shape
+            continue
+        if skip and any(f".{part}." in f".{name_in_model}." for part in skip):
+            continue
+        m = _KEY.match(name_in_model)
+        rest = m.group("rest").split(".")[1:] if m else []
+        if m is None or "bias" in rest or len(rest) > 2 or (len(rest) == 2 and rest[-1] != "weight"):
+            raise AdapterError(f"{weights_path}: tensor {key!r} is not a LoRA A/B weight (expected "
+                               "<module>.lora_A.weight, .lora_B.weight, .lora_embedding_A or .lora_embedding_B); "
+                               "an unsupported PEFT feature?")
+        kinds = parts.setdefault(m.group("module"), {})
+        if m.group("kind") in kinds:
+            raise AdapterError(f"{weights_path}: tensors {kinds[m.group('kind')]!r} and {key!r} are both "
+                               f"{m.group('kind')} of module {m.group('module')!r}")
+        kinds[m.group("kind")] = key
+    if not parts:
+        raise AdapterError(f"{weights_path}: expected LoRA weights, got none (tensors: {sorted(header)[:6]})")
+
+    plan = {}
+    for module, kinds in sorted(parts.items()):
+        kind = next((k for k, pair in _PAIRS.items() if set(kinds) == set(pair)), None)
+        if kind is None:
+            raise AdapterError(f"{weights_path}: module {module!r} has tensors {sorted(kinds)}; expected lora_A and "
+                               "lora_B (or lora_embedding_A and lora_embedding_B)")
+        key_a, key_b = (kinds[k] for k in _PAIRS[kind])
+        shape_a, shape_b = header[key_a].shape, header[key_b].shape
+        if len(shape_a) != 2 or len(shape_b) != 2 or shape_a[0] != shape_b[1]:
+            raise AdapterError(f"{weights_path}: module {module!r}: expected A (r, in) and B (out, r) with one r, got "
+                               f"{key_a!r} {shape_a} and {key_b!r} {shape_b}")
+        if not config.targets(module):
+            raise AdapterError(f"{weights_path}: tensor {key_a!r} is for module {module!r}, which {CONFIG_NAME} does "
+                               f"not target (target_modules={raw.get('target_modules')!r}, layers_to_transform="
+                               f"{raw.get('layers_to_transform')!r}, exclude_modules={raw.get('exclude_modules')!r}); "
+                               "PEFT would not load it")
+        if shape_a[0] != config.rank(module):
+            raise AdapterError(f"{weights_path}: module {module!r} has rank {shape_a[0]} ({key_a!r} {shape_a}), but "
+                               f"{CONFIG_NAME} says r={config.rank(module)}")
+        plan[module] = (key_a, key_b, kind)
+    arrays = read_safetensors(weights, [k for a, b, _ in plan.values() for k in (a, b)],
+                              max_header_bytes=max_header_bytes, max_tensor_bytes=max_tensor_bytes)
+    modules = {module: LoraModule(np.asarray(arrays[a], np.float32), np.asarray(arrays[b], np.float32),
+                                  config.scaling(module), kind)
+               for module, (a, b, kind) in plan.items()}
+    return PeftAdapter(name or os.path.basename(os.path.normpath(directory)), config.r, config.lora_alpha,
+                       config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory)
+
+
+def save_peft_adapter(path: str, modules: Mapping[str, tuple], *, r: int, lora_alpha: float,
+                      use_rslora: bool = False, base_model_name_or_path: str | None = None,
+                      rank_pattern: dict | None = None) -> None:
+    """Writes an adapter in PEFT's format (what `PeftModel.save_pretrained` writes).
+
+    modules: {Hugging Face module name: (A, B)}; embeddings are recognised by name ("embed_tokens")
+    and stored as lora_embedding_A (r, vocab) / lora_embedding_B (dim, r).
+    """
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for module, (a, b) in modules.items():
+        emb = module.split(".")[-1] in ("embed_tokens", "wte", "word_embeddings")
+        ka, kb = ("lora_embedding_A", "lora_embedding_B") if emb else ("lora_A.weight", "lora_B.weight")
+        tensors[f"base_model.model.{module}.{ka}"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"base_model.model.{module}.{kb}"] = np.ascontiguousarray(b, np.float32)
+    save_file(tensors, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+    targets = sorted({m.split(".")[-1] for m in modules})
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(r), "lora_alpha": lora_alpha,
+           "use_rslora": bool(use_rslora), "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+           "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None,
+           "rank_pattern": rank_pattern or {}, "alpha_pattern": {}, "init_lora_weights": True,
+           "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(cfg, f, indent=2)
