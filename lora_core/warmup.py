@@ -1,0 +1,91 @@
+"""Warming up before serving: which layer shapes and token counts to compile, and a progress line.
+
+A serving engine knows, before its first request, every LoRA'd linear of its model (hidden size,
+output slices, rank of the stacked weights) and every token count it will launch with (its CUDA
+graph capture sizes or jit buckets). `PunicaWrapper.warmup` on either side runs `add_lora_linear`
+once per (token count, layer shape) with stand-in weights of those shapes, so that every kernel
+variant is compiled (Triton's cache keeps them across processes, see docs/api.md) before the
+first real step. Launch plans depend on shapes, dtypes and slot counts only, never on values or
+on the mapping, so the stand-ins compile exactly what real steps will run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Sequence
+
+__all__ = ["LinearShape", "vllm_capture_sizes", "Progress", "check_warmup_arguments"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearShape:
+    """One LoRA'd linear layer: x (T, hidden) -> y (T, sum(slices)), stacked weights of `rank`.
+
+    Example, a Llama-3-8B layer: LinearShape(4096, (4096, 1024, 1024), 16) for qkv,
+    LinearShape(4096, (4096,), 16) for o, LinearShape(4096, (14336, 14336), 16) for gate_up,
+    LinearShape(14336, (4096,), 16) for down."""
+    hidden: int
+    slices: tuple
+    rank: int
+
+
+def vllm_capture_sizes(max_tokens: int = 512) -> list:
+    """vLLM's default CUDA-graph capture sizes up to max_tokens: 1, 2, 4, then 8, 16, ... step 8."""
+    sizes = [1, 2, 4] + list(range(8, max_tokens + 1, 8))
+    return [s for s in sizes if s <= max_tokens]
+
+
+def check_warmup_arguments(layers: Sequence, token_counts: Sequence[int], max_num_batched_tokens: int) -> tuple:
+    """(layers as LinearShapes, token counts) after checking them; ValueError naming what is wrong."""
+    shapes = []
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, LinearShape):
+            try:
+                hidden, slices, rank = layer
+                layer = LinearShape(int(hidden), tuple(int(s) for s in slices), int(rank))
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"layers[{i}] must be a LinearShape or (hidden, slices, rank), got {layer!r}") from e
+        if layer.hidden < 1 or layer.rank < 1 or not layer.slices or min(layer.slices) < 1:
+            raise ValueError(f"layers[{i}] must have hidden >= 1, rank >= 1 and slices >= 1, got {layer}")
+        shapes.append(layer)
+    if not shapes:
+        raise ValueError("layers must name at least one LoRA'd linear")
+    counts = sorted({int(t) for t in token_counts})
+    if not counts or counts[0] < 1 or counts[-1] > max_num_batched_tokens:
+        raise ValueError(f"token_counts must be between 1 and max_num_batched_tokens={max_num_batched_tokens}, "
+                         f"got {list(token_counts)[:8]}{'...' if len(token_counts) > 8 else ''}")
+    return shapes, counts
+
+
+class Progress:
+    """A one-line progress bar on stderr (redrawn in place on a terminal, a line per 10% elsewhere)."""
+
+    def __init__(self, total: int, label: str = "warmup", enabled: bool = True, stream=None):
+        self.total, self.label, self.enabled = max(total, 1), label, enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.done = 0
+        self.start = time.perf_counter()
+        self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last_decile = -1
+
+    def step(self, what: str = "") -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        decile = 10 * self.done // self.total
+        if not self._tty and decile == self._last_decile and self.done != self.total:
+            return
+        self._last_decile = decile
+        filled = 30 * self.done // self.total
+        line = (f"{self.label} [{'#' * filled}{' ' * (30 - filled)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.start:6.1f}s {what}")
+        self.stream.write(("\r" + line) if self._tty else line + "\n")
+        if self._tty and self.done == self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start

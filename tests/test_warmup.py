@@ -1,0 +1,67 @@
+"""Warm-up before serving (lora_core.warmup, each side's warmup): argument checks, the twin wrapper
+left untouched, and on torch (the Triton interpreter here) every (token count, layer) really run."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from lora_core.host_mapping import LoRAMapping
+from lora_core.warmup import LinearShape, Progress, check_warmup_arguments, vllm_capture_sizes
+
+
+def test_vllm_capture_sizes():
+    sizes = vllm_capture_sizes(512)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and len(sizes) == 67
+    assert vllm_capture_sizes(20) == [1, 2, 4, 8, 16]
+
+
+def test_bad_warmup_arguments_name_what_is_wrong():
+    with pytest.raises(TypeError, match=r"layers\[0\] must be a LinearShape"):
+        check_warmup_arguments([("x",)], [1], 16)
+    with pytest.raises(ValueError, match=r"layers\[1\] must have hidden >= 1"):
+        check_warmup_arguments([(8, (4,), 2), (8, (0,), 2)], [1], 16)
+    with pytest.raises(ValueError, match="token_counts must be between 1 and max_num_batched_tokens=16"):
+        check_warmup_arguments([(8, (4,), 2)], [1, 17], 16)
+    with pytest.raises(ValueError, match="at least one"):
+        check_warmup_arguments([], [1], 16)
+    shapes, counts = check_warmup_arguments([LinearShape(8, (4, 2), 2), (8, [4], 2)], [4, 1, 4], 16)
+    assert shapes[1] == LinearShape(8, (4,), 2) and counts == [1, 4]
+
+
+def test_progress_writes_a_line_per_decile_off_a_terminal():
+    out = io.StringIO()
+    bar = Progress(20, "warmup", stream=out)
+    for _ in range(20):
+        bar.step()
+    lines = out.getvalue().splitlines()
+    assert 10 <= len(lines) <= 11 and lines[-1].startswith("warmup [") and "20/20" in lines[-1]
+
+
+def test_torch_warmup_runs_every_case_and_leaves_the_wrapper_alone():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    import torch_lora
+    w = torch_lora.PunicaWrapper(16, 4, "cpu", max_loras=3, backend="triton")
+    w.update_metadata(LoRAMapping((7, 0, 7), (7, 0, 7)), [None, 7, None], 4, 32)
+    before = w.token_lora_indices.clone()
+    stats = w.warmup([(32, (16, 8), 8), LinearShape(16, (16,), 4)], [1, 3], dtype=torch.float32,
+                     lora_ranks=True, bias=True, progress=False)
+    assert stats["calls"] == 4 and stats["token_counts"] == [1, 3]
+    assert torch.equal(w.token_lora_indices, before)          # the wrapper's own step is untouched
+
+
+def test_jax_warmup_lowers_every_case_without_touching_the_wrapper():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import jax_lora
+    w = jax_lora.PunicaWrapper(16, 4, None, max_loras=3, backend="xla")
+    w.update_metadata(LoRAMapping((7, 0, 7), (7, 0, 7)), [None, 7, None], 4, 32)
+    before = np.asarray(w.token_lora_indices)
+    stats = w.warmup([(32, (16, 8), 8)], [2, 8], dtype=jnp.float32, progress=False)
+    assert stats["calls"] == 2
+    assert np.array_equal(np.asarray(w.token_lora_indices), before)
+    del jax
