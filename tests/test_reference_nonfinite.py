@@ -111,3 +111,56 @@ def test_xla_out_of_range_index_is_no_lora_with_poison(path, monkeypatch):
     assert np.all(np.asarray(buf)[0, 1] == 0)
     np.testing.assert_array_equal(out[1], y[1])
     assert oracle.rel_err(out, _want(x, y, clean, np.where(idx >= SLOTS, -1, idx))[1]) < 1e-5
+
+
+# ----------------------------------------------------------------------------- torch "torch"
+
+def _torch_step(torch_ref, x, y, idx, pa, pb, pbias, ranks):
+    import torch
+    meta_args = (idx,)                     # the reference reads only the token mapping
+    buf = torch.full((1, x.shape[0], RANK), float("nan"), dtype=torch.float32, device=x.device)
+    torch_ref.shrink(x, (pa,), buf, meta_args, 0.5, ranks)
+    torch_ref.expand(buf, (pb,), y, meta_args, (0,), True, ranks, (pbias,))
+    return buf
+
+
+@pytest.mark.parametrize("path", ["gather", "loop"])
+def test_torch_ref_poison(path, monkeypatch):
+    """Both formulations of the expand (all slots then a gather; a loop over the slots), with an
+    out-of-range index (treated as -1)."""
+    import torch
+
+    from torch_lora.ops import torch_ref
+
+    if path == "loop":
+        monkeypatch.setattr(torch_ref, "EXPAND_GATHER_MAX", 0)
+    x, y, clean, (pa, pb, pbias) = _data(2)
+    idx = IDX.copy()
+    idx[4] = SLOTS + 2
+    t = torch.from_numpy
+    yt = t(y.copy())
+    buf = _torch_step(torch_ref, t(x), yt, t(idx), t(pa), t(pb), t(pbias), t(RANKS))
+    want_buf, want = _want(x, y, clean, np.where(idx >= SLOTS, -1, idx))
+    assert oracle.rel_err(buf.numpy()[0], want_buf[0]) < 1e-5
+    assert np.all(buf.numpy()[0, (idx < 0) | (idx >= SLOTS)] == 0)
+    assert oracle.rel_err(yt.numpy(), want) < 1e-5
+    np.testing.assert_array_equal(yt.numpy()[(idx < 0) | (idx >= SLOTS)], y[(idx < 0) | (idx >= SLOTS)])
+
+
+@pytest.mark.parametrize("path", ["gather", "loop"])
+def test_torch_ref_has_no_data_dependent_op(path, monkeypatch):
+    """On the `meta` device every value is unknown: an op that needs one (.item(), nonzero, boolean
+    masking, a data-dependent shape -- a host sync on CUDA, a break in CUDA-graph capture) raises.
+    The reference must run there, shapes only."""
+    import torch
+
+    from torch_lora.ops import torch_ref
+
+    if path == "loop":
+        monkeypatch.setattr(torch_ref, "EXPAND_GATHER_MAX", 0)
+    m = dict(device="meta")
+    y = torch.empty(T, WIDTH, **m)
+    buf = _torch_step(torch_ref, torch.empty(T, HIDDEN, **m), y, torch.empty(T, dtype=torch.int32, **m),
+                      torch.empty(SLOTS, RANK, HIDDEN, **m), torch.empty(SLOTS, WIDTH, RANK, **m),
+                      torch.empty(SLOTS, WIDTH, **m), torch.empty(SLOTS, dtype=torch.int32, **m))
+    assert buf.shape == (1, T, RANK) and y.shape == (T, WIDTH)
