@@ -158,7 +158,7 @@ def test_torch_ref_has_no_data_dependent_op(path, monkeypatch):
 
     if path == "loop":
         monkeypatch.setattr(torch_ref, "EXPAND_GATHER_MAX", 0)
-    m = dict(device="meta")
+    m = {"device": "meta"}
     y = torch.empty(T, WIDTH, **m)
     buf = _torch_step(torch_ref, torch.empty(T, HIDDEN, **m), y, torch.empty(T, dtype=torch.int32, **m),
                       torch.empty(SLOTS, RANK, HIDDEN, **m), torch.empty(SLOTS, WIDTH, RANK, **m),
