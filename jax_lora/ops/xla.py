@@ -6,9 +6,18 @@ Math (SPEC section 4), with idx[t] the slot of token t or -1 and every product i
   expand:  y[t, off_s : off_s + n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
            (rows with idx[t] = -1 untouched), off_s = offset_start + n_0 + ... + n_{s-1}
 
-The slot is selected with a one-hot matrix over all slots (the formulation vLLM's TPU path uses):
-one matmul against every slot's weights, so nothing of shape (T, r, H) is materialised. It reads all
-slots' weights, so it is the fallback, not the fast path.
+Invariant: a slot's weights reach only the tokens of that slot. A slot is *selected* (a gather, or
+`where` on the token's slot), never multiplied by a one-hot 0: 0 * NaN = NaN, so a NaN or Inf in
+any slot -- one no token uses, an empty one, the rank padding -- would otherwise turn every LoRA row
+of the batch NaN. For the same reason rank padding and no-LoRA rows are masked with `where`.
+
+  shrink: one matmul of x against every slot's A, (T, L, r), then each token takes its own slot's
+          row (a gather): nothing of shape (T, r, H) is materialised.
+  expand: every slot's buf @ B_l.T, (T, L, n), then a gather of the token's own slot (small
+          sizes), or a scan over the slots keeping slot l's product (`where`) only on slot l's
+          tokens (memory (T, n) whatever L; about the cost of one matmul over all slots).
+Both read all slots' weights and compute every slot for every token (static shapes, no host sync,
+jit- and vmap-friendly), so this is the fallback, not the fast path.
 """
 
 from __future__ import annotations
@@ -22,11 +31,21 @@ from ..meta import LoRAKernelMeta
 
 NAME = "xla"
 HIGHEST = jax.lax.Precision.HIGHEST
+EXPAND_GATHER_MAX = 1 << 20
+"""Expand computes all slots at once while T * L * n_s <= this many float32 values (4 MiB), and
+scans over the slots above it (see `_expand_slots`)."""
 
 
-def _one_hot(idx: jax.Array, num_slots: int) -> jax.Array:
-    """(T, L) float32; an all-zero row for -1 (and for anything outside 0..L-1)."""
-    return jax.nn.one_hot(idx, num_slots, dtype=jnp.float32)
+def _slots(idx: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
+    """(valid (T,) bool, slot (T,) int32): valid is false for -1 and anything outside 0..L-1, whose
+    slot is 0 (a safe index; their results are masked out with `valid`)."""
+    valid = (idx >= 0) & (idx < num_slots)
+    return valid, jnp.where(valid, idx, 0)
+
+
+def _rank_keep(lora_ranks: jax.Array, num_slots: int, rank: int) -> jax.Array:
+    """(L, r) bool: True for the first lora_ranks[l] rank columns of slot l (the rest is padding)."""
+    return jnp.arange(rank)[None, :] < jnp.asarray(lora_ranks)[:num_slots, None]
 
 
 def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float,
@@ -38,12 +57,45 @@ def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scal
     outs = []
     for a in lora_a:
         num_slots, rank, _ = a.shape
-        hot = _one_hot(idx, num_slots)                                   # (T, L)
-        every = jnp.einsum("th,lrh->tlr", xf, a.astype(jnp.float32), precision=HIGHEST)
+        valid, slot = _slots(idx, num_slots)
+        every = jnp.einsum("th,lrh->tlr", xf, a.astype(jnp.float32), precision=HIGHEST)   # (T, L, r)
+        own = jnp.take_along_axis(every, slot[:, None, None], axis=1)[:, 0]              # (T, r)
+        keep = valid[:, None]
         if lora_ranks is not None:
-            every = every * _rank_mask(lora_ranks, num_slots, rank)[None]
-        outs.append(scale * jnp.einsum("tl,tlr->tr", hot, every, precision=HIGHEST))
+            keep = keep & _rank_keep(lora_ranks, num_slots, rank)[slot]
+        outs.append(jnp.where(keep, scale * own, 0.0))
     return jnp.stack(outs)
+
+
+def _expand_slots(x: jax.Array, slot: jax.Array, b: jax.Array, keep=None) -> jax.Array:
+    """(T, n) float32: x[t] @ b[slot[t]].T. x (T, r) float32; b (L, n, r); keep: None or (L, r)
+    bool, the rank columns of each slot to use (the padding is masked with `where`).
+
+    Two formulations of the same selection, chosen from the shapes alone (static under jit):
+    small (decode) sizes compute every slot for every token, (T, L, n), and gather each token's
+    own slot -- one matmul, cheap to compile; larger ones scan over the slots and keep slot l's
+    product only on slot l's tokens, so memory stays (T, n) whatever L.
+    """
+    num_slots, width, _ = b.shape
+    if x.shape[0] * num_slots * width <= EXPAND_GATHER_MAX:
+        bf = b.astype(jnp.float32)
+        if keep is not None:
+            bf = jnp.where(keep[:, None, :], bf, 0.0)
+        every = jnp.einsum("tr,lnr->tln", x, bf, precision=HIGHEST)                 # (T, L, n)
+        return jnp.take_along_axis(every, slot[:, None, None], axis=1)[:, 0]
+
+    def one_slot(acc, item):
+        l, b_l, *keep_l = item
+        b_l = b_l.astype(jnp.float32)
+        if keep_l:
+            b_l = jnp.where(keep_l[0][None, :], b_l, 0.0)
+        part = jnp.dot(x, b_l.T, precision=HIGHEST)
+        return jnp.where((slot == l)[:, None], part, acc), None
+
+    init = jnp.zeros((x.shape[0], width), jnp.float32)
+    per_slot = (jnp.arange(num_slots, dtype=slot.dtype), b) + (() if keep is None else (keep,))
+    out, _ = jax.lax.scan(one_slot, init, per_slot)
+    return out
 
 
 def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRAKernelMeta,
@@ -51,25 +103,22 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
     """buf (S, T, r); lora_b[s] (L, n_s, r); y (T, N) -> y with the slices written.
 
     bias: None or S entries, each None or (L, n_s): bias[s][idx[t]] is added to the slice too.
+    With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are ignored.
     """
     t = y.shape[0]
     idx = meta.token_lora_mapping[:t]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         num_slots, width, rank = b.shape
-        has_lora = ((idx >= 0) & (idx < num_slots))[:, None]
-        hot = _one_hot(idx, num_slots)                                   # (T, L)
-        routed = hot[:, :, None] * buf[s].astype(jnp.float32)[:, None, :]  # (T, L, r)
+        valid, slot = _slots(idx, num_slots)
+        x = buf[s].astype(jnp.float32)
+        keep = None
         if lora_ranks is not None:
-            routed = routed * _rank_mask(lora_ranks, num_slots, rank)[None]
-        delta = jnp.einsum("tlr,lnr->tn", routed, b.astype(jnp.float32), precision=HIGHEST)
+            keep = _rank_keep(lora_ranks, num_slots, rank)                   # (L, r)
+            x = jnp.where(keep[slot], x, 0.0)                                # past the token's rank
+        delta = _expand_slots(x, slot, b, keep)
         if bias is not None and bias[s] is not None:
-            delta = delta + jnp.einsum("tl,ln->tn", hot, bias[s].astype(jnp.float32), precision=HIGHEST)
+            delta = delta + bias[s][slot].astype(jnp.float32)                 # (T, n): own slot only
         old = y[:, off:off + width]
         new = (old.astype(jnp.float32) + delta) if add_inputs else delta
-        y = y.at[:, off:off + width].set(jnp.where(has_lora, new.astype(y.dtype), old))
+        y = y.at[:, off:off + width].set(jnp.where(valid[:, None], new.astype(y.dtype), old))
     return y
-
-
-def _rank_mask(lora_ranks: jax.Array, num_slots: int, rank: int) -> jax.Array:
-    """(L, r) float32: 1 for the first lora_ranks[l] rank columns of slot l, else 0."""
-    return (jnp.arange(rank)[None, :] < jnp.asarray(lora_ranks)[:num_slots, None]).astype(jnp.float32)

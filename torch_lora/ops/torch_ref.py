@@ -6,9 +6,19 @@ Math (SPEC section 4), idx[t] the slot of token t or -1, every product in float3
   expand:  y[t, off_s : off_s + n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
            + bias_s[idx[t]]                                         (rows with idx -1 untouched)
 
-The slot is selected with a one-hot matrix over all slots: no data-dependent shapes, so no host
-sync on any device, at the price of reading every slot's weights (it is the fallback, not the fast
-path).
+Invariant: a slot's weights reach only the tokens of that slot. A slot is *selected* (a gather, or
+`where` on the token's slot), never multiplied by a one-hot 0: 0 * NaN = NaN, so a NaN or Inf in
+any slot -- one no token uses, an empty one, the rank padding -- would otherwise turn every LoRA row
+of the batch NaN. For the same reason rank padding and no-LoRA rows are masked with `where`.
+
+  shrink: one matmul of x against every slot's A, (T, L, r), then each token takes its own slot's
+          row (a gather).
+  expand: every slot's buf @ B_l.T, (T, L, n), then a gather of the token's own slot (small
+          sizes), or a loop over the L slots keeping slot l's product only on slot l's tokens
+          (memory (T, n) whatever L).
+No data-dependent shapes and no host sync on any device (CUDA-graph capturable), at the price of
+reading every slot's weights and computing every slot for every token: it is the fallback, not the
+fast path.
 """
 
 from __future__ import annotations
@@ -18,19 +28,22 @@ from typing import Optional, Sequence
 import torch
 
 NAME = "torch"
+EXPAND_GATHER_MAX = 1 << 20
+"""Expand computes all slots at once while T * L * n_s <= this many float32 values (4 MiB), and
+loops over the slots above it (see `_expand_slots`)."""
 
 
-def _one_hot(idx: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """(T, L) float32; all-zero rows for -1 and for indices outside 0..L-1."""
+def _slots(idx: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid (T,) bool, slot (T,) int64): valid is false for -1 and anything outside 0..L-1, whose
+    slot is 0 (a safe index; their results are masked out with `valid`)."""
     valid = (idx >= 0) & (idx < num_slots)
-    hot = torch.nn.functional.one_hot(torch.where(valid, idx, 0).long(), num_slots).to(torch.float32)
-    return hot * valid[:, None]
+    return valid, torch.where(valid, idx, torch.zeros_like(idx)).long()
 
 
-def _rank_mask(lora_ranks: torch.Tensor, num_slots: int, rank: int, device) -> torch.Tensor:
-    """(L, r) float32: 1 for the first lora_ranks[l] columns of slot l."""
+def _rank_keep(lora_ranks: torch.Tensor, num_slots: int, rank: int, device) -> torch.Tensor:
+    """(L, r) bool: True for the first lora_ranks[l] rank columns of slot l (the rest is padding)."""
     cols = torch.arange(rank, device=device)[None, :]
-    return (cols < lora_ranks[:num_slots, None].to(device)).to(torch.float32)
+    return cols < lora_ranks[:num_slots, None].to(device)
 
 
 @torch.no_grad()
@@ -41,29 +54,62 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
     xf = x.to(torch.float32)
     for s, a in enumerate(lora_a):
         num_slots, rank, _ = a.shape
-        hot = _one_hot(idx, num_slots)
-        every = torch.einsum("th,lrh->tlr", xf, a.to(torch.float32))
+        valid, slot = _slots(idx, num_slots)
+        every = torch.einsum("th,lrh->tlr", xf, a.to(torch.float32))              # (T, L, r)
+        own = torch.take_along_dim(every, slot[:, None, None], dim=1)[:, 0]       # (T, r)
+        keep = valid[:, None]
         if lora_ranks is not None:
-            every = every * _rank_mask(lora_ranks, num_slots, rank, x.device)[None]
-        out[s].copy_(scale * torch.einsum("tl,tlr->tr", hot, every))
+            keep = keep & _rank_keep(lora_ranks, num_slots, rank, x.device)[slot]
+        out[s].copy_(torch.where(keep, scale * own, torch.zeros_like(own)))
+
+
+def _expand_slots(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor,
+                  keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """(T, n) float32: x[t] @ b[slot[t]].T. x (T, r) float32; b (L, n, r); keep: None or (L, r)
+    bool, the rank columns of each slot to use (the padding is masked with `where`).
+
+    Small (decode) sizes compute every slot for every token, (T, L, n), and gather each token's
+    own slot (one matmul); larger ones loop over the slots (L static) and keep slot l's product
+    only on slot l's tokens, so memory stays (T, n) whatever L.
+    """
+    num_slots, width, rank = b.shape
+    t = x.shape[0]
+    if t * num_slots * width <= EXPAND_GATHER_MAX:
+        bf = b.to(torch.float32)
+        if keep is not None:
+            bf = torch.where(keep[:, None, :], bf, torch.zeros_like(bf))
+        every = (x @ bf.reshape(num_slots * width, rank).T).view(t, num_slots, width)    # (T, L, n)
+        return torch.take_along_dim(every, slot[:, None, None], dim=1)[:, 0]
+    out = x.new_zeros((t, width))
+    part = torch.empty_like(out)
+    for l in range(num_slots):
+        b_l = b[l].to(torch.float32)
+        if keep is not None:
+            b_l = torch.where(keep[l][None, :], b_l, torch.zeros_like(b_l))
+        torch.matmul(x, b_l.T, out=part)
+        torch.where((slot == l)[:, None], part, out, out=out)
+    return out
 
 
 @torch.no_grad()
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args: tuple,
            offsets: Sequence[int], add_inputs: bool, lora_ranks: Optional[torch.Tensor] = None,
            bias=None) -> None:
+    """With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are
+    ignored."""
     t = y.shape[0]
     idx = meta_args[0][:t]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         num_slots, width, rank = b.shape
-        hot = _one_hot(idx, num_slots)
-        routed = hot[:, :, None] * buf[s].to(torch.float32)[:, None, :]      # (T, L, r)
+        valid, slot = _slots(idx, num_slots)
+        x = buf[s].to(torch.float32)
+        keep = None
         if lora_ranks is not None:
-            routed = routed * _rank_mask(lora_ranks, num_slots, rank, y.device)[None]
-        delta = torch.einsum("tlr,lnr->tn", routed, b.to(torch.float32))
+            keep = _rank_keep(lora_ranks, num_slots, rank, y.device)              # (L, r)
+            x = torch.where(keep[slot], x, torch.zeros_like(x))                    # past the token's rank
+        delta = _expand_slots(x, slot, b, keep)
         if bias is not None and bias[s] is not None:
-            delta = delta + hot @ bias[s].to(torch.float32)
+            delta = delta + bias[s][slot].to(torch.float32)                        # own slot only
         old = y[:, off:off + width]
         new = old.to(torch.float32) + delta if add_inputs else delta
-        has_lora = hot.sum(dim=1, keepdim=True) > 0
-        old.copy_(torch.where(has_lora, new.to(y.dtype), old))
+        old.copy_(torch.where(valid[:, None], new.to(y.dtype), old))
