@@ -44,9 +44,6 @@ def _params():
     for impl in IMPLS:
         for mode in MODES:
             marks = list(impl.marks)
-            if impl.name == "jax-pallas_tpu" and mode == "rank_padding":
-                marks.append(pytest.mark.xfail(strict=True,
-                                               reason="pallas_tpu rank padding: fixed in the pallas split branch"))
             out.append(pytest.param(impl, mode, id=f"{impl.name}-{mode}", marks=marks))
     return out
 

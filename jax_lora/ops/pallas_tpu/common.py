@@ -116,6 +116,19 @@ def _placement(r: int, width: int, offset: int, rank) -> jax.Array:
     return ((lane == c + offset) & (c < rank)).astype(jnp.float32)
 
 
+def _below(values: jax.Array, limit, axis: int) -> jax.Array:
+    """values with every entry whose index along `axis` is >= limit set to 0 (a select, so NaN or
+    Inf there -- rank padding, another slot's rows -- never reaches a product)."""
+    index = lax.broadcasted_iota(jnp.int32, values.shape, axis)
+    return jnp.where(index < limit, values, jnp.zeros_like(values))
+
+
+def _window(values: jax.Array, start: int, limit, axis: int) -> jax.Array:
+    """values with every entry outside [start, start + limit) along `axis` set to 0 (a select)."""
+    index = lax.broadcasted_iota(jnp.int32, values.shape, axis) - start
+    return jnp.where((index >= 0) & (index < limit), values, jnp.zeros_like(values))
+
+
 def _dot(a, b, contract):
     """a @ b in float32; contract = (a_dim, b_dim). bf16 x bf16 goes to the MXU natively; any other
     pair is upcast to float32 at HIGHEST precision."""

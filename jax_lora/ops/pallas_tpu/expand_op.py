@@ -28,7 +28,9 @@ from ...meta import LoRAKernelMeta
 from .common import (
     _dot,
     _pad_rows,
+    _below,
     _placement,
+    _window,
     _ranks_or_full,
     _round_up,
     _row_mask,
@@ -53,12 +55,17 @@ from .schedule import (
 
 def _slice_delta(plan: ExpandPlan, s: int, buf_ref, b_refs, bias_ref, slot_rank):
     """(tm, tn) float32: extract_s(buf_tile) @ B_s[slot].T (+ bias), summed over B's rank chunks;
-    a chunk past the slot's rank (another slot's rows, its fetch skipped) is masked out."""
+    a chunk past the slot's rank (another slot's rows, its fetch skipped) is masked out. Buffer lanes
+    outside the chunk's real rank columns and B's rank padding are selected away before any product
+    (values there may be anything, NaN included)."""
     delta = None
     for c in range(plan.chunks):
-        extract = _placement(plan.rc, plan.lanes, s * plan.rank + c * plan.rc, slot_rank - c * plan.rc)
-        part = _dot(buf_ref[...], extract, (1, 1))                                   # (tm, rc)
-        d = _dot(part, b_refs[c][...], (1, 1) if plan.b_layout == "nr" else (1, 0))  # (tm, tn)
+        rank_here = slot_rank - c * plan.rc
+        lo = s * plan.rank + c * plan.rc
+        extract = _placement(plan.rc, plan.lanes, lo, rank_here)
+        part = _dot(_window(buf_ref[...], lo, jnp.minimum(rank_here, plan.rc), 1), extract, (1, 1))  # (tm, rc)
+        b_tile = _below(b_refs[c][...], rank_here, 1 if plan.b_layout == "nr" else 0)
+        d = _dot(part, b_tile, (1, 1) if plan.b_layout == "nr" else (1, 0))          # (tm, tn)
         delta = d if delta is None else delta + d
     if bias_ref is not None:
         delta = delta + bias_ref[...].astype(jnp.float32)

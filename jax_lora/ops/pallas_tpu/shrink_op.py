@@ -22,6 +22,7 @@ from ...meta import LoRAKernelMeta
 from .common import (
     _dot,
     _pad_rows,
+    _below,
     _placement,
     _ranks_or_full,
     _row_mask,
@@ -67,7 +68,7 @@ def _shrink_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, row_s
         total = acc_ref[...]
         for s in range(num_slices):
             for c in range(chunks):
-                part = _dot(x, a_refs[s * chunks + c][...], (1, 1))              # (tm, rc)
+                part = _below(_dot(x, a_refs[s * chunks + c][...], (1, 1)), slot_rank - c * rc, 1)  # (tm, rc)
                 total += _dot(part, _placement(rc, lanes, s * rank + c * rc, slot_rank - c * rc), (1, 0))
         acc_ref[...] = total
 
@@ -105,7 +106,7 @@ def _shrink_gather_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref
         total = jnp.zeros((tm, lanes), jnp.float32)
         for s in range(num_slices):
             for c in range(chunks):
-                part = _dot(x, a_refs[s * chunks + c][...], (1, 1))
+                part = _below(_dot(x, a_refs[s * chunks + c][...], (1, 1)), slot_rank - c * rc, 1)
                 total += _dot(part, _placement(rc, lanes, s * rank + c * rc, slot_rank - c * rc), (1, 0))
         rows = _row_mask(row_slot_ref, slot_ref[i])
         out_ref[...] = jnp.where(rows, total, out_ref[...])
