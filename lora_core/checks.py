@@ -14,6 +14,8 @@ from typing import Any, Optional, Sequence
 ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
 INDEX_DTYPES = ("int32", "int64", "int16", "int8", "uint8")
+# SPEC section 1: indices are int32 on every device.
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
 def dtype_name(dtype: Any) -> str:
@@ -150,6 +152,16 @@ def check_index_values(name: str, lo: int, hi: int, num_slots: int, arg_w: str) 
     if hi >= num_slots:
         raise ValueError(f"{name} holds slot {hi}, but {arg_w} has only {num_slots} slots "
                          f"(0..{num_slots - 1})")
+
+
+def check_int32_range(name: str, lo: int, hi: int) -> None:
+    """lo/hi: min and max of host integer values that become int32 (SPEC section 1). A value outside
+    int32 would wrap around in the conversion (2**32 + 1 would become 1), so it is refused."""
+    for v in (lo, hi):
+        if not INT32_MIN <= v <= INT32_MAX:
+            wrapped = (v - INT32_MIN) % 2 ** 32 + INT32_MIN
+            raise ValueError(f"{name} holds {v}, outside the int32 range [{INT32_MIN}, {INT32_MAX}]: indices are "
+                             f"int32 on every device, and converting it would wrap it to {wrapped}")
 
 
 def check_capacity(name: str, count: int, capacity: int, capacity_name: str) -> None:
