@@ -156,7 +156,7 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0], self.indices_len[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._impl.shrink(x2, tuple(to_3d(a) for a in lora_a), y,
-                          self.token_mapping_meta.meta_args(x2.shape[0]), float(scale),
+                          self.token_mapping_meta.meta_args(x2.shape[0]), checks.as_scale(scale),
                           as_lora_ranks(lora_ranks, num_slots, x.device))
         return y
 
@@ -178,6 +178,7 @@ class PunicaWrapper:
         check_tensors(y=y, x=buf, lora_b_stacked=lora_b)
         y2 = _token_view(y)
         slices = checks.check_output_slices(output_slices, len(lora_b))
+        offset_start = checks.as_offset("offset_start", offset_start)
         if cut_to_y:  # logits: a LoRA vocabulary wider than y is cut to y's width (vLLM)
             lora_b = tuple(b[..., : y2.shape[1], :] for b in lora_b)
             slices = tuple(min(s, y2.shape[1]) for s in slices)
@@ -191,8 +192,9 @@ class PunicaWrapper:
         if lora_bias_stacked is not None:
             bias_list = list(lora_bias_stacked) if isinstance(lora_bias_stacked, (list, tuple)) \
                 else [lora_bias_stacked]
-            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots)
             check_tensors(y=y, lora_bias_stacked=[b for b in bias_list if b is not None])
+            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots,
+                              bias_dtypes=[None if b is None else b.dtype for b in bias_list])
             bias = tuple(None if b is None else b.reshape(num_slots, -1) for b in bias_list)
         offsets, off = [], offset_start
         for s in slices:
@@ -225,6 +227,10 @@ class PunicaWrapper:
         slices, dtypes, devices) run once per combination and are cached (see `_LinearPlan`); each
         call checks only what changes per step (token count, slots in use).
         """
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            check_tensors(y=y, x=x)  # raises: names the argument that is not a tensor
+        if type(scale) is not float:
+            scale = checks.as_scale(scale)
         plan = self._linear_plan(y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices)
         x2 = x if x.dim() == 2 else x.reshape(-1, plan.hidden)
         y2 = y if y.dim() == 2 else _token_view(y)
@@ -245,10 +251,10 @@ class PunicaWrapper:
                 if len(plan.prepared) >= 64:          # (prefill token counts vary without bound)
                     plan.prepared.clear()
                 run = plan.prepared[t] = plan.prepare(plan.lora_a, plan.lora_b, meta_args, plan.offsets, plan.bias)
-            run(y2, x2, float(scale), ranks)
+            run(y2, x2, scale, ranks)
             return y
         if buffer is None and plan.linear is not None:
-            plan.linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, float(scale), plan.offsets, ranks, plan.bias)
+            plan.linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, scale, plan.offsets, ranks, plan.bias)
             return y
         shape = (len(plan.lora_a), t, plan.rank)
         if buffer is None:
@@ -256,7 +262,7 @@ class PunicaWrapper:
         else:
             check_tensors(x=x, buffer=buffer)
             _check_buffer("buffer", buffer, shape)
-        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, float(scale), ranks)
+        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks)
         self._impl.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, plan.bias)
         return y
 
@@ -287,6 +293,7 @@ class PunicaWrapper:
         """Every check of SPEC section 6 that does not depend on the step."""
         lora_a = as_slices("lora_a_stacked", lora_a)
         lora_b = as_slices("lora_b_stacked", lora_b)
+        output_slices = checks.check_output_slices(output_slices, len(lora_b))
         if not (len(lora_a) == len(lora_b) == len(output_slices)):
             raise ValueError(f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
                              f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
@@ -305,7 +312,8 @@ class PunicaWrapper:
             raise ValueError(f"lora_a_stacked has {num_slots} slots but lora_b_stacked has {num_slots_b}")
         bias = None
         if bias_list is not None:
-            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots)
+            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots,
+                              bias_dtypes=[None if b is None else b.dtype for b in bias_list])
             bias = tuple(None if b is None else b.detach().reshape(num_slots, -1) for b in bias_list)
         offsets = tuple(sum(slices[:s]) for s in range(len(slices)))
         return _LinearPlan(hidden, num_slots, rank, tuple(to_3d(a.detach()) for a in lora_a),
@@ -332,7 +340,7 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0], self.indices_len[1])
         self._check_slots("lora_a_stacked", num_slots)
         self._impl.shrink(x2, (to_3d(lora_a_stacked),), buffer, self.prompt_mapping_meta.meta_args(x2.shape[0]),
-                          float(scale), as_lora_ranks(lora_ranks, num_slots, x.device))
+                          checks.as_scale(scale), as_lora_ranks(lora_ranks, num_slots, x.device))
         _, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "vocab_size, rank")
         self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
                      self.indices_len[1], cut_to_y=True, lora_ranks=lora_ranks)
@@ -371,15 +379,17 @@ class _LinearPlan:
         self.prepare, self.prepared = prepare, {}
 
     def watch(self, tensors, cache: dict, key) -> None:
+        """Weak references to `tensors` (None entries, bias slices without bias, stay None: the
+        cache key's ids fix where they are); a dying tensor drops this plan from `cache`."""
         def drop(_ref, cache=cache, key=key):
             cache.pop(key, None)
-        self._refs = tuple(weakref.ref(t, drop) for t in tensors)
+        self._refs = tuple(None if t is None else weakref.ref(t, drop) for t in tensors)
 
     def refers_to(self, tensors) -> bool:
         if len(tensors) != len(self._refs):
             return False
         for r, t in zip(self._refs, tensors):      # (a plain loop: every add_lora_linear runs it)
-            if r() is not t:
+            if t is not None and r() is not t:
                 return False
         return True
 
