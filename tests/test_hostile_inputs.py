@@ -256,3 +256,76 @@ def test_float64_is_refused_with_the_same_message_on_both_sides(impl):
         w.add_lora_linear(y, x, a, b, [None, host(impl, np.zeros((3, 4)))], 1.0, (8, 4))
     with pytest.raises(TypeError, match=rf"^x must have dtype in {F32}, got float64$"):
         impl.ops.bgmv_shrink(x64, a[0][:, 0], impl.idx([0, 1, 2, -1]))
+
+
+# ----------------------------------------------------------------------------- torch: storage swaps
+
+def _torch_case(backend, seed=0):
+    import torch
+    import torch_lora
+    w = torch_lora.PunicaWrapper(8, 4, "cpu", max_loras=3, backend=backend)
+    w.update_metadata(LoRAMapping((5, 0, 7, 6), (5,)), [5, 6, 7], 4, 32)
+    g = torch.Generator().manual_seed(seed)
+    a = tuple(torch.randn(3, 1, 4, 16, generator=g) for _ in range(2))
+    b = tuple(torch.randn(3, 1, n, 4, generator=g) for n in (8, 4))
+    return w, a, b, torch.randn(4, 16, generator=g), torch.randn(4, 12, generator=g), g
+
+
+def _check(w, a, b, x, y):
+    got = w.add_lora_linear(y.clone(), x, a, b, None, 1.0, (8, 4))
+    want = oracle.lora_linear(y.numpy(), x.numpy(), [t.numpy() for t in a], [t.numpy() for t in b], None, 1.0,
+                              [0, -1, 2, 1])
+    assert oracle.rel_err(got.numpy(), want) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_torch_plan_follows_a_swapped_storage(backend):
+    import torch
+    w, a, b, x, y, g = _torch_case(backend)
+    _check(w, a, b, x, y)
+    a[0].data = torch.randn(3, 1, 4, 16, generator=g)          # new storage, same object
+    _check(w, a, b, x, y)
+    b[1].set_(torch.randn(3, 1, 4, 4, generator=g))            # set_: new storage, same object
+    _check(w, a, b, x, y)
+    fresh = torch.randn(3, 1, 4, 16, generator=g)
+    a[1].set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())
+    _check(w, a, b, x, y)
+
+
+def test_torch_plan_rechecks_a_swapped_in_tensor_of_another_rank():
+    import torch
+    w, a, b, x, y, g = _torch_case("torch")
+    _check(w, a, b, x, y)
+    a[0].data = torch.randn(3, 1, 2, 16, generator=g)
+    with pytest.raises(ValueError, match=r"every slice of lora_a_stacked must have the same \(num_slots, rank\), "
+                                         r"got \[\(3, 2\), \(3, 4\)\]"):
+        w.add_lora_linear(y, x, a, b, None, 1.0, (8, 4))
+    a[1].data = a[1].data[:, :, :2]                              # a view of the same storage, rank 2
+    with pytest.raises(ValueError, match=r"lora_b_stacked\[0\] has rank 4 .*ranks differ"):
+        w.add_lora_linear(y, x, a, b, None, 1.0, (8, 4))
+    b[0].data, b[1].data = b[0].data[..., :2], b[1].data[..., :2]
+    _check(w, a, b, x, y)                                        # consistent again: a new plan, correct
+
+
+def test_torch_plan_rechecks_a_swapped_dtype_and_shape_of_the_same_storage():
+    import torch
+    w, a, b, x, y, _ = _torch_case("torch")
+    _check(w, a, b, x, y)
+    a[0].data = a[0].data.view(torch.int32)                     # same storage, sizes and strides
+    with pytest.raises(TypeError, match=r"lora_a_stacked\[0\] must have dtype .* got int32"):
+        w.add_lora_linear(y, x, a, b, None, 1.0, (8, 4))
+    a[0].data = a[0].data.view(torch.float32)
+    _check(w, a, b, x, y)
+    a[0].data = a[0].data[:2]                                   # same storage and pointer, 2 slots
+    with pytest.raises(ValueError, match=r"every slice of lora_a_stacked must have the same \(num_slots, rank\)"):
+        w.add_lora_linear(y, x, a, b, None, 1.0, (8, 4))
+
+
+def test_torch_plan_is_kept_across_in_place_updates():
+    w, a, b, x, y, _ = _torch_case("torch")
+    _check(w, a, b, x, y)
+    plan = next(iter(w._plans.values()))
+    a[0][2].mul_(3.0)                 # an adapter loaded into slot 2, in place: same storage
+    b[1].copy_(b[1] * 0.5)
+    _check(w, a, b, x, y)
+    assert next(iter(w._plans.values())) is plan

@@ -282,6 +282,8 @@ class PunicaWrapper:
         plan = self._plans.get(key)
         if plan is not None and plan.refers_to(tensors):
             return plan
+        if plan is not None:   # a weight's storage, shape, strides or dtype changed (`.data =`, `set_`)
+            del self._plans[key]
         plan = self._build_linear_plan(y, x, lora_a, lora_b, bias_list, output_slices)
         plan.watch(tensors, self._plans, key)
         if len(self._plans) >= 1024:
@@ -364,16 +366,23 @@ class _LinearPlan:
     still point to those very objects (ids are reused after a tensor dies); when any of them dies,
     its callback drops the plan, releasing the storage.
 
+    Storage swaps: `w.data = other` and `w.set_(...)` keep the tensor object but give it other
+    memory (or another shape, strides or dtype), which the plan's views would not follow. So each
+    call also checks, per tensor, `is_set_to` against a detached alias taken when the plan was made
+    (same storage, offset, sizes and strides: one C++ call, no device sync) and the dtype; any
+    difference re-checks and re-plans. In-place writes (`w[slot].copy_(...)`) keep the storage and
+    need nothing.
+
     `prepared[T]`: the backend's `prepare_linear` result for T tokens (the kernels' argument lists
     with the weights' and the metadata views' pointers filled in; the views of the wrapper's
     metadata block for T never change).
     """
 
-    __slots__ = ("_refs", "bias", "hidden", "linear", "lora_a", "lora_b", "num_slots", "offsets", "prepare",
-                 "prepared", "rank")
+    __slots__ = ("_aliases", "_refs", "bias", "hidden", "linear", "lora_a", "lora_b", "num_slots", "offsets",
+                 "prepare", "prepared", "rank")
 
     def __init__(self, hidden, num_slots, rank, lora_a, lora_b, bias, offsets, linear, prepare=None):
-        self._refs = ()
+        self._refs, self._aliases = (), ()
         self.hidden, self.num_slots, self.rank = hidden, num_slots, rank
         self.lora_a, self.lora_b, self.bias, self.offsets, self.linear = lora_a, lora_b, bias, offsets, linear
         self.prepare, self.prepared = prepare, {}
@@ -384,12 +393,15 @@ class _LinearPlan:
         def drop(_ref, cache=cache, key=key):
             cache.pop(key, None)
         self._refs = tuple(None if t is None else weakref.ref(t, drop) for t in tensors)
+        self._aliases = tuple(None if t is None else t.detach() for t in tensors)
 
     def refers_to(self, tensors) -> bool:
         if len(tensors) != len(self._refs):
             return False
-        for r, t in zip(self._refs, tensors):      # (a plain loop: every add_lora_linear runs it)
-            if t is not None and r() is not t:
+        for r, t, alias in zip(self._refs, tensors, self._aliases):  # (a plain loop: every call runs it)
+            if t is None:
+                continue
+            if r() is not t or not t.is_set_to(alias) or t.dtype is not alias.dtype:
                 return False
         return True
 
