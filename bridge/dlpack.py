@@ -38,6 +38,8 @@ Stream ordering on CUDA (DLPack's rule is "the consumer waits for the producer")
 
 Sharing is sharing: a torch in-place write into a tensor exported to JAX changes the JAX value, and
 a JAX array exported to torch must be treated as read-only by torch code (JAX assumes immutability).
+A tensor from `to_torch` holds its own reference to the JAX buffer: deleting (or donating) the source
+array afterwards leaves the tensor valid.
 The cross-side wrappers never write into a shared buffer (see torch_over_jax / jax_over_torch).
 
 Speed: the public `jnp.from_dlpack` costs 74-97 us of host time per tensor (most of it a Python
@@ -383,6 +385,20 @@ try:  # the concrete array type (no array is created: that would initialise JAX'
     from jax._src.array import ArrayImpl as _ARRAY_IMPL
 except ImportError:  # pragma: no cover - the fast path's type test then never matches
     _ARRAY_IMPL = None
+# A second array object over the same buffer (what jax's own to_dlpack exports): the DLPack capsule,
+# and so the torch tensor, holds that object's reference, so `x.delete()` on the caller's array
+# leaves the buffer alive. Exporting `x` itself would put a usage hold on x's buffer, and deleting x
+# while torch holds it aborts the process (a jaxlib check failure).
+_SHARD = getattr(_ARRAY_IMPL, "_fully_replicated_shard", None)
+
+
+def _export_alias(x):
+    if _SHARD is not None:
+        try:
+            return _SHARD(x)
+        except Exception:  # noqa: BLE001 - a jax without it (or another array type): the public way
+            pass
+    return x.addressable_data(0)
 _SINGLE = jax.sharding.SingleDeviceSharding
 _JAX_DTYPES = {jax.numpy.dtype(k): v for k, v in _JAX_TO_TORCH_DTYPE.items()}
 _targets: dict = {}  # JAX device -> (is_cuda, torch device), for shareable devices
@@ -415,7 +431,7 @@ def to_torch(x: jax.Array, *, copy: bool = False, stream: Optional["torch.cuda.S
         if target is not None and x.dtype in _JAX_DTYPES:
             cuda, tdev = target
             try:
-                return _FROM_DLPACK(_EXPORT(x, stream=_consumer_stream_ptr(stream, tdev) if cuda else None))
+                return _FROM_DLPACK(_EXPORT(_export_alias(x), stream=_consumer_stream_ptr(stream, tdev) if cuda else None))
             except TypeError as e:
                 _fast_path_off("export", e)
             except Exception:  # noqa: BLE001 - deleted/donated and the like: diagnosed below
@@ -437,7 +453,7 @@ def to_torch(x: jax.Array, *, copy: bool = False, stream: Optional["torch.cuda.S
     ptr = _consumer_stream_ptr(stream, tdev) if cuda else None
     if _fast["export"]:
         try:
-            return _FROM_DLPACK(_EXPORT(x, stream=ptr))
+            return _FROM_DLPACK(_EXPORT(_export_alias(x), stream=ptr))
         except TypeError as e:
             _fast_path_off("export", e)
     capsule = x.__dlpack__(stream=ptr) if cuda else x.__dlpack__()
