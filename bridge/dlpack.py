@@ -19,6 +19,8 @@ still shared):
   * int64 / float64 / complex128 while `jax_enable_x64` is off: JAX would silently make a
     32-bit copy. With `copy=True` the tensor is converted on its device with an explicit
     `.to(int32)` (and so on), which is what SPEC wants for index tensors (int32 everywhere);
+    int64 values outside int32 are refused (ValueError) rather than wrapped (reading the range
+    is a device sync on CUDA);
   * tensors that require grad (autograd's view of them would silently diverge from JAX's), and
     tensors with the conjugate/negative bit set: with `copy=True`, a detached/resolved copy.
 In the other direction every single-device CPU/GPU `jax.Array` is shareable; arrays sharded over
@@ -88,6 +90,7 @@ _JAX_TO_TORCH_DTYPE = {
     "complex128": torch.complex128,
 }
 _DL_CPU, _DL_CUDA = 1, 2  # DLDeviceType codes
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
 # ----------------------------------------------------------------------------- private fast path
@@ -271,6 +274,15 @@ def _copy_for_jax(x: torch.Tensor) -> torch.Tensor:
         x = x.to("cpu")
     x = x.detach().resolve_conj().resolve_neg()
     if x.dtype in _X64_NARROW and not jax.config.jax_enable_x64:
+        if x.dtype == torch.int64 and x.numel():
+            lo, hi = torch.aminmax(x)  # read on the host: a device sync on CUDA (an explicit copy=True path)
+            lo, hi = int(lo), int(hi)
+            if lo < _INT32_MIN or hi > _INT32_MAX:
+                bad = lo if lo < _INT32_MIN else hi
+                raise ValueError(f"cannot convert the int64 tensor (shape {tuple(x.shape)}, device {x.device}) to JAX's "
+                                 f"int32 (jax_enable_x64 is off): it holds {bad}, outside [{_INT32_MIN}, {_INT32_MAX}], "
+                                 "which the conversion would wrap. Enable jax_enable_x64 to share int64, or keep "
+                                 "index values in int32 range")
         x = x.to(_X64_NARROW[x.dtype])
     if x.layout != torch.strided:
         x = x.to_dense()
@@ -299,7 +311,8 @@ def to_jax(x: torch.Tensor, *, copy: bool = False, stream: Optional["torch.cuda.
     Returns: a jax.Array on the JAX device of x's device, same shape; same dtype, except that with
       copy=True a 64-bit dtype without jax_enable_x64 becomes its 32-bit version.
     Raises: TypeError for a non-tensor; CopyRequiredError (a ValueError) for what cannot be shared
-      without a copy when copy=False.
+      without a copy when copy=False; ValueError, with copy=True, for int64 values outside int32
+      while jax_enable_x64 is off (they would wrap).
     """
     # Fast path: the common shareable case in a few attribute reads (each ~0.1 us); anything
     # unusual goes through shareable_problem, which also writes the error message.
