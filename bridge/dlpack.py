@@ -523,6 +523,11 @@ class ConversionCache:
     shape and strides, and since the conversion shares memory, in-place updates stay visible.
     JAX arrays are immutable: identity is enough. Never keyed on a data pointer alone (stale when
     memory is reused).
+
+    Only conversions that share the source's memory are kept. A copy (what `to_jax(copy=True)`
+    makes of a tensor it cannot share) is returned but not kept: writes that torch's version
+    counter does not see (through `.data`, a NumPy alias of a `torch.from_numpy` tensor, an
+    inference tensor) would leave a kept copy stale, so such a source is converted on every call.
     """
 
     def __init__(self):
@@ -546,6 +551,10 @@ class ConversionCache:
         # would keep the source's Python object alive (torch preserves it while C++ holds the impl),
         # so its weak reference would never die and the entry would leak.
         value = convert(source.detach() if isinstance(source, torch.Tensor) else source, *args)
+        if not _shares_memory(source, value):
+            if entry is not None:
+                del self._entries[key]
+            return value
         entries = self._entries
 
         def forget(ref, key=key, entries=entries):
@@ -555,6 +564,19 @@ class ConversionCache:
 
         self._entries[key] = (weakref.ref(source, forget), stamp, value)
         return value
+
+
+def _shares_memory(source: Any, value: Any) -> bool:
+    """Whether the conversion of a torch tensor to a jax.Array is a view of the tensor's memory (True for
+    anything else: JAX sources are immutable)."""
+    if not isinstance(source, torch.Tensor) or not isinstance(value, jax.Array):
+        return True
+    if source.numel() == 0:
+        return True
+    try:
+        return value.unsafe_buffer_pointer() == source.data_ptr()
+    except Exception:  # noqa: BLE001 - no single buffer: not a view
+        return False
 
 
 def _stamp(source: Any) -> tuple:

@@ -16,8 +16,9 @@ plus one `y.copy_(result)`: JAX is functional, so the new y is computed into a J
 into the caller's y, which is what "in place" costs across the bridge. Persistent tensors (stacked
 weights, biases) are converted once and cached (`bridge.ConversionCache`: identity + torch
 `_version` + pointer/shape/strides), so an in-place update of a weight (loading an adapter into a
-slot) is picked up on the next call. `jit=True` runs each call as one compiled JAX program (the JAX
-wrapper is a pytree) instead of op by op.
+slot) is picked up on the next call; a weight that `copy=True` had to copy is not cached but copied
+on every call, so no write to it can be missed. `jit=True` runs each call as one compiled JAX
+program (the JAX wrapper is a pytree) instead of op by op.
 
 Semantics kept from the torch side: `sampler_indices` / `sampler_indices_padded` are not bucket-padded
 (JAX pads the prompt mapping to a power of two for its compiler; these two properties are recomputed
@@ -103,7 +104,9 @@ class TorchPunicaWrapper:
       backend: a JAX backend ("xla", "pallas_tpu", "triton"); default: chosen by the device.
       copy: permit copies of tensors that cannot be shared with JAX (bridge.to_jax's rules:
         misaligned CPU pointers, strided views, ...). Default False: such a tensor raises
-        `bridge.CopyRequiredError`, so every call is known to be zero-copy.
+        `bridge.CopyRequiredError`, so every call is known to be zero-copy. With True, a weight that
+        has to be copied is copied on every call (a kept copy would miss writes through `.data` or a
+        NumPy alias); shareable weights are still shared and converted once.
       jit: run each `add_*` call as one jitted JAX program (the JAX wrapper is a pytree) instead of
         op by op: one dispatch per call instead of one per op, compiled once per shape and static
         arguments (scale, output_slices, ...). Default False (what jax_lora does outside jit).

@@ -3,6 +3,8 @@
 - `to_torch(a)` then `a.delete()`: the tensor keeps the buffer alive (it used to abort the process
   on a jaxlib check failure; tested in a child process).
 - int64 values outside int32 are refused, not wrapped, where they are converted on the host.
+- `TorchPunicaWrapper(copy=True)`: a weight that has to be copied is copied on every call, so writes
+  torch's version counter cannot see (`.data`, a NumPy alias, an inference tensor) are seen.
 - float64 is refused as on the native side (SPEC section 4 dtypes), not narrowed to float32.
 """
 
@@ -19,8 +21,10 @@ import pytest
 import torch
 
 import bridge
+import torch_lora
 from lora_core.host_mapping import LoRAMapping
 
+from . import oracle
 
 BIG = 2 ** 32 + 1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,3 +116,84 @@ def test_jax_over_torch_refuses_numpy_float64():
         jw.add_lora_linear(y, x, [a], [b], None, 1.0, (8,))
     with pytest.raises(TypeError, match=r"^x must have a 32-bit \(or narrower\) dtype, got float64"):
         bridge.jax_over_torch.bgmv_shrink(x, a[:, 0], np.zeros(4, np.int32))
+
+
+# ----------------------------------------------------------------------------- copy=True sees every write
+
+def _misaligned(values: np.ndarray) -> tuple:
+    """A NumPy array and its torch.from_numpy tensor, at 16 mod 64 bytes: JAX cannot share it."""
+    n = values.size
+    raw = np.empty(n + 16, np.float32)
+    skip = ((16 - raw.ctypes.data % 64) % 64) // 4
+    arr = raw[skip:skip + n].reshape(values.shape)
+    arr[...] = values
+    t = torch.from_numpy(arr)
+    assert t.data_ptr() % 64 == 16
+    return arr, t
+
+
+def _copy_case():
+    rng = np.random.default_rng(2)
+    w = bridge.TorchPunicaWrapper(8, 4, "cpu", max_loras=3, copy=True)
+    w.update_metadata(LoRAMapping((5, 0, 7, 6), (5,)), [5, 6, 7], 4, 32)
+    x = torch.from_numpy(rng.standard_normal((4, 16)).astype(np.float32)).clone()
+    y = torch.from_numpy(rng.standard_normal((4, 8)).astype(np.float32)).clone()
+    a_np, a = _misaligned(rng.standard_normal((3, 1, 4, 16)).astype(np.float32))
+    b = torch.from_numpy(rng.standard_normal((3, 1, 8, 4)).astype(np.float32)).clone()  # shareable
+    return w, x, y, a_np, a, b
+
+
+def _expect(w, x, y, a, b):
+    got = w.add_lora_linear(y.clone(), x, [a], [b], None, 1.0, (8,))
+    want = oracle.lora_linear(y.numpy(), x.numpy(), [a.numpy()], [b.numpy()], None, 1.0, [0, -1, 2, 1])
+    assert oracle.rel_err(got.numpy(), want) < 1e-5
+
+
+def test_copy_true_sees_writes_through_a_numpy_alias_and_data():
+    w, x, y, a_np, a, b = _copy_case()
+    _expect(w, x, y, a, b)
+    a_np[2] *= 3.0                     # a NumPy write: torch's version counter does not move
+    _expect(w, x, y, a, b)
+    a.data[0].mul_(-2.0)               # through .data: the version counter of `a` does not move
+    _expect(w, x, y, a, b)
+    b.data[1].mul_(0.5)                # a shared weight: JAX sees the same memory
+    _expect(w, x, y, a, b)
+    # The shareable weight is cached (converted once), the copied one is not kept.
+    assert len(w._weights) == 1
+
+
+def test_copy_true_sees_in_place_writes_to_inference_tensors():
+    w, x, y, _, _, b = _copy_case()
+    with torch.inference_mode():
+        store = torch.randn(3 * 4 * 16 + 4)
+        a = store[4:].view(3, 1, 4, 16)  # 16 bytes past an aligned allocation: copied, no version counter
+        assert a.data_ptr() % 64 == 16
+    _expect(w, x, y, a, b)
+    with torch.inference_mode():
+        a[1].mul_(5.0)
+    _expect(w, x, y, a, b)
+
+
+def test_conversion_cache_keeps_shared_conversions_only():
+    cache = bridge.ConversionCache()
+    shared = torch.randn(4, 8)
+    _, copied = _misaligned(np.ones((4, 8), np.float32))
+    first = cache.get(shared, bridge.to_jax)
+    assert cache.get(shared, bridge.to_jax) is first and len(cache) == 1
+    c1 = cache.get(copied, lambda t: bridge.to_jax(t, copy=True))
+    c2 = cache.get(copied, lambda t: bridge.to_jax(t, copy=True))
+    assert c1 is not c2 and len(cache) == 1
+    copied.numpy()[...] = 2.0
+    assert float(cache.get(copied, lambda t: bridge.to_jax(t, copy=True))[0, 0]) == 2.0
+
+
+def test_native_torch_wrapper_still_agrees():
+    """After a NumPy write, copy=True gives the native torch wrapper's result (same tensors, same mapping)."""
+    w, x, y, a_np, a, b = _copy_case()
+    native = torch_lora.PunicaWrapper(8, 4, "cpu", max_loras=3, backend="torch")
+    native.update_metadata(LoRAMapping((5, 0, 7, 6), (5,)), [5, 6, 7], 4, 32)
+    w.add_lora_linear(y.clone(), x, [a], [b], None, 1.0, (8,))
+    a_np[1] += 1.0
+    got = w.add_lora_linear(y.clone(), x, [a], [b], None, 1.0, (8,))
+    want = native.add_lora_linear(y.clone(), x, [a], [b], None, 1.0, (8,))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
