@@ -279,10 +279,10 @@ def _copy_for_jax(x: torch.Tensor) -> torch.Tensor:
             lo, hi = int(lo), int(hi)
             if lo < _INT32_MIN or hi > _INT32_MAX:
                 bad = lo if lo < _INT32_MIN else hi
-                raise ValueError(f"cannot convert the int64 tensor (shape {tuple(x.shape)}, device {x.device}) to JAX's "
-                                 f"int32 (jax_enable_x64 is off): it holds {bad}, outside [{_INT32_MIN}, {_INT32_MAX}], "
-                                 "which the conversion would wrap. Enable jax_enable_x64 to share int64, or keep "
-                                 "index values in int32 range")
+                raise ValueError(f"cannot convert the int64 tensor (shape {tuple(x.shape)}, device {x.device}) to "
+                                 f"JAX's int32 (jax_enable_x64 is off): it holds {bad}, outside [{_INT32_MIN}, "
+                                 f"{_INT32_MAX}], which the conversion would wrap. Enable jax_enable_x64 to share "
+                                 "int64, or keep index values in int32 range")
         x = x.to(_X64_NARROW[x.dtype])
     if x.layout != torch.strided:
         x = x.to_dense()
@@ -444,7 +444,8 @@ def to_torch(x: jax.Array, *, copy: bool = False, stream: Optional["torch.cuda.S
         if target is not None and x.dtype in _JAX_DTYPES:
             cuda, tdev = target
             try:
-                return _FROM_DLPACK(_EXPORT(_export_alias(x), stream=_consumer_stream_ptr(stream, tdev) if cuda else None))
+                ptr = _consumer_stream_ptr(stream, tdev) if cuda else None
+                return _FROM_DLPACK(_EXPORT(_export_alias(x), stream=ptr))
             except TypeError as e:
                 _fast_path_off("export", e)
             except Exception:  # noqa: BLE001 - deleted/donated and the like: diagnosed below

@@ -311,7 +311,8 @@ class PunicaWrapper:
                                                  [a.dtype for a in lora_a])
         scale = checks.as_scale(scale)
         if buffer is not None:
-            _check_buffer("buffer", as_array("buffer", buffer, checks.ACTIVATION_DTYPES), (len(lora_a), x2.shape[0], rank))
+            _check_buffer("buffer", as_array("buffer", buffer, checks.ACTIVATION_DTYPES),
+                          (len(lora_a), x2.shape[0], rank))
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)

@@ -84,7 +84,8 @@ def _as_id_tuple(name: str, ids: Any) -> tuple[int, ...]:
     if arr.ndim != 1:
         raise ValueError(f"LoRAMapping.{name} must be a 1-D sequence of int LoRA ids, got shape {arr.shape}")
     if arr.dtype == object:  # Python ints beyond int64, or mixed objects
-        bad = [(i, v) for i, v in enumerate(arr.tolist()) if not isinstance(v, (int, np.integer)) or isinstance(v, bool)]
+        bad = [(i, v) for i, v in enumerate(arr.tolist())
+               if not isinstance(v, (int, np.integer)) or isinstance(v, bool)]
         if bad:
             raise TypeError(f"LoRAMapping.{name} must hold integer LoRA ids, got {bad[0][1]!r} at [{bad[0][0]}]")
         return tuple(int(v) for v in arr.tolist())

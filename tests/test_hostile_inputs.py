@@ -109,7 +109,8 @@ def test_compute_meta_refuses_int64_beyond_int32(impl):
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
 def test_lora_id_beyond_int64(impl):
     w = impl.wrapper(8, 4, 3)
-    with pytest.raises(ValueError, match=rf"LoRA id {HUGE_ID} \(mapping.index_mapping\[1\]\) is outside the int64 range"):
+    with pytest.raises(ValueError,
+                       match=rf"LoRA id {HUGE_ID} \(mapping.index_mapping\[1\]\) is outside the int64 range"):
         w.update_metadata(LoRAMapping((11, HUGE_ID), (11,)), [11, 12, 13], 4, 32, 0)
     with pytest.raises(ValueError, match=rf"LoRA id {HUGE_ID} \(mapping.prompt_mapping\[0\]\)"):
         impl.pkg.convert_mapping(LoRAMapping((11,), (HUGE_ID,)), [11], 2, 32, 0)

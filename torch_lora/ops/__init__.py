@@ -255,8 +255,8 @@ def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks):
                                                tuple(y.shape), y.dtype, offset, arg_buf="inputs",
                                                arg_b="lora_b_weights")
     impl = dispatch.resolve(backend, y.device)
-    impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots, "lora_b_weights"), (offset,), bool(add_inputs),
-                as_lora_ranks(lora_ranks, num_slots, y.device), None)
+    impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots, "lora_b_weights"), (offset,),
+                bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), None)
     return y
 
 
