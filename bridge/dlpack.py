@@ -19,6 +19,8 @@ still shared):
   * int64 / float64 / complex128 while `jax_enable_x64` is off: JAX would silently make a
     32-bit copy. With `copy=True` the tensor is converted on its device with an explicit
     `.to(int32)` (and so on), which is what SPEC wants for index tensors (int32 everywhere);
+    int64 values outside int32 are refused (ValueError) rather than wrapped (reading the range
+    is a device sync on CUDA);
   * tensors that require grad (autograd's view of them would silently diverge from JAX's), and
     tensors with the conjugate/negative bit set: with `copy=True`, a detached/resolved copy.
 In the other direction every single-device CPU/GPU `jax.Array` is shareable; arrays sharded over
@@ -38,6 +40,8 @@ Stream ordering on CUDA (DLPack's rule is "the consumer waits for the producer")
 
 Sharing is sharing: a torch in-place write into a tensor exported to JAX changes the JAX value, and
 a JAX array exported to torch must be treated as read-only by torch code (JAX assumes immutability).
+A tensor from `to_torch` holds its own reference to the JAX buffer: deleting (or donating) the source
+array afterwards leaves the tensor valid.
 The cross-side wrappers never write into a shared buffer (see torch_over_jax / jax_over_torch).
 
 Speed: the public `jnp.from_dlpack` costs 74-97 us of host time per tensor (most of it a Python
@@ -86,6 +90,7 @@ _JAX_TO_TORCH_DTYPE = {
     "complex128": torch.complex128,
 }
 _DL_CPU, _DL_CUDA = 1, 2  # DLDeviceType codes
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
 # ----------------------------------------------------------------------------- private fast path
@@ -269,6 +274,15 @@ def _copy_for_jax(x: torch.Tensor) -> torch.Tensor:
         x = x.to("cpu")
     x = x.detach().resolve_conj().resolve_neg()
     if x.dtype in _X64_NARROW and not jax.config.jax_enable_x64:
+        if x.dtype == torch.int64 and x.numel():
+            lo, hi = torch.aminmax(x)  # read on the host: a device sync on CUDA (an explicit copy=True path)
+            lo, hi = int(lo), int(hi)
+            if lo < _INT32_MIN or hi > _INT32_MAX:
+                bad = lo if lo < _INT32_MIN else hi
+                raise ValueError(f"cannot convert the int64 tensor (shape {tuple(x.shape)}, device {x.device}) to "
+                                 f"JAX's int32 (jax_enable_x64 is off): it holds {bad}, outside [{_INT32_MIN}, "
+                                 f"{_INT32_MAX}], which the conversion would wrap. Enable jax_enable_x64 to share "
+                                 "int64, or keep index values in int32 range")
         x = x.to(_X64_NARROW[x.dtype])
     if x.layout != torch.strided:
         x = x.to_dense()
@@ -297,7 +311,8 @@ def to_jax(x: torch.Tensor, *, copy: bool = False, stream: Optional["torch.cuda.
     Returns: a jax.Array on the JAX device of x's device, same shape; same dtype, except that with
       copy=True a 64-bit dtype without jax_enable_x64 becomes its 32-bit version.
     Raises: TypeError for a non-tensor; CopyRequiredError (a ValueError) for what cannot be shared
-      without a copy when copy=False.
+      without a copy when copy=False; ValueError, with copy=True, for int64 values outside int32
+      while jax_enable_x64 is off (they would wrap).
     """
     # Fast path: the common shareable case in a few attribute reads (each ~0.1 us); anything
     # unusual goes through shareable_problem, which also writes the error message.
@@ -383,6 +398,20 @@ try:  # the concrete array type (no array is created: that would initialise JAX'
     from jax._src.array import ArrayImpl as _ARRAY_IMPL
 except ImportError:  # pragma: no cover - the fast path's type test then never matches
     _ARRAY_IMPL = None
+# A second array object over the same buffer (what jax's own to_dlpack exports): the DLPack capsule,
+# and so the torch tensor, holds that object's reference, so `x.delete()` on the caller's array
+# leaves the buffer alive. Exporting `x` itself would put a usage hold on x's buffer, and deleting x
+# while torch holds it aborts the process (a jaxlib check failure).
+_SHARD = getattr(_ARRAY_IMPL, "_fully_replicated_shard", None)
+
+
+def _export_alias(x):
+    if _SHARD is not None:
+        try:
+            return _SHARD(x)
+        except Exception:  # noqa: BLE001 - a jax without it (or another array type): the public way
+            pass
+    return x.addressable_data(0)
 _SINGLE = jax.sharding.SingleDeviceSharding
 _JAX_DTYPES = {jax.numpy.dtype(k): v for k, v in _JAX_TO_TORCH_DTYPE.items()}
 _targets: dict = {}  # JAX device -> (is_cuda, torch device), for shareable devices
@@ -415,7 +444,8 @@ def to_torch(x: jax.Array, *, copy: bool = False, stream: Optional["torch.cuda.S
         if target is not None and x.dtype in _JAX_DTYPES:
             cuda, tdev = target
             try:
-                return _FROM_DLPACK(_EXPORT(x, stream=_consumer_stream_ptr(stream, tdev) if cuda else None))
+                ptr = _consumer_stream_ptr(stream, tdev) if cuda else None
+                return _FROM_DLPACK(_EXPORT(_export_alias(x), stream=ptr))
             except TypeError as e:
                 _fast_path_off("export", e)
             except Exception:  # noqa: BLE001 - deleted/donated and the like: diagnosed below
@@ -437,7 +467,7 @@ def to_torch(x: jax.Array, *, copy: bool = False, stream: Optional["torch.cuda.S
     ptr = _consumer_stream_ptr(stream, tdev) if cuda else None
     if _fast["export"]:
         try:
-            return _FROM_DLPACK(_EXPORT(x, stream=ptr))
+            return _FROM_DLPACK(_EXPORT(_export_alias(x), stream=ptr))
         except TypeError as e:
             _fast_path_off("export", e)
     capsule = x.__dlpack__(stream=ptr) if cuda else x.__dlpack__()
@@ -494,6 +524,11 @@ class ConversionCache:
     shape and strides, and since the conversion shares memory, in-place updates stay visible.
     JAX arrays are immutable: identity is enough. Never keyed on a data pointer alone (stale when
     memory is reused).
+
+    Only conversions that share the source's memory are kept. A copy (what `to_jax(copy=True)`
+    makes of a tensor it cannot share) is returned but not kept: writes that torch's version
+    counter does not see (through `.data`, a NumPy alias of a `torch.from_numpy` tensor, an
+    inference tensor) would leave a kept copy stale, so such a source is converted on every call.
     """
 
     def __init__(self):
@@ -517,6 +552,10 @@ class ConversionCache:
         # would keep the source's Python object alive (torch preserves it while C++ holds the impl),
         # so its weak reference would never die and the entry would leak.
         value = convert(source.detach() if isinstance(source, torch.Tensor) else source, *args)
+        if not _shares_memory(source, value):
+            if entry is not None:
+                del self._entries[key]
+            return value
         entries = self._entries
 
         def forget(ref, key=key, entries=entries):
@@ -526,6 +565,19 @@ class ConversionCache:
 
         self._entries[key] = (weakref.ref(source, forget), stamp, value)
         return value
+
+
+def _shares_memory(source: Any, value: Any) -> bool:
+    """Whether the conversion of a torch tensor to a jax.Array is a view of the tensor's memory (True for
+    anything else: JAX sources are immutable)."""
+    if not isinstance(source, torch.Tensor) or not isinstance(value, jax.Array):
+        return True
+    if source.numel() == 0:
+        return True
+    try:
+        return value.unsafe_buffer_pointer() == source.data_ptr()
+    except Exception:  # noqa: BLE001 - no single buffer: not a view
+        return False
 
 
 def _stamp(source: Any) -> tuple:

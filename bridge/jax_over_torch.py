@@ -39,6 +39,7 @@ import torch
 
 import torch_lora
 import torch_lora.ops as tops
+from jax_lora.ops import as_array
 from lora_core import checks
 from lora_core.host_mapping import LoRAMapping, pad_prompt_mapping
 
@@ -67,7 +68,9 @@ def _as_torch(a, name: str = "array"):
     if isinstance(a, jax.core.Tracer):
         raise TypeError(f"{name} is a tracer: the bridged torch kernels run outside jax.jit (inside jit use "
                         "jax_lora.PunicaWrapper / jax_lora.ops)")
-    return to_torch(a if isinstance(a, jax.Array) else jnp.asarray(a))
+    # A host value goes through jax_lora's conversion, which refuses what JAX would change in silence
+    # (float64 narrowed to float32, int64 outside int32 wrapped).
+    return to_torch(a if isinstance(a, jax.Array) else as_array(name, a))
 
 
 class _KeepAlive:

@@ -16,8 +16,9 @@ plus one `y.copy_(result)`: JAX is functional, so the new y is computed into a J
 into the caller's y, which is what "in place" costs across the bridge. Persistent tensors (stacked
 weights, biases) are converted once and cached (`bridge.ConversionCache`: identity + torch
 `_version` + pointer/shape/strides), so an in-place update of a weight (loading an adapter into a
-slot) is picked up on the next call. `jit=True` runs each call as one compiled JAX program (the JAX
-wrapper is a pytree) instead of op by op.
+slot) is picked up on the next call; a weight that `copy=True` had to copy is not cached but copied
+on every call, so no write to it can be missed. `jit=True` runs each call as one compiled JAX
+program (the JAX wrapper is a pytree) instead of op by op.
 
 Semantics kept from the torch side: `sampler_indices` / `sampler_indices_padded` are not bucket-padded
 (JAX pads the prompt mapping to a power of two for its compiler; these two properties are recomputed
@@ -64,12 +65,31 @@ def _usable(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def _index(t, name: str):
     """An index tensor for JAX: int64 -> int32 explicitly (SPEC: int32 on every device), then shared
-    (copied when it cannot be shared: index arrays are a few hundred bytes, often views at odd offsets)."""
+    (copied when it cannot be shared: index arrays are a few hundred bytes, often views at odd offsets).
+
+    int64 values outside int32 would wrap (2**32 + 1 -> slot 1): on the CPU they are refused; on CUDA,
+    where reading them would be a host sync, they are saturated to the int32 bounds, which are out of
+    range for every index array, so the ops mask them like any other out-of-range index."""
     if not isinstance(t, torch.Tensor):
         return t
     if t.dtype == torch.int64:
+        if t.device.type == "cpu":
+            if t.numel():
+                lo, hi = torch.aminmax(t)
+                checks.check_int32_range(name, int(lo), int(hi))
+        else:
+            t = t.clamp(checks.INT32_MIN, checks.INT32_MAX)
         t = t.to(torch.int32)
     return to_jax(_usable(t, name), copy=True)
+
+
+# dtypes that to_jax(copy=True) would narrow without jax_enable_x64: refused as SPEC dtypes instead.
+_WIDE = frozenset({torch.float64, torch.complex128, torch.int64})
+
+
+def _check_not_wide(t: torch.Tensor, name: str, allowed) -> None:
+    if t.dtype in _WIDE:
+        checks.check_dtype(name, t.dtype, allowed)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -84,7 +104,9 @@ class TorchPunicaWrapper:
       backend: a JAX backend ("xla", "pallas_tpu", "triton"); default: chosen by the device.
       copy: permit copies of tensors that cannot be shared with JAX (bridge.to_jax's rules:
         misaligned CPU pointers, strided views, ...). Default False: such a tensor raises
-        `bridge.CopyRequiredError`, so every call is known to be zero-copy.
+        `bridge.CopyRequiredError`, so every call is known to be zero-copy. With True, a weight that
+        has to be copied is copied on every call (a kept copy would miss writes through `.data` or a
+        NumPy alias); shareable weights are still shared and converted once.
       jit: run each `add_*` call as one jitted JAX program (the JAX wrapper is a pytree) instead of
         op by op: one dispatch per call instead of one per op, compiled once per shape and static
         arguments (scale, output_slices, ...). Default False (what jax_lora does outside jit).
@@ -221,6 +243,8 @@ class TorchPunicaWrapper:
                 raise ValueError(f"{name} has {rows} rows, but update_metadata mapped only {mapped} {what}")
         if t.requires_grad:
             t = _usable(t, name)
+        if t.dtype in _WIDE:  # with copy=True it would become float32 in silence; torch_lora refuses it
+            _check_not_wide(t, name, checks.ACTIVATION_DTYPES)
         return to_jax(t, copy=self.copy)
 
     def _weight(self, stacked, name: str):
@@ -253,6 +277,7 @@ class TorchPunicaWrapper:
             raise TypeError(f"{label} must be a torch.Tensor, got {type(w).__name__}")
         if w.device != self.device:
             raise ValueError(f"{label} is on {w.device}, but the wrapper was made for {self.device}")
+        _check_not_wide(w, label, checks.WEIGHT_DTYPES)
         return to_jax(w, copy=self.copy)
 
     @staticmethod
@@ -352,8 +377,14 @@ def _check_buffer(name: str, buf: torch.Tensor, shape: tuple) -> None:
 
 def _acts(value, name: str, copy: bool):
     if isinstance(value, (list, tuple)):
-        return tuple(to_jax(_usable(v, f"{name}[{i}]"), copy=copy) for i, v in enumerate(value))
-    return to_jax(_usable(value, name), copy=copy)
+        return tuple(_act(v, f"{name}[{i}]", copy) for i, v in enumerate(value))
+    return _act(value, name, copy)
+
+
+def _act(t, name: str, copy: bool):
+    if isinstance(t, torch.Tensor):
+        _check_not_wide(t, name, checks.ACTIVATION_DTYPES)
+    return to_jax(_usable(t, name), copy=copy)
 
 
 def _meta(meta_args) -> tuple:

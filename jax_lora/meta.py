@@ -48,12 +48,12 @@ def build_kernel_meta(token_lora_mapping: jax.Array, num_tokens: jax.Array, *, m
       num_tokens: int32 scalar (may be a traced value): how many leading entries are real.
       max_loras: number of slots (static).
     """
-    m = jnp.asarray(token_lora_mapping).astype(jnp.int32)
+    m = jnp.asarray(token_lora_mapping)
     capacity = m.shape[0]
     pos = jnp.arange(capacity, dtype=jnp.int32)
     real = pos < num_tokens
-    valid = (m >= 0) & (m < max_loras)
-    mapping = jnp.where(real & valid, m, -1)
+    valid = (m >= 0) & (m < max_loras)   # on the input dtype: a 64-bit slot must not wrap into range
+    mapping = jnp.where(real & valid, m, -1).astype(jnp.int32)
     # Step 1: sort key. Bin b = slot + 1 for real tokens (0 for -1); padding goes to the last bin,
     # max_loras + 1, so it sorts after every group and is counted in no group.
     key = jnp.where(real, mapping + 1, max_loras + 1)
@@ -115,8 +115,13 @@ class LoRAKernelMeta:
               num_tokens=None) -> "LoRAKernelMeta":
         """Metadata for a (T,) index array, padded to `max_num_tokens` (default T) capacity.
 
-        `num_tokens` (default T) may be a traced scalar when called inside jit.
+        `num_tokens` (default T) may be a traced scalar when called inside jit. Slots outside
+        0..max_loras-1 are treated as -1; for host (NumPy) values that happens before the int32
+        conversion, so an int64 2**32 + 1 is -1, not slot 1.
         """
+        if isinstance(token_lora_mapping, np.ndarray) and token_lora_mapping.dtype.kind in "iu":
+            m = token_lora_mapping
+            token_lora_mapping = np.where((m >= 0) & (m < max_loras), m, -1).astype(np.int32)
         m = jnp.asarray(token_lora_mapping)
         if m.ndim != 1 or not jnp.issubdtype(m.dtype, jnp.integer):
             raise ValueError(f"token_lora_mapping must be a 1-D integer array, got {m.shape} {m.dtype}")

@@ -28,7 +28,7 @@ import numpy as np
 from lora_core import checks
 from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 from .meta import LoRAKernelMeta
-from .ops import as_lora_ranks, as_slices, check_same_device, dispatch, to_3d
+from .ops import as_array, as_lora_ranks, as_slices, check_same_device, dispatch, to_3d
 
 __all__ = ["PunicaWrapper"]
 
@@ -210,21 +210,26 @@ class PunicaWrapper:
             raise ValueError(f"the mapping uses slot {self._host_max_slot}, but {name} has only "
                              f"{num_slots} slots (0..{num_slots - 1})")
 
+    def _check_rank(self, name: str, rank: int) -> None:
+        checks.check_backend_rank(self.backend, rank, name)
+
     def add_shrink(self, y, x, lora_a_stacked, scale: float, *, lora_ranks=None, **kwargs) -> jax.Array:
         """y[s] = scale * x @ lora_a_stacked[s][idx].T per token (0 for -1): returns y (S, T, r).
 
         y: (S, T, r) buffer (its dtype is kept); x: (..., H), flattened to (T, H).
         """
-        y = jnp.asarray(y)
-        x = _flatten_tokens(jnp.asarray(x), "x")
+        y = as_array("y", y, checks.ACTIVATION_DTYPES)
+        x = _flatten_tokens(as_array("x", x, checks.ACTIVATION_DTYPES), "x")
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
                                                  [a.dtype for a in lora_a])
+        scale = checks.as_scale(scale)
         _check_buffer("y", y, (len(lora_a), x.shape[0], rank))
         self._check_tokens("x", x.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
+        self._check_rank("lora_a_stacked", rank)
         check_same_device(x=x, lora_a_stacked=lora_a, y=y)
-        out = self._impl().shrink(x, tuple(to_3d(a) for a in lora_a), self.token_meta, float(scale),
+        out = self._impl().shrink(x, tuple(to_3d(a) for a in lora_a), self.token_meta, scale,
                                   as_lora_ranks(lora_ranks, num_slots))
         return out.astype(y.dtype)
 
@@ -235,7 +240,7 @@ class PunicaWrapper:
         y: (..., N); x: (S, T, r) or S arrays (T, r); slices laid from `offset_start`. Rows with
         index -1 are unchanged. Returns the new y (same shape).
         """
-        y = jnp.asarray(y)
+        y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
         buf = _stack_buffer(x)
         return self._expand(y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start,
@@ -254,33 +259,37 @@ class PunicaWrapper:
         """Checks the expand half; returns (3-D lora_b, slice offsets, bias as (L, n_s) or None)."""
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
         slices = checks.check_output_slices(output_slices, len(lora_b))
+        offset_start = checks.as_offset("offset_start", offset_start)
         if cut_to_y:  # logits: a LoRA vocabulary wider than y is cut to y's width (vLLM)
             lora_b = tuple(b[..., : y2.shape[1], :] for b in lora_b)
             slices = tuple(min(s, y2.shape[1]) for s in slices)
-        num_slots, _, widths = checks.check_expand(buf_shape, buf_dtype, [b.shape for b in lora_b],
-                                                   [b.dtype for b in lora_b], y2.shape, y2.dtype,
-                                                   offset_start)
+        num_slots, rank, widths = checks.check_expand(buf_shape, buf_dtype, [b.shape for b in lora_b],
+                                                      [b.dtype for b in lora_b], y2.shape, y2.dtype,
+                                                      offset_start)
         checks.check_slice_widths(slices, widths)
         self._check_tokens("y", y2.shape[0])
         self._check_slots("lora_b_stacked", num_slots)
+        self._check_rank("lora_b_stacked", rank)
         bias = None
         if lora_bias_stacked is not None:
             bias_list = list(lora_bias_stacked) if isinstance(lora_bias_stacked, (list, tuple)) \
                 else [lora_bias_stacked]
-            checks.check_bias([None if b is None else jnp.shape(b) for b in bias_list], slices, num_slots)
-            bias = tuple(None if b is None else jnp.asarray(b).reshape(num_slots, -1) for b in bias_list)
+            checks.check_bias([None if b is None else jnp.shape(b) for b in bias_list], slices, num_slots,
+                              bias_dtypes=[None if b is None else _dtype_of(b) for b in bias_list])
+            bias = tuple(None if b is None else as_array(f"lora_bias_stacked[{i}]", b).reshape(num_slots, -1)
+                         for i, b in enumerate(bias_list))
         offsets = tuple(offset_start + sum(slices[:s]) for s in range(len(slices)))
         return tuple(to_3d(b) for b in lora_b), offsets, bias
 
     def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs: bool = True, *, lora_ranks=None,
                            **kwargs) -> jax.Array:
         """y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r) looked-up LoRA-A rows; y: (T, N)."""
-        y = jnp.asarray(y)
+        y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
-        x = jnp.asarray(x)
+        x = as_array("x", x, checks.ACTIVATION_DTYPES)
         if x.ndim != 2:
             raise ValueError(f"x must be 2-D (num_tokens, rank), got shape {x.shape}")
-        b = jnp.asarray(lora_b_stacked)
+        b = as_array("lora_b_stacked", lora_b_stacked, checks.WEIGHT_DTYPES)
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "out_features, rank")
         return self._expand(y2, x[None], (b,), None, (width,), 0, add_inputs, self.token_meta,
                             lora_ranks=lora_ranks).reshape(y.shape)
@@ -296,21 +305,25 @@ class PunicaWrapper:
         """
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
+        output_slices = checks.check_output_slices(output_slices, len(lora_b))
         if not (len(lora_a) == len(lora_b) == len(output_slices)):
             raise ValueError(f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
                              f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
-        y = jnp.asarray(y)
+        y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
-        x2 = _flatten_tokens(jnp.asarray(x), "x")
+        x2 = _flatten_tokens(as_array("x", x, checks.ACTIVATION_DTYPES), "x")
         if x2.shape[0] != y2.shape[0]:
             raise ValueError(f"x has {x2.shape[0]} tokens (shape {jnp.shape(x)}) but y has {y2.shape[0]} "
                              f"(shape {y.shape})")
         num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [a.shape for a in lora_a],
                                                  [a.dtype for a in lora_a])
+        scale = checks.as_scale(scale)
         if buffer is not None:
-            _check_buffer("buffer", jnp.asarray(buffer), (len(lora_a), x2.shape[0], rank))
+            _check_buffer("buffer", as_array("buffer", buffer, checks.ACTIVATION_DTYPES),
+                          (len(lora_a), x2.shape[0], rank))
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
+        self._check_rank("lora_a_stacked", rank)
         check_same_device(x=x2, lora_a_stacked=lora_a)
         lora_a3 = tuple(to_3d(a) for a in lora_a)
         ranks = as_lora_ranks(lora_ranks, num_slots)
@@ -319,9 +332,9 @@ class PunicaWrapper:
             lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32",
                                                        lora_b, lora_bias_stacked, output_slices, 0)
             check_same_device(x=x2, lora_b_stacked=lora_b3, y=y2)
-            return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, float(scale), offsets, ranks,
+            return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, scale, offsets, ranks,
                                bias).reshape(y.shape)
-        buf = impl.shrink(x2, lora_a3, self.token_meta, float(scale), ranks)
+        buf = impl.shrink(x2, lora_a3, self.token_meta, scale, ranks)
         return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True, self.token_meta,
                             lora_ranks=lora_ranks).reshape(y.shape)
 
@@ -333,20 +346,23 @@ class PunicaWrapper:
         B: (L, [1,] V', r), cut to V columns when V' > V. Rows past the sampler indices, and rows
         whose sampler index is -1, are unchanged.
         """
-        y = jnp.asarray(y)
+        y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
-        x2 = _flatten_tokens(jnp.asarray(x), "x")
+        x2 = _flatten_tokens(as_array("x", x, checks.ACTIVATION_DTYPES), "x")
         if x2.shape[0] != y2.shape[0]:
             raise ValueError(f"x has {x2.shape[0]} rows but y has {y2.shape[0]}")
-        a = jnp.asarray(lora_a_stacked)
-        b = jnp.asarray(lora_b_stacked)
+        a = as_array("lora_a_stacked", lora_a_stacked, checks.WEIGHT_DTYPES)
+        b = as_array("lora_b_stacked", lora_b_stacked, checks.WEIGHT_DTYPES)
         num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [a.shape], [a.dtype])
+        scale = checks.as_scale(scale)
         if buffer is not None:
-            _check_buffer("buffer", jnp.asarray(buffer), (x2.shape[0], rank), allow_leading_one=True)
+            _check_buffer("buffer", as_array("buffer", buffer, checks.ACTIVATION_DTYPES), (x2.shape[0], rank),
+                          allow_leading_one=True)
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
+        self._check_rank("lora_a_stacked", rank)
         check_same_device(x=x2, lora_a_stacked=a, lora_b_stacked=b, y=y2)
-        buf = self._impl().shrink(x2, (to_3d(a),), self.prompt_meta, float(scale),
+        buf = self._impl().shrink(x2, (to_3d(a),), self.prompt_meta, scale,
                                   as_lora_ranks(lora_ranks, num_slots))
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")
         return self._expand(y2, buf, (b,), None, (width,), 0, True, self.prompt_meta, cut_to_y=True,
@@ -376,11 +392,17 @@ def _flatten_tokens(a: jax.Array, name: str) -> jax.Array:
 
 def _stack_buffer(x) -> jax.Array:
     if isinstance(x, (list, tuple)):
-        parts = [jnp.asarray(p) for p in x]
+        parts = [as_array(f"x[{i}]", p, checks.ACTIVATION_DTYPES) for i, p in enumerate(x)]
         if any(p.ndim != 2 for p in parts):
             raise ValueError(f"x as a sequence must hold (T, r) arrays, got {[p.shape for p in parts]}")
         return jnp.stack(parts)
-    return jnp.asarray(x)
+    return as_array("x", x, checks.ACTIVATION_DTYPES)
+
+
+def _dtype_of(a):
+    """An array's dtype without converting it (a Python list: its jnp dtype)."""
+    dtype = getattr(a, "dtype", None)
+    return dtype if dtype is not None else jnp.asarray(a).dtype
 
 
 def _check_buffer(name: str, buf: jax.Array, shape: tuple, allow_leading_one: bool = False) -> None:

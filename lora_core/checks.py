@@ -8,12 +8,17 @@ and what was received.
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Any, Optional, Sequence
 
 # SPEC section 4: activations fp16/bf16/fp32; weights fp16/bf16 (fp32 on reference paths too).
 ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
 INDEX_DTYPES = ("int32", "int64", "int16", "int8", "uint8")
+# SPEC section 1: indices are int32 on every device.
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+# Backends whose kernels need a rank of at least this (a zero-width rank block cannot be tiled).
+MIN_RANK = {"pallas_tpu": 1}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -96,19 +101,45 @@ def check_expand(buf_shape, buf_dtype, b_shapes, b_dtypes, y_shape, y_dtype, off
         slots.add(num_slots)
     if len(slots) != 1:
         raise ValueError(f"every slice of {arg_b} must have the same number of slots, got {sorted(slots)}")
-    if not isinstance(offset_start, int) or offset_start < 0:
-        raise ValueError(f"offset_start must be an int >= 0, got {offset_start!r}")
+    offset_start = as_offset("offset_start", offset_start)
     if offset_start + sum(widths) > int(y_shape[1]):
         raise ValueError(f"offset_start {offset_start} + slice widths {widths} = "
                          f"{offset_start + sum(widths)} exceed {arg_y}'s {y_shape[1]} columns")
     return slots.pop(), rank, widths
 
 
-def check_output_slices(output_slices: Sequence[int], num_b: int, arg_b="lora_b_stacked") -> tuple[int, ...]:
+def as_offset(name: str, value: Any) -> int:
+    """A column offset as a Python int >= 0; any integral scalar (int, NumPy integer, 0-d integer
+    tensor or array) is accepted, bools and floats are not."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer >= 0, got bool {value!r}")
     try:
-        slices = tuple(int(s) for s in output_slices)
+        offset = operator.index(value)
     except TypeError:
-        raise TypeError(f"output_slices must be a sequence of ints, got {output_slices!r}") from None
+        raise TypeError(f"{name} must be an integer >= 0, got {type(value).__name__} {value!r}") from None
+    if offset < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {offset}")
+    return offset
+
+
+def as_scale(scale: Any) -> float:
+    """The LoRA scale as a Python float; None, strings and arrays of several values are refused."""
+    if scale is None or isinstance(scale, (str, bytes)):
+        raise TypeError(f"scale must be a real number (e.g. 1.0), got {type(scale).__name__} {scale!r}")
+    try:
+        return float(scale)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"scale must be a real number (e.g. 1.0), got {type(scale).__name__}: {e}") from e
+
+
+def check_output_slices(output_slices: Sequence[int], num_b: int, arg_b="lora_b_stacked") -> tuple[int, ...]:
+    if output_slices is None or isinstance(output_slices, (str, bytes)):
+        raise TypeError(f"output_slices must be a sequence of ints (one width per slice), got {output_slices!r}")
+    try:
+        slices = tuple(operator.index(s) for s in output_slices)
+    except TypeError:
+        raise TypeError(f"output_slices must be a sequence of ints (one width per slice), got "
+                        f"{output_slices!r}") from None
     if len(slices) != num_b:
         raise ValueError(f"len(output_slices) = {len(slices)} but {arg_b} has {num_b} slices")
     if any(s <= 0 for s in slices):
@@ -123,12 +154,16 @@ def check_slice_widths(output_slices: Sequence[int], widths: Sequence[int], arg_
 
 
 def check_bias(bias_shapes: Sequence[Optional[Sequence[int]]], output_slices: Sequence[int],
-               num_slots: int, arg="lora_bias_stacked") -> None:
+               num_slots: int, arg="lora_bias_stacked", bias_dtypes: Optional[Sequence[Any]] = None) -> None:
+    """Bias entries (None, or (L, n_s) / (L, 1, n_s)) against the slices; dtypes, when given, must be
+    weight dtypes (a float dtype: an integer bias would be reinterpreted or refused by a kernel)."""
     if len(bias_shapes) != len(output_slices):
         raise ValueError(f"{arg} has {len(bias_shapes)} slices, but output_slices has {len(output_slices)}")
     for s, (shape, width) in enumerate(zip(bias_shapes, output_slices)):
         if shape is None:
             continue
+        if bias_dtypes is not None:
+            check_dtype(f"{arg}[{s}]", bias_dtypes[s], WEIGHT_DTYPES)
         shape = tuple(int(v) for v in shape)
         core = shape if len(shape) == 2 else (shape[0], shape[2]) if len(shape) == 3 and shape[1] == 1 else None
         if core is None or core != (num_slots, width):
@@ -150,6 +185,24 @@ def check_index_values(name: str, lo: int, hi: int, num_slots: int, arg_w: str) 
     if hi >= num_slots:
         raise ValueError(f"{name} holds slot {hi}, but {arg_w} has only {num_slots} slots "
                          f"(0..{num_slots - 1})")
+
+
+def check_int32_range(name: str, lo: int, hi: int) -> None:
+    """lo/hi: min and max of host integer values that become int32 (SPEC section 1). A value outside
+    int32 would wrap around in the conversion (2**32 + 1 would become 1), so it is refused."""
+    for v in (lo, hi):
+        if not INT32_MIN <= v <= INT32_MAX:
+            wrapped = (v - INT32_MIN) % 2 ** 32 + INT32_MIN
+            raise ValueError(f"{name} holds {v}, outside the int32 range [{INT32_MIN}, {INT32_MAX}]: indices are "
+                             f"int32 on every device, and converting it would wrap it to {wrapped}")
+
+
+def check_backend_rank(backend: str, rank: int, arg: str) -> None:
+    """Some backends cannot run every rank the others can (MIN_RANK)."""
+    need = MIN_RANK.get(backend)
+    if need is not None and rank < need:
+        raise ValueError(f"{arg} has rank {rank}, but backend {backend!r} needs rank >= {need} (use backend='xla' "
+                         "for rank-0 weights, which add nothing)")
 
 
 def check_capacity(name: str, count: int, capacity: int, capacity_name: str) -> None:

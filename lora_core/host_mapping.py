@@ -18,6 +18,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from . import checks
+
 __all__ = [
     "LoRAMapping",
     "LongContextLoRAContext",
@@ -35,6 +37,8 @@ __all__ = [
 ]
 
 _INT32_MAX, _INT32_MIN = int(np.iinfo(np.int32).max), int(np.iinfo(np.int32).min)
+# LoRA ids are looked up as int64 on the host (they never reach a device).
+_ID_MAX = int(np.iinfo(np.int64).max)
 
 # The TPU seed pads the prompt mapping to at least this many rows (vLLM's MIN_NUM_SEQS).
 MIN_NUM_SEQS = 8
@@ -71,11 +75,20 @@ class LongContextLoRAContext:
 
 
 def _as_id_tuple(name: str, ids: Any) -> tuple[int, ...]:
+    """The ids as a tuple of Python ints (their range is checked where they are looked up)."""
     if type(ids) is tuple and all(type(v) is int for v in ids):  # the common case, kept as is
         return ids
+    if ids is None or isinstance(ids, (str, bytes)):
+        raise TypeError(f"LoRAMapping.{name} must be a 1-D sequence of int LoRA ids, got {ids!r}")
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ValueError(f"LoRAMapping.{name} must be a 1-D sequence of int LoRA ids, got shape {arr.shape}")
+    if arr.dtype == object:  # Python ints beyond int64, or mixed objects
+        bad = [(i, v) for i, v in enumerate(arr.tolist())
+               if not isinstance(v, (int, np.integer)) or isinstance(v, bool)]
+        if bad:
+            raise TypeError(f"LoRAMapping.{name} must hold integer LoRA ids, got {bad[0][1]!r} at [{bad[0][0]}]")
+        return tuple(int(v) for v in arr.tolist())
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"LoRAMapping.{name} must hold integer LoRA ids, got dtype {arr.dtype}")
     return tuple(arr.tolist())
@@ -102,7 +115,15 @@ def pad_prompt_mapping(prompt_mapping: Sequence[int], capacity: Optional[int] = 
 
 def _slot_table(lora_index_to_id: Sequence[Optional[int]]) -> "_SlotTable":
     """LoRA id -> slot lookup, cached per slot list (it changes only when adapters are loaded)."""
-    return _slot_table_cached(tuple(lora_index_to_id))
+    if lora_index_to_id is None or isinstance(lora_index_to_id, (str, bytes)):
+        raise TypeError("lora_index_to_id must be a sequence with one entry per slot (a LoRA id, or None for an "
+                        f"empty slot), got {lora_index_to_id!r}")
+    try:
+        entries = tuple(lora_index_to_id)
+    except TypeError:
+        raise TypeError("lora_index_to_id must be a sequence with one entry per slot (a LoRA id, or None for an "
+                        f"empty slot), got {type(lora_index_to_id).__name__}") from None
+    return _slot_table_cached(entries)
 
 
 class _SlotTable:
@@ -124,6 +145,9 @@ def _slot_table_cached(lora_index_to_id: tuple) -> _SlotTable:
         if not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or int(lora_id) <= 0:
             raise ValueError(
                 f"lora_index_to_id[{slot}] must be None or a positive int LoRA id, got {lora_id!r}")
+        if int(lora_id) > _ID_MAX:
+            raise ValueError(f"lora_index_to_id[{slot}] must be None or a positive LoRA id <= 2**63 - 1, got "
+                             f"{int(lora_id)}")
         if int(lora_id) in table:
             raise ValueError(
                 f"lora_index_to_id holds LoRA id {int(lora_id)} twice (slots {table[int(lora_id)]} and {slot})")
@@ -134,7 +158,12 @@ def _slot_table_cached(lora_index_to_id: tuple) -> _SlotTable:
 def _slots_of(name: str, ids: Sequence[int], table: _SlotTable, num_slots_allowed: int,
               none_value: int) -> np.ndarray:
     """Slot per LoRA id (vectorised lookup); ids <= 0 give `none_value`."""
-    ids_arr = np.asarray(ids, dtype=np.int64)
+    try:
+        ids_arr = np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # a Python int beyond int64: no slot can hold it
+        i, v = next((i, v) for i, v in enumerate(ids) if not -_ID_MAX - 1 <= v <= _ID_MAX)
+        raise ValueError(f"LoRA id {v} (mapping.{name}[{i}]) is outside the int64 range of LoRA ids, so it is in "
+                         f"no slot: lora_index_to_id holds {table.ids}") from None
     out = np.full(ids_arr.shape[0], none_value, dtype=np.int32)
     want = ids_arr > 0
     if not want.any():
@@ -293,6 +322,8 @@ def compute_meta_host(token_lora_indices: Any) -> PrefillMeta:
         raise ValueError(f"token_lora_tensor must be 1-D (one index per token), got shape {m.shape}")
     if m.size and not np.issubdtype(m.dtype, np.integer):
         raise TypeError(f"token_lora_tensor must hold integer indices, got dtype {m.dtype}")
+    if m.size and (m.dtype.itemsize > 4 or m.dtype == np.uint32):
+        checks.check_int32_range("token_lora_tensor", int(m.min()), int(m.max()))
     m = m.astype(np.int32)
     n = m.shape[0]
     if n == 0:

@@ -92,8 +92,9 @@ class LoRAKernelMeta:
         if t > capacity:
             raise ValueError(f"token_lora_mapping has {t} tokens, more than max_num_tokens={capacity}")
         device = self.token_lora_mapping.device
-        m = m.to(device=device, dtype=torch.int32, non_blocking=True)
-        mapping = torch.where((m >= 0) & (m < num_slots), m, -1)
+        m = m.to(device=device, non_blocking=True)
+        # Out-of-range slots become -1 before the int32 cast (which would wrap an int64 2**32 + 1 to 1).
+        mapping = torch.where((m >= 0) & (m < num_slots), m, -1).to(torch.int32)
         key = (mapping + 1).long()                                     # bin 0 = no LoRA
         counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
         counts.scatter_add_(0, key, torch.ones_like(mapping))

@@ -164,7 +164,7 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0], self.indices_len[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._impl.shrink(x2, tuple(to_3d(a) for a in lora_a), y,
-                          self.token_mapping_meta.meta_args(x2.shape[0]), float(scale),
+                          self.token_mapping_meta.meta_args(x2.shape[0]), checks.as_scale(scale),
                           as_lora_ranks(lora_ranks, num_slots, x.device))
         return y
 
@@ -186,6 +186,7 @@ class PunicaWrapper:
         check_tensors(y=y, x=buf, lora_b_stacked=lora_b)
         y2 = _token_view(y)
         slices = checks.check_output_slices(output_slices, len(lora_b))
+        offset_start = checks.as_offset("offset_start", offset_start)
         if cut_to_y:  # logits: a LoRA vocabulary wider than y is cut to y's width (vLLM)
             lora_b = tuple(b[..., : y2.shape[1], :] for b in lora_b)
             slices = tuple(min(s, y2.shape[1]) for s in slices)
@@ -199,8 +200,9 @@ class PunicaWrapper:
         if lora_bias_stacked is not None:
             bias_list = list(lora_bias_stacked) if isinstance(lora_bias_stacked, (list, tuple)) \
                 else [lora_bias_stacked]
-            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots)
             check_tensors(y=y, lora_bias_stacked=[b for b in bias_list if b is not None])
+            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots,
+                              bias_dtypes=[None if b is None else b.dtype for b in bias_list])
             bias = tuple(None if b is None else b.reshape(num_slots, -1) for b in bias_list)
         offsets, off = [], offset_start
         for s in slices:
@@ -233,6 +235,10 @@ class PunicaWrapper:
         slices, dtypes, devices) run once per combination and are cached (see `_LinearPlan`); each
         call checks only what changes per step (token count, slots in use).
         """
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            check_tensors(y=y, x=x)  # raises: names the argument that is not a tensor
+        if type(scale) is not float:
+            scale = checks.as_scale(scale)
         plan = self._linear_plan(y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices)
         x2 = x if x.dim() == 2 else x.reshape(-1, plan.hidden)
         y2 = y if y.dim() == 2 else _token_view(y)
@@ -253,10 +259,10 @@ class PunicaWrapper:
                 if len(plan.prepared) >= 64:          # (prefill token counts vary without bound)
                     plan.prepared.clear()
                 run = plan.prepared[t] = plan.prepare(plan.lora_a, plan.lora_b, meta_args, plan.offsets, plan.bias)
-            run(y2, x2, float(scale), ranks)
+            run(y2, x2, scale, ranks)
             return y
         if buffer is None and plan.linear is not None:
-            plan.linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, float(scale), plan.offsets, ranks, plan.bias)
+            plan.linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, scale, plan.offsets, ranks, plan.bias)
             return y
         shape = (len(plan.lora_a), t, plan.rank)
         if buffer is None:
@@ -264,7 +270,7 @@ class PunicaWrapper:
         else:
             check_tensors(x=x, buffer=buffer)
             _check_buffer("buffer", buffer, shape)
-        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, float(scale), ranks)
+        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks)
         self._impl.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, plan.bias)
         return y
 
@@ -284,6 +290,8 @@ class PunicaWrapper:
         plan = self._plans.get(key)
         if plan is not None and plan.refers_to(tensors):
             return plan
+        if plan is not None:   # a weight's storage, shape, strides or dtype changed (`.data =`, `set_`)
+            del self._plans[key]
         plan = self._build_linear_plan(y, x, lora_a, lora_b, bias_list, output_slices)
         plan.watch(tensors, self._plans, key)
         if len(self._plans) >= 1024:
@@ -295,6 +303,7 @@ class PunicaWrapper:
         """Every check of SPEC section 6 that does not depend on the step."""
         lora_a = as_slices("lora_a_stacked", lora_a)
         lora_b = as_slices("lora_b_stacked", lora_b)
+        output_slices = checks.check_output_slices(output_slices, len(lora_b))
         if not (len(lora_a) == len(lora_b) == len(output_slices)):
             raise ValueError(f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
                              f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
@@ -313,7 +322,8 @@ class PunicaWrapper:
             raise ValueError(f"lora_a_stacked has {num_slots} slots but lora_b_stacked has {num_slots_b}")
         bias = None
         if bias_list is not None:
-            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots)
+            checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots,
+                              bias_dtypes=[None if b is None else b.dtype for b in bias_list])
             bias = tuple(None if b is None else b.detach().reshape(num_slots, -1) for b in bias_list)
         offsets = tuple(sum(slices[:s]) for s in range(len(slices)))
         return _LinearPlan(hidden, num_slots, rank, tuple(to_3d(a.detach()) for a in lora_a),
@@ -340,7 +350,7 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0], self.indices_len[1])
         self._check_slots("lora_a_stacked", num_slots)
         self._impl.shrink(x2, (to_3d(lora_a_stacked),), buffer, self.prompt_mapping_meta.meta_args(x2.shape[0]),
-                          float(scale), as_lora_ranks(lora_ranks, num_slots, x.device))
+                          checks.as_scale(scale), as_lora_ranks(lora_ranks, num_slots, x.device))
         _, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "vocab_size, rank")
         self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
                      self.indices_len[1], cut_to_y=True, lora_ranks=lora_ranks)
@@ -364,30 +374,42 @@ class _LinearPlan:
     still point to those very objects (ids are reused after a tensor dies); when any of them dies,
     its callback drops the plan, releasing the storage.
 
+    Storage swaps: `w.data = other` and `w.set_(...)` keep the tensor object but give it other
+    memory (or another shape, strides or dtype), which the plan's views would not follow. So each
+    call also checks, per tensor, `is_set_to` against a detached alias taken when the plan was made
+    (same storage, offset, sizes and strides: one C++ call, no device sync) and the dtype; any
+    difference re-checks and re-plans. In-place writes (`w[slot].copy_(...)`) keep the storage and
+    need nothing.
+
     `prepared[T]`: the backend's `prepare_linear` result for T tokens (the kernels' argument lists
     with the weights' and the metadata views' pointers filled in; the views of the wrapper's
     metadata block for T never change).
     """
 
-    __slots__ = ("_refs", "bias", "hidden", "linear", "lora_a", "lora_b", "num_slots", "offsets", "prepare",
-                 "prepared", "rank")
+    __slots__ = ("_aliases", "_refs", "bias", "hidden", "linear", "lora_a", "lora_b", "num_slots", "offsets",
+                 "prepare", "prepared", "rank")
 
     def __init__(self, hidden, num_slots, rank, lora_a, lora_b, bias, offsets, linear, prepare=None):
-        self._refs = ()
+        self._refs, self._aliases = (), ()
         self.hidden, self.num_slots, self.rank = hidden, num_slots, rank
         self.lora_a, self.lora_b, self.bias, self.offsets, self.linear = lora_a, lora_b, bias, offsets, linear
         self.prepare, self.prepared = prepare, {}
 
     def watch(self, tensors, cache: dict, key) -> None:
+        """Weak references to `tensors` (None entries, bias slices without bias, stay None: the
+        cache key's ids fix where they are); a dying tensor drops this plan from `cache`."""
         def drop(_ref, cache=cache, key=key):
             cache.pop(key, None)
-        self._refs = tuple(weakref.ref(t, drop) for t in tensors)
+        self._refs = tuple(None if t is None else weakref.ref(t, drop) for t in tensors)
+        self._aliases = tuple(None if t is None else t.detach() for t in tensors)
 
     def refers_to(self, tensors) -> bool:
         if len(tensors) != len(self._refs):
             return False
-        for r, t in zip(self._refs, tensors):      # (a plain loop: every add_lora_linear runs it)
-            if r() is not t:
+        for r, t, alias in zip(self._refs, tensors, self._aliases):  # (a plain loop: every call runs it)
+            if t is None:
+                continue
+            if r() is not t or not t.is_set_to(alias) or t.dtype is not alias.dtype:
                 return False
         return True
 

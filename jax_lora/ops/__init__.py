@@ -14,10 +14,13 @@ rows are left untouched). `backend=` forces "xla", "pallas_tpu" or "triton"; Non
 decide. `lora_ranks` (L,) int32, optional: each slot's real rank; results equal the computation with
 the weights past that rank zeroed.
 
-Checks: shapes, dtypes, slices and devices are checked on every call. Index *values* are checked
-when they are concrete and on the host CPU (NumPy arrays, CPU jax arrays); on accelerators and
-inside jit they cannot be read without a host sync, so out-of-range indices are masked instead: they
-never read or write out of bounds and contribute nothing.
+Checks: shapes, dtypes, slices and devices are checked on every call. Host inputs (NumPy arrays)
+are checked before they become jax arrays, so nothing is changed in silence: float64 activations or
+weights are refused (SPEC section 4 dtypes; JAX would make them float32), and 64-bit integers
+outside int32 are refused (JAX would wrap them). Index *values* are checked when they are concrete
+and on the host CPU (NumPy arrays, CPU jax arrays); on accelerators and inside jit they cannot be
+read without a host sync, so out-of-range indices are masked instead: they never read or write out
+of bounds and contribute nothing.
 """
 
 from __future__ import annotations
@@ -40,13 +43,47 @@ ArrayLike = Union[jax.Array, np.ndarray]
 
 # ----------------------------------------------------------------------------- helpers
 
-def as_slices(name: str, stacked) -> tuple:
+# Host dtypes that jnp.asarray narrows without jax_enable_x64 (int64 is checked on its values).
+_NARROWED = ("float64", "complex128")
+
+
+def as_array(name: str, a, dtypes: Optional[Sequence[str]] = None) -> jax.Array:
+    """`jnp.asarray(a)`, refusing what the conversion of a host value would change in silence.
+
+    A jax.Array passes through (its dtype is checked with its shape). A host array (NumPy, or anything
+    with a dtype) is checked first: against `dtypes` when given, else only against the 64-bit float
+    dtypes (without jax_enable_x64 a float64 array would become float32), and, for 64-bit integers,
+    on its values (outside int32 they would wrap: SPEC section 1, indices are int32).
+    """
+    if isinstance(a, jax.Array):
+        return a
+    dtype = getattr(a, "dtype", None)
+    if dtype is not None:
+        if dtypes is not None:
+            checks.check_dtype(name, dtype, dtypes)
+        elif checks.dtype_name(dtype) in _NARROWED and not jax.config.jax_enable_x64:
+            raise TypeError(f"{name} must have a 32-bit (or narrower) dtype, got {checks.dtype_name(dtype)}: JAX "
+                            "(jax_enable_x64 off) would narrow it in silence")
+        check_host_int32(name, a)
+    elif a is None:
+        raise TypeError(f"{name} must be an array, got None")
+    return jnp.asarray(a)
+
+
+def check_host_int32(name: str, a) -> None:
+    """Host integer values wider than int32 must fit int32 (NumPy arrays; other values: no-op)."""
+    if isinstance(a, np.ndarray) and a.dtype.kind in "iu" and (a.dtype.itemsize > 4 or a.dtype == np.uint32) \
+            and a.size:
+        checks.check_int32_range(name, int(a.min()), int(a.max()))
+
+
+def as_slices(name: str, stacked, dtypes: Sequence[str] = checks.WEIGHT_DTYPES) -> tuple:
     """A tuple of arrays from a tuple/list of stacked weights or one stacked array."""
     if isinstance(stacked, (list, tuple)):
         if any(w is None for w in stacked):
             raise ValueError(f"{name} holds None; every slice needs weights")
-        return tuple(jnp.asarray(w) for w in stacked)
-    return (jnp.asarray(stacked),)
+        return tuple(as_array(f"{name}[{i}]", w, dtypes) for i, w in enumerate(stacked))
+    return (as_array(name, stacked, dtypes),)
 
 
 def to_3d(w: jax.Array) -> jax.Array:
@@ -98,8 +135,10 @@ def as_meta(meta) -> LoRAKernelMeta:
         return meta
     if isinstance(meta, (tuple, list)) and len(meta) == 6:
         mapping, sorted_tokens, num_per, start, active, no_lora = meta
-        return LoRAKernelMeta(jnp.asarray(mapping), jnp.asarray(sorted_tokens), jnp.asarray(active),
-                              jnp.asarray(num_per), jnp.asarray(start), jnp.asarray(no_lora))
+        names = ("meta.token_lora_mapping", "meta.token_indices_sorted_by_lora_ids", "meta.active_lora_ids",
+                 "meta.num_tokens_per_lora", "meta.lora_token_start_loc", "meta.no_lora")
+        return LoRAKernelMeta(*(as_array(n, v) for n, v in zip(names, (mapping, sorted_tokens, active, num_per,
+                                                                       start, no_lora))))
     raise TypeError("meta must be a LoRAKernelMeta or its meta_args(T) tuple, got "
                     f"{type(meta).__name__}")
 
@@ -114,7 +153,7 @@ def _check_meta(meta: LoRAKernelMeta, num_tokens: int, num_slots: int, arg_w: st
 def as_lora_ranks(lora_ranks, num_slots: int):
     if lora_ranks is None:
         return None
-    r = jnp.asarray(lora_ranks)
+    r = as_array("lora_ranks", lora_ranks)
     if r.ndim != 1 or r.shape[0] < num_slots or not jnp.issubdtype(r.dtype, jnp.integer):
         raise ValueError(f"lora_ranks must be a 1-D integer array of >= {num_slots} entries (one per "
                          f"slot), got shape {r.shape} dtype {r.dtype}")
@@ -122,9 +161,14 @@ def as_lora_ranks(lora_ranks, num_slots: int):
 
 
 def _index_meta(idx, num_tokens: int, num_slots: int, arg_w: str, arg="lora_indices_tensor") -> LoRAKernelMeta:
-    idx = jnp.asarray(idx)
-    checks.check_indices(arg, idx.shape, idx.dtype, num_tokens)
-    check_index_values(arg, idx[:num_tokens], num_slots, arg_w)
+    if isinstance(idx, np.ndarray):  # values first: the int32 conversion could wrap an int64 into range
+        checks.check_indices(arg, idx.shape, idx.dtype, num_tokens)
+        check_index_values(arg, idx[:num_tokens], num_slots, arg_w)
+        idx = jnp.asarray(idx)
+    else:
+        idx = as_array(arg, idx)
+        checks.check_indices(arg, idx.shape, idx.dtype, num_tokens)
+        check_index_values(arg, idx[:num_tokens], num_slots, arg_w)
     return LoRAKernelMeta.build(idx[:num_tokens].astype(jnp.int32), max_loras=num_slots)
 
 
@@ -134,9 +178,9 @@ def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_s
 
     Works inside jit (batch_size may be traced); buffers longer than batch_size are ignored.
     """
-    starts = jnp.asarray(seq_start_locs, jnp.int32)
-    lengths = jnp.asarray(seq_lengths, jnp.int32)
-    loras = jnp.asarray(lora_indices_per_batch, jnp.int32)
+    starts = as_array("seq_start_locs", seq_start_locs).astype(jnp.int32)
+    lengths = as_array("seq_lengths", seq_lengths).astype(jnp.int32)
+    loras = as_array("lora_indices_per_batch", lora_indices_per_batch).astype(jnp.int32)
     if not (starts.ndim == lengths.ndim == loras.ndim == 1) or not (
             starts.shape == lengths.shape == loras.shape):
         raise ValueError("seq_start_locs, seq_lengths and lora_indices_per_batch must be 1-D of one "
@@ -172,16 +216,17 @@ def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: Op
       scale: float multiplier.
     Returns: (S, T, r) float32.
     """
-    x = jnp.asarray(x)
+    x = as_array("x", x, checks.ACTIVATION_DTYPES)
     lora_a = as_slices("lora_a_stacked", lora_a_stacked)
-    num_slots, _, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
-                                          [a.dtype for a in lora_a])
+    num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
+                                             [a.dtype for a in lora_a])
+    scale = checks.as_scale(scale)
     meta = as_meta(meta)
     check_same_device(x=x, lora_a_stacked=lora_a)
     _check_meta(meta, x.shape[0], num_slots, "lora_a_stacked")
     impl = dispatch.resolve(backend, _device_of(x))
-    return impl.shrink(x, tuple(to_3d(a) for a in lora_a), meta, float(scale),
-                       as_lora_ranks(lora_ranks, num_slots))
+    checks.check_backend_rank(impl.NAME, rank, "lora_a_stacked")
+    return impl.shrink(x, tuple(to_3d(a) for a in lora_a), meta, scale, as_lora_ranks(lora_ranks, num_slots))
 
 
 def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start: int = 0,
@@ -196,15 +241,17 @@ def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start
     Returns: a new y (same shape and dtype). Rows with index -1 and columns outside the slices are
     unchanged.
     """
-    buf, y = jnp.asarray(buf), jnp.asarray(y)
+    buf, y = as_array("inputs", buf, checks.ACTIVATION_DTYPES), as_array("y", y, checks.ACTIVATION_DTYPES)
     lora_b = as_slices("lora_b_stacked", lora_b_stacked)
-    num_slots, _, widths = checks.check_expand(buf.shape, buf.dtype, [b.shape for b in lora_b],
-                                               [b.dtype for b in lora_b], y.shape, y.dtype,
-                                               offset_start, arg_buf="inputs")
+    offset_start = checks.as_offset("offset_start", offset_start)
+    num_slots, rank, widths = checks.check_expand(buf.shape, buf.dtype, [b.shape for b in lora_b],
+                                                  [b.dtype for b in lora_b], y.shape, y.dtype,
+                                                  offset_start, arg_buf="inputs")
     meta = as_meta(meta)
     check_same_device(inputs=buf, lora_b_stacked=lora_b, y=y)
     _check_meta(meta, y.shape[0], num_slots, "lora_b_stacked")
     impl = dispatch.resolve(backend, _device_of(y))
+    checks.check_backend_rank(impl.NAME, rank, "lora_b_stacked")
     return impl.expand(buf, tuple(to_3d(b) for b in lora_b), y, meta, _offsets(offset_start, widths),
                        bool(add_inputs), as_lora_ranks(lora_ranks, num_slots))
 
@@ -231,12 +278,14 @@ def _device_of(a):
 def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, *,
                 backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
-    x, w = jnp.asarray(x), jnp.asarray(w)
-    num_slots, _, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="lora_a_weights")
+    x, w = as_array("x", x, checks.ACTIVATION_DTYPES), as_array("lora_a_weights", w, checks.WEIGHT_DTYPES)
+    num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="lora_a_weights")
+    scale = checks.as_scale(scale)
     check_same_device(x=x, lora_a_weights=w, lora_indices_tensor=idx)
     meta = _index_meta(idx, x.shape[0], num_slots, "lora_a_weights")
     impl = dispatch.resolve(backend, _device_of(x))
-    return impl.shrink(x, (to_3d(w),), meta, float(scale), as_lora_ranks(lora_ranks, num_slots))[0]
+    checks.check_backend_rank(impl.NAME, rank, "lora_a_weights")
+    return impl.shrink(x, (to_3d(w),), meta, scale, as_lora_ranks(lora_ranks, num_slots))[0]
 
 
 def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_inputs: bool = True, *,
@@ -246,7 +295,7 @@ def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_in
     x: (T, r); w: (L, [1,] n, r); y: (T, N). Rows with idx -1 untouched. A LoRA output wider than y
     (vocabulary padding) is cut to y's width, as in vLLM.
     """
-    x, w, y = jnp.asarray(x), jnp.asarray(w), jnp.asarray(y)
+    x, w, y = _expand_inputs(x, w, y)
     w3 = to_3d(w) if w.ndim in (3, 4) else w
     if w.ndim in (3, 4) and y.ndim == 2 and w3.shape[1] > y.shape[1]:
         w3 = w3[:, : y.shape[1]]
@@ -257,7 +306,7 @@ def bgmv_expand_slice(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, 
                       y_slice_size: int, add_inputs: bool = True, *, backend: Optional[str] = None,
                       lora_ranks=None) -> jax.Array:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T; w: (L, [1,] y_slice_size, r)."""
-    x, w, y = jnp.asarray(x), jnp.asarray(w), jnp.asarray(y)
+    x, w, y = _expand_inputs(x, w, y)
     w3 = to_3d(w) if w.ndim in (3, 4) else w
     if w.ndim in (3, 4) and w3.shape[1] != y_slice_size:
         raise ValueError(f"lora_b_weights has {w3.shape[1]} output rows (shape {w.shape}), but "
@@ -265,17 +314,24 @@ def bgmv_expand_slice(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, 
     return _expand_one(x, w3, w, y, idx, y_offset, add_inputs, backend, lora_ranks)
 
 
+def _expand_inputs(x, w, y) -> tuple:
+    return (as_array("inputs", x, checks.ACTIVATION_DTYPES), as_array("lora_b_weights", w, checks.WEIGHT_DTYPES),
+            as_array("y", y, checks.ACTIVATION_DTYPES))
+
+
 def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks):
     if x.ndim != 2:
         raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {x.shape}")
     checks.weight_dims("lora_b_weights", w_orig.shape, "out_features, rank")
-    num_slots, _, widths = checks.check_expand((1,) + x.shape, x.dtype, [w3.shape], [w3.dtype], y.shape,
-                                               y.dtype, int(offset), arg_buf="inputs",
-                                               arg_b="lora_b_weights")
+    offset = checks.as_offset("y_offset", offset)
+    num_slots, rank, widths = checks.check_expand((1,) + x.shape, x.dtype, [w3.shape], [w3.dtype], y.shape,
+                                                  y.dtype, offset, arg_buf="inputs",
+                                                  arg_b="lora_b_weights")
     check_same_device(inputs=x, lora_b_weights=w3, y=y, lora_indices_tensor=idx)
     meta = _index_meta(idx, y.shape[0], num_slots, "lora_b_weights")
     impl = dispatch.resolve(backend, _device_of(y))
-    return impl.expand(x[None], (w3,), y, meta, (int(offset),), bool(add_inputs),
+    checks.check_backend_rank(impl.NAME, rank, "lora_b_weights")
+    return impl.expand(x[None], (w3,), y, meta, (offset,), bool(add_inputs),
                        as_lora_ranks(lora_ranks, num_slots))
 
 
@@ -284,7 +340,7 @@ def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks):
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None):
     """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata)."""
-    x = jnp.asarray(x)
+    x = as_array("x", x, checks.ACTIVATION_DTYPES)
     _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, x.shape[0] if x.ndim else 0)
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, x.shape[0])
     return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks)
@@ -293,7 +349,7 @@ def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None):
     """bgmv_expand with each segment's tokens using the segment's index (prefill metadata)."""
-    y = jnp.asarray(y)
+    y = as_array("y", y, checks.ACTIVATION_DTYPES)
     _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0] if y.ndim else 0)
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0])
     return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks)
@@ -303,7 +359,7 @@ def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_bat
                       max_length, token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True,
                       *, backend: Optional[str] = None, lora_ranks=None):
     """bgmv_expand_slice with each segment's tokens using the segment's index."""
-    y = jnp.asarray(y)
+    y = as_array("y", y, checks.ACTIVATION_DTYPES)
     _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0] if y.ndim else 0)
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0])
     return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,

@@ -92,6 +92,23 @@ def _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_t
     check_index_values("token_lora_mapping", token_lora_mapping[:num_tokens], num_slots, arg_w)
 
 
+def as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
+    """An integer tensor as int32 (SPEC section 1), never wrapping a 64-bit value into range: on the
+    CPU, values outside int32 are refused; on an accelerator (reading them would be a host sync) they
+    are saturated to the int32 bounds, which are out of range for every index, ranks and segment array
+    (so they are masked, or clamped to the weights' rank, like any other out-of-range value)."""
+    if t.dtype == torch.int32:
+        return t
+    if t.dtype == torch.int64:
+        if t.device.type == "cpu":
+            if t.numel():
+                lo, hi = torch.aminmax(t)
+                checks.check_int32_range(name, int(lo), int(hi))
+        else:
+            t = t.clamp(checks.INT32_MIN, checks.INT32_MAX)
+    return t.to(torch.int32)
+
+
 def as_lora_ranks(lora_ranks, num_slots: int, device):
     if lora_ranks is None:
         return None
@@ -99,7 +116,7 @@ def as_lora_ranks(lora_ranks, num_slots: int, device):
     if r.dim() != 1 or r.shape[0] < num_slots or r.dtype.is_floating_point:
         raise ValueError(f"lora_ranks must be a 1-D integer tensor of >= {num_slots} entries (one per "
                          f"slot), got shape {tuple(r.shape)} dtype {r.dtype}")
-    return r.to(torch.int32)
+    return as_int32("lora_ranks", r)
 
 
 def _offsets(offset_start: int, widths: Sequence[int]) -> tuple:
@@ -132,8 +149,9 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
                      lora_token_start_loc, lora_ids, inputs.shape[0], num_slots, "lora_a_weights")
     meta = (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
             lora_token_start_loc, lora_ids, no_lora_flag)
+    scaling = checks.as_scale(scaling)
     impl = dispatch.resolve(backend, inputs.device)
-    impl.shrink(inputs, tuple(to_3d(a) for a in lora_a), output_tensor, meta, float(scaling),
+    impl.shrink(inputs, tuple(to_3d(a) for a in lora_a), output_tensor, meta, scaling,
                 as_lora_ranks(lora_ranks, num_slots, inputs.device))
     return output_tensor
 
@@ -151,6 +169,7 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
     lora_b = as_slices("lora_b_weights", lora_b_weights)
     check_tensors(inputs=inputs, lora_b_weights=lora_b, output_tensor=output_tensor,
                   token_lora_mapping=token_lora_mapping)
+    offset_start = checks.as_offset("offset_start", offset_start)
     num_slots, _, widths = checks.check_expand(tuple(inputs.shape), inputs.dtype, [b.shape for b in lora_b],
                                                [b.dtype for b in lora_b], tuple(output_tensor.shape),
                                                output_tensor.dtype, offset_start, arg_buf="inputs",
@@ -191,9 +210,10 @@ def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: floa
     check_tensors(x=x, lora_a_weights=w, lora_indices_tensor=idx, out=out)
     num_slots, rank, _ = checks.check_shrink(tuple(x.shape), x.dtype, [w.shape], [w.dtype],
                                              arg_a="lora_a_weights")
+    scale = checks.as_scale(scale)
     result = torch.empty((1, x.shape[0], rank), dtype=torch.float32, device=x.device)
     impl = dispatch.resolve(backend, x.device)
-    impl.shrink(x, (to_3d(w),), result, _index_meta(idx, x.shape[0], num_slots, "lora_a_weights"), float(scale),
+    impl.shrink(x, (to_3d(w),), result, _index_meta(idx, x.shape[0], num_slots, "lora_a_weights"), scale,
                 as_lora_ranks(lora_ranks, num_slots, x.device))
     if out is None:
         return result[0]
@@ -230,12 +250,13 @@ def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: to
 def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks):
     if x.dim() != 2:
         raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {tuple(x.shape)}")
+    offset = checks.as_offset("y_offset", offset)
     num_slots, _, widths = checks.check_expand((1,) + tuple(x.shape), x.dtype, [w3.shape], [w3.dtype],
-                                               tuple(y.shape), y.dtype, int(offset), arg_buf="inputs",
+                                               tuple(y.shape), y.dtype, offset, arg_buf="inputs",
                                                arg_b="lora_b_weights")
     impl = dispatch.resolve(backend, y.device)
-    impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots, "lora_b_weights"), (int(offset),), bool(add_inputs),
-                as_lora_ranks(lora_ranks, num_slots, y.device), None)
+    impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots, "lora_b_weights"), (offset,),
+                bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), None)
     return y
 
 
@@ -244,9 +265,9 @@ def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks):
 def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, num_tokens: int,
                     device) -> torch.Tensor:
     """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment."""
-    starts = torch.as_tensor(seq_start_locs, device=device).to(torch.int32)
-    lengths = torch.as_tensor(seq_lengths, device=device).to(torch.int32)
-    loras = torch.as_tensor(lora_indices_per_batch, device=device).to(torch.int32)
+    starts = as_int32("seq_start_locs", torch.as_tensor(seq_start_locs, device=device))
+    lengths = as_int32("seq_lengths", torch.as_tensor(seq_lengths, device=device))
+    loras = as_int32("lora_indices_per_batch", torch.as_tensor(lora_indices_per_batch, device=device))
     if not (starts.dim() == lengths.dim() == loras.dim() == 1) or not (
             starts.shape == lengths.shape == loras.shape):
         raise ValueError("seq_start_locs, seq_lengths and lora_indices_per_batch must be 1-D of one "
