@@ -1,0 +1,223 @@
+"""What each rank of a tensor-parallel test runs (tests/test_parallel_torch.py, test_gpu_parallel_torch.py).
+
+One step on every rank: the same random data (seeded), the same mapping (mixed adapters, rows
+without LoRA, an empty slot), adapters of ranks 2, 4 and 8 in slots of rank 8, one adapter not
+targeting every slice. Each rank builds the sharded layer around a real base layer shard (below),
+loads the full adapters with the per-rank slot loader, runs one forward pass with its collectives
+logged, and measures its output against
+
+  - the unsharded layer computed on this process: the full base layer plus torch_lora's
+    PunicaWrapper over the full (unsharded) adapter weights, cut to this rank's columns;
+  - the float64 oracle (tests/oracle.py) of the same, added to this rank's base output.
+
+It returns the measurements; the test asserts on every rank's.
+
+Base layer shards (real tensor-parallel layers, small): `ColumnShard` (x @ W[rows].T + b[rows]),
+`RowShard` (x_p @ W[:, cols].T, all-reduced, + b), `VocabShardEmbedding` (this rank's vocabulary rows,
+others masked to zero, all-reduced) and `LMHeadShard` (h @ W[vocab rows].T, the local logits).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import torch_lora
+from torch_lora import LoRAMapping
+from torch_lora.parallel import (ColumnParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA,
+                                 QKVParallelLinearWithLoRA, RowParallelLinearWithLoRA)
+from torch_lora.parallel.layout import even_range, qkv_ranges
+
+from . import oracle
+from .distributed import CollectiveLog
+
+IDS = [5, 6, 7, None]            # slots 0, 1, 2 hold adapters 5, 6, 7; slot 3 is empty
+ADAPTER_RANKS = {5: 2, 6: 4, 7: 8}
+SCALING = {5: 0.5, 6: 1.0, 7: 2.0}
+MAX_LORAS, MAX_RANK = 4, 8
+TOKENS = (5, 0, 7, 6, 7, 0, 5)   # adapter ids per token, 0 = no LoRA
+ROWS = (7, 0, 6)                 # adapter ids per sampled row (LM head)
+HIDDEN = 32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def slot_of(i: int) -> int:
+    return IDS.index(i) if i else -1
+
+
+def make_wrapper(device, vocab: int = 64, backend: str | None = None) -> torch_lora.PunicaWrapper:
+    w = torch_lora.PunicaWrapper(16, 4, device, max_loras=MAX_LORAS, backend=backend)
+    w.update_metadata(LoRAMapping(TOKENS, ROWS), IDS, MAX_LORAS + 1, vocab)
+    return w
+
+
+def random_adapters(g: torch.Generator, in_size: int, widths, skip_slice: dict | None = None) -> dict:
+    """id -> (A per slice (r, in) or None, B per slice (n_s, r) or None, bias per slice or None)."""
+    out = {}
+    for i, r in ADAPTER_RANKS.items():
+        a, b, bias = [], [], []
+        for s, n in enumerate(widths):
+            if skip_slice and skip_slice.get(i) == s:
+                a.append(None), b.append(None), bias.append(None)
+                continue
+            a.append(torch.randn(r, in_size, generator=g) / in_size ** 0.5)
+            b.append(torch.randn(n, r, generator=g))
+            bias.append(torch.randn(n, generator=g))
+        out[i] = (a, b, bias)
+    return out
+
+
+def stacked_full(adapters: dict, in_size: int, widths, dtype, with_bias: bool):
+    """The unsharded stacked slots (L, r, in), (L, n_s, r), (L, n_s) and ranks, scaling folded into B
+    and rounded to `dtype` as the loader does."""
+    a = [torch.zeros(MAX_LORAS, MAX_RANK, in_size, dtype=dtype) for _ in widths]
+    b = [torch.zeros(MAX_LORAS, n, MAX_RANK, dtype=dtype) for n in widths]
+    bias = [torch.zeros(MAX_LORAS, n, dtype=dtype) for n in widths]
+    ranks = torch.zeros(MAX_LORAS, dtype=torch.int32)
+    for i, (fa, fb, fbias) in adapters.items():
+        slot = slot_of(i)
+        ranks[slot] = ADAPTER_RANKS[i]
+        for s in range(len(widths)):
+            if fa[s] is None:
+                continue
+            r = fa[s].shape[0]
+            a[s][slot, :r] = fa[s].to(dtype)
+            b[s][slot, :, :r] = (fb[s] * SCALING[i]).to(dtype)
+            bias[s][slot] = fbias[s].to(dtype)
+    return a, b, (bias if with_bias else None), ranks
+
+
+def load_all(layer, adapters: dict, with_bias: bool) -> None:
+    for i, (fa, fb, fbias) in adapters.items():
+        layer.set_lora(slot_of(i), fa if len(fa) > 1 else fa[0], fb if len(fb) > 1 else fb[0],
+                       (fbias if len(fbias) > 1 else fbias[0]) if with_bias else None, scaling=SCALING[i])
+
+
+def f64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float64).numpy()
+
+
+# ----------------------------------------------------------------------------- base layer shards
+
+class ColumnShard(torch.nn.Module):
+    """Rows `rows` of a full linear layer's (W, b): x (T, H) -> (T, len(rows))."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, rows: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight[rows].clone(), requires_grad=False)
+        self.bias = torch.nn.Parameter(bias[rows].clone(), requires_grad=False)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowShard(torch.nn.Module):
+    """Columns `cols` of a full linear layer's W: x_p (T, |cols|) -> x_p @ W[:, cols].T summed over the
+    group, + b (vLLM's RowParallelLinear with input_is_parallel and reduce_results)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, cols: slice, group=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight[:, cols].clone(), requires_grad=False)
+        self.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
+        self.group = group
+
+    def forward(self, x):
+        y = torch.nn.functional.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y + self.bias
+
+
+# ----------------------------------------------------------------------------- linear layers
+
+LINEAR_KINDS = ("column", "merged", "qkv", "row")
+QKV_HEADS = dict(num_heads=4, num_kv_heads=2, head_size=4)   # kv heads split on 2 ranks, replicated on 4
+
+
+def _linear_geometry(kind: str, rank: int, world: int):
+    """(full slice widths, this rank's (start, stop) per slice)."""
+    if kind == "column":
+        return (24,), (even_range("n", 24, rank, world),)
+    if kind == "merged":
+        return (16, 24), tuple(even_range("n", n, rank, world) for n in (16, 24))
+    if kind == "qkv":
+        h = QKV_HEADS
+        widths = (h["num_heads"] * h["head_size"],) + (h["num_kv_heads"] * h["head_size"],) * 2
+        return widths, qkv_ranges(h["num_heads"], h["num_kv_heads"], h["head_size"], rank, world)
+    if kind == "row":
+        return (24,), ((0, 24),)
+    raise ValueError(kind)
+
+
+def _build_linear(kind, base, widths, fully_sharded, tokens_per_step, dtype, device, with_bias):
+    common = dict(max_loras=MAX_LORAS, max_rank=MAX_RANK, fully_sharded=fully_sharded,
+                  tokens_per_step=tokens_per_step, lora_bias=with_bias, dtype=dtype, device=device)
+    if kind == "column":
+        return ColumnParallelLinearWithLoRA(base, input_size=HIDDEN, output_size=widths[0], **common)
+    if kind == "merged":
+        return MergedColumnParallelLinearWithLoRA(base, input_size=HIDDEN, output_sizes=list(widths), **common)
+    if kind == "qkv":
+        return QKVParallelLinearWithLoRA(base, input_size=HIDDEN, **QKV_HEADS, **common)
+    return RowParallelLinearWithLoRA(base, input_size=HIDDEN, output_size=widths[0], **common)
+
+
+def case_linear(rank: int, world: int, kind: str, fully_sharded, dtype: str = "float32", seed: int = 0,
+                device: str = "cpu", backend: str | None = None, with_bias: bool = True,
+                tokens_per_step: int | None = None) -> dict:
+    """One forward pass of a sharded linear layer; its errors against the unsharded layer and oracle,
+    the collectives it issued beyond its base layer's, and the formula's."""
+    dev = torch.device(device if device != "cuda" else f"cuda:{rank}")
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(seed)
+    widths, ranges = _linear_geometry(kind, rank, world)
+    n = sum(widths)
+    weight, bias = torch.randn(n, HIDDEN, generator=g) / HIDDEN ** 0.5, torch.randn(n, generator=g)
+    x = torch.randn(len(TOKENS), HIDDEN, generator=g)
+    adapters = random_adapters(g, HIDDEN, widths, skip_slice={6: 1} if len(widths) > 1 else None)
+    weight, bias, x = weight.to(dt), bias.to(dt), x.to(dt)
+
+    offsets = np.cumsum((0,) + widths[:-1])
+    cols = torch.cat([torch.arange(o + s, o + e) for o, (s, e) in zip(offsets, ranges)])
+    if kind == "row":
+        in_cols = slice(*even_range("input_size", HIDDEN, rank, world))
+        base, x_in = RowShard(weight, bias, in_cols), x[:, in_cols]
+    else:
+        base, x_in = ColumnShard(weight, bias, cols), x
+    base = base.to(dev)
+    layer = _build_linear(kind, base, widths, fully_sharded, tokens_per_step, dt, dev, with_bias)
+    load_all(layer, adapters, with_bias)
+    w = make_wrapper(dev, backend=backend)
+    x_in = x_in.to(dev)
+
+    with CollectiveLog() as base_log:
+        base_y = base(x_in)
+    layer.set_mapping(w)
+    with CollectiveLog() as log:
+        got = layer(x_in)
+    lora_calls = log.calls[len(base_log.calls):]
+
+    # the unsharded layer on this process, and the oracle
+    a, b, bs, ranks = stacked_full(adapters, HIDDEN, widths, dt, with_bias)
+    full_w = make_wrapper(dev, backend=backend)
+    full_y = torch.nn.functional.linear(x.to(dev), weight.to(dev), bias.to(dev))
+    delta = torch.zeros(len(TOKENS), n, dtype=torch.float32, device=dev)
+    full_w.add_lora_linear(delta, x.to(dev), tuple(t.to(dev) for t in a), tuple(t.to(dev) for t in b),
+                           None if bs is None else tuple(t.to(dev) for t in bs), 1.0, widths,
+                           lora_ranks=ranks.to(dev))
+    idx = [slot_of(i) for i in TOKENS]
+    want_delta = oracle.lora_linear(np.zeros((len(TOKENS), n)), f64(x), [f64(t) for t in a], [f64(t) for t in b],
+                                    None if bs is None else [f64(t) for t in bs], 1.0, idx)
+    expected_oracle = f64(base_y) + want_delta[:, cols.numpy()]
+    expected_ref = f64(base_y) + f64(delta)[:, cols.numpy()]
+    no_lora = [t for t, i in enumerate(idx) if i < 0]
+    return dict(
+        layout=layer.layout,
+        shapes=[tuple(t.shape) for t in layer.lora_a_stacked + layer.lora_b_stacked],
+        err_oracle=float(oracle.rel_err(f64(got), expected_oracle)),
+        err_ref=float(oracle.rel_err(f64(got), expected_ref)),
+        untouched=bool(torch.equal(got[no_lora], base_y[no_lora])),
+        lora_calls=lora_calls,
+        formula=list(layer.layout_costs(len(TOKENS), 3)[layer.layout].collectives),
+        costs={k: v.moved_bytes() for k, v in layer.layout_costs(tokens_per_step or len(TOKENS)).items()},
+        full_out=n, in_size=HIDDEN,
+    )
