@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import torch_lora
+import torch_lora.parallel
 from torch_lora import LoRAMapping
 from torch_lora.parallel import (ColumnParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA,
                                  QKVParallelLinearWithLoRA, RowParallelLinearWithLoRA)
@@ -221,3 +222,55 @@ def case_linear(rank: int, world: int, kind: str, fully_sharded, dtype: str = "f
         costs={k: v.moved_bytes() for k, v in layer.layout_costs(tokens_per_step or len(TOKENS)).items()},
         full_out=n, in_size=HIDDEN,
     )
+
+
+def case_bad_input(rank: int, world: int) -> dict:
+    """The construction and call errors of the linear layers, as (exception type, message)."""
+    g = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(24, HIDDEN, generator=g), torch.randn(24, generator=g)
+    base = ColumnShard(weight, bias, torch.arange(*even_range("n", 24, rank, world)))
+    found = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except (ValueError, TypeError, RuntimeError) as e:
+            found[name] = (type(e).__name__, str(e))
+
+    col = dict(input_size=HIDDEN, output_size=24, max_loras=MAX_LORAS)
+    attempt("no_layout", lambda: ColumnParallelLinearWithLoRA(base, max_rank=MAX_RANK, **col))
+    attempt("rank_split", lambda: ColumnParallelLinearWithLoRA(base, max_rank=3, fully_sharded=True, **col))
+    attempt("bad_flag", lambda: ColumnParallelLinearWithLoRA(base, max_rank=MAX_RANK, fully_sharded=1, **col))
+    attempt("uneven_out", lambda: ColumnParallelLinearWithLoRA(base, input_size=HIDDEN, output_size=25,
+                                                                max_loras=MAX_LORAS, max_rank=MAX_RANK,
+                                                                fully_sharded=False))
+    attempt("not_module", lambda: ColumnParallelLinearWithLoRA(lambda x: x, max_rank=MAX_RANK, fully_sharded=False,
+                                                                **col))
+    attempt("bad_dtype", lambda: ColumnParallelLinearWithLoRA(base, max_rank=MAX_RANK, fully_sharded=False,
+                                                               dtype=torch.float64, **col))
+    attempt("row_split", lambda: RowParallelLinearWithLoRA(torch.nn.Identity(), input_size=HIDDEN, output_size=3 * world + 1,
+                                                           max_loras=MAX_LORAS, max_rank=MAX_RANK, fully_sharded=True))
+    layer = ColumnParallelLinearWithLoRA(base, max_rank=MAX_RANK, fully_sharded=False, **col)
+    layer.set_mapping(make_wrapper("cpu", backend="torch"))
+    attempt("x_width", lambda: layer(torch.randn(len(TOKENS), HIDDEN + 1)))
+    wrong_base = ColumnParallelLinearWithLoRA(ColumnShard(weight, bias, torch.arange(5)), max_rank=MAX_RANK,
+                                              fully_sharded=False, **col)
+    wrong_base.set_mapping(make_wrapper("cpu", backend="torch"))
+    attempt("base_width", lambda: wrong_base(torch.randn(len(TOKENS), HIDDEN)))
+    attempt("slot", lambda: layer.set_lora(MAX_LORAS, torch.randn(2, HIDDEN), torch.randn(24, 2)))
+    attempt("a_shape", lambda: layer.set_lora(0, torch.randn(2, HIDDEN + 1), torch.randn(24, 2)))
+    attempt("a_rank", lambda: layer.set_lora(0, torch.randn(MAX_RANK + 1, HIDDEN), torch.randn(24, MAX_RANK + 1)))
+    attempt("b_shape", lambda: layer.set_lora(0, torch.randn(2, HIDDEN), torch.randn(24, 3)))
+    attempt("half_none", lambda: layer.set_lora(0, torch.randn(2, HIDDEN), None))
+    attempt("bias_unwanted", lambda: layer.set_lora(0, torch.randn(2, HIDDEN), torch.randn(24, 2), torch.randn(24)))
+    attempt("int_weights", lambda: layer.set_lora(0, torch.ones(2, HIDDEN, dtype=torch.int32), torch.randn(24, 2)))
+    attempt("not_a_layer", lambda: torch_lora.parallel.load_lora_slot(base, 0, torch.randn(2, HIDDEN),
+                                                                         torch.randn(24, 2)))
+    merged = MergedColumnParallelLinearWithLoRA(ColumnShard(weight, bias, torch.arange(*even_range("n", 24, rank, world))),
+                                                input_size=HIDDEN, output_sizes=[8, 16], max_loras=MAX_LORAS,
+                                                max_rank=MAX_RANK, fully_sharded=False)
+    attempt("slices", lambda: merged.set_lora(0, torch.randn(2, HIDDEN), torch.randn(8, 2)))
+    # without a wrapper a layer is its base layer
+    x = torch.randn(len(TOKENS), HIDDEN)
+    plain = ColumnParallelLinearWithLoRA(base, max_rank=MAX_RANK, fully_sharded=False, **col)
+    return dict(errors=found, base_only=bool(torch.equal(plain(x), base(x))))
