@@ -274,3 +274,110 @@ def case_bad_input(rank: int, world: int) -> dict:
     x = torch.randn(len(TOKENS), HIDDEN)
     plain = ColumnParallelLinearWithLoRA(base, max_rank=MAX_RANK, fully_sharded=False, **col)
     return dict(errors=found, base_only=bool(torch.equal(plain(x), base(x))))
+
+
+# ----------------------------------------------------------------------------- vocabulary-parallel layers
+
+VOCAB, EMBED = 50, 16            # 50 = 2 * 25, and 4 * 13 - 2: the last rank's shard is padded at P = 4
+
+
+class VocabShardEmbedding(torch.nn.Module):
+    """Rows [start, stop) of a full embedding table; other ids give zero here; summed over the group."""
+
+    def __init__(self, table: torch.Tensor, vocab_range: tuple[int, int], group=None):
+        super().__init__()
+        start, stop = vocab_range
+        part = torch.zeros(stop - start, table.shape[1], dtype=table.dtype)
+        part[: max(0, min(stop, table.shape[0]) - start)] = table[start:stop]
+        self.weight = torch.nn.Parameter(part, requires_grad=False)
+        self.start, self.group = start, group
+
+    def forward(self, ids):
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        y = torch.nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[..., None]
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+class LMHeadShard(torch.nn.Module):
+    """Rows [start, stop) of a full LM head W (V, H), zero past V: h (R, H) -> this rank's logits."""
+
+    def __init__(self, weight: torch.Tensor, vocab_range: tuple[int, int]):
+        super().__init__()
+        start, stop = vocab_range
+        part = torch.zeros(stop - start, weight.shape[1], dtype=weight.dtype)
+        part[: max(0, min(stop, weight.shape[0]) - start)] = weight[start:stop]
+        self.weight = torch.nn.Parameter(part, requires_grad=False)
+
+    def forward(self, h):
+        return torch.nn.functional.linear(h, self.weight)
+
+
+def case_vocab(rank: int, world: int, kind: str, fully_sharded, dtype: str = "float32", seed: int = 0,
+               device: str = "cpu", backend: str | None = None, tokens_per_step: int | None = None) -> dict:
+    """One forward pass of the sharded embedding or LM head; measured as case_linear's."""
+    from torch_lora.parallel import ParallelLMHeadWithLoRA, VocabParallelEmbeddingWithLoRA
+    from torch_lora.parallel.layout import padded_range
+
+    dev = torch.device(device if device != "cuda" else f"cuda:{rank}")
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(seed)
+    shard = padded_range(VOCAB, rank, world)
+    cols = np.arange(shard[0], min(shard[1], VOCAB))
+    common = dict(max_loras=MAX_LORAS, max_rank=MAX_RANK, fully_sharded=fully_sharded,
+                  tokens_per_step=tokens_per_step, dtype=dt, device=dev)
+    if kind == "embedding":
+        table = torch.randn(VOCAB, EMBED, generator=g).to(dt)
+        ids = torch.randint(0, VOCAB, (len(TOKENS),), generator=g)
+        adapters = random_adapters(g, VOCAB, (EMBED,))
+        base = VocabShardEmbedding(table, padded_range(VOCAB, rank, world)).to(dev)
+        layer = VocabParallelEmbeddingWithLoRA(base, num_embeddings=VOCAB, embedding_dim=EMBED, **common)
+        x_in, idx_of = ids.to(dev), [slot_of(i) for i in TOKENS]
+        full_base = torch.nn.functional.embedding(ids, table)
+    else:
+        weight = (torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN ** 0.5).to(dt)
+        h = torch.randn(len(ROWS), HIDDEN, generator=g).to(dt)
+        adapters = random_adapters(g, HIDDEN, (VOCAB,))
+        base = LMHeadShard(weight, shard).to(dev)
+        layer = ParallelLMHeadWithLoRA(base, input_size=HIDDEN, vocab_size=VOCAB, **common)
+        x_in, idx_of = h.to(dev), [slot_of(i) for i in ROWS]
+        full_base = torch.nn.functional.linear(h, weight)
+    load_all(layer, adapters, False)
+    w = make_wrapper(dev, vocab=VOCAB, backend=backend)
+
+    with CollectiveLog() as base_log:
+        base_y = base(x_in)
+    layer.set_mapping(w)
+    with CollectiveLog() as log:
+        got = layer(x_in)
+    lora_calls = log.calls[len(base_log.calls):]
+
+    # the unsharded layer on this process (PEFT's A (r, V) as a table (L, V, r) for the embedding)
+    in_size = VOCAB if kind == "embedding" else HIDDEN
+    a, b, _, ranks = stacked_full(adapters, in_size, (EMBED if kind == "embedding" else VOCAB,), dt, False)
+    full_w = make_wrapper(dev, vocab=VOCAB, backend=backend)
+    y_ref = torch.zeros(full_base.shape, dtype=torch.float32, device=dev)
+    if kind == "embedding":
+        slots = torch.tensor([max(i, 0) for i in idx_of])
+        rows = a[0].transpose(1, 2)[slots, ids].to(torch.float32)          # (T, r): table[slot, id]
+        full_w.add_lora_embedding(y_ref, rows.to(dev), b[0].to(dev), lora_ranks=ranks.to(dev))
+        want = oracle.expand(f64(rows)[None], [f64(b[0])], np.zeros(full_base.shape), idx_of)
+        keep = np.arange(EMBED)
+    else:
+        full_w.add_lora_logits(y_ref, h.to(dev), a[0].to(dev), b[0].to(dev), 1.0, lora_ranks=ranks.to(dev))
+        want = oracle.logits(np.zeros(full_base.shape), f64(h), f64(a[0]), f64(b[0]), 1.0, idx_of)
+        keep = cols
+    local = f64(got)[:, : len(keep)]
+    no_lora = [t for t, i in enumerate(idx_of) if i < 0]
+    return dict(
+        layout=layer.layout,
+        shapes=[tuple(t.shape) for t in layer.lora_a_stacked + layer.lora_b_stacked],
+        err_oracle=float(oracle.rel_err(local, f64(base_y)[:, : len(keep)] + want[:, keep])),
+        err_ref=float(oracle.rel_err(local, f64(base_y)[:, : len(keep)] + f64(y_ref)[:, keep])),
+        untouched=bool(torch.equal(got[no_lora], base_y[no_lora])) and bool(torch.equal(got[:, len(keep):],
+                                                                                        base_y[:, len(keep):])),
+        lora_calls=lora_calls,
+        formula=list(layer.layout_costs(len(idx_of), 3)[layer.layout].collectives),
+        costs={k: v.moved_bytes() for k, v in layer.layout_costs(tokens_per_step or len(idx_of)).items()},
+    )

@@ -165,3 +165,38 @@ def test_byte_formulas_by_hand():
         L.choose_layout(col, link_weight=-1)
     with pytest.raises(ValueError, match="collective kind must be one of"):
         L.link_bytes([("broadcast", 4)], 2)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["replicated", "fully_sharded"])
+@pytest.mark.parametrize("kind", ["embedding", "lm_head"])
+def test_vocab_layers_equal_the_unsharded_layer(pools, world, kind, fully_sharded):
+    """Vocabulary 50 over 2 and 4 ranks (shards of 25, and 13 with the last one padded)."""
+    results = pools(world).run(cases.case_vocab, kind=kind, fully_sharded=fully_sharded)
+    _check_equal(results)
+    t, r = len(cases.TOKENS if kind == "embedding" else cases.ROWS), cases.MAX_RANK
+    if not fully_sharded:
+        want = []
+    elif kind == "embedding":
+        want = [("all_reduce", t * r * 4)]
+    else:
+        want = [("all_gather", t * r * 4)]
+    part = -(-cases.VOCAB // world)
+    for rank, res in enumerate(results):
+        assert res["lora_calls"] == res["formula"] == want, (rank, res["lora_calls"], res["formula"])
+        a_shape, b_shape = res["shapes"]
+        if kind == "embedding":    # the table's vocabulary rows; B whole
+            assert a_shape == (cases.MAX_LORAS, part if fully_sharded else cases.VOCAB, r)
+            assert b_shape == (cases.MAX_LORAS, cases.EMBED, r)
+        else:                      # A's rank chunk; B's vocabulary rows
+            assert a_shape == (cases.MAX_LORAS, r // world if fully_sharded else r, cases.HIDDEN)
+            assert b_shape == (cases.MAX_LORAS, part, r)
+
+
+@pytest.mark.parametrize("kind,tokens,want", [("embedding", 1, "replicated"), ("lm_head", 1, "fully_sharded"),
+                                              ("lm_head", 4096, "replicated")])
+def test_vocab_layout_chosen_by_bytes(pools, kind, tokens, want):
+    results = pools(2).run(cases.case_vocab, kind=kind, fully_sharded=None, tokens_per_step=tokens)
+    _check_equal(results)
+    for res in results:
+        assert res["layout"] == want, res["costs"]

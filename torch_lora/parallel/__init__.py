@@ -4,6 +4,7 @@ shard through the rank's PunicaWrapper (docs/parallel_torch.md).
 
   linear.py   ColumnParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA,
               QKVParallelLinearWithLoRA, RowParallelLinearWithLoRA
+  vocab.py    VocabParallelEmbeddingWithLoRA, ParallelLMHeadWithLoRA (the logits)
   layout.py   which part of an adapter each rank keeps; the bytes each layout moves; the choice
   loading.py  load_lora_slot / clear_lora_slot: a full adapter in, this rank's shard kept
   comm.py     the collectives (blocking, current stream, CUDA-graph capturable)
@@ -15,7 +16,8 @@ from .layout import LAYOUTS, LayoutCost, SliceShard, choose_layout
 from .linear import (ColumnParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA, QKVParallelLinearWithLoRA,
                      RowParallelLinearWithLoRA)
 from .loading import clear_lora_slot, load_lora_slot
+from .vocab import ParallelLMHeadWithLoRA, VocabParallelEmbeddingWithLoRA
 
 __all__ = ["LAYOUTS", "ColumnParallelLinearWithLoRA", "LayoutCost", "MergedColumnParallelLinearWithLoRA",
-           "ParallelLoRALayer", "QKVParallelLinearWithLoRA", "RowParallelLinearWithLoRA", "SliceShard",
-           "choose_layout", "clear_lora_slot", "load_lora_slot"]
+           "ParallelLMHeadWithLoRA", "ParallelLoRALayer", "QKVParallelLinearWithLoRA", "RowParallelLinearWithLoRA",
+           "SliceShard", "VocabParallelEmbeddingWithLoRA", "choose_layout", "clear_lora_slot", "load_lora_slot"]

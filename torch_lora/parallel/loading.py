@@ -8,8 +8,8 @@ and the slice's `SliceShard` (layout.py) with ranges a_rank, a_in, b_out:
   lora_b_s[slot] = scaling * B_s[b_out, :]
   lora_bias_s[slot] = bias_s[b_out]               (added as given, not scaled)
 
-zero-padded to the slot's shape (ranks below max_rank, rows past the full width of a padded
-vocabulary shard); a slice the adapter does not target (None) is zero.
+zero-padded to the slot's shape (ranks below max_rank, rows or columns past the full size in a
+padded vocabulary shard); a slice the adapter does not target (None) is zero.
 
 Steps:
   1. Check the slot, and every given factor's shape against the layer's full sizes.
@@ -129,12 +129,13 @@ def load_lora_slot(layer, slot: int, lora_a, lora_b, lora_bias=None, *, scaling:
             a, b, bias = piece
             r = a.shape[0]
             r0, r1 = shard.a_rank[0], min(shard.a_rank[1], r)
-            if r1 > r0:
-                cut = a[r0:r1, shard.a_in[0]:shard.a_in[1]]
+            i0, i1 = shard.a_in[0], min(shard.a_in[1], shard.full_in)
+            if r1 > r0 and i1 > i0:
+                cut = a[r0:r1, i0:i1]
                 if shard.a_table:
-                    a_dst[:, : r1 - r0].copy_(cut.T)
+                    a_dst[: i1 - i0, : r1 - r0].copy_(cut.T)
                 else:
-                    a_dst[: r1 - r0].copy_(cut)
+                    a_dst[: r1 - r0, : i1 - i0].copy_(cut)
             o0, o1 = shard.b_out[0], min(shard.b_out[1], shard.full_out)
             if o1 > o0:
                 b_dst[: o1 - o0, :r].copy_(b[o0:o1].to(torch.float32) * float(scaling))
