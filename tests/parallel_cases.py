@@ -381,3 +381,92 @@ def case_vocab(rank: int, world: int, kind: str, fully_sharded, dtype: str = "fl
         formula=list(layer.layout_costs(len(idx_of), 3)[layer.layout].collectives),
         costs={k: v.moved_bytes() for k, v in layer.layout_costs(tokens_per_step or len(idx_of)).items()},
     )
+
+
+# ----------------------------------------------------------------------------- per-rank slot loading
+
+def case_loading(rank: int, world: int, fully_sharded: bool) -> dict:
+    """The slot loader on a QKV layer (kv heads replicated at P = 4) and a sharded embedding table:
+    what each rank keeps, that the caller's full tensors are not kept, NumPy input, reloading and
+    clearing a slot in place."""
+    import gc
+    import weakref
+
+    from torch_lora.parallel import VocabParallelEmbeddingWithLoRA
+    from torch_lora.parallel.layout import padded_range
+
+    g = torch.Generator().manual_seed(3)
+    widths, ranges = _linear_geometry("qkv", rank, world)
+    n = sum(widths)
+    weight, bias = torch.randn(n, HIDDEN, generator=g), torch.randn(n, generator=g)
+    offsets = np.cumsum((0,) + widths[:-1])
+    cols = torch.cat([torch.arange(o + s, o + e) for o, (s, e) in zip(offsets, ranges)])
+    layer = _build_linear("qkv", ColumnShard(weight, bias, cols), widths, fully_sharded, None, torch.float32,
+                          "cpu", False)
+    ptrs = [t.data_ptr() for t in layer.lora_a_stacked + layer.lora_b_stacked + (layer.lora_ranks,)]
+    adapters = random_adapters(g, HIDDEN, widths, skip_slice={6: 1})
+
+    # 1. the caller's full tensors are not kept by the layer
+    full_b = [t.clone() for t in adapters[7][1]]
+    refs = [weakref.ref(t) for t in full_b]
+    layer.set_lora(slot_of(7), adapters[7][0], full_b, scaling=SCALING[7])
+    before = [t[slot_of(7)].clone() for t in layer.lora_b_stacked]
+    for full in full_b:         # shared memory would show here
+        full.fill_(float("nan"))
+    del full
+    kept = [not torch.equal(t[slot_of(7)], b) for t, b in zip(layer.lora_b_stacked, before)]
+    del full_b
+    gc.collect()
+    kept += [r() is not None for r in refs]
+
+    # 2. this rank's B rows and A chunk, and the ranks; all ranks' B rows together are the full B
+    for i in (5, 6):
+        fa, fb, _ = adapters[i]
+        layer.set_lora(slot_of(i), [t.numpy() if t is not None else None for t in fa],   # NumPy, as lora_core.peft
+                       [t.numpy() if t is not None else None for t in fb], scaling=SCALING[i])
+    a_full, b_full, _, ranks = stacked_full(adapters, HIDDEN, widths, torch.float32, False)
+    gathered_b = []
+    for s, b in enumerate(layer.lora_b_stacked):
+        pieces = [torch.empty_like(b) for _ in range(world)]
+        dist.all_gather(pieces, b.contiguous())
+        gathered_b.append(pieces)
+    b_ok = []
+    for s, (start, stop) in enumerate(ranges):
+        b_ok.append(bool(torch.equal(layer.lora_b_stacked[s], b_full[s][:, start:stop])))
+    chunk = layer.slice_shards[0].a_rank
+    a_ok = [bool(torch.equal(layer.lora_a_stacked[s], a_full[s][:, chunk[0]:chunk[1]])) for s in range(3)]
+    # q rows of all ranks, concatenated in rank order, are the full q slice of B
+    q_all = torch.cat([p for p in gathered_b[0]], dim=1)
+    q_complete = bool(torch.equal(q_all, b_full[0]))
+    layer_ranks, local_ranks = layer.lora_ranks.tolist(), layer.lora_ranks_local.tolist()
+
+    # 3. reloading a slot with a smaller adapter leaves nothing of the old one; clearing empties it
+    layer.set_lora(slot_of(7), adapters[5][0], adapters[5][1], scaling=SCALING[5])
+    reload_ok = all(torch.equal(layer.lora_b_stacked[s][slot_of(7)], layer.lora_b_stacked[s][slot_of(5)])
+                    and torch.equal(layer.lora_a_stacked[s][slot_of(7)], layer.lora_a_stacked[s][slot_of(5)])
+                    for s in range(3))
+    ranks_after_reload = layer.lora_ranks.tolist()
+    layer.reset_lora(slot_of(6))
+    cleared = all(not t[slot_of(6)].any() for t in layer.lora_a_stacked + layer.lora_b_stacked)
+
+    # 4. an embedding table sharded over the vocabulary: rows [start, stop) of A.T, zero past V
+    table_layer = VocabParallelEmbeddingWithLoRA(torch.nn.Identity(), num_embeddings=VOCAB, embedding_dim=EMBED,
+                                                 max_loras=MAX_LORAS, max_rank=MAX_RANK, fully_sharded=True,
+                                                 dtype=torch.float32)
+    ea = torch.randn(4, VOCAB, generator=g)
+    eb = torch.randn(EMBED, 4, generator=g)
+    table_layer.set_lora(1, ea.numpy(), eb.numpy(), scaling=0.25)
+    start, stop = padded_range(VOCAB, rank, world)
+    want_rows = torch.zeros(stop - start, MAX_RANK)
+    held = max(0, min(stop, VOCAB) - start)
+    want_rows[:held, :4] = ea.T[start:start + held]
+    table_ok = bool(torch.equal(table_layer.lora_a_0[1], want_rows)) and bool(
+        torch.equal(table_layer.lora_b_0[1][:, :4], eb * 0.25)) and not table_layer.lora_a_0[0].any()
+    return dict(
+        kept=kept, b_ok=b_ok, a_ok=a_ok, q_complete=q_complete,
+        ranks=ranks.tolist(), layer_ranks=layer_ranks, local_ranks=local_ranks,
+        ranks_after_reload=ranks_after_reload, reload_ok=reload_ok, cleared=cleared,
+        ranks_after_clear=layer.lora_ranks.tolist(), in_place=ptrs == [t.data_ptr() for t in layer.lora_a_stacked +
+                                                                      layer.lora_b_stacked + (layer.lora_ranks,)],
+        b_rows=[t.shape[1] for t in layer.lora_b_stacked], table_ok=table_ok,
+    )

@@ -200,3 +200,23 @@ def test_vocab_layout_chosen_by_bytes(pools, kind, tokens, want):
     _check_equal(results)
     for res in results:
         assert res["layout"] == want, res["costs"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["replicated", "fully_sharded"])
+def test_slot_loading_keeps_only_this_ranks_shard(pools, world, fully_sharded):
+    q, kv = 16, 8                   # QKV: 4 q heads and 2 kv heads of size 4
+    for rank, res in enumerate(pools(world).run(cases.case_loading, fully_sharded=fully_sharded)):
+        assert res["kept"] == [False] * 6, "the layer shares memory with, or keeps, the caller's full B"
+        assert res["b_rows"] == [q // world, max(kv // world, 4), max(kv // world, 4)]
+        assert all(res["b_ok"]) and all(res["a_ok"]) and res["q_complete"], res
+        # slots 0, 1, 2 hold adapters of ranks 2, 4, 8; with A split along the rank, rank p holds
+        # the part of each adapter's rank in its chunk [p r/P, (p+1) r/P)
+        assert res["layer_ranks"] == res["ranks"] == [2, 4, 8, 0]
+        chunk = cases.MAX_RANK // world if fully_sharded else cases.MAX_RANK
+        first = rank * chunk if fully_sharded else 0
+        assert res["local_ranks"] == [max(0, min(r, first + chunk) - first) for r in (2, 4, 8, 0)]
+        assert res["reload_ok"] and res["ranks_after_reload"] == [2, 4, 2, 0]
+        assert res["cleared"] and res["ranks_after_clear"] == [2, 0, 2, 0]
+        assert res["in_place"], "loading must write into the existing slot tensors (CUDA graphs keep addresses)"
+        assert res["table_ok"]
