@@ -470,3 +470,101 @@ def case_loading(rank: int, world: int, fully_sharded: bool) -> dict:
                                                                       layer.lora_b_stacked + (layer.lora_ranks,)],
         b_rows=[t.shape[1] for t in layer.lora_b_stacked], table_ok=table_ok,
     )
+
+
+# ----------------------------------------------------------------------------- CUDA (NCCL) only
+
+def case_cuda_graph(rank: int, world: int, kind: str, fully_sharded: bool) -> dict:
+    """A layer's forward pass captured in a CUDA graph, replayed after the next step's mapping and
+    inputs are written in place; compared with the eager pass of that step. The eager pass runs
+    under torch.cuda.set_sync_debug_mode("error"): no host synchronisation, collectives included."""
+    from torch_lora.parallel import ParallelLMHeadWithLoRA, VocabParallelEmbeddingWithLoRA
+    from torch_lora.parallel.layout import padded_range
+
+    dev = torch.device(f"cuda:{rank}")
+    dt = torch.bfloat16
+    g = torch.Generator().manual_seed(7)
+    common = dict(max_loras=MAX_LORAS, max_rank=MAX_RANK, fully_sharded=fully_sharded, dtype=dt, device=dev)
+    if kind in ("column", "row", "qkv", "merged"):
+        widths, ranges = _linear_geometry(kind, rank, world)
+        n = sum(widths)
+        weight, bias = (torch.randn(n, HIDDEN, generator=g) / HIDDEN ** 0.5).to(dt), torch.randn(n, generator=g).to(dt)
+        offsets = np.cumsum((0,) + widths[:-1])
+        cols = torch.cat([torch.arange(o + s, o + e) for o, (s, e) in zip(offsets, ranges)])
+        if kind == "row":
+            in_cols = slice(*even_range("input_size", HIDDEN, rank, world))
+            base = RowShard(weight, bias, in_cols)
+        else:
+            in_cols, base = slice(None), ColumnShard(weight, bias, cols)
+        layer = _build_linear(kind, base.to(dev), widths, fully_sharded, None, dt, dev, False)
+        adapters = random_adapters(g, HIDDEN, widths, skip_slice={6: 1} if len(widths) > 1 else None)
+        inputs = [torch.randn(len(TOKENS), HIDDEN, generator=g).to(dt)[:, in_cols] for _ in range(2)]
+    elif kind == "embedding":
+        base = VocabShardEmbedding(torch.randn(VOCAB, EMBED, generator=g).to(dt), padded_range(VOCAB, rank, world))
+        layer = VocabParallelEmbeddingWithLoRA(base.to(dev), num_embeddings=VOCAB, embedding_dim=EMBED, **common)
+        adapters = random_adapters(g, VOCAB, (EMBED,))
+        inputs = [torch.randint(0, VOCAB, (len(TOKENS),), generator=g) for _ in range(2)]
+    else:
+        base = LMHeadShard((torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN ** 0.5).to(dt),
+                           padded_range(VOCAB, rank, world))
+        layer = ParallelLMHeadWithLoRA(base.to(dev), input_size=HIDDEN, vocab_size=VOCAB, **common)
+        adapters = random_adapters(g, HIDDEN, (VOCAB,))
+        inputs = [torch.randn(len(ROWS), HIDDEN, generator=g).to(dt) for _ in range(2)]
+    load_all(layer, adapters, False)
+    w = make_wrapper(dev, vocab=VOCAB)
+    layer.set_mapping(w)
+    static_x = inputs[0].to(dev).clone()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):                          # compile the kernels, start the communicator
+            layer(static_x)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    static_out = static_out[0] if isinstance(static_out, tuple) else static_out
+
+    # the next step: another mapping (same token count) and new inputs, written in place
+    tokens2, rows2 = tuple(reversed(TOKENS)), tuple(reversed(ROWS))
+    w.update_metadata(LoRAMapping(tokens2, rows2), IDS, MAX_LORAS + 1, VOCAB)
+    static_x.copy_(inputs[1].to(dev))
+    graph.replay()
+    replayed = static_out.clone()
+    torch.cuda.synchronize(dev)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = layer(static_x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eager = eager[0] if isinstance(eager, tuple) else eager
+    base_y = base(static_x)
+    idx2 = [slot_of(i) for i in (rows2 if kind == "lm_head" else tokens2)]
+    changed = [t for t, i in enumerate(idx2) if i >= 0]
+    return dict(max_diff=float((replayed.float() - eager.float()).abs().max()),
+                scale=float(eager.float().abs().max()),
+                lora_rows_changed=bool((eager[changed].float() != base_y[changed].float()).any(dim=-1).all()),
+                no_lora_untouched=bool(torch.equal(replayed[[t for t, i in enumerate(idx2) if i < 0]],
+                                                   base_y[[t for t, i in enumerate(idx2) if i < 0]])))
+
+
+def case_cuda_upload(rank: int, world: int) -> dict:
+    """Loading a full B held on the host into a CUDA column layer allocates at most this rank's
+    shard on the device (peak memory), never the full B."""
+    dev = torch.device(f"cuda:{rank}")
+    out_size, hidden, r = 8192, 256, 16
+    base = torch.nn.Linear(hidden, out_size // world, bias=False).to(dev)
+    layer = ColumnParallelLinearWithLoRA(base, input_size=hidden, output_size=out_size, max_loras=2, max_rank=r,
+                                         fully_sharded=False, dtype=torch.bfloat16, device=dev)
+    a, b = torch.randn(r, hidden), torch.randn(out_size, r)       # float32, on the host
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    layer.set_lora(1, a, b, scaling=0.5)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - before
+    start, stop = even_range("output_size", out_size, rank, world)
+    ok = bool(torch.equal(layer.lora_b_0[1].cpu(), (b[start:stop] * 0.5).to(torch.bfloat16)))
+    return dict(peak=peak, full_bytes=b.numel() * b.element_size(), equal=ok,
+                after=torch.cuda.memory_allocated(dev) - before)

@@ -7,6 +7,8 @@ The cases run in tests/parallel_cases.py, on every rank of a pool started once p
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from torch_lora.parallel import layout as L
@@ -220,3 +222,13 @@ def test_slot_loading_keeps_only_this_ranks_shard(pools, world, fully_sharded):
         assert res["cleared"] and res["ranks_after_clear"] == [2, 0, 2, 0]
         assert res["in_place"], "loading must write into the existing slot tensors (CUDA graphs keep addresses)"
         assert res["table_ok"]
+
+
+@pytest.mark.parametrize("case,kind", [(cases.case_linear, "qkv"), (cases.case_linear, "row"),
+                                       (cases.case_vocab, "embedding"), (cases.case_vocab, "lm_head")])
+def test_triton_backend_in_the_interpreter(pools, case, kind):
+    """The layers over the Triton kernels (Triton's interpreter on the CPU), fully sharded."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter needs TRITON_INTERPRET=1 before import (tests/conftest.py sets it)")
+    _check_equal(pools(2).run(case, kind=kind, fully_sharded=True, backend="triton"))
