@@ -550,8 +550,8 @@ def case_cuda_graph(rank: int, world: int, kind: str, fully_sharded: bool) -> di
 
 
 def case_cuda_upload(rank: int, world: int) -> dict:
-    """Loading a full B held on the host into a CUDA column layer allocates at most this rank's
-    shard on the device (peak memory), never the full B."""
+    """Loading a full B held on the host into a CUDA column layer allocates less than the full B on
+    the device (peak memory): only this rank's rows travel."""
     dev = torch.device(f"cuda:{rank}")
     out_size, hidden, r = 8192, 256, 16
     base = torch.nn.Linear(hidden, out_size // world, bias=False).to(dev)
