@@ -200,7 +200,6 @@ def case_linear(rank: int, world: int, kind: str, fully_sharded, dtype: str = "f
     # the unsharded layer on this process, and the oracle
     a, b, bs, ranks = stacked_full(adapters, HIDDEN, widths, dt, with_bias)
     full_w = make_wrapper(dev, backend=backend)
-    full_y = torch.nn.functional.linear(x.to(dev), weight.to(dev), bias.to(dev))
     delta = torch.zeros(len(TOKENS), n, dtype=torch.float32, device=dev)
     full_w.add_lora_linear(delta, x.to(dev), tuple(t.to(dev) for t in a), tuple(t.to(dev) for t in b),
                            None if bs is None else tuple(t.to(dev) for t in bs), 1.0, widths,
@@ -248,8 +247,9 @@ def case_bad_input(rank: int, world: int) -> dict:
                                                                 **col))
     attempt("bad_dtype", lambda: ColumnParallelLinearWithLoRA(base, max_rank=MAX_RANK, fully_sharded=False,
                                                                dtype=torch.float64, **col))
-    attempt("row_split", lambda: RowParallelLinearWithLoRA(torch.nn.Identity(), input_size=HIDDEN, output_size=3 * world + 1,
-                                                           max_loras=MAX_LORAS, max_rank=MAX_RANK, fully_sharded=True))
+    attempt("row_split", lambda: RowParallelLinearWithLoRA(torch.nn.Identity(), input_size=HIDDEN,
+                                                           output_size=3 * world + 1, max_loras=MAX_LORAS,
+                                                           max_rank=MAX_RANK, fully_sharded=True))
     layer = ColumnParallelLinearWithLoRA(base, max_rank=MAX_RANK, fully_sharded=False, **col)
     layer.set_mapping(make_wrapper("cpu", backend="torch"))
     attempt("x_width", lambda: layer(torch.randn(len(TOKENS), HIDDEN + 1)))
@@ -266,9 +266,9 @@ def case_bad_input(rank: int, world: int) -> dict:
     attempt("int_weights", lambda: layer.set_lora(0, torch.ones(2, HIDDEN, dtype=torch.int32), torch.randn(24, 2)))
     attempt("not_a_layer", lambda: torch_lora.parallel.load_lora_slot(base, 0, torch.randn(2, HIDDEN),
                                                                          torch.randn(24, 2)))
-    merged = MergedColumnParallelLinearWithLoRA(ColumnShard(weight, bias, torch.arange(*even_range("n", 24, rank, world))),
-                                                input_size=HIDDEN, output_sizes=[8, 16], max_loras=MAX_LORAS,
-                                                max_rank=MAX_RANK, fully_sharded=False)
+    merged_base = ColumnShard(weight, bias, torch.arange(*even_range("n", 24, rank, world)))
+    merged = MergedColumnParallelLinearWithLoRA(merged_base, input_size=HIDDEN, output_sizes=[8, 16],
+                                                max_loras=MAX_LORAS, max_rank=MAX_RANK, fully_sharded=False)
     attempt("slices", lambda: merged.set_lora(0, torch.randn(2, HIDDEN), torch.randn(8, 2)))
     # without a wrapper a layer is its base layer
     x = torch.randn(len(TOKENS), HIDDEN)

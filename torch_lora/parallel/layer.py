@@ -27,7 +27,7 @@ from lora_core import checks
 
 from . import loading
 from .comm import group_rank_and_size
-from .layout import LAYOUTS, LayoutCost, SliceShard, check_layout_args, choose_layout
+from .layout import LAYOUTS, SliceShard, check_layout_args, choose_layout
 
 __all__ = ["ParallelLoRALayer"]
 
@@ -108,9 +108,6 @@ class ParallelLoRALayer(torch.nn.Module):
 
     def _adapters(self, num_adapters: Optional[int]) -> int:
         return self.max_loras if num_adapters is None else num_adapters
-
-    def layout_costs(self, num_tokens: int, num_adapters: Optional[int] = None) -> dict[str, LayoutCost]:
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ slots
     @property

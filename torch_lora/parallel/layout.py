@@ -61,8 +61,8 @@ class SliceShard:
     `a_rank`, `a_in`, `b_out` are half-open (start, stop) ranges of the full adapter weights
     A (r, full_in) and B (full_out, r): rows of A along the rank axis, columns of A along the input,
     rows of B along the output. `a_in` and `b_out` may reach past `full_in` / `full_out` (a padded
-    vocabulary shard): what lies past stays zero. `a_table`: A is stored as (slots, in, rank), an embedding table; otherwise as
-    (slots, rank, in).
+    vocabulary shard): what lies past stays zero. `a_table`: A is stored as (slots, in, rank), an
+    embedding table; otherwise as (slots, rank, in).
     """
 
     a_rank: tuple[int, int]

@@ -78,7 +78,16 @@ class _ColumnParallelLoRA(ParallelLoRALayer):
 
     def forward(self, x: torch.Tensor):
         """x (..., input_size), whole on every rank -> the base layer's output (..., sum(output_slices))
-        with this rank's columns of every adapter's output added (in place)."""
+        with this rank's columns of every adapter's output added (in place).
+
+        1. y = base_layer(x), viewed as (T, sum(n_p)): the slices' parts side by side.
+        2. Replicated: add_lora_linear(y, x, A, B_p, bias_p, 1, n_p) on this rank alone.
+        3. Fully sharded: part = x @ A[chunk_p].T, (S, T, r/P) float32, computed with each slot's
+           rank inside the chunk (lora_ranks_local); all-gathered to (S, T, r) with rank p's part at
+           columns [p r/P, (p+1) r/P), the order of A's rows, so it equals x @ A.T; then
+           y += buf @ B_p.T (+ bias_p) with each slot's full rank (add_expand).
+        Rows of tokens without an adapter are never written.
+        """
         x2 = self._tokens(x, self.input_size, "x")
         out, y = self._run_base(x, sum(self.output_slices), "the layer's output shard")
         w = self.punica_wrapper
@@ -223,7 +232,15 @@ class RowParallelLinearWithLoRA(ParallelLoRALayer):
 
     def forward(self, x: torch.Tensor):
         """x_p (..., input_size / P), this rank's part of the input -> the base layer's output
-        (..., output_size), the same on every rank, with every adapter's output added (in place)."""
+        (..., output_size), the same on every rank, with every adapter's output added (in place).
+
+        1. y = base_layer(x_p), (T, N), already summed over the ranks by the base layer.
+        2. buf = x_p @ A[:, in_p].T, (1, T, r) float32, this rank's partial sum (0 for tokens without
+           an adapter); all-reduced, buf = x @ A.T on every rank.
+        3. Replicated: y += buf @ B.T (+ bias) (add_expand; every rank adds the same values).
+           Fully sharded: part = buf @ B[part_p].T (+ bias_p) into a zeroed (T, N/P) (rows without an
+           adapter stay 0); its columns all-gathered to (T, N), rank p's at [p N/P, (p+1) N/P); y += it.
+        """
         x2 = self._tokens(x, self.input_size_per_partition, "x")
         out, y = self._run_base(x, self.output_size, "the layer's output")
         w = self.punica_wrapper

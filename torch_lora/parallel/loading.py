@@ -27,7 +27,6 @@ accepted; the cut is converted to the layer's dtype on copy.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Sequence
 
 import numpy as np
 import torch

@@ -174,7 +174,14 @@ class ParallelLMHeadWithLoRA(ParallelLoRALayer):
 
     def forward(self, h: torch.Tensor):
         """h (R, H), the sampled rows -> the base layer's logits (R, vocab width) with this rank's
-        columns of every adapter's logits added (in place)."""
+        columns of every adapter's logits added (in place). Rows are routed by the sampler indices.
+
+        1. y = base_layer(h), (R, vocab width).
+        2. Replicated: add_lora_logits(y, h, A, B_p, 1) on this rank alone.
+        3. Fully sharded: part = h @ A[chunk_p].T, (1, R, r/P) float32 (lora_shrink over the prompt
+           mapping's metadata, with lora_ranks_local); all-gathered to (1, R, r) in A's row order;
+           y += buf @ B_p.T (lora_expand, per-slot ranks).
+        """
         h2 = self._tokens(h, self.input_size, "h")
         out, y = self._run_base(h, self.vocab_width, "vocab_range")
         w = self.punica_wrapper
