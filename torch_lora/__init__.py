@@ -3,6 +3,7 @@
 Public names (SPEC section 8): LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
 PunicaWrapper; `torch_lora.ops` (lora_shrink, lora_expand in the GPU seed's argument order,
 bgmv_*, sgmv_*). `LoRAMapping` is the same class as `jax_lora.LoRAMapping`.
+`torch_lora.parallel` (imported on its own: it loads torch.distributed) has the tensor-parallel layers.
 """
 
 from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext
