@@ -45,7 +45,8 @@ def test_jax_lora_loads_nothing_of_torch(module):
     assert not loaded & TORCH_SIDE, loaded & TORCH_SIDE
 
 
-@pytest.mark.parametrize("module", ["torch_lora", "torch_lora.ops", "torch_lora.ops.triton", "torch_lora.wrapper"])
+@pytest.mark.parametrize("module", ["torch_lora", "torch_lora.ops", "torch_lora.ops.triton", "torch_lora.wrapper",
+                                    "torch_lora.layers", "torch_lora.adapters"])
 def test_torch_lora_loads_nothing_of_jax(module):
     pytest.importorskip("torch")
     if module.endswith("triton"):
