@@ -61,7 +61,7 @@ def assets(tmp_path_factory):
 
 def _wrapped(assets, max_loras=4, adapters=tuple(ADAPTERS)):
     base, dirs = assets
-    model = transformers.LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32).cuda().eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).cuda().eval()
     mm = MultiLoRAModel(model, max_loras=max_loras, max_rank=8, target_modules=ALL)
     for name in adapters:
         mm.load_adapter(name, dirs[name])
