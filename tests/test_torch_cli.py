@@ -60,7 +60,9 @@ def test_the_check_fails_on_a_wrong_logit(assets):
     for n, d in zip(names, adapter_dirs):
         mm.load_adapter(n, d)
     requests = cli._demo_requests(512, ["__base__"] + names, 4, seed=3)
-    served, _, _ = cli.serve(mm, requests, batch_size=4, max_new_tokens=2, pad_id=0)
+    served, _, _ = cli.serve(lambda ids, mask, names, **kw: mm.generate(ids, attention_mask=mask, adapter_names=names,
+                                                                      **kw),
+                             requests, device="cpu", batch_size=4, max_new_tokens=2, pad_id=0)
     ref = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(model_dir), adapter_dirs[0],
                                          adapter_name=names[0])
     for n, d in zip(names[1:], adapter_dirs[1:]):

@@ -314,3 +314,17 @@ def test_bad_adapter_files_fail_clearly_and_lose_nothing(llama, tmp_path):
             assert torch.equal(mm(tokens, adapter_names=rows).logits, before), (what, name)
     for j, adapter in enumerate(rows):
         assert _rel(before[j].numpy(), llama.alone(adapter, tokens[j])) < RTOL
+
+
+def test_beam_search_rows_keep_their_prompts_adapter(llama):
+    """num_beams expands each prompt into consecutive rows; each keeps its prompt's adapter, so beam
+    search over the batch equals peft's beam search on each prompt alone."""
+    mm = llama.wrapped()
+    rows = ["b", "__base__", "c"]
+    tokens = torch.as_tensor(np.random.default_rng(7).integers(1, VOCAB, size=(3, 5)))
+    gen = dict(num_beams=3, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = mm.generate(tokens, adapter_names=rows, **gen)
+    for j, adapter in enumerate(rows):
+        with torch.no_grad():
+            ref = llama.peft[adapter].generate(input_ids=tokens[j:j + 1], **gen)
+        assert out[j].tolist() == ref[0].tolist(), (j, adapter)

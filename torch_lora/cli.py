@@ -89,24 +89,27 @@ def _batch_inputs(prompts: Sequence[list], device, pad_id: int) -> tuple:
     return ids.to(device), mask.to(device)
 
 
-def serve(mm, requests: Sequence[tuple], *, batch_size: int, max_new_tokens: int, pad_id: int, use_adapters=True,
+def serve(generate, requests: Sequence[tuple], *, device, batch_size: int, max_new_tokens: int, pad_id: int,
           say=None) -> tuple:
-    """Serves `requests` in batches through `mm.generate`; returns ({request id: (new tokens, logits
-    (new, vocab) float32 on the CPU)}, seconds, generated tokens)."""
+    """Serves `requests` in batches; returns ({request id: (new tokens, logits (new, vocab) float32 on
+    the CPU)}, seconds, generated tokens).
+
+    generate(input_ids, attention_mask, adapter_names, **generate_kwargs): `MultiLoRAModel.generate`,
+    or a plain model's generate that ignores the names (the baseline without adapters).
+    """
     import torch
 
     out, generated = {}, 0
-    sync = torch.cuda.synchronize if mm.device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
     for b in range(0, len(requests), batch_size):
         batch = requests[b:b + batch_size]
-        ids, mask = _batch_inputs([p for _, _, p in batch], mm.device, pad_id)
-        names = [name if use_adapters else BASE for _, name, _ in batch]
+        ids, mask = _batch_inputs([p for _, _, p in batch], device, pad_id)
+        names = [name for _, name, _ in batch]
         t0 = time.perf_counter()
-        res = mm.generate(ids, attention_mask=mask, adapter_names=names, max_new_tokens=max_new_tokens,
-                          min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id, output_logits=True,
-                          return_dict_in_generate=True)
+        res = generate(ids, mask, names, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                       do_sample=False, pad_token_id=pad_id, output_logits=True, return_dict_in_generate=True)
         logits = torch.stack(res.logits, dim=1).float().cpu()
         sync()
         for j, (rid, _, _) in enumerate(batch):
@@ -236,21 +239,30 @@ def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new
         + ", ".join(f"{counts[n]} with {n}" for n in adapters)
         + f"), {max_new_tokens} new tokens each, batches of {batch_size}")
 
-    serve(mm, requests[:min(batch_size, len(requests))], batch_size=batch_size, max_new_tokens=2, pad_id=pad_id)
-    base_stats = dict(mm.adapters.stats)
-    say("serving (mixed adapters):")
-    served, seconds, generated = serve(mm, requests, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                       pad_id=pad_id, say=say)
-    _, base_seconds, _ = serve(mm, requests, batch_size=batch_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
-                               use_adapters=False)
-    say(f"mixed adapters: {generated} tokens in {seconds:.3f}s = {generated / seconds:.0f} tokens/s")
-    say(f"no adapters:    {generated} tokens in {base_seconds:.3f}s = {generated / base_seconds:.0f} tokens/s "
-        f"(LoRA overhead {100 * (seconds / base_seconds - 1):+.0f}%; tiny model: fixed costs dominate)")
-    st = mm.adapters.stats
-    say(f"adapter slots: {st['slot_loads'] - base_stats.get('slot_loads', 0)} slot loads, "
-        f"{st['evictions'] - base_stats.get('evictions', 0)} evictions while serving")
+    def lora_generate(ids, mask, names, **kw):
+        return mm.generate(ids, attention_mask=mask, adapter_names=names, **kw)
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+    def plain_generate(ids, mask, names, **kw):
+        with torch.no_grad():
+            return reference.generate(ids, attention_mask=mask, **kw)
+
+    kw = dict(device=device, batch_size=batch_size, pad_id=pad_id)
+    warm = requests[:min(batch_size, len(requests))]
+    serve(lora_generate, warm, max_new_tokens=2, **kw)                 # warm-up (kernels, allocator)
+    serve(plain_generate, warm, max_new_tokens=2, **kw)
+    before = dict(mm.adapters.stats)
+    say("serving (mixed adapters):")
+    served, seconds, generated = serve(lora_generate, requests, max_new_tokens=max_new_tokens, say=say, **kw)
+    _, base_seconds, _ = serve(plain_generate, requests, max_new_tokens=max_new_tokens, **kw)
+    say(f"mixed adapters:              {generated} tokens in {seconds:.3f}s = {generated / seconds:.0f} tokens/s")
+    say(f"plain model (no LoRA hooks): {generated} tokens in {base_seconds:.3f}s = {generated / base_seconds:.0f} "
+        f"tokens/s ({100 * (seconds / base_seconds - 1):+.0f}% time with adapters, one run each)")
+    st = mm.adapters.stats
+    say(f"adapter slots: {st['slot_loads'] - before.get('slot_loads', 0)} slot loads, "
+        f"{st['evictions'] - before.get('evictions', 0)} evictions while serving")
+
     peft_model = None
     for name, d in zip(adapters, adapter_dirs):
         if peft_model is None:
