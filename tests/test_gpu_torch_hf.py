@@ -1,5 +1,6 @@
-"""MultiLoRAModel on a GPU inside CUDA graphs (marked `gpu`; skipped without CUDA).
+"""MultiLoRAModel on a GPU, eagerly and inside CUDA graphs (marked `gpu`; skipped without CUDA).
 
+- A mixed batch through the compiled Triton kernels equals peft per request.
 - A decode step (KV cache: transformers' StaticCache) captured once in a CUDA graph and replayed
   step after step with new tokens and new adapter mappings equals the eager model.
 - Hot swap between replays: the replay after `load_adapter(name, other)` uses the new weights,
@@ -90,6 +91,29 @@ class Graphed:
         self.mm.prepare_step(names, self.ids.shape[1], 1)       # activate (uploads) + metadata, in place
         self.graph.replay()
         return self.logits.clone()
+
+
+def test_mixed_batch_on_cuda_equals_peft_per_request(assets):
+    """The Triton kernels (compiled) in every layer kind, against peft on the same GPU in float32."""
+    base, dirs = assets
+    mm = _wrapped(assets)
+    assert mm.punica.backend == "triton"
+    names = ["a", "b", "__base__", "c", "d", "b"]
+    tokens = torch.randint(1, VOCAB, (len(names), 9), device="cuda")
+    got = mm(tokens, adapter_names=names).logits
+    ref = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base).cuda(), dirs["a"],
+                                         adapter_name="a").eval()
+    for name in ("b", "c", "d"):
+        ref.load_adapter(dirs[name], adapter_name=name)
+    with torch.no_grad():
+        for j, name in enumerate(names):
+            if name == "__base__":
+                with ref.disable_adapter():
+                    want = ref(tokens[j:j + 1]).logits[0]
+            else:
+                ref.set_adapter(name)
+                want = ref(tokens[j:j + 1]).logits[0]
+            assert _rel(got[j], want) < RTOL, (j, name, _rel(got[j], want))
 
 
 def test_decode_step_in_a_cuda_graph_equals_eager(assets):

@@ -328,3 +328,20 @@ def test_beam_search_rows_keep_their_prompts_adapter(llama):
         with torch.no_grad():
             ref = llama.peft[adapter].generate(input_ids=tokens[j:j + 1], **gen)
         assert out[j].tolist() == ref[0].tolist(), (j, adapter)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the CPU path: Triton's interpreter (a GPU machine runs the compiled kernels in "
+                           "test_gpu_torch_hf.py)")
+def test_triton_kernels_match_peft(llama):
+    """The same model through the Triton kernels (here in the interpreter): every layer kind (fused
+    groups with unequal slices, embedding, logits) with per-slot ranks, equal to peft."""
+    mm = llama.wrapped(backend="triton")
+    assert mm.punica.backend == "triton"
+    rows = ["a", "b", "__base__", "c", "d"]
+    tokens = torch.as_tensor(np.random.default_rng(8).integers(1, VOCAB, size=(len(rows), 6)))
+    out = mm(tokens, adapter_names=rows).logits.numpy()
+    last = mm(tokens, adapter_names=rows, logits_to_keep=1).logits.numpy()
+    for j, adapter in enumerate(rows):
+        want = llama.alone(adapter, tokens[j])
+        assert _rel(out[j], want) < RTOL and _rel(last[j], want[-1:]) < RTOL, (j, adapter)
