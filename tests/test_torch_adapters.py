@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import random
 
 import numpy as np
@@ -17,7 +18,12 @@ import torch
 import torch_lora
 from lora_core import peft as core
 from torch_lora import AdapterError, AdapterManager, LoRAMapping, PunicaWrapper
-from torch_lora.adapters import adapter_tensors, load_peft_adapter, prepare_adapter, save_peft_adapter
+from torch_lora.adapters import (
+    adapter_tensors,
+    load_peft_adapter,
+    prepare_adapter,
+    save_peft_adapter,
+)
 from torch_lora.layers import LoRAEmbedding, LoRALinear, LoRALogits
 
 H, V, Q, KV, I = 16, 32, 16, 8, 24
@@ -148,7 +154,7 @@ def test_prepare_places_slices_pads_ranks_and_folds_scaling(tmp_path):
     a = load_peft_adapter(_write(tmp_path, "a", 4, targets=("q_proj", "v_proj", "lm_head"), alpha=8,
                                  rank_pattern={"v_proj": 2}))
     p = prepare_adapter(layers, a)
-    qa, ka, va, qb, kb, vb = p.tensors["qkv"]
+    qa, ka, _va, qb, kb, vb = p.tensors["qkv"]
     assert tuple(qa.shape) == (8, H) and tuple(qb.shape) == (Q, 8) and tuple(vb.shape) == (KV, 8)
     m = a.modules[MODULE["q_proj"]]
     np.testing.assert_allclose(qa[:4].numpy(), m.lora_a)
@@ -261,7 +267,7 @@ def _bad_adapters(tmp_path):
     d = tmp_path / "no-config"
     d.mkdir()
     good = _write(tmp_path, "good-src", 2)
-    (d / "adapter_model.safetensors").write_bytes(open(os.path.join(good, "adapter_model.safetensors"), "rb").read())
+    (d / "adapter_model.safetensors").write_bytes(pathlib.Path(good, "adapter_model.safetensors").read_bytes())
     out["missing config"] = (str(d), r"adapter_config\.json is missing")
     d = _write(tmp_path, "bad-json", 2)
     with open(os.path.join(d, "adapter_config.json"), "w") as f:
@@ -269,7 +275,7 @@ def _bad_adapters(tmp_path):
     out["malformed JSON"] = (d, r"adapter_config\.json: expected a JSON object, got malformed JSON")
     d = tmp_path / "pickle"
     d.mkdir()
-    (d / "adapter_config.json").write_text(open(os.path.join(good, "adapter_config.json")).read())
+    (d / "adapter_config.json").write_text(pathlib.Path(good, "adapter_config.json").read_text())
     (d / "adapter_model.bin").write_bytes(b"\x80\x04")
     out["pickle only"] = (str(d), r"adapter_model\.bin: a pickle")
     rng = np.random.default_rng(0)
@@ -281,9 +287,8 @@ def _bad_adapters(tmp_path):
     out["unknown target"] = (_write(tmp_path, "mlp", 2, targets=("gate_proj",)),
                              r"'model\.layers\.0\.mlp\.gate_proj', which is not a LoRA module")
     d = _write(tmp_path, "truncated", 2)
-    f = os.path.join(d, "adapter_model.safetensors")
-    data = open(f, "rb").read()
-    open(f, "wb").write(data[:-7])
+    f = pathlib.Path(d, "adapter_model.safetensors")
+    f.write_bytes(f.read_bytes()[:-7])
     out["truncated safetensors"] = (d, r"adapter_model\.safetensors: .*(truncated|end past)")
     return out
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import io
 import os
-import tomllib
 
 import pytest
+import tomllib
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -10,6 +10,7 @@ and through generate(). Bad adapter files fail with clear errors and lose nothin
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 
 import numpy as np
@@ -257,6 +258,11 @@ def test_call_errors(llama):
         mm.model(tokens)
     with pytest.raises(ValueError, match=r"logits_per_row must be an int or one int per row, each in 0\.\.4"):
         mm.prepare_step(["a", "a"], 4, logits_per_row=[1, 5])
+    small = llama.wrapped(adapters=("a",), max_num_tokens=16, max_num_seqs=2)
+    with pytest.raises(ValueError, match=r"the batch has 3 rows, more than max_num_seqs=2"):
+        small(torch.randint(1, VOCAB, (3, 2)), adapter_names=["a", "a", "a"])
+    with pytest.raises(ValueError, match=r"the batch has 2 x 9 = 18 tokens, more than max_num_tokens=16"):
+        small(torch.randint(1, VOCAB, (2, 9)), adapter_names=["a", "a"])
 
 
 # ----------------------------------------------------------------------------- bad adapter files
@@ -286,17 +292,17 @@ def _bad_adapters(llama, root) -> dict:
     d = str(root / "other-model")
     peft.get_peft_model(other, peft.LoraConfig(r=2, target_modules=["down_proj"], init_lora_weights=False)
                         ).save_pretrained(d)
-    out["wrong shapes"] = (d, r"module 'model\.layers\.0\.mlp\.down_proj': lora_A \(2, 40\) / lora_B \(32, 2\) do "
-                              r"not fit the module: expected lora_A \(2, 48\)")
+    out["wrong shapes"] = (d, (r"module 'model\.layers\.0\.mlp\.down_proj': lora_A \(2, 40\) / lora_B \(32, 2\) do "
+                               r"not fit the module: expected lora_A \(2, 48\)"))
     d = str(root / "rank16")
     peft.get_peft_model(llama.fresh(), peft.LoraConfig(r=16, target_modules=["q_proj"], init_lora_weights=False)
                         ).save_pretrained(d)
     out["rank above max_rank"] = (d, r"rank 16 exceeds the model's max_rank=8; wrap the model with max_rank >= 16")
     out["unknown target modules"] = (llama.dirs["c"], r"targets 'lm_head', which is not a LoRA module")
     d = copy("truncated")
-    f = os.path.join(d, "adapter_model.safetensors")
-    data = open(f, "rb").read()
-    open(f, "wb").write(data[: len(data) // 2])
+    f = pathlib.Path(d, "adapter_model.safetensors")
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
     out["truncated safetensors"] = (d, r"adapter_model\.safetensors: .*(truncated|end past)")
     return out
 

@@ -298,6 +298,12 @@ class MultiLoRAModel:
         if len(counts) != len(ids) or not all(isinstance(c, int) and 0 <= c <= s for c in counts):
             raise ValueError(f"logits_per_row must be an int or one int per row, each in 0..{s} "
                              f"(num_tokens_per_row), got {logits_per_row!r} for {len(ids)} rows")
+        if len(ids) > self.punica.max_batches:
+            raise ValueError(f"the batch has {len(ids)} rows, more than max_num_seqs={self.punica.max_batches} "
+                             "(MultiLoRAModel's argument)")
+        if len(ids) * s > self.punica.max_num_batched_tokens:
+            raise ValueError(f"the batch has {len(ids)} x {s} = {len(ids) * s} tokens, more than max_num_tokens="
+                             f"{self.punica.max_num_batched_tokens} (MultiLoRAModel's argument)")
         self.adapters.activate(ids)
         self.adapters.wait_uploads()
         tokens = np.repeat(np.asarray(ids, np.int64), s)
@@ -309,7 +315,7 @@ class MultiLoRAModel:
         """The model's forward pre-hook: during __call__ / generate, prepares the step for the batch
         shape the model is called with."""
         if self._rows is None:
-            return None
+            return
         ref = kwargs.get("input_ids", args[0] if args else None)
         if ref is None:
             ref = kwargs.get("inputs_embeds")
@@ -324,7 +330,6 @@ class MultiLoRAModel:
                 raise ValueError(f"adapter_names has {len(names)} names, but the batch has {batch} rows "
                                  "(one name per row)")
         self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq))
-        return None
 
     @contextlib.contextmanager
     def _serving(self, adapter_names, expand: bool):
