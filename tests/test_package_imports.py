@@ -46,7 +46,7 @@ def test_jax_lora_loads_nothing_of_torch(module):
 
 
 @pytest.mark.parametrize("module", ["torch_lora", "torch_lora.ops", "torch_lora.ops.triton", "torch_lora.wrapper",
-                                    "torch_lora.parallel"])
+                                    "torch_lora.parallel", "torch_lora.layers", "torch_lora.adapters"])
 def test_torch_lora_loads_nothing_of_jax(module):
     pytest.importorskip("torch")
     if module.endswith("triton"):

@@ -1,0 +1,205 @@
+"""MultiLoRAModel on a GPU, eagerly and inside CUDA graphs (marked `gpu`; skipped without CUDA).
+
+- A mixed batch through the compiled Triton kernels equals peft per request.
+- A decode step (KV cache: transformers' StaticCache) captured once in a CUDA graph and replayed
+  step after step with new tokens and new adapter mappings equals the eager model.
+- Hot swap between replays: the replay after `load_adapter(name, other)` uses the new weights,
+  without re-capturing (slot tensors and index tensors keep their addresses).
+- Eviction under churn with a captured graph: more adapters than slots, each replay's batch
+  activates its adapters (LRU) before the replay, and every replay equals eager.
+
+The models run in float32 (no TF32), so every comparison is at the CPU tests' 1e-4.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from torch_lora.hf import MultiLoRAModel  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+RTOL = 1e-4
+VOCAB = 128
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"]
+ADAPTERS = {
+    "a": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+    "b": {"r": 8, "lora_alpha": 16, "use_rslora": True, "rank_pattern": {"down_proj": 2},
+          "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+    "c": {"r": 2, "lora_alpha": 4, "target_modules": ["embed_tokens", "lm_head", "up_proj"]},
+    "d": {"r": 6, "lora_alpha": 3, "target_modules": ["k_proj", "gate_proj"], "layers_to_transform": [1]},
+}
+
+
+def _rel(got, want) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    return float((got - want).abs().max() / max(1.0, float(want.abs().max())))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-hf")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(root / "base"))
+    dirs = {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(10 + i)
+        model = transformers.LlamaForCausalLM.from_pretrained(str(root / "base"))
+        peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **kw)).save_pretrained(str(root / name))
+        dirs[name] = str(root / name)
+    return str(root / "base"), dirs
+
+
+def _wrapped(assets, max_loras=4, adapters=tuple(ADAPTERS)):
+    base, dirs = assets
+    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).cuda().eval()
+    mm = MultiLoRAModel(model, max_loras=max_loras, max_rank=8, target_modules=ALL)
+    for name in adapters:
+        mm.load_adapter(name, dirs[name])
+    return mm
+
+
+class Graphed:
+    """A forward pass of fixed shape (rows, seq) with logits_to_keep=1, captured once."""
+
+    def __init__(self, mm, rows, seq, names):
+        self.mm = mm
+        self.ids = torch.zeros(rows, seq, dtype=torch.long, device="cuda")
+        mm.prepare_step(names, seq, 1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):                                   # warm-up: Triton compiles, allocator settles
+                mm.model(input_ids=self.ids, logits_to_keep=1)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(self.graph):
+            self.logits = mm.model(input_ids=self.ids, logits_to_keep=1).logits
+
+    def __call__(self, tokens, names):
+        self.ids.copy_(tokens)
+        self.mm.prepare_step(names, self.ids.shape[1], 1)       # activate (uploads) + metadata, in place
+        self.graph.replay()
+        return self.logits.clone()
+
+
+def test_mixed_batch_on_cuda_equals_peft_per_request(assets):
+    """The Triton kernels (compiled) in every layer kind, against peft on the same GPU in float32."""
+    base, dirs = assets
+    mm = _wrapped(assets)
+    assert mm.punica.backend == "triton"
+    names = ["a", "b", "__base__", "c", "d", "b"]
+    tokens = torch.randint(1, VOCAB, (len(names), 9), device="cuda")
+    got = mm(tokens, adapter_names=names).logits
+    ref = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base).cuda(), dirs["a"],
+                                         adapter_name="a").eval()
+    for name in ("b", "c", "d"):
+        ref.load_adapter(dirs[name], adapter_name=name)
+    with torch.no_grad():
+        for j, name in enumerate(names):
+            if name == "__base__":
+                with ref.disable_adapter():
+                    want = ref(tokens[j:j + 1]).logits[0]
+            else:
+                ref.set_adapter(name)
+                want = ref(tokens[j:j + 1]).logits[0]
+            assert _rel(got[j], want) < RTOL, (j, name, _rel(got[j], want))
+
+
+def test_decode_step_in_a_cuda_graph_equals_eager(assets):
+    mm = _wrapped(assets)
+    names = ["a", "b", "__base__", "c", "d", "a"]
+    rows, prompt_len, steps = len(names), 5, 6
+    gen = torch.Generator().manual_seed(1)
+    seq = torch.randint(1, VOCAB, (rows, prompt_len), generator=gen).cuda()
+    cache = transformers.StaticCache(config=mm.model.config, max_cache_len=prompt_len + steps + 2)
+    params = inspect.signature(mm.model.forward).parameters
+    cache_kw = "past_key_values" if "past_key_values" in params else "cache"
+    with_cache_position = "cache_position" in params              # transformers < 5.20 takes it
+    ids = torch.zeros(rows, 1, dtype=torch.long, device="cuda")
+    pos = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    cpos = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def step_kwargs():
+        kw = {"input_ids": ids, "position_ids": pos, cache_kw: cache, "use_cache": True, "logits_to_keep": 1}
+        if with_cache_position:
+            kw["cache_position"] = cpos
+        return kw
+
+    def set_position(p):
+        pos.fill_(p)
+        cpos.fill_(p)
+
+    prefill = {cache_kw: cache, "use_cache": True}
+    if with_cache_position:
+        prefill["cache_position"] = torch.arange(prompt_len, device="cuda")
+    out = mm(seq, adapter_names=names, **prefill).logits[:, -1]
+    seq = torch.cat([seq, out.argmax(-1, keepdim=True)], dim=1)
+    # One eager decode step (also the warm-up: same shapes, same kernels), then the capture.
+    ids.copy_(seq[:, -1:])
+    set_position(seq.shape[1] - 1)
+    mm.prepare_step(names, 1, 1)
+    with torch.no_grad():
+        out = mm.model(**step_kwargs()).logits[:, -1]
+    seq = torch.cat([seq, out.argmax(-1, keepdim=True)], dim=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_logits = mm.model(**step_kwargs()).logits[:, -1]
+    for step in range(steps - 1):
+        ids.copy_(seq[:, -1:])
+        set_position(seq.shape[1] - 1)
+        mm.prepare_step(names, 1, 1)
+        graph.replay()
+        got = static_logits.clone()
+        want = mm(seq, adapter_names=names, logits_to_keep=1).logits[:, -1]      # eager, no cache
+        assert _rel(got, want) < RTOL, (step, _rel(got, want))
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        seq = torch.cat([seq, got.argmax(-1, keepdim=True)], dim=1)
+
+
+def test_hot_swap_between_replays_needs_no_recapture(assets):
+    _, dirs = assets
+    mm = _wrapped(assets)
+    names = ["a", "__base__", "c", "b"]
+    g = Graphed(mm, len(names), 7, names)
+    tokens = torch.randint(1, VOCAB, (len(names), 7), device="cuda")
+    ptrs = {k: t.data_ptr() for k, layer in mm.layers.items() for t in [layer.lora_a, layer.lora_ranks]}
+    got = g(tokens, names)
+    assert _rel(got, mm(tokens, adapter_names=names, logits_to_keep=1).logits[:, -1]) < RTOL
+    mm.load_adapter("a", dirs["d"])                            # hot swap while the graph stays captured
+    mm.load_adapter("c", dirs["b"])
+    swapped = g(tokens, names)
+    want = mm(tokens, adapter_names=names, logits_to_keep=1).logits[:, -1]
+    assert _rel(swapped, want) < RTOL
+    assert _rel(swapped[0], got[0]) > 1e-3 and _rel(swapped[1], got[1]) < 1e-6    # "a" changed, base did not
+    fresh = _wrapped(assets, adapters=())
+    fresh.load_adapter("a", dirs["d"])
+    fresh.load_adapter("c", dirs["b"])
+    fresh.load_adapter("b", dirs["b"])
+    assert _rel(swapped, fresh(tokens, adapter_names=names, logits_to_keep=1).logits[:, -1]) < RTOL
+    assert ptrs == {k: t.data_ptr() for k, layer in mm.layers.items() for t in [layer.lora_a, layer.lora_ranks]}
+
+
+def test_eviction_under_churn_with_a_captured_graph(assets):
+    mm = _wrapped(assets, max_loras=2)
+    rng = np.random.default_rng(2)
+    first = ["a", "b", "__base__", "a"]
+    g = Graphed(mm, 4, 6, first)
+    for step in range(12):
+        pair = list(rng.choice(list(ADAPTERS), size=2, replace=False))
+        names = [pair[0], "__base__", pair[1], pair[int(rng.integers(0, 2))]]
+        tokens = torch.randint(1, VOCAB, (4, 6), device="cuda")
+        got = g(tokens, names)
+        want = mm(tokens, adapter_names=names, logits_to_keep=1).logits[:, -1]
+        assert _rel(got, want) < RTOL, (step, names, _rel(got, want))
+    assert mm.adapters.stats["evictions"] >= 6

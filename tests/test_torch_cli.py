@@ -1,0 +1,84 @@
+"""The `torch-lora demo` main job: mixed-adapter batches through MultiLoRAModel, each request checked
+against PEFT running it alone. The demo's own check is tested too: a wrong logit fails it."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import tomllib
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from torch_lora import cli  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_console_script_is_declared():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts["torch-lora"] == "torch_lora.cli:main"
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    return cli.build_demo_assets(str(root), seed=0)
+
+
+def test_demo_serves_and_verifies_every_request_with_lru_swaps(assets):
+    """Two slots for three adapters: batches evict and reload adapters, all requests still match."""
+    model_dir, adapter_dirs = assets
+    out = io.StringIO()
+    status = cli.run_demo(model_dir, adapter_dirs, num_requests=8, batch_size=4, max_new_tokens=3, slots=2, out=out)
+    text = out.getvalue()
+    assert status == 0, text
+    assert "rank 16, alpha 16, rslora: down_proj, embed_tokens, lm_head, o_proj, q_proj" in text
+    assert "rank_pattern, alpha_pattern" in text
+    assert "2 without adapter" in text
+    evictions = int(text.split(" evictions while serving")[0].rsplit(", ", 1)[1])
+    assert evictions > 0, text
+    assert text.rstrip().endswith("verified: 8/8 requests match PEFT outputs")
+
+
+def test_the_check_fails_on_a_wrong_logit(assets):
+    """verify() is what the demo's last line counts: a served logit off by 1e-3 (relative) fails."""
+    import peft
+    import transformers
+
+    model_dir, adapter_dirs = assets
+    from torch_lora.hf import MultiLoRAModel
+
+    names = [os.path.basename(d) for d in adapter_dirs]
+    mm = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval(), max_loras=3,
+                        max_rank=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj", "embed_tokens", "lm_head"])
+    for n, d in zip(names, adapter_dirs):
+        mm.load_adapter(n, d)
+    requests = cli._demo_requests(512, ["__base__"] + names, 4, seed=3)
+    served, _, _ = cli.serve(lambda ids, mask, names, **kw: mm.generate(ids, attention_mask=mask, adapter_names=names,
+                                                                      **kw),
+                             requests, device="cpu", batch_size=4, max_new_tokens=2, pad_id=0)
+    ref = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(model_dir), adapter_dirs[0],
+                                         adapter_name=names[0])
+    for n, d in zip(names[1:], adapter_dirs[1:]):
+        ref.load_adapter(d, adapter_name=n)
+    ok, worst, _ = cli.verify(ref.eval(), requests, served, torch.device("cpu"))
+    assert all(ok.values()) and worst < cli.RTOL
+    rid = requests[1][0]
+    tokens, logits = served[rid]
+    bad = logits.clone()
+    bad[0, 0] += 1e-3 * max(1.0, float(logits.abs().max()))
+    ok, _, _ = cli.verify(ref, requests, {**served, rid: (tokens, bad)}, torch.device("cpu"))
+    assert not ok[rid] and sum(ok.values()) == len(requests) - 1
+
+
+def test_demo_arguments_are_checked(tmp_path, capsys):
+    assert cli.main(["demo", str(tmp_path / "no-model")]) == 2
+    assert "torch-lora demo: error: give at least one adapter directory" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="num_requests must be an int >= 1, got 0"):
+        cli.run_demo(num_requests=0)

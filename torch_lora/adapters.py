@@ -1,0 +1,450 @@
+"""PEFT LoRA adapters for torch_lora: reading, placement into multi-LoRA layers, and the slot manager.
+
+Reading is framework-free and shared with the JAX side: `load_peft_adapter` IS
+`lora_core.peft.load_peft_adapter` (same checks, same `AdapterError` messages; safetensors only,
+`adapter_model.bin` is refused). It returns a `PeftAdapter` of NumPy factors; `adapter_tensors`
+gives them as torch tensors.
+
+Placement: `prepare_adapter(layers, adapter)` checks every module of the adapter against the
+multi-LoRA layers (`torch_lora.layers`) and lays it out on the host in slot order: zero-padded to
+the layers' max_rank, scaling folded into B, in the layers' dtype, in one pinned buffer when the
+layers are on CUDA (so uploads are asynchronous copies).
+
+`AdapterManager` owns the slots: adapters are registered under a LoRA id, `activate(ids)` puts a
+batch's adapters into slots (free slots first, then the least recently used slot the batch does not
+need), prepared adapters are kept in a host LRU cache. On CUDA, slot writes run on a side stream
+ordered by events (see `AdapterManager`), never reallocating a slot tensor, so CUDA graphs captured
+once stay valid across loads, evictions and hot swaps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file names, for callers)
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    AdapterError,
+    LoraModule,
+    PeftAdapter,
+    load_peft_adapter,
+    save_peft_adapter,
+)
+
+from .layers import LoRAEmbedding, LoRALinear, LoRALogits
+
+__all__ = [
+    "AdapterError",
+    "AdapterManager",
+    "PeftAdapter",
+    "PreparedAdapter",
+    "adapter_tensors",
+    "load_peft_adapter",
+    "prepare_adapter",
+    "save_peft_adapter",
+]
+
+_LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits)
+
+
+def adapter_tensors(adapter: PeftAdapter, *, device=None, dtype: torch.dtype = torch.float32) -> dict:
+    """{module name: LoraModule(lora_a, lora_b, scaling, kind)} with the factors as torch tensors.
+
+    lora_a (r, in) / lora_b (out, r) for a linear module, (r, vocab) / (dim, r) for an embedding;
+    scaling not applied (multiply the product by it, as PEFT does).
+    """
+    if not isinstance(adapter, PeftAdapter):
+        raise TypeError(f"adapter must be a PeftAdapter (from load_peft_adapter), got {type(adapter).__name__}")
+    return {name: LoraModule(torch.as_tensor(m.lora_a, dtype=dtype, device=device),
+                             torch.as_tensor(m.lora_b, dtype=dtype, device=device), m.scaling, m.kind)
+            for name, m in adapter.modules.items()}
+
+
+# ----------------------------------------------------------------------------- placement
+
+@dataclasses.dataclass
+class PreparedAdapter:
+    """An adapter laid out for the slots, on the host.
+
+    tensors: {layer path: tuple of tensors}, in the order of that layer's `slot_views` (shapes equal
+      to one slot's); absent for layers the adapter does not touch (their slot is zeroed).
+    ranks: {layer path: the adapter's rank there} (the largest over a fused layer's slices), every
+      layer present, 0 where the adapter has nothing.
+    """
+
+    name: str
+    tensors: dict
+    ranks: dict
+    nbytes: int
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks.values(), default=0)
+
+
+def _check_layers(layers) -> dict:
+    if not isinstance(layers, Mapping) or not layers:
+        raise TypeError(f"layers must be a non-empty mapping {{path: LoRALinear | LoRAEmbedding | LoRALogits}}, "
+                        f"got {type(layers).__name__}{' (empty)' if isinstance(layers, Mapping) else ''}")
+    for path, layer in layers.items():
+        if not isinstance(layer, _LAYER_TYPES):
+            raise TypeError(f"layers[{path!r}] must be a LoRALinear, LoRAEmbedding or LoRALogits, got "
+                            f"{type(layer).__name__}")
+    return dict(layers)
+
+
+def _module_index(layers: Mapping) -> dict:
+    """{module name: (layer path, slice)} over every layer's module_names."""
+    index = {}
+    for path, layer in layers.items():
+        for s, module in enumerate(layer.module_names):
+            if module in index:
+                raise ValueError(f"module {module!r} is held by two LoRA layers: {index[module][0]!r} and {path!r}")
+            index[module] = (path, s)
+    return index
+
+
+def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool = False) -> PreparedAdapter:
+    """Checks `adapter` against the multi-LoRA `layers` and lays it out on the host in slot order.
+
+    layers: {path: LoRALinear | LoRAEmbedding | LoRALogits}; each layer's module_names say which
+    adapter modules it takes. Per touched layer the tensors are (see each layer's `slot_views`):
+    LoRALinear A_s (max_rank, H) per slice then B_s (n_s, max_rank); LoRAEmbedding A (V, max_rank)
+    (lora_embedding_A transposed) and B (D, max_rank); LoRALogits A (max_rank, H) and B (V, max_rank).
+    Ranks below max_rank are zero-padded; B holds the module's scaling (and an embedding's
+    embed_scale). Everything sits in one buffer per dtype, pinned when `pin_memory`.
+
+    Raises AdapterError naming the adapter, the module, the expected and the received shapes: a
+    module no layer holds, a rank above max_rank, a linear adapter on an embedding (or the reverse),
+    factors that do not fit the module, a saved base layer of another shape (a resized vocabulary).
+    Nothing is written to any slot here.
+    """
+    layers = _check_layers(layers)
+    if not isinstance(adapter, PeftAdapter):
+        raise TypeError(f"adapter must be a PeftAdapter (from load_peft_adapter), got {type(adapter).__name__}")
+    index = _module_index(layers)
+    arrays: dict = {}
+    ranks = dict.fromkeys(layers, 0)
+    for module, (a, b, scaling, kind) in sorted(adapter.modules.items()):
+        where = index.get(module)
+        if where is None:
+            names = sorted(index)
+            raise AdapterError(f"adapter {adapter.name!r} targets {module!r}, which is not a LoRA module of the model "
+                               f"(LoRA modules: {names[:6]}{' ...' if len(names) > 6 else ''}); add it to the model's "
+                               "target_modules")
+        path, s = where
+        layer = layers[path]
+        rank = int(a.shape[0])
+        if rank > layer.max_rank:
+            raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: rank {rank} exceeds the model's "
+                               f"max_rank={layer.max_rank}; wrap the model with max_rank >= {rank}")
+        saved = adapter.base_layer_shapes.get(module)
+        if saved is not None:
+            expect = ((layer.num_embeddings, layer.embedding_dim) if isinstance(layer, LoRAEmbedding)
+                      else (layer.out_features, layer.in_features))
+            if tuple(saved) != expect:
+                raise AdapterError(f"adapter {adapter.name!r} was trained on a {module!r} of shape {tuple(saved)} "
+                                   f"(resized vocabulary?), the model's is {expect}")
+        r = layer.max_rank
+        if isinstance(layer, LoRALinear):
+            if kind != "linear":
+                raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds embedding factors but the model's "
+                                   f"module is a linear layer")
+            width = layer.output_slices[s]
+            if a.shape[1] != layer.in_features or b.shape[0] != width:
+                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
+                                   f"do not fit the module: expected lora_A ({rank}, {layer.in_features}) and "
+                                   f"lora_B ({width}, {rank})")
+            n = len(layer.module_names)
+            out = arrays.setdefault(path, [np.zeros((r, layer.in_features), np.float32) for _ in range(n)]
+                                    + [np.zeros((w, r), np.float32) for w in layer.output_slices])
+            out[s][:rank] = a
+            out[n + s][:, :rank] = b * scaling
+        elif isinstance(layer, LoRAEmbedding):
+            if kind != "embedding":
+                raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds linear factors (lora_A / lora_B) but "
+                                   "the model's module is an embedding")
+            if a.shape[1] != layer.num_embeddings or b.shape[0] != layer.embedding_dim:
+                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_embedding_A {a.shape} / "
+                                   f"lora_embedding_B {b.shape} do not fit the embedding: expected ({rank}, "
+                                   f"{layer.num_embeddings}) and ({layer.embedding_dim}, {rank})")
+            A = np.zeros((layer.num_embeddings, r), np.float32)
+            B = np.zeros((layer.embedding_dim, r), np.float32)
+            A[:, :rank] = a.T
+            B[:, :rank] = b * (scaling * layer.embed_scale)
+            arrays[path] = [A, B]
+        else:
+            if kind != "linear":
+                raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds embedding factors but the model's "
+                                   "module is the LM head (a linear layer)")
+            if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
+                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
+                                   f"do not fit the LM head: expected ({rank}, {layer.in_features}) and "
+                                   f"({layer.out_features}, {rank})")
+            A = np.zeros((r, layer.in_features), np.float32)
+            B = np.zeros((layer.out_features, r), np.float32)
+            A[:rank] = a
+            B[:, :rank] = b * scaling
+            arrays[path] = [A, B]
+        ranks[path] = max(ranks[path], rank)
+    for path, parts in arrays.items():
+        for array in parts:
+            if not np.all(np.isfinite(array)):
+                raise AdapterError(f"adapter {adapter.name!r}: the factors placed in {path!r} hold NaN or infinite "
+                                   "values")
+    tensors, nbytes = _pack(layers, arrays, pin_memory)
+    return PreparedAdapter(adapter.name, tensors, ranks, nbytes)
+
+
+def _pack(layers: Mapping, arrays: Mapping, pin_memory: bool) -> tuple:
+    """Copies the host arrays into one (pinned) torch buffer per dtype; returns ({path: views}, bytes)."""
+    sizes: dict = collections.Counter()
+    for path, parts in arrays.items():
+        sizes[layers[path].lora_a.dtype] += sum(p.size for p in parts)
+    buffers = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin_memory) for dtype, n in sizes.items()}
+    used: dict = collections.Counter()
+    out = {}
+    for path, parts in arrays.items():
+        dtype = layers[path].lora_a.dtype
+        views = []
+        for p in parts:
+            view = buffers[dtype][used[dtype]:used[dtype] + p.size].view(p.shape)
+            view.copy_(torch.from_numpy(p))
+            used[dtype] += p.size
+            views.append(view)
+        out[path] = tuple(views)
+    return out, sum(b.numel() * b.element_size() for b in buffers.values())
+
+
+# ----------------------------------------------------------------------------- the slot manager
+
+class AdapterManager:
+    """Owns the adapter slots of a set of multi-LoRA layers.
+
+    Args:
+      layers: {path: LoRALinear | LoRAEmbedding | LoRALogits}, all with one max_loras and on one
+        device (torch_lora.hf.MultiLoRAModel builds them). Their buffers are written in place.
+      host_cache_size: prepared adapters kept on the host (LRU; pinned on CUDA) so that a reload
+        skips the disk.
+
+    Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
+    `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table.
+
+    Slot writes on CUDA. A write (load, eviction, hot swap, unload) is enqueued on the manager's
+    upload stream: that stream first waits on an event recorded on the current stream at the time of
+    the write, i.e. after every step already enqueued there (eager kernels or a CUDA graph replay),
+    so a step in flight never sees a half-written slot; then the copies from pinned host memory run
+    and an event is recorded after them. `wait_uploads()` makes the current stream wait on that
+    event: call it before launching the next step that reads the slots (MultiLoRAModel.prepare_step
+    does). The host never blocks. Slot tensors are never reallocated, so graphs captured once
+    replay with the current adapters. On CPU the writes are plain copies.
+    """
+
+    def __init__(self, layers: Mapping, *, host_cache_size: int = 8):
+        self.layers = _check_layers(layers)
+        slots = {layer.max_loras for layer in self.layers.values()}
+        if len(slots) != 1:
+            raise ValueError(f"the LoRA layers disagree on max_loras: {sorted(slots)}")
+        devices = {layer.lora_ranks.device for layer in self.layers.values()}
+        if len(devices) != 1:
+            raise ValueError(f"the LoRA layers are on several devices: {sorted(map(str, devices))}")
+        if not isinstance(host_cache_size, int) or isinstance(host_cache_size, bool) or host_cache_size < 1:
+            raise ValueError(f"host_cache_size must be an int >= 1, got {host_cache_size!r}")
+        _module_index(self.layers)                      # no module held twice
+        self.num_slots = slots.pop()
+        self.device = devices.pop()
+        self.host_cache_size = host_cache_size
+        self._pin = self.device.type == "cuda"
+        self._upload_stream = torch.cuda.Stream(self.device) if self._pin else None
+        self._uploaded: Optional[torch.cuda.Event] = None
+        self._sources: dict = {}                        # id -> directory or PeftAdapter
+        self._names: dict = {}
+        self._ranks: dict = {}                          # id -> the adapter's largest rank
+        self._host: collections.OrderedDict = collections.OrderedDict()    # id -> PreparedAdapter (LRU)
+        self._slots: list = [None] * self.num_slots    # slot -> id
+        self._slot_use: collections.OrderedDict = collections.OrderedDict()   # id -> None, LRU order
+        self.version = 0
+        self.stats = collections.Counter()
+
+    # -------------------------------------------------------------- registry
+    def register(self, lora_id: int, adapter: Union[str, os.PathLike, PeftAdapter], name: Optional[str] = None) -> None:
+        """Makes `lora_id` name `adapter`, read and checked now. Re-registering an id hot-swaps it:
+        when it is in a slot, the same slot gets the new weights. A bad adapter raises AdapterError
+        and changes nothing (the id keeps its previous adapter, if any)."""
+        if not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or lora_id <= 0:
+            raise ValueError(f"lora_id must be an int > 0 (0 means no adapter), got {lora_id!r}")
+        if not isinstance(adapter, (PeftAdapter, str, os.PathLike)):
+            raise TypeError(f"adapter must be a PEFT adapter directory (str or os.PathLike) or a PeftAdapter, got "
+                            f"{type(adapter).__name__}")
+        lora_id = int(lora_id)
+        src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
+        prepared = self._prepare(src)                  # raises for a bad adapter; nothing changed yet
+        self._count_prepare(src)
+        self._ranks[lora_id] = prepared.max_rank
+        self._sources[lora_id] = src
+        self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter)
+                                        else os.path.basename(os.path.normpath(src)))
+        self._host.pop(lora_id, None)
+        self._cache(lora_id, prepared)
+        if lora_id in self._slots:                     # hot swap: same slot, new weights
+            self._write(self._slots.index(lora_id), prepared)
+            self.stats["hot_swaps"] += 1
+
+    def unregister(self, lora_id: int) -> None:
+        """Frees the adapter's slot (zeroed) and forgets it."""
+        self.unload(lora_id)
+        self._sources.pop(lora_id, None)
+        self._names.pop(lora_id, None)
+        self._ranks.pop(lora_id, None)
+        self._host.pop(lora_id, None)
+
+    @property
+    def registered(self) -> dict:
+        """{lora id: name}."""
+        return dict(self._names)
+
+    # -------------------------------------------------------------- slots
+    @property
+    def lora_index_to_id(self) -> list:
+        """slot -> LoRA id or None (the wrapper's table)."""
+        return list(self._slots)
+
+    @property
+    def slot_ranks(self) -> np.ndarray:
+        """(num_slots,) int32: each slot's adapter's largest rank (0 when empty). The layers hold
+        their own per-slot ranks (`layer.lora_ranks`), which the kernels read."""
+        return np.array([self._ranks.get(i, 0) if i is not None else 0 for i in self._slots], np.int32)
+
+    def slot_of(self, lora_id: int) -> Optional[int]:
+        return self._slots.index(lora_id) if lora_id in self._slots else None
+
+    def can_activate(self, ids: Iterable[Optional[int]]) -> bool:
+        return len({i for i in ids if i}) <= self.num_slots
+
+    def activate(self, ids: Iterable[Optional[int]]) -> list:
+        """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
+
+        Free slots first, then the least recently used slots whose adapter is not in `ids`.
+        Raises ValueError for an unknown id or more distinct adapters than slots, and AdapterError
+        when an adapter cannot be reloaded from disk; either way nothing changes (every adapter is
+        prepared before any slot is written). On CUDA the writes are enqueued (see the class
+        docstring): call `wait_uploads()` before the step that reads them.
+        """
+        need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
+        unknown = [i for i in need if i not in self._sources]
+        if unknown:
+            raise ValueError(f"LoRA ids {unknown} are not registered (registered: {sorted(self._sources)})")
+        if len(need) > self.num_slots:
+            raise ValueError(f"{len(need)} distinct adapters requested at once, but there are {self.num_slots} "
+                             "slots")
+        incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
+        for i in need:
+            if i in self._slots:
+                self.stats["slot_hits"] += 1
+            else:
+                prepared, cached = incoming[i]
+                if cached:
+                    self.stats["host_hits"] += 1
+                else:
+                    self._count_prepare(self._sources[i])
+                    self._ranks[i] = prepared.max_rank
+                self._cache(i, prepared)           # (re)inserted: caching another may have evicted it
+                self._write(self._free_slot(set(need)), prepared, lora_id=i)
+            self._slot_use.pop(i, None)
+            self._slot_use[i] = None
+        return self.lora_index_to_id
+
+    def load(self, lora_id: int, adapter=None) -> int:
+        """Registers (when `adapter` is given) and activates one adapter; returns its slot."""
+        if adapter is not None:
+            self.register(lora_id, adapter)
+        self.activate([lora_id])
+        return self.slot_of(lora_id)
+
+    def unload(self, lora_id: int) -> None:
+        """Frees the adapter's slot (zeroed, rank 0); it stays registered and in the host cache."""
+        if lora_id in self._slots:
+            slot = self._slots.index(lora_id)
+            self._write(slot, None)
+            self._slots[slot] = None
+            self._slot_use.pop(lora_id, None)
+            self.stats["unloads"] += 1
+
+    def wait_uploads(self, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Makes `stream` (the current one by default) wait until every slot write enqueued so far has
+        run. No host synchronisation; nothing to do on CPU."""
+        if self._uploaded is not None:
+            (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(self._uploaded)
+
+    def _free_slot(self, keep: set) -> int:
+        if None in self._slots:
+            return self._slots.index(None)
+        for victim in self._slot_use:                  # least recently used first
+            if victim not in keep:
+                self._slot_use.pop(victim)
+                self.stats["evictions"] += 1
+                return self._slots.index(victim)
+        raise ValueError("no slot can be freed")      # unreachable: activate checked the count
+
+    # -------------------------------------------------------------- host side
+    def _prepare(self, src) -> PreparedAdapter:
+        adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
+        return prepare_adapter(self.layers, adapter, pin_memory=self._pin)
+
+    def _count_prepare(self, src) -> None:
+        self.stats["prepares" if isinstance(src, PeftAdapter) else "disk_loads"] += 1
+
+    def _cache(self, lora_id: int, prepared: PreparedAdapter) -> None:
+        self._host[lora_id] = prepared
+        self._host.move_to_end(lora_id)
+        while len(self._host) > self.host_cache_size:
+            self._host.popitem(last=False)
+            self.stats["host_evictions"] += 1
+
+    def _host_peek(self, lora_id: int) -> tuple:
+        """(the adapter's prepared host data, whether it came from the host cache), changing nothing:
+        the caller updates the cache and the counters once every adapter of the batch is prepared."""
+        if lora_id in self._host:
+            return self._host[lora_id], True
+        return self._prepare(self._sources[lora_id]), False
+
+    def _write(self, slot: int, prepared: Optional[PreparedAdapter], lora_id: Optional[int] = None) -> None:
+        """Writes `prepared` (or zeros and rank 0 when None) into `slot` of every layer."""
+        if self._upload_stream is None:
+            self._copy(slot, prepared)
+        else:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("adapter slots cannot be written while a CUDA graph is being captured; load "
+                                   "adapters before capturing or between replays")
+            after_steps = torch.cuda.Event()
+            after_steps.record(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._upload_stream):
+                self._upload_stream.wait_event(after_steps)
+                self._copy(slot, prepared)
+                done = torch.cuda.Event()
+                done.record(self._upload_stream)
+            self._uploaded = done
+        if lora_id is not None:
+            self._slots[slot] = lora_id
+            self.stats["slot_loads"] += 1
+        self.version += 1
+
+    def _copy(self, slot: int, prepared: Optional[PreparedAdapter]) -> None:
+        non_blocking = self._upload_stream is not None
+        for path, layer in self.layers.items():
+            host = None if prepared is None else prepared.tensors.get(path)
+            views = layer.slot_views(slot)
+            if host is None:
+                for view in views:
+                    view.zero_()
+            else:
+                for view, src in zip(views, host):
+                    view.copy_(src, non_blocking=non_blocking)
+            layer.lora_ranks[slot].fill_(0 if prepared is None else prepared.ranks[path])

@@ -1,0 +1,316 @@
+"""The `torch-lora` console script. `torch-lora demo`: serve mixed-adapter batches with a Hugging Face
+model through torch_lora.hf.MultiLoRAModel, and verify every request against PEFT.
+
+    torch-lora demo                                  # a tiny random Llama + 3 adapters saved by peft
+    torch-lora demo MODEL_DIR ADAPTER_DIR [...]      # any transformers causal LM + PEFT LoRA directories
+    python -m torch_lora.cli demo                    # the same without the script
+
+The requests (a quarter of them without adapter) are served in batches with `MultiLoRAModel.generate`
+(greedy, left-padded prompts, one adapter per row). Each request is then run alone through PEFT
+(`PeftModel` with that adapter active, or disabled) on the served tokens (teacher forcing): PEFT's
+logits must equal the served logits (relative error below 1e-4, float32) and PEFT's greedy choice
+the served token. The demo ends with `verified: N/N requests match PEFT outputs` and exits 1 when a
+request does not match. It runs on CUDA when present (float32, no TF32), else on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+RTOL = 1e-4          # float32 logits, relative to the request's largest |logit|
+BASE = "__base__"
+
+# (name, LoraConfig arguments): three ranks; rank_pattern / alpha_pattern; rsLoRA with the embedding
+# and the LM head.
+DEMO_ADAPTERS = (
+    ("sql", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}),
+    ("chat", {"r": 8, "lora_alpha": 16, "rank_pattern": {"down_proj": 4}, "alpha_pattern": {"o_proj": 32},
+              "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}),
+    ("code", {"r": 16, "lora_alpha": 16, "use_rslora": True,
+              "target_modules": ["q_proj", "o_proj", "down_proj", "embed_tokens", "lm_head"]}),
+)
+
+
+def build_demo_assets(root: str, seed: int = 0) -> tuple:
+    """Writes a tiny random Llama (Hugging Face format) and the demo's adapters, made and saved by
+    peft itself, under `root`. Returns (model_dir, [adapter dirs])."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    model_dir = os.path.join(root, "tiny-llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    dirs = []
+    for i, (name, kw) in enumerate(DEMO_ADAPTERS):
+        torch.manual_seed(seed + 1 + i)
+        base = transformers.LlamaForCausalLM.from_pretrained(model_dir)
+        # init_lora_weights=False: random non-zero B, so every adapter changes the outputs (a trained
+        # adapter's B is non-zero too; PEFT's default B = 0 would make the check vacuous).
+        lora = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **kw))
+        path = os.path.join(root, f"adapter-{name}-r{kw['r']}")
+        lora.save_pretrained(path)
+        dirs.append(path)
+    return model_dir, dirs
+
+
+def _demo_requests(vocab_size: int, names: Sequence[str], num_requests: int, seed: int, max_prompt: int = 16) -> list:
+    """[(request id, adapter name, prompt token list)]: prompts of 4..max_prompt tokens, adapters in
+    turn (BASE among them), shuffled."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    requests = [(i, names[i % len(names)], [int(t) for t in rng.integers(1, vocab_size,
+                                                                         size=int(rng.integers(4, max_prompt + 1)))])
+                for i in range(num_requests)]
+    order = rng.permutation(num_requests)
+    return [requests[k] for k in order]
+
+
+def _batch_inputs(prompts: Sequence[list], device, pad_id: int) -> tuple:
+    """(input_ids, attention_mask), both (rows, longest), prompts left-padded."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for j, p in enumerate(prompts):
+        ids[j, width - len(p):] = torch.as_tensor(p)
+        mask[j, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def serve(generate, requests: Sequence[tuple], *, device, batch_size: int, max_new_tokens: int, pad_id: int,
+          say=None) -> tuple:
+    """Serves `requests` in batches; returns ({request id: (new tokens, logits (new, vocab) float32 on
+    the CPU)}, seconds, generated tokens).
+
+    generate(input_ids, attention_mask, adapter_names, **generate_kwargs): `MultiLoRAModel.generate`,
+    or a plain model's generate that ignores the names (the baseline without adapters).
+    """
+    import torch
+
+    out, generated = {}, 0
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for b in range(0, len(requests), batch_size):
+        batch = requests[b:b + batch_size]
+        ids, mask = _batch_inputs([p for _, _, p in batch], device, pad_id)
+        names = [name for _, name, _ in batch]
+        t0 = time.perf_counter()
+        res = generate(ids, mask, names, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                       do_sample=False, pad_token_id=pad_id, output_logits=True, return_dict_in_generate=True)
+        logits = torch.stack(res.logits, dim=1).float().cpu()
+        sync()
+        for j, (rid, _, _) in enumerate(batch):
+            out[rid] = (res.sequences[j, ids.shape[1]:].tolist(), logits[j])
+        generated += len(batch) * max_new_tokens
+        if say is not None:
+            used = sorted({n for n in names if n != BASE})
+            say(f"  batch {b // batch_size + 1}: {len(batch)} requests, adapters {used or '-'}, "
+                f"{time.perf_counter() - t0:.2f}s")
+    sync()
+    return out, time.perf_counter() - start, generated
+
+
+def verify(peft_model, requests: Sequence[tuple], served: dict, device, rtol: float = RTOL) -> tuple:
+    """Runs each request alone through PEFT (its adapter active, or disabled for BASE) on the prompt
+    plus the served tokens, and compares logits and greedy tokens.
+
+    Returns ({request id: matches}, largest relative logit error, fraction of generated tokens an
+    adapter changed against the base model)."""
+    import torch
+
+    ok, worst, changed, total = {}, 0.0, 0, 0
+    for rid, name, prompt in requests:
+        tokens, logits = served[rid]
+        seq = torch.as_tensor([prompt + tokens[:-1]], device=device)
+        with torch.no_grad():
+            if name == BASE:
+                with peft_model.disable_adapter():
+                    ref = peft_model(seq).logits[0, len(prompt) - 1:].float().cpu()
+            else:
+                peft_model.set_adapter(name)
+                ref = peft_model(seq).logits[0, len(prompt) - 1:].float().cpu()
+                with peft_model.disable_adapter():
+                    base = peft_model(seq).logits[0, len(prompt) - 1:].argmax(-1).cpu()
+                changed += int((base != torch.as_tensor(tokens)).sum())
+                total += len(tokens)
+        scale = max(1.0, float(ref.abs().max()))
+        err = float((logits - ref).abs().max()) / scale
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 10 * rtol * scale
+        tokens_ok = bool(((ref.argmax(-1) == torch.as_tensor(tokens)) | ~clear).all())
+        ok[rid] = err <= rtol and tokens_ok
+        worst = max(worst, err)
+    return ok, worst, (changed / total if total else 0.0)
+
+
+@contextlib.contextmanager
+def _full_float32():
+    """float32 matmuls at full precision on CUDA (TF32 off), restored afterwards."""
+    import torch
+
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, num_requests: int = 24,
+             batch_size: int = 8, max_new_tokens: int = 8, slots: int | None = None, device: str | None = None,
+             backend: str | None = None, seed: int = 0, out=None) -> int:
+    """The demo; returns the process exit status (0 when every request verifies)."""
+    t_start = time.perf_counter()
+    import torch
+
+    def say(msg=""):
+        print(msg, file=out if out is not None else sys.stdout, flush=True)
+
+    for name, value in (("num_requests", num_requests), ("batch_size", batch_size),
+                        ("max_new_tokens", max_new_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tmp = None
+    try:
+        if model_dir is None:
+            if adapter_dirs:
+                raise ValueError("adapter directories need a MODEL_DIR first")
+            tmp = tempfile.TemporaryDirectory(prefix="torch-lora-demo-")
+            model_dir, adapter_dirs = build_demo_assets(tmp.name, seed)
+            say(f"built a tiny random Llama and {len(adapter_dirs)} adapters saved by peft in {tmp.name}")
+        if not adapter_dirs:
+            raise ValueError("give at least one adapter directory after MODEL_DIR")
+        with _full_float32():
+            return _serve_and_verify(model_dir, list(adapter_dirs), num_requests, batch_size, max_new_tokens, slots,
+                                     device, backend, seed, say, t_start)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new_tokens, slots, device, backend,
+                      seed, say, t_start) -> int:
+    import peft
+    import torch
+    import transformers
+
+    from . import load_peft_adapter
+    from .hf import MultiLoRAModel
+
+    adapters = {}
+    for d in adapter_dirs:
+        name = os.path.basename(os.path.normpath(d))
+        adapters[name if name not in adapters else f"{name}-{len(adapters)}"] = load_peft_adapter(d)
+    targets = sorted({m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules})
+    max_rank = max(a.max_rank for a in adapters.values())
+    num_slots = slots or len(adapters) + 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    cfg = model.config
+    mm = MultiLoRAModel(model, max_loras=num_slots, max_rank=max_rank, target_modules=targets,
+                        max_num_tokens=batch_size * (64 + max_new_tokens), max_num_seqs=batch_size, backend=backend)
+    for (name, adapter), d in zip(adapters.items(), adapter_dirs):
+        mm.load_adapter(name, d)
+        mods = sorted({m.rsplit(".", 1)[-1] for m in adapter.modules})
+        patterns = [k for k in ("rank_pattern", "alpha_pattern") if adapter.config.get(k)]
+        say(f"adapter {name}: rank {adapter.r}, alpha {adapter.lora_alpha:g}{', rslora' if adapter.use_rslora else ''}"
+            f"{''.join(f', {p}' for p in patterns)}: {', '.join(mods)}")
+    say(f"model: {type(model).__name__}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
+        f"{cfg.vocab_size}; {len(mm.layers)} LoRA layers, {num_slots} slots, max rank {max_rank}; device "
+        f"{device.type}, backend {mm.punica.backend}")
+    pad_id = cfg.pad_token_id if isinstance(cfg.pad_token_id, int) else 0
+    names = [BASE] + list(adapters)
+    requests = _demo_requests(cfg.vocab_size, names, num_requests, seed)
+    counts = {n: sum(1 for _, a, _ in requests if a == n) for n in names}
+    say(f"requests: {num_requests} ({counts[BASE]} without adapter, "
+        + ", ".join(f"{counts[n]} with {n}" for n in adapters)
+        + f"), {max_new_tokens} new tokens each, batches of {batch_size}")
+
+    def lora_generate(ids, mask, names, **kw):
+        return mm.generate(ids, attention_mask=mask, adapter_names=names, **kw)
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+    def plain_generate(ids, mask, names, **kw):
+        with torch.no_grad():
+            return reference.generate(ids, attention_mask=mask, **kw)
+
+    kw = dict(device=device, batch_size=batch_size, pad_id=pad_id)
+    warm = requests[:min(batch_size, len(requests))]
+    serve(lora_generate, warm, max_new_tokens=2, **kw)                 # warm-up (kernels, allocator)
+    serve(plain_generate, warm, max_new_tokens=2, **kw)
+    before = dict(mm.adapters.stats)
+    say("serving (mixed adapters):")
+    served, seconds, generated = serve(lora_generate, requests, max_new_tokens=max_new_tokens, say=say, **kw)
+    _, base_seconds, _ = serve(plain_generate, requests, max_new_tokens=max_new_tokens, **kw)
+    say(f"mixed adapters:              {generated} tokens in {seconds:.3f}s = {generated / seconds:.0f} tokens/s")
+    say(f"plain model (no LoRA hooks): {generated} tokens in {base_seconds:.3f}s = {generated / base_seconds:.0f} "
+        f"tokens/s ({100 * (seconds / base_seconds - 1):+.0f}% time with adapters, one run each)")
+    st = mm.adapters.stats
+    say(f"adapter slots: {st['slot_loads'] - before.get('slot_loads', 0)} slot loads, "
+        f"{st['evictions'] - before.get('evictions', 0)} evictions while serving")
+
+    peft_model = None
+    for name, d in zip(adapters, adapter_dirs):
+        if peft_model is None:
+            peft_model = peft.PeftModel.from_pretrained(reference, d, adapter_name=name).eval()
+        else:
+            peft_model.load_adapter(d, adapter_name=name)
+    ok, worst, changed = verify(peft_model, requests, served, device)
+    say(f"adapters changed {100 * changed:.0f}% of generated tokens against the base model")
+    say(f"largest logit error against PEFT: {worst:.1e} (relative; tolerance {RTOL:.0e})")
+    bad = sorted(rid for rid, good in ok.items() if not good)
+    if bad:
+        say(f"MISMATCH: requests {bad}")
+    say(f"done in {time.perf_counter() - t_start:.1f}s")
+    say(f"verified: {sum(ok.values())}/{len(ok)} requests match PEFT outputs")
+    return 0 if not bad else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="torch-lora", description="Multi-LoRA (Punica) serving for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="serve mixed-adapter batches through MultiLoRAModel and verify them "
+                                       "against PEFT",
+                          description="Without arguments: build a tiny random Llama and 3 adapters saved by peft "
+                                      "(ranks 4, 8, 16; rank/alpha patterns; rsLoRA with embed_tokens and lm_head), "
+                                      "serve mixed-adapter requests in batches and check each against PEFT running "
+                                      "it alone. With MODEL_DIR (a transformers causal LM) and PEFT adapter "
+                                      "directories: the same on those.")
+    demo.add_argument("model_dir", nargs="?", help="Hugging Face causal LM directory")
+    demo.add_argument("adapter_dirs", nargs="*", help="PEFT LoRA directories (adapter_config.json + "
+                                                      "adapter_model.safetensors)")
+    demo.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
+    demo.add_argument("--batch-size", type=int, default=8, help="requests per batch (default 8)")
+    demo.add_argument("--max-new-tokens", type=int, default=8)
+    demo.add_argument("--slots", type=int, default=None, help="adapter slots (default: adapters + 1; fewer "
+                                                              "exercises LRU eviction)")
+    demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    demo.add_argument("--backend", default=None, help="force the wrapper's backend (torch, triton)")
+    demo.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from .adapters import AdapterError
+    try:
+        return run_demo(args.model_dir, args.adapter_dirs, num_requests=args.requests, batch_size=args.batch_size,
+                        max_new_tokens=args.max_new_tokens, slots=args.slots, device=args.device,
+                        backend=args.backend, seed=args.seed)
+    except (AdapterError, ValueError, FileNotFoundError, OSError) as e:
+        print(f"torch-lora demo: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Multi-LoRA layers for PyTorch: stacked adapter weights in fixed slots, computed through a PunicaWrapper.
+
+Each layer holds the LoRA weights of every slot for one place of a model and adds, to the output
+of the model's own module, each token's adapter's LoRA term:
+
+| layer | base module | buffers (L = max_loras slots, r = max_rank) | wrapper call |
+|---|---|---|---|
+| `LoRALinear` | one `nn.Linear`, or several that read the same input (q/k/v, gate/up) | `lora_a` (S, L, r, in), `lora_b_<s>` (L, n_s, r) | one `add_lora_linear` over the S slices |
+| `LoRAEmbedding` | `nn.Embedding` | `lora_a` (L, V, r), `lora_b` (L, D, r) | row lookup at `embeddings_indices[1]`, then `add_lora_embedding` |
+| `LoRALogits` | the LM head (`nn.Linear`) | `lora_a` (L, r, H), `lora_b` (L, V, r) | `add_lora_logits` on the sampled rows |
+
+Every layer also has `lora_ranks` (L,) int32: each slot's real rank in this layer (0 for an empty
+slot), passed to the kernels as `lora_ranks` so they skip the zero padding. The adapter's scaling is
+folded into `lora_b` when it is placed (`torch_lora.adapters`), so the layers call the wrapper with
+scale 1. The buffers are allocated once and written in place (slot by slot): their addresses never
+change, so a CUDA graph captured once keeps reading the current adapters.
+
+The layers never run their base module: `apply(...)` takes the base module's input and output and
+adds the LoRA term to the output in place (`torch_lora.hf` calls it from forward hooks). Inference
+only: an output that requires grad is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .wrapper import PunicaWrapper
+
+__all__ = ["LoRAEmbedding", "LoRALinear", "LoRALogits"]
+
+
+def _positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be an int > 0, got {value!r}")
+    return value
+
+
+class _LoRALayer(nn.Module):
+    """What every multi-LoRA layer shares: its slots, its ranks and the wrapper it computes through.
+
+    module_names: the Hugging Face names of the modules whose LoRA weights the layer holds (one per
+    slice; an adapter's tensors for module m go to the slice of m). Each layer's `slot_views(slot)`
+    returns that slot's tensors (views of the buffers) in the order `torch_lora.adapters` lays out
+    an adapter's host data for the layer; `lora_ranks` is written separately.
+    """
+
+    kind = ""
+
+    def __init__(self, module_names: Sequence[str], *, max_loras: int, max_rank: int, device, punica=None):
+        super().__init__()
+        self.module_names = tuple(module_names)
+        self.max_loras = _positive("max_loras", max_loras)
+        self.max_rank = _positive("max_rank", max_rank)
+        self.punica: Optional[PunicaWrapper] = punica
+        self.register_buffer("lora_ranks", torch.zeros(max_loras, dtype=torch.int32, device=device),
+                             persistent=False)
+
+    def _wrapper(self) -> PunicaWrapper:
+        if self.punica is None:
+            raise RuntimeError(f"LoRA layer for {self.module_names[0]!r} has no PunicaWrapper: set layer.punica "
+                               "(torch_lora.hf.MultiLoRAModel does)")
+        return self.punica
+
+    def _check_step(self, out: torch.Tensor, num_rows: int, mapped: Optional[int], what: str) -> None:
+        if out.requires_grad:
+            raise RuntimeError(f"LoRA layer for {self.module_names[0]!r}: multi-LoRA layers serve inference only; run "
+                               "the model under torch.no_grad() or torch.inference_mode()")
+        if num_rows != (mapped or 0):
+            raise ValueError(f"LoRA layer for {self.module_names[0]!r}: the input has {num_rows} {what}, but the step's "
+                             f"LoRA metadata maps {mapped or 0}; call MultiLoRAModel.prepare_step(...) (or "
+                             "PunicaWrapper.update_metadata) for this batch shape before calling the model directly")
+
+
+class LoRALinear(_LoRALayer):
+    """Stacked LoRA weights of one `nn.Linear`, or of several linears that read the same input.
+
+    A group (q/k/v of an attention, gate/up of an MLP) is one multi-slice layer: the first member
+    called with an input computes every slice's LoRA term in ONE `add_lora_linear` call into a
+    `(T, sum(output_slices))` buffer; each member (the first included) then adds its columns to its
+    own output. A member called with another input recomputes the group for that input, so the
+    result is right whatever the model does; it is one call per group when the members share their
+    input, as they do in the decoder families `torch_lora.hf` groups.
+
+    Args:
+      module_names: names of the S member modules, in slice order.
+      in_features: H, the input width every member shares.
+      output_slices: (n_0, ..., n_{S-1}), each member's output width.
+    Buffers: lora_a (S, L, r, H); lora_b_<s> (L, n_s, r) (scaling folded in); lora_ranks (L,) int32.
+    """
+
+    kind = "linear"
+
+    def __init__(self, module_names: Sequence[str], in_features: int, output_slices: Sequence[int], *,
+                 max_loras: int, max_rank: int, dtype: torch.dtype, device, punica=None):
+        super().__init__(module_names, max_loras=max_loras, max_rank=max_rank, device=device, punica=punica)
+        self.in_features = _positive("in_features", in_features)
+        self.output_slices = tuple(_positive("output_slices[i]", int(n)) for n in output_slices)
+        if len(self.output_slices) != len(self.module_names):
+            raise ValueError(f"output_slices must have one width per module ({len(self.module_names)}), got "
+                             f"{len(self.output_slices)}")
+        self.offsets = tuple(sum(self.output_slices[:s]) for s in range(len(self.output_slices)))
+        self.out_features = sum(self.output_slices)
+        self.register_buffer("lora_a", torch.zeros(len(self.module_names), max_loras, max_rank, in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        for s, n in enumerate(self.output_slices):
+            self.register_buffer(f"lora_b_{s}", torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device),
+                                 persistent=False)
+        self._stacks = None
+        self._pending = None          # [input, LoRA terms (..., out_features), members served]
+
+    @property
+    def lora_b(self) -> tuple:
+        """(lora_b_0, ..., lora_b_{S-1}), each (L, n_s, r)."""
+        return tuple(getattr(self, f"lora_b_{s}") for s in range(len(self.module_names)))
+
+    def _weights(self) -> tuple:
+        """Per-slice A views (L, r, H) and the B buffers, as persistent objects: the wrapper caches
+        its argument checks per weight tensor object. Rebuilt if the buffers were replaced (.to())."""
+        if self._stacks is None or self._stacks[0] is not self.lora_a:
+            self._stacks = (self.lora_a, tuple(self.lora_a[s] for s in range(len(self.module_names))), self.lora_b)
+        return self._stacks[1], self._stacks[2]
+
+    def slot_views(self, slot: int) -> tuple:
+        """(A_0 (r, H), ..., A_{S-1}, B_0 (n_0, r), ..., B_{S-1}) of `slot`."""
+        return tuple(self.lora_a[s, slot] for s in range(len(self.module_names))) + tuple(b[slot] for b in self.lora_b)
+
+    def lora_terms(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(..., out_features) in `dtype`: every slice's LoRA term for x (..., H), 0 for tokens without
+        an adapter."""
+        punica = self._wrapper()
+        a, b = self._weights()
+        terms = torch.zeros(x.shape[:-1] + (self.out_features,), dtype=dtype, device=x.device)
+        punica.add_lora_linear(terms, x, a, b, None, 1.0, self.output_slices, lora_ranks=self.lora_ranks)
+        return terms
+
+    def apply(self, member: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += the LoRA term of slice `member` for x, in place; returns out.
+
+        x: (..., H), the member module's input; out: (..., n_member), its output.
+        """
+        punica = self._wrapper()
+        self._check_step(out, x.numel() // self.in_features, punica.indices_len[0], "tokens")
+        if len(self.module_names) == 1:
+            a, b = self._weights()
+            punica.add_lora_linear(out, x, a, b, None, 1.0, self.output_slices, lora_ranks=self.lora_ranks)
+            return out
+        pending = self._pending
+        if pending is None or pending[0] is not x or member in pending[2]:
+            pending = self._pending = [x, self.lora_terms(x, out.dtype), set()]
+        off, width = self.offsets[member], self.output_slices[member]
+        out += pending[1][..., off:off + width]
+        pending[2].add(member)
+        if len(pending[2]) == len(self.module_names):
+            self._pending = None      # every member served: release the input and the terms
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"modules={list(self.module_names)}, in_features={self.in_features}, output_slices={self.output_slices}, "
+                f"max_loras={self.max_loras}, max_rank={self.max_rank}")
+
+
+class LoRAEmbedding(_LoRALayer):
+    """Stacked LoRA weights of an `nn.Embedding` (PEFT's lora_embedding_A / lora_embedding_B).
+
+    The term for token id v of an adapter in slot l is `lora_a[l, v] @ lora_b[l].T`, times the base
+    module's `embed_scale` when it has one (Gemma 3's scaled embedding; PEFT scales the LoRA term
+    the same way), folded into lora_b when the adapter is placed.
+
+    Buffers: lora_a (L, V, r) (A transposed: one row per token id); lora_b (L, D, r); lora_ranks.
+    """
+
+    kind = "embedding"
+
+    def __init__(self, module: str, num_embeddings: int, embedding_dim: int, *, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device, embed_scale: float = 1.0, punica=None):
+        super().__init__((module,), max_loras=max_loras, max_rank=max_rank, device=device, punica=punica)
+        self.num_embeddings = _positive("num_embeddings", num_embeddings)
+        self.embedding_dim = _positive("embedding_dim", embedding_dim)
+        self.embed_scale = float(embed_scale)
+        self.register_buffer("lora_a", torch.zeros(max_loras, num_embeddings, max_rank, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, embedding_dim, max_rank, dtype=dtype, device=device),
+                             persistent=False)
+
+    def slot_views(self, slot: int) -> tuple:
+        """(A (V, r), B (D, r)) of `slot`."""
+        return self.lora_a[slot], self.lora_b[slot]
+
+    def apply(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += the LoRA term of each token, in place; returns out. ids: (...) token ids (int);
+        out: (..., D), the embedding's output."""
+        punica = self._wrapper()
+        self._check_step(out, ids.numel(), punica.indices_len[0], "tokens")
+        # Row `slot * V + id` of the flattened (L * V, r) table (embeddings_indices[1] = slot * V: the
+        # step must be prepared with vocab_size = V); tokens without adapter read slot 0's row and
+        # are then skipped by add_lora_embedding (their index is -1).
+        rows = punica.embeddings_indices[1] + ids.reshape(-1)
+        after_a = self.lora_a.view(-1, self.max_rank).index_select(0, rows)
+        punica.add_lora_embedding(out.view(-1, self.embedding_dim), after_a.to(out.dtype), self.lora_b,
+                                  lora_ranks=self.lora_ranks)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"module={self.module_names[0]!r}, num_embeddings={self.num_embeddings}, embedding_dim="
+                f"{self.embedding_dim}, max_loras={self.max_loras}, max_rank={self.max_rank}")
+
+
+class LoRALogits(_LoRALayer):
+    """Stacked LoRA weights of the LM head; each logits row uses its sampled row's adapter (the
+    wrapper's sampler indices: `prompt_mapping`, one entry per row of logits).
+
+    Buffers: lora_a (L, r, H); lora_b (L, V, r) (scaling folded in); lora_ranks (L,) int32.
+    """
+
+    kind = "logits"
+
+    def __init__(self, module: str, in_features: int, out_features: int, *, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device, punica=None):
+        super().__init__((module,), max_loras=max_loras, max_rank=max_rank, device=device, punica=punica)
+        self.in_features = _positive("in_features", in_features)
+        self.out_features = _positive("out_features", out_features)
+        self.register_buffer("lora_a", torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device),
+                             persistent=False)
+
+    def slot_views(self, slot: int) -> tuple:
+        """(A (r, H), B (V, r)) of `slot`."""
+        return self.lora_a[slot], self.lora_b[slot]
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += the LoRA term of each logits row, in place; returns out. x: (..., H), the head's
+        input; out: (..., V), its output (one row per entry of the step's prompt mapping)."""
+        punica = self._wrapper()
+        self._check_step(out, x.numel() // self.in_features, punica.indices_len[1], "rows of logits")
+        punica.add_lora_logits(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a,
+                               self.lora_b, 1.0, lora_ranks=self.lora_ranks)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"module={self.module_names[0]!r}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"max_loras={self.max_loras}, max_rank={self.max_rank}")
