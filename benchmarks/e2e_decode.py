@@ -981,6 +981,23 @@ def env_meta(args, cfg) -> dict:
     return meta
 
 
+def memory_meta(args) -> dict:
+    """Peak device memory so far (GB): torch's caching allocator and JAX's, which share the GPU."""
+    if args.smoke:
+        return {}
+    import jax
+    import torch
+    out = dict(torch_max_allocated=torch.cuda.max_memory_allocated() / 1e9,
+               torch_max_reserved=torch.cuda.max_memory_reserved() / 1e9)
+    stats = jax.devices()[0].memory_stats() or {}
+    for key in ("peak_bytes_in_use", "bytes_limit"):
+        if key in stats:
+            out[f"jax_{key}"] = stats[key] / 1e9
+    free, total = torch.cuda.mem_get_info()
+    out["device_in_use"] = (total - free) / 1e9
+    return out
+
+
 def select_cases(args) -> list:
     if args.smoke:
         cases = smoke_cases()
@@ -1034,7 +1051,7 @@ def main(argv=None) -> int:
     def report(final: bool) -> dict:
         failed = [r["case"] for r in bench.results for fw in bench.frameworks if not r[fw]["check_passed"]]
         out = dict(meta={**meta, "phases_s": bench.phases, "wall_s": time.perf_counter() - t_start,
-                         "complete": final},
+                         "complete": final, "memory_gb": memory_meta(args)},
                    cases=bench.results,
                    summary=dict(cases=len(bench.results), planned=len(cases), checks_failed=failed))
         with open(base + ".json", "w") as f:
