@@ -132,6 +132,10 @@ def full_cases(ranks=(16, 64)) -> list:
 
 
 QUICK = ("dec B32 D8 r16", "dec B256 D32 r64", "pre 4x2048 D4 r16")
+# Order of the step shapes within a rank: BENCHMARKS.md's model-step targets first (decode batch
+# <= 32 with 8 adapters, prefill of 8192 tokens), so a run cut short by its budget has them.
+SHAPE_ORDER = (("dec", 32, 1), ("dec", 8, 1), ("dec", 1, 1), ("pre", 4, 2048), ("dec", 128, 1), ("dec", 256, 1),
+               ("pre", 1, 2048))
 
 
 def smoke_cases() -> list:
@@ -521,6 +525,7 @@ class Bench:
         self.frameworks = [f for f in args.frameworks.split(",") if f]
         self.steps = args.steps
         self.phases = {}
+        self.t_start = getattr(args, "t_start", None) or time.perf_counter()
         t0 = time.perf_counter()
         self.jm = JaxModel(cfg)
         self._sync_jax()
@@ -539,6 +544,9 @@ class Bench:
         self._states = None
         self._jax_base = self._jax_lora = self._jax_lora_rank = None
         self.results = []
+        self.skipped = []
+        self.budget_s = args.budget_s
+        self.shape_costs = {}          # step kind -> seconds each step shape took (set-up, checks, timing)
         self.on_result = None          # called after every case (the partial results are written)
 
     # ---------------------------------------------------------------- setup
@@ -718,12 +726,22 @@ class Bench:
 
     # ---------------------------------------------------------------- cases
     def run(self):
+        """Every case, rank by rank (LoRA weights rebuilt once per rank), step shape by step shape
+        in SHAPE_ORDER. With a time budget, a step shape whose projected cost (the most a shape of
+        its kind has cost so far) would end past the budget is skipped and listed in `skipped`."""
         by_rank = {}
         for c in self.cases:
             by_rank.setdefault(c.rank, []).append(c)
         shapes = {}
         jax_compiled_base = set()
         for rank in sorted(by_rank):
+            by_shape = {}
+            for c in by_rank[rank]:
+                by_shape.setdefault(c.shape, []).append(c)
+            keys = sorted(by_shape, key=lambda k: SHAPE_ORDER.index(k) if k in SHAPE_ORDER else len(SHAPE_ORDER))
+            if all(self.over_budget(k) for k in keys):
+                self.skip([c for k in keys for c in by_shape[k]])
+                continue
             t0 = time.perf_counter()
             self.td.drop_lora()
             self._torch_sync()
@@ -733,18 +751,31 @@ class Bench:
             self._states = self.jm.states()
             self.td.load_lora()
             self.phases[f"set_rank_{rank}_s"] = time.perf_counter() - t0
-            by_shape = {}
-            for c in by_rank[rank]:
-                by_shape.setdefault(c.shape, []).append(c)
-            for key, cases in by_shape.items():
+            for key in keys:
+                if self.over_budget(key):
+                    self.skip(by_shape[key])
+                    continue
+                t0 = time.perf_counter()
                 shape = shapes.get(key)
                 if shape is None:
                     shape = shapes[key] = Shape(self, *key)
-                self.run_shape(shape, cases, jax_compiled_base)
+                self.run_shape(shape, by_shape[key], jax_compiled_base)
                 gc.collect()
                 if self.cuda:
                     import torch
                     torch.cuda.empty_cache()
+                self.shape_costs.setdefault(key[0], []).append(time.perf_counter() - t0)
+
+    def over_budget(self, key) -> bool:
+        if self.budget_s is None:
+            return False
+        costs = self.shape_costs.get(key[0]) or [c for v in self.shape_costs.values() for c in v]
+        return time.perf_counter() - self.t_start + max(costs, default=0.0) > self.budget_s
+
+    def skip(self, cases) -> None:
+        for c in cases:
+            self.skipped.append(c.name)
+            print(f"{c.name:22s} skipped: the time budget ({self.budget_s:.0f} s) would be exceeded", flush=True)
 
     def run_shape(self, shape: Shape, cases: list, jax_compiled_base: set):
         """The cases of one step shape at the current rank: each framework's base and LoRA step
@@ -962,7 +993,7 @@ def env_meta(args, cfg) -> dict:
                 jax_device=str(jax.devices()[0]), torch=torch.__version__, python=platform.python_version(),
                 numpy=np.__version__, commit=commit, source_digest=source_digest(), host_cpu=host_cpu(),
                 smoke=bool(args.smoke), peak_gbs=PEAK_GBS, num_slots=NUM_SLOTS, b_scale=B_SCALE,
-                max_len=args.max_len, steps=args.steps, frameworks=args.frameworks,
+                max_len=args.max_len, steps=args.steps, frameworks=args.frameworks, budget_s=args.budget_s,
                 tolerances=dict(err=TOL_ERR, err_over_effect=TOL_ERR_OVER_EFFECT),
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -1022,11 +1053,18 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps per case and step kind (decode; "
                    "prefill a quarter, at least 3). Default 20 (smoke 3)")
     p.add_argument("--max-len", type=int, default=None, help="decode KV positions per row (default 1024, smoke 32)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop starting step shapes that would end past this many seconds of the run (default "
+                        "450 on the GPU, none with --smoke); skipped cases are listed in summary.skipped")
     p.add_argument("--tag", default="")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
     args = p.parse_args(argv)
     args.steps = args.steps or (3 if args.smoke else 20)
     args.max_len = args.max_len or (32 if args.smoke else 1024)
+    if args.budget_s is None and not args.smoke:
+        args.budget_s = 450.0
+    if args.budget_s is not None and args.budget_s <= 0:
+        args.budget_s = None
     cases = select_cases(args)
     if args.list or not cases:
         for c in cases:
@@ -1040,7 +1078,7 @@ def main(argv=None) -> int:
                                    " --xla_backend_optimization_level=0").strip()
         import torch
         torch.set_num_threads(1)
-    t_start = time.perf_counter()
+    t_start = args.t_start = time.perf_counter()
     cfg = model_config(args.smoke)
     meta = env_meta(args, cfg)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -1053,7 +1091,8 @@ def main(argv=None) -> int:
         out = dict(meta={**meta, "phases_s": bench.phases, "wall_s": time.perf_counter() - t_start,
                          "complete": final, "memory_gb": memory_meta(args)},
                    cases=bench.results,
-                   summary=dict(cases=len(bench.results), planned=len(cases), checks_failed=failed))
+                   summary=dict(cases=len(bench.results), planned=len(cases), checks_failed=failed,
+                                skipped=bench.skipped))
         with open(base + ".json", "w") as f:
             json.dump(out, f, indent=1)
         return out
@@ -1070,6 +1109,8 @@ def main(argv=None) -> int:
         print(f"no plot ({e})")
     print(md)
     print(f"wrote {base}.json / .md / .png in {out['meta']['wall_s']:.0f} s")
+    if bench.skipped:
+        print(f"skipped for the time budget: {bench.skipped}")
     if out["summary"]["checks_failed"]:
         print(f"CHECK FAILED: {out['summary']['checks_failed']}")
         return 1
