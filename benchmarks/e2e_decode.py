@@ -47,6 +47,10 @@ LoRA delta computed separately, (x @ A[slot].T) @ B[slot].T in float32 per adapt
 step's logits of those sequences must match it (relative Frobenius error), the base step's must
 match the reference without deltas, and the LoRA error must be small against the LoRA's effect on
 the logits. A framework whose check fails reports no time for that case (and the run exits 1).
+
+Step shapes run rank by rank (the adapters rebuilt once per rank) in SHAPE_ORDER, BENCHMARKS.md's
+targets first; --budget-s skips a step shape whose projected cost would end past the budget. The
+JSON is rewritten after every case, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -76,8 +80,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 PEAK_GBS = 4300.0
 NUM_SLOTS = 32
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The LoRA'd linears of one layer: (name, LoRA input width, output slice widths) from the config.
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # Scale of B against a unit-variance LoRA path: each adapter changes its projection's output by
 # about half the base output's size, so a wrong or missing delta moves the logits far outside the
 # bf16 noise of a correct one (the check needs that contrast; timing does not depend on it).
@@ -181,11 +183,6 @@ def slots_of(case: Case, seed: int) -> np.ndarray:
     chosen = rng.permutation(NUM_SLOTS)[: case.adapters]
     per_row = chosen[np.arange(case.rows) % case.adapters]
     return per_row[rng.permutation(case.rows)] if case.kind == "dec" else per_row
-
-
-def checked_rows(case: Case) -> list:
-    """The sequences whose logits the reference checks: the first and the last."""
-    return sorted({0, case.rows - 1})
 
 
 # ------------------------------------------------------------------------------------------ JAX model
@@ -488,7 +485,6 @@ class Shape:
         else:
             pos = np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq)).copy()
             sample = np.full(rows, seq - 1, np.int32)
-        self.np_tokens, self.np_positions = tokens, pos
         self.j_args = jax.device_put((jnp.asarray(tokens), jnp.asarray(pos), jnp.arange(rows, dtype=jnp.int32),
                                       jnp.asarray(sample)))
         dev = bench.device
@@ -596,7 +592,7 @@ class Bench:
         """Logits (len(checked rows), V) float64 of the checked sequences: the eager plain-torch step
         on those rows alone, LoRA deltas computed separately per adapter (or none)."""
         import torch
-        rows = checked_rows_of(shape)
+        rows = checked_rows(shape)
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         groups = None
         if lora:
@@ -637,7 +633,8 @@ class Bench:
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(g, stream=s):
+        # thread_local: JAX's runtime threads may touch CUDA while this thread captures
+        with torch.no_grad(), torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
             out = step()
         g.replay()
         torch.cuda.synchronize()
@@ -713,15 +710,23 @@ class Bench:
         """Per flag (LoRA on/off), n step times in us, interleaved: host clock from the jitted call
         to `block_until_ready` of the step's next tokens (dispatch included; the outputs of one
         execution become ready together)."""
+        import jax
+        _g, lora_state, rest, empty = self._states
+        base_fn, lora_fn = self._jax_jits()
+        calls = [(lora_fn, lora_state, self.j_punica) if lora else (base_fn, empty, None) for lora in flags]
+        cache = self.dec_cache if shape.kind == "dec" else shape.j_cache
         times = [[] for _ in flags]
         for _ in range(n):
-            for i, lora in enumerate(flags):
+            for i, (fn, lora_arg, punica) in enumerate(calls):
                 t0 = time.perf_counter()
-                _logits, tok = self.jax_run(shape, lora, wait=False)
+                cache, tok, _logits = fn(lora_arg, rest, cache, punica, *shape.j_args, flags[i])
                 tok.block_until_ready()
                 times[i].append((time.perf_counter() - t0) * 1e6)
-        import jax
-        jax.block_until_ready(self.dec_cache if shape.kind == "dec" else shape.j_cache)
+        jax.block_until_ready(cache)
+        if shape.kind == "dec":
+            self.dec_cache = cache
+        else:
+            shape.j_cache = cache
         return times
 
     # ---------------------------------------------------------------- cases
@@ -808,7 +813,7 @@ class Bench:
                 runs["jax"] = True
             except Exception as e:  # noqa: BLE001
                 errors["jax"] = _error("jax", e)
-        rows = checked_rows_of(shape)
+        rows = checked_rows(shape)
         base_ref = self.reference(shape, None, lora=False)
         for case in cases:
             t_case = time.perf_counter()
@@ -872,7 +877,8 @@ def _error(fw: str, e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def checked_rows_of(shape: Shape) -> list:
+def checked_rows(shape: Shape) -> list:
+    """The sequences whose logits the reference checks: the batch's first and last."""
     return sorted({0, shape.rows - 1})
 
 
