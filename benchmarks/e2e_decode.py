@@ -543,6 +543,8 @@ class Bench:
         self.skipped = []
         self.budget_s = args.budget_s
         self.shape_costs = {}          # step kind -> seconds each step shape took (set-up, checks, timing)
+        self._jax_base_compiled = set()
+        self._last_precompile_s = 0.0
         self.on_result = None          # called after every case (the partial results are written)
 
     # ---------------------------------------------------------------- setup
@@ -694,7 +696,7 @@ class Bench:
         import jax
         _g, lora_state, rest, empty = self._states
         base_fn, lora_fn = self._jax_jits()
-        cache = self.dec_cache if shape.kind == "dec" else shape.j_cache
+        cache = self._jax_cache(shape)
         fn = lora_fn if lora else base_fn
         cache, tok, logits = fn(lora_state if lora else empty, rest, cache, self.j_punica if lora else None,
                                 *shape.j_args, lora)
@@ -714,7 +716,7 @@ class Bench:
         _g, lora_state, rest, empty = self._states
         base_fn, lora_fn = self._jax_jits()
         calls = [(lora_fn, lora_state, self.j_punica) if lora else (base_fn, empty, None) for lora in flags]
-        cache = self.dec_cache if shape.kind == "dec" else shape.j_cache
+        cache = self._jax_cache(shape)
         times = [[] for _ in flags]
         for _ in range(n):
             for i, (fn, lora_arg, punica) in enumerate(calls):
@@ -733,19 +735,20 @@ class Bench:
     def run(self):
         """Every case, rank by rank (LoRA weights rebuilt once per rank), step shape by step shape
         in SHAPE_ORDER. With a time budget, a step shape whose projected cost (the most a shape of
-        its kind has cost so far) would end past the budget is skipped and listed in `skipped`."""
+        its kind has cost so far, plus the last rank's compile time for a rank not compiled yet)
+        would end past the budget is skipped and listed in `skipped`."""
         by_rank = {}
         for c in self.cases:
             by_rank.setdefault(c.rank, []).append(c)
         shapes = {}
-        jax_compiled_base = set()
         for rank in sorted(by_rank):
             by_shape = {}
             for c in by_rank[rank]:
                 by_shape.setdefault(c.shape, []).append(c)
             keys = sorted(by_shape, key=lambda k: SHAPE_ORDER.index(k) if k in SHAPE_ORDER else len(SHAPE_ORDER))
-            if all(self.over_budget(k) for k in keys):
-                self.skip([c for k in keys for c in by_shape[k]])
+            run_keys = [k for k in keys if not self.over_budget(k, extra=self._last_precompile_s)]
+            self.skip([c for k in keys if k not in run_keys for c in by_shape[k]])
+            if not run_keys:
                 continue
             t0 = time.perf_counter()
             self.td.drop_lora()
@@ -756,33 +759,68 @@ class Bench:
             self._states = self.jm.states()
             self.td.load_lora()
             self.phases[f"set_rank_{rank}_s"] = time.perf_counter() - t0
-            for key in keys:
-                if self.over_budget(key):
+            for key in run_keys:
+                if key not in shapes:
+                    shapes[key] = Shape(self, *key)
+            if "jax" in self.frameworks and self.args.precompile:
+                try:
+                    self.precompile([shapes[k] for k in run_keys])
+                except Exception as e:  # noqa: BLE001 - the first calls compile instead
+                    _error("jax precompile", e)
+            for key in run_keys:
+                if key != run_keys[0] and self.over_budget(key):
                     self.skip(by_shape[key])
                     continue
                 t0 = time.perf_counter()
-                shape = shapes.get(key)
-                if shape is None:
-                    shape = shapes[key] = Shape(self, *key)
-                self.run_shape(shape, by_shape[key], jax_compiled_base)
+                self.run_shape(shapes[key], by_shape[key])
                 gc.collect()
                 if self.cuda:
                     import torch
                     torch.cuda.empty_cache()
                 self.shape_costs.setdefault(key[0], []).append(time.perf_counter() - t0)
 
-    def over_budget(self, key) -> bool:
+    def precompile(self, shapes: list) -> None:
+        """Compiles the JAX step programs of these step shapes before any is timed: base programs
+        not compiled yet one after another (each autotunes its own matrix products on the GPU),
+        then the current rank's LoRA programs concurrently (the compiler releases the GIL; their
+        matrix products are the base programs', already tuned). The jitted calls then find the
+        compiled programs in JAX's cache."""
+        from concurrent.futures import ThreadPoolExecutor
+        base_fn, lora_fn = self._jax_jits()
+        _g, lora_state, rest, empty = self._states
+        t0 = time.perf_counter()
+        for shape in shapes:
+            if shape.key not in self._jax_base_compiled:
+                base_fn.lower(empty, rest, self._jax_cache(shape), None, *shape.j_args, False).compile()
+                self._jax_base_compiled.add(shape.key)
+        t1 = time.perf_counter()
+        lowered = [lora_fn.lower(lora_state, rest, self._jax_cache(shape), self.j_punica, *shape.j_args, True)
+                   for shape in shapes]
+        with ThreadPoolExecutor(max_workers=min(8, len(lowered))) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
+        t2 = time.perf_counter()
+        rank = self.jm.rank
+        self.phases[f"jax_precompile_base_r{rank}_s"] = t1 - t0
+        self.phases[f"jax_precompile_lora_r{rank}_s"] = t2 - t1
+        self._last_precompile_s = t2 - t0
+        print(f"JAX programs compiled: base {t1 - t0:.1f} s, LoRA rank {rank} ({len(lowered)} programs, "
+              f"concurrently) {t2 - t1:.1f} s", flush=True)
+
+    def _jax_cache(self, shape: Shape):
+        return self.dec_cache if shape.kind == "dec" else shape.j_cache
+
+    def over_budget(self, key, extra: float = 0.0) -> bool:
         if self.budget_s is None:
             return False
         costs = self.shape_costs.get(key[0]) or [c for v in self.shape_costs.values() for c in v]
-        return time.perf_counter() - self.t_start + max(costs, default=0.0) > self.budget_s
+        return time.perf_counter() - self.t_start + extra + max(costs, default=0.0) > self.budget_s
 
     def skip(self, cases) -> None:
         for c in cases:
             self.skipped.append(c.name)
             print(f"{c.name:22s} skipped: the time budget ({self.budget_s:.0f} s) would be exceeded", flush=True)
 
-    def run_shape(self, shape: Shape, cases: list, jax_compiled_base: set):
+    def run_shape(self, shape: Shape, cases: list):
         """The cases of one step shape at the current rank: each framework's base and LoRA step
         built and warmed up once (torch: graphs captured; JAX: compiled), then per case the
         mapping written, the check, and the timing. A framework that fails to build or run the
@@ -799,15 +837,12 @@ class Bench:
                 errors["torch"] = _error("torch", e)
         if "jax" in self.frameworks:
             try:
-                base_key = shape.key
                 t0 = time.perf_counter()
                 self.jax_run(shape, False)
-                setup["jax_base_first_s" if base_key not in jax_compiled_base else "jax_base_warm_s"] = \
-                    time.perf_counter() - t0
-                jax_compiled_base.add(base_key)
+                setup["jax_base_first_call_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self.jax_run(shape, True)
-                setup["jax_lora_first_s"] = time.perf_counter() - t0
+                setup["jax_lora_first_call_s"] = time.perf_counter() - t0
                 for flag in (False, True):
                     self.jax_run(shape, flag)
                 runs["jax"] = True
@@ -1062,6 +1097,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting step shapes that would end past this many seconds of the run (default "
                         "450 on the GPU, none with --smoke); skipped cases are listed in summary.skipped")
+    p.add_argument("--no-precompile", dest="precompile", action="store_false",
+                   help="compile each JAX step program at its first call instead of ahead (LoRA programs of "
+                        "a rank concurrently)")
     p.add_argument("--tag", default="")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
     args = p.parse_args(argv)
