@@ -989,7 +989,7 @@ def plot(out, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8.5, 6))
-    pts = [(res, fw) for res in out["cases"] for fw in ("torch", "jax") if (res.get(fw) or {}).get("overhead_us")]
+    pts = [(res, fw) for res in out["cases"] for fw in ("torch", "jax") if (res.get(fw) or {}).get("lora_us")]
     if not pts:
         return
     floors = [res["floor_us"] for res, _ in pts]
@@ -999,19 +999,28 @@ def plot(out, path) -> None:
     ax.plot(xs, 1.2 * xs, "k:", lw=0.8, label="1.2x floor")
     style = {("torch", "dec"): ("o", "C0"), ("torch", "pre"): ("s", "C0"), ("jax", "dec"): ("o", "C3"),
              ("jax", "pre"): ("s", "C3")}
+    bottom = min([r[fw]["overhead_us"] for r, fw in pts if r[fw]["overhead_us"] > 0] + [lo]) / 3
     for fw in ("torch", "jax"):
         for kind in ("dec", "pre"):
             sel = [res for res, f in pts if f == fw and res["kind"] == kind]
             if not sel:
                 continue
             mk, col = style[(fw, kind)]
-            ax.scatter([r["floor_us"] for r in sel], [max(r[fw]["overhead_us"], lo / 10) for r in sel], marker=mk,
-                       c=col if fw == "torch" else "none", edgecolors=col, label=f"{fw} {'decode' if kind == 'dec' else 'prefill'}")
+            pos = [r for r in sel if r[fw]["overhead_us"] > 0]
+            ax.scatter([r["floor_us"] for r in pos], [r[fw]["overhead_us"] for r in pos], marker=mk,
+                       c=col if fw == "torch" else "none", edgecolors=col,
+                       label=f"{fw} {'decode' if kind == 'dec' else 'prefill'}")
+            neg = [r for r in sel if r[fw]["overhead_us"] <= 0]
+            if neg:
+                ax.scatter([r["floor_us"] for r in neg], [bottom] * len(neg), marker="v", c=col,
+                           label=f"{fw} {'decode' if kind == 'dec' else 'prefill'}: overhead <= 0 (not to scale)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("floor of the LoRA overhead per step (us): minimal bytes / 4300 GB/s")
     ax.set_ylabel("LoRA step - base step (us)")
-    ax.set_title(f"Llama-3-8B-shaped step, LoRA on 7 projections ({out['meta']['device']})")
+    c = out["meta"]["config"]
+    ax.set_title(f"{c['layers']}-layer decoder step (hidden {c['hidden']}, vocab {c['vocab']}), LoRA on 7 "
+                 f"projections, {out['meta']['device']}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
