@@ -924,10 +924,6 @@ def hash_case(case: Case) -> int:
 
 # ------------------------------------------------------------------------------------------ report
 
-def _fmt(v, spec=".1f", none="-"):
-    return none if v is None else format(v, spec)
-
-
 def line(res) -> str:
     parts = [f"{res['case']:22s} floor {res['floor_us']:9.1f} us"]
     for fw in ("torch", "jax"):
@@ -949,8 +945,10 @@ def line(res) -> str:
 
 
 def markdown(out) -> str:
+    torch_how = ("eager steps, host clock (--smoke: times mean nothing)" if out["meta"]["smoke"]
+                 else "CUDA-graph replay, CUDA events")
     lines = [
-        "Times: median per step. torch: CUDA-graph replay (CUDA events); JAX: host clock from the jitted call to "
+        f"Times: median per step. torch: {torch_how}; JAX: host clock from the jitted call to "
         "block_until_ready (dispatch included). overhead = LoRA step - base step; floor = LoRA path's minimal "
         f"bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits against the reference.",
         "",
@@ -981,6 +979,11 @@ def markdown(out) -> str:
                  if res.get("jax_over_torch_lora") else "-")
         cells += [ratio, " / ".join(errs)]
         lines.append("| " + " | ".join(cells) + " |")
+    summary = out.get("summary", {})
+    if summary.get("skipped"):
+        lines += ["", f"Skipped for the time budget: {', '.join(summary['skipped'])}."]
+    if summary.get("checks_failed"):
+        lines += ["", f"Check failed (no time reported): {', '.join(summary['checks_failed'])}."]
     return "\n".join(lines) + "\n"
 
 
