@@ -1,0 +1,1177 @@
+"""Model step benchmark: a Llama-3-8B-shaped decoder with LoRA on its seven projections, in JAX and
+in torch, base step against LoRA step, and the LoRA overhead against its bytes floor.
+
+    PYTHONPATH=. python benchmarks/e2e_decode.py --out benchmarks/results        # one H200, all cases
+    PYTHONPATH=. python benchmarks/e2e_decode.py --quick --out /tmp/e2e            # three step shapes
+    PYTHONPATH=. python benchmarks/e2e_decode.py --cases 'dec B32' --out /tmp/e2e  # a regex over names
+    PYTHONPATH=. python benchmarks/e2e_decode.py --smoke --out /tmp/e2e            # CPU, tiny model
+
+The model: 32 layers, hidden 4096, 32 query / 8 key-value heads of 128, intermediate 14336, vocab
+128256, bf16, random weights (never zeros), LoRA on q, k, v, o, gate, up, down in 32 slots (every
+slot filled, all at the case's rank). Both frameworks run the same weights: the JAX model owns them
+and torch reads them through DLPack (one copy in memory), so both compute the same function and one
+reference checks both. A step includes the embedding lookup, the final norm and the LM head on
+each sequence's last position (greedy next token too), as jax_lora.serving's step does.
+
+  * JAX: `jax_lora.models.llama.LlamaForCausalLM` after `add_lora`, the step body of
+    `jax_lora.serving` under `jax.jit` (KV cache donated), `jax_lora.PunicaWrapper` with the
+    Triton backend (the XLA FFI launcher). Base step: the same program with the LoRA layers off
+    (no wrapper). Timed per step on the host: the call to `block_until_ready`, median of N steps,
+    so JAX's dispatch of the step is included.
+  * torch: a lean decoder written here (RMSNorm, rotate-half RoPE, GQA attention over a static KV
+    cache with `scaled_dot_product_attention`, SiLU MLP), LoRA through
+    `torch_lora.PunicaWrapper.add_lora_linear` on the fused qkv (3 slices), o, gate_up (2 slices)
+    and down. Each step is one CUDA graph, captured once per step shape and rank; a case's mapping
+    is written with `update_metadata` (in place) before the replays. Timed with CUDA events around
+    each replay, median of N.
+  * Base and LoRA steps are timed alternately (base, LoRA, base, ...), so drift hits both alike.
+
+Cases: decode steps (every sequence one token, its own request) at batch 1, 8, 32, 128, 256 with
+1, 8 and 32 distinct adapters (at most the batch), rank 16 and 64; prefill of one sequence of 2048
+tokens (1 adapter) and of four sequences of 2048 = 8192 tokens (1 or 4 adapters). The decode KV
+cache has --max-len positions (1024) per row, positions in the middle; attention reads every
+position of the row under a mask, in both frameworks. A prefill step writes its keys and values
+into a cache of exactly its length and attends causally.
+
+Floor of the LoRA overhead (BENCHMARKS.md's minimal bytes of `add_lora_linear`, summed over the
+four LoRA'd linears of a layer and the 32 layers, all tokens with an adapter):
+    per linear: D * (S * r * H_in + r * N) * 2       A and B of the D active adapters at rank r
+              + T * H_in * 2                         x read again
+              + 2 * S * T * r * 4                    float32 rank buffer written and read
+              + 2 * T * N * 2                        y read and written
+    (S slices of total width N, input width H_in, T tokens), floor = bytes / 4300 GB/s.
+
+Correctness, before any time is taken: for one or two sequences of the batch, a reference step in
+plain torch, run eagerly on the same weights, computes every LoRA'd linear as base output plus the
+LoRA delta computed separately, (x @ A[slot].T) @ B[slot].T in float32 per adapter. The LoRA
+step's logits of those sequences must match it (relative Frobenius error), the base step's must
+match the reference without deltas, and the LoRA error must be small against the LoRA's effect on
+the logits. A framework whose check fails reports no time for that case (and the run exits 1).
+
+Step shapes run rank by rank (the adapters rebuilt once per rank) in SHAPE_ORDER, BENCHMARKS.md's
+targets first; --budget-s skips a step shape whose projected cost would end past the budget. The
+JSON is rewritten after every case, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import zlib
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")    # JAX and torch share the GPU
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+PEAK_GBS = 4300.0
+NUM_SLOTS = 32
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Scale of B against a unit-variance LoRA path: each adapter changes its projection's output by
+# about half the base output's size, so a wrong or missing delta moves the logits far outside the
+# bf16 noise of a correct one (the check needs that contrast; timing does not depend on it).
+B_SCALE = 0.5
+# Check tolerances on the logits of the checked sequences (relative Frobenius error). A correct
+# step differs from the reference by bf16 rounding carried through the layers (the attention is
+# float32 in JAX, SDPA in torch; sums run in other orders): 2-4% after 32 layers on a narrow
+# model on the CPU. A missing or wrong adapter moves the logits by about the LoRA's effect (~1.2).
+TOL_ERR = 0.15
+TOL_ERR_OVER_EFFECT = 0.2
+HOST_RANDOM_ELEMENTS = 1 << 24
+
+
+# ------------------------------------------------------------------------------------------ cases
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measured step: `rows` sequences of `seq` tokens (decode: seq 1), `adapters` distinct
+    adapters among them, every slot at rank `rank`."""
+
+    kind: str          # "dec" | "pre"
+    rows: int
+    seq: int
+    adapters: int
+    rank: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq
+
+    @property
+    def shape(self) -> tuple:
+        """What a compiled program / captured graph depends on besides the rank."""
+        return (self.kind, self.rows, self.seq)
+
+    @property
+    def name(self) -> str:
+        where = f"B{self.rows}" if self.kind == "dec" else f"{self.rows}x{self.seq}"
+        return f"{self.kind} {where} D{self.adapters} r{self.rank}"
+
+
+def full_cases(ranks=(16, 64)) -> list:
+    cases = []
+    for r in ranks:
+        for b in (1, 8, 32, 128, 256):
+            for d in sorted({min(b, 1), min(b, 8), min(b, 32)}):
+                cases.append(Case("dec", b, 1, d, r))
+        cases.append(Case("pre", 1, 2048, 1, r))
+        cases.append(Case("pre", 4, 2048, 1, r))
+        cases.append(Case("pre", 4, 2048, 4, r))
+    return cases
+
+
+QUICK = ("dec B32 D8 r16", "dec B256 D32 r64", "pre 4x2048 D4 r16")
+# Order of the step shapes within a rank: BENCHMARKS.md's model-step targets first (decode batch
+# <= 32 with 8 adapters, prefill of 8192 tokens), so a run cut short by its budget has them.
+SHAPE_ORDER = (("dec", 32, 1), ("dec", 8, 1), ("dec", 1, 1), ("pre", 4, 2048), ("dec", 128, 1), ("dec", 256, 1),
+               ("pre", 1, 2048))
+
+
+def smoke_cases() -> list:
+    return [Case("dec", 4, 1, 1, 4), Case("dec", 4, 1, 2, 4), Case("dec", 4, 1, 2, 8), Case("pre", 2, 16, 2, 4)]
+
+
+def model_config(smoke: bool):
+    from jax_lora.models.llama import LlamaConfig
+    if smoke:
+        return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                           rope_theta=500000.0)
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, max_position_embeddings=8192)
+
+
+def projections(cfg) -> dict:
+    """{name: (LoRA input width, output slice widths)} of the four LoRA'd linears of a layer."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": (h, (cfg.q_size, cfg.kv_size, cfg.kv_size)), "o": (cfg.q_size, (h,)),
+            "gate_up": (h, (i, i)), "down": (i, (h,))}
+
+
+def floor_bytes(cfg, tokens: int, adapters: int, rank: int) -> int:
+    """Minimal bytes of the LoRA path of one step (module docstring): BENCHMARKS.md's
+    `add_lora_linear` bytes of every LoRA'd linear, all `tokens` with an adapter."""
+    from bench_triton import min_bytes
+    per_layer = sum(min_bytes(tokens, adapters, widths, rank, H=h_in) for h_in, widths in projections(cfg).values())
+    return per_layer * cfg.num_hidden_layers
+
+
+def adapter_bytes(cfg, rank: int) -> int:
+    """bf16 bytes of one adapter's A and B over the 7 targets and all layers."""
+    per_layer = sum(rank * (len(w) * h_in + sum(w)) for h_in, w in projections(cfg).values())
+    return 2 * per_layer * cfg.num_hidden_layers
+
+
+def slots_of(case: Case, seed: int) -> np.ndarray:
+    """(rows,) int slot of each sequence: exactly `adapters` distinct slots, each used at least once,
+    shuffled over the rows."""
+    rng = np.random.default_rng(seed)
+    chosen = rng.permutation(NUM_SLOTS)[: case.adapters]
+    per_row = chosen[np.arange(case.rows) % case.adapters]
+    return per_row[rng.permutation(case.rows)] if case.kind == "dec" else per_row
+
+
+# ------------------------------------------------------------------------------------------ JAX model
+
+def _random_arrays(key, specs: tuple) -> list:
+    """Arrays drawn from N(offset, scale^2) in float32 and cast, one per (shape, dtype name, scale,
+    offset) of `specs`, with independent keys."""
+    import jax
+    import jax.numpy as jnp
+    keys = jax.random.split(key, len(specs))
+    return [(jax.random.normal(k, shape, jnp.float32) * scale + offset).astype(dtype)
+            for k, (shape, dtype, scale, offset) in zip(keys, specs)]
+
+
+@functools.lru_cache(maxsize=None)
+def _random_jit():
+    """`_random_arrays` as one program per list of specs (a handful of compiles per run, not one per
+    array shape)."""
+    import jax
+    return jax.jit(_random_arrays, static_argnums=(1,))
+
+
+class JaxModel:
+    """The JAX model with random bf16 weights: kernels N(0, 1/in), embeddings N(0, 1), norm weights
+    1 + N(0, 0.1^2); after `add_lora` on the 7 targets with NUM_SLOTS slots. `set_rank(r)` fills every
+    slot with a random rank-r adapter: A (S, L, r, in) ~ N(0, 1/in), B (L, out, r) ~ N(0, B_SCALE^2/r),
+    lora_ranks r."""
+
+    def __init__(self, cfg, seed: int = 0):
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from jax_lora.models import llama
+
+        self.cfg = cfg
+        self._key = jax.random.PRNGKey(seed)
+        self._rng = np.random.default_rng(seed)
+        model = nnx.eval_shape(lambda: llama.LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        specs = []
+        for path, leaf in leaves:
+            name = jax.tree_util.keystr(path)
+            if "norm" in name:
+                specs.append((tuple(leaf.shape), leaf.dtype.name, 0.1, 1.0))
+            else:
+                scale = 1.0 if "embedding" in name else 1.0 / math.sqrt(leaf.shape[0])
+                specs.append((tuple(leaf.shape), leaf.dtype.name, scale, 0.0))
+        state = jax.tree_util.tree_unflatten(treedef, self.random(specs))
+        self.model = nnx.merge(graphdef, state)
+        llama.add_lora(self.model, max_loras=NUM_SLOTS, max_rank=1, target_modules=LORA_TARGETS,
+                       dtype=jnp.bfloat16)
+        self.rank = None
+
+    def random(self, specs) -> list:
+        """Arrays for (shape, dtype name, scale, offset) specs: N(offset, scale^2), fresh keys.
+        Drawn on the device in one program; a small model's (under HOST_RANDOM_ELEMENTS in all)
+        on the host with NumPy, which costs no compilation."""
+        import jax
+        import jax.numpy as jnp
+        specs = tuple(specs)
+        if sum(math.prod(shape) for shape, *_ in specs) < HOST_RANDOM_ELEMENTS:
+            return [jnp.asarray((self._rng.standard_normal(shape, np.float32) * scale + offset).astype(jnp.dtype(dt)))
+                    for shape, dt, scale, offset in specs]
+        self._key, k = jax.random.split(self._key)
+        return _random_jit()(k, specs)
+
+    def lora_layers(self) -> dict:
+        from jax_lora import nn as lnn
+        return lnn.lora_layers(self.model)
+
+    def set_rank(self, rank: int) -> None:
+        import jax.numpy as jnp
+        layers = list(self.lora_layers().values())
+        for layer in layers:                              # free the previous rank's weights first
+            layer.lora_a.set_value(jnp.zeros((0,), jnp.bfloat16))
+            layer.lora_b.set_value(jnp.zeros((0,), jnp.bfloat16))
+        specs = []
+        for layer in layers:
+            specs.append(((len(layer.output_slices), NUM_SLOTS, rank, layer.in_features), "bfloat16",
+                          1.0 / math.sqrt(layer.in_features), 0.0))
+            specs.append(((NUM_SLOTS, layer.out_features, rank), "bfloat16", B_SCALE / math.sqrt(rank), 0.0))
+        arrays = self.random(specs)
+        for i, layer in enumerate(layers):
+            layer.lora_a.set_value(arrays[2 * i])
+            layer.lora_b.set_value(arrays[2 * i + 1])
+            layer.lora_ranks.set_value(jnp.full((NUM_SLOTS,), rank, jnp.int32))
+            layer.max_rank = rank
+        self.rank = rank
+
+    def states(self):
+        """(graphdef, LoRA state, rest of the state, base LoRA state): the base LoRA state holds
+        empty arrays in place of the adapter weights, which the base step never reads, so one
+        compiled base program serves every rank."""
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from jax_lora import nn as lnn
+        graphdef, lora_state, rest = nnx.split(self.model, lnn.LoRAWeight, ...)
+        empty = jax.tree_util.tree_map(lambda a: jnp.zeros((0,), a.dtype), lora_state)
+        return graphdef, lora_state, rest, empty
+
+
+def _jax_step(graphdef, lora_state, rest_state, cache, punica, tokens, positions, rows, sample_idx, use_lora):
+    """jax_lora.serving's step body: the model under `punica_context`, greedy next tokens.
+
+    tokens, positions (B, S) int32; rows (B,) int32 cache rows; sample_idx (B,) int32 position of
+    each row's logits. Returns (new cache, next tokens (B,) int32, logits (B, V) float32)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_lora import nn as lnn
+    model = nnx.merge(graphdef, lora_state, rest_state)
+    with lnn.punica_context(punica if use_lora else None):
+        logits, cache = model(tokens, positions, cache=cache, rows=rows, sample_idx=sample_idx)
+    return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+
+# ------------------------------------------------------------------------------------------ torch model
+
+class TorchDecoder:
+    """A Llama decoder step in plain torch over the JAX model's weights (DLPack views, no copies).
+
+    Kernels keep JAX's (in, out) layout, so a projection is `x @ W`. Caches are per layer
+    (k, v), each (R, kv_heads, M, head_dim) bf16: a decode step writes its token's key/value at
+    (row, position) and attends over the row's M positions with a mask (position <= its own); a
+    prefill step writes positions 0..S-1 and attends causally within the sequence.
+    """
+
+    def __init__(self, cfg, jm: JaxModel, device):
+        import torch
+        self.cfg, self.device = cfg, device
+        m = jm.model.model
+
+        def t(var):
+            return torch.from_dlpack(var.get_value())
+
+        self.embed = t(m.embed_tokens.embedding)                               # (V, H)
+        self.norm = t(m.norm.weight)                                           # (H,)
+        self.lm_head = t(jm.model.lm_head.kernel)                              # (H, V)
+        self.layers = []
+        for layer in m.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            self.layers.append(dict(ln1=t(layer.input_layernorm.weight), ln2=t(layer.post_attention_layernorm.weight),
+                                    qkv=t(at.qkv_proj.base.kernel), o=t(at.o_proj.base.kernel),
+                                    gate_up=t(mlp.gate_up_proj.base.kernel), down=t(mlp.down_proj.base.kernel)))
+        self._jm = jm
+        self.lora = None
+        d = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+
+    def load_lora(self) -> None:
+        """Views of the JAX model's current adapters, per layer and linear: (A slices (L, r, in),
+        B slices (L, n_s, r) strided views of the fused B, slice widths, lora_ranks (L,) int32)."""
+        import torch
+        self.lora = []
+        for layer in self._jm.model.model.layers:
+            per = {}
+            for name, mod in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                              ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+                a = torch.from_dlpack(mod.lora_a.get_value())
+                b = torch.from_dlpack(mod.lora_b.get_value())
+                slices, off, bs = tuple(mod.output_slices), 0, []
+                for n in slices:
+                    bs.append(b[:, off:off + n, :])
+                    off += n
+                per[name] = (tuple(a[s] for s in range(len(slices))), tuple(bs), slices,
+                             torch.from_dlpack(mod.lora_ranks.get_value()))
+            self.lora.append(per)
+
+    def drop_lora(self) -> None:
+        self.lora = None
+
+    def _rms(self, x, w):
+        import torch
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, x, cos, sin):
+        """x (B, S, heads, d) bf16; cos, sin (B, S, 1, d) float32."""
+        import torch
+        d = x.shape[-1]
+        xf = x.float()
+        rot = torch.cat([-xf[..., d // 2:], xf[..., : d // 2]], dim=-1)
+        return (xf * cos + rot * sin).to(x.dtype)
+
+    def forward(self, tokens, positions, kv, rows=None, lora=None):
+        """One step. tokens, positions (B, S) int64 (prefill: positions 0..S-1); kv: per layer
+        (k, v) caches (R, kv_heads, M, head_dim); rows (B,) int64 cache rows, or None for rows
+        0..B-1 (read as a view); lora(layer, name, y (T, N), x (T, H_in)) adds the LoRA term to y
+        in place, or None for the base step. Returns (logits (B, V) float32 at each row's last
+        position, greedy next tokens (B,) int64)."""
+        import torch
+        import torch.nn.functional as F
+        cfg = self.cfg
+        B, S = tokens.shape
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        Q, KV, I = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        T = B * S
+        freqs = positions.float()[..., None] * self.inv_freq                  # (B, S, d/2)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if rows is None:
+            write_rows = torch.arange(B, device=tokens.device)
+        else:
+            write_rows = rows
+        x = F.embedding(tokens, self.embed)                                    # (B, S, H)
+        for i, w in enumerate(self.layers):
+            h = self._rms(x, w["ln1"]).view(T, H)
+            qkv = h @ w["qkv"]
+            if lora is not None:
+                lora(i, "qkv", qkv, h)
+            q = self._rope(qkv[:, :Q].view(B, S, nh, hd), cos, sin)
+            k = self._rope(qkv[:, Q:Q + KV].view(B, S, nkv, hd), cos, sin)
+            v = qkv[:, Q + KV:].view(B, S, nkv, hd)
+            kc, vc = kv[i]
+            if S == 1:
+                pos = positions[:, 0]
+                kc[write_rows, :, pos] = k[:, 0]
+                vc[write_rows, :, pos] = v[:, 0]
+                keys, values = (kc[:B], vc[:B]) if rows is None else (kc[rows], vc[rows])
+                mask = (torch.arange(kc.shape[2], device=kc.device)[None, :] <= pos[:, None])[:, None, None, :]
+                # GQA with one query position: the g query heads of a kv head are g query rows
+                # against that head's keys (same mask), so SDPA needs no head expansion.
+                qg = q.view(B, nkv, nh // nkv, hd)
+                att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask).reshape(T, Q)
+            else:
+                kt, vt = k.transpose(1, 2), v.transpose(1, 2)                  # (B, nkv, S, hd)
+                if rows is None:
+                    kc[:B, :, :S] = kt
+                    vc[:B, :, :S] = vt
+                else:
+                    kc[rows, :, :S] = kt
+                    vc[rows, :, :S] = vt
+                att = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True, enable_gqa=True)
+                att = att.transpose(1, 2).reshape(T, Q)
+            o = att @ w["o"]
+            if lora is not None:
+                lora(i, "o", o, att)
+            x = x + o.view(B, S, H)
+            h = self._rms(x, w["ln2"]).view(T, H)
+            gu = h @ w["gate_up"]
+            if lora is not None:
+                lora(i, "gate_up", gu, h)
+            act = F.silu(gu[:, :I]) * gu[:, I:]
+            dn = act @ w["down"]
+            if lora is not None:
+                lora(i, "down", dn, act)
+            x = x + dn.view(B, S, H)
+        last = self._rms(x[:, S - 1], self.norm)                               # (B, H)
+        logits = (last @ self.lm_head).float()
+        return logits, logits.argmax(-1)
+
+    # ---------------------------------------------------------------- LoRA paths
+    def wrapper_lora(self, punica):
+        """The LoRA hook through `torch_lora.PunicaWrapper.add_lora_linear` (scale 1: B holds it)."""
+        def lora(i, name, y, x):
+            a, b, slices, ranks = self.lora[i][name]
+            punica.add_lora_linear(y, x, a, b, None, 1.0, slices, lora_ranks=ranks)
+        return lora
+
+    def reference_lora(self, groups):
+        """The LoRA hook of the reference: for each (slot, token indices) of `groups`, the delta
+        (x @ A_s[slot].T) @ B_s[slot].T in float32 per slice, added to y and rounded to y's dtype."""
+        def lora(i, name, y, x):
+            a, b, slices, _ranks = self.lora[i][name]
+            for slot, tok in groups:
+                xs = x[tok].float()
+                off = 0
+                for s, n in enumerate(slices):
+                    delta = (xs @ a[s][slot].float().T) @ b[s][slot].float().T
+                    y[tok, off:off + n] = (y[tok, off:off + n].float() + delta).to(y.dtype)
+                    off += n
+        return lora
+
+
+# ------------------------------------------------------------------------------------------ one step shape
+
+class Shape:
+    """Inputs and caches of one step shape (kind, rows, seq), shared by both frameworks.
+
+    Decode rows use rows 0..B-1 of the decode caches (`dec_cache`), each at its own position near
+    the middle of the M positions; prefill has caches of its own (rows, seq)."""
+
+    def __init__(self, bench, kind: str, rows: int, seq: int):
+        import jax
+        import jax.numpy as jnp
+        import torch
+        self.kind, self.rows, self.seq = kind, rows, seq
+        self.key = (kind, rows, seq)
+        cfg = bench.cfg
+        rng = np.random.default_rng(1000 + rows * 7 + seq)
+        tokens = rng.integers(0, cfg.vocab_size, (rows, seq)).astype(np.int32)
+        if kind == "dec":
+            pos = bench.dec_positions[:rows, None].astype(np.int32)
+            sample = np.zeros(rows, np.int32)
+        else:
+            pos = np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq)).copy()
+            sample = np.full(rows, seq - 1, np.int32)
+        self.j_args = jax.device_put((jnp.asarray(tokens), jnp.asarray(pos), jnp.arange(rows, dtype=jnp.int32),
+                                      jnp.asarray(sample)))
+        dev = bench.device
+        self.t_tokens = torch.from_numpy(tokens.astype(np.int64)).to(dev)
+        self.t_positions = torch.from_numpy(pos.astype(np.int64)).to(dev)
+        if kind == "dec":
+            self.j_cache, self.t_cache = None, bench.t_dec_cache       # JAX: Bench.dec_cache (donated per step)
+        else:
+            self.j_cache, self.t_cache = bench.make_caches(rows, seq)
+
+    def mapping(self, slots: np.ndarray):
+        """LoRAMapping of the step: LoRA id slot + 1 for every token of each row."""
+        from lora_core.host_mapping import LoRAMapping
+        ids = (slots + 1).astype(int)
+        return LoRAMapping(tuple(np.repeat(ids, self.seq).tolist()), tuple(ids.tolist()), self.kind == "pre")
+
+
+# ------------------------------------------------------------------------------------------ benchmark
+
+def rel_err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+class Bench:
+    def __init__(self, args, cfg, cases):
+        import torch
+        self.args, self.cfg, self.cases = args, cfg, cases
+        self.smoke = args.smoke
+        self.cuda = not args.smoke
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.frameworks = [f for f in args.frameworks.split(",") if f]
+        self.steps = args.steps
+        self.phases = {}
+        self.t_start = getattr(args, "t_start", None) or time.perf_counter()
+        t0 = time.perf_counter()
+        self.jm = JaxModel(cfg)
+        self._sync_jax()
+        self.phases["jax_model_init_s"] = time.perf_counter() - t0
+        self.td = TorchDecoder(cfg, self.jm, self.device)
+        dec_rows = max([c.rows for c in cases if c.kind == "dec"], default=0)
+        self.max_len = args.max_len
+        rng = np.random.default_rng(7)
+        m = self.max_len
+        self.dec_positions = rng.integers(m // 2 - m // 8, m // 2 + m // 8, max(dec_rows, 1))
+        t0 = time.perf_counter()
+        self.dec_cache, self.t_dec_cache = self.make_caches(dec_rows, m) if dec_rows else (None, None)
+        self.phases["kv_cache_init_s"] = time.perf_counter() - t0
+        self._punica()
+        self._torch_stream = torch.cuda.Stream() if self.cuda else None
+        self._states = None
+        self._jax_base = self._jax_lora = self._jax_lora_rank = None
+        self.results = []
+        self.skipped = []
+        self.budget_s = args.budget_s
+        self.shape_costs = {}          # step kind -> seconds each step shape took (set-up, checks, timing)
+        self._jax_base_compiled = set()
+        self._last_precompile_s = 0.0
+        self.on_result = None          # called after every case (the partial results are written)
+
+    # ---------------------------------------------------------------- setup
+    def _sync_jax(self):
+        import jax
+        from flax import nnx
+        jax.block_until_ready(nnx.state(self.jm.model))
+
+    def make_caches(self, rows: int, max_len: int):
+        """(JAX KVCache with (rows, max_len, kv_heads, hd) per layer, torch caches
+        (rows, kv_heads, max_len, hd) per layer holding the same values), N(0, 1) bf16."""
+        import jax
+        import torch
+
+        from jax_lora.models.llama import KVCache
+        cfg = self.cfg
+        shape = (rows, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        arrays = self.jm.random([(shape, "bfloat16", 1.0, 0.0)] * (2 * cfg.num_hidden_layers))
+        jax.block_until_ready(arrays)
+        tc = [tuple(torch.from_dlpack(a).permute(0, 2, 1, 3).contiguous() for a in arrays[2 * i:2 * i + 2])
+              for i in range(cfg.num_hidden_layers)]
+        self._torch_sync()
+        return KVCache(tuple(arrays[0::2]), tuple(arrays[1::2])), tc
+
+    def _punica(self):
+        import jax_lora
+        import torch_lora
+        cap = max([c.tokens for c in self.cases] + [8])
+        self.j_punica = jax_lora.PunicaWrapper(cap, cap, None, max_loras=NUM_SLOTS,
+                                               backend="xla" if self.smoke else "triton")
+        self.t_punica = torch_lora.PunicaWrapper(cap, cap, self.device, max_loras=NUM_SLOTS,
+                                                 backend="torch" if self.smoke else "triton")
+
+    def _torch_sync(self):
+        import torch
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def update_metadata(self, shape: Shape, slots):
+        m = shape.mapping(slots)
+        ids = list(range(1, NUM_SLOTS + 1))
+        self.t_punica.update_metadata(m, ids, NUM_SLOTS, self.cfg.vocab_size)
+        self.j_punica.update_metadata(m, ids, NUM_SLOTS, self.cfg.vocab_size)
+
+    # ---------------------------------------------------------------- reference
+    def reference(self, shape: Shape, slots, lora: bool):
+        """Logits (len(checked rows), V) float64 of the checked sequences: the eager plain-torch step
+        on those rows alone, LoRA deltas computed separately per adapter (or none)."""
+        import torch
+        rows = checked_rows(shape)
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        groups = None
+        if lora:
+            groups = []
+            for slot in sorted(set(int(slots[r]) for r in rows)):
+                toks = [i * shape.seq + j for i, r in enumerate(rows) if slots[r] == slot for j in range(shape.seq)]
+                groups.append((slot, torch.tensor(toks, dtype=torch.int64, device=self.device)))
+        with torch.no_grad():
+            logits, _ = self.td.forward(shape.t_tokens[idx], shape.t_positions[idx], shape.t_cache, rows=idx,
+                                        lora=self.td.reference_lora(groups) if lora else None)
+        self._torch_sync()
+        return logits.double().cpu().numpy()
+
+    # ---------------------------------------------------------------- torch
+    def torch_step_fn(self, shape: Shape, lora: bool):
+        hook = self.td.wrapper_lora(self.t_punica) if lora else None
+
+        def step():
+            return self.td.forward(shape.t_tokens, shape.t_positions, shape.t_cache, lora=hook)
+        return step
+
+    def torch_prepare(self, shape: Shape, lora: bool):
+        """A runner of the step: on CUDA a captured graph (warmed up eagerly first, so Triton compiles
+        and the wrapper's plans are built outside the capture), on the CPU the eager step. Returns
+        (run() -> (logits, next tokens) as tensors updated in place, seconds spent)."""
+        import torch
+        t0 = time.perf_counter()
+        step = self.torch_step_fn(shape, lora)
+        if not self.cuda:
+            with torch.no_grad():
+                step()
+            return step, time.perf_counter() - t0
+        s = self._torch_stream
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(s):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        # thread_local: JAX's runtime threads may touch CUDA while this thread captures
+        with torch.no_grad(), torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
+            out = step()
+        g.replay()
+        torch.cuda.synchronize()
+
+        def run():
+            g.replay()
+            return out
+        run.graph = g
+        return run, time.perf_counter() - t0
+
+    def torch_time(self, runs: list, n: int) -> list:
+        """Per runner, n step times in us, interleaved (run 0, run 1, run 0, ...): CUDA events around
+        each graph replay, or the host clock around each eager step on the CPU."""
+        import torch
+        times = [[] for _ in runs]
+        if not self.cuda:
+            with torch.no_grad():
+                for _ in range(n):
+                    for i, run in enumerate(runs):
+                        t0 = time.perf_counter()
+                        run()
+                        times[i].append((time.perf_counter() - t0) * 1e6)
+            return times
+        events = []
+        for _ in range(n):
+            for i, run in enumerate(runs):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                run()
+                e1.record()
+                events.append((i, e0, e1))
+        torch.cuda.synchronize()
+        for i, e0, e1 in events:
+            times[i].append(e0.elapsed_time(e1) * 1e3)
+        return times
+
+    # ---------------------------------------------------------------- JAX
+    def _jax_jits(self):
+        """(base step, LoRA step) jitted with the current graphdef closed over (not a static
+        argument), as jax_lora.serving does. The base step's jit is made once: it reads no LoRA
+        attribute, so its programs serve every rank; the LoRA step's per rank (the graphdef holds
+        the layers' max_rank)."""
+        import jax
+
+        def make(graphdef):
+            return jax.jit(functools.partial(_jax_step, graphdef), static_argnums=(8,), donate_argnums=(2,))
+        graphdef = self._states[0]
+        if self._jax_base is None:
+            self._jax_base = make(graphdef)
+        if self._jax_lora_rank != self.jm.rank:
+            self._jax_lora, self._jax_lora_rank = make(graphdef), self.jm.rank
+        return self._jax_base, self._jax_lora
+
+    def jax_run(self, shape: Shape, lora: bool, wait=True):
+        """One JAX step on the shape's cache (donated: the new cache replaces it); returns
+        (logits (B, V) float32, next tokens (B,)), ready unless wait=False."""
+        import jax
+        _g, lora_state, rest, empty = self._states
+        base_fn, lora_fn = self._jax_jits()
+        cache = self._jax_cache(shape)
+        fn = lora_fn if lora else base_fn
+        cache, tok, logits = fn(lora_state if lora else empty, rest, cache, self.j_punica if lora else None,
+                                *shape.j_args, lora)
+        if shape.kind == "dec":
+            self.dec_cache = cache
+        else:
+            shape.j_cache = cache
+        if wait:
+            jax.block_until_ready((cache, tok, logits))
+        return logits, tok
+
+    def jax_time(self, shape: Shape, flags: list, n: int) -> list:
+        """Per flag (LoRA on/off), n step times in us, interleaved: host clock from the jitted call
+        to `block_until_ready` of the step's next tokens (dispatch included; the outputs of one
+        execution become ready together)."""
+        import jax
+        _g, lora_state, rest, empty = self._states
+        base_fn, lora_fn = self._jax_jits()
+        calls = [(lora_fn, lora_state, self.j_punica) if lora else (base_fn, empty, None) for lora in flags]
+        cache = self._jax_cache(shape)
+        times = [[] for _ in flags]
+        for _ in range(n):
+            for i, (fn, lora_arg, punica) in enumerate(calls):
+                t0 = time.perf_counter()
+                cache, tok, _logits = fn(lora_arg, rest, cache, punica, *shape.j_args, flags[i])
+                tok.block_until_ready()
+                times[i].append((time.perf_counter() - t0) * 1e6)
+        jax.block_until_ready(cache)
+        if shape.kind == "dec":
+            self.dec_cache = cache
+        else:
+            shape.j_cache = cache
+        return times
+
+    # ---------------------------------------------------------------- cases
+    def run(self):
+        """Every case, rank by rank (LoRA weights rebuilt once per rank), step shape by step shape
+        in SHAPE_ORDER. With a time budget, a step shape whose projected cost (the most a shape of
+        its kind has cost so far, plus the last rank's compile time for a rank not compiled yet)
+        would end past the budget is skipped and listed in `skipped`."""
+        by_rank = {}
+        for c in self.cases:
+            by_rank.setdefault(c.rank, []).append(c)
+        shapes = {}
+        for rank in sorted(by_rank):
+            by_shape = {}
+            for c in by_rank[rank]:
+                by_shape.setdefault(c.shape, []).append(c)
+            keys = sorted(by_shape, key=lambda k: SHAPE_ORDER.index(k) if k in SHAPE_ORDER else len(SHAPE_ORDER))
+            run_keys = [k for k in keys if not self.over_budget(k, extra=self._last_precompile_s)]
+            self.skip([c for k in keys if k not in run_keys for c in by_shape[k]])
+            if not run_keys:
+                continue
+            t0 = time.perf_counter()
+            self.td.drop_lora()
+            self._torch_sync()
+            self._states = None
+            self.jm.set_rank(rank)
+            self._sync_jax()
+            self._states = self.jm.states()
+            self.td.load_lora()
+            self.phases[f"set_rank_{rank}_s"] = time.perf_counter() - t0
+            for key in run_keys:
+                if key not in shapes:
+                    shapes[key] = Shape(self, *key)
+            if "jax" in self.frameworks and self.args.precompile:
+                try:
+                    self.precompile([shapes[k] for k in run_keys])
+                except Exception as e:  # noqa: BLE001 - the first calls compile instead
+                    _error("jax precompile", e)
+            for key in run_keys:
+                if key != run_keys[0] and self.over_budget(key):
+                    self.skip(by_shape[key])
+                    continue
+                t0 = time.perf_counter()
+                self.run_shape(shapes[key], by_shape[key])
+                gc.collect()
+                if self.cuda:
+                    import torch
+                    torch.cuda.empty_cache()
+                self.shape_costs.setdefault(key[0], []).append(time.perf_counter() - t0)
+
+    def precompile(self, shapes: list) -> None:
+        """Compiles the JAX step programs of these step shapes before any is timed: base programs
+        not compiled yet one after another (each autotunes its own matrix products on the GPU),
+        then the current rank's LoRA programs concurrently (the compiler releases the GIL; their
+        matrix products are the base programs', already tuned). The jitted calls then find the
+        compiled programs in JAX's cache."""
+        from concurrent.futures import ThreadPoolExecutor
+        base_fn, lora_fn = self._jax_jits()
+        _g, lora_state, rest, empty = self._states
+        t0 = time.perf_counter()
+        for shape in shapes:
+            if shape.key not in self._jax_base_compiled:
+                base_fn.lower(empty, rest, self._jax_cache(shape), None, *shape.j_args, False).compile()
+                self._jax_base_compiled.add(shape.key)
+        t1 = time.perf_counter()
+        lowered = [lora_fn.lower(lora_state, rest, self._jax_cache(shape), self.j_punica, *shape.j_args, True)
+                   for shape in shapes]
+        with ThreadPoolExecutor(max_workers=min(8, len(lowered))) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
+        t2 = time.perf_counter()
+        rank = self.jm.rank
+        self.phases[f"jax_precompile_base_r{rank}_s"] = t1 - t0
+        self.phases[f"jax_precompile_lora_r{rank}_s"] = t2 - t1
+        self._last_precompile_s = t2 - t0
+        print(f"JAX programs compiled: base {t1 - t0:.1f} s, LoRA rank {rank} ({len(lowered)} programs, "
+              f"concurrently) {t2 - t1:.1f} s", flush=True)
+
+    def _jax_cache(self, shape: Shape):
+        return self.dec_cache if shape.kind == "dec" else shape.j_cache
+
+    def over_budget(self, key, extra: float = 0.0) -> bool:
+        if self.budget_s is None:
+            return False
+        costs = self.shape_costs.get(key[0]) or [c for v in self.shape_costs.values() for c in v]
+        return time.perf_counter() - self.t_start + extra + max(costs, default=0.0) > self.budget_s
+
+    def skip(self, cases) -> None:
+        for c in cases:
+            self.skipped.append(c.name)
+            print(f"{c.name:22s} skipped: the time budget ({self.budget_s:.0f} s) would be exceeded", flush=True)
+
+    def run_shape(self, shape: Shape, cases: list):
+        """The cases of one step shape at the current rank: each framework's base and LoRA step
+        built and warmed up once (torch: graphs captured; JAX: compiled), then per case the
+        mapping written, the check, and the timing. A framework that fails to build or run the
+        shape is recorded as an error for these cases; the other framework carries on."""
+        setup, runs, errors = {}, {}, {}
+        first = slots_of(cases[0], seed=hash_case(cases[0]))
+        self.update_metadata(shape, first)
+        if "torch" in self.frameworks:
+            try:
+                t_base, setup["torch_base_s"] = self.torch_prepare(shape, lora=False)
+                t_lora, setup["torch_lora_s"] = self.torch_prepare(shape, lora=True)
+                runs["torch"] = (t_base, t_lora)
+            except Exception as e:  # noqa: BLE001 - reported in the results, the run goes on
+                errors["torch"] = _error("torch", e)
+        if "jax" in self.frameworks:
+            try:
+                t0 = time.perf_counter()
+                self.jax_run(shape, False)
+                setup["jax_base_first_call_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                self.jax_run(shape, True)
+                setup["jax_lora_first_call_s"] = time.perf_counter() - t0
+                for flag in (False, True):
+                    self.jax_run(shape, flag)
+                runs["jax"] = True
+            except Exception as e:  # noqa: BLE001
+                errors["jax"] = _error("jax", e)
+        rows = checked_rows(shape)
+        base_ref = self.reference(shape, None, lora=False)
+        for case in cases:
+            t_case = time.perf_counter()
+            slots = slots_of(case, seed=hash_case(case))
+            self.update_metadata(shape, slots)
+            ref = self.reference(shape, slots, lora=True)
+            n = self.steps if case.kind == "dec" else max(3, self.steps // 4)
+            fb = floor_bytes(self.cfg, case.tokens, case.adapters, case.rank)
+            res = dict(case=case.name, kind=case.kind, rows=case.rows, seq=case.seq, tokens=case.tokens,
+                       adapters=case.adapters, rank=case.rank, slots=NUM_SLOTS, slots_used=sorted(set(slots.tolist())),
+                       floor_bytes=fb, floor_us=fb / (PEAK_GBS * 1e3),
+                       adapter_bytes=case.adapters * adapter_bytes(self.cfg, case.rank),
+                       lora_effect=rel_err(base_ref, ref), checked_rows=rows, steps_timed=n, setup_s=setup)
+            for fw in self.frameworks:
+                if fw not in runs:
+                    res[fw] = dict(check_passed=False, error=errors.get(fw, "not run"))
+                    continue
+                try:
+                    res[fw] = self.measure(fw, shape, runs.get(fw), rows, ref, base_ref, res["lora_effect"], n,
+                                           fb / (PEAK_GBS * 1e3))
+                except Exception as e:  # noqa: BLE001
+                    res[fw] = dict(check_passed=False, error=_error(fw, e))
+            if all((res.get(fw) or {}).get("lora_us") for fw in ("jax", "torch")):
+                res["jax_over_torch_lora"] = res["jax"]["lora_us"] / res["torch"]["lora_us"]
+                res["jax_over_torch_base"] = res["jax"]["base_us"] / res["torch"]["base_us"]
+            res["case_s"] = time.perf_counter() - t_case
+            self.results.append(res)
+            print(line(res), flush=True)
+            if self.on_result is not None:
+                self.on_result()
+        runs.clear()
+
+    def measure(self, fw: str, shape: Shape, torch_runs, rows: list, ref, base_ref, effect: float, n: int,
+                floor_us: float) -> dict:
+        """Check the framework's LoRA and base steps against the reference (logits of `rows`), then,
+        only if both pass, time n alternating base / LoRA steps."""
+        if fw == "torch":
+            t_base, t_lora = torch_runs
+            lora_logits = t_lora()[0].double().cpu().numpy()[rows]
+            base_logits = t_base()[0].double().cpu().numpy()[rows]
+        else:
+            lora_logits = np.asarray(self.jax_run(shape, True)[0], np.float64)[rows]
+            base_logits = np.asarray(self.jax_run(shape, False)[0], np.float64)[rows]
+        err, base_err = rel_err(lora_logits, ref), rel_err(base_logits, base_ref)
+        ok = bool(err <= TOL_ERR and base_err <= TOL_ERR and err <= TOL_ERR_OVER_EFFECT * effect)
+        r = dict(lora_err=err, base_err=base_err, check_passed=ok)
+        if not ok:
+            return r
+        tb, tl = self.torch_time([t_base, t_lora], n) if fw == "torch" else self.jax_time(shape, [False, True], n)
+        base_us, lora_us = float(np.median(tb)), float(np.median(tl))
+        r.update(base_us=base_us, lora_us=lora_us, overhead_us=lora_us - base_us,
+                 overhead_pct=100 * (lora_us - base_us) / base_us, overhead_over_floor=(lora_us - base_us) / floor_us,
+                 base_samples_us=tb, lora_samples_us=tl)
+        return r
+
+
+def _error(fw: str, e: Exception) -> str:
+    import traceback
+    traceback.print_exc()
+    print(f"{fw} failed: {type(e).__name__}: {e}", flush=True)
+    return f"{type(e).__name__}: {e}"
+
+
+def checked_rows(shape: Shape) -> list:
+    """The sequences whose logits the reference checks: the batch's first and last."""
+    return sorted({0, shape.rows - 1})
+
+
+def hash_case(case: Case) -> int:
+    """A seed per case (stable across runs and processes, unlike hash())."""
+    return zlib.crc32(case.name.encode())
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def line(res) -> str:
+    parts = [f"{res['case']:22s} floor {res['floor_us']:9.1f} us"]
+    for fw in ("torch", "jax"):
+        r = res.get(fw)
+        if r is None:
+            continue
+        if r.get("error"):
+            parts.append(f"{fw}: ERROR {r['error'][:200]}")
+            continue
+        if r.get("lora_us") is None:
+            parts.append(f"{fw}: CHECK FAILED (err {r['lora_err']:.2e}, base {r['base_err']:.2e}, "
+                         f"effect {res['lora_effect']:.2e})")
+            continue
+        parts.append(f"{fw}: base {r['base_us']:9.1f} lora {r['lora_us']:9.1f} over {r['overhead_us']:8.1f} us "
+                     f"({r['overhead_pct']:5.1f}%, {r['overhead_over_floor']:6.2f}x floor) err {r['lora_err']:.1e}")
+    if res.get("jax_over_torch_lora"):
+        parts.append(f"jax/torch {res['jax_over_torch_lora']:.2f}")
+    return " | ".join(parts)
+
+
+def markdown(out) -> str:
+    torch_how = ("eager steps, host clock (--smoke: times mean nothing)" if out["meta"]["smoke"]
+                 else "CUDA-graph replay, CUDA events")
+    lines = [
+        f"Times: median per step. torch: {torch_how}; JAX: host clock from the jitted call to "
+        "block_until_ready (dispatch included). overhead = LoRA step - base step; floor = LoRA path's minimal "
+        f"bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits against the reference.",
+        "",
+        "| case | tokens | floor us | torch base us | torch LoRA us | torch overhead us (% base) | torch x floor "
+        "| JAX base us | JAX LoRA us | JAX overhead us (% base) | JAX x floor | JAX/torch LoRA (base) | err torch / JAX |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in out["cases"]:
+        cells = [res["case"], str(res["tokens"]), f"{res['floor_us']:.1f}"]
+        errs = []
+        for fw in ("torch", "jax"):
+            r = res.get(fw)
+            if r is None:
+                cells += ["-"] * 4
+                errs.append("-")
+                continue
+            if r.get("error"):
+                errs.append("error")
+                cells += ["error"] + ["-"] * 3
+                continue
+            errs.append(f"{r['lora_err']:.1e}" + ("" if r["check_passed"] else " FAILED"))
+            if r.get("lora_us") is None:
+                cells += ["check failed"] + ["-"] * 3
+                continue
+            cells += [f"{r['base_us']:.1f}", f"{r['lora_us']:.1f}", f"{r['overhead_us']:.1f} ({r['overhead_pct']:.1f}%)",
+                      f"{r['overhead_over_floor']:.2f}"]
+        ratio = (f"{res['jax_over_torch_lora']:.2f} ({res['jax_over_torch_base']:.2f})"
+                 if res.get("jax_over_torch_lora") else "-")
+        cells += [ratio, " / ".join(errs)]
+        lines.append("| " + " | ".join(cells) + " |")
+    summary = out.get("summary", {})
+    if summary.get("skipped"):
+        lines += ["", f"Skipped for the time budget: {', '.join(summary['skipped'])}."]
+    if summary.get("checks_failed"):
+        lines += ["", f"Check failed (no time reported): {', '.join(summary['checks_failed'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(out, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8.5, 6))
+    pts = [(res, fw) for res in out["cases"] for fw in ("torch", "jax") if (res.get(fw) or {}).get("lora_us")]
+    if not pts:
+        return
+    floors = [res["floor_us"] for res, _ in pts]
+    lo, hi = min(floors) / 2, max(floors) * 2
+    xs = np.logspace(math.log10(lo), math.log10(hi), 50)
+    ax.plot(xs, xs, "k--", lw=1, label="overhead = floor")
+    ax.plot(xs, 1.2 * xs, "k:", lw=0.8, label="1.2x floor")
+    style = {("torch", "dec"): ("o", "C0"), ("torch", "pre"): ("s", "C0"), ("jax", "dec"): ("o", "C3"),
+             ("jax", "pre"): ("s", "C3")}
+    bottom = min([r[fw]["overhead_us"] for r, fw in pts if r[fw]["overhead_us"] > 0] + [lo]) / 3
+    for fw in ("torch", "jax"):
+        for kind in ("dec", "pre"):
+            sel = [res for res, f in pts if f == fw and res["kind"] == kind]
+            if not sel:
+                continue
+            mk, col = style[(fw, kind)]
+            pos = [r for r in sel if r[fw]["overhead_us"] > 0]
+            ax.scatter([r["floor_us"] for r in pos], [r[fw]["overhead_us"] for r in pos], marker=mk,
+                       c=col if fw == "torch" else "none", edgecolors=col,
+                       label=f"{fw} {'decode' if kind == 'dec' else 'prefill'}")
+            neg = [r for r in sel if r[fw]["overhead_us"] <= 0]
+            if neg:
+                ax.scatter([r["floor_us"] for r in neg], [bottom] * len(neg), marker="v", c=col,
+                           label=f"{fw} {'decode' if kind == 'dec' else 'prefill'}: overhead <= 0 (not to scale)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("floor of the LoRA overhead per step (us): minimal bytes / 4300 GB/s")
+    ax.set_ylabel("LoRA step - base step (us)")
+    c = out["meta"]["config"]
+    ax.set_title(f"{c['layers']}-layer decoder step (hidden {c['hidden']}, vocab {c['vocab']}), LoRA on 7 "
+                 f"projections, {out['meta']['device']}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def env_meta(args, cfg) -> dict:
+    import jax
+    import torch
+    from bench_triton import host_cpu, source_digest
+    commit = os.environ.get("GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                             cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+        except Exception:  # noqa: BLE001
+            commit = "unknown"
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=torch.cuda.get_device_name() if not args.smoke else "cpu",
+                jax_device=str(jax.devices()[0]), torch=torch.__version__, python=platform.python_version(),
+                numpy=np.__version__, commit=commit, source_digest=source_digest(), host_cpu=host_cpu(),
+                smoke=bool(args.smoke), peak_gbs=PEAK_GBS, num_slots=NUM_SLOTS, b_scale=B_SCALE,
+                max_len=args.max_len, steps=args.steps, frameworks=args.frameworks, budget_s=args.budget_s,
+                tolerances=dict(err=TOL_ERR, err_over_effect=TOL_ERR_OVER_EFFECT),
+                config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+                            heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                            vocab=cfg.vocab_size, dtype="bfloat16"),
+                backends=dict(jax="xla" if args.smoke else "triton (XLA FFI launcher)",
+                              torch="torch" if args.smoke else "triton, CUDA graph"))
+    from importlib import metadata
+    for pkg in ("jax", "jaxlib", "flax", "triton", "jax-triton", "matplotlib"):
+        try:
+            meta[pkg] = metadata.version(pkg)
+        except Exception:  # noqa: BLE001 - not installed
+            pass
+    if not args.smoke:
+        from lora_core.kernels import configs
+        meta["configs"] = configs.current_table().source
+    return meta
+
+
+def memory_meta(args) -> dict:
+    """Peak device memory so far (GB): torch's caching allocator and JAX's, which share the GPU."""
+    if args.smoke:
+        return {}
+    import jax
+    import torch
+    out = dict(torch_max_allocated=torch.cuda.max_memory_allocated() / 1e9,
+               torch_max_reserved=torch.cuda.max_memory_reserved() / 1e9)
+    stats = jax.devices()[0].memory_stats() or {}
+    for key in ("peak_bytes_in_use", "bytes_limit"):
+        if key in stats:
+            out[f"jax_{key}"] = stats[key] / 1e9
+    free, total = torch.cuda.mem_get_info()
+    out["device_in_use"] = (total - free) / 1e9
+    return out
+
+
+def select_cases(args) -> list:
+    if args.smoke:
+        cases = smoke_cases()
+    else:
+        cases = full_cases()
+        if args.quick:
+            cases = [c for c in cases if c.name in QUICK]
+    if args.cases:
+        cases = [c for c in cases if re.search(args.cases, c.name)]
+    return cases
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    p.add_argument("--cases", default=None, help="regex: only the cases whose name matches (e.g. 'dec B(1|32) ')")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, tiny model (2 layers, hidden 64, vocab 128), JAX backend xla, torch backend torch, "
+                        "no CUDA graph: checks the pipeline, times mean nothing")
+    p.add_argument("--frameworks", default="torch,jax", help="comma list of torch, jax")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per case and step kind (decode; "
+                   "prefill a quarter, at least 3). Default 20 (smoke 3)")
+    p.add_argument("--max-len", type=int, default=None, help="decode KV positions per row (default 1024, smoke 32)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop starting step shapes that would end past this many seconds of the run (default "
+                        "450 on the GPU, none with --smoke); skipped cases are listed in summary.skipped")
+    p.add_argument("--no-precompile", dest="precompile", action="store_false",
+                   help="compile each JAX step program at its first call instead of ahead (LoRA programs of "
+                        "a rank concurrently)")
+    p.add_argument("--tag", default="")
+    p.add_argument("--list", action="store_true", help="print the selected cases and exit")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (3 if args.smoke else 20)
+    args.max_len = args.max_len or (32 if args.smoke else 1024)
+    if args.budget_s is None and not args.smoke:
+        args.budget_s = 450.0
+    if args.budget_s is not None and args.budget_s <= 0:
+        args.budget_s = None
+    cases = select_cases(args)
+    if args.list or not cases:
+        for c in cases:
+            print(c.name)
+        return 0 if cases else 2
+    if args.smoke:
+        # tiny ops on a few (often shared) cores: one thread each, or thread contention dominates
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        # (and the least LLVM optimisation: smoke compiles, it does not time)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                                   " --xla_backend_optimization_level=0").strip()
+        import torch
+        torch.set_num_threads(1)
+    t_start = args.t_start = time.perf_counter()
+    cfg = model_config(args.smoke)
+    meta = env_meta(args, cfg)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    base = os.path.join(args.out, f"e2e_{'smoke' if args.smoke else 'h200'}_{stamp}{args.tag}")
+    os.makedirs(args.out, exist_ok=True)
+    bench = Bench(args, cfg, cases)
+
+    def report(final: bool) -> dict:
+        failed = [r["case"] for r in bench.results for fw in bench.frameworks if not r[fw]["check_passed"]]
+        out = dict(meta={**meta, "phases_s": bench.phases, "wall_s": time.perf_counter() - t_start,
+                         "complete": final, "memory_gb": memory_meta(args)},
+                   cases=bench.results,
+                   summary=dict(cases=len(bench.results), planned=len(cases), checks_failed=failed,
+                                skipped=bench.skipped))
+        with open(base + ".json", "w") as f:
+            json.dump(out, f, indent=1)
+        return out
+
+    bench.on_result = lambda: report(False)           # a run cut short still leaves its cases
+    bench.run()
+    out = report(True)
+    md = markdown(out)
+    with open(base + ".md", "w") as f:
+        f.write(f"run {json.dumps(out['meta'])}\n\n" + md)
+    try:
+        plot(out, base + ".png")
+    except ImportError as e:
+        print(f"no plot ({e})")
+    print(md)
+    print(f"wrote {base}.json / .md / .png in {out['meta']['wall_s']:.0f} s")
+    if bench.skipped:
+        print(f"skipped for the time budget: {bench.skipped}")
+    if out["summary"]["checks_failed"]:
+        print(f"CHECK FAILED: {out['summary']['checks_failed']}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

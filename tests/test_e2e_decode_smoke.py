@@ -1,0 +1,134 @@
+"""benchmarks/e2e_decode.py in --smoke mode: the model-step benchmark's whole pipeline (JAX model with
+LoRA under jit, the torch decoder over the same weights, metadata updates between cases, the
+reference check, timing, the JSON/markdown report) on the CPU with a tiny model."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")        # the benchmark's provenance helpers live in bench_triton
+pytest.importorskip("flax")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke",
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900,
+                          check=False)
+    files = glob.glob(str(out / "e2e_smoke_*.json"))
+    return proc, files
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_checked_results(smoke_run):
+    proc, files = smoke_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(files) == 1
+    with open(files[0]) as f:
+        res = json.load(f)
+    meta = res["meta"]
+    for key in ("date", "device", "torch", "jax", "python", "commit", "source_digest", "config", "phases_s"):
+        assert key in meta, key
+    assert meta["smoke"] is True and meta["device"] == "cpu"
+    assert len(meta["source_digest"]) == 16
+    assert meta["config"]["layers"] == 2 and meta["config"]["hidden"] == 64
+    assert res["summary"]["checks_failed"] == []
+    names = [c["case"] for c in res["cases"]]
+    assert {"dec B4 D1 r4", "dec B4 D2 r4", "dec B4 D2 r8", "pre 2x16 D2 r4"} == set(names)
+    for c in res["cases"]:
+        assert c["floor_us"] > 0 and c["floor_bytes"] > c["adapter_bytes"] > 0
+        assert c["lora_effect"] > 0.05               # the adapters move the logits: the check can fail
+        for fw in ("torch", "jax"):
+            r = c[fw]
+            assert r["check_passed"] is True
+            assert r["lora_err"] <= 0.2 * c["lora_effect"]
+            assert r["base_us"] > 0 and r["lora_us"] > 0
+            assert r["overhead_us"] == pytest.approx(r["lora_us"] - r["base_us"])
+            assert r["overhead_over_floor"] == pytest.approx(r["overhead_us"] / c["floor_us"])
+            assert len(r["lora_samples_us"]) == len(r["base_samples_us"]) == c["steps_timed"]
+        assert c["jax_over_torch_lora"] == pytest.approx(c["jax"]["lora_us"] / c["torch"]["lora_us"])
+    md = files[0][:-len(".json")] + ".md"
+    assert os.path.exists(md)
+    with open(md) as f:
+        assert "dec B4 D2 r8" in f.read()
+
+
+def test_floor_counts_bytes_as_benchmarks_md_says():
+    """The floor of one decode token with one rank-16 adapter, counted by hand for the 8B shapes."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import e2e_decode
+    cfg = e2e_decode.model_config(smoke=False)
+    r, T, D = 16, 1, 1
+    h, i, q, kv = 4096, 14336, 4096, 1024
+    adapter = r * ((3 * h + q + 2 * kv) + (h + h) + (2 * h + 2 * i) + (i + h)) * 2   # A and B, one layer
+    acts = (T * h * 2 + 2 * 3 * T * r * 4 + 2 * T * (q + 2 * kv) * 2      # qkv: x, rank buffer, y
+            + T * q * 2 + 2 * T * r * 4 + 2 * T * h * 2                  # o
+            + T * h * 2 + 2 * 2 * T * r * 4 + 2 * T * 2 * i * 2          # gate_up
+            + T * i * 2 + 2 * T * r * 4 + 2 * T * h * 2)                 # down
+    assert e2e_decode.floor_bytes(cfg, T, D, r) == 32 * (D * adapter + acts)
+    assert e2e_decode.adapter_bytes(cfg, r) == 32 * adapter
+
+
+def test_case_lists():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import e2e_decode
+    full = e2e_decode.full_cases()
+    assert len(full) == len({c.name for c in full})
+    assert all(c.adapters <= c.rows * c.seq for c in full)
+    dec = {(c.rows, c.adapters) for c in full if c.kind == "dec"}
+    assert dec == {(1, 1), (8, 1), (8, 8), (32, 1), (32, 8), (32, 32), (128, 1), (128, 8), (128, 32),
+                   (256, 1), (256, 8), (256, 32)}
+    assert {c.tokens for c in full if c.kind == "pre"} == {2048, 8192}
+    assert set(e2e_decode.QUICK) <= {c.name for c in full}
+    for c in full:
+        slots = e2e_decode.slots_of(c, seed=e2e_decode.hash_case(c))
+        assert len(slots) == c.rows and len(set(slots.tolist())) == c.adapters
+
+
+DROP_DOWN_PROJ = """
+import sys
+sys.path.insert(0, {bench!r})
+import e2e_decode
+
+real = e2e_decode.TorchDecoder.wrapper_lora
+
+
+def wrapper_lora_without_down(self, punica):
+    hook = real(self, punica)
+    return lambda i, name, y, x: None if name == "down" else hook(i, name, y, x)
+
+
+e2e_decode.TorchDecoder.wrapper_lora = wrapper_lora_without_down
+sys.exit(e2e_decode.main(["--smoke", "--frameworks", "torch", "--cases", "dec B4 D2 r4", "--out", {out!r}]))
+"""
+
+
+def test_a_wrong_lora_step_fails_the_check_and_reports_no_time(tmp_path):
+    """The torch LoRA step with the down projection's adapters left out: the run exits 1, the case
+    is marked failed and carries no time."""
+    script = tmp_path / "drop_down.py"
+    script.write_text(DROP_DOWN_PROJ.format(bench=os.path.join(ROOT, "benchmarks"), out=str(tmp_path)))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=600, check=False)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "e2e_smoke_*.json"))
+    with open(path) as f:
+        res = json.load(f)
+    (case,) = res["cases"]
+    assert res["summary"]["checks_failed"] == ["dec B4 D2 r4"]
+    assert case["torch"]["check_passed"] is False and "lora_us" not in case["torch"]
+    assert case["torch"]["lora_err"] > 0.2 * case["lora_effect"]
