@@ -243,11 +243,10 @@ def split_fused(y: jax.Array, widths: Sequence[int], shards: int) -> tuple:
 
 
 def _spec(ndim: int, axis: str, dim: int | None) -> P:
-    """A PartitionSpec of `ndim` dims splitting dimension `dim` (None: replicated)."""
-    parts = [None] * ndim
-    if dim is not None:
-        parts[dim] = axis
-    return P(*parts)
+    """A PartitionSpec of `ndim` dims splitting dimension `dim` (None: replicated), without
+    trailing Nones: the form XLA gives outputs, so a value written back keeps an equal sharding
+    (an unequal one would be a new jit cache key: a recompilation)."""
+    return P() if dim is None else P(*([None] * dim + [axis]))
 
 
 # variable -> the dimension split over the axis (None: replicated), per layout.
@@ -321,12 +320,14 @@ def _layer_sizes(layer, kind: str) -> tuple:
 
 
 def shard_layer(layer, mesh: Mesh, *, kind: str, layout: str | None = None, axis: str = AXIS,
-                tokens: int = 64) -> TensorParallel:
+                tokens: int = 64, base_placed: bool = False) -> TensorParallel:
     """Places a multi-LoRA layer on `mesh` (split over `axis`) and sets `layer.tp`; returns it.
 
     kind: "column" (MultiLoRALinear, output split), "row" (MultiLoRALinear, input split), "embed"
     (MultiLoRAEmbed) or "logits" (MultiLoRALogits). layout: one of LAYOUTS[kind]; None picks the
     one moving the fewest bytes at `tokens` tokens with every slot active (`choose_layout`).
+    base_placed: the base layer was split already (`shard_plain_layer`: columns permuted and
+    placed), so only the adapter variables are placed.
     Steps: 1. check the sizes split evenly; 2. permute a fused column layer's columns (base kernel,
     bias and lora_b rows) to shard-major order; 3. put every variable on the mesh with its
     layout's NamedSharding (each device receives only its block).
@@ -356,7 +357,7 @@ def shard_layer(layer, mesh: Mesh, *, kind: str, layout: str | None = None, axis
     tp = TensorParallel(mesh, axis, kind, layout)
     permute = kind == "column" and len(slices) > 1 and n > 1
     perm = column_permutation(slices, n) if permute else None
-    for name, var in {**_base_vars(layer), **_lora_vars(layer)}.items():
+    for name, var in {**({} if base_placed else _base_vars(layer)), **_lora_vars(layer)}.items():
         value = var.get_value()
         if perm is not None and name in ("kernel", "bias", "lora_b"):
             value = jnp.take(value, jnp.asarray(perm), axis={"kernel": 1, "bias": 0, "lora_b": 1}[name])
@@ -370,7 +371,8 @@ def shard_plain_layer(layer, mesh: Mesh, *, kind: str, slices: Sequence[int] | N
     """Places a plain `nnx.Linear` / `nnx.Embed` (no adapters) the way `shard_layer` places a
     multi-LoRA layer's base: columns split (kind column / logits; a fused layer with `slices`
     permuted to shard-major order), rows split (row), vocabulary rows split (embed). XLA
-    partitions its computation."""
+    partitions its computation. A model split this way treats a base layer already on `mesh` as
+    split (`shard_model`)."""
     if kind not in LAYOUTS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     expected = nnx.Embed if kind == "embed" else nnx.Linear
@@ -402,7 +404,9 @@ def shard_model(model: nnx.Module, mesh: Mesh, plan: Mapping[str, tuple], *, axi
     plan: {layer name (last part of the dotted path): (kind, slices or None)}. Multi-LoRA layers go
     through `shard_layer` (layout from `layouts` by path or last name, else `choose_layout` at
     `tokens` tokens), plain nnx.Linear / nnx.Embed through `shard_plain_layer`. Layers already split
-    are left alone. Returns {path: layout or "plain"} for the layers split now.
+    are left alone; a multi-LoRA layer whose base is already on `mesh` (split as a plain layer
+    before adapters were added) gets only its adapter variables placed. Every other array variable
+    is replicated on the mesh. Returns {path: layout or "plain"} for the layers split now.
     """
     layouts = dict(layouts or {})
     done = {}
@@ -418,14 +422,28 @@ def shard_model(model: nnx.Module, mesh: Mesh, plan: Mapping[str, tuple], *, axi
             if node.tp is not None:
                 continue
             tp = shard_layer(node, mesh, kind=kind, layout=layouts.get(name, layouts.get(leaf)), axis=axis,
-                             tokens=tokens)
+                             tokens=tokens, base_placed=_is_placed(node.base, mesh))
             done[name] = tp.layout
         elif isinstance(node, (nnx.Linear, nnx.Embed)):
             if _is_placed(node, mesh):
                 continue
             shard_plain_layer(node, mesh, kind=kind, slices=slices, axis=axis)
             done[name] = "plain"
+    _replicate_rest(model, mesh)
     return done
+
+
+def _replicate_rest(model: nnx.Module, mesh: Mesh) -> None:
+    """Every array variable of `model` not yet on `mesh` (norms, layers outside the plan) is
+    replicated on it, so a step's parameters all live on the mesh's devices."""
+    replicated = NamedSharding(mesh, P())
+    for _, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Variable):
+            continue
+        value = node.get_value()
+        if isinstance(value, jax.Array) and not (isinstance(value.sharding, NamedSharding)
+                                                 and value.sharding.mesh == mesh):
+            node.set_value(jax.device_put(value, replicated))
 
 
 def _is_placed(layer, mesh: Mesh) -> bool:
@@ -441,9 +459,10 @@ def slot_sharding(layer, name: str) -> NamedSharding | None:
         return None
     ndim = getattr(layer, name).get_value().ndim
     slot_axis = type(layer).slot_axis[name]
-    parts = list(tp.spec(name, ndim)) + [None] * ndim
-    del parts[slot_axis]
-    return NamedSharding(tp.mesh, P(*parts[:ndim - 1]))
+    dim = tp.split_dim(name, ndim)
+    if dim is not None and dim > slot_axis:
+        dim -= 1
+    return NamedSharding(tp.mesh, _spec(ndim - 1, tp.axis, dim))
 
 
 def place_slot_value(layer, name: str, value: np.ndarray):

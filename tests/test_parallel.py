@@ -289,7 +289,7 @@ def test_only_the_layout_collectives_are_compiled(kind, layout):
 
 def test_byte_model_and_layout_choice():
     n, w = 4, 2
-    kw = dict(active=1, slices=(4096, 1024, 1024), in_features=4096, rank=16, shards=n, itemsize=w)
+    kw = {"active": 1, "slices": (4096, 1024, 1024), "in_features": 4096, "rank": 16, "shards": n, "itemsize": w}
     col = parallel.layer_bytes("column", "column", tokens=8, **kw)
     gat = parallel.layer_bytes("column", "column_gather", tokens=8, **kw)
     assert col.received == 0 and col.collective == 0
@@ -299,11 +299,11 @@ def test_byte_model_and_layout_choice():
     assert parallel.choose_layout("column", tokens=2047, **kw) == "column_gather"
     assert parallel.choose_layout("column", tokens=2048, **kw) == "column"      # tie: no collective
     # row_reduce moves fewer bytes exactly when 8 S T < a w N (S = 1, N = 4096: T < 1024).
-    kw = dict(active=1, slices=(4096,), in_features=11008, rank=16, shards=n, itemsize=w)
+    kw = {"active": 1, "slices": (4096,), "in_features": 11008, "rank": 16, "shards": n, "itemsize": w}
     assert parallel.choose_layout("row", tokens=1023, **kw) == "row_reduce"
     assert parallel.choose_layout("row", tokens=1024, **kw) == "row_partial"
     # A rank that n does not divide cannot be gathered by rank.
-    kw = dict(active=1, slices=(4096,), in_features=4096, rank=6, shards=n, itemsize=w)
+    kw = {"active": 1, "slices": (4096,), "in_features": 4096, "rank": 6, "shards": n, "itemsize": w}
     assert parallel.choose_layout("column", tokens=1, **kw) == "column"
 
 
