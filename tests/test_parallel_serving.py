@@ -1,8 +1,11 @@
 """Serving on a mesh: the Llama split over 2 CPU devices serves mixed adapters equal to merged
-weights, adapter slots are written shard by shard, no recompilation, no weight is gathered."""
+weights, adapter slots are written shard by shard, no recompilation, no weight is gathered; the
+demo command with --tp 4 in a subprocess (4 host devices)."""
 
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -126,3 +129,23 @@ def test_mesh_errors(split):
     with pytest.raises(ValueError, match=r"num_attention_heads=4 must be divisible by the 3 devices"):
         load_llama(model_dir, mesh=three)
 
+
+def test_demo_with_tp_4_verifies_every_request():
+    """`jax-lora demo --tp 4` in a fresh process with 4 host devices (KV heads 2 < 4: replicated cache)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=os.getcwd())
+    proc = subprocess.run([sys.executable, "-m", "jax_lora.cli", "demo", "--tp", "4", "--requests", "8",
+                           "--max-new-tokens", "4"], capture_output=True, text=True, env=env, timeout=900,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tensor parallel: 4 devices" in proc.stdout
+    assert "verified: 8/8 requests match merged-weights outputs" in proc.stdout
+    assert "recompilations after warm-up: 0" in proc.stdout
+
+
+def test_demo_tp_needs_the_devices():
+    from jax_lora.cli import _tp_mesh
+    assert _tp_mesh(1) is None and dict(_tp_mesh(2).shape) == {"tp": 2}
+    with pytest.raises(SystemExit, match=r"--tp 16 needs 16 devices, this process has 8 .*device_count=16"):
+        _tp_mesh(16)
+    with pytest.raises(SystemExit, match=r"--tp must be >= 1, got 0"):
+        _tp_mesh(0)
