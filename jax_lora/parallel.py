@@ -230,6 +230,9 @@ def split_fused(y: jax.Array, widths: Sequence[int], shards: int) -> tuple:
     split of every result (no data moves).
     """
     widths = tuple(int(w) for w in widths)
+    if sum(widths) != y.shape[-1] or any(w % shards for w in widths):
+        raise ValueError(f"widths {widths} must sum to y's last dimension {y.shape[-1]} (y shape {y.shape}) and "
+                         f"each be divisible by shards={shards}")
     if shards == 1:
         offs = np.concatenate([[0], np.cumsum(widths)])
         return tuple(y[..., offs[i]:offs[i + 1]] for i in range(len(widths)))
@@ -293,6 +296,12 @@ class TensorParallel:
 
     def apply(self, layer, x: jax.Array, punica) -> jax.Array:
         """The layer's output with the wrapper `punica`, computed per device (see the module docstring)."""
+        if self.kind == "embed":
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(f"ids must be an integer array, got dtype {x.dtype}")
+        elif x.ndim < 1 or x.shape[-1] != layer.in_features:
+            raise ValueError(f"x must have shape (..., {layer.in_features}) (the layer's in_features), got "
+                             f"{x.shape}")
         return {"column": _column_call, "logits": _logits_call, "row": _row_call,
                 "embed": _embed_call}[self.kind](self, layer, x, punica)
 

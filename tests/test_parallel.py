@@ -341,3 +341,8 @@ def test_bad_input_is_refused_with_the_argument_named():
     parallel.shard_layer(layer, mesh, kind="row")
     with pytest.raises(ValueError, match=r"already split"):
         parallel.shard_layer(layer, mesh, kind="row")
+    x = jnp.ones((4, K + 1), jnp.float32)
+    with pytest.raises(ValueError, match=rf"x must have shape \(\.\.\., {K}\) .*got \(4, {K + 1}\)"):
+        layer(x, punica=_wrapper(NamedSharding(mesh, P())))
+    with pytest.raises(ValueError, match=r"widths \(4, 4\) must sum to y's last dimension 6"):
+        parallel.split_fused(jnp.ones((2, 6)), (4, 4), 2)
