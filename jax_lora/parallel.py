@@ -93,7 +93,7 @@ __all__ = [
 
 AXIS = "tp"
 
-# kind -> layouts, the default first.
+# kind -> its layouts (the first is the one shard_plain_layer splits a plain base like).
 LAYOUTS = {
     "column": ("column", "column_gather"),
     "row": ("row_reduce", "row_partial"),
@@ -130,6 +130,11 @@ def layer_bytes(kind: str, layout: str, *, tokens: int, active: int, slices: Seq
     for an embedding, V. shards: n. itemsize: of the adapter weights.
     """
     _check_layout(kind, layout)
+    sizes = {"tokens": tokens, "active": active, "in_features": in_features, "rank": rank, "itemsize": itemsize}
+    bad = {k: v for k, v in sizes.items() if int(v) != v or v < 0}
+    if bad or int(shards) != shards or shards < 1 or not slices or any(int(w) != w or w < 1 for w in slices):
+        raise ValueError(f"layer_bytes needs integers: tokens, active, in_features, rank, itemsize >= 0, "
+                         f"shards >= 1 and slices >= 1; got {dict(sizes, shards=shards, slices=tuple(slices))}")
     s, n, t, r, a, w = len(slices), int(shards), int(tokens), int(rank), int(active), int(itemsize)
     out, inp = int(sum(slices)), int(in_features)
     buf = 4 * s * t * r

@@ -344,5 +344,8 @@ def test_bad_input_is_refused_with_the_argument_named():
     x = jnp.ones((4, K + 1), jnp.float32)
     with pytest.raises(ValueError, match=rf"x must have shape \(\.\.\., {K}\) .*got \(4, {K + 1}\)"):
         layer(x, punica=_wrapper(NamedSharding(mesh, P())))
+    with pytest.raises(ValueError, match=r"layer_bytes needs integers: .*'shards': 0"):
+        parallel.layer_bytes("row", "row_reduce", tokens=8, active=1, slices=(64,), in_features=64, rank=8,
+                             shards=0, itemsize=2)
     with pytest.raises(ValueError, match=r"widths \(4, 4\) must sum to y's last dimension 6"):
         parallel.split_fused(jnp.ones((2, 6)), (4, 4), 2)
