@@ -21,7 +21,7 @@ _EXPORTS = {
     "LoRAKernelMeta": "jax_lora.meta",
     "PunicaWrapper": "jax_lora.wrapper",
 }
-_SUBMODULES = ("ops", "nn", "meta", "mapping", "wrapper", "models", "adapters", "serving", "cli")
+_SUBMODULES = ("ops", "nn", "meta", "mapping", "wrapper", "models", "adapters", "serving", "cli", "parallel")
 
 __all__ = list(_EXPORTS) + ["ops", "nn"]
 

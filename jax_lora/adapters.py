@@ -10,7 +10,8 @@ Placement: `prepare_adapter(model, adapter)` checks every tensor against the mod
 differ between adapters; padding changes no result). `AdapterManager` owns the model's slots: it
 loads adapters on demand (host LRU cache, then disk), evicts the least recently used slot not needed
 by the current batch, and writes a slot with one jitted update whose shapes never change, so
-load / unload / hot-swap never recompile the serving step.
+load / unload / hot-swap never recompile the serving step. For layers split over a mesh
+(jax_lora.parallel), a slot's weights go to each device as that device's block only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file
 )
 
 from . import nn as lnn
+from . import parallel
 
 __all__ = [
     "AdapterError",
@@ -364,7 +366,12 @@ class AdapterManager:
             else:
                 new.append(prepared[0][path][0 if n == "lora_a" else 1])
         old = tuple(getattr(layer, n).get_value() for layer, n in self._vars)
-        slot_dev, new_dev = jax.device_put((np.int32(slot), tuple(new)))
+        if any(layer.tp is not None for layer, _ in self._vars):
+            # Layers split over a mesh (jax_lora.parallel): each device receives its block of the slot.
+            slot_dev = np.int32(slot)
+            new_dev = tuple(parallel.place_slot_value(layer, n, v) for (layer, n), v in zip(self._vars, new))
+        else:
+            slot_dev, new_dev = jax.device_put((np.int32(slot), tuple(new)))
         updated = _write_slot(old, slot_dev, new_dev, axes=self._axes)
         for (layer, n), arr in zip(self._vars, updated):
             getattr(layer, n).set_value(arr)

@@ -209,8 +209,9 @@ def _serve_timed(engine, requests, say) -> tuple:
 
 def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, num_requests: int = 24,
              max_new_tokens: int = 16, max_seqs: int = 8, slots: int | None = None, seed: int = 0,
-             backend: str | None = None, out=None) -> int:
-    """The demo; returns the process exit status (0 when every request verifies)."""
+             backend: str | None = None, out=None, tp: int = 1) -> int:
+    """The demo; returns the process exit status (0 when every request verifies). tp > 1 serves the
+    model split over that many devices (tensor parallelism, jax_lora.parallel)."""
     t_start = time.perf_counter()
     import jax
 
@@ -231,11 +232,27 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
     # on NVIDIA GPUs JAX's default float32 matmul is TF32 (~1e-3), so both run at full float32.
     with jax.default_matmul_precision("highest"):
         return _serve_and_verify(model_dir, adapter_dirs, tmp, slots, num_requests, max_new_tokens, max_seqs,
-                                 seed, backend, say, t_start)
+                                 seed, backend, say, t_start, tp=tp)
+
+
+def _tp_mesh(tp: int):
+    """A one-axis ("tp") mesh of the first `tp` devices, or None for tp = 1."""
+    import jax
+    import numpy as np
+
+    if tp < 1:
+        raise SystemExit(f"jax-lora demo: --tp must be >= 1, got {tp}")
+    if tp == 1:
+        return None
+    devices = jax.devices()
+    if len(devices) < tp:
+        raise SystemExit(f"jax-lora demo: --tp {tp} needs {tp} devices, this process has {len(devices)} "
+                         f"(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
+    return jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
 
 
 def _serve_and_verify(model_dir, adapter_dirs, tmp, slots, num_requests, max_new_tokens, max_seqs, seed, backend,
-                      say, t_start) -> int:
+                      say, t_start, tp: int = 1) -> int:
     """The demo after its assets exist: load, serve, time, verify (removes `tmp` at the end)."""
     import jax
 
@@ -247,8 +264,12 @@ def _serve_and_verify(model_dir, adapter_dirs, tmp, slots, num_requests, max_new
         ids = [None] + list(adapters)
         max_len = max(64, 16 + max_new_tokens)
         requests = _demo_requests(model.config.vocab_size, ids, num_requests, max_new_tokens, seed)
+        mesh = _tp_mesh(tp)
         engine = ServingEngine(model, manager, max_seqs=max_seqs, max_len=max_len, keep_logits=True,
-                               backend=backend)
+                               backend=backend, mesh=mesh)
+        if mesh is not None:
+            layouts = sorted({layer.tp.layout for layer in manager.layers.values()})
+            say(f"tensor parallel: {tp} devices, adapter layouts {', '.join(layouts)} (jax_lora.parallel)")
         counts = {i: sum(1 for r in requests if r.lora_id == i) for i in ids}
         say(f"requests: {num_requests} ({counts[None]} without adapter, "
             + ", ".join(f"{counts[i]} with adapter {i}" for i in adapters)
@@ -302,13 +323,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--slots", type=int, default=None, help="adapter slots on the device (default: adapters + 1)")
     demo.add_argument("--backend", default=None, help="force a wrapper backend (xla, pallas_tpu, triton)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--tp", type=int, default=1, help="serve split over this many devices (tensor parallelism)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .adapters import AdapterError
         try:
             return run_demo(args.model_dir, args.adapter_dirs, num_requests=args.requests,
                             max_new_tokens=args.max_new_tokens, max_seqs=args.max_seqs, slots=args.slots,
-                            seed=args.seed, backend=args.backend)
+                            seed=args.seed, backend=args.backend, tp=args.tp)
         except (AdapterError, FileNotFoundError, NotImplementedError) as e:
             print(f"jax-lora demo: error: {e}", file=sys.stderr)
             return 2

@@ -20,6 +20,10 @@ layer only, so the same model serves the "no adapters" baseline.
 
 `replace_lora_layers(model, targets, ...)` swaps the targeted `nnx.Linear` / `nnx.Embed` layers of any
 NNX model for these layers, in place. Filter the adapter state with `nnx.state(model, LoRAWeight)`.
+
+Tensor parallelism: `jax_lora.parallel.shard_layer` splits a layer over a mesh axis and sets its
+static `tp` attribute; with a wrapper installed, the call then runs per device (`tp.apply`), and
+without one the base layer runs as XLA partitions it.
 """
 
 from __future__ import annotations
@@ -122,10 +126,13 @@ class MultiLoRALinear(nnx.Module):
         self.lora_a = LoRAWeight(jnp.zeros((len(slices), max_loras, max_rank, self.in_features), dtype))
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
         self.lora_ranks = _ranks_variable(max_loras, max_rank)
+        self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
 
     def __call__(self, x: jax.Array, punica=None) -> jax.Array:
-        y = self.base(x)
         w = _pick(punica)
+        if w is not None and self.tp is not None:
+            return self.tp.apply(self, x, w)
+        y = self.base(x)
         if w is None:
             return y
         a, b = self.lora_a.get_value(), self.lora_b.get_value()
@@ -160,14 +167,17 @@ class MultiLoRAEmbed(nnx.Module):
         self.lora_a = LoRAWeight(jnp.zeros((max_loras, self.num_embeddings, max_rank), dtype))
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.features, max_rank), dtype))
         self.lora_ranks = _ranks_variable(max_loras, max_rank)
+        self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
 
     def attend(self, query: jax.Array) -> jax.Array:
         """The base embedding's `attend` (tied LM heads): adapters do not apply here."""
         return self.base.attend(query)
 
     def __call__(self, ids: jax.Array, punica=None) -> jax.Array:
-        y = self.base(ids)
         w = _pick(punica)
+        if w is not None and self.tp is not None:
+            return self.tp.apply(self, ids, w)
+        y = self.base(ids)
         if w is None:
             return y
         flat = ids.reshape(-1).astype(jnp.int32)
@@ -204,10 +214,13 @@ class MultiLoRALogits(nnx.Module):
         self.lora_a = LoRAWeight(jnp.zeros((max_loras, max_rank, self.in_features), dtype))
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
         self.lora_ranks = _ranks_variable(max_loras, max_rank)
+        self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
 
     def __call__(self, h: jax.Array, punica=None) -> jax.Array:
-        y = self.base(h)
         w = _pick(punica)
+        if w is not None and self.tp is not None:
+            return self.tp.apply(self, h, w)
+        y = self.base(h)
         if w is None:
             return y
         h2 = h.reshape(-1, h.shape[-1])

@@ -17,6 +17,11 @@ The wrapper's buffers have fixed lengths (the prompt mapping padded by the seed'
 power of two, 8) rows); padded tokens and rows use LoRA id 0 (no adapter) and never change real rows.
 Adapters are swapped by AdapterManager between steps with same-shape writes: no recompilation.
 `compile_count` counts the compiled step programs.
+
+With `mesh=` the model is split over the mesh's tensor-parallel axis (`LlamaForCausalLM.shard`,
+jax_lora.parallel): the wrapper's index block and the step inputs are replicated on the mesh, the
+KV cache is placed with `model.cache_sharding()` and kept there by the step, and adapter slots are
+written shard by shard (AdapterManager). The step is the same jitted function.
 """
 
 from __future__ import annotations
@@ -83,10 +88,12 @@ class _Seq:
                                                                and self.tokens[-1] == eos)
 
 
-def _step(graphdef, state, cache, punica, tokens, positions, rows, sample_idx, use_lora):
+def _step(graphdef, cache_sharding, state, cache, punica, tokens, positions, rows, sample_idx, use_lora):
     model = nnx.merge(graphdef, state)
     with lnn.punica_context(punica if use_lora else None):
         logits, cache = model(tokens, positions, cache=cache, rows=rows, sample_idx=sample_idx)
+    if cache_sharding is not None:     # the next step takes the cache as this one did: no recompilation
+        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
     return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 
 
@@ -104,11 +111,15 @@ class ServingEngine:
         max_seqs): fewer buckets, fewer compilations.
       keep_logits: return each generated token's logits (for verification).
       backend: the PunicaWrapper backend (None: the device's default).
+      mesh: a jax.sharding.Mesh to serve on (tensor parallelism over its `tp_axis`); the model is
+        split over it unless it already is (`model.shard(mesh, tokens=max_seqs)`).
+      tp_axis: the mesh axis the model is split over.
     """
 
     def __init__(self, model: nnx.Module, adapters: AdapterManager | None = None, *, max_seqs: int = 8,
                  max_len: int = 256, max_prefill_tokens: int = 512, min_prefill_len: int = 16,
-                 min_prefill_rows: int = MIN_NUM_SEQS, keep_logits: bool = False, backend: str | None = None):
+                 min_prefill_rows: int = MIN_NUM_SEQS, keep_logits: bool = False, backend: str | None = None,
+                 mesh: jax.sharding.Mesh | None = None, tp_axis: str = "tp"):
         if adapters is not None and adapters.model is not model:
             raise ValueError("adapters must be the AdapterManager of this model")
         self.model = model
@@ -120,16 +131,33 @@ class ServingEngine:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens} < min_prefill_len={min_prefill_len}")
         self.min_prefill_rows = max(1, int(min_prefill_rows))
         self.keep_logits = keep_logits
+        self.mesh = mesh
+        self._replicated = None
+        if mesh is not None:
+            if not isinstance(mesh, jax.sharding.Mesh):
+                raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+            if not hasattr(model, "shard"):
+                raise TypeError(f"serving on a mesh needs a model with `shard` (jax_lora.models), got "
+                                f"{type(model).__name__}")
+            if model.mesh is None:
+                model.shard(mesh, axis=tp_axis, tokens=self.max_seqs)
+            elif model.mesh != mesh or model.tp_axis != tp_axis:
+                raise ValueError(f"the model is split over axis {model.tp_axis!r} of another mesh "
+                                 f"{dict(model.mesh.shape)}; pass that mesh or an unsplit model")
+            self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        cache_sharding = model.cache_sharding() if mesh is not None else None
         self.graphdef, self._state = nnx.split(model)
         self._state_version = adapters.version if adapters is not None else 0
-        self.cache = init_cache(self.config, self.max_seqs, self.max_len)
+        self.cache = init_cache(self.config, self.max_seqs, self.max_len, sharding=cache_sharding)
         capacity = max(self.max_prefill_tokens, self.max_seqs)
         self.punica = None
         if adapters is not None:
-            self.punica = PunicaWrapper(capacity, capacity, None, max_loras=adapters.num_slots, backend=backend)
+            self.punica = PunicaWrapper(capacity, capacity, self._replicated, max_loras=adapters.num_slots,
+                                        backend=backend)
         # The graph definition is closed over, not a static argument: hashing it on every call
         # costs more than the step at small sizes.
-        self._jit_step = jax.jit(functools.partial(_step, self.graphdef), static_argnums=(7,), donate_argnums=(1,))
+        self._jit_step = jax.jit(functools.partial(_step, self.graphdef, cache_sharding), static_argnums=(7,),
+                                 donate_argnums=(1,))
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------ introspection
@@ -193,7 +221,7 @@ class ServingEngine:
                                         self.config.vocab_size)
             punica = self.punica
         # One explicit upload of the step's inputs (so a transfer guard can prove there is no other).
-        tokens, positions, rows, sample_idx = jax.device_put((tokens, positions, rows, sample_idx))
+        tokens, positions, rows, sample_idx = jax.device_put((tokens, positions, rows, sample_idx), self._replicated)
         self.cache, next_tok, logits = self._jit_step(self._state, self.cache, punica, tokens, positions, rows,
                                                       sample_idx, use_lora)
         return next_tok, logits

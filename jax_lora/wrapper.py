@@ -44,7 +44,9 @@ class PunicaWrapper:
     Args:
       max_num_batched_tokens: token capacity T_max of one step (index buffers have this length).
       max_batches: capacity for prefill segments (SGMV metadata buffers).
-      device: a jax Device, a platform string ("cpu", "gpu", "tpu") or None (the default device).
+      device: a jax Device, a platform string ("cpu", "gpu", "tpu"), None (the default device), or a
+        Sharding (e.g. NamedSharding(mesh, P()): the index arrays replicated on a mesh, for
+        jax_lora.parallel).
       max_loras: number of weight slots (keyword-only, as in vLLM).
       backend: force "xla", "pallas_tpu" or "triton"; default: chosen by the device.
     """

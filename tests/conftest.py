@@ -18,10 +18,11 @@ def _cuda_present() -> bool:
 if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# Two CPU devices, so that device-mismatch errors can be tested (SPEC section 6).
+# Eight CPU devices: device-mismatch errors use two of them (SPEC section 6), the tensor-parallel
+# tests meshes of 2, 4 and 8 (tests/test_parallel.py). Code that does not shard runs on device 0.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=2").strip()
+                               " --xla_force_host_platform_device_count=8").strip()
 
 
 def pytest_configure(config):

@@ -36,7 +36,8 @@ def test_the_core_imports_no_framework(module):
 
 
 @pytest.mark.parametrize("module", ["jax_lora", "jax_lora.ops", "jax_lora.ops.triton", "jax_lora.wrapper",
-                                    "jax_lora.nn", "jax_lora.adapters", "jax_lora.models", "jax_lora.serving"])
+                                    "jax_lora.nn", "jax_lora.adapters", "jax_lora.models", "jax_lora.serving",
+                                    "jax_lora.parallel"])
 def test_jax_lora_loads_nothing_of_torch(module):
     pytest.importorskip("jax")
     if module.endswith("triton"):

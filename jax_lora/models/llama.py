@@ -11,6 +11,14 @@ accumulation. Rope scaling variants are not implemented (a clear error says so).
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
 tokens' keys/values at (row, position) and attends, per query, to the row's positions <= its own.
 Writes to row index >= rows (padding) are dropped; nothing is ever read out of bounds.
+
+Tensor parallelism (`model.shard(mesh)`, `load_llama(..., mesh=mesh)`): `tp_plan()` names each
+layer's kind for jax_lora.parallel: qkv_proj and gate_up_proj column-parallel (each slice split on
+its own, stored shard-major: attention and MLP split their outputs with `parallel.split_fused`),
+o_proj and down_proj row-parallel, embed_tokens and lm_head split along the vocabulary. Multi-LoRA
+layers run per device with their layout's collectives; the rest (norms, RoPE, attention, plain
+layers) is partitioned by XLA from the weights' shardings. The KV cache is split along the KV
+heads when the device count divides them (`cache_sharding`), replicated otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from .. import nn as lnn
+from .. import parallel
 
 __all__ = [
     "HF_LORA_TARGETS",
@@ -115,11 +124,14 @@ class KVCache:
     v: tuple
 
 
-def init_cache(config: LlamaConfig, rows: int, max_len: int, dtype=jnp.float32) -> KVCache:
+def init_cache(config: LlamaConfig, rows: int, max_len: int, dtype=jnp.float32, sharding=None) -> KVCache:
+    """Zeroed keys and values, per layer (rows, max_len, kv_heads, head_dim), placed with `sharding`
+    (e.g. `model.cache_sharding()`) when given."""
     shape = (rows, max_len, config.num_key_value_heads, config.head_dim)
     n = config.num_hidden_layers
-    return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(n)),
-                   tuple(jnp.zeros(shape, dtype) for _ in range(n)))
+    zeros = (lambda: jnp.zeros(shape, dtype)) if sharding is None else (
+        lambda: jax.device_put(np.zeros(shape, dtype), sharding))
+    return KVCache(tuple(zeros() for _ in range(n)), tuple(zeros() for _ in range(n)))
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -141,15 +153,14 @@ class LlamaAttention(nnx.Module):
                                    dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.o_proj = nnx.Linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.attention_bias, dtype=dtype,
                                  param_dtype=dtype, rngs=rngs)
+        self.fused_shards = 1      # devices qkv_proj's columns are split over (shard-major order)
 
     def __call__(self, x, positions, kv=None, rows=None):
         cfg = self.cfg
         b, s, _ = x.shape
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = self.qkv_proj(x)
-        q = qkv[..., : cfg.q_size].reshape(b, s, nh, hd)
-        k = qkv[..., cfg.q_size: cfg.q_size + cfg.kv_size].reshape(b, s, nkv, hd)
-        v = qkv[..., cfg.q_size + cfg.kv_size:].reshape(b, s, nkv, hd)
+        q, k, v = parallel.split_fused(self.qkv_proj(x), (cfg.q_size, cfg.kv_size, cfg.kv_size), self.fused_shards)
+        q, k, v = q.reshape(b, s, nh, hd), k.reshape(b, s, nkv, hd), v.reshape(b, s, nkv, hd)
         q = _rope(q, positions, cfg.rope_theta)
         k = _rope(k, positions, cfg.rope_theta)
         if kv is None:                     # no cache: attend within the sequence (causal)
@@ -184,11 +195,12 @@ class LlamaMLP(nnx.Module):
                                        dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.down_proj = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias,
                                     dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.fused_shards = 1      # devices gate_up_proj's columns are split over (shard-major order)
 
     def __call__(self, x):
-        gu = self.gate_up_proj(x)
         i = self.intermediate_size
-        return self.down_proj(jax.nn.silu(gu[..., :i]) * gu[..., i:])
+        gate, up = parallel.split_fused(self.gate_up_proj(x), (i, i), self.fused_shards)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class RMSNorm(nnx.Module):
@@ -243,11 +255,56 @@ class LlamaForCausalLM(nnx.Module):
         self.model = LlamaModel(config, dtype=dtype, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.mesh = None           # the jax.sharding.Mesh after `shard`
+        self.tp_axis = None
 
     def lora_slices(self) -> dict:
         c = self.config
         return {"qkv_proj": (c.q_size, c.kv_size, c.kv_size),
                 "gate_up_proj": (c.intermediate_size, c.intermediate_size)}
+
+    def tp_plan(self) -> dict:
+        """{layer name: (jax_lora.parallel kind, output slices or None)} of the tensor-parallel split."""
+        slices = self.lora_slices()
+        return {"qkv_proj": ("column", slices["qkv_proj"]), "gate_up_proj": ("column", slices["gate_up_proj"]),
+                "o_proj": ("row", None), "down_proj": ("row", None), "embed_tokens": ("embed", None),
+                "lm_head": ("logits", None)}
+
+    def shard(self, mesh, *, axis: str = "tp", tokens: int = 64, layouts=None) -> dict:
+        """Splits the model over `axis` of `mesh` (tensor parallelism), in place; returns
+        {layer path: layout, or "plain" for a layer without adapters} for the layers split now.
+
+        Multi-LoRA layers added later (`add_lora`) are split when they are added. `tokens`: the
+        step size the byte model picks each multi-LoRA layer's layout for (`parallel.choose_layout`);
+        `layouts` ({path or layer name: layout}) overrides it. Raises ValueError when a size is not
+        divisible by the device count, or when the model is already split over another mesh.
+        """
+        if self.mesh is not None and (self.mesh != mesh or self.tp_axis != axis):
+            raise ValueError(f"the model is already split over axis {self.tp_axis!r} of another mesh "
+                             f"{dict(self.mesh.shape)}; load it again to split it differently")
+        n = int(mesh.shape[axis]) if axis in mesh.shape else None
+        if n is None:
+            raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+        c = self.config
+        if c.num_attention_heads % n:
+            raise ValueError(f"num_attention_heads={c.num_attention_heads} must be divisible by the {n} devices "
+                             f"of axis {axis!r}")
+        done = parallel.shard_model(self, mesh, self.tp_plan(), axis=axis, tokens=tokens, layouts=layouts)
+        self.mesh, self.tp_axis = mesh, axis
+        for layer in self.model.layers:
+            layer.self_attn.fused_shards = n
+            layer.mlp.fused_shards = n
+        return done
+
+    def cache_sharding(self):
+        """The KV cache arrays' NamedSharding on the model's mesh (split along the KV heads when the
+        device count divides them, replicated otherwise), or None for an unsplit model."""
+        if self.mesh is None:
+            return None
+        n = int(self.mesh.shape[self.tp_axis])
+        split = self.config.num_key_value_heads % n == 0
+        spec = jax.sharding.PartitionSpec(None, None, self.tp_axis) if split else jax.sharding.PartitionSpec()
+        return jax.sharding.NamedSharding(self.mesh, spec)
 
     def __call__(self, tokens, positions, cache: KVCache | None = None, rows=None, sample_idx=None):
         x = self.model.embed_tokens(tokens)
@@ -284,8 +341,11 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
     if "lm_head" in ours and model.lm_head is None:
         raise ValueError("lm_head is tied to embed_tokens in this model (tie_word_embeddings=True); "
                          "LoRA on a tied lm_head is not supported")
-    return lnn.replace_lora_layers(model, sorted(ours), max_loras=max_loras, max_rank=max_rank,
-                                   output_slices=model.lora_slices(), dtype=dtype)
+    layers = lnn.replace_lora_layers(model, sorted(ours), max_loras=max_loras, max_rank=max_rank,
+                                     output_slices=model.lora_slices(), dtype=dtype)
+    if model.mesh is not None:         # a split model: the new layers are split the same way
+        model.shard(model.mesh, axis=model.tp_axis)
+    return layers
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -307,8 +367,9 @@ def _read_safetensors_dir(model_dir: str) -> dict:
     return out
 
 
-def load_llama(model_dir: str, *, dtype=jnp.float32) -> LlamaForCausalLM:
-    """Builds the model from `config.json` and Hugging Face-format safetensors in `model_dir`."""
+def load_llama(model_dir: str, *, dtype=jnp.float32, mesh=None, tp_axis: str = "tp") -> LlamaForCausalLM:
+    """Builds the model from `config.json` and Hugging Face-format safetensors in `model_dir`;
+    with `mesh`, split over its `tp_axis` (`LlamaForCausalLM.shard`)."""
     cfg = LlamaConfig.from_json(os.path.join(model_dir, "config.json"))
     weights = _read_safetensors_dir(model_dir)
     model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -358,6 +419,8 @@ def load_llama(model_dir: str, *, dtype=jnp.float32) -> LlamaForCausalLM:
     extra = [e for e in extra if "rotary_emb.inv_freq" not in e]
     if extra:
         raise ValueError(f"checkpoint {model_dir} has tensors this Llama does not use: {extra[:5]}")
+    if mesh is not None:
+        model.shard(mesh, axis=tp_axis)
     return model
 
 
@@ -374,26 +437,33 @@ def save_llama(model: LlamaForCausalLM, model_dir: str) -> None:
     def base(layer):  # the plain layer under a multi-LoRA wrapper
         return getattr(layer, "base", layer)
 
+    shards = 1 if model.mesh is None else int(model.mesh.shape[model.tp_axis])
+
+    def fused(var, slices):  # a split fused layer stores its columns shard-major
+        return parallel.natural_columns(arr(var), slices, shards) if shards > 1 else arr(var)
+
+    qkv_slices, gu_slices = model.lora_slices()["qkv_proj"], model.lora_slices()["gate_up_proj"]
+
     out["model.embed_tokens.weight"] = arr(base(model.model.embed_tokens).embedding)
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
-        qkv = arr(base(layer.self_attn.qkv_proj).kernel).T
+        qkv = fused(base(layer.self_attn.qkv_proj).kernel, qkv_slices).T
         out[p + "self_attn.q_proj.weight"] = qkv[: c.q_size]
         out[p + "self_attn.k_proj.weight"] = qkv[c.q_size: c.q_size + c.kv_size]
         out[p + "self_attn.v_proj.weight"] = qkv[c.q_size + c.kv_size:]
         out[p + "self_attn.o_proj.weight"] = arr(base(layer.self_attn.o_proj).kernel).T
-        gu = arr(base(layer.mlp.gate_up_proj).kernel).T
+        gu = fused(base(layer.mlp.gate_up_proj).kernel, gu_slices).T
         out[p + "mlp.gate_proj.weight"] = gu[: c.intermediate_size]
         out[p + "mlp.up_proj.weight"] = gu[c.intermediate_size:]
         out[p + "mlp.down_proj.weight"] = arr(base(layer.mlp.down_proj).kernel).T
         if c.attention_bias:
-            qkv_b = arr(base(layer.self_attn.qkv_proj).bias)
+            qkv_b = fused(base(layer.self_attn.qkv_proj).bias, qkv_slices)
             out[p + "self_attn.q_proj.bias"] = qkv_b[: c.q_size]
             out[p + "self_attn.k_proj.bias"] = qkv_b[c.q_size: c.q_size + c.kv_size]
             out[p + "self_attn.v_proj.bias"] = qkv_b[c.q_size + c.kv_size:]
             out[p + "self_attn.o_proj.bias"] = arr(base(layer.self_attn.o_proj).bias)
         if c.mlp_bias:
-            gu_b = arr(base(layer.mlp.gate_up_proj).bias)
+            gu_b = fused(base(layer.mlp.gate_up_proj).bias, gu_slices)
             out[p + "mlp.gate_proj.bias"] = gu_b[: c.intermediate_size]
             out[p + "mlp.up_proj.bias"] = gu_b[c.intermediate_size:]
             out[p + "mlp.down_proj.bias"] = arr(base(layer.mlp.down_proj).bias)

@@ -35,12 +35,15 @@ def load_backend(name: str):
 
 
 def platform_of(device) -> str:
-    """'cpu' / 'gpu' / 'tpu' for a jax Device, a platform string, or None (the default backend)."""
+    """'cpu' / 'gpu' / 'tpu' for a jax Device, a Sharding (its devices' platform), a platform
+    string, or None (the default backend)."""
     if device is None:
         return jax.default_backend()
     if isinstance(device, str):
         p = device.split(":")[0].lower()
         return "gpu" if p in ("cuda", "gpu") else p
+    if isinstance(device, jax.sharding.Sharding):
+        device = next(iter(device.device_set))
     return getattr(device, "platform", "cpu")
 
 

@@ -1,0 +1,351 @@
+"""jax_lora.parallel: every tensor-parallel layout on meshes of 2, 4 and 8 CPU devices against the
+float64 oracle (tests/oracle.py) and the unsplit layer, the backends per shard, the collectives in
+the compiled HLO, the byte model, and bad input.
+
+Needs 8 host devices: tests/conftest.py sets --xla_force_host_platform_device_count=8.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_lora import LoRAMapping, PunicaWrapper, parallel
+from jax_lora import nn as lnn
+
+from . import oracle
+
+L = 3                      # slots; slot i holds LoRA id i + 1
+R = 8                      # max rank (divisible by 8: column_gather splits the rank)
+RANKS = (8, 3, 5)          # heterogeneous real ranks per slot; weights past them hold noise
+IDS = (1, 0, 3, 3, 2, 2, 0, 1, 1, 3, 0, 2)       # LoRA id per token / sampled row, 0 = none
+SLICES = (32, 16, 16)      # q, k, v of a GQA projection: unequal widths
+H, K, V, D = 24, 64, 64, 16
+TOL = 1e-5
+
+CASES = [("column", "column"), ("column", "column_gather"), ("row", "row_reduce"), ("row", "row_partial"),
+         ("embed", "vocab"), ("logits", "column"), ("logits", "column_gather")]
+
+
+def _mesh(n):
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        pytest.fail(f"needs {n} CPU devices; tests/conftest.py sets xla_force_host_platform_device_count=8")
+    return Mesh(np.array(devices[:n]), ("tp",))
+
+
+def _wrapper(device=None, backend="xla", ids=IDS):
+    w = PunicaWrapper(32, 32, device, max_loras=L, backend=backend)
+    w.update_metadata(LoRAMapping(ids, ids), [1, 2, 3], L + 1, V)
+    return w
+
+
+def _noise(var, rng):
+    var.set_value(jnp.asarray(rng.normal(size=var.get_value().shape), jnp.float32))
+
+
+def _layer(kind, rng):
+    """A multi-LoRA layer of `kind` with random base, adapter weights (noise past each slot's
+    rank) and the heterogeneous RANKS."""
+    if kind == "column":
+        layer = lnn.MultiLoRALinear(nnx.Linear(H, sum(SLICES), rngs=nnx.Rngs(0)), max_loras=L, max_rank=R,
+                                    output_slices=SLICES)
+    elif kind == "row":
+        layer = lnn.MultiLoRALinear(nnx.Linear(K, H * 2, rngs=nnx.Rngs(0)), max_loras=L, max_rank=R)
+    elif kind == "embed":
+        layer = lnn.MultiLoRAEmbed(nnx.Embed(V, D, rngs=nnx.Rngs(0)), max_loras=L, max_rank=R)
+    else:
+        layer = lnn.MultiLoRALogits(nnx.Linear(H, V, use_bias=True, rngs=nnx.Rngs(0)), max_loras=L, max_rank=R)
+    for name in ("kernel", "bias", "embedding"):
+        var = getattr(layer.base, name, None)
+        if var is not None:
+            _noise(var, rng)
+    _noise(layer.lora_a, rng)
+    _noise(layer.lora_b, rng)
+    layer.lora_ranks.set_value(jnp.asarray(RANKS, jnp.int32))
+    return layer
+
+
+def _input(kind, rng):
+    t = len(IDS)
+    if kind == "embed":
+        return jnp.asarray(rng.integers(0, V, size=(2, t // 2)), jnp.int32)
+    if kind == "row":
+        return jnp.asarray(rng.normal(size=(2, t // 2, K)), jnp.float32)
+    return jnp.asarray(rng.normal(size=(t, H)), jnp.float32)
+
+
+def _rank_cut(w, rank_axis):
+    """Host float64 copy of stacked weights with rank columns past each slot's rank zeroed
+    (slot axis 0 after the slice axis is removed)."""
+    w = np.array(w, np.float64)
+    for slot, r in enumerate(RANKS):
+        idx = [slot] + [slice(None)] * (w.ndim - 1)
+        idx[rank_axis] = slice(r, None)
+        w[tuple(idx)] = 0.0
+    return w
+
+
+def _expected(kind, layer, x):
+    """The float64 oracle of the unsplit layer (natural column order)."""
+    idx = [i - 1 for i in IDS]
+    a, b = np.asarray(layer.lora_a.get_value()), np.asarray(layer.lora_b.get_value())
+    if kind == "embed":
+        table = np.asarray(layer.base.embedding.get_value(), np.float64)
+        ids = np.asarray(x).reshape(-1)
+        a = _rank_cut(a, 2)                                      # (L, V, r)
+        y = table[ids]
+        rows = np.stack([a[max(i, 0), t] for i, t in zip(idx, ids)])
+        return oracle.expand(rows[None], [_rank_cut(b, 2)], y, idx)
+    kernel = np.asarray(layer.base.kernel.get_value(), np.float64)
+    bias = layer.base.bias
+    x2 = np.asarray(x, np.float64).reshape(-1, kernel.shape[0])
+    y = x2 @ kernel + (0.0 if bias is None else np.asarray(bias.get_value(), np.float64))
+    if kind == "logits":
+        return oracle.logits(y, x2, _rank_cut(a, 1), _rank_cut(b, 2), 1.0, idx)
+    slices = layer.output_slices
+    lora_a = [_rank_cut(a[s], 1) for s in range(len(slices))]
+    offs = np.concatenate([[0], np.cumsum(slices)])
+    lora_b = [_rank_cut(b[:, offs[s]:offs[s + 1]], 2) for s in range(len(slices))]
+    return oracle.lora_linear(y, x2, lora_a, lora_b, None, 1.0, idx)
+
+
+def _run(layer, w, x):
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit
+    def call(state, w, x):
+        return nnx.merge(graphdef, state)(x, punica=w)
+
+    return call, state
+
+
+def _natural(kind, layer, y, n):
+    y = np.asarray(y)
+    if kind == "column":
+        y = np.concatenate(parallel.split_fused(y, layer.output_slices, n), -1)
+    return y.reshape(-1, y.shape[-1])
+
+
+# ----------------------------------------------------------------------------- layouts against the oracle
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("kind,layout", CASES)
+def test_split_layer_equals_unsplit_layer_and_oracle(kind, layout, n):
+    rng = np.random.default_rng(10 * CASES.index((kind, layout)) + n)
+    layer = _layer(kind, rng)
+    x = _input(kind, rng)
+    expect = _expected(kind, layer, x)
+    call, state = _run(layer, _wrapper(), x)
+    unsplit = np.asarray(call(state, _wrapper(), x)).reshape(expect.shape)
+    assert oracle.rel_err(unsplit, expect) < TOL
+
+    mesh = _mesh(n)
+    tp = parallel.shard_layer(layer, mesh, kind=kind, layout=layout)
+    assert (layer.tp, tp.layout, tp.size) == (tp, layout, n)
+    w = _wrapper(NamedSharding(mesh, P()))
+    call, state = _run(layer, w, x)
+    got = call(state, w, x)
+    if kind in ("column", "logits"):     # output split along its columns, one block per device
+        assert got.sharding.spec[-1] == "tp"
+    got = _natural(kind, layer, got, n)
+    assert oracle.rel_err(got, expect) < TOL
+    assert oracle.rel_err(got, unsplit) < TOL
+    untouched = [t for t, i in enumerate(IDS) if i == 0]     # rows without adapter: the base only
+    base = _expected_base(kind, layer, x, n)
+    np.testing.assert_allclose(got[untouched], base[untouched], rtol=1e-5, atol=1e-5)
+
+
+def _expected_base(kind, layer, x, n):
+    """The base layer alone, float64, from the split layer's stored (possibly permuted) weights."""
+    if kind == "embed":
+        return np.asarray(layer.base.embedding.get_value(), np.float64)[np.asarray(x).reshape(-1)]
+    kernel = np.asarray(layer.base.kernel.get_value(), np.float64)
+    bias = 0.0 if layer.base.bias is None else np.asarray(layer.base.bias.get_value(), np.float64)
+    y = np.asarray(x, np.float64).reshape(-1, kernel.shape[0]) @ kernel + bias
+    return _natural(kind, layer, y, n)
+
+
+def test_split_layer_without_wrapper_runs_the_base_layer():
+    rng = np.random.default_rng(3)
+    layer = _layer("column", rng)
+    x = _input("column", rng)
+    parallel.shard_layer(layer, _mesh(4), kind="column")
+    got = _natural("column", layer, jax.jit(lambda x: layer(x))(x), 4)
+    np.testing.assert_allclose(got, _expected_base("column", layer, x, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_columns_are_split_per_slice():
+    """Device d holds part d of q, of k and of v (not a contiguous block of the fused output)."""
+    perm = parallel.column_permutation((4, 2, 2), 2)
+    np.testing.assert_array_equal(perm, [0, 1, 4, 6, 2, 3, 5, 7])
+    rng = np.random.default_rng(4)
+    layer = _layer("column", rng)
+    natural_b = np.asarray(layer.lora_b.get_value())
+    n = 4
+    parallel.shard_layer(layer, _mesh(n), kind="column", layout="column")
+    stored = layer.lora_b.get_value()
+    for shard in stored.addressable_shards:
+        d = shard.index[1].start // (sum(SLICES) // n)
+        parts, off = [], 0
+        for w in SLICES:
+            parts.append(natural_b[:, off + d * w // n: off + (d + 1) * w // n])
+            off += w
+        np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate(parts, axis=1))
+    np.testing.assert_array_equal(parallel.natural_columns(np.asarray(stored), SLICES, n, axis=1), natural_b)
+
+
+# ----------------------------------------------------------------------------- backends per shard
+
+@pytest.mark.parametrize("kind,layout", [("column", "column"), ("row", "row_reduce"), ("column", "column_gather")])
+def test_pallas_tpu_runs_per_shard(kind, layout):
+    """The Pallas TPU kernels (interpret mode on the CPU) inside the shard_map, 2 devices."""
+    rng = np.random.default_rng(5)
+    layer = _layer(kind, rng)
+    x = _input(kind, rng)
+    expect = _expected(kind, layer, x)
+    mesh = _mesh(2)
+    parallel.shard_layer(layer, mesh, kind=kind, layout=layout)
+    w = _wrapper(NamedSharding(mesh, P()), backend="pallas_tpu")
+    call, state = _run(layer, w, x)
+    got = _natural(kind, layer, call(state, w, x), 2)
+    assert oracle.rel_err(got, expect) < TOL
+
+
+def _collectives(hlo: str) -> list:
+    """[(op, result shape)] of every collective in compiled HLO text."""
+    ops = r"(all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all|collective-broadcast)"
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(\S+)\s+" + ops + r"(?:-start)?\(", line)
+        if m:
+            found.append((m.group(2), m.group(1).split("{")[0]))
+    return found
+
+
+def _compiled(layer, w, x):
+    call, state = _run(layer, w, x)
+    return call.lower(state, w, x).compile().as_text()
+
+
+def test_triton_path_sees_local_shapes_only():
+    """Compiled (not run) with the Triton backend on 4 devices: the kernel launch (on the CPU, the
+    interpreter's callback) takes each device's block of B, and the program has no collective."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng(6)
+    layer = _layer("column", rng)
+    x = _input("column", rng)
+    mesh = _mesh(4)
+    parallel.shard_layer(layer, mesh, kind="column", layout="column")
+    hlo = _compiled(layer, _wrapper(NamedSharding(mesh, P()), backend="triton"), x)
+    assert _collectives(hlo) == []
+    calls = [line for line in hlo.splitlines() if "custom-call(" in line]
+    assert calls, "expected the Triton launch as a custom call"
+    local_b = f"f32[{L},{SLICES[0] // 4},{R}]"
+    global_b = f"f32[{L},{SLICES[0]},{R}]"
+    assert any(local_b in c for c in calls) and not any(global_b in c for c in calls)
+
+
+# ----------------------------------------------------------------------------- collectives in the HLO
+
+EXPECTED_COLLECTIVES = {
+    # layout: [(op, result shape)] with T = 12 tokens, S slices, rank R, y (T, N)
+    ("column", "column"): [],
+    ("column", "column_gather"): [("all-gather", f"f32[3,12,{R}]")],
+    ("row", "row_reduce"): [("all-reduce", f"f32[1,12,{R}]"), ("all-reduce", f"f32[12,{2 * H}]")],
+    ("row", "row_partial"): [("all-reduce", f"f32[12,{2 * H}]")],
+    ("embed", "vocab"): [("all-reduce", f"f32[12,{D}]")],
+    ("logits", "column"): [],
+    ("logits", "column_gather"): [("all-gather", f"f32[1,12,{R}]")],
+}
+
+
+@pytest.mark.parametrize("kind,layout", CASES)
+def test_only_the_layout_collectives_are_compiled(kind, layout):
+    """No weight is gathered: the compiled program's collectives are exactly the layout's (the
+    LoRA buffer's all-gather or psum, the base layer's psum of y), and their payload is
+    layer_bytes' `collective` plus the base layer's y."""
+    rng = np.random.default_rng(7)
+    layer = _layer(kind, rng)
+    x = _input(kind, rng)
+    mesh = _mesh(4)
+    parallel.shard_layer(layer, mesh, kind=kind, layout=layout)
+    found = _collectives(_compiled(layer, _wrapper(NamedSharding(mesh, P())), x))
+    assert sorted(found) == sorted(EXPECTED_COLLECTIVES[kind, layout])
+    slices, in_features, rank = parallel._layer_sizes(layer, kind)
+    model = parallel.layer_bytes(kind, layout, tokens=len(IDS), active=3, slices=slices, in_features=in_features,
+                                 rank=rank, shards=4, itemsize=4)
+    dims = [[int(v) for v in s[s.index("[") + 1:-1].split(",")] for _, s in found]
+    lora = [d for d in dims if len(d) == 3]                  # the (S, T, r) buffers; y is (T, N)
+    assert sum(4 * int(np.prod(d)) for d in lora) == model.collective
+
+
+# ----------------------------------------------------------------------------- the byte model
+
+def test_byte_model_and_layout_choice():
+    n, w = 4, 2
+    kw = {"active": 1, "slices": (4096, 1024, 1024), "in_features": 4096, "rank": 16, "shards": n, "itemsize": w}
+    col = parallel.layer_bytes("column", "column", tokens=8, **kw)
+    gat = parallel.layer_bytes("column", "column_gather", tokens=8, **kw)
+    assert col.received == 0 and col.collective == 0
+    assert gat.collective == 4 * 3 * 8 * 16 and gat.received == 3 * gat.collective // 4
+    assert col.weights - gat.weights == w * 3 * 16 * 4096 * (n - 1) // n
+    # column_gather moves fewer bytes exactly when 4 T < a w H (here 4 T < 8192).
+    assert parallel.choose_layout("column", tokens=2047, **kw) == "column_gather"
+    assert parallel.choose_layout("column", tokens=2048, **kw) == "column"      # tie: no collective
+    # row_reduce moves fewer bytes exactly when 8 S T < a w N (S = 1, N = 4096: T < 1024).
+    kw = {"active": 1, "slices": (4096,), "in_features": 11008, "rank": 16, "shards": n, "itemsize": w}
+    assert parallel.choose_layout("row", tokens=1023, **kw) == "row_reduce"
+    assert parallel.choose_layout("row", tokens=1024, **kw) == "row_partial"
+    # A rank that n does not divide cannot be gathered by rank.
+    kw = {"active": 1, "slices": (4096,), "in_features": 4096, "rank": 6, "shards": n, "itemsize": w}
+    assert parallel.choose_layout("column", tokens=1, **kw) == "column"
+
+
+def test_shard_layer_picks_the_layout_by_bytes():
+    rng = np.random.default_rng(8)
+    small, large = _layer("column", rng), _layer("column", rng)
+    # 3 slots, H = 24, float32: column_gather when 4 T < 3 * 4 * 24 = 288.
+    assert parallel.shard_layer(small, _mesh(2), kind="column", tokens=8).layout == "column_gather"
+    assert parallel.shard_layer(large, _mesh(2), kind="column", tokens=512).layout == "column"
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_input_is_refused_with_the_argument_named():
+    rng = np.random.default_rng(9)
+    mesh = _mesh(8)
+    odd = lnn.MultiLoRALinear(nnx.Linear(H, 36, rngs=nnx.Rngs(0)), max_loras=L, max_rank=R,
+                              output_slices=(20, 8, 8))
+    with pytest.raises(ValueError, match=r"output slice widths \(20, 8, 8\) must each be divisible by 8"):
+        parallel.shard_layer(odd, mesh, kind="column", layout="column")
+    with pytest.raises(ValueError, match=r"layout for a column layer must be one of .*got 'row_reduce'"):
+        parallel.shard_layer(_layer("column", rng), mesh, kind="column", layout="row_reduce")
+    with pytest.raises(ValueError, match=r"kind must be one of .*got 'qkv'"):
+        parallel.shard_layer(_layer("column", rng), mesh, kind="qkv")
+    with pytest.raises(TypeError, match=r"layer for kind 'embed' must be a MultiLoRAEmbed, got MultiLoRALinear"):
+        parallel.shard_layer(_layer("column", rng), mesh, kind="embed")
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh, got list"):
+        parallel.shard_layer(_layer("column", rng), list(mesh.devices.flat), kind="column")
+    with pytest.raises(ValueError, match=r"axis 'model' is not an axis of the mesh"):
+        parallel.shard_layer(_layer("column", rng), mesh, kind="column", axis="model")
+    r6 = lnn.MultiLoRALinear(nnx.Linear(H, 64, rngs=nnx.Rngs(0)), max_loras=L, max_rank=6)
+    with pytest.raises(ValueError, match=r"rank 6 must be divisible by 8 for column_gather"):
+        parallel.shard_layer(r6, mesh, kind="column", layout="column_gather")
+    layer = _layer("row", rng)
+    parallel.shard_layer(layer, mesh, kind="row")
+    with pytest.raises(ValueError, match=r"already split"):
+        parallel.shard_layer(layer, mesh, kind="row")
+    x = jnp.ones((4, K + 1), jnp.float32)
+    with pytest.raises(ValueError, match=rf"x must have shape \(\.\.\., {K}\) .*got \(4, {K + 1}\)"):
+        layer(x, punica=_wrapper(NamedSharding(mesh, P())))
+    with pytest.raises(ValueError, match=r"layer_bytes needs integers: .*'shards': 0"):
+        parallel.layer_bytes("row", "row_reduce", tokens=8, active=1, slices=(64,), in_features=64, rank=8,
+                             shards=0, itemsize=2)
+    with pytest.raises(ValueError, match=r"widths \(4, 4\) must sum to y's last dimension 6"):
+        parallel.split_fused(jnp.ones((2, 6)), (4, 4), 2)
