@@ -189,6 +189,43 @@ class PunicaWrapper:
     def no_lora(self):
         return _host_bool(self._tail()[_NO_LORA] != 0)
 
+    # ------------------------------------------------------------------ the TPU seed's per-token ops
+    # bgmv_shrink / bgmv_expand / bgmv_expand_slice with each token's slot taken from this step's
+    # token_lora_indices (through the token kernel metadata); positions past the mapped tokens
+    # count as "no LoRA", as in every op of the wrapper.
+    def shrink(self, x, w_t_all, scale: float) -> jax.Array:
+        """(T, r) float32: scale * x[t] @ w_t_all[idx[t]].T, 0 where idx[t] = -1.
+
+        x: (T, H); w_t_all: (L, [1,] r, H).
+        """
+        x, w = jnp.asarray(x), jnp.asarray(w_t_all)
+        num_slots, _, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="w_t_all")
+        self._check_tokens("x", x.shape[0])
+        self._check_slots("w_t_all", num_slots)
+        check_same_device(x=x, w_t_all=w)
+        return self._impl().shrink(x, (to_3d(w),), self.token_meta, float(scale), None)[0]
+
+    def expand(self, y, x, w_t_all, add_inputs: bool) -> jax.Array:
+        """New y: y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w_t_all[idx[t]].T)[:c], c = min(n, N).
+
+        x: (T, r); w_t_all: (L, [1,] n, r); y: (T, N). A LoRA output wider than y is cut to y's
+        width (vLLM's bgmv_expand). Rows with index -1 are unchanged.
+        """
+        y, x, w = jnp.asarray(y), jnp.asarray(x), jnp.asarray(w_t_all)
+        width = checks.check_seed_expand(x.shape, x.dtype, w.shape, w.dtype, y.shape, y.dtype)
+        return self._expand(y, x[None], (w,), None, (width,), 0, add_inputs, self.token_meta, cut_to_y=True)
+
+    def expand_slice(self, y, x, w_t_all, y_offset: int, y_slice_size: int, add_inputs: bool) -> jax.Array:
+        """New y: y[t, y_offset:y_offset+y_slice_size] = (old if add_inputs else 0) + x[t] @ w_t_all[idx[t]].T.
+
+        x: (T, r); w_t_all: (L, [1,] y_slice_size, r); y: (T, N). Rows with index -1 and columns
+        outside the slice are unchanged.
+        """
+        y, x, w = jnp.asarray(y), jnp.asarray(x), jnp.asarray(w_t_all)
+        width = checks.check_seed_expand(x.shape, x.dtype, w.shape, w.dtype, y.shape, y.dtype)
+        checks.check_seed_slice(y_offset, y_slice_size, width, y.shape)
+        return self._expand(y, x[None], (w,), None, (width,), int(y_offset), add_inputs, self.token_meta)
+
     # ------------------------------------------------------------------ ops
     def _impl(self):
         return dispatch.load_backend(self.backend)
