@@ -37,10 +37,12 @@ class PunicaWrapper:
       device: where the index tensors and metadata live ("cuda", "cpu", a torch.device).
       max_loras: number of weight slots (keyword-only, as in vLLM).
       backend: force "torch" or "triton"; default: chosen by the device.
+      deterministic: every method gives a token bitwise the same result whatever the batch it is
+        in and from run to run (batch-invariant launches; docs/api.md, "Deterministic mode").
     """
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device="cpu", *, max_loras: int,
-                 backend: Optional[str] = None, **options: Any):
+                 backend: Optional[str] = None, deterministic: bool = False, **options: Any):
         checks.check_wrapper_sizes(max_num_batched_tokens=max_num_batched_tokens, max_batches=max_batches,
                                    max_loras=max_loras, options=options)
         self.max_num_batched_tokens = t = int(max_num_batched_tokens)
@@ -50,6 +52,9 @@ class PunicaWrapper:
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
         dispatch.check_backend_device(self.backend, self.device)
         self._impl = dispatch.load_backend(self.backend)
+        self.deterministic = dispatch.check_deterministic(deterministic)
+        if self.deterministic:
+            self._impl = dispatch.deterministic_impl(self._impl)
 
         # One device block; every index tensor is a fixed view of it.
         # One device block holds the step: index tensors and both kernel metadata are fixed views of
