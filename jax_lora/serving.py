@@ -104,11 +104,14 @@ class ServingEngine:
         max_seqs): fewer buckets, fewer compilations.
       keep_logits: return each generated token's logits (for verification).
       backend: the PunicaWrapper backend (None: the device's default).
+      deterministic: the PunicaWrapper's deterministic mode: a request's LoRA contributions are
+        bitwise the same whatever it is batched with (the base model's own layers are not changed).
     """
 
     def __init__(self, model: nnx.Module, adapters: AdapterManager | None = None, *, max_seqs: int = 8,
                  max_len: int = 256, max_prefill_tokens: int = 512, min_prefill_len: int = 16,
-                 min_prefill_rows: int = MIN_NUM_SEQS, keep_logits: bool = False, backend: str | None = None):
+                 min_prefill_rows: int = MIN_NUM_SEQS, keep_logits: bool = False, backend: str | None = None,
+                 deterministic: bool = False):
         if adapters is not None and adapters.model is not model:
             raise ValueError("adapters must be the AdapterManager of this model")
         self.model = model
@@ -126,7 +129,8 @@ class ServingEngine:
         capacity = max(self.max_prefill_tokens, self.max_seqs)
         self.punica = None
         if adapters is not None:
-            self.punica = PunicaWrapper(capacity, capacity, None, max_loras=adapters.num_slots, backend=backend)
+            self.punica = PunicaWrapper(capacity, capacity, None, max_loras=adapters.num_slots, backend=backend,
+                                        deterministic=deterministic)
         # The graph definition is closed over, not a static argument: hashing it on every call
         # costs more than the step at small sizes.
         self._jit_step = jax.jit(functools.partial(_step, self.graphdef), static_argnums=(7,), donate_argnums=(1,))

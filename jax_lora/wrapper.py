@@ -47,10 +47,13 @@ class PunicaWrapper:
       device: a jax Device, a platform string ("cpu", "gpu", "tpu") or None (the default device).
       max_loras: number of weight slots (keyword-only, as in vLLM).
       backend: force "xla", "pallas_tpu" or "triton"; default: chosen by the device.
+      deterministic: every method gives a token bitwise the same result whatever the batch it is
+        in (every bucket size under jit) and from run to run (batch-invariant launches and
+        formulations; docs/api.md, "Deterministic mode"). A static field of the pytree.
     """
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device=None, *, max_loras: int,
-                 backend: Optional[str] = None, **options: Any):
+                 backend: Optional[str] = None, deterministic: bool = False, **options: Any):
         checks.check_wrapper_sizes(max_num_batched_tokens=max_num_batched_tokens, max_batches=max_batches,
                                    max_loras=max_loras, options=options)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -59,6 +62,7 @@ class PunicaWrapper:
         self.device = _resolve_device(device)
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
         dispatch.load_backend(self.backend)  # fail now, not at the first op
+        self.deterministic = dispatch.check_deterministic(deterministic)
         self._layout = StepLayout(self.max_num_batched_tokens, self.max_batches, self.max_loras)
         self._upload(self._layout.empty_block(pad_prompt=True))
         self._host_max_slot = -1
@@ -69,14 +73,14 @@ class PunicaWrapper:
     # step flattens one array per wrapper instead of seventeen.
     def tree_flatten(self):
         aux = (self.max_num_batched_tokens, self.max_batches, self.max_loras, self.device, self.backend,
-               self._layout)
+               self._layout, self.deterministic)
         return (self._block,), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
         (obj.max_num_batched_tokens, obj.max_batches, obj.max_loras, obj.device, obj.backend,
-         obj._layout) = aux
+         obj._layout, obj.deterministic) = aux
         (obj._block,) = children
         obj._host_tail = None       # read from the block when concrete; traced inside jit
         obj._host_max_slot = None   # unknown inside a trace: index values are masked, not checked
@@ -228,7 +232,8 @@ class PunicaWrapper:
 
     # ------------------------------------------------------------------ ops
     def _impl(self):
-        return dispatch.load_backend(self.backend)
+        impl = dispatch.load_backend(self.backend)
+        return dispatch.deterministic_impl(impl) if self.deterministic else impl
 
     def _check_tokens(self, name: str, num_tokens: int) -> None:
         checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,

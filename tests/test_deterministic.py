@@ -19,7 +19,7 @@ import pytest
 from . import oracle
 from .impls import IMPLS, round_to
 
-NAMES = ("torch-ref", "torch-triton")
+NAMES = ("jax-xla", "jax-pallas_tpu", "jax-triton", "torch-ref", "torch-triton")
 DET_IMPLS = [pytest.param(impl, id=impl.name, marks=impl.marks) for impl in IMPLS if impl.name in NAMES]
 
 HIDDEN, RANK, SLOTS, SLICES = 64, 32, 4, (24, 8)
@@ -124,7 +124,7 @@ def test_request_rows_bitwise_equal_in_every_batch(impl, dtype):
             assert _request_rows(run_ops(impl, traffic, x, y, buf, idx), slice(None)) == _request_rows(got, slice(None))
 
 
-@pytest.mark.parametrize("impl", [pytest.param(i, id=i.side) for i in IMPLS if i.name in ("torch-ref",)])
+@pytest.mark.parametrize("impl", [pytest.param(i, id=i.side) for i in IMPLS if i.name in ("jax-xla", "torch-ref")])
 def test_deterministic_must_be_a_bool(impl):
     with pytest.raises(TypeError, match="deterministic must be a bool, got 'yes'"):
         impl.pkg.PunicaWrapper(8, 2, None if impl.side == "jax" else "cpu", max_loras=2, deterministic="yes")
@@ -136,8 +136,13 @@ def test_deterministic_must_be_a_bool(impl):
 
 def test_triton_linear_refuses_fused_and_deterministic():
     torch = pytest.importorskip("torch")
+    import jax.numpy as jnp
+    from jax_lora.ops import triton as jax_triton
     from torch_lora.ops import triton as torch_triton
     y, x = torch.zeros(2, 16), torch.zeros(2, 16)
     with pytest.raises(ValueError, match="fused=True cannot be deterministic"):
         torch_triton.linear(y, x, (torch.zeros(2, 4, 16),), (torch.zeros(2, 16, 4),), None, 1.0, (0,),
                             fused=True, deterministic=True)
+    with pytest.raises(ValueError, match="fused=True cannot be deterministic"):
+        jax_triton.linear(jnp.zeros((2, 16)), jnp.zeros((2, 16)), (jnp.zeros((2, 4, 16)),), (jnp.zeros((2, 16, 4)),),
+                          None, 1.0, (0,), fused=True, deterministic=True)
