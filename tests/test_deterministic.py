@@ -86,8 +86,14 @@ def _ids(idx):
     return tuple(0 if i < 0 else 101 + int(i) for i in idx)
 
 
-def run_ops(impl, traffic: Traffic, x, y, buf, idx, ops=OPS) -> dict:
-    """{op: its float64 NumPy result} for one batch, every op deterministic."""
+def _side_wrapper(impl, capacity: int, slots: int):
+    device = None if impl.side == "jax" else impl.device
+    return impl.pkg.PunicaWrapper(capacity, 4, device, max_loras=slots, backend=impl.backend, deterministic=True)
+
+
+def run_ops(impl, traffic: Traffic, x, y, buf, idx, ops=OPS, make_wrapper=_side_wrapper) -> dict:
+    """{op: its float64 NumPy result} for one batch, every op deterministic; add_lora_linear
+    through `make_wrapper(impl, capacity, slots)`, a deterministic PunicaWrapper."""
     sh, dt = traffic.shapes, traffic.dtype
     a = [impl.arr(w, dt) for w in traffic.lora_a]
     b = [impl.arr(w, dt) for w in traffic.lora_b]
@@ -130,9 +136,7 @@ def run_ops(impl, traffic: Traffic, x, y, buf, idx, ops=OPS) -> dict:
         elif op == "sgmv_expand_slice":
             res = impl.ops.sgmv_expand_slice(buf0, b0, fresh_y(), *seg, SLICE_OFFSET, sh.slices[0], True, **kw)
         elif op == "add_lora_linear":
-            device = None if impl.side == "jax" else impl.device
-            w = impl.pkg.PunicaWrapper(max(n, 8), 4, device, max_loras=sh.slots, backend=impl.backend,
-                                       deterministic=True)
+            w = make_wrapper(impl, max(n, 8), sh.slots)
             w.update_metadata(LoRAMapping(_ids(idx), _ids(idx[:1])), [101 + s for s in range(sh.slots)],
                               sh.slots + 1, 32)
             res = w.add_lora_linear(fresh_y(), impl.arr(x, dt), a, b, [impl.arr(v, dt) for v in traffic.bias],
@@ -168,18 +172,19 @@ def _rows(op: str, res: np.ndarray, rows) -> bytes:
     return (res[:, rows] if op == "lora_shrink" else res[rows]).tobytes()
 
 
-def check_request_invariance(impl, traffic: Traffic, sizes, ops=OPS, oracle_every: int = 1) -> None:
+def check_request_invariance(impl, traffic: Traffic, sizes, ops=OPS, oracle_every: int = 1,
+                             make_wrapper=_side_wrapper) -> None:
     """The request's rows of every op are bitwise equal alone and in batches of `sizes` tokens;
     the last batch run twice gives the same bits. Results are checked against the oracle for the
     request alone and every `oracle_every`-th batch."""
     alone = {}
     for n in range(1, traffic.shapes.request_tokens + 1):
         x, y, buf, idx = traffic.alone(n)
-        alone[n] = got = run_ops(impl, traffic, x, y, buf, idx, ops)
+        alone[n] = got = run_ops(impl, traffic, x, y, buf, idx, ops, make_wrapper)
         check_oracle(traffic, x, y, buf, idx, got)
     for i, size in enumerate(sizes):
         x, y, buf, idx, rows = traffic.batch(int(size))
-        got = run_ops(impl, traffic, x, y, buf, idx, ops)
+        got = run_ops(impl, traffic, x, y, buf, idx, ops, make_wrapper)
         if i % oracle_every == 0:
             check_oracle(traffic, x, y, buf, idx, got)
         first = np.arange(len(rows))
@@ -187,7 +192,7 @@ def check_request_invariance(impl, traffic: Traffic, sizes, ops=OPS, oracle_ever
             assert _rows(op, got[op], rows) == _rows(op, alone[len(rows)][op], first), (
                 f"{op}: the request's rows differ in batch {i} of {size} tokens (rows {rows[0]}..{rows[-1]})")
         if i == len(sizes) - 1:
-            again = run_ops(impl, traffic, x, y, buf, idx, ops)
+            again = run_ops(impl, traffic, x, y, buf, idx, ops, make_wrapper)
             for op in ops:
                 assert again[op].tobytes() == got[op].tobytes(), f"{op}: the same batch run twice differs"
 
@@ -203,6 +208,22 @@ CPU_PARAMS = [pytest.param(impl, dt, id=f"{impl.name}-{dt}", marks=impl.marks)
 @pytest.mark.parametrize("impl,dtype", CPU_PARAMS)
 def test_request_rows_bitwise_equal_in_every_batch(impl, dtype):
     check_request_invariance(impl, Traffic(dtype), CPU_SIZES)
+
+
+def _bridged_wrapper(impl, capacity: int, slots: int):
+    import bridge
+    if impl.side == "torch":
+        return bridge.TorchPunicaWrapper(capacity, 4, "cpu", max_loras=slots, backend=impl.backend, deterministic=True)
+    return bridge.JaxPunicaWrapper(capacity, 4, None, max_loras=slots, backend=impl.backend, deterministic=True)
+
+
+@pytest.mark.parametrize("impl", [pytest.param(i, id=i.name) for i in IMPLS
+                                  if i.name in ("torch-over-jax", "jax-over-torch")])
+def test_bridged_wrappers_pass_deterministic_on(impl):
+    """The bridged wrappers hand `deterministic=True` to the wrapper they drive (their op functions
+    do not take it): add_lora_linear is batch invariant through them too."""
+    check_request_invariance(impl, Traffic("float32"), CPU_SIZES, ops=("add_lora_linear",),
+                             make_wrapper=_bridged_wrapper)
 
 
 @pytest.mark.parametrize("impl", [pytest.param(i, id=i.side) for i in IMPLS if i.name in ("jax-xla", "torch-ref")])
