@@ -117,8 +117,9 @@ GENERIC_FUSED = {
 }
 _FUSED_FALLBACK = fused_params(16, 128, 128, 4, 2)
 # Deterministic launches: per rank class, one config for every token count (`deterministic_config`).
-# Block shapes between the tuned decode and prefill entries; a fixed split of the hidden size in
-# the linear path's workspace (summed by the expand in plane order), none for ranks past 64.
+# Block shapes like the H200 table's mid-size entries (16-token tiles, 128-wide K and N blocks),
+# not tuned (`bench_triton.py --deterministic` measures them); a fixed split of the hidden size in
+# the linear path's workspace (added by the expand in plane order), none for ranks past 64.
 GENERIC_DETERMINISTIC = {
     "r16": {"shrink": dict(shrink_params(16, 128, 4, 4, 3), PREFETCH=True, SMALL_T=False),
             "expand": dict(expand_params(16, 128, 16, 4, 3), TILES_N=4, SMALL_T=False)},
@@ -331,7 +332,8 @@ def deterministic_config(kind: str, size: int, rank: int, *, device: str | None 
     under the interpreter, of `size`: the hidden size for the shrink, the widest slice for the
     expand), never of the token count or the mapping.
 
-    What makes a token's row the same in every batch, run after run (the plans enforce the last two):
+    What makes a token's row the same in every batch, run after run (`plan_shrink` / `plan_expand`
+    with deterministic=True also enforce "no atomic adds" and "SMALL_T off" whatever a config says):
       * the same BLOCK_M, BLOCK_K, BLOCK_R and warps for every T: tl.dot's reduction order for one
         output element is set by the K blocking and the MMA instruction, which these fix; the
         other rows of a tile do not enter it, nor does the row's position in the tile;
