@@ -13,6 +13,10 @@ What is measured (BENCHMARKS.md "How to time"):
   * jax: the same op under jax.jit through jax_triton, called many times in one program (a scan),
     compared with torch timed the same way (one input set, hot weights, graph of as many calls).
 Correctness is checked on every case before timing (relative error vs float64).
+
+`--deterministic`: every sweep case is also timed with `linear(..., deterministic=True)` (the
+batch-invariant launch configs, always shrink + expand) on the same input sets, reported beside
+the default as `det_us` and its cost `det_cost` = det_us / time_us.
 """
 
 from __future__ import annotations
@@ -125,10 +129,11 @@ class InputSet:
                                       device=device)
         self.offsets = tuple(int(v) for v in np.cumsum((0,) + tuple(widths))[:-1])
         self.scale = 0.5
+        self.deterministic = False
 
     def call(self, y=None):
         torch_triton.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
-                  self.scale, self.offsets, self.ranks)
+                  self.scale, self.offsets, self.ranks, deterministic=self.deterministic)
 
     def reference(self):
         """float64 y + sum_s (scale x A_s^T) B_s^T, grouped by adapter (no (T, r, H) gather)."""
@@ -258,7 +263,7 @@ class WrapperCall:
                                self.widths)
 
 
-def run_case(case, slice_name, device, seed=0):
+def run_case(case, slice_name, device, seed=0, deterministic=False):
     name, kind, T, D, r, frac_none, ranks = case
     widths = SLICES[slice_name]
     slots = max(8, D)
@@ -283,6 +288,15 @@ def run_case(case, slice_name, device, seed=0):
     sets = [first] + [InputSet(kind, T, D, r, widths, slots, frac_none, ranks, gen, device)
                       for _ in range(n_sets - 1)]
     t_us = graph_time_us(sets)
+    det = {}
+    if deterministic:
+        for s in sets:
+            s.deterministic = True
+        y = first.y.clone()
+        first.call(y)
+        torch.cuda.synchronize()
+        det_us = graph_time_us(sets)
+        det = dict(det_us=det_us, det_cost=det_us / t_us, det_rel_err=rel_err(y, ref))
     floor_us = max(nbytes / (PEAK_GBS * 1e3), LAUNCH_US if T <= 1024 else 0.0)
     base_name = name if name in VLLM else None
     vllm = VLLM[base_name][0 if slice_name == "s1" else 1] if base_name else None
@@ -294,7 +308,7 @@ def run_case(case, slice_name, device, seed=0):
                 time_us=t_us, min_bytes=nbytes, gbs=nbytes / (t_us * 1e3),
                 pct_peak=100 * nbytes / (t_us * 1e3) / PEAK_GBS, floor_us=nbytes / (PEAK_GBS * 1e3),
                 floor_launch_us=floor_us, n_sets=n_sets, vllm_us=vllm,
-                speedup_vs_vllm=(vllm / t_us) if vllm else None)
+                speedup_vs_vllm=(vllm / t_us) if vllm else None, **det)
 
 
 # ------------------------------------------------------------------------------------------ JAX
@@ -418,6 +432,17 @@ def markdown(res):
                      f"| {sp} | {r['min_bytes'] / 1e6:.2f} | {r['gbs']:.0f} | {r['pct_peak']:.1f} "
                      f"| {r['floor_us']:.2f} | {r['rel_err']:.1e} |")
     s = res["summary"]
+    det = [r for r in res["sweep"] if "det_us" in r]
+    if det:
+        lines.append("")
+        lines.append("| deterministic=True | slices | default us | deterministic us | cost | err |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in det:
+            lines.append(f"| {r['case']}{' (fused)' if r['fused'] else ''} | {r['slices']} | {r['time_us']:.2f} "
+                         f"| {r['det_us']:.2f} | {r['det_cost']:.2f}x | {r['det_rel_err']:.1e} |")
+        lines.append("")
+        lines.append(f"deterministic cost, geomean: {geomean([r['det_cost'] for r in det]):.2f}x over "
+                     f"{len(det)} cases (worst {max(r['det_cost'] for r in det):.2f}x)")
     lines.append("")
     lines.append(f"geomean speedup vs vLLM: {s['geomean_speedup']:.2f}x over {s['n_vs_vllm']} cases; "
                  f"worst ratio ours/vLLM {s['worst_ratio']:.2f} ({s['worst_case']})")
@@ -543,6 +568,9 @@ def main():
     p.add_argument("--no-host", action="store_true", help="no host enqueue figures")
     p.add_argument("--cases", default=None, help="regex: only the sweep cases whose name matches")
     p.add_argument("--digest", action="store_true", help="print the sources' digest (meta.source_digest) and exit")
+    p.add_argument("--deterministic", action="store_true",
+                   help="also time every sweep case with deterministic=True (batch-invariant launches), "
+                        "reported beside the default as det_us and det_cost")
     args = p.parse_args()
     if args.digest:
         print(source_digest())
@@ -576,11 +604,13 @@ def main():
         print(host_breakdown(s.s), flush=True)
     for case in [] if args.host_only else cases:
         for sl in ("s1", "s3"):
-            r = run_case(case, sl, device)
+            r = run_case(case, sl, device, deterministic=args.deterministic)
             res["sweep"].append(r)
             v = f"vLLM {r['vllm_us']:.1f}" if r["vllm_us"] else ""
+            d = (f" deterministic {r['det_us']:8.2f} us ({r['det_cost']:.2f}x, err {r['det_rel_err']:.1e})"
+                 if "det_us" in r else "")
             print(f"{r['case']:28s} {sl} {r['time_us']:8.2f} us {r['pct_peak']:5.1f}% err {r['rel_err']:.1e} "
-                  f"{v}", flush=True)
+                  f"{v}{d}", flush=True)
     for case in [] if args.no_host else [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T8 D1 r16",
                                                                       "pre T2048 D4 r16")]:
         for sl in ("s1", "s3"):

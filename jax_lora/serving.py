@@ -114,12 +114,14 @@ class ServingEngine:
       mesh: a jax.sharding.Mesh to serve on (tensor parallelism over its `tp_axis`); the model is
         split over it unless it already is (`model.shard(mesh, tokens=max_seqs)`).
       tp_axis: the mesh axis the model is split over.
+      deterministic: the PunicaWrapper's deterministic mode: a request's LoRA contributions are
+        bitwise the same whatever it is batched with (the base model's own layers are not changed).
     """
 
     def __init__(self, model: nnx.Module, adapters: AdapterManager | None = None, *, max_seqs: int = 8,
                  max_len: int = 256, max_prefill_tokens: int = 512, min_prefill_len: int = 16,
                  min_prefill_rows: int = MIN_NUM_SEQS, keep_logits: bool = False, backend: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None, tp_axis: str = "tp"):
+                 mesh: jax.sharding.Mesh | None = None, tp_axis: str = "tp", deterministic: bool = False):
         if adapters is not None and adapters.model is not model:
             raise ValueError("adapters must be the AdapterManager of this model")
         self.model = model
@@ -153,7 +155,8 @@ class ServingEngine:
         self.punica = None
         if adapters is not None:
             self.punica = PunicaWrapper(capacity, capacity, self._replicated, max_loras=adapters.num_slots,
-                                        backend=backend)
+                                        backend=backend,
+                                        deterministic=deterministic)
         # The graph definition is closed over, not a static argument: hashing it on every call
         # costs more than the step at small sizes.
         self._jit_step = jax.jit(functools.partial(_step, self.graphdef, cache_sharding), static_argnums=(7,),

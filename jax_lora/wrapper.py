@@ -49,10 +49,13 @@ class PunicaWrapper:
         jax_lora.parallel).
       max_loras: number of weight slots (keyword-only, as in vLLM).
       backend: force "xla", "pallas_tpu" or "triton"; default: chosen by the device.
+      deterministic: every method gives a token bitwise the same result whatever the batch it is
+        in (every bucket size under jit) and from run to run (batch-invariant launches and
+        formulations; docs/api.md, "Deterministic mode"). A static field of the pytree.
     """
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device=None, *, max_loras: int,
-                 backend: Optional[str] = None, **options: Any):
+                 backend: Optional[str] = None, deterministic: bool = False, **options: Any):
         checks.check_wrapper_sizes(max_num_batched_tokens=max_num_batched_tokens, max_batches=max_batches,
                                    max_loras=max_loras, options=options)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -61,6 +64,7 @@ class PunicaWrapper:
         self.device = _resolve_device(device)
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
         dispatch.load_backend(self.backend)  # fail now, not at the first op
+        self.deterministic = dispatch.check_deterministic(deterministic)
         self._layout = StepLayout(self.max_num_batched_tokens, self.max_batches, self.max_loras)
         self._upload(self._layout.empty_block(pad_prompt=True))
         self._host_max_slot = -1
@@ -71,14 +75,14 @@ class PunicaWrapper:
     # step flattens one array per wrapper instead of seventeen.
     def tree_flatten(self):
         aux = (self.max_num_batched_tokens, self.max_batches, self.max_loras, self.device, self.backend,
-               self._layout)
+               self._layout, self.deterministic)
         return (self._block,), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
         (obj.max_num_batched_tokens, obj.max_batches, obj.max_loras, obj.device, obj.backend,
-         obj._layout) = aux
+         obj._layout, obj.deterministic) = aux
         (obj._block,) = children
         obj._host_tail = None       # read from the block when concrete; traced inside jit
         obj._host_max_slot = None   # unknown inside a trace: index values are masked, not checked
@@ -199,9 +203,47 @@ class PunicaWrapper:
     def no_lora(self):
         return _host_bool(self._tail()[_NO_LORA] != 0)
 
+    # ------------------------------------------------------------------ the TPU seed's per-token ops
+    # bgmv_shrink / bgmv_expand / bgmv_expand_slice with each token's slot taken from this step's
+    # token_lora_indices (through the token kernel metadata); positions past the mapped tokens
+    # count as "no LoRA", as in every op of the wrapper.
+    def shrink(self, x, w_t_all, scale: float) -> jax.Array:
+        """(T, r) float32: scale * x[t] @ w_t_all[idx[t]].T, 0 where idx[t] = -1.
+
+        x: (T, H); w_t_all: (L, [1,] r, H).
+        """
+        x, w = jnp.asarray(x), jnp.asarray(w_t_all)
+        num_slots, _, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="w_t_all")
+        self._check_tokens("x", x.shape[0])
+        self._check_slots("w_t_all", num_slots)
+        check_same_device(x=x, w_t_all=w)
+        return self._impl().shrink(x, (to_3d(w),), self.token_meta, float(scale), None)[0]
+
+    def expand(self, y, x, w_t_all, add_inputs: bool) -> jax.Array:
+        """New y: y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w_t_all[idx[t]].T)[:c], c = min(n, N).
+
+        x: (T, r); w_t_all: (L, [1,] n, r); y: (T, N). A LoRA output wider than y is cut to y's
+        width (vLLM's bgmv_expand). Rows with index -1 are unchanged.
+        """
+        y, x, w = jnp.asarray(y), jnp.asarray(x), jnp.asarray(w_t_all)
+        width = checks.check_seed_expand(x.shape, x.dtype, w.shape, w.dtype, y.shape, y.dtype)
+        return self._expand(y, x[None], (w,), None, (width,), 0, add_inputs, self.token_meta, cut_to_y=True)
+
+    def expand_slice(self, y, x, w_t_all, y_offset: int, y_slice_size: int, add_inputs: bool) -> jax.Array:
+        """New y: y[t, y_offset:y_offset+y_slice_size] = (old if add_inputs else 0) + x[t] @ w_t_all[idx[t]].T.
+
+        x: (T, r); w_t_all: (L, [1,] y_slice_size, r); y: (T, N). Rows with index -1 and columns
+        outside the slice are unchanged.
+        """
+        y, x, w = jnp.asarray(y), jnp.asarray(x), jnp.asarray(w_t_all)
+        width = checks.check_seed_expand(x.shape, x.dtype, w.shape, w.dtype, y.shape, y.dtype)
+        checks.check_seed_slice(y_offset, y_slice_size, width, y.shape)
+        return self._expand(y, x[None], (w,), None, (width,), int(y_offset), add_inputs, self.token_meta)
+
     # ------------------------------------------------------------------ ops
     def _impl(self):
-        return dispatch.load_backend(self.backend)
+        impl = dispatch.load_backend(self.backend)
+        return dispatch.deterministic_impl(impl) if self.deterministic else impl
 
     def _check_tokens(self, name: str, num_tokens: int) -> None:
         checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,

@@ -217,3 +217,34 @@ def check_wrapper_sizes(*, options: dict, **sizes) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if options:
         raise TypeError(f"unknown PunicaWrapper options: {sorted(options)}")
+
+
+def check_seed_slice(y_offset: Any, y_slice_size: Any, width: int, y_shape: Sequence[int],
+                     arg_w: str = "w_t_all") -> None:
+    """expand_slice (TPU seed): y_offset >= 0, y_slice_size equal to the weight's width, and the
+    slice [y_offset, y_offset + y_slice_size) inside y's columns."""
+    for name, v in (("y_offset", y_offset), ("y_slice_size", y_slice_size)):
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    if int(y_slice_size) != width:
+        raise ValueError(f"y_slice_size is {y_slice_size}, but {arg_w} has {width} output rows")
+    if int(y_offset) + width > int(y_shape[-1]):
+        raise ValueError(f"y_offset {y_offset} + y_slice_size {y_slice_size} = {int(y_offset) + width} exceed "
+                         f"y's {y_shape[-1]} columns (shape {tuple(y_shape)})")
+
+
+def check_seed_expand(x_shape, x_dtype, w_shape, w_dtype, y_shape, y_dtype, arg_w: str = "w_t_all") -> int:
+    """expand / expand_slice (TPU seed): x (T, r), the weight (L, [1,] n, r), y (T, N). Returns n."""
+    check_ndim("x", x_shape, (2,), "2-D (num_tokens, rank)")
+    check_dtype("x", x_dtype, ACTIVATION_DTYPES)
+    check_ndim("y", y_shape, (2,), "2-D (num_tokens, out_features)")
+    check_dtype("y", y_dtype, ACTIVATION_DTYPES)
+    check_dtype(arg_w, w_dtype, WEIGHT_DTYPES)
+    _, width, rank = weight_dims(arg_w, w_shape, "out_features, rank")
+    if rank != int(x_shape[1]):
+        raise ValueError(f"{arg_w} has rank {rank} (shape {tuple(w_shape)}), but x has rank {x_shape[1]} "
+                         f"(shape {tuple(x_shape)})")
+    if int(y_shape[0]) != int(x_shape[0]):
+        raise ValueError(f"y has {y_shape[0]} rows (shape {tuple(y_shape)}), but x has {x_shape[0]} tokens "
+                         f"(shape {tuple(x_shape)})")
+    return width

@@ -11,6 +11,8 @@ Fields an entry may set:
          uses its smallest shapes and skips the hypothesis sweep.
   torch_device: where the torch side's tensors live; None: CUDA when a GPU is present (the compiled
          Triton kernels), else the CPU (the Triton interpreter). JAX arrays go to JAX's default device.
+  seed_methods: the wrapper has the TPU seed's per-token `shrink` / `expand` / `expand_slice`
+         (False for the bridged wrappers, which offer only the `add_*` methods).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Impl:
     ops_module: Optional[Any] = None                      # defaults to the side's ops
     marks: tuple = ()
     torch_device: Optional[str] = None
+    seed_methods: bool = True
 
     def __str__(self):
         return self.name
@@ -142,6 +145,10 @@ class Impl:
             assert res is args[2], f"{name} must update y in place and return it"
         return self.to_np(res)
 
+    def wrapper_value(self, w, method, *args, **kwargs):
+        """Calls a wrapper method that returns a new array (no y argument); returns it as NumPy."""
+        return self.to_np(getattr(w, method)(*args, **kwargs))
+
     def wrapper_call(self, w, method, y, *args, **kwargs):
         """Calls a wrapper `add_*` method; checks the calling convention; returns NumPy y."""
         res = getattr(w, method)(y, *args, **kwargs)
@@ -163,7 +170,10 @@ def _torch_impls():
 
 def _bridge_impls():
     from . import bridge_impl  # each side's API over the other side's kernels (bridge/, issue 5)
-    return [bridge_impl.torch_over_jax(Impl), bridge_impl.jax_over_torch(Impl)]
+    impls = [bridge_impl.torch_over_jax(Impl), bridge_impl.jax_over_torch(Impl)]
+    for impl in impls:
+        impl.seed_methods = False
+    return impls
 
 
 IMPLS: list = _jax_impls() + _torch_impls() + _bridge_impls()

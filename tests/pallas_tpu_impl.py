@@ -68,4 +68,8 @@ def make_impl(impl_cls):
             with races_checked():
                 return super().wrapper_call(*args, **kwargs)
 
+        def wrapper_value(self, *args, **kwargs):
+            with races_checked():
+                return super().wrapper_value(*args, **kwargs)
+
     return PallasTPUImpl("jax-pallas_tpu", "jax", "pallas_tpu", small=True)

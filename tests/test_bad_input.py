@@ -176,6 +176,31 @@ def test_shape_errors_in_ops(impl):
         impl.ops.bgmv_expand_slice(f(2, 4), f(2, 8, 4), f(2, 16), impl.idx([0, 1]), 0, 6)
 
 
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_seed_methods_name_their_arguments(impl):
+    """shrink / expand / expand_slice (TPU seed) name x, w_t_all, y, y_offset and y_slice_size."""
+    w, x, a, b, y, f = setup(impl)
+    buf = f(6, 8)
+    with pytest.raises(ValueError, match=r"w_t_all\[0\] has hidden size 31.*x has hidden size 32"):
+        w.shrink(x, f(3, 1, 8, 31), 1.0)
+    with pytest.raises(TypeError, match=r"w_t_all\[0\] must have dtype"):
+        w.shrink(x, impl.arr(np.zeros((3, 8, 32), np.int32)), 1.0)
+    with pytest.raises(ValueError, match=r"the mapping uses slot 2, but w_t_all has only 2 slots"):
+        w.shrink(x, f(2, 8, 32), 1.0)
+    with pytest.raises(ValueError, match=r"w_t_all has rank 4 .* but x has rank 8"):
+        w.expand(y, buf, f(3, 16, 4), True)
+    with pytest.raises(ValueError, match=r"x must be 2-D \(num_tokens, rank\)"):
+        w.expand(y, f(1, 6, 8), f(3, 16, 8), True)
+    with pytest.raises(ValueError, match=r"y has 5 rows .* but x has 6 tokens"):
+        w.expand_slice(f(5, 24), buf, f(3, 16, 8), 0, 16, True)
+    with pytest.raises(ValueError, match=r"y_slice_size is 8, but w_t_all has 16 output rows"):
+        w.expand_slice(y, buf, f(3, 16, 8), 0, 8, True)
+    with pytest.raises(ValueError, match=r"y_offset must be an int >= 0, got -1"):
+        w.expand_slice(y, buf, f(3, 16, 8), -1, 16, True)
+    with pytest.raises(ValueError, match=r"y_offset 10 \+ y_slice_size 16 = 26 exceed y's 24 columns"):
+        w.expand_slice(y, buf, f(3, 16, 8), 10, 16, True)
+
+
 def test_torch_tensors_on_different_devices():
     torch = pytest.importorskip("torch")
     import torch_lora

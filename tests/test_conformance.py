@@ -226,6 +226,44 @@ def test_all_tokens_without_lora(impl):
     np.testing.assert_array_equal(got, y0.astype(np.float64))
 
 
+# ----------------------------------------------------------------------------- the TPU seed's per-token methods
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+def test_seed_shrink_expand_expand_slice(impl, dtype):
+    """`shrink` / `expand` / `expand_slice` (TPU seed): the BGMV ops with the wrapper's token indices."""
+    if not impl.seed_methods:
+        pytest.skip(f"{impl.name}'s wrapper offers only the add_* methods")
+    case = Case(17, dtype, slices=(24,))
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    a, b = case.lora_a[0], case.lora_b[0]
+    got_buf = impl.wrapper_value(w, "shrink", impl.arr(case.x, dtype), impl.arr(a, dtype), case.scale)
+    want_buf = oracle.shrink(case.x, [a], case.idx, case.scale)
+    assert got_buf.shape == (case.num_tokens, case.rank)
+    assert_close(got_buf, want_buf[0], dtype, "shrink")
+    assert np.all(got_buf[case.idx < 0] == 0), "shrink rows of -1 tokens must be 0"
+    xb = impl.arr(want_buf[0].astype(np.float32), "float32")
+    for add_inputs in (True, False):
+        y0 = case.y.copy()
+        got = impl.wrapper_call(w, "expand", impl.arr(y0, dtype), xb, impl.arr(b, dtype), add_inputs)
+        what = f"expand add_inputs={add_inputs}"
+        assert_close(got, oracle.expand(want_buf, [b], y0, case.idx, 0, add_inputs), dtype, what)
+        assert_rows_untouched(got, y0, case.idx, what)
+        np.testing.assert_array_equal(got[:, 24:], y0[:, 24:], err_msg=f"{what}: columns past the slice changed")
+        y0 = case.y.copy()
+        got = impl.wrapper_call(w, "expand_slice", impl.arr(y0, dtype), xb, impl.arr(b[:, 0], dtype), 3, 24,
+                                add_inputs)
+        what = f"expand_slice add_inputs={add_inputs}"
+        assert_close(got, oracle.expand(want_buf, [b], y0, case.idx, 3, add_inputs), dtype, what)
+        assert_rows_untouched(got, y0, case.idx, what)
+        np.testing.assert_array_equal(got[:, :3], y0[:, :3], err_msg=f"{what}: columns before the slice changed")
+        np.testing.assert_array_equal(got[:, 27:], y0[:, 27:], err_msg=f"{what}: columns past the slice changed")
+    # a LoRA output wider than y is cut to y's width (vLLM's bgmv_expand)
+    y0 = case.y[:, :20].copy()
+    got = impl.wrapper_call(w, "expand", impl.arr(y0, dtype), xb, impl.arr(b, dtype), True)
+    assert_close(got, oracle.expand(want_buf, [b[:, :, :20]], y0, case.idx, 0, True), dtype, "expand, y narrower")
+
+
 # ----------------------------------------------------------------------------- index properties
 
 @pytest.mark.parametrize("impl", IMPL_PARAMS)

@@ -4,7 +4,8 @@ The interpreter (tests/test_triton_kernels.py, the conformance suite) checks the
 but not that Triton's compiler accepts them: loop-carried types, constexpr branches, PDL
 instructions and dot shapes are only checked when compiling. Triton compiles to PTX and a cubin
 without a GPU (its bundled ptxas), so each launch variant the backends use is compiled here for
-GPUTarget("cuda", 90, 32). Running them stays with the `gpu` tests.
+GPUTarget("cuda", 90, 32). Running them stays with the `gpu` tests. "deterministic": the
+deterministic launches' tensor-core instruction sequence is the same for any token count.
 
 The test session runs with TRITON_INTERPRET=1 (kernels become interpreted functions), so the
 compiles run in a child process without it: `python tests/test_triton_compile.py KERNEL`.
@@ -13,6 +14,7 @@ compiles run in a child process without it: `python tests/test_triton_compile.py
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -47,6 +49,7 @@ def _cfg(**kw):
 def _variants(kernel_name: str):
     """(label, kernel, plan, activation dtype, float32 pointer arguments) per launch variant."""
     import lora_core.kernels as kernels
+    from lora_core.kernels import configs
     if kernel_name == "shrink":
         return [
             # the linear path at decode on Hopper: workspace planes, per-slot ranks, PDL
@@ -65,6 +68,14 @@ def _variants(kernel_name: str):
             ("atomic", kernels.lora_shrink_kernel,
              kernels.plan_shrink(512, 4096, 16, 2, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4),
                            lora_only=False, workspace=False, has_ranks=False), "bf16", ("out_ptr",)),
+        ] + [
+            # deterministic launches (configs.deterministic_config): the linear path with PDL and
+            # the stand-alone shrink, per rank class
+            (f"deterministic-r{rank}-{'ws' if ws else 'alone'}", kernels.lora_shrink_kernel,
+             kernels.plan_shrink(100, 4096, rank, 3, 9, "bfloat16", "bfloat16",
+                                 configs.shrink_config(100, 4096, rank, 3, 8, deterministic=True), lora_only=ws,
+                                 workspace=ws, has_ranks=False, pdl=ws, deterministic=True), "bf16", ("out_ptr",))
+            for rank in (16, 64, 128) for ws in (True, False)
         ]
     if kernel_name == "expand":
         out = []
@@ -93,6 +104,12 @@ def _variants(kernel_name: str):
             assert plan.constexprs["PREFETCH_Y_LINES"] == (8 if prefetch else 0)   # 512 columns, 64 per line
             out.append((f"tiles4-r{rank}-R{block_r}-ahead{int(ahead)}-prefetch{int(prefetch)}", kernels.lora_expand_kernel,
                         plan, "bf16", ("buf_ptr",)))
+        for rank in (16, 64, 128):    # deterministic launches (configs.deterministic_config)
+            plan = kernels.plan_expand(100, rank, (4096, 1024, 1024), 9, 4, "bfloat16", "bfloat16",
+                                       configs.expand_config(100, 4096, rank, 3, 8, deterministic=True),
+                                       add_inputs=True, bias_flags=(True, False, False), has_ranks=False, pdl=True,
+                                       deterministic=True)
+            out.append((f"deterministic-r{rank}", kernels.lora_expand_kernel, plan, "bf16", ("buf_ptr",)))
         return out
     out = []
     # decode (one tile per group) and token tiles; rank 16 and 64; with and without PDL
@@ -126,7 +143,47 @@ def compile_all(kernel_name: str) -> int:
     return failed
 
 
-@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused"])
+def _mma_lines(ptx: str) -> list:
+    """The tensor-core instructions of a kernel's PTX, in order, register names left out."""
+    return [re.sub(r"%\w+", "%r", line.strip()) for line in ptx.splitlines() if "mma" in line]
+
+
+def compare_deterministic() -> int:
+    """Child process: a deterministic launch's tensor-core instructions (the order of a dot's
+    additions) do not change with Triton's specialisation of the token count (num_tokens divisible
+    by 16 or not), the one thing of T that reaches the compiled kernel besides the grid."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import lora_core.kernels as kernels
+    from lora_core.kernels import configs
+    failed = 0
+    for rank in (16, 64, 128):
+        shrink = kernels.plan_shrink(100, 4096, rank, 3, 9, "bfloat16", "bfloat16",
+                                     configs.shrink_config(100, 4096, rank, 3, 8, deterministic=True), lora_only=True,
+                                     workspace=True, has_ranks=False, pdl=True, deterministic=True)
+        expand = kernels.plan_expand(100, rank, (4096, 1024, 1024), 9, shrink.num_partials, "bfloat16", "bfloat16",
+                                     configs.expand_config(100, 4096, rank, 3, 8, deterministic=True),
+                                     add_inputs=True, bias_flags=(False,) * 3, has_ranks=False, pdl=True,
+                                     deterministic=True)
+        for label, kernel, plan, f32 in (("shrink", kernels.lora_shrink_kernel, shrink, ("out_ptr",)),
+                                         ("expand", kernels.lora_expand_kernel, expand, ("buf_ptr",))):
+            names = kernel.arg_names
+            mma = []
+            for attrs in ({}, {(names.index("num_tokens"),): [["tt.divisibility", 16]]}):
+                src = ASTSource(kernel, _signature(kernel, plan, "bf16", f32),
+                                constexprs={(names.index(k),): v for k, v in plan.constexprs.items()}, attrs=attrs)
+                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                          options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
+                mma.append(_mma_lines(compiled.asm["ptx"]))
+            ok = bool(mma[0]) and mma[0] == mma[1]
+            print(f"deterministic {label} r{rank} ({len(mma[0])} mma): {'ok' if ok else 'DIFFERENT'}", flush=True)
+            failed += not ok
+    return failed
+
+
+@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused", "deterministic"])
 def test_kernel_compiles_for_sm90(kernel_name):
     triton = pytest.importorskip("triton")
     try:
@@ -142,4 +199,4 @@ def test_kernel_compiles_for_sm90(kernel_name):
 
 
 if __name__ == "__main__":
-    sys.exit(min(1, compile_all(sys.argv[1])))
+    sys.exit(min(1, compare_deterministic() if sys.argv[1] == "deterministic" else compile_all(sys.argv[1])))

@@ -196,9 +196,70 @@ def test_every_tuned_table_is_data_only():
     for name in files:
         with open(os.path.join(configs.TUNED_DIR, name)) as f:
             data = json.load(f)
-        assert set(data) == {"device", "format", "classes"}, name
+        assert {"device", "format", "classes"} <= set(data) <= {"device", "format", "classes", "deterministic"}, name
+        for rank_name, kinds in data.get("deterministic", {}).items():
+            assert rank_name in ("r16", "r64", "r256") and set(kinds) <= {"shrink", "expand"}, (name, rank_name)
         for key, entry in data["classes"].items():
             assert set(entry) <= {"shrink", "expand", "fused", "use_fused", "variants"}, (name, key)
             for variant in entry.get("variants", ()):
                 assert set(variant) <= {"max_slots", "min_slices", "shrink", "expand", "fused", "use_fused"}
         assert configs._table_file(data["device"]).endswith(name)
+
+
+TOKEN_COUNTS = (1, 2, 7, 16, 17, 31, 32, 33, 64, 100, 256, 1000, 1024, 4096, 8192)
+
+
+def _launches(T, rank, slices, slots, deterministic):
+    """The launch parameters (everything but the grid) of add_lora_linear's two kernels and of
+    the stand-alone shrink for T tokens, as the Triton backends plan them."""
+    import lora_core.kernels as kernels
+    widths = (4096,) + (1024,) * (slices - 1)
+    out = []
+    for workspace in (True, False):
+        cfg = configs.shrink_config(T, 4096, rank, slices, slots, deterministic=deterministic)
+        s = kernels.plan_shrink(T, 4096, rank, slices, slots + 1, "bfloat16", "bfloat16", cfg, lora_only=workspace,
+                                workspace=workspace, has_ranks=False, pdl=True, deterministic=deterministic)
+        out.append((tuple(sorted(s.constexprs.items())), s.num_warps, s.num_stages, s.num_partials, s.atomic))
+    cfg = configs.expand_config(T, max(widths), rank, slices, slots, deterministic=deterministic)
+    e = kernels.plan_expand(T, rank, widths, slots + 1, out[0][3], "bfloat16", "bfloat16", cfg, add_inputs=True,
+                            bias_flags=(False,) * slices, has_ranks=False, pdl=True, deterministic=deterministic)
+    out.append((tuple(sorted(e.constexprs.items())), e.num_warps, e.num_stages))
+    out.append(configs.use_fused(T, 4096, rank, slices, slots, deterministic=deterministic))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("rank,slices,slots", [(8, 1, 8), (16, 1, 8), (16, 3, 64), (64, 1, 16), (64, 3, 8),
+                                               (128, 1, 8)])
+def test_deterministic_launches_do_not_depend_on_the_token_count(compiled, rank, slices, slots):
+    """deterministic=True (H200 table): for any T, the same kernels with the same meta-parameters
+    (block shapes, SPLIT_K, SMALL_T off, warps), shrink + expand, no atomic adds; only the grid
+    changes. Without it the H200 launches change with T (split-K, tiles, the fused kernel)."""
+    launches = {_launches(T, rank, slices, slots, True) for T in TOKEN_COUNTS}
+    assert len(launches) == 1
+    (ws, _, _, planes, atomic), (alone, _, _, alone_planes, alone_atomic), (expand, _, _), fused = launches.pop()
+    assert not fused and not atomic and not alone_atomic and alone_planes == 1
+    assert dict(ws)["SMALL_T"] is False and dict(alone)["SMALL_T"] is False and dict(expand)["SMALL_T"] is False
+    assert dict(expand)["NUM_PARTIALS"] == planes
+    assert len({_launches(T, rank, slices, slots, False) for T in TOKEN_COUNTS}) > 1
+
+
+def test_deterministic_configs_come_from_the_table(compiled, monkeypatch, tmp_path):
+    """A table's "deterministic" entries replace the generic ones per rank class and kind;
+    SMALL_T is always off."""
+    monkeypatch.setattr(configs, "TUNED_DIR", str(tmp_path))
+    data = {"device": "NVIDIA Test 1", "format": 1, "classes": {},
+            "deterministic": {"r64": {"shrink": configs.shrink_params(32, 64, 3, 8, 2)}}}
+    (tmp_path / "NVIDIA_Test_1.json").write_text(json.dumps(data))
+    configs.table.cache_clear()
+    try:
+        monkeypatch.setattr(configs, "device_name", lambda: "NVIDIA Test 1")
+        got = configs.shrink_config(5, 4096, 64, 1, 8, deterministic=True)
+        assert got == dict(configs.shrink_params(32, 64, 3, 8, 2), SMALL_T=False)
+        assert configs.expand_config(5, 4096, 64, 1, 8, deterministic=True) == \
+            configs.GENERIC_DETERMINISTIC["r64"]["expand"]
+        assert configs.shrink_config(5, 4096, 16, 1, 8, deterministic=True) == \
+            configs.GENERIC_DETERMINISTIC["r16"]["shrink"]
+    finally:
+        configs.table.cache_clear()
+    with pytest.raises(ValueError, match="kind must be 'shrink' or 'expand', got 'fused'"):
+        configs.deterministic_config("fused", 4096, 16)

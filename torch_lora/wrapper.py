@@ -37,10 +37,12 @@ class PunicaWrapper:
       device: where the index tensors and metadata live ("cuda", "cpu", a torch.device).
       max_loras: number of weight slots (keyword-only, as in vLLM).
       backend: force "torch" or "triton"; default: chosen by the device.
+      deterministic: every method gives a token bitwise the same result whatever the batch it is
+        in and from run to run (batch-invariant launches; docs/api.md, "Deterministic mode").
     """
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device="cpu", *, max_loras: int,
-                 backend: Optional[str] = None, **options: Any):
+                 backend: Optional[str] = None, deterministic: bool = False, **options: Any):
         checks.check_wrapper_sizes(max_num_batched_tokens=max_num_batched_tokens, max_batches=max_batches,
                                    max_loras=max_loras, options=options)
         self.max_num_batched_tokens = t = int(max_num_batched_tokens)
@@ -50,6 +52,9 @@ class PunicaWrapper:
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
         dispatch.check_backend_device(self.backend, self.device)
         self._impl = dispatch.load_backend(self.backend)
+        self.deterministic = dispatch.check_deterministic(deterministic)
+        if self.deterministic:
+            self._impl = dispatch.deterministic_impl(self._impl)
 
         # One device block; every index tensor is a fixed view of it.
         # One device block holds the step: index tensors and both kernel metadata are fixed views of
@@ -139,6 +144,54 @@ class PunicaWrapper:
         b = max(self.batch_size, 0)
         return (self._seq_start_locs[:b], self._seq_lengths[:b], self._lora_indices_per_batch[:b],
                 self.batch_size, self.max_length, self.token_nums)
+
+    # ------------------------------------------------------------------ the TPU seed's per-token ops
+    # bgmv_shrink / bgmv_expand / bgmv_expand_slice with each token's slot taken from this step's
+    # token_lora_indices (through the token kernel metadata already on the device).
+    def shrink(self, x: torch.Tensor, w_t_all: torch.Tensor, scale: float) -> torch.Tensor:
+        """(T, r) float32, a new tensor: scale * x[t] @ w_t_all[idx[t]].T, 0 where idx[t] = -1.
+
+        x: (T, H); w_t_all: (L, [1,] r, H).
+        """
+        check_tensors(x=x, w_t_all=w_t_all)
+        num_slots, rank, _ = checks.check_shrink(tuple(x.shape), x.dtype, [w_t_all.shape], [w_t_all.dtype],
+                                                 arg_a="w_t_all")
+        self._check_tokens("x", x.shape[0], self.indices_len[0])
+        self._check_slots("w_t_all", num_slots)
+        out = torch.empty((1, x.shape[0], rank), dtype=torch.float32, device=x.device)
+        self._impl.shrink(x, (to_3d(w_t_all),), out, self.token_mapping_meta.meta_args(x.shape[0]), float(scale),
+                          None)
+        return out[0]
+
+    def expand(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, add_inputs: bool) -> torch.Tensor:
+        """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w_t_all[idx[t]].T)[:c], in place, c = min(n, N).
+
+        x: (T, r); w_t_all: (L, [1,] n, r); y: (T, N). A LoRA output wider than y is cut to y's
+        width (vLLM's bgmv_expand). Rows with index -1 are untouched. Returns y.
+        """
+        width = self._check_seed_expand(y, x, w_t_all)
+        self._expand(y, x.unsqueeze(0), (w_t_all,), None, (width,), 0, add_inputs, self.token_mapping_meta,
+                     self.indices_len[0], cut_to_y=True)
+        return y
+
+    def expand_slice(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, y_offset: int,
+                     y_slice_size: int, add_inputs: bool) -> torch.Tensor:
+        """y[t, y_offset:y_offset+y_slice_size] = (old if add_inputs else 0) + x[t] @ w_t_all[idx[t]].T, in place.
+
+        x: (T, r); w_t_all: (L, [1,] y_slice_size, r); y: (T, N). Rows with index -1 and columns
+        outside the slice are untouched. Returns y.
+        """
+        width = self._check_seed_expand(y, x, w_t_all)
+        checks.check_seed_slice(y_offset, y_slice_size, width, tuple(y.shape))
+        self._expand(y, x.unsqueeze(0), (w_t_all,), None, (width,), int(y_offset), add_inputs,
+                     self.token_mapping_meta, self.indices_len[0])
+        return y
+
+    def _check_seed_expand(self, y, x, w_t_all) -> int:
+        """Checks expand / expand_slice arguments under their own names; returns w_t_all's width."""
+        check_tensors(y=y, x=x, w_t_all=w_t_all)
+        return checks.check_seed_expand(tuple(x.shape), x.dtype, tuple(w_t_all.shape), w_t_all.dtype,
+                                        tuple(y.shape), y.dtype)
 
     # ------------------------------------------------------------------ ops
     def _check_tokens(self, name: str, num_tokens: int, available: Optional[int]) -> None:

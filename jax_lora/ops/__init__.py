@@ -11,7 +11,9 @@
 
 Every op accumulates in float32; tokens with index -1 contribute nothing (shrink rows are 0, expand
 rows are left untouched). `backend=` forces "xla", "pallas_tpu" or "triton"; None lets the device
-decide. `lora_ranks` (L,) int32, optional: each slot's real rank; results equal the computation with
+decide. `deterministic=True` (every op): a token's result is bitwise the same whatever the batch it
+is in (size, position, other tokens and their adapters) and from run to run
+(dispatch.deterministic_impl; docs/api.md, "Deterministic mode"). `lora_ranks` (L,) int32, optional: each slot's real rank; results equal the computation with
 the weights past that rank zeroed.
 
 Checks: shapes, dtypes, slices and devices are checked on every call. Host inputs (NumPy arrays)
@@ -206,7 +208,7 @@ def _check_segments(starts, lengths, batch_size, token_nums, num_tokens: int) ->
 # ----------------------------------------------------------------------------- metadata-driven ops
 
 def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: Optional[str] = None,
-                lora_ranks=None) -> jax.Array:
+                lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """buf[s, t] = scale * x[t] @ lora_a_stacked[s][idx[t]].T, 0 for idx -1.
 
     Args:
@@ -224,13 +226,14 @@ def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: Op
     meta = as_meta(meta)
     check_same_device(x=x, lora_a_stacked=lora_a)
     _check_meta(meta, x.shape[0], num_slots, "lora_a_stacked")
-    impl = dispatch.resolve(backend, _device_of(x))
+    impl = dispatch.resolve(backend, _device_of(x), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_a_stacked")
     return impl.shrink(x, tuple(to_3d(a) for a in lora_a), meta, scale, as_lora_ranks(lora_ranks, num_slots))
 
 
 def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start: int = 0,
-                add_inputs: bool = False, *, backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+                add_inputs: bool = False, *, backend: Optional[str] = None, lora_ranks=None,
+                deterministic: bool = False) -> jax.Array:
     """y[t, off_s:off_s+n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T.
 
     Args:
@@ -250,7 +253,7 @@ def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start
     meta = as_meta(meta)
     check_same_device(inputs=buf, lora_b_stacked=lora_b, y=y)
     _check_meta(meta, y.shape[0], num_slots, "lora_b_stacked")
-    impl = dispatch.resolve(backend, _device_of(y))
+    impl = dispatch.resolve(backend, _device_of(y), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_b_stacked")
     return impl.expand(buf, tuple(to_3d(b) for b in lora_b), y, meta, _offsets(offset_start, widths),
                        bool(add_inputs), as_lora_ranks(lora_ranks, num_slots))
@@ -276,20 +279,20 @@ def _device_of(a):
 # ----------------------------------------------------------------------------- BGMV
 
 def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, *,
-                backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+                backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
     x, w = as_array("x", x, checks.ACTIVATION_DTYPES), as_array("lora_a_weights", w, checks.WEIGHT_DTYPES)
     num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="lora_a_weights")
     scale = checks.as_scale(scale)
     check_same_device(x=x, lora_a_weights=w, lora_indices_tensor=idx)
     meta = _index_meta(idx, x.shape[0], num_slots, "lora_a_weights")
-    impl = dispatch.resolve(backend, _device_of(x))
+    impl = dispatch.resolve(backend, _device_of(x), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_a_weights")
     return impl.shrink(x, (to_3d(w),), meta, scale, as_lora_ranks(lora_ranks, num_slots))[0]
 
 
 def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_inputs: bool = True, *,
-                backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+                backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w[idx[t]].T)[:c], c = min(n, N).
 
     x: (T, r); w: (L, [1,] n, r); y: (T, N). Rows with idx -1 untouched. A LoRA output wider than y
@@ -299,19 +302,19 @@ def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_in
     w3 = to_3d(w) if w.ndim in (3, 4) else w
     if w.ndim in (3, 4) and y.ndim == 2 and w3.shape[1] > y.shape[1]:
         w3 = w3[:, : y.shape[1]]
-    return _expand_one(x, w3, w, y, idx, 0, add_inputs, backend, lora_ranks)
+    return _expand_one(x, w3, w, y, idx, 0, add_inputs, backend, lora_ranks, deterministic)
 
 
 def bgmv_expand_slice(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, y_offset: int,
                       y_slice_size: int, add_inputs: bool = True, *, backend: Optional[str] = None,
-                      lora_ranks=None) -> jax.Array:
+                      lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T; w: (L, [1,] y_slice_size, r)."""
     x, w, y = _expand_inputs(x, w, y)
     w3 = to_3d(w) if w.ndim in (3, 4) else w
     if w.ndim in (3, 4) and w3.shape[1] != y_slice_size:
         raise ValueError(f"lora_b_weights has {w3.shape[1]} output rows (shape {w.shape}), but "
                          f"y_slice_size is {y_slice_size}")
-    return _expand_one(x, w3, w, y, idx, y_offset, add_inputs, backend, lora_ranks)
+    return _expand_one(x, w3, w, y, idx, y_offset, add_inputs, backend, lora_ranks, deterministic)
 
 
 def _expand_inputs(x, w, y) -> tuple:
@@ -319,7 +322,7 @@ def _expand_inputs(x, w, y) -> tuple:
             as_array("y", y, checks.ACTIVATION_DTYPES))
 
 
-def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks):
+def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks, deterministic=False):
     if x.ndim != 2:
         raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {x.shape}")
     checks.weight_dims("lora_b_weights", w_orig.shape, "out_features, rank")
@@ -329,7 +332,7 @@ def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks):
                                                   arg_b="lora_b_weights")
     check_same_device(inputs=x, lora_b_weights=w3, y=y, lora_indices_tensor=idx)
     meta = _index_meta(idx, y.shape[0], num_slots, "lora_b_weights")
-    impl = dispatch.resolve(backend, _device_of(y))
+    impl = dispatch.resolve(backend, _device_of(y), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_b_weights")
     return impl.expand(x[None], (w3,), y, meta, (offset,), bool(add_inputs),
                        as_lora_ranks(lora_ranks, num_slots))
@@ -338,29 +341,32 @@ def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks):
 # ----------------------------------------------------------------------------- SGMV
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
-                token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None):
+                token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None,
+                deterministic: bool = False):
     """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata)."""
     x = as_array("x", x, checks.ACTIVATION_DTYPES)
     _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, x.shape[0] if x.ndim else 0)
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, x.shape[0])
-    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks)
+    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks, deterministic=deterministic)
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
-                token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None):
+                token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None,
+                deterministic: bool = False):
     """bgmv_expand with each segment's tokens using the segment's index (prefill metadata)."""
     y = as_array("y", y, checks.ACTIVATION_DTYPES)
     _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0] if y.ndim else 0)
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0])
-    return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks)
+    return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks,
+                       deterministic=deterministic)
 
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size,
                       max_length, token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True,
-                      *, backend: Optional[str] = None, lora_ranks=None):
+                      *, backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False):
     """bgmv_expand_slice with each segment's tokens using the segment's index."""
     y = as_array("y", y, checks.ACTIVATION_DTYPES)
     _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0] if y.ndim else 0)
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0])
     return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,
-                             lora_ranks=lora_ranks)
+                             lora_ranks=lora_ranks, deterministic=deterministic)

@@ -8,6 +8,12 @@ A backend is a module (or object) with:
 Weights arrive as 3-D arrays (the size-1 axis removed), indices through the metadata (SPEC
 section 3), already checked. Adding a backend means registering it here; callers never change.
 
+Optional, for `deterministic=True`:
+  deterministic_backend() -> an object with the contract above whose results are batch invariant
+      (a token's values are bitwise the same whatever the batch and from run to run)
+A backend without it ("xla", "pallas_tpu") runs `jax_lora.ops.invariant` (the reference math,
+batch invariant) when asked to be deterministic (`deterministic_impl`).
+
 Without `backend=`, the device decides: TPU -> "pallas_tpu", GPU -> "triton", CPU -> "xla", each
 falling back to "xla" when its kernels are not importable on this machine.
 """
@@ -58,11 +64,29 @@ def default_backend_name(device=None) -> str:
     return name
 
 
-def resolve(backend: Optional[str], device=None):
+def resolve(backend: Optional[str], device=None, *, deterministic: bool = False):
     """The backend module for an explicit name, or the device's default (said once on the
-    `jax_lora` logger)."""
+    `jax_lora` logger); its batch-invariant form with deterministic=True (`deterministic_impl`)."""
     if backend is not None:
-        return load_backend(backend)
-    name = default_backend_name(device)
-    _REGISTRY.log_choice(name, platform_of(device), "the device's default")
-    return load_backend(name)
+        impl = load_backend(backend)
+    else:
+        name = default_backend_name(device)
+        _REGISTRY.log_choice(name, platform_of(device), "the device's default")
+        impl = load_backend(name)
+    return deterministic_impl(impl) if check_deterministic(deterministic) else impl
+
+
+def deterministic_impl(impl):
+    """The batch-invariant form of backend `impl`: its own `deterministic_backend()` (Triton:
+    fixed launch configs), else the reference math of `jax_lora.ops.invariant`."""
+    hook = getattr(impl, "deterministic_backend", None)
+    if hook is not None:
+        return hook()
+    from . import invariant  # noqa: PLC0415
+    return invariant
+
+
+def check_deterministic(deterministic) -> bool:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    return deterministic

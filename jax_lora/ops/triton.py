@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import logging
 import os
+import types
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -124,29 +125,31 @@ def _pdl() -> bool:
 # --------------------------------------------------------------------------------- launches
 
 def _shrink_launch(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, config=None, pdl=False,
-                   result: int = 0) -> _Launch:
+                   result: int = 0, deterministic: bool = False) -> _Launch:
     """lora_shrink_kernel into result `result`, (planes, S, T, r) float32 (planes = 1 unless workspace split-K)."""
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     S = len(lora_a)
-    cfg = config or configs.shrink_config(T, H, R, S, L)
+    cfg = config or configs.shrink_config(T, H, R, S, L, deterministic=deterministic)
     plan = plan_shrink(T, H, R, S, meta.active_lora_ids.shape[0], _dtype_name(x), _dtype_name(lora_a[0]), cfg,
-                       lora_only=workspace, workspace=workspace, has_ranks=lora_ranks is not None, pdl=pdl)
+                       lora_only=workspace, workspace=workspace, has_ranks=lora_ranks is not None, pdl=pdl,
+                       deterministic=deterministic)
     out = _Result(result, (plan.num_partials, S, T, R), jnp.float32)
     call = arguments.shrink_call(plan, x, lora_a, _ranks(lora_ranks), _meta_arrays(meta), float(scale), out,
                                  arguments.shape_strides)
     return _Launch(call.with_alignment_hints(), result, pdl)
 
 
-def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config=None, pdl=False) -> _Launch:
+def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config=None, pdl=False,
+                   deterministic: bool = False) -> _Launch:
     """lora_expand_kernel writing y (result 0); buf: the (planes, S, T, r) float32 array or a _Result."""
     T = y.shape[0]
     L, _, R = lora_b[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
-    cfg = config or configs.expand_config(T, max(widths), R, len(widths), L)
+    cfg = config or configs.expand_config(T, max(widths), R, len(widths), L, deterministic=deterministic)
     plan = plan_expand(T, R, widths, meta.active_lora_ids.shape[0], buf.shape[0], _dtype_name(lora_b[0]),
                        _dtype_name(y), cfg, add_inputs=add_inputs, bias_flags=arguments.bias_flags(bias, len(lora_b)),
-                       has_ranks=lora_ranks is not None, pdl=pdl)
+                       has_ranks=lora_ranks is not None, pdl=pdl, deterministic=deterministic)
     call = arguments.expand_call(plan, buf, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y, offsets,
                                  arguments.shape_strides)
     return _Launch(call.with_alignment_hints(), 0, pdl)
@@ -303,8 +306,9 @@ def _run(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtypeStruct], i
 # --------------------------------------------------------------------------------- backend API
 
 def shrink(x, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float, lora_ranks=None, *,
-           config: Optional[dict] = None) -> jax.Array:
-    """(S, T, r) float32: scale * x[t] @ lora_a[s][idx[t]].T, 0 for tokens without LoRA."""
+           config: Optional[dict] = None, deterministic: bool = False) -> jax.Array:
+    """(S, T, r) float32: scale * x[t] @ lora_a[s][idx[t]].T, 0 for tokens without LoRA.
+    deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics)."""
     T = x.shape[0]
     S, R = len(lora_a), lora_a[0].shape[1]
     if T == 0:
@@ -312,21 +316,24 @@ def shrink(x, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float, l
     interpret = _use_interpreter(x, *lora_a)
     parts = []
     for lo, hi in slice_chunks(S):
-        launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=False, config=config)
+        launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=False, config=config,
+                                deterministic=deterministic)
         parts.append(_run([launch], [_shape(launch.call.out)], interpret)[0][0])
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: Sequence[int],
-           add_inputs: bool, lora_ranks=None, bias=None, *, config: Optional[dict] = None) -> jax.Array:
-    """New y: y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias."""
+           add_inputs: bool, lora_ranks=None, bias=None, *, config: Optional[dict] = None,
+           deterministic: bool = False) -> jax.Array:
+    """New y: y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias.
+    deterministic: batch-invariant launches (configs.deterministic_config)."""
     if y.shape[0] == 0:
         return y
     offsets = tuple(int(o) for o in offsets)
     interpret = _use_interpreter(y, buf, *lora_b)
     for lo, hi in slice_chunks(len(lora_b)):
         launch = _expand_launch(buf[None, lo:hi], lora_b[lo:hi], y, meta, offsets[lo:hi], add_inputs, lora_ranks,
-                                None if bias is None else tuple(bias[lo:hi]), config)
+                                None if bias is None else tuple(bias[lo:hi]), config, deterministic=deterministic)
         y = _run([launch], [jax.ShapeDtypeStruct(y.shape, y.dtype)], interpret)[0]
     return y
 
@@ -334,18 +341,25 @@ def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: S
 def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta: LoRAKernelMeta,
            scale: float, offsets: Sequence[int], lora_ranks=None, bias=None, *, fused: Optional[bool] = None,
            shrink_config: Optional[dict] = None, expand_config: Optional[dict] = None,
-           fused_config: Optional[dict] = None) -> jax.Array:
+           fused_config: Optional[dict] = None, deterministic: bool = False) -> jax.Array:
     """add_lora_linear's math: new y with y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias.
 
     The fused one-launch kernel where configs.use_fused says so (or fused=True), else a split-K
     shrink into a float32 workspace plus an expand that sums the workspace planes.
+    deterministic=True: always shrink + expand with the batch-invariant configs
+    (configs.deterministic_config); fused=True is then an error.
     """
+    if fused and deterministic:
+        raise ValueError("fused=True cannot be deterministic: deterministic launches always run shrink + "
+                         "expand (one kernel path for every token count); pass fused=None or False")
     T, H = x.shape
     if T == 0:
         return y
     L, R, _ = lora_a[0].shape
     offsets = tuple(int(o) for o in offsets)
-    if fused is None:
+    if deterministic:
+        fused = False
+    elif fused is None:
         forced = configs.fused_forced()
         fused = forced if forced is not None else configs.use_fused(T, H, R, len(lora_a), L)
     interpret = _use_interpreter(y, x, *lora_a)
@@ -361,9 +375,21 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
             y = _run([launch], [y_shape, _shape(launch.call.pointers[-1])], interpret)[0]
             continue
         shrink_launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=True,
-                                       config=shrink_config, pdl=pdl, result=1)
+                                       config=shrink_config, pdl=pdl, result=1, deterministic=deterministic)
         workspace = shrink_launch.call.out
         expand_launch = _expand_launch(workspace, lora_b[lo:hi], y, meta, offsets[lo:hi], True, lora_ranks,
-                                       chunk_bias, expand_config, pdl)
+                                       chunk_bias, expand_config, pdl, deterministic=deterministic)
         y = _run([shrink_launch, expand_launch], [y_shape, _shape(workspace)], interpret)[0]
     return y
+
+
+def deterministic_backend():
+    """This backend with batch-invariant launches (`deterministic=True` bound): what
+    jax_lora.ops.dispatch hands out for deterministic=True."""
+    return _DETERMINISTIC
+
+
+_DETERMINISTIC = types.SimpleNamespace(
+    NAME=NAME, deterministic=True,
+    shrink=functools.partial(shrink, deterministic=True), expand=functools.partial(expand, deterministic=True),
+    linear=functools.partial(linear, deterministic=True))

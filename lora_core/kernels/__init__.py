@@ -50,6 +50,11 @@ weight reads of few adapters over many SMs at decode sizes. The partial sums eit
 planes of a float32 workspace (NUM_PARTIALS planes, summed by the expand kernel on load: no atomics,
 no zeroing) or, for the stand-alone shrink, are atomically added into a zeroed output.
 
+Deterministic launches (`configs.deterministic_config`, `deterministic=True` on the plans): the
+same meta-parameters for every token count -- block shapes, warps, a fixed SPLIT_K whose planes
+the expand adds in plane order, SMALL_T off -- no atomic adds (the stand-alone shrink runs
+unsplit) and never the fused kernel, so a token's result does not depend on its batch.
+
 Interpreter: under TRITON_INTERPRET=1 tiles are upcast to float32 right after loading
 (CAST_FP32): the interpreter computes bf16 arithmetic wrongly. Compiled kernels never do.
 """

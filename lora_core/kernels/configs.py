@@ -22,6 +22,12 @@ token tiles; three slices triple the shrink's programs and the workspace, which 
 the hidden size that about TARGET_PROGRAMS programs run at decode sizes, where a handful of
 adapters would otherwise leave most SMs idle; capped past decode sizes, where the expand re-reads
 every plane. A single token never uses the fused kernel (FUSED_MIN_TOKENS).
+
+Deterministic launches (`deterministic=True`, `deterministic_config`): one shrink and one expand
+config per rank class whatever the token count, with a fixed SPLIT_K, SMALL_T off and never the
+fused kernel, so that a token's result does not depend on the batch it is in (see
+`deterministic_config`). A table may override them under a top-level "deterministic" key:
+{"r16": {"shrink": {...}, "expand": {...}}, ...}.
 """
 
 from __future__ import annotations
@@ -110,6 +116,18 @@ GENERIC_FUSED = {
     ("t64", "r16"): fused_params(16, 128, 128, 4, 2), ("t64", "r64"): fused_params(16, 128, 128, 4, 2, 8),
 }
 _FUSED_FALLBACK = fused_params(16, 128, 128, 4, 2)
+# Deterministic launches: per rank class, one config for every token count (`deterministic_config`).
+# Block shapes like the H200 table's mid-size entries (16-token tiles, 128-wide K and N blocks),
+# not tuned (`bench_triton.py --deterministic` measures them); a fixed split of the hidden size in
+# the linear path's workspace (added by the expand in plane order), none for ranks past 64.
+GENERIC_DETERMINISTIC = {
+    "r16": {"shrink": dict(shrink_params(16, 128, 4, 4, 3), PREFETCH=True, SMALL_T=False),
+            "expand": dict(expand_params(16, 128, 16, 4, 3), TILES_N=4, SMALL_T=False)},
+    "r64": {"shrink": dict(shrink_params(16, 128, 2, 4, 3), PREFETCH=True, SMALL_T=False),
+            "expand": dict(expand_params(16, 128, 64, 4, 3), TILES_N=4, SMALL_T=False)},
+    "r256": {"shrink": dict(shrink_params(16, 64, 1, 4, 3), PREFETCH=True, SMALL_T=False),
+             "expand": dict(expand_params(16, 128, 64, 4, 2), SMALL_T=False)},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +140,7 @@ class LaunchTable:
     fused: dict
     fused_classes: frozenset
     variants: dict
+    deterministic: dict = dataclasses.field(default_factory=lambda: GENERIC_DETERMINISTIC)
 
     def variant(self, num_tokens: int, rank: int, num_slots: int, num_slices: int) -> dict:
         """The first variant of the shape class that applies to num_slots slots and num_slices slices ({} if none)."""
@@ -165,8 +184,12 @@ def _read_table(path: str, device: str) -> LaunchTable:
         variants[key] = tuple((int(v.get("max_slots", ANY_SLOTS)), int(v.get("min_slices", 1)),
                                {n: v[n] for n in ("shrink", "expand", "fused", "use_fused") if n in v})
                               for v in entry.get("variants", ()))
+    deterministic = {r: dict(kinds) for r, kinds in GENERIC_DETERMINISTIC.items()}
+    for rank_name, kinds in data.get("deterministic", {}).items():
+        deterministic[rank_name] = {**deterministic.get(rank_name, {}),
+                                    **{k: {**v, "SMALL_T": False} for k, v in kinds.items()}}
     return LaunchTable(f"{device} ({os.path.basename(path)})", shrink, expand, fused, frozenset(fused_classes),
-                       variants)
+                       variants, deterministic)
 
 
 GENERIC = LaunchTable("generic defaults", GENERIC_SHRINK, GENERIC_EXPAND, GENERIC_FUSED, frozenset(), {})
@@ -223,7 +246,9 @@ def table_shrink_config(num_tokens: int, rank: int, num_slices: int, num_slots: 
 
 
 def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int, *,
-                  device: str | None = None) -> dict:
+                  device: str | None = None, deterministic: bool = False) -> dict:
+    if deterministic:
+        return deterministic_config("shrink", hidden, rank, device=device)
     if interpreting():
         return shrink_params(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
     return resolve_split(table_shrink_config(num_tokens, rank, num_slices, num_slots, device=device), num_tokens,
@@ -268,7 +293,9 @@ def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices
 
 
 def expand_config(num_tokens: int, width: int, rank: int, num_slices: int, num_slots: int, *,
-                  device: str | None = None) -> dict:
+                  device: str | None = None, deterministic: bool = False) -> dict:
+    if deterministic:
+        return deterministic_config("expand", width, rank, device=device)
     if interpreting():
         return expand_params(16, min(256, max(16, next_pow2(width))), 64, 4, 1)
     return _table(device).config("expand", num_tokens, rank, num_slices, num_slots)
@@ -287,13 +314,41 @@ def fused_forced():
 
 
 def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int, *,
-              device: str | None = None) -> bool:
+              device: str | None = None, deterministic: bool = False) -> bool:
     """True when the one-launch fused kernel is expected to beat shrink + expand (decode sizes).
-    The fused kernel needs the whole rank in one block (rank <= 64 here)."""
-    if rank > 64:
+    The fused kernel needs the whole rank in one block (rank <= 64 here). Deterministic launches
+    never use it (one kernel path for every token count), FORCE_FUSED notwithstanding."""
+    if rank > 64 or deterministic:
         return False
     if FORCE_FUSED is not None:
         return bool(FORCE_FUSED)
     if num_tokens < FUSED_MIN_TOKENS:
         return False
     return _table(device).fused_wins(num_tokens, rank, num_slots, num_slices)
+
+
+def deterministic_config(kind: str, size: int, rank: int, *, device: str | None = None) -> dict:
+    """The "shrink" or "expand" config of a deterministic launch: a function of the rank (and,
+    under the interpreter, of `size`: the hidden size for the shrink, the widest slice for the
+    expand), never of the token count or the mapping.
+
+    What makes a token's row the same in every batch, run after run (`plan_shrink` / `plan_expand`
+    with deterministic=True also enforce "no atomic adds" and "SMALL_T off" whatever a config says):
+      * the same BLOCK_M, BLOCK_K, BLOCK_R and warps for every T: tl.dot's reduction order for one
+        output element is set by the K blocking and the MMA instruction, which these fix; the
+        other rows of a tile do not enter it, nor does the row's position in the tile;
+      * the same SPLIT_K: in the linear path the shrink writes that many float32 planes and the
+        expand adds them in plane order; the stand-alone shrink runs unsplit (no atomic adds);
+      * BLOCK_R fixed: the expand's rank loop adds the same rank blocks in the same order;
+      * SMALL_T off: the same tile scheme (sorted token tiles) for every T;
+      * shrink + expand always, never the fused kernel (`use_fused`).
+    """
+    if kind not in ("shrink", "expand"):
+        raise ValueError(f"kind must be 'shrink' or 'expand', got {kind!r}")
+    if interpreting():
+        # Small tiles that still split the hidden size in two planes and the rank in blocks of 16,
+        # so that CPU tests run the plane sum and the rank loop.
+        if kind == "shrink":
+            return dict(shrink_params(16, min(256, max(16, next_pow2(size) // 2)), 2, 4, 1), SMALL_T=False)
+        return dict(expand_params(16, min(256, max(16, next_pow2(size))), 16, 4, 1), SMALL_T=False)
+    return dict(_table(device).deterministic[rank_class(rank)][kind])

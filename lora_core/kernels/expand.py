@@ -272,14 +272,18 @@ class ExpandPlan(PlanKey):
 
 def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: int, num_partials: int,
                 w_dtype: str, y_dtype: str, config: dict, *, add_inputs: bool, bias_flags: Sequence[bool],
-                has_ranks: bool, aligned: bool = False, pdl: bool = False) -> ExpandPlan:
+                has_ranks: bool, aligned: bool = False, pdl: bool = False,
+                deterministic: bool = False) -> ExpandPlan:
     """Grid and meta-parameters of `lora_expand_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_R, warps, stages,
     TILES_N (output tiles per program, default 1), Y_AHEAD (with TILES_N > 1: load the next tile's y
     before this tile's math; default False), PREFETCH / PREFETCH_Y (with TILES_N > 1 and pdl:
     prefetch the program's B tiles / y rows into L2 before waiting for the shrink; default False),
     B_SELECT (with one tile and one rank block: B through shared memory, see the kernel; default
-    True: on the H200 it cut T128 D8 r16 from 7.7 to 5.5 us, T32 D8 r64 from 10.0 to 7.7, T1 r64 from 5.3 to 4.6)."""
+    True: on the H200 it cut T128 D8 r16 from 7.7 to 5.5 us, T32 D8 r64 from 10.0 to 7.7, T1 r64 from 5.3 to 4.6).
+    deterministic=True: never SMALL_T, whatever the config says (see configs.deterministic_config)."""
     assert 1 <= len(widths) <= MAX_SLICES
+    if deterministic:
+        config = {**config, "SMALL_T": False}
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
     small_t, block_m = small_t_block(num_tokens, block_m, config)
     block_r = max(16, min(next_pow2(rank), int(config.get("BLOCK_R", 64))))

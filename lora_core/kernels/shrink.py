@@ -137,7 +137,8 @@ class ShrinkPlan(PlanKey):
 
 def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_groups: int,
                 x_dtype: str, w_dtype: str, config: dict, *, lora_only: bool, workspace: bool,
-                has_ranks: bool, aligned: bool = False, pdl: bool = False) -> ShrinkPlan:
+                has_ranks: bool, aligned: bool = False, pdl: bool = False,
+                deterministic: bool = False) -> ShrinkPlan:
     """Grid and meta-parameters of `lora_shrink_kernel`.
 
     workspace=True: the output has one plane per split (the linear path); else SPLIT_K > 1 means
@@ -145,7 +146,11 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
     PREFETCH (default True: L2 prefetch of the A chunk before the PDL wait, if pdl), ALL_SLICES
     (default False: one program per slice; True: every program computes all the launch's slices,
     x read once for them -- SLICES = num_slices, grid axis 0 of size 1).
+    deterministic=True: never atomic adds (without a workspace the shrink runs unsplit) and never
+    SMALL_T, whatever the config says (see configs.deterministic_config).
     """
+    if deterministic:
+        config = {**config, "SMALL_T": False, **({} if workspace else {"SPLIT_K": 1})}
     block_m, block_k = int(config["BLOCK_M"]), int(config["BLOCK_K"])
     small_t, block_m = small_t_block(num_tokens, block_m, config)
     block_r = max(16, next_pow2(rank))

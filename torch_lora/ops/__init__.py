@@ -15,7 +15,9 @@ BGMV / SGMV, as in SPEC section 4 (shrink returns a new float32 tensor, expand u
           lora_indices_per_batch, batch_size, max_length, token_nums).
 
 Every op accumulates in float32; tokens with index -1 contribute nothing. `backend=` forces "torch"
-or "triton". Index *values* are checked when the indices are CPU tensors; on CUDA that would need a
+or "triton". `deterministic=True` (every op): a token's result is bitwise the same whatever the
+batch it is in (size, position, other tokens and their adapters) and from run to run
+(dispatch.deterministic_impl; docs/api.md, "Deterministic mode"). Index *values* are checked when the indices are CPU tensors; on CUDA that would need a
 host sync, so out-of-range indices are masked instead (never read or written out of bounds).
 """
 
@@ -133,7 +135,7 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
                 token_lora_mapping: torch.Tensor, token_indices_sorted_by_lora_ids: torch.Tensor,
                 num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor,
                 lora_ids: torch.Tensor, no_lora_flag: torch.Tensor, scaling: float, *,
-                backend: Optional[str] = None, lora_ranks=None) -> torch.Tensor:
+                backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
     """output_tensor[s, t] = scaling * inputs[t] @ lora_a_weights[s][idx[t]].T (0 for idx -1).
 
     inputs: (T, H); lora_a_weights: S tensors (L, [1,] r, H); output_tensor: (S, T, r), written
@@ -150,7 +152,7 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
     meta = (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
             lora_token_start_loc, lora_ids, no_lora_flag)
     scaling = checks.as_scale(scaling)
-    impl = dispatch.resolve(backend, inputs.device)
+    impl = dispatch.resolve(backend, inputs.device, deterministic=deterministic)
     impl.shrink(inputs, tuple(to_3d(a) for a in lora_a), output_tensor, meta, scaling,
                 as_lora_ranks(lora_ranks, num_slots, inputs.device))
     return output_tensor
@@ -160,7 +162,8 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
                 token_lora_mapping: torch.Tensor, token_indices_sorted_by_lora_ids: torch.Tensor,
                 num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor,
                 lora_ids: torch.Tensor, no_lora_flag: torch.Tensor, offset_start: int = 0,
-                add_inputs: bool = False, *, backend: Optional[str] = None, lora_ranks=None) -> torch.Tensor:
+                add_inputs: bool = False, *, backend: Optional[str] = None, lora_ranks=None,
+                deterministic: bool = False) -> torch.Tensor:
     """output_tensor[t, off_s:off_s+n_s] = (old if add_inputs else 0) + inputs[s, t] @ B_s[idx[t]].T.
 
     inputs: (S, T, r); lora_b_weights: S tensors (L, [1,] n_s, r); output_tensor: (T, N), updated in
@@ -178,7 +181,7 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
                      lora_token_start_loc, lora_ids, output_tensor.shape[0], num_slots, "lora_b_weights")
     meta = (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
             lora_token_start_loc, lora_ids, no_lora_flag)
-    impl = dispatch.resolve(backend, output_tensor.device)
+    impl = dispatch.resolve(backend, output_tensor.device, deterministic=deterministic)
     impl.expand(inputs, tuple(to_3d(b) for b in lora_b), output_tensor, meta, _offsets(offset_start, widths),
                 bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, output_tensor.device), None)
     return output_tensor
@@ -205,14 +208,14 @@ def _index_meta(idx: torch.Tensor, num_tokens: int, num_slots: int, arg_w: str) 
 
 def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float = 1.0, *,
                 out: Optional[torch.Tensor] = None, backend: Optional[str] = None,
-                lora_ranks=None) -> torch.Tensor:
+                lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
     check_tensors(x=x, lora_a_weights=w, lora_indices_tensor=idx, out=out)
     num_slots, rank, _ = checks.check_shrink(tuple(x.shape), x.dtype, [w.shape], [w.dtype],
                                              arg_a="lora_a_weights")
     scale = checks.as_scale(scale)
     result = torch.empty((1, x.shape[0], rank), dtype=torch.float32, device=x.device)
-    impl = dispatch.resolve(backend, x.device)
+    impl = dispatch.resolve(backend, x.device, deterministic=deterministic)
     impl.shrink(x, (to_3d(w),), result, _index_meta(idx, x.shape[0], num_slots, "lora_a_weights"), scale,
                 as_lora_ranks(lora_ranks, num_slots, x.device))
     if out is None:
@@ -222,7 +225,8 @@ def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: floa
 
 
 def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
-                add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None) -> torch.Tensor:
+                add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None,
+                deterministic: bool = False) -> torch.Tensor:
     """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w[idx[t]].T)[:c], c = min(n, N), in place.
 
     x: (T, r); w: (L, [1,] n, r); y: (T, N). A LoRA output wider than y is cut to y's width (vLLM).
@@ -232,29 +236,29 @@ def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Te
     w3 = to_3d(w)
     if y.dim() == 2 and w3.shape[1] > y.shape[1]:
         w3 = w3[:, : y.shape[1]]
-    return _expand_one(x, w3, y, idx, 0, add_inputs, backend, lora_ranks)
+    return _expand_one(x, w3, y, idx, 0, add_inputs, backend, lora_ranks, deterministic)
 
 
 def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
                       y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: Optional[str] = None, lora_ranks=None) -> torch.Tensor:
+                      backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T in place; w: (L, [1,] y_slice_size, r)."""
     check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
     _, n, _ = checks.weight_dims("lora_b_weights", tuple(w.shape), "out_features, rank")
     if n != y_slice_size:
         raise ValueError(f"lora_b_weights has {n} output rows (shape {tuple(w.shape)}), but y_slice_size "
                          f"is {y_slice_size}")
-    return _expand_one(x, to_3d(w), y, idx, y_offset, add_inputs, backend, lora_ranks)
+    return _expand_one(x, to_3d(w), y, idx, y_offset, add_inputs, backend, lora_ranks, deterministic)
 
 
-def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks):
+def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks, deterministic=False):
     if x.dim() != 2:
         raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {tuple(x.shape)}")
     offset = checks.as_offset("y_offset", offset)
     num_slots, _, widths = checks.check_expand((1,) + tuple(x.shape), x.dtype, [w3.shape], [w3.dtype],
                                                tuple(y.shape), y.dtype, offset, arg_buf="inputs",
                                                arg_b="lora_b_weights")
-    impl = dispatch.resolve(backend, y.device)
+    impl = dispatch.resolve(backend, y.device, deterministic=deterministic)
     impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots, "lora_b_weights"), (offset,),
                 bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), None)
     return y
@@ -295,26 +299,29 @@ def _check_segments(starts, lengths, batch_size, token_nums, num_tokens: int) ->
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
-                token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None):
+                token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None,
+                deterministic: bool = False):
     """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata)."""
     _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, x.shape[0])
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, x.shape[0], x.device)
-    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks)
+    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks, deterministic=deterministic)
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
-                token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None):
+                token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None,
+                deterministic: bool = False):
     """bgmv_expand with each segment's tokens using the segment's index (prefill metadata)."""
     _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0])
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0], y.device)
-    return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks)
+    return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks,
+                       deterministic=deterministic)
 
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                       token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: Optional[str] = None, lora_ranks=None):
+                      backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False):
     """bgmv_expand_slice with each segment's tokens using the segment's index."""
     _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0])
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0], y.device)
     return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,
-                             lora_ranks=lora_ranks)
+                             lora_ranks=lora_ranks, deterministic=deterministic)

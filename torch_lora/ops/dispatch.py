@@ -16,6 +16,12 @@ Optional:
 `meta_args` is `LoRAKernelMeta.meta_args(T)` (SPEC section 3). Weights arrive as 3-D views (the
 size-1 axis removed), arguments already checked.
 
+Optional, for `deterministic=True`:
+  deterministic_backend() -> an object with the contract above whose results are batch invariant
+      (a token's values are bitwise the same whatever the batch and from run to run)
+A backend without it runs `torch_lora.ops.invariant` (the reference math, batch invariant) when
+asked to be deterministic (`deterministic_impl`).
+
 Without `backend=`, the device decides: CUDA -> "triton" (when importable), otherwise "torch".
 Forcing "triton" on a CPU tensor runs Triton's interpreter, which needs TRITON_INTERPRET=1 set
 before this package was imported.
@@ -57,9 +63,26 @@ def check_backend_device(name: str, device) -> None:
                            "TRITON_INTERPRET=1 before importing torch_lora (or use CUDA tensors)")
 
 
-def resolve(backend: Optional[str], device):
+def resolve(backend: Optional[str], device, *, deterministic: bool = False):
     name = backend if backend is not None else default_backend_name(device)
     check_backend_device(name, device)
     if backend is None:
         _REGISTRY.log_choice(name, torch.device(device).type if device is not None else "cpu", "the device's default")
-    return load_backend(name)
+    impl = load_backend(name)
+    return deterministic_impl(impl) if check_deterministic(deterministic) else impl
+
+
+def deterministic_impl(impl):
+    """The batch-invariant form of backend module `impl`: its own `deterministic_backend()`
+    (Triton: fixed launch configs), else the reference math of `torch_lora.ops.invariant`."""
+    hook = getattr(impl, "deterministic_backend", None)
+    if hook is not None:
+        return hook()
+    from . import invariant  # noqa: PLC0415
+    return invariant
+
+
+def check_deterministic(deterministic) -> bool:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    return deterministic

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import types
 from typing import Optional, Sequence
 
 import torch
@@ -62,17 +63,20 @@ def _torch_strides(t: torch.Tensor) -> tuple:
 # ------------------------------------------------------------------------------------- plans
 
 @functools.lru_cache(maxsize=4096)
-def _shrink_plan(T, H, R, S, G, L, xd, wd, lora_only, workspace, has_ranks, cfg_key):
-    cfg = dict(cfg_key) if cfg_key else configs.shrink_config(T, H, R, S, L)
+def _shrink_plan(T, H, R, S, G, L, xd, wd, lora_only, workspace, has_ranks, cfg_key, deterministic=False):
+    cfg = dict(cfg_key) if cfg_key else configs.shrink_config(T, H, R, S, L, deterministic=deterministic)
     return plan_shrink(T, H, R, S, G, xd, wd, cfg, lora_only=lora_only, workspace=workspace,
-                         has_ranks=has_ranks, pdl=workspace and _pdl_enabled())
+                         has_ranks=has_ranks, pdl=workspace and _pdl_enabled(), deterministic=deterministic)
 
 
 @functools.lru_cache(maxsize=4096)
-def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, has_ranks, cfg_key, pdl):
-    cfg = dict(cfg_key) if cfg_key else configs.expand_config(T, max(widths), R, len(widths), L)
+def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, has_ranks, cfg_key, pdl,
+                 deterministic=False):
+    cfg = dict(cfg_key) if cfg_key else configs.expand_config(T, max(widths), R, len(widths), L,
+                                                              deterministic=deterministic)
     return plan_expand(T, R, widths, G, partials, wd, yd, cfg, add_inputs=add_inputs,
-                         bias_flags=bias_flags, has_ranks=has_ranks, pdl=pdl and _pdl_enabled())
+                         bias_flags=bias_flags, has_ranks=has_ranks, pdl=pdl and _pdl_enabled(),
+                         deterministic=deterministic)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -189,11 +193,11 @@ def _launch(call: arguments.KernelCall) -> None:
                          type(e).__name__, e)
 
 
-def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, config):
+def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, config, deterministic=False):
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     return _shrink_plan(T, H, R, len(lora_a), meta_args[4].shape[0], L, _dtype_name(x), _dtype_name(lora_a[0]),
-                        lora_only, workspace, lora_ranks is not None, _key(config))
+                        lora_only, workspace, lora_ranks is not None, _key(config), deterministic)
 
 
 def _shrink_call(x, lora_a, out, meta_args, scale, lora_ranks, plan) -> arguments.KernelCall:
@@ -203,14 +207,14 @@ def _shrink_call(x, lora_a, out, meta_args, scale, lora_ranks, plan) -> argument
 
 
 def _expand_call(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bias, config=None,
-                 pdl=False) -> arguments.KernelCall:
+                 pdl=False, deterministic=False) -> arguments.KernelCall:
     """The expand of slices lora_b (at most MAX_SLICES) from buf (S, T, r) or (planes, S, T, r)."""
     L, _, R = lora_b[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
     buf4 = buf if buf.dim() == 4 else buf[None]
     plan = _expand_plan(y.shape[0], R, widths, meta_args[4].shape[0], L, buf4.shape[0], _dtype_name(lora_b[0]),
                         _dtype_name(y), bool(add_inputs), arguments.bias_flags(bias, len(lora_b)),
-                        lora_ranks is not None, _key(config), pdl)
+                        lora_ranks is not None, _key(config), pdl, deterministic)
     return arguments.expand_call(plan, buf4, lora_b, bias, lora_ranks, meta_args[:5], y, offsets, _torch_strides)
 
 
@@ -229,7 +233,7 @@ def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bia
 
 
 def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
-                   shrink_config=None, expand_config=None, fused_config=None):
+                   shrink_config=None, expand_config=None, fused_config=None, deterministic=False):
     """add_lora_linear's launches, per chunk of <= MAX_SLICES slices: (workspace, [calls]).
     Each chunk's workspace is allocated here; its launches must be enqueued before the next chunk."""
     T = x.shape[0]
@@ -241,11 +245,11 @@ def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, 
                                    chunk_bias, config=fused_config)
             yield ws, [call]
             continue
-        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config)
+        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config, deterministic)
         ws = torch.empty((plan.num_partials, hi - lo, T, R), dtype=torch.float32, device=x.device)
         yield ws, [_shrink_call(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan),
                    _expand_call(ws, lora_b[lo:hi], y, meta_args, offsets[lo:hi], True, lora_ranks, chunk_bias,
-                                config=expand_config, pdl=plan.constexprs["USE_PDL"])]
+                                config=expand_config, pdl=plan.constexprs["USE_PDL"], deterministic=deterministic)]
 
 
 # ------------------------------------------------------------------------------------- prepared linear
@@ -287,8 +291,10 @@ class PreparedLinear:
     __slots__ = ("_args", "_device", "_layout", "_steps", "_tries", "_c_steps", "_c_vars", "_c_scale",
                  "_sync_ints", "_ws_floats", "_ws_stream", "_ws_ptr")
 
-    def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: Optional[bool] = None):
-        self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused)
+    def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: Optional[bool] = None,
+                 deterministic: bool = False):
+        _check_fused_deterministic(fused, deterministic)
+        self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused, deterministic)
         self._steps = None
         self._layout = None
         self._device = lora_a[0].device.index
@@ -337,12 +343,14 @@ class PreparedLinear:
                 return
         if x.shape[0] == 0:
             return
-        lora_a, lora_b, meta_args, offsets, bias, fused = self._args
+        lora_a, lora_b, meta_args, offsets, bias, fused, deterministic = self._args
         T, H = x.shape
         if fused is None:
-            fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0])
+            fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
+                                      deterministic=deterministic)
         chunks = []
-        for ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused):
+        for ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
+                                        deterministic=deterministic):
             for call in calls:
                 _launch(call)
             chunks.append((ws, calls))
@@ -481,12 +489,14 @@ def _c_launch_spec(cuda_launch, compiled, names, template, slots, grid, function
 # ------------------------------------------------------------------------------------- backend API
 
 def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args, scale: float,
-           lora_ranks: Optional[torch.Tensor] = None, *, config: Optional[dict] = None) -> None:
-    """out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T (float32, 0 for tokens without LoRA)."""
+           lora_ranks: Optional[torch.Tensor] = None, *, config: Optional[dict] = None,
+           deterministic: bool = False) -> None:
+    """out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T (float32, 0 for tokens without LoRA).
+    deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics)."""
     if x.shape[0] == 0:
         return
     for lo, hi in slice_chunks(len(lora_a)):
-        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, False, False, config)
+        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, False, False, config, deterministic)
         if plan.atomic:
             out[lo:hi].zero_()                       # split-K adds atomically into zeros
         _launch(_shrink_call(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan))
@@ -494,38 +504,63 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
 
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args,
            offsets: Sequence[int], add_inputs: bool, lora_ranks: Optional[torch.Tensor] = None,
-           bias=None, *, config: Optional[dict] = None) -> None:
-    """y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias."""
+           bias=None, *, config: Optional[dict] = None, deterministic: bool = False) -> None:
+    """y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias.
+    deterministic: batch-invariant launches (configs.deterministic_config)."""
     if y.shape[0] == 0:
         return
     buf4 = buf if buf.dim() == 4 else buf[None]
     for lo, hi in slice_chunks(len(lora_b)):
         _launch(_expand_call(buf4[:, lo:hi], lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), add_inputs,
-                             lora_ranks, None if bias is None else tuple(bias[lo:hi]), config=config))
+                             lora_ranks, None if bias is None else tuple(bias[lo:hi]), config=config,
+                             deterministic=deterministic))
 
 
 def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
            meta_args, scale: float, offsets: Sequence[int], lora_ranks: Optional[torch.Tensor] = None,
            bias=None, *, fused: Optional[bool] = None, shrink_config: Optional[dict] = None,
-           expand_config: Optional[dict] = None, fused_config: Optional[dict] = None) -> None:
+           expand_config: Optional[dict] = None, fused_config: Optional[dict] = None,
+           deterministic: bool = False) -> None:
     """add_lora_linear's math in place: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx].
 
     One launch (fused kernel) when `configs.use_fused` says so for this size (or fused=True), else
     a split-K shrink into a float32 workspace and an expand that sums its planes (launched as a
-    programmatic dependent of the shrink on Hopper).
+    programmatic dependent of the shrink on Hopper). deterministic=True: always shrink + expand
+    with the batch-invariant configs (configs.deterministic_config); fused=True is then an error.
     """
+    _check_fused_deterministic(fused, deterministic)
     T, H = x.shape
     if T == 0:
         return
     if fused is None:
-        fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0])
+        fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
+                                  deterministic=deterministic)
     for _ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, tuple(offsets), lora_ranks, bias,
-                                     fused, shrink_config, expand_config, fused_config):
+                                     fused, shrink_config, expand_config, fused_config, deterministic):
         for call in calls:
             _launch(call)
 
 
 def prepare_linear(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], meta_args,
-                   offsets: Sequence[int], bias=None) -> PreparedLinear:
+                   offsets: Sequence[int], bias=None, *, deterministic: bool = False) -> PreparedLinear:
     """`linear` with its persistent arguments bound, for repeated calls (see PreparedLinear)."""
-    return PreparedLinear(lora_a, lora_b, meta_args, offsets, bias)
+    return PreparedLinear(lora_a, lora_b, meta_args, offsets, bias, deterministic=deterministic)
+
+
+def _check_fused_deterministic(fused: Optional[bool], deterministic: bool) -> None:
+    if fused and deterministic:
+        raise ValueError("fused=True cannot be deterministic: deterministic launches always run shrink + "
+                         "expand (one kernel path for every token count); pass fused=None or False")
+
+
+def deterministic_backend():
+    """This backend with batch-invariant launches (`deterministic=True` bound): what
+    torch_lora.ops.dispatch hands out for deterministic=True."""
+    return _DETERMINISTIC
+
+
+_DETERMINISTIC = types.SimpleNamespace(
+    NAME=NAME, deterministic=True,
+    shrink=functools.partial(shrink, deterministic=True), expand=functools.partial(expand, deterministic=True),
+    linear=functools.partial(linear, deterministic=True),
+    prepare_linear=functools.partial(prepare_linear, deterministic=True))
