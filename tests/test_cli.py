@@ -316,3 +316,19 @@ def test_warm_up_compiles_every_bucket_serving_can_use(max_seqs, capsys):
     if max_seqs == 16:
         assert ("prefill", (16, 16), True) in expected
 
+
+def test_slow_tests_name_existing_tests():
+    """Every SLOW_TESTS pattern (tests/conftest.py) names a test function that exists, so a renamed
+    slow test does not silently join the quick subset."""
+    import ast
+
+    from .conftest import SLOW_TESTS
+
+    for pattern in SLOW_TESTS:
+        path, _, name = pattern.partition("::")
+        with open(os.path.join(REPO, path)) as f:
+            functions = {node.name for node in ast.walk(ast.parse(f.read())) if isinstance(node, ast.FunctionDef)}
+        name = name.split("[")[0]
+        if name == "*":
+            continue
+        assert name in functions, f"SLOW_TESTS names {pattern!r}, but {path} has no test {name}"
