@@ -283,7 +283,7 @@ def load_tokenizer(model_dir: str, built_in: bool):
 
 # ----------------------------------------------------------------------------- demo
 
-def _load_demo_model(model_dir, adapter_dirs, slots, dtype, say):
+def _load_demo_model(model_dir, adapter_dirs, slots, dtype):
     """(model with LoRA layers, its AdapterManager, {lora id: adapter}, slot count) of the demo."""
     import jax.numpy as jnp
     from safetensors import SafetensorError
@@ -305,7 +305,6 @@ def _load_demo_model(model_dir, adapter_dirs, slots, dtype, say):
 
     adapters = {i + 1: named(f"adapter {d}", load_peft_adapter, d) for i, d in enumerate(adapter_dirs)}
     model = named(f"model {model_dir}", load_llama, model_dir, dtype=jnp.dtype(dtype))
-    cfg = model.config
     leaves = {m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules}
     targets = [t for t in HF_LORA_TARGETS if t in leaves]
     max_rank = max(a.max_rank for a in adapters.values())
@@ -315,13 +314,17 @@ def _load_demo_model(model_dir, adapter_dirs, slots, dtype, say):
     manager = AdapterManager(model)
     for lora_id, adapter in adapters.items():
         named(f"adapter {adapter_dirs[lora_id - 1]} does not fit {model_dir}", manager.register, lora_id, adapter)
+    return model, manager, adapters, num_slots
+
+
+def _describe(model, adapters, model_dir, adapter_dirs, dtype, say) -> None:
+    cfg = model.config
     say(f"model: {model_dir}: Llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} (q/kv), vocab {cfg.vocab_size}, {dtype}")
     for lora_id, a in adapters.items():
         mods = sorted({m.rsplit(".", 1)[-1] for m in a.modules})
         say(f"adapter {lora_id}: {os.path.basename(os.path.normpath(adapter_dirs[lora_id - 1]))}  rank "
             f"{a.r}, alpha {a.lora_alpha:g}{', rslora' if a.use_rslora else ''}: {', '.join(mods)}")
-    return model, manager, adapters, num_slots
 
 
 def _demo_requests(vocab_size: int, lora_ids: Sequence, num_requests: int, max_new_tokens: int, seed: int,
@@ -481,9 +484,6 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
             raise DemoError(f"adapter directory {d!r} is not a directory")
     _check_backend(backend)
 
-    from .models.llama import load_llama
-    from .serving import ServingEngine
-
     tmp = None
     if model_dir is None:
         if adapter_dirs:
@@ -497,9 +497,21 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
         import jax
         import jax.numpy as jnp
 
+        from .models.llama import load_llama
+        from .serving import ServingEngine
+
         dtype = dtype or checkpoint_dtype(model_dir) or "float32"
         tokenizer = load_tokenizer(model_dir, built_in=tmp is not None) if prompts else None
-        model, manager, adapters, num_slots = _load_demo_model(model_dir, adapter_dirs, slots, dtype, say)
+        say(f"loading the model and {len(adapter_dirs)} adapters ({dtype}) ...", end="")
+        t0 = time.perf_counter()
+        try:
+            loaded = _load_demo_model(model_dir, adapter_dirs, slots, dtype)
+        except DemoError:
+            say(" failed")
+            raise
+        model, manager, adapters, num_slots = loaded
+        say(f" {time.perf_counter() - t0:.1f}s")
+        _describe(model, adapters, model_dir, adapter_dirs, dtype, say)
         ids = [None] + list(adapters)
         if prompts:
             requests = _prompt_requests(tokenizer, prompts, model.config.vocab_size, ids, max_new_tokens)
