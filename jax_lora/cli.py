@@ -2,6 +2,8 @@
 
     jax-lora demo                                  # builds a small model + 3 PEFT adapters, CPU is fine
     jax-lora demo MODEL_DIR ADAPTER_DIR [...]      # a Hugging Face Llama directory + PEFT adapter dirs
+    jax-lora demo --prompt "Hello" [--prompt ...]  # serve texts (each without and with every adapter)
+    jax-lora --version
     python -m jax_lora.cli demo                    # the same without the script
 
 The demo serves mixed-adapter requests (some without adapter) through the jit serving loop
@@ -9,12 +11,19 @@ The demo serves mixed-adapter requests (some without adapter) through the jit se
 merged into its weights (teacher-forced: the merged model sees the served tokens and its logits
 must equal the served logits within tolerance, and its greedy choice the served token), and prints
 tokens/s with adapters and without. It ends with `verified: N/N requests match merged-weights
-outputs` and exits non-zero when a request does not match.
+outputs` and exits 1 when a request does not match, 2 on bad input (one line on stderr).
+
+Options: `--dtype` (float32, bfloat16, float16; default config.json's `torch_dtype`, float32 for
+the built-in model), `--backend`, `--num-requests`, `--max-new-tokens`, `--max-seqs`, `--slots`,
+`--seed`, `--prompt` (texts through MODEL_DIR's tokenizer, via transformers.AutoTokenizer; the
+built-in random model has none, so its prompts go through a byte-level tokenizer: UTF-8 bytes are
+token ids 0-255). The warm-up prints one line per step program as it compiles.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -22,6 +31,10 @@ import time
 from collections.abc import Sequence
 
 RTOL = 1e-4          # float32 logits, relative to the request's largest |logit|
+# --dtype bfloat16 / float16: the served model (LoRA path beside the base layer) and the merged one
+# (adapter added into the weights) round differently at every layer. The demo model measured up to
+# 2.3e-2 (bfloat16) and 2.6e-3 (float16) on the CPU: about 3x headroom.
+RTOL_BY_DTYPE = {"float32": RTOL, "bfloat16": 6e-2, "float16": 1e-2}
 
 
 def _progress_bar(label: str, stream=None, width: int = 30):
@@ -142,31 +155,177 @@ def verify(base_model, adapters: dict, completions, *, max_len: int, rtol: float
     return matches, worst, (differ / total if total else 0.0)
 
 
+# ----------------------------------------------------------------------------- options and errors
+
+class DemoError(Exception):
+    """A problem with the demo's input (a bad directory, adapter, prompt or option): `main` prints
+    `jax-lora demo: error: <message>` (the form argparse uses for bad options) and exits with
+    status 2, without a traceback."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("xla", "pallas_tpu", "triton")      # the JAX backends (jax_lora.ops.dispatch)
+
+
+def package_version() -> str:
+    """The installed distribution's version; the package's own `__version__` when not installed."""
+    from importlib import metadata
+    try:
+        return metadata.version("jax-torch-lora")
+    except metadata.PackageNotFoundError:
+        from . import __version__
+        return __version__
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def checkpoint_dtype(model_dir: str) -> str | None:
+    """The dtype config.json records (`torch_dtype`, or `dtype` in newer transformers) when it is
+    one the demo serves in, else None."""
+    import json
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None                               # load_llama reports the problem
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    return dtype if dtype in DTYPES else None
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class ByteTokenizer:
+    """The built-in random model's tokenizer: UTF-8 bytes are token ids 0-255.
+
+    The demo model is random, so its output is not language; ids 256 and above (the demo model's
+    vocabulary has 512) have no byte and are shown as `<id>`.
+    """
+
+    name = "byte-level (UTF-8 bytes = ids 0-255; the built-in model is random: expect gibberish)"
+    eos_token_id = None
+
+    def encode(self, text: str) -> list:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, pending = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                pending.append(i)
+                continue
+            out.append(pending.decode("utf-8", errors="replace"))
+            pending = bytearray()
+            out.append(f"<{i}>")
+        out.append(pending.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class _HFTokenizer:
+    """A checkpoint's tokenizer through transformers.AutoTokenizer, or the tokenizers package."""
+
+    def __init__(self, model_dir: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            AutoTokenizer = None
+        if AutoTokenizer is not None:
+            tok = AutoTokenizer.from_pretrained(model_dir)
+            self.name = f"{type(tok).__name__} from {model_dir}"
+            self.eos_token_id = tok.eos_token_id
+            self._encode = lambda text: list(tok(text)["input_ids"])
+            self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+            return
+        path = os.path.join(model_dir, "tokenizer.json")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            Tokenizer = None
+        if Tokenizer is None or not os.path.isfile(path):
+            raise DemoError(f"{model_dir} has a tokenizer, but reading it needs transformers "
+                            "(pip install transformers)")
+        tok = Tokenizer.from_file(path)
+        self.name = f"tokenizers.Tokenizer from {path}"
+        self.eos_token_id = None
+        self._encode = lambda text: list(tok.encode(text).ids)
+        self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+
+    def encode(self, text: str) -> list:
+        return self._encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._decode(ids)
+
+
+def load_tokenizer(model_dir: str, built_in: bool):
+    """The tokenizer --prompt uses: the checkpoint's, or ByteTokenizer for the built-in model."""
+    if built_in:
+        return ByteTokenizer()
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
+        raise DemoError(f"--prompt needs a tokenizer, and {model_dir} has none ({', '.join(TOKENIZER_FILES)}); "
+                        "without --prompt the demo serves random token ids")
+    try:
+        return _HFTokenizer(model_dir)
+    except DemoError:
+        raise
+    except (ImportError, OSError, ValueError, KeyError) as e:
+        raise DemoError(f"cannot load the tokenizer of {model_dir}: {e}") from e
+
+
 # ----------------------------------------------------------------------------- demo
 
-def _load_demo_model(model_dir, adapter_dirs, slots, say):
+def _load_demo_model(model_dir, adapter_dirs, slots, dtype):
     """(model with LoRA layers, its AdapterManager, {lora id: adapter}, slot count) of the demo."""
-    from .adapters import AdapterManager, load_peft_adapter
+    import jax.numpy as jnp
+    from safetensors import SafetensorError
+
+    from .adapters import AdapterError, AdapterManager, load_peft_adapter
     from .models.llama import HF_LORA_TARGETS, add_lora, load_llama
 
-    adapters = {i + 1: load_peft_adapter(d) for i, d in enumerate(adapter_dirs)}
-    model = load_llama(model_dir)
-    cfg = model.config
+    def named(what, load, *args, **kwargs):
+        """load(...), its errors as DemoError prefixed by `what` (JSON, safetensors and shape
+        errors do not name the file); AdapterError from reading a directory names it already."""
+        try:
+            return load(*args, **kwargs)
+        except AdapterError as e:
+            if load is load_peft_adapter:
+                raise DemoError(str(e)) from e
+            raise DemoError(f"{what}: {e}") from e
+        except (ValueError, OSError, NotImplementedError, KeyError, SafetensorError) as e:
+            raise DemoError(f"{what}: {e}") from e
+
+    adapters = {i + 1: named(f"adapter {d}", load_peft_adapter, d) for i, d in enumerate(adapter_dirs)}
+    model = named(f"model {model_dir}", load_llama, model_dir, dtype=jnp.dtype(dtype))
     leaves = {m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules}
     targets = [t for t in HF_LORA_TARGETS if t in leaves]
     max_rank = max(a.max_rank for a in adapters.values())
     num_slots = slots or len(adapters) + 1
-    add_lora(model, max_loras=num_slots, max_rank=max_rank, target_modules=targets)
+    named(f"adapters on {model_dir}", add_lora, model, max_loras=num_slots, max_rank=max_rank,
+          target_modules=targets)
     manager = AdapterManager(model)
     for lora_id, adapter in adapters.items():
-        manager.register(lora_id, adapter)
+        named(f"adapter {adapter_dirs[lora_id - 1]} does not fit {model_dir}", manager.register, lora_id, adapter)
+    return model, manager, adapters, num_slots
+
+
+def _describe(model, adapters, model_dir, adapter_dirs, dtype, say) -> None:
+    cfg = model.config
     say(f"model: {model_dir}: Llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-        f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} (q/kv), vocab {cfg.vocab_size}")
+        f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} (q/kv), vocab {cfg.vocab_size}, {dtype}")
     for lora_id, a in adapters.items():
         mods = sorted({m.rsplit(".", 1)[-1] for m in a.modules})
         say(f"adapter {lora_id}: {os.path.basename(os.path.normpath(adapter_dirs[lora_id - 1]))}  rank "
             f"{a.r}, alpha {a.lora_alpha:g}{', rslora' if a.use_rslora else ''}: {', '.join(mods)}")
-    return model, manager, adapters, num_slots
 
 
 def _demo_requests(vocab_size: int, lora_ids: Sequence, num_requests: int, max_new_tokens: int, seed: int,
@@ -183,6 +342,67 @@ def _demo_requests(vocab_size: int, lora_ids: Sequence, num_requests: int, max_n
                 for i in range(num_requests)]
     rng.shuffle(requests)
     return requests
+
+
+def _prompt_requests(tokenizer, prompts: Sequence[str], vocab_size: int, lora_ids: Sequence,
+                     max_new_tokens: int) -> list:
+    """Every prompt once per adapter and once without (lora id None), in that order."""
+    from .serving import Request
+
+    requests = []
+    for text in prompts:
+        ids = [int(t) for t in tokenizer.encode(text)]
+        if not ids:
+            raise DemoError(f"--prompt {text!r} encodes to no tokens")
+        if max(ids) >= vocab_size or min(ids) < 0:
+            raise DemoError(f"--prompt {text!r}: the tokenizer gives id {max(ids)}, outside the model's "
+                            f"vocabulary of {vocab_size}: tokenizer and model do not match")
+        for lora_id in lora_ids:
+            requests.append(Request(prompt=ids, lora_id=lora_id, max_new_tokens=max_new_tokens,
+                                    request_id=len(requests), eos_token_id=tokenizer.eos_token_id))
+    return requests
+
+
+def _warm_up(engine, requests, lora_id, say) -> int:
+    """Compiles every step program that serving `requests` can use, one line per program; returns
+    their number.
+
+    The programs: one prefill program per (rows, length) bucket the requests can form (every
+    admitted count 1..max_seqs, every prompt length present) and the decode program, each with and
+    without adapters. Each is compiled by serving dummy requests of that shape.
+    """
+    from .serving import Request
+
+    shapes = {}
+    for length in sorted({len(r.prompt) for r in requests}):
+        for n in range(1, engine.max_seqs + 1):
+            shape = engine.prefill_shape(n, length)
+            if shape is not None:
+                shapes.setdefault(shape, (n, length))
+
+    def dummy(n, length, new_tokens):
+        return [Request(prompt=[(i + j) % engine.config.vocab_size for j in range(length)], lora_id=lora_id,
+                        max_new_tokens=new_tokens) for i in range(n)]
+
+    first_length = min(len(r.prompt) for r in requests)
+    plan = []
+    for use_lora in (True, False):
+        which = "with adapters" if use_lora else "without adapters"
+        for (rows, length), (n, prompt_len) in sorted(shapes.items()):
+            plan.append((f"prefill step, {rows} rows x {length} tokens, {which}", dummy(n, prompt_len, 1), use_lora))
+        plan.append((f"decode step, {engine.max_seqs} rows x 1 token, {which}", dummy(1, first_length, 2), use_lora))
+    t_start = time.perf_counter()
+    for i, (what, reqs, use_lora) in enumerate(plan):
+        t0 = time.perf_counter()
+        say(f"warm-up {i + 1}/{len(plan)}: compiling the {what} ...", end="")
+        before = engine.compile_count
+        engine.generate(reqs, use_lora=use_lora)
+        new = engine.compile_count - before
+        say(f" {time.perf_counter() - t0:.1f}s" + ("" if new == 1 else f" ({new} programs)"))
+    programs = engine.compile_count
+    say(f"warm-up: compiled {programs} step programs (prefill and decode buckets, with and without "
+        f"adapters) in {time.perf_counter() - t_start:.1f}s")
+    return programs
 
 
 def _serve_timed(engine, requests, say) -> tuple:
@@ -207,32 +427,29 @@ def _serve_timed(engine, requests, say) -> tuple:
     return completions, lora_stats, base_stats
 
 
-def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, num_requests: int = 24,
-             max_new_tokens: int = 16, max_seqs: int = 8, slots: int | None = None, seed: int = 0,
-             backend: str | None = None, out=None, tp: int = 1) -> int:
-    """The demo; returns the process exit status (0 when every request verifies). tp > 1 serves the
-    model split over that many devices (tensor parallelism, jax_lora.parallel)."""
-    t_start = time.perf_counter()
+def _show_texts(tokenizer, prompts, completions, lora_ids, say) -> None:
+    say(f"tokenizer: {tokenizer.name}")
+    per_prompt = len(lora_ids)
+    for p, text in enumerate(prompts):
+        say(f"prompt {p + 1}: {text!r}")
+        for c in completions[p * per_prompt:(p + 1) * per_prompt]:
+            who = f"adapter {c.lora_id}" if c.lora_id else "no adapter"
+            say(f"  {who + ':':12s} {tokenizer.decode(c.tokens)!r}")
+
+
+def _check_backend(backend: str | None) -> None:
+    """Refuses --backend triton where it could only fail or crawl, with what to do instead."""
+    if backend != "triton":
+        return
+    import importlib.util
+
     import jax
-
-
-    def say(msg=""):
-        print(msg, file=out if out is not None else sys.stdout, flush=True)
-
-    tmp = None
-    if model_dir is None:
-        if adapter_dirs:
-            raise SystemExit("jax-lora demo: adapter directories need a MODEL_DIR first")
-        tmp = tempfile.TemporaryDirectory(prefix="jax-lora-demo-")
-        model_dir, adapter_dirs = build_demo_assets(tmp.name, seed)
-        say(f"built a small random Llama and {len(adapter_dirs)} PEFT adapters in {tmp.name}")
-    if not adapter_dirs:
-        raise SystemExit("jax-lora demo: give at least one adapter directory after MODEL_DIR")
-    # The check compares float32 serving with float32 merged weights at a 1e-4 relative tolerance:
-    # on NVIDIA GPUs JAX's default float32 matmul is TF32 (~1e-3), so both run at full float32.
-    with jax.default_matmul_precision("highest"):
-        return _serve_and_verify(model_dir, adapter_dirs, tmp, slots, num_requests, max_new_tokens, max_seqs,
-                                 seed, backend, say, t_start, tp=tp)
+    if importlib.util.find_spec("triton") is None:
+        raise DemoError("--backend triton needs Triton: pip install triton (or the [triton] extra)")
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if jax.default_backend() not in ("gpu", "cuda") and not interpreting:
+        raise DemoError("--backend triton without a CUDA GPU runs the kernels in Triton's interpreter (minutes "
+                        "for a few requests): set TRITON_INTERPRET=1 to do that, or use --backend xla")
 
 
 def _tp_mesh(tp: int):
@@ -241,58 +458,121 @@ def _tp_mesh(tp: int):
     import numpy as np
 
     if tp < 1:
-        raise SystemExit(f"jax-lora demo: --tp must be >= 1, got {tp}")
+        raise DemoError(f"--tp must be >= 1, got {tp}")
     if tp == 1:
         return None
     devices = jax.devices()
     if len(devices) < tp:
-        raise SystemExit(f"jax-lora demo: --tp {tp} needs {tp} devices, this process has {len(devices)} "
-                         f"(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
+        raise DemoError(f"--tp {tp} needs {tp} devices, this process has {len(devices)} "
+                        f"(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
     return jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
 
 
-def _serve_and_verify(model_dir, adapter_dirs, tmp, slots, num_requests, max_new_tokens, max_seqs, seed, backend,
-                      say, t_start, tp: int = 1) -> int:
-    """The demo after its assets exist: load, serve, time, verify (removes `tmp` at the end)."""
-    import jax
+def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, num_requests: int = 24,
+             max_new_tokens: int = 16, max_seqs: int = 8, slots: int | None = None, seed: int = 0,
+             backend: str | None = None, dtype: str | None = None, prompts: Sequence[str] = (),
+             out=None, tp: int = 1) -> int:
+    """The demo; returns the process exit status (0 when every request verifies).
 
-    from .models.llama import load_llama
-    from .serving import Request, ServingEngine
+    dtype: "float32", "bfloat16" or "float16"; None: the checkpoint's (config.json), float32 for the
+    built-in model. prompts: texts to serve (each once without and once per adapter) instead of
+    random token ids. tp > 1: serve the model split over that many devices (tensor parallelism,
+    jax_lora.parallel). Raises DemoError for bad input.
+    """
+    t_start = time.perf_counter()
+    stream = out if out is not None else sys.stdout
 
+    def say(msg="", end="\n"):
+        print(msg, file=stream, end=end, flush=True)
+
+    if dtype is not None and dtype not in DTYPES:
+        raise DemoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise DemoError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    for name, value in (("num_requests", num_requests), ("max_new_tokens", max_new_tokens),
+                        ("max_seqs", max_seqs), ("slots", 1 if slots is None else slots)):
+        if int(value) < 1:
+            raise DemoError(f"{name} must be a positive integer, got {value}")
+    if model_dir is not None and not adapter_dirs:
+        raise DemoError("give at least one adapter directory after MODEL_DIR")
+    if model_dir is not None and not os.path.isdir(model_dir):
+        raise DemoError(f"MODEL_DIR {model_dir!r} is not a directory")
+    for d in adapter_dirs:
+        if not os.path.isdir(d):
+            raise DemoError(f"adapter directory {d!r} is not a directory")
+    _check_backend(backend)
+
+    tmp = None
+    if model_dir is None:
+        if adapter_dirs:
+            raise DemoError("adapter directories need a MODEL_DIR first")
+        tmp = tempfile.TemporaryDirectory(prefix="jax-lora-demo-")
+        say("building a small random Llama and 3 PEFT adapters ...", end="")
+        t0 = time.perf_counter()
+        model_dir, adapter_dirs = build_demo_assets(tmp.name, seed)
+        say(f" {time.perf_counter() - t0:.1f}s, in {tmp.name}")
+    precision = contextlib.ExitStack()
     try:
-        model, manager, adapters, num_slots = _load_demo_model(model_dir, adapter_dirs, slots, say)
+        import jax
+        import jax.numpy as jnp
+
+        from .models.llama import load_llama
+        from .serving import ServingEngine
+
+        dtype = dtype or checkpoint_dtype(model_dir) or "float32"
+        if dtype == "float32":
+            # float32 serving is checked against float32 merged weights at 1e-4: on NVIDIA GPUs JAX's
+            # default float32 matmul is TF32 (~1e-3), so both run at full float32.
+            precision.enter_context(jax.default_matmul_precision("highest"))
+        tokenizer = load_tokenizer(model_dir, built_in=tmp is not None) if prompts else None
+        say(f"loading the model and {len(adapter_dirs)} adapters ({dtype}) ...", end="")
+        t0 = time.perf_counter()
+        try:
+            loaded = _load_demo_model(model_dir, adapter_dirs, slots, dtype)
+        except DemoError:
+            say(" failed")
+            raise
+        model, manager, adapters, num_slots = loaded
+        say(f" {time.perf_counter() - t0:.1f}s")
+        _describe(model, adapters, model_dir, adapter_dirs, dtype, say)
         ids = [None] + list(adapters)
-        max_len = max(64, 16 + max_new_tokens)
-        requests = _demo_requests(model.config.vocab_size, ids, num_requests, max_new_tokens, seed)
+        if prompts:
+            requests = _prompt_requests(tokenizer, prompts, model.config.vocab_size, ids, max_new_tokens)
+        else:
+            requests = _demo_requests(model.config.vocab_size, ids, num_requests, max_new_tokens, seed)
+        longest = max(len(r.prompt) for r in requests)
+        max_len = max(64, 16 + max_new_tokens, longest + max_new_tokens)
+        prefill_tokens = max(512, 1 << (max(longest, 16) - 1).bit_length())
         mesh = _tp_mesh(tp)
         engine = ServingEngine(model, manager, max_seqs=max_seqs, max_len=max_len, keep_logits=True,
-                               backend=backend, mesh=mesh)
+                               backend=backend, max_prefill_tokens=prefill_tokens, mesh=mesh)
         if mesh is not None:
             layouts = sorted({layer.tp.layout for layer in manager.layers.values()})
             say(f"tensor parallel: {tp} devices, adapter layouts {', '.join(layouts)} (jax_lora.parallel)")
         counts = {i: sum(1 for r in requests if r.lora_id == i) for i in ids}
-        say(f"requests: {num_requests} ({counts[None]} without adapter, "
+        say(f"requests: {len(requests)} ({counts[None]} without adapter, "
             + ", ".join(f"{counts[i]} with adapter {i}" for i in adapters)
             + f"), {max_new_tokens} new tokens each; {max_seqs} rows, {num_slots} adapter slots; "
             f"device {jax.devices()[0].platform}, backend {engine.punica.backend}")
 
-        t0 = time.perf_counter()
-        warm = [Request(prompt=[1, 2, 3], lora_id=ids[1], max_new_tokens=2)]
-        engine.generate(warm)
-        engine.generate(warm, use_lora=False)
-        warm_programs = engine.compile_count
-        say(f"warm-up: compiled {warm_programs} step programs (prefill + decode bucket, with and without "
-            f"adapters) in {time.perf_counter() - t0:.1f}s")
-
+        warm_programs = _warm_up(engine, requests, ids[1], say)
         completions, _, _ = _serve_timed(engine, requests, say)
         recompiles = engine.compile_count - warm_programs
         say(f"recompilations after warm-up: {recompiles}")
         st = manager.stats
         say(f"adapter slots: {st['slot_loads']} slot loads, {st['evictions']} evictions, {st['slot_hits']} slot hits")
+        if prompts:
+            _show_texts(tokenizer, prompts, completions, ids, say)
 
-        matches, worst, differ = verify(load_llama(model_dir), adapters, completions, max_len=max_len)
+        rtol = RTOL_BY_DTYPE[dtype]
+        say(f"verifying {len(completions)} requests against the model with each adapter merged into its "
+            "weights ...", end="")
+        t0 = time.perf_counter()
+        matches, worst, differ = verify(load_llama(model_dir, dtype=jnp.dtype(dtype)), adapters, completions,
+                                        max_len=max_len, rtol=rtol)
+        say(f" {time.perf_counter() - t0:.1f}s")
         say(f"adapters changed {differ * 100:.0f}% of generated tokens against the base model")
-        say(f"largest logit error against merged weights: {worst:.1e} (relative; tolerance {RTOL:.0e})")
+        say(f"largest logit error against merged weights: {worst:.1e} (relative; tolerance {rtol:.0e})")
         bad = [c.request_id for c, ok in zip(completions, matches) if not ok]
         if bad:
             say(f"MISMATCH: requests {bad}")
@@ -302,36 +582,60 @@ def _serve_and_verify(model_dir, adapter_dirs, tmp, slots, num_requests, max_new
         say(f"verified: {sum(matches)}/{len(matches)} requests match merged-weights outputs")
         return 0 if not bad and not recompiles else 1
     finally:
+        precision.close()
         if tmp is not None:
             tmp.cleanup()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jax-lora", description="Multi-LoRA (Punica) serving for JAX.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="serve one batch with many adapters through the jit loop and verify it",
-                          description="Without arguments: build a small Llama and 3 PEFT adapters of ranks 4, 8, "
-                                      "16, serve mixed-adapter requests and verify them against merged weights. "
-                                      "With MODEL_DIR (Hugging Face Llama: config.json + safetensors) and PEFT "
-                                      "adapter directories: the same on those.")
-    demo.add_argument("model_dir", nargs="?", help="Hugging Face-format Llama directory")
-    demo.add_argument("adapter_dirs", nargs="*", help="PEFT adapter directories (adapter_config.json + "
-                                                      "adapter_model.safetensors)")
-    demo.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
-    demo.add_argument("--max-new-tokens", type=int, default=16)
-    demo.add_argument("--max-seqs", type=int, default=8, help="rows served at once (default 8)")
-    demo.add_argument("--slots", type=int, default=None, help="adapter slots on the device (default: adapters + 1)")
-    demo.add_argument("--backend", default=None, help="force a wrapper backend (xla, pallas_tpu, triton)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--tp", type=int, default=1, help="serve split over this many devices (tensor parallelism)")
+                          description="Without arguments: build a small random Llama and 3 PEFT adapters of "
+                                      "ranks 4, 8, 16, serve mixed-adapter requests and verify them against "
+                                      "merged weights. With MODEL_DIR (Hugging Face Llama: config.json + "
+                                      "safetensors) and PEFT adapter directories: the same on those.")
+    demo.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="Hugging Face-format Llama directory")
+    demo.add_argument("adapter_dirs", nargs="*", metavar="ADAPTER_DIR",
+                      help="PEFT adapter directories (adapter_config.json + adapter_model.safetensors)")
+    demo.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                      help="serve TEXT (repeatable) once without and once per adapter, and print the outputs "
+                           "as text; needs MODEL_DIR's tokenizer (transformers) or, for the built-in random "
+                           "model, uses a byte-level tokenizer (UTF-8 bytes = token ids)")
+    demo.add_argument("--num-requests", "--requests", dest="num_requests", type=_positive_int, default=None,
+                      metavar="N", help="number of random-token requests (default 24; not with --prompt)")
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=16, metavar="N",
+                      help="tokens generated per request (default 16)")
+    demo.add_argument("--max-seqs", type=_positive_int, default=8, metavar="N",
+                      help="rows served at once (default 8)")
+    demo.add_argument("--slots", type=_positive_int, default=None, metavar="N",
+                      help="adapter slots on the device (default: adapters + 1; fewer swaps adapters LRU)")
+    demo.add_argument("--dtype", choices=DTYPES, default=None,
+                      help="weights' dtype (default: config.json's torch_dtype; float32 for the built-in model)")
+    demo.add_argument("--backend", choices=BACKENDS, default=None,
+                      help="force the wrapper's backend (default: the device's: xla on CPU, triton on a CUDA "
+                           "GPU, pallas_tpu on a TPU)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the built-in model and random requests")
+    demo.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                      help="serve split over N devices (tensor parallelism; on a CPU: "
+                           "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .adapters import AdapterError
+        if args.prompt and args.num_requests is not None:
+            parser.error("--num-requests does not go with --prompt (each prompt is served once without and "
+                         "once per adapter)")
         try:
-            return run_demo(args.model_dir, args.adapter_dirs, num_requests=args.requests,
+            return run_demo(args.model_dir, args.adapter_dirs,
+                            num_requests=args.num_requests if args.num_requests is not None else 24,
                             max_new_tokens=args.max_new_tokens, max_seqs=args.max_seqs, slots=args.slots,
-                            seed=args.seed, backend=args.backend, tp=args.tp)
-        except (AdapterError, FileNotFoundError, NotImplementedError) as e:
+                            seed=args.seed, backend=args.backend, dtype=args.dtype, prompts=args.prompt, tp=args.tp)
+        except DemoError as e:
             print(f"jax-lora demo: error: {e}", file=sys.stderr)
             return 2
     return 2

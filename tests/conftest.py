@@ -2,9 +2,13 @@
 
 TRITON_INTERPRET=1 must be set before any `@triton.jit` decorator runs, so it is set here, before
 the packages are imported, unless CUDA is present (then the compiled kernels are tested).
+
+`SLOW_TESTS` marks the longest CPU tests `slow`, so `python3 -m pytest -q -m "not slow"` is a quick
+subset (docs/testing.md); the full suite, `python3 -m pytest -q`, still runs them (README, CI).
 """
 
 import os
+import re
 
 import pytest
 
@@ -18,11 +22,67 @@ def _cuda_present() -> bool:
 if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# Eight CPU devices: device-mismatch errors use two of them (SPEC section 6), the tensor-parallel
-# tests meshes of 2, 4 and 8 (tests/test_parallel.py). Code that does not shard runs on device 0.
+# Eight CPU devices: device-mismatch errors use two of them (docs/contract.md section 6), the
+# tensor-parallel tests meshes of 2, 4 and 8 (tests/test_parallel.py). Code that does not shard
+# runs on device 0.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
+
+
+# Node ids of the tests marked `slow` (`*` matches anything; brackets are literal): the longest ones measured on a 2-core CPU
+# (`pytest --durations`), 7 s to 3 min each there. Interpreted kernels (Pallas TPU interpret mode,
+# Triton's interpreter), whole-model serving and the demo, hypothesis sweeps, fresh interpreters.
+# test_slow_tests_name_existing_tests (test_cli.py) fails on a pattern naming a missing test.
+SLOW_TESTS = (
+    # the conformance suite over the Pallas TPU kernels in TPU interpret mode (10-28 s a case);
+    # tests/test_pallas_tpu.py keeps its quicker cases in the quick subset
+    "tests/test_conformance.py::*[*jax-pallas_tpu*]",
+    "tests/test_conformance.py::test_add_shrink_then_add_expand[jax-triton-*]",
+    "tests/test_conformance.py::test_metadata_update_between_calls[*]",
+    "tests/test_pallas_tpu.py::test_expand_aligned_slices_in_place[*]",
+    "tests/test_pallas_tpu.py::test_expand_matches_oracle[qkv-unequal-widths-*]",
+    "tests/test_pallas_tpu.py::test_shrink_matches_oracle[prefill-runs-het-ranks-*]",
+    "tests/test_pallas_tpu.py::test_shrink_matches_oracle[multi-tile-k-tiles-*]",
+    "tests/test_pallas_tpu.py::test_shrink_matches_oracle[decode-3slices-float32]",
+    "tests/test_pallas_tpu.py::test_linear_one_row_order_for_both_kernels[shuffled-unaligned]",
+    # Triton's interpreter at the larger shapes
+    "tests/test_triton_kernels.py::test_fused_barrier_counters_advance_by_one_span_per_launch[*]",
+    "tests/test_triton_kernels.py::test_fused_sums_the_workspace_planes_in_groups[*]",
+    "tests/test_triton_kernels.py::test_jax_backend_in_interpreter[*]",
+    "tests/test_triton_kernels.py::test_shrink_poisoned_and_split[*]",
+    "tests/test_triton_kernels.py::test_more_slices_than_one_launch_and_bad_ids",
+    "tests/test_triton_kernels.py::test_expand_several_output_tiles_per_program[*]",
+    "tests/test_triton_kernels.py::test_shrink_all_slices_in_one_program[*]",
+    "tests/test_triton_kernels.py::test_small_batch_in_sorted_tiles[*]",
+    # hypothesis sweeps
+    "tests/test_properties.py::test_add_lora_linear_any_shape_and_mapping[*]",
+    "tests/test_properties.py::test_host_metadata_equals_both_device_builds",
+    "tests/test_properties.py::test_kernel_meta_invariants[*]",
+    # whole models: the demo, serving, peft and transformers round trips, merge checks
+    "tests/test_serving.py::test_demo_command_verifies_every_request",
+    "tests/test_cli.py::test_prompt_through_the_checkpoints_tokenizer_in_its_dtype",
+    "tests/test_cli.py::test_dtype_option_and_byte_prompts_on_the_built_in_model",
+    "tests/test_peft_roundtrip.py::*",
+    "tests/test_adapters.py::test_merge_adapter_matches_the_lora_layers",
+    "tests/test_adapters.py::test_prepare_places_slices_pads_ranks_and_folds_scaling",
+    "tests/test_nn.py::test_linear_fused_unequal_slices_matches_oracle",
+    "tests/test_nn.py::test_replace_lora_layers_swaps_targets_in_place",
+    # bridge equality sweeps and fresh interpreters
+    "tests/test_bridge.py::test_torch_over_jax_equals_native_jax_bitwise[*]",
+    "tests/test_bridge.py::test_every_method_and_op_equals_native_bitwise[torch-over-jax-bfloat16]",
+    "tests/test_package_imports.py::test_the_jax_interpreter_path_runs_without_torch",
+    "tests/test_package_imports.py::test_torch_lora_loads_nothing_of_jax[*]",
+    "tests/test_benchmark_provenance.py::test_the_digest_is_printed_without_a_gpu",
+    "tests/test_torch_wrapper.py::test_cache_does_not_keep_weights_alive",
+)
+
+
+_SLOW_RES = [re.compile(".*".join(re.escape(part) for part in pattern.split("*")) + "$") for pattern in SLOW_TESTS]
+
+
+def is_slow(nodeid: str) -> bool:
+    return any(regex.match(nodeid) for regex in _SLOW_RES)
 
 
 def pytest_configure(config):
@@ -35,10 +95,14 @@ def pytest_configure(config):
     except ImportError:  # pragma: no cover - the torch-only install
         pass
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device machine)")
-    config.addinivalue_line("markers", "slow: longer CPU test, still part of CI")
+    config.addinivalue_line("markers", "slow: one of the longest CPU tests (SLOW_TESTS); -m 'not slow' leaves them out, CI runs them")
 
 
+@pytest.hookimpl(tryfirst=True)       # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
     try:
         import torch
         has_cuda = torch.cuda.is_available()
