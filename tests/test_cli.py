@@ -141,7 +141,7 @@ def _dora(d):
 
 @pytest.mark.parametrize("edit, expected", [
     (lambda d: os.remove(os.path.join(d, "adapter_config.json")), "adapter_config.json is missing"),
-    (lambda d: os.remove(os.path.join(d, "adapter_model.safetensors")), "adapter_model.safetensors is missing"),
+    (lambda d: os.remove(os.path.join(d, "adapter_model.safetensors")), "adapter_model.safetensors: missing"),
     (_corrupt_config, ""),
     (_rank_too_wide, ""),
     (_dora, "DoRA"),

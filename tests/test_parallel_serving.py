@@ -148,9 +148,9 @@ def test_demo_with_tp_4_verifies_every_request():
 
 
 def test_demo_tp_needs_the_devices():
-    from jax_lora.cli import _tp_mesh
+    from jax_lora.cli import DemoError, _tp_mesh
     assert _tp_mesh(1) is None and dict(_tp_mesh(2).shape) == {"tp": 2}
-    with pytest.raises(SystemExit, match=r"--tp 16 needs 16 devices, this process has 8 .*device_count=16"):
+    with pytest.raises(DemoError, match=r"--tp 16 needs 16 devices, this process has 8 .*device_count=16"):
         _tp_mesh(16)
-    with pytest.raises(SystemExit, match=r"--tp must be >= 1, got 0"):
+    with pytest.raises(DemoError, match=r"--tp must be >= 1, got 0"):
         _tp_mesh(0)
