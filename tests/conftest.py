@@ -35,6 +35,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # Triton's interpreter), whole-model serving and the demo, hypothesis sweeps, fresh interpreters.
 # test_slow_tests_name_existing_tests (test_cli.py) fails on a pattern naming a missing test.
 SLOW_TESTS = (
+    # batch invariance: one request inside many random batches, per backend (15-50 s a case)
+    "tests/test_deterministic.py::test_request_rows_bitwise_equal_in_every_batch[*]",
+    "tests/test_deterministic.py::test_bridged_wrappers_pass_deterministic_on[*]",
+    "tests/test_serving.py::test_deterministic_serving_gives_a_request_the_same_tokens_in_any_batch",
+    # whole demos and models in a subprocess or through the interpreter
+    "tests/test_parallel_serving.py::test_demo_with_tp_4_verifies_every_request",
+    "tests/test_torch_hf.py::test_triton_kernels_match_peft",
     # the conformance suite over the Pallas TPU kernels in TPU interpret mode (10-28 s a case);
     # tests/test_pallas_tpu.py keeps its quicker cases in the quick subset
     "tests/test_conformance.py::*[*jax-pallas_tpu*]",
