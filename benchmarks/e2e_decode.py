@@ -56,6 +56,7 @@ JSON is rewritten after every case, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -187,24 +188,6 @@ def slots_of(case: Case, seed: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------ JAX model
 
-def _random_arrays(key, specs: tuple) -> list:
-    """Arrays drawn from N(offset, scale^2) in float32 and cast, one per (shape, dtype name, scale,
-    offset) of `specs`, with independent keys."""
-    import jax
-    import jax.numpy as jnp
-    keys = jax.random.split(key, len(specs))
-    return [(jax.random.normal(k, shape, jnp.float32) * scale + offset).astype(dtype)
-            for k, (shape, dtype, scale, offset) in zip(keys, specs)]
-
-
-@functools.lru_cache(maxsize=None)
-def _random_jit():
-    """`_random_arrays` as one program per list of specs (a handful of compiles per run, not one per
-    array shape)."""
-    import jax
-    return jax.jit(_random_arrays, static_argnums=(1,))
-
-
 class JaxModel:
     """The JAX model with random bf16 weights: kernels N(0, 1/in), embeddings N(0, 1), norm weights
     1 + N(0, 0.1^2); after `add_lora` on the 7 targets with NUM_SLOTS slots. `set_rank(r)` fills every
@@ -219,8 +202,8 @@ class JaxModel:
         from jax_lora.models import llama
 
         self.cfg = cfg
-        self._key = jax.random.PRNGKey(seed)
         self._rng = np.random.default_rng(seed)
+        self._torch_gen = None
         model = nnx.eval_shape(lambda: llama.LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -240,16 +223,30 @@ class JaxModel:
 
     def random(self, specs) -> list:
         """Arrays for (shape, dtype name, scale, offset) specs: N(offset, scale^2), fresh keys.
-        Drawn on the device in one program; a small model's (under HOST_RANDOM_ELEMENTS in all)
-        on the host with NumPy, which costs no compilation."""
+        Drawn on the GPU by torch, array by array; a small model's (under HOST_RANDOM_ELEMENTS in
+        all) on the host with NumPy."""
         import jax
         import jax.numpy as jnp
         specs = tuple(specs)
         if sum(math.prod(shape) for shape, *_ in specs) < HOST_RANDOM_ELEMENTS:
             return [jnp.asarray((self._rng.standard_normal(shape, np.float32) * scale + offset).astype(jnp.dtype(dt)))
                     for shape, dt, scale, offset in specs]
-        self._key, k = jax.random.split(self._key)
-        return _random_jit()(k, specs)
+        return [self._random_cuda(shape, jnp.dtype(dt), scale, offset) for shape, dt, scale, offset in specs]
+
+    def _random_cuda(self, shape, dtype, scale, offset):
+        """One array drawn by torch's CUDA generator (gigabytes per second; JAX's threefry took
+        minutes for the model's 16 GB) and copied into a buffer JAX owns (so that it can be donated)."""
+        import jax.dlpack
+        import jax.numpy as jnp
+        import torch
+        if self._torch_gen is None:
+            self._torch_gen = torch.Generator(device="cuda").manual_seed(int(self._rng.integers(1 << 62)))
+        t = torch.randn(shape, dtype=torch.float32, device="cuda", generator=self._torch_gen)
+        t = t.mul_(scale).add_(offset).to(getattr(torch, dtype.name))
+        torch.cuda.synchronize()
+        out = jnp.copy(jax.dlpack.from_dlpack(t))
+        out.block_until_ready()
+        return out
 
     def lora_layers(self) -> dict:
         from jax_lora import nn as lnn
@@ -467,8 +464,9 @@ class TorchDecoder:
 class Shape:
     """Inputs and caches of one step shape (kind, rows, seq), shared by both frameworks.
 
-    Decode rows use rows 0..B-1 of the decode caches (`dec_cache`), each at its own position near
-    the middle of the M positions; prefill has caches of its own (rows, seq)."""
+    Decode rows are the rows of the decode caches (`Bench.dec_cache`, made for this B when the
+    shape runs), each at its own position near the middle of the M positions; prefill has caches of
+    its own (rows, seq). Both frameworks' steps read cache rows 0..B-1 in place (JAX: rows=None)."""
 
     def __init__(self, bench, kind: str, rows: int, seq: int):
         import jax
@@ -485,15 +483,19 @@ class Shape:
         else:
             pos = np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq)).copy()
             sample = np.full(rows, seq - 1, np.int32)
-        self.j_args = jax.device_put((jnp.asarray(tokens), jnp.asarray(pos), jnp.arange(rows, dtype=jnp.int32),
-                                      jnp.asarray(sample)))
+        self.bench = bench
+        tokens_j, pos_j, sample_j = jax.device_put((jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(sample)))
+        self.j_args = (tokens_j, pos_j, None, sample_j)
         dev = bench.device
         self.t_tokens = torch.from_numpy(tokens.astype(np.int64)).to(dev)
         self.t_positions = torch.from_numpy(pos.astype(np.int64)).to(dev)
-        if kind == "dec":
-            self.j_cache, self.t_cache = None, bench.t_dec_cache       # JAX: Bench.dec_cache (donated per step)
-        else:
-            self.j_cache, self.t_cache = bench.make_caches(rows, seq)
+        if kind == "pre":
+            self.j_cache, self._t_cache = bench.make_caches(rows, seq)
+
+    @property
+    def t_cache(self):
+        """The torch caches of this shape (decode: the Bench's, made for this B by ensure_dec_cache)."""
+        return self.bench.t_dec_cache if self.kind == "dec" else self._t_cache
 
     def mapping(self, slots: np.ndarray):
         """LoRAMapping of the step: LoRA id slot + 1 for every token of each row."""
@@ -520,21 +522,22 @@ class Bench:
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.frameworks = [f for f in args.frameworks.split(",") if f]
         self.steps = args.steps
-        self.phases = {}
         self.t_start = getattr(args, "t_start", None) or time.perf_counter()
+        self.phases = _Phases(self.t_start)
         t0 = time.perf_counter()
         self.jm = JaxModel(cfg)
         self._sync_jax()
         self.phases["jax_model_init_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.td = TorchDecoder(cfg, self.jm, self.device)
+        self.phases["torch_decoder_init_s"] = time.perf_counter() - t0
         dec_rows = max([c.rows for c in cases if c.kind == "dec"], default=0)
         self.max_len = args.max_len
         rng = np.random.default_rng(7)
         m = self.max_len
         self.dec_positions = rng.integers(m // 2 - m // 8, m // 2 + m // 8, max(dec_rows, 1))
-        t0 = time.perf_counter()
-        self.dec_cache, self.t_dec_cache = self.make_caches(dec_rows, m) if dec_rows else (None, None)
-        self.phases["kv_cache_init_s"] = time.perf_counter() - t0
+        self.dec_cache = self.t_dec_cache = None       # made per decode batch size (ensure_dec_cache)
+        self.dec_cache_rows = 0
         self._punica()
         self._torch_stream = torch.cuda.Stream() if self.cuda else None
         self._states = None
@@ -568,6 +571,38 @@ class Bench:
               for i in range(cfg.num_hidden_layers)]
         self._torch_sync()
         return KVCache(tuple(arrays[0::2]), tuple(arrays[1::2])), tc
+
+    def ensure_dec_cache(self, shape: Shape) -> None:
+        """The decode caches hold exactly shape.rows rows (the previous batch size's are freed
+        first), so that both frameworks read the whole cache in place."""
+        if shape.kind != "dec" or self.dec_cache_rows == shape.rows:
+            return
+        self.dec_cache = self.t_dec_cache = None
+        gc.collect()
+        if self.cuda:
+            import torch
+            torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        self.dec_cache, self.t_dec_cache = self.make_caches(shape.rows, self.max_len)
+        self.dec_cache_rows = shape.rows
+        self.phases[f"kv_cache_B{shape.rows}_s"] = time.perf_counter() - t0
+
+    def _jax_cache_spec(self, shape: Shape):
+        """What the JAX step's cache argument will be for this shape (decode: shapes only, for
+        lowering before the caches of that batch size exist)."""
+        if shape.kind != "dec":
+            return shape.j_cache
+        import jax
+        import jax.numpy as jnp
+
+        from jax_lora.models.llama import KVCache
+        cfg = self.cfg
+        # no sharding given: the real (uncommitted default-device) caches then hit the same
+        # compiled program and trace
+        spec = jax.ShapeDtypeStruct((shape.rows, self.max_len, cfg.num_key_value_heads, cfg.head_dim),
+                                    jnp.bfloat16)
+        layers = (spec,) * cfg.num_hidden_layers
+        return KVCache(layers, layers)
 
     def _punica(self):
         import jax_lora
@@ -791,10 +826,12 @@ class Bench:
         t0 = time.perf_counter()
         for shape in shapes:
             if shape.key not in self._jax_base_compiled:
-                base_fn.lower(empty, rest, self._jax_cache(shape), None, *shape.j_args, False).compile()
+                t_shape = time.perf_counter()
+                base_fn.lower(empty, rest, self._jax_cache_spec(shape), None, *shape.j_args, False).compile()
                 self._jax_base_compiled.add(shape.key)
+                self.phases[f"jax_compile_base_{shape.key}_s"] = time.perf_counter() - t_shape
         t1 = time.perf_counter()
-        lowered = [lora_fn.lower(lora_state, rest, self._jax_cache(shape), self.j_punica, *shape.j_args, True)
+        lowered = [lora_fn.lower(lora_state, rest, self._jax_cache_spec(shape), self.j_punica, *shape.j_args, True)
                    for shape in shapes]
         with ThreadPoolExecutor(max_workers=min(8, len(lowered))) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
@@ -826,6 +863,7 @@ class Bench:
         mapping written, the check, and the timing. A framework that fails to build or run the
         shape is recorded as an error for these cases; the other framework carries on."""
         setup, runs, errors = {}, {}, {}
+        self.ensure_dec_cache(shape)
         first = slots_of(cases[0], seed=hash_case(cases[0]))
         self.update_metadata(shape, first)
         if "torch" in self.frameworks:
@@ -848,6 +886,7 @@ class Bench:
                 runs["jax"] = True
             except Exception as e:  # noqa: BLE001
                 errors["jax"] = _error("jax", e)
+        print(f"{shape.key}: set up {json.dumps({k: round(v, 1) for k, v in setup.items()})}", flush=True)
         rows = checked_rows(shape)
         base_ref = self.reference(shape, None, lora=False)
         for case in cases:
@@ -897,12 +936,45 @@ class Bench:
         r = dict(lora_err=err, base_err=base_err, check_passed=ok)
         if not ok:
             return r
-        tb, tl = self.torch_time([t_base, t_lora], n) if fw == "torch" else self.jax_time(shape, [False, True], n)
+        with _profiler_range(self.cuda, f"{fw}_{shape.kind}{shape.rows}x{shape.seq}"):
+            tb, tl = self.torch_time([t_base, t_lora], n) if fw == "torch" else self.jax_time(shape, [False, True], n)
         base_us, lora_us = float(np.median(tb)), float(np.median(tl))
         r.update(base_us=base_us, lora_us=lora_us, overhead_us=lora_us - base_us,
                  overhead_pct=100 * (lora_us - base_us) / base_us, overhead_over_floor=(lora_us - base_us) / floor_us,
                  base_samples_us=tb, lora_samples_us=tl)
         return r
+
+
+@contextlib.contextmanager
+def _profiler_range(cuda: bool, label: str):
+    """With E2E_PROFILE=<dir> on a GPU, the timed steps run under torch's profiler (CUPTI sees every
+    kernel of the process: torch's, XLA's and ours, CUDA-graph nodes included) and the kernel table,
+    sorted by GPU time, is written to <dir>/kernels_<label>.txt."""
+    out = os.environ.get("E2E_PROFILE") if cuda else None
+    if not out:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield
+        torch.cuda.synchronize()
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"kernels_{label}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+
+
+class _Phases(dict):
+    """Set-up phases and their seconds; each is printed as it ends (a run cut short shows where)."""
+
+    def __init__(self, t_start: float):
+        super().__init__()
+        self.t_start = t_start
+
+    def __setitem__(self, name: str, seconds: float) -> None:
+        super().__setitem__(name, seconds)
+        print(f"[{time.perf_counter() - self.t_start:7.1f} s] {name} = {seconds:.1f}", flush=True)
 
 
 def _error(fw: str, e: Exception) -> str:

@@ -135,14 +135,8 @@ class MultiLoRALinear(nnx.Module):
         y = self.base(x)
         if w is None:
             return y
-        a, b = self.lora_a.get_value(), self.lora_b.get_value()
-        lora_a = tuple(a[s] for s in range(len(self.output_slices)))
-        lora_b, off = [], 0
-        for n in self.output_slices:
-            lora_b.append(b[:, off:off + n, :])
-            off += n
-        return w.add_lora_linear(y, x, lora_a, tuple(lora_b), None, 1.0, self.output_slices,
-                                 lora_ranks=self.lora_ranks.get_value())
+        return w.add_lora_linear_stacked(y, x, self.lora_a.get_value(), self.lora_b.get_value(), 1.0,
+                                         self.output_slices, lora_ranks=self.lora_ranks.get_value())
 
     slot_axis: ClassVar[dict] = {"lora_a": 1, "lora_b": 0, "lora_ranks": 0}
 

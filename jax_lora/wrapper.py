@@ -382,6 +382,53 @@ class PunicaWrapper:
         return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True, self.token_meta,
                             lora_ranks=lora_ranks).reshape(y.shape)
 
+    def add_lora_linear_stacked(self, y, x, lora_a, lora_b, scale: float, output_slices: Sequence[int], *,
+                                lora_ranks=None) -> jax.Array:
+        """add_lora_linear with the slices' weights stacked, as jax_lora.nn.MultiLoRALinear keeps them.
+
+        lora_a: (S, L, r, H), slice s's A is lora_a[s]; lora_b: (L, N, r) with N = sum(output_slices),
+        slice s's B is lora_b[:, off_s:off_s + n_s]. Same math and result as
+        `add_lora_linear(y, x, tuple(A_s), tuple(B_s), None, scale, output_slices, lora_ranks=...)`.
+        Backend "triton" reads the slices in place (ops.triton.View: no copy of every slot's
+        weights per call, which XLA makes for a slice handed to a custom call); the others get
+        the slices.
+        """
+        lora_a, lora_b = as_array("lora_a", lora_a), as_array("lora_b", lora_b)
+        if lora_a.ndim != 4 or lora_b.ndim != 3:
+            raise ValueError(f"lora_a must be (S, L, r, H) and lora_b (L, N, r), got shapes {lora_a.shape} "
+                             f"and {lora_b.shape}")
+        output_slices = checks.check_output_slices(output_slices, lora_a.shape[0])
+        if sum(output_slices) != lora_b.shape[1] or lora_b.shape[0] != lora_a.shape[1]:
+            raise ValueError(f"lora_b {lora_b.shape} must be (L, sum(output_slices), r) with L = "
+                             f"lora_a.shape[1] = {lora_a.shape[1]} and output_slices {output_slices}")
+        impl = self._impl()
+        offsets = tuple(sum(output_slices[:s]) for s in range(len(output_slices)))
+        b_index = [(slice(None), slice(o, o + n)) for o, n in zip(offsets, output_slices)]
+        if not getattr(impl, "READS_VIEWS", False):
+            return self.add_lora_linear(y, x, tuple(lora_a[s] for s in range(lora_a.shape[0])),
+                                        tuple(lora_b[i] for i in b_index), None, scale, output_slices,
+                                        lora_ranks=lora_ranks)
+        from .ops import triton as triton_ops  # noqa: PLC0415 - the backend that reads views
+        y = as_array("y", y, checks.ACTIVATION_DTYPES)
+        y2 = _flatten_tokens(y, "y")
+        x2 = _flatten_tokens(as_array("x", x, checks.ACTIVATION_DTYPES), "x")
+        if x2.shape[0] != y2.shape[0]:
+            raise ValueError(f"x has {x2.shape[0]} tokens (shape {jnp.shape(x)}) but y has {y2.shape[0]} "
+                             f"(shape {y.shape})")
+        S = lora_a.shape[0]
+        num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [lora_a.shape[1:]] * S, [lora_a.dtype] * S,
+                                                 arg_a="lora_a")
+        checks.check_expand((S, x2.shape[0], rank), "float32", [(num_slots, n, rank) for n in output_slices],
+                            [lora_b.dtype] * S, y2.shape, y2.dtype, 0, arg_b="lora_b")
+        self._check_tokens("x", x2.shape[0])
+        self._check_slots("lora_a", num_slots)
+        self._check_rank("lora_a", rank)
+        check_same_device(x=x2, lora_a=lora_a, lora_b=lora_b, y=y2)
+        a_views = tuple(triton_ops.view(lora_a, (s,)) for s in range(S))
+        b_views = tuple(triton_ops.view(lora_b, i) for i in b_index)
+        return impl.linear(y2, x2, a_views, b_views, self.token_meta, checks.as_scale(scale), offsets,
+                           as_lora_ranks(lora_ranks, num_slots), None).reshape(y.shape)
+
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale: float, *, buffer=None,
                         lora_ranks=None, **kwargs) -> jax.Array:
         """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T with s_j the sampler index of row j.

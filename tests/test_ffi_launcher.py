@@ -306,3 +306,37 @@ def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monk
     assert ws78.data_ptr() != torch_triton._WORKSPACES[(x.device.index, 77)].data_ptr()
     assert (seen[0][2][torch_triton._WS] if c_launch else seen[0][2][1]) == ws78.data_ptr()
     torch_triton._WORKSPACES.clear()
+
+
+def test_views_of_stacked_weights_pass_the_stacked_operand_at_byte_offsets():
+    """Slices of one stacked weight (jax_lora.nn's layout) reach the handler as one operand and a
+    byte offset per slice (kind ARG_AT), never as copies; divisibility only where the offset keeps it."""
+    from jax_lora.meta import LoRAKernelMeta
+    from jax_lora.ops import triton as backend
+    T, H, R, L = 8, 256, 16, 4
+    x = jnp.zeros((T, H), jnp.bfloat16)
+    stacked = jnp.zeros((3, L, R, H), jnp.bfloat16)
+    meta = LoRAKernelMeta.build(np.array([0, 1, 1, -1, 2, 0, 3, 3], np.int32), L, T)
+    launch = backend._shrink_launch(x, [backend.view(stacked, (s,)) for s in range(3)], meta, 0.5, None,
+                                    workspace=True, config=dict(BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4,
+                                                                num_stages=2))
+    ffi, operands = _launch_of(launch)
+    assert sum(o is stacked for o in operands) == 1 and len(operands) == 7    # x, stacked, 5 metadata
+    sig, _, attrs, passed = ffi_launcher._specialise(ffi, operands, [_result_shape(launch.call.out)])
+    names = launch.call.kernel.arg_names
+    free = [n for n in names if sig[n] != "constexpr"]
+    base = next(i for i, o in enumerate(operands) if o is stacked)
+    per_slice = L * R * H * 2
+    for s in range(4):                                 # slice 3 repeats slice 0 (MAX_SLICES padding)
+        kind, value = passed[free.index(f"a{s}_ptr")]
+        offset = (s % 3) * per_slice
+        assert (kind, value) == ((ffi_launcher._ARG_AT, base | offset << 16) if offset
+                                 else (ffi_launcher._ARG, base))
+        assert attrs[(names.index(f"a{s}_ptr"),)] == [["tt.divisibility", 16]]
+    odd = backend.view(jnp.zeros((5, 3), jnp.bfloat16), (slice(1, 3),))          # 6 bytes in
+    assert (odd.offset, odd.shape, odd.strides) == (3, (2, 3), (3, 1))
+    assert np.array_equal(odd.materialize(), jnp.zeros((5, 3), jnp.bfloat16)[1:3])
+    with pytest.raises(ValueError, match="unit-step"):
+        backend.view(stacked, (slice(0, 3, 2),))
+    with pytest.raises(ValueError, match="out of range"):
+        backend.view(stacked, (3,))

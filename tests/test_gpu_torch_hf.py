@@ -90,7 +90,7 @@ class Graphed:
         self.ids.copy_(tokens)
         self.mm.prepare_step(names, self.ids.shape[1], 1)       # activate (uploads) + metadata, in place
         self.graph.replay()
-        return self.logits.clone()
+        return self.logits[:, -1].clone()                        # (rows, vocab)
 
 
 def test_mixed_batch_on_cuda_equals_peft_per_request(assets):

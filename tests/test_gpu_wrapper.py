@@ -84,3 +84,41 @@ def test_jax_step_on_gpu_has_no_host_transfer():
     want = oracle.lora_linear(np.asarray(jy.astype(jnp.float32)), np.asarray(jx.astype(jnp.float32)), qa, qb,
                               None, 0.5, idx)
     assert oracle.rel_err(np.asarray(out.astype(jnp.float32)), want) <= oracle.TOL["bfloat16"]
+
+
+def test_jax_stacked_lora_weights_reach_the_kernels_without_copies():
+    """A fused q/k/v layer's A and B slices are pointers into the stacked weights (no slice ops in
+    the compiled program), where separate slice arrays cut from the same stacks are copies; both
+    give the same y."""
+    import re
+
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import jax_lora
+    from jax_lora import LoRAMapping
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU here")
+    rng = np.random.default_rng(0)
+    L, R, H, slices, T = 4, 16, 256, (256, 128, 128), 24
+    a = jnp.asarray(rng.standard_normal((3, L, R, H)) / 16, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((L, sum(slices), R)) / 4, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((T, sum(slices))), jnp.bfloat16)
+    w = jax_lora.PunicaWrapper(64, 64, None, max_loras=L, backend="triton")
+    ids = tuple(int(i) for i in rng.integers(0, L + 1, T))
+    w.update_metadata(LoRAMapping(ids, ids), [1, 2, 3, 4], L + 1, 64)
+
+    def stacked(y, x, a, b):
+        return w.add_lora_linear_stacked(y, x, a, b, 1.0, slices)
+
+    def separate(y, x, a, b):
+        return w.add_lora_linear(y, x, tuple(a[s] for s in range(3)),
+                                 (b[:, :256], b[:, 256:384], b[:, 384:]), None, 1.0, slices)
+
+    weight_slice = re.compile(r"slice\((bf16\[3,4,16,256\]|bf16\[4,512,16\])")
+    hlo = {f.__name__: jax.jit(f).lower(y, x, a, b).compile().as_text() for f in (stacked, separate)}
+    assert weight_slice.search(hlo["separate"])            # the check can see a copy
+    assert not weight_slice.search(hlo["stacked"]), [ln for ln in hlo["stacked"].splitlines() if "slice" in ln]
+    assert np.array_equal(np.asarray(jax.jit(stacked)(y, x, a, b), np.float32),
+                          np.asarray(jax.jit(separate)(y, x, a, b), np.float32))

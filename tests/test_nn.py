@@ -61,6 +61,37 @@ def test_linear_fused_unequal_slices_matches_oracle():
     np.testing.assert_allclose(layer(jnp.asarray(x)), layer.base(jnp.asarray(x)))  # no wrapper: base
 
 
+@pytest.mark.parametrize("backend,deterministic", [("xla", False), ("triton", False), ("triton", True)])
+def test_stacked_slices_equal_separate_slices_on_every_backend(backend, deterministic):
+    """MultiLoRALinear's call (add_lora_linear_stacked: the triton backend reads the slices of the
+    stacked A and B in place as views) equals add_lora_linear on separate slice arrays, under jit,
+    with per-slot ranks, unequal slices and rows without an adapter."""
+    rng = np.random.default_rng(3)
+    slices, H, T = (16, 8, 24), 32, 7
+    a = jnp.asarray(rng.normal(size=(3, L, R, H)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(L, sum(slices), R)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(T, sum(slices) + 8)), jnp.float32)      # wider y: columns past the slices
+    ranks = jnp.asarray([4, 2, 3], jnp.int32)
+    w = PunicaWrapper(64, 64, None, max_loras=L, backend=backend, deterministic=deterministic)
+    w.update_metadata(LoRAMapping((1, 0, 3, 3, 2, 0, 1), (1, 0, 3, 3, 2, 0, 1)), [1, 2, 3], L + 1, 64)
+    got = jax.jit(lambda y, x, a, b: w.add_lora_linear_stacked(y, x, a, b, 0.5, slices, lora_ranks=ranks))(y, x, a, b)
+    sep_b = (b[:, :16], b[:, 16:24], b[:, 24:48])
+    want = w.add_lora_linear(y, x, tuple(a[s] for s in range(3)), sep_b, None, 0.5, slices, lora_ranks=ranks)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    oracle = np.asarray(y, np.float64).copy()
+    a64, b64, x64 = (np.asarray(v, np.float64) for v in (a, b, x))
+    for t, i in enumerate((1, 0, 3, 3, 2, 0, 1)):
+        if i:
+            r, off = int(ranks[i - 1]), 0
+            for s, n in enumerate(slices):
+                oracle[t, off:off + n] += 0.5 * x64[t] @ a64[s, i - 1, :r].T @ b64[i - 1, off:off + n, :r].T
+                off += n
+    assert _rel(got, oracle) < RTOL
+    with pytest.raises(ValueError, match="lora_b"):
+        w.add_lora_linear_stacked(y, x, a, b[:, :40], 0.5, slices)
+
+
 def test_linear_under_jit_with_wrapper_argument():
     rng = np.random.default_rng(1)
     layer = lnn.MultiLoRALinear(nnx.Linear(8, 12, use_bias=False, rngs=nnx.Rngs(1)), max_loras=L, max_rank=R,

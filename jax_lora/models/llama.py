@@ -6,7 +6,8 @@ Hugging Face (and PEFT) names live in which slice, so adapters for `q_proj` and 
 slices 0 and 2 of `qkv_proj` (GQA: the slices have unequal widths).
 
 Math is Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half RoPE, GQA, SiLU MLP) in float32
-accumulation. Rope scaling variants are not implemented (a clear error says so).
+accumulation (attention reads a 16-bit cache as it is and rounds its probabilities to that dtype
+for the product with the values, as flash attention does). Rope scaling variants are not implemented (a clear error says so).
 
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
 tokens' keys/values at (row, position) and attends, per query, to the row's positions <= its own.
@@ -168,22 +169,34 @@ class LlamaAttention(nnx.Module):
         else:
             k_cache, v_cache = kv
             n_rows, max_len = k_cache.shape[:2]
-            r = rows[:, None]
+            if rows is None and n_rows < b:
+                raise ValueError(f"rows=None reads cache rows 0..{b - 1}, but the cache has {n_rows} rows")
+            r = (jnp.arange(b, dtype=jnp.int32) if rows is None else rows)[:, None]
             # Write first, then read: a query at position p only reads positions <= p, all written by
             # this request (prompt now or earlier steps). Padding rows (row >= n_rows) are dropped.
             k_cache = k_cache.at[r, positions].set(k.astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[r, positions].set(v.astype(v_cache.dtype), mode="drop")
-            safe_rows = jnp.minimum(rows, n_rows - 1)
-            keys, values = k_cache[safe_rows], v_cache[safe_rows]             # (B, M, nkv, hd)
+            if rows is None:               # rows 0..B-1: read the cache in place, no gather
+                keys, values = (k_cache, v_cache) if n_rows == b else (k_cache[:b], v_cache[:b])
+            else:
+                safe_rows = jnp.minimum(rows, n_rows - 1)
+                keys, values = k_cache[safe_rows], v_cache[safe_rows]         # (B, M, nkv, hd)
             key_pos = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
             kv = (k_cache, v_cache)
         g = nh // nkv
-        qf = q.astype(jnp.float32).reshape(b, s, nkv, g, hd)
-        scores = jnp.einsum("bsngd,bmnd->bngsm", qf, keys.astype(jnp.float32)) / math.sqrt(hd)
+        # Both products read q, keys and values in their own dtype and accumulate in float32 (a
+        # 16-bit cache is never widened in memory); the probabilities are rounded to the values'
+        # dtype for the second product, as flash attention does.
+        qk = jnp.promote_types(q.dtype, keys.dtype)
+        qg = q.astype(qk).reshape(b, s, nkv, g, hd)
+        scores = jnp.einsum("bsngd,bmnd->bngsm", qg, keys.astype(qk),
+                            preferred_element_type=jnp.float32) / math.sqrt(hd)
         mask = key_pos[:, None, :] <= positions[:, :, None]                 # (B, S, M)
         scores = jnp.where(mask[:, None, None], scores, -1e30)
         probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bngsm,bmnd->bsngd", probs, values.astype(jnp.float32))
+        pv = values.dtype if jnp.dtype(values.dtype).itemsize < 4 else jnp.promote_types(values.dtype, jnp.float32)
+        out = jnp.einsum("bngsm,bmnd->bsngd", probs.astype(pv), values.astype(pv),
+                         preferred_element_type=jnp.float32)
         out = out.reshape(b, s, nh * hd).astype(x.dtype)
         return self.o_proj(out), kv
 
@@ -244,7 +257,9 @@ class LlamaForCausalLM(nnx.Module):
     __call__(tokens (B, S) int32, positions (B, S) int32, cache=None, rows=None, sample_idx=None)
       -> (logits, cache). With `sample_idx` (B,) the logits are (B, V) at those positions (the
       sampled rows: the LoRA LM head is indexed per sampled row); without, (B, S, V) at every
-      position. With `cache` (a KVCache) and `rows` (B,) the step reads and writes cache rows.
+      position. With `cache` (a KVCache) and `rows` (B,) the step reads and writes cache rows;
+      rows=None means rows 0..B-1, read in place (no gather of the batch's rows: the fast path
+      when the batch fills the cache's first rows).
     """
 
     packed_modules_mapping: ClassVar[dict] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

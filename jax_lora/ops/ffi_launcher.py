@@ -44,7 +44,7 @@ _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "floa
 # parameter kinds of the handler's `params` attribute (cuda_launch.c)
 _ARG, _OUT, _I32, _F32, _I64, _NULL = (cuda_launch.ARG, cuda_launch.OUT, cuda_launch.I32, cuda_launch.F32,
                                        cuda_launch.I64, cuda_launch.NULL)
-_COUNTERS = cuda_launch.COUNTERS
+_COUNTERS, _ARG_AT = cuda_launch.COUNTERS, cuda_launch.ARG_AT
 _LOCK = threading.Lock()
 
 
@@ -61,8 +61,10 @@ def _ensure_counters(ints: int) -> None:
 
 
 class Arg(NamedTuple):
-    """A kernel pointer parameter: operand `index` of the call."""
+    """A kernel pointer parameter: operand `index` of the call, `offset` bytes into it (a view,
+    e.g. one slice of stacked weights; 0 <= offset < the operand's size, index < 2**16)."""
     index: int
+    offset: int = 0
 
 
 class Counters(NamedTuple):
@@ -183,8 +185,16 @@ def _specialise(launch: Launch, operands, results):
         if isinstance(v, (Arg, Out)):
             aval = operands[v.index] if isinstance(v, Arg) else results[v.index]
             sig[name] = "*" + _triton_type(aval.dtype)
-            attrs[(i,)] = [["tt.divisibility", 16]]              # XLA buffers are >= 16-byte aligned
-            passed.append((_ARG if isinstance(v, Arg) else _OUT, v.index))
+            offset = v.offset if isinstance(v, Arg) else 0
+            if offset % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]          # XLA buffers are >= 16-byte aligned
+            if offset:
+                if not 0 <= v.index < 1 << 16 or offset < 0:
+                    raise ValueError(f"{launch.kernel.__name__}.{name}: view of operand {v.index} at byte "
+                                     f"offset {offset} cannot be encoded")
+                passed.append((_ARG_AT, v.index | offset << 16))
+            else:
+                passed.append((_ARG if isinstance(v, Arg) else _OUT, v.index))
         elif isinstance(v, Counters):
             sig[name] = "*i32"
             attrs[(i,)] = [["tt.divisibility", 16]]

@@ -46,6 +46,7 @@ from lora_core.kernels.shrink import plan_shrink
 from ..meta import LoRAKernelMeta
 
 NAME = "triton"
+READS_VIEWS = True          # lora_a / lora_b entries may be `View`s (jax_lora.wrapper, nn.MultiLoRALinear)
 _LOG = logging.getLogger("jax_lora")
 
 
@@ -65,6 +66,57 @@ class _Counters(NamedTuple):
         return (self.ints,)
 
 
+class View(NamedTuple):
+    """`base[index]` (ints and unit-step slices) as the kernels read it: element `offset` into
+    `base` with `shape` and element `strides`. A slice of a stacked weight handed to a custom call
+    is a copy in XLA (a layer's fused q/k/v B slices: every slot's B, every step); a view is a
+    pointer into the stacked array instead (ffi_launcher.Arg's byte offset). The interpreter reads
+    the same view of its NumPy copy; jax_triton launches get `materialize()`."""
+    base: jax.Array
+    index: tuple
+    offset: int
+    shape: tuple
+    strides: tuple
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def materialize(self) -> jax.Array:
+        return self.base[self.index]
+
+
+def view(base: jax.Array, index: tuple) -> View:
+    """The View of base[index]; index: ints and slices of step 1 (at most base.ndim entries)."""
+    strides = arguments.row_major_strides(base.shape)
+    offset, shape, kept = 0, [], []
+    for axis, ix in enumerate(index):
+        if isinstance(ix, slice):
+            start, stop, step = ix.indices(base.shape[axis])
+            if step != 1 or stop < start:
+                raise ValueError(f"view: slice {ix} of axis {axis} is not a unit-step range")
+            offset += start * strides[axis]
+            shape.append(stop - start)
+            kept.append(strides[axis])
+        else:
+            i = int(ix)
+            if not 0 <= i < base.shape[axis]:
+                raise ValueError(f"view: index {i} out of range for axis {axis} of size {base.shape[axis]}")
+            offset += i * strides[axis]
+    shape.extend(base.shape[len(index):])
+    kept.extend(strides[len(index):])
+    return View(base, tuple(index), offset, tuple(shape), tuple(kept))
+
+
+def _strides(a) -> tuple:
+    """Element strides of a kernel array argument: a View's own, else row-major."""
+    return a.strides if isinstance(a, View) else arguments.row_major_strides(a.shape)
+
+
 class _Launch(NamedTuple):
     """A kernel call and the result its `out` parameter writes (pdl: a programmatic dependent of
     the kernel before it on the stream)."""
@@ -82,7 +134,7 @@ def _dtype_name(a) -> str:
 
 
 def _is_array(v) -> bool:
-    return hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, (int, float, np.generic, _Result))
+    return hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, (int, float, np.generic, _Result, View))
 
 
 def _platform(*arrays) -> str:
@@ -136,7 +188,7 @@ def _shrink_launch(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, confi
                        deterministic=deterministic)
     out = _Result(result, (plan.num_partials, S, T, R), jnp.float32)
     call = arguments.shrink_call(plan, x, lora_a, _ranks(lora_ranks), _meta_arrays(meta), float(scale), out,
-                                 arguments.shape_strides)
+                                 _strides)
     return _Launch(call.with_alignment_hints(), result, pdl)
 
 
@@ -151,7 +203,7 @@ def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, 
                        _dtype_name(y), cfg, add_inputs=add_inputs, bias_flags=arguments.bias_flags(bias, len(lora_b)),
                        has_ranks=lora_ranks is not None, pdl=pdl, deterministic=deterministic)
     call = arguments.expand_call(plan, buf, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y, offsets,
-                                 arguments.shape_strides)
+                                 _strides)
     return _Launch(call.with_alignment_hints(), 0, pdl)
 
 
@@ -166,7 +218,7 @@ def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, 
                       has_ranks=lora_ranks is not None, pdl=pdl)
     workspace = _Result(1, plan.workspace_shape, jnp.float32)
     call = arguments.fused_call(plan, x, lora_a, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y,
-                                _Counters(plan.sync_ints), workspace, float(scale), offsets, arguments.shape_strides)
+                                _Counters(plan.sync_ints), workspace, float(scale), offsets, _strides)
     return _Launch(call.with_alignment_hints(), 0, pdl)
 
 
@@ -177,6 +229,7 @@ def _operands(launches: Sequence[_Launch]) -> tuple:
     operands, index, aliases = [], {}, {}
     for launch in launches:
         for v in launch.call.pointers:
+            v = v.base if isinstance(v, View) else v
             if _is_array(v) and id(v) not in index:
                 index[id(v)] = len(operands)
                 operands.append(v)
@@ -197,6 +250,8 @@ def _ffi_launches(launches: Sequence[_Launch]) -> tuple:
             return ffi_launcher.Out(v.index)
         if isinstance(v, _Counters):
             return ffi_launcher.Counters(v.ints)
+        if isinstance(v, View):
+            return ffi_launcher.Arg(index[id(v.base)], v.offset * jnp.dtype(v.dtype).itemsize)
         if _is_array(v):
             return ffi_launcher.Arg(index[id(v)])
         return v
@@ -240,7 +295,8 @@ def _run_jax_triton(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtyp
     produced = {}
     for launch in launches:
         call, plan = launch.call, launch.call.plan
-        values = [produced[v.index] if isinstance(v, _Result) else v for v in (*call.pointers, *call.scalars)]
+        values = [produced[v.index] if isinstance(v, _Result) else v.materialize() if isinstance(v, View) else v
+                  for v in (*call.pointers, *call.scalars)]
         in_place = [i for i, v in enumerate(values) if _is_array(call.out) and v is call.out]
         produced[launch.result] = jax_triton.triton_call(
             *values, kernel=call.kernel, out_shape=results[launch.result], grid=plan.grid,
@@ -259,8 +315,9 @@ def _run_interpreter(launches: Sequence[_Launch], results: Sequence[jax.ShapeDty
         outputs = [np.zeros(r.shape, r.dtype) for r in results]
         for operand, result in aliases.items():
             outputs[result] = np.array(arrays[operand])
-        memory = {i: HostArray(outputs[aliases[i]] if i in aliases else np.ascontiguousarray(a))
-                  for i, a in enumerate(arrays)}
+        numpy_arrays = {i: outputs[aliases[i]] if i in aliases else np.ascontiguousarray(a)
+                        for i, a in enumerate(arrays)}
+        memory = {i: HostArray(a) for i, a in numpy_arrays.items()}
         wrapped_outputs = [HostArray(o) for o in outputs]
 
         def host_value(v):
@@ -268,6 +325,8 @@ def _run_interpreter(launches: Sequence[_Launch], results: Sequence[jax.ShapeDty
                 return wrapped_outputs[v.index]
             if isinstance(v, _Counters):
                 return HostArray(np.zeros(v.ints, np.int32))
+            if isinstance(v, View):
+                return HostArray(numpy_arrays[index[id(v.base)]], offset=v.offset, shape=v.shape, strides=v.strides)
             if _is_array(v):
                 return memory[index[id(v)]]
             return v
@@ -390,6 +449,6 @@ def deterministic_backend():
 
 
 _DETERMINISTIC = types.SimpleNamespace(
-    NAME=NAME, deterministic=True,
+    NAME=NAME, deterministic=True, READS_VIEWS=True,
     shrink=functools.partial(shrink, deterministic=True), expand=functools.partial(expand, deterministic=True),
     linear=functools.partial(linear, deterministic=True))

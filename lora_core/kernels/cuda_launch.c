@@ -26,7 +26,9 @@
                             0 operand pointer (value: operand index), 1 result pointer (index),
                             2 int32, 3 float32 (value: its bits), 4 int64, 5 null pointer
                             (Triton's global / profile scratch when the kernel needs none),
-                            7 the device's barrier counters (value: first int32)
+                            7 the device's barrier counters (value: first int32),
+                            8 operand pointer at a byte offset (value: index | offset << 16;
+                            a view into the operand, e.g. one slice of stacked weights)
 */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -475,6 +477,18 @@ XLA_FFI_Error* jl_triton_launch(XLA_FFI_CallFrame* cf) {
           return ffi_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "jax_lora ffi launcher: bad buffer index");
         const XLA_FFI_Buffer* b = (const XLA_FFI_Buffer*)(kind == 0 ? a->args[v] : rt->rets[v]);
         CUdeviceptr p = (CUdeviceptr)(uintptr_t)b->data;
+        memcpy(&store[i], &p, sizeof(p));
+      } else if (kind == 8) {
+        int64_t index = v & 0xFFFF, offset = v >> 16;
+        if (index >= (int64_t)cf->args.size)
+          return ffi_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "jax_lora ffi launcher: bad buffer index");
+        const XLA_FFI_Buffer* b = (const XLA_FFI_Buffer*)cf->args.args[index];
+        int64_t bytes = (int64_t)dtype_bytes(b->dtype);
+        for (int64_t d = 0; d < b->rank; ++d) bytes *= b->dims[d];
+        if (offset < 0 || offset >= bytes)
+          return ffi_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                           "jax_lora ffi launcher: view offset outside its operand");
+        CUdeviceptr p = (CUdeviceptr)(uintptr_t)b->data + (CUdeviceptr)offset;
         memcpy(&store[i], &p, sizeof(p));
       } else if (kind == 2 || kind == 3) {
         int32_t w = (int32_t)v; /* int32, or the bits of a float32 */

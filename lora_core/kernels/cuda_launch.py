@@ -22,7 +22,7 @@ from typing import Sequence
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_launch.c")
 # parameter kinds of jl_prepared_new (and, 0-5, of the FFI handler's `params` attribute)
-ARG, OUT, I32, F32, I64, NULL, PTR, COUNTERS = range(8)
+ARG, OUT, I32, F32, I64, NULL, PTR, COUNTERS, ARG_AT = range(9)
 
 
 def _cache_dir() -> str:
