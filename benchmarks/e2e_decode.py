@@ -1119,6 +1119,7 @@ def env_meta(args, cfg) -> dict:
                 numpy=np.__version__, commit=commit, source_digest=source_digest(), host_cpu=host_cpu(),
                 smoke=bool(args.smoke), peak_gbs=PEAK_GBS, num_slots=NUM_SLOTS, b_scale=B_SCALE,
                 max_len=args.max_len, steps=args.steps, frameworks=args.frameworks, budget_s=args.budget_s,
+                fused=args.fused,
                 tolerances=dict(err=TOL_ERR, err_over_effect=TOL_ERR_OVER_EFFECT),
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -1184,6 +1185,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-precompile", dest="precompile", action="store_false",
                    help="compile each JAX step program at its first call instead of ahead (LoRA programs of "
                         "a rank concurrently)")
+    p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
+                   help="add_lora_linear's one-launch fused kernel: the launch tables' choice (auto), or forced")
     p.add_argument("--tag", default="")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
     args = p.parse_args(argv)
@@ -1206,6 +1209,9 @@ def main(argv=None) -> int:
                                    " --xla_backend_optimization_level=0").strip()
         import torch
         torch.set_num_threads(1)
+    if args.fused != "auto":
+        from lora_core.kernels import configs
+        configs.FORCE_FUSED = args.fused == "on"
     t_start = args.t_start = time.perf_counter()
     cfg = model_config(args.smoke)
     meta = env_meta(args, cfg)
