@@ -116,9 +116,9 @@ def test_jax_stacked_lora_weights_reach_the_kernels_without_copies():
         return w.add_lora_linear(y, x, tuple(a[s] for s in range(3)),
                                  (b[:, :256], b[:, 256:384], b[:, 384:]), None, 1.0, slices)
 
-    weight_slice = re.compile(r"slice\((bf16\[3,4,16,256\]|bf16\[4,512,16\])")
+    slice_op = re.compile(r"\bslice\(")                    # the scheduled HLO prints no operand types
     hlo = {f.__name__: jax.jit(f).lower(y, x, a, b).compile().as_text() for f in (stacked, separate)}
-    assert weight_slice.search(hlo["separate"])            # the check can see a copy
-    assert not weight_slice.search(hlo["stacked"]), [ln for ln in hlo["stacked"].splitlines() if "slice" in ln]
+    assert slice_op.search(hlo["separate"])                  # the check can see a copy
+    assert not slice_op.search(hlo["stacked"]), [ln for ln in hlo["stacked"].splitlines() if "slice" in ln]
     assert np.array_equal(np.asarray(jax.jit(stacked)(y, x, a, b), np.float32),
                           np.asarray(jax.jit(separate)(y, x, a, b), np.float32))

@@ -184,6 +184,8 @@ class LlamaAttention(nnx.Module):
             key_pos = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
             kv = (k_cache, v_cache)
         g = nh // nkv
+        if s == 1 and kv is not None:
+            return self.o_proj(_decode_attention(q, keys, values, key_pos, positions, x.dtype)), kv
         # Both products read q, keys and values in their own dtype and accumulate in float32 (a
         # 16-bit cache is never widened in memory); the probabilities are rounded to the values'
         # dtype for the second product, as flash attention does.
@@ -199,6 +201,25 @@ class LlamaAttention(nnx.Module):
                          preferred_element_type=jnp.float32)
         out = out.reshape(b, s, nh * hd).astype(x.dtype)
         return self.o_proj(out), kv
+
+
+def _decode_attention(q, keys, values, key_pos, positions, dtype):
+    """One query per row against the cache, in the cache's own layout: (B, 1, nh, hd) queries,
+    (B, M, nkv, hd) keys and values -> (B, 1, nh * hd).
+
+    Decode attention reads every key and value once and does little arithmetic per byte, so it is
+    written as multiply-and-reduce (XLA fuses each into one pass over the cache, widening to
+    float32 in registers) rather than as batched matrix products, which would need the cache
+    transposed to (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
+    b, _, nh, hd = q.shape
+    nkv = keys.shape[2]
+    qf = q.reshape(b, 1, nkv, nh // nkv, hd).astype(jnp.float32)             # (B, 1, nkv, g, hd)
+    scores = jnp.sum(qf * keys[:, :, :, None, :].astype(jnp.float32), axis=-1) / math.sqrt(hd)   # (B, M, nkv, g)
+    mask = key_pos <= positions                                              # (B, M)
+    scores = jnp.where(mask[:, :, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(probs[..., None] * values[:, :, :, None, :].astype(jnp.float32), axis=1)   # (B, nkv, g, hd)
+    return out.reshape(b, 1, nh * hd).astype(dtype)
 
 
 class LlamaMLP(nnx.Module):
