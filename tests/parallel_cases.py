@@ -568,3 +568,89 @@ def case_cuda_upload(rank: int, world: int) -> dict:
     ok = bool(torch.equal(layer.lora_b_0[1].cpu(), (b[start:stop] * 0.5).to(torch.bfloat16)))
     return dict(peak=peak, full_bytes=b.numel() * b.element_size(), equal=ok,
                 after=torch.cuda.memory_allocated(dev) - before)
+
+
+def case_manager(rank: int, world: int, fully_sharded: bool) -> dict:
+    """torch_lora.AdapterManager over tensor-parallel layers (a QKV layer, a row layer, a sharded
+    embedding table): each rank's slots and host cache hold only its shard, equal slot for slot to
+    what the per-rank loader (`set_lora`) writes; eviction and hot swap keep it so."""
+    from lora_core.peft import LoraModule, PeftAdapter
+    from torch_lora.adapters import AdapterManager
+    from torch_lora.parallel import VocabParallelEmbeddingWithLoRA
+
+    g = torch.Generator().manual_seed(11)
+    widths, ranges = _linear_geometry("qkv", rank, world)
+    n = sum(widths)
+    weight, bias = torch.randn(n, HIDDEN, generator=g), torch.randn(n, generator=g)
+    offsets = np.cumsum((0,) + widths[:-1])
+    cols = torch.cat([torch.arange(o + s, o + e) for o, (s, e) in zip(offsets, ranges)])
+    in_cols = slice(*even_range("input_size", HIDDEN, rank, world))
+    row_w, row_b = torch.randn(HIDDEN, HIDDEN, generator=g), torch.randn(HIDDEN, generator=g)
+
+    def build():
+        qkv = _build_linear("qkv", ColumnShard(weight, bias, cols), widths, fully_sharded, None, torch.float32,
+                            "cpu", False)
+        row = _build_linear("row", RowShard(row_w, row_b, in_cols), (HIDDEN,), fully_sharded, None, torch.float32,
+                            "cpu", False)
+        emb = VocabParallelEmbeddingWithLoRA(torch.nn.Identity(), num_embeddings=VOCAB, embedding_dim=EMBED,
+                                             max_loras=MAX_LORAS, max_rank=MAX_RANK, fully_sharded=fully_sharded,
+                                             dtype=torch.float32)
+        qkv.module_names = ("m.q_proj", "m.k_proj", "m.v_proj")
+        row.module_names = ("m.o_proj",)
+        emb.module_names = ("m.embed_tokens",)
+        return {"qkv": qkv, "row": row, "embed": emb}
+
+    def adapter(name, r, scaling):
+        mods = {}
+        for s, w in zip(("q", "k", "v"), widths):
+            mods[f"m.{s}_proj"] = LoraModule(torch.randn(r, HIDDEN, generator=g).numpy(),
+                                             torch.randn(w, r, generator=g).numpy(), scaling, "linear")
+        mods["m.o_proj"] = LoraModule(torch.randn(r, HIDDEN, generator=g).numpy(),
+                                      torch.randn(HIDDEN, r, generator=g).numpy(), scaling, "linear")
+        mods["m.embed_tokens"] = LoraModule(torch.randn(r, VOCAB, generator=g).numpy(),
+                                            torch.randn(EMBED, r, generator=g).numpy(), scaling, "embedding")
+        return PeftAdapter(name=name, r=r, lora_alpha=r * scaling, use_rslora=False, target_modules=None,
+                           modules=mods, config={}, base_layer_shapes={})
+
+    adapters = {1: adapter("a", 8, 2.0), 2: adapter("b", 4, 0.5), 3: adapter("c", 2, 1.0)}
+    layers = build()
+    manager = AdapterManager(layers, host_cache_size=2)
+    for i, ad in adapters.items():
+        manager.register(i, ad)
+    manager.activate([1, 2, 3])
+    manager.register(2, adapters[3])            # hot swap: slot of 2 now holds c
+
+    def expected(table):
+        """Fresh layers loaded by the per-rank loader with the manager's slot table."""
+        ref = build()
+        for slot, i in enumerate(table):
+            if i is None:
+                continue
+            ad = adapters[3] if i == 2 else adapters[i]
+            m = ad.modules
+            for path, names in (("qkv", ("m.q_proj", "m.k_proj", "m.v_proj")), ("row", ("m.o_proj",)),
+                                ("embed", ("m.embed_tokens",))):
+                a = [m[k].lora_a for k in names]
+                b = [m[k].lora_b for k in names]
+                ref[path].set_lora(slot, a if len(a) > 1 else a[0], b if len(b) > 1 else b[0],
+                                   scaling=m[names[0]].scaling)
+        return ref
+
+    def same(ref) -> bool:
+        return all(torch.equal(x, y) for path in layers for x, y in
+                   zip(layers[path].lora_a_stacked + layers[path].lora_b_stacked + (layers[path].lora_ranks,
+                                                                                     layers[path].lora_ranks_local),
+                       ref[path].lora_a_stacked + ref[path].lora_b_stacked + (ref[path].lora_ranks,
+                                                                               ref[path].lora_ranks_local)))
+
+    first = same(expected(manager.lora_index_to_id))
+    manager.register(4, adapters[1])
+    adapters[4] = adapters[1]
+    manager.activate([4])                       # evicts the least recently used slot
+    second = same(expected(manager.lora_index_to_id))
+    host_elems = sum(t.numel() for t in manager._host[4].tensors["qkv"])
+    slot_elems = sum(t[0].numel() for t in layers["qkv"].lora_a_stacked + layers["qkv"].lora_b_stacked)
+    full_b = sum(widths) * MAX_RANK
+    return dict(first=first, second=second, host_elems=host_elems, slot_elems=slot_elems,
+                b_rows=[t.shape[1] for t in layers["qkv"].lora_b_stacked], full_b_elems=full_b,
+                table=manager.lora_index_to_id)

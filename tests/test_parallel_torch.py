@@ -232,3 +232,16 @@ def test_triton_backend_in_the_interpreter(pools, case, kind):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter needs TRITON_INTERPRET=1 before import (tests/conftest.py sets it)")
     _check_equal(pools(2).run(case, kind=kind, fully_sharded=True, backend="triton"))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["replicated", "fully_sharded"])
+def test_adapter_manager_loads_each_ranks_shard(pools, world, fully_sharded):
+    """torch_lora.AdapterManager over tensor-parallel layers: every rank's slots equal what the
+    per-rank loader writes (after activation, a hot swap and an eviction), and neither the slots
+    nor the host cache hold more than the rank's shard of B."""
+    for rank, res in enumerate(pools(world).run(cases.case_manager, fully_sharded=fully_sharded)):
+        assert res["first"] and res["second"], (rank, res)
+        assert res["host_elems"] == res["slot_elems"], res
+        assert sum(res["b_rows"]) * cases.MAX_RANK < res["full_b_elems"], res
+        assert 4 in res["table"] and None not in res["table"][:3], res

@@ -39,6 +39,8 @@ from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file
 )
 
 from .layers import LoRAEmbedding, LoRALinear, LoRALogits
+from .parallel import loading as parallel_loading
+from .parallel.layer import ParallelLoRALayer
 
 __all__ = [
     "AdapterError",
@@ -51,7 +53,11 @@ __all__ = [
     "save_peft_adapter",
 ]
 
-_LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits)
+_LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits, ParallelLoRALayer)
+
+
+def _layer_dtype(layer) -> torch.dtype:
+    return layer.dtype if isinstance(layer, ParallelLoRALayer) else layer.lora_a.dtype
 
 
 def adapter_tensors(adapter: PeftAdapter, *, device=None, dtype: torch.dtype = torch.float32) -> dict:
@@ -95,8 +101,11 @@ def _check_layers(layers) -> dict:
                         f"got {type(layers).__name__}{' (empty)' if isinstance(layers, Mapping) else ''}")
     for path, layer in layers.items():
         if not isinstance(layer, _LAYER_TYPES):
-            raise TypeError(f"layers[{path!r}] must be a LoRALinear, LoRAEmbedding or LoRALogits, got "
-                            f"{type(layer).__name__}")
+            raise TypeError(f"layers[{path!r}] must be a LoRALinear, LoRAEmbedding, LoRALogits or a "
+                            f"torch_lora.parallel layer, got {type(layer).__name__}")
+        if isinstance(layer, ParallelLoRALayer) and len(layer.module_names) != layer.num_slices:
+            raise ValueError(f"layers[{path!r}] is a tensor-parallel layer with {layer.num_slices} output slice(s): set "
+                             f"its module_names to the PEFT module name of each slice (got {layer.module_names!r})")
     return dict(layers)
 
 
@@ -147,13 +156,19 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
                                f"max_rank={layer.max_rank}; wrap the model with max_rank >= {rank}")
         saved = adapter.base_layer_shapes.get(module)
         if saved is not None:
-            expect = ((layer.num_embeddings, layer.embedding_dim) if isinstance(layer, LoRAEmbedding)
-                      else (layer.out_features, layer.in_features))
+            if isinstance(layer, ParallelLoRALayer):
+                sh = layer.slice_shards[s]
+                expect = (sh.full_in, sh.full_out) if sh.a_table else (sh.full_out, sh.full_in)
+            else:
+                expect = ((layer.num_embeddings, layer.embedding_dim) if isinstance(layer, LoRAEmbedding)
+                          else (layer.out_features, layer.in_features))
             if tuple(saved) != expect:
                 raise AdapterError(f"adapter {adapter.name!r} was trained on a {module!r} of shape {tuple(saved)} "
                                    f"(resized vocabulary?), the model's is {expect}")
         r = layer.max_rank
-        if isinstance(layer, LoRALinear):
+        if isinstance(layer, ParallelLoRALayer):
+            _place_shard(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
+        elif isinstance(layer, LoRALinear):
             if kind != "linear":
                 raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds embedding factors but the model's "
                                    f"module is a linear layer")
@@ -203,16 +218,38 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
     return PreparedAdapter(adapter.name, tensors, ranks, nbytes)
 
 
+def _place_shard(arrays: dict, path: str, layer: ParallelLoRALayer, s: int, module: str, adapter: PeftAdapter,
+                 a: np.ndarray, b: np.ndarray, scaling: float, kind: str, rank: int) -> None:
+    """This rank's shard of one module's factors into `arrays[path]` (the layer's slot_views order,
+    zero elsewhere): torch_lora.parallel.loading's cut, so the host cache and the slots never hold
+    another rank's part of an adapter."""
+    shard = layer.slice_shards[s]
+    table = shard.a_table
+    if kind != ("embedding" if table else "linear"):
+        raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds {kind} factors but the model's module is "
+                           f"{'an embedding' if table else 'a linear layer'}")
+    if a.shape[1] != shard.full_in or b.shape[0] != shard.full_out:
+        raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: factors {a.shape} / {b.shape} do not fit "
+                           f"the module: expected ({rank}, {shard.full_in}) and ({shard.full_out}, {rank})")
+    out = arrays.setdefault(path, [np.zeros(sh.a_shape, np.float32) for sh in layer.slice_shards]
+                            + [np.zeros((sh.b_rows, layer.max_rank), np.float32) for sh in layer.slice_shards])
+    a_piece, b_piece, _ = parallel_loading.shard_cut(shard, a, b)
+    if a_piece is not None:
+        out[s][: a_piece.shape[0], : a_piece.shape[1]] = a_piece
+    if b_piece is not None:
+        out[layer.num_slices + s][: b_piece.shape[0], :rank] = b_piece * scaling
+
+
 def _pack(layers: Mapping, arrays: Mapping, pin_memory: bool) -> tuple:
     """Copies the host arrays into one (pinned) torch buffer per dtype; returns ({path: views}, bytes)."""
     sizes: dict = collections.Counter()
     for path, parts in arrays.items():
-        sizes[layers[path].lora_a.dtype] += sum(p.size for p in parts)
+        sizes[_layer_dtype(layers[path])] += sum(p.size for p in parts)
     buffers = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin_memory) for dtype, n in sizes.items()}
     used: dict = collections.Counter()
     out = {}
     for path, parts in arrays.items():
-        dtype = layers[path].lora_a.dtype
+        dtype = _layer_dtype(layers[path])
         views = []
         for p in parts:
             view = buffers[dtype][used[dtype]:used[dtype] + p.size].view(p.shape)
@@ -447,4 +484,7 @@ class AdapterManager:
             else:
                 for view, src in zip(views, host):
                     view.copy_(src, non_blocking=non_blocking)
-            layer.lora_ranks[slot].fill_(0 if prepared is None else prepared.ranks[path])
+            rank = 0 if prepared is None else prepared.ranks[path]
+            layer.lora_ranks[slot].fill_(rank)
+            if isinstance(layer, ParallelLoRALayer):
+                layer.lora_ranks_local[slot].fill_(parallel_loading.local_rank(layer.slice_shards[0], rank))

@@ -58,6 +58,9 @@ class ParallelLoRALayer(torch.nn.Module):
         self.group = group
         self.tp_rank, self.tp_size = group_rank_and_size(group)
         self.punica_wrapper = None
+        # the PEFT module names of the output slices, in order (e.g. ("model.layers.0.self_attn.q_proj",
+        # ...k_proj, ...v_proj)): set them to let torch_lora.AdapterManager load adapters into this layer
+        self.module_names: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ construction
     def _build(self, *, fully_sharded: Optional[bool], tokens_per_step: Optional[int],
@@ -127,6 +130,10 @@ class ParallelLoRALayer(torch.nn.Module):
         if not self.lora_bias:
             return None
         return tuple(getattr(self, f"lora_bias_{s}") for s in range(self.num_slices))
+
+    def slot_views(self, slot: int) -> tuple[torch.Tensor, ...]:
+        """Slot `slot` of this rank's A of every slice, then of its B (what AdapterManager writes)."""
+        return tuple(t[slot] for t in self.lora_a_stacked + self.lora_b_stacked)
 
     def set_lora(self, index: int, lora_a, lora_b, lora_bias=None, *, scaling: float = 1.0) -> None:
         """Writes this rank's shard of one adapter into slot `index` (loading.load_lora_slot)."""

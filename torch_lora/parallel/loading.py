@@ -31,7 +31,7 @@ import numbers
 import numpy as np
 import torch
 
-__all__ = ["clear_lora_slot", "load_lora_slot"]
+__all__ = ["clear_lora_slot", "load_lora_slot", "local_rank", "shard_cut"]
 
 
 def _check_layer_and_slot(layer, slot) -> None:
@@ -64,6 +64,27 @@ def _host_view(name: str, value) -> torch.Tensor:
     if not value.is_floating_point():
         raise TypeError(f"{name} must hold floating-point values, got dtype {value.dtype}")
     return value
+
+
+def shard_cut(shard, a, b) -> tuple:
+    """This rank's pieces of one slice's full factors A (r, full_in) and B (full_out, r), as views
+    of them (torch tensors or NumPy arrays): (A piece as the slot stores it, i.e. (rank rows, input
+    columns) or transposed for an embedding table, or None; B rows, or None; (o0, o1) the rows of B
+    and of the bias taken). Each piece goes into the top-left corner of its zeroed slot."""
+    r = a.shape[0]
+    r0, r1 = shard.a_rank[0], min(shard.a_rank[1], r)
+    i0, i1 = shard.a_in[0], min(shard.a_in[1], shard.full_in)
+    a_piece = None
+    if r1 > r0 and i1 > i0:
+        a_piece = a[r0:r1, i0:i1].T if shard.a_table else a[r0:r1, i0:i1]
+    o0, o1 = shard.b_out[0], min(shard.b_out[1], shard.full_out)
+    return a_piece, (b[o0:o1] if o1 > o0 else None), (o0, o1)
+
+
+def local_rank(shard, rank: int) -> int:
+    """The part of an adapter's rank that lies in this rank's chunk of A's rank axis."""
+    r0, r1 = shard.a_rank
+    return max(0, min(rank, r1) - r0)
 
 
 def load_lora_slot(layer, slot: int, lora_a, lora_b, lora_bias=None, *, scaling: float = 1.0) -> None:
@@ -126,23 +147,15 @@ def load_lora_slot(layer, slot: int, lora_a, lora_b, lora_bias=None, *, scaling:
             if piece is None:
                 continue
             a, b, bias = piece
-            r = a.shape[0]
-            r0, r1 = shard.a_rank[0], min(shard.a_rank[1], r)
-            i0, i1 = shard.a_in[0], min(shard.a_in[1], shard.full_in)
-            if r1 > r0 and i1 > i0:
-                cut = a[r0:r1, i0:i1]
-                if shard.a_table:
-                    a_dst[: i1 - i0, : r1 - r0].copy_(cut.T)
-                else:
-                    a_dst[: r1 - r0, : i1 - i0].copy_(cut)
-            o0, o1 = shard.b_out[0], min(shard.b_out[1], shard.full_out)
-            if o1 > o0:
-                b_dst[: o1 - o0, :r].copy_(b[o0:o1].to(torch.float32) * float(scaling))
+            a_piece, b_piece, (o0, o1) = shard_cut(shard, a, b)
+            if a_piece is not None:
+                a_dst[: a_piece.shape[0], : a_piece.shape[1]].copy_(a_piece)
+            if b_piece is not None:
+                b_dst[: o1 - o0, : a.shape[0]].copy_(b_piece.to(torch.float32) * float(scaling))
                 if bias is not None:
                     bias_slots[s][slot][: o1 - o0].copy_(bias[o0:o1])
-        r0, r1 = shards[0].a_rank
         layer.lora_ranks[slot] = rank
-        layer.lora_ranks_local[slot] = max(0, min(rank, r1) - r0)
+        layer.lora_ranks_local[slot] = local_rank(shards[0], rank)
 
 
 def clear_lora_slot(layer, slot: int) -> None:
