@@ -16,15 +16,14 @@ load / unload / hot-swap never recompile the serving step. For layers split over
 
 from __future__ import annotations
 
-import collections
-import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lora_core.adapter_slots import SlotTable
 from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file names, for callers)
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -177,7 +176,7 @@ def _write_slot_impl(arrays, slot, new, axes):
 _write_slot = jax.jit(_write_slot_impl, static_argnames=("axes",), donate_argnums=(0,))
 
 
-class AdapterManager:
+class AdapterManager(SlotTable):
     """Owns the adapter slots of a model with multi-LoRA layers.
 
     Args:
@@ -186,7 +185,8 @@ class AdapterManager:
       host_cache_size: adapters kept prepared on the host (LRU) so a reload skips the disk.
 
     Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
-    `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table.
+    `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
+    registry, LRU slots and host cache are lora_core.adapter_slots.SlotTable's, shared with torch).
     """
 
     def __init__(self, model: nnx.Module, *, host_cache_size: int = 8):
@@ -197,161 +197,22 @@ class AdapterManager:
         slots = {l.max_loras for l in self.layers.values()}
         if len(slots) != 1:
             raise AdapterError(f"the model's LoRA layers disagree on max_loras: {sorted(slots)}")
-        self.num_slots = slots.pop()
-        if host_cache_size < 1:
-            raise ValueError(f"host_cache_size must be >= 1, got {host_cache_size}")
-        self.host_cache_size = host_cache_size
-        self._sources: dict = {}                       # id -> directory or PeftAdapter
-        self._names: dict = {}
-        self._ranks: dict = {}                         # id -> the adapter's largest rank
-        self._host: collections.OrderedDict = collections.OrderedDict()   # id -> prepared (LRU)
-        self._slots: list = [None] * self.num_slots   # slot -> id
-        self._slot_use: collections.OrderedDict = collections.OrderedDict()  # id -> None, LRU order
-        self.version = 0
-        self.stats = collections.Counter()
+        super().__init__(slots.pop(), host_cache_size=host_cache_size)
         self._paths = sorted(self.layers)
         self._vars = [(self.layers[p], n) for p in self._paths for n in ("lora_a", "lora_b", "lora_ranks")]
         self._path_by_id = {id(self.layers[p]): p for p in self._paths}
         self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
 
-    # -------------------------------------------------------------- registry
-    def register(self, lora_id: int, adapter: str | os.PathLike | PeftAdapter, name: str | None = None) -> None:
-        """Makes `lora_id` name `adapter` (validated now). Re-registering an id hot-swaps it."""
-        if not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or lora_id <= 0:
-            raise ValueError(f"lora_id must be an int > 0 (0 means no adapter), got {lora_id!r}")
-        lora_id = int(lora_id)
-        src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
-        prepared = self._prepare(src)                    # fails here for a bad adapter, nothing changed
-        self._ranks[lora_id] = _largest_rank(prepared)
-        self._sources[lora_id] = src
-        self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter) else os.path.basename(src))
-        self._host.pop(lora_id, None)
-        self._cache(lora_id, prepared)
-        if lora_id in self._slots:                     # hot swap: same slot, new weights
-            self._write(self._slots.index(lora_id), prepared)
-            self.stats["hot_swaps"] += 1
-
-    def unregister(self, lora_id: int) -> None:
-        self.unload(lora_id)
-        self._sources.pop(lora_id, None)
-        self._names.pop(lora_id, None)
-        self._host.pop(lora_id, None)
-
-    @property
-    def registered(self) -> dict:
-        return dict(self._names)
-
-    # -------------------------------------------------------------- slots
-    @property
-    def lora_index_to_id(self) -> list:
-        """slot -> LoRA id or None (the wrapper's table)."""
-        return list(self._slots)
-
-    @property
-    def slot_ranks(self) -> np.ndarray:
-        """(num_slots,) int32: each slot's real rank (largest over its modules; 0 when empty).
-
-        For backends that skip rank padding (SPEC section 7, `lora_ranks`); results do not depend
-        on it, the padding is zero.
-        """
-        return np.array([self._ranks.get(i, 0) if i is not None else 0 for i in self._slots], np.int32)
-
-    def slot_of(self, lora_id: int) -> int | None:
-        return self._slots.index(lora_id) if lora_id in self._slots else None
-
-    def can_activate(self, ids: Iterable[int | None]) -> bool:
-        return len({i for i in ids if i}) <= self.num_slots
-
-    def activate(self, ids: Iterable[int | None]) -> list:
-        """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
-
-        Free slots first, then the least recently used slots whose adapter is not in `ids`.
-        Raises ValueError for an unknown id or more distinct adapters than slots, and AdapterError
-        when an adapter cannot be reloaded; either way the manager is left as it was (every adapter
-        is prepared before any slot changes).
-        """
-        need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
-        unknown = [i for i in need if i not in self._sources]
-        if unknown:
-            raise ValueError(f"LoRA ids {unknown} are not registered (registered: {sorted(self._sources)})")
-        if len(need) > self.num_slots:
-            raise ValueError(f"{len(need)} distinct adapters requested at once, but the model has "
-                             f"{self.num_slots} slots")
-        incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
-        for i in need:
-            if i in self._slots:
-                self.stats["slot_hits"] += 1
-            else:
-                prepared, cached = incoming[i]
-                if cached:
-                    self.stats["host_hits"] += 1
-                else:
-                    self._count_prepare(self._sources[i])
-                    self._ranks[i] = _largest_rank(prepared)
-                self._cache(i, prepared)          # (re)inserted: caching another may have evicted it
-                self._write(self._free_slot(set(need)), prepared, lora_id=i)
-            self._slot_use.pop(i, None)
-            self._slot_use[i] = None
-        return self.lora_index_to_id
-
-    def load(self, lora_id: int, adapter=None) -> int:
-        """Registers (when `adapter` is given) and activates one adapter; returns its slot."""
-        if adapter is not None:
-            self.register(lora_id, adapter)
-        self.activate([lora_id])
-        return self.slot_of(lora_id)
-
-    def unload(self, lora_id: int) -> None:
-        """Frees the adapter's slot (zeroed); it stays registered and in the host cache."""
-        if lora_id in self._slots:
-            slot = self._slots.index(lora_id)
-            self._write(slot, None)
-            self._slots[slot] = None
-            self._slot_use.pop(lora_id, None)
-            self.stats["unloads"] += 1
-
-    def _free_slot(self, keep: set) -> int:
-        if None in self._slots:
-            return self._slots.index(None)
-        for victim in self._slot_use:                  # least recently used first
-            if victim not in keep:
-                self._slot_use.pop(victim)
-                self.stats["evictions"] += 1
-                return self._slots.index(victim)
-        raise ValueError("no slot can be freed")      # unreachable: activate checked the count
-
-    # -------------------------------------------------------------- host side
-    def _prepare(self, src) -> tuple:
-        """One slot's host data for a directory (read from disk) or a PeftAdapter; counted."""
-        prepared = self._prepare_uncounted(src)
-        self._count_prepare(src)
-        return prepared
-
+    # -------------------------------------------------------------- SlotTable's framework part
     def _prepare_uncounted(self, src) -> tuple:
-        return self._prepared(src if isinstance(src, PeftAdapter) else load_peft_adapter(src))
-
-    def _count_prepare(self, src) -> None:
-        self.stats["prepares" if isinstance(src, PeftAdapter) else "disk_loads"] += 1
-
-    def _prepared(self, adapter: PeftAdapter) -> tuple:
         """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}): one slot's host data."""
+        adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
         return prepare_adapter(self.model, adapter), adapter_ranks(self.model, adapter)
 
-    def _cache(self, lora_id: int, prepared: tuple) -> None:
-        self._host[lora_id] = prepared
-        self._host.move_to_end(lora_id)
-        while len(self._host) > self.host_cache_size:
-            self._host.popitem(last=False)
-            self.stats["host_evictions"] += 1
+    def _largest_rank(self, prepared: tuple) -> int:
+        return _largest_rank(prepared)
 
-    def _host_peek(self, lora_id: int) -> tuple:
-        """(one slot's host data, whether it came from the host cache), changing nothing: the
-        caller updates the cache and the counters once every adapter of the batch is prepared."""
-        if lora_id in self._host:
-            return self._host[lora_id], True
-        return self._prepare_uncounted(self._sources[lora_id]), False
-
-    def _write(self, slot: int, prepared: tuple | None, lora_id: int | None = None) -> None:
+    def _write_slot(self, slot: int, prepared: tuple | None) -> None:
         """One jitted update of every LoRA variable at `slot`: the adapter's weights and per-layer
         ranks, or zeros (rank 0: the kernels skip the slot) when prepared is None."""
         new = []
@@ -375,11 +236,6 @@ class AdapterManager:
         updated = _write_slot(old, slot_dev, new_dev, axes=self._axes)
         for (layer, n), arr in zip(self._vars, updated):
             getattr(layer, n).set_value(arr)
-        if lora_id is not None:
-            self._slots[slot] = lora_id
-            self.stats["slot_loads"] += 1
-        self.version += 1
-
 
 
 # ----------------------------------------------------------------------------- merged weights (oracle)

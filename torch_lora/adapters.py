@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
-from collections.abc import Iterable, Mapping
-from typing import Optional, Union
+from collections.abc import Mapping
+from typing import Optional
 
 import numpy as np
 import torch
 
+from lora_core.adapter_slots import SlotTable
 from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file names, for callers)
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -262,7 +262,7 @@ def _pack(layers: Mapping, arrays: Mapping, pin_memory: bool) -> tuple:
 
 # ----------------------------------------------------------------------------- the slot manager
 
-class AdapterManager:
+class AdapterManager(SlotTable):
     """Owns the adapter slots of a set of multi-LoRA layers.
 
     Args:
@@ -272,7 +272,8 @@ class AdapterManager:
         skips the disk.
 
     Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
-    `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table.
+    `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
+    registry, LRU slots and host cache are lora_core.adapter_slots.SlotTable's, shared with JAX).
 
     Slot writes on CUDA. A write (load, eviction, hot swap, unload) is enqueued on the manager's
     upload stream: that stream first waits on an event recorded on the current stream at the time of
@@ -292,127 +293,12 @@ class AdapterManager:
         devices = {layer.lora_ranks.device for layer in self.layers.values()}
         if len(devices) != 1:
             raise ValueError(f"the LoRA layers are on several devices: {sorted(map(str, devices))}")
-        if not isinstance(host_cache_size, int) or isinstance(host_cache_size, bool) or host_cache_size < 1:
-            raise ValueError(f"host_cache_size must be an int >= 1, got {host_cache_size!r}")
         _module_index(self.layers)                      # no module held twice
-        self.num_slots = slots.pop()
+        super().__init__(slots.pop(), host_cache_size=host_cache_size)
         self.device = devices.pop()
-        self.host_cache_size = host_cache_size
         self._pin = self.device.type == "cuda"
         self._upload_stream = torch.cuda.Stream(self.device) if self._pin else None
         self._uploaded: Optional[torch.cuda.Event] = None
-        self._sources: dict = {}                        # id -> directory or PeftAdapter
-        self._names: dict = {}
-        self._ranks: dict = {}                          # id -> the adapter's largest rank
-        self._host: collections.OrderedDict = collections.OrderedDict()    # id -> PreparedAdapter (LRU)
-        self._slots: list = [None] * self.num_slots    # slot -> id
-        self._slot_use: collections.OrderedDict = collections.OrderedDict()   # id -> None, LRU order
-        self.version = 0
-        self.stats = collections.Counter()
-
-    # -------------------------------------------------------------- registry
-    def register(self, lora_id: int, adapter: Union[str, os.PathLike, PeftAdapter], name: Optional[str] = None) -> None:
-        """Makes `lora_id` name `adapter`, read and checked now. Re-registering an id hot-swaps it:
-        when it is in a slot, the same slot gets the new weights. A bad adapter raises AdapterError
-        and changes nothing (the id keeps its previous adapter, if any)."""
-        if not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or lora_id <= 0:
-            raise ValueError(f"lora_id must be an int > 0 (0 means no adapter), got {lora_id!r}")
-        if not isinstance(adapter, (PeftAdapter, str, os.PathLike)):
-            raise TypeError(f"adapter must be a PEFT adapter directory (str or os.PathLike) or a PeftAdapter, got "
-                            f"{type(adapter).__name__}")
-        lora_id = int(lora_id)
-        src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
-        prepared = self._prepare(src)                  # raises for a bad adapter; nothing changed yet
-        self._count_prepare(src)
-        self._ranks[lora_id] = prepared.max_rank
-        self._sources[lora_id] = src
-        self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter)
-                                        else os.path.basename(os.path.normpath(src)))
-        self._host.pop(lora_id, None)
-        self._cache(lora_id, prepared)
-        if lora_id in self._slots:                     # hot swap: same slot, new weights
-            self._write(self._slots.index(lora_id), prepared)
-            self.stats["hot_swaps"] += 1
-
-    def unregister(self, lora_id: int) -> None:
-        """Frees the adapter's slot (zeroed) and forgets it."""
-        self.unload(lora_id)
-        self._sources.pop(lora_id, None)
-        self._names.pop(lora_id, None)
-        self._ranks.pop(lora_id, None)
-        self._host.pop(lora_id, None)
-
-    @property
-    def registered(self) -> dict:
-        """{lora id: name}."""
-        return dict(self._names)
-
-    # -------------------------------------------------------------- slots
-    @property
-    def lora_index_to_id(self) -> list:
-        """slot -> LoRA id or None (the wrapper's table)."""
-        return list(self._slots)
-
-    @property
-    def slot_ranks(self) -> np.ndarray:
-        """(num_slots,) int32: each slot's adapter's largest rank (0 when empty). The layers hold
-        their own per-slot ranks (`layer.lora_ranks`), which the kernels read."""
-        return np.array([self._ranks.get(i, 0) if i is not None else 0 for i in self._slots], np.int32)
-
-    def slot_of(self, lora_id: int) -> Optional[int]:
-        return self._slots.index(lora_id) if lora_id in self._slots else None
-
-    def can_activate(self, ids: Iterable[Optional[int]]) -> bool:
-        return len({i for i in ids if i}) <= self.num_slots
-
-    def activate(self, ids: Iterable[Optional[int]]) -> list:
-        """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
-
-        Free slots first, then the least recently used slots whose adapter is not in `ids`.
-        Raises ValueError for an unknown id or more distinct adapters than slots, and AdapterError
-        when an adapter cannot be reloaded from disk; either way nothing changes (every adapter is
-        prepared before any slot is written). On CUDA the writes are enqueued (see the class
-        docstring): call `wait_uploads()` before the step that reads them.
-        """
-        need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
-        unknown = [i for i in need if i not in self._sources]
-        if unknown:
-            raise ValueError(f"LoRA ids {unknown} are not registered (registered: {sorted(self._sources)})")
-        if len(need) > self.num_slots:
-            raise ValueError(f"{len(need)} distinct adapters requested at once, but there are {self.num_slots} "
-                             "slots")
-        incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
-        for i in need:
-            if i in self._slots:
-                self.stats["slot_hits"] += 1
-            else:
-                prepared, cached = incoming[i]
-                if cached:
-                    self.stats["host_hits"] += 1
-                else:
-                    self._count_prepare(self._sources[i])
-                    self._ranks[i] = prepared.max_rank
-                self._cache(i, prepared)           # (re)inserted: caching another may have evicted it
-                self._write(self._free_slot(set(need)), prepared, lora_id=i)
-            self._slot_use.pop(i, None)
-            self._slot_use[i] = None
-        return self.lora_index_to_id
-
-    def load(self, lora_id: int, adapter=None) -> int:
-        """Registers (when `adapter` is given) and activates one adapter; returns its slot."""
-        if adapter is not None:
-            self.register(lora_id, adapter)
-        self.activate([lora_id])
-        return self.slot_of(lora_id)
-
-    def unload(self, lora_id: int) -> None:
-        """Frees the adapter's slot (zeroed, rank 0); it stays registered and in the host cache."""
-        if lora_id in self._slots:
-            slot = self._slots.index(lora_id)
-            self._write(slot, None)
-            self._slots[slot] = None
-            self._slot_use.pop(lora_id, None)
-            self.stats["unloads"] += 1
 
     def wait_uploads(self, stream: Optional[torch.cuda.Stream] = None) -> None:
         """Makes `stream` (the current one by default) wait until every slot write enqueued so far has
@@ -420,58 +306,31 @@ class AdapterManager:
         if self._uploaded is not None:
             (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(self._uploaded)
 
-    def _free_slot(self, keep: set) -> int:
-        if None in self._slots:
-            return self._slots.index(None)
-        for victim in self._slot_use:                  # least recently used first
-            if victim not in keep:
-                self._slot_use.pop(victim)
-                self.stats["evictions"] += 1
-                return self._slots.index(victim)
-        raise ValueError("no slot can be freed")      # unreachable: activate checked the count
-
-    # -------------------------------------------------------------- host side
-    def _prepare(self, src) -> PreparedAdapter:
+    # -------------------------------------------------------------- SlotTable's framework part
+    def _prepare_uncounted(self, src) -> PreparedAdapter:
         adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
         return prepare_adapter(self.layers, adapter, pin_memory=self._pin)
 
-    def _count_prepare(self, src) -> None:
-        self.stats["prepares" if isinstance(src, PeftAdapter) else "disk_loads"] += 1
+    def _largest_rank(self, prepared: PreparedAdapter) -> int:
+        return prepared.max_rank
 
-    def _cache(self, lora_id: int, prepared: PreparedAdapter) -> None:
-        self._host[lora_id] = prepared
-        self._host.move_to_end(lora_id)
-        while len(self._host) > self.host_cache_size:
-            self._host.popitem(last=False)
-            self.stats["host_evictions"] += 1
-
-    def _host_peek(self, lora_id: int) -> tuple:
-        """(the adapter's prepared host data, whether it came from the host cache), changing nothing:
-        the caller updates the cache and the counters once every adapter of the batch is prepared."""
-        if lora_id in self._host:
-            return self._host[lora_id], True
-        return self._prepare(self._sources[lora_id]), False
-
-    def _write(self, slot: int, prepared: Optional[PreparedAdapter], lora_id: Optional[int] = None) -> None:
-        """Writes `prepared` (or zeros and rank 0 when None) into `slot` of every layer."""
+    def _write_slot(self, slot: int, prepared: Optional[PreparedAdapter]) -> None:
+        """Writes `prepared` (or zeros and rank 0 when None) into `slot` of every layer: on CUDA
+        enqueued on the upload stream after the steps already enqueued (see the class docstring)."""
         if self._upload_stream is None:
             self._copy(slot, prepared)
-        else:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("adapter slots cannot be written while a CUDA graph is being captured; load "
-                                   "adapters before capturing or between replays")
-            after_steps = torch.cuda.Event()
-            after_steps.record(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._upload_stream):
-                self._upload_stream.wait_event(after_steps)
-                self._copy(slot, prepared)
-                done = torch.cuda.Event()
-                done.record(self._upload_stream)
-            self._uploaded = done
-        if lora_id is not None:
-            self._slots[slot] = lora_id
-            self.stats["slot_loads"] += 1
-        self.version += 1
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("adapter slots cannot be written while a CUDA graph is being captured; load "
+                               "adapters before capturing or between replays")
+        after_steps = torch.cuda.Event()
+        after_steps.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._upload_stream):
+            self._upload_stream.wait_event(after_steps)
+            self._copy(slot, prepared)
+            done = torch.cuda.Event()
+            done.record(self._upload_stream)
+        self._uploaded = done
 
     def _copy(self, slot: int, prepared: Optional[PreparedAdapter]) -> None:
         non_blocking = self._upload_stream is not None

@@ -1,0 +1,199 @@
+"""The adapter slot table both frameworks' `AdapterManager`s share: registry, LRU slots, host cache.
+
+A serving engine has L device slots per LoRA layer and any number of adapters. This class keeps,
+on the host and without any framework:
+
+  registry     LoRA id (int > 0) -> its source (a PEFT directory or a `PeftAdapter`) and name;
+  host cache   LoRA id -> the adapter prepared for the slots (the framework's layout), LRU,
+               at most `host_cache_size` entries (a reload then skips the disk);
+  slot table   slot -> LoRA id or None (`lora_index_to_id`, the wrapper's table), with the slots'
+               use in LRU order.
+
+`activate(ids)` puts a batch's adapters into slots: free slots first, then the least recently
+used slots whose adapter the batch does not need. Every adapter the batch needs is prepared before
+any slot is written, so an adapter that fails to load leaves the manager as it was.
+
+A framework's manager subclasses it and provides three things:
+  `_prepare_uncounted(src)` -> prepared: the host layout of a directory or PeftAdapter (raises
+      lora_core.peft.AdapterError for a bad adapter);
+  `_largest_rank(prepared)` -> int: the adapter's largest rank;
+  `_write_slot(slot, prepared)`: writes prepared (None: zeros and rank 0) into slot `slot` of every
+      layer, on the device.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Iterable
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from .peft import PeftAdapter
+
+__all__ = ["SlotTable"]
+
+
+class SlotTable:
+    """See the module docstring. num_slots: L; host_cache_size: prepared adapters kept (>= 1)."""
+
+    def __init__(self, num_slots: int, *, host_cache_size: int = 8):
+        if not isinstance(host_cache_size, int) or isinstance(host_cache_size, bool) or host_cache_size < 1:
+            raise ValueError(f"host_cache_size must be an int >= 1, got {host_cache_size!r}")
+        self.num_slots = int(num_slots)
+        self.host_cache_size = host_cache_size
+        self._sources: dict = {}                        # id -> directory or PeftAdapter
+        self._names: dict = {}
+        self._ranks: dict = {}                          # id -> the adapter's largest rank
+        self._host: collections.OrderedDict = collections.OrderedDict()    # id -> prepared (LRU)
+        self._slots: list = [None] * self.num_slots    # slot -> id
+        self._slot_use: collections.OrderedDict = collections.OrderedDict()   # id -> None, LRU order
+        self.version = 0                                # +1 per slot write
+        self.stats = collections.Counter()
+
+    # -------------------------------------------------------------- the framework's part
+    def _prepare_uncounted(self, src) -> Any:
+        raise NotImplementedError
+
+    def _largest_rank(self, prepared) -> int:
+        raise NotImplementedError
+
+    def _write_slot(self, slot: int, prepared) -> None:
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- registry
+    def register(self, lora_id: int, adapter: Union[str, os.PathLike, PeftAdapter], name: Optional[str] = None) -> None:
+        """Makes `lora_id` name `adapter`, read and checked now. Re-registering an id hot-swaps it:
+        when it is in a slot, the same slot gets the new weights. A bad adapter raises AdapterError
+        and changes nothing (the id keeps its previous adapter, if any)."""
+        if not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or lora_id <= 0:
+            raise ValueError(f"lora_id must be an int > 0 (0 means no adapter), got {lora_id!r}")
+        if not isinstance(adapter, (PeftAdapter, str, os.PathLike)):
+            raise TypeError(f"adapter must be a PEFT adapter directory (str or os.PathLike) or a PeftAdapter, got "
+                            f"{type(adapter).__name__}")
+        lora_id = int(lora_id)
+        src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
+        prepared = self._prepare_uncounted(src)         # raises for a bad adapter; nothing changed yet
+        self._count_prepare(src)
+        self._ranks[lora_id] = self._largest_rank(prepared)
+        self._sources[lora_id] = src
+        self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter)
+                                        else os.path.basename(os.path.normpath(src)))
+        self._host.pop(lora_id, None)
+        self._cache(lora_id, prepared)
+        if lora_id in self._slots:                      # hot swap: same slot, new weights
+            self._write(self._slots.index(lora_id), prepared)
+            self.stats["hot_swaps"] += 1
+
+    def unregister(self, lora_id: int) -> None:
+        """Frees the adapter's slot (zeroed) and forgets it."""
+        self.unload(lora_id)
+        for table in (self._sources, self._names, self._ranks, self._host):
+            table.pop(lora_id, None)
+
+    @property
+    def registered(self) -> dict:
+        """{lora id: name}."""
+        return dict(self._names)
+
+    # -------------------------------------------------------------- slots
+    @property
+    def lora_index_to_id(self) -> list:
+        """slot -> LoRA id or None (the wrapper's table)."""
+        return list(self._slots)
+
+    @property
+    def slot_ranks(self) -> np.ndarray:
+        """(num_slots,) int32: each slot's adapter's largest rank (0 when empty). The layers hold
+        their own per-slot ranks, which the kernels read (they skip the zero padding)."""
+        return np.array([self._ranks.get(i, 0) if i is not None else 0 for i in self._slots], np.int32)
+
+    def slot_of(self, lora_id: int) -> Optional[int]:
+        return self._slots.index(lora_id) if lora_id in self._slots else None
+
+    def can_activate(self, ids: Iterable[Optional[int]]) -> bool:
+        return len({i for i in ids if i}) <= self.num_slots
+
+    def activate(self, ids: Iterable[Optional[int]]) -> list:
+        """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
+
+        Free slots first, then the least recently used slots whose adapter is not in `ids`.
+        Raises ValueError for an unknown id or more distinct adapters than slots, and AdapterError
+        when an adapter cannot be reloaded from disk; either way nothing changes (every adapter is
+        prepared before any slot is written).
+        """
+        need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
+        unknown = [i for i in need if i not in self._sources]
+        if unknown:
+            raise ValueError(f"LoRA ids {unknown} are not registered (registered: {sorted(self._sources)})")
+        if len(need) > self.num_slots:
+            raise ValueError(f"{len(need)} distinct adapters requested at once, but there are {self.num_slots} "
+                             "slots")
+        incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
+        for i in need:
+            if i in self._slots:
+                self.stats["slot_hits"] += 1
+            else:
+                prepared, cached = incoming[i]
+                if cached:
+                    self.stats["host_hits"] += 1
+                else:
+                    self._count_prepare(self._sources[i])
+                    self._ranks[i] = self._largest_rank(prepared)
+                self._cache(i, prepared)           # (re)inserted: caching another may have evicted it
+                self._write(self._free_slot(set(need)), prepared, lora_id=i)
+            self._slot_use.pop(i, None)
+            self._slot_use[i] = None
+        return self.lora_index_to_id
+
+    def load(self, lora_id: int, adapter=None) -> int:
+        """Registers (when `adapter` is given) and activates one adapter; returns its slot."""
+        if adapter is not None:
+            self.register(lora_id, adapter)
+        self.activate([lora_id])
+        return self.slot_of(lora_id)
+
+    def unload(self, lora_id: int) -> None:
+        """Frees the adapter's slot (zeroed, rank 0); it stays registered and in the host cache."""
+        if lora_id in self._slots:
+            slot = self._slots.index(lora_id)
+            self._write(slot, None)
+            self._slots[slot] = None
+            self._slot_use.pop(lora_id, None)
+            self.stats["unloads"] += 1
+
+    def _write(self, slot: int, prepared, lora_id: Optional[int] = None) -> None:
+        self._write_slot(slot, prepared)
+        if lora_id is not None:
+            self._slots[slot] = lora_id
+            self.stats["slot_loads"] += 1
+        self.version += 1
+
+    def _free_slot(self, keep: set) -> int:
+        if None in self._slots:
+            return self._slots.index(None)
+        for victim in self._slot_use:                  # least recently used first
+            if victim not in keep:
+                self._slot_use.pop(victim)
+                self.stats["evictions"] += 1
+                return self._slots.index(victim)
+        raise ValueError("no slot can be freed")      # unreachable: activate checked the count
+
+    # -------------------------------------------------------------- host cache
+    def _count_prepare(self, src) -> None:
+        self.stats["prepares" if isinstance(src, PeftAdapter) else "disk_loads"] += 1
+
+    def _cache(self, lora_id: int, prepared) -> None:
+        self._host[lora_id] = prepared
+        self._host.move_to_end(lora_id)
+        while len(self._host) > self.host_cache_size:
+            self._host.popitem(last=False)
+            self.stats["host_evictions"] += 1
+
+    def _host_peek(self, lora_id: int) -> tuple:
+        """(the adapter's prepared host data, whether it came from the host cache), changing nothing:
+        the caller updates the cache and the counters once every adapter of the batch is prepared."""
+        if lora_id in self._host:
+            return self._host[lora_id], True
+        return self._prepare_uncounted(self._sources[lora_id]), False
