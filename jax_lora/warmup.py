@@ -6,52 +6,90 @@ stand-in arguments (`jax.ShapeDtypeStruct`: nothing is allocated or run). Tracin
 and the XLA FFI launcher compiles and loads each Triton variant at that moment; XLA's own
 compilation of the engine's step is the engine's jit, not this. On backends without separately
 compiled kernels (xla, pallas_tpu inside XLA) it lowers and compiles nothing of value.
+
+The cases are lowered by `workers` threads (lora_core.warmup.warmup_groups: a layer and a token
+class per group, so threads rarely need the same variant); Triton's compiler and ptxas release the
+GIL, and the FFI launcher compiles each variant once (a lock per variant), so compiles overlap.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+import time
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from lora_core.host_mapping import LoRAMapping
-from lora_core.warmup import LinearShape, Progress, check_warmup_arguments, vllm_capture_sizes
+from lora_core.warmup import (LinearShape, Progress, check_warmup_arguments, default_workers, vllm_capture_sizes,
+                              warmup_groups)
 
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
 
 def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = None, *, dtype=jnp.bfloat16,
-           lora_ranks: bool = False, bias: bool = False, progress: bool = True) -> dict:
-    """Lowers `add_lora_linear` once per (token count, layer); returns {"calls", "seconds", "token_counts"}.
+           lora_ranks: bool = False, bias: bool = False, progress: bool = True,
+           workers: Optional[int] = None) -> dict:
+    """Lowers `add_lora_linear` once per (token count, layer); returns {"calls", "seconds",
+    "token_counts", "workers"}.
 
     layers: LinearShapes or (hidden, slices, rank) tuples; token_counts: default vLLM's capture sizes
     up to the wrapper's max_num_batched_tokens; lora_ranks / bias: whether the engine passes per-slot
-    ranks / biases (they select other kernel variants)."""
-    from .wrapper import PunicaWrapper
-
+    ranks / biases (they select other kernel variants); workers: threads lowering concurrently (the
+    Triton compiles they trigger run in parallel; None: one per core up to 16 on a GPU with the
+    Triton backend, else 1)."""
+    t_start = time.perf_counter()
     shapes, counts = check_warmup_arguments(
         layers, token_counts if token_counts is not None else vllm_capture_sizes(wrapper.max_num_batched_tokens),
         wrapper.max_num_batched_tokens)
-    slots = wrapper.max_loras
-    twin = PunicaWrapper(wrapper.max_num_batched_tokens, wrapper.max_batches, wrapper.device, max_loras=slots,
-                         backend=wrapper.backend)
-    ids = [1] + [None] * (slots - 1)
+    if workers is None:
+        workers = default_workers(wrapper.backend == "triton" and jax.default_backend() == "gpu")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
+    groups = warmup_groups(shapes, counts, max(1, workers))
     bar = Progress(len(counts) * len(shapes), "jax_lora warmup", progress)
+    lock = threading.Lock()
 
-    def step(w, y, x, lora_a, lora_b, lora_bias, ranks, slices):
-        return w.add_lora_linear(y, x, lora_a, lora_b, lora_bias, 1.0, slices, lora_ranks=ranks)
+    def lower_group(group) -> None:
+        from .wrapper import PunicaWrapper
+        slots = wrapper.max_loras
+        twin = PunicaWrapper(wrapper.max_num_batched_tokens, wrapper.max_batches, wrapper.device, max_loras=slots,
+                             backend=wrapper.backend)
+        ids = [1] + [None] * (slots - 1)
+        by_count: dict = {}
+        for shape, ts in group:
+            for t in ts:
+                by_count.setdefault(t, []).append(shape)
+        for num_tokens in sorted(by_count):
+            twin.update_metadata(LoRAMapping((1,) * num_tokens, (1,)), ids, slots + 1, 32000)
+            for shape in by_count[num_tokens]:
+                _lower_case(twin, shape, num_tokens, slots, dtype, lora_ranks, bias)
+                with lock:
+                    bar.step(f"T={num_tokens}")
 
-    for num_tokens in counts:
-        twin.update_metadata(LoRAMapping((1,) * num_tokens, (1,)), ids, slots + 1, 32000)
-        for shape in shapes:
-            spec = jax.ShapeDtypeStruct
-            lora_a = [spec((slots, 1, shape.rank, shape.hidden), dtype) for _ in shape.slices]
-            lora_b = [spec((slots, 1, n, shape.rank), dtype) for n in shape.slices]
-            lora_bias = [spec((slots, 1, n), dtype) for n in shape.slices] if bias else None
-            ranks = spec((slots,), jnp.int32) if lora_ranks else None
-            jax.jit(step, static_argnums=(7,)).lower(
-                twin, spec((num_tokens, sum(shape.slices)), dtype), spec((num_tokens, shape.hidden), dtype),
-                lora_a, lora_b, lora_bias, ranks, tuple(shape.slices))
-            bar.step(f"T={num_tokens}")
-    return {"calls": bar.done, "seconds": bar.seconds, "token_counts": counts}
+    if len(groups) == 1:
+        lower_group(groups[0])
+    else:
+        with concurrent.futures.ThreadPoolExecutor(len(groups), thread_name_prefix="jax_lora-warmup") as pool:
+            for future in [pool.submit(lower_group, g) for g in groups]:
+                future.result()
+    return {"calls": bar.done, "seconds": time.perf_counter() - t_start, "token_counts": counts,
+            "workers": len(groups)}
+
+
+def _step(w, y, x, lora_a, lora_b, lora_bias, ranks, slices):
+    return w.add_lora_linear(y, x, lora_a, lora_b, lora_bias, 1.0, slices, lora_ranks=ranks)
+
+
+def _lower_case(twin, shape: LinearShape, num_tokens: int, slots: int, dtype, lora_ranks: bool, bias: bool) -> None:
+    """add_lora_linear of one layer shape at num_tokens, lowered with abstract stand-ins."""
+    spec = jax.ShapeDtypeStruct
+    lora_a = [spec((slots, 1, shape.rank, shape.hidden), dtype) for _ in shape.slices]
+    lora_b = [spec((slots, 1, n, shape.rank), dtype) for n in shape.slices]
+    lora_bias = [spec((slots, 1, n), dtype) for n in shape.slices] if bias else None
+    ranks = spec((slots,), jnp.int32) if lora_ranks else None
+    jax.jit(_step, static_argnums=(7,)).lower(
+        twin, spec((num_tokens, sum(shape.slices)), dtype), spec((num_tokens, shape.hidden), dtype),
+        lora_a, lora_b, lora_bias, ranks, tuple(shape.slices))

@@ -7,16 +7,31 @@ once per (token count, layer shape) with stand-in weights of those shapes, so th
 variant is compiled (Triton's cache keeps them across processes, see docs/api.md) before the
 first real step. Launch plans depend on shapes, dtypes and slot counts only, never on values or
 on the mapping, so the stand-ins compile exactly what real steps will run.
+
+Compiling is most of the warm-up (Triton: about half a second per kernel variant) and spreads
+over CPU cores: `warmup_groups` splits the (layer, token count) cases into groups that share
+launch configs (a layer and a token class: the cases of a group mostly compile the same variants,
+different groups different ones), and each side compiles the groups concurrently before its own
+pass, which then finds every variant compiled: torch in worker processes that fill Triton's cache
+(`run_workers`), JAX in threads. A worker that fails only costs its head start: the pass after it
+compiles whatever is missing, and says so in the log.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
+import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
-__all__ = ["LinearShape", "vllm_capture_sizes", "Progress", "check_warmup_arguments"]
+__all__ = ["LinearShape", "vllm_capture_sizes", "Progress", "check_warmup_arguments", "warmup_groups",
+           "default_workers", "run_workers"]
+
+_LOG = logging.getLogger("lora_core")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +104,65 @@ class Progress:
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.start
+
+
+def warmup_groups(shapes: Sequence[LinearShape], counts: Sequence[int], workers: int) -> list:
+    """The (layer, token count) cases split into at most `workers` groups of [(layer, [counts])].
+
+    A case's launch configs depend on its layer and its token class (`configs.token_class`), so
+    the cases of one (layer, class) pair compile the same few variants: each pair goes to one group
+    whole, the largest pairs first, each to the group with the fewest cases so far."""
+    from .kernels.configs import token_class
+    pairs: dict = {}
+    for shape in shapes:
+        for t in counts:
+            pairs.setdefault((shape, token_class(t)), []).append(t)
+    groups: list = [[] for _ in range(max(1, min(workers, len(pairs))))]
+    sizes = [0] * len(groups)
+    for (shape, _cls), ts in sorted(pairs.items(), key=lambda kv: -len(kv[1])):
+        g = sizes.index(min(sizes))
+        groups[g].append((shape, ts))
+        sizes[g] += len(ts)
+    return [g for g in groups if g]
+
+
+def default_workers(compiles: bool) -> int:
+    """Concurrent compile groups: the machine's cores (at most 16) when the backend compiles kernels,
+    else 1 (nothing to spread)."""
+    return max(1, min(16, os.cpu_count() or 1)) if compiles else 1
+
+
+def run_workers(module: str, payloads: Sequence[dict], *, timeout: float = 600.0,
+                env: Optional[dict] = None) -> list:
+    """Runs `python -m <module> --warmup-worker <payload as JSON>` once per payload, concurrently,
+    and waits for all (each at most `timeout` seconds). Returns per worker {"ok", "seconds",
+    "error"}; never raises: a failed worker is logged (the caller's own pass compiles what it left)."""
+    env = {**os.environ, **(env or {})}
+    procs, t0 = [], time.perf_counter()
+    for payload in payloads:
+        try:
+            procs.append(subprocess.Popen([sys.executable, "-m", module, "--warmup-worker", json.dumps(payload)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env))
+        except OSError as e:
+            procs.append(e)
+    results = []
+    for proc in procs:
+        if isinstance(proc, OSError):
+            results.append({"ok": False, "seconds": 0.0, "error": f"could not start: {proc}"})
+            continue
+        try:
+            _, err = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+            ok = proc.returncode == 0
+            tail = "" if ok else err.decode(errors="replace")[-2000:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            ok, tail = False, f"timed out after {timeout:.0f} s"
+        results.append({"ok": ok, "seconds": time.perf_counter() - t0, "error": tail})
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        _LOG.warning("%d of %d warm-up workers failed (their variants compile in the main pass): %s",
+                     len(failed), len(results), failed[0]["error"].strip().splitlines()[-1:] or failed[0]["error"])
+    else:
+        _LOG.info("%d warm-up workers compiled in %.1f s", len(results), time.perf_counter() - t0)
+    return results

@@ -65,3 +65,54 @@ def test_jax_warmup_lowers_every_case_without_touching_the_wrapper():
     assert stats["calls"] == 2
     assert np.array_equal(np.asarray(w.token_lora_indices), before)
     del jax
+
+
+def test_warmup_groups_keep_each_layer_and_token_class_together():
+    from lora_core.kernels.configs import token_class
+    from lora_core.warmup import warmup_groups
+    shapes = [LinearShape(4096, (4096, 1024, 1024), 16), LinearShape(4096, (4096,), 16),
+              LinearShape(4096, (14336, 14336), 16), LinearShape(14336, (4096,), 16)]
+    counts = vllm_capture_sizes(512)
+    for workers in (1, 3, 16, 64):
+        groups = warmup_groups(shapes, counts, workers)
+        assert 1 <= len(groups) <= workers
+        cases = [(shape, t) for g in groups for shape, ts in g for t in ts]
+        assert sorted(cases, key=str) == sorted(((s, t) for s in shapes for t in counts), key=str)   # each once
+        owner = {}
+        for i, g in enumerate(groups):
+            for shape, ts in g:
+                for t in ts:
+                    assert owner.setdefault((shape, token_class(t)), i) == i      # a pair is never split
+    assert len(warmup_groups(shapes, counts, 64)) == len({(s, token_class(t)) for s in shapes for t in counts})
+
+
+def test_failed_warmup_workers_are_reported_not_raised(caplog):
+    from lora_core.warmup import run_workers
+    with caplog.at_level("WARNING", logger="lora_core"):
+        results = run_workers("lora_core.no_such_module", [{}, {}], timeout=60)
+    assert [r["ok"] for r in results] == [False, False] and "No module named" in results[0]["error"]
+    assert "2 of 2 warm-up workers failed" in caplog.text
+
+
+def test_torch_warmup_workers_compile_in_other_processes_first():
+    torch = pytest.importorskip("torch")
+    import torch_lora
+    w = torch_lora.PunicaWrapper(16, 4, "cpu", max_loras=3, backend="torch")
+    stats = w.warmup([(32, (16, 8), 8), LinearShape(16, (16,), 4)], [1, 3, 12, 16], dtype=torch.float32,
+                     progress=False, workers=2)
+    assert stats["calls"] == 8
+    assert len(stats["workers"]) == 2 and all(r["ok"] for r in stats["workers"]), stats["workers"]
+    assert w.warmup([(32, (16,), 8)], [1], dtype=torch.float32, progress=False)["workers"] == []   # CPU: none
+    with pytest.raises(ValueError, match="workers must be None or an int >= 0"):
+        w.warmup([(32, (16,), 8)], [1], workers=-1)
+
+
+def test_jax_warmup_threads_lower_every_case_once():
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import jax_lora
+    w = jax_lora.PunicaWrapper(64, 4, None, max_loras=3, backend="xla")
+    stats = w.warmup([(32, (16, 8), 8), (16, (16,), 4)], [1, 2, 24, 40, 64], dtype=jnp.float32, progress=False,
+                     workers=4)
+    assert stats["calls"] == 10 and stats["workers"] == 4

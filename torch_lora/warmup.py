@@ -11,33 +11,58 @@ stand-in weights of the layer's shape: launch plans and Triton's specialisations
 dtypes, strides and slot counts only, so this compiles exactly what real steps of those sizes run.
 Compiled kernels go to Triton's cache (`TRITON_CACHE_DIR`, default `~/.triton/cache`), which later
 processes reuse.
+
+On a GPU with the Triton backend the cases are first compiled concurrently by worker processes
+(`workers`, default one per core up to 16; `lora_core.warmup.warmup_groups` splits the cases so
+that workers rarely compile the same variant), which fill Triton's cache; the pass in this process
+then loads what they compiled. `python -m torch_lora.warmup --warmup-worker JSON` is the worker.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import sys
+import time
 from typing import Optional, Sequence
 
 import torch
 
 from lora_core.host_mapping import LoRAMapping
-from lora_core.warmup import LinearShape, Progress, check_warmup_arguments, vllm_capture_sizes
+from lora_core.warmup import (LinearShape, Progress, check_warmup_arguments, default_workers, run_workers,
+                              vllm_capture_sizes, warmup_groups)
 
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
 
 def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = None, *,
            dtype: torch.dtype = torch.bfloat16, lora_ranks: bool = False, bias: bool = False,
-           progress: bool = True) -> dict:
-    """Runs `add_lora_linear` once per (token count, layer); returns {"calls", "seconds", "token_counts"}.
+           progress: bool = True, workers: Optional[int] = None) -> dict:
+    """Runs `add_lora_linear` once per (token count, layer); returns {"calls", "seconds",
+    "token_counts", "workers"} (workers: per worker process {"ok", "seconds", "error"}).
 
     layers: LinearShapes or (hidden, slices, rank) tuples; token_counts: default vLLM's capture sizes
     up to the wrapper's max_num_batched_tokens; lora_ranks / bias: whether the engine passes per-slot
-    ranks / biases (they select other kernel variants)."""
+    ranks / biases (they select other kernel variants); workers: processes that compile first
+    (None: one per core up to 16 on a GPU with the Triton backend, else none; 0 or 1: none)."""
     from .wrapper import PunicaWrapper
 
+    t_start = time.perf_counter()
     shapes, counts = check_warmup_arguments(
         layers, token_counts if token_counts is not None else vllm_capture_sizes(wrapper.max_num_batched_tokens),
         wrapper.max_num_batched_tokens)
+    if workers is None:
+        workers = default_workers(wrapper.backend == "triton" and wrapper.device.type == "cuda")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
+    worker_results = []
+    if workers > 1:
+        common = dict(max_num_batched_tokens=wrapper.max_num_batched_tokens, max_batches=wrapper.max_batches,
+                      device=str(wrapper.device), max_loras=wrapper.max_loras, backend=wrapper.backend,
+                      dtype=str(dtype).removeprefix("torch."), lora_ranks=lora_ranks, bias=bias)
+        payloads = [dict(common, cases=[(dataclasses.astuple(shape), ts) for shape, ts in group])
+                    for group in warmup_groups(shapes, counts, workers)]
+        worker_results = run_workers("torch_lora.warmup", payloads)
     twin = PunicaWrapper(wrapper.max_num_batched_tokens, wrapper.max_batches, wrapper.device,
                          max_loras=wrapper.max_loras, backend=wrapper.backend)
     slots, device = wrapper.max_loras, wrapper.device
@@ -59,4 +84,21 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
             bar.step(f"T={num_tokens}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return {"calls": bar.done, "seconds": bar.seconds, "token_counts": counts}
+    return {"calls": bar.done, "seconds": time.perf_counter() - t_start, "token_counts": counts,
+            "workers": worker_results}
+
+
+def _worker(payload: dict) -> None:
+    """A warm-up worker process: the payload's (layer, token counts) cases on a wrapper like the
+    caller's, without workers of its own; its compiles land in Triton's cache."""
+    from .wrapper import PunicaWrapper
+    w = PunicaWrapper(payload["max_num_batched_tokens"], payload["max_batches"], payload["device"],
+                      max_loras=payload["max_loras"], backend=payload["backend"])
+    dtype = getattr(torch, payload["dtype"])
+    for (hidden, slices, rank), counts in payload["cases"]:
+        warmup(w, [LinearShape(hidden, tuple(slices), rank)], counts, dtype=dtype, lora_ranks=payload["lora_ranks"],
+               bias=payload["bias"], progress=False, workers=0)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--warmup-worker":
+    _worker(json.loads(sys.argv[2]))

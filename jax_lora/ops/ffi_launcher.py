@@ -46,6 +46,7 @@ _ARG, _OUT, _I32, _F32, _I64, _NULL = (cuda_launch.ARG, cuda_launch.OUT, cuda_la
                                        cuda_launch.I64, cuda_launch.NULL)
 _COUNTERS, _ARG_AT = cuda_launch.COUNTERS, cuda_launch.ARG_AT
 _LOCK = threading.Lock()
+_KEY_LOCKS: dict = {}       # compile key -> its lock (_compile)
 
 
 def _ensure_counters(ints: int) -> None:
@@ -237,19 +238,30 @@ def _compile(launch: Launch, sig: dict, consts: dict, attrs: dict) -> _Compiled:
     if hit is not None:
         return hit
     with _LOCK:
+        key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+    # One compile per variant; different variants compile concurrently (Triton's compiler and
+    # ptxas release the GIL: jax_lora.warmup compiles from several threads).
+    with key_lock:
         hit = _COMPILED.get(key)
         if hit is not None:
             return hit
-        if os.environ.get("TRITON_CACHE_DIR") == "":
-            # jax_triton sets it to "" when imported; Triton then cannot compile ("Could not
-            # create or locate cache dir")
-            os.environ.pop("TRITON_CACHE_DIR")
+        with _LOCK:
+            if os.environ.get("TRITON_CACHE_DIR") == "":
+                # jax_triton sets it to "" when imported; Triton then cannot compile ("Could not
+                # create or locate cache dir")
+                os.environ.pop("TRITON_CACHE_DIR")
         src = ASTSource(launch.kernel, sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                                   options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+        return _register(key, compiled)
+
+
+def _register(key: tuple, compiled) -> _Compiled:
+    """Loads a compiled kernel into every local GPU (under the launcher's lock) and records it."""
+    with _LOCK:
         md = compiled.metadata
         if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
-            raise NotImplementedError(f"{launch.kernel.__name__} needs Triton scratch memory, which the JAX "
+            raise NotImplementedError(f"{md.name} needs Triton scratch memory, which the JAX "
                                       "launcher does not provide")
         if getattr(md, "num_ctas", 1) != 1:
             raise NotImplementedError("the JAX Triton launcher launches one CTA per program")
