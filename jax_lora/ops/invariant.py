@@ -22,6 +22,10 @@ which is why the xla backend without `deterministic` gives a token slightly diff
 different batches. Elementwise code is the same for every element; XLA may fuse a product with the
 first addition into one FMA, and then does so for every element alike.
 
+The module supplies only how each token's own product is computed (`shrink_rows`, `expand_rows`);
+slot selection, rank masking, bias and the masked write are the xla backend's (`xla.shrink` and
+`xla.expand` with these rows).
+
 The Pallas TPU kernels tile rows and the hidden size by the token count (plans.py) and choose the
 row order per call, so with `deterministic=True` the pallas_tpu backend runs this formulation too.
 The cost: every token's products are materialised, (T, r, H) for the shrink and (T, n, r) for the
@@ -30,12 +34,12 @@ expand, in chunks of CHUNK_VALUES float32 values.
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from ..meta import LoRAKernelMeta
+from . import xla
 
 NAME = "xla"
 CHUNK_VALUES = 1 << 22
@@ -57,18 +61,6 @@ def tree_sum(v: jax.Array) -> jax.Array:
     return v[..., 0]
 
 
-def _slots(idx: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
-    """(valid (T,) bool, slot (T,) int32): valid is false for -1 and anything outside 0..L-1, whose
-    slot is 0 (a safe index; their results are masked out with `valid`)."""
-    valid = (idx >= 0) & (idx < num_slots)
-    return valid, jnp.where(valid, idx, 0)
-
-
-def _rank_keep(lora_ranks: jax.Array, num_slots: int, rank: int) -> jax.Array:
-    """(L, r) bool: True for the first lora_ranks[l] rank columns of slot l (the rest is padding)."""
-    return jnp.arange(rank)[None, :] < jnp.asarray(lora_ranks)[:num_slots, None]
-
-
 def _chunks(num_tokens: int, values_per_token: int) -> list:
     step = max(1, CHUNK_VALUES // max(1, values_per_token))
     return [(lo, min(lo + step, num_tokens)) for lo in range(0, num_tokens, step)]
@@ -81,55 +73,28 @@ def _rows(parts: list, width: int) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float,
-           lora_ranks=None) -> jax.Array:
-    """x (T, H); lora_a[s] (L, r, H) -> (S, T, r) float32."""
-    t = x.shape[0]
-    idx = meta.token_lora_mapping[:t]
-    xf = x.astype(jnp.float32)
-    outs = []
-    for a in lora_a:
-        num_slots, rank, hidden = a.shape
-        valid, slot = _slots(idx, num_slots)
-        keep = valid[:, None]
-        if lora_ranks is not None:
-            keep = keep & _rank_keep(lora_ranks, num_slots, rank)[slot]
-        parts = []
-        for lo, hi in _chunks(t, rank * hidden):
-            products = xf[lo:hi, None, :] * a[slot[lo:hi]].astype(jnp.float32)          # (c, r, H)
-            parts.append(jnp.where(keep[lo:hi], scale * tree_sum(products), 0.0))
-        outs.append(_rows(parts, rank))
-    return jnp.stack(outs)
+def shrink_rows(xf: jax.Array, a: jax.Array, slot: jax.Array) -> jax.Array:
+    """(T, r) float32: xf[t] @ a[slot[t]].T as elementwise products, (c, r, H) per chunk of
+    tokens, summed by `tree_sum`."""
+    t, (_, rank, hidden) = xf.shape[0], a.shape
+    return _rows([tree_sum(xf[lo:hi, None, :] * a[slot[lo:hi]].astype(jnp.float32))
+                  for lo, hi in _chunks(t, rank * hidden)], rank)
 
 
-def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRAKernelMeta,
-           offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None) -> jax.Array:
-    """buf (S, T, r); lora_b[s] (L, n_s, r); y (T, N) -> y with the slices written.
+def expand_rows(x: jax.Array, slot: jax.Array, b: jax.Array, keep=None) -> jax.Array:
+    """(T, n) float32: x[t] @ b[slot[t]].T (rank columns outside `keep` (L, r) zeroed) as elementwise
+    products, (c, n, r) per chunk of tokens, summed by `tree_sum`."""
+    _, width, rank = b.shape
+    parts = []
+    for lo, hi in _chunks(x.shape[0], width * rank):
+        own_b = b[slot[lo:hi]].astype(jnp.float32)                                  # (c, n, r)
+        if keep is not None:
+            own_b = jnp.where(keep[slot[lo:hi]][:, None, :], own_b, 0.0)
+        parts.append(tree_sum(x[lo:hi, None, :] * own_b))
+    return _rows(parts, width)
 
-    bias: None or S entries, each None or (L, n_s). With lora_ranks, B's columns past a slot's rank
-    and buf's values past a token's rank are ignored.
-    """
-    t = y.shape[0]
-    idx = meta.token_lora_mapping[:t]
-    for s, (b, off) in enumerate(zip(lora_b, offsets)):
-        num_slots, width, rank = b.shape
-        valid, slot = _slots(idx, num_slots)
-        xs = buf[s].astype(jnp.float32)
-        keep = None
-        if lora_ranks is not None:
-            keep = _rank_keep(lora_ranks, num_slots, rank)[slot]                    # (T, r)
-            xs = jnp.where(keep, xs, 0.0)                                           # past the token's rank
-        parts = []
-        for lo, hi in _chunks(t, width * rank):
-            own_b = b[slot[lo:hi]].astype(jnp.float32)                              # (c, n, r)
-            if keep is not None:
-                own_b = jnp.where(keep[lo:hi, None, :], own_b, 0.0)
-            delta = tree_sum(xs[lo:hi, None, :] * own_b)                            # (c, n)
-            if bias is not None and bias[s] is not None:
-                delta = delta + bias[s][slot[lo:hi]].astype(jnp.float32)
-            parts.append(delta)
-        delta = _rows(parts, width)
-        old = y[:, off:off + width]
-        new = (old.astype(jnp.float32) + delta) if add_inputs else delta
-        y = y.at[:, off:off + width].set(jnp.where(valid[:, None], new.astype(y.dtype), old))
-    return y
+
+shrink = functools.partial(xla.shrink, rows=shrink_rows)
+shrink.__doc__ = "xla.shrink with the batch-invariant rows: x (T, H); lora_a[s] (L, r, H) -> (S, T, r) float32."
+expand = functools.partial(xla.expand, rows=expand_rows)
+expand.__doc__ = "xla.expand with the batch-invariant rows: buf (S, T, r); lora_b[s] (L, n_s, r); y (T, N) -> y."

@@ -48,9 +48,17 @@ def _rank_keep(lora_ranks: jax.Array, num_slots: int, rank: int) -> jax.Array:
     return jnp.arange(rank)[None, :] < jnp.asarray(lora_ranks)[:num_slots, None]
 
 
+def _shrink_rows(xf: jax.Array, a: jax.Array, slot: jax.Array) -> jax.Array:
+    """(T, r) float32: xf[t] @ a[slot[t]].T -- one matmul against every slot, (T, L, r), then each
+    token's own slot (a gather)."""
+    every = jnp.einsum("th,lrh->tlr", xf, a.astype(jnp.float32), precision=HIGHEST)
+    return jnp.take_along_axis(every, slot[:, None, None], axis=1)[:, 0]
+
+
 def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float,
-           lora_ranks=None) -> jax.Array:
-    """x (T, H); lora_a[s] (L, r, H) -> (S, T, r) float32."""
+           lora_ranks=None, *, rows=_shrink_rows) -> jax.Array:
+    """x (T, H); lora_a[s] (L, r, H) -> (S, T, r) float32. rows(xf, a, slot) -> (T, r): how each
+    token's own product is computed (jax_lora.ops.invariant passes its batch-invariant form)."""
     t = x.shape[0]
     idx = meta.token_lora_mapping[:t]
     xf = x.astype(jnp.float32)
@@ -58,8 +66,7 @@ def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scal
     for a in lora_a:
         num_slots, rank, _ = a.shape
         valid, slot = _slots(idx, num_slots)
-        every = jnp.einsum("th,lrh->tlr", xf, a.astype(jnp.float32), precision=HIGHEST)   # (T, L, r)
-        own = jnp.take_along_axis(every, slot[:, None, None], axis=1)[:, 0]              # (T, r)
+        own = rows(xf, a, slot)                                                           # (T, r)
         keep = valid[:, None]
         if lora_ranks is not None:
             keep = keep & _rank_keep(lora_ranks, num_slots, rank)[slot]
@@ -99,12 +106,16 @@ def _expand_slots(x: jax.Array, slot: jax.Array, b: jax.Array, keep=None) -> jax
 
 
 def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRAKernelMeta,
-           offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None) -> jax.Array:
+           offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None, *,
+           rows=None) -> jax.Array:
     """buf (S, T, r); lora_b[s] (L, n_s, r); y (T, N) -> y with the slices written.
 
     bias: None or S entries, each None or (L, n_s): bias[s][idx[t]] is added to the slice too.
     With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are ignored.
+    rows(x, slot, b, keep) -> (T, n): each token's own product (default `_expand_slots`;
+    jax_lora.ops.invariant passes its batch-invariant form).
     """
+    rows = rows or _expand_slots
     t = y.shape[0]
     idx = meta.token_lora_mapping[:t]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
@@ -115,7 +126,7 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
         if lora_ranks is not None:
             keep = _rank_keep(lora_ranks, num_slots, rank)                   # (L, r)
             x = jnp.where(keep[slot], x, 0.0)                                # past the token's rank
-        delta = _expand_slots(x, slot, b, keep)
+        delta = rows(x, slot, b, keep)
         if bias is not None and bias[s] is not None:
             delta = delta + bias[s][slot].astype(jnp.float32)                 # (T, n): own slot only
         old = y[:, off:off + width]

@@ -15,6 +15,10 @@ token's result is bitwise the same in every batch and in every run. How:
   * products are elementwise, x[t, k] * A[idx[t], j, k];
   * the sum over k is `tree_sum`: a fixed pairwise tree of elementwise float32 adds.
 
+The module supplies only how each token's own product is computed (`shrink_rows`, `expand_rows`);
+slot selection, rank masking, bias and the masked write are torch_ref's (`torch_ref.shrink` and
+`torch_ref.expand` with these rows).
+
 No matmul and no library reduction: a BLAS GEMM (or a reduction kernel) may block its inner
 dimension, and so order its additions, differently for a different number of rows, which is why
 backend "torch" without `deterministic` gives a token slightly different bits in different
@@ -24,9 +28,12 @@ for the expand, CHUNK_VALUES float32 values at a time.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Optional
 
 import torch
+
+from . import torch_ref
 
 NAME = "torch"
 CHUNK_VALUES = 1 << 22
@@ -48,64 +55,35 @@ def tree_sum(v: torch.Tensor) -> torch.Tensor:
     return v[..., 0]
 
 
-def _slots(idx: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid (T,) bool, slot (T,) int64): valid is false for -1 and anything outside 0..L-1, whose
-    slot is 0 (a safe index; their results are masked out with `valid`)."""
-    valid = (idx >= 0) & (idx < num_slots)
-    return valid, torch.where(valid, idx, torch.zeros_like(idx)).long()
-
-
-def _rank_keep(lora_ranks: torch.Tensor, num_slots: int, rank: int, device) -> torch.Tensor:
-    """(L, r) bool: True for the first lora_ranks[l] rank columns of slot l (the rest is padding)."""
-    cols = torch.arange(rank, device=device)[None, :]
-    return cols < lora_ranks[:num_slots, None].to(device)
-
-
 def _chunks(num_tokens: int, values_per_token: int):
     step = max(1, CHUNK_VALUES // max(1, values_per_token))
     return [(lo, min(lo + step, num_tokens)) for lo in range(0, num_tokens, step)]
 
 
-@torch.no_grad()
-def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args: tuple,
-           scale: float, lora_ranks: Optional[torch.Tensor] = None) -> None:
-    t = x.shape[0]
-    idx = meta_args[0][:t]
-    for s, a in enumerate(lora_a):
-        num_slots, rank, hidden = a.shape
-        valid, slot = _slots(idx, num_slots)
-        keep = valid[:, None]
-        if lora_ranks is not None:
-            keep = keep & _rank_keep(lora_ranks, num_slots, rank, x.device)[slot]
-        for lo, hi in _chunks(t, rank * hidden):
-            products = x[lo:hi, None, :].to(torch.float32) * a[slot[lo:hi]].to(torch.float32)   # (c, r, H)
-            own = scale * tree_sum(products)
-            out[s, lo:hi].copy_(torch.where(keep[lo:hi], own, torch.zeros_like(own)))
+def shrink_rows(xf: torch.Tensor, a: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """(T, r) float32: xf[t] @ a[slot[t]].T as elementwise products, (c, r, H) per chunk of
+    tokens, summed by `tree_sum`."""
+    _, rank, hidden = a.shape
+    out = xf.new_empty((xf.shape[0], rank))
+    for lo, hi in _chunks(xf.shape[0], rank * hidden):
+        out[lo:hi] = tree_sum(xf[lo:hi, None, :] * a[slot[lo:hi]].to(torch.float32))
+    return out
 
 
-@torch.no_grad()
-def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args: tuple,
-           offsets: Sequence[int], add_inputs: bool, lora_ranks: Optional[torch.Tensor] = None,
-           bias=None) -> None:
-    """With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are
-    ignored."""
-    t = y.shape[0]
-    idx = meta_args[0][:t]
-    for s, (b, off) in enumerate(zip(lora_b, offsets)):
-        num_slots, width, rank = b.shape
-        valid, slot = _slots(idx, num_slots)
-        xs = buf[s].to(torch.float32)
-        keep = None
-        if lora_ranks is not None:
-            keep = _rank_keep(lora_ranks, num_slots, rank, y.device)[slot]       # (T, r)
-            xs = torch.where(keep, xs, torch.zeros_like(xs))                        # past the token's rank
-        for lo, hi in _chunks(t, width * rank):
-            own_b = b[slot[lo:hi]].to(torch.float32)                                # (c, n, r)
-            if keep is not None:
-                own_b = torch.where(keep[lo:hi, None, :], own_b, torch.zeros_like(own_b))
-            delta = tree_sum(xs[lo:hi, None, :] * own_b)                            # (c, n)
-            if bias is not None and bias[s] is not None:
-                delta = delta + bias[s][slot[lo:hi]].to(torch.float32)
-            old = y[lo:hi, off:off + width]
-            new = old.to(torch.float32) + delta if add_inputs else delta
-            old.copy_(torch.where(valid[lo:hi, None], new.to(y.dtype), old))
+def expand_rows(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """(T, n) float32: x[t] @ b[slot[t]].T (rank columns outside `keep` (L, r) zeroed) as elementwise
+    products, (c, n, r) per chunk of tokens, summed by `tree_sum`."""
+    _, width, rank = b.shape
+    out = x.new_empty((x.shape[0], width))
+    for lo, hi in _chunks(x.shape[0], width * rank):
+        own_b = b[slot[lo:hi]].to(torch.float32)                                    # (c, n, r)
+        if keep is not None:
+            own_b = torch.where(keep[slot[lo:hi]][:, None, :], own_b, torch.zeros_like(own_b))
+        out[lo:hi] = tree_sum(x[lo:hi, None, :] * own_b)
+    return out
+
+
+shrink = functools.partial(torch_ref.shrink, rows=shrink_rows)
+shrink.__doc__ = "torch_ref.shrink with the batch-invariant rows: writes out[s] (T, r) float32."
+expand = functools.partial(torch_ref.expand, rows=expand_rows)
+expand.__doc__ = "torch_ref.expand with the batch-invariant rows: writes y's slices in place."

@@ -46,17 +46,25 @@ def _rank_keep(lora_ranks: torch.Tensor, num_slots: int, rank: int, device) -> t
     return cols < lora_ranks[:num_slots, None].to(device)
 
 
+def _shrink_rows(xf: torch.Tensor, a: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """(T, r) float32: xf[t] @ a[slot[t]].T -- one matmul against every slot, (T, L, r), then each
+    token's own slot (a gather)."""
+    every = torch.einsum("th,lrh->tlr", xf, a.to(torch.float32))
+    return torch.take_along_dim(every, slot[:, None, None], dim=1)[:, 0]
+
+
 @torch.no_grad()
 def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args: tuple,
-           scale: float, lora_ranks: Optional[torch.Tensor] = None) -> None:
+           scale: float, lora_ranks: Optional[torch.Tensor] = None, *, rows=_shrink_rows) -> None:
+    """out[s] (T, r) float32 written. rows(xf, a, slot) -> (T, r): how each token's own product is
+    computed (torch_lora.ops.invariant passes its batch-invariant form)."""
     t = x.shape[0]
     idx = meta_args[0][:t]
     xf = x.to(torch.float32)
     for s, a in enumerate(lora_a):
         num_slots, rank, _ = a.shape
         valid, slot = _slots(idx, num_slots)
-        every = torch.einsum("th,lrh->tlr", xf, a.to(torch.float32))              # (T, L, r)
-        own = torch.take_along_dim(every, slot[:, None, None], dim=1)[:, 0]       # (T, r)
+        own = rows(xf, a, slot)                                                    # (T, r)
         keep = valid[:, None]
         if lora_ranks is not None:
             keep = keep & _rank_keep(lora_ranks, num_slots, rank, x.device)[slot]
@@ -94,9 +102,11 @@ def _expand_slots(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor,
 @torch.no_grad()
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args: tuple,
            offsets: Sequence[int], add_inputs: bool, lora_ranks: Optional[torch.Tensor] = None,
-           bias=None) -> None:
+           bias=None, *, rows=None) -> None:
     """With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are
-    ignored."""
+    ignored. rows(x, slot, b, keep) -> (T, n): each token's own product (default `_expand_slots`;
+    torch_lora.ops.invariant passes its batch-invariant form)."""
+    rows = rows or _expand_slots
     t = y.shape[0]
     idx = meta_args[0][:t]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
@@ -107,7 +117,7 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
         if lora_ranks is not None:
             keep = _rank_keep(lora_ranks, num_slots, rank, y.device)              # (L, r)
             x = torch.where(keep[slot], x, torch.zeros_like(x))                    # past the token's rank
-        delta = _expand_slots(x, slot, b, keep)
+        delta = rows(x, slot, b, keep)
         if bias is not None and bias[s] is not None:
             delta = delta + bias[s][slot].to(torch.float32)                        # own slot only
         old = y[:, off:off + width]
