@@ -47,6 +47,8 @@ _ARG, _OUT, _I32, _F32, _I64, _NULL = (cuda_launch.ARG, cuda_launch.OUT, cuda_la
 _COUNTERS, _ARG_AT = cuda_launch.COUNTERS, cuda_launch.ARG_AT
 _LOCK = threading.Lock()
 _KEY_LOCKS: dict = {}       # compile key -> its lock (_compile)
+_LIB_LOCK = threading.Lock()
+_LIBRARY: list = []         # the handler library once built (_library)
 
 
 def _ensure_counters(ints: int) -> None:
@@ -107,14 +109,20 @@ def launcher_choice() -> str:
     return choice
 
 
-@functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
-    lib = cuda_launch.declare(ctypes.CDLL(cuda_launch.build_library(xla_ffi=True)))
-    from jaxlib import xla_client  # noqa: PLC0415
-    traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jl_triton_launch), platform="CUDA",
-                                api_version=1, traits=traits)
-    return lib
+    """The handler library, built and registered with XLA once per process (thread-safe: warm-up
+    threads may reach it together)."""
+    if _LIBRARY:
+        return _LIBRARY[0]
+    with _LIB_LOCK:
+        if not _LIBRARY:
+            lib = cuda_launch.declare(ctypes.CDLL(cuda_launch.build_library(xla_ffi=True)))
+            from jaxlib import xla_client  # noqa: PLC0415
+            traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jl_triton_launch), platform="CUDA",
+                                        api_version=1, traits=traits)
+            _LIBRARY.append(lib)
+    return _LIBRARY[0]
 
 
 def handler_calls() -> int:
