@@ -263,7 +263,7 @@ class WrapperCall:
                                self.widths)
 
 
-def run_case(case, slice_name, device, seed=0, deterministic=False):
+def run_case(case, slice_name, device, seed=0, deterministic=False, wrapper_graph=False):
     name, kind, T, D, r, frac_none, ranks = case
     widths = SLICES[slice_name]
     slots = max(8, D)
@@ -297,6 +297,16 @@ def run_case(case, slice_name, device, seed=0, deterministic=False):
         torch.cuda.synchronize()
         det_us = graph_time_us(sets)
         det = dict(det_us=det_us, det_cost=det_us / t_us, det_rel_err=rel_err(y, ref))
+    if wrapper_graph:
+        # the same input sets through the public PunicaWrapper.add_lora_linear (its own metadata,
+        # (L, 1, n, r) stacks, its launcher), captured the same way: the wrapper path against the op
+        calls = [WrapperCall(s, widths) for s in sets]
+        y = first.y.clone()
+        calls[0].call(y)
+        torch.cuda.synchronize()
+        wrapper_us = graph_time_us(calls)
+        det.update(wrapper_us=wrapper_us, wrapper_over_op=wrapper_us / t_us, wrapper_rel_err=rel_err(y, ref))
+        del calls
     floor_us = max(nbytes / (PEAK_GBS * 1e3), LAUNCH_US if T <= 1024 else 0.0)
     base_name = name if name in VLLM else None
     vllm = VLLM[base_name][0 if slice_name == "s1" else 1] if base_name else None
@@ -568,6 +578,9 @@ def main():
     p.add_argument("--no-host", action="store_true", help="no host enqueue figures")
     p.add_argument("--cases", default=None, help="regex: only the sweep cases whose name matches")
     p.add_argument("--digest", action="store_true", help="print the sources' digest (meta.source_digest) and exit")
+    p.add_argument("--wrapper-graph", action="store_true",
+                   help="also time every sweep case through PunicaWrapper.add_lora_linear in the same graphs "
+                        "(wrapper_us, wrapper_over_op: the wrapper path against the op)")
     p.add_argument("--deterministic", action="store_true",
                    help="also time every sweep case with deterministic=True (batch-invariant launches), "
                         "reported beside the default as det_us and det_cost")
@@ -604,11 +617,13 @@ def main():
         print(host_breakdown(s.s), flush=True)
     for case in [] if args.host_only else cases:
         for sl in ("s1", "s3"):
-            r = run_case(case, sl, device, deterministic=args.deterministic)
+            r = run_case(case, sl, device, deterministic=args.deterministic, wrapper_graph=args.wrapper_graph)
             res["sweep"].append(r)
             v = f"vLLM {r['vllm_us']:.1f}" if r["vllm_us"] else ""
             d = (f" deterministic {r['det_us']:8.2f} us ({r['det_cost']:.2f}x, err {r['det_rel_err']:.1e})"
                  if "det_us" in r else "")
+            d += (f" wrapper {r['wrapper_us']:8.2f} us ({r['wrapper_over_op']:.2f}x, err {r['wrapper_rel_err']:.1e})"
+                  if "wrapper_us" in r else "")
             print(f"{r['case']:28s} {sl} {r['time_us']:8.2f} us {r['pct_peak']:5.1f}% err {r['rel_err']:.1e} "
                   f"{v}{d}", flush=True)
     for case in [] if args.no_host else [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T8 D1 r16",
