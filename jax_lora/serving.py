@@ -11,8 +11,9 @@ Shapes are bucketed, so one compiled program serves every step of a bucket:
   prefill: (rows, length) with rows = max(next power of two of the admitted requests,
            min_prefill_rows = 8 by default, the seed's rule), capped at max_seqs; length =
            max(min_prefill_len, next power of two of the longest prompt);
-  decode:  (max_seqs, 1), every row (free rows write nowhere: their row index is out of range and
-           their writes are dropped).
+  decode:  (max_seqs, 1), every row, the cache read and written in place (rows=None: no gather of
+           the KV rows); a free row writes its ignored token's key and value at position 0 of its
+           own row, which the next request placed there overwrites in its prefill before any read.
 The wrapper's buffers have fixed lengths (the prompt mapping padded by the seed's rule, max(next
 power of two, 8) rows); padded tokens and rows use LoRA id 0 (no adapter) and never change real rows.
 Adapters are swapped by AdapterManager between steps with same-shape writes: no recompilation.
@@ -249,7 +250,6 @@ class ServingEngine:
         m = self.max_seqs
         tokens = np.zeros((m, 1), np.int32)
         positions = np.zeros((m, 1), np.int32)
-        rows = np.full(m, m, np.int32)
         ids = np.zeros(m, np.int32)
         live = []
         for r, q in enumerate(by_row):
@@ -257,11 +257,11 @@ class ServingEngine:
                 continue
             tokens[r, 0] = q.tokens[-1]
             positions[r, 0] = len(q.req.prompt) + len(q.tokens) - 1
-            rows[r], ids[r] = r, q.lora
+            ids[r] = q.lora
             live.append((q, r))
         if not live:
             return
-        next_tok, logits = self._run(tokens, positions, rows, np.zeros(m, np.int32), ids, ids, False, use_lora)
+        next_tok, logits = self._run(tokens, positions, None, np.zeros(m, np.int32), ids, ids, False, use_lora)
         self._collect(live, next_tok, logits)
 
     def _collect(self, pairs, next_tok, logits):
