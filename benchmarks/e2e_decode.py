@@ -392,9 +392,7 @@ class TorchDecoder:
         x = F.embedding(tokens, self.embed)                                    # (B, S, H)
         for i, w in enumerate(self.layers):
             h = self._rms(x, w["ln1"]).view(T, H)
-            qkv = h @ w["qkv"]
-            if lora is not None:
-                lora(i, "qkv", qkv, h)
+            qkv = self._linear(i, "qkv", h, w["qkv"], lora)
             q = self._rope(qkv[:, :Q].view(B, S, nh, hd), cos, sin)
             k = self._rope(qkv[:, Q:Q + KV].view(B, S, nkv, hd), cos, sin)
             v = qkv[:, Q + KV:].view(B, S, nkv, hd)
@@ -419,30 +417,68 @@ class TorchDecoder:
                     vc[rows, :, :S] = vt
                 att = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True, enable_gqa=True)
                 att = att.transpose(1, 2).reshape(T, Q)
-            o = att @ w["o"]
-            if lora is not None:
-                lora(i, "o", o, att)
+            o = self._linear(i, "o", att, w["o"], lora)
             x = x + o.view(B, S, H)
             h = self._rms(x, w["ln2"]).view(T, H)
-            gu = h @ w["gate_up"]
-            if lora is not None:
-                lora(i, "gate_up", gu, h)
+            gu = self._linear(i, "gate_up", h, w["gate_up"], lora)
             act = F.silu(gu[:, :I]) * gu[:, I:]
-            dn = act @ w["down"]
-            if lora is not None:
-                lora(i, "down", dn, act)
+            dn = self._linear(i, "down", act, w["down"], lora)
             x = x + dn.view(B, S, H)
         last = self._rms(x[:, S - 1], self.norm)                               # (B, H)
         logits = (last @ self.lm_head).float()
         return logits, logits.argmax(-1)
 
     # ---------------------------------------------------------------- LoRA paths
+    @staticmethod
+    def _linear(i, name, x, weight, lora):
+        """x @ weight with the LoRA hook: lora(i, name, y, x) after the product, or, for an
+        overlapping hook (one with `begin`), lora.begin(i, name, x) before it and
+        lora.end(i, name, y, token) after it."""
+        if lora is not None and hasattr(lora, "begin"):
+            token = lora.begin(i, name, x)
+            y = x @ weight
+            lora.end(i, name, y, token)
+            return y
+        y = x @ weight
+        if lora is not None:
+            lora(i, name, y, x)
+        return y
+
     def wrapper_lora(self, punica):
         """The LoRA hook through `torch_lora.PunicaWrapper.add_lora_linear` (scale 1: B holds it)."""
         def lora(i, name, y, x):
             a, b, slices, ranks = self.lora[i][name]
             punica.add_lora_linear(y, x, a, b, None, 1.0, slices, lora_ranks=ranks)
         return lora
+
+    def overlapped_lora(self, punica, side):
+        """An experiment (--torch-lora overlap): the shrink (`add_shrink`, it needs only x) on the
+        side stream `side` while the base product runs, the expand (`add_expand`) after both; a
+        captured step replays the fork and join as parallel graph branches."""
+        import torch
+        buffers: dict = {}
+        lora_of = self.lora
+
+        class Overlap:
+            @staticmethod
+            def begin(i, name, x):
+                a, _b, _slices, ranks = lora_of[i][name]
+                key = (i, name, x.shape[0])
+                buf = buffers.get(key)
+                if buf is None:
+                    buf = buffers[key] = torch.empty((len(a), x.shape[0], a[0].shape[-2]), dtype=torch.float32,
+                                                     device=x.device)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    punica.add_shrink(buf, x, a, 1.0, lora_ranks=ranks)
+                return buf
+
+            @staticmethod
+            def end(i, name, y, buf):
+                _a, b, slices, ranks = lora_of[i][name]
+                torch.cuda.current_stream().wait_stream(side)
+                punica.add_expand(y, buf, b, None, slices, 0, True, lora_ranks=ranks)
+        return Overlap()
 
     def reference_lora(self, groups):
         """The LoRA hook of the reference: for each (slot, token indices) of `groups`, the delta
@@ -540,6 +576,7 @@ class Bench:
         self.dec_cache_rows = 0
         self._punica()
         self._torch_stream = torch.cuda.Stream() if self.cuda else None
+        self._torch_side = torch.cuda.Stream() if self.cuda else None
         self._states = None
         self._jax_base = self._jax_lora = self._jax_lora_rank = None
         self.results = []
@@ -645,7 +682,10 @@ class Bench:
 
     # ---------------------------------------------------------------- torch
     def torch_step_fn(self, shape: Shape, lora: bool):
-        hook = self.td.wrapper_lora(self.t_punica) if lora else None
+        hook = None
+        if lora:
+            hook = (self.td.overlapped_lora(self.t_punica, self._torch_side) if self.args.torch_lora == "overlap"
+                    else self.td.wrapper_lora(self.t_punica))
 
         def step():
             return self.td.forward(shape.t_tokens, shape.t_positions, shape.t_cache, lora=hook)
@@ -1119,7 +1159,7 @@ def env_meta(args, cfg) -> dict:
                 numpy=np.__version__, commit=commit, source_digest=source_digest(), host_cpu=host_cpu(),
                 smoke=bool(args.smoke), peak_gbs=PEAK_GBS, num_slots=NUM_SLOTS, b_scale=B_SCALE,
                 max_len=args.max_len, steps=args.steps, frameworks=args.frameworks, budget_s=args.budget_s,
-                fused=args.fused,
+                fused=args.fused, torch_lora=args.torch_lora,
                 tolerances=dict(err=TOL_ERR, err_over_effect=TOL_ERR_OVER_EFFECT),
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -1187,9 +1227,14 @@ def main(argv=None) -> int:
                         "a rank concurrently)")
     p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
                    help="add_lora_linear's one-launch fused kernel: the launch tables' choice (auto), or forced")
+    p.add_argument("--torch-lora", choices=("linear", "overlap"), default="linear",
+                   help="torch's LoRA path: add_lora_linear after the base product (linear), or the shrink on a "
+                        "side stream beside the base product and the expand after it (overlap; CUDA only)")
     p.add_argument("--tag", default="")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
     args = p.parse_args(argv)
+    if args.smoke and args.torch_lora == "overlap":
+        p.error("--torch-lora overlap needs CUDA streams (not --smoke)")
     args.steps = args.steps or (3 if args.smoke else 20)
     args.max_len = args.max_len or (32 if args.smoke else 1024)
     if args.budget_s is None and not args.smoke:
