@@ -420,7 +420,8 @@ class PunicaWrapper:
         S = lora_a.shape[0]
         num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [lora_a.shape[1:]] * S, [lora_a.dtype] * S,
                                                  arg_a="lora_a")
-        checks.check_expand((S, x2.shape[0], rank), "float32", [(num_slots, n, rank) for n in output_slices],
+        checks.check_expand((S, x2.shape[0], rank), "float32",
+                            [(lora_b.shape[0], n, lora_b.shape[2]) for n in output_slices],
                             [lora_b.dtype] * S, y2.shape, y2.dtype, 0, arg_b="lora_b")
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a", num_slots)

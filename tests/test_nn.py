@@ -90,6 +90,8 @@ def test_stacked_slices_equal_separate_slices_on_every_backend(backend, determin
     assert _rel(got, oracle) < RTOL
     with pytest.raises(ValueError, match="lora_b"):
         w.add_lora_linear_stacked(y, x, a, b[:, :40], 0.5, slices)
+    with pytest.raises(ValueError, match="lora_b"):                          # rank of B != rank of A
+        w.add_lora_linear_stacked(y, x, a, b[:, :, :2], 0.5, slices)
 
 
 def test_linear_under_jit_with_wrapper_argument():
