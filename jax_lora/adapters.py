@@ -71,6 +71,10 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
     max_rank), B (dim, max_rank); MultiLoRALogits A (max_rank, in), B (vocab, max_rank). Scaling is
     folded into B. Raises AdapterError naming the module, expected and received shapes.
     """
+    if adapter.magnitudes:
+        raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (use_dora; modules "
+                           f"{sorted(adapter.magnitudes)[:3]}...): read, but not served yet (the layers have no "
+                           "DoRA column scale)")
     layers = lnn.lora_layers(model)
     if not layers:
         raise AdapterError(f"{type(model).__name__} has no multi-LoRA layers: call add_lora / "

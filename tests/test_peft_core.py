@@ -112,7 +112,6 @@ def test_half_and_double_precision_tensors(tmp_path, dtype):
 # ----------------------------------------------------------------------------- config fields
 
 @pytest.mark.parametrize("field, value, reason", [
-    ("use_dora", True, "DoRA (weight-decomposed LoRA) is not supported yet"),
     ("alora_invocation_tokens", [32001, 32002], "aLoRA"),
     ("layer_replication", [[0, 1], [0, 1]], "layer replication"),
     ("lora_bias", True, "LoRA bias"),

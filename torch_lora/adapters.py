@@ -135,6 +135,10 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
     factors that do not fit the module, a saved base layer of another shape (a resized vocabulary).
     Nothing is written to any slot here.
     """
+    if adapter.magnitudes:
+        raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (use_dora; modules "
+                           f"{sorted(adapter.magnitudes)[:3]}...): read, but not served yet (the layers have no "
+                           "DoRA column scale)")
     layers = _check_layers(layers)
     if not isinstance(adapter, PeftAdapter):
         raise TypeError(f"adapter must be a PeftAdapter (from load_peft_adapter), got {type(adapter).__name__}")

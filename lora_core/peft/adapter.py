@@ -52,6 +52,9 @@ class PeftAdapter:
     config: dict = dataclasses.field(default_factory=dict)
     base_layer_shapes: dict = dataclasses.field(default_factory=dict)
     path: str | None = None
+    magnitudes: dict = dataclasses.field(default_factory=dict)
+    """DoRA (use_dora): {module: its (out,) magnitude vector m, PEFT's lora_magnitude_vector};
+    lora_core.dora turns it into the module's column scale. Empty for a plain LoRA adapter."""
 
     @property
     def max_rank(self) -> int:
@@ -95,8 +98,16 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
     # Sort the tensor names into modules before any data is read.
     parts: dict = {}
     base_layers = {}
+    magnitudes = {}
     for key, info in header.items():
         name_in_model = key.removeprefix("base_model.model.")
+        if name_in_model.endswith(".lora_magnitude_vector") or name_in_model.endswith(".lora_magnitude_vector.weight"):
+            module = name_in_model[: name_in_model.index(".lora_magnitude_vector")]
+            if not config.use_dora:
+                raise AdapterError(f"{weights_path}: tensor {key!r} is a DoRA magnitude, but {CONFIG_NAME} has "
+                                   "use_dora false")
+            magnitudes[module] = key
+            continue
         if name_in_model.endswith(".base_layer.weight"):
             # PEFT's copy of a targeted embedding / LM head (for resized vocabularies): the base
             # model's own weight; only its shape is checked against the model.
@@ -138,13 +149,27 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
             raise AdapterError(f"{weights_path}: module {module!r} has rank {shape_a[0]} ({key_a!r} {shape_a}), but "
                                f"{CONFIG_NAME} says r={config.rank(module)}")
         plan[module] = (key_a, key_b, kind)
-    arrays = read_safetensors(weights, [k for a, b, _ in plan.values() for k in (a, b)],
+    for module, key in sorted(magnitudes.items()):
+        if module not in plan or plan[module][2] != "linear":
+            raise AdapterError(f"{weights_path}: DoRA magnitude {key!r} has no lora_A / lora_B pair of a linear "
+                               f"module {module!r}")
+        want = (header[plan[module][1]].shape[0],)
+        if tuple(header[key].shape) != want:
+            raise AdapterError(f"{weights_path}: DoRA magnitude {key!r} has shape {tuple(header[key].shape)}, "
+                               f"expected {want} (the module's out_features)")
+    if config.use_dora:
+        missing = sorted(m for m, (_a, _b, kind) in plan.items() if kind == "linear" and m not in magnitudes)
+        if missing:
+            raise AdapterError(f"{weights_path}: {CONFIG_NAME} has use_dora true (a DoRA adapter), but modules "
+                               f"{missing[:4]} have no lora_magnitude_vector")
+    arrays = read_safetensors(weights, [k for a, b, _ in plan.values() for k in (a, b)] + list(magnitudes.values()),
                               max_header_bytes=max_header_bytes, max_tensor_bytes=max_tensor_bytes)
     modules = {module: LoraModule(np.asarray(arrays[a], np.float32), np.asarray(arrays[b], np.float32),
                                   config.scaling(module), kind)
                for module, (a, b, kind) in plan.items()}
+    dora = {module: np.asarray(arrays[key], np.float32) for module, key in magnitudes.items()}
     return PeftAdapter(name or os.path.basename(os.path.normpath(directory)), config.r, config.lora_alpha,
-                       config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory)
+                       config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora)
 
 
 def save_peft_adapter(path: str, modules: Mapping[str, tuple], *, r: int, lora_alpha: float,

@@ -39,6 +39,7 @@ IMPLEMENTED = {
     "r": "the rank (int > 0)",
     "lora_alpha": "the scale numerator (number; PEFT's default 8 when absent)",
     "use_rslora": "scaling lora_alpha / sqrt(r) instead of lora_alpha / r",
+    "use_dora": "DoRA: each targeted module carries lora_magnitude_vector (read as LoraModule.magnitude)",
     "target_modules": "which modules hold LoRA (list of names or suffixes, or a regex over the full name)",
     "exclude_modules": "modules taken out of target_modules (list or regex)",
     "layers_to_transform": "layer indices a list of target_modules is restricted to",
@@ -73,7 +74,6 @@ METADATA = {
 
 # Change an adapter's output in a way this package does not compute: accepted only at a default.
 UNSUPPORTED = {
-    "use_dora": ((False,), "DoRA (weight-decomposed LoRA) is not supported yet"),
     "alora_invocation_tokens": ((None,), "aLoRA applies the adapter only from its invocation tokens on"),
     "layer_replication": ((None, []), "layer replication serves a model with repeated base layers"),
     "lora_bias": ((False,), "LoRA bias adds a trained bias to lora_B"),
@@ -174,6 +174,7 @@ class AdapterConfig:
     r: int
     lora_alpha: float
     use_rslora: bool = False
+    use_dora: bool = False
     target_modules: tuple | str | None = None
     exclude_modules: tuple | str | None = None
     layers_to_transform: tuple | None = None
@@ -278,6 +279,9 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
     rslora = config.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise AdapterError(f"{where}: field 'use_rslora' must be true or false, got {_short(rslora)}")
+    dora = config.get("use_dora", False)
+    if not isinstance(dora, bool):
+        raise AdapterError(f"{where}: field 'use_dora' must be true or false, got {_short(dora)}")
     targets = _patterns(config.get("target_modules"), where, "target_modules", allow_regex=True)
     excluded = _patterns(config.get("exclude_modules"), where, "exclude_modules", allow_regex=True)
     layers = config.get("layers_to_transform")
@@ -301,7 +305,7 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
     rank_pattern = _pattern_map(config.get("rank_pattern"), where, "rank_pattern",
                                 lambda v: _is_int(v) and v > 0, "an int > 0")
     alpha_pattern = _pattern_map(config.get("alpha_pattern"), where, "alpha_pattern", _is_number, "a finite number")
-    return AdapterConfig(int(r), float(alpha), rslora, targets, excluded, layers,
+    return AdapterConfig(int(r), float(alpha), rslora, dora, targets, excluded, layers,
                          tuple(layers_pattern) if layers_pattern else None, rank_pattern, alpha_pattern)
 
 

@@ -1,0 +1,111 @@
+"""DoRA without a framework (lora_core.dora, lora_core.peft): PEFT's use_dora adapters are read with
+their magnitude vectors, and the per-column scale g = m / ||W + s B A||_row reproduces PEFT's own
+DoRA layer. Serving them is not wired yet: the adapter managers refuse them with a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from lora_core.dora import column_scale
+from lora_core.peft import AdapterError, load_peft_adapter
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+CFG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def dora_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG))
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                    use_dora=True, init_lora_weights=False))
+    with torch.no_grad():                                   # a magnitude that is not the initial norm
+        for module in pm.modules():
+            if hasattr(module, "lora_magnitude_vector") and "default" in module.lora_magnitude_vector:
+                module.lora_magnitude_vector["default"].weight.mul_(1.5).add_(0.1)
+    path = str(tmp_path_factory.mktemp("dora"))
+    pm.save_pretrained(path)
+    return path, pm
+
+
+def test_use_dora_adapters_are_read_with_their_magnitudes(dora_dir):
+    path, _ = dora_dir
+    ad = load_peft_adapter(path)
+    q = ad.magnitudes["model.layers.0.self_attn.q_proj"]
+    v = ad.magnitudes["model.layers.0.self_attn.v_proj"]
+    assert q.shape == (32,) and v.shape == (16,) and q.dtype == np.float32
+    assert ad.config["use_dora"] is True
+
+
+def test_column_scale_reproduces_peft_dora_layer(dora_dir):
+    path, pm = dora_dir
+    ad = load_peft_adapter(path)
+    layer = pm.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = layer(x).double().numpy()
+    m = ad.modules["model.layers.0.self_attn.q_proj"]
+    w = layer.base_layer.weight.detach().double().numpy()
+    g = column_scale(w, m.lora_a, m.lora_b, m.scaling, ad.magnitudes["model.layers.0.self_attn.q_proj"])
+    xd = x.double().numpy()
+    got = g * (xd @ w.T + m.scaling * (xd @ m.lora_a.T) @ m.lora_b.T)
+    assert np.abs(got - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+    assert np.abs(g - 1).max() > 0.1                          # the scale matters in this test
+
+
+def test_column_scale_rejects_bad_shapes_and_zero_rows():
+    w, a, b = np.ones((4, 3)), np.ones((2, 3)), np.zeros((4, 2))
+    with pytest.raises(ValueError, match="magnitude must have shape"):
+        column_scale(w, a, b, 1.0, np.ones(3))
+    with pytest.raises(ValueError, match="do not fit"):
+        column_scale(w, a, np.ones((4, 3)), 1.0, np.ones(4))
+    w[1] = 0
+    with pytest.raises(ValueError, match="all-zero rows"):
+        column_scale(w, a, b, 1.0, np.ones(4))
+
+
+def _edit(src, dst, config=None, drop=None, reshape=None):
+    from safetensors.numpy import load_file, save_file
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(config or {})
+    with open(os.path.join(dst, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    tensors = load_file(os.path.join(src, "adapter_model.safetensors"))
+    for key in list(tensors):
+        if drop and drop in key:
+            del tensors[key]
+        elif reshape and reshape in key:
+            tensors[key] = tensors[key][:-1]
+    save_file(tensors, os.path.join(dst, "adapter_model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_bad_dora_files_name_what_is_wrong(dora_dir, tmp_path):
+    path, _ = dora_dir
+    with pytest.raises(AdapterError, match="use_dora false"):
+        load_peft_adapter(_edit(path, str(tmp_path / "a"), config={"use_dora": False}))
+    with pytest.raises(AdapterError, match="have no lora_magnitude_vector"):
+        load_peft_adapter(_edit(path, str(tmp_path / "b"), drop="q_proj.lora_magnitude_vector"))
+    with pytest.raises(AdapterError, match=r"expected \(32,\)"):
+        load_peft_adapter(_edit(path, str(tmp_path / "c"), reshape="q_proj.lora_magnitude_vector"))
+    with pytest.raises(AdapterError, match="'use_dora' must be true or false"):
+        load_peft_adapter(_edit(path, str(tmp_path / "d"), config={"use_dora": "yes"}))
+
+
+def test_managers_refuse_dora_adapters_until_they_serve_them(dora_dir):
+    path, _ = dora_dir
+    import torch_lora.hf
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG))
+    mm = torch_lora.hf.MultiLoRAModel(model, max_loras=2, max_rank=8, backend="torch")
+    with pytest.raises(AdapterError, match="DoRA adapter .* not served yet"):
+        mm.load_adapter("d", path)
