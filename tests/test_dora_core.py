@@ -109,3 +109,44 @@ def test_managers_refuse_dora_adapters_until_they_serve_them(dora_dir):
     mm = torch_lora.hf.MultiLoRAModel(model, max_loras=2, max_rank=8, backend="torch")
     with pytest.raises(AdapterError, match="DoRA adapter .* not served yet"):
         mm.load_adapter("d", path)
+
+
+def test_reference_expands_apply_the_column_scale_per_token_slot():
+    """xla and torch reference expands (and their batch-invariant forms): a token's new slice
+    values are g[slot] * (y + buf @ B[slot].T + bias), rows without a slot untouched."""
+    import jax.numpy as jnp
+
+    from jax_lora.meta import LoRAKernelMeta
+    from jax_lora.ops import invariant as jinv
+    from jax_lora.ops import xla
+    from torch_lora.meta import LoRAKernelMeta as TorchMeta
+    from torch_lora.ops import invariant as tinv
+    from torch_lora.ops import torch_ref
+
+    rng = np.random.default_rng(4)
+    T, L, r, widths = 6, 3, 4, (5, 3)
+    idx = np.array([0, -1, 2, 1, 2, 0], np.int32)
+    buf = rng.standard_normal((2, T, r)).astype(np.float32)
+    b = [rng.standard_normal((L, n, r)).astype(np.float32) for n in widths]
+    bias = [rng.standard_normal((L, n)).astype(np.float32) for n in widths]
+    g = [rng.uniform(0.5, 2.0, (L, n)).astype(np.float32) for n in widths]
+    y = rng.standard_normal((T, 10)).astype(np.float32)
+    offsets = (0, 5)
+    want = y.astype(np.float64).copy()
+    for t, i in enumerate(idx):
+        if i < 0:
+            continue
+        for s, (n, off) in enumerate(zip(widths, offsets)):
+            want[t, off:off + n] = g[s][i] * (want[t, off:off + n] + buf[s, t] @ b[s][i].T + bias[s][i])
+    meta = LoRAKernelMeta.build(idx, L, T)
+    for op in (xla.expand, jinv.expand):
+        got = op(jnp.asarray(buf), [jnp.asarray(v) for v in b], jnp.asarray(y), meta, offsets, True,
+                 bias=[jnp.asarray(v) for v in bias], col_scale=[jnp.asarray(v) for v in g])
+        assert np.abs(np.asarray(got, np.float64) - want).max() < 1e-4
+    tmeta = TorchMeta.make(max_loras=L, max_num_tokens=T, device="cpu")
+    tmeta.prepare_tensors(torch.from_numpy(idx).long())
+    for op in (torch_ref.expand, tinv.expand):
+        yt = torch.from_numpy(y.copy())
+        op(torch.from_numpy(buf), [torch.from_numpy(v) for v in b], yt, tmeta.meta_args(T), offsets, True,
+           bias=[torch.from_numpy(v) for v in bias], col_scale=[torch.from_numpy(v) for v in g])
+        assert np.abs(yt.double().numpy() - want).max() < 1e-4

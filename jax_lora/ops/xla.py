@@ -107,13 +107,15 @@ def _expand_slots(x: jax.Array, slot: jax.Array, b: jax.Array, keep=None) -> jax
 
 def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRAKernelMeta,
            offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None, *,
-           rows=None) -> jax.Array:
+           rows=None, col_scale=None) -> jax.Array:
     """buf (S, T, r); lora_b[s] (L, n_s, r); y (T, N) -> y with the slices written.
 
     bias: None or S entries, each None or (L, n_s): bias[s][idx[t]] is added to the slice too.
     With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are ignored.
     rows(x, slot, b, keep) -> (T, n): each token's own product (default `_expand_slots`;
-    jax_lora.ops.invariant passes its batch-invariant form).
+    jax_lora.ops.invariant passes its batch-invariant form). col_scale: None or S entries, each None
+    or (L, n_s): the new slice values of a token are multiplied by col_scale[s][idx[t]] (DoRA's
+    column scale, lora_core.dora), after the bias.
     """
     rows = rows or _expand_slots
     t = y.shape[0]
@@ -131,5 +133,7 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
             delta = delta + bias[s][slot].astype(jnp.float32)                 # (T, n): own slot only
         old = y[:, off:off + width]
         new = (old.astype(jnp.float32) + delta) if add_inputs else delta
+        if col_scale is not None and col_scale[s] is not None:
+            new = new * col_scale[s][slot].astype(jnp.float32)                # DoRA: g[slot] per column
         y = y.at[:, off:off + width].set(jnp.where(valid[:, None], new.astype(y.dtype), old))
     return y

@@ -102,10 +102,12 @@ def _expand_slots(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor,
 @torch.no_grad()
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args: tuple,
            offsets: Sequence[int], add_inputs: bool, lora_ranks: Optional[torch.Tensor] = None,
-           bias=None, *, rows=None) -> None:
+           bias=None, *, rows=None, col_scale=None) -> None:
     """With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are
     ignored. rows(x, slot, b, keep) -> (T, n): each token's own product (default `_expand_slots`;
-    torch_lora.ops.invariant passes its batch-invariant form)."""
+    torch_lora.ops.invariant passes its batch-invariant form). col_scale: None or S entries, each
+    None or (L, n_s): a token's new slice values are multiplied by col_scale[s][idx[t]] (DoRA's
+    column scale, lora_core.dora), after the bias."""
     rows = rows or _expand_slots
     t = y.shape[0]
     idx = meta_args[0][:t]
@@ -122,4 +124,6 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
             delta = delta + bias[s][slot].to(torch.float32)                        # own slot only
         old = y[:, off:off + width]
         new = old.to(torch.float32) + delta if add_inputs else delta
+        if col_scale is not None and col_scale[s] is not None:
+            new = new * col_scale[s][slot].to(torch.float32)                    # DoRA: g[slot] per column
         old.copy_(torch.where(valid[:, None], new.to(y.dtype), old))
