@@ -150,3 +150,39 @@ def test_reference_expands_apply_the_column_scale_per_token_slot():
         op(torch.from_numpy(buf), [torch.from_numpy(v) for v in b], yt, tmeta.meta_args(T), offsets, True,
            bias=[torch.from_numpy(v) for v in bias], col_scale=[torch.from_numpy(v) for v in g])
         assert np.abs(yt.double().numpy() - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_kernels_apply_the_column_scale_in_the_epilogue(fused):
+    """The JAX Triton backend (Triton's interpreter here): expand and add_lora_linear's kernels
+    (split shrink + expand, and the one-launch fused kernel) multiply a slice's new value by the
+    slot's column scale in their epilogue, equal to the xla reference; a slice with both a bias and
+    a scale is refused."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
+    import jax.numpy as jnp
+
+    from jax_lora.meta import LoRAKernelMeta
+    from jax_lora.ops import triton as tri
+    from jax_lora.ops import xla
+
+    rng = np.random.default_rng(5)
+    T, L, r, H, widths = 7, 3, 16, 32, (16, 32)
+    idx = np.array([0, -1, 2, 1, 2, 0, 1], np.int32)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    a = [jnp.asarray(rng.standard_normal((L, r, H)) / 6, jnp.float32) for _ in widths]
+    b = [jnp.asarray(rng.standard_normal((L, n, r)) / 4, jnp.float32) for n in widths]
+    g = [jnp.asarray(rng.uniform(0.5, 2.0, (L, n)), jnp.float32) for n in widths]
+    bias = [None, jnp.asarray(rng.standard_normal((L, 32)), jnp.float32)]
+    y = jnp.asarray(rng.standard_normal((T, 48)), jnp.float32)
+    meta = LoRAKernelMeta.build(idx, L, T)
+    scale_only = [g[0], None]                                   # slice 0 scaled, slice 1 biased
+    buf = xla.shrink(x, a, meta, 0.5)
+    want = xla.expand(buf, b, y, meta, (0, 16), True, bias=bias, col_scale=scale_only)
+    got = tri.linear(y, x, a, b, meta, 0.5, (0, 16), bias=bias, fused=fused, col_scale=scale_only)
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-4
+    got = tri.expand(buf, b, y, meta, (0, 16), True, bias=bias, col_scale=scale_only)
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-4
+    with pytest.raises(ValueError, match="both a LoRA bias and a DoRA column scale"):
+        tri.expand(buf, b, y, meta, (0, 16), True, bias=bias, col_scale=g)

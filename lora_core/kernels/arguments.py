@@ -111,8 +111,24 @@ def _weight_strides(weights: Sequence, strides: Strides) -> list:
 
 
 def bias_flags(bias, num_slices: int) -> tuple:
-    """BIAS0.. flags of a launch's slices: whether slice s has a bias."""
-    return tuple(bias is not None and bias[s] is not None for s in range(num_slices))
+    """BIAS0.. of a launch's slices: 1 where slice s has a bias, else 0 (see `epilogue`)."""
+    return tuple(int(bias is not None and bias[s] is not None) for s in range(num_slices))
+
+
+def epilogue(bias, col_scale, num_slices: int) -> tuple:
+    """(per-slice vectors or None, BIAS0.. modes) of a launch: a slice's (L, n_s) vector is its LoRA
+    bias (mode 1, added) or DoRA's column scale g (mode 2: the slice's new value is g[slot] times
+    y + delta), never both: ValueError naming the slice."""
+    vectors, modes = [], []
+    for s in range(num_slices):
+        b = None if bias is None else bias[s]
+        g = None if col_scale is None else col_scale[s]
+        if b is not None and g is not None:
+            raise ValueError(f"slice {s} has both a LoRA bias and a DoRA column scale; the kernels take one (a DoRA "
+                             "adapter has no LoRA bias in PEFT)")
+        vectors.append(b if b is not None else g)
+        modes.append(1 if b is not None else 2 if g is not None else 0)
+    return (tuple(vectors) if any(m for m in modes) else None), tuple(modes)
 
 
 def _bias_args(bias, num_slices: int, dummy, strides: Strides) -> tuple:

@@ -282,12 +282,21 @@ def y_tile(y_ptr, tok, tok_ok, cols, col_ok, y_col0, stride_y_token, stride_y_co
 def store_slice(acc, y_old, out_ptr, y_offs, write, bias_ptr, lora_id, cols, col_ok, stride_bias_slot,
                 stride_bias_col,
                  has_bias):
-    """y[tok, y_col0 + cols] = (y if ADD_INPUTS else 0) + acc + bias[lora_id, cols], cast once."""
-    if has_bias:
-        bias = tl.load(bias_ptr + lora_id.to(tl.int64) * stride_bias_slot + cols * stride_bias_col, mask=col_ok,
-                       other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    tl.store(out_ptr + y_offs, (acc + y_old.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=write)
+    """y[tok, y_col0 + cols] = (y if ADD_INPUTS else 0) + acc + bias[lora_id, cols], cast once.
+
+    has_bias is the slice's epilogue (arguments.epilogue): 0 none, 1 the vector is a bias (added),
+    2 the vector is DoRA's column scale g: y = g[lora_id, cols] * ((y if ADD_INPUTS else 0) + acc)."""
+    out = acc
+    if has_bias != 0:
+        vec = tl.load(bias_ptr + lora_id.to(tl.int64) * stride_bias_slot + cols * stride_bias_col, mask=col_ok,
+                      other=0.0).to(tl.float32)[None, :]
+        if has_bias == 1:
+            out = acc + vec + y_old.to(tl.float32)
+        else:
+            out = (acc + y_old.to(tl.float32)) * vec
+    else:
+        out = acc + y_old.to(tl.float32)
+    tl.store(out_ptr + y_offs, out.to(out_ptr.dtype.element_ty), mask=write)
 
 
 @triton.jit

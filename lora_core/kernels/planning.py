@@ -111,9 +111,10 @@ def prefetch_constexprs(pdl: bool, columns: int, w_dtype: str) -> dict:
 
 def epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n, tiles_per_program=1):
     nt, total = slice_tiles(widths, block_n, tiles_per_program)
-    flags = list(bias_flags) + [False] * (MAX_SLICES - len(bias_flags))
+    flags = list(bias_flags) + [0] * (MAX_SLICES - len(bias_flags))
     c = dict(nt)
-    c.update({f"BIAS{i}": bool(flags[i]) for i in range(MAX_SLICES)})
+    # each slice's epilogue: 0 none, 1 bias, 2 DoRA column scale (arguments.epilogue)
+    c.update({f"BIAS{i}": int(flags[i]) for i in range(MAX_SLICES)})
     c.update(ADD_INPUTS=bool(add_inputs), HAS_RANKS=bool(has_ranks))
     return c, total
 
