@@ -186,3 +186,38 @@ def test_triton_kernels_apply_the_column_scale_in_the_epilogue(fused):
     assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-4
     with pytest.raises(ValueError, match="both a LoRA bias and a DoRA column scale"):
         tri.expand(buf, b, y, meta, (0, 16), True, bias=bias, col_scale=g)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_torch_triton_backend_applies_the_column_scale(fused):
+    """torch's Triton backend (interpreter here): linear (split and fused) and expand equal the torch
+    reference with a DoRA column scale on one slice and a bias on the other."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
+    from torch_lora.meta import LoRAKernelMeta as TorchMeta
+    from torch_lora.ops import torch_ref
+    from torch_lora.ops import triton as tri
+
+    gen = torch.Generator().manual_seed(6)
+    T, L, r, H, widths = 7, 3, 16, 32, (16, 32)
+    idx = torch.tensor([0, -1, 2, 1, 2, 0, 1])
+    x = torch.randn(T, H, generator=gen)
+    a = [torch.randn(L, r, H, generator=gen) / 6 for _ in widths]
+    b = [torch.randn(L, n, r, generator=gen) / 4 for n in widths]
+    g = [torch.rand(L, 16, generator=gen) + 0.5, None]
+    bias = [None, torch.randn(L, 32, generator=gen)]
+    y0 = torch.randn(T, 48, generator=gen)
+    meta = TorchMeta.make(max_loras=L, max_num_tokens=T, device="cpu")
+    meta.prepare_tensors(idx)
+    args = meta.meta_args(T)
+    buf = torch.empty(2, T, r)
+    torch_ref.shrink(x, a, buf, args, 0.5)
+    want = y0.clone()
+    torch_ref.expand(buf, b, want, args, (0, 16), True, bias=bias, col_scale=g)
+    got = y0.clone()
+    tri.linear(got, x, a, b, args, 0.5, (0, 16), bias=bias, fused=fused, col_scale=g)
+    assert (got - want).abs().max() < 1e-4
+    got = y0.clone()
+    tri.expand(buf, b, got, args, (0, 16), True, bias=bias, col_scale=g)
+    assert (got - want).abs().max() < 1e-4

@@ -193,7 +193,7 @@ def _shrink_launch(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, confi
 
 
 def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config=None, pdl=False,
-                   deterministic: bool = False, modes=None) -> _Launch:
+                   deterministic: bool = False) -> _Launch:
     """lora_expand_kernel writing y (result 0); buf: the (planes, S, T, r) float32 array or a _Result."""
     T = y.shape[0]
     L, _, R = lora_b[0].shape
@@ -201,15 +201,14 @@ def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, 
     cfg = config or configs.expand_config(T, max(widths), R, len(widths), L, deterministic=deterministic)
     plan = plan_expand(T, R, widths, meta.active_lora_ids.shape[0], buf.shape[0], _dtype_name(lora_b[0]),
                        _dtype_name(y), cfg, add_inputs=add_inputs,
-                       bias_flags=modes if modes is not None else arguments.bias_flags(bias, len(lora_b)),
+                       bias_flags=arguments.bias_flags(bias, len(lora_b)),
                        has_ranks=lora_ranks is not None, pdl=pdl, deterministic=deterministic)
     call = arguments.expand_call(plan, buf, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y, offsets,
                                  _strides)
     return _Launch(call.with_alignment_hints(), 0, pdl)
 
 
-def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False,
-                  modes=None) -> _Launch:
+def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False) -> _Launch:
     """lora_fused_kernel writing y (result 0); its workspace is result 1."""
     T, H = x.shape
     L, R, _ = lora_a[0].shape
@@ -217,7 +216,7 @@ def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, 
     cfg = config or configs.fused_config(T, H, max(widths), R, len(widths), L)
     plan = plan_fused(T, H, R, widths, meta.active_lora_ids.shape[0], _dtype_name(x), _dtype_name(lora_a[0]), cfg,
                       add_inputs=True,
-                      bias_flags=modes if modes is not None else arguments.bias_flags(bias, len(lora_b)),
+                      bias_flags=arguments.bias_flags(bias, len(lora_b)),
                       has_ranks=lora_ranks is not None, pdl=pdl)
     workspace = _Result(1, plan.workspace_shape, jnp.float32)
     call = arguments.fused_call(plan, x, lora_a, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y,
@@ -393,12 +392,11 @@ def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: S
     if y.shape[0] == 0:
         return y
     offsets = tuple(int(o) for o in offsets)
-    bias, modes = arguments.epilogue(bias, col_scale, len(lora_b))
+    bias = arguments.epilogue(bias, col_scale, len(lora_b))
     interpret = _use_interpreter(y, buf, *lora_b)
     for lo, hi in slice_chunks(len(lora_b)):
         launch = _expand_launch(buf[None, lo:hi], lora_b[lo:hi], y, meta, offsets[lo:hi], add_inputs, lora_ranks,
-                                None if bias is None else tuple(bias[lo:hi]), config, deterministic=deterministic,
-                                modes=modes[lo:hi])
+                                None if bias is None else tuple(bias[lo:hi]), config, deterministic=deterministic)
         y = _run([launch], [jax.ShapeDtypeStruct(y.shape, y.dtype)], interpret)[0]
     return y
 
@@ -423,7 +421,7 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
         return y
     L, R, _ = lora_a[0].shape
     offsets = tuple(int(o) for o in offsets)
-    bias, modes = arguments.epilogue(bias, col_scale, len(lora_b))
+    bias = arguments.epilogue(bias, col_scale, len(lora_b))
     if deterministic:
         fused = False
     elif fused is None:
@@ -438,15 +436,14 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
         y_shape = jax.ShapeDtypeStruct(y.shape, y.dtype)
         if fused:
             launch = _fused_launch(y, x, lora_a[lo:hi], lora_b[lo:hi], meta, scale, offsets[lo:hi], lora_ranks,
-                                   chunk_bias, fused_config, pdl, modes=modes[lo:hi])
+                                   chunk_bias, fused_config, pdl)
             y = _run([launch], [y_shape, _shape(launch.call.pointers[-1])], interpret)[0]
             continue
         shrink_launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=True,
                                        config=shrink_config, pdl=pdl, result=1, deterministic=deterministic)
         workspace = shrink_launch.call.out
         expand_launch = _expand_launch(workspace, lora_b[lo:hi], y, meta, offsets[lo:hi], True, lora_ranks,
-                                       chunk_bias, expand_config, pdl, deterministic=deterministic,
-                                       modes=modes[lo:hi])
+                                       chunk_bias, expand_config, pdl, deterministic=deterministic)
         y = _run([shrink_launch, expand_launch], [y_shape, _shape(workspace)], interpret)[0]
     return y
 

@@ -22,7 +22,7 @@ integers itself, so torch leaves it off).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from .expand import lora_expand_kernel
 from .fused import lora_fused_kernel
@@ -110,25 +110,33 @@ def _weight_strides(weights: Sequence, strides: Strides) -> list:
     return flat
 
 
+class ColumnScale(NamedTuple):
+    """A slice's DoRA column scale g (L, n_s), passed where the slice's bias would be: the kernels
+    then write g[slot] * (y + delta) instead of adding a bias (`epilogue`)."""
+    vector: object
+
+
 def bias_flags(bias, num_slices: int) -> tuple:
-    """BIAS0.. of a launch's slices: 1 where slice s has a bias, else 0 (see `epilogue`)."""
-    return tuple(int(bias is not None and bias[s] is not None) for s in range(num_slices))
+    """BIAS0.. of a launch's slices, each slice's epilogue: 0 none, 1 a bias (added), 2 a
+    ColumnScale (DoRA: the new value times g)."""
+    return tuple(0 if bias is None or bias[s] is None else 2 if isinstance(bias[s], ColumnScale) else 1
+                 for s in range(num_slices))
 
 
-def epilogue(bias, col_scale, num_slices: int) -> tuple:
-    """(per-slice vectors or None, BIAS0.. modes) of a launch: a slice's (L, n_s) vector is its LoRA
-    bias (mode 1, added) or DoRA's column scale g (mode 2: the slice's new value is g[slot] times
-    y + delta), never both: ValueError naming the slice."""
-    vectors, modes = [], []
+def epilogue(bias, col_scale, num_slices: int):
+    """The per-slice vectors a launch takes as its `bias`: a slice's LoRA bias, or its DoRA column
+    scale wrapped in ColumnScale, never both (ValueError naming the slice); None when neither."""
+    if col_scale is None:
+        return bias
+    out = []
     for s in range(num_slices):
         b = None if bias is None else bias[s]
-        g = None if col_scale is None else col_scale[s]
+        g = col_scale[s]
         if b is not None and g is not None:
             raise ValueError(f"slice {s} has both a LoRA bias and a DoRA column scale; the kernels take one (a DoRA "
                              "adapter has no LoRA bias in PEFT)")
-        vectors.append(b if b is not None else g)
-        modes.append(1 if b is not None else 2 if g is not None else 0)
-    return (tuple(vectors) if any(m for m in modes) else None), tuple(modes)
+        out.append(b if g is None else ColumnScale(g))
+    return tuple(out) if any(v is not None for v in out) else None
 
 
 def _bias_args(bias, num_slices: int, dummy, strides: Strides) -> tuple:
@@ -137,6 +145,8 @@ def _bias_args(bias, num_slices: int, dummy, strides: Strides) -> tuple:
     pointers, flat = [], []
     for s in range(MAX_SLICES):
         b = None if bias is None or s >= num_slices else bias[s]
+        if isinstance(b, ColumnScale):
+            b = b.vector
         if b is None:
             pointers.append(dummy)
             flat.extend((0, 0))

@@ -504,11 +504,12 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
 
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args,
            offsets: Sequence[int], add_inputs: bool, lora_ranks: Optional[torch.Tensor] = None,
-           bias=None, *, config: Optional[dict] = None, deterministic: bool = False) -> None:
-    """y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias.
-    deterministic: batch-invariant launches (configs.deterministic_config)."""
+           bias=None, *, config: Optional[dict] = None, deterministic: bool = False, col_scale=None) -> None:
+    """y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias, times
+    col_scale[s][idx[t]] where given (DoRA). deterministic: batch-invariant launches."""
     if y.shape[0] == 0:
         return
+    bias = arguments.epilogue(bias, col_scale, len(lora_b))
     buf4 = buf if buf.dim() == 4 else buf[None]
     for lo, hi in slice_chunks(len(lora_b)):
         _launch(_expand_call(buf4[:, lo:hi], lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), add_inputs,
@@ -520,7 +521,7 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
            meta_args, scale: float, offsets: Sequence[int], lora_ranks: Optional[torch.Tensor] = None,
            bias=None, *, fused: Optional[bool] = None, shrink_config: Optional[dict] = None,
            expand_config: Optional[dict] = None, fused_config: Optional[dict] = None,
-           deterministic: bool = False) -> None:
+           deterministic: bool = False, col_scale=None) -> None:
     """add_lora_linear's math in place: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx].
 
     One launch (fused kernel) when `configs.use_fused` says so for this size (or fused=True), else
@@ -532,6 +533,7 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
     T, H = x.shape
     if T == 0:
         return
+    bias = arguments.epilogue(bias, col_scale, len(lora_b))
     if fused is None:
         fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
                                   deterministic=deterministic)
