@@ -280,25 +280,54 @@ class PunicaWrapper:
         return out.astype(y.dtype)
 
     def add_expand(self, y, x, lora_b_stacked, lora_bias_stacked, output_slices: Sequence[int],
-                   offset_start: int = 0, add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> jax.Array:
+                   offset_start: int = 0, add_inputs: bool = True, *, lora_ranks=None, dora_scale_stacked=None,
+                   **kwargs) -> jax.Array:
         """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx].
 
         y: (..., N); x: (S, T, r) or S arrays (T, r); slices laid from `offset_start`. Rows with
-        index -1 are unchanged. Returns the new y (same shape).
+        index -1 are unchanged. Returns the new y (same shape). dora_scale_stacked: see
+        add_lora_linear.
         """
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
         buf = _stack_buffer(x)
         return self._expand(y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start,
-                            add_inputs, self.token_meta, lora_ranks=lora_ranks).reshape(y.shape)
+                            add_inputs, self.token_meta, lora_ranks=lora_ranks,
+                            dora_scale_stacked=dora_scale_stacked).reshape(y.shape)
 
     def _expand(self, y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
-                meta, cut_to_y=False, lora_ranks=None):
+                meta, cut_to_y=False, lora_ranks=None, dora_scale_stacked=None):
         lora_b, offsets, bias = self._expand_args(y2, buf.shape, buf.dtype, lora_b_stacked, lora_bias_stacked,
                                                   output_slices, offset_start, cut_to_y)
         check_same_device(x=buf, lora_b_stacked=lora_b, y=y2)
-        return self._impl().expand(buf, lora_b, y2, meta, offsets, bool(add_inputs),
-                                   as_lora_ranks(lora_ranks, lora_b[0].shape[0]), bias)
+        impl = self._impl()
+        extra = self._col_scale(impl, dora_scale_stacked, lora_b)
+        return impl.expand(buf, lora_b, y2, meta, offsets, bool(add_inputs),
+                           as_lora_ranks(lora_ranks, lora_b[0].shape[0]), bias, **extra)
+
+    def _col_scale(self, impl, dora_scale_stacked, lora_b) -> dict:
+        """{"col_scale": per slice None or (L, n_s)} for the backend, or {} without scales; checks
+        them (one entry per slice, (L, [1,] n_s) of a float dtype) and that the backend applies them."""
+        if dora_scale_stacked is None:
+            return {}
+        scales = list(dora_scale_stacked) if isinstance(dora_scale_stacked, (list, tuple)) else [dora_scale_stacked]
+        if len(scales) != len(lora_b):
+            raise ValueError(f"dora_scale_stacked must have one entry per slice ({len(lora_b)}), got {len(scales)}")
+        out = []
+        for i, (g, b) in enumerate(zip(scales, lora_b)):
+            if g is None:
+                out.append(None)
+                continue
+            g = as_array(f"dora_scale_stacked[{i}]", g, checks.WEIGHT_DTYPES)
+            slots, width = b.shape[0], b.shape[1]
+            if g.shape not in ((slots, width), (slots, 1, width)):
+                raise ValueError(f"dora_scale_stacked[{i}] must have shape ({slots}, {width}) or ({slots}, 1, {width}) "
+                                 f"(slots, the slice's width), got {g.shape}")
+            out.append(g.reshape(slots, width))
+        if not getattr(impl, "COLUMN_SCALE", False):
+            raise ValueError(f"dora_scale_stacked: backend {self.backend!r} does not apply DoRA column scales yet "
+                             "(backends 'xla' and 'triton' do)")
+        return {"col_scale": tuple(out)}
 
     def _expand_args(self, y2, buf_shape, buf_dtype, lora_b_stacked, lora_bias_stacked, output_slices,
                      offset_start, cut_to_y=False):
@@ -341,13 +370,17 @@ class PunicaWrapper:
                             lora_ranks=lora_ranks).reshape(y.shape)
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, scale: float,
-                        output_slices: Sequence[int], *, buffer=None, lora_ranks=None, **kwargs) -> jax.Array:
+                        output_slices: Sequence[int], *, buffer=None, lora_ranks=None, dora_scale_stacked=None,
+                        **kwargs) -> jax.Array:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], at the slice offsets.
 
         x: (..., H) -> (T, H); y: (..., N) with N >= sum(output_slices); A_s: (L, [1,] r, H);
         B_s: (L, [1,] n_s, r); bias_s: (L, [1,] n_s) or None. `buffer` (S, T, r), optional, is only
         checked (JAX is functional: the shrink result is a new array). `lora_ranks` (L,) int32,
-        optional: each slot's real rank (kernels then skip the zero padding). Returns the new y.
+        optional: each slot's real rank (kernels then skip the zero padding). `dora_scale_stacked`,
+        optional: per slice None or (L, [1,] n_s), DoRA's column scale g of each slot
+        (lora_core.dora; 1 for plain LoRA slots): a token's new slice value is g[idx] times
+        (y + delta), in the expand's epilogue. Returns the new y.
         """
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
@@ -378,11 +411,12 @@ class PunicaWrapper:
             lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32",
                                                        lora_b, lora_bias_stacked, output_slices, 0)
             check_same_device(x=x2, lora_b_stacked=lora_b3, y=y2)
+            extra = self._col_scale(impl, dora_scale_stacked, lora_b3)
             return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, scale, offsets, ranks,
-                               bias).reshape(y.shape)
+                               bias, **extra).reshape(y.shape)
         buf = impl.shrink(x2, lora_a3, self.token_meta, scale, ranks)
         return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True, self.token_meta,
-                            lora_ranks=lora_ranks).reshape(y.shape)
+                            lora_ranks=lora_ranks, dora_scale_stacked=dora_scale_stacked).reshape(y.shape)
 
     def add_lora_linear_stacked(self, y, x, lora_a, lora_b, scale: float, output_slices: Sequence[int], *,
                                 lora_ranks=None) -> jax.Array:

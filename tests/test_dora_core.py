@@ -221,3 +221,55 @@ def test_torch_triton_backend_applies_the_column_scale(fused):
     got = y0.clone()
     tri.expand(buf, b, got, args, (0, 16), True, bias=bias, col_scale=g)
     assert (got - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("backend,deterministic", [("xla", False), ("xla", True), ("triton", False),
+                                                   ("triton", True)])
+def test_jax_wrapper_add_lora_linear_with_dora_scales(backend, deterministic):
+    """jax_lora.PunicaWrapper.add_lora_linear(..., dora_scale_stacked=): every backend that applies
+    the scale equals the float64 oracle; the others refuse it by name."""
+    import os
+    import jax.numpy as jnp
+
+    import jax_lora
+    from jax_lora import LoRAMapping
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is not on")
+    rng = np.random.default_rng(8)
+    T, L, r, H, widths = 6, 3, 16, 32, (16, 32)
+    ids = (1, 0, 3, 2, 3, 1)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    a = [(rng.standard_normal((L, 1, r, H)) / 6).astype(np.float32) for _ in widths]
+    b = [(rng.standard_normal((L, 1, n, r)) / 4).astype(np.float32) for n in widths]
+    g = [rng.uniform(0.5, 2.0, (L, n)).astype(np.float32) for n in widths]
+    y = rng.standard_normal((T, 48)).astype(np.float32)
+    want = y.astype(np.float64).copy()
+    for t, i in enumerate(ids):
+        if i:
+            off = 0
+            for s, n in enumerate(widths):
+                d = 0.5 * (x[t] @ a[s][i - 1, 0].T) @ b[s][i - 1, 0].T
+                want[t, off:off + n] = g[s][i - 1] * (want[t, off:off + n] + d)
+                off += n
+    w = jax_lora.PunicaWrapper(16, 4, None, max_loras=L, backend=backend, deterministic=deterministic)
+    w.update_metadata(LoRAMapping(ids, ids), [1, 2, 3], L + 1, 64)
+    got = w.add_lora_linear(jnp.asarray(y), jnp.asarray(x), [jnp.asarray(v) for v in a], [jnp.asarray(v) for v in b],
+                            None, 0.5, widths, dora_scale_stacked=[jnp.asarray(v) for v in g])
+    assert np.abs(np.asarray(got, np.float64) - want).max() < 1e-4
+    with pytest.raises(ValueError, match=r"dora_scale_stacked\[1\] must have shape"):
+        w.add_lora_linear(jnp.asarray(y), jnp.asarray(x), a, b, None, 0.5, widths,
+                          dora_scale_stacked=[g[0], g[0]])
+
+
+def test_backends_without_column_scales_refuse_them():
+    import jax.numpy as jnp
+
+    import jax_lora
+    from jax_lora import LoRAMapping
+    w = jax_lora.PunicaWrapper(16, 4, None, max_loras=2, backend="pallas_tpu")
+    w.update_metadata(LoRAMapping((1, 2), (1, 2)), [1, 2], 3, 64)
+    a = [jnp.zeros((2, 16, 128), jnp.float32)]
+    b = [jnp.zeros((2, 128, 16), jnp.float32)]
+    with pytest.raises(ValueError, match="backend 'pallas_tpu' does not apply DoRA column scales"):
+        w.add_lora_linear(jnp.zeros((2, 128)), jnp.zeros((2, 128)), a, b, None, 1.0, (128,),
+                          dora_scale_stacked=[jnp.ones((2, 128))])

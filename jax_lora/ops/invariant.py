@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from . import xla
 
 NAME = "xla"
+COLUMN_SCALE = True        # expand takes col_scale (DoRA)
 CHUNK_VALUES = 1 << 22
 """float32 products materialised at once (16 MiB): tokens are processed in static chunks of
 max(1, CHUNK_VALUES // (values per token)); chunking never changes a token's result."""

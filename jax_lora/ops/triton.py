@@ -46,6 +46,7 @@ from lora_core.kernels.shrink import plan_shrink
 from ..meta import LoRAKernelMeta
 
 NAME = "triton"
+COLUMN_SCALE = True        # expand and linear take col_scale (DoRA)
 READS_VIEWS = True          # lora_a / lora_b entries may be `View`s (jax_lora.wrapper, nn.MultiLoRALinear)
 _LOG = logging.getLogger("jax_lora")
 
@@ -455,6 +456,6 @@ def deterministic_backend():
 
 
 _DETERMINISTIC = types.SimpleNamespace(
-    NAME=NAME, deterministic=True, READS_VIEWS=True,
+    NAME=NAME, deterministic=True, READS_VIEWS=True, COLUMN_SCALE=True,
     shrink=functools.partial(shrink, deterministic=True), expand=functools.partial(expand, deterministic=True),
     linear=functools.partial(linear, deterministic=True))

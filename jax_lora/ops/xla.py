@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from ..meta import LoRAKernelMeta
 
 NAME = "xla"
+COLUMN_SCALE = True        # expand takes col_scale (DoRA)
 HIGHEST = jax.lax.Precision.HIGHEST
 EXPAND_GATHER_MAX = 1 << 20
 """Expand computes all slots at once while T * L * n_s <= this many float32 values (4 MiB), and
