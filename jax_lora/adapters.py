@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lora_core import dora
 from lora_core.adapter_slots import SlotTable
 from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file names, for callers)
     CONFIG_NAME,
@@ -71,10 +72,6 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
     max_rank), B (dim, max_rank); MultiLoRALogits A (max_rank, in), B (vocab, max_rank). Scaling is
     folded into B. Raises AdapterError naming the module, expected and received shapes.
     """
-    if adapter.magnitudes:
-        raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (use_dora; modules "
-                           f"{sorted(adapter.magnitudes)[:3]}...): read, but not served yet (the layers have no "
-                           "DoRA column scale)")
     layers = lnn.lora_layers(model)
     if not layers:
         raise AdapterError(f"{type(model).__name__} has no multi-LoRA layers: call add_lora / "
@@ -148,6 +145,35 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
     return out
 
 
+def dora_scales(model: nnx.Module, adapter: PeftAdapter) -> dict:
+    """{layer path: (out,) float32 DoRA column scale} for every DoRA-capable MultiLoRALinear of the
+    model (ones where the adapter is plain LoRA or absent): g = m / ||W + s B A||_row per member
+    module (lora_core.dora.column_scale) with W the layer's base kernel at that member's columns.
+    Raises AdapterError when a DoRA module lands in a layer built without dora=True."""
+    layers = lnn.lora_layers(model)
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    out = {path: np.ones(layer.out_features, np.float32) for path, layer in layers.items()
+           if isinstance(layer, lnn.MultiLoRALinear) and layer.dora}
+    for module, m in sorted(adapter.magnitudes.items()):
+        where = _locate(module, layers, packed)
+        if where is None:
+            continue                                   # prepare_adapter names unknown modules
+        path, s = where
+        layer = layers[path]
+        if path not in out:
+            raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (module {module!r}), but layer {path!r} "
+                               "has no DoRA column scale: build the LoRA layers with dora=True (add_lora(..., "
+                               "dora=True))")
+        a, b, scaling, _kind = adapter.modules[module]
+        off, width = sum(layer.output_slices[:s]), layer.output_slices[s]
+        kernel = np.asarray(layer.base.kernel[...], np.float64)[:, off:off + width]        # (in, n_s)
+        try:
+            out[path][off:off + width] = dora.column_scale(kernel.T, a, b, scaling, m)
+        except ValueError as e:
+            raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: {e}") from None
+    return out
+
+
 def adapter_ranks(model: nnx.Module, adapter: PeftAdapter) -> dict:
     """{layer path: the adapter's rank there} for every multi-LoRA layer of the model: the largest
     rank among the adapter's modules placed in that layer (the slices of a fused layer may differ,
@@ -203,15 +229,18 @@ class AdapterManager(SlotTable):
             raise AdapterError(f"the model's LoRA layers disagree on max_loras: {sorted(slots)}")
         super().__init__(slots.pop(), host_cache_size=host_cache_size)
         self._paths = sorted(self.layers)
-        self._vars = [(self.layers[p], n) for p in self._paths for n in ("lora_a", "lora_b", "lora_ranks")]
+        self._vars = [(self.layers[p], n) for p in self._paths
+                      for n in ("lora_a", "lora_b", "lora_ranks") + (("lora_scale",) if getattr(self.layers[p], "dora",
+                                                                                                False) else ())]
         self._path_by_id = {id(self.layers[p]): p for p in self._paths}
         self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
 
     # -------------------------------------------------------------- SlotTable's framework part
     def _prepare_uncounted(self, src) -> tuple:
-        """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}): one slot's host data."""
+        """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}, dora_scales' {path: g}): one
+        slot's host data."""
         adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
-        return prepare_adapter(self.model, adapter), adapter_ranks(self.model, adapter)
+        return prepare_adapter(self.model, adapter), adapter_ranks(self.model, adapter), dora_scales(self.model, adapter)
 
     def _largest_rank(self, prepared: tuple) -> int:
         return _largest_rank(prepared)
@@ -224,7 +253,9 @@ class AdapterManager(SlotTable):
             shape = list(getattr(layer, n).get_value().shape)
             del shape[type(layer).slot_axis[n]]
             path = self._path_by_id[id(layer)]
-            if prepared is None:
+            if n == "lora_scale":                  # an empty slot or a plain LoRA adapter: scale 1
+                new.append(np.ones(shape, np.float32) if prepared is None else prepared[2][path])
+            elif prepared is None:
                 new.append(np.zeros(shape, np.float32))
             elif n == "lora_ranks":
                 new.append(np.int32(prepared[1][path]))
@@ -247,7 +278,8 @@ class AdapterManager(SlotTable):
 def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
     """A copy of a plain model (no multi-LoRA layers) with `adapter` merged into its weights.
 
-    W' = W + scaling * B @ A for linear layers (at the slice's columns of fused layers),
+    W' = W + scaling * B @ A for linear layers (at the slice's columns of fused layers; for a DoRA
+    module each row of W' then rescaled to its magnitude m: (m / ||W'||_row) * W'),
     E' = E + scaling * A.T @ B.T for embeddings. Computed in float64. This is the test oracle; the
     serving path never merges.
     """
@@ -270,6 +302,10 @@ def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
             k = np.asarray(layer.kernel.get_value(), np.float64)                   # (in, out)
             widths = slices.get(path.rsplit(".", 1)[-1], (k.shape[1],))
             off = sum(widths[:s])
-            k[:, off:off + delta.shape[0]] += delta.T
+            w = k[:, off:off + delta.shape[0]].T + delta                            # W' (n, in)
+            if module in adapter.magnitudes:                                        # DoRA: rows to m / ||W'||
+                m = adapter.magnitudes[module].astype(np.float64)
+                w = w * (m / np.linalg.norm(w, axis=1))[:, None]
+            k[:, off:off + delta.shape[0]] = w.T
             layer.kernel.set_value(jnp.asarray(k, layer.kernel.get_value().dtype))
     return merged

@@ -106,10 +106,14 @@ class MultiLoRALinear(nnx.Module):
     __call__(x (..., in), punica=None) -> (..., out): `base(x)` plus, per token t with slot
     i = idx[t] >= 0, `x[t] @ A_s[i].T @ B_s[i].T` at each slice's columns (the wrapper's
     add_lora_linear with scale 1: the scaling is folded into B).
+
+    dora=True: the layer also holds `lora_scale` (L, out) float32, each slot's DoRA column scale
+    g (lora_core.dora; 1 for plain LoRA slots), and a token with slot i gets
+    g[i] * (x W + x A_s[i].T B_s[i].T) + bias instead (the base bias is added after the scale).
     """
 
     def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int,
-                 output_slices: Sequence[int] | None = None, dtype=None):
+                 output_slices: Sequence[int] | None = None, dtype=None, dora: bool = False):
         if not isinstance(base, nnx.Linear):
             raise TypeError(f"base must be an nnx.Linear, got {type(base).__name__}")
         self.base = base
@@ -126,19 +130,35 @@ class MultiLoRALinear(nnx.Module):
         self.lora_a = LoRAWeight(jnp.zeros((len(slices), max_loras, max_rank, self.in_features), dtype))
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
         self.lora_ranks = _ranks_variable(max_loras, max_rank)
+        self.dora = bool(dora)
+        if self.dora:
+            self.lora_scale = LoRAWeight(jnp.ones((max_loras, self.out_features), jnp.float32))
         self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
 
     def __call__(self, x: jax.Array, punica=None) -> jax.Array:
         w = _pick(punica)
         if w is not None and self.tp is not None:
             return self.tp.apply(self, x, w)
-        y = self.base(x)
         if w is None:
-            return y
-        return w.add_lora_linear_stacked(y, x, self.lora_a.get_value(), self.lora_b.get_value(), 1.0,
-                                         self.output_slices, lora_ranks=self.lora_ranks.get_value())
+            return self.base(x)
+        if self.dora and self.tp is not None:
+            raise NotImplementedError("DoRA layers split over a mesh are not supported yet")
+        y = self._base_without_bias(x) if self.dora else self.base(x)
+        y = w.add_lora_linear_stacked(y, x, self.lora_a.get_value(), self.lora_b.get_value(), 1.0,
+                                      self.output_slices, lora_ranks=self.lora_ranks.get_value(),
+                                      dora_scale=self.lora_scale.get_value() if self.dora else None)
+        if self.dora and self.base.bias is not None:
+            y = y + self.base.bias[...].astype(y.dtype)
+        return y
 
-    slot_axis: ClassVar[dict] = {"lora_a": 1, "lora_b": 0, "lora_ranks": 0}
+    def _base_without_bias(self, x):
+        """nnx.Linear's product without its bias (the bias is added after DoRA's scale)."""
+        base = self.base
+        x, kernel = base.promote_dtype((x, base.kernel[...]), dtype=base.dtype)
+        kwargs = {} if base.preferred_element_type is None else {"preferred_element_type": base.preferred_element_type}
+        return base.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=base.precision, **kwargs)
+
+    slot_axis: ClassVar[dict] = {"lora_a": 1, "lora_b": 0, "lora_ranks": 0, "lora_scale": 0}
 
 
 class MultiLoRAEmbed(nnx.Module):
@@ -246,7 +266,8 @@ def lora_layers(model: nnx.Module) -> dict[str, nnx.Module]:
 
 def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], *, max_loras: int,
                         max_rank: int, output_slices: Mapping[str, Sequence[int]] | None = None,
-                        logits_modules: Sequence[str] = ("lm_head",), dtype=None) -> dict[str, nnx.Module]:
+                        logits_modules: Sequence[str] = ("lm_head",), dtype=None,
+                        dora: bool = False) -> dict[str, nnx.Module]:
     """Replaces the targeted layers of an NNX model by multi-adapter layers, in place.
 
     Args:
@@ -257,6 +278,7 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
       max_loras, max_rank: slots and the largest adapter rank the slots hold.
       output_slices: {layer name (last part) or full path: slice widths} for fused projections.
       dtype: adapter weight dtype (default: each base layer's).
+      dora: the linear layers (not the logits or embeddings) also hold DoRA column scales.
 
     Returns {path: new layer}. Raises ValueError when nothing matches (a typo should not silently
     give a model without adapters).
@@ -286,7 +308,7 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
         else:
             slices = output_slices.get(name, output_slices.get(leaf))
             new = MultiLoRALinear(node, max_loras=max_loras, max_rank=max_rank, output_slices=slices,
-                                  dtype=dtype)
+                                  dtype=dtype, dora=dora)
         parent = model
         for p in path[:-1]:
             parent = parent[p] if isinstance(p, int) or not hasattr(parent, str(p)) else getattr(parent, p)

@@ -419,7 +419,7 @@ class PunicaWrapper:
                             lora_ranks=lora_ranks, dora_scale_stacked=dora_scale_stacked).reshape(y.shape)
 
     def add_lora_linear_stacked(self, y, x, lora_a, lora_b, scale: float, output_slices: Sequence[int], *,
-                                lora_ranks=None) -> jax.Array:
+                                lora_ranks=None, dora_scale=None) -> jax.Array:
         """add_lora_linear with the slices' weights stacked, as jax_lora.nn.MultiLoRALinear keeps them.
 
         lora_a: (S, L, r, H), slice s's A is lora_a[s]; lora_b: (L, N, r) with N = sum(output_slices),
@@ -427,7 +427,8 @@ class PunicaWrapper:
         `add_lora_linear(y, x, tuple(A_s), tuple(B_s), None, scale, output_slices, lora_ranks=...)`.
         Backend "triton" reads the slices in place (ops.triton.View: no copy of every slot's
         weights per call, which XLA makes for a slice handed to a custom call); the others get
-        the slices.
+        the slices. dora_scale: None or (L, N), the slots' DoRA column scales (add_lora_linear's
+        dora_scale_stacked, stacked the same way as B's columns).
         """
         lora_a, lora_b = as_array("lora_a", lora_a), as_array("lora_b", lora_b)
         if lora_a.ndim != 4 or lora_b.ndim != 3:
@@ -440,10 +441,18 @@ class PunicaWrapper:
         impl = self._impl()
         offsets = tuple(sum(output_slices[:s]) for s in range(len(output_slices)))
         b_index = [(slice(None), slice(o, o + n)) for o, n in zip(offsets, output_slices)]
+        if dora_scale is not None:
+            dora_scale = as_array("dora_scale", dora_scale, checks.WEIGHT_DTYPES)
+            if dora_scale.shape != (lora_b.shape[0], lora_b.shape[1]):
+                raise ValueError(f"dora_scale must have shape {(lora_b.shape[0], lora_b.shape[1])} (slots, "
+                                 f"sum(output_slices)), got {dora_scale.shape}")
+        g_index = [(slice(None), slice(o, o + n)) for o, n in zip(offsets, output_slices)]
         if not getattr(impl, "READS_VIEWS", False):
             return self.add_lora_linear(y, x, tuple(lora_a[s] for s in range(lora_a.shape[0])),
                                         tuple(lora_b[i] for i in b_index), None, scale, output_slices,
-                                        lora_ranks=lora_ranks)
+                                        lora_ranks=lora_ranks,
+                                        dora_scale_stacked=None if dora_scale is None else
+                                        tuple(dora_scale[i] for i in g_index))
         from .ops import triton as triton_ops  # noqa: PLC0415 - the backend that reads views
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
@@ -463,8 +472,9 @@ class PunicaWrapper:
         check_same_device(x=x2, lora_a=lora_a, lora_b=lora_b, y=y2)
         a_views = tuple(triton_ops.view(lora_a, (s,)) for s in range(S))
         b_views = tuple(triton_ops.view(lora_b, i) for i in b_index)
+        extra = {} if dora_scale is None else {"col_scale": tuple(triton_ops.view(dora_scale, i) for i in g_index)}
         return impl.linear(y2, x2, a_views, b_views, self.token_meta, checks.as_scale(scale), offsets,
-                           as_lora_ranks(lora_ranks, num_slots), None).reshape(y.shape)
+                           as_lora_ranks(lora_ranks, num_slots), None, **extra).reshape(y.shape)
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale: float, *, buffer=None,
                         lora_ranks=None, **kwargs) -> jax.Array:

@@ -361,11 +361,12 @@ class LlamaForCausalLM(nnx.Module):
 # ----------------------------------------------------------------------------- LoRA
 
 def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
-             target_modules: Sequence[str] = HF_LORA_TARGETS, dtype=None) -> dict:
+             target_modules: Sequence[str] = HF_LORA_TARGETS, dtype=None, dora: bool = False) -> dict:
     """Replaces the layers that `target_modules` (Hugging Face / PEFT names) name by multi-LoRA layers.
 
     q/k/v_proj select `qkv_proj`, gate/up_proj select `gate_up_proj` (all slices get slots; an
-    adapter that targets only some of them has zeros in the others). Returns {path: layer}.
+    adapter that targets only some of them has zeros in the others). dora=True: the linear layers
+    also hold DoRA column scales (needed to serve use_dora adapters). Returns {path: layer}.
     """
     unknown = [t for t in target_modules if t not in HF_LORA_TARGETS]
     if unknown:
@@ -378,7 +379,7 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
         raise ValueError("lm_head is tied to embed_tokens in this model (tie_word_embeddings=True); "
                          "LoRA on a tied lm_head is not supported")
     layers = lnn.replace_lora_layers(model, sorted(ours), max_loras=max_loras, max_rank=max_rank,
-                                     output_slices=model.lora_slices(), dtype=dtype)
+                                     output_slices=model.lora_slices(), dtype=dtype, dora=dora)
     if model.mesh is not None:         # a split model: the new layers are split the same way
         model.shard(model.mesh, axis=model.tp_axis)
     return layers

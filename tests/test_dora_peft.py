@@ -1,0 +1,130 @@
+"""DoRA served by the Flax Llama and its serving loop, mixed with plain LoRA adapters and rows without
+an adapter, against peft itself (float32, CPU): peft's use_dora adapters (its own magnitudes moved
+away from their initial norms) loaded by lora_core.peft, column scales computed at load
+(lora_core.dora), applied in the expand's epilogue (xla backend here; triton in the interpreter)."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_lora import LoRAMapping, PunicaWrapper
+from jax_lora import nn as lnn
+from jax_lora.adapters import AdapterError, AdapterManager, merge_adapter, load_peft_adapter
+from jax_lora.models import add_lora, load_llama
+from jax_lora.serving import Request, ServingEngine
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+RTOL = 1e-4
+VOCAB = 96
+ADAPTERS = {
+    1: {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "use_dora": True},
+    2: {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "o_proj", "up_proj"]},
+}
+
+
+def _rel(a, b):
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(1.0, np.abs(np.asarray(b)).max()))
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dora-peft")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(root / "base"), safe_serialization=True)
+
+    def fresh():
+        return transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval()
+
+    peft_models, dirs = {}, {}
+    for lora_id, kw in ADAPTERS.items():
+        torch.manual_seed(lora_id)
+        pm = peft.get_peft_model(fresh(), peft.LoraConfig(init_lora_weights=False, **kw)).eval()
+        with torch.no_grad():
+            for module in pm.modules():
+                mags = getattr(module, "lora_magnitude_vector", None)
+                if mags is not None and "default" in mags:
+                    mags["default"].weight.mul_(1.3).add_(0.05)
+        dirs[lora_id] = str(root / f"adapter{lora_id}")
+        pm.save_pretrained(dirs[lora_id])
+        peft_models[lora_id] = pm
+    peft_models[None] = fresh()
+    return root, dirs, peft_models
+
+
+def _torch_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+def _ours(root, dirs, backend=None):
+    model = load_llama(str(root / "base"))
+    add_lora(model, max_loras=3, max_rank=8, dora=True)
+    mgr = AdapterManager(model)
+    for lora_id, d in dirs.items():
+        mgr.register(lora_id, d)
+    mgr.activate(list(dirs))
+    return model, mgr
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+def test_mixed_dora_lora_and_base_rows_equal_peft(hf, backend):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is not on")
+    root, dirs, peft_models = hf
+    model, mgr = _ours(root, dirs)
+    rng = np.random.default_rng(0)
+    rows = [1, 2, None, 1]
+    tokens = rng.integers(0, VOCAB, size=(len(rows), 6))
+    ids = np.repeat([r or 0 for r in rows], tokens.shape[1])
+    w = PunicaWrapper(64, 64, None, max_loras=3, backend=backend)
+    w.update_metadata(LoRAMapping(ids, ids, is_prefill=True), mgr.lora_index_to_id, 4, VOCAB)
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    with lnn.punica_context(w):
+        ours = np.asarray(model(jnp.asarray(tokens, jnp.int32), pos)[0])
+    base = _torch_logits(peft_models[None], tokens)
+    for b, lora_id in enumerate(rows):
+        ref = _torch_logits(peft_models[lora_id], tokens[b:b + 1])[0]
+        assert _rel(ours[b], ref) < RTOL, (lora_id, _rel(ours[b], ref))
+        if lora_id is not None:
+            assert _rel(ref, base[b]) > 1e-3
+
+
+def test_serving_loop_with_dora_equals_peft(hf):
+    root, dirs, peft_models = hf
+    model, mgr = _ours(root, dirs)
+    engine = ServingEngine(model, mgr, max_seqs=4, max_len=32, keep_logits=True)
+    rng = np.random.default_rng(1)
+    reqs = [Request([int(t) for t in rng.integers(0, VOCAB, size=int(rng.integers(3, 9)))], lora_id=i,
+                    max_new_tokens=4) for i in [1, 2, None, 1]]
+    for req, c in zip(reqs, engine.generate(reqs)):
+        seq = np.array([list(req.prompt) + c.tokens[:-1]])
+        ref = _torch_logits(peft_models[req.lora_id], seq)[0, len(req.prompt) - 1:]
+        assert _rel(c.logits, ref) < RTOL
+        assert list(ref.argmax(-1)) == c.tokens
+
+
+def test_merged_dora_weights_equal_peft(hf):
+    root, dirs, peft_models = hf
+    merged = merge_adapter(load_llama(str(root / "base")), load_peft_adapter(dirs[1]))
+    tokens = np.random.default_rng(2).integers(0, VOCAB, size=(2, 5))
+    pos = jnp.broadcast_to(jnp.arange(5), tokens.shape)
+    ours = np.asarray(merged(jnp.asarray(tokens, jnp.int32), pos)[0])
+    assert _rel(ours, _torch_logits(peft_models[1], tokens)) < RTOL
+
+
+def test_dora_adapters_need_dora_layers(hf):
+    root, dirs, _ = hf
+    model = load_llama(str(root / "base"))
+    add_lora(model, max_loras=2, max_rank=8)
+    with pytest.raises(AdapterError, match=r"dora=True"):
+        AdapterManager(model).register(1, dirs[1])
