@@ -446,13 +446,12 @@ class PunicaWrapper:
             if dora_scale.shape != (lora_b.shape[0], lora_b.shape[1]):
                 raise ValueError(f"dora_scale must have shape {(lora_b.shape[0], lora_b.shape[1])} (slots, "
                                  f"sum(output_slices)), got {dora_scale.shape}")
-        g_index = [(slice(None), slice(o, o + n)) for o, n in zip(offsets, output_slices)]
         if not getattr(impl, "READS_VIEWS", False):
             return self.add_lora_linear(y, x, tuple(lora_a[s] for s in range(lora_a.shape[0])),
                                         tuple(lora_b[i] for i in b_index), None, scale, output_slices,
                                         lora_ranks=lora_ranks,
                                         dora_scale_stacked=None if dora_scale is None else
-                                        tuple(dora_scale[i] for i in g_index))
+                                        tuple(dora_scale[i] for i in b_index))
         from .ops import triton as triton_ops  # noqa: PLC0415 - the backend that reads views
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
@@ -472,7 +471,7 @@ class PunicaWrapper:
         check_same_device(x=x2, lora_a=lora_a, lora_b=lora_b, y=y2)
         a_views = tuple(triton_ops.view(lora_a, (s,)) for s in range(S))
         b_views = tuple(triton_ops.view(lora_b, i) for i in b_index)
-        extra = {} if dora_scale is None else {"col_scale": tuple(triton_ops.view(dora_scale, i) for i in g_index)}
+        extra = {} if dora_scale is None else {"col_scale": tuple(triton_ops.view(dora_scale, i) for i in b_index)}
         return impl.linear(y2, x2, a_views, b_views, self.token_meta, checks.as_scale(scale), offsets,
                            as_lora_ranks(lora_ranks, num_slots), None, **extra).reshape(y.shape)
 

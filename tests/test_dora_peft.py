@@ -17,56 +17,34 @@ from jax_lora.adapters import AdapterError, AdapterManager, merge_adapter, load_
 from jax_lora.models import add_lora, load_llama
 from jax_lora.serving import Request, ServingEngine
 
+from .test_peft_roundtrip import VOCAB, _rel, _torch_logits, build_peft_models
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 RTOL = 1e-4
-VOCAB = 96
 ADAPTERS = {
     1: {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "use_dora": True},
     2: {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "o_proj", "up_proj"]},
 }
 
 
-def _rel(a, b):
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(1.0, np.abs(np.asarray(b)).max()))
+def _raise_magnitudes(pm) -> None:
+    """Moves peft's DoRA magnitudes away from their initial norms (else g would be 1)."""
+    with torch.no_grad():
+        for module in pm.modules():
+            mags = getattr(module, "lora_magnitude_vector", None)
+            if mags is not None and "default" in mags:
+                mags["default"].weight.mul_(1.3).add_(0.05)
 
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dora-peft")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(root / "base"), safe_serialization=True)
-
-    def fresh():
-        return transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval()
-
-    peft_models, dirs = {}, {}
-    for lora_id, kw in ADAPTERS.items():
-        torch.manual_seed(lora_id)
-        pm = peft.get_peft_model(fresh(), peft.LoraConfig(init_lora_weights=False, **kw)).eval()
-        with torch.no_grad():
-            for module in pm.modules():
-                mags = getattr(module, "lora_magnitude_vector", None)
-                if mags is not None and "default" in mags:
-                    mags["default"].weight.mul_(1.3).add_(0.05)
-        dirs[lora_id] = str(root / f"adapter{lora_id}")
-        pm.save_pretrained(dirs[lora_id])
-        peft_models[lora_id] = pm
-    peft_models[None] = fresh()
-    return root, dirs, peft_models
+    return build_peft_models(tmp_path_factory.mktemp("dora-peft"), ADAPTERS, tweak=_raise_magnitudes)
 
 
-def _torch_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
-
-
-def _ours(root, dirs, backend=None):
+def _ours(root, dirs):
     model = load_llama(str(root / "base"))
     add_lora(model, max_loras=3, max_rank=8, dora=True)
     mgr = AdapterManager(model)

@@ -35,9 +35,10 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(1.0, np.abs(np.asarray(b)).max()))
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    root = tmp_path_factory.mktemp("peft")
+def build_peft_models(root, adapters: dict, tweak=None) -> tuple:
+    """A tiny Llama saved under root/"base" and one peft model per {lora_id: LoraConfig kwargs}
+    (random A and B; `tweak(peft_model)` may edit it before saving), saved under root/adapter<id>.
+    Returns (root, {id: directory}, {id: peft model, None: the base model})."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -48,14 +49,21 @@ def hf(tmp_path_factory):
         return transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval()
 
     peft_models, dirs = {}, {}
-    for lora_id, kw in ADAPTERS.items():
+    for lora_id, kw in adapters.items():
         torch.manual_seed(lora_id)
         pm = peft.get_peft_model(fresh(), peft.LoraConfig(init_lora_weights=False, **kw)).eval()
+        if tweak is not None:
+            tweak(pm)
         dirs[lora_id] = str(root / f"adapter{lora_id}")
         pm.save_pretrained(dirs[lora_id])
         peft_models[lora_id] = pm
     peft_models[None] = fresh()
     return root, dirs, peft_models
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return build_peft_models(tmp_path_factory.mktemp("peft"), ADAPTERS)
 
 
 def _torch_logits(model, tokens):
