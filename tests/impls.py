@@ -27,6 +27,26 @@ ALL_DTYPES = ("float32", "bfloat16", "float16")
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
+def triton_runs() -> bool:
+    """Whether Triton kernels can run in this process: compiled on a CUDA GPU, or in Triton's
+    interpreter (conftest sets TRITON_INTERPRET=1 where no GPU is present)."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - the JAX-only install
+        return False
+
+
+def torch_triton_device() -> str:
+    """Where torch tensors for the Triton backend live: CUDA (compiled kernels) when a GPU is present,
+    else the CPU (the interpreter)."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values exactly representable in `dtype` (what the implementation will see)."""
     return np.asarray(a, np.float32).astype(NP_DTYPES[dtype]).astype(np.float32)

@@ -13,6 +13,8 @@ import pytest
 from lora_core.dora import column_scale
 from lora_core.peft import AdapterError, load_peft_adapter
 
+from .impls import torch_triton_device, triton_runs
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -154,13 +156,12 @@ def test_reference_expands_apply_the_column_scale_per_token_slot():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_triton_kernels_apply_the_column_scale_in_the_epilogue(fused):
-    """The JAX Triton backend (Triton's interpreter here): expand and add_lora_linear's kernels
+    """The JAX Triton backend (compiled on a GPU, Triton's interpreter elsewhere): expand and add_lora_linear's kernels
     (split shrink + expand, and the one-launch fused kernel) multiply a slice's new value by the
     slot's column scale in their epilogue, equal to the xla reference; a slice with both a bias and
     a scale is refused."""
-    import os
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
+    if not triton_runs():
+        pytest.skip("no GPU and Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
     import jax.numpy as jnp
 
     from jax_lora.meta import LoRAKernelMeta
@@ -190,28 +191,28 @@ def test_triton_kernels_apply_the_column_scale_in_the_epilogue(fused):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_torch_triton_backend_applies_the_column_scale(fused):
-    """torch's Triton backend (interpreter here): linear (split and fused) and expand equal the torch
+    """torch's Triton backend (compiled on a GPU, the interpreter elsewhere): linear (split and fused) and expand equal the torch
     reference with a DoRA column scale on one slice and a bias on the other."""
-    import os
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
+    if not triton_runs():
+        pytest.skip("no GPU and Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
     from torch_lora.meta import LoRAKernelMeta as TorchMeta
     from torch_lora.ops import torch_ref
     from torch_lora.ops import triton as tri
 
     gen = torch.Generator().manual_seed(6)
+    dev = torch_triton_device()
     T, L, r, H, widths = 7, 3, 16, 32, (16, 32)
-    idx = torch.tensor([0, -1, 2, 1, 2, 0, 1])
-    x = torch.randn(T, H, generator=gen)
-    a = [torch.randn(L, r, H, generator=gen) / 6 for _ in widths]
-    b = [torch.randn(L, n, r, generator=gen) / 4 for n in widths]
-    g = [torch.rand(L, 16, generator=gen) + 0.5, None]
-    bias = [None, torch.randn(L, 32, generator=gen)]
-    y0 = torch.randn(T, 48, generator=gen)
-    meta = TorchMeta.make(max_loras=L, max_num_tokens=T, device="cpu")
+    idx = torch.tensor([0, -1, 2, 1, 2, 0, 1], device=dev)
+    x = torch.randn(T, H, generator=gen).to(dev)
+    a = [(torch.randn(L, r, H, generator=gen) / 6).to(dev) for _ in widths]
+    b = [(torch.randn(L, n, r, generator=gen) / 4).to(dev) for n in widths]
+    g = [(torch.rand(L, 16, generator=gen) + 0.5).to(dev), None]
+    bias = [None, torch.randn(L, 32, generator=gen).to(dev)]
+    y0 = torch.randn(T, 48, generator=gen).to(dev)
+    meta = TorchMeta.make(max_loras=L, max_num_tokens=T, device=dev)
     meta.prepare_tensors(idx)
     args = meta.meta_args(T)
-    buf = torch.empty(2, T, r)
+    buf = torch.empty(2, T, r, device=dev)
     torch_ref.shrink(x, a, buf, args, 0.5)
     want = y0.clone()
     torch_ref.expand(buf, b, want, args, (0, 16), True, bias=bias, col_scale=g)
@@ -228,13 +229,12 @@ def test_torch_triton_backend_applies_the_column_scale(fused):
 def test_jax_wrapper_add_lora_linear_with_dora_scales(backend, deterministic):
     """jax_lora.PunicaWrapper.add_lora_linear(..., dora_scale_stacked=): every backend that applies
     the scale equals the float64 oracle; the others refuse it by name."""
-    import os
     import jax.numpy as jnp
 
     import jax_lora
     from jax_lora import LoRAMapping
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter is not on")
+    if backend == "triton" and not triton_runs():
+        pytest.skip("no GPU and Triton's interpreter is not on")
     rng = np.random.default_rng(8)
     T, L, r, H, widths = 6, 3, 16, 32, (16, 32)
     ids = (1, 0, 3, 2, 3, 1)
