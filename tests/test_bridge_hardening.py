@@ -55,12 +55,12 @@ def test_to_torch_then_delete_or_donate_keeps_the_buffer(fast):
         del a
         gc.collect()
         junk = [jnp.full((1 << 16,), 7.0) + i for i in range(16)]  # reuse freed memory, if any was freed
-        assert np.array_equal(t.numpy(), want), "the torch tensor lost its buffer"
+        assert np.array_equal(t.cpu().numpy(), want), "the torch tensor lost its buffer"
         b = jnp.arange(1 << 16, dtype=jnp.float32) + 1
         u = bridge.to_torch(b)
         c = jax.jit(lambda v: v * 2, donate_argnums=0)(b)           # donation while torch holds the buffer
         junk = [jnp.full((1 << 16,), 7.0) + i for i in range(16)]
-        assert np.array_equal(u.numpy(), want) and np.array_equal(np.asarray(c), 2 * want)
+        assert np.array_equal(u.cpu().numpy(), want) and np.array_equal(np.asarray(c), 2 * want)
         print("OK")
     """)
     assert child.returncode == 0 and "OK" in child.stdout, (child.returncode, child.stdout, child.stderr[-3000:])

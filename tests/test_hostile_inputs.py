@@ -5,6 +5,8 @@ weight whose storage is swapped (`.data =`, `set_`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,13 @@ SIDE_PARAMS = [pytest.param(impl, id=impl.side) for impl in SIDES.values()]
 BIG = 2 ** 32 + 1       # int64; cut to int32 it would be slot 1
 HUGE_ID = 2 ** 70       # beyond int64
 F32 = r"\('float16', 'bfloat16', 'float32'\)"
+
+
+def on_host(impl):
+    """The side with its torch tensors on the CPU, where int64 values are read and refused. On an
+    accelerator reading them would be a host sync: there they are saturated to the int32 bounds
+    instead (test_cuda_int64_beyond_int32_is_saturated_to_no_lora)."""
+    return dataclasses.replace(impl, torch_device="cpu") if impl.side == "torch" else impl
 
 
 def host(impl, a):
@@ -49,6 +58,7 @@ def setup(impl, slices=(8, 4), rank=4, hidden=16, slots=3, num_tokens=4):
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
 def test_int64_index_beyond_int32_is_refused_by_the_ops(impl):
+    impl = on_host(impl)
     rng = np.random.default_rng(1)
     x = impl.arr(rng.standard_normal((4, 16)).astype(np.float32), "float32")
     wa = impl.arr(rng.standard_normal((3, 4, 16)).astype(np.float32), "float32")
@@ -72,6 +82,7 @@ def test_int64_index_beyond_int32_is_refused_by_the_ops(impl):
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
 def test_int64_segments_and_ranks_beyond_int32_are_refused(impl):
+    impl = on_host(impl)
     rng = np.random.default_rng(2)
     x = impl.arr(rng.standard_normal((4, 16)).astype(np.float32), "float32")
     wa = impl.arr(rng.standard_normal((3, 4, 16)).astype(np.float32), "float32")
@@ -83,6 +94,27 @@ def test_int64_segments_and_ranks_beyond_int32_are_refused(impl):
     idx = impl.idx([0, 1, 2, -1])
     with pytest.raises(ValueError, match=r"lora_ranks holds 4294967297, outside the int32 range"):
         impl.ops.bgmv_shrink(x, wa, idx, 1.0, lora_ranks=ranks)
+
+
+@pytest.mark.gpu
+def test_cuda_int64_beyond_int32_is_saturated_to_no_lora():
+    """On CUDA, int64 indices and ranks are not read on the host (a sync): values beyond int32 are
+    saturated to the int32 bounds, so a token's slot 2**32 + 1 is no LoRA (not slot 1, its wrap),
+    and a rank beyond int32 is the weights' full rank. Host segment arrays are still refused."""
+    import torch
+
+    import torch_lora
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 16, generator=g).cuda()
+    wa = torch.randn(3, 4, 16, generator=g).cuda()
+    idx = torch.tensor([0, BIG, 1, -BIG], device="cuda")
+    got = torch_lora.ops.bgmv_shrink(x, wa, idx, 1.0, lora_ranks=torch.tensor([4, BIG, 4], device="cuda"))
+    want = oracle.shrink(x.double().cpu().numpy(), [wa.double().cpu().numpy()], np.array([0, -1, 1, -1]), 1.0)[0]
+    assert oracle.rel_err(got.cpu().numpy(), want) < 1e-5
+    assert torch.all(got[1] == 0) and torch.all(got[3] == 0)
+    with pytest.raises(ValueError, match=r"lora_indices_per_batch holds 4294967297, outside the int32 range"):
+        torch_lora.ops.sgmv_shrink(x, wa, torch.tensor([0, 2]), torch.tensor([2, 2]), torch.tensor([1, BIG]),
+                                   2, 2, 4, 1.0)
 
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
@@ -205,15 +237,16 @@ def test_numpy_activations_to_the_torch_wrapper():
     import torch
     w, x, a, b, y, _ = setup(SIDES["torch"])
     w.add_lora_linear(y, x, a, b, None, 1.0, (8, 4))     # a cached plan for these weights exists
+    xn, yn = x.cpu().numpy(), y.cpu().numpy()
     with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got ndarray"):
-        w.add_lora_linear(y, x.numpy(), a, b, None, 1.0, (8, 4))
+        w.add_lora_linear(y, xn, a, b, None, 1.0, (8, 4))
     with pytest.raises(TypeError, match=r"y must be a torch.Tensor, got ndarray"):
-        w.add_lora_linear(y.numpy(), x, a, b, None, 1.0, (8, 4))
+        w.add_lora_linear(yn, x, a, b, None, 1.0, (8, 4))
     with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got ndarray"):
-        w.add_shrink(torch.zeros(2, 4, 4), x.numpy(), a, 1.0)
+        w.add_shrink(torch.zeros(2, 4, 4, device=x.device), xn, a, 1.0)
     import torch_lora
     with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got ndarray"):
-        torch_lora.ops.bgmv_shrink(x.numpy(), a[0][:, 0], torch.zeros(4, dtype=torch.int32))
+        torch_lora.ops.bgmv_shrink(xn, a[0][:, 0], torch.zeros(4, dtype=torch.int32, device=x.device))
 
 
 @pytest.mark.parametrize("impl", [pytest.param(i, id=i.name) for i in IMPLS])
@@ -244,6 +277,7 @@ def test_bias_with_none_entries_in_add_lora_linear(impl):
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
 def test_float64_is_refused_with_the_same_message_on_both_sides(impl):
     """SPEC section 4 dtypes: torch refuses float64; JAX must too, not narrow NumPy float64 to float32."""
+    impl = on_host(impl)
     w, x, a, b, y, f = setup(impl)
     x64, y64 = host(impl, impl.to_np(x)), host(impl, impl.to_np(y))
     a64 = [host(impl, impl.to_np(t)) for t in a]
@@ -262,33 +296,38 @@ def test_float64_is_refused_with_the_same_message_on_both_sides(impl):
 # ----------------------------------------------------------------------------- torch: storage swaps
 
 def _torch_case(backend, seed=0):
+    """A wrapper and its weights: on CUDA for the Triton backend when a GPU is present (its compiled
+    kernels), else on the CPU (the reference, or Triton's interpreter)."""
     import torch
     import torch_lora
-    w = torch_lora.PunicaWrapper(8, 4, "cpu", max_loras=3, backend=backend)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    w = torch_lora.PunicaWrapper(8, 4, dev, max_loras=3, backend=backend)
     w.update_metadata(LoRAMapping((5, 0, 7, 6), (5,)), [5, 6, 7], 4, 32)
     g = torch.Generator().manual_seed(seed)
-    a = tuple(torch.randn(3, 1, 4, 16, generator=g) for _ in range(2))
-    b = tuple(torch.randn(3, 1, n, 4, generator=g) for n in (8, 4))
-    return w, a, b, torch.randn(4, 16, generator=g), torch.randn(4, 12, generator=g), g
+    a = tuple(torch.randn(3, 1, 4, 16, generator=g).to(dev) for _ in range(2))
+    b = tuple(torch.randn(3, 1, n, 4, generator=g).to(dev) for n in (8, 4))
+    return w, a, b, torch.randn(4, 16, generator=g).to(dev), torch.randn(4, 12, generator=g).to(dev), g
 
 
 def _check(w, a, b, x, y):
     got = w.add_lora_linear(y.clone(), x, a, b, None, 1.0, (8, 4))
-    want = oracle.lora_linear(y.numpy(), x.numpy(), [t.numpy() for t in a], [t.numpy() for t in b], None, 1.0,
+    host = lambda t: t.cpu().numpy()  # noqa: E731
+    want = oracle.lora_linear(host(y), host(x), [host(t) for t in a], [host(t) for t in b], None, 1.0,
                               [0, -1, 2, 1])
-    assert oracle.rel_err(got.numpy(), want) < 1e-5
+    assert oracle.rel_err(host(got), want) < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_torch_plan_follows_a_swapped_storage(backend):
     import torch
     w, a, b, x, y, g = _torch_case(backend)
+    dev = x.device
     _check(w, a, b, x, y)
-    a[0].data = torch.randn(3, 1, 4, 16, generator=g)          # new storage, same object
+    a[0].data = torch.randn(3, 1, 4, 16, generator=g).to(dev)          # new storage, same object
     _check(w, a, b, x, y)
-    b[1].set_(torch.randn(3, 1, 4, 4, generator=g))            # set_: new storage, same object
+    b[1].set_(torch.randn(3, 1, 4, 4, generator=g).to(dev))            # set_: new storage, same object
     _check(w, a, b, x, y)
-    fresh = torch.randn(3, 1, 4, 16, generator=g)
+    fresh = torch.randn(3, 1, 4, 16, generator=g).to(dev)
     a[1].set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())
     _check(w, a, b, x, y)
 

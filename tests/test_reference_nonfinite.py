@@ -61,17 +61,19 @@ def test_xla_poison_under_jit_and_vmap(path, monkeypatch):
         monkeypatch.setattr(xla, "EXPAND_GATHER_MAX", 0)
 
     x, y, clean, (pa, pb, pbias) = _data()
+    # device arrays enter as arguments: a device array closed over would be copied to the host to be
+    # embedded in the program as a constant (on a GPU), which the guard below would catch
     meta0 = LoRAKernelMeta.build(IDX, SLOTS, T)
     ranks = jnp.asarray(RANKS)
 
-    def step(x, y, idx):
+    def step(x, y, idx, ranks, meta0):
         meta = dataclasses.replace(meta0, token_lora_mapping=idx)
         buf = xla.shrink(x, (jnp.asarray(pa),), meta, 0.5, ranks)
         return buf, xla.expand(buf, (jnp.asarray(pb),), y, meta, (0,), True, ranks, (jnp.asarray(pbias),))
 
     jitted = jax.jit(step)
     with jax.transfer_guard_device_to_host("disallow"):
-        buf, out = jitted(jnp.asarray(x), jnp.asarray(y), jnp.asarray(IDX))
+        buf, out = jitted(jnp.asarray(x), jnp.asarray(y), jnp.asarray(IDX), ranks, meta0)
     want_buf, want = _want(x, y, clean, IDX)
     assert oracle.rel_err(np.asarray(buf)[0], want_buf[0]) < 1e-5
     assert np.all(np.asarray(buf)[0, IDX < 0] == 0)
@@ -81,7 +83,8 @@ def test_xla_poison_under_jit_and_vmap(path, monkeypatch):
     # vmap over a batch of steps with different mappings: each equal to its own call.
     idxs = np.stack([IDX, IDX[::-1], np.full(T, -1, np.int32)])
     xs, ys = np.stack([x, x[::-1], x]), np.stack([y, y * 2, y])
-    bufs, outs = jax.jit(jax.vmap(step))(jnp.asarray(xs), jnp.asarray(ys), jnp.asarray(idxs))
+    bufs, outs = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None, None)))(
+        jnp.asarray(xs), jnp.asarray(ys), jnp.asarray(idxs), ranks, meta0)
     for i in range(3):
         want_buf, want = _want(xs[i], ys[i], clean, idxs[i])
         assert oracle.rel_err(np.asarray(bufs)[i, 0], want_buf[0]) < 1e-5

@@ -44,7 +44,8 @@ def test_torch_warmup_runs_every_case_and_leaves_the_wrapper_alone():
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     import torch_lora
-    w = torch_lora.PunicaWrapper(16, 4, "cpu", max_loras=3, backend="triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"      # compiled kernels, or the interpreter
+    w = torch_lora.PunicaWrapper(16, 4, device, max_loras=3, backend="triton")
     w.update_metadata(LoRAMapping((7, 0, 7), (7, 0, 7)), [None, 7, None], 4, 32)
     before = w.token_lora_indices.clone()
     stats = w.warmup([(32, (16, 8), 8), LinearShape(16, (16,), 4)], [1, 3], dtype=torch.float32,

@@ -111,14 +111,21 @@ def as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32)
 
 
+def int32_on(name: str, values, device) -> torch.Tensor:
+    """Integer values (a list, NumPy array or tensor) as an int32 tensor on `device`. Host values are
+    read where they are, so an int64 beyond int32 is refused before it moves (as_int32); a tensor
+    already on an accelerator is saturated there."""
+    return as_int32(name, torch.as_tensor(values)).to(device)
+
+
 def as_lora_ranks(lora_ranks, num_slots: int, device):
     if lora_ranks is None:
         return None
-    r = torch.as_tensor(lora_ranks, device=device)
+    r = torch.as_tensor(lora_ranks)
     if r.dim() != 1 or r.shape[0] < num_slots or r.dtype.is_floating_point:
         raise ValueError(f"lora_ranks must be a 1-D integer tensor of >= {num_slots} entries (one per "
                          f"slot), got shape {tuple(r.shape)} dtype {r.dtype}")
-    return as_int32("lora_ranks", r)
+    return int32_on("lora_ranks", r, device)
 
 
 def _offsets(offset_start: int, widths: Sequence[int]) -> tuple:
@@ -269,9 +276,9 @@ def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks, determin
 def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, num_tokens: int,
                     device) -> torch.Tensor:
     """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment."""
-    starts = as_int32("seq_start_locs", torch.as_tensor(seq_start_locs, device=device))
-    lengths = as_int32("seq_lengths", torch.as_tensor(seq_lengths, device=device))
-    loras = as_int32("lora_indices_per_batch", torch.as_tensor(lora_indices_per_batch, device=device))
+    starts = int32_on("seq_start_locs", seq_start_locs, device)
+    lengths = int32_on("seq_lengths", seq_lengths, device)
+    loras = int32_on("lora_indices_per_batch", lora_indices_per_batch, device)
     if not (starts.dim() == lengths.dim() == loras.dim() == 1) or not (
             starts.shape == lengths.shape == loras.shape):
         raise ValueError("seq_start_locs, seq_lengths and lora_indices_per_batch must be 1-D of one "
