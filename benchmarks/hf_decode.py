@@ -27,8 +27,11 @@ LoRA overhead = ours graph - base graph, next to the LoRA kernels' own GPU time 
 early and wait, so this sum can exceed the overhead).
 
 Correctness, before any time is taken: ours eager and ours graph against peft's logits of the same
-step (relative error of the logits; bf16 on both sides, so the tolerance is a bf16 one, 0.05),
-and peft's LoRA effect (its logits against the base's) must be well above that error.
+step (relative error of the logits). Both sides run bf16 through 32 layers of random weights and
+round differently (peft rounds x A and (x A) B to bf16 in every module, our kernels accumulate in
+float32): measured on the H200, 0.049-0.052 at every batch size, so the tolerance is TOL = 0.1, and
+peft's LoRA effect (its logits against the base's, ~1.4 here) must be at least 10x the error, which
+a wrong adapter, slot or scale could not meet.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NUM_ADAPTERS = 32
-TOL = 0.05
+TOL = 0.1
+EFFECT_OVER_ERR = 10
 CONTEXT, MAX_LEN = 512, 1024
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -298,7 +302,7 @@ class Bench:
                 del g, out
         res["peft_over_ours_eager"] = res["peft_us"] / res["ours_eager_us"]
         errs = [res["err_eager"]] + ([res["err_graph"]] if "err_graph" in res else [])
-        res["check_passed"] = bool(max(errs) <= TOL and effect > 4 * max(errs))
+        res["check_passed"] = bool(max(errs) <= TOL and effect >= EFFECT_OVER_ERR * max(errs))
         return res
 
 

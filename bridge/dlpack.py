@@ -41,7 +41,7 @@ Stream ordering on CUDA (DLPack's rule is "the consumer waits for the producer")
 Sharing is sharing: a torch in-place write into a tensor exported to JAX changes the JAX value, and
 a JAX array exported to torch must be treated as read-only by torch code (JAX assumes immutability).
 A tensor from `to_torch` holds its own reference to the JAX buffer: deleting (or donating) the source
-array afterwards leaves the tensor valid.
+array afterwards leaves the tensor valid (a GPU refuses the donation while the tensor lives).
 The cross-side wrappers never write into a shared buffer (see torch_over_jax / jax_over_torch).
 
 Speed: the public `jnp.from_dlpack` costs 74-97 us of host time per tensor (most of it a Python

@@ -58,7 +58,11 @@ def test_to_torch_then_delete_or_donate_keeps_the_buffer(fast):
         assert np.array_equal(t.cpu().numpy(), want), "the torch tensor lost its buffer"
         b = jnp.arange(1 << 16, dtype=jnp.float32) + 1
         u = bridge.to_torch(b)
-        c = jax.jit(lambda v: v * 2, donate_argnums=0)(b)           # donation while torch holds the buffer
+        try:                                                          # donation while torch holds the buffer
+            c = jax.jit(lambda v: v * 2, donate_argnums=0)(b)
+        except Exception as e:                                        # a GPU refuses it: b is untouched
+            assert "external reference" in str(e), e
+            c = jax.jit(lambda v: v * 2)(b)
         junk = [jnp.full((1 << 16,), 7.0) + i for i in range(16)]
         assert np.array_equal(u.cpu().numpy(), want) and np.array_equal(np.asarray(c), 2 * want)
         print("OK")
