@@ -137,12 +137,13 @@ class MultiLoRALinear(nnx.Module):
 
     def __call__(self, x: jax.Array, punica=None) -> jax.Array:
         w = _pick(punica)
+        if self.dora and self.tp is not None:
+            raise NotImplementedError("DoRA layers (dora=True) split over a mesh are not supported: serve "
+                                      "DoRA adapters with unsplit layers")
         if w is not None and self.tp is not None:
             return self.tp.apply(self, x, w)
         if w is None:
             return self.base(x)
-        if self.dora and self.tp is not None:
-            raise NotImplementedError("DoRA layers split over a mesh are not supported yet")
         y = self._base_without_bias(x) if self.dora else self.base(x)
         y = w.add_lora_linear_stacked(y, x, self.lora_a.get_value(), self.lora_b.get_value(), 1.0,
                                       self.output_slices, lora_ranks=self.lora_ranks.get_value(),

@@ -256,6 +256,9 @@ def shard_layer(layer, mesh: Mesh, *, kind: str, layout: str | None = None, axis
     if getattr(layer, "tp", None) is not None:
         raise ValueError(f"the layer is already split ({layer.tp.kind}, {layer.tp.layout}); build a new layer "
                          "to split it again")
+    if getattr(layer, "dora", False):
+        raise ValueError("a DoRA layer (dora=True) cannot be split over a mesh: its column scale would have to "
+                         "follow the layout's reduction; serve DoRA adapters with unsplit layers")
     n = int(mesh.shape[axis])
     slices, in_features, rank = _layer_sizes(layer, kind)
     if layout is None:

@@ -326,7 +326,7 @@ class PunicaWrapper:
             out.append(g.reshape(slots, width))
         if not getattr(impl, "COLUMN_SCALE", False):
             raise ValueError(f"dora_scale_stacked: backend {self.backend!r} does not apply DoRA column scales yet "
-                             "(backends 'xla' and 'triton' do)")
+                             "(backends 'xla', 'triton' and 'pallas_tpu' do)")
         return {"col_scale": tuple(out)}
 
     def _expand_args(self, y2, buf_shape, buf_dtype, lora_b_stacked, lora_bias_stacked, output_slices,

@@ -225,7 +225,7 @@ def test_torch_triton_backend_applies_the_column_scale(fused):
 
 
 @pytest.mark.parametrize("backend,deterministic", [("xla", False), ("xla", True), ("triton", False),
-                                                   ("triton", True)])
+                                                   ("triton", True), ("pallas_tpu", False)])
 def test_jax_wrapper_add_lora_linear_with_dora_scales(backend, deterministic):
     """jax_lora.PunicaWrapper.add_lora_linear(..., dora_scale_stacked=): every backend that applies
     the scale equals the float64 oracle; the others refuse it by name."""
@@ -261,11 +261,15 @@ def test_jax_wrapper_add_lora_linear_with_dora_scales(backend, deterministic):
                           dora_scale_stacked=[g[0], g[0]])
 
 
-def test_backends_without_column_scales_refuse_them():
+def test_backends_without_column_scales_refuse_them(monkeypatch):
+    """A backend that does not declare COLUMN_SCALE (every built-in one does) is refused by name,
+    never handed scales it would ignore."""
     import jax.numpy as jnp
 
     import jax_lora
     from jax_lora import LoRAMapping
+    from jax_lora.ops import pallas_tpu
+    monkeypatch.setattr(pallas_tpu, "COLUMN_SCALE", False)
     w = jax_lora.PunicaWrapper(16, 4, None, max_loras=2, backend="pallas_tpu")
     w.update_metadata(LoRAMapping((1, 2), (1, 2)), [1, 2], 3, 64)
     a = [jnp.zeros((2, 16, 128), jnp.float32)]

@@ -54,7 +54,7 @@ def _ours(root, dirs):
     return model, mgr
 
 
-@pytest.mark.parametrize("backend", ["xla", "triton"])
+@pytest.mark.parametrize("backend", ["xla", "triton", "pallas_tpu"])
 def test_mixed_dora_lora_and_base_rows_equal_peft(hf, backend):
     if backend == "triton" and not triton_runs():
         pytest.skip("no GPU and Triton's interpreter is not on")

@@ -226,6 +226,64 @@ def test_linear_one_row_order_for_both_kernels(runs, aligned, het, order, row_dm
     np.testing.assert_array_equal(got[:, :offsets[0]], y0[:, :offsets[0]], err_msg="columns before the slices")
 
 
+@pytest.mark.parametrize("runs,aligned,order", [(True, True, None), (True, True, "sorted"), (False, False, None)],
+                         ids=["in-place-token", "sorted-row-dma", "unaligned-delta"])
+def test_linear_applies_dora_column_scales_in_the_epilogue(runs, aligned, order):
+    """A DoRA slice (col_scale) beside a biased one: y[t, slice] = g[idx[t]] * (y + delta) in the
+    kernel's epilogue (in place by blocks, by row DMAs) or the delta path's XLA epilogue; -1 rows and
+    columns outside the slices untouched; a slice with both a bias and a scale is refused."""
+    rng = np.random.default_rng(37)
+    t, h, r, num_slots = 32, 128, 16, 4
+    widths, offsets, n_cols = ((256, 128), (128, 384), 640) if aligned else ((24, 40), (3, 27), 70)
+    idx = mapping(rng, t, num_slots, frac_none=0.2, sorted_runs=runs)
+    x = round_to(rng.standard_normal((t, h)), "bfloat16")
+    a = [round_to(rng.standard_normal((num_slots, r, h)) / np.sqrt(h), "bfloat16") for _ in widths]
+    b = [round_to(rng.standard_normal((num_slots, n, r)) / np.sqrt(r), "bfloat16") for n in widths]
+    g = round_to(rng.uniform(0.5, 2.0, (num_slots, widths[0])), "bfloat16")
+    bias1 = round_to(rng.standard_normal((num_slots, widths[1])), "bfloat16")
+    y0 = round_to(rng.standard_normal((t, n_cols)), "bfloat16")
+
+    def dev(v):
+        return None if v is None else jnp.asarray(v, jnp.bfloat16)
+
+    meta = LoRAKernelMeta.build(idx, num_slots)
+    with races_checked():
+        got = P.linear(dev(y0), dev(x), tuple(map(dev, a)), tuple(map(dev, b)), meta, 0.5, offsets, None,
+                       (None, dev(bias1)), tm_max=16, tn_max=128, row_order=order, col_scale=(dev(g), None))
+    want = oracle.expand(oracle.shrink(x, a, idx, 0.5), b, y0, idx, offsets[0], True,
+                         [np.zeros((num_slots, widths[0])), bias1])
+    lo, hi = offsets[0], offsets[0] + widths[0]
+    live = idx >= 0
+    want[live, lo:hi] *= g[idx[live]]
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    assert_close(got, want, "bfloat16", "linear with a DoRA scale")
+    np.testing.assert_array_equal(got[~live], y0[~live], err_msg="rows of -1 tokens changed")
+    np.testing.assert_array_equal(got[:, :lo], y0[:, :lo], err_msg="columns before the slices")
+    with pytest.raises(ValueError, match="slice 0 has both a LoRA bias and a DoRA column scale"):
+        P.expand(jnp.zeros((2, t, r), jnp.float32), tuple(map(dev, b)), dev(y0), meta, offsets, True, None,
+                 (dev(g), None), col_scale=(dev(g), None))
+
+
+def test_expand_dora_scale_without_add_inputs():
+    """expand(add_inputs=False) on a DoRA slice: y[t, slice] = g[idx[t]] * delta (the old y is not
+    part of the new value), on the in-place path."""
+    rng = np.random.default_rng(41)
+    t, r, num_slots, widths, offsets, n_cols = 32, 16, 3, (128,), (128,), 256
+    idx = mapping(rng, t, num_slots, frac_none=0.2, sorted_runs=True)
+    buf = rng.standard_normal((1, t, r)).astype(np.float32)
+    b = [round_to(rng.standard_normal((num_slots, 128, r)) / np.sqrt(r), "float32")]
+    g = rng.uniform(0.5, 2.0, (num_slots, 128)).astype(np.float32)
+    y0 = rng.standard_normal((t, n_cols)).astype(np.float32)
+    meta = LoRAKernelMeta.build(idx, num_slots)
+    got = run_expand(jnp.asarray(buf), (jnp.asarray(b[0]),), jnp.asarray(y0), meta, offsets, False, None, None,
+                     tm_max=16, tn_max=128, col_scale=(jnp.asarray(g),))
+    want = oracle.expand(buf, b, y0, idx, offsets[0], False)
+    live = idx >= 0
+    want[live, 128:] *= g[idx[live]]
+    assert_close(got, want, "float32", "expand(add_inputs=False) with a DoRA scale")
+    np.testing.assert_array_equal(np.asarray(got)[~live], y0[~live])
+
+
 # ----------------------------------------------------------------------------- metadata edge cases
 
 def test_meta_capacity_larger_than_tokens():

@@ -354,3 +354,14 @@ def test_bad_input_is_refused_with_the_argument_named():
                              shards=0, itemsize=2)
     with pytest.raises(ValueError, match=r"widths \(4, 4\) must sum to y's last dimension 6"):
         parallel.split_fused(jnp.ones((2, 6)), (4, 4), 2)
+
+
+def test_dora_layers_are_not_split_over_a_mesh():
+    """A DoRA layer's column scale multiplies the whole output (after a row split's reduction): it is
+    refused by name rather than split in a way that would drop or misplace the scale."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("tp",))
+    layer = lnn.MultiLoRALinear(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), max_loras=2, max_rank=4, dora=True)
+    for kind in ("column", "row"):
+        with pytest.raises(ValueError, match=r"a DoRA layer \(dora=True\) cannot be split over a mesh"):
+            parallel.shard_layer(layer, mesh, kind=kind)
+    assert layer.tp is None

@@ -5,6 +5,9 @@ A backend is a module (or object) with:
   shrink(x (T,H), lora_a: tuple of (L,r,H), meta: LoRAKernelMeta, scale, lora_ranks) -> (S,T,r) f32
   expand(buf (S,T,r), lora_b: tuple of (L,n_s,r), y (T,N), meta, offsets: tuple[int], add_inputs,
          lora_ranks, bias=None) -> y      (bias: None or S entries of None / (L, n_s))
+  COLUMN_SCALE: True when expand (and linear) also take col_scale= (S entries of None / (L, n_s):
+      a slice's new value times g[idx] instead of plus a bias, DoRA); the wrapper refuses DoRA
+      scales for a backend without it
 Weights arrive as 3-D arrays (the size-1 axis removed), indices through the metadata (SPEC
 section 3), already checked. Adding a backend means registering it here; callers never change.
 

@@ -5,7 +5,9 @@ Math (SPEC section 4), with idx[t] the slot of token t (-1 = no LoRA), every pro
   shrink:  buf[s, t, :] = scale * x[t] @ A_s[idx[t]].T                 (0 where idx[t] = -1)
   expand:  y[t, off_s : off_s + n_s] = (y[t, ...] if add_inputs else 0)
                                         + buf[s, t] @ B_s[idx[t]].T + bias_s[idx[t]]
-           (rows with idx[t] = -1 untouched), cast to y.dtype once.
+           (rows with idx[t] = -1 untouched), cast to y.dtype once. A slice with a DoRA column
+           scale g_s (L, n_s) instead of a bias: y[t, slice] = g_s[idx[t]] * ((y[t, slice] if
+           add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T).
   ranks:   with lora_ranks, rank columns c >= lora_ranks[idx[t]] count as zero (in A and in B).
 
 How (the megablox `gmm` pattern, applied to the LoRA metadata of SPEC section 3):
@@ -42,9 +44,10 @@ How (the megablox `gmm` pattern, applied to the LoRA metadata of SPEC section 3)
   4. Each step stores only the rows of its group (a row mask: the `row_slot` block of the tile
      equals the step's slot); rows of no group (-1 tokens, padding) are never written and the
      epilogue selects around them, so uninitialised memory never reaches a result.
-  5. y is updated as (y if add_inputs else 0) + delta + bias in float32 and cast once, in the
-     kernel (in place) or in an XLA epilogue (delta path); shrink's epilogue puts rows back in
-     token order (sorted order), applies `scale` and zeroes rows without a LoRA.
+  5. y is updated as (y if add_inputs else 0) + delta + bias (DoRA: g * ((y if add_inputs else 0)
+     + delta)) in float32 and cast once, in the kernel (in place) or in an XLA epilogue (delta
+     path); shrink's epilogue puts rows back in token order (sorted order), applies `scale` and
+     zeroes rows without a LoRA.
 
 Layouts, dense in the 128 lanes: the shrink output packs the S slices side by side in the lane
 dim, (rows, P) with P = round_up(S * r, 128) (three rank-16 slices share one lane tile); the expand
@@ -97,6 +100,7 @@ from .schedule import (
 from .shrink_op import shrink
 
 NAME = "pallas_tpu"
+COLUMN_SCALE = True        # expand and linear take col_scale (DoRA)
 
 __all__ = [
     "NAME", "shrink", "expand", "linear", "transpose_lora_b",                # the backend

@@ -14,6 +14,7 @@ width (`plan_inplace`). B comes in vLLM's layout (L, n, r) or rank-major (L, r, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional, Sequence
 
@@ -54,7 +55,8 @@ from .schedule import (
 # -------------------------------------------------------------------------------------- kernels
 
 def _slice_delta(plan: ExpandPlan, s: int, buf_ref, b_refs, bias_ref, slot_rank):
-    """(tm, tn) float32: extract_s(buf_tile) @ B_s[slot].T (+ bias), summed over B's rank chunks;
+    """(tm, tn) float32: extract_s(buf_tile) @ B_s[slot].T (+ bias; a DoRA scale is applied by the
+    caller, after y is added: `_scaled`), summed over B's rank chunks;
     a chunk past the slot's rank (another slot's rows, its fetch skipped) is masked out. Buffer lanes
     outside the chunk's real rank columns and B's rank padding are selected away before any product
     (values there may be anything, NaN included)."""
@@ -67,9 +69,15 @@ def _slice_delta(plan: ExpandPlan, s: int, buf_ref, b_refs, bias_ref, slot_rank)
         b_tile = _below(b_refs[c][...], rank_here, 1 if plan.b_layout == "nr" else 0)
         d = _dot(part, b_tile, (1, 1) if plan.b_layout == "nr" else (1, 0))          # (tm, tn)
         delta = d if delta is None else delta + d
-    if bias_ref is not None:
+    if bias_ref is not None and not plan.is_scaled(s):
         delta = delta + bias_ref[...].astype(jnp.float32)
     return delta
+
+
+def _scaled(plan: ExpandPlan, s: int, new, vec_ref):
+    """DoRA's epilogue: the slice's new value (y + delta, float32 (tm, tn)) times the slot's column
+    scale g (its (1, tn) block); other slices unchanged."""
+    return new * vec_ref[...].astype(jnp.float32) if plan.is_scaled(s) else new
 
 
 def _expand_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, row_slot_ref, buf_ref, *refs,
@@ -100,7 +108,8 @@ def _expand_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, row_s
 def _expand_inplace_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, col0_ref, row_slot_ref,
                            buf_ref, *refs, plan: ExpandPlan, add_inputs: bool):
     """Token order, y aliased in and out: on the first step of an m-tile copy the y block, then
-    each group writes its rows: y = cast((y if add_inputs else 0) + buf @ B.T + bias), once."""
+    each group writes its rows: y = cast((y if add_inputs else 0) + buf @ B.T + bias), once (a
+    DoRA slice: cast(g * ((y if add_inputs else 0) + buf @ B.T)))."""
     s_count = len(plan.widths)
     ins, k = [], 0  # per slice: (B chunk refs, bias ref or None)
     for s in range(s_count):
@@ -123,6 +132,7 @@ def _expand_inplace_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
             delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]])
             if add_inputs:
                 delta = delta + y_in[...].astype(jnp.float32)
+            delta = _scaled(plan, s, delta, ins[s][1])
             rows = _row_mask(row_slot_ref, slot_ref[i])
             y_out[...] = jnp.where(rows, delta.astype(y_out.dtype), y_out[...])
 
@@ -140,7 +150,8 @@ def _expand_scatter_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
                            row_slot_ref, buf_ref, *refs, plan: ExpandPlan, add_inputs: bool):
     """Sorted order, y updated in place by rows: on the first step of an m-tile the y pieces of its
     rows (tokens row_tok, -1 for none) are DMA'd into a VMEM tile; each group updates its rows,
-    y = cast((y if add_inputs else 0) + buf @ B.T + bias); on the tile's last step the rows are
+    y = cast((y if add_inputs else 0) + buf @ B.T + bias) (DoRA: g * (...) without bias); on the
+    tile's last step the rows are
     DMA'd back. Only tokens with a LoRA are read or written."""
     s_count, tm, tn = len(plan.widths), plan.tm, plan.tn[0]
     ins, k = [], 0
@@ -175,6 +186,7 @@ def _expand_scatter_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
             delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]])
             if add_inputs:
                 delta = delta + ybuf[...].astype(jnp.float32)
+            delta = _scaled(plan, s, delta, ins[s][1])
             rows = _row_mask(row_slot_ref, slot_ref[i])
             ybuf[...] = jnp.where(rows, delta.astype(ybuf.dtype), ybuf[...])
 
@@ -284,16 +296,20 @@ def _run_delta(args: _ExpandOperands, plan: ExpandPlan, blocks, sched: Schedule,
       *operands)
 
 
-def _add_deltas(args: _ExpandOperands, plan: ExpandPlan, has_lora, deltas) -> jax.Array:
+def _add_deltas(args: _ExpandOperands, plan: ExpandPlan, rows: _Rows, deltas) -> jax.Array:
     """The delta path's XLA epilogue: y[:, slice s] = cast((y if add_inputs else 0) + deltas[s])
-    in float32 with one cast; rows without LoRA keep y. deltas: S (T, n_s) in token order."""
+    in float32 with one cast, times g[idx[t]] for a DoRA slice; rows without LoRA keep y.
+    deltas: S (T, n_s) in token order."""
     out = args.y
+    has_lora = rows.has_lora
     for s in range(len(plan.widths)):
         width = plan.widths[s]
         old = lax.dynamic_slice_in_dim(out, args.offsets[s], width, axis=1)
         new = deltas[s]
         if args.add_inputs:
             new = new + old.astype(jnp.float32)
+        if plan.is_scaled(s):
+            new = new * jnp.take(args.bias[s], jnp.maximum(rows.idx, 0), axis=0).astype(jnp.float32)
         out = lax.dynamic_update_slice_in_dim(
             out, jnp.where(has_lora[:, None], new.astype(args.y.dtype), old), args.offsets[s], axis=1)
     return out
@@ -391,21 +407,25 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
     `scatter` is given; otherwise either runs the delta kernel and the XLA epilogue adds the deltas."""
     args = _ExpandOperands(lora_b, y, ranks, bias, offsets, add_inputs, interpret)
     t, tp = plan.num_tokens, plan.tiles_m * plan.tm
-    blocks = _delta_blocks(plan, lora_b, bias)  # traced here, outside the branches that share it
+    # The delta kernel adds biases only: a DoRA scale multiplies y + delta, which only the XLA
+    # epilogue sees on that path (`_add_deltas`), so its plan reads no scale blocks.
+    dplan = dataclasses.replace(plan, has_bias=tuple(b and not plan.is_scaled(s) for s, b in enumerate(plan.has_bias)),
+                                scaled=()) if plan.scaled else plan
+    blocks = _delta_blocks(dplan, lora_b, bias)  # traced here, outside the branches that share it
 
     def token_order(packed_rows):
         row_slot = _pad_rows(rows.idx, tp, -1)
         if inplace is not None:
             return _run_inplace(args, plan, inplace, rows.token_sched, row_slot, packed_rows)
-        deltas = _run_delta(args, plan, blocks, rows.token_sched, row_slot, packed_rows)
-        return _add_deltas(args, plan, rows.has_lora, tuple(d[:t] for d in deltas))
+        deltas = _run_delta(args, dplan, blocks, rows.token_sched, row_slot, packed_rows)
+        return _add_deltas(args, plan, rows, tuple(d[:t] for d in deltas))
 
     def sorted_order(packed_rows):
         row_slot = _sorted_slots(rows.idx, rows.order, t)
         if scatter is not None:
             return _run_scatter(args, plan, scatter, rows.sorted_sched, rows.order, row_slot, packed_rows)
-        deltas = _run_delta(args, plan, blocks, rows.sorted_sched, row_slot, packed_rows)
-        return _add_deltas(args, plan, rows.has_lora, tuple(jnp.take(d, rows.position, axis=0) for d in deltas))
+        deltas = _run_delta(args, dplan, blocks, rows.sorted_sched, row_slot, packed_rows)
+        return _add_deltas(args, plan, rows, tuple(jnp.take(d, rows.position, axis=0) for d in deltas))
 
     return token_order, sorted_order
 
@@ -445,13 +465,16 @@ def _inplace_plans(plan: ExpandPlan, offsets, y, tn_max: int) -> tuple:
 def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRAKernelMeta,
            offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None, *,
            b_layout: str = "nr", tm_max: int = 256, tn_max: int = 4096,
-           allow_inplace: bool = True, row_order: Optional[str] = None, row_dma: bool = True) -> jax.Array:
+           allow_inplace: bool = True, row_order: Optional[str] = None, row_dma: bool = True,
+           col_scale=None) -> jax.Array:
     """buf (S, T, r); lora_b: S arrays (L, n_s, r) (or (L, r, n_s) with b_layout="rn");
-    y (T, N); offsets: S column offsets (slices inside y); bias: None or S entries of None / (L, n_s).
+    y (T, N); offsets: S column offsets (slices inside y); bias, col_scale: None or S entries of
+    None / (L, n_s), never both for one slice.
 
     Returns the new y: y[t, off_s:off_s+n_s] = (y[...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
-    + bias_s[idx[t]], accumulated in float32 and cast once; rows with idx -1 and columns outside
-    the slices unchanged. One pallas_call covers all slices. When the slices sit on 128-column
+    + bias_s[idx[t]], accumulated in float32 and cast once; a slice with a DoRA column scale gets
+    g_s[idx[t]] * ((y[...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T) instead, in the same
+    epilogue; rows with idx -1 and columns outside the slices unchanged. One pallas_call covers all slices. When the slices sit on 128-column
     boundaries and T is a multiple of the row tile, the token-order path updates y in place in the
     kernel (`plan_inplace`); otherwise the kernel writes a float32 delta that XLA adds to y.
     """
@@ -475,19 +498,35 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
             raise ValueError(f"slice {s} (offset {offsets[s]}, width {width}) falls outside y's "
                              f"{y.shape[1]} columns")
         widths.append(width)
-    has_bias = tuple(bias is not None and bias[s] is not None for s in range(s_count))
+    bias, has_bias, scaled = epilogue_vectors(bias, col_scale, s_count)
     plan = plan_expand(t, widths, r, num_slots, _round_up(s_count * r, 128), b_layout, has_bias,
                        lora_b[0].dtype.itemsize, tm_max=tm_max, tn_max=tn_max,
-                       chunked=lora_ranks is not None)
+                       chunked=lora_ranks is not None, scaled=scaled)
     tpu_rules.check_blocks(plan.block_uses())
     inplace, scatter = _inplace_plans(plan, offsets, y, tn_max) if allow_inplace else (None, None)
     scatter = scatter if row_dma else None
     ranks = _ranks_or_full(lora_ranks, num_slots, r)
-    bias_t = None if bias is None else tuple(bias)
-    return _expand_call(buf, tuple(lora_b), y, meta, ranks, bias_t,
+    return _expand_call(buf, tuple(lora_b), y, meta, ranks, bias,
                         jnp.asarray([int(o) for o in offsets], jnp.int32), plan=plan, inplace=inplace,
                         scatter=scatter,
                         add_inputs=bool(add_inputs), row_order=row_order, interpret=current_interpret())
+
+
+def epilogue_vectors(bias, col_scale, num_slices: int) -> tuple:
+    """(vectors, has_bias, scaled): per slice the (L, n_s) vector its epilogue reads, a LoRA bias
+    or a DoRA column scale (never both: ValueError naming the slice, as the Triton launches say),
+    None for neither; vectors is None when no slice has one."""
+    vectors, scaled = [], []
+    for s in range(num_slices):
+        b = None if bias is None else bias[s]
+        g = None if col_scale is None else col_scale[s]
+        if b is not None and g is not None:
+            raise ValueError(f"slice {s} has both a LoRA bias and a DoRA column scale; the kernels take one (a DoRA "
+                             "adapter has no LoRA bias in PEFT)")
+        vectors.append(b if g is None else g)
+        scaled.append(g is not None)
+    has = tuple(v is not None for v in vectors)
+    return (tuple(vectors) if any(has) else None), has, tuple(scaled)
 
 
 def transpose_lora_b(lora_b: Sequence[jax.Array]) -> tuple:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from ... import tpu_rules
 from ...meta import LoRAKernelMeta
 from .common import _ranks_or_full, _two_jits, current_interpret
-from .expand_op import _expand_orders, _inplace_plans, expand
+from .expand_op import _expand_orders, _inplace_plans, epilogue_vectors, expand
 from .plans import ExpandPlan, ShrinkPlan, expand_order_cost, plan_expand, plan_shrink, shrink_order_cost
 from .schedule import OrderCost, _check_row_order, _pick_order, _rows, choose_token_order
 from .shrink_op import _shrink_orders, shrink
@@ -43,9 +43,11 @@ _linear_call = _two_jits(_linear_call, ("splan", "eplan", "inplace", "scatter", 
 def linear(y: jax.Array, x: jax.Array, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array],
            meta: LoRAKernelMeta, scale: float, offsets: Sequence[int], lora_ranks=None, bias=None, *,
            b_layout: str = "nr", tm_max: int = 256, tk_max: int = 8192, tn_max: int = 4096,
-           row_order: Optional[str] = None, row_dma: bool = True) -> jax.Array:
+           row_order: Optional[str] = None, row_dma: bool = True, col_scale=None) -> jax.Array:
     """add_lora_linear's math in one program: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T
-    + bias_s[idx] (float32, one cast), rows with idx -1 and other columns untouched.
+    + bias_s[idx] (float32, one cast), rows with idx -1 and other columns untouched; a slice with a
+    DoRA column scale (col_scale: None or S entries of None / (L, n_s)) gets
+    y[t, slice s] = g_s[idx] * (y[t, slice s] + delta) instead (`expand`).
 
     Shrink and expand share one row order (one `lax.cond`) and the packed rank rows pass between
     them in that order. The wrapper calls it when no shrink buffer is requested. row_order: None
@@ -61,11 +63,11 @@ def linear(y: jax.Array, x: jax.Array, lora_a: Sequence[jax.Array], lora_b: Sequ
     chunked = lora_ranks is not None
     x_item, a_item = x.dtype.itemsize, max(a.dtype.itemsize for a in lora_a)
     widths = [b.shape[1] if b_layout == "nr" else b.shape[2] for b in lora_b]
-    has_bias = tuple(bias is not None and bias[s] is not None for s in range(len(lora_b)))
+    vectors, has_bias, scaled = epilogue_vectors(bias, col_scale, len(lora_b))
     splan = plan_shrink(t, h, s_count, r, num_slots, x_item, a_item, tm_max=tm_max, tk_max=tk_max,
                         chunked=chunked, row_dma=row_dma)
     eplan = plan_expand(t, widths, r, num_slots, splan.lanes, b_layout, has_bias, lora_b[0].dtype.itemsize,
-                        tm_max=splan.tm, tn_max=tn_max, chunked=chunked)
+                        tm_max=splan.tm, tn_max=tn_max, chunked=chunked, scaled=scaled)
     if eplan.tm != splan.tm:
         splan = plan_shrink(t, h, s_count, r, num_slots, x_item, a_item, tm_max=eplan.tm, tk_max=tk_max,
                             chunked=chunked, row_dma=row_dma)
@@ -73,7 +75,7 @@ def linear(y: jax.Array, x: jax.Array, lora_a: Sequence[jax.Array], lora_b: Sequ
         buf = shrink(x, lora_a, meta, scale, lora_ranks, tm_max=tm_max, tk_max=tk_max, row_order=row_order,
                      row_dma=row_dma)
         return expand(buf, lora_b, y, meta, offsets, True, lora_ranks, bias, b_layout=b_layout,
-                      tm_max=tm_max, tn_max=tn_max, row_order=row_order, row_dma=row_dma)
+                      tm_max=tm_max, tn_max=tn_max, row_order=row_order, row_dma=row_dma, col_scale=col_scale)
     for s, b in enumerate(lora_b):
         if not 0 <= int(offsets[s]) <= y.shape[1] - widths[s]:
             raise ValueError(f"slice {s} (offset {offsets[s]}, width {widths[s]}) falls outside y's "
@@ -84,6 +86,6 @@ def linear(y: jax.Array, x: jax.Array, lora_a: Sequence[jax.Array], lora_b: Sequ
     scatter = scatter if row_dma else None
     ranks = _ranks_or_full(lora_ranks, num_slots, r)
     return _linear_call(y, x, tuple(lora_a), tuple(lora_b), meta, jnp.float32(scale), ranks,
-                        None if bias is None else tuple(bias),
+                        vectors,
                         jnp.asarray([int(o) for o in offsets], jnp.int32), splan=splan, eplan=eplan,
                         inplace=inplace, scatter=scatter, row_order=row_order, interpret=current_interpret())

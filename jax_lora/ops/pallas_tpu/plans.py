@@ -149,6 +149,11 @@ class ExpandPlan(_RankChunked):
     inplace: bool = False
     rank_chunk: int = 0  # rank-major B only: rows per block, fetched only up to each slot's rank
     by_rows: bool = False  # with inplace: y rows moved by DMA (sorted order), no y BlockSpec
+    scaled: tuple = ()  # per slice: its epilogue vector (has_bias) is a DoRA column scale g, not a bias
+
+    def is_scaled(self, s: int) -> bool:
+        """Slice s's (1, tn) epilogue block multiplies the new value (DoRA) instead of adding."""
+        return bool(self.scaled) and bool(self.scaled[s])
 
     @property
     def tiles_n(self) -> tuple:
@@ -184,7 +189,8 @@ class ExpandPlan(_RankChunked):
                                             (self.num_slots, self.rank, width), (None, self.rc, tn))
                          for c in range(self.chunks)]
             if self.has_bias[s]:
-                uses.append(tpu_rules.BlockUse(f"bias[{s}]", (self.num_slots, 1, width), (None, 1, tn)))
+                what = "col_scale" if self.is_scaled(s) else "bias"
+                uses.append(tpu_rules.BlockUse(f"{what}[{s}]", (self.num_slots, 1, width), (None, 1, tn)))
             if not self.inplace:
                 uses.append(tpu_rules.BlockUse(f"delta[{s}]", (tp, width), (self.tm, tn)))
         if self.inplace and not self.by_rows:
@@ -209,11 +215,14 @@ class ExpandPlan(_RankChunked):
 def plan_expand(num_tokens: int, widths: Sequence[int], rank: int, num_slots: int, lanes: int,
                 b_layout: str = "nr", has_bias: Optional[Sequence[bool]] = None, b_bytes: int = 2,
                 tm_max: int = 256, tn_max: int = 4096, vmem_budget: int = VMEM_BUDGET,
-                chunked: bool = False) -> ExpandPlan:
+                chunked: bool = False, scaled: Optional[Sequence[bool]] = None) -> ExpandPlan:
     """Large column tiles (few re-reads of the buffer) and tm under the VMEM budget: halves the
-    widest tile, then tm, until the blocks fit. `chunked` (rank-major B only): 16-row rank blocks."""
+    widest tile, then tm, until the blocks fit. `chunked` (rank-major B only): 16-row rank blocks.
+    has_bias: per slice, an epilogue vector (L, n_s) is read; scaled: per slice, that vector is a
+    DoRA column scale (the new value is multiplied by it) rather than a bias (added)."""
     widths = tuple(int(w) for w in widths)
     has_bias = tuple(bool(b) for b in (has_bias or (False,) * len(widths)))
+    scaled = tuple(bool(g) for g in scaled) if scaled and any(scaled) else ()
     options = [_lane_divisors(w, tn_max) for w in widths]  # per slice, largest first
     choice = [0] * len(widths)
     tm = _pick_tm(num_tokens, num_slots, tm_max)
@@ -221,7 +230,7 @@ def plan_expand(num_tokens: int, widths: Sequence[int], rank: int, num_slots: in
     def make():
         return ExpandPlan(num_tokens, widths, rank, num_slots, lanes, tm,
                           tuple(o[c] for o, c in zip(options, choice)), b_layout, has_bias,
-                          rank_chunk=rank_chunk_for(rank, chunked and b_layout == "rn"))
+                          rank_chunk=rank_chunk_for(rank, chunked and b_layout == "rn"), scaled=scaled)
 
     plan = make()
     while plan.vmem_bytes(b_bytes) > vmem_budget:
