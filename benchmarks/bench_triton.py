@@ -17,6 +17,11 @@ Correctness is checked on every case before timing (relative error vs float64).
 `--deterministic`: every sweep case is also timed with `linear(..., deterministic=True)` (the
 batch-invariant launch configs, always shrink + expand) on the same input sets, reported beside
 the default as `det_us` and its cost `det_cost` = det_us / time_us.
+`--dora`: every sweep case is also timed with a DoRA column scale on every slice (`col_scale=`,
+the expand's epilogue multiplies each row's new value by its slot's g), reported as `dora_us` and
+`dora_cost` = dora_us / time_us, its error against the float64 reference of g * (y + delta).
+`--wrapper-graph`: every case is also timed through `PunicaWrapper.add_lora_linear` in the same
+graphs (`wrapper_us`, `wrapper_over_op`).
 """
 
 from __future__ import annotations
@@ -130,10 +135,19 @@ class InputSet:
         self.offsets = tuple(int(v) for v in np.cumsum((0,) + tuple(widths))[:-1])
         self.scale = 0.5
         self.deterministic = False
+        self.col_scale = None          # DoRA: per slice (slots, n) float32, see with_dora_scales
+
+    def with_dora_scales(self, gen) -> None:
+        """A DoRA column scale on every slice, g in [0.9, 1.1] (replays multiply y by it again and
+        again: values stay in range)."""
+        dg = torch.Generator(device=self.x.device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+        self.col_scale = [0.9 + 0.2 * torch.rand(b.shape[0], b.shape[1], generator=dg, device=self.x.device)
+                          for b in self.b]
 
     def call(self, y=None):
+        kw = {} if self.col_scale is None else {"col_scale": self.col_scale}
         torch_triton.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
-                  self.scale, self.offsets, self.ranks, deterministic=self.deterministic)
+                  self.scale, self.offsets, self.ranks, deterministic=self.deterministic, **kw)
 
     def reference(self):
         """float64 y + sum_s (scale x A_s^T) B_s^T, grouped by adapter (no (T, r, H) gather)."""
@@ -149,6 +163,10 @@ class InputSet:
                     k = int(self.ranks[slot])
                     aa, bb = aa[:k], bb[:, :k]
                 y[rows, off:off + b.shape[1]] += (self.scale * x[rows] @ aa.T) @ bb.T
+        if self.col_scale is not None:
+            live = (self.idx >= 0).nonzero().squeeze(1)
+            for g, b, off in zip(self.col_scale, self.b, self.offsets):
+                y[live, off:off + b.shape[1]] *= g[self.idx[live].long()].double()
         return y
 
 
@@ -263,7 +281,7 @@ class WrapperCall:
                                self.widths)
 
 
-def run_case(case, slice_name, device, seed=0, deterministic=False, wrapper_graph=False):
+def run_case(case, slice_name, device, seed=0, deterministic=False, wrapper_graph=False, dora=False):
     name, kind, T, D, r, frac_none, ranks = case
     widths = SLICES[slice_name]
     slots = max(8, D)
@@ -308,6 +326,17 @@ def run_case(case, slice_name, device, seed=0, deterministic=False, wrapper_grap
         wrapper_us = graph_time_us(calls)
         det.update(wrapper_us=wrapper_us, wrapper_over_op=wrapper_us / t_us, wrapper_rel_err=rel_err(y, ref))
         del calls
+    if dora:
+        for s in sets:
+            s.deterministic = False
+            s.with_dora_scales(gen)
+        first.y.copy_(y0)
+        dref = first.reference()
+        y = y0.clone()
+        first.call(y)
+        torch.cuda.synchronize()
+        dora_us = graph_time_us(sets)
+        det.update(dora_us=dora_us, dora_cost=dora_us / t_us, dora_rel_err=rel_err(y, dref))
     floor_us = max(nbytes / (PEAK_GBS * 1e3), LAUNCH_US if T <= 1024 else 0.0)
     base_name = name if name in VLLM else None
     vllm = VLLM[base_name][0 if slice_name == "s1" else 1] if base_name else None
@@ -454,6 +483,18 @@ def markdown(res):
         lines.append("")
         lines.append(f"deterministic cost, geomean: {geomean([r['det_cost'] for r in det]):.2f}x over "
                      f"{len(det)} cases (worst {max(r['det_cost'] for r in det):.2f}x)")
+    for key, title, what in (("dora", "DoRA column scale", "DoRA"), ("wrapper", "PunicaWrapper.add_lora_linear",
+                                                                     "wrapper path")):
+        rows = [r for r in res["sweep"] if f"{key}_us" in r]
+        if not rows:
+            continue
+        ratio = "dora_cost" if key == "dora" else "wrapper_over_op"
+        lines += ["", f"| {title} | slices | op us | {what} us | ratio | err |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['case']}{' (fused)' if r['fused'] else ''} | {r['slices']} | {r['time_us']:.2f} "
+                         f"| {r[key + '_us']:.2f} | {r[ratio]:.2f}x | {r[key + '_rel_err']:.1e} |")
+        lines += ["", f"{what} / op, geomean: {geomean([r[ratio] for r in rows]):.2f}x over {len(rows)} cases "
+                      f"(range {min(r[ratio] for r in rows):.2f}x-{max(r[ratio] for r in rows):.2f}x)"]
     lines.append("")
     lines.append(f"geomean speedup vs vLLM: {s['geomean_speedup']:.2f}x over {s['n_vs_vllm']} cases; "
                  f"worst ratio ours/vLLM {s['worst_ratio']:.2f} ({s['worst_case']})")
@@ -582,6 +623,8 @@ def main():
     p.add_argument("--wrapper-graph", action="store_true",
                    help="also time every sweep case through PunicaWrapper.add_lora_linear in the same graphs "
                         "(wrapper_us, wrapper_over_op: the wrapper path against the op)")
+    p.add_argument("--dora", action="store_true",
+                   help="also time every sweep case with a DoRA column scale on every slice (dora_us, dora_cost)")
     p.add_argument("--deterministic", action="store_true",
                    help="also time every sweep case with deterministic=True (batch-invariant launches), "
                         "reported beside the default as det_us and det_cost")
@@ -618,13 +661,16 @@ def main():
         print(host_breakdown(s.s), flush=True)
     for case in [] if args.host_only else cases:
         for sl in ("s1", "s3"):
-            r = run_case(case, sl, device, deterministic=args.deterministic, wrapper_graph=args.wrapper_graph)
+            r = run_case(case, sl, device, deterministic=args.deterministic, wrapper_graph=args.wrapper_graph,
+                         dora=args.dora)
             res["sweep"].append(r)
             v = f"vLLM {r['vllm_us']:.1f}" if r["vllm_us"] else ""
             d = (f" deterministic {r['det_us']:8.2f} us ({r['det_cost']:.2f}x, err {r['det_rel_err']:.1e})"
                  if "det_us" in r else "")
             d += (f" wrapper {r['wrapper_us']:8.2f} us ({r['wrapper_over_op']:.2f}x, err {r['wrapper_rel_err']:.1e})"
                   if "wrapper_us" in r else "")
+            d += (f" dora {r['dora_us']:8.2f} us ({r['dora_cost']:.2f}x, err {r['dora_rel_err']:.1e})"
+                  if "dora_us" in r else "")
             print(f"{r['case']:28s} {sl} {r['time_us']:8.2f} us {r['pct_peak']:5.1f}% err {r['rel_err']:.1e} "
                   f"{v}{d}", flush=True)
     for case in [] if args.no_host else [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T8 D1 r16",
