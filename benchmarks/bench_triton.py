@@ -659,11 +659,15 @@ def main():
         with open(os.path.join(args.out, "host_profile.txt")) as f:
             print(f.read()[:6000])
         print(host_breakdown(s.s), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    partial = os.path.join(args.out, f"triton_h200_partial{args.tag}.json")
     for case in [] if args.host_only else cases:
         for sl in ("s1", "s3"):
             r = run_case(case, sl, device, deterministic=args.deterministic, wrapper_graph=args.wrapper_graph,
                          dora=args.dora)
             res["sweep"].append(r)
+            with open(partial, "w") as f:          # what a run cut short leaves (the sweep so far)
+                json.dump(res, f, indent=1)
             v = f"vLLM {r['vllm_us']:.1f}" if r["vllm_us"] else ""
             d = (f" deterministic {r['det_us']:8.2f} us ({r['det_cost']:.2f}x, err {r['det_rel_err']:.1e})"
                  if "det_us" in r else "")
@@ -712,6 +716,8 @@ def main():
     base = os.path.join(args.out, f"triton_h200_{stamp}{args.tag}")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1)
+    if os.path.exists(partial):
+        os.remove(partial)
     md = markdown(res)
     with open(base + ".md", "w") as f:
         f.write(f"run {res['meta']}\n\n" + md)
