@@ -1,6 +1,8 @@
 """DoRA without a framework (lora_core.dora, lora_core.peft): PEFT's use_dora adapters are read with
 their magnitude vectors, and the per-column scale g = m / ||W + s B A||_row reproduces PEFT's own
-DoRA layer. Serving them is not wired yet: the adapter managers refuse them with a clear error."""
+DoRA layer; the backends apply it in the expand's epilogue. Layers built without DoRA support
+refuse DoRA adapters with a clear error (serving them: tests/test_dora_peft.py for JAX,
+tests/test_dora_torch.py for torch)."""
 
 from __future__ import annotations
 
@@ -104,13 +106,21 @@ def test_bad_dora_files_name_what_is_wrong(dora_dir, tmp_path):
         load_peft_adapter(_edit(path, str(tmp_path / "d"), config={"use_dora": "yes"}))
 
 
-def test_managers_refuse_dora_adapters_until_they_serve_them(dora_dir):
+def test_torch_models_without_dora_refuse_dora_adapters(dora_dir):
+    """A MultiLoRAModel built without dora=True refuses a DoRA adapter, naming it and saying how to
+    enable DoRA; the same model built with dora=True takes it."""
     path, _ = dora_dir
     import torch_lora.hf
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG))
     mm = torch_lora.hf.MultiLoRAModel(model, max_loras=2, max_rank=8, backend="torch")
-    with pytest.raises(AdapterError, match="DoRA adapter .* not served yet"):
+    with pytest.raises(AdapterError, match=rf"adapter '{os.path.basename(path)}' is a DoRA adapter .* build the "
+                                           r"layers with dora=True"):
         mm.load_adapter("d", path)
+    assert mm.loaded_adapters == []
+    mm = torch_lora.hf.MultiLoRAModel(transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)), max_loras=2,
+                                      max_rank=8, backend="torch", dora=True)
+    mm.load_adapter("d", path)
+    assert mm.loaded_adapters == ["d"]
 
 
 def test_reference_expands_apply_the_column_scale_per_token_slot():

@@ -1,5 +1,8 @@
-"""DoRA on the torch side: torch_lora.PunicaWrapper's dora_scale_stacked (backends torch and
-triton, against a float64 oracle, and its plan cache)."""
+"""DoRA served on the torch side: torch_lora.PunicaWrapper's dora_scale_stacked (backends torch and
+triton, against a float64 oracle, and its plan cache), and torch_lora.hf.MultiLoRAModel(dora=True)
+against peft itself on a tiny random Llama with biased attention (float32, CPU): DoRA rows, plain
+LoRA rows and rows without an adapter in one batch, through a forward pass, generate() and slot churn.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,19 @@ import numpy as np
 import pytest
 
 from .impls import torch_triton_device, triton_runs
+from .test_dora_peft import _raise_magnitudes
+from .test_peft_roundtrip import VOCAB, _rel, build_peft_models
 
 torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 import torch_lora  # noqa: E402
-from torch_lora import LoRAMapping  # noqa: E402
+from torch_lora import AdapterError, LoRAMapping  # noqa: E402
+from torch_lora.hf import MultiLoRAModel  # noqa: E402
+from torch_lora.layers import LoRALinear  # noqa: E402
 
+RTOL = 1e-4
 T, L, R, H, WIDTHS = 6, 3, 16, 32, (16, 32)
 IDS = (1, 0, 3, 2, 3, 1)                    # LoRA id per token (0: no adapter); slot = id - 1
 
@@ -130,3 +140,126 @@ def test_wrapper_dora_scale_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"slice 1 has both a LoRA bias"):
         w.add_expand(yt, torch.zeros(2, T, R), B, bias, WIDTHS, dora_scale_stacked=G)
     assert np.array_equal(yt.numpy(), _case()[4])       # nothing was written
+
+
+# ----------------------------------------------------------------------------- MultiLoRAModel vs peft
+
+ADAPTERS = {
+    1: {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+        "use_dora": True},
+    2: {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "o_proj", "up_proj"]},
+    3: {"r": 2, "lora_alpha": 4, "target_modules": ["k_proj", "gate_proj"], "use_dora": True},
+}
+NAMES = {1: "dora-a", 2: "lora", 3: "dora-b"}
+
+
+def _biases(model) -> None:
+    """Non-zero attention biases (q/k/v/o): DoRA adds the base bias after its scale."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=gen) / 2)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return build_peft_models(tmp_path_factory.mktemp("dora-torch"), ADAPTERS, tweak=_raise_magnitudes,
+                             edit_base=_biases, attention_bias=True)
+
+
+def _wrapped(hf, device="cpu", **kw):
+    root, dirs, _ = hf
+    model = transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval().to(device)
+    mm = MultiLoRAModel(model, **{"max_loras": 3, "max_rank": 8, "backend": "torch", "dora": True, **kw})
+    for lora_id, d in dirs.items():
+        mm.load_adapter(NAMES[lora_id], d)
+    return mm
+
+
+def _alone(hf, lora_id, tokens):
+    with torch.no_grad():
+        return hf[2][lora_id](torch.as_tensor(np.asarray(tokens))[None]).logits[0].numpy()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_dora_lora_and_base_rows_equal_peft(hf, backend):
+    """Two DoRA adapters, a plain LoRA one and base rows in one batch: each row's logits are peft's
+    for that request alone. The adapters cover a fused group with biases (q/k/v), a lone linear
+    with a bias (o_proj), a group without (gate/up) and a lone one without (down_proj)."""
+    dev = _backend(backend)
+    mm = _wrapped(hf, dev, backend=backend)
+    biased = mm.layers["model.layers.0.self_attn.q_proj+k_proj+v_proj"]
+    assert biased.dora and tuple(biased.dora_scale.shape) == (3, 64)
+    rows = [1, 2, None, 3, 1]
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(len(rows), 6))
+    out = mm(torch.as_tensor(tokens, device=dev), adapter_names=[NAMES.get(r, "__base__") for r in rows]).logits
+    out = out.cpu().numpy()
+    for j, lora_id in enumerate(rows):
+        want = _alone(hf, lora_id, tokens[j])
+        assert _rel(out[j], want) < RTOL, (j, lora_id, _rel(out[j], want))
+        if lora_id is not None:
+            assert _rel(want, _alone(hf, None, tokens[j])) > 1e-3                     # the adapter matters
+    g = biased.dora_scale[mm.adapters.slot_of(1)].cpu()
+    assert (g[:32] - 1).abs().max() > 0.05 and torch.equal(g[32:48], torch.ones(16))   # q scaled, k not
+    assert torch.equal(biased.dora_scale[mm.adapters.slot_of(2)].cpu(), torch.ones(64))  # plain LoRA: 1
+
+
+def test_generate_greedy_tokens_equal_peft(hf):
+    mm = _wrapped(hf)
+    rows = [3, None, 1, 2]
+    tokens = torch.as_tensor(np.random.default_rng(1).integers(1, VOCAB, size=(len(rows), 5)))
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = mm.generate(tokens, attention_mask=torch.ones_like(tokens),
+                      adapter_names=[NAMES.get(r, "__base__") for r in rows], **gen)
+    for j, lora_id in enumerate(rows):
+        with torch.no_grad():
+            ref = hf[2][lora_id].generate(input_ids=tokens[j:j + 1], attention_mask=torch.ones_like(tokens[j:j + 1]),
+                                          **gen)
+        assert out[j].tolist() == ref[0].tolist(), (j, lora_id)
+
+
+def test_slot_churn_rewrites_scales_from_the_host_cache(hf):
+    """Two slots for three adapters: evicted DoRA adapters come back from the host cache with their
+    scales; a slot a DoRA adapter leaves to a plain one holds ones again; unload writes ones."""
+    mm = _wrapped(hf, max_loras=2)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, size=(2, 5))
+    for pair in ([1, 3], [2, 3], [1, 2], [3, 1], [2, 1]):
+        out = mm(torch.as_tensor(tokens), adapter_names=[NAMES[i] for i in pair]).logits.numpy()
+        for j, lora_id in enumerate(pair):
+            assert _rel(out[j], _alone(hf, lora_id, tokens[j])) < RTOL, (pair, j)
+    assert mm.adapters.stats["host_hits"] >= 3 and mm.adapters.stats["disk_loads"] == 3
+    down = mm.layers["model.layers.1.mlp.down_proj"]
+    slot = mm.adapters.slot_of(1)
+    assert (down.dora_scale[slot] - 1).abs().max() > 0.05
+    mm.unload_adapter(NAMES[1])
+    assert torch.equal(down.dora_scale[slot], torch.ones(32))
+
+
+def test_dora_adapters_need_a_dora_model(hf):
+    root, dirs, _ = hf
+    mm = MultiLoRAModel(transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval(), max_loras=2,
+                        max_rank=8, backend="torch")
+    mm.load_adapter("lora", dirs[2])
+    with pytest.raises(AdapterError, match=r"adapter 'adapter1' is a DoRA adapter .* has no DoRA column scale: "
+                                           r"build the layers with dora=True \(MultiLoRAModel\(\.\.\., dora=True\)"):
+        mm.load_adapter("dora-a", dirs[1])
+    assert mm.loaded_adapters == ["lora"]
+    with pytest.raises(TypeError, match="dora must be a bool"):
+        MultiLoRAModel(transformers.LlamaForCausalLM.from_pretrained(str(root / "base")), max_loras=2, max_rank=8,
+                       dora="yes")
+
+
+def test_dora_layer_arguments():
+    kw = dict(max_loras=2, max_rank=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"dora=True needs base_weights, one tensor per member module with shapes "
+                                         r"\[\(8, 6\), \(4, 6\)\]"):
+        LoRALinear(("q", "k"), 6, (8, 4), dora=True, **kw)
+    with pytest.raises(ValueError, match=r"base_weights must have shapes \[\(8, 6\), \(4, 6\)\] .* got "
+                                         r"\[\(8, 6\), \(6, 4\)\]"):
+        LoRALinear(("q", "k"), 6, (8, 4), dora=True, base_weights=[torch.zeros(8, 6), torch.zeros(6, 4)], **kw)
+    with pytest.raises(ValueError, match="base_weights are read only by DoRA layers"):
+        LoRALinear(("q",), 6, (8,), base_weights=[torch.zeros(8, 6)], **kw)
+    layer = LoRALinear(("q", "k"), 6, (8, 4), dora=True, base_weights=[torch.zeros(8, 6), torch.zeros(4, 6)], **kw)
+    assert torch.equal(layer.dora_scale, torch.ones(2, 12)) and layer.dora_scale.dtype == torch.float32
+    assert not hasattr(LoRALinear(("q",), 6, (8,), **kw), "dora_scale")
