@@ -200,6 +200,33 @@ def test_triton_kernels_apply_the_column_scale_in_the_epilogue(fused):
 
 
 @pytest.mark.parametrize("fused", [False, True])
+def test_jax_triton_kernels_take_float32_scales_with_bfloat16_weights(fused):
+    """A bf16 MultiLoRALinear(dora=True) passes float32 lora_scale beside bf16 weights: the kernels'
+    unused epilogue slots must not mix pointer types (they take a present vector, not B)."""
+    if not triton_runs():
+        pytest.skip("no GPU and Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
+    import jax.numpy as jnp
+
+    from jax_lora.meta import LoRAKernelMeta
+    from jax_lora.ops import triton as tri
+    from jax_lora.ops import xla
+
+    rng = np.random.default_rng(7)
+    T, L, r, H = 5, 2, 16, 32
+    idx = np.array([0, -1, 1, 1, 0], np.int32)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    a = [jnp.asarray(rng.standard_normal((L, r, H)) / 6, jnp.bfloat16)]
+    b = [jnp.asarray(rng.standard_normal((L, 16, r)) / 4, jnp.bfloat16)]
+    g = [jnp.asarray(rng.uniform(0.5, 2.0, (L, 16)), jnp.float32)]
+    y = jnp.asarray(rng.standard_normal((T, 16)), jnp.bfloat16)
+    meta = LoRAKernelMeta.build(idx, L, T)
+    want = xla.expand(xla.shrink(x, a, meta, 0.5), b, y, meta, (0,), True, col_scale=g)
+    got = tri.linear(y, x, a, b, meta, 0.5, (0,), fused=fused, col_scale=g)
+    assert got.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() < 5e-2
+
+
+@pytest.mark.parametrize("fused", [False, True])
 def test_torch_triton_backend_applies_the_column_scale(fused):
     """torch's Triton backend (compiled on a GPU, the interpreter elsewhere): linear (split and fused) and expand equal the torch
     reference with a DoRA column scale on one slice and a bias on the other."""

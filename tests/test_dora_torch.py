@@ -120,6 +120,38 @@ def test_plan_cache_keeps_dora_and_plain_calls_apart(backend):
     assert np.abs(run(G) - doubled).max() < 1e-4
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_float32_scales_with_bfloat16_weights(backend):
+    """What a bf16 model's DoRA layers pass: bf16 x, y and weights, float32 scales, on one slice, on
+    one of two slices (the other without), and beside a bf16 LoRA bias on the other slice (the
+    Triton kernels take one dtype for a launch's epilogue vectors: refused by name there)."""
+    dev = _backend(backend)
+    x, a, b, g, y = _case(10)
+    bf = torch.bfloat16
+    xb, yb = torch.from_numpy(x).to(bf), torch.from_numpy(y).to(bf)
+    A, B = [v.to(bf) for v in _t(a, "cpu")], [v.to(bf) for v in _t(b, "cpu")]
+    r = [v.float().numpy() for v in (xb, yb)] + [[v.float().numpy() for v in A], [v.float().numpy() for v in B]]
+    w = _wrapper(backend, dev)
+    want = _oracle(r[0], r[2], r[3], [g[0], np.ones_like(g[1])], r[1])
+    got = yb.clone().to(dev)
+    w.add_lora_linear(got, xb.to(dev), [v.to(dev) for v in A], [v.to(dev) for v in B], None, 0.5, WIDTHS,
+                      dora_scale_stacked=[torch.from_numpy(g[0]).to(dev), None])
+    assert np.abs(got.cpu().double().numpy() - want).max() < 2e-2 * max(1.0, np.abs(want).max())
+    got = yb[:, :16].clone().to(dev)
+    w.add_lora_linear(got, xb.to(dev), [A[0].to(dev)], [B[0].to(dev)], None, 0.5, (16,),
+                      dora_scale_stacked=[torch.from_numpy(g[0]).to(dev)])
+    assert np.abs(got.cpu().double().numpy() - want[:, :16]).max() < 2e-2 * max(1.0, np.abs(want).max())
+    bias = [None, torch.zeros(L, 32, dtype=bf, device=dev)]
+    scales = [torch.from_numpy(g[0]).to(dev), None]
+    args = (yb.clone().to(dev), xb.to(dev), [v.to(dev) for v in A], [v.to(dev) for v in B], bias, 0.5, WIDTHS)
+    if backend == "triton":
+        with pytest.raises(ValueError, match=r"biases / DoRA column scales must share one dtype .* float32 "
+                                             r"\(slice 0\), bfloat16 \(slice 1\)"):
+            w.add_lora_linear(*args, dora_scale_stacked=scales)
+    else:
+        w.add_lora_linear(*args, dora_scale_stacked=scales)
+
+
 def test_wrapper_dora_scale_errors_name_the_argument():
     x, a, b, g, y = _case()
     w = _wrapper("torch", "cpu")
