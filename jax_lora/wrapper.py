@@ -301,33 +301,27 @@ class PunicaWrapper:
                                                   output_slices, offset_start, cut_to_y)
         check_same_device(x=buf, lora_b_stacked=lora_b, y=y2)
         impl = self._impl()
-        extra = self._col_scale(impl, dora_scale_stacked, lora_b)
+        extra = self._col_scale(impl, dora_scale_stacked, lora_b, bias)
         return impl.expand(buf, lora_b, y2, meta, offsets, bool(add_inputs),
                            as_lora_ranks(lora_ranks, lora_b[0].shape[0]), bias, **extra)
 
-    def _col_scale(self, impl, dora_scale_stacked, lora_b) -> dict:
+    def _col_scale(self, impl, dora_scale_stacked, lora_b, bias) -> dict:
         """{"col_scale": per slice None or (L, n_s)} for the backend, or {} without scales; checks
-        them (one entry per slice, (L, [1,] n_s) of a float dtype) and that the backend applies them."""
+        them (`checks.check_dora_scales`: one entry per slice, (L, [1,] n_s) of a float dtype, no
+        slice with a LoRA bias as well, on every backend) and that the backend applies them."""
         if dora_scale_stacked is None:
             return {}
         scales = list(dora_scale_stacked) if isinstance(dora_scale_stacked, (list, tuple)) else [dora_scale_stacked]
-        if len(scales) != len(lora_b):
-            raise ValueError(f"dora_scale_stacked must have one entry per slice ({len(lora_b)}), got {len(scales)}")
-        out = []
-        for i, (g, b) in enumerate(zip(scales, lora_b)):
-            if g is None:
-                out.append(None)
-                continue
-            g = as_array(f"dora_scale_stacked[{i}]", g, checks.WEIGHT_DTYPES)
-            slots, width = b.shape[0], b.shape[1]
-            if g.shape not in ((slots, width), (slots, 1, width)):
-                raise ValueError(f"dora_scale_stacked[{i}] must have shape ({slots}, {width}) or ({slots}, 1, {width}) "
-                                 f"(slots, the slice's width), got {g.shape}")
-            out.append(g.reshape(slots, width))
+        scales = [None if g is None else as_array(f"dora_scale_stacked[{i}]", g, checks.WEIGHT_DTYPES)
+                  for i, g in enumerate(scales)]
+        widths = [b.shape[1] for b in lora_b]
+        checks.check_dora_scales([None if g is None else g.shape for g in scales],
+                                 [None if g is None else g.dtype for g in scales], widths, lora_b[0].shape[0],
+                                 [bias is not None and b is not None for b in (bias or [None] * len(lora_b))])
         if not getattr(impl, "COLUMN_SCALE", False):
             raise ValueError(f"dora_scale_stacked: backend {self.backend!r} does not apply DoRA column scales yet "
                              "(backends 'xla', 'triton' and 'pallas_tpu' do)")
-        return {"col_scale": tuple(out)}
+        return {"col_scale": tuple(None if g is None else g.reshape(g.shape[0], g.shape[-1]) for g in scales)}
 
     def _expand_args(self, y2, buf_shape, buf_dtype, lora_b_stacked, lora_bias_stacked, output_slices,
                      offset_start, cut_to_y=False):
@@ -411,7 +405,7 @@ class PunicaWrapper:
             lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32",
                                                        lora_b, lora_bias_stacked, output_slices, 0)
             check_same_device(x=x2, lora_b_stacked=lora_b3, y=y2)
-            extra = self._col_scale(impl, dora_scale_stacked, lora_b3)
+            extra = self._col_scale(impl, dora_scale_stacked, lora_b3, bias)
             return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, scale, offsets, ranks,
                                bias, **extra).reshape(y.shape)
         buf = impl.shrink(x2, lora_a3, self.token_meta, scale, ranks)

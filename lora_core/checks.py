@@ -171,6 +171,28 @@ def check_bias(bias_shapes: Sequence[Optional[Sequence[int]]], output_slices: Se
                              f"{width}), got {shape}")
 
 
+def check_dora_scales(scale_shapes: Sequence[Optional[Sequence[int]]], scale_dtypes: Sequence[Any],
+                      output_slices: Sequence[int], num_slots: int,
+                      bias_present: Optional[Sequence[bool]] = None, arg="dora_scale_stacked") -> None:
+    """DoRA column scales (lora_core.dora): one entry per slice, each None or (L, n_s) / (L, 1, n_s)
+    of a float dtype. bias_present, when given, says per slice whether a LoRA bias is given too:
+    a slice takes one or the other (the kernels' epilogue holds one vector; a DoRA adapter has no
+    LoRA bias in PEFT)."""
+    if len(scale_shapes) != len(output_slices):
+        raise ValueError(f"{arg} must have one entry per slice ({len(output_slices)}), got {len(scale_shapes)}")
+    for s, (shape, width) in enumerate(zip(scale_shapes, output_slices)):
+        if shape is None:
+            continue
+        check_dtype(f"{arg}[{s}]", scale_dtypes[s], WEIGHT_DTYPES)
+        shape = tuple(int(v) for v in shape)
+        if shape not in ((num_slots, width), (num_slots, 1, width)):
+            raise ValueError(f"{arg}[{s}] must have shape ({num_slots}, {width}) or ({num_slots}, 1, {width}) "
+                             f"(slots, the slice's width), got {shape}")
+        if bias_present is not None and bias_present[s]:
+            raise ValueError(f"slice {s} has both a LoRA bias (lora_bias_stacked[{s}]) and a DoRA column scale "
+                             f"({arg}[{s}]); a slice takes one (a DoRA adapter has no LoRA bias in PEFT)")
+
+
 def check_indices(name: str, shape: Sequence[int], dtype: Any, num_tokens: Optional[int] = None) -> None:
     check_ndim(name, shape, (1,), "1-D (one index per token)")
     check_dtype(name, dtype, INDEX_DTYPES)

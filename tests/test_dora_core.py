@@ -1,6 +1,8 @@
 """DoRA without a framework (lora_core.dora, lora_core.peft): PEFT's use_dora adapters are read with
 their magnitude vectors, and the per-column scale g = m / ||W + s B A||_row reproduces PEFT's own
-DoRA layer. Serving them is not wired yet: the adapter managers refuse them with a clear error."""
+DoRA layer; the backends apply it in the expand's epilogue. Layers built without DoRA support
+refuse DoRA adapters with a clear error (serving them: tests/test_dora_peft.py for JAX,
+tests/test_dora_torch.py for torch)."""
 
 from __future__ import annotations
 
@@ -104,13 +106,21 @@ def test_bad_dora_files_name_what_is_wrong(dora_dir, tmp_path):
         load_peft_adapter(_edit(path, str(tmp_path / "d"), config={"use_dora": "yes"}))
 
 
-def test_managers_refuse_dora_adapters_until_they_serve_them(dora_dir):
+def test_torch_models_without_dora_refuse_dora_adapters(dora_dir):
+    """A MultiLoRAModel built without dora=True refuses a DoRA adapter, naming it and saying how to
+    enable DoRA; the same model built with dora=True takes it."""
     path, _ = dora_dir
     import torch_lora.hf
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG))
     mm = torch_lora.hf.MultiLoRAModel(model, max_loras=2, max_rank=8, backend="torch")
-    with pytest.raises(AdapterError, match="DoRA adapter .* not served yet"):
+    with pytest.raises(AdapterError, match=rf"adapter '{os.path.basename(path)}' is a DoRA adapter .* build the "
+                                           r"layers with dora=True"):
         mm.load_adapter("d", path)
+    assert mm.loaded_adapters == []
+    mm = torch_lora.hf.MultiLoRAModel(transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)), max_loras=2,
+                                      max_rank=8, backend="torch", dora=True)
+    mm.load_adapter("d", path)
+    assert mm.loaded_adapters == ["d"]
 
 
 def test_reference_expands_apply_the_column_scale_per_token_slot():
@@ -187,6 +197,33 @@ def test_triton_kernels_apply_the_column_scale_in_the_epilogue(fused):
     assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-4
     with pytest.raises(ValueError, match="both a LoRA bias and a DoRA column scale"):
         tri.expand(buf, b, y, meta, (0, 16), True, bias=bias, col_scale=g)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_jax_triton_kernels_take_float32_scales_with_bfloat16_weights(fused):
+    """A bf16 MultiLoRALinear(dora=True) passes float32 lora_scale beside bf16 weights: the kernels'
+    unused epilogue slots must not mix pointer types (they take a present vector, not B)."""
+    if not triton_runs():
+        pytest.skip("no GPU and Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
+    import jax.numpy as jnp
+
+    from jax_lora.meta import LoRAKernelMeta
+    from jax_lora.ops import triton as tri
+    from jax_lora.ops import xla
+
+    rng = np.random.default_rng(7)
+    T, L, r, H = 5, 2, 16, 32
+    idx = np.array([0, -1, 1, 1, 0], np.int32)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    a = [jnp.asarray(rng.standard_normal((L, r, H)) / 6, jnp.bfloat16)]
+    b = [jnp.asarray(rng.standard_normal((L, 16, r)) / 4, jnp.bfloat16)]
+    g = [jnp.asarray(rng.uniform(0.5, 2.0, (L, 16)), jnp.float32)]
+    y = jnp.asarray(rng.standard_normal((T, 16)), jnp.bfloat16)
+    meta = LoRAKernelMeta.build(idx, L, T)
+    want = xla.expand(xla.shrink(x, a, meta, 0.5), b, y, meta, (0,), True, col_scale=g)
+    got = tri.linear(y, x, a, b, meta, 0.5, (0,), fused=fused, col_scale=g)
+    assert got.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() < 5e-2
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -277,3 +314,25 @@ def test_backends_without_column_scales_refuse_them(monkeypatch):
     with pytest.raises(ValueError, match="backend 'pallas_tpu' does not apply DoRA column scales"):
         w.add_lora_linear(jnp.zeros((2, 128)), jnp.zeros((2, 128)), a, b, None, 1.0, (128,),
                           dora_scale_stacked=[jnp.ones((2, 128))])
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+def test_jax_wrapper_refuses_a_bias_and_a_scale_on_one_slice(backend):
+    """As the torch wrapper: one epilogue vector per slice, on every backend (the xla reference could
+    compute both, the kernels cannot)."""
+    import jax.numpy as jnp
+
+    import jax_lora
+    from jax_lora import LoRAMapping
+    w = jax_lora.PunicaWrapper(16, 4, None, max_loras=2, backend=backend)
+    w.update_metadata(LoRAMapping((1, 2), (1, 2)), [1, 2], 3, 64)
+    a = [jnp.zeros((2, 1, 16, 32), jnp.float32)] * 2
+    b = [jnp.zeros((2, 1, n, 16), jnp.float32) for n in (16, 32)]
+    bias = [None, jnp.zeros((2, 32), jnp.float32)]
+    with pytest.raises(ValueError, match=r"slice 1 has both a LoRA bias \(lora_bias_stacked\[1\]\) and a DoRA "
+                                         r"column scale \(dora_scale_stacked\[1\]\)"):
+        w.add_lora_linear(jnp.zeros((2, 48)), jnp.zeros((2, 32)), a, b, bias, 1.0, (16, 32),
+                          dora_scale_stacked=[None, jnp.ones((2, 32))])
+    with pytest.raises(ValueError, match=r"dora_scale_stacked\[0\] must have shape \(2, 16\)"):
+        w.add_lora_linear(jnp.zeros((2, 48)), jnp.zeros((2, 32)), a, b, None, 1.0, (16, 32),
+                          dora_scale_stacked=[jnp.ones((2, 8)), None])

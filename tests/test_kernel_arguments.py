@@ -47,7 +47,13 @@ def test_every_builder_follows_its_kernels_signature():
     named = dict(zip(_free_names(expand.kernel, expand_plan), expand.args))
     assert len(expand.args) == len(_free_names(expand.kernel, expand_plan))
     assert named["y_ptr"] is y and named["out_ptr"] is y and named["bias0_ptr"] is bias[0]
-    assert named["bias1_ptr"] is b[0] and named["stride_bias1_slot"] == 0     # missing bias: unread dummy
+    # a missing bias: an unread dummy of the present biases' dtype (the kernels' tl.where picks among them)
+    assert named["bias1_ptr"] is bias[0] and named["stride_bias1_slot"] == 0
+    assert arguments.expand_call(expand_plan, out, b, None, None, meta, y, (0, 144), host_strides).args[
+        _free_names(expand.kernel, expand_plan).index("bias0_ptr")] is b[0]              # no bias at all: B
+    mixed = (bias[0], arguments.ColumnScale(HostArray(np.ones((4, 64), np.float16))))
+    with pytest.raises(ValueError, match=r"must share one dtype .* float32 \(slice 0\), float16 \(slice 1\)"):
+        arguments.expand_call(expand_plan, out, b, mixed, None, meta, y, (0, 144), host_strides)
     assert (named["width0"], named["width1"], named["width2"], named["offset1"]) == (128, 64, 0, 144)
     fused_plan = plan_fused(8, 256, 16, (128, 64), 5, "float32", "float32", cfg, add_inputs=True,
                             bias_flags=(True, False), has_ranks=True)

@@ -35,15 +35,20 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(1.0, np.abs(np.asarray(b)).max()))
 
 
-def build_peft_models(root, adapters: dict, tweak=None) -> tuple:
+def build_peft_models(root, adapters: dict, tweak=None, edit_base=None, **config) -> tuple:
     """A tiny Llama saved under root/"base" and one peft model per {lora_id: LoraConfig kwargs}
     (random A and B; `tweak(peft_model)` may edit it before saving), saved under root/adapter<id>.
+    `config`: LlamaConfig fields over the tiny defaults (e.g. attention_bias=True); `edit_base(model)`
+    may edit the base model before it is saved (e.g. non-zero biases).
     Returns (root, {id: directory}, {id: peft model, None: the base model})."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(root / "base"), safe_serialization=True)
+    cfg = transformers.LlamaConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64, tie_word_embeddings=False), **config})
+    base = transformers.LlamaForCausalLM(cfg).eval()
+    if edit_base is not None:
+        edit_base(base)
+    base.save_pretrained(str(root / "base"), safe_serialization=True)
 
     def fresh():
         return transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval()

@@ -8,7 +8,9 @@ gives them as torch tensors.
 Placement: `prepare_adapter(layers, adapter)` checks every module of the adapter against the
 multi-LoRA layers (`torch_lora.layers`) and lays it out on the host in slot order: zero-padded to
 the layers' max_rank, scaling folded into B, in the layers' dtype, in one pinned buffer when the
-layers are on CUDA (so uploads are asynchronous copies).
+layers are on CUDA (so uploads are asynchronous copies). A DoRA adapter (PEFT's use_dora) also gets
+each DoRA layer's column scale g = m / ||W + s B A||_row (`dora_scales`, from the layer's base
+weights), which the layers need `dora=True` to hold.
 
 `AdapterManager` owns the slots: adapters are registered under a LoRA id, `activate(ids)` puts a
 batch's adapters into slots (free slots first, then the least recently used slot the batch does not
@@ -27,6 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from lora_core import dora
 from lora_core.adapter_slots import SlotTable
 from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file names, for callers)
     CONFIG_NAME,
@@ -48,6 +51,7 @@ __all__ = [
     "PeftAdapter",
     "PreparedAdapter",
     "adapter_tensors",
+    "dora_scales",
     "load_peft_adapter",
     "prepare_adapter",
     "save_peft_adapter",
@@ -83,12 +87,15 @@ class PreparedAdapter:
       to one slot's); absent for layers the adapter does not touch (their slot is zeroed).
     ranks: {layer path: the adapter's rank there} (the largest over a fused layer's slices), every
       layer present, 0 where the adapter has nothing.
+    scales: {layer path: (out_features,) float32 DoRA column scale} for the DoRA layers (dora=True)
+      a DoRA adapter touches; absent elsewhere (those layers' slots get ones).
     """
 
     name: str
     tensors: dict
     ranks: dict
     nbytes: int
+    scales: dict = dataclasses.field(default_factory=dict)
 
     @property
     def max_rank(self) -> int:
@@ -130,15 +137,13 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
     Ranks below max_rank are zero-padded; B holds the module's scaling (and an embedding's
     embed_scale). Everything sits in one buffer per dtype, pinned when `pin_memory`.
 
+    A DoRA adapter's column scales (`dora_scales`) come along in `scales`, float32.
+
     Raises AdapterError naming the adapter, the module, the expected and the received shapes: a
     module no layer holds, a rank above max_rank, a linear adapter on an embedding (or the reverse),
-    factors that do not fit the module, a saved base layer of another shape (a resized vocabulary).
-    Nothing is written to any slot here.
+    factors that do not fit the module, a saved base layer of another shape (a resized vocabulary),
+    a DoRA module on a layer without DoRA support. Nothing is written to any slot here.
     """
-    if adapter.magnitudes:
-        raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (use_dora; modules "
-                           f"{sorted(adapter.magnitudes)[:3]}...): read, but not served yet (the layers have no "
-                           "DoRA column scale)")
     layers = _check_layers(layers)
     if not isinstance(adapter, PeftAdapter):
         raise TypeError(f"adapter must be a PeftAdapter (from load_peft_adapter), got {type(adapter).__name__}")
@@ -218,8 +223,57 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
             if not np.all(np.isfinite(array)):
                 raise AdapterError(f"adapter {adapter.name!r}: the factors placed in {path!r} hold NaN or infinite "
                                    "values")
-    tensors, nbytes = _pack(layers, arrays, pin_memory)
-    return PreparedAdapter(adapter.name, tensors, ranks, nbytes)
+    scales = dora_scales(layers, adapter)
+    for path, g in scales.items():
+        if not np.all(np.isfinite(g)):
+            raise AdapterError(f"adapter {adapter.name!r}: the DoRA column scale of {path!r} holds NaN or infinite "
+                               "values (magnitudes or base weights that are not finite)")
+    tensors, nbytes = _pack(layers, {**arrays, **{(path, "dora"): [g] for path, g in scales.items()}}, pin_memory)
+    scale_tensors = {path: tensors.pop((path, "dora"))[0] for path in scales}
+    return PreparedAdapter(adapter.name, tensors, ranks, nbytes, scale_tensors)
+
+
+def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:
+    """{layer path: (out_features,) float32 DoRA column scale} for every DoRA layer (LoRALinear
+    with dora=True) that `adapter`'s DoRA modules touch, ones at the columns of its other members:
+    g = m / ||W + s B A||_row per member module (lora_core.dora.column_scale, float64), with W that
+    member's base weight (out, in) (`LoRALinear.base_weights`; PEFT's fan_in_fan_out layouts are
+    refused when the adapter is read). Empty for a plain LoRA adapter.
+
+    Raises AdapterError naming the adapter and the module when a DoRA module lands in a layer that
+    cannot scale (a LoRALinear built without dora=True: the message says how to enable it; the LM
+    head, an embedding, a tensor-parallel layer), or when g is undefined (an all-zero row of
+    W + s B A). Modules no layer holds are left to prepare_adapter's message."""
+    if not adapter.magnitudes:
+        return {}
+    layers = _check_layers(layers)
+    index = _module_index(layers)
+    out: dict = {}
+    for module, m in sorted(adapter.magnitudes.items()):
+        where = index.get(module)
+        if where is None:
+            continue
+        path, s = where
+        layer = layers[path]
+        if not isinstance(layer, LoRALinear):
+            what = ("a tensor-parallel LoRA layer" if isinstance(layer, ParallelLoRALayer) else
+                    "the LM head" if isinstance(layer, LoRALogits) else "an embedding")
+            raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (use_dora) with a magnitude on {module!r}, "
+                               f"which is {what} ({path!r}): DoRA is served on linear layers only (LoRALinear "
+                               "with dora=True)")
+        if not layer.dora:
+            raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (use_dora; module {module!r}), but LoRA "
+                               f"layer {path!r} has no DoRA column scale: build the layers with dora=True "
+                               "(MultiLoRAModel(..., dora=True), or LoRALinear(..., dora=True, base_weights=...))")
+        a, b, scaling, _kind = adapter.modules[module]
+        weight = layer.base_weights[s].detach().to("cpu", torch.float64).numpy()        # (n_s, H)
+        try:
+            g = dora.column_scale(weight, a, b, scaling, m)
+        except ValueError as e:
+            raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: {e}") from None
+        off, width = layer.offsets[s], layer.output_slices[s]
+        out.setdefault(path, np.ones(layer.out_features, np.float32))[off:off + width] = g
+    return out
 
 
 def _place_shard(arrays: dict, path: str, layer: ParallelLoRALayer, s: int, module: str, adapter: PeftAdapter,
@@ -245,15 +299,19 @@ def _place_shard(arrays: dict, path: str, layer: ParallelLoRALayer, s: int, modu
 
 
 def _pack(layers: Mapping, arrays: Mapping, pin_memory: bool) -> tuple:
-    """Copies the host arrays into one (pinned) torch buffer per dtype; returns ({path: views}, bytes)."""
+    """Copies the host arrays into one (pinned) torch buffer per dtype; returns ({key: views}, bytes).
+    A key is a layer path (the layer's dtype) or (path, "dora"), a DoRA column scale (float32)."""
+    def dtype_of(key):
+        return torch.float32 if isinstance(key, tuple) else _layer_dtype(layers[key])
+
     sizes: dict = collections.Counter()
     for path, parts in arrays.items():
-        sizes[_layer_dtype(layers[path])] += sum(p.size for p in parts)
+        sizes[dtype_of(path)] += sum(p.size for p in parts)
     buffers = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin_memory) for dtype, n in sizes.items()}
     used: dict = collections.Counter()
     out = {}
     for path, parts in arrays.items():
-        dtype = _layer_dtype(layers[path])
+        dtype = dtype_of(path)
         views = []
         for p in parts:
             view = buffers[dtype][used[dtype]:used[dtype] + p.size].view(p.shape)
@@ -271,7 +329,9 @@ class AdapterManager(SlotTable):
 
     Args:
       layers: {path: LoRALinear | LoRAEmbedding | LoRALogits}, all with one max_loras and on one
-        device (torch_lora.hf.MultiLoRAModel builds them). Their buffers are written in place.
+        device (torch_lora.hf.MultiLoRAModel builds them). Their buffers are written in place: a
+        slot gets the adapter's factors and ranks, and in a DoRA layer (LoRALinear(dora=True)) its
+        column scales (ones for a plain LoRA adapter and for a freed slot).
       host_cache_size: prepared adapters kept on the host (LRU; pinned on CUDA) so that a reload
         skips the disk.
 
@@ -347,6 +407,12 @@ class AdapterManager(SlotTable):
             else:
                 for view, src in zip(views, host):
                     view.copy_(src, non_blocking=non_blocking)
+            if getattr(layer, "dora", False):               # DoRA column scale: 1 unless a DoRA adapter
+                g = None if prepared is None else prepared.scales.get(path)
+                if g is None:
+                    layer.dora_scale[slot].fill_(1.0)
+                else:
+                    layer.dora_scale[slot].copy_(g, non_blocking=non_blocking)
             rank = 0 if prepared is None else prepared.ranks[path]
             layer.lora_ranks[slot].fill_(rank)
             if isinstance(layer, ParallelLoRALayer):

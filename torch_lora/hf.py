@@ -146,6 +146,12 @@ class MultiLoRAModel:
       max_num_tokens: tokens per forward pass (batch x sequence); max_num_seqs: rows per pass.
       host_cache_size: prepared adapters kept on the host (pinned on CUDA).
       backend: force the wrapper's backend ("torch" reference or "triton"); default: the device's.
+      dora: also serve DoRA adapters (PEFT's use_dora), mixed in one batch with plain LoRA
+        adapters and rows without one: the linear layers (not the embedding or the LM head) get a
+        (max_loras, out_features) float32 column-scale buffer, and a DoRA row gets
+        g * (x W^T + delta) + bias with g = m / ||W + s B A||_row computed at load from the
+        module's base weight (torch_lora.layers.LoRALinear). Without it a DoRA adapter is refused
+        at `load_adapter`.
 
     Attributes: `model`, `punica` (the PunicaWrapper), `adapters` (the AdapterManager), `layers`
     ({path: LoRA layer}; a group's path is its parent's name + "." + the members' names joined by "+").
@@ -153,7 +159,10 @@ class MultiLoRAModel:
 
     def __init__(self, model: nn.Module, *, max_loras: int, max_rank: int,
                  target_modules: Union[None, str, Sequence[str]] = None, max_num_tokens: int = 2048,
-                 max_num_seqs: int = 256, host_cache_size: int = 8, backend: Optional[str] = None):
+                 max_num_seqs: int = 256, host_cache_size: int = 8, backend: Optional[str] = None,
+                 dora: bool = False):
+        if not isinstance(dora, bool):
+            raise TypeError(f"dora must be a bool, got {dora!r}")
         _positive_int("max_loras", max_loras)
         _positive_int("max_rank", max_rank)
         _positive_int("max_num_tokens", max_num_tokens)
@@ -164,7 +173,7 @@ class MultiLoRAModel:
             raise ValueError(f"the targeted modules must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.model = model
-        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_loras, self.max_rank, self.dora = max_loras, max_rank, dora
         self.punica = PunicaWrapper(max_num_tokens, max_num_seqs, self.device, max_loras=max_loras, backend=backend)
         self.layers, members = self._build_layers(model, targets)
         self.adapters = AdapterManager(self.layers, host_cache_size=host_cache_size)
@@ -210,7 +219,8 @@ class MultiLoRAModel:
                 names = [f"{parent}.{leaf}" if parent else leaf for leaf in leaves]
                 path = (f"{parent}." if parent else "") + "+".join(leaves)
                 layer = LoRALinear(names, mods[0].in_features, [m.out_features for m in mods],
-                                   dtype=mods[0].weight.dtype, device=mods[0].weight.device, **kw)
+                                   dtype=mods[0].weight.dtype, device=mods[0].weight.device,
+                                   **self._dora_kw(mods), **kw)
                 layers[path] = layer
                 members += [(m, _linear_hook(layer, s)) for s, m in enumerate(mods)]
                 grouped.update(leaves)
@@ -219,10 +229,14 @@ class MultiLoRAModel:
                     continue
                 name = f"{parent}.{leaf}" if parent else leaf
                 layer = LoRALinear((name,), module.in_features, (module.out_features,), dtype=module.weight.dtype,
-                                   device=module.weight.device, **kw)
+                                   device=module.weight.device, **self._dora_kw([module]), **kw)
                 layers[name] = layer
                 members.append((module, _linear_hook(layer, 0)))
         return layers, members
+
+    def _dora_kw(self, modules: list) -> dict:
+        """A LoRALinear's DoRA arguments: with dora=True, the members' base weights (out, in)."""
+        return {"dora": True, "base_weights": [m.weight for m in modules]} if self.dora else {}
 
     def unwrap(self) -> nn.Module:
         """Removes every hook and returns the plain model (adapters no longer apply)."""
@@ -365,7 +379,8 @@ class MultiLoRAModel:
 
     def __repr__(self) -> str:
         return (f"MultiLoRAModel({type(self.model).__name__}, max_loras={self.max_loras}, max_rank={self.max_rank}, "
-                f"{len(self.layers)} LoRA layers, adapters={self.loaded_adapters}, backend={self.punica.backend!r})")
+                f"{len(self.layers)} LoRA layers, adapters={self.loaded_adapters}, backend={self.punica.backend!r}"
+                f"{', dora=True' if self.dora else ''})")
 
 
 def _logits_rows(logits_to_keep: Any, batch: int, seq: int) -> Union[int, list]:
@@ -385,6 +400,11 @@ def _logits_rows(logits_to_keep: Any, batch: int, seq: int) -> Union[int, list]:
 
 
 def _linear_hook(layer: LoRALinear, member: int):
+    if layer.dora:
+        def dora_hook(module, args, kwargs, output):       # the bias is added after DoRA's scale
+            return layer.apply(member, _input(args, kwargs, "input"), output, module.bias)
+        return dora_hook
+
     def hook(module, args, kwargs, output):
         return layer.apply(member, _input(args, kwargs, "input"), output)
     return hook

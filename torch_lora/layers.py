@@ -10,7 +10,9 @@ of the model's own module, each token's adapter's LoRA term:
 | `LoRALogits` | the LM head (`nn.Linear`) | `lora_a` (L, r, H), `lora_b` (L, V, r) | `add_lora_logits` on the sampled rows |
 
 Every layer also has `lora_ranks` (L,) int32: each slot's real rank in this layer (0 for an empty
-slot), passed to the kernels as `lora_ranks` so they skip the zero padding. The adapter's scaling is
+slot), passed to the kernels as `lora_ranks` so they skip the zero padding. A `LoRALinear` built
+with `dora=True` also has `dora_scale` (L, out_features) float32: each slot's DoRA column scale
+(lora_core.dora; 1 for plain LoRA adapters and empty slots), passed as `dora_scale_stacked`. The adapter's scaling is
 folded into `lora_b` when it is placed (`torch_lora.adapters`), so the layers call the wrapper with
 scale 1. The buffers are allocated once and written in place (slot by slot): their addresses never
 change, so a CUDA graph captured once keeps reading the current adapters.
@@ -89,13 +91,24 @@ class LoRALinear(_LoRALayer):
       module_names: names of the S member modules, in slice order.
       in_features: H, the input width every member shares.
       output_slices: (n_0, ..., n_{S-1}), each member's output width.
-    Buffers: lora_a (S, L, r, H); lora_b_<s> (L, n_s, r) (scaling folded in); lora_ranks (L,) int32.
+      dora: also serve DoRA adapters (PEFT's use_dora): the layer holds each slot's column scale g
+        and a token whose adapter is DoRA gets, in member s,
+            y = g_s[slot] * (x W_s^T + delta_s) + bias_s
+        (W_s, bias_s the member's base weight and bias; delta_s the LoRA term). `apply` then needs
+        the member's bias (the base output it receives holds it; it is added after the scale).
+      base_weights: with dora=True, the S members' base weights (n_s, H) (references to the
+        modules' weights, not copies): torch_lora.adapters reads them to compute g when it places a
+        DoRA adapter (g = m / ||W + s B A||_row, lora_core.dora.column_scale).
+    Buffers: lora_a (S, L, r, H); lora_b_<s> (L, n_s, r) (scaling folded in); lora_ranks (L,) int32;
+    with dora=True, dora_scale (L, out_features) float32 (slice s at columns offsets[s]:, ones
+    where the slot's adapter is plain LoRA or the slot is empty).
     """
 
     kind = "linear"
 
     def __init__(self, module_names: Sequence[str], in_features: int, output_slices: Sequence[int], *,
-                 max_loras: int, max_rank: int, dtype: torch.dtype, device, punica=None):
+                 max_loras: int, max_rank: int, dtype: torch.dtype, device, punica=None, dora: bool = False,
+                 base_weights: Optional[Sequence[torch.Tensor]] = None):
         super().__init__(module_names, max_loras=max_loras, max_rank=max_rank, device=device, punica=punica)
         self.in_features = _positive("in_features", in_features)
         self.output_slices = tuple(_positive("output_slices[i]", int(n)) for n in output_slices)
@@ -109,8 +122,30 @@ class LoRALinear(_LoRALayer):
         for s, n in enumerate(self.output_slices):
             self.register_buffer(f"lora_b_{s}", torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device),
                                  persistent=False)
+        if not isinstance(dora, bool):
+            raise TypeError(f"dora must be a bool, got {dora!r}")
+        self.dora = dora
+        self.base_weights = self._check_base_weights(base_weights) if dora else None
+        if base_weights is not None and not dora:
+            raise ValueError(f"LoRA layer for {self.module_names[0]!r}: base_weights are read only by DoRA layers; "
+                             "pass dora=True with them (or leave them out)")
+        if dora:
+            self.register_buffer("dora_scale", torch.ones(max_loras, self.out_features, dtype=torch.float32,
+                                                          device=device), persistent=False)
         self._stacks = None
-        self._pending = None          # [input, LoRA terms (..., out_features), members served]
+        self._pending = None          # [input, LoRA terms (..., out_features), members served, token scales]
+
+    def _check_base_weights(self, base_weights) -> tuple:
+        want = [(n, self.in_features) for n in self.output_slices]
+        if not isinstance(base_weights, (list, tuple)) or len(base_weights) != len(self.module_names) or not all(
+                isinstance(w, torch.Tensor) for w in base_weights):
+            raise ValueError(f"LoRA layer for {self.module_names[0]!r}: dora=True needs base_weights, one tensor per "
+                             f"member module with shapes {want} (out, in), got {base_weights!r:.200}")
+        got = [tuple(w.shape) for w in base_weights]
+        if got != want:
+            raise ValueError(f"LoRA layer for {self.module_names[0]!r}: base_weights must have shapes {want} "
+                             f"(each member's (out_features, in_features)), got {got}")
+        return tuple(base_weights)
 
     @property
     def lora_b(self) -> tuple:
@@ -118,49 +153,83 @@ class LoRALinear(_LoRALayer):
         return tuple(getattr(self, f"lora_b_{s}") for s in range(len(self.module_names)))
 
     def _weights(self) -> tuple:
-        """Per-slice A views (L, r, H) and the B buffers, as persistent objects: the wrapper caches
-        its argument checks per weight tensor object. Rebuilt if the buffers were replaced (.to())."""
-        if self._stacks is None or self._stacks[0] is not self.lora_a:
-            self._stacks = (self.lora_a, tuple(self.lora_a[s] for s in range(len(self.module_names))), self.lora_b)
-        return self._stacks[1], self._stacks[2]
+        """Per-slice A views (L, r, H), the B buffers and, for a DoRA layer, per-slice views (L, n_s)
+        of dora_scale (else None), as persistent objects: the wrapper caches its argument checks per
+        tensor object. Rebuilt if the buffers were replaced (.to())."""
+        scale = self.dora_scale if self.dora else None
+        if self._stacks is None or self._stacks[0] is not self.lora_a or self._stacks[1] is not scale:
+            views = None if scale is None else tuple(scale[:, off:off + n]
+                                                     for off, n in zip(self.offsets, self.output_slices))
+            self._stacks = (self.lora_a, scale, tuple(self.lora_a[s] for s in range(len(self.module_names))),
+                            self.lora_b, views)
+        return self._stacks[2:]
 
     def slot_views(self, slot: int) -> tuple:
-        """(A_0 (r, H), ..., A_{S-1}, B_0 (n_0, r), ..., B_{S-1}) of `slot`."""
+        """(A_0 (r, H), ..., A_{S-1}, B_0 (n_0, r), ..., B_{S-1}) of `slot` (a DoRA layer's
+        dora_scale[slot] is written apart: ones, not zeros, where the slot has no DoRA adapter)."""
         return tuple(self.lora_a[s, slot] for s in range(len(self.module_names))) + tuple(b[slot] for b in self.lora_b)
 
     def lora_terms(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(..., out_features) in `dtype`: every slice's LoRA term for x (..., H), 0 for tokens without
-        an adapter."""
+        an adapter; in a DoRA layer, g[slot] times it (the base output's share, (g - 1) x W^T, is
+        `apply`'s)."""
         punica = self._wrapper()
-        a, b = self._weights()
+        a, b, scales = self._weights()
         terms = torch.zeros(x.shape[:-1] + (self.out_features,), dtype=dtype, device=x.device)
-        punica.add_lora_linear(terms, x, a, b, None, 1.0, self.output_slices, lora_ranks=self.lora_ranks)
+        punica.add_lora_linear(terms, x, a, b, None, 1.0, self.output_slices, lora_ranks=self.lora_ranks,
+                               dora_scale_stacked=scales)
         return terms
 
-    def apply(self, member: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def apply(self, member: int, x: torch.Tensor, out: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """out += the LoRA term of slice `member` for x, in place; returns out.
 
-        x: (..., H), the member module's input; out: (..., n_member), its output.
+        x: (..., H), the member module's input; out: (..., n_member), its output (x W^T + bias).
+        bias: (n_member,) the member's base bias, or None; read by a DoRA layer only, which writes
+        out = g[slot] * (x W^T + delta) + bias for each token with an adapter (g = 1: out + delta).
         """
         punica = self._wrapper()
         self._check_step(out, x.numel() // self.in_features, punica.indices_len[0], "tokens")
         if len(self.module_names) == 1:
-            a, b = self._weights()
-            punica.add_lora_linear(out, x, a, b, None, 1.0, self.output_slices, lora_ranks=self.lora_ranks)
+            a, b, scales = self._weights()
+            punica.add_lora_linear(out, x, a, b, None, 1.0, self.output_slices, lora_ranks=self.lora_ranks,
+                                   dora_scale_stacked=scales)
+            if scales is not None and bias is not None:
+                # The kernel scaled the bias with the rest: out = g * (x W^T + bias + delta). Add
+                # (1 - g) * bias (0 where g = 1: plain LoRA slots, tokens without an adapter).
+                valid, g = self._token_scales(punica)
+                out.add_(((1 - g) * bias.to(torch.float32)).view(out.shape))
             return out
         pending = self._pending
         if pending is None or pending[0] is not x or member in pending[2]:
-            pending = self._pending = [x, self.lora_terms(x, out.dtype), set()]
+            pending = self._pending = [x, self.lora_terms(x, out.dtype), set(),
+                                       self._token_scales(punica) if self.dora else None]
         off, width = self.offsets[member], self.output_slices[member]
-        out += pending[1][..., off:off + width]
+        if pending[3] is None:
+            out += pending[1][..., off:off + width]
+        else:
+            # terms hold g * delta; the base output's share is (g - 1) * (out - bias).
+            valid, g = pending[3]
+            g = g[:, off:off + width].view(out.shape)
+            base = out.to(torch.float32) if bias is None else out.to(torch.float32) - bias.to(torch.float32)
+            new = out.to(torch.float32) + pending[1][..., off:off + width] + (g - 1) * base
+            out.copy_(torch.where(valid.view(out.shape[:-1] + (1,)), new, out))
         pending[2].add(member)
         if len(pending[2]) == len(self.module_names):
             self._pending = None      # every member served: release the input and the terms
         return out
 
+    def _token_scales(self, punica: PunicaWrapper) -> tuple:
+        """(valid (T,) bool, g (T, out_features) float32) of this step's tokens: whether the token
+        has an adapter, and its slot's DoRA column scale (1 without an adapter)."""
+        idx = punica.token_lora_indices
+        valid = idx >= 0
+        g = self.dora_scale.index_select(0, idx.clamp(0, self.max_loras - 1).long())
+        return valid, torch.where(valid[:, None], g, torch.ones_like(g))
+
     def extra_repr(self) -> str:
         return (f"modules={list(self.module_names)}, in_features={self.in_features}, output_slices={self.output_slices}, "
-                f"max_loras={self.max_loras}, max_rank={self.max_rank}")
+                f"max_loras={self.max_loras}, max_rank={self.max_rank}{', dora=True' if self.dora else ''}")
 
 
 class LoRAEmbedding(_LoRALayer):

@@ -14,6 +14,7 @@ host, on any path. The `add_*` methods write into `y` and also return it, so
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -225,18 +226,21 @@ class PunicaWrapper:
 
     def add_expand(self, y: torch.Tensor, x, lora_b_stacked, lora_bias_stacked,
                    output_slices: Sequence[int], offset_start: int = 0, add_inputs: bool = True, *,
-                   lora_ranks=None, **kwargs) -> torch.Tensor:
+                   lora_ranks=None, dora_scale_stacked=None, **kwargs) -> torch.Tensor:
         """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx], in place.
 
         y: (..., N); x: (S, T, r) or S tensors (T, r). Rows with index -1 are untouched.
+        dora_scale_stacked: see add_lora_linear (the new slice value times g_s[idx]).
         """
         buf = torch.stack(list(x)) if isinstance(x, (list, tuple)) else x
         self._expand(y, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
-                     self.token_mapping_meta, self.indices_len[0], lora_ranks=lora_ranks)
+                     self.token_mapping_meta, self.indices_len[0], lora_ranks=lora_ranks,
+                     dora_scale_stacked=dora_scale_stacked)
         return y
 
     def _expand(self, y, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
-                meta: LoRAKernelMeta, available, cut_to_y: bool = False, lora_ranks=None) -> None:
+                meta: LoRAKernelMeta, available, cut_to_y: bool = False, lora_ranks=None,
+                dora_scale_stacked=None) -> None:
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
         check_tensors(y=y, x=buf, lora_b_stacked=lora_b)
         y2 = _token_view(y)
@@ -263,8 +267,12 @@ class PunicaWrapper:
         for s in slices:
             offsets.append(off)
             off += s
+        extra = {}
+        if dora_scale_stacked is not None:
+            extra["col_scale"] = _dora_scales(y, dora_scale_stacked, slices, num_slots, bias)
         self._impl.expand(buf, tuple(to_3d(b) for b in lora_b), y2, meta.meta_args(y2.shape[0]),
-                          tuple(offsets), bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), bias)
+                          tuple(offsets), bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), bias,
+                          **extra)
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
                            add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> torch.Tensor:
@@ -279,22 +287,28 @@ class PunicaWrapper:
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
                         lora_bias_stacked, scale: float, output_slices: Sequence[int], *,
-                        buffer: Optional[torch.Tensor] = None, lora_ranks=None, **kwargs) -> torch.Tensor:
+                        buffer: Optional[torch.Tensor] = None, lora_ranks=None, dora_scale_stacked=None,
+                        **kwargs) -> torch.Tensor:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], in place.
 
         x: (..., H); y: (..., N); `buffer` (S, T, r) float32, optional: when given, the shrink result
         is written there (two launches); without it the backend may fuse shrink and expand.
         `lora_ranks` (L,) int32, optional: each slot's real rank (kernels skip the zero padding).
+        `dora_scale_stacked`, optional: per slice None or (L, [1,] n_s) float, each slot's DoRA
+        column scale g (lora_core.dora; 1 for plain LoRA slots): a token with slot i gets
+        y[t, slice s] = g_s[i] * (y[t, slice s] + delta), in the expand's epilogue. A slice takes a
+        LoRA bias or a DoRA scale, not both.
 
         The hot path of a forward pass: the checks of the persistent arguments (weights, bias,
-        slices, dtypes, devices) run once per combination and are cached (see `_LinearPlan`); each
-        call checks only what changes per step (token count, slots in use).
+        DoRA scales, slices, dtypes, devices) run once per combination and are cached (see
+        `_LinearPlan`); each call checks only what changes per step (token count, slots in use).
         """
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             check_tensors(y=y, x=x)  # raises: names the argument that is not a tensor
         if type(scale) is not float:
             scale = checks.as_scale(scale)
-        plan = self._linear_plan(y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices)
+        plan = self._linear_plan(y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices,
+                                 dora_scale_stacked)
         x2 = x if x.dim() == 2 else x.reshape(-1, plan.hidden)
         y2 = y if y.dim() == 2 else _token_view(y)
         t = x2.shape[0]
@@ -326,10 +340,11 @@ class PunicaWrapper:
             check_tensors(x=x, buffer=buffer)
             _check_buffer("buffer", buffer, shape)
         self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks)
-        self._impl.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, plan.bias)
+        plan.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, plan.bias)
         return y
 
-    def _linear_plan(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices):
+    def _linear_plan(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices,
+                     dora_scale_stacked=None):
         seq = (list, tuple)
         lora_a = tuple(lora_a_stacked) if isinstance(lora_a_stacked, seq) else (lora_a_stacked,)
         lora_b = tuple(lora_b_stacked) if isinstance(lora_b_stacked, seq) else (lora_b_stacked,)
@@ -342,20 +357,28 @@ class PunicaWrapper:
             slices_key = output_slices
         key = (tuple(map(id, tensors)), len(lora_a), slices_key, x.dtype, x.shape[-1] if x.dim() else None,
                x.device, y.dtype, y.shape[-1] if y.dim() else None, y.device)
+        scales = None
+        if dora_scale_stacked is not None:
+            # A DoRA call's key is ("dora", the plain key, the scales' ids): never equal to a plain
+            # key, and the scale tensors are watched like the weights.
+            scales = tuple(dora_scale_stacked) if isinstance(dora_scale_stacked, seq) else (dora_scale_stacked,)
+            key = ("dora", key, tuple(map(id, scales)))
+            tensors = tensors + scales
         plan = self._plans.get(key)
         if plan is not None and plan.refers_to(tensors):
             return plan
         if plan is not None:   # a weight's storage, shape, strides or dtype changed (`.data =`, `set_`)
             del self._plans[key]
-        plan = self._build_linear_plan(y, x, lora_a, lora_b, bias_list, output_slices)
+        plan = self._build_linear_plan(y, x, lora_a, lora_b, bias_list, output_slices, scales)
         plan.watch(tensors, self._plans, key)
         if len(self._plans) >= 1024:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
         return plan
 
-    def _build_linear_plan(self, y, x, lora_a, lora_b, bias_list, output_slices) -> "_LinearPlan":
-        """Every check of SPEC section 6 that does not depend on the step."""
+    def _build_linear_plan(self, y, x, lora_a, lora_b, bias_list, output_slices, scales=None) -> "_LinearPlan":
+        """Every check of SPEC section 6 that does not depend on the step. With DoRA scales, the
+        plan's backend entry points (linear, prepare_linear, expand) have them bound as col_scale."""
         lora_a = as_slices("lora_a_stacked", lora_a)
         lora_b = as_slices("lora_b_stacked", lora_b)
         output_slices = checks.check_output_slices(output_slices, len(lora_b))
@@ -381,9 +404,15 @@ class PunicaWrapper:
                               bias_dtypes=[None if b is None else b.dtype for b in bias_list])
             bias = tuple(None if b is None else b.detach().reshape(num_slots, -1) for b in bias_list)
         offsets = tuple(sum(slices[:s]) for s in range(len(slices)))
+        linear = getattr(self._impl, "linear", None)
+        prepare = getattr(self._impl, "prepare_linear", None)
+        expand = self._impl.expand
+        if scales is not None:
+            col_scale = _dora_scales(y, scales, slices, num_slots, bias)
+            linear, prepare, expand = (None if f is None else functools.partial(f, col_scale=col_scale)
+                                       for f in (linear, prepare, expand))
         return _LinearPlan(hidden, num_slots, rank, tuple(to_3d(a.detach()) for a in lora_a),
-                           tuple(to_3d(b.detach()) for b in lora_b), bias, offsets,
-                           getattr(self._impl, "linear", None), getattr(self._impl, "prepare_linear", None))
+                           tuple(to_3d(b.detach()) for b in lora_b), bias, offsets, linear, prepare, expand)
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
                         lora_b_stacked: torch.Tensor, scale: float, *, buffer: Optional[torch.Tensor] = None,
@@ -441,14 +470,14 @@ class _LinearPlan:
     metadata block for T never change).
     """
 
-    __slots__ = ("_aliases", "_refs", "bias", "hidden", "linear", "lora_a", "lora_b", "num_slots", "offsets",
-                 "prepare", "prepared", "rank")
+    __slots__ = ("_aliases", "_refs", "bias", "expand", "hidden", "linear", "lora_a", "lora_b", "num_slots",
+                 "offsets", "prepare", "prepared", "rank")
 
-    def __init__(self, hidden, num_slots, rank, lora_a, lora_b, bias, offsets, linear, prepare=None):
+    def __init__(self, hidden, num_slots, rank, lora_a, lora_b, bias, offsets, linear, prepare, expand):
         self._refs, self._aliases = (), ()
         self.hidden, self.num_slots, self.rank = hidden, num_slots, rank
         self.lora_a, self.lora_b, self.bias, self.offsets, self.linear = lora_a, lora_b, bias, offsets, linear
-        self.prepare, self.prepared = prepare, {}
+        self.prepare, self.prepared, self.expand = prepare, {}, expand
 
     def watch(self, tensors, cache: dict, key) -> None:
         """Weak references to `tensors` (None entries, bias slices without bias, stay None: the
@@ -467,6 +496,20 @@ class _LinearPlan:
             if r() is not t or not t.is_set_to(alias) or t.dtype is not alias.dtype:
                 return False
         return True
+
+
+def _dora_scales(y: torch.Tensor, dora_scale_stacked, output_slices, num_slots: int, bias) -> tuple:
+    """add_lora_linear's / add_expand's `dora_scale_stacked` checked (lora_core.checks.check_dora_scales:
+    one entry per slice, None or (L, [1,] n_s) float, on y's device, no slice with a LoRA bias too)
+    and returned as the backends' col_scale: per slice None or an (L, n_s) view (never a copy: the
+    slots are written in place)."""
+    seq = (list, tuple)
+    scales = tuple(dora_scale_stacked) if isinstance(dora_scale_stacked, seq) else (dora_scale_stacked,)
+    check_tensors(y=y, dora_scale_stacked=list(scales))
+    checks.check_dora_scales([None if g is None else tuple(g.shape) for g in scales],
+                             [None if g is None else g.dtype for g in scales], output_slices, num_slots,
+                             bias_present=None if bias is None else [b is not None for b in bias])
+    return tuple(None if g is None else (g.detach() if g.dim() == 2 else g.detach().squeeze(1)) for g in scales)
 
 
 def _token_view(y: torch.Tensor) -> torch.Tensor:

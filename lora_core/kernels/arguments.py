@@ -10,8 +10,9 @@ Arrays are whatever the launcher passes (torch tensors, jax arrays, NumPy arrays
 placeholders for buffers it provides itself); the builder reads only their `.shape`, and their
 element strides through the `strides` function it is given (torch: `Tensor.stride()`; JAX: the
 row-major strides of the shape). Slices past the launch's own (up to MAX_SLICES = 4 per launch)
-repeat slice 0's weights and strides; a missing bias passes slice 0's B with zero strides (its
-BIAS flag keeps it unread); without per-slot ranks the ranks pointer is the counts array (never
+repeat slice 0's weights and strides; a missing bias passes another slice's bias / DoRA scale
+(else slice 0's B) with zero strides (its BIAS flag keeps it unread; the vectors of one launch share
+one dtype); without per-slot ranks the ranks pointer is the counts array (never
 read: HAS_RANKS is off).
 
 `KernelCall.with_alignment_hints()` sets the ALIGNED meta-parameter when every integer the kernel
@@ -139,14 +140,29 @@ def epilogue(bias, col_scale, num_slices: int):
     return tuple(out) if any(v is not None for v in out) else None
 
 
+def _epilogue_vectors(bias, num_slices: int) -> list:
+    """The slices' epilogue vectors (a bias, or a ColumnScale's vector; None where neither), checked
+    to share one dtype: the kernels pick a slice's vector pointer with `tl.where`, which takes
+    pointers of one element type only."""
+    vectors = [None if bias is None else (b.vector if isinstance(b, ColumnScale) else b) for b in
+               (bias or ())[:num_slices]]
+    dtypes = {str(getattr(v, "dtype", None)): s for s, v in enumerate(vectors) if v is not None}
+    if len(dtypes) > 1:
+        seen = ", ".join(f"{d.replace('torch.', '')} (slice {s})" for d, s in dtypes.items())
+        raise ValueError(f"the slices' LoRA biases / DoRA column scales must share one dtype in one launch of the "
+                         f"Triton kernels, got {seen}")
+    return vectors
+
+
 def _bias_args(bias, num_slices: int, dummy, strides: Strides) -> tuple:
     """(pointers, (slot, col) strides) of the slices' biases padded to MAX_SLICES; a missing bias
-    passes `dummy` with zero strides."""
+    passes the first present vector (else `dummy`) with zero strides: one pointer element type for
+    every slice (`_epilogue_vectors`), never read (its BIAS flag is 0)."""
+    vectors = _epilogue_vectors(bias, num_slices)
+    dummy = next((v for v in vectors if v is not None), dummy)
     pointers, flat = [], []
     for s in range(MAX_SLICES):
-        b = None if bias is None or s >= num_slices else bias[s]
-        if isinstance(b, ColumnScale):
-            b = b.vector
+        b = vectors[s] if s < len(vectors) else None
         if b is None:
             pointers.append(dummy)
             flat.extend((0, 0))

@@ -5,12 +5,13 @@ A backend is a module with:
   shrink(x (T,H), lora_a: tuple of (L,r,H), out (S,T,r) float32, meta_args, scale, lora_ranks) -> None
       writes every row of `out` (0 for tokens without LoRA)
   expand(buf (S,T,r), lora_b: tuple of (L,n_s,r), y (T,N), meta_args, offsets: tuple[int], add_inputs,
-         lora_ranks, bias) -> None
-      writes the slices of y in place; bias: None or S entries of None / (L, n_s)
+         lora_ranks, bias, *, col_scale=None) -> None
+      writes the slices of y in place; bias: None or S entries of None / (L, n_s); col_scale (DoRA):
+      None or S entries of None / (L, n_s), a token's new slice values times col_scale[s][idx[t]]
 Optional:
-  linear(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias) -> None
+  linear(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, *, col_scale=None) -> None
       add_lora_linear's math in place (y += shrink then expand), in the backend's best way
-  prepare_linear(lora_a, lora_b, meta_args, offsets, bias) -> run(y, x, scale, lora_ranks)
+  prepare_linear(lora_a, lora_b, meta_args, offsets, bias, *, col_scale=None) -> run(y, x, scale, lora_ranks)
       `linear` with the persistent arguments bound, for repeated calls with new activations
       (the wrapper keeps one per layer and token count; see torch_lora.ops.triton.PreparedLinear)
 `meta_args` is `LoRAKernelMeta.meta_args(T)` (SPEC section 3). Weights arrive as 3-D views (the

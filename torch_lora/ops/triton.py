@@ -544,9 +544,12 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
 
 
 def prepare_linear(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], meta_args,
-                   offsets: Sequence[int], bias=None, *, deterministic: bool = False) -> PreparedLinear:
-    """`linear` with its persistent arguments bound, for repeated calls (see PreparedLinear)."""
-    return PreparedLinear(lora_a, lora_b, meta_args, offsets, bias, deterministic=deterministic)
+                   offsets: Sequence[int], bias=None, *, deterministic: bool = False,
+                   col_scale=None) -> PreparedLinear:
+    """`linear` with its persistent arguments bound, for repeated calls (see PreparedLinear);
+    col_scale (DoRA, as in `linear`) is bound too: its tensors are read in place at every call."""
+    return PreparedLinear(lora_a, lora_b, meta_args, offsets, arguments.epilogue(bias, col_scale, len(lora_b)),
+                          deterministic=deterministic)
 
 
 def _check_fused_deterministic(fused: Optional[bool], deterministic: bool) -> None:

@@ -1,0 +1,297 @@
+"""DoRA served on the torch side: torch_lora.PunicaWrapper's dora_scale_stacked (backends torch and
+triton, against a float64 oracle, and its plan cache), and torch_lora.hf.MultiLoRAModel(dora=True)
+against peft itself on a tiny random Llama with biased attention (float32, CPU): DoRA rows, plain
+LoRA rows and rows without an adapter in one batch, through a forward pass, generate() and slot churn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .impls import torch_triton_device, triton_runs
+from .test_dora_peft import _raise_magnitudes
+from .test_peft_roundtrip import VOCAB, _rel, build_peft_models
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import torch_lora  # noqa: E402
+from torch_lora import AdapterError, LoRAMapping  # noqa: E402
+from torch_lora.hf import MultiLoRAModel  # noqa: E402
+from torch_lora.layers import LoRALinear  # noqa: E402
+
+RTOL = 1e-4
+T, L, R, H, WIDTHS = 6, 3, 16, 32, (16, 32)
+IDS = (1, 0, 3, 2, 3, 1)                    # LoRA id per token (0: no adapter); slot = id - 1
+
+
+def _backend(backend):
+    if backend == "triton" and not triton_runs():
+        pytest.skip("no GPU and Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
+    return torch_triton_device() if backend == "triton" else "cpu"
+
+
+def _case(seed=8):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    a = [(rng.standard_normal((L, 1, R, H)) / 6).astype(np.float32) for _ in WIDTHS]
+    b = [(rng.standard_normal((L, 1, n, R)) / 4).astype(np.float32) for n in WIDTHS]
+    g = [rng.uniform(0.5, 2.0, (L, n)).astype(np.float32) for n in WIDTHS]
+    y = rng.standard_normal((T, sum(WIDTHS))).astype(np.float32)
+    return x, a, b, g, y
+
+
+def _oracle(x, a, b, g, y, scale=0.5):
+    """float64: y[t, slice s] = g_s[slot] * (y + scale * (x A_s^T) B_s^T) for tokens with a slot
+    (g None: no scale), y unchanged elsewhere."""
+    want = y.astype(np.float64).copy()
+    for t, i in enumerate(IDS):
+        if i:
+            off = 0
+            for s, n in enumerate(WIDTHS):
+                d = scale * (x[t].astype(np.float64) @ a[s][i - 1, 0].T) @ b[s][i - 1, 0].T
+                gs = 1.0 if g is None else g[s][i - 1]
+                want[t, off:off + n] = gs * (want[t, off:off + n] + d)
+                off += n
+    return want
+
+
+def _wrapper(backend, device, deterministic=False):
+    w = torch_lora.PunicaWrapper(16, 4, device, max_loras=L, backend=backend, deterministic=deterministic)
+    w.update_metadata(LoRAMapping(IDS, IDS), [1, 2, 3], L + 1, 64)
+    return w
+
+
+def _t(arrays, device):
+    return [torch.from_numpy(v).to(device) for v in arrays]
+
+
+@pytest.mark.parametrize("backend,deterministic", [("torch", False), ("torch", True), ("triton", False),
+                                                   ("triton", True)])
+def test_wrapper_dora_scales_equal_the_oracle(backend, deterministic):
+    """add_lora_linear and add_expand with dora_scale_stacked: g_s[slot] * (y + delta) per token, as
+    (L, n_s) and (L, 1, n_s) scales, within 1e-4 of the float64 oracle; rows without a slot untouched."""
+    dev = _backend(backend)
+    x, a, b, g, y = _case()
+    w = _wrapper(backend, dev, deterministic)
+    want = _oracle(x, a, b, g, y)
+    A, B, G = _t(a, dev), _t(b, dev), _t(g, dev)
+    for scales in (G, [G[0][:, None], G[1]]):
+        got = torch.from_numpy(y.copy()).to(dev)
+        w.add_lora_linear(got, torch.from_numpy(x).to(dev), A, B, None, 0.5, WIDTHS, dora_scale_stacked=scales)
+        assert np.abs(got.cpu().double().numpy() - want).max() < 1e-4
+        assert np.array_equal(got[1].cpu().numpy(), y[1])                          # token without adapter
+    buf = torch.zeros(len(WIDTHS), T, R, device=dev)
+    w.add_shrink(buf, torch.from_numpy(x).to(dev), A, 0.5)
+    got = torch.from_numpy(y.copy()).to(dev)
+    w.add_expand(got, buf, B, None, WIDTHS, dora_scale_stacked=G)
+    assert np.abs(got.cpu().double().numpy() - want).max() < 1e-4
+    half = _oracle(x, a, b, [g[0], np.ones_like(g[1])], y)                          # slice 1 unscaled
+    got = torch.from_numpy(y.copy()).to(dev)
+    w.add_lora_linear(got, torch.from_numpy(x).to(dev), A, B, None, 0.5, WIDTHS, dora_scale_stacked=[G[0], None])
+    assert np.abs(got.cpu().double().numpy() - half).max() < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_plan_cache_keeps_dora_and_plain_calls_apart(backend):
+    """The same weights called with scales, without, with other scale tensors, and after an in-place
+    write of a scale: each call gets its own math (a plan is never shared between them)."""
+    dev = _backend(backend)
+    x, a, b, g, y = _case(9)
+    w = _wrapper(backend, dev)
+    A, B, G = _t(a, dev), _t(b, dev), _t(g, dev)
+    xt = torch.from_numpy(x).to(dev)
+
+    def run(scales):
+        got = torch.from_numpy(y.copy()).to(dev)
+        w.add_lora_linear(got, xt, A, B, None, 0.5, WIDTHS, dora_scale_stacked=scales)
+        return got.cpu().double().numpy()
+
+    plain, scaled = _oracle(x, a, b, None, y), _oracle(x, a, b, g, y)
+    for _ in range(2):                                  # the second round runs cached plans
+        assert np.abs(run(G) - scaled).max() < 1e-4
+        assert np.abs(run(None) - plain).max() < 1e-4
+    ones = [torch.ones_like(v) for v in G]
+    assert np.abs(run(ones) - plain).max() < 1e-4       # other scale objects, same weights
+    doubled = _oracle(x, a, b, [g[0], 2 * g[1]], y)
+    G[1].mul_(2)                                        # a slot write in place is seen
+    assert np.abs(run(G) - doubled).max() < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_float32_scales_with_bfloat16_weights(backend):
+    """What a bf16 model's DoRA layers pass: bf16 x, y and weights, float32 scales, on one slice, on
+    one of two slices (the other without), and beside a bf16 LoRA bias on the other slice (the
+    Triton kernels take one dtype for a launch's epilogue vectors: refused by name there)."""
+    dev = _backend(backend)
+    x, a, b, g, y = _case(10)
+    bf = torch.bfloat16
+    xb, yb = torch.from_numpy(x).to(bf), torch.from_numpy(y).to(bf)
+    A, B = [v.to(bf) for v in _t(a, "cpu")], [v.to(bf) for v in _t(b, "cpu")]
+    r = [v.float().numpy() for v in (xb, yb)] + [[v.float().numpy() for v in A], [v.float().numpy() for v in B]]
+    w = _wrapper(backend, dev)
+    want = _oracle(r[0], r[2], r[3], [g[0], np.ones_like(g[1])], r[1])
+    got = yb.clone().to(dev)
+    w.add_lora_linear(got, xb.to(dev), [v.to(dev) for v in A], [v.to(dev) for v in B], None, 0.5, WIDTHS,
+                      dora_scale_stacked=[torch.from_numpy(g[0]).to(dev), None])
+    assert np.abs(got.cpu().double().numpy() - want).max() < 2e-2 * max(1.0, np.abs(want).max())
+    got = yb[:, :16].clone().to(dev)
+    w.add_lora_linear(got, xb.to(dev), [A[0].to(dev)], [B[0].to(dev)], None, 0.5, (16,),
+                      dora_scale_stacked=[torch.from_numpy(g[0]).to(dev)])
+    assert np.abs(got.cpu().double().numpy() - want[:, :16]).max() < 2e-2 * max(1.0, np.abs(want).max())
+    bias = [None, torch.zeros(L, 32, dtype=bf, device=dev)]
+    scales = [torch.from_numpy(g[0]).to(dev), None]
+    args = (yb.clone().to(dev), xb.to(dev), [v.to(dev) for v in A], [v.to(dev) for v in B], bias, 0.5, WIDTHS)
+    if backend == "triton":
+        with pytest.raises(ValueError, match=r"biases / DoRA column scales must share one dtype .* float32 "
+                                             r"\(slice 0\), bfloat16 \(slice 1\)"):
+            w.add_lora_linear(*args, dora_scale_stacked=scales)
+    else:
+        w.add_lora_linear(*args, dora_scale_stacked=scales)
+
+
+def test_wrapper_dora_scale_errors_name_the_argument():
+    x, a, b, g, y = _case()
+    w = _wrapper("torch", "cpu")
+    A, B, G = _t(a, "cpu"), _t(b, "cpu"), _t(g, "cpu")
+    yt, xt = torch.from_numpy(y), torch.from_numpy(x)
+    with pytest.raises(ValueError, match=r"dora_scale_stacked must have one entry per slice \(2\), got 1"):
+        w.add_lora_linear(yt, xt, A, B, None, 0.5, WIDTHS, dora_scale_stacked=[G[0]])
+    with pytest.raises(ValueError, match=r"dora_scale_stacked\[1\] must have shape \(3, 32\) or \(3, 1, 32\)"):
+        w.add_lora_linear(yt, xt, A, B, None, 0.5, WIDTHS, dora_scale_stacked=[G[0], G[0]])
+    with pytest.raises(TypeError, match=r"dora_scale_stacked\[0\] must have dtype in .*got int32"):
+        w.add_lora_linear(yt, xt, A, B, None, 0.5, WIDTHS, dora_scale_stacked=[G[0].int(), G[1]])
+    with pytest.raises(TypeError, match=r"dora_scale_stacked\[1\] must be a torch.Tensor, got ndarray"):
+        w.add_lora_linear(yt, xt, A, B, None, 0.5, WIDTHS, dora_scale_stacked=[G[0], g[1]])
+    bias = [None, torch.zeros(L, 32)]
+    with pytest.raises(ValueError, match=r"slice 1 has both a LoRA bias \(lora_bias_stacked\[1\]\) and a DoRA "
+                                         r"column scale \(dora_scale_stacked\[1\]\)"):
+        w.add_lora_linear(yt, xt, A, B, bias, 0.5, WIDTHS, dora_scale_stacked=G)
+    with pytest.raises(ValueError, match=r"slice 1 has both a LoRA bias"):
+        w.add_expand(yt, torch.zeros(2, T, R), B, bias, WIDTHS, dora_scale_stacked=G)
+    assert np.array_equal(yt.numpy(), _case()[4])       # nothing was written
+
+
+# ----------------------------------------------------------------------------- MultiLoRAModel vs peft
+
+ADAPTERS = {
+    1: {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+        "use_dora": True},
+    2: {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "o_proj", "up_proj"]},
+    3: {"r": 2, "lora_alpha": 4, "target_modules": ["k_proj", "gate_proj"], "use_dora": True},
+}
+NAMES = {1: "dora-a", 2: "lora", 3: "dora-b"}
+
+
+def _biases(model) -> None:
+    """Non-zero attention biases (q/k/v/o): DoRA adds the base bias after its scale."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=gen) / 2)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return build_peft_models(tmp_path_factory.mktemp("dora-torch"), ADAPTERS, tweak=_raise_magnitudes,
+                             edit_base=_biases, attention_bias=True)
+
+
+def _wrapped(hf, device="cpu", **kw):
+    root, dirs, _ = hf
+    model = transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval().to(device)
+    mm = MultiLoRAModel(model, **{"max_loras": 3, "max_rank": 8, "backend": "torch", "dora": True, **kw})
+    for lora_id, d in dirs.items():
+        mm.load_adapter(NAMES[lora_id], d)
+    return mm
+
+
+def _alone(hf, lora_id, tokens):
+    with torch.no_grad():
+        return hf[2][lora_id](torch.as_tensor(np.asarray(tokens))[None]).logits[0].numpy()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_dora_lora_and_base_rows_equal_peft(hf, backend):
+    """Two DoRA adapters, a plain LoRA one and base rows in one batch: each row's logits are peft's
+    for that request alone. The adapters cover a fused group with biases (q/k/v), a lone linear
+    with a bias (o_proj), a group without (gate/up) and a lone one without (down_proj)."""
+    dev = _backend(backend)
+    mm = _wrapped(hf, dev, backend=backend)
+    biased = mm.layers["model.layers.0.self_attn.q_proj+k_proj+v_proj"]
+    assert biased.dora and tuple(biased.dora_scale.shape) == (3, 64)
+    rows = [1, 2, None, 3, 1]
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(len(rows), 6))
+    out = mm(torch.as_tensor(tokens, device=dev), adapter_names=[NAMES.get(r, "__base__") for r in rows]).logits
+    out = out.cpu().numpy()
+    for j, lora_id in enumerate(rows):
+        want = _alone(hf, lora_id, tokens[j])
+        assert _rel(out[j], want) < RTOL, (j, lora_id, _rel(out[j], want))
+        if lora_id is not None:
+            assert _rel(want, _alone(hf, None, tokens[j])) > 1e-3                     # the adapter matters
+    g = biased.dora_scale[mm.adapters.slot_of(1)].cpu()
+    assert (g[:32] - 1).abs().max() > 0.05 and torch.equal(g[32:48], torch.ones(16))   # q scaled, k not
+    assert torch.equal(biased.dora_scale[mm.adapters.slot_of(2)].cpu(), torch.ones(64))  # plain LoRA: 1
+
+
+def test_generate_greedy_tokens_equal_peft(hf):
+    mm = _wrapped(hf)
+    rows = [3, None, 1, 2]
+    tokens = torch.as_tensor(np.random.default_rng(1).integers(1, VOCAB, size=(len(rows), 5)))
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = mm.generate(tokens, attention_mask=torch.ones_like(tokens),
+                      adapter_names=[NAMES.get(r, "__base__") for r in rows], **gen)
+    for j, lora_id in enumerate(rows):
+        with torch.no_grad():
+            ref = hf[2][lora_id].generate(input_ids=tokens[j:j + 1], attention_mask=torch.ones_like(tokens[j:j + 1]),
+                                          **gen)
+        assert out[j].tolist() == ref[0].tolist(), (j, lora_id)
+
+
+def test_slot_churn_rewrites_scales_from_the_host_cache(hf):
+    """Two slots for three adapters: evicted DoRA adapters come back from the host cache with their
+    scales; a slot a DoRA adapter leaves to a plain one holds ones again; unload writes ones."""
+    mm = _wrapped(hf, max_loras=2)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, size=(2, 5))
+    for pair in ([1, 3], [2, 3], [1, 2], [3, 1], [2, 1]):
+        out = mm(torch.as_tensor(tokens), adapter_names=[NAMES[i] for i in pair]).logits.numpy()
+        for j, lora_id in enumerate(pair):
+            assert _rel(out[j], _alone(hf, lora_id, tokens[j])) < RTOL, (pair, j)
+    assert mm.adapters.stats["host_hits"] >= 3 and mm.adapters.stats["disk_loads"] == 3
+    down = mm.layers["model.layers.1.mlp.down_proj"]
+    slot = mm.adapters.slot_of(1)
+    assert (down.dora_scale[slot] - 1).abs().max() > 0.05
+    mm.unload_adapter(NAMES[1])
+    assert torch.equal(down.dora_scale[slot], torch.ones(32))
+
+
+def test_dora_adapters_need_a_dora_model(hf):
+    root, dirs, _ = hf
+    mm = MultiLoRAModel(transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval(), max_loras=2,
+                        max_rank=8, backend="torch")
+    mm.load_adapter("lora", dirs[2])
+    with pytest.raises(AdapterError, match=r"adapter 'adapter1' is a DoRA adapter .* has no DoRA column scale: "
+                                           r"build the layers with dora=True \(MultiLoRAModel\(\.\.\., dora=True\)"):
+        mm.load_adapter("dora-a", dirs[1])
+    assert mm.loaded_adapters == ["lora"]
+    with pytest.raises(TypeError, match="dora must be a bool"):
+        MultiLoRAModel(transformers.LlamaForCausalLM.from_pretrained(str(root / "base")), max_loras=2, max_rank=8,
+                       dora="yes")
+
+
+def test_dora_layer_arguments():
+    kw = dict(max_loras=2, max_rank=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"dora=True needs base_weights, one tensor per member module with shapes "
+                                         r"\[\(8, 6\), \(4, 6\)\]"):
+        LoRALinear(("q", "k"), 6, (8, 4), dora=True, **kw)
+    with pytest.raises(ValueError, match=r"base_weights must have shapes \[\(8, 6\), \(4, 6\)\] .* got "
+                                         r"\[\(8, 6\), \(6, 4\)\]"):
+        LoRALinear(("q", "k"), 6, (8, 4), dora=True, base_weights=[torch.zeros(8, 6), torch.zeros(6, 4)], **kw)
+    with pytest.raises(ValueError, match="base_weights are read only by DoRA layers"):
+        LoRALinear(("q",), 6, (8,), base_weights=[torch.zeros(8, 6)], **kw)
+    layer = LoRALinear(("q", "k"), 6, (8, 4), dora=True, base_weights=[torch.zeros(8, 6), torch.zeros(4, 6)], **kw)
+    assert torch.equal(layer.dora_scale, torch.ones(2, 12)) and layer.dora_scale.dtype == torch.float32
+    assert not hasattr(LoRALinear(("q",), 6, (8,), **kw), "dora_scale")
