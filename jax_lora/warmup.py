@@ -23,24 +23,26 @@ import jax
 import jax.numpy as jnp
 
 from lora_core.host_mapping import LoRAMapping
-from lora_core.warmup import (LinearShape, Progress, check_warmup_arguments, default_workers, vllm_capture_sizes,
-                              warmup_groups)
+from lora_core.warmup import (LinearShape, Progress, check_warmup_arguments, check_warmup_epilogue, default_workers,
+                              vllm_capture_sizes, warmup_groups)
 
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
 
 def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = None, *, dtype=jnp.bfloat16,
-           lora_ranks: bool = False, bias: bool = False, progress: bool = True,
+           lora_ranks: bool = False, bias: bool = False, dora: bool = False, progress: bool = True,
            workers: Optional[int] = None) -> dict:
     """Lowers `add_lora_linear` once per (token count, layer); returns {"calls", "seconds",
     "token_counts", "workers"}.
 
     layers: LinearShapes or (hidden, slices, rank) tuples; token_counts: default vLLM's capture sizes
-    up to the wrapper's max_num_batched_tokens; lora_ranks / bias: whether the engine passes per-slot
-    ranks / biases (they select other kernel variants); workers: threads lowering concurrently (the
+    up to the wrapper's max_num_batched_tokens; lora_ranks / bias / dora: whether the engine passes
+    per-slot ranks / LoRA biases / DoRA column scales (they select other kernel variants; bias and
+    dora exclude each other, as a slice takes one); workers: threads lowering concurrently (the
     Triton compiles they trigger run in parallel; None: one per core up to 16 on a GPU with the
     Triton backend, else 1)."""
     t_start = time.perf_counter()
+    check_warmup_epilogue(bias, dora)
     shapes, counts = check_warmup_arguments(
         layers, token_counts if token_counts is not None else vllm_capture_sizes(wrapper.max_num_batched_tokens),
         wrapper.max_num_batched_tokens)
@@ -65,7 +67,7 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
         for num_tokens in sorted(by_count):
             twin.update_metadata(LoRAMapping((1,) * num_tokens, (1,)), ids, slots + 1, 32000)
             for shape in by_count[num_tokens]:
-                _lower_case(twin, shape, num_tokens, slots, dtype, lora_ranks, bias)
+                _lower_case(twin, shape, num_tokens, slots, dtype, lora_ranks, bias, dora)
                 with lock:
                     bar.step(f"T={num_tokens}")
 
@@ -79,17 +81,20 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
             "workers": len(groups)}
 
 
-def _step(w, y, x, lora_a, lora_b, lora_bias, ranks, slices):
-    return w.add_lora_linear(y, x, lora_a, lora_b, lora_bias, 1.0, slices, lora_ranks=ranks)
+def _step(w, y, x, lora_a, lora_b, lora_bias, ranks, dora_scales, slices):
+    return w.add_lora_linear(y, x, lora_a, lora_b, lora_bias, 1.0, slices, lora_ranks=ranks,
+                             dora_scale_stacked=dora_scales)
 
 
-def _lower_case(twin, shape: LinearShape, num_tokens: int, slots: int, dtype, lora_ranks: bool, bias: bool) -> None:
+def _lower_case(twin, shape: LinearShape, num_tokens: int, slots: int, dtype, lora_ranks: bool, bias: bool,
+                dora: bool = False) -> None:
     """add_lora_linear of one layer shape at num_tokens, lowered with abstract stand-ins."""
     spec = jax.ShapeDtypeStruct
     lora_a = [spec((slots, 1, shape.rank, shape.hidden), dtype) for _ in shape.slices]
     lora_b = [spec((slots, 1, n, shape.rank), dtype) for n in shape.slices]
     lora_bias = [spec((slots, 1, n), dtype) for n in shape.slices] if bias else None
     ranks = spec((slots,), jnp.int32) if lora_ranks else None
-    jax.jit(_step, static_argnums=(7,)).lower(
+    dora_scales = [spec((slots, n), jnp.float32) for n in shape.slices] if dora else None
+    jax.jit(_step, static_argnums=(8,)).lower(
         twin, spec((num_tokens, sum(shape.slices)), dtype), spec((num_tokens, shape.hidden), dtype),
-        lora_a, lora_b, lora_bias, ranks, tuple(shape.slices))
+        lora_a, lora_b, lora_bias, ranks, dora_scales, tuple(shape.slices))

@@ -104,14 +104,14 @@ class PunicaWrapper:
         self._host_max_slot = step.max_slot
 
     def warmup(self, layers, token_counts=None, *, dtype=jnp.bfloat16, lora_ranks: bool = False,
-               bias: bool = False, progress: bool = True, workers=None) -> dict:
+               bias: bool = False, dora: bool = False, progress: bool = True, workers=None) -> dict:
         """Compiles the Triton kernel variants `add_lora_linear` will launch for these layer shapes
         (`lora_core.warmup.LinearShape` or (hidden, slices, rank)) and token counts (default vLLM's
         capture sizes), before serving, from `workers` threads (default: one per core up to 16 on a
         GPU); this wrapper's metadata is untouched (see jax_lora.warmup)."""
         from .warmup import warmup
-        return warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, progress=progress,
-                      workers=workers)
+        return warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, dora=dora,
+                      progress=progress, workers=workers)
 
     def _upload(self, block: np.ndarray) -> None:
         """The packed step (indices, segments, tail, both kernel metadata built on the host) to the device."""

@@ -28,7 +28,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-__all__ = ["LinearShape", "vllm_capture_sizes", "Progress", "check_warmup_arguments", "warmup_groups",
+__all__ = ["LinearShape", "vllm_capture_sizes", "Progress", "check_warmup_arguments", "check_warmup_epilogue",
+           "warmup_groups",
            "default_workers", "run_workers"]
 
 _LOG = logging.getLogger("lora_core")
@@ -72,6 +73,17 @@ def check_warmup_arguments(layers: Sequence, token_counts: Sequence[int], max_nu
         raise ValueError(f"token_counts must be between 1 and max_num_batched_tokens={max_num_batched_tokens}, "
                          f"got {list(token_counts)[:8]}{'...' if len(token_counts) > 8 else ''}")
     return shapes, counts
+
+
+def check_warmup_epilogue(bias, dora) -> None:
+    """warmup's `bias` / `dora` flags: booleans, not both (a slice's epilogue takes a LoRA bias or a
+    DoRA column scale, never both)."""
+    for name, v in (("bias", bias), ("dora", dora)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    if bias and dora:
+        raise ValueError("bias and dora cannot both be True: a slice takes a LoRA bias or a DoRA column scale, "
+                         "never both (warm up the two kinds of layers in two calls)")
 
 
 class Progress:

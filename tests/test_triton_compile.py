@@ -104,6 +104,15 @@ def _variants(kernel_name: str):
             assert plan.constexprs["PREFETCH_Y_LINES"] == (8 if prefetch else 0)   # 512 columns, 64 per line
             out.append((f"tiles4-r{rank}-R{block_r}-ahead{int(ahead)}-prefetch{int(prefetch)}", kernels.lora_expand_kernel,
                         plan, "bf16", ("buf_ptr",)))
+        # an epilogue vector on every slice inside the output-tile loop (the H200 table's T512 r64
+        # three-slice config): a bias (added) and DoRA column scales (float32, multiplied)
+        for flags, f32 in (((1, 1, 1), ("buf_ptr",)), ((2, 2, 2), ("buf_ptr", "bias0_ptr", "bias1_ptr", "bias2_ptr",
+                                                                   "bias3_ptr"))):
+            plan = kernels.plan_expand(512, 64, (4096, 1024, 1024), 9, 1, "bfloat16", "bfloat16",
+                                       dict(num_warps=4, num_stages=3, BLOCK_M=64, BLOCK_N=128, BLOCK_R=64, TILES_N=2,
+                                            PREFETCH_Y=True),
+                                       add_inputs=True, bias_flags=flags, has_ranks=False, pdl=True)
+            out.append((f"tiles2-epilogue{flags[0]}-all-slices", kernels.lora_expand_kernel, plan, "bf16", f32))
         for rank in (16, 64, 128):    # deterministic launches (configs.deterministic_config)
             plan = kernels.plan_expand(100, rank, (4096, 1024, 1024), 9, 4, "bfloat16", "bfloat16",
                                        configs.expand_config(100, 4096, rank, 3, 8, deterministic=True),
@@ -196,6 +205,25 @@ def test_kernel_compiles_for_sm90(kernel_name):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "FAILED" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count(": ok") == len(proc.stdout.strip().splitlines())
+
+
+def test_compile_launches_tool_specialises_like_a_launch():
+    """benchmarks/compile_launches.py (the sweep's launches compiled for sm_90 under any Triton, with
+    a real launch's specialisations) on one decode case: every launch of every epilogue mode compiles."""
+    triton = pytest.importorskip("triton")
+    try:
+        import triton.backends.nvidia.compiler  # noqa: F401
+    except ImportError:  # pragma: no cover
+        pytest.skip(f"Triton {triton.__version__} has no CUDA backend")
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_launches.py"), "--cases",
+                           "dec T8 D8 r16", "--modes", "0,1,2"], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if " mode " in ln]
+    assert len(lines) >= 4 and all(ln.endswith(": ok") for ln in lines), proc.stdout
+    assert "; 0 failed" in proc.stdout
 
 
 if __name__ == "__main__":

@@ -117,3 +117,24 @@ def test_jax_warmup_threads_lower_every_case_once():
     stats = w.warmup([(32, (16, 8), 8), (16, (16,), 4)], [1, 2, 24, 40, 64], dtype=jnp.float32, progress=False,
                      workers=4)
     assert stats["calls"] == 10 and stats["workers"] == 4
+
+
+def test_dora_warmup_runs_the_scaled_variants_on_both_sides():
+    """dora=True warms up add_lora_linear with DoRA column scales (the epilogue's other variant);
+    bias and dora together are refused by name."""
+    torch = pytest.importorskip("torch")
+    import jax.numpy as jnp
+
+    import jax_lora
+    import torch_lora
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tw = torch_lora.PunicaWrapper(16, 4, device, max_loras=2, backend="torch" if device == "cpu" else "triton")
+    stats = tw.warmup([(32, (16, 8), 8)], [1, 3], dtype=torch.float32, dora=True, progress=False)
+    assert stats["calls"] == 2
+    jw = jax_lora.PunicaWrapper(16, 4, None, max_loras=2, backend="xla")
+    assert jw.warmup([(32, (16, 8), 8)], [2], dtype=jnp.float32, dora=True, progress=False)["calls"] == 1
+    for w, dtype in ((tw, torch.float32), (jw, jnp.float32)):
+        with pytest.raises(ValueError, match="bias and dora cannot both be True"):
+            w.warmup([(32, (16, 8), 8)], [1], dtype=dtype, bias=True, dora=True, progress=False)
+        with pytest.raises(TypeError, match="dora must be a bool, got str"):
+            w.warmup([(32, (16, 8), 8)], [1], dtype=dtype, dora="yes", progress=False)

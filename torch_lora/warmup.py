@@ -29,25 +29,27 @@ from typing import Optional, Sequence
 import torch
 
 from lora_core.host_mapping import LoRAMapping
-from lora_core.warmup import (LinearShape, Progress, check_warmup_arguments, default_workers, run_workers,
-                              vllm_capture_sizes, warmup_groups)
+from lora_core.warmup import (LinearShape, Progress, check_warmup_arguments, check_warmup_epilogue, default_workers,
+                              run_workers, vllm_capture_sizes, warmup_groups)
 
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
 
 def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = None, *,
            dtype: torch.dtype = torch.bfloat16, lora_ranks: bool = False, bias: bool = False,
-           progress: bool = True, workers: Optional[int] = None) -> dict:
+           dora: bool = False, progress: bool = True, workers: Optional[int] = None) -> dict:
     """Runs `add_lora_linear` once per (token count, layer); returns {"calls", "seconds",
     "token_counts", "workers"} (workers: per worker process {"ok", "seconds", "error"}).
 
     layers: LinearShapes or (hidden, slices, rank) tuples; token_counts: default vLLM's capture sizes
-    up to the wrapper's max_num_batched_tokens; lora_ranks / bias: whether the engine passes per-slot
-    ranks / biases (they select other kernel variants); workers: processes that compile first
+    up to the wrapper's max_num_batched_tokens; lora_ranks / bias / dora: whether the engine passes
+    per-slot ranks / LoRA biases / DoRA column scales (they select other kernel variants; bias and
+    dora exclude each other, as a slice takes one); workers: processes that compile first
     (None: one per core up to 16 on a GPU with the Triton backend, else none; 0 or 1: none)."""
     from .wrapper import PunicaWrapper
 
     t_start = time.perf_counter()
+    check_warmup_epilogue(bias, dora)
     shapes, counts = check_warmup_arguments(
         layers, token_counts if token_counts is not None else vllm_capture_sizes(wrapper.max_num_batched_tokens),
         wrapper.max_num_batched_tokens)
@@ -59,7 +61,7 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
     if workers > 1:
         common = dict(max_num_batched_tokens=wrapper.max_num_batched_tokens, max_batches=wrapper.max_batches,
                       device=str(wrapper.device), max_loras=wrapper.max_loras, backend=wrapper.backend,
-                      dtype=str(dtype).removeprefix("torch."), lora_ranks=lora_ranks, bias=bias)
+                      dtype=str(dtype).removeprefix("torch."), lora_ranks=lora_ranks, bias=bias, dora=dora)
         payloads = [dict(common, cases=[(dataclasses.astuple(shape), ts) for shape, ts in group])
                     for group in warmup_groups(shapes, counts, workers)]
         worker_results = run_workers("torch_lora.warmup", payloads)
@@ -72,15 +74,17 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
         lora_b = [torch.zeros(slots, 1, n, shape.rank, dtype=dtype, device=device) for n in shape.slices]
         lora_bias = [torch.zeros(slots, 1, n, dtype=dtype, device=device) for n in shape.slices] if bias else None
         ranks = torch.full((slots,), shape.rank, dtype=torch.int32, device=device) if lora_ranks else None
-        stand_ins.append((shape, lora_a, lora_b, lora_bias, ranks))
+        scales = [torch.ones(slots, n, dtype=torch.float32, device=device) for n in shape.slices] if dora else None
+        stand_ins.append((shape, lora_a, lora_b, lora_bias, ranks, scales))
     bar = Progress(len(counts) * len(shapes), "torch_lora warmup", progress)
     ids = [1] + [None] * (slots - 1)
     for num_tokens in counts:
         twin.update_metadata(LoRAMapping((1,) * num_tokens, (1,)), ids, slots + 1, 32000)
-        for shape, lora_a, lora_b, lora_bias, ranks in stand_ins:
+        for shape, lora_a, lora_b, lora_bias, ranks, scales in stand_ins:
             x = torch.zeros(num_tokens, shape.hidden, dtype=dtype, device=device)
             y = torch.zeros(num_tokens, sum(shape.slices), dtype=dtype, device=device)
-            twin.add_lora_linear(y, x, lora_a, lora_b, lora_bias, 1.0, shape.slices, lora_ranks=ranks)
+            twin.add_lora_linear(y, x, lora_a, lora_b, lora_bias, 1.0, shape.slices, lora_ranks=ranks,
+                                 dora_scale_stacked=scales)
             bar.step(f"T={num_tokens}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -97,7 +101,7 @@ def _worker(payload: dict) -> None:
     dtype = getattr(torch, payload["dtype"])
     for (hidden, slices, rank), counts in payload["cases"]:
         warmup(w, [LinearShape(hidden, tuple(slices), rank)], counts, dtype=dtype, lora_ranks=payload["lora_ranks"],
-               bias=payload["bias"], progress=False, workers=0)
+               bias=payload["bias"], dora=payload.get("dora", False), progress=False, workers=0)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--warmup-worker":

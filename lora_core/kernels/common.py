@@ -281,21 +281,19 @@ def y_tile(y_ptr, tok, tok_ok, cols, col_ok, y_col0, stride_y_token, stride_y_co
 @triton.jit
 def store_slice(acc, y_old, out_ptr, y_offs, write, bias_ptr, lora_id, cols, col_ok, stride_bias_slot,
                 stride_bias_col,
-                 has_bias):
+                 has_bias, ANY_EPILOGUE: tl.constexpr):
     """y[tok, y_col0 + cols] = (y if ADD_INPUTS else 0) + acc + bias[lora_id, cols], cast once.
 
     has_bias is the slice's epilogue (arguments.epilogue): 0 none, 1 the vector is a bias (added),
     2 the vector is DoRA's column scale g: y = g[lora_id, cols] * ((y if ADD_INPUTS else 0) + acc)."""
-    out = acc
-    if has_bias != 0:
-        vec = tl.load(bias_ptr + lora_id.to(tl.int64) * stride_bias_slot + cols * stride_bias_col, mask=col_ok,
-                      other=0.0).to(tl.float32)[None, :]
-        if has_bias == 1:
-            out = acc + vec + y_old.to(tl.float32)
-        else:
-            out = (acc + y_old.to(tl.float32)) * vec
-    else:
-        out = acc + y_old.to(tl.float32)
+    out = acc + y_old.to(tl.float32)
+    if ANY_EPILOGUE:
+        # branch-free (no scf.if around the load: Triton 3.6's software pipeliner fails on one
+        # inside the output-tile loop): the vector reads as 0 where the slice has none
+        has_vec = (cols * 0 + has_bias) != 0              # per column (the interpreter wants a vector mask)
+        vec = tl.load(bias_ptr + lora_id.to(tl.int64) * stride_bias_slot + cols * stride_bias_col,
+                      mask=col_ok & has_vec, other=0.0).to(tl.float32)[None, :]
+        out = tl.where(has_bias == 2, out * vec, out + vec)
     tl.store(out_ptr + y_offs, out.to(out_ptr.dtype.element_ty), mask=write)
 
 

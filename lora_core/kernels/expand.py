@@ -109,7 +109,8 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
                 lora_id,
                  cols, col_ok, hint16(pick_slice(s, stride_bias0_slot, stride_bias1_slot, stride_bias2_slot,
                                                  stride_bias3_slot), ALIGNED),
-                 pick_slice(s, stride_bias0_col, stride_bias1_col, stride_bias2_col, stride_bias3_col), has_bias)
+                 pick_slice(s, stride_bias0_col, stride_bias1_col, stride_bias2_col, stride_bias3_col), has_bias,
+                 BIAS0 + BIAS1 + BIAS2 + BIAS3 > 0)
 
 
 @triton.jit

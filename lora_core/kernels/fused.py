@@ -195,7 +195,7 @@ def lora_fused_kernel(
                          cols, col_ok, hint16(pick_slice(s_out, stride_bias0_slot, stride_bias1_slot,
                                                          stride_bias2_slot, stride_bias3_slot), ALIGNED),
                          pick_slice(s_out, stride_bias0_col, stride_bias1_col, stride_bias2_col, stride_bias3_col),
-                         pick_slice(s_out, BIAS0, BIAS1, BIAS2, BIAS3))
+                         pick_slice(s_out, BIAS0, BIAS1, BIAS2, BIAS3), BIAS0 + BIAS1 + BIAS2 + BIAS3 > 0)
 
 
 # ------------------------------------------------------------------------------- launch plan

@@ -1,0 +1,153 @@
+"""Compile every Triton launch of the benchmark sweep for a GPU target, without a GPU.
+
+    PYTHONPATH=. python benchmarks/compile_launches.py                        # the installed Triton
+    PYTHONPATH=/tmp/triton36:. python benchmarks/compile_launches.py          # another Triton (a wheel
+                                                                              # unpacked with pip --target)
+
+The GPU image can carry another Triton than the development machine (3.6 against 3.9 here), and
+Triton's compiler passes differ between versions: a launch that compiles here can fail there. This
+builds, for each sweep case (`bench_triton.sweep_cases`, both slice sets) and each epilogue mode
+(none, a LoRA bias on every slice, a DoRA column scale on every slice), the launches
+`torch_lora.ops.triton` makes on an H200 -- the launch table's configs, the fused kernel where the
+table picks it, else the shrink and the expand -- and compiles each kernel for sm_90 with the
+argument specialisations a real launch gets (integers equal to 1 become constants, multiples of 16
+get divisibility hints, pointers are 16-byte aligned), as Triton's launcher and the JAX FFI
+launcher do. Prints one line per distinct launch and the failures; exits 1 if any failed.
+Compiling is CPU work (about 0.5 s a kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+
+from lora_core.kernels import arguments, configs, fused, plan_expand, plan_shrink  # noqa: E402
+
+DEVICE = "NVIDIA H200"
+HIDDEN = 4096
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+          torch.int64: "i64"}
+
+
+def _strides(t: torch.Tensor) -> tuple:
+    return tuple(t.stride())
+
+
+def signature(call: arguments.KernelCall) -> tuple:
+    """(signature, constants, attributes) of `call` as a real launch specialises it."""
+    names = call.kernel.arg_names
+    sig, consts, attrs = {}, {}, {}
+    for n, v in call.plan.constexprs.items():
+        sig[n] = "constexpr"
+        consts[(names.index(n),)] = v
+    free = [n for n in names if n not in call.plan.constexprs]
+    for n, v in zip(free, call.args):
+        i = names.index(n)
+        if isinstance(v, torch.Tensor):
+            sig[n] = "*" + _TYPES[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[n] = "fp32"
+        elif int(v) == 1:
+            sig[n] = "constexpr"
+            consts[(i,)] = 1
+        else:
+            sig[n] = "i32"
+            if int(v) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return {n: sig[n] for n in names}, consts, attrs
+
+
+def compile_call(call: arguments.KernelCall, capability: int = 90) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig, consts, attrs = signature(call)
+    try:
+        triton.compile(ASTSource(call.kernel, sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", capability, 32),
+                       options=dict(num_warps=call.plan.num_warps, num_stages=call.plan.num_stages))
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - reported per launch
+        return f"FAILED {type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
+
+
+def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torch.bfloat16) -> list:
+    """[(label, KernelCall)] of one add_lora_linear as the torch Triton backend launches it on an
+    H200; mode: 0 no epilogue vector, 1 a LoRA bias on every slice, 2 a DoRA scale on every slice."""
+    from torch_lora.meta import LoRAKernelMeta
+    wd = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    S = len(widths)
+    x = torch.zeros(T, HIDDEN, dtype=dtype)
+    a = [torch.zeros(slots, rank, HIDDEN, dtype=dtype) for _ in widths]
+    b = [torch.zeros(slots, n, rank, dtype=dtype) for n in widths]
+    y = torch.zeros(T, sum(widths), dtype=dtype)
+    vec_dtype = torch.float32 if mode == 2 else dtype
+    vectors = [torch.zeros(slots, n, dtype=vec_dtype) for n in widths] if mode else None
+    bias = None if not mode else tuple(arguments.ColumnScale(v) if mode == 2 else v for v in vectors)
+    flags = arguments.bias_flags(bias, S)
+    meta = LoRAKernelMeta.make(slots, T, "cpu")
+    meta.prepare_tensors(torch.zeros(T, dtype=torch.long))
+    m = meta.meta_args(T)[:5]
+    groups = m[4].shape[0]
+    offsets = tuple(int(sum(widths[:i])) for i in range(S))
+    if rank <= 64 and configs.use_fused(T, HIDDEN, rank, S, slots, device=DEVICE):
+        cfg = configs.fused_config(T, HIDDEN, max(widths), rank, S, slots, device=DEVICE)
+        plan = fused.plan_fused(T, HIDDEN, rank, widths, groups, wd, wd, cfg, add_inputs=True, bias_flags=flags,
+                                has_ranks=False, pdl=True)
+        ws = torch.zeros(plan.workspace_shape)
+        sync = torch.zeros(plan.sync_ints, dtype=torch.int32)
+        return [("fused", arguments.fused_call(plan, x, a, b, bias, None, m, y, sync, ws, 0.5, offsets, _strides))]
+    scfg = configs.shrink_config(T, HIDDEN, rank, S, slots, device=DEVICE)
+    splan = plan_shrink(T, HIDDEN, rank, S, groups, wd, wd, scfg, lora_only=True, workspace=True, has_ranks=False,
+                        pdl=True)
+    ws = torch.zeros(splan.num_partials, S, T, rank)
+    ecfg = configs.expand_config(T, max(widths), rank, S, slots, device=DEVICE)
+    eplan = plan_expand(T, rank, widths, groups, splan.num_partials, wd, wd, ecfg, add_inputs=True, bias_flags=flags,
+                        has_ranks=False, pdl=bool(splan.constexprs.get("USE_PDL")))
+    return [("shrink", arguments.shrink_call(splan, x, a, None, m, 0.5, ws, _strides)),
+            ("expand", arguments.expand_call(eplan, ws, b, bias, None, m, y, offsets, _strides))]
+
+
+def main(argv=None) -> int:
+    import triton
+
+    import bench_triton
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="0,1,2", help="epilogue modes: 0 none, 1 bias, 2 DoRA scale")
+    p.add_argument("--cases", default=None, help="substring of the sweep case names to keep")
+    args = p.parse_args(argv)
+    modes = [int(v) for v in args.modes.split(",")]
+    print(f"Triton {triton.__version__}, sm_90, launch table of {DEVICE}", flush=True)
+    seen, failed, t0 = set(), [], time.perf_counter()
+    for name, _kind, T, D, rank, _frac, _ranks in bench_triton.sweep_cases():
+        if args.cases and args.cases not in name:
+            continue
+        for slices, widths in bench_triton.SLICES.items():
+            for mode in modes:
+                for label, call in launches(T, rank, tuple(widths), max(8, D), mode):
+                    key = (call.kernel.__name__, call.plan.key[1:], signature(call)[0].__repr__(),
+                           tuple(sorted(signature(call)[1].items())))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    result = compile_call(call)
+                    print(f"{name} {slices} mode {mode} {label}: {result}", flush=True)
+                    if result != "ok":
+                        failed.append(f"{name} {slices} mode {mode} {label}")
+    print(f"{len(seen)} distinct launches compiled in {time.perf_counter() - t0:.0f} s; {len(failed)} failed"
+          + (f": {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
