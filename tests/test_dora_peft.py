@@ -54,7 +54,10 @@ def _ours(root, dirs):
     return model, mgr
 
 
-@pytest.mark.parametrize("backend", ["xla", "triton", "pallas_tpu"])
+# pallas_tpu's DoRA epilogue is tested per op and through the wrapper (tests/test_pallas_tpu.py,
+# tests/test_dora_core.py): a whole eager model in Pallas' TPU interpret mode hung in a full run on
+# the 2-core CI machine (its io_callback thread dispatching JAX ops while the main thread waited).
+@pytest.mark.parametrize("backend", ["xla", "triton"])
 def test_mixed_dora_lora_and_base_rows_equal_peft(hf, backend):
     if backend == "triton" and not triton_runs():
         pytest.skip("no GPU and Triton's interpreter is not on")
