@@ -41,3 +41,21 @@ def column_scale(weight, lora_a, lora_b, scaling: float, magnitude) -> np.ndarra
         raise ValueError(f"DoRA: the adapted weight has {int(np.sum(norm == 0))} all-zero rows: the column scale "
                          "magnitude / norm is undefined there")
     return (m / norm).astype(np.float32)
+
+
+def epilogue_vectors(bias, col_scale, num_slices: int) -> tuple:
+    """(vectors, has_vector, scaled) of a launch's slices: per slice the (L, n_s) vector its expand
+    epilogue reads -- a LoRA bias (added) or a DoRA column scale (multiplied) -- or None, whether it
+    has one, and whether it is a scale. A slice takes one: both is a ValueError naming the slice (a
+    DoRA adapter has no LoRA bias in PEFT). vectors is None when no slice has one."""
+    vectors, scaled = [], []
+    for s in range(num_slices):
+        b = None if bias is None else bias[s]
+        g = None if col_scale is None else col_scale[s]
+        if b is not None and g is not None:
+            raise ValueError(f"slice {s} has both a LoRA bias and a DoRA column scale; the kernels take one (a DoRA "
+                             "adapter has no LoRA bias in PEFT)")
+        vectors.append(b if g is None else g)
+        scaled.append(g is not None)
+    has = tuple(v is not None for v in vectors)
+    return (tuple(vectors) if any(has) else None), has, tuple(scaled)

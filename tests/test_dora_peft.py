@@ -10,14 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_lora import LoRAMapping, PunicaWrapper
-from jax_lora import nn as lnn
 from jax_lora.adapters import AdapterError, AdapterManager, merge_adapter, load_peft_adapter
 from jax_lora.models import add_lora, load_llama
 from jax_lora.serving import Request, ServingEngine
 
 from .impls import triton_runs
-from .test_peft_roundtrip import VOCAB, _rel, _torch_logits, build_peft_models
+from .test_peft_roundtrip import VOCAB, _rel, _torch_logits, build_peft_models, check_mixed_batch_equals_peft
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -63,21 +61,7 @@ def test_mixed_dora_lora_and_base_rows_equal_peft(hf, backend):
         pytest.skip("no GPU and Triton's interpreter is not on")
     root, dirs, peft_models = hf
     model, mgr = _ours(root, dirs)
-    rng = np.random.default_rng(0)
-    rows = [1, 2, None, 1]
-    tokens = rng.integers(0, VOCAB, size=(len(rows), 6))
-    ids = np.repeat([r or 0 for r in rows], tokens.shape[1])
-    w = PunicaWrapper(64, 64, None, max_loras=3, backend=backend)
-    w.update_metadata(LoRAMapping(ids, ids, is_prefill=True), mgr.lora_index_to_id, 4, VOCAB)
-    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    with lnn.punica_context(w):
-        ours = np.asarray(model(jnp.asarray(tokens, jnp.int32), pos)[0])
-    base = _torch_logits(peft_models[None], tokens)
-    for b, lora_id in enumerate(rows):
-        ref = _torch_logits(peft_models[lora_id], tokens[b:b + 1])[0]
-        assert _rel(ours[b], ref) < RTOL, (lora_id, _rel(ours[b], ref))
-        if lora_id is not None:
-            assert _rel(ref, base[b]) > 1e-3
+    check_mixed_batch_equals_peft(model, mgr, peft_models, [1, 2, None, 1], 6, 3, backend)
 
 
 def test_serving_loop_with_dora_equals_peft(hf):

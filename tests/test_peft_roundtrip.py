@@ -97,16 +97,16 @@ def test_peft_config_fields_are_read(hf):
     assert a3.modules["model.embed_tokens"][3] == "embedding" and "lm_head" in a3.modules
 
 
-def test_mixed_batch_equals_peft(hf):
-    root, dirs, peft_models = hf
-    model, mgr = _ours(root, dirs)
+def check_mixed_batch_equals_peft(model, mgr, peft_models, rows, seq_len: int, max_loras: int, backend=None):
+    """One prefill of `rows` (a lora_id or None per row, seq_len random tokens each) through our
+    model under a wrapper: each row's logits equal peft's model of that row's adapter (RTOL), and
+    each adapter's effect on peft's logits is real."""
     rng = np.random.default_rng(0)
-    rows = [1, 2, 3, None, 2]
-    tokens = rng.integers(0, VOCAB, size=(len(rows), 7))
+    tokens = rng.integers(0, VOCAB, size=(len(rows), seq_len))
     ids = np.repeat([r or 0 for r in rows], tokens.shape[1])
-    w = PunicaWrapper(64, 64, None, max_loras=4)
+    w = PunicaWrapper(64, 64, None, max_loras=max_loras, backend=backend)
     # Every position's logits are computed, so every token is also a sampled row.
-    w.update_metadata(LoRAMapping(ids, ids, is_prefill=True), mgr.lora_index_to_id, 5, VOCAB)
+    w.update_metadata(LoRAMapping(ids, ids, is_prefill=True), mgr.lora_index_to_id, max_loras + 1, VOCAB)
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     with lnn.punica_context(w):
         ours = np.asarray(model(jnp.asarray(tokens, jnp.int32), pos)[0])
@@ -116,6 +116,12 @@ def test_mixed_batch_equals_peft(hf):
         assert _rel(ours[b], ref) < RTOL, (lora_id, _rel(ours[b], ref))
         if lora_id is not None:
             assert _rel(ref, base[b]) > 1e-3                                 # the adapter matters
+
+
+def test_mixed_batch_equals_peft(hf):
+    root, dirs, peft_models = hf
+    model, mgr = _ours(root, dirs)
+    check_mixed_batch_equals_peft(model, mgr, peft_models, [1, 2, 3, None, 2], 7, 4)
 
 
 def test_serving_loop_equals_peft(hf):

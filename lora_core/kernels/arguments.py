@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
+from ..dora import epilogue_vectors
 from .expand import lora_expand_kernel
 from .fused import lora_fused_kernel
 from .planning import MAX_SLICES
@@ -129,15 +130,8 @@ def epilogue(bias, col_scale, num_slices: int):
     scale wrapped in ColumnScale, never both (ValueError naming the slice); None when neither."""
     if col_scale is None:
         return bias
-    out = []
-    for s in range(num_slices):
-        b = None if bias is None else bias[s]
-        g = col_scale[s]
-        if b is not None and g is not None:
-            raise ValueError(f"slice {s} has both a LoRA bias and a DoRA column scale; the kernels take one (a DoRA "
-                             "adapter has no LoRA bias in PEFT)")
-        out.append(b if g is None else ColumnScale(g))
-    return tuple(out) if any(v is not None for v in out) else None
+    vectors, _, scaled = epilogue_vectors(bias, col_scale, num_slices)
+    return None if vectors is None else tuple(ColumnScale(v) if g else v for v, g in zip(vectors, scaled))
 
 
 def _epilogue_vectors(bias, num_slices: int) -> list:

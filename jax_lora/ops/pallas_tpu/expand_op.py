@@ -24,6 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from lora_core.dora import epilogue_vectors
+
 from ... import tpu_rules
 from ...meta import LoRAKernelMeta
 from .common import (
@@ -510,23 +512,6 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
                         jnp.asarray([int(o) for o in offsets], jnp.int32), plan=plan, inplace=inplace,
                         scatter=scatter,
                         add_inputs=bool(add_inputs), row_order=row_order, interpret=current_interpret())
-
-
-def epilogue_vectors(bias, col_scale, num_slices: int) -> tuple:
-    """(vectors, has_bias, scaled): per slice the (L, n_s) vector its epilogue reads, a LoRA bias
-    or a DoRA column scale (never both: ValueError naming the slice, as the Triton launches say),
-    None for neither; vectors is None when no slice has one."""
-    vectors, scaled = [], []
-    for s in range(num_slices):
-        b = None if bias is None else bias[s]
-        g = None if col_scale is None else col_scale[s]
-        if b is not None and g is not None:
-            raise ValueError(f"slice {s} has both a LoRA bias and a DoRA column scale; the kernels take one (a DoRA "
-                             "adapter has no LoRA bias in PEFT)")
-        vectors.append(b if g is None else g)
-        scaled.append(g is not None)
-    has = tuple(v is not None for v in vectors)
-    return (tuple(vectors) if any(has) else None), has, tuple(scaled)
 
 
 def transpose_lora_b(lora_b: Sequence[jax.Array]) -> tuple:

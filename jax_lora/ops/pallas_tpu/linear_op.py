@@ -12,7 +12,9 @@ import jax.numpy as jnp
 from ... import tpu_rules
 from ...meta import LoRAKernelMeta
 from .common import _ranks_or_full, _two_jits, current_interpret
-from .expand_op import _expand_orders, _inplace_plans, epilogue_vectors, expand
+from lora_core.dora import epilogue_vectors
+
+from .expand_op import _expand_orders, _inplace_plans, expand
 from .plans import ExpandPlan, ShrinkPlan, expand_order_cost, plan_expand, plan_shrink, shrink_order_cost
 from .schedule import OrderCost, _check_row_order, _pick_order, _rows, choose_token_order
 from .shrink_op import _shrink_orders, shrink
