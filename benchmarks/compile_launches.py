@@ -11,9 +11,9 @@ builds, for each sweep case (`bench_triton.sweep_cases`, both slice sets) and ea
 `torch_lora.ops.triton` makes on an H200 -- the launch table's configs, the fused kernel where the
 table picks it, else the shrink and the expand -- and compiles each kernel for sm_90 with the
 argument specialisations a real launch gets (integers equal to 1 become constants, multiples of 16
-get divisibility hints, pointers are 16-byte aligned), as Triton's launcher and the JAX FFI
-launcher do. Prints one line per distinct launch and the failures; exits 1 if any failed.
-Compiling is CPU work (about 0.5 s a kernel).
+get divisibility hints except the token counts, `planning.TOKEN_COUNT_PARAMS`, pointers are
+16-byte aligned), as Triton's launcher and the JAX FFI launcher do. Prints one line per distinct
+launch and the failures; exits 1 if any failed. Compiling is CPU work (about 0.5 s a kernel).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 
 from lora_core.kernels import arguments, configs, fused, plan_expand, plan_shrink  # noqa: E402
+from lora_core.kernels.planning import TOKEN_COUNT_PARAMS  # noqa: E402
 
 DEVICE = "NVIDIA H200"
 HIDDEN = 4096
@@ -62,7 +63,7 @@ def signature(call: arguments.KernelCall) -> tuple:
             consts[(i,)] = 1
         else:
             sig[n] = "i32"
-            if int(v) % 16 == 0:
+            if int(v) % 16 == 0 and n not in TOKEN_COUNT_PARAMS:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return {n: sig[n] for n in names}, consts, attrs
 
@@ -81,14 +82,15 @@ def compile_call(call: arguments.KernelCall, capability: int = 90) -> str:
         return f"FAILED {type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
 
 
-def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torch.bfloat16) -> list:
+def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torch.bfloat16,
+             hidden: int = HIDDEN) -> list:
     """[(label, KernelCall)] of one add_lora_linear as the torch Triton backend launches it on an
     H200; mode: 0 no epilogue vector, 1 a LoRA bias on every slice, 2 a DoRA scale on every slice."""
     from torch_lora.meta import LoRAKernelMeta
     wd = "bfloat16" if dtype == torch.bfloat16 else "float16"
     S = len(widths)
-    x = torch.zeros(T, HIDDEN, dtype=dtype)
-    a = [torch.zeros(slots, rank, HIDDEN, dtype=dtype) for _ in widths]
+    x = torch.zeros(T, hidden, dtype=dtype)
+    a = [torch.zeros(slots, rank, hidden, dtype=dtype) for _ in widths]
     b = [torch.zeros(slots, n, rank, dtype=dtype) for n in widths]
     y = torch.zeros(T, sum(widths), dtype=dtype)
     vec_dtype = torch.float32 if mode == 2 else dtype
@@ -100,15 +102,15 @@ def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torc
     m = meta.meta_args(T)[:5]
     groups = m[4].shape[0]
     offsets = tuple(int(sum(widths[:i])) for i in range(S))
-    if rank <= 64 and configs.use_fused(T, HIDDEN, rank, S, slots, device=DEVICE):
-        cfg = configs.fused_config(T, HIDDEN, max(widths), rank, S, slots, device=DEVICE)
-        plan = fused.plan_fused(T, HIDDEN, rank, widths, groups, wd, wd, cfg, add_inputs=True, bias_flags=flags,
+    if rank <= 64 and configs.use_fused(T, hidden, rank, S, slots, device=DEVICE):
+        cfg = configs.fused_config(T, hidden, max(widths), rank, S, slots, device=DEVICE)
+        plan = fused.plan_fused(T, hidden, rank, widths, groups, wd, wd, cfg, add_inputs=True, bias_flags=flags,
                                 has_ranks=False, pdl=True)
         ws = torch.zeros(plan.workspace_shape)
         sync = torch.zeros(plan.sync_ints, dtype=torch.int32)
         return [("fused", arguments.fused_call(plan, x, a, b, bias, None, m, y, sync, ws, 0.5, offsets, _strides))]
-    scfg = configs.shrink_config(T, HIDDEN, rank, S, slots, device=DEVICE)
-    splan = plan_shrink(T, HIDDEN, rank, S, groups, wd, wd, scfg, lora_only=True, workspace=True, has_ranks=False,
+    scfg = configs.shrink_config(T, hidden, rank, S, slots, device=DEVICE)
+    splan = plan_shrink(T, hidden, rank, S, groups, wd, wd, scfg, lora_only=True, workspace=True, has_ranks=False,
                         pdl=True)
     ws = torch.zeros(splan.num_partials, S, T, rank)
     ecfg = configs.expand_config(T, max(widths), rank, S, slots, device=DEVICE)

@@ -7,9 +7,10 @@ and the XLA FFI launcher compiles and loads each Triton variant at that moment; 
 compilation of the engine's step is the engine's jit, not this. On backends without separately
 compiled kernels (xla, pallas_tpu inside XLA) it lowers and compiles nothing of value.
 
-The cases are lowered by `workers` threads (lora_core.warmup.warmup_groups: a layer and a token
-class per group, so threads rarely need the same variant); Triton's compiler and ptxas release the
-GIL, and the FFI launcher compiles each variant once (a lock per variant), so compiles overlap.
+The cases are lowered by `workers` threads (lora_core.warmup.warmup_groups, balanced by the kernel
+variants each group compiles, so threads rarely need the same variant); Triton's compiler and
+ptxas release the GIL, and the FFI launcher compiles each variant once (a lock per variant), so
+compiles overlap. A deterministic wrapper warms up its batch-invariant launches.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from lora_core.host_mapping import LoRAMapping
-from lora_core.warmup import (LinearShape, Progress, check_warmup_arguments, check_warmup_epilogue, default_workers,
-                              vllm_capture_sizes, warmup_groups)
+from lora_core.warmup import (LinearShape, Progress, case_variants, check_warmup_arguments, check_warmup_epilogue,
+                              default_workers, vllm_capture_sizes, warmup_groups)
 
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
@@ -50,7 +51,16 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
         workers = default_workers(wrapper.backend == "triton" and jax.default_backend() == "gpu")
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
-    groups = warmup_groups(shapes, counts, max(1, workers))
+    deterministic = bool(getattr(wrapper, "deterministic", False))
+    variants = None
+    if wrapper.backend == "triton" and workers > 1:
+        dtype_name = jnp.dtype(dtype).name
+
+        def variants(shape, num_tokens):
+            return case_variants(shape, num_tokens, wrapper.max_loras, dtype_name, bias=bias, dora=dora,
+                                 lora_ranks=lora_ranks, deterministic=deterministic)
+
+    groups = warmup_groups(shapes, counts, max(1, workers), variants=variants)
     bar = Progress(len(counts) * len(shapes), "jax_lora warmup", progress)
     lock = threading.Lock()
 
@@ -58,7 +68,7 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
         from .wrapper import PunicaWrapper
         slots = wrapper.max_loras
         twin = PunicaWrapper(wrapper.max_num_batched_tokens, wrapper.max_batches, wrapper.device, max_loras=slots,
-                             backend=wrapper.backend)
+                             backend=wrapper.backend, deterministic=deterministic)
         ids = [1] + [None] * (slots - 1)
         by_count: dict = {}
         for shape, ts in group:

@@ -9,9 +9,9 @@ first real step. Launch plans depend on shapes, dtypes and slot counts only, nev
 on the mapping, so the stand-ins compile exactly what real steps will run.
 
 Compiling is most of the warm-up (Triton: about half a second per kernel variant) and spreads
-over CPU cores: `warmup_groups` splits the (layer, token count) cases into groups that share
-launch configs (a layer and a token class: the cases of a group mostly compile the same variants,
-different groups different ones), and each side compiles the groups concurrently before its own
+over CPU cores: `case_variants` names, on the host, the kernel variants a (layer, token count)
+case compiles, `warmup_groups` splits the cases into groups that compile about as many variants
+each and rarely the same ones, and each side compiles the groups concurrently before its own
 pass, which then finds every variant compiled: torch in worker processes that fill Triton's cache
 (`run_workers`), JAX in threads. A worker that fails only costs its head start: the pass after it
 compiles whatever is missing, and says so in the log.
@@ -29,7 +29,7 @@ import time
 from typing import Optional, Sequence
 
 __all__ = ["LinearShape", "vllm_capture_sizes", "Progress", "check_warmup_arguments", "check_warmup_epilogue",
-           "warmup_groups",
+           "case_variants", "warmup_groups",
            "default_workers", "run_workers"]
 
 _LOG = logging.getLogger("lora_core")
@@ -118,12 +118,62 @@ class Progress:
         return time.perf_counter() - self.start
 
 
-def warmup_groups(shapes: Sequence[LinearShape], counts: Sequence[int], workers: int) -> list:
-    """The (layer, token count) cases split into at most `workers` groups of [(layer, [counts])].
+def case_variants(shape: LinearShape, num_tokens: int, slots: int, dtype: str, *, bias: bool = False,
+                  dora: bool = False, lora_ranks: bool = False, deterministic: bool = False,
+                  device: Optional[str] = None) -> frozenset:
+    """Identities of the Triton kernel variants one `add_lora_linear` of `shape` at `num_tokens`
+    compiles on `device` (None: the GPU present), planned on the host without an array.
 
-    A case's launch configs depend on its layer and its token class (`configs.token_class`), so
-    the cases of one (layer, class) pair compile the same few variants: each pair goes to one group
-    whole, the largest pairs first, each to the group with the fewest cases so far."""
+    A variant is what Triton compiles once: (kernel, meta-parameters, warps, stages) and the
+    specialisation of its token-dependent integers (a count of 1 is a constant; the float32
+    buffer's token strides, T * rank, may or may not be multiples of 16). The plans are those
+    both launchers make (`configs.use_fused`, the launch table's configs, `plan_shrink` /
+    `plan_expand` / `plan_fused` per chunk of <= MAX_SLICES slices); pdl as the GPU allows. dtype:
+    the activations' and weights' dtype name ("bfloat16", "float16", "float32")."""
+    from .kernels import configs, plan_expand, plan_fused, plan_shrink
+    from .kernels.planning import pdl_allowed, slice_chunks
+    T, H, R, L = int(num_tokens), shape.hidden, shape.rank, int(slots)
+    groups = L + 1                         # the metadata's active-slot list: every slot and "no LoRA"
+    flag = 2 if dora else 1 if bias else 0
+    pdl = pdl_allowed()
+    tokens = ("one" if T == 1 else "many", (T * R) % 16 == 0)
+    fused = configs.use_fused(T, H, R, len(shape.slices), L, device=device, deterministic=deterministic)
+    found = set()
+    for lo, hi in slice_chunks(len(shape.slices)):
+        widths = tuple(shape.slices[lo:hi])
+        flags = (flag,) * len(widths)
+        if fused:
+            cfg = configs.fused_config(T, H, max(widths), R, len(widths), L, device=device)
+            plans = [plan_fused(T, H, R, widths, groups, dtype, dtype, cfg, add_inputs=True, bias_flags=flags,
+                                has_ranks=lora_ranks, pdl=pdl)]
+        else:
+            scfg = configs.shrink_config(T, H, R, len(widths), L, device=device, deterministic=deterministic)
+            splan = plan_shrink(T, H, R, len(widths), groups, dtype, dtype, scfg, lora_only=True, workspace=True,
+                                has_ranks=lora_ranks, pdl=pdl, deterministic=deterministic)
+            ecfg = configs.expand_config(T, max(widths), R, len(widths), L, device=device,
+                                         deterministic=deterministic)
+            plans = [splan, plan_expand(T, R, widths, groups, splan.num_partials, dtype, dtype, ecfg, add_inputs=True,
+                                        bias_flags=flags, has_ranks=lora_ranks,
+                                        pdl=bool(splan.constexprs.get("USE_PDL")), deterministic=deterministic)]
+        found.update((type(plan).__name__, plan.key[1:], tokens) for plan in plans)
+    return frozenset(found)
+
+
+def warmup_groups(shapes: Sequence[LinearShape], counts: Sequence[int], workers: int, variants=None) -> list:
+    """The (layer, token count) cases split into at most `workers` groups of [(layer, [counts])],
+    each case in exactly one group.
+
+    variants: None, or `variants(shape, num_tokens)` -> the case's kernel variants (e.g.
+    `case_variants`). Then the groups are balanced by the variants they compile, the measure of a
+    compile worker's time (about half a second each): the cases that bring variants not yet
+    compiled are taken greedily (most new variants first), each into the group whose count of
+    distinct variants grows least, the emptiest on ties; the other cases (every variant already
+    somewhere) go to the group that compiles most of their variants, so they only load it.
+    Without: a case's launch configs depend on its layer and token class (`configs.token_class`),
+    so each (layer, class) pair goes to one group whole, the largest pairs first, each to the
+    group with the fewest cases so far."""
+    if variants is not None:
+        return _groups_by_variants(shapes, counts, workers, variants)
     from .kernels.configs import token_class
     pairs: dict = {}
     for shape in shapes:
@@ -136,6 +186,42 @@ def warmup_groups(shapes: Sequence[LinearShape], counts: Sequence[int], workers:
         groups[g].append((shape, ts))
         sizes[g] += len(ts)
     return [g for g in groups if g]
+
+
+def _groups_by_variants(shapes, counts, workers: int, variants) -> list:
+    cases = {(shape, t): frozenset(variants(shape, t)) for shape in shapes for t in counts}
+    order = list(cases)                                    # layer by layer, token counts ascending
+    remaining = set().union(*cases.values())
+    n = max(1, min(workers, len(remaining) or 1))
+    compiles: list = [set() for _ in range(n)]             # variants each group compiles
+    members: list = [[] for _ in range(n)]                 # its cases
+    placed = set()
+    target = -(-len(remaining) // n)                       # variants per group if none were compiled twice
+    while remaining:
+        _, case = max(((i, c) for i, c in enumerate(order) if c not in placed),
+                      key=lambda ic: (len(cases[ic[1]] & remaining), -ic[0]))
+        sizes = [len(compiles[i] | cases[case]) for i in range(n)]
+        fits = [i for i in range(n) if sizes[i] <= target]
+        if fits:      # the group that compiles fewest of them anew (one already holding some), then the emptiest
+            g = min(fits, key=lambda i: (sizes[i] - len(compiles[i]), sizes[i], len(members[i])))
+        else:
+            g = min(range(n), key=lambda i: (sizes[i], len(members[i])))
+        compiles[g] |= cases[case]
+        members[g].append(case)
+        placed.add(case)
+        remaining -= cases[case]
+    for case in order:
+        if case not in placed:
+            g = max(range(n), key=lambda i: (len(compiles[i] & cases[case]), -len(members[i])))
+            members[g].append(case)
+    groups = []
+    for cs in members:
+        by_shape: dict = {}
+        for shape, t in cs:
+            by_shape.setdefault(shape, []).append(t)
+        if by_shape:
+            groups.append([(shape, sorted(ts)) for shape, ts in by_shape.items()])
+    return groups
 
 
 def default_workers(compiles: bool) -> int:

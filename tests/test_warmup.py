@@ -87,6 +87,65 @@ def test_warmup_groups_keep_each_layer_and_token_class_together():
     assert len(warmup_groups(shapes, counts, 64)) == len({(s, token_class(t)) for s in shapes for t in counts})
 
 
+LLAMA_LAYERS = [LinearShape(4096, (4096, 1024, 1024), 16), LinearShape(4096, (4096,), 16),
+                LinearShape(4096, (14336, 14336), 16), LinearShape(14336, (4096,), 16)]
+
+
+def _compiled_variants(shape, num_tokens):
+    """The variants one add_lora_linear compiles, as Triton identifies them: kernel, meta-parameters,
+    warps, stages and the specialised signature of a real torch launch (benchmarks/compile_launches)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import compile_launches
+    out = set()
+    for _label, call in compile_launches.launches(num_tokens, shape.rank, shape.slices, 8, 0, hidden=shape.hidden):
+        sig, consts, attrs = compile_launches.signature(call)
+        out.add((call.kernel.__name__, call.plan.num_warps, call.plan.num_stages, repr(sig),
+                 tuple(sorted(consts.items())), repr(sorted(attrs.items()))))
+    return frozenset(out)
+
+
+def test_case_variants_name_the_variants_a_launch_compiles():
+    """case_variants (host planning, no array) splits the cases exactly as Triton's own variant
+    identity does, and token counts that differ only in divisibility by 16 share their variants."""
+    from lora_core.warmup import case_variants
+    counts = [1, 2, 4, 8, 16, 24, 72, 80, 184, 192, 232, 264, 272, 512]
+    exact, planned = {}, {}
+    for shape in LLAMA_LAYERS:
+        for t in counts:
+            exact.setdefault(_compiled_variants(shape, t), set()).add((shape, t))
+            planned.setdefault(case_variants(shape, t, 8, "bfloat16", device="NVIDIA H200"), set()).add((shape, t))
+    assert sorted(map(sorted, exact.values()), key=str) == sorted(map(sorted, planned.values()), key=str)
+    for shape in LLAMA_LAYERS:          # 72 / 80 and 264 / 272: one launch config, one compiled variant
+        assert _compiled_variants(shape, 72) == _compiled_variants(shape, 80)
+        assert _compiled_variants(shape, 264) == _compiled_variants(shape, 272)
+    assert case_variants(LLAMA_LAYERS[0], 8, 8, "bfloat16", device="NVIDIA H200", bias=True) != \
+        case_variants(LLAMA_LAYERS[0], 8, 8, "bfloat16", device="NVIDIA H200")
+
+
+def test_warmup_groups_balance_the_variants_each_group_compiles():
+    from lora_core.warmup import case_variants, warmup_groups
+    counts = vllm_capture_sizes(512)
+
+    def variants(shape, t):
+        return case_variants(shape, t, 8, "bfloat16", device="NVIDIA H200")
+
+    every = set().union(*(variants(s, t) for s in LLAMA_LAYERS for t in counts))
+    for workers in (1, 4, 16, 64):
+        groups = warmup_groups(LLAMA_LAYERS, counts, workers, variants=variants)
+        assert 1 <= len(groups) <= min(workers, len(every))
+        cases = [(shape, t) for g in groups for shape, ts in g for t in ts]
+        assert sorted(cases, key=str) == sorted(((s, t) for s in LLAMA_LAYERS for t in counts), key=str)
+        loads = [set().union(*(variants(shape, t) for shape, ts in g for t in ts)) for g in groups]
+        assert set().union(*loads) == every
+        assert max(map(len, loads)) <= -(-len(every) // len(groups)) + 1, [len(x) for x in loads]
+    # toy cases: disjoint variant sets spread out; a case whose variants are compiled elsewhere joins that group
+    toy = {("a", 1): {1, 2}, ("a", 2): {3, 4}, ("a", 3): {5, 6}, ("a", 4): {1, 2}}
+    groups = warmup_groups(["a"], [1, 2, 3, 4], 3, variants=lambda s, t: toy[(s, t)])
+    assert sorted(ts for g in groups for _, ts in g) == [[1, 4], [2], [3]]
+
+
 def test_failed_warmup_workers_are_reported_not_raised(caplog):
     from lora_core.warmup import run_workers
     with caplog.at_level("WARNING", logger="lora_core"):

@@ -13,9 +13,11 @@ Compiled kernels go to Triton's cache (`TRITON_CACHE_DIR`, default `~/.triton/ca
 processes reuse.
 
 On a GPU with the Triton backend the cases are first compiled concurrently by worker processes
-(`workers`, default one per core up to 16; `lora_core.warmup.warmup_groups` splits the cases so
-that workers rarely compile the same variant), which fill Triton's cache; the pass in this process
-then loads what they compiled. `python -m torch_lora.warmup --warmup-worker JSON` is the worker.
+(`workers`, default one per core up to 16; `lora_core.warmup.warmup_groups` splits the cases by
+the kernel variants each compiles, `lora_core.warmup.case_variants`, so that every worker compiles
+about as many variants and rarely one another's), which fill Triton's cache; the pass in this
+process then loads what they compiled. `python -m torch_lora.warmup --warmup-worker JSON` is the
+worker. A deterministic wrapper warms up its batch-invariant launches.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from typing import Optional, Sequence
 import torch
 
 from lora_core.host_mapping import LoRAMapping
-from lora_core.warmup import (LinearShape, Progress, check_warmup_arguments, check_warmup_epilogue, default_workers,
-                              run_workers, vllm_capture_sizes, warmup_groups)
+from lora_core.warmup import (LinearShape, Progress, case_variants, check_warmup_arguments, check_warmup_epilogue,
+                              default_workers, run_workers, vllm_capture_sizes, warmup_groups)
 
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
@@ -58,15 +60,22 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
     worker_results = []
+    deterministic = bool(getattr(wrapper, "deterministic", False))
     if workers > 1:
+        dtype_name = str(dtype).removeprefix("torch.")
         common = dict(max_num_batched_tokens=wrapper.max_num_batched_tokens, max_batches=wrapper.max_batches,
                       device=str(wrapper.device), max_loras=wrapper.max_loras, backend=wrapper.backend,
-                      dtype=str(dtype).removeprefix("torch."), lora_ranks=lora_ranks, bias=bias, dora=dora)
+                      dtype=dtype_name, lora_ranks=lora_ranks, bias=bias, dora=dora, deterministic=deterministic)
+
+        def variants(shape, num_tokens):
+            return case_variants(shape, num_tokens, wrapper.max_loras, dtype_name, bias=bias, dora=dora,
+                                 lora_ranks=lora_ranks, deterministic=deterministic)
+
         payloads = [dict(common, cases=[(dataclasses.astuple(shape), ts) for shape, ts in group])
-                    for group in warmup_groups(shapes, counts, workers)]
+                    for group in warmup_groups(shapes, counts, workers, variants=variants)]
         worker_results = run_workers("torch_lora.warmup", payloads)
     twin = PunicaWrapper(wrapper.max_num_batched_tokens, wrapper.max_batches, wrapper.device,
-                         max_loras=wrapper.max_loras, backend=wrapper.backend)
+                         max_loras=wrapper.max_loras, backend=wrapper.backend, deterministic=deterministic)
     slots, device = wrapper.max_loras, wrapper.device
     stand_ins = []
     for shape in shapes:
@@ -97,7 +106,8 @@ def _worker(payload: dict) -> None:
     caller's, without workers of its own; its compiles land in Triton's cache."""
     from .wrapper import PunicaWrapper
     w = PunicaWrapper(payload["max_num_batched_tokens"], payload["max_batches"], payload["device"],
-                      max_loras=payload["max_loras"], backend=payload["backend"])
+                      max_loras=payload["max_loras"], backend=payload["backend"],
+                      deterministic=payload.get("deterministic", False))
     dtype = getattr(torch, payload["dtype"])
     for (hidden, slices, rank), counts in payload["cases"]:
         warmup(w, [LinearShape(hidden, tuple(slices), rank)], counts, dtype=dtype, lora_ranks=payload["lora_ranks"],

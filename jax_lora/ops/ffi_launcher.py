@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from lora_core.kernels import cuda_launch
+from lora_core.kernels.planning import TOKEN_COUNT_PARAMS
 
 TARGET = "jax_lora_triton_launch"
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
@@ -174,7 +175,9 @@ _COMPILED: dict = {}
 
 
 def _specialise(launch: Launch, operands, results):
-    """(signature, constexprs, attrs, passed) the way Triton's JIT specialises this launch.
+    """(signature, constexprs, attrs, passed) the way Triton's JIT specialises this launch (ints
+    equal to 1 are constants; ints divisible by 16 get the divisibility hint, except the token
+    counts the kernels compile without it, planning.TOKEN_COUNT_PARAMS; pointers are aligned).
 
     passed: (kind, value) per kernel parameter handed to the handler (ints equal to 1 become
     constants and are not passed)."""
@@ -219,7 +222,7 @@ def _specialise(launch: Launch, operands, results):
                 continue
             wide = not -2 ** 31 <= v < 2 ** 31
             sig[name] = "i64" if wide else "i32"
-            if v % 16 == 0:
+            if v % 16 == 0 and name not in TOKEN_COUNT_PARAMS:
                 attrs[(i,)] = [["tt.divisibility", 16]]
             passed.append((_I64 if wide else _I32, v))
         elif isinstance(v, (float, np.floating)):

@@ -20,8 +20,8 @@ import triton.language as tl
 
 from .common import (gdc_launch_dependents, gdc_wait, hint16, load_rank_cols, pick_slice, prefetch_rows, rank_dot,
                      runs_copy, slice_of_tile, slot_rank, store_slice, token_tile, workspace_lhs, y_tile)
-from .planning import (MAX_SLICES, PlanKey, cast_and_precision, check_dot_dims, epilogue_constexprs, interpreting,
-                       max_tiles, next_pow2, prefetch_constexprs, small_t_block)
+from .planning import (MAX_SLICES, TOKEN_COUNT_PARAMS, PlanKey, cast_and_precision, check_dot_dims,
+                       epilogue_constexprs, interpreting, max_tiles, next_pow2, prefetch_constexprs, small_t_block)
 
 
 @triton.jit
@@ -113,7 +113,7 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
                  BIAS0 + BIAS1 + BIAS2 + BIAS3 > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr,
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,

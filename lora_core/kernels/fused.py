@@ -22,8 +22,8 @@ import triton.language as tl
 from .common import (gdc_launch_dependents, gdc_wait, hint16, load_rank_cols, pick_slice, prefetch_rows,
                      shrink_tile, slice_of_tile, slot_rank, store_slice, token_tile, y_tile)
 from .expand import ExpandPlan
-from .planning import (MAX_SLICES, cast_and_precision, check_dot_dims, epilogue_constexprs, hidden_split,
-                       interpreting, max_tiles, next_pow2, prefetch_constexprs, small_t_block)
+from .planning import (MAX_SLICES, TOKEN_COUNT_PARAMS, cast_and_precision, check_dot_dims, epilogue_constexprs,
+                       hidden_split, interpreting, max_tiles, next_pow2, prefetch_constexprs, small_t_block)
 
 BARRIER_SPAN = tl.constexpr(1 << 20)  # what one launch adds to a token tile's barrier counter (> programs per tile)
 
@@ -66,7 +66,7 @@ def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr, POLL_LIMIT: 
             _trap()
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_fused_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
         bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr,

@@ -16,6 +16,14 @@ import triton
 MAX_SLICES = 4  # slices handled by one launch; more are launched in groups of MAX_SLICES
 MAX_PARTIALS = 32  # split-K planes the expand kernel sums (unrolled loads)
 
+# The kernels' token-count parameters, compiled without Triton's divisible-by-16 specialisation
+# (`do_not_specialize_on_alignment`): they only bound masks and loops over token rows, where the
+# hint buys nothing, and specialising them compiled every launch config twice (token counts that
+# are and are not multiples of 16: 68 kernels instead of 36 for a Llama layer's warm-up). A count
+# of 1 is still a constant. Every launcher that specialises by itself (the XLA FFI launcher,
+# benchmarks/compile_launches.py) follows this list.
+TOKEN_COUNT_PARAMS = ("num_tokens", "num_sorted")
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 at import time)."""

@@ -18,8 +18,8 @@ import triton.language as tl
 
 from .common import gdc_launch_dependents, gdc_wait, hint16, lora_a_rows, pick_slice, prefetch_rows, shrink_slices, \
     slot_rank, token_tile
-from .planning import (PlanKey, cast_and_precision, check_dot_dims, hidden_split, max_tiles, next_pow2,
-                       prefetch_constexprs, small_t_block)
+from .planning import (TOKEN_COUNT_PARAMS, PlanKey, cast_and_precision, check_dot_dims, hidden_split, max_tiles,
+                       next_pow2, prefetch_constexprs, small_t_block)
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _store_rank_rows(out, acc, write, ATOMIC: tl.constexpr):
         tl.store(out, acc, mask=write)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr,
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
