@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from lora_core.host_mapping import LoRAMapping
-from lora_core.warmup import (LinearShape, Progress, case_variants, check_warmup_arguments, check_warmup_epilogue,
-                              default_workers, vllm_capture_sizes, warmup_groups)
+from lora_core.warmup import LinearShape, Progress, check_warmup, variants_of, vllm_capture_sizes, warmup_groups
 
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
@@ -43,23 +42,14 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
     Triton compiles they trigger run in parallel; None: one per core up to 16 on a GPU with the
     Triton backend, else 1)."""
     t_start = time.perf_counter()
-    check_warmup_epilogue(bias, dora)
-    shapes, counts = check_warmup_arguments(
-        layers, token_counts if token_counts is not None else vllm_capture_sizes(wrapper.max_num_batched_tokens),
-        wrapper.max_num_batched_tokens)
-    if workers is None:
-        workers = default_workers(wrapper.backend == "triton" and jax.default_backend() == "gpu")
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
-        raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
+    shapes, counts, workers = check_warmup(layers, token_counts, wrapper.max_num_batched_tokens, bias=bias, dora=dora,
+                                           workers=workers,
+                                           compiles=wrapper.backend == "triton" and jax.default_backend() == "gpu")
     deterministic = bool(getattr(wrapper, "deterministic", False))
     variants = None
     if wrapper.backend == "triton" and workers > 1:
-        dtype_name = jnp.dtype(dtype).name
-
-        def variants(shape, num_tokens):
-            return case_variants(shape, num_tokens, wrapper.max_loras, dtype_name, bias=bias, dora=dora,
-                                 lora_ranks=lora_ranks, deterministic=deterministic)
-
+        variants = variants_of(wrapper.max_loras, jnp.dtype(dtype).name, bias=bias, dora=dora, lora_ranks=lora_ranks,
+                               deterministic=deterministic)
     groups = warmup_groups(shapes, counts, max(1, workers), variants=variants)
     bar = Progress(len(counts) * len(shapes), "jax_lora warmup", progress)
     lock = threading.Lock()

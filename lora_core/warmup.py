@@ -20,6 +20,7 @@ compiles whatever is missing, and says so in the log.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import time
 from typing import Optional, Sequence
 
 __all__ = ["LinearShape", "vllm_capture_sizes", "Progress", "check_warmup_arguments", "check_warmup_epilogue",
-           "case_variants", "warmup_groups",
+           "check_warmup", "case_variants", "variants_of", "warmup_groups",
            "default_workers", "run_workers"]
 
 _LOG = logging.getLogger("lora_core")
@@ -73,6 +74,29 @@ def check_warmup_arguments(layers: Sequence, token_counts: Sequence[int], max_nu
         raise ValueError(f"token_counts must be between 1 and max_num_batched_tokens={max_num_batched_tokens}, "
                          f"got {list(token_counts)[:8]}{'...' if len(token_counts) > 8 else ''}")
     return shapes, counts
+
+
+def check_warmup(layers: Sequence, token_counts: Optional[Sequence[int]], max_num_batched_tokens: int, *,
+                 bias, dora, workers, compiles: bool) -> tuple:
+    """(layers as LinearShapes, token counts, workers) of one `warmup` call after checking its
+    arguments (ValueError / TypeError naming the argument). token_counts None: vLLM's capture sizes
+    up to max_num_batched_tokens; workers None: `default_workers(compiles)`."""
+    check_warmup_epilogue(bias, dora)
+    shapes, counts = check_warmup_arguments(
+        layers, token_counts if token_counts is not None else vllm_capture_sizes(max_num_batched_tokens),
+        max_num_batched_tokens)
+    if workers is None:
+        workers = default_workers(compiles)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
+    return shapes, counts, workers
+
+
+def variants_of(slots: int, dtype: str, *, bias: bool, dora: bool, lora_ranks: bool, deterministic: bool):
+    """`variants(shape, num_tokens)` for `warmup_groups`: `case_variants` of one wrapper's slots,
+    dtype name and epilogue."""
+    return functools.partial(case_variants, slots=slots, dtype=dtype, bias=bias, dora=dora, lora_ranks=lora_ranks,
+                             deterministic=deterministic)
 
 
 def check_warmup_epilogue(bias, dora) -> None:

@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 import torch
 
 from lora_core.host_mapping import LoRAMapping
-from lora_core.warmup import (LinearShape, Progress, case_variants, check_warmup_arguments, check_warmup_epilogue,
-                              default_workers, run_workers, vllm_capture_sizes, warmup_groups)
+from lora_core.warmup import (LinearShape, Progress, check_warmup, run_workers, variants_of, vllm_capture_sizes,
+                              warmup_groups)
 
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
@@ -51,14 +51,9 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
     from .wrapper import PunicaWrapper
 
     t_start = time.perf_counter()
-    check_warmup_epilogue(bias, dora)
-    shapes, counts = check_warmup_arguments(
-        layers, token_counts if token_counts is not None else vllm_capture_sizes(wrapper.max_num_batched_tokens),
-        wrapper.max_num_batched_tokens)
-    if workers is None:
-        workers = default_workers(wrapper.backend == "triton" and wrapper.device.type == "cuda")
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
-        raise ValueError(f"workers must be None or an int >= 0, got {workers!r}")
+    shapes, counts, workers = check_warmup(layers, token_counts, wrapper.max_num_batched_tokens, bias=bias, dora=dora,
+                                           workers=workers,
+                                           compiles=wrapper.backend == "triton" and wrapper.device.type == "cuda")
     worker_results = []
     deterministic = bool(getattr(wrapper, "deterministic", False))
     if workers > 1:
@@ -67,10 +62,8 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
                       device=str(wrapper.device), max_loras=wrapper.max_loras, backend=wrapper.backend,
                       dtype=dtype_name, lora_ranks=lora_ranks, bias=bias, dora=dora, deterministic=deterministic)
 
-        def variants(shape, num_tokens):
-            return case_variants(shape, num_tokens, wrapper.max_loras, dtype_name, bias=bias, dora=dora,
-                                 lora_ranks=lora_ranks, deterministic=deterministic)
-
+        variants = variants_of(wrapper.max_loras, dtype_name, bias=bias, dora=dora, lora_ranks=lora_ranks,
+                               deterministic=deterministic)
         payloads = [dict(common, cases=[(dataclasses.astuple(shape), ts) for shape, ts in group])
                     for group in warmup_groups(shapes, counts, workers, variants=variants)]
         worker_results = run_workers("torch_lora.warmup", payloads)
