@@ -227,6 +227,13 @@ def check_backend_rank(backend: str, rank: int, arg: str) -> None:
                          "for rank-0 weights, which add nothing)")
 
 
+def check_deterministic(deterministic: Any) -> bool:
+    """The wrappers' and ops' `deterministic` flag: a bool (TypeError naming it otherwise)."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    return deterministic
+
+
 def check_capacity(name: str, count: int, capacity: int, capacity_name: str) -> None:
     if count > capacity:
         raise ValueError(f"{name} has {count} entries, more than {capacity_name}={capacity}")

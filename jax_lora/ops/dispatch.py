@@ -28,6 +28,7 @@ from typing import Optional
 import jax
 
 from lora_core.backend_registry import BackendRegistry
+from lora_core.checks import check_deterministic
 
 _REGISTRY = BackendRegistry({
     "xla": "jax_lora.ops.xla",
@@ -88,8 +89,3 @@ def deterministic_impl(impl):
     from . import invariant  # noqa: PLC0415
     return invariant
 
-
-def check_deterministic(deterministic) -> bool:
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    return deterministic

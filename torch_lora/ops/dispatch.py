@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from lora_core.backend_registry import BackendRegistry
+from lora_core.checks import check_deterministic
 
 _REGISTRY = BackendRegistry({"torch": "torch_lora.ops.torch_ref", "triton": "torch_lora.ops.triton"}, "torch_lora")
 BACKENDS = _REGISTRY.names
@@ -82,8 +83,3 @@ def deterministic_impl(impl):
     from . import invariant  # noqa: PLC0415
     return invariant
 
-
-def check_deterministic(deterministic) -> bool:
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    return deterministic
