@@ -24,10 +24,16 @@ framework, n, layout set and batch: base us and LoRA us per layer, the overhead 
 the base; and per layer, the LoRA bytes a device reads (adapter weights of the active adapters)
 and sends (the LoRA's own collectives, ring algorithms), by each side's byte model
 (`jax_lora.parallel.layer_bytes`; torch: the layers' `layout_costs`, whose replicated row layer
-reads all of B and all-reduces the rank buffer) and, from `layer_bytes`, for vLLM's (its default layers: A whole / B split for column layers, A split /
-B whole with the partial LoRA output added before the base all-reduce for row layers, i.e. our
-`column` and `row_partial`; `fully_sharded_loras`: our `column_gather` and `row_reduce`).
-The target (issue 21): the LoRA overhead fraction at n = 2 no more than at n = 1.
+reads all of B and all-reduces the rank buffer) and, from `layer_bytes`, for vLLM's layouts (its
+default layers: A whole / B split for column layers, A split / B whole with the partial LoRA
+output added before the base all-reduce for row layers, i.e. our `column` and `row_partial`;
+`fully_sharded_loras`: our `column_gather` and `row_reduce`). Nothing is checked here: that the
+split layers equal the unsplit ones is the tests' (tests/test_parallel*.py, and on GPUs
+tests/test_gpu_parallel_torch.py).
+With --model, JAX also times the decode step of the whole Llama-3-8B-shaped model of
+benchmarks/e2e_decode.py split by `LlamaForCausalLM.shard` (rows "jax model step": time per
+step, not per layer). The target (issue 21): the LoRA overhead fraction at n = 2 no more than at
+n = 1.
 
 With --smoke the model is tiny and float32 on CPU host devices (JAX) and gloo processes (torch):
 it checks the pipeline, not the times. Output: `tp_<device>_<time>.{json,md}`.
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -47,6 +54,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # (hidden, q width, kv width, intermediate) of the measured model and of --smoke
 SIZES = {"llama3-8b": (4096, 4096, 1024, 14336), "smoke": (64, 64, 32, 128)}
@@ -153,6 +161,68 @@ def run_jax(args) -> list:
                                    rank=args.rank, shards=n, itemsize=jnp.dtype(dtype).itemsize)
                 rows.append(_row("jax", n, set_name, (col_layout, row_layout), batch, times, args, moved))
                 print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def run_jax_model(args) -> list:
+    """The decode step of the whole Llama-3-8B-shaped model of benchmarks/e2e_decode.py (random bf16
+    weights, LoRA on its 7 projections in 32 slots at --rank), split by `LlamaForCausalLM.shard`
+    over n devices (its default layouts; KV caches split along the KV heads), base step against
+    LoRA step, per batch with --adapters distinct adapters: time per step on the host to
+    `block_until_ready` (as e2e_decode's JAX rows)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import e2e_decode as e2e
+    from jax_lora import LoRAMapping, PunicaWrapper
+    from jax_lora.models import llama
+
+    cfg = e2e.model_config(args.smoke)
+    dtype = jnp.bfloat16
+    max_len = 64 if args.smoke else 1024
+    devices = jax.devices()
+    rows = []
+    for n in args.tp:
+        if n > len(devices):
+            continue
+        jm = e2e.JaxModel(cfg, seed=n)
+        jm.set_rank(args.rank)
+        jm.model.shard(Mesh(np.array(devices[:n]), ("tp",)))
+        graphdef, lora_state, rest, empty = jm.states()
+        step = jax.jit(functools.partial(e2e._jax_step, graphdef), static_argnums=(8,), donate_argnums=(2,))
+        for batch in args.batches:
+            rng = np.random.default_rng(batch)
+            punica = PunicaWrapper(max(args.batches), max(args.batches), None, max_loras=e2e.NUM_SLOTS,
+                                   backend="xla" if args.smoke else "triton")
+            slots = rng.permutation(e2e.NUM_SLOTS)[: min(args.adapters, batch)]
+            ids = [int(s) + 1 for s in slots[np.arange(batch) % len(slots)]]
+            punica.update_metadata(LoRAMapping(ids, ids), list(range(1, e2e.NUM_SLOTS + 1)), e2e.NUM_SLOTS + 1,
+                                   cfg.vocab_size)
+            cache = llama.init_cache(cfg, batch, max_len, dtype, sharding=jm.model.cache_sharding())
+            tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, 1)), jnp.int32)
+            positions = jnp.full((batch, 1), max_len // 2, jnp.int32)
+            sample_idx = jnp.zeros((batch,), jnp.int32)
+            calls = {False: (empty, None), True: (lora_state, punica)}
+            times = {False: [], True: []}
+            for rep in range(args.steps + 1):                       # the first round compiles and warms
+                for use_lora in (False, True):
+                    t0 = time.perf_counter()
+                    cache, tok, _ = step(calls[use_lora][0], rest, cache, calls[use_lora][1], tokens, positions,
+                                         None, sample_idx, use_lora)
+                    tok.block_until_ready()
+                    if rep:
+                        times[use_lora].append((time.perf_counter() - t0) * 1e6)
+            base, lora = statistics.median(times[False]), statistics.median(times[True])
+            rows.append(dict(framework="jax model step", tp=n, layouts="model default", column_layout=None,
+                             row_layout=None, batch=batch, adapters=min(args.adapters, batch), rank=args.rank,
+                             base_us=base, lora_us=lora, overhead_us=lora - base,
+                             overhead_pct=100.0 * (lora - base) / base, bytes=None))
+            print(f"jax model step tp={n} B{batch:<4d} base {base:9.1f} us LoRA {lora:9.1f} us overhead "
+                  f"{lora - base:8.1f} us ({100.0 * (lora - base) / base:5.1f}%)", flush=True)
+            del cache
+        del jm, lora_state, rest, empty, step
     return rows
 
 
@@ -345,12 +415,15 @@ def vllm_rows(args, sizes) -> list:
 
 
 def markdown(rows, vllm) -> str:
-    lines = ["| framework | TP | layouts | batch | base us/layer | LoRA us/layer | overhead | LoRA read MB/layer | "
+    lines = ["| framework | TP | layouts | batch | base us/layer (model: /step) | LoRA us | overhead | "
+             "LoRA read MB/layer | "
              "LoRA sent kB/layer |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        moved = r["bytes"] or {}
+        read = f"{moved['read'] / 1e6:.2f}" if moved else "-"
+        sent = f"{moved['sent'] / 1e3:.1f}" if moved else "-"
         lines.append(f"| {r['framework']} | {r['tp']} | {r['layouts']} | {r['batch']} | {r['base_us']:.1f} | "
-                     f"{r['lora_us']:.1f} | {r['overhead_us']:.1f} us ({r['overhead_pct']:.1f}%) | "
-                     f"{r['bytes']['read'] / 1e6:.2f} | {r['bytes']['sent'] / 1e3:.1f} |")
+                     f"{r['lora_us']:.1f} | {r['overhead_us']:.1f} us ({r['overhead_pct']:.1f}%) | {read} | {sent} |")
     lines += ["", "| vLLM layouts (bytes from shapes) | TP | batch | LoRA read MB/layer | LoRA sent kB/layer |",
               "|---|---|---|---|---|"]
     for r in vllm:
@@ -373,6 +446,8 @@ def parse_args(argv=None):
     p.add_argument("--layout-sets", default="replicated,fully_sharded",
                    help=f"comma list of {sorted(LAYOUT_SETS)} (torch: replicated, fully_sharded)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny float32 layers, host devices / gloo")
+    p.add_argument("--model", action="store_true",
+                   help="JAX: also the decode step of the whole Llama-3-8B-shaped model split over n devices")
     p.add_argument("--child", choices=("jax", "torch"), help=argparse.SUPPRESS)
     p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -389,7 +464,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        rows = run_jax(args) if args.child == "jax" else run_torch(args)
+        rows = (run_jax(args) + (run_jax_model(args) if args.model else [])) if args.child == "jax" \
+            else run_torch(args)
         with open(os.path.join(args.tmp, f"{args.child}.json"), "w") as f:
             json.dump(rows, f)
         return 0
