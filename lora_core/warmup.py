@@ -190,9 +190,11 @@ def warmup_groups(shapes: Sequence[LinearShape], counts: Sequence[int], workers:
     variants: None, or `variants(shape, num_tokens)` -> the case's kernel variants (e.g.
     `case_variants`). Then the groups are balanced by the variants they compile, the measure of a
     compile worker's time (about half a second each): the cases that bring variants not yet
-    compiled are taken greedily (most new variants first), each into the group whose count of
-    distinct variants grows least, the emptiest on ties; the other cases (every variant already
-    somewhere) go to the group that compiles most of their variants, so they only load it.
+    compiled are taken greedily (most new variants first), each into a group that stays within an
+    even share of all variants, the one compiling fewest of the case's variants anew (so a case
+    joins the group that already compiles its shrink or expand), else into the group left smallest;
+    the other cases (every variant already somewhere) go to the group that compiles most of their
+    variants, so they only load them.
     Without: a case's launch configs depend on its layer and token class (`configs.token_class`),
     so each (layer, class) pair goes to one group whole, the largest pairs first, each to the
     group with the fewest cases so far."""
