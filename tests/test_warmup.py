@@ -68,6 +68,32 @@ def test_jax_warmup_lowers_every_case_without_touching_the_wrapper():
     del jax
 
 
+@pytest.mark.parametrize("side", ["torch", "jax"])
+def test_a_deterministic_wrapper_warms_up_its_batch_invariant_launches(side, monkeypatch):
+    """The twin that runs the warm-up calls is deterministic exactly when the wrapper is (its
+    launches are other kernel variants than the default ones)."""
+    if side == "torch":
+        torch = pytest.importorskip("torch")
+        import torch_lora as lib
+        dtype, backend, device = torch.float32, "torch", "cpu"
+    else:
+        jnp = pytest.importorskip("jax.numpy")
+        import jax_lora as lib
+        dtype, backend, device = jnp.float32, "xla", None
+    built = []
+    init = lib.PunicaWrapper.__init__
+
+    def spy(self, *args, **kwargs):
+        built.append(kwargs.get("deterministic", False))
+        init(self, *args, **kwargs)
+    monkeypatch.setattr(lib.PunicaWrapper, "__init__", spy)
+    for deterministic in (True, False):
+        w = lib.PunicaWrapper(16, 4, device, max_loras=3, backend=backend, deterministic=deterministic)
+        built.clear()
+        stats = w.warmup([(32, (16, 8), 8)], [2, 5], dtype=dtype, progress=False, workers=0)
+        assert stats["calls"] == 2 and built and set(built) == {deterministic}
+
+
 def test_warmup_groups_keep_each_layer_and_token_class_together():
     from lora_core.kernels.configs import token_class
     from lora_core.warmup import warmup_groups
