@@ -6,7 +6,8 @@ the whole cost of a LoRA layer (docs/benchmarks.md). This module instead:
 
   * compiles each kernel variant with Triton (`triton.compile`, specialised the way Triton's own
     JIT specialises a launch: 16-byte aligned pointers, integers equal to 1 as constants, integers
-    divisible by 16 marked so), and loads the cubin on every local CUDA device (`jl_load_kernel`);
+    divisible by 16 marked so except the kernels' token counts, `planning.TOKEN_COUNT_PARAMS`), and
+    loads the cubin on every local CUDA device (`jl_load_kernel`);
   * lowers a call to `jax.ffi.ffi_call` of one FFI target, `jax_lora_triton_launch`, whose handler
     (`lora_core/kernels/cuda_launch.c`, built at first use with the C compiler Triton itself needs) launches one or
     more of those kernels in order on XLA's stream, with programmatic dependent launch where asked.
