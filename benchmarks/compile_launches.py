@@ -68,6 +68,14 @@ def signature(call: arguments.KernelCall) -> tuple:
     return {n: sig[n] for n in names}, consts, attrs
 
 
+def variant_key(call: arguments.KernelCall) -> tuple:
+    """What Triton compiles `call` as, hashable: kernel, meta-parameters, warps, stages and the
+    specialised signature (types, constants, divisibility hints)."""
+    sig, consts, attrs = signature(call)
+    return (call.kernel.__name__, call.plan.key[1:], repr(sig), tuple(sorted(consts.items())),
+            repr(sorted(attrs.items())))
+
+
 def compile_call(call: arguments.KernelCall, capability: int = 90) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -137,8 +145,7 @@ def main(argv=None) -> int:
         for slices, widths in bench_triton.SLICES.items():
             for mode in modes:
                 for label, call in launches(T, rank, tuple(widths), max(8, D), mode):
-                    key = (call.kernel.__name__, call.plan.key[1:], signature(call)[0].__repr__(),
-                           tuple(sorted(signature(call)[1].items())))
+                    key = variant_key(call)
                     if key in seen:
                         continue
                     seen.add(key)

@@ -228,25 +228,6 @@ def run_jax_model(args) -> list:
 
 # ------------------------------------------------------------------------------------------ torch
 
-class _RowBase:
-    """A row-parallel base layer: this rank's input columns, the full output all-reduced."""
-
-    def __new__(cls, linear, group=None):
-        import torch
-        import torch.distributed as dist
-
-        class RowBase(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.linear = linear
-
-            def forward(self, x):
-                y = self.linear(x)
-                dist.all_reduce(y, group=group)
-                return y
-        return RowBase()
-
-
 def _torch_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
     import datetime as dt
 
@@ -258,6 +239,18 @@ def _torch_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
     from lora_core.host_mapping import LoRAMapping
     from torch_lora.parallel import (MergedColumnParallelLinearWithLoRA, QKVParallelLinearWithLoRA,
                                      RowParallelLinearWithLoRA)
+
+    class RowBase(torch.nn.Module):
+        """A row-parallel base layer: this rank's input columns, the full output all-reduced."""
+
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            y = self.linear(x)
+            dist.all_reduce(y)
+            return y
 
     smoke = args.smoke
     backend = "gloo" if smoke else "nccl"
@@ -286,12 +279,12 @@ def _torch_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
             qkv = QKVParallelLinearWithLoRA(linear(h_size, q_local + 2 * kv_local), input_size=h_size,
                                             num_heads=q // head, num_kv_heads=kv // head, head_size=head,
                                             max_loras=args.slots, max_rank=args.rank, fully_sharded=fully)
-            o = RowParallelLinearWithLoRA(_RowBase(linear(q // world, h_size)), input_size=q, output_size=h_size,
+            o = RowParallelLinearWithLoRA(RowBase(linear(q // world, h_size)), input_size=q, output_size=h_size,
                                           max_loras=args.slots, max_rank=args.rank, fully_sharded=fully)
             gate_up = MergedColumnParallelLinearWithLoRA(linear(h_size, 2 * inter // world), input_size=h_size,
                                                          output_sizes=(inter, inter), max_loras=args.slots,
                                                          max_rank=args.rank, fully_sharded=fully)
-            down = RowParallelLinearWithLoRA(_RowBase(linear(inter // world, h_size)), input_size=inter,
+            down = RowParallelLinearWithLoRA(RowBase(linear(inter // world, h_size)), input_size=inter,
                                              output_size=h_size, max_loras=args.slots, max_rank=args.rank,
                                              fully_sharded=fully)
             for slot in range(args.slots):

@@ -45,7 +45,7 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
     shapes, counts, workers = check_warmup(layers, token_counts, wrapper.max_num_batched_tokens, bias=bias, dora=dora,
                                            workers=workers,
                                            compiles=wrapper.backend == "triton" and jax.default_backend() == "gpu")
-    deterministic = bool(getattr(wrapper, "deterministic", False))
+    deterministic = wrapper.deterministic
     variants = None
     if wrapper.backend == "triton" and workers > 1:
         variants = variants_of(wrapper.max_loras, jnp.dtype(dtype).name, bias=bias, dora=dora, lora_ranks=lora_ranks,

@@ -124,12 +124,8 @@ def _compiled_variants(shape, num_tokens):
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import compile_launches
-    out = set()
-    for _label, call in compile_launches.launches(num_tokens, shape.rank, shape.slices, 8, 0, hidden=shape.hidden):
-        sig, consts, attrs = compile_launches.signature(call)
-        out.add((call.kernel.__name__, call.plan.num_warps, call.plan.num_stages, repr(sig),
-                 tuple(sorted(consts.items())), repr(sorted(attrs.items()))))
-    return frozenset(out)
+    return frozenset(compile_launches.variant_key(call) for _label, call in
+                     compile_launches.launches(num_tokens, shape.rank, shape.slices, 8, 0, hidden=shape.hidden))
 
 
 def test_case_variants_name_the_variants_a_launch_compiles():

@@ -55,7 +55,7 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
                                            workers=workers,
                                            compiles=wrapper.backend == "triton" and wrapper.device.type == "cuda")
     worker_results = []
-    deterministic = bool(getattr(wrapper, "deterministic", False))
+    deterministic = wrapper.deterministic
     if workers > 1:
         dtype_name = str(dtype).removeprefix("torch.")
         common = dict(max_num_batched_tokens=wrapper.max_num_batched_tokens, max_batches=wrapper.max_batches,

@@ -134,7 +134,7 @@ def epilogue(bias, col_scale, num_slices: int):
     return None if vectors is None else tuple(ColumnScale(v) if g else v for v, g in zip(vectors, scaled))
 
 
-def _epilogue_vectors(bias, num_slices: int) -> list:
+def _one_dtype_vectors(bias, num_slices: int) -> list:
     """The slices' epilogue vectors (a bias, or a ColumnScale's vector; None where neither), checked
     to share one dtype: the kernels pick a slice's vector pointer with `tl.where`, which takes
     pointers of one element type only."""
@@ -151,8 +151,8 @@ def _epilogue_vectors(bias, num_slices: int) -> list:
 def _bias_args(bias, num_slices: int, dummy, strides: Strides) -> tuple:
     """(pointers, (slot, col) strides) of the slices' biases padded to MAX_SLICES; a missing bias
     passes the first present vector (else `dummy`) with zero strides: one pointer element type for
-    every slice (`_epilogue_vectors`), never read (its BIAS flag is 0)."""
-    vectors = _epilogue_vectors(bias, num_slices)
+    every slice (`_one_dtype_vectors`), never read (its BIAS flag is 0)."""
+    vectors = _one_dtype_vectors(bias, num_slices)
     dummy = next((v for v in vectors if v is not None), dummy)
     pointers, flat = [], []
     for s in range(MAX_SLICES):
