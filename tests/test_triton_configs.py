@@ -263,3 +263,29 @@ def test_deterministic_configs_come_from_the_table(compiled, monkeypatch, tmp_pa
         configs.table.cache_clear()
     with pytest.raises(ValueError, match="kind must be 'shrink' or 'expand', got 'fused'"):
         configs.deterministic_config("fused", 4096, 16)
+
+
+def test_pdl_switch_per_kernel(compiled, monkeypatch):
+    """LORA_CORE_PDL: unset/1 every kernel, 0 none, a list names the kernels launched as
+    programmatic dependents; kernels stay compiled with USE_PDL while any may use it."""
+    from lora_core.kernels import plan_expand, plan_shrink
+    from lora_core.kernels.planning import pdl_allowed
+
+    def plans():
+        cfg_s = configs.shrink_config(32, 4096, 16, 1, 8)
+        s = plan_shrink(32, 4096, 16, 1, 9, "bfloat16", "bfloat16", cfg_s, lora_only=True, workspace=True,
+                        has_ranks=False, pdl=pdl_allowed())
+        cfg_e = configs.expand_config(32, 4096, 16, 1, 8)
+        e = plan_expand(32, 16, (4096,), 9, s.num_partials, "bfloat16", "bfloat16", cfg_e, add_inputs=True,
+                        bias_flags=(0,), has_ranks=False, pdl=pdl_allowed())
+        return s, e
+
+    for value, want in (("1", (True, True)), ("0", (False, False)), ("expand", (False, True)),
+                        ("shrink, expand", (True, True)), ("fused", (False, False))):
+        monkeypatch.setenv("LORA_CORE_PDL", value)
+        s, e = plans()
+        assert (s.launch_pdl, e.launch_pdl) == want, value
+        assert s.constexprs["USE_PDL"] == (value != "0"), value
+    monkeypatch.setenv("LORA_CORE_PDL", "expnad")
+    with pytest.raises(ValueError, match="LORA_CORE_PDL"):
+        pdl_allowed("expand")

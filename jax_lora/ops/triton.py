@@ -190,7 +190,7 @@ def _shrink_launch(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, confi
     out = _Result(result, (plan.num_partials, S, T, R), jnp.float32)
     call = arguments.shrink_call(plan, x, lora_a, _ranks(lora_ranks), _meta_arrays(meta), float(scale), out,
                                  _strides)
-    return _Launch(call.with_alignment_hints(), result, pdl)
+    return _Launch(call.with_alignment_hints(), result, pdl and plan.launch_pdl)
 
 
 def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config=None, pdl=False,
@@ -206,7 +206,7 @@ def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, 
                        has_ranks=lora_ranks is not None, pdl=pdl, deterministic=deterministic)
     call = arguments.expand_call(plan, buf, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y, offsets,
                                  _strides)
-    return _Launch(call.with_alignment_hints(), 0, pdl)
+    return _Launch(call.with_alignment_hints(), 0, pdl and plan.launch_pdl)
 
 
 def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False) -> _Launch:
@@ -222,7 +222,7 @@ def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, 
     workspace = _Result(1, plan.workspace_shape, jnp.float32)
     call = arguments.fused_call(plan, x, lora_a, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y,
                                 _Counters(plan.sync_ints), workspace, float(scale), offsets, _strides)
-    return _Launch(call.with_alignment_hints(), 0, pdl)
+    return _Launch(call.with_alignment_hints(), 0, pdl and plan.launch_pdl)
 
 
 # --------------------------------------------------------------------------------- runners

@@ -265,6 +265,8 @@ class ExpandPlan(PlanKey):
     """How `lora_expand_kernel` is launched. USE_PDL: launched as a programmatic dependent of the
     shrink before it; its gdc_wait precedes every workspace read (the y tile it loads earlier was
     complete before the shrink, a normal launch, started)."""
+
+    KERNEL = "expand"
     grid: tuple
     constexprs: dict
     num_warps: int

@@ -203,6 +203,8 @@ def lora_fused_kernel(
 @dataclasses.dataclass(frozen=True, eq=False)
 class FusedPlan(ExpandPlan):
     """How `lora_fused_kernel` is launched (and the workspace and barrier counters it needs)."""
+
+    KERNEL = "fused"
     workspace_shape: tuple = ()   # (SPLIT_K, slices, T, rank) float32
 
     # Ask for a cooperative launch (co-residency checked by the driver, which refuses large decode

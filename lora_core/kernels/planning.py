@@ -30,9 +30,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def pdl_allowed() -> bool:
-    """Programmatic dependent launch unless LORA_CORE_PDL=0 (both launchers; Hopper and newer only)."""
-    return os.environ.get("LORA_CORE_PDL", "1") != "0"
+PDL_KERNELS = ("shrink", "expand", "fused")
+
+
+def pdl_allowed(kernel: str | None = None) -> bool:
+    """Whether `kernel` ("shrink", "expand", "fused"; None: any of them) may be launched as a
+    programmatic dependent (both launchers; Hopper and newer only). LORA_CORE_PDL: unset or "1"
+    every kernel, "0" none, or a comma list of kernel names (e.g. "expand": the expand waits on
+    its shrink with PDL while the shrink is an ordinary launch after the kernel before it). The
+    kernels are compiled with USE_PDL whenever any kernel may use it (`PlanKey.launch_pdl` then
+    decides the launch), so a list changes launches, not compiled variants."""
+    value = os.environ.get("LORA_CORE_PDL", "1").strip()
+    if value in ("", "1"):
+        return True
+    if value == "0":
+        return False
+    names = {v.strip() for v in value.split(",") if v.strip()}
+    unknown = names - set(PDL_KERNELS)
+    if unknown:
+        raise ValueError(f"LORA_CORE_PDL: expected 0, 1 or a comma list of {PDL_KERNELS}, got {value!r}")
+    return bool(names) if kernel is None else kernel in names
 
 
 def next_pow2(n: int) -> int:
@@ -135,7 +152,11 @@ class PlanKey:
         """Hashable identity of the launch (grid, meta-parameters, warps, stages)."""
         return (self.grid, tuple(sorted(self.constexprs.items())), self.num_warps, self.num_stages)
 
-    @property
+    KERNEL = ""  # "shrink", "expand" or "fused": the name LORA_CORE_PDL lists
+
+    @functools.cached_property
     def launch_pdl(self) -> bool:
-        """Launched as a programmatic dependent of the kernel before it (USE_PDL)."""
-        return bool(self.constexprs.get("USE_PDL"))
+        """Launched as a programmatic dependent of the kernel before it: compiled with USE_PDL and
+        this kernel allowed by LORA_CORE_PDL. A kernel compiled with USE_PDL but launched plainly
+        still lets its dependent start early (gdc_launch_dependents); its gdc_wait returns at once."""
+        return bool(self.constexprs.get("USE_PDL")) and pdl_allowed(self.KERNEL)

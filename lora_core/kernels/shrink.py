@@ -127,6 +127,8 @@ class ShrinkPlan(PlanKey):
     """How `lora_shrink_kernel` is launched. USE_PDL: launched as a programmatic dependent of the
     kernel before it; its gdc_wait comes before any read of x, so the kernel before -- which may
     write x, y or the metadata -- is complete first, and only then may the expand start."""
+
+    KERNEL = "shrink"
     grid: tuple
     constexprs: dict
     num_warps: int
