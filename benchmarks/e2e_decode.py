@@ -978,6 +978,10 @@ class Bench:
             return r
         with _profiler_range(self.cuda, f"{fw}_{shape.kind}{shape.rows}x{shape.seq}"):
             tb, tl = self.torch_time([t_base, t_lora], n) if fw == "torch" else self.jax_time(shape, [False, True], n)
+        if self.cuda and os.environ.get("E2E_PROFILE"):
+            step = {False: t_base, True: t_lora} if fw == "torch" else None
+            _profile_kernel_diff(f"{fw}_{shape.kind}{shape.rows}x{shape.seq}", n,
+                                 lambda lora: step[lora]() if step else self.jax_time(shape, [lora], 1))
         base_us, lora_us = float(np.median(tb)), float(np.median(tl))
         r.update(base_us=base_us, lora_us=lora_us, overhead_us=lora_us - base_us,
                  overhead_pct=100 * (lora_us - base_us) / base_us, overhead_over_floor=(lora_us - base_us) / floor_us,
@@ -1003,6 +1007,50 @@ def _profiler_range(cuda: bool, label: str):
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"kernels_{label}.txt"), "w") as f:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+
+
+def _profile_kernel_diff(label: str, n: int, run) -> None:
+    """With E2E_PROFILE=<dir>: n base steps, then n LoRA steps, each under torch's profiler; writes
+    <dir>/kernel_diff_<label>.md, per kernel name the launches and GPU time per step in each and
+    the difference (LoRA - base), largest differences first: where a LoRA step's extra time goes,
+    the LoRA kernels' own durations and any base kernel that runs slower beside them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    per_step = {}
+    for lora in (False, True):
+        run(lora)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                run(lora)
+            torch.cuda.synchronize()
+        table = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None)
+            if us is None:
+                us = getattr(ev, "cuda_time_total", 0.0)
+            if ev.count and us:
+                table[ev.key] = (ev.count / n, us / n)
+        per_step[lora] = table
+    names = set(per_step[False]) | set(per_step[True])
+    rows = []
+    for name in names:
+        bc, bt = per_step[False].get(name, (0.0, 0.0))
+        lc, lt = per_step[True].get(name, (0.0, 0.0))
+        rows.append((lt - bt, name, bc, bt, lc, lt))
+    rows.sort(key=lambda r: -abs(r[0]))
+    total_b = sum(r[3] for r in rows)
+    total_l = sum(r[5] for r in rows)
+    out = os.environ["E2E_PROFILE"]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"kernel_diff_{label}.md"), "w") as f:
+        f.write(f"# {label}: GPU time per step by kernel, base vs LoRA ({n} steps each)\n\n"
+                f"kernel time per step: base {total_b:.1f} us, LoRA {total_l:.1f} us, difference "
+                f"{total_l - total_b:.1f} us\n\n| kernel | base launches | base us | LoRA launches | LoRA us | "
+                f"LoRA - base us | us per LoRA launch |\n|---|---|---|---|---|---|---|\n")
+        for d, name, bc, bt, lc, lt in rows[:40]:
+            f.write(f"| {name[:90]} | {bc:.0f} | {bt:.1f} | {lc:.0f} | {lt:.1f} | {d:+.1f} | "
+                    f"{(lt / lc if lc else 0):.2f} |\n")
 
 
 class _Phases(dict):
