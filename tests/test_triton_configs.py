@@ -266,26 +266,36 @@ def test_deterministic_configs_come_from_the_table(compiled, monkeypatch, tmp_pa
 
 
 def test_pdl_switch_per_kernel(compiled, monkeypatch):
-    """LORA_CORE_PDL: unset/1 every kernel, 0 none, a list names the kernels launched as
-    programmatic dependents; kernels stay compiled with USE_PDL while any may use it."""
-    from lora_core.kernels import plan_expand, plan_shrink
-    from lora_core.kernels.planning import pdl_allowed
+    """LORA_CORE_PDL: unset/auto the expand always and a call's first kernel only for one-token
+    calls, 1 every kernel, 0 none, a list names the kernels; kernels stay compiled with USE_PDL
+    while any may use it (the setting changes launches, not variants)."""
+    from lora_core.kernels import plan_expand, plan_fused, plan_shrink
+    from lora_core.kernels.planning import FIRST_KERNEL_PDL_MAX_TOKENS, pdl_allowed
 
-    def plans():
-        cfg_s = configs.shrink_config(32, 4096, 16, 1, 8)
-        s = plan_shrink(32, 4096, 16, 1, 9, "bfloat16", "bfloat16", cfg_s, lora_only=True, workspace=True,
+    def plans(T):
+        cfg_s = configs.shrink_config(T, 4096, 16, 1, 8)
+        s = plan_shrink(T, 4096, 16, 1, 9, "bfloat16", "bfloat16", cfg_s, lora_only=True, workspace=True,
                         has_ranks=False, pdl=pdl_allowed())
-        cfg_e = configs.expand_config(32, 4096, 16, 1, 8)
-        e = plan_expand(32, 16, (4096,), 9, s.num_partials, "bfloat16", "bfloat16", cfg_e, add_inputs=True,
+        cfg_e = configs.expand_config(T, 4096, 16, 1, 8)
+        e = plan_expand(T, 16, (4096,), 9, s.num_partials, "bfloat16", "bfloat16", cfg_e, add_inputs=True,
                         bias_flags=(0,), has_ranks=False, pdl=pdl_allowed())
-        return s, e
+        cfg_f = configs.fused_config(T, 4096, 4096, 16, 1, 8)
+        f = plan_fused(T, 4096, 16, (4096,), 9, "bfloat16", "bfloat16", cfg_f, add_inputs=True, bias_flags=(0,),
+                       has_ranks=False, pdl=pdl_allowed())
+        return s, e, f
 
-    for value, want in (("1", (True, True)), ("0", (False, False)), ("expand", (False, True)),
-                        ("shrink, expand", (True, True)), ("fused", (False, False))):
-        monkeypatch.setenv("LORA_CORE_PDL", value)
-        s, e = plans()
-        assert (s.launch_pdl, e.launch_pdl) == want, value
-        assert s.constexprs["USE_PDL"] == (value != "0"), value
+    one, many = FIRST_KERNEL_PDL_MAX_TOKENS, FIRST_KERNEL_PDL_MAX_TOKENS + 31
+    for value, T, want in ((None, one, (True, True, True)), (None, many, (False, True, False)),
+                           ("auto", many, (False, True, False)), ("1", many, (True, True, True)),
+                           ("0", one, (False, False, False)), ("expand", one, (False, True, False)),
+                           ("shrink, expand", many, (True, True, False)), ("fused", many, (False, False, True))):
+        if value is None:
+            monkeypatch.delenv("LORA_CORE_PDL", raising=False)
+        else:
+            monkeypatch.setenv("LORA_CORE_PDL", value)
+        got = plans(T)
+        assert tuple(p.launch_pdl for p in got) == want, (value, T)
+        assert all(p.constexprs["USE_PDL"] == (value != "0") for p in got), value
     monkeypatch.setenv("LORA_CORE_PDL", "expnad")
     with pytest.raises(ValueError, match="LORA_CORE_PDL"):
         pdl_allowed("expand")

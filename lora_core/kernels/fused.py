@@ -206,6 +206,7 @@ class FusedPlan(ExpandPlan):
 
     KERNEL = "fused"
     workspace_shape: tuple = ()   # (SPLIT_K, slices, T, rank) float32
+    num_tokens: int = 0           # T (the launch's PDL policy depends on it: planning.pdl_launch)
 
     # Ask for a cooperative launch (co-residency checked by the driver, which refuses large decode
     # grids: see lora_fused_kernel). Off; benchmark experiments may set it on the class.
@@ -259,4 +260,4 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
     grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
-                     (split, num_slices, num_tokens, rank))
+                     (split, num_slices, num_tokens, rank), int(num_tokens))

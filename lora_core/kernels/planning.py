@@ -31,25 +31,54 @@ def interpreting() -> bool:
 
 
 PDL_KERNELS = ("shrink", "expand", "fused")
+# With LORA_CORE_PDL unset ("auto"), a call's first kernel (shrink or fused) is launched as a
+# programmatic dependent of the kernel before it only for batches of at most this many tokens.
+# Measured in a Llama-3-8B-shaped decode step on the H200 (benchmarks/e2e_decode.py, torch, the
+# LoRA calls each after a cuBLAS GEMM): a dependent first kernel cost 1.3-2.9 us per call at
+# 8-256 tokens (LoRA overhead +11% at B8 D8, +10% at B32 D8, +24% at B128 D8) and saved 1.3 us
+# per call at one token. Back-to-back LoRA calls with nothing between (the kernel sweep's chain)
+# gain from it at every size: LORA_CORE_PDL=1.
+FIRST_KERNEL_PDL_MAX_TOKENS = 1
+
+
+def _pdl_setting() -> str:
+    return os.environ.get("LORA_CORE_PDL", "auto").strip() or "auto"
+
+
+def _pdl_names(value: str) -> frozenset:
+    names = frozenset(v.strip() for v in value.split(",") if v.strip())
+    unknown = names - set(PDL_KERNELS)
+    if unknown:
+        raise ValueError(f"LORA_CORE_PDL: expected auto, 1, 0 or a comma list of {PDL_KERNELS}, got {value!r}")
+    return names
 
 
 def pdl_allowed(kernel: str | None = None) -> bool:
     """Whether `kernel` ("shrink", "expand", "fused"; None: any of them) may be launched as a
-    programmatic dependent (both launchers; Hopper and newer only). LORA_CORE_PDL: unset or "1"
-    every kernel, "0" none, or a comma list of kernel names (e.g. "expand": the expand waits on
-    its shrink with PDL while the shrink is an ordinary launch after the kernel before it). The
-    kernels are compiled with USE_PDL whenever any kernel may use it (`PlanKey.launch_pdl` then
-    decides the launch), so a list changes launches, not compiled variants."""
-    value = os.environ.get("LORA_CORE_PDL", "1").strip()
-    if value in ("", "1"):
+    programmatic dependent (both launchers; Hopper and newer only), by LORA_CORE_PDL: unset or
+    "auto" (see `pdl_launch`) and "1" every kernel, "0" none, or a comma list of kernel names. The
+    kernels are compiled with USE_PDL whenever any kernel may use it; `pdl_launch` then decides
+    each launch, so the setting changes launches, not compiled variants."""
+    value = _pdl_setting()
+    if value in ("auto", "1"):
         return True
     if value == "0":
         return False
-    names = {v.strip() for v in value.split(",") if v.strip()}
-    unknown = names - set(PDL_KERNELS)
-    if unknown:
-        raise ValueError(f"LORA_CORE_PDL: expected 0, 1 or a comma list of {PDL_KERNELS}, got {value!r}")
+    names = _pdl_names(value)
     return bool(names) if kernel is None else kernel in names
+
+
+def pdl_launch(kernel: str, num_tokens: int) -> bool:
+    """Whether a launch of `kernel` compiled with USE_PDL goes out as a programmatic dependent of
+    the kernel before it. "auto": the expand always (the kernel before it is the call's own
+    shrink), the shrink and the fused kernel -- whose predecessor in a model is the base layer's
+    GEMM -- only for calls of <= FIRST_KERNEL_PDL_MAX_TOKENS tokens. A kernel compiled with USE_PDL
+    but launched plainly still lets its expand start early (gdc_launch_dependents); its gdc_wait
+    returns at once."""
+    value = _pdl_setting()
+    if value == "auto":
+        return kernel == "expand" or num_tokens <= FIRST_KERNEL_PDL_MAX_TOKENS
+    return pdl_allowed(kernel)
 
 
 def next_pow2(n: int) -> int:
@@ -153,10 +182,10 @@ class PlanKey:
         return (self.grid, tuple(sorted(self.constexprs.items())), self.num_warps, self.num_stages)
 
     KERNEL = ""  # "shrink", "expand" or "fused": the name LORA_CORE_PDL lists
+    num_tokens = 0  # tokens of the launch (set by the plans whose launch policy depends on it)
 
     @functools.cached_property
     def launch_pdl(self) -> bool:
         """Launched as a programmatic dependent of the kernel before it: compiled with USE_PDL and
-        this kernel allowed by LORA_CORE_PDL. A kernel compiled with USE_PDL but launched plainly
-        still lets its dependent start early (gdc_launch_dependents); its gdc_wait returns at once."""
-        return bool(self.constexprs.get("USE_PDL")) and pdl_allowed(self.KERNEL)
+        chosen by `pdl_launch`."""
+        return bool(self.constexprs.get("USE_PDL")) and pdl_launch(self.KERNEL, self.num_tokens)

@@ -135,6 +135,7 @@ class ShrinkPlan(PlanKey):
     num_stages: int
     num_partials: int          # planes of the output (1 for the stand-alone shrink)
     atomic: bool               # the output must be zeroed first
+    num_tokens: int = 0        # T (the launch's PDL policy depends on it: planning.pdl_launch)
 
 
 def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_groups: int,
@@ -170,4 +171,4 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
     grid = (num_slices // constexprs["SLICES"], split,
             max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))
     return ShrinkPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
-                      split if workspace else 1, atomic)
+                      split if workspace else 1, atomic, int(num_tokens))
