@@ -39,9 +39,10 @@ from lora_core.kernels.shrink import plan_shrink
 NAME = "triton"
 _LOG = logging.getLogger("torch_lora")
 # Programmatic dependent launch for `linear` (Hopper and newer): the expand's prologue (metadata, y
-# and B loads) overlaps the shrink, and each launch's scheduling overlaps the kernel before it; both
-# kernels gdc_wait before reading what the kernel before them wrote. Off with TORCH_LORA_TRITON_PDL=0.
-# Decided at the first launch, not at import (importing must not initialise CUDA).
+# and B loads) overlaps the shrink, and a one-token call's shrink overlaps the kernel before it;
+# both kernels gdc_wait before reading what the kernel before them wrote. Which launches are
+# dependents: lora_core.kernels.planning.pdl_launch (LORA_CORE_PDL). Decided at the first launch,
+# not at import (importing must not initialise CUDA).
 
 
 @functools.lru_cache(maxsize=None)
