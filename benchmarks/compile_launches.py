@@ -19,6 +19,7 @@ launch and the failures; exits 1 if any failed. Compiling is CPU work (about 0.5
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -91,9 +92,11 @@ def compile_call(call: arguments.KernelCall, capability: int = 90) -> str:
 
 
 def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torch.bfloat16,
-             hidden: int = HIDDEN) -> list:
+             hidden: int = HIDDEN, fused_extra: dict | None = None) -> list:
     """[(label, KernelCall)] of one add_lora_linear as the torch Triton backend launches it on an
-    H200; mode: 0 no epilogue vector, 1 a LoRA bias on every slice, 2 a DoRA scale on every slice."""
+    H200; mode: 0 no epilogue vector, 1 a LoRA bias on every slice, 2 a DoRA scale on every slice.
+    fused_extra: the fused kernel for every launch it can take (rank <= 64), its table config
+    updated with these keys (configs to try on the GPU, e.g. {"RECOMPUTE": true})."""
     from torch_lora.meta import LoRAKernelMeta
     wd = "bfloat16" if dtype == torch.bfloat16 else "float16"
     S = len(widths)
@@ -110,8 +113,8 @@ def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torc
     m = meta.meta_args(T)[:5]
     groups = m[4].shape[0]
     offsets = tuple(int(sum(widths[:i])) for i in range(S))
-    if rank <= 64 and configs.use_fused(T, hidden, rank, S, slots, device=DEVICE):
-        cfg = configs.fused_config(T, hidden, max(widths), rank, S, slots, device=DEVICE)
+    if rank <= 64 and (fused_extra is not None or configs.use_fused(T, hidden, rank, S, slots, device=DEVICE)):
+        cfg = {**configs.fused_config(T, hidden, max(widths), rank, S, slots, device=DEVICE), **(fused_extra or {})}
         plan = fused.plan_fused(T, hidden, rank, widths, groups, wd, wd, cfg, add_inputs=True, bias_flags=flags,
                                 has_ranks=False, pdl=True)
         ws = torch.zeros(plan.workspace_shape)
@@ -135,7 +138,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="0,1,2", help="epilogue modes: 0 none, 1 bias, 2 DoRA scale")
     p.add_argument("--cases", default=None, help="substring of the sweep case names to keep")
+    p.add_argument("--fused-extra", default=None,
+                   help="JSON: force the fused kernel (rank <= 64) with these keys over the table's fused config, "
+                        "e.g. '{\"RECOMPUTE\": true, \"BLOCK_N\": 256}'")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="the hidden size (the sweep's is 4096)")
     args = p.parse_args(argv)
+    fused_extra = json.loads(args.fused_extra) if args.fused_extra else None
     modes = [int(v) for v in args.modes.split(",")]
     print(f"Triton {triton.__version__}, sm_90, launch table of {DEVICE}", flush=True)
     seen, failed, t0 = set(), [], time.perf_counter()
@@ -144,7 +152,10 @@ def main(argv=None) -> int:
             continue
         for slices, widths in bench_triton.SLICES.items():
             for mode in modes:
-                for label, call in launches(T, rank, tuple(widths), max(8, D), mode):
+                if fused_extra is not None and rank > 64:
+                    continue
+                for label, call in launches(T, rank, tuple(widths), max(8, D), mode, hidden=args.hidden,
+                                            fused_extra=fused_extra):
                     key = variant_key(call)
                     if key in seen:
                         continue

@@ -299,3 +299,53 @@ def test_pdl_switch_per_kernel(compiled, monkeypatch):
     monkeypatch.setenv("LORA_CORE_PDL", "expnad")
     with pytest.raises(ValueError, match="LORA_CORE_PDL"):
         pdl_allowed("expand")
+
+
+def test_recompute_config_may_take_one_token(compiled, monkeypatch):
+    """One token never takes the barrier fused kernel (FUSED_MIN_TOKENS) unless the class's fused
+    config is RECOMPUTE (no barrier): then the table's use_fused decides."""
+    table = configs.table(H200)
+    key = (configs.token_class(1), configs.rank_class(16))
+    marked = dataclasses.replace(table, fused_classes=frozenset(table.fused_classes | {key}),
+                                 variants={k: () for k in table.variants})
+    monkeypatch.setattr(configs, "_table", lambda device: marked)
+    assert configs.use_fused(2, 4096, 16, 1, 8)
+    assert not configs.use_fused(1, 4096, 16, 1, 8)
+    recompute = dataclasses.replace(marked, fused={**marked.fused, key: {**marked.fused[key], "RECOMPUTE": True}})
+    monkeypatch.setattr(configs, "_table", lambda device: recompute)
+    assert configs.use_fused(1, 4096, 16, 1, 8)
+
+
+def test_a_table_variant_is_read_through_lora_core_table(compiled, monkeypatch, tmp_path):
+    """benchmarks/table_variant.py writes the H200 table with RECOMPUTE fused configs taken for
+    two classes (and their variants); LORA_CORE_TABLE makes every launch read it; a missing
+    file is an error naming the variable."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import table_variant
+    out = tmp_path / "recompute.json"
+    assert table_variant.main([str(out), "--classes", "t16/r16,t64/r16", "--fused",
+                               '{"RECOMPUTE": true, "BLOCK_N": 256}', "--use-fused", "on"]) == 0
+    base = json.load(open(configs._table_file(H200)))["classes"]
+    edited = json.load(open(out))["classes"]
+    assert {k: v for k, v in edited.items() if k not in ("t16/r16", "t64/r16")} == \
+        {k: v for k, v in base.items() if k not in ("t16/r16", "t64/r16")}
+    for name in ("t16/r16", "t64/r16"):
+        assert edited[name]["shrink"] == base[name]["shrink"] and edited[name]["expand"] == base[name]["expand"]
+    monkeypatch.setenv("LORA_CORE_TABLE", str(out))
+    configs.table.cache_clear()
+    try:
+        assert "recompute.json" in configs.current_table().source
+        for T, S in ((1, 1), (8, 3), (32, 1), (32, 3)):
+            cfg = configs.fused_config(T, 4096, 4096, 16, S, 8)
+            assert cfg["RECOMPUTE"] and cfg["BLOCK_N"] == 256, (T, S)
+            assert configs.use_fused(T, 4096, 16, S, 8), (T, S)
+        assert not configs.fused_config(128, 4096, 4096, 16, 1, 8).get("RECOMPUTE")
+        monkeypatch.setenv("LORA_CORE_TABLE", str(tmp_path / "missing.json"))
+        configs.table.cache_clear()
+        with pytest.raises(FileNotFoundError, match="LORA_CORE_TABLE"):
+            configs.current_table()
+    finally:
+        monkeypatch.delenv("LORA_CORE_TABLE")
+        configs.table.cache_clear()
+    with pytest.raises(ValueError, match="not in the table"):
+        table_variant.main([str(out), "--classes", "t7/r16", "--fused", "{}"])

@@ -7,7 +7,8 @@ and switches of one kernel; configs never change the semantics.
 Where the configs come from: `tuned/<device name>.json` beside this file (e.g. `NVIDIA_H200.json`,
 written by `benchmarks/tune_triton.py` and edited from `benchmarks/explore_configs.py`
 measurements), for the GPU actually present (`device_name()`, asked of the CUDA driver), loaded at
-first use and cached (`table`). A GPU without a table, and the CPU, get the generic defaults below
+first use and cached (`table`); the environment variable LORA_CORE_TABLE names another file of the
+same format to use instead (`benchmarks/table_variant.py` writes variants to measure). A GPU without a table, and the CPU, get the generic defaults below
 (logged once). Under Triton's interpreter (CPU tests) large tiles are used instead: the
 interpreter's cost is per program and per loop trip, not per element.
 
@@ -52,7 +53,8 @@ TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 # for decode T <= 128, D <= 8 on the H200). Benchmark scripts may change it.
 SPLIT_CAP = 8
 # One token means one adapter: the two-kernel path (its expand's B tile staged through shared
-# memory, B_SELECT) beats the fused kernel's barrier there.
+# memory, B_SELECT) beats the fused kernel's barrier there (a fused config with RECOMPUTE, which
+# has no barrier, may still be chosen for one token).
 FUSED_MIN_TOKENS = 2
 # True / False forces the fused kernel on / off wherever `linear` is not told (benchmarks).
 FORCE_FUSED = None
@@ -197,7 +199,16 @@ GENERIC = LaunchTable("generic defaults", GENERIC_SHRINK, GENERIC_EXPAND, GENERI
 
 @functools.lru_cache(maxsize=None)
 def table(device: str | None) -> LaunchTable:
-    """The launch table of a device by name ("NVIDIA H200"): its tuned file, or the generic defaults."""
+    """The launch table of a device by name ("NVIDIA H200"): the file LORA_CORE_TABLE names if set
+    (a table written for this GPU elsewhere, or a variant to measure), else its tuned file, else
+    the generic defaults."""
+    override = os.environ.get("LORA_CORE_TABLE")
+    if override:
+        if not os.path.isfile(override):
+            raise FileNotFoundError(f"LORA_CORE_TABLE: no launch table file at {override!r}")
+        found = _read_table(override, device or "any device")
+        _LOG.info("launch configs: %s (LORA_CORE_TABLE)", found.source)
+        return found
     if device:
         path = _table_file(device)
         if os.path.exists(path):
@@ -322,9 +333,11 @@ def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slot
         return False
     if FORCE_FUSED is not None:
         return bool(FORCE_FUSED)
-    if num_tokens < FUSED_MIN_TOKENS:
+    found = _table(device)
+    if num_tokens < FUSED_MIN_TOKENS and not found.config("fused", num_tokens, rank, num_slices,
+                                                          num_slots).get("RECOMPUTE"):
         return False
-    return _table(device).fused_wins(num_tokens, rank, num_slots, num_slices)
+    return found.fused_wins(num_tokens, rank, num_slots, num_slices)
 
 
 def deterministic_config(kind: str, size: int, rank: int, *, device: str | None = None) -> dict:
