@@ -47,11 +47,11 @@ WIDTHS = (4096, 1024, 1024)
 
 
 def class_keys(tc: str, cfg: dict) -> dict:
-    """cfg with the keys every config of shape class tc carries: at t64 (17-64 tokens) SMALL_T
-    False -- 17-32 tokens in 16-token tiles of the sorted order, not one whole-batch tile per
-    adapter (session 8, explore 2026-11-30 19:09: T32 D8 fused 4.55 vs 5.24 us, rank 64 three
-    slices 10.5 vs 13.4)."""
-    return dict(cfg, SMALL_T=False) if tc == "t64" else cfg
+    """cfg with the keys every config of shape class tc carries unless it sets them itself: at
+    t64 (17-64 tokens) SMALL_T False -- 17-32 tokens in 16-token tiles of the sorted order, not
+    one whole-batch tile per adapter (session 8, explore 2026-11-30 19:09, every kernel a
+    dependent launch: T32 D8 fused 4.55 vs 5.24 us, rank 64 three slices 10.5 vs 13.4)."""
+    return {"SMALL_T": False, **cfg} if tc == "t64" else cfg
 
 
 def shrink_candidates(tc):
@@ -59,9 +59,14 @@ def shrink_candidates(tc):
         # (+ 512-column chunks split for ~132 programs: T32 rank 64, explore 2026-11-30 15:09)
         # (+ session 8, explores 18:43/18:47: 4 warps, 3 stages, A prefetched into L2 before the
         # PDL wait at T 17-64 too -- T32 with 32 adapters 8.1 vs 10.2 us)
+        # (+ 2026-12-02: the shrink is a plain launch from 2 tokens up (planning.pdl_launch), so
+        # its metadata loads are no longer hidden behind the kernel before it: whole-batch tiles
+        # (SMALL_T, one round trip for the metadata) again at 17-32 tokens)
         return [configs.shrink_params(16, bk, 0, w, st) for bk, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 3), (512, 8, 2))] + [
-                dict(configs.shrink_params(16, 512, 0, 8, 3), TARGET=132), dict(configs.shrink_params(16, 256, 0, 4, 3), PREFETCH=True)]
+                dict(configs.shrink_params(16, 512, 0, 8, 3), TARGET=132), dict(configs.shrink_params(16, 256, 0, 4, 3), PREFETCH=True)] + (
+                [dict(configs.shrink_params(16, 256, 0, w, st), SMALL_T=True) for w, st in ((4, 3), (8, 3))]
+                if tc == "t64" else [])
     if tc in ("t256", "t1024", "t4096"):
         # Explicit splits next to the SPLIT_K = 0 rule: at rank 64 the expand's unrolled sum of
         # the workspace planes costs ~12 registers per plane (134 at 4 planes, 86 at 1: ptxas, T=512).
@@ -97,7 +102,8 @@ def expand_candidates(tc, rank):
         # won at T32 with 32 adapters, lost with one adapter -- explore 16:24, sweep 16:29)
         return [configs.expand_params(16, bn, br, w, st) for bn, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 2), (512, 8, 2))] + [
-                dict(configs.expand_params(16, 128, br, 4, 2), TILES_N=2, PREFETCH=True)]
+                dict(configs.expand_params(16, 128, br, 4, 2), TILES_N=2, PREFETCH=True)] + (
+                [dict(configs.expand_params(16, 128, br, 4, 2), SMALL_T=True)] if tc == "t64" else [])
     if tc in ("t256", "t1024", "t4096"):
         # 8 warps and 32-wide rank blocks lower the registers per thread at rank 64 (ptxas, T=512,
         # 16x128 tile, 4 planes: 134 at 4 warps, 89 at 8 warps, 92 with BLOCK_R 32)
@@ -148,6 +154,10 @@ def fused_candidates(rank):
     out = [configs.fused_params(16, bn, bk, w, st, sp) for bn, bk, sp, w, st in cands]
     # the L2 weight prefetch before the PDL wait lost at T = 32 in the two-kernel shrink (13:48)
     out += [dict(c, PREFETCH=False) for c in out[:2]]
+    # (2026-12-02: without a workspace or barrier, each output tile's program computing its
+    # tile's whole shrink -- RECOMPUTE; wide tiles keep the repeated x and A reads down)
+    out += [dict(configs.fused_params(16, bn, bk, w, st, 1), RECOMPUTE=True) for bn, bk, w, st in
+            ((128, 256, 4, 2), (256, 256, 4, 2), (256, 256, 8, 3), (512, 256, 8, 2))]
     return out
 
 
