@@ -268,7 +268,7 @@ def test_deterministic_configs_come_from_the_table(compiled, monkeypatch, tmp_pa
 def test_pdl_switch_per_kernel(compiled, monkeypatch):
     """LORA_CORE_PDL: unset/auto the expand always and a call's first kernel only for one-token
     calls, 1 every kernel, 0 none, a list names the kernels; kernels stay compiled with USE_PDL
-    while any may use it (the setting changes launches, not variants)."""
+    while any may use it (the setting changes launches, not the kernels' code)."""
     from lora_core.kernels import plan_expand, plan_fused, plan_shrink
     from lora_core.kernels.planning import FIRST_KERNEL_PDL_MAX_TOKENS, pdl_allowed
 

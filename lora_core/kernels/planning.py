@@ -58,7 +58,8 @@ def pdl_allowed(kernel: str | None = None) -> bool:
     programmatic dependent (both launchers; Hopper and newer only), by LORA_CORE_PDL: unset or
     "auto" (see `pdl_launch`) and "1" every kernel, "0" none, or a comma list of kernel names. The
     kernels are compiled with USE_PDL whenever any kernel may use it; `pdl_launch` then decides
-    each launch, so the setting changes launches, not compiled variants."""
+    each launch, so the setting changes launches, not the kernels' code (torch's Triton cache keys
+    the launch option: a changed setting compiles its entries once)."""
     value = _pdl_setting()
     if value in ("auto", "1"):
         return True
