@@ -344,6 +344,16 @@ def test_a_table_variant_is_read_through_lora_core_table(compiled, monkeypatch, 
         configs.table.cache_clear()
         with pytest.raises(FileNotFoundError, match="LORA_CORE_TABLE"):
             configs.current_table()
+        good = {"BLOCK_M": 16, "BLOCK_K": 64, "BLOCK_N": 64}
+        for bad in ("{not json", '{"device": "x"}', '{"classes": {"t16/r16": {"expand": {}}}}', "[1, 2]",
+                    json.dumps({"classes": {"t16/r16": {"shrink": good, "expand": dict(good, BLOCK_N=48)}}}),
+                    json.dumps({"classes": {"t16/r16": {"shrink": good, "expand": good,
+                                                        "variants": [{"fused": {"BLOCK_M": 16}}]}}})):
+            (tmp_path / "bad.json").write_text(bad)
+            monkeypatch.setenv("LORA_CORE_TABLE", str(tmp_path / "bad.json"))
+            configs.table.cache_clear()
+            with pytest.raises(ValueError, match="LORA_CORE_TABLE=.*is not a launch table"):
+                configs.current_table()
     finally:
         monkeypatch.delenv("LORA_CORE_TABLE")
         configs.table.cache_clear()

@@ -170,9 +170,31 @@ def _table_file(device: str) -> str:
     return os.path.join(TUNED_DIR, re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ".json")
 
 
+_REQUIRED = {"shrink": ("BLOCK_M", "BLOCK_K"), "expand": ("BLOCK_M", "BLOCK_N"),
+             "fused": ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+
+
+def _check_config(where: str, kind: str, cfg) -> None:
+    """A table's config: a dict with its kind's block sizes, each a power of two >= 1."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: the {kind} config must be an object, got {type(cfg).__name__}")
+    for key in _REQUIRED[kind]:
+        v = cfg.get(key)
+        if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0):
+            raise ValueError(f"{where}: {kind} {key} must be a power of two, got {v!r}")
+
+
 def _read_table(path: str, device: str) -> LaunchTable:
     with open(path) as f:
         data = json.load(f)
+    for name, entry in data["classes"].items():
+        for kind in ("shrink", "expand", "fused"):
+            if kind in entry or kind != "fused":
+                _check_config(f"{os.path.basename(path)} class {name}", kind, entry.get(kind))
+        for v in entry.get("variants", ()):
+            for kind in ("shrink", "expand", "fused"):
+                if kind in v:
+                    _check_config(f"{os.path.basename(path)} class {name} variant", kind, v[kind])
     shrink, expand, fused = dict(GENERIC_SHRINK), dict(GENERIC_EXPAND), dict(GENERIC_FUSED)
     fused_classes, variants = set(), {}
     for name, entry in data["classes"].items():
@@ -206,7 +228,12 @@ def table(device: str | None) -> LaunchTable:
     if override:
         if not os.path.isfile(override):
             raise FileNotFoundError(f"LORA_CORE_TABLE: no launch table file at {override!r}")
-        found = _read_table(override, device or "any device")
+        try:
+            found = _read_table(override, device or "any device")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"LORA_CORE_TABLE={override!r} is not a launch table ({type(e).__name__}: {e}); "
+                             f"expected the format of lora_core/kernels/tuned/*.json: "
+                             f'{{"classes": {{"t16/r16": {{"shrink": {{...}}, "expand": {{...}}}}, ...}}}}') from e
         _LOG.info("launch configs: %s (LORA_CORE_TABLE)", found.source)
         return found
     if device:
