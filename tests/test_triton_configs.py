@@ -311,9 +311,11 @@ def test_recompute_config_may_take_one_token(compiled, monkeypatch):
     monkeypatch.setattr(configs, "_table", lambda device: marked)
     assert configs.use_fused(2, 4096, 16, 1, 8)
     assert not configs.use_fused(1, 4096, 16, 1, 8)
-    recompute = dataclasses.replace(marked, fused={**marked.fused, key: {**marked.fused[key], "RECOMPUTE": True}})
+    recompute = dataclasses.replace(marked, fused={**marked.fused, key: {**marked.fused[key], "RECOMPUTE": True,
+                                                                          "MAX_HIDDEN": 8192}})
     monkeypatch.setattr(configs, "_table", lambda device: recompute)
-    assert configs.use_fused(1, 4096, 16, 1, 8)
+    assert configs.use_fused(1, 4096, 16, 1, 8) and configs.use_fused(1, 8192, 16, 1, 8)
+    assert not configs.use_fused(1, 14336, 16, 1, 8)          # past MAX_HIDDEN: shrink + expand
 
 
 def test_a_table_variant_is_read_through_lora_core_table(compiled, monkeypatch, tmp_path):

@@ -361,9 +361,11 @@ def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slot
     if FORCE_FUSED is not None:
         return bool(FORCE_FUSED)
     found = _table(device)
-    if num_tokens < FUSED_MIN_TOKENS and not found.config("fused", num_tokens, rank, num_slices,
-                                                          num_slots).get("RECOMPUTE"):
+    cfg = found.config("fused", num_tokens, rank, num_slices, num_slots)
+    if num_tokens < FUSED_MIN_TOKENS and not cfg.get("RECOMPUTE"):
         return False
+    if cfg.get("RECOMPUTE") and hidden > int(cfg.get("MAX_HIDDEN", hidden)):
+        return False          # every output tile's program would stream too long a hidden size
     return found.fused_wins(num_tokens, rank, num_slots, num_slices)
 
 
