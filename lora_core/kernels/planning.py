@@ -34,7 +34,7 @@ PDL_KERNELS = ("shrink", "expand", "fused")
 # With LORA_CORE_PDL unset ("auto"), a call's first kernel (shrink or fused) is launched as a
 # programmatic dependent of the kernel before it only for batches of at most this many tokens.
 # Measured in a Llama-3-8B-shaped decode step on the H200 (benchmarks/e2e_decode.py, torch, the
-# LoRA calls each after a cuBLAS GEMM): a dependent first kernel cost 1.3-2.9 us per call at
+# LoRA calls each after a cuBLAS GEMM): a dependent first kernel cost 1.0-2.9 us per call at
 # 8-256 tokens (LoRA overhead +11% at B8 D8, +10% at B32 D8, +24% at B128 D8) and saved 1.3 us
 # per call at one token. Back-to-back LoRA calls with nothing between (the kernel sweep's chain)
 # gain from it at every size: LORA_CORE_PDL=1.
