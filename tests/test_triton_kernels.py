@@ -185,8 +185,9 @@ def test_small_batch_in_sorted_tiles(fused):
                                               (20, False, torch.float16), (40, False, torch.float32)])
 def test_fused_recompute(T, small_t, dtype):
     """The fused kernel with RECOMPUTE: one program per output tile and token tile, each computing
-    its tile's whole shrink (no workspace, no barrier): bias on two of three slices, per-slot
-    ranks with NaN past them, -1 tokens and ids of no slot, both token-tiling modes, one token."""
+    its tile's whole shrink (no workspace, no barrier): bias on two of three slices and a DoRA
+    column scale on the third, per-slot ranks with NaN past them, -1 tokens and ids of no slot,
+    both token-tiling modes, one token."""
     from torch_lora.ops import triton as torch_triton
     H, R, widths, L = 96, 16, (48, 16, 32), 4
     rng, idx, x, a, b = _problem(29, T, H, R, widths, L, dtype)
@@ -204,6 +205,12 @@ def test_fused_recompute(T, small_t, dtype):
     offsets = (3, 51, 67)
     y = torch.from_numpy(rng.standard_normal((T, 101)).astype(np.float32)).to(DEV, dtype)
     ref = _oracle_linear(y, x, clean_a, clean_b, idx, 0.5, offsets, ranks, bias)
+    # a DoRA column scale on slice 1 (one dtype with the biases: one launch takes one vector dtype)
+    g = torch.from_numpy(rng.uniform(0.5, 1.5, (L, widths[1])).astype(np.float32)).to(DEV, dtype)
+    for t, slot in enumerate(idx):
+        if 0 <= slot < L:
+            ref[t, 51:67] *= _np(g)[slot]
+    col_scale = [None, g, None]
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1, SMALL_T=small_t, RECOMPUTE=True)
     G = L + 1
     plan = kernels.plan_fused(T, H, R, widths, G, "float16", "float16", cfg, add_inputs=True,
@@ -212,7 +219,7 @@ def test_fused_recompute(T, small_t, dtype):
     assert plan.grid[0] == plan.constexprs["NUM_TILES"] == 3 + 1 + 2      # 16-column tiles of 48, 16, 32
     out = y.clone()
     torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
-                        fused=True, fused_config=cfg)
+                        fused=True, fused_config=cfg, col_scale=col_scale)
     assert not torch.isnan(out).any()
     assert _rel(_np(out), ref) < TOL[dtype]
     keep = torch.from_numpy((idx < 0) | (idx >= L)).to(DEV)
