@@ -51,6 +51,16 @@ def _problem(seed, T, H, R, widths, L, dtype, frac_none=0.25):
     return rng, idx, x, a, b
 
 
+def _nan_past_ranks(a, b, ranks):
+    """Writes NaN into every slot's A rows and B columns past its rank (in place); returns the
+    weights with those entries zero, for the oracle."""
+    for aa, bb in zip(a, b):
+        for slot, r in enumerate(ranks):
+            aa[slot, r:] = float("nan")
+            bb[slot, :, r:] = float("nan")
+    return [torch.nan_to_num(aa, nan=0.0) for aa in a], [torch.nan_to_num(bb, nan=0.0) for bb in b]
+
+
 def _np(t):
     return t.detach().to("cpu", torch.float64).numpy()
 
@@ -194,12 +204,7 @@ def test_fused_recompute(T, small_t, dtype):
     if T > 1:
         idx[0] = 7                                      # no slot of the weights: row left alone
     ranks = np.array([16, 5, 0, 11], np.int32)
-    for aa, bb in zip(a, b):
-        for slot, r in enumerate(ranks):
-            aa[slot, r:] = float("nan")
-            bb[slot, :, r:] = float("nan")
-    clean_a = [torch.nan_to_num(aa, nan=0.0) for aa in a]
-    clean_b = [torch.nan_to_num(bb, nan=0.0) for bb in b]
+    clean_a, clean_b = _nan_past_ranks(a, b, ranks)
     bias = [torch.from_numpy(rng.standard_normal((L, n)).astype(np.float32)).to(DEV, dtype) if s != 1 else None
             for s, n in enumerate(widths)]
     offsets = (3, 51, 67)
@@ -237,12 +242,7 @@ def test_rank_padding_may_hold_nan(T, fused, tiles_n):
     H, R, widths, L = 64, 16, (48, 32), 4
     rng, idx, x, a, b = _problem(17, T, H, R, widths, L, torch.float16)
     ranks = np.array([16, 5, 8, 11], np.int32)
-    for aa, bb in zip(a, b):
-        for slot, r in enumerate(ranks):
-            aa[slot, r:] = float("nan")
-            bb[slot, :, r:] = float("nan")
-    clean_a = [torch.nan_to_num(aa, nan=0.0) for aa in a]
-    clean_b = [torch.nan_to_num(bb, nan=0.0) for bb in b]
+    clean_a, clean_b = _nan_past_ranks(a, b, ranks)
     y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV, torch.float16)
     ref = _oracle_linear(y, x, clean_a, clean_b, idx, 0.5, (0, 48), ranks)
     out = y.clone()
