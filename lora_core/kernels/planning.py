@@ -8,6 +8,7 @@ identical meta-parameters. Nothing here touches an array.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Sequence
 
@@ -41,8 +42,23 @@ PDL_KERNELS = ("shrink", "expand", "fused")
 FIRST_KERNEL_PDL_MAX_TOKENS = 1
 
 
+_PDL_MEANING = {"auto": "the expand always, a call's first kernel for one-token calls", "1": "every kernel",
+                "0": "none"}
+
+
 def _pdl_setting() -> str:
-    return os.environ.get("LORA_CORE_PDL", "auto").strip() or "auto"
+    value = os.environ.get("LORA_CORE_PDL", "auto").strip() or "auto"
+    if value not in _PDL_MEANING:
+        _pdl_names(value)                      # raises for a name that is no kernel
+    _log_pdl_setting(value)
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _log_pdl_setting(value: str) -> None:
+    """Says once per setting which launches may be programmatic dependents (Hopper and newer)."""
+    logging.getLogger("lora_core").info("programmatic dependent launch (LORA_CORE_PDL=%s): %s", value,
+                                        _PDL_MEANING.get(value, f"the kernels listed ({value})"))
 
 
 def _pdl_names(value: str) -> frozenset:
