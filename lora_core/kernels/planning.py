@@ -40,8 +40,6 @@ PDL_KERNELS = ("shrink", "expand", "fused")
 # per call at one token. Back-to-back LoRA calls with nothing between (the kernel sweep's chain)
 # gain from it at every size: LORA_CORE_PDL=1.
 FIRST_KERNEL_PDL_MAX_TOKENS = 1
-
-
 _PDL_MEANING = {"auto": "the expand always, a call's first kernel for one-token calls", "1": "every kernel",
                 "0": "none"}
 
