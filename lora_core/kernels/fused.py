@@ -197,7 +197,9 @@ def lora_fused_kernel(
         _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
     if PHASE != 1:
         if is_out:
-            if not RECOMPUTE:
+            if RECOMPUTE:
+                acc = rank_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), lhs, bt, CAST_FP32, DOT_PRECISION)
+            else:
                 # The SPLIT_K planes, WS_GROUP at a time in one load (all of a group in flight at
                 # once; decode: every plane in one load), from L2 (".cg": not L1), summed.
                 lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -209,7 +211,11 @@ def lora_fused_kernel(
                     ws_ok = ((planes < SPLIT_K)[:, None, None] & tok_ok[None, :, None]
                              & (offs_r < rank)[None, None, :])
                     lhs += tl.sum(tl.load(ws_rows, mask=ws_ok, other=0.0, cache_modifier=".cg"), axis=0)
-            acc = rank_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), lhs, bt, CAST_FP32, DOT_PRECISION)
+                if CAST_FP32:
+                    bt = bt.to(tl.float32)
+                else:
+                    lhs = lhs.to(bt.dtype)
+                acc = tl.dot(lhs, tl.trans(bt), input_precision=DOT_PRECISION)
             store_slice(acc, y_old, out_ptr, y_offs, write, pick_slice(s_out, bias0_ptr, bias1_ptr, bias2_ptr,
                                                                        bias3_ptr), lora_id,
                          cols, col_ok, hint16(pick_slice(s_out, stride_bias0_slot, stride_bias1_slot,
