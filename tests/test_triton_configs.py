@@ -298,7 +298,7 @@ def test_pdl_switch_per_kernel(compiled, monkeypatch):
         assert all(p.constexprs["USE_PDL"] == (value != "0") for p in got), value
     monkeypatch.setenv("LORA_CORE_PDL", "expnad")
     with pytest.raises(ValueError, match="LORA_CORE_PDL"):
-        pdl_allowed("expand")
+        pdl_allowed()
 
 
 def test_recompute_config_may_take_one_token(compiled, monkeypatch):

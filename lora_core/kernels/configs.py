@@ -361,12 +361,12 @@ def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slot
     if FORCE_FUSED is not None:
         return bool(FORCE_FUSED)
     found = _table(device)
-    cfg = found.config("fused", num_tokens, rank, num_slices, num_slots)
-    if num_tokens < FUSED_MIN_TOKENS and not cfg.get("RECOMPUTE"):
+    if not found.fused_wins(num_tokens, rank, num_slots, num_slices):
         return False
-    if cfg.get("RECOMPUTE") and hidden > int(cfg.get("MAX_HIDDEN", hidden)):
-        return False          # every output tile's program would stream too long a hidden size
-    return found.fused_wins(num_tokens, rank, num_slots, num_slices)
+    cfg = found.config("fused", num_tokens, rank, num_slices, num_slots)
+    if not cfg.get("RECOMPUTE"):
+        return num_tokens >= FUSED_MIN_TOKENS
+    return hidden <= int(cfg.get("MAX_HIDDEN", hidden))   # else every output tile's program streams too much
 
 
 def deterministic_config(kind: str, size: int, rank: int, *, device: str | None = None) -> dict:

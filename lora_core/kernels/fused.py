@@ -149,7 +149,7 @@ def lora_fused_kernel(
                                                             stride_b3_rank),
                              col_ok, offs_r, rank, RANK, HAS_RANKS, HAS_RANKS or B_SELECT)
     if RECOMPUTE:
-        s_in = s_out
+        s_in = s_out                             # every program is an output tile's (grid: NUM_TILES)
         split = p * 0
     else:
         s_in = p % NUM_SLICES
@@ -161,7 +161,7 @@ def lora_fused_kernel(
     hidden = hint16(hidden, ALIGNED)
     k_begin = split * K_PER_SPLIT
     if RECOMPUTE:
-        k_end = tl.where(is_out, hidden, k_begin)
+        k_end = hidden
     else:
         k_end = tl.where(p < NUM_SLICES * SPLIT_K, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)
     if PREFETCH_LINES > 0:
@@ -172,9 +172,6 @@ def lora_fused_kernel(
         gdc_launch_dependents()
     if n_tok <= 0:
         return                                   # the whole row (every program of it) is idle
-    if RECOMPUTE:
-        if not is_out:
-            return
     if PHASE != 1:
         y_offs, write, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok,
                                        hint16(pick_slice(s_out, offset0, offset1, offset2, offset3), ALIGNED),
@@ -232,11 +229,15 @@ class FusedPlan(ExpandPlan):
 
     KERNEL = "fused"
     workspace_shape: tuple = ()   # (SPLIT_K, slices, T, rank) float32
-    num_tokens: int = 0           # T (the launch's PDL policy depends on it: planning.pdl_launch)
 
     # Ask for a cooperative launch (co-residency checked by the driver, which refuses large decode
     # grids: see lora_fused_kernel). Off; benchmark experiments may set it on the class.
     cooperative = False
+
+    @property
+    def num_tokens(self) -> int:
+        """T (the launch's PDL policy depends on it: planning.pdl_launch)."""
+        return self.workspace_shape[2]
 
     @property
     def sync_ints(self) -> int:
@@ -293,4 +294,4 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
     grid = (total if recompute else max(total, num_slices * split),
             max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
-                     (split, num_slices, num_tokens, rank), int(num_tokens))
+                     (split, num_slices, num_tokens, rank))

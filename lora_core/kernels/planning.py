@@ -67,20 +67,15 @@ def _pdl_names(value: str) -> frozenset:
     return names
 
 
-def pdl_allowed(kernel: str | None = None) -> bool:
-    """Whether `kernel` ("shrink", "expand", "fused"; None: any of them) may be launched as a
-    programmatic dependent (both launchers; Hopper and newer only), by LORA_CORE_PDL: unset or
-    "auto" (see `pdl_launch`) and "1" every kernel, "0" none, or a comma list of kernel names. The
-    kernels are compiled with USE_PDL whenever any kernel may use it; `pdl_launch` then decides
-    each launch, so the setting changes launches, not the kernels' code (torch's Triton cache keys
-    the launch option: a changed setting compiles its entries once)."""
+def pdl_allowed() -> bool:
+    """Whether any kernel may be launched as a programmatic dependent (both launchers; Hopper and
+    newer only), by LORA_CORE_PDL: unset or "auto" (see `pdl_launch`) and "1" every kernel, "0"
+    none, or a comma list of kernel names ("shrink", "expand", "fused"). The kernels are compiled
+    with USE_PDL whenever any kernel may use it; `pdl_launch` then decides each launch, so the
+    setting changes launches, not the kernels' code (torch's Triton cache keys the launch option:
+    a changed setting compiles its entries once)."""
     value = _pdl_setting()
-    if value in ("auto", "1"):
-        return True
-    if value == "0":
-        return False
-    names = _pdl_names(value)
-    return bool(names) if kernel is None else kernel in names
+    return value != "0" and (value in _PDL_MEANING or bool(_pdl_names(value)))
 
 
 def pdl_launch(kernel: str, num_tokens: int) -> bool:
@@ -93,7 +88,9 @@ def pdl_launch(kernel: str, num_tokens: int) -> bool:
     value = _pdl_setting()
     if value == "auto":
         return kernel == "expand" or num_tokens <= FIRST_KERNEL_PDL_MAX_TOKENS
-    return pdl_allowed(kernel)
+    if value in _PDL_MEANING:
+        return value == "1"
+    return kernel in _pdl_names(value)
 
 
 def next_pow2(n: int) -> int:
