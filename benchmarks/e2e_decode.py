@@ -1223,6 +1223,12 @@ def env_meta(args, cfg) -> dict:
     if not args.smoke:
         from lora_core.kernels import configs
         meta["configs"] = configs.current_table().source
+        meta["launch_pdl"] = os.environ.get("LORA_CORE_PDL", "auto")
+    if "jax" in args.frameworks:
+        import jax.numpy as jnp
+        from jax_lora.models import llama
+        meta["jax_decode_attention"] = "%s (%s)" % llama.decode_attention_backend(
+            jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
     return meta
 
 

@@ -7,7 +7,9 @@ slices 0 and 2 of `qkv_proj` (GQA: the slices have unequal widths).
 
 Math is Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half RoPE, GQA, SiLU MLP) in float32
 accumulation (attention reads a 16-bit cache as it is and rounds its probabilities to that dtype
-for the product with the values, as flash attention does). Rope scaling variants are not implemented (a clear error says so).
+for the product with the values, as flash attention does). A decode step's attention runs cuDNN's
+fused attention on a CUDA GPU with a 16-bit cache, multiply-and-reduce under XLA elsewhere
+(`decode_attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a clear error says so).
 
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
 tokens' keys/values at (row, position) and attends, per query, to the row's positions <= its own.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -203,16 +206,74 @@ class LlamaAttention(nnx.Module):
         return self.o_proj(out), kv
 
 
+ATTENTION_ENV = "JAX_LORA_ATTENTION"
+ATTENTION_CHOICES = ("auto", "xla", "cudnn")
+_LOG = logging.getLogger("jax_lora")
+_LOGGED: set = set()
+
+
+def decode_attention_backend(q_dtype, kv_dtype, head_dim: int) -> tuple[str, str]:
+    """Which decode attention runs, and why: ("cudnn" | "xla", reason).
+
+    `JAX_LORA_ATTENTION` (read when a step is traced): "auto" (default) takes cuDNN's fused
+    attention where it applies (JAX's default backend is a CUDA GPU with cuDNN, queries and cache
+    in the same 16-bit dtype, head_dim a multiple of 8 and at most 256) and the multiply-and-reduce
+    below elsewhere; "xla" always the latter; "cudnn" requires cuDNN and raises where it does not
+    apply, naming the reason. The choice is logged once per (choice, reason) on the `jax_lora`
+    logger."""
+    setting = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if setting not in ATTENTION_CHOICES:
+        raise ValueError(f"{ATTENTION_ENV}={setting!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
+    if setting == "xla":
+        choice = ("xla", f"{ATTENTION_ENV}=xla")
+    else:
+        why_not = _cudnn_unavailable(q_dtype, kv_dtype, head_dim)
+        if why_not and setting == "cudnn":
+            raise ValueError(f"{ATTENTION_ENV}=cudnn, but cuDNN attention does not apply here: {why_not}")
+        choice = ("xla", f"auto: {why_not}") if why_not else ("cudnn", f"{setting}: cuDNN fused attention applies")
+    if choice not in _LOGGED:
+        _LOGGED.add(choice)
+        _LOG.info("decode attention: %s (%s)", *choice)
+    return choice
+
+
+def _cudnn_unavailable(q_dtype, kv_dtype, head_dim: int) -> str:
+    """Why cuDNN's fused attention cannot run a decode step here ("" when it can)."""
+    if jax.default_backend() != "gpu":
+        return f"JAX's default backend is {jax.default_backend()!r}, not a CUDA GPU"
+    if "cuda" not in jax.devices()[0].client.platform_version.lower():
+        return "the GPU backend is not CUDA"
+    if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype) or jnp.dtype(kv_dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"queries {jnp.dtype(q_dtype).name} and cache {jnp.dtype(kv_dtype).name} (cuDNN needs one 16-bit dtype)"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim} (cuDNN needs a multiple of 8, at most 256)"
+    return ""
+
+
 def _decode_attention(q, keys, values, key_pos, positions, dtype):
     """One query per row against the cache, in the cache's own layout: (B, 1, nh, hd) queries,
-    (B, M, nkv, hd) keys and values -> (B, 1, nh * hd).
+    (B, M, nkv, hd) keys and values -> (B, 1, nh * hd). Query b attends to cache positions
+    0..min(positions[b], M - 1) (`key_pos` is arange(M) per row).
 
-    Decode attention reads every key and value once and does little arithmetic per byte, so it is
-    written as multiply-and-reduce (XLA fuses each into one pass over the cache, widening to
-    float32 in registers) rather than as batched matrix products, which would need the cache
-    transposed to (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
+    cuDNN (`decode_attention_backend`): its fused attention with each row's key count
+    min(positions + 1, M) as the padding mask; float32 softmax, probabilities rounded to the cache
+    dtype for the product with the values (flash attention's rounding). Otherwise
+    multiply-and-reduce (XLA fuses each product into one pass over the cache, widening to float32
+    in registers) rather than batched matrix products, which would need the cache transposed to
+    (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
     b, _, nh, hd = q.shape
-    nkv = keys.shape[2]
+    nkv, max_len = keys.shape[2], keys.shape[1]
+    backend, why = decode_attention_backend(q.dtype, keys.dtype, hd)
+    if backend == "cudnn":
+        lengths = jnp.clip(positions[:, 0].astype(jnp.int32) + 1, 1, max_len)
+        try:
+            out = jax.nn.dot_product_attention(q, keys, values, key_value_seq_lengths=lengths,
+                                               scale=1.0 / math.sqrt(hd), implementation="cudnn")
+            return out.reshape(b, 1, nh * hd).astype(dtype)
+        except (NotImplementedError, RuntimeError) as e:   # JAX's cuDNN checks (version, shapes)
+            if not why.startswith("auto"):
+                raise ValueError(f"{ATTENTION_ENV}=cudnn, but JAX refused cuDNN attention: {e}") from e
+            _LOG.warning("decode attention: xla (cuDNN attention refused by JAX: %s)", e)
     qf = q.reshape(b, 1, nkv, nh // nkv, hd).astype(jnp.float32)             # (B, 1, nkv, g, hd)
     scores = jnp.sum(qf * keys[:, :, :, None, :].astype(jnp.float32), axis=-1) / math.sqrt(hd)   # (B, M, nkv, g)
     mask = key_pos <= positions                                              # (B, M)
