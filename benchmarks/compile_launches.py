@@ -96,7 +96,7 @@ def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torc
     """[(label, KernelCall)] of one add_lora_linear as the torch Triton backend launches it on an
     H200; mode: 0 no epilogue vector, 1 a LoRA bias on every slice, 2 a DoRA scale on every slice.
     fused_extra: the fused kernel for every launch it can take (rank <= 64), its table config
-    updated with these keys (configs to try on the GPU, e.g. {"RECOMPUTE": true})."""
+    updated with these keys (configs to try on the GPU, e.g. {"BLOCK_N": 128, "BLOCK_K": 256})."""
     from torch_lora.meta import LoRAKernelMeta
     wd = "bfloat16" if dtype == torch.bfloat16 else "float16"
     S = len(widths)
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=None, help="substring of the sweep case names to keep")
     p.add_argument("--fused-extra", default=None,
                    help="JSON: force the fused kernel (rank <= 64) with these keys over the table's fused config, "
-                        "e.g. '{\"RECOMPUTE\": true, \"BLOCK_N\": 256}'")
+                        "e.g. '{\"BLOCK_N\": 128, \"BLOCK_K\": 256}'")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="the hidden size (the sweep's is 4096)")
     args = p.parse_args(argv)
     fused_extra = json.loads(args.fused_extra) if args.fused_extra else None

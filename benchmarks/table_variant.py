@@ -1,8 +1,8 @@
 """Writes a variant of a launch table, to measure it anywhere the table is read (LORA_CORE_TABLE).
 
-    PYTHONPATH=. python benchmarks/table_variant.py /tmp/recompute.json --classes t16/r16,t64/r16 \
-        --fused '{"RECOMPUTE": true, "BLOCK_N": 256}' --use-fused on
-    LORA_CORE_TABLE=/tmp/recompute.json PYTHONPATH=. python benchmarks/e2e_decode.py ...
+    PYTHONPATH=. python benchmarks/table_variant.py /tmp/narrow.json --classes t16/r16,t64/r16 \
+        --fused '{"BLOCK_N": 128, "BLOCK_K": 256}' --use-fused on
+    LORA_CORE_TABLE=/tmp/narrow.json PYTHONPATH=. python benchmarks/e2e_decode.py ...
 
 The chosen classes' configs (and the configs of the same kind in their slot/slice variants) are
 updated with the given keys; `--use-fused on|off` sets whether those classes take the fused

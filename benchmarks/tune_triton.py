@@ -154,10 +154,6 @@ def fused_candidates(rank):
     out = [configs.fused_params(16, bn, bk, w, st, sp) for bn, bk, sp, w, st in cands]
     # the L2 weight prefetch before the PDL wait lost at T = 32 in the two-kernel shrink (13:48)
     out += [dict(c, PREFETCH=False) for c in out[:2]]
-    # (2026-12-02: without a workspace or barrier, each output tile's program computing its
-    # tile's whole shrink -- RECOMPUTE; wide tiles keep the repeated x and A reads down)
-    out += [dict(configs.fused_params(16, bn, bk, w, st, 1), RECOMPUTE=True) for bn, bk, w, st in
-            ((128, 256, 4, 2), (256, 256, 4, 2), (256, 256, 8, 3), (512, 256, 8, 2))]
     return out
 
 
@@ -185,7 +181,8 @@ def main():
     p.add_argument("--budget-s", type=float, default=420)
     p.add_argument("--classes", default="", help="token classes to tune (default all), e.g. t16,t64")
     p.add_argument("--table", default="", help="the table to update (default: lora_core/kernels/tuned/<device>.json)")
-    p.add_argument("--no-fused", action="store_true", help="skip the fused kernel's candidates")
+    p.add_argument("--no-fused", action="store_true",
+                   help="skip the fused kernel's candidates (each class keeps its fused config and use_fused)")
     p.add_argument("--fused-only", action="store_true",
                    help="time the table's shrink + expand once, then only the fused candidates")
     args = p.parse_args()
@@ -261,11 +258,12 @@ def main():
                 print(f"   fused {c}: {t:.2f} us {['%.2f' % v for v in ts]}", flush=True)
             t_f, c_f = min(fus, key=lambda v: v[0])
             entry.update(fused=c_f, fused_us=t_f)
-        if args.no_fused and "fused_us" in best.get(key, {}):   # keep the last fused measurement
-            entry.update(fused=best[key]["fused"], fused_us=best[key]["fused_us"])
+        if args.no_fused:
+            entry = kept_fused(best.get(key, {}), entry)
         best[key] = kept_variants(best.get(key, {}), entry)
         print(f"{key}: two-kernel {t_e:.2f} us shrink {c_s} expand {c_e}"
-              + (f" | fused {entry['fused_us']:.2f} us {entry['fused']}" if "fused" in entry else ""), flush=True)
+              + (f" | fused {entry.get('fused_us', float('nan')):.2f} us {entry['fused']}" if "fused" in entry else ""),
+              flush=True)
         del groups
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
@@ -290,6 +288,22 @@ def table_entry(entry: dict) -> dict:
     kept["use_fused"] = bool(entry.get("use_fused", entry.get("fused_us", float("inf"))
                                        < entry.get("two_kernel_us", float("inf"))))
     return kept
+
+
+def kept_fused(old: dict, entry: dict) -> dict:
+    """entry (a class re-tuned with --no-fused: no fused candidates timed) with the old entry's
+    fused side carried over: its fused config, and its fused timing where it has one (then
+    table_entry weighs it against the new two-kernel time), else its use_fused decision as it
+    stands -- an entry read from the table file has no timings (table_entry drops them), so there
+    is nothing to decide it again from."""
+    entry = dict(entry)
+    if "fused" in old:
+        entry["fused"] = old["fused"]
+    if "fused_us" in old:
+        entry["fused_us"] = old["fused_us"]
+    elif "use_fused" in old:
+        entry["use_fused"] = old["use_fused"]
+    return entry
 
 
 def kept_variants(old: dict, entry: dict) -> dict:

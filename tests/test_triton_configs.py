@@ -53,18 +53,22 @@ def test_committed_table_loads_with_its_variants(compiled):
     assert configs.shrink_config(512, 4096, 64, 1, 8)["BLOCK_M"] == 32
     assert configs.shrink_config(512, 4096, 64, 1, 64)["BLOCK_M"] == h200.shrink[("t1024", "r64")]["BLOCK_M"]
     # the fused kernel only for one slice at rank 16, 16 < T <= 64, <= 16 slots: never
-    # at T <= 16 (shrink + expand with an 8-warp shrink for one slice, 4 warps for more), with 2+
+    # at T <= 16 (shrink + expand: a 3-stage shrink for one slice, 2 stages for more), with 2+
     # slices, more slots, rank 64 or past T = 64
     assert configs.use_fused(32, 4096, 16, 1, 8) and configs.use_fused(64, 4096, 16, 1, 16)
     assert not configs.use_fused(32, 4096, 16, 3, 16) and not configs.use_fused(32, 4096, 16, 1, 32)
     assert not any(configs.use_fused(t, 4096, 16, s, 8) for t in (1, 8, 16) for s in (1, 3))
-    assert configs.shrink_config(8, 4096, 16, 1, 8)["num_warps"] == 8
-    assert configs.shrink_config(8, 4096, 16, 3, 8)["num_warps"] == 4
-    assert configs.shrink_config(32, 4096, 16, 1, 32)["PREFETCH"]
-    # 17-64 tokens (t64): every config turns the whole-batch tile off (16-token sorted tiles at T <= 32)
+    assert configs.shrink_config(8, 4096, 16, 1, 8)["num_stages"] == 3
+    assert configs.shrink_config(8, 4096, 16, 3, 8)["num_stages"] == 2
+    assert configs.shrink_config(8, 4096, 16, 1, 8)["PREFETCH"]
+    # 17-64 tokens (t64), tuned with the shrink a plain launch: the rank-16 shrink takes the
+    # whole-batch tile (SMALL_T) for every slice and slot count, the expand never; rank 64 one
+    # slice with few slots (a variant) keeps 16-token sorted tiles
+    for r, s, slots in ((16, 1, 8), (16, 3, 8), (16, 1, 32), (64, 3, 8), (64, 1, 32)):
+        assert configs.shrink_config(32, 4096, r, s, slots)["SMALL_T"] is True, (r, s, slots)
     for r, s, slots in ((16, 1, 8), (16, 3, 8), (16, 1, 32), (64, 1, 8), (64, 3, 8), (64, 1, 32)):
-        assert configs.shrink_config(32, 4096, r, s, slots)["SMALL_T"] is False
         assert configs.expand_config(32, 4096, r, s, slots)["SMALL_T"] is False
+    assert configs.shrink_config(32, 4096, 64, 1, 8)["SMALL_T"] is False
     assert configs.fused_config(32, 4096, 4096, 16, 1, 8)["SMALL_T"] is False
     assert "SMALL_T" not in configs.shrink_config(8, 4096, 16, 1, 8)
     assert not configs.use_fused(32, 4096, 64, 1, 8) and not configs.use_fused(128, 4096, 16, 1, 8)
@@ -116,6 +120,35 @@ def test_tuner_keeps_the_variants_it_does_not_measure():
     assert kept_variants(old, {**new, "variants": []})["variants"] == []
     assert kept_variants({**old, "use_fused": False}, new)["use_fused"] is False
     assert "use_fused" not in kept_variants({"use_fused": False}, new)       # no variants: measured anew
+
+
+def test_tuner_without_fused_keeps_the_fused_side():
+    """tune_triton --no-fused re-tunes a class's shrink and expand only: the class keeps the fused
+    config and the use_fused decision the table file has (it stores no timings to decide from)."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from tune_triton import kept_fused, kept_variants, table_entry
+    finally:
+        sys.path.pop(0)
+    fused = configs.fused_params(16, 256, 512, 4, 2, 0)
+    new = dict(shrink={"BLOCK_M": 16, "BLOCK_K": 256}, expand={"BLOCK_M": 16, "BLOCK_N": 128}, two_kernel_us=5.0)
+    for use in (True, False):
+        old = dict(shrink={"BLOCK_M": 16, "BLOCK_K": 64}, expand={"BLOCK_M": 16, "BLOCK_N": 64}, fused=fused,
+                   use_fused=use)                                   # a table file's entry: no timings
+        got = table_entry(kept_variants(old, kept_fused(old, new)))
+        assert got == dict(shrink=new["shrink"], expand=new["expand"], fused=fused, use_fused=use)
+        variants = [dict(max_slots=16, use_fused=not use)]
+        got = table_entry(kept_variants({**old, "variants": variants}, kept_fused({**old, "variants": variants}, new)))
+        assert got["fused"] == fused and got["use_fused"] is use and got["variants"] == variants
+    # a class the table never gave a fused config or decision: still none, and two kernels
+    assert table_entry(kept_fused(dict(shrink={}, expand={}), new)) == dict(shrink=new["shrink"],
+                                                                           expand=new["expand"], use_fused=False)
+    # an old fused timing is weighed against the new two-kernel time
+    timed = dict(fused=fused, fused_us=4.0, use_fused=False)
+    assert table_entry(kept_fused(timed, new))["use_fused"] is True
+    assert table_entry(kept_fused(timed, {**new, "two_kernel_us": 3.0}))["use_fused"] is False
+    assert "fused" not in new and "use_fused" not in new                # the entry itself untouched
 
 
 def test_a_config_target_sets_the_split_rule(compiled):
@@ -301,9 +334,9 @@ def test_pdl_switch_per_kernel(compiled, monkeypatch):
         pdl_allowed()
 
 
-def test_recompute_config_may_take_one_token(compiled, monkeypatch):
-    """One token never takes the barrier fused kernel (FUSED_MIN_TOKENS) unless the class's fused
-    config is RECOMPUTE (no barrier): then the table's use_fused decides."""
+def test_one_token_never_takes_the_fused_kernel(compiled, monkeypatch):
+    """One token never takes the fused kernel (FUSED_MIN_TOKENS), even in a class whose table
+    entry says the fused kernel wins; two tokens of that class do."""
     table = configs.table(H200)
     key = (configs.token_class(1), configs.rank_class(16))
     marked = dataclasses.replace(table, fused_classes=frozenset(table.fused_classes | {key}),
@@ -311,22 +344,21 @@ def test_recompute_config_may_take_one_token(compiled, monkeypatch):
     monkeypatch.setattr(configs, "_table", lambda device: marked)
     assert configs.use_fused(2, 4096, 16, 1, 8)
     assert not configs.use_fused(1, 4096, 16, 1, 8)
-    recompute = dataclasses.replace(marked, fused={**marked.fused, key: {**marked.fused[key], "RECOMPUTE": True,
-                                                                          "MAX_HIDDEN": 8192}})
-    monkeypatch.setattr(configs, "_table", lambda device: recompute)
-    assert configs.use_fused(1, 4096, 16, 1, 8) and configs.use_fused(1, 8192, 16, 1, 8)
-    assert not configs.use_fused(1, 14336, 16, 1, 8)          # past MAX_HIDDEN: shrink + expand
 
 
 def test_a_table_variant_is_read_through_lora_core_table(compiled, monkeypatch, tmp_path):
-    """benchmarks/table_variant.py writes the H200 table with RECOMPUTE fused configs taken for
+    """benchmarks/table_variant.py writes the H200 table with 128-column fused tiles taken for
     two classes (and their variants); LORA_CORE_TABLE makes every launch read it; a missing
     file is an error naming the variable."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import table_variant
-    out = tmp_path / "recompute.json"
+    out = tmp_path / "narrow.json"
+    cases = ((8, 1), (8, 3), (32, 1), (32, 3))
+    before = {(T, S): configs.fused_config(T, 4096, 4096, 16, S, 8, device=H200) for T, S in cases}
+    before_t128 = configs.fused_config(128, 4096, 4096, 16, 1, 8, device=H200)
+    assert any(c["BLOCK_N"] != 128 for c in before.values())     # the edit changes something
     assert table_variant.main([str(out), "--classes", "t16/r16,t64/r16", "--fused",
-                               '{"RECOMPUTE": true, "BLOCK_N": 256}', "--use-fused", "on"]) == 0
+                               '{"BLOCK_N": 128}', "--use-fused", "on"]) == 0
     base = json.load(open(configs._table_file(H200)))["classes"]
     edited = json.load(open(out))["classes"]
     assert {k: v for k, v in edited.items() if k not in ("t16/r16", "t64/r16")} == \
@@ -336,12 +368,13 @@ def test_a_table_variant_is_read_through_lora_core_table(compiled, monkeypatch, 
     monkeypatch.setenv("LORA_CORE_TABLE", str(out))
     configs.table.cache_clear()
     try:
-        assert "recompute.json" in configs.current_table().source
-        for T, S in ((1, 1), (8, 3), (32, 1), (32, 3)):
+        assert "narrow.json" in configs.current_table().source
+        for T, S in cases:
             cfg = configs.fused_config(T, 4096, 4096, 16, S, 8)
-            assert cfg["RECOMPUTE"] and cfg["BLOCK_N"] == 256, (T, S)
+            assert cfg == {**before[T, S], "BLOCK_N": 128}, (T, S)      # exactly the edit
             assert configs.use_fused(T, 4096, 16, S, 8), (T, S)
-        assert not configs.fused_config(128, 4096, 4096, 16, 1, 8).get("RECOMPUTE")
+        assert not configs.use_fused(1, 4096, 16, 1, 8)                  # one token: never fused
+        assert configs.fused_config(128, 4096, 4096, 16, 1, 8) == before_t128   # a class not edited
         monkeypatch.setenv("LORA_CORE_TABLE", str(tmp_path / "missing.json"))
         configs.table.cache_clear()
         with pytest.raises(FileNotFoundError, match="LORA_CORE_TABLE"):

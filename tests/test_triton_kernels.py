@@ -191,47 +191,6 @@ def test_small_batch_in_sorted_tiles(fused):
     assert _rel(_np(out), ref) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("T,small_t,dtype", [(1, True, torch.float16), (9, True, torch.bfloat16),
-                                              (20, False, torch.float16), (40, False, torch.float32)])
-def test_fused_recompute(T, small_t, dtype):
-    """The fused kernel with RECOMPUTE: one program per output tile and token tile, each computing
-    its tile's whole shrink (no workspace, no barrier): bias on two of three slices and a DoRA
-    column scale on the third, per-slot ranks with NaN past them, -1 tokens and ids of no slot,
-    both token-tiling modes, one token."""
-    from torch_lora.ops import triton as torch_triton
-    H, R, widths, L = 96, 16, (48, 16, 32), 4
-    rng, idx, x, a, b = _problem(29, T, H, R, widths, L, dtype)
-    if T > 1:
-        idx[0] = 7                                      # no slot of the weights: row left alone
-    ranks = np.array([16, 5, 0, 11], np.int32)
-    clean_a, clean_b = _nan_past_ranks(a, b, ranks)
-    bias = [torch.from_numpy(rng.standard_normal((L, n)).astype(np.float32)).to(DEV, dtype) if s != 1 else None
-            for s, n in enumerate(widths)]
-    offsets = (3, 51, 67)
-    y = torch.from_numpy(rng.standard_normal((T, 101)).astype(np.float32)).to(DEV, dtype)
-    ref = _oracle_linear(y, x, clean_a, clean_b, idx, 0.5, offsets, ranks, bias)
-    # a DoRA column scale on slice 1 (one dtype with the biases: one launch takes one vector dtype)
-    g = torch.from_numpy(rng.uniform(0.5, 1.5, (L, widths[1])).astype(np.float32)).to(DEV, dtype)
-    for t, slot in enumerate(idx):
-        if 0 <= slot < L:
-            ref[t, 51:67] *= _np(g)[slot]
-    col_scale = [None, g, None]
-    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1, SMALL_T=small_t, RECOMPUTE=True)
-    G = L + 1
-    plan = kernels.plan_fused(T, H, R, widths, G, "float16", "float16", cfg, add_inputs=True,
-                              bias_flags=(True, False, True), has_ranks=True)
-    assert plan.constexprs["RECOMPUTE"] and plan.constexprs["SPLIT_K"] == 1 and plan.phases == (0,)
-    assert plan.grid[0] == plan.constexprs["NUM_TILES"] == 3 + 1 + 2      # 16-column tiles of 48, 16, 32
-    out = y.clone()
-    torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,
-                        fused=True, fused_config=cfg, col_scale=col_scale)
-    assert not torch.isnan(out).any()
-    assert _rel(_np(out), ref) < TOL[dtype]
-    keep = torch.from_numpy((idx < 0) | (idx >= L)).to(DEV)
-    assert torch.equal(out[keep], y[keep])
-    assert torch.equal(out[:, :3], y[:, :3]) and torch.equal(out[:, 99:], y[:, 99:])
-
-
 @pytest.mark.parametrize("T,fused,tiles_n", [(9, True, 1), (40, False, 1), (40, False, 2)])
 def test_rank_padding_may_hold_nan(T, fused, tiles_n):
     """Per-slot ranks: whatever the weights hold past a slot's rank -- NaN here -- never reaches y.
@@ -438,7 +397,7 @@ def test_plans_are_mapping_independent_and_checked():
     assert configs.token_class(8) == "t16" and configs.rank_class(64) == "r64"
 
 
-@pytest.mark.parametrize("fused", [False, True, "recompute"])
+@pytest.mark.parametrize("fused", [False, True])
 def test_jax_backend_in_interpreter(fused):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
@@ -461,9 +420,7 @@ def test_jax_backend_in_interpreter(fused):
     y_ref = jax_xla.expand(buf_ref, b, y, meta, offs, True, ranks, bias)
     buf = jax.jit(lambda x_, m_: jax_triton_backend.shrink(x_, a, m_, 0.5, ranks))(x, meta)
     assert _rel(np.asarray(buf, np.float64), np.asarray(buf_ref, np.float64)) < 1e-5
-    kw = dict(fused=True, fused_config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1,
-                                            RECOMPUTE=True)) if fused == "recompute" else dict(fused=fused)
-    y2 = jax.jit(lambda y_, x_, m_: jax_triton_backend.linear(y_, x_, a, b, m_, 0.5, offs, ranks, bias, **kw))(y, x, meta)
+    y2 = jax.jit(lambda y_, x_, m_: jax_triton_backend.linear(y_, x_, a, b, m_, 0.5, offs, ranks, bias, fused=fused))(y, x, meta)
     ref = np.asarray(y_ref.astype(jnp.float32), np.float64)
     assert _rel(np.asarray(y2.astype(jnp.float32), np.float64), ref) < 2e-2
     y3 = jax.jit(lambda b_, y_, m_: jax_triton_backend.expand(b_, b, y_, m_, offs, True, ranks, bias))(buf_ref, y, meta)

@@ -53,8 +53,7 @@ TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 # for decode T <= 128, D <= 8 on the H200). Benchmark scripts may change it.
 SPLIT_CAP = 8
 # One token means one adapter: the two-kernel path (its expand's B tile staged through shared
-# memory, B_SELECT) beats the fused kernel's barrier there (a fused config with RECOMPUTE, which
-# has no barrier, may still be chosen for one token).
+# memory, B_SELECT) beats the fused kernel's barrier there.
 FUSED_MIN_TOKENS = 2
 # True / False forces the fused kernel on / off wherever `linear` is not told (benchmarks).
 FORCE_FUSED = None
@@ -360,13 +359,9 @@ def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slot
         return False
     if FORCE_FUSED is not None:
         return bool(FORCE_FUSED)
-    found = _table(device)
-    if not found.fused_wins(num_tokens, rank, num_slots, num_slices):
+    if num_tokens < FUSED_MIN_TOKENS:
         return False
-    cfg = found.config("fused", num_tokens, rank, num_slices, num_slots)
-    if not cfg.get("RECOMPUTE"):
-        return num_tokens >= FUSED_MIN_TOKENS
-    return hidden <= int(cfg.get("MAX_HIDDEN", hidden))   # else every output tile's program streams too much
+    return _table(device).fused_wins(num_tokens, rank, num_slots, num_slices)
 
 
 def deterministic_config(kind: str, size: int, rank: int, *, device: str | None = None) -> dict:

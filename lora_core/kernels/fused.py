@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import (gdc_launch_dependents, gdc_wait, hint16, load_rank_cols, pick_slice, prefetch_rows,
-                     rank_dot, shrink_tile, slice_of_tile, slot_rank, store_slice, token_tile, y_tile)
+                     shrink_tile, slice_of_tile, slot_rank, store_slice, token_tile, y_tile)
 from .expand import ExpandPlan
 from .planning import (MAX_SLICES, TOKEN_COUNT_PARAMS, cast_and_precision, check_dot_dims, epilogue_constexprs,
                        hidden_split, interpreting, max_tiles, next_pow2, prefetch_constexprs, small_t_block)
@@ -91,8 +91,7 @@ def lora_fused_kernel(
         NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, PHASE: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr, BARRIER_POLLS: tl.constexpr, B_SELECT: tl.constexpr,
-        RECOMPUTE: tl.constexpr):
+        PREFETCH_LINE: tl.constexpr, BARRIER_POLLS: tl.constexpr, B_SELECT: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + (scale * x[t] @ A_s[idx].T) @ B_s[idx, n].T + bias.
 
     One launch, grid (P, token tiles): the P programs of a token tile share its work and meet once.
@@ -114,13 +113,6 @@ def lora_fused_kernel(
     (compiled) does everything in one launch. Needs BLOCK_R >= RANK (one rank block).
     USE_PDL: launched as a programmatic dependent of the kernel before it, waiting for it before
     reading x and y (metadata and weights are read, or prefetched, before: as in the shrink).
-
-    RECOMPUTE (decode sizes): no workspace and no barrier. Grid (NUM_TILES, token tiles): program
-    p computes its token tile's whole shrink for the slice of output tile p (x rows @ A_s.T over
-    the full hidden size, in registers), then writes tile p. The shrink is computed once per
-    output tile instead of once per tile row, so its x rows and A are read NUM_TILES times per
-    slice (from L2 after the first); what it saves is the workspace round trip and the wait for
-    every program of the row. Needs SPLIT_K == 1; PHASE is 0 under the interpreter too.
     """
     p = tl.program_id(0)
     row = tl.program_id(1)
@@ -148,22 +140,15 @@ def lora_fused_kernel(
                              + offs_r[None, :] * pick_slice(s_out, stride_b0_rank, stride_b1_rank, stride_b2_rank,
                                                             stride_b3_rank),
                              col_ok, offs_r, rank, RANK, HAS_RANKS, HAS_RANKS or B_SELECT)
-    if RECOMPUTE:
-        s_in = s_out                             # every program is an output tile's (grid: NUM_TILES)
-        split = p * 0
-    else:
-        s_in = p % NUM_SLICES
-        split = p // NUM_SLICES
+    s_in = p % NUM_SLICES
+    split = p // NUM_SLICES
     a_ptr = pick_slice(s_in, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
     stride_a_slot = hint16(pick_slice(s_in, stride_a0_slot, stride_a1_slot, stride_a2_slot, stride_a3_slot), ALIGNED)
     stride_a_rank = hint16(pick_slice(s_in, stride_a0_rank, stride_a1_rank, stride_a2_rank, stride_a3_rank), ALIGNED)
     stride_a_hidden = pick_slice(s_in, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden)
     hidden = hint16(hidden, ALIGNED)
     k_begin = split * K_PER_SPLIT
-    if RECOMPUTE:
-        k_end = hidden
-    else:
-        k_end = tl.where(p < NUM_SLICES * SPLIT_K, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)
+    k_end = tl.where(p < NUM_SLICES * SPLIT_K, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)
     if PREFETCH_LINES > 0:
         prefetch_rows(a_ptr + lora_id.to(tl.int64) * stride_a_slot + offs_r * stride_a_rank, offs_r < rank,
                        k_begin, k_end, stride_a_hidden, PREFETCH_LINES, PREFETCH_LINE)
@@ -176,12 +161,7 @@ def lora_fused_kernel(
         y_offs, write, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok,
                                        hint16(pick_slice(s_out, offset0, offset1, offset2, offset3), ALIGNED),
                                        hint16(stride_y_token, ALIGNED), stride_y_col, ADD_INPUTS)
-    if RECOMPUTE:
-        lhs = shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidden,
-                          hint16(stride_x_token, ALIGNED), stride_x_hidden, stride_a_slot, stride_a_rank,
-                          stride_a_hidden,
-                          BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION) * scale
-    elif PHASE != 2:
+    if PHASE != 2:
         if p < NUM_SLICES * SPLIT_K:
             acc = shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidden,
                                hint16(stride_x_token, ALIGNED), stride_x_hidden, stride_a_slot, stride_a_rank,
@@ -194,25 +174,22 @@ def lora_fused_kernel(
         _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
     if PHASE != 1:
         if is_out:
-            if RECOMPUTE:
-                acc = rank_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), lhs, bt, CAST_FP32, DOT_PRECISION)
+            # The SPLIT_K planes, WS_GROUP at a time in one load (all of a group in flight at once;
+            # decode: every plane in one load), from L2 (".cg": not L1), summed.
+            lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for g in tl.static_range(0, SPLIT_P2, WS_GROUP):
+                planes = g + tl.arange(0, WS_GROUP)
+                ws_rows = (ws_ptr + planes[:, None, None].to(tl.int64) * hint16(stride_ws_plane, ALIGNED)
+                           + s_out * hint16(stride_ws_slice, ALIGNED) + tok[None, :, None] * stride_ws_token
+                           + offs_r[None, None, :])
+                ws_ok = ((planes < SPLIT_K)[:, None, None] & tok_ok[None, :, None]
+                         & (offs_r < rank)[None, None, :])
+                lhs += tl.sum(tl.load(ws_rows, mask=ws_ok, other=0.0, cache_modifier=".cg"), axis=0)
+            if CAST_FP32:
+                bt = bt.to(tl.float32)
             else:
-                # The SPLIT_K planes, WS_GROUP at a time in one load (all of a group in flight at
-                # once; decode: every plane in one load), from L2 (".cg": not L1), summed.
-                lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for g in tl.static_range(0, SPLIT_P2, WS_GROUP):
-                    planes = g + tl.arange(0, WS_GROUP)
-                    ws_rows = (ws_ptr + planes[:, None, None].to(tl.int64) * hint16(stride_ws_plane, ALIGNED)
-                               + s_out * hint16(stride_ws_slice, ALIGNED) + tok[None, :, None] * stride_ws_token
-                               + offs_r[None, None, :])
-                    ws_ok = ((planes < SPLIT_K)[:, None, None] & tok_ok[None, :, None]
-                             & (offs_r < rank)[None, None, :])
-                    lhs += tl.sum(tl.load(ws_rows, mask=ws_ok, other=0.0, cache_modifier=".cg"), axis=0)
-                if CAST_FP32:
-                    bt = bt.to(tl.float32)
-                else:
-                    lhs = lhs.to(bt.dtype)
-                acc = tl.dot(lhs, tl.trans(bt), input_precision=DOT_PRECISION)
+                lhs = lhs.to(bt.dtype)
+            acc = tl.dot(lhs, tl.trans(bt), input_precision=DOT_PRECISION)
             store_slice(acc, y_old, out_ptr, y_offs, write, pick_slice(s_out, bias0_ptr, bias1_ptr, bias2_ptr,
                                                                        bias3_ptr), lora_id,
                          cols, col_ok, hint16(pick_slice(s_out, stride_bias0_slot, stride_bias1_slot,
@@ -248,7 +225,7 @@ class FusedPlan(ExpandPlan):
     def phases(self) -> tuple:
         """PHASE values to launch in order: one launch compiled, two under the interpreter."""
         phase = self.constexprs["PHASE"]
-        return (1, 2) if interpreting() and phase == 0 and not self.constexprs["RECOMPUTE"] else (phase,)
+        return (1, 2) if interpreting() and phase == 0 else (phase,)
 
 
 WS_LOAD_MAX = 4096  # floats of workspace planes the fused kernel loads at once (32 registers at 4 warps)
@@ -262,9 +239,7 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
 
     config: BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K (hidden chunks per slice; 0: one shrink program per
     output tile), num_warps, num_stages. P = max(output tiles, slices * SPLIT_K) programs per token
-    tile; the workspace has SPLIT_K planes (`FusedPlan.workspace_shape`). RECOMPUTE (default
-    False): every output tile's program computes the whole shrink itself (SPLIT_K ignored; P =
-    output tiles; no workspace or barrier used: a one-plane workspace keeps the arguments alike).
+    tile; the workspace has SPLIT_K planes (`FusedPlan.workspace_shape`).
     """
     assert 1 <= len(widths) <= MAX_SLICES
     block_m, block_n, block_k = int(config["BLOCK_M"]), int(config["BLOCK_N"]), int(config["BLOCK_K"])
@@ -274,13 +249,9 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
     cast, precision = cast_and_precision((x_dtype, w_dtype))
     c, total = epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n)
     num_slices = len(widths)
-    recompute = bool(config.get("RECOMPUTE", False))
-    if recompute:
-        split, k_per_split = 1, hidden
-    else:
-        split, k_per_split = hidden_split(hidden, int(config.get("SPLIT_K", 0)) or max(1, total // num_slices),
-                                           block_k)
-    split_p2 = 0 if recompute else next_pow2(split)   # workspace planes the output programs sum
+    split, k_per_split = hidden_split(hidden, int(config.get("SPLIT_K", 0)) or max(1, total // num_slices),
+                                       block_k)
+    split_p2 = next_pow2(split)
     # planes summed per load: all of them while the (planes, BLOCK_M, BLOCK_R) block stays within
     # WS_LOAD_MAX floats (decode tiles), else groups of that size (prefill tiles: registers)
     ws_group = max(1, min(split_p2, WS_LOAD_MAX // (block_m * block_r)))
@@ -289,9 +260,8 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
              DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl),
-             BARRIER_POLLS=BARRIER_POLL_LIMIT, B_SELECT=bool(config.get("B_SELECT", False)), RECOMPUTE=recompute,
+             BARRIER_POLLS=BARRIER_POLL_LIMIT, B_SELECT=bool(config.get("B_SELECT", False)),
              **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
-    grid = (total if recompute else max(total, num_slices * split),
-            max_tiles(num_tokens, num_groups, block_m, small_t))
+    grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
                      (split, num_slices, num_tokens, rank))
