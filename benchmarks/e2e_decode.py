@@ -1227,8 +1227,8 @@ def env_meta(args, cfg) -> dict:
     if "jax" in args.frameworks:
         import jax.numpy as jnp
         from jax_lora.models import llama
-        meta["jax_decode_attention"] = "%s (%s)" % llama.decode_attention_backend(
-            jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
+        meta["jax_decode_attention"] = {rows: "%s (%s)" % llama.decode_attention_backend(
+            jnp.bfloat16, jnp.bfloat16, cfg.head_dim, rows) for rows in (1, 8, 32, 128, 256)}
     return meta
 
 

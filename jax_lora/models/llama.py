@@ -7,7 +7,7 @@ slices 0 and 2 of `qkv_proj` (GQA: the slices have unequal widths).
 
 Math is Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half RoPE, GQA, SiLU MLP) in float32
 accumulation (attention reads a 16-bit cache as it is and rounds its probabilities to that dtype
-for the product with the values, as flash attention does). A decode step's attention runs cuDNN's
+for the product with the values, as flash attention does). A decode step of 32 rows or more runs cuDNN's
 fused attention on a CUDA GPU with a 16-bit cache, multiply-and-reduce under XLA elsewhere
 (`decode_attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a clear error says so).
 
@@ -212,15 +212,21 @@ _LOG = logging.getLogger("jax_lora")
 _LOGGED: set = set()
 
 
-def decode_attention_backend(q_dtype, kv_dtype, head_dim: int) -> tuple[str, str]:
-    """Which decode attention runs, and why: ("cudnn" | "xla", reason).
+# "auto" takes cuDNN from this many rows (queries) per decode step. Llama-3-8B-shaped decode step
+# on the H200, JAX LoRA step (8 adapters, rank 16), XLA's multiply-and-reduce / cuDNN: 8 rows
+# 9.47 / 10.58 ms, 32 rows 13.76 / 10.72 ms, 128 rows 22.1 / 13.9 ms (docs/benchmarks_model_step.md).
+CUDNN_MIN_ROWS = 32
+
+
+def decode_attention_backend(q_dtype, kv_dtype, head_dim: int, rows: int | None = None) -> tuple[str, str]:
+    """Which decode attention runs for `rows` queries, and why: ("cudnn" | "xla", reason).
 
     `JAX_LORA_ATTENTION` (read when a step is traced): "auto" (default) takes cuDNN's fused
     attention where it applies (JAX's default backend is a CUDA GPU with cuDNN, queries and cache
-    in the same 16-bit dtype, head_dim a multiple of 8 and at most 256) and the multiply-and-reduce
-    below elsewhere; "xla" always the latter; "cudnn" requires cuDNN and raises where it does not
-    apply, naming the reason. The choice is logged once per (choice, reason) on the `jax_lora`
-    logger."""
+    in the same 16-bit dtype, head_dim a multiple of 8 and at most 256) for steps of at least
+    CUDNN_MIN_ROWS rows (None: any), and the multiply-and-reduce below elsewhere; "xla" always the
+    latter; "cudnn" requires cuDNN (any row count) and raises where it does not apply, naming the
+    reason. The choice is logged once per (choice, reason) on the `jax_lora` logger."""
     setting = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if setting not in ATTENTION_CHOICES:
         raise ValueError(f"{ATTENTION_ENV}={setting!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
@@ -230,6 +236,8 @@ def decode_attention_backend(q_dtype, kv_dtype, head_dim: int) -> tuple[str, str
         why_not = _cudnn_unavailable(q_dtype, kv_dtype, head_dim)
         if why_not and setting == "cudnn":
             raise ValueError(f"{ATTENTION_ENV}=cudnn, but cuDNN attention does not apply here: {why_not}")
+        if not why_not and setting == "auto" and rows is not None and rows < CUDNN_MIN_ROWS:
+            why_not = f"{rows} rows < {CUDNN_MIN_ROWS} (XLA's attention makes the smaller steps faster)"
         choice = ("xla", f"auto: {why_not}") if why_not else ("cudnn", f"{setting}: cuDNN fused attention applies")
     if choice not in _LOGGED:
         _LOGGED.add(choice)
@@ -255,15 +263,16 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype):
     (B, M, nkv, hd) keys and values -> (B, 1, nh * hd). Query b attends to cache positions
     0..min(positions[b], M - 1) (`key_pos` is arange(M) per row).
 
-    cuDNN (`decode_attention_backend`): its fused attention with each row's key count
-    min(positions + 1, M) as the padding mask; float32 softmax, probabilities rounded to the cache
-    dtype for the product with the values (flash attention's rounding). Otherwise
+    cuDNN (`decode_attention_backend`, by default from CUDNN_MIN_ROWS rows): its fused attention
+    with each row's key count min(positions + 1, M) as the padding mask; float32 softmax,
+    probabilities rounded to the cache dtype for the product with the values (flash attention's
+    rounding). Otherwise
     multiply-and-reduce (XLA fuses each product into one pass over the cache, widening to float32
     in registers) rather than batched matrix products, which would need the cache transposed to
     (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
     b, _, nh, hd = q.shape
     nkv, max_len = keys.shape[2], keys.shape[1]
-    backend, why = decode_attention_backend(q.dtype, keys.dtype, hd)
+    backend, why = decode_attention_backend(q.dtype, keys.dtype, hd, b)
     if backend == "cudnn":
         lengths = jnp.clip(positions[:, 0].astype(jnp.int32) + 1, 1, max_len)
         try:
