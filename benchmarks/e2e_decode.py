@@ -976,8 +976,15 @@ class Bench:
         r = dict(lora_err=err, base_err=base_err, check_passed=ok)
         if not ok:
             return r
+        handler_calls = _ffi_handler_calls if fw == "jax" and self.cuda else (lambda: None)
+        calls0 = handler_calls()
         with _profiler_range(self.cuda, f"{fw}_{shape.kind}{shape.rows}x{shape.seq}"):
             tb, tl = self.torch_time([t_base, t_lora], n) if fw == "torch" else self.jax_time(shape, [False, True], n)
+        calls1 = handler_calls()
+        if calls0 is not None and calls1 is not None:
+            # the FFI handler runs when XLA records or eagerly issues a launch, not when it replays
+            # its command buffers: about 0 per step when the LoRA launches are replayed
+            r["ffi_handler_calls_per_lora_step"] = (calls1 - calls0) / n
         if self.cuda and os.environ.get("E2E_PROFILE"):
             step = {False: t_base, True: t_lora} if fw == "torch" else None
             _profile_kernel_diff(f"{fw}_{shape.kind}{shape.rows}x{shape.seq}", n,
@@ -987,6 +994,13 @@ class Bench:
                  overhead_pct=100 * (lora_us - base_us) / base_us, overhead_over_floor=(lora_us - base_us) / floor_us,
                  base_samples_us=tb, lora_samples_us=tl)
         return r
+
+
+def _ffi_handler_calls():
+    """The XLA FFI launcher's handler calls so far in this process (None where JAX does not launch
+    through it)."""
+    from jax_lora.ops import ffi_launcher
+    return ffi_launcher.handler_calls() if ffi_launcher.available() else None
 
 
 @contextlib.contextmanager
@@ -1139,6 +1153,11 @@ def markdown(out) -> str:
                  if res.get("jax_over_torch_lora") else "-")
         cells += [ratio, " / ".join(errs)]
         lines.append("| " + " | ".join(cells) + " |")
+    handler = [f"{res['case']} {res['jax']['ffi_handler_calls_per_lora_step']:.1f}" for res in out["cases"]
+               if (res.get("jax") or {}).get("ffi_handler_calls_per_lora_step") is not None]
+    if handler:
+        lines += ["", "JAX's FFI handler calls per LoRA step (XLA recording or eagerly issuing a launch; "
+                  "replayed command buffers do not call it): " + ", ".join(handler) + "."]
     summary = out.get("summary", {})
     if summary.get("skipped"):
         lines += ["", f"Skipped for the time budget: {', '.join(summary['skipped'])}."]
