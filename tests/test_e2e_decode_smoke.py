@@ -25,7 +25,7 @@ def smoke_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
     env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke",
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900,
+                           "--jax-chain", "2", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900,
                           check=False)
     files = glob.glob(str(out / "e2e_smoke_*.json"))
     return proc, files
@@ -42,6 +42,7 @@ def test_smoke_run_writes_checked_results(smoke_run):
     for key in ("date", "device", "torch", "jax", "python", "commit", "source_digest", "config", "phases_s"):
         assert key in meta, key
     assert meta["smoke"] is True and meta["device"] == "cpu"
+    assert meta["jax_chain"] == 2                     # JAX samples: 2 steps back to back, one wait
     assert len(meta["source_digest"]) == 16
     assert meta["config"]["layers"] == 2 and meta["config"]["hidden"] == 64
     assert res["summary"]["checks_failed"] == []
@@ -62,7 +63,9 @@ def test_smoke_run_writes_checked_results(smoke_run):
     md = files[0][:-len(".json")] + ".md"
     assert os.path.exists(md)
     with open(md) as f:
-        assert "dec B4 D2 r8" in f.read()
+        text = f.read()
+    assert "dec B4 D2 r8" in text
+    assert "JAX: host clock over 2 steps dispatched back to back and one block_until_ready, / 2" in text
 
 
 def test_floor_counts_bytes_as_benchmarks_md_says():
