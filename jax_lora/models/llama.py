@@ -7,9 +7,10 @@ slices 0 and 2 of `qkv_proj` (GQA: the slices have unequal widths).
 
 Math is Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half RoPE, GQA, SiLU MLP) in float32
 accumulation (attention reads a 16-bit cache as it is and rounds its probabilities to that dtype
-for the product with the values, as flash attention does). A decode step of 32 rows or more runs cuDNN's
-fused attention on a CUDA GPU with a 16-bit cache, multiply-and-reduce under XLA elsewhere
-(`decode_attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a clear error says so).
+for the product with the values, as flash attention does). A decode step of 32 rows or more runs
+cuDNN's fused attention on a CUDA GPU with a 16-bit cache, multiply-and-reduce under XLA elsewhere
+(`decode_attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a
+clear error says so).
 
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
 tokens' keys/values at (row, position) and attends, per query, to the row's positions <= its own.
@@ -266,10 +267,9 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype):
     cuDNN (`decode_attention_backend`, by default from CUDNN_MIN_ROWS rows): its fused attention
     with each row's key count min(positions + 1, M) as the padding mask; float32 softmax,
     probabilities rounded to the cache dtype for the product with the values (flash attention's
-    rounding). Otherwise
-    multiply-and-reduce (XLA fuses each product into one pass over the cache, widening to float32
-    in registers) rather than batched matrix products, which would need the cache transposed to
-    (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
+    rounding). Otherwise multiply-and-reduce (XLA fuses each product into one pass over the cache,
+    widening to float32 in registers) rather than batched matrix products, which would need the
+    cache transposed to (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
     b, _, nh, hd = q.shape
     nkv, max_len = keys.shape[2], keys.shape[1]
     backend, why = decode_attention_backend(q.dtype, keys.dtype, hd, b)
