@@ -71,7 +71,7 @@ def test_the_choice_is_checked_and_logged(monkeypatch, caplog):
         llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 128)
     monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
     with caplog.at_level(logging.INFO, logger="jax_lora"):
-        llama._LOGGED.discard(("xla", "JAX_LORA_ATTENTION=xla"))
+        llama._log_attention.cache_clear()
         assert llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 128) == ("xla", "JAX_LORA_ATTENTION=xla")
     assert "decode attention: xla (JAX_LORA_ATTENTION=xla)" in caplog.text
     monkeypatch.setenv(llama.ATTENTION_ENV, "auto")       # float32 never takes cuDNN

@@ -28,6 +28,7 @@ heads when the device count divides them (`cache_sharding`), replicated otherwis
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -210,7 +211,6 @@ class LlamaAttention(nnx.Module):
 ATTENTION_ENV = "JAX_LORA_ATTENTION"
 ATTENTION_CHOICES = ("auto", "xla", "cudnn")
 _LOG = logging.getLogger("jax_lora")
-_LOGGED: set = set()
 
 
 # "auto" takes cuDNN from this many rows (queries) per decode step. Llama-3-8B-shaped decode step
@@ -240,10 +240,14 @@ def decode_attention_backend(q_dtype, kv_dtype, head_dim: int, rows: int | None 
         if not why_not and setting == "auto" and rows is not None and rows < CUDNN_MIN_ROWS:
             why_not = f"{rows} rows < {CUDNN_MIN_ROWS} (XLA's attention makes the smaller steps faster)"
         choice = ("xla", f"auto: {why_not}") if why_not else ("cudnn", f"{setting}: cuDNN fused attention applies")
-    if choice not in _LOGGED:
-        _LOGGED.add(choice)
-        _LOG.info("decode attention: %s (%s)", *choice)
+    _log_attention(*choice)
     return choice
+
+
+@functools.lru_cache(maxsize=None)
+def _log_attention(backend: str, why: str, level: int = logging.INFO) -> None:
+    """Says once per (backend, reason) which decode attention runs (steps are traced per shape)."""
+    _LOG.log(level, "decode attention: %s (%s)", backend, why)
 
 
 def _cudnn_unavailable(q_dtype, kv_dtype, head_dim: int) -> str:
@@ -282,7 +286,7 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype):
         except (NotImplementedError, RuntimeError) as e:   # JAX's cuDNN checks (version, shapes)
             if not why.startswith("auto"):
                 raise ValueError(f"{ATTENTION_ENV}=cudnn, but JAX refused cuDNN attention: {e}") from e
-            _LOG.warning("decode attention: xla (cuDNN attention refused by JAX: %s)", e)
+            _log_attention("xla", f"cuDNN attention refused by JAX: {e}", logging.WARNING)
     qf = q.reshape(b, 1, nkv, nh // nkv, hd).astype(jnp.float32)             # (B, 1, nkv, g, hd)
     scores = jnp.sum(qf * keys[:, :, :, None, :].astype(jnp.float32), axis=-1) / math.sqrt(hd)   # (B, M, nkv, g)
     mask = key_pos <= positions                                              # (B, M)
