@@ -272,21 +272,30 @@ class JaxModel:
         self.rank = rank
 
     def states(self):
-        """(graphdef, LoRA state, rest of the state, base LoRA state): the base LoRA state holds
-        empty arrays in place of the adapter weights, which the base step never reads, so one
-        compiled base program serves every rank."""
+        """(step key, LoRA leaves, leaves of the rest of the state, base LoRA leaves): the states as
+        flat lists of arrays, the form the step takes (as jax_lora.serving passes its state: jax.jit
+        flattens an nnx.State in Python on every call, a list of arrays in C++); the step key
+        (graphdef, LoRA tree structure, rest's structure) is what `_jax_step` closes over. The base
+        LoRA leaves are empty arrays in place of the adapter weights, which the base step never
+        reads, so one compiled base program serves every rank."""
         import jax
         import jax.numpy as jnp
         from flax import nnx
 
         from jax_lora import nn as lnn
         graphdef, lora_state, rest = nnx.split(self.model, lnn.LoRAWeight, ...)
-        empty = jax.tree_util.tree_map(lambda a: jnp.zeros((0,), a.dtype), lora_state)
-        return graphdef, lora_state, rest, empty
+        lora_leaves, lora_def = jax.tree.flatten(lora_state)
+        rest_leaves, rest_def = jax.tree.flatten(rest)
+        empty = [jnp.zeros((0,), a.dtype) for a in lora_leaves]
+        return (graphdef, lora_def, rest_def), lora_leaves, rest_leaves, empty
 
 
-def _jax_step(graphdef, lora_state, rest_state, cache, punica, tokens, positions, rows, sample_idx, use_lora):
+def _jax_step(graphdef, lora_def, rest_def, lora_leaves, rest_leaves, cache, punica, tokens, positions, rows,
+              sample_idx, use_lora):
     """jax_lora.serving's step body: the model under `punica_context`, greedy next tokens.
+
+    The state arrives as flat lists of arrays (`JaxModel.states`) and is rebuilt with the closed-over
+    tree structures.
 
     tokens, positions (B, S) int32; rows (B,) int32 cache rows; sample_idx (B,) int32 position of
     each row's logits. Returns (new cache, next tokens (B,) int32, logits (B, V) float32)."""
@@ -294,7 +303,8 @@ def _jax_step(graphdef, lora_state, rest_state, cache, punica, tokens, positions
     from flax import nnx
 
     from jax_lora import nn as lnn
-    model = nnx.merge(graphdef, lora_state, rest_state)
+    import jax
+    model = nnx.merge(graphdef, jax.tree.unflatten(lora_def, lora_leaves), jax.tree.unflatten(rest_def, rest_leaves))
     with lnn.punica_context(punica if use_lora else None):
         logits, cache = model(tokens, positions, cache=cache, rows=rows, sample_idx=sample_idx)
     return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
@@ -750,30 +760,30 @@ class Bench:
 
     # ---------------------------------------------------------------- JAX
     def _jax_jits(self):
-        """(base step, LoRA step) jitted with the current graphdef closed over (not a static
-        argument), as jax_lora.serving does. The base step's jit is made once: it reads no LoRA
+        """(base step, LoRA step) jitted with the current step key (graphdef and tree structures)
+        closed over (not static arguments), as jax_lora.serving does. The base step's jit is made once: it reads no LoRA
         attribute, so its programs serve every rank; the LoRA step's per rank (the graphdef holds
         the layers' max_rank)."""
         import jax
 
-        def make(graphdef):
-            return jax.jit(functools.partial(_jax_step, graphdef), static_argnums=(8,), donate_argnums=(2,))
-        graphdef = self._states[0]
+        def make(key):
+            return jax.jit(functools.partial(_jax_step, *key), static_argnums=(8,), donate_argnums=(2,))
+        key = self._states[0]
         if self._jax_base is None:
-            self._jax_base = make(graphdef)
+            self._jax_base = make(key)
         if self._jax_lora_rank != self.jm.rank:
-            self._jax_lora, self._jax_lora_rank = make(graphdef), self.jm.rank
+            self._jax_lora, self._jax_lora_rank = make(key), self.jm.rank
         return self._jax_base, self._jax_lora
 
     def jax_run(self, shape: Shape, lora: bool, wait=True):
         """One JAX step on the shape's cache (donated: the new cache replaces it); returns
         (logits (B, V) float32, next tokens (B,)), ready unless wait=False."""
         import jax
-        _g, lora_state, rest, empty = self._states
+        _key, lora_leaves, rest, empty = self._states
         base_fn, lora_fn = self._jax_jits()
         cache = self._jax_cache(shape)
         fn = lora_fn if lora else base_fn
-        cache, tok, logits = fn(lora_state if lora else empty, rest, cache, self.j_punica if lora else None,
+        cache, tok, logits = fn(lora_leaves if lora else empty, rest, cache, self.j_punica if lora else None,
                                 *shape.j_args, lora)
         if shape.kind == "dec":
             self.dec_cache = cache
@@ -790,9 +800,9 @@ class Bench:
         dispatched back to back, then one wait, divided by K: the host's dispatch and wake-up
         overlap the device's work, as in a serving loop that keeps the device fed."""
         import jax
-        _g, lora_state, rest, empty = self._states
+        _key, lora_leaves, rest, empty = self._states
         base_fn, lora_fn = self._jax_jits()
-        calls = [(lora_fn, lora_state, self.j_punica) if lora else (base_fn, empty, None) for lora in flags]
+        calls = [(lora_fn, lora_leaves, self.j_punica) if lora else (base_fn, empty, None) for lora in flags]
         cache = self._jax_cache(shape)
         times = [[] for _ in flags]
         chain = max(1, int(getattr(self.args, "jax_chain", 1) or 1))
@@ -866,7 +876,7 @@ class Bench:
         compiled programs in JAX's cache."""
         from concurrent.futures import ThreadPoolExecutor
         base_fn, lora_fn = self._jax_jits()
-        _g, lora_state, rest, empty = self._states
+        _key, lora_leaves, rest, empty = self._states
         t0 = time.perf_counter()
         for shape in shapes:
             if shape.key not in self._jax_base_compiled:
@@ -875,7 +885,7 @@ class Bench:
                 self._jax_base_compiled.add(shape.key)
                 self.phases[f"jax_compile_base_{shape.key}_s"] = time.perf_counter() - t_shape
         t1 = time.perf_counter()
-        lowered = [lora_fn.lower(lora_state, rest, self._jax_cache_spec(shape), self.j_punica, *shape.j_args, True)
+        lowered = [lora_fn.lower(lora_leaves, rest, self._jax_cache_spec(shape), self.j_punica, *shape.j_args, True)
                    for shape in shapes]
         with ThreadPoolExecutor(max_workers=min(8, len(lowered))) as pool:
             list(pool.map(lambda low: low.compile(), lowered))

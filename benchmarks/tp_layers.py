@@ -190,8 +190,8 @@ def run_jax_model(args) -> list:
         jm = e2e.JaxModel(cfg, seed=n)
         jm.set_rank(args.rank)
         jm.model.shard(Mesh(np.array(devices[:n]), ("tp",)))
-        graphdef, lora_state, rest, empty = jm.states()
-        step = jax.jit(functools.partial(e2e._jax_step, graphdef), static_argnums=(8,), donate_argnums=(2,))
+        key, lora_leaves, rest, empty = jm.states()
+        step = jax.jit(functools.partial(e2e._jax_step, *key), static_argnums=(8,), donate_argnums=(2,))
         for batch in args.batches:
             rng = np.random.default_rng(batch)
             punica = PunicaWrapper(max(args.batches), max(args.batches), None, max_loras=e2e.NUM_SLOTS,
@@ -204,7 +204,7 @@ def run_jax_model(args) -> list:
             tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, 1)), jnp.int32)
             positions = jnp.full((batch, 1), max_len // 2, jnp.int32)
             sample_idx = jnp.zeros((batch,), jnp.int32)
-            calls = {False: (empty, None), True: (lora_state, punica)}
+            calls = {False: (empty, None), True: (lora_leaves, punica)}
             times = {False: [], True: []}
             for rep in range(args.steps + 1):                       # the first round compiles and warms
                 for use_lora in (False, True):
@@ -222,7 +222,7 @@ def run_jax_model(args) -> list:
             print(f"jax model step tp={n} B{batch:<4d} base {base:9.1f} us LoRA {lora:9.1f} us overhead "
                   f"{lora - base:8.1f} us ({100.0 * (lora - base) / base:5.1f}%)", flush=True)
             del cache
-        del jm, lora_state, rest, empty, step
+        del jm, lora_leaves, rest, empty, step
     return rows
 
 

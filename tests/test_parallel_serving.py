@@ -104,7 +104,7 @@ def test_step_program_gathers_no_weight(split):
     engine.punica.update_metadata(LoRAMapping(ids, ids, False), engine.adapters.lora_index_to_id,
                                   engine.adapters.num_slots + 1, engine.config.vocab_size)
     z = np.zeros((m, 1), np.int32)
-    hlo = engine._jit_step.lower(engine._state, engine.cache, engine.punica, z, z, np.arange(m, dtype=np.int32),
+    hlo = engine._jit_step.lower(engine._state_leaves, engine.cache, engine.punica, z, z, np.arange(m, dtype=np.int32),
                                  np.zeros(m, np.int32), True).compile().as_text()
     weights = {tuple(v.get_value().shape) for _, v in nnx.iter_graph(engine.model)
                if isinstance(v, nnx.Variable) and np.ndim(v.get_value()) >= 2}
