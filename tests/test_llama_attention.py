@@ -1,8 +1,8 @@
-"""The Llama model's decode attention (`jax_lora.models.llama._decode_attention`) against a float64
-oracle, on both of its paths: multiply-and-reduce under XLA (every device) and cuDNN's fused
-attention (a CUDA GPU with a 16-bit cache; marked `gpu`), and the `JAX_LORA_ATTENTION` choice.
+"""The Llama model's attention (`jax_lora.models.llama._decode_attention`, `_prefill_attention`)
+against a float64 oracle, on both of its paths: XLA's (every device) and cuDNN's fused attention (a
+CUDA GPU with a 16-bit cache; marked `gpu`), and the `JAX_LORA_ATTENTION` choice.
 
-Cases: GQA (8 query heads over 2 KV heads), rows at different positions including position 0 (one
+Decode cases: GQA (8 query heads over 2 KV heads), rows at different positions including position 0 (one
 key), the last position and past the cache (every key), cache entries past a row's position filled
 with large values (a read past the mask would show)."""
 
@@ -68,16 +68,16 @@ def test_xla_decode_attention_matches_the_oracle(monkeypatch, dtype, tol):
 def test_the_choice_is_checked_and_logged(monkeypatch, caplog):
     monkeypatch.setenv(llama.ATTENTION_ENV, "flash")
     with pytest.raises(ValueError, match=r"JAX_LORA_ATTENTION='flash'.*auto, xla, cudnn"):
-        llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 128)
+        llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128)
     monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
     with caplog.at_level(logging.INFO, logger="jax_lora"):
         llama._log_attention.cache_clear()
-        assert llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 128) == ("xla", "JAX_LORA_ATTENTION=xla")
-    assert "decode attention: xla (JAX_LORA_ATTENTION=xla)" in caplog.text
+        assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128) == ("xla", "JAX_LORA_ATTENTION=xla")
+    assert "attention: xla (JAX_LORA_ATTENTION=xla)" in caplog.text
     monkeypatch.setenv(llama.ATTENTION_ENV, "auto")       # float32 never takes cuDNN
-    backend, why = llama.decode_attention_backend(jnp.float32, jnp.float32, 128)
+    backend, why = llama.attention_backend(jnp.float32, jnp.float32, 128)
     assert backend == "xla" and why.startswith("auto: ")
-    backend, why = llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 100)
+    backend, why = llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 100)
     assert backend == "xla"
 
 
@@ -87,12 +87,12 @@ def test_auto_takes_cudnn_from_the_row_threshold(monkeypatch):
     monkeypatch.setattr(llama, "_cudnn_unavailable", lambda *a: "")
     monkeypatch.setenv(llama.ATTENTION_ENV, "auto")
     n = llama.CUDNN_MIN_ROWS
-    small = llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 128, n - 1)
-    assert small == ("xla", f"auto: {n - 1} rows < {n} (XLA's attention makes the smaller steps faster)")
-    assert llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 128, n)[0] == "cudnn"
-    assert llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 128)[0] == "cudnn"
+    small = llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, n - 1)
+    assert small == ("xla", f"auto: {n - 1} queries < {n} (XLA's attention makes the smaller steps faster)")
+    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, n)[0] == "cudnn"
+    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128)[0] == "cudnn"
     monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
-    assert llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 128, 1)[0] == "cudnn"
+    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, 1)[0] == "cudnn"
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU machine's refusal")
@@ -100,7 +100,7 @@ def test_cudnn_is_refused_by_name_where_it_cannot_run(monkeypatch):
     monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
     with pytest.raises(ValueError, match="JAX_LORA_ATTENTION=cudnn, but cuDNN attention does not apply here: "
                                          "JAX's default backend is"):
-        llama.decode_attention_backend(jnp.bfloat16, jnp.bfloat16, 128)
+        llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128)
 
 
 @pytest.mark.gpu
@@ -108,7 +108,7 @@ def test_cudnn_is_refused_by_name_where_it_cannot_run(monkeypatch):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_cudnn_decode_attention_matches_the_oracle(monkeypatch, dtype):
     monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")              # B rows: below auto's threshold
-    assert llama.decode_attention_backend(dtype, dtype, HD, B)[0] == "cudnn"
+    assert llama.attention_backend(dtype, dtype, HD, B)[0] == "cudnn"
     q, k, v = _problem(seed=1)
     rq, rk, rv = (np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v))
     ref = _oracle(rq, rk, rv)
@@ -118,3 +118,104 @@ def test_cudnn_decode_attention_matches_the_oracle(monkeypatch, dtype):
     monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
     xla = _run(q, k, v, dtype)
     assert np.abs(got - xla).max() / np.abs(xla).max() < 3e-2
+
+
+# ------------------------------------------------------------------------------------------ prefill
+# Rows of S queries against M cached keys: row 0 a fresh prompt (positions 0..S-1), row 1 a later
+# chunk of a longer prompt (positions 20..20+S-1: it also reads the earlier chunk's keys), row 2
+# a prompt whose last positions run past the cache (every key). Keys past a query's position are
+# poisoned (a read past the mask would show).
+S = 12
+PREFILL_START = np.array([0, 20, M - 4], np.int32)
+
+
+def _prefill_problem(seed=0):
+    rng = np.random.default_rng(seed)
+    rows = len(PREFILL_START)
+    positions = PREFILL_START[:, None] + np.arange(S, dtype=np.int32)[None]      # (R, S)
+    q = rng.standard_normal((rows, S, NH, HD))
+    k = rng.standard_normal((rows, M, NKV, HD))
+    v = rng.standard_normal((rows, M, NKV, HD))
+    for r in range(rows):
+        last = min(int(positions[r, -1]), M - 1)
+        k[r, last + 1:] = 1e3
+        v[r, last + 1:] = -1e3
+    return q, k, v, positions
+
+
+def _prefill_oracle(q, k, v, positions):
+    """float64: query (r, s) over the keys m <= positions[r, s] (m < M), GQA as in `_oracle`."""
+    rows = q.shape[0]
+    out = np.zeros((rows, S, NH * HD))
+    for r in range(rows):
+        for t in range(S):
+            n = min(int(positions[r, t]), M - 1) + 1
+            for h in range(NH):
+                kv = h // (NH // NKV)
+                sc = k[r, :n, kv] @ q[r, t, h] / math.sqrt(HD)
+                w = np.exp(sc - sc.max())
+                w /= w.sum()
+                out[r, t, h * HD:(h + 1) * HD] = w @ v[r, :n, kv]
+    return out
+
+
+def _run_prefill(q, k, v, positions, dtype):
+    key_pos = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (q.shape[0], M))
+    pos = jnp.asarray(positions)
+    f = jax.jit(lambda q, k, v: llama._prefill_attention(q, k, v, key_pos, pos, dtype))
+    return np.asarray(f(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype)), np.float64)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_xla_prefill_attention_matches_the_oracle(monkeypatch, dtype, tol):
+    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    q, k, v, positions = _prefill_problem()
+    rq, rk, rv = (np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v))
+    ref = _prefill_oracle(rq, rk, rv, positions)
+    got = _run_prefill(q, k, v, positions, dtype)
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() / np.abs(ref).max() < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="JAX's default backend is not a GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_cudnn_prefill_attention_matches_the_oracle(monkeypatch, dtype):
+    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
+    q, k, v, positions = _prefill_problem(seed=2)
+    rq, rk, rv = (np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v))
+    ref = _prefill_oracle(rq, rk, rv, positions)
+    got = _run_prefill(q, k, v, positions, dtype)
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 3e-2
+    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    xla = _run_prefill(q, k, v, positions, dtype)
+    assert np.abs(got - xla).max() / np.abs(xla).max() < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="JAX's default backend is not a GPU")
+def test_cudnn_and_xla_attention_agree_in_a_model_step(monkeypatch):
+    """A bf16 Llama prefill then decode step through the cache: cuDNN's attention (forced) against
+    XLA's, logits within bf16 tolerance."""
+    from flax import nnx
+    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = llama.LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+    nxt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 1)), jnp.int32)
+
+    def run():
+        cache = llama.init_cache(cfg, 2, 32, jnp.bfloat16)
+        pre, cache = model(tokens, positions, cache=cache)
+        dec, _ = model(nxt, jnp.full((2, 1), 16, jnp.int32), cache=cache)
+        return np.asarray(pre, np.float64), np.asarray(dec, np.float64)
+    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
+    got = run()
+    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    ref = run()
+    for g, r in zip(got, ref):
+        assert np.isfinite(g).all()
+        assert np.abs(g - r).max() / np.abs(r).max() < 3e-2

@@ -7,9 +7,9 @@ slices 0 and 2 of `qkv_proj` (GQA: the slices have unequal widths).
 
 Math is Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half RoPE, GQA, SiLU MLP) in float32
 accumulation (attention reads a 16-bit cache as it is and rounds its probabilities to that dtype
-for the product with the values, as flash attention does). A decode step of 32 rows or more runs
-cuDNN's fused attention on a CUDA GPU with a 16-bit cache, multiply-and-reduce under XLA elsewhere
-(`decode_attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a
+for the product with the values, as flash attention does). A step of 32 queries or more (decode
+rows, or prefill rows x tokens) runs cuDNN's fused attention on a CUDA GPU with a 16-bit cache,
+XLA's attention elsewhere (`attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a
 clear error says so).
 
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
@@ -188,24 +188,9 @@ class LlamaAttention(nnx.Module):
                 keys, values = k_cache[safe_rows], v_cache[safe_rows]         # (B, M, nkv, hd)
             key_pos = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
             kv = (k_cache, v_cache)
-        g = nh // nkv
         if s == 1 and kv is not None:
             return self.o_proj(_decode_attention(q, keys, values, key_pos, positions, x.dtype)), kv
-        # Both products read q, keys and values in their own dtype and accumulate in float32 (a
-        # 16-bit cache is never widened in memory); the probabilities are rounded to the values'
-        # dtype for the second product, as flash attention does.
-        qk = jnp.promote_types(q.dtype, keys.dtype)
-        qg = q.astype(qk).reshape(b, s, nkv, g, hd)
-        scores = jnp.einsum("bsngd,bmnd->bngsm", qg, keys.astype(qk),
-                            preferred_element_type=jnp.float32) / math.sqrt(hd)
-        mask = key_pos[:, None, :] <= positions[:, :, None]                 # (B, S, M)
-        scores = jnp.where(mask[:, None, None], scores, -1e30)
-        probs = jax.nn.softmax(scores, axis=-1)
-        pv = values.dtype if jnp.dtype(values.dtype).itemsize < 4 else jnp.promote_types(values.dtype, jnp.float32)
-        out = jnp.einsum("bngsm,bmnd->bsngd", probs.astype(pv), values.astype(pv),
-                         preferred_element_type=jnp.float32)
-        out = out.reshape(b, s, nh * hd).astype(x.dtype)
-        return self.o_proj(out), kv
+        return self.o_proj(_prefill_attention(q, keys, values, key_pos, positions, x.dtype)), kv
 
 
 ATTENTION_ENV = "JAX_LORA_ATTENTION"
@@ -213,21 +198,23 @@ ATTENTION_CHOICES = ("auto", "xla", "cudnn")
 _LOG = logging.getLogger("jax_lora")
 
 
-# "auto" takes cuDNN from this many rows (queries) per decode step. Llama-3-8B-shaped decode step
-# on the H200, JAX LoRA step (8 adapters, rank 16), XLA's multiply-and-reduce / cuDNN: 8 rows
+# "auto" takes cuDNN from this many queries per step (decode: one per row). Llama-3-8B-shaped decode
+# step on the H200, JAX LoRA step (8 adapters, rank 16), XLA's multiply-and-reduce / cuDNN: 8 rows
 # 9.47 / 10.58 ms, 32 rows 13.76 / 10.72 ms, 128 rows 22.1 / 13.9 ms (docs/benchmarks_model_step.md).
 CUDNN_MIN_ROWS = 32
 
 
-def decode_attention_backend(q_dtype, kv_dtype, head_dim: int, rows: int | None = None) -> tuple[str, str]:
-    """Which decode attention runs for `rows` queries, and why: ("cudnn" | "xla", reason).
+def attention_backend(q_dtype, kv_dtype, head_dim: int, rows: int | None = None) -> tuple[str, str]:
+    """Which attention runs for a step of `rows` queries (decode: its rows; prefill: rows x
+    tokens), and why: ("cudnn" | "xla", reason).
 
     `JAX_LORA_ATTENTION` (read when a step is traced): "auto" (default) takes cuDNN's fused
     attention where it applies (JAX's default backend is a CUDA GPU with cuDNN, queries and cache
     in the same 16-bit dtype, head_dim a multiple of 8 and at most 256) for steps of at least
-    CUDNN_MIN_ROWS rows (None: any), and the multiply-and-reduce below elsewhere; "xla" always the
-    latter; "cudnn" requires cuDNN (any row count) and raises where it does not apply, naming the
-    reason. The choice is logged once per (choice, reason) on the `jax_lora` logger."""
+    CUDNN_MIN_ROWS queries (None: any), and XLA's attention (`_decode_attention`,
+    `_prefill_attention`) elsewhere; "xla" always the latter; "cudnn" requires cuDNN (any size)
+    and raises where it does not apply, naming the reason. The choice is logged once per
+    (choice, reason) on the `jax_lora` logger."""
     setting = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if setting not in ATTENTION_CHOICES:
         raise ValueError(f"{ATTENTION_ENV}={setting!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
@@ -238,7 +225,7 @@ def decode_attention_backend(q_dtype, kv_dtype, head_dim: int, rows: int | None 
         if why_not and setting == "cudnn":
             raise ValueError(f"{ATTENTION_ENV}=cudnn, but cuDNN attention does not apply here: {why_not}")
         if not why_not and setting == "auto" and rows is not None and rows < CUDNN_MIN_ROWS:
-            why_not = f"{rows} rows < {CUDNN_MIN_ROWS} (XLA's attention makes the smaller steps faster)"
+            why_not = f"{rows} queries < {CUDNN_MIN_ROWS} (XLA's attention makes the smaller steps faster)"
         choice = ("xla", f"auto: {why_not}") if why_not else ("cudnn", f"{setting}: cuDNN fused attention applies")
     _log_attention(*choice)
     return choice
@@ -246,12 +233,12 @@ def decode_attention_backend(q_dtype, kv_dtype, head_dim: int, rows: int | None 
 
 @functools.lru_cache(maxsize=None)
 def _log_attention(backend: str, why: str, level: int = logging.INFO) -> None:
-    """Says once per (backend, reason) which decode attention runs (steps are traced per shape)."""
-    _LOG.log(level, "decode attention: %s (%s)", backend, why)
+    """Says once per (backend, reason) which attention runs (steps are traced per shape)."""
+    _LOG.log(level, "attention: %s (%s)", backend, why)
 
 
 def _cudnn_unavailable(q_dtype, kv_dtype, head_dim: int) -> str:
-    """Why cuDNN's fused attention cannot run a decode step here ("" when it can)."""
+    """Why cuDNN's fused attention cannot run a step here ("" when it can)."""
     if jax.default_backend() != "gpu":
         return f"JAX's default backend is {jax.default_backend()!r}, not a CUDA GPU"
     if "cuda" not in jax.devices()[0].client.platform_version.lower():
@@ -268,7 +255,7 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype):
     (B, M, nkv, hd) keys and values -> (B, 1, nh * hd). Query b attends to cache positions
     0..min(positions[b], M - 1) (`key_pos` is arange(M) per row).
 
-    cuDNN (`decode_attention_backend`, by default from CUDNN_MIN_ROWS rows): its fused attention
+    cuDNN (`attention_backend`, by default from CUDNN_MIN_ROWS rows): its fused attention
     with each row's key count min(positions + 1, M) as the padding mask; float32 softmax,
     probabilities rounded to the cache dtype for the product with the values (flash attention's
     rounding). Otherwise multiply-and-reduce (XLA fuses each product into one pass over the cache,
@@ -276,7 +263,7 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype):
     cache transposed to (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
     b, _, nh, hd = q.shape
     nkv, max_len = keys.shape[2], keys.shape[1]
-    backend, why = decode_attention_backend(q.dtype, keys.dtype, hd, b)
+    backend, why = attention_backend(q.dtype, keys.dtype, hd, b)
     if backend == "cudnn":
         lengths = jnp.clip(positions[:, 0].astype(jnp.int32) + 1, 1, max_len)
         try:
@@ -294,6 +281,43 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype):
     probs = jax.nn.softmax(scores, axis=1)
     out = jnp.sum(probs[..., None] * values[:, :, :, None, :].astype(jnp.float32), axis=1)   # (B, nkv, g, hd)
     return out.reshape(b, 1, nh * hd).astype(dtype)
+
+
+def _prefill_attention(q, keys, values, key_pos, positions, dtype):
+    """Every query of a row against the row's keys: (B, S, nh, hd) queries at `positions` (B, S),
+    (B, M, nkv, hd) keys and values at `key_pos` (B, M) -> (B, S, nh * hd). Query (b, s) attends to
+    the keys m with key_pos[b, m] <= positions[b, s] (causal within a prompt; a chunk of a longer
+    prompt also reads the earlier chunks' keys in the cache).
+
+    cuDNN (`attention_backend`, by default from CUDNN_MIN_ROWS queries): its fused (flash)
+    attention with that mask as a (B, 1, S, M) bias shared by the heads; the S x M scores stay on
+    chip. Otherwise two products under XLA, the float32 scores (B, nkv, g, S, M) materialised. Both
+    read q, keys and values in their own dtype and accumulate in float32 (a 16-bit cache is never
+    widened in memory); the probabilities are rounded to the values' dtype for the second product,
+    as flash attention does."""
+    b, s, nh, hd = q.shape
+    nkv = keys.shape[2]
+    mask = key_pos[:, None, :] <= positions[:, :, None]                 # (B, S, M)
+    backend, why = attention_backend(q.dtype, keys.dtype, hd, b * s)
+    if backend == "cudnn":
+        try:
+            out = jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], scale=1.0 / math.sqrt(hd),
+                                               implementation="cudnn")
+            return out.reshape(b, s, nh * hd).astype(dtype)
+        except (NotImplementedError, RuntimeError) as e:   # JAX's cuDNN checks (version, shapes)
+            if not why.startswith("auto"):
+                raise ValueError(f"{ATTENTION_ENV}=cudnn, but JAX refused cuDNN attention: {e}") from e
+            _log_attention("xla", f"cuDNN attention refused by JAX: {e}", logging.WARNING)
+    qk = jnp.promote_types(q.dtype, keys.dtype)
+    qg = q.astype(qk).reshape(b, s, nkv, nh // nkv, hd)
+    scores = jnp.einsum("bsngd,bmnd->bngsm", qg, keys.astype(qk),
+                        preferred_element_type=jnp.float32) / math.sqrt(hd)
+    scores = jnp.where(mask[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1)
+    pv = values.dtype if jnp.dtype(values.dtype).itemsize < 4 else jnp.promote_types(values.dtype, jnp.float32)
+    out = jnp.einsum("bngsm,bmnd->bsngd", probs.astype(pv), values.astype(pv),
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, s, nh * hd).astype(dtype)
 
 
 class LlamaMLP(nnx.Module):
