@@ -997,8 +997,10 @@ class Bench:
         calls1 = handler_calls()
         if calls0 is not None and calls1 is not None:
             # the FFI handler runs when XLA records or eagerly issues a launch, not when it replays
-            # its command buffers: about 0 per step when the LoRA launches are replayed
-            r["ffi_handler_calls_per_lora_step"] = (calls1 - calls0) / n
+            # its command buffers: about 0 per step when the LoRA launches are replayed (each of the
+            # n samples is `--jax-chain` steps)
+            steps = n * max(1, int(getattr(self.args, "jax_chain", 1) or 1))
+            r["ffi_handler_calls_per_lora_step"] = (calls1 - calls0) / steps
         if self.cuda and os.environ.get("E2E_PROFILE"):
             step = {False: t_base, True: t_lora} if fw == "torch" else None
             _profile_kernel_diff(f"{fw}_{shape.kind}{shape.rows}x{shape.seq}", n,
