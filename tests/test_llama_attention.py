@@ -81,18 +81,18 @@ def test_the_choice_is_checked_and_logged(monkeypatch, caplog):
     assert backend == "xla"
 
 
-def test_auto_takes_cudnn_from_the_row_threshold(monkeypatch):
-    """Where cuDNN applies, `auto` takes it for steps of CUDNN_MIN_ROWS rows or more (and when the
-    row count is not given); `cudnn` at any row count."""
+def test_auto_takes_cudnn_wherever_it_applies(monkeypatch):
+    """Where cuDNN applies, `auto` and `cudnn` take it; where it does not, `auto` takes XLA's and
+    says why."""
     monkeypatch.setattr(llama, "_cudnn_unavailable", lambda *a: "")
+    for setting in ("auto", "cudnn"):
+        monkeypatch.setenv(llama.ATTENTION_ENV, setting)
+        assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128) == (
+            "cudnn", f"{setting}: cuDNN fused attention applies")
+    monkeypatch.setattr(llama, "_cudnn_unavailable", lambda *a: "head_dim 100 (cuDNN needs a multiple of 8)")
     monkeypatch.setenv(llama.ATTENTION_ENV, "auto")
-    n = llama.CUDNN_MIN_ROWS
-    small = llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, n - 1)
-    assert small == ("xla", f"auto: {n - 1} queries < {n} (XLA's attention makes the smaller steps faster)")
-    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, n)[0] == "cudnn"
-    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128)[0] == "cudnn"
-    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
-    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, 1)[0] == "cudnn"
+    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 100) == (
+        "xla", "auto: head_dim 100 (cuDNN needs a multiple of 8)")
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU machine's refusal")
@@ -107,8 +107,8 @@ def test_cudnn_is_refused_by_name_where_it_cannot_run(monkeypatch):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="JAX's default backend is not a GPU")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_cudnn_decode_attention_matches_the_oracle(monkeypatch, dtype):
-    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")              # B rows: below auto's threshold
-    assert llama.attention_backend(dtype, dtype, HD, B)[0] == "cudnn"
+    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
+    assert llama.attention_backend(dtype, dtype, HD)[0] == "cudnn"
     q, k, v = _problem(seed=1)
     rq, rk, rv = (np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v))
     ref = _oracle(rq, rk, rv)

@@ -7,9 +7,8 @@ slices 0 and 2 of `qkv_proj` (GQA: the slices have unequal widths).
 
 Math is Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half RoPE, GQA, SiLU MLP) in float32
 accumulation (attention reads a 16-bit cache as it is and rounds its probabilities to that dtype
-for the product with the values, as flash attention does). A step of 32 queries or more (decode
-rows, or prefill rows x tokens) runs cuDNN's fused attention on a CUDA GPU with a 16-bit cache,
-XLA's attention elsewhere (`attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a
+for the product with the values, as flash attention does). Attention runs cuDNN's fused attention
+on a CUDA GPU with a 16-bit cache, XLA's elsewhere (`attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a
 clear error says so).
 
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
@@ -198,23 +197,20 @@ ATTENTION_CHOICES = ("auto", "xla", "cudnn")
 _LOG = logging.getLogger("jax_lora")
 
 
-# "auto" takes cuDNN from this many queries per step (decode: one per row). Llama-3-8B-shaped decode
-# step on the H200, JAX LoRA step (8 adapters, rank 16), XLA's multiply-and-reduce / cuDNN: 8 rows
-# 9.47 / 10.58 ms, 32 rows 13.76 / 10.72 ms, 128 rows 22.1 / 13.9 ms (docs/benchmarks_model_step.md).
-CUDNN_MIN_ROWS = 32
-
-
-def attention_backend(q_dtype, kv_dtype, head_dim: int, rows: int | None = None) -> tuple[str, str]:
-    """Which attention runs for a step of `rows` queries (decode: its rows; prefill: rows x
-    tokens), and why: ("cudnn" | "xla", reason).
+def attention_backend(q_dtype, kv_dtype, head_dim: int) -> tuple[str, str]:
+    """Which attention runs (decode and prefill), and why: ("cudnn" | "xla", reason).
 
     `JAX_LORA_ATTENTION` (read when a step is traced): "auto" (default) takes cuDNN's fused
     attention where it applies (JAX's default backend is a CUDA GPU with cuDNN, queries and cache
-    in the same 16-bit dtype, head_dim a multiple of 8 and at most 256) for steps of at least
-    CUDNN_MIN_ROWS queries (None: any), and XLA's attention (`_decode_attention`,
-    `_prefill_attention`) elsewhere; "xla" always the latter; "cudnn" requires cuDNN (any size)
-    and raises where it does not apply, naming the reason. The choice is logged once per
-    (choice, reason) on the `jax_lora` logger."""
+    in the same 16-bit dtype, head_dim a multiple of 8 and at most 256) and XLA's attention
+    (`_decode_attention`, `_prefill_attention`) elsewhere; "xla" always the latter; "cudnn"
+    requires cuDNN and raises where it does not apply, naming the reason. The choice is logged
+    once per (choice, reason) on the `jax_lora` logger.
+
+    Llama-3-8B-shaped steps on the H200 (docs/benchmarks_model_step.md), XLA's / cuDNN's
+    attention, 10 steps dispatched back to back: base step 1 row 5203 / 4670 us, 8 rows 6057 /
+    4847 us, LoRA step (8 adapters, rank 16) 5656 / 5677 and 6576 / 6106 us; prefill 4 x 2048
+    base step 283 / 216 ms."""
     setting = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if setting not in ATTENTION_CHOICES:
         raise ValueError(f"{ATTENTION_ENV}={setting!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
@@ -224,8 +220,6 @@ def attention_backend(q_dtype, kv_dtype, head_dim: int, rows: int | None = None)
         why_not = _cudnn_unavailable(q_dtype, kv_dtype, head_dim)
         if why_not and setting == "cudnn":
             raise ValueError(f"{ATTENTION_ENV}=cudnn, but cuDNN attention does not apply here: {why_not}")
-        if not why_not and setting == "auto" and rows is not None and rows < CUDNN_MIN_ROWS:
-            why_not = f"{rows} queries < {CUDNN_MIN_ROWS} (XLA's attention makes the smaller steps faster)"
         choice = ("xla", f"auto: {why_not}") if why_not else ("cudnn", f"{setting}: cuDNN fused attention applies")
     _log_attention(*choice)
     return choice
@@ -255,15 +249,14 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype):
     (B, M, nkv, hd) keys and values -> (B, 1, nh * hd). Query b attends to cache positions
     0..min(positions[b], M - 1) (`key_pos` is arange(M) per row).
 
-    cuDNN (`attention_backend`, by default from CUDNN_MIN_ROWS rows): its fused attention
-    with each row's key count min(positions + 1, M) as the padding mask; float32 softmax,
-    probabilities rounded to the cache dtype for the product with the values (flash attention's
-    rounding). Otherwise multiply-and-reduce (XLA fuses each product into one pass over the cache,
+    cuDNN (`attention_backend`): its fused attention with each row's key count
+    min(positions + 1, M) as the padding mask; float32 softmax, probabilities rounded to the cache
+    dtype for the product with the values (flash attention's rounding). Otherwise multiply-and-reduce (XLA fuses each product into one pass over the cache,
     widening to float32 in registers) rather than batched matrix products, which would need the
     cache transposed to (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
     b, _, nh, hd = q.shape
     nkv, max_len = keys.shape[2], keys.shape[1]
-    backend, why = attention_backend(q.dtype, keys.dtype, hd, b)
+    backend, why = attention_backend(q.dtype, keys.dtype, hd)
     if backend == "cudnn":
         lengths = jnp.clip(positions[:, 0].astype(jnp.int32) + 1, 1, max_len)
         try:
@@ -289,7 +282,7 @@ def _prefill_attention(q, keys, values, key_pos, positions, dtype):
     the keys m with key_pos[b, m] <= positions[b, s] (causal within a prompt; a chunk of a longer
     prompt also reads the earlier chunks' keys in the cache).
 
-    cuDNN (`attention_backend`, by default from CUDNN_MIN_ROWS queries): its fused (flash)
+    cuDNN (`attention_backend`): its fused (flash)
     attention with that mask as a (B, 1, S, M) bias shared by the heads; the S x M scores stay on
     chip. Otherwise two products under XLA, the float32 scores (B, nkv, g, S, M) materialised. Both
     read q, keys and values in their own dtype and accumulate in float32 (a 16-bit cache is never
@@ -298,7 +291,7 @@ def _prefill_attention(q, keys, values, key_pos, positions, dtype):
     b, s, nh, hd = q.shape
     nkv = keys.shape[2]
     mask = key_pos[:, None, :] <= positions[:, :, None]                 # (B, S, M)
-    backend, why = attention_backend(q.dtype, keys.dtype, hd, b * s)
+    backend, why = attention_backend(q.dtype, keys.dtype, hd)
     if backend == "cudnn":
         try:
             out = jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], scale=1.0 / math.sqrt(hd),
