@@ -299,11 +299,11 @@ def _jax_step(graphdef, lora_def, rest_def, lora_leaves, rest_leaves, cache, pun
 
     tokens, positions (B, S) int32; rows (B,) int32 cache rows; sample_idx (B,) int32 position of
     each row's logits. Returns (new cache, next tokens (B,) int32, logits (B, V) float32)."""
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from jax_lora import nn as lnn
-    import jax
     model = nnx.merge(graphdef, jax.tree.unflatten(lora_def, lora_leaves), jax.tree.unflatten(rest_def, rest_leaves))
     with lnn.punica_context(punica if use_lora else None):
         logits, cache = model(tokens, positions, cache=cache, rows=rows, sample_idx=sample_idx)
@@ -761,9 +761,9 @@ class Bench:
     # ---------------------------------------------------------------- JAX
     def _jax_jits(self):
         """(base step, LoRA step) jitted with the current step key (graphdef and tree structures)
-        closed over (not static arguments), as jax_lora.serving does. The base step's jit is made once: it reads no LoRA
-        attribute, so its programs serve every rank; the LoRA step's per rank (the graphdef holds
-        the layers' max_rank)."""
+        closed over (not static arguments), as jax_lora.serving does. The base step's jit is made
+        once: it reads no LoRA attribute, so its programs serve every rank; the LoRA step's per
+        rank (the graphdef holds the layers' max_rank)."""
         import jax
 
         def make(key):

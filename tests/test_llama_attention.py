@@ -82,15 +82,20 @@ def test_the_choice_is_checked_and_logged(monkeypatch, caplog):
 
 
 def test_auto_takes_cudnn_wherever_it_applies(monkeypatch):
-    """Where cuDNN applies, `auto` and `cudnn` take it; where it does not, `auto` takes XLA's and
-    says why."""
+    """Where cuDNN applies, `auto` and `cudnn` take it (a model split over a mesh: `cudnn` only);
+    where it does not, `auto` takes XLA's and says why."""
     monkeypatch.setattr(llama, "_cudnn_unavailable", lambda *a: "")
     for setting in ("auto", "cudnn"):
         monkeypatch.setenv(llama.ATTENTION_ENV, setting)
         assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128) == (
             "cudnn", f"{setting}: cuDNN fused attention applies")
-    monkeypatch.setattr(llama, "_cudnn_unavailable", lambda *a: "head_dim 100 (cuDNN needs a multiple of 8)")
     monkeypatch.setenv(llama.ATTENTION_ENV, "auto")
+    backend, why = llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, tensor_parallel=True)
+    assert backend == "xla" and why.startswith("auto: the model is split over a mesh")
+    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")                  # forced: taken under a mesh too
+    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, tensor_parallel=True)[0] == "cudnn"
+    monkeypatch.setenv(llama.ATTENTION_ENV, "auto")
+    monkeypatch.setattr(llama, "_cudnn_unavailable", lambda *a: "head_dim 100 (cuDNN needs a multiple of 8)")
     assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 100) == (
         "xla", "auto: head_dim 100 (cuDNN needs a multiple of 8)")
 

@@ -8,8 +8,9 @@ slices 0 and 2 of `qkv_proj` (GQA: the slices have unequal widths).
 Math is Hugging Face's LlamaForCausalLM (RMSNorm, rotate-half RoPE, GQA, SiLU MLP) in float32
 accumulation (attention reads a 16-bit cache as it is and rounds its probabilities to that dtype
 for the product with the values, as flash attention does). Attention runs cuDNN's fused attention
-on a CUDA GPU with a 16-bit cache, XLA's elsewhere (`attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a
-clear error says so).
+on a CUDA GPU with a 16-bit cache (unless the model is split over a mesh), XLA's elsewhere
+(`attention_backend`, `JAX_LORA_ATTENTION`). Rope scaling variants are not implemented (a clear
+error says so).
 
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
 tokens' keys/values at (row, position) and attends, per query, to the row's positions <= its own.
@@ -187,9 +188,10 @@ class LlamaAttention(nnx.Module):
                 keys, values = k_cache[safe_rows], v_cache[safe_rows]         # (B, M, nkv, hd)
             key_pos = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
             kv = (k_cache, v_cache)
+        split = self.fused_shards > 1
         if s == 1 and kv is not None:
-            return self.o_proj(_decode_attention(q, keys, values, key_pos, positions, x.dtype)), kv
-        return self.o_proj(_prefill_attention(q, keys, values, key_pos, positions, x.dtype)), kv
+            return self.o_proj(_decode_attention(q, keys, values, key_pos, positions, x.dtype, split)), kv
+        return self.o_proj(_prefill_attention(q, keys, values, key_pos, positions, x.dtype, split)), kv
 
 
 ATTENTION_ENV = "JAX_LORA_ATTENTION"
@@ -197,15 +199,17 @@ ATTENTION_CHOICES = ("auto", "xla", "cudnn")
 _LOG = logging.getLogger("jax_lora")
 
 
-def attention_backend(q_dtype, kv_dtype, head_dim: int) -> tuple[str, str]:
+def attention_backend(q_dtype, kv_dtype, head_dim: int, tensor_parallel: bool = False) -> tuple[str, str]:
     """Which attention runs (decode and prefill), and why: ("cudnn" | "xla", reason).
 
     `JAX_LORA_ATTENTION` (read when a step is traced): "auto" (default) takes cuDNN's fused
     attention where it applies (JAX's default backend is a CUDA GPU with cuDNN, queries and cache
     in the same 16-bit dtype, head_dim a multiple of 8 and at most 256) and XLA's attention
     (`_decode_attention`, `_prefill_attention`) elsewhere; "xla" always the latter; "cudnn"
-    requires cuDNN and raises where it does not apply, naming the reason. The choice is logged
-    once per (choice, reason) on the `jax_lora` logger.
+    requires cuDNN and raises where it does not apply, naming the reason. A model split over a
+    mesh (`tensor_parallel`) takes XLA's under "auto": cuDNN's partitioning rules (queries, keys
+    and values sharded alike, the mask unsharded) have not run on several GPUs here; "cudnn"
+    forces it. The choice is logged once per (choice, reason) on the `jax_lora` logger.
 
     Llama-3-8B-shaped steps on the H200 (docs/benchmarks_model_step.md), XLA's / cuDNN's
     attention, 10 steps dispatched back to back: base step 1 row 5203 / 4670 us, 8 rows 6057 /
@@ -220,6 +224,9 @@ def attention_backend(q_dtype, kv_dtype, head_dim: int) -> tuple[str, str]:
         why_not = _cudnn_unavailable(q_dtype, kv_dtype, head_dim)
         if why_not and setting == "cudnn":
             raise ValueError(f"{ATTENTION_ENV}=cudnn, but cuDNN attention does not apply here: {why_not}")
+        if not why_not and setting == "auto" and tensor_parallel:
+            why_not = ("the model is split over a mesh (cuDNN attention under tensor parallelism is not verified on "
+                       "GPUs; JAX_LORA_ATTENTION=cudnn forces it)")
         choice = ("xla", f"auto: {why_not}") if why_not else ("cudnn", f"{setting}: cuDNN fused attention applies")
     _log_attention(*choice)
     return choice
@@ -244,19 +251,20 @@ def _cudnn_unavailable(q_dtype, kv_dtype, head_dim: int) -> str:
     return ""
 
 
-def _decode_attention(q, keys, values, key_pos, positions, dtype):
+def _decode_attention(q, keys, values, key_pos, positions, dtype, tensor_parallel=False):
     """One query per row against the cache, in the cache's own layout: (B, 1, nh, hd) queries,
     (B, M, nkv, hd) keys and values -> (B, 1, nh * hd). Query b attends to cache positions
     0..min(positions[b], M - 1) (`key_pos` is arange(M) per row).
 
     cuDNN (`attention_backend`): its fused attention with each row's key count
     min(positions + 1, M) as the padding mask; float32 softmax, probabilities rounded to the cache
-    dtype for the product with the values (flash attention's rounding). Otherwise multiply-and-reduce (XLA fuses each product into one pass over the cache,
-    widening to float32 in registers) rather than batched matrix products, which would need the
-    cache transposed to (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
+    dtype for the product with the values (flash attention's rounding). Otherwise
+    multiply-and-reduce (XLA fuses each product into one pass over the cache, widening to float32
+    in registers) rather than batched matrix products, which would need the cache transposed to
+    (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
     b, _, nh, hd = q.shape
     nkv, max_len = keys.shape[2], keys.shape[1]
-    backend, why = attention_backend(q.dtype, keys.dtype, hd)
+    backend, why = attention_backend(q.dtype, keys.dtype, hd, tensor_parallel)
     if backend == "cudnn":
         lengths = jnp.clip(positions[:, 0].astype(jnp.int32) + 1, 1, max_len)
         try:
@@ -276,22 +284,21 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype):
     return out.reshape(b, 1, nh * hd).astype(dtype)
 
 
-def _prefill_attention(q, keys, values, key_pos, positions, dtype):
+def _prefill_attention(q, keys, values, key_pos, positions, dtype, tensor_parallel=False):
     """Every query of a row against the row's keys: (B, S, nh, hd) queries at `positions` (B, S),
     (B, M, nkv, hd) keys and values at `key_pos` (B, M) -> (B, S, nh * hd). Query (b, s) attends to
     the keys m with key_pos[b, m] <= positions[b, s] (causal within a prompt; a chunk of a longer
     prompt also reads the earlier chunks' keys in the cache).
 
-    cuDNN (`attention_backend`): its fused (flash)
-    attention with that mask as a (B, 1, S, M) bias shared by the heads; the S x M scores stay on
-    chip. Otherwise two products under XLA, the float32 scores (B, nkv, g, S, M) materialised. Both
-    read q, keys and values in their own dtype and accumulate in float32 (a 16-bit cache is never
-    widened in memory); the probabilities are rounded to the values' dtype for the second product,
-    as flash attention does."""
+    cuDNN (`attention_backend`): its fused (flash) attention with that mask as a (B, 1, S, M) bias
+    shared by the heads; the S x M scores stay on chip. Otherwise two products under XLA, the
+    float32 scores (B, nkv, g, S, M) materialised. Both read q, keys and values in their own dtype
+    and accumulate in float32 (a 16-bit cache is never widened in memory); the probabilities are
+    rounded to the values' dtype for the second product, as flash attention does."""
     b, s, nh, hd = q.shape
     nkv = keys.shape[2]
     mask = key_pos[:, None, :] <= positions[:, :, None]                 # (B, S, M)
-    backend, why = attention_backend(q.dtype, keys.dtype, hd)
+    backend, why = attention_backend(q.dtype, keys.dtype, hd, tensor_parallel)
     if backend == "cudnn":
         try:
             out = jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], scale=1.0 / math.sqrt(hd),
