@@ -22,14 +22,14 @@ B, M, NH, NKV, HD = 5, 48, 8, 2, 64
 POSITIONS = np.array([0, 7, 47, 60, 23], np.int32)      # 60 >= M: the whole cache
 
 
-def _problem(seed=0):
+def _problem(seed=0, poison=(1e3, -1e3)):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, 1, NH, HD))
     k = rng.standard_normal((B, M, NKV, HD))
     v = rng.standard_normal((B, M, NKV, HD))
     for b, p in enumerate(POSITIONS):                    # unwritten cache: poison past the mask
-        k[b, p + 1:] = 1e3
-        v[b, p + 1:] = -1e3
+        k[b, p + 1:] = poison[0]
+        v[b, p + 1:] = poison[1]
     return q, k, v
 
 
@@ -63,6 +63,18 @@ def test_xla_decode_attention_matches_the_oracle(monkeypatch, dtype, tol):
     got = _run(q, k, v, dtype)
     assert np.isfinite(got).all()
     assert np.abs(got - ref).max() / np.abs(ref).max() < tol
+
+
+@pytest.mark.parametrize("poison", [(np.nan, np.nan), (np.inf, -np.inf)])
+def test_xla_decode_attention_keeps_non_finite_unread_entries_out(monkeypatch, poison):
+    """NaN or Inf past a row's position (what an earlier request may leave) never reaches the row's
+    result: masked scores are replaced and masked values zeroed (0 x NaN would be NaN)."""
+    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    q, k, v = _problem(poison=poison)
+    ref = _oracle(q, k, v)
+    got = _run(q, k, v, jnp.float32)
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
 
 
 def test_the_choice_is_checked_and_logged(monkeypatch, caplog):
@@ -134,7 +146,7 @@ S = 12
 PREFILL_START = np.array([0, 20, M - 4], np.int32)
 
 
-def _prefill_problem(seed=0):
+def _prefill_problem(seed=0, poison=(1e3, -1e3)):
     rng = np.random.default_rng(seed)
     rows = len(PREFILL_START)
     positions = PREFILL_START[:, None] + np.arange(S, dtype=np.int32)[None]      # (R, S)
@@ -143,8 +155,8 @@ def _prefill_problem(seed=0):
     v = rng.standard_normal((rows, M, NKV, HD))
     for r in range(rows):
         last = min(int(positions[r, -1]), M - 1)
-        k[r, last + 1:] = 1e3
-        v[r, last + 1:] = -1e3
+        k[r, last + 1:] = poison[0]
+        v[r, last + 1:] = poison[1]
     return q, k, v, positions
 
 
@@ -180,6 +192,16 @@ def test_xla_prefill_attention_matches_the_oracle(monkeypatch, dtype, tol):
     got = _run_prefill(q, k, v, positions, dtype)
     assert np.isfinite(got).all()
     assert np.abs(got - ref).max() / np.abs(ref).max() < tol
+
+
+@pytest.mark.parametrize("poison", [(np.nan, np.nan), (np.inf, -np.inf)])
+def test_xla_prefill_attention_keeps_non_finite_unread_entries_out(monkeypatch, poison):
+    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    q, k, v, positions = _prefill_problem(poison=poison)
+    ref = _prefill_oracle(q, k, v, positions)
+    got = _run_prefill(q, k, v, positions, jnp.float32)
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
 
 
 @pytest.mark.gpu
@@ -224,3 +246,46 @@ def test_cudnn_and_xla_attention_agree_in_a_model_step(monkeypatch):
     for g, r in zip(got, ref):
         assert np.isfinite(g).all()
         assert np.abs(g - r).max() / np.abs(r).max() < 3e-2
+
+
+def _tiny_model(dtype):
+    from flax import nnx
+    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return cfg, llama.LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("cudnn", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="JAX's default backend is not a GPU")])])
+def test_a_dirty_cache_row_does_not_reach_the_next_request(monkeypatch, backend):
+    """A row that an earlier request left full of NaN (and Inf in another row): a prompt prefilled
+    into it (rows given, as the serving loop does) and the decode steps after it give exactly what
+    they give on a zeroed cache. The prefill zeroes its rows past its last position; reads before
+    that never reach the stale entries."""
+    monkeypatch.setenv(llama.ATTENTION_ENV, backend)
+    dtype = jnp.bfloat16 if backend == "cudnn" else jnp.float32
+    cfg, model = _tiny_model(dtype)
+    rng = np.random.default_rng(4)
+    n_rows, max_len, s = 4, 32, 8
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, s)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (2, s))
+    rows = jnp.asarray([2, 0], jnp.int32)
+    steps = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, n_rows, 1)), jnp.int32)
+
+    def run(cache):
+        out = []
+        logits, cache = model(tokens, positions, cache=cache, rows=rows)
+        out.append(np.asarray(logits, np.float64))
+        for part in (cache.k, cache.v):                     # the prompt's rows: zero past its last position
+            for layer in part:
+                assert not np.asarray(layer[np.asarray(rows), s:], np.float64).any()
+        for i in range(3):                                  # decode every row, rows=None (in place)
+            pos = jnp.full((n_rows, 1), s + i, jnp.int32)
+            logits, cache = model(steps[i], pos, cache=cache)
+            out.append(np.asarray(logits, np.float64)[np.asarray(rows)])
+        return out
+    clean = llama.init_cache(cfg, n_rows, max_len, dtype)
+    dirty = llama.KVCache(*(tuple(c.at[2].set(jnp.nan).at[0].set(jnp.inf) for c in part) for part in (clean.k, clean.v)))
+    for got, ref in zip(run(dirty), run(clean)):
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, ref)

@@ -14,7 +14,9 @@ error says so).
 
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
 tokens' keys/values at (row, position) and attends, per query, to the row's positions <= its own.
-Writes to row index >= rows (padding) are dropped; nothing is ever read out of bounds.
+Writes to row index >= rows (padding) are dropped; nothing is ever read out of bounds. A prefill
+step (S > 1) also zeroes its rows' positions past its last one, so what an earlier request left in
+a row (NaN or Inf included) never reaches the next one's results.
 
 Tensor parallelism (`model.shard(mesh)`, `load_llama(..., mesh=mesh)`): `tp_plan()` names each
 layer's kind for jax_lora.parallel: qkv_proj and gate_up_proj column-parallel (each slice split on
@@ -177,6 +179,15 @@ class LlamaAttention(nnx.Module):
             if rows is None and n_rows < b:
                 raise ValueError(f"rows=None reads cache rows 0..{b - 1}, but the cache has {n_rows} rows")
             r = (jnp.arange(b, dtype=jnp.int32) if rows is None else rows)[:, None]
+            if s > 1:
+                # A prefill starts (or continues) a request in its rows: positions past the step's
+                # last hold no value of this request yet. They are zeroed, so that what a previous
+                # request left there (NaN or Inf included) never meets this request's masked-out
+                # probabilities (0 x NaN = NaN) in this step or its decode steps.
+                stale = jnp.arange(max_len, dtype=jnp.int32)[None, :] > positions.max(axis=1)[:, None]   # (B, M)
+                safe = jnp.minimum(r[:, 0], n_rows - 1)
+                k_cache = k_cache.at[r[:, 0]].set(jnp.where(stale[:, :, None, None], 0, k_cache[safe]), mode="drop")
+                v_cache = v_cache.at[r[:, 0]].set(jnp.where(stale[:, :, None, None], 0, v_cache[safe]), mode="drop")
             # Write first, then read: a query at position p only reads positions <= p, all written by
             # this request (prompt now or earlier steps). Padding rows (row >= n_rows) are dropped.
             k_cache = k_cache.at[r, positions].set(k.astype(k_cache.dtype), mode="drop")
@@ -261,7 +272,9 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype, tensor_paralle
     dtype for the product with the values (flash attention's rounding). Otherwise
     multiply-and-reduce (XLA fuses each product into one pass over the cache, widening to float32
     in registers) rather than batched matrix products, which would need the cache transposed to
-    (B, nkv, M, hd) first: a copy of the whole cache per layer and step."""
+    (B, nkv, M, hd) first: a copy of the whole cache per layer and step. XLA's path zeroes masked
+    values (non-finite values past a row's position do not reach its result); cuDNN's reads a
+    cache whose positions past each row's are finite, as the model's prefill leaves them."""
     b, _, nh, hd = q.shape
     nkv, max_len = keys.shape[2], keys.shape[1]
     backend, why = attention_backend(q.dtype, keys.dtype, hd, tensor_parallel)
@@ -280,7 +293,8 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype, tensor_paralle
     mask = key_pos <= positions                                              # (B, M)
     scores = jnp.where(mask[:, :, None, None], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=1)
-    out = jnp.sum(probs[..., None] * values[:, :, :, None, :].astype(jnp.float32), axis=1)   # (B, nkv, g, hd)
+    vals = jnp.where(mask[:, :, None, None], values.astype(jnp.float32), 0.0)   # masked: 0, never 0 x NaN
+    out = jnp.sum(probs[..., None] * vals[:, :, :, None, :], axis=1)         # (B, nkv, g, hd)
     return out.reshape(b, 1, nh * hd).astype(dtype)
 
 
@@ -308,6 +322,9 @@ def _prefill_attention(q, keys, values, key_pos, positions, dtype, tensor_parall
             if not why.startswith("auto"):
                 raise ValueError(f"{ATTENTION_ENV}=cudnn, but JAX refused cuDNN attention: {e}") from e
             _log_attention("xla", f"cuDNN attention refused by JAX: {e}", logging.WARNING)
+    # Keys past a row's last query position meet no query: their values are zeroed (a masked
+    # probability is 0, and 0 x NaN = NaN); their scores are replaced below.
+    values = jnp.where((key_pos <= positions.max(axis=1)[:, None])[:, :, None, None], values, 0)
     qk = jnp.promote_types(q.dtype, keys.dtype)
     qg = q.astype(qk).reshape(b, s, nkv, nh // nkv, hd)
     scores = jnp.einsum("bsngd,bmnd->bngsm", qg, keys.astype(qk),
