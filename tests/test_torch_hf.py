@@ -179,6 +179,8 @@ def test_target_module_selection_errors(llama):
         select_target_modules(model, r"model\.layers\.0\.mlp")
     with pytest.raises(TypeError, match="target_modules must be None, 'all-linear', a list"):
         select_target_modules(model, 3)
+    with pytest.raises(ValueError, match=r"\['qproj_typo'\] match no nn.Linear"):   # a typo among valid names
+        select_target_modules(model, ["q_proj", "qproj_typo"])
     assert set(select_target_modules(model, r".*\.1\.self_attn\.(q|v)_proj")) == {
         "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"}
     with pytest.raises(ValueError, match="max_rank must be an int > 0, got 0"):
@@ -235,6 +237,20 @@ def test_hot_swap_unload_and_unwrap(llama):
     plain = mm.unwrap()
     with torch.no_grad():
         assert _rel(plain(tokens).logits[0].numpy(), llama.alone("__base__", tokens[0])) < 1e-6
+    for closed in (lambda: mm(tokens, adapter_names=["__base__", "__base__"]),       # unwrapped: refused
+                   lambda: mm.generate(tokens, adapter_names=["__base__", "__base__"], max_new_tokens=1),
+                   lambda: mm.load_adapter("a", llama.dirs["a"]), lambda: mm.prepare_step(["__base__"], 4)):
+        with pytest.raises(ValueError, match="this MultiLoRAModel was unwrapped"):
+            closed()
+    again = MultiLoRAModel(plain, max_loras=2, max_rank=8, target_modules=ALL)   # the model can be wrapped again
+    again.load_adapter("b", llama.dirs["b"])
+    assert _rel(again(tokens, adapter_names=["b", "__base__"]).logits[0].numpy(), llama.alone("b", tokens[0])) < RTOL
+
+
+def test_a_model_is_wrapped_once(llama):
+    mm = llama.wrapped(adapters=("a",))
+    with pytest.raises(ValueError, match="already wrapped by a MultiLoRAModel .*unwrap"):
+        MultiLoRAModel(mm.model, max_loras=2, max_rank=8)
 
 
 def test_call_errors(llama):
@@ -242,6 +258,8 @@ def test_call_errors(llama):
     tokens = torch.randint(1, VOCAB, (2, 4))
     with pytest.raises(ValueError, match="adapter_names has 3 names, but the batch has 2 rows"):
         mm(tokens, adapter_names=["a", "a", "a"])
+    with pytest.raises(ValueError, match="adapter_names has 1 names, but the batch has 2 prompts"):
+        mm.generate(tokens, adapter_names=["a"], max_new_tokens=1)        # never repeated across prompts
     with pytest.raises(TypeError, match="adapter_names must be a list of adapter names"):
         mm(tokens, adapter_names="a")
     with pytest.raises(ValueError, match="other than '__base__'"):
@@ -351,3 +369,46 @@ def test_triton_kernels_match_peft(llama):
     for j, adapter in enumerate(rows):
         want = llama.alone(adapter, tokens[j])
         assert _rel(out[j], want) < RTOL and _rel(last[j], want[-1:]) < RTOL, (j, adapter)
+
+
+def test_group_terms_follow_an_input_changed_in_place():
+    """A group (q/k/v) computes its members' LoRA terms once per input; a module that changes its
+    input in place between the members' calls gets each member's term for the input it saw."""
+    from torch import nn
+    from lora_core.peft import LoraModule
+    from torch_lora import PeftAdapter
+
+    h, r = 8, 2
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+
+        def forward(self, input_ids=None):
+            x = input_ids
+            q = self.q_proj(x)
+            x.mul_(2.0)
+            return q + self.k_proj(x) + self.v_proj(x)
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    weights = {n: (rng.standard_normal((r, h)).astype(np.float32), rng.standard_normal((h, r)).astype(np.float32))
+               for n in ("q_proj", "k_proj", "v_proj")}
+    adapter = PeftAdapter(name="x", r=r, lora_alpha=float(r), use_rslora=False, target_modules=list(weights),
+                          modules={n: LoraModule(a, b, 1.0, "linear") for n, (a, b) in weights.items()})
+    model = Attn()
+    x = torch.randn(2, 3, h)
+
+    def term(name, inp):
+        a, b = (torch.as_tensor(w) for w in weights[name])
+        return getattr(model, name)(inp) + (inp @ a.T) @ b.T
+    with torch.no_grad():
+        want = term("q_proj", x) + term("k_proj", 2 * x) + term("v_proj", 2 * x)
+    mm = MultiLoRAModel(model, max_loras=1, max_rank=4, target_modules=list(weights))
+    assert list(mm.layers) == ["q_proj+k_proj+v_proj"]
+    mm.load_adapter("x", adapter)
+    mm.prepare_step(["x", "x"], 3)
+    with torch.no_grad():
+        got = model(input_ids=x.clone())
+    assert float((got - want).abs().max()) < 1e-4

@@ -61,6 +61,8 @@ from .wrapper import PunicaWrapper
 
 __all__ = ["BASE", "SHARED_INPUT_GROUPS", "MultiLoRAModel", "select_target_modules"]
 
+_WRAPPED_MARK = "_torch_lora_wrapped"     # set on a model while a MultiLoRAModel's hooks are on it
+
 BASE = "__base__"           # PEFT's name for "no adapter" in adapter_names
 
 # Sibling linears (same parent module) that a decoder computes from the same input, in slice order.
@@ -108,6 +110,12 @@ def select_target_modules(model: nn.Module, target_modules: Union[None, str, Seq
                                     "only nn.Linear and nn.Embedding modules can hold LoRA layers")
                 selected[name] = module
         what = repr(target_modules)
+        if selected and isinstance(patterns, tuple):              # each listed name must match (a typo among others)
+            unmatched = [t for t in patterns
+                         if not any(AdapterConfig(r=1, lora_alpha=1.0, target_modules=(t,)).targets(n) for n in selected)]
+            if unmatched:
+                raise ValueError(f"target_modules={what}: {unmatched} match no nn.Linear / nn.Embedding of "
+                                 f"{type(model).__name__}")
     if not selected:
         linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         raise ValueError(f"target_modules={what} matches no nn.Linear / nn.Embedding of {type(model).__name__} "
@@ -167,6 +175,9 @@ class MultiLoRAModel:
         _positive_int("max_rank", max_rank)
         _positive_int("max_num_tokens", max_num_tokens)
         _positive_int("max_num_seqs", max_num_seqs)
+        if getattr(model, _WRAPPED_MARK, False):
+            raise ValueError(f"this {type(model).__name__} is already wrapped by a MultiLoRAModel (its hooks would "
+                             "add that wrapper's adapters too): call its unwrap() first")
         targets = select_target_modules(model, target_modules)
         devices = {p.device for m in targets.values() for p in m.parameters(recurse=False)}
         if len(devices) != 1:
@@ -183,10 +194,12 @@ class MultiLoRAModel:
                                                                    else 0)
         self._hooks = [module.register_forward_hook(hook, with_kwargs=True) for module, hook in members]
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        setattr(model, _WRAPPED_MARK, True)
         self._ids: dict = {}                 # adapter name -> LoRA id
         self._next_id = 1
         self._rows: Optional[list] = None    # the names of the rows being served (None: caller-managed)
-        self._expand_rows = False
+        self._expand_rows = 1                # generate's rows per prompt (num_beams / num_return_sequences)
+        self._closed = False
 
     # -------------------------------------------------------------- wrapping
     def _build_layers(self, model: nn.Module, targets: dict) -> tuple:
@@ -239,11 +252,20 @@ class MultiLoRAModel:
         return {"dora": True, "base_weights": [m.weight for m in modules]} if self.dora else {}
 
     def unwrap(self) -> nn.Module:
-        """Removes every hook and returns the plain model (adapters no longer apply)."""
+        """Removes every hook and returns the plain model (adapters no longer apply). The wrapper
+        is then closed: serving or loading through it raises; the model can be wrapped again."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if getattr(self.model, _WRAPPED_MARK, False):
+            delattr(self.model, _WRAPPED_MARK)
+        self._closed = True
         return self.model
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this MultiLoRAModel was unwrapped: its hooks are gone and adapters would not apply "
+                             "(wrap the model again)")
 
     # -------------------------------------------------------------- adapters
     @property
@@ -256,6 +278,7 @@ class MultiLoRAModel:
         `name`. Loading a name again replaces its adapter (hot swap: the same slot gets the new
         weights, no CUDA graph needs re-capturing). A bad adapter raises AdapterError (a ValueError
         naming the file, tensor or module) and leaves every loaded adapter as it was."""
+        self._check_open()
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         if not name or name == BASE:
@@ -301,6 +324,7 @@ class MultiLoRAModel:
         device copy, no host sync). `__call__` and `generate` call it; call it yourself before a
         direct `model(...)` call or a CUDA graph replay.
         """
+        self._check_open()
         ids = self._lora_ids(adapter_names)
         s = _positive_int("num_tokens_per_row", num_tokens_per_row)
         if logits_per_row is None:
@@ -338,15 +362,16 @@ class MultiLoRAModel:
         batch, seq = int(ref.shape[0]), int(ref.shape[1])
         names = self._rows
         if len(names) != batch:
-            if self._expand_rows and batch % len(names) == 0:   # generate's num_return_sequences / beams
-                names = [n for n in names for _ in range(batch // len(names))]
+            if self._expand_rows > 1 and batch == len(names) * self._expand_rows:   # generate's beams / sequences
+                names = [n for n in names for _ in range(self._expand_rows)]
             else:
                 raise ValueError(f"adapter_names has {len(names)} names, but the batch has {batch} rows "
                                  "(one name per row)")
         self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq))
 
     @contextlib.contextmanager
-    def _serving(self, adapter_names, expand: bool):
+    def _serving(self, adapter_names, expand: int):
+        self._check_open()
         previous = (self._rows, self._expand_rows)
         self._lora_ids(adapter_names)                 # a bad name fails before the model runs
         self._rows, self._expand_rows = list(adapter_names), expand
@@ -363,7 +388,7 @@ class MultiLoRAModel:
         if adapter_names is None:
             ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
             adapter_names = [BASE] * (int(ref.shape[0]) if ref is not None else 0)
-        with torch.no_grad(), self._serving(adapter_names, expand=False):
+        with torch.no_grad(), self._serving(adapter_names, expand=1):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     def generate(self, input_ids: Optional[torch.Tensor] = None, adapter_names: Optional[Sequence[str]] = None,
@@ -371,11 +396,26 @@ class MultiLoRAModel:
         """The model's `generate` with row j served by adapter adapter_names[j] for the whole
         generation (rows expanded by num_return_sequences / num_beams keep their row's adapter).
         generate_kwargs go to transformers' generate (attention_mask, max_new_tokens, ...)."""
+        ref = input_ids if input_ids is not None else generate_kwargs.get("inputs_embeds")
+        prompts = int(ref.shape[0]) if ref is not None else 0
         if adapter_names is None:
-            ref = input_ids if input_ids is not None else generate_kwargs.get("inputs_embeds")
-            adapter_names = [BASE] * (int(ref.shape[0]) if ref is not None else 0)
-        with torch.no_grad(), self._serving(adapter_names, expand=True):
+            adapter_names = [BASE] * prompts
+        elif isinstance(adapter_names, (list, tuple)) and ref is not None and len(adapter_names) != prompts:
+            raise ValueError(f"adapter_names has {len(adapter_names)} names, but the batch has {prompts} prompts "
+                             "(one name per prompt)")
+        with torch.no_grad(), self._serving(adapter_names, expand=self._rows_per_prompt(generate_kwargs)):
             return self.model.generate(input_ids, **generate_kwargs)
+
+    def _rows_per_prompt(self, generate_kwargs: dict) -> int:
+        """The rows transformers' generate makes of each prompt: num_beams for beam search,
+        num_return_sequences otherwise (from the arguments, else the generation config)."""
+        config = generate_kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+
+        def setting(name):
+            value = generate_kwargs.get(name, getattr(config, name, None))
+            return int(value) if value is not None else 1
+        beams = setting("num_beams")
+        return beams if beams > 1 else setting("num_return_sequences")
 
     def __repr__(self) -> str:
         return (f"MultiLoRAModel({type(self.model).__name__}, max_loras={self.max_loras}, max_rank={self.max_rank}, "

@@ -133,7 +133,8 @@ class LoRALinear(_LoRALayer):
             self.register_buffer("dora_scale", torch.ones(max_loras, self.out_features, dtype=torch.float32,
                                                           device=device), persistent=False)
         self._stacks = None
-        self._pending = None          # [input, LoRA terms (..., out_features), members served, token scales]
+        self._pending = None          # [input, LoRA terms (..., out_features), members served, token scales,
+                                      #  the input's version counter when the terms were computed]
 
     def _check_base_weights(self, base_weights) -> tuple:
         want = [(n, self.in_features) for n in self.output_slices]
@@ -201,9 +202,11 @@ class LoRALinear(_LoRALayer):
                 out.add_(((1 - g) * bias.to(torch.float32)).view(out.shape))
             return out
         pending = self._pending
-        if pending is None or pending[0] is not x or member in pending[2]:
+        # The terms are reused only for the same, unmodified input (an in-place change to x between
+        # the members' calls bumps its version counter).
+        if pending is None or pending[0] is not x or pending[4] != x._version or member in pending[2]:
             pending = self._pending = [x, self.lora_terms(x, out.dtype), set(),
-                                       self._token_scales(punica) if self.dora else None]
+                                       self._token_scales(punica) if self.dora else None, x._version]
         off, width = self.offsets[member], self.output_slices[member]
         if pending[3] is None:
             out += pending[1][..., off:off + width]
