@@ -62,7 +62,7 @@ class PunicaWrapper:
         self.max_batches = int(max_batches)
         self.max_loras = int(max_loras)
         self.device = _resolve_device(device)
-        self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
+        self.backend = backend if backend is not None else dispatch.default_backend_name(self.device, log=True)
         dispatch.load_backend(self.backend)  # fail now, not at the first op
         self.deterministic = dispatch.check_deterministic(deterministic)
         self._layout = StepLayout(self.max_num_batched_tokens, self.max_batches, self.max_loras)

@@ -365,6 +365,22 @@ def test_bf16_layers_hold_the_adapter_in_their_dtype(tmp_path):
     assert layers["qkv"].lora_b_0.dtype == torch.bfloat16
 
 
+def test_factors_beyond_the_layers_dtype_are_refused(tmp_path):
+    """The scaling folded into lora_B can exceed float16's range (65504) where the adapter's own
+    float32 factors are finite: refused at load, naming the adapter, the layer and the dtype,
+    instead of serving infinities; the same adapter fits float32 layers."""
+    rng = np.random.default_rng(6)
+    d = str(tmp_path / "big")
+    save_peft_adapter(d, {MODULE["v_proj"]: (rng.normal(size=(1, H)), np.full((KV, 1), 20.0))}, r=1,
+                      lora_alpha=4096)                                 # B x scaling = 20 x 4096 = 81920
+    mgr = AdapterManager(_layers(slots=2, rank=4, dtype=torch.float16))
+    with pytest.raises(AdapterError, match=r"adapter 'big': the factors placed in 'qkv' reach 81920 .*beyond "
+                                           r"the largest torch.float16 value 65504"):
+        mgr.load(1, d)
+    assert mgr.registered == {}
+    AdapterManager(_layers(slots=2, rank=4)).load(1, d)
+
+
 # ----------------------------------------------------------------------------- CUDA: stream order
 
 @pytest.mark.gpu

@@ -82,3 +82,18 @@ def test_demo_arguments_are_checked(tmp_path, capsys):
     assert "torch-lora demo: error: give at least one adapter directory" in capsys.readouterr().err
     with pytest.raises(ValueError, match="num_requests must be an int >= 1, got 0"):
         cli.run_demo(num_requests=0)
+    with pytest.raises(ValueError, match="slots must be an int >= 1, got 0"):
+        cli.run_demo(slots=0)
+    if not torch.cuda.is_available():
+        assert cli.main(["demo", "--device", "cuda"]) == 2
+        assert "torch-lora demo: error: device 'cuda', but this torch sees no CUDA device" in capsys.readouterr().err
+    assert cli.main(["demo", "--device", "gpu0"]) == 2
+    assert "torch-lora demo: error: device 'gpu0'" in capsys.readouterr().err
+
+
+def test_batches_hold_at_most_the_slots_adapters():
+    reqs = [(i, name, [1]) for i, name in enumerate(["a", "__base__", "b", "c", "a", "__base__", "c", "b"])]
+    cut = cli.batches(reqs, batch_size=8, max_adapters=2)
+    assert [[r[1] for r in b] for b in cut] == [["a", "__base__", "b"], ["c", "a", "__base__", "c"], ["b"]]
+    assert [len(b) for b in cli.batches(reqs, batch_size=3)] == [3, 3, 2]
+    assert sum(cli.batches(reqs, batch_size=1, max_adapters=1), []) == reqs

@@ -100,3 +100,18 @@ def test_per_step_checks_still_run_on_the_cached_path():
     small_b = tuple(t[:2] for t in b)
     with pytest.raises(ValueError, match=r"mapping uses slot 2"):
         w.add_lora_linear(torch.zeros(1, 12), torch.randn(1, 16), small_a, small_b, None, 1.0, (8, 4))
+
+
+def test_the_default_backend_is_said_once(caplog):
+    """A wrapper built without `backend=` says which backend the device's default picked (once per
+    backend and device, however many wrappers), as the ops do."""
+    import logging
+
+    from torch_lora.ops import dispatch
+    dispatch._REGISTRY.log_choice.cache_clear()
+    with caplog.at_level(logging.INFO, logger="torch_lora"):
+        for _ in range(3):
+            w = torch_lora.PunicaWrapper(8, 4, "cpu", max_loras=3)
+    assert w.backend == "torch"
+    said = [r.getMessage() for r in caplog.records if r.name == "torch_lora"]
+    assert said == ["backend 'torch' on cpu (the device's default)"]

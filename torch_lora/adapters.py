@@ -219,10 +219,17 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
             arrays[path] = [A, B]
         ranks[path] = max(ranks[path], rank)
     for path, parts in arrays.items():
+        limit = torch.finfo(_layer_dtype(layers[path])).max
         for array in parts:
             if not np.all(np.isfinite(array)):
                 raise AdapterError(f"adapter {adapter.name!r}: the factors placed in {path!r} hold NaN or infinite "
                                    "values")
+            largest = float(np.abs(array).max()) if array.size else 0.0
+            if largest > limit:
+                raise AdapterError(f"adapter {adapter.name!r}: the factors placed in {path!r} reach {largest:.6g} "
+                                   f"(lora_B with the scaling lora_alpha / r folded in), beyond the largest "
+                                   f"{_layer_dtype(layers[path])} value {limit:.6g}: they would be infinite in the "
+                                   "layer's dtype")
     scales = dora_scales(layers, adapter)
     for path, g in scales.items():
         if not np.all(np.isfinite(g)):

@@ -89,9 +89,27 @@ def _batch_inputs(prompts: Sequence[list], device, pad_id: int) -> tuple:
     return ids.to(device), mask.to(device)
 
 
+def batches(requests: Sequence[tuple], batch_size: int, max_adapters: int | None = None) -> list:
+    """The requests (id, adapter name, prompt) in order, cut into batches of at most batch_size
+    requests and at most max_adapters distinct adapters (BASE takes no slot; None: no limit)."""
+    out, current, names = [], [], set()
+    for req in requests:
+        name = req[1]
+        grows = name != BASE and name not in names
+        if current and (len(current) == batch_size or (grows and max_adapters is not None
+                                                        and len(names) == max_adapters)):
+            out.append(current)
+            current, names = [], set()
+        current.append(req)
+        if name != BASE:
+            names.add(name)
+    return out + ([current] if current else [])
+
+
 def serve(generate, requests: Sequence[tuple], *, device, batch_size: int, max_new_tokens: int, pad_id: int,
-          say=None) -> tuple:
-    """Serves `requests` in batches; returns ({request id: (new tokens, logits (new, vocab) float32 on
+          say=None, max_adapters: int | None = None) -> tuple:
+    """Serves `requests` in batches (`batches`: at most batch_size requests and max_adapters
+    distinct adapters each); returns ({request id: (new tokens, logits (new, vocab) float32 on
     the CPU)}, seconds, generated tokens).
 
     generate(input_ids, attention_mask, adapter_names, **generate_kwargs): `MultiLoRAModel.generate`,
@@ -103,8 +121,7 @@ def serve(generate, requests: Sequence[tuple], *, device, batch_size: int, max_n
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    for b in range(0, len(requests), batch_size):
-        batch = requests[b:b + batch_size]
+    for number, batch in enumerate(batches(requests, batch_size, max_adapters), 1):
         ids, mask = _batch_inputs([p for _, _, p in batch], device, pad_id)
         names = [name for _, name, _ in batch]
         t0 = time.perf_counter()
@@ -117,7 +134,7 @@ def serve(generate, requests: Sequence[tuple], *, device, batch_size: int, max_n
         generated += len(batch) * max_new_tokens
         if say is not None:
             used = sorted({n for n in names if n != BASE})
-            say(f"  batch {b // batch_size + 1}: {len(batch)} requests, adapters {used or '-'}, "
+            say(f"  batch {number}: {len(batch)} requests, adapters {used or '-'}, "
                 f"{time.perf_counter() - t0:.2f}s")
     sync()
     return out, time.perf_counter() - start, generated
@@ -183,7 +200,15 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
                         ("max_new_tokens", max_new_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if slots is not None and (not isinstance(slots, int) or slots < 1):
+        raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r}: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}, but this torch sees no CUDA device (torch.cuda.is_available() "
+                         "is False)")
     tmp = None
     try:
         if model_dir is None:
@@ -217,7 +242,7 @@ def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new
         adapters[name if name not in adapters else f"{name}-{len(adapters)}"] = load_peft_adapter(d)
     targets = sorted({m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules})
     max_rank = max(a.max_rank for a in adapters.values())
-    num_slots = slots or len(adapters) + 1
+    num_slots = len(adapters) + 1 if slots is None else slots
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     cfg = model.config
     mm = MultiLoRAModel(model, max_loras=num_slots, max_rank=max_rank, target_modules=targets,
@@ -248,7 +273,7 @@ def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new
         with torch.no_grad():
             return reference.generate(ids, attention_mask=mask, **kw)
 
-    kw = dict(device=device, batch_size=batch_size, pad_id=pad_id)
+    kw = dict(device=device, batch_size=batch_size, pad_id=pad_id, max_adapters=num_slots)
     warm = requests[:min(batch_size, len(requests))]
     serve(lora_generate, warm, max_new_tokens=2, **kw)                 # warm-up (kernels, allocator)
     serve(plain_generate, warm, max_new_tokens=2, **kw)
@@ -297,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--batch-size", type=int, default=8, help="requests per batch (default 8)")
     demo.add_argument("--max-new-tokens", type=int, default=8)
     demo.add_argument("--slots", type=int, default=None, help="adapter slots (default: adapters + 1; fewer "
-                                                              "exercises LRU eviction)")
+                                                              "exercises LRU eviction; a batch holds at most this "
+                                                              "many adapters)")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     demo.add_argument("--backend", default=None, help="force the wrapper's backend (torch, triton)")
     demo.add_argument("--seed", type=int, default=0)
@@ -308,6 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         max_new_tokens=args.max_new_tokens, slots=args.slots, device=args.device,
                         backend=args.backend, seed=args.seed)
     except (AdapterError, ValueError, FileNotFoundError, OSError) as e:
+        print(f"torch-lora demo: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:         # a backend that cannot run here (e.g. Triton on the CPU without its interpreter)
         print(f"torch-lora demo: error: {e}", file=sys.stderr)
         return 2
 

@@ -50,7 +50,7 @@ class PunicaWrapper:
         self.max_batches = b = int(max_batches)
         self.max_loras = int(max_loras)
         self.device = torch.device(device if device is not None else "cpu")
-        self.backend = backend if backend is not None else dispatch.default_backend_name(self.device)
+        self.backend = backend if backend is not None else dispatch.default_backend_name(self.device, log=True)
         dispatch.check_backend_device(self.backend, self.device)
         self._impl = dispatch.load_backend(self.backend)
         self.deterministic = dispatch.check_deterministic(deterministic)

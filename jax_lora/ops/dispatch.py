@@ -57,14 +57,18 @@ def platform_of(device) -> str:
     return getattr(device, "platform", "cpu")
 
 
-def default_backend_name(device=None) -> str:
+def default_backend_name(device=None, *, log: bool = False) -> str:
+    """The platform's default backend (xla where its kernels cannot run, said as a fallback).
+    log=True says the choice once on the `jax_lora` logger."""
     platform = platform_of(device)
     name = _DEVICE_DEFAULT.get(platform, "xla")
     if name != "xla":
         try:
             load_backend(name)
         except RuntimeError as e:
-            return _REGISTRY.fallback(name, "xla", platform, e)
+            name = _REGISTRY.fallback(name, "xla", platform, e)
+    if log:
+        _REGISTRY.log_choice(name, platform, "the device's default")
     return name
 
 
@@ -74,9 +78,7 @@ def resolve(backend: Optional[str], device=None, *, deterministic: bool = False)
     if backend is not None:
         impl = load_backend(backend)
     else:
-        name = default_backend_name(device)
-        _REGISTRY.log_choice(name, platform_of(device), "the device's default")
-        impl = load_backend(name)
+        impl = load_backend(default_backend_name(device, log=True))
     return deterministic_impl(impl) if check_deterministic(deterministic) else impl
 
 

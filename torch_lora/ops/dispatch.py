@@ -47,15 +47,20 @@ def load_backend(name: str):
     return _REGISTRY.load(name)
 
 
-def default_backend_name(device) -> str:
+def default_backend_name(device, *, log: bool = False) -> str:
+    """The device's default backend: triton on CUDA (torch where Triton cannot run, said as a
+    fallback), torch elsewhere. log=True says the choice once on the `torch_lora` logger."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    name = "torch"
     if dev.type == "cuda":
         try:
             load_backend("triton")
-            return "triton"
+            name = "triton"
         except RuntimeError as e:
-            return _REGISTRY.fallback("triton", "torch", "cuda", e)
-    return "torch"
+            name = _REGISTRY.fallback("triton", "torch", "cuda", e)
+    if log:
+        _REGISTRY.log_choice(name, dev.type, "the device's default")
+    return name
 
 
 def check_backend_device(name: str, device) -> None:
@@ -66,10 +71,8 @@ def check_backend_device(name: str, device) -> None:
 
 
 def resolve(backend: Optional[str], device, *, deterministic: bool = False):
-    name = backend if backend is not None else default_backend_name(device)
+    name = backend if backend is not None else default_backend_name(device, log=True)
     check_backend_device(name, device)
-    if backend is None:
-        _REGISTRY.log_choice(name, torch.device(device).type if device is not None else "cpu", "the device's default")
     impl = load_backend(name)
     return deterministic_impl(impl) if check_deterministic(deterministic) else impl
 
