@@ -5,7 +5,9 @@ on the host and without any framework:
 
   registry     LoRA id (int > 0) -> its source (a PEFT directory or a `PeftAdapter`) and name;
   host cache   LoRA id -> the adapter prepared for the slots (the framework's layout), LRU,
-               at most `host_cache_size` entries (a reload then skips the disk);
+               at most `host_cache_size` entries (a reload then skips the disk; a reload from a
+               directory whose files changed since registration raises AdapterError instead of
+               serving other weights under the same id);
   slot table   slot -> LoRA id or None (`lora_index_to_id`, the wrapper's table), with the slots'
                use in LRU order.
 
@@ -30,7 +32,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .peft import PeftAdapter
+from .peft import AdapterError, PeftAdapter
 
 __all__ = ["SlotTable"]
 
@@ -44,6 +46,7 @@ class SlotTable:
         self.num_slots = int(num_slots)
         self.host_cache_size = host_cache_size
         self._sources: dict = {}                        # id -> directory or PeftAdapter
+        self._stamps: dict = {}                         # id -> its directory's file stamps at registration
         self._names: dict = {}
         self._ranks: dict = {}                          # id -> the adapter's largest rank
         self._host: collections.OrderedDict = collections.OrderedDict()    # id -> prepared (LRU)
@@ -78,6 +81,7 @@ class SlotTable:
         self._count_prepare(src)
         self._ranks[lora_id] = self._largest_rank(prepared)
         self._sources[lora_id] = src
+        self._stamps[lora_id] = _file_stamps(src)
         self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter)
                                         else os.path.basename(os.path.normpath(src)))
         self._host.pop(lora_id, None)
@@ -89,7 +93,7 @@ class SlotTable:
     def unregister(self, lora_id: int) -> None:
         """Frees the adapter's slot (zeroed) and forgets it."""
         self.unload(lora_id)
-        for table in (self._sources, self._names, self._ranks, self._host):
+        for table in (self._sources, self._stamps, self._names, self._ranks, self._host):
             table.pop(lora_id, None)
 
     @property
@@ -196,4 +200,24 @@ class SlotTable:
         the caller updates the cache and the counters once every adapter of the batch is prepared."""
         if lora_id in self._host:
             return self._host[lora_id], True
-        return self._prepare_uncounted(self._sources[lora_id]), False
+        src = self._sources[lora_id]
+        if _file_stamps(src) != self._stamps.get(lora_id):
+            raise AdapterError(f"adapter {self._names[lora_id]!r} (LoRA id {lora_id}): the files in {src!r} changed "
+                               "since it was registered; register it again to serve the new files")
+        return self._prepare_uncounted(src), False
+
+
+def _file_stamps(src) -> Optional[tuple]:
+    """(name, size, modification time in ns) of the files directly in a source directory, sorted;
+    None for a PeftAdapter (held in memory) or a directory that cannot be listed."""
+    if isinstance(src, PeftAdapter):
+        return None
+    try:
+        stamps = []
+        for entry in os.scandir(src):
+            if entry.is_file():
+                st = entry.stat()
+                stamps.append((entry.name, st.st_size, st.st_mtime_ns))
+        return tuple(sorted(stamps))
+    except OSError:
+        return None

@@ -187,22 +187,25 @@ def test_a_failed_load_in_activate_changes_nothing(tmp_path):
     with open(files[2], "wb") as f:
         f.write(good[2][:-9])                               # truncated after registration
     before = state()
-    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+    with pytest.raises(AdapterError, match=r"adapter 'a2' \(LoRA id 3\): the files in .* changed since it was "
+                                           "registered"):
         mgr.activate([3])
     same(before, state())
     with open(files[2], "wb") as f:
         f.write(good[2])
+    mgr.register(3, paths[2])                               # changed files are served once registered again
     assert mgr.activate([2, 3]) == [3, 2]                   # evicts 1, the least recently used
     # Several adapters at once: one that loads and one that fails; neither is placed, none evicted.
     mgr.register(4, paths[3])
     with open(files[0], "wb") as f:
         f.write(b"garbage")
     before = state()
-    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+    with pytest.raises(AdapterError, match="changed since it was registered"):
         mgr.activate([4, 1])
     same(before, state())
     with open(files[0], "wb") as f:
         f.write(good[0])
+    mgr.register(1, paths[0])
     assert mgr.activate([4, 1]) == [1, 4]                   # 4 evicts 2, then 1 evicts 3
     assert mgr.stats["evictions"] == 3
 

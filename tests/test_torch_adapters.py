@@ -10,6 +10,7 @@ import math
 import os
 import pathlib
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -327,7 +328,7 @@ def test_a_failed_reload_in_activate_changes_nothing(tmp_path):
         f.write("{")
     mgr.register(2, paths[2])                          # refreshes the cache: 3 is no longer cached
     state = (mgr.lora_index_to_id, dict(mgr.stats), list(mgr._slot_use))
-    with pytest.raises(AdapterError, match="malformed JSON"):
+    with pytest.raises(AdapterError, match="changed since it was registered"):
         mgr.activate([1, 3])
     assert (mgr.lora_index_to_id, dict(mgr.stats), list(mgr._slot_use)) == state
     assert _run(layers, mgr, [1, 2], paths) < 1e-5
@@ -409,3 +410,27 @@ def test_cuda_uploads_wait_for_the_step_in_flight_and_the_next_step_waits_for_th
     np.testing.assert_array_equal(during.cpu().numpy(), a_old)
     np.testing.assert_array_equal(after.cpu().numpy(), a_new)
     assert layers["qkv"].lora_a.data_ptr() == ptr
+
+
+def test_a_reload_from_changed_files_is_refused(tmp_path):
+    """An adapter evicted from the host cache is read again from its directory when it comes back:
+    if the files changed since registration, that raises (naming the adapter and the directory)
+    instead of serving other weights under the same id, and changes nothing; registering again
+    takes the new files."""
+    layers = _layers(slots=1, rank=8)
+    mgr = AdapterManager(layers, host_cache_size=1)
+    a = _write(tmp_path, "a", 4, seed=1)
+    mgr.register(1, a)
+    mgr.register(2, _write(tmp_path, "b", 4, seed=2))          # host cache of 1: adapter 1 leaves it
+    mgr.activate([2])
+    shutil.rmtree(a)
+    _write(tmp_path, "a", 8, seed=3)                           # other weights in the same directory
+    before = [t.clone() for t in layers["qkv"].buffers()]
+    with pytest.raises(AdapterError, match=r"adapter 'a' \(LoRA id 1\): the files in .* changed since it was "
+                                           r"registered; register it again"):
+        mgr.activate([1])
+    assert mgr.lora_index_to_id == [2]
+    assert all(torch.equal(x, y) for x, y in zip(layers["qkv"].buffers(), before))
+    mgr.register(1, a)
+    mgr.activate([1])
+    assert _run(layers, mgr, [1, 0], {1: a}) < 1e-5
