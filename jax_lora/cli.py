@@ -395,6 +395,8 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
                         ("max_seqs", max_seqs), ("slots", 1 if slots is None else slots)):
         if int(value) < 1:
             raise DemoError(f"{name} must be a positive integer, got {value}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise DemoError(f"seed must be an integer in 0..2**32 - 1, got {seed!r}")
     if model_dir is not None and not adapter_dirs:
         raise DemoError("give at least one adapter directory after MODEL_DIR")
     if model_dir is not None and not os.path.isdir(model_dir):
@@ -443,6 +445,9 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
         else:
             requests = _demo_requests(model.config.vocab_size, ids, num_requests, max_new_tokens, seed)
         longest = max(len(r.prompt) for r in requests)
+        if longest + max_new_tokens > model.config.max_position_embeddings:
+            raise DemoError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                            f"model's max_position_embeddings={model.config.max_position_embeddings}")
         max_len = max(64, 16 + max_new_tokens, longest + max_new_tokens)
         prefill_tokens = max(512, 1 << (max(longest, 16) - 1).bit_length())
         mesh = _tp_mesh(tp)

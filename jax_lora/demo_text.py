@@ -24,6 +24,8 @@ def checkpoint_dtype(model_dir: str) -> str | None:
             cfg = json.load(f)
     except (OSError, ValueError):
         return None                               # load_llama reports the problem
+    if not isinstance(cfg, dict):
+        return None                               # (load_llama again)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     return dtype if dtype in DTYPES else None
 

@@ -70,6 +70,10 @@ class Completion:
     logits: np.ndarray | None = None
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 @dataclasses.dataclass
 class _Seq:
     req: Request
@@ -124,6 +128,13 @@ class ServingEngine:
                  max_len: int = 256, max_prefill_tokens: int = 512, min_prefill_len: int = 16,
                  min_prefill_rows: int = MIN_NUM_SEQS, keep_logits: bool = False, backend: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, tp_axis: str = "tp", deterministic: bool = False):
+        if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a jax_lora.models LlamaForCausalLM (an nnx.Module with a config), got "
+                            f"{type(model).__name__}")
+        for name, value in (("max_seqs", max_seqs), ("max_len", max_len), ("max_prefill_tokens", max_prefill_tokens),
+                            ("min_prefill_len", min_prefill_len), ("min_prefill_rows", min_prefill_rows)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if adapters is not None and adapters.model is not model:
             raise ValueError("adapters must be the AdapterManager of this model")
         self.model = model
@@ -155,7 +166,7 @@ class ServingEngine:
         self._state_def = self._jit_step = None
         self._set_state(state)
         self._state_version = adapters.version if adapters is not None else 0
-        self.cache = init_cache(self.config, self.max_seqs, self.max_len, sharding=cache_sharding)
+        self.cache = init_cache(self.config, self.max_seqs, self.max_len, model.cache_dtype(), sharding=cache_sharding)
         capacity = max(self.max_prefill_tokens, self.max_seqs)
         self.punica = None
         if adapters is not None:
@@ -207,11 +218,25 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ checks
     def _check(self, reqs: Sequence[Request], use_lora: bool) -> None:
+        """Every request's fields, before anything runs: a ValueError / TypeError naming the request
+        and the field (an int field takes Python or NumPy integers, never bools or floats)."""
         vocab = self.config.vocab_size
         for i, r in enumerate(reqs):
-            n = len(r.prompt)
+            if not isinstance(r, Request):
+                raise TypeError(f"request {i}: expected a jax_lora.serving.Request, got {type(r).__name__}")
+            if isinstance(r.prompt, (str, bytes)) or not isinstance(r.prompt, (Sequence, np.ndarray)):
+                raise TypeError(f"request {i}: prompt must be a sequence of token ids, got {type(r.prompt).__name__}")
+            p = np.asarray(r.prompt)
+            if p.ndim != 1 or (p.size and (p.dtype == np.bool_ or not np.issubdtype(p.dtype, np.integer))):
+                raise TypeError(f"request {i}: prompt must be a 1-D sequence of integer token ids, got dtype "
+                                f"{p.dtype} and shape {p.shape}")
+            n = len(p)
             if n == 0:
                 raise ValueError(f"request {i}: empty prompt")
+            if p.min() < 0 or p.max() >= vocab:
+                raise ValueError(f"request {i}: token ids must be in [0, {vocab}), got {p.min()}..{p.max()}")
+            if not _is_int(r.max_new_tokens):
+                raise TypeError(f"request {i}: max_new_tokens must be an int, got {r.max_new_tokens!r}")
             if r.max_new_tokens < 1:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
             if n + r.max_new_tokens > self.max_len:
@@ -220,12 +245,15 @@ class ServingEngine:
             if self._bucket_len(n) > self.max_prefill_tokens:
                 raise ValueError(f"request {i}: prompt of {n} tokens does not fit max_prefill_tokens="
                                  f"{self.max_prefill_tokens}")
-            p = np.asarray(r.prompt)
-            if p.min() < 0 or p.max() >= vocab:
-                raise ValueError(f"request {i}: token ids must be in [0, {vocab}), got {p.min()}..{p.max()}")
+            if r.eos_token_id is not None and not (_is_int(r.eos_token_id) and 0 <= r.eos_token_id < vocab):
+                raise ValueError(f"request {i}: eos_token_id must be None or a token id in [0, {vocab}), got "
+                                 f"{r.eos_token_id!r}")
+            if r.lora_id is not None and not _is_int(r.lora_id):
+                raise TypeError(f"request {i}: lora_id must be None or an int (0: no adapter), got {r.lora_id!r}")
             if use_lora and r.lora_id:
                 if self.adapters is None:
-                    raise ValueError(f"request {i} names adapter {r.lora_id} but the engine has no adapters")
+                    raise ValueError(f"request {i} names adapter {r.lora_id} but the engine has no adapters "
+                                     "(generate(..., use_lora=False) serves every request with the base model)")
                 if r.lora_id not in self.adapters.registered:
                     raise ValueError(f"request {i}: LoRA id {r.lora_id} is not registered "
                                      f"(registered: {sorted(self.adapters.registered)})")
@@ -298,8 +326,8 @@ class ServingEngine:
         adapters" baseline). progress(done, total) is called as requests finish.
         """
         reqs = list(requests)
+        self._check(reqs, bool(use_lora))
         use_lora = bool(use_lora and self.adapters is not None)
-        self._check(reqs, use_lora)
         waiting = collections.deque(range(len(reqs)))
         by_row: list = [None] * self.max_seqs
         done: dict = {}

@@ -34,7 +34,9 @@ import numpy as np
 
 from .peft import AdapterError, PeftAdapter
 
-__all__ = ["SlotTable"]
+__all__ = ["MAX_LORA_ID", "SlotTable"]
+
+MAX_LORA_ID = 2**63 - 1            # the largest id a wrapper's int64 slot table holds
 
 
 class SlotTable:
@@ -70,8 +72,10 @@ class SlotTable:
         """Makes `lora_id` name `adapter`, read and checked now. Re-registering an id hot-swaps it:
         when it is in a slot, the same slot gets the new weights. A bad adapter raises AdapterError
         and changes nothing (the id keeps its previous adapter, if any)."""
-        if not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or lora_id <= 0:
-            raise ValueError(f"lora_id must be an int > 0 (0 means no adapter), got {lora_id!r}")
+        if (not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or lora_id <= 0
+                or lora_id > MAX_LORA_ID):
+            raise ValueError(f"lora_id must be an int in 1..2**63 - 1 (0 means no adapter; the wrappers' slot "
+                             f"tables hold int64 ids), got {lora_id!r}")
         if not isinstance(adapter, (PeftAdapter, str, os.PathLike)):
             raise TypeError(f"adapter must be a PEFT adapter directory (str or os.PathLike) or a PeftAdapter, got "
                             f"{type(adapter).__name__}")

@@ -155,8 +155,11 @@ def test_manager_slots_lru_and_host_cache(tmp_path):
         mgr.activate([1, 2, 3])
     with pytest.raises(ValueError, match="not registered"):
         mgr.activate([9])
-    with pytest.raises(ValueError, match="lora_id must be an int > 0"):
-        mgr.register(0, paths[0])
+    for bad in (0, 2**63, np.uint64(2**63)):             # 2**63: past the wrappers' int64 slot tables
+        with pytest.raises(ValueError, match=r"lora_id must be an int in 1\.\.2\*\*63 - 1"):
+            mgr.register(bad, paths[0])
+    mgr.register(2**63 - 1, paths[0])
+    assert 2**63 - 1 in mgr.activate([2**63 - 1])
 
 
 def test_a_failed_load_in_activate_changes_nothing(tmp_path):

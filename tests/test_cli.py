@@ -165,6 +165,34 @@ def test_a_bad_model_directory_is_a_one_line_error(capsys, tmp_path, assets):
     assert status == 2 and "has no model.safetensors" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("edit, expected", [
+    (lambda cfg: [], "a Llama config must be a JSON object, got list"),
+    (lambda cfg: {**cfg, "num_attention_heads": 0}, "LlamaConfig.num_attention_heads must be an int >= 1, got 0"),
+    (lambda cfg: {**cfg, "hidden_size": "64"}, "LlamaConfig.hidden_size must be an int >= 1, got '64'"),
+    (lambda cfg: {**cfg, "vocab_size": None}, "LlamaConfig.vocab_size must be an int >= 1, got None"),
+    (lambda cfg: {**cfg, "rope_scaling": "linear"}, "rope_scaling must be null or an object, got 'linear'"),
+    (lambda cfg: {**cfg, "rms_norm_eps": "x"}, "LlamaConfig.rms_norm_eps must be a positive finite number"),
+])
+def test_a_bad_model_config_is_a_one_line_error(capsys, tmp_path, assets, edit, expected):
+    model_dir, adapter_dirs = assets
+    broken = tmp_path / "model"
+    shutil.copytree(model_dir, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(edit(cfg)))
+    status, err = _exit_status(capsys, ["demo", str(broken), adapter_dirs[0]])
+    assert status == 2 and expected in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["demo", "--seed", "-1"], "seed must be an integer in 0..2**32 - 1, got -1"),
+    (["demo", "--seed", "99999999999999999999"], "seed must be an integer in 0..2**32 - 1"),
+    (["demo", "--max-new-tokens", "99999999999"], "exceeds the model's max_position_embeddings=256"),
+])
+def test_out_of_range_numbers_are_one_line_errors(capsys, argv, expected):
+    status, err = _exit_status(capsys, argv)
+    assert status == 2 and expected in err and "Traceback" not in err, err
+
+
 def test_prompt_needs_the_checkpoints_tokenizer(capsys, assets):
     model_dir, adapter_dirs = assets                        # save_llama writes no tokenizer
     status, err = _exit_status(capsys, ["demo", model_dir, adapter_dirs[0], "--prompt", "hello"])

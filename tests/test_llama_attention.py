@@ -289,3 +289,16 @@ def test_a_dirty_cache_row_does_not_reach_the_next_request(monkeypatch, backend)
     for got, ref in zip(run(dirty), run(clean)):
         assert np.isfinite(got).all()
         np.testing.assert_array_equal(got, ref)
+
+
+def test_negative_rows_are_padding():
+    """A row index < 0 writes nowhere (as one >= the cache's rows), never into the last rows."""
+    cfg, model = _tiny_model(jnp.float32)
+    cache = llama.init_cache(cfg, 3, 16, jnp.float32)
+    tokens = jnp.ones((2, 4), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    _, cache = model(tokens, positions, cache=cache, rows=jnp.asarray([-1, 1], jnp.int32))
+    for part in (cache.k, cache.v):
+        for layer in part:
+            layer = np.asarray(layer)
+            assert layer[1, :4].any() and not layer[0].any() and not layer[2].any()

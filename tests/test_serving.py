@@ -158,6 +158,53 @@ def test_request_errors(served):
         engine.generate([Request([1, 9999], None)])
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([Request([], None)])
+    # Every field is checked by type too, naming the request and the field, before anything runs
+    # (a NaN max_new_tokens once passed the range checks and decoded forever).
+    bad = [(Request([1], max_new_tokens=float("nan")), TypeError, "request 0: max_new_tokens must be an int"),
+           (Request([1], max_new_tokens=2.5), TypeError, "max_new_tokens must be an int"),
+           (Request([1], max_new_tokens=True), TypeError, "max_new_tokens must be an int"),
+           (Request([1.7, 2.2]), TypeError, "prompt must be a 1-D sequence of integer token ids"),
+           (Request("abc"), TypeError, "prompt must be a sequence of token ids, got str"),
+           (Request(None), TypeError, "prompt must be a sequence of token ids, got NoneType"),
+           (Request([[1, 2]]), TypeError, "prompt must be a 1-D sequence"),
+           (Request([1], lora_id=True), TypeError, "lora_id must be None or an int"),
+           (Request([1], lora_id=1.0), TypeError, "lora_id must be None or an int"),
+           (Request([1], eos_token_id=-1), ValueError, "eos_token_id must be None or a token id in"),
+           ([1, 2], TypeError, "request 0: expected a jax_lora.serving.Request, got list")]
+    for req, kind, message in bad:
+        with pytest.raises(kind, match=message):
+            engine.generate([req])
+    assert engine.generate([Request(np.array([1, 2]), np.int64(1), max_new_tokens=np.int32(2))])[0].tokens
+
+
+def test_engine_arguments_and_an_adapterless_engine(served):
+    engine, base = served[0], served[1]
+    for kw, message in ((dict(max_seqs=0), "max_seqs must be an int >= 1, got 0"),
+                        (dict(max_len=-5), "max_len must be an int >= 1, got -5"),
+                        (dict(max_seqs="4"), "max_seqs must be an int >= 1, got '4'")):
+        with pytest.raises(ValueError, match=message):
+            ServingEngine(base, None, **kw)
+    with pytest.raises(TypeError, match="model must be a jax_lora.models LlamaForCausalLM"):
+        ServingEngine(None)
+    plain = ServingEngine(base, None, max_seqs=2, max_len=16)
+    with pytest.raises(ValueError, match="request 0 names adapter 1 but the engine has no adapters"):
+        plain.generate([Request([1, 2, 3], lora_id=1, max_new_tokens=2)])   # never served as the base model in silence
+    assert plain.generate([Request([1, 2, 3], lora_id=1, max_new_tokens=2)], use_lora=False)[0].lora_id is None
+
+
+def test_a_16_bit_model_gets_a_16_bit_cache(served):
+    """The engine's KV cache has the model's dtype (a float32 cache doubled its memory and kept a
+    bf16 model off cuDNN's attention, which needs one 16-bit dtype)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_lora.models import LlamaForCausalLM
+    cfg = served[1].config
+    model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    engine = ServingEngine(model, None, max_seqs=2, max_len=16)
+    assert {a.dtype for a in jax.tree.leaves(engine.cache)} == {jnp.dtype(jnp.bfloat16)}
+    assert ServingEngine(served[1], None, max_seqs=2, max_len=16).cache.k[0].dtype == jnp.float32
+    assert len(engine.generate([Request([1, 2, 3], max_new_tokens=2)])[0].tokens) == 2
 
 
 def test_demo_command_verifies_every_request(capsys):

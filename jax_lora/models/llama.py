@@ -14,7 +14,7 @@ error says so).
 
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
 tokens' keys/values at (row, position) and attends, per query, to the row's positions <= its own.
-Writes to row index >= rows (padding) are dropped; nothing is ever read out of bounds. A prefill
+Writes to a row index < 0 or >= rows (padding) are dropped; nothing is ever read out of bounds. A prefill
 step (S > 1) also zeroes its rows' positions past its last one, so what an earlier request left in
 a row (NaN or Inf included) never reaches the next one's results.
 
@@ -82,6 +82,19 @@ class LlamaConfig:
     eos_token_id: int | None = 2
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings"):
+            _positive_int_field(name, getattr(self, name))
+        for name in ("num_key_value_heads", "head_dim"):
+            if getattr(self, name) is not None:
+                _positive_int_field(name, getattr(self, name))
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"LlamaConfig.{name} must be a positive finite number, got {value!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LlamaConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
@@ -92,7 +105,11 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"a Llama config must be a JSON object, got {type(d).__name__}")
         scaling = d.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ValueError(f"rope_scaling must be null or an object, got {scaling!r}")
         if scaling not in (None, {}) and (scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
             raise NotImplementedError(f"rope_scaling {scaling!r} is not supported by jax_lora's Llama")
         if d.get("hidden_act", "silu") != "silu":
@@ -121,6 +138,11 @@ class LlamaConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+
+def _positive_int_field(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"LlamaConfig.{name} must be an int >= 1, got {value!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -178,6 +200,8 @@ class LlamaAttention(nnx.Module):
             n_rows, max_len = k_cache.shape[:2]
             if rows is None and n_rows < b:
                 raise ValueError(f"rows=None reads cache rows 0..{b - 1}, but the cache has {n_rows} rows")
+            if rows is not None:           # a negative row is padding too (no wrap-around into the last rows)
+                rows = jnp.where(rows < 0, n_rows, rows)
             r = (jnp.arange(b, dtype=jnp.int32) if rows is None else rows)[:, None]
             if s > 1:
                 # A prefill starts (or continues) a request in its rows: positions past the step's
@@ -403,6 +427,7 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
+        self.compute_dtype = jnp.dtype(dtype)   # the layers' parameter and activation dtype
         self.model = LlamaModel(config, dtype=dtype, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
@@ -446,6 +471,12 @@ class LlamaForCausalLM(nnx.Module):
             layer.self_attn.fused_shards = n
             layer.mlp.fused_shards = n
         return done
+
+    def cache_dtype(self):
+        """The dtype the attention writes its keys and values in (the q/k/v projection's): a cache of
+        this dtype stores them as computed (a 16-bit model gets a 16-bit cache, half the memory of a
+        float32 one, and cuDNN's attention)."""
+        return self.compute_dtype
 
     def cache_sharding(self):
         """The KV cache arrays' NamedSharding on the model's mesh (split along the KV heads when the
