@@ -111,8 +111,8 @@ def select_target_modules(model: nn.Module, target_modules: Union[None, str, Seq
                 selected[name] = module
         what = repr(target_modules)
         if selected and isinstance(patterns, tuple):              # each listed name must match (a typo among others)
-            unmatched = [t for t in patterns
-                         if not any(AdapterConfig(r=1, lora_alpha=1.0, target_modules=(t,)).targets(n) for n in selected)]
+            one = {t: AdapterConfig(r=1, lora_alpha=1.0, target_modules=(t,)) for t in patterns}
+            unmatched = [t for t in patterns if not any(one[t].targets(n) for n in selected)]
             if unmatched:
                 raise ValueError(f"target_modules={what}: {unmatched} match no nn.Linear / nn.Embedding of "
                                  f"{type(model).__name__}")
