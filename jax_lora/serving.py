@@ -2,7 +2,7 @@
 
 Per step, on the host: pick the rows, build a LoRAMapping (LoRA id per token and per sampled row),
 `PunicaWrapper.update_metadata` (host NumPy, one upload, one jitted metadata build). On the device:
-one jitted call `step(state, cache, wrapper, tokens, positions, rows, sample_idx)` that runs the
+one jitted call `step(state arrays, cache, wrapper, tokens, positions, rows, sample_idx)` that runs the
 model with `jax_lora.nn.punica_context(wrapper)`, samples greedily and returns the new KV cache
 (the old one is donated), the next tokens and the logits. Nothing inside the step reads back to the
 host; between steps the host reads the (rows,) next tokens to schedule the next step.
