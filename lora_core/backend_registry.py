@@ -31,7 +31,6 @@ class BackendRegistry:
         return self._loaded[name]
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 - registries live for the process
-    @functools.lru_cache(maxsize=None)  # noqa: B019
     def log_choice(self, name: str, where: str, why: str) -> None:
         """Says once per (backend, device, reason) which backend runs and why."""
         self.log.info("backend %r on %s (%s)", name, where, why)
