@@ -14,9 +14,9 @@ error says so).
 
 KV cache: one (k, v) pair per layer, each (rows, max_len, kv_heads, head_dim). A step writes its
 tokens' keys/values at (row, position) and attends, per query, to the row's positions <= its own.
-Writes to a row index < 0 or >= rows (padding) are dropped; nothing is ever read out of bounds. A prefill
-step (S > 1) also zeroes its rows' positions past its last one, so what an earlier request left in
-a row (NaN or Inf included) never reaches the next one's results.
+Writes to a row index < 0 or >= rows (padding) are dropped; nothing is ever read out of bounds. A
+prefill step (S > 1) also zeroes its rows' positions past its last one, so what an earlier request
+left in a row (NaN or Inf included) never reaches the next one's results.
 
 Tensor parallelism (`model.shard(mesh)`, `load_llama(..., mesh=mesh)`): `tp_plan()` names each
 layer's kind for jax_lora.parallel: qkv_proj and gate_up_proj column-parallel (each slice split on
