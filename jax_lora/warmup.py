@@ -41,6 +41,14 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
     dora exclude each other, as a slice takes one); workers: threads lowering concurrently (the
     Triton compiles they trigger run in parallel; None: one per core up to 16 on a GPU with the
     Triton backend, else 1)."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"dtype must be float16, bfloat16 or float32 (the layers' activation and weight dtype), "
+                         f"got {dtype!r}") from e
+    if dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
+        raise ValueError(f"dtype must be float16, bfloat16 or float32 (the layers' activation and weight dtype), "
+                         f"got {dtype.name}")
     t_start = time.perf_counter()
     shapes, counts, workers = check_warmup(layers, token_counts, wrapper.max_num_batched_tokens, bias=bias, dora=dora,
                                            workers=workers,

@@ -52,6 +52,9 @@ def test_torch_warmup_runs_every_case_and_leaves_the_wrapper_alone():
                      lora_ranks=True, bias=True, progress=False)
     assert stats["calls"] == 4 and stats["token_counts"] == [1, 3]
     assert torch.equal(w.token_lora_indices, before)          # the wrapper's own step is untouched
+    with pytest.raises(ValueError, match=r"dtype must be torch.float16, torch.bfloat16 or torch.float32 .*got "
+                                         r"torch.int8"):
+        w.warmup([(32, (16, 8), 8)], [1], dtype=torch.int8, progress=False)
 
 
 def test_jax_warmup_lowers_every_case_without_touching_the_wrapper():
@@ -65,6 +68,8 @@ def test_jax_warmup_lowers_every_case_without_touching_the_wrapper():
     stats = w.warmup([(32, (16, 8), 8)], [2, 8], dtype=jnp.float32, progress=False)
     assert stats["calls"] == 2
     assert np.array_equal(np.asarray(w.token_lora_indices), before)
+    with pytest.raises(ValueError, match="dtype must be float16, bfloat16 or float32 .*got int8"):
+        w.warmup([(32, (16, 8), 8)], [2], dtype=jnp.int8, progress=False)
     del jax
 
 

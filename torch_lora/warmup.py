@@ -50,6 +50,9 @@ def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = No
     (None: one per core up to 16 on a GPU with the Triton backend, else none; 0 or 1: none)."""
     from .wrapper import PunicaWrapper
 
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32 (the layers' activation and "
+                         f"weight dtype), got {dtype!r}")
     t_start = time.perf_counter()
     shapes, counts, workers = check_warmup(layers, token_counts, wrapper.max_num_batched_tokens, bias=bias, dora=dora,
                                            workers=workers,
