@@ -344,7 +344,7 @@ def run_case(case, slice_name, device, seed=0, deterministic=False, wrapper_grap
     torch.cuda.empty_cache()
     return dict(case=name, slices=slice_name, kind=kind, T=T, D=D, rank=r, slots=slots,
                 ranks=list(ranks) if ranks else None, frac_none=frac_none, rel_err=err,
-                fused=bool(torch_triton.configs.use_fused(T, HIDDEN, r, len(widths), slots)),
+                fused=bool(torch_triton.configs.use_fused(T, r, len(widths), slots)),
                 time_us=t_us, min_bytes=nbytes, gbs=nbytes / (t_us * 1e3),
                 pct_peak=100 * nbytes / (t_us * 1e3) / PEAK_GBS, floor_us=nbytes / (PEAK_GBS * 1e3),
                 floor_launch_us=floor_us, n_sets=n_sets, vllm_us=vllm,

@@ -113,7 +113,7 @@ def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torc
     m = meta.meta_args(T)[:5]
     groups = m[4].shape[0]
     offsets = tuple(int(sum(widths[:i])) for i in range(S))
-    if rank <= 64 and (fused_extra is not None or configs.use_fused(T, hidden, rank, S, slots, device=DEVICE)):
+    if rank <= 64 and (fused_extra is not None or configs.use_fused(T, rank, S, slots, device=DEVICE)):
         cfg = {**configs.fused_config(T, hidden, max(widths), rank, S, slots, device=DEVICE), **(fused_extra or {})}
         plan = fused.plan_fused(T, hidden, rank, widths, groups, wd, wd, cfg, add_inputs=True, bias_flags=flags,
                                 has_ranks=False, pdl=True)

@@ -793,6 +793,11 @@ class Bench:
             jax.block_until_ready((cache, tok, logits))
         return logits, tok
 
+    @property
+    def jax_chain(self) -> int:
+        """JAX steps per timed sample (`--jax-chain`, at least 1)."""
+        return max(1, int(getattr(self.args, "jax_chain", 1) or 1))
+
     def jax_time(self, shape: Shape, flags: list, n: int) -> list:
         """Per flag (LoRA on/off), n step times in us, interleaved: host clock from the jitted call
         to `block_until_ready` of the step's next tokens (dispatch included; the outputs of one
@@ -805,7 +810,7 @@ class Bench:
         calls = [(lora_fn, lora_leaves, self.j_punica) if lora else (base_fn, empty, None) for lora in flags]
         cache = self._jax_cache(shape)
         times = [[] for _ in flags]
-        chain = max(1, int(getattr(self.args, "jax_chain", 1) or 1))
+        chain = self.jax_chain
         for _ in range(n):
             for i, (fn, lora_arg, punica) in enumerate(calls):
                 t0 = time.perf_counter()
@@ -999,7 +1004,7 @@ class Bench:
             # the FFI handler runs when XLA records or eagerly issues a launch, not when it replays
             # its command buffers: about 0 per step when the LoRA launches are replayed (each of the
             # n samples is `--jax-chain` steps)
-            steps = n * max(1, int(getattr(self.args, "jax_chain", 1) or 1))
+            steps = n * self.jax_chain
             r["ffi_handler_calls_per_lora_step"] = (calls1 - calls0) / steps
         if self.cuda and os.environ.get("E2E_PROFILE"):
             step = {False: t_base, True: t_lora} if fw == "torch" else None

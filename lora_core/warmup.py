@@ -161,7 +161,7 @@ def case_variants(shape: LinearShape, num_tokens: int, slots: int, dtype: str, *
     flag = 2 if dora else 1 if bias else 0
     pdl = pdl_allowed()
     tokens = ("one" if T == 1 else "many", (T * R) % 16 == 0)
-    fused = configs.use_fused(T, H, R, len(shape.slices), L, device=device, deterministic=deterministic)
+    fused = configs.use_fused(T, R, len(shape.slices), L, device=device, deterministic=deterministic)
     found = set()
     for lo, hi in slice_chunks(len(shape.slices)):
         widths = tuple(shape.slices[lo:hi])

@@ -490,7 +490,7 @@ def _table_feature_cases():
                     special = (e.get("TILES_N", 1) > 1 or e.get("PREFETCH") or e.get("PREFETCH_Y")
                                or configs.current_table().variant(T, R, L, S))
                     key = (str(sorted(configs.shrink_config(T, 4096, R, S, L).items())), str(sorted(e.items())))
-                    if special and key not in seen and not configs.use_fused(T, 4096, R, S, L):
+                    if special and key not in seen and not configs.use_fused(T, R, S, L):
                         seen.add(key)
                         cases.append((T, R, L, S))
     return cases

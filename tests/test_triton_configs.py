@@ -55,9 +55,9 @@ def test_committed_table_loads_with_its_variants(compiled):
     # the fused kernel only for one slice at rank 16, 16 < T <= 64, <= 16 slots: never
     # at T <= 16 (shrink + expand: a 3-stage shrink for one slice, 2 stages for more), with 2+
     # slices, more slots, rank 64 or past T = 64
-    assert configs.use_fused(32, 4096, 16, 1, 8) and configs.use_fused(64, 4096, 16, 1, 16)
-    assert not configs.use_fused(32, 4096, 16, 3, 16) and not configs.use_fused(32, 4096, 16, 1, 32)
-    assert not any(configs.use_fused(t, 4096, 16, s, 8) for t in (1, 8, 16) for s in (1, 3))
+    assert configs.use_fused(32, 16, 1, 8) and configs.use_fused(64, 16, 1, 16)
+    assert not configs.use_fused(32, 16, 3, 16) and not configs.use_fused(32, 16, 1, 32)
+    assert not any(configs.use_fused(t, 16, s, 8) for t in (1, 8, 16) for s in (1, 3))
     assert configs.shrink_config(8, 4096, 16, 1, 8)["num_stages"] == 3
     assert configs.shrink_config(8, 4096, 16, 3, 8)["num_stages"] == 2
     assert configs.shrink_config(8, 4096, 16, 1, 8)["PREFETCH"]
@@ -71,7 +71,7 @@ def test_committed_table_loads_with_its_variants(compiled):
     assert configs.shrink_config(32, 4096, 64, 1, 8)["SMALL_T"] is False
     assert configs.fused_config(32, 4096, 4096, 16, 1, 8)["SMALL_T"] is False
     assert "SMALL_T" not in configs.shrink_config(8, 4096, 16, 1, 8)
-    assert not configs.use_fused(32, 4096, 64, 1, 8) and not configs.use_fused(128, 4096, 16, 1, 8)
+    assert not configs.use_fused(32, 64, 1, 8) and not configs.use_fused(128, 16, 1, 8)
 
 
 def test_variants_apply_by_slot_count_first_match_wins(compiled, monkeypatch):
@@ -84,8 +84,8 @@ def test_variants_apply_by_slot_count_first_match_wins(compiled, monkeypatch):
     assert configs.shrink_config(100, 4096, 16, 1, 5)["BLOCK_K"] == table.shrink[key]["BLOCK_K"] != 64
     assert configs.expand_config(100, 4096, 16, 1, 4) == table.expand[key]     # first match: no expand
     assert configs.expand_config(100, 4096, 16, 1, 8) == mid
-    assert configs.use_fused(100, 4096, 16, 1, 4) and not configs.use_fused(100, 4096, 16, 1, 8)
-    assert configs.use_fused(100, 4096, 16, 1, 9)                                # the class says fused
+    assert configs.use_fused(100, 16, 1, 4) and not configs.use_fused(100, 16, 1, 8)
+    assert configs.use_fused(100, 16, 1, 9)                                # the class says fused
 
 
 def test_variants_by_slice_count(compiled, monkeypatch):
@@ -100,10 +100,10 @@ def test_variants_by_slice_count(compiled, monkeypatch):
 
 def test_forced_fused_switch_beats_the_variants(compiled, monkeypatch):
     _with_variants(monkeypatch, {("t64", "r16"): [(64, 1, {"use_fused": False})]})
-    assert not configs.use_fused(32, 4096, 16, 1, 8)
+    assert not configs.use_fused(32, 16, 1, 8)
     monkeypatch.setattr(configs, "FORCE_FUSED", True)
-    assert configs.use_fused(32, 4096, 16, 1, 8)
-    assert not configs.use_fused(32, 4096, 128, 1, 8)                           # rank > 64: never
+    assert configs.use_fused(32, 16, 1, 8)
+    assert not configs.use_fused(32, 128, 1, 8)                           # rank > 64: never
 
 
 def test_tuner_keeps_the_variants_it_does_not_measure():
@@ -216,7 +216,7 @@ def test_a_gpu_without_a_table_gets_the_generic_defaults(monkeypatch, caplog):
         assert "NVIDIA_Imaginary_9000.json" in caplog.text
         monkeypatch.setattr(configs, "device_name", lambda: "NVIDIA Imaginary 9000")
         assert configs.shrink_config(8, 4096, 16, 1, 8)["num_warps"] == configs.GENERIC_SHRINK[("t16", "r16")]["num_warps"]
-        assert not configs.use_fused(32, 4096, 16, 1, 8)
+        assert not configs.use_fused(32, 16, 1, 8)
         assert configs.table(None) is configs.GENERIC
     finally:
         configs.table.cache_clear()
@@ -257,7 +257,7 @@ def _launches(T, rank, slices, slots, deterministic):
     e = kernels.plan_expand(T, rank, widths, slots + 1, out[0][3], "bfloat16", "bfloat16", cfg, add_inputs=True,
                             bias_flags=(False,) * slices, has_ranks=False, pdl=True, deterministic=deterministic)
     out.append((tuple(sorted(e.constexprs.items())), e.num_warps, e.num_stages))
-    out.append(configs.use_fused(T, 4096, rank, slices, slots, deterministic=deterministic))
+    out.append(configs.use_fused(T, rank, slices, slots, deterministic=deterministic))
     return tuple(out)
 
 
@@ -342,8 +342,8 @@ def test_one_token_never_takes_the_fused_kernel(compiled, monkeypatch):
     marked = dataclasses.replace(table, fused_classes=frozenset(table.fused_classes | {key}),
                                  variants={k: () for k in table.variants})
     monkeypatch.setattr(configs, "_table", lambda device: marked)
-    assert configs.use_fused(2, 4096, 16, 1, 8)
-    assert not configs.use_fused(1, 4096, 16, 1, 8)
+    assert configs.use_fused(2, 16, 1, 8)
+    assert not configs.use_fused(1, 16, 1, 8)
 
 
 def test_a_table_variant_is_read_through_lora_core_table(compiled, monkeypatch, tmp_path):
@@ -372,8 +372,8 @@ def test_a_table_variant_is_read_through_lora_core_table(compiled, monkeypatch, 
         for T, S in cases:
             cfg = configs.fused_config(T, 4096, 4096, 16, S, 8)
             assert cfg == {**before[T, S], "BLOCK_N": 128}, (T, S)      # exactly the edit
-            assert configs.use_fused(T, 4096, 16, S, 8), (T, S)
-        assert not configs.use_fused(1, 4096, 16, 1, 8)                  # one token: never fused
+            assert configs.use_fused(T, 16, S, 8), (T, S)
+        assert not configs.use_fused(1, 16, 1, 8)                  # one token: never fused
         assert configs.fused_config(128, 4096, 4096, 16, 1, 8) == before_t128   # a class not edited
         monkeypatch.setenv("LORA_CORE_TABLE", str(tmp_path / "missing.json"))
         configs.table.cache_clear()

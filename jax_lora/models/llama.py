@@ -286,6 +286,21 @@ def _cudnn_unavailable(q_dtype, kv_dtype, head_dim: int) -> str:
     return ""
 
 
+def _cudnn_attention(why: str, q, keys, values, **mask):
+    """cuDNN's fused attention of (B, S, nh, hd) queries over (B, M, nkv, hd) keys and values with
+    the given mask argument (`key_value_seq_lengths` or `mask`), scale 1/sqrt(hd); None when JAX
+    refuses it under "auto" (said once, XLA's attention then runs); a ValueError when
+    JAX_LORA_ATTENTION=cudnn forced it (`why`: attention_backend's reason)."""
+    try:
+        return jax.nn.dot_product_attention(q, keys, values, scale=1.0 / math.sqrt(q.shape[-1]),
+                                            implementation="cudnn", **mask)
+    except (NotImplementedError, RuntimeError) as e:   # JAX's cuDNN checks (version, shapes)
+        if not why.startswith("auto"):
+            raise ValueError(f"{ATTENTION_ENV}=cudnn, but JAX refused cuDNN attention: {e}") from e
+        _log_attention("xla", f"cuDNN attention refused by JAX: {e}", logging.WARNING)
+        return None
+
+
 def _decode_attention(q, keys, values, key_pos, positions, dtype, tensor_parallel=False):
     """One query per row against the cache, in the cache's own layout: (B, 1, nh, hd) queries,
     (B, M, nkv, hd) keys and values -> (B, 1, nh * hd). Query b attends to cache positions
@@ -304,14 +319,9 @@ def _decode_attention(q, keys, values, key_pos, positions, dtype, tensor_paralle
     backend, why = attention_backend(q.dtype, keys.dtype, hd, tensor_parallel)
     if backend == "cudnn":
         lengths = jnp.clip(positions[:, 0].astype(jnp.int32) + 1, 1, max_len)
-        try:
-            out = jax.nn.dot_product_attention(q, keys, values, key_value_seq_lengths=lengths,
-                                               scale=1.0 / math.sqrt(hd), implementation="cudnn")
+        out = _cudnn_attention(why, q, keys, values, key_value_seq_lengths=lengths)
+        if out is not None:
             return out.reshape(b, 1, nh * hd).astype(dtype)
-        except (NotImplementedError, RuntimeError) as e:   # JAX's cuDNN checks (version, shapes)
-            if not why.startswith("auto"):
-                raise ValueError(f"{ATTENTION_ENV}=cudnn, but JAX refused cuDNN attention: {e}") from e
-            _log_attention("xla", f"cuDNN attention refused by JAX: {e}", logging.WARNING)
     qf = q.reshape(b, 1, nkv, nh // nkv, hd).astype(jnp.float32)             # (B, 1, nkv, g, hd)
     scores = jnp.sum(qf * keys[:, :, :, None, :].astype(jnp.float32), axis=-1) / math.sqrt(hd)   # (B, M, nkv, g)
     mask = key_pos <= positions                                              # (B, M)
@@ -338,14 +348,9 @@ def _prefill_attention(q, keys, values, key_pos, positions, dtype, tensor_parall
     mask = key_pos[:, None, :] <= positions[:, :, None]                 # (B, S, M)
     backend, why = attention_backend(q.dtype, keys.dtype, hd, tensor_parallel)
     if backend == "cudnn":
-        try:
-            out = jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], scale=1.0 / math.sqrt(hd),
-                                               implementation="cudnn")
+        out = _cudnn_attention(why, q, keys, values, mask=mask[:, None])
+        if out is not None:
             return out.reshape(b, s, nh * hd).astype(dtype)
-        except (NotImplementedError, RuntimeError) as e:   # JAX's cuDNN checks (version, shapes)
-            if not why.startswith("auto"):
-                raise ValueError(f"{ATTENTION_ENV}=cudnn, but JAX refused cuDNN attention: {e}") from e
-            _log_attention("xla", f"cuDNN attention refused by JAX: {e}", logging.WARNING)
     # Keys past a row's last query position meet no query: their values are zeroed (a masked
     # probability is 0, and 0 x NaN = NaN); their scores are replaced below.
     values = jnp.where((key_pos <= positions.max(axis=1)[:, None])[:, :, None, None], values, 0)

@@ -417,7 +417,7 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
     if fused and deterministic:
         raise ValueError("fused=True cannot be deterministic: deterministic launches always run shrink + "
                          "expand (one kernel path for every token count); pass fused=None or False")
-    T, H = x.shape
+    T = x.shape[0]
     if T == 0:
         return y
     L, R, _ = lora_a[0].shape
@@ -427,7 +427,7 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
         fused = False
     elif fused is None:
         forced = configs.fused_forced()
-        fused = forced if forced is not None else configs.use_fused(T, H, R, len(lora_a), L)
+        fused = forced if forced is not None else configs.use_fused(T, R, len(lora_a), L)
     interpret = _use_interpreter(y, x, *lora_a)
     on_handler = interpret or _use_ffi()
     fused = fused and on_handler            # jax_triton launches: always shrink + expand

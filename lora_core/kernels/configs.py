@@ -350,7 +350,7 @@ def fused_forced():
     return FORCE_FUSED
 
 
-def use_fused(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int, *,
+def use_fused(num_tokens: int, rank: int, num_slices: int, num_slots: int, *,
               device: str | None = None, deterministic: bool = False) -> bool:
     """True when the one-launch fused kernel is expected to beat shrink + expand (decode sizes).
     The fused kernel needs the whole rank in one block (rank <= 64 here). Deterministic launches

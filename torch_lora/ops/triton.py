@@ -345,9 +345,9 @@ class PreparedLinear:
         if x.shape[0] == 0:
             return
         lora_a, lora_b, meta_args, offsets, bias, fused, deterministic = self._args
-        T, H = x.shape
+        T = x.shape[0]
         if fused is None:
-            fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
+            fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
                                       deterministic=deterministic)
         chunks = []
         for ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
@@ -531,12 +531,12 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
     with the batch-invariant configs (configs.deterministic_config); fused=True is then an error.
     """
     _check_fused_deterministic(fused, deterministic)
-    T, H = x.shape
+    T = x.shape[0]
     if T == 0:
         return
     bias = arguments.epilogue(bias, col_scale, len(lora_b))
     if fused is None:
-        fused = configs.use_fused(T, H, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
+        fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
                                   deterministic=deterministic)
     for _ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, tuple(offsets), lora_ranks, bias,
                                      fused, shrink_config, expand_config, fused_config, deterministic):
