@@ -50,7 +50,11 @@ __all__ = ["Completion", "Request", "ServingEngine"]
 
 @dataclasses.dataclass
 class Request:
-    """prompt: token ids; lora_id: registered adapter id, or None / 0 for the base model."""
+    """prompt: token ids; lora_id: registered adapter id, or None / 0 for the base model.
+
+    request_id: any hashable value that tells the request's Completion apart (None: the request's
+    index in the `generate` call); no two requests of one call may end up with the same id.
+    """
 
     prompt: Sequence[int]
     lora_id: int | None = None
@@ -219,8 +223,10 @@ class ServingEngine:
     # ------------------------------------------------------------------ checks
     def _check(self, reqs: Sequence[Request], use_lora: bool) -> None:
         """Every request's fields, before anything runs: a ValueError / TypeError naming the request
-        and the field (an int field takes Python or NumPy integers, never bools or floats)."""
+        and the field (an int field takes Python or NumPy integers, never bools or floats). Two
+        requests whose Completions would carry the same request_id are refused."""
         vocab = self.config.vocab_size
+        in_flight: dict = {}       # Completion id -> index of the request that has it
         for i, r in enumerate(reqs):
             if not isinstance(r, Request):
                 raise TypeError(f"request {i}: expected a jax_lora.serving.Request, got {type(r).__name__}")
@@ -257,6 +263,17 @@ class ServingEngine:
                 if r.lora_id not in self.adapters.registered:
                     raise ValueError(f"request {i}: LoRA id {r.lora_id} is not registered "
                                      f"(registered: {sorted(self.adapters.registered)})")
+            rid = i if r.request_id is None else r.request_id
+            try:
+                j = in_flight.setdefault(rid, i)
+            except TypeError:
+                raise TypeError(f"request {i}: request_id must be hashable (it tells the Completions apart), got "
+                                f"{type(r.request_id).__name__} {r.request_id!r:.80}") from None
+            if j != i:
+                first = (f"request {j}'s" if reqs[j].request_id is not None
+                         else f"request {j}'s index (it has no request_id)")
+                raise ValueError(f"request {i}: request_id {rid!r} is already in flight in this call ({first}); "
+                                 "every request needs its own id")
 
     # ------------------------------------------------------------------ steps
     def _run(self, tokens, positions, rows, sample_idx, token_ids, row_ids, is_prefill, use_lora):

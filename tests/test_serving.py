@@ -177,6 +177,30 @@ def test_request_errors(served):
     assert engine.generate([Request(np.array([1, 2]), np.int64(1), max_new_tokens=np.int32(2))])[0].tokens
 
 
+def test_colliding_request_ids_are_refused(served):
+    """Completions are told apart by request_id: two requests of one call that would share one
+    (the same id twice, or an id equal to the index another request without id takes) are refused
+    before anything runs; distinct ids, and the same Request object without id twice, are served."""
+    engine = served[0]
+    steps = engine.last_stats
+    for reqs, kind, message in (
+            ([Request([1, 2], request_id="a"), Request([3], request_id="a")], ValueError,
+             r"request 1: request_id 'a' is already in flight in this call \(request 0's\)"),
+            ([Request([1, 2]), Request([3], request_id=0)], ValueError,
+             r"request 1: request_id 0 is already in flight in this call \(request 0's index \(it has no "
+             r"request_id\)\)"),
+            ([Request([1, 2], request_id=np.int64(1)), Request([3])], ValueError,
+             r"request 1: request_id 1 is already in flight"),
+            ([Request([1, 2], request_id=["a"])], TypeError,
+             r"request 0: request_id must be hashable \(it tells the Completions apart\), got list \['a'\]")):
+        with pytest.raises(kind, match=message):
+            engine.generate(reqs)
+        assert engine.last_stats is steps                 # refused before anything ran
+    twice = Request([1, 2], max_new_tokens=2)
+    out = engine.generate([twice, twice, Request([3], request_id="x", max_new_tokens=2)])
+    assert [c.request_id for c in out] == [0, 1, "x"] and out[0].tokens == out[1].tokens
+
+
 def test_engine_arguments_and_an_adapterless_engine(served):
     engine, base = served[0], served[1]
     for kw, message in ((dict(max_seqs=0), "max_seqs must be an int >= 1, got 0"),

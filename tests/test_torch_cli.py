@@ -97,3 +97,16 @@ def test_batches_hold_at_most_the_slots_adapters():
     assert [[r[1] for r in b] for b in cut] == [["a", "__base__", "b"], ["c", "a", "__base__", "c"], ["b"]]
     assert [len(b) for b in cli.batches(reqs, batch_size=3)] == [3, 3, 2]
     assert sum(cli.batches(reqs, batch_size=1, max_adapters=1), []) == reqs
+
+
+def test_serve_refuses_colliding_request_ids():
+    """The results are keyed by request id: a second request with an id already in flight is
+    refused before any batch is served (it would overwrite the first one's result)."""
+    def generate(*args, **kwargs):
+        raise AssertionError("a batch was served")
+    kw = dict(device="cpu", batch_size=4, max_new_tokens=2, pad_id=0)
+    with pytest.raises(ValueError, match=r"requests\[2\]: request id 7 is already in flight \(requests\[0\] has it\)"):
+        cli.serve(generate, [(7, "a", [1, 2]), (8, "a", [3]), (7, "__base__", [4])], **kw)
+    with pytest.raises(TypeError, match=r"requests\[0\]: the request id must be hashable \(it keys the results\), "
+                                        r"got list \[1\]"):
+        cli.serve(generate, [([1], "a", [1, 2])], **kw)

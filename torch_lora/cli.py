@@ -113,10 +113,21 @@ def serve(generate, requests: Sequence[tuple], *, device, batch_size: int, max_n
     the CPU)}, seconds, generated tokens).
 
     generate(input_ids, attention_mask, adapter_names, **generate_kwargs): `MultiLoRAModel.generate`,
-    or a plain model's generate that ignores the names (the baseline without adapters).
+    or a plain model's generate that ignores the names (the baseline without adapters). Each request
+    needs its own (hashable) id: two requests with one id are refused before anything is served.
     """
     import torch
 
+    in_flight: dict = {}
+    for i, (rid, _, _) in enumerate(requests):
+        try:
+            j = in_flight.setdefault(rid, i)
+        except TypeError:
+            raise TypeError(f"requests[{i}]: the request id must be hashable (it keys the results), got "
+                            f"{type(rid).__name__} {rid!r:.80}") from None
+        if j != i:
+            raise ValueError(f"requests[{i}]: request id {rid!r} is already in flight (requests[{j}] has it); "
+                             "every request needs its own id")
     out, generated = {}, 0
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     sync()
