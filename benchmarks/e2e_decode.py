@@ -1051,7 +1051,7 @@ def _profile_kernel_diff(label: str, n: int, run) -> None:
     the LoRA kernels' own durations and any base kernel that runs slower beside them."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    per_step = {}
+    per_step, timelines = {}, {}
     for lora in (False, True):
         run(lora)
         torch.cuda.synchronize()
@@ -1059,6 +1059,7 @@ def _profile_kernel_diff(label: str, n: int, run) -> None:
             for _ in range(n):
                 run(lora)
             torch.cuda.synchronize()
+        timelines[lora] = _gpu_timeline(prof, n)
         table = {}
         for ev in prof.key_averages():
             us = getattr(ev, "device_time_total", None)
@@ -1086,6 +1087,84 @@ def _profile_kernel_diff(label: str, n: int, run) -> None:
         for d, name, bc, bt, lc, lt in rows[:40]:
             f.write(f"| {name[:90]} | {bc:.0f} | {bt:.1f} | {lc:.0f} | {lt:.1f} | {d:+.1f} | "
                     f"{(lt / lc if lc else 0):.2f} |\n")
+    with open(os.path.join(out, f"timeline_{label}.md"), "w") as f:
+        f.write(_timeline_markdown(label, n, timelines))
+
+
+STEP_GAP_US = 50.0   # a GPU idle gap longer than this is host time between steps, not part of one
+
+
+def _gpu_timeline(prof, n: int) -> dict:
+    """The GPU timeline of n profiled steps (CUPTI's kernel, memcpy and memset records, from torch's
+    profiler's trace): per step, the GPU activities, their busy time (the union of their intervals)
+    and the idle time between them inside a step (gaps < STEP_GAP_US); for the LoRA kernels (names
+    containing "lora"), their mean duration and the mean idle gap before each; and one stretch of
+    the timeline around a LoRA launch (name, start, duration, gap before, in us)."""
+    import json as _json
+    import tempfile as _tempfile
+    with _tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = _json.load(f).get("traceEvents", [])
+    acts = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), str(e.get("name", "")))
+                   for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda a: a[0])
+    if not acts:
+        return dict(activities=0)
+    busy = idle = 0.0
+    end = acts[0][0]
+    between_steps = 0
+    rows = []     # (name, start, dur, gap before)
+    for ts, dur, name in acts:
+        gap = ts - end
+        if gap >= STEP_GAP_US:
+            between_steps += 1
+        elif gap > 0:
+            idle += gap
+        busy += max(0.0, ts + dur - max(ts, end))
+        rows.append((name, ts, dur, gap))
+        end = max(end, ts + dur)
+    lora = [(i, r) for i, r in enumerate(rows) if "lora" in r[0].lower()]
+    after = [rows[i + 1][3] for i, r in lora
+             if i + 1 < len(rows) and "lora" not in rows[i + 1][0].lower() and rows[i + 1][3] < STEP_GAP_US]
+    by_name = {}
+    for _i, (name, _ts, dur, gap) in lora:
+        k = name.split("_kernel")[0][:40]
+        c, d, g, cg = by_name.get(k, (0, 0.0, 0.0, 0))
+        inside = gap < STEP_GAP_US
+        by_name[k] = (c + 1, d + dur, g + (max(0.0, gap) if inside else 0.0), cg + inside)
+    mid = lora[len(lora) // 2][0] if lora else len(rows) // 2
+    t0 = rows[max(0, mid - 6)][1]
+    stretch = [(name[:70], ts - t0, dur, gap) for name, ts, dur, gap in rows[max(0, mid - 6):mid + 10]]
+    return dict(activities=len(rows) / n, busy_us=busy / n, idle_us=idle / n, between_steps=between_steps,
+                lora=by_name, gap_after_lora_us=sum(max(g, 0.0) for g in after) / len(after) if after else 0.0,
+                stretch=stretch)
+
+
+def _timeline_markdown(label: str, n: int, tl: dict) -> str:
+    base, lora = tl[False], tl[True]
+    if not base.get("activities") or not lora.get("activities"):
+        return f"# {label}: no GPU activity recorded\n"
+    lines = [f"# {label}: GPU timeline per step ({n} steps each; CUPTI through torch's profiler)", "",
+             "Busy = the union of the step's kernel/memcpy/memset intervals; idle = the gaps between them "
+             f"inside a step (gaps >= {STEP_GAP_US:.0f} us count as host time between steps: base "
+             f"{base['between_steps']}, LoRA {lora['between_steps']}).", "",
+             "| step | activities | busy us | idle us | busy + idle us |", "|---|---|---|---|---|"]
+    for name, t in (("base", base), ("LoRA", lora)):
+        lines.append(f"| {name} | {t['activities']:.0f} | {t['busy_us']:.1f} | {t['idle_us']:.1f} | "
+                     f"{t['busy_us'] + t['idle_us']:.1f} |")
+    lines.append(f"| LoRA - base | {lora['activities'] - base['activities']:+.0f} | "
+                 f"{lora['busy_us'] - base['busy_us']:+.1f} | {lora['idle_us'] - base['idle_us']:+.1f} | "
+                 f"{lora['busy_us'] + lora['idle_us'] - base['busy_us'] - base['idle_us']:+.1f} |")
+    lines += ["", "| LoRA kernel | launches per step | mean us | mean idle gap before, us |", "|---|---|---|---|"]
+    for k, (c, d, g, cg) in sorted(lora["lora"].items()):
+        lines.append(f"| {k} | {c / n:.0f} | {d / c:.2f} | {g / max(cg, 1):.2f} |")
+    lines += ["", f"Mean idle gap after a LoRA kernel, before the next non-LoRA activity: "
+              f"{lora['gap_after_lora_us']:.2f} us.", "", "One stretch of the LoRA step's timeline:", "",
+              "| activity | start us | duration us | idle gap before us |", "|---|---|---|---|"]
+    lines += [f"| {name} | {ts:.2f} | {dur:.2f} | {gap:.2f} |" for name, ts, dur, gap in lora["stretch"]]
+    return "\n".join(lines) + "\n"
 
 
 class _Phases(dict):
