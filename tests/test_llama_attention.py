@@ -302,3 +302,32 @@ def test_negative_rows_are_padding():
         for layer in part:
             layer = np.asarray(layer)
             assert layer[1, :4].any() and not layer[0].any() and not layer[2].any()
+
+
+def test_token_ids_and_sample_idx_out_of_range():
+    """Values the host holds are refused, naming the argument, the range and the value; under jit
+    (no host read) they are clamped: finite logits, equal to those of the nearest valid value (an
+    id past the vocabulary once read NaN from the embedding, a sample_idx past S NaN positions)."""
+    cfg, model = _tiny_model(jnp.float32)
+    v = cfg.vocab_size
+    tokens = np.array([[3, 1, 4, 1], [5, 9, 2, 6]], np.int32)
+    positions = np.broadcast_to(np.arange(4, dtype=np.int32), (2, 4))
+    sample = np.array([3, 1], np.int32)
+    for bad_tokens, got in ((np.where(tokens == 9, v, tokens), v), (np.where(tokens == 9, -2, tokens), -2)):
+        for form in (bad_tokens, jnp.asarray(bad_tokens), bad_tokens.tolist()):
+            with pytest.raises(ValueError, match=rf"tokens must be in \[0, {v}\) \(token ids, vocab_size = {v}\), "
+                                                 rf"got {got}$"):
+                model(form, positions)
+    for bad, got in (([3, 4], 4), ([-1, 1], -1)):
+        with pytest.raises(ValueError, match=rf"sample_idx must be in \[0, 4\) \(a position of the step's S = 4\), "
+                                             rf"got {got}$"):
+            model(tokens, positions, sample_idx=np.array(bad, np.int32))
+
+    step = jax.jit(lambda t, p, i: model(t, p, sample_idx=i)[0])
+    clamped_tokens, clamped_sample = np.where(tokens == 9, v - 1, tokens), np.array([3, 0], np.int32)
+    want = np.asarray(step(clamped_tokens, positions, clamped_sample))
+    got = np.asarray(step(np.where(tokens == 9, v + 7, tokens), positions, np.array([4 + 5, -3], np.int32)))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+    full = np.asarray(jax.jit(lambda t, p: model(t, p)[0])(np.where(tokens == 9, -5, tokens), positions))
+    assert np.isfinite(full).all()

@@ -45,6 +45,7 @@ from flax import nnx
 
 from .. import nn as lnn
 from .. import parallel
+from ..ops import _on_host
 
 __all__ = [
     "HF_LORA_TARGETS",
@@ -425,6 +426,12 @@ class LlamaForCausalLM(nnx.Module):
       position. With `cache` (a KVCache) and `rows` (B,) the step reads and writes cache rows;
       rows=None means rows 0..B-1, read in place (no gather of the batch's rows: the fast path
       when the batch fills the cache's first rows).
+
+    Token ids must be in [0, vocab_size) and sample_idx in [0, S). Values the host holds (NumPy,
+    lists, concrete arrays on the CPU) are checked: a ValueError names the argument, the range and
+    the value. Under jit, or on an accelerator (reading them would be a host sync), they are not:
+    an id outside the range is clamped to it (it reads the nearest row of the embedding, never out
+    of bounds or NaN), and so is a sample_idx (the nearest position of its row).
     """
 
     packed_modules_mapping: ClassVar[dict] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -494,7 +501,13 @@ class LlamaForCausalLM(nnx.Module):
         return jax.sharding.NamedSharding(self.mesh, spec)
 
     def __call__(self, tokens, positions, cache: KVCache | None = None, rows=None, sample_idx=None):
-        x = self.model.embed_tokens(tokens)
+        vocab = self.config.vocab_size
+        s = np.shape(tokens)[1]
+        _check_host_range("tokens", tokens, vocab, f"token ids, vocab_size = {vocab}")
+        if sample_idx is not None:
+            _check_host_range("sample_idx", sample_idx, s, f"a position of the step's S = {s}")
+        # nnx.Embed's lookup fills an out-of-range id's row with NaN; clamped, every read is in bounds.
+        x = self.model.embed_tokens(jnp.clip(jnp.asarray(tokens), 0, vocab - 1))
         new_k, new_v = [], []
         for i, layer in enumerate(self.model.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
@@ -504,9 +517,23 @@ class LlamaForCausalLM(nnx.Module):
                 new_v.append(kv[1])
         x = self.model.norm(x)
         if sample_idx is not None:
-            x = jnp.take_along_axis(x, sample_idx[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+            idx = jnp.clip(jnp.asarray(sample_idx).astype(jnp.int32), 0, s - 1)
+            x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits.astype(jnp.float32), (None if cache is None else KVCache(tuple(new_k), tuple(new_v)))
+
+
+def _check_host_range(name: str, values, stop: int, what: str) -> None:
+    """Refuses values outside [0, stop) when the host holds them (NumPy, Python numbers or lists, a
+    concrete jax.Array on the CPU); no-op for tracers and accelerator arrays."""
+    if isinstance(values, (list, tuple, int, np.integer)):
+        values = np.asarray(values)
+    if not _on_host(values):
+        return
+    v = np.asarray(values)
+    if v.size and (v.min() < 0 or v.max() >= stop):
+        bad = v.min() if v.min() < 0 else v.max()
+        raise ValueError(f"{name} must be in [0, {stop}) ({what}), got {bad}")
 
 
 # ----------------------------------------------------------------------------- LoRA
