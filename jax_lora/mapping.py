@@ -16,20 +16,31 @@ from lora_core.host_mapping import (
     LongContextLoRAContext,
     LoRAMapping,
     compute_meta_host,
+    convert_mapping_args,
     convert_mapping_host,
 )
+
+from .ops import dispatch
 
 __all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta"]
 
 
 def convert_mapping(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]], max_loras: int,
                     vocab_size: int, extra_vocab_size: int, long_lora_context: Optional[Any] = None,
-                    *, device=None):
+                    *vllm_args: Any, device=None):
     """(base_indices (T,), sampler_indices (R,), sampler_indices_padded (R,), embeddings_indices
-    (2, T), long_lora_indices (T,) or None, indices_len) as int32 jax arrays; see SPEC section 2."""
+    (2, T), long_lora_indices (T,) or None, indices_len) as int32 jax arrays; see SPEC section 2.
+
+    `device`: a jax Device, a Sharding, a platform string ("cpu", "tpu") or None (the default device).
+    vLLM's order `(..., extra_vocab_size, device, long_lora_context=None)` is accepted too: a str,
+    Device or Sharding in the sixth position is taken as the device, a seventh argument as the context.
+    """
+    long_lora_context, device = convert_mapping_args(
+        long_lora_context, vllm_args, device,
+        lambda v: isinstance(v, (str, jax.Device, jax.sharding.Sharding)))
     host = convert_mapping_host(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                                 long_lora_context)
-    arrays = jax.device_put(host.as_tuple()[:5], device)
+    arrays = jax.device_put(host.as_tuple()[:5], dispatch.resolve_device(device))
     return (*arrays, list(host.indices_len))
 
 

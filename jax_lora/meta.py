@@ -10,8 +10,9 @@ first `num_tokens` entries are real:
   active_lora_ids                     = unique ids of the real tokens, ascending (-1 first when
                                         present), padded with -1 to max_loras + 1
   num_tokens_per_lora[i]              = count of active_lora_ids[i] (0 for padding)
-  lora_token_start_loc                = [0, cumsum(num_tokens_per_lora)] (length max_loras + 2);
-                                        group i's tokens are sorted[start[i]:start[i+1]]
+  lora_token_start_loc                = [0, cumsum(num_tokens_per_lora)] over the active ids, then
+                                        0 (the seed's padding; length max_loras + 2); group i's
+                                        tokens are sorted[start[i]:start[i] + num_tokens_per_lora[i]]
   no_lora                             = no real token has a slot (a device bool scalar)
 
 Invariants relied on by kernels: sum(num_tokens_per_lora) == num_tokens; groups are contiguous in
@@ -67,8 +68,9 @@ def build_kernel_meta(token_lora_mapping: jax.Array, num_tokens: jax.Array, *, m
     active_present = present[order]
     active_lora_ids = jnp.where(active_present, order - 1, -1).astype(jnp.int32)
     num_tokens_per_lora = jnp.where(active_present, counts[order], 0).astype(jnp.int32)
+    # [0, cumsum of the active ids' counts], then 0 past the active ids (the seed's padding).
     lora_token_start_loc = jnp.concatenate(
-        [jnp.zeros(1, jnp.int32), jnp.cumsum(num_tokens_per_lora, dtype=jnp.int32)])
+        [jnp.zeros(1, jnp.int32), jnp.where(active_present, jnp.cumsum(num_tokens_per_lora, dtype=jnp.int32), 0)])
     # Step 4: token order grouped by bin; stable so tokens keep their order inside a group.
     sorted_tokens = jnp.argsort(key, stable=True).astype(jnp.int32)
     no_lora = jnp.sum(counts[1:]) == 0
@@ -83,7 +85,9 @@ class LoRAKernelMeta:
 
     Shapes: token_lora_mapping, token_indices_sorted_by_lora_ids: (max_num_tokens,);
     active_lora_ids, num_tokens_per_lora: (max_loras + 1,); lora_token_start_loc: (max_loras + 2,);
-    no_lora: () bool. Immutable: `prepare_tensors` returns a new object.
+    no_lora: () bool. The arrays are immutable; `prepare_tensors` rebinds them (the seed's in-place
+    API) and returns the object, so `meta.prepare_tensors(m)` and `meta = meta.prepare_tensors(m)`
+    both work.
     """
 
     token_lora_mapping: jax.Array
@@ -108,7 +112,10 @@ class LoRAKernelMeta:
             raise ValueError(f"max_loras and max_num_tokens must be >= 1, got {max_loras}, {max_num_tokens}")
         meta = build_kernel_meta(jnp.full(max_num_tokens, -1, jnp.int32), jnp.int32(0),
                                  max_loras=max_loras)
-        return jax.device_put(meta, device) if device is not None else meta
+        if device is None:
+            return meta
+        from .ops.dispatch import resolve_device  # noqa: PLC0415 - ops imports this module
+        return jax.device_put(meta, resolve_device(device))
 
     @staticmethod
     def build(token_lora_mapping, max_loras: int, max_num_tokens: Optional[int] = None,
@@ -135,8 +142,24 @@ class LoRAKernelMeta:
         return build_kernel_meta(m, n, max_loras=max_loras)
 
     def prepare_tensors(self, token_lora_mapping) -> "LoRAKernelMeta":
-        """The seed's `prepare_tensors`, functional: new metadata of this capacity for a (T,) mapping."""
-        return LoRAKernelMeta.build(token_lora_mapping, self.max_loras, self.max_num_tokens)
+        """The seed's `prepare_tensors`: this metadata (same capacity) for a (T,) mapping; returns self.
+
+        As in the seed the object is updated in place (its fields are rebound to the new arrays;
+        arrays already taken from it, or pytrees flattened from it, keep the old values). Called
+        inside jit on an object made outside (a closure), the traced result is only returned:
+        storing tracers in it would leak them.
+        """
+        new = LoRAKernelMeta.build(token_lora_mapping, self.max_loras, self.max_num_tokens)
+        if _is_concrete(new.token_lora_mapping) or not _is_concrete(self.token_lora_mapping):
+            for field in dataclasses.fields(self):
+                object.__setattr__(self, field.name, getattr(new, field.name))  # (a frozen dataclass)
+            return self
+        return new
+
+    @property
+    def no_lora_flag_cpu(self) -> jax.Array:
+        """The seed's name for `no_lora` (here a device scalar, never read back to the host)."""
+        return self.no_lora
 
     def meta_args(self, token_nums: int) -> tuple:
         """(token_lora_mapping[:T], token_indices_sorted_by_lora_ids[:T], num_tokens_per_lora,

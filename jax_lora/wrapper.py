@@ -61,7 +61,7 @@ class PunicaWrapper:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_batches = int(max_batches)
         self.max_loras = int(max_loras)
-        self.device = _resolve_device(device)
+        self.device = dispatch.resolve_device(device)
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device, log=True)
         dispatch.load_backend(self.backend)  # fail now, not at the first op
         self.deterministic = dispatch.check_deterministic(deterministic)
@@ -498,17 +498,6 @@ class PunicaWrapper:
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")
         return self._expand(y2, buf, (b,), None, (width,), 0, True, self.prompt_meta, cut_to_y=True,
                             lora_ranks=lora_ranks).reshape(y.shape)
-
-
-def _resolve_device(device):
-    if device is None or not isinstance(device, str):
-        return device
-    platform = dispatch.platform_of(device)
-    idx = int(device.split(":")[1]) if ":" in device else 0
-    try:
-        return jax.devices(platform)[idx]
-    except RuntimeError as e:
-        raise ValueError(f"device {device!r} is not available: {e}") from e
 
 
 def _host_bool(v):

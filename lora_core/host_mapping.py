@@ -30,6 +30,7 @@ __all__ = [
     "StepLayout",
     "kernel_meta_host",
     "convert_mapping_host",
+    "convert_mapping_args",
     "compute_meta_host",
     "pad_prompt_mapping",
     "next_power_of_two",
@@ -238,6 +239,30 @@ def convert_mapping_host(
                         extra_vocab_size, long_lora_context)
 
 
+def convert_mapping_args(sixth: Any, rest: tuple, device: Any, is_device) -> tuple[Any, Any]:
+    """(long_lora_context, device) from `convert_mapping`'s arguments after `extra_vocab_size`.
+
+    Both orders are accepted: this project's `(..., extra_vocab_size, long_lora_context=None, *,
+    device=None)` and vLLM's `(..., extra_vocab_size, device, long_lora_context=None)` (the TPU
+    seed calls `convert_mapping(mapping, ids, max_loras, vocab, extra, "cpu", long_lora_context)`).
+    `sixth` is the sixth positional argument, `rest` the ones after it, `device` the keyword;
+    `is_device(v)` says whether a value is a device of the caller's framework (a str counts).
+    """
+    if is_device(sixth):
+        if device is not None:
+            raise TypeError(f"convert_mapping got a device twice: {sixth!r} (sixth argument, vLLM's order) and "
+                            f"device={device!r}")
+        if len(rest) > 1:
+            raise TypeError(f"convert_mapping takes at most 7 positional arguments (vLLM's order: ..., device, "
+                            f"long_lora_context), got {6 + len(rest)}")
+        return (rest[0] if rest else None), sixth
+    if rest:
+        raise TypeError(f"convert_mapping's sixth argument is long_lora_context unless it is a device (vLLM's "
+                        f"order: ..., device, long_lora_context); got {type(sixth).__name__} and "
+                        f"{len(rest)} more positional argument(s)")
+    return sixth, device
+
+
 def _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context) -> None:
     for name, value in (("max_loras", max_loras), ("vocab_size", vocab_size),
                         ("extra_vocab_size", extra_vocab_size)):
@@ -417,8 +442,8 @@ def kernel_meta_host(token_lora_mapping: np.ndarray, max_loras: int, capacity: i
     active[:k] = present - 1
     num = np.zeros(max_loras + 1, np.int32)
     num[:k] = counts[present]
-    start = np.zeros(max_loras + 2, np.int32)
-    start[1:] = np.cumsum(num)
+    start = np.zeros(max_loras + 2, np.int32)   # 0 past the active ids (the seed's padding)
+    start[1:k + 1] = np.cumsum(num[:k])
     mapping = np.full(capacity, -1, np.int32)
     mapping[:n] = m
     order = np.concatenate([np.argsort(key, kind="stable"), np.arange(n, capacity)]).astype(np.int32)

@@ -11,23 +11,23 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext, compute_meta_host, convert_mapping_host
+from lora_core.host_mapping import (LoRAMapping, LongContextLoRAContext, compute_meta_host, convert_mapping_args,
+                                    convert_mapping_host)
 
 __all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta"]
 
 
 def convert_mapping(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]], max_loras: int,
                     vocab_size: int, extra_vocab_size: int, long_lora_context: Optional[Any] = None,
-                    *, device=None):
+                    *vllm_args: Any, device=None):
     """(base_indices (T,), sampler_indices (R,), sampler_indices_padded (R,), embeddings_indices
     (2, T), long_lora_indices (T,) or None, indices_len) as int32 tensors; see SPEC section 2.
 
-    vLLM's order `(..., extra_vocab_size, device, long_lora_context)` is accepted too: a str or
-    torch.device in the sixth position is taken as the device.
+    vLLM's order `(..., extra_vocab_size, device, long_lora_context=None)` is accepted too: a str or
+    torch.device in the sixth position is taken as the device, a seventh argument as the context.
     """
-    if isinstance(long_lora_context, (str, torch.device)):
-        device = long_lora_context
-        long_lora_context = None
+    long_lora_context, device = convert_mapping_args(long_lora_context, vllm_args, device,
+                                                     lambda v: isinstance(v, (str, torch.device)))
     host = convert_mapping_host(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                                 long_lora_context)
     out = [None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device or "cpu")

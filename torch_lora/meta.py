@@ -108,9 +108,16 @@ class LoRAKernelMeta:
         self.num_tokens_per_lora.copy_(torch.where(active_present, counts[order], 0))
         self.lora_token_start_loc[:1].zero_()  # a device fill: no host value, capturable
         torch.cumsum(self.num_tokens_per_lora, 0, out=self.lora_token_start_loc[1:])
+        self.lora_token_start_loc[1:].masked_fill_(~active_present, 0)   # 0 past the active ids, as the seed
         self.token_indices_sorted_by_lora_ids[:t].copy_(torch.sort(key, stable=True).indices)
         self.token_indices_sorted_by_lora_ids[t:].copy_(self._positions_()[t:])
         torch.eq(counts[1:].sum().reshape(1), 0, out=self.no_lora)
+
+    @property
+    def no_lora_flag_cpu(self) -> torch.Tensor:
+        """The seed's name for `no_lora` (here on the metadata's device: kernels read it there, no
+        host sync)."""
+        return self.no_lora
 
     def meta_args(self, token_nums: int) -> tuple:
         """(token_lora_mapping[:T], token_indices_sorted_by_lora_ids[:T], num_tokens_per_lora,

@@ -57,6 +57,19 @@ def platform_of(device) -> str:
     return getattr(device, "platform", "cpu")
 
 
+def resolve_device(device):
+    """A jax Device for a platform string ("cpu", "gpu", "cuda:1", "tpu"); other values (None, a
+    Device, a Sharding) unchanged. ValueError naming the string when no such device exists."""
+    if device is None or not isinstance(device, str):
+        return device
+    platform = platform_of(device)
+    idx = int(device.split(":")[1]) if ":" in device else 0
+    try:
+        return jax.devices(platform)[idx]
+    except (RuntimeError, IndexError) as e:
+        raise ValueError(f"device {device!r} is not available: {e}") from e
+
+
 def default_backend_name(device=None, *, log: bool = False) -> str:
     """The platform's default backend (xla where its kernels cannot run, said as a fallback).
     log=True says the choice once on the `jax_lora` logger."""
