@@ -218,7 +218,7 @@ class PunicaWrapper:
         num_slots, _, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="w_t_all")
         self._check_tokens("x", x.shape[0])
         self._check_slots("w_t_all", num_slots)
-        check_same_device(x=x, w_t_all=w)
+        self._check_devices(x=x, w_t_all=w)
         return self._impl().shrink(x, (to_3d(w),), self.token_meta, float(scale), None)[0]
 
     def expand(self, y, x, w_t_all, add_inputs: bool) -> jax.Array:
@@ -256,6 +256,12 @@ class PunicaWrapper:
             raise ValueError(f"the mapping uses slot {self._host_max_slot}, but {name} has only "
                              f"{num_slots} slots (0..{num_slots - 1})")
 
+    def _check_devices(self, **arrays) -> None:
+        """The arguments (None entries skipped) and this wrapper's index arrays on one device set
+        (committed, concrete arrays only: inside jit nothing is checked)."""
+        arrays = {k: v for k, v in arrays.items() if v is not None}
+        check_same_device(**arrays, **{"the wrapper's index arrays": self._block})
+
     def _check_rank(self, name: str, rank: int) -> None:
         checks.check_backend_rank(self.backend, rank, name)
 
@@ -274,7 +280,7 @@ class PunicaWrapper:
         self._check_tokens("x", x.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
-        check_same_device(x=x, lora_a_stacked=lora_a, y=y)
+        self._check_devices(x=x, lora_a_stacked=lora_a, y=y)
         out = self._impl().shrink(x, tuple(to_3d(a) for a in lora_a), self.token_meta, scale,
                                   as_lora_ranks(lora_ranks, num_slots))
         return out.astype(y.dtype)
@@ -299,7 +305,7 @@ class PunicaWrapper:
                 meta, cut_to_y=False, lora_ranks=None, dora_scale_stacked=None):
         lora_b, offsets, bias = self._expand_args(y2, buf.shape, buf.dtype, lora_b_stacked, lora_bias_stacked,
                                                   output_slices, offset_start, cut_to_y)
-        check_same_device(x=buf, lora_b_stacked=lora_b, y=y2)
+        self._check_devices(x=buf, lora_b_stacked=lora_b, y=y2, lora_bias_stacked=bias)
         impl = self._impl()
         extra = self._col_scale(impl, dora_scale_stacked, lora_b, bias)
         return impl.expand(buf, lora_b, y2, meta, offsets, bool(add_inputs),
@@ -397,14 +403,14 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
-        check_same_device(x=x2, lora_a_stacked=lora_a)
+        self._check_devices(x=x2, lora_a_stacked=lora_a)
         lora_a3 = tuple(to_3d(a) for a in lora_a)
         ranks = as_lora_ranks(lora_ranks, num_slots)
         impl = self._impl()
         if buffer is None and hasattr(impl, "linear"):  # the backend may fuse shrink and expand
             lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32",
                                                        lora_b, lora_bias_stacked, output_slices, 0)
-            check_same_device(x=x2, lora_b_stacked=lora_b3, y=y2)
+            self._check_devices(x=x2, lora_b_stacked=lora_b3, y=y2, lora_bias_stacked=bias)
             extra = self._col_scale(impl, dora_scale_stacked, lora_b3, bias)
             return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, scale, offsets, ranks,
                                bias, **extra).reshape(y.shape)
@@ -462,7 +468,7 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a", num_slots)
         self._check_rank("lora_a", rank)
-        check_same_device(x=x2, lora_a=lora_a, lora_b=lora_b, y=y2)
+        self._check_devices(x=x2, lora_a=lora_a, lora_b=lora_b, y=y2)
         a_views = tuple(triton_ops.view(lora_a, (s,)) for s in range(S))
         b_views = tuple(triton_ops.view(lora_b, i) for i in b_index)
         extra = {} if dora_scale is None else {"col_scale": tuple(triton_ops.view(dora_scale, i) for i in b_index)}
@@ -492,7 +498,7 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
-        check_same_device(x=x2, lora_a_stacked=a, lora_b_stacked=b, y=y2)
+        self._check_devices(x=x2, lora_a_stacked=a, lora_b_stacked=b, y=y2)
         buf = self._impl().shrink(x2, (to_3d(a),), self.prompt_meta, scale,
                                   as_lora_ranks(lora_ranks, num_slots))
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")

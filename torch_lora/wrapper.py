@@ -156,7 +156,7 @@ class PunicaWrapper:
 
         x: (T, H); w_t_all: (L, [1,] r, H).
         """
-        check_tensors(x=x, w_t_all=w_t_all)
+        self._check_tensors(x=x, w_t_all=w_t_all)
         num_slots, rank, _ = checks.check_shrink(tuple(x.shape), x.dtype, [w_t_all.shape], [w_t_all.dtype],
                                                  arg_a="w_t_all")
         self._check_tokens("x", x.shape[0], self.indices_len[0])
@@ -192,11 +192,16 @@ class PunicaWrapper:
 
     def _check_seed_expand(self, y, x, w_t_all) -> int:
         """Checks expand / expand_slice arguments under their own names; returns w_t_all's width."""
-        check_tensors(y=y, x=x, w_t_all=w_t_all)
+        self._check_tensors(y=y, x=x, w_t_all=w_t_all)
         return checks.check_seed_expand(tuple(x.shape), x.dtype, tuple(w_t_all.shape), w_t_all.dtype,
                                         tuple(y.shape), y.dtype)
 
     # ------------------------------------------------------------------ ops
+    def _check_tensors(self, **named) -> None:
+        """`check_tensors` (every value a tensor, all on one device) with this wrapper's index
+        tensors among them: a kernel must not get metadata from another device."""
+        check_tensors(**named, **{"the wrapper's index tensors": self._block})
+
     def _check_tokens(self, name: str, num_tokens: int, available: Optional[int]) -> None:
         checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,
                               "max_num_batched_tokens")
@@ -212,7 +217,7 @@ class PunicaWrapper:
                    **kwargs) -> torch.Tensor:
         """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H)."""
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
-        check_tensors(y=y, x=x, lora_a_stacked=lora_a)
+        self._check_tensors(y=y, x=x, lora_a_stacked=lora_a)
         x2 = x.reshape(-1, x.shape[-1])
         num_slots, rank, _ = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
                                                  [a.dtype for a in lora_a])
@@ -242,7 +247,7 @@ class PunicaWrapper:
                 meta: LoRAKernelMeta, available, cut_to_y: bool = False, lora_ranks=None,
                 dora_scale_stacked=None) -> None:
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
-        check_tensors(y=y, x=buf, lora_b_stacked=lora_b)
+        self._check_tensors(y=y, x=buf, lora_b_stacked=lora_b)
         y2 = _token_view(y)
         slices = checks.check_output_slices(output_slices, len(lora_b))
         offset_start = checks.as_offset("offset_start", offset_start)
@@ -385,7 +390,7 @@ class PunicaWrapper:
         if not (len(lora_a) == len(lora_b) == len(output_slices)):
             raise ValueError(f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
                              f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
-        check_tensors(y=y, x=x, lora_a_stacked=lora_a, lora_b_stacked=lora_b,
+        self._check_tensors(y=y, x=x, lora_a_stacked=lora_a, lora_b_stacked=lora_b,
                       lora_bias_stacked=[b for b in (bias_list or ()) if b is not None])
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x
         num_slots, rank, hidden = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
@@ -421,7 +426,7 @@ class PunicaWrapper:
 
         x: (R, H); y: (R, V); B: (L, [1,] V', r), cut to V columns when V' > V.
         """
-        check_tensors(y=y, x=x, lora_a_stacked=lora_a_stacked, lora_b_stacked=lora_b_stacked, buffer=buffer)
+        self._check_tensors(y=y, x=x, lora_a_stacked=lora_a_stacked, lora_b_stacked=lora_b_stacked, buffer=buffer)
         x2 = x.reshape(-1, x.shape[-1])
         num_slots, rank, _ = checks.check_shrink(tuple(x2.shape), x2.dtype, [lora_a_stacked.shape],
                                                  [lora_a_stacked.dtype])
