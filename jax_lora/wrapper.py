@@ -219,7 +219,7 @@ class PunicaWrapper:
         self._check_tokens("x", x.shape[0])
         self._check_slots("w_t_all", num_slots)
         self._check_devices(x=x, w_t_all=w)
-        return self._impl().shrink(x, (to_3d(w),), self.token_meta, float(scale), None)[0]
+        return self._impl().shrink(x, (to_3d(w),), self.token_meta, checks.as_scale(scale), None)[0]
 
     def expand(self, y, x, w_t_all, add_inputs: bool) -> jax.Array:
         """New y: y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w_t_all[idx[t]].T)[:c], c = min(n, N).

@@ -7,6 +7,7 @@ and what was received.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from typing import Any, Optional, Sequence
@@ -123,13 +124,26 @@ def as_offset(name: str, value: Any) -> int:
 
 
 def as_scale(scale: Any) -> float:
-    """The LoRA scale as a Python float; None, strings and arrays of several values are refused."""
+    """The LoRA scale as a finite Python float; None, strings and arrays of several values are
+    refused (TypeError), and so are NaN and infinities (ValueError: every LoRA term would be
+    non-finite)."""
     if scale is None or isinstance(scale, (str, bytes)):
         raise TypeError(f"scale must be a real number (e.g. 1.0), got {type(scale).__name__} {scale!r}")
     try:
-        return float(scale)
+        value = float(scale)
     except (TypeError, ValueError) as e:
         raise TypeError(f"scale must be a real number (e.g. 1.0), got {type(scale).__name__}: {e}") from e
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be a finite real number, got {value}")
+    return value
+
+
+def check_lora_ranks_values(name: str, lo: int, slot: int) -> None:
+    """lo: the smallest entry of host `lora_ranks` values, at `slot`. A rank is >= 0 (0: the slot
+    adds nothing); a negative one would act as 0 in silence."""
+    if lo < 0:
+        raise ValueError(f"{name} must hold ranks >= 0 (each slot's real rank, 0 for a slot that adds nothing), "
+                         f"got {lo} for slot {slot}")
 
 
 def check_output_slices(output_slices: Sequence[int], num_b: int, arg_b="lora_b_stacked") -> tuple[int, ...]:

@@ -204,6 +204,50 @@ def test_scale_none(impl):
 
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), np.float32("nan")],
+                         ids=["nan", "inf", "-inf", "float32-nan"])
+def test_scale_nan_or_infinite(impl, bad):
+    """Every LoRA term would be NaN or infinite: refused at every entry point that takes a scale
+    (the torch wrapper's add_lora_linear once let any Python float through unchecked)."""
+    w, x, a, b, y, f = setup(impl)
+    message = rf"scale must be a finite real number, got {float(bad)}"
+    with pytest.raises(ValueError, match=message):
+        w.add_lora_linear(y, x, a, b, None, bad, (8, 4))
+    with pytest.raises(ValueError, match=message):
+        w.add_shrink(impl.arr(np.zeros((2, 4, 4), np.float32), "float32"), x, a, bad)
+    with pytest.raises(ValueError, match=message):
+        w.add_lora_logits(f(1, 16), f(1, 16), a[0], f(3, 1, 16, 4), bad)
+    with pytest.raises(ValueError, match=message):
+        w.shrink(x, a[0], bad)
+    with pytest.raises(ValueError, match=message):
+        impl.ops.bgmv_shrink(x, a[0][:, 0], impl.idx([0, 1, 2, -1]), bad)
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
+def test_negative_lora_ranks(impl):
+    """A negative rank acted as 0 in silence; host values (a list, NumPy, a CPU tensor / CPU array)
+    are refused naming the slot. 0 (the slot adds nothing) is a rank."""
+    impl = on_host(impl)
+    w, x, a, b, y, f = setup(impl)
+    forms = [[4, -2, 4], np.array([4, -2, 4], np.int32), host(impl, np.array([4, -2, 4], np.int64))]
+    if impl.side == "jax":
+        import jax.numpy as jnp
+        forms.append(jnp.asarray([4, -2, 4], jnp.int32))           # a concrete array on the CPU
+    message = (r"lora_ranks must hold ranks >= 0 \(each slot's real rank, 0 for a slot that adds nothing\), "
+               r"got -2 for slot 1")
+    for ranks in forms:
+        with pytest.raises(ValueError, match=message):
+            w.add_lora_linear(y, x, a, b, None, 1.0, (8, 4), lora_ranks=ranks)
+        with pytest.raises(ValueError, match=message):
+            w.add_lora_logits(f(1, 16), f(1, 16), a[0], f(3, 1, 16, 4), 1.0, lora_ranks=ranks)
+        with pytest.raises(ValueError, match=message):
+            impl.ops.bgmv_shrink(x, a[0][:, 0], impl.idx([0, 1, 2, -1]), 1.0, lora_ranks=ranks)
+    zero = impl.wrapper_call(w, "add_lora_linear", impl.arr(impl.to_np(y), "float32"), x, a, b, None, 1.0, (8, 4),
+                             lora_ranks=[4, 0, 4])
+    assert np.isfinite(zero).all()
+
+
+@pytest.mark.parametrize("impl", SIDE_PARAMS)
 def test_output_slices_none(impl):
     w, x, a, b, y, f = setup(impl)
     with pytest.raises(TypeError, match=r"output_slices must be a sequence of ints \(one width per slice\), got None"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from math import isfinite
 from typing import Any, Optional, Sequence
 
 import torch
@@ -162,8 +163,8 @@ class PunicaWrapper:
         self._check_tokens("x", x.shape[0], self.indices_len[0])
         self._check_slots("w_t_all", num_slots)
         out = torch.empty((1, x.shape[0], rank), dtype=torch.float32, device=x.device)
-        self._impl.shrink(x, (to_3d(w_t_all),), out, self.token_mapping_meta.meta_args(x.shape[0]), float(scale),
-                          None)
+        self._impl.shrink(x, (to_3d(w_t_all),), out, self.token_mapping_meta.meta_args(x.shape[0]),
+                          checks.as_scale(scale), None)
         return out[0]
 
     def expand(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, add_inputs: bool) -> torch.Tensor:
@@ -310,8 +311,8 @@ class PunicaWrapper:
         """
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             check_tensors(y=y, x=x)  # raises: names the argument that is not a tensor
-        if type(scale) is not float:
-            scale = checks.as_scale(scale)
+        if type(scale) is not float or not isfinite(scale):
+            scale = checks.as_scale(scale)          # raises for NaN and infinities
         plan = self._linear_plan(y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices,
                                  dora_scale_stacked)
         x2 = x if x.dim() == 2 else x.reshape(-1, plan.hidden)

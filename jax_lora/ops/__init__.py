@@ -153,12 +153,21 @@ def _check_meta(meta: LoRAKernelMeta, num_tokens: int, num_slots: int, arg_w: st
 
 
 def as_lora_ranks(lora_ranks, num_slots: int):
+    """lora_ranks as an int32 array. Host values (a list, NumPy, a concrete array on the CPU) are
+    read: a negative rank is refused. Tracers and accelerator arrays are not read: there a negative
+    rank acts as 0 (the slot adds nothing)."""
     if lora_ranks is None:
         return None
+    host = lora_ranks if isinstance(lora_ranks, (list, tuple, np.ndarray)) else None
     r = as_array("lora_ranks", lora_ranks)
     if r.ndim != 1 or r.shape[0] < num_slots or not jnp.issubdtype(r.dtype, jnp.integer):
         raise ValueError(f"lora_ranks must be a 1-D integer array of >= {num_slots} entries (one per "
                          f"slot), got shape {r.shape} dtype {r.dtype}")
+    if host is not None or _on_host(r):
+        v = np.asarray(r if host is None else host)
+        if v.size:
+            slot = int(v.argmin())
+            checks.check_lora_ranks_values("lora_ranks", int(v[slot]), slot)
     return r.astype(jnp.int32)
 
 

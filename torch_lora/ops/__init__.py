@@ -119,12 +119,17 @@ def int32_on(name: str, values, device) -> torch.Tensor:
 
 
 def as_lora_ranks(lora_ranks, num_slots: int, device):
+    """lora_ranks as an int32 tensor on `device`. Host values (a list, NumPy, a CPU tensor) are
+    read: a negative rank is refused. A tensor on an accelerator is not read (that would be a host
+    sync): there a negative rank acts as 0 (the slot adds nothing)."""
     if lora_ranks is None:
         return None
     r = torch.as_tensor(lora_ranks)
     if r.dim() != 1 or r.shape[0] < num_slots or r.dtype.is_floating_point:
         raise ValueError(f"lora_ranks must be a 1-D integer tensor of >= {num_slots} entries (one per "
                          f"slot), got shape {tuple(r.shape)} dtype {r.dtype}")
+    if r.is_cpu and r.numel() and int(r.min()) < 0:
+        checks.check_lora_ranks_values("lora_ranks", int(r.min()), int(r.argmin()))
     return int32_on("lora_ranks", r, device)
 
 
