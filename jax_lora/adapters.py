@@ -92,7 +92,7 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
     for module, (a, b, scaling, kind) in adapter.modules.items():
         where = _locate(module, layers, packed)
         if where is None:
-            raise AdapterError(f"adapter {adapter.name!r} targets {module!r}, which is not a LoRA layer of the "
+            raise AdapterError(f"adapter {adapter.label} targets {module!r}, which is not a LoRA layer of the "
                                f"model (LoRA layers: {sorted(layers)[:6]}{' ...' if len(layers) > 6 else ''}); "
                                "add it to the model's target modules")
         path, s = where
@@ -103,41 +103,41 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
             expect = ((layer.num_embeddings, layer.features) if isinstance(layer, lnn.MultiLoRAEmbed)
                       else (layer.out_features, layer.in_features))
             if tuple(saved) != expect:
-                raise AdapterError(f"adapter {adapter.name!r} was trained on a {module!r} of shape {saved} "
+                raise AdapterError(f"adapter {adapter.label} was trained on a {module!r} of shape {saved} "
                                    f"(resized vocabulary?), the model's is {expect}")
         if rank > layer.max_rank:
-            raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: rank {rank} exceeds the model's "
+            raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
                                f"max_rank={layer.max_rank}; rebuild the LoRA layers with max_rank >= {rank}")
         A, B = out[path]
         bs = (b * scaling).astype(np.float32)
         if isinstance(layer, lnn.MultiLoRALinear):
             if kind != "linear":
-                raise AdapterError(f"adapter {adapter.name!r}: {module!r} is an embedding adapter but "
+                raise AdapterError(f"adapter {adapter.label}: {module!r} is an embedding adapter but "
                                    f"{path!r} is a linear layer")
             width = layer.output_slices[s]
             off = sum(layer.output_slices[:s])
             if a.shape[1] != layer.in_features or b.shape[0] != width:
-                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_A {a.shape} / lora_B "
+                raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_A {a.shape} / lora_B "
                                    f"{b.shape} do not fit the layer: expected lora_A ({rank}, "
                                    f"{layer.in_features}) and lora_B ({width}, {rank})")
             A[s, :rank] = a
             B[off:off + width, :rank] = bs
         elif isinstance(layer, lnn.MultiLoRAEmbed):
             if kind != "embedding":
-                raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds linear weights but {path!r} "
+                raise AdapterError(f"adapter {adapter.label}: {module!r} holds linear weights but {path!r} "
                                    "is an embedding")
             if a.shape[1] != layer.num_embeddings or b.shape[0] != layer.features:
-                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_embedding_A {a.shape} / "
+                raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_embedding_A {a.shape} / "
                                    f"lora_embedding_B {b.shape} do not fit the embedding: expected "
                                    f"({rank}, {layer.num_embeddings}) and ({layer.features}, {rank})")
             A[:, :rank] = a.T
             B[:, :rank] = bs
         else:
             if kind != "linear":
-                raise AdapterError(f"adapter {adapter.name!r}: {module!r} is an embedding adapter but "
+                raise AdapterError(f"adapter {adapter.label}: {module!r} is an embedding adapter but "
                                    f"{path!r} is the LM head")
             if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
-                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_A {a.shape} / lora_B "
+                raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_A {a.shape} / lora_B "
                                    f"{b.shape} do not fit the LM head: expected ({rank}, {layer.in_features}) "
                                    f"and ({layer.out_features}, {rank})")
             A[:rank] = a
@@ -161,7 +161,7 @@ def dora_scales(model: nnx.Module, adapter: PeftAdapter) -> dict:
         path, s = where
         layer = layers[path]
         if path not in out:
-            raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (module {module!r}), but layer {path!r} "
+            raise AdapterError(f"adapter {adapter.label} is a DoRA adapter (module {module!r}), but layer {path!r} "
                                "has no DoRA column scale: build the LoRA layers with dora=True (add_lora(..., "
                                "dora=True))")
         a, b, scaling, _kind = adapter.modules[module]
@@ -170,7 +170,7 @@ def dora_scales(model: nnx.Module, adapter: PeftAdapter) -> dict:
         try:
             out[path][off:off + width] = dora.column_scale(kernel.T, a, b, scaling, m)
         except ValueError as e:
-            raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: {e}") from None
+            raise AdapterError(f"adapter {adapter.label}, module {module!r}: {e}") from None
     return out
 
 
@@ -291,7 +291,7 @@ def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
     for module, (a, b, scaling, kind) in adapter.modules.items():
         where = _locate(module, modules, packed)
         if where is None:
-            raise AdapterError(f"adapter {adapter.name!r} targets {module!r}, which the model does not have")
+            raise AdapterError(f"adapter {adapter.label} targets {module!r}, which the model does not have")
         path, s = where
         layer = modules[path]
         delta = scaling * (b.astype(np.float64) @ a.astype(np.float64))      # (out, in) / (dim, vocab)

@@ -17,7 +17,8 @@ any slot is written, so an adapter that fails to load leaves the manager as it w
 
 A framework's manager subclasses it and provides three things:
   `_prepare_uncounted(src)` -> prepared: the host layout of a directory or PeftAdapter (raises
-      lora_core.peft.AdapterError for a bad adapter);
+      lora_core.peft.AdapterError for a bad adapter); SlotTable passes the PeftAdapter, read and
+      named as registered, so its errors name the adapter as the caller does;
   `_largest_rank(prepared)` -> int: the adapter's largest rank;
   `_write_slot(slot, prepared)`: writes prepared (None: zeros and rank 0) into slot `slot` of every
       layer, on the device.
@@ -26,13 +27,14 @@ A framework's manager subclasses it and provides three things:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any, Optional, Union
 
 import numpy as np
 
-from .peft import AdapterError, PeftAdapter
+from .peft import AdapterError, PeftAdapter, load_peft_adapter
 
 __all__ = ["MAX_LORA_ID", "SlotTable"]
 
@@ -81,13 +83,13 @@ class SlotTable:
                             f"{type(adapter).__name__}")
         lora_id = int(lora_id)
         src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
-        prepared = self._prepare_uncounted(src)         # raises for a bad adapter; nothing changed yet
+        name = name or (src.name if isinstance(src, PeftAdapter) else os.path.basename(os.path.normpath(src)))
+        prepared = self._prepare(src, name)             # raises for a bad adapter; nothing changed yet
         self._count_prepare(src)
         self._ranks[lora_id] = self._largest_rank(prepared)
         self._sources[lora_id] = src
         self._stamps[lora_id] = _file_stamps(src)
-        self._names[lora_id] = name or (src.name if isinstance(src, PeftAdapter)
-                                        else os.path.basename(os.path.normpath(src)))
+        self._names[lora_id] = name
         self._host.pop(lora_id, None)
         self._cache(lora_id, prepared)
         if lora_id in self._slots:                      # hot swap: same slot, new weights
@@ -208,7 +210,20 @@ class SlotTable:
         if _file_stamps(src) != self._stamps.get(lora_id):
             raise AdapterError(f"adapter {self._names[lora_id]!r} (LoRA id {lora_id}): the files in {src!r} changed "
                                "since it was registered; register it again to serve the new files")
-        return self._prepare_uncounted(src), False
+        return self._prepare(src, self._names[lora_id]), False
+
+    def _prepare(self, src, name: str):
+        """`_prepare_uncounted` of `src` (a directory, read here, or a PeftAdapter) as the adapter
+        `name`: every AdapterError names it as registered (a directory's own name, or the name a
+        PeftAdapter was built with, is not what the caller called it), and the path."""
+        if isinstance(src, PeftAdapter):
+            adapter = src if src.name == name else dataclasses.replace(src, name=name)
+        else:
+            try:
+                adapter = load_peft_adapter(src, name)
+            except AdapterError as e:
+                raise AdapterError(f"adapter {name!r}: {e}") from None
+        return self._prepare_uncounted(adapter)
 
 
 def _file_stamps(src) -> Optional[tuple]:

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +125,22 @@ def test_shape_and_format_errors(tmp_path):
         json.dump(cfg, f)
     with pytest.raises(AdapterError, match="DoRA"):
         load_peft_adapter(dora)
+
+
+def test_adapter_errors_name_the_adapter_as_registered(tmp_path):
+    """An AdapterError names the adapter by the name it is registered under (not its directory's
+    name, nor the name a PeftAdapter was built with), and its directory; nothing is registered."""
+    mgr = AdapterManager(_model(rank=4))
+    big = _write(tmp_path, "dir-big", 8)[0]
+    with pytest.raises(AdapterError, match=rf"adapter 'math' \({re.escape(big)}\), module '.*q_proj': rank 8 exceeds"):
+        mgr.register(1, big, name="math")
+    built = load_peft_adapter(big)
+    with pytest.raises(AdapterError, match=rf"adapter 'chat' \({re.escape(big)}\), module '.*q_proj': rank 8 exceeds"):
+        mgr.register(1, built, name="chat")
+    missing = str(tmp_path / "none")
+    with pytest.raises(AdapterError, match=rf"adapter 'code': {re.escape(missing)}: expected a PEFT adapter directory"):
+        mgr.register(1, missing, name="code")
+    assert built.name == "dir-big" and mgr.registered == {}
 
 
 def _slot_weights(model, slot):

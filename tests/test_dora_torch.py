@@ -6,6 +6,8 @@ LoRA rows and rows without an adapter in one batch, through a forward pass, gene
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -273,8 +275,9 @@ def test_dora_adapters_need_a_dora_model(hf):
     mm = MultiLoRAModel(transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval(), max_loras=2,
                         max_rank=8, backend="torch")
     mm.load_adapter("lora", dirs[2])
-    with pytest.raises(AdapterError, match=r"adapter 'adapter1' is a DoRA adapter .* has no DoRA column scale: "
-                                           r"build the layers with dora=True \(MultiLoRAModel\(\.\.\., dora=True\)"):
+    with pytest.raises(AdapterError, match=rf"adapter 'dora-a' \({re.escape(str(dirs[1]))}\) is a DoRA adapter .* has "
+                                           r"no DoRA column scale: build the layers with dora=True "
+                                           r"\(MultiLoRAModel\(\.\.\., dora=True\)"):
         mm.load_adapter("dora-a", dirs[1])
     assert mm.loaded_adapters == ["lora"]
     with pytest.raises(TypeError, match="dora must be a bool"):

@@ -10,6 +10,7 @@ import math
 import os
 import pathlib
 import random
+import re
 import shutil
 
 import numpy as np
@@ -375,11 +376,27 @@ def test_factors_beyond_the_layers_dtype_are_refused(tmp_path):
     save_peft_adapter(d, {MODULE["v_proj"]: (rng.normal(size=(1, H)), np.full((KV, 1), 20.0))}, r=1,
                       lora_alpha=4096)                                 # B x scaling = 20 x 4096 = 81920
     mgr = AdapterManager(_layers(slots=2, rank=4, dtype=torch.float16))
-    with pytest.raises(AdapterError, match=r"adapter 'big': the factors placed in 'qkv' reach 81920 .*beyond "
-                                           r"the largest torch.float16 value 65504"):
+    with pytest.raises(AdapterError, match=rf"adapter 'big' \({re.escape(d)}\): the factors placed in 'qkv' reach 81920 "
+                                           r".*beyond the largest torch.float16 value 65504"):
         mgr.load(1, d)
     assert mgr.registered == {}
     AdapterManager(_layers(slots=2, rank=4)).load(1, d)
+
+
+def test_adapter_errors_name_the_adapter_as_registered(tmp_path):
+    """An AdapterError names the adapter by the name it is registered under (not its directory's
+    name, nor the name a PeftAdapter was built with), and its directory; nothing is registered."""
+    mgr = AdapterManager(_layers(slots=2, rank=4))
+    big = _write(tmp_path, "dir-big", 8)
+    with pytest.raises(AdapterError, match=rf"adapter 'math' \({re.escape(big)}\), module '.*q_proj': rank 8 exceeds"):
+        mgr.register(1, big, name="math")
+    built = load_peft_adapter(big)
+    with pytest.raises(AdapterError, match=rf"adapter 'chat' \({re.escape(big)}\), module '.*q_proj': rank 8 exceeds"):
+        mgr.register(1, built, name="chat")
+    missing = str(tmp_path / "none")
+    with pytest.raises(AdapterError, match=rf"adapter 'code': {re.escape(missing)}: expected a PEFT adapter directory"):
+        mgr.register(1, missing, name="code")
+    assert built.name == "dir-big" and mgr.registered == {}
 
 
 # ----------------------------------------------------------------------------- CUDA: stream order

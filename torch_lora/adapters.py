@@ -154,14 +154,14 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
         where = index.get(module)
         if where is None:
             names = sorted(index)
-            raise AdapterError(f"adapter {adapter.name!r} targets {module!r}, which is not a LoRA module of the model "
+            raise AdapterError(f"adapter {adapter.label} targets {module!r}, which is not a LoRA module of the model "
                                f"(LoRA modules: {names[:6]}{' ...' if len(names) > 6 else ''}); add it to the model's "
                                "target_modules")
         path, s = where
         layer = layers[path]
         rank = int(a.shape[0])
         if rank > layer.max_rank:
-            raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: rank {rank} exceeds the model's "
+            raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
                                f"max_rank={layer.max_rank}; wrap the model with max_rank >= {rank}")
         saved = adapter.base_layer_shapes.get(module)
         if saved is not None:
@@ -172,18 +172,18 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
                 expect = ((layer.num_embeddings, layer.embedding_dim) if isinstance(layer, LoRAEmbedding)
                           else (layer.out_features, layer.in_features))
             if tuple(saved) != expect:
-                raise AdapterError(f"adapter {adapter.name!r} was trained on a {module!r} of shape {tuple(saved)} "
+                raise AdapterError(f"adapter {adapter.label} was trained on a {module!r} of shape {tuple(saved)} "
                                    f"(resized vocabulary?), the model's is {expect}")
         r = layer.max_rank
         if isinstance(layer, ParallelLoRALayer):
             _place_shard(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
         elif isinstance(layer, LoRALinear):
             if kind != "linear":
-                raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds embedding factors but the model's "
+                raise AdapterError(f"adapter {adapter.label}: {module!r} holds embedding factors but the model's "
                                    f"module is a linear layer")
             width = layer.output_slices[s]
             if a.shape[1] != layer.in_features or b.shape[0] != width:
-                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
+                raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
                                    f"do not fit the module: expected lora_A ({rank}, {layer.in_features}) and "
                                    f"lora_B ({width}, {rank})")
             n = len(layer.module_names)
@@ -193,10 +193,10 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
             out[n + s][:, :rank] = b * scaling
         elif isinstance(layer, LoRAEmbedding):
             if kind != "embedding":
-                raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds linear factors (lora_A / lora_B) but "
+                raise AdapterError(f"adapter {adapter.label}: {module!r} holds linear factors (lora_A / lora_B) but "
                                    "the model's module is an embedding")
             if a.shape[1] != layer.num_embeddings or b.shape[0] != layer.embedding_dim:
-                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_embedding_A {a.shape} / "
+                raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_embedding_A {a.shape} / "
                                    f"lora_embedding_B {b.shape} do not fit the embedding: expected ({rank}, "
                                    f"{layer.num_embeddings}) and ({layer.embedding_dim}, {rank})")
             A = np.zeros((layer.num_embeddings, r), np.float32)
@@ -206,10 +206,10 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
             arrays[path] = [A, B]
         else:
             if kind != "linear":
-                raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds embedding factors but the model's "
+                raise AdapterError(f"adapter {adapter.label}: {module!r} holds embedding factors but the model's "
                                    "module is the LM head (a linear layer)")
             if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
-                raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
+                raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
                                    f"do not fit the LM head: expected ({rank}, {layer.in_features}) and "
                                    f"({layer.out_features}, {rank})")
             A = np.zeros((r, layer.in_features), np.float32)
@@ -222,18 +222,18 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
         limit = torch.finfo(_layer_dtype(layers[path])).max
         for array in parts:
             if not np.all(np.isfinite(array)):
-                raise AdapterError(f"adapter {adapter.name!r}: the factors placed in {path!r} hold NaN or infinite "
+                raise AdapterError(f"adapter {adapter.label}: the factors placed in {path!r} hold NaN or infinite "
                                    "values")
             largest = float(np.abs(array).max()) if array.size else 0.0
             if largest > limit:
-                raise AdapterError(f"adapter {adapter.name!r}: the factors placed in {path!r} reach {largest:.6g} "
+                raise AdapterError(f"adapter {adapter.label}: the factors placed in {path!r} reach {largest:.6g} "
                                    f"(lora_B with the scaling lora_alpha / r folded in), beyond the largest "
                                    f"{_layer_dtype(layers[path])} value {limit:.6g}: they would be infinite in the "
                                    "layer's dtype")
     scales = dora_scales(layers, adapter)
     for path, g in scales.items():
         if not np.all(np.isfinite(g)):
-            raise AdapterError(f"adapter {adapter.name!r}: the DoRA column scale of {path!r} holds NaN or infinite "
+            raise AdapterError(f"adapter {adapter.label}: the DoRA column scale of {path!r} holds NaN or infinite "
                                "values (magnitudes or base weights that are not finite)")
     tensors, nbytes = _pack(layers, {**arrays, **{(path, "dora"): [g] for path, g in scales.items()}}, pin_memory)
     scale_tensors = {path: tensors.pop((path, "dora"))[0] for path in scales}
@@ -265,11 +265,11 @@ def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:
         if not isinstance(layer, LoRALinear):
             what = ("a tensor-parallel LoRA layer" if isinstance(layer, ParallelLoRALayer) else
                     "the LM head" if isinstance(layer, LoRALogits) else "an embedding")
-            raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (use_dora) with a magnitude on {module!r}, "
+            raise AdapterError(f"adapter {adapter.label} is a DoRA adapter (use_dora) with a magnitude on {module!r}, "
                                f"which is {what} ({path!r}): DoRA is served on linear layers only (LoRALinear "
                                "with dora=True)")
         if not layer.dora:
-            raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter (use_dora; module {module!r}), but LoRA "
+            raise AdapterError(f"adapter {adapter.label} is a DoRA adapter (use_dora; module {module!r}), but LoRA "
                                f"layer {path!r} has no DoRA column scale: build the layers with dora=True "
                                "(MultiLoRAModel(..., dora=True), or LoRALinear(..., dora=True, base_weights=...))")
         a, b, scaling, _kind = adapter.modules[module]
@@ -277,7 +277,7 @@ def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:
         try:
             g = dora.column_scale(weight, a, b, scaling, m)
         except ValueError as e:
-            raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: {e}") from None
+            raise AdapterError(f"adapter {adapter.label}, module {module!r}: {e}") from None
         off, width = layer.offsets[s], layer.output_slices[s]
         out.setdefault(path, np.ones(layer.out_features, np.float32))[off:off + width] = g
     return out
@@ -291,10 +291,10 @@ def _place_shard(arrays: dict, path: str, layer: ParallelLoRALayer, s: int, modu
     shard = layer.slice_shards[s]
     table = shard.a_table
     if kind != ("embedding" if table else "linear"):
-        raise AdapterError(f"adapter {adapter.name!r}: {module!r} holds {kind} factors but the model's module is "
+        raise AdapterError(f"adapter {adapter.label}: {module!r} holds {kind} factors but the model's module is "
                            f"{'an embedding' if table else 'a linear layer'}")
     if a.shape[1] != shard.full_in or b.shape[0] != shard.full_out:
-        raise AdapterError(f"adapter {adapter.name!r}, module {module!r}: factors {a.shape} / {b.shape} do not fit "
+        raise AdapterError(f"adapter {adapter.label}, module {module!r}: factors {a.shape} / {b.shape} do not fit "
                            f"the module: expected ({rank}, {shard.full_in}) and ({shard.full_out}, {rank})")
     out = arrays.setdefault(path, [np.zeros(sh.a_shape, np.float32) for sh in layer.slice_shards]
                             + [np.zeros((sh.b_rows, layer.max_rank), np.float32) for sh in layer.slice_shards])

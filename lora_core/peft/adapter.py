@@ -57,6 +57,11 @@ class PeftAdapter:
     lora_core.dora turns it into the module's column scale. Empty for a plain LoRA adapter."""
 
     @property
+    def label(self) -> str:
+        """How error messages name the adapter: its name and, when read from disk, its directory."""
+        return f"{self.name!r} ({self.path})" if self.path else repr(self.name)
+
+    @property
     def max_rank(self) -> int:
         return max(m[0].shape[0] for m in self.modules.values())
 
