@@ -231,8 +231,8 @@ def test_negative_lora_ranks(impl):
     w, x, a, b, y, f = setup(impl)
     forms = [[4, -2, 4], np.array([4, -2, 4], np.int32), host(impl, np.array([4, -2, 4], np.int64))]
     if impl.side == "jax":
-        import jax.numpy as jnp
-        forms.append(jnp.asarray([4, -2, 4], jnp.int32))           # a concrete array on the CPU
+        import jax
+        forms.append(jax.device_put(np.array([4, -2, 4], np.int32), jax.devices("cpu")[0]))  # a concrete CPU array
     message = (r"lora_ranks must hold ranks >= 0 \(each slot's real rank, 0 for a slot that adds nothing\), "
                r"got -2 for slot 1")
     for ranks in forms:

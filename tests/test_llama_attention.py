@@ -314,7 +314,7 @@ def test_token_ids_and_sample_idx_out_of_range():
     positions = np.broadcast_to(np.arange(4, dtype=np.int32), (2, 4))
     sample = np.array([3, 1], np.int32)
     for bad_tokens, got in ((np.where(tokens == 9, v, tokens), v), (np.where(tokens == 9, -2, tokens), -2)):
-        for form in (bad_tokens, jnp.asarray(bad_tokens), bad_tokens.tolist()):
+        for form in (bad_tokens, jax.device_put(bad_tokens, jax.devices("cpu")[0]), bad_tokens.tolist()):
             with pytest.raises(ValueError, match=rf"tokens must be in \[0, {v}\) \(token ids, vocab_size = {v}\), "
                                                  rf"got {got}$"):
                 model(form, positions)

@@ -9,6 +9,7 @@ against the wrapper's own index arrays.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from . import oracle
+from .impls import torch_triton_device
 
 SIDES = ("jax", "torch")
 
@@ -24,20 +26,21 @@ def _pkg(side):
     return importlib.import_module("jax_lora" if side == "jax" else "torch_lora")
 
 
-def _arr(side, a, dtype="float32"):
-    """A NumPy array as the side's array type (values rounded to `dtype`)."""
+def _arr(side, a, dtype="float32", device="cpu"):
+    """A NumPy array as the side's array type (values rounded to `dtype`; torch: on `device`)."""
     if side == "jax":
         import jax.numpy as jnp
         a = np.asarray(a)
         return jnp.asarray(a).astype(dtype) if a.dtype.kind == "f" else jnp.asarray(a)
     import torch
     t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.to(getattr(torch, dtype)) if t.is_floating_point() else t
+    return (t.to(getattr(torch, dtype)) if t.is_floating_point() else t).to(device)
 
 
 def _np(a):
     if hasattr(a, "detach"):
-        return a.detach().float().numpy().astype(np.float64) if a.is_floating_point() else a.numpy()
+        a = a.detach().cpu()
+        return a.float().numpy().astype(np.float64) if a.is_floating_point() else a.numpy()
     a = np.asarray(a)
     return a.astype(np.float64) if a.dtype.kind == "f" or str(a.dtype) == "bfloat16" else a
 
@@ -178,11 +181,11 @@ def _seed_meta(m, max_loras):
     return m.tolist(), np.argsort(m, kind="stable").tolist(), num.tolist(), start.tolist(), active.tolist()
 
 
-def _make_meta(side, max_loras, capacity, idx):
+def _make_meta(side, max_loras, capacity, idx, device="cpu"):
     """vLLM's call pattern: make(...) by keyword, then prepare_tensors(...) with its result ignored."""
     pkg = _pkg(side)
-    meta = pkg.LoRAKernelMeta.make(max_loras=max_loras, max_num_tokens=capacity, device="cpu")
-    meta.prepare_tensors(_arr(side, np.asarray(idx, np.int64)))
+    meta = pkg.LoRAKernelMeta.make(max_loras=max_loras, max_num_tokens=capacity, device=device)
+    meta.prepare_tensors(_arr(side, np.asarray(idx, np.int64), device=device))
     return meta
 
 
@@ -265,16 +268,17 @@ def test_lora_shrink_expand_called_as_in_vllms_kernel_tests(side, backend, seed,
     JAX: the same with the metadata object in place of the six values."""
     idx, x, a, b, buf, y = _vllm_case(seed, num_loras, nslices, rank, hidden, seq_lengths)
     T = len(idx)
-    meta = _make_meta(side, num_loras, T, idx)
+    dev = torch_triton_device() if (side, backend) == ("torch", "triton") else "cpu"
+    meta = _make_meta(side, num_loras, T, idx, dev)
     ops = _pkg(side).ops
-    X, A, B = _arr(side, x, dtype), [_arr(side, w, dtype) for w in a], [_arr(side, w, dtype) for w in b]
-    BUF, Y = _arr(side, buf, dtype), _arr(side, y, dtype)
+    X, A, B = _arr(side, x, dtype, dev), [_arr(side, w, dtype, dev) for w in a], [_arr(side, w, dtype, dev) for w in b]
+    BUF, Y = _arr(side, buf, dtype, dev), _arr(side, y, dtype, dev)
     want_buf = oracle.shrink(_np(X), [_np(w) for w in A], idx, 0.5)
     for add_inputs in (True, False):
         want_y = oracle.expand(_np(BUF), [_np(w) for w in B], _np(Y), idx, 0, add_inputs)
         if side == "torch":
             import torch
-            out = torch.full((nslices, T, rank), float("nan"), dtype=torch.float32)
+            out = torch.full((nslices, T, rank), float("nan"), dtype=torch.float32, device=dev)
             ops.lora_shrink(X, A, out, *meta.meta_args(token_nums=T), 0.5, backend=backend)
             y_new = Y.clone()
             ops.lora_expand(BUF, B, y_new, *meta.meta_args(token_nums=T), offset_start=0, add_inputs=add_inputs,
@@ -415,5 +419,10 @@ OP_ERRORS = [("hidden", ValueError,
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("bad,error,message", OP_ERRORS, ids=[e[0] for e in OP_ERRORS])
 def test_metadata_driven_ops_name_the_bad_argument(side, bad, error, message):
-    with pytest.raises(error, match=message):
-        _op_call(side, bad)
+    """On the host (index values are read only there: on an accelerator that would be a sync)."""
+    with contextlib.ExitStack() as stack:
+        if side == "jax":
+            import jax
+            stack.enter_context(jax.default_device(jax.devices("cpu")[0]))
+        with pytest.raises(error, match=message):
+            _op_call(side, bad)
