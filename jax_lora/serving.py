@@ -41,6 +41,7 @@ from flax import nnx
 
 from . import nn as lnn
 from .adapters import AdapterManager
+from lora_core import checks
 from lora_core.host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
 from .models.llama import init_cache
 from .wrapper import PunicaWrapper
@@ -226,7 +227,6 @@ class ServingEngine:
         and the field (an int field takes Python or NumPy integers, never bools or floats). Two
         requests whose Completions would carry the same request_id are refused."""
         vocab = self.config.vocab_size
-        in_flight: dict = {}       # Completion id -> index of the request that has it
         for i, r in enumerate(reqs):
             if not isinstance(r, Request):
                 raise TypeError(f"request {i}: expected a jax_lora.serving.Request, got {type(r).__name__}")
@@ -263,17 +263,14 @@ class ServingEngine:
                 if r.lora_id not in self.adapters.registered:
                     raise ValueError(f"request {i}: LoRA id {r.lora_id} is not registered "
                                      f"(registered: {sorted(self.adapters.registered)})")
-            rid = i if r.request_id is None else r.request_id
-            try:
-                j = in_flight.setdefault(rid, i)
-            except TypeError:
-                raise TypeError(f"request {i}: request_id must be hashable (it tells the Completions apart), got "
-                                f"{type(r.request_id).__name__} {r.request_id!r:.80}") from None
-            if j != i:
-                first = (f"request {j}'s" if reqs[j].request_id is not None
-                         else f"request {j}'s index (it has no request_id)")
-                raise ValueError(f"request {i}: request_id {rid!r} is already in flight in this call ({first}); "
-                                 "every request needs its own id")
+        ids = [i if r.request_id is None else r.request_id for i, r in enumerate(reqs)]
+        repeat = checks.first_repeat(ids, "request {}: request_id", "it tells the Completions apart")
+        if repeat is not None:
+            i, j = repeat
+            first = (f"request {j}'s" if reqs[j].request_id is not None
+                     else f"request {j}'s index (it has no request_id)")
+            raise ValueError(f"request {i}: request_id {ids[i]!r} is already in flight in this call ({first}); "
+                             "every request needs its own id")
 
     # ------------------------------------------------------------------ steps
     def _run(self, tokens, positions, rows, sample_idx, token_ids, row_ids, is_prefill, use_lora):

@@ -146,6 +146,21 @@ def check_lora_ranks_values(name: str, lo: int, slot: int) -> None:
                          f"got {lo} for slot {slot}")
 
 
+def first_repeat(ids: Sequence[Any], label: str, why: str) -> Optional[tuple[int, int]]:
+    """(i, j), j < i, for the first id equal to an earlier one (ids[i] == ids[j]), or None.
+    An unhashable id is a TypeError naming `label.format(i)` and saying `why` it must hash."""
+    first: dict = {}
+    for i, rid in enumerate(ids):
+        try:
+            j = first.setdefault(rid, i)
+        except TypeError:
+            raise TypeError(f"{label.format(i)} must be hashable ({why}), got "
+                            f"{type(rid).__name__} {rid!r:.80}") from None
+        if j != i:
+            return i, j
+    return None
+
+
 def check_output_slices(output_slices: Sequence[int], num_b: int, arg_b="lora_b_stacked") -> tuple[int, ...]:
     if output_slices is None or isinstance(output_slices, (str, bytes)):
         raise TypeError(f"output_slices must be a sequence of ints (one width per slice), got {output_slices!r}")

@@ -23,6 +23,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from lora_core import checks
+
 RTOL = 1e-4          # float32 logits, relative to the request's largest |logit|
 BASE = "__base__"
 
@@ -118,16 +120,12 @@ def serve(generate, requests: Sequence[tuple], *, device, batch_size: int, max_n
     """
     import torch
 
-    in_flight: dict = {}
-    for i, (rid, _, _) in enumerate(requests):
-        try:
-            j = in_flight.setdefault(rid, i)
-        except TypeError:
-            raise TypeError(f"requests[{i}]: the request id must be hashable (it keys the results), got "
-                            f"{type(rid).__name__} {rid!r:.80}") from None
-        if j != i:
-            raise ValueError(f"requests[{i}]: request id {rid!r} is already in flight (requests[{j}] has it); "
-                             "every request needs its own id")
+    repeat = checks.first_repeat([rid for rid, _, _ in requests], "requests[{}]: the request id",
+                                 "it keys the results")
+    if repeat is not None:
+        i, j = repeat
+        raise ValueError(f"requests[{i}]: request id {requests[i][0]!r} is already in flight (requests[{j}] has "
+                         "it); every request needs its own id")
     out, generated = {}, 0
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     sync()
