@@ -135,3 +135,37 @@ def test_a_wrong_lora_step_fails_the_check_and_reports_no_time(tmp_path):
     assert res["summary"]["checks_failed"] == ["dec B4 D2 r4"]
     assert case["torch"]["check_passed"] is False and "lora_us" not in case["torch"]
     assert case["torch"]["lora_err"] > 0.2 * case["lora_effect"]
+
+
+class _Trace:
+    """A profiler stand-in that writes a fixed Chrome trace: two steps 200 us apart, each a GEMM,
+    then a LoRA shrink / expand pair (the expand starting before the shrink ends), then a memcpy."""
+
+    def export_chrome_trace(self, path):
+        events, t = [], 0.0
+        for _ in range(2):
+            events += [dict(ph="X", cat="kernel", name="gemm", ts=t, dur=10.0),
+                       dict(ph="X", cat="kernel", name="lora_shrink_kernel", ts=t + 11.0, dur=4.0),
+                       dict(ph="X", cat="kernel", name="lora_expand_kernel", ts=t + 13.0, dur=5.0),
+                       dict(ph="X", cat="gpu_memcpy", name="Memcpy DtoD", ts=t + 18.5, dur=1.0),
+                       dict(ph="X", cat="cpu_op", name="aten::mm", ts=t, dur=30.0)]      # not GPU activity
+            t += 200.0
+        with open(path, "w") as f:
+            json.dump(dict(traceEvents=events), f)
+
+
+def test_gpu_timeline_splits_busy_idle_and_lora_gaps():
+    """Busy = the union of GPU intervals, idle = gaps inside a step, gaps >= STEP_GAP_US between
+    steps; per LoRA kernel its mean duration and gap before; the gap after the LoRA pair."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import e2e_decode
+    tl = e2e_decode._gpu_timeline(_Trace(), 2)
+    assert tl["activities"] == 4 and tl["between_steps"] == 1
+    assert tl["busy_us"] == pytest.approx(10.0 + 7.0 + 1.0)          # the expand overlaps the shrink by 2 us
+    assert tl["idle_us"] == pytest.approx(1.0 + 0.5)                  # before the shrink, before the memcpy
+    shrink, expand = tl["lora"]["lora_shrink"], tl["lora"]["lora_expand"]
+    assert shrink[:2] == (2, pytest.approx(8.0)) and shrink[2] == pytest.approx(2.0)
+    assert expand[2] == pytest.approx(0.0)                            # overlapping: no gap
+    assert tl["gap_after_lora_us"] == pytest.approx(0.5)
+    md = e2e_decode._timeline_markdown("case", 2, {False: tl, True: tl})
+    assert "| base | 4 | 18.0 | 1.5 | 19.5 |" in md and "| lora_shrink | 1 | 4.00 | 1.00 |" in md
