@@ -94,6 +94,16 @@ def _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_t
     check_index_values("token_lora_mapping", token_lora_mapping[:num_tokens], num_slots, arg_w)
 
 
+def _kernel_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+                 lora_token_start_loc, lora_ids, no_lora_flag) -> tuple:
+    """The six metadata tensors as the backends take them: the five index tensors contiguous (the
+    Triton kernels read entry i at `ptr + i`, so a strided view, e.g. `mapping[::2]`, would give
+    them other entries; contiguous ones, as `LoRAKernelMeta.meta_args` returns, are passed as they
+    are)."""
+    return tuple(t.contiguous() for t in (token_lora_mapping, token_indices_sorted_by_lora_ids,
+                                          num_tokens_per_lora, lora_token_start_loc, lora_ids)) + (no_lora_flag,)
+
+
 def as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
     """An integer tensor as int32 (SPEC section 1), never wrapping a 64-bit value into range: on the
     CPU, values outside int32 are refused; on an accelerator (reading them would be a host sync) they
@@ -119,9 +129,11 @@ def int32_on(name: str, values, device) -> torch.Tensor:
 
 
 def as_lora_ranks(lora_ranks, num_slots: int, device):
-    """lora_ranks as an int32 tensor on `device`. Host values (a list, NumPy, a CPU tensor) are
-    read: a negative rank is refused. A tensor on an accelerator is not read (that would be a host
-    sync): there a negative rank acts as 0 (the slot adds nothing)."""
+    """lora_ranks as a contiguous int32 tensor on `device` (the Triton kernels read slot i at
+    `ranks_ptr + i`: a strided view, e.g. `ranks[::2]`, would give them other slots' values). Host
+    values (a list, NumPy, a CPU tensor) are read: a negative rank is refused. A tensor on an
+    accelerator is not read (that would be a host sync): there a negative rank acts as 0 (the slot
+    adds nothing)."""
     if lora_ranks is None:
         return None
     r = torch.as_tensor(lora_ranks)
@@ -130,7 +142,7 @@ def as_lora_ranks(lora_ranks, num_slots: int, device):
                          f"slot), got shape {tuple(r.shape)} dtype {r.dtype}")
     if r.is_cpu and r.numel() and int(r.min()) < 0:
         checks.check_lora_ranks_values("lora_ranks", int(r.min()), int(r.argmin()))
-    return int32_on("lora_ranks", r, device)
+    return int32_on("lora_ranks", r, device).contiguous()
 
 
 def _offsets(offset_start: int, widths: Sequence[int]) -> tuple:
@@ -161,8 +173,8 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
     _check_out("output_tensor", output_tensor, (len(lora_a), inputs.shape[0], rank))
     _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
                      lora_token_start_loc, lora_ids, inputs.shape[0], num_slots, "lora_a_weights")
-    meta = (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
-            lora_token_start_loc, lora_ids, no_lora_flag)
+    meta = _kernel_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+                        lora_token_start_loc, lora_ids, no_lora_flag)
     scaling = checks.as_scale(scaling)
     impl = dispatch.resolve(backend, inputs.device, deterministic=deterministic)
     impl.shrink(inputs, tuple(to_3d(a) for a in lora_a), output_tensor, meta, scaling,
@@ -191,8 +203,8 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
                                                arg_b="lora_b_weights", arg_y="output_tensor")
     _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
                      lora_token_start_loc, lora_ids, output_tensor.shape[0], num_slots, "lora_b_weights")
-    meta = (token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
-            lora_token_start_loc, lora_ids, no_lora_flag)
+    meta = _kernel_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+                        lora_token_start_loc, lora_ids, no_lora_flag)
     impl = dispatch.resolve(backend, output_tensor.device, deterministic=deterministic)
     impl.expand(inputs, tuple(to_3d(b) for b in lora_b), output_tensor, meta, _offsets(offset_start, widths),
                 bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, output_tensor.device), None)
