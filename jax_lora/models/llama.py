@@ -35,7 +35,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import jax
@@ -546,6 +546,10 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
     adapter that targets only some of them has zeros in the others). dora=True: the linear layers
     also hold DoRA column scales (needed to serve use_dora adapters). Returns {path: layer}.
     """
+    if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
+        raise TypeError(f"target_modules must be a list of module names from {HF_LORA_TARGETS} (e.g. "
+                        f"['q_proj', 'v_proj']), got {type(target_modules).__name__} {target_modules!r}")
+    target_modules = tuple(target_modules)       # an iterator is read more than once below
     unknown = [t for t in target_modules if t not in HF_LORA_TARGETS]
     if unknown:
         raise ValueError(f"target_modules {unknown} are not LoRA-targetable Llama layers {HF_LORA_TARGETS}")
