@@ -185,9 +185,13 @@ class MultiLoRAModel:
         self.device = devices.pop()
         self.model = model
         self.max_loras, self.max_rank, self.dora = max_loras, max_rank, dora
-        self.punica = PunicaWrapper(max_num_tokens, max_num_seqs, self.device, max_loras=max_loras, backend=backend)
-        self.layers, members = self._build_layers(model, targets)
-        self.adapters = AdapterManager(self.layers, host_cache_size=host_cache_size)
+        # Normal tensors even when built under torch.inference_mode(): the slots and the wrapper's
+        # metadata block are updated in place later, which an inference tensor refuses outside it.
+        with torch.inference_mode(False):
+            self.punica = PunicaWrapper(max_num_tokens, max_num_seqs, self.device, max_loras=max_loras,
+                                        backend=backend)
+            self.layers, members = self._build_layers(model, targets)
+            self.adapters = AdapterManager(self.layers, host_cache_size=host_cache_size)
         embeds = [layer for layer in self.layers.values() if isinstance(layer, LoRAEmbedding)]
         config_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self.vocab_size = embeds[0].num_embeddings if embeds else (config_vocab if isinstance(config_vocab, int)

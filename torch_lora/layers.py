@@ -203,10 +203,14 @@ class LoRALinear(_LoRALayer):
             return out
         pending = self._pending
         # The terms are reused only for the same, unmodified input (an in-place change to x between
-        # the members' calls bumps its version counter).
-        if pending is None or pending[0] is not x or pending[4] != x._version or member in pending[2]:
-            pending = self._pending = [x, self.lora_terms(x, out.dtype), set(),
-                                       self._token_scales(punica) if self.dora else None, x._version]
+        # the members' calls bumps its version counter). An inference tensor (torch.inference_mode())
+        # has no version counter: an in-place change could not be seen, so each member recomputes.
+        version = None if x.is_inference() else x._version
+        if (pending is None or pending[0] is not x or version is None or pending[4] != version
+                or member in pending[2]):
+            pending = [x, self.lora_terms(x, out.dtype), set(), self._token_scales(punica) if self.dora else None,
+                       version]
+            self._pending = pending if version is not None else None
         off, width = self.offsets[member], self.output_slices[member]
         if pending[3] is None:
             out += pending[1][..., off:off + width]

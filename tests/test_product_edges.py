@@ -1,0 +1,119 @@
+"""Valid but unusual inputs to the product layer (torch_lora.hf, jax_lora.models), each checked
+against the ground truth of the rest of the suite: peft per request for torch, the model's own
+loading rules for JAX."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from tests.test_torch_hf import VOCAB, Family, _rel  # noqa: E402
+from torch_lora.hf import MultiLoRAModel  # noqa: E402
+
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return Family(tmp_path_factory.mktemp("edges-llama"), "llama")
+
+
+# ----------------------------------------------------------------------------- torch.inference_mode()
+
+def test_grouped_layers_serve_under_inference_mode(llama):
+    """q/k/v and gate/up groups under torch.inference_mode() (which the layers' own error message
+    recommends): the forward pass and generate() equal peft per request. The group's reuse check
+    read the input's version counter, which inference tensors do not have (RuntimeError)."""
+    mm = llama.wrapped()
+    rows = ["a", "b", "__base__", "d"]
+    tokens = torch.as_tensor(np.random.default_rng(11).integers(1, VOCAB, size=(len(rows), 5)))
+    with torch.inference_mode():
+        out = mm(tokens, adapter_names=rows).logits.numpy()
+        gen = mm.generate(tokens, adapter_names=rows, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    for j, adapter in enumerate(rows):
+        assert _rel(out[j], llama.alone(adapter, tokens[j])) < RTOL, (j, adapter)
+        with torch.no_grad():
+            ref = llama.peft[adapter].generate(tokens[j:j + 1], max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                               pad_token_id=0)
+        assert gen.sequences[j].tolist() == ref[0].tolist(), (j, adapter)
+
+
+def test_group_follows_an_in_place_input_change_under_inference_mode():
+    """Under inference_mode an in-place change of the group's input cannot be seen through a version
+    counter: each member still gets the LoRA term of the input it saw."""
+    from torch import nn
+
+    from lora_core.peft import LoraModule
+    from torch_lora import PeftAdapter
+
+    h, r = 8, 2
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+
+        def forward(self, input_ids=None):
+            x = input_ids
+            q = self.q_proj(x)
+            x.mul_(2.0)
+            return q + self.k_proj(x) + self.v_proj(x)
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    weights = {n: (rng.standard_normal((r, h)).astype(np.float32), rng.standard_normal((h, r)).astype(np.float32))
+               for n in ("q_proj", "k_proj", "v_proj")}
+    adapter = PeftAdapter(name="x", r=r, lora_alpha=float(r), use_rslora=False, target_modules=list(weights),
+                          modules={n: LoraModule(a, b, 1.0, "linear") for n, (a, b) in weights.items()})
+    model = Attn()
+    x = torch.randn(2, 3, h)
+
+    def term(name, inp):
+        a, b = (torch.as_tensor(w) for w in weights[name])
+        return getattr(model, name)(inp) + (inp @ a.T) @ b.T
+    with torch.no_grad():
+        want = term("q_proj", x) + term("k_proj", 2 * x) + term("v_proj", 2 * x)
+    mm = MultiLoRAModel(model, max_loras=1, max_rank=4, target_modules=list(weights))
+    mm.load_adapter("x", adapter)
+    mm.prepare_step(["x", "x"], 3)
+    with torch.inference_mode():
+        got = model(input_ids=x.clone())
+    assert float((got - want).abs().max()) < 1e-4
+
+
+def test_a_model_wrapped_under_inference_mode_loads_adapters_outside_it(llama):
+    """Built inside torch.inference_mode(), the slots and the wrapper's metadata were inference
+    tensors: the first slot write outside it raised 'Inplace update to inference tensor'."""
+    with torch.inference_mode():
+        mm = llama.wrapped(adapters=("a",), max_loras=2)
+    tokens = torch.as_tensor(np.random.default_rng(12).integers(1, VOCAB, size=(3, 5)))
+    mm.load_adapter("b", llama.dirs["b"])
+    mm.load_adapter("d", llama.dirs["d"])
+    rows = ["a", "b", "__base__"]
+    out = mm(tokens, adapter_names=rows).logits.numpy()
+    out2 = mm(tokens, adapter_names=["d", "b", "d"]).logits.numpy()                 # evicts a
+    for j, adapter in enumerate(rows):
+        assert _rel(out[j], llama.alone(adapter, tokens[j])) < RTOL, (j, adapter)
+    assert _rel(out2[0], llama.alone("d", tokens[0])) < RTOL
+
+
+# ----------------------------------------------------------------------------- jax_lora.models.add_lora
+
+def test_add_lora_target_modules_as_a_string_or_an_iterator(tmp_path):
+    """A string was iterated character by character ("target_modules ['q', '_', 'p', ...] are not
+    LoRA-targetable"); an iterator was consumed by the name check and then matched nothing."""
+    pytest.importorskip("jax")
+    from jax_lora.cli import build_demo_assets
+    from jax_lora.models import add_lora, load_llama
+
+    model_dir, _ = build_demo_assets(str(tmp_path), seed=0)
+    with pytest.raises(TypeError, match=r"target_modules must be a list of module names from .*'q_proj'.*got str "
+                                        r"'q_proj'"):
+        add_lora(load_llama(model_dir), max_loras=2, max_rank=2, target_modules="q_proj")
+    layers = add_lora(load_llama(model_dir), max_loras=2, max_rank=2, target_modules=(t for t in ("v_proj", "o_proj")))
+    assert sorted(layers) == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("o_proj", "qkv_proj")]
