@@ -117,3 +117,23 @@ def test_add_lora_target_modules_as_a_string_or_an_iterator(tmp_path):
         add_lora(load_llama(model_dir), max_loras=2, max_rank=2, target_modules="q_proj")
     layers = add_lora(load_llama(model_dir), max_loras=2, max_rank=2, target_modules=(t for t in ("v_proj", "o_proj")))
     assert sorted(layers) == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("o_proj", "qkv_proj")]
+
+
+# ----------------------------------------------------------------------------- generate(inputs=...)
+
+def test_generate_takes_the_prompt_as_inputs(llama):
+    """transformers' generate names its prompt `inputs`; MultiLoRAModel.generate passed its own
+    input_ids (None) positionally next to it: TypeError 'got multiple values for argument inputs'."""
+    mm = llama.wrapped()
+    rows = ["b", "__base__", "c"]
+    tokens = torch.as_tensor(np.random.default_rng(13).integers(1, VOCAB, size=(len(rows), 4)))
+    gen = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    out = mm.generate(inputs=tokens, adapter_names=rows, **gen)
+    for j, adapter in enumerate(rows):
+        with torch.no_grad():
+            ref = llama.peft[adapter].generate(tokens[j:j + 1], **gen)
+        assert out[j].tolist() == ref[0].tolist(), (j, adapter)
+    with pytest.raises(ValueError, match="adapter_names has 2 names, but the batch has 3 prompts"):
+        mm.generate(inputs=tokens, adapter_names=rows[:2], **gen)
+    with pytest.raises(ValueError, match="the prompt twice, as input_ids and as inputs"):
+        mm.generate(tokens, inputs=tokens, adapter_names=rows, **gen)

@@ -399,7 +399,12 @@ class MultiLoRAModel:
                  **generate_kwargs: Any):
         """The model's `generate` with row j served by adapter adapter_names[j] for the whole
         generation (rows expanded by num_return_sequences / num_beams keep their row's adapter).
-        generate_kwargs go to transformers' generate (attention_mask, max_new_tokens, ...)."""
+        generate_kwargs go to transformers' generate (attention_mask, max_new_tokens, ...); the prompt
+        may also be given as `inputs=`, transformers' name for it."""
+        if "inputs" in generate_kwargs:
+            if input_ids is not None:
+                raise ValueError("generate got the prompt twice, as input_ids and as inputs: pass one of them")
+            input_ids = generate_kwargs.pop("inputs")
         ref = input_ids if input_ids is not None else generate_kwargs.get("inputs_embeds")
         prompts = int(ref.shape[0]) if ref is not None else 0
         if adapter_names is None:
