@@ -371,9 +371,11 @@ def test_triton_kernels_match_peft(llama):
         assert _rel(out[j], want) < RTOL and _rel(last[j], want[-1:]) < RTOL, (j, adapter)
 
 
-def test_group_terms_follow_an_input_changed_in_place():
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_group_terms_follow_an_input_changed_in_place(mode):
     """A group (q/k/v) computes its members' LoRA terms once per input; a module that changes its
-    input in place between the members' calls gets each member's term for the input it saw."""
+    input in place between the members' calls gets each member's term for the input it saw (under
+    inference_mode, where the input has no version counter, too)."""
     from torch import nn
     from lora_core.peft import LoraModule
     from torch_lora import PeftAdapter
@@ -409,6 +411,6 @@ def test_group_terms_follow_an_input_changed_in_place():
     assert list(mm.layers) == ["q_proj+k_proj+v_proj"]
     mm.load_adapter("x", adapter)
     mm.prepare_step(["x", "x"], 3)
-    with torch.no_grad():
+    with getattr(torch, mode)():
         got = model(input_ids=x.clone())
     assert float((got - want).abs().max()) < 1e-4
