@@ -201,11 +201,17 @@ class LoRALinear(_LoRALayer):
                 valid, g = self._token_scales(punica)
                 out.add_(((1 - g) * bias.to(torch.float32)).view(out.shape))
             return out
-        pending = self._pending
         # The terms are reused only for the same, unmodified input (an in-place change to x between
         # the members' calls bumps its version counter). An inference tensor (torch.inference_mode())
-        # has no version counter: an in-place change could not be seen, so each member recomputes.
+        # has no version counter: an in-place change could not be seen, so each member computes its
+        # own slice (one call of its A and B: the group's work in total, one launch per member).
         version = None if x.is_inference() else x._version
+        if version is None and not self.dora:
+            a, b, _ = self._weights()
+            punica.add_lora_linear(out, x, (a[member],), (b[member],), None, 1.0, (self.output_slices[member],),
+                                   lora_ranks=self.lora_ranks)
+            return out
+        pending = self._pending
         if (pending is None or pending[0] is not x or version is None or pending[4] != version
                 or member in pending[2]):
             pending = [x, self.lora_terms(x, out.dtype), set(), self._token_scales(punica) if self.dora else None,
