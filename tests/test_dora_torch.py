@@ -216,18 +216,20 @@ def _alone(hf, lora_id, tokens):
         return hf[2][lora_id](torch.as_tensor(np.asarray(tokens))[None]).logits[0].numpy()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_dora_lora_and_base_rows_equal_peft(hf, backend):
+@pytest.mark.parametrize("backend,inference", [("torch", False), ("triton", False), ("torch", True)])
+def test_mixed_dora_lora_and_base_rows_equal_peft(hf, backend, inference):
     """Two DoRA adapters, a plain LoRA one and base rows in one batch: each row's logits are peft's
     for that request alone. The adapters cover a fused group with biases (q/k/v), a lone linear
-    with a bias (o_proj), a group without (gate/up) and a lone one without (down_proj)."""
+    with a bias (o_proj), a group without (gate/up) and a lone one without (down_proj). Under
+    torch.inference_mode() too (a group's members then compute the group each)."""
     dev = _backend(backend)
     mm = _wrapped(hf, dev, backend=backend)
     biased = mm.layers["model.layers.0.self_attn.q_proj+k_proj+v_proj"]
     assert biased.dora and tuple(biased.dora_scale.shape) == (3, 64)
     rows = [1, 2, None, 3, 1]
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=(len(rows), 6))
-    out = mm(torch.as_tensor(tokens, device=dev), adapter_names=[NAMES.get(r, "__base__") for r in rows]).logits
+    with torch.inference_mode(inference):
+        out = mm(torch.as_tensor(tokens, device=dev), adapter_names=[NAMES.get(r, "__base__") for r in rows]).logits
     out = out.cpu().numpy()
     for j, lora_id in enumerate(rows):
         want = _alone(hf, lora_id, tokens[j])
