@@ -236,10 +236,9 @@ class AdapterManager(SlotTable):
         self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
 
     # -------------------------------------------------------------- SlotTable's framework part
-    def _prepare_uncounted(self, src) -> tuple:
+    def _prepare_uncounted(self, adapter: PeftAdapter) -> tuple:
         """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}, dora_scales' {path: g}): one
         slot's host data."""
-        adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
         return prepare_adapter(self.model, adapter), adapter_ranks(self.model, adapter), dora_scales(self.model, adapter)
 
     def _largest_rank(self, prepared: tuple) -> int:

@@ -16,9 +16,9 @@ used slots whose adapter the batch does not need. Every adapter the batch needs 
 any slot is written, so an adapter that fails to load leaves the manager as it was.
 
 A framework's manager subclasses it and provides three things:
-  `_prepare_uncounted(src)` -> prepared: the host layout of a directory or PeftAdapter (raises
-      lora_core.peft.AdapterError for a bad adapter); SlotTable passes the PeftAdapter, read and
-      named as registered, so its errors name the adapter as the caller does;
+  `_prepare_uncounted(adapter)` -> prepared: the host layout of a PeftAdapter (raises
+      lora_core.peft.AdapterError for a bad adapter); SlotTable reads directories itself and
+      passes the adapter named as registered, so its errors name the adapter as the caller does;
   `_largest_rank(prepared)` -> int: the adapter's largest rank;
   `_write_slot(slot, prepared)`: writes prepared (None: zeros and rank 0) into slot `slot` of every
       layer, on the device.
@@ -60,7 +60,7 @@ class SlotTable:
         self.stats = collections.Counter()
 
     # -------------------------------------------------------------- the framework's part
-    def _prepare_uncounted(self, src) -> Any:
+    def _prepare_uncounted(self, adapter: PeftAdapter) -> Any:
         raise NotImplementedError
 
     def _largest_rank(self, prepared) -> int:

@@ -378,8 +378,7 @@ class AdapterManager(SlotTable):
             (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(self._uploaded)
 
     # -------------------------------------------------------------- SlotTable's framework part
-    def _prepare_uncounted(self, src) -> PreparedAdapter:
-        adapter = src if isinstance(src, PeftAdapter) else load_peft_adapter(src)
+    def _prepare_uncounted(self, adapter: PeftAdapter) -> PreparedAdapter:
         return prepare_adapter(self.layers, adapter, pin_memory=self._pin)
 
     def _largest_rank(self, prepared: PreparedAdapter) -> int:
