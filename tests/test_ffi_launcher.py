@@ -243,6 +243,52 @@ def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
     assert torch_triton._c_launch_spec(cuda_launch, compiled, names, template, slots, (1, 1, 1), 1) is None
 
 
+def test_torch_c_launch_spreads_a_dependent_decode_shrink(monkeypatch):
+    """With its plan, torch's C launch spec follows `pdl_for(spread=True)`: under auto a shrink of
+    <= SPREAD_PDL_MAX_TOKENS tokens is a dependent launch with spread_shared_bytes (after the
+    function was allowed that much shared memory), a larger one a plain launch with its own
+    shared memory, an expand a dependent with its own; where the function cannot be allowed more,
+    the launch keeps its own shared memory (still a dependent)."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from lora_core.kernels import configs, plan_expand, plan_shrink, planning
+    from torch_lora.ops import triton as torch_triton
+    monkeypatch.delenv("LORA_CORE_PDL", raising=False)
+    monkeypatch.setattr(torch_triton, "_sm_resources", lambda device: (132, 232448))
+    allowed = []
+    monkeypatch.setattr(torch_triton, "_allow_shared", lambda cl, fn, m: allowed.append((fn, m)) or True)
+    names = ["x_ptr", "n"]
+    sig = {"x_ptr": "*bf16", "n": "i32"}
+    md = SimpleNamespace(num_warps=4, shared=16384, launch_pdl=False, num_ctas=1, global_scratch_size=0,
+                         profile_scratch_size=0)
+    compiled = SimpleNamespace(metadata=md, src=SimpleNamespace(signature=sig))
+
+    def spec(plan):
+        grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
+        return torch_triton._c_launch_spec(cuda_launch, compiled, names, [0, 8], {}, grid, 77, plan, 0)
+
+    def shrink(T):
+        return plan_shrink(T, 4096, 16, 1, 9, "bfloat16", "bfloat16", configs.shrink_config(T, 4096, 16, 1, 8),
+                           lora_only=True, workspace=True, has_ranks=False, pdl=True)
+
+    small, large = shrink(8), shrink(planning.SPREAD_PDL_MAX_TOKENS + 1)
+    programs = small.grid[0] * small.grid[1] * small.grid[2]
+    _, _, _, shared, flags, _, _ = spec(small)
+    assert shared == planning.spread_shared_bytes(programs, 16384, 132, 232448) > 16384
+    assert flags & cuda_launch.FLAG_PDL and allowed == [(77, 232448)]
+    _, _, _, shared, flags, _, _ = spec(large)
+    assert (shared, flags & cuda_launch.FLAG_PDL) == (16384, 0)
+    expand = plan_expand(8, 16, (4096,), 9, small.num_partials, "bfloat16", "bfloat16",
+                         configs.expand_config(8, 4096, 16, 1, 8), add_inputs=True, bias_flags=(0,), has_ranks=False,
+                         pdl=True)
+    _, _, _, shared, flags, _, _ = spec(expand)
+    assert shared == 16384 and flags & cuda_launch.FLAG_PDL
+    monkeypatch.setattr(torch_triton, "_allow_shared", lambda cl, fn, m: False)
+    _, _, _, shared, flags, _, _ = spec(small)
+    assert shared == 16384 and flags & cuda_launch.FLAG_PDL
+
+
 @pytest.mark.parametrize("c_launch", [True, False])
 def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monkeypatch):
     """PreparedLinear's direct path, its Python logic on the CPU: per call it sets x, y, lora_ranks
@@ -272,8 +318,8 @@ def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monk
     # two chunks: the first with a workspace, the second without (a fused launch)
     template = [0, 0, 5, 0.0]                            # x, workspace, a fixed int, the scale
     slots = ((0, torch_triton._X), (1, torch_triton._WS), (3, torch_triton._SCALE))
-    p._steps = (((1, 1, 4, 4), ((run, 1, 1, 1, "f0", None, template, slots, None, None),)),
-                (None, ((run, 1, 1, 1, "f1", None, [0, 0.0], ((0, torch_triton._Y), (1, torch_triton._SCALE)), None, None),)))
+    p._steps = (((1, 1, 4, 4), ((run, 1, 1, 1, "f0", None, template, slots, None, None, None),)),
+                (None, ((run, 1, 1, 1, "f1", None, [0, 0.0], ((0, torch_triton._Y), (1, torch_triton._SCALE)), None, None, None),)))
     p._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, True)
     p._ws_floats = 16
     torch_triton._WORKSPACES.clear()

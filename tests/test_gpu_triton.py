@@ -341,6 +341,53 @@ except RuntimeError as e:
 """
 
 
+def test_prepared_linear_spreads_a_dependent_decode_shrink(monkeypatch):
+    """Under LORA_CORE_PDL=auto the C launcher sends a shrink of <= SPREAD_PDL_MAX_TOKENS tokens
+    out as a programmatic dependent with planning.spread_shared_bytes (its programs spread over
+    the SMs) and a larger call's shrink plainly with its own shared memory, on this device's real
+    compiled kernels; a chain of such calls (x of call i+1 = y of call i) equals `linear`
+    synchronised after every call, bit for bit."""
+    from lora_core.kernels import HAVE_PDL, cuda_launch, planning
+    from torch_lora.ops import triton as torch_triton
+    if not HAVE_PDL or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or newer")
+    monkeypatch.delenv("LORA_CORE_PDL", raising=False)
+    monkeypatch.setattr(torch_triton, "_C_LAUNCH", [True])
+    H, L = 4096, 8
+    num_sms, max_shared = torch_triton._sm_resources(torch.cuda.current_device())
+    for T in (8, planning.SPREAD_PDL_MAX_TOKENS, 64):
+        x, a, b, idx, meta, _, _ = _setup(T, H, 16, (H,), L, 8, torch.bfloat16, 30 + T, frac_none=0.0)
+        run = torch_triton.PreparedLinear(a, b, meta.meta_args(T), (0,), fused=False)
+        ys0 = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(6)]
+        want, prev = [y.clone() for y in ys0], x
+        for y in want:
+            torch_triton.linear(y, prev, a, b, meta.meta_args(T), 0.5, (0,), fused=False)
+            torch.cuda.synchronize()
+            prev = y
+        run(ys0[0].clone(), x, 0.5)                        # first call: compiles, builds the C launches
+        assert run._c_steps is not None
+        specs = {}
+        for _ws, launches in run._steps:
+            for _run, g0, g1, g2, fn, _p, template, slots, compiled, names, plan in launches:
+                specs[plan.KERNEL] = (plan, (g0, g1, g2), torch_triton._c_launch_spec(
+                    cuda_launch, compiled, names, template, dict(slots), (g0, g1, g2), fn, plan,
+                    torch.cuda.current_device()), int(compiled.metadata.shared))
+        plan, grid, spec, own = specs["shrink"]
+        if T <= planning.SPREAD_PDL_MAX_TOKENS:
+            assert spec[4] & cuda_launch.FLAG_PDL, T
+            assert spec[3] == planning.spread_shared_bytes(grid[0] * grid[1] * grid[2], own, num_sms, max_shared), T
+        else:
+            assert (spec[3], spec[4] & cuda_launch.FLAG_PDL) == (own, 0), T
+        assert specs["expand"][2][4] & cuda_launch.FLAG_PDL
+        got, prev = [y.clone() for y in ys0], x
+        for y in got:
+            run(y, prev, 0.5)
+            prev = y
+        torch.cuda.synchronize()
+        for i, (g_, w_) in enumerate(zip(got, want)):
+            assert torch.equal(g_, w_), (T, i)
+
+
 def test_fused_barrier_that_cannot_complete_fails_instead_of_hanging():
     """The fused kernel's barrier wait is bounded (`lora_triton.BARRIER_POLL_LIMIT`): with its
     counters corrupted so that no launch can complete it, the launch must fail with a CUDA error

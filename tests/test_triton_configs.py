@@ -334,6 +334,63 @@ def test_pdl_switch_per_kernel(compiled, monkeypatch):
         pdl_allowed()
 
 
+def test_pdl_first_kernel_where_the_launcher_spreads(compiled, monkeypatch):
+    """auto: a launcher that spreads a dependent shrink's programs (torch's C launcher) sends a
+    call's first kernel out as a dependent up to SPREAD_PDL_MAX_TOKENS tokens, others only at one
+    token; `spreads` names the launches that get the spread shared memory (shrinks only); "1" and
+    "0" do not depend on the launcher."""
+    from lora_core.kernels import plan_expand, plan_fused, plan_shrink
+    from lora_core.kernels.planning import FIRST_KERNEL_PDL_MAX_TOKENS, SPREAD_PDL_MAX_TOKENS
+
+    def plans(T):
+        s = plan_shrink(T, 4096, 16, 1, 9, "bfloat16", "bfloat16", configs.shrink_config(T, 4096, 16, 1, 8),
+                        lora_only=True, workspace=True, has_ranks=False, pdl=True)
+        e = plan_expand(T, 16, (4096,), 9, s.num_partials, "bfloat16", "bfloat16",
+                        configs.expand_config(T, 4096, 16, 1, 8), add_inputs=True, bias_flags=(0,), has_ranks=False,
+                        pdl=True)
+        f = plan_fused(T, 4096, 16, (4096,), 9, "bfloat16", "bfloat16", configs.fused_config(T, 4096, 4096, 16, 1, 8),
+                       add_inputs=True, bias_flags=(0,), has_ranks=False, pdl=True)
+        return s, e, f
+
+    assert FIRST_KERNEL_PDL_MAX_TOKENS < SPREAD_PDL_MAX_TOKENS
+    monkeypatch.delenv("LORA_CORE_PDL", raising=False)
+    for T, spread, want in ((8, True, (True, True, True)), (SPREAD_PDL_MAX_TOKENS, True, (True, True, True)),
+                            (SPREAD_PDL_MAX_TOKENS + 1, True, (False, True, False)), (8, False, (False, True, False)),
+                            (FIRST_KERNEL_PDL_MAX_TOKENS, False, (True, True, True))):
+        got = plans(T)
+        assert tuple(p.pdl_for(spread) for p in got) == want, (T, spread)
+        assert tuple(p.spreads() for p in got) == (T <= SPREAD_PDL_MAX_TOKENS, False, False), T
+    for value, want in (("1", (True, True, True)), ("0", (False, False, False))):
+        monkeypatch.setenv("LORA_CORE_PDL", value)
+        for T in (8, 64):
+            got = plans(T)
+            assert tuple(p.pdl_for(True) for p in got) == tuple(p.pdl_for(False) for p in got) == want, (value, T)
+        assert not any(p.spreads() for p in plans(64))
+
+
+@pytest.mark.parametrize("num_sms,max_shared", [(132, 232448), (108, 166912), (20, 101376)])
+def test_spread_shared_bytes_allows_ceil_programs_per_sm(num_sms, max_shared):
+    """spread_shared_bytes: with the returned shared memory at most k = ceil(programs / SMs)
+    blocks fit on an SM (by shared memory) and at least k do whenever it raised the request; it
+    never lowers a request, never exceeds one block's maximum, and keeps the request when k per SM
+    already follows from it."""
+    from lora_core.kernels.planning import SHARED_RESERVED_PER_BLOCK, spread_shared_bytes
+    per_sm = max_shared + SHARED_RESERVED_PER_BLOCK
+    for programs in (1, 16, num_sms - 1, num_sms, num_sms + 1, 3 * num_sms, 10 * num_sms, 50 * num_sms):
+        for shared in (0, 16384, 49152, 98304, max_shared):
+            got = spread_shared_bytes(programs, shared, num_sms, max_shared)
+            k = -(-programs // num_sms)
+            assert shared <= got <= max(shared, max_shared), (programs, shared)
+            fit = per_sm // (got + SHARED_RESERVED_PER_BLOCK)
+            if got != shared:
+                assert fit == k, (programs, shared, got)
+            elif k <= 8:
+                assert per_sm // (shared + SHARED_RESERVED_PER_BLOCK) <= k, (programs, shared)
+    assert spread_shared_bytes(72, 32768, 132, 232448) == 115840         # the H200, a decode shrink: one per SM
+    assert spread_shared_bytes(0, 32768, 132, 232448) == 32768
+    assert spread_shared_bytes(72, 32768, 0, 232448) == 32768
+
+
 def test_one_token_never_takes_the_fused_kernel(compiled, monkeypatch):
     """One token never takes the fused kernel (FUSED_MIN_TOKENS), even in a class whose table
     entry says the fused kernel wins; two tokens of that class do."""

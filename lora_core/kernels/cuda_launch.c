@@ -364,6 +364,14 @@ int jl_prepared_launch(void* const* launches, int n, void* stream, const uint64_
 /* The CUDA error string of a CUresult returned by jl_prepared_launch. */
 const char* jl_error_string(int r) { return cu_error((CUresult)r); }
 
+/* Lets `fn` be launched with up to `bytes` of dynamic shared memory (above 48 KiB a function must
+   opt in). Returns 0 or the CUresult; -1 without a driver. Called from Python, never from a launch. */
+int jl_allow_shared(void* fn, int bytes) {
+  char err[256];
+  if (!fn || load_driver(err, sizeof(err))) return -1;
+  return (int)cu.set_attribute((CUfunction)fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes);
+}
+
 #ifdef JL_XLA_FFI
 static XLA_FFI_Error* ffi_error(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const char* msg) {
   XLA_FFI_Error_Create_Args a;

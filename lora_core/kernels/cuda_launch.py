@@ -90,6 +90,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.jl_ensure_counters.restype = c.c_int
     lib.jl_error_string.argtypes = [c.c_int]
     lib.jl_error_string.restype = c.c_char_p
+    lib.jl_allow_shared.argtypes = [c.c_void_p, c.c_int]
+    lib.jl_allow_shared.restype = c.c_int
     return lib
 
 

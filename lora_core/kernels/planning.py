@@ -33,14 +33,24 @@ def interpreting() -> bool:
 
 PDL_KERNELS = ("shrink", "expand", "fused")
 # With LORA_CORE_PDL unset ("auto"), a call's first kernel (shrink or fused) is launched as a
-# programmatic dependent of the kernel before it only for batches of at most this many tokens.
-# Measured in a Llama-3-8B-shaped decode step on the H200 (benchmarks/e2e_decode.py, torch, the
-# LoRA calls each after a cuBLAS GEMM): a dependent first kernel cost 1.0-2.9 us per call at
-# 8-256 tokens (LoRA overhead +11% at B8 D8, +10% at B32 D8, +24% at B128 D8) and saved 1.3 us
-# per call at one token. Back-to-back LoRA calls with nothing between (the kernel sweep's chain)
-# gain from it at every size: LORA_CORE_PDL=1.
+# programmatic dependent of the kernel before it for batches of at most FIRST_KERNEL_PDL_MAX_TOKENS
+# tokens, or SPREAD_PDL_MAX_TOKENS where the launcher spreads a dependent shrink's programs over
+# the SMs (`spread_shared_bytes`: the C launcher of torch's PreparedLinear, which the wrapper and
+# the layers use). Measured in a Llama-3-8B-shaped decode step on the H200 (benchmarks/e2e_decode.py,
+# torch, each LoRA call after a cuBLAS GEMM): a dependent first kernel cost 1.0-2.9 us per call at
+# 8-256 tokens and saved 1.3 us per call at one token. A dependent kernel's programs start on the
+# SMs the GEMM frees first, as many per SM as fit, and wait there; a shrink of 16-288 programs
+# piled onto a few SMs then reads its weights through those SMs alone. Asking for enough shared
+# memory that at most ceil(programs / SMs) share an SM turned the cost into a gain at 8 and 32
+# tokens (LoRA overhead per step -18 to -190 us against a plain launch), and left the kernel sweep's
+# chain of calls within its noise up to 32 tokens; from 128 tokens up the shrink needs its
+# occupancy (the same spreading cost up to 1.5x there), so larger calls keep a plain first kernel.
+# Back-to-back LoRA calls with nothing between (the kernel sweep's chain) gain from a dependent
+# first kernel at every size: LORA_CORE_PDL=1.
 FIRST_KERNEL_PDL_MAX_TOKENS = 1
-_PDL_MEANING = {"auto": "the expand always, a call's first kernel for one-token calls", "1": "every kernel",
+SPREAD_PDL_MAX_TOKENS = 32
+_PDL_MEANING = {"auto": "the expand always, a call's first kernel for one-token calls (up to "
+                        f"{SPREAD_PDL_MAX_TOKENS} tokens where the launcher spreads it)", "1": "every kernel",
                 "0": "none"}
 
 
@@ -78,19 +88,45 @@ def pdl_allowed() -> bool:
     return value != "0" and (value in _PDL_MEANING or bool(_pdl_names(value)))
 
 
-def pdl_launch(kernel: str, num_tokens: int) -> bool:
+def pdl_launch(kernel: str, num_tokens: int, spread: bool = False) -> bool:
     """Whether a launch of `kernel` compiled with USE_PDL goes out as a programmatic dependent of
     the kernel before it. "auto": the expand always (the kernel before it is the call's own
     shrink), the shrink and the fused kernel -- whose predecessor in a model is the base layer's
-    GEMM -- only for calls of <= FIRST_KERNEL_PDL_MAX_TOKENS tokens. A kernel compiled with USE_PDL
-    but launched plainly still lets its expand start early (gdc_launch_dependents); its gdc_wait
-    returns at once."""
+    GEMM -- only for calls of <= FIRST_KERNEL_PDL_MAX_TOKENS tokens, or <= SPREAD_PDL_MAX_TOKENS
+    when the launcher spreads a dependent shrink's programs (`spread=True`, `spread_shared_bytes`).
+    A kernel compiled with USE_PDL but launched plainly still lets its expand start early
+    (gdc_launch_dependents); its gdc_wait returns at once."""
     value = _pdl_setting()
     if value == "auto":
-        return kernel == "expand" or num_tokens <= FIRST_KERNEL_PDL_MAX_TOKENS
+        limit = SPREAD_PDL_MAX_TOKENS if spread else FIRST_KERNEL_PDL_MAX_TOKENS
+        return kernel == "expand" or num_tokens <= limit
     if value in _PDL_MEANING:
         return value == "1"
     return kernel in _pdl_names(value)
+
+
+SHARED_RESERVED_PER_BLOCK = 1024   # bytes of shared memory the hardware keeps per resident block (sm_80+)
+
+
+def spread_shared_bytes(programs: int, shared: int, num_sms: int, max_shared: int) -> int:
+    """Dynamic shared memory (bytes) for a launch of `programs` programs that needs `shared`, so
+    that at most k = ceil(programs / num_sms) of them are resident on one SM: a programmatic
+    dependent launch then spreads over the SMs instead of piling onto the first ones its
+    predecessor frees. `max_shared`: the largest opt-in shared memory of one block (the SM holds
+    that plus SHARED_RESERVED_PER_BLOCK). Returns `shared` when it already allows no more than k
+    per SM, or when no size lets exactly k fit.
+
+    want = the smallest multiple of 128 bytes with (k + 1) * (want + reserved) > per_sm; kept only
+    if k * (want + reserved) <= per_sm (k blocks still fit) and want <= max_shared.
+    """
+    if programs <= 0 or num_sms <= 0 or max_shared <= 0:
+        return shared
+    per_sm = max_shared + SHARED_RESERVED_PER_BLOCK
+    k = -(-programs // num_sms)
+    want = -(-(per_sm // (k + 1) + 1 - SHARED_RESERVED_PER_BLOCK) // 128) * 128
+    if shared < want <= max_shared and k * (want + SHARED_RESERVED_PER_BLOCK) <= per_sm:
+        return want
+    return shared
 
 
 def next_pow2(n: int) -> int:
@@ -199,5 +235,14 @@ class PlanKey:
     @functools.cached_property
     def launch_pdl(self) -> bool:
         """Launched as a programmatic dependent of the kernel before it: compiled with USE_PDL and
-        chosen by `pdl_launch`."""
-        return bool(self.constexprs.get("USE_PDL")) and pdl_launch(self.KERNEL, self.num_tokens)
+        chosen by `pdl_launch` (a launcher that does not spread a dependent's programs)."""
+        return self.pdl_for(spread=False)
+
+    def pdl_for(self, spread: bool) -> bool:
+        """`launch_pdl` for a launcher that spreads a dependent shrink's programs (spread=True) or not."""
+        return bool(self.constexprs.get("USE_PDL")) and pdl_launch(self.KERNEL, self.num_tokens, spread)
+
+    def spreads(self) -> bool:
+        """Whether a spreading launcher gives this launch `spread_shared_bytes`: a shrink of at
+        most SPREAD_PDL_MAX_TOKENS tokens launched as a programmatic dependent."""
+        return self.KERNEL == "shrink" and self.num_tokens <= SPREAD_PDL_MAX_TOKENS and self.pdl_for(spread=True)

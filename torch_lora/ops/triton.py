@@ -20,6 +20,7 @@ dtypes only (never by data pointers; only a PreparedLinear, owned by its caller,
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -27,8 +28,9 @@ import types
 from typing import Optional, Sequence
 
 import torch
+import triton
 
-from lora_core.kernels import arguments, configs
+from lora_core.kernels import arguments, configs, planning
 from lora_core.kernels.common import HAVE_PDL
 from lora_core.kernels.expand import plan_expand
 from lora_core.kernels.fused import plan_fused
@@ -336,7 +338,7 @@ class PreparedLinear:
                     if c_steps is not None:
                         c_steps[i].launch(stream, vals)
                     else:
-                        for run, g0, g1, g2, function, packed, template, slots, _, _ in launches:
+                        for run, g0, g1, g2, function, packed, template, slots, _, _, _ in launches:
                             args = template.copy()
                             for pos, v in slots:
                                 args[pos] = vals[v]
@@ -362,9 +364,8 @@ class PreparedLinear:
             self._ws_floats = max([1] + [ws.numel() for ws, _ in chunks if ws is not None])
             self._ws_stream = None
             self._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, lora_ranks is None)
-            self._c_steps = _c_launches(self._steps)
+            self._c_steps = _c_launches(self._steps, self._device)
             if self._c_steps is not None:
-                import ctypes  # noqa: PLC0415
                 self._c_vars = (ctypes.c_uint64 * 6)()
                 self._c_scale = None
 
@@ -414,7 +415,7 @@ class PreparedLinear:
                 compiled = c[0]
                 launches.append((compiled.run, grid[0], grid[1], grid[2] if len(grid) > 2 else 1,
                                  compiled.function, compiled.packed_metadata, template, tuple(slots),
-                                 compiled, names))
+                                 compiled, names, call.plan))
             steps.append((None if ws is None else tuple(ws.shape), tuple(launches)))
         return tuple(steps)
 
@@ -427,7 +428,7 @@ def _float_bits(v: float) -> int:
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
-def _c_launches(steps):
+def _c_launches(steps, device: int = 0):
     """PreparedLinear's launches as C prepared launches (lora_core/kernels/cuda_launch.c): each
     kernel's parameter block built once, launched without Triton's Python launcher. None when the
     direct path is off, the C library cannot be built, or a kernel's parameters are not understood
@@ -439,8 +440,9 @@ def _c_launches(steps):
         out = []
         for _ws_shape, launches in steps:
             specs = []
-            for _run, g0, g1, g2, function, _packed, template, slots, compiled, names in launches:
-                spec = _c_launch_spec(cuda_launch, compiled, names, template, dict(slots), (g0, g1, g2), function)
+            for _run, g0, g1, g2, function, _packed, template, slots, compiled, names, plan in launches:
+                spec = _c_launch_spec(cuda_launch, compiled, names, template, dict(slots), (g0, g1, g2), function,
+                                      plan, device)
                 if spec is None:
                     return None
                 specs.append(spec)
@@ -452,8 +454,13 @@ def _c_launches(steps):
         return None
 
 
-def _c_launch_spec(cuda_launch, compiled, names, template, slots, grid, function):
-    """(function, grid, threads, shared, pdl, params, slots) of one launch for cuda_launch.PreparedLaunches."""
+def _c_launch_spec(cuda_launch, compiled, names, template, slots, grid, function, plan=None, device: int = 0):
+    """(function, grid, threads, shared, flags, params, slots) of one launch for cuda_launch.PreparedLaunches.
+
+    With the launch's `plan`, this launcher spreads (`planning.pdl_launch(..., spread=True)`): a
+    shrink of <= SPREAD_PDL_MAX_TOKENS tokens goes out as a programmatic dependent with the shared
+    memory of `planning.spread_shared_bytes`, so that its programs spread over the SMs. Without
+    it, the launch is Triton's own (its compiled launch_pdl and shared memory)."""
     md = compiled.metadata
     sig = getattr(compiled.src, "signature", None)
     if not isinstance(sig, dict) or getattr(md, "num_ctas", 1) != 1:
@@ -482,9 +489,38 @@ def _c_launch_spec(cuda_launch, compiled, names, template, slots, grid, function
             return None
     params += [(cuda_launch.NULL, 0)] * (int(hasattr(md, "global_scratch_size")) + int(hasattr(md,
                                                                                                "profile_scratch_size")))
-    flags = (cuda_launch.FLAG_PDL if getattr(md, "launch_pdl", False) else 0) | (
+    pdl = bool(getattr(md, "launch_pdl", False)) if plan is None else plan.pdl_for(spread=True)
+    shared = int(md.shared)
+    if plan is not None and plan.spreads():
+        num_sms, max_shared = _sm_resources(device)
+        spread = planning.spread_shared_bytes(grid[0] * grid[1] * grid[2], shared, num_sms, max_shared)
+        if spread != shared and _allow_shared(cuda_launch, function, max_shared):
+            shared = spread
+    flags = (cuda_launch.FLAG_PDL if pdl else 0) | (
         cuda_launch.FLAG_COOPERATIVE if getattr(md, "launch_cooperative_grid", False) else 0)
-    return (function, grid, 32 * int(md.num_warps), int(md.shared), flags, params, c_slots)
+    return (function, grid, 32 * int(md.num_warps), shared, flags, params, c_slots)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_resources(device: int) -> tuple:
+    """(SMs, largest opt-in shared memory of one block in bytes) of CUDA device `device`."""
+    props = triton.runtime.driver.active.utils.get_device_properties(device)
+    return int(props["multiprocessor_count"]), int(props["max_shared_mem"])
+
+
+_SHARED_ALLOWED: set = set()
+
+
+def _allow_shared(cuda_launch, function: int, max_shared: int) -> bool:
+    """Lets `function` take up to max_shared bytes of dynamic shared memory (once per function)."""
+    if function not in _SHARED_ALLOWED:
+        r = cuda_launch.plain_library().jl_allow_shared(ctypes.c_void_p(function), int(max_shared))
+        if r:
+            _LOG.warning("spreading a dependent shrink's programs is off for this kernel: "
+                         "cuFuncSetAttribute returned %s", r)
+            return False
+        _SHARED_ALLOWED.add(function)
+    return True
 
 
 # ------------------------------------------------------------------------------------- backend API
