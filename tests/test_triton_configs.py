@@ -359,7 +359,8 @@ def test_pdl_first_kernel_where_the_launcher_spreads(compiled, monkeypatch):
                             (FIRST_KERNEL_PDL_MAX_TOKENS, False, (True, True, True))):
         got = plans(T)
         assert tuple(p.pdl_for(spread) for p in got) == want, (T, spread)
-        assert tuple(p.spreads() for p in got) == (T <= SPREAD_PDL_MAX_TOKENS, False, False), T
+        assert tuple(p.spreads() for p in got) == (FIRST_KERNEL_PDL_MAX_TOKENS < T <= SPREAD_PDL_MAX_TOKENS,
+                                                   False, False), T
     for value, want in (("1", (True, True, True)), ("0", (False, False, False))):
         monkeypatch.setenv("LORA_CORE_PDL", value)
         for T in (8, 64):

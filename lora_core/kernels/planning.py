@@ -42,9 +42,10 @@ PDL_KERNELS = ("shrink", "expand", "fused")
 # SMs the GEMM frees first, as many per SM as fit, and wait there; a shrink of 16-288 programs
 # piled onto a few SMs then reads its weights through those SMs alone. Asking for enough shared
 # memory that at most ceil(programs / SMs) share an SM turned the cost into a gain at 8 and 32
-# tokens (LoRA overhead per step -18 to -190 us against a plain launch), and left the kernel sweep's
-# chain of calls within its noise up to 32 tokens; from 128 tokens up the shrink needs its
+# tokens (LoRA overhead per step -37 to -150 us against a plain launch, 4-14%), and left the kernel
+# sweep's chain of calls within its noise up to 32 tokens; from 128 tokens up the shrink needs its
 # occupancy (the same spreading cost up to 1.5x there), so larger calls keep a plain first kernel.
+# One-token shrinks stay dependent without spreading (spreading them cost 12 us per step).
 # Back-to-back LoRA calls with nothing between (the kernel sweep's chain) gain from a dependent
 # first kernel at every size: LORA_CORE_PDL=1.
 FIRST_KERNEL_PDL_MAX_TOKENS = 1
@@ -243,6 +244,8 @@ class PlanKey:
         return bool(self.constexprs.get("USE_PDL")) and pdl_launch(self.KERNEL, self.num_tokens, spread)
 
     def spreads(self) -> bool:
-        """Whether a spreading launcher gives this launch `spread_shared_bytes`: a shrink of at
-        most SPREAD_PDL_MAX_TOKENS tokens launched as a programmatic dependent."""
-        return self.KERNEL == "shrink" and self.num_tokens <= SPREAD_PDL_MAX_TOKENS and self.pdl_for(spread=True)
+        """Whether a spreading launcher gives this launch `spread_shared_bytes`: a shrink of
+        FIRST_KERNEL_PDL_MAX_TOKENS < T <= SPREAD_PDL_MAX_TOKENS tokens launched as a programmatic
+        dependent (a one-token shrink's few programs gain nothing from it: +12 us per model step)."""
+        return (self.KERNEL == "shrink" and FIRST_KERNEL_PDL_MAX_TOKENS < self.num_tokens <= SPREAD_PDL_MAX_TOKENS
+                and self.pdl_for(spread=True))
