@@ -280,7 +280,7 @@ class WrapperCall:
 
     def call(self, y=None):
         self.w.add_lora_linear(self.s.y if y is None else y, self.s.x, self.a, self.b, None, self.s.scale,
-                               self.widths)
+                               self.widths, lora_ranks=self.s.ranks)
 
 
 def run_case(case, slice_name, device, seed=0, deterministic=False, wrapper_graph=False, dora=False):
