@@ -287,6 +287,33 @@ def test_torch_c_launch_spreads_a_dependent_decode_shrink(monkeypatch):
     monkeypatch.setattr(torch_triton, "_allow_shared", lambda cl, fn, m: False)
     _, _, _, shared, flags, _, _ = spec(small)
     assert shared == 16384 and flags & cuda_launch.FLAG_PDL
+    monkeypatch.setattr(torch_triton, "_sm_resources", lambda device: None)    # a Triton that cannot tell
+    _, _, _, shared, flags, _, _ = spec(small)
+    assert shared == 16384 and flags & cuda_launch.FLAG_PDL
+
+
+def test_torch_sm_resources_say_when_triton_cannot_tell(monkeypatch, caplog):
+    """_sm_resources: None with a warning (not an exception that would turn the C launcher off)
+    when Triton's driver utilities cannot give the device's SMs and shared memory."""
+    pytest.importorskip("torch")
+    import logging
+
+    from torch_lora.ops import triton as torch_triton
+
+    class Broken:
+        def get_device_properties(self, device):
+            raise RuntimeError("no such device")
+
+    from types import SimpleNamespace
+    fake = SimpleNamespace(runtime=SimpleNamespace(driver=SimpleNamespace(active=SimpleNamespace(utils=Broken()))))
+    monkeypatch.setattr(torch_triton, "triton", fake)
+    torch_triton._sm_resources.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="torch_lora"):
+            assert torch_triton._sm_resources(0) is None
+        assert "spreading dependent shrinks" in caplog.text
+    finally:
+        torch_triton._sm_resources.cache_clear()
 
 
 @pytest.mark.parametrize("c_launch", [True, False])

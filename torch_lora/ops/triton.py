@@ -491,8 +491,9 @@ def _c_launch_spec(cuda_launch, compiled, names, template, slots, grid, function
                                                                                                "profile_scratch_size")))
     pdl = bool(getattr(md, "launch_pdl", False)) if plan is None else plan.pdl_for(spread=True)
     shared = int(md.shared)
-    if plan is not None and plan.spreads():
-        num_sms, max_shared = _sm_resources(device)
+    resources = _sm_resources(device) if plan is not None and plan.spreads() else None
+    if resources is not None:
+        num_sms, max_shared = resources
         spread = planning.spread_shared_bytes(grid[0] * grid[1] * grid[2], shared, num_sms, max_shared)
         if spread != shared and _allow_shared(cuda_launch, function, max_shared):
             shared = spread
@@ -502,10 +503,16 @@ def _c_launch_spec(cuda_launch, compiled, names, template, slots, grid, function
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_resources(device: int) -> tuple:
-    """(SMs, largest opt-in shared memory of one block in bytes) of CUDA device `device`."""
-    props = triton.runtime.driver.active.utils.get_device_properties(device)
-    return int(props["multiprocessor_count"]), int(props["max_shared_mem"])
+def _sm_resources(device: int) -> Optional[tuple]:
+    """(SMs, largest opt-in shared memory of one block in bytes) of CUDA device `device`, or None
+    (said once) where this Triton cannot tell: dependent shrinks then go out unspread."""
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(device)
+        return int(props["multiprocessor_count"]), int(props["max_shared_mem"])
+    except Exception as e:  # noqa: BLE001 - another Triton's driver utilities
+        _LOG.warning("spreading dependent shrinks over the SMs is off (device %s properties: %s: %s)", device,
+                     type(e).__name__, e)
+        return None
 
 
 _SHARED_ALLOWED: set = set()
