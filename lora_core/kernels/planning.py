@@ -44,7 +44,7 @@ PDL_KERNELS = ("shrink", "expand", "fused")
 # memory that at most ceil(programs / SMs) share an SM turned the cost into a gain at 8 and 32
 # tokens (LoRA overhead per step -37 to -150 us against a plain launch, 4-14%), and left the kernel
 # sweep's chain of calls within its noise up to 32 tokens; from 128 tokens up the shrink needs its
-# occupancy (the same spreading cost up to 1.5x there), so larger calls keep a plain first kernel.
+# occupancy (the same spreading cost up to 1.7x there), so larger calls keep a plain first kernel.
 # One-token shrinks stay dependent without spreading (spreading them cost 12 us per step).
 # Back-to-back LoRA calls with nothing between (the kernel sweep's chain) gain from a dependent
 # first kernel at every size: LORA_CORE_PDL=1.

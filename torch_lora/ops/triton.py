@@ -458,9 +458,10 @@ def _c_launch_spec(cuda_launch, compiled, names, template, slots, grid, function
     """(function, grid, threads, shared, flags, params, slots) of one launch for cuda_launch.PreparedLaunches.
 
     With the launch's `plan`, this launcher spreads (`planning.pdl_launch(..., spread=True)`): a
-    shrink of <= SPREAD_PDL_MAX_TOKENS tokens goes out as a programmatic dependent with the shared
-    memory of `planning.spread_shared_bytes`, so that its programs spread over the SMs. Without
-    it, the launch is Triton's own (its compiled launch_pdl and shared memory)."""
+    call's first kernel of <= SPREAD_PDL_MAX_TOKENS tokens goes out as a programmatic dependent,
+    a shrink of more than one token (`plan.spreads()`) with the shared memory of
+    `planning.spread_shared_bytes`, so that its programs spread over the SMs. Without a plan the
+    launch is Triton's own (its compiled launch_pdl and shared memory)."""
     md = compiled.metadata
     sig = getattr(compiled.src, "signature", None)
     if not isinstance(sig, dict) or getattr(md, "num_ctas", 1) != 1:
