@@ -214,7 +214,7 @@ class PunicaWrapper:
 
         x: (T, H); w_t_all: (L, [1,] r, H).
         """
-        x, w = jnp.asarray(x), jnp.asarray(w_t_all)
+        x, w = as_array("x", x, checks.ACTIVATION_DTYPES), as_array("w_t_all", w_t_all, checks.WEIGHT_DTYPES)
         num_slots, _, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="w_t_all")
         self._check_tokens("x", x.shape[0])
         self._check_slots("w_t_all", num_slots)
@@ -227,7 +227,7 @@ class PunicaWrapper:
         x: (T, r); w_t_all: (L, [1,] n, r); y: (T, N). A LoRA output wider than y is cut to y's
         width (vLLM's bgmv_expand). Rows with index -1 are unchanged.
         """
-        y, x, w = jnp.asarray(y), jnp.asarray(x), jnp.asarray(w_t_all)
+        y, x, w = self._seed_expand_inputs(y, x, w_t_all)
         width = checks.check_seed_expand(x.shape, x.dtype, w.shape, w.dtype, y.shape, y.dtype)
         return self._expand(y, x[None], (w,), None, (width,), 0, add_inputs, self.token_meta, cut_to_y=True)
 
@@ -237,10 +237,17 @@ class PunicaWrapper:
         x: (T, r); w_t_all: (L, [1,] y_slice_size, r); y: (T, N). Rows with index -1 and columns
         outside the slice are unchanged.
         """
-        y, x, w = jnp.asarray(y), jnp.asarray(x), jnp.asarray(w_t_all)
+        y, x, w = self._seed_expand_inputs(y, x, w_t_all)
         width = checks.check_seed_expand(x.shape, x.dtype, w.shape, w.dtype, y.shape, y.dtype)
         checks.check_seed_slice(y_offset, y_slice_size, width, y.shape)
         return self._expand(y, x[None], (w,), None, (width,), int(y_offset), add_inputs, self.token_meta)
+
+    @staticmethod
+    def _seed_expand_inputs(y, x, w_t_all) -> tuple:
+        """y, x, w_t_all as jax arrays, host float64 (or other dtypes outside SPEC section 4) refused
+        rather than narrowed in silence (as every other entry point)."""
+        return (as_array("y", y, checks.ACTIVATION_DTYPES), as_array("x", x, checks.ACTIVATION_DTYPES),
+                as_array("w_t_all", w_t_all, checks.WEIGHT_DTYPES))
 
     # ------------------------------------------------------------------ ops
     def _impl(self):

@@ -149,13 +149,25 @@ def serve(generate, requests: Sequence[tuple], *, device, batch_size: int, max_n
     return out, time.perf_counter() - start, generated
 
 
-def verify(peft_model, requests: Sequence[tuple], served: dict, device, rtol: float = RTOL) -> tuple:
+def verify(peft_model, requests: Sequence[tuple], served: dict, device, rtol: float = RTOL,
+           suppressed: Sequence[int] = ()) -> tuple:
     """Runs each request alone through PEFT (its adapter active, or disabled for BASE) on the prompt
     plus the served tokens, and compares logits and greedy tokens.
+
+    suppressed: token ids generate could not choose while serving (the end-of-sequence ids, masked
+    until `min_new_tokens`, which `serve` sets to max_new_tokens): PEFT's greedy choice is taken
+    among the other tokens, as generate's was (the logits are compared whole).
 
     Returns ({request id: matches}, largest relative logit error, fraction of generated tokens an
     adapter changed against the base model)."""
     import torch
+
+    def choosable(logits):
+        if not suppressed:
+            return logits
+        logits = logits.clone()
+        logits[..., list(suppressed)] = float("-inf")
+        return logits
 
     ok, worst, changed, total = {}, 0.0, 0, 0
     for rid, name, prompt in requests:
@@ -169,14 +181,14 @@ def verify(peft_model, requests: Sequence[tuple], served: dict, device, rtol: fl
                 peft_model.set_adapter(name)
                 ref = peft_model(seq).logits[0, len(prompt) - 1:].float().cpu()
                 with peft_model.disable_adapter():
-                    base = peft_model(seq).logits[0, len(prompt) - 1:].argmax(-1).cpu()
+                    base = choosable(peft_model(seq).logits[0, len(prompt) - 1:]).argmax(-1).cpu()
                 changed += int((base != torch.as_tensor(tokens)).sum())
                 total += len(tokens)
         scale = max(1.0, float(ref.abs().max()))
         err = float((logits - ref).abs().max()) / scale
-        top2 = ref.topk(2, dim=-1).values
+        top2 = choosable(ref).topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 10 * rtol * scale
-        tokens_ok = bool(((ref.argmax(-1) == torch.as_tensor(tokens)) | ~clear).all())
+        tokens_ok = bool(((choosable(ref).argmax(-1) == torch.as_tensor(tokens)) | ~clear).all())
         ok[rid] = err <= rtol and tokens_ok
         worst = max(worst, err)
     return ok, worst, (changed / total if total else 0.0)
@@ -303,7 +315,7 @@ def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new
             peft_model = peft.PeftModel.from_pretrained(reference, d, adapter_name=name).eval()
         else:
             peft_model.load_adapter(d, adapter_name=name)
-    ok, worst, changed = verify(peft_model, requests, served, device)
+    ok, worst, changed = verify(peft_model, requests, served, device, suppressed=_eos_ids(reference, cfg.vocab_size))
     say(f"adapters changed {100 * changed:.0f}% of generated tokens against the base model")
     say(f"largest logit error against PEFT: {worst:.1e} (relative; tolerance {RTOL:.0e})")
     bad = sorted(rid for rid, good in ok.items() if not good)
@@ -312,6 +324,18 @@ def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new
     say(f"done in {time.perf_counter() - t_start:.1f}s")
     say(f"verified: {sum(ok.values())}/{len(ok)} requests match PEFT outputs")
     return 0 if not bad else 1
+
+
+def _eos_ids(model, vocab_size: int) -> tuple:
+    """The end-of-sequence ids of `model`'s generation config: generate never picks them before
+    min_new_tokens (serve asks for exactly max_new_tokens), so the greedy check excludes them."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    values = eos.tolist() if hasattr(eos, "tolist") else eos
+    values = values if isinstance(values, (list, tuple)) else [values]
+    return tuple(int(e) for e in values if 0 <= int(e) < vocab_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
