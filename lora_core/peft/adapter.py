@@ -98,9 +98,24 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
                                "save_pretrained(..., safe_serialization=True)")
         raise AdapterError(f"{weights_path}: missing ({CONFIG_NAME} is there)")
     header = read_safetensors_header(weights, max_header_bytes=max_header_bytes)
-    skip = tuple(part for field, parts in TRAINING_STATE_TENSORS.items() if raw.get(field) is not None for part in parts)
+    parts, base_layers, magnitudes = _sort_tensors(header, config, raw, weights_path)
+    plan = _module_plan(parts, header, config, raw, weights_path)
+    _check_magnitudes(magnitudes, plan, header, config, weights_path)
+    arrays = read_safetensors(weights, [k for a, b, _ in plan.values() for k in (a, b)] + list(magnitudes.values()),
+                              max_header_bytes=max_header_bytes, max_tensor_bytes=max_tensor_bytes)
+    modules = {module: LoraModule(np.asarray(arrays[a], np.float32), np.asarray(arrays[b], np.float32),
+                                  config.scaling(module), kind)
+               for module, (a, b, kind) in plan.items()}
+    dora = {module: np.asarray(arrays[key], np.float32) for module, key in magnitudes.items()}
+    return PeftAdapter(name or os.path.basename(os.path.normpath(directory)), config.r, config.lora_alpha,
+                       config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora)
 
-    # Sort the tensor names into modules before any data is read.
+
+def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
+    """The safetensors header's names sorted into modules before any data is read: ({module:
+    {kind: tensor name}}, {module: shape of PEFT's base-layer copy}, {module: DoRA magnitude
+    tensor name}); training-state tensors the config names are skipped, anything else refused."""
+    skip = tuple(part for field, parts in TRAINING_STATE_TENSORS.items() if raw.get(field) is not None for part in parts)
     parts: dict = {}
     base_layers = {}
     magnitudes = {}
@@ -134,6 +149,12 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
     if not parts:
         raise AdapterError(f"{weights_path}: expected LoRA weights, got none (tensors: {sorted(header)[:6]})")
 
+    return parts, base_layers, magnitudes
+
+
+def _module_plan(parts: dict, header: dict, config, raw: dict, weights_path: str) -> dict:
+    """{module: (A tensor name, B tensor name, kind)}: each module's pair checked against the
+    header's shapes and the config (targeted, its rank)."""
     plan = {}
     for module, kinds in sorted(parts.items()):
         kind = next((k for k, pair in _PAIRS.items() if set(kinds) == set(pair)), None)
@@ -154,6 +175,12 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
             raise AdapterError(f"{weights_path}: module {module!r} has rank {shape_a[0]} ({key_a!r} {shape_a}), but "
                                f"{CONFIG_NAME} says r={config.rank(module)}")
         plan[module] = (key_a, key_b, kind)
+    return plan
+
+
+def _check_magnitudes(magnitudes: dict, plan: dict, header: dict, config, weights_path: str) -> None:
+    """DoRA: every magnitude belongs to a linear module's pair and has its out_features; with
+    use_dora every linear module has one."""
     for module, key in sorted(magnitudes.items()):
         if module not in plan or plan[module][2] != "linear":
             raise AdapterError(f"{weights_path}: DoRA magnitude {key!r} has no lora_A / lora_B pair of a linear "
@@ -167,14 +194,6 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
         if missing:
             raise AdapterError(f"{weights_path}: {CONFIG_NAME} has use_dora true (a DoRA adapter), but modules "
                                f"{missing[:4]} have no lora_magnitude_vector")
-    arrays = read_safetensors(weights, [k for a, b, _ in plan.values() for k in (a, b)] + list(magnitudes.values()),
-                              max_header_bytes=max_header_bytes, max_tensor_bytes=max_tensor_bytes)
-    modules = {module: LoraModule(np.asarray(arrays[a], np.float32), np.asarray(arrays[b], np.float32),
-                                  config.scaling(module), kind)
-               for module, (a, b, kind) in plan.items()}
-    dora = {module: np.asarray(arrays[key], np.float32) for module, key in magnitudes.items()}
-    return PeftAdapter(name or os.path.basename(os.path.normpath(directory)), config.r, config.lora_alpha,
-                       config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora)
 
 
 def save_peft_adapter(path: str, modules: Mapping[str, tuple], *, r: int, lora_alpha: float,
