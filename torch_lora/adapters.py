@@ -163,61 +163,88 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
         if rank > layer.max_rank:
             raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
                                f"max_rank={layer.max_rank}; wrap the model with max_rank >= {rank}")
-        saved = adapter.base_layer_shapes.get(module)
-        if saved is not None:
-            if isinstance(layer, ParallelLoRALayer):
-                sh = layer.slice_shards[s]
-                expect = (sh.full_in, sh.full_out) if sh.a_table else (sh.full_out, sh.full_in)
-            else:
-                expect = ((layer.num_embeddings, layer.embedding_dim) if isinstance(layer, LoRAEmbedding)
-                          else (layer.out_features, layer.in_features))
-            if tuple(saved) != expect:
-                raise AdapterError(f"adapter {adapter.label} was trained on a {module!r} of shape {tuple(saved)} "
-                                   f"(resized vocabulary?), the model's is {expect}")
-        r = layer.max_rank
-        if isinstance(layer, ParallelLoRALayer):
-            _place_shard(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
-        elif isinstance(layer, LoRALinear):
-            if kind != "linear":
-                raise AdapterError(f"adapter {adapter.label}: {module!r} holds embedding factors but the model's "
-                                   f"module is a linear layer")
-            width = layer.output_slices[s]
-            if a.shape[1] != layer.in_features or b.shape[0] != width:
-                raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
-                                   f"do not fit the module: expected lora_A ({rank}, {layer.in_features}) and "
-                                   f"lora_B ({width}, {rank})")
-            n = len(layer.module_names)
-            out = arrays.setdefault(path, [np.zeros((r, layer.in_features), np.float32) for _ in range(n)]
-                                    + [np.zeros((w, r), np.float32) for w in layer.output_slices])
-            out[s][:rank] = a
-            out[n + s][:, :rank] = b * scaling
-        elif isinstance(layer, LoRAEmbedding):
-            if kind != "embedding":
-                raise AdapterError(f"adapter {adapter.label}: {module!r} holds linear factors (lora_A / lora_B) but "
-                                   "the model's module is an embedding")
-            if a.shape[1] != layer.num_embeddings or b.shape[0] != layer.embedding_dim:
-                raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_embedding_A {a.shape} / "
-                                   f"lora_embedding_B {b.shape} do not fit the embedding: expected ({rank}, "
-                                   f"{layer.num_embeddings}) and ({layer.embedding_dim}, {rank})")
-            A = np.zeros((layer.num_embeddings, r), np.float32)
-            B = np.zeros((layer.embedding_dim, r), np.float32)
-            A[:, :rank] = a.T
-            B[:, :rank] = b * (scaling * layer.embed_scale)
-            arrays[path] = [A, B]
-        else:
-            if kind != "linear":
-                raise AdapterError(f"adapter {adapter.label}: {module!r} holds embedding factors but the model's "
-                                   "module is the LM head (a linear layer)")
-            if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
-                raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
-                                   f"do not fit the LM head: expected ({rank}, {layer.in_features}) and "
-                                   f"({layer.out_features}, {rank})")
-            A = np.zeros((r, layer.in_features), np.float32)
-            B = np.zeros((layer.out_features, r), np.float32)
-            A[:rank] = a
-            B[:, :rank] = b * scaling
-            arrays[path] = [A, B]
+        _check_base_layer(layer, s, module, adapter)
+        _place_module(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
         ranks[path] = max(ranks[path], rank)
+    _check_placed_values(arrays, layers, adapter)
+    scales = dora_scales(layers, adapter)
+    for path, g in scales.items():
+        if not np.all(np.isfinite(g)):
+            raise AdapterError(f"adapter {adapter.label}: the DoRA column scale of {path!r} holds NaN or infinite "
+                               "values (magnitudes or base weights that are not finite)")
+    tensors, nbytes = _pack(layers, {**arrays, **{(path, "dora"): [g] for path, g in scales.items()}}, pin_memory)
+    scale_tensors = {path: tensors.pop((path, "dora"))[0] for path in scales}
+    return PreparedAdapter(adapter.name, tensors, ranks, nbytes, scale_tensors)
+
+
+def _check_base_layer(layer, s: int, module: str, adapter: PeftAdapter) -> None:
+    """Refuses an adapter whose saved copy of `module`'s base layer (PEFT keeps one for a targeted
+    embedding / LM head) has another shape than the model's: a resized vocabulary."""
+    saved = adapter.base_layer_shapes.get(module)
+    if saved is not None:
+        if isinstance(layer, ParallelLoRALayer):
+            sh = layer.slice_shards[s]
+            expect = (sh.full_in, sh.full_out) if sh.a_table else (sh.full_out, sh.full_in)
+        else:
+            expect = ((layer.num_embeddings, layer.embedding_dim) if isinstance(layer, LoRAEmbedding)
+                      else (layer.out_features, layer.in_features))
+        if tuple(saved) != expect:
+            raise AdapterError(f"adapter {adapter.label} was trained on a {module!r} of shape {tuple(saved)} "
+                               f"(resized vocabulary?), the model's is {expect}")
+
+
+def _place_module(arrays: dict, path: str, layer, s: int, module: str, adapter: PeftAdapter, a, b, scaling: float,
+                  kind: str, rank: int) -> None:
+    """Writes one adapter module's factors (A (rank, in), B (out, rank)) into `arrays[path]` in the
+    layer's slot layout (see prepare_adapter), zero-padded to max_rank, scaling folded into B;
+    refuses factors of the wrong kind or shape for the layer."""
+    r = layer.max_rank
+    if isinstance(layer, ParallelLoRALayer):
+        _place_shard(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
+    elif isinstance(layer, LoRALinear):
+        if kind != "linear":
+            raise AdapterError(f"adapter {adapter.label}: {module!r} holds embedding factors but the model's "
+                               f"module is a linear layer")
+        width = layer.output_slices[s]
+        if a.shape[1] != layer.in_features or b.shape[0] != width:
+            raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
+                               f"do not fit the module: expected lora_A ({rank}, {layer.in_features}) and "
+                               f"lora_B ({width}, {rank})")
+        n = len(layer.module_names)
+        out = arrays.setdefault(path, [np.zeros((r, layer.in_features), np.float32) for _ in range(n)]
+                                + [np.zeros((w, r), np.float32) for w in layer.output_slices])
+        out[s][:rank] = a
+        out[n + s][:, :rank] = b * scaling
+    elif isinstance(layer, LoRAEmbedding):
+        if kind != "embedding":
+            raise AdapterError(f"adapter {adapter.label}: {module!r} holds linear factors (lora_A / lora_B) but "
+                               "the model's module is an embedding")
+        if a.shape[1] != layer.num_embeddings or b.shape[0] != layer.embedding_dim:
+            raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_embedding_A {a.shape} / "
+                               f"lora_embedding_B {b.shape} do not fit the embedding: expected ({rank}, "
+                               f"{layer.num_embeddings}) and ({layer.embedding_dim}, {rank})")
+        A = np.zeros((layer.num_embeddings, r), np.float32)
+        B = np.zeros((layer.embedding_dim, r), np.float32)
+        A[:, :rank] = a.T
+        B[:, :rank] = b * (scaling * layer.embed_scale)
+        arrays[path] = [A, B]
+    else:
+        if kind != "linear":
+            raise AdapterError(f"adapter {adapter.label}: {module!r} holds embedding factors but the model's "
+                               "module is the LM head (a linear layer)")
+        if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
+            raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} "
+                               f"do not fit the LM head: expected ({rank}, {layer.in_features}) and "
+                               f"({layer.out_features}, {rank})")
+        A = np.zeros((r, layer.in_features), np.float32)
+        B = np.zeros((layer.out_features, r), np.float32)
+        A[:rank] = a
+        B[:, :rank] = b * scaling
+        arrays[path] = [A, B]
+
+
+def _check_placed_values(arrays: dict, layers: Mapping, adapter: PeftAdapter) -> None:
+    """Refuses placed factors that hold NaN / infinities or overflow their layer's dtype."""
     for path, parts in arrays.items():
         limit = torch.finfo(_layer_dtype(layers[path])).max
         for array in parts:
@@ -230,14 +257,6 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
                                    f"(lora_B with the scaling lora_alpha / r folded in), beyond the largest "
                                    f"{_layer_dtype(layers[path])} value {limit:.6g}: they would be infinite in the "
                                    "layer's dtype")
-    scales = dora_scales(layers, adapter)
-    for path, g in scales.items():
-        if not np.all(np.isfinite(g)):
-            raise AdapterError(f"adapter {adapter.label}: the DoRA column scale of {path!r} holds NaN or infinite "
-                               "values (magnitudes or base weights that are not finite)")
-    tensors, nbytes = _pack(layers, {**arrays, **{(path, "dora"): [g] for path, g in scales.items()}}, pin_memory)
-    scale_tensors = {path: tensors.pop((path, "dora"))[0] for path in scales}
-    return PreparedAdapter(adapter.name, tensors, ranks, nbytes, scale_tensors)
 
 
 def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:
