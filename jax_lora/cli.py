@@ -387,23 +387,7 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
     def say(msg="", end="\n"):
         print(msg, file=stream, end=end, flush=True)
 
-    if dtype is not None and dtype not in DTYPES:
-        raise DemoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if backend is not None and backend not in BACKENDS:
-        raise DemoError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    for name, value in (("num_requests", num_requests), ("max_new_tokens", max_new_tokens),
-                        ("max_seqs", max_seqs), ("slots", 1 if slots is None else slots)):
-        if int(value) < 1:
-            raise DemoError(f"{name} must be a positive integer, got {value}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise DemoError(f"seed must be an integer in 0..2**32 - 1, got {seed!r}")
-    if model_dir is not None and not adapter_dirs:
-        raise DemoError("give at least one adapter directory after MODEL_DIR")
-    if model_dir is not None and not os.path.isdir(model_dir):
-        raise DemoError(f"MODEL_DIR {model_dir!r} is not a directory")
-    for d in adapter_dirs:
-        if not os.path.isdir(d):
-            raise DemoError(f"adapter directory {d!r} is not a directory")
+    _check_demo_args(model_dir, adapter_dirs, num_requests, max_new_tokens, max_seqs, slots, seed, backend, dtype)
     _check_backend(backend)
 
     tmp = None
@@ -418,10 +402,6 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
     precision = contextlib.ExitStack()
     try:
         import jax
-        import jax.numpy as jnp
-
-        from .models.llama import load_llama
-        from .serving import ServingEngine
 
         dtype = dtype or checkpoint_dtype(model_dir) or "float32"
         if dtype == "float32":
@@ -444,23 +424,8 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
             requests = _prompt_requests(tokenizer, prompts, model.config.vocab_size, ids, max_new_tokens)
         else:
             requests = _demo_requests(model.config.vocab_size, ids, num_requests, max_new_tokens, seed)
-        longest = max(len(r.prompt) for r in requests)
-        if longest + max_new_tokens > model.config.max_position_embeddings:
-            raise DemoError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                            f"model's max_position_embeddings={model.config.max_position_embeddings}")
-        max_len = max(64, 16 + max_new_tokens, longest + max_new_tokens)
-        prefill_tokens = max(512, 1 << (max(longest, 16) - 1).bit_length())
-        mesh = _tp_mesh(tp)
-        engine = ServingEngine(model, manager, max_seqs=max_seqs, max_len=max_len, keep_logits=True,
-                               backend=backend, max_prefill_tokens=prefill_tokens, mesh=mesh)
-        if mesh is not None:
-            layouts = sorted({layer.tp.layout for layer in manager.layers.values()})
-            say(f"tensor parallel: {tp} devices, adapter layouts {', '.join(layouts)} (jax_lora.parallel)")
-        counts = {i: sum(1 for r in requests if r.lora_id == i) for i in ids}
-        say(f"requests: {len(requests)} ({counts[None]} without adapter, "
-            + ", ".join(f"{counts[i]} with adapter {i}" for i in adapters)
-            + f"), {max_new_tokens} new tokens each; {max_seqs} rows, {num_slots} adapter slots; "
-            f"device {jax.devices()[0].platform}, backend {engine.punica.backend}")
+        engine, max_len = _demo_engine(model, manager, requests, ids, max_new_tokens, max_seqs, num_slots, backend,
+                                       tp, say)
 
         warm_programs = _warm_up(engine, requests, ids[1], say)
         completions, _, _ = _serve_timed(engine, requests, say)
@@ -471,27 +436,89 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
         if prompts:
             _show_texts(tokenizer, prompts, completions, ids, say)
 
-        rtol = RTOL_BY_DTYPE[dtype]
-        say(f"verifying {len(completions)} requests against the model with each adapter merged into its "
-            "weights ...", end="")
-        t0 = time.perf_counter()
-        matches, worst, differ = verify(load_llama(model_dir, dtype=jnp.dtype(dtype)), adapters, completions,
-                                        max_len=max_len, rtol=rtol)
-        say(f" {time.perf_counter() - t0:.1f}s")
-        say(f"adapters changed {differ * 100:.0f}% of generated tokens against the base model")
-        say(f"largest logit error against merged weights: {worst:.1e} (relative; tolerance {rtol:.0e})")
-        bad = [c.request_id for c, ok in zip(completions, matches) if not ok]
-        if bad:
-            say(f"MISMATCH: requests {bad}")
-        if recompiles:
-            say(f"FAIL: {recompiles} recompilations after warm-up")
-        say(f"done in {time.perf_counter() - t_start:.1f}s")
-        say(f"verified: {sum(matches)}/{len(matches)} requests match merged-weights outputs")
+        bad = _verify_and_report(model_dir, dtype, adapters, completions, max_len, recompiles, t_start, say)
         return 0 if not bad and not recompiles else 1
     finally:
         precision.close()
         if tmp is not None:
             tmp.cleanup()
+
+
+def _demo_engine(model, manager, requests, ids, max_new_tokens: int, max_seqs: int, num_slots: int, backend, tp: int,
+                 say) -> tuple:
+    """The demo's ServingEngine sized for `requests` (split over `tp` devices when > 1), its set-up
+    said; (engine, max_len)."""
+    import jax
+
+    from .serving import ServingEngine
+
+    longest = max(len(r.prompt) for r in requests)
+    if longest + max_new_tokens > model.config.max_position_embeddings:
+        raise DemoError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                        f"model's max_position_embeddings={model.config.max_position_embeddings}")
+    max_len = max(64, 16 + max_new_tokens, longest + max_new_tokens)
+    prefill_tokens = max(512, 1 << (max(longest, 16) - 1).bit_length())
+    mesh = _tp_mesh(tp)
+    engine = ServingEngine(model, manager, max_seqs=max_seqs, max_len=max_len, keep_logits=True,
+                           backend=backend, max_prefill_tokens=prefill_tokens, mesh=mesh)
+    if mesh is not None:
+        layouts = sorted({layer.tp.layout for layer in manager.layers.values()})
+        say(f"tensor parallel: {tp} devices, adapter layouts {', '.join(layouts)} (jax_lora.parallel)")
+    counts = {i: sum(1 for r in requests if r.lora_id == i) for i in ids}
+    say(f"requests: {len(requests)} ({counts[None]} without adapter, "
+        + ", ".join(f"{counts[i]} with adapter {i}" for i in ids[1:])
+        + f"), {max_new_tokens} new tokens each; {max_seqs} rows, {num_slots} adapter slots; "
+        f"device {jax.devices()[0].platform}, backend {engine.punica.backend}")
+    return engine, max_len
+
+
+def _check_demo_args(model_dir, adapter_dirs, num_requests, max_new_tokens, max_seqs, slots, seed, backend,
+                     dtype) -> None:
+    """run_demo's argument checks (DemoError naming the argument)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise DemoError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise DemoError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    for name, value in (("num_requests", num_requests), ("max_new_tokens", max_new_tokens),
+                        ("max_seqs", max_seqs), ("slots", 1 if slots is None else slots)):
+        if int(value) < 1:
+            raise DemoError(f"{name} must be a positive integer, got {value}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise DemoError(f"seed must be an integer in 0..2**32 - 1, got {seed!r}")
+    if model_dir is not None and not adapter_dirs:
+        raise DemoError("give at least one adapter directory after MODEL_DIR")
+    if model_dir is not None and not os.path.isdir(model_dir):
+        raise DemoError(f"MODEL_DIR {model_dir!r} is not a directory")
+    for d in adapter_dirs:
+        if not os.path.isdir(d):
+            raise DemoError(f"adapter directory {d!r} is not a directory")
+
+
+def _verify_and_report(model_dir: str, dtype: str, adapters, completions, max_len: int, recompiles: int,
+                       t_start: float, say) -> list:
+    """Checks every completion against the model with its adapter merged into the weights, says
+    the outcome; the ids of the requests that do not match."""
+    import jax.numpy as jnp
+
+    from .models.llama import load_llama
+
+    rtol = RTOL_BY_DTYPE[dtype]
+    say(f"verifying {len(completions)} requests against the model with each adapter merged into its "
+        "weights ...", end="")
+    t0 = time.perf_counter()
+    matches, worst, differ = verify(load_llama(model_dir, dtype=jnp.dtype(dtype)), adapters, completions,
+                                    max_len=max_len, rtol=rtol)
+    say(f" {time.perf_counter() - t0:.1f}s")
+    say(f"adapters changed {differ * 100:.0f}% of generated tokens against the base model")
+    say(f"largest logit error against merged weights: {worst:.1e} (relative; tolerance {rtol:.0e})")
+    bad = [c.request_id for c, ok in zip(completions, matches) if not ok]
+    if bad:
+        say(f"MISMATCH: requests {bad}")
+    if recompiles:
+        say(f"FAIL: {recompiles} recompilations after warm-up")
+    say(f"done in {time.perf_counter() - t_start:.1f}s")
+    say(f"verified: {sum(matches)}/{len(matches)} requests match merged-weights outputs")
+    return bad
 
 
 def build_parser() -> argparse.ArgumentParser:
