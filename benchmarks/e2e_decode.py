@@ -1348,8 +1348,8 @@ def env_meta(args, cfg) -> dict:
         meta["launch_pdl"] = os.environ.get("LORA_CORE_PDL", "auto")
     if "jax" in args.frameworks:
         import jax.numpy as jnp
-        from jax_lora.models import llama
-        meta["jax_attention"] = "%s (%s)" % llama.attention_backend(jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
+        from jax_lora.models import attention
+        meta["jax_attention"] = "%s (%s)" % attention.attention_backend(jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
     return meta
 
 

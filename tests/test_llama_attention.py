@@ -1,4 +1,4 @@
-"""The Llama model's attention (`jax_lora.models.llama._decode_attention`, `_prefill_attention`)
+"""The Llama model's attention (`jax_lora.models.attention.decode_attention`, `prefill_attention`)
 against a float64 oracle, on both of its paths: XLA's (every device) and cuDNN's fused attention (a
 CUDA GPU with a 16-bit cache; marked `gpu`), and the `JAX_LORA_ATTENTION` choice.
 
@@ -16,7 +16,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
-from jax_lora.models import llama  # noqa: E402
+from jax_lora.models import attention, llama  # noqa: E402
 
 B, M, NH, NKV, HD = 5, 48, 8, 2, 64
 POSITIONS = np.array([0, 7, 47, 60, 23], np.int32)      # 60 >= M: the whole cache
@@ -50,13 +50,13 @@ def _oracle(q, k, v):
 def _run(q, k, v, dtype):
     key_pos = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B, M))
     pos = jnp.asarray(POSITIONS)[:, None]
-    f = jax.jit(lambda q, k, v: llama._decode_attention(q, k, v, key_pos, pos, dtype))
+    f = jax.jit(lambda q, k, v: attention.decode_attention(q, k, v, key_pos, pos, dtype))
     return np.asarray(f(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype)), np.float64)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
 def test_xla_decode_attention_matches_the_oracle(monkeypatch, dtype, tol):
-    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "xla")
     q, k, v = _problem()
     rq, rk, rv = (np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v))   # the inputs as stored
     ref = _oracle(rq, rk, rv)
@@ -69,7 +69,7 @@ def test_xla_decode_attention_matches_the_oracle(monkeypatch, dtype, tol):
 def test_xla_decode_attention_keeps_non_finite_unread_entries_out(monkeypatch, poison):
     """NaN or Inf past a row's position (what an earlier request may leave) never reaches the row's
     result: masked scores are replaced and masked values zeroed (0 x NaN would be NaN)."""
-    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "xla")
     q, k, v = _problem(poison=poison)
     ref = _oracle(q, k, v)
     got = _run(q, k, v, jnp.float32)
@@ -78,61 +78,61 @@ def test_xla_decode_attention_keeps_non_finite_unread_entries_out(monkeypatch, p
 
 
 def test_the_choice_is_checked_and_logged(monkeypatch, caplog):
-    monkeypatch.setenv(llama.ATTENTION_ENV, "flash")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "flash")
     with pytest.raises(ValueError, match=r"JAX_LORA_ATTENTION='flash'.*auto, xla, cudnn"):
-        llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128)
-    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+        attention.attention_backend(jnp.bfloat16, jnp.bfloat16, 128)
+    monkeypatch.setenv(attention.ATTENTION_ENV, "xla")
     with caplog.at_level(logging.INFO, logger="jax_lora"):
-        llama._log_attention.cache_clear()
-        assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128) == ("xla", "JAX_LORA_ATTENTION=xla")
+        attention._log_attention.cache_clear()
+        assert attention.attention_backend(jnp.bfloat16, jnp.bfloat16, 128) == ("xla", "JAX_LORA_ATTENTION=xla")
     assert "attention: xla (JAX_LORA_ATTENTION=xla)" in caplog.text
-    monkeypatch.setenv(llama.ATTENTION_ENV, "auto")       # float32 never takes cuDNN
-    backend, why = llama.attention_backend(jnp.float32, jnp.float32, 128)
+    monkeypatch.setenv(attention.ATTENTION_ENV, "auto")       # float32 never takes cuDNN
+    backend, why = attention.attention_backend(jnp.float32, jnp.float32, 128)
     assert backend == "xla" and why.startswith("auto: ")
-    backend, why = llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 100)
+    backend, why = attention.attention_backend(jnp.bfloat16, jnp.bfloat16, 100)
     assert backend == "xla"
 
 
 def test_auto_takes_cudnn_wherever_it_applies(monkeypatch):
     """Where cuDNN applies, `auto` and `cudnn` take it (a model split over a mesh: `cudnn` only);
     where it does not, `auto` takes XLA's and says why."""
-    monkeypatch.setattr(llama, "_cudnn_unavailable", lambda *a: "")
+    monkeypatch.setattr(attention, "_cudnn_unavailable", lambda *a: "")
     for setting in ("auto", "cudnn"):
-        monkeypatch.setenv(llama.ATTENTION_ENV, setting)
-        assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128) == (
+        monkeypatch.setenv(attention.ATTENTION_ENV, setting)
+        assert attention.attention_backend(jnp.bfloat16, jnp.bfloat16, 128) == (
             "cudnn", f"{setting}: cuDNN fused attention applies")
-    monkeypatch.setenv(llama.ATTENTION_ENV, "auto")
-    backend, why = llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, tensor_parallel=True)
+    monkeypatch.setenv(attention.ATTENTION_ENV, "auto")
+    backend, why = attention.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, tensor_parallel=True)
     assert backend == "xla" and why.startswith("auto: the model is split over a mesh")
-    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")                  # forced: taken under a mesh too
-    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, tensor_parallel=True)[0] == "cudnn"
-    monkeypatch.setenv(llama.ATTENTION_ENV, "auto")
-    monkeypatch.setattr(llama, "_cudnn_unavailable", lambda *a: "head_dim 100 (cuDNN needs a multiple of 8)")
-    assert llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 100) == (
+    monkeypatch.setenv(attention.ATTENTION_ENV, "cudnn")                  # forced: taken under a mesh too
+    assert attention.attention_backend(jnp.bfloat16, jnp.bfloat16, 128, tensor_parallel=True)[0] == "cudnn"
+    monkeypatch.setenv(attention.ATTENTION_ENV, "auto")
+    monkeypatch.setattr(attention, "_cudnn_unavailable", lambda *a: "head_dim 100 (cuDNN needs a multiple of 8)")
+    assert attention.attention_backend(jnp.bfloat16, jnp.bfloat16, 100) == (
         "xla", "auto: head_dim 100 (cuDNN needs a multiple of 8)")
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU machine's refusal")
 def test_cudnn_is_refused_by_name_where_it_cannot_run(monkeypatch):
-    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "cudnn")
     with pytest.raises(ValueError, match="JAX_LORA_ATTENTION=cudnn, but cuDNN attention does not apply here: "
                                          "JAX's default backend is"):
-        llama.attention_backend(jnp.bfloat16, jnp.bfloat16, 128)
+        attention.attention_backend(jnp.bfloat16, jnp.bfloat16, 128)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="JAX's default backend is not a GPU")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_cudnn_decode_attention_matches_the_oracle(monkeypatch, dtype):
-    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
-    assert llama.attention_backend(dtype, dtype, HD)[0] == "cudnn"
+    monkeypatch.setenv(attention.ATTENTION_ENV, "cudnn")
+    assert attention.attention_backend(dtype, dtype, HD)[0] == "cudnn"
     q, k, v = _problem(seed=1)
     rq, rk, rv = (np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v))
     ref = _oracle(rq, rk, rv)
     got = _run(q, k, v, dtype)
     assert np.isfinite(got).all()
     assert np.abs(got - ref).max() / np.abs(ref).max() < 3e-2
-    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "xla")
     xla = _run(q, k, v, dtype)
     assert np.abs(got - xla).max() / np.abs(xla).max() < 3e-2
 
@@ -179,13 +179,13 @@ def _prefill_oracle(q, k, v, positions):
 def _run_prefill(q, k, v, positions, dtype):
     key_pos = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (q.shape[0], M))
     pos = jnp.asarray(positions)
-    f = jax.jit(lambda q, k, v: llama._prefill_attention(q, k, v, key_pos, pos, dtype))
+    f = jax.jit(lambda q, k, v: attention.prefill_attention(q, k, v, key_pos, pos, dtype))
     return np.asarray(f(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype)), np.float64)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
 def test_xla_prefill_attention_matches_the_oracle(monkeypatch, dtype, tol):
-    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "xla")
     q, k, v, positions = _prefill_problem()
     rq, rk, rv = (np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v))
     ref = _prefill_oracle(rq, rk, rv, positions)
@@ -196,7 +196,7 @@ def test_xla_prefill_attention_matches_the_oracle(monkeypatch, dtype, tol):
 
 @pytest.mark.parametrize("poison", [(np.nan, np.nan), (np.inf, -np.inf)])
 def test_xla_prefill_attention_keeps_non_finite_unread_entries_out(monkeypatch, poison):
-    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "xla")
     q, k, v, positions = _prefill_problem(poison=poison)
     ref = _prefill_oracle(q, k, v, positions)
     got = _run_prefill(q, k, v, positions, jnp.float32)
@@ -208,14 +208,14 @@ def test_xla_prefill_attention_keeps_non_finite_unread_entries_out(monkeypatch, 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="JAX's default backend is not a GPU")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_cudnn_prefill_attention_matches_the_oracle(monkeypatch, dtype):
-    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "cudnn")
     q, k, v, positions = _prefill_problem(seed=2)
     rq, rk, rv = (np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v))
     ref = _prefill_oracle(rq, rk, rv, positions)
     got = _run_prefill(q, k, v, positions, dtype)
     assert np.isfinite(got).all()
     assert np.abs(got - ref).max() / np.abs(ref).max() < 3e-2
-    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "xla")
     xla = _run_prefill(q, k, v, positions, dtype)
     assert np.abs(got - xla).max() / np.abs(xla).max() < 3e-2
 
@@ -239,9 +239,9 @@ def test_cudnn_and_xla_attention_agree_in_a_model_step(monkeypatch):
         pre, cache = model(tokens, positions, cache=cache)
         dec, _ = model(nxt, jnp.full((2, 1), 16, jnp.int32), cache=cache)
         return np.asarray(pre, np.float64), np.asarray(dec, np.float64)
-    monkeypatch.setenv(llama.ATTENTION_ENV, "cudnn")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "cudnn")
     got = run()
-    monkeypatch.setenv(llama.ATTENTION_ENV, "xla")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "xla")
     ref = run()
     for g, r in zip(got, ref):
         assert np.isfinite(g).all()
@@ -262,7 +262,7 @@ def test_a_dirty_cache_row_does_not_reach_the_next_request(monkeypatch, backend)
     into it (rows given, as the serving loop does) and the decode steps after it give exactly what
     they give on a zeroed cache. The prefill zeroes its rows past its last position; reads before
     that never reach the stale entries."""
-    monkeypatch.setenv(llama.ATTENTION_ENV, backend)
+    monkeypatch.setenv(attention.ATTENTION_ENV, backend)
     dtype = jnp.bfloat16 if backend == "cudnn" else jnp.float32
     cfg, model = _tiny_model(dtype)
     rng = np.random.default_rng(4)
