@@ -68,6 +68,7 @@ class PunicaWrapper:
         self._layout = StepLayout(self.max_num_batched_tokens, self.max_batches, self.max_loras)
         self._upload(self._layout.empty_block(pad_prompt=True))
         self._host_max_slot = -1
+        self._host_embedding_rows = None   # vocab_size + extra_vocab_size of the last update_metadata
 
     # ------------------------------------------------------------------ pytree
     # One leaf: the step's int32 block (StepLayout). Every index array and both kernel metadata are
@@ -86,6 +87,7 @@ class PunicaWrapper:
         (obj._block,) = children
         obj._host_tail = None       # read from the block when concrete; traced inside jit
         obj._host_max_slot = None   # unknown inside a trace: index values are masked, not checked
+        obj._host_embedding_rows = None
         return obj
 
     # ------------------------------------------------------------------ metadata (host)
@@ -102,6 +104,7 @@ class PunicaWrapper:
                             max_batches=self.max_batches, num_slots=self.max_loras, pad_prompt=True)
         self._upload(self._layout.fill(np.empty(self._layout.size, np.int32), step))
         self._host_max_slot = step.max_slot
+        self._host_embedding_rows = int(vocab_size) + int(extra_vocab_size)
 
     def warmup(self, layers, token_counts=None, *, dtype=jnp.bfloat16, lora_ranks: bool = False,
                bias: bool = False, dora: bool = False, progress: bool = True, workers=None) -> dict:
@@ -257,6 +260,16 @@ class PunicaWrapper:
     def _check_tokens(self, name: str, num_tokens: int) -> None:
         checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,
                               "max_num_batched_tokens")
+
+    def check_embedding_rows(self, name: str, num_embeddings: int) -> None:
+        """Refuses an embedding of `num_embeddings` rows when the step (known on the host) was
+        prepared with another vocab_size + extra_vocab_size: embeddings_indices[1] = slot * that
+        sum, so its rows would come from the wrong slot. Unknown inside a trace: not checked."""
+        rows = self._host_embedding_rows
+        if rows is not None and rows != num_embeddings:
+            raise ValueError(f"{name} has {num_embeddings} rows, but the step's metadata was prepared with vocab_size + "
+                             f"extra_vocab_size = {rows}: pass vocab_size={num_embeddings} (and extra_vocab_size=0) "
+                             "to update_metadata")
 
     def _check_slots(self, name: str, num_slots: int) -> None:
         if self._host_max_slot is not None and self._host_max_slot >= num_slots:

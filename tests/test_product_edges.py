@@ -93,3 +93,60 @@ def test_generate_takes_the_prompt_as_inputs(llama):
         mm.generate(inputs=tokens, adapter_names=rows[:2], **gen)
     with pytest.raises(ValueError, match="the prompt twice, as input_ids and as inputs"):
         mm.generate(tokens, inputs=tokens, adapter_names=rows, **gen)
+
+
+# ----------------------------------------------------------------------------- embedding rows and the step's vocabulary
+
+def test_lora_embedding_refuses_a_step_prepared_for_another_vocabulary():
+    """The LoRA embedding reads row `slot * V + id` of its (L * V, r) table, with the step's
+    embeddings_indices[1] = slot * (vocab_size + extra_vocab_size): a step prepared with another
+    vocabulary would read other slots' rows in silence. Both sides refuse it naming vocab_size, and
+    a step prepared with the layer's V gives the oracle's rows."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from flax import nnx
+
+    import jax_lora
+    import torch_lora
+    from jax_lora.nn import MultiLoRAEmbed
+    from torch_lora.layers import LoRAEmbedding
+
+    V, D, L, R = 16, 8, 2, 4
+    ids = np.array([3, 5, 7, 9], np.int32)
+    lora_ids = (1, 2, 0, 2)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((L, V, R)).astype(np.float32)           # row per token id, per slot
+    b = rng.standard_normal((L, D, R)).astype(np.float32)
+    want = np.zeros((len(ids), D), np.float32)
+    for t, lid in enumerate(lora_ids):
+        if lid:
+            want[t] = a[lid - 1, ids[t]] @ b[lid - 1].T
+
+    jw = jax_lora.PunicaWrapper(8, 2, max_loras=L, backend="xla")
+    embed = nnx.Embed(V, D, rngs=nnx.Rngs(0))
+    layer = MultiLoRAEmbed(embed, max_loras=L, max_rank=R)
+    layer.lora_a.set_value(jnp.asarray(a))
+    layer.lora_b.set_value(jnp.asarray(b))
+    layer.lora_ranks.set_value(jnp.full((L,), R, jnp.int32))
+    base = np.asarray(embed(jnp.asarray(ids)))
+    mapping = jax_lora.LoRAMapping(lora_ids, lora_ids)
+    for vocab, extra in ((V + 4, 0), (V, 2)):
+        jw.update_metadata(mapping, [1, 2], L, vocab, extra)
+        with pytest.raises(ValueError, match=f"vocab_size={V}"):
+            layer(jnp.asarray(ids), jw)
+    jw.update_metadata(mapping, [1, 2], L, V)
+    np.testing.assert_allclose(np.asarray(layer(jnp.asarray(ids), jw)) - base, want, rtol=1e-5, atol=1e-5)
+
+    tw = torch_lora.PunicaWrapper(8, 2, "cpu", max_loras=L, backend="torch")
+    tl = LoRAEmbedding("embed_tokens", V, D, max_loras=L, max_rank=R, dtype=torch.float32, device="cpu", punica=tw)
+    tl.lora_a.copy_(torch.from_numpy(a))
+    tl.lora_b.copy_(torch.from_numpy(b))
+    tl.lora_ranks.fill_(R)
+    tmapping = torch_lora.LoRAMapping(lora_ids, lora_ids)
+    for vocab, extra in ((V + 4, 0), (V, 2)):
+        tw.update_metadata(tmapping, [1, 2], L, vocab, extra)
+        with pytest.raises(ValueError, match=f"vocab_size={V}"):
+            tl.apply(torch.from_numpy(ids), torch.zeros(len(ids), D))
+    tw.update_metadata(tmapping, [1, 2], L, V)
+    out = tl.apply(torch.from_numpy(ids), torch.zeros(len(ids), D))
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)

@@ -76,6 +76,7 @@ class PunicaWrapper:
         self.is_prefill = False
         self.no_lora = False
         self._max_slot = -1
+        self._embedding_rows = None      # vocab_size + extra_vocab_size of the last update_metadata
         self.token_mapping_meta = _meta_view(v, "token_meta")
         self.prompt_mapping_meta = _meta_view(v, "prompt_meta")
         self._block.copy_(torch.from_numpy(self._layout.empty_block(pad_prompt=False)))
@@ -105,6 +106,7 @@ class PunicaWrapper:
         self.is_prefill = step.is_prefill
         self.no_lora = step.no_lora
         self._max_slot = step.max_slot
+        self._embedding_rows = int(vocab_size) + int(extra_vocab_size)
 
     def warmup(self, layers, token_counts=None, *, dtype=torch.bfloat16, lora_ranks: bool = False,
                bias: bool = False, dora: bool = False, progress: bool = True, workers=None) -> dict:
