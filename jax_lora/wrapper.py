@@ -261,7 +261,7 @@ class PunicaWrapper:
         checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,
                               "max_num_batched_tokens")
 
-    def check_embedding_rows(self, name: str, num_embeddings: int) -> None:
+    def _check_embedding_rows(self, name: str, num_embeddings: int) -> None:
         """Refuses an embedding of `num_embeddings` rows when the step (known on the host) was
         prepared with another vocab_size + extra_vocab_size: embeddings_indices[1] = slot * that
         sum, so its rows would come from the wrong slot. Unknown inside a trace: not checked."""
