@@ -280,11 +280,9 @@ class LoRAEmbedding(_LoRALayer):
         # Row `slot * V + id` of the flattened (L * V, r) table (embeddings_indices[1] = slot * V: the
         # step must be prepared with vocab_size = V); tokens without adapter read slot 0's row and
         # are then skipped by add_lora_embedding (their index is -1).
-        prepared = getattr(punica, "_embedding_rows", None)
-        if prepared is not None and prepared != self.num_embeddings:
-            raise ValueError(f"LoRA layer for {self.module_names[0]!r}: the embedding has {self.num_embeddings} rows, "
-                             f"but the step's metadata was prepared with vocab_size + extra_vocab_size = {prepared}: "
-                             f"pass vocab_size={self.num_embeddings} (and extra_vocab_size=0) to update_metadata")
+        check_rows = getattr(punica, "_check_embedding_rows", None)     # (the bridge's wrappers have none)
+        if check_rows is not None:
+            check_rows(f"LoRA layer for {self.module_names[0]!r}: the embedding", self.num_embeddings)
         rows = punica.embeddings_indices[1] + ids.reshape(-1)
         after_a = self.lora_a.view(-1, self.max_rank).index_select(0, rows)
         punica.add_lora_embedding(out.view(-1, self.embedding_dim), after_a.to(out.dtype), self.lora_b,
