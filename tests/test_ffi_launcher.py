@@ -222,6 +222,7 @@ def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
     pytest.importorskip("torch")
     from types import SimpleNamespace
 
+    from torch_lora.ops import c_launch as torch_c_launch
     from torch_lora.ops import triton as torch_triton
     names = ["x_ptr", "n", "one", "big", "scale", "out_ptr"]
     sig = {"x_ptr": "*bf16", "n": "i32", "one": "constexpr", "big": "i64", "scale": "fp32", "out_ptr": "*fp32",
@@ -231,16 +232,16 @@ def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
     compiled = SimpleNamespace(metadata=md, src=SimpleNamespace(signature=sig))
     template = [0, 48, 1, 2 ** 40, 0.5, 0]
     slots = {0: torch_triton._X, 4: torch_triton._SCALE, 5: torch_triton._WS}
-    fn, grid, threads, shared, pdl, params, c_slots = torch_triton._c_launch_spec(cuda_launch, compiled, names, template, slots,
+    fn, grid, threads, shared, pdl, params, c_slots = torch_c_launch.launch_spec(cuda_launch, compiled, names, template, slots,
                                                                          (3, 2, 1), 1234)
     assert (fn, grid, threads, shared, pdl) == (1234, (3, 2, 1), 128, 1024, True)
     assert params == [(cuda_launch.PTR, 0), (cuda_launch.I32, 48), (cuda_launch.I64, 2 ** 40), (cuda_launch.F32, 0.5), (cuda_launch.PTR, 0), (cuda_launch.NULL, 0), (cuda_launch.NULL, 0)]
     assert c_slots == [(0, torch_triton._X), (3, torch_triton._SCALE), (4, torch_triton._WS)]     # positions among the passed parameters
     sig["n"] = "bf16"                                                # not a type a launch parameter has here
-    assert torch_triton._c_launch_spec(cuda_launch, compiled, names, template, slots, (1, 1, 1), 1) is None
+    assert torch_c_launch.launch_spec(cuda_launch, compiled, names, template, slots, (1, 1, 1), 1) is None
     sig["n"] = "i32"
     md.global_scratch_size = 64
-    assert torch_triton._c_launch_spec(cuda_launch, compiled, names, template, slots, (1, 1, 1), 1) is None
+    assert torch_c_launch.launch_spec(cuda_launch, compiled, names, template, slots, (1, 1, 1), 1) is None
 
 
 def test_torch_c_launch_spreads_a_dependent_decode_shrink(monkeypatch):
@@ -253,11 +254,11 @@ def test_torch_c_launch_spreads_a_dependent_decode_shrink(monkeypatch):
     from types import SimpleNamespace
 
     from lora_core.kernels import configs, plan_expand, plan_shrink, planning
-    from torch_lora.ops import triton as torch_triton
+    from torch_lora.ops import c_launch as torch_c_launch
     monkeypatch.delenv("LORA_CORE_PDL", raising=False)
-    monkeypatch.setattr(torch_triton, "_sm_resources", lambda device: (132, 232448))
+    monkeypatch.setattr(torch_c_launch, "sm_resources", lambda device: (132, 232448))
     allowed = []
-    monkeypatch.setattr(torch_triton, "_allow_shared", lambda cl, fn, m: allowed.append((fn, m)) or True)
+    monkeypatch.setattr(torch_c_launch, "allow_shared", lambda cl, fn, m: allowed.append((fn, m)) or True)
     names = ["x_ptr", "n"]
     sig = {"x_ptr": "*bf16", "n": "i32"}
     md = SimpleNamespace(num_warps=4, shared=16384, launch_pdl=False, num_ctas=1, global_scratch_size=0,
@@ -266,7 +267,7 @@ def test_torch_c_launch_spreads_a_dependent_decode_shrink(monkeypatch):
 
     def spec(plan):
         grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
-        return torch_triton._c_launch_spec(cuda_launch, compiled, names, [0, 8], {}, grid, 77, plan, 0)
+        return torch_c_launch.launch_spec(cuda_launch, compiled, names, [0, 8], {}, grid, 77, plan, 0)
 
     def shrink(T):
         return plan_shrink(T, 4096, 16, 1, 9, "bfloat16", "bfloat16", configs.shrink_config(T, 4096, 16, 1, 8),
@@ -284,21 +285,21 @@ def test_torch_c_launch_spreads_a_dependent_decode_shrink(monkeypatch):
                          pdl=True)
     _, _, _, shared, flags, _, _ = spec(expand)
     assert shared == 16384 and flags & cuda_launch.FLAG_PDL
-    monkeypatch.setattr(torch_triton, "_allow_shared", lambda cl, fn, m: False)
+    monkeypatch.setattr(torch_c_launch, "allow_shared", lambda cl, fn, m: False)
     _, _, _, shared, flags, _, _ = spec(small)
     assert shared == 16384 and flags & cuda_launch.FLAG_PDL
-    monkeypatch.setattr(torch_triton, "_sm_resources", lambda device: None)    # a Triton that cannot tell
+    monkeypatch.setattr(torch_c_launch, "sm_resources", lambda device: None)    # a Triton that cannot tell
     _, _, _, shared, flags, _, _ = spec(small)
     assert shared == 16384 and flags & cuda_launch.FLAG_PDL
 
 
 def test_torch_sm_resources_say_when_triton_cannot_tell(monkeypatch, caplog):
-    """_sm_resources: None with a warning (not an exception that would turn the C launcher off)
+    """c_launch.sm_resources: None with a warning (not an exception that would turn the C launcher off)
     when Triton's driver utilities cannot give the device's SMs and shared memory."""
     pytest.importorskip("torch")
     import logging
 
-    from torch_lora.ops import triton as torch_triton
+    from torch_lora.ops import c_launch as torch_c_launch
 
     class Broken:
         def get_device_properties(self, device):
@@ -306,14 +307,14 @@ def test_torch_sm_resources_say_when_triton_cannot_tell(monkeypatch, caplog):
 
     from types import SimpleNamespace
     fake = SimpleNamespace(runtime=SimpleNamespace(driver=SimpleNamespace(active=SimpleNamespace(utils=Broken()))))
-    monkeypatch.setattr(torch_triton, "triton", fake)
-    torch_triton._sm_resources.cache_clear()
+    monkeypatch.setattr(torch_c_launch, "triton", fake)
+    torch_c_launch.sm_resources.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="torch_lora"):
-            assert torch_triton._sm_resources(0) is None
+            assert torch_c_launch.sm_resources(0) is None
         assert "spreading dependent shrinks" in caplog.text
     finally:
-        torch_triton._sm_resources.cache_clear()
+        torch_c_launch.sm_resources.cache_clear()
 
 
 @pytest.mark.parametrize("c_launch", [True, False])

@@ -170,8 +170,9 @@ def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
     Triton's launcher -- with new x, y, scale and lora_ranks, bit-equal to `linear`; captured in
     a graph it follows in-place mapping changes; misaligned or differently laid out activations
     take the generic path, still correct."""
+    from torch_lora.ops import c_launch as torch_c_launch
     from torch_lora.ops import triton as torch_triton
-    monkeypatch.setattr(torch_triton, "_C_LAUNCH", [c_launch])
+    monkeypatch.setattr(torch_c_launch, "_ENABLED", [c_launch])
     T, H, R, widths, L = 24, 1000, 32, (520, 130, 130), 6
     x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, 5, torch.bfloat16, 7, ranks=ranks, bias=True)
     offsets = (0, 520, 650)
@@ -348,13 +349,14 @@ def test_prepared_linear_spreads_a_dependent_decode_shrink(monkeypatch):
     compiled kernels; a chain of such calls (x of call i+1 = y of call i) equals `linear`
     synchronised after every call, bit for bit."""
     from lora_core.kernels import HAVE_PDL, cuda_launch, planning
+    from torch_lora.ops import c_launch as torch_c_launch
     from torch_lora.ops import triton as torch_triton
     if not HAVE_PDL or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or newer")
     monkeypatch.delenv("LORA_CORE_PDL", raising=False)
-    monkeypatch.setattr(torch_triton, "_C_LAUNCH", [True])
+    monkeypatch.setattr(torch_c_launch, "_ENABLED", [True])
     H, L = 4096, 8
-    num_sms, max_shared = torch_triton._sm_resources(torch.cuda.current_device())
+    num_sms, max_shared = torch_c_launch.sm_resources(torch.cuda.current_device())
     for T in (8, planning.SPREAD_PDL_MAX_TOKENS, 64):
         x, a, b, idx, meta, _, _ = _setup(T, H, 16, (H,), L, 8, torch.bfloat16, 30 + T, frac_none=0.0)
         run = torch_triton.PreparedLinear(a, b, meta.meta_args(T), (0,), fused=False)
@@ -369,7 +371,7 @@ def test_prepared_linear_spreads_a_dependent_decode_shrink(monkeypatch):
         specs = {}
         for _ws, launches in run._steps:
             for _run, g0, g1, g2, fn, _p, template, slots, compiled, names, plan in launches:
-                specs[plan.KERNEL] = (plan, (g0, g1, g2), torch_triton._c_launch_spec(
+                specs[plan.KERNEL] = (plan, (g0, g1, g2), torch_c_launch.launch_spec(
                     cuda_launch, compiled, names, template, dict(slots), (g0, g1, g2), fn, plan,
                     torch.cuda.current_device()), int(compiled.metadata.shared))
         plan, grid, spec, own = specs["shrink"]

@@ -6,7 +6,7 @@
       (CUDA graphs); at decode sizes that host time is the whole cost. This handler declares itself
       command-buffer compatible (it always launches the same kernels for the same attributes), so
       XLA can record it into its graphs.
-   2. Prepared launches for torch (`jl_prepared_*`; torch_lora/ops/triton.py's PreparedLinear): a
+   2. Prepared launches for torch (`jl_prepared_*`; torch_lora/ops/c_launch.py for PreparedLinear): a
       kernel's parameter block is built once per layer, and a call only patches the few parameters
       that change (x, y, workspace, ranks pointers and the scale) and launches, without Triton's
       Python launcher (~5-7 us of host time per launch on the H200 machines).
