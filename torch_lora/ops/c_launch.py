@@ -17,6 +17,7 @@ import ctypes
 import functools
 import logging
 import os
+import struct
 from typing import Optional
 
 import triton
@@ -32,7 +33,7 @@ _ENABLED = [LAUNCHER == "c"]
 
 
 def float_bits(v: float) -> int:
-    import struct  # noqa: PLC0415
+    """v's float32 bit pattern: the value a prepared launch's fp32 parameter slot takes."""
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
