@@ -1297,8 +1297,11 @@ def test_torch_lora_demo_on_a_checkpoint_verifies_every_request_with_eviction(ll
     assert "without adapter" in out
 
 
-@pytest.mark.parametrize("argv, word", [(["--requests", "0"], "requests"), (["--device", "cuda"], "cuda"),
-                                        (["--backend", "bogus"], "bogus")])
+@pytest.mark.parametrize("argv, word", [
+    (["--requests", "0"], "requests"),
+    pytest.param(["--device", "cuda"], "cuda", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                                        reason="a machine with CUDA")),
+    (["--backend", "bogus"], "bogus")])
 def test_torch_lora_demo_bad_options_are_one_line_errors(llama_assets, capsys, argv, word):
     """Issue 17 (clean CLI errors, no tracebacks, exit status 2) applied to `torch-lora demo`:
     --requests 0, --device cuda without CUDA, --backend bogus."""
