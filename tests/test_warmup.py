@@ -272,10 +272,9 @@ def _variant(call, dtype):
 def test_vllm_kernel_test_sweep_compiles_few_variants(monkeypatch):
     """vLLM's kernel-test sweep (4,272 stand-alone shrinks and expands over 228 hidden sizes, ranks
     1-256, 1-128 adapters), planned as on an H200 (compiled, programmatic dependent launch allowed):
-    the split-K chunk and the expand's tile numbers are runtime values (`plan.sizes`), so hidden
-    sizes and slice widths that share a launch config share the compiled kernel -- at most half
-    the variants that the same plans with those values as meta-parameters compiled (810 against
-    1,650 at the time of writing)."""
+    the expand's tile numbers are runtime values (`plan.sizes`), so slice widths that share a
+    launch config share the compiled expand -- at most 70% of the variants that the same plans
+    with those values as meta-parameters compiled (1,154 against 1,650 at the time of writing)."""
     from types import SimpleNamespace as A
 
     from lora_core.kernels import arguments, configs, expand, plan_expand, plan_shrink, planning
@@ -294,10 +293,10 @@ def test_vllm_kernel_test_sweep_compiles_few_variants(monkeypatch):
                            add_inputs=True, bias_flags=(0,) * S, has_ranks=False, pdl=True)
         calls.append(arguments.expand_call(plan, A(shape=(1, S, T, R)), [A(shape=(L, H, R))] * S, None, None, meta,
                                            A(shape=(T, H * S)), [H * s for s in range(S)], strides))
+        assert calls[1].plan.sizes
         for call in calls:
-            assert call.plan.sizes
             found.add(_variant(call, dtype))
             as_meta.add((_variant(call, dtype), tuple(call.plan.sizes.items())))
         launches += 2
     assert launches == 4272
-    assert 2 * len(found) <= len(as_meta), (len(found), len(as_meta))
+    assert 10 * len(found) <= 7 * len(as_meta), (len(found), len(as_meta))

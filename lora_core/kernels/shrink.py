@@ -38,10 +38,10 @@ def lora_shrink_kernel(
         stride_x_token, stride_x_hidden,
         stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden,
         stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
-        stride_out_plane, stride_out_slice, stride_out_token, stride_out_rank, k_per_split,
+        stride_out_plane, stride_out_slice, stride_out_token, stride_out_rank,
         out_ptr,
         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-        NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
+        K_PER_SPLIT: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
         LORA_ONLY: tl.constexpr, ATOMIC: tl.constexpr, HAS_RANKS: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
@@ -82,8 +82,8 @@ def lora_shrink_kernel(
     a3_rows = lora_a_rows(a3_ptr, slot, hint16(stride_a3_slot, ALIGNED), hint16(stride_a3_rank, ALIGNED), BLOCK_R)
     hidden = hint16(hidden, ALIGNED)
     stride_x_token = hint16(stride_x_token, ALIGNED)
-    k_begin = split * k_per_split
-    k_end = tl.where(has_lora, tl.minimum(k_begin + k_per_split, hidden), k_begin)  # no LoRA: no loop
+    k_begin = split * K_PER_SPLIT
+    k_end = tl.where(has_lora, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)  # no LoRA: no loop
     if PREFETCH_LINES > 0:
         rank_ok = tl.arange(0, BLOCK_R) < rank
         prefetch_rows(a0_rows, rank_ok, k_begin, k_end, stride_a0_hidden, PREFETCH_LINES, PREFETCH_LINE)
@@ -136,8 +136,8 @@ class ShrinkPlan(PlanKey):
     num_partials: int          # planes of the output (1 for the stand-alone shrink)
     atomic: bool               # the output must be zeroed first
     num_tokens: int = 0        # T (the launch's PDL policy depends on it: planning.pdl_launch)
-    # the integer parameters the plan computes, {name: value} in the kernel's order (k_per_split:
-    # a runtime value, so one compiled variant serves every hidden size of a launch config)
+    # the integer parameters the plan computes, {name: value} in the kernel's order (none: the
+    # split-K chunk stays a meta-parameter, as a runtime value it cost rank-64 launches up to 1.4x)
     sizes: dict = dataclasses.field(default_factory=dict)
 
 
@@ -165,7 +165,7 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
     atomic = split > 1 and not workspace
     cast, precision = cast_and_precision((x_dtype, w_dtype))
     constexprs = dict(RANK=rank, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
-                      NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
+                      K_PER_SPLIT=k_per_split, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
                       LORA_ONLY=bool(lora_only or atomic), ATOMIC=atomic, HAS_RANKS=bool(has_ranks),
                       CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
                       USE_PDL=bool(pdl), **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split,
@@ -174,4 +174,4 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
     grid = (num_slices // constexprs["SLICES"], split,
             max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))
     return ShrinkPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
-                      split if workspace else 1, atomic, int(num_tokens), {"k_per_split": k_per_split})
+                      split if workspace else 1, atomic, int(num_tokens))
