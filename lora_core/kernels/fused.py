@@ -264,4 +264,4 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
     grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
-                     workspace_shape=(split, num_slices, num_tokens, rank))
+                     (split, num_slices, num_tokens, rank))
