@@ -27,7 +27,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-os.environ.pop("TRITON_INTERPRET", None)
+if __name__ == "__main__":
+    # Compiled kernels, not the interpreter's: before the kernels are decorated. Only when run as a
+    # script: a test that imports this module keeps its process's interpreter setting.
+    os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 

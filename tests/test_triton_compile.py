@@ -226,5 +226,18 @@ def test_compile_launches_tool_specialises_like_a_launch():
     assert "; 0 failed" in proc.stdout
 
 
+
+def test_importing_compile_launches_keeps_the_interpreter_setting(monkeypatch):
+    """benchmarks/compile_launches.py turns Triton's interpreter off only when run as a script: a
+    test that imports it (tests/test_warmup.py) must leave its worker's TRITON_INTERPRET alone, or
+    every later interpreted test in that worker plans compiled launches for interpreted kernels."""
+    import importlib
+    pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import compile_launches
+    importlib.reload(compile_launches)                 # runs the module's top level again
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
 if __name__ == "__main__":
     sys.exit(min(1, compare_deterministic() if sys.argv[1] == "deterministic" else compile_all(sys.argv[1])))
