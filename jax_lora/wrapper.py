@@ -262,14 +262,9 @@ class PunicaWrapper:
                               "max_num_batched_tokens")
 
     def _check_embedding_rows(self, name: str, num_embeddings: int) -> None:
-        """Refuses an embedding of `num_embeddings` rows when the step (known on the host) was
-        prepared with another vocab_size + extra_vocab_size: embeddings_indices[1] = slot * that
-        sum, so its rows would come from the wrong slot. Unknown inside a trace: not checked."""
-        rows = self._host_embedding_rows
-        if rows is not None and rows != num_embeddings:
-            raise ValueError(f"{name} has {num_embeddings} rows, but the step's metadata was prepared with vocab_size + "
-                             f"extra_vocab_size = {rows}: pass vocab_size={num_embeddings} (and extra_vocab_size=0) "
-                             "to update_metadata")
+        """Refuses an embedding whose row count is not the step's vocab_size + extra_vocab_size
+        (known on the host; unknown inside a trace: not checked)."""
+        checks.check_embedding_rows(name, num_embeddings, self._host_embedding_rows)
 
     def _check_slots(self, name: str, num_slots: int) -> None:
         if self._host_max_slot is not None and self._host_max_slot >= num_slots:

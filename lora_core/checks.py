@@ -268,6 +268,16 @@ def check_capacity(name: str, count: int, capacity: int, capacity_name: str) -> 
         raise ValueError(f"{name} has {count} entries, more than {capacity_name}={capacity}")
 
 
+def check_embedding_rows(name: str, num_embeddings: int, step_rows) -> None:
+    """An embedding of `num_embeddings` rows against the vocab_size + extra_vocab_size its step was
+    prepared with (`step_rows`; None: unknown, not checked): embeddings_indices[1] = slot * that
+    sum, so another row count would read other slots' rows."""
+    if step_rows is not None and step_rows != num_embeddings:
+        raise ValueError(f"{name} has {num_embeddings} rows, but the step's metadata was prepared with vocab_size + "
+                         f"extra_vocab_size = {step_rows}: pass vocab_size={num_embeddings} (and extra_vocab_size=0) "
+                         "to update_metadata")
+
+
 def check_wrapper_sizes(*, options: dict, **sizes) -> None:
     """PunicaWrapper's constructor arguments: positive ints, and no unknown options."""
     for name, v in sizes.items():

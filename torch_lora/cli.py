@@ -186,9 +186,10 @@ def verify(peft_model, requests: Sequence[tuple], served: dict, device, rtol: fl
                 total += len(tokens)
         scale = max(1.0, float(ref.abs().max()))
         err = float((logits - ref).abs().max()) / scale
-        top2 = choosable(ref).topk(2, dim=-1).values
+        choices = choosable(ref)
+        top2 = choices.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 10 * rtol * scale
-        tokens_ok = bool(((choosable(ref).argmax(-1) == torch.as_tensor(tokens)) | ~clear).all())
+        tokens_ok = bool(((choices.argmax(-1) == torch.as_tensor(tokens)) | ~clear).all())
         ok[rid] = err <= rtol and tokens_ok
         worst = max(worst, err)
     return ok, worst, (changed / total if total else 0.0)

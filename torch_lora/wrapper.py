@@ -212,14 +212,8 @@ class PunicaWrapper:
             raise ValueError(f"{name} has {num_tokens} rows, but update_metadata mapped only {available}")
 
     def _check_embedding_rows(self, name: str, num_embeddings: int) -> None:
-        """Refuses an embedding of `num_embeddings` rows when the step was prepared with another
-        vocab_size + extra_vocab_size: embeddings_indices[1] = slot * that sum, so its rows would
-        come from the wrong slot."""
-        rows = self._embedding_rows
-        if rows is not None and rows != num_embeddings:
-            raise ValueError(f"{name} has {num_embeddings} rows, but the step's metadata was prepared with vocab_size + "
-                             f"extra_vocab_size = {rows}: pass vocab_size={num_embeddings} (and extra_vocab_size=0) "
-                             "to update_metadata")
+        """Refuses an embedding whose row count is not the step's vocab_size + extra_vocab_size."""
+        checks.check_embedding_rows(name, num_embeddings, self._embedding_rows)
 
     def _check_slots(self, name: str, num_slots: int) -> None:
         if self._max_slot >= num_slots:
