@@ -11,8 +11,8 @@ builds, for each sweep case (`bench_triton.sweep_cases`, both slice sets) and ea
 `torch_lora.ops.triton` makes on an H200 -- the launch table's configs, the fused kernel where the
 table picks it, else the shrink and the expand -- and compiles each kernel for sm_90 with the
 argument specialisations a real launch gets (integers equal to 1 become constants, multiples of 16
-get divisibility hints except the token counts, `planning.TOKEN_COUNT_PARAMS`; the expand's tile
-numbers, `planning.UNSPECIALISED_PARAMS`, get neither; pointers are 16-byte aligned), as Triton's launcher and the JAX FFI launcher do. Prints one line per distinct
+get divisibility hints except the token counts, `planning.TOKEN_COUNT_PARAMS`, pointers are
+16-byte aligned), as Triton's launcher and the JAX FFI launcher do. Prints one line per distinct
 launch and the failures; exits 1 if any failed. Compiling is CPU work (about 0.5 s a kernel).
 """
 
@@ -35,7 +35,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from lora_core.kernels import arguments, configs, fused, plan_expand, plan_shrink  # noqa: E402
-from lora_core.kernels.planning import TOKEN_COUNT_PARAMS, UNSPECIALISED_PARAMS  # noqa: E402
+from lora_core.kernels.planning import TOKEN_COUNT_PARAMS  # noqa: E402
 
 DEVICE = "NVIDIA H200"
 HIDDEN = 4096
@@ -62,8 +62,6 @@ def signature(call: arguments.KernelCall) -> tuple:
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             sig[n] = "fp32"
-        elif n in UNSPECIALISED_PARAMS:
-            sig[n] = "i32"
         elif int(v) == 1:
             sig[n] = "constexpr"
             consts[(i,)] = 1

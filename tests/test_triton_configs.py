@@ -203,7 +203,7 @@ def test_tuner_candidates_all_plan(compiled):
             for c in tune_triton.expand_candidates(tc, r):
                 plan = kernels.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", tune_triton.class_keys(tc, c), add_inputs=True,
                                      bias_flags=(False,) * len(widths), has_ranks=False, pdl=True)
-                assert plan.grid[0] * plan.constexprs["TILES_N"] == plan.sizes["num_tiles"]
+                assert plan.grid[0] * plan.constexprs["TILES_N"] == plan.constexprs["NUM_TILES"]
 
 
 def test_a_gpu_without_a_table_gets_the_generic_defaults(monkeypatch, caplog):

@@ -123,8 +123,8 @@ def test_expand_several_output_tiles_per_program(tiles_n, rank, ahead):
     tn = plan.constexprs["TILES_N"]
     assert tn == min(tiles_n, 3)                                     # at most the largest slice's tiles
     padded = sum(-(-n // tn) * tn for n in (3, 1, 2))                # 3 + 1 + 2 tiles of 16, padded
-    assert plan.sizes["num_tiles"] == padded and plan.grid[0] == padded // tn
-    assert (plan.sizes["nt1"], plan.sizes["nt2"]) == (-(-3 // tn) * tn, padded - -(-2 // tn) * tn)
+    assert plan.constexprs["NUM_TILES"] == padded and plan.grid[0] == padded // tn
+    assert (plan.constexprs["NT1"], plan.constexprs["NT2"]) == (-(-3 // tn) * tn, padded - -(-2 // tn) * tn)
     assert plan.constexprs["Y_AHEAD"] == ahead
     out = y.clone()
     torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, offsets, torch.from_numpy(ranks).to(DEV), bias,

@@ -143,9 +143,7 @@ def test_case_variants_name_the_variants_a_launch_compiles():
         for t in counts:
             exact.setdefault(_compiled_variants(shape, t), set()).add((shape, t))
             planned.setdefault(case_variants(shape, t, 8, "bfloat16", device="NVIDIA H200"), set()).add((shape, t))
-    def groups(found):        # layers of other shapes may share variants: order the cases by text
-        return sorted((sorted(cases, key=str) for cases in found.values()), key=str)
-    assert groups(exact) == groups(planned)
+    assert sorted(map(sorted, exact.values()), key=str) == sorted(map(sorted, planned.values()), key=str)
     for shape in LLAMA_LAYERS:          # 72 / 80 and 264 / 272: one launch config, one compiled variant
         assert _compiled_variants(shape, 72) == _compiled_variants(shape, 80)
         assert _compiled_variants(shape, 264) == _compiled_variants(shape, 272)
@@ -231,72 +229,3 @@ def test_dora_warmup_runs_the_scaled_variants_on_both_sides():
             w.warmup([(32, (16, 8), 8)], [1], dtype=dtype, bias=True, dora=True, progress=False)
         with pytest.raises(TypeError, match="dora must be a bool, got str"):
             w.warmup([(32, (16, 8), 8)], [1], dtype=dtype, dora="yes", progress=False)
-
-
-# vLLM's kernel tests (tests/lora/test_punica_ops.py) as shapes: the hidden sizes of the models vLLM
-# serves, each divided by tensor-parallel sizes 1, 2, 8, 16 and 64, at 4 batches of 128 tokens, 4
-# adapters, rank 32; and hidden size 2049 at 1-32 batches of 128 tokens, 1-128 adapters, ranks
-# 1-256. Both with 1-3 slices, fp16 and bf16; the stand-alone shrink and expand (add_inputs).
-_VLLM_TEST_HIDDEN = [
-    128, 256, 512, 896, 1024, 1152, 1216, 1280, 1536, 1664, 2048, 2240, 2304, 2368, 2432, 2560, 2752, 3072,
-    3328, 3456, 3584, 3712, 4096, 4480, 4608, 4736, 4864, 5120, 5504, 5632, 5888, 6144, 6400, 6848, 6912,
-    7168, 7424, 8192, 8960, 9216, 9472, 10240, 11008, 11264, 13824, 14336, 14784, 14848, 15360, 18944,
-    22016, 22528, 24576, 27392, 27648, 29568, 29696, 32000, 32256, 32512, 32768, 33024, 36864, 43264,
-    49152, 49408, 60544, 60672, 64000, 64256, 102400, 102656, 128000, 128256]
-
-
-def _vllm_kernel_test_cases():
-    import itertools
-    hidden = sorted({h // tp for h in _VLLM_TEST_HIDDEN for tp in (1, 2, 8, 16, 64)})
-    dtypes = ("float16", "bfloat16")
-    for batches, loras, rank, slices, dtype in itertools.product((1, 4, 16, 32), (1, 8, 32, 128),
-                                                                 (1, 4, 8, 16, 32, 64, 128, 256), (1, 2, 3), dtypes):
-        yield batches * 128, 2049, rank, slices, loras, dtype
-    for h, slices, dtype in itertools.product(hidden, (1, 2, 3), dtypes):
-        yield 512, h, 32, slices, 4, dtype
-
-
-def _variant(call, dtype):
-    """What Triton compiles `call` as: kernel, meta-parameters, warps, stages, the element type and
-    its integer parameters' specialisation (1 a constant, multiples of 16 hinted, the token counts
-    never hinted, planning.UNSPECIALISED_PARAMS neither)."""
-    from lora_core.kernels.planning import TOKEN_COUNT_PARAMS, UNSPECIALISED_PARAMS
-    spec = []
-    for name, v in call.named_scalars().items():
-        if isinstance(v, float) or name in UNSPECIALISED_PARAMS:
-            continue
-        spec.append((name, "one" if v == 1 else "d16" if v % 16 == 0 and name not in TOKEN_COUNT_PARAMS else ""))
-    return call.kernel.__name__, call.plan.key[1:], dtype, tuple(spec)
-
-
-def test_vllm_kernel_test_sweep_compiles_few_variants(monkeypatch):
-    """vLLM's kernel-test sweep (4,272 stand-alone shrinks and expands over 228 hidden sizes, ranks
-    1-256, 1-128 adapters), planned as on an H200 (compiled, programmatic dependent launch allowed):
-    the expand's tile numbers are runtime values (`plan.sizes`), so slice widths that share a
-    launch config share the compiled expand -- at most 75% of the variants that the same plans
-    with those values as meta-parameters compiled (1,158 against 1,650 at the time of writing)."""
-    from types import SimpleNamespace as A
-
-    from lora_core.kernels import arguments, configs, expand, plan_expand, plan_shrink, planning
-    for module in (planning, expand, configs):        # plans as compiled, not as interpreted
-        monkeypatch.setattr(module, "interpreting", lambda: False)
-    dev = "NVIDIA H200"
-    strides = arguments.shape_strides
-    found, as_meta, launches = set(), set(), 0
-    for T, H, R, S, L, dtype in _vllm_kernel_test_cases():
-        meta = (A(shape=(T,)), A(shape=(T,)), A(shape=(L + 1,)), A(shape=(L + 2,)), A(shape=(L + 1,)))
-        plan = plan_shrink(T, H, R, S, L + 1, dtype, dtype, configs.shrink_config(T, H, R, S, L, device=dev),
-                           lora_only=False, workspace=False, has_ranks=False, pdl=True)
-        calls = [arguments.shrink_call(plan, A(shape=(T, H)), [A(shape=(L, R, H))] * S, None, meta, 0.5,
-                                       A(shape=(S, T, R)), strides)]
-        plan = plan_expand(T, R, (H,) * S, L + 1, 1, dtype, dtype, configs.expand_config(T, H, R, S, L, device=dev),
-                           add_inputs=True, bias_flags=(0,) * S, has_ranks=False, pdl=True)
-        calls.append(arguments.expand_call(plan, A(shape=(1, S, T, R)), [A(shape=(L, H, R))] * S, None, None, meta,
-                                           A(shape=(T, H * S)), [H * s for s in range(S)], strides))
-        assert calls[1].plan.sizes
-        for call in calls:
-            found.add(_variant(call, dtype))
-            as_meta.add((_variant(call, dtype), tuple(call.plan.sizes.items())))
-        launches += 2
-    assert launches == 4272
-    assert 4 * len(found) <= 3 * len(as_meta), (len(found), len(as_meta))

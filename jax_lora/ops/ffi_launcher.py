@@ -6,8 +6,7 @@ the whole cost of a LoRA layer (docs/benchmarks.md). This module instead:
 
   * compiles each kernel variant with Triton (`triton.compile`, specialised the way Triton's own
     JIT specialises a launch: 16-byte aligned pointers, integers equal to 1 as constants, integers
-    divisible by 16 marked so except the kernels' token counts, `planning.TOKEN_COUNT_PARAMS`; the
-    expand's tile numbers, `planning.UNSPECIALISED_PARAMS`, neither), and
+    divisible by 16 marked so except the kernels' token counts, `planning.TOKEN_COUNT_PARAMS`), and
     loads the cubin on every local CUDA device (`jl_load_kernel`);
   * lowers a call to `jax.ffi.ffi_call` of one FFI target, `jax_lora_triton_launch`, whose handler
     (`lora_core/kernels/cuda_launch.c`, built at first use with the C compiler Triton itself needs) launches one or
@@ -38,7 +37,7 @@ import jax
 import numpy as np
 
 from lora_core.kernels import cuda_launch
-from lora_core.kernels.planning import TOKEN_COUNT_PARAMS, UNSPECIALISED_PARAMS
+from lora_core.kernels.planning import TOKEN_COUNT_PARAMS
 
 TARGET = "jax_lora_triton_launch"
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
@@ -179,8 +178,7 @@ _COMPILED: dict = {}
 def _specialise(launch: Launch, operands, results):
     """(signature, constexprs, attrs, passed) the way Triton's JIT specialises this launch (ints
     equal to 1 are constants; ints divisible by 16 get the divisibility hint, except the token
-    counts the kernels compile without it, planning.TOKEN_COUNT_PARAMS; planning.UNSPECIALISED_PARAMS
-    get neither; pointers are aligned).
+    counts the kernels compile without it, planning.TOKEN_COUNT_PARAMS; pointers are aligned).
 
     passed: (kind, value) per kernel parameter handed to the handler (ints equal to 1 become
     constants and are not passed)."""
@@ -219,10 +217,6 @@ def _specialise(launch: Launch, operands, results):
             raise TypeError(f"{launch.kernel.__name__}.{name}: pass booleans as constexprs")
         elif isinstance(v, (int, np.integer)):
             v = int(v)
-            if name in UNSPECIALISED_PARAMS:                        # a runtime value whatever it is
-                sig[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
-                passed.append((_I32 if sig[name] == "i32" else _I64, v))
-                continue
             if v == 1:
                 sig[name] = "constexpr"
                 consts[(i,)] = 1

@@ -1,8 +1,8 @@
 """The one kernel-argument builder: every launcher's parameter list for the three kernels.
 
 Each kernel takes ~30-90 non-constexpr parameters in a fixed order: its arrays (pointer
-parameters), then scalars (scale, sizes, element strides, slice widths and offsets, then the
-integers its plan computes, `plan.sizes`), then the array it writes (`out_ptr`). `shrink_call`, `expand_call` and `fused_call` build that list once,
+parameters), then scalars (scale, sizes, element strides, slice widths and offsets), then the
+array it writes (`out_ptr`). `shrink_call`, `expand_call` and `fused_call` build that list once,
 for every launcher: torch's (Triton's launcher, the direct launch and the C launcher of
 `PreparedLinear`), JAX's (the XLA FFI handler, jax_triton) and the interpreter's.
 
@@ -177,7 +177,7 @@ def shrink_call(plan, x, lora_a: Sequence, lora_ranks, meta: Sequence, scale: fl
     ranks = counts if lora_ranks is None else lora_ranks
     pointers = (x, *weights, ranks, mapping, sorted_ids, counts, starts, active)
     scalars = (scale, x.shape[0], x.shape[1], sorted_ids.shape[0], lora_a[0].shape[0], *strides(x),
-               *_weight_strides(lora_a, strides), *strides(out), *plan.sizes.values())
+               *_weight_strides(lora_a, strides), *strides(out))
     return KernelCall(lora_shrink_kernel, plan, pointers, scalars, out)
 
 
@@ -193,7 +193,7 @@ def expand_call(plan, buf, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y
     pointers = (buf, *weights, *bias_pointers, ranks, mapping, sorted_ids, counts, starts, active, y)
     scalars = (y.shape[0], sorted_ids.shape[0], lora_b[0].shape[0], *strides(buf),
                *_weight_strides(lora_b, strides), *bias_strides, *_padded([int(b.shape[1]) for b in lora_b], 0),
-               *_padded([int(o) for o in offsets], 0), *strides(y), *plan.sizes.values())
+               *_padded([int(o) for o in offsets], 0), *strides(y))
     return KernelCall(lora_expand_kernel, plan, pointers, scalars, y)
 
 

@@ -298,19 +298,10 @@ def store_slice(acc, y_old, out_ptr, y_offs, write, bias_ptr, lora_id, cols, col
 
 
 @triton.jit
-def slice_of_tile(j, nt1, nt2, nt3, BLOCK_N: tl.constexpr, NUM_SLICES: tl.constexpr):
+def slice_of_tile(j, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr, BLOCK_N: tl.constexpr):
     """Slice s of output tile j, and the tile's first column inside the slice.
 
-    nt1..nt3: the first tile number of slices 1..3 (a large number for absent slices);
-    NUM_SLICES: the launch's slice count (one slice: s is the constant 0, its selects fold)."""
-    if NUM_SLICES == 1:
-        s = 0
-        first = 0
-    else:
-        s = (j >= nt1).to(tl.int32)
-        if NUM_SLICES > 2:
-            s += (j >= nt2).to(tl.int32)
-        if NUM_SLICES > 3:
-            s += (j >= nt3).to(tl.int32)
-        first = tl.where(s == 0, 0, tl.where(s == 1, nt1, tl.where(s == 2, nt2, nt3)))
+    NT1..NT3: the first tile number of slices 1..3 (a large number for absent slices)."""
+    s = (j >= NT1).to(tl.int32) + (j >= NT2).to(tl.int32) + (j >= NT3).to(tl.int32)
+    first = tl.where(s == 0, 0, tl.where(s == 1, NT1, tl.where(s == 2, NT2, NT3)))
     return s, (j - first) * BLOCK_N

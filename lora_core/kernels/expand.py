@@ -20,20 +20,20 @@ import triton.language as tl
 
 from .common import (gdc_launch_dependents, gdc_wait, hint16, load_rank_cols, pick_slice, prefetch_rows, rank_dot,
                      runs_copy, slice_of_tile, slot_rank, store_slice, token_tile, workspace_lhs, y_tile)
-from .planning import (MAX_SLICES, TOKEN_COUNT_PARAMS, UNSPECIALISED_PARAMS, PlanKey, cast_and_precision,
-                       check_dot_dims, epilogue_constexprs, interpreting, max_tiles, next_pow2, prefetch_constexprs, small_t_block)
+from .planning import (MAX_SLICES, TOKEN_COUNT_PARAMS, PlanKey, cast_and_precision, check_dot_dims,
+                       epilogue_constexprs, interpreting, max_tiles, next_pow2, prefetch_constexprs, small_t_block)
 
 
 @triton.jit
 def _expand_y(j, live, tok, tok_ok, y_ptr, width0, width1, width2, width3, offset0, offset1, offset2, offset3,
               stride_y_token,
-              stride_y_col, num_tiles, nt1, nt2, nt3, NUM_SLICES: tl.constexpr,
+              stride_y_col, NUM_TILES: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr,
               ADD_INPUTS: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr):
-    """The current y of output tile j (zeros unless live > 0, past num_tiles, or outside its slice):
+    """The current y of output tile j (zeros unless live > 0, past NUM_TILES, or outside its slice):
     what `_expand_tile` adds to, loaded one tile ahead by lora_expand_kernel's Y_AHEAD loop."""
-    s, n0 = slice_of_tile(tl.minimum(j, num_tiles - 1), nt1, nt2, nt3, BLOCK_N, NUM_SLICES)
+    s, n0 = slice_of_tile(tl.minimum(j, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = ((cols < hint16(pick_slice(s, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + j) < num_tiles)
+    col_ok = ((cols < hint16(pick_slice(s, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + j) < NUM_TILES)
               & ((cols * 0 + live) > 0))
     _, _, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok, hint16(pick_slice(s, offset0, offset1, offset2, offset3),
                                                                   ALIGNED),
@@ -50,28 +50,28 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
                  stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
                  stride_bias2_col, stride_bias3_slot, stride_bias3_col,
                  width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token, stride_y_col,
-                 RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, num_tiles, nt1,
-                 nt2, nt3, NUM_SLICES: tl.constexpr, BIAS0: tl.constexpr, BIAS1: tl.constexpr,
+                 RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_TILES: tl.constexpr, NT1: tl.constexpr,
+                 NT2: tl.constexpr, NT3: tl.constexpr, BIAS0: tl.constexpr, BIAS1: tl.constexpr,
                  BIAS2: tl.constexpr, BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
                  WAIT: tl.constexpr, y_given, Y_GIVEN: tl.constexpr, lhs_given, LHS_GIVEN: tl.constexpr,
                  B_TAIL: tl.constexpr):
-    """Output tile j (over all slices; none past num_tiles) of one token tile: see lora_expand_kernel.
+    """Output tile j (over all slices; none past NUM_TILES) of one token tile: see lora_expand_kernel.
     B_TAIL: zero B's columns past the slot's rank in registers (`load_rank_cols` ZERO_TAIL; needed
     with per-slot ranks unless the rank is a multiple of 8).
     WAIT: gdc_wait (PDL) after the loads the shrink does not write (B tile, y tile), before the
     workspace's. Y_GIVEN: y_given is the tile's current y (`_expand_y`, loaded ahead), else loaded here.
     LHS_GIVEN (one rank block): lhs_given is the token tile's summed workspace rows of this tile's
     slice (`workspace_lhs`, loaded once per program), else loaded here."""
-    s, n0 = slice_of_tile(tl.minimum(j, num_tiles - 1), nt1, nt2, nt3, BLOCK_N, NUM_SLICES)
+    s, n0 = slice_of_tile(tl.minimum(j, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     b_ptr = pick_slice(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
     stride_bl = hint16(pick_slice(s, stride_b0_slot, stride_b1_slot, stride_b2_slot, stride_b3_slot), ALIGNED)
     stride_bn = hint16(pick_slice(s, stride_b0_col, stride_b1_col, stride_b2_col, stride_b3_col), ALIGNED)
     stride_bk = pick_slice(s, stride_b0_rank, stride_b1_rank, stride_b2_rank, stride_b3_rank)
     cols = n0 + tl.arange(0, BLOCK_N)
-    # the slice's own columns, of a real tile (a program's last tiles may lie past num_tiles)
-    col_ok = (cols < hint16(pick_slice(s, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + j) < num_tiles)
+    # the slice's own columns, of a real tile (a program's last tiles may lie past NUM_TILES)
+    col_ok = (cols < hint16(pick_slice(s, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + j) < NUM_TILES)
     offs_r = tl.arange(0, BLOCK_R)
     b_rows = b_ptr + lora_id.to(tl.int64) * stride_bl + cols[:, None] * stride_bn
     buf_rows = (buf_ptr + s * hint16(stride_buf_slice, ALIGNED) + tok[:, None] * hint16(stride_buf_token, ALIGNED))
@@ -113,7 +113,7 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
                  BIAS0 + BIAS1 + BIAS2 + BIAS3 > 0)
 
 
-@triton.jit(do_not_specialize=UNSPECIALISED_PARAMS, do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
+@triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr,
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
@@ -124,10 +124,11 @@ def lora_expand_kernel(
         stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
         stride_bias2_col, stride_bias3_slot, stride_bias3_col,
         width0, width1, width2, width3, offset0, offset1, offset2, offset3,
-        stride_y_token, stride_y_col, num_tiles, nt1, nt2, nt3,
+        stride_y_token, stride_y_col,
         out_ptr,
-        RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_SLICES: tl.constexpr, BIAS0: tl.constexpr,
-        BIAS1: tl.constexpr, BIAS2: tl.constexpr, BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
+        RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_TILES: tl.constexpr, NT1: tl.constexpr,
+        NT2: tl.constexpr, NT3: tl.constexpr, BIAS0: tl.constexpr, BIAS1: tl.constexpr, BIAS2: tl.constexpr,
+        BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILES_N: tl.constexpr,
         Y_AHEAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
@@ -136,7 +137,7 @@ def lora_expand_kernel(
         B_SELECT: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + sum_p buf[p, s, t, :] @ B_s[idx[t], n, :] + bias.
 
-    Grid (cdiv(num_tiles, TILES_N), token tiles): program (i, tile) writes output tiles
+    Grid (cdiv(NUM_TILES, TILES_N), token tiles): program (i, tile) writes output tiles
     i * TILES_N ... + TILES_N - 1 (numbered over all slices; BLOCK_N columns each) of its token
     tile. TILES_N > 1 (prefill sizes) reads the tile's metadata once for several output tiles and
     gives the software pipeliner a loop whose next tile's loads overlap this one's math (the B tile
@@ -189,13 +190,13 @@ def lora_expand_kernel(
                              stride_bias3_slot, stride_bias3_col,
                              width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
                              stride_y_col,
-                             RANK, NUM_PARTIALS, num_tiles, nt1, nt2, nt3, NUM_SLICES, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
+                             RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3, ADD_INPUTS,
                              HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, USE_PDL,
                              0.0, False, 0.0, False, (b_tail == 1) or ((HAS_RANKS or B_SELECT) and not TWO_COPIES))
     else:
         # The program's tiles lie in one slice (plan_expand pads each slice's tiles to a multiple
         # of TILES_N): its slice s0 and first column n0.
-        s0, n0 = slice_of_tile(tl.minimum(i * TILES_N, num_tiles - 1), nt1, nt2, nt3, BLOCK_N, NUM_SLICES)
+        s0, n0 = slice_of_tile(tl.minimum(i * TILES_N, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
         width_s0 = pick_slice(s0, width0, width1, width2, width3)
         if PREFETCH_LINES > 0:
             # The program's B tiles (weights: not written by the shrink) into L2 while it runs.
@@ -218,8 +219,9 @@ def lora_expand_kernel(
         if Y_AHEAD:
             # the first tile's y, before the wait (final already, as above)
             y_next = _expand_y(i * TILES_N, 1, tok, tok_ok, y_ptr, width0, width1, width2, width3,
-                               offset0, offset1, offset2, offset3, stride_y_token, stride_y_col, num_tiles, nt1, nt2,
-                               nt3, NUM_SLICES, ADD_INPUTS, BLOCK_N, ALIGNED)
+                               offset0, offset1, offset2, offset3, stride_y_token, stride_y_col, NUM_TILES, NT1, NT2,
+                               NT3,
+                               ADD_INPUTS, BLOCK_N, ALIGNED)
         else:
             y_next = 0.0
         if USE_PDL:
@@ -240,7 +242,7 @@ def lora_expand_kernel(
                         y_next = _expand_y(i * TILES_N + t + 1, TILES_N - 1 - t, tok, tok_ok, y_ptr, width0,
                                            width1, width2, width3, offset0, offset1, offset2, offset3,
                                            stride_y_token, stride_y_col,
-                                           num_tiles, nt1, nt2, nt3, NUM_SLICES, ADD_INPUTS, BLOCK_N, ALIGNED)
+                                           NUM_TILES, NT1, NT2, NT3, ADD_INPUTS, BLOCK_N, ALIGNED)
                     _expand_tile(i * TILES_N + t, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
                                  b3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr,
                                  stride_buf_plane, stride_buf_slice,
@@ -251,7 +253,7 @@ def lora_expand_kernel(
                                  stride_bias2_col, stride_bias3_slot, stride_bias3_col,
                                  width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
                                  stride_y_col,
-                                 RANK, NUM_PARTIALS, num_tiles, nt1, nt2, nt3, NUM_SLICES, BIAS0, BIAS1, BIAS2, BIAS3,
+                                 RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, BIAS0, BIAS1, BIAS2, BIAS3,
                                  ADD_INPUTS, HAS_RANKS, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION,
                                  ALIGNED, False, y_cur, Y_AHEAD, lhs, RANK <= BLOCK_R, b_tail == 1)
 
@@ -269,9 +271,6 @@ class ExpandPlan(PlanKey):
     constexprs: dict
     num_warps: int
     num_stages: int
-    # the integer parameters the plan computes, {name: value} in the kernel's order (num_tiles,
-    # nt1..nt3: runtime values, so one compiled variant serves every set of slice widths)
-    sizes: dict = dataclasses.field(default_factory=dict)
 
 
 def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: int, num_partials: int,
@@ -295,8 +294,7 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
     cast, precision = cast_and_precision((w_dtype,) if not interpreting() else (w_dtype, y_dtype))
     tiles_n = max(1, min(int(config.get("TILES_N", 1)), max(triton.cdiv(int(w), block_n) for w in widths)))
     c, total = epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n, tiles_n)
-    sizes = {"num_tiles": total, **{f"nt{i}": c.pop(f"NT{i}") for i in (1, 2, 3)}}
-    c.update(RANK=rank, NUM_PARTIALS=int(num_partials), NUM_SLICES=len(widths), BLOCK_M=block_m, BLOCK_N=block_n,
+    c.update(RANK=rank, NUM_PARTIALS=int(num_partials), NUM_TILES=total, BLOCK_M=block_m, BLOCK_N=block_n,
              BLOCK_R=block_r, TILES_N=tiles_n, Y_AHEAD=bool(config.get("Y_AHEAD", False)) and tiles_n > 1,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
              CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
@@ -307,4 +305,4 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
     c.update(PREFETCH_Y_LINES=y_prefetch["PREFETCH_LINES"], PREFETCH_Y_LINE=y_prefetch["PREFETCH_LINE"],
              B_SELECT=bool(config.get("B_SELECT", True)) and tiles_n == 1 and rank <= block_r)
     grid = (total // tiles_n, max_tiles(num_tokens, num_groups, block_m, small_t))
-    return ExpandPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)), sizes)
+    return ExpandPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))

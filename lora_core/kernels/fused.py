@@ -127,7 +127,7 @@ def lora_fused_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     stride_ws_token = hint16(stride_ws_token, ALIGNED)
     is_out = p < NUM_TILES
-    s_out, n0 = slice_of_tile(tl.minimum(p, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N, NUM_SLICES)
+    s_out, n0 = slice_of_tile(tl.minimum(p, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = (cols < hint16(pick_slice(s_out, width0, width1, width2, width3),
                             ALIGNED)) & ((cols * 0 + p) < NUM_TILES)
@@ -264,4 +264,4 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
     grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
-                     workspace_shape=(split, num_slices, num_tokens, rank))
+                     (split, num_slices, num_tokens, rank))

@@ -136,9 +136,6 @@ class ShrinkPlan(PlanKey):
     num_partials: int          # planes of the output (1 for the stand-alone shrink)
     atomic: bool               # the output must be zeroed first
     num_tokens: int = 0        # T (the launch's PDL policy depends on it: planning.pdl_launch)
-    # the integer parameters the plan computes, {name: value} in the kernel's order (none: the
-    # split-K chunk stays a meta-parameter, as a runtime value it cost rank-64 launches up to 1.4x)
-    sizes: dict = dataclasses.field(default_factory=dict)
 
 
 def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_groups: int,
