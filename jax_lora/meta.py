@@ -21,8 +21,8 @@ the sorted order and ascend by id; entries of active_lora_ids past the active on
 sorts once; every shape depends only on (max_num_tokens, max_loras), never on the mapping, so one
 compiled program serves every step, and nothing is read back to the host.
 
-Values outside -1 .. max_loras-1 (which only a caller inside jit can pass unchecked) are treated
-as -1: they never index weights.
+Values outside -1 .. max_loras-1 (which only a caller inside jit, or with accelerator arrays that
+are not read back, can pass unchecked) are treated as -1: they never index weights.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lora_core import checks
 
 __all__ = ["LoRAKernelMeta", "build_kernel_meta"]
 
@@ -79,7 +81,7 @@ def build_kernel_meta(token_lora_mapping: jax.Array, num_tokens: jax.Array, *, m
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class LoRAKernelMeta:
     """Token-to-adapter metadata for the grouped kernels (a pytree of int32 device arrays).
 
@@ -96,6 +98,17 @@ class LoRAKernelMeta:
     num_tokens_per_lora: jax.Array
     lora_token_start_loc: jax.Array
     no_lora: jax.Array
+
+    def __init__(self, token_lora_mapping, token_indices_sorted_by_lora_ids, active_lora_ids, num_tokens_per_lora,
+                 lora_token_start_loc, no_lora=None, *, no_lora_flag_cpu=None):
+        """The fields in the seed's order; the no-LoRA flag as `no_lora` or by the seed's keyword
+        `no_lora_flag_cpu` (one of them)."""
+        if (no_lora is None) == (no_lora_flag_cpu is None):
+            raise TypeError("LoRAKernelMeta takes the no-LoRA flag once: as no_lora or as no_lora_flag_cpu")
+        values = (token_lora_mapping, token_indices_sorted_by_lora_ids, active_lora_ids, num_tokens_per_lora,
+                  lora_token_start_loc, no_lora if no_lora is not None else no_lora_flag_cpu)
+        for field, value in zip(dataclasses.fields(self), values):
+            object.__setattr__(self, field.name, value)  # (a frozen dataclass)
 
     @property
     def max_loras(self) -> int:
@@ -122,13 +135,16 @@ class LoRAKernelMeta:
               num_tokens=None) -> "LoRAKernelMeta":
         """Metadata for a (T,) index array, padded to `max_num_tokens` (default T) capacity.
 
-        `num_tokens` (default T) may be a traced scalar when called inside jit. Slots outside
-        0..max_loras-1 are treated as -1; for host (NumPy) values that happens before the int32
-        conversion, so an int64 2**32 + 1 is -1, not slot 1.
+        `num_tokens` (default T) may be a traced scalar when called inside jit. Values known on the
+        host without a transfer (NumPy arrays, sequences, concrete arrays on CPU devices) are
+        checked: a slot outside -1..max_loras-1 is a ValueError. Inside jit, or on an accelerator,
+        such slots are treated as -1 (they never index weights).
         """
-        if isinstance(token_lora_mapping, np.ndarray) and token_lora_mapping.dtype.kind in "iu":
-            m = token_lora_mapping
-            token_lora_mapping = np.where((m >= 0) & (m < max_loras), m, -1).astype(np.int32)
+        host = _host_mapping(token_lora_mapping)
+        if host is not None and host.size:
+            checks.check_index_values("token_lora_mapping", int(host.min()), int(host.max()), max_loras,
+                                      "the metadata (max_loras)")
+            token_lora_mapping = host.astype(np.int32)
         m = jnp.asarray(token_lora_mapping)
         if m.ndim != 1 or not jnp.issubdtype(m.dtype, jnp.integer):
             raise ValueError(f"token_lora_mapping must be a 1-D integer array, got {m.shape} {m.dtype}")
@@ -166,6 +182,18 @@ class LoRAKernelMeta:
         lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums, the seed's order."""
         return (self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
                 self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora)
+
+
+def _host_mapping(m) -> Optional[np.ndarray]:
+    """An integer mapping's values when they are on the host already (NumPy, a sequence, a
+    concrete array on CPU devices); None otherwise (a tracer, an accelerator array, not integers)."""
+    if isinstance(m, jax.Array):
+        if not _is_concrete(m) or any(d.platform != "cpu" for d in m.devices()):
+            return None
+    elif not isinstance(m, (np.ndarray, list, tuple)):
+        return None
+    arr = np.asarray(m)
+    return arr if arr.ndim == 1 and arr.dtype.kind in "iu" else None
 
 
 def _is_concrete(x) -> bool:

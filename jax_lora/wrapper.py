@@ -57,7 +57,7 @@ class PunicaWrapper:
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device=None, *, max_loras: int,
                  backend: Optional[str] = None, deterministic: bool = False, **options: Any):
         checks.check_wrapper_sizes(max_num_batched_tokens=max_num_batched_tokens, max_batches=max_batches,
-                                   max_loras=max_loras, options=options)
+                                   max_loras=max_loras, options=options, logger="jax_lora")
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_batches = int(max_batches)
         self.max_loras = int(max_loras)
@@ -317,9 +317,9 @@ class PunicaWrapper:
                             dora_scale_stacked=dora_scale_stacked).reshape(y.shape)
 
     def _expand(self, y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
-                meta, cut_to_y=False, lora_ranks=None, dora_scale_stacked=None):
+                meta, cut_to_y=False, lora_ranks=None, dora_scale_stacked=None, num_slots_a=None):
         lora_b, offsets, bias = self._expand_args(y2, buf.shape, buf.dtype, lora_b_stacked, lora_bias_stacked,
-                                                  output_slices, offset_start, cut_to_y)
+                                                  output_slices, offset_start, cut_to_y, num_slots_a)
         self._check_devices(x=buf, lora_b_stacked=lora_b, y=y2, lora_bias_stacked=bias)
         impl = self._impl()
         extra = self._col_scale(impl, dora_scale_stacked, lora_b, bias)
@@ -345,8 +345,9 @@ class PunicaWrapper:
         return {"col_scale": tuple(None if g is None else g.reshape(g.shape[0], g.shape[-1]) for g in scales)}
 
     def _expand_args(self, y2, buf_shape, buf_dtype, lora_b_stacked, lora_bias_stacked, output_slices,
-                     offset_start, cut_to_y=False):
-        """Checks the expand half; returns (3-D lora_b, slice offsets, bias as (L, n_s) or None)."""
+                     offset_start, cut_to_y=False, num_slots_a=None):
+        """Checks the expand half (and, given num_slots_a, that B holds A's slot count); returns
+        (3-D lora_b, slice offsets, bias as (L, n_s) or None)."""
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
         slices = checks.check_output_slices(output_slices, len(lora_b))
         offset_start = checks.as_offset("offset_start", offset_start)
@@ -357,6 +358,8 @@ class PunicaWrapper:
                                                       [b.dtype for b in lora_b], y2.shape, y2.dtype,
                                                       offset_start)
         checks.check_slice_widths(slices, widths)
+        if num_slots_a is not None:
+            checks.check_slot_counts(num_slots_a, num_slots)
         self._check_tokens("y", y2.shape[0])
         self._check_slots("lora_b_stacked", num_slots)
         self._check_rank("lora_b_stacked", rank)
@@ -413,8 +416,8 @@ class PunicaWrapper:
                                                  [a.dtype for a in lora_a])
         scale = checks.as_scale(scale)
         if buffer is not None:
-            _check_buffer("buffer", as_array("buffer", buffer, checks.ACTIVATION_DTYPES),
-                          (len(lora_a), x2.shape[0], rank))
+            _check_buffer("buffer", as_array("buffer", buffer, checks.SHRINK_BUFFER_DTYPES),
+                          (len(lora_a), x2.shape[0], rank), dtypes=checks.SHRINK_BUFFER_DTYPES)
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
@@ -424,14 +427,16 @@ class PunicaWrapper:
         impl = self._impl()
         if buffer is None and hasattr(impl, "linear"):  # the backend may fuse shrink and expand
             lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32",
-                                                       lora_b, lora_bias_stacked, output_slices, 0)
+                                                       lora_b, lora_bias_stacked, output_slices, 0,
+                                                       num_slots_a=num_slots)
             self._check_devices(x=x2, lora_b_stacked=lora_b3, y=y2, lora_bias_stacked=bias)
             extra = self._col_scale(impl, dora_scale_stacked, lora_b3, bias)
             return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, scale, offsets, ranks,
                                bias, **extra).reshape(y.shape)
         buf = impl.shrink(x2, lora_a3, self.token_meta, scale, ranks)
         return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True, self.token_meta,
-                            lora_ranks=lora_ranks, dora_scale_stacked=dora_scale_stacked).reshape(y.shape)
+                            lora_ranks=lora_ranks, dora_scale_stacked=dora_scale_stacked,
+                            num_slots_a=num_slots).reshape(y.shape)
 
     def add_lora_linear_stacked(self, y, x, lora_a, lora_b, scale: float, output_slices: Sequence[int], *,
                                 lora_ranks=None, dora_scale=None) -> jax.Array:
@@ -503,13 +508,14 @@ class PunicaWrapper:
         x2 = _flatten_tokens(as_array("x", x, checks.ACTIVATION_DTYPES), "x")
         if x2.shape[0] != y2.shape[0]:
             raise ValueError(f"x has {x2.shape[0]} rows but y has {y2.shape[0]}")
+        checks.check_single_weight(lora_a_stacked=lora_a_stacked, lora_b_stacked=lora_b_stacked)
         a = as_array("lora_a_stacked", lora_a_stacked, checks.WEIGHT_DTYPES)
         b = as_array("lora_b_stacked", lora_b_stacked, checks.WEIGHT_DTYPES)
         num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [a.shape], [a.dtype])
         scale = checks.as_scale(scale)
         if buffer is not None:
-            _check_buffer("buffer", as_array("buffer", buffer, checks.ACTIVATION_DTYPES), (x2.shape[0], rank),
-                          allow_leading_one=True)
+            _check_buffer("buffer", as_array("buffer", buffer, checks.SHRINK_BUFFER_DTYPES), (x2.shape[0], rank),
+                          allow_leading_one=True, dtypes=checks.SHRINK_BUFFER_DTYPES)
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
@@ -518,7 +524,7 @@ class PunicaWrapper:
                                   as_lora_ranks(lora_ranks, num_slots))
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")
         return self._expand(y2, buf, (b,), None, (width,), 0, True, self.prompt_meta, cut_to_y=True,
-                            lora_ranks=lora_ranks).reshape(y.shape)
+                            lora_ranks=lora_ranks, num_slots_a=num_slots).reshape(y.shape)
 
 
 def _host_bool(v):
@@ -528,14 +534,17 @@ def _host_bool(v):
 def _flatten_tokens(a: jax.Array, name: str) -> jax.Array:
     if a.ndim < 2:
         raise ValueError(f"{name} must have shape (..., features) with a token axis, got {a.shape}")
+    if a.ndim == 2:
+        return a
+    if a.shape[-1] == 0:
+        raise ValueError(f"{name} must have a feature axis (its last) of size >= 1, got shape {a.shape}")
     return a.reshape(-1, a.shape[-1])
 
 
 def _stack_buffer(x) -> jax.Array:
     if isinstance(x, (list, tuple)):
         parts = [as_array(f"x[{i}]", p, checks.ACTIVATION_DTYPES) for i, p in enumerate(x)]
-        if any(p.ndim != 2 for p in parts):
-            raise ValueError(f"x as a sequence must hold (T, r) arrays, got {[p.shape for p in parts]}")
+        checks.check_slice_buffers([p.shape for p in parts])
         return jnp.stack(parts)
     return as_array("x", x, checks.ACTIVATION_DTYPES)
 
@@ -546,8 +555,9 @@ def _dtype_of(a):
     return dtype if dtype is not None else jnp.asarray(a).dtype
 
 
-def _check_buffer(name: str, buf: jax.Array, shape: tuple, allow_leading_one: bool = False) -> None:
+def _check_buffer(name: str, buf: jax.Array, shape: tuple, allow_leading_one: bool = False,
+                  dtypes=checks.ACTIVATION_DTYPES) -> None:
     got = tuple(buf.shape)
     if got != tuple(shape) and not (allow_leading_one and got == (1,) + tuple(shape)):
         raise ValueError(f"{name} must have shape {tuple(shape)} (num_slices, num_tokens, rank), got {got}")
-    checks.check_dtype(name, buf.dtype, checks.ACTIVATION_DTYPES)
+    checks.check_dtype(name, buf.dtype, dtypes)

@@ -133,6 +133,14 @@ class SlotTable:
         when an adapter cannot be reloaded from disk; either way nothing changes (every adapter is
         prepared before any slot is written).
         """
+        if ids is None or isinstance(ids, (str, bytes)):
+            raise TypeError(f"ids must be an iterable of LoRA ids (int, or 0 / None for no adapter), got {ids!r}")
+        ids = list(ids)
+        bad = next(((k, i) for k, i in enumerate(ids) if i is not None
+                    and (not isinstance(i, (int, np.integer)) or isinstance(i, bool))), None)
+        if bad is not None:
+            raise TypeError(f"ids[{bad[0]}] must be an int LoRA id (or 0 / None for no adapter), got "
+                            f"{type(bad[1]).__name__} {bad[1]!r:.80}")
         need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
         unknown = [i for i in need if i not in self._sources]
         if unknown:

@@ -7,6 +7,7 @@ and what was received.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import operator
@@ -16,6 +17,8 @@ from typing import Any, Optional, Sequence
 ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
 INDEX_DTYPES = ("int32", "int64", "int16", "int8", "uint8")
+# SPEC section 4: the shrink buffer (add_lora_linear's and add_lora_logits' `buffer`) is float32.
+SHRINK_BUFFER_DTYPES = ("float32",)
 # SPEC section 1: indices are int32 on every device.
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 # Backends whose kernels need a rank of at least this (a zero-width rank block cannot be tiled).
@@ -52,6 +55,37 @@ def weight_dims(name: str, shape: Sequence[int], what: str) -> tuple[int, int, i
                      f"got {shape}")
 
 
+def check_has_slots(name: str, num_slots: int, shape: Sequence[int]) -> None:
+    """A stacked weight holds at least one slot (slot 0 is where a mapping's first adapter goes)."""
+    if num_slots < 1:
+        raise ValueError(f"{name} must hold at least one slot (num_slots >= 1), got shape {tuple(shape)}")
+
+
+def check_slot_counts(num_slots_a: int, num_slots_b: int, arg_a="lora_a_stacked", arg_b="lora_b_stacked") -> None:
+    """A and B of one layer hold the same slots (slot i of both is one adapter)."""
+    if num_slots_a != num_slots_b:
+        raise ValueError(f"{arg_a} has {num_slots_a} slots but {arg_b} has {num_slots_b}: slot i of both "
+                         "holds one adapter, so the counts must be equal")
+
+
+def check_single_weight(**named) -> None:
+    """Arguments that take one stacked weight (add_lora_logits' A and B: one slice), not a sequence."""
+    for name, value in named.items():
+        if isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be one stacked weight (num_slots, [1,] rows, cols), not a "
+                            f"{type(value).__name__} of {len(value)}: this method has one slice")
+
+
+def check_slice_buffers(shapes: Sequence[Sequence[int]], name: str = "x") -> None:
+    """`name` given as a sequence of per-slice buffers: each (num_tokens, rank), all one shape."""
+    if len(shapes) == 0:
+        raise ValueError(f"{name} as a sequence must hold one (num_tokens, rank) buffer per slice, got none")
+    for i, shape in enumerate(shapes):
+        if len(shape) != 2 or tuple(shape) != tuple(shapes[0]):
+            raise ValueError(f"{name}[{i}] has shape {tuple(shape)}, but {name}[0] has {tuple(shapes[0])}: every "
+                             "slice's buffer must be 2-D (num_tokens, rank), all of one shape")
+
+
 def check_shrink(x_shape, x_dtype, a_shapes, a_dtypes, arg_x="x", arg_a="lora_a_stacked") -> tuple[int, int, int]:
     """Checks x (T, H) against lora_a slices (L, [1,] r, H); returns (num_slots, rank, hidden)."""
     check_ndim(arg_x, x_shape, (2,), "2-D (num_tokens, hidden_size)")
@@ -59,11 +93,14 @@ def check_shrink(x_shape, x_dtype, a_shapes, a_dtypes, arg_x="x", arg_a="lora_a_
     if len(a_shapes) == 0:
         raise ValueError(f"{arg_a} must hold at least one slice, got none")
     hidden = int(x_shape[1])
+    if hidden < 1:
+        raise ValueError(f"{arg_x} must have a hidden size >= 1, got shape {tuple(x_shape)}")
     dims = []
     for s, (shape, dtype) in enumerate(zip(a_shapes, a_dtypes)):
         nm = f"{arg_a}[{s}]"
         check_dtype(nm, dtype, WEIGHT_DTYPES)
         num_slots, rank, h = weight_dims(nm, shape, "rank, hidden_size")
+        check_has_slots(nm, num_slots, shape)
         if h != hidden:
             raise ValueError(f"{nm} has hidden size {h} (shape {tuple(shape)}), but {arg_x} has hidden "
                              f"size {hidden} (shape {tuple(x_shape)})")
@@ -95,6 +132,7 @@ def check_expand(buf_shape, buf_dtype, b_shapes, b_dtypes, y_shape, y_dtype, off
         nm = f"{arg_b}[{s}]"
         check_dtype(nm, dtype, WEIGHT_DTYPES)
         num_slots, n, r = weight_dims(nm, shape, "out_features, rank")
+        check_has_slots(nm, num_slots, shape)
         if r != rank:
             raise ValueError(f"{nm} has rank {r} (shape {tuple(shape)}), but {arg_buf} has rank {rank} "
                              f"(shape {tuple(buf_shape)}): A and B ranks differ")
@@ -278,13 +316,16 @@ def check_embedding_rows(name: str, num_embeddings: int, step_rows) -> None:
                          "to update_metadata")
 
 
-def check_wrapper_sizes(*, options: dict, **sizes) -> None:
-    """PunicaWrapper's constructor arguments: positive ints, and no unknown options."""
+def check_wrapper_sizes(*, options: dict, logger: str, **sizes) -> None:
+    """PunicaWrapper's constructor arguments: positive ints. Other keywords are accepted and
+    ignored, as vLLM's wrappers do (`**kwargs`: an engine may pass its own), with a warning on
+    `logger` that names them (a misspelt `backend=` must not go unnoticed)."""
     for name, v in sizes.items():
         if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:  # NumPy ints are Integral
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if options:
-        raise TypeError(f"unknown PunicaWrapper options: {sorted(options)}")
+        logging.getLogger(logger).warning("PunicaWrapper ignores the keyword arguments %s (it takes max_loras, "
+                                          "backend and deterministic)", sorted(options))
 
 
 def check_seed_slice(y_offset: Any, y_slice_size: Any, width: int, y_shape: Sequence[int],

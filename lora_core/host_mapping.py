@@ -81,6 +81,10 @@ def _as_id_tuple(name: str, ids: Any) -> tuple[int, ...]:
         return ids
     if ids is None or isinstance(ids, (str, bytes)):
         raise TypeError(f"LoRAMapping.{name} must be a 1-D sequence of int LoRA ids, got {ids!r}")
+    if isinstance(ids, (list, tuple)):  # NumPy would read (1, True) as ints
+        bad = next(((i, v) for i, v in enumerate(ids) if isinstance(v, (bool, np.bool_))), None)
+        if bad:
+            raise TypeError(f"LoRAMapping.{name} must hold integer LoRA ids, got {bad[1]!r} at [{bad[0]}]")
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ValueError(f"LoRAMapping.{name} must be a 1-D sequence of int LoRA ids, got shape {arr.shape}")
@@ -124,7 +128,16 @@ def _slot_table(lora_index_to_id: Sequence[Optional[int]]) -> "_SlotTable":
     except TypeError:
         raise TypeError("lora_index_to_id must be a sequence with one entry per slot (a LoRA id, or None for an "
                         f"empty slot), got {type(lora_index_to_id).__name__}") from None
+    for slot, lora_id in enumerate(entries):   # before the cache: True and 1.0 hash like 1
+        _check_slot_id(slot, lora_id)
     return _slot_table_cached(entries)
+
+
+def _check_slot_id(slot: int, lora_id) -> None:
+    if lora_id is not None and (not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool)
+                                or int(lora_id) <= 0):
+        raise ValueError(f"lora_index_to_id[{slot}] must be None or a positive int LoRA id, got "
+                         f"{type(lora_id).__name__} {lora_id!r:.80}")
 
 
 class _SlotTable:
@@ -143,9 +156,7 @@ def _slot_table_cached(lora_index_to_id: tuple) -> _SlotTable:
     for slot, lora_id in enumerate(lora_index_to_id):
         if lora_id is None:
             continue
-        if not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or int(lora_id) <= 0:
-            raise ValueError(
-                f"lora_index_to_id[{slot}] must be None or a positive int LoRA id, got {lora_id!r}")
+        _check_slot_id(slot, lora_id)
         if int(lora_id) > _ID_MAX:
             raise ValueError(f"lora_index_to_id[{slot}] must be None or a positive LoRA id <= 2**63 - 1, got "
                              f"{int(lora_id)}")
@@ -278,6 +289,15 @@ def _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_conte
                         f"{type(long_lora_context).__name__}")
 
 
+def _long_lora_offset(value, lora_id) -> int:
+    """An entry of long_lora_context.offsets_by_lora_id: an integer (bools, floats and strings are
+    refused, not truncated or parsed)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"long_lora_context.offsets_by_lora_id[{lora_id!r}] must be an int position offset, got "
+                        f"{type(value).__name__} {value!r:.80}")
+    return int(value)
+
+
 def _convert_ids(index_ids: Sequence[int], prompt_ids: Sequence[int], lora_index_to_id, max_loras: int,
                  vocab_size: int, extra_vocab_size: int, long_lora_context) -> HostIndices:
     """convert_mapping_host's work on already-validated id sequences."""
@@ -296,7 +316,7 @@ def _convert_ids(index_ids: Sequence[int], prompt_ids: Sequence[int], lora_index
     long_lora = None
     if long_lora_context is not None:
         offsets = long_lora_context.offsets_by_lora_id
-        long_lora = np.asarray([int(offsets.get(i, 0)) for i in index_ids], dtype=np.int64)
+        long_lora = np.asarray([_long_lora_offset(offsets.get(i, 0), i) for i in index_ids], dtype=np.int64)
 
     for name, arr in (("sampler_indices_padded", sampler_padded), ("embeddings_indices", embeddings),
                       ("long_lora_indices", long_lora)):

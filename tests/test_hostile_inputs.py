@@ -118,16 +118,28 @@ def test_cuda_int64_beyond_int32_is_saturated_to_no_lora():
 
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
-def test_kernel_metadata_treats_int64_slots_beyond_int32_as_no_lora(impl):
-    """LoRAKernelMeta's rule, slots outside 0..max_loras-1 are -1, holds before the int32 cast."""
-    values = np.array([BIG, 0, -5, 1, 2 ** 32], np.int64)
-    if impl.side == "jax":
-        meta = impl.pkg.LoRAKernelMeta.build(values, max_loras=2)
-    else:
-        meta = impl.pkg.LoRAKernelMeta.make(2, 5, "cpu")
-        meta.prepare_tensors(host(impl, values))
-    assert impl.to_np(meta.token_lora_mapping).tolist() == [-1, 0, -1, 1, -1]
-    assert impl.to_np(meta.num_tokens_per_lora)[:3].tolist() == [3, 1, 1]
+def test_kernel_metadata_refuses_host_slots_outside_the_slots(impl):
+    """LoRAKernelMeta from host values (NumPy, a CPU tensor): a slot outside -1..max_loras-1 is a
+    ValueError naming token_lora_mapping -- int64 values beyond int32 included, which the int32 cast
+    would otherwise wrap to a real slot (2**32 + 1 -> 1)."""
+    for values, message in ((np.array([0, 1, BIG], np.int64), r"token_lora_mapping holds slot 4294967297"),
+                            (np.array([0, -5, 1], np.int64), r"token_lora_mapping holds -5"),
+                            (np.array([0, 2], np.int32), r"token_lora_mapping holds slot 2, but .* 2 slots")):
+        with pytest.raises(ValueError, match=message):
+            if impl.side == "jax":
+                impl.pkg.LoRAKernelMeta.build(values, max_loras=2)
+            else:
+                impl.pkg.LoRAKernelMeta.make(2, 5, "cpu").prepare_tensors(host(impl, values))
+
+
+def test_kernel_metadata_masks_traced_slots_outside_the_slots():
+    """Inside jit the values cannot be read: slots outside 0..max_loras-1 are -1 (no LoRA)."""
+    import jax
+
+    from jax_lora import LoRAKernelMeta
+    meta = jax.jit(lambda m: LoRAKernelMeta.build(m, max_loras=2))(np.array([7, 0, -5, 1, 2], np.int32))
+    assert np.asarray(meta.token_lora_mapping).tolist() == [-1, 0, -1, 1, -1]
+    assert np.asarray(meta.num_tokens_per_lora)[:3].tolist() == [3, 1, 1]
 
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)

@@ -180,16 +180,19 @@ def test_kernel_meta_is_built_under_jit_with_static_shapes():
     assert len(traces) == 1
 
 
-def test_prepare_tensors_updates_in_place_and_int64_out_of_range_is_no_lora():
+def test_prepare_tensors_updates_in_place_and_int64_out_of_range_is_never_slot_1():
     """Issues 17/22: JAX prepare_tensors updates the object in place like the seed (a caller that
-    ignores the result sees the new mapping); an int64 slot 2**32+1 is -1, never slot 1."""
+    ignores the result sees the new mapping); an int64 slot 2**32+1 never becomes slot 1: a host
+    value is refused (SPEC 6), a traced one is -1."""
     meta = LoRAKernelMeta.make(max_loras=3, max_num_tokens=4, device="cpu")
     assert bool(meta.no_lora)
     meta.prepare_tensors(np.array([1, 0, 1, -1], np.int32))
     np.testing.assert_array_equal(meta.token_lora_mapping, [1, 0, 1, -1])
     assert not bool(meta.no_lora_flag_cpu)
-    big = LoRAKernelMeta.build(np.array([2**32 + 1, 0], np.int64), max_loras=3)
-    np.testing.assert_array_equal(big.token_lora_mapping, [-1, 0])
+    with pytest.raises(ValueError, match=r"token_lora_mapping holds slot 4294967297"):
+        LoRAKernelMeta.build(np.array([2**32 + 1, 0], np.int64), max_loras=3)
+    traced = jax.jit(lambda m: LoRAKernelMeta.build(m, max_loras=3))(np.array([7, 0], np.int32))
+    np.testing.assert_array_equal(traced.token_lora_mapping, [-1, 0])
 
 
 LORA_INDEX_TO_ID = [1, 2, 3]        # three slots, ids 1..3 in slots 0..2

@@ -89,8 +89,9 @@ def test_kernel_meta_invariants(impl, idx, extra):
        max_loras=st.integers(1, 6))
 def test_host_metadata_equals_both_device_builds(idx, extra, max_loras):
     """The wrappers build kernel metadata on the host; it must equal the jitted JAX build and the
-    torch device build, field by field (including padding and out-of-range slots)."""
-    import jax.numpy as jnp
+    torch device build, field by field (including padding; out-of-range slots are -1 in the host and
+    traced builds, a ValueError from a CPU tensor, so torch gets them as -1)."""
+    import jax
     import torch
 
     import torch_lora
@@ -100,9 +101,13 @@ def test_host_metadata_equals_both_device_builds(idx, extra, max_loras):
     n = len(idx)
     capacity = n + extra if n + extra > 0 else 1
     host = kernel_meta_host(np.array(idx, np.int32), max_loras, capacity)
-    jm = JaxMeta.build(jnp.asarray(np.array(idx, np.int32)), max_loras, capacity)
+    jm = jax.jit(lambda m: JaxMeta.build(m, max_loras, capacity))(np.array(idx, np.int32))
     tm = torch_lora.LoRAKernelMeta.make(max_loras, capacity, "cpu")
-    tm.prepare_tensors(torch.tensor(idx, dtype=torch.int32))
+    in_range = [i if -1 <= i < max_loras else -1 for i in idx]
+    if in_range != idx:
+        with pytest.raises(ValueError, match="token_lora_mapping holds"):
+            tm.prepare_tensors(torch.tensor(idx, dtype=torch.int32))
+    tm.prepare_tensors(torch.tensor(in_range, dtype=torch.int32))
     fields = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active_lora_ids", "num_tokens_per_lora",
               "lora_token_start_loc")
     for key, field in zip(("mapping", "sorted", "active", "num", "start"), fields):

@@ -13,10 +13,12 @@ from typing import Union
 
 import torch
 
+from lora_core import checks
+
 __all__ = ["LoRAKernelMeta"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(init=False)
 class LoRAKernelMeta:
     """Token-to-adapter metadata, int32 device tensors of fixed capacity.
 
@@ -31,6 +33,19 @@ class LoRAKernelMeta:
     num_tokens_per_lora: torch.Tensor
     lora_token_start_loc: torch.Tensor
     no_lora: torch.Tensor
+
+    def __init__(self, token_lora_mapping, token_indices_sorted_by_lora_ids, active_lora_ids, num_tokens_per_lora,
+                 lora_token_start_loc, no_lora=None, *, no_lora_flag_cpu=None):
+        """The fields in the seed's order; the no-LoRA flag as `no_lora` or by the seed's keyword
+        `no_lora_flag_cpu` (one of them; kept on its own device: kernels read it there)."""
+        if (no_lora is None) == (no_lora_flag_cpu is None):
+            raise TypeError("LoRAKernelMeta takes the no-LoRA flag once: as no_lora or as no_lora_flag_cpu")
+        self.token_lora_mapping = token_lora_mapping
+        self.token_indices_sorted_by_lora_ids = token_indices_sorted_by_lora_ids
+        self.active_lora_ids = active_lora_ids
+        self.num_tokens_per_lora = num_tokens_per_lora
+        self.lora_token_start_loc = lora_token_start_loc
+        self.no_lora = no_lora if no_lora is not None else no_lora_flag_cpu
 
     @property
     def max_loras(self) -> int:
@@ -82,7 +97,9 @@ class LoRAKernelMeta:
     def prepare_tensors(self, token_lora_mapping: torch.Tensor) -> None:
         """Fills the metadata for a (T,) slot-per-token tensor (-1 = no LoRA), on its device.
 
-        Slots outside 0..max_loras-1 are treated as -1. No value is read back to the host.
+        A CPU tensor's values are checked (ValueError for a slot outside -1..max_loras-1); a device
+        tensor's are not read back to the host: there such slots are treated as -1 (they never
+        index weights).
         """
         m = torch.as_tensor(token_lora_mapping)
         if m.ndim != 1 or m.dtype.is_floating_point or m.dtype == torch.bool:
@@ -91,6 +108,9 @@ class LoRAKernelMeta:
         t, capacity, num_slots = m.shape[0], self.max_num_tokens, self.max_loras
         if t > capacity:
             raise ValueError(f"token_lora_mapping has {t} tokens, more than max_num_tokens={capacity}")
+        if m.device.type == "cpu" and t:
+            checks.check_index_values("token_lora_mapping", int(m.min()), int(m.max()), num_slots,
+                                      "the metadata (max_loras)")
         device = self.token_lora_mapping.device
         m = m.to(device=device, non_blocking=True)
         # Out-of-range slots become -1 before the int32 cast (which would wrap an int64 2**32 + 1 to 1).

@@ -46,7 +46,7 @@ class PunicaWrapper:
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device="cpu", *, max_loras: int,
                  backend: Optional[str] = None, deterministic: bool = False, **options: Any):
         checks.check_wrapper_sizes(max_num_batched_tokens=max_num_batched_tokens, max_batches=max_batches,
-                                   max_loras=max_loras, options=options)
+                                   max_loras=max_loras, options=options, logger="torch_lora")
         self.max_num_batched_tokens = t = int(max_num_batched_tokens)
         self.max_batches = b = int(max_batches)
         self.max_loras = int(max_loras)
@@ -203,11 +203,17 @@ class PunicaWrapper:
     def _check_tensors(self, **named) -> None:
         """`check_tensors` (every value a tensor, all on one device) with this wrapper's index
         tensors among them: a kernel must not get metadata from another device."""
+        for name in ("y", "x"):     # check_tensors skips None (optional arguments); these are not
+            if name in named and named[name] is None:
+                raise TypeError(f"{name} must be a torch.Tensor, got None")
         check_tensors(**named, **{"the wrapper's index tensors": self._block})
 
     def _check_tokens(self, name: str, num_tokens: int, available: Optional[int]) -> None:
         checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,
                               "max_num_batched_tokens")
+        if available is None and num_tokens > 0:
+            raise RuntimeError(f"{name} has {num_tokens} rows, but update_metadata has not been called on this "
+                               "wrapper: call it with the step's mapping first")
         if available is not None and num_tokens > available:
             raise ValueError(f"{name} has {num_tokens} rows, but update_metadata mapped only {available}")
 
@@ -225,7 +231,7 @@ class PunicaWrapper:
         """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H)."""
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         self._check_tensors(y=y, x=x, lora_a_stacked=lora_a)
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _flat_tokens(x, "x")
         num_slots, rank, _ = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
                                                  [a.dtype for a in lora_a])
         _check_buffer("y", y, (len(lora_a), x2.shape[0], rank))
@@ -244,7 +250,12 @@ class PunicaWrapper:
         y: (..., N); x: (S, T, r) or S tensors (T, r). Rows with index -1 are untouched.
         dora_scale_stacked: see add_lora_linear (the new slice value times g_s[idx]).
         """
-        buf = torch.stack(list(x)) if isinstance(x, (list, tuple)) else x
+        if isinstance(x, (list, tuple)):
+            check_tensors(x=list(x))
+            checks.check_slice_buffers([tuple(p.shape) for p in x])
+            buf = torch.stack(list(x))
+        else:
+            buf = x
         self._expand(y, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
                      self.token_mapping_meta, self.indices_len[0], lora_ranks=lora_ranks,
                      dora_scale_stacked=dora_scale_stacked)
@@ -350,7 +361,7 @@ class PunicaWrapper:
             buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
         else:
             check_tensors(x=x, buffer=buffer)
-            _check_buffer("buffer", buffer, shape)
+            _check_buffer("buffer", buffer, shape, checks.SHRINK_BUFFER_DTYPES)
         self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks)
         plan.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, plan.bias)
         return y
@@ -364,7 +375,8 @@ class PunicaWrapper:
             tuple(lora_bias_stacked) if isinstance(lora_bias_stacked, seq) else (lora_bias_stacked,))
         tensors = lora_a + lora_b + (bias_list or ())
         try:
-            slices_key = tuple(output_slices)
+            # the widths' types too: (16.0,) == (16,), but only the ints pass check_output_slices
+            slices_key = (tuple(output_slices), tuple(map(type, output_slices)))
         except TypeError:
             slices_key = output_slices
         key = (tuple(map(id, tensors)), len(lora_a), slices_key, x.dtype, x.shape[-1] if x.dim() else None,
@@ -399,7 +411,7 @@ class PunicaWrapper:
                              f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
         self._check_tensors(y=y, x=x, lora_a_stacked=lora_a, lora_b_stacked=lora_b,
                       lora_bias_stacked=[b for b in (bias_list or ()) if b is not None])
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x
+        x2 = _flat_tokens(x, "x")
         num_slots, rank, hidden = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
                                                       [a.dtype for a in lora_a])
         y2 = _token_view(y)
@@ -408,8 +420,7 @@ class PunicaWrapper:
                                                      [b.shape for b in lora_b], [b.dtype for b in lora_b],
                                                      (x2.shape[0], y2.shape[1]), y2.dtype, 0, arg_buf="x")
         checks.check_slice_widths(slices, widths)
-        if num_slots_b != num_slots:
-            raise ValueError(f"lora_a_stacked has {num_slots} slots but lora_b_stacked has {num_slots_b}")
+        checks.check_slot_counts(num_slots, num_slots_b)
         bias = None
         if bias_list is not None:
             checks.check_bias([None if b is None else tuple(b.shape) for b in bias_list], slices, num_slots,
@@ -433,8 +444,9 @@ class PunicaWrapper:
 
         x: (R, H); y: (R, V); B: (L, [1,] V', r), cut to V columns when V' > V.
         """
+        checks.check_single_weight(lora_a_stacked=lora_a_stacked, lora_b_stacked=lora_b_stacked)
         self._check_tensors(y=y, x=x, lora_a_stacked=lora_a_stacked, lora_b_stacked=lora_b_stacked, buffer=buffer)
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _flat_tokens(x, "x")
         num_slots, rank, _ = checks.check_shrink(tuple(x2.shape), x2.dtype, [lora_a_stacked.shape],
                                                  [lora_a_stacked.dtype])
         shape = (1, x2.shape[0], rank)
@@ -442,12 +454,13 @@ class PunicaWrapper:
             buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
         else:
             buffer = buffer.view(shape) if buffer.numel() == x2.shape[0] * rank else buffer
-            _check_buffer("buffer", buffer, shape)
+            _check_buffer("buffer", buffer, shape, checks.SHRINK_BUFFER_DTYPES)
         self._check_tokens("x", x2.shape[0], self.indices_len[1])
         self._check_slots("lora_a_stacked", num_slots)
         self._impl.shrink(x2, (to_3d(lora_a_stacked),), buffer, self.prompt_mapping_meta.meta_args(x2.shape[0]),
                           checks.as_scale(scale), as_lora_ranks(lora_ranks, num_slots, x.device))
-        _, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "vocab_size, rank")
+        num_slots_b, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "vocab_size, rank")
+        checks.check_slot_counts(num_slots, num_slots_b)
         self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
                      self.indices_len[1], cut_to_y=True, lora_ranks=lora_ranks)
         return y
@@ -535,8 +548,17 @@ def _token_view(y: torch.Tensor) -> torch.Tensor:
                          "(tokens, features) without a copy, so it cannot be updated in place") from None
 
 
-def _check_buffer(name: str, buf: torch.Tensor, shape: tuple) -> None:
+def _flat_tokens(t: torch.Tensor, name: str) -> torch.Tensor:
+    """(..., F) -> (T, F); fewer than two axes unchanged (the shape checks name them)."""
+    if t.dim() <= 2:
+        return t
+    if t.shape[-1] == 0:
+        raise ValueError(f"{name} must have a feature axis (its last) of size >= 1, got shape {tuple(t.shape)}")
+    return t.reshape(-1, t.shape[-1])
+
+
+def _check_buffer(name: str, buf: torch.Tensor, shape: tuple, dtypes=checks.ACTIVATION_DTYPES) -> None:
     if tuple(buf.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (num_slices, num_tokens, rank), "
                          f"got {tuple(buf.shape)}")
-    checks.check_dtype(name, buf.dtype, checks.ACTIVATION_DTYPES)
+    checks.check_dtype(name, buf.dtype, dtypes)
