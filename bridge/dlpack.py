@@ -19,8 +19,9 @@ still shared):
   * int64 / float64 / complex128 while `jax_enable_x64` is off: JAX would silently make a
     32-bit copy. With `copy=True` the tensor is converted on its device with an explicit
     `.to(int32)` (and so on), which is what SPEC wants for index tensors (int32 everywhere);
-    int64 values outside int32 are refused (ValueError) rather than wrapped (reading the range
-    is a device sync on CUDA);
+    int64 values outside int32 are refused (ValueError) rather than wrapped, and finite float64
+    values beyond float32's range rather than made infinite (reading the range is a device sync
+    on CUDA);
   * tensors that require grad (autograd's view of them would silently diverge from JAX's), and
     tensors with the conjugate/negative bit set: with `copy=True`, a detached/resolved copy.
 In the other direction every single-device CPU/GPU `jax.Array` is shareable; arrays sharded over
@@ -268,22 +269,36 @@ def shareable_problem(x: torch.Tensor) -> Optional[str]:
     return None
 
 
+def _check_narrowing(x: torch.Tensor, narrowed: torch.Tensor) -> None:
+    """Refuses what narrowing x (int64 / float64 / complex128) changed beyond rounding: int64 values outside
+    int32 (wrapped: 2**32 + 1 -> 1), finite values beyond float32's largest (made infinite). A device sync
+    on CUDA (the explicit copy=True path)."""
+    what = (f"cannot convert x, the {str(x.dtype)[6:]} tensor (shape {tuple(x.shape)}, device {x.device}), to JAX's "
+            f"{str(narrowed.dtype)[6:]} (jax_enable_x64 is off): it holds")
+    if x.dtype == torch.int64 and x.numel():
+        lo, hi = (int(v) for v in torch.aminmax(x))
+        if lo < _INT32_MIN or hi > _INT32_MAX:
+            raise ValueError(f"{what} {lo if lo < _INT32_MIN else hi}, outside [{_INT32_MIN}, {_INT32_MAX}], which "
+                             "the conversion would wrap. Enable jax_enable_x64 to share int64, or keep values in "
+                             "int32 range")
+    elif x.dtype != torch.int64:
+        wide, thin = ((torch.view_as_real(t) if t.is_complex() else t) for t in (x, narrowed))
+        overflow = torch.isinf(thin) & torch.isfinite(wide)
+        if bool(overflow.any()):
+            raise ValueError(f"{what} {float(wide[overflow][0])!r}, outside float32's finite range (+-"
+                             f"{torch.finfo(torch.float32).max!r}), which the conversion would make infinite. Enable "
+                             "jax_enable_x64 to share float64, or scale the values into float32's range")
+
+
 def _copy_for_jax(x: torch.Tensor) -> torch.Tensor:
     """A shareable version of `x` (the copy=True path): the fewest changes that make it shareable."""
     if x.device.type not in ALIGNMENT:
         x = x.to("cpu")
     x = x.detach().resolve_conj().resolve_neg()
     if x.dtype in _X64_NARROW and not jax.config.jax_enable_x64:
-        if x.dtype == torch.int64 and x.numel():
-            lo, hi = torch.aminmax(x)  # read on the host: a device sync on CUDA (an explicit copy=True path)
-            lo, hi = int(lo), int(hi)
-            if lo < _INT32_MIN or hi > _INT32_MAX:
-                bad = lo if lo < _INT32_MIN else hi
-                raise ValueError(f"cannot convert the int64 tensor (shape {tuple(x.shape)}, device {x.device}) to "
-                                 f"JAX's int32 (jax_enable_x64 is off): it holds {bad}, outside [{_INT32_MIN}, "
-                                 f"{_INT32_MAX}], which the conversion would wrap. Enable jax_enable_x64 to share "
-                                 "int64, or keep index values in int32 range")
-        x = x.to(_X64_NARROW[x.dtype])
+        narrowed = x.to(_X64_NARROW[x.dtype])
+        _check_narrowing(x, narrowed)
+        x = narrowed
     if x.layout != torch.strided:
         x = x.to_dense()
     if shareable_problem(x) is not None:  # strides, alignment, or grad: a fresh dense tensor
@@ -311,8 +326,9 @@ def to_jax(x: torch.Tensor, *, copy: bool = False, stream: Optional["torch.cuda.
     Returns: a jax.Array on the JAX device of x's device, same shape; same dtype, except that with
       copy=True a 64-bit dtype without jax_enable_x64 becomes its 32-bit version.
     Raises: TypeError for a non-tensor; CopyRequiredError (a ValueError) for what cannot be shared
-      without a copy when copy=False; ValueError, with copy=True, for int64 values outside int32
-      while jax_enable_x64 is off (they would wrap).
+      without a copy when copy=False; ValueError, with copy=True while jax_enable_x64 is off, for
+      int64 values outside int32 (they would wrap) and finite float64 / complex128 values beyond
+      float32's finite range (they would become infinities).
     """
     # Fast path: the common shareable case in a few attribute reads (each ~0.1 us); anything
     # unusual goes through shareable_problem, which also writes the error message.

@@ -30,6 +30,7 @@ reading the result. The input views are kept alive until torch's stream has fini
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any, Optional, Sequence
 
 import jax
@@ -40,7 +41,7 @@ import torch
 import torch_lora
 import torch_lora.ops as tops
 from jax_lora.ops import as_array
-from lora_core import checks
+from lora_core import checks, segments
 from lora_core.host_mapping import LoRAMapping, pad_prompt_mapping
 
 from .dlpack import _ARRAY_IMPL, ConversionCache, current_stream, to_jax, to_torch, torch_device_for
@@ -71,6 +72,13 @@ def _as_torch(a, name: str = "array"):
     # A host value goes through jax_lora's conversion, which refuses what JAX would change in silence
     # (float64 narrowed to float32, int64 outside int32 wrapped).
     return to_torch(a if isinstance(a, jax.Array) else as_array(name, a))
+
+
+def _required(a, name: str):
+    """_as_torch for an argument without a default: None is a TypeError naming it."""
+    if a is None:
+        raise TypeError(f"{name} must be a jax.Array, got NoneType")
+    return _as_torch(a, name)
 
 
 class _KeepAlive:
@@ -279,10 +287,7 @@ class JaxPunicaWrapper:
                              f"(shape {jnp.shape(y)})")
         if buffer is not None:
             a = lora_a_stacked if isinstance(lora_a_stacked, (list, tuple)) else [lora_a_stacked]
-            want = (len(a), x_t.shape[0], jnp.shape(a[0])[-2])
-            if tuple(jnp.shape(buffer)) != want:
-                raise ValueError(f"buffer must have shape {want} (num_slices, num_tokens, rank), got "
-                                 f"{tuple(jnp.shape(buffer))}")
+            _check_buffer(buffer, (len(a), x_t.shape[0], jnp.shape(a[0])[-2]))
         n = self._num_tokens
         self.torch_wrapper.add_lora_linear(self._mapped(out2, n), self._mapped(x_t, n),
                                            self._weight(lora_a_stacked, "lora_a_stacked"),
@@ -298,12 +303,24 @@ class JaxPunicaWrapper:
         out2, x_t = self._rows(out, "y"), self._rows(_as_torch(x, "x"), "x")
         if x_t.shape[0] != out2.shape[0]:
             raise ValueError(f"x has {x_t.shape[0]} rows but y has {out2.shape[0]}")
+        if buffer is not None:
+            shape = (1, x_t.shape[0], jnp.shape(lora_a_stacked)[-2])
+            _check_buffer(buffer if jnp.size(buffer) != math.prod(shape) else jnp.reshape(buffer, shape), shape)
         n = self._num_rows
         self.torch_wrapper.add_lora_logits(self._mapped(out2, n), self._mapped(x_t, n),
                                            self._weight(lora_a_stacked, "lora_a_stacked"),
                                            self._weight(lora_b_stacked, "lora_b_stacked"), scale,
                                            lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
         return self._finish(out, x_t)
+
+
+def _check_buffer(buf, shape: tuple) -> None:
+    """add_lora_linear's / add_lora_logits' shrink buffer (only checked: JAX is functional): `shape`,
+    float32 (contract section 4)."""
+    if tuple(jnp.shape(buf)) != tuple(shape):
+        raise ValueError(f"buffer must have shape {tuple(shape)} (num_slices, num_tokens, rank), got "
+                         f"{tuple(jnp.shape(buf))}")
+    checks.check_dtype("buffer", jnp.result_type(buf), checks.SHRINK_BUFFER_DTYPES)
 
 
 # ----------------------------------------------------------------------------- ops (jax_lora.ops's API)
@@ -333,7 +350,7 @@ def _meta_args(meta, num_tokens: int) -> tuple:
 def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: Optional[str] = None,
                 lora_ranks=None) -> jax.Array:
     """jax_lora.ops.lora_shrink over torch_lora.ops.lora_shrink: returns (S, T, r) float32."""
-    x_t = _as_torch(x, "x")
+    x_t = _required(x, "x")
     a_t = _torch_all(lora_a_stacked, "lora_a_stacked")
     a_list = a_t if isinstance(a_t, list) else [a_t]
     num_slots, rank, _ = checks.check_shrink(tuple(x_t.shape), x_t.dtype, [a.shape for a in a_list],
@@ -348,8 +365,8 @@ def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: Optional[str]
 def lora_expand(buf, lora_b_stacked, y, meta, offset_start: int = 0, add_inputs: bool = False, *,
                 backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
     """jax_lora.ops.lora_expand over torch_lora.ops.lora_expand: returns a new y."""
-    out = _as_torch(y, "y").clone(memory_format=torch.contiguous_format)
-    buf_t = _as_torch(buf, "buf")
+    out = _required(y, "y").clone(memory_format=torch.contiguous_format)
+    buf_t = _required(buf, "buf")
     tops.lora_expand(buf_t, _torch_all(lora_b_stacked, "lora_b_stacked"), out, *_meta_args(meta, out.shape[0]),
                      offset_start=offset_start, add_inputs=add_inputs, backend=backend,
                      lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
@@ -359,17 +376,17 @@ def lora_expand(buf, lora_b_stacked, y, meta, offset_start: int = 0, add_inputs:
 
 def bgmv_shrink(x, w, idx, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1."""
-    x_t = _as_torch(x, "x")
-    res = tops.bgmv_shrink(x_t, _as_torch(w, "w"), _as_torch(idx, "idx"), scale, backend=backend,
+    x_t = _required(x, "x")
+    res = tops.bgmv_shrink(x_t, _required(w, "w"), _as_torch(idx, "idx"), scale, backend=backend,
                            lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
     _keepalive.hold(x_t.device, x_t)
     return to_jax(res)
 
 
 def _expand(fn, x, w, y, idx_args, tail, backend, lora_ranks) -> jax.Array:
-    out = _as_torch(y, "y").clone(memory_format=torch.contiguous_format)
-    x_t = _as_torch(x, "x")
-    fn(x_t, _as_torch(w, "w"), out, *idx_args, *tail, backend=backend, lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+    out = _required(y, "y").clone(memory_format=torch.contiguous_format)
+    x_t = _required(x, "x")
+    fn(x_t, _required(w, "w"), out, *idx_args, *tail, backend=backend, lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
     _keepalive.hold(out.device, x_t)
     return to_jax(out)
 
@@ -387,19 +404,40 @@ def bgmv_expand_slice(x, w, y, idx, y_offset: int, y_slice_size: int, add_inputs
                    backend, lora_ranks)
 
 
+def _segment_scalar(name: str, v):
+    """batch_size / max_length / token_nums for torch: an integer scalar (a 0-d JAX or NumPy array,
+    a NumPy integer) as a Python int, read where it is on the host (a float is refused, not
+    truncated); a 0-d array on an accelerator as a 0-d tensor there (not read: a host sync), which
+    torch_lora.ops checks by dtype only. Other values go to torch_lora.ops, which checks them."""
+    if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer):
+        readable = all(d.platform == "cpu" for d in v.devices())
+        count = segments.as_count(name, v, readable)
+        return count if readable else to_torch(v)
+    if isinstance(v, (np.ndarray, np.generic)):
+        return segments.as_count(name, v)
+    return v
+
+
 def _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums) -> tuple:
-    as_int = lambda v: int(v) if isinstance(v, (jax.Array, np.ndarray, np.integer)) else v  # noqa: E731
-    return (_as_torch(seq_start_locs, "seq_start_locs"), _as_torch(seq_lengths, "seq_lengths"),
-            _as_torch(lora_indices_per_batch, "lora_indices_per_batch"), as_int(batch_size), as_int(max_length),
-            as_int(token_nums))
+    """The six prefill-metadata values for torch_lora.ops. Arrays' dtypes and shapes are checked here,
+    before the conversion (which would refuse a float64 NumPy array for its width, not its kind):
+    lora_core.segments; their values are checked by torch_lora.ops (host arrays)."""
+    arrays = (seq_start_locs, seq_lengths, lora_indices_per_batch)
+    if all(isinstance(a, (jax.Array, np.ndarray)) for a in arrays):
+        segments.check_segment_arrays([a.dtype for a in arrays], [tuple(a.shape) for a in arrays])
+    return tuple(_as_torch(a, name) if isinstance(a, (jax.Array, np.ndarray)) else a
+                 for name, a in zip(segments.SEGMENT_ARRAYS, arrays)) + tuple(
+        _segment_scalar(name, v) for name, v in (("batch_size", batch_size), ("max_length", max_length),
+                                                 ("token_nums", token_nums)))
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                 scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
     """bgmv_shrink with each segment's tokens using the segment's index."""
-    x_t = _as_torch(x, "x")
+    x_t = _required(x, "x")
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
-    res = tops.sgmv_shrink(x_t, _as_torch(w, "w"), *seg, scale, backend=backend, lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+    res = tops.sgmv_shrink(x_t, _required(w, "w"), *seg, scale, backend=backend,
+                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
     _keepalive.hold(x_t.device, x_t)
     return to_jax(res)
 

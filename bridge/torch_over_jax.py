@@ -35,6 +35,7 @@ result it waits for, so torch can reuse the inputs' memory right after the call.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Optional, Sequence
 
 import jax
@@ -43,9 +44,9 @@ import torch
 
 import jax_lora
 import jax_lora.ops as jops
-from lora_core import checks
+from lora_core import checks, segments
 from lora_core.host_mapping import LoRAMapping, convert_mapping_host
-from torch_lora.ops import check_tensors
+from torch_lora.ops import as_slices, check_tensors, require_tensors
 
 from .dlpack import ConversionCache, jax_device_for, to_jax, to_torch
 
@@ -292,7 +293,7 @@ class TorchPunicaWrapper:
         """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H)."""
         xj = self._act(x, "x", self._num_tokens)
         a = self._weight(lora_a_stacked, "lora_a_stacked")
-        res = self._run("add_shrink", (self._act(y, "y"), xj, a), a, lora_ranks, scale=float(scale))
+        res = self._run("add_shrink", (self._act(y, "y"), xj, a), a, lora_ranks, scale=checks.as_scale(scale))
         return self._write_back(y, res)
 
     def add_expand(self, y: torch.Tensor, x, lora_b_stacked, lora_bias_stacked, output_slices: Sequence[int],
@@ -305,8 +306,8 @@ class TorchPunicaWrapper:
             buf = self._act(x, "x")
         b = self._weight(lora_b_stacked, "lora_b_stacked")
         res = self._run("add_expand", (yj, buf, b, self._weight(lora_bias_stacked, "lora_bias_stacked")), b,
-                        lora_ranks, output_slices=_static_ints(output_slices), offset_start=offset_start,
-                        add_inputs=bool(add_inputs))
+                        lora_ranks, output_slices=_static_ints(output_slices),
+                        offset_start=checks.as_offset("offset_start", offset_start), add_inputs=bool(add_inputs))
         return self._write_back(y, res)
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
@@ -331,7 +332,7 @@ class TorchPunicaWrapper:
         a = self._weight(lora_a_stacked, "lora_a_stacked")
         res = self._run("add_lora_linear", (self._act(y, "y"), xj, a, self._weight(lora_b_stacked, "lora_b_stacked"),
                                             self._weight(lora_bias_stacked, "lora_bias_stacked")), a,
-                        lora_ranks, scale=float(scale), output_slices=_static_ints(output_slices))
+                        lora_ranks, scale=checks.as_scale(scale), output_slices=_static_ints(output_slices))
         return self._write_back(y, res)
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
@@ -345,7 +346,7 @@ class TorchPunicaWrapper:
                                (1, rows, rank))
         a = self._weight(lora_a_stacked, "lora_a_stacked")
         res = self._run("add_lora_logits", (self._act(y, "y"), xj, a, self._weight(lora_b_stacked, "lora_b_stacked")),
-                        a, lora_ranks, scale=float(scale))
+                        a, lora_ranks, scale=checks.as_scale(scale))
         return self._write_back(y, res)
 
     def _check_buffer(self, buf, shape: tuple) -> None:
@@ -357,18 +358,25 @@ class TorchPunicaWrapper:
 
 
 def _static_ints(values) -> tuple:
-    """output_slices as a hashable tuple (a static argument under jit); checked by the JAX wrapper."""
+    """output_slices as a hashable tuple of Python ints (a static argument under jit), with
+    check_output_slices' rules: each width an integer (int, NumPy integer, 0-d integer tensor; a
+    float such as 16.9 or a string "16" is a TypeError, never truncated or parsed) and positive. The
+    count against the B slices is checked by the JAX wrapper."""
     try:
-        return tuple(int(v) for v in values)
+        count = len(values)
     except TypeError:
-        return values  # not a sequence of ints: the JAX wrapper raises its own clear error
+        count = None
+    if count is None or isinstance(values, (str, bytes)):
+        raise TypeError(f"output_slices must be a sequence of ints (one width per slice), got {values!r}")
+    return checks.check_output_slices(values, count)
 
 
 def _check_buffer(name: str, buf: torch.Tensor, shape: tuple) -> None:
+    """add_lora_linear's / add_lora_logits' shrink buffer: `shape`, float32 (contract section 4)."""
     if tuple(buf.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (num_slices, num_tokens, rank), "
                          f"got {tuple(buf.shape)}")
-    checks.check_dtype(name, buf.dtype, checks.ACTIVATION_DTYPES)
+    checks.check_dtype(name, buf.dtype, checks.SHRINK_BUFFER_DTYPES)
 
 
 # ----------------------------------------------------------------------------- ops (torch_lora.ops's API)
@@ -388,9 +396,23 @@ def _act(t, name: str, copy: bool):
 
 
 def _meta(meta_args) -> tuple:
+    """The six `meta_args(T)` values for JAX: the five index tensors must be tensors (as in
+    torch_lora.ops), converted to int32."""
     mapping, sorted_tokens, num_per, start, active, no_lora = meta_args
+    require_tensors(token_lora_mapping=mapping, token_indices_sorted_by_lora_ids=sorted_tokens,
+                    num_tokens_per_lora=num_per, lora_token_start_loc=start, lora_ids=active)
     flag = no_lora.reshape(()) if isinstance(no_lora, torch.Tensor) and no_lora.numel() == 1 else no_lora
     return tuple(_index(a, "meta") for a in (mapping, sorted_tokens, num_per, start, active, flag))
+
+
+def _slices(name: str, stacked) -> tuple:
+    """The S stacked weights as a tuple (torch_lora.ops.as_slices: a None slice is a ValueError), each a
+    tensor, at least one."""
+    slices = as_slices(name, stacked)
+    if not slices:
+        raise ValueError(f"{name} must hold at least one slice, got none")
+    require_tensors(**{f"{name}[{i}]" if len(slices) > 1 else name: w for i, w in enumerate(slices)})
+    return slices
 
 
 def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
@@ -404,7 +426,8 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
                 no_lora_flag, scaling: float, *, backend: Optional[str] = None, lora_ranks=None,
                 copy: bool = False) -> torch.Tensor:
     """torch_lora.ops.lora_shrink over jax_lora.ops.lora_shrink: writes output_tensor (S, T, r), returns it."""
-    a = lora_a_weights if isinstance(lora_a_weights, (list, tuple)) else (lora_a_weights,)
+    require_tensors(inputs=inputs, output_tensor=output_tensor)
+    a = _slices("lora_a_weights", lora_a_weights)
     check_tensors(inputs=inputs, lora_a_weights=list(a), output_tensor=output_tensor)
     _check_out("output_tensor", output_tensor, (len(a), inputs.shape[0], a[0].shape[-2]))
     meta = _meta((token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
@@ -420,7 +443,8 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
                 no_lora_flag, offset_start: int = 0, add_inputs: bool = False, *, backend: Optional[str] = None,
                 lora_ranks=None, copy: bool = False) -> torch.Tensor:
     """torch_lora.ops.lora_expand over jax_lora.ops.lora_expand: updates output_tensor in place, returns it."""
-    b = lora_b_weights if isinstance(lora_b_weights, (list, tuple)) else (lora_b_weights,)
+    require_tensors(inputs=inputs, output_tensor=output_tensor)
+    b = _slices("lora_b_weights", lora_b_weights)
     check_tensors(inputs=inputs, lora_b_weights=list(b), output_tensor=output_tensor)
     meta = _meta((token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                   lora_ids, no_lora_flag))
@@ -435,6 +459,7 @@ def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: floa
                 out: Optional[torch.Tensor] = None, backend: Optional[str] = None, lora_ranks=None,
                 copy: bool = False) -> torch.Tensor:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T (a new tensor, or written into `out`)."""
+    require_tensors(x=x, lora_a_weights=w)
     check_tensors(x=x, lora_a_weights=w, lora_indices_tensor=idx, out=out)
     res = to_torch(jops.bgmv_shrink(_acts(x, "x", copy), _acts(w, "lora_a_weights", copy),
                                     _index(idx, "lora_indices_tensor"), scale, backend=backend,
@@ -455,6 +480,7 @@ def _expand_call(fn, x, w, y, idx_args, tail, copy, backend, lora_ranks, **kw):
 def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, add_inputs: bool = True, *,
                 backend: Optional[str] = None, lora_ranks=None, copy: bool = False) -> torch.Tensor:
     """y[t, :c] (+)= (x[t] @ w[idx[t]].T)[:c], in place; returns y."""
+    require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
     return _expand_call(jops.bgmv_expand, x, w, y, (_index(idx, "lora_indices_tensor"),), (add_inputs,), copy,
                         backend, lora_ranks)
@@ -464,21 +490,45 @@ def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: to
                       y_slice_size: int, add_inputs: bool = True, *, backend: Optional[str] = None,
                       lora_ranks=None, copy: bool = False) -> torch.Tensor:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T, in place; returns y."""
+    require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
     return _expand_call(jops.bgmv_expand_slice, x, w, y, (_index(idx, "lora_indices_tensor"),),
                         (y_offset, y_slice_size, add_inputs), copy, backend, lora_ranks)
 
 
+def _segment_scalar(name: str, v):
+    """batch_size / max_length / token_nums for JAX: an integer scalar as a Python int (a CPU 0-d
+    tensor read; a float is refused, not truncated); a CUDA 0-d tensor as an int32 JAX scalar (not
+    read: a host sync), which jax_lora.ops checks by dtype only."""
+    if isinstance(v, torch.Tensor):
+        readable = v.device.type == "cpu"
+        segments.as_count(name, v, readable)
+        return operator.index(v) if readable else _index(v, name)
+    if isinstance(v, np.integer):
+        return operator.index(v)
+    return v  # Python values: jax_lora.ops checks them (and names them)
+
+
 def _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums) -> tuple:
-    as_int = lambda v: int(v) if isinstance(v, (torch.Tensor, np.integer)) else v  # noqa: E731
-    return (_index(seq_start_locs, "seq_start_locs"), _index(seq_lengths, "seq_lengths"),
-            _index(lora_indices_per_batch, "lora_indices_per_batch"), as_int(batch_size), as_int(max_length),
-            as_int(token_nums))
+    """The six prefill-metadata values for jax_lora.ops. Tensors' dtypes and shapes are checked here,
+    before the conversion (which would make a float64 array float32): lora_core.segments; their
+    values are checked by jax_lora.ops on the JAX side (host arrays) or masked there (CUDA)."""
+    arrays = (seq_start_locs, seq_lengths, lora_indices_per_batch)
+    if all(isinstance(a, torch.Tensor) for a in arrays):
+        segments.check_segment_arrays([a.dtype for a in arrays], [tuple(a.shape) for a in arrays])
+    return tuple(_index(a, name) for name, a in zip(segments.SEGMENT_ARRAYS, arrays)) + tuple(
+        _segment_scalar(name, v) for name, v in (("batch_size", batch_size), ("max_length", max_length),
+                                                 ("token_nums", token_nums)))
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                 scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None, copy: bool = False):
-    """bgmv_shrink with each segment's tokens using the segment's index; returns a new (T, r) tensor."""
+    """bgmv_shrink with each segment's tokens using the segment's index; returns a new (T, r) tensor.
+
+    Segment arguments as in torch_lora.ops.sgmv_shrink: integer (B,) arrays of one length, integer
+    scalars >= 0; segment values checked when the tensors are on the CPU, masked on CUDA.
+    """
+    require_tensors(x=x, lora_a_weights=w)
     check_tensors(x=x, lora_a_weights=w)
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
     return to_torch(jops.sgmv_shrink(_acts(x, "x", copy), _acts(w, "lora_a_weights", copy), *seg, scale,
@@ -487,7 +537,9 @@ def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                 add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None, copy: bool = False):
-    """bgmv_expand with each segment's tokens using the segment's index; y in place."""
+    """bgmv_expand with each segment's tokens using the segment's index; y in place. Segment
+    arguments checked as in sgmv_shrink."""
+    require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y)
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
     return _expand_call(jops.sgmv_expand, x, w, y, seg, (add_inputs,), copy, backend, lora_ranks)
@@ -496,7 +548,9 @@ def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, ba
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                       token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
                       backend: Optional[str] = None, lora_ranks=None, copy: bool = False):
-    """bgmv_expand_slice with each segment's tokens using the segment's index; y in place."""
+    """bgmv_expand_slice with each segment's tokens using the segment's index; y in place. Segment
+    arguments checked as in sgmv_shrink."""
+    require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y)
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
     return _expand_call(jops.sgmv_expand_slice, x, w, y, seg, (y_offset, y_slice_size, add_inputs), copy, backend,

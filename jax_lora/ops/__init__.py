@@ -22,7 +22,7 @@ weights are refused (SPEC section 4 dtypes; JAX would make them float32), and 64
 outside int32 are refused (JAX would wrap them). Index *values* are checked when they are concrete
 and on the host CPU (NumPy arrays, CPU jax arrays); on accelerators and inside jit they cannot be
 read without a host sync, so out-of-range indices are masked instead: they never read or write out
-of bounds and contribute nothing.
+of bounds and contribute nothing. SGMV segment arguments: see segment_indices.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lora_core import checks
+from lora_core import checks, segments
 from ..meta import LoRAKernelMeta
 from . import dispatch
 
@@ -69,7 +69,27 @@ def as_array(name: str, a, dtypes: Optional[Sequence[str]] = None) -> jax.Array:
         check_host_int32(name, a)
     elif a is None:
         raise TypeError(f"{name} must be an array, got None")
+    elif isinstance(a, (list, tuple, int, float)) and not jax.config.jax_enable_x64:
+        check_python_values(name, a)
     return jnp.asarray(a)
+
+
+def check_python_values(name: str, a) -> None:
+    """Python numbers (a scalar or nested lists) that jnp.asarray would narrow to 32 bits in silence:
+    a finite float beyond float32's largest (it would become an infinity) or an int outside int32
+    (jnp.asarray would raise an OverflowError naming nothing) is a ValueError naming `name`."""
+    try:
+        v = np.asarray(a)
+    except (TypeError, ValueError, OverflowError):
+        return  # not numbers (or ragged): jnp.asarray raises its own error
+    if v.dtype == np.float64 and v.size:
+        big = np.isfinite(v) & (np.abs(v) > np.finfo(np.float32).max)
+        if big.any():
+            raise ValueError(f"{name} holds {float(v[big][0])!r}, outside float32's finite range (+-"
+                             f"{float(np.finfo(np.float32).max)!r}): JAX (jax_enable_x64 off) would make it an "
+                             "infinity in silence")
+    elif v.dtype.kind == "i" and v.size:
+        checks.check_int32_range(name, int(v.min()), int(v.max()))
 
 
 def check_host_int32(name: str, a) -> None:
@@ -155,12 +175,16 @@ def _check_meta(meta: LoRAKernelMeta, num_tokens: int, num_slots: int, arg_w: st
 def as_lora_ranks(lora_ranks, num_slots: int):
     """lora_ranks as an int32 array. Host values (a list, NumPy, a concrete array on the CPU) are
     read: a negative rank is refused. Tracers and accelerator arrays are not read: there a negative
-    rank acts as 0 (the slot adds nothing)."""
+    rank acts as 0 (the slot adds nothing). A bool, float or complex dtype is a TypeError; a shape
+    other than (>= num_slots,) a ValueError."""
     if lora_ranks is None:
         return None
     host = lora_ranks if isinstance(lora_ranks, (list, tuple, np.ndarray)) else None
     r = as_array("lora_ranks", lora_ranks)
-    if r.ndim != 1 or r.shape[0] < num_slots or not jnp.issubdtype(r.dtype, jnp.integer):
+    # A bool or float array is refused, not cast: True would act as rank 1, 2.7 as rank 2.
+    if not jnp.issubdtype(r.dtype, jnp.integer):
+        raise TypeError(f"lora_ranks must have an integer dtype (int32 or int64: one rank per slot), got {r.dtype}")
+    if r.ndim != 1 or r.shape[0] < num_slots:
         raise ValueError(f"lora_ranks must be a 1-D integer array of >= {num_slots} entries (one per "
                          f"slot), got shape {r.shape} dtype {r.dtype}")
     if host is not None or _on_host(r):
@@ -183,35 +207,64 @@ def _index_meta(idx, num_tokens: int, num_slots: int, arg_w: str, arg="lora_indi
     return LoRAKernelMeta.build(idx[:num_tokens].astype(jnp.int32), max_loras=num_slots)
 
 
-def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size,
-                    num_tokens: int) -> jax.Array:
+def _segment_array(name: str, value):
+    """A segment array as a jax.Array (a tracer included) where it is, or (a list, tuple or NumPy
+    array) a NumPy array; an empty list, which has no dtype, is an empty int32 array."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return value
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be a 1-D integer array (one entry per segment), got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"{name} must be a 1-D integer array (one entry per segment), got "
+                        f"{type(value).__name__}: {e}") from None
+    return arr.astype(np.int32) if arr.size == 0 else arr
+
+
+def _readable(value) -> bool:
+    """Whether a scalar can be read without a host sync: not a tracer, not on an accelerator."""
+    if isinstance(value, jax.Array):
+        return _on_host(value)
+    return not isinstance(value, jax.core.Tracer)
+
+
+def _num_slots(w) -> Optional[int]:
+    """The slot count of a stacked weight (L, [1,] a, b), or None when w is not one (checked later)."""
+    shape = getattr(w, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) in (3, 4) else None
+
+
+def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                    num_tokens: int, num_slots: Optional[int] = None) -> jax.Array:
     """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment.
 
-    Works inside jit (batch_size may be traced); buffers longer than batch_size are ignored.
+    Works inside jit (batch_size may be traced); buffers longer than batch_size are ignored. Checks
+    first (lora_core.segments), on every call: the arrays' dtypes (integer) and lengths (equal), and
+    batch_size / max_length / token_nums (integer scalars). When a scalar is readable (not traced,
+    not on an accelerator): >= 0, batch_size at most the arrays' length, token_nums at most
+    num_tokens. When the arrays are concrete and on the host (NumPy, lists, CPU arrays): the
+    segments' values (lengths and starts >= 0, inside the num_tokens tokens, not overlapping, slots
+    -1 .. num_slots-1). Elsewhere (jit, accelerators) the values are masked: a token outside every
+    live segment gets no LoRA, a slot out of range contributes nothing.
     """
-    starts = as_array("seq_start_locs", seq_start_locs).astype(jnp.int32)
-    lengths = as_array("seq_lengths", seq_lengths).astype(jnp.int32)
-    loras = as_array("lora_indices_per_batch", lora_indices_per_batch).astype(jnp.int32)
-    if not (starts.ndim == lengths.ndim == loras.ndim == 1) or not (
-            starts.shape == lengths.shape == loras.shape):
-        raise ValueError("seq_start_locs, seq_lengths and lora_indices_per_batch must be 1-D of one "
-                         f"length, got {starts.shape}, {lengths.shape}, {loras.shape}")
-    live = jnp.arange(starts.shape[0]) < batch_size
+    arrays = [_segment_array(name, v) for name, v in zip(segments.SEGMENT_ARRAYS,
+                                                          (seq_start_locs, seq_lengths, lora_indices_per_batch))]
+    length = segments.check_segment_arrays([a.dtype for a in arrays], [tuple(a.shape) for a in arrays])
+    b = segments.as_count("batch_size", batch_size, _readable(batch_size))
+    segments.as_count("max_length", max_length, _readable(max_length))
+    segments.check_token_nums(segments.as_count("token_nums", token_nums, _readable(token_nums)), num_tokens)
+    segments.check_batch_size(b, length)
+    starts, lengths, loras = (as_array(name, a) for name, a in zip(segments.SEGMENT_ARRAYS, arrays))
+    if b is not None and all(_on_host(a) for a in arrays):
+        segments.check_segment_values(*(np.asarray(a) for a in (starts, lengths, loras)), b, num_tokens,
+                                      num_slots)
+    starts, lengths, loras = (a.astype(jnp.int32) for a in (starts, lengths, loras))
+    live = jnp.arange(length) < (b if b is not None else batch_size)
     t = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
     inside = (t >= starts[None]) & (t < (starts + lengths)[None]) & live[None]
     return (jnp.max(jnp.where(inside, loras[None] + 1, 0), axis=1, initial=0) - 1).astype(jnp.int32)
-
-
-def _check_segments(starts, lengths, batch_size, token_nums, num_tokens: int) -> None:
-    if all(_on_host(a) or isinstance(a, (int, np.integer)) for a in (starts, lengths)) and not any(
-            isinstance(v, jax.core.Tracer) for v in (batch_size, token_nums)):
-        b = int(batch_size)
-        s, n = np.asarray(starts)[:b], np.asarray(lengths)[:b]
-        if b and (s.min() < 0 or (s + n).max() > num_tokens):
-            raise ValueError(f"segments [{s.min()}, {(s + n).max()}) fall outside the {num_tokens} "
-                             "tokens of x")
-        if int(token_nums) > num_tokens:
-            raise ValueError(f"token_nums={int(token_nums)} exceeds the {num_tokens} tokens of x")
 
 
 # ----------------------------------------------------------------------------- metadata-driven ops
@@ -318,6 +371,9 @@ def bgmv_expand_slice(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, 
                       y_slice_size: int, add_inputs: bool = True, *, backend: Optional[str] = None,
                       lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T; w: (L, [1,] y_slice_size, r)."""
+    # Types first: a y_slice_size of "16" or 16.0 is a TypeError, not a width mismatch.
+    y_offset = checks.as_offset("y_offset", y_offset)
+    y_slice_size = checks.as_offset("y_slice_size", y_slice_size)
     x, w, y = _expand_inputs(x, w, y)
     w3 = to_3d(w) if w.ndim in (3, 4) else w
     if w.ndim in (3, 4) and w3.shape[1] != y_slice_size:
@@ -352,20 +408,29 @@ def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks, 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None,
                 deterministic: bool = False):
-    """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata)."""
+    """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata).
+
+    x: (T, H); w: (L, [1,] r, H); seq_start_locs / seq_lengths / lora_indices_per_batch: (B,) integer
+    (arrays or lists); batch_size, max_length, token_nums: ints >= 0 (batch_size <= B, token_nums <= T;
+    int32 scalars inside jit). Returns (T, r) float32. What is checked where: segment_indices.
+    """
     x = as_array("x", x, checks.ACTIVATION_DTYPES)
-    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, x.shape[0] if x.ndim else 0)
-    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, x.shape[0])
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                          x.shape[0] if x.ndim else 0, _num_slots(w))
     return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks, deterministic=deterministic)
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None,
                 deterministic: bool = False):
-    """bgmv_expand with each segment's tokens using the segment's index (prefill metadata)."""
+    """bgmv_expand with each segment's tokens using the segment's index (prefill metadata).
+
+    x: (T, r); w: (L, [1,] n, r); y: (T, N). Returns a new y. The segment arguments are checked as in
+    sgmv_shrink.
+    """
     y = as_array("y", y, checks.ACTIVATION_DTYPES)
-    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0] if y.ndim else 0)
-    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0])
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                          y.shape[0] if y.ndim else 0, _num_slots(w))
     return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks,
                        deterministic=deterministic)
 
@@ -373,9 +438,13 @@ def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, ba
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size,
                       max_length, token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True,
                       *, backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False):
-    """bgmv_expand_slice with each segment's tokens using the segment's index."""
+    """bgmv_expand_slice with each segment's tokens using the segment's index.
+
+    x: (T, r); w: (L, [1,] y_slice_size, r); y: (T, N). Returns a new y with columns [y_offset,
+    y_offset + y_slice_size) updated. The segment arguments are checked as in sgmv_shrink.
+    """
     y = as_array("y", y, checks.ACTIVATION_DTYPES)
-    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0] if y.ndim else 0)
-    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0])
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                          y.shape[0] if y.ndim else 0, _num_slots(w))
     return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,
                              lora_ranks=lora_ranks, deterministic=deterministic)

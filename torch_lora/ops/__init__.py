@@ -19,15 +19,19 @@ or "triton". `deterministic=True` (every op): a token's result is bitwise the sa
 batch it is in (size, position, other tokens and their adapters) and from run to run
 (dispatch.deterministic_impl; docs/api.md, "Deterministic mode"). Index *values* are checked when the indices are CPU tensors; on CUDA that would need a
 host sync, so out-of-range indices are masked instead (never read or written out of bounds).
+SGMV segment arguments: dtypes, lengths and the integer scalars are checked on every call; the
+segments' values (lengths and starts >= 0, inside x's tokens, not overlapping, valid slots) when the
+arrays are on the host (lists, NumPy, CPU tensors); on CUDA they are masked (segment_indices).
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
-from lora_core import checks
+from lora_core import checks, segments
 
 from ..meta import LoRAKernelMeta
 from . import dispatch
@@ -68,6 +72,14 @@ def check_tensors(**named) -> None:
         raise ValueError(f"tensors are on different devices: {desc}")
 
 
+def require_tensors(**named) -> None:
+    """Every value must be a torch.Tensor (None included: these arguments have no default), so a
+    missing or list argument is a TypeError naming it rather than an AttributeError later."""
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
 def check_index_values(name: str, idx: torch.Tensor, num_slots: int, arg_w: str) -> None:
     """Checks CPU index values (-1 .. num_slots-1); on CUDA nothing is read (no host sync)."""
     if idx.device.type == "cpu" and idx.numel():
@@ -92,6 +104,16 @@ def _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_t
                          f"and lora_token_start_loc ({lora_token_start_loc.shape[0]}) must have lengths "
                          "K, K and K + 1")
     check_index_values("token_lora_mapping", token_lora_mapping[:num_tokens], num_slots, arg_w)
+
+
+def _require_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
+                  lora_token_start_loc, lora_ids) -> None:
+    """The five index tensors of `meta_args(T)` must be tensors (the sixth, the no-LoRA flag, is
+    passed through to the backends as it is)."""
+    require_tensors(token_lora_mapping=token_lora_mapping,
+                    token_indices_sorted_by_lora_ids=token_indices_sorted_by_lora_ids,
+                    num_tokens_per_lora=num_tokens_per_lora, lora_token_start_loc=lora_token_start_loc,
+                    lora_ids=lora_ids)
 
 
 def _kernel_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
@@ -133,11 +155,20 @@ def as_lora_ranks(lora_ranks, num_slots: int, device):
     `ranks_ptr + i`: a strided view, e.g. `ranks[::2]`, would give them other slots' values). Host
     values (a list, NumPy, a CPU tensor) are read: a negative rank is refused. A tensor on an
     accelerator is not read (that would be a host sync): there a negative rank acts as 0 (the slot
-    adds nothing)."""
+    adds nothing). A bool, float or complex dtype is a TypeError; a shape other than (>= num_slots,)
+    a ValueError."""
     if lora_ranks is None:
         return None
-    r = torch.as_tensor(lora_ranks)
-    if r.dim() != 1 or r.shape[0] < num_slots or r.dtype.is_floating_point:
+    try:
+        r = torch.as_tensor(lora_ranks)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"lora_ranks must be a 1-D integer tensor (one rank per slot), got "
+                        f"{type(lora_ranks).__name__}: {e}") from None
+    # A bool or float tensor is refused, not cast: True would act as rank 1, 2.7 as rank 2.
+    if r.dtype == torch.bool or r.dtype.is_floating_point or r.dtype.is_complex:
+        raise TypeError(f"lora_ranks must have an integer dtype (int32 or int64: one rank per slot), got "
+                        f"{checks.dtype_name(r.dtype)}")
+    if r.dim() != 1 or r.shape[0] < num_slots:
         raise ValueError(f"lora_ranks must be a 1-D integer tensor of >= {num_slots} entries (one per "
                          f"slot), got shape {tuple(r.shape)} dtype {r.dtype}")
     if r.is_cpu and r.numel() and int(r.min()) < 0:
@@ -165,6 +196,9 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
     inputs: (T, H); lora_a_weights: S tensors (L, [1,] r, H); output_tensor: (S, T, r), written
     whole. The six metadata tensors are `LoRAKernelMeta.meta_args(T)`.
     """
+    require_tensors(inputs=inputs, output_tensor=output_tensor)
+    _require_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
+                  lora_ids)
     lora_a = as_slices("lora_a_weights", lora_a_weights)
     check_tensors(inputs=inputs, lora_a_weights=lora_a, output_tensor=output_tensor,
                   token_lora_mapping=token_lora_mapping)
@@ -193,6 +227,9 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
     inputs: (S, T, r); lora_b_weights: S tensors (L, [1,] n_s, r); output_tensor: (T, N), updated in
     place from column `offset_start`. Rows with idx -1 and columns outside the slices are untouched.
     """
+    require_tensors(inputs=inputs, output_tensor=output_tensor)
+    _require_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
+                  lora_ids)
     lora_b = as_slices("lora_b_weights", lora_b_weights)
     check_tensors(inputs=inputs, lora_b_weights=lora_b, output_tensor=output_tensor,
                   token_lora_mapping=token_lora_mapping)
@@ -234,6 +271,7 @@ def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: floa
                 out: Optional[torch.Tensor] = None, backend: Optional[str] = None,
                 lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
+    require_tensors(x=x, lora_a_weights=w)
     check_tensors(x=x, lora_a_weights=w, lora_indices_tensor=idx, out=out)
     num_slots, rank, _ = checks.check_shrink(tuple(x.shape), x.dtype, [w.shape], [w.dtype],
                                              arg_a="lora_a_weights")
@@ -255,6 +293,7 @@ def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Te
 
     x: (T, r); w: (L, [1,] n, r); y: (T, N). A LoRA output wider than y is cut to y's width (vLLM).
     """
+    require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
     checks.weight_dims("lora_b_weights", tuple(w.shape), "out_features, rank")
     w3 = to_3d(w)
@@ -267,7 +306,11 @@ def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: to
                       y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
                       backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T in place; w: (L, [1,] y_slice_size, r)."""
+    require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
+    # Types first: a y_slice_size of "16" or 16.0 is a TypeError, not a width mismatch.
+    y_offset = checks.as_offset("y_offset", y_offset)
+    y_slice_size = checks.as_offset("y_slice_size", y_slice_size)
     _, n, _ = checks.weight_dims("lora_b_weights", tuple(w.shape), "out_features, rank")
     if n != y_slice_size:
         raise ValueError(f"lora_b_weights has {n} output rows (shape {tuple(w.shape)}), but y_slice_size "
@@ -289,18 +332,69 @@ def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks, determin
 
 
 # ----------------------------------------------------------------------------- SGMV
+# Checks of the segment arguments (lora_core.segments): dtypes, shapes and the integer scalars on
+# every call; the segments' values where they are on the host (lists, NumPy, CPU tensors). Segment
+# arrays on an accelerator are not read (a host sync): there a token outside every live segment
+# gets no LoRA, and a slot out of range contributes nothing.
 
-def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, num_tokens: int,
-                    device) -> torch.Tensor:
-    """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment."""
-    starts = int32_on("seq_start_locs", seq_start_locs, device)
-    lengths = int32_on("seq_lengths", seq_lengths, device)
-    loras = int32_on("lora_indices_per_batch", lora_indices_per_batch, device)
-    if not (starts.dim() == lengths.dim() == loras.dim() == 1) or not (
-            starts.shape == lengths.shape == loras.shape):
-        raise ValueError("seq_start_locs, seq_lengths and lora_indices_per_batch must be 1-D of one "
-                         f"length, got {tuple(starts.shape)}, {tuple(lengths.shape)}, {tuple(loras.shape)}")
-    live = torch.arange(starts.shape[0], device=device) < int(batch_size)
+def _segment_array(name: str, value):
+    """A segment array as a tensor where it is, or (a list, tuple or NumPy array) a NumPy array;
+    an empty list, which has no dtype, is an empty int32 array."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be a 1-D integer tensor (one entry per segment), got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"{name} must be a 1-D integer tensor (one entry per segment), got "
+                        f"{type(value).__name__}: {e}") from None
+    return arr.astype(np.int32) if arr.size == 0 else arr
+
+
+def _host_int32(name: str, value) -> torch.Tensor:
+    """A checked integer segment array as int32, where it is (a NumPy array: on the CPU); values
+    beyond int32 are refused on the host, saturated on an accelerator (as_int32)."""
+    if isinstance(value, np.ndarray):
+        if value.size:
+            checks.check_int32_range(name, int(value.min()), int(value.max()))
+        return torch.from_numpy(value.astype(np.int32))
+    return as_int32(name, value)
+
+
+def _readable(value) -> bool:
+    """Whether a scalar can be read without a host sync (anything but a tensor on an accelerator)."""
+    return not (isinstance(value, torch.Tensor) and value.device.type != "cpu")
+
+
+def _num_slots(w) -> Optional[int]:
+    """The slot count of a stacked weight (L, [1,] a, b), or None when w is not one (checked later)."""
+    shape = getattr(w, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) in (3, 4) else None
+
+
+def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                    num_tokens: int, device, num_slots: Optional[int] = None) -> torch.Tensor:
+    """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment.
+
+    Checks the six prefill-metadata values first (lora_core.segments): the arrays' dtypes (integer)
+    and lengths (equal), batch_size / max_length / token_nums (ints >= 0, batch_size at most the
+    arrays' length, token_nums at most num_tokens) and, for host arrays, the segments' values
+    (lengths and starts >= 0, inside the num_tokens tokens, not overlapping, slots -1 .. num_slots-1).
+    """
+    arrays = [_segment_array(name, v) for name, v in zip(segments.SEGMENT_ARRAYS,
+                                                          (seq_start_locs, seq_lengths, lora_indices_per_batch))]
+    length = segments.check_segment_arrays([a.dtype for a in arrays], [tuple(a.shape) for a in arrays])
+    b = segments.as_count("batch_size", batch_size, _readable(batch_size))
+    segments.as_count("max_length", max_length, _readable(max_length))
+    segments.check_token_nums(segments.as_count("token_nums", token_nums, _readable(token_nums)), num_tokens)
+    segments.check_batch_size(b, length)
+    starts, lengths, loras = (_host_int32(name, a) for name, a in zip(segments.SEGMENT_ARRAYS, arrays))
+    if b is not None and all(t.device.type == "cpu" for t in (starts, lengths, loras)):
+        segments.check_segment_values(starts.numpy(), lengths.numpy(), loras.numpy(), b, num_tokens, num_slots)
+    starts, lengths, loras = (t.to(device) for t in (starts, lengths, loras))
+    live = torch.arange(length, device=device) < (b if b is not None else batch_size.to(device))
     t = torch.arange(num_tokens, device=device, dtype=torch.int32)[:, None]
     inside = (t >= starts[None]) & (t < (starts + lengths)[None]) & live[None]
     marked = torch.where(inside, loras[None] + 1, 0)
@@ -309,34 +403,39 @@ def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_s
     return (best - 1).to(torch.int32)
 
 
-def _check_segments(starts, lengths, batch_size, token_nums, num_tokens: int) -> None:
-    s, n = torch.as_tensor(starts), torch.as_tensor(lengths)
-    if s.device.type != "cpu":
-        return  # reading them would be a host sync
-    b = int(batch_size)
-    s, n = s[:b], n[:b]
-    if b and (int(s.min()) < 0 or int((s + n).max()) > num_tokens):
-        raise ValueError(f"segments [{int(s.min())}, {int((s + n).max())}) fall outside the {num_tokens} "
-                         "tokens of x")
-    if int(token_nums) > num_tokens:
-        raise ValueError(f"token_nums={int(token_nums)} exceeds the {num_tokens} tokens of x")
+def _rows(name: str, t) -> int:
+    """The token count of x / y (its first axis), checked to be a tensor first."""
+    require_tensors(**{name: t})
+    return t.shape[0] if t.dim() else 0
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None,
                 deterministic: bool = False):
-    """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata)."""
-    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, x.shape[0])
-    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, x.shape[0], x.device)
+    """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata).
+
+    x: (T, H); w: (L, [1,] r, H); seq_start_locs / seq_lengths / lora_indices_per_batch: (B,) integer
+    (tensors, NumPy arrays or lists); batch_size, max_length, token_nums: ints >= 0 (batch_size <= B,
+    token_nums <= T). Returns (T, r) float32. Segment values are checked when they are on the host;
+    on an accelerator they are masked instead (segment_indices).
+    """
+    num_tokens = _rows("x", x)
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                          num_tokens, x.device, _num_slots(w))
     return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks, deterministic=deterministic)
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None,
                 deterministic: bool = False):
-    """bgmv_expand with each segment's tokens using the segment's index (prefill metadata)."""
-    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0])
-    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0], y.device)
+    """bgmv_expand with each segment's tokens using the segment's index (prefill metadata).
+
+    x: (T, r); w: (L, [1,] n, r); y: (T, N), updated in place and returned. The segment arguments
+    are checked as in sgmv_shrink.
+    """
+    num_tokens = _rows("y", y)
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                          num_tokens, y.device, _num_slots(w))
     return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks,
                        deterministic=deterministic)
 
@@ -344,8 +443,13 @@ def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, ba
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                       token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
                       backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False):
-    """bgmv_expand_slice with each segment's tokens using the segment's index."""
-    _check_segments(seq_start_locs, seq_lengths, batch_size, token_nums, y.shape[0])
-    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, y.shape[0], y.device)
+    """bgmv_expand_slice with each segment's tokens using the segment's index.
+
+    x: (T, r); w: (L, [1,] y_slice_size, r); y: (T, N), columns [y_offset, y_offset + y_slice_size)
+    updated in place. The segment arguments are checked as in sgmv_shrink.
+    """
+    num_tokens = _rows("y", y)
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                          num_tokens, y.device, _num_slots(w))
     return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,
                              lora_ranks=lora_ranks, deterministic=deterministic)
