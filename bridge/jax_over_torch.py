@@ -421,11 +421,15 @@ def _segment_scalar(name: str, v):
 def _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums) -> tuple:
     """The six prefill-metadata values for torch_lora.ops. Arrays' dtypes and shapes are checked here,
     before the conversion (which would refuse a float64 NumPy array for its width, not its kind):
-    lora_core.segments; their values are checked by torch_lora.ops (host arrays)."""
+    lora_core.segments; their values are checked by torch_lora.ops (host arrays: NumPy, lists, JAX
+    arrays on a CPU device)."""
     arrays = (seq_start_locs, seq_lengths, lora_indices_per_batch)
     if all(isinstance(a, (jax.Array, np.ndarray)) for a in arrays):
         segments.check_segment_arrays([a.dtype for a in arrays], [tuple(a.shape) for a in arrays])
-    return tuple(_as_torch(a, name) if isinstance(a, (jax.Array, np.ndarray)) else a
+    # NumPy arrays stay on the host (a CPU tensor: torch_lora.ops reads and checks host values);
+    # through jnp they would land on JAX's default device, where nothing is read back.
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray)
+                 else _as_torch(a, name) if isinstance(a, jax.Array) else a
                  for name, a in zip(segments.SEGMENT_ARRAYS, arrays)) + tuple(
         _segment_scalar(name, v) for name, v in (("batch_size", batch_size), ("max_length", max_length),
                                                  ("token_nums", token_nums)))

@@ -203,9 +203,13 @@ BAD_SEGMENTS = [
 @pytest.mark.parametrize("case,kw,message", BAD_SEGMENTS, ids=[c[0] for c in BAD_SEGMENTS])
 @pytest.mark.parametrize("side", SIDE_PARAMS)
 def test_sgmv_refuses_bad_host_segment_values(side, case, kw, message):
-    """Native CPU arrays, NumPy arrays and lists are read on the host and checked."""
+    """Native CPU arrays, NumPy arrays and lists are read on the host and checked (JAX arrays
+    committed to a CPU device: the default device may be an accelerator, whose values are not read)."""
     v = {**dict(starts=STARTS, lengths=LENGTHS, loras=LORAS), **kw}
-    forms = (segs(side, **v), tuple(np.asarray(v[k]) for k in ("starts", "lengths", "loras")),
+    native = segs(side, **v)
+    if not side.torch_api:
+        native = tuple(jax.device_put(a, jax.devices("cpu")[0]) for a in native)
+    forms = (native, tuple(np.asarray(v[k]) for k in ("starts", "lengths", "loras")),
              (v["starts"], v["lengths"], v["loras"]))
     for seg in forms:
         for op in SGMV_OPS:
@@ -345,7 +349,7 @@ def wrappers():
         yield f"torch_over_jax(jit={jit})", w, torch.tensor   # torch.tensor: 64-byte aligned, shareable
     w = bridge.JaxPunicaWrapper(8, 4, "cpu", max_loras=SLOTS)
     w.update_metadata(mapping, [11, 12, 13], SLOTS + 1, 32, 0)
-    yield "jax_over_torch", w, jnp.asarray
+    yield "jax_over_torch", w, lambda a: jax.device_put(a, jax.devices("cpu")[0])   # the wrapper's device
 
 
 def test_bridged_wrappers_refuse_non_int_output_slices_and_non_real_scales():
