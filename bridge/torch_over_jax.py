@@ -307,7 +307,8 @@ class TorchPunicaWrapper:
         b = self._weight(lora_b_stacked, "lora_b_stacked")
         res = self._run("add_expand", (yj, buf, b, self._weight(lora_bias_stacked, "lora_bias_stacked")), b,
                         lora_ranks, output_slices=_static_ints(output_slices),
-                        offset_start=checks.as_offset("offset_start", offset_start), add_inputs=bool(add_inputs))
+                        offset_start=checks.as_offset("offset_start", offset_start),
+                        add_inputs=checks.as_flag("add_inputs", add_inputs))
         return self._write_back(y, res)
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
@@ -315,7 +316,8 @@ class TorchPunicaWrapper:
         """y (+)= x @ lora_b_stacked[idx].T per token, in place. x: (T, r); y: (T, N)."""
         yj = self._act(y, "y", self._num_tokens)
         b = self._weight(lora_b_stacked, "lora_b_stacked")
-        res = self._run("add_lora_embedding", (yj, self._act(x, "x"), b), b, lora_ranks, add_inputs=bool(add_inputs))
+        res = self._run("add_lora_embedding", (yj, self._act(x, "x"), b), b, lora_ranks,
+                        add_inputs=checks.as_flag("add_inputs", add_inputs))
         return self._write_back(y, res)
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked, lora_bias_stacked,

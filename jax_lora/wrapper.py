@@ -323,7 +323,7 @@ class PunicaWrapper:
         self._check_devices(x=buf, lora_b_stacked=lora_b, y=y2, lora_bias_stacked=bias)
         impl = self._impl()
         extra = self._col_scale(impl, dora_scale_stacked, lora_b, bias)
-        return impl.expand(buf, lora_b, y2, meta, offsets, bool(add_inputs),
+        return impl.expand(buf, lora_b, y2, meta, offsets, checks.as_flag("add_inputs", add_inputs),
                            as_lora_ranks(lora_ranks, lora_b[0].shape[0]), bias, **extra)
 
     def _col_scale(self, impl, dora_scale_stacked, lora_b, bias) -> dict:

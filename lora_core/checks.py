@@ -13,6 +13,8 @@ import numbers
 import operator
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 # SPEC section 4: activations fp16/bf16/fp32; weights fp16/bf16 (fp32 on reference paths too).
 ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
@@ -292,6 +294,16 @@ def check_backend_rank(backend: str, rank: int, arg: str) -> None:
     if need is not None and rank < need:
         raise ValueError(f"{arg} has rank {rank}, but backend {backend!r} needs rank >= {need} (use backend='xla' "
                          "for rank-0 weights, which add nothing)")
+
+
+def as_flag(name: str, value: Any) -> bool:
+    """A yes/no argument such as add_inputs: a bool (NumPy's too) or the int 0 / 1; anything else
+    (a string "no", None, 0.5) is a TypeError rather than read by its truth value."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r:.80}")
 
 
 def check_deterministic(deterministic: Any) -> bool:

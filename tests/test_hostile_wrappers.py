@@ -162,3 +162,34 @@ def test_adapter_slots_refuse_ids_that_are_not_ints():
     with pytest.raises(TypeError, match=r"ids must be an iterable of LoRA ids"):
         table.activate("3")
     assert table.activate([0, None]) == [None] * 4
+
+
+@pytest.mark.parametrize("impl", REF)
+def test_add_inputs_is_a_bool(impl):
+    """add_inputs="no" was read by its truth value (True)."""
+    w, f, x, y, r = _step(impl)
+    b = f(4, 1, 16, r)
+    for bad, shown in (("no", "str 'no'"), (None, "NoneType None"), (0.5, "float 0.5"), (2, "int 2")):
+        with pytest.raises(TypeError, match=rf"add_inputs must be a bool, got {shown}"):
+            w.add_expand(y, f(1, 2, r), (b,), None, (16,), 0, bad)
+    got = w.add_expand(y, f(1, 2, r), (b,), None, (16,), 0, np.bool_(False))   # NumPy's bool and 0 / 1 are fine
+    assert tuple(got.shape) == (2, 16)
+
+
+@pytest.mark.parametrize("side", ["jax", "torch"])
+def test_ops_add_inputs_is_a_bool(side):
+    import importlib
+    ops = importlib.import_module(f"{side}_lora.ops")
+    if side == "torch":
+        import torch
+        arr = lambda a: torch.from_numpy(np.asarray(a, np.float32))  # noqa: E731
+        idx = torch.tensor([0, -1], dtype=torch.int32)
+    else:
+        import jax.numpy as jnp
+        arr = lambda a: jnp.asarray(np.asarray(a, np.float32))  # noqa: E731
+        idx = np.array([0, -1], np.int32)
+    x, w_b, y = arr(np.ones((2, 4))), arr(np.ones((2, 8, 4))), arr(np.zeros((2, 8)))
+    with pytest.raises(TypeError, match=r"add_inputs must be a bool, got str 'no'"):
+        ops.bgmv_expand(x, w_b, y, idx, "no")
+    with pytest.raises(TypeError, match=r"add_inputs must be a bool, got str 'no'"):
+        ops.bgmv_expand_slice(x, w_b, arr(np.zeros((2, 16))), idx, 8, 8, "no")

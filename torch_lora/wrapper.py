@@ -294,7 +294,8 @@ class PunicaWrapper:
         if dora_scale_stacked is not None:
             extra["col_scale"] = _dora_scales(y, dora_scale_stacked, slices, num_slots, bias)
         self._impl.expand(buf, tuple(to_3d(b) for b in lora_b), y2, meta.meta_args(y2.shape[0]),
-                          tuple(offsets), bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), bias,
+                          tuple(offsets), checks.as_flag("add_inputs", add_inputs),
+                          as_lora_ranks(lora_ranks, num_slots, y.device), bias,
                           **extra)
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,

@@ -318,7 +318,7 @@ def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start
     impl = dispatch.resolve(backend, _device_of(y), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_b_stacked")
     return impl.expand(buf, tuple(to_3d(b) for b in lora_b), y, meta, _offsets(offset_start, widths),
-                       bool(add_inputs), as_lora_ranks(lora_ranks, num_slots))
+                       checks.as_flag("add_inputs", add_inputs), as_lora_ranks(lora_ranks, num_slots))
 
 
 def _offsets(offset_start: int, widths: Sequence[int]) -> tuple[int, ...]:
@@ -399,7 +399,7 @@ def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks, 
     meta = _index_meta(idx, y.shape[0], num_slots, "lora_b_weights")
     impl = dispatch.resolve(backend, _device_of(y), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_b_weights")
-    return impl.expand(x[None], (w3,), y, meta, (offset,), bool(add_inputs),
+    return impl.expand(x[None], (w3,), y, meta, (offset,), checks.as_flag("add_inputs", add_inputs),
                        as_lora_ranks(lora_ranks, num_slots))
 
 

@@ -244,7 +244,8 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
                         lora_token_start_loc, lora_ids, no_lora_flag)
     impl = dispatch.resolve(backend, output_tensor.device, deterministic=deterministic)
     impl.expand(inputs, tuple(to_3d(b) for b in lora_b), output_tensor, meta, _offsets(offset_start, widths),
-                bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, output_tensor.device), None)
+                checks.as_flag("add_inputs", add_inputs),
+                as_lora_ranks(lora_ranks, num_slots, output_tensor.device), None)
     return output_tensor
 
 
@@ -327,7 +328,7 @@ def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks, determin
                                                arg_b="lora_b_weights")
     impl = dispatch.resolve(backend, y.device, deterministic=deterministic)
     impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots, "lora_b_weights"), (offset,),
-                bool(add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), None)
+                checks.as_flag("add_inputs", add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), None)
     return y
 
 
