@@ -193,3 +193,18 @@ def test_ops_add_inputs_is_a_bool(side):
         ops.bgmv_expand(x, w_b, y, idx, "no")
     with pytest.raises(TypeError, match=r"add_inputs must be a bool, got str 'no'"):
         ops.bgmv_expand_slice(x, w_b, arr(np.zeros((2, 16))), idx, 8, 8, "no")
+
+
+def test_torch_ops_refuse_wide_unsigned_integers():
+    """uint16/32/64 tensors (which torch cannot min/max on the CPU) are refused by name, not a raw
+    NotImplementedError."""
+    import torch
+
+    import torch_lora
+    x, w = torch.ones(4, 8), torch.ones(3, 4, 8)
+    u32 = lambda v: torch.tensor(v, dtype=torch.uint32)  # noqa: E731
+    with pytest.raises(TypeError, match=r"lora_ranks must have an integer dtype .*got uint32"):
+        torch_lora.ops.bgmv_shrink(x, w, torch.tensor([0, 1, 0, 1], dtype=torch.int32), 1.0,
+                                   lora_ranks=u32([4, 2 ** 31 + 1, 4]))
+    with pytest.raises(TypeError, match=r"seq_start_locs must have dtype in .*got uint32"):
+        torch_lora.ops.sgmv_shrink(x, w, u32([0, 2]), u32([2, 2]), u32([0, 1]), 2, 2, 4, 1.0)

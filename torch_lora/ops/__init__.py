@@ -133,6 +133,8 @@ def as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
     (so they are masked, or clamped to the weights' rank, like any other out-of-range value)."""
     if t.dtype == torch.int32:
         return t
+    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):   # torch has no min/max for these
+        raise TypeError(f"{name} must have dtype in {checks.INDEX_DTYPES}, got {checks.dtype_name(t.dtype)}")
     if t.dtype == torch.int64:
         if t.device.type == "cpu":
             if t.numel():
@@ -165,7 +167,7 @@ def as_lora_ranks(lora_ranks, num_slots: int, device):
         raise TypeError(f"lora_ranks must be a 1-D integer tensor (one rank per slot), got "
                         f"{type(lora_ranks).__name__}: {e}") from None
     # A bool or float tensor is refused, not cast: True would act as rank 1, 2.7 as rank 2.
-    if r.dtype == torch.bool or r.dtype.is_floating_point or r.dtype.is_complex:
+    if checks.dtype_name(r.dtype) not in checks.INDEX_DTYPES:
         raise TypeError(f"lora_ranks must have an integer dtype (int32 or int64: one rank per slot), got "
                         f"{checks.dtype_name(r.dtype)}")
     if r.dim() != 1 or r.shape[0] < num_slots:
