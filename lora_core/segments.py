@@ -62,6 +62,23 @@ def check_segment_arrays(dtypes: Sequence[Any], shapes: Sequence[Sequence[int]],
     return lengths[0]
 
 
+def as_segment_array(name: str, value: Any, native: tuple) -> Any:
+    """A segment array as it is when it is one of the `native` array types or NumPy (a tracer
+    included), else (a list or tuple) as a NumPy array; an empty list, which has no dtype, is an
+    empty int32 array. None, strings and ragged sequences are TypeErrors naming it."""
+    if isinstance(value, native + (np.ndarray,)):
+        return value
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be a 1-D integer array (one entry per segment), got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"{name} must be a 1-D integer array (one entry per segment), got "
+                        f"{type(value).__name__}: {e}") from None
+    return arr.astype(np.int32) if arr.size == 0 else arr
+
+
 def as_count(name: str, value: Any, readable: bool = True) -> Optional[int]:
     """An integer scalar >= 0 (batch_size, max_length, token_nums): a Python int, a NumPy integer,
     or a 0-d integer array / tensor. Returns its value, or None when `readable` is False (a traced

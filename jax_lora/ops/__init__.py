@@ -208,19 +208,8 @@ def _index_meta(idx, num_tokens: int, num_slots: int, arg_w: str, arg="lora_indi
 
 
 def _segment_array(name: str, value):
-    """A segment array as a jax.Array (a tracer included) where it is, or (a list, tuple or NumPy
-    array) a NumPy array; an empty list, which has no dtype, is an empty int32 array."""
-    if isinstance(value, (jax.Array, np.ndarray)):
-        return value
-    if value is None or isinstance(value, (str, bytes)):
-        raise TypeError(f"{name} must be a 1-D integer array (one entry per segment), got "
-                        f"{type(value).__name__} {value!r}")
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise TypeError(f"{name} must be a 1-D integer array (one entry per segment), got "
-                        f"{type(value).__name__}: {e}") from None
-    return arr.astype(np.int32) if arr.size == 0 else arr
+    """A segment array as a jax.Array (a tracer included) where it is, else `segments.as_segment_array`."""
+    return segments.as_segment_array(name, value, (jax.Array,))
 
 
 def _readable(value) -> bool:

@@ -341,19 +341,8 @@ def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks, determin
 # gets no LoRA, and a slot out of range contributes nothing.
 
 def _segment_array(name: str, value):
-    """A segment array as a tensor where it is, or (a list, tuple or NumPy array) a NumPy array;
-    an empty list, which has no dtype, is an empty int32 array."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        return value
-    if value is None or isinstance(value, (str, bytes)):
-        raise TypeError(f"{name} must be a 1-D integer tensor (one entry per segment), got "
-                        f"{type(value).__name__} {value!r}")
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise TypeError(f"{name} must be a 1-D integer tensor (one entry per segment), got "
-                        f"{type(value).__name__}: {e}") from None
-    return arr.astype(np.int32) if arr.size == 0 else arr
+    """A segment array as a tensor where it is, else `segments.as_segment_array`."""
+    return segments.as_segment_array(name, value, (torch.Tensor,))
 
 
 def _host_int32(name: str, value) -> torch.Tensor:
