@@ -79,6 +79,19 @@ def as_segment_array(name: str, value: Any, native: tuple) -> Any:
     return arr.astype(np.int32) if arr.size == 0 else arr
 
 
+def check_segment_args(arrays: Sequence[Any], batch_size: Any, max_length: Any, token_nums: Any,
+                       num_tokens: int, readable) -> tuple[int, Optional[int]]:
+    """Everything an SGMV op checks without reading the arrays' values: the three arrays' dtypes
+    and lengths, and the three scalars (`readable(value)`: whether a scalar can be read without a
+    host sync). Returns (the arrays' length, batch_size or None where it is not readable)."""
+    length = check_segment_arrays([a.dtype for a in arrays], [tuple(a.shape) for a in arrays])
+    b = as_count("batch_size", batch_size, readable(batch_size))
+    as_count("max_length", max_length, readable(max_length))
+    check_token_nums(as_count("token_nums", token_nums, readable(token_nums)), num_tokens)
+    check_batch_size(b, length)
+    return length, b
+
+
 def as_count(name: str, value: Any, readable: bool = True) -> Optional[int]:
     """An integer scalar >= 0 (batch_size, max_length, token_nums): a Python int, a NumPy integer,
     or a 0-d integer array / tensor. Returns its value, or None when `readable` is False (a traced

@@ -377,11 +377,7 @@ def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_s
     """
     arrays = [_segment_array(name, v) for name, v in zip(segments.SEGMENT_ARRAYS,
                                                           (seq_start_locs, seq_lengths, lora_indices_per_batch))]
-    length = segments.check_segment_arrays([a.dtype for a in arrays], [tuple(a.shape) for a in arrays])
-    b = segments.as_count("batch_size", batch_size, _readable(batch_size))
-    segments.as_count("max_length", max_length, _readable(max_length))
-    segments.check_token_nums(segments.as_count("token_nums", token_nums, _readable(token_nums)), num_tokens)
-    segments.check_batch_size(b, length)
+    length, b = segments.check_segment_args(arrays, batch_size, max_length, token_nums, num_tokens, _readable)
     starts, lengths, loras = (_host_int32(name, a) for name, a in zip(segments.SEGMENT_ARRAYS, arrays))
     if b is not None and all(t.device.type == "cpu" for t in (starts, lengths, loras)):
         segments.check_segment_values(starts.numpy(), lengths.numpy(), loras.numpy(), b, num_tokens, num_slots)
