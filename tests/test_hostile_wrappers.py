@@ -67,9 +67,9 @@ def test_torch_wrapper_before_update_metadata_refuses_tokens():
     import torch_lora
     w = torch_lora.PunicaWrapper(64, 8, "cpu", max_loras=4, backend="torch")
     a, b = torch.ones(4, 1, 8, 32), torch.ones(4, 1, 16, 8)
-    with pytest.raises(RuntimeError, match=r"x has 6 rows, but update_metadata has not been called"):
+    with pytest.raises(ValueError, match=r"x has 6 rows, but update_metadata has not been called"):
         w.add_lora_linear(torch.zeros(6, 16), torch.randn(6, 32), (a,), (b,), None, 1.0, (16,))
-    with pytest.raises(RuntimeError, match=r"update_metadata has not been called"):
+    with pytest.raises(ValueError, match=r"update_metadata has not been called"):
         w.add_shrink(torch.zeros(1, 6, 8), torch.randn(6, 32), (a,), 1.0)
     # zero tokens are nothing to compute
     assert w.add_lora_linear(torch.zeros(0, 16), torch.zeros(0, 32), (a,), (b,), None, 1.0, (16,)).shape == (0, 16)

@@ -212,8 +212,8 @@ class PunicaWrapper:
         checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,
                               "max_num_batched_tokens")
         if available is None and num_tokens > 0:
-            raise RuntimeError(f"{name} has {num_tokens} rows, but update_metadata has not been called on this "
-                               "wrapper: call it with the step's mapping first")
+            raise ValueError(f"{name} has {num_tokens} rows, but update_metadata has not been called on this "
+                             "wrapper: call it with the step's mapping first")
         if available is not None and num_tokens > available:
             raise ValueError(f"{name} has {num_tokens} rows, but update_metadata mapped only {available}")
 
