@@ -111,6 +111,12 @@ class LoRAKernelMeta:
         if m.device.type == "cpu" and t:
             checks.check_index_values("token_lora_mapping", int(m.min()), int(m.max()), num_slots,
                                       "the metadata (max_loras)")
+        self._fill(m)
+
+    def _fill(self, m: torch.Tensor) -> None:
+        """prepare_tensors' build for a (T,) integer tensor whose shape is checked; its values are
+        not read (out-of-range slots become -1)."""
+        t, num_slots = m.shape[0], self.max_loras
         device = self.token_lora_mapping.device
         m = m.to(device=device, non_blocking=True)
         # Out-of-range slots become -1 before the int32 cast (which would wrap an int64 2**32 + 1 to 1).

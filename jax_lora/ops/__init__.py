@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lora_core import checks, segments
-from ..meta import LoRAKernelMeta
+from ..meta import LoRAKernelMeta, build_kernel_meta
 from . import dispatch
 
 __all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
@@ -204,7 +204,8 @@ def _index_meta(idx, num_tokens: int, num_slots: int, arg_w: str, arg="lora_indi
         idx = as_array(arg, idx)
         checks.check_indices(arg, idx.shape, idx.dtype, num_tokens)
         check_index_values(arg, idx[:num_tokens], num_slots, arg_w)
-    return LoRAKernelMeta.build(idx[:num_tokens].astype(jnp.int32), max_loras=num_slots)
+    # values checked above (host) or masked (jit, accelerators): the build need not read them again
+    return build_kernel_meta(idx[:num_tokens].astype(jnp.int32), jnp.int32(num_tokens), max_loras=num_slots)
 
 
 def _segment_array(name: str, value):

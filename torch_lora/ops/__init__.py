@@ -266,7 +266,7 @@ def _index_meta(idx: torch.Tensor, num_tokens: int, num_slots: int, arg_w: str) 
     checks.check_indices("lora_indices_tensor", tuple(idx.shape), idx.dtype, num_tokens)
     check_index_values("lora_indices_tensor", idx[:num_tokens], num_slots, arg_w)
     meta = LoRAKernelMeta.make(num_slots, max(num_tokens, 1), idx.device)
-    meta.prepare_tensors(idx[:num_tokens])
+    meta._fill(idx[:num_tokens])   # values checked above (CPU) or masked (device): not read twice
     return meta.meta_args(num_tokens)
 
 
