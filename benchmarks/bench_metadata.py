@@ -1,4 +1,4 @@
-"""Cost of building one step's kernel metadata (BENCHMARKS.md target: <= 20 us on the GPU, T <= 512).
+"""Cost of building one step's kernel metadata (docs/benchmarks.md target: <= 20 us on the GPU, T <= 512).
 
 Measured on both sides, for T in {1, 32, 128, 512} tokens, 8 and 64 slots:
   torch graph:  LoRAKernelMeta.prepare_tensors captured in a CUDA graph, replayed (device time per build)
@@ -155,7 +155,7 @@ def main():
             import subprocess
             meta["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                                      stderr=subprocess.DEVNULL).strip()
-        except Exception:  # noqa: BLE001
+        except Exception:
             meta["commit"] = "unknown"
     os.makedirs(args.out, exist_ok=True)
     stamp = meta["date"][:10]

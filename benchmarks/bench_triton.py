@@ -1,10 +1,10 @@
-"""The anchor sweep of BENCHMARKS.md for the Triton kernels (torch and JAX), on one CUDA GPU.
+"""The anchor sweep of docs/benchmarks.md for the Triton kernels (torch and JAX), on one CUDA GPU.
 
 One command runs everything and writes JSON + markdown + a roofline plot (PNG):
 
     PYTHONPATH=. python benchmarks/bench_triton.py --out benchmarks/results
 
-What is measured (BENCHMARKS.md "How to time"):
+What is measured (docs/benchmarks.md "How to time"):
   * graph: `add_lora_linear` (torch_lora.ops.triton.linear: shrink + expand with add_inputs, or the
     fused kernel at decode sizes) captured once per input set into one CUDA graph; enough input
     sets (fresh weights, x, y and mapping each) that the bytes touched exceed 4x the 60 MB L2, so
@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch_lora.meta import LoRAKernelMeta  # noqa: E402
-from torch_lora.ops import triton as torch_triton  # noqa: E402
+from torch_lora.meta import LoRAKernelMeta
+from torch_lora.ops import triton as torch_triton
 
 HIDDEN = 4096
 SLICES = {"s1": (4096,), "s3": (4096, 1024, 1024)}
@@ -50,7 +50,7 @@ PEAK_GBS = 4300.0
 L2_BYTES = 60e6
 LAUNCH_US = 2.0
 
-# vLLM 0.33.0 Triton kernels on this H200 (BENCHMARKS.md), us per add_lora_linear: (s1, s3).
+# vLLM 0.33.0 Triton kernels on this H200 (docs/benchmarks.md), us per add_lora_linear: (s1, s3).
 VLLM = {
     "dec T1 D1 r16": (9.3, 14.5), "dec T8 D1 r16": (8.4, 12.8), "dec T8 D8 r64": (16.0, 76.4),
     "dec T32 D8 r16": (10.5, 37.5), "dec T32 D32 r64": (42.7, 284), "dec T128 D8 r16": (20.1, 39.3),
@@ -106,7 +106,7 @@ def make_mapping(kind, T, D, slots, frac_none, gen):
 
 
 def min_bytes(T_l, D, S_widths, r, H=HIDDEN, rank_sum=None):
-    """BENCHMARKS.md minimal bytes (shrink + expand), tokens with a LoRA only; rank_sum: the sum
+    """docs/benchmarks.md minimal bytes (shrink + expand), tokens with a LoRA only; rank_sum: the sum
     of the active adapters' real ranks (D * r when all have rank r)."""
     S = len(S_widths)
     n = sum(S_widths)
@@ -262,7 +262,7 @@ def host_breakdown(s, n=3000) -> str:
 
 
 class WrapperCall:
-    """One eager `PunicaWrapper.add_lora_linear` (BENCHMARKS.md's host figure): the input set's
+    """One eager `PunicaWrapper.add_lora_linear` (docs/benchmarks.md's host figure): the input set's
     weights as (L, 1, n, r) stacks, its mapping through `update_metadata` (once; a step's
     metadata is shared by every layer)."""
 
@@ -597,7 +597,7 @@ def env_meta():
         try:
             commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                              stderr=subprocess.DEVNULL).strip()
-        except Exception:  # noqa: BLE001
+        except Exception:
             commit = "unknown"
     import triton
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -608,7 +608,7 @@ def env_meta():
     for pkg in ("jax", "jax-triton"):
         try:
             meta[pkg] = metadata.version(pkg)
-        except Exception:  # noqa: BLE001 - not installed
+        except Exception:
             pass
     from lora_core.kernels import configs
     meta["configs"] = configs.current_table().source
@@ -708,7 +708,7 @@ def main():
             jc = [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T1 D1 r16", "dec T128 D64 r64",
                                                "pre T8192 D4 r64")]
             res["jax"] = jax_vs_torch(device, [(c, sl) for c in jc for sl in ("s1", "s3")])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             import traceback
             traceback.print_exc()
             res["jax_error"] = repr(e)
@@ -737,7 +737,7 @@ def main():
         f.write(f"run {res['meta']}\n\n" + md)
     try:
         plot(res, base + ".png")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print("plot failed:", e)
     print(md)
 

@@ -167,7 +167,7 @@ def main() -> None:
         torch.set_num_threads(args.threads or 1)
     sync = None
     if cuda:
-        def sync():  # noqa: E306 - every queued torch and JAX computation on the device is done
+        def sync():
             torch.cuda.synchronize(device)
     rng = np.random.default_rng(0)
     it, rep = args.iters, args.repeats
@@ -227,8 +227,8 @@ def main() -> None:
 
             if not cuda:  # the bridged call waits for JAX's result (to copy it into y): so must the native one
                 native_tj_async, native_tj_jit_async = native_tj, native_tj_jit
-                native_tj = lambda: jax.block_until_ready(native_tj_async())  # noqa: E731
-                native_tj_jit = lambda: jax.block_until_ready(native_tj_jit_async())  # noqa: E731
+                native_tj = lambda: jax.block_until_ready(native_tj_async())
+                native_tj_jit = lambda: jax.block_until_ready(native_tj_jit_async())
 
             # jax-over-torch vs native torch_lora on the same tensors
             jw = bridge.JaxPunicaWrapper(max(T, 8), 8, bridge.jax_device_for(device), max_loras=SLOTS,
@@ -274,7 +274,7 @@ def main() -> None:
                 results["per_call"].append(row)
                 print("per call", row, flush=True)
 
-            if T == int(args.tokens.split(",")[0]) or T == 128:
+            if int(args.tokens.split(",")[0]) == T or T == 128:
                 res = nj.add_lora_linear(yj, xj, aj, bj, None, 1.0, slices)
                 pieces = {"T": T, "slices": sname,
                           "to_jax_x_us": _timer(lambda: bridge.to_jax(x), it, rep),

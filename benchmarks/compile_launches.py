@@ -90,7 +90,7 @@ def compile_call(call: arguments.KernelCall, capability: int = 90) -> str:
                        target=GPUTarget("cuda", capability, 32),
                        options=dict(num_warps=call.plan.num_warps, num_stages=call.plan.num_stages))
         return "ok"
-    except Exception as e:  # noqa: BLE001 - reported per launch
+    except Exception as e:
         return f"FAILED {type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
 
 
@@ -135,9 +135,8 @@ def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torc
 
 
 def main(argv=None) -> int:
-    import triton
-
     import bench_triton
+    import triton
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="0,1,2", help="epilogue modes: 0 none, 1 bias, 2 DoRA scale")
     p.add_argument("--cases", default=None, help="substring of the sweep case names to keep")

@@ -33,7 +33,7 @@ cache has --max-len positions (1024) per row, positions in the middle; attention
 position of the row under a mask, in both frameworks. A prefill step writes its keys and values
 into a cache of exactly its length and attends causally.
 
-Floor of the LoRA overhead (BENCHMARKS.md's minimal bytes of `add_lora_linear`, summed over the
+Floor of the LoRA overhead (docs/benchmarks.md's minimal bytes of `add_lora_linear`, summed over the
 four LoRA'd linears of a layer and the 32 layers, all tokens with an adapter):
     per linear: D * (S * r * H_in + r * N) * 2       A and B of the D active adapters at rank r
               + T * H_in * 2                         x read again
@@ -48,7 +48,7 @@ step's logits of those sequences must match it (relative Frobenius error), the b
 match the reference without deltas, and the LoRA error must be small against the LoRA's effect on
 the logits. A framework whose check fails reports no time for that case (and the run exits 1).
 
-Step shapes run rank by rank (the adapters rebuilt once per rank) in SHAPE_ORDER, BENCHMARKS.md's
+Step shapes run rank by rank (the adapters rebuilt once per rank) in SHAPE_ORDER, docs/benchmarks.md's
 targets first; --budget-s skips a step shape whose projected cost would end past the budget. The
 JSON is rewritten after every case, so a run cut short keeps what it measured.
 """
@@ -73,7 +73,7 @@ import zlib
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")    # JAX and torch share the GPU
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +135,7 @@ def full_cases(ranks=(16, 64)) -> list:
 
 
 QUICK = ("dec B32 D8 r16", "dec B256 D32 r64", "pre 4x2048 D4 r16")
-# Order of the step shapes within a rank: BENCHMARKS.md's model-step targets first (decode batch
+# Order of the step shapes within a rank: docs/benchmarks.md's model-step targets first (decode batch
 # <= 32 with 8 adapters, prefill of 8192 tokens), so a run cut short by its budget has them.
 SHAPE_ORDER = (("dec", 32, 1), ("dec", 8, 1), ("dec", 1, 1), ("pre", 4, 2048), ("dec", 128, 1), ("dec", 256, 1),
                ("pre", 1, 2048))
@@ -164,7 +164,7 @@ def projections(cfg) -> dict:
 
 
 def floor_bytes(cfg, tokens: int, adapters: int, rank: int) -> int:
-    """Minimal bytes of the LoRA path of one step (module docstring): BENCHMARKS.md's
+    """Minimal bytes of the LoRA path of one step (module docstring): docs/benchmarks.md's
     `add_lora_linear` bytes of every LoRA'd linear, all `tokens` with an adapter."""
     from bench_triton import min_bytes
     per_layer = sum(min_bytes(tokens, adapters, widths, rank, H=h_in) for h_in, widths in projections(cfg).values())
@@ -225,7 +225,6 @@ class JaxModel:
         """Arrays for (shape, dtype name, scale, offset) specs: N(offset, scale^2), fresh keys.
         Drawn on the GPU by torch, array by array; a small model's (under HOST_RANDOM_ELEMENTS in
         all) on the host with NumPy."""
-        import jax
         import jax.numpy as jnp
         specs = tuple(specs)
         if sum(math.prod(shape) for shape, *_ in specs) < HOST_RANDOM_ELEMENTS:
@@ -859,7 +858,7 @@ class Bench:
             if "jax" in self.frameworks and self.args.precompile:
                 try:
                     self.precompile([shapes[k] for k in run_keys])
-                except Exception as e:  # noqa: BLE001 - the first calls compile instead
+                except Exception as e:
                     _error("jax precompile", e)
             for key in run_keys:
                 if key != run_keys[0] and self.over_budget(key):
@@ -930,7 +929,7 @@ class Bench:
                 t_base, setup["torch_base_s"] = self.torch_prepare(shape, lora=False)
                 t_lora, setup["torch_lora_s"] = self.torch_prepare(shape, lora=True)
                 runs["torch"] = (t_base, t_lora)
-            except Exception as e:  # noqa: BLE001 - reported in the results, the run goes on
+            except Exception as e:
                 errors["torch"] = _error("torch", e)
         if "jax" in self.frameworks:
             try:
@@ -943,7 +942,7 @@ class Bench:
                 for flag in (False, True):
                     self.jax_run(shape, flag)
                 runs["jax"] = True
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 errors["jax"] = _error("jax", e)
         print(f"{shape.key}: set up {json.dumps({k: round(v, 1) for k, v in setup.items()})}", flush=True)
         rows = checked_rows(shape)
@@ -967,7 +966,7 @@ class Bench:
                 try:
                     res[fw] = self.measure(fw, shape, runs.get(fw), rows, ref, base_ref, res["lora_effect"], n,
                                            fb / (PEAK_GBS * 1e3))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     res[fw] = dict(check_passed=False, error=_error(fw, e))
             if all((res.get(fw) or {}).get("lora_us") for fw in ("jax", "torch")):
                 res["jax_over_torch_lora"] = res["jax"]["lora_us"] / res["torch"]["lora_us"]
@@ -1320,7 +1319,7 @@ def env_meta(args, cfg) -> dict:
         try:
             commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
                                              cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-        except Exception:  # noqa: BLE001
+        except Exception:
             commit = "unknown"
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name() if not args.smoke else "cpu",
@@ -1340,7 +1339,7 @@ def env_meta(args, cfg) -> dict:
     for pkg in ("jax", "jaxlib", "flax", "triton", "jax-triton", "matplotlib"):
         try:
             meta[pkg] = metadata.version(pkg)
-        except Exception:  # noqa: BLE001 - not installed
+        except Exception:
             pass
     if not args.smoke:
         from lora_core.kernels import configs
@@ -1348,6 +1347,7 @@ def env_meta(args, cfg) -> dict:
         meta["launch_pdl"] = os.environ.get("LORA_CORE_PDL", "auto")
     if "jax" in args.frameworks:
         import jax.numpy as jnp
+
         from jax_lora.models import attention
         meta["jax_attention"] = "%s (%s)" % attention.attention_backend(jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
     return meta

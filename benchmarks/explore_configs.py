@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_triton import (  # noqa: E402
+from bench_triton import (
     HIDDEN,
     L2_BYTES,
     SLICES,
@@ -37,10 +37,10 @@ from bench_triton import (  # noqa: E402
     min_bytes,
     rel_err,
 )
-from profile_kernels import parse_cases  # noqa: E402
+from profile_kernels import parse_cases
 
-from lora_core.kernels import configs  # noqa: E402
-from torch_lora.ops import triton as torch_triton  # noqa: E402
+from lora_core.kernels import configs
+from torch_lora.ops import triton as torch_triton
 
 
 class ModeSet(InputSet):
@@ -97,7 +97,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 err = rel_err(y, ref)
                 us = graph_time_us(sets, replays=args.replays)
-            except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported
+            except Exception as e:
                 err, us = float("nan"), float("inf")
                 print(f"   {mode['label']}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
             case = f"{kind}:{T}:{D}:{r}:{sl}:{slots}" + (":het" if ranks else "")

@@ -239,7 +239,7 @@ class Bench:
         if st.rows in self.base_times:
             return self.base_times[st.rows]
         with torch.no_grad():
-            run = lambda: self.base(**st.kwargs()).logits[:, -1]  # noqa: E731
+            run = lambda: self.base(**st.kwargs()).logits[:, -1]
             out = {"base_eager_us": self.timed(run, self.args.steps, st)}
             st.rewind()
             out["base_logits"] = run().float().cpu()
@@ -275,8 +275,8 @@ class Bench:
         res = dict(case=name_of(case), rows=rows, adapters=adapters, rank=rank,
                    **{k: v for k, v in base.items() if k.endswith("_us")})
         with torch.no_grad():
-            peft_run = lambda: self.peft_model(adapter_names=names, **st.kwargs()).logits[:, -1]  # noqa: E731
-            ours_run = lambda: self.mm(adapter_names=names, **st.kwargs()).logits[:, -1]  # noqa: E731
+            peft_run = lambda: self.peft_model(adapter_names=names, **st.kwargs()).logits[:, -1]
+            ours_run = lambda: self.mm(adapter_names=names, **st.kwargs()).logits[:, -1]
             st.rewind()
             want = peft_run().float().cpu()
             st.rewind()

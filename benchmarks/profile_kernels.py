@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_triton import SLICES, InputSet  # noqa: E402
+from bench_triton import SLICES, InputSet
 
 CASES = [("pre", 8192, 1, 16, "s1", 8, None), ("pre", 8192, 4, 64, "s1", 8, None), ("dec", 1, 1, 16, "s1", 8, None),
          ("dec", 128, 64, 64, "s1", 64, None)]

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lora_core.kernels import configs  # noqa: E402
+from lora_core.kernels import configs
 
 KINDS = ("shrink", "expand", "fused")
 

@@ -170,12 +170,12 @@ def run_jax_model(args) -> list:
     over n devices (its default layouts; KV caches split along the KV heads), base step against
     LoRA step, per batch with --adapters distinct adapters: time per step on the host to
     `block_until_ready` (as e2e_decode's JAX rows)."""
+    import e2e_decode as e2e
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
 
-    import e2e_decode as e2e
     from jax_lora import LoRAMapping, PunicaWrapper
     from jax_lora.models import llama
 
@@ -237,8 +237,11 @@ def _torch_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
 
     import torch_lora
     from lora_core.host_mapping import LoRAMapping
-    from torch_lora.parallel import (MergedColumnParallelLinearWithLoRA, QKVParallelLinearWithLoRA,
-                                     RowParallelLinearWithLoRA)
+    from torch_lora.parallel import (
+        MergedColumnParallelLinearWithLoRA,
+        QKVParallelLinearWithLoRA,
+        RowParallelLinearWithLoRA,
+    )
 
     class RowBase(torch.nn.Module):
         """A row-parallel base layer: this rank's input columns, the full output all-reduced."""
@@ -503,7 +506,7 @@ def _device_name() -> str:
     try:
         import torch
         return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
-    except Exception:  # noqa: BLE001 - reported as unknown
+    except Exception:
         return "unknown"
 
 
@@ -512,7 +515,7 @@ def _versions() -> dict:
     for name in ("torch", "triton", "jax"):
         try:
             out[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 - not installed
+        except Exception:
             out[name] = None
     return out
 

@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_triton import L2_BYTES, InputSet, graph_time_us, min_bytes  # noqa: E402
+from bench_triton import L2_BYTES, InputSet, graph_time_us, min_bytes
 
-from lora_core.kernels import configs  # noqa: E402
-from torch_lora.ops import triton as torch_triton  # noqa: E402
+from lora_core.kernels import configs
+from torch_lora.ops import triton as torch_triton
 
 # (token class, rank class) -> representative (kind, T, D)
 # (token class, rank class) -> representative (kind, T, adapter counts). Mid classes are scored
@@ -170,7 +170,7 @@ def timed(sets, **mode):
     Tuned.mode.update(mode)
     try:
         return graph_time_us(sets, replays=5)
-    except Exception as e:  # noqa: BLE001 - a config that does not compile/fit is skipped
+    except Exception as e:
         print("   failed:", type(e).__name__, str(e)[:200], flush=True)
         return float("inf")
 

@@ -1,6 +1,6 @@
 """bridge: zero-copy DLPack exchange between torch and JAX, and each side's API over the other's kernels.
 
-Public names (SPEC section 8):
+Public names (contract section 8):
   to_jax(x, *, copy=False, stream=None)    torch.Tensor -> jax.Array sharing its memory
   to_torch(x, *, copy=False, stream=None)  jax.Array -> torch.Tensor sharing its memory
   CopyRequiredError                        raised for what cannot be shared without a copy

@@ -1,15 +1,15 @@
-"""Zero-copy exchange of tensors between torch and JAX through DLPack (SPEC sections 6 and 8).
+"""Zero-copy exchange of tensors between torch and JAX through DLPack (contract section 6 and 8).
 
     to_jax(x: torch.Tensor, *, copy=False, stream=None) -> jax.Array
     to_torch(x: jax.Array, *, copy=False, stream=None) -> torch.Tensor
 
 The result shares the input's memory: pointer identity holds (`to_jax(t).unsafe_buffer_pointer()
-== t.data_ptr()`), nothing is copied, on the CPU and on CUDA, for every dtype SPEC uses (float32,
+== t.data_ptr()`), nothing is copied, on the CPU and on CUDA, for every dtype the contract uses (float32,
 bfloat16, float16, int32, int8, uint8, bool; int64/float64 only with `jax_enable_x64`).
 
 What cannot be shared without a copy is refused with `CopyRequiredError` (a ValueError naming the
 tensor's shape, strides, dtype or address and the rule it breaks), unless `copy=True` permits a copy
-(SPEC section 8: `copy=True` permits a copy where zero-copy is impossible; a shareable tensor is
+(contract section 8: `copy=True` permits a copy where zero-copy is impossible; a shareable tensor is
 still shared):
   * strided views that are not a permutation of a dense block (`t[:, ::2]`, `t[:, 3:]`, `expand`):
     XLA buffers have no strides, only a dense layout (transposes are fine);
@@ -18,7 +18,7 @@ still shared):
     GPU kernels assume aligned parameters);
   * int64 / float64 / complex128 while `jax_enable_x64` is off: JAX would silently make a
     32-bit copy. With `copy=True` the tensor is converted on its device with an explicit
-    `.to(int32)` (and so on), which is what SPEC wants for index tensors (int32 everywhere);
+    `.to(int32)` (and so on), which is what the contract wants for index tensors (int32 everywhere);
     int64 values outside int32 are refused (ValueError) rather than wrapped, and finite float64
     values beyond float32's range rather than made infinite (reading the range is a device sync
     on CUDA);
@@ -31,7 +31,7 @@ Stream ordering on CUDA (DLPack's rule is "the consumer waits for the producer")
   * to_jax: JAX waits for the torch stream that *produced* `x`: `stream` if given (a
     `torch.cuda.Stream`), else torch's current stream on x's device. torch's own `__dlpack__` uses
     the current stream of the *current device* at export time, so a tensor written on a side stream
-    and exported outside that stream's context was read stale by JAX (ENV.md): pass `stream=`.
+    and exported outside that stream's context was read stale by JAX (measured on an H200 with torch 2.11 and JAX 0.11): pass `stream=`.
     Implementation: an event recorded on the producer stream, waited on by the stream JAX uses for
     external buffers (`get_stream_for_external_ready_events`); the imported buffer's definition
     event is recorded on that stream, so every JAX computation reading it waits.
@@ -58,7 +58,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import torch
@@ -121,7 +122,7 @@ def _import_capsule(capsule, device, stream, dl_type: int):
 _jax_devices: dict = {}
 
 
-def jax_device_for(device) -> "jax.Device":
+def jax_device_for(device) -> jax.Device:
     """The JAX device holding the memory of a torch device ("cpu", "cuda:1", torch.device)."""
     dev = torch.device(device)
     key = (dev.type, dev.index)
@@ -184,7 +185,7 @@ def _jax_ready_stream(jdev) -> int:
     return s
 
 
-def _wait_for_producer(jax_stream: int, producer: "torch.cuda.Stream", device: torch.device) -> None:
+def _wait_for_producer(jax_stream: int, producer: torch.cuda.Stream, device: torch.device) -> None:
     """Makes `jax_stream` wait for the work enqueued so far on torch stream `producer`."""
     cache = getattr(_tls, "events", None)
     if cache is None:
@@ -199,7 +200,7 @@ def _wait_for_producer(jax_stream: int, producer: "torch.cuda.Stream", device: t
     external.wait_event(event)
 
 
-def current_stream(index: int) -> "torch.cuda.Stream":
+def current_stream(index: int) -> torch.cuda.Stream:
     """torch's current stream on CUDA device `index`, as a Stream object.
 
     `torch.cuda.current_stream` builds a new Python object per call (~2-6 us on the H200 host);
@@ -243,7 +244,7 @@ def _is_compact(shape, strides) -> bool:
     return True
 
 
-def shareable_problem(x: torch.Tensor) -> Optional[str]:
+def shareable_problem(x: torch.Tensor) -> str | None:
     """Why `x` cannot be shared with JAX without a copy, or None when it can."""
     if x.requires_grad:
         return "it requires grad (detach it: JAX would not see autograd's updates)"
@@ -314,7 +315,7 @@ _DIRECT = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.int32, 
 _STRIDED = torch.strided
 
 
-def to_jax(x: torch.Tensor, *, copy: bool = False, stream: Optional["torch.cuda.Stream"] = None) -> jax.Array:
+def to_jax(x: torch.Tensor, *, copy: bool = False, stream: torch.cuda.Stream | None = None) -> jax.Array:
     """A `jax.Array` sharing `x`'s memory (zero-copy).
 
     Args:
@@ -425,7 +426,7 @@ def _export_alias(x):
     if _SHARD is not None:
         try:
             return _SHARD(x)
-        except Exception:  # noqa: BLE001 - a jax without it (or another array type): the public way
+        except Exception:
             pass
     return x.addressable_data(0)
 _SINGLE = jax.sharding.SingleDeviceSharding
@@ -433,7 +434,7 @@ _JAX_DTYPES = {jax.numpy.dtype(k): v for k, v in _JAX_TO_TORCH_DTYPE.items()}
 _targets: dict = {}  # JAX device -> (is_cuda, torch device), for shareable devices
 
 
-def _target(device) -> Optional[tuple]:
+def _target(device) -> tuple | None:
     found = _targets.get(device)
     if found is None:
         platform = device.platform
@@ -443,7 +444,7 @@ def _target(device) -> Optional[tuple]:
     return found
 
 
-def to_torch(x: jax.Array, *, copy: bool = False, stream: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
+def to_torch(x: jax.Array, *, copy: bool = False, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """A torch.Tensor sharing `x`'s memory (zero-copy). Treat it as read-only: JAX arrays are immutable.
 
     Args:
@@ -464,7 +465,7 @@ def to_torch(x: jax.Array, *, copy: bool = False, stream: Optional["torch.cuda.S
                 return _FROM_DLPACK(_EXPORT(_export_alias(x), stream=ptr))
             except TypeError as e:
                 _fast_path_off("export", e)
-            except Exception:  # noqa: BLE001 - deleted/donated and the like: diagnosed below
+            except Exception:
                 pass
     if isinstance(x, jax.core.Tracer):
         raise TypeError("to_torch needs a concrete jax.Array; it cannot run inside jax.jit (got a tracer: "
@@ -498,7 +499,7 @@ def _fast_path_off(direction: str, error: Exception) -> None:
                  "from now on", direction, type(error).__name__, error)
 
 
-def _torch_share_problem(x: jax.Array) -> Optional[str]:
+def _torch_share_problem(x: jax.Array) -> str | None:
     if x.is_deleted():
         return "it was deleted (or donated)"
     devices = x.devices()
@@ -592,7 +593,7 @@ def _shares_memory(source: Any, value: Any) -> bool:
         return True
     try:
         return value.unsafe_buffer_pointer() == source.data_ptr()
-    except Exception:  # noqa: BLE001 - no single buffer: not a view
+    except Exception:
         return False
 
 

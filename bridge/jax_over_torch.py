@@ -1,4 +1,4 @@
-"""The JAX API over torch's kernels: `JaxPunicaWrapper` and JAX-style ops (SPEC sections 5, 8).
+"""The JAX API over torch's kernels: `JaxPunicaWrapper` and JAX-style ops (contract section 5, 8).
 
 For a JAX program beside torch code that wants torch_lora's kernels (its Triton kernels on CUDA):
 JAX arrays in, new JAX arrays out (the inputs are never mutated), exactly `jax_lora`'s API, outside
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +104,7 @@ _keepalive = _KeepAlive()
 # ----------------------------------------------------------------------------- wrapper
 
 class JaxPunicaWrapper:
-    """jax_lora's PunicaWrapper API (SPEC section 5) computed by torch_lora's kernels, outside jit.
+    """jax_lora's PunicaWrapper API (contract section 5) computed by torch_lora's kernels, outside jit.
 
     Args:
       max_num_batched_tokens, max_batches, max_loras: as `jax_lora.PunicaWrapper`.
@@ -113,7 +114,7 @@ class JaxPunicaWrapper:
     """
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device=None, *, max_loras: int,
-                 backend: Optional[str] = None, **options: Any):
+                 backend: str | None = None, **options: Any):
         self.device = _jax_device(device)
         self.torch_device = torch_device_for(self.device)
         self.torch_wrapper = torch_lora.PunicaWrapper(max_num_batched_tokens, max_batches, self.torch_device,
@@ -128,7 +129,7 @@ class JaxPunicaWrapper:
         self._num_rows = 0
 
     # ------------------------------------------------------------------ metadata
-    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]], max_loras: int,
+    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_loras: int,
                         vocab_size: int, extra_vocab_size: int = 0, long_lora_context=None, **kwargs: Any) -> None:
         """As jax_lora's: the prompt mapping is padded to its bucket, then torch_lora uploads the step."""
         if not isinstance(mapping, LoRAMapping):
@@ -164,7 +165,7 @@ class JaxPunicaWrapper:
 
     @property
     def sampler_indices_padded(self) -> jax.Array:
-        """(R_padded,) int32 flat row indices `j + p_j * R_padded` (SPEC section 2)."""
+        """(R_padded,) int32 flat row indices `j + p_j * R_padded` (contract section 2)."""
         return self._index_prop("sampler_indices_padded")
 
     @property
@@ -333,7 +334,7 @@ def _torch_all(value, name: str):
 
 
 def _meta_args(meta, num_tokens: int) -> tuple:
-    """torch meta_args(T) from a jax_lora LoRAKernelMeta or its meta_args tuple (the seed's order)."""
+    """torch meta_args(T) from a jax_lora LoRAKernelMeta or its meta_args tuple (vLLM's order)."""
     if isinstance(meta, (list, tuple)):
         mapping, sorted_tokens, num_per, start, active, no_lora = meta
     else:
@@ -347,7 +348,7 @@ def _meta_args(meta, num_tokens: int) -> tuple:
             _as_torch(active, "meta"), _as_torch(no_lora, "meta").reshape(1))
 
 
-def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: Optional[str] = None,
+def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: str | None = None,
                 lora_ranks=None) -> jax.Array:
     """jax_lora.ops.lora_shrink over torch_lora.ops.lora_shrink: returns (S, T, r) float32."""
     x_t = _required(x, "x")
@@ -363,7 +364,7 @@ def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: Optional[str]
 
 
 def lora_expand(buf, lora_b_stacked, y, meta, offset_start: int = 0, add_inputs: bool = False, *,
-                backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+                backend: str | None = None, lora_ranks=None) -> jax.Array:
     """jax_lora.ops.lora_expand over torch_lora.ops.lora_expand: returns a new y."""
     out = _required(y, "y").clone(memory_format=torch.contiguous_format)
     buf_t = _required(buf, "buf")
@@ -374,7 +375,7 @@ def lora_expand(buf, lora_b_stacked, y, meta, offset_start: int = 0, add_inputs:
     return to_jax(out)
 
 
-def bgmv_shrink(x, w, idx, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+def bgmv_shrink(x, w, idx, scale: float = 1.0, *, backend: str | None = None, lora_ranks=None) -> jax.Array:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1."""
     x_t = _required(x, "x")
     res = tops.bgmv_shrink(x_t, _required(w, "w"), _as_torch(idx, "idx"), scale, backend=backend,
@@ -391,14 +392,14 @@ def _expand(fn, x, w, y, idx_args, tail, backend, lora_ranks) -> jax.Array:
     return to_jax(out)
 
 
-def bgmv_expand(x, w, y, idx, add_inputs: bool = True, *, backend: Optional[str] = None,
+def bgmv_expand(x, w, y, idx, add_inputs: bool = True, *, backend: str | None = None,
                 lora_ranks=None) -> jax.Array:
     """A new y with y[t, :c] (+)= (x[t] @ w[idx[t]].T)[:c]."""
     return _expand(tops.bgmv_expand, x, w, y, (_as_torch(idx, "idx"),), (add_inputs,), backend, lora_ranks)
 
 
 def bgmv_expand_slice(x, w, y, idx, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+                      backend: str | None = None, lora_ranks=None) -> jax.Array:
     """A new y with y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T."""
     return _expand(tops.bgmv_expand_slice, x, w, y, (_as_torch(idx, "idx"),), (y_offset, y_slice_size, add_inputs),
                    backend, lora_ranks)
@@ -436,7 +437,7 @@ def _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, m
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+                scale: float = 1.0, *, backend: str | None = None, lora_ranks=None) -> jax.Array:
     """bgmv_shrink with each segment's tokens using the segment's index."""
     x_t = _required(x, "x")
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
@@ -447,7 +448,7 @@ def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+                add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None) -> jax.Array:
     """bgmv_expand with each segment's tokens using the segment's index; returns a new y."""
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
     return _expand(tops.sgmv_expand, x, w, y, seg, (add_inputs,), backend, lora_ranks)
@@ -455,7 +456,7 @@ def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, ba
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                       token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: Optional[str] = None, lora_ranks=None) -> jax.Array:
+                      backend: str | None = None, lora_ranks=None) -> jax.Array:
     """bgmv_expand_slice with each segment's tokens using the segment's index; returns a new y."""
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
     return _expand(tops.sgmv_expand_slice, x, w, y, seg, (y_offset, y_slice_size, add_inputs), backend, lora_ranks)

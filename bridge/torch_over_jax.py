@@ -1,4 +1,4 @@
-"""The torch API over JAX's kernels: `TorchPunicaWrapper` and torch-style ops (SPEC sections 5, 8).
+"""The torch API over JAX's kernels: `TorchPunicaWrapper` and torch-style ops (contract section 5, 8).
 
 For a torch engine that wants jax_lora's kernels (its XLA and Triton paths, on the CPU or CUDA
 device that holds the torch tensors; torch cannot hold TPU memory): torch tensors in and out, `y`
@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -65,7 +66,7 @@ def _usable(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _index(t, name: str):
-    """An index tensor for JAX: int64 -> int32 explicitly (SPEC: int32 on every device), then shared
+    """An index tensor for JAX: int64 -> int32 explicitly (the contract: int32 on every device), then shared
     (copied when it cannot be shared: index arrays are a few hundred bytes, often views at odd offsets).
 
     int64 values outside int32 would wrap (2**32 + 1 -> slot 1): on the CPU they are refused; on CUDA,
@@ -84,7 +85,7 @@ def _index(t, name: str):
     return to_jax(_usable(t, name), copy=True)
 
 
-# dtypes that to_jax(copy=True) would narrow without jax_enable_x64: refused as SPEC dtypes instead.
+# dtypes that to_jax(copy=True) would narrow without jax_enable_x64: refused as dtypes outside the contract instead.
 _WIDE = frozenset({torch.float64, torch.complex128, torch.int64})
 
 
@@ -96,7 +97,7 @@ def _check_not_wide(t: torch.Tensor, name: str, allowed) -> None:
 # ----------------------------------------------------------------------------- wrapper
 
 class TorchPunicaWrapper:
-    """torch_lora's PunicaWrapper API (SPEC section 5) computed by jax_lora's kernels.
+    """torch_lora's PunicaWrapper API (contract section 5) computed by jax_lora's kernels.
 
     Args:
       max_num_batched_tokens, max_batches, device, max_loras: as `torch_lora.PunicaWrapper`; `device`
@@ -114,7 +115,7 @@ class TorchPunicaWrapper:
     """
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device="cpu", *, max_loras: int,
-                 backend: Optional[str] = None, copy: bool = False, jit: bool = False, **options: Any):
+                 backend: str | None = None, copy: bool = False, jit: bool = False, **options: Any):
         self.device = torch.device(device if device is not None else "cpu")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -130,13 +131,13 @@ class TorchPunicaWrapper:
         self.jit = bool(jit)
         self._jitted: dict = {}
         self._max_slot = -1
-        self._step: Optional[tuple] = None
+        self._step: tuple | None = None
         self._props: dict = {}
         self._num_tokens = 0
         self._num_rows = 0
 
     # ------------------------------------------------------------------ metadata
-    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]], max_loras: int,
+    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_loras: int,
                         vocab_size: int, extra_vocab_size: int = 0, long_lora_context=None, **kwargs: Any) -> None:
         """As torch_lora's: converts the mapping on the host, uploads the step (to the JAX device)."""
         self.jax_wrapper.update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
@@ -203,7 +204,7 @@ class TorchPunicaWrapper:
 
     @property
     def sampler_indices_padded(self) -> torch.Tensor:
-        """(R,) int32 flat row indices `j + p_j * R` (SPEC section 2), R unpadded."""
+        """(R,) int32 flat row indices `j + p_j * R` (contract section 2), R unpadded."""
         return self._unpadded_host()[1]
 
     @property
@@ -225,7 +226,7 @@ class TorchPunicaWrapper:
         return self._prop("prefill", make)
 
     # ------------------------------------------------------------------ conversions
-    def _act(self, t, name: str, mapped: Optional[int] = None, what: str = "tokens"):
+    def _act(self, t, name: str, mapped: int | None = None, what: str = "tokens"):
         """An activation: checked and shared with JAX (every call).
 
         Checks that it is a tensor on the wrapper's device and, when `mapped` is given, that its token
@@ -271,7 +272,7 @@ class TorchPunicaWrapper:
             _usable(stacked, name)
         return get(stacked, convert, name, None)
 
-    def _convert_weight(self, w, name: str, i: Optional[int]):
+    def _convert_weight(self, w, name: str, i: int | None):
         """A cache miss: the cache passes a detached alias of the caller's tensor."""
         label = name if i is None else f"{name}[{i}]"
         if not isinstance(w, torch.Tensor):
@@ -321,7 +322,7 @@ class TorchPunicaWrapper:
         return self._write_back(y, res)
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked, lora_bias_stacked,
-                        scale: float, output_slices: Sequence[int], *, buffer: Optional[torch.Tensor] = None,
+                        scale: float, output_slices: Sequence[int], *, buffer: torch.Tensor | None = None,
                         lora_ranks=None, **kwargs) -> torch.Tensor:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], in place; returns y.
 
@@ -338,7 +339,7 @@ class TorchPunicaWrapper:
         return self._write_back(y, res)
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
-                        lora_b_stacked: torch.Tensor, scale: float, *, buffer: Optional[torch.Tensor] = None,
+                        lora_b_stacked: torch.Tensor, scale: float, *, buffer: torch.Tensor | None = None,
                         lora_ranks=None, **kwargs) -> torch.Tensor:
         """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j, in place."""
         xj = self._act(x, "x", self._num_rows, "sampled rows")
@@ -425,7 +426,7 @@ def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
 
 def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tensor, token_lora_mapping,
                 token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids,
-                no_lora_flag, scaling: float, *, backend: Optional[str] = None, lora_ranks=None,
+                no_lora_flag, scaling: float, *, backend: str | None = None, lora_ranks=None,
                 copy: bool = False) -> torch.Tensor:
     """torch_lora.ops.lora_shrink over jax_lora.ops.lora_shrink: writes output_tensor (S, T, r), returns it."""
     require_tensors(inputs=inputs, output_tensor=output_tensor)
@@ -442,7 +443,7 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
 
 def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tensor, token_lora_mapping,
                 token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids,
-                no_lora_flag, offset_start: int = 0, add_inputs: bool = False, *, backend: Optional[str] = None,
+                no_lora_flag, offset_start: int = 0, add_inputs: bool = False, *, backend: str | None = None,
                 lora_ranks=None, copy: bool = False) -> torch.Tensor:
     """torch_lora.ops.lora_expand over jax_lora.ops.lora_expand: updates output_tensor in place, returns it."""
     require_tensors(inputs=inputs, output_tensor=output_tensor)
@@ -458,7 +459,7 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
 
 
 def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float = 1.0, *,
-                out: Optional[torch.Tensor] = None, backend: Optional[str] = None, lora_ranks=None,
+                out: torch.Tensor | None = None, backend: str | None = None, lora_ranks=None,
                 copy: bool = False) -> torch.Tensor:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T (a new tensor, or written into `out`)."""
     require_tensors(x=x, lora_a_weights=w)
@@ -480,7 +481,7 @@ def _expand_call(fn, x, w, y, idx_args, tail, copy, backend, lora_ranks, **kw):
 
 
 def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, add_inputs: bool = True, *,
-                backend: Optional[str] = None, lora_ranks=None, copy: bool = False) -> torch.Tensor:
+                backend: str | None = None, lora_ranks=None, copy: bool = False) -> torch.Tensor:
     """y[t, :c] (+)= (x[t] @ w[idx[t]].T)[:c], in place; returns y."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
@@ -489,7 +490,7 @@ def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Te
 
 
 def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, y_offset: int,
-                      y_slice_size: int, add_inputs: bool = True, *, backend: Optional[str] = None,
+                      y_slice_size: int, add_inputs: bool = True, *, backend: str | None = None,
                       lora_ranks=None, copy: bool = False) -> torch.Tensor:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T, in place; returns y."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)
@@ -524,7 +525,7 @@ def _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, m
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None, copy: bool = False):
+                scale: float = 1.0, *, backend: str | None = None, lora_ranks=None, copy: bool = False):
     """bgmv_shrink with each segment's tokens using the segment's index; returns a new (T, r) tensor.
 
     Segment arguments as in torch_lora.ops.sgmv_shrink: integer (B,) arrays of one length, integer
@@ -538,7 +539,7 @@ def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None, copy: bool = False):
+                add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None, copy: bool = False):
     """bgmv_expand with each segment's tokens using the segment's index; y in place. Segment
     arguments checked as in sgmv_shrink."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)
@@ -549,7 +550,7 @@ def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, ba
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                       token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: Optional[str] = None, lora_ranks=None, copy: bool = False):
+                      backend: str | None = None, lora_ranks=None, copy: bool = False):
     """bgmv_expand_slice with each segment's tokens using the segment's index; y in place. Segment
     arguments checked as in sgmv_shrink."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)

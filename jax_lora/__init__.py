@@ -1,6 +1,6 @@
 """jax_lora: multi-LoRA (Punica) ops, metadata and wrapper for JAX.
 
-Public names (SPEC section 8): LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
+Public names (contract section 8): LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
 PunicaWrapper; `jax_lora.ops` (lora_shrink, lora_expand, bgmv_*, sgmv_*); `jax_lora.nn` (Flax).
 
 Imports are lazy (`import jax_lora` loads nothing else until a name is used). The host mapping,

@@ -28,11 +28,9 @@ import os
 import sys
 import tempfile
 import time
-
 from collections.abc import Sequence
 
-from .demo_text import (DTYPES, TOKENIZER_FILES, ByteTokenizer, DemoError,  # noqa: F401 - the demo's helpers
-                        checkpoint_dtype, load_tokenizer)
+from .demo_text import DTYPES, TOKENIZER_FILES, ByteTokenizer, DemoError, checkpoint_dtype, load_tokenizer  # noqa: F401 - the demo's helpers
 
 RTOL = 1e-4          # float32 logits, relative to the request's largest |logit|
 # --dtype bfloat16 / float16: the served model (LoRA path beside the base layer) and the merged one

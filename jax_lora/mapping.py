@@ -1,4 +1,4 @@
-"""JAX-facing mapping functions: SPEC section 2's results as int32 `jax.Array`s.
+"""JAX-facing mapping functions: contract section 2's results as int32 `jax.Array`s.
 
 The conversion itself runs on the host (`host_mapping`, NumPy); these functions only place the
 results on a device.
@@ -6,7 +6,8 @@ results on a device.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +26,11 @@ from .ops import dispatch
 __all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta"]
 
 
-def convert_mapping(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]], max_loras: int,
-                    vocab_size: int, extra_vocab_size: int, long_lora_context: Optional[Any] = None,
+def convert_mapping(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_loras: int,
+                    vocab_size: int, extra_vocab_size: int, long_lora_context: Any | None = None,
                     *vllm_args: Any, device=None):
     """(base_indices (T,), sampler_indices (R,), sampler_indices_padded (R,), embeddings_indices
-    (2, T), long_lora_indices (T,) or None, indices_len) as int32 jax arrays; see SPEC section 2.
+    (2, T), long_lora_indices (T,) or None, indices_len) as int32 jax arrays; see contract section 2.
 
     `device`: a jax Device, a Sharding, a platform string ("cpu", "tpu") or None (the default device).
     vLLM's order `(..., extra_vocab_size, device, long_lora_context=None)` is accepted too: a str,

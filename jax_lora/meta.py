@@ -1,4 +1,4 @@
-"""Kernel metadata: tokens grouped by adapter (SPEC section 3), built by one jitted function.
+"""Kernel metadata: tokens grouped by adapter (contract section 3), built by one jitted function.
 
 From a per-token index array `m` (slot or -1) of fixed capacity `max_num_tokens`, of which the
 first `num_tokens` entries are real:
@@ -11,7 +11,7 @@ first `num_tokens` entries are real:
                                         present), padded with -1 to max_loras + 1
   num_tokens_per_lora[i]              = count of active_lora_ids[i] (0 for padding)
   lora_token_start_loc                = [0, cumsum(num_tokens_per_lora)] over the active ids, then
-                                        0 (the seed's padding; length max_loras + 2); group i's
+                                        0 (vLLM's padding; length max_loras + 2); group i's
                                         tokens are sorted[start[i]:start[i] + num_tokens_per_lora[i]]
   no_lora                             = no real token has a slot (a device bool scalar)
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +41,7 @@ __all__ = ["LoRAKernelMeta", "build_kernel_meta"]
 
 @functools.partial(jax.jit, static_argnames=("max_loras",))
 def build_kernel_meta(token_lora_mapping: jax.Array, num_tokens: jax.Array, *, max_loras: int
-                      ) -> "LoRAKernelMeta":
+                      ) -> LoRAKernelMeta:
     """Builds LoRAKernelMeta from a (max_num_tokens,) int32 index buffer and the real token count.
 
     Args:
@@ -70,7 +69,7 @@ def build_kernel_meta(token_lora_mapping: jax.Array, num_tokens: jax.Array, *, m
     active_present = present[order]
     active_lora_ids = jnp.where(active_present, order - 1, -1).astype(jnp.int32)
     num_tokens_per_lora = jnp.where(active_present, counts[order], 0).astype(jnp.int32)
-    # [0, cumsum of the active ids' counts], then 0 past the active ids (the seed's padding).
+    # [0, cumsum of the active ids' counts], then 0 past the active ids (vLLM's padding).
     lora_token_start_loc = jnp.concatenate(
         [jnp.zeros(1, jnp.int32), jnp.where(active_present, jnp.cumsum(num_tokens_per_lora, dtype=jnp.int32), 0)])
     # Step 4: token order grouped by bin; stable so tokens keep their order inside a group.
@@ -87,7 +86,7 @@ class LoRAKernelMeta:
 
     Shapes: token_lora_mapping, token_indices_sorted_by_lora_ids: (max_num_tokens,);
     active_lora_ids, num_tokens_per_lora: (max_loras + 1,); lora_token_start_loc: (max_loras + 2,);
-    no_lora: () bool. The arrays are immutable; `prepare_tensors` rebinds them (the seed's in-place
+    no_lora: () bool. The arrays are immutable; `prepare_tensors` rebinds them (vLLM's in-place
     API) and returns the object, so `meta.prepare_tensors(m)` and `meta = meta.prepare_tensors(m)`
     both work.
     """
@@ -101,7 +100,7 @@ class LoRAKernelMeta:
 
     def __init__(self, token_lora_mapping, token_indices_sorted_by_lora_ids, active_lora_ids, num_tokens_per_lora,
                  lora_token_start_loc, no_lora=None, *, no_lora_flag_cpu=None):
-        """The fields in the seed's order; the no-LoRA flag as `no_lora` or by the seed's keyword
+        """The fields in vLLM's order; the no-LoRA flag as `no_lora` or by vLLM's keyword
         `no_lora_flag_cpu` (one of them)."""
         if (no_lora is None) == (no_lora_flag_cpu is None):
             raise TypeError("LoRAKernelMeta takes the no-LoRA flag once: as no_lora or as no_lora_flag_cpu")
@@ -119,7 +118,7 @@ class LoRAKernelMeta:
         return self.token_lora_mapping.shape[0]
 
     @staticmethod
-    def make(max_loras: int, max_num_tokens: int, device=None) -> "LoRAKernelMeta":
+    def make(max_loras: int, max_num_tokens: int, device=None) -> LoRAKernelMeta:
         """Metadata for `max_num_tokens` tokens and `max_loras` slots, every token without LoRA."""
         if max_loras < 1 or max_num_tokens < 1:
             raise ValueError(f"max_loras and max_num_tokens must be >= 1, got {max_loras}, {max_num_tokens}")
@@ -127,12 +126,12 @@ class LoRAKernelMeta:
                                  max_loras=max_loras)
         if device is None:
             return meta
-        from .ops.dispatch import resolve_device  # noqa: PLC0415 - ops imports this module
+        from .ops.dispatch import resolve_device
         return jax.device_put(meta, resolve_device(device))
 
     @staticmethod
-    def build(token_lora_mapping, max_loras: int, max_num_tokens: Optional[int] = None,
-              num_tokens=None) -> "LoRAKernelMeta":
+    def build(token_lora_mapping, max_loras: int, max_num_tokens: int | None = None,
+              num_tokens=None) -> LoRAKernelMeta:
         """Metadata for a (T,) index array, padded to `max_num_tokens` (default T) capacity.
 
         `num_tokens` (default T) may be a traced scalar when called inside jit. Values known on the
@@ -157,10 +156,10 @@ class LoRAKernelMeta:
         n = jnp.int32(t) if num_tokens is None else jnp.asarray(num_tokens, jnp.int32)
         return build_kernel_meta(m, n, max_loras=max_loras)
 
-    def prepare_tensors(self, token_lora_mapping) -> "LoRAKernelMeta":
-        """The seed's `prepare_tensors`: this metadata (same capacity) for a (T,) mapping; returns self.
+    def prepare_tensors(self, token_lora_mapping) -> LoRAKernelMeta:
+        """vLLM's `prepare_tensors`: this metadata (same capacity) for a (T,) mapping; returns self.
 
-        As in the seed the object is updated in place (its fields are rebound to the new arrays;
+        As in vLLM the object is updated in place (its fields are rebound to the new arrays;
         arrays already taken from it, or pytrees flattened from it, keep the old values). Called
         inside jit on an object made outside (a closure), the traced result is only returned:
         storing tracers in it would leak them.
@@ -174,17 +173,17 @@ class LoRAKernelMeta:
 
     @property
     def no_lora_flag_cpu(self) -> jax.Array:
-        """The seed's name for `no_lora` (here a device scalar, never read back to the host)."""
+        """vLLM's name for `no_lora` (here a device scalar, never read back to the host)."""
         return self.no_lora
 
     def meta_args(self, token_nums: int) -> tuple:
         """(token_lora_mapping[:T], token_indices_sorted_by_lora_ids[:T], num_tokens_per_lora,
-        lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums, the seed's order."""
+        lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums, vLLM's order."""
         return (self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
                 self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora)
 
 
-def _host_mapping(m) -> Optional[np.ndarray]:
+def _host_mapping(m) -> np.ndarray | None:
     """An integer mapping's values when they are on the host already (NumPy, a sequence, a
     concrete array on CPU devices); None otherwise (a tracer, an accelerator array, not integers)."""
     if isinstance(m, jax.Array):

@@ -1,4 +1,4 @@
-"""Flax NNX multi-adapter layers driven by the PunicaWrapper (SPEC sections 5 and 8).
+"""Flax NNX multi-adapter layers driven by the PunicaWrapper (contract section 5 and 8).
 
 Every layer keeps its base layer (`.base`, an `nnx.Linear` / `nnx.Embed`, untouched) and adds the
 stacked per-slot adapter weights as `LoRAWeight` variables, in the layouts the wrapper takes:

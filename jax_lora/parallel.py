@@ -1,6 +1,6 @@
 """Tensor parallelism for the multi-LoRA layers: each device runs the ops on its shard.
 
-Math. A layer computes y = x W + sum over tokens' adapters of (x A^T) B^T (SPEC section 4, per
+Math. A layer computes y = x W + sum over tokens' adapters of (x A^T) B^T (contract section 4, per
 slice). Over n devices of one mesh axis (default "tp"), device d holds one block of W and of the
 adapter weights; the LoRA part is written so that each device calls the wrapper on local arrays
 inside `jax.shard_map`, and the only collectives are the ones below. Shapes: T tokens, S slices,
@@ -74,8 +74,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import nn as lnn
 from .ops import dispatch
-from .parallel_layouts import (KINDS, LAYOUTS, LayoutBytes, check_layout, choose_layout, layer_bytes,
-                               split_problem)
+from .parallel_layouts import KINDS, LAYOUTS, LayoutBytes, check_layout, choose_layout, layer_bytes, split_problem
 
 __all__ = [
     "KINDS",

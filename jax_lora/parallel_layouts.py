@@ -8,7 +8,7 @@ writes the formulas out). `jax_lora.parallel` places and runs the layouts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 # kind -> its layouts (the first is the one shard_plain_layer splits a plain base like).
 LAYOUTS = {

@@ -9,12 +9,12 @@ host; between steps the host reads the (rows,) next tokens to schedule the next 
 
 Shapes are bucketed, so one compiled program serves every step of a bucket:
   prefill: (rows, length) with rows = max(next power of two of the admitted requests,
-           min_prefill_rows = 8 by default, the seed's rule), capped at max_seqs; length =
+           min_prefill_rows = 8 by default, vLLM's rule), capped at max_seqs; length =
            max(min_prefill_len, next power of two of the longest prompt);
   decode:  (max_seqs, 1), every row, the cache read and written in place (rows=None: no gather of
            the KV rows); a free row writes its ignored token's key and value at position 0 of its
            own row, which the next request placed there overwrites in its prefill before any read.
-The wrapper's buffers have fixed lengths (the prompt mapping padded by the seed's rule, max(next
+The wrapper's buffers have fixed lengths (the prompt mapping padded by vLLM's rule, max(next
 power of two, 8) rows); padded tokens and rows use LoRA id 0 (no adapter) and never change real rows.
 Adapters are swapped by AdapterManager between steps with same-shape writes: no recompilation.
 `compile_count` counts the compiled step programs.
@@ -39,10 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import nn as lnn
-from .adapters import AdapterManager
 from lora_core import checks
 from lora_core.host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
+
+from . import nn as lnn
+from .adapters import AdapterManager
 from .models.llama import init_cache
 from .wrapper import PunicaWrapper
 
@@ -118,7 +119,7 @@ class ServingEngine:
       max_len: positions per row (prompt + generated tokens must fit).
       max_prefill_tokens: most tokens (padded rows x padded length) in one prefill step.
       min_prefill_len: smallest prefill length bucket.
-      min_prefill_rows: smallest prefill row bucket (default 8, the seed's MIN_NUM_SEQS; capped at
+      min_prefill_rows: smallest prefill row bucket (default 8, vLLM's MIN_NUM_SEQS; capped at
         max_seqs): fewer buckets, fewer compilations.
       keep_logits: return each generated token's logits (for verification).
       backend: the PunicaWrapper backend (None: the device's default).

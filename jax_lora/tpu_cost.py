@@ -2,7 +2,7 @@
 
 No TPU was available to measure, so this counts what each formulation must move through HBM, how
 many grid steps the kernels run and how much VMEM a step holds, for the anchor sweep of
-BENCHMARKS.md (bf16, hidden 4096, `add_lora_linear` = shrink + expand, s1 = one 4096 slice,
+docs/benchmarks.md (bf16, hidden 4096, `add_lora_linear` = shrink + expand, s1 = one 4096 slice,
 s3 = 4096 + 1024 + 1024). Tiling comes from the kernels' own planners (`plan_shrink`,
 `plan_expand`), and group/tile counts from the kernels' own schedule rule on a sampled mapping.
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -80,8 +80,8 @@ class Case:
     rank: int
     prefill: bool = False
     frac_none: float = 0.0
-    ranks: Optional[tuple] = None  # heterogeneous: the rank of each adapter (max = rank)
-    resident: Optional[int] = None  # slots loaded; default max(8, D) as in the sweep
+    ranks: tuple | None = None  # heterogeneous: the rank of each adapter (max = rank)
+    resident: int | None = None  # slots loaded; default max(8, D) as in the sweep
 
     @property
     def slots(self) -> int:
@@ -89,7 +89,7 @@ class Case:
 
 
 def sweep_cases() -> list:
-    """The anchor sweep of BENCHMARKS.md (decode, prefill, heterogeneous ranks)."""
+    """The anchor sweep of docs/benchmarks.md (decode, prefill, heterogeneous ranks)."""
     cases = []
     for t in (1, 8, 32, 128, 512):
         for d in sorted({1, min(t, 8), min(t, 32 if t <= 32 else 64)}):
@@ -222,7 +222,7 @@ def onehot_cost(case: Case, outs: Sequence[int], b_layout: str = "rn") -> Cost:
 
 
 def minimal_bytes(case: Case, outs: Sequence[int]) -> float:
-    """BENCHMARKS.md's minimal bytes (tokens with a LoRA only, true ranks)."""
+    """docs/benchmarks.md's minimal bytes (tokens with a LoRA only, true ranks)."""
     idx = sample_mapping(case)
     t_l = int((idx >= 0).sum())
     d = len(set(idx[idx >= 0].tolist()))
@@ -240,7 +240,7 @@ def _round_up(v: int, m: int) -> int:
 OUTS = {"s1": (4096,), "s3": (4096, 1024, 1024)}
 
 
-def rows(shape: str = "s1", b_layout: str = "rn", cases: Optional[list] = None) -> list:
+def rows(shape: str = "s1", b_layout: str = "rn", cases: list | None = None) -> list:
     """One dict per case (default: the sweep): bytes (MB), steps, VMEM (KiB), us on v5e / v6e."""
     out = []
     for case in (sweep_cases() if cases is None else cases):
@@ -261,7 +261,7 @@ def rows(shape: str = "s1", b_layout: str = "rn", cases: Optional[list] = None) 
     return out
 
 
-def markdown(shape: str = "s1", b_layout: str = "rn", cases: Optional[list] = None) -> str:
+def markdown(shape: str = "s1", b_layout: str = "rn", cases: list | None = None) -> str:
     head = ("| case | slots | min MB | grouped MB | one-hot MB | one-hot / grouped | row order (shrink / expand) | grid steps "
             "(shrink+expand) | tiles | VMEM/step KiB | grouped us v5e | one-hot us v5e | grouped us v6e "
             "| one-hot us v6e |\n|" + "---|" * 14)
@@ -275,7 +275,7 @@ def markdown(shape: str = "s1", b_layout: str = "rn", cases: Optional[list] = No
     return "\n".join(lines)
 
 
-def summary(shape: str, b_layout: str, cases: Optional[list] = None) -> str:
+def summary(shape: str, b_layout: str, cases: list | None = None) -> str:
     """Geometric means of one-hot / grouped (bytes, estimated time) and how many cases grouped wins."""
     rs = rows(shape, b_layout, cases)
     out = [f"{shape}, B {b_layout}: bytes one-hot/grouped geomean "

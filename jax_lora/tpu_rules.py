@@ -18,8 +18,8 @@ performance question answered by `lane_utilization`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 __all__ = ["LANES", "SUBLANES", "BlockShapeError", "BlockUse", "block_shape_problem",
            "check_block_spec", "check_blocks", "lane_utilization"]
@@ -41,11 +41,11 @@ class BlockUse:
     block_shape: tuple  # entries: int or None (squeezed dim)
 
 
-def _dims(block_shape: Sequence[Optional[int]]) -> tuple:
+def _dims(block_shape: Sequence[int | None]) -> tuple:
     return tuple(1 if d is None else int(d) for d in block_shape)
 
 
-def block_shape_problem(array_shape: Sequence[int], block_shape: Sequence[Optional[int]]) -> Optional[str]:
+def block_shape_problem(array_shape: Sequence[int], block_shape: Sequence[int | None]) -> str | None:
     """None when the block is legal for the array, else a sentence saying which rule breaks."""
     array_shape, block = tuple(int(d) for d in array_shape), _dims(block_shape)
     if len(array_shape) != len(block):
@@ -67,7 +67,7 @@ def block_shape_problem(array_shape: Sequence[int], block_shape: Sequence[Option
     return None
 
 
-def check_block_spec(name: str, array_shape: Sequence[int], block_shape: Sequence[Optional[int]]) -> None:
+def check_block_spec(name: str, array_shape: Sequence[int], block_shape: Sequence[int | None]) -> None:
     """Raises BlockShapeError naming the operand when its block breaks the TPU rules."""
     problem = block_shape_problem(array_shape, block_shape)
     if problem is not None:
@@ -84,7 +84,7 @@ def check_blocks(uses: Iterable[BlockUse]) -> int:
     return n
 
 
-def lane_utilization(block_shape: Sequence[Optional[int]]) -> float:
+def lane_utilization(block_shape: Sequence[int | None]) -> float:
     """Fraction of the 128 lanes the block's last dim fills once Mosaic pads it to whole lane tiles."""
     last = _dims(block_shape)[-1]
     return last / (-(-last // LANES) * LANES)

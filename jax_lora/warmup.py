@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +29,9 @@ from lora_core.warmup import LinearShape, Progress, check_warmup, variants_of, v
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
 
-def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = None, *, dtype=jnp.bfloat16,
+def warmup(wrapper, layers: Sequence, token_counts: Sequence[int] | None = None, *, dtype=jnp.bfloat16,
            lora_ranks: bool = False, bias: bool = False, dora: bool = False, progress: bool = True,
-           workers: Optional[int] = None) -> dict:
+           workers: int | None = None) -> dict:
     """Lowers `add_lora_linear` once per (token count, layer); returns {"calls", "seconds",
     "token_counts", "workers"}.
 

@@ -1,4 +1,4 @@
-"""PunicaWrapper for JAX: vLLM's multi-LoRA wrapper API (SPEC section 5), functional and jittable.
+"""PunicaWrapper for JAX: vLLM's multi-LoRA wrapper API (contract section 5), functional and jittable.
 
 The wrapper holds one step's index arrays, padded to fixed buffer lengths so that their shapes
 never change (one compiled program per bucket). It is a pytree with one leaf, the step's int32
@@ -19,7 +19,8 @@ the real token count are treated as "no LoRA", so padded rows never change and c
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ import numpy as np
 
 from lora_core import checks
 from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
+
 from .meta import LoRAKernelMeta
 from .ops import as_array, as_lora_ranks, as_slices, check_same_device, dispatch, to_3d
 
@@ -39,7 +41,7 @@ __all__ = ["PunicaWrapper"]
 
 @jax.tree_util.register_pytree_node_class
 class PunicaWrapper:
-    """Multi-LoRA wrapper over the JAX ops (SPEC section 5).
+    """Multi-LoRA wrapper over the JAX ops (contract section 5).
 
     Args:
       max_num_batched_tokens: token capacity T_max of one step (index buffers have this length).
@@ -55,7 +57,7 @@ class PunicaWrapper:
     """
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device=None, *, max_loras: int,
-                 backend: Optional[str] = None, deterministic: bool = False, **options: Any):
+                 backend: str | None = None, deterministic: bool = False, **options: Any):
         checks.check_wrapper_sizes(max_num_batched_tokens=max_num_batched_tokens, max_batches=max_batches,
                                    max_loras=max_loras, options=options, logger="jax_lora")
         self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -91,7 +93,7 @@ class PunicaWrapper:
         return obj
 
     # ------------------------------------------------------------------ metadata (host)
-    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]],
+    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[int | None],
                         max_loras: int, vocab_size: int, extra_vocab_size: int = 0,
                         long_lora_context=None, **kwargs: Any) -> None:
         """Converts `mapping` on the host and uploads this step in one transfer (no kernel runs).
@@ -131,7 +133,7 @@ class PunicaWrapper:
 
     @property
     def token_meta(self) -> LoRAKernelMeta:
-        """Kernel metadata of the tokens (SPEC section 3), capacity max_num_batched_tokens."""
+        """Kernel metadata of the tokens (contract section 3), capacity max_num_batched_tokens."""
         return self._meta("token_meta")
 
     @property
@@ -166,12 +168,12 @@ class PunicaWrapper:
 
     @property
     def sampler_indices_padded(self) -> jax.Array:
-        """(R_padded,) int32 flat row indices `j + p_j * R_padded` (SPEC section 2)."""
+        """(R_padded,) int32 flat row indices `j + p_j * R_padded` (contract section 2)."""
         return self._narrow("sampler_padded", _N_SAMPLER_PADDED)
 
     @property
     def embeddings_indices(self) -> jax.Array:
-        """(2, T) int32 embedding-table offsets (SPEC section 2)."""
+        """(2, T) int32 embedding-table offsets (contract section 2)."""
         return self._narrow("embeddings", _N_EMBEDDINGS)
 
     @property
@@ -208,7 +210,7 @@ class PunicaWrapper:
     def no_lora(self):
         return _host_bool(self._tail()[_NO_LORA] != 0)
 
-    # ------------------------------------------------------------------ the TPU seed's per-token ops
+    # ------------------------------------------------------------------ vLLM's TPU wrapper's per-token ops
     # bgmv_shrink / bgmv_expand / bgmv_expand_slice with each token's slot taken from this step's
     # token_lora_indices (through the token kernel metadata); positions past the mapped tokens
     # count as "no LoRA", as in every op of the wrapper.
@@ -247,7 +249,7 @@ class PunicaWrapper:
 
     @staticmethod
     def _seed_expand_inputs(y, x, w_t_all) -> tuple:
-        """y, x, w_t_all as jax arrays, host float64 (or other dtypes outside SPEC section 4) refused
+        """y, x, w_t_all as jax arrays, host float64 (or other dtypes outside contract section 4) refused
         rather than narrowed in silence (as every other entry point)."""
         return (as_array("y", y, checks.ACTIVATION_DTYPES), as_array("x", x, checks.ACTIVATION_DTYPES),
                 as_array("w_t_all", w_t_all, checks.WEIGHT_DTYPES))
@@ -472,7 +474,7 @@ class PunicaWrapper:
                                         lora_ranks=lora_ranks,
                                         dora_scale_stacked=None if dora_scale is None else
                                         tuple(dora_scale[i] for i in b_index))
-        from .ops import triton as triton_ops  # noqa: PLC0415 - the backend that reads views
+        from .ops import triton as triton_ops
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
         x2 = _flatten_tokens(as_array("x", x, checks.ACTIVATION_DTYPES), "x")

@@ -2,9 +2,9 @@
 
 Everything here is shared by `jax_lora` and `torch_lora` and imports neither JAX nor PyTorch:
 
-- `host_mapping`: SPEC sections 2-3 on the host (LoRAMapping -> index arrays -> kernel metadata,
+- `host_mapping`: contract section 2-3 on the host (LoRAMapping -> index arrays -> kernel metadata,
   and `StepLayout`, a whole step packed into one int32 block).
-- `checks`: the public-boundary argument checks and their messages (SPEC section 6).
+- `checks`: the public-boundary argument checks and their messages (contract section 6).
 - `peft`: PEFT LoRA adapters read as NumPy (adapter_config.json against an allowlist of fields,
   adapter_model.safetensors with its header checked before any data is read), for both sides.
 - `backend_registry`: how each side's `ops.dispatch` names and finds its backends.

@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import os
 from collections.abc import Iterable
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +70,7 @@ class SlotTable:
         raise NotImplementedError
 
     # -------------------------------------------------------------- registry
-    def register(self, lora_id: int, adapter: Union[str, os.PathLike, PeftAdapter], name: Optional[str] = None) -> None:
+    def register(self, lora_id: int, adapter: str | os.PathLike | PeftAdapter, name: str | None = None) -> None:
         """Makes `lora_id` name `adapter`, read and checked now. Re-registering an id hot-swaps it:
         when it is in a slot, the same slot gets the new weights. A bad adapter raises AdapterError
         and changes nothing (the id keeps its previous adapter, if any)."""
@@ -119,13 +119,13 @@ class SlotTable:
         their own per-slot ranks, which the kernels read (they skip the zero padding)."""
         return np.array([self._ranks.get(i, 0) if i is not None else 0 for i in self._slots], np.int32)
 
-    def slot_of(self, lora_id: int) -> Optional[int]:
+    def slot_of(self, lora_id: int) -> int | None:
         return self._slots.index(lora_id) if lora_id in self._slots else None
 
-    def can_activate(self, ids: Iterable[Optional[int]]) -> bool:
+    def can_activate(self, ids: Iterable[int | None]) -> bool:
         return len({i for i in ids if i}) <= self.num_slots
 
-    def activate(self, ids: Iterable[Optional[int]]) -> list:
+    def activate(self, ids: Iterable[int | None]) -> list:
         """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
 
         Free slots first, then the least recently used slots whose adapter is not in `ids`.
@@ -181,7 +181,7 @@ class SlotTable:
             self._slot_use.pop(lora_id, None)
             self.stats["unloads"] += 1
 
-    def _write(self, slot: int, prepared, lora_id: Optional[int] = None) -> None:
+    def _write(self, slot: int, prepared, lora_id: int | None = None) -> None:
         self._write_slot(slot, prepared)
         if lora_id is not None:
             self._slots[slot] = lora_id
@@ -234,7 +234,7 @@ class SlotTable:
         return self._prepare_uncounted(adapter)
 
 
-def _file_stamps(src) -> Optional[tuple]:
+def _file_stamps(src) -> tuple | None:
     """(name, size, modification time in ns) of the files directly in a source directory, sorted;
     None for a PeftAdapter (held in memory) or a directory that cannot be listed."""
     if isinstance(src, PeftAdapter):

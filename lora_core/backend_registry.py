@@ -30,7 +30,7 @@ class BackendRegistry:
                 raise RuntimeError(f"backend {name!r} is not available on this machine: {e}") from e
         return self._loaded[name]
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - registries live for the process
+    @functools.cache  # noqa: B019 - registries live for the process
     def log_choice(self, name: str, where: str, why: str) -> None:
         """Says once per (backend, device, reason) which backend runs and why."""
         self.log.info("backend %r on %s (%s)", name, where, why)
@@ -40,6 +40,6 @@ class BackendRegistry:
         self._warn_fallback(wanted, instead, where, f"{type(error).__name__}: {error}")
         return instead
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.cache  # noqa: B019
     def _warn_fallback(self, wanted: str, instead: str, where: str, why: str) -> None:
         self.log.warning("backend %r cannot run on %s, using %r instead: %s", wanted, where, instead, why)

@@ -1,4 +1,4 @@
-"""Argument checks shared by both sides (SPEC section 6), on shapes and dtype names only.
+"""Argument checks shared by both sides (contract section 6), on shapes and dtype names only.
 
 Framework-free: callers pass shapes as tuples and dtypes as their string names, so the same
 messages come from `jax_lora` and `torch_lora`. Every error names the argument, what was expected
@@ -11,17 +11,18 @@ import logging
 import math
 import numbers
 import operator
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-# SPEC section 4: activations fp16/bf16/fp32; weights fp16/bf16 (fp32 on reference paths too).
+# contract section 4: activations fp16/bf16/fp32; weights fp16/bf16 (fp32 on reference paths too).
 ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
 INDEX_DTYPES = ("int32", "int64", "int16", "int8", "uint8")
-# SPEC section 4: the shrink buffer (add_lora_linear's and add_lora_logits' `buffer`) is float32.
+# contract section 4: the shrink buffer (add_lora_linear's and add_lora_logits' `buffer`) is float32.
 SHRINK_BUFFER_DTYPES = ("float32",)
-# SPEC section 1: indices are int32 on every device.
+# contract section 1: indices are int32 on every device.
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 # Backends whose kernels need a rank of at least this (a zero-width rank block cannot be tiled).
 MIN_RANK = {"pallas_tpu": 1}
@@ -186,7 +187,7 @@ def check_lora_ranks_values(name: str, lo: int, slot: int) -> None:
                          f"got {lo} for slot {slot}")
 
 
-def first_repeat(ids: Sequence[Any], label: str, why: str) -> Optional[tuple[int, int]]:
+def first_repeat(ids: Sequence[Any], label: str, why: str) -> tuple[int, int] | None:
     """(i, j), j < i, for the first id equal to an earlier one (ids[i] == ids[j]), or None.
     An unhashable id is a TypeError naming `label.format(i)` and saying `why` it must hash."""
     first: dict = {}
@@ -222,8 +223,8 @@ def check_slice_widths(output_slices: Sequence[int], widths: Sequence[int], arg_
                          f"{tuple(widths)}")
 
 
-def check_bias(bias_shapes: Sequence[Optional[Sequence[int]]], output_slices: Sequence[int],
-               num_slots: int, arg="lora_bias_stacked", bias_dtypes: Optional[Sequence[Any]] = None) -> None:
+def check_bias(bias_shapes: Sequence[Sequence[int] | None], output_slices: Sequence[int],
+               num_slots: int, arg="lora_bias_stacked", bias_dtypes: Sequence[Any] | None = None) -> None:
     """Bias entries (None, or (L, n_s) / (L, 1, n_s)) against the slices; dtypes, when given, must be
     weight dtypes (a float dtype: an integer bias would be reinterpreted or refused by a kernel)."""
     if len(bias_shapes) != len(output_slices):
@@ -240,9 +241,9 @@ def check_bias(bias_shapes: Sequence[Optional[Sequence[int]]], output_slices: Se
                              f"{width}), got {shape}")
 
 
-def check_dora_scales(scale_shapes: Sequence[Optional[Sequence[int]]], scale_dtypes: Sequence[Any],
+def check_dora_scales(scale_shapes: Sequence[Sequence[int] | None], scale_dtypes: Sequence[Any],
                       output_slices: Sequence[int], num_slots: int,
-                      bias_present: Optional[Sequence[bool]] = None, arg="dora_scale_stacked") -> None:
+                      bias_present: Sequence[bool] | None = None, arg="dora_scale_stacked") -> None:
     """DoRA column scales (lora_core.dora): one entry per slice, each None or (L, n_s) / (L, 1, n_s)
     of a float dtype. bias_present, when given, says per slice whether a LoRA bias is given too:
     a slice takes one or the other (the kernels' epilogue holds one vector; a DoRA adapter has no
@@ -262,7 +263,7 @@ def check_dora_scales(scale_shapes: Sequence[Optional[Sequence[int]]], scale_dty
                              f"({arg}[{s}]); a slice takes one (a DoRA adapter has no LoRA bias in PEFT)")
 
 
-def check_indices(name: str, shape: Sequence[int], dtype: Any, num_tokens: Optional[int] = None) -> None:
+def check_indices(name: str, shape: Sequence[int], dtype: Any, num_tokens: int | None = None) -> None:
     check_ndim(name, shape, (1,), "1-D (one index per token)")
     check_dtype(name, dtype, INDEX_DTYPES)
     if num_tokens is not None and int(shape[0]) < num_tokens:
@@ -279,7 +280,7 @@ def check_index_values(name: str, lo: int, hi: int, num_slots: int, arg_w: str) 
 
 
 def check_int32_range(name: str, lo: int, hi: int) -> None:
-    """lo/hi: min and max of host integer values that become int32 (SPEC section 1). A value outside
+    """lo/hi: min and max of host integer values that become int32 (contract section 1). A value outside
     int32 would wrap around in the conversion (2**32 + 1 would become 1), so it is refused."""
     for v in (lo, hi):
         if not INT32_MIN <= v <= INT32_MAX:

@@ -1,10 +1,10 @@
-"""Host-side mapping from user LoRA ids to slot indices (SPEC section 2), in plain NumPy.
+"""Host-side mapping from user LoRA ids to slot indices (contract section 2), in plain NumPy.
 
 Both sides build their index arrays here, on the host, before anything reaches a device:
 `jax_lora` turns the results into `jax.Array`s, `torch_lora` into `torch.Tensor`s. This module
 imports neither framework, so `torch_lora` can use it without importing JAX.
 
-Words (SPEC section 1): a *slot* is a row of the stacked weights (`0 .. num_slots-1`); a *LoRA id*
+Words (contract section 1): a *slot* is a row of the stacked weights (`0 .. num_slots-1`); a *LoRA id*
 is a positive integer naming an adapter (`0`, or any id <= 0, means "no LoRA"); an *index* is the
 slot of a token's adapter, or `-1` for no LoRA. All index arrays are int32.
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -104,10 +105,10 @@ def next_power_of_two(n: int) -> int:
     return 1 if n <= 1 else 2 ** math.ceil(math.log2(n))
 
 
-def pad_prompt_mapping(prompt_mapping: Sequence[int], capacity: Optional[int] = None) -> tuple[int, ...]:
+def pad_prompt_mapping(prompt_mapping: Sequence[int], capacity: int | None = None) -> tuple[int, ...]:
     """Pads a prompt mapping with -1 to `max(next_power_of_two(n), MIN_NUM_SEQS)` entries.
 
-    This is the TPU seed's shape bucketing: one compiled program serves every batch whose number of
+    This is vLLM's TPU wrapper's shape bucketing: one compiled program serves every batch whose number of
     sampled rows falls in the same bucket. `capacity`, when given, caps the padded length (a buffer
     of that many rows holds it); the padded entries mean "no LoRA" and never change real rows.
     """
@@ -118,7 +119,7 @@ def pad_prompt_mapping(prompt_mapping: Sequence[int], capacity: Optional[int] = 
     return tuple(prompt_mapping) + (-1,) * (padded - n)
 
 
-def _slot_table(lora_index_to_id: Sequence[Optional[int]]) -> "_SlotTable":
+def _slot_table(lora_index_to_id: Sequence[int | None]) -> _SlotTable:
     """LoRA id -> slot lookup, cached per slot list (it changes only when adapters are loaded)."""
     if lora_index_to_id is None or isinstance(lora_index_to_id, (str, bytes)):
         raise TypeError("lora_index_to_id must be a sequence with one entry per slot (a LoRA id, or None for an "
@@ -199,7 +200,7 @@ def _slots_of(name: str, ids: Sequence[int], table: _SlotTable, num_slots_allowe
 
 @dataclasses.dataclass(frozen=True)
 class HostIndices:
-    """The six results of `convert_mapping`, as NumPy int32 arrays (SPEC section 2).
+    """The six results of `convert_mapping`, as NumPy int32 arrays (contract section 2).
 
     base_indices: (T,) slot per token, -1 for no LoRA ("token_lora_indices").
     sampler_indices: (R,) slot per sampled row, -1 for no LoRA.
@@ -213,7 +214,7 @@ class HostIndices:
     sampler_indices: np.ndarray
     sampler_indices_padded: np.ndarray
     embeddings_indices: np.ndarray
-    long_lora_indices: Optional[np.ndarray]
+    long_lora_indices: np.ndarray | None
     indices_len: list
 
     def as_tuple(self):
@@ -223,13 +224,13 @@ class HostIndices:
 
 def convert_mapping_host(
     mapping: LoRAMapping,
-    lora_index_to_id: Sequence[Optional[int]],
+    lora_index_to_id: Sequence[int | None],
     max_loras: int,
     vocab_size: int,
     extra_vocab_size: int,
-    long_lora_context: Optional[Any] = None,
+    long_lora_context: Any | None = None,
 ) -> HostIndices:
-    """Converts a LoRAMapping to slot-index arrays on the host (SPEC section 2).
+    """Converts a LoRAMapping to slot-index arrays on the host (contract section 2).
 
     Args:
       mapping: LoRA id per token (`index_mapping`, length T) and per sampled row (`prompt_mapping`,
@@ -254,8 +255,8 @@ def convert_mapping_args(sixth: Any, rest: tuple, device: Any, is_device) -> tup
     """(long_lora_context, device) from `convert_mapping`'s arguments after `extra_vocab_size`.
 
     Both orders are accepted: this project's `(..., extra_vocab_size, long_lora_context=None, *,
-    device=None)` and vLLM's `(..., extra_vocab_size, device, long_lora_context=None)` (the TPU
-    seed calls `convert_mapping(mapping, ids, max_loras, vocab, extra, "cpu", long_lora_context)`).
+    device=None)` and vLLM's `(..., extra_vocab_size, device, long_lora_context=None)` (vLLM's TPU
+    wrapper calls `convert_mapping(mapping, ids, max_loras, vocab, extra, "cpu", long_lora_context)`).
     `sixth` is the sixth positional argument, `rest` the ones after it, `device` the keyword;
     `is_device(v)` says whether a value is a device of the caller's framework (a str counts).
     """
@@ -311,7 +312,7 @@ def _convert_ids(index_ids: Sequence[int], prompt_ids: Sequence[int], lora_index
 
     emb_slot = np.where(base == -1, 0, base).astype(np.int64)
     embeddings = np.stack([emb_slot * extra_vocab_size, emb_slot * (vocab_size + extra_vocab_size)])
-    embeddings[embeddings == -1] = max_loras - 1  # the seed's rule; unreachable for ids > 0
+    embeddings[embeddings == -1] = max_loras - 1  # vLLM's rule; unreachable for ids > 0
 
     long_lora = None
     if long_lora_context is not None:
@@ -334,7 +335,7 @@ def _convert_ids(index_ids: Sequence[int], prompt_ids: Sequence[int], lora_index
 
 @dataclasses.dataclass(frozen=True)
 class PrefillMeta:
-    """Segments of consecutive equal token indices (SGMV metadata, SPEC section 2).
+    """Segments of consecutive equal token indices (SGMV metadata, contract section 2).
 
     seq_start_locs: (B,) int32 first token of each segment.
     seq_lengths: (B,) int32 tokens in each segment.
@@ -405,14 +406,14 @@ class HostStep:
                 p.seq_start_locs, p.seq_lengths, p.lora_indices_per_batch)
 
 
-def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]], max_loras: int,
-                 vocab_size: int, extra_vocab_size: int, long_lora_context: Optional[Any], *,
+def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_loras: int,
+                 vocab_size: int, extra_vocab_size: int, long_lora_context: Any | None, *,
                  max_num_batched_tokens: int, max_batches: int, num_slots: int,
                  pad_prompt: bool) -> HostStep:
-    """`update_metadata`'s host half, shared by both wrappers (SPEC sections 2 and 6).
+    """`update_metadata`'s host half, shared by both wrappers (contract section 2 and 6).
 
     Checks the mapping against the wrapper's capacities (tokens, sampled rows, prefill segments) and
-    slot count, pads the prompt mapping when `pad_prompt` (the TPU seed's bucketing), converts it,
+    slot count, pads the prompt mapping when `pad_prompt` (vLLM's TPU wrapper's bucketing), converts it,
     and computes prefill segments for prefill mappings only (vLLM: a decode step has none).
     """
     if not isinstance(mapping, LoRAMapping):
@@ -440,7 +441,7 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]]
 
 
 def kernel_meta_host(token_lora_mapping: np.ndarray, max_loras: int, capacity: int) -> dict:
-    """SPEC section 3's kernel metadata computed on the host, equal to `jax_lora.meta.build_kernel_meta`
+    """contract section 3's kernel metadata computed on the host, equal to `jax_lora.meta.build_kernel_meta`
     and to torch's `LoRAKernelMeta.prepare_tensors` for the same mapping (tests check all three).
 
     The wrappers have every step's mapping on the host anyway (it comes from a LoRAMapping), so they
@@ -462,7 +463,7 @@ def kernel_meta_host(token_lora_mapping: np.ndarray, max_loras: int, capacity: i
     active[:k] = present - 1
     num = np.zeros(max_loras + 1, np.int32)
     num[:k] = counts[present]
-    start = np.zeros(max_loras + 2, np.int32)   # 0 past the active ids (the seed's padding)
+    start = np.zeros(max_loras + 2, np.int32)   # 0 past the active ids (vLLM's padding)
     start[1:k + 1] = np.cumsum(num[:k])
     mapping = np.full(capacity, -1, np.int32)
     mapping[:n] = m
@@ -486,7 +487,7 @@ class StepLayout:
       token_meta.* and prompt_meta.*: mapping (t), sorted (t), active (L+1), num (L+1), start (L+2),
                                       no_lora (1)   (the kernel metadata of the tokens / sampled rows)
 
-    Index arrays are zero-padded to their capacity (the TPU seed's padding). Every segment starts
+    Index arrays are zero-padded to their capacity (vLLM's TPU wrapper's padding). Every segment starts
     at a multiple of ALIGN int32s (16 bytes; the gaps are zeros): a kernel argument pointing into
     the device block is then 16-byte aligned, which Triton specialises on (vectorised loads, and
     torch_lora's direct launch path takes only aligned pointers).
@@ -535,7 +536,7 @@ class StepLayout:
                             max_batches=self.b, num_slots=self.max_loras, pad_prompt=pad_prompt)
         return self.fill(np.empty(self.size, np.int32), step)
 
-    def fill(self, block: np.ndarray, step: "HostStep") -> np.ndarray:
+    def fill(self, block: np.ndarray, step: HostStep) -> np.ndarray:
         """Writes `step` (indices, segments, tail and both kernel metadata) into the int32 NumPy
         array `block` (length `size`); returns it."""
         block[:] = 0

@@ -1,4 +1,4 @@
-"""Checks of the SGMV segment arguments (SPEC sections 2, 4 and 6), shared by both sides and the bridge.
+"""Checks of the SGMV segment arguments (contract section 2, 4 and 6), shared by both sides and the bridge.
 
 An SGMV op takes the prefill metadata (seq_start_locs (B,), seq_lengths (B,), lora_indices_per_batch
 (B,), batch_size, max_length, token_nums): segment i covers tokens [seq_start_locs[i],
@@ -25,7 +25,8 @@ contributes nothing.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,7 @@ def as_segment_array(name: str, value: Any, native: tuple) -> Any:
 
 
 def check_segment_args(arrays: Sequence[Any], batch_size: Any, max_length: Any, token_nums: Any,
-                       num_tokens: int, readable) -> tuple[int, Optional[int]]:
+                       num_tokens: int, readable) -> tuple[int, int | None]:
     """Everything an SGMV op checks without reading the arrays' values: the three arrays' dtypes
     and lengths, and the three scalars (`readable(value)`: whether a scalar can be read without a
     host sync). Returns (the arrays' length, batch_size or None where it is not readable)."""
@@ -92,7 +93,7 @@ def check_segment_args(arrays: Sequence[Any], batch_size: Any, max_length: Any, 
     return length, b
 
 
-def as_count(name: str, value: Any, readable: bool = True) -> Optional[int]:
+def as_count(name: str, value: Any, readable: bool = True) -> int | None:
     """An integer scalar >= 0 (batch_size, max_length, token_nums): a Python int, a NumPy integer,
     or a 0-d integer array / tensor. Returns its value, or None when `readable` is False (a traced
     value, or one on an accelerator: only its dtype and shape are checked).
@@ -119,21 +120,21 @@ def as_count(name: str, value: Any, readable: bool = True) -> Optional[int]:
     return count
 
 
-def check_batch_size(batch_size: Optional[int], length: int) -> None:
+def check_batch_size(batch_size: int | None, length: int) -> None:
     """batch_size (None: not readable, unchecked) must not exceed the segment arrays' length."""
     if batch_size is not None and batch_size > length:
         raise ValueError(f"batch_size is {batch_size}, but seq_start_locs, seq_lengths and lora_indices_per_batch "
                          f"have only {length} entries (one per segment)")
 
 
-def check_token_nums(token_nums: Optional[int], num_tokens: int) -> None:
+def check_token_nums(token_nums: int | None, num_tokens: int) -> None:
     """token_nums (None: not readable, unchecked) must not exceed the tokens of x."""
     if token_nums is not None and token_nums > num_tokens:
         raise ValueError(f"token_nums={token_nums} exceeds the {num_tokens} tokens of x")
 
 
-def check_segment_values(starts: np.ndarray, lengths: np.ndarray, loras: Optional[np.ndarray], batch_size: int,
-                         num_tokens: int, num_slots: Optional[int] = None) -> None:
+def check_segment_values(starts: np.ndarray, lengths: np.ndarray, loras: np.ndarray | None, batch_size: int,
+                         num_tokens: int, num_slots: int | None = None) -> None:
     """Host values of the first `batch_size` segments: a ValueError naming the argument for a
     negative length or start, a segment past the `num_tokens` tokens of x, two segments sharing a
     token, or (when `loras` and `num_slots` are given) a slot outside -1 .. num_slots-1.

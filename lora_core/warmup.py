@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 __all__ = ["LinearShape", "vllm_capture_sizes", "Progress", "check_warmup_arguments", "check_warmup_epilogue",
            "check_warmup", "case_variants", "variants_of", "warmup_groups",
@@ -76,7 +76,7 @@ def check_warmup_arguments(layers: Sequence, token_counts: Sequence[int], max_nu
     return shapes, counts
 
 
-def check_warmup(layers: Sequence, token_counts: Optional[Sequence[int]], max_num_batched_tokens: int, *,
+def check_warmup(layers: Sequence, token_counts: Sequence[int] | None, max_num_batched_tokens: int, *,
                  bias, dora, workers, compiles: bool) -> tuple:
     """(layers as LinearShapes, token counts, workers) of one `warmup` call after checking its
     arguments (ValueError / TypeError naming the argument). token_counts None: vLLM's capture sizes
@@ -144,7 +144,7 @@ class Progress:
 
 def case_variants(shape: LinearShape, num_tokens: int, slots: int, dtype: str, *, bias: bool = False,
                   dora: bool = False, lora_ranks: bool = False, deterministic: bool = False,
-                  device: Optional[str] = None) -> frozenset:
+                  device: str | None = None) -> frozenset:
     """Identities of the Triton kernel variants one `add_lora_linear` of `shape` at `num_tokens`
     compiles on `device` (None: the GPU present), planned on the host without an array.
 
@@ -257,7 +257,7 @@ def default_workers(compiles: bool) -> int:
 
 
 def run_workers(module: str, payloads: Sequence[dict], *, timeout: float = 600.0,
-                env: Optional[dict] = None) -> list:
+                env: dict | None = None) -> list:
     """Runs `python -m <module> --warmup-worker <payload as JSON>` once per payload, concurrently,
     and waits for all (each at most `timeout` seconds). Returns per worker {"ok", "seconds",
     "error"}; never raises: a failed worker is logged (the caller's own pass compiles what it left)."""

@@ -11,14 +11,15 @@ Fields an entry may set:
          uses its smallest shapes and skips the hypothesis sweep.
   torch_device: where the torch side's tensors live; None: CUDA when a GPU is present (the compiled
          Triton kernels), else the CPU (the Triton interpreter). JAX arrays go to JAX's default device.
-  seed_methods: the wrapper has the TPU seed's per-token `shrink` / `expand` / `expand_slice`
+  seed_methods: the wrapper has vLLM's TPU wrapper's per-token `shrink` / `expand` / `expand_slice`
          (False for the bridged wrappers, which offer only the `add_*` methods).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -56,13 +57,13 @@ def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
 class Impl:
     name: str
     side: str                      # "jax" or "torch"
-    backend: Optional[str]         # forced backend, or None for the device default
+    backend: str | None         # forced backend, or None for the device default
     dtypes: tuple = ALL_DTYPES
     small: bool = False
-    wrapper_factory: Optional[Callable[..., Any]] = None  # (T, B, L, backend) -> wrapper
-    ops_module: Optional[Any] = None                      # defaults to the side's ops
+    wrapper_factory: Callable[..., Any] | None = None  # (T, B, L, backend) -> wrapper
+    ops_module: Any | None = None                      # defaults to the side's ops
     marks: tuple = ()
-    torch_device: Optional[str] = None
+    torch_device: str | None = None
     seed_methods: bool = True
 
     def __str__(self):

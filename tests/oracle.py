@@ -1,4 +1,4 @@
-"""The float64 NumPy oracle: SPEC sections 2-5 written as plainly as possible, loops included.
+"""The float64 NumPy oracle: contract section 2-5 written as plainly as possible, loops included.
 
 Every implementation in the conformance suite is compared to these functions. Inputs are NumPy
 arrays already rounded to the implementation's dtype (so the oracle sees the same values), and all
@@ -72,7 +72,7 @@ def segments_to_indices(starts, lengths, loras, num_tokens):
 
 def convert_mapping(index_mapping, prompt_mapping, lora_index_to_id, max_loras, vocab_size,
                     extra_vocab_size, offsets_by_lora_id=None):
-    """SPEC section 2, literally."""
+    """contract section 2, literally."""
     def slot(i):
         return lora_index_to_id.index(i) if i > 0 else -1
 
@@ -102,7 +102,7 @@ def compute_meta(idx):
 
 
 def kernel_meta(idx, max_loras):
-    """SPEC section 3 for a mapping of exactly T tokens."""
+    """contract section 3 for a mapping of exactly T tokens."""
     idx = list(idx)
     ids = sorted(set(idx))
     counts = [idx.count(i) for i in ids]

@@ -26,8 +26,12 @@ import torch.distributed as dist
 import torch_lora
 import torch_lora.parallel
 from torch_lora import LoRAMapping
-from torch_lora.parallel import (ColumnParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA,
-                                 QKVParallelLinearWithLoRA, RowParallelLinearWithLoRA)
+from torch_lora.parallel import (
+    ColumnParallelLinearWithLoRA,
+    MergedColumnParallelLinearWithLoRA,
+    QKVParallelLinearWithLoRA,
+    RowParallelLinearWithLoRA,
+)
 from torch_lora.parallel.layout import even_range, qkv_ranges
 
 from . import oracle

@@ -1,4 +1,4 @@
-"""SPEC section 6: every bad input gets a clear error naming the argument, on both sides."""
+"""contract section 6: every bad input gets a clear error naming the argument, on both sides."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def setup(impl, num_tokens=6, hidden=32, rank=8, slices=(16, 8), slots=3, capaci
     w = impl.wrapper(capacity, 4, slots)
     ids = [11, 12, 13][:slots]
     w.update_metadata(LoRAMapping((11, 0, 13, 12, 11, 0)[:num_tokens], (11,)), ids, slots + 1, 32, 0)
-    f = lambda *s: impl.arr(rng.standard_normal(s).astype(np.float32), "float32")  # noqa: E731
+    f = lambda *s: impl.arr(rng.standard_normal(s).astype(np.float32), "float32")
     x = f(num_tokens, hidden)
     a = [f(slots, 1, rank, hidden) for _ in slices]
     b = [f(slots, 1, n, rank) for n in slices]
@@ -167,7 +167,7 @@ def test_bad_mapping_and_sizes(impl):
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
 def test_shape_errors_in_ops(impl):
     rng = np.random.default_rng(2)
-    f = lambda *s: impl.arr(rng.standard_normal(s).astype(np.float32), "float32")  # noqa: E731
+    f = lambda *s: impl.arr(rng.standard_normal(s).astype(np.float32), "float32")
     with pytest.raises(ValueError, match=r"x must be 2-D"):
         impl.ops.bgmv_shrink(f(2, 3, 16), f(2, 4, 16), impl.idx([0, 1]), 1.0)
     with pytest.raises(ValueError, match=r"lora_b_weights must have shape"):
@@ -212,6 +212,7 @@ def test_torch_tensors_on_different_devices():
 
 def test_jax_arrays_on_different_devices():
     import jax
+
     import jax_lora
     devices = jax.devices("cpu")
     if len(devices) < 2:

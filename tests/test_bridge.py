@@ -86,7 +86,7 @@ def test_public_fallback_path_shares_memory_too(monkeypatch):
 
 
 def test_shared_buffer_is_shared():
-    """ENV.md: a torch write into an exported tensor changes the JAX value (documented, not a bug)."""
+    """a torch write into an exported tensor changes the JAX value (documented, not a bug)."""
     t = torch.zeros(16)
     a = bridge.to_jax(t)
     t[3] = 5.0
@@ -168,7 +168,7 @@ def test_compact_predicate_matches_jaxlib():
         try:
             jnp.from_dlpack(v, copy=False)
             jax_ok = True
-        except Exception:  # noqa: BLE001
+        except Exception:
             jax_ok = False
         assert dlpack._is_compact(v.shape, v.stride()) == jax_ok, (tuple(v.shape), v.stride())
         checked += 1
@@ -244,7 +244,7 @@ def _case(seed=0, dtype="bfloat16", tokens=11, hidden=64, rank=16, slices=(24, 8
     ids = [101, None, 103, 104]
     idx = rng.choice([0, 2, 3, -1], size=tokens)
     mapping = LoRAMapping(tuple(0 if i < 0 else ids[i] for i in idx), tuple(0 if i < 0 else ids[i] for i in idx[:5]))
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
     return dict(mapping=mapping, ids=ids, x=f(tokens, hidden), y=f(tokens, sum(slices) + 3),
                 a=[f(slots, 1, rank, hidden) / 8 for _ in slices], b=[f(slots, 1, n, rank) / 4 for n in slices],
                 bias=[f(slots, n) for n in slices], slices=slices, dtype=dtype, slots=slots, rank=rank)
@@ -424,7 +424,7 @@ def _calls(side, c, w, ops, meta_for, seg):
     a, b, bias = ([side(v) for v in c[k]] for k in ("a", "b", "bias"))
     rng = np.random.default_rng(7)
     buf = side(rng.standard_normal((len(s), 11, c["rank"])).astype(np.float32), "float32")
-    fresh = lambda: side(c["y"])  # noqa: E731 - torch calls update y in place: a new y per call
+    fresh = lambda: side(c["y"])
     a0, b0 = a[0], b[0]
     idx = c["idx"]
     yield "add_shrink", lambda: w.add_shrink(side(np.zeros((len(s), 11, c["rank"]), np.float32), "float32"), x, a,
@@ -457,7 +457,7 @@ def _torch_side(c, dtype, bridged):
     w = (bridge.TorchPunicaWrapper if bridged else tl.PunicaWrapper)(16, 8, "cpu", max_loras=c["slots"])
     w.update_metadata(c["mapping"], c["ids"], c["slots"] + 1, 32)
     ops = bridge.torch_over_jax if bridged else tl.ops
-    conv = lambda v, dt=dtype: torch.from_numpy(np.asarray(v, np.float32)).to(getattr(torch, dt)).clone()  # noqa
+    conv = lambda v, dt=dtype: torch.from_numpy(np.asarray(v, np.float32)).to(getattr(torch, dt)).clone()
     c = dict(c, idx=torch.from_numpy(c["idx_np"]).clone())
     meta = tl.LoRAKernelMeta.make(c["slots"], 16, "cpu")
     meta.prepare_tensors(c["idx"])
@@ -476,7 +476,7 @@ def _jax_side(c, dtype, bridged):
     w = (bridge.JaxPunicaWrapper if bridged else jax_lora.PunicaWrapper)(16, 8, "cpu", max_loras=c["slots"])
     w.update_metadata(c["mapping"], c["ids"], c["slots"] + 1, 32)
     ops = bridge.jax_over_torch if bridged else jax_lora.ops
-    conv = lambda v, dt=dtype: jnp.asarray(np.asarray(v, np.float32)).astype(dt)  # noqa: E731
+    conv = lambda v, dt=dtype: jnp.asarray(np.asarray(v, np.float32)).astype(dt)
     c = dict(c, idx=jnp.asarray(c["idx_np"]))
     meta = jax_lora.LoRAKernelMeta.build(c["idx"], c["slots"], 16)
 

@@ -5,7 +5,7 @@
 - int64 values outside int32 are refused, not wrapped, where they are converted on the host.
 - `TorchPunicaWrapper(copy=True)`: a weight that has to be copied is copied on every call, so writes
   torch's version counter cannot see (`.data`, a NumPy alias, an inference tensor) are seen.
-- float64 is refused as on the native side (SPEC section 4 dtypes), not narrowed to float32.
+- float64 is refused as on the native side (contract section 4 dtypes), not narrowed to float32.
 """
 
 from __future__ import annotations

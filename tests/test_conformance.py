@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext, pad_prompt_mapping
+from lora_core.host_mapping import LongContextLoRAContext, LoRAMapping, pad_prompt_mapping
 
 from . import oracle
 from .impls import IMPLS, round_to
@@ -226,7 +226,7 @@ def test_all_tokens_without_lora(impl):
     np.testing.assert_array_equal(got, y0.astype(np.float64))
 
 
-# ----------------------------------------------------------------------------- the TPU seed's per-token methods
+# ----------------------------------------------------------------------------- vLLM's TPU wrapper's per-token methods
 
 @pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
 def test_seed_shrink_expand_expand_slice(impl, dtype):
@@ -281,7 +281,7 @@ def test_index_properties(impl, long_lora):
     base, sampler, padded, emb, longl, _ = oracle.convert_mapping(
         index_mapping, prompt, lora_index_to_id, max_loras, vocab, extra,
         ctx.offsets_by_lora_id if long_lora else None)
-    as_list = lambda a: np.asarray(impl.to_np(a)).astype(np.int64).tolist()  # noqa: E731
+    as_list = lambda a: np.asarray(impl.to_np(a)).astype(np.int64).tolist()
     assert as_list(w.token_lora_indices) == base
     assert as_list(w.sampler_indices) == sampler
     assert as_list(w.sampler_indices_padded) == padded

@@ -8,7 +8,7 @@ computed with clean values:
     empty slot has rank 0: all of it), and so is every expand-buffer value past a token's rank;
   - "other_adapter": one adapter that the batch does use holds a NaN in A, an Inf in B and a -Inf in
     its bias: its own rows must show it (non-finite, the poison is not hidden), every other row is clean.
-In every mode: no-LoRA rows are bit-for-bit unchanged (0 in shrink buffers, SPEC section 4), and
+In every mode: no-LoRA rows are bit-for-bit unchanged (0 in shrink buffers, contract section 4), and
 expand buffers / embedding inputs hold NaN on no-LoRA rows (those rows are never read). The cut-off
 part of a LoRA vocabulary wider than the logits (never read) is NaN too. The cases are small (the
 interpreters are slow); the dtype is each implementation's first.

@@ -100,7 +100,7 @@ def run_ops(impl, traffic: Traffic, x, y, buf, idx, ops=OPS, make_wrapper=_side_
     b0 = impl.arr(traffic.lora_b[0], dt)                       # (L, 1, n_0, r): the one-slice ops
     kw = dict(backend=impl.backend, deterministic=True)
     n, torch_side = len(idx), impl.side == "torch"
-    fresh_y = lambda: impl.arr(y, dt)  # noqa: E731
+    fresh_y = lambda: impl.arr(y, dt)
     buf0 = impl.arr(buf[0], "float32")
     segments = oracle.compute_meta(idx.tolist())[:6]
     seg = tuple(impl.idx(v) for v in segments[:3]) + tuple(segments[3:])
@@ -241,6 +241,7 @@ def test_deterministic_must_be_a_bool(impl):
 def test_triton_linear_refuses_fused_and_deterministic():
     torch = pytest.importorskip("torch")
     import jax.numpy as jnp
+
     from jax_lora.ops import triton as jax_triton
     from torch_lora.ops import triton as torch_triton
     y, x = torch.zeros(2, 16), torch.zeros(2, 16)

@@ -5,12 +5,11 @@ away from their initial norms) loaded by lora_core.peft, column scales computed 
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_lora.adapters import AdapterError, AdapterManager, merge_adapter, load_peft_adapter
+from jax_lora.adapters import AdapterError, AdapterManager, load_peft_adapter, merge_adapter
 from jax_lora.models import add_lora, load_llama
 from jax_lora.serving import Request, ServingEngine
 

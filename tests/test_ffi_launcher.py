@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lora_core.kernels import cuda_launch
 from jax_lora.ops import ffi_launcher
+from lora_core.kernels import cuda_launch
 
 _NAMES = itertools.count()
 

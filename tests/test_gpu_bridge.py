@@ -1,8 +1,8 @@
 """GPU tests of the bridge (issue 5), marked `gpu`: run on the lent H200 with PYTHONPATH=. .
 
-  * zero-copy on CUDA by pointer identity, both directions, every dtype SPEC uses;
+  * zero-copy on CUDA by pointer identity, both directions, every dtype the contract uses;
   * stream ordering: a tensor written on a side stream after a long device-side sleep, exported
-    outside that stream's context with `stream=side`, is read fresh by JAX (ENV.md: torch's own
+    outside that stream's context with `stream=side`, is read fresh by JAX (torch's own
     export path read it stale); the reverse: a slow JAX computation read by torch on a side stream;
   * what CUDA refuses (a view 4 bytes past an allocation: XLA assumes aligned parameters);
   * both bridged wrappers on CUDA give the native call's result, y's memory is kept (torch) / the
@@ -56,7 +56,7 @@ def test_cuda_zero_copy_both_ways(dtype):
 
 @pytest.mark.parametrize("path", ["fast", "public"])
 def test_side_stream_producer_is_waited_for(path, monkeypatch):
-    """ENV.md's stale read: written on a side stream, exported outside its context."""
+    """The stale read: written on a side stream, exported outside its context."""
     bridge = _bridge()
     if path == "public":  # the fallback through jax.dlpack.from_dlpack orders streams the same way
         monkeypatch.setitem(bridge.dlpack._fast, "import", False)
@@ -136,7 +136,7 @@ def test_cuda_refusals():
 def _case(T=24, H=512, R=16, slices=(256, 64, 64), L=4, dtype=torch.bfloat16, seed=0):
     from lora_core.host_mapping import LoRAMapping
     g = torch.Generator(device="cuda").manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)  # noqa: E731
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)
     ids = [7, None, 9, 11]
     rng = np.random.default_rng(seed)
     idx = rng.choice([0, 2, 3, -1], size=T)

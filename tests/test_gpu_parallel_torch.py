@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(cuda_devices() < 1, reason="needs a CUDA GPU"),
               pytest.mark.skipif(not __import__("torch").distributed.is_nccl_available(), reason="needs NCCL")]
 
-# float32 runs the kernels in IEEE fp32; the tolerance is SPEC section 4's for GPUs
+# float32 runs the kernels in IEEE fp32; the tolerance is contract section 4's for GPUs
 TOL = {"float32": 1e-3, "bfloat16": 2e-2}
 
 

@@ -478,7 +478,7 @@ def test_jax_triton_under_jit(fused, jax_launcher):
     y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
     offsets = (0, 1500, 1800)
     ref = _ref_linear(y, x, a, b, idx, 0.5, offsets, rk.cpu(), c)
-    j = lambda t: jnp.from_dlpack(t.contiguous())  # noqa: E731
+    j = lambda t: jnp.from_dlpack(t.contiguous())
     jm = JMeta.build(jnp.asarray(idx), L, T + 3)
     ja, jb = tuple(j(t) for t in a), tuple(j(t) for t in b)
     jc = tuple(None if t is None else j(t) for t in c)
@@ -503,7 +503,7 @@ def test_jax_chained_calls_under_jit_match_separate_calls(jax_launcher):
     from jax_lora.ops import triton as jax_triton_backend
     T, H, R, L, steps = 16, 2048, 16, 4, 12
     x, a, b, idx, _, _, _ = _setup(T, H, R, (H,), L, 4, torch.bfloat16, 13, frac_none=0.0)
-    j = lambda t: jnp.from_dlpack(t.contiguous())  # noqa: E731
+    j = lambda t: jnp.from_dlpack(t.contiguous())
     jm = JMeta.build(jnp.asarray(idx), L, T)
     ja, jb = (j(a[0]),), (j(b[0]),)
     ys = jnp.asarray(np.random.default_rng(13).standard_normal((steps, T, H)), jnp.bfloat16)
@@ -566,7 +566,7 @@ def test_tuned_table_multi_tile_configs_torch_and_jax(case):
     y_t = y.clone()
     torch_triton.linear(y_t, x, a, b, meta.meta_args(T), 0.5, offsets)
     assert _err(y_t, ref) < 2e-2
-    j = lambda t: jnp.from_dlpack(t.contiguous())  # noqa: E731
+    j = lambda t: jnp.from_dlpack(t.contiguous())
     jm = JMeta.build(jnp.asarray(idx), L, T)
     ja, jb = tuple(j(t) for t in a), tuple(j(t) for t in b)
     out = jax.jit(lambda y_, x_, m_: jax_triton_backend.linear(y_, x_, ja, jb, m_, 0.5, offsets))(j(y), j(x), jm)

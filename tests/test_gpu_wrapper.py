@@ -35,7 +35,7 @@ def test_torch_wrapper_on_cuda_never_syncs(backend):
     ids = [11, 12, 13, 14]
     mapping = torch_lora.LoRAMapping(tuple(0 if i < 0 else ids[i] for i in idx), (11, 0, 14))
     dev = torch.device("cuda")
-    t = lambda v: torch.from_numpy(v).to(dev, torch.bfloat16)  # noqa: E731
+    t = lambda v: torch.from_numpy(v).to(dev, torch.bfloat16)
     ta, tb, tx, ty = tuple(t(v) for v in a), tuple(t(v) for v in b), t(x), t(y)
     w = torch_lora.PunicaWrapper(64, 16, dev, max_loras=4, backend=backend)
     w.update_metadata(mapping, ids, 5, 1000)

@@ -1,4 +1,4 @@
-"""Hostile inputs (SPEC section 6): values a conversion used to change in silence, and arguments whose
+"""Hostile inputs (contract section 6): values a conversion used to change in silence, and arguments whose
 error named nothing, get a ValueError/TypeError naming the argument, what was expected and what was
 received, at the public boundary of both sides. Also: the torch wrapper's cached plan follows a
 weight whose storage is swapped (`.data =`, `set_`)."""
@@ -46,7 +46,7 @@ def setup(impl, slices=(8, 4), rank=4, hidden=16, slots=3, num_tokens=4):
     rng = np.random.default_rng(0)
     w = impl.wrapper(8, 4, slots)
     w.update_metadata(LoRAMapping((11, 0, 13, 12)[:num_tokens], (11,)), [11, 12, 13][:slots], slots + 1, 32, 0)
-    f = lambda *s: impl.arr(rng.standard_normal(s).astype(np.float32), "float32")  # noqa: E731
+    f = lambda *s: impl.arr(rng.standard_normal(s).astype(np.float32), "float32")
     x = f(num_tokens, hidden)
     a = [f(slots, 1, rank, hidden) for _ in slices]
     b = [f(slots, 1, n, rank) for n in slices]
@@ -178,6 +178,7 @@ def test_lora_index_to_id_none(impl):
 
 def test_rank_zero_weights_on_pallas_tpu_are_refused_before_dispatch():
     import jax.numpy as jnp
+
     import jax_lora
     w = jax_lora.PunicaWrapper(8, 4, None, max_loras=3, backend="pallas_tpu")
     w.update_metadata(LoRAMapping((11, 0, 13, 12), (11,)), [11, 12, 13], 4, 32, 0)
@@ -332,7 +333,7 @@ def test_bias_with_none_entries_in_add_lora_linear(impl):
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
 def test_float64_is_refused_with_the_same_message_on_both_sides(impl):
-    """SPEC section 4 dtypes: torch refuses float64; JAX must too, not narrow NumPy float64 to float32."""
+    """contract section 4 dtypes: torch refuses float64; JAX must too, not narrow NumPy float64 to float32."""
     impl = on_host(impl)
     w, x, a, b, y, f = setup(impl)
     x64, y64 = host(impl, impl.to_np(x)), host(impl, impl.to_np(y))
@@ -355,6 +356,7 @@ def _torch_case(backend, seed=0):
     """A wrapper and its weights: on CUDA for the Triton backend when a GPU is present (its compiled
     kernels), else on the CPU (the reference, or Triton's interpreter)."""
     import torch
+
     import torch_lora
     dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     w = torch_lora.PunicaWrapper(8, 4, dev, max_loras=3, backend=backend)
@@ -367,7 +369,7 @@ def _torch_case(backend, seed=0):
 
 def _check(w, a, b, x, y):
     got = w.add_lora_linear(y.clone(), x, a, b, None, 1.0, (8, 4))
-    host = lambda t: t.cpu().numpy()  # noqa: E731
+    host = lambda t: t.cpu().numpy()
     want = oracle.lora_linear(host(y), host(x), [host(t) for t in a], [host(t) for t in b], None, 1.0,
                               [0, -1, 2, 1])
     assert oracle.rel_err(host(got), want) < 1e-5

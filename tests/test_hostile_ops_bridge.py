@@ -1,4 +1,4 @@
-"""Hostile arguments to the ops of both sides and of both bridge directions (SPEC section 6): each is
+"""Hostile arguments to the ops of both sides and of both bridge directions (contract section 6): each is
 refused with a TypeError/ValueError naming the argument, the expected and the received value, where
 it used to be narrowed (a float cast to int, a bool taken as 1, float64 made infinite) or to fail
 with an error naming nothing.
@@ -355,7 +355,7 @@ def wrappers():
 def test_bridged_wrappers_refuse_non_int_output_slices_and_non_real_scales():
     rng = np.random.default_rng(1)
     for label, w, native in wrappers():
-        f = lambda *s: native(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+        f = lambda *s: native(rng.standard_normal(s).astype(np.float32))
         x, y, a, b = f(T, H), f(T, N), [f(SLOTS, 1, R, H)], [f(SLOTS, 1, N, R)]
         for bad in ((8.9,), ("8",), (8.0,), "8", None, 8):
             with pytest.raises(TypeError, match=r"output_slices must be a sequence of ints"):

@@ -1,4 +1,4 @@
-"""Hostile inputs at the wrappers and the host mapping (SPEC sections 5-6): arguments that used to be
+"""Hostile inputs at the wrappers and the host mapping (contract section 5-6): arguments that used to be
 accepted in silence or to fail with an error naming nothing. Each case runs on both sides' reference
 wrappers and on both bridge directions (the bridge wrappers run the other side's checks)."""
 
@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext
+from lora_core.host_mapping import LongContextLoRAContext, LoRAMapping
 
 from .impls import IMPLS
 
@@ -20,7 +20,7 @@ REF = [pytest.param(i, id=i.name) for i in IMPLS if i.name in ("jax-xla", "torch
 def _step(impl, slots=4, num_tokens=2, hidden=32, rank=8, width=16):
     w = impl.wrapper(8, 4, slots)
     w.update_metadata(LoRAMapping((1, 3)[:num_tokens], (1,)), [1, 2, 3, None][:slots], slots, 10)
-    f = lambda *s: impl.arr(np.ones(s, np.float32), "float32")  # noqa: E731
+    f = lambda *s: impl.arr(np.ones(s, np.float32), "float32")
     return w, f, f(num_tokens, hidden), f(num_tokens, width), rank
 
 
@@ -50,7 +50,7 @@ def test_a_and_b_slot_counts_must_agree_under_jit():
 @pytest.mark.parametrize("impl", REF)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_shrink_buffer_is_float32(impl, dtype):
-    """SPEC 4: the shrink buffer is float32; a half-precision one rounded (and overflowed) the shrink."""
+    """contract section 4: the shrink buffer is float32; a half-precision one rounded (and overflowed) the shrink."""
     w, f, x, y, r = _step(impl)
     buf = impl.arr(np.zeros((1, 2, r), np.float32), dtype)
     with pytest.raises(TypeError, match=r"buffer must have dtype in \('float32',\), got " + dtype):
@@ -182,11 +182,11 @@ def test_ops_add_inputs_is_a_bool(side):
     ops = importlib.import_module(f"{side}_lora.ops")
     if side == "torch":
         import torch
-        arr = lambda a: torch.from_numpy(np.asarray(a, np.float32))  # noqa: E731
+        arr = lambda a: torch.from_numpy(np.asarray(a, np.float32))
         idx = torch.tensor([0, -1], dtype=torch.int32)
     else:
         import jax.numpy as jnp
-        arr = lambda a: jnp.asarray(np.asarray(a, np.float32))  # noqa: E731
+        arr = lambda a: jnp.asarray(np.asarray(a, np.float32))
         idx = np.array([0, -1], np.int32)
     x, w_b, y = arr(np.ones((2, 4))), arr(np.ones((2, 8, 4))), arr(np.zeros((2, 8)))
     with pytest.raises(TypeError, match=r"add_inputs must be a bool, got str 'no'"):
@@ -202,7 +202,7 @@ def test_torch_ops_refuse_wide_unsigned_integers():
 
     import torch_lora
     x, w = torch.ones(4, 8), torch.ones(3, 4, 8)
-    u32 = lambda v: torch.tensor(v, dtype=torch.uint32)  # noqa: E731
+    u32 = lambda v: torch.tensor(v, dtype=torch.uint32)
     with pytest.raises(TypeError, match=r"lora_ranks must have an integer dtype .*got uint32"):
         torch_lora.ops.bgmv_shrink(x, w, torch.tensor([0, 1, 0, 1], dtype=torch.int32), 1.0,
                                    lora_ranks=u32([4, 2 ** 31 + 1, 4]))

@@ -1,5 +1,5 @@
 """Audit of the JAX side and the framework-free core against the issue texts (2, 4, 5, 6, 16, 17,
-19, 20, 22), written as an outside test author calls the public API (README, docs/*.md, SPEC.md).
+19, 20, 22), written as an outside test author calls the public API (README, docs/*.md, docs/contract.md).
 
 CPU only: the "xla" backend (the jnp reference) for product behaviour, "pallas_tpu" in TPU
 interpret mode on single tiny op calls. Several CPU devices come from tests/conftest.py.
@@ -17,16 +17,14 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 import jax_lora
-from jax_lora import LoRAKernelMeta, LoRAMapping, PunicaWrapper, compute_meta, convert_mapping
-from jax_lora import ops
+from jax_lora import LoRAKernelMeta, LoRAMapping, PunicaWrapper, compute_meta, convert_mapping, ops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RNG = np.random.default_rng(1234)
@@ -78,7 +76,7 @@ def _wrapper(idx_ids, lora_index_to_id, *, prompt=None, prefill=False, capacity=
 # ============================================================================= issue 2: foundation
 
 def test_convert_mapping_worked_example_spec_section_2():
-    """Issue 2: convert_mapping follows SPEC section 2 (base, sampler, sampler_padded, 2-row
+    """Issue 2: convert_mapping follows contract section 2 (base, sampler, sampler_padded, 2-row
     embeddings with extra_vocab_size, long-LoRA offsets, indices_len), int32 jax arrays."""
     m = LoRAMapping(index_mapping=(1, 1, 0, 2), prompt_mapping=(1, 0, 2))
     ctx = jax_lora.LongContextLoRAContext({1: 5, 2: 7})
@@ -117,7 +115,7 @@ def test_convert_mapping_vllm_argument_order_and_platform_string():
 ])
 def test_convert_mapping_bad_ids_raise_naming_them(l2i, mapping, exc, words):
     """Issues 2/17/22: a LoRA id in no slot, a duplicate slot id, lora_index_to_id=None and an id of
-    2**70 raise a clear ValueError/TypeError naming the entry (SPEC section 2/6)."""
+    2**70 raise a clear ValueError/TypeError naming the entry (contract section 2/6)."""
     with pytest.raises(exc) as e:
         convert_mapping(LoRAMapping(mapping, mapping[:1]), l2i, 3, 10, 0)
     for w in words:
@@ -125,7 +123,7 @@ def test_convert_mapping_bad_ids_raise_naming_them(l2i, mapping, exc, words):
 
 
 def test_compute_meta_segments():
-    """Issue 2: compute_meta merges runs of equal consecutive indices into segments (SPEC 2);
+    """Issue 2: compute_meta merges runs of equal consecutive indices into segments (contract section 2);
     no_lora only when the single segment is -1; an empty input gives zero segments, no_lora True."""
     starts, lengths, loras, b, max_len, tok, no_lora = compute_meta(np.array([0, 0, 1, 1, 1, -1, 0], np.int32))
     np.testing.assert_array_equal(starts, [0, 2, 5, 6])
@@ -138,9 +136,9 @@ def test_compute_meta_segments():
 
 
 def test_kernel_meta_fields_and_meta_args_order():
-    """Issue 2: LoRAKernelMeta (SPEC section 3): stable argsort, active ids ascending with -1 first
+    """Issue 2: LoRAKernelMeta (contract section 3): stable argsort, active ids ascending with -1 first
     padded with -1 to max_loras+1, counts padded with 0, start_loc [0, cumsum] then 0 (length
-    max_loras+2), no_lora a device scalar; meta_args(T) in the seed's order."""
+    max_loras+2), no_lora a device scalar; meta_args(T) in vLLM's order."""
     m = np.array([2, -1, 0, 2, 0], np.int32)
     meta = LoRAKernelMeta.build(m, max_loras=4, max_num_tokens=8)
     np.testing.assert_array_equal(meta.token_lora_mapping[:5], m)
@@ -181,9 +179,9 @@ def test_kernel_meta_is_built_under_jit_with_static_shapes():
 
 
 def test_prepare_tensors_updates_in_place_and_int64_out_of_range_is_never_slot_1():
-    """Issues 17/22: JAX prepare_tensors updates the object in place like the seed (a caller that
+    """Issues 17/22: JAX prepare_tensors updates the object in place like vLLM (a caller that
     ignores the result sees the new mapping); an int64 slot 2**32+1 never becomes slot 1: a host
-    value is refused (SPEC 6), a traced one is -1."""
+    value is refused (contract section 6), a traced one is -1."""
     meta = LoRAKernelMeta.make(max_loras=3, max_num_tokens=4, device="cpu")
     assert bool(meta.no_lora)
     meta.prepare_tensors(np.array([1, 0, 1, -1], np.int32))
@@ -365,14 +363,14 @@ def test_wrapper_in_jit_compiles_once_per_bucket_without_host_transfers():
         assert rel_err(got, expand_ref(y, shrink_ref(x, A[0], idx, 1.0), B[0], idx, 0, True)) < 1e-5
         np.testing.assert_array_equal(np.asarray(got)[len(ids):], np.asarray(y)[len(ids):])
     assert len(traces) == 1
-    # inside jit the properties are the fixed-length buffers, padded with 0 (SPEC section 2)
+    # inside jit the properties are the fixed-length buffers, padded with 0 (contract section 2)
     tok, emb = jax.jit(lambda w: (w.token_lora_indices, w.embeddings_indices))(w)
     np.testing.assert_array_equal(tok, [-1, -1, -1] + [0] * 13)
     assert emb.shape == (2, 16) and not np.any(np.asarray(emb)[:, 3:])
 
 
 def test_wrapper_bad_input_errors_name_the_argument():
-    """Issue 2 / SPEC 6 (and 17, 22): clear ValueError/TypeError naming the argument for mismatched
+    """Issue 2 / contract section 6 (and 17, 22): clear ValueError/TypeError naming the argument for mismatched
     hidden size, A/B rank mismatch, len(output_slices) != len(lora_b), a slot past the weights' slots,
     too many tokens, float64 activations, NaN or None scale, a bad backend name or deterministic flag,
     and arrays on another device than the wrapper's index arrays."""
@@ -416,7 +414,7 @@ def test_wrapper_bad_input_errors_name_the_argument():
 
 
 def test_op_index_checks_on_host_values():
-    """Issues 17/22 / SPEC 6: host index values >= the slots are refused naming the argument; int64
+    """Issues 17/22 / contract section 6: host index values >= the slots are refused naming the argument; int64
     indices outside int32 are refused (never wrapped to another slot); a negative host lora_ranks
     entry is refused naming its slot."""
     x, A = _rand(2, 8), _rand(3, 4, 8)
@@ -489,7 +487,7 @@ def test_pallas_tpu_bf16_slices_ranks_and_nan_padding_match_oracle():
     T, H, r, L, N = 3, 128, 16, 2, 128
     idx = np.array([1, -1, 0], np.int32)
     ranks = np.array([5, 16], np.int32)
-    f = lambda a: np.asarray(a, np.float32)                                   # noqa: E731
+    f = lambda a: np.asarray(a, np.float32)
     x, y = _rand(T, H).astype(jnp.bfloat16), _rand(T, 2 * N).astype(jnp.bfloat16)
     A = [_rand(L, r, H, scale=0.1).astype(jnp.bfloat16) for _ in range(2)]
     B = [_rand(L, N, r, scale=0.1).astype(jnp.bfloat16) for _ in range(2)]
@@ -534,7 +532,7 @@ def test_pallas_tpu_rank_zero_is_a_clear_error():
 # ============================================================================= issue 19: seed methods, determinism, DoRA
 
 def test_seed_shrink_expand_expand_slice_methods():
-    """Issue 19 item 3: the TPU seed's wrapper methods shrink(x, w_t_all, scale), expand(y, x,
+    """Issue 19 item 3: vLLM's TPU wrapper's wrapper methods shrink(x, w_t_all, scale), expand(y, x,
     w_t_all, add_inputs) (cut to y's width) and expand_slice(y, x, w_t_all, y_offset,
     y_slice_size, add_inputs) use the step's token indices; rows past the mapped tokens are "no
     LoRA"; y_slice_size must equal w_t_all's n."""
@@ -559,7 +557,7 @@ def test_seed_shrink_expand_expand_slice_methods():
 
 def test_seed_methods_refuse_float64_host_arrays():
     """Issue 17 ("JAX silently downcasts float64") / docs/api.md "Nothing is changed in silence":
-    host float64 activations and weights are refused at every public entry, the seed's wrapper
+    host float64 activations and weights are refused at every public entry, vLLM's wrapper
     methods shrink / expand / expand_slice included."""
     w = _wrapper((1, 0), LORA_INDEX_TO_ID)
     x64, A = np.ones((2, 8), np.float64), _rand(3, 4, 8)
@@ -645,8 +643,8 @@ def test_pallas_tpu_dora_epilogue_through_the_wrapper():
 
 # ============================================================================= issues 6/17/22: PEFT files (lora_core.peft)
 
-from lora_core import peft as core_peft                    # noqa: E402
-from lora_core.peft import AdapterError                    # noqa: E402
+from lora_core import peft as core_peft  # noqa: E402
+from lora_core.peft import AdapterError  # noqa: E402
 
 
 def _write_adapter(path, config: dict, tensors: dict):
@@ -772,10 +770,10 @@ def test_adapter_names_are_reexported_from_jax_lora_adapters():
 
 # ============================================================================= issue 6: model, adapters, serving
 
-from jax_lora import nn as lnn                                       # noqa: E402
+from jax_lora import nn as lnn  # noqa: E402
 from jax_lora.adapters import AdapterManager, load_peft_adapter, merge_adapter, save_peft_adapter  # noqa: E402
 from jax_lora.models import LlamaConfig, add_lora, load_llama, save_llama  # noqa: E402
-from jax_lora.serving import Request, ServingEngine                  # noqa: E402
+from jax_lora.serving import Request, ServingEngine  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
@@ -948,7 +946,7 @@ def test_serving_request_checks(engine):
     """Issues 6/22: requests are checked before anything runs (TypeError/ValueError naming the
     request and field): empty prompt, token out of vocab, unregistered adapter, bool max_new_tokens,
     two requests with one request_id; an engine without adapters refuses a request naming one;
-    prefill steps use the seed's bucketed shapes."""
+    prefill steps use vLLM's bucketed shapes."""
     cases = [
         ([Request([], 1, 2)], ValueError, "request 0"),
         ([Request([1, 64], None, 2)], ValueError, "request 0"),
@@ -1063,8 +1061,10 @@ def test_dora_and_lora_adapters_mixed_in_one_batch_equal_merged(assets, tmp_path
 
 # ============================================================================= issue 20: tensor parallelism on CPU devices
 
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P   # noqa: E402
-from jax_lora import parallel                                      # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
+
+from jax_lora import parallel  # noqa: E402
 
 # Meshes of host CPU devices (tests/conftest.py forces 8). On a GPU machine JAX's default backend
 # is the GPU, with one device here, and XLA's CPU compiler crashed on these shard_map programs
@@ -1167,7 +1167,7 @@ def test_adapter_slots_of_a_split_model_keep_their_sharding(assets):
 
 # ============================================================================= issues 6/17: the jax-lora CLI
 
-from jax_lora import cli                                           # noqa: E402
+from jax_lora import cli  # noqa: E402
 
 
 @pytest.mark.parametrize("argv, word", [(["demo", "--max-seqs", "0"], "--max-seqs"),

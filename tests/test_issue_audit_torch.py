@@ -1,4 +1,4 @@
-"""Audit of the PyTorch side against the promises of issues 2, 3, 5, 16-20 and 22 (and SPEC.md).
+"""Audit of the PyTorch side against the promises of issues 2, 3, 5, 16-20 and 22 (and docs/contract.md).
 
 Written as an outside test author would: only the public API as README, docs/torch.md,
 docs/api.md, docs/parallel_torch.md and docs/bridge.md describe it. CPU only; the torch reference
@@ -71,10 +71,10 @@ def _wrapper(token_ids, lora_index_to_id, *, prompt_ids=None, num_slots=None, ba
     return w
 
 
-# ===== issue 2 / SPEC: the API basics
+# ===== the contract: the API basics
 
 def test_public_names_exist():
-    """Issue 2 / SPEC 8: torch_lora exports LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
+    """Issue 2 / contract section 8: torch_lora exports LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
     PunicaWrapper, and torch_lora.ops the metadata, BGMV and SGMV ops."""
     for name in ("LoRAMapping", "convert_mapping", "compute_meta", "LoRAKernelMeta", "PunicaWrapper",
                  "load_peft_adapter", "AdapterManager", "AdapterError"):
@@ -86,7 +86,7 @@ def test_public_names_exist():
 
 
 def test_add_lora_linear_updates_y_in_place_and_matches_oracle():
-    """Issue 2 / SPEC 5: torch add_lora_linear updates y in place and returns it; unequal slices,
+    """Issue 2 / contract section 5: torch add_lora_linear updates y in place and returns it; unequal slices,
     bias per slot, tokens without LoRA untouched; equal to a float64 oracle within 1e-5 (fp32)."""
     rng = _rng(1)
     widths = (6, 3, 5)
@@ -106,7 +106,7 @@ def test_add_lora_linear_updates_y_in_place_and_matches_oracle():
 
 
 def test_ops_take_the_gpu_seeds_argument_order():
-    """SPEC 8: torch_lora.ops.lora_shrink(x, lora_a, y, *meta.meta_args(T), scale) and
+    """contract section 8: torch_lora.ops.lora_shrink(x, lora_a, y, *meta.meta_args(T), scale) and
     lora_expand(x, lora_b, y, *meta.meta_args(T), offset_start=..., add_inputs=...) write into y."""
     rng = _rng(2)
     a, b = _stacked(rng, 2, 4, 8, (5,))
@@ -131,7 +131,7 @@ def test_ops_take_the_gpu_seeds_argument_order():
 
 
 def test_logits_route_by_sampler_indices_and_embedding_by_token_indices():
-    """SPEC 5 (issue 2): add_lora_logits uses the prompt mapping (one slot per sampled row),
+    """contract section 5 (issue 2): add_lora_logits uses the prompt mapping (one slot per sampled row),
     add_lora_embedding the token mapping."""
     rng = _rng(3)
     w = _wrapper((1, 1, 2, 0), [1, 2], prompt_ids=(2, 0, 1))
@@ -153,7 +153,7 @@ def test_logits_route_by_sampler_indices_and_embedding_by_token_indices():
 
 
 def test_convert_mapping_worked_values_and_unknown_id():
-    """SPEC 2: base/sampler indices, sampler_indices_padded = j + p_j * n (-1 -> max_loras - 1),
+    """contract section 2: base/sampler indices, sampler_indices_padded = j + p_j * n (-1 -> max_loras - 1),
     embeddings_indices rows; an id in no slot raises a ValueError naming the id."""
     m = LoRAMapping((3, 0, 5), (5, 0))
     base, sampler, padded, emb, long_idx, lens = torch_lora.convert_mapping(m, [5, 3, None], 4, 100, 2)
@@ -168,7 +168,7 @@ def test_convert_mapping_worked_values_and_unknown_id():
 
 
 def test_bad_inputs_name_the_argument():
-    """Issue 2 / SPEC 6 / README: bad input raises ValueError/TypeError naming the argument:
+    """Issue 2 / contract section 6 / README: bad input raises ValueError/TypeError naming the argument:
     mismatched hidden sizes, wrong slice count, too many tokens, float64, a NumPy x."""
     rng = _rng(4)
     a, b = _stacked(rng, 2, 4, 8, (5,))
@@ -187,7 +187,7 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_unknown_backend_is_a_clear_error():
-    """SPEC 8 / issue 2: backend= forces an implementation; an unknown name is an error naming it."""
+    """contract section 8 / issue 2: backend= forces an implementation; an unknown name is an error naming it."""
     with pytest.raises(ValueError, match="bogus"):
         PunicaWrapper(16, 4, "cpu", max_loras=2, backend="bogus")
 
@@ -220,7 +220,7 @@ def test_nan_in_an_unused_slot_stays_there_linear_logits_embedding():
 
 
 def test_add_shrink_writes_zero_rows_for_tokens_without_lora_despite_nan_weights():
-    """Issue 17 item 1 / SPEC 4: add_shrink writes 0 on no-LoRA rows (never NaN), whatever another
+    """Issue 17 item 1 / contract section 4: add_shrink writes 0 on no-LoRA rows (never NaN), whatever another
     slot holds."""
     rng = _rng(6)
     a, _ = _stacked(rng, 2, 4, 8, (5,))
@@ -335,7 +335,7 @@ def test_negative_host_lora_ranks_refused_naming_the_slot():
 
 
 def test_forcing_triton_without_interpreter_errors_and_backend_choice_is_logged():
-    """SPEC 8 + issue 17 (loggers) + issue 16 (import test): in a fresh interpreter, importing
+    """contract section 8 + issue 17 (loggers) + issue 16 (import test): in a fresh interpreter, importing
     torch_lora (with .hf and .parallel) loads no JAX module; a wrapper without backend= says on the
     `torch_lora` logger which backend runs and why; without TRITON_INTERPRET, backend='triton' on
     CPU tensors raises a clear error saying to set it."""
@@ -1008,7 +1008,7 @@ def test_deterministic_ops_and_type_check():
 
 
 def test_seed_shrink_expand_expand_slice_methods():
-    """Issue 19 item 3 / docs/api.md: the TPU seed's shrink(x, w_t_all, scale), expand(y, x, w_t_all,
+    """Issue 19 item 3 / docs/api.md: vLLM's TPU wrapper's shrink(x, w_t_all, scale), expand(y, x, w_t_all,
     add_inputs) and expand_slice(y, x, w_t_all, y_offset, y_slice_size, add_inputs) on the torch
     wrapper, with the token's slot from the step's metadata; expand cuts a wider output to y;
     expand_slice needs y_slice_size == n; add_inputs has no default."""
@@ -1278,6 +1278,7 @@ def test_torch_lora_demo_on_a_checkpoint_verifies_every_request_with_eviction(ll
     end-of-sequence ids are often the greedy choice; --slots below the adapter count exercises LRU
     eviction."""
     import shutil
+
     from torch_lora import cli
     _, dirs = llama_assets
     # A checkpoint with many end-of-sequence ids (as chat models have several): generate may not pick
@@ -1441,10 +1442,10 @@ def test_to_torch_then_delete_keeps_the_tensor_valid():
     assert f"SUM {float(sum(range(1024)) * 2)}" in out.stdout
 
 
-# ===== more of SPEC 2-5 (issue 2)
+# ===== more of contract section 2-5 (issue 2)
 
 def test_kernel_meta_worked_example():
-    """SPEC 3 (issue 2 item 3): LoRAKernelMeta.make / prepare_tensors: sorted token order (stable),
+    """contract section 3 (issue 2 item 3): LoRAKernelMeta.make / prepare_tensors: sorted token order (stable),
     active ids ascending (-1 first) padded with -1, counts, start locations, no_lora flag."""
     meta = torch_lora.LoRAKernelMeta.make(3, 8, "cpu")
     meta.prepare_tensors(torch.tensor([1, -1, 0, 1, -1], dtype=torch.int32))
@@ -1460,7 +1461,7 @@ def test_kernel_meta_worked_example():
 
 
 def test_prefill_metadata_feeds_sgmv_which_equals_bgmv():
-    """SPEC 2/4 + docs/api.md: compute_meta merges runs of equal indices; a prefill wrapper's
+    """contract section 2/4 + docs/api.md: compute_meta merges runs of equal indices; a prefill wrapper's
     prefill_metadata unpacks into the SGMV ops, which equal BGMV on the expanded indices."""
     starts, lengths, loras, batch, max_len, tokens, no_lora = torch_lora.compute_meta(
         torch.tensor([0, 0, 1, 1, 1, -1]))
@@ -1484,7 +1485,7 @@ def test_prefill_metadata_feeds_sgmv_which_equals_bgmv():
 
 
 def test_add_lora_linear_buffer_receives_the_shrink():
-    """SPEC 5: add_lora_linear(..., buffer=) -- the (S, T, r) float32 buffer gets the shrink result
+    """contract section 5: add_lora_linear(..., buffer=) -- the (S, T, r) float32 buffer gets the shrink result
     and y the same as without it."""
     rng = _rng(51)
     a, b = _stacked(rng, 2, 4, 8, (3, 5))
@@ -1507,7 +1508,7 @@ _INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 @_INTERPRETED
 def test_triton_backend_on_cpu_runs_the_interpreter_with_strided_lora_ranks():
-    """SPEC 8 (a forced kernel backend runs in its interpreter on CPU) + issue 22 (strided
+    """contract section 8 (a forced kernel backend runs in its interpreter on CPU) + issue 22 (strided
     lora_ranks views on torch Triton gave wrong numbers): backend='triton' equals the float64 oracle
     with unequal slices, a bias and lora_ranks given as a strided view."""
     rng = _rng(60)

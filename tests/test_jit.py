@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jax_lora
-from lora_core.host_mapping import LoRAMapping
 from jax_lora.meta import build_kernel_meta
+from lora_core.host_mapping import LoRAMapping
 
 from . import oracle
 
@@ -60,7 +60,7 @@ def test_metadata_build_compiles_once():
 
 
 def test_no_host_sync_inside_the_step():
-    """Device-to-host transfers are disallowed while the jitted step runs (the seed's TPU goal)."""
+    """Device-to-host transfers are disallowed while the jitted step runs (vLLM's TPU goal)."""
     rng = np.random.default_rng(2)
     a, b = _weights(rng)
     w = jax_lora.PunicaWrapper(BUCKET, 8, None, max_loras=SLOTS, backend="xla")

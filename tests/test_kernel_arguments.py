@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from lora_core.kernels import arguments, plan_expand, plan_fused, plan_shrink  # noqa: E402
-from lora_core.kernels.launch import HostArray, host_strides  # noqa: E402
+from lora_core.kernels import arguments, plan_expand, plan_fused, plan_shrink
+from lora_core.kernels.launch import HostArray, host_strides
 
 
 def _arrays(T=8, H=256, R=16, L=4, widths=(128, 64), dtype=np.float32):

@@ -45,7 +45,7 @@ def test_add_lora_linear_any_shape_and_mapping(impl, problem):
     mapping = LoRAMapping(tuple(0 if i < 0 else ids[i] for i in idx), (0,), False)
     w = impl.wrapper(t + 2, 4, num_slots)
     w.update_metadata(mapping, ids, num_slots + 1, 10, 0)
-    arr = lambda v: impl.arr(v, "float32")  # noqa: E731
+    arr = lambda v: impl.arr(v, "float32")
     got = impl.wrapper_call(w, "add_lora_linear", arr(y), arr(x), [arr(v) for v in a], [arr(v) for v in b],
                             None if bias is None else [arr(v) for v in bias], 0.5, slices)
     want = oracle.lora_linear(y, x, a, b, bias, 0.5, idx)
@@ -95,8 +95,8 @@ def test_host_metadata_equals_both_device_builds(idx, extra, max_loras):
     import torch
 
     import torch_lora
-    from lora_core.host_mapping import kernel_meta_host
     from jax_lora.meta import LoRAKernelMeta as JaxMeta
+    from lora_core.host_mapping import kernel_meta_host
 
     n = len(idx)
     capacity = n + extra if n + extra > 0 else 1

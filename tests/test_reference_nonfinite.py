@@ -94,7 +94,7 @@ def test_xla_poison_under_jit_and_vmap(path, monkeypatch):
 
 @pytest.mark.parametrize("path", ["gather", "scan"])
 def test_xla_out_of_range_index_is_no_lora_with_poison(path, monkeypatch):
-    """Inside jit an index >= L is treated as -1 (SPEC section 6): its row stays untouched, and it
+    """Inside jit an index >= L is treated as -1 (contract section 6): its row stays untouched, and it
     must not pick up any slot's NaN either."""
     import jax.numpy as jnp
 

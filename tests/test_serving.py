@@ -136,7 +136,7 @@ def test_no_implicit_transfer_on_the_serving_path(served):
 
 def test_prefill_buckets(served):
     engine = served[0]
-    assert engine.prefill_shape(1, 5) == (8, 16)          # the seed's minimum of 8 rows
+    assert engine.prefill_shape(1, 5) == (8, 16)          # vLLM's minimum of 8 rows
     assert engine.prefill_shape(3, 30) == (8, 32)
     saved = engine.max_prefill_tokens
     try:

@@ -1,9 +1,9 @@
-"""SPEC sections 2-8 clause by clause, the way an outside test author calls the packages.
+"""contract section 2-8 clause by clause, the way an outside test author calls the packages.
 
 Only public imports; both sides (JAX and torch) wherever the clause is shared. The cases the
 conformance suite (test_conformance.py) and test_bad_input.py already cover are not repeated here:
-these are the API shapes of the seeds (argument names, orders, defaults, vLLM's call patterns),
-the kernel metadata field by field against the seed's algorithm, and section 6's device rule
+these are the API shapes of vLLM's reference pages (argument names, orders, defaults, vLLM's call patterns),
+the kernel metadata field by field against vLLM's algorithm, and section 6's device rule
 against the wrapper's own index arrays.
 """
 
@@ -107,7 +107,7 @@ def test_wrapper_signatures_follow_section_5(side):
 @pytest.mark.parametrize("side", SIDES)
 def test_op_signatures_follow_sections_4_and_8(side):
     ops = _pkg(side).ops
-    if side == "torch":  # the GPU seed's order: x, weights, out, the six meta_args, then scale / offsets
+    if side == "torch":  # vLLM's GPU wrapper's order: x, weights, out, the six meta_args, then scale / offsets
         meta6 = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "num_tokens_per_lora",
                  "lora_token_start_loc", "lora_ids")
         _head(ops.lora_shrink, ("inputs", "lora_a_weights", "output_tensor") + meta6)
@@ -168,7 +168,7 @@ def test_convert_mapping_takes_the_seeds_positional_device(side):
 # ----------------------------------------------------------------------------- section 3: kernel metadata
 
 def _seed_meta(m, max_loras):
-    """The GPU seed's prepare_tensors + meta_args, in NumPy (for a mapping with a LoRA token)."""
+    """vLLM's GPU wrapper's prepare_tensors + meta_args, in NumPy (for a mapping with a LoRA token)."""
     m = np.asarray(m, np.int64)
     ids, counts = np.unique(m, return_counts=True)
     k = len(ids)
@@ -198,12 +198,12 @@ def test_kernel_meta_equals_the_seed_field_by_field(side, idx, max_loras):
     got = meta.meta_args(token_nums=len(idx))
     assert [_np(a).tolist() for a in got[:5]] == list(_seed_meta(idx, max_loras))
     assert not bool(np.asarray(_np(got[5])).reshape(-1)[0])
-    assert bool(np.asarray(_np(meta.no_lora_flag_cpu)).reshape(-1)[0]) is False   # the seed's name
+    assert bool(np.asarray(_np(meta.no_lora_flag_cpu)).reshape(-1)[0]) is False   # vLLM's name
 
 
 @pytest.mark.parametrize("side", SIDES)
 def test_wrapper_kernel_meta_pads_start_with_zero(side):
-    """The wrappers build their metadata on the host (StepLayout): the same padding as the seed."""
+    """The wrappers build their metadata on the host (StepLayout): the same padding as vLLM."""
     pkg = _pkg(side)
     w = pkg.PunicaWrapper(8, 4, "cpu", max_loras=4)
     w.update_metadata(pkg.LoRAMapping((5, 0, 6, 5), (6,)), [5, 6, None, None], 5, 32)
@@ -213,6 +213,7 @@ def test_wrapper_kernel_meta_pads_start_with_zero(side):
 
 def test_jax_meta_make_takes_a_platform_string():
     import jax
+
     import jax_lora
     meta = jax_lora.LoRAKernelMeta.make(3, 5, "cpu")
     assert meta.token_lora_mapping.devices() == {jax.devices("cpu")[0]}
@@ -225,6 +226,7 @@ def test_jax_prepare_tensors_inside_jit_leaves_an_outside_meta_concrete():
     not store tracers in the outside object (it would leak them)."""
     import jax
     import jax.numpy as jnp
+
     import jax_lora
     meta = jax_lora.LoRAKernelMeta.make(3, 4)
     out = jax.jit(lambda m: meta.prepare_tensors(m).token_lora_mapping)(jnp.asarray([2, 0, -1, 2]))
@@ -295,11 +297,12 @@ def test_lora_shrink_expand_called_as_in_vllms_kernel_tests(side, backend, seed,
 
 def test_jax_wrapper_leaves_host_inputs_alone_and_returns_new_arrays():
     import jax
+
     import jax_lora
     rng = np.random.default_rng(3)
     w = jax_lora.PunicaWrapper(8, 4, None, max_loras=3)
     w.update_metadata(jax_lora.LoRAMapping((1, 0, 3, 2, 3), (3, 1)), [1, 2, 3], 4, 32)
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
     x, a, b, y = f(5, 16), [f(3, 1, 4, 16)], [f(3, 1, 6, 4)], f(5, 6)
     buf, xe, be, ys, xs, yl = np.zeros((1, 5, 4), np.float32), f(5, 4), f(3, 6, 4), f(2, 16), f(2, 16), f(2, 6)
     inputs = [x, y, buf, xe, be, ys, xs, yl] + a + b
@@ -318,7 +321,7 @@ def test_jax_wrapper_leaves_host_inputs_alone_and_returns_new_arrays():
 def _torch_wrapper_calls(w, dev):
     import torch
     T, H, r, L = 4, 16, 4, 2
-    z = lambda *s: torch.zeros(*s, device=dev)  # noqa: E731
+    z = lambda *s: torch.zeros(*s, device=dev)
     return {
         "add_lora_linear": lambda: w.add_lora_linear(z(T, 10), z(T, H), (z(L, r, H),), (z(L, 10, r),), None, 1.0,
                                                      (10,)),
@@ -354,11 +357,12 @@ def _two_cpu_devices():
 
 def test_jax_wrapper_refuses_arrays_off_its_device():
     import jax
+
     import jax_lora
     d0, d1 = _two_cpu_devices()
     w = jax_lora.PunicaWrapper(8, 4, d1, max_loras=2)
     w.update_metadata(jax_lora.LoRAMapping((1, 2, 0, 2), (2, 1)), [1, 2], 3, 32)
-    z = lambda *s: jax.device_put(np.zeros(s, np.float32), d0)  # noqa: E731
+    z = lambda *s: jax.device_put(np.zeros(s, np.float32), d0)
     calls = [lambda: w.add_lora_linear(z(4, 10), z(4, 16), (z(2, 4, 16),), (z(2, 10, 4),), None, 1.0, (10,)),
              lambda: w.add_shrink(z(1, 4, 4), z(4, 16), (z(2, 4, 16),), 1.0),
              lambda: w.add_expand(z(4, 10), z(1, 4, 4), (z(2, 10, 4),), None, (10,)),
@@ -372,11 +376,12 @@ def test_jax_wrapper_refuses_arrays_off_its_device():
 
 def test_jax_bias_on_another_device_is_named():
     import jax
+
     import jax_lora
     d0, d1 = _two_cpu_devices()
     w = jax_lora.PunicaWrapper(8, 4, d0, max_loras=2)
     w.update_metadata(jax_lora.LoRAMapping((1, 2, 0, 2), (2, 1)), [1, 2], 3, 32)
-    z = lambda *s: jax.device_put(np.zeros(s, np.float32), d0)  # noqa: E731
+    z = lambda *s: jax.device_put(np.zeros(s, np.float32), d0)
     bias = (jax.device_put(np.zeros((2, 10), np.float32), d1),)
     with pytest.raises(ValueError, match=r"different devices: .*lora_bias_stacked on \['cpu:1'\]"):
         w.add_lora_linear(z(4, 10), z(4, 16), (z(2, 4, 16),), (z(2, 10, 4),), bias, 1.0, (10,))
@@ -390,7 +395,7 @@ def _op_call(side, bad):
     """lora_shrink / lora_expand with one bad argument (`bad`), as an outside caller passes them."""
     T, H, r, L = 4, 16, 4, 2
     rng = np.random.default_rng(5)
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
     idx = [0, 1, -1, 1] if bad != "index" else [0, 2, -1, 1]
     meta = _make_meta(side, L if bad != "index" else 3, T, idx)
     x = np.ones((T, H)) if bad == "dtype" else f(T, H)

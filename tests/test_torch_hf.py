@@ -377,6 +377,7 @@ def test_group_terms_follow_an_input_changed_in_place(mode):
     input in place between the members' calls gets each member's term for the input it saw (under
     inference_mode, where the input has no version counter, too)."""
     from torch import nn
+
     from lora_core.peft import LoraModule
     from torch_lora import PeftAdapter
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-import tp_layers  # noqa: E402
+import tp_layers
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices()) < 2,
                                 reason="needs 2 CPU host devices (tests/conftest.py sets 8)")

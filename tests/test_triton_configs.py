@@ -398,7 +398,7 @@ def test_one_token_never_takes_the_fused_kernel(compiled, monkeypatch):
     table = configs.table(H200)
     key = (configs.token_class(1), configs.rank_class(16))
     marked = dataclasses.replace(table, fused_classes=frozenset(table.fused_classes | {key}),
-                                 variants={k: () for k in table.variants})
+                                 variants=dict.fromkeys(table.variants, ()))
     monkeypatch.setattr(configs, "_table", lambda device: marked)
     assert configs.use_fused(2, 16, 1, 8)
     assert not configs.use_fused(1, 16, 1, 8)

@@ -20,8 +20,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs Triton's interpreter (TRITON_INTERPRET=1) or CUDA")
 
-from lora_core.kernels import configs  # noqa: E402
 import lora_core.kernels as kernels  # noqa: E402
+from lora_core.kernels import configs  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -44,7 +44,7 @@ def _problem(seed, T, H, R, widths, L, dtype, frac_none=0.25):
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, L, T).astype(np.int32)
     idx[rng.random(T) < frac_none] = -1
-    f = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(DEV, dtype)  # noqa: E731
+    f = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(DEV, dtype)
     x = f(rng.standard_normal((T, H)))
     a = [f(rng.standard_normal((L, R, H)) / np.sqrt(H)) for _ in widths]
     b = [f(rng.standard_normal((L, n, R)) / np.sqrt(R)) for n in widths]

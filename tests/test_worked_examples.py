@@ -1,11 +1,11 @@
-"""SPEC's worked examples as exact tests, on both sides."""
+"""The contract.s worked examples as exact tests, on both sides."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext, pad_prompt_mapping
+from lora_core.host_mapping import LongContextLoRAContext, LoRAMapping, pad_prompt_mapping
 
 from .impls import IMPLS
 
@@ -45,7 +45,7 @@ def test_compute_meta_example(impl):
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
 def test_kernel_meta_example(impl):
-    # The seed's running example: 3 slots, tokens of no-LoRA (3), slot 0 (10), slot 2 (5), slot 1 (2).
+    # vLLM's running example: 3 slots, tokens of no-LoRA (3), slot 0 (10), slot 2 (5), slot 1 (2).
     idx = [-1] * 3 + [0] * 10 + [2] * 5 + [1] * 2
     rng = np.random.default_rng(0)
     perm = rng.permutation(len(idx))

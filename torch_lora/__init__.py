@@ -1,7 +1,7 @@
 """torch_lora: multi-LoRA (Punica) ops, metadata and wrapper for PyTorch.
 
-Public names (SPEC section 8): LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
-PunicaWrapper; `torch_lora.ops` (lora_shrink, lora_expand in the GPU seed's argument order,
+Public names (contract section 8): LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
+PunicaWrapper; `torch_lora.ops` (lora_shrink, lora_expand in vLLM's GPU wrapper's argument order,
 bgmv_*, sgmv_*). `LoRAMapping` is the same class as `jax_lora.LoRAMapping`.
 `torch_lora.parallel` (imported on its own: it loads torch.distributed) has the tensor-parallel layers.
 
@@ -11,7 +11,7 @@ and `torch_lora.hf.MultiLoRAModel` (a Hugging Face causal LM served with many ad
 imported on its own: `from torch_lora.hf import MultiLoRAModel`).
 """
 
-from lora_core.host_mapping import LoRAMapping, LongContextLoRAContext
+from lora_core.host_mapping import LongContextLoRAContext, LoRAMapping
 
 from . import ops
 from .adapters import AdapterError, AdapterManager, PeftAdapter, adapter_tensors, load_peft_adapter

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Mapping
-from typing import Optional
 
 import numpy as np
 import torch
@@ -388,9 +387,9 @@ class AdapterManager(SlotTable):
         self.device = devices.pop()
         self._pin = self.device.type == "cuda"
         self._upload_stream = torch.cuda.Stream(self.device) if self._pin else None
-        self._uploaded: Optional[torch.cuda.Event] = None
+        self._uploaded: torch.cuda.Event | None = None
 
-    def wait_uploads(self, stream: Optional[torch.cuda.Stream] = None) -> None:
+    def wait_uploads(self, stream: torch.cuda.Stream | None = None) -> None:
         """Makes `stream` (the current one by default) wait until every slot write enqueued so far has
         run. No host synchronisation; nothing to do on CPU."""
         if self._uploaded is not None:
@@ -403,7 +402,7 @@ class AdapterManager(SlotTable):
     def _largest_rank(self, prepared: PreparedAdapter) -> int:
         return prepared.max_rank
 
-    def _write_slot(self, slot: int, prepared: Optional[PreparedAdapter]) -> None:
+    def _write_slot(self, slot: int, prepared: PreparedAdapter | None) -> None:
         """Writes `prepared` (or zeros and rank 0 when None) into `slot` of every layer: on CUDA
         enqueued on the upload stream after the steps already enqueued (see the class docstring)."""
         if self._upload_stream is None:
@@ -421,7 +420,7 @@ class AdapterManager(SlotTable):
             done.record(self._upload_stream)
         self._uploaded = done
 
-    def _copy(self, slot: int, prepared: Optional[PreparedAdapter]) -> None:
+    def _copy(self, slot: int, prepared: PreparedAdapter | None) -> None:
         non_blocking = self._upload_stream is not None
         for path, layer in self.layers.items():
             host = None if prepared is None else prepared.tensors.get(path)

@@ -46,7 +46,7 @@ import collections
 import contextlib
 import os
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,7 +75,7 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def select_target_modules(model: nn.Module, target_modules: Union[None, str, Sequence[str]] = None) -> dict:
+def select_target_modules(model: nn.Module, target_modules: None | str | Sequence[str] = None) -> dict:
     """{module name: module} of the modules of `model` that get LoRA layers.
 
     target_modules: None or "all-linear" (PEFT's meaning: every nn.Linear but the output layer);
@@ -95,7 +95,7 @@ def select_target_modules(model: nn.Module, target_modules: Union[None, str, Seq
         what = "all-linear"
     else:
         if isinstance(target_modules, str):
-            patterns: Union[str, tuple] = target_modules
+            patterns: str | tuple = target_modules
         elif isinstance(target_modules, (list, tuple, set)) and all(isinstance(t, str) for t in target_modules):
             patterns = tuple(target_modules)
         else:
@@ -166,8 +166,8 @@ class MultiLoRAModel:
     """
 
     def __init__(self, model: nn.Module, *, max_loras: int, max_rank: int,
-                 target_modules: Union[None, str, Sequence[str]] = None, max_num_tokens: int = 2048,
-                 max_num_seqs: int = 256, host_cache_size: int = 8, backend: Optional[str] = None,
+                 target_modules: None | str | Sequence[str] = None, max_num_tokens: int = 2048,
+                 max_num_seqs: int = 256, host_cache_size: int = 8, backend: str | None = None,
                  dora: bool = False):
         if not isinstance(dora, bool):
             raise TypeError(f"dora must be a bool, got {dora!r}")
@@ -201,7 +201,7 @@ class MultiLoRAModel:
         setattr(model, _WRAPPED_MARK, True)
         self._ids: dict = {}                 # adapter name -> LoRA id
         self._next_id = 1
-        self._rows: Optional[list] = None    # the names of the rows being served (None: caller-managed)
+        self._rows: list | None = None    # the names of the rows being served (None: caller-managed)
         self._expand_rows = 1                # generate's rows per prompt (num_beams / num_return_sequences)
         self._closed = False
 
@@ -277,7 +277,7 @@ class MultiLoRAModel:
         """The names of the loaded adapters, in load order."""
         return list(self._ids)
 
-    def load_adapter(self, name: str, path: Union[str, os.PathLike, PeftAdapter]) -> None:
+    def load_adapter(self, name: str, path: str | os.PathLike | PeftAdapter) -> None:
         """Reads and checks the PEFT adapter at `path` (or a PeftAdapter) and makes it available as
         `name`. Loading a name again replaces its adapter (hot swap: the same slot gets the new
         weights, no CUDA graph needs re-capturing). A bad adapter raises AdapterError (a ValueError
@@ -317,7 +317,7 @@ class MultiLoRAModel:
 
     # -------------------------------------------------------------- steps
     def prepare_step(self, adapter_names: Sequence[str], num_tokens_per_row: int,
-                     logits_per_row: Union[None, int, Sequence[int]] = None) -> None:
+                     logits_per_row: None | int | Sequence[int] = None) -> None:
         """Sets which adapter each token of the next forward pass uses.
 
         adapter_names: one name per row ("__base__" = none); num_tokens_per_row: the sequence length S
@@ -384,8 +384,8 @@ class MultiLoRAModel:
         finally:
             self._rows, self._expand_rows = previous
 
-    def __call__(self, input_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                 adapter_names: Optional[Sequence[str]] = None, **kwargs: Any):
+    def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 adapter_names: Sequence[str] | None = None, **kwargs: Any):
         """The wrapped model's forward pass with row j served by adapter adapter_names[j] (PEFT's
         convention: "__base__" = no adapter; None = every row without adapter). Returns what the
         model returns (logits (batch, seq or logits_to_keep, vocab), cache, ...)."""
@@ -395,7 +395,7 @@ class MultiLoRAModel:
         with torch.no_grad(), self._serving(adapter_names, expand=1):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
-    def generate(self, input_ids: Optional[torch.Tensor] = None, adapter_names: Optional[Sequence[str]] = None,
+    def generate(self, input_ids: torch.Tensor | None = None, adapter_names: Sequence[str] | None = None,
                  **generate_kwargs: Any):
         """The model's `generate` with row j served by adapter adapter_names[j] for the whole
         generation (rows expanded by num_return_sequences / num_beams keep their row's adapter).
@@ -432,7 +432,7 @@ class MultiLoRAModel:
                 f"{', dora=True' if self.dora else ''})")
 
 
-def _logits_rows(logits_to_keep: Any, batch: int, seq: int) -> Union[int, list]:
+def _logits_rows(logits_to_keep: Any, batch: int, seq: int) -> int | list:
     """Rows of logits per batch row that the model computes for `logits_to_keep` (transformers'
     `slice_logits_to_keep`): an int k keeps the last k positions (0: all); a 1-D tensor, those
     positions; a 2-D integer tensor (batch, K), K per row; a 2-D bool mask, its count per row."""

@@ -25,7 +25,6 @@ only: an output that requires grad is refused.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 from torch import nn
@@ -57,7 +56,7 @@ class _LoRALayer(nn.Module):
         self.module_names = tuple(module_names)
         self.max_loras = _positive("max_loras", max_loras)
         self.max_rank = _positive("max_rank", max_rank)
-        self.punica: Optional[PunicaWrapper] = punica
+        self.punica: PunicaWrapper | None = punica
         self.register_buffer("lora_ranks", torch.zeros(max_loras, dtype=torch.int32, device=device),
                              persistent=False)
 
@@ -67,7 +66,7 @@ class _LoRALayer(nn.Module):
                                "(torch_lora.hf.MultiLoRAModel does)")
         return self.punica
 
-    def _check_step(self, out: torch.Tensor, num_rows: int, mapped: Optional[int], what: str) -> None:
+    def _check_step(self, out: torch.Tensor, num_rows: int, mapped: int | None, what: str) -> None:
         if out.requires_grad:
             raise RuntimeError(f"LoRA layer for {self.module_names[0]!r}: multi-LoRA layers serve inference only; run "
                                "the model under torch.no_grad() or torch.inference_mode()")
@@ -108,7 +107,7 @@ class LoRALinear(_LoRALayer):
 
     def __init__(self, module_names: Sequence[str], in_features: int, output_slices: Sequence[int], *,
                  max_loras: int, max_rank: int, dtype: torch.dtype, device, punica=None, dora: bool = False,
-                 base_weights: Optional[Sequence[torch.Tensor]] = None):
+                 base_weights: Sequence[torch.Tensor] | None = None):
         super().__init__(module_names, max_loras=max_loras, max_rank=max_rank, device=device, punica=punica)
         self.in_features = _positive("in_features", in_features)
         self.output_slices = tuple(_positive("output_slices[i]", int(n)) for n in output_slices)
@@ -182,7 +181,7 @@ class LoRALinear(_LoRALayer):
         return terms
 
     def apply(self, member: int, x: torch.Tensor, out: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None) -> torch.Tensor:
         """out += the LoRA term of slice `member` for x, in place; returns out.
 
         x: (..., H), the member module's input; out: (..., n_member), its output (x W^T + bias).

@@ -1,4 +1,4 @@
-"""Torch-facing mapping functions: SPEC section 2's results as int32 `torch.Tensor`s.
+"""Torch-facing mapping functions: contract section 2's results as int32 `torch.Tensor`s.
 
 The conversion runs on the host in NumPy (`lora_core.host_mapping`, framework-free); these
 functions place the results on a device.
@@ -6,22 +6,28 @@ functions place the results on a device.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from lora_core.host_mapping import (LoRAMapping, LongContextLoRAContext, compute_meta_host, convert_mapping_args,
-                                    convert_mapping_host)
+from lora_core.host_mapping import (
+    LongContextLoRAContext,
+    LoRAMapping,
+    compute_meta_host,
+    convert_mapping_args,
+    convert_mapping_host,
+)
 
 __all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta"]
 
 
-def convert_mapping(mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]], max_loras: int,
-                    vocab_size: int, extra_vocab_size: int, long_lora_context: Optional[Any] = None,
+def convert_mapping(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_loras: int,
+                    vocab_size: int, extra_vocab_size: int, long_lora_context: Any | None = None,
                     *vllm_args: Any, device=None):
     """(base_indices (T,), sampler_indices (R,), sampler_indices_padded (R,), embeddings_indices
-    (2, T), long_lora_indices (T,) or None, indices_len) as int32 tensors; see SPEC section 2.
+    (2, T), long_lora_indices (T,) or None, indices_len) as int32 tensors; see contract section 2.
 
     vLLM's order `(..., extra_vocab_size, device, long_lora_context=None)` is accepted too: a str or
     torch.device in the sixth position is taken as the device, a seventh argument as the context.
@@ -40,6 +46,6 @@ def compute_meta(token_lora_tensor):
     no_lora): segments of equal consecutive indices. Reads the values (a host sync on CUDA)."""
     t = torch.as_tensor(token_lora_tensor)
     meta = compute_meta_host(t.detach().cpu().numpy())
-    to = lambda a: torch.from_numpy(a).to(t.device)  # noqa: E731
+    to = lambda a: torch.from_numpy(a).to(t.device)
     return (to(meta.seq_start_locs), to(meta.seq_lengths), to(meta.lora_indices_per_batch),
             meta.batch_size, meta.max_length, meta.token_nums, meta.no_lora)

@@ -1,4 +1,4 @@
-"""Kernel metadata for the torch side (SPEC section 3), built on the device without a host sync.
+"""Kernel metadata for the torch side (contract section 3), built on the device without a host sync.
 
 Same fields, invariants and algorithm as `jax_lora.meta` (read its docstring): a counting build
 (scatter-add over max_loras + 1 bins) plus one stable sort, every shape fixed by
@@ -9,7 +9,6 @@ host: the no-LoRA flag is a device tensor, and kernels decide on the device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 import torch
 
@@ -36,7 +35,7 @@ class LoRAKernelMeta:
 
     def __init__(self, token_lora_mapping, token_indices_sorted_by_lora_ids, active_lora_ids, num_tokens_per_lora,
                  lora_token_start_loc, no_lora=None, *, no_lora_flag_cpu=None):
-        """The fields in the seed's order; the no-LoRA flag as `no_lora` or by the seed's keyword
+        """The fields in vLLM's order; the no-LoRA flag as `no_lora` or by vLLM's keyword
         `no_lora_flag_cpu` (one of them; kept on its own device: kernels read it there)."""
         if (no_lora is None) == (no_lora_flag_cpu is None):
             raise TypeError("LoRAKernelMeta takes the no-LoRA flag once: as no_lora or as no_lora_flag_cpu")
@@ -56,7 +55,7 @@ class LoRAKernelMeta:
         return self.token_lora_mapping.shape[0]
 
     @staticmethod
-    def make(max_loras: int, max_num_tokens: int, device: Union[torch.device, str] = "cpu") -> "LoRAKernelMeta":
+    def make(max_loras: int, max_num_tokens: int, device: torch.device | str = "cpu") -> LoRAKernelMeta:
         """Empty metadata (every token without LoRA) for `max_num_tokens` tokens and `max_loras` slots."""
         if max_loras < 1 or max_num_tokens < 1:
             raise ValueError(f"max_loras and max_num_tokens must be >= 1, got {max_loras}, {max_num_tokens}")
@@ -134,19 +133,19 @@ class LoRAKernelMeta:
         self.num_tokens_per_lora.copy_(torch.where(active_present, counts[order], 0))
         self.lora_token_start_loc[:1].zero_()  # a device fill: no host value, capturable
         torch.cumsum(self.num_tokens_per_lora, 0, out=self.lora_token_start_loc[1:])
-        self.lora_token_start_loc[1:].masked_fill_(~active_present, 0)   # 0 past the active ids, as the seed
+        self.lora_token_start_loc[1:].masked_fill_(~active_present, 0)   # 0 past the active ids, as vLLM
         self.token_indices_sorted_by_lora_ids[:t].copy_(torch.sort(key, stable=True).indices)
         self.token_indices_sorted_by_lora_ids[t:].copy_(self._positions_()[t:])
         torch.eq(counts[1:].sum().reshape(1), 0, out=self.no_lora)
 
     @property
     def no_lora_flag_cpu(self) -> torch.Tensor:
-        """The seed's name for `no_lora` (here on the metadata's device: kernels read it there, no
+        """vLLM's name for `no_lora` (here on the metadata's device: kernels read it there, no
         host sync)."""
         return self.no_lora
 
     def meta_args(self, token_nums: int) -> tuple:
         """(token_lora_mapping[:T], token_indices_sorted_by_lora_ids[:T], num_tokens_per_lora,
-        lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums: the seed's order."""
+        lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums: vLLM's order."""
         return (self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
                 self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora)

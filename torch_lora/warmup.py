@@ -26,20 +26,27 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from lora_core.host_mapping import LoRAMapping
-from lora_core.warmup import (LinearShape, Progress, check_warmup, run_workers, variants_of, vllm_capture_sizes,
-                              warmup_groups)
+from lora_core.warmup import (
+    LinearShape,
+    Progress,
+    check_warmup,
+    run_workers,
+    variants_of,
+    vllm_capture_sizes,
+    warmup_groups,
+)
 
 __all__ = ["warmup", "LinearShape", "vllm_capture_sizes"]
 
 
-def warmup(wrapper, layers: Sequence, token_counts: Optional[Sequence[int]] = None, *,
+def warmup(wrapper, layers: Sequence, token_counts: Sequence[int] | None = None, *,
            dtype: torch.dtype = torch.bfloat16, lora_ranks: bool = False, bias: bool = False,
-           dora: bool = False, progress: bool = True, workers: Optional[int] = None) -> dict:
+           dora: bool = False, progress: bool = True, workers: int | None = None) -> dict:
     """Runs `add_lora_linear` once per (token count, layer); returns {"calls", "seconds",
     "token_counts", "workers"} (workers: per worker process {"ok", "seconds", "error"}).
 

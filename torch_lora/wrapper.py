@@ -1,4 +1,4 @@
-"""PunicaWrapper for PyTorch: vLLM's multi-LoRA wrapper API (SPEC section 5), updating y in place.
+"""PunicaWrapper for PyTorch: vLLM's multi-LoRA wrapper API (contract section 5), updating y in place.
 
     w = PunicaWrapper(max_num_batched_tokens=512, max_batches=64, device="cuda", max_loras=8)
     w.update_metadata(mapping, lora_index_to_id, max_loras=9, vocab_size=32000)   # per step
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from math import isfinite
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ __all__ = ["PunicaWrapper"]
 
 
 class PunicaWrapper:
-    """Multi-LoRA wrapper over the torch ops (SPEC section 5).
+    """Multi-LoRA wrapper over the torch ops (contract section 5).
 
     Args:
       max_num_batched_tokens: token capacity T_max of one step.
@@ -44,7 +45,7 @@ class PunicaWrapper:
     """
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device="cpu", *, max_loras: int,
-                 backend: Optional[str] = None, deterministic: bool = False, **options: Any):
+                 backend: str | None = None, deterministic: bool = False, **options: Any):
         checks.check_wrapper_sizes(max_num_batched_tokens=max_num_batched_tokens, max_batches=max_batches,
                                    max_loras=max_loras, options=options, logger="torch_lora")
         self.max_num_batched_tokens = t = int(max_num_batched_tokens)
@@ -84,7 +85,7 @@ class PunicaWrapper:
         self._token_meta_args: dict = {}   # T -> token_mapping_meta.meta_args(T): views, valid forever
 
     # ------------------------------------------------------------------ metadata
-    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[Optional[int]],
+    def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[int | None],
                         max_loras: int, vocab_size: int, extra_vocab_size: int = 0,
                         long_lora_context=None, **kwargs: Any) -> None:
         """Converts `mapping` on the host and uploads this step's index tensors (no host sync).
@@ -131,12 +132,12 @@ class PunicaWrapper:
 
     @property
     def sampler_indices_padded(self) -> torch.Tensor:
-        """(R,) int32 flat row indices `j + p_j * R` (SPEC section 2)."""
+        """(R,) int32 flat row indices `j + p_j * R` (contract section 2)."""
         return self._sampler_indices_padded[: self.indices_len[2] or 0]
 
     @property
     def embeddings_indices(self) -> torch.Tensor:
-        """(2, T) int32 embedding-table offsets (SPEC section 2)."""
+        """(2, T) int32 embedding-table offsets (contract section 2)."""
         return self._embeddings_indices[:, : self.indices_len[3] or 0]
 
     @property
@@ -151,7 +152,7 @@ class PunicaWrapper:
         return (self._seq_start_locs[:b], self._seq_lengths[:b], self._lora_indices_per_batch[:b],
                 self.batch_size, self.max_length, self.token_nums)
 
-    # ------------------------------------------------------------------ the TPU seed's per-token ops
+    # ------------------------------------------------------------------ vLLM's TPU wrapper's per-token ops
     # bgmv_shrink / bgmv_expand / bgmv_expand_slice with each token's slot taken from this step's
     # token_lora_indices (through the token kernel metadata already on the device).
     def shrink(self, x: torch.Tensor, w_t_all: torch.Tensor, scale: float) -> torch.Tensor:
@@ -208,7 +209,7 @@ class PunicaWrapper:
                 raise TypeError(f"{name} must be a torch.Tensor, got None")
         check_tensors(**named, **{"the wrapper's index tensors": self._block})
 
-    def _check_tokens(self, name: str, num_tokens: int, available: Optional[int]) -> None:
+    def _check_tokens(self, name: str, num_tokens: int, available: int | None) -> None:
         checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,
                               "max_num_batched_tokens")
         if available is None and num_tokens > 0:
@@ -311,7 +312,7 @@ class PunicaWrapper:
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
                         lora_bias_stacked, scale: float, output_slices: Sequence[int], *,
-                        buffer: Optional[torch.Tensor] = None, lora_ranks=None, dora_scale_stacked=None,
+                        buffer: torch.Tensor | None = None, lora_ranks=None, dora_scale_stacked=None,
                         **kwargs) -> torch.Tensor:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], in place.
 
@@ -401,8 +402,8 @@ class PunicaWrapper:
         self._plans[key] = plan
         return plan
 
-    def _build_linear_plan(self, y, x, lora_a, lora_b, bias_list, output_slices, scales=None) -> "_LinearPlan":
-        """Every check of SPEC section 6 that does not depend on the step. With DoRA scales, the
+    def _build_linear_plan(self, y, x, lora_a, lora_b, bias_list, output_slices, scales=None) -> _LinearPlan:
+        """Every check of contract section 6 that does not depend on the step. With DoRA scales, the
         plan's backend entry points (linear, prepare_linear, expand) have them bound as col_scale."""
         lora_a = as_slices("lora_a_stacked", lora_a)
         lora_b = as_slices("lora_b_stacked", lora_b)
@@ -439,7 +440,7 @@ class PunicaWrapper:
                            tuple(to_3d(b.detach()) for b in lora_b), bias, offsets, linear, prepare, expand)
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
-                        lora_b_stacked: torch.Tensor, scale: float, *, buffer: Optional[torch.Tensor] = None,
+                        lora_b_stacked: torch.Tensor, scale: float, *, buffer: torch.Tensor | None = None,
                         lora_ranks=None, **kwargs) -> torch.Tensor:
         """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j, in place.
 

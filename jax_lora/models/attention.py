@@ -57,7 +57,7 @@ def attention_backend(q_dtype, kv_dtype, head_dim: int, tensor_parallel: bool = 
     return choice
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_attention(backend: str, why: str, level: int = logging.INFO) -> None:
     """Says once per (backend, reason) which attention runs (steps are traced per shape)."""
     _LOG.log(level, "attention: %s (%s)", backend, why)

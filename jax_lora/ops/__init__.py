@@ -1,4 +1,4 @@
-"""Multi-LoRA ops for JAX (SPEC section 4): functional, they return the result.
+"""Multi-LoRA ops for JAX (contract section 4): functional, they return the result.
 
   lora_shrink(x (T,H), lora_a_stacked, meta, scale) -> (S, T, r) float32
   lora_expand(buf (S,T,r), lora_b_stacked, y (T,N), meta, offset_start=0, add_inputs=False) -> y
@@ -18,7 +18,7 @@ the weights past that rank zeroed.
 
 Checks: shapes, dtypes, slices and devices are checked on every call. Host inputs (NumPy arrays)
 are checked before they become jax arrays, so nothing is changed in silence: float64 activations or
-weights are refused (SPEC section 4 dtypes; JAX would make them float32), and 64-bit integers
+weights are refused (contract section 4 dtypes; JAX would make them float32), and 64-bit integers
 outside int32 are refused (JAX would wrap them). Index *values* are checked when they are concrete
 and on the host CPU (NumPy arrays, CPU jax arrays); on accelerators and inside jit they cannot be
 read without a host sync, so out-of-range indices are masked instead: they never read or write out
@@ -27,20 +27,21 @@ of bounds and contribute nothing. SGMV segment arguments: see segment_indices.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lora_core import checks, segments
+
 from ..meta import LoRAKernelMeta, build_kernel_meta
 from . import dispatch
 
 __all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
            "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]
 
-ArrayLike = Union[jax.Array, np.ndarray]
+ArrayLike = jax.Array | np.ndarray
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -49,13 +50,13 @@ ArrayLike = Union[jax.Array, np.ndarray]
 _NARROWED = ("float64", "complex128")
 
 
-def as_array(name: str, a, dtypes: Optional[Sequence[str]] = None) -> jax.Array:
+def as_array(name: str, a, dtypes: Sequence[str] | None = None) -> jax.Array:
     """`jnp.asarray(a)`, refusing what the conversion of a host value would change in silence.
 
     A jax.Array passes through (its dtype is checked with its shape). A host array (NumPy, or anything
     with a dtype) is checked first: against `dtypes` when given, else only against the 64-bit float
     dtypes (without jax_enable_x64 a float64 array would become float32), and, for 64-bit integers,
-    on its values (outside int32 they would wrap: SPEC section 1, indices are int32).
+    on its values (outside int32 they would wrap: contract section 1, indices are int32).
     """
     if isinstance(a, jax.Array):
         return a
@@ -120,7 +121,7 @@ def _on_host(a) -> bool:
         return False
     try:
         return all(d.platform == "cpu" for d in a.devices())
-    except Exception:  # noqa: BLE001 - deleted or abstract arrays
+    except Exception:
         return False
 
 
@@ -135,7 +136,7 @@ def check_same_device(**arrays) -> None:
                     if not item.committed:
                         continue
                     devs = frozenset(item.devices())
-                except Exception:  # noqa: BLE001
+                except Exception:
                     continue
                 label = name if len(items) == 1 else f"{name}[{i}]"
                 seen.setdefault(devs, label)
@@ -220,14 +221,14 @@ def _readable(value) -> bool:
     return not isinstance(value, jax.core.Tracer)
 
 
-def _num_slots(w) -> Optional[int]:
+def _num_slots(w) -> int | None:
     """The slot count of a stacked weight (L, [1,] a, b), or None when w is not one (checked later)."""
     shape = getattr(w, "shape", None)
     return int(shape[0]) if shape is not None and len(shape) in (3, 4) else None
 
 
 def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                    num_tokens: int, num_slots: Optional[int] = None) -> jax.Array:
+                    num_tokens: int, num_slots: int | None = None) -> jax.Array:
     """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment.
 
     Works inside jit (batch_size may be traced); buffers longer than batch_size are ignored. Checks
@@ -255,7 +256,7 @@ def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_s
 
 # ----------------------------------------------------------------------------- metadata-driven ops
 
-def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: Optional[str] = None,
+def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: str | None = None,
                 lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """buf[s, t] = scale * x[t] @ lora_a_stacked[s][idx[t]].T, 0 for idx -1.
 
@@ -280,7 +281,7 @@ def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: Op
 
 
 def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start: int = 0,
-                add_inputs: bool = False, *, backend: Optional[str] = None, lora_ranks=None,
+                add_inputs: bool = False, *, backend: str | None = None, lora_ranks=None,
                 deterministic: bool = False) -> jax.Array:
     """y[t, off_s:off_s+n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T.
 
@@ -319,7 +320,7 @@ def _device_of(a):
     if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
         try:
             return next(iter(a.devices()))
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
     return None
 
@@ -327,7 +328,7 @@ def _device_of(a):
 # ----------------------------------------------------------------------------- BGMV
 
 def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, *,
-                backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
+                backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
     x, w = as_array("x", x, checks.ACTIVATION_DTYPES), as_array("lora_a_weights", w, checks.WEIGHT_DTYPES)
     num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="lora_a_weights")
@@ -340,7 +341,7 @@ def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, 
 
 
 def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_inputs: bool = True, *,
-                backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
+                backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w[idx[t]].T)[:c], c = min(n, N).
 
     x: (T, r); w: (L, [1,] n, r); y: (T, N). Rows with idx -1 untouched. A LoRA output wider than y
@@ -354,7 +355,7 @@ def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_in
 
 
 def bgmv_expand_slice(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, y_offset: int,
-                      y_slice_size: int, add_inputs: bool = True, *, backend: Optional[str] = None,
+                      y_slice_size: int, add_inputs: bool = True, *, backend: str | None = None,
                       lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T; w: (L, [1,] y_slice_size, r)."""
     # Types first: a y_slice_size of "16" or 16.0 is a TypeError, not a width mismatch.
@@ -392,7 +393,7 @@ def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks, 
 # ----------------------------------------------------------------------------- SGMV
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
-                token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None,
+                token_nums, scale: float = 1.0, *, backend: str | None = None, lora_ranks=None,
                 deterministic: bool = False):
     """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata).
 
@@ -407,7 +408,7 @@ def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
-                token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None,
+                token_nums, add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None,
                 deterministic: bool = False):
     """bgmv_expand with each segment's tokens using the segment's index (prefill metadata).
 
@@ -423,7 +424,7 @@ def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, ba
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size,
                       max_length, token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True,
-                      *, backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False):
+                      *, backend: str | None = None, lora_ranks=None, deterministic: bool = False):
     """bgmv_expand_slice with each segment's tokens using the segment's index.
 
     x: (T, r); w: (L, [1,] y_slice_size, r); y: (T, N). Returns a new y with columns [y_offset,

@@ -1,4 +1,4 @@
-"""Backend registry and selection for the JAX ops (SPEC sections 5 and 8).
+"""Backend registry and selection for the JAX ops (contract section 5 and 8).
 
 A backend is a module (or object) with:
   NAME: str
@@ -8,7 +8,7 @@ A backend is a module (or object) with:
   COLUMN_SCALE: True when expand (and linear) also take col_scale= (S entries of None / (L, n_s):
       a slice's new value times g[idx] instead of plus a bias, DoRA); the wrapper refuses DoRA
       scales for a backend without it
-Weights arrive as 3-D arrays (the size-1 axis removed), indices through the metadata (SPEC
+Weights arrive as 3-D arrays (the size-1 axis removed), indices through the metadata (contract
 section 3), already checked. Adding a backend means registering it here; callers never change.
 
 Optional, for `deterministic=True`:
@@ -22,8 +22,6 @@ falling back to "xla" when its kernels are not importable on this machine.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import jax
 
@@ -85,7 +83,7 @@ def default_backend_name(device=None, *, log: bool = False) -> str:
     return name
 
 
-def resolve(backend: Optional[str], device=None, *, deterministic: bool = False):
+def resolve(backend: str | None, device=None, *, deterministic: bool = False):
     """The backend module for an explicit name, or the device's default (said once on the
     `jax_lora` logger); its batch-invariant form with deterministic=True (`deterministic_impl`)."""
     if backend is not None:
@@ -101,6 +99,6 @@ def deterministic_impl(impl):
     hook = getattr(impl, "deterministic_backend", None)
     if hook is not None:
         return hook()
-    from . import invariant  # noqa: PLC0415
+    from . import invariant
     return invariant
 

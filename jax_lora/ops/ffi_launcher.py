@@ -31,7 +31,8 @@ import functools
 import hashlib
 import os
 import threading
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -119,7 +120,7 @@ def _library() -> ctypes.CDLL:
     with _LIB_LOCK:
         if not _LIBRARY:
             lib = cuda_launch.declare(ctypes.CDLL(cuda_launch.build_library(xla_ffi=True)))
-            from jaxlib import xla_client  # noqa: PLC0415
+            from jaxlib import xla_client
             traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jl_triton_launch), platform="CUDA",
                                         api_version=1, traits=traits)
@@ -144,7 +145,7 @@ def available() -> bool:
     return not unavailable_reason()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unavailable_reason() -> str:
     """Why the FFI launcher cannot be used here ("" when it can); logged once by the caller."""
     if launcher_choice() != "ffi":
@@ -156,7 +157,7 @@ def unavailable_reason() -> str:
         return f"not a CUDA GPU ({devices[0].client.platform_version})"
     try:
         _library()
-    except Exception as e:  # noqa: BLE001 - no C compiler, no driver, ...: reported, then jax_triton is used
+    except Exception as e:
         return f"the FFI handler could not be built or registered: {type(e).__name__}: {e}"
     return ""
 
@@ -240,9 +241,9 @@ def _capability() -> int:
 
 
 def _compile(launch: Launch, sig: dict, consts: dict, attrs: dict) -> _Compiled:
-    import triton  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     cc = _capability()
     key = (launch.kernel.__module__, launch.kernel.__name__, tuple(sig.items()), tuple(sorted(consts.items())),
            tuple(sorted((k, str(v)) for k, v in attrs.items())), launch.num_warps, launch.num_stages, cc)

@@ -1,6 +1,6 @@
 """The batch-invariant reference ops: what backends "xla" and "pallas_tpu" run with `deterministic=True`.
 
-Math as the xla backend (SPEC section 4), idx[t] the slot of token t or -1, products in float32:
+Math as the xla backend (contract section 4), idx[t] the slot of token t or -1, products in float32:
 
   shrink:  buf[s, t, :] = scale * x[t] @ A_s[idx[t]].T               (0 where idx[t] = -1)
   expand:  y[t, off_s : off_s + n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T

@@ -29,7 +29,8 @@ import functools
 import logging
 import os
 import types
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +144,7 @@ def _platform(*arrays) -> str:
         if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
             try:
                 return next(iter(a.devices())).platform
-            except Exception:  # noqa: BLE001 - a deleted or abstract array: use the default backend
+            except Exception:
                 pass
     return jax.default_backend()
 
@@ -166,7 +167,7 @@ def _ranks(lora_ranks):
     return None if lora_ranks is None else jnp.asarray(lora_ranks, jnp.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pdl() -> bool:
     """Programmatic dependent launch for the FFI launcher's shrink -> expand (Hopper and newer)."""
     if not HAVE_PDL or not pdl_allowed():
@@ -244,7 +245,7 @@ def _operands(launches: Sequence[_Launch]) -> tuple:
 def _ffi_launches(launches: Sequence[_Launch]) -> tuple:
     """(ffi_launcher.Launch list, operands, aliases) of the launches: arrays become operands,
     _Result placeholders and every `out` the call's results, _Counters the handler's counters."""
-    from . import ffi_launcher  # noqa: PLC0415
+    from . import ffi_launcher
 
     operands, index, aliases = _operands(launches)
 
@@ -270,7 +271,7 @@ def _ffi_launches(launches: Sequence[_Launch]) -> tuple:
 
 
 def _run_ffi(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtypeStruct]) -> list:
-    from . import ffi_launcher  # noqa: PLC0415
+    from . import ffi_launcher
     ffi, operands, aliases = _ffi_launches(launches)
     return ffi_launcher.call(ffi, operands, results, aliases)
 
@@ -280,7 +281,7 @@ def _jax_triton():
     # Triton compile of other callers in this process. Restore the caller's setting.
     prev = os.environ.get("TRITON_CACHE_DIR")
     try:
-        import jax_triton  # noqa: PLC0415 - optional GPU dependency
+        import jax_triton
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise RuntimeError("backend 'triton' on the GPU needs the jax-triton package when the FFI launcher "
                            "cannot be used (pip install jax-triton)") from e
@@ -344,11 +345,11 @@ def _run_interpreter(launches: Sequence[_Launch], results: Sequence[jax.ShapeDty
 
 
 def _use_ffi() -> bool:
-    from . import ffi_launcher  # noqa: PLC0415
+    from . import ffi_launcher
     return ffi_launcher.available()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_launcher(name: str, reason: str) -> None:
     _LOG.info("backend 'triton' launches through %s%s", name, f" ({reason})" if reason else "")
 
@@ -360,7 +361,7 @@ def _run(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtypeStruct], i
     if _use_ffi():
         _log_launcher("the XLA FFI handler", "")
         return _run_ffi(launches, results)
-    from . import ffi_launcher  # noqa: PLC0415
+    from . import ffi_launcher
     _log_launcher("jax_triton", ffi_launcher.unavailable_reason())
     return _run_jax_triton(launches, results)
 
@@ -368,7 +369,7 @@ def _run(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtypeStruct], i
 # --------------------------------------------------------------------------------- backend API
 
 def shrink(x, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float, lora_ranks=None, *,
-           config: Optional[dict] = None, deterministic: bool = False) -> jax.Array:
+           config: dict | None = None, deterministic: bool = False) -> jax.Array:
     """(S, T, r) float32: scale * x[t] @ lora_a[s][idx[t]].T, 0 for tokens without LoRA.
     deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics)."""
     T = x.shape[0]
@@ -385,7 +386,7 @@ def shrink(x, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float, l
 
 
 def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: Sequence[int],
-           add_inputs: bool, lora_ranks=None, bias=None, *, config: Optional[dict] = None,
+           add_inputs: bool, lora_ranks=None, bias=None, *, config: dict | None = None,
            deterministic: bool = False, col_scale=None) -> jax.Array:
     """New y: y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias,
     times col_scale[s][idx[t]] where given (DoRA). deterministic: batch-invariant launches
@@ -403,9 +404,9 @@ def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: S
 
 
 def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta: LoRAKernelMeta,
-           scale: float, offsets: Sequence[int], lora_ranks=None, bias=None, *, fused: Optional[bool] = None,
-           shrink_config: Optional[dict] = None, expand_config: Optional[dict] = None,
-           fused_config: Optional[dict] = None, deterministic: bool = False, col_scale=None) -> jax.Array:
+           scale: float, offsets: Sequence[int], lora_ranks=None, bias=None, *, fused: bool | None = None,
+           shrink_config: dict | None = None, expand_config: dict | None = None,
+           fused_config: dict | None = None, deterministic: bool = False, col_scale=None) -> jax.Array:
     """add_lora_linear's math: new y with y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias
     (and, where col_scale[s] is given, the slice's new value times col_scale[s][idx[t]]: DoRA).
 

@@ -1,6 +1,6 @@
 """Reference backend "xla": the ops in plain jnp, written for clarity (the oracle's twin).
 
-Math (SPEC section 4), with idx[t] the slot of token t or -1 and every product in float32:
+Math (contract section 4), with idx[t] the slot of token t or -1 and every product in float32:
 
   shrink:  buf[s, t, :] = scale * x[t] @ A_s[idx[t]].T            (0 where idx[t] = -1)
   expand:  y[t, off_s : off_s + n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
@@ -22,7 +22,7 @@ jit- and vmap-friendly), so this is the fallback, not the fast path.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """The multi-LoRA Triton kernels, shared by `torch_lora` and `jax_lora` (imports Triton, no framework).
 
-Math (SPEC section 4), idx[t] = slot of token t (or -1), every product accumulated in float32:
+Math (contract section 4), idx[t] = slot of token t (or -1), every product accumulated in float32:
 
   shrink:  buf[s, t, :] = scale * x[t] @ A_s[idx[t]].T                     (0 where idx[t] = -1)
   expand:  y[t, off_s:off_s+n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
@@ -13,7 +13,7 @@ launcher uses), `launch` (Triton's own launcher and the interpreter on NumPy mem
 (launch configurations, tuned per device in `tuned/<device>.json`), `cuda_launch` (the C launcher:
 torch's direct launches and JAX's XLA FFI handler).
 
-Work decomposition. Tokens are grouped by adapter through the kernel metadata (SPEC section 3):
+Work decomposition. Tokens are grouped by adapter through the kernel metadata (contract section 3):
 group g holds the tokens sorted[start[g] : start[g] + count[g]] of slot active[g]. A group is cut
 into tiles of BLOCK_M tokens, and the grid's "tile" axis enumerates the tiles of all groups one
 after another: program p finds its group by a prefix sum over the (max_loras + 1) per-group tile

@@ -23,7 +23,8 @@ integers itself, so torch leaves it off).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from ..dora import epilogue_vectors
 from .expand import lora_expand_kernel
@@ -71,7 +72,7 @@ class KernelCall:
         names = self.kernel.arg_names[len(self.pointers):len(self.pointers) + len(self.scalars)]
         return dict(zip(names, self.scalars))
 
-    def with_alignment_hints(self) -> "KernelCall":
+    def with_alignment_hints(self) -> KernelCall:
         """This call with ALIGNED set when every hinted integer (0 and 1 aside) is a multiple of 16."""
         hinted = _HINTED[self.kernel.__name__]
         aligned = all(int(v) % 16 == 0 for name, v in self.named_scalars().items()

@@ -1,7 +1,7 @@
 """Device helpers shared by the three Triton kernels (shrink, expand, fused).
 
 Each is a `@triton.jit` function inlined into the kernels that call it: which tile a program owns
-(`token_tile`, from the kernel metadata of SPEC section 3), masked loads of rank columns
+(`token_tile`, from the kernel metadata of contract section 3), masked loads of rank columns
 (`load_rank_cols`), the shrink's inner product over the hidden size (`shrink_slices`), the
 expand's output tile (`y_tile`, `store_slice`), slice selection by a grid coordinate
 (`pick_slice`) and L2 prefetch (`prefetch_rows`). Programmatic dependent launch (`gdc_wait`,

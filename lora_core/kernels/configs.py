@@ -218,7 +218,7 @@ def _read_table(path: str, device: str) -> LaunchTable:
 GENERIC = LaunchTable("generic defaults", GENERIC_SHRINK, GENERIC_EXPAND, GENERIC_FUSED, frozenset(), {})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def table(device: str | None) -> LaunchTable:
     """The launch table of a device by name ("NVIDIA H200"): the file LORA_CORE_TABLE names if set
     (a table written for this GPU elsewhere, or a variant to measure), else its tuned file, else
@@ -245,7 +245,7 @@ def table(device: str | None) -> LaunchTable:
     return GENERIC
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_name() -> str | None:
     """The name of CUDA device 0 as the driver reports it ("NVIDIA H200"), None without a CUDA driver."""
     try:

@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_launch.c")
 # parameter kinds of jl_prepared_new (and, 0-5, of the FFI handler's `params` attribute)
@@ -32,10 +32,10 @@ def _cache_dir() -> str:
 
 
 def _include_dirs(xla_ffi: bool) -> list:
-    import triton  # noqa: PLC0415 - GPU dependency
+    import triton
     dirs = [os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")]
     if xla_ffi:
-        import jax  # noqa: PLC0415
+        import jax
         dirs.append(jax.ffi.include_dir())
     return dirs
 
@@ -95,7 +95,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plain_library() -> ctypes.CDLL:
     """The library without the XLA FFI handler (what torch needs)."""
     return declare(ctypes.CDLL(build_library(xla_ffi=False)))
@@ -119,7 +119,7 @@ class PreparedLaunches:
     __slots__ = ("_lib", "_handles", "_array", "n")
 
     def __init__(self, launches: Sequence[tuple], lib: ctypes.CDLL | None = None):
-        import numpy as np  # noqa: PLC0415
+        import numpy as np
         self._lib = lib or plain_library()
         self._handles = []
         err = ctypes.create_string_buffer(512)
@@ -155,5 +155,5 @@ class PreparedLaunches:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:
             pass

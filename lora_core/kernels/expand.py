@@ -1,6 +1,6 @@
 """The expand kernel: every token's rank-sized buffer through its adapter's B, into y's slices.
 
-Math (SPEC section 4), idx[t] = slot of token t (or -1), products accumulated in float32:
+Math (contract section 4), idx[t] = slot of token t (or -1), products accumulated in float32:
 
   y[t, off_s:off_s+n_s] = (y[t, off_s:off_s+n_s] if add_inputs else 0)
                           + (sum_p buf[p, s, t]) @ B_s[idx[t]].T + bias_s[idx[t]]
@@ -13,15 +13,40 @@ meta-parameters: `plan_expand`; arguments: `arguments.expand_call`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import triton
 import triton.language as tl
 
-from .common import (gdc_launch_dependents, gdc_wait, hint16, load_rank_cols, pick_slice, prefetch_rows, rank_dot,
-                     runs_copy, slice_of_tile, slot_rank, store_slice, token_tile, workspace_lhs, y_tile)
-from .planning import (MAX_SLICES, TOKEN_COUNT_PARAMS, PlanKey, cast_and_precision, check_dot_dims,
-                       epilogue_constexprs, interpreting, max_tiles, next_pow2, prefetch_constexprs, small_t_block)
+from .common import (
+    gdc_launch_dependents,
+    gdc_wait,
+    hint16,
+    load_rank_cols,
+    pick_slice,
+    prefetch_rows,
+    rank_dot,
+    runs_copy,
+    slice_of_tile,
+    slot_rank,
+    store_slice,
+    token_tile,
+    workspace_lhs,
+    y_tile,
+)
+from .planning import (
+    MAX_SLICES,
+    TOKEN_COUNT_PARAMS,
+    PlanKey,
+    cast_and_precision,
+    check_dot_dims,
+    epilogue_constexprs,
+    interpreting,
+    max_tiles,
+    next_pow2,
+    prefetch_constexprs,
+    small_t_block,
+)
 
 
 @triton.jit

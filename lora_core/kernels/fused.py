@@ -1,6 +1,6 @@
 """The fused kernel: shrink and expand in one launch, for decode sizes.
 
-Math: expand(shrink(x)) with add_inputs (SPEC section 4, `add_lora_linear`):
+Math: expand(shrink(x)) with add_inputs (contract section 4, `add_lora_linear`):
 
   y[t, off_s:off_s+n_s] += (scale * x[t] @ A_s[idx[t]].T) @ B_s[idx[t]].T + bias_s[idx[t]]
 
@@ -14,16 +14,39 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import triton
 import triton.language as tl
 
-from .common import (gdc_launch_dependents, gdc_wait, hint16, load_rank_cols, pick_slice, prefetch_rows,
-                     shrink_tile, slice_of_tile, slot_rank, store_slice, token_tile, y_tile)
+from .common import (
+    gdc_launch_dependents,
+    gdc_wait,
+    hint16,
+    load_rank_cols,
+    pick_slice,
+    prefetch_rows,
+    shrink_tile,
+    slice_of_tile,
+    slot_rank,
+    store_slice,
+    token_tile,
+    y_tile,
+)
 from .expand import ExpandPlan
-from .planning import (MAX_SLICES, TOKEN_COUNT_PARAMS, cast_and_precision, check_dot_dims, epilogue_constexprs,
-                       hidden_split, interpreting, max_tiles, next_pow2, prefetch_constexprs, small_t_block)
+from .planning import (
+    MAX_SLICES,
+    TOKEN_COUNT_PARAMS,
+    cast_and_precision,
+    check_dot_dims,
+    epilogue_constexprs,
+    hidden_split,
+    interpreting,
+    max_tiles,
+    next_pow2,
+    prefetch_constexprs,
+    small_t_block,
+)
 
 BARRIER_SPAN = tl.constexpr(1 << 20)  # what one launch adds to a token tile's barrier counter (> programs per tile)
 

@@ -42,7 +42,7 @@ class _HostStorage:
     def data_ptr(self) -> int:
         return self._array.ctypes.data
 
-    def cpu(self) -> "_HostStorage":
+    def cpu(self) -> _HostStorage:
         return self
 
     def copy_(self, other) -> None:
@@ -62,7 +62,7 @@ class HostArray:
         self.dtype = _DtypeName(array.dtype.name)
 
     @classmethod
-    def wrap(cls, array: np.ndarray) -> "HostArray":
+    def wrap(cls, array: np.ndarray) -> HostArray:
         return cls(array)
 
     @property
@@ -84,10 +84,10 @@ class HostArray:
     def untyped_storage(self) -> _HostStorage:
         return _HostStorage(self._array)
 
-    def new_empty(self, *_args, **_kwargs) -> "HostArray":
+    def new_empty(self, *_args, **_kwargs) -> HostArray:
         return HostArray(self._array)
 
-    def set_(self, _storage, offset, size, stride) -> "HostArray":
+    def set_(self, _storage, offset, size, stride) -> HostArray:
         self._offset, self.shape, self._strides = offset, tuple(size), tuple(stride)
         return self
 

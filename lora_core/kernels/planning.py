@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import triton
 
@@ -63,7 +63,7 @@ def _pdl_setting() -> str:
     return value
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_pdl_setting(value: str) -> None:
     """Says once per setting which launches may be programmatic dependents (Hopper and newer)."""
     logging.getLogger("lora_core").info("programmatic dependent launch (LORA_CORE_PDL=%s): %s", value,
@@ -183,7 +183,7 @@ def max_tiles(num_tokens: int, num_groups: int, block_m: int, small_t: bool = Fa
     """Tiles of any mapping of num_tokens tokens into num_groups groups: the tile-axis grid size."""
     if small_t:
         # Program g serves group g. The active ids are unique values in ascending order, padded
-        # (SPEC section 3): at most num_tokens + 1 groups (one of them -1) hold tokens.
+        # (contract section 3): at most num_tokens + 1 groups (one of them -1) hold tokens.
         return min(num_groups, num_tokens + 1) if lora_only else num_groups + 1
     return triton.cdiv(num_tokens, block_m) + min(num_groups, num_tokens)
 

@@ -1,6 +1,6 @@
 """The shrink kernel: the rank-sized buffer of every token, from its adapter's A.
 
-Math (SPEC section 4), idx[t] = slot of token t (or -1), products accumulated in float32:
+Math (contract section 4), idx[t] = slot of token t (or -1), products accumulated in float32:
 
   out[p, s, t, :] = scale * x[t, chunk p] @ A_s[idx[t], :, chunk p].T     (0 where idx[t] = -1)
 
@@ -16,10 +16,28 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from .common import gdc_launch_dependents, gdc_wait, hint16, lora_a_rows, pick_slice, prefetch_rows, shrink_slices, \
-    slot_rank, token_tile
-from .planning import (TOKEN_COUNT_PARAMS, PlanKey, cast_and_precision, check_dot_dims, hidden_split, max_tiles,
-                       next_pow2, prefetch_constexprs, small_t_block)
+from .common import (
+    gdc_launch_dependents,
+    gdc_wait,
+    hint16,
+    lora_a_rows,
+    pick_slice,
+    prefetch_rows,
+    shrink_slices,
+    slot_rank,
+    token_tile,
+)
+from .planning import (
+    TOKEN_COUNT_PARAMS,
+    PlanKey,
+    cast_and_precision,
+    check_dot_dims,
+    hidden_split,
+    max_tiles,
+    next_pow2,
+    prefetch_constexprs,
+    small_t_block,
+)
 
 
 @triton.jit

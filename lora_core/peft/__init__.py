@@ -39,11 +39,22 @@ expected and what was received.
 from __future__ import annotations
 
 from .adapter import LoraModule, PeftAdapter, load_peft_adapter, save_peft_adapter
-from .config import (CONFIG_NAME, IMPLEMENTED, MAX_CONFIG_BYTES, MAX_HEADER_BYTES, MAX_TENSOR_BYTES, METADATA,
-                     PICKLE_NAME, UNSUPPORTED, WEIGHTS_NAME, AdapterConfig, AdapterError, parse_adapter_config)
+from .config import (
+                     CONFIG_NAME,
+                     IMPLEMENTED,
+                     MAX_CONFIG_BYTES,
+                     MAX_HEADER_BYTES,
+                     MAX_TENSOR_BYTES,
+                     METADATA,
+                     PICKLE_NAME,
+                     UNSUPPORTED,
+                     WEIGHTS_NAME,
+                     AdapterConfig,
+                     AdapterError,
+                     parse_adapter_config,
+)
 from .files import read_adapter_config, resolve_adapter_file
 from .safetensors_format import TensorInfo, read_safetensors, read_safetensors_header
-
 
 __all__ = [
     "CONFIG_NAME",

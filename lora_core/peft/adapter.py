@@ -11,11 +11,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .config import (AdapterError, CONFIG_NAME, MAX_HEADER_BYTES, MAX_TENSOR_BYTES, PICKLE_NAME, WEIGHTS_NAME,
-                     TRAINING_STATE_TENSORS)
+from .config import (
+    CONFIG_NAME,
+    MAX_HEADER_BYTES,
+    MAX_TENSOR_BYTES,
+    PICKLE_NAME,
+    TRAINING_STATE_TENSORS,
+    WEIGHTS_NAME,
+    AdapterError,
+)
 from .files import read_adapter_config, resolve_adapter_file
 from .safetensors_format import read_safetensors, read_safetensors_header
-
 
 # ----------------------------------------------------------------------------- the adapter
 

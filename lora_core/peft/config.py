@@ -16,8 +16,6 @@ from typing import Any
 
 import numpy as np
 
-
-
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"

@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 import os
 
-
-from .config import (AdapterConfig, AdapterError, CONFIG_NAME, MAX_CONFIG_BYTES, unique_json_keys, refuse_json_constants,
-                     parse_adapter_config)
-
+from .config import (
+    CONFIG_NAME,
+    MAX_CONFIG_BYTES,
+    AdapterConfig,
+    AdapterError,
+    parse_adapter_config,
+    refuse_json_constants,
+    unique_json_keys,
+)
 
 # ----------------------------------------------------------------------------- files
 

@@ -9,8 +9,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .config import AdapterError, MAX_HEADER_BYTES, MAX_TENSOR_BYTES, _is_int, unique_json_keys, refuse_json_constants, _short
-
+from .config import (
+    MAX_HEADER_BYTES,
+    MAX_TENSOR_BYTES,
+    AdapterError,
+    _is_int,
+    _short,
+    refuse_json_constants,
+    unique_json_keys,
+)
 
 # ----------------------------------------------------------------------------- safetensors
 

@@ -1,4 +1,4 @@
-"""Multi-LoRA ops for PyTorch (SPEC section 4). They write into their output tensor and return it.
+"""Multi-LoRA ops for PyTorch (contract section 4). They write into their output tensor and return it.
 
 GPU-seed argument order for the metadata-driven ops:
 
@@ -6,7 +6,7 @@ GPU-seed argument order for the metadata-driven ops:
   lora_expand(inputs (S,T,r), lora_b_weights, output_tensor (T,N), *meta.meta_args(T),
               offset_start=0, add_inputs=False)
 
-BGMV / SGMV, as in SPEC section 4 (shrink returns a new float32 tensor, expand updates y in place):
+BGMV / SGMV, as in contract section 4 (shrink returns a new float32 tensor, expand updates y in place):
 
   bgmv_shrink(x (T,H), w (L,[1,]r,H), idx (T,), scale=1.0) -> (T, r)
   bgmv_expand(x (T,r), w (L,[1,]n,r), y (T,N), idx, add_inputs=True) -> y   (columns [0, min(n,N)))
@@ -26,7 +26,8 @@ arrays are on the host (lists, NumPy, CPU tensors); on CUDA they are masked (seg
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -127,7 +128,7 @@ def _kernel_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_token
 
 
 def as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
-    """An integer tensor as int32 (SPEC section 1), never wrapping a 64-bit value into range: on the
+    """An integer tensor as int32 (contract section 1), never wrapping a 64-bit value into range: on the
     CPU, values outside int32 are refused; on an accelerator (reading them would be a host sync) they
     are saturated to the int32 bounds, which are out of range for every index, ranks and segment array
     (so they are masked, or clamped to the weights' rank, like any other out-of-range value)."""
@@ -192,7 +193,7 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
                 token_lora_mapping: torch.Tensor, token_indices_sorted_by_lora_ids: torch.Tensor,
                 num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor,
                 lora_ids: torch.Tensor, no_lora_flag: torch.Tensor, scaling: float, *,
-                backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
+                backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
     """output_tensor[s, t] = scaling * inputs[t] @ lora_a_weights[s][idx[t]].T (0 for idx -1).
 
     inputs: (T, H); lora_a_weights: S tensors (L, [1,] r, H); output_tensor: (S, T, r), written
@@ -222,7 +223,7 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
                 token_lora_mapping: torch.Tensor, token_indices_sorted_by_lora_ids: torch.Tensor,
                 num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor,
                 lora_ids: torch.Tensor, no_lora_flag: torch.Tensor, offset_start: int = 0,
-                add_inputs: bool = False, *, backend: Optional[str] = None, lora_ranks=None,
+                add_inputs: bool = False, *, backend: str | None = None, lora_ranks=None,
                 deterministic: bool = False) -> torch.Tensor:
     """output_tensor[t, off_s:off_s+n_s] = (old if add_inputs else 0) + inputs[s, t] @ B_s[idx[t]].T.
 
@@ -271,7 +272,7 @@ def _index_meta(idx: torch.Tensor, num_tokens: int, num_slots: int, arg_w: str) 
 
 
 def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float = 1.0, *,
-                out: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+                out: torch.Tensor | None = None, backend: str | None = None,
                 lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
     require_tensors(x=x, lora_a_weights=w)
@@ -290,7 +291,7 @@ def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: floa
 
 
 def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
-                add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None,
+                add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None,
                 deterministic: bool = False) -> torch.Tensor:
     """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w[idx[t]].T)[:c], c = min(n, N), in place.
 
@@ -307,7 +308,7 @@ def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Te
 
 def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
                       y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
+                      backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T in place; w: (L, [1,] y_slice_size, r)."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
@@ -360,14 +361,14 @@ def _readable(value) -> bool:
     return not (isinstance(value, torch.Tensor) and value.device.type != "cpu")
 
 
-def _num_slots(w) -> Optional[int]:
+def _num_slots(w) -> int | None:
     """The slot count of a stacked weight (L, [1,] a, b), or None when w is not one (checked later)."""
     shape = getattr(w, "shape", None)
     return int(shape[0]) if shape is not None and len(shape) in (3, 4) else None
 
 
 def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                    num_tokens: int, device, num_slots: Optional[int] = None) -> torch.Tensor:
+                    num_tokens: int, device, num_slots: int | None = None) -> torch.Tensor:
     """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment.
 
     Checks the six prefill-metadata values first (lora_core.segments): the arrays' dtypes (integer)
@@ -398,7 +399,7 @@ def _rows(name: str, t) -> int:
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
-                token_nums, scale: float = 1.0, *, backend: Optional[str] = None, lora_ranks=None,
+                token_nums, scale: float = 1.0, *, backend: str | None = None, lora_ranks=None,
                 deterministic: bool = False):
     """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata).
 
@@ -414,7 +415,7 @@ def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
-                token_nums, add_inputs: bool = True, *, backend: Optional[str] = None, lora_ranks=None,
+                token_nums, add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None,
                 deterministic: bool = False):
     """bgmv_expand with each segment's tokens using the segment's index (prefill metadata).
 
@@ -430,7 +431,7 @@ def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, ba
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                       token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: Optional[str] = None, lora_ranks=None, deterministic: bool = False):
+                      backend: str | None = None, lora_ranks=None, deterministic: bool = False):
     """bgmv_expand_slice with each segment's tokens using the segment's index.
 
     x: (T, r); w: (L, [1,] y_slice_size, r); y: (T, N), columns [y_offset, y_offset + y_slice_size)

@@ -18,7 +18,6 @@ import functools
 import logging
 import os
 import struct
-from typing import Optional
 
 import triton
 
@@ -45,7 +44,7 @@ def prepared_launches(steps, device: int = 0):
     if steps is None or not _ENABLED[0]:
         return None
     try:
-        from lora_core.kernels import cuda_launch  # noqa: PLC0415
+        from lora_core.kernels import cuda_launch
         out = []
         for _ws_shape, launches in steps:
             specs = []
@@ -57,7 +56,7 @@ def prepared_launches(steps, device: int = 0):
                 specs.append(spec)
             out.append(cuda_launch.PreparedLaunches(specs))
         return tuple(out)
-    except Exception as e:  # noqa: BLE001 - no compiler, no driver symbol, ...: keep Triton's launcher
+    except Exception as e:
         _ENABLED[0] = False
         _LOG.warning("the C launcher is off (launches from Python from now on): %s: %s", type(e).__name__, e)
         return None
@@ -112,14 +111,14 @@ def launch_spec(cuda_launch, compiled, names, template, slots, grid, function, p
     return (function, grid, 32 * int(md.num_warps), shared, flags, params, c_slots)
 
 
-@functools.lru_cache(maxsize=None)
-def sm_resources(device: int) -> Optional[tuple]:
+@functools.cache
+def sm_resources(device: int) -> tuple | None:
     """(SMs, largest opt-in shared memory of one block in bytes) of CUDA device `device`, or None
     (said once) where this Triton cannot tell: dependent shrinks then go out unspread."""
     try:
         props = triton.runtime.driver.active.utils.get_device_properties(device)
         return int(props["multiprocessor_count"]), int(props["max_shared_mem"])
-    except Exception as e:  # noqa: BLE001 - another Triton's driver utilities
+    except Exception as e:
         _LOG.warning("spreading dependent shrinks over the SMs is off (device %s properties: %s: %s)", device,
                      type(e).__name__, e)
         return None

@@ -1,4 +1,4 @@
-"""Backend registry and selection for the torch ops (SPEC sections 5 and 8).
+"""Backend registry and selection for the torch ops (contract section 5 and 8).
 
 A backend is a module with:
   NAME: str
@@ -14,7 +14,7 @@ Optional:
   prepare_linear(lora_a, lora_b, meta_args, offsets, bias, *, col_scale=None) -> run(y, x, scale, lora_ranks)
       `linear` with the persistent arguments bound, for repeated calls with new activations
       (the wrapper keeps one per layer and token count; see torch_lora.ops.triton.PreparedLinear)
-`meta_args` is `LoRAKernelMeta.meta_args(T)` (SPEC section 3). Weights arrive as 3-D views (the
+`meta_args` is `LoRAKernelMeta.meta_args(T)` (contract section 3). Weights arrive as 3-D views (the
 size-1 axis removed), arguments already checked.
 
 Optional, for `deterministic=True`:
@@ -31,7 +31,6 @@ before this package was imported.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -64,13 +63,13 @@ def default_backend_name(device, *, log: bool = False) -> str:
 
 
 def check_backend_device(name: str, device) -> None:
-    """A kernel backend on a CPU tensor needs the interpreter (SPEC section 8)."""
+    """A kernel backend on a CPU tensor needs the interpreter (contract section 8)."""
     if name == "triton" and torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("backend 'triton' on CPU tensors runs in Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before importing torch_lora (or use CUDA tensors)")
 
 
-def resolve(backend: Optional[str], device, *, deterministic: bool = False):
+def resolve(backend: str | None, device, *, deterministic: bool = False):
     name = backend if backend is not None else default_backend_name(device, log=True)
     check_backend_device(name, device)
     impl = load_backend(name)
@@ -83,6 +82,6 @@ def deterministic_impl(impl):
     hook = getattr(impl, "deterministic_backend", None)
     if hook is not None:
         return hook()
-    from . import invariant  # noqa: PLC0415
+    from . import invariant
     return invariant
 

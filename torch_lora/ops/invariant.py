@@ -1,6 +1,6 @@
 """The batch-invariant reference ops: what backend "torch" runs with `deterministic=True`.
 
-Math as torch_ref (SPEC section 4), idx[t] the slot of token t or -1, every product in float32:
+Math as torch_ref (contract section 4), idx[t] the slot of token t or -1, every product in float32:
 
   shrink:  out[s, t, :] = scale * x[t] @ A_s[idx[t]].T               (0 where idx[t] = -1)
   expand:  y[t, off_s : off_s + n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
@@ -29,7 +29,6 @@ for the expand, CHUNK_VALUES float32 values at a time.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
@@ -70,7 +69,7 @@ def shrink_rows(xf: torch.Tensor, a: torch.Tensor, slot: torch.Tensor) -> torch.
     return out
 
 
-def expand_rows(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+def expand_rows(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """(T, n) float32: x[t] @ b[slot[t]].T (rank columns outside `keep` (L, r) zeroed) as elementwise
     products, (c, n, r) per chunk of tokens, summed by `tree_sum`."""
     _, width, rank = b.shape

@@ -1,6 +1,6 @@
 """Reference backend "torch": the ops in plain torch, written for clarity (the oracle's twin).
 
-Math (SPEC section 4), idx[t] the slot of token t or -1, every product in float32:
+Math (contract section 4), idx[t] the slot of token t or -1, every product in float32:
 
   shrink:  out[s, t, :] = scale * x[t] @ A_s[idx[t]].T               (0 where idx[t] = -1)
   expand:  y[t, off_s : off_s + n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
@@ -23,7 +23,7 @@ fast path.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -55,7 +55,7 @@ def _shrink_rows(xf: torch.Tensor, a: torch.Tensor, slot: torch.Tensor) -> torch
 
 @torch.no_grad()
 def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args: tuple,
-           scale: float, lora_ranks: Optional[torch.Tensor] = None, *, rows=_shrink_rows) -> None:
+           scale: float, lora_ranks: torch.Tensor | None = None, *, rows=_shrink_rows) -> None:
     """out[s] (T, r) float32 written. rows(xf, a, slot) -> (T, r): how each token's own product is
     computed (torch_lora.ops.invariant passes its batch-invariant form)."""
     t = x.shape[0]
@@ -72,7 +72,7 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
 
 
 def _expand_slots(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor,
-                  keep: Optional[torch.Tensor]) -> torch.Tensor:
+                  keep: torch.Tensor | None) -> torch.Tensor:
     """(T, n) float32: x[t] @ b[slot[t]].T. x (T, r) float32; b (L, n, r); keep: None or (L, r)
     bool, the rank columns of each slot to use (the padding is masked with `where`).
 
@@ -101,7 +101,7 @@ def _expand_slots(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor,
 
 @torch.no_grad()
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args: tuple,
-           offsets: Sequence[int], add_inputs: bool, lora_ranks: Optional[torch.Tensor] = None,
+           offsets: Sequence[int], add_inputs: bool, lora_ranks: torch.Tensor | None = None,
            bias=None, *, rows=None, col_scale=None) -> None:
     """With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are
     ignored. rows(x, slot, b, keep) -> (T, n): each token's own product (default `_expand_slots`;

@@ -24,7 +24,7 @@ import ctypes
 import functools
 import logging
 import types
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ _LOG = logging.getLogger("torch_lora")
 # not at import (importing must not initialise CUDA).
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pdl_enabled() -> bool:
     return (HAVE_PDL and not interpreting() and pdl_allowed()
             and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
@@ -132,7 +132,7 @@ def _workspace_buffer(device: torch.device, stream: int, floats: int) -> torch.T
     return _stream_buffer(_WORKSPACES, torch.float32, _WORKSPACE_FLOATS, device, stream, floats)
 
 
-def _key(config: Optional[dict]):
+def _key(config: dict | None):
     return tuple(sorted(config.items())) if config else None
 
 
@@ -185,7 +185,7 @@ def _launch(call: arguments.KernelCall) -> None:
             if len(_COMPILED) > _MAX_COMPILED:
                 _COMPILED.clear()
             _COMPILED[key] = (compiled, consts)
-        except Exception as e:  # noqa: BLE001 - keep Triton's own launcher
+        except Exception as e:
             _FAST[0] = False
             _LOG.warning("direct launches of compiled kernels are off (Triton's launcher from now on): %s: %s",
                          type(e).__name__, e)
@@ -289,7 +289,7 @@ class PreparedLinear:
     __slots__ = ("_args", "_device", "_layout", "_steps", "_tries", "_c_steps", "_c_vars", "_c_scale",
                  "_sync_ints", "_ws_floats", "_ws_stream", "_ws_ptr")
 
-    def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: Optional[bool] = None,
+    def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: bool | None = None,
                  deterministic: bool = False):
         _check_fused_deterministic(fused, deterministic)
         self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused, deterministic)
@@ -305,7 +305,7 @@ class PreparedLinear:
         self._ws_stream = None    # the stream of the last call, and its workspace's address
         self._ws_ptr = 0
 
-    def __call__(self, y: torch.Tensor, x: torch.Tensor, scale: float, lora_ranks: Optional[torch.Tensor] = None):
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, scale: float, lora_ranks: torch.Tensor | None = None):
         steps = self._steps
         if steps is not None and (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype,
                                   lora_ranks is None) == self._layout:
@@ -418,7 +418,7 @@ class PreparedLinear:
 # ------------------------------------------------------------------------------------- backend API
 
 def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args, scale: float,
-           lora_ranks: Optional[torch.Tensor] = None, *, config: Optional[dict] = None,
+           lora_ranks: torch.Tensor | None = None, *, config: dict | None = None,
            deterministic: bool = False) -> None:
     """out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T (float32, 0 for tokens without LoRA).
     deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics)."""
@@ -432,8 +432,8 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
 
 
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args,
-           offsets: Sequence[int], add_inputs: bool, lora_ranks: Optional[torch.Tensor] = None,
-           bias=None, *, config: Optional[dict] = None, deterministic: bool = False, col_scale=None) -> None:
+           offsets: Sequence[int], add_inputs: bool, lora_ranks: torch.Tensor | None = None,
+           bias=None, *, config: dict | None = None, deterministic: bool = False, col_scale=None) -> None:
     """y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias, times
     col_scale[s][idx[t]] where given (DoRA). deterministic: batch-invariant launches."""
     if y.shape[0] == 0:
@@ -447,9 +447,9 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
 
 
 def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-           meta_args, scale: float, offsets: Sequence[int], lora_ranks: Optional[torch.Tensor] = None,
-           bias=None, *, fused: Optional[bool] = None, shrink_config: Optional[dict] = None,
-           expand_config: Optional[dict] = None, fused_config: Optional[dict] = None,
+           meta_args, scale: float, offsets: Sequence[int], lora_ranks: torch.Tensor | None = None,
+           bias=None, *, fused: bool | None = None, shrink_config: dict | None = None,
+           expand_config: dict | None = None, fused_config: dict | None = None,
            deterministic: bool = False, col_scale=None) -> None:
     """add_lora_linear's math in place: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx].
 
@@ -481,7 +481,7 @@ def prepare_linear(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor
                           deterministic=deterministic)
 
 
-def _check_fused_deterministic(fused: Optional[bool], deterministic: bool) -> None:
+def _check_fused_deterministic(fused: bool | None, deterministic: bool) -> None:
     if fused and deterministic:
         raise ValueError("fused=True cannot be deterministic: deterministic launches always run shrink + "
                          "expand (one kernel path for every token count); pass fused=None or False")

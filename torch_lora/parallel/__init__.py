@@ -13,8 +13,12 @@ shard through the rank's PunicaWrapper (docs/parallel_torch.md).
 
 from .layer import ParallelLoRALayer
 from .layout import LAYOUTS, LayoutCost, SliceShard, choose_layout
-from .linear import (ColumnParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA, QKVParallelLinearWithLoRA,
-                     RowParallelLinearWithLoRA)
+from .linear import (
+                     ColumnParallelLinearWithLoRA,
+                     MergedColumnParallelLinearWithLoRA,
+                     QKVParallelLinearWithLoRA,
+                     RowParallelLinearWithLoRA,
+)
 from .loading import clear_lora_slot, load_lora_slot
 from .vocab import ParallelLMHeadWithLoRA, VocabParallelEmbeddingWithLoRA
 

@@ -17,15 +17,13 @@ moves the rank axis next to the columns.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 __all__ = ["all_reduce_sum", "gather_columns", "gather_rank_buffer", "group_rank_and_size"]
 
 
-def group_rank_and_size(group: Optional["dist.ProcessGroup"]) -> tuple[int, int]:
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(this process's rank in `group`, the group's size); `group=None` is the default group."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group "

@@ -19,8 +19,6 @@ PunicaWrapper installed with `set_mapping`; without a wrapper a layer returns it
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from lora_core import checks
@@ -63,8 +61,8 @@ class ParallelLoRALayer(torch.nn.Module):
         self.module_names: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ construction
-    def _build(self, *, fully_sharded: Optional[bool], tokens_per_step: Optional[int],
-               adapters_per_step: Optional[int], link_weight: float, dtype, device, lora_bias: bool) -> None:
+    def _build(self, *, fully_sharded: bool | None, tokens_per_step: int | None,
+               adapters_per_step: int | None, link_weight: float, dtype, device, lora_bias: bool) -> None:
         """Resolves dtype and device, picks the layout, allocates the slots (zero: every slot empty)."""
         check_layout_args(fully_sharded, tokens_per_step)
         param = next(self.base_layer.parameters(), None)
@@ -98,7 +96,7 @@ class ParallelLoRALayer(torch.nn.Module):
         self.register_buffer("lora_ranks", torch.zeros(L, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("lora_ranks_local", torch.zeros(L, dtype=torch.int32, device=device), persistent=False)
 
-    def _sharding_problem(self) -> Optional[str]:
+    def _sharding_problem(self) -> str | None:
         return None
 
     def _rank_chunk(self) -> tuple[int, int]:
@@ -109,7 +107,7 @@ class ParallelLoRALayer(torch.nn.Module):
         q = self.max_rank // self.tp_size
         return self.tp_rank * q, (self.tp_rank + 1) * q
 
-    def _adapters(self, num_adapters: Optional[int]) -> int:
+    def _adapters(self, num_adapters: int | None) -> int:
         return self.max_loras if num_adapters is None else num_adapters
 
     # ------------------------------------------------------------------ slots
@@ -126,7 +124,7 @@ class ParallelLoRALayer(torch.nn.Module):
         return tuple(getattr(self, f"lora_b_{s}") for s in range(self.num_slices))
 
     @property
-    def lora_bias_stacked(self) -> Optional[tuple[torch.Tensor, ...]]:
+    def lora_bias_stacked(self) -> tuple[torch.Tensor, ...] | None:
         if not self.lora_bias:
             return None
         return tuple(getattr(self, f"lora_bias_{s}") for s in range(self.num_slices))

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["LAYOUTS", "LayoutCost", "SliceShard", "choose_layout", "column_costs", "embedding_costs",
            "even_range", "link_bytes", "padded_range", "qkv_ranges", "row_costs"]
@@ -219,7 +219,7 @@ def choose_layout(costs: Mapping[str, LayoutCost], link_weight: float = 1.0) -> 
     return "fully_sharded" if shard < rep else "replicated"
 
 
-def check_layout_args(fully_sharded: Optional[bool], tokens_per_step: Optional[int]) -> None:
+def check_layout_args(fully_sharded: bool | None, tokens_per_step: int | None) -> None:
     """A layer needs either its layout or the step size to choose one by bytes."""
     if fully_sharded is not None and not isinstance(fully_sharded, bool):
         raise TypeError(f"fully_sharded must be True, False or None (choose by bytes), got {fully_sharded!r}")

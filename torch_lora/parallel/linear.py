@@ -30,7 +30,7 @@ are blocking (on the current stream with NCCL), so a forward pass can be capture
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ class _ColumnParallelLoRA(ParallelLoRALayer):
         """This rank's width of each slice (the base layer shard's output is their concatenation)."""
         return tuple(stop - start for start, stop in self.output_ranges)
 
-    def _sharding_problem(self) -> Optional[str]:
+    def _sharding_problem(self) -> str | None:
         if self.max_rank % self.tp_size:
             return (f"max_rank={self.max_rank} must be divisible by the process group size {self.tp_size} to "
                     "split A along the rank")
@@ -69,7 +69,7 @@ class _ColumnParallelLoRA(ParallelLoRALayer):
         return [SliceShard(a_rank=chunk, a_in=(0, self.input_size), b_out=rng, full_in=self.input_size,
                            full_out=full) for full, rng in zip(self.output_sizes, self.output_ranges)]
 
-    def layout_costs(self, num_tokens: int, num_adapters: Optional[int] = None) -> dict[str, LayoutCost]:
+    def layout_costs(self, num_tokens: int, num_adapters: int | None = None) -> dict[str, LayoutCost]:
         """Bytes moved per forward call of `num_tokens` tokens with `num_adapters` active (default:
         max_loras), in each layout (layout.column_costs)."""
         return column_costs(input_size=self.input_size, local_widths=self.output_slices, max_rank=self.max_rank,
@@ -125,8 +125,8 @@ class ColumnParallelLinearWithLoRA(_ColumnParallelLoRA):
       max_loras, max_rank: slots L and the stacked rank r (smaller adapters are zero-padded).""" + _LAYOUT_DOC
 
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, output_size: int, max_loras: int,
-                 max_rank: int, group=None, fully_sharded: Optional[bool] = None,
-                 tokens_per_step: Optional[int] = None, adapters_per_step: Optional[int] = None,
+                 max_rank: int, group=None, fully_sharded: bool | None = None,
+                 tokens_per_step: int | None = None, adapters_per_step: int | None = None,
                  link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None):
         super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
         positive_int("output_size", output_size)
@@ -147,8 +147,8 @@ class MergedColumnParallelLinearWithLoRA(_ColumnParallelLoRA):
       max_loras, max_rank: slots L and the stacked rank r.""" + _LAYOUT_DOC
 
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, output_sizes: Sequence[int], max_loras: int,
-                 max_rank: int, group=None, fully_sharded: Optional[bool] = None,
-                 tokens_per_step: Optional[int] = None, adapters_per_step: Optional[int] = None,
+                 max_rank: int, group=None, fully_sharded: bool | None = None,
+                 tokens_per_step: int | None = None, adapters_per_step: int | None = None,
                  link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None):
         super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
         if not isinstance(output_sizes, (list, tuple)) or not output_sizes:
@@ -172,8 +172,8 @@ class QKVParallelLinearWithLoRA(_ColumnParallelLoRA):
       max_loras, max_rank: slots L and the stacked rank r.""" + _LAYOUT_DOC
 
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, num_heads: int, num_kv_heads: int,
-                 head_size: int, max_loras: int, max_rank: int, group=None, fully_sharded: Optional[bool] = None,
-                 tokens_per_step: Optional[int] = None, adapters_per_step: Optional[int] = None,
+                 head_size: int, max_loras: int, max_rank: int, group=None, fully_sharded: bool | None = None,
+                 tokens_per_step: int | None = None, adapters_per_step: int | None = None,
                  link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None):
         super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
         ranges = qkv_ranges(num_heads, num_kv_heads, head_size, self.tp_rank, self.tp_size)
@@ -195,8 +195,8 @@ class RowParallelLinearWithLoRA(ParallelLoRALayer):
       max_loras, max_rank: slots L and the stacked rank r.""" + _LAYOUT_DOC
 
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, output_size: int, max_loras: int,
-                 max_rank: int, group=None, fully_sharded: Optional[bool] = None,
-                 tokens_per_step: Optional[int] = None, adapters_per_step: Optional[int] = None,
+                 max_rank: int, group=None, fully_sharded: bool | None = None,
+                 tokens_per_step: int | None = None, adapters_per_step: int | None = None,
                  link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None):
         super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
         self.input_size = positive_int("input_size", input_size)
@@ -210,7 +210,7 @@ class RowParallelLinearWithLoRA(ParallelLoRALayer):
     def input_size_per_partition(self) -> int:
         return self.input_range[1] - self.input_range[0]
 
-    def _sharding_problem(self) -> Optional[str]:
+    def _sharding_problem(self) -> str | None:
         if self.output_size % self.tp_size:
             return (f"output_size={self.output_size} must be divisible by the process group size {self.tp_size} "
                     "to split B along the output")
@@ -222,7 +222,7 @@ class RowParallelLinearWithLoRA(ParallelLoRALayer):
         return [SliceShard(a_rank=(0, self.max_rank), a_in=self.input_range, b_out=out, full_in=self.input_size,
                            full_out=self.output_size)]
 
-    def layout_costs(self, num_tokens: int, num_adapters: Optional[int] = None) -> dict[str, LayoutCost]:
+    def layout_costs(self, num_tokens: int, num_adapters: int | None = None) -> dict[str, LayoutCost]:
         """Bytes moved per forward call in each layout (layout.row_costs; y's element size taken as
         the adapter dtype's)."""
         return row_costs(input_size=self.input_size, output_size=self.output_size, max_rank=self.max_rank,

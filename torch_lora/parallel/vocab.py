@@ -26,8 +26,6 @@ capturable).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .. import ops
@@ -53,8 +51,8 @@ class VocabParallelEmbeddingWithLoRA(ParallelLoRALayer):
     """
 
     def __init__(self, base_layer: torch.nn.Module, *, num_embeddings: int, embedding_dim: int, max_loras: int,
-                 max_rank: int, group=None, fully_sharded: Optional[bool] = None,
-                 tokens_per_step: Optional[int] = None, adapters_per_step: Optional[int] = None,
+                 max_rank: int, group=None, fully_sharded: bool | None = None,
+                 tokens_per_step: int | None = None, adapters_per_step: int | None = None,
                  link_weight: float = 1.0, dtype=None, device=None):
         super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
         self.num_embeddings = positive_int("num_embeddings", num_embeddings)
@@ -74,7 +72,7 @@ class VocabParallelEmbeddingWithLoRA(ParallelLoRALayer):
         return [SliceShard(a_rank=(0, self.max_rank), a_in=rows, b_out=(0, self.embedding_dim),
                            full_in=self.num_embeddings, full_out=self.embedding_dim, a_table=True)]
 
-    def layout_costs(self, num_tokens: int, num_adapters: Optional[int] = None) -> dict[str, LayoutCost]:
+    def layout_costs(self, num_tokens: int, num_adapters: int | None = None) -> dict[str, LayoutCost]:
         """Bytes moved per forward call in each layout (layout.embedding_costs)."""
         return embedding_costs(num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim,
                                max_rank=self.max_rank, max_loras=self.max_loras, world=self.tp_size,
@@ -134,9 +132,9 @@ class ParallelLMHeadWithLoRA(ParallelLoRALayer):
     """
 
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, vocab_size: int, max_loras: int,
-                 max_rank: int, vocab_range: Optional[tuple[int, int]] = None, group=None,
-                 fully_sharded: Optional[bool] = None, tokens_per_step: Optional[int] = None,
-                 adapters_per_step: Optional[int] = None, link_weight: float = 1.0, dtype=None, device=None):
+                 max_rank: int, vocab_range: tuple[int, int] | None = None, group=None,
+                 fully_sharded: bool | None = None, tokens_per_step: int | None = None,
+                 adapters_per_step: int | None = None, link_weight: float = 1.0, dtype=None, device=None):
         super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
         self.input_size = positive_int("input_size", input_size)
         self.vocab_size = positive_int("vocab_size", vocab_size)
@@ -155,7 +153,7 @@ class ParallelLMHeadWithLoRA(ParallelLoRALayer):
     def vocab_width(self) -> int:
         return self.vocab_range[1] - self.vocab_range[0]
 
-    def _sharding_problem(self) -> Optional[str]:
+    def _sharding_problem(self) -> str | None:
         if self.max_rank % self.tp_size:
             return (f"max_rank={self.max_rank} must be divisible by the process group size {self.tp_size} to "
                     "split A along the rank")
@@ -165,7 +163,7 @@ class ParallelLMHeadWithLoRA(ParallelLoRALayer):
         return [SliceShard(a_rank=self._rank_chunk(), a_in=(0, self.input_size), b_out=self.vocab_range,
                            full_in=self.input_size, full_out=self.vocab_size)]
 
-    def layout_costs(self, num_tokens: int, num_adapters: Optional[int] = None) -> dict[str, LayoutCost]:
+    def layout_costs(self, num_tokens: int, num_adapters: int | None = None) -> dict[str, LayoutCost]:
         """Bytes moved per forward call of `num_tokens` sampled rows in each layout (layout.column_costs
         with one slice of the vocabulary width)."""
         return column_costs(input_size=self.input_size, local_widths=(self.vocab_width,), max_rank=self.max_rank,

@@ -1,6 +1,6 @@
 """Backend "pallas_tpu": grouped (SGMV-style) shrink and expand as Pallas TPU kernels.
 
-Math (SPEC section 4), with idx[t] the slot of token t (-1 = no LoRA), every product in float32:
+Math (contract section 4), with idx[t] the slot of token t (-1 = no LoRA), every product in float32:
 
   shrink:  buf[s, t, :] = scale * x[t] @ A_s[idx[t]].T                 (0 where idx[t] = -1)
   expand:  y[t, off_s : off_s + n_s] = (y[t, ...] if add_inputs else 0)
@@ -10,7 +10,7 @@ Math (SPEC section 4), with idx[t] the slot of token t (-1 = no LoRA), every pro
            add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T).
   ranks:   with lora_ranks, rank columns c >= lora_ranks[idx[t]] count as zero (in A and in B).
 
-How (the megablox `gmm` pattern, applied to the LoRA metadata of SPEC section 3):
+How (the megablox `gmm` pattern, applied to the LoRA metadata of contract section 3):
 
   1. Rows are processed in one of two orders:
      - sorted: the order of `meta.token_indices_sorted_by_lora_ids` (each adapter's tokens

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,16 +30,16 @@ from lora_core.dora import epilogue_vectors
 from ... import tpu_rules
 from ...meta import LoRAKernelMeta
 from .common import (
+    _below,
     _dot,
     _pad_rows,
-    _below,
     _placement,
-    _window,
     _ranks_or_full,
     _round_up,
     _row_mask,
     _rows_dma,
     _two_jits,
+    _window,
     current_interpret,
 )
 from .plans import ExpandPlan, _compiler_params, expand_order_cost, plan_expand, plan_inplace
@@ -241,7 +242,7 @@ class _ExpandOperands(NamedTuple):
     lora_b: tuple  # S arrays (L, n_s, r) or (L, r, n_s)
     y: jax.Array  # (T, N)
     ranks: jax.Array  # (L,) int32
-    bias: Optional[tuple]  # None or S entries of None / (L, n_s)
+    bias: tuple | None  # None or S entries of None / (L, n_s)
     offsets: jax.Array  # (S,) int32 column offsets of the slices in y
     add_inputs: bool
     interpret: object  # False or pltpu.InterpretParams
@@ -401,7 +402,7 @@ def _run_scatter(args: _ExpandOperands, plan: ExpandPlan, scatter: ExpandPlan, s
 
 
 def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPlan,
-                   inplace: Optional[ExpandPlan], scatter: Optional[ExpandPlan], add_inputs: bool, interpret):
+                   inplace: ExpandPlan | None, scatter: ExpandPlan | None, add_inputs: bool, interpret):
     """(token-order fn, sorted-order fn): each takes the packed (tp, P) rank rows in its own order
     and returns the new y.
 
@@ -433,7 +434,7 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
 
 
 def _expand_call(buf, lora_b, y, meta, ranks, bias, offsets, *, plan: ExpandPlan,
-                 inplace: Optional[ExpandPlan], scatter: Optional[ExpandPlan], add_inputs, row_order, interpret):
+                 inplace: ExpandPlan | None, scatter: ExpandPlan | None, add_inputs, row_order, interpret):
     t, r, s_count = plan.num_tokens, plan.rank, len(plan.widths)
     tp = plan.tiles_m * plan.tm
     rows = _rows(meta, t, plan.num_slots, plan.tm, tp)
@@ -467,7 +468,7 @@ def _inplace_plans(plan: ExpandPlan, offsets, y, tn_max: int) -> tuple:
 def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRAKernelMeta,
            offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None, *,
            b_layout: str = "nr", tm_max: int = 256, tn_max: int = 4096,
-           allow_inplace: bool = True, row_order: Optional[str] = None, row_dma: bool = True,
+           allow_inplace: bool = True, row_order: str | None = None, row_dma: bool = True,
            col_scale=None) -> jax.Array:
     """buf (S, T, r); lora_b: S arrays (L, n_s, r) (or (L, r, n_s) with b_layout="rn");
     y (T, N); offsets: S column offsets (slices inside y); bias, col_scale: None or S entries of

@@ -4,16 +4,16 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from lora_core.dora import epilogue_vectors
+
 from ... import tpu_rules
 from ...meta import LoRAKernelMeta
 from .common import _ranks_or_full, _two_jits, current_interpret
-from lora_core.dora import epilogue_vectors
-
 from .expand_op import _expand_orders, _inplace_plans, expand
 from .plans import ExpandPlan, ShrinkPlan, expand_order_cost, plan_expand, plan_shrink, shrink_order_cost
 from .schedule import OrderCost, _check_row_order, _pick_order, _rows, choose_token_order
@@ -21,7 +21,7 @@ from .shrink_op import _shrink_orders, shrink
 
 
 def _linear_call(y, x, lora_a, lora_b, meta, scale, ranks, bias, offsets, *, splan: ShrinkPlan,
-                 eplan: ExpandPlan, inplace: Optional[ExpandPlan], scatter: Optional[ExpandPlan], row_order,
+                 eplan: ExpandPlan, inplace: ExpandPlan | None, scatter: ExpandPlan | None, row_order,
                  interpret):
     t = splan.num_tokens
     rows = _rows(meta, t, splan.num_slots, splan.tm, splan.tiles_m * splan.tm)
@@ -45,7 +45,7 @@ _linear_call = _two_jits(_linear_call, ("splan", "eplan", "inplace", "scatter", 
 def linear(y: jax.Array, x: jax.Array, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array],
            meta: LoRAKernelMeta, scale: float, offsets: Sequence[int], lora_ranks=None, bias=None, *,
            b_layout: str = "nr", tm_max: int = 256, tk_max: int = 8192, tn_max: int = 4096,
-           row_order: Optional[str] = None, row_dma: bool = True, col_scale=None) -> jax.Array:
+           row_order: str | None = None, row_dma: bool = True, col_scale=None) -> jax.Array:
     """add_lora_linear's math in one program: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T
     + bias_s[idx] (float32, one cast), rows with idx -1 and other columns untouched; a slice with a
     DoRA column scale (col_scale: None or S entries of None / (L, n_s)) gets

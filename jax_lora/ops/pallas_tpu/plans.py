@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from jax.experimental.pallas import tpu as pltpu
 
@@ -213,9 +213,9 @@ class ExpandPlan(_RankChunked):
 
 
 def plan_expand(num_tokens: int, widths: Sequence[int], rank: int, num_slots: int, lanes: int,
-                b_layout: str = "nr", has_bias: Optional[Sequence[bool]] = None, b_bytes: int = 2,
+                b_layout: str = "nr", has_bias: Sequence[bool] | None = None, b_bytes: int = 2,
                 tm_max: int = 256, tn_max: int = 4096, vmem_budget: int = VMEM_BUDGET,
-                chunked: bool = False, scaled: Optional[Sequence[bool]] = None) -> ExpandPlan:
+                chunked: bool = False, scaled: Sequence[bool] | None = None) -> ExpandPlan:
     """Large column tiles (few re-reads of the buffer) and tm under the VMEM budget: halves the
     widest tile, then tm, until the blocks fit. `chunked` (rank-major B only): 16-row rank blocks.
     has_bias: per slice, an epilogue vector (L, n_s) is read; scaled: per slice, that vector is a
@@ -250,7 +250,7 @@ def plan_expand(num_tokens: int, widths: Sequence[int], rank: int, num_slots: in
 
 def plan_inplace(plan: ExpandPlan, offsets: Sequence[int], y_cols: int, y_bytes: int,
                  tn_max: int = 4096, vmem_budget: int = VMEM_BUDGET, by_rows: bool = False
-                 ) -> Optional[ExpandPlan]:
+                 ) -> ExpandPlan | None:
     """The in-place variant of `plan` (y read and written by the kernel, no float32 delta round
     trip), or None when it does not apply. One column tile width, a multiple of 128, must divide
     every slice width and offset. Token order (y as BlockSpec blocks) also needs T % tm == 0 and
@@ -270,7 +270,7 @@ def plan_inplace(plan: ExpandPlan, offsets: Sequence[int], y_cols: int, y_bytes:
     return None
 
 
-def _compiler_params(vmem_bytes: int) -> "pltpu.CompilerParams":
+def _compiler_params(vmem_bytes: int) -> pltpu.CompilerParams:
     """Sequential grid ("arbitrary": output tiles are revisited by consecutive steps). A plan that
     cannot fit VMEM_BUDGET (a slice width with no 128-multiple divisor, e.g. an odd vocabulary)
     raises the scoped-VMEM limit instead, up to 96 MiB of the 128 MiB of v5e / v6e."""
@@ -294,8 +294,8 @@ def shrink_order_cost(plan: ShrinkPlan, x_bytes: int, a_bytes: int) -> OrderCost
     return OrderCost(plan.num_slices * plan.rank * h * a_bytes * plan.tiles_k, x_rows + padded, sorted_rows)
 
 
-def expand_order_cost(plan: ExpandPlan, inplace: Optional[ExpandPlan], b_bytes: int,
-                      y_bytes: int, scatter: Optional[ExpandPlan] = None) -> OrderCost:
+def expand_order_cost(plan: ExpandPlan, inplace: ExpandPlan | None, b_bytes: int,
+                      y_bytes: int, scatter: ExpandPlan | None = None) -> OrderCost:
     """The OrderCost of an expand with this plan: B bytes per weight fetch (the rank padded to 128
     lanes in the (L, n, r) layout) and the y bytes each order moves: y read and written once when
     that order updates y in place (`inplace`: token order, `scatter`: sorted order), else also the

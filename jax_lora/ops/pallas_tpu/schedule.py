@@ -17,7 +17,7 @@ skipped chunk holds.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +229,7 @@ def _weight_fetches(sched: Schedule) -> jax.Array:
     return jnp.sum((sched.live == 1) & (sched.slot != prev), dtype=jnp.int32)
 
 
-def choose_token_order(token_sched: Schedule, sorted_sched: Schedule, cost: Optional[OrderCost]) -> jax.Array:
+def choose_token_order(token_sched: Schedule, sorted_sched: Schedule, cost: OrderCost | None) -> jax.Array:
     """Device bool: the token order is estimated to cost no more than the sorted order. Without a
     cost, the one with fewer steps (ties: token order)."""
     if cost is None:
@@ -243,7 +243,7 @@ def choose_token_order(token_sched: Schedule, sorted_sched: Schedule, cost: Opti
 
 
 def prefers_token_order(meta: LoRAKernelMeta, num_tokens: int, num_slots: int, tm: int,
-                        cost: Optional[OrderCost] = None) -> jax.Array:
+                        cost: OrderCost | None = None) -> jax.Array:
     """Device bool: whether a kernel with this tiling and cost runs in token order."""
     raw = meta.token_lora_mapping[:num_tokens].astype(jnp.int32)
     idx = jnp.where((raw >= 0) & (raw < num_slots), raw, -1)
@@ -251,7 +251,7 @@ def prefers_token_order(meta: LoRAKernelMeta, num_tokens: int, num_slots: int, t
                               make_schedule(meta, num_tokens, num_slots, tm), cost)
 
 
-def _pick_order(row_order: Optional[str], choose: jax.Array, token_fn, sorted_fn):
+def _pick_order(row_order: str | None, choose: jax.Array, token_fn, sorted_fn):
     """`lax.cond` on the device-side choice, or the forced branch (row_order "token" / "sorted")."""
     if row_order == "token":
         return token_fn()
@@ -260,6 +260,6 @@ def _pick_order(row_order: Optional[str], choose: jax.Array, token_fn, sorted_fn
     return lax.cond(choose, token_fn, sorted_fn)
 
 
-def _check_row_order(row_order: Optional[str]) -> None:
+def _check_row_order(row_order: str | None) -> None:
     if row_order not in (None, "token", "sorted"):
         raise ValueError(f"row_order must be None (choose per call), 'token' or 'sorted', got {row_order!r}")

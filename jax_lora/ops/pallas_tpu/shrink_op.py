@@ -10,7 +10,7 @@ applies `scale` and zeroes rows without a LoRA.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +20,9 @@ from jax.experimental.pallas import tpu as pltpu
 from ... import tpu_rules
 from ...meta import LoRAKernelMeta
 from .common import (
+    _below,
     _dot,
     _pad_rows,
-    _below,
     _placement,
     _ranks_or_full,
     _row_mask,
@@ -231,7 +231,7 @@ _shrink_call = _two_jits(_shrink_call, ("plan", "row_order", "interpret"))
 
 def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float,
            lora_ranks=None, *, tm_max: int = 256, tk_max: int = 8192,
-           row_order: Optional[str] = None, row_dma: bool = True) -> jax.Array:
+           row_order: str | None = None, row_dma: bool = True) -> jax.Array:
     """x (T, H); lora_a: S arrays (L, r, H), one (L, r) shape -> (S, T, r) float32.
 
     buf[s, t] = scale * x[t] @ lora_a[s][idx[t]].T, zero rows where idx[t] is -1 or out of range.
