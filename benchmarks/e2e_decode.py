@@ -363,6 +363,13 @@ class TorchDecoder:
 
     def drop_lora(self) -> None:
         self.lora = None
+        self.vllm_weights = None
+
+    def load_vllm_weights(self) -> None:
+        """Contiguous copies of the current adapters' slices for vLLM's kernels (they take no
+        strided views): per layer and linear, (A slices (L, r, in), B slices (L, n_s, r))."""
+        self.vllm_weights = [{name: (tuple(a.contiguous() for a in a_s), tuple(b.contiguous() for b in b_s))
+                              for name, (a_s, b_s, _slices, _ranks) in per.items()} for per in self.lora]
 
     def _rms(self, x, w):
         import torch
@@ -458,6 +465,16 @@ class TorchDecoder:
         def lora(i, name, y, x):
             a, b, slices, ranks = self.lora[i][name]
             punica.add_lora_linear(y, x, a, b, None, 1.0, slices, lora_ranks=ranks)
+        return lora
+
+    def vllm_lora(self, vk, meta):
+        """The LoRA hook through vLLM 0.33's kernels, as its PunicaWrapperGPU.add_lora_linear runs
+        them (benchmarks/vllm_kernels.py; scale 1: B holds it)."""
+        import vllm_kernels
+
+        def lora(i, name, y, x):
+            a, b = self.vllm_weights[i][name]
+            vllm_kernels.add_lora_linear(vk, meta, y, x, a, b, 1.0)
         return lora
 
     def overlapped_lora(self, punica, side):
@@ -658,6 +675,14 @@ class Bench:
                                                backend="xla" if self.smoke else "triton")
         self.t_punica = torch_lora.PunicaWrapper(cap, cap, self.device, max_loras=NUM_SLOTS,
                                                  backend="torch" if self.smoke else "triton")
+        self.vk = self.v_meta = None
+        if self.cuda and "torch" in self.frameworks and self.args.vllm != "off":
+            import vllm_kernels
+            self.vk = vllm_kernels.load()
+            if self.vk is None and self.args.vllm == "on":
+                raise SystemExit("--vllm on: vLLM's kernel files are missing (bash benchmarks/fetch_vllm_kernels.sh)")
+            if self.vk is not None:
+                self.v_meta = self.vk.LoRAKernelMeta.make(NUM_SLOTS, cap, self.device)
 
     def _torch_sync(self):
         import torch
@@ -668,6 +693,10 @@ class Bench:
         m = shape.mapping(slots)
         ids = list(range(1, NUM_SLOTS + 1))
         self.t_punica.update_metadata(m, ids, NUM_SLOTS, self.cfg.vocab_size)
+        if self.v_meta is not None:
+            import torch
+            token_slots = np.asarray(m.index_mapping, np.int32) - 1
+            self.v_meta.prepare_tensors(torch.from_numpy(token_slots).to(self.device))
         self.j_punica.update_metadata(m, ids, NUM_SLOTS, self.cfg.vocab_size)
 
     # ---------------------------------------------------------------- reference
@@ -690,9 +719,12 @@ class Bench:
         return logits.double().cpu().numpy()
 
     # ---------------------------------------------------------------- torch
-    def torch_step_fn(self, shape: Shape, lora: bool):
+    def torch_step_fn(self, shape: Shape, lora):
+        """lora: False (base), True (ours) or "vllm" (vLLM's kernels)."""
         hook = None
-        if lora:
+        if lora == "vllm":
+            hook = self.td.vllm_lora(self.vk, self.v_meta)
+        elif lora:
             hook = (self.td.overlapped_lora(self.t_punica, self._torch_side) if self.args.torch_lora == "overlap"
                     else self.td.wrapper_lora(self.t_punica))
 
@@ -700,7 +732,7 @@ class Bench:
             return self.td.forward(shape.t_tokens, shape.t_positions, shape.t_cache, lora=hook)
         return step
 
-    def torch_prepare(self, shape: Shape, lora: bool):
+    def torch_prepare(self, shape: Shape, lora):
         """A runner of the step: on CUDA a captured graph (warmed up eagerly first, so Triton compiles
         and the wrapper's plans are built outside the capture), on the CPU the eager step. Returns
         (run() -> (logits, next tokens) as tensors updated in place, seconds spent)."""
@@ -851,6 +883,8 @@ class Bench:
             self._sync_jax()
             self._states = self.jm.states()
             self.td.load_lora()
+            if self.vk is not None:
+                self.td.load_vllm_weights()
             self.phases[f"set_rank_{rank}_s"] = time.perf_counter() - t0
             for key in run_keys:
                 if key not in shapes:
@@ -928,7 +962,10 @@ class Bench:
             try:
                 t_base, setup["torch_base_s"] = self.torch_prepare(shape, lora=False)
                 t_lora, setup["torch_lora_s"] = self.torch_prepare(shape, lora=True)
-                runs["torch"] = (t_base, t_lora)
+                t_vllm = None
+                if self.vk is not None:
+                    t_vllm, setup["torch_vllm_s"] = self.torch_prepare(shape, lora="vllm")
+                runs["torch"] = (t_base, t_lora, t_vllm)
             except Exception as e:
                 errors["torch"] = _error("torch", e)
         if "jax" in self.frameworks:
@@ -982,22 +1019,34 @@ class Bench:
                 floor_us: float) -> dict:
         """Check the framework's LoRA and base steps against the reference (logits of `rows`), then,
         only if both pass, time n alternating base / LoRA steps."""
+        t_vllm = vllm_err = None
         if fw == "torch":
-            t_base, t_lora = torch_runs
+            t_base, t_lora, t_vllm = torch_runs
             lora_logits = t_lora()[0].double().cpu().numpy()[rows]
             base_logits = t_base()[0].double().cpu().numpy()[rows]
+            if t_vllm is not None:
+                vllm_err = rel_err(t_vllm()[0].double().cpu().numpy()[rows], ref)
         else:
             lora_logits = np.asarray(self.jax_run(shape, True)[0], np.float64)[rows]
             base_logits = np.asarray(self.jax_run(shape, False)[0], np.float64)[rows]
         err, base_err = rel_err(lora_logits, ref), rel_err(base_logits, base_ref)
         ok = bool(err <= TOL_ERR and base_err <= TOL_ERR and err <= TOL_ERR_OVER_EFFECT * effect)
         r = dict(lora_err=err, base_err=base_err, check_passed=ok)
+        if vllm_err is not None:
+            r["vllm_err"] = vllm_err
+            if not (vllm_err <= TOL_ERR and vllm_err <= TOL_ERR_OVER_EFFECT * effect):
+                t_vllm = None          # vLLM's step failed the check: no time for it
+                r["vllm_check_passed"] = False
         if not ok:
             return r
         handler_calls = _ffi_handler_calls if fw == "jax" and self.cuda else (lambda: None)
         calls0 = handler_calls()
         with _profiler_range(self.cuda, f"{fw}_{shape.kind}{shape.rows}x{shape.seq}"):
-            tb, tl = self.torch_time([t_base, t_lora], n) if fw == "torch" else self.jax_time(shape, [False, True], n)
+            if fw == "torch":
+                tb, tl, *tv = self.torch_time([t_base, t_lora] + ([t_vllm] if t_vllm is not None else []), n)
+            else:
+                tb, tl = self.jax_time(shape, [False, True], n)
+                tv = []
         calls1 = handler_calls()
         if calls0 is not None and calls1 is not None:
             # the FFI handler runs when XLA records or eagerly issues a launch, not when it replays
@@ -1013,6 +1062,11 @@ class Bench:
         r.update(base_us=base_us, lora_us=lora_us, overhead_us=lora_us - base_us,
                  overhead_pct=100 * (lora_us - base_us) / base_us, overhead_over_floor=(lora_us - base_us) / floor_us,
                  base_samples_us=tb, lora_samples_us=tl)
+        if tv:
+            v_us = float(np.median(tv[0]))
+            r.update(vllm_lora_us=v_us, vllm_overhead_us=v_us - base_us,
+                     vllm_overhead_pct=100 * (v_us - base_us) / base_us,
+                     vllm_overhead_over_floor=(v_us - base_us) / floor_us, vllm_samples_us=tv[0])
         return r
 
 
@@ -1212,6 +1266,10 @@ def line(res) -> str:
             continue
         parts.append(f"{fw}: base {r['base_us']:9.1f} lora {r['lora_us']:9.1f} over {r['overhead_us']:8.1f} us "
                      f"({r['overhead_pct']:5.1f}%, {r['overhead_over_floor']:6.2f}x floor) err {r['lora_err']:.1e}")
+        if r.get("vllm_lora_us") is not None:
+            parts.append(f"vllm: lora {r['vllm_lora_us']:9.1f} over {r['vllm_overhead_us']:8.1f} us "
+                         f"({r['vllm_overhead_pct']:5.1f}%, {r['vllm_overhead_over_floor']:6.2f}x floor) "
+                         f"err {r['vllm_err']:.1e}")
     if res.get("jax_over_torch_lora"):
         parts.append(f"jax/torch {res['jax_over_torch_lora']:.2f}")
     return " | ".join(parts)
@@ -1228,28 +1286,36 @@ def markdown(out) -> str:
         f"floor = LoRA path's minimal bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits against the reference.",
         "",
         "| case | tokens | floor us | torch base us | torch LoRA us | torch overhead us (% base) | torch x floor "
-        "| JAX base us | JAX LoRA us | JAX overhead us (% base) | JAX x floor | JAX/torch LoRA (base) | err torch / JAX |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vLLM kernels in torch's step: overhead us (% base) | vLLM x floor "
+        "| JAX base us | JAX LoRA us | JAX overhead us (% base) | JAX x floor | JAX/torch LoRA (base) "
+        "| err torch / vLLM / JAX |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in out["cases"]:
         cells = [res["case"], str(res["tokens"]), f"{res['floor_us']:.1f}"]
         errs = []
         for fw in ("torch", "jax"):
             r = res.get(fw)
+            width = 6 if fw == "torch" else 4
             if r is None:
-                cells += ["-"] * 4
+                cells += ["-"] * width
                 errs.append("-")
                 continue
             if r.get("error"):
                 errs.append("error")
-                cells += ["error"] + ["-"] * 3
+                cells += ["error"] + ["-"] * (width - 1)
                 continue
             errs.append(f"{r['lora_err']:.1e}" + ("" if r["check_passed"] else " FAILED"))
+            if fw == "torch":
+                errs.append(f"{r['vllm_err']:.1e}" if r.get("vllm_err") is not None else "-")
             if r.get("lora_us") is None:
-                cells += ["check failed"] + ["-"] * 3
+                cells += ["check failed"] + ["-"] * (width - 1)
                 continue
-            cells += [f"{r['base_us']:.1f}", f"{r['lora_us']:.1f}", f"{r['overhead_us']:.1f} ({r['overhead_pct']:.1f}%)",
-                      f"{r['overhead_over_floor']:.2f}"]
+            cells += [f"{r['base_us']:.1f}", f"{r['lora_us']:.1f}",
+                      f"{r['overhead_us']:.1f} ({r['overhead_pct']:.1f}%)", f"{r['overhead_over_floor']:.2f}"]
+            if fw == "torch":
+                cells += ([f"{r['vllm_overhead_us']:.1f} ({r['vllm_overhead_pct']:.1f}%)",
+                           f"{r['vllm_overhead_over_floor']:.2f}"] if r.get("vllm_lora_us") is not None else ["-", "-"])
         ratio = (f"{res['jax_over_torch_lora']:.2f} ({res['jax_over_torch_base']:.2f})"
                  if res.get("jax_over_torch_lora") else "-")
         cells += [ratio, " / ".join(errs)]
@@ -1328,7 +1394,7 @@ def env_meta(args, cfg) -> dict:
                 smoke=bool(args.smoke), peak_gbs=PEAK_GBS, num_slots=NUM_SLOTS, b_scale=B_SCALE,
                 max_len=args.max_len, steps=args.steps, frameworks=args.frameworks, budget_s=args.budget_s,
                 jax_chain=args.jax_chain,
-                fused=args.fused, torch_lora=args.torch_lora,
+                fused=args.fused, torch_lora=args.torch_lora, vllm_kernels=_vllm_version(args),
                 tolerances=dict(err=TOL_ERR, err_over_effect=TOL_ERR_OVER_EFFECT),
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -1351,6 +1417,15 @@ def env_meta(args, cfg) -> dict:
         from jax_lora.models import attention
         meta["jax_attention"] = "%s (%s)" % attention.attention_backend(jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
     return meta
+
+
+def _vllm_version(args):
+    """The version of vLLM's kernels timed beside ours (benchmarks/vllm_kernels.py), or None."""
+    import vllm_kernels
+    if args.smoke or args.vllm == "off" or not vllm_kernels.available():
+        return None
+    path = os.path.join(vllm_kernels.ROOT, "VERSION")
+    return open(path).read().strip() if os.path.exists(path) else "unknown"
 
 
 def memory_meta(args) -> dict:
@@ -1402,6 +1477,9 @@ def main(argv=None) -> int:
                         "a rank concurrently)")
     p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
                    help="add_lora_linear's one-launch fused kernel: the launch tables' choice (auto), or forced")
+    p.add_argument("--vllm", choices=("auto", "on", "off"), default="auto",
+                   help="also time torch's step with vLLM's LoRA kernels (benchmarks/vllm_kernels.py; their files "
+                        "in .vllm/ from benchmarks/fetch_vllm_kernels.sh): when present (auto), required (on) or not")
     p.add_argument("--torch-lora", choices=("linear", "overlap"), default="linear",
                    help="torch's LoRA path: add_lora_linear after the base product (linear), or the shrink on a "
                         "side stream beside the base product and the expand after it (overlap; CUDA only)")
