@@ -8,7 +8,8 @@ mean of the two; bf16, hidden 4096, cold weights, CUDA-graph replay as in bench_
 small candidate list: first the shrink config with the
 default expand, then the expand config with the best shrink, then (decode classes) the fused
 kernel. It writes the winning table into `lora_core/kernels/tuned/<device>.json` (where configs.py
-reads it; the classes not tuned this time keep their entries) and every timing into
+reads it; the classes not tuned this time keep their entries, the table its "policy" and
+"deterministic" keys) and every timing into
 `--out`/tune_triton_<device>_all.json (the measurements behind the table's choices).
 """
 
@@ -190,9 +191,12 @@ def main():
     device = torch.device("cuda")
     results, best = {}, {}
     table_path = args.table or configs._table_file(torch.cuda.get_device_name())
+    kept = {}                                            # the table's launch policy and deterministic configs
     if os.path.exists(table_path):                       # keep the classes not tuned this time
         with open(table_path) as f:
-            best.update(json.load(f)["classes"])
+            old_table = json.load(f)
+        best.update(old_table["classes"])
+        kept = {k: old_table[k] for k in ("policy", "deterministic") if k in old_table}
     only = set(filter(None, args.classes.split(",")))
     for (tc, rc), (kind, T, Ds) in SHAPES.items():
         if only and tc not in only:
@@ -271,7 +275,7 @@ def main():
     device_file = os.path.basename(configs._table_file(torch.cuda.get_device_name()))[:-len(".json")]
     with open(os.path.join(args.out, f"tune_triton_{device_file}_all.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), date=stamp, results=results, best=best), f, indent=1)
-    table = dict(device=torch.cuda.get_device_name(), format=1,
+    table = dict(device=torch.cuda.get_device_name(), format=1, **kept,
                  classes={key: table_entry(e) for key, e in best.items()})
     with open(table_path, "w") as f:
         json.dump(table, f, indent=1)
