@@ -1432,9 +1432,20 @@ def main(argv=None) -> int:
                                    " --xla_backend_optimization_level=0").strip()
         import torch
         torch.set_num_threads(1)
-    if args.fused != "auto":
-        from lora_core.kernels import configs
-        configs.FORCE_FUSED = args.fused == "on"
+    with launch_policy(args):
+        return run(args, cases)
+
+
+def launch_policy(args):
+    """The launch policy of the run: the device's, or with the fused kernel forced on / off (--fused)."""
+    if args.fused == "auto":
+        return contextlib.nullcontext()
+    from lora_core.kernels import configs
+    return configs.override_policy(dataclasses.replace(configs.launch_policy(), force_fused=args.fused == "on"))
+
+
+def run(args, cases) -> int:
+    """Times the selected cases and writes the results (main's work, under the run's launch policy)."""
     t_start = args.t_start = time.perf_counter()
     cfg = model_config(args.smoke)
     meta = env_meta(args, cfg)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 
 import pytest
 
@@ -123,9 +125,9 @@ def test_override_policy_governs_the_block_only(compiled, monkeypatch, caplog):
     assert "launch policy override" in caplog.text and "force_fused" in caplog.text
     assert configs.launch_policy() is h200 and configs.fused_forced() is None
     assert not configs.use_fused(8, 16, 1, 8) and configs.use_prefetch(8, 16)
-    with pytest.raises(TypeError, match="override_policy: expected a LaunchPolicy, got dict"):
-        with configs.override_policy({"force_fused": True}):
-            pass
+    with pytest.raises(TypeError, match="override_policy: expected a LaunchPolicy, got dict"), \
+            configs.override_policy({"force_fused": True}):
+        pass
     with pytest.raises(RuntimeError), configs.override_policy(forced):
         raise RuntimeError("the block failed")
     assert configs.launch_policy() is h200                                    # restored on the way out
@@ -138,3 +140,41 @@ def test_prefetch_lines_follow_the_policy(monkeypatch):
         assert planning.prefetch_constexprs(True, 4096, "bfloat16")["PREFETCH_LINES"] == 4
     with configs.override_policy(dataclasses.replace(configs.launch_policy(), force_prefetch=False)):
         assert planning.prefetch_constexprs(True, 4096, "bfloat16")["PREFETCH_LINES"] == 0
+
+
+def test_a_table_variant_sets_policy_fields(monkeypatch, tmp_path):
+    """benchmarks/table_variant.py --policy writes the base table with policy fields set (checked);
+    LORA_CORE_TABLE makes the planners read them, the rest of the base's policy kept."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import table_variant
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "no_spread.json"
+    assert table_variant.main([str(out), "--policy", '{"spread_pdl_max_tokens": 1}']) == 0
+    monkeypatch.setenv("LORA_CORE_TABLE", str(out))
+    configs.table.cache_clear()
+    try:
+        got = configs.table(H200).policy
+        assert got == dataclasses.replace(configs.GENERIC.policy, target_programs=264, spread_pdl_max_tokens=1)
+    finally:
+        configs.table.cache_clear()
+    with pytest.raises(ValueError, match=r"--policy: unknown keys \['spread'\]"):
+        table_variant.main([str(out), "--policy", '{"spread": 1}'])
+
+
+def test_e2e_decode_forces_the_fused_kernel_through_an_override():
+    """benchmarks/e2e_decode.py --fused on/off runs under a policy with force_fused set; auto under the device's."""
+    from types import SimpleNamespace
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import e2e_decode
+    finally:
+        sys.path.pop(0)
+    device = configs.launch_policy()
+    for fused, want in (("on", True), ("off", False)):
+        with e2e_decode.launch_policy(SimpleNamespace(fused=fused)):
+            assert configs.fused_forced() is want
+            assert configs.launch_policy() == dataclasses.replace(device, force_fused=want)
+    with e2e_decode.launch_policy(SimpleNamespace(fused="auto")):
+        assert configs.launch_policy() is device
