@@ -66,7 +66,7 @@ CHIPS = {
     "v5e": Chip("TPU v5e", 819e9, 128 * 2**20, 197e12),
     "v6e": Chip("TPU v6e", 1640e9, 128 * 2**20, 918e12),
 }
-# Fixed cost of one Pallas TPU grid step (the JAX Pallas TPU matmul guide quotes about 0.35 us).
+# Fixed cost of one Pallas TPU grid step, in seconds: the figure the JAX Pallas TPU matmul guide quotes.
 STEP_OVERHEAD_S = 0.35e-6
 HIDDEN = 4096
 BYTES = 2  # bf16
