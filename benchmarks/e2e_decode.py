@@ -680,7 +680,7 @@ class Bench:
         groups = None
         if lora:
             groups = []
-            for slot in sorted(set(int(slots[r]) for r in rows)):
+            for slot in sorted({int(slots[r]) for r in rows}):
                 toks = [i * shape.seq + j for i, r in enumerate(rows) if slots[r] == slot for j in range(shape.seq)]
                 groups.append((slot, torch.tensor(toks, dtype=torch.int64, device=self.device)))
         with torch.no_grad():
@@ -1225,10 +1225,12 @@ def markdown(out) -> str:
                f"host clock over {chain} steps dispatched back to back and one block_until_ready, / {chain}")
     lines = [
         f"Times: median per step. torch: {torch_how}; JAX: {jax_how}. overhead = LoRA step - base step; "
-        f"floor = LoRA path's minimal bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits against the reference.",
+        f"floor = LoRA path's minimal bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits "
+        "against the reference.",
         "",
         "| case | tokens | floor us | torch base us | torch LoRA us | torch overhead us (% base) | torch x floor "
-        "| JAX base us | JAX LoRA us | JAX overhead us (% base) | JAX x floor | JAX/torch LoRA (base) | err torch / JAX |",
+        "| JAX base us | JAX LoRA us | JAX overhead us (% base) | JAX x floor | JAX/torch LoRA (base) "
+        "| err torch / JAX |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in out["cases"]:
@@ -1248,8 +1250,8 @@ def markdown(out) -> str:
             if r.get("lora_us") is None:
                 cells += ["check failed"] + ["-"] * 3
                 continue
-            cells += [f"{r['base_us']:.1f}", f"{r['lora_us']:.1f}", f"{r['overhead_us']:.1f} ({r['overhead_pct']:.1f}%)",
-                      f"{r['overhead_over_floor']:.2f}"]
+            cells += [f"{r['base_us']:.1f}", f"{r['lora_us']:.1f}",
+                      f"{r['overhead_us']:.1f} ({r['overhead_pct']:.1f}%)", f"{r['overhead_over_floor']:.2f}"]
         ratio = (f"{res['jax_over_torch_lora']:.2f} ({res['jax_over_torch_base']:.2f})"
                  if res.get("jax_over_torch_lora") else "-")
         cells += [ratio, " / ".join(errs)]
@@ -1337,10 +1339,8 @@ def env_meta(args, cfg) -> dict:
                               torch="torch" if args.smoke else "triton, CUDA graph"))
     from importlib import metadata
     for pkg in ("jax", "jaxlib", "flax", "triton", "jax-triton", "matplotlib"):
-        try:
+        with contextlib.suppress(Exception):
             meta[pkg] = metadata.version(pkg)
-        except Exception:
-            pass
     if not args.smoke:
         from lora_core.kernels import configs
         meta["configs"] = configs.current_table().source
@@ -1349,7 +1349,8 @@ def env_meta(args, cfg) -> dict:
         import jax.numpy as jnp
 
         from jax_lora.models import attention
-        meta["jax_attention"] = "%s (%s)" % attention.attention_backend(jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
+        backend, reason = attention.attention_backend(jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
+        meta["jax_attention"] = f"{backend} ({reason})"
     return meta
 
 

@@ -65,7 +65,8 @@ def shrink_candidates(tc):
         # (SMALL_T, one round trip for the metadata) again at 17-32 tokens)
         return [configs.shrink_params(16, bk, 0, w, st) for bk, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 3), (512, 8, 2))] + [
-                dict(configs.shrink_params(16, 512, 0, 8, 3), TARGET=132), dict(configs.shrink_params(16, 256, 0, 4, 3), PREFETCH=True)] + (
+                dict(configs.shrink_params(16, 512, 0, 8, 3), TARGET=132),
+                dict(configs.shrink_params(16, 256, 0, 4, 3), PREFETCH=True)] + (
                 [dict(configs.shrink_params(16, 256, 0, w, st), SMALL_T=True) for w, st in ((4, 3), (8, 3))]
                 if tc == "t64" else [])
     if tc in ("t256", "t1024", "t4096"):
@@ -123,7 +124,8 @@ def expand_candidates(tc, rank):
         # by default for one-tile expands -- at T512 with few slots)
         out += [configs.expand_params(16, 256, br, 4, 2)]
         if tc == "t4096":
-            out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8), dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4, Y_AHEAD=True)]
+            out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8),
+                    dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4, Y_AHEAD=True)]
         return out
     # (prefill: ncu, 2026-11-30: the 64x128 expand tile is register-limited, 108-136 registers,
     # 18-25% occupancy -- hence also smaller tiles and 32-wide rank blocks at rank 64)
@@ -134,9 +136,11 @@ def expand_candidates(tc, rank):
         out += [configs.expand_params(bm, bn, 32, w, st) for bm, bn, w, st in ((64, 128, 4, 2), (32, 128, 4, 2))]
     # several output tiles per program (explore 2026-11-30 15:19: 4 tiles, 3 stages at rank 16; 8
     # tiles with the next y loaded ahead at rank 64)
-    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4), dict(configs.expand_params(64, 128, br, 4, 2), TILES_N=8, Y_AHEAD=True)]
+    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4),
+            dict(configs.expand_params(64, 128, br, 4, 2), TILES_N=8, Y_AHEAD=True)]
     # (session 6, explores 16:24-16:34: 32-token tiles, 8 or 16 per program, 3 stages; rank 64 one slice)
-    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8), dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=16, Y_AHEAD=True)]
+    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8),
+            dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=16, Y_AHEAD=True)]
     return out
 
 
@@ -259,7 +263,7 @@ def main():
                 t = math.prod(ts) ** (1 / len(groups))
                 fus.append((t, c))
                 results[key]["fused"].append(dict(config=c, us=t, us_s1_s3=ts))
-                print(f"   fused {c}: {t:.2f} us {['%.2f' % v for v in ts]}", flush=True)
+                print(f"   fused {c}: {t:.2f} us {[f'{v:.2f}' for v in ts]}", flush=True)
             t_f, c_f = min(fus, key=lambda v: v[0])
             entry.update(fused=c_f, fused_us=t_f)
         if args.no_fused:

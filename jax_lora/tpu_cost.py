@@ -262,8 +262,8 @@ def rows(shape: str = "s1", b_layout: str = "rn", cases: list | None = None) -> 
 
 
 def markdown(shape: str = "s1", b_layout: str = "rn", cases: list | None = None) -> str:
-    head = ("| case | slots | min MB | grouped MB | one-hot MB | one-hot / grouped | row order (shrink / expand) | grid steps "
-            "(shrink+expand) | tiles | VMEM/step KiB | grouped us v5e | one-hot us v5e | grouped us v6e "
+    head = ("| case | slots | min MB | grouped MB | one-hot MB | one-hot / grouped | row order (shrink / expand) "
+            "| grid steps (shrink+expand) | tiles | VMEM/step KiB | grouped us v5e | one-hot us v5e | grouped us v6e "
             "| one-hot us v6e |\n|" + "---|" * 14)
     lines = [head]
     for r in rows(shape, b_layout, cases):

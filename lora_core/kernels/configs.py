@@ -309,7 +309,8 @@ def override_policy(policy: LaunchPolicy):
 
     The policy is read when a launch is planned: torch caches a shape's plans at its first launch
     (PreparedLinear records its launches), JAX plans while tracing and keeps the compiled program;
-    so enter the block before the first launch it should govern."""
+    so enter the block before the first launch it should govern, and plans made inside it keep its
+    policy after the block."""
     if not isinstance(policy, LaunchPolicy):
         raise TypeError(f"override_policy: expected a LaunchPolicy, got {type(policy).__name__}")
     base = launch_policy()
