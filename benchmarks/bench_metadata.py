@@ -162,7 +162,8 @@ def main():
     with open(os.path.join(args.out, f"metadata-{stamp}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"metadata build, {meta}", "",
-             "| T | slots | torch graph us | torch eager us | jax in-program us | jax per call us | update_metadata jax us | update_metadata torch us |",
+             "| T | slots | torch graph us | torch eager us | jax in-program us | jax per call us "
+             "| update_metadata jax us | update_metadata torch us |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['T']} | {r['slots']} | {r['torch_graph_us']:.1f} | {r['torch_eager_us']:.1f} | "

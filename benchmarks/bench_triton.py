@@ -27,6 +27,7 @@ graphs (`wrapper_us`, `wrapper_over_op`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -606,10 +607,8 @@ def env_meta():
                 host_cpu=host_cpu())
     from importlib import metadata
     for pkg in ("jax", "jax-triton"):
-        try:
+        with contextlib.suppress(Exception):
             meta[pkg] = metadata.version(pkg)
-        except Exception:
-            pass
     from lora_core.kernels import configs
     meta["configs"] = configs.current_table().source
     return meta

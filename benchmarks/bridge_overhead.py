@@ -108,8 +108,8 @@ def _to_jax_parts(x, iters: int, repeats: int) -> dict:
         "wait_event": _timer(lambda: external.wait_event(event), iters, repeats),
         "wait_for_producer": _timer(lambda: dlpack._wait_for_producer(jstream, producer, x.device), iters, repeats),
         "torch_to_dlpack": _timer(lambda: dlpack._TO_DLPACK(x), iters, repeats),
-        "to_dlpack_and_import": _timer(lambda: dlpack._import_capsule(dlpack._TO_DLPACK(x), jdev, jstream, dlpack._DL_CUDA),
-                                       iters, repeats),
+        "to_dlpack_and_import": _timer(
+            lambda: dlpack._import_capsule(dlpack._TO_DLPACK(x), jdev, jstream, dlpack._DL_CUDA), iters, repeats),
         "import_no_stream": _timer(lambda: dlpack._import_capsule(dlpack._TO_DLPACK(x), jdev, None, dlpack._DL_CUDA),
                                    iters, repeats),
     }

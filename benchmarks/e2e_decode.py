@@ -709,7 +709,7 @@ class Bench:
         groups = None
         if lora:
             groups = []
-            for slot in sorted(set(int(slots[r]) for r in rows)):
+            for slot in sorted({int(slots[r]) for r in rows}):
                 toks = [i * shape.seq + j for i, r in enumerate(rows) if slots[r] == slot for j in range(shape.seq)]
                 groups.append((slot, torch.tensor(toks, dtype=torch.int64, device=self.device)))
         with torch.no_grad():
@@ -1283,7 +1283,8 @@ def markdown(out) -> str:
                f"host clock over {chain} steps dispatched back to back and one block_until_ready, / {chain}")
     lines = [
         f"Times: median per step. torch: {torch_how}; JAX: {jax_how}. overhead = LoRA step - base step; "
-        f"floor = LoRA path's minimal bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits against the reference.",
+        f"floor = LoRA path's minimal bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits "
+        "against the reference.",
         "",
         "| case | tokens | floor us | torch base us | torch LoRA us | torch overhead us (% base) | torch x floor "
         "| vLLM kernels in torch's step: overhead us (% base) | vLLM x floor "
@@ -1403,10 +1404,8 @@ def env_meta(args, cfg) -> dict:
                               torch="torch" if args.smoke else "triton, CUDA graph"))
     from importlib import metadata
     for pkg in ("jax", "jaxlib", "flax", "triton", "jax-triton", "matplotlib"):
-        try:
+        with contextlib.suppress(Exception):
             meta[pkg] = metadata.version(pkg)
-        except Exception:
-            pass
     if not args.smoke:
         from lora_core.kernels import configs
         meta["configs"] = configs.current_table().source
@@ -1415,7 +1414,8 @@ def env_meta(args, cfg) -> dict:
         import jax.numpy as jnp
 
         from jax_lora.models import attention
-        meta["jax_attention"] = "%s (%s)" % attention.attention_backend(jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
+        backend, reason = attention.attention_backend(jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
+        meta["jax_attention"] = f"{backend} ({reason})"
     return meta
 
 
@@ -1510,9 +1510,20 @@ def main(argv=None) -> int:
                                    " --xla_backend_optimization_level=0").strip()
         import torch
         torch.set_num_threads(1)
-    if args.fused != "auto":
-        from lora_core.kernels import configs
-        configs.FORCE_FUSED = args.fused == "on"
+    with launch_policy(args):
+        return run(args, cases)
+
+
+def launch_policy(args):
+    """The launch policy of the run: the device's, or with the fused kernel forced on / off (--fused)."""
+    if args.fused == "auto":
+        return contextlib.nullcontext()
+    from lora_core.kernels import configs
+    return configs.override_policy(dataclasses.replace(configs.launch_policy(), force_fused=args.fused == "on"))
+
+
+def run(args, cases) -> int:
+    """Times the selected cases and writes the results (main's work, under the run's launch policy)."""
     t_start = args.t_start = time.perf_counter()
     cfg = model_config(args.smoke)
     meta = env_meta(args, cfg)

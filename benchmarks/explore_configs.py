@@ -11,7 +11,9 @@ keys: what the table says; the *_extra dicts are merged into the table's config 
 "table" (fused null, no configs) is always timed first. Each case is timed the way bench_triton
 times it (CUDA-graph replay over enough input sets to keep the weights cold, bf16, hidden 4096;
 cases kind:T:D:rank:slices[:slots][:het], slots -- the adapter slots, max_loras -- defaulting to
-max(8, D) as in bench_triton, het -- the sweep's heterogeneous ranks per slot); a shrink config with SPLIT_K 0 is resolved as the table's would be. Prints one line per (case, mode) and writes them all as JSON.
+max(8, D) as in bench_triton, het -- the sweep's heterogeneous ranks per slot); a shrink config with
+SPLIT_K 0 is resolved as the table's would be. Prints one line per (case, mode) and writes them all
+as JSON.
 """
 
 from __future__ import annotations

@@ -324,7 +324,8 @@ def line(r) -> str:
 
 def markdown(results: list) -> str:
     head = ("| case | peft us | ours eager us | ours graph us | base graph us | LoRA overhead us (% base) | "
-            "LoRA kernels us | peft / ours graph | peft / ours eager | err |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "LoRA kernels us | peft / ours graph | peft / ours eager | err |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in results:
         g = r.get("ours_graph_us")

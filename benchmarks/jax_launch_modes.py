@@ -1,5 +1,5 @@
-"""JAX at decode: the launchers of jax_lora's Triton kernels under jit, and XLA's command buffers. One CUDA GPU; each XLA_FLAGS setting runs in its own process (XLA reads the
-flags once).
+"""JAX at decode: the launchers of jax_lora's Triton kernels under jit, and XLA's command buffers.
+One CUDA GPU; each XLA_FLAGS setting runs in its own process (XLA reads the flags once).
 
     PYTHONPATH=. python benchmarks/jax_launch_modes.py --out benchmarks/results
 
@@ -54,9 +54,9 @@ def child(mode: str) -> None:
     cases = [c for c in bench_triton.sweep_cases() if c[0] in CASES]
     flags, fused, _env = MODES[mode]
     from jax_lora.ops import ffi_launcher
-    res = bench_triton.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")], jax_fused=fused,
-                         barrier=os.environ.get("BENCH_JAX_BARRIER", "1") != "0",
-                         donate=os.environ.get("BENCH_JAX_DONATE", "1") != "0")
+    res = bench_triton.jax_vs_torch(torch.device("cuda"), [(c, sl) for c in cases for sl in ("s1", "s3")],
+                                    jax_fused=fused, barrier=os.environ.get("BENCH_JAX_BARRIER", "1") != "0",
+                                    donate=os.environ.get("BENCH_JAX_DONATE", "1") != "0")
     print("RESULT " + json.dumps(dict(mode=mode, xla_flags=flags, jax_fused=fused, env=_env,
                                       launcher="ffi" if ffi_launcher.available() else "jax_triton",
                                       results=res)), flush=True)

@@ -8,7 +8,8 @@ mean of the two; bf16, hidden 4096, cold weights, CUDA-graph replay as in bench_
 small candidate list: first the shrink config with the
 default expand, then the expand config with the best shrink, then (decode classes) the fused
 kernel. It writes the winning table into `lora_core/kernels/tuned/<device>.json` (where configs.py
-reads it; the classes not tuned this time keep their entries) and every timing into
+reads it; the classes not tuned this time keep their entries, the table its "policy" and
+"deterministic" keys) and every timing into
 `--out`/tune_triton_<device>_all.json (the measurements behind the table's choices).
 """
 
@@ -64,7 +65,8 @@ def shrink_candidates(tc):
         # (SMALL_T, one round trip for the metadata) again at 17-32 tokens)
         return [configs.shrink_params(16, bk, 0, w, st) for bk, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 3), (512, 8, 2))] + [
-                dict(configs.shrink_params(16, 512, 0, 8, 3), TARGET=132), dict(configs.shrink_params(16, 256, 0, 4, 3), PREFETCH=True)] + (
+                dict(configs.shrink_params(16, 512, 0, 8, 3), TARGET=132),
+                dict(configs.shrink_params(16, 256, 0, 4, 3), PREFETCH=True)] + (
                 [dict(configs.shrink_params(16, 256, 0, w, st), SMALL_T=True) for w, st in ((4, 3), (8, 3))]
                 if tc == "t64" else [])
     if tc in ("t256", "t1024", "t4096"):
@@ -122,7 +124,8 @@ def expand_candidates(tc, rank):
         # by default for one-tile expands -- at T512 with few slots)
         out += [configs.expand_params(16, 256, br, 4, 2)]
         if tc == "t4096":
-            out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8), dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4, Y_AHEAD=True)]
+            out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8),
+                    dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4, Y_AHEAD=True)]
         return out
     # (prefill: ncu, 2026-11-30: the 64x128 expand tile is register-limited, 108-136 registers,
     # 18-25% occupancy -- hence also smaller tiles and 32-wide rank blocks at rank 64)
@@ -133,9 +136,11 @@ def expand_candidates(tc, rank):
         out += [configs.expand_params(bm, bn, 32, w, st) for bm, bn, w, st in ((64, 128, 4, 2), (32, 128, 4, 2))]
     # several output tiles per program (explore 2026-11-30 15:19: 4 tiles, 3 stages at rank 16; 8
     # tiles with the next y loaded ahead at rank 64)
-    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4), dict(configs.expand_params(64, 128, br, 4, 2), TILES_N=8, Y_AHEAD=True)]
+    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4),
+            dict(configs.expand_params(64, 128, br, 4, 2), TILES_N=8, Y_AHEAD=True)]
     # (session 6, explores 16:24-16:34: 32-token tiles, 8 or 16 per program, 3 stages; rank 64 one slice)
-    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8), dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=16, Y_AHEAD=True)]
+    out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8),
+            dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=16, Y_AHEAD=True)]
     return out
 
 
@@ -190,9 +195,12 @@ def main():
     device = torch.device("cuda")
     results, best = {}, {}
     table_path = args.table or configs._table_file(torch.cuda.get_device_name())
+    kept = {}                                            # the table's launch policy and deterministic configs
     if os.path.exists(table_path):                       # keep the classes not tuned this time
         with open(table_path) as f:
-            best.update(json.load(f)["classes"])
+            old_table = json.load(f)
+        best.update(old_table["classes"])
+        kept = {k: old_table[k] for k in ("policy", "deterministic") if k in old_table}
     only = set(filter(None, args.classes.split(",")))
     for (tc, rc), (kind, T, Ds) in SHAPES.items():
         if only and tc not in only:
@@ -255,7 +263,7 @@ def main():
                 t = math.prod(ts) ** (1 / len(groups))
                 fus.append((t, c))
                 results[key]["fused"].append(dict(config=c, us=t, us_s1_s3=ts))
-                print(f"   fused {c}: {t:.2f} us {['%.2f' % v for v in ts]}", flush=True)
+                print(f"   fused {c}: {t:.2f} us {[f'{v:.2f}' for v in ts]}", flush=True)
             t_f, c_f = min(fus, key=lambda v: v[0])
             entry.update(fused=c_f, fused_us=t_f)
         if args.no_fused:
@@ -271,7 +279,7 @@ def main():
     device_file = os.path.basename(configs._table_file(torch.cuda.get_device_name()))[:-len(".json")]
     with open(os.path.join(args.out, f"tune_triton_{device_file}_all.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), date=stamp, results=results, best=best), f, indent=1)
-    table = dict(device=torch.cuda.get_device_name(), format=1,
+    table = dict(device=torch.cuda.get_device_name(), format=1, **kept,
                  classes={key: table_entry(e) for key, e in best.items()})
     with open(table_path, "w") as f:
         json.dump(table, f, indent=1)

@@ -30,8 +30,9 @@ several devices, on a TPU, or of a dtype torch lacks are refused (`copy=True`: g
 Stream ordering on CUDA (DLPack's rule is "the consumer waits for the producer"):
   * to_jax: JAX waits for the torch stream that *produced* `x`: `stream` if given (a
     `torch.cuda.Stream`), else torch's current stream on x's device. torch's own `__dlpack__` uses
-    the current stream of the *current device* at export time, so a tensor written on a side stream
-    and exported outside that stream's context was read stale by JAX (measured on an H200 with torch 2.11 and JAX 0.11): pass `stream=`.
+    the current stream of the *current device* at export time, so JAX may read a tensor written on
+    a side stream and exported outside that stream's context before the write completes: pass
+    `stream=`.
     Implementation: an event recorded on the producer stream, waited on by the stream JAX uses for
     external buffers (`get_stream_for_external_ready_events`); the imported buffer's definition
     event is recorded on that stream, so every JAX computation reading it waits.
@@ -45,10 +46,10 @@ A tensor from `to_torch` holds its own reference to the JAX buffer: deleting (or
 array afterwards leaves the tensor valid (a GPU refuses the donation while the tensor lives).
 The cross-side wrappers never write into a shared buffer (see torch_over_jax / jax_over_torch).
 
-Speed: the public `jnp.from_dlpack` costs 74-97 us of host time per tensor (most of it a Python
-exception on CPU, `jnp.asarray` and torch's `__dlpack__` in Python); this module calls the two
-C++ entry points directly (`torch._C._to_dlpack`, jaxlib's `dlpack_managed_tensor_to_buffer`, and
-back `buffer_to_dlpack_managed_tensor`, `torch._C._from_dlpack`). If a future jaxlib changes
+Speed: the public `jnp.from_dlpack` spends most of its host time in Python (an exception on the
+CPU, `jnp.asarray` and torch's `__dlpack__`); this module calls the two C++ entry points directly
+(`torch._C._to_dlpack`, jaxlib's `dlpack_managed_tensor_to_buffer`, and back
+`buffer_to_dlpack_managed_tensor`, `torch._C._from_dlpack`). If a future jaxlib changes
 those private signatures, it falls back to the public `jax.dlpack.from_dlpack` /
 `torch.from_dlpack` with the same checks and stream handling (slower, same results).
 """
@@ -203,8 +204,8 @@ def _wait_for_producer(jax_stream: int, producer: torch.cuda.Stream, device: tor
 def current_stream(index: int) -> torch.cuda.Stream:
     """torch's current stream on CUDA device `index`, as a Stream object.
 
-    `torch.cuda.current_stream` builds a new Python object per call (~2-6 us on the H200 host);
-    this reads the raw handle (~0.4 us) and keeps one ExternalStream per handle (per thread)."""
+    `torch.cuda.current_stream` builds a new Python object per call; this reads the raw handle
+    (one C call) and keeps one ExternalStream per handle (per thread)."""
     raw = torch._C._cuda_getCurrentRawStream(index)
     cache = getattr(_tls, "streams", None)
     if cache is None:
@@ -331,7 +332,7 @@ def to_jax(x: torch.Tensor, *, copy: bool = False, stream: torch.cuda.Stream | N
       int64 values outside int32 (they would wrap) and finite float64 / complex128 values beyond
       float32's finite range (they would become infinities).
     """
-    # Fast path: the common shareable case in a few attribute reads (each ~0.1 us); anything
+    # Fast path: the common shareable case in a few attribute reads; anything
     # unusual goes through shareable_problem, which also writes the error message.
     if (isinstance(x, torch.Tensor) and x.dtype in _DIRECT and not x.requires_grad and x.layout is _STRIDED
             and not x.is_neg()):

@@ -168,8 +168,10 @@ class TorchPunicaWrapper:
         key = (method, tuple(sorted(static.items())))
         fn = self._jitted.get(key)
         if fn is None:
-            def call(wrapper, args, dyn, _method=method, _static=dict(static)):
-                return getattr(wrapper, _method)(*args, **dyn, **_static)
+            static_kw = dict(static)
+
+            def call(wrapper, args, dyn):
+                return getattr(wrapper, method)(*args, **dyn, **static_kw)
             fn = self._jitted[key] = jax.jit(call)
         if dyn["lora_ranks"] is not None and not isinstance(dyn["lora_ranks"], jax.Array):
             dyn["lora_ranks"] = jax.numpy.asarray(dyn["lora_ranks"], jax.numpy.int32)

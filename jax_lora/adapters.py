@@ -239,7 +239,8 @@ class AdapterManager(SlotTable):
     def _prepare_uncounted(self, adapter: PeftAdapter) -> tuple:
         """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}, dora_scales' {path: g}): one
         slot's host data."""
-        return prepare_adapter(self.model, adapter), adapter_ranks(self.model, adapter), dora_scales(self.model, adapter)
+        return (prepare_adapter(self.model, adapter), adapter_ranks(self.model, adapter),
+                dora_scales(self.model, adapter))
 
     def _largest_rank(self, prepared: tuple) -> int:
         return _largest_rank(prepared)
@@ -287,7 +288,7 @@ def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
                if isinstance(node, (nnx.Linear, nnx.Embed))}
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     slices = model.lora_slices() if hasattr(model, "lora_slices") else {}
-    for module, (a, b, scaling, kind) in adapter.modules.items():
+    for module, (a, b, scaling, _kind) in adapter.modules.items():
         where = _locate(module, modules, packed)
         if where is None:
             raise AdapterError(f"adapter {adapter.label} targets {module!r}, which the model does not have")

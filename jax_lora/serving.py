@@ -184,9 +184,9 @@ class ServingEngine:
     def _set_state(self, state: nnx.State) -> None:
         """Keeps the model state as its flat list of arrays, the form the step takes.
 
-        jax.jit flattens its arguments on every call, and an nnx.State flattens in Python: ~1 ms
-        for a 32-layer Llama with LoRA on the CPU hosts measured, a tenth of a decode step. A list
-        of arrays flattens in C++. The tree structure and the graph definition are closed over,
+        jax.jit flattens its arguments on every call, and an nnx.State flattens in Python, a cost
+        that grows with the layer count and is a sizeable part of a decode step for a full-size
+        model. A list of arrays flattens in C++. The tree structure and the graph definition are closed over,
         not static arguments (hashing them on every call would cost more than the step at small
         sizes); the step is jitted again only if the structure changes (adapter swaps write
         same-shape arrays, so they do not).

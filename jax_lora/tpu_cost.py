@@ -66,7 +66,7 @@ CHIPS = {
     "v5e": Chip("TPU v5e", 819e9, 128 * 2**20, 197e12),
     "v6e": Chip("TPU v6e", 1640e9, 128 * 2**20, 918e12),
 }
-# Fixed cost of one Pallas TPU grid step (the JAX Pallas TPU matmul guide quotes about 0.35 us).
+# Fixed cost of one Pallas TPU grid step, in seconds: the figure the JAX Pallas TPU matmul guide quotes.
 STEP_OVERHEAD_S = 0.35e-6
 HIDDEN = 4096
 BYTES = 2  # bf16
@@ -262,8 +262,8 @@ def rows(shape: str = "s1", b_layout: str = "rn", cases: list | None = None) -> 
 
 
 def markdown(shape: str = "s1", b_layout: str = "rn", cases: list | None = None) -> str:
-    head = ("| case | slots | min MB | grouped MB | one-hot MB | one-hot / grouped | row order (shrink / expand) | grid steps "
-            "(shrink+expand) | tiles | VMEM/step KiB | grouped us v5e | one-hot us v5e | grouped us v6e "
+    head = ("| case | slots | min MB | grouped MB | one-hot MB | one-hot / grouped | row order (shrink / expand) "
+            "| grid steps (shrink+expand) | tiles | VMEM/step KiB | grouped us v5e | one-hot us v5e | grouped us v6e "
             "| one-hot us v6e |\n|" + "---|" * 14)
     lines = [head]
     for r in rows(shape, b_layout, cases):

@@ -246,7 +246,7 @@ def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
 
 def test_torch_c_launch_spreads_a_dependent_decode_shrink(monkeypatch):
     """With its plan, torch's C launch spec follows `pdl_for(spread=True)`: under auto a shrink of
-    <= SPREAD_PDL_MAX_TOKENS tokens is a dependent launch with spread_shared_bytes (after the
+    <= spread_pdl_max_tokens tokens (the launch policy's) is a dependent launch with spread_shared_bytes (after the
     function was allowed that much shared memory), a larger one a plain launch with its own
     shared memory, an expand a dependent with its own; where the function cannot be allowed more,
     the launch keeps its own shared memory (still a dependent)."""
@@ -273,7 +273,7 @@ def test_torch_c_launch_spreads_a_dependent_decode_shrink(monkeypatch):
         return plan_shrink(T, 4096, 16, 1, 9, "bfloat16", "bfloat16", configs.shrink_config(T, 4096, 16, 1, 8),
                            lora_only=True, workspace=True, has_ranks=False, pdl=True)
 
-    small, large = shrink(8), shrink(planning.SPREAD_PDL_MAX_TOKENS + 1)
+    small, large = shrink(8), shrink(configs.launch_policy().spread_pdl_max_tokens + 1)
     programs = small.grid[0] * small.grid[1] * small.grid[2]
     _, _, _, shared, flags, _, _ = spec(small)
     assert shared == planning.spread_shared_bytes(programs, 16384, 132, 232448) > 16384

@@ -343,12 +343,12 @@ except RuntimeError as e:
 
 
 def test_prepared_linear_spreads_a_dependent_decode_shrink(monkeypatch):
-    """Under LORA_CORE_PDL=auto the C launcher sends a shrink of <= SPREAD_PDL_MAX_TOKENS tokens
+    """Under LORA_CORE_PDL=auto the C launcher sends a shrink of <= spread_pdl_max_tokens tokens
     out as a programmatic dependent with planning.spread_shared_bytes (its programs spread over
     the SMs) and a larger call's shrink plainly with its own shared memory, on this device's real
     compiled kernels; a chain of such calls (x of call i+1 = y of call i) equals `linear`
     synchronised after every call, bit for bit."""
-    from lora_core.kernels import HAVE_PDL, cuda_launch, planning
+    from lora_core.kernels import HAVE_PDL, configs, cuda_launch, planning
     from torch_lora.ops import c_launch as torch_c_launch
     from torch_lora.ops import triton as torch_triton
     if not HAVE_PDL or torch.cuda.get_device_capability()[0] < 9:
@@ -357,7 +357,8 @@ def test_prepared_linear_spreads_a_dependent_decode_shrink(monkeypatch):
     monkeypatch.setattr(torch_c_launch, "_ENABLED", [True])
     H, L = 4096, 8
     num_sms, max_shared = torch_c_launch.sm_resources(torch.cuda.current_device())
-    for T in (8, planning.SPREAD_PDL_MAX_TOKENS, 64):
+    SPREAD_MAX = configs.launch_policy().spread_pdl_max_tokens
+    for T in (8, SPREAD_MAX, 64):
         x, a, b, idx, meta, _, _ = _setup(T, H, 16, (H,), L, 8, torch.bfloat16, 30 + T, frac_none=0.0)
         run = torch_triton.PreparedLinear(a, b, meta.meta_args(T), (0,), fused=False)
         ys0 = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(6)]
@@ -375,7 +376,7 @@ def test_prepared_linear_spreads_a_dependent_decode_shrink(monkeypatch):
                     cuda_launch, compiled, names, template, dict(slots), (g0, g1, g2), fn, plan,
                     torch.cuda.current_device()), int(compiled.metadata.shared))
         plan, grid, spec, own = specs["shrink"]
-        if T <= planning.SPREAD_PDL_MAX_TOKENS:
+        if T <= SPREAD_MAX:
             assert spec[4] & cuda_launch.FLAG_PDL, T
             assert spec[3] == planning.spread_shared_bytes(grid[0] * grid[1] * grid[2], own, num_sms, max_shared), T
         else:

@@ -22,7 +22,6 @@ H200 = "NVIDIA H200"
 def compiled(monkeypatch):
     """configs as on an H200 (the interpreter's large-tile configs switched off, its tuned table)."""
     monkeypatch.setattr(configs, "interpreting", lambda: False)
-    monkeypatch.setattr(configs, "FORCE_FUSED", None)
     monkeypatch.setattr(configs, "device_name", lambda: H200)
 
 
@@ -101,9 +100,9 @@ def test_variants_by_slice_count(compiled, monkeypatch):
 def test_forced_fused_switch_beats_the_variants(compiled, monkeypatch):
     _with_variants(monkeypatch, {("t64", "r16"): [(64, 1, {"use_fused": False})]})
     assert not configs.use_fused(32, 16, 1, 8)
-    monkeypatch.setattr(configs, "FORCE_FUSED", True)
-    assert configs.use_fused(32, 16, 1, 8)
-    assert not configs.use_fused(32, 128, 1, 8)                           # rank > 64: never
+    with configs.override_policy(dataclasses.replace(configs.launch_policy(), force_fused=True)):
+        assert configs.use_fused(32, 16, 1, 8)
+        assert not configs.use_fused(32, 128, 1, 8)                       # rank > 64: never
 
 
 def test_tuner_keeps_the_variants_it_does_not_measure():
@@ -152,11 +151,11 @@ def test_tuner_without_fused_keeps_the_fused_side():
 
 
 def test_a_config_target_sets_the_split_rule(compiled):
-    """SPLIT_K = 0 aims at TARGET programs (a config key, consumed) or TARGET_PROGRAMS."""
+    """SPLIT_K = 0 aims at TARGET programs (a config key, consumed) or the policy's target_programs."""
     base = configs.shrink_params(16, 256, 0, 8, 3)
     # T=32, 32 slots, one slice: 32 busy tiles; hidden 4096 = 16 chunks of 256
     assert configs.resolve_split(dict(base), 32, 4096, 64, 1, 32)["SPLIT_K"] == min(
-        16, configs.TARGET_PROGRAMS // 32, configs.SPLIT_CAP)
+        16, configs.launch_policy().target_programs // 32, configs.launch_policy().split_cap)
     got = configs.resolve_split(dict(base, TARGET=128), 32, 4096, 64, 1, 32)
     assert got["SPLIT_K"] == 4 and "TARGET" not in got
     assert configs.resolve_split(dict(base, TARGET=128), 32, 4096, 64, 3, 32)["SPLIT_K"] == 1
@@ -229,7 +228,8 @@ def test_every_tuned_table_is_data_only():
     for name in files:
         with open(os.path.join(configs.TUNED_DIR, name)) as f:
             data = json.load(f)
-        assert {"device", "format", "classes"} <= set(data) <= {"device", "format", "classes", "deterministic"}, name
+        assert {"device", "format", "classes"} <= set(data) <= {"device", "format", "classes", "deterministic",
+                                                                 "policy"}, name
         for rank_name, kinds in data.get("deterministic", {}).items():
             assert rank_name in ("r16", "r64", "r256") and set(kinds) <= {"shrink", "expand"}, (name, rank_name)
         for key, entry in data["classes"].items():
@@ -303,7 +303,8 @@ def test_pdl_switch_per_kernel(compiled, monkeypatch):
     calls, 1 every kernel, 0 none, a list names the kernels; kernels stay compiled with USE_PDL
     while any may use it (the setting changes launches, not the kernels' code)."""
     from lora_core.kernels import plan_expand, plan_fused, plan_shrink
-    from lora_core.kernels.planning import FIRST_KERNEL_PDL_MAX_TOKENS, pdl_allowed
+    from lora_core.kernels.planning import pdl_allowed
+    FIRST_KERNEL_PDL_MAX_TOKENS = configs.launch_policy().first_kernel_pdl_max_tokens
 
     def plans(T):
         cfg_s = configs.shrink_config(T, 4096, 16, 1, 8)
@@ -340,7 +341,9 @@ def test_pdl_first_kernel_where_the_launcher_spreads(compiled, monkeypatch):
     token; `spreads` names the launches that get the spread shared memory (shrinks only); "1" and
     "0" do not depend on the launcher."""
     from lora_core.kernels import plan_expand, plan_fused, plan_shrink
-    from lora_core.kernels.planning import FIRST_KERNEL_PDL_MAX_TOKENS, SPREAD_PDL_MAX_TOKENS
+    policy = configs.launch_policy()
+    FIRST_KERNEL_PDL_MAX_TOKENS = policy.first_kernel_pdl_max_tokens
+    SPREAD_PDL_MAX_TOKENS = policy.spread_pdl_max_tokens
 
     def plans(T):
         s = plan_shrink(T, 4096, 16, 1, 9, "bfloat16", "bfloat16", configs.shrink_config(T, 4096, 16, 1, 8),

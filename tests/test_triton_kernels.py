@@ -161,7 +161,7 @@ def test_expand_b_select(T, ranks):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_small_batch_in_sorted_tiles(fused):
-    """SMALL_T False in a launch config: a batch of at most SMALL_T_MAX tokens is tiled like a
+    """SMALL_T False in a launch config: a batch of at most small_t_max tokens (the launch policy's) is tiled like a
     large one (BLOCK_M-token tiles of the sorted order) instead of one whole-batch tile per
     adapter; same result as the oracle, with -1 tokens and heterogeneous ranks."""
     from torch_lora.ops import triton as torch_triton

@@ -110,8 +110,9 @@ def _check_layers(layers) -> dict:
             raise TypeError(f"layers[{path!r}] must be a LoRALinear, LoRAEmbedding, LoRALogits or a "
                             f"torch_lora.parallel layer, got {type(layer).__name__}")
         if isinstance(layer, ParallelLoRALayer) and len(layer.module_names) != layer.num_slices:
-            raise ValueError(f"layers[{path!r}] is a tensor-parallel layer with {layer.num_slices} output slice(s): set "
-                             f"its module_names to the PEFT module name of each slice (got {layer.module_names!r})")
+            raise ValueError(f"layers[{path!r}] is a tensor-parallel layer with {layer.num_slices} output "
+                             f"slice(s): set its module_names to the PEFT module name of each slice "
+                             f"(got {layer.module_names!r})")
     return dict(layers)
 
 

@@ -3,11 +3,13 @@
 Each layer holds the LoRA weights of every slot for one place of a model and adds, to the output
 of the model's own module, each token's adapter's LoRA term:
 
-| layer | base module | buffers (L = max_loras slots, r = max_rank) | wrapper call |
-|---|---|---|---|
-| `LoRALinear` | one `nn.Linear`, or several that read the same input (q/k/v, gate/up) | `lora_a` (S, L, r, in), `lora_b_<s>` (L, n_s, r) | one `add_lora_linear` over the S slices |
-| `LoRAEmbedding` | `nn.Embedding` | `lora_a` (L, V, r), `lora_b` (L, D, r) | row lookup at `embeddings_indices[1]`, then `add_lora_embedding` |
-| `LoRALogits` | the LM head (`nn.Linear`) | `lora_a` (L, r, H), `lora_b` (L, V, r) | `add_lora_logits` on the sampled rows |
+layer: base module; buffers (L = max_loras slots, r = max_rank); wrapper call
+  * `LoRALinear`: one `nn.Linear`, or several that read the same input (q/k/v, gate/up);
+    `lora_a` (S, L, r, in), `lora_b_<s>` (L, n_s, r); one `add_lora_linear` over the S slices.
+  * `LoRAEmbedding`: `nn.Embedding`; `lora_a` (L, V, r), `lora_b` (L, D, r); row lookup at
+    `embeddings_indices[1]`, then `add_lora_embedding`.
+  * `LoRALogits`: the LM head (`nn.Linear`); `lora_a` (L, r, H), `lora_b` (L, V, r);
+    `add_lora_logits` on the sampled rows.
 
 Every layer also has `lora_ranks` (L,) int32: each slot's real rank in this layer (0 for an empty
 slot), passed to the kernels as `lora_ranks` so they skip the zero padding. A `LoRALinear` built
@@ -71,8 +73,8 @@ class _LoRALayer(nn.Module):
             raise RuntimeError(f"LoRA layer for {self.module_names[0]!r}: multi-LoRA layers serve inference only; run "
                                "the model under torch.no_grad() or torch.inference_mode()")
         if num_rows != (mapped or 0):
-            raise ValueError(f"LoRA layer for {self.module_names[0]!r}: the input has {num_rows} {what}, but the step's "
-                             f"LoRA metadata maps {mapped or 0}; call MultiLoRAModel.prepare_step(...) (or "
+            raise ValueError(f"LoRA layer for {self.module_names[0]!r}: the input has {num_rows} {what}, but the "
+                             f"step's LoRA metadata maps {mapped or 0}; call MultiLoRAModel.prepare_step(...) (or "
                              "PunicaWrapper.update_metadata) for this batch shape before calling the model directly")
 
 
@@ -116,8 +118,8 @@ class LoRALinear(_LoRALayer):
                              f"{len(self.output_slices)}")
         self.offsets = tuple(sum(self.output_slices[:s]) for s in range(len(self.output_slices)))
         self.out_features = sum(self.output_slices)
-        self.register_buffer("lora_a", torch.zeros(len(self.module_names), max_loras, max_rank, in_features, dtype=dtype,
-                                                   device=device), persistent=False)
+        self.register_buffer("lora_a", torch.zeros(len(self.module_names), max_loras, max_rank, in_features,
+                                                   dtype=dtype, device=device), persistent=False)
         for s, n in enumerate(self.output_slices):
             self.register_buffer(f"lora_b_{s}", torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device),
                                  persistent=False)
@@ -240,8 +242,9 @@ class LoRALinear(_LoRALayer):
         return valid, torch.where(valid[:, None], g, torch.ones_like(g))
 
     def extra_repr(self) -> str:
-        return (f"modules={list(self.module_names)}, in_features={self.in_features}, output_slices={self.output_slices}, "
-                f"max_loras={self.max_loras}, max_rank={self.max_rank}{', dora=True' if self.dora else ''}")
+        return (f"modules={list(self.module_names)}, in_features={self.in_features}, "
+                f"output_slices={self.output_slices}, max_loras={self.max_loras}, "
+                f"max_rank={self.max_rank}{', dora=True' if self.dora else ''}")
 
 
 class LoRAEmbedding(_LoRALayer):

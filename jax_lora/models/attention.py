@@ -36,10 +36,9 @@ def attention_backend(q_dtype, kv_dtype, head_dim: int, tensor_parallel: bool = 
     and values sharded alike, the mask unsharded) have not run on several GPUs here; "cudnn"
     forces it. The choice is logged once per (choice, reason) on the `jax_lora` logger.
 
-    Llama-3-8B-shaped steps on the H200 (docs/benchmarks_model_step.md), XLA's / cuDNN's
-    attention, 10 steps dispatched back to back: base step 1 row 5203 / 4670 us, 8 rows 6057 /
-    4847 us, LoRA step (8 adapters, rank 16) 5656 / 5677 and 6576 / 6106 us; prefill 4 x 2048
-    base step 283 / 216 ms."""
+    "auto" prefers cuDNN's attention because in the model-step benchmark it was faster than XLA's,
+    or within noise of it, at every step shape measured, decode and prefill, base and LoRA steps
+    (docs/benchmarks_evidence.md, "Rules in the code and their measurements")."""
     setting = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if setting not in ATTENTION_CHOICES:
         raise ValueError(f"{ATTENTION_ENV}={setting!r}: expected one of {', '.join(ATTENTION_CHOICES)}")

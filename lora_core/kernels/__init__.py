@@ -30,7 +30,7 @@ per launch). Heterogeneous ranks: with `ranks` given, slot l uses only its first
 rows/columns (masked loads, so the padding is neither read nor used), equal to the zero-padded
 computation.
 
-Small batches (T <= SMALL_T_MAX, decode): the whole batch is one tile per group; program g takes
+Small batches (T <= the launch policy's small_t_max, decode): the whole batch is one tile per group; program g takes
 group g and finds its tokens by comparing the mapping with the group's id, in the same round trip
 as the group ids (no prefix sum, no sorted-order load): decode time is made of dependent loads.
 

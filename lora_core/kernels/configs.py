@@ -8,9 +8,10 @@ Where the configs come from: `tuned/<device name>.json` beside this file (e.g. `
 written by `benchmarks/tune_triton.py` and edited from `benchmarks/explore_configs.py`
 measurements), for the GPU actually present (`device_name()`, asked of the CUDA driver), loaded at
 first use and cached (`table`); the environment variable LORA_CORE_TABLE names another file of the
-same format to use instead (`benchmarks/table_variant.py` writes variants to measure). A GPU without a table, and the CPU, get the generic defaults below
-(logged once). Under Triton's interpreter (CPU tests) large tiles are used instead: the
-interpreter's cost is per program and per loop trip, not per element.
+same format to use instead (`benchmarks/table_variant.py` writes variants to measure). A GPU
+without a table, and the CPU, get the generic defaults below (logged once). Under Triton's
+interpreter (CPU tests) large tiles are used instead: the interpreter's cost is per program and
+per loop trip, not per element.
 
 A table entry per class: "shrink", "expand", "fused" configs, "use_fused" (whether the one-launch
 fused kernel beats shrink + expand for the class) and optional "variants": configs for launches
@@ -20,9 +21,11 @@ shape never depends on the mapping. Few slots means many tokens per adapter, whi
 token tiles; three slices triple the shrink's programs and the workspace, which wants fewer splits.
 
 `SPLIT_K = 0` in a shrink config means "choose from the grid" (`resolve_split`): enough splits of
-the hidden size that about TARGET_PROGRAMS programs run at decode sizes, where a handful of
-adapters would otherwise leave most SMs idle; capped past decode sizes, where the expand re-reads
-every plane. A single token never uses the fused kernel (FUSED_MIN_TOKENS).
+the hidden size that about the policy's `target_programs` programs run at decode sizes, where a
+handful of adapters would otherwise leave most SMs idle; capped past decode sizes, where the expand
+re-reads every plane. Batches below the policy's `fused_min_tokens` never use the fused kernel.
+The thresholds of these rules are the device's launch policy (`policy.LaunchPolicy`, the table's
+"policy" key; `launch_policy`), overridden only explicitly (`override_policy`).
 
 Deterministic launches (`deterministic=True`, `deterministic_config`): one shrink and one expand
 config per rank class whatever the token count, with a fixed SPLIT_K, SMALL_T off and never the
@@ -33,6 +36,7 @@ fused kernel, so that a token's result does not depend on the batch it is in (se
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -41,22 +45,21 @@ import logging
 import os
 import re
 
-from . import planning
-from .planning import interpreting, next_pow2
+from .policy import FALLBACK_TARGET_PROGRAMS, GENERIC_POLICY, PROGRAMS_PER_SM, LaunchPolicy
 
 _LOG = logging.getLogger("lora_core")
 TUNED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 
-TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
-# At most this many split-K planes from the SPLIT_K = 0 rule: the expand sums every plane of its
-# rows, a cost the shrink's extra parallelism must pay for (8 was best or within noise of the best
-# for decode T <= 128, D <= 8 on the H200). Benchmark scripts may change it.
-SPLIT_CAP = 8
-# One token means one adapter: the two-kernel path (its expand's B tile staged through shared
-# memory, B_SELECT) beats the fused kernel's barrier there.
-FUSED_MIN_TOKENS = 2
-# True / False forces the fused kernel on / off wherever `linear` is not told (benchmarks).
-FORCE_FUSED = None
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 at import time)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 ANY_SLOTS = 1 << 30  # a variant without max_slots applies to any slot count
 
 _TOKEN_CLASSES = ((16, "t16"), (64, "t64"), (256, "t256"), (1024, "t1024"), (4096, "t4096"))
@@ -118,7 +121,7 @@ GENERIC_FUSED = {
 }
 _FUSED_FALLBACK = fused_params(16, 128, 128, 4, 2)
 # Deterministic launches: per rank class, one config for every token count (`deterministic_config`).
-# Block shapes like the H200 table's mid-size entries (16-token tiles, 128-wide K and N blocks),
+# Block shapes like the tuned table's mid-size entries (16-token tiles, 128-wide K and N blocks),
 # not tuned (`bench_triton.py --deterministic` measures them); a fixed split of the hidden size in
 # the linear path's workspace (added by the expand in plane order), none for ranks past 64.
 GENERIC_DETERMINISTIC = {
@@ -134,7 +137,7 @@ GENERIC_DETERMINISTIC = {
 @dataclasses.dataclass(frozen=True)
 class LaunchTable:
     """The launch configs of one device: per class `shrink`, `expand`, `fused` configs, the classes
-    that use the fused kernel, and the variants by slot and slice count."""
+    that use the fused kernel, the variants by slot and slice count, and the launch policy."""
     source: str
     shrink: dict
     expand: dict
@@ -142,6 +145,7 @@ class LaunchTable:
     fused_classes: frozenset
     variants: dict
     deterministic: dict = dataclasses.field(default_factory=lambda: GENERIC_DETERMINISTIC)
+    policy: LaunchPolicy = GENERIC_POLICY
 
     def variant(self, num_tokens: int, rank: int, num_slots: int, num_slices: int) -> dict:
         """The first variant of the shape class that applies to num_slots slots and num_slices slices ({} if none)."""
@@ -211,8 +215,9 @@ def _read_table(path: str, device: str) -> LaunchTable:
     for rank_name, kinds in data.get("deterministic", {}).items():
         deterministic[rank_name] = {**deterministic.get(rank_name, {}),
                                     **{k: {**v, "SMALL_T": False} for k, v in kinds.items()}}
+    policy = LaunchPolicy.from_table(data.get("policy", {}), f"{os.path.basename(path)} policy")
     return LaunchTable(f"{device} ({os.path.basename(path)})", shrink, expand, fused, frozenset(fused_classes),
-                       variants, deterministic)
+                       variants, deterministic, policy)
 
 
 GENERIC = LaunchTable("generic defaults", GENERIC_SHRINK, GENERIC_EXPAND, GENERIC_FUSED, frozenset(), {})
@@ -270,6 +275,62 @@ def _table(device: str | None) -> LaunchTable:
     return current_table() if device is None else table(device)
 
 
+@functools.cache
+def device_sm_count() -> int | None:
+    """The multiprocessor (SM) count of CUDA device 0 as the driver reports it, None without a CUDA driver."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        device, count = ctypes.c_int(), ctypes.c_int()
+        if driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), 0):
+            return None
+        if driver.cuDeviceGetAttribute(ctypes.byref(count), _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device):
+            return None
+        return int(count.value) or None
+    except OSError:
+        return None
+
+
+_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+_OVERRIDE: list = []          # the policies of the `override_policy` blocks entered, innermost last
+
+
+def launch_policy(device: str | None = None) -> LaunchPolicy:
+    """The launch policy in effect: the innermost `override_policy`'s, else the table's of `device`
+    (default: the GPU present; generic defaults without a table)."""
+    return _OVERRIDE[-1] if _OVERRIDE else _table(device).policy
+
+
+@contextlib.contextmanager
+def override_policy(policy: LaunchPolicy):
+    """Runs the block's launches under `policy` instead of the device's (process-wide, nestable).
+
+        with configs.override_policy(dataclasses.replace(configs.launch_policy(), force_fused=True)):
+            ...
+
+    The policy is read when a launch is planned: torch caches a shape's plans at its first launch
+    (PreparedLinear records its launches), JAX plans while tracing and keeps the compiled program;
+    so enter the block before the first launch it should govern, and plans made inside it keep its
+    policy after the block."""
+    if not isinstance(policy, LaunchPolicy):
+        raise TypeError(f"override_policy: expected a LaunchPolicy, got {type(policy).__name__}")
+    base = launch_policy()
+    _LOG.info("launch policy override: %s", policy.changes(base) or "same as the device's")
+    _OVERRIDE.append(policy)
+    try:
+        yield policy
+    finally:
+        _OVERRIDE.pop()
+
+
+def target_programs(policy: LaunchPolicy, device: str | None = None) -> int:
+    """Programs the SPLIT_K = 0 rule aims at: the policy's target, else PROGRAMS_PER_SM x the SM
+    count of the GPU present (when `device` is that GPU), else FALLBACK_TARGET_PROGRAMS."""
+    if policy.target_programs is not None:
+        return policy.target_programs
+    sms = device_sm_count() if device is None or device == device_name() else None
+    return PROGRAMS_PER_SM * sms if sms else FALLBACK_TARGET_PROGRAMS
+
+
 def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
     """Busy token tiles to expect without reading the mapping: one per adapter at decode sizes,
     cdiv(T, BLOCK_M) at prefill sizes (the launch shape may not depend on the mapping)."""
@@ -289,41 +350,48 @@ def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_
     if interpreting():
         return shrink_params(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
     return resolve_split(table_shrink_config(num_tokens, rank, num_slices, num_slots, device=device), num_tokens,
-                         hidden, rank, num_slices, num_slots)
+                         hidden, rank, num_slices, num_slots, device=device)
 
 
-def use_prefetch(num_tokens: int, rank: int) -> bool:
+def use_prefetch(num_tokens: int, rank: int, *, device: str | None = None) -> bool:
     """Whether the shrink prefetches its A chunk into L2 before waiting for the kernel before it
-    (PDL launches only). Measured on the H200 over the whole sweep: 2-11% faster for T <= 16 and
-    for T <= 256 at rank 16 (few adapters); up to 40% slower at T = 32 with 8 adapters and 10-20%
-    slower at rank 64 from T = 128 on (many programs prefetching the same chunks).
-    `planning.FORCE_PREFETCH` overrides it (benchmarks)."""
-    if planning.FORCE_PREFETCH is not None:
-        return bool(planning.FORCE_PREFETCH)
-    return num_tokens <= 16 or (num_tokens <= 256 and rank <= 16 and num_tokens > 64)
+    (PDL launches only): for small batches (T <= prefetch_max_tokens), where the weights are most
+    of the bytes and few programs share a chunk, and for rank <= prefetch_low_rank with a few
+    adapters' worth of tokens (prefetch_low_rank_tokens); not where many programs would prefetch
+    the same chunks. The policy's `force_prefetch` overrides it."""
+    policy = launch_policy(device)
+    if policy.force_prefetch is not None:
+        return policy.force_prefetch
+    lo, hi = policy.prefetch_low_rank_tokens
+    return num_tokens <= policy.prefetch_max_tokens or (rank <= policy.prefetch_low_rank and lo < num_tokens <= hi)
 
 
-def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int) -> dict:
+def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int, *,
+                  device: str | None = None) -> dict:
     """cfg (a shrink config) with SPLIT_K = 0 resolved and the split caps applied (in place);
     PREFETCH (use_prefetch) set unless the config says. A config's TARGET (programs the SPLIT_K = 0
-    rule aims at; TARGET_PROGRAMS if absent) is consumed here; a config that names its TARGET is
-    not subject to the T > 128 caps below (a tuned choice, measured with the expand that sums
-    the planes once per program: lora_expand_kernel with TILES_N > 1)."""
-    cfg.setdefault("PREFETCH", use_prefetch(num_tokens, rank))
+    rule aims at; `target_programs` of the policy if absent) is consumed here; a config that names
+    its TARGET is not subject to the prefill caps below (a tuned choice, measured with the expand
+    that sums the planes once per program: lora_expand_kernel with TILES_N > 1)."""
+    policy = launch_policy(device)
+    cfg.setdefault("PREFETCH", use_prefetch(num_tokens, rank, device=device))
     own_target = "TARGET" in cfg
-    target = int(cfg.pop("TARGET", TARGET_PROGRAMS))
+    target = int(cfg.pop("TARGET")) if own_target else None
     chunks = max(1, -(-hidden // cfg["BLOCK_K"]))
     if cfg["SPLIT_K"] == 0:
+        if target is None:
+            target = target_programs(policy, device)
         programs_per_tile = 1 if cfg.get("ALL_SLICES") else num_slices
         busy = programs_per_tile * _estimated_tiles(num_tokens, num_slots, cfg["BLOCK_M"])
-        cfg["SPLIT_K"] = max(1, min(chunks, target // busy, SPLIT_CAP))
-        if num_tokens > 128 and not own_target:
+        cfg["SPLIT_K"] = max(1, min(chunks, target // busy, policy.split_cap))
+        if num_tokens > policy.split_workspace_tokens and not own_target:
             # Past decode sizes every expand program re-reads its rows of all SPLIT_K workspace
-            # planes (SPLIT_K * rank floats per token per output tile): keep that below ~1 KB per
-            # token, and at prefill sizes with rank >= 64 do not split at all (measured: T=2048,
-            # rank 64 ran 49 us unsplit, 68 us with 4 splits; T=512, rank 64 ran 31 us with 16
-            # splits, 18.6 us with 4). A table entry with an explicit SPLIT_K (tuned) is kept.
-            cap = 1 if (num_tokens > 1024 and rank >= 64) else 256 // max(rank, 1)
+            # planes (SPLIT_K * rank floats per token per output tile): keep that at most
+            # split_workspace_floats per token; with many tokens at a large rank there are token
+            # tiles enough to fill the GPU, and a split only adds that traffic: none. A table entry
+            # with an explicit SPLIT_K (tuned) is kept.
+            unsplit = num_tokens > policy.unsplit_tokens and rank >= policy.unsplit_rank
+            cap = 1 if unsplit else policy.split_workspace_floats // max(rank, 1)
             cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], cap))
     cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], chunks))
     return cfg
@@ -346,20 +414,22 @@ def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices
 
 
 def fused_forced():
-    """FORCE_FUSED: True / False when a benchmark forces the fused kernel on / off, else None."""
-    return FORCE_FUSED
+    """The policy's `force_fused`: True / False when an override forces the fused kernel on / off, else None."""
+    return launch_policy().force_fused
 
 
 def use_fused(num_tokens: int, rank: int, num_slices: int, num_slots: int, *,
               device: str | None = None, deterministic: bool = False) -> bool:
     """True when the one-launch fused kernel is expected to beat shrink + expand (decode sizes).
     The fused kernel needs the whole rank in one block (rank <= 64 here). Deterministic launches
-    never use it (one kernel path for every token count), FORCE_FUSED notwithstanding."""
+    never use it (one kernel path for every token count), the policy's `force_fused`
+    notwithstanding; batches below its `fused_min_tokens` never do either."""
     if rank > 64 or deterministic:
         return False
-    if FORCE_FUSED is not None:
-        return bool(FORCE_FUSED)
-    if num_tokens < FUSED_MIN_TOKENS:
+    policy = launch_policy(device)
+    if policy.force_fused is not None:
+        return policy.force_fused
+    if num_tokens < policy.fused_min_tokens:
         return False
     return _table(device).fused_wins(num_tokens, rank, num_slots, num_slices)
 

@@ -9,7 +9,7 @@
    2. Prepared launches for torch (`jl_prepared_*`; torch_lora/ops/c_launch.py for PreparedLinear): a
       kernel's parameter block is built once per layer, and a call only patches the few parameters
       that change (x, y, workspace, ranks pointers and the scale) and launches, without Triton's
-      Python launcher (~5-7 us of host time per launch on the H200 machines).
+      Python launcher and its per-launch host time.
 
    Only CUDA's driver API is used (cuda.h as bundled with Triton), loaded with dlopen: the library
    builds with a plain C compiler at first use (jax_lora/kernels/cuda_launch.py) and links nothing.

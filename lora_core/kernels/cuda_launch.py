@@ -111,8 +111,9 @@ class PreparedLaunches:
     order, each with its slots set from vars.
 
     launches: per kernel (function handle, grid (3 ints), threads per block, dynamic shared bytes,
-    flags, params, slots): flags FLAG_PDL | FLAG_COOPERATIVE; params a list of (kind, value) with kinds I32, F32 (value: the float),
-    I64, NULL, PTR; slots a list of (parameter index, variable index). `vars` is a ctypes
+    flags, params, slots): flags FLAG_PDL | FLAG_COOPERATIVE; params a list of (kind, value) with
+    kinds I32, F32 (value: the float), I64, NULL, PTR; slots a list of (parameter index, variable
+    index). `vars` is a ctypes
     uint64 array the caller fills per call (pointers; float32 variables as their bits).
     """
 
@@ -153,7 +154,8 @@ class PreparedLaunches:
         self.n = 0
 
     def __del__(self):
-        try:
+        # try/except, not contextlib.suppress: at interpreter exit a module's globals may be gone
+        try:  # noqa: SIM105
             self.close()
         except Exception:
             pass

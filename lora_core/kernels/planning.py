@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import triton
 
+from .configs import interpreting, launch_policy, next_pow2
+
 MAX_SLICES = 4  # slices handled by one launch; more are launched in groups of MAX_SLICES
 MAX_PARTIALS = 32  # split-K planes the expand kernel sums (unrolled loads)
 
@@ -26,33 +28,28 @@ MAX_PARTIALS = 32  # split-K planes the expand kernel sums (unrolled loads)
 TOKEN_COUNT_PARAMS = ("num_tokens", "num_sorted")
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 at import time)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 PDL_KERNELS = ("shrink", "expand", "fused")
 # With LORA_CORE_PDL unset ("auto"), a call's first kernel (shrink or fused) is launched as a
-# programmatic dependent of the kernel before it for batches of at most FIRST_KERNEL_PDL_MAX_TOKENS
-# tokens, or SPREAD_PDL_MAX_TOKENS where the launcher spreads a dependent shrink's programs over
-# the SMs (`spread_shared_bytes`: the C launcher of torch's PreparedLinear, which the wrapper and
-# the layers use). Measured in a Llama-3-8B-shaped decode step on the H200 (benchmarks/e2e_decode.py,
-# torch, each LoRA call after a cuBLAS GEMM): a dependent first kernel cost 1.0-2.9 us per call at
-# 8-256 tokens and saved 1.3 us per call at one token. A dependent kernel's programs start on the
-# SMs the GEMM frees first, as many per SM as fit, and wait there; a shrink of 16-288 programs
-# piled onto a few SMs then reads its weights through those SMs alone. Asking for enough shared
-# memory that at most ceil(programs / SMs) share an SM turned the cost into a gain at 8 and 32
-# tokens (LoRA overhead per step -37 to -150 us against a plain launch, 4-14%), and left the kernel
-# sweep's chain of calls within its noise up to 32 tokens; from 128 tokens up the shrink needs its
-# occupancy (the same spreading cost up to 1.7x there), so larger calls keep a plain first kernel.
-# One-token shrinks stay dependent without spreading (spreading them cost 12 us per step).
-# Back-to-back LoRA calls with nothing between (the kernel sweep's chain) gain from a dependent
-# first kernel at every size: LORA_CORE_PDL=1.
-FIRST_KERNEL_PDL_MAX_TOKENS = 1
-SPREAD_PDL_MAX_TOKENS = 32
-_PDL_MEANING = {"auto": "the expand always, a call's first kernel for one-token calls (up to "
-                        f"{SPREAD_PDL_MAX_TOKENS} tokens where the launcher spreads it)", "1": "every kernel",
-                "0": "none"}
+# programmatic dependent of the kernel before it only for small batches: at most the launch
+# policy's `first_kernel_pdl_max_tokens` tokens, or `spread_pdl_max_tokens` where the launcher
+# spreads a dependent shrink's programs over the SMs (`spread_shared_bytes`: the C launcher of
+# torch's PreparedLinear, which the wrapper and the layers use). Why: in a model the kernel before
+# a call is the base layer's GEMM. A dependent kernel's programs start on the SMs the GEMM frees
+# first, as many per SM as fit, and wait there; a shrink of tens to hundreds of programs piled
+# onto a few SMs then reads its weights through those SMs alone, which costs more than the
+# overlap saves. Asking for enough shared memory that at most ceil(programs / SMs) share an SM
+# removes the pile-up, so small batches gain from the overlap; larger shrinks need their
+# occupancy, which the spreading takes away, so they keep a plain first kernel. A one-token
+# shrink's few programs do not pile up: it stays dependent without spreading. Back-to-back LoRA
+# calls with nothing between gain from a dependent first kernel at every size: LORA_CORE_PDL=1.
+# (Measurements: docs/benchmarks_evidence.md, "Rules in the code and their measurements".)
+_PDL_MEANING = {"auto": None, "1": "every kernel", "0": "none"}
+
+
+def _auto_meaning() -> str:
+    p = launch_policy()
+    return (f"the expand always, a call's first kernel for calls of <= {p.first_kernel_pdl_max_tokens} tokens "
+            f"(<= {p.spread_pdl_max_tokens} where the launcher spreads it)")
 
 
 def _pdl_setting() -> str:
@@ -66,8 +63,8 @@ def _pdl_setting() -> str:
 @functools.cache
 def _log_pdl_setting(value: str) -> None:
     """Says once per setting which launches may be programmatic dependents (Hopper and newer)."""
-    logging.getLogger("lora_core").info("programmatic dependent launch (LORA_CORE_PDL=%s): %s", value,
-                                        _PDL_MEANING.get(value, f"the kernels listed ({value})"))
+    meaning = _auto_meaning() if value == "auto" else _PDL_MEANING.get(value, f"the kernels listed ({value})")
+    logging.getLogger("lora_core").info("programmatic dependent launch (LORA_CORE_PDL=%s): %s", value, meaning)
 
 
 def _pdl_names(value: str) -> frozenset:
@@ -93,20 +90,24 @@ def pdl_launch(kernel: str, num_tokens: int, spread: bool = False) -> bool:
     """Whether a launch of `kernel` compiled with USE_PDL goes out as a programmatic dependent of
     the kernel before it. "auto": the expand always (the kernel before it is the call's own
     shrink), the shrink and the fused kernel -- whose predecessor in a model is the base layer's
-    GEMM -- only for calls of <= FIRST_KERNEL_PDL_MAX_TOKENS tokens, or <= SPREAD_PDL_MAX_TOKENS
-    when the launcher spreads a dependent shrink's programs (`spread=True`, `spread_shared_bytes`).
+    GEMM -- only for calls of <= first_kernel_pdl_max_tokens tokens, or <= spread_pdl_max_tokens
+    when the launcher spreads a dependent shrink's programs (`spread=True`, `spread_shared_bytes`;
+    both thresholds from the launch policy, `configs.launch_policy`).
     A kernel compiled with USE_PDL but launched plainly still lets its expand start early
     (gdc_launch_dependents); its gdc_wait returns at once."""
     value = _pdl_setting()
     if value == "auto":
-        limit = SPREAD_PDL_MAX_TOKENS if spread else FIRST_KERNEL_PDL_MAX_TOKENS
+        policy = launch_policy()
+        limit = policy.spread_pdl_max_tokens if spread else policy.first_kernel_pdl_max_tokens
         return kernel == "expand" or num_tokens <= limit
     if value in _PDL_MEANING:
         return value == "1"
     return kernel in _pdl_names(value)
 
 
-SHARED_RESERVED_PER_BLOCK = 1024   # bytes of shared memory the hardware keeps per resident block (sm_80+)
+# Bytes of shared memory the hardware keeps per resident block on every GPU these kernels run on
+# (sm_80 and newer: 1 KB per block, counted against the SM's shared memory, not the block's).
+SHARED_RESERVED_PER_BLOCK = 1024
 
 
 def spread_shared_bytes(programs: int, shared: int, num_sms: int, max_shared: int) -> int:
@@ -128,10 +129,6 @@ def spread_shared_bytes(programs: int, shared: int, num_sms: int, max_shared: in
     if shared < want <= max_shared and k * (want + SHARED_RESERVED_PER_BLOCK) <= per_sm:
         return want
     return shared
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def slice_chunks(num_slices: int) -> list:
@@ -166,14 +163,11 @@ def slice_tiles(widths: Sequence[int], block_n: int, tiles_per_program: int = 1)
     return nt, total
 
 
-SMALL_T_MAX = 32  # batches up to this many tokens use the one-tile-per-group mode (SMALL_T)
-
-
 def small_t_block(num_tokens: int, block_m: int, config: dict | None = None) -> tuple[bool, int]:
-    """(SMALL_T, BLOCK_M): the whole batch in one tile per group when T <= SMALL_T_MAX, unless the
-    launch config says SMALL_T False (then BLOCK_M-token tiles of the sorted order, as past
-    SMALL_T_MAX: smaller tiles at T = 17-32, two more dependent metadata loads)."""
-    if num_tokens <= SMALL_T_MAX and (config or {}).get("SMALL_T", True):
+    """(SMALL_T, BLOCK_M): the whole batch in one tile per group when T <= the launch policy's
+    small_t_max, unless the launch config says SMALL_T False (then BLOCK_M-token tiles of the
+    sorted order, as past small_t_max: smaller tiles, two more dependent metadata loads)."""
+    if num_tokens <= launch_policy().small_t_max and (config or {}).get("SMALL_T", True):
         return True, max(block_m, max(16, next_pow2(num_tokens)))
     return False, block_m
 
@@ -196,19 +190,17 @@ def hidden_split(hidden: int, split: int, block_k: int) -> tuple[int, int]:
     return triton.cdiv(hidden, k_per_split), k_per_split
 
 
-PREFETCH_MAX_LINES = 64  # L2 prefetch of at most this many 128-byte lines per weight row
-# True / False turns the L2 weight prefetch on / off everywhere (benchmark experiments); None:
-# configs.use_prefetch decides per size.
-FORCE_PREFETCH = None
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def prefetch_constexprs(pdl: bool, columns: int, w_dtype: str) -> dict:
     """PREFETCH_LINES / PREFETCH_LINE: prefetch a program's weight chunk into L2 before waiting for
-    the kernel before it (PDL launches, compiled only: inline PTX)."""
+    the kernel before it (PDL launches, compiled only: inline PTX): at most the launch policy's
+    prefetch_max_lines 128-byte lines per weight row; none where the policy's force_prefetch is False."""
     line = 128 // DTYPE_BYTES.get(w_dtype, 2)
-    off = not pdl or interpreting() or FORCE_PREFETCH is False
-    lines = 0 if off else min(PREFETCH_MAX_LINES, next_pow2(triton.cdiv(columns, line)))
+    policy = launch_policy()
+    off = not pdl or interpreting() or policy.force_prefetch is False
+    lines = 0 if off else min(policy.prefetch_max_lines, next_pow2(triton.cdiv(columns, line)))
     return dict(PREFETCH_LINES=lines, PREFETCH_LINE=line)
 
 
@@ -245,7 +237,10 @@ class PlanKey:
 
     def spreads(self) -> bool:
         """Whether a spreading launcher gives this launch `spread_shared_bytes`: a shrink of
-        FIRST_KERNEL_PDL_MAX_TOKENS < T <= SPREAD_PDL_MAX_TOKENS tokens launched as a programmatic
-        dependent (a one-token shrink's few programs gain nothing from it: +12 us per model step)."""
-        return (self.KERNEL == "shrink" and FIRST_KERNEL_PDL_MAX_TOKENS < self.num_tokens <= SPREAD_PDL_MAX_TOKENS
+        first_kernel_pdl_max_tokens < T <= spread_pdl_max_tokens tokens (the launch policy's)
+        launched as a programmatic dependent (a one-token shrink's few programs do not pile up on
+        a few SMs: spreading them only lowers their occupancy)."""
+        policy = launch_policy()
+        return (self.KERNEL == "shrink"
+                and policy.first_kernel_pdl_max_tokens < self.num_tokens <= policy.spread_pdl_max_tokens
                 and self.pdl_for(spread=True))

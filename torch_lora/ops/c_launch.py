@@ -66,7 +66,7 @@ def launch_spec(cuda_launch, compiled, names, template, slots, grid, function, p
     """(function, grid, threads, shared, flags, params, slots) of one launch for cuda_launch.PreparedLaunches.
 
     With the launch's `plan`, this launcher spreads (`planning.pdl_launch(..., spread=True)`): a
-    call's first kernel of <= SPREAD_PDL_MAX_TOKENS tokens goes out as a programmatic dependent,
+    call's first kernel of <= spread_pdl_max_tokens tokens (the launch policy's) goes out as a programmatic dependent,
     a shrink of more than one token (`plan.spreads()`) with the shared memory of
     `planning.spread_shared_bytes`, so that its programs spread over the SMs. Without a plan the
     launch is Triton's own (its compiled launch_pdl and shared memory)."""

@@ -5,8 +5,7 @@ LoRA), `expand` writes the slices of `y` in place; `linear` is shrink + expand w
 (`add_lora_linear`'s math): a split-K shrink into a float32 workspace and an expand launched as its
 programmatic dependent (Hopper; the shrink itself is a dependent of the kernel before it and waits
 for it before reading x), or the one-launch fused kernel for the shape classes where the tuned
-table says it wins (on the H200: one slice at rank 16 with 17-64 tokens and <= 16 slots;
-`fused=True` / `False` forces either). The
+table says it wins (`configs.use_fused`; `fused=True` / `False` forces either). The
 fused kernel's barrier counters come from `_sync_buffer` (one zeroed-once buffer per (device,
 stream)). `prepare_linear` binds `linear`'s persistent arguments once (`PreparedLinear`: the
 argument lists of the launches, built once; a call fills in x, y, lora_ranks, scale and the
@@ -277,9 +276,9 @@ class PreparedLinear:
     (compiling); after it each launch's argument list is kept with the fixed arguments as data
     pointers, and a call only fills in the pointers of x, y, lora_ranks and the current stream's
     float32 workspace (`_workspace_buffer`: shared by every PreparedLinear on that stream, nothing
-    allocated per call: a torch.empty there would cost ~8 us of host time), and the scale. Falls back to `linear` for
-    16-byte-misaligned x/y/lora_ranks (Triton specialises on alignment), under the interpreter,
-    or when the direct launch is off.
+    allocated per call: a torch.empty there would add its host time to every call), and the scale.
+    Falls back to `linear` for 16-byte-misaligned x/y/lora_ranks (Triton specialises on alignment),
+    under the interpreter, or when the direct launch is off.
 
     The persistent tensors' data pointers are taken once: their storage must not be replaced
     (in-place updates of their contents are fine). The caller keys a PreparedLinear by the

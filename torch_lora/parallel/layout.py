@@ -36,7 +36,7 @@ buffer is float32), V the vocabulary, E the embedding width.
 
 The layout moving fewer `weight_bytes + link_weight * link_bytes` is chosen (`choose_layout`;
 `link_weight` 1 counts a byte over the interconnect like a byte of memory traffic; the ratio of the
-memory to the link bandwidth, about 10 for an H200's HBM over NVLink, counts time). Traffic that is
+memory to the link bandwidth, about 10 for HBM3e over NVLink 4, counts time). Traffic that is
 equal in both layouts (reading x, reading and writing y) is left out. For an embedding the sharded
 layout always moves more; it exists to hold 1/P of the table (`resident_bytes`).
 """

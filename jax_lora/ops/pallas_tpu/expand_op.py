@@ -477,9 +477,10 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
     Returns the new y: y[t, off_s:off_s+n_s] = (y[...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
     + bias_s[idx[t]], accumulated in float32 and cast once; a slice with a DoRA column scale gets
     g_s[idx[t]] * ((y[...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T) instead, in the same
-    epilogue; rows with idx -1 and columns outside the slices unchanged. One pallas_call covers all slices. When the slices sit on 128-column
-    boundaries and T is a multiple of the row tile, the token-order path updates y in place in the
-    kernel (`plan_inplace`); otherwise the kernel writes a float32 delta that XLA adds to y.
+    epilogue; rows with idx -1 and columns outside the slices unchanged. One pallas_call covers all
+    slices. When the slices sit on 128-column boundaries and T is a multiple of the row tile, the
+    token-order path updates y in place in the kernel (`plan_inplace`); otherwise the kernel writes
+    a float32 delta that XLA adds to y.
     """
     if b_layout not in ("nr", "rn"):
         raise ValueError(f"b_layout must be 'nr' (L, n, r) or 'rn' (L, r, n), got {b_layout!r}")

@@ -78,7 +78,7 @@ def linear(y: jax.Array, x: jax.Array, lora_a: Sequence[jax.Array], lora_b: Sequ
                      row_dma=row_dma)
         return expand(buf, lora_b, y, meta, offsets, True, lora_ranks, bias, b_layout=b_layout,
                       tm_max=tm_max, tn_max=tn_max, row_order=row_order, row_dma=row_dma, col_scale=col_scale)
-    for s, b in enumerate(lora_b):
+    for s in range(len(lora_b)):
         if not 0 <= int(offsets[s]) <= y.shape[1] - widths[s]:
             raise ValueError(f"slice {s} (offset {offsets[s]}, width {widths[s]}) falls outside y's "
                              f"{y.shape[1]} columns")

@@ -204,8 +204,9 @@ def _rows(meta: LoRAKernelMeta, num_tokens: int, num_slots: int, tm: int, padded
 
 # ----------------------------------------------------------------------- choosing the row order
 
-# Grid-step overhead expressed in HBM bytes (about 0.35 us per step at about 1 TB/s), so that the
-# choice between the two row orders weighs steps against bytes.
+# Grid-step overhead expressed in HBM bytes (the fixed cost of a grid step, tpu_cost.STEP_OVERHEAD_S,
+# times the HBM bandwidth of the TPUs targeted, rounded), so that the choice between the two row
+# orders weighs steps against bytes.
 STEP_BYTES = 350_000
 
 
