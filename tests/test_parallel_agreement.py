@@ -140,6 +140,48 @@ def case_bad_build_on_one_rank(rank: int, world: int) -> dict:
     return _attempt(lambda: _layers(rank, world, max_rank=3 if rank == world - 1 else 8))
 
 
+def case_forward_rows_on_one_rank(rank: int, world: int) -> dict:
+    """The ranks agree on a 7-token step; the last rank's forward passes 6 tokens to the row layer
+    (whose base layer would all-reduce at once). The others run nothing."""
+    col, row, _ = _layers(rank, world)
+    _load(col, row)
+    w = ParallelPunicaWrapper(16, 4, "cpu", max_loras=MAX_LORAS)
+    row.set_mapping(w)
+    w.update_metadata(LoRAMapping(TOKENS, TOKENS[:2]), IDS, MAX_LORAS + 1, 64)
+    if rank != world - 1:
+        return {"error": None, "calls": []}
+    with CollectiveLog() as log:
+        result = _attempt(lambda: row(torch.zeros(len(TOKENS) - 1, HIDDEN // world)))
+    return dict(result, calls=log.calls)
+
+
+def case_vocab_rows(rank: int, world: int) -> dict:
+    """The embedding (ids: one per token) and the LM head (h: one row per sampled row), fully
+    sharded, under a ParallelPunicaWrapper: the mapped counts run; one more raises, before any
+    collective (the same on every rank here, so nobody waits)."""
+    from torch_lora.parallel import ParallelLMHeadWithLoRA, VocabParallelEmbeddingWithLoRA
+    from torch_lora.parallel.layout import padded_range
+
+    vocab, g = 50, torch.Generator().manual_seed(3)
+    part = padded_range(vocab, rank, world)
+    emb = VocabParallelEmbeddingWithLoRA(cases.VocabShardEmbedding(torch.randn(vocab, 16, generator=g), part),
+                                         num_embeddings=vocab, embedding_dim=16, max_loras=MAX_LORAS, max_rank=8,
+                                         fully_sharded=True)
+    head = ParallelLMHeadWithLoRA(cases.LMHeadShard(torch.randn(vocab, HIDDEN, generator=g), part),
+                                  input_size=HIDDEN, vocab_size=vocab, max_loras=MAX_LORAS, max_rank=8,
+                                  fully_sharded=True)
+    w = ParallelPunicaWrapper(16, 4, "cpu", max_loras=MAX_LORAS)
+    emb.set_mapping(w)
+    head.set_mapping(w)
+    w.update_metadata(LoRAMapping(TOKENS, TOKENS[:2]), IDS, MAX_LORAS + 1, vocab)
+    emb(torch.arange(len(TOKENS)))
+    head(torch.randn(2, HIDDEN, generator=g))
+    with CollectiveLog() as log:
+        errors = [_attempt(lambda: emb(torch.arange(len(TOKENS) + 1)))["error"],
+                  _attempt(lambda: head(torch.randn(3, HIDDEN, generator=g)))["error"]]
+    return {"errors": errors, "calls": log.calls}
+
+
 def case_agree_costs(rank: int, world: int, check_agreement: bool) -> dict:
     return _step(rank, world, check_agreement=check_agreement, layers_check=check_agreement, log=True)
 
@@ -212,6 +254,22 @@ def test_the_rank_whose_own_check_failed_says_why(pool):
         assert "the layer's own argument checks failed (1 or 0): rank 0 has 0, rank 1 has 1" in message, message
         assert "max_rank: rank 0 has 8, rank 1 has 3" in message, message
     assert "max_rank=3 must be divisible by the process group size 2" in messages[1]
+
+
+def test_forward_with_another_token_count_raises_before_any_collective(pool):
+    results = pool.run(case_forward_rows_on_one_rank)
+    assert results[0]["error"] is None
+    assert results[1]["error"][0] == "ValueError", results[1]
+    assert "x has 6 tokens, but update_metadata mapped 7 tokens on every rank" in results[1]["error"][1]
+    assert results[1]["calls"] == [], "a collective was issued before the check"
+
+
+def test_vocab_layers_take_the_mapped_counts(pool):
+    for r in pool.run(case_vocab_rows):
+        assert r["errors"][0][0] == "ValueError" and "ids has 8 tokens, but update_metadata mapped 7" in \
+            r["errors"][0][1], r
+        assert "h has 3 sampled rows, but update_metadata mapped 2 sampled rows" in r["errors"][1][1], r
+        assert r["calls"] == [], r
 
 
 def test_manager_slot_tables_that_differ(pool):

@@ -211,6 +211,14 @@ class ParallelLoRALayer(torch.nn.Module):
         if track is not None:
             track(self)
 
+    def _check_step_rows(self, name: str, rows: int, sampled: bool = False) -> None:
+        """With a wrapper that checks agreement (ParallelPunicaWrapper): the forward's token count (or
+        sampled rows, for the LM head) must be the one every rank agreed on in update_metadata, so
+        that every rank's collectives have one size. Checked on this rank, before the base layer."""
+        check = getattr(self.punica_wrapper, "check_step_rows", None)
+        if check is not None:
+            check(name, rows, sampled)
+
     def _run_base(self, x: torch.Tensor, width: int, what: str):
         """(base output as returned, y: its output tensor viewed as (T, width))."""
         out = self.base_layer(x)

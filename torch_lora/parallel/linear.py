@@ -89,6 +89,7 @@ class _ColumnParallelLoRA(ParallelLoRALayer):
         Rows of tokens without an adapter are never written.
         """
         x2 = self._tokens(x, self.input_size, "x")
+        self._check_step_rows("x", x2.shape[0])
         out, y = self._run_base(x, sum(self.output_slices), "the layer's output shard")
         w = self.punica_wrapper
         if w is None:
@@ -253,6 +254,7 @@ class RowParallelLinearWithLoRA(ParallelLoRALayer):
            adapter stay 0); its columns all-gathered to (T, N), rank p's at [p N/P, (p+1) N/P); y += it.
         """
         x2 = self._tokens(x, self.input_size_per_partition, "x")
+        self._check_step_rows("x", x2.shape[0])
         out, y = self._run_base(x, self.output_size, "the layer's output")
         w = self.punica_wrapper
         if w is None:

@@ -95,6 +95,7 @@ class VocabParallelEmbeddingWithLoRA(ParallelLoRALayer):
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise TypeError(f"ids must be an integer torch.Tensor, got "
                             f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        self._check_step_rows("ids", ids.numel())
         out, y = self._run_base(ids, self.embedding_dim, "embedding_dim")
         w = self.punica_wrapper
         if w is None:
@@ -186,6 +187,7 @@ class ParallelLMHeadWithLoRA(ParallelLoRALayer):
            y += buf @ B_p.T (lora_expand, per-slot ranks).
         """
         h2 = self._tokens(h, self.input_size, "h")
+        self._check_step_rows("h", h2.shape[0], sampled=True)
         out, y = self._run_base(h, self.vocab_width, "vocab_range")
         w = self.punica_wrapper
         if w is None:

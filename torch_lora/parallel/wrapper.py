@@ -117,6 +117,21 @@ class ParallelPunicaWrapper(PunicaWrapper):
         if error is not None:
             raise error
 
+    def check_step_rows(self, name: str, rows: int, sampled: bool = False) -> None:
+        """A layer's forward pass: its `rows` tokens (sampled rows when `sampled`) must be the count
+        update_metadata mapped and every rank agreed on; another count on this rank would make its
+        collectives another size than the other ranks' (a gloo abort, an NCCL hang). Raised here, on
+        this rank only (the forward adds no collective to tell the others: they wait in their next
+        collective until the group's timeout)."""
+        if not self.check_agreement:
+            return
+        mapped = self.indices_len[1 if sampled else 0]
+        if mapped is not None and rows != mapped:
+            what = "sampled rows" if sampled else "tokens"
+            raise ValueError(f"{name} has {rows} {what}, but update_metadata mapped {mapped} {what} on every rank of "
+                             f"the tensor-parallel group (this is rank {self.tp_rank}): every rank's forward must "
+                             "take the step's mapped count, or the ranks' collectives differ in size")
+
     def _slot_disagreement(self, layers, used, lora_index_to_id) -> ValueError:
         """Step 3: all-gathers every (layer, used slot) digest and names those that differ."""
         values = [layer.slot_digests[s] for layer in layers for s in used]
