@@ -182,6 +182,20 @@ def case_vocab_rows(rank: int, world: int) -> dict:
     return {"errors": errors, "calls": log.calls}
 
 
+def case_reload_after_a_step(rank: int, world: int) -> dict:
+    """An agreed step, then the last rank alone clears slot 1 and another step with the same mapping."""
+    col, row, _ = _layers(rank, world)
+    _load(col, row)
+    w = ParallelPunicaWrapper(16, 4, "cpu", max_loras=MAX_LORAS)
+    col.set_mapping(w)
+    row.set_mapping(w)
+    first = _attempt(lambda: w.update_metadata(LoRAMapping(TOKENS, TOKENS[:2]), IDS, MAX_LORAS + 1, 64))
+    if rank == world - 1:
+        row.reset_lora(1)
+    return {"first": first, "second": _attempt(lambda: w.update_metadata(LoRAMapping(TOKENS, TOKENS[:2]), IDS,
+                                                                         MAX_LORAS + 1, 64))}
+
+
 def case_agree_costs(rank: int, world: int, check_agreement: bool) -> dict:
     return _step(rank, world, check_agreement=check_agreement, layers_check=check_agreement, log=True)
 
@@ -270,6 +284,14 @@ def test_vocab_layers_take_the_mapped_counts(pool):
             r["errors"][0][1], r
         assert "h has 3 sampled rows, but update_metadata mapped 2 sampled rows" in r["errors"][1][1], r
         assert r["calls"] == [], r
+
+
+def test_a_slot_changed_after_a_step_is_seen_at_the_next(pool):
+    results = pool.run(case_reload_after_a_step)
+    assert all(r["first"]["error"] is None for r in results), results
+    for message in _errors([r["second"] for r in results]):
+        assert "layer 1 (RowParallelLinearWithLoRA) slot 1 (LoRA id 6): rank 0: adapter" in message, message
+        assert "rank 1: empty" in message and "layer 0" not in message, message
 
 
 def test_manager_slot_tables_that_differ(pool):

@@ -163,6 +163,20 @@ def check_fields(what: str, fields: Sequence[Field], group, world: int, rank: in
     return table
 
 
+_changes = 0
+
+
+def note_change() -> None:
+    """Counts a change of what the per-step check reads from the layers (a slot written, a wrapper
+    installed), so that a wrapper recomputes its layers' part only after one."""
+    global _changes
+    _changes += 1
+
+
+def changes() -> int:
+    return _changes
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (no collective may be added then)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -152,6 +152,14 @@ class ParallelLoRALayer(torch.nn.Module):
                 F("full sizes (input, output) of each slice",
                   d(None if shards is None else [(s.full_in, s.full_out) for s in shards]), False)]
 
+    @property
+    def geometry_digest(self) -> int:
+        """A digest of `geometry_fields()` (fixed once the layer is built: computed once)."""
+        cached = getattr(self, "_geometry_digest", None)
+        if cached is None:
+            cached = self._geometry_digest = agreement.digest([f[1] for f in self.geometry_fields()])
+        return cached
+
     def _sharding_problem(self) -> str | None:
         return None
 
@@ -192,6 +200,7 @@ class ParallelLoRALayer(torch.nn.Module):
         becomes `WRITTEN_THROUGH_VIEWS` (equal on every rank: such slots are compared by the slot
         table a ParallelPunicaWrapper is given, not by weights)."""
         self.slot_digests[slot] = WRITTEN_THROUGH_VIEWS
+        agreement.note_change()
         return tuple(t[slot] for t in self.lora_a_stacked + self.lora_b_stacked)
 
     def set_lora(self, index: int, lora_a, lora_b, lora_bias=None, *, scaling: float = 1.0) -> None:
@@ -207,6 +216,7 @@ class ParallelLoRALayer(torch.nn.Module):
         """Installs the step's PunicaWrapper (one per rank, updated with the same mapping on every rank).
         A ParallelPunicaWrapper also learns of the layer, to compare its slots at each update_metadata."""
         self.punica_wrapper = punica_wrapper
+        agreement.note_change()
         track = getattr(punica_wrapper, "track_layer", None)
         if track is not None:
             track(self)

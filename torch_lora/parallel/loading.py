@@ -163,6 +163,7 @@ def load_lora_slot(layer, slot: int, lora_a, lora_b, lora_bias=None, *, scaling:
         layer.lora_ranks[slot] = rank
         layer.lora_ranks_local[slot] = local_rank(shards[0], rank)
     layer.slot_digests[slot] = slot_digest
+    agreement.note_change()
 
 
 def clear_lora_slot(layer, slot: int) -> None:
@@ -174,6 +175,7 @@ def clear_lora_slot(layer, slot: int) -> None:
         layer.lora_ranks[slot] = 0
         layer.lora_ranks_local[slot] = 0
     layer.slot_digests[slot] = 0
+    agreement.note_change()
 
 
 def adapter_digest(pieces, scaling) -> int:

@@ -38,6 +38,7 @@ step. Never while a CUDA graph is being captured (the step is then not checked).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -70,6 +71,7 @@ class ParallelPunicaWrapper(PunicaWrapper):
         self.tp_rank, self.tp_size = group_rank_and_size(group)
         self.check_agreement = check_agreement
         self._layers: list = []            # weak references, in the order set_mapping installed this wrapper
+        self._layer_part = (-1, None)      # (agreement.changes() when computed, _LayerPart)
 
     def track_layer(self, layer) -> None:
         """Adds `layer` to the layers whose slots are checked (called by the layer's set_mapping)."""
@@ -97,11 +99,13 @@ class ParallelPunicaWrapper(PunicaWrapper):
                                     long_lora_context, **kwargs)
         except (ValueError, TypeError) as e:
             error = e
-        tracked = self.layers
-        layers = [layer for layer in tracked if layer.check_agreement]     # those keeping slot digests
-        used = _used_slots(mapping, lora_index_to_id)
-        fields = _step_fields(error, mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
-                              long_lora_context, tracked, layers, used)
+        part = self._layers_part()
+        ids = [_ids(v) for v in (getattr(mapping, "index_mapping", None), getattr(mapping, "prompt_mapping", None),
+                                 lora_index_to_id)]
+        used = [s for s in _used_slots(*ids) if s < self.max_loras]
+        fields = _step_fields(error, mapping, ids, max_loras, vocab_size, extra_vocab_size, long_lora_context, part,
+                              used)
+        layers = part.checked
         what = "the step passed to update_metadata"
         hint = f"; on this rank: {type(error).__name__}: {error}" if error is not None else ""
         try:
@@ -116,6 +120,21 @@ class ParallelPunicaWrapper(PunicaWrapper):
             raise agreement.disagreement(what, fields, table, differ, self.tp_rank, hint) from error
         if error is not None:
             raise error
+
+    def _layers_part(self) -> _LayerPart:
+        """The layers' part of the step's fields, recomputed only after a slot write or a set_mapping
+        anywhere (agreement.note_change): per step it costs an index into a small array."""
+        version, part = self._layer_part
+        if version != agreement.changes() or part is None:
+            tracked = self.layers
+            checked = [layer for layer in tracked if layer.check_agreement]   # those keeping slot digests
+            part = _LayerPart(
+                tracked=len(tracked), checked=checked,
+                geometry=agreement.digest(np.array([layer.geometry_digest for layer in tracked], dtype=np.int64)),
+                slots=np.array([(list(layer.slot_digests) + [-1] * self.max_loras)[: self.max_loras]
+                                for layer in checked], dtype=np.int64).reshape(len(checked), self.max_loras))
+            self._layer_part = (agreement.changes(), part)
+        return part
 
     def check_step_rows(self, name: str, rows: int, sampled: bool = False) -> None:
         """A layer's forward pass: its `rows` tokens (sampled rows when `sampled`) must be the count
@@ -134,7 +153,7 @@ class ParallelPunicaWrapper(PunicaWrapper):
 
     def _slot_disagreement(self, layers, used, lora_index_to_id) -> ValueError:
         """Step 3: all-gathers every (layer, used slot) digest and names those that differ."""
-        values = [layer.slot_digests[s] for layer in layers for s in used]
+        values = [(list(layer.slot_digests) + [-1] * self.max_loras)[s] for layer in layers for s in used]
         table = agreement.exchange(values, self.group, self.tp_size).reshape(self.tp_size, len(layers), len(used))
         lines = []
         for i, layer in enumerate(layers):
@@ -153,6 +172,15 @@ class ParallelPunicaWrapper(PunicaWrapper):
                           "into the same slot on every rank before the step")
 
 
+@dataclasses.dataclass
+class _LayerPart:
+    tracked: int                 # layers using the wrapper
+    checked: list                # those keeping slot digests
+    geometry: int                # digest of every tracked layer's geometry digest, in order
+    slots: np.ndarray            # (len(checked), L) int64: each checked layer's slot digests (-1 past
+                                 # a layer's own slots)
+
+
 def _slot_state(value: int) -> str:
     from .layer import WRITTEN_THROUGH_VIEWS
     if value == 0:
@@ -168,16 +196,21 @@ def _layer_name(layer, index: int) -> str:
 
 
 def _ids(ids) -> np.ndarray | None:
+    """LoRA ids as int64 (None as 0), or None when they are not ids (the wrapper's own checks say why)."""
+    if ids is None:
+        return None
+    try:
+        return np.asarray(ids, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        pass
     try:
         return np.asarray([0 if i is None else int(i) for i in ids], dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
         return None
 
 
-def _used_slots(mapping, lora_index_to_id) -> list[int]:
+def _used_slots(tokens, rows, table) -> list[int]:
     """The slots whose LoRA id the mapping uses (tokens or sampled rows), in slot order."""
-    tokens, rows, table = (_ids(getattr(mapping, "index_mapping", ())), _ids(getattr(mapping, "prompt_mapping", ())),
-                           _ids(lora_index_to_id if isinstance(lora_index_to_id, (list, tuple)) else ()))
     if tokens is None or rows is None or table is None:
         return []
     wanted = set(np.unique(tokens).tolist()) | set(np.unique(rows).tolist())
@@ -207,12 +240,12 @@ def _offsets(offsets):
         return "unreadable"
 
 
-def _step_fields(error, mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size, long_lora_context,
-                 tracked, layers, used) -> list:
-    """The step's fields (see the module docstring); the slots' digest last."""
+def _step_fields(error, mapping, ids, max_loras, vocab_size, extra_vocab_size, long_lora_context, part,
+                 used) -> list:
+    """The step's fields (see the module docstring); the slots' digest last. ids: the LoRA ids per
+    token, per sampled row and per slot, as int64 arrays (None where unreadable)."""
     F, d = agreement.Field, agreement.digest
-    tokens, rows = getattr(mapping, "index_mapping", None), getattr(mapping, "prompt_mapping", None)
-    table = lora_index_to_id if isinstance(lora_index_to_id, (list, tuple)) else None
+    tokens, rows, table = ids
     offsets = getattr(long_lora_context, "offsets_by_lora_id", None)
     return [
         F("update_metadata's own checks failed (1 or 0)", int(error is not None)),
@@ -222,13 +255,12 @@ def _step_fields(error, mapping, lora_index_to_id, max_loras, vocab_size, extra_
         F("max_loras", _count(max_loras)),
         F("vocab_size", _count(vocab_size)),
         F("extra_vocab_size", _count(extra_vocab_size)),
-        F("token mapping (LoRA id per token)", d(None if tokens is None else _ids(tokens)), False),
-        F("sampled-row mapping (LoRA id per row)", d(None if rows is None else _ids(rows)), False),
-        F("slot table (lora_index_to_id)", d(None if table is None else _ids(table)), False),
+        F("token mapping (LoRA id per token)", d(tokens), False),
+        F("sampled-row mapping (LoRA id per row)", d(rows), False),
+        F("slot table (lora_index_to_id)", d(table), False),
         F("long-context offsets", d(_offsets(offsets)), False),
-        F("layers using this wrapper", len(tracked)),
-        F("layers keeping slot digests (check_agreement=True)", len(layers)),
-        F("layer geometry", d([[f[1] for f in layer.geometry_fields()] for layer in tracked]), False),
-        F("adapters in the slots used", d([used, [[layer.slot_digests[s] for s in used] for layer in layers]]),
-          False),
+        F("layers using this wrapper", part.tracked),
+        F("layers keeping slot digests (check_agreement=True)", len(part.checked)),
+        F("layer geometry", part.geometry, False),
+        F("adapters in the slots used", d([used, part.slots[:, used] if used else None]), False),
     ]
