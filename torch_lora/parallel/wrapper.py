@@ -5,8 +5,7 @@ Math. A step's output is right only if every rank maps the same tokens to the sa
 slot the step uses holds (this rank's part of) the same adapter on every rank. So, per step, each
 rank describes its step as the fields below (agreement.py: counts as they are, the rest as
 digests), the group all-gathers them (one collective of P * 16 int64s: the fields and their names'
-digest), and every rank raises the
-same ValueError when a field differs.
+digest), and every rank raises the same ValueError when a field differs.
 
   update_metadata's own checks failed (1 or 0): the local conversion raised (a bad mapping)
   tokens, sampled rows, is_prefill, max_loras, vocab_size, extra_vocab_size
@@ -22,7 +21,7 @@ same ValueError when a field differs.
 Steps of `update_metadata`:
   1. The wrapper's own update (torch_lora.PunicaWrapper.update_metadata); an error is held, not
      raised yet, so that this rank still takes part in step 2 and the others do not wait for it.
-  2. The fields above, all-gathered and compared (agreement.check_fields).
+  2. The fields above, all-gathered and compared (agreement.gather_fields).
   3. When only "adapters in the slots used" differs, a second all-gather of the per-(layer, slot)
      digests (the same size on every rank: the layer geometries agree) names the layers and slots
      that differ and what each rank holds there (empty or an adapter). It runs only on that error.
@@ -105,7 +104,6 @@ class ParallelPunicaWrapper(PunicaWrapper):
         used = [s for s in _used_slots(*ids) if s < self.max_loras]
         fields = _step_fields(error, mapping, ids, max_loras, vocab_size, extra_vocab_size, long_lora_context, part,
                               used)
-        layers = part.checked
         what = "the step passed to update_metadata"
         hint = f"; on this rank: {type(error).__name__}: {error}" if error is not None else ""
         try:
@@ -115,7 +113,7 @@ class ParallelPunicaWrapper(PunicaWrapper):
         if differ == [len(fields) - 1]:
             # only the slots' adapters differ: the mapping, slot table and layers agree, so every rank
             # has the same number of (layer, used slot) digests to gather
-            raise self._slot_disagreement(layers, used, lora_index_to_id) from error
+            raise self._slot_disagreement(part, used, lora_index_to_id) from error
         if differ:
             raise agreement.disagreement(what, fields, table, differ, self.tp_rank, hint) from error
         if error is not None:
@@ -129,7 +127,7 @@ class ParallelPunicaWrapper(PunicaWrapper):
             tracked = self.layers
             checked = [layer for layer in tracked if layer.check_agreement]   # those keeping slot digests
             part = _LayerPart(
-                tracked=len(tracked), checked=checked,
+                tracked=len(tracked), names=[_layer_name(layer, i) for i, layer in enumerate(checked)],
                 geometry=agreement.digest(np.array([layer.geometry_digest for layer in tracked], dtype=np.int64)),
                 slots=np.array([(list(layer.slot_digests) + [-1] * self.max_loras)[: self.max_loras]
                                 for layer in checked], dtype=np.int64).reshape(len(checked), self.max_loras))
@@ -151,12 +149,13 @@ class ParallelPunicaWrapper(PunicaWrapper):
                              f"the tensor-parallel group (this is rank {self.tp_rank}): every rank's forward must "
                              "take the step's mapped count, or the ranks' collectives differ in size")
 
-    def _slot_disagreement(self, layers, used, lora_index_to_id) -> ValueError:
+    def _slot_disagreement(self, part, used, lora_index_to_id) -> ValueError:
         """Step 3: all-gathers every (layer, used slot) digest and names those that differ."""
-        values = [(list(layer.slot_digests) + [-1] * self.max_loras)[s] for layer in layers for s in used]
+        layers = part.names
+        values = part.slots[:, used].reshape(-1).tolist()
         table = agreement.exchange(values, self.group, self.tp_size).reshape(self.tp_size, len(layers), len(used))
         lines = []
-        for i, layer in enumerate(layers):
+        for i, name in enumerate(layers):
             for j, s in enumerate(used):
                 column = table[:, i, j]
                 if len(set(column.tolist())) > 1:
@@ -165,7 +164,7 @@ class ParallelPunicaWrapper(PunicaWrapper):
                         held.setdefault(_slot_state(v), []).append(rank)
                     what = ", ".join(f"{'rank' if len(r) == 1 else 'ranks'} {r[0] if len(r) == 1 else r}: {state}"
                                      for state, r in held.items())
-                    lines.append(f"{_layer_name(layer, i)} slot {s} (LoRA id {lora_index_to_id[s]}): {what}")
+                    lines.append(f"{name} slot {s} (LoRA id {lora_index_to_id[s]}): {what}")
         shown = "; ".join(lines[:8]) + (f"; and {len(lines) - 8} more" if len(lines) > 8 else "")
         return ValueError(f"tensor-parallel ranks disagree on the adapters in the slots this step uses: {shown} "
                           f"(this is rank {self.tp_rank}; every rank raises this error); load the same adapter "
@@ -175,7 +174,7 @@ class ParallelPunicaWrapper(PunicaWrapper):
 @dataclasses.dataclass
 class _LayerPart:
     tracked: int                 # layers using the wrapper
-    checked: list                # those keeping slot digests
+    names: list                  # of those keeping slot digests, for messages (no reference kept)
     geometry: int                # digest of every tracked layer's geometry digest, in order
     slots: np.ndarray            # (len(checked), L) int64: each checked layer's slot digests (-1 past
                                  # a layer's own slots)
@@ -260,7 +259,7 @@ def _step_fields(error, mapping, ids, max_loras, vocab_size, extra_vocab_size, l
         F("slot table (lora_index_to_id)", d(table), False),
         F("long-context offsets", d(_offsets(offsets)), False),
         F("layers using this wrapper", part.tracked),
-        F("layers keeping slot digests (check_agreement=True)", len(part.checked)),
+        F("layers keeping slot digests (check_agreement=True)", len(part.names)),
         F("layer geometry", part.geometry, False),
         F("adapters in the slots used", d([used, part.slots[:, used] if used else None]), False),
     ]
