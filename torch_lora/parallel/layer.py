@@ -76,8 +76,10 @@ class ParallelLoRALayer(torch.nn.Module):
     # ------------------------------------------------------------------ construction
     def _build(self, **kwargs) -> None:
         """Resolves dtype and device, picks the layout, allocates the slots (zero: every slot empty);
-        then, with check_agreement, checks that every rank built the same layer. A rank whose own
-        checks fail still takes part in that check, so the other ranks raise too instead of waiting."""
+        then, with check_agreement, checks that every rank built the same layer. A rank whose checks
+        here fail (layout, dtype, sharding) still takes part in that check, so the other ranks raise
+        too instead of waiting; the size checks a constructor makes before calling this raise at once
+        (a rank failing one alone leaves the others waiting in this check until the group's timeout)."""
         error = None
         try:
             self._build_local(**kwargs)
