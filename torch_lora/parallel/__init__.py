@@ -9,6 +9,8 @@ shard through the rank's PunicaWrapper (docs/parallel_torch.md).
   loading.py  load_lora_slot / clear_lora_slot: a full adapter in, this rank's shard kept
   comm.py     the collectives (blocking, current stream, CUDA-graph capturable)
   layer.py    the state the layers share (slots, ranks, layout, the wrapper)
+  wrapper.py  ParallelPunicaWrapper: update_metadata checks that every rank runs the same step
+  agreement.py  the check that the ranks agree (one all-gather of a few int64 digests)
 """
 
 from .layer import ParallelLoRALayer
@@ -21,7 +23,9 @@ from .linear import (
 )
 from .loading import clear_lora_slot, load_lora_slot
 from .vocab import ParallelLMHeadWithLoRA, VocabParallelEmbeddingWithLoRA
+from .wrapper import ParallelPunicaWrapper
 
 __all__ = ["LAYOUTS", "ColumnParallelLinearWithLoRA", "LayoutCost", "MergedColumnParallelLinearWithLoRA",
-           "ParallelLMHeadWithLoRA", "ParallelLoRALayer", "QKVParallelLinearWithLoRA", "RowParallelLinearWithLoRA",
-           "SliceShard", "VocabParallelEmbeddingWithLoRA", "choose_layout", "clear_lora_slot", "load_lora_slot"]
+           "ParallelLMHeadWithLoRA", "ParallelLoRALayer", "ParallelPunicaWrapper", "QKVParallelLinearWithLoRA",
+           "RowParallelLinearWithLoRA", "SliceShard", "VocabParallelEmbeddingWithLoRA", "choose_layout",
+           "clear_lora_slot", "load_lora_slot"]

@@ -15,6 +15,13 @@ Per output slice s, with L = max_loras slots and the ranges of `SliceShard` (lay
 They are non-persistent buffers (module.to() moves them; a base model's state_dict is unchanged).
 Slots are written by `set_lora` / `reset_lora` (loading.py) and read by the forward pass through the
 PunicaWrapper installed with `set_mapping`; without a wrapper a layer returns its base layer's output.
+
+Agreement between ranks (agreement.py): with `check_agreement=True` (the default) a layer, once
+built, all-gathers its geometry (class, P, max_loras, max_rank, layout, dtype, bias, the full sizes
+of its slices) and every rank raises the same ValueError when a rank differs; and it keeps, per
+slot, a digest of the full adapter last written there (`slot_digests`, 0 for an empty slot), which
+a ParallelPunicaWrapper compares at each step. Building a layer is then a collective: every rank
+builds the same layers in the same order, each with the same `check_agreement`.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ import torch
 
 from lora_core import checks
 
-from . import loading
+from . import agreement, loading
 from .comm import group_rank_and_size
 from .layout import LAYOUTS, SliceShard, check_layout_args, choose_layout
 
-__all__ = ["ParallelLoRALayer"]
+__all__ = ["WRITTEN_THROUGH_VIEWS", "ParallelLoRALayer"]
+
+WRITTEN_THROUGH_VIEWS = agreement.digest("slot written through slot_views")
 
 
 def positive_int(name: str, value) -> int:
@@ -46,8 +55,12 @@ class ParallelLoRALayer(torch.nn.Module):
       `forward`.
     """
 
-    def __init__(self, base_layer: torch.nn.Module, *, max_loras: int, max_rank: int, group=None):
+    def __init__(self, base_layer: torch.nn.Module, *, max_loras: int, max_rank: int, group=None,
+                 check_agreement: bool = True):
         super().__init__()
+        if not isinstance(check_agreement, bool):
+            raise TypeError(f"check_agreement must be True or False, got {check_agreement!r}")
+        self.check_agreement = check_agreement
         if not isinstance(base_layer, torch.nn.Module):
             raise TypeError(f"base_layer must be a torch.nn.Module, got {type(base_layer).__name__}")
         self.base_layer = base_layer
@@ -61,9 +74,35 @@ class ParallelLoRALayer(torch.nn.Module):
         self.module_names: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ construction
-    def _build(self, *, fully_sharded: bool | None, tokens_per_step: int | None,
-               adapters_per_step: int | None, link_weight: float, dtype, device, lora_bias: bool) -> None:
-        """Resolves dtype and device, picks the layout, allocates the slots (zero: every slot empty)."""
+    def _build(self, **kwargs) -> None:
+        """Resolves dtype and device, picks the layout, allocates the slots (zero: every slot empty);
+        then, with check_agreement, checks that every rank built the same layer. A rank whose checks
+        here fail (layout, dtype, sharding) still takes part in that check, so the other ranks raise
+        too instead of waiting; the size checks a constructor makes before calling this raise at once
+        (a rank failing one alone leaves the others waiting in this check until the group's timeout)."""
+        error = None
+        try:
+            self._build_local(**kwargs)
+        except (ValueError, TypeError) as e:
+            if not self.check_agreement:
+                raise
+            error = e
+        if self.check_agreement and not agreement.capturing():
+            fields = [agreement.Field("the layer's own argument checks failed (1 or 0)", int(error is not None))]
+            fields += self.geometry_fields()
+            hint = "; build the same layers with the same arguments on every rank"
+            if error is not None:
+                hint += f"; on this rank: {type(error).__name__}: {error}"
+            try:
+                agreement.check_fields(f"the {type(self).__name__} being built", fields, self.group, self.tp_size,
+                                       self.tp_rank, hint=hint)
+            except ValueError as disagreement:
+                raise disagreement from error
+        if error is not None:
+            raise error
+
+    def _build_local(self, *, fully_sharded: bool | None, tokens_per_step: int | None,
+                     adapters_per_step: int | None, link_weight: float, dtype, device, lora_bias: bool) -> None:
         check_layout_args(fully_sharded, tokens_per_step)
         param = next(self.base_layer.parameters(), None)
         self.dtype = dtype if dtype is not None else (param.dtype if param is not None else torch.get_default_dtype())
@@ -95,6 +134,33 @@ class ParallelLoRALayer(torch.nn.Module):
         self.lora_bias = bool(lora_bias)
         self.register_buffer("lora_ranks", torch.zeros(L, dtype=torch.int32, device=device), persistent=False)
         self.register_buffer("lora_ranks_local", torch.zeros(L, dtype=torch.int32, device=device), persistent=False)
+        # per slot: a digest of the full adapter written there (loading.py), 0 when empty
+        self.slot_digests: list[int] = [0] * L
+
+    def geometry_fields(self) -> list:
+        """What every rank's copy of this layer must share (agreement.Field): class, P, max_loras,
+        max_rank, layout, dtype, bias, and the full (unsharded) sizes of each slice. What a failed
+        build did not set counts as -1 (or the digest of None)."""
+        F, d = agreement.Field, agreement.digest
+        shards = getattr(self, "slice_shards", None)
+        return [F("layer class", d(type(self).__qualname__), False),
+                F("process group size", self.tp_size),
+                F("max_loras", self.max_loras),
+                F("max_rank", self.max_rank),
+                F("fully_sharded (layout, 0 or 1)", int(getattr(self, "fully_sharded", -1))),
+                F("dtype", d(str(getattr(self, "dtype", None))), False),
+                F("lora_bias (0 or 1)", int(getattr(self, "lora_bias", -1))),
+                F("number of output slices", -1 if shards is None else len(shards)),
+                F("full sizes (input, output) of each slice",
+                  d(None if shards is None else [(s.full_in, s.full_out) for s in shards]), False)]
+
+    @property
+    def geometry_digest(self) -> int:
+        """A digest of `geometry_fields()` (fixed once the layer is built: computed once)."""
+        cached = getattr(self, "_geometry_digest", None)
+        if cached is None:
+            cached = self._geometry_digest = agreement.digest([f[1] for f in self.geometry_fields()])
+        return cached
 
     def _sharding_problem(self) -> str | None:
         return None
@@ -130,7 +196,13 @@ class ParallelLoRALayer(torch.nn.Module):
         return tuple(getattr(self, f"lora_bias_{s}") for s in range(self.num_slices))
 
     def slot_views(self, slot: int) -> tuple[torch.Tensor, ...]:
-        """Slot `slot` of this rank's A of every slice, then of its B (what AdapterManager writes)."""
+        """Slot `slot` of this rank's A of every slice, then of its B (what AdapterManager writes).
+
+        A caller writes this rank's shard through them, so the slot's digest of the full adapter
+        becomes `WRITTEN_THROUGH_VIEWS` (equal on every rank: such slots are compared by the slot
+        table a ParallelPunicaWrapper is given, not by weights)."""
+        self.slot_digests[slot] = WRITTEN_THROUGH_VIEWS
+        agreement.note_change()
         return tuple(t[slot] for t in self.lora_a_stacked + self.lora_b_stacked)
 
     def set_lora(self, index: int, lora_a, lora_b, lora_bias=None, *, scaling: float = 1.0) -> None:
@@ -143,8 +215,21 @@ class ParallelLoRALayer(torch.nn.Module):
 
     # ------------------------------------------------------------------ forward helpers
     def set_mapping(self, punica_wrapper) -> None:
-        """Installs the step's PunicaWrapper (one per rank, updated with the same mapping on every rank)."""
+        """Installs the step's PunicaWrapper (one per rank, updated with the same mapping on every rank).
+        A ParallelPunicaWrapper also learns of the layer, to compare its slots at each update_metadata."""
         self.punica_wrapper = punica_wrapper
+        agreement.note_change()
+        track = getattr(punica_wrapper, "track_layer", None)
+        if track is not None:
+            track(self)
+
+    def _check_step_rows(self, name: str, rows: int, sampled: bool = False) -> None:
+        """With a wrapper that checks agreement (ParallelPunicaWrapper): the forward's token count (or
+        sampled rows, for the LM head) must be the one every rank agreed on in update_metadata, so
+        that every rank's collectives have one size. Checked on this rank, before the base layer."""
+        check = getattr(self.punica_wrapper, "check_step_rows", None)
+        if check is not None:
+            check(name, rows, sampled)
 
     def _run_base(self, x: torch.Tensor, width: int, what: str):
         """(base output as returned, y: its output tensor viewed as (T, width))."""

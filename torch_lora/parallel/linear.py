@@ -89,6 +89,7 @@ class _ColumnParallelLoRA(ParallelLoRALayer):
         Rows of tokens without an adapter are never written.
         """
         x2 = self._tokens(x, self.input_size, "x")
+        self._check_step_rows("x", x2.shape[0])
         out, y = self._run_base(x, sum(self.output_slices), "the layer's output shard")
         w = self.punica_wrapper
         if w is None:
@@ -112,7 +113,10 @@ _LAYOUT_DOC = """
         `tokens_per_step` tokens and `adapters_per_step` active adapters (default max_loras)
         (layout.choose_layout with `link_weight`).
       lora_bias: keep a per-slot bias per slice (added where an adapter applies).
-      dtype, device: of the adapter slots (default: the base layer's first parameter's)."""
+      dtype, device: of the adapter slots (default: the base layer's first parameter's).
+      check_agreement: check that every rank builds the same layer (one small all-gather, here) and
+        keep a digest of each slot's adapter for ParallelPunicaWrapper's per-step check; False for
+        an engine that guarantees agreement itself (the same value on every rank)."""
 
 
 class ColumnParallelLinearWithLoRA(_ColumnParallelLoRA):
@@ -127,8 +131,10 @@ class ColumnParallelLinearWithLoRA(_ColumnParallelLoRA):
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, output_size: int, max_loras: int,
                  max_rank: int, group=None, fully_sharded: bool | None = None,
                  tokens_per_step: int | None = None, adapters_per_step: int | None = None,
-                 link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None):
-        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
+                 link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None,
+                 check_agreement: bool = True):
+        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group,
+                         check_agreement=check_agreement)
         positive_int("output_size", output_size)
         rng = even_range("output_size", output_size, self.tp_rank, self.tp_size)
         self._init_column(input_size, (output_size,), (rng,), dict(
@@ -149,8 +155,10 @@ class MergedColumnParallelLinearWithLoRA(_ColumnParallelLoRA):
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, output_sizes: Sequence[int], max_loras: int,
                  max_rank: int, group=None, fully_sharded: bool | None = None,
                  tokens_per_step: int | None = None, adapters_per_step: int | None = None,
-                 link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None):
-        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
+                 link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None,
+                 check_agreement: bool = True):
+        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group,
+                         check_agreement=check_agreement)
         if not isinstance(output_sizes, (list, tuple)) or not output_sizes:
             raise ValueError(f"output_sizes must be a non-empty sequence of slice widths, got {output_sizes!r}")
         sizes = [positive_int(f"output_sizes[{s}]", n) for s, n in enumerate(output_sizes)]
@@ -174,8 +182,10 @@ class QKVParallelLinearWithLoRA(_ColumnParallelLoRA):
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, num_heads: int, num_kv_heads: int,
                  head_size: int, max_loras: int, max_rank: int, group=None, fully_sharded: bool | None = None,
                  tokens_per_step: int | None = None, adapters_per_step: int | None = None,
-                 link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None):
-        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
+                 link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None,
+                 check_agreement: bool = True):
+        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group,
+                         check_agreement=check_agreement)
         ranges = qkv_ranges(num_heads, num_kv_heads, head_size, self.tp_rank, self.tp_size)
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         sizes = (num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size)
@@ -197,8 +207,10 @@ class RowParallelLinearWithLoRA(ParallelLoRALayer):
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, output_size: int, max_loras: int,
                  max_rank: int, group=None, fully_sharded: bool | None = None,
                  tokens_per_step: int | None = None, adapters_per_step: int | None = None,
-                 link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None):
-        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
+                 link_weight: float = 1.0, lora_bias: bool = False, dtype=None, device=None,
+                 check_agreement: bool = True):
+        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group,
+                         check_agreement=check_agreement)
         self.input_size = positive_int("input_size", input_size)
         self.output_size = positive_int("output_size", output_size)
         self.input_range = even_range("input_size", input_size, self.tp_rank, self.tp_size)
@@ -242,6 +254,7 @@ class RowParallelLinearWithLoRA(ParallelLoRALayer):
            adapter stay 0); its columns all-gathered to (T, N), rank p's at [p N/P, (p+1) N/P); y += it.
         """
         x2 = self._tokens(x, self.input_size_per_partition, "x")
+        self._check_step_rows("x", x2.shape[0])
         out, y = self._run_base(x, self.output_size, "the layer's output")
         w = self.punica_wrapper
         if w is None:

@@ -19,6 +19,9 @@ Steps:
   3. Write the pieces into the slot (in place: addresses captured by CUDA graphs stay valid), and
      the slot's ranks: lora_ranks[slot] = max_s r_s; lora_ranks_local[slot] = the part of it in this
      rank's chunk of the rank axis (equal to lora_ranks unless A is split along the rank).
+  4. With the layer's check_agreement: slot_digests[slot] = a digest of the full factors as given
+     (dtype, shape and bytes of every A, B and bias, and `scaling`), equal on every rank that loads
+     the same adapter (agreement.py; it reads the whole factors once, on the host); 0 when cleared.
 
 The caller's tensors are not kept. NumPy arrays (lora_core.peft's output) and torch tensors are
 accepted; the cut is converted to the layer's dtype on copy.
@@ -31,7 +34,9 @@ import numbers
 import numpy as np
 import torch
 
-__all__ = ["clear_lora_slot", "load_lora_slot", "local_rank", "shard_cut"]
+from . import agreement
+
+__all__ = ["adapter_digest", "clear_lora_slot", "load_lora_slot", "local_rank", "shard_cut"]
 
 
 def _check_layer_and_slot(layer, slot) -> None:
@@ -134,6 +139,7 @@ def load_lora_slot(layer, slot: int, lora_a, lora_b, lora_bias=None, *, scaling:
                 raise ValueError(f"lora_bias{sfx} must have shape ({shard.full_out},), got {tuple(bias.shape)}")
         rank = max(rank, r)
         pieces.append((a, b, bias))
+    slot_digest = adapter_digest(pieces, scaling) if getattr(layer, "check_agreement", False) else 0
 
     # 2.-3. cut this rank's piece out of each full factor and write it
     a_slots, b_slots, bias_slots = layer.lora_a_stacked, layer.lora_b_stacked, layer.lora_bias_stacked
@@ -156,6 +162,8 @@ def load_lora_slot(layer, slot: int, lora_a, lora_b, lora_bias=None, *, scaling:
                     bias_slots[s][slot][: o1 - o0].copy_(bias[o0:o1])
         layer.lora_ranks[slot] = rank
         layer.lora_ranks_local[slot] = local_rank(shards[0], rank)
+    layer.slot_digests[slot] = slot_digest
+    agreement.note_change()
 
 
 def clear_lora_slot(layer, slot: int) -> None:
@@ -166,3 +174,11 @@ def clear_lora_slot(layer, slot: int) -> None:
             t[slot].zero_()
         layer.lora_ranks[slot] = 0
         layer.lora_ranks_local[slot] = 0
+    layer.slot_digests[slot] = 0
+    agreement.note_change()
+
+
+def adapter_digest(pieces, scaling) -> int:
+    """A digest of one adapter's full factors: per slice None or (A, B, bias or None), and scaling."""
+    return agreement.digest(("adapter", float(scaling), [
+        None if p is None else tuple(None if t is None else agreement.tensor_digest(t) for t in p) for p in pieces]))

@@ -44,8 +44,9 @@ class VocabParallelEmbeddingWithLoRA(ParallelLoRALayer):
         every rank (or a tuple starting with them).
       num_embeddings: V, the vocabulary the adapters' A covers; embedding_dim: E.
       max_loras, max_rank: slots L and the stacked rank r.
-      group, fully_sharded, tokens_per_step, adapters_per_step, link_weight, dtype, device: as for the
-        linear layers (linear.py); sharding the table never moves fewer bytes, it holds 1/P of it.
+      group, fully_sharded, tokens_per_step, adapters_per_step, link_weight, dtype, device,
+        check_agreement: as for the linear layers (linear.py); sharding the table never moves fewer
+        bytes, it holds 1/P of it.
 
     Slots: lora_a_0 (L, V or ceil(V/P), r), the table; lora_b_0 (L, E, r).
     """
@@ -53,8 +54,10 @@ class VocabParallelEmbeddingWithLoRA(ParallelLoRALayer):
     def __init__(self, base_layer: torch.nn.Module, *, num_embeddings: int, embedding_dim: int, max_loras: int,
                  max_rank: int, group=None, fully_sharded: bool | None = None,
                  tokens_per_step: int | None = None, adapters_per_step: int | None = None,
-                 link_weight: float = 1.0, dtype=None, device=None):
-        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
+                 link_weight: float = 1.0, dtype=None, device=None,
+                 check_agreement: bool = True):
+        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group,
+                         check_agreement=check_agreement)
         self.num_embeddings = positive_int("num_embeddings", num_embeddings)
         self.embedding_dim = positive_int("embedding_dim", embedding_dim)
         self._build(fully_sharded=fully_sharded, tokens_per_step=tokens_per_step,
@@ -92,6 +95,7 @@ class VocabParallelEmbeddingWithLoRA(ParallelLoRALayer):
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise TypeError(f"ids must be an integer torch.Tensor, got "
                             f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        self._check_step_rows("ids", ids.numel())
         out, y = self._run_base(ids, self.embedding_dim, "embedding_dim")
         w = self.punica_wrapper
         if w is None:
@@ -126,7 +130,7 @@ class ParallelLMHeadWithLoRA(ParallelLoRALayer):
         Columns past V (padding) get nothing added.
       max_loras, max_rank: slots L and the stacked rank r.
       group, fully_sharded, tokens_per_step (sampled rows per call), adapters_per_step, link_weight,
-        dtype, device: as for the linear layers (linear.py).
+        dtype, device, check_agreement: as for the linear layers (linear.py).
 
     Slots: lora_a_0 (L, r or r/P, H); lora_b_0 (L, vocab_range width, r).
     """
@@ -134,8 +138,10 @@ class ParallelLMHeadWithLoRA(ParallelLoRALayer):
     def __init__(self, base_layer: torch.nn.Module, *, input_size: int, vocab_size: int, max_loras: int,
                  max_rank: int, vocab_range: tuple[int, int] | None = None, group=None,
                  fully_sharded: bool | None = None, tokens_per_step: int | None = None,
-                 adapters_per_step: int | None = None, link_weight: float = 1.0, dtype=None, device=None):
-        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group)
+                 adapters_per_step: int | None = None, link_weight: float = 1.0, dtype=None, device=None,
+                 check_agreement: bool = True):
+        super().__init__(base_layer, max_loras=max_loras, max_rank=max_rank, group=group,
+                         check_agreement=check_agreement)
         self.input_size = positive_int("input_size", input_size)
         self.vocab_size = positive_int("vocab_size", vocab_size)
         if vocab_range is None:
@@ -181,6 +187,7 @@ class ParallelLMHeadWithLoRA(ParallelLoRALayer):
            y += buf @ B_p.T (lora_expand, per-slot ranks).
         """
         h2 = self._tokens(h, self.input_size, "h")
+        self._check_step_rows("h", h2.shape[0], sampled=True)
         out, y = self._run_base(h, self.vocab_width, "vocab_range")
         w = self.punica_wrapper
         if w is None:
