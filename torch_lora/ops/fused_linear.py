@@ -238,9 +238,9 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     if plan.split_k > 1:
         ws = _stream_buffer(_WORKSPACES, torch.float32, plan.split_k * m * n, x.device)
         lock = _stream_buffer(_LOCKS, torch.int32, plan.grid[0], x.device)
-    b_strides = []
-    for t in _padded(b, b[0]):
-        b_strides.extend(t.stride())
+    b_strides = [0] * (3 * MAX_SLICES)
+    if has_lora:
+        b_strides = [v for t in _padded(b, b[0]) for v in t.stride()]
     buf_strides = buf.stride() if has_lora else (0, 0, 0, 0)
     gemm_lora_kernel[plan.grid](
         x, weight, bias if bias is not None else x, buf if has_lora else x, *_padded(b, b[0]), dummy,
