@@ -117,20 +117,22 @@ def _lora_slots(acc, buf_rows, stride_buf_plane, stride_buf_r, b_ptr, stride_b_s
 def gemm_lora_kernel(
         x_ptr, w_ptr, bias_ptr, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, slots_ptr, ranks_ptr, y_ptr,
         ws_ptr, lock_ptr,
-        M, N, K, num_slots, nt1, nt2, nt3,
+        M, N, K, k_per_split, num_slots, nt1, nt2, nt3,
         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_bias,
         stride_buf_plane, stride_buf_slice, stride_buf_m, stride_buf_r,
         stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank,
         stride_b2_slot, stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
         out_ptr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
         HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_LORA: tl.constexpr, LORA_MODE: tl.constexpr,
         RANK: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, NUM_PARTIALS: tl.constexpr,
         HAS_RANKS: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
         LORA_CAST: tl.constexpr, LORA_PRECISION: tl.constexpr):
     """out[m, n] = (y if ADD_INPUTS else 0) + x[m] @ W[n] + bias[n] + the LoRA term of row m (module
-    docstring). Grid (tiles, SPLIT_K); y_ptr (read) and out_ptr (written) are the same array.
+    docstring). Grid (tiles, SPLIT_K): split p covers columns [p, p + 1) * k_per_split of K (a
+    multiple of BLOCK_K; a runtime argument, so that one compiled kernel serves every K). y_ptr
+    (read) and out_ptr (written) are the same array.
     ws_ptr: float32 (SPLIT_K, M, N) and lock_ptr: int32, one counter per tile (0 between launches),
     read only when SPLIT_K > 1."""
     pid = tl.program_id(0)
@@ -151,8 +153,8 @@ def gemm_lora_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows64[:, None] * stride_xm
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    k_begin = split * K_PER_SPLIT
-    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + offs_k
@@ -226,6 +228,7 @@ class GemmLoRAPlan:
     num_stages: int
     slice_tiles: tuple
     split_k: int
+    k_per_split: int
 
 
 def plan_gemm_lora(M: int, N: int, K: int, widths, rank: int, x_dtype: str, w_dtype: str, b_dtype: str | None,
@@ -268,11 +271,11 @@ def plan_gemm_lora(M: int, N: int, K: int, widths, rank: int, x_dtype: str, w_dt
     cast, precision = cast_and_precision((x_dtype, w_dtype))
     lora_cast, lora_precision = cast_and_precision((b_dtype or w_dtype,))
     constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=int(config.get("GROUP_M", 1)), SPLIT_K=split,
-                      K_PER_SPLIT=k_per_split, EVEN_K=K % bk == 0, HAS_BIAS=bool(has_bias),
+                      EVEN_K=K % bk == 0, HAS_BIAS=bool(has_bias),
                       ADD_INPUTS=bool(add_inputs), HAS_LORA=bool(has_lora), LORA_MODE=LORA_MODES[mode],
                       RANK=int(rank), BLOCK_R=block_r, R_CHUNK=r_chunk, NUM_PARTIALS=int(num_partials),
                       HAS_RANKS=bool(has_ranks), CAST_FP32=cast, DOT_PRECISION=precision,
                       LORA_CAST=lora_cast, LORA_PRECISION=lora_precision)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     return GemmLoRAPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 3)), nt,
-                        split)
+                        split, k_per_split)

@@ -12,7 +12,7 @@ computed in float32 and cast to h's dtype, then multiplied by g in float32 and c
 xn is what the model's norm returns (the base GEMM's input), buf the shrink of that same xn, in
 P split-K planes that `gemm_lora_kernel` sums when it reads them (NUM_PARTIALS).
 
-Grid (row blocks, P): program (i, p) owns rows i * BLOCK_M ... and hidden chunk p (K_PER_SPLIT
+Grid (row blocks, P): program (i, p) owns rows i * BLOCK_M ... and hidden chunk p (k_per_split
 columns, a whole number of BLOCK_K tiles).
   1. The row block's sum of squares over all of K, BLOCK_K columns at a time. The norm needs the
      whole row, and a row of a Llama layer (K = 4096: 8 KB in bf16; 14336 would not fit a tile
@@ -80,13 +80,13 @@ def _a_slot(acc, lhs, a_ptr, u, rank, k, k_ok, stride_a_slot, stride_a_rank, str
 @triton.jit(do_not_specialize=("M",))
 def rms_norm_shrink_kernel(
         h_ptr, g_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, slots_ptr, ranks_ptr, xn_ptr,
-        M, K, num_slots, eps, scale,
+        M, K, k_per_split, num_slots, eps, scale,
         stride_hm, stride_hk, stride_g, stride_xnm, stride_xnk,
         stride_a0_slot, stride_a0_rank, stride_a0_k, stride_a1_slot, stride_a1_rank, stride_a1_k,
         stride_a2_slot, stride_a2_rank, stride_a2_k, stride_a3_slot, stride_a3_rank, stride_a3_k,
         stride_buf_plane, stride_buf_slice, stride_buf_m, stride_buf_r,
         buf_ptr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, NUM_SLICES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SLICES: tl.constexpr,
         RANK: tl.constexpr, BLOCK_R: tl.constexpr, LORA_MODE: tl.constexpr, HAS_RANKS: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
     """xn = RMSNorm(h) * g and buf[p, s] = scale * xn[:, chunk p] @ A_s[slot, :, chunk p].T (module
@@ -120,8 +120,8 @@ def rms_norm_shrink_kernel(
     acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    k_begin = split * K_PER_SPLIT
-    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < k_end
@@ -188,6 +188,7 @@ class NormShrinkPlan:
     num_warps: int
     num_stages: int
     planes: int
+    k_per_split: int             # columns of K per split (a multiple of BLOCK_K; a runtime argument)
 
 
 def plan_norm_shrink(M: int, K: int, rank: int, num_slices: int, h_dtype: str, a_dtype: str, config: dict, *,
@@ -211,8 +212,8 @@ def plan_norm_shrink(M: int, K: int, rank: int, num_slices: int, h_dtype: str, a
         raise ValueError(f"the split count (planes of buf) must be >= 1, got {p}")
     k_per_split = triton.cdiv(triton.cdiv(K, p), bk) * bk
     cast, precision = cast_and_precision((h_dtype, a_dtype))
-    constexprs = dict(BLOCK_M=bm, BLOCK_K=bk, K_PER_SPLIT=k_per_split, NUM_SLICES=int(num_slices), RANK=int(rank),
+    constexprs = dict(BLOCK_M=bm, BLOCK_K=bk, NUM_SLICES=int(num_slices), RANK=int(rank),
                       BLOCK_R=block_r, LORA_MODE=LORA_MODES[mode], HAS_RANKS=bool(has_ranks), CAST_FP32=cast,
                       DOT_PRECISION=precision, RNE_BF16=interpreting() and h_dtype == "bfloat16")
     return NormShrinkPlan((triton.cdiv(M, bm), p), constexprs, int(config.get("num_warps", 4)),
-                          int(config.get("num_stages", 2)), p)
+                          int(config.get("num_stages", 2)), p, k_per_split)

@@ -245,7 +245,7 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     gemm_lora_kernel[plan.grid](
         x, weight, bias if bias is not None else x, buf if has_lora else x, *_padded(b, b[0]), dummy,
         ranks if ranks is not None else dummy, y, ws, lock,
-        m, n, k, num_slots, *plan.slice_tiles,
+        m, n, k, plan.k_per_split, num_slots, *plan.slice_tiles,
         *x.stride(), *weight.stride(), *y.stride(), bias.stride(0) if bias is not None else 0,
         *buf_strides, *b_strides, y,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
@@ -332,7 +332,7 @@ def rms_norm_shrink(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, lora
         a_strides.extend(t.stride())
     rms_norm_shrink_kernel[plan.grid](
         h, norm_weight, *_padded(a, a[0]), dummy, ranks if ranks is not None else dummy, out,
-        m, k, num_slots, float(eps), float(scale) if has_lora else 1.0,
+        m, k, plan.k_per_split, num_slots, float(eps), float(scale) if has_lora else 1.0,
         *h.stride(), norm_weight.stride(0), *out.stride(), *a_strides,
         *(buf.stride() if has_lora else (0, 0, 0, 0)), buf if has_lora else out,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
