@@ -107,7 +107,10 @@ def rms_norm_shrink_kernel(
         ss += tl.sum(ht * ht, axis=1)
     rstd = tl.math.rsqrt(ss / K + eps)
     # the rows' slots and ranks (none read by the norm alone)
-    slot = tl.load(slots_ptr + rows, mask=row_ok & (LORA_MODE != 0), other=-1)
+    if LORA_MODE != 0:
+        slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
+    else:
+        slot = tl.full((BLOCK_M,), -1, tl.int32)
     lora_row = (slot >= 0) & (slot < num_slots)
     slot = tl.where(lora_row, slot, 0)
     if HAS_RANKS:

@@ -50,7 +50,7 @@ GEMM_CONFIGS = {
 # UNTUNED DEFAULTS, as above. SPLIT_K is P, the planes of the shrink buffer (decode: the hidden size
 # is split so that enough programs read the adapters' A).
 NORM_SHRINK_CONFIGS = {
-    1: dict(BLOCK_M=1, BLOCK_K=64, SPLIT_K=32, num_warps=2, num_stages=2, LORA_MODE="rows"),
+    1: dict(BLOCK_M=2, BLOCK_K=64, SPLIT_K=32, num_warps=2, num_stages=2, LORA_MODE="rows"),
     8: dict(BLOCK_M=2, BLOCK_K=64, SPLIT_K=16, num_warps=4, num_stages=2, LORA_MODE="rows"),
     32: dict(BLOCK_M=4, BLOCK_K=64, SPLIT_K=16, num_warps=4, num_stages=2, LORA_MODE="rows"),
     256: dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=2, LORA_MODE="slots"),
