@@ -214,7 +214,7 @@ class Bench:
         cap = max(QUICK_MS if self.quick else MS)
         self.punica = torch_lora.PunicaWrapper(cap, cap, self.device, max_loras=self.slots_n)
         self.rows, self.skipped = [], []
-        self.best = {}                               # (layer, m) -> (gemm config, norm config)
+        self.best = {}                     # (layer, m) -> (gemm config, norm config, cuBLAS us) of rank 16
 
     def slots_for(self, m: int):
         from bench_triton import make_mapping
@@ -319,7 +319,9 @@ class Bench:
                 row["err_chain_today"] = rel_err(chain_today(s0), ref)
                 row["err_chain_fused"] = rel_err(chain_fused(s0), ref)
             if tuned:
-                self.best[(layer, m)] = (gemm_cfg, norm_cfg)
+                self.best[(layer, m)] = (gemm_cfg, norm_cfg, row["cublas_us"])
+            base = self.best[(layer, m)][2]
+            row.update(today_overhead_us=row["today_us"] - base, fused_overhead_us=row["fused_us"] - base)
         sets.clear()
         if self.cuda:
             torch.cuda.empty_cache()
@@ -383,8 +385,9 @@ def markdown(res) -> str:
            f"torch {meta['torch']}, Triton {meta['triton']}, commit {meta['commit']}, sources "
            f"{meta['source_digest']}; us per call (CUDA-graph replay medians; --quick: host clock, meaningless).",
            "", "## GEMM (+ LoRA)", "",
-           "| layer | M | D | r | cuBLAS | Triton no-LoRA (x cuBLAS) | no-LoRA config | today (cuBLAS + "
-           "add_lora_linear) | epilogue only | shrink + gemm_lora | epilogue config | err today / fused |",
+           "| layer | M | D | r | cuBLAS | Triton no-LoRA (x cuBLAS) | no-LoRA config | today: cuBLAS + "
+           "add_lora_linear (LoRA us) | epilogue only | shrink + gemm_lora (LoRA us) | epilogue config | "
+           "err today / fused |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         if "error" in r:
@@ -392,8 +395,9 @@ def markdown(res) -> str:
             continue
         out.append(f"| {r['layer']} | {r['M']} | {r['D']} | {r['rank']} | {_fmt(r.get('cublas_us'))} | "
                    f"{_fmt(r.get('triton_nolora_us'))} ({_fmt(r.get('nolora_vs_cublas'), '.3f')}) | "
-                   f"{_cfg(r.get('nolora_cfg'))} | {_fmt(r['today_us'])} | {_fmt(r['epilogue_us'])} | "
-                   f"{_fmt(r['fused_us'])} | {_cfg(r['epilogue_cfg'])} | {_fmt(r['err_today'], '.1e')} / "
+                   f"{_cfg(r.get('nolora_cfg'))} | {_fmt(r['today_us'])} ({_fmt(r['today_overhead_us'])}) | "
+                   f"{_fmt(r['epilogue_us'])} | {_fmt(r['fused_us'])} ({_fmt(r['fused_overhead_us'])}) | "
+                   f"{_cfg(r['epilogue_cfg'])} | {_fmt(r['err_today'], '.1e')} / "
                    f"{_fmt(r['err_fused'], '.1e')} |")
     out += ["", "## RMSNorm + GEMM (+ LoRA) (qkv, gate_up)", "",
             "| layer | M | r | HF norm | Triton norm | rms_norm_shrink | its config | chain base | chain today | "
