@@ -16,7 +16,7 @@ One program per (BLOCK_M x BLOCK_N) output tile and split of K:
      The others are done.
   3. Epilogue: + bias, + the LoRA term of each row, + y when add_inputs, one cast, one store.
      Every slice but the last is a whole number of BLOCK_N tiles (checked on the host), so a
-     tile lies in one slice: s = the number of slice starts (in tiles, NT1..NT3) at or before it.
+     tile lies in one slice: s = the number of slice starts (in tiles, nt1..nt3) at or before it.
      LORA_MODE 1 ("rows", decode: rows mostly have distinct slots): each row's B tile is
      gathered at once (a (BLOCK_M, BLOCK_N, R_CHUNK) load per rank chunk, all rows' loads in
      flight together) and reduced over the rank on the CUDA cores. LORA_MODE 2 ("slots",
