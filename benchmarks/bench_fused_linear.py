@@ -25,7 +25,10 @@ weights they read exceed 2x the 60 MB L2:
 Errors: relative Frobenius error against a float64 reference on input set 0 (x @ W.T + each row's
 (x @ A[slot].T) @ B[slot].T; for the normed layers x is the HF-rounded norm of h).
 Output: `fused_linear.json` (meta, rows, every grid timing, skipped cases) and `fused_linear.md` in
---out, rewritten after every case. `--budget-s` skips what would start past it (listed).
+--out, rewritten after every case. `--budget-s` skips what would start past it (listed). Configs in
+the markdown: BLOCK_M/BLOCK_N/BLOCK_K/num_warps/num_stages/SPLIT_K/GROUP_M[/LORA_MODE][/prefetch B];
+rms_norm_shrink's: BLOCK_M/BLOCK_K/num_warps/num_stages/SPLIT_K (its planes)/LORA_MODE. The JSON
+keeps every grid point (`grid_nolora`, `grid_epilogue`, `grid_norm_shrink`).
 """
 
 from __future__ import annotations
@@ -58,14 +61,15 @@ EPS = 1e-5
 
 def gemm_grid(m: int) -> list:
     """The small config grid of gemm_lora per row count (compile time counts: ~20 configs in all)."""
-    def c(bm, bn, bk, w, st, split=1, group=1, mode=None):
+    def c(bm, bn, bk, w, st, split=1, group=1, prefetch=False):
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=split, GROUP_M=group)
-        return cfg if mode is None else {**cfg, "LORA_MODE": mode}
+        return {**cfg, "PREFETCH_B": True} if prefetch else cfg
     if m <= 16:
         return [c(16, 64, 128, 4, 4), c(16, 32, 128, 4, 5), c(16, 64, 256, 4, 3), c(16, 64, 128, 4, 4, 2),
-                c(16, 128, 128, 4, 4)]
+                c(16, 128, 128, 4, 4), c(16, 64, 128, 4, 4, prefetch=True)]
     if m <= 32:
-        return [c(32, 64, 128, 4, 4), c(16, 64, 128, 4, 4), c(32, 32, 128, 4, 5), c(32, 64, 128, 4, 4, 2)]
+        return [c(32, 64, 128, 4, 4), c(16, 64, 128, 4, 4), c(32, 32, 128, 4, 5), c(32, 64, 128, 4, 4, 2),
+                c(32, 64, 128, 4, 4, prefetch=True)]
     if m <= 128:
         return [c(64, 128, 64, 4, 4), c(128, 128, 64, 8, 3), c(64, 64, 128, 4, 4), c(128, 64, 64, 4, 4)]
     if m <= 256:
@@ -271,9 +275,12 @@ class Bench:
             if tuned:
                 row["cublas_us"] = clock([lambda s=s: lin(s) for s in sets], m)
                 row["err_cublas"] = rel_err(lin(s0), ref_base)
-                us, cfg, row["grid_nolora"] = best_of(
-                    clock, grid, lambda c: [lambda s=s: gemm_lora(s.x, s.w, None, None, None, None, None, y=s.y,
-                                                                 config=c) for s in sets], m)
+                plain = [g for g in grid if not g.get("PREFETCH_B")]       # (a LoRA-only option)
+
+                def alone(c):
+                    return [lambda s=s: gemm_lora(s.x, s.w, None, None, None, None, None, y=s.y, config=c)
+                            for s in sets]
+                us, cfg, row["grid_nolora"] = best_of(clock, plain, alone, m)
                 row.update(triton_nolora_us=us, nolora_cfg=cfg, nolora_vs_cublas=us / row["cublas_us"])
                 row["err_nolora"] = rel_err(gemm_lora(s0.x, s0.w, None, None, None, None, None, config=cfg), ref_base)
             row["today_us"] = clock([lambda s=s: today(s) for s in sets], m)
@@ -366,7 +373,7 @@ def _cfg(c) -> str:
     if not c:
         return "-"
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "GROUP_M", "LORA_MODE")
-    return "/".join(str(c[k]) for k in keys if k in c)
+    return "/".join(str(c[k]) for k in keys if k in c) + ("/prefetch B" if c.get("PREFETCH_B") else "")
 
 
 def line(r) -> str:

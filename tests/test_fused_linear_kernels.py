@@ -317,6 +317,23 @@ LLAMA = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (40
 @pytest.mark.parametrize("m", [1, 8, 32, 256, 2048])
 @pytest.mark.parametrize("layer", sorted(LLAMA))
 def test_gpu_gemm_lora_at_llama_shapes(layer, m):
+    _gpu_gemm_case(layer, m, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="compiled kernels need a CUDA GPU")
+@pytest.mark.parametrize("extra", [dict(PREFETCH_B=True), dict(SPLIT_K=2), dict(SPLIT_K=4, LORA_MODE="slots")],
+                         ids=["prefetch-b", "split-2", "split-4-slots"])
+@pytest.mark.parametrize("m", [8, 32])
+def test_gpu_gemm_lora_compiled_options(m, extra):
+    """The options the interpreter cannot run (the L2 prefetch) or runs one program at a time (the
+    split-K counters), compiled, twice in a row (the counters are 0 again after a launch)."""
+    from torch_lora.ops.fused_linear import gemm_config
+    for _ in range(2):
+        _gpu_gemm_case("qkv", m, {**gemm_config(m, LLAMA["qkv"][1]), **extra})
+
+
+def _gpu_gemm_case(layer, m, config):
     k, widths = LLAMA[layer]
     dtype, rank, slots_n = torch.bfloat16, 16, 32
     gen = torch.Generator(device="cuda").manual_seed(m)
@@ -336,9 +353,9 @@ def test_gpu_gemm_lora_at_llama_shapes(layer, m):
             if slot >= 0:
                 ref[rows, off:off + n] += buf[s][rows].double() @ b[s][slot].double().T
             off += n
-    got = gemm_lora(x, w, bias, buf, b, slots, widths, y=y.clone(), add_inputs=True)
+    got = gemm_lora(x, w, bias, buf, b, slots, widths, y=y.clone(), add_inputs=True, config=config)
     assert _rel(got, ref.cpu().numpy()) <= TOL[dtype]
-    base = gemm_lora(x, w, None, None, None, None, None)
+    base = gemm_lora(x, w, None, None, None, None, None, config=config)
     assert _rel(base, (x.double() @ w.double().T).cpu().numpy()) <= TOL[dtype]
 
 

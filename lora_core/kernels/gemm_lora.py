@@ -22,7 +22,8 @@ One program per (BLOCK_M x BLOCK_N) output tile and split of K:
      flight together) and reduced over the rank on the CUDA cores. LORA_MODE 2 ("slots",
      prefill: a row block holds few adapters): a loop over the distinct slots of the tile's rows,
      one (BLOCK_M x R) @ (R x BLOCK_N) tl.dot each, the rows of other slots zeroed in its
-     left operand.
+     left operand. PREFETCH_B (rows mode, compiled kernels): each row's B tile is prefetched into
+     L2 before step 1, so the epilogue's loads do not wait for DRAM after the product.
 
 Rows whose slot is -1 or >= L get no LoRA term (they still get the product). Per-slot ranks
 (HAS_RANKS): only the first ranks[slot] rank columns are read (masked loads; the padding is never
@@ -37,8 +38,8 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from .common import pick_slice
-from .planning import MAX_SLICES, cast_and_precision, check_dot_dims, next_pow2
+from .common import pick_slice, prefetch_l2
+from .planning import MAX_SLICES, cast_and_precision, check_dot_dims, interpreting, next_pow2
 
 LORA_MODES = {"rows": 1, "slots": 2}
 
@@ -128,7 +129,7 @@ def gemm_lora_kernel(
         HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_LORA: tl.constexpr, LORA_MODE: tl.constexpr,
         RANK: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, NUM_PARTIALS: tl.constexpr,
         HAS_RANKS: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        LORA_CAST: tl.constexpr, LORA_PRECISION: tl.constexpr):
+        LORA_CAST: tl.constexpr, LORA_PRECISION: tl.constexpr, PREFETCH_B: tl.constexpr):
     """out[m, n] = (y if ADD_INPUTS else 0) + x[m] @ W[n] + bias[n] + the LoRA term of row m (module
     docstring). Grid (tiles, SPLIT_K): split p covers columns [p, p + 1) * k_per_split of K (a
     multiple of BLOCK_K; a runtime argument, so that one compiled kernel serves every K). y_ptr
@@ -149,6 +150,23 @@ def gemm_lora_kernel(
     row_ok = rows < M
     col_ok = cols < N
     rows64 = rows.to(tl.int64)
+    if HAS_LORA:
+        # the LoRA term's addresses (used by the epilogue; the slots' load is not waited for before)
+        s, first = _tile_slice(pid_n, nt1, nt2, nt3)
+        slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
+        lora_row = (slot >= 0) & (slot < num_slots)
+        slot = tl.where(lora_row, slot, 0)
+        b_ptr = pick_slice(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
+        stride_b_slot = pick_slice(s, stride_b0_slot, stride_b1_slot, stride_b2_slot, stride_b3_slot)
+        stride_b_col = pick_slice(s, stride_b0_col, stride_b1_col, stride_b2_col, stride_b3_col)
+        stride_b_r = pick_slice(s, stride_b0_rank, stride_b1_rank, stride_b2_rank, stride_b3_rank)
+        b_cols = ((pid_n - first) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_b_col
+        buf_rows = buf_ptr + s * stride_buf_slice + rows64[:, None] * stride_buf_m
+        if PREFETCH_B:
+            # the rows' B tiles into L2 while the product runs (compiled only): the epilogue's
+            # gathered loads then wait for L2, not DRAM; the program waits for its slots here
+            prefetch_l2(b_ptr + slot.to(tl.int64)[:, None] * stride_b_slot + b_cols[None, :],
+                        lora_row[:, None] & col_ok[None, :])
     # 1. the product over this split's K chunk
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows64[:, None] * stride_xm
@@ -191,16 +209,6 @@ def gemm_lora_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols * stride_bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:
-        s, first = _tile_slice(pid_n, nt1, nt2, nt3)
-        slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
-        lora_row = (slot >= 0) & (slot < num_slots)
-        slot = tl.where(lora_row, slot, 0)
-        b_ptr = pick_slice(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
-        stride_b_slot = pick_slice(s, stride_b0_slot, stride_b1_slot, stride_b2_slot, stride_b3_slot)
-        stride_b_col = pick_slice(s, stride_b0_col, stride_b1_col, stride_b2_col, stride_b3_col)
-        stride_b_r = pick_slice(s, stride_b0_rank, stride_b1_rank, stride_b2_rank, stride_b3_rank)
-        b_cols = ((pid_n - first) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_b_col
-        buf_rows = buf_ptr + s * stride_buf_slice + rows64[:, None] * stride_buf_m
         if LORA_MODE == 1:
             rank_row = _row_ranks(slot, lora_row, ranks_ptr, RANK, HAS_RANKS)
             b_rows = b_ptr + slot.to(tl.int64)[:, None, None] * stride_b_slot + b_cols[None, :, None]
@@ -239,7 +247,8 @@ def plan_gemm_lora(M: int, N: int, K: int, widths, rank: int, x_dtype: str, w_dt
     widths: the output slices' widths (sum N); every one but the last must be a multiple of
     BLOCK_N (ValueError otherwise). config: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, and
     optionally GROUP_M (1), SPLIT_K (1), LORA_MODE ("rows" or "slots"; default rows up to 32 rows
-    of M, else slots), R_CHUNK (rank columns per gathered load in rows mode). The number of
+    of M, else slots), R_CHUNK (rank columns per gathered load in rows mode), PREFETCH_B (rows mode,
+    compiled: the rows' B tiles prefetched into L2 before the product; default False). The number of
     split-K planes the kernel really runs is `plan.split_k` (<= SPLIT_K)."""
     widths = tuple(int(w) for w in widths)
     if sum(widths) != N:
@@ -275,7 +284,9 @@ def plan_gemm_lora(M: int, N: int, K: int, widths, rank: int, x_dtype: str, w_dt
                       ADD_INPUTS=bool(add_inputs), HAS_LORA=bool(has_lora), LORA_MODE=LORA_MODES[mode],
                       RANK=int(rank), BLOCK_R=block_r, R_CHUNK=r_chunk, NUM_PARTIALS=int(num_partials),
                       HAS_RANKS=bool(has_ranks), CAST_FP32=cast, DOT_PRECISION=precision,
-                      LORA_CAST=lora_cast, LORA_PRECISION=lora_precision)
+                      LORA_CAST=lora_cast, LORA_PRECISION=lora_precision,
+                      PREFETCH_B=bool(config.get("PREFETCH_B", False)) and has_lora and mode == "rows"
+                      and not interpreting())
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     return GemmLoRAPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 3)), nt,
                         split, k_per_split)
