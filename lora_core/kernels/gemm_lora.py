@@ -66,7 +66,7 @@ def _row_ranks(slot, lora_row, ranks_ptr, RANK: tl.constexpr, HAS_RANKS: tl.cons
 
 @triton.jit
 def _lora_rows(acc, buf_rows, stride_buf_plane, stride_buf_r, b_rows, stride_b_r, col_ok, rank_row,
-               NUM_PARTIALS: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr):
+               num_partials, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr):
     """acc + delta, delta[m, n] = sum_r lhs[m, r] * B[slot[m], n, r] with the B tiles of all rows
     gathered at once; buf_rows (BLOCK_M, 1) points at each row's rank buffer, b_rows
     (BLOCK_M, BLOCK_N, 1) at each row's B columns. Columns r >= rank_row[m] are not read."""
@@ -74,7 +74,7 @@ def _lora_rows(acc, buf_rows, stride_buf_plane, stride_buf_r, b_rows, stride_b_r
         rr = r0 + tl.arange(0, R_CHUNK)
         r_ok = rr[None, :] < rank_row[:, None]                                  # (BLOCK_M, R_CHUNK)
         lhs = tl.zeros((rank_row.shape[0], R_CHUNK), dtype=tl.float32)
-        for p in tl.static_range(NUM_PARTIALS):
+        for p in range(num_partials):
             lhs += tl.load(buf_rows + p * stride_buf_plane + rr[None, :] * stride_buf_r, mask=r_ok, other=0.0)
         bt = tl.load(b_rows + rr[None, None, :] * stride_b_r, mask=r_ok[:, None, :] & col_ok[None, :, None],
                      other=0.0).to(tl.float32)
@@ -85,7 +85,7 @@ def _lora_rows(acc, buf_rows, stride_buf_plane, stride_buf_r, b_rows, stride_b_r
 @triton.jit
 def _lora_slots(acc, buf_rows, stride_buf_plane, stride_buf_r, b_ptr, stride_b_slot, b_cols, stride_b_r, col_ok,
                 slot, lora_row, ranks_ptr, RANK: tl.constexpr, HAS_RANKS: tl.constexpr,
-                NUM_PARTIALS: tl.constexpr, BLOCK_R: tl.constexpr, LORA_CAST: tl.constexpr,
+                num_partials, BLOCK_R: tl.constexpr, LORA_CAST: tl.constexpr,
                 LORA_PRECISION: tl.constexpr):
     """acc + delta as _lora_rows, one tl.dot per distinct slot u of the rows: the rows of u keep
     their rank buffer in the left operand, the others are zeroed; B[u]'s tile is the right one.
@@ -100,7 +100,7 @@ def _lora_slots(acc, buf_rows, stride_buf_plane, stride_buf_r, b_ptr, stride_b_s
             rank = tl.maximum(tl.minimum(tl.load(ranks_ptr + u), RANK), 0)
         r_ok = rr < rank
         lhs = tl.zeros((slot.shape[0], BLOCK_R), dtype=tl.float32)
-        for p in tl.static_range(NUM_PARTIALS):
+        for p in range(num_partials):
             lhs += tl.load(buf_rows + p * stride_buf_plane + rr[None, :] * stride_buf_r,
                            mask=mine[:, None] & r_ok[None, :], other=0.0)
         bt = tl.load(b_ptr + u.to(tl.int64) * stride_b_slot + b_cols[:, None] + rr[None, :] * stride_b_r,
@@ -114,11 +114,11 @@ def _lora_slots(acc, buf_rows, stride_buf_plane, stride_buf_r, b_ptr, stride_b_s
     return acc
 
 
-@triton.jit(do_not_specialize=("M",))
+@triton.jit(do_not_specialize=("M", "num_partials"))
 def gemm_lora_kernel(
         x_ptr, w_ptr, bias_ptr, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, slots_ptr, ranks_ptr, y_ptr,
         ws_ptr, lock_ptr,
-        M, N, K, k_per_split, num_slots, nt1, nt2, nt3,
+        M, N, K, k_per_split, num_slots, num_partials, nt1, nt2, nt3,
         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_bias,
         stride_buf_plane, stride_buf_slice, stride_buf_m, stride_buf_r,
         stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank,
@@ -127,7 +127,7 @@ def gemm_lora_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
         HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_LORA: tl.constexpr, LORA_MODE: tl.constexpr,
-        RANK: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, NUM_PARTIALS: tl.constexpr,
+        RANK: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
         HAS_RANKS: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
         LORA_CAST: tl.constexpr, LORA_PRECISION: tl.constexpr, PREFETCH_B: tl.constexpr):
     """out[m, n] = (y if ADD_INPUTS else 0) + x[m] @ W[n] + bias[n] + the LoRA term of row m (module
@@ -135,7 +135,8 @@ def gemm_lora_kernel(
     multiple of BLOCK_K; a runtime argument, so that one compiled kernel serves every K). y_ptr
     (read) and out_ptr (written) are the same array.
     ws_ptr: float32 (SPLIT_K, M, N) and lock_ptr: int32, one counter per tile (0 between launches),
-    read only when SPLIT_K > 1."""
+    read only when SPLIT_K > 1. num_partials: P, the planes of buf (a runtime argument: the shrink's
+    split does not compile another GEMM)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -213,10 +214,10 @@ def gemm_lora_kernel(
             rank_row = _row_ranks(slot, lora_row, ranks_ptr, RANK, HAS_RANKS)
             b_rows = b_ptr + slot.to(tl.int64)[:, None, None] * stride_b_slot + b_cols[None, :, None]
             acc = _lora_rows(acc, buf_rows, stride_buf_plane, stride_buf_r, b_rows, stride_b_r, col_ok, rank_row,
-                             NUM_PARTIALS, BLOCK_R, R_CHUNK)
+                             num_partials, BLOCK_R, R_CHUNK)
         else:
             acc = _lora_slots(acc, buf_rows, stride_buf_plane, stride_buf_r, b_ptr, stride_b_slot, b_cols,
-                              stride_b_r, col_ok, slot, lora_row, ranks_ptr, RANK, HAS_RANKS, NUM_PARTIALS,
+                              stride_b_r, col_ok, slot, lora_row, ranks_ptr, RANK, HAS_RANKS, num_partials,
                               BLOCK_R, LORA_CAST, LORA_PRECISION)
     tl.store(out_ptr + rows64[:, None] * stride_ym + cols[None, :] * stride_yn, acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -240,8 +241,8 @@ class GemmLoRAPlan:
 
 
 def plan_gemm_lora(M: int, N: int, K: int, widths, rank: int, x_dtype: str, w_dtype: str, b_dtype: str | None,
-                   config: dict, *, has_bias: bool, add_inputs: bool, has_lora: bool, has_ranks: bool,
-                   num_partials: int = 1) -> GemmLoRAPlan:
+                   config: dict, *, has_bias: bool, add_inputs: bool, has_lora: bool,
+                   has_ranks: bool) -> GemmLoRAPlan:
     """Grid and meta-parameters of `gemm_lora_kernel`.
 
     widths: the output slices' widths (sum N); every one but the last must be a multiple of
@@ -282,7 +283,7 @@ def plan_gemm_lora(M: int, N: int, K: int, widths, rank: int, x_dtype: str, w_dt
     constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=int(config.get("GROUP_M", 1)), SPLIT_K=split,
                       EVEN_K=K % bk == 0, HAS_BIAS=bool(has_bias),
                       ADD_INPUTS=bool(add_inputs), HAS_LORA=bool(has_lora), LORA_MODE=LORA_MODES[mode],
-                      RANK=int(rank), BLOCK_R=block_r, R_CHUNK=r_chunk, NUM_PARTIALS=int(num_partials),
+                      RANK=int(rank), BLOCK_R=block_r, R_CHUNK=r_chunk,
                       HAS_RANKS=bool(has_ranks), CAST_FP32=cast, DOT_PRECISION=precision,
                       LORA_CAST=lora_cast, LORA_PRECISION=lora_precision,
                       PREFETCH_B=bool(config.get("PREFETCH_B", False)) and has_lora and mode == "rows"

@@ -231,8 +231,7 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     cfg = dict(config) if config else gemm_config(m, widths)
     plan = plan_gemm_lora(m, n, k, widths, rank, _NAMES[x.dtype], _NAMES[weight.dtype],
                           _NAMES[b[0].dtype] if has_lora else None, cfg, has_bias=bias is not None,
-                          add_inputs=add_inputs, has_lora=has_lora, has_ranks=ranks is not None,
-                          num_partials=buf.shape[0] if has_lora else 1)
+                          add_inputs=add_inputs, has_lora=has_lora, has_ranks=ranks is not None)
     dummy = slots if has_lora else x
     ws = lock = dummy
     if plan.split_k > 1:
@@ -245,7 +244,7 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     gemm_lora_kernel[plan.grid](
         x, weight, bias if bias is not None else x, buf if has_lora else x, *_padded(b, b[0]), dummy,
         ranks if ranks is not None else dummy, y, ws, lock,
-        m, n, k, plan.k_per_split, num_slots, *plan.slice_tiles,
+        m, n, k, plan.k_per_split, num_slots, buf.shape[0] if has_lora else 1, *plan.slice_tiles,
         *x.stride(), *weight.stride(), *y.stride(), bias.stride(0) if bias is not None else 0,
         *buf_strides, *b_strides, y,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
