@@ -40,8 +40,9 @@ _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "
 # UNTUNED DEFAULTS, to be replaced from the H200 run of benchmarks/bench_fused_linear.py (its
 # "best config" column per row count). Key: the largest M (rows) a config serves.
 GEMM_CONFIGS = {
-    16: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4, LORA_MODE="rows"),
-    32: dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4, LORA_MODE="rows"),
+    # decode: 32-wide column tiles, so that N = 4096 (o, down) makes 128 programs for the 132 SMs
+    16: dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5, LORA_MODE="rows"),
+    32: dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5, LORA_MODE="rows"),
     64: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, LORA_MODE="slots"),
     128: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, LORA_MODE="slots"),
     256: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, LORA_MODE="slots"),
