@@ -65,9 +65,8 @@ def test_snippet_runs_as_written(name, source, tmp_path):
 
 # ------------------------------------------------------------------------------- cited paths
 
-# A path-looking token: a repository folder first, or a file name with one of these endings.
+# Repository folders: a cited token starting with one of these is a path from the repository root.
 _TOP = ("lora_core/", "jax_lora/", "torch_lora/", "bridge/", "tests/", "docs/", "benchmarks/", "examples/", ".ci/")
-_EXT = re.compile(r"\.(py|md|json|log|txt|c|toml|png)$")
 
 
 def _expand(token: str) -> list[str]:
@@ -79,39 +78,59 @@ def _expand(token: str) -> list[str]:
 
 
 def _cited(text: str) -> list[str]:
+    """Backticked tokens without spaces and link targets, trailing punctuation cut."""
     tokens = re.findall(r"`([^`\s]+)`", text) + re.findall(r"\]\(([^)#\s]+)", text)
-    return [t.rstrip(".,;:") for t in tokens if not t.startswith(("http", "-", "$", "/", "~"))]
+    return [p.rstrip(".,;:") for t in tokens for p in _expand(t)]
 
 
-def _exists(token: str, doc_dir: str) -> bool:
-    for cand in (token, os.path.join(doc_dir, token), os.path.join("benchmarks", "results", token)):
-        path = os.path.normpath(os.path.join(ROOT, cand))
-        if cand.endswith(".*"):
-            if glob.glob(path[:-1] + "*"):
-                return True
-        elif os.path.exists(path):
-            return True
-    return False
+def _tracked() -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    return out.stdout.split()
 
 
 def test_docs_cite_only_paths_that_exist():
-    """Paths that start at a package or repository folder, and result files named in the docs and
-    the results READMEs, exist. Names with placeholders (`<device>`, `*`) are not checked."""
-    readmes = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "**", "README.md"),
-                                                                  recursive=True))
+    """Paths from the repository root (`lora_core/...`, `benchmarks/results/...`), paths relative
+    to a doc (`../CHANGELOG.md`, `contract.md`), and dated result names (`..._2026...`, found under
+    benchmarks/results/, a folder-relative tail suffices) all name tracked files or folders. Names
+    with placeholders (`<device>`, `*`, `...`) are not checked; `name.*` needs one file so named."""
+    files = _tracked()
+    folders = {f.rsplit("/", i)[0] for f in files for i in range(1, f.count("/") + 1)}
+    results = [f for f in files if f.startswith("benchmarks/results/")]
+    results_folders = [d for d in folders if d.startswith("benchmarks/results/")]
+    readmes = [f for f in results if f.endswith("README.md")]
+
+    def exists(path: str) -> bool:
+        path = os.path.normpath(path)
+        if path.endswith(".*"):
+            return any(f.startswith(path[:-1]) for f in files)
+        return path in files or path in folders or any(f.startswith(path + ".") for f in files)
+
+    def result_exists(name: str) -> bool:
+        name = name.rstrip("/")
+        if name.endswith(".*"):
+            return any(f.rsplit("/", 1)[-1].startswith(name[:-1].rsplit("/", 1)[-1]) for f in results)
+        return (any(f.endswith("/" + name) for f in results + results_folders)
+                or any(("/" + f).rsplit(".", 1)[0].endswith("/" + name) for f in results))
+
     missing = []
     for doc in [*DOCS, "CHANGELOG.md", *readmes]:
         with open(os.path.join(ROOT, doc)) as f:
             text = f.read()
-        doc_dir = os.path.dirname(doc)
         for token in _cited(text):
-            for path in _expand(token):
-                if any(c in path for c in "<>*|") and not path.endswith(".*"):
-                    continue
-                in_results = doc.startswith("benchmarks/results/") or "_h200_" in path or "results/" in path
-                if not (path.startswith(_TOP) or (in_results and (_EXT.search(path) or path.endswith(("/", ".*"))))):
-                    continue
-                if path.startswith(("benchmarks/results/", "docs/", "tests/")) or in_results or "/" in path:
-                    if not _exists(path, doc_dir):
-                        missing.append(f"{doc}: {path}")
+            if any(c in token for c in "<>|") or "..." in token or ("*" in token and not token.endswith(".*")):
+                continue
+            if token.startswith(_TOP):
+                ok = exists(token)
+            elif token.startswith("../"):
+                ok = exists(os.path.join(os.path.dirname(doc), token))
+            elif "_2026" in token:
+                ok = result_exists(token)
+            elif re.fullmatch(r"\w+\.md", token) and doc in DOCS:
+                ok = exists(os.path.join(os.path.dirname(doc), token)) or exists(token)
+            else:
+                continue
+            if not ok:
+                missing.append(f"{doc}: {token}")
     assert not missing, "cited paths missing from the tree:\n" + "\n".join(missing)
