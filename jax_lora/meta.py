@@ -36,6 +36,8 @@ import numpy as np
 
 from lora_core import checks
 
+from .devices import resolve_device
+
 __all__ = ["LoRAKernelMeta", "build_kernel_meta"]
 
 
@@ -126,7 +128,6 @@ class LoRAKernelMeta:
                                  max_loras=max_loras)
         if device is None:
             return meta
-        from .ops.dispatch import resolve_device
         return jax.device_put(meta, resolve_device(device))
 
     @staticmethod

@@ -29,8 +29,10 @@ import numpy as np
 from lora_core import checks
 from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
+from .devices import resolve_device
 from .meta import LoRAKernelMeta
 from .ops import as_array, as_lora_ranks, as_slices, check_same_device, dispatch, to_3d
+from .warmup import warmup as _warmup
 
 __all__ = ["PunicaWrapper"]
 
@@ -63,7 +65,7 @@ class PunicaWrapper:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_batches = int(max_batches)
         self.max_loras = int(max_loras)
-        self.device = dispatch.resolve_device(device)
+        self.device = resolve_device(device)
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device, log=True)
         dispatch.load_backend(self.backend)  # fail now, not at the first op
         self.deterministic = dispatch.check_deterministic(deterministic)
@@ -114,8 +116,7 @@ class PunicaWrapper:
         (`lora_core.warmup.LinearShape` or (hidden, slices, rank)) and token counts (default vLLM's
         capture sizes), before serving, from `workers` threads (default: one per core up to 16 on a
         GPU); this wrapper's metadata is untouched (see jax_lora.warmup)."""
-        from .warmup import warmup
-        return warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, dora=dora,
+        return _warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, dora=dora,
                       progress=progress, workers=workers)
 
     def _upload(self, block: np.ndarray) -> None:

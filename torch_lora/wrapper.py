@@ -27,6 +27,7 @@ from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .meta import LoRAKernelMeta
 from .ops import as_lora_ranks, as_slices, check_tensors, dispatch, to_3d
+from .warmup import warmup as _warmup
 
 __all__ = ["PunicaWrapper"]
 
@@ -115,8 +116,7 @@ class PunicaWrapper:
         (`lora_core.warmup.LinearShape` or (hidden, slices, rank)) and token counts (default vLLM's
         capture sizes), before serving, in `workers` processes first (default: one per core up to
         16 on a GPU); this wrapper's metadata is untouched (see torch_lora.warmup)."""
-        from .warmup import warmup
-        return warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, dora=dora,
+        return _warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, dora=dora,
                       progress=progress, workers=workers)
 
     # ------------------------------------------------------------------ properties

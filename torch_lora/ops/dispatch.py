@@ -37,6 +37,8 @@ import torch
 from lora_core.backend_registry import BackendRegistry
 from lora_core.checks import check_deterministic
 
+from . import invariant
+
 _REGISTRY = BackendRegistry({"torch": "torch_lora.ops.torch_ref", "triton": "torch_lora.ops.triton"}, "torch_lora")
 BACKENDS = _REGISTRY.names
 
@@ -80,8 +82,5 @@ def deterministic_impl(impl):
     """The batch-invariant form of backend module `impl`: its own `deterministic_backend()`
     (Triton: fixed launch configs), else the reference math of `torch_lora.ops.invariant`."""
     hook = getattr(impl, "deterministic_backend", None)
-    if hook is not None:
-        return hook()
-    from . import invariant
-    return invariant
+    return hook() if hook is not None else invariant
 
