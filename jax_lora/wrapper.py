@@ -31,7 +31,8 @@ from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .devices import resolve_device
 from .meta import LoRAKernelMeta
-from .ops import as_array, as_lora_ranks, as_slices, check_same_device, dispatch, to_3d
+from .ops import dispatch
+from .ops.api import as_array, as_lora_ranks, as_slices, check_same_device, to_3d
 from .warmup import warmup as _warmup
 
 __all__ = ["PunicaWrapper"]

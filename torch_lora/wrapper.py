@@ -26,7 +26,8 @@ from lora_core import checks
 from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .meta import LoRAKernelMeta
-from .ops import as_lora_ranks, as_slices, check_tensors, dispatch, to_3d
+from .ops import dispatch
+from .ops.api import as_lora_ranks, as_slices, check_tensors, to_3d
 from .warmup import warmup as _warmup
 
 __all__ = ["PunicaWrapper"]

@@ -43,7 +43,7 @@ from flax import nnx
 
 from .. import nn as lnn
 from .. import parallel
-from ..ops import _on_host
+from ..ops.api import _on_host
 from .attention import decode_attention, prefill_attention
 
 __all__ = [
@@ -296,7 +296,8 @@ class LlamaForCausalLM(nnx.Module):
     of bounds or NaN), and so is a sample_idx (the nearest position of its row).
     """
 
-    packed_modules_mapping: ClassVar[dict] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    packed_modules_mapping: ClassVar[dict] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                              "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)

@@ -13,8 +13,9 @@ Every op accumulates in float32; tokens with index -1 contribute nothing (shrink
 rows are left untouched). `backend=` forces "xla", "pallas_tpu" or "triton"; None lets the device
 decide. `deterministic=True` (every op): a token's result is bitwise the same whatever the batch it
 is in (size, position, other tokens and their adapters) and from run to run
-(dispatch.deterministic_impl; docs/api.md, "Deterministic mode"). `lora_ranks` (L,) int32, optional: each slot's real rank; results equal the computation with
-the weights past that rank zeroed.
+(dispatch.deterministic_impl; docs/api.md, "Deterministic mode"). `lora_ranks` (L,) int32,
+optional: each slot's real rank; results equal the computation with the weights past that rank
+zeroed.
 
 Checks: shapes, dtypes, slices and devices are checked on every call. Host inputs (NumPy arrays)
 are checked before they become jax arrays, so nothing is changed in silence: float64 activations or

@@ -1,6 +1,6 @@
 """Multi-LoRA ops for PyTorch (contract section 4). They write into their output tensor and return it.
 
-GPU-seed argument order for the metadata-driven ops:
+vLLM's GPU argument order for the metadata-driven ops:
 
   lora_shrink(inputs (T,H), lora_a_weights, output_tensor (S,T,r) fp32, *meta.meta_args(T), scaling)
   lora_expand(inputs (S,T,r), lora_b_weights, output_tensor (T,N), *meta.meta_args(T),
@@ -17,8 +17,9 @@ BGMV / SGMV, as in contract section 4 (shrink returns a new float32 tensor, expa
 Every op accumulates in float32; tokens with index -1 contribute nothing. `backend=` forces "torch"
 or "triton". `deterministic=True` (every op): a token's result is bitwise the same whatever the
 batch it is in (size, position, other tokens and their adapters) and from run to run
-(dispatch.deterministic_impl; docs/api.md, "Deterministic mode"). Index *values* are checked when the indices are CPU tensors; on CUDA that would need a
-host sync, so out-of-range indices are masked instead (never read or written out of bounds).
+(dispatch.deterministic_impl; docs/api.md, "Deterministic mode"). Index *values* are checked when
+the indices are CPU tensors; on CUDA that would need a host sync, so out-of-range indices are
+masked instead (never read or written out of bounds).
 SGMV segment arguments: dtypes, lengths and the integer scalars are checked on every call; the
 segments' values (lengths and starts >= 0, inside x's tokens, not overlapping, valid slots) when the
 arrays are on the host (lists, NumPy, CPU tensors); on CUDA they are masked (segment_indices).
@@ -27,7 +28,6 @@ arrays are on the host (lists, NumPy, CPU tensors); on CUDA they are masked (seg
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 import numpy as np
 import torch
