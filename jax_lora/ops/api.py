@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lora_core import checks, segments
+from lora_core.kernel_meta import KernelMeta
 
 from ..meta import LoRAKernelMeta, build_kernel_meta
 from . import dispatch
@@ -158,11 +159,8 @@ def as_meta(meta) -> LoRAKernelMeta:
     if isinstance(meta, LoRAKernelMeta):
         return meta
     if isinstance(meta, (tuple, list)) and len(meta) == 6:
-        mapping, sorted_tokens, num_per, start, active, no_lora = meta
-        names = ("meta.token_lora_mapping", "meta.token_indices_sorted_by_lora_ids", "meta.active_lora_ids",
-                 "meta.num_tokens_per_lora", "meta.lora_token_start_loc", "meta.no_lora")
-        return LoRAKernelMeta(*(as_array(n, v) for n, v in zip(names, (mapping, sorted_tokens, active, num_per,
-                                                                       start, no_lora))))
+        record = KernelMeta(*meta)
+        return LoRAKernelMeta(**{f: as_array(f"meta.{f}", v) for f, v in record._asdict().items()})
     raise TypeError("meta must be a LoRAKernelMeta or its meta_args(T) tuple, got "
                     f"{type(meta).__name__}")
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from lora_core import checks, segments
+from lora_core.kernel_meta import KernelMeta
 
 from ..meta import LoRAKernelMeta
 from . import dispatch
@@ -118,13 +119,14 @@ def _require_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_toke
 
 
 def _kernel_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
-                 lora_token_start_loc, lora_ids, no_lora_flag) -> tuple:
-    """The six metadata tensors as the backends take them: the five index tensors contiguous (the
-    Triton kernels read entry i at `ptr + i`, so a strided view, e.g. `mapping[::2]`, would give
-    them other entries; contiguous ones, as `LoRAKernelMeta.meta_args` returns, are passed as they
-    are)."""
-    return tuple(t.contiguous() for t in (token_lora_mapping, token_indices_sorted_by_lora_ids,
-                                          num_tokens_per_lora, lora_token_start_loc, lora_ids)) + (no_lora_flag,)
+                 lora_token_start_loc, lora_ids, no_lora_flag) -> KernelMeta:
+    """The six metadata tensors as the backends take them, a KernelMeta: the five index tensors
+    contiguous (the Triton kernels read entry i at `ptr + i`, so a strided view, e.g.
+    `mapping[::2]`, would give them other entries; contiguous ones, as `LoRAKernelMeta.meta_args`
+    returns, are passed as they are)."""
+    return KernelMeta(*(t.contiguous() for t in (token_lora_mapping, token_indices_sorted_by_lora_ids,
+                                                 num_tokens_per_lora, lora_token_start_loc, lora_ids)),
+                      no_lora=no_lora_flag)
 
 
 def as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -261,7 +263,7 @@ def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
 
 # ----------------------------------------------------------------------------- BGMV
 
-def _index_meta(idx: torch.Tensor, num_tokens: int, num_slots: int, arg_w: str) -> tuple:
+def _index_meta(idx: torch.Tensor, num_tokens: int, num_slots: int, arg_w: str) -> KernelMeta:
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"lora_indices_tensor must be a torch.Tensor, got {type(idx).__name__}")
     checks.check_indices("lora_indices_tensor", tuple(idx.shape), idx.dtype, num_tokens)

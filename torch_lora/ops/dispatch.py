@@ -14,8 +14,10 @@ Optional:
   prepare_linear(lora_a, lora_b, meta_args, offsets, bias, *, col_scale=None) -> run(y, x, scale, lora_ranks)
       `linear` with the persistent arguments bound, for repeated calls with new activations
       (the wrapper keeps one per layer and token count; see torch_lora.ops.triton.PreparedLinear)
-`meta_args` is `LoRAKernelMeta.meta_args(T)` (contract section 3). Weights arrive as 3-D views (the
-size-1 axis removed), arguments already checked.
+`meta_args` is `LoRAKernelMeta.meta_args(T)`: a `lora_core.kernel_meta.KernelMeta` (contract section
+3), whose fields the backends read by name (the reference backend reads only its first,
+`token_lora_mapping`). Weights arrive as 3-D views (the size-1 axis removed), arguments already
+checked.
 
 Optional, for `deterministic=True`:
   deterministic_backend() -> an object with the contract above whose results are batch invariant
