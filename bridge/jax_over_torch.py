@@ -44,6 +44,7 @@ import torch_lora.ops as tops
 from jax_lora.ops import as_array
 from lora_core import checks, segments
 from lora_core.host_mapping import LoRAMapping, pad_prompt_mapping
+from lora_core.kernel_meta import KernelMeta
 
 from .dlpack import _ARRAY_IMPL, ConversionCache, current_stream, to_jax, to_torch, torch_device_for
 
@@ -335,17 +336,15 @@ def _torch_all(value, name: str):
 
 def _meta_args(meta, num_tokens: int) -> tuple:
     """torch meta_args(T) from a jax_lora LoRAKernelMeta or its meta_args tuple (vLLM's order)."""
-    if isinstance(meta, (list, tuple)):
-        mapping, sorted_tokens, num_per, start, active, no_lora = meta
-    else:
-        mapping, sorted_tokens, num_per, start, active, no_lora = (
-            meta.token_lora_mapping, meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora,
-            meta.lora_token_start_loc, meta.active_lora_ids, meta.no_lora)
-    mapping, sorted_tokens = _as_torch(mapping, "meta"), _as_torch(sorted_tokens, "meta")
-    if mapping.shape[0] < num_tokens:
-        raise ValueError(f"meta covers {mapping.shape[0]} tokens, but the input has {num_tokens}")
-    return (mapping[:num_tokens], sorted_tokens[:num_tokens], _as_torch(num_per, "meta"), _as_torch(start, "meta"),
-            _as_torch(active, "meta"), _as_torch(no_lora, "meta").reshape(1))
+    m = KernelMeta(*meta) if isinstance(meta, (list, tuple)) else KernelMeta(
+        meta.token_lora_mapping, meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora,
+        meta.lora_token_start_loc, meta.active_lora_ids, meta.no_lora)
+    t = KernelMeta(*(_as_torch(a, "meta") for a in m))
+    if t.token_lora_mapping.shape[0] < num_tokens:
+        raise ValueError(f"meta covers {t.token_lora_mapping.shape[0]} tokens, but the input has {num_tokens}")
+    return t._replace(token_lora_mapping=t.token_lora_mapping[:num_tokens],
+                      token_indices_sorted_by_lora_ids=t.token_indices_sorted_by_lora_ids[:num_tokens],
+                      no_lora=t.no_lora.reshape(1))
 
 
 def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: str | None = None,

@@ -47,6 +47,7 @@ import jax_lora
 import jax_lora.ops as jops
 from lora_core import checks, segments
 from lora_core.host_mapping import LoRAMapping, convert_mapping_host
+from lora_core.kernel_meta import KernelMeta
 from torch_lora.ops import as_slices, check_tensors, require_tensors
 
 from .dlpack import ConversionCache, jax_device_for, to_jax, to_torch
@@ -168,11 +169,7 @@ class TorchPunicaWrapper:
         key = (method, tuple(sorted(static.items())))
         fn = self._jitted.get(key)
         if fn is None:
-            static_kw = dict(static)
-
-            def call(wrapper, args, dyn):
-                return getattr(wrapper, method)(*args, **dyn, **static_kw)
-            fn = self._jitted[key] = jax.jit(call)
+            fn = self._jitted[key] = jax.jit(_method_call(method, dict(static)))
         if dyn["lora_ranks"] is not None and not isinstance(dyn["lora_ranks"], jax.Array):
             dyn["lora_ranks"] = jax.numpy.asarray(dyn["lora_ranks"], jax.numpy.int32)
         return fn(self.jax_wrapper, arrays, dyn)
@@ -400,14 +397,26 @@ def _act(t, name: str, copy: bool):
     return to_jax(_usable(t, name), copy=copy)
 
 
+def _method_call(method: str, static: dict):
+    """f(wrapper, args, dyn) = wrapper.<method>(*args, **dyn, **static): what the wrapper jits once
+    per (method, static arguments)."""
+    def call(wrapper, args, dyn):
+        return getattr(wrapper, method)(*args, **dyn, **static)
+    return call
+
+
 def _meta(meta_args) -> tuple:
     """The six `meta_args(T)` values for JAX: the five index tensors must be tensors (as in
     torch_lora.ops), converted to int32."""
-    mapping, sorted_tokens, num_per, start, active, no_lora = meta_args
-    require_tensors(token_lora_mapping=mapping, token_indices_sorted_by_lora_ids=sorted_tokens,
-                    num_tokens_per_lora=num_per, lora_token_start_loc=start, lora_ids=active)
-    flag = no_lora.reshape(()) if isinstance(no_lora, torch.Tensor) and no_lora.numel() == 1 else no_lora
-    return tuple(_index(a, "meta") for a in (mapping, sorted_tokens, num_per, start, active, flag))
+    m = KernelMeta(*meta_args)
+    require_tensors(token_lora_mapping=m.token_lora_mapping,
+                    token_indices_sorted_by_lora_ids=m.token_indices_sorted_by_lora_ids,
+                    num_tokens_per_lora=m.num_tokens_per_lora, lora_token_start_loc=m.lora_token_start_loc,
+                    lora_ids=m.active_lora_ids)
+    flag = m.no_lora
+    if isinstance(flag, torch.Tensor) and flag.numel() == 1:
+        flag = flag.reshape(())
+    return KernelMeta(*(_index(a, "meta") for a in m._replace(no_lora=flag)))
 
 
 def _slices(name: str, stacked) -> tuple:

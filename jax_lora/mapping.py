@@ -21,7 +21,7 @@ from lora_core.host_mapping import (
     convert_mapping_host,
 )
 
-from .ops import dispatch
+from .devices import resolve_device
 
 __all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta"]
 
@@ -41,7 +41,7 @@ def convert_mapping(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None]
         lambda v: isinstance(v, (str, jax.Device, jax.sharding.Sharding)))
     host = convert_mapping_host(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                                 long_lora_context)
-    arrays = jax.device_put(host.as_tuple()[:5], dispatch.resolve_device(device))
+    arrays = jax.device_put(host.as_tuple()[:5], resolve_device(device))
     return (*arrays, list(host.indices_len))
 
 

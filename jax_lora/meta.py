@@ -1,25 +1,18 @@
-"""Kernel metadata: tokens grouped by adapter (contract section 3), built by one jitted function.
+"""Kernel metadata for the JAX side (contract section 3), built by one jitted function.
 
-From a per-token index array `m` (slot or -1) of fixed capacity `max_num_tokens`, of which the
-first `num_tokens` entries are real:
+Fields, values and invariants: `lora_core.kernel_meta` (the record `KernelMeta`, in `meta_args(T)`'s
+order). From a (max_num_tokens,) index buffer of which the first `num_tokens` entries are real, the
+build here:
 
-  token_lora_mapping[t]               = m[t] for t < num_tokens; -1 past it and for invalid slots
-  token_indices_sorted_by_lora_ids    = stable argsort of the mapping, with the positions past
-                                        num_tokens moved last (so [:T] is a permutation of 0..T-1
-                                        for every T >= num_tokens)
-  active_lora_ids                     = unique ids of the real tokens, ascending (-1 first when
-                                        present), padded with -1 to max_loras + 1
-  num_tokens_per_lora[i]              = count of active_lora_ids[i] (0 for padding)
-  lora_token_start_loc                = [0, cumsum(num_tokens_per_lora)] over the active ids, then
-                                        0 (vLLM's padding; length max_loras + 2); group i's
-                                        tokens are sorted[start[i]:start[i] + num_tokens_per_lora[i]]
-  no_lora                             = no real token has a slot (a device bool scalar)
+  1. masks the real tokens' valid slots (the rest is -1) and keys each token by bin slot + 1, the
+     padding positions by the last bin, max_loras + 1, so they sort after every group;
+  2. counts the tokens per bin with a scatter-add over max_loras + 2 bins (no `jnp.unique`);
+  3. compacts the present bins to the front, ascending (a sort over max_loras + 1 small keys):
+     the active ids, their counts and their running sums (the start locations);
+  4. sorts the tokens by key once, stably (tokens keep their order inside a group).
 
-Invariants relied on by kernels: sum(num_tokens_per_lora) == num_tokens; groups are contiguous in
-the sorted order and ascend by id; entries of active_lora_ids past the active ones are -1 with count
-0. The build counts (a scatter-add over max_loras + 2 bins) instead of calling `jnp.unique`, and
-sorts once; every shape depends only on (max_num_tokens, max_loras), never on the mapping, so one
-compiled program serves every step, and nothing is read back to the host.
+Every shape depends only on (max_num_tokens, max_loras), never on the mapping, so one compiled
+program serves every step, and nothing is read back to the host; `no_lora` is a device bool scalar.
 
 Values outside -1 .. max_loras-1 (which only a caller inside jit, or with accelerator arrays that
 are not read back, can pass unchecked) are treated as -1: they never index weights.
@@ -35,6 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lora_core import checks
+from lora_core.kernel_meta import KernelMeta
+
+from .devices import resolve_device
 
 __all__ = ["LoRAKernelMeta", "build_kernel_meta"]
 
@@ -74,9 +70,9 @@ def build_kernel_meta(token_lora_mapping: jax.Array, num_tokens: jax.Array, *, m
         [jnp.zeros(1, jnp.int32), jnp.where(active_present, jnp.cumsum(num_tokens_per_lora, dtype=jnp.int32), 0)])
     # Step 4: token order grouped by bin; stable so tokens keep their order inside a group.
     sorted_tokens = jnp.argsort(key, stable=True).astype(jnp.int32)
-    no_lora = jnp.sum(counts[1:]) == 0
-    return LoRAKernelMeta(mapping, sorted_tokens, active_lora_ids, num_tokens_per_lora,
-                          lora_token_start_loc, no_lora)
+    return LoRAKernelMeta(token_lora_mapping=mapping, token_indices_sorted_by_lora_ids=sorted_tokens,
+                          active_lora_ids=active_lora_ids, num_tokens_per_lora=num_tokens_per_lora,
+                          lora_token_start_loc=lora_token_start_loc, no_lora=jnp.sum(counts[1:]) == 0)
 
 
 @jax.tree_util.register_dataclass
@@ -126,7 +122,6 @@ class LoRAKernelMeta:
                                  max_loras=max_loras)
         if device is None:
             return meta
-        from .ops.dispatch import resolve_device
         return jax.device_put(meta, resolve_device(device))
 
     @staticmethod
@@ -176,11 +171,12 @@ class LoRAKernelMeta:
         """vLLM's name for `no_lora` (here a device scalar, never read back to the host)."""
         return self.no_lora
 
-    def meta_args(self, token_nums: int) -> tuple:
+    def meta_args(self, token_nums: int) -> KernelMeta:
         """(token_lora_mapping[:T], token_indices_sorted_by_lora_ids[:T], num_tokens_per_lora,
-        lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums, vLLM's order."""
-        return (self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
-                self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora)
+        lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums, vLLM's order: a
+        `KernelMeta` (a tuple)."""
+        return KernelMeta(self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
+                          self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora)
 
 
 def _host_mapping(m) -> np.ndarray | None:

@@ -11,6 +11,9 @@ The cases are lowered by `workers` threads (lora_core.warmup.warmup_groups, bala
 variants each group compiles, so threads rarely need the same variant); Triton's compiler and
 ptxas release the GIL, and the FFI launcher compiles each variant once (a lock per variant), so
 compiles overlap. A deterministic wrapper warms up its batch-invariant launches.
+
+This module takes the wrapper as an argument and never imports `jax_lora.wrapper` (the wrapper's
+`warmup` method calls it); the twin is built from the wrapper's own class.
 """
 
 from __future__ import annotations
@@ -63,9 +66,8 @@ def warmup(wrapper, layers: Sequence, token_counts: Sequence[int] | None = None,
     lock = threading.Lock()
 
     def lower_group(group) -> None:
-        from .wrapper import PunicaWrapper
         slots = wrapper.max_loras
-        twin = PunicaWrapper(wrapper.max_num_batched_tokens, wrapper.max_batches, wrapper.device, max_loras=slots,
+        twin = type(wrapper)(wrapper.max_num_batched_tokens, wrapper.max_batches, wrapper.device, max_loras=slots,
                              backend=wrapper.backend, deterministic=deterministic)
         ids = [1] + [None] * (slots - 1)
         by_count: dict = {}

@@ -29,8 +29,11 @@ import numpy as np
 from lora_core import checks
 from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
+from .devices import resolve_device
 from .meta import LoRAKernelMeta
-from .ops import as_array, as_lora_ranks, as_slices, check_same_device, dispatch, to_3d
+from .ops import dispatch
+from .ops.api import as_array, as_lora_ranks, as_slices, check_same_device, to_3d
+from .warmup import warmup as _warmup
 
 __all__ = ["PunicaWrapper"]
 
@@ -63,7 +66,7 @@ class PunicaWrapper:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_batches = int(max_batches)
         self.max_loras = int(max_loras)
-        self.device = dispatch.resolve_device(device)
+        self.device = resolve_device(device)
         self.backend = backend if backend is not None else dispatch.default_backend_name(self.device, log=True)
         dispatch.load_backend(self.backend)  # fail now, not at the first op
         self.deterministic = dispatch.check_deterministic(deterministic)
@@ -114,8 +117,7 @@ class PunicaWrapper:
         (`lora_core.warmup.LinearShape` or (hidden, slices, rank)) and token counts (default vLLM's
         capture sizes), before serving, from `workers` threads (default: one per core up to 16 on a
         GPU); this wrapper's metadata is untouched (see jax_lora.warmup)."""
-        from .warmup import warmup
-        return warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, dora=dora,
+        return _warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, dora=dora,
                       progress=progress, workers=workers)
 
     def _upload(self, block: np.ndarray) -> None:
@@ -127,9 +129,9 @@ class PunicaWrapper:
         return self._layout.view(self._block, name)
 
     def _meta(self, prefix: str) -> LoRAKernelMeta:
-        v = self._view
-        return LoRAKernelMeta(v(f"{prefix}.mapping"), v(f"{prefix}.sorted"), v(f"{prefix}.active"),
-                              v(f"{prefix}.num"), v(f"{prefix}.start"), v(f"{prefix}.no_lora")[0] != 0)
+        """The block's "token_meta" / "prompt_meta" segments as a LoRAKernelMeta (the flag a bool scalar)."""
+        meta = self._layout.kernel_meta(self._block, prefix)
+        return LoRAKernelMeta(**meta._replace(no_lora=meta.no_lora[0] != 0)._asdict())
 
     @property
     def token_meta(self) -> LoRAKernelMeta:
@@ -159,27 +161,27 @@ class PunicaWrapper:
     @property
     def token_lora_indices(self) -> jax.Array:
         """(T,) int32 slot per token (-1 no LoRA). Inside jit: the whole (T_max,) buffer, 0-padded."""
-        return self._narrow("token", _N_TOKENS)
+        return self._narrow("token_lora_indices", _N_TOKENS)
 
     @property
     def sampler_indices(self) -> jax.Array:
         """(R_padded,) int32 slot per sampled row, the prompt mapping padded with -1 to a bucket."""
-        return self._narrow("sampler", _N_SAMPLER)
+        return self._narrow("sampler_indices", _N_SAMPLER)
 
     @property
     def sampler_indices_padded(self) -> jax.Array:
         """(R_padded,) int32 flat row indices `j + p_j * R_padded` (contract section 2)."""
-        return self._narrow("sampler_padded", _N_SAMPLER_PADDED)
+        return self._narrow("sampler_indices_padded", _N_SAMPLER_PADDED)
 
     @property
     def embeddings_indices(self) -> jax.Array:
         """(2, T) int32 embedding-table offsets (contract section 2)."""
-        return self._narrow("embeddings", _N_EMBEDDINGS)
+        return self._narrow("embeddings_indices", _N_EMBEDDINGS)
 
     @property
     def long_lora_indices(self) -> jax.Array:
         """(T,) int32 long-context offsets (empty without a long-LoRA context; inside jit, the buffer)."""
-        return self._narrow("long_lora", _N_LONG)
+        return self._narrow("long_lora_indices", _N_LONG)
 
     @property
     def indices_len(self) -> list:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import checks
+from .kernel_meta import KernelMeta, build_host, field_shapes
 
 __all__ = [
     "LoRAMapping",
@@ -441,38 +442,10 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], m
 
 
 def kernel_meta_host(token_lora_mapping: np.ndarray, max_loras: int, capacity: int) -> dict:
-    """contract section 3's kernel metadata computed on the host, equal to `jax_lora.meta.build_kernel_meta`
-    and to torch's `LoRAKernelMeta.prepare_tensors` for the same mapping (tests check all three).
-
-    The wrappers have every step's mapping on the host anyway (it comes from a LoRAMapping), so they
-    build the metadata here and send it with the index arrays in one copy: no kernel runs for it.
-
-    Returns int32 arrays: mapping (capacity,), sorted (capacity,), active (max_loras + 1,),
-    num (max_loras + 1,), start (max_loras + 2,), no_lora (1,) (1 = no token uses a LoRA).
-    """
-    m = np.asarray(token_lora_mapping, dtype=np.int64)
-    n = m.shape[0]
-    if n > capacity:
-        raise ValueError(f"token_lora_mapping has {n} tokens, more than the capacity {capacity}")
-    m = np.where((m >= 0) & (m < max_loras), m, -1)
-    key = m + 1                                                  # bin 0 = no LoRA
-    counts = np.bincount(key, minlength=max_loras + 1)
-    present = np.flatnonzero(counts)                             # ascending bins = ascending ids
-    k = present.shape[0]
-    active = np.full(max_loras + 1, -1, np.int32)
-    active[:k] = present - 1
-    num = np.zeros(max_loras + 1, np.int32)
-    num[:k] = counts[present]
-    start = np.zeros(max_loras + 2, np.int32)   # 0 past the active ids (vLLM's padding)
-    start[1:k + 1] = np.cumsum(num[:k])
-    mapping = np.full(capacity, -1, np.int32)
-    mapping[:n] = m
-    order = np.concatenate([np.argsort(key, kind="stable"), np.arange(n, capacity)]).astype(np.int32)
-    return dict(mapping=mapping, sorted=order, active=active, num=num, start=start,
-                no_lora=np.array([int(counts[1:].sum() == 0)], np.int32))
-
-
-META_FIELDS = ("mapping", "sorted", "active", "num", "start", "no_lora")
+    """`kernel_meta.build_host`'s record as a dict with the short keys mapping, sorted, num, start,
+    active and no_lora (the same NumPy int32 arrays)."""
+    meta = build_host(token_lora_mapping, max_loras, capacity)
+    return dict(zip(("mapping", "sorted", "num", "start", "active", "no_lora"), meta))
 
 
 class StepLayout:
@@ -481,11 +454,12 @@ class StepLayout:
     Both wrappers send a whole step in ONE host-to-device transfer of this block, in this order
     (t = max_num_batched_tokens, b = max_batches, L = max_loras):
 
-      token, sampler, sampler_padded (t each), embeddings (2, t), long_lora (t),
+      token_lora_indices, sampler_indices, sampler_indices_padded (t each), embeddings_indices (2, t),
+      long_lora_indices (t) (the wrappers' names of these arrays),
       seq_start_locs, seq_lengths, lora_indices_per_batch (b each),
       tail (10): indices_len[0..4] (-1 for None), batch_size, max_length, token_nums, is_prefill, no_lora,
-      token_meta.* and prompt_meta.*: mapping (t), sorted (t), active (L+1), num (L+1), start (L+2),
-                                      no_lora (1)   (the kernel metadata of the tokens / sampled rows)
+      token_meta.* and prompt_meta.*: the kernel metadata of the tokens / sampled rows, one segment per
+                                      `KernelMeta` field in its order (`kernel_meta.field_shapes`)
 
     Index arrays are zero-padded to their capacity (vLLM's TPU wrapper's padding). Every segment starts
     at a multiple of ALIGN int32s (16 bytes; the gaps are zeros): a kernel argument pointing into
@@ -499,12 +473,11 @@ class StepLayout:
     def __init__(self, max_num_batched_tokens: int, max_batches: int, max_loras: int):
         t, b, L = int(max_num_batched_tokens), int(max_batches), int(max_loras)
         self.t, self.b, self.max_loras = t, b, L
-        shapes = [("token", (t,)), ("sampler", (t,)), ("sampler_padded", (t,)), ("embeddings", (2, t)),
-                  ("long_lora", (t,)), ("seq_start_locs", (b,)), ("seq_lengths", (b,)),
-                  ("lora_indices_per_batch", (b,)), ("tail", (self.TAIL,))]
-        meta_shapes = dict(mapping=(t,), sorted=(t,), active=(L + 1,), num=(L + 1,), start=(L + 2,), no_lora=(1,))
+        shapes = [("token_lora_indices", (t,)), ("sampler_indices", (t,)), ("sampler_indices_padded", (t,)),
+                  ("embeddings_indices", (2, t)), ("long_lora_indices", (t,)), ("seq_start_locs", (b,)),
+                  ("seq_lengths", (b,)), ("lora_indices_per_batch", (b,)), ("tail", (self.TAIL,))]
         for prefix in ("token_meta", "prompt_meta"):
-            shapes += [(f"{prefix}.{f}", meta_shapes[f]) for f in META_FIELDS]
+            shapes += [(f"{prefix}.{f}", shape) for f, shape in zip(KernelMeta._fields, field_shapes(t, L))]
         self.segments, offset = [], 0
         for name, shape in shapes:
             size = int(np.prod(shape))
@@ -530,6 +503,11 @@ class StepLayout:
         off, size, shape = self._index[name]
         return block[off:off + size].reshape(shape)
 
+    def kernel_meta(self, block, prefix: str) -> KernelMeta:
+        """The "token_meta" or "prompt_meta" segments of `block` as a KernelMeta of views (`no_lora`
+        as its (1,) int32 0/1)."""
+        return KernelMeta(*(self.view(block, f"{prefix}.{f}") for f in KernelMeta._fields))
+
     def empty_block(self, pad_prompt: bool) -> np.ndarray:
         """The block of a step without tokens (a wrapper's state before its first update)."""
         step = prepare_step(LoRAMapping((), ()), [], 1, 0, 0, None, max_num_batched_tokens=self.t,
@@ -541,8 +519,8 @@ class StepLayout:
         array `block` (length `size`); returns it."""
         block[:] = 0
         v = self.views(block)
-        names = ("token", "sampler", "sampler_padded", "embeddings", "long_lora", "seq_start_locs",
-                 "seq_lengths", "lora_indices_per_batch")
+        names = ("token_lora_indices", "sampler_indices", "sampler_indices_padded", "embeddings_indices",
+                 "long_lora_indices", "seq_start_locs", "seq_lengths", "lora_indices_per_batch")
         for name, src in zip(names, step.buffers()):
             v[name][..., : src.shape[-1]] = src
         lens, p = step.indices.indices_len, step.prefill
@@ -550,6 +528,6 @@ class StepLayout:
                         p.batch_size, p.max_length, p.token_nums, int(step.is_prefill), int(step.no_lora)]
         for prefix, mapping in (("token_meta", step.indices.base_indices),
                                 ("prompt_meta", step.indices.sampler_indices)):
-            for field, arr in kernel_meta_host(mapping, self.max_loras, self.t).items():
+            for field, arr in zip(KernelMeta._fields, build_host(mapping, self.max_loras, self.t)):
                 v[f"{prefix}.{field}"][:] = arr
         return block

@@ -1,9 +1,10 @@
 """Kernel metadata for the torch side (contract section 3), built on the device without a host sync.
 
-Same fields, invariants and algorithm as `jax_lora.meta` (read its docstring): a counting build
-(scatter-add over max_loras + 1 bins) plus one stable sort, every shape fixed by
-(max_num_tokens, max_loras). Unlike vLLM's seed, `prepare_tensors` never reads a value back to the
-host: the no-LoRA flag is a device tensor, and kernels decide on the device.
+Fields, values and invariants: `lora_core.kernel_meta` (the record `KernelMeta`, in `meta_args(T)`'s
+order); the build is `jax_lora.meta`'s: a counting build (scatter-add over max_loras + 1 bins) plus
+one stable sort, every shape fixed by (max_num_tokens, max_loras). Unlike vLLM's GPU wrapper,
+`prepare_tensors` never reads a value back to the host: the no-LoRA flag is a device tensor, and
+kernels decide on the device.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import torch
 
 from lora_core import checks
+from lora_core.kernel_meta import KernelMeta
 
 __all__ = ["LoRAKernelMeta"]
 
@@ -144,8 +146,9 @@ class LoRAKernelMeta:
         host sync)."""
         return self.no_lora
 
-    def meta_args(self, token_nums: int) -> tuple:
+    def meta_args(self, token_nums: int) -> KernelMeta:
         """(token_lora_mapping[:T], token_indices_sorted_by_lora_ids[:T], num_tokens_per_lora,
-        lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums: vLLM's order."""
-        return (self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
-                self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora)
+        lora_token_start_loc, active_lora_ids, no_lora) for T = token_nums: vLLM's order, as a
+        `KernelMeta` (a tuple)."""
+        return KernelMeta(self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
+                          self.num_tokens_per_lora, self.lora_token_start_loc, self.active_lora_ids, self.no_lora)

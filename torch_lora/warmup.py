@@ -16,15 +16,16 @@ On a GPU with the Triton backend the cases are first compiled concurrently by wo
 (`workers`, default one per core up to 16; `lora_core.warmup.warmup_groups` splits the cases by
 the kernel variants each compiles, `lora_core.warmup.case_variants`, so that every worker compiles
 about as many variants and rarely one another's), which fill Triton's cache; the pass in this
-process then loads what they compiled. `python -m torch_lora.warmup --warmup-worker JSON` is the
-worker. A deterministic wrapper warms up its batch-invariant launches.
+process then loads what they compiled. `python -m torch_lora.warmup_worker --warmup-worker JSON` is
+the worker. A deterministic wrapper warms up its batch-invariant launches.
+
+This module takes the wrapper as an argument and never imports `torch_lora.wrapper` (the wrapper's
+`warmup` method calls it); the twin is built from the wrapper's own class.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import time
 from collections.abc import Sequence
 
@@ -55,8 +56,6 @@ def warmup(wrapper, layers: Sequence, token_counts: Sequence[int] | None = None,
     per-slot ranks / LoRA biases / DoRA column scales (they select other kernel variants; bias and
     dora exclude each other, as a slice takes one); workers: processes that compile first
     (None: one per core up to 16 on a GPU with the Triton backend, else none; 0 or 1: none)."""
-    from .wrapper import PunicaWrapper
-
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32 (the layers' activation and "
                          f"weight dtype), got {dtype!r}")
@@ -76,8 +75,8 @@ def warmup(wrapper, layers: Sequence, token_counts: Sequence[int] | None = None,
                                deterministic=deterministic)
         payloads = [dict(common, cases=[(dataclasses.astuple(shape), ts) for shape, ts in group])
                     for group in warmup_groups(shapes, counts, workers, variants=variants)]
-        worker_results = run_workers("torch_lora.warmup", payloads)
-    twin = PunicaWrapper(wrapper.max_num_batched_tokens, wrapper.max_batches, wrapper.device,
+        worker_results = run_workers("torch_lora.warmup_worker", payloads)
+    twin = type(wrapper)(wrapper.max_num_batched_tokens, wrapper.max_batches, wrapper.device,
                          max_loras=wrapper.max_loras, backend=wrapper.backend, deterministic=deterministic)
     slots, device = wrapper.max_loras, wrapper.device
     stand_ins = []
@@ -102,20 +101,3 @@ def warmup(wrapper, layers: Sequence, token_counts: Sequence[int] | None = None,
         torch.cuda.synchronize(device)
     return {"calls": bar.done, "seconds": time.perf_counter() - t_start, "token_counts": counts,
             "workers": worker_results}
-
-
-def _worker(payload: dict) -> None:
-    """A warm-up worker process: the payload's (layer, token counts) cases on a wrapper like the
-    caller's, without workers of its own; its compiles land in Triton's cache."""
-    from .wrapper import PunicaWrapper
-    w = PunicaWrapper(payload["max_num_batched_tokens"], payload["max_batches"], payload["device"],
-                      max_loras=payload["max_loras"], backend=payload["backend"],
-                      deterministic=payload.get("deterministic", False))
-    dtype = getattr(torch, payload["dtype"])
-    for (hidden, slices, rank), counts in payload["cases"]:
-        warmup(w, [LinearShape(hidden, tuple(slices), rank)], counts, dtype=dtype, lora_ranks=payload["lora_ranks"],
-               bias=payload["bias"], dora=payload.get("dora", False), progress=False, workers=0)
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--warmup-worker":
-    _worker(json.loads(sys.argv[2]))

@@ -26,7 +26,9 @@ from lora_core import checks
 from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .meta import LoRAKernelMeta
-from .ops import as_lora_ranks, as_slices, check_tensors, dispatch, to_3d
+from .ops import dispatch
+from .ops.api import as_lora_ranks, as_slices, check_tensors, to_3d
+from .warmup import warmup as _warmup
 
 __all__ = ["PunicaWrapper"]
 
@@ -67,8 +69,9 @@ class PunicaWrapper:
         v = self._layout.views(self._block)
         (self._token_lora_indices, self._sampler_indices, self._sampler_indices_padded,
          self._embeddings_indices, self._long_lora_indices, self._seq_start_locs, self._seq_lengths,
-         self._lora_indices_per_batch) = (v[k] for k in ("token", "sampler", "sampler_padded", "embeddings",
-                                                          "long_lora", "seq_start_locs", "seq_lengths",
+         self._lora_indices_per_batch) = (v[k] for k in ("token_lora_indices", "sampler_indices",
+                                                          "sampler_indices_padded", "embeddings_indices",
+                                                          "long_lora_indices", "seq_start_locs", "seq_lengths",
                                                           "lora_indices_per_batch"))
         self.indices_len: list = [None] * 5
         self.batch_size = -1
@@ -78,8 +81,8 @@ class PunicaWrapper:
         self.no_lora = False
         self._max_slot = -1
         self._embedding_rows = None      # vocab_size + extra_vocab_size of the last update_metadata
-        self.token_mapping_meta = _meta_view(v, "token_meta")
-        self.prompt_mapping_meta = _meta_view(v, "prompt_meta")
+        self.token_mapping_meta = _meta_view(self._layout, self._block, "token_meta")
+        self.prompt_mapping_meta = _meta_view(self._layout, self._block, "prompt_meta")
         self._block.copy_(torch.from_numpy(self._layout.empty_block(pad_prompt=False)))
         self._plans: dict = {}
         self._token_meta_args: dict = {}   # T -> token_mapping_meta.meta_args(T): views, valid forever
@@ -115,8 +118,7 @@ class PunicaWrapper:
         (`lora_core.warmup.LinearShape` or (hidden, slices, rank)) and token counts (default vLLM's
         capture sizes), before serving, in `workers` processes first (default: one per core up to
         16 on a GPU); this wrapper's metadata is untouched (see torch_lora.warmup)."""
-        from .warmup import warmup
-        return warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, dora=dora,
+        return _warmup(self, layers, token_counts, dtype=dtype, lora_ranks=lora_ranks, bias=bias, dora=dora,
                       progress=progress, workers=workers)
 
     # ------------------------------------------------------------------ properties
@@ -468,11 +470,11 @@ class PunicaWrapper:
         return y
 
 
-def _meta_view(views: dict, prefix: str) -> LoRAKernelMeta:
-    """A LoRAKernelMeta whose tensors are views of the wrapper's block (filled on the host)."""
-    return LoRAKernelMeta(views[f"{prefix}.mapping"], views[f"{prefix}.sorted"], views[f"{prefix}.active"],
-                          views[f"{prefix}.num"], views[f"{prefix}.start"],
-                          views[f"{prefix}.no_lora"].view(torch.bool)[:1])  # low byte of an int32 0/1
+def _meta_view(layout: StepLayout, block: torch.Tensor, prefix: str) -> LoRAKernelMeta:
+    """A LoRAKernelMeta whose tensors are views of the wrapper's block (filled on the host); the
+    flag is the low byte of its int32 0/1, as a (1,) bool."""
+    meta = layout.kernel_meta(block, prefix)
+    return LoRAKernelMeta(**meta._replace(no_lora=meta.no_lora.view(torch.bool)[:1])._asdict())
 
 
 class _LinearPlan:

@@ -43,7 +43,7 @@ from flax import nnx
 
 from .. import nn as lnn
 from .. import parallel
-from ..ops import _on_host
+from ..ops.api import _on_host
 from .attention import decode_attention, prefill_attention
 
 __all__ = [

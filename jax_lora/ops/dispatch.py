@@ -23,10 +23,11 @@ falling back to "xla" when its kernels are not importable on this machine.
 
 from __future__ import annotations
 
-import jax
-
 from lora_core.backend_registry import BackendRegistry
 from lora_core.checks import check_deterministic
+
+from ..devices import platform_of
+from . import invariant
 
 _REGISTRY = BackendRegistry({
     "xla": "jax_lora.ops.xla",
@@ -40,32 +41,6 @@ _DEVICE_DEFAULT = {"tpu": "pallas_tpu", "gpu": "triton", "cuda": "triton", "rocm
 def load_backend(name: str):
     """The backend module `name`; a clear error if it is unknown or cannot run here."""
     return _REGISTRY.load(name)
-
-
-def platform_of(device) -> str:
-    """'cpu' / 'gpu' / 'tpu' for a jax Device, a Sharding (its devices' platform), a platform
-    string, or None (the default backend)."""
-    if device is None:
-        return jax.default_backend()
-    if isinstance(device, str):
-        p = device.split(":")[0].lower()
-        return "gpu" if p in ("cuda", "gpu") else p
-    if isinstance(device, jax.sharding.Sharding):
-        device = next(iter(device.device_set))
-    return getattr(device, "platform", "cpu")
-
-
-def resolve_device(device):
-    """A jax Device for a platform string ("cpu", "gpu", "cuda:1", "tpu"); other values (None, a
-    Device, a Sharding) unchanged. ValueError naming the string when no such device exists."""
-    if device is None or not isinstance(device, str):
-        return device
-    platform = platform_of(device)
-    idx = int(device.split(":")[1]) if ":" in device else 0
-    try:
-        return jax.devices(platform)[idx]
-    except (RuntimeError, IndexError) as e:
-        raise ValueError(f"device {device!r} is not available: {e}") from e
 
 
 def default_backend_name(device=None, *, log: bool = False) -> str:
@@ -97,8 +72,5 @@ def deterministic_impl(impl):
     """The batch-invariant form of backend `impl`: its own `deterministic_backend()` (Triton:
     fixed launch configs), else the reference math of `jax_lora.ops.invariant`."""
     hook = getattr(impl, "deterministic_backend", None)
-    if hook is not None:
-        return hook()
-    from . import invariant
-    return invariant
+    return hook() if hook is not None else invariant
 

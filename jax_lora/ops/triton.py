@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lora_core.kernel_meta import KernelMeta
 from lora_core.kernels import arguments, configs
 from lora_core.kernels.common import HAVE_PDL
 from lora_core.kernels.expand import plan_expand
@@ -158,9 +159,10 @@ def _use_interpreter(*arrays) -> bool:
     return True
 
 
-def _meta_arrays(meta: LoRAKernelMeta) -> tuple:
-    return (meta.token_lora_mapping, meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora,
-            meta.lora_token_start_loc, meta.active_lora_ids)
+def _meta_arrays(meta: LoRAKernelMeta) -> KernelMeta:
+    """The metadata record over the whole capacity (`meta_args` of every token): the kernels bound
+    their reads by the token count they are given."""
+    return meta.meta_args(meta.max_num_tokens)
 
 
 def _ranks(lora_ranks):

@@ -15,6 +15,11 @@ repeat slice 0's weights and strides; a missing bias passes another slice's bias
 one dtype); without per-slot ranks the ranks pointer is the counts array (never
 read: HAS_RANKS is off).
 
+The metadata arrives as a `KernelMeta` (lora_core.kernel_meta: its five index arrays are the
+kernels' metadata pointers, in its order); each slice's part of a launch is one `SliceArgs`
+record, and a kernel's per-slice parameter groups (a0..a3, their strides, widths, offsets) are
+those records read field by field.
+
 `KernelCall.with_alignment_hints()` sets the ALIGNED meta-parameter when every integer the kernel
 passes through `hint16` is a multiple of 16 (JAX's launchers: Triton's own launcher specialises
 integers itself, so torch leaves it off).
@@ -27,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ..dora import epilogue_vectors
+from ..kernel_meta import KernelMeta
 from .expand import lora_expand_kernel
 from .fused import lora_fused_kernel
 from .planning import MAX_SLICES
@@ -97,20 +103,47 @@ def shape_strides(array) -> tuple:
     return row_major_strides(array.shape)
 
 
-def _padded(values: Sequence, fill) -> list:
-    """values padded to MAX_SLICES entries with `fill`."""
-    values = list(values)
-    return values + [fill] * (MAX_SLICES - len(values))
+class SliceArgs(NamedTuple):
+    """One slice's parameters of a launch. The kernels take each field as MAX_SLICES consecutive
+    parameters (a0..a3, then b0..b3, ...; a stride triple per slice), so a launch's parameter
+    list is its slices' records read field by field."""
+    a: object = None             # (L, r, H) weight (shrink, fused)
+    a_strides: tuple = ()        # its (slot, rank, hidden) element strides
+    b: object = None             # (L, n, r) weight (expand, fused)
+    b_strides: tuple = ()        # its (slot, col, rank) element strides
+    bias: object = None          # (L, n) epilogue vector: a LoRA bias or a DoRA column scale
+    bias_strides: tuple = ()     # its (slot, col) element strides; (0, 0) when the slice has none
+    width: int = 0               # n, the slice's columns in y (expand, fused)
+    offset: int = 0              # the slice's first column in y
 
 
-def _weight_strides(weights: Sequence, strides: Strides) -> list:
-    """The (slot, row, col) strides of up to MAX_SLICES weights, flattened; unused slices repeat
-    the first's."""
-    flat = []
-    for w in weights:
-        flat.extend(strides(w))
-    flat.extend(flat[:3] * (MAX_SLICES - len(weights)))
-    return flat
+def _slices(strides: Strides, lora_a: Sequence = (), lora_b: Sequence = (), bias=None,
+            offsets: Sequence[int] = ()) -> list:
+    """The launch's MAX_SLICES SliceArgs, slice 0 first. Slices past the launch's own repeat slice
+    0's weights and strides with width and offset 0; the epilogue vectors: `_bias_args`."""
+    num_slices = max(len(lora_a), len(lora_b))
+    bias_pointers, bias_strides = _bias_args(bias, num_slices, lora_b[0], strides) if lora_b else ((), ())
+    own = []
+    for s in range(num_slices):
+        a = lora_a[s] if lora_a else None
+        b = lora_b[s] if lora_b else None
+        own.append(SliceArgs(a, () if a is None else tuple(strides(a)), b, () if b is None else tuple(strides(b)),
+                             width=0 if b is None else int(b.shape[1]), offset=int(offsets[s]) if offsets else 0))
+    slices = own + [own[0]._replace(width=0, offset=0)] * (MAX_SLICES - num_slices)
+    if lora_b:
+        slices = [sl._replace(bias=p, bias_strides=st) for sl, p, st in zip(slices, bias_pointers, bias_strides)]
+    return slices
+
+
+def _as_kernel_meta(meta) -> KernelMeta:
+    """`meta` as a KernelMeta (any sequence of its fields in its order is read as one)."""
+    return meta if isinstance(meta, KernelMeta) else KernelMeta(*meta)
+
+
+def _index_pointers(m: KernelMeta) -> tuple:
+    """The kernels' metadata pointer parameters: KernelMeta's five index arrays, in its order."""
+    return (m.token_lora_mapping, m.token_indices_sorted_by_lora_ids, m.num_tokens_per_lora,
+            m.lora_token_start_loc, m.active_lora_ids)
 
 
 class ColumnScale(NamedTuple):
@@ -150,35 +183,35 @@ def _one_dtype_vectors(bias, num_slices: int) -> list:
 
 
 def _bias_args(bias, num_slices: int, dummy, strides: Strides) -> tuple:
-    """(pointers, (slot, col) strides) of the slices' biases padded to MAX_SLICES; a missing bias
+    """(pointers, (slot, col) strides), one of each per slice up to MAX_SLICES; a missing bias
     passes the first present vector (else `dummy`) with zero strides: one pointer element type for
     every slice (`_one_dtype_vectors`), never read (its BIAS flag is 0)."""
     vectors = _one_dtype_vectors(bias, num_slices)
     dummy = next((v for v in vectors if v is not None), dummy)
-    pointers, flat = [], []
+    pointers, pairs = [], []
     for s in range(MAX_SLICES):
         b = vectors[s] if s < len(vectors) else None
         if b is None:
             pointers.append(dummy)
-            flat.extend((0, 0))
+            pairs.append((0, 0))
         else:
             b = b if b.ndim == 2 else b.reshape(b.shape[0], -1)
             pointers.append(b)
-            flat.extend(strides(b))
-    return pointers, flat
+            pairs.append(tuple(strides(b)))
+    return pointers, pairs
 
 
 def shrink_call(plan, x, lora_a: Sequence, lora_ranks, meta: Sequence, scale: float, out,
                 strides: Strides) -> KernelCall:
     """`lora_shrink_kernel`'s call. x (T, H); lora_a: up to MAX_SLICES (L, r, H) weights; lora_ranks
-    (L,) int32 or None; meta: (token_lora_mapping, token_indices_sorted_by_lora_ids,
-    num_tokens_per_lora, lora_token_start_loc, active_lora_ids); out: (planes, S, T, r) float32."""
-    mapping, sorted_ids, counts, starts, active = meta
-    weights = _padded(lora_a, lora_a[0])
-    ranks = counts if lora_ranks is None else lora_ranks
-    pointers = (x, *weights, ranks, mapping, sorted_ids, counts, starts, active)
-    scalars = (scale, x.shape[0], x.shape[1], sorted_ids.shape[0], lora_a[0].shape[0], *strides(x),
-               *_weight_strides(lora_a, strides), *strides(out))
+    (L,) int32 or None; meta: a KernelMeta (its five index arrays are read); out: (planes, S, T, r)
+    float32."""
+    m = _as_kernel_meta(meta)
+    sl = _slices(strides, lora_a=lora_a)
+    ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
+    pointers = (x, *(s.a for s in sl), ranks, *_index_pointers(m))
+    scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0], lora_a[0].shape[0],
+               *strides(x), *(v for s in sl for v in s.a_strides), *strides(out))
     return KernelCall(lora_shrink_kernel, plan, pointers, scalars, out)
 
 
@@ -186,30 +219,28 @@ def expand_call(plan, buf, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y
                 strides: Strides) -> KernelCall:
     """`lora_expand_kernel`'s call, writing y in place. buf: (planes, S, T, r) float32; lora_b: up to
     MAX_SLICES (L, n_s, r) weights; bias: None or per slice None / (L, n_s) (or (L, 1, n_s));
-    offsets: the slices' first columns in y (T, N)."""
-    mapping, sorted_ids, counts, starts, active = meta
-    weights = _padded(lora_b, lora_b[0])
-    bias_pointers, bias_strides = _bias_args(bias, len(lora_b), lora_b[0], strides)
-    ranks = counts if lora_ranks is None else lora_ranks
-    pointers = (buf, *weights, *bias_pointers, ranks, mapping, sorted_ids, counts, starts, active, y)
-    scalars = (y.shape[0], sorted_ids.shape[0], lora_b[0].shape[0], *strides(buf),
-               *_weight_strides(lora_b, strides), *bias_strides, *_padded([int(b.shape[1]) for b in lora_b], 0),
-               *_padded([int(o) for o in offsets], 0), *strides(y))
+    meta: a KernelMeta; offsets: the slices' first columns in y (T, N)."""
+    m = _as_kernel_meta(meta)
+    sl = _slices(strides, lora_b=lora_b, bias=bias, offsets=offsets)
+    ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
+    pointers = (buf, *(s.b for s in sl), *(s.bias for s in sl), ranks, *_index_pointers(m), y)
+    scalars = (y.shape[0], m.token_indices_sorted_by_lora_ids.shape[0], lora_b[0].shape[0], *strides(buf),
+               *(v for s in sl for v in s.b_strides), *(v for s in sl for v in s.bias_strides),
+               *(s.width for s in sl), *(s.offset for s in sl), *strides(y))
     return KernelCall(lora_expand_kernel, plan, pointers, scalars, y)
 
 
 def fused_call(plan, x, lora_a: Sequence, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y, sync, workspace,
                scale: float, offsets: Sequence[int], strides: Strides) -> KernelCall:
-    """`lora_fused_kernel`'s call, writing y in place. sync: the int32 barrier counters
-    (plan.sync_ints, zeroed once); workspace: plan.workspace_shape float32."""
-    mapping, sorted_ids, counts, starts, active = meta
-    bias_pointers, bias_strides = _bias_args(bias, len(lora_b), lora_b[0], strides)
-    ranks = counts if lora_ranks is None else lora_ranks
-    pointers = (x, *_padded(lora_a, lora_a[0]), *_padded(lora_b, lora_b[0]), *bias_pointers, ranks, mapping,
-                sorted_ids, counts, starts, active, y, sync, workspace)
-    scalars = (scale, x.shape[0], x.shape[1], sorted_ids.shape[0], lora_a[0].shape[0], *strides(x),
-               *_weight_strides(lora_a, strides), *_weight_strides(lora_b, strides), *bias_strides,
-               *_padded([int(b.shape[1]) for b in lora_b], 0), *_padded([int(o) for o in offsets], 0),
+    """`lora_fused_kernel`'s call, writing y in place. meta: a KernelMeta; sync: the int32 barrier
+    counters (plan.sync_ints, zeroed once); workspace: plan.workspace_shape float32."""
+    m = _as_kernel_meta(meta)
+    sl = _slices(strides, lora_a=lora_a, lora_b=lora_b, bias=bias, offsets=offsets)
+    ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
+    pointers = (x, *(s.a for s in sl), *(s.b for s in sl), *(s.bias for s in sl), ranks, *_index_pointers(m), y,
+                sync, workspace)
+    scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0], lora_a[0].shape[0],
+               *strides(x), *(v for s in sl for v in s.a_strides), *(v for s in sl for v in s.b_strides),
+               *(v for s in sl for v in s.bias_strides), *(s.width for s in sl), *(s.offset for s in sl),
                *strides(y), *strides(workspace)[:3])
     return KernelCall(lora_fused_kernel, plan, pointers, scalars, y)
-

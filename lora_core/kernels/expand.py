@@ -140,17 +140,28 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
 
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_expand_kernel(
+        # pointers: the buffer, B per slice, the epilogue vector per slice, the per-slot ranks
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr,
+        # pointers: the metadata, KernelMeta's index arrays in its order; then y
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
+        # sizes
         num_tokens, num_sorted, num_slots,
+        # strides: the buffer (plane, slice, token, rank), then B per slice (slot, col, rank)
         stride_buf_plane, stride_buf_slice, stride_buf_token, stride_buf_rank,
-        stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot,
-        stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
-        stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
-        stride_bias2_col, stride_bias3_slot, stride_bias3_col,
+        stride_b0_slot, stride_b0_col, stride_b0_rank,
+        stride_b1_slot, stride_b1_col, stride_b1_rank,
+        stride_b2_slot, stride_b2_col, stride_b2_rank,
+        stride_b3_slot, stride_b3_col, stride_b3_rank,
+        # strides: the epilogue vector per slice (slot, col)
+        stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col,
+        stride_bias2_slot, stride_bias2_col, stride_bias3_slot, stride_bias3_col,
+        # sizes per slice: its width, its first column in y
         width0, width1, width2, width3, offset0, offset1, offset2, offset3,
+        # strides: y (token, col)
         stride_y_token, stride_y_col,
+        # the output pointer (y itself)
         out_ptr,
+        # meta-parameters
         RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_TILES: tl.constexpr, NT1: tl.constexpr,
         NT2: tl.constexpr, NT3: tl.constexpr, BIAS0: tl.constexpr, BIAS1: tl.constexpr, BIAS2: tl.constexpr,
         BIAS3: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,

@@ -91,20 +91,35 @@ def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr, POLL_LIMIT: 
 
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_fused_kernel(
+        # pointers: x, A per slice, B per slice, the epilogue vector per slice, the per-slot ranks
         x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
         bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr,
+        # pointers: the metadata, KernelMeta's index arrays in its order; then y, the barrier
+        # counters and the float32 workspace
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr, sync_ptr, ws_ptr,
+        # scale and sizes
         scale, num_tokens, hidden, num_sorted, num_slots,
+        # strides: x, then A per slice (slot, rank, hidden)
         stride_x_token, stride_x_hidden,
-        stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden,
-        stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
-        stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot,
-        stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
-        stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
-        stride_bias2_col, stride_bias3_slot, stride_bias3_col,
+        stride_a0_slot, stride_a0_rank, stride_a0_hidden,
+        stride_a1_slot, stride_a1_rank, stride_a1_hidden,
+        stride_a2_slot, stride_a2_rank, stride_a2_hidden,
+        stride_a3_slot, stride_a3_rank, stride_a3_hidden,
+        # strides: B per slice (slot, col, rank)
+        stride_b0_slot, stride_b0_col, stride_b0_rank,
+        stride_b1_slot, stride_b1_col, stride_b1_rank,
+        stride_b2_slot, stride_b2_col, stride_b2_rank,
+        stride_b3_slot, stride_b3_col, stride_b3_rank,
+        # strides: the epilogue vector per slice (slot, col)
+        stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col,
+        stride_bias2_slot, stride_bias2_col, stride_bias3_slot, stride_bias3_col,
+        # sizes per slice: its width, its first column in y
         width0, width1, width2, width3, offset0, offset1, offset2, offset3,
+        # strides: y (token, col), the workspace (plane, slice, token)
         stride_y_token, stride_y_col, stride_ws_plane, stride_ws_slice, stride_ws_token,
+        # the output pointer (y itself)
         out_ptr,
+        # meta-parameters
         RANK: tl.constexpr, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr,
         K_PER_SPLIT: tl.constexpr, WS_GROUP: tl.constexpr,
         NUM_TILES: tl.constexpr, NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr,
@@ -195,7 +210,7 @@ def lora_fused_kernel(
                   + tok[:, None] * stride_ws_token + offs_r[None, :])
             tl.store(ws, acc * scale, mask=tok_ok[:, None] & (offs_r < RANK)[None, :])
         _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
-    if PHASE != 1:
+    if PHASE != 1:  # noqa: SIM102 - a constexpr test, resolved when the kernel compiles; is_out is a runtime value
         if is_out:
             # The SPLIT_K planes, WS_GROUP at a time in one load (all of a group in flight at once;
             # decode: every plane in one load), from L2 (".cg": not L1), summed.

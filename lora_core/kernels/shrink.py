@@ -50,14 +50,23 @@ def _store_rank_rows(out, acc, write, ATOMIC: tl.constexpr):
 
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_shrink_kernel(
+        # pointers: x, A per slice (slices 0..3), the per-slot ranks
         x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr,
+        # pointers: the metadata, KernelMeta's index arrays in its order
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
+        # scale and sizes
         scale, num_tokens, hidden, num_sorted, num_slots,
+        # strides: x, then A per slice (slot, rank, hidden)
         stride_x_token, stride_x_hidden,
-        stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden,
-        stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
+        stride_a0_slot, stride_a0_rank, stride_a0_hidden,
+        stride_a1_slot, stride_a1_rank, stride_a1_hidden,
+        stride_a2_slot, stride_a2_rank, stride_a2_hidden,
+        stride_a3_slot, stride_a3_rank, stride_a3_hidden,
+        # strides: out (plane, slice, token, rank)
         stride_out_plane, stride_out_slice, stride_out_token, stride_out_rank,
+        # the output pointer
         out_ptr,
+        # meta-parameters
         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
         K_PER_SPLIT: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr,
         LORA_ONLY: tl.constexpr, ATOMIC: tl.constexpr, HAS_RANKS: tl.constexpr,

@@ -14,8 +14,10 @@ Optional:
   prepare_linear(lora_a, lora_b, meta_args, offsets, bias, *, col_scale=None) -> run(y, x, scale, lora_ranks)
       `linear` with the persistent arguments bound, for repeated calls with new activations
       (the wrapper keeps one per layer and token count; see torch_lora.ops.triton.PreparedLinear)
-`meta_args` is `LoRAKernelMeta.meta_args(T)` (contract section 3). Weights arrive as 3-D views (the
-size-1 axis removed), arguments already checked.
+`meta_args` is `LoRAKernelMeta.meta_args(T)`: a `lora_core.kernel_meta.KernelMeta` (contract section
+3), whose fields the backends read by name (the reference backend reads only its first,
+`token_lora_mapping`). Weights arrive as 3-D views (the size-1 axis removed), arguments already
+checked.
 
 Optional, for `deterministic=True`:
   deterministic_backend() -> an object with the contract above whose results are batch invariant
@@ -36,6 +38,8 @@ import torch
 
 from lora_core.backend_registry import BackendRegistry
 from lora_core.checks import check_deterministic
+
+from . import invariant
 
 _REGISTRY = BackendRegistry({"torch": "torch_lora.ops.torch_ref", "triton": "torch_lora.ops.triton"}, "torch_lora")
 BACKENDS = _REGISTRY.names
@@ -80,8 +84,5 @@ def deterministic_impl(impl):
     """The batch-invariant form of backend module `impl`: its own `deterministic_backend()`
     (Triton: fixed launch configs), else the reference math of `torch_lora.ops.invariant`."""
     hook = getattr(impl, "deterministic_backend", None)
-    if hook is not None:
-        return hook()
-    from . import invariant
-    return invariant
+    return hook() if hook is not None else invariant
 

@@ -59,7 +59,7 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
     """out[s] (T, r) float32 written. rows(xf, a, slot) -> (T, r): how each token's own product is
     computed (torch_lora.ops.invariant passes its batch-invariant form)."""
     t = x.shape[0]
-    idx = meta_args[0][:t]
+    idx = meta_args[0][:t]   # token_lora_mapping, meta_args' first entry (the only one read here)
     xf = x.to(torch.float32)
     for s, a in enumerate(lora_a):
         num_slots, rank, _ = a.shape
@@ -110,7 +110,7 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
     column scale, lora_core.dora), after the bias."""
     rows = rows or _expand_slots
     t = y.shape[0]
-    idx = meta_args[0][:t]
+    idx = meta_args[0][:t]   # token_lora_mapping, meta_args' first entry (the only one read here)
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         num_slots, width, rank = b.shape
         valid, slot = _slots(idx, num_slots)

@@ -193,12 +193,13 @@ def _launch(call: arguments.KernelCall) -> None:
 def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, config, deterministic=False):
     T, H = x.shape
     L, R, _ = lora_a[0].shape
-    return _shrink_plan(T, H, R, len(lora_a), meta_args[4].shape[0], L, _dtype_name(x), _dtype_name(lora_a[0]),
-                        lora_only, workspace, lora_ranks is not None, _key(config), deterministic)
+    return _shrink_plan(T, H, R, len(lora_a), meta_args.active_lora_ids.shape[0], L, _dtype_name(x),
+                        _dtype_name(lora_a[0]), lora_only, workspace, lora_ranks is not None, _key(config),
+                        deterministic)
 
 
 def _shrink_call(x, lora_a, out, meta_args, scale, lora_ranks, plan) -> arguments.KernelCall:
-    return arguments.shrink_call(plan, x, lora_a, lora_ranks, meta_args[:5], scale,
+    return arguments.shrink_call(plan, x, lora_a, lora_ranks, meta_args, scale,
                                  out if out.dim() == 4 else out[None],
                                  _torch_strides)
 
@@ -209,10 +210,11 @@ def _expand_call(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bia
     L, _, R = lora_b[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
     buf4 = buf if buf.dim() == 4 else buf[None]
-    plan = _expand_plan(y.shape[0], R, widths, meta_args[4].shape[0], L, buf4.shape[0], _dtype_name(lora_b[0]),
-                        _dtype_name(y), bool(add_inputs), arguments.bias_flags(bias, len(lora_b)),
-                        lora_ranks is not None, _key(config), pdl, deterministic)
-    return arguments.expand_call(plan, buf4, lora_b, bias, lora_ranks, meta_args[:5], y, offsets, _torch_strides)
+    plan = _expand_plan(y.shape[0], R, widths, meta_args.active_lora_ids.shape[0], L, buf4.shape[0],
+                        _dtype_name(lora_b[0]), _dtype_name(y), bool(add_inputs),
+                        arguments.bias_flags(bias, len(lora_b)), lora_ranks is not None, _key(config), pdl,
+                        deterministic)
+    return arguments.expand_call(plan, buf4, lora_b, bias, lora_ranks, meta_args, y, offsets, _torch_strides)
 
 
 def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, config=None):
@@ -220,12 +222,12 @@ def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bia
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
-    plan = _fused_plan(T, H, R, widths, meta_args[4].shape[0], L, _dtype_name(x), _dtype_name(lora_a[0]),
+    plan = _fused_plan(T, H, R, widths, meta_args.active_lora_ids.shape[0], L, _dtype_name(x), _dtype_name(lora_a[0]),
                        arguments.bias_flags(bias, len(lora_b)), lora_ranks is not None, _key(config))
     ws = torch.empty(plan.workspace_shape, dtype=torch.float32, device=x.device)
     sync = _sync_buffer(x.device, torch._C._cuda_getCurrentRawStream(x.device.index) if x.is_cuda else 0,
                         plan.sync_ints)
-    return ws, arguments.fused_call(plan, x, lora_a, lora_b, bias, lora_ranks, meta_args[:5], y, sync, ws, scale,
+    return ws, arguments.fused_call(plan, x, lora_a, lora_b, bias, lora_ranks, meta_args, y, sync, ws, scale,
                                     offsets, _torch_strides)
 
 

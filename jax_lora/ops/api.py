@@ -1,0 +1,436 @@
+"""Multi-LoRA ops for JAX (contract section 4): functional, they return the result.
+
+  lora_shrink(x (T,H), lora_a_stacked, meta, scale) -> (S, T, r) float32
+  lora_expand(buf (S,T,r), lora_b_stacked, y (T,N), meta, offset_start=0, add_inputs=False) -> y
+  bgmv_shrink(x (T,H), w (L,[1,]r,H), idx (T,), scale=1.0) -> (T, r) float32
+  bgmv_expand(x (T,r), w (L,[1,]n,r), y (T,N), idx, add_inputs=True) -> y     (columns [0, min(n,N)))
+  bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs=True) -> y
+  sgmv_shrink / sgmv_expand / sgmv_expand_slice: as BGMV with `idx` replaced by the six prefill
+      metadata values (seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
+      token_nums): every token of a segment uses the segment's index.
+
+Every op accumulates in float32; tokens with index -1 contribute nothing (shrink rows are 0, expand
+rows are left untouched). `backend=` forces "xla", "pallas_tpu" or "triton"; None lets the device
+decide. `deterministic=True` (every op): a token's result is bitwise the same whatever the batch it
+is in (size, position, other tokens and their adapters) and from run to run
+(dispatch.deterministic_impl; docs/api.md, "Deterministic mode"). `lora_ranks` (L,) int32,
+optional: each slot's real rank; results equal the computation with the weights past that rank
+zeroed.
+
+Checks: shapes, dtypes, slices and devices are checked on every call. Host inputs (NumPy arrays)
+are checked before they become jax arrays, so nothing is changed in silence: float64 activations or
+weights are refused (contract section 4 dtypes; JAX would make them float32), and 64-bit integers
+outside int32 are refused (JAX would wrap them). Index *values* are checked when they are concrete
+and on the host CPU (NumPy arrays, CPU jax arrays); on accelerators and inside jit they cannot be
+read without a host sync, so out-of-range indices are masked instead: they never read or write out
+of bounds and contribute nothing. SGMV segment arguments: see segment_indices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lora_core import checks, segments
+from lora_core.kernel_meta import KernelMeta
+
+from ..meta import LoRAKernelMeta, build_kernel_meta
+from . import dispatch
+
+__all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
+           "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]
+
+ArrayLike = jax.Array | np.ndarray
+
+
+# ----------------------------------------------------------------------------- helpers
+
+# Host dtypes that jnp.asarray narrows without jax_enable_x64 (int64 is checked on its values).
+_NARROWED = ("float64", "complex128")
+
+
+def as_array(name: str, a, dtypes: Sequence[str] | None = None) -> jax.Array:
+    """`jnp.asarray(a)`, refusing what the conversion of a host value would change in silence.
+
+    A jax.Array passes through (its dtype is checked with its shape). A host array (NumPy, or anything
+    with a dtype) is checked first: against `dtypes` when given, else only against the 64-bit float
+    dtypes (without jax_enable_x64 a float64 array would become float32), and, for 64-bit integers,
+    on its values (outside int32 they would wrap: contract section 1, indices are int32).
+    """
+    if isinstance(a, jax.Array):
+        return a
+    dtype = getattr(a, "dtype", None)
+    if dtype is not None:
+        if dtypes is not None:
+            checks.check_dtype(name, dtype, dtypes)
+        elif checks.dtype_name(dtype) in _NARROWED and not jax.config.jax_enable_x64:
+            raise TypeError(f"{name} must have a 32-bit (or narrower) dtype, got {checks.dtype_name(dtype)}: JAX "
+                            "(jax_enable_x64 off) would narrow it in silence")
+        check_host_int32(name, a)
+    elif a is None:
+        raise TypeError(f"{name} must be an array, got None")
+    elif isinstance(a, (list, tuple, int, float)) and not jax.config.jax_enable_x64:
+        check_python_values(name, a)
+    return jnp.asarray(a)
+
+
+def check_python_values(name: str, a) -> None:
+    """Python numbers (a scalar or nested lists) that jnp.asarray would narrow to 32 bits in silence:
+    a finite float beyond float32's largest (it would become an infinity) or an int outside int32
+    (jnp.asarray would raise an OverflowError naming nothing) is a ValueError naming `name`."""
+    try:
+        v = np.asarray(a)
+    except (TypeError, ValueError, OverflowError):
+        return  # not numbers (or ragged): jnp.asarray raises its own error
+    if v.dtype == np.float64 and v.size:
+        big = np.isfinite(v) & (np.abs(v) > np.finfo(np.float32).max)
+        if big.any():
+            raise ValueError(f"{name} holds {float(v[big][0])!r}, outside float32's finite range (+-"
+                             f"{float(np.finfo(np.float32).max)!r}): JAX (jax_enable_x64 off) would make it an "
+                             "infinity in silence")
+    elif v.dtype.kind == "i" and v.size:
+        checks.check_int32_range(name, int(v.min()), int(v.max()))
+
+
+def check_host_int32(name: str, a) -> None:
+    """Host integer values wider than int32 must fit int32 (NumPy arrays; other values: no-op)."""
+    if isinstance(a, np.ndarray) and a.dtype.kind in "iu" and (a.dtype.itemsize > 4 or a.dtype == np.uint32) \
+            and a.size:
+        checks.check_int32_range(name, int(a.min()), int(a.max()))
+
+
+def as_slices(name: str, stacked, dtypes: Sequence[str] = checks.WEIGHT_DTYPES) -> tuple:
+    """A tuple of arrays from a tuple/list of stacked weights or one stacked array."""
+    if isinstance(stacked, (list, tuple)):
+        if any(w is None for w in stacked):
+            raise ValueError(f"{name} holds None; every slice needs weights")
+        return tuple(as_array(f"{name}[{i}]", w, dtypes) for i, w in enumerate(stacked))
+    return (as_array(name, stacked, dtypes),)
+
+
+def to_3d(w: jax.Array) -> jax.Array:
+    """(L, 1, a, b) -> (L, a, b); 3-D unchanged (shapes already checked)."""
+    return w.reshape(w.shape[0], w.shape[-2], w.shape[-1]) if w.ndim == 4 else w
+
+
+def _on_host(a) -> bool:
+    if isinstance(a, np.ndarray):
+        return True
+    if isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array):
+        return False
+    try:
+        return all(d.platform == "cpu" for d in a.devices())
+    except Exception:
+        return False
+
+
+def check_same_device(**arrays) -> None:
+    """All committed, concrete jax arrays among `arrays` must live on the same device(s)."""
+    seen = {}
+    for name, a in arrays.items():
+        items = a if isinstance(a, (list, tuple)) else (a,)
+        for i, item in enumerate(items):
+            if isinstance(item, jax.Array) and not isinstance(item, jax.core.Tracer):
+                try:
+                    if not item.committed:
+                        continue
+                    devs = frozenset(item.devices())
+                except Exception:
+                    continue
+                label = name if len(items) == 1 else f"{name}[{i}]"
+                seen.setdefault(devs, label)
+    if len(seen) > 1:
+        desc = ", ".join(f"{label} on {sorted(str(d) for d in devs)}" for devs, label in seen.items())
+        raise ValueError(f"arrays are on different devices: {desc}")
+
+
+def check_index_values(name: str, idx, num_slots: int, arg_w: str) -> None:
+    """Checks concrete host-resident index values (-1 .. num_slots-1); no-op otherwise."""
+    if _on_host(idx):
+        v = np.asarray(idx)
+        if v.size:
+            checks.check_index_values(name, int(v.min()), int(v.max()), num_slots, arg_w)
+
+
+def as_meta(meta) -> LoRAKernelMeta:
+    if isinstance(meta, LoRAKernelMeta):
+        return meta
+    if isinstance(meta, (tuple, list)) and len(meta) == 6:
+        record = KernelMeta(*meta)
+        return LoRAKernelMeta(**{f: as_array(f"meta.{f}", v) for f, v in record._asdict().items()})
+    raise TypeError("meta must be a LoRAKernelMeta or its meta_args(T) tuple, got "
+                    f"{type(meta).__name__}")
+
+
+def _check_meta(meta: LoRAKernelMeta, num_tokens: int, num_slots: int, arg_w: str) -> None:
+    if meta.token_lora_mapping.shape[0] < num_tokens:
+        raise ValueError(f"meta covers {meta.token_lora_mapping.shape[0]} tokens, but the input has "
+                         f"{num_tokens}")
+    check_index_values("meta.token_lora_mapping", meta.token_lora_mapping[:num_tokens], num_slots, arg_w)
+
+
+def as_lora_ranks(lora_ranks, num_slots: int):
+    """lora_ranks as an int32 array. Host values (a list, NumPy, a concrete array on the CPU) are
+    read: a negative rank is refused. Tracers and accelerator arrays are not read: there a negative
+    rank acts as 0 (the slot adds nothing). A bool, float or complex dtype is a TypeError; a shape
+    other than (>= num_slots,) a ValueError."""
+    if lora_ranks is None:
+        return None
+    host = lora_ranks if isinstance(lora_ranks, (list, tuple, np.ndarray)) else None
+    r = as_array("lora_ranks", lora_ranks)
+    # A bool or float array is refused, not cast: True would act as rank 1, 2.7 as rank 2.
+    if not jnp.issubdtype(r.dtype, jnp.integer):
+        raise TypeError(f"lora_ranks must have an integer dtype (int32 or int64: one rank per slot), got {r.dtype}")
+    if r.ndim != 1 or r.shape[0] < num_slots:
+        raise ValueError(f"lora_ranks must be a 1-D integer array of >= {num_slots} entries (one per "
+                         f"slot), got shape {r.shape} dtype {r.dtype}")
+    if host is not None or _on_host(r):
+        v = np.asarray(r if host is None else host)
+        if v.size:
+            slot = int(v.argmin())
+            checks.check_lora_ranks_values("lora_ranks", int(v[slot]), slot)
+    return r.astype(jnp.int32)
+
+
+def _index_meta(idx, num_tokens: int, num_slots: int, arg_w: str, arg="lora_indices_tensor") -> LoRAKernelMeta:
+    if isinstance(idx, np.ndarray):  # values first: the int32 conversion could wrap an int64 into range
+        checks.check_indices(arg, idx.shape, idx.dtype, num_tokens)
+        check_index_values(arg, idx[:num_tokens], num_slots, arg_w)
+        idx = jnp.asarray(idx)
+    else:
+        idx = as_array(arg, idx)
+        checks.check_indices(arg, idx.shape, idx.dtype, num_tokens)
+        check_index_values(arg, idx[:num_tokens], num_slots, arg_w)
+    # values checked above (host) or masked (jit, accelerators): the build need not read them again
+    return build_kernel_meta(idx[:num_tokens].astype(jnp.int32), jnp.int32(num_tokens), max_loras=num_slots)
+
+
+def _segment_array(name: str, value):
+    """A segment array as a jax.Array (a tracer included) where it is, else `segments.as_segment_array`."""
+    return segments.as_segment_array(name, value, (jax.Array,))
+
+
+def _readable(value) -> bool:
+    """Whether a scalar can be read without a host sync: not a tracer, not on an accelerator."""
+    if isinstance(value, jax.Array):
+        return _on_host(value)
+    return not isinstance(value, jax.core.Tracer)
+
+
+def _num_slots(w) -> int | None:
+    """The slot count of a stacked weight (L, [1,] a, b), or None when w is not one (checked later)."""
+    shape = getattr(w, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) in (3, 4) else None
+
+
+def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                    num_tokens: int, num_slots: int | None = None) -> jax.Array:
+    """(num_tokens,) int32 per-token index from SGMV segments; -1 for tokens in no segment.
+
+    Works inside jit (batch_size may be traced); buffers longer than batch_size are ignored. Checks
+    first (lora_core.segments), on every call: the arrays' dtypes (integer) and lengths (equal), and
+    batch_size / max_length / token_nums (integer scalars). When a scalar is readable (not traced,
+    not on an accelerator): >= 0, batch_size at most the arrays' length, token_nums at most
+    num_tokens. When the arrays are concrete and on the host (NumPy, lists, CPU arrays): the
+    segments' values (lengths and starts >= 0, inside the num_tokens tokens, not overlapping, slots
+    -1 .. num_slots-1). Elsewhere (jit, accelerators) the values are masked: a token outside every
+    live segment gets no LoRA, a slot out of range contributes nothing.
+    """
+    arrays = [_segment_array(name, v) for name, v in zip(segments.SEGMENT_ARRAYS,
+                                                          (seq_start_locs, seq_lengths, lora_indices_per_batch))]
+    length, b = segments.check_segment_args(arrays, batch_size, max_length, token_nums, num_tokens, _readable)
+    starts, lengths, loras = (as_array(name, a) for name, a in zip(segments.SEGMENT_ARRAYS, arrays))
+    if b is not None and all(_on_host(a) for a in arrays):
+        segments.check_segment_values(*(np.asarray(a) for a in (starts, lengths, loras)), b, num_tokens,
+                                      num_slots)
+    starts, lengths, loras = (a.astype(jnp.int32) for a in (starts, lengths, loras))
+    live = jnp.arange(length) < (b if b is not None else batch_size)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    inside = (t >= starts[None]) & (t < (starts + lengths)[None]) & live[None]
+    return (jnp.max(jnp.where(inside, loras[None] + 1, 0), axis=1, initial=0) - 1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- metadata-driven ops
+
+def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: str | None = None,
+                lora_ranks=None, deterministic: bool = False) -> jax.Array:
+    """buf[s, t] = scale * x[t] @ lora_a_stacked[s][idx[t]].T, 0 for idx -1.
+
+    Args:
+      x: (T, H) fp16/bf16/fp32.
+      lora_a_stacked: S arrays (L, 1, r, H) or (L, r, H) (or one array: S = 1).
+      meta: LoRAKernelMeta covering >= T tokens (or its `meta_args(T)` tuple).
+      scale: float multiplier.
+    Returns: (S, T, r) float32.
+    """
+    x = as_array("x", x, checks.ACTIVATION_DTYPES)
+    lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+    num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
+                                             [a.dtype for a in lora_a])
+    scale = checks.as_scale(scale)
+    meta = as_meta(meta)
+    check_same_device(x=x, lora_a_stacked=lora_a)
+    _check_meta(meta, x.shape[0], num_slots, "lora_a_stacked")
+    impl = dispatch.resolve(backend, _device_of(x), deterministic=deterministic)
+    checks.check_backend_rank(impl.NAME, rank, "lora_a_stacked")
+    return impl.shrink(x, tuple(to_3d(a) for a in lora_a), meta, scale, as_lora_ranks(lora_ranks, num_slots))
+
+
+def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start: int = 0,
+                add_inputs: bool = False, *, backend: str | None = None, lora_ranks=None,
+                deterministic: bool = False) -> jax.Array:
+    """y[t, off_s:off_s+n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T.
+
+    Args:
+      buf: (S, T, r) float (the shrink buffer, normally float32).
+      lora_b_stacked: S arrays (L, 1, n_s, r) or (L, n_s, r); widths may differ.
+      y: (T, N); slices start at `offset_start` and are laid side by side.
+      meta: LoRAKernelMeta covering >= T tokens (or its `meta_args(T)` tuple).
+    Returns: a new y (same shape and dtype). Rows with index -1 and columns outside the slices are
+    unchanged.
+    """
+    buf, y = as_array("inputs", buf, checks.ACTIVATION_DTYPES), as_array("y", y, checks.ACTIVATION_DTYPES)
+    lora_b = as_slices("lora_b_stacked", lora_b_stacked)
+    offset_start = checks.as_offset("offset_start", offset_start)
+    num_slots, rank, widths = checks.check_expand(buf.shape, buf.dtype, [b.shape for b in lora_b],
+                                                  [b.dtype for b in lora_b], y.shape, y.dtype,
+                                                  offset_start, arg_buf="inputs")
+    meta = as_meta(meta)
+    check_same_device(inputs=buf, lora_b_stacked=lora_b, y=y)
+    _check_meta(meta, y.shape[0], num_slots, "lora_b_stacked")
+    impl = dispatch.resolve(backend, _device_of(y), deterministic=deterministic)
+    checks.check_backend_rank(impl.NAME, rank, "lora_b_stacked")
+    return impl.expand(buf, tuple(to_3d(b) for b in lora_b), y, meta, _offsets(offset_start, widths),
+                       checks.as_flag("add_inputs", add_inputs), as_lora_ranks(lora_ranks, num_slots))
+
+
+def _offsets(offset_start: int, widths: Sequence[int]) -> tuple[int, ...]:
+    out, off = [], offset_start
+    for w in widths:
+        out.append(off)
+        off += w
+    return tuple(out)
+
+
+def _device_of(a):
+    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+        try:
+            return next(iter(a.devices()))
+        except Exception:
+            return None
+    return None
+
+
+# ----------------------------------------------------------------------------- BGMV
+
+def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, *,
+                backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
+    """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
+    x, w = as_array("x", x, checks.ACTIVATION_DTYPES), as_array("lora_a_weights", w, checks.WEIGHT_DTYPES)
+    num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="lora_a_weights")
+    scale = checks.as_scale(scale)
+    check_same_device(x=x, lora_a_weights=w, lora_indices_tensor=idx)
+    meta = _index_meta(idx, x.shape[0], num_slots, "lora_a_weights")
+    impl = dispatch.resolve(backend, _device_of(x), deterministic=deterministic)
+    checks.check_backend_rank(impl.NAME, rank, "lora_a_weights")
+    return impl.shrink(x, (to_3d(w),), meta, scale, as_lora_ranks(lora_ranks, num_slots))[0]
+
+
+def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_inputs: bool = True, *,
+                backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
+    """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w[idx[t]].T)[:c], c = min(n, N).
+
+    x: (T, r); w: (L, [1,] n, r); y: (T, N). Rows with idx -1 untouched. A LoRA output wider than y
+    (vocabulary padding) is cut to y's width, as in vLLM.
+    """
+    x, w, y = _expand_inputs(x, w, y)
+    w3 = to_3d(w) if w.ndim in (3, 4) else w
+    if w.ndim in (3, 4) and y.ndim == 2 and w3.shape[1] > y.shape[1]:
+        w3 = w3[:, : y.shape[1]]
+    return _expand_one(x, w3, w, y, idx, 0, add_inputs, backend, lora_ranks, deterministic)
+
+
+def bgmv_expand_slice(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, y_offset: int,
+                      y_slice_size: int, add_inputs: bool = True, *, backend: str | None = None,
+                      lora_ranks=None, deterministic: bool = False) -> jax.Array:
+    """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T; w: (L, [1,] y_slice_size, r)."""
+    # Types first: a y_slice_size of "16" or 16.0 is a TypeError, not a width mismatch.
+    y_offset = checks.as_offset("y_offset", y_offset)
+    y_slice_size = checks.as_offset("y_slice_size", y_slice_size)
+    x, w, y = _expand_inputs(x, w, y)
+    w3 = to_3d(w) if w.ndim in (3, 4) else w
+    if w.ndim in (3, 4) and w3.shape[1] != y_slice_size:
+        raise ValueError(f"lora_b_weights has {w3.shape[1]} output rows (shape {w.shape}), but "
+                         f"y_slice_size is {y_slice_size}")
+    return _expand_one(x, w3, w, y, idx, y_offset, add_inputs, backend, lora_ranks, deterministic)
+
+
+def _expand_inputs(x, w, y) -> tuple:
+    return (as_array("inputs", x, checks.ACTIVATION_DTYPES), as_array("lora_b_weights", w, checks.WEIGHT_DTYPES),
+            as_array("y", y, checks.ACTIVATION_DTYPES))
+
+
+def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks, deterministic=False):
+    if x.ndim != 2:
+        raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {x.shape}")
+    checks.weight_dims("lora_b_weights", w_orig.shape, "out_features, rank")
+    offset = checks.as_offset("y_offset", offset)
+    num_slots, rank, widths = checks.check_expand((1,) + x.shape, x.dtype, [w3.shape], [w3.dtype], y.shape,
+                                                  y.dtype, offset, arg_buf="inputs",
+                                                  arg_b="lora_b_weights")
+    check_same_device(inputs=x, lora_b_weights=w3, y=y, lora_indices_tensor=idx)
+    meta = _index_meta(idx, y.shape[0], num_slots, "lora_b_weights")
+    impl = dispatch.resolve(backend, _device_of(y), deterministic=deterministic)
+    checks.check_backend_rank(impl.NAME, rank, "lora_b_weights")
+    return impl.expand(x[None], (w3,), y, meta, (offset,), checks.as_flag("add_inputs", add_inputs),
+                       as_lora_ranks(lora_ranks, num_slots))
+
+
+# ----------------------------------------------------------------------------- SGMV
+
+def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
+                token_nums, scale: float = 1.0, *, backend: str | None = None, lora_ranks=None,
+                deterministic: bool = False):
+    """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata).
+
+    x: (T, H); w: (L, [1,] r, H); seq_start_locs / seq_lengths / lora_indices_per_batch: (B,) integer
+    (arrays or lists); batch_size, max_length, token_nums: ints >= 0 (batch_size <= B, token_nums <= T;
+    int32 scalars inside jit). Returns (T, r) float32. What is checked where: segment_indices.
+    """
+    x = as_array("x", x, checks.ACTIVATION_DTYPES)
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                          x.shape[0] if x.ndim else 0, _num_slots(w))
+    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks, deterministic=deterministic)
+
+
+def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
+                token_nums, add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None,
+                deterministic: bool = False):
+    """bgmv_expand with each segment's tokens using the segment's index (prefill metadata).
+
+    x: (T, r); w: (L, [1,] n, r); y: (T, N). Returns a new y. The segment arguments are checked as in
+    sgmv_shrink.
+    """
+    y = as_array("y", y, checks.ACTIVATION_DTYPES)
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                          y.shape[0] if y.ndim else 0, _num_slots(w))
+    return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks,
+                       deterministic=deterministic)
+
+
+def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size,
+                      max_length, token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True,
+                      *, backend: str | None = None, lora_ranks=None, deterministic: bool = False):
+    """bgmv_expand_slice with each segment's tokens using the segment's index.
+
+    x: (T, r); w: (L, [1,] y_slice_size, r); y: (T, N). Returns a new y with columns [y_offset,
+    y_offset + y_slice_size) updated. The segment arguments are checked as in sgmv_shrink.
+    """
+    y = as_array("y", y, checks.ACTIVATION_DTYPES)
+    idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
+                          y.shape[0] if y.ndim else 0, _num_slots(w))
+    return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,
+                             lora_ranks=lora_ranks, deterministic=deterministic)
