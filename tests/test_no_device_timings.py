@@ -26,16 +26,6 @@ PATTERNS = {
                               r"L40S?|RTX ?\d{4})\b(?!\.json)"),
 }
 
-# Lines of files that another change owns, still quoting measurements: each entry must still match
-# a line (a stale entry fails), so that the list only shrinks as those comments become rules.
-NOT_YET_RULES = {
-    "lora_core/kernels/expand.py": ("(measured: T2048 D4 expand", "# 15% slower). The rank is uniform",
-                                    "True: on the H200 it cut T128 D8 r16"),
-    "lora_core/kernels/fused.py": ("~0.5-1 us per L2 round trip, 2^24 polls are 8-16 s",
-                                   "(decode grids of 33 tiles x 32 programs were refused on the H200)"),
-}
-
-
 def _sources():
     for package in PACKAGES:
         for folder, dirs, files in os.walk(os.path.join(ROOT, package)):
@@ -69,18 +59,7 @@ def test_package_sources_quote_no_device_timings():
     for rel, path in _sources():
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
-        allowed = NOT_YET_RULES.get(rel, ())
         for number, line in enumerate(lines, 1):
-            if any(a in line for a in allowed):
-                continue
             found += [f"{rel}:{number}: {kind} {text!r}: {line.strip()}" for kind, text in hits(line)]
     assert found == [], ("state the rule in the code and put the measurement in docs/benchmarks_evidence.md:\n"
                          + "\n".join(found))
-
-
-@pytest.mark.parametrize("rel", sorted(NOT_YET_RULES))
-def test_every_listed_line_still_exists(rel):
-    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
-        text = f.read()
-    stale = [a for a in NOT_YET_RULES[rel] if a not in text]
-    assert stale == [], f"{rel} no longer has {stale}: remove them from NOT_YET_RULES"

@@ -205,8 +205,8 @@ def lora_expand_kernel(
     # which a loop would let the software pipeliner reorder; several tiles wait once, before a real
     # loop (scf.for) that the pipeliner overlaps -- unrolling it (static_range) would lose that.
     # Per-slot ranks: B's columns past a rank that is not a multiple of 8 are zeroed in registers,
-    # which costs a pipelined loop a shared-memory round trip per B tile (measured: T2048 D4 expand
-    # 15% slower). The rank is uniform over a program (one slot), so a pipelined loop over B tiles
+    # which costs a pipelined loop a shared-memory round trip per B tile (a slower prefill expand).
+    # The rank is uniform over a program (one slot), so a pipelined loop over B tiles
     # (several output tiles, or rank blocks) is compiled twice, with and without that step
     # (B_TAIL), and each program runs the copy its rank needs. One tile of one rank block loads
     # its B tile once, outside any loop: one copy, with the step (two would cost registers:
@@ -318,7 +318,7 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
     before this tile's math; default False), PREFETCH / PREFETCH_Y (with TILES_N > 1 and pdl:
     prefetch the program's B tiles / y rows into L2 before waiting for the shrink; default False),
     B_SELECT (with one tile and one rank block: B through shared memory, see the kernel; default
-    True: on the H200 it cut T128 D8 r16 from 7.7 to 5.5 us, T32 D8 r64 from 10.0 to 7.7, T1 r64 from 5.3 to 4.6).
+    True: faster at decode and mid sizes; docs/benchmarks_evidence.md has the measurement).
     deterministic=True: never SMALL_T, whatever the config says (see configs.deterministic_config)."""
     assert 1 <= len(widths) <= MAX_SLICES
     if deterministic:

@@ -51,8 +51,8 @@ from .planning import (
 BARRIER_SPAN = tl.constexpr(1 << 20)  # what one launch adds to a token tile's barrier counter (> programs per tile)
 
 
-# Polls after which a waiting program gives up with a `trap` (a CUDA error instead of a hang): at
-# ~0.5-1 us per L2 round trip, 2^24 polls are 8-16 s, far beyond any legitimate wait (a tile's
+# Polls after which a waiting program gives up with a `trap` (a CUDA error instead of a hang): each
+# poll is an L2 round trip, so 2^24 polls take seconds, far beyond any legitimate wait (a tile's
 # programs arrive within microseconds unless the GPU could not make them co-resident).
 BARRIER_POLL_LIMIT = 1 << 24
 
@@ -145,7 +145,7 @@ def lora_fused_kernel(
     the grid (P <= a few hundred, far below what the GPU holds at once), and the GPU dispatches
     blocks in order, so the programs of earlier tiles are all resident and finish first. A
     cooperative launch would guarantee it, but the driver refuses one whose whole grid cannot be
-    co-resident (decode grids of 33 tiles x 32 programs were refused on the H200): the launchers
+    co-resident (large decode grids are refused): the launchers
     ask for it only when told to (FusedPlan.cooperative). The interpreter runs programs one after
     another, so it launches twice: PHASE 1 (steps 1-2 without waiting), PHASE 2 (step 3); PHASE 0
     (compiled) does everything in one launch. Needs BLOCK_R >= RANK (one rank block).

@@ -37,7 +37,7 @@ _LOG = logging.getLogger("torch_lora")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
-# UNTUNED DEFAULTS, to be replaced from the H200 run of benchmarks/bench_fused_linear.py (its
+# UNTUNED DEFAULTS, to be replaced from a GPU run of benchmarks/bench_fused_linear.py (its
 # "best config" column per row count). Key: the largest M (rows) a config serves.
 GEMM_CONFIGS = {
     # decode: 32-wide column tiles, so that N = 4096 (o, down) makes 128 programs for the 132 SMs
