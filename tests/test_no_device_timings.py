@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import re
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("lora_core", "jax_lora", "torch_lora", "bridge")
 SUFFIXES = (".py", ".c", ".h")
