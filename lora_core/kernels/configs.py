@@ -36,11 +36,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import json
 import logging
 import os
 import re
 
+from .. import safe_json
 from . import planning
 from .planning import interpreting, next_pow2
 
@@ -185,7 +185,7 @@ def _check_config(where: str, kind: str, cfg) -> None:
 
 def _read_table(path: str, device: str) -> LaunchTable:
     with open(path) as f:
-        data = json.load(f)
+        data = safe_json.load(f, path)
     for name, entry in data["classes"].items():
         for kind in ("shrink", "expand", "fused"):
             if kind in entry or kind != "fused":

@@ -121,7 +121,8 @@ def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
     """The safetensors header's names sorted into modules before any data is read: ({module:
     {kind: tensor name}}, {module: shape of PEFT's base-layer copy}, {module: DoRA magnitude
     tensor name}); training-state tensors the config names are skipped, anything else refused."""
-    skip = tuple(part for field, parts in TRAINING_STATE_TENSORS.items() if raw.get(field) is not None for part in parts)
+    skip = tuple(part for field, parts in TRAINING_STATE_TENSORS.items() if raw.get(field) is not None
+                 for part in parts)
     parts: dict = {}
     base_layers = {}
     magnitudes = {}

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import safe_json
 from .config import (
     MAX_HEADER_BYTES,
     MAX_TENSOR_BYTES,
@@ -67,8 +68,9 @@ def read_safetensors_header(path: str, *, max_header_bytes: int = MAX_HEADER_BYT
                                "(truncated or not a safetensors file)")
         text = f.read(n)
     try:
-        header = json.loads(text.decode("utf-8"), object_pairs_hook=unique_json_keys(path, "header key"),
-                            parse_constant=refuse_json_constants(path))
+        header = safe_json.loads(text.decode("utf-8"), path, error=AdapterError,
+                                 object_pairs_hook=unique_json_keys(path, "header key"),
+                                 parse_constant=refuse_json_constants(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"{path}: expected a JSON object as the safetensors header, got undecodable or malformed "
                            f"bytes ({e}); truncated or not a safetensors file") from None
