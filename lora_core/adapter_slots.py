@@ -15,7 +15,14 @@ on the host and without any framework:
 used slots whose adapter the batch does not need. Every adapter the batch needs is prepared before
 any slot is written, so an adapter that fails to load leaves the manager as it was.
 
-A framework's manager subclasses it and provides three things:
+Adapter files are untrusted input: a directory is read with `load_peft_adapter(...,
+module_shapes=..., max_total_bytes=max_adapter_bytes)`, so every tensor's shape is checked against
+the model's modules from the safetensors header before any data is read, and all of them together
+against `max_adapter_bytes` (None, the default: the model's largest adapter, every LoRA module at
+max_rank, lora_core.peft.largest_adapter_bytes; set the attribute to an int to lower or raise it).
+
+A framework's manager subclasses it and provides four things:
+  `_module_shapes()` -> {module name: lora_core.peft.ModuleShape}: what the model's modules accept;
   `_prepare_uncounted(adapter)` -> prepared: the host layout of a PeftAdapter (raises
       lora_core.peft.AdapterError for a bad adapter); SlotTable reads directories itself and
       passes the adapter named as registered, so its errors name the adapter as the caller does;
@@ -58,8 +65,12 @@ class SlotTable:
         self._slot_use: collections.OrderedDict = collections.OrderedDict()   # id -> None, LRU order
         self.version = 0                                # +1 per slot write
         self.stats = collections.Counter()
+        self.max_adapter_bytes: int | None = None       # None: the model's largest adapter (module docstring)
 
     # -------------------------------------------------------------- the framework's part
+    def _module_shapes(self) -> dict:
+        raise NotImplementedError
+
     def _prepare_uncounted(self, adapter: PeftAdapter) -> Any:
         raise NotImplementedError
 
@@ -228,9 +239,12 @@ class SlotTable:
             adapter = src if src.name == name else dataclasses.replace(src, name=name)
         else:
             try:
-                adapter = load_peft_adapter(src, name)
+                adapter = load_peft_adapter(src, name, module_shapes=self._module_shapes(),
+                                            max_total_bytes=self.max_adapter_bytes)
             except AdapterError as e:
-                raise AdapterError(f"adapter {name!r}: {e}") from None
+                text = str(e)           # checks against the model already name the adapter and its directory
+                named = text.startswith(f"adapter {name!r}")
+                raise AdapterError(text if named else f"adapter {name!r}: {text}") from None
         return self._prepare_uncounted(adapter)
 
 

@@ -53,9 +53,10 @@ def loads(text: str | bytes, where: str, *, error: type[Exception] = ValueError,
           **hooks: Any) -> Any:
     """json.loads(text, **hooks) once the nesting depth is known to be <= max_depth.
 
-    where: the file, named in the error. error: the exception class raised for a too-deep text
-    (a ValueError subclass such as lora_core.peft.AdapterError). UnicodeDecodeError and
-    json.JSONDecodeError come from json.loads as usual.
+    where: the file, named in the error. error: the exception class raised for a too-deep text or a
+    number Python will not convert (an integer of thousands of digits), a ValueError subclass such
+    as lora_core.peft.AdapterError. UnicodeDecodeError and json.JSONDecodeError come from
+    json.loads as usual; exceptions the hooks raise pass through.
     """
     depth = json_depth(text, stop_above=max_depth)
     if depth > max_depth:
@@ -65,6 +66,11 @@ def loads(text: str | bytes, where: str, *, error: type[Exception] = ValueError,
         return json.loads(text, **hooks)
     except RecursionError:             # unreachable below max_depth; kept so no bare RecursionError escapes
         raise error(f"{where}: JSON nested too deeply to parse") from None
+    except ValueError as e:
+        if isinstance(e, (json.JSONDecodeError, error)):
+            raise
+        # Python refuses to convert integers of more than sys.get_int_max_str_digits() digits.
+        raise error(f"{where}: a JSON value cannot be read ({e})") from None
 
 
 def load(f: IO, where: str, **kwargs: Any) -> Any:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import time
 
 import numpy as np
 import pytest
@@ -102,3 +101,252 @@ def test_json_depth_ignores_brackets_in_strings_and_keeps_values():
     text = '{"a": ["[[[[{{{{", {"b": [1, 2]}], "c": "\\"]]]"}'
     assert safe_json.json_depth(text) == 4
     assert safe_json.loads(text, "x") == json.loads(text)
+
+
+# ----------------------------------------------------------------------------- the two managers
+
+def _jax_manager(slots=2, rank=4, dtype=None, dora=False):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_lora.adapters import AdapterManager
+    from jax_lora.models import LlamaConfig, LlamaForCausalLM, add_lora
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2)                       # q 16, k / v 8
+    model = LlamaForCausalLM(cfg, dtype=dtype or jnp.float32, rngs=nnx.Rngs(0))
+    add_lora(model, max_loras=slots, max_rank=rank, dora=dora)
+    return AdapterManager(model)
+
+
+def _torch_manager(slots=2, rank=4, dtype=None, dora=False):
+    import torch
+
+    from torch_lora.adapters import AdapterManager
+    from torch_lora.layers import LoRAEmbedding, LoRALinear, LoRALogits
+    dtype = dtype or torch.float32
+    kw = dict(max_loras=slots, max_rank=rank, dtype=dtype, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(n, H, generator=gen, dtype=dtype) for n in (Q, KV, KV)]
+    return AdapterManager({
+        "qkv": LoRALinear(("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", VMOD), H, (Q, KV, KV),
+                          dora=dora, base_weights=base if dora else None, **kw),
+        "embed": LoRAEmbedding("model.embed_tokens", V, H, **kw),
+        "head": LoRALogits("lm_head", H, V, **kw)})
+
+
+MANAGERS = {"jax": _jax_manager, "torch": _torch_manager}
+
+
+def _state(mgr):
+    """Everything a failed register / activate must leave as it was: tables, counters and slot data."""
+    if hasattr(mgr, "model"):
+        slots = [np.asarray(getattr(layer, n).get_value()) for layer, n in mgr._vars]
+    else:
+        slots = [t.clone().numpy() for layer in mgr.layers.values() for _, t in sorted(layer.named_buffers())]
+    return (mgr.registered, mgr.lora_index_to_id, list(mgr._host), dict(mgr.stats), mgr.version), slots
+
+
+def _assert_same(before, after):
+    assert before[0] == after[0]
+    assert len(before[1]) == len(after[1])
+    for x, y in zip(before[1], after[1]):
+        np.testing.assert_array_equal(x, y)
+
+
+def _sparse_huge_adapter(tmp_path, name, a_shape, b_shape, r):
+    """An adapter whose safetensors header declares q_proj factors of the given shapes (GiBs), in a
+    sparse file of a few KiB on disk: reading it would allocate the declared size."""
+    path = tmp_path / name
+    path.mkdir()
+    _config(str(path), r=r, target_modules=["q_proj"])
+    a, end = _entry(a_shape, 0)
+    b, end = _entry(b_shape, end)
+    _raw_safetensors(str(path / WEIGHTS_NAME), {f"base_model.model.{QMOD}.lora_A.weight": a,
+                                                f"base_model.model.{QMOD}.lora_B.weight": b}, end)
+    assert os.stat(path / WEIGHTS_NAME).st_blocks * 512 < 64 * 1024     # nothing real on disk
+    return str(path)
+
+
+@pytest.mark.parametrize("side", MANAGERS)
+@pytest.mark.parametrize("case", ["rank", "width"])
+def test_sparse_file_declaring_a_gib_tensor_is_refused_from_the_header(tmp_path, side, case):
+    """1 GiB lora_A (and B) declared for a 16-wide layer: refused against the model's shapes before any
+    data is read; the peak of traced allocations stays far below the declared size."""
+    import tracemalloc
+    if case == "rank":      # r = 2**24: lora_A (2**24, 16) float32 = 1 GiB
+        path = _sparse_huge_adapter(tmp_path, case, (2**24, H), (Q, 2**24), 2**24)
+        want = r"rank 16777216 .*exceeds the model's max_rank=4"
+    else:                   # rank 2 but lora_A (2, 2**27) float32 = 1 GiB
+        path = _sparse_huge_adapter(tmp_path, case, (2, 2**27), (Q, 2), 2)
+        want = r"lora_A \(2, 134217728\) / lora_B \(16, 2\) do not fit the module: expected lora_A \(2, 16\)"
+    mgr = MANAGERS[side]()
+    before = _state(mgr)
+    tracemalloc.start()
+    try:
+        with pytest.raises(AdapterError, match=rf"adapter '1' \({path}\), module '{QMOD}': {want}.* of {WEIGHTS_NAME}"):
+            mgr.register(1, path, name="1")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, f"{peak} bytes allocated while refusing a header"
+    _assert_same(before, _state(mgr))
+
+
+@pytest.mark.parametrize("side", MANAGERS)
+def test_total_bytes_limit_per_adapter_and_its_override(tmp_path, side):
+    """max_adapter_bytes (None: the model's largest adapter) bounds the bytes one adapter may read."""
+    path = _good(tmp_path)
+    mgr = MANAGERS[side]()
+    mgr.max_adapter_bytes = 100
+    with pytest.raises(AdapterError, match=r"its LoRA tensors hold 448 bytes, more than the limit of 100 bytes per "
+                                           r"adapter \(max_total_bytes\); raise it with max_total_bytes="):
+        mgr.register(1, path)
+    assert mgr.registered == {}
+    mgr.max_adapter_bytes = None
+    mgr.register(1, path)
+    assert mgr.registered == {1: "good"}
+
+
+def test_total_bytes_limit_without_a_model(tmp_path):
+    from lora_core.peft import ModuleShape, largest_adapter_bytes
+    path = _good(tmp_path)
+    with pytest.raises(AdapterError, match=r"hold 448 bytes, more than the limit of 447 bytes"):
+        load_peft_adapter(path, max_total_bytes=447)
+    assert load_peft_adapter(path, max_total_bytes=448).modules
+    shapes = {QMOD: ModuleShape("linear", H, Q, 4), VMOD: ModuleShape("linear", H, KV, 4)}
+    assert largest_adapter_bytes(shapes) == ((4 * (H + Q) + Q) + (4 * (H + KV) + KV)) * 8
+    assert load_peft_adapter(path, module_shapes=shapes).modules
+    with pytest.raises(ValueError, match="max_total_bytes must be an int >= 1 or None"):
+        load_peft_adapter(path, max_total_bytes=0)
+
+
+# ----------------------------------------------------------------------------- huge integers
+
+@pytest.mark.parametrize("r", [10**400, 2**63, 2**31])
+def test_huge_rank_is_refused_by_field(tmp_path, r):
+    path = tmp_path / "huge"
+    path.mkdir()
+    (path / CONFIG_NAME).write_text(f'{{"peft_type": "LORA", "r": {r}, "target_modules": ["q_proj"]}}')
+    _raw_safetensors(str(path / WEIGHTS_NAME), {}, 0)
+    with pytest.raises(AdapterError, match=rf"{CONFIG_NAME}: field 'r' = .* is more than 2147483647"):
+        load_peft_adapter(str(path))
+
+
+def test_huge_rank_pattern_and_unreadable_integer_are_refused_by_field(tmp_path):
+    path = _good(tmp_path, rank_pattern={"q_proj": 2**63})
+    with pytest.raises(AdapterError, match=r"field 'rank_pattern': value for 'q_proj' = 9223372036854775808 is more"):
+        load_peft_adapter(path)
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        f.write('{"peft_type": "LORA", "r": ' + "9" * 5000 + "}")
+    with pytest.raises(AdapterError, match=rf"{CONFIG_NAME}: a JSON value cannot be read"):
+        load_peft_adapter(path)
+
+
+@pytest.mark.parametrize("dims", [[10**400, 0], [2**63, 0], [0, 2**63]])
+def test_huge_shape_dimensions_with_empty_tensors_name_the_tensor(tmp_path, dims):
+    """Empty tensors (a zero dimension: no bytes) with a huge other dimension: refused from the header,
+    naming the file and the tensor, instead of NumPy's 'Maximum allowed dimension exceeded'."""
+    path = tmp_path / "empty"
+    path.mkdir()
+    _config(str(path), r=2, target_modules=["q_proj"])
+    key = f"base_model.model.{QMOD}.lora_A.weight"
+    text = json.dumps({key: {"dtype": "F32", "shape": [0, 0], "data_offsets": [0, 0]},
+                       f"base_model.model.{QMOD}.lora_B.weight": {"dtype": "F32", "shape": [0, 0],
+                                                                  "data_offsets": [0, 0]}})
+    text = text.replace("[0, 0], \"data_offsets\"", f"[{dims[0]}, {dims[1]}], \"data_offsets\"", 1)
+    with open(path / WEIGHTS_NAME, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text.encode())
+    with pytest.raises(AdapterError, match=rf"{WEIGHTS_NAME}: tensor '{key}': shape dimension .* is more than "
+                                           "2147483647"):
+        load_peft_adapter(str(path))
+
+
+# ----------------------------------------------------------------------------- JAX refuses what torch refuses
+
+def _fused_adapter(tmp_path, name, with_q: bool):
+    """An adapter on the fused name qkv_proj (factors as wide as q_proj's slice), with or without q_proj."""
+    rng = np.random.default_rng(1)
+    mods = {"model.layers.0.self_attn.qkv_proj": (rng.normal(size=(2, H)), rng.normal(size=(Q, 2)))}
+    if with_q:
+        mods[QMOD] = (rng.normal(size=(2, H)), rng.normal(size=(Q, 2)))
+    path = str(tmp_path / name)
+    save_peft_adapter(path, mods, r=2, lora_alpha=4)
+    return path
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_fused_module_name_is_refused_on_both_sides(tmp_path, with_q):
+    """q_proj and qkv_proj in one adapter (or qkv_proj alone) against q / k / v slices: refused with
+    one message, never placed into the q slice."""
+    from jax_lora.adapters import prepare_adapter as jax_prepare
+    from torch_lora.adapters import prepare_adapter as torch_prepare
+    path = _fused_adapter(tmp_path, "fused", with_q)
+    want = (r"targets 'model\.layers\.0\.self_attn\.qkv_proj', which is not a LoRA module of the model "
+            r"\(LoRA modules: ")
+    messages = []
+    for side, make in MANAGERS.items():
+        mgr = make()
+        before = _state(mgr)
+        with pytest.raises(AdapterError, match=want) as e:
+            mgr.register(1, path)
+        messages.append(str(e.value).split(" (LoRA modules")[0])
+        _assert_same(before, _state(mgr))
+        # A PeftAdapter built in memory skips the header check: placement refuses it the same way.
+        with pytest.raises(AdapterError, match=r"targets 'model\.layers\.0\.self_attn\.qkv_proj', which is not a "
+                                               "LoRA module of the model"):
+            if side == "jax":
+                jax_prepare(mgr.model, load_peft_adapter(path))
+            else:
+                torch_prepare(mgr.layers, load_peft_adapter(path))
+    assert messages[0] == messages[1]
+
+
+def _nonfinite_cases(tmp_path):
+    return {
+        "alpha 1e308": (_good(tmp_path, "alpha", lora_alpha=1e308), None,
+                        r"the factors placed in '.*' hold NaN or infinite values"),
+        "1e5 in float16": (_good(tmp_path, "big", scale=1e5), "float16",
+                           r"the factors placed in '.*' reach .* beyond the largest float16 value 65504"),
+    }
+
+
+@pytest.mark.parametrize("side", MANAGERS)
+def test_non_finite_scales_and_overflow_are_refused_on_both_sides(tmp_path, side):
+    for _what, (path, dtype, want) in _nonfinite_cases(tmp_path).items():
+        if dtype is None:
+            mgr = MANAGERS[side]()
+        elif side == "jax":
+            import jax.numpy as jnp
+            mgr = MANAGERS[side](dtype=jnp.float16)
+        else:
+            import torch
+            mgr = MANAGERS[side](dtype=torch.float16)
+        before = _state(mgr)
+        with pytest.raises(AdapterError, match=want):
+            mgr.register(1, path)
+        _assert_same(before, _state(mgr))
+
+
+def _dora_nan_adapter(tmp_path):
+    """A use_dora adapter on q_proj whose magnitude vector holds a NaN."""
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(2)
+    path = tmp_path / "dora-nan"
+    path.mkdir()
+    m = np.abs(rng.normal(size=(Q,))).astype(np.float32) + 0.5
+    m[3] = np.nan
+    save_file({f"base_model.model.{QMOD}.lora_A.weight": rng.normal(size=(2, H)).astype(np.float32),
+               f"base_model.model.{QMOD}.lora_B.weight": rng.normal(size=(Q, 2)).astype(np.float32),
+               f"base_model.model.{QMOD}.lora_magnitude_vector": m}, str(path / WEIGHTS_NAME))
+    _config(str(path), r=2, target_modules=["q_proj"], use_dora=True)
+    return str(path)
+
+
+@pytest.mark.parametrize("side", MANAGERS)
+def test_dora_magnitude_with_nan_is_refused_on_both_sides(tmp_path, side):
+    path = _dora_nan_adapter(tmp_path)
+    mgr = MANAGERS[side](dora=True)
+    before = _state(mgr)
+    with pytest.raises(AdapterError, match=r"the DoRA column scale of '.*' holds NaN or infinite values"):
+        mgr.register(1, path)
+    _assert_same(before, _state(mgr))

@@ -23,6 +23,8 @@ PICKLE_NAME = "adapter_model.bin"
 MAX_CONFIG_BYTES = 16 * 2**20          # a rank_pattern listing every module of a large model is < 1 MB
 MAX_HEADER_BYTES = 100_000_000         # the safetensors library's own limit
 MAX_TENSOR_BYTES = 2**31               # per LoRA tensor; vocab 256k x rank 256 in fp32 is 256 MiB
+MAX_ADAPTER_BYTES = 2**34              # all LoRA tensors of one adapter read without a model to size them by
+MAX_DIM = 2**31 - 1                    # a rank or a tensor dimension (the kernels index with int32)
 
 
 class AdapterError(ValueError):
@@ -270,6 +272,8 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
     r = config["r"]
     if not _is_int(r) or r <= 0:
         raise AdapterError(f"{where}: field 'r' must be an int > 0, got {_short(r)} ({type(r).__name__})")
+    if r > MAX_DIM:
+        raise AdapterError(f"{where}: field 'r' = {_short(r)} is more than {MAX_DIM}, the largest rank (an int32)")
     alpha = config.get("lora_alpha", 8)          # LoraConfig's default
     if not _is_number(alpha):
         raise AdapterError(f"{where}: field 'lora_alpha' must be a finite number, got {_short(alpha)} "
@@ -302,6 +306,10 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
                            "(PEFT refuses this config too)")
     rank_pattern = _pattern_map(config.get("rank_pattern"), where, "rank_pattern",
                                 lambda v: _is_int(v) and v > 0, "an int > 0")
+    for key, v in rank_pattern.items():
+        if v > MAX_DIM:
+            raise AdapterError(f"{where}: field 'rank_pattern': value for {key!r} = {_short(v)} is more than "
+                               f"{MAX_DIM}, the largest rank (an int32)")
     alpha_pattern = _pattern_map(config.get("alpha_pattern"), where, "alpha_pattern", _is_number, "a finite number")
     return AdapterConfig(int(r), float(alpha), rslora, dora, targets, excluded, layers,
                          tuple(layers_pattern) if layers_pattern else None, rank_pattern, alpha_pattern)
