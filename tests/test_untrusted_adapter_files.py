@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -350,3 +351,71 @@ def test_dora_magnitude_with_nan_is_refused_on_both_sides(tmp_path, side):
     with pytest.raises(AdapterError, match=r"the DoRA column scale of '.*' holds NaN or infinite values"):
         mgr.register(1, path)
     _assert_same(before, _state(mgr))
+
+
+# ----------------------------------------------------------------------------- regular expressions
+
+EVIL = [r"(.|.)*x", r"(a+)+b", r"(x*y)*z", r"(\w)\1", r".*a.*b.*c.*d"]
+
+
+@pytest.mark.parametrize("field", ["target_modules", "exclude_modules", "rank_pattern", "alpha_pattern",
+                                   "layers_pattern"])
+@pytest.mark.parametrize("pattern", EVIL)
+def test_catastrophic_patterns_are_refused_quickly(tmp_path, field, pattern):
+    """Each would backtrack for minutes against a 30-character module name; refused before any match,
+    naming the file, the field and the pattern."""
+    value = {"rank_pattern": {pattern: 2}, "alpha_pattern": {pattern: 4}}.get(field, pattern)
+    extra = {"layers_to_transform": [0], "target_modules": ["q_proj", "v_proj"]} if field == "layers_pattern" else {}
+    path = _good(tmp_path, **{field: value}, **extra)
+    start = time.monotonic()
+    with pytest.raises(AdapterError, match=rf"{CONFIG_NAME}: field '{field}.*(refused|has \d+ characters)"):
+        load_peft_adapter(path)
+    assert time.monotonic() - start < 3
+
+
+def test_long_pattern_and_long_tensor_names_are_refused(tmp_path):
+    path = _good(tmp_path, target_modules="q_proj|" * 100 + "v_proj")
+    with pytest.raises(AdapterError, match=r"field 'target_modules': the regular expression .* has 706 characters, "
+                                           "more than 512"):
+        load_peft_adapter(path)
+    path = tmp_path / "long"
+    path.mkdir()
+    _config(str(path), target_modules=".*q_proj")
+    name = "model." + "a." * 300 + "q_proj"
+    a, end = _entry((2, H), 0)
+    b, end = _entry((Q, 2), end)
+    _raw_safetensors(str(path / WEIGHTS_NAME), {f"base_model.model.{name}.lora_A.weight": a,
+                                                f"base_model.model.{name}.lora_B.weight": b}, end, sparse=False)
+    with pytest.raises(AdapterError, match=r"tensor name .* has \d+ characters; module names are at most 256"):
+        load_peft_adapter(str(path))
+
+
+@pytest.mark.parametrize("config", [
+    {"target_modules": r".*\.(q_proj|v_proj)"},
+    {"target_modules": r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"},
+    {"target_modules": r"^(?!.*lm_head).*"},
+    {"target_modules": r".*\.layers\.[02]\.self_attn\.(q|v)_proj"},
+    {"target_modules": ["q_proj", "v_proj"], "exclude_modules": r".*\.layers\.1\..*",
+     "rank_pattern": {r"layers\.\d+\.self_attn\.v_proj": 2, "^model.layers.0.self_attn.q_proj": 2},
+     "alpha_pattern": {"v_proj": 3}},
+    {"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [0], "layers_pattern": "layers"},
+])
+def test_common_peft_patterns_are_accepted(tmp_path, config):
+    ad = load_peft_adapter(_good(tmp_path, **config))
+    assert sorted(ad.modules) == [QMOD, VMOD]
+    if "alpha_pattern" in config:
+        assert ad.modules[VMOD].scaling == pytest.approx(3 / 2)
+
+
+def test_pattern_keys_match_like_peft():
+    """rank_pattern / alpha_pattern keys: PEFT's re.match(rf"(.*\\.)?({key})$", name), the same keys."""
+    import re
+
+    from lora_core.peft.config import AdapterConfig
+    keys = ["q_proj", r"layers\.0\.self_attn\.q_proj", "^model.layers.0.self_attn.q_proj", "^q_proj",
+            r"(?<=attn\.)q_proj", "proj", ".*proj", "self_attn.q_proj", "0", "attn", r"layers\.\d+\.mlp\..*"]
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.10.mlp.down_proj", "q_proj", "lm_head"]
+    for key in keys:
+        for name in names:
+            assert (AdapterConfig._lookup({key: 1}, name, 0) == 1) == bool(re.match(rf"(.*\.)?({key})$", name)), \
+                (key, name)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ from .config import (
     AdapterError,
 )
 from .files import read_adapter_config, resolve_adapter_file
+from .patterns import MATCH_BUDGET_S, MAX_NAME_CHARS
 from .safetensors_format import read_safetensors, read_safetensors_header
 
 # ----------------------------------------------------------------------------- the adapter
@@ -162,6 +164,9 @@ def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
     base_layers = {}
     magnitudes = {}
     for key, info in header.items():
+        if len(key) > MAX_NAME_CHARS + len("base_model.model.") + len(".lora_embedding_A.weight"):
+            raise AdapterError(f"{weights_path}: tensor name {key[:80]!r} ... has {len(key)} characters; module names "
+                               f"are at most {MAX_NAME_CHARS} (lora_core.peft.patterns.MAX_NAME_CHARS)")
         name_in_model = key.removeprefix("base_model.model.")
         if name_in_model.endswith(".lora_magnitude_vector") or name_in_model.endswith(".lora_magnitude_vector.weight"):
             module = name_in_model[: name_in_model.index(".lora_magnitude_vector")]
@@ -238,7 +243,11 @@ def _module_plan(parts: dict, header: dict, config, raw: dict, weights_path: str
     header's shapes, the model's (module_shapes, when given; before the config's patterns run, so
     they only ever see the model's own module names) and the config (targeted, its rank)."""
     plan = {}
+    deadline = time.monotonic() + MATCH_BUDGET_S
     for module, kinds in sorted(parts.items()):
+        if time.monotonic() > deadline:
+            raise AdapterError(f"{weights_path}: matching {CONFIG_NAME}'s patterns (target_modules, rank_pattern, ...) "
+                               f"against the tensor names took more than {MATCH_BUDGET_S} s; refused")
         kind = next((k for k, pair in _PAIRS.items() if set(kinds) == set(pair)), None)
         if kind is None:
             raise AdapterError(f"{weights_path}: module {module!r} has tensors {sorted(kinds)}; expected lora_A and "

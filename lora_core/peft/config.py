@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .patterns import MAX_KEY_LOOPS, compile_guarded
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
@@ -131,10 +133,7 @@ def _patterns(names: Any, where: str, field: str, allow_regex: bool) -> tuple | 
     if isinstance(names, str):
         if not allow_regex:
             raise AdapterError(f"{where}: field {field!r} must be a list of strings, got the string {_short(names)}")
-        try:
-            re.compile(names)
-        except re.error as e:
-            raise AdapterError(f"{where}: field {field!r} is not a valid regular expression: {names!r} ({e})") from None
+        compile_guarded(names, where, field)
         return names
     if isinstance(names, list) and all(isinstance(n, str) for n in names):
         return tuple(names)
@@ -150,11 +149,7 @@ def _pattern_map(value: Any, where: str, field: str, check, expected: str) -> di
         raise AdapterError(f"{where}: field {field!r} must be an object {{module regex: {expected}}}, "
                            f"got {_short(value)} ({type(value).__name__})")
     for key, v in value.items():
-        try:
-            re.compile(key)
-        except re.error as e:
-            raise AdapterError(f"{where}: field {field!r}: key {key!r} is not a valid regular expression "
-                               f"({e})") from None
+        compile_guarded(key, where, field, max_loops=MAX_KEY_LOOPS, is_key=True)
         if not check(v):
             raise AdapterError(f"{where}: field {field!r}: value for {key!r} must be {expected}, got {_short(v)}")
     return dict(value)
@@ -184,8 +179,14 @@ class AdapterConfig:
 
     @staticmethod
     def _lookup(pattern: Mapping[str, Any], module: str, default):
+        r"""PEFT's `re.match(rf"(.*\.)?({key})$", module)`, as a full match of the name from each
+        dotted position on (the start, then after each dot; `^` and lookbehinds still see the
+        whole name): the same keys match, and the config's pattern runs on its own (its guard in
+        lora_core.peft.patterns counts this loop)."""
+        starts = [0] + [i + 1 for i, c in enumerate(module) if c == "."]
         for key, value in pattern.items():
-            if re.match(rf"(.*\.)?({key})$", module):
+            compiled = re.compile(key)
+            if any(compiled.fullmatch(module, i) for i in starts):
                 return value
         return default
 
@@ -298,6 +299,8 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
     if isinstance(layers_pattern, str):
         layers_pattern = [layers_pattern] if layers_pattern else []
     layers_pattern = _patterns(layers_pattern, where, "layers_pattern", allow_regex=False)
+    for pattern in layers_pattern or ():
+        compile_guarded(pattern, where, "layers_pattern", max_loops=1)
     if isinstance(targets, str) and (layers is not None or layers_pattern):
         raise AdapterError(f"{where}: fields 'layers_to_transform' / 'layers_pattern' need target_modules as a list, "
                            f"got the regex {_short(targets)} (PEFT refuses this config too)")
