@@ -419,3 +419,93 @@ def test_pattern_keys_match_like_peft():
         for name in names:
             assert (AdapterConfig._lookup({key: 1}, name, 0) == 1) == bool(re.match(rf"(.*\.)?({key})$", name)), \
                 (key, name)
+
+
+# ----------------------------------------------------------------------------- stamps and copies
+
+def _rewriting_manager(rewrite_on: set, seeds: list):
+    """A torch manager whose adapter preparation (the moment register / a reload has just read the
+    files) rewrites the adapter directory with the next seed's weights on the calls in `rewrite_on`:
+    a writer racing the reader, at the worst moment."""
+    from torch_lora.adapters import AdapterManager
+
+    base = _torch_manager(slots=1)
+
+    class Racing(AdapterManager):
+        calls = 0
+        directory = None
+
+        def _prepare_uncounted(self, adapter):
+            prepared = super()._prepare_uncounted(adapter)
+            Racing.calls += 1
+            if Racing.calls in rewrite_on:
+                _good_at(Racing.directory, seeds.pop(0))
+            return prepared
+
+    return Racing(base.layers, host_cache_size=1), Racing
+
+
+def _good_at(path, seed):
+    rng = np.random.default_rng(seed)
+    save_peft_adapter(path, {QMOD: (rng.normal(size=(2, H)), rng.normal(size=(Q, 2))),
+                             VMOD: (rng.normal(size=(2, H)), rng.normal(size=(KV, 2)))}, r=2, lora_alpha=4)
+    os.utime(os.path.join(path, WEIGHTS_NAME), ns=(time.time_ns(), time.time_ns() + seed))
+
+
+def _served_q_a(mgr, lora_id):
+    """The q_proj lora_A (rank 2) that lora_id's slot holds."""
+    return mgr.layers["qkv"].slot_views(mgr.slot_of(lora_id))[0][:2].numpy()
+
+
+def test_files_rewritten_during_register_are_read_again(tmp_path):
+    path = _good(tmp_path, "racing")
+    mgr, racing = _rewriting_manager({1}, [11])
+    racing.directory = path
+    mgr.register(1, path)
+    assert racing.calls == 2                                   # read, rewritten meanwhile, read again
+    mgr.activate([1])
+    np.testing.assert_allclose(_served_q_a(mgr, 1), load_peft_adapter(path).modules[QMOD].lora_a, rtol=1e-6)
+
+
+def test_files_that_keep_changing_during_register_are_refused(tmp_path):
+    path = _good(tmp_path, "racing")
+    mgr, racing = _rewriting_manager({1, 2, 3}, [11, 12, 13])
+    racing.directory = path
+    before = _state(mgr)
+    with pytest.raises(AdapterError, match=r"adapter 'racing': the files in .* changed while they were read, 3 times"):
+        mgr.register(1, path)
+    _assert_same(before, _state(mgr))
+
+
+def test_reload_after_eviction_refuses_files_rewritten_during_the_reload(tmp_path):
+    """host_cache_size=1 and one slot: adapter 1 is evicted by 2 and reloaded from disk; files rewritten
+    while that reload reads them are refused, not served under id 1."""
+    path = _good(tmp_path, "one")
+    mgr, racing = _rewriting_manager({3}, [21])      # calls: register 1, register 2, reload of 1
+    racing.directory = path
+    mgr.register(1, path)
+    mgr.register(2, _good(tmp_path, "two", seed=2))
+    mgr.activate([2])
+    before = _state(mgr)
+    with pytest.raises(AdapterError, match=r"adapter 'one' \(LoRA id 1\): the files in .* changed since it was "
+                                           "registered"):
+        mgr.activate([1])
+    assert racing.calls == 3
+    _assert_same(before, _state(mgr))
+
+
+def test_a_registered_peft_adapter_is_copied(tmp_path):
+    """Changing the caller's PeftAdapter after register (in place, or its dicts) changes nothing served,
+    neither now nor after an eviction and reload."""
+    mgr = _torch_manager(slots=1)
+    mgr.host_cache_size = 1
+    adapter = load_peft_adapter(_good(tmp_path))
+    want = adapter.modules[QMOD].lora_a.copy()
+    mgr.register(1, adapter)
+    adapter.modules[QMOD].lora_a[:] = 1e3
+    adapter.modules[VMOD] = adapter.modules[QMOD]
+    mgr.register(2, _good(tmp_path, "two", seed=2))
+    mgr.activate([2])
+    mgr.activate([1])                                         # evicted from the host cache: prepared again
+    assert mgr.stats["prepares"] == 2
+    np.testing.assert_allclose(_served_q_a(mgr, 1), want, rtol=1e-6)
