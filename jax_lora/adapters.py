@@ -254,6 +254,15 @@ class AdapterManager(SlotTable):
     Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
     `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
     registry, LRU slots and host cache are lora_core.adapter_slots.SlotTable's, shared with torch).
+
+    Adapter directories are untrusted: their headers are checked against the model's modules
+    (`module_shapes(model)`) before any tensor data is read, and all of an adapter's tensors against
+    `max_adapter_bytes` (attribute; None: the model's largest adapter).
+
+    Threads: every method holds `lock` (a threading.RLock) around the registry, host cache and slot
+    table, so concurrent callers never corrupt them; `register` reads files before taking it. A
+    thread that runs a step on the slots holds `with manager.lock:` across `activate` and the step
+    (another thread's activate may evict its slots).
     """
 
     def __init__(self, model: nnx.Module, *, host_cache_size: int = 8):

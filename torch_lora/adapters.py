@@ -372,6 +372,15 @@ class AdapterManager(SlotTable):
     `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
     registry, LRU slots and host cache are lora_core.adapter_slots.SlotTable's, shared with JAX).
 
+    Adapter directories are untrusted: their headers are checked against the layers' modules
+    (`module_shapes(layers)`) before any tensor data is read, and all of an adapter's tensors against
+    `max_adapter_bytes` (attribute; None: the model's largest adapter).
+
+    Threads: every method holds `lock` (a threading.RLock) around the registry, host cache and slot
+    table, so concurrent callers never corrupt them; `register` reads files before taking it. A
+    thread that runs a step on the slots holds `with manager.lock:` across `activate` and the step
+    (another thread's activate may evict its slots).
+
     Slot writes on CUDA. A write (load, eviction, hot swap, unload) is enqueued on the manager's
     upload stream: that stream first waits on an event recorded on the current stream at the time of
     the write, i.e. after every step already enqueued there (eager kernels or a CUDA graph replay),
