@@ -142,7 +142,8 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
             raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
                                f"max_rank={layer.max_rank}; rebuild the LoRA layers with max_rank >= {rank}")
         A, B = out[path]
-        bs = (b * scaling).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):     # non-finite results: refused below, by name
+            bs = (b * scaling).astype(np.float32)
         if isinstance(layer, lnn.MultiLoRALinear):
             if kind != "linear":
                 raise AdapterError(f"adapter {adapter.label}: {module!r} is an embedding adapter but "

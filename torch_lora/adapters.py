@@ -182,7 +182,8 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
             raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
                                f"max_rank={layer.max_rank}; wrap the model with max_rank >= {rank}")
         _check_base_layer(layer, s, module, adapter)
-        _place_module(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
+        with np.errstate(over="ignore", invalid="ignore"):     # non-finite results: refused below, by name
+            _place_module(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
         ranks[path] = max(ranks[path], rank)
     _check_placed_values(arrays, layers, adapter)
     scales = dora_scales(layers, adapter)
