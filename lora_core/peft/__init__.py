@@ -37,6 +37,9 @@ What is refused, and why:
   reading or allocating it.
 - JSON: adapter_config.json and the safetensors header are parsed by lora_core.safe_json, with the
   nesting depth bounded before parsing.
+- Regular expressions (a string target_modules / exclude_modules, rank_pattern / alpha_pattern
+  keys, layers_pattern) are compiled under the guard of `patterns` (no nested or ambiguous
+  quantifiers, few unbounded loops, short names, a time budget), so no config backtracks for long.
 
 Every error is an `AdapterError` (a ValueError) naming the file, the field or tensor, what was
 expected and what was received.
