@@ -23,12 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lora_core import dora
+from lora_core import checks, dora
 from lora_core.adapter_slots import SlotTable
 from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file names, for callers)
     CONFIG_NAME,
     WEIGHTS_NAME,
     AdapterError,
+    ModuleShape,
     PeftAdapter,
     load_peft_adapter,
     save_peft_adapter,
@@ -43,6 +44,7 @@ __all__ = [
     "PeftAdapter",
     "load_peft_adapter",
     "merge_adapter",
+    "module_shapes",
     "prepare_adapter",
     "adapter_ranks",
     "save_peft_adapter",
@@ -51,17 +53,50 @@ __all__ = [
 
 # ----------------------------------------------------------------------------- placement
 
-def _locate(module: str, layers: Mapping[str, nnx.Module], packed: Mapping[str, Sequence[str]]):
-    """(layer path, slice index) of a Hugging Face module name in the model, or None."""
-    if module in layers:
-        return module, 0
-    head, _, leaf = module.rpartition(".")
-    for packed_name, subs in packed.items():
-        if leaf in subs:
-            path = f"{head}.{packed_name}" if head else packed_name
-            if path in layers:
-                return path, list(subs).index(leaf)
-    return None
+def _module_index(layers: Mapping[str, nnx.Module], packed: Mapping[str, Sequence[str]], num_slices) -> dict:
+    """{Hugging Face module name: (layer path, slice index)} of the model's layers.
+
+    A layer whose last path part is a packed name (`packed_modules_mapping`, e.g. qkv_proj ->
+    q_proj, k_proj, v_proj) with one output slice per member holds the members' names, one per
+    slice; any other single-slice layer holds its own path. A fused layer's own name (qkv_proj of a
+    layer with q / k / v slices) names no module: an adapter targeting it is refused, never placed
+    into its first slice. num_slices(path, layer) -> the layer's number of output slices."""
+    index = {}
+    for path, layer in layers.items():
+        head, _, leaf = path.rpartition(".")
+        n = num_slices(path, layer)
+        subs = tuple(packed.get(leaf) or ())
+        if subs and len(subs) == n:
+            names = [f"{head}.{sub}" if head else sub for sub in subs]
+        else:
+            names = [path] if n == 1 else []
+        for s, name in enumerate(names):
+            if name in index:
+                raise ValueError(f"module {name!r} is held by two LoRA layers: {index[name][0]!r} and {path!r}")
+            index[name] = (path, s)
+    return index
+
+
+def _lora_index(model: nnx.Module, layers: Mapping[str, nnx.Module]) -> dict:
+    """_module_index of the model's multi-LoRA layers."""
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    return _module_index(layers, packed, lambda _path, layer: len(getattr(layer, "output_slices", (0,))))
+
+
+def module_shapes(model: nnx.Module) -> dict:
+    """{module name: lora_core.peft.ModuleShape} of every module the model's multi-LoRA layers hold:
+    what an adapter file's header is checked against before its tensors are read."""
+    layers = lnn.lora_layers(model)
+    out = {}
+    for module, (path, s) in _lora_index(model, layers).items():
+        layer = layers[path]
+        if isinstance(layer, lnn.MultiLoRALinear):
+            out[module] = ModuleShape("linear", layer.in_features, layer.output_slices[s], layer.max_rank)
+        elif isinstance(layer, lnn.MultiLoRAEmbed):
+            out[module] = ModuleShape("embedding", layer.num_embeddings, layer.features, layer.max_rank)
+        else:
+            out[module] = ModuleShape("linear", layer.in_features, layer.out_features, layer.max_rank)
+    return out
 
 
 def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
@@ -76,7 +111,7 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
     if not layers:
         raise AdapterError(f"{type(model).__name__} has no multi-LoRA layers: call add_lora / "
                            "jax_lora.nn.replace_lora_layers first")
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    index = _lora_index(model, layers)
     out = {}
     for path, layer in layers.items():
         r = layer.max_rank
@@ -90,11 +125,9 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
             out[path] = (np.zeros((r, layer.in_features), np.float32),
                          np.zeros((layer.out_features, r), np.float32))
     for module, (a, b, scaling, kind) in adapter.modules.items():
-        where = _locate(module, layers, packed)
+        where = index.get(module)
         if where is None:
-            raise AdapterError(f"adapter {adapter.label} targets {module!r}, which is not a LoRA layer of the "
-                               f"model (LoRA layers: {sorted(layers)[:6]}{' ...' if len(layers) > 6 else ''}); "
-                               "add it to the model's target modules")
+            raise AdapterError(checks.unknown_adapter_module(adapter.label, module, index))
         path, s = where
         layer = layers[path]
         rank = a.shape[0]
@@ -109,7 +142,8 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
             raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
                                f"max_rank={layer.max_rank}; rebuild the LoRA layers with max_rank >= {rank}")
         A, B = out[path]
-        bs = (b * scaling).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):     # non-finite results: refused below, by name
+            bs = (b * scaling).astype(np.float32)
         if isinstance(layer, lnn.MultiLoRALinear):
             if kind != "linear":
                 raise AdapterError(f"adapter {adapter.label}: {module!r} is an embedding adapter but "
@@ -142,6 +176,8 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
                                    f"and ({layer.out_features}, {rank})")
             A[:rank] = a
             B[:, :rank] = bs
+    for path, parts in out.items():             # the check torch's placement runs too
+        checks.check_placed_adapter(adapter.label, path, parts, layers[path].lora_a.get_value().dtype)
     return out
 
 
@@ -151,11 +187,11 @@ def dora_scales(model: nnx.Module, adapter: PeftAdapter) -> dict:
     module (lora_core.dora.column_scale) with W the layer's base kernel at that member's columns.
     Raises AdapterError when a DoRA module lands in a layer built without dora=True."""
     layers = lnn.lora_layers(model)
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    index = _lora_index(model, layers)
     out = {path: np.ones(layer.out_features, np.float32) for path, layer in layers.items()
            if isinstance(layer, lnn.MultiLoRALinear) and layer.dora}
     for module, m in sorted(adapter.magnitudes.items()):
-        where = _locate(module, layers, packed)
+        where = index.get(module)
         if where is None:
             continue                                   # prepare_adapter names unknown modules
         path, s = where
@@ -171,6 +207,8 @@ def dora_scales(model: nnx.Module, adapter: PeftAdapter) -> dict:
             out[path][off:off + width] = dora.column_scale(kernel.T, a, b, scaling, m)
         except ValueError as e:
             raise AdapterError(f"adapter {adapter.label}, module {module!r}: {e}") from None
+    for path in sorted({index[module][0] for module in adapter.magnitudes if module in index}):
+        checks.check_dora_scale(adapter.label, path, out[path])
     return out
 
 
@@ -180,10 +218,10 @@ def adapter_ranks(model: nnx.Module, adapter: PeftAdapter) -> dict:
     with PEFT's rank_pattern), 0 where the adapter has nothing. Call after `prepare_adapter` has
     validated the adapter against the model."""
     layers = lnn.lora_layers(model)
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    index = _lora_index(model, layers)
     ranks = dict.fromkeys(layers, 0)
     for module, (a, _b, _scaling, _kind) in adapter.modules.items():
-        where = _locate(module, layers, packed)
+        where = index.get(module)
         if where is not None:
             ranks[where[0]] = max(ranks[where[0]], int(a.shape[0]))
     return ranks
@@ -217,6 +255,15 @@ class AdapterManager(SlotTable):
     Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
     `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
     registry, LRU slots and host cache are lora_core.adapter_slots.SlotTable's, shared with torch).
+
+    Adapter directories are untrusted: their headers are checked against the model's modules
+    (`module_shapes(model)`) before any tensor data is read, and all of an adapter's tensors against
+    `max_adapter_bytes` (attribute; None: the model's largest adapter).
+
+    Threads: every method holds `lock` (a threading.RLock) around the registry, host cache and slot
+    table, so concurrent callers never corrupt them; `register` reads files before taking it. A
+    thread that runs a step on the slots holds `with manager.lock:` across `activate` and the step
+    (another thread's activate may evict its slots).
     """
 
     def __init__(self, model: nnx.Module, *, host_cache_size: int = 8):
@@ -234,8 +281,12 @@ class AdapterManager(SlotTable):
                                                                                                 False) else ())]
         self._path_by_id = {id(self.layers[p]): p for p in self._paths}
         self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
+        self._shapes = module_shapes(model)
 
     # -------------------------------------------------------------- SlotTable's framework part
+    def _module_shapes(self) -> dict:
+        return self._shapes
+
     def _prepare_uncounted(self, adapter: PeftAdapter) -> tuple:
         """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}, dora_scales' {path: g}): one
         slot's host data."""
@@ -288,8 +339,9 @@ def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
                if isinstance(node, (nnx.Linear, nnx.Embed))}
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     slices = model.lora_slices() if hasattr(model, "lora_slices") else {}
+    index = _module_index(modules, packed, lambda path, _layer: len(slices.get(path.rsplit(".", 1)[-1], (0,))))
     for module, (a, b, scaling, _kind) in adapter.modules.items():
-        where = _locate(module, modules, packed)
+        where = index.get(module)
         if where is None:
             raise AdapterError(f"adapter {adapter.label} targets {module!r}, which the model does not have")
         path, s = where

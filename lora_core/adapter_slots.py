@@ -3,19 +3,40 @@
 A serving engine has L device slots per LoRA layer and any number of adapters. This class keeps,
 on the host and without any framework:
 
-  registry     LoRA id (int > 0) -> its source (a PEFT directory or a `PeftAdapter`) and name;
+  registry     LoRA id (int > 0) -> its source (a PEFT directory, or a private copy of a
+               `PeftAdapter` taken at register: changing the caller's object afterwards changes
+               nothing served) and name;
   host cache   LoRA id -> the adapter prepared for the slots (the framework's layout), LRU,
-               at most `host_cache_size` entries (a reload then skips the disk; a reload from a
-               directory whose files changed since registration raises AdapterError instead of
-               serving other weights under the same id);
+               at most `host_cache_size` entries (a reload then skips the disk);
   slot table   slot -> LoRA id or None (`lora_index_to_id`, the wrapper's table), with the slots'
                use in LRU order.
+
+Registered files are stamped (name, size, modification and change times, inode of each file in
+the directory): the stamp is taken before the read and compared after it, so files rewritten
+while `register` reads them are read again (up to STAMP_TRIES times, then AdapterError), never
+registered with content other than what was read. A reload after eviction compares the files'
+stamp with the registered one before and after reading: files changed since registration raise
+AdapterError instead of serving other weights under the same id.
+
+Threads. Every method that reads or changes the registry, the host cache or the slot table holds
+`lock` (a re-entrant lock), so concurrent callers never see a half-updated table nor write two
+adapters into one slot; `register` reads and prepares the adapter before taking it (a slow disk
+does not stall the other callers) and then commits under it. A slot table returned by `activate`
+stays true only while no other thread activates: a caller that runs a step on the slots holds
+`with manager.lock:` across `activate` and the step (or one thread serves, as an engine does).
 
 `activate(ids)` puts a batch's adapters into slots: free slots first, then the least recently
 used slots whose adapter the batch does not need. Every adapter the batch needs is prepared before
 any slot is written, so an adapter that fails to load leaves the manager as it was.
 
-A framework's manager subclasses it and provides three things:
+Adapter files are untrusted input: a directory is read with `load_peft_adapter(...,
+module_shapes=..., max_total_bytes=max_adapter_bytes)`, so every tensor's shape is checked against
+the model's modules from the safetensors header before any data is read, and all of them together
+against `max_adapter_bytes` (None, the default: the model's largest adapter, every LoRA module at
+max_rank, lora_core.peft.largest_adapter_bytes; set the attribute to an int to lower or raise it).
+
+A framework's manager subclasses it and provides four things:
+  `_module_shapes()` -> {module name: lora_core.peft.ModuleShape}: what the model's modules accept;
   `_prepare_uncounted(adapter)` -> prepared: the host layout of a PeftAdapter (raises
       lora_core.peft.AdapterError for a bad adapter); SlotTable reads directories itself and
       passes the adapter named as registered, so its errors name the adapter as the caller does;
@@ -27,8 +48,10 @@ A framework's manager subclasses it and provides three things:
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,9 +59,10 @@ import numpy as np
 
 from .peft import AdapterError, PeftAdapter, load_peft_adapter
 
-__all__ = ["MAX_LORA_ID", "SlotTable"]
+__all__ = ["MAX_LORA_ID", "STAMP_TRIES", "SlotTable"]
 
 MAX_LORA_ID = 2**63 - 1            # the largest id a wrapper's int64 slot table holds
+STAMP_TRIES = 3                    # reads of a directory whose files keep changing before register gives up
 
 
 class SlotTable:
@@ -58,8 +82,13 @@ class SlotTable:
         self._slot_use: collections.OrderedDict = collections.OrderedDict()   # id -> None, LRU order
         self.version = 0                                # +1 per slot write
         self.stats = collections.Counter()
+        self.max_adapter_bytes: int | None = None       # None: the model's largest adapter (module docstring)
+        self.lock = threading.RLock()                   # held by every method that reads or changes the tables
 
     # -------------------------------------------------------------- the framework's part
+    def _module_shapes(self) -> dict:
+        raise NotImplementedError
+
     def _prepare_uncounted(self, adapter: PeftAdapter) -> Any:
         raise NotImplementedError
 
@@ -73,7 +102,9 @@ class SlotTable:
     def register(self, lora_id: int, adapter: str | os.PathLike | PeftAdapter, name: str | None = None) -> None:
         """Makes `lora_id` name `adapter`, read and checked now. Re-registering an id hot-swaps it:
         when it is in a slot, the same slot gets the new weights. A bad adapter raises AdapterError
-        and changes nothing (the id keeps its previous adapter, if any)."""
+        and changes nothing (the id keeps its previous adapter, if any). A PeftAdapter is copied
+        (later changes to the caller's object are not served); a directory is stamped before it is
+        read and checked after (see the module docstring)."""
         if (not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool) or lora_id <= 0
                 or lora_id > MAX_LORA_ID):
             raise ValueError(f"lora_id must be an int in 1..2**63 - 1 (0 means no adapter; the wrappers' slot "
@@ -82,45 +113,62 @@ class SlotTable:
             raise TypeError(f"adapter must be a PEFT adapter directory (str or os.PathLike) or a PeftAdapter, got "
                             f"{type(adapter).__name__}")
         lora_id = int(lora_id)
-        src = adapter if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
+        src = copy.deepcopy(adapter) if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
         name = name or (src.name if isinstance(src, PeftAdapter) else os.path.basename(os.path.normpath(src)))
-        prepared = self._prepare(src, name)             # raises for a bad adapter; nothing changed yet
-        self._count_prepare(src)
-        self._ranks[lora_id] = self._largest_rank(prepared)
-        self._sources[lora_id] = src
-        self._stamps[lora_id] = _file_stamps(src)
-        self._names[lora_id] = name
-        self._host.pop(lora_id, None)
-        self._cache(lora_id, prepared)
-        if lora_id in self._slots:                      # hot swap: same slot, new weights
-            self._write(self._slots.index(lora_id), prepared)
-            self.stats["hot_swaps"] += 1
+        prepared, stamp = self._read_stamped(src, name)   # raises for a bad adapter; nothing changed yet
+        with self.lock:
+            self._count_prepare(src)
+            self._ranks[lora_id] = self._largest_rank(prepared)
+            self._sources[lora_id] = src
+            self._stamps[lora_id] = stamp
+            self._names[lora_id] = name
+            self._host.pop(lora_id, None)
+            self._cache(lora_id, prepared)
+            if lora_id in self._slots:                      # hot swap: same slot, new weights
+                self._write(self._slots.index(lora_id), prepared)
+                self.stats["hot_swaps"] += 1
+
+    def _read_stamped(self, src, name: str) -> tuple:
+        """(prepared, stamp) of `src`, the stamp taken before the read and equal to the files' after it;
+        a directory whose files change during the read is read again, AdapterError after STAMP_TRIES."""
+        for _ in range(STAMP_TRIES):
+            before = _file_stamps(src)
+            prepared = self._prepare(src, name)
+            if _file_stamps(src) == before:
+                return prepared, before
+        raise AdapterError(f"adapter {name!r}: the files in {src!r} changed while they were read, {STAMP_TRIES} "
+                           "times in a row; register it once they are written")
 
     def unregister(self, lora_id: int) -> None:
         """Frees the adapter's slot (zeroed) and forgets it."""
-        self.unload(lora_id)
-        for table in (self._sources, self._stamps, self._names, self._ranks, self._host):
-            table.pop(lora_id, None)
+        with self.lock:
+            self.unload(lora_id)
+            for table in (self._sources, self._stamps, self._names, self._ranks, self._host):
+                table.pop(lora_id, None)
 
     @property
     def registered(self) -> dict:
         """{lora id: name}."""
-        return dict(self._names)
+        with self.lock:
+            return dict(self._names)
 
     # -------------------------------------------------------------- slots
     @property
     def lora_index_to_id(self) -> list:
         """slot -> LoRA id or None (the wrapper's table)."""
-        return list(self._slots)
+        with self.lock:
+            return list(self._slots)
 
     @property
     def slot_ranks(self) -> np.ndarray:
         """(num_slots,) int32: each slot's adapter's largest rank (0 when empty). The layers hold
         their own per-slot ranks, which the kernels read (they skip the zero padding)."""
-        return np.array([self._ranks.get(i, 0) if i is not None else 0 for i in self._slots], np.int32)
+        with self.lock:
+            return np.array([self._ranks.get(i, 0) if i is not None else 0 for i in self._slots], np.int32)
 
     def slot_of(self, lora_id: int) -> int | None:
-        return self._slots.index(lora_id) if lora_id in self._slots else None
+        with self.lock:
+            return self._slots.index(lora_id) if lora_id in self._slots else None
 
     def can_activate(self, ids: Iterable[int | None]) -> bool:
         return len({i for i in ids if i}) <= self.num_slots
@@ -141,45 +189,48 @@ class SlotTable:
         if bad is not None:
             raise TypeError(f"ids[{bad[0]}] must be an int LoRA id (or 0 / None for no adapter), got "
                             f"{type(bad[1]).__name__} {bad[1]!r:.80}")
-        need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
-        unknown = [i for i in need if i not in self._sources]
-        if unknown:
-            raise ValueError(f"LoRA ids {unknown} are not registered (registered: {sorted(self._sources)})")
-        if len(need) > self.num_slots:
-            raise ValueError(f"{len(need)} distinct adapters requested at once, but there are {self.num_slots} "
-                             "slots")
-        incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
-        for i in need:
-            if i in self._slots:
-                self.stats["slot_hits"] += 1
-            else:
-                prepared, cached = incoming[i]
-                if cached:
-                    self.stats["host_hits"] += 1
+        with self.lock:
+            need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
+            unknown = [i for i in need if i not in self._sources]
+            if unknown:
+                raise ValueError(f"LoRA ids {unknown} are not registered (registered: {sorted(self._sources)})")
+            if len(need) > self.num_slots:
+                raise ValueError(f"{len(need)} distinct adapters requested at once, but there are {self.num_slots} "
+                                 "slots")
+            incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
+            for i in need:
+                if i in self._slots:
+                    self.stats["slot_hits"] += 1
                 else:
-                    self._count_prepare(self._sources[i])
-                    self._ranks[i] = self._largest_rank(prepared)
-                self._cache(i, prepared)           # (re)inserted: caching another may have evicted it
-                self._write(self._free_slot(set(need)), prepared, lora_id=i)
-            self._slot_use.pop(i, None)
-            self._slot_use[i] = None
-        return self.lora_index_to_id
+                    prepared, cached = incoming[i]
+                    if cached:
+                        self.stats["host_hits"] += 1
+                    else:
+                        self._count_prepare(self._sources[i])
+                        self._ranks[i] = self._largest_rank(prepared)
+                    self._cache(i, prepared)           # (re)inserted: caching another may have evicted it
+                    self._write(self._free_slot(set(need)), prepared, lora_id=i)
+                self._slot_use.pop(i, None)
+                self._slot_use[i] = None
+            return self.lora_index_to_id
 
     def load(self, lora_id: int, adapter=None) -> int:
         """Registers (when `adapter` is given) and activates one adapter; returns its slot."""
-        if adapter is not None:
-            self.register(lora_id, adapter)
-        self.activate([lora_id])
-        return self.slot_of(lora_id)
+        with self.lock:
+            if adapter is not None:
+                self.register(lora_id, adapter)
+            self.activate([lora_id])
+            return self.slot_of(lora_id)
 
     def unload(self, lora_id: int) -> None:
         """Frees the adapter's slot (zeroed, rank 0); it stays registered and in the host cache."""
-        if lora_id in self._slots:
-            slot = self._slots.index(lora_id)
-            self._write(slot, None)
-            self._slots[slot] = None
-            self._slot_use.pop(lora_id, None)
-            self.stats["unloads"] += 1
+        with self.lock:
+            if lora_id in self._slots:
+                slot = self._slots.index(lora_id)
+                self._write(slot, None)
+                self._slots[slot] = None
+                self._slot_use.pop(lora_id, None)
+                self.stats["unloads"] += 1
 
     def _write(self, slot: int, prepared, lora_id: int | None = None) -> None:
         self._write_slot(slot, prepared)
@@ -215,10 +266,14 @@ class SlotTable:
         if lora_id in self._host:
             return self._host[lora_id], True
         src = self._sources[lora_id]
+        changed = (f"adapter {self._names[lora_id]!r} (LoRA id {lora_id}): the files in {src!r} changed since it was "
+                   "registered; register it again to serve the new files")
         if _file_stamps(src) != self._stamps.get(lora_id):
-            raise AdapterError(f"adapter {self._names[lora_id]!r} (LoRA id {lora_id}): the files in {src!r} changed "
-                               "since it was registered; register it again to serve the new files")
-        return self._prepare(src, self._names[lora_id]), False
+            raise AdapterError(changed)
+        prepared = self._prepare(src, self._names[lora_id])
+        if _file_stamps(src) != self._stamps.get(lora_id):     # rewritten while being read
+            raise AdapterError(changed)
+        return prepared, False
 
     def _prepare(self, src, name: str):
         """`_prepare_uncounted` of `src` (a directory, read here, or a PeftAdapter) as the adapter
@@ -228,15 +283,19 @@ class SlotTable:
             adapter = src if src.name == name else dataclasses.replace(src, name=name)
         else:
             try:
-                adapter = load_peft_adapter(src, name)
+                adapter = load_peft_adapter(src, name, module_shapes=self._module_shapes(),
+                                            max_total_bytes=self.max_adapter_bytes)
             except AdapterError as e:
-                raise AdapterError(f"adapter {name!r}: {e}") from None
+                text = str(e)           # checks against the model already name the adapter and its directory
+                named = text.startswith(f"adapter {name!r}")
+                raise AdapterError(text if named else f"adapter {name!r}: {text}") from None
         return self._prepare_uncounted(adapter)
 
 
 def _file_stamps(src) -> tuple | None:
-    """(name, size, modification time in ns) of the files directly in a source directory, sorted;
-    None for a PeftAdapter (held in memory) or a directory that cannot be listed."""
+    """(name, size, modification and change times in ns, inode) of the files directly in a source
+    directory, sorted (any rewrite changes the change time); None for a PeftAdapter (held in
+    memory) or a directory that cannot be listed."""
     if isinstance(src, PeftAdapter):
         return None
     try:
@@ -244,7 +303,7 @@ def _file_stamps(src) -> tuple | None:
         for entry in os.scandir(src):
             if entry.is_file():
                 st = entry.stat()
-                stamps.append((entry.name, st.st_size, st.st_mtime_ns))
+                stamps.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
         return tuple(sorted(stamps))
     except OSError:
         return None

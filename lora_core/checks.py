@@ -370,3 +370,45 @@ def check_seed_expand(x_shape, x_dtype, w_shape, w_dtype, y_shape, y_dtype, arg_
         raise ValueError(f"y has {y_shape[0]} rows (shape {tuple(y_shape)}), but x has {x_shape[0]} tokens "
                          f"(shape {tuple(x_shape)})")
     return width
+
+
+# ----------------------------------------------------------------------------- adapters placed into slots
+
+# The largest finite value of each layer dtype an adapter's factors may be stored in.
+FLOAT_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
+             "float64": 1.7976931348623157e308}
+
+
+def unknown_adapter_module(label: str, module: str, names: Sequence[str]) -> str:
+    """The message for an adapter module that no LoRA layer of the model holds (both frameworks)."""
+    names = sorted(names)
+    return (f"adapter {label} targets {module!r}, which is not a LoRA module of the model (LoRA modules: "
+            f"{names[:6]}{' ...' if len(names) > 6 else ''}); add it to the model's target_modules")
+
+
+def check_placed_adapter(label: str, path: str, parts: Sequence[np.ndarray], dtype: Any) -> None:
+    """An adapter's factors as placed into layer `path` (lora_B with its scaling lora_alpha / r folded
+    in, float32 on the host): every value finite, and within the layer dtype's range (`dtype`, any
+    spelling dtype_name reads), since a larger one would be infinite once stored. Both frameworks'
+    placement calls it, so they refuse the same adapters with the same message (an AdapterError)."""
+    from .peft.config import AdapterError  # here: lora_core.peft imports this module
+    name = dtype_name(dtype)
+    limit = FLOAT_MAX.get(name, FLOAT_MAX["float32"])
+    for array in parts:
+        if not np.all(np.isfinite(array)):
+            raise AdapterError(f"adapter {label}: the factors placed in {path!r} hold NaN or infinite values (the "
+                               "adapter's weights, or its scaling lora_alpha / r beyond float32)")
+        largest = float(np.abs(array).max()) if array.size else 0.0
+        if largest > limit:
+            raise AdapterError(f"adapter {label}: the factors placed in {path!r} reach {largest:.6g} (lora_B with the "
+                               f"scaling lora_alpha / r folded in), beyond the largest {name} value {limit:.6g}: they "
+                               "would be infinite in the layer's dtype")
+
+
+def check_dora_scale(label: str, path: str, scale: np.ndarray) -> None:
+    """A DoRA column scale g = m / ||W + s B A||_row placed into layer `path`: every value finite
+    (a NaN or infinite magnitude, or base weights that are not finite, make it NaN / inf)."""
+    from .peft.config import AdapterError
+    if not np.all(np.isfinite(scale)):
+        raise AdapterError(f"adapter {label}: the DoRA column scale of {path!r} holds NaN or infinite values "
+                           "(magnitudes or base weights that are not finite)")

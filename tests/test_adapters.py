@@ -106,7 +106,7 @@ def test_shape_and_format_errors(tmp_path):
     other = str(tmp_path / "other")
     save_peft_adapter(other, {"model.layers.0.self_attn.rotary": (np.ones((2, H)), np.ones((Q, 2)))}, r=2,
                       lora_alpha=2)
-    with pytest.raises(AdapterError, match="not a LoRA layer of the model"):
+    with pytest.raises(AdapterError, match="not a LoRA module of the model"):
         prepare_adapter(model, load_peft_adapter(other))
     pickled = tmp_path / "pickled"
     pickled.mkdir()

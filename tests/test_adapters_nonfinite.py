@@ -1,8 +1,9 @@
-"""Through jax_lora.AdapterManager: one adapter with NaN in its weights poisons only its own rows.
+"""Through jax_lora.AdapterManager: one slot with NaN in its weights poisons only its own rows.
 
 The manager puts every active adapter into a slot of the same stacked weights; before the
 reference backend selected slots (instead of a one-hot matmul over all of them), a NaN in one
 adapter's lora_B turned every LoRA row of every batch NaN -- even batches that did not use it.
+The manager refuses adapters with non-finite weights, so the NaN is written into a loaded slot.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from jax_lora.adapters import (
     AdapterManager,
     load_peft_adapter,
     merge_adapter,
-    save_peft_adapter,
 )
 from jax_lora.models import LlamaForCausalLM
 
@@ -27,17 +27,12 @@ TARGETS = ("q_proj", "v_proj", "down_proj", "embed_tokens", "lm_head")
 SEQ = 6
 
 
-def _poisoned_adapter(tmp_path, good_mods):
-    """The same modules with NaN (and an Inf) in every lora_B."""
-    mods = {}
-    for i, (name, (a, b)) in enumerate(sorted(good_mods.items())):
-        b = np.array(b, np.float64) * 0.5
-        b[1, 0] = np.nan
-        b[-1, -1] = np.inf if i % 2 else np.nan
-        mods[name] = (np.array(a) + 0.1, b)
-    path = str(tmp_path / "poisoned")
-    save_peft_adapter(path, mods, r=4, lora_alpha=8)
-    return path
+def _poison_slot(model, slot):
+    """NaN (and an Inf) in `slot` of every LoRA layer's lora_B (slot axis 0, then rows, rank)."""
+    for i, layer in enumerate(lnn.lora_layers(model).values()):
+        b = layer.lora_b.get_value()
+        b = b.at[slot, 1, 0].set(jnp.nan).at[slot, -1, 0].set(jnp.inf if i % 2 else jnp.nan)
+        layer.lora_b.set_value(b)
 
 
 def _run(model, mgr, seq_ids):
@@ -53,14 +48,15 @@ def _run(model, mgr, seq_ids):
 
 def test_nan_adapter_poisons_only_its_own_rows(tmp_path):
     """The poisoned adapter sits in slot 0, the slot whose embedding rows no-LoRA tokens look up."""
-    good_path, good_mods = _write(tmp_path, "good", 4, targets=TARGETS, seed=5)
-    bad_path = _poisoned_adapter(tmp_path, good_mods)
+    good_path, _ = _write(tmp_path, "good", 4, targets=TARGETS, seed=5)
+    other_path, _ = _write(tmp_path, "other", 4, targets=TARGETS, seed=6)
     model = _model(slots=3, rank=8)
     mgr = AdapterManager(model)
     mgr.register(1, good_path)
-    mgr.register(2, bad_path)
+    mgr.register(2, other_path)
     mgr.activate([2, 1])
     assert mgr.slot_of(2) == 0
+    _poison_slot(model, 0)
 
     base = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
     merged = merge_adapter(base, load_peft_adapter(good_path))

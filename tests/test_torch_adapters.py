@@ -377,7 +377,7 @@ def test_factors_beyond_the_layers_dtype_are_refused(tmp_path):
                       lora_alpha=4096)                                 # B x scaling = 20 x 4096 = 81920
     mgr = AdapterManager(_layers(slots=2, rank=4, dtype=torch.float16))
     with pytest.raises(AdapterError, match=rf"adapter 'big' \({re.escape(d)}\): the factors placed in 'qkv' reach 81920 "
-                                           r".*beyond the largest torch.float16 value 65504"):
+                                           r".*beyond the largest float16 value 65504"):
         mgr.load(1, d)
     assert mgr.registered == {}
     AdapterManager(_layers(slots=2, rank=4)).load(1, d)

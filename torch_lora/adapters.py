@@ -28,13 +28,14 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from lora_core import dora
+from lora_core import checks, dora
 from lora_core.adapter_slots import SlotTable
 from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file names, for callers)
     CONFIG_NAME,
     WEIGHTS_NAME,
     AdapterError,
     LoraModule,
+    ModuleShape,
     PeftAdapter,
     load_peft_adapter,
     save_peft_adapter,
@@ -52,6 +53,7 @@ __all__ = [
     "adapter_tensors",
     "dora_scales",
     "load_peft_adapter",
+    "module_shapes",
     "prepare_adapter",
     "save_peft_adapter",
 ]
@@ -127,6 +129,26 @@ def _module_index(layers: Mapping) -> dict:
     return index
 
 
+def module_shapes(layers: Mapping) -> dict:
+    """{module name: lora_core.peft.ModuleShape} of every module the layers hold: what an adapter
+    file's header is checked against before its tensors are read."""
+    layers = _check_layers(layers)
+    out = {}
+    for module, (path, s) in _module_index(layers).items():
+        layer = layers[path]
+        if isinstance(layer, ParallelLoRALayer):
+            shard = layer.slice_shards[s]
+            out[module] = ModuleShape("embedding" if shard.a_table else "linear", shard.full_in, shard.full_out,
+                                      layer.max_rank)
+        elif isinstance(layer, LoRALinear):
+            out[module] = ModuleShape("linear", layer.in_features, layer.output_slices[s], layer.max_rank)
+        elif isinstance(layer, LoRAEmbedding):
+            out[module] = ModuleShape("embedding", layer.num_embeddings, layer.embedding_dim, layer.max_rank)
+        else:
+            out[module] = ModuleShape("linear", layer.in_features, layer.out_features, layer.max_rank)
+    return out
+
+
 def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool = False) -> PreparedAdapter:
     """Checks `adapter` against the multi-LoRA `layers` and lays it out on the host in slot order.
 
@@ -153,10 +175,7 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
     for module, (a, b, scaling, kind) in sorted(adapter.modules.items()):
         where = index.get(module)
         if where is None:
-            names = sorted(index)
-            raise AdapterError(f"adapter {adapter.label} targets {module!r}, which is not a LoRA module of the model "
-                               f"(LoRA modules: {names[:6]}{' ...' if len(names) > 6 else ''}); add it to the model's "
-                               "target_modules")
+            raise AdapterError(checks.unknown_adapter_module(adapter.label, module, index))
         path, s = where
         layer = layers[path]
         rank = int(a.shape[0])
@@ -164,14 +183,13 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
             raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
                                f"max_rank={layer.max_rank}; wrap the model with max_rank >= {rank}")
         _check_base_layer(layer, s, module, adapter)
-        _place_module(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
+        with np.errstate(over="ignore", invalid="ignore"):     # non-finite results: refused below, by name
+            _place_module(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
         ranks[path] = max(ranks[path], rank)
     _check_placed_values(arrays, layers, adapter)
     scales = dora_scales(layers, adapter)
     for path, g in scales.items():
-        if not np.all(np.isfinite(g)):
-            raise AdapterError(f"adapter {adapter.label}: the DoRA column scale of {path!r} holds NaN or infinite "
-                               "values (magnitudes or base weights that are not finite)")
+        checks.check_dora_scale(adapter.label, path, g)
     tensors, nbytes = _pack(layers, {**arrays, **{(path, "dora"): [g] for path, g in scales.items()}}, pin_memory)
     scale_tensors = {path: tensors.pop((path, "dora"))[0] for path in scales}
     return PreparedAdapter(adapter.name, tensors, ranks, nbytes, scale_tensors)
@@ -244,19 +262,10 @@ def _place_module(arrays: dict, path: str, layer, s: int, module: str, adapter: 
 
 
 def _check_placed_values(arrays: dict, layers: Mapping, adapter: PeftAdapter) -> None:
-    """Refuses placed factors that hold NaN / infinities or overflow their layer's dtype."""
+    """Refuses placed factors that hold NaN / infinities or overflow their layer's dtype (the check
+    JAX's placement runs too: lora_core.checks.check_placed_adapter)."""
     for path, parts in arrays.items():
-        limit = torch.finfo(_layer_dtype(layers[path])).max
-        for array in parts:
-            if not np.all(np.isfinite(array)):
-                raise AdapterError(f"adapter {adapter.label}: the factors placed in {path!r} hold NaN or infinite "
-                                   "values")
-            largest = float(np.abs(array).max()) if array.size else 0.0
-            if largest > limit:
-                raise AdapterError(f"adapter {adapter.label}: the factors placed in {path!r} reach {largest:.6g} "
-                                   f"(lora_B with the scaling lora_alpha / r folded in), beyond the largest "
-                                   f"{_layer_dtype(layers[path])} value {limit:.6g}: they would be infinite in the "
-                                   "layer's dtype")
+        checks.check_placed_adapter(adapter.label, path, parts, _layer_dtype(layers[path]))
 
 
 def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:
@@ -365,6 +374,15 @@ class AdapterManager(SlotTable):
     `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
     registry, LRU slots and host cache are lora_core.adapter_slots.SlotTable's, shared with JAX).
 
+    Adapter directories are untrusted: their headers are checked against the layers' modules
+    (`module_shapes(layers)`) before any tensor data is read, and all of an adapter's tensors against
+    `max_adapter_bytes` (attribute; None: the model's largest adapter).
+
+    Threads: every method holds `lock` (a threading.RLock) around the registry, host cache and slot
+    table, so concurrent callers never corrupt them; `register` reads files before taking it. A
+    thread that runs a step on the slots holds `with manager.lock:` across `activate` and the step
+    (another thread's activate may evict its slots).
+
     Slot writes on CUDA. A write (load, eviction, hot swap, unload) is enqueued on the manager's
     upload stream: that stream first waits on an event recorded on the current stream at the time of
     the write, i.e. after every step already enqueued there (eager kernels or a CUDA graph replay),
@@ -397,6 +415,9 @@ class AdapterManager(SlotTable):
             (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(self._uploaded)
 
     # -------------------------------------------------------------- SlotTable's framework part
+    def _module_shapes(self) -> dict:
+        return module_shapes(self.layers)
+
     def _prepare_uncounted(self, adapter: PeftAdapter) -> PreparedAdapter:
         return prepare_adapter(self.layers, adapter, pin_memory=self._pin)
 

@@ -40,11 +40,11 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
-import json
 import logging
 import os
 import re
 
+from .. import safe_json
 from .policy import FALLBACK_TARGET_PROGRAMS, GENERIC_POLICY, PROGRAMS_PER_SM, LaunchPolicy
 
 _LOG = logging.getLogger("lora_core")
@@ -189,7 +189,7 @@ def _check_config(where: str, kind: str, cfg) -> None:
 
 def _read_table(path: str, device: str) -> LaunchTable:
     with open(path) as f:
-        data = json.load(f)
+        data = safe_json.load(f, path)
     for name, entry in data["classes"].items():
         for kind in ("shrink", "expand", "fused"):
             if kind in entry or kind != "fused":

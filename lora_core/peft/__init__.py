@@ -30,7 +30,16 @@ What is refused, and why:
   never opened.
 - Sizes: the safetensors header is parsed here (8-byte little-endian length, then JSON) with at most
   `max_header_bytes`; every tensor's dtype, shape and offsets are checked against each other and the
-  file size, and every LoRA tensor against `max_tensor_bytes`, before any tensor data is read.
+  file size, every dimension against MAX_DIM, every LoRA tensor against `max_tensor_bytes` and all
+  of them together against `max_total_bytes`, before any tensor data is read. Given the model's
+  `module_shapes` (the managers pass theirs), every module's shapes are checked against the
+  model's from the header, so a file declaring a tensor larger than its layer is refused without
+  reading or allocating it.
+- JSON: adapter_config.json and the safetensors header are parsed by lora_core.safe_json, with the
+  nesting depth bounded before parsing.
+- Regular expressions (a string target_modules / exclude_modules, rank_pattern / alpha_pattern
+  keys, layers_pattern) are compiled under the guard of `patterns` (no nested or ambiguous
+  quantifiers, few unbounded loops, short names, a time budget), so no config backtracks for long.
 
 Every error is an `AdapterError` (a ValueError) naming the file, the field or tensor, what was
 expected and what was received.
@@ -38,11 +47,20 @@ expected and what was received.
 
 from __future__ import annotations
 
-from .adapter import LoraModule, PeftAdapter, load_peft_adapter, save_peft_adapter
+from .adapter import (
+    LoraModule,
+    ModuleShape,
+    PeftAdapter,
+    largest_adapter_bytes,
+    load_peft_adapter,
+    save_peft_adapter,
+)
 from .config import (
                      CONFIG_NAME,
                      IMPLEMENTED,
+                     MAX_ADAPTER_BYTES,
                      MAX_CONFIG_BYTES,
+                     MAX_DIM,
                      MAX_HEADER_BYTES,
                      MAX_TENSOR_BYTES,
                      METADATA,
@@ -59,7 +77,9 @@ from .safetensors_format import TensorInfo, read_safetensors, read_safetensors_h
 __all__ = [
     "CONFIG_NAME",
     "IMPLEMENTED",
+    "MAX_ADAPTER_BYTES",
     "MAX_CONFIG_BYTES",
+    "MAX_DIM",
     "MAX_HEADER_BYTES",
     "MAX_TENSOR_BYTES",
     "METADATA",
@@ -69,8 +89,10 @@ __all__ = [
     "AdapterConfig",
     "AdapterError",
     "LoraModule",
+    "ModuleShape",
     "PeftAdapter",
     "TensorInfo",
+    "largest_adapter_bytes",
     "load_peft_adapter",
     "parse_adapter_config",
     "read_adapter_config",

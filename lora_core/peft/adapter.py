@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
+import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..checks import unknown_adapter_module
 from .config import (
     CONFIG_NAME,
+    MAX_ADAPTER_BYTES,
     MAX_HEADER_BYTES,
     MAX_TENSOR_BYTES,
     PICKLE_NAME,
@@ -21,9 +25,29 @@ from .config import (
     AdapterError,
 )
 from .files import read_adapter_config, resolve_adapter_file
+from .patterns import MATCH_BUDGET_S, MAX_NAME_CHARS
 from .safetensors_format import read_safetensors, read_safetensors_header
 
 # ----------------------------------------------------------------------------- the adapter
+
+class ModuleShape(NamedTuple):
+    """What a model's LoRA module accepts, to check an adapter file's header against before reading:
+    kind "linear" takes lora_A (r, in_features) and lora_B (out_features, r); kind "embedding"
+    takes lora_embedding_A (r, in_features = vocabulary) and lora_embedding_B (out_features =
+    embedding dim, r); r <= max_rank."""
+
+    kind: str
+    in_features: int
+    out_features: int
+    max_rank: int
+
+
+def largest_adapter_bytes(module_shapes: Mapping[str, ModuleShape]) -> int:
+    """The bytes of the largest adapter a model takes: every module at its max_rank, in float64 (the
+    widest dtype read), plus a DoRA magnitude (out_features,) per module. An adapter file within the
+    model's shapes never holds more LoRA data than this."""
+    return sum((m.max_rank * (m.in_features + m.out_features) + m.out_features) * 8 for m in module_shapes.values())
+
 
 class LoraModule(NamedTuple):
     """One module's LoRA: lora_a (r, in) and lora_b (out, r) for a linear layer, lora_a (r, vocab) and
@@ -81,14 +105,25 @@ _PAIRS = {"linear": ("lora_A", "lora_B"), "embedding": ("lora_embedding_A", "lor
 
 
 def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_tensor_bytes: int = MAX_TENSOR_BYTES,
-                      max_header_bytes: int = MAX_HEADER_BYTES) -> PeftAdapter:
+                      max_header_bytes: int = MAX_HEADER_BYTES, module_shapes: Mapping[str, ModuleShape] | None = None,
+                      max_total_bytes: int | None = None) -> PeftAdapter:
     """Reads a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors).
 
     Everything is checked before tensor data is read: the config (see the module docstring), the
     files' real paths, the safetensors header, and every module: a lora_A / lora_B (or
     lora_embedding_A / lora_embedding_B) pair of 2-D tensors with one rank equal to the config's r
-    for that module, on a module the config targets. Returns float32 factors and each module's
-    scaling. Raises AdapterError naming the file and the field or tensor.
+    for that module, on a module the config targets.
+
+    module_shapes: {module name: ModuleShape} of the model the adapter is for (the managers pass
+      theirs). Given, every module of the header must be one of them, of its kind, with a rank
+      <= its max_rank and A / B shapes that fit it, all before any tensor data is read, so a file
+      declaring tensors larger than the model's layers is refused without reading or allocating them.
+    max_total_bytes: the most bytes the LoRA tensors read may hold together (counted at the larger
+      of their stored size and float32). None: `largest_adapter_bytes(module_shapes)` when
+      module_shapes is given, else MAX_ADAPTER_BYTES.
+
+    Returns float32 factors and each module's scaling. Raises AdapterError naming the file and the
+    field or tensor.
     """
     directory = os.fspath(path)
     if not os.path.isdir(directory):
@@ -105,15 +140,17 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
         raise AdapterError(f"{weights_path}: missing ({CONFIG_NAME} is there)")
     header = read_safetensors_header(weights, max_header_bytes=max_header_bytes)
     parts, base_layers, magnitudes = _sort_tensors(header, config, raw, weights_path)
-    plan = _module_plan(parts, header, config, raw, weights_path)
+    name = name or os.path.basename(os.path.normpath(directory))
+    plan = _module_plan(parts, header, config, raw, weights_path, module_shapes, f"{name!r} ({directory})")
     _check_magnitudes(magnitudes, plan, header, config, weights_path)
-    arrays = read_safetensors(weights, [k for a, b, _ in plan.values() for k in (a, b)] + list(magnitudes.values()),
-                              max_header_bytes=max_header_bytes, max_tensor_bytes=max_tensor_bytes)
+    names = [k for a, b, _ in plan.values() for k in (a, b)] + list(magnitudes.values())
+    _check_total_bytes(header, names, weights_path, module_shapes, max_total_bytes)
+    arrays = read_safetensors(weights, names, max_header_bytes=max_header_bytes, max_tensor_bytes=max_tensor_bytes)
     modules = {module: LoraModule(np.asarray(arrays[a], np.float32), np.asarray(arrays[b], np.float32),
                                   config.scaling(module), kind)
                for module, (a, b, kind) in plan.items()}
     dora = {module: np.asarray(arrays[key], np.float32) for module, key in magnitudes.items()}
-    return PeftAdapter(name or os.path.basename(os.path.normpath(directory)), config.r, config.lora_alpha,
+    return PeftAdapter(name, config.r, config.lora_alpha,
                        config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora)
 
 
@@ -127,6 +164,9 @@ def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
     base_layers = {}
     magnitudes = {}
     for key, info in header.items():
+        if len(key) > MAX_NAME_CHARS + len("base_model.model.") + len(".lora_embedding_A.weight"):
+            raise AdapterError(f"{weights_path}: tensor name {key[:80]!r} ... has {len(key)} characters; module names "
+                               f"are at most {MAX_NAME_CHARS} (lora_core.peft.patterns.MAX_NAME_CHARS)")
         name_in_model = key.removeprefix("base_model.model.")
         if name_in_model.endswith(".lora_magnitude_vector") or name_in_model.endswith(".lora_magnitude_vector.weight"):
             module = name_in_model[: name_in_model.index(".lora_magnitude_vector")]
@@ -159,11 +199,55 @@ def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
     return parts, base_layers, magnitudes
 
 
-def _module_plan(parts: dict, header: dict, config, raw: dict, weights_path: str) -> dict:
+def _check_total_bytes(header: dict, names: list, weights_path: str, module_shapes, max_total_bytes) -> None:
+    """Refuses an adapter whose tensors to read hold more than the limit (see load_peft_adapter)."""
+    if max_total_bytes is not None:
+        if not isinstance(max_total_bytes, int) or isinstance(max_total_bytes, bool) or max_total_bytes < 1:
+            raise ValueError(f"max_total_bytes must be an int >= 1 or None, got {max_total_bytes!r}")
+        limit, why = max_total_bytes, "max_total_bytes"
+    elif module_shapes is not None:
+        limit, why = largest_adapter_bytes(module_shapes), "the model's largest adapter: every LoRA module at max_rank"
+    else:
+        limit, why = MAX_ADAPTER_BYTES, "MAX_ADAPTER_BYTES, no model to size it by"
+    total = sum(max(header[k].nbytes, 4 * math.prod(header[k].shape)) for k in names)
+    if total > limit:
+        raise AdapterError(f"{weights_path}: its LoRA tensors hold {total} bytes, more than the limit of {limit} bytes "
+                           f"per adapter ({why}); raise it with max_total_bytes= (AdapterManager.max_adapter_bytes)")
+
+
+def _check_fits_model(label: str, module: str, key_a: str, kind: str, shape_a: tuple, shape_b: tuple,
+                      module_shapes: Mapping[str, ModuleShape]) -> None:
+    """One module's header shapes against the model's ModuleShape, with placement's messages (the
+    adapter's label names its directory; the tensor named is in its adapter_model.safetensors)."""
+    where = f"(tensor {key_a!r} of {WEIGHTS_NAME}, checked from its header)"
+    want = module_shapes.get(module)
+    if want is None:
+        raise AdapterError(f"{unknown_adapter_module(label, module, module_shapes)} {where}")
+    if kind != want.kind:
+        raise AdapterError(f"adapter {label}: {module!r} holds {kind} factors but the model's module is "
+                           f"{'an embedding' if want.kind == 'embedding' else 'a linear layer'} {where}")
+    rank = shape_a[0]
+    if rank > want.max_rank:
+        raise AdapterError(f"adapter {label}, module {module!r}: rank {rank} exceeds the model's max_rank="
+                           f"{want.max_rank}; wrap the model with max_rank >= {rank} {where}")
+    if shape_a[1] != want.in_features or shape_b[0] != want.out_features:
+        a_name, b_name = ("lora_A", "lora_B") if kind == "linear" else ("lora_embedding_A", "lora_embedding_B")
+        raise AdapterError(f"adapter {label}, module {module!r}: {a_name} {shape_a} / {b_name} {shape_b} do not fit "
+                           f"the module: expected {a_name} ({rank}, {want.in_features}) and {b_name} "
+                           f"({want.out_features}, {rank}) {where}")
+
+
+def _module_plan(parts: dict, header: dict, config, raw: dict, weights_path: str, module_shapes=None,
+                 label: str = "") -> dict:
     """{module: (A tensor name, B tensor name, kind)}: each module's pair checked against the
-    header's shapes and the config (targeted, its rank)."""
+    header's shapes, the model's (module_shapes, when given; before the config's patterns run, so
+    they only ever see the model's own module names) and the config (targeted, its rank)."""
     plan = {}
+    deadline = time.monotonic() + MATCH_BUDGET_S
     for module, kinds in sorted(parts.items()):
+        if time.monotonic() > deadline:
+            raise AdapterError(f"{weights_path}: matching {CONFIG_NAME}'s patterns (target_modules, rank_pattern, ...) "
+                               f"against the tensor names took more than {MATCH_BUDGET_S} s; refused")
         kind = next((k for k, pair in _PAIRS.items() if set(kinds) == set(pair)), None)
         if kind is None:
             raise AdapterError(f"{weights_path}: module {module!r} has tensors {sorted(kinds)}; expected lora_A and "
@@ -173,6 +257,8 @@ def _module_plan(parts: dict, header: dict, config, raw: dict, weights_path: str
         if len(shape_a) != 2 or len(shape_b) != 2 or shape_a[0] != shape_b[1]:
             raise AdapterError(f"{weights_path}: module {module!r}: expected A (r, in) and B (out, r) with one r, got "
                                f"{key_a!r} {shape_a} and {key_b!r} {shape_b}")
+        if module_shapes is not None:
+            _check_fits_model(label, module, key_a, kind, shape_a, shape_b, module_shapes)
         if not config.targets(module):
             raise AdapterError(f"{weights_path}: tensor {key_a!r} is for module {module!r}, which {CONFIG_NAME} does "
                                f"not target (target_modules={raw.get('target_modules')!r}, layers_to_transform="

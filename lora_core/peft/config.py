@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .patterns import MAX_KEY_LOOPS, compile_guarded
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
@@ -23,6 +25,8 @@ PICKLE_NAME = "adapter_model.bin"
 MAX_CONFIG_BYTES = 16 * 2**20          # a rank_pattern listing every module of a large model is < 1 MB
 MAX_HEADER_BYTES = 100_000_000         # the safetensors library's own limit
 MAX_TENSOR_BYTES = 2**31               # per LoRA tensor; vocab 256k x rank 256 in fp32 is 256 MiB
+MAX_ADAPTER_BYTES = 2**34              # all LoRA tensors of one adapter read without a model to size them by
+MAX_DIM = 2**31 - 1                    # a rank or a tensor dimension (the kernels index with int32)
 
 
 class AdapterError(ValueError):
@@ -129,10 +133,7 @@ def _patterns(names: Any, where: str, field: str, allow_regex: bool) -> tuple | 
     if isinstance(names, str):
         if not allow_regex:
             raise AdapterError(f"{where}: field {field!r} must be a list of strings, got the string {_short(names)}")
-        try:
-            re.compile(names)
-        except re.error as e:
-            raise AdapterError(f"{where}: field {field!r} is not a valid regular expression: {names!r} ({e})") from None
+        compile_guarded(names, where, field)
         return names
     if isinstance(names, list) and all(isinstance(n, str) for n in names):
         return tuple(names)
@@ -148,11 +149,7 @@ def _pattern_map(value: Any, where: str, field: str, check, expected: str) -> di
         raise AdapterError(f"{where}: field {field!r} must be an object {{module regex: {expected}}}, "
                            f"got {_short(value)} ({type(value).__name__})")
     for key, v in value.items():
-        try:
-            re.compile(key)
-        except re.error as e:
-            raise AdapterError(f"{where}: field {field!r}: key {key!r} is not a valid regular expression "
-                               f"({e})") from None
+        compile_guarded(key, where, field, max_loops=MAX_KEY_LOOPS, is_key=True)
         if not check(v):
             raise AdapterError(f"{where}: field {field!r}: value for {key!r} must be {expected}, got {_short(v)}")
     return dict(value)
@@ -182,8 +179,14 @@ class AdapterConfig:
 
     @staticmethod
     def _lookup(pattern: Mapping[str, Any], module: str, default):
+        r"""PEFT's `re.match(rf"(.*\.)?({key})$", module)`, as a full match of the name from each
+        dotted position on (the start, then after each dot; `^` and lookbehinds still see the
+        whole name): the same keys match, and the config's pattern runs on its own (its guard in
+        lora_core.peft.patterns counts this loop)."""
+        starts = [0] + [i + 1 for i, c in enumerate(module) if c == "."]
         for key, value in pattern.items():
-            if re.match(rf"(.*\.)?({key})$", module):
+            compiled = re.compile(key)
+            if any(compiled.fullmatch(module, i) for i in starts):
                 return value
         return default
 
@@ -270,6 +273,8 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
     r = config["r"]
     if not _is_int(r) or r <= 0:
         raise AdapterError(f"{where}: field 'r' must be an int > 0, got {_short(r)} ({type(r).__name__})")
+    if r > MAX_DIM:
+        raise AdapterError(f"{where}: field 'r' = {_short(r)} is more than {MAX_DIM}, the largest rank (an int32)")
     alpha = config.get("lora_alpha", 8)          # LoraConfig's default
     if not _is_number(alpha):
         raise AdapterError(f"{where}: field 'lora_alpha' must be a finite number, got {_short(alpha)} "
@@ -294,6 +299,8 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
     if isinstance(layers_pattern, str):
         layers_pattern = [layers_pattern] if layers_pattern else []
     layers_pattern = _patterns(layers_pattern, where, "layers_pattern", allow_regex=False)
+    for pattern in layers_pattern or ():
+        compile_guarded(pattern, where, "layers_pattern", max_loops=1)
     if isinstance(targets, str) and (layers is not None or layers_pattern):
         raise AdapterError(f"{where}: fields 'layers_to_transform' / 'layers_pattern' need target_modules as a list, "
                            f"got the regex {_short(targets)} (PEFT refuses this config too)")
@@ -302,6 +309,10 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
                            "(PEFT refuses this config too)")
     rank_pattern = _pattern_map(config.get("rank_pattern"), where, "rank_pattern",
                                 lambda v: _is_int(v) and v > 0, "an int > 0")
+    for key, v in rank_pattern.items():
+        if v > MAX_DIM:
+            raise AdapterError(f"{where}: field 'rank_pattern': value for {key!r} = {_short(v)} is more than "
+                               f"{MAX_DIM}, the largest rank (an int32)")
     alpha_pattern = _pattern_map(config.get("alpha_pattern"), where, "alpha_pattern", _is_number, "a finite number")
     return AdapterConfig(int(r), float(alpha), rslora, dora, targets, excluded, layers,
                          tuple(layers_pattern) if layers_pattern else None, rank_pattern, alpha_pattern)

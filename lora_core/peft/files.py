@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from .. import safe_json
 from .config import (
     CONFIG_NAME,
     MAX_CONFIG_BYTES,
@@ -69,8 +70,9 @@ def read_adapter_config(directory: str | os.PathLike) -> tuple[AdapterConfig, di
     with open(real, "rb") as f:
         data = f.read(MAX_CONFIG_BYTES + 1)
     try:
-        raw = json.loads(data.decode("utf-8"), object_pairs_hook=unique_json_keys(path, "field"),
-                         parse_constant=refuse_json_constants(path))
+        raw = safe_json.loads(data.decode("utf-8"), path, error=AdapterError,
+                              object_pairs_hook=unique_json_keys(path, "field"),
+                              parse_constant=refuse_json_constants(path))
     except UnicodeDecodeError as e:
         raise AdapterError(f"{path}: expected UTF-8 JSON, got undecodable bytes at offset {e.start}") from None
     except json.JSONDecodeError as e:

@@ -9,7 +9,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import safe_json
 from .config import (
+    MAX_DIM,
     MAX_HEADER_BYTES,
     MAX_TENSOR_BYTES,
     AdapterError,
@@ -67,8 +69,9 @@ def read_safetensors_header(path: str, *, max_header_bytes: int = MAX_HEADER_BYT
                                "(truncated or not a safetensors file)")
         text = f.read(n)
     try:
-        header = json.loads(text.decode("utf-8"), object_pairs_hook=unique_json_keys(path, "header key"),
-                            parse_constant=refuse_json_constants(path))
+        header = safe_json.loads(text.decode("utf-8"), path, error=AdapterError,
+                                 object_pairs_hook=unique_json_keys(path, "header key"),
+                                 parse_constant=refuse_json_constants(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"{path}: expected a JSON object as the safetensors header, got undecodable or malformed "
                            f"bytes ({e}); truncated or not a safetensors file") from None
@@ -91,6 +94,10 @@ def read_safetensors_header(path: str, *, max_header_bytes: int = MAX_HEADER_BYT
                                f"knows ({', '.join(_DTYPES)})")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise AdapterError(f"{path}: tensor {name!r}: shape must be a list of ints >= 0, got {_short(shape)}")
+        huge = next((d for d in shape if d > MAX_DIM), None)
+        if huge is not None:
+            raise AdapterError(f"{path}: tensor {name!r}: shape dimension {_short(huge)} is more than {MAX_DIM} "
+                               "(the largest dimension an int32 index reaches)")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
             raise AdapterError(f"{path}: tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end, "
