@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from lora_core.cli_support import SizeError, interrupt_handler, on_interrupt, plural
 
-from .demo_sizes import check_run_sizes, check_slots
+from .demo_sizes import check_caps, check_run_sizes, check_slots
 from .demo_text import DTYPES, TOKENIZER_FILES, ByteTokenizer, DemoError, checkpoint_dtype, load_tokenizer  # noqa: F401 - the demo's helpers
 
 RTOL = 1e-4          # float32 logits, relative to the request's largest |logit|
@@ -399,6 +399,10 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
 
     _check_demo_args(model_dir, adapter_dirs, num_requests, max_new_tokens, max_seqs, slots, seed, backend, dtype)
     _check_backend(backend)
+    try:
+        check_caps(num_requests=num_requests, max_seqs=max_seqs, slots=slots)
+    except SizeError as e:
+        raise DemoError(str(e)) from None
 
     if model_dir is None and adapter_dirs:
         raise DemoError("adapter directories need a MODEL_DIR first")

@@ -29,6 +29,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_RANDOM_PROMPT = 16          # the random requests' longest prompt (cli._demo_requests)
 
 
+def check_caps(*, num_requests: int, max_seqs: int, slots: int | None) -> None:
+    """The caps alone, before anything is built or read (SizeError)."""
+    for option, value, cap in (("--num-requests", num_requests, REQUESTS_CAP), ("--max-seqs", max_seqs, MAX_SEQS_CAP),
+                               ("--slots", slots or 1, SLOTS_CAP)):
+        check_size(option, value, cap=cap, per_item=0, available=None, what="", where="")
+
+
 def module_dims(cfg: dict) -> dict:
     """{target leaf: (in, out)} of a Llama layer."""
     q, kv, h, i = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"], cfg["hidden"], cfg["inter"]

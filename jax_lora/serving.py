@@ -309,10 +309,11 @@ class ServingEngine:
                                                       sample_idx, use_lora)
         if self.compile_count != before:       # the call compiled (dispatch returns once the program is built)
             kind = "prefill" if is_prefill else "decode"
-            _LOG.info("ServingEngine: compiled the %s step program for the bucket %d rows x %d tokens, %s, in %.2fs "
-                      "(%d programs so far)", kind, tokens.shape[0], tokens.shape[1],
-                      "with adapters" if use_lora else "without adapters", time.perf_counter() - t0,
-                      self.compile_count)
+            n = self.compile_count
+            _LOG.info("ServingEngine: compiled the %s step program for the bucket (%d, %d) (rows, tokens), %s, in "
+                      "%.2fs (%d program%s so far)", kind, tokens.shape[0], tokens.shape[1],
+                      "with adapters" if use_lora else "without adapters", time.perf_counter() - t0, n,
+                      "" if n == 1 else "s")
         return next_tok, logits
 
     def _prefill(self, seqs: list, use_lora: bool):

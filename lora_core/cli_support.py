@@ -121,12 +121,14 @@ def check_size(option: str, value: int, *, cap: int, per_item: float, available:
     limit = cap if fit is None else min(cap, fit)
     if value <= limit:
         return
+    if fit is None:
+        raise SizeError(f"{option} {value} is too large: the limit is {cap} (the demo's cap)")
     memory = (f"{what} {human_bytes(per_item)}, {value} would need {human_bytes(value * per_item)}; "
               f"{human_bytes(available)} of {where} available, {share:.0%} of it usable")
-    if fit is not None and fit < cap:
+    if fit < cap:
         raise SizeError(f"{option} {value} is too large: at most {fit} fit in memory here ({memory})")
     raise SizeError(f"{option} {value} is too large: the limit is {cap}"
-                    + (f" (the demo's cap; {memory})" if fit is not None and value > fit else " (the demo's cap)"))
+                    + (f" (the demo's cap; {memory})" if value > fit else " (the demo's cap)"))
 
 
 def read_model_sizes(model_dir: str) -> dict | None:
