@@ -70,6 +70,9 @@ def check_run_sizes(model_dir: str, *, num_requests: int, max_new_tokens: int, m
     """--num-requests and --max-seqs against their caps and the memory here (SizeError)."""
     cfg = read_model_sizes(model_dir)
     host = available_host_bytes() if cfg is not None else None
+    if cfg is not None and cfg["max_pos"]:
+        # more does not fit the model's positions, which the demo reports on its own terms
+        max_new_tokens = min(max_new_tokens, cfg["max_pos"])
     if not prompts:
         per_request = max_new_tokens * cfg["vocab"] * 4 + REQUEST_HOST_BYTES if cfg else REQUEST_HOST_BYTES
         check_size("--num-requests", num_requests, cap=REQUESTS_CAP, per_item=per_request, available=host,

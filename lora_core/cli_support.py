@@ -133,8 +133,8 @@ def check_size(option: str, value: int, *, cap: int, per_item: float, available:
 
 def read_model_sizes(model_dir: str) -> dict | None:
     """A Hugging Face checkpoint's sizes from its config.json: {hidden, layers, heads, kv_heads,
-    head_dim, inter, vocab} (ints); None when the file cannot be read or lacks them (loading the
-    model then reports the problem)."""
+    head_dim, inter, vocab, max_pos} (ints; max_pos 0 when the config has none); None when the file
+    cannot be read or lacks them (loading the model then reports the problem)."""
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             raw = json.load(f)
@@ -142,6 +142,7 @@ def read_model_sizes(model_dir: str) -> dict | None:
         kv = int(raw.get("num_key_value_heads") or heads)
         return {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv,
                 "head_dim": int(raw.get("head_dim") or hidden // heads),
-                "inter": int(raw.get("intermediate_size") or 0), "vocab": int(raw["vocab_size"])}
+                "inter": int(raw.get("intermediate_size") or 0), "vocab": int(raw["vocab_size"]),
+                "max_pos": int(raw.get("max_position_embeddings") or 0)}
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, RecursionError):
         return None

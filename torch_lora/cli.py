@@ -311,6 +311,8 @@ def _check_sizes(model_dir: str, num_requests: int, batch_size: int, max_new_tok
     cfg = read_model_sizes(model_dir)
     host = available_host_bytes() if cfg is not None else None
     vocab = cfg["vocab"] if cfg else 0
+    if cfg is not None and cfg["max_pos"]:
+        max_new_tokens = min(max_new_tokens, cfg["max_pos"])      # generate refuses more on its own terms
     check_size("--requests", num_requests, cap=REQUESTS_CAP, per_item=max_new_tokens * vocab * 4 + REQUEST_HOST_BYTES,
                available=host, what="each request keeps", where="host memory")
     if cfg is None:
@@ -507,7 +509,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:            # --help, --version (0) or a bad option (2, argparse's message printed)
+        return e.code if isinstance(e.code, int) else 2
     missing = [m for m in DEMO_NEEDS if not _importable(m)]
     if missing:
         print(f"torch-lora demo: error: the demo needs {', '.join(DEMO_NEEDS)}; {', '.join(missing)} "
