@@ -279,12 +279,13 @@ class MultiLoRAModel:
     def unwrap(self) -> nn.Module:
         """Removes every hook and returns the plain model (adapters no longer apply). The wrapper
         is then closed: serving or loading through it raises; the model can be wrapped again."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if getattr(self.model, _WRAPPED_MARK, False):
-            delattr(self.model, _WRAPPED_MARK)
-        self._closed = True
+        with self._lock:                          # not while another thread's call runs
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            if getattr(self.model, _WRAPPED_MARK, False):
+                delattr(self.model, _WRAPPED_MARK)
+            self._closed = True
         return self.model
 
     def _check_open(self) -> None:
