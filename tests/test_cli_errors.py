@@ -156,14 +156,15 @@ def test_jax_lora_sizes_follow_the_memory_the_checkpoint_needs(capsys, tmp_path)
     if available_host_bytes() is None:
         pytest.skip("the available memory cannot be read here")
     model, adapter = _big_checkpoint(tmp_path), _adapter(tmp_path)
-    # 4000 rows x 2 x 80 layers x 64 positions x 8 x 128 x 4 bytes = 168 GB of KV cache
-    assert cli.main(["demo", model, adapter, "--max-seqs", "4000"]) == 2
+    # 4000 rows x 2 x 80 layers x 1016 positions x 8 x 128 x 4 bytes = 2.7 TB of KV cache
+    assert cli.main(["demo", model, adapter, "--max-seqs", "4000", "--max-new-tokens", "1000",
+                     "--num-requests", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jax-lora demo: error: --max-seqs 4000 is too large: at most ") and "KV cache" in err
     assert len(err.strip().splitlines()) == 1
-    # the weights alone (~280 GB in float32) leave no room: even the default 8 rows are refused
-    assert cli.main(["demo", model, adapter]) == 2
-    assert "--max-seqs 8 is too large: at most 0 fit" in capsys.readouterr().err
+    # each request keeps 1000 x 128256 float32 logits (513 MB): 100000 of them do not fit
+    assert cli.main(["demo", model, adapter, "--max-new-tokens", "1000", "--num-requests", "100000"]) == 2
+    assert "--num-requests 100000 is too large: at most " in capsys.readouterr().err
 
 
 def test_torch_lora_huge_counts_are_one_line_errors(capsys, tmp_path):
@@ -176,7 +177,9 @@ def test_torch_lora_huge_counts_are_one_line_errors(capsys, tmp_path):
     assert cli.main(["demo", "--requests", "200000000"]) == 2
     assert "--requests 200000000 is too large: the limit is 100000" in capsys.readouterr().err
     model, adapter = _big_checkpoint(tmp_path), _adapter(tmp_path)
-    assert cli.main(["demo", model, adapter, "--batch-size", "4000", "--device", "cpu"]) == 2
+    # a row: 666 MB of KV cache (80 layers x 1016 positions) and 1 GB of logits
+    assert cli.main(["demo", model, adapter, "--batch-size", "4000", "--max-new-tokens", "1000", "--requests", "1",
+                     "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("torch-lora demo: error: --batch-size 4000 is too large: at most ")
 
