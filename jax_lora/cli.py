@@ -18,6 +18,11 @@ the built-in model), `--backend`, `--num-requests`, `--max-new-tokens`, `--max-s
 `--seed`, `--prompt` (texts through MODEL_DIR's tokenizer, via transformers.AutoTokenizer; the
 built-in random model has none, so its prompts go through a byte-level tokenizer: UTF-8 bytes are
 token ids 0-255). The warm-up prints one line per step program as it compiles.
+
+Counts are checked against the memory they need before anything is allocated (`--max-seqs`: the KV
+cache, `--slots`: the adapter slots, `--num-requests`: the kept results; jax_lora.demo_sizes): one
+line and exit status 2 naming the option and the limit. Ctrl-C prints `jax-lora: interrupted` and
+exits with status 130 (lora_core.cli_support), after the compilation in progress, if any, returns.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from lora_core.cli_support import SizeError, interrupt_handler, on_interrupt, plural
+
+from .demo_sizes import check_caps, check_run_sizes, check_slots
 from .demo_text import DTYPES, TOKENIZER_FILES, ByteTokenizer, DemoError, checkpoint_dtype, load_tokenizer  # noqa: F401 - the demo's helpers
 
 RTOL = 1e-4          # float32 logits, relative to the request's largest |logit|
@@ -205,11 +213,15 @@ def _load_demo_model(model_dir, adapter_dirs, slots, dtype):
             raise DemoError(f"{what}: {e}") from e
 
     adapters = {i + 1: named(f"adapter {d}", load_peft_adapter, d) for i, d in enumerate(adapter_dirs)}
+    num_slots = slots or len(adapters) + 1
+    try:
+        check_slots(model_dir, adapters, num_slots, dtype)          # before the model and its slots exist
+    except SizeError as e:
+        raise DemoError(str(e)) from None
     model = named(f"model {model_dir}", load_llama, model_dir, dtype=jnp.dtype(dtype))
     leaves = {m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules}
     targets = [t for t in HF_LORA_TARGETS if t in leaves]
     max_rank = max(a.max_rank for a in adapters.values())
-    num_slots = slots or len(adapters) + 1
     named(f"adapters on {model_dir}", add_lora, model, max_loras=num_slots, max_rank=max_rank,
           target_modules=targets)
     manager = AdapterManager(model)
@@ -298,9 +310,9 @@ def _warm_up(engine, requests, lora_id, say) -> int:
         before = engine.compile_count
         engine.generate(reqs, use_lora=use_lora)
         new = engine.compile_count - before
-        say(f" {time.perf_counter() - t0:.1f}s" + ("" if new == 1 else f" ({new} programs)"))
+        say(f" {time.perf_counter() - t0:.1f}s" + ("" if new == 1 else f" ({plural(new, 'program')})"))
     programs = engine.compile_count
-    say(f"warm-up: compiled {programs} step programs (prefill and decode buckets, with and without "
+    say(f"warm-up: compiled {plural(programs, 'step program')} (prefill and decode buckets, with and without "
         f"adapters) in {time.perf_counter() - t_start:.1f}s")
     return programs
 
@@ -387,27 +399,37 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
 
     _check_demo_args(model_dir, adapter_dirs, num_requests, max_new_tokens, max_seqs, slots, seed, backend, dtype)
     _check_backend(backend)
-
-    tmp = None
-    if model_dir is None:
-        if adapter_dirs:
-            raise DemoError("adapter directories need a MODEL_DIR first")
-        tmp = tempfile.TemporaryDirectory(prefix="jax-lora-demo-")
-        say("building a small random Llama and 3 PEFT adapters ...", end="")
-        t0 = time.perf_counter()
-        model_dir, adapter_dirs = build_demo_assets(tmp.name, seed)
-        say(f" {time.perf_counter() - t0:.1f}s, in {tmp.name}")
-    precision = contextlib.ExitStack()
     try:
+        check_caps(num_requests=num_requests, max_seqs=max_seqs, slots=slots)
+    except SizeError as e:
+        raise DemoError(str(e)) from None
+
+    if model_dir is None and adapter_dirs:
+        raise DemoError("adapter directories need a MODEL_DIR first")
+    tmp = None
+    scope = contextlib.ExitStack()         # the float32 precision and the Ctrl-C clean-up
+    try:
+        if model_dir is None:
+            tmp = tempfile.TemporaryDirectory(prefix="jax-lora-demo-")
+            scope.enter_context(on_interrupt(tmp.cleanup))       # Ctrl-C removes it too
+            say("building a small random Llama and 3 PEFT adapters ...", end="")
+            t0 = time.perf_counter()
+            model_dir, adapter_dirs = build_demo_assets(tmp.name, seed)
+            say(f" {time.perf_counter() - t0:.1f}s, in {tmp.name}")
         import jax
 
         dtype = dtype or checkpoint_dtype(model_dir) or "float32"
+        try:
+            check_run_sizes(model_dir, num_requests=num_requests, max_new_tokens=max_new_tokens, max_seqs=max_seqs,
+                            dtype=dtype, prompts=prompts)
+        except SizeError as e:
+            raise DemoError(str(e)) from None
         if dtype == "float32":
             # float32 serving is checked against float32 merged weights at 1e-4: on NVIDIA GPUs JAX's
             # default float32 matmul is TF32 (~1e-3), so both run at full float32.
-            precision.enter_context(jax.default_matmul_precision("highest"))
+            scope.enter_context(jax.default_matmul_precision("highest"))
         tokenizer = load_tokenizer(model_dir, built_in=tmp is not None) if prompts else None
-        say(f"loading the model and {len(adapter_dirs)} adapters ({dtype}) ...", end="")
+        say(f"loading the model and {plural(len(adapter_dirs), 'adapter')} ({dtype}) ...", end="")
         t0 = time.perf_counter()
         try:
             loaded = _load_demo_model(model_dir, adapter_dirs, slots, dtype)
@@ -437,7 +459,7 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
         bad = _verify_and_report(model_dir, dtype, adapters, completions, max_len, recompiles, t_start, say)
         return 0 if not bad and not recompiles else 1
     finally:
-        precision.close()
+        scope.close()
         if tmp is not None:
             tmp.cleanup()
 
@@ -465,7 +487,8 @@ def _demo_engine(model, manager, requests, ids, max_new_tokens: int, max_seqs: i
     counts = {i: sum(1 for r in requests if r.lora_id == i) for i in ids}
     say(f"requests: {len(requests)} ({counts[None]} without adapter, "
         + ", ".join(f"{counts[i]} with adapter {i}" for i in ids[1:])
-        + f"), {max_new_tokens} new tokens each; {max_seqs} rows, {num_slots} adapter slots; "
+        + f"), {plural(max_new_tokens, 'new token')} each; {plural(max_seqs, 'row')}, "
+        f"{plural(num_slots, 'adapter slot')}; "
         f"device {jax.devices()[0].platform}, backend {engine.punica.backend}")
     return engine, max_len
 
@@ -556,6 +579,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The console script: exit status 0 (verified), 1 (a mismatch), 2 (bad input, one line on
+    stderr), 130 (Ctrl-C, one line)."""
+    with interrupt_handler("jax-lora"):        # before jax is imported and anything compiles
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":

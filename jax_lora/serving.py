@@ -23,6 +23,14 @@ With `mesh=` the model is split over the mesh's tensor-parallel axis (`LlamaForC
 jax_lora.parallel): the wrapper's index block and the step inputs are replicated on the mesh, the
 KV cache is placed with `model.cache_sharding()` and kept there by the step, and adapter slots are
 written shard by shard (AdapterManager). The step is the same jitted function.
+
+The first step of each bucket compiles its program (seconds on a large model): the engine logs one
+INFO line per program on the "jax_lora" logger, naming the bucket and the time the compilation took.
+
+Thread safety: `generate` holds the engine's lock for the whole call (the KV cache, the wrapper's
+metadata and the adapter slots are the engine's own), so concurrent calls from several threads run
+one after another, each request with its own adapter. A call from inside a `progress` callback of
+the same engine raises RuntimeError (it would interleave with the call in progress).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -48,6 +58,8 @@ from .models.llama import init_cache
 from .wrapper import PunicaWrapper
 
 __all__ = ["Completion", "Request", "ServingEngine"]
+
+_LOG = logging.getLogger("jax_lora")
 
 
 @dataclasses.dataclass
@@ -128,6 +140,10 @@ class ServingEngine:
       tp_axis: the mesh axis the model is split over.
       deterministic: the PunicaWrapper's deterministic mode: a request's LoRA contributions are
         bitwise the same whatever it is batched with (the base model's own layers are not changed).
+
+    Thread safety: `generate` may be called from several threads; the calls run one after another
+    (the engine's lock), each request served with its own adapter. Each program compiled on a
+    first step is logged (INFO, logger "jax_lora": the bucket and the compile time).
     """
 
     def __init__(self, model: nnx.Module, adapters: AdapterManager | None = None, *, max_seqs: int = 8,
@@ -180,6 +196,8 @@ class ServingEngine:
                                         backend=backend,
                                         deterministic=deterministic)
         self.last_stats: dict = {}
+        self._lock = threading.Lock()
+        self._owner: int | None = None            # the thread inside generate
 
     def _set_state(self, state: nnx.State) -> None:
         """Keeps the model state as its flat list of arrays, the form the step takes.
@@ -286,8 +304,16 @@ class ServingEngine:
             punica = self.punica
         # One explicit upload of the step's inputs (so a transfer guard can prove there is no other).
         tokens, positions, rows, sample_idx = jax.device_put((tokens, positions, rows, sample_idx), self._replicated)
+        before, t0 = self.compile_count, time.perf_counter()
         self.cache, next_tok, logits = self._jit_step(self._state_leaves, self.cache, punica, tokens, positions, rows,
                                                       sample_idx, use_lora)
+        if self.compile_count != before:       # the call compiled (dispatch returns once the program is built)
+            kind = "prefill" if is_prefill else "decode"
+            n = self.compile_count
+            _LOG.info("ServingEngine: compiled the %s step program for the bucket (%d, %d) (rows, tokens), %s, in "
+                      "%.2fs (%d program%s so far)", kind, tokens.shape[0], tokens.shape[1],
+                      "with adapters" if use_lora else "without adapters", time.perf_counter() - t0, n,
+                      "" if n == 1 else "s")
         return next_tok, logits
 
     def _prefill(self, seqs: list, use_lora: bool):
@@ -338,8 +364,21 @@ class ServingEngine:
         """Serves `requests` to completion (greedy); returns Completions in request order.
 
         use_lora=False serves every request with the base model (adapter ids ignored; the "no
-        adapters" baseline). progress(done, total) is called as requests finish.
+        adapters" baseline). progress(done, total) is called as requests finish. Concurrent calls
+        from several threads run one after another (the engine's lock).
         """
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError("ServingEngine.generate was called again from inside its own call (a progress "
+                               "callback): it would interleave with the requests in flight")
+        with self._lock:
+            self._owner = me
+            try:
+                return self._generate(requests, use_lora, progress)
+            finally:
+                self._owner = None
+
+    def _generate(self, requests, use_lora, progress) -> list:
         reqs = list(requests)
         self._check(reqs, bool(use_lora))
         use_lora = bool(use_lora and self.adapters is not None)

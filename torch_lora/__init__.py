@@ -11,15 +11,31 @@ and `torch_lora.hf.MultiLoRAModel` (a Hugging Face causal LM served with many ad
 imported on its own: `from torch_lora.hf import MultiLoRAModel`).
 """
 
-from lora_core.host_mapping import LongContextLoRAContext, LoRAMapping
-
-from . import ops
-from .adapters import AdapterError, AdapterManager, PeftAdapter, adapter_tensors, load_peft_adapter
-from .mapping import compute_meta, convert_mapping
-from .meta import LoRAKernelMeta
-from .wrapper import PunicaWrapper
-
 __version__ = "0.1.0"
+
+try:
+    import torch as _torch  # noqa: F401 - the one hard requirement of this package
+except ModuleNotFoundError as _missing:
+    if _missing.name != "torch":
+        raise
+    # An install without the `torch` extra: the package (and the `torch-lora` script's --help and
+    # --version) still import; every public name says what to install.
+    _TORCH_HINT = ("torch_lora needs PyTorch, which is not installed: pip install 'jax-torch-lora[torch]' "
+                   "(on a CPU machine with PyTorch's CPU index, see the README)")
+
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ModuleNotFoundError(f"{_TORCH_HINT} (torch_lora.{name})", name="torch")
+else:
+    from lora_core.host_mapping import LongContextLoRAContext, LoRAMapping
+
+    from . import ops
+    from .adapters import AdapterError, AdapterManager, PeftAdapter, adapter_tensors, load_peft_adapter
+    from .mapping import compute_meta, convert_mapping
+    from .meta import LoRAKernelMeta
+    from .wrapper import PunicaWrapper
+
 __all__ = ["LoRAMapping", "LongContextLoRAContext", "convert_mapping", "compute_meta", "LoRAKernelMeta",
            "PunicaWrapper", "ops", "AdapterError", "AdapterManager", "PeftAdapter", "adapter_tensors",
            "load_peft_adapter"]

@@ -11,22 +11,47 @@ The requests (a quarter of them without adapter) are served in batches with `Mul
 logits must equal the served logits (relative error below 1e-4, float32) and PEFT's greedy choice
 the served token. The demo ends with `verified: N/N requests match PEFT outputs` and exits 1 when a
 request does not match. It runs on CUDA when present (float32, no TF32), else on the CPU.
+
+    torch-lora --version
+    torch-lora demo --verbose                        # also transformers' / peft's progress bars and warnings
+
+Bad input is one line on stderr and exit status 2: paths are checked before anything loads, counts
+against the memory they need (`--batch-size`, `--requests`), and a missing torch, transformers or
+peft is named with what to install. Ctrl-C prints `torch-lora: interrupted` and exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 
 from lora_core import checks
+from lora_core.cli_support import (
+    available_host_bytes,
+    check_size,
+    interrupt_handler,
+    on_interrupt,
+    plural,
+    read_model_sizes,
+)
 
 RTOL = 1e-4          # float32 logits, relative to the request's largest |logit|
 BASE = "__base__"
+BACKENDS = ("torch", "triton")
+BATCH_CAP = 4096             # --batch-size: rows of one generate call
+REQUESTS_CAP = 100_000       # --requests
+REQUEST_HOST_BYTES = 4096    # a request, its prompt and its result beside the kept logits
+MAX_PROMPT = 16              # the random requests' longest prompt (_demo_requests)
+DEMO_NEEDS = ("torch", "transformers", "peft")
+INSTALL_HINT = ("pip install 'jax-torch-lora[torch]' transformers peft (on a CPU machine with PyTorch's CPU index: "
+                "see the README)")
 
 # (name, LoraConfig arguments): three ranks; rank_pattern / alpha_pattern; rsLoRA with the embedding
 # and the LM head.
@@ -143,7 +168,7 @@ def serve(generate, requests: Sequence[tuple], *, device, batch_size: int, max_n
         generated += len(batch) * max_new_tokens
         if say is not None:
             used = sorted({n for n in names if n != BASE})
-            say(f"  batch {number}: {len(batch)} requests, adapters {used or '-'}, "
+            say(f"  batch {number}: {plural(len(batch), 'request')}, adapters {used or '-'}, "
                 f"{time.perf_counter() - t0:.2f}s")
     sync()
     return out, time.perf_counter() - start, generated
@@ -210,10 +235,13 @@ def _full_float32():
 
 def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, num_requests: int = 24,
              batch_size: int = 8, max_new_tokens: int = 8, slots: int | None = None, device: str | None = None,
-             backend: str | None = None, seed: int = 0, out=None) -> int:
-    """The demo; returns the process exit status (0 when every request verifies)."""
+             backend: str | None = None, seed: int = 0, out=None, verbose: bool = False) -> int:
+    """The demo; returns the process exit status (0 when every request verifies).
+
+    Every path is checked before anything loads, and the counts against the memory they need
+    (SizeError naming the option); verbose=False keeps transformers' and peft's progress bars and
+    warnings out of the output."""
     t_start = time.perf_counter()
-    import torch
 
     def say(msg=""):
         print(msg, file=out if out is not None else sys.stdout, flush=True)
@@ -224,6 +252,16 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if slots is not None and (not isinstance(slots, int) or slots < 1):
         raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_size("--requests", num_requests, cap=REQUESTS_CAP, per_item=0, available=None, what="", where="")
+    check_size("--batch-size", batch_size, cap=BATCH_CAP, per_item=0, available=None, what="", where="")
+    if model_dir is None and adapter_dirs:
+        raise ValueError("adapter directories need a MODEL_DIR first")
+    if model_dir is not None:
+        _check_paths(model_dir, adapter_dirs)
+    import torch
+
     try:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as e:
@@ -232,21 +270,93 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
         raise ValueError(f"device {str(device)!r}, but this torch sees no CUDA device (torch.cuda.is_available() "
                          "is False)")
     tmp = None
-    try:
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(_third_party_output(verbose))
         if model_dir is None:
-            if adapter_dirs:
-                raise ValueError("adapter directories need a MODEL_DIR first")
             tmp = tempfile.TemporaryDirectory(prefix="torch-lora-demo-")
+            scope.callback(tmp.cleanup)
+            scope.enter_context(on_interrupt(tmp.cleanup))       # Ctrl-C removes it too
             model_dir, adapter_dirs = build_demo_assets(tmp.name, seed)
-            say(f"built a tiny random Llama and {len(adapter_dirs)} adapters saved by peft in {tmp.name}")
-        if not adapter_dirs:
-            raise ValueError("give at least one adapter directory after MODEL_DIR")
-        with _full_float32():
-            return _serve_and_verify(model_dir, list(adapter_dirs), num_requests, batch_size, max_new_tokens, slots,
-                                     device, backend, seed, say, t_start)
+            say(f"built a tiny random Llama and {plural(len(adapter_dirs), 'adapter')} saved by peft in {tmp.name}")
+        _check_sizes(model_dir, num_requests, batch_size, max_new_tokens, device)
+        scope.enter_context(_full_float32())
+        return _serve_and_verify(model_dir, list(adapter_dirs), num_requests, batch_size, max_new_tokens, slots,
+                                 device, backend, seed, say, t_start)
+
+
+def _check_paths(model_dir: str, adapter_dirs: Sequence[str]) -> None:
+    """MODEL_DIR and every ADAPTER_DIR exist as directories (ValueError naming the first that does not)."""
+    if not adapter_dirs:
+        raise ValueError("give at least one adapter directory after MODEL_DIR")
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"MODEL_DIR {model_dir!r} is not a directory (a Hugging Face causal LM: config.json + "
+                         "weights)")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"MODEL_DIR {model_dir!r} has no config.json (a Hugging Face causal LM directory)")
+    for d in adapter_dirs:
+        if not os.path.isdir(d):
+            raise ValueError(f"ADAPTER_DIR {d!r} is not a directory (a PEFT adapter: adapter_config.json + "
+                             "adapter_model.safetensors)")
+        if not os.path.isfile(os.path.join(d, "adapter_config.json")):
+            raise ValueError(f"ADAPTER_DIR {d!r} has no adapter_config.json (a PEFT adapter directory)")
+
+
+def _check_sizes(model_dir: str, num_requests: int, batch_size: int, max_new_tokens: int, device) -> None:
+    """--requests and --batch-size against their caps and the memory they need (SizeError):
+    a request keeps its float32 logits (max_new_tokens x vocab x 4) on the host; a row of a batch
+    holds its KV cache (2 x layers x (16 + max_new_tokens) x kv_heads x head_dim x 4), its logits
+    and the wrapper's per-token metadata on the device."""
+    import torch
+
+    cfg = read_model_sizes(model_dir)
+    host = available_host_bytes() if cfg is not None else None
+    vocab = cfg["vocab"] if cfg else 0
+    if cfg is not None and cfg["max_pos"]:
+        max_new_tokens = min(max_new_tokens, cfg["max_pos"])      # generate refuses more on its own terms
+    check_size("--requests", num_requests, cap=REQUESTS_CAP, per_item=max_new_tokens * vocab * 4 + REQUEST_HOST_BYTES,
+               available=host, what="each request keeps", where="host memory")
+    if cfg is None:
+        check_size("--batch-size", batch_size, cap=BATCH_CAP, per_item=0, available=None, what="", where="")
+        return
+    length = MAX_PROMPT + max_new_tokens
+    per_row = (2 * cfg["layers"] * length * cfg["kv_heads"] * cfg["head_dim"] * 4 + 2 * max_new_tokens * vocab * 4
+               + (64 + max_new_tokens) * 64)
+    if device.type == "cuda":
+        available, where = torch.cuda.mem_get_info(device)[0], "CUDA device memory"
+    else:
+        available, where = host, "host memory"
+    check_size("--batch-size", batch_size, cap=BATCH_CAP, per_item=per_row, available=available,
+               what="one row (KV cache, logits, metadata) takes", where=where)
+
+
+@contextlib.contextmanager
+def _third_party_output(verbose: bool):
+    """Without `verbose`: transformers' and huggingface_hub's progress bars and log messages below
+    ERROR, and Python warnings (transformers', peft's), kept out of the demo's output; restored after."""
+    if verbose:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hub = None
+    with contextlib.suppress(ImportError):
+        import huggingface_hub.utils as hub
+    hub_bars = hub.are_progress_bars_disabled() if hub is not None else None
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if hub is not None:
+        hub.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
     finally:
-        if tmp is not None:
-            tmp.cleanup()
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+        if hub is not None and not hub_bars:
+            hub.enable_progress_bars()
 
 
 def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new_tokens, slots, device, backend,
@@ -275,16 +385,16 @@ def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new
         patterns = [k for k in ("rank_pattern", "alpha_pattern") if adapter.config.get(k)]
         say(f"adapter {name}: rank {adapter.r}, alpha {adapter.lora_alpha:g}{', rslora' if adapter.use_rslora else ''}"
             f"{''.join(f', {p}' for p in patterns)}: {', '.join(mods)}")
-    say(f"model: {type(model).__name__}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
-        f"{cfg.vocab_size}; {len(mm.layers)} LoRA layers, {num_slots} slots, max rank {max_rank}; device "
-        f"{device.type}, backend {mm.punica.backend}")
+    say(f"model: {type(model).__name__}, {plural(cfg.num_hidden_layers, 'layer')}, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}; {plural(len(mm.layers), 'LoRA layer')}, {plural(num_slots, 'slot')}, max rank "
+        f"{max_rank}; device {device.type}, backend {mm.punica.backend}")
     pad_id = cfg.pad_token_id if isinstance(cfg.pad_token_id, int) else 0
     names = [BASE] + list(adapters)
     requests = _demo_requests(cfg.vocab_size, names, num_requests, seed)
     counts = {n: sum(1 for _, a, _ in requests if a == n) for n in names}
     say(f"requests: {num_requests} ({counts[BASE]} without adapter, "
         + ", ".join(f"{counts[n]} with {n}" for n in adapters)
-        + f"), {max_new_tokens} new tokens each, batches of {batch_size}")
+        + f"), {plural(max_new_tokens, 'new token')} each, batches of {batch_size}")
 
     def lora_generate(ids, mask, names, **kw):
         return mm.generate(ids, attention_mask=mask, adapter_names=names, **kw)
@@ -307,8 +417,8 @@ def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new
     say(f"plain model (no LoRA hooks): {generated} tokens in {base_seconds:.3f}s = {generated / base_seconds:.0f} "
         f"tokens/s ({100 * (seconds / base_seconds - 1):+.0f}% time with adapters, one run each)")
     st = mm.adapters.stats
-    say(f"adapter slots: {st['slot_loads'] - before.get('slot_loads', 0)} slot loads, "
-        f"{st['evictions'] - before.get('evictions', 0)} evictions while serving")
+    say(f"adapter slots: {plural(st['slot_loads'] - before.get('slot_loads', 0), 'slot load')}, "
+        f"{plural(st['evictions'] - before.get('evictions', 0), 'eviction')} while serving")
 
     peft_model = None
     for name, d in zip(adapters, adapter_dirs):
@@ -339,8 +449,29 @@ def _eos_ids(model, vocab_size: int) -> tuple:
     return tuple(int(e) for e in values if 0 <= int(e) < vocab_size)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def package_version() -> str:
+    """The installed distribution's version; the package's own `__version__` when not installed."""
+    from importlib import metadata
+    try:
+        return metadata.version("jax-torch-lora")
+    except metadata.PackageNotFoundError:
+        from . import __version__
+        return __version__
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torch-lora", description="Multi-LoRA (Punica) serving for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="serve mixed-adapter batches through MultiLoRAModel and verify them "
                                        "against PEFT",
@@ -348,31 +479,71 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "(ranks 4, 8, 16; rank/alpha patterns; rsLoRA with embed_tokens and lm_head), "
                                       "serve mixed-adapter requests in batches and check each against PEFT running "
                                       "it alone. With MODEL_DIR (a transformers causal LM) and PEFT adapter "
-                                      "directories: the same on those.")
-    demo.add_argument("model_dir", nargs="?", help="Hugging Face causal LM directory")
-    demo.add_argument("adapter_dirs", nargs="*", help="PEFT LoRA directories (adapter_config.json + "
-                                                      "adapter_model.safetensors)")
-    demo.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
-    demo.add_argument("--batch-size", type=int, default=8, help="requests per batch (default 8)")
-    demo.add_argument("--max-new-tokens", type=int, default=8)
-    demo.add_argument("--slots", type=int, default=None, help="adapter slots (default: adapters + 1; fewer "
-                                                              "exercises LRU eviction; a batch holds at most this "
-                                                              "many adapters)")
+                                      "directories: the same on those. Needs torch, transformers and peft.")
+    demo.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="Hugging Face causal LM directory")
+    demo.add_argument("adapter_dirs", nargs="*", metavar="ADAPTER_DIR",
+                      help="PEFT LoRA directories (adapter_config.json + adapter_model.safetensors)")
+    demo.add_argument("--requests", type=_positive_int, default=24, metavar="N",
+                      help=f"number of requests (default 24, at most {REQUESTS_CAP})")
+    demo.add_argument("--batch-size", type=_positive_int, default=8, metavar="N",
+                      help=f"requests per batch (default 8, at most {BATCH_CAP} and what memory holds)")
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=8, metavar="N",
+                      help="tokens generated per request (default 8)")
+    demo.add_argument("--slots", type=_positive_int, default=None, metavar="N",
+                      help="adapter slots (default: adapters + 1; fewer exercises LRU eviction; a batch holds at "
+                           "most this many adapters)")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    demo.add_argument("--backend", default=None, help="force the wrapper's backend (torch, triton)")
-    demo.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    demo.add_argument("--backend", choices=BACKENDS, default=None,
+                      help="force the wrapper's backend (default: the device's: triton on CUDA, torch on the CPU)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the built-in model and random requests")
+    demo.add_argument("--verbose", action="store_true",
+                      help="also show transformers' and peft's progress bars and warnings")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console script: exit status 0 (verified), 1 (a mismatch), 2 (bad input, one line on
+    stderr), 130 (Ctrl-C, one line)."""
+    with interrupt_handler("torch-lora"):
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:            # --help, --version (0) or a bad option (2, argparse's message printed)
+        return e.code if isinstance(e.code, int) else 2
+    missing = [m for m in DEMO_NEEDS if not _importable(m)]
+    if missing:
+        print(f"torch-lora demo: error: the demo needs {', '.join(DEMO_NEEDS)}; {', '.join(missing)} "
+              f"{'is' if len(missing) == 1 else 'are'} not installed: {INSTALL_HINT}", file=sys.stderr)
+        return 2
     from .adapters import AdapterError
     try:
         return run_demo(args.model_dir, args.adapter_dirs, num_requests=args.requests, batch_size=args.batch_size,
                         max_new_tokens=args.max_new_tokens, slots=args.slots, device=args.device,
-                        backend=args.backend, seed=args.seed)
-    except (AdapterError, ValueError, FileNotFoundError, OSError) as e:
-        print(f"torch-lora demo: error: {e}", file=sys.stderr)
+                        backend=args.backend, seed=args.seed, verbose=args.verbose)
+    except (AdapterError, ValueError, OSError) as e:       # SizeError is a ValueError
+        print(f"torch-lora demo: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except RuntimeError as e:         # a backend that cannot run here (e.g. Triton on the CPU without its interpreter)
-        print(f"torch-lora demo: error: {e}", file=sys.stderr)
+        print(f"torch-lora demo: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` can be imported (a module set to None in sys.modules, as a test hides one, cannot)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if text else type(e).__name__
 
 
 if __name__ == "__main__":

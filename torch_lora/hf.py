@@ -38,6 +38,15 @@ an input whose token count differs from the prepared one.
 
 Inference only: `__call__` and `generate` run under `torch.no_grad()`; a direct call with grad
 enabled is refused by the layers.
+
+Thread safety: one `MultiLoRAModel` may be shared by threads. Its lock (`mm.lock`, reentrant) makes
+what must be serial one unit: `__call__` and `generate` hold it for the whole call (adapters put into
+slots -> metadata updated -> every forward pass), `load_adapter`, `unload_adapter` and `prepare_step`
+hold it, and every forward pass of the model holds it (a pre-hook takes it, a hook that always runs
+gives it back). Concurrent calls therefore run one after another, each with its own adapters. A
+direct `mm.model(...)` call uses the metadata of the last `prepare_step`: it is refused with a
+RuntimeError when that `prepare_step` was made by another thread; a thread that prepares and then
+calls the model (or replays a CUDA graph) while other threads serve holds `with mm.lock:` around both.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -162,7 +172,14 @@ class MultiLoRAModel:
         at `load_adapter`.
 
     Attributes: `model`, `punica` (the PunicaWrapper), `adapters` (the AdapterManager), `layers`
-    ({path: LoRA layer}; a group's path is its parent's name + "." + the members' names joined by "+").
+    ({path: LoRA layer}; a group's path is its parent's name + "." + the members' names joined by "+"),
+    `lock`.
+
+    Thread safety: safe to share between threads. `__call__`, `generate`, `load_adapter`,
+    `unload_adapter`, `prepare_step` and every forward pass of the model hold `lock` (reentrant), so
+    concurrent calls run one after another, each row with its own adapter. A direct `model(...)`
+    call after another thread's `prepare_step` raises RuntimeError; hold `with mm.lock:` around a
+    `prepare_step` and the direct call or CUDA graph replay that uses it.
     """
 
     def __init__(self, model: nn.Module, *, max_loras: int, max_rank: int,
@@ -196,8 +213,12 @@ class MultiLoRAModel:
         config_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self.vocab_size = embeds[0].num_embeddings if embeds else (config_vocab if isinstance(config_vocab, int)
                                                                    else 0)
+        self._lock = threading.RLock()
+        self._held = threading.local()        # .depth: forward passes of this thread holding the lock
+        self._prepared_by: int | None = None  # the thread of the last prepare_step
         self._hooks = [module.register_forward_hook(hook, with_kwargs=True) for module, hook in members]
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        self._hooks.append(model.register_forward_hook(self._after_forward, always_call=True))
         setattr(model, _WRAPPED_MARK, True)
         self._ids: dict = {}                 # adapter name -> LoRA id
         self._next_id = 1
@@ -258,18 +279,26 @@ class MultiLoRAModel:
     def unwrap(self) -> nn.Module:
         """Removes every hook and returns the plain model (adapters no longer apply). The wrapper
         is then closed: serving or loading through it raises; the model can be wrapped again."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if getattr(self.model, _WRAPPED_MARK, False):
-            delattr(self.model, _WRAPPED_MARK)
-        self._closed = True
+        with self._lock:                          # not while another thread's call runs
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            if getattr(self.model, _WRAPPED_MARK, False):
+                delattr(self.model, _WRAPPED_MARK)
+            self._closed = True
         return self.model
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("this MultiLoRAModel was unwrapped: its hooks are gone and adapters would not apply "
                              "(wrap the model again)")
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The wrapper's reentrant lock (see the module docstring, "Thread safety"): hold it around
+        a `prepare_step` and the direct model call or CUDA graph replay that uses it when other
+        threads serve through this wrapper."""
+        return self._lock
 
     # -------------------------------------------------------------- adapters
     @property
@@ -288,17 +317,19 @@ class MultiLoRAModel:
         if not name or name == BASE:
             raise ValueError(f"name must be a non-empty adapter name other than {BASE!r} (which means no adapter), "
                              f"got {name!r}")
-        lora_id = self._ids.get(name, self._next_id)
-        self.adapters.register(lora_id, path, name=name)      # raises before anything changes
-        if name not in self._ids:
-            self._ids[name] = lora_id
-            self._next_id += 1
+        with self._lock:
+            lora_id = self._ids.get(name, self._next_id)
+            self.adapters.register(lora_id, path, name=name)      # raises before anything changes
+            if name not in self._ids:
+                self._ids[name] = lora_id
+                self._next_id += 1
 
     def unload_adapter(self, name: str) -> None:
         """Forgets the adapter `name` and frees (zeroes) its slot."""
-        if name not in self._ids:
-            raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
-        self.adapters.unregister(self._ids.pop(name))
+        with self._lock:
+            if name not in self._ids:
+                raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
+            self.adapters.unregister(self._ids.pop(name))
 
     def _lora_ids(self, adapter_names: Sequence[str]) -> list:
         if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
@@ -346,17 +377,38 @@ class MultiLoRAModel:
         if len(ids) * s > self.punica.max_num_batched_tokens:
             raise ValueError(f"the batch has {len(ids)} x {s} = {len(ids) * s} tokens, more than max_num_tokens="
                              f"{self.punica.max_num_batched_tokens} (MultiLoRAModel's argument)")
-        self.adapters.activate(ids)
-        self.adapters.wait_uploads()
+        distinct = sorted({n for n, i in zip(adapter_names, ids) if i})
+        if len(distinct) > self.max_loras:
+            raise ValueError(f"the batch names {_plural(len(distinct), 'distinct adapter')} {distinct}, more than "
+                             f"max_loras={self.max_loras} (MultiLoRAModel's argument: the adapter slots, the most "
+                             "distinct adapters in one batch)")
         tokens = np.repeat(np.asarray(ids, np.int64), s)
         rows = np.repeat(np.asarray(ids, np.int64), counts)
-        self.punica.update_metadata(LoRAMapping(tokens, rows, is_prefill=s > 1), self.adapters.lora_index_to_id,
-                                    self.max_loras + 1, self.vocab_size)
+        with self._lock:
+            self.adapters.activate(ids)
+            self.adapters.wait_uploads()
+            self.punica.update_metadata(LoRAMapping(tokens, rows, is_prefill=s > 1), self.adapters.lora_index_to_id,
+                                        self.max_loras + 1, self.vocab_size)
+            self._prepared_by = threading.get_ident()
 
     def _before_forward(self, module, args, kwargs):
-        """The model's forward pre-hook: during __call__ / generate, prepares the step for the batch
-        shape the model is called with."""
+        """The model's forward pre-hook: takes the lock for the pass (`_after_forward` gives it
+        back); during __call__ / generate, prepares the step for the batch shape the model is
+        called with; a direct call checks that this thread prepared the step."""
+        self._lock.acquire()
+        self._held.depth = getattr(self._held, "depth", 0) + 1
+        try:
+            self._prepare_for(args, kwargs)
+        except BaseException:
+            self._after_forward(module, args, None)      # the pass will not run: give the lock back now
+            raise
+
+    def _prepare_for(self, args, kwargs) -> None:
         if self._rows is None:
+            if self._prepared_by is not None and self._prepared_by != threading.get_ident():
+                raise RuntimeError("MultiLoRAModel: the model is called directly, but its last prepare_step was "
+                                   "made by another thread (whose adapters it would use): call prepare_step in this "
+                                   "thread first, holding `with mm.lock:` around both while other threads serve")
             return
         ref = kwargs.get("input_ids", args[0] if args else None)
         if ref is None:
@@ -373,16 +425,25 @@ class MultiLoRAModel:
                                  "(one name per row)")
         self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq))
 
+    def _after_forward(self, module, args, output):
+        """The model's forward hook (always called, also when the pass raises): gives back the
+        lock `_before_forward` took."""
+        if getattr(self._held, "depth", 0) > 0:
+            self._held.depth -= 1
+            self._lock.release()
+
     @contextlib.contextmanager
     def _serving(self, adapter_names, expand: int):
-        self._check_open()
-        previous = (self._rows, self._expand_rows)
-        self._lora_ids(adapter_names)                 # a bad name fails before the model runs
-        self._rows, self._expand_rows = list(adapter_names), expand
-        try:
-            yield
-        finally:
-            self._rows, self._expand_rows = previous
+        """Holds the lock and sets the rows' adapters for the forward passes of one call."""
+        with self._lock:
+            self._check_open()
+            previous = (self._rows, self._expand_rows)
+            self._lora_ids(adapter_names)                 # a bad name fails before the model runs
+            self._rows, self._expand_rows = list(adapter_names), expand
+            try:
+                yield
+            finally:
+                self._rows, self._expand_rows = previous
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  adapter_names: Sequence[str] | None = None, **kwargs: Any):
@@ -430,6 +491,10 @@ class MultiLoRAModel:
         return (f"MultiLoRAModel({type(self.model).__name__}, max_loras={self.max_loras}, max_rank={self.max_rank}, "
                 f"{len(self.layers)} LoRA layers, adapters={self.loaded_adapters}, backend={self.punica.backend!r}"
                 f"{', dora=True' if self.dora else ''})")
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _logits_rows(logits_to_keep: Any, batch: int, seq: int) -> int | list:

@@ -119,7 +119,7 @@ def _library() -> ctypes.CDLL:
         return _LIBRARY[0]
     with _LIB_LOCK:
         if not _LIBRARY:
-            lib = cuda_launch.declare(ctypes.CDLL(cuda_launch.build_library(xla_ffi=True)))
+            lib = cuda_launch.load_library(xla_ffi=True)          # verified, rebuilt when damaged
             from jaxlib import xla_client
             traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jl_triton_launch), platform="CUDA",

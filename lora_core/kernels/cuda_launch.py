@@ -5,15 +5,25 @@ for its launchers), against Triton's bundled cuda.h and, for the XLA FFI handler
 headers; it is cached under $LORA_CORE_CACHE_DIR (default ~/.cache/lora_core) by a hash of the
 source and headers. Nothing here imports torch; jax is imported only to find its FFI headers.
 
+The cache is verified, never trusted: beside each `cuda_launch_<hash>.so` a `.sha256` record holds
+its size and SHA-256. A build compiles into a temporary file of the cache directory, loads it once
+(a library the loader refuses is never cached), writes the record and then moves the library into
+place (`os.replace`: readers see the whole file or none); the temporary files are removed when the
+build fails or is interrupted (KeyboardInterrupt included). A cached library whose record is
+missing or does not match (truncated, overwritten) is rebuilt, with a warning on the "lora_core"
+logger, and so is one the loader refuses (`load_library`).
+
 `PreparedLaunches` is the torch side's use: kernel launches whose parameter blocks are built
 once, launched in order with a few parameters patched per call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +33,7 @@ from collections.abc import Sequence
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_launch.c")
 # parameter kinds of jl_prepared_new (and, 0-5, of the FFI handler's `params` attribute)
 ARG, OUT, I32, F32, I64, NULL, PTR, COUNTERS, ARG_AT = range(9)
+_LOG = logging.getLogger("lora_core")
 
 
 def _cache_dir() -> str:
@@ -43,7 +54,8 @@ def _include_dirs(xla_ffi: bool) -> list:
 def build_library(xla_ffi: bool, out_dir: str | None = None) -> str:
     """Compiles cuda_launch.c into a shared library (once per source and header version); its path.
 
-    xla_ffi: include the XLA FFI handler (needs jaxlib's headers)."""
+    xla_ffi: include the XLA FFI handler (needs jaxlib's headers). A cached library is used only
+    when its record matches (`verify_cached`); otherwise it is rebuilt, with a warning."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:
         raise RuntimeError("launching Triton kernels from C needs a C compiler (cc, gcc or clang, or $CC)")
@@ -60,18 +72,94 @@ def build_library(xla_ffi: bool, out_dir: str | None = None) -> str:
     out_dir = out_dir or _cache_dir()
     path = os.path.join(out_dir, f"cuda_launch_{digest.hexdigest()[:20]}.so")
     if os.path.exists(path):
-        return path
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
+        problem = verify_cached(path)
+        if not problem:
+            return path
+        _LOG.warning("the cached C launcher %s is damaged (%s): rebuilding it", path, problem)
+        _remove(path, _record_path(path))
     cmd = [compiler, "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror",
-           *(["-DJL_XLA_FFI"] if xla_ffi else []), *[f"-I{i}" for i in includes], SOURCE, "-o", tmp,
+           *(["-DJL_XLA_FFI"] if xla_ffi else []), *[f"-I{i}" for i in includes], SOURCE, "-o", "{out}",
            "-ldl", "-lpthread"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        os.unlink(tmp)
-        raise RuntimeError(f"building the C launcher failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
-    os.replace(tmp, path)
+    _build_atomically(cmd, path)
     return path
+
+
+def _record_path(path: str) -> str:
+    return path + ".sha256"
+
+
+def _fingerprint(path: str) -> str:
+    """'<size> <sha256 hex>' of the file at `path`."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return f"{os.path.getsize(path)} {h.hexdigest()}"
+
+
+def verify_cached(path: str) -> str:
+    """Why the cached library at `path` cannot be used ("" when its size and SHA-256 match the
+    record written beside it at build time)."""
+    try:
+        with open(_record_path(path)) as f:
+            recorded = f.read().strip()
+    except OSError:
+        return "no checksum record beside it"
+    try:
+        actual = _fingerprint(path)
+    except OSError as e:
+        return f"unreadable: {e}"
+    if actual == recorded:
+        return ""
+    size, recorded_size = actual.split()[0], recorded.split()[0] if recorded else "?"
+    return (f"{size} bytes, {recorded_size} recorded" if size != recorded_size
+            else "its SHA-256 differs from the recorded one")
+
+
+def _remove(*paths: str) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+def _build_atomically(cmd: list, path: str) -> None:
+    """Runs the compiler command (its "{out}" argument: a temporary file beside `path`), checks
+    that the result loads, writes the record and moves the library to `path`. On any failure or
+    interrupt the temporary files are removed and the error propagates."""
+    out_dir = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=".cuda_launch_", suffix=".so.tmp", dir=out_dir)
+    os.close(fd)
+    record_tmp = tmp + ".sha256"
+    try:
+        cmd = [tmp if a == "{out}" else a for a in cmd]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"building the C launcher failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        try:
+            ctypes.CDLL(tmp)
+        except OSError as e:
+            raise RuntimeError(f"the C launcher just built cannot be loaded: {e}") from e
+        with open(record_tmp, "w") as f:
+            f.write(_fingerprint(tmp) + "\n")
+        # The record first: a reader that sees the library also sees its record.
+        os.replace(record_tmp, _record_path(path))
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp, record_tmp)
+        raise
+
+
+def load_library(xla_ffi: bool, out_dir: str | None = None) -> ctypes.CDLL:
+    """The library built by `build_library`, loaded and declared (`declare`). A cached library the
+    loader refuses (e.g. damaged after its record was written) is rebuilt once, with a warning; a
+    second refusal raises OSError."""
+    path = build_library(xla_ffi, out_dir)
+    try:
+        return declare(ctypes.CDLL(path))
+    except OSError as e:
+        _LOG.warning("the cached C launcher %s cannot be loaded (%s): rebuilding it", path, e)
+        _remove(path, _record_path(path))
+    return declare(ctypes.CDLL(build_library(xla_ffi, out_dir)))
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -98,7 +186,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 @functools.cache
 def plain_library() -> ctypes.CDLL:
     """The library without the XLA FFI handler (what torch needs)."""
-    return declare(ctypes.CDLL(build_library(xla_ffi=False)))
+    return load_library(xla_ffi=False)
 
 
 # Launch flags (jl_prepared_new's `flags`; the FFI handler's per-kernel launch word 5).
@@ -113,8 +201,8 @@ class PreparedLaunches:
     launches: per kernel (function handle, grid (3 ints), threads per block, dynamic shared bytes,
     flags, params, slots): flags FLAG_PDL | FLAG_COOPERATIVE; params a list of (kind, value) with
     kinds I32, F32 (value: the float), I64, NULL, PTR; slots a list of (parameter index, variable
-    index). `vars` is a ctypes
-    uint64 array the caller fills per call (pointers; float32 variables as their bits).
+    index). `vars` is a ctypes uint64 array the caller fills per call (pointers; float32 variables
+    as their bits).
     """
 
     __slots__ = ("_lib", "_handles", "_array", "n")
