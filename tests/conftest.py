@@ -81,7 +81,7 @@ SLOW_TESTS = (
     "tests/test_package_imports.py::test_the_jax_interpreter_path_runs_without_torch",
     "tests/test_package_imports.py::test_torch_lora_loads_nothing_of_jax[*]",
     "tests/test_benchmark_provenance.py::test_the_digest_is_printed_without_a_gpu",
-    "tests/test_torch_wrapper.py::test_cache_does_not_keep_weights_alive",
+    "tests/test_wrapper_torch.py::test_cache_does_not_keep_weights_alive",
 )
 
 
