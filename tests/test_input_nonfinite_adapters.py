@@ -3,6 +3,8 @@
 The manager puts every active adapter into a slot of the same stacked weights; before the
 reference backend selected slots (instead of a one-hot matmul over all of them), a NaN in one
 adapter's lora_B turned every LoRA row of every batch NaN -- even batches that did not use it.
+
+CPU, xla backend.
 """
 
 from __future__ import annotations
