@@ -1,4 +1,4 @@
-"""Conformance-suite entries for the two bridged directions (bridge/, issue 5).
+"""Conformance-suite entries for the two bridged directions (bridge/).
 
   torch-over-jax: torch tensors in and out (torch_lora's API, y updated in place) computed by
                   jax_lora's kernels through `bridge.TorchPunicaWrapper` and `bridge.torch_over_jax`.

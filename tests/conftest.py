@@ -30,8 +30,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                " --xla_force_host_platform_device_count=8").strip()
 
 
-# Node ids of the tests marked `slow` (`*` matches anything; brackets are literal): the longest ones measured on a 2-core CPU
-# (`pytest --durations`), 7 s to 3 min each there. Interpreted kernels (Pallas TPU interpret mode,
+# Node ids of the tests marked `slow` (`*` matches anything; brackets are literal): the longest ones measured on a
+# 2-core CPU (`pytest --durations`), 7 s to 3 min each there. Interpreted kernels (Pallas TPU interpret mode,
 # Triton's interpreter), whole-model serving and the demo, hypothesis sweeps, fresh interpreters.
 # test_slow_tests_name_existing_tests (test_cli.py) fails on a pattern naming a missing test.
 SLOW_TESTS = (
@@ -81,7 +81,7 @@ SLOW_TESTS = (
     "tests/test_package_imports.py::test_the_jax_interpreter_path_runs_without_torch",
     "tests/test_package_imports.py::test_torch_lora_loads_nothing_of_jax[*]",
     "tests/test_benchmark_provenance.py::test_the_digest_is_printed_without_a_gpu",
-    "tests/test_torch_wrapper.py::test_cache_does_not_keep_weights_alive",
+    "tests/test_wrapper_torch.py::test_cache_does_not_keep_weights_alive",
 )
 
 
@@ -102,7 +102,8 @@ def pytest_configure(config):
     except ImportError:  # pragma: no cover - the torch-only install
         pass
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device machine)")
-    config.addinivalue_line("markers", "slow: one of the longest CPU tests (SLOW_TESTS); -m 'not slow' leaves them out, CI runs them")
+    config.addinivalue_line("markers", "slow: one of the longest CPU tests (SLOW_TESTS); -m 'not slow' leaves them "
+                                       "out, CI runs them")
 
 
 @pytest.hookimpl(tryfirst=True)       # before `-m` deselects by marker

@@ -11,7 +11,7 @@ Fields an entry may set:
          uses its smallest shapes and skips the hypothesis sweep.
   torch_device: where the torch side's tensors live; None: CUDA when a GPU is present (the compiled
          Triton kernels), else the CPU (the Triton interpreter). JAX arrays go to JAX's default device.
-  seed_methods: the wrapper has vLLM's TPU wrapper's per-token `shrink` / `expand` / `expand_slice`
+  vllm_methods: the wrapper has vLLM's TPU wrapper's per-token `shrink` / `expand` / `expand_slice`
          (False for the bridged wrappers, which offer only the `add_*` methods).
 """
 
@@ -64,7 +64,7 @@ class Impl:
     ops_module: Any | None = None                      # defaults to the side's ops
     marks: tuple = ()
     torch_device: str | None = None
-    seed_methods: bool = True
+    vllm_methods: bool = True
 
     def __str__(self):
         return self.name
@@ -190,10 +190,10 @@ def _torch_impls():
 
 
 def _bridge_impls():
-    from . import bridge_impl  # each side's API over the other side's kernels (bridge/, issue 5)
+    from . import bridge_impl  # each side's API over the other side's kernels (bridge/)
     impls = [bridge_impl.torch_over_jax(Impl), bridge_impl.jax_over_torch(Impl)]
     for impl in impls:
-        impl.seed_methods = False
+        impl.vllm_methods = False
     return impls
 
 

@@ -430,7 +430,7 @@ def case_loading(rank: int, world: int, fully_sharded: bool) -> dict:
                        [t.numpy() if t is not None else None for t in fb], scaling=SCALING[i])
     a_full, b_full, _, ranks = stacked_full(adapters, HIDDEN, widths, torch.float32, False)
     gathered_b = []
-    for s, b in enumerate(layer.lora_b_stacked):
+    for b in layer.lora_b_stacked:
         pieces = [torch.empty_like(b) for _ in range(world)]
         dist.all_gather(pieces, b.contiguous())
         gathered_b.append(pieces)
@@ -440,7 +440,7 @@ def case_loading(rank: int, world: int, fully_sharded: bool) -> dict:
     chunk = layer.slice_shards[0].a_rank
     a_ok = [bool(torch.equal(layer.lora_a_stacked[s], a_full[s][:, chunk[0]:chunk[1]])) for s in range(3)]
     # q rows of all ranks, concatenated in rank order, are the full q slice of B
-    q_all = torch.cat([p for p in gathered_b[0]], dim=1)
+    q_all = torch.cat(list(gathered_b[0]), dim=1)
     q_complete = bool(torch.equal(q_all, b_full[0]))
     layer_ranks, local_ranks = layer.lora_ranks.tolist(), layer.lora_ranks_local.tolist()
 

@@ -1,15 +1,22 @@
-"""jax_lora.adapters: PEFT directories, placement into slots, the slot manager (LRU, hot swap)."""
+"""jax_lora.adapters: PEFT directories, placement into slots, the slot manager (LRU, hot swap).
+
+Also: the reader's names re-exported from lora_core.peft, a reload that fails inside `activate`
+changing nothing, and an adapter rank above the model's max_rank refused naming the module (on
+tests/llama_checkpoint.py's tiny Llama). CPU, xla backend.
+"""
 
 import json
 import math
 import os
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import jax_lora
 from jax_lora import nn as lnn
 from jax_lora.adapters import (
     AdapterError,
@@ -20,7 +27,10 @@ from jax_lora.adapters import (
     prepare_adapter,
     save_peft_adapter,
 )
-from jax_lora.models import LlamaConfig, LlamaForCausalLM, add_lora
+from jax_lora.models import LlamaConfig, LlamaForCausalLM, add_lora, load_llama
+from lora_core import peft as core_peft
+
+from . import llama_checkpoint
 
 CFG = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2)      # q 16, k/v 8: unequal slices
@@ -339,3 +349,70 @@ def test_llama_checkpoint_round_trip_sharding_and_errors(tmp_path):
     (tmp_path / "one" / "pytorch_model.bin").write_bytes(b"pickle")
     with pytest.raises(FileNotFoundError, match="pickled"):
         load_llama(str(tmp_path / "one"))
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """A tiny random Llama checkpoint and three PEFT adapters (tests/llama_checkpoint.py): directory per key."""
+    return llama_checkpoint.write_assets(tmp_path_factory.mktemp("llama_checkpoint"))
+
+
+def test_adapter_names_are_reexported_from_jax_lora_adapters():
+    """docs/flax.md: jax_lora.adapters re-exports lora_core.peft's
+    load_peft_adapter, save_peft_adapter, PeftAdapter and AdapterError (the same objects), and
+    jax_lora.LoRAMapping is lora_core's one LoRAMapping class."""
+    from jax_lora import adapters
+    for name in ("load_peft_adapter", "save_peft_adapter", "PeftAdapter", "AdapterError"):
+        assert getattr(adapters, name) is getattr(core_peft, name)
+    import lora_core
+    assert jax_lora.LoRAMapping is lora_core.LoRAMapping
+    for mod in ("ops", "nn", "adapters", "models", "serving", "parallel"):
+        assert hasattr(jax_lora, mod)
+
+
+def test_adapter_manager_failed_reload_changes_nothing(llama_dirs, tmp_path):
+    """With the host cache too small, an adapter whose files changed since
+    registration fails to reload inside activate() with an AdapterError (naming the adapter as
+    registered and its directory) and leaves slots, weights and the LRU order as they were: the
+    next activation evicts the least recently used adapter, as if the failure never happened."""
+    import shutil
+    model = load_llama(llama_dirs["model"])
+    add_lora(model, max_loras=2, max_rank=8)
+    mgr = AdapterManager(model, host_cache_size=1)
+    d3 = str(tmp_path / "a3")
+    shutil.copytree(llama_dirs["a3"], d3)
+    mgr.register(1, llama_dirs["a1"])
+    mgr.register(2, llama_dirs["a2"])
+    mgr.register(3, d3, name="my-third")
+    mgr.activate([1])
+    mgr.activate([2])                                 # LRU order: 1 then 2
+    before = [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, lnn.LoRAWeight))]
+    slots = list(mgr.lora_index_to_id)
+    with open(os.path.join(d3, "adapter_model.safetensors"), "ab") as f:
+        f.write(b"garbage")
+    with pytest.raises(AdapterError) as e:
+        mgr.activate([3])
+    assert "my-third" in str(e.value) and d3 in str(e.value)
+    assert mgr.lora_index_to_id == slots
+    after = [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, lnn.LoRAWeight))]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    mgr.register(3, llama_dirs["a3"], name="my-third")   # register again: the new files
+    mgr.activate([3])
+    assert mgr.slot_of(1) is None and mgr.slot_of(2) is not None and mgr.slot_of(3) is not None
+    mgr.activate([2, 3])
+    with pytest.raises(ValueError):
+        mgr.activate([1, 2, 3])                       # more adapters than slots
+    mgr.unload(3)
+    assert mgr.slot_of(3) is None and mgr.slot_ranks[mgr.lora_index_to_id.index(None)] == 0
+
+
+def test_adapter_rank_above_max_rank_names_module(llama_dirs, tmp_path):
+    """Shapes are validated against the model with clear errors: an adapter whose
+    rank exceeds the model's max_rank raises AdapterError naming the module and the ranks."""
+    model = load_llama(llama_dirs["model"])
+    add_lora(model, max_loras=2, max_rank=2)
+    mgr = AdapterManager(model)
+    with pytest.raises(AdapterError) as e:
+        mgr.register(1, llama_dirs["a1"])
+    assert "q_proj" in str(e.value) and "4" in str(e.value)
+    assert mgr.registered == {}

@@ -1,5 +1,8 @@
 """The benchmark's source digest (results' `meta.source_digest`): names the tree a result came
-from even where .git is stale (the device machine's copy), so it must depend on the sources only."""
+from even where .git is stale (the device machine's copy), so it must depend on the sources only.
+
+Plain Python on the CPU.
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,14 @@
-"""bridge (issue 5) on the CPU: zero-copy by pointer identity, refusals, caching, bridged == native.
+"""bridge on the CPU: zero-copy by pointer identity, refusals, caching, bridged == native.
 
 The conformance suite runs both bridged directions against the float64 oracle (tests/bridge_impl.py);
 this file checks what is specific to the bridge: that nothing is copied, that what cannot be shared
 is refused with a clear error (and copied only with copy=True), that persistent tensors are converted
 once and reconverted when they change, and that a bridged call gives bit for bit the result of the
 native call of the side whose kernels it runs.
+
+Also the bridge as docs/bridge.md shows it: both bridged wrappers against the native ones,
+`copy=True` seeing writes through `.data` and NumPy, tensors requiring grad refused. CPU only; the
+CUDA counterpart is tests/test_gpu_bridge.py.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import jax_lora
 import torch_lora
 from bridge import dlpack
 from lora_core.host_mapping import LoRAMapping
+
+from . import jax_helpers, torch_helpers
 
 DTYPES = ["float32", "bfloat16", "float16", "int32", "int8", "uint8", "bool"]
 
@@ -86,7 +92,7 @@ def test_public_fallback_path_shares_memory_too(monkeypatch):
 
 
 def test_shared_buffer_is_shared():
-    """a torch write into an exported tensor changes the JAX value (documented, not a bug)."""
+    """A torch write into an exported tensor changes the JAX value (documented, not a bug)."""
     t = torch.zeros(16)
     a = bridge.to_jax(t)
     t[3] = 5.0
@@ -536,3 +542,115 @@ def test_torch_wrapper_jit_mode_matches_eager():
     with pytest.raises(ValueError, match="slot 2, but the weights have only 2 slots"):
         jitted.add_lora_linear(_t(c["y"], "float32"), x, [v[:2] for v in a], [v[:2] for v in b], None, 0.5,
                                c["slices"])
+
+
+def test_bridge_to_jax_zero_copy_and_refusals():
+    """bridge.to_jax / to_torch share CPU memory (pointer identity)
+    for float32 and bfloat16; what cannot be shared without a copy (a strided view, a tensor that
+    requires grad, int64 without x64) raises CopyRequiredError (a ValueError) unless copy=True;
+    int64 is converted to int32 explicitly, and int64 values outside int32 are refused even with
+    copy=True (never wrapped); a tracer given to to_torch is a TypeError."""
+    torch = pytest.importorskip("torch")
+    import bridge
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.randn(8, 16).to(dtype)
+        a = bridge.to_jax(t)
+        assert a.unsafe_buffer_pointer() == t.data_ptr() and a.shape == (8, 16)
+        assert bridge.to_torch(a).data_ptr() == t.data_ptr()
+    t = torch.randn(8, 16)
+    for bad in (t[:, ::2], torch.ones(4, requires_grad=True), torch.tensor([1, 2], dtype=torch.int64)):
+        with pytest.raises(bridge.CopyRequiredError):
+            bridge.to_jax(bad)
+    assert issubclass(bridge.CopyRequiredError, ValueError)
+    np.testing.assert_array_equal(bridge.to_jax(t[:, ::2], copy=True), t[:, ::2].numpy())
+    ints = bridge.to_jax(torch.tensor([1, -1, 7], dtype=torch.int64), copy=True)
+    assert ints.dtype == jnp.int32
+    np.testing.assert_array_equal(ints, [1, -1, 7])
+    with pytest.raises(ValueError):
+        bridge.to_jax(torch.tensor([2**32 + 1], dtype=torch.int64), copy=True)
+    with pytest.raises(TypeError):
+        jax.jit(lambda a: bridge.to_torch(a))(jnp.ones(2))
+
+
+def test_bridge_jax_api_over_torch_kernels_equals_native():
+    """bridge.JaxPunicaWrapper (JAX API, torch_lora kernels) returns a new y equal to
+    jax_lora's native wrapper (xla) for add_lora_linear, never mutates its inputs, leaves rows past
+    the mapping unchanged, and refuses traced arguments (outside jit only) with a TypeError."""
+    pytest.importorskip("torch")
+    import bridge
+    ids = (1, 0, 3)
+    jw = bridge.JaxPunicaWrapper(8, 8, None, max_loras=3)
+    jw.update_metadata(LoRAMapping(ids, ids), jax_helpers.LORA_INDEX_TO_ID, 4, 64)
+    native = jax_helpers.wrapper(ids, jax_helpers.LORA_INDEX_TO_ID, capacity=8)
+    T, H, r, L = 5, 8, 4, 3                                   # two rows past the mapping
+    x, y = jnp.asarray(jax_helpers.rand(T, H)), jnp.asarray(jax_helpers.rand(T, 6))
+    y_copy = np.array(y)
+    A, B = [jnp.asarray(jax_helpers.rand(L, r, H))], [jnp.asarray(jax_helpers.rand(L, 6, r))]
+    got = jw.add_lora_linear(y, x, A, B, None, 0.5, (6,))
+    want = native.add_lora_linear(y, x, A, B, None, 0.5, (6,))
+    assert isinstance(got, jax.Array)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(y), y_copy)
+    np.testing.assert_array_equal(np.asarray(got)[3:], y_copy[3:])
+    with pytest.raises(TypeError):
+        jax.jit(lambda y, x: jw.add_lora_linear(y, x, A, B, None, 0.5, (6,)))(y, x)
+
+
+def test_torch_facing_bridged_wrapper_equals_native_and_updates_y_in_place():
+    """bridge.TorchPunicaWrapper (torch API over jax_lora's kernels) updates y in
+    place, returns it, and equals the native torch wrapper and the float64 oracle."""
+    import bridge
+    rng = torch_helpers.rng(40)
+    widths = (6, 3)
+    a, b = torch_helpers.stacked(rng, 2, 4, 16, widths)
+    bias = [torch.tensor(rng.standard_normal((2, 6)), dtype=torch.float32), None]
+    ids = (1, 0, 2, 1)
+    x = torch.tensor(rng.standard_normal((4, 16)), dtype=torch.float32)
+    y0 = torch.tensor(rng.standard_normal((4, 9)), dtype=torch.float32)
+    bw = bridge.TorchPunicaWrapper(16, 4, "cpu", max_loras=2)
+    bw.update_metadata(LoRAMapping(ids, ids), [1, 2], 3, 16)
+    y = y0.clone()
+    assert bw.add_lora_linear(y, x, a, b, bias, 0.5, widths) is y
+    native = torch_helpers.wrapper(ids, [1, 2]).add_lora_linear(y0.clone(), x, a, b, bias, 0.5, widths)
+    torch.testing.assert_close(y, native, rtol=1e-5, atol=1e-5)
+    assert torch_helpers.rel(y.numpy(), torch_helpers.oracle_linear(y0, x, a, b, bias, 0.5, [0, -1, 1, 0],
+                                                                    widths)) < 1e-5
+    assert torch.equal(y[1], y0[1])
+
+
+def test_bridged_wrapper_copy_true_sees_writes_through_data_and_numpy():
+    """bridge.TorchPunicaWrapper(copy=True) sees updates made through `.data` and
+    through a NumPy array aliased by torch.from_numpy (weights that have to be copied)."""
+    import bridge
+    rng = torch_helpers.rng(41)
+    host_a = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    a = torch.from_numpy(host_a)                 # NumPy memory: not necessarily shareable
+    b = torch.tensor(rng.standard_normal((2, 5, 4)), dtype=torch.float32)
+    ids = (1, 2, 1)
+    x = torch.tensor(rng.standard_normal((3, 16)), dtype=torch.float32)
+    bw = bridge.TorchPunicaWrapper(16, 4, "cpu", max_loras=2, copy=True)
+    bw.update_metadata(LoRAMapping(ids, ids), [1, 2], 3, 16)
+    bw.add_lora_linear(torch.zeros(3, 5), x, a, b, None, 1.0, (5,))
+    host_a[:] = rng.standard_normal(host_a.shape)           # a write torch's version counter misses
+    y = bw.add_lora_linear(torch.zeros(3, 5), x, a, b, None, 1.0, (5,))
+    want = torch_helpers.oracle_linear(torch.zeros(3, 5), x, [torch.from_numpy(host_a.copy())], [b], None, 1.0,
+                                       [0, 1, 0], (5,))
+    assert torch_helpers.rel(y.numpy(), want) < 1e-5
+    new_b = torch.tensor(rng.standard_normal((2, 5, 4)), dtype=torch.float32)
+    b.data = new_b
+    y = bw.add_lora_linear(torch.zeros(3, 5), x, a, b, None, 1.0, (5,))
+    want = torch_helpers.oracle_linear(torch.zeros(3, 5), x, [torch.from_numpy(host_a.copy())], [new_b], None, 1.0,
+                                       [0, 1, 0], (5,))
+    assert torch_helpers.rel(y.numpy(), want) < 1e-5
+
+
+def test_bridged_wrapper_refuses_tensors_requiring_grad():
+    """docs/bridge.md (tensors requiring grad are refused unless detached): the
+    torch-facing wrapper refuses an x requiring grad while grad mode is on."""
+    import bridge
+    a, b = torch_helpers.stacked(torch_helpers.rng(42), 2, 4, 8, (5,))
+    bw = bridge.TorchPunicaWrapper(16, 4, "cpu", max_loras=2)
+    bw.update_metadata(LoRAMapping((1, 2), (1, 2)), [1, 2], 3, 16)
+    x = torch.zeros(2, 8, requires_grad=True)
+    with pytest.raises((ValueError, TypeError), match="grad"):
+        bw.add_lora_linear(torch.zeros(2, 5), x, a, b, None, 1.0, (5,))

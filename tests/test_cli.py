@@ -1,8 +1,11 @@
 """The `jax-lora` command line: option checks, clean errors, --version, --prompt and --dtype.
 
-Argument and input errors must exit with status 2 and one message line, never a traceback. The
-tests that serve (`--prompt`, `--dtype`) run the whole demo on the small model and are marked slow
-(tests/conftest.py); the option checks run before JAX is imported and take milliseconds.
+Argument and input errors must exit with status 2 and one message line, never a traceback (bad
+options, missing or unloadable adapter directories, --prompt without a tokenizer). `jax-lora demo
+MODEL_DIR ADAPTER_DIR... --tp 2` serves tests/llama_checkpoint.py's tiny Llama split over 2 CPU
+devices with LRU swaps and verifies every request. The tests that serve (`--prompt`, `--dtype`)
+run the whole demo on the small model and are marked slow (tests/conftest.py); the option checks
+run before JAX is imported and take milliseconds. CPU only.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ import shutil
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
+import jax_lora
 from jax_lora import cli
+
+from . import jax_helpers, llama_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -359,3 +367,90 @@ def test_slow_tests_name_existing_tests():
         if name == "*":
             continue
         assert name in functions, f"SLOW_TESTS names {pattern!r}, but {path} has no test {name}"
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """A tiny random Llama checkpoint and three PEFT adapters (tests/llama_checkpoint.py): directory per key."""
+    return llama_checkpoint.write_assets(tmp_path_factory.mktemp("llama_checkpoint"))
+
+
+def _write_adapter(path, config: dict, tensors: dict):
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+def _plain_config(**kw):
+    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    cfg.update(kw)
+    return cfg
+
+
+def _q_tensors(r=2, module="model.layers.0.self_attn.q_proj", i=8, o=8):
+    return {f"base_model.model.{module}.lora_A.weight": jax_helpers.rand(r, i),
+            f"base_model.model.{module}.lora_B.weight": jax_helpers.rand(o, r)}
+
+
+# Meshes of host CPU devices (tests/conftest.py forces 8). On a GPU machine JAX's default backend
+# is the GPU, with one device here, and XLA's CPU compiler crashed on these shard_map programs
+# (tests/test_parallel.py): skipped there; multi-GPU meshes are tested apart.
+_CPU_MESHES = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                 reason="CPU-device meshes; JAX's default backend here is not the CPU")
+
+
+@pytest.mark.parametrize("argv, word", [(["demo", "--max-seqs", "0"], "--max-seqs"),
+                                        (["demo", "--backend", "bogus"], "--backend"),
+                                        (["demo", "--dtype", "int8"], "--dtype")])
+def test_cli_bad_options_exit_2_with_argparse_message(argv, word, capsys):
+    """Bad demo options (counts that are not positive, unknown backend or dtype) exit with
+    status 2 and argparse's message, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert word in err and "Traceback" not in err
+
+
+@_CPU_MESHES
+def test_demo_with_model_and_adapter_directories_verifies(llama_dirs, capsys):
+    """`jax-lora demo MODEL_DIR
+    ADAPTER_DIR... --tp 2` serves mixed-adapter requests (some without adapter) through the jit loop
+    split over 2 CPU devices, here with one slot for two adapters (LRU swapping), reports no
+    recompilation after warm-up, prints tokens/s and the LoRA overhead, and ends with
+    `verified: N/N requests match merged-weights outputs`, exit status 0."""
+    rc = cli.main(["demo", llama_dirs["model"], llama_dirs["a1"], llama_dirs["a2"], "--num-requests", "3",
+                   "--max-new-tokens", "2", "--max-seqs", "2", "--slots", "1", "--tp", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.strip().splitlines()
+    assert lines[-1] == "verified: 3/3 requests match merged-weights outputs"
+    assert "recompilations after warm-up: 0" in out and "LoRA overhead" in out and "tokens/s" in out
+    assert "tensor parallel: 2 devices" in out
+
+
+def test_cli_version(capsys):
+    """`jax-lora --version` prints the version and exits 0."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert jax_lora.__version__ in capsys.readouterr().out
+
+
+def test_cli_bad_directories_and_adapters_one_line_exit_2(llama_dirs, tmp_path, capsys):
+    """`jax-lora demo MODEL_DIR ADAPTER_DIR` with an adapter that cannot be loaded (an
+    aLoRA field), a missing directory, no adapter after MODEL_DIR, or --prompt with a MODEL_DIR that
+    has no tokenizer exits 2 with one line `jax-lora demo: error: <what and why>`, no traceback."""
+    bad = _write_adapter(tmp_path / "alora", _plain_config(alora_invocation_tokens=[5]), _q_tensors(
+        2, "model.layers.0.self_attn.q_proj", 32, 32))
+    for argv, word in [([llama_dirs["model"], bad], "alora_invocation_tokens"),
+                       ([llama_dirs["model"], str(tmp_path / "missing")], "missing"),
+                       ([llama_dirs["model"]], "adapter"),
+                       ([llama_dirs["model"], llama_dirs["a1"], "--prompt", "hi"], "tokenizer")]:
+        assert cli.main(["demo", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("jax-lora demo: error:") and word in err[0], err

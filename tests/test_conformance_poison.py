@@ -16,6 +16,8 @@ interpreters are slow); the dtype is each implementation's first.
 The cause these guard against: selecting a token's slot by multiplying with a one-hot matrix over all
 slots, where 0 * NaN = NaN turns every LoRA row NaN; a slot must be selected (gather / where), never
 multiplied by 0.
+
+CPU, over the same implementations as tests/test_conformance.py.
 """
 
 from __future__ import annotations

@@ -10,18 +10,24 @@ the float64 oracle, so a deterministic path that computes the wrong thing fails 
 On the CPU: the reference backends (xla, pallas_tpu, torch) and the Triton kernels in Triton's
 interpreter, tiny shapes, batches of 1-64 tokens. tests/test_gpu_deterministic.py runs the same
 check (`check_request_invariance`) on the compiled kernels with 100 batches of 1-512 tokens.
+
+Also the deterministic wrapper and ops as a caller meets them (xla under jit, torch; a
+non-bool deterministic= is a TypeError).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
+import torch
 
+import torch_lora
 from lora_core.host_mapping import LoRAMapping
 
-from . import oracle
+from . import jax_helpers, oracle, torch_helpers
 from .impls import IMPLS, round_to
 
 OPS = ("lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink",
@@ -251,3 +257,73 @@ def test_triton_linear_refuses_fused_and_deterministic():
     with pytest.raises(ValueError, match="fused=True cannot be deterministic"):
         jax_triton.linear(jnp.zeros((2, 16)), jnp.zeros((2, 16)), (jnp.zeros((2, 4, 16)),), (jnp.zeros((2, 16, 4)),),
                           None, 1.0, (0,), fused=True, deterministic=True)
+
+
+def test_deterministic_wrapper_rows_are_bitwise_batch_invariant():
+    """PunicaWrapper(deterministic=True): a token's add_lora_linear row is bitwise
+    the same whatever the batch size, its position and its neighbours' adapters (xla, under jit:
+    one program per bucket size)."""
+    H, r, L, N = 32, 8, 3, 16
+    A, B = [jax_helpers.rand(L, r, H)], [jax_helpers.rand(L, N, r)]
+    probe = jax_helpers.rand(1, H)
+    step = jax.jit(lambda w, y, x: w.add_lora_linear(y, x, A, B, None, 0.5, (N,)))
+    rows = []
+    for size, pos in [(1, 0), (6, 4)]:
+        ids = list(jax_helpers.RNG.integers(0, 4, size))
+        ids[pos] = 2
+        x = jax_helpers.rand(size, H)
+        x[pos] = probe[0]
+        w = jax_helpers.wrapper(ids, jax_helpers.LORA_INDEX_TO_ID, capacity=16, deterministic=True)
+        assert w.deterministic is True
+        rows.append(np.asarray(step(w, np.zeros((size, N), np.float32), x))[pos])
+    np.testing.assert_array_equal(rows[1], rows[0])
+
+
+def test_deterministic_wrapper_gives_a_token_bitwise_the_same_row_in_any_batch():
+    """With deterministic=True a token's add_lora_linear row (and its shrink row)
+    is bitwise the same whatever the batch size, its position, the other tokens and their
+    adapters, and from run to run (torch backend)."""
+    rng = torch_helpers.rng(30)
+    num_slots, hidden, widths = 4, 64, (24, 8)
+    a, b = torch_helpers.stacked(rng, num_slots, 8, hidden, widths)
+    probe = torch.tensor(rng.standard_normal((1, hidden)), dtype=torch.float32)
+    rows, shrinks = [], []
+    for size in [1, 3, 17, 40, 40]:
+        ids = [int(i) for i in rng.integers(0, num_slots + 1, size=size)]
+        pos = int(rng.integers(0, size))
+        ids[pos] = 2
+        w = torch_lora.PunicaWrapper(64, 8, "cpu", max_loras=num_slots, backend="torch", deterministic=True)
+        w.update_metadata(LoRAMapping(tuple(ids), tuple(ids)), [1, 2, 3, 4], num_slots + 1, 16)
+        x = torch.tensor(rng.standard_normal((size, hidden)), dtype=torch.float32)
+        x[pos] = probe[0]
+        y = torch.zeros(size, sum(widths))
+        w.add_lora_linear(y, x, a, b, None, 0.7, widths)
+        rows.append(y[pos].clone())
+        buf = torch.zeros(2, size, 8)
+        w.add_shrink(buf, x, a, 0.7)
+        shrinks.append(buf[:, pos].clone())
+    for r in rows[1:]:
+        assert torch.equal(r, rows[0])
+    for s in shrinks[1:]:
+        assert torch.equal(s, shrinks[0])
+    want = torch_helpers.oracle_linear(torch.zeros(1, 32), probe, a, b, None, 0.7, [1], widths)
+    assert torch_helpers.rel(rows[0].numpy()[None], want) < 1e-5
+
+
+def test_deterministic_ops_and_type_check():
+    """docs/api.md: deterministic= on the ops (bgmv_shrink here) gives a token
+    the same bits in any batch; anything but a bool is a TypeError; default off."""
+    rng = torch_helpers.rng(31)
+    w3 = torch.tensor(rng.standard_normal((3, 8, 64)), dtype=torch.float32)
+    probe = torch.tensor(rng.standard_normal(64), dtype=torch.float32)
+    outs = []
+    for size in (1, 9, 33):
+        x = torch.tensor(rng.standard_normal((size, 64)), dtype=torch.float32)
+        x[-1] = probe
+        idx = torch.tensor(rng.integers(-1, 3, size=size), dtype=torch.int32)
+        idx[-1] = 1
+        outs.append(torch_lora.ops.bgmv_shrink(x, w3, idx, 1.0, backend="torch", deterministic=True)[-1])
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    with pytest.raises(TypeError, match="deterministic"):
+        torch_lora.PunicaWrapper(8, 2, "cpu", max_loras=2, backend="torch", deterministic="yes")
+    assert torch_lora.PunicaWrapper(8, 2, "cpu", max_loras=2, backend="torch").deterministic is False

@@ -2,7 +2,11 @@
 their magnitude vectors, and the per-column scale g = m / ||W + s B A||_row reproduces PEFT's own
 DoRA layer; the backends apply it in the expand's epilogue. Layers built without DoRA support
 refuse DoRA adapters with a clear error (serving them: tests/test_dora_peft.py for JAX,
-tests/test_dora_torch.py for torch)."""
+tests/test_dora_torch.py for torch).
+
+CPU: the reference backends, torch's Triton backend in the interpreter, pallas_tpu in TPU
+interpret mode.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import pytest
 from lora_core.dora import column_scale
 from lora_core.peft import AdapterError, load_peft_adapter
 
+from . import jax_helpers
 from .impls import torch_triton_device, triton_runs
 
 torch = pytest.importorskip("torch")
@@ -125,7 +130,7 @@ def test_torch_models_without_dora_refuse_dora_adapters(dora_dir):
 
 
 def test_reference_expands_apply_the_column_scale_per_token_slot():
-    """xla and torch reference expands (and their batch-invariant forms): a token's new slice
+    """Xla and torch reference expands (and their batch-invariant forms): a token's new slice
     values are g[slot] * (y + buf @ B[slot].T + bias), rows without a slot untouched."""
     import jax.numpy as jnp
 
@@ -229,8 +234,8 @@ def test_jax_triton_kernels_take_float32_scales_with_bfloat16_weights(fused):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_torch_triton_backend_applies_the_column_scale(fused):
-    """torch's Triton backend (compiled on a GPU, the interpreter elsewhere): linear (split and fused) and expand equal the torch
-    reference with a DoRA column scale on one slice and a bias on the other."""
+    """torch's Triton backend (compiled on a GPU, the interpreter elsewhere): linear (split and fused) and expand
+    equal the torch reference with a DoRA column scale on one slice and a bias on the other."""
     if not triton_runs():
         pytest.skip("no GPU and Triton's interpreter is not on (TRITON_INTERPRET=1 before import)")
     from torch_lora.meta import LoRAKernelMeta as TorchMeta
@@ -337,3 +342,55 @@ def test_jax_wrapper_refuses_a_bias_and_a_scale_on_one_slice(backend):
     with pytest.raises(ValueError, match=r"dora_scale_stacked\[0\] must have shape \(2, 16\)"):
         w.add_lora_linear(jnp.zeros((2, 48)), jnp.zeros((2, 32)), a, b, None, 1.0, (16, 32),
                           dora_scale_stacked=[jnp.ones((2, 8)), None])
+
+
+def test_dora_column_scale_formula_and_wrapper_epilogue():
+    """lora_core.dora.column_scale is g = m / ||W + s B A||_row; the wrapper's
+    add_lora_linear(dora_scale_stacked=) gives a slot's tokens g[idx] * (y + delta) and leaves rows
+    without adapter untouched; a slice with both a LoRA bias and a DoRA scale is refused naming
+    both."""
+    from lora_core.dora import column_scale
+    W, a, b = jax_helpers.rand(6, 5), jax_helpers.rand(2, 5), jax_helpers.rand(6, 2)
+    m = np.abs(jax_helpers.rand(6)) + 0.5
+    g = column_scale(W, a, b, 0.7, m)
+    np.testing.assert_allclose(g, m / np.linalg.norm(W.astype(np.float64) + 0.7 * b @ a, axis=1), rtol=1e-6)
+    ids = (1, 0, 3, 1)
+    idx = jax_helpers.ids_to_slots(ids)
+    w = jax_helpers.wrapper(ids, jax_helpers.LORA_INDEX_TO_ID)
+    T, H, r, L, widths = 4, 8, 4, 3, (6, 4)
+    x, y = jax_helpers.rand(T, H), jax_helpers.rand(T, 10)
+    A = [jax_helpers.rand(L, r, H) for _ in widths]
+    Bw = [jax_helpers.rand(L, n, r) for n in widths]
+    G = [np.abs(jax_helpers.rand(L, n)) + 0.5 for n in widths]
+    out = w.add_lora_linear(y, x, A, Bw, None, 1.0, widths, dora_scale_stacked=G)
+    want, o = np.array(y, np.float64), 0
+    for s, n in enumerate(widths):
+        want = jax_helpers.expand_ref(want, jax_helpers.shrink_ref(x, A[s], idx, 1.0), Bw[s], idx, o, True)
+        for t, i in enumerate(idx):
+            if i >= 0:
+                want[t, o:o + n] *= G[s][i]
+        o += n
+    assert jax_helpers.rel_err(out, want) < 1e-5
+    np.testing.assert_array_equal(np.asarray(out)[1], y[1])
+    with pytest.raises(ValueError) as e:
+        w.add_lora_linear(y, x, A, Bw, [jax_helpers.rand(L, 6), None], 1.0, widths, dora_scale_stacked=G)
+    assert "lora_bias_stacked[0]" in str(e.value) and "dora_scale_stacked[0]" in str(e.value)
+
+
+def test_pallas_tpu_dora_epilogue_through_the_wrapper():
+    """The per-slot column scale belongs in the expand's epilogue on every backend:
+    pallas_tpu (TPU interpret mode) applies DoRA column scales through
+    add_lora_linear, equal to the float64 oracle."""
+    ids = (1, 0, 2)
+    idx = jax_helpers.ids_to_slots(ids)
+    w = jax_helpers.wrapper(ids, jax_helpers.LORA_INDEX_TO_ID, backend="pallas_tpu")
+    T, H, r, L, N = 3, 128, 8, 3, 128
+    x, y = jax_helpers.rand(T, H), jax_helpers.rand(T, N)
+    A, B = jax_helpers.rand(L, r, H, scale=0.2), jax_helpers.rand(L, N, r, scale=0.2)
+    G = np.abs(jax_helpers.rand(L, N)) + 0.5
+    out = w.add_lora_linear(y, x, [A], [B], None, 1.0, (N,), dora_scale_stacked=[G])
+    want = jax_helpers.expand_ref(y, jax_helpers.shrink_ref(x, A, idx, 1.0), B, idx, 0, True)
+    for t, i in enumerate(idx):
+        if i >= 0:
+            want[t] *= G[i]
+    assert jax_helpers.rel_err(out, want) < 1e-5

@@ -5,14 +5,22 @@ away from their initial norms) loaded by lora_core.peft, column scales computed 
 
 from __future__ import annotations
 
+import json
+import os
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from jax_lora import LoRAMapping, PunicaWrapper
+from jax_lora import nn as lnn
 from jax_lora.adapters import AdapterError, AdapterManager, load_peft_adapter, merge_adapter
 from jax_lora.models import add_lora, load_llama
 from jax_lora.serving import Request, ServingEngine
 
+from . import jax_helpers, llama_checkpoint
 from .impls import triton_runs
 from .test_peft_roundtrip import VOCAB, _rel, _torch_logits, build_peft_models, check_mixed_batch_equals_peft
 
@@ -92,3 +100,69 @@ def test_dora_adapters_need_dora_layers(hf):
     add_lora(model, max_loras=2, max_rank=8)
     with pytest.raises(AdapterError, match=r"dora=True"):
         AdapterManager(model).register(1, dirs[1])
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """A tiny random Llama checkpoint and three PEFT adapters (tests/llama_checkpoint.py): directory per key."""
+    return llama_checkpoint.write_assets(tmp_path_factory.mktemp("llama_checkpoint"))
+
+
+def _write_adapter(path, config: dict, tensors: dict):
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+def _plain_config(**kw):
+    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    cfg.update(kw)
+    return cfg
+
+
+def _dora_adapter(llama_dirs, path):
+    """A PEFT use_dora adapter on q_proj and down_proj of the tiny Llama (rank 4, magnitudes)."""
+    mods = llama_checkpoint.modules(["self_attn.q_proj", "mlp.down_proj"], 4)
+    tensors = {}
+    for m, (a, b) in mods.items():
+        tensors[f"base_model.model.{m}.lora_A.weight"] = a
+        tensors[f"base_model.model.{m}.lora_B.weight"] = b
+        tensors[f"base_model.model.{m}.lora_magnitude_vector"] = jax_helpers.RNG.uniform(0.5, 2.0, b.shape[0])
+    cfg = _plain_config(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "down_proj"])
+    return _write_adapter(path, cfg, tensors)
+
+
+def test_dora_and_lora_adapters_mixed_in_one_batch_equal_merged(llama_dirs, tmp_path):
+    """A PEFT use_dora adapter (magnitude vectors) loads, and in one batch of the
+    Flax Llama (add_lora(dora=True)) DoRA, plain LoRA and no-adapter rows each equal the model with
+    that row's adapter merged (DoRA: rows of W' rescaled to m / ||W'||), float32 1e-4."""
+    d = _dora_adapter(llama_dirs, tmp_path / "dora")
+    ad = load_peft_adapter(d)
+    assert set(ad.magnitudes) == set(ad.modules)
+    model = load_llama(llama_dirs["model"])
+    add_lora(model, max_loras=2, max_rank=4, target_modules=["q_proj", "v_proj", "down_proj"], dora=True)
+    mgr = AdapterManager(model)
+    mgr.register(1, d)
+    mgr.register(2, llama_dirs["a1"])
+    mgr.activate([1, 2])
+    S = 5
+    tokens = jax_helpers.RNG.integers(0, llama_checkpoint.CFG.vocab_size, (3, S)).astype(np.int32)
+    row_ids = [1, 2, 0]
+    token_ids = tuple(int(i) for i in np.repeat(row_ids, S))
+    w = PunicaWrapper(16, 8, None, max_loras=2, backend="xla")
+    w.update_metadata(LoRAMapping(token_ids, token_ids), mgr.lora_index_to_id, 3, llama_checkpoint.CFG.vocab_size)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, w, tokens):
+        with lnn.punica_context(w):
+            return nnx.merge(graphdef, state)(tokens, jnp.broadcast_to(jnp.arange(S), tokens.shape))[0]
+
+    got = np.asarray(forward(state, w, tokens))
+    for b, lora in enumerate(row_ids):
+        want = llama_checkpoint.merged_logits(llama_dirs, {0: None, 1: d, 2: llama_dirs["a1"]}[lora], tokens[b])
+        assert jax_helpers.rel_err(got[b], want) < 1e-4, lora

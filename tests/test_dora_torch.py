@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 
+from . import hf_llama
 from .impls import torch_triton_device, triton_runs
 from .test_dora_peft import _raise_magnitudes
 from .test_peft_roundtrip import VOCAB, _rel, build_peft_models
@@ -23,6 +24,8 @@ import torch_lora  # noqa: E402
 from torch_lora import AdapterError, LoRAMapping  # noqa: E402
 from torch_lora.hf import MultiLoRAModel  # noqa: E402
 from torch_lora.layers import LoRALinear  # noqa: E402
+
+from . import torch_helpers  # noqa: E402
 
 RTOL = 1e-4
 T, L, R, H, WIDTHS = 6, 3, 16, 32, (16, 32)
@@ -300,3 +303,90 @@ def test_dora_layer_arguments():
     layer = LoRALinear(("q", "k"), 6, (8, 4), dora=True, base_weights=[torch.zeros(8, 6), torch.zeros(4, 6)], **kw)
     assert torch.equal(layer.dora_scale, torch.ones(2, 12)) and layer.dora_scale.dtype == torch.float32
     assert not hasattr(LoRALinear(("q",), 6, (8,), **kw), "dora_scale")
+
+
+@pytest.fixture(scope="module")
+def llama_assets(tmp_path_factory):
+    """A tiny random transformers Llama and three peft adapters (tests/hf_llama.py): (fresh, dirs)."""
+    return hf_llama.write_assets(tmp_path_factory.mktemp("hf_llama"))
+
+
+def test_dora_adapter_refused_without_dora_true(llama_assets, tmp_path):
+    """docs/torch.md: without dora=True, load_adapter of a use_dora adapter raises
+    AdapterError naming the adapter and saying to build with dora=True; nothing changes."""
+    from torch_lora.hf import MultiLoRAModel
+    fresh, dirs = llama_assets
+    d = hf_llama.save_peft(fresh, tmp_path / "dora", 5, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                   use_dora=True)
+    mm = MultiLoRAModel(fresh(), max_loras=2, max_rank=8, backend="torch")
+    mm.load_adapter("sql", dirs["sql"])
+    with pytest.raises(torch_lora.AdapterError, match="dora=True") as info:
+        mm.load_adapter("my-dora", d)
+    assert "my-dora" in str(info.value)
+    assert mm.loaded_adapters == ["sql"]
+
+
+def test_dora_mixed_with_lora_and_base_rows_equals_peft(tmp_path):
+    """docs/torch.md 'DoRA adapters': MultiLoRAModel(dora=True) serves a use_dora
+    adapter, a plain LoRA adapter and '__base__' rows in one batch, each row equal to peft (fp32,
+    1e-4), on a Llama with biased attention; plain LoRA and base rows are bit for bit what a model
+    without dora=True gives; generate() keeps each row's adapter too."""
+    from torch_lora.hf import MultiLoRAModel
+    state = hf_llama.tiny_llama(attention_bias=True).state_dict()
+
+    def fresh():
+        m = hf_llama.tiny_llama(attention_bias=True)
+        m.load_state_dict(state)
+        return m
+    dirs = {"dora": hf_llama.save_peft(fresh, tmp_path / "dora", 1, r=4, lora_alpha=8, use_dora=True,
+                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]),
+            "plain": hf_llama.save_peft(fresh, tmp_path / "plain", 2, r=4, lora_alpha=8, target_modules=["q_proj",
+                                                                                                         "o_proj"])}
+    mm = MultiLoRAModel(fresh(), max_loras=2, max_rank=4, target_modules=hf_llama.ALL7, backend="torch", dora=True)
+    for n, d in dirs.items():
+        mm.load_adapter(n, d)
+    pm = hf_llama.peft_model(fresh, dirs)
+    ids = torch.tensor(torch_helpers.rng(28).integers(1, 64, size=(4, 5)))
+    names = ["dora", "__base__", "plain", "dora"]
+    out = mm(ids, adapter_names=names).logits
+    for j, n in enumerate(names):
+        ref = hf_llama.peft_logits(pm, ids[j:j + 1], n)[0]
+        assert float((out[j] - ref).abs().max() / ref.abs().max()) < 1e-4, n
+    assert float((out[0] - hf_llama.peft_logits(pm, ids[:1], "__base__")[0]).abs().max()) > 1e-4   # DoRA is active
+    plain_model = MultiLoRAModel(fresh(), max_loras=2, max_rank=4, target_modules=hf_llama.ALL7, backend="torch")
+    plain_model.load_adapter("plain", dirs["plain"])
+    same = plain_model(ids, adapter_names=["__base__", "__base__", "plain", "__base__"]).logits
+    assert torch.equal(out[1:3], same[1:3])   # plain LoRA and base rows: exactly what dora=False gives
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    seqs = mm.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), adapter_names=["dora", "plain"], **kw)
+    for j, n in enumerate(["dora", "plain"]):
+        pm.set_adapter(n)
+        with torch.no_grad():
+            ref = pm.generate(input_ids=ids[j:j + 1], attention_mask=torch.ones_like(ids[j:j + 1]), **kw)
+        assert seqs[j].tolist() == ref[0].tolist(), n
+
+
+def test_dora_scale_stacked_in_the_epilogue_and_bias_plus_scale_refused():
+    """docs/api.md: add_lora_linear(..., dora_scale_stacked=) gives a token with
+    slot i g_s[i] * (y + delta) in its slice (rows without LoRA untouched); a slice with both a
+    LoRA bias and a DoRA scale is refused naming lora_bias_stacked and dora_scale_stacked."""
+    rng = torch_helpers.rng(33)
+    widths = (4, 3)
+    a, b = torch_helpers.stacked(rng, 2, 2, 8, widths)
+    g = [torch.tensor(rng.uniform(0.5, 1.5, (2, n)), dtype=torch.float32) for n in widths]
+    w = torch_helpers.wrapper((1, 0, 2), [1, 2])
+    x = torch.tensor(rng.standard_normal((3, 8)), dtype=torch.float32)
+    y0 = torch.tensor(rng.standard_normal((3, 7)), dtype=torch.float32)
+    y = y0.clone()
+    w.add_lora_linear(y, x, a, b, None, 1.0, widths, dora_scale_stacked=g)
+    plain = torch_helpers.oracle_linear(y0, x, a, b, None, 1.0, [0, -1, 1], widths)
+    want = plain.copy()
+    for t, i in enumerate([0, -1, 1]):
+        if i >= 0:
+            want[t] *= np.concatenate([g[0][i].double().numpy(), g[1][i].double().numpy()])
+    assert torch_helpers.rel(y.numpy(), want) < 1e-5
+    assert torch.equal(y[1], y0[1])
+    bias = [torch.zeros(2, 4), None]
+    with pytest.raises(ValueError, match=r"lora_bias_stacked\[0\].*dora_scale_stacked\[0\]|"
+                                         r"dora_scale_stacked\[0\].*lora_bias_stacked\[0\]"):
+        w.add_lora_linear(y, x, a, b, bias, 1.0, widths, dora_scale_stacked=[g[0], None])

@@ -25,8 +25,8 @@ def smoke_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
     env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke",
-                           "--jax-chain", "2", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900,
-                          check=False)
+                           "--jax-chain", "2", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900, check=False)
     files = glob.glob(str(out / "e2e_smoke_*.json"))
     return proc, files
 

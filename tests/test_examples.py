@@ -1,4 +1,7 @@
-"""The runnable examples stay runnable and keep verifying what they claim."""
+"""The runnable examples stay runnable and keep verifying what they claim.
+
+CPU.
+"""
 
 from __future__ import annotations
 

@@ -159,7 +159,8 @@ def test_counter_allocation_without_a_driver_fails_with_a_message(library):
 
 def test_a_parameter_count_that_does_not_match_the_kernel_is_an_error():
     shrink = _shrink_launch()
-    launch = ffi_launcher.Launch(shrink.call.kernel, shrink.call.plan.grid, 4, 2, shrink.call.plan.constexprs, (ffi_launcher.Arg(0),))
+    launch = ffi_launcher.Launch(shrink.call.kernel, shrink.call.plan.grid, 4, 2, shrink.call.plan.constexprs,
+                                 (ffi_launcher.Arg(0),))
     with pytest.raises(ValueError, match="non-constexpr"):
         ffi_launcher._specialise(launch, [shrink.call.pointers[0]], [_result_shape(shrink.call.out)])
 
@@ -181,7 +182,7 @@ def test_the_cpu_never_selects_the_ffi_launcher():
 
 
 def test_the_plain_library_for_torch_builds_without_xla_headers(tmp_path, monkeypatch):
-    monkeypatch.setattr(cuda_launch, "_include_dirs", lambda xla_ffi: [d for d in _triton_include()])
+    monkeypatch.setattr(cuda_launch, "_include_dirs", lambda xla_ffi: list(_triton_include()))
     try:
         path = cuda_launch.build_library(False, str(tmp_path))
     except (RuntimeError, ImportError) as e:
@@ -232,11 +233,14 @@ def test_torch_prepared_launch_parameters_follow_the_compiled_signature():
     compiled = SimpleNamespace(metadata=md, src=SimpleNamespace(signature=sig))
     template = [0, 48, 1, 2 ** 40, 0.5, 0]
     slots = {0: torch_triton._X, 4: torch_triton._SCALE, 5: torch_triton._WS}
-    fn, grid, threads, shared, pdl, params, c_slots = torch_c_launch.launch_spec(cuda_launch, compiled, names, template, slots,
+    fn, grid, threads, shared, pdl, params, c_slots = torch_c_launch.launch_spec(cuda_launch, compiled, names,
+                                                                                 template, slots,
                                                                          (3, 2, 1), 1234)
     assert (fn, grid, threads, shared, pdl) == (1234, (3, 2, 1), 128, 1024, True)
-    assert params == [(cuda_launch.PTR, 0), (cuda_launch.I32, 48), (cuda_launch.I64, 2 ** 40), (cuda_launch.F32, 0.5), (cuda_launch.PTR, 0), (cuda_launch.NULL, 0), (cuda_launch.NULL, 0)]
-    assert c_slots == [(0, torch_triton._X), (3, torch_triton._SCALE), (4, torch_triton._WS)]     # positions among the passed parameters
+    assert params == [(cuda_launch.PTR, 0), (cuda_launch.I32, 48), (cuda_launch.I64, 2 ** 40), (cuda_launch.F32, 0.5),
+                      (cuda_launch.PTR, 0), (cuda_launch.NULL, 0), (cuda_launch.NULL, 0)]
+    assert c_slots == [(0, torch_triton._X), (3, torch_triton._SCALE),
+                       (4, torch_triton._WS)]     # positions among the passed parameters
     sig["n"] = "bf16"                                                # not a type a launch parameter has here
     assert torch_c_launch.launch_spec(cuda_launch, compiled, names, template, slots, (1, 1, 1), 1) is None
     sig["n"] = "i32"
@@ -347,7 +351,8 @@ def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monk
     template = [0, 0, 5, 0.0]                            # x, workspace, a fixed int, the scale
     slots = ((0, torch_triton._X), (1, torch_triton._WS), (3, torch_triton._SCALE))
     p._steps = (((1, 1, 4, 4), ((run, 1, 1, 1, "f0", None, template, slots, None, None, None),)),
-                (None, ((run, 1, 1, 1, "f1", None, [0, 0.0], ((0, torch_triton._Y), (1, torch_triton._SCALE)), None, None, None),)))
+                (None, ((run, 1, 1, 1, "f1", None, [0, 0.0], ((0, torch_triton._Y), (1, torch_triton._SCALE)), None,
+                         None, None),)))
     p._layout = (x.shape, x.stride(), x.dtype, y.shape, y.stride(), y.dtype, True)
     p._ws_floats = 16
     torch_triton._WORKSPACES.clear()
@@ -363,10 +368,12 @@ def test_prepared_linear_fills_the_per_call_values_for_each_chunk(c_launch, monk
             bits = struct.unpack("<I", struct.pack("<f", scale))[0]
             (i0, s0, v0), (i1, s1, v1) = seen
             assert (i0, i1, s0, s1) == (0, 1, 77, 77)
-            assert v0[torch_triton._X] == x.data_ptr() and v0[torch_triton._Y] == y.data_ptr() and v0[torch_triton._RANKS] == 0
+            assert v0[torch_triton._X] == x.data_ptr() and v0[torch_triton._Y] == y.data_ptr()
+            assert v0[torch_triton._RANKS] == 0
             assert v0[torch_triton._SCALE] == bits and v1[torch_triton._SCALE] == bits
             ws = torch_triton._WORKSPACES[(x.device.index, 77)]
-            assert v0[torch_triton._WS] == ws.data_ptr() and v1[torch_triton._WS] == v0[torch_triton._WS]   # the stream's workspace
+            # the stream's workspace
+            assert v0[torch_triton._WS] == ws.data_ptr() and v1[torch_triton._WS] == v0[torch_triton._WS]
         else:
             (f0, _, a0), (f1, _, a1) = seen
             assert (f0, f1) == ("f0", "f1")

@@ -1,4 +1,4 @@
-"""GPU tests of the bridge (issue 5), marked `gpu`: run on the lent H200 with PYTHONPATH=. .
+"""GPU tests of the bridge, marked `gpu`: run on the lent H200 with PYTHONPATH=. .
 
   * zero-copy on CUDA by pointer identity, both directions, every dtype the contract uses;
   * stream ordering: a tensor written on a side stream after a long device-side sleep, exported

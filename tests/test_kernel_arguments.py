@@ -2,7 +2,10 @@
 
 The builder's positional lists must line up with each kernel's signature (the launchers pass them
 positionally, the C launcher and the FFI handler by position too), and the alignment hint must be
-set exactly when every hinted integer is a multiple of 16."""
+set exactly when every hinted integer is a multiple of 16.
+
+Plain Python on the CPU.
+"""
 
 from __future__ import annotations
 

@@ -285,7 +285,8 @@ def test_a_dirty_cache_row_does_not_reach_the_next_request(monkeypatch, backend)
             out.append(np.asarray(logits, np.float64)[np.asarray(rows)])
         return out
     clean = llama.init_cache(cfg, n_rows, max_len, dtype)
-    dirty = llama.KVCache(*(tuple(c.at[2].set(jnp.nan).at[0].set(jnp.inf) for c in part) for part in (clean.k, clean.v)))
+    dirty = llama.KVCache(*(tuple(c.at[2].set(jnp.nan).at[0].set(jnp.inf) for c in part) for part in (clean.k,
+                                                                                                      clean.v)))
     for got, ref in zip(run(dirty), run(clean)):
         assert np.isfinite(got).all()
         np.testing.assert_array_equal(got, ref)
@@ -312,7 +313,6 @@ def test_token_ids_and_sample_idx_out_of_range():
     v = cfg.vocab_size
     tokens = np.array([[3, 1, 4, 1], [5, 9, 2, 6]], np.int32)
     positions = np.broadcast_to(np.arange(4, dtype=np.int32), (2, 4))
-    sample = np.array([3, 1], np.int32)
     for bad_tokens, got in ((np.where(tokens == 9, v, tokens), v), (np.where(tokens == 9, -2, tokens), -2)):
         for form in (bad_tokens, jax.device_put(bad_tokens, jax.devices("cpu")[0]), bad_tokens.tolist()):
             with pytest.raises(ValueError, match=rf"tokens must be in \[0, {v}\) \(token ids, vocab_size = {v}\), "

@@ -1,4 +1,7 @@
-"""jax_lora.nn: the Flax NNX multi-adapter layers against a float64 NumPy oracle, eager and under jit."""
+"""jax_lora.nn: the Flax NNX multi-adapter layers against a float64 NumPy oracle, eager and under jit.
+
+CPU, xla backend.
+"""
 
 import jax
 import jax.numpy as jnp

@@ -5,6 +5,9 @@ uninitialised memory reads as NaN, a detected race fails the test). Shapes are s
 mode compiles a host program per configuration) but chosen so that groups straddle m-tiles, slices
 span several column tiles and the hidden dim several k-tiles. Every tiling plan the tests and the
 anchor sweep generate is checked against the TPU block-shape rules.
+
+Also: bf16 slices with heterogeneous ranks and NaN rank padding through the wrapper, and a rank-0
+weight refused. CPU only (TPU interpret mode).
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_lora import tpu_rules
+from jax_lora import ops, tpu_rules
 from jax_lora.meta import LoRAKernelMeta
 from jax_lora.ops import pallas_tpu as P
 from jax_lora.ops.pallas_tpu import schedule as pallas_schedule
 
-from . import oracle
+from . import jax_helpers, oracle
 from .impls import round_to
 from .pallas_tpu_impl import races_checked
 
@@ -268,7 +271,7 @@ def test_expand_dora_scale_without_add_inputs():
     """expand(add_inputs=False) on a DoRA slice: y[t, slice] = g[idx[t]] * delta (the old y is not
     part of the new value), on the in-place path."""
     rng = np.random.default_rng(41)
-    t, r, num_slots, widths, offsets, n_cols = 32, 16, 3, (128,), (128,), 256
+    t, r, num_slots, offsets, n_cols = 32, 16, 3, (128,), 256
     idx = mapping(rng, t, num_slots, frac_none=0.2, sorted_runs=True)
     buf = rng.standard_normal((1, t, r)).astype(np.float32)
     b = [round_to(rng.standard_normal((num_slots, 128, r)) / np.sqrt(r), "float32")]
@@ -508,3 +511,52 @@ def test_lowers_to_mosaic_for_tpu(layout):
         text = jax.jit(step).trace(x, a, b, y, jnp.zeros(t, jnp.int32)).lower(
             lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 4  # per op: the token-order and the sorted branch
+
+
+def test_pallas_tpu_bf16_slices_ranks_and_nan_padding_match_oracle():
+    """The Pallas TPU kernels (backend="pallas_tpu", TPU interpret mode on the CPU)
+    compute lora_shrink / lora_expand within bf16 tolerance (2e-2) of the float64 oracle: two
+    slices, -1 tokens untouched, heterogeneous lora_ranks with NaN in the rank padding ignored."""
+    T, H, r, L, N = 3, 128, 16, 2, 128
+    idx = np.array([1, -1, 0], np.int32)
+    ranks = np.array([5, 16], np.int32)
+    f = lambda a: np.asarray(a, np.float32)
+    x, y = jax_helpers.rand(T, H).astype(jnp.bfloat16), jax_helpers.rand(T, 2 * N).astype(jnp.bfloat16)
+    A = [jax_helpers.rand(L, r, H, scale=0.1).astype(jnp.bfloat16) for _ in range(2)]
+    B = [jax_helpers.rand(L, N, r, scale=0.1).astype(jnp.bfloat16) for _ in range(2)]
+    A0, B0 = [f(a) for a in A], [f(b) for b in B]
+    for s in range(2):
+        A[s][0, 5:], B[s][0, :, 5:] = np.nan, np.nan
+        A0[s][0, 5:], B0[s][0, :, 5:] = 0, 0
+    meta = LoRAKernelMeta.build(idx, max_loras=L)
+    buf = ops.lora_shrink(x, A, meta, 1.0, backend="pallas_tpu", lora_ranks=ranks)
+    out = ops.lora_expand(buf, B, y, meta, 0, True, backend="pallas_tpu", lora_ranks=ranks)
+    want = f(y)
+    for s in range(2):
+        sb = jax_helpers.shrink_ref(f(x), A0[s], idx, 1.0)
+        assert jax_helpers.rel_err(buf[s], sb) < 2e-2
+        want = jax_helpers.expand_ref(want, sb, B0[s], idx, N * s, True)
+    assert out.dtype == jnp.bfloat16
+    assert jax_helpers.rel_err(f(out), want) < 2e-2
+    np.testing.assert_array_equal(f(out)[1], f(y)[1])
+
+
+def test_tpu_block_shape_rule_checker():
+    """The TPU block-shape checker accepts blocks whose last two dims are multiples
+    of (8, 128) or equal to the array's, and refuses others with a BlockShapeError (a ValueError)
+    naming the operand."""
+    from jax_lora import tpu_rules
+    assert tpu_rules.block_shape_problem((16, 256), (8, 128)) is None
+    assert tpu_rules.block_shape_problem((16, 100), (16, 100)) is None
+    assert tpu_rules.block_shape_problem((16, 256), (4, 128)) is not None
+    assert tpu_rules.block_shape_problem((16, 256), (8, 64)) is not None
+    with pytest.raises(ValueError, match="lora_b"):
+        tpu_rules.check_block_spec("lora_b", (2, 16, 256), (None, 8, 100))
+
+
+def test_pallas_tpu_rank_zero_is_a_clear_error():
+    """pallas_tpu with rank-0 weights is a clear ValueError naming the argument (was a
+    ZeroDivisionError); docs/api.md: pallas_tpu needs rank >= 1."""
+    meta = LoRAKernelMeta.build(np.array([0], np.int32), max_loras=2)
+    with pytest.raises(ValueError, match="lora_a_stacked"):
+        ops.lora_shrink(jax_helpers.rand(1, 128), [np.zeros((2, 0, 128), np.float32)], meta, 1.0, backend="pallas_tpu")

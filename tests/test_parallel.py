@@ -3,6 +3,9 @@ float64 oracle (tests/oracle.py) and the unsplit layer, the backends per shard, 
 the compiled HLO, the byte model, and bad input.
 
 Needs 8 host devices: tests/conftest.py sets --xla_force_host_platform_device_count=8.
+
+Also the layouts on 2 devices with the wrapper's index arrays replicated, and shard_layer's
+refusals. CPU-device meshes; skipped where JAX's default backend is not the CPU.
 """
 
 import re
@@ -18,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jax_lora import LoRAMapping, PunicaWrapper, parallel
 from jax_lora import nn as lnn
 
-from . import oracle
+from . import jax_helpers, oracle
 
 # The meshes here are of host CPU devices. On a GPU machine (JAX 0.11.2 on the H200 image) XLA's
 # CPU compiler crashed compiling these shard_map programs; multi-GPU meshes are tested apart.
@@ -365,3 +368,80 @@ def test_dora_layers_are_not_split_over_a_mesh():
         with pytest.raises(ValueError, match=r"a DoRA layer \(dora=True\) cannot be split over a mesh"):
             parallel.shard_layer(layer, mesh, kind=kind)
     assert layer.tp is None
+
+
+# Meshes of host CPU devices (tests/conftest.py forces 8). On a GPU machine JAX's default backend
+# is the GPU, with one device here, and XLA's CPU compiler crashed on these shard_map programs
+# (tests/test_parallel.py): skipped there; multi-GPU meshes are tested apart.
+_CPU_MESHES = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                 reason="CPU-device meshes; JAX's default backend here is not the CPU")
+
+
+TP_IDS = (1, 0, 3, 2, 1)
+
+
+def _tp_layer(kind, L=3, r=4):
+    rngs = nnx.Rngs(5)
+    if kind == "column":
+        layer = lnn.MultiLoRALinear(nnx.Linear(16, 16, rngs=rngs), max_loras=L, max_rank=r, output_slices=(8, 4, 4))
+        layer.lora_a.set_value(jnp.asarray(jax_helpers.rand(3, L, r, 16, scale=0.3)))
+    elif kind == "row":
+        layer = lnn.MultiLoRALinear(nnx.Linear(16, 8, rngs=rngs), max_loras=L, max_rank=r)
+        layer.lora_a.set_value(jnp.asarray(jax_helpers.rand(1, L, r, 16, scale=0.3)))
+    elif kind == "embed":
+        layer = lnn.MultiLoRAEmbed(nnx.Embed(16, 8, rngs=rngs), max_loras=L, max_rank=r)
+        layer.lora_a.set_value(jnp.asarray(jax_helpers.rand(L, 16, r, scale=0.3)))
+    else:
+        layer = lnn.MultiLoRALogits(nnx.Linear(8, 16, rngs=rngs), max_loras=L, max_rank=r)
+        layer.lora_a.set_value(jnp.asarray(jax_helpers.rand(L, r, 8, scale=0.3)))
+    layer.lora_b.set_value(jnp.asarray(jax_helpers.rand(*layer.lora_b.get_value().shape, scale=0.3)))
+    layer.lora_ranks.set_value(jnp.asarray([4, 1, 2], jnp.int32))         # heterogeneous ranks
+    return layer
+
+
+@pytest.mark.parametrize("kind, layout", [("column", "column"), ("column", "column_gather"), ("row", "row_reduce"),
+                                          ("row", "row_partial"), ("embed", "vocab"), ("logits", "column_gather")])
+@_CPU_MESHES
+def test_sharded_layer_equals_unsharded(kind, layout):
+    """On 2 CPU devices every layout (column with unequal q/k/v slices,
+    column_gather = fully sharded, row_reduce = psum of the small buffer, row_partial, vocab-parallel
+    embedding, logits) equals the unsharded layer: mixed adapters, no-LoRA rows, heterogeneous
+    ranks; the wrapper's index arrays replicated with NamedSharding(mesh, P())."""
+    layer = _tp_layer(kind)
+    x = jax_helpers.RNG.integers(0, 16, (len(TP_IDS),)).astype(np.int32) if kind == "embed" else \
+        jax_helpers.rand(len(TP_IDS), 8 if kind == "logits" else 16)
+    # vocab=16: the embedding's vocabulary
+    w = jax_helpers.wrapper(TP_IDS, jax_helpers.LORA_INDEX_TO_ID, capacity=8, vocab=16)
+    want = np.asarray(layer(x, punica=w))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    parallel.shard_layer(layer, mesh, kind=kind, layout=layout)
+    wm = PunicaWrapper(8, 8, NamedSharding(mesh, P()), max_loras=3, backend="xla")
+    wm.update_metadata(LoRAMapping(TP_IDS, TP_IDS), jax_helpers.LORA_INDEX_TO_ID, 4, 16)
+    graphdef, state = nnx.split(layer)
+    got = jax.jit(lambda s, w, x: nnx.merge(graphdef, s)(x, punica=w))(state, wm, x)
+    if kind == "column":
+        got = jnp.concatenate(parallel.split_fused(got, (8, 4, 4), 2), axis=-1)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@_CPU_MESHES
+def test_shard_layer_refusals_and_byte_model():
+    """shard_layer refuses sizes that do not split (a ValueError naming the sizes and the
+    device count) and a DoRA layer (by name); choose_layout picks column_gather over column exactly
+    when 4 T < a w H, and row_reduce over row_partial exactly when 8 S T < a w N (docs/parallel.md)."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    odd = lnn.MultiLoRALinear(nnx.Linear(8, 9, rngs=nnx.Rngs(0)), max_loras=2, max_rank=2, output_slices=(4, 5))
+    with pytest.raises(ValueError) as e:
+        parallel.shard_layer(odd, mesh, kind="column", layout="column")
+    assert "(4, 5)" in str(e.value) and "2" in str(e.value)
+    dora = lnn.MultiLoRALinear(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), max_loras=2, max_rank=2, dora=True)
+    with pytest.raises(ValueError, match="DoRA"):
+        parallel.shard_layer(dora, mesh, kind="column")
+    common = dict(slices=(4096,), rank=16, shards=8, itemsize=2)
+    assert parallel.choose_layout("column", tokens=8, active=4, in_features=4096, **common) == "column_gather"
+    assert parallel.choose_layout("column", tokens=2047, active=1, in_features=4096, **common) == "column_gather"
+    # 4 T == a w H: a tie keeps the layout without a collective
+    assert parallel.choose_layout("column", tokens=2048, active=1, in_features=4096, **common) == "column"
+    assert parallel.choose_layout("column", tokens=2049, active=1, in_features=4096, **common) == "column"
+    assert parallel.choose_layout("row", tokens=8, active=4, in_features=4096, **common) == "row_reduce"
+    assert parallel.choose_layout("row", tokens=1024, active=1, in_features=4096, **common) == "row_partial"

@@ -1,6 +1,9 @@
 """Serving on a mesh: the Llama split over 2 CPU devices serves mixed adapters equal to merged
 weights, adapter slots are written shard by shard, no recompilation, no weight is gathered; the
-demo command with --tp 4 in a subprocess (4 host devices)."""
+demo command with --tp 4 in a subprocess (4 host devices).
+
+CPU-device meshes; skipped where JAX's default backend is not the CPU.
+"""
 
 import os
 import re
@@ -18,6 +21,8 @@ from jax_lora.adapters import AdapterManager, load_peft_adapter, prepare_adapter
 from jax_lora.cli import build_demo_assets, verify
 from jax_lora.models import add_lora, load_llama, save_llama
 from jax_lora.serving import Request, ServingEngine
+
+from . import llama_checkpoint
 
 # The meshes here are of host CPU devices. On a GPU machine (JAX 0.11.2 on the H200 image) XLA's
 # CPU compiler crashed compiling these shard_map programs; multi-GPU meshes are tested apart.
@@ -117,7 +122,8 @@ def test_save_from_a_split_model_writes_natural_order(split, tmp_path):
     engine, model_dir, _, _ = split
     save_llama(engine.model, str(tmp_path / "saved"))
     from safetensors.numpy import load_file
-    a, b = load_file(os.path.join(model_dir, "model.safetensors")), load_file(str(tmp_path / "saved" / "model.safetensors"))
+    a, b = load_file(os.path.join(model_dir,
+                                  "model.safetensors")), load_file(str(tmp_path / "saved" / "model.safetensors"))
     assert sorted(a) == sorted(b)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
@@ -154,3 +160,40 @@ def test_demo_tp_needs_the_devices():
         _tp_mesh(16)
     with pytest.raises(DemoError, match=r"--tp must be >= 1, got 0"):
         _tp_mesh(0)
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """A tiny random Llama checkpoint and three PEFT adapters (tests/llama_checkpoint.py): directory per key."""
+    return llama_checkpoint.write_assets(tmp_path_factory.mktemp("llama_checkpoint"))
+
+
+# Meshes of host CPU devices (tests/conftest.py forces 8). On a GPU machine JAX's default backend
+# is the GPU, with one device here, and XLA's CPU compiler crashed on these shard_map programs
+# (tests/test_parallel.py): skipped there; multi-GPU meshes are tested apart.
+_CPU_MESHES = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                 reason="CPU-device meshes; JAX's default backend here is not the CPU")
+
+
+@_CPU_MESHES
+def test_adapter_slots_of_a_split_model_keep_their_sharding(llama_dirs):
+    """The adapter manager writes each device's shard of a split layer: after
+    activating adapters on a model split over 2 devices, a column-parallel layer's B keeps its
+    NamedSharding (rows split) and holds the adapter's weights in the layer's stored column order."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    model = load_llama(llama_dirs["model"], mesh=mesh)
+    add_lora(model, max_loras=2, max_rank=8, target_modules=["q_proj", "v_proj"])
+    layer = model.model.layers[0].self_attn.qkv_proj
+    sharding = layer.lora_b.get_value().sharding
+    mgr = AdapterManager(model)
+    mgr.register(1, llama_dirs["a1"])
+    mgr.activate([1])
+    b = layer.lora_b.get_value()
+    assert b.sharding.is_equivalent_to(sharding, b.ndim)
+    assert b.sharding.shard_shape(b.shape)[1] == b.shape[1] // 2
+    stored = np.asarray(b)[mgr.slot_of(1)]                       # (out, r), shard-major columns
+    natural = parallel.natural_columns(stored, layer.output_slices, 2, axis=0)
+    ad = load_peft_adapter(llama_dirs["a1"])
+    q = ad.modules["model.layers.0.self_attn.q_proj"]
+    np.testing.assert_allclose(natural[:32, :4], q.lora_b * q.scaling, rtol=1e-6)
+    np.testing.assert_array_equal(natural[32:48], 0)               # k has no adapter

@@ -2,12 +2,18 @@
 layer equals the unsharded layer (torch_lora on one process, and the float64 oracle), in both layouts;
 the collectives each layout issues match layout.py's byte formulas; the layout choice by bytes.
 
-The cases run in tests/parallel_cases.py, on every rank of a pool started once per group size.
+The cases run in tests/parallel_cases.py, on every rank of a pool started once per group size. One
+more test starts its own two gloo processes on a worker script: QKV with fewer kv heads than ranks,
+the LM head with a padded last shard, the bytes worked by hand, and AdapterManager writing only its
+rank's shard. CPU only; the NCCL counterpart is tests/test_gpu_parallel_torch.py.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -245,3 +251,205 @@ def test_adapter_manager_loads_each_ranks_shard(pools, world, fully_sharded):
         assert res["host_elems"] == res["slot_elems"], res
         assert sum(res["b_rows"]) * cases.MAX_RANK < res["full_b_elems"], res
         assert 4 in res["table"] and None not in res["table"][:3], res
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+_TP_WORKER = r'''
+import os, sys, numpy as np, torch, torch.distributed as dist
+import torch_lora
+from torch_lora import LoRAMapping
+from torch_lora.parallel import (ColumnParallelLinearWithLoRA, ParallelLMHeadWithLoRA, QKVParallelLinearWithLoRA,
+                                 RowParallelLinearWithLoRA)
+from torch_lora.adapters import save_peft_adapter
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+H, N_COL, N_ROW, R = 16, 8, 12, 4
+rng = np.random.default_rng(0)                                   # same full weights on every rank
+W_col, W_row = rng.standard_normal((N_COL, H)), rng.standard_normal((N_ROW, H))
+adapters = {0: (rng.standard_normal((2, H)), rng.standard_normal((N_COL, 2)), rng.standard_normal((N_ROW, 2))),
+            1: (rng.standard_normal((4, H)), rng.standard_normal((N_COL, 4)), rng.standard_normal((N_ROW, 4)))}
+x = rng.standard_normal((5, H))
+slots = [0, -1, 1, 0, 1]                                          # per token; -1 = no LoRA
+ids = [{0: 1, 1: 2, -1: 0}[s] for s in slots]
+SCALE = 0.5
+
+def expected(W, which):
+    y = x @ W.T
+    for t, s in enumerate(slots):
+        if s >= 0:
+            A, B = adapters[s][0], adapters[s][which]
+            y[t] += SCALE * (x[t] @ A.T) @ B.T
+    return y
+
+cols = slice(rank * N_COL // world, (rank + 1) * N_COL // world)
+ins = slice(rank * H // world, (rank + 1) * H // world)
+
+class RowBase(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(W_row[:, ins], dtype=torch.float32), requires_grad=False)
+    def forward(self, xp):
+        y = xp @ self.weight.T
+        dist.all_reduce(y)
+        return y
+
+def punica():
+    w = torch_lora.PunicaWrapper(16, 4, "cpu", max_loras=2, backend="torch")
+    w.update_metadata(LoRAMapping(tuple(ids), tuple(ids)), [1, 2], 3, 32)
+    return w
+
+failures = []
+for fs in (False, True):
+    base = torch.nn.Linear(H, N_COL // world, bias=False)
+    base.weight.data = torch.tensor(W_col[cols], dtype=torch.float32)
+    col = ColumnParallelLinearWithLoRA(base, input_size=H, output_size=N_COL, max_loras=2, max_rank=R,
+                                       fully_sharded=fs)
+    row = RowParallelLinearWithLoRA(RowBase(), input_size=H, output_size=N_ROW, max_loras=2, max_rank=R,
+                                    fully_sharded=fs)
+    for layer in (col, row):
+        layer.set_mapping(punica())
+    for s, (A, Bc, Br) in adapters.items():
+        col.set_lora(s, A, Bc, scaling=SCALE)
+        row.set_lora(s, A, Br, scaling=SCALE)
+    with torch.no_grad():
+        yc = col(torch.tensor(x, dtype=torch.float32)).double().numpy()
+        yr = row(torch.tensor(x[:, ins], dtype=torch.float32)).double().numpy()
+    for name, got, want in (("column", yc, expected(W_col, 1)[:, cols]), ("row", yr, expected(W_row, 2))):
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        if not err < 1e-5:
+            failures.append(f"{name} fully_sharded={fs}: rel err {err}")
+    # rows without an adapter are the base layer's output bit for bit
+    with torch.no_grad():
+        plain = base(torch.tensor(x, dtype=torch.float32))[1:2].double().numpy()
+    if not np.array_equal(yc[1:2], plain):
+        failures.append(f"column fully_sharded={fs}: no-LoRA row changed")
+
+# QKV with fewer kv heads than ranks (each kv head replicated) and an LM head whose last shard is padded
+NH, NKV, HD, V = 4, 1, 2, 7
+Wq, Wk, Wv, W_head = (rng.standard_normal((n, H)) for n in (NH * HD, NKV * HD, NKV * HD, V))
+qkv_ad = {s: [(rng.standard_normal((r, H)), rng.standard_normal((n, r))) for n in (NH * HD, NKV * HD, NKV * HD)]
+          for s, r in ((0, 2), (1, 4))}
+head_ad = {s: (rng.standard_normal((r, H)), rng.standard_normal((V, r))) for s, r in ((0, 2), (1, 4))}
+q_rows = slice(rank * NH * HD // world, (rank + 1) * NH * HD // world)
+part = -(-V // world)
+v_rows = slice(rank * part, min((rank + 1) * part, V))
+
+class Fixed(torch.nn.Module):
+    def __init__(self, W):
+        super().__init__()
+        self.W = torch.tensor(W, dtype=torch.float32)
+    def forward(self, h):
+        return h @ self.W.T
+
+head_w = np.zeros((part, H))
+head_w[: v_rows.stop - v_rows.start] = W_head[v_rows]
+for fs in (False, True):
+    qkv = QKVParallelLinearWithLoRA(Fixed(np.concatenate([Wq[q_rows], Wk, Wv])), input_size=H, num_heads=NH,
+                                    num_kv_heads=NKV, head_size=HD, max_loras=2, max_rank=R, fully_sharded=fs)
+    head = ParallelLMHeadWithLoRA(Fixed(head_w), input_size=H, vocab_size=V, max_loras=2, max_rank=R,
+                                  fully_sharded=fs)
+    for layer in (qkv, head):
+        layer.set_mapping(punica())
+    for s in (0, 1):
+        qkv.set_lora(s, [f[0] for f in qkv_ad[s]], [f[1] for f in qkv_ad[s]], scaling=SCALE)
+        head.set_lora(s, *head_ad[s], scaling=SCALE)
+    with torch.no_grad():
+        got_qkv = qkv(torch.tensor(x, dtype=torch.float32)).double().numpy()
+        got_head = head(torch.tensor(x, dtype=torch.float32)).double().numpy()
+    want = []
+    for k, (W, rows) in enumerate(((Wq, q_rows), (Wk, slice(None)), (Wv, slice(None)))):
+        y = x @ W.T
+        for t, s in enumerate(slots):
+            if s >= 0:
+                y[t] += SCALE * (x[t] @ qkv_ad[s][k][0].T) @ qkv_ad[s][k][1].T
+        want.append(y[:, rows])
+    want = np.concatenate(want, 1)
+    if not np.abs(got_qkv - want).max() < 1e-4:
+        failures.append(f"qkv (replicated kv heads) fully_sharded={fs}: error {np.abs(got_qkv - want).max()}")
+    logits = x @ W_head.T
+    for t, s in enumerate(slots):
+        if s >= 0:
+            logits[t] += SCALE * (x[t] @ head_ad[s][0].T) @ head_ad[s][1].T
+    want = np.zeros((len(slots), part))
+    want[:, : v_rows.stop - v_rows.start] = logits[:, v_rows]
+    if not np.abs(got_head - want).max() < 1e-4:
+        failures.append(f"LM head (padded shard) fully_sharded={fs}: error {np.abs(got_head - want).max()}")
+
+# bytes per call (docs/parallel_torch.md formulas, worked by hand for P=2, T=5, D=2, r=4, w=f=e=4)
+costs = col.layout_costs(5)
+got = {k: (c.weight_bytes, tuple(c.collectives), c.link_bytes) for k, c in costs.items()}
+want = {"replicated": (2 * (4 * 16 + 4 * 4) * 4, (), 0),
+        "fully_sharded": (2 * (2 * 16 + 4 * 4) * 4, (("all_gather", 5 * 4 * 4),), 40)}
+if got != want:
+    failures.append(f"column layout_costs {got} != {want}")
+costs = row.layout_costs(5)
+got = {k: (c.weight_bytes, tuple(c.collectives), c.link_bytes) for k, c in costs.items()}
+want = {"replicated": (2 * (4 * 8 + 12 * 4) * 4, (("all_reduce", 80),), 80),
+        "fully_sharded": (2 * (4 * 8 + 6 * 4) * 4, (("all_reduce", 80), ("all_gather", 5 * 12 * 4)), 80 + 120)}
+if got != want:
+    failures.append(f"row layout_costs {got} != {want}")
+
+try:
+    ColumnParallelLinearWithLoRA(torch.nn.Linear(H, N_COL // world), input_size=H, output_size=N_COL, max_loras=2,
+                                 max_rank=3, fully_sharded=True)
+    failures.append("max_rank 3 over 2 ranks with fully_sharded=True did not raise")
+except ValueError:
+    pass
+try:
+    ColumnParallelLinearWithLoRA(torch.nn.Linear(H, N_COL // world), input_size=H, output_size=N_COL, max_loras=2,
+                                 max_rank=4)
+    failures.append("no layout and no tokens_per_step did not raise")
+except ValueError:
+    pass
+
+# AdapterManager on a tensor-parallel layer: each rank keeps only its shard of B
+name = "model.layers.0.mlp.up_proj"
+path = os.path.join(sys.argv[1], f"adapter-rank{rank}")
+A, Bc, _ = adapters[1]
+save_peft_adapter(path, {name: (A, Bc)}, r=4, lora_alpha=2.0)
+base = torch.nn.Linear(H, N_COL // world, bias=False)
+base.weight.data = torch.tensor(W_col[cols], dtype=torch.float32)
+col = ColumnParallelLinearWithLoRA(base, input_size=H, output_size=N_COL, max_loras=2, max_rank=R, fully_sharded=False)
+col.module_names = (name,)
+mgr = torch_lora.AdapterManager({"col": col})
+mgr.register(2, path)
+mgr.activate([2])
+if tuple(col.lora_b_stacked[0].shape) != (2, N_COL // world, R):
+    failures.append(f"manager slot B shape {tuple(col.lora_b_stacked[0].shape)}: not this rank's shard")
+slot = mgr.slot_of(2)
+want_b = Bc[cols] * (2.0 / 4)
+if not np.allclose(col.lora_b_stacked[0][slot].numpy(), want_b, atol=1e-6):
+    failures.append("manager wrote another part of B than this rank's rows")
+print("RANK", rank, "FAILURES", failures, flush=True)
+dist.destroy_process_group()
+sys.exit(1 if failures else 0)
+'''
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensor_parallel_layers_over_two_gloo_processes(tmp_path):
+    """On CPU with gloo processes: column-, row-, QKV- (GQA, kv heads
+    replicated over ranks) parallel layers and the LM head (padded last vocabulary shard), in both
+    layouts, equal the unsharded computation (float64 oracle) with mixed adapters, the bytes each
+    layout moves (layout_costs) equal the documented formulas worked by hand,
+    heterogeneous ranks and a no-LoRA row (bit-for-bit base output); fully_sharded=True with a
+    rank not divisible by P and a layer without a layout choice raise; AdapterManager writes only
+    this rank's shard of a column-parallel layer's B."""
+    script = tmp_path / "tp_worker.py"
+    script.write_text(_TP_WORKER)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO, env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]

@@ -1,18 +1,26 @@
 """lora_core.peft: PEFT adapters read without a framework. Config fields are allowlisted, files stay
 inside the adapter directory, the safetensors header is checked before any data is read, and every
-refusal is an AdapterError (a ValueError) naming the file and the field or tensor."""
+refusal is an AdapterError (a ValueError) naming the file and the field or tensor.
+
+CPU; no framework imported.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import pathlib
 import pickle
 import struct
 
 import numpy as np
 import pytest
 
+from lora_core import peft as core_peft
 from lora_core.peft import AdapterError, load_peft_adapter, save_peft_adapter
+
+from . import jax_helpers
 
 H, OUT = 8, 12
 MODULE = "model.layers.0.self_attn.q_proj"
@@ -443,3 +451,111 @@ def test_missing_or_odd_files(tmp_path):
     _refused(path, path / "adapter_model.safetensors", "expected a regular file, got a directory")
     _refused(tmp_path / "nothing", "no such path")
     _refused(tmp_path, "adapter_config.json is missing")
+
+
+def _write_adapter(path, config: dict, tensors: dict):
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+def _plain_config(**kw):
+    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    cfg.update(kw)
+    return cfg
+
+
+def _q_tensors(r=2, module="model.layers.0.self_attn.q_proj", i=8, o=8):
+    return {f"base_model.model.{module}.lora_A.weight": jax_helpers.rand(r, i),
+            f"base_model.model.{module}.lora_B.weight": jax_helpers.rand(o, r)}
+
+
+def test_peft_scaling_rslora_rank_and_alpha_patterns(tmp_path):
+    """load_peft_adapter reads r, lora_alpha (PEFT's default 8 when absent), use_rslora
+    (alpha / sqrt(r)), rank_pattern / alpha_pattern per module, as float32 NumPy factors."""
+    t = {**_q_tensors(4), **_q_tensors(2, "model.layers.0.self_attn.v_proj")}
+    d = _write_adapter(tmp_path / "a", _plain_config(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                     rank_pattern={"v_proj": 2}, alpha_pattern={"v_proj": 3}), t)
+    ad = core_peft.load_peft_adapter(d)
+    q, v = ad.modules["model.layers.0.self_attn.q_proj"], ad.modules["model.layers.0.self_attn.v_proj"]
+    assert q.lora_a.dtype == np.float32 and q.lora_a.shape == (4, 8) and q.lora_b.shape == (8, 4)
+    assert math.isclose(q.scaling, 16 / 4) and math.isclose(v.scaling, 3 / 2)
+    cfg = _plain_config(r=4, use_rslora=True)
+    cfg.pop("lora_alpha")
+    d2 = _write_adapter(tmp_path / "b", cfg, _q_tensors(4))
+    assert math.isclose(core_peft.load_peft_adapter(d2).modules["model.layers.0.self_attn.q_proj"].scaling,
+                        8 / math.sqrt(4))
+    d3 = _write_adapter(tmp_path / "c", _plain_config(lora_dropout=0.1, task_type="CAUSAL_LM",
+                                                      init_lora_weights="gaussian"), _q_tensors())
+    core_peft.load_peft_adapter(d3)                       # metadata fields are accepted
+
+
+@pytest.mark.parametrize("field, value", [
+    ("alora_invocation_tokens", [32001, 32002]),
+    ("lora_bias", True),
+    ("modules_to_save", ["lm_head"]),
+    ("init_lora_weights", "pissa"),
+    ("some_future_field", 1),
+    ("r", 0),
+])
+def test_peft_fields_that_change_the_math_are_refused(tmp_path, field, value):
+    """An allowlist of PEFT fields: aLoRA, LoRA bias, modules_to_save, PiSSA init, an
+    unknown field and r=0 raise AdapterError (a ValueError) naming the file and the field."""
+    d = _write_adapter(tmp_path / "a", _plain_config(**{field: value}), _q_tensors())
+    with pytest.raises(AdapterError) as e:
+        core_peft.load_peft_adapter(d)
+    assert isinstance(e.value, ValueError)
+    assert "adapter_config.json" in str(e.value) and field in str(e.value)
+
+
+def test_peft_bad_files_fail_cleanly(tmp_path):
+    """Malformed or list-shaped adapter_config.json, a config without r, a truncated /
+    empty / garbage / huge-header safetensors, tensors of a module the config does not target, a
+    pickle-only adapter and a safetensors symlinked outside the directory all raise AdapterError
+    naming the file (or field)."""
+    good = _write_adapter(tmp_path / "good", _plain_config(), _q_tensors())
+    weights = os.path.join(good, "adapter_model.safetensors")
+    data = pathlib.Path(weights).read_bytes()
+
+    def case(name, config_text=None, weights_bytes=None, tensors=None, config=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text(config_text if config_text is not None else
+                                               json.dumps(config or _plain_config()))
+        if tensors is not None:
+            _write_adapter(d, config or _plain_config(), tensors)
+        elif weights_bytes is not None:
+            (d / "adapter_model.safetensors").write_bytes(weights_bytes)
+        return str(d)
+
+    bad = {
+        "malformed": (case("malformed", config_text="{r: 2"), "adapter_config.json"),
+        "list": (case("list", config_text="[1, 2]"), "adapter_config.json"),
+        "truncated": (case("truncated", weights_bytes=data[:-5]), "adapter_model.safetensors"),
+        "empty": (case("empty", weights_bytes=b""), "adapter_model.safetensors"),
+        "huge": (case("huge", weights_bytes=struct.pack("<Q", 2**40) + b"{}"), "adapter_model.safetensors"),
+        "untargeted": (case("untargeted", tensors={**_q_tensors(), **_q_tensors(2, "model.layers.0.mlp.up_proj")}),
+                       "up_proj"),
+        "garbage": (case("garbage", weights_bytes=b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!"),
+                    "adapter_model.safetensors"),
+        "missing-r": (case("missing_r", config={"peft_type": "LORA", "lora_alpha": 4, "target_modules": ["q_proj"]}),
+                      "'r'"),
+    }
+    pickle_dir = tmp_path / "pickle"
+    pickle_dir.mkdir()
+    (pickle_dir / "adapter_config.json").write_text(json.dumps(_plain_config()))
+    (pickle_dir / "adapter_model.bin").write_bytes(b"\x80\x04not really")
+    bad["pickle"] = (str(pickle_dir), "safe_serialization")
+    link_dir = tmp_path / "link"
+    link_dir.mkdir()
+    (link_dir / "adapter_config.json").write_text(json.dumps(_plain_config()))
+    os.symlink(weights, link_dir / "adapter_model.safetensors")
+    bad["symlink"] = (str(link_dir), "adapter_model.safetensors")
+    for name, (d, word) in bad.items():
+        with pytest.raises(AdapterError) as e:
+            core_peft.load_peft_adapter(d)
+        assert word in str(e.value), (name, str(e.value))

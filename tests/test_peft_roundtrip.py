@@ -4,22 +4,23 @@ A tiny transformers Llama (random weights, GQA) is saved in Hugging Face format 
 `load_llama`; adapters are made and saved by peft itself (r, lora_alpha, use_rslora, rank_pattern,
 alpha_pattern, embed_tokens / lm_head targets). Mixed-adapter batches through the wrapper, and the
 jit serving loop, must reproduce peft's logits on the torch model.
+
+CPU; every test here is marked slow.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-
-import jax.numpy as jnp
 
 from jax_lora import LoRAMapping, PunicaWrapper
 from jax_lora import nn as lnn
 from jax_lora.adapters import AdapterManager, load_peft_adapter, save_peft_adapter
 from jax_lora.models import add_lora, load_llama
 from jax_lora.serving import Request, ServingEngine
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 RTOL = 1e-4
 VOCAB = 96

@@ -1,5 +1,8 @@
 """Hypothesis property tests over shapes and mappings (reference implementations: interpreters
-are too slow for a sweep; they run the fixed conformance cases)."""
+are too slow for a sweep; they run the fixed conformance cases).
+
+CPU.
+"""
 
 from __future__ import annotations
 

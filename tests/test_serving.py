@@ -1,9 +1,13 @@
-"""The jit serving loop: mixed adapters equal merged weights, one compilation per bucket, hot swap."""
+"""The jit serving loop (jax_lora.serving): mixed adapters equal merged weights, one compilation per
+bucket, hot swap, LRU swaps with fewer slots than adapters, and requests checked before anything
+runs. CPU, xla backend; tests/llama_checkpoint.py's tiny Llama is the model of the later tests.
+"""
 
 import contextlib
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,6 +15,8 @@ from jax_lora.adapters import AdapterManager, load_peft_adapter
 from jax_lora.cli import build_demo_assets, verify
 from jax_lora.models import add_lora, load_llama
 from jax_lora.serving import Request, ServingEngine
+
+from . import llama_checkpoint
 
 MAX_LEN = 48
 
@@ -202,7 +208,7 @@ def test_colliding_request_ids_are_refused(served):
 
 
 def test_engine_arguments_and_an_adapterless_engine(served):
-    engine, base = served[0], served[1]
+    base = served[1]
     for kw, message in ((dict(max_seqs=0), "max_seqs must be an int >= 1, got 0"),
                         (dict(max_len=-5), "max_len must be an int >= 1, got -5"),
                         (dict(max_seqs="4"), "max_seqs must be an int >= 1, got '4'")):
@@ -269,3 +275,84 @@ def check_deterministic_tokens(model, adapters, base, peft_adapters, backend, rn
 def test_deterministic_serving_gives_a_request_the_same_tokens_in_any_batch(served):
     engine, base, adapters, _ = served
     check_deterministic_tokens(engine.model, engine.adapters, base, adapters, "xla", np.random.default_rng(8))
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """A tiny random Llama checkpoint and three PEFT adapters (tests/llama_checkpoint.py): directory per key."""
+    return llama_checkpoint.write_assets(tmp_path_factory.mktemp("llama_checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dirs):
+    model = load_llama(llama_dirs["model"])
+    add_lora(model, max_loras=2, max_rank=8)
+    mgr = AdapterManager(model, host_cache_size=1)
+    for i in (1, 2, 3):
+        mgr.register(i, llama_dirs[f"a{i}"])
+    return ServingEngine(model, mgr, max_seqs=4, max_len=32, keep_logits=True)
+
+
+def test_serving_mixed_adapters_lru_and_hot_swap_without_recompiling(llama_dirs, engine):
+    """The jit continuous-batching loop serves requests naming different PEFT
+    adapters (ranks 4 / 8 rsLoRA with embed_tokens and lm_head / 2, or none) with 2 slots for 3
+    adapters (LRU swaps), each request equal to the model with its adapter merged (logits 1e-4,
+    greedy tokens); the manager writes each slot's real rank per layer; once the buckets are warm,
+    more batches, LRU evictions and a hot swap (register an id again) compile nothing; the hot swap
+    keeps the slot; NaN/Inf left in the KV cache rows never reach a new request (row hygiene)."""
+    dirs = {0: None, 1: llama_dirs["a1"], 2: llama_dirs["a2"], 3: llama_dirs["a3"]}
+    reqs = [Request([1, 2, 3], 1, 3), Request([4, 5], None, 3), Request([7, 8, 9, 10], 2, 3),
+            Request([11, 3], 3, 2), Request([9, 9, 9], 1, 2)]
+    out = engine.generate(reqs)
+    assert [c.request_id for c in out] == list(range(5))
+    llama_checkpoint.check_against_merged(llama_dirs, out, dirs)
+    warm = engine.compile_count
+    mgr = engine.adapters
+    ranks = {p: np.asarray(layer.lora_ranks.get_value()) for p, layer in mgr.layers.items()}
+    for lora_id, path, rank in [(1, "model.layers.0.self_attn.qkv_proj", 4), (2, "lm_head", 8),
+                                (2, "model.embed_tokens", 8), (2, "model.layers.0.self_attn.qkv_proj", 0)]:
+        if mgr.slot_of(lora_id) is not None:                  # per-slot, per-layer real ranks
+            assert ranks[path][mgr.slot_of(lora_id)] == rank, (lora_id, path)
+    out2 = engine.generate([Request([5, 6], 3, 2), Request([2, 2, 2], 2, 2), Request([8], 1, 2)])
+    llama_checkpoint.check_against_merged(llama_dirs, out2, dirs)
+    assert mgr.stats["evictions"] > 0
+    slot = mgr.slot_of(1)
+    if slot is None:
+        slot = mgr.load(1)
+    mgr.register(1, llama_dirs["a3"])                    # hot swap: id 1 now serves a3's weights
+    assert mgr.slot_of(1) == slot
+    out3 = engine.generate([Request([1, 2, 3], 1, 2)])
+    llama_checkpoint.check_against_merged(llama_dirs, out3, {1: llama_dirs["a3"]})
+    mgr.register(1, llama_dirs["a1"])
+    # row hygiene: NaN / Inf an earlier request left in the KV cache never reach a new request
+    from jax_lora.models import KVCache
+    engine.cache = KVCache(tuple(jnp.full_like(k, jnp.nan) for k in engine.cache.k),
+                           tuple(jnp.full_like(v, jnp.inf) for v in engine.cache.v))
+    llama_checkpoint.check_against_merged(llama_dirs, engine.generate([Request([4, 4, 1], 2, 2), Request([6], None,
+                                                                                                         2)]), dirs)
+    assert engine.compile_count == warm
+
+
+def test_serving_request_checks(engine):
+    """Requests are checked before anything runs (TypeError/ValueError naming the
+    request and field): empty prompt, token out of vocab, unregistered adapter, bool max_new_tokens,
+    two requests with one request_id; an engine without adapters refuses a request naming one;
+    prefill steps use vLLM's bucketed shapes."""
+    cases = [
+        ([Request([], 1, 2)], ValueError, "request 0"),
+        ([Request([1, 64], None, 2)], ValueError, "request 0"),
+        ([Request([1], 9, 2)], ValueError, "9"),
+        ([Request([1], None, True)], TypeError, "max_new_tokens"),
+        ([Request([1], None, 2, request_id="a"), Request([2], None, 2, request_id="a")], ValueError, "request_id"),
+        ([Request([1], None, 2), Request([2], None, 2, request_id=0)], ValueError, "request_id"),
+    ]
+    for reqs, exc, word in cases:
+        with pytest.raises(exc) as e:
+            engine.generate(reqs)
+        assert word in str(e.value)
+    # bucketed prefill shapes: rows max(next_pow2(n), 8) capped at max_seqs = 4, length
+    # max(16, next_pow2(longest prompt))
+    assert engine.prefill_shape(1, 3) == (4, 16) and engine.prefill_shape(3, 17) == (4, 32)
+    bare = ServingEngine(engine.model, None, max_seqs=2, max_len=16)
+    with pytest.raises(ValueError, match="adapter"):
+        bare.generate([Request([1, 2], 1, 1)])

@@ -1,7 +1,11 @@
 """torch_lora.adapters: PEFT directories read by lora_core, placement into the multi-LoRA layers
 (torch_lora.layers), and the slot manager (LRU under churn, host cache, hot swap, bad adapters
 leaving everything intact). Layers are computed through a PunicaWrapper and compared with a float64
-NumPy oracle built from the adapter files' own factors."""
+NumPy oracle built from the adapter files' own factors.
+
+Also lora_core's reader used by torch, every bad adapter file refused by AdapterError, and unload.
+CPU; one gpu-marked test (a slot write waits for the step in flight on CUDA streams).
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from torch_lora.adapters import (
     save_peft_adapter,
 )
 from torch_lora.layers import LoRAEmbedding, LoRALinear, LoRALogits
+
+from . import torch_helpers
 
 H, V, Q, KV, I = 16, 32, 16, 8, 24
 MODULE = {"q_proj": "model.layers.0.self_attn.q_proj", "k_proj": "model.layers.0.self_attn.k_proj",
@@ -264,7 +270,7 @@ def test_unload_zeroes_and_hot_swap_rewrites_in_place(tmp_path):
 
 
 def _bad_adapters(tmp_path):
-    """name -> (directory, a regex the error must match): every way an adapter file can be bad."""
+    """Name -> (directory, a regex the error must match): every way an adapter file can be bad."""
     out = {}
     d = tmp_path / "no-config"
     d.mkdir()
@@ -376,8 +382,9 @@ def test_factors_beyond_the_layers_dtype_are_refused(tmp_path):
     save_peft_adapter(d, {MODULE["v_proj"]: (rng.normal(size=(1, H)), np.full((KV, 1), 20.0))}, r=1,
                       lora_alpha=4096)                                 # B x scaling = 20 x 4096 = 81920
     mgr = AdapterManager(_layers(slots=2, rank=4, dtype=torch.float16))
-    with pytest.raises(AdapterError, match=rf"adapter 'big' \({re.escape(d)}\): the factors placed in 'qkv' reach 81920 "
-                                           r".*beyond the largest float16 value 65504"):
+    with pytest.raises(AdapterError,
+                       match=rf"adapter 'big' \({re.escape(d)}\): the factors placed in 'qkv' reach 81920 "
+                             r".*beyond the largest float16 value 65504"):
         mgr.load(1, d)
     assert mgr.registered == {}
     AdapterManager(_layers(slots=2, rank=4)).load(1, d)
@@ -451,3 +458,206 @@ def test_a_reload_from_changed_files_is_refused(tmp_path):
     mgr.register(1, a)
     mgr.activate([1])
     assert _run(layers, mgr, [1, 0], {1: a}) < 1e-5
+
+
+Q_MODULE = "model.layers.0.self_attn.q_proj"
+
+
+def _write_adapter(path, modules, *, r, lora_alpha, **config_extra):
+    """A PEFT directory written by hand: {module: (A (r, in), B (out, r))} in PEFT's tensor names."""
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for m, (a, b) in modules.items():
+        tensors[f"base_model.model.{m}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"base_model.model.{m}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha,
+           "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}), **config_extra}
+    cfg = {k: v for k, v in cfg.items() if v is not _DROP}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+_DROP = object()
+
+
+def _q_adapter(path, rank, seed, *, hidden=8, out=6, alpha=None, **extra):
+    rng = torch_helpers.rng(seed)
+    return _write_adapter(path, {Q_MODULE: (rng.standard_normal((rank, hidden)), rng.standard_normal((out, rank)))},
+                          r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, **extra)
+
+
+def _q_layers(max_loras=2, max_rank=4, hidden=8, out=6):
+    from torch_lora.layers import LoRALinear
+    return {"q": LoRALinear((Q_MODULE,), hidden, (out,), max_loras=max_loras, max_rank=max_rank, dtype=torch.float32,
+                            device="cpu")}
+
+
+def test_load_peft_adapter_is_the_shared_reader_and_reads_scaling(tmp_path):
+    """torch_lora.load_peft_adapter is lora_core's reader (one implementation with
+    JAX); rsLoRA scaling alpha/sqrt(r); a missing lora_alpha means PEFT's default 8;
+    adapter_tensors gives the factors as torch tensors."""
+    import lora_core.peft
+    assert torch_lora.load_peft_adapter is lora_core.peft.load_peft_adapter
+    ad = torch_lora.load_peft_adapter(_q_adapter(tmp_path / "rs", 4, 0, alpha=8, use_rslora=True))
+    assert math.isclose(ad.modules[Q_MODULE].scaling, 8 / math.sqrt(4))
+    ad = torch_lora.load_peft_adapter(_q_adapter(tmp_path / "noalpha", 4, 0, alpha=_DROP))
+    assert math.isclose(ad.modules[Q_MODULE].scaling, 8 / 4)
+    tensors = torch_lora.adapter_tensors(ad)
+    assert isinstance(tensors[Q_MODULE].lora_a, torch.Tensor) and tuple(tensors[Q_MODULE].lora_a.shape) == (4, 8)
+    assert tuple(tensors[Q_MODULE].lora_b.shape) == (6, 4)
+
+
+@pytest.mark.parametrize("case", ["missing_config", "malformed_json", "list_config", "missing_r", "r_zero",
+                                  "pickle_only", "truncated", "garbage", "empty", "huge_header", "alora",
+                                  "symlink_outside", "untargeted_tensor"])
+def test_bad_adapter_files_raise_adapter_error_naming_file_and_field(tmp_path, case):
+    """Unclear adapter files (fields outside the PEFT allowlist, files outside the directory, tensors of
+    modules the config does not target, bad adapter files): each is an AdapterError (a
+    ValueError) naming the file and, for config problems, the field; `adapter_model.bin` is never
+    unpickled."""
+    d = _q_adapter(tmp_path / "ad", 4, 1)
+    cfg_path = os.path.join(d, "adapter_config.json")
+    st_path = os.path.join(d, "adapter_model.safetensors")
+    cfg = json.loads(pathlib.Path(cfg_path).read_text())
+    expect = [os.path.basename(cfg_path)]
+    if case == "missing_config":
+        os.remove(cfg_path)
+    elif case == "malformed_json":
+        pathlib.Path(cfg_path).write_text("{\"r\": 4,,}")
+    elif case == "list_config":
+        pathlib.Path(cfg_path).write_text(json.dumps([cfg]))
+    elif case in ("missing_r", "r_zero", "alora"):
+        if case == "missing_r":
+            del cfg["r"]
+        elif case == "r_zero":
+            cfg["r"] = 0
+        else:
+            cfg["alora_invocation_tokens"] = [1, 2]
+        pathlib.Path(cfg_path).write_text(json.dumps(cfg))
+        expect.append({"missing_r": "r", "r_zero": "r", "alora": "alora_invocation_tokens"}[case])
+    elif case == "pickle_only":
+        os.remove(st_path)
+        pathlib.Path(d, "adapter_model.bin").write_bytes(b"\x80\x04K\x01.")   # would unpickle to 1
+        expect = ["adapter_model.bin"]
+    elif case in ("truncated", "garbage", "empty", "huge_header"):
+        data = pathlib.Path(st_path).read_bytes()
+        new = {"truncated": data[: len(data) - 40], "garbage": os.urandom(200), "empty": b"",
+               "huge_header": (2**40).to_bytes(8, "little") + b"{}"}[case]
+        pathlib.Path(st_path).write_bytes(new)
+        expect = ["adapter_model.safetensors"]
+    elif case == "untargeted_tensor":          # a k_proj tensor while the config targets q_proj only
+        from safetensors.numpy import save_file
+        rng = torch_helpers.rng(2)
+        save_file({f"base_model.model.{Q_MODULE}.lora_A.weight": rng.standard_normal((4, 8)).astype(np.float32),
+                   f"base_model.model.{Q_MODULE}.lora_B.weight": rng.standard_normal((6, 4)).astype(np.float32),
+                   "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight":
+                       rng.standard_normal((4, 8)).astype(np.float32),
+                   "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight":
+                       rng.standard_normal((6, 4)).astype(np.float32)}, st_path)
+        expect = ["adapter_model.safetensors", "k_proj"]
+    elif case == "symlink_outside":
+        outside = tmp_path / "elsewhere.safetensors"
+        os.replace(st_path, outside)
+        os.symlink(outside, st_path)
+        expect = ["adapter_model.safetensors"]
+    with pytest.raises(torch_lora.AdapterError) as info:
+        torch_lora.load_peft_adapter(d)
+    assert isinstance(info.value, ValueError)
+    for word in expect:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_adapter_manager_places_pads_scales_and_evicts_lru(tmp_path):
+    """Fixed slots (zero-padded to max_rank, scaling folded into B, per-slot real
+    rank in lora_ranks), LRU eviction of the least recently used slot the batch does not need."""
+    layers = _q_layers()
+    mgr = torch_lora.AdapterManager(layers)
+    dirs = {i: _q_adapter(tmp_path / f"a{i}", r, i) for i, r in ((1, 2), (2, 4), (3, 3))}
+    for i, d in dirs.items():
+        mgr.register(i, d)
+    mgr.activate([1])
+    mgr.activate([2])
+    assert mgr.lora_index_to_id == [1, 2]
+    s1 = mgr.slot_of(1)
+    ad = torch_lora.load_peft_adapter(dirs[1])
+    a, b, scaling, _ = ad.modules[Q_MODULE]
+    layer = layers["q"]
+    np.testing.assert_allclose(layer.lora_a[0, s1, :2].numpy(), a, rtol=1e-6)
+    assert torch.equal(layer.lora_a[0, s1, 2:], torch.zeros(2, 8))
+    np.testing.assert_allclose(layer.lora_b[0][s1, :, :2].numpy(), b * scaling, rtol=1e-6)
+    assert layer.lora_ranks.tolist()[s1] == 2 and layer.lora_ranks.tolist()[mgr.slot_of(2)] == 4
+    mgr.activate([1])                   # 1 used more recently than 2
+    mgr.activate([3])                   # evicts 2
+    assert mgr.slot_of(2) is None and mgr.slot_of(1) == s1 and mgr.slot_of(3) is not None
+    assert mgr.stats["evictions"] == 1
+    assert layer.lora_ranks.tolist()[mgr.slot_of(3)] == 3
+    with pytest.raises(ValueError):
+        mgr.activate([1, 2, 3])         # more adapters than slots
+
+
+def test_adapter_manager_hot_swap_same_slot_and_bad_adapter_changes_nothing(tmp_path):
+    """Registering an id again hot-swaps it (same slot, new weights); a bad adapter
+    (rank above max_rank) raises AdapterError and leaves every slot and weight intact."""
+    layers = _q_layers()
+    mgr = torch_lora.AdapterManager(layers)
+    mgr.register(1, _q_adapter(tmp_path / "a", 2, 1))
+    mgr.activate([1])
+    slot = mgr.slot_of(1)
+    new = _q_adapter(tmp_path / "b", 3, 7)
+    mgr.register(1, new)
+    assert mgr.slot_of(1) == slot
+    a_new = torch_lora.load_peft_adapter(new).modules[Q_MODULE].lora_a
+    np.testing.assert_allclose(layers["q"].lora_a[0, slot, :3].numpy(), a_new, rtol=1e-6)
+    assert layers["q"].lora_ranks.tolist()[slot] == 3
+    before = [t.clone() for t in (layers["q"].lora_a, layers["q"].lora_b[0], layers["q"].lora_ranks)]
+    with pytest.raises(torch_lora.AdapterError, match="max_rank"):
+        mgr.register(1, _q_adapter(tmp_path / "big", 6, 3))
+    with pytest.raises(torch_lora.AdapterError):
+        mgr.register(2, _q_adapter(tmp_path / "wide", 2, 3, hidden=9))
+    after = (layers["q"].lora_a, layers["q"].lora_b[0], layers["q"].lora_ranks)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert mgr.lora_index_to_id[slot] == 1 and 2 not in mgr.registered
+
+
+def test_failed_reload_inside_activate_leaves_lru_intact(tmp_path):
+    """A reload failing inside activate() changes nothing (the would-be victim stays
+    in its slot and on the LRU list); afterwards the right adapter is evicted and a 2-slot batch of
+    2 adapters still activates. the AdapterError names the adapter as registered and its
+    directory."""
+    layers = _q_layers()
+    mgr = torch_lora.AdapterManager(layers, host_cache_size=1)
+    d3 = _q_adapter(tmp_path / "three", 2, 3)
+    mgr.register(1, _q_adapter(tmp_path / "one", 2, 1))
+    mgr.register(2, _q_adapter(tmp_path / "two", 2, 2))
+    mgr.register(3, d3, name="my-third")
+    mgr.activate([1])
+    mgr.activate([2])               # host cache (size 1) now holds 2 only: 3 reloads from disk
+    cfg = json.loads(pathlib.Path(d3, "adapter_config.json").read_text())
+    cfg["r"] = 99
+    pathlib.Path(d3, "adapter_config.json").write_text(json.dumps(cfg))
+    state = (mgr.lora_index_to_id, layers["q"].lora_a.clone())
+    with pytest.raises(torch_lora.AdapterError) as info:
+        mgr.activate([3])
+    assert "my-third" in str(info.value) and str(tmp_path / "three") in str(info.value)
+    assert mgr.lora_index_to_id == state[0] and torch.equal(layers["q"].lora_a, state[1])
+    mgr.register(3, _q_adapter(tmp_path / "three-b", 2, 3), name="my-third")
+    mgr.activate([2, 3])            # 1 is the least recently used and not needed: evicted
+    assert mgr.slot_of(1) is None and mgr.slot_of(2) is not None and mgr.slot_of(3) is not None
+
+
+def test_unload_zeroes_the_slot_and_rank(tmp_path):
+    """docs/torch.md (the adapter manager): unload zeroes the slot, rank 0; the adapter stays registered."""
+    layers = _q_layers()
+    mgr = torch_lora.AdapterManager(layers)
+    mgr.register(1, _q_adapter(tmp_path / "a", 4, 1))
+    slot = mgr.load(1)
+    assert layers["q"].lora_a[0, slot].abs().sum() > 0
+    mgr.unload(1)
+    assert mgr.lora_index_to_id[slot] is None
+    assert torch.equal(layers["q"].lora_a[0, slot], torch.zeros(4, 8))
+    assert torch.equal(layers["q"].lora_b[0][slot], torch.zeros(6, 4))
+    assert layers["q"].lora_ranks.tolist()[slot] == 0
+    assert 1 in mgr.registered

@@ -1,14 +1,23 @@
 """The `torch-lora demo` main job: mixed-adapter batches through MultiLoRAModel, each request checked
-against PEFT running it alone. The demo's own check is tested too: a wrong logit fails it."""
+against PEFT running it alone. The demo's own check is tested too: a wrong logit fails it. Also: a
+checkpoint directory with LRU eviction, bad options as one-line errors with exit status 2 (also
+through `python -m torch_lora.cli`), and colliding request ids refused. CPU, torch backend.
+"""
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import tomllib
+
+from . import hf_llama
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -111,3 +120,80 @@ def test_serve_refuses_colliding_request_ids():
     with pytest.raises(TypeError, match=r"requests\[0\]: the request id must be hashable \(it keys the results\), "
                                         r"got list \[1\]"):
         cli.serve(generate, [([1], "a", [1, 2])], **kw)
+
+
+@pytest.fixture(scope="module")
+def llama_assets(tmp_path_factory):
+    """A tiny random transformers Llama and three peft adapters (tests/hf_llama.py): (fresh, dirs)."""
+    return hf_llama.write_assets(tmp_path_factory.mktemp("hf_llama"))
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_torch_lora_demo_on_a_checkpoint_verifies_every_request_with_eviction(llama_assets, capsys, tmp_path):
+    """docs/torch.md: `torch-lora demo MODEL_DIR ADAPTER_DIR...` serves mixed
+    requests (some '__base__') in batches through MultiLoRAModel.generate, checks each against peft
+    and ends with `verified: N/N requests match PEFT outputs` (exit 0), also for a checkpoint whose
+    end-of-sequence ids are often the greedy choice; --slots below the adapter count exercises LRU
+    eviction."""
+    import shutil
+
+    from torch_lora import cli
+    _, dirs = llama_assets
+    # A checkpoint with many end-of-sequence ids (as chat models have several): generate may not pick
+    # them before max_new_tokens, so they are often the raw greedy choice without being served.
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(dirs["_model"], model_dir)
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    gen = json.loads(pathlib.Path(gen_path).read_text())
+    gen["eos_token_id"] = list(range(2, 34))
+    pathlib.Path(gen_path).write_text(json.dumps(gen))
+    rc = cli.main(["demo", model_dir, dirs["sql"], dirs["chat"], dirs["code"], "--requests", "8",
+                   "--batch-size", "4", "--max-new-tokens", "2", "--slots", "2", "--device", "cpu",
+                   "--backend", "torch"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.rstrip().splitlines()[-1] == "verified: 8/8 requests match PEFT outputs"
+    assert "without adapter" in out
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--requests", "0"], "requests"),
+    pytest.param(["--device", "cuda"], "cuda", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                                        reason="a machine with CUDA")),
+    (["--backend", "bogus"], "bogus")])
+def test_torch_lora_demo_bad_options_are_one_line_errors(llama_assets, capsys, argv, word):
+    """Clean CLI errors (no traceback, exit status 2) from `torch-lora demo`:
+    --requests 0, --device cuda without CUDA, --backend bogus."""
+    from torch_lora import cli
+    _, dirs = llama_assets
+    rc = cli.main(["demo", dirs["_model"], dirs["sql"], *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "Traceback" not in err and word in err
+    assert err.strip().splitlines()[-1].startswith("torch-lora demo: error:"), err
+
+
+def test_python_m_torch_lora_cli_exits_2_on_a_bad_option():
+    """docs/torch.md (`python -m torch_lora.cli demo`): a bad option is a
+    one-line error and exit status 2 from the process, no traceback."""
+    out = subprocess.run([sys.executable, "-m", "torch_lora.cli", "demo", "--requests", "0"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "requests" in out.stderr
+
+
+def test_demo_serve_refuses_colliding_request_ids():
+    """Colliding request ids are refused (torch demo) before anything
+    is served."""
+    from torch_lora import cli
+    called = []
+
+    def generate(*args, **kwargs):
+        called.append(1)
+        raise AssertionError("served despite colliding ids")
+    reqs = [(7, "__base__", [1, 2, 3]), (7, "__base__", [4, 5, 6])]
+    with pytest.raises(ValueError, match="7"):
+        cli.serve(generate, reqs, device="cpu", batch_size=2, max_new_tokens=1, pad_id=0)
+    assert not called

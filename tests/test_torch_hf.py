@@ -5,6 +5,9 @@ layers_to_transform, embed_tokens / lm_head targets, adapters on only some modul
 through MultiLoRAModel must give, row by row, the logits of peft running that row's request alone
 with that adapter (relative error < 1e-4 in float32) and the same greedy tokens, in a forward pass
 and through generate(). Bad adapter files fail with clear errors and lose nothing.
+
+Also Qwen2 and Gemma adapters on some layers only (layers_to_transform). CPU, float32; the
+CUDA counterpart is tests/test_gpu_torch_hf.py.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ import shutil
 import numpy as np
 import pytest
 
+from . import hf_llama
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from torch_lora import AdapterError  # noqa: E402
 from torch_lora.hf import MultiLoRAModel, select_target_modules  # noqa: E402
+
+from . import torch_helpers  # noqa: E402
 
 RTOL = 1e-4
 VOCAB = 128
@@ -53,7 +60,7 @@ def _rel(got, want) -> float:
 
 
 def _greedy_equal(got, want, rtol=RTOL) -> bool:
-    """argmax equal at every position whose top two logits are apart by more than the tolerance."""
+    """Argmax equal at every position whose top two logits are apart by more than the tolerance."""
     got, want = np.asarray(got), np.asarray(want)
     top2 = np.sort(want, axis=-1)[..., -2:]
     clear = (top2[..., 1] - top2[..., 0]) > 10 * rtol * max(1.0, np.abs(want).max())
@@ -286,7 +293,7 @@ def test_call_errors(llama):
 # ----------------------------------------------------------------------------- bad adapter files
 
 def _bad_adapters(llama, root) -> dict:
-    """name -> (directory, regex of the error): each way a PEFT adapter directory can be bad."""
+    """Name -> (directory, regex of the error): each way a PEFT adapter directory can be bad."""
     out = {}
     good = llama.dirs["a"]
 
@@ -415,3 +422,48 @@ def test_group_terms_follow_an_input_changed_in_place(mode):
     with getattr(torch, mode)():
         got = model(input_ids=x.clone())
     assert float((got - want).abs().max()) < 1e-4
+
+
+def _family_model(family, seed=0):
+    import transformers
+    torch.manual_seed(seed)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    if family == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common)).eval()
+    if family == "gemma":
+        return transformers.GemmaForCausalLM(transformers.GemmaConfig(head_dim=8, **common)).eval()
+    raise ValueError(family)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma"])
+def test_other_families_mixed_batch_equals_peft(family, tmp_path):
+    """Qwen2 (biased q/k/v) and Gemma (scaled embedding, LoRA on embed_tokens) as
+    the installed transformers defines them: a mixed batch with two adapters (one restricted by
+    layers_to_transform) and a base row equals peft per row (fp32, 1e-4)."""
+    from torch_lora.hf import MultiLoRAModel
+    state = _family_model(family).state_dict()
+
+    def fresh():
+        m = _family_model(family)
+        m.load_state_dict(state)
+        return m
+    dirs = {"x": hf_llama.save_peft(fresh, tmp_path / "x", 1, r=4, lora_alpha=8, target_modules=hf_llama.ALL7,
+                                    layers_to_transform=[1]),
+            "y": hf_llama.save_peft(fresh, tmp_path / "y", 2, r=2, lora_alpha=4, use_rslora=True,
+                            target_modules=["k_proj", "up_proj", "embed_tokens"])}
+    mm = MultiLoRAModel(fresh(), max_loras=2, max_rank=4, target_modules=hf_llama.ALL7 + ["embed_tokens"],
+                        backend="torch")
+    for n, d in dirs.items():
+        mm.load_adapter(n, d)
+    pm = hf_llama.peft_model(fresh, dirs)
+    ids = torch.tensor(torch_helpers.rng(27).integers(1, 64, size=(3, 5)))
+    names = ["y", "x", "__base__"]
+    out = mm(ids, adapter_names=names).logits
+    for j, n in enumerate(names):
+        ref = hf_llama.peft_logits(pm, ids[j:j + 1], n)[0]
+        assert float((out[j] - ref).abs().max() / ref.abs().max()) < 1e-4, n
+        if n != "__base__":
+            assert float((ref - hf_llama.peft_logits(pm, ids[j:j + 1], "__base__")[0]).abs().max()) > 1e-4

@@ -1,4 +1,4 @@
-"""benchmarks/tp_layers.py (issue 21's tensor-parallel benchmark) on CPU host devices: the JAX chain
+"""benchmarks/tp_layers.py (the tensor-parallel benchmark) on CPU host devices: the JAX chain
 of a layer's four split projections runs at TP 2 in both layout sets, and the LoRA byte
 model of our layouts and vLLM's behaves as docs/parallel.md says. Times on the CPU mean nothing;
 the torch side (gloo processes) is run by the benchmark's own --smoke."""

@@ -102,7 +102,8 @@ def _variants(kernel_name: str):
                                  add_inputs=True, bias_flags=(False, False, False), has_ranks=prefetch, pdl=True)
             assert plan.constexprs["PREFETCH_LINES"] == (1 if prefetch else 0)
             assert plan.constexprs["PREFETCH_Y_LINES"] == (8 if prefetch else 0)   # 512 columns, 64 per line
-            out.append((f"tiles4-r{rank}-R{block_r}-ahead{int(ahead)}-prefetch{int(prefetch)}", kernels.lora_expand_kernel,
+            out.append((f"tiles4-r{rank}-R{block_r}-ahead{int(ahead)}-prefetch{int(prefetch)}",
+                        kernels.lora_expand_kernel,
                         plan, "bf16", ("buf_ptr",)))
         # an epilogue vector on every slice inside the output-tile loop (the H200 table's T512 r64
         # three-slice config): a bias (added) and DoRA column scales (float32, multiplied)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import sys
 
 import pytest
@@ -28,8 +29,8 @@ def compiled(monkeypatch):
 def _with_variants(monkeypatch, variants, fused_classes=None):
     """The H200 table with other variants (and fused classes) as the table of the GPU present."""
     base = configs.table(H200)
-    changed = dataclasses.replace(base, variants={**base.variants, **variants},
-                                  fused_classes=base.fused_classes if fused_classes is None else frozenset(fused_classes))
+    fused = base.fused_classes if fused_classes is None else frozenset(fused_classes)
+    changed = dataclasses.replace(base, variants={**base.variants, **variants}, fused_classes=fused)
     monkeypatch.setattr(configs, "current_table", lambda: changed)
     return changed
 
@@ -90,7 +91,8 @@ def test_variants_apply_by_slot_count_first_match_wins(compiled, monkeypatch):
 def test_variants_by_slice_count(compiled, monkeypatch):
     key = ("tbig", "r64")
     three = configs.expand_params(64, 128, 64, 4, 2)
-    table = _with_variants(monkeypatch, {key: [(16, 3, {"expand": three}), (configs.ANY_SLOTS, 2, {"use_fused": False})]})
+    table = _with_variants(monkeypatch, {key: [(16, 3, {"expand": three}), (configs.ANY_SLOTS, 2,
+                                                                            {"use_fused": False})]})
     assert configs.expand_config(8192, 4096, 64, 3, 16) == three
     assert configs.expand_config(8192, 4096, 64, 3, 17) == table.expand[key]     # too many slots
     assert configs.expand_config(8192, 4096, 64, 2, 8) == table.expand[key]      # too few slices
@@ -191,7 +193,7 @@ def test_tuner_candidates_all_plan(compiled):
     finally:
         sys.path.pop(0)
     import lora_core.kernels as kernels
-    for (tc, rc), (kind, T, ds) in tune_triton.SHAPES.items():
+    for (tc, rc), (_kind, T, ds) in tune_triton.SHAPES.items():
         r = tune_triton.RANK_OF[rc]
         for widths in ((4096,), tune_triton.WIDTHS):
             for c in tune_triton.shrink_candidates(tc):
@@ -200,7 +202,8 @@ def test_tuner_candidates_all_plan(compiled):
                                      workspace=True, has_ranks=False, pdl=True)
                 assert plan.grid[1] >= 1
             for c in tune_triton.expand_candidates(tc, r):
-                plan = kernels.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", tune_triton.class_keys(tc, c), add_inputs=True,
+                plan = kernels.plan_expand(T, r, widths, 9, 2, "bfloat16", "bfloat16", tune_triton.class_keys(tc, c),
+                                           add_inputs=True,
                                      bias_flags=(False,) * len(widths), has_ranks=False, pdl=True)
                 assert plan.grid[0] * plan.constexprs["TILES_N"] == plan.constexprs["NUM_TILES"]
 
@@ -214,7 +217,8 @@ def test_a_gpu_without_a_table_gets_the_generic_defaults(monkeypatch, caplog):
         assert unknown is configs.GENERIC and "generic defaults" in caplog.text
         assert "NVIDIA_Imaginary_9000.json" in caplog.text
         monkeypatch.setattr(configs, "device_name", lambda: "NVIDIA Imaginary 9000")
-        assert configs.shrink_config(8, 4096, 16, 1, 8)["num_warps"] == configs.GENERIC_SHRINK[("t16", "r16")]["num_warps"]
+        assert configs.shrink_config(8, 4096, 16, 1, 8)["num_warps"] == configs.GENERIC_SHRINK[("t16",
+                                                                                                "r16")]["num_warps"]
         assert not configs.use_fused(32, 16, 1, 8)
         assert configs.table(None) is configs.GENERIC
     finally:
@@ -420,8 +424,8 @@ def test_a_table_variant_is_read_through_lora_core_table(compiled, monkeypatch, 
     assert any(c["BLOCK_N"] != 128 for c in before.values())     # the edit changes something
     assert table_variant.main([str(out), "--classes", "t16/r16,t64/r16", "--fused",
                                '{"BLOCK_N": 128}', "--use-fused", "on"]) == 0
-    base = json.load(open(configs._table_file(H200)))["classes"]
-    edited = json.load(open(out))["classes"]
+    base = json.loads(pathlib.Path(configs._table_file(H200)).read_text())["classes"]
+    edited = json.loads(pathlib.Path(out).read_text())["classes"]
     assert {k: v for k, v in edited.items() if k not in ("t16/r16", "t64/r16")} == \
         {k: v for k, v in base.items() if k not in ("t16/r16", "t64/r16")}
     for name in ("t16/r16", "t64/r16"):

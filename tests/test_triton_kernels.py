@@ -5,6 +5,9 @@ token-tiling modes are covered (T <= 32: one tile per adapter found through the 
 tiles of the sorted order), split-K through a workspace and through atomics, heterogeneous ranks,
 bias, -1 tokens, ids that are no slot of the weights, more slices than one launch takes, and the
 JAX backend through jax.pure_callback. Results against a float64 NumPy oracle; outputs poisoned.
+
+Also `backend='triton'` forced through the torch wrapper with lora_ranks as a strided view. CPU
+only (the interpreter); compiled runs are tests/test_gpu_triton.py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
 
 import lora_core.kernels as kernels  # noqa: E402
 from lora_core.kernels import configs  # noqa: E402
+
+from . import torch_helpers  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -186,7 +191,8 @@ def test_small_batch_in_sorted_tiles(fused):
     assert kernels.plan_expand(T, R, widths, G, 2, "float16", "float16", dict(e_cfg, SMALL_T=True), add_inputs=True,
                          bias_flags=(False, False), has_ranks=True).constexprs["BLOCK_M"] == 32
     out = y.clone()
-    torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), torch.from_numpy(ranks).to(DEV), fused=fused,
+    torch_triton.linear(out, x, a, b, _meta(idx, L).meta_args(T), 0.5, (0, 48), torch.from_numpy(ranks).to(DEV),
+                        fused=fused,
               shrink_config=s_cfg, expand_config=e_cfg, fused_config=f_cfg)
     assert _rel(_np(out), ref) < TOL[torch.float16]
 
@@ -225,7 +231,8 @@ def test_fused_barrier_counters_advance_by_one_span_per_launch(T):
     idx[idx == 3] = -1
     meta = _meta(idx, L)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=1)
-    plan = torch_triton._fused_plan(T, H, R, widths, meta.meta_args(T)[4].shape[0], L, "float32", "float32", (False, False),
+    plan = torch_triton._fused_plan(T, H, R, widths, meta.meta_args(T)[4].shape[0], L, "float32", "float32", (False,
+                                                                                                              False),
                           False, torch_triton._key(cfg))
     assert plan.grid[0] == max(sum(-(-w // 16) for w in widths), 2 * 4) > 4 and plan.constexprs["SPLIT_K"] == 4
     torch_triton._SYNC_BUFFERS.clear()
@@ -252,7 +259,8 @@ def test_fused_sums_the_workspace_planes_in_groups(T, monkeypatch):
     monkeypatch.setattr(fused_module, "WS_LOAD_MAX", 16 * 16)
     torch_triton._fused_plan.cache_clear()
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=1)
-    plan = torch_triton._fused_plan(T, H, R, widths, L + 1, L, "float32", "float32", (False, False), False, torch_triton._key(cfg))
+    plan = torch_triton._fused_plan(T, H, R, widths, L + 1, L, "float32", "float32", (False, False), False,
+                                    torch_triton._key(cfg))
     assert plan.constexprs["SPLIT_P2"] == 4 and plan.constexprs["WS_GROUP"] == 1
     y = torch.from_numpy(rng.standard_normal((T, 80)).astype(np.float32)).to(DEV)
     ref = _oracle_linear(y, x, a, b, idx, 0.5, (0, 48))
@@ -316,9 +324,9 @@ def test_shrink_all_slices_in_one_program(T, num_slices):
     _, idx, x, a, b = _problem(4, T, H, R, widths, L, torch.float16)
     meta = _meta(idx, L, capacity=T + 5)
     ranks = np.array([16, 3, 9], np.int32)
+    kept = (np.arange(R) < ranks[np.maximum(idx, 0)][:, None])[..., None]     # (T, R, 1): rank padding cut
     ref = np.stack([np.where((idx >= 0)[:, None],
-                             0.25 * np.einsum("th,trh->tr", _np(x),
-                                              _np(aa)[np.maximum(idx, 0)] * (np.arange(R) < ranks[np.maximum(idx, 0)][:, None])[..., None]),
+                             0.25 * np.einsum("th,trh->tr", _np(x), _np(aa)[np.maximum(idx, 0)] * kept),
                              0.0)
                     for aa in a])
     for split in (1, 3):
@@ -420,8 +428,38 @@ def test_jax_backend_in_interpreter(fused):
     y_ref = jax_xla.expand(buf_ref, b, y, meta, offs, True, ranks, bias)
     buf = jax.jit(lambda x_, m_: jax_triton_backend.shrink(x_, a, m_, 0.5, ranks))(x, meta)
     assert _rel(np.asarray(buf, np.float64), np.asarray(buf_ref, np.float64)) < 1e-5
-    y2 = jax.jit(lambda y_, x_, m_: jax_triton_backend.linear(y_, x_, a, b, m_, 0.5, offs, ranks, bias, fused=fused))(y, x, meta)
+    y2 = jax.jit(lambda y_, x_, m_: jax_triton_backend.linear(y_, x_, a, b, m_, 0.5, offs, ranks, bias,
+                                                              fused=fused))(y, x, meta)
     ref = np.asarray(y_ref.astype(jnp.float32), np.float64)
     assert _rel(np.asarray(y2.astype(jnp.float32), np.float64), ref) < 2e-2
     y3 = jax.jit(lambda b_, y_, m_: jax_triton_backend.expand(b_, b, y_, m_, offs, True, ranks, bias))(buf_ref, y, meta)
     assert _rel(np.asarray(y3.astype(jnp.float32), np.float64), ref) < 2e-2
+
+
+_INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="Triton on CPU tensors needs TRITON_INTERPRET=1 before import")
+
+
+@_INTERPRETED
+def test_triton_backend_on_cpu_runs_the_interpreter_with_strided_lora_ranks():
+    """Contract section 8 (a forced kernel backend runs in its interpreter on CPU), and lora_ranks as a
+    strided view (it once gave wrong numbers on torch's Triton backend): backend='triton' equals the
+    float64 oracle with unequal slices, a bias and lora_ranks given as a strided view."""
+    rng = torch_helpers.rng(60)
+    widths = (6, 3)
+    a, b = torch_helpers.stacked(rng, 2, 4, 8, widths)
+    bias = [torch.tensor(rng.standard_normal((2, 6)), dtype=torch.float32), None]
+    ranks = torch.tensor([2, 99, 4, 99], dtype=torch.int32)[::2]
+    a_pad = [t.clone() for t in a]
+    b_pad = [t.clone() for t in b]
+    for t in a_pad:
+        t[0, :, 2:] = 0
+    for t in b_pad:
+        t[0, :, :, 2:] = 0
+    w = torch_helpers.wrapper((1, 0, 2), [1, 2], backend="triton")
+    x = torch.tensor(rng.standard_normal((3, 8)), dtype=torch.float32)
+    y0 = torch.tensor(rng.standard_normal((3, 9)), dtype=torch.float32)
+    y = w.add_lora_linear(y0.clone(), x, a, b, bias, 0.5, widths, lora_ranks=ranks)
+    assert torch_helpers.rel(y.numpy(), torch_helpers.oracle_linear(y0, x, a_pad, b_pad, bias, 0.5, [0, -1, 1],
+                                                                    widths)) < 1e-5
+    assert torch.equal(y[1], y0[1])

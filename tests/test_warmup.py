@@ -1,5 +1,8 @@
 """Warm-up before serving (lora_core.warmup, each side's warmup): argument checks, the twin wrapper
-left untouched, and on torch (the Triton interpreter here) every (token count, layer) really run."""
+left untouched, and on torch (the Triton interpreter here) every (token count, layer) really run.
+
+CPU.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The contract.s worked examples as exact tests, on both sides."""
+"""The contract's worked examples as exact tests, on both sides: convert_mapping, the prefill
+segments, the kernel metadata and the prompt-mapping padding. CPU only.
+"""
 
 from __future__ import annotations
 

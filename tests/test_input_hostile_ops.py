@@ -10,6 +10,8 @@ with an error naming nothing.
 - TorchPunicaWrapper's output_slices and scale (checked as torch_lora checks them).
 - bridge.to_jax(copy=True) of float64 beyond float32's range; Python floats beyond it given to JAX.
 - lora_shrink / lora_expand / bgmv_* with None or a list where a tensor is required.
+
+CPU.
 """
 
 from __future__ import annotations
@@ -355,7 +357,7 @@ def wrappers():
 def test_bridged_wrappers_refuse_non_int_output_slices_and_non_real_scales():
     rng = np.random.default_rng(1)
     for label, w, native in wrappers():
-        f = lambda *s: native(rng.standard_normal(s).astype(np.float32))
+        f = lambda *s, native=native: native(rng.standard_normal(s).astype(np.float32))
         x, y, a, b = f(T, H), f(T, N), [f(SLOTS, 1, R, H)], [f(SLOTS, 1, N, R)]
         for bad in ((8.9,), ("8",), (8.0,), "8", None, 8):
             with pytest.raises(TypeError, match=r"output_slices must be a sequence of ints"):

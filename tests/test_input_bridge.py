@@ -1,5 +1,7 @@
-"""bridge: what used to be changed in silence or crash the process.
+"""bridge: conversions that used to change values in silence or crash the process (CPU).
 
+- `to_jax` shares memory (pointer identity) and `to_torch` back; a strided view is refused
+  (CopyRequiredError) unless copy=True.
 - `to_torch(a)` then `a.delete()`: the tensor keeps the buffer alive (it used to abort the process
   on a jaxlib check failure; tested in a child process).
 - int64 values outside int32 are refused, not wrapped, where they are converted on the host.
@@ -201,3 +203,49 @@ def test_native_torch_wrapper_still_agrees():
     got = w.add_lora_linear(y.clone(), x, [a], [b], None, 1.0, (8,))
     want = native.add_lora_linear(y.clone(), x, [a], [b], None, 1.0, (8,))
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_to_jax_zero_copy_refusals_and_int64():
+    """to_jax shares memory (pointer identity) and to_torch back;
+    a strided view raises CopyRequiredError (a ValueError) unless copy=True; int64 becomes int32
+    explicitly with copy=True, and values beyond int32 are refused instead of wrapping."""
+    import bridge
+    t = torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)
+    if t.data_ptr() % 64 == 0:
+        j = bridge.to_jax(t)
+        assert j.unsafe_buffer_pointer() == t.data_ptr()
+        assert bridge.to_torch(j).data_ptr() == t.data_ptr()
+    with pytest.raises(bridge.CopyRequiredError):
+        bridge.to_jax(t[:, ::2])
+    assert issubclass(bridge.CopyRequiredError, ValueError)
+    np.testing.assert_array_equal(np.asarray(bridge.to_jax(t[:, ::2], copy=True)), t[:, ::2].numpy())
+    small = torch.tensor([1, -1, 3], dtype=torch.int64)
+    j = bridge.to_jax(small, copy=True)
+    assert str(j.dtype) == "int32" and np.asarray(j).tolist() == [1, -1, 3]
+    with pytest.raises(ValueError):
+        bridge.to_jax(torch.tensor([2**32 + 1], dtype=torch.int64), copy=True)
+
+
+def test_to_torch_then_delete_keeps_the_tensor_valid():
+    """bridge.to_torch(a) followed by a.delete() must not abort the process; the
+    torch tensor keeps the buffer alive (or the delete is refused cleanly). A child process, since
+    the failure mode is an abort."""
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, torch, bridge
+        a = jnp.arange(1024, dtype=jnp.float32) * 2
+        t = bridge.to_torch(a)
+        try:
+            a.delete()
+        except Exception as e:
+            print("REFUSED", type(e).__name__)
+        b = jnp.ones(1 << 16, jnp.float32) * 3
+        b.block_until_ready()
+        print("SUM", float(t.sum()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"SUM {float(sum(range(1024)) * 2)}" in out.stdout

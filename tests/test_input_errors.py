@@ -1,14 +1,28 @@
-"""contract section 6: every bad input gets a clear error naming the argument, on both sides."""
+"""Bad input (contract section 6): every error gets a clear ValueError/TypeError naming the argument,
+what was expected and what was received, on both sides.
+
+The section 6 catalogue on each side's reference wrapper (tests/impls.py), then the checks a caller
+meets first: mismatched hidden sizes, ranks, slice counts and slots; host index values past the
+slots and int64 ids; float64 host arrays (vLLM's shrink / expand / expand_slice wrapper methods
+included); unknown backends; None where a value is required; non-finite scales; negative host
+lora_ranks; arrays on another device than the wrapper's. CPU only (two forced JAX CPU devices, the
+torch `meta` device).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
+import torch
 
+import torch_lora
+from jax_lora import LoRAKernelMeta, PunicaWrapper, ops
 from lora_core.host_mapping import LoRAMapping
 
+from . import jax_helpers, torch_helpers
 from .impls import IMPLS
 
 SIDES = {}
@@ -177,8 +191,8 @@ def test_shape_errors_in_ops(impl):
 
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
-def test_seed_methods_name_their_arguments(impl):
-    """shrink / expand / expand_slice (TPU seed) name x, w_t_all, y, y_offset and y_slice_size."""
+def test_vllm_wrapper_methods_name_their_arguments(impl):
+    """Shrink / expand / expand_slice (TPU seed) name x, w_t_all, y, y_offset and y_slice_size."""
     w, x, a, b, y, f = setup(impl)
     buf = f(6, 8)
     with pytest.raises(ValueError, match=r"w_t_all\[0\] has hidden size 31.*x has hidden size 32"):
@@ -229,3 +243,145 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         dispatch.resolve("triton", torch.device("cpu"))
+
+
+def test_wrapper_bad_input_errors_name_the_argument():
+    """Contract section 6: clear ValueError/TypeError naming the argument for mismatched
+    hidden size, A/B rank mismatch, len(output_slices) != len(lora_b), a slot past the weights' slots,
+    too many tokens, float64 activations, NaN or None scale, a bad backend name or deterministic flag,
+    and arrays on another device than the wrapper's index arrays."""
+    ids = (1, 3, 0)
+    w = jax_helpers.wrapper(ids, jax_helpers.LORA_INDEX_TO_ID, capacity=4)
+    T, H, r, L = 3, 8, 4, 3
+    x, y = jax_helpers.rand(T, H), jax_helpers.rand(T, 6)
+    A, B = [jax_helpers.rand(L, r, H)], [jax_helpers.rand(L, 6, r)]
+
+    def err(exc, *words, **kw):
+        args = dict(y=y, x=x, lora_a_stacked=A, lora_b_stacked=B, lora_bias_stacked=None, scale=1.0,
+                    output_slices=(6,))
+        args.update(kw)
+        with pytest.raises(exc) as e:
+            w.add_lora_linear(**args)
+        msg = str(e.value)
+        for word in words:
+            assert word in msg, msg
+
+    err(ValueError, "lora_a_stacked", x=jax_helpers.rand(T, H + 1))
+    err(ValueError, "rank", lora_b_stacked=[jax_helpers.rand(L, 6, r + 1)])
+    err(ValueError, "output_slices", output_slices=(3, 3))
+    err(ValueError, "slot", lora_a_stacked=[jax_helpers.rand(2, r, H)], lora_b_stacked=[jax_helpers.rand(2, 6, r)])
+    err(ValueError, "max_num_batched_tokens", x=jax_helpers.rand(5, H), y=jax_helpers.rand(5, 6))
+    err((TypeError, ValueError), "float64", x=np.zeros((T, H), np.float64))
+    err((TypeError, ValueError), "int32", lora_a_stacked=[np.zeros((L, r, H), np.int32)])
+    err(TypeError, "scale", scale=None)
+    err(ValueError, "scale", scale=float("nan"))
+    err((TypeError, ValueError), "output_slices", output_slices=None)
+    # committed arrays on another device than the wrapper's (committed) index arrays
+    w_dev = PunicaWrapper(4, 4, jax.devices("cpu")[0], max_loras=3, backend="xla")
+    w_dev.update_metadata(LoRAMapping(ids, ids), jax_helpers.LORA_INDEX_TO_ID, 4, 64)
+    with pytest.raises(ValueError) as e:
+        w_dev.add_lora_linear(y, jax.device_put(x, jax.devices("cpu")[1]), A, B, None, 1.0, (6,))
+    assert "x" in str(e.value) and "index arrays" in str(e.value)
+    with pytest.raises(ValueError, match="bogus"):
+        PunicaWrapper(4, 4, None, max_loras=2, backend="bogus")
+    with pytest.raises(TypeError):
+        PunicaWrapper(4, 4, None, max_loras=2, deterministic="yes")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        w.update_metadata(LoRAMapping((1,) * 5, (1,)), jax_helpers.LORA_INDEX_TO_ID, 4, 64)
+
+
+def test_op_index_checks_on_host_values():
+    """Contract section 6: host index values >= the slots are refused naming the argument; int64
+    indices outside int32 are refused (never wrapped to another slot); a negative host lora_ranks
+    entry is refused naming its slot."""
+    x, A = jax_helpers.rand(2, 8), jax_helpers.rand(3, 4, 8)
+    with pytest.raises(ValueError, match="lora_indices_tensor|index|slot"):
+        ops.bgmv_shrink(x, A, np.array([0, 3], np.int32), backend="xla")
+    with pytest.raises(ValueError, match="int32|2147483647|4294967297"):
+        ops.bgmv_shrink(x, A, np.array([0, 2**32 + 1], np.int64), backend="xla")
+    meta = LoRAKernelMeta.build(np.array([0, 1], np.int32), max_loras=3)
+    with pytest.raises(ValueError, match="slot 1|\\[1\\]"):
+        ops.lora_shrink(x, [A], meta, 1.0, backend="xla", lora_ranks=np.array([4, -1, 4], np.int32))
+
+
+def test_shrink_expand_methods_refuse_float64_host_arrays():
+    """docs/api.md "Nothing is changed in silence":
+    host float64 activations and weights are refused at every public entry, vLLM's wrapper
+    methods shrink / expand / expand_slice included."""
+    w = jax_helpers.wrapper((1, 0), jax_helpers.LORA_INDEX_TO_ID)
+    x64, A = np.ones((2, 8), np.float64), jax_helpers.rand(3, 4, 8)
+    with pytest.raises((TypeError, ValueError), match="float64"):
+        w.shrink(x64, A, 1.0)
+    with pytest.raises((TypeError, ValueError), match="float64"):
+        w.shrink(jax_helpers.rand(2, 8), A.astype(np.float64), 1.0)
+    with pytest.raises((TypeError, ValueError), match="float64"):
+        w.expand(jax_helpers.rand(2, 6), np.ones((2, 4), np.float64), jax_helpers.rand(3, 6, 4), True)
+    with pytest.raises((TypeError, ValueError), match="float64"):
+        w.expand_slice(np.ones((2, 6), np.float64), jax_helpers.rand(2, 4), jax_helpers.rand(3, 2, 4), 0, 2, True)
+
+
+def test_bad_inputs_name_the_argument():
+    """Contract section 6 / README: bad input raises ValueError/TypeError naming the argument:
+    mismatched hidden sizes, wrong slice count, too many tokens, float64, a NumPy x."""
+    rng = torch_helpers.rng(4)
+    a, b = torch_helpers.stacked(rng, 2, 4, 8, (5,))
+    w = torch_helpers.wrapper((1, 2), [1, 2])
+    y = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="lora_a_stacked|hidden"):
+        w.add_lora_linear(y, torch.zeros(2, 9), a, b, None, 1.0, (5,))
+    with pytest.raises(ValueError, match="output_slices"):
+        w.add_lora_linear(y, torch.zeros(2, 8), a, b, None, 1.0, (2, 3))
+    with pytest.raises((TypeError, ValueError), match="x"):
+        w.add_lora_linear(y, torch.zeros(2, 8, dtype=torch.float64), a, b, None, 1.0, (5,))
+    with pytest.raises(TypeError, match=r"\bx\b"):
+        w.add_lora_linear(y, np.zeros((2, 8), np.float32), a, b, None, 1.0, (5,))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        w.update_metadata(LoRAMapping((1,) * 65, (1,)), [1, 2], 3, 16)
+
+
+def test_unknown_backend_is_a_clear_error():
+    """Contract section 8: backend= forces an implementation; an unknown name is an error naming it."""
+    with pytest.raises(ValueError, match="bogus"):
+        torch_lora.PunicaWrapper(16, 4, "cpu", max_loras=2, backend="bogus")
+
+
+def test_unclear_inputs_name_their_argument():
+    """Unclear inputs: scale=None, output_slices=None, a LoRA id of 2**70,
+    lora_index_to_id=None, an int32 bias: each a ValueError/TypeError naming the argument."""
+    rng = torch_helpers.rng(9)
+    a, b = torch_helpers.stacked(rng, 2, 4, 8, (5,))
+    w = torch_helpers.wrapper((1, 2), [1, 2])
+    x, y = torch.zeros(2, 8), torch.zeros(2, 5)
+    with pytest.raises(TypeError, match="scale"):
+        w.add_lora_linear(y, x, a, b, None, None, (5,))
+    with pytest.raises((TypeError, ValueError), match="output_slices"):
+        w.add_lora_linear(y, x, a, b, None, 1.0, None)
+    with pytest.raises(ValueError, match=str(2**70)):
+        w.update_metadata(LoRAMapping((2**70,), (2**70,)), [1, 2], 3, 16)
+    with pytest.raises(TypeError, match="lora_index_to_id"):
+        w.update_metadata(LoRAMapping((1,), (1,)), None, 3, 16)
+    with pytest.raises((TypeError, ValueError), match="lora_bias_stacked"):
+        w.add_lora_linear(y, x, a, b, [torch.zeros(2, 5, dtype=torch.int32)], 1.0, (5,))
+
+
+def test_nonfinite_scale_refused():
+    """A NaN or infinite scale is refused (ValueError naming scale)
+    by the wrapper and the ops."""
+    rng = torch_helpers.rng(11)
+    a, b = torch_helpers.stacked(rng, 2, 4, 8, (5,))
+    w = torch_helpers.wrapper((1, 2), [1, 2])
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            w.add_lora_linear(torch.zeros(2, 5), torch.zeros(2, 8), a, b, None, bad, (5,))
+        with pytest.raises(ValueError, match="scale"):
+            torch_lora.ops.bgmv_shrink(torch.zeros(2, 8), a[0], torch.tensor([0, 1]), bad, backend="torch")
+
+
+def test_negative_host_lora_ranks_refused_naming_the_slot():
+    """A negative lora_ranks value held on the host is refused, naming its slot."""
+    rng = torch_helpers.rng(12)
+    a, b = torch_helpers.stacked(rng, 3, 4, 8, (5,))
+    w = torch_helpers.wrapper((1, 2), [1, 2, 3])
+    with pytest.raises(ValueError, match=r"lora_ranks.*2|slot 2"):
+        w.add_lora_linear(torch.zeros(2, 5), torch.zeros(2, 8), a, b, None, 1.0, (5,),
+                          lora_ranks=torch.tensor([4, 4, -1], dtype=torch.int32))

@@ -1,6 +1,9 @@
 """Hostile inputs at the wrappers and the host mapping (contract section 5-6): arguments that used to be
 accepted in silence or to fail with an error naming nothing. Each case runs on both sides' reference
-wrappers and on both bridge directions (the bridge wrappers run the other side's checks)."""
+wrappers and on both bridge directions (the bridge wrappers run the other side's checks).
+
+CPU.
+"""
 
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def test_a_and_b_slot_counts_must_agree_under_jit():
 @pytest.mark.parametrize("impl", REF)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_shrink_buffer_is_float32(impl, dtype):
-    """contract section 4: the shrink buffer is float32; a half-precision one rounded (and overflowed) the shrink."""
+    """Contract section 4: the shrink buffer is float32; a half-precision one rounded (and overflowed) the shrink."""
     w, f, x, y, r = _step(impl)
     buf = impl.arr(np.zeros((1, 2, r), np.float32), dtype)
     with pytest.raises(TypeError, match=r"buffer must have dtype in \('float32',\), got " + dtype):
@@ -137,8 +140,8 @@ def test_unknown_wrapper_keywords_are_ignored_with_a_warning(side, caplog):
 
 
 @pytest.mark.parametrize("side", ["jax", "torch"])
-def test_kernel_meta_takes_the_seeds_keyword(side):
-    """The seed builds LoRAKernelMeta(..., no_lora_flag_cpu=...)."""
+def test_kernel_meta_takes_vllms_keyword(side):
+    """vLLM builds LoRAKernelMeta(..., no_lora_flag_cpu=...)."""
     import importlib
     pkg = importlib.import_module(f"{side}_lora")
     z = np.zeros(3, np.int32)

@@ -5,6 +5,8 @@ Each case here failed before its fix:
   at `ranks_ptr + i`, so they used other slots' ranks (wrong numbers, no error).
 - torch `lora_shrink` / `lora_expand` metadata tensors given as strided views (`meta_args` entries
   spread with a step): the Triton kernels read them as dense arrays (wrong rows, NaN).
+
+Also: torch add_lora_linear with a bias list holding None and a NumPy offset_start. CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch_lora
 from torch_lora import LoRAMapping, ops
 
-from . import oracle
+from . import oracle, torch_helpers
 from .impls import torch_triton_device, triton_runs
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not triton_runs(),
@@ -106,3 +108,23 @@ def test_strided_kernel_metadata(backend, spread):
     ops.lora_expand(buf, b, y, *args, offset_start=1, add_inputs=True, backend=backend)
     assert oracle.rel_err(_np(y), oracle.expand(want, [_np(b)], _np(y0), idx, 1, True)) <= 1e-5
     assert torch.equal(y[1], y0[1])  # the -1 row is untouched
+
+
+def test_bias_with_none_entries_and_numpy_offset_start():
+    """add_lora_linear takes a bias list [tensor, None] (as add_expand does), and an
+    `offset_start` given as np.int64 is accepted."""
+    rng = torch_helpers.rng(10)
+    a, b = torch_helpers.stacked(rng, 2, 4, 8, (3, 4))
+    bias = [torch.tensor(rng.standard_normal((2, 3)), dtype=torch.float32), None]
+    w = torch_helpers.wrapper((1, 0, 2), [1, 2])
+    x = torch.tensor(rng.standard_normal((3, 8)), dtype=torch.float32)
+    y = torch.zeros(3, 7)
+    w.add_lora_linear(y, x, a, b, bias, 1.0, (3, 4))
+    assert torch_helpers.rel(y.numpy(), torch_helpers.oracle_linear(torch.zeros(3, 7), x, a, b, bias, 1.0, [0, -1, 1],
+                                                                    (3, 4))) < 1e-5
+    buf = torch.tensor(rng.standard_normal((2, 3, 4)), dtype=torch.float32)
+    y2 = torch.zeros(3, 9)
+    w.add_expand(y2, buf, b, bias, (3, 4), np.int64(2), True)
+    assert torch.equal(y2[:, :2], torch.zeros(3, 2)) and torch.equal(y2[1], torch.zeros(9))
+    want = buf[0, 0].double().numpy() @ b[0][0, 0].double().numpy().T + bias[0][0].double().numpy()
+    np.testing.assert_allclose(y2[0, 2:5].numpy(), want, rtol=1e-5, atol=1e-5)

@@ -1,7 +1,10 @@
 """Hostile inputs (contract section 6): values a conversion used to change in silence, and arguments whose
 error named nothing, get a ValueError/TypeError naming the argument, what was expected and what was
 received, at the public boundary of both sides. Also: the torch wrapper's cached plan follows a
-weight whose storage is swapped (`.data =`, `set_`)."""
+weight whose storage is swapped (`.data =`, `set_`).
+
+CPU; one gpu-marked test (int64 values beyond int32 on CUDA).
+"""
 
 from __future__ import annotations
 
@@ -333,7 +336,7 @@ def test_bias_with_none_entries_in_add_lora_linear(impl):
 
 @pytest.mark.parametrize("impl", SIDE_PARAMS)
 def test_float64_is_refused_with_the_same_message_on_both_sides(impl):
-    """contract section 4 dtypes: torch refuses float64; JAX must too, not narrow NumPy float64 to float32."""
+    """Contract section 4 dtypes: torch refuses float64; JAX must too, not narrow NumPy float64 to float32."""
     impl = on_host(impl)
     w, x, a, b, y, f = setup(impl)
     x64, y64 = host(impl, impl.to_np(x)), host(impl, impl.to_np(y))

@@ -3,17 +3,23 @@
 tests/test_conformance_poison.py checks the results on every implementation; this file checks
 what is specific to the two reference backends: the selection stays jit- and vmap-friendly (JAX:
 one compilation, no transfer to the host, a vmapped call equal to the per-example calls) and free
-of host syncs (torch), with NaN/Inf in slots the tokens do not use and in the rank padding.
+of host syncs (torch), with NaN/Inf in slots the tokens do not use and in the rank padding; and,
+through each wrapper, NaN/Inf in an unused slot never reaching another row of add_lora_linear,
+add_lora_logits or add_lora_embedding, add_shrink writing 0 on rows without LoRA. CPU only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
-from . import oracle
+from jax_lora import LoRAKernelMeta, ops
+
+from . import jax_helpers, oracle, torch_helpers
 
 SLOTS, HIDDEN, RANK, WIDTH, T = 4, 32, 8, 24, 6
 IDX = np.array([0, -1, 2, 2, -1, 0], np.int32)       # slots 1 and 3 unused
@@ -167,3 +173,113 @@ def test_torch_ref_has_no_data_dependent_op(path, monkeypatch):
                       torch.empty(SLOTS, RANK, HIDDEN, **m), torch.empty(SLOTS, WIDTH, RANK, **m),
                       torch.empty(SLOTS, WIDTH, **m), torch.empty(SLOTS, dtype=torch.int32, **m))
     assert buf.shape == (1, T, RANK) and y.shape == (T, WIDTH)
+
+
+def test_nan_in_unused_slot_never_reaches_other_rows_xla():
+    """A NaN/Inf in a slot no token uses (A, B and bias) leaves every other row
+    finite and equal to the oracle on "xla", for linear, logits and embedding; add_shrink writes 0
+    (not NaN) on no-LoRA rows; NaN in an expand buffer's no-LoRA row or in a LoRA vocabulary past
+    y's width changes nothing."""
+    ids = (1, 0, 2, 1)                       # slots 0 and 1 used, slot 2 poisoned
+    idx = jax_helpers.ids_to_slots(ids)
+    w = jax_helpers.wrapper(ids, jax_helpers.LORA_INDEX_TO_ID)
+    T, H, r, L, N = 4, 8, 4, 3, 6
+    x, y = jax_helpers.rand(T, H), jax_helpers.rand(T, N)
+    A, B, bias = jax_helpers.rand(L, r, H), jax_helpers.rand(L, N, r), jax_helpers.rand(L, N)
+    A[2, 0, 0], B[2, 1, 1], bias[2, 3] = np.nan, np.inf, np.nan
+    out = w.add_lora_linear(y, x, [A], [B], [bias], 1.0, (N,))
+    want = jax_helpers.expand_ref(y, jax_helpers.shrink_ref(x, A, idx, 1.0), B, idx, 0, True)
+    for t, i in enumerate(idx):
+        if i >= 0:
+            want[t] += bias[i]
+    assert jax_helpers.rel_err(out, want) < 1e-5
+    buf = w.add_shrink(jnp.zeros((1, T, r), jnp.float32), x, [A], 1.0)
+    assert np.all(np.asarray(buf)[0, 1] == 0)
+    logits = w.add_lora_logits(y, x, A, B, 1.0)
+    assert jax_helpers.rel_err(logits, jax_helpers.expand_ref(y, jax_helpers.shrink_ref(x, A, idx, 1.0), B, idx, 0,
+                                                              True)) < 1e-5
+    emb = w.add_lora_embedding(y, jax_helpers.rand(T, r), B)
+    assert np.all(np.isfinite(np.asarray(emb)))
+    nan_buf = np.asarray(buf).copy()
+    nan_buf[0, 1] = np.nan                                   # an expand buffer's no-LoRA row
+    np.testing.assert_array_equal(np.asarray(w.add_expand(y, nan_buf, [B], None, (N,)))[1], y[1])
+    wide = np.concatenate([B, np.full((L, 3, r), np.nan, np.float32)], axis=1)   # vocabulary past y
+    assert np.all(np.isfinite(np.asarray(w.add_lora_logits(y, x, A, wide, 1.0))))
+
+
+def test_rank_padding_with_nan_is_ignored_xla():
+    """With lora_ranks, values past a slot's rank (NaN here) are ignored on "xla":
+    the result equals the computation with the padding zeroed; heterogeneous ranks, -1 tokens."""
+    T, H, r, L, N = 4, 16, 8, 3, 12
+    idx = np.array([0, 2, -1, 1], np.int32)
+    ranks = np.array([3, 8, 5], np.int32)
+    x, y = jax_helpers.rand(T, H), jax_helpers.rand(T, N)
+    A, B = jax_helpers.rand(L, r, H, scale=0.2), jax_helpers.rand(L, N, r, scale=0.2)
+    A0, B0 = A.copy(), B.copy()
+    for s, k in enumerate(ranks):
+        A[s, k:], B[s, :, k:] = np.nan, np.nan
+        A0[s, k:], B0[s, :, k:] = 0, 0
+    meta = LoRAKernelMeta.build(idx, max_loras=L)
+    buf = ops.lora_shrink(x, [A], meta, 1.0, backend="xla", lora_ranks=ranks)
+    assert jax_helpers.rel_err(buf[0], jax_helpers.shrink_ref(x, A0, idx, 1.0)) < 1e-5
+    out = ops.lora_expand(buf, [B], y, meta, 0, True, backend="xla", lora_ranks=ranks)
+    assert jax_helpers.rel_err(out, jax_helpers.expand_ref(y, jax_helpers.shrink_ref(x, A0, idx, 1.0), B0, idx, 0,
+                                                           True)) < 1e-5
+    np.testing.assert_array_equal(np.asarray(out)[2], y[2])
+
+
+def test_nan_in_an_unused_slot_stays_there_linear_logits_embedding():
+    """A NaN/Inf in one slot's A, B or bias -- a slot no token uses -- never reaches
+    another row, on the torch backend, for linear, logits and embedding."""
+    rng = torch_helpers.rng(5)
+    a, b = torch_helpers.stacked(rng, 3, 4, 8, (5,))
+    bias = [torch.tensor(rng.standard_normal((3, 5)), dtype=torch.float32)]
+    clean = [t.clone() for t in (a[0], b[0], bias[0])]
+    a[0][2].fill_(float("nan"))
+    b[0][2, 0, 0, 0] = float("inf")
+    bias[0][2].fill_(float("nan"))
+    w = torch_helpers.wrapper((1, 0, 2, 1), [1, 2, 3], prompt_ids=(2, 0, 1))
+    x = torch.tensor(rng.standard_normal((4, 8)), dtype=torch.float32)
+    y = torch.zeros(4, 5)
+    w.add_lora_linear(y, x, a, b, bias, 1.0, (5,))
+    want = torch_helpers.oracle_linear(torch.zeros(4, 5), x, [clean[0]], [clean[1]], [clean[2]], 1.0, [0, -1, 1, 0],
+                                       (5,))
+    assert torch.isfinite(y).all()
+    assert torch_helpers.rel(y.numpy(), want) < 1e-5
+    yl = torch.zeros(3, 5)
+    w.add_lora_logits(yl, x[:3], a[0][:, 0], b[0][:, 0], 1.0)
+    assert torch.isfinite(yl).all() and torch.equal(yl[1], torch.zeros(5))
+    ye = torch.zeros(4, 5)
+    w.add_lora_embedding(ye, torch.ones(4, 4), b[0][:, 0])
+    assert torch.isfinite(ye).all() and torch.equal(ye[1], torch.zeros(5))
+
+
+def test_add_shrink_writes_zero_rows_for_tokens_without_lora_despite_nan_weights():
+    """Contract section 4: add_shrink writes 0 on no-LoRA rows (never NaN), whatever another
+    slot holds."""
+    rng = torch_helpers.rng(6)
+    a, _ = torch_helpers.stacked(rng, 2, 4, 8, (5,))
+    a[0][1].fill_(float("nan"))
+    w = torch_helpers.wrapper((1, 0, 1), [1, 2])
+    buf = torch.full((1, 3, 4), float("nan"))
+    w.add_shrink(buf, torch.ones(3, 8), a, 1.0)
+    assert torch.equal(buf[0, 1], torch.zeros(4))
+    assert torch.isfinite(buf).all()
+
+
+def test_lora_ranks_ignores_nan_in_the_rank_padding():
+    """With lora_ranks=, NaN in the rank padding gives the zero-padded result."""
+    rng = torch_helpers.rng(7)
+    a, b = torch_helpers.stacked(rng, 2, 8, 8, (6,))
+    ranks = torch.tensor([3, 8], dtype=torch.int32)
+    a_clean, b_clean = a[0].clone(), b[0].clone()
+    a_clean[0, :, 3:] = 0
+    b_clean[0, :, :, 3:] = 0
+    a[0][0, :, 3:] = float("nan")
+    b[0][0, :, :, 3:] = float("nan")
+    w = torch_helpers.wrapper((1, 2, 1), [1, 2])
+    x = torch.tensor(rng.standard_normal((3, 8)), dtype=torch.float32)
+    y = torch.zeros(3, 6)
+    w.add_lora_linear(y, x, a, b, None, 1.0, (6,), lora_ranks=ranks)
+    want = torch_helpers.oracle_linear(torch.zeros(3, 6), x, [a_clean], [b_clean], None, 1.0, [0, 1, 0], (6,))
+    assert torch_helpers.rel(y.numpy(), want) < 1e-5

@@ -1,9 +1,11 @@
 """Through jax_lora.AdapterManager: one slot with NaN in its weights poisons only its own rows.
 
-The manager puts every active adapter into a slot of the same stacked weights; before the
-reference backend selected slots (instead of a one-hot matmul over all of them), a NaN in one
-adapter's lora_B turned every LoRA row of every batch NaN -- even batches that did not use it.
-The manager refuses adapters with non-finite weights, so the NaN is written into a loaded slot.
+The manager puts every active adapter into a slot of the same stacked weights; the reference
+backend selects each row's slot (no one-hot matmul over all slots), so a NaN in one adapter's
+lora_B stays in the rows that use it. The manager refuses adapters with non-finite weights, so the
+NaN is written into a loaded slot.
+
+CPU, xla backend.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""contract section 2-8 clause by clause, the way an outside test author calls the packages.
+"""The contract (docs/contract.md sections 2-8) clause by clause, the way an outside caller uses the packages.
 
 Only public imports; both sides (JAX and torch) wherever the clause is shared. The cases the
-conformance suite (test_conformance.py) and test_bad_input.py already cover are not repeated here:
-these are the API shapes of vLLM's reference pages (argument names, orders, defaults, vLLM's call patterns),
-the kernel metadata field by field against vLLM's algorithm, and section 6's device rule
-against the wrapper's own index arrays.
+conformance suite (tests/test_conformance.py) and tests/test_input_errors.py already cover are not
+repeated here: these are the public names each package exports, the API shapes of vLLM's
+reference pages (argument names, orders, defaults, vLLM's call patterns), the kernel metadata
+field by field against vLLM's algorithm, and section 6's device rule against the wrapper's own
+index arrays. CPU only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import inspect
 
 import numpy as np
 import pytest
+
+import torch_lora
 
 from . import oracle
 from .impls import torch_triton_device
@@ -147,7 +150,7 @@ class _Ctx:  # any object with offsets_by_lora_id works as a long-LoRA context (
 
 
 @pytest.mark.parametrize("side", SIDES)
-def test_convert_mapping_takes_the_seeds_positional_device(side):
+def test_convert_mapping_takes_vllms_positional_device(side):
     """The TPU seed calls convert_mapping(mapping, ids, max_loras, vocab, extra, "cpu", long_lora_context)."""
     pkg = _pkg(side)
     mapping = pkg.LoRAMapping((0, 7, 7, 3, 11, 0), (7, 0, 11))
@@ -431,3 +434,15 @@ def test_metadata_driven_ops_name_the_bad_argument(side, bad, error, message):
             stack.enter_context(jax.default_device(jax.devices("cpu")[0]))
         with pytest.raises(error, match=message):
             _op_call(side, bad)
+
+
+def test_public_names_exist():
+    """Contract section 8: torch_lora exports LoRAMapping, convert_mapping, compute_meta, LoRAKernelMeta,
+    PunicaWrapper, and torch_lora.ops the metadata, BGMV and SGMV ops."""
+    for name in ("LoRAMapping", "convert_mapping", "compute_meta", "LoRAKernelMeta", "PunicaWrapper",
+                 "load_peft_adapter", "AdapterManager", "AdapterError"):
+        assert hasattr(torch_lora, name), name
+    for name in ("lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
+                 "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"):
+        assert callable(getattr(torch_lora.ops, name)), name
+    assert issubclass(torch_lora.AdapterError, ValueError)

@@ -1,6 +1,9 @@
 """Valid but unusual inputs to the product layer (torch_lora.hf, jax_lora.models), each checked
 against the ground truth of the rest of the suite: peft per request for torch, the model's own
-loading rules for JAX."""
+loading rules for JAX.
+
+CPU.
+"""
 
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ def test_add_lora_target_modules_as_a_string_or_an_iterator(tmp_path):
 # ----------------------------------------------------------------------------- generate(inputs=...)
 
 def test_generate_takes_the_prompt_as_inputs(llama):
-    """transformers' generate names its prompt `inputs`; MultiLoRAModel.generate passed its own
+    """Transformers' generate names its prompt `inputs`; MultiLoRAModel.generate passed its own
     input_ids (None) positionally next to it: TypeError 'got multiple values for argument inputs'."""
     mm = llama.wrapped()
     rows = ["b", "__base__", "c"]

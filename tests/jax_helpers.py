@@ -1,0 +1,65 @@
+"""Small builders and float64 oracles for JAX-side tests written against the public API.
+
+`rand` draws float32 normal arrays from one seeded generator; `shrink_ref` / `expand_ref` are the
+ops' math as plain loops (contract section 5); `wrapper` builds a jax_lora.PunicaWrapper already
+updated with a mapping. Slot i holds LoRA id LORA_INDEX_TO_ID[i]; id 0 is "no LoRA".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax_lora import LoRAMapping, PunicaWrapper
+
+RNG = np.random.default_rng(1234)
+LORA_INDEX_TO_ID = [1, 2, 3]        # three slots, ids 1..3 in slots 0..2
+
+
+def rand(*shape, scale=1.0, dtype=np.float32):
+    """`shape` normal values times `scale`, as `dtype` (float32)."""
+    return (RNG.standard_normal(shape) * scale).astype(dtype)
+
+
+def shrink_ref(x, a, idx, scale):
+    """(T, r) float64: scale * x[t] @ a[idx[t]].T, 0 for idx -1. a: (L, r, H)."""
+    x, a = np.asarray(x, np.float64), np.asarray(a, np.float64)
+    out = np.zeros((x.shape[0], a.shape[1]))
+    for t, i in enumerate(idx):
+        if i >= 0:
+            out[t] = scale * x[t] @ a[i].T
+    return out
+
+
+def expand_ref(y, buf, b, idx, offset, add_inputs):
+    """y with columns offset:offset+n of rows idx >= 0 set to (y if add else 0) + buf[t] @ b[idx].T."""
+    y = np.array(y, np.float64)
+    buf, b = np.asarray(buf, np.float64), np.asarray(b, np.float64)
+    n = b.shape[1]
+    for t, i in enumerate(idx):
+        if i >= 0:
+            base = y[t, offset:offset + n] if add_inputs else 0.0
+            y[t, offset:offset + n] = base + buf[t] @ b[i].T
+    return y
+
+
+def rel_err(got, want):
+    """Relative Frobenius error in float64; NaN/Inf in `got` fails."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got)), "NaN/Inf in the result"
+    denom = max(np.linalg.norm(want), 1e-30)
+    return float(np.linalg.norm(got - want) / denom)
+
+
+def wrapper(idx_ids, lora_index_to_id, *, prompt=None, prefill=False, capacity=32, backend="xla", vocab=64, **kw):
+    """A PunicaWrapper with one slot per entry of `lora_index_to_id`, updated with the token ids
+    `idx_ids` (and `prompt`, default the same) for a vocabulary of `vocab`."""
+    w = PunicaWrapper(max_num_batched_tokens=capacity, max_batches=16, device=None,
+                      max_loras=len(lora_index_to_id), backend=backend, **kw)
+    w.update_metadata(LoRAMapping(tuple(idx_ids), tuple(prompt if prompt is not None else idx_ids), prefill),
+                      lora_index_to_id, max_loras=len(lora_index_to_id) + 1, vocab_size=vocab)
+    return w
+
+
+def ids_to_slots(ids):
+    """LoRA ids to slots under LORA_INDEX_TO_ID: id i > 0 is slot i - 1, 0 is -1 (no LoRA)."""
+    return [i - 1 if i > 0 else -1 for i in ids]
