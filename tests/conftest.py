@@ -40,6 +40,10 @@ SLOW_TESTS = (
     "tests/test_deterministic.py::test_bridged_wrappers_pass_deterministic_on[*]",
     "tests/test_serving.py::test_deterministic_serving_gives_a_request_the_same_tokens_in_any_batch",
     # whole demos and models in a subprocess or through the interpreter
+    # the docs' examples in fresh interpreters: the tensor-parallel, serving and Hugging Face ones (15-45 s each)
+    "tests/test_docs_snippets.py::test_snippet_runs_as_written[docs/parallel.md:*]",
+    "tests/test_docs_snippets.py::test_snippet_runs_as_written[docs/flax.md:*]",
+    "tests/test_docs_snippets.py::test_snippet_runs_as_written[docs/torch.md:*]",
     "tests/test_parallel_serving.py::test_demo_with_tp_4_verifies_every_request",
     "tests/test_torch_hf.py::test_triton_kernels_match_peft",
     # the conformance suite over the Pallas TPU kernels in TPU interpret mode (10-28 s a case);
