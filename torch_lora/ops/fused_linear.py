@@ -29,7 +29,7 @@ from lora_core.kernels.gemm_lora import gemm_lora_kernel, plan_gemm_lora
 from lora_core.kernels.norm_shrink import plan_norm_shrink, rms_norm_shrink_kernel
 from lora_core.kernels.planning import MAX_SLICES, next_pow2
 
-from . import as_int32, as_lora_ranks, check_tensors, to_3d
+from .api import as_int32, as_lora_ranks, check_tensors, to_3d
 
 __all__ = ["gemm_lora", "rms_norm_shrink", "GEMM_CONFIGS", "NORM_SHRINK_CONFIGS", "gemm_config", "norm_shrink_config"]
 
