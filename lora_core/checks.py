@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import AdapterError
+
 # contract section 4: activations fp16/bf16/fp32; weights fp16/bf16 (fp32 on reference paths too).
 ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
@@ -391,7 +393,6 @@ def check_placed_adapter(label: str, path: str, parts: Sequence[np.ndarray], dty
     in, float32 on the host): every value finite, and within the layer dtype's range (`dtype`, any
     spelling dtype_name reads), since a larger one would be infinite once stored. Both frameworks'
     placement calls it, so they refuse the same adapters with the same message (an AdapterError)."""
-    from .peft.config import AdapterError  # here: lora_core.peft imports this module
     name = dtype_name(dtype)
     limit = FLOAT_MAX.get(name, FLOAT_MAX["float32"])
     for array in parts:
@@ -408,7 +409,6 @@ def check_placed_adapter(label: str, path: str, parts: Sequence[np.ndarray], dty
 def check_dora_scale(label: str, path: str, scale: np.ndarray) -> None:
     """A DoRA column scale g = m / ||W + s B A||_row placed into layer `path`: every value finite
     (a NaN or infinite magnitude, or base weights that are not finite, make it NaN / inf)."""
-    from .peft.config import AdapterError
     if not np.all(np.isfinite(scale)):
         raise AdapterError(f"adapter {label}: the DoRA column scale of {path!r} holds NaN or infinite values "
                            "(magnitudes or base weights that are not finite)")

@@ -77,17 +77,17 @@ _ORACLE: dict = {}
 
 def merged_logits(assets, adapter_dir, tokens):
     """(len(tokens), vocab) float64: the checkpoint with `adapter_dir` merged (None: the base model)."""
-    if adapter_dir not in _ORACLE:
+    key = (assets["model"], adapter_dir)     # several checkpoints share a test process (the base is None in each)
+    if key not in _ORACLE:
         base = load_llama(assets["model"])
         model = base if adapter_dir is None else merge_adapter(base, load_peft_adapter(adapter_dir))
         graphdef, state = nnx.split(model)
-        if "forward" not in _ORACLE:
-            pos = np.arange(ORACLE_LEN, dtype=np.int32)[None]
-            _ORACLE["forward"] = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, pos)[0][0])
-        _ORACLE[adapter_dir] = state
+        pos = np.arange(ORACLE_LEN, dtype=np.int32)[None]
+        _ORACLE[key] = (jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, pos)[0][0]), state)
+    forward, state = _ORACLE[key]
     t = np.zeros((1, ORACLE_LEN), np.int32)
     t[0, :len(tokens)] = tokens
-    return np.asarray(_ORACLE["forward"](_ORACLE[adapter_dir], t), np.float64)[:len(tokens)]
+    return np.asarray(forward(state, t), np.float64)[:len(tokens)]
 
 
 def check_against_merged(assets, completions, dirs):

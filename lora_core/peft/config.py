@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import AdapterError
 from .patterns import MAX_KEY_LOOPS, compile_guarded
 
 CONFIG_NAME = "adapter_config.json"
@@ -27,11 +28,6 @@ MAX_HEADER_BYTES = 100_000_000         # the safetensors library's own limit
 MAX_TENSOR_BYTES = 2**31               # per LoRA tensor; vocab 256k x rank 256 in fp32 is 256 MiB
 MAX_ADAPTER_BYTES = 2**34              # all LoRA tensors of one adapter read without a model to size them by
 MAX_DIM = 2**31 - 1                    # a rank or a tensor dimension (the kernels index with int32)
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be loaded (the message names the file, the field or tensor, what was
-    expected and what was received) or placed into a model (the module and the shapes)."""
 
 
 # ----------------------------------------------------------------------------- config fields

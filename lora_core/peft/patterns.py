@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import re
 
+from ..errors import AdapterError
+
 try:
     import re._parser as _sre_parse  # Python >= 3.11
     from re import _constants as _sre
@@ -102,7 +104,6 @@ def compile_guarded(pattern: str, where: str, field: str, *, max_loops: int = MA
     """`re.compile(pattern)` once the pattern is known to match fast (see the module docstring);
     AdapterError naming `where` (the file), `field` and the pattern otherwise (is_key: the pattern
     is a key of the field's object, as in rank_pattern)."""
-    from .config import AdapterError  # here: lora_core.peft.config imports this module
     shown = pattern if len(pattern) <= 80 else pattern[:76] + " ..."
     subject = f"{where}: field {field!r}: {'key' if is_key else 'the regular expression'} {shown!r}"
     if len(pattern) > MAX_PATTERN_CHARS:
