@@ -63,3 +63,31 @@ def wrapper(idx_ids, lora_index_to_id, *, prompt=None, prefill=False, capacity=3
 def ids_to_slots(ids):
     """LoRA ids to slots under LORA_INDEX_TO_ID: id i > 0 is slot i - 1, 0 is -1 (no LoRA)."""
     return [i - 1 if i > 0 else -1 for i in ids]
+
+
+def write_adapter(path, config: dict, tensors: dict) -> str:
+    """A PEFT adapter directory at `path`: `config` as adapter_config.json, `tensors` (name -> array)
+    as float32 adapter_model.safetensors. Returns the path."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+def plain_config(**kw) -> dict:
+    """A minimal LoRA adapter_config (r 2, alpha 4, q_proj) with `kw` overriding or adding fields."""
+    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    cfg.update(kw)
+    return cfg
+
+
+def q_tensors(r=2, module="model.layers.0.self_attn.q_proj", i=8, o=8) -> dict:
+    """PEFT tensor names -> random factors of one module: lora_A (r, i), lora_B (o, r)."""
+    return {f"base_model.model.{module}.lora_A.weight": rand(r, i),
+            f"base_model.model.{module}.lora_B.weight": rand(o, r)}

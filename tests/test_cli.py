@@ -18,13 +18,13 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 import jax_lora
 from jax_lora import cli
 
-from . import jax_helpers, llama_checkpoint
+from . import llama_checkpoint
+from .jax_helpers import plain_config, q_tensors, write_adapter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -375,25 +375,10 @@ def llama_dirs(tmp_path_factory):
     return llama_checkpoint.write_assets(tmp_path_factory.mktemp("llama_checkpoint"))
 
 
-def _write_adapter(path, config: dict, tensors: dict):
-    from safetensors.numpy import save_file
-    os.makedirs(path, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
-              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    return str(path)
 
 
-def _plain_config(**kw):
-    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
-    cfg.update(kw)
-    return cfg
 
 
-def _q_tensors(r=2, module="model.layers.0.self_attn.q_proj", i=8, o=8):
-    return {f"base_model.model.{module}.lora_A.weight": jax_helpers.rand(r, i),
-            f"base_model.model.{module}.lora_B.weight": jax_helpers.rand(o, r)}
 
 
 # Meshes of host CPU devices (tests/conftest.py forces 8). On a GPU machine JAX's default backend
@@ -445,7 +430,7 @@ def test_cli_bad_directories_and_adapters_one_line_exit_2(llama_dirs, tmp_path, 
     """`jax-lora demo MODEL_DIR ADAPTER_DIR` with an adapter that cannot be loaded (an
     aLoRA field), a missing directory, no adapter after MODEL_DIR, or --prompt with a MODEL_DIR that
     has no tokenizer exits 2 with one line `jax-lora demo: error: <what and why>`, no traceback."""
-    bad = _write_adapter(tmp_path / "alora", _plain_config(alora_invocation_tokens=[5]), _q_tensors(
+    bad = write_adapter(tmp_path / "alora", plain_config(alora_invocation_tokens=[5]), q_tensors(
         2, "model.layers.0.self_attn.q_proj", 32, 32))
     for argv, word in [([llama_dirs["model"], bad], "alora_invocation_tokens"),
                        ([llama_dirs["model"], str(tmp_path / "missing")], "missing"),

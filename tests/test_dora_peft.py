@@ -5,9 +5,6 @@ away from their initial norms) loaded by lora_core.peft, column scales computed 
 
 from __future__ import annotations
 
-import json
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +19,7 @@ from jax_lora.serving import Request, ServingEngine
 
 from . import jax_helpers, llama_checkpoint
 from .impls import triton_runs
+from .jax_helpers import plain_config, write_adapter
 from .test_peft_roundtrip import VOCAB, _rel, _torch_logits, build_peft_models, check_mixed_batch_equals_peft
 
 torch = pytest.importorskip("torch")
@@ -108,20 +106,8 @@ def llama_dirs(tmp_path_factory):
     return llama_checkpoint.write_assets(tmp_path_factory.mktemp("llama_checkpoint"))
 
 
-def _write_adapter(path, config: dict, tensors: dict):
-    from safetensors.numpy import save_file
-    os.makedirs(path, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
-              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    return str(path)
 
 
-def _plain_config(**kw):
-    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
-    cfg.update(kw)
-    return cfg
 
 
 def _dora_adapter(llama_dirs, path):
@@ -132,8 +118,8 @@ def _dora_adapter(llama_dirs, path):
         tensors[f"base_model.model.{m}.lora_A.weight"] = a
         tensors[f"base_model.model.{m}.lora_B.weight"] = b
         tensors[f"base_model.model.{m}.lora_magnitude_vector"] = jax_helpers.RNG.uniform(0.5, 2.0, b.shape[0])
-    cfg = _plain_config(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "down_proj"])
-    return _write_adapter(path, cfg, tensors)
+    cfg = plain_config(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "down_proj"])
+    return write_adapter(path, cfg, tensors)
 
 
 def test_dora_and_lora_adapters_mixed_in_one_batch_equal_merged(llama_dirs, tmp_path):

@@ -20,7 +20,7 @@ import pytest
 from lora_core import peft as core_peft
 from lora_core.peft import AdapterError, load_peft_adapter, save_peft_adapter
 
-from . import jax_helpers
+from .jax_helpers import plain_config, q_tensors, write_adapter
 
 H, OUT = 8, 12
 MODULE = "model.layers.0.self_attn.q_proj"
@@ -453,44 +453,29 @@ def test_missing_or_odd_files(tmp_path):
     _refused(tmp_path, "adapter_config.json is missing")
 
 
-def _write_adapter(path, config: dict, tensors: dict):
-    from safetensors.numpy import save_file
-    os.makedirs(path, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
-              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    return str(path)
 
 
-def _plain_config(**kw):
-    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
-    cfg.update(kw)
-    return cfg
 
 
-def _q_tensors(r=2, module="model.layers.0.self_attn.q_proj", i=8, o=8):
-    return {f"base_model.model.{module}.lora_A.weight": jax_helpers.rand(r, i),
-            f"base_model.model.{module}.lora_B.weight": jax_helpers.rand(o, r)}
 
 
 def test_peft_scaling_rslora_rank_and_alpha_patterns(tmp_path):
     """load_peft_adapter reads r, lora_alpha (PEFT's default 8 when absent), use_rslora
     (alpha / sqrt(r)), rank_pattern / alpha_pattern per module, as float32 NumPy factors."""
-    t = {**_q_tensors(4), **_q_tensors(2, "model.layers.0.self_attn.v_proj")}
-    d = _write_adapter(tmp_path / "a", _plain_config(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+    t = {**q_tensors(4), **q_tensors(2, "model.layers.0.self_attn.v_proj")}
+    d = write_adapter(tmp_path / "a", plain_config(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                      rank_pattern={"v_proj": 2}, alpha_pattern={"v_proj": 3}), t)
     ad = core_peft.load_peft_adapter(d)
     q, v = ad.modules["model.layers.0.self_attn.q_proj"], ad.modules["model.layers.0.self_attn.v_proj"]
     assert q.lora_a.dtype == np.float32 and q.lora_a.shape == (4, 8) and q.lora_b.shape == (8, 4)
     assert math.isclose(q.scaling, 16 / 4) and math.isclose(v.scaling, 3 / 2)
-    cfg = _plain_config(r=4, use_rslora=True)
+    cfg = plain_config(r=4, use_rslora=True)
     cfg.pop("lora_alpha")
-    d2 = _write_adapter(tmp_path / "b", cfg, _q_tensors(4))
+    d2 = write_adapter(tmp_path / "b", cfg, q_tensors(4))
     assert math.isclose(core_peft.load_peft_adapter(d2).modules["model.layers.0.self_attn.q_proj"].scaling,
                         8 / math.sqrt(4))
-    d3 = _write_adapter(tmp_path / "c", _plain_config(lora_dropout=0.1, task_type="CAUSAL_LM",
-                                                      init_lora_weights="gaussian"), _q_tensors())
+    d3 = write_adapter(tmp_path / "c", plain_config(lora_dropout=0.1, task_type="CAUSAL_LM",
+                                                      init_lora_weights="gaussian"), q_tensors())
     core_peft.load_peft_adapter(d3)                       # metadata fields are accepted
 
 
@@ -505,7 +490,7 @@ def test_peft_scaling_rslora_rank_and_alpha_patterns(tmp_path):
 def test_peft_fields_that_change_the_math_are_refused(tmp_path, field, value):
     """An allowlist of PEFT fields: aLoRA, LoRA bias, modules_to_save, PiSSA init, an
     unknown field and r=0 raise AdapterError (a ValueError) naming the file and the field."""
-    d = _write_adapter(tmp_path / "a", _plain_config(**{field: value}), _q_tensors())
+    d = write_adapter(tmp_path / "a", plain_config(**{field: value}), q_tensors())
     with pytest.raises(AdapterError) as e:
         core_peft.load_peft_adapter(d)
     assert isinstance(e.value, ValueError)
@@ -517,7 +502,7 @@ def test_peft_bad_files_fail_cleanly(tmp_path):
     empty / garbage / huge-header safetensors, tensors of a module the config does not target, a
     pickle-only adapter and a safetensors symlinked outside the directory all raise AdapterError
     naming the file (or field)."""
-    good = _write_adapter(tmp_path / "good", _plain_config(), _q_tensors())
+    good = write_adapter(tmp_path / "good", plain_config(), q_tensors())
     weights = os.path.join(good, "adapter_model.safetensors")
     data = pathlib.Path(weights).read_bytes()
 
@@ -525,9 +510,9 @@ def test_peft_bad_files_fail_cleanly(tmp_path):
         d = tmp_path / name
         d.mkdir()
         (d / "adapter_config.json").write_text(config_text if config_text is not None else
-                                               json.dumps(config or _plain_config()))
+                                               json.dumps(config or plain_config()))
         if tensors is not None:
-            _write_adapter(d, config or _plain_config(), tensors)
+            write_adapter(d, config or plain_config(), tensors)
         elif weights_bytes is not None:
             (d / "adapter_model.safetensors").write_bytes(weights_bytes)
         return str(d)
@@ -538,7 +523,7 @@ def test_peft_bad_files_fail_cleanly(tmp_path):
         "truncated": (case("truncated", weights_bytes=data[:-5]), "adapter_model.safetensors"),
         "empty": (case("empty", weights_bytes=b""), "adapter_model.safetensors"),
         "huge": (case("huge", weights_bytes=struct.pack("<Q", 2**40) + b"{}"), "adapter_model.safetensors"),
-        "untargeted": (case("untargeted", tensors={**_q_tensors(), **_q_tensors(2, "model.layers.0.mlp.up_proj")}),
+        "untargeted": (case("untargeted", tensors={**q_tensors(), **q_tensors(2, "model.layers.0.mlp.up_proj")}),
                        "up_proj"),
         "garbage": (case("garbage", weights_bytes=b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!"),
                     "adapter_model.safetensors"),
@@ -547,12 +532,12 @@ def test_peft_bad_files_fail_cleanly(tmp_path):
     }
     pickle_dir = tmp_path / "pickle"
     pickle_dir.mkdir()
-    (pickle_dir / "adapter_config.json").write_text(json.dumps(_plain_config()))
+    (pickle_dir / "adapter_config.json").write_text(json.dumps(plain_config()))
     (pickle_dir / "adapter_model.bin").write_bytes(b"\x80\x04not really")
     bad["pickle"] = (str(pickle_dir), "safe_serialization")
     link_dir = tmp_path / "link"
     link_dir.mkdir()
-    (link_dir / "adapter_config.json").write_text(json.dumps(_plain_config()))
+    (link_dir / "adapter_config.json").write_text(json.dumps(plain_config()))
     os.symlink(weights, link_dir / "adapter_model.safetensors")
     bad["symlink"] = (str(link_dir), "adapter_model.safetensors")
     for name, (d, word) in bad.items():
