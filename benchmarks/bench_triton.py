@@ -235,8 +235,8 @@ def _host_us(fn, n):
 
 def host_breakdown(s, n=3000) -> str:
     """The parts of one PreparedLinear call, timed alone on this host (us per call, median of 5
-    batches): what the host figure is made of (--profile-host). The workspace allocation is what
-    a call paid before session 8 (PreparedLinear now reuses its stream's buffer)."""
+    batches): what the host figure is made of (--profile-host). The workspace allocation is timed
+    for comparison: PreparedLinear reuses its stream's buffer instead."""
     prepared = torch_triton.PreparedLinear(s.a, s.b, s.meta.meta_args(s.x.shape[0]), s.offsets)
     prepared(s.y, s.x, s.scale, s.ranks)                    # builds the direct path
     prepared(s.y, s.x, s.scale, s.ranks)                    # fills in the per-call values

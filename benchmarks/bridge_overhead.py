@@ -1,4 +1,4 @@
-"""Overhead of the bridge (issue 5): per converted tensor and per bridged `add_lora_linear` call.
+"""Overhead of the bridge: per converted tensor and per bridged `add_lora_linear` call.
 
     PYTHONPATH=. python benchmarks/bridge_overhead.py --device cuda --out benchmarks/results
     PYTHONPATH=. python benchmarks/bridge_overhead.py --device cpu  --out benchmarks/results
@@ -20,7 +20,7 @@ What is measured (host time, `time.perf_counter`, median of `--repeats` blocks o
     On the CPU the bridged torch-over-jax call waits for JAX's result (it copies it into y), so the
     native JAX call is timed up to block_until_ready too.
   * the pieces of one bridged call, timed alone (sum = what the bridge adds).
-Target (issue 5): at most 10 us per converted tensor beyond the native call.
+Target: at most 10 us per converted tensor beyond the native call.
 Writes bridge_overhead_<device>.json and .md under --out.
 """
 

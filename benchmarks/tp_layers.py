@@ -32,7 +32,7 @@ split layers equal the unsplit ones is the tests' (tests/test_parallel*.py, and 
 tests/test_gpu_parallel_torch.py).
 With --model, JAX also times the decode step of the whole Llama-3-8B-shaped model of
 benchmarks/e2e_decode.py split by `LlamaForCausalLM.shard` (rows "jax model step": time per
-step, not per layer). The target (issue 21): the LoRA overhead fraction at n = 2 no more than at
+step, not per layer). The target: the LoRA overhead fraction at n = 2 no more than at
 n = 1.
 
 With --smoke the model is tiny and float32 on CPU host devices (JAX) and gloo processes (torch):

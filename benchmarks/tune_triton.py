@@ -50,16 +50,16 @@ WIDTHS = (4096, 1024, 1024)
 def class_keys(tc: str, cfg: dict) -> dict:
     """cfg with the keys every config of shape class tc carries unless it sets them itself: at
     t64 (17-64 tokens) SMALL_T False -- 17-32 tokens in 16-token tiles of the sorted order, not
-    one whole-batch tile per adapter (session 8, explore 2026-11-30 19:09, every kernel a
-    dependent launch: T32 D8 fused 4.55 vs 5.24 us, rank 64 three slices 10.5 vs 13.4)."""
+    one whole-batch tile per adapter (faster with every kernel a dependent launch, at one and three
+    slices; docs/benchmarks_evidence.md)."""
     return {"SMALL_T": False, **cfg} if tc == "t64" else cfg
 
 
 def shrink_candidates(tc):
     if tc in ("t16", "t64"):
         # (+ 512-column chunks split for ~132 programs: T32 rank 64, explore 2026-11-30 15:09)
-        # (+ session 8, explores 18:43/18:47: 4 warps, 3 stages, A prefetched into L2 before the
-        # PDL wait at T 17-64 too -- T32 with 32 adapters 8.1 vs 10.2 us)
+        # (+ 4 warps, 3 stages, A prefetched into L2 before the PDL wait at T 17-64 too: faster
+        # with many adapters)
         # (+ 2026-12-02: the shrink is a plain launch from 2 tokens up (planning.pdl_launch), so
         # its metadata loads are no longer hidden behind the kernel before it: whole-batch tiles
         # (SMALL_T, one round trip for the metadata) again at 17-32 tokens)
@@ -72,24 +72,24 @@ def shrink_candidates(tc):
     if tc in ("t256", "t1024", "t4096"):
         # Explicit splits next to the SPLIT_K = 0 rule: at rank 64 the expand's unrolled sum of
         # the workspace planes costs ~12 registers per plane (134 at 4 planes, 86 at 1: ptxas, T=512).
-        # (+ session 6, explores 16:24-16:41: 128-column chunks with 4 stages at rank 16 with many
-        # adapters; at T2048 64-token tiles with 4 splits, or the split rule aimed at 400 programs)
+        # (+ 128-column chunks with 4 stages at rank 16 with many adapters; at T2048 64-token tiles
+        # with 4 splits, or the split rule aimed at 400 programs)
         out = [configs.shrink_params(bm, bk, sp, w, st) for bm, bk, sp, w, st in
                ((16, 256, 0, 4, 2), (16, 128, 0, 4, 2), (32, 128, 0, 4, 3), (64, 64, 0, 4, 3),
                 (16, 256, 1, 4, 3), (16, 128, 2, 4, 3), (32, 128, 2, 4, 3), (32, 256, 1, 8, 3),
                 (64, 128, 2, 4, 3), (16, 128, 0, 4, 4), (16, 256, 2, 4, 3))]
         if tc == "t4096":
             out += [configs.shrink_params(64, 128, 4, 4, 3), dict(configs.shrink_params(64, 128, 0, 4, 3), TARGET=400)]
-        # (session 7, explores 17:31-17:33: every slice in one program; won with 2+ slices at
-        # T512 rank 64 with few slots, lost at T2048)
+        # (every slice in one program: wins with 2+ slices at T512 rank 64 with few slots, loses at
+        # T2048)
         out += [dict(configs.shrink_params(16, 128, 0, 4, 4), ALL_SLICES=True)]
         return out
     # (prefill: ncu, 2026-11-30: the unsplit BLOCK_M 64 shrink runs 137 programs at T=8192, 6.4%
     # achieved occupancy, 54% of DRAM bandwidth -- hence smaller token tiles and splits)
-    # (+ session 6: the split rule aimed at 264 programs -- 2 splits at T8192 with one slice, 1 with
-    # three -- now that the expand sums the workspace planes once per program)
-    # (+ session 7, explores 17:31/17:33: every slice in one program, 32-token tiles, 2 splits --
-    # won with three slices at rank 16, lost at rank 64)
+    # (+ the split rule aimed at 264 programs -- 2 splits at T8192 with one slice, 1 with three --
+    # since the expand sums the workspace planes once per program)
+    # (+ every slice in one program, 32-token tiles, 2 splits: wins with three slices at rank 16,
+    # loses at rank 64)
     return [configs.shrink_params(bm, bk, sp, w, st) for bm, bk, sp, w, st in
             ((64, 128, 0, 4, 3), (64, 64, 1, 4, 4), (128, 64, 1, 4, 3), (128, 128, 1, 8, 3),
              (64, 128, 1, 4, 3), (32, 128, 1, 4, 3), (64, 128, 2, 4, 3), (64, 128, 4, 4, 3),
@@ -100,8 +100,8 @@ def shrink_candidates(tc):
 def expand_candidates(tc, rank):
     br = min(64, max(16, rank))
     if tc in ("t16", "t64"):
-        # (+ session 6: 2 tiles per program with the B tiles prefetched into L2 before the PDL wait;
-        # won at T32 with 32 adapters, lost with one adapter -- explore 16:24, sweep 16:29)
+        # (+ 2 tiles per program with the B tiles prefetched into L2 before the PDL wait: wins at
+        # T32 with 32 adapters, loses with one adapter)
         return [configs.expand_params(16, bn, br, w, st) for bn, w, st in
                 ((64, 4, 2), (128, 4, 2), (256, 4, 2), (256, 8, 2), (512, 8, 2))] + [
                 dict(configs.expand_params(16, 128, br, 4, 2), TILES_N=2, PREFETCH=True)] + (
@@ -114,14 +114,14 @@ def expand_candidates(tc, rank):
                 (64, 128, 4, 2), (64, 128, 8, 2), (16, 64, 4, 2))]
         if rank > 32:
             out += [configs.expand_params(bm, bn, 32, w, st) for bm, bn, w, st in ((16, 128, 4, 2), (32, 128, 8, 2))]
-        # several output tiles per program, the workspace rows summed once (session 6, explores
-        # 16:20-16:32): 4 tiles at many adapters, 2 (+ y prefetch) with 64-token tiles at few,
+        # several output tiles per program, the workspace rows summed once: 4 tiles at many adapters,
+        # 2 (+ y prefetch) with 64-token tiles at few,
         # 4-8 tiles of 32 tokens at T2048 (+ the next y ahead with one slice)
         out += [dict(configs.expand_params(bm, bn, br, 4, st), TILES_N=tn) for bm, bn, tn, st in
                 ((16, 128, 4, 3), (16, 128, 2, 2), (16, 64, 8, 3), (32, 128, 4, 3))]
         out += [dict(configs.expand_params(64, 128, br, 4, 3), TILES_N=2, PREFETCH_Y=True)]
-        # (session 7, explore 18:05: one 16x256 tile with B through shared memory -- B_SELECT, on
-        # by default for one-tile expands -- at T512 with few slots)
+        # (one 16x256 tile with B through shared memory -- B_SELECT, on by default for one-tile
+        # expands -- at T512 with few slots)
         out += [configs.expand_params(16, 256, br, 4, 2)]
         if tc == "t4096":
             out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8),
@@ -138,7 +138,7 @@ def expand_candidates(tc, rank):
     # tiles with the next y loaded ahead at rank 64)
     out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=4),
             dict(configs.expand_params(64, 128, br, 4, 2), TILES_N=8, Y_AHEAD=True)]
-    # (session 6, explores 16:24-16:34: 32-token tiles, 8 or 16 per program, 3 stages; rank 64 one slice)
+    # (32-token tiles, 8 or 16 per program, 3 stages; rank 64 one slice)
     out += [dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=8),
             dict(configs.expand_params(32, 128, br, 4, 3), TILES_N=16, Y_AHEAD=True)]
     return out
