@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from lora_core import cli_support
 from lora_core.cli_support import SizeError, interrupt_handler, on_interrupt, plural
 
 from .demo_sizes import check_caps, check_run_sizes, check_slots
@@ -174,22 +175,8 @@ BACKENDS = ("xla", "pallas_tpu", "triton")      # the JAX backends (jax_lora.ops
 
 def package_version() -> str:
     """The installed distribution's version; the package's own `__version__` when not installed."""
-    from importlib import metadata
-    try:
-        return metadata.version("jax-torch-lora")
-    except metadata.PackageNotFoundError:
-        from . import __version__
-        return __version__
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    from . import __version__
+    return cli_support.package_version(__version__)
 
 
 def _load_demo_model(model_dir, adapter_dirs, slots, dtype):
@@ -558,13 +545,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="serve TEXT (repeatable) once without and once per adapter, and print the outputs "
                            "as text; needs MODEL_DIR's tokenizer (transformers) or, for the built-in random "
                            "model, uses a byte-level tokenizer (UTF-8 bytes = token ids)")
-    demo.add_argument("--num-requests", "--requests", dest="num_requests", type=_positive_int, default=None,
+    demo.add_argument("--num-requests", "--requests", dest="num_requests", type=cli_support.positive_int, default=None,
                       metavar="N", help="number of random-token requests (default 24; not with --prompt)")
-    demo.add_argument("--max-new-tokens", type=_positive_int, default=16, metavar="N",
+    demo.add_argument("--max-new-tokens", type=cli_support.positive_int, default=16, metavar="N",
                       help="tokens generated per request (default 16)")
-    demo.add_argument("--max-seqs", type=_positive_int, default=8, metavar="N",
+    demo.add_argument("--max-seqs", type=cli_support.positive_int, default=8, metavar="N",
                       help="rows served at once (default 8)")
-    demo.add_argument("--slots", type=_positive_int, default=None, metavar="N",
+    demo.add_argument("--slots", type=cli_support.positive_int, default=None, metavar="N",
                       help="adapter slots on the device (default: adapters + 1; fewer swaps adapters LRU)")
     demo.add_argument("--dtype", choices=DTYPES, default=None,
                       help="weights' dtype (default: config.json's torch_dtype; float32 for the built-in model)")
@@ -572,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="force the wrapper's backend (default: the device's: xla on CPU, triton on a CUDA "
                            "GPU, pallas_tpu on a TPU)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the built-in model and random requests")
-    demo.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+    demo.add_argument("--tp", type=cli_support.positive_int, default=1, metavar="N",
                       help="serve split over N devices (tensor parallelism; on a CPU: "
                            "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     return parser

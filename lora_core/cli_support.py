@@ -146,3 +146,25 @@ def read_model_sizes(model_dir: str) -> dict | None:
                 "max_pos": int(raw.get("max_position_embeddings") or 0)}
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, RecursionError):
         return None
+
+
+def package_version(fallback: str) -> str:
+    """The installed distribution's version; `fallback` (the package's `__version__`) when the
+    tree runs without being installed."""
+    from importlib import metadata
+    try:
+        return metadata.version("jax-torch-lora")
+    except metadata.PackageNotFoundError:
+        return fallback
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value

@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Sequence
 
-from lora_core import checks
+from lora_core import checks, cli_support
 from lora_core.cli_support import (
     available_host_bytes,
     check_size,
@@ -451,22 +451,8 @@ def _eos_ids(model, vocab_size: int) -> tuple:
 
 def package_version() -> str:
     """The installed distribution's version; the package's own `__version__` when not installed."""
-    from importlib import metadata
-    try:
-        return metadata.version("jax-torch-lora")
-    except metadata.PackageNotFoundError:
-        from . import __version__
-        return __version__
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    from . import __version__
+    return cli_support.package_version(__version__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -483,13 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="Hugging Face causal LM directory")
     demo.add_argument("adapter_dirs", nargs="*", metavar="ADAPTER_DIR",
                       help="PEFT LoRA directories (adapter_config.json + adapter_model.safetensors)")
-    demo.add_argument("--requests", type=_positive_int, default=24, metavar="N",
+    demo.add_argument("--requests", type=cli_support.positive_int, default=24, metavar="N",
                       help=f"number of requests (default 24, at most {REQUESTS_CAP})")
-    demo.add_argument("--batch-size", type=_positive_int, default=8, metavar="N",
+    demo.add_argument("--batch-size", type=cli_support.positive_int, default=8, metavar="N",
                       help=f"requests per batch (default 8, at most {BATCH_CAP} and what memory holds)")
-    demo.add_argument("--max-new-tokens", type=_positive_int, default=8, metavar="N",
+    demo.add_argument("--max-new-tokens", type=cli_support.positive_int, default=8, metavar="N",
                       help="tokens generated per request (default 8)")
-    demo.add_argument("--slots", type=_positive_int, default=None, metavar="N",
+    demo.add_argument("--slots", type=cli_support.positive_int, default=None, metavar="N",
                       help="adapter slots (default: adapters + 1; fewer exercises LRU eviction; a batch holds at "
                            "most this many adapters)")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
