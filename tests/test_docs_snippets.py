@@ -2,7 +2,7 @@
 
 Every ```python block of README.md and docs/*.md runs on its own in a fresh interpreter (cwd an
 empty temporary directory, the repository root on PYTHONPATH, the environment the test suite's
-conftest adds taken out again) and must exit 0 within its timeout: a reader copying a snippet onto
+conftest adds taken out again, no accelerator visible) and must exit 0 within its timeout: a reader copying a snippet onto
 a CPU machine gets a working program. Blocks the docs show as ```text or plain ``` are not run.
 
 The second test reads every backticked or linked repository path in the same documents and in
@@ -53,6 +53,8 @@ def test_the_docs_have_python_snippets():
 def test_snippet_runs_as_written(name, source, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in CONFTEST_ENV}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else ROOT
+    # the claim is about a CPU machine: on a GPU machine the snippet sees no accelerator either
+    env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     script = tmp_path / "snippet.py"
     script.write_text(source)
     try:
