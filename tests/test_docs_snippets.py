@@ -2,8 +2,9 @@
 
 Every ```python block of README.md and docs/*.md runs on its own in a fresh interpreter (cwd an
 empty temporary directory, the repository root on PYTHONPATH, the environment the test suite's
-conftest adds taken out again, no accelerator visible) and must exit 0 within its timeout: a reader copying a snippet onto
-a CPU machine gets a working program. Blocks the docs show as ```text or plain ``` are not run.
+conftest adds taken out again, no accelerator visible) and must exit 0 within its timeout: a
+reader copying a snippet onto a CPU machine gets a working program. Blocks the docs show as
+```text or plain ``` are not run.
 
 The second test reads every backticked or linked repository path in the same documents and in
 the results READMEs under benchmarks/results/ and requires it to exist in the tree.
