@@ -39,13 +39,11 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
           "down": (14336, (4096,))}
@@ -173,22 +171,8 @@ class Clock:
                 c()                                  # compiles and plans outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in seq:
-                c()
-        g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(replays):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3 / len(seq))
-        del g
-        return float(np.median(times))
+        from bench_triton import graph_replay_us
+        return graph_replay_us(seq, replays) / len(seq)
 
 
 def best_of(clock, grid: list, make, m: int) -> tuple:
@@ -427,14 +411,8 @@ def markdown(res) -> str:
 def env_meta(cuda: bool) -> dict:
     import torch
     import triton
-    from bench_triton import host_cpu, source_digest
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                             cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-        except Exception:
-            commit = "unknown"
+    from bench_triton import git_commit, host_cpu, source_digest
+    commit = git_commit()
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name() if cuda else f"CPU (Triton interpreter, {host_cpu()})",
                 torch=torch.__version__, triton=triton.__version__, python=platform.python_version(), commit=commit,
@@ -452,7 +430,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         os.environ["TRITON_INTERPRET"] = "1"          # before Triton is imported
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
     if not args.quick and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --quick)", file=sys.stderr)

@@ -189,10 +189,10 @@ def graph_time_us(sets, replays=10):
             s.call()                                   # warm-up / compile outside the graph
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    return _graph_replay_us([s.call for s in sets], replays) / len(sets)
+    return graph_replay_us([s.call for s in sets], replays) / len(sets)
 
 
-def _graph_replay_us(calls, replays=10):
+def graph_replay_us(calls, replays=10):
     """Median us (CUDA events) of replaying one graph that holds `calls` in order."""
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -395,7 +395,7 @@ def jax_vs_torch(device, cases, steps=50, long_steps=200, jax_fused=None, barrie
             s.call()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        torch_total = {n: _graph_replay_us([s.call] * n) for n in (steps, long_steps)}
+        torch_total = {n: graph_replay_us([s.call] * n) for n in (steps, long_steps)}
 
         def j(t):
             return jnp.from_dlpack(t.contiguous())
@@ -591,15 +591,21 @@ def source_digest(root: str | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def env_meta():
-    # GIT_COMMIT first: the device machine's copy of the tree may carry a stale .git
+def git_commit() -> str:
+    """The tree's commit: $GIT_COMMIT first (the device machine's copy of the tree may carry a stale
+    .git), else `git rev-parse HEAD` of this checkout, else "unknown"."""
     commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                             stderr=subprocess.DEVNULL).strip()
-        except Exception:
-            commit = "unknown"
+    if commit:
+        return commit
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except Exception:
+        return "unknown"
+
+
+def env_meta():
+    commit = git_commit()
     import triton
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

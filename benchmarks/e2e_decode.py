@@ -66,7 +66,6 @@ import math
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 import zlib
@@ -1380,14 +1379,8 @@ def plot(out, path) -> None:
 def env_meta(args, cfg) -> dict:
     import jax
     import torch
-    from bench_triton import host_cpu, source_digest
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                             cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-        except Exception:
-            commit = "unknown"
+    from bench_triton import git_commit, host_cpu, source_digest
+    commit = git_commit()
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name() if not args.smoke else "cpu",
                 jax_device=str(jax.devices()[0]), torch=torch.__version__, python=platform.python_version(),
