@@ -150,10 +150,24 @@ def jax_device_for(device) -> jax.Device:
     return found
 
 
+def default_jax_device():
+    """JAX's default device where arrays are created now: the `jax.default_device` context or
+    setting when one is in force, else the first device of the default backend."""
+    chosen = jax.config.jax_default_device
+    if chosen is None:
+        return jax.devices()[0]
+    if isinstance(chosen, str):
+        platform = chosen.split(":")[0].lower()
+        platform = "gpu" if platform == "cuda" else platform
+        return jax.devices(platform)[int(chosen.split(":")[1]) if ":" in chosen else 0]
+    return chosen
+
+
 def torch_device_for(device) -> torch.device:
-    """The torch device holding the memory of a JAX device (or platform string, or None)."""
+    """The torch device holding the memory of a JAX device (or platform string, or None: JAX's
+    default device, `default_jax_device()`)."""
     if device is None:
-        device = jax.devices()[0]
+        device = default_jax_device()
     if isinstance(device, str):
         platform = device.split(":")[0].lower()
         index = int(device.split(":")[1]) if ":" in device else 0

@@ -46,7 +46,8 @@ from lora_core import checks, segments
 from lora_core.host_mapping import LoRAMapping, pad_prompt_mapping
 from lora_core.kernel_meta import KernelMeta
 
-from .dlpack import _ARRAY_IMPL, ConversionCache, current_stream, to_jax, to_torch, torch_device_for
+from .dlpack import (_ARRAY_IMPL, ConversionCache, current_stream, default_jax_device, to_jax, to_torch,
+                     torch_device_for)
 
 __all__ = ["JaxPunicaWrapper", "lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand",
            "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]
@@ -54,7 +55,7 @@ __all__ = ["JaxPunicaWrapper", "lora_shrink", "lora_expand", "bgmv_shrink", "bgm
 
 def _jax_device(device):
     if device is None:
-        return jax.devices()[0]
+        return default_jax_device()
     if isinstance(device, str):
         platform = device.split(":")[0].lower()
         platform = "gpu" if platform == "cuda" else platform
@@ -109,8 +110,9 @@ class JaxPunicaWrapper:
 
     Args:
       max_num_batched_tokens, max_batches, max_loras: as `jax_lora.PunicaWrapper`.
-      device: a JAX device, platform string ("cpu", "gpu") or None (JAX's default device); the
-        kernels run on the torch device holding the same memory.
+      device: a JAX device, platform string ("cpu", "gpu") or None (JAX's default device, a
+        `jax.default_device` context included); the kernels run on the torch device holding the
+        same memory.
       backend: a torch backend ("torch", "triton"); default: chosen by the device.
     """
 

@@ -32,6 +32,19 @@ WIDTHS = (128, 64, 192)                 # N = 384 over three slices, each a mult
 K = 256
 
 
+def _assert_rounds_like_hf(out: torch.Tensor, want: torch.Tensor) -> None:
+    """The normalised rows rounded to the input dtype before the gain, as LlamaRMSNorm does: equal to
+    HF's bit for bit, except that the kernel's float32 sum of squares may add in another order than
+    torch's mean (on a GPU), which moves the rounding of a few elements by one unit in the last place."""
+    if DEV == "cpu":
+        assert torch.equal(out, want), "the norm must round as LlamaRMSNorm does"
+        return
+    ulp = torch.finfo(want.dtype).eps * want.float().abs().clamp_min(torch.finfo(want.dtype).tiny)
+    off = (out.float() - want.float()).abs()
+    assert bool((off <= ulp).all()), f"the norm is off by more than one unit in the last place: {off.max()}"
+    assert (off > 0).float().mean().item() <= 0.01, "more than 1% of the elements round differently from HF"
+
+
 def _rel(got, ref) -> float:
     got = np.asarray(got.double().cpu() if isinstance(got, torch.Tensor) else got, np.float64)
     assert not np.isnan(got).any(), "NaN in the result (an unwritten output, or padding that was read)"
@@ -179,7 +192,7 @@ def test_rms_norm_shrink_matches_hf_norm_and_oracle(dtype, m, mode, planes):
     if dtype == torch.float32:
         assert _rel(out, want.double().cpu().numpy()) <= 1e-6
     else:
-        assert torch.equal(out, want), "the norm must round as LlamaRMSNorm does"
+        _assert_rounds_like_hf(out, want)
     xn = want.double().cpu().numpy()
     ref = np.zeros((3, m, rank))
     for s in range(3):
@@ -278,7 +291,7 @@ def test_gemm_lora_rejects_bad_arguments_by_name():
     with pytest.raises(ValueError, match="slots=None runs the GEMM alone"):
         gemm_lora(x, w, None, buf, b, None, (64, 32))
     with pytest.raises(ValueError, match="bias must have shape"):
-        gemm_lora(x, w, torch.zeros(95, dtype=x.dtype), buf, b, slots, (64, 32))
+        gemm_lora(x, w, torch.zeros(95, dtype=x.dtype, device=DEV), buf, b, slots, (64, 32))
 
 
 def test_rms_norm_shrink_rejects_bad_arguments_by_name():
