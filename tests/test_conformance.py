@@ -469,3 +469,100 @@ def test_add_lora_linear_with_lora_ranks(impl):
                             case.native(impl, case.bias), case.scale, case.slices, lora_ranks=impl.idx(ranks))
     want = oracle.lora_linear(y0, case.x, padded_a, padded_b, case.bias, case.scale, case.idx)
     assert_close(got, want, dtype, "add_lora_linear lora_ranks")
+
+
+# ----------------------------------------------------------------------------- mixture-of-experts LoRA
+
+MOE_PARAMS = [pytest.param(impl, dt, id=f"{impl.name}-{dt}", marks=impl.marks)
+              for impl in IMPLS if impl.moe_lora for dt in DTYPES if dt in impl.dtypes]
+
+
+class MoeCase:
+    """Routing of T tokens to top_k of E experts, L slots (slot 1 without expert LoRA), weights."""
+
+    def __init__(self, seed, dtype, num_tokens=7, top_k=2, experts=4, slots=3, hidden=32, inter=24, rank=8):
+        rng = np.random.default_rng(seed)
+        self.rng, self.top_k, self.experts = rng, top_k, experts
+        ids = [rng.choice(experts, top_k, replace=False) for _ in range(num_tokens)]
+        self.topk_ids = np.stack(ids).astype(np.int32)
+        w = rng.random((num_tokens, top_k)).astype(np.float32)
+        self.topk_weights = w / w.sum(1, keepdims=True)
+        self.idx = rng.choice([-1, 0, 1, 2], size=num_tokens).astype(np.int32)
+        self.enabled = np.array([1, 0, 1] + [0] * (slots - 3), np.int32)
+        self.lora_index_to_id = [101 + s for s in range(slots)]
+
+        def weights(*shape):
+            return round_to(rng.standard_normal(shape) / np.sqrt(shape[-1]), dtype)
+
+        self.gu_a = [weights(slots, experts, rank, hidden) for _ in range(2)]
+        self.gu_b = [weights(slots, experts, inter, rank) for _ in range(2)]
+        self.dn_a = [weights(slots, experts, rank, inter)]
+        self.dn_b = [weights(slots, experts, hidden, rank)]
+        self.x = round_to(rng.standard_normal((num_tokens, hidden)), dtype)
+        self.h = round_to(rng.standard_normal((num_tokens * top_k, inter)), dtype)
+        self.y13 = round_to(rng.standard_normal((num_tokens, top_k, 2 * inter + 3)), dtype)
+        self.y2 = round_to(rng.standard_normal((num_tokens, top_k, hidden)), dtype)
+
+    def mapping(self):
+        ids = tuple(0 if i < 0 else self.lora_index_to_id[i] for i in self.idx)
+        return LoRAMapping(ids, ids, False)
+
+    def untouched(self, got, y0):
+        """Pairs without a live adapter are bit for bit what they were."""
+        dead = (self.idx < 0) | (self.enabled[np.maximum(self.idx, 0)] == 0)
+        np.testing.assert_array_equal(got[dead], np.asarray(y0, np.float64)[dead])
+
+
+@pytest.mark.parametrize("impl,dtype", MOE_PARAMS)
+@pytest.mark.parametrize("order", ["naive", "sorted"])
+@pytest.mark.parametrize("down", [False, True], ids=["gate_up", "down"])
+def test_fused_moe_lora_op(impl, dtype, order, down):
+    """The op on both pair orders: gate_up (two slices, one x row per token, at an offset) and
+    down (one slice, one x row per pair, router weights applied)."""
+    case = MoeCase(40 + down, dtype)
+    a, b = (case.dn_a, case.dn_b) if down else (case.gu_a, case.gu_b)
+    x, y0, offset = (case.h, case.y2, 0) if down else (case.x, case.y13, 1)
+    got = impl.fused_moe_lora(y0, x, a, b, case.topk_ids, case.topk_weights, case.idx, case.enabled, down, offset,
+                              order == "naive", 16, dtype)
+    want = oracle.fused_moe_lora(y0, x, a, b, case.topk_ids, case.topk_weights, case.idx, case.enabled, down, offset)
+    assert_close(got, want, dtype, f"fused_moe_lora {order}")
+    case.untouched(got, y0)
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].moe_lora])
+def test_fused_moe_lora_shared_a_and_expert_minus_one(impl):
+    """One A tensor for both gate_up slices (PEFT's fused gate_up_proj) and an expert id of -1
+    (expert parallelism: not local) give the oracle's result."""
+    dtype = impl.dtypes[0]
+    case = MoeCase(43, dtype, num_tokens=9)
+    case.topk_ids[2, 1] = -1
+    a = [case.gu_a[0], case.gu_a[0]]
+    for naive in (True, False):
+        got = impl.fused_moe_lora(case.y13, case.x, a, case.gu_b, case.topk_ids, case.topk_weights, case.idx,
+                                  case.enabled, False, 0, naive, 16, dtype)
+        want = oracle.fused_moe_lora(case.y13, case.x, a, case.gu_b, case.topk_ids, case.topk_weights, case.idx,
+                                     case.enabled, False, 0)
+        assert_close(got, want, dtype, f"shared A naive={naive}")
+        np.testing.assert_array_equal(got[2, 1], case.y13[2, 1].astype(np.float64))
+
+
+@pytest.mark.parametrize("impl,dtype", MOE_PARAMS)
+@pytest.mark.parametrize("num_tokens,experts", [(1, 8), (24, 4)], ids=["naive", "sorted"])
+def test_wrapper_add_lora_w13_then_w2(impl, dtype, num_tokens, experts):
+    """vLLM's add_lora_w13 / add_lora_w2 on the wrapper's metadata: the pair order vLLM's rule
+    picks (naive for 1 token of 8 experts, sorted for 24 tokens), the router weights on w2 only."""
+    case = MoeCase(44, dtype, num_tokens=num_tokens, experts=experts)
+    w = impl.wrapper(num_tokens + 3, 8, len(case.lora_index_to_id))
+    w.update_metadata(case.mapping(), case.lora_index_to_id, len(case.lora_index_to_id) + 1, 32, 0)
+    got13, got2, naive = impl.moe_w13_w2(w, case.y13, case.x, case.gu_a, case.gu_b, case.y2, case.h, case.dn_a,
+                                         case.dn_b, case.topk_ids, case.topk_weights, case.enabled, case.experts,
+                                         dtype)
+    want13 = oracle.fused_moe_lora(case.y13, case.x, case.gu_a, case.gu_b, case.topk_ids, case.topk_weights,
+                                   case.idx, case.enabled, False)
+    want2 = oracle.fused_moe_lora(case.y2, case.h, case.dn_a, case.dn_b, case.topk_ids, case.topk_weights,
+                                  case.idx, case.enabled, True)
+    assert naive == (num_tokens == 1)
+    assert_close(got13, want13, dtype, "add_lora_w13")
+    assert_close(got2, want2, dtype, "add_lora_w2")
+    case.untouched(got13, case.y13)
+    case.untouched(got2, case.y2)
