@@ -41,6 +41,7 @@ from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file
     save_peft_adapter,
 )
 
+from .experts import LoRAExperts
 from .layers import LoRAEmbedding, LoRALinear, LoRALogits
 from .parallel import loading as parallel_loading
 from .parallel.layer import ParallelLoRALayer
@@ -58,10 +59,12 @@ __all__ = [
     "save_peft_adapter",
 ]
 
-_LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits, ParallelLoRALayer)
+_LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits, LoRAExperts, ParallelLoRALayer)
 
 
 def _layer_dtype(layer) -> torch.dtype:
+    if isinstance(layer, LoRAExperts):
+        return layer.gu_a.dtype
     return layer.dtype if isinstance(layer, ParallelLoRALayer) else layer.lora_a.dtype
 
 
@@ -142,6 +145,9 @@ def module_shapes(layers: Mapping) -> dict:
                                       layer.max_rank)
         elif isinstance(layer, LoRALinear):
             out[module] = ModuleShape("linear", layer.in_features, layer.output_slices[s], layer.max_rank)
+        elif isinstance(layer, LoRAExperts):
+            out[module] = ModuleShape("experts", layer.in_features[s], layer.out_features[s], layer.max_rank,
+                                      layer.num_experts)
         elif isinstance(layer, LoRAEmbedding):
             out[module] = ModuleShape("embedding", layer.num_embeddings, layer.embedding_dim, layer.max_rank)
         else:
@@ -178,7 +184,7 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
             raise AdapterError(checks.unknown_adapter_module(adapter.label, module, index))
         path, s = where
         layer = layers[path]
-        rank = int(a.shape[0])
+        rank = int(a.shape[-2])
         if rank > layer.max_rank:
             raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
                                f"max_rank={layer.max_rank}; wrap the model with max_rank >= {rank}")
@@ -217,7 +223,19 @@ def _place_module(arrays: dict, path: str, layer, s: int, module: str, adapter: 
     layer's slot layout (see prepare_adapter), zero-padded to max_rank, scaling folded into B;
     refuses factors of the wrong kind or shape for the layer."""
     r = layer.max_rank
-    if isinstance(layer, ParallelLoRALayer):
+    if isinstance(layer, LoRAExperts):
+        if kind != "experts":
+            raise AdapterError(f"adapter {adapter.label}: {module!r} holds {kind} factors but the model's module is "
+                               f"a 3-D expert weight (expected target_parameters factors)")
+        want_a = (layer.num_experts, rank, layer.in_features[s])
+        want_b = (layer.num_experts, layer.out_features[s], rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise AdapterError(f"adapter {adapter.label}, module {module!r}: expert factors {a.shape} / {b.shape} do "
+                               f"not fit the experts: expected A {want_a} and B {want_b}")
+        out = arrays.setdefault(path, [np.zeros(v.shape, np.float32) for v in layer.slot_views(0)])
+        out[2 * s][:, :rank] = a
+        out[2 * s + 1][:, :, :rank] = b * scaling
+    elif isinstance(layer, ParallelLoRALayer):
         _place_shard(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
     elif isinstance(layer, LoRALinear):
         if kind != "linear":
@@ -461,5 +479,7 @@ class AdapterManager(SlotTable):
                     layer.dora_scale[slot].copy_(g, non_blocking=non_blocking)
             rank = 0 if prepared is None else prepared.ranks[path]
             layer.lora_ranks[slot].fill_(rank)
+            if isinstance(layer, LoRAExperts):              # no expert LoRA in the slot: its pairs cost nothing
+                layer.adapter_enabled[slot].fill_(int(host is not None))
             if isinstance(layer, ParallelLoRALayer):
                 layer.lora_ranks_local[slot].fill_(parallel_loading.local_rank(layer.slice_shards[0], rank))

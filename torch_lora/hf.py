@@ -23,6 +23,11 @@ adds the LoRA term of each token's adapter to its module's output, through one s
   `torch_lora.layers.LoRALinear`). In the Llama, Mistral, Qwen2, Qwen3 and Gemma families the
   members read the very same tensor, so a group costs one call.
 - `o_proj`, `down_proj` and other lone linears: one `add_lora_linear` each, into the output in place.
+- Mixture-of-experts layers: every experts module holding fused `gate_up_proj` (E, 2I, H) and
+  `down_proj` (E, H, I) parameters (Mixtral, Qwen2-MoE, Qwen3-MoE) gets a `torch_lora.experts.LoRAExperts`
+  and runs its `forward_experts` as its forward (the one module whose forward is replaced, put back
+  by `unwrap()`): the base experts plus each routed pair's expert LoRA (PEFT's `target_parameters`
+  on those weights), through the wrapper's `add_lora_w13` / `add_lora_w2`.
 - The input embedding: `add_lora_embedding` (times the module's `embed_scale` where it has one, as
   PEFT does for Gemma's scaled embeddings). The LM head: `add_lora_logits` on the rows of logits the
   model computes (`logits_to_keep`).
@@ -66,6 +71,7 @@ from lora_core.host_mapping import LoRAMapping
 from lora_core.peft import AdapterConfig, PeftAdapter
 
 from .adapters import AdapterManager
+from .experts import LoRAExperts, is_experts_module
 from .layers import LoRAEmbedding, LoRALinear, LoRALogits
 from .wrapper import PunicaWrapper
 
@@ -155,7 +161,8 @@ class MultiLoRAModel:
 
     Args:
       model: a transformers causal LM (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-        Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, ...), on one device.
+        Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, and the mixtures of
+        experts MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, ...), on one device.
         It gets hooks; `unwrap()` removes them.
       max_loras: adapter slots (distinct adapters in one batch).
       max_rank: the largest adapter rank the slots hold.
@@ -217,6 +224,7 @@ class MultiLoRAModel:
         self._held = threading.local()        # .depth: forward passes of this thread holding the lock
         self._prepared_by: int | None = None  # the thread of the last prepare_step
         self._hooks = [module.register_forward_hook(hook, with_kwargs=True) for module, hook in members]
+        self._experts = self._install_experts(model)
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._after_forward, always_call=True))
         setattr(model, _WRAPPED_MARK, True)
@@ -247,6 +255,11 @@ class MultiLoRAModel:
             else:
                 parent, _, leaf = name.rpartition(".")
                 by_parent[parent][leaf] = module
+        for name, module in model.named_modules():
+            if name and is_experts_module(module):
+                weight = module.gate_up_proj
+                layers[name] = LoRAExperts(name, weight.shape[0], weight.shape[2], module.down_proj.shape[2],
+                                           dtype=weight.dtype, device=weight.device, **kw)
         for parent, children in by_parent.items():
             grouped = set()
             for group in SHARED_INPUT_GROUPS:
@@ -272,6 +285,17 @@ class MultiLoRAModel:
                 members.append((module, _linear_hook(layer, 0)))
         return layers, members
 
+    def _install_experts(self, model: nn.Module) -> list:
+        """Each experts module's forward set to its LoRAExperts' `forward_experts` (an instance
+        attribute, removed by unwrap); returns the modules."""
+        modules = []
+        for name, module in model.named_modules():
+            layer = self.layers.get(name)
+            if isinstance(layer, LoRAExperts):
+                module.forward = _experts_forward(layer, module)
+                modules.append(module)
+        return modules
+
     def _dora_kw(self, modules: list) -> dict:
         """A LoRALinear's DoRA arguments: with dora=True, the members' base weights (out, in)."""
         return {"dora": True, "base_weights": [m.weight for m in modules]} if self.dora else {}
@@ -283,6 +307,9 @@ class MultiLoRAModel:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            for module in self._experts:
+                module.__dict__.pop("forward", None)
+            self._experts = []
             if getattr(self.model, _WRAPPED_MARK, False):
                 delattr(self.model, _WRAPPED_MARK)
             self._closed = True
@@ -522,6 +549,12 @@ def _linear_hook(layer: LoRALinear, member: int):
     def hook(module, args, kwargs, output):
         return layer.apply(member, _input(args, kwargs, "input"), output)
     return hook
+
+
+def _experts_forward(layer: LoRAExperts, module: nn.Module):
+    def forward(hidden_states, top_k_index, top_k_weights):
+        return layer.forward_experts(module, hidden_states, top_k_index, top_k_weights)
+    return forward
 
 
 def _embedding_hook(layer: LoRAEmbedding):

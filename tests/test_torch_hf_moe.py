@@ -1,0 +1,141 @@
+"""torch_lora.hf.MultiLoRAModel on mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against PEFT.
+
+Tiny random models; adapters made and saved by peft with `target_parameters` on the fused expert
+weights (gate_up_proj and / or down_proj), mixed with attention LoRA, expert LoRA only, attention
+LoRA only, rank / alpha patterns and rsLoRA. A mixed batch (rows with different adapters and
+without one) must give, row by row, peft's logits for that request alone (float32, CPU), in a
+forward pass and through generate(); the Triton kernels (interpreter) too. unwrap() restores the
+experts' own forward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from torch_lora.experts import LoRAExperts  # noqa: E402
+from torch_lora.hf import MultiLoRAModel  # noqa: E402
+
+RTOL = 1e-4
+VOCAB = 64
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=24, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=24, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                       head_dim=8, decoder_sparse_step=1, norm_topk_prob=True)),
+}
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False)
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ADAPTERS = {
+    "both": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS),
+    "experts": dict(r=8, lora_alpha=4, use_rslora=True, target_modules=[], target_parameters=EXPERTS,
+                    rank_pattern={"down_proj": 2}, alpha_pattern={"gate_up_proj": 16}),
+    "down": dict(r=2, lora_alpha=4, target_modules=[], target_parameters=["mlp.experts.down_proj"]),
+    "attn": dict(r=4, lora_alpha=4, target_modules=["o_proj"]),
+}
+
+
+def _rel(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
+
+
+class MoeFamily:
+    def __init__(self, root, name):
+        cfg_name, model_name, extra = FAMILIES[name]
+        self.name, self.model_cls = name, getattr(transformers, model_name)
+        torch.manual_seed(0)
+        self.base_dir = str(root / "base")
+        self.model_cls(getattr(transformers, cfg_name)(**COMMON, **extra)).eval().save_pretrained(self.base_dir)
+        self.dirs, self.peft = {}, {}
+        for i, (adapter, kw) in enumerate(ADAPTERS.items()):
+            torch.manual_seed(100 + i)
+            pm = peft.get_peft_model(self.fresh(), peft.LoraConfig(init_lora_weights=False, **kw)).eval()
+            with torch.no_grad():                # PEFT initialises B small: make the expert LoRA matter
+                for module in pm.modules():
+                    if type(module).__name__ == "ParamWrapper":
+                        module.lora_B["default"].weight.mul_(20.0)
+            self.dirs[adapter] = str(root / adapter)
+            pm.save_pretrained(self.dirs[adapter])
+            self.peft[adapter] = pm
+        self.peft["__base__"] = self.fresh()
+
+    def fresh(self):
+        return self.model_cls.from_pretrained(self.base_dir).eval()
+
+    def wrapped(self, **kw):
+        mm = MultiLoRAModel(self.fresh(), **{"max_loras": 4, "max_rank": 8, **kw})
+        for a, path in self.dirs.items():
+            mm.load_adapter(a, path)
+        return mm
+
+    def alone(self, adapter, tokens):
+        with torch.no_grad():
+            return self.peft[adapter](torch.as_tensor(tokens)[None]).logits[0].numpy()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    return MoeFamily(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_mixed_batch_equals_peft_per_request(family):
+    mm = family.wrapped()
+    assert sum(isinstance(layer, LoRAExperts) for layer in mm.layers.values()) == 2
+    rows = ["both", "experts", "__base__", "down", "attn", "both"]
+    tokens = torch.as_tensor(np.random.default_rng(1).integers(1, VOCAB, size=(len(rows), 5)))
+    out = mm(tokens, adapter_names=rows).logits.numpy()
+    for j, adapter in enumerate(rows):
+        want = family.alone(adapter, tokens[j])
+        assert _rel(out[j], want) < RTOL, (family.name, j, adapter, _rel(out[j], want))
+        if adapter != "__base__":
+            assert _rel(want, family.alone("__base__", tokens[j])) > 1e-3, adapter
+
+
+def test_generate_with_mixed_adapters_equals_peft_per_request(family):
+    mm = family.wrapped()
+    rows = ["experts", "__base__", "both"]
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, VOCAB, size=n) for n in (4, 3, 5)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for j, p in enumerate(prompts):
+        ids[j, width - len(p):] = torch.as_tensor(p)
+        mask[j, width - len(p):] = 1
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
+               pad_token_id=0)
+    out = mm.generate(ids, attention_mask=mask, adapter_names=rows, **gen)
+    logits = torch.stack(out.logits, dim=1).numpy()
+    for j, (adapter, p) in enumerate(zip(rows, prompts)):
+        with torch.no_grad():
+            ref = family.peft[adapter].generate(input_ids=torch.as_tensor(p)[None], **gen)
+        assert out.sequences[j, width:].tolist() == ref.sequences[0, len(p):].tolist(), (family.name, j, adapter)
+        assert _rel(logits[j], torch.stack(ref.logits, dim=1)[0].numpy()) < RTOL, (family.name, j, adapter)
+
+
+def test_triton_kernels_and_unwrap(tmp_path):
+    """The Triton backend (interpreter on CPU) equals peft too; unwrap() gives back the experts'
+    own forward and the base model's logits."""
+    fam = MoeFamily(tmp_path, "mixtral")
+    mm = fam.wrapped(backend="triton")
+    rows = ["experts", "down", "__base__"]
+    tokens = torch.as_tensor(np.random.default_rng(3).integers(1, VOCAB, size=(len(rows), 3)))
+    out = mm(tokens, adapter_names=rows).logits.numpy()
+    for j, adapter in enumerate(rows):
+        assert _rel(out[j], fam.alone(adapter, tokens[j])) < RTOL, (j, adapter)
+    model = mm.unwrap()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        plain = model(tokens).logits.numpy()
+    for j in range(len(rows)):
+        assert _rel(plain[j], fam.alone("__base__", tokens[j])) < RTOL
