@@ -47,6 +47,7 @@ SLOW_TESTS = (
     "tests/test_parallel_serving.py::test_demo_with_tp_4_verifies_every_request",
     "tests/test_torch_hf.py::test_triton_kernels_match_peft",
     "tests/test_torch_hf_moe.py::test_triton_kernels_and_unwrap",
+    "tests/test_torch_cli.py::test_demo_mixtral_serves_expert_lora_and_verifies",
     # the conformance suite over the Pallas TPU kernels in TPU interpret mode (10-28 s a case);
     # tests/test_pallas_tpu.py keeps its quicker cases in the quick subset
     "tests/test_conformance.py::*[*jax-pallas_tpu*]",
