@@ -10,10 +10,10 @@ applied). T tokens: decode 1, 16, 64, 256 and prefill 2048, 8192 (`--tokens`); D
 32 slots: 1, 8, 32 (at most T; `--adapters`); ranks 16 and 64. Routing: each token's top_k distinct
 experts uniformly at random, router weights normalised; tokens assigned to the D adapters in
 random order. The pair order both sides get is vLLM's choice (`add_lora_w13`): naive when
-T * top_k * 8 <= E * 32 slots, else sorted by (slot, expert) with block size 16 (ours) / vLLM's
-configured BLOCK_SIZE_M 64 (vLLM's), each from `torch_lora.ops.moe_lora_align_block_size` (vLLM's
-alignment is a CUDA extension outside its Triton files); the alignment is done once per layer
-call in the engine and is not timed here.
+T * top_k * 8 <= E * 32 slots, else sorted by (slot, expert) in blocks of 16 up to 1024 pairs and
+64 above (ours: `torch_lora.ops.moe.moe_block_size`) / of vLLM's configured BLOCK_SIZE_M (64),
+each from `torch_lora.ops.moe_lora_align_block_size` (vLLM's alignment is a CUDA extension outside
+its Triton files); the alignment is done once per layer call in the engine and is not timed here.
 
 Per case: us per call from a CUDA graph of many calls replayed (median), for `ours`
 (`torch_lora.ops.fused_moe_lora`, backend triton) and `vllm` (`fused_moe_lora` with the configs
@@ -48,13 +48,6 @@ RANKS = (16, 64)
 QUICK_RANKS = (16,)
 NUM_SLOTS = 32
 QUICK_SLOTS = 8
-SPARSITY = 8               # vLLM's naive-order rule: T * top_k * SPARSITY <= E * slots
-
-
-def naive_order(tokens: int, top_k: int, experts: int, slots: int) -> bool:
-    return tokens * top_k * SPARSITY <= experts * slots
-
-
 def reference(x, a, b, topk_ids, topk_weights, token_lora, pair_rows: bool):
     """(T, top_k, N) float64: every live pair's LoRA term (slices concatenated), grouped by (slot, expert)."""
     import torch
@@ -123,6 +116,7 @@ class Case:
         import torch
 
         from torch_lora.ops import moe_lora_align_block_size
+        from torch_lora.ops.moe import moe_block_size, naive_block_assignment
         gen = torch.Generator(device="cpu").manual_seed(seed)
         H, I, E, k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
         self.top_k, self.rank, self.experts, self.slots = k, rank, E, slots
@@ -145,21 +139,22 @@ class Case:
         self.token_lora = used[torch.randint(0, adapters, (tokens,), generator=gen)].to(device, torch.int32)
         self.enabled = torch.zeros(slots + 1, dtype=torch.int32, device=device)
         self.enabled[used.to(device)] = 1
-        self.naive = naive_order(tokens, k, E, slots)
+        self.naive = naive_block_assignment(tokens, k, E, slots)
+        self.block = moe_block_size(tokens * k)
         self.align = {}
-        for block in (16, 64):
+        for block in {self.block, 64}:
             self.align[block] = ((None, self.topk_ids.reshape(-1), None) if self.naive else
                                  moe_lora_align_block_size(self.topk_ids, self.token_lora, E, block, slots,
                                                            self.enabled))
 
     def ours(self):
         from torch_lora.ops import fused_moe_lora
-        sorted_ids, expert_ids, post_pad = self.align[16]
+        sorted_ids, expert_ids, post_pad = self.align[self.block]
 
         def call():
             fused_moe_lora(self.y, self.x, self.a, self.b, self.topk_weights, sorted_ids, expert_ids, post_pad,
                            self.token_lora, self.rank, self.top_k, self.enabled, self.w2, 0,
-                           block_size=None if self.naive else 16, backend="triton")
+                           block_size=None if self.naive else self.block, backend="triton")
         return call
 
     def vllm(self, vk):

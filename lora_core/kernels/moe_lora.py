@@ -17,21 +17,24 @@ Work decomposition (vLLM's `moe_lora_align_block_size` layout). Two pair orders,
 1. Sorted (prefill, many pairs): per slot l, `sorted_token_ids[l]` lists the slot's pairs grouped
    by expert, each group padded with the sentinel num_pairs to a multiple of BLOCK_M;
    `expert_ids[l, m]` is block m's expert (-1: none) and `num_tokens_post_padded[l]` the slot's
-   padded length. Program (l * max_blocks + m) takes block m of slot l: one expert, one slot, so
-   A_s[l, e] and B_s[l, e] are loaded once for BLOCK_M pairs (tl.dot on tiles).
+   padded length. The blocks of all slots are numbered one after another (slot l's first block is
+   the sum of the earlier slots' num_tokens_post_padded / BLOCK_M, found by a prefix sum over the
+   slots in registers); each block is one expert of one slot, so A_s[l, e] and B_s[l, e] are loaded
+   once for BLOCK_M pairs (tl.dot on tiles).
 2. Naive (decode, few pairs: sorted_token_ids None): `expert_ids` is topk_ids flattened (P,),
    program p takes pair p alone; its slot comes from token_lora_mapping[p // top_k].
 
-The kernel runs in two phases (PHASE constexpr, two launches on one grid of blocks):
-PHASE 0 (shrink) writes the float32 rank-sized rows buf[s, p, :r] of its pairs, reading x once per
-block for every slice (grid axis 1 = slice); PHASE 1 (expand) reads them back and adds B's tile of
-BLOCK_N output columns (grid axis 1 = slice * n-tiles + n-tile). The shrink of a slice is never
-recomputed per output tile, and a pair's rows of buf and y are touched by one program per tile, so
-no atomics. When the slices share one A (PEFT's fused gate_up_proj, split into gate and up
-halves), SHARED_A: the shrink runs once (slice 0) and every expand reads slice 0's rows.
+The kernel runs in two phases (PHASE constexpr, two launches on one grid of blocks). PHASE 0
+(shrink) writes the float32 rank-sized rows buf[s, p, :r] of its pairs (grid axis 1 = slice *
+rank chunks: the naive order splits the rank over programs). PHASE 1 (expand) reads them back and
+adds B's tile of BLOCK_N output columns (grid axis 1 = slice * n-tiles + n-tile). The shrink of a
+slice is never recomputed per output tile, and a pair's rows of buf and y are touched by one
+program per tile, so no atomics. When the slices share one A (PEFT's fused gate_up_proj, split
+into gate and up halves), SHARED_A: the shrink runs once (slice 0) and every expand reads slice
+0's rows.
 
-Grid sizes depend only on (num_pairs, max_loras, E, BLOCK_M) and the widths, never on the routing:
-the launch is CUDA-graph capturable. Blocks past a slot's padded length return at once.
+Grid sizes depend only on (num_pairs, max_loras, E, BLOCK_M), the rank and the widths, never on
+the routing: the launch is CUDA-graph capturable. Programs past the last block return at once.
 
 Interpreter: under TRITON_INTERPRET=1 tiles are upcast to float32 after loading (CAST_FP32).
 """
@@ -67,13 +70,15 @@ def moe_lora_kernel(
         # meta-parameters
         PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
         N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
     """PHASE 0: buf[s, p, :rank] = A_s[l, e] @ x[row(p)]; PHASE 1: y[p, cols of s] += w(p) * B_s[l, e] @ buf[s', p]
     (s' = 0 with SHARED_A, else s), for the pairs of program 0's block (see the module docstring)."""
     pid = tl.program_id(0)
     axis1 = tl.program_id(1)
-    s = axis1 // N_TILES if PHASE == 1 else axis1
+    s = axis1 // N_TILES if PHASE == 1 else axis1 // (BLOCK_R // R_CHUNK)
     n_tile = axis1 % N_TILES
+    r_chunk = axis1 % (BLOCK_R // R_CHUNK)
     if PHASE == 0 and SHARED_A:  # noqa: SIM102 - constexpr test apart from the runtime one
         if s > 0:
             return
@@ -84,12 +89,17 @@ def moe_lora_kernel(
         expert = tl.load(expert_ids_ptr + pid)
         pairs = tl.where(offs_m == 0, pid, num_pairs)
     else:
-        slot = pid // max_blocks
-        block = pid % max_blocks
-        expert = tl.load(expert_ids_ptr + slot * stride_expert_slot + block)
-        padded = tl.load(post_pad_ptr + slot)
-        if block * BLOCK_M >= padded:
+        # Blocks of all slots one after another: slot l owns num_tokens_post_padded[l] / BLOCK_M of them.
+        offs_l = tl.arange(0, SLOTS_P2)
+        blocks = tl.load(post_pad_ptr + offs_l, mask=offs_l < num_slots, other=0) // BLOCK_M
+        ends = tl.cumsum(blocks, 0)
+        slot = tl.sum((ends <= pid).to(tl.int32), 0)
+        if slot >= num_slots:
             return
+        block = pid - tl.sum(tl.where(offs_l < slot, blocks, 0), 0)
+        if block >= max_blocks:
+            return
+        expert = tl.load(expert_ids_ptr + slot * stride_expert_slot + block)
         pairs = tl.load(sorted_ptr + slot * stride_sorted_slot + block * BLOCK_M + offs_m)
     if (slot < 0) | (slot >= num_slots) | (expert < 0):
         return
@@ -99,9 +109,9 @@ def moe_lora_kernel(
     pairs = tl.where(pair_ok, pairs, 0)
     slot64 = slot.to(tl.int64)
     expert64 = expert.to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    rank_ok = offs_r < rank
     if PHASE == 0:
+        offs_r = r_chunk * R_CHUNK + tl.arange(0, R_CHUNK)
+        rank_ok = offs_r < rank
         # 2. Shrink: (BLOCK_M, BLOCK_K) x tiles against A_s[l, e] (rank, BLOCK_K), over the hidden size.
         first = s == 0
         a_ptr = tl.where(first, a0_ptr + slot64 * stride_a0_slot + expert64 * stride_a0_expert,
@@ -110,7 +120,7 @@ def moe_lora_kernel(
         stride_ak = tl.where(first, stride_a0_hidden, stride_a1_hidden)
         rows = pairs if MUL_ROUTED_WEIGHT else pairs // top_k
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < hidden
@@ -125,6 +135,8 @@ def moe_lora_kernel(
         tl.store(out, acc, mask=pair_ok[:, None] & rank_ok[None, :])
     else:
         # 3. Expand: the block's rank rows against B_s[l, e]'s BLOCK_N columns, weighted, added into y.
+        offs_r = tl.arange(0, BLOCK_R)
+        rank_ok = offs_r < rank
         first = s == 0
         b_ptr = tl.where(first, b0_ptr + slot64 * stride_b0_slot + expert64 * stride_b0_expert,
                          b1_ptr + slot64 * stride_b1_slot + expert64 * stride_b1_expert)
@@ -162,15 +174,21 @@ class MoePlan:
     max_blocks: int
 
 
-def plan_moe_lora(*, num_pairs: int, num_slots: int, hidden: int, widths: tuple, rank: int, naive: bool,
-                  sorted_len: int, block_m: int, mul_routed_weight: bool, shared_a: bool, dtypes: tuple) -> MoePlan:
+def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: int, widths: tuple, rank: int,
+                  naive: bool, sorted_len: int, block_m: int, mul_routed_weight: bool, shared_a: bool,
+                  dtypes: tuple) -> MoePlan:
     """The grids and meta-parameters of one MoE LoRA call.
 
     1. Blocks: naive, one program per pair (BLOCK_M 16, only row 0 live: tl.dot's smallest tile);
-       sorted, max_blocks = sorted_len / block_m blocks per slot.
+       sorted, the blocks of every slot one after another: at most cdiv(pairs, block_m) + the
+       number of (slot, expert) runs, min(slots * experts, pairs) (each run wastes under one
+       block), so the grid is that bound, never slots * sorted_len / block_m.
     2. BLOCK_R = the rank rounded up to a power of two >= 16; BLOCK_K 64 (32 under a wide rank);
-       BLOCK_N 64 (128 for wide outputs with a small rank).
-    3. Shrink grid (blocks, slices); expand grid (blocks, slices * n-tiles).
+       BLOCK_N 64 (128 for wide outputs with a small rank). The naive shrink splits the rank into
+       16-wide chunks, one program each (a decode pair's shrink is a GEMV over the whole hidden
+       size: more programs read A's rows in parallel); the sorted one keeps the whole rank, so a
+       block's x rows are read once.
+    3. Shrink grid (blocks, slices * rank chunks); expand grid (blocks, slices * n-tiles).
     """
     if len(widths) not in (1, 2):
         raise ValueError(f"lora_b_stacked: expected 1 or {MAX_SLICES} slices, got {len(widths)}")
@@ -181,6 +199,7 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, hidden: int, widths: tuple,
     n_tiles = triton.cdiv(widest, block_n)
     if naive:
         bm, max_blocks, blocks = 16, 1, num_pairs
+        r_chunk = 16
     else:
         if block_m < 16 or block_m & (block_m - 1):
             raise ValueError(f"block_size: expected a power of two >= 16, got {block_m}")
@@ -188,9 +207,12 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, hidden: int, widths: tuple,
             raise ValueError(f"sorted_token_ids: expected a length per slot that is a multiple of block_size "
                              f"{block_m}, got {sorted_len}")
         bm, max_blocks = block_m, sorted_len // block_m
-        blocks = num_slots * max_blocks
+        blocks = triton.cdiv(num_pairs, bm) + min(num_slots * num_experts, num_pairs)
+        r_chunk = block_r
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=shared_a and len(widths) > 1,
                       N_TILES=n_tiles, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-                      CAST_FP32=cast, DOT_PRECISION=precision)
-    return MoePlan((max(blocks, 1), len(widths)), (max(blocks, 1), len(widths) * n_tiles), constexprs, max_blocks)
+                      R_CHUNK=r_chunk, SLOTS_P2=next_pow2(max(num_slots, 2)), CAST_FP32=cast,
+                      DOT_PRECISION=precision)
+    return MoePlan((max(blocks, 1), len(widths) * (block_r // r_chunk)), (max(blocks, 1), len(widths) * n_tiles),
+                   constexprs, max_blocks)

@@ -31,12 +31,13 @@ def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_i
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return
-    num_slots, _experts, rank, hidden = lora_a[0].shape
+    num_slots, num_experts, rank, hidden = lora_a[0].shape
     widths = tuple(b.shape[2] for b in lora_b)
     naive = sorted_ids is None
-    plan = plan_moe_lora(num_pairs=num_pairs, num_slots=num_slots, hidden=hidden, widths=widths, rank=rank,
-                         naive=naive, sorted_len=0 if naive else sorted_ids.shape[1], block_m=block_size or 16,
-                         mul_routed_weight=mul_routed_weight, shared_a=_shares_a(lora_a),
+    plan = plan_moe_lora(num_pairs=num_pairs, num_slots=num_slots, num_experts=num_experts, hidden=hidden,
+                         widths=widths, rank=rank, naive=naive, sorted_len=0 if naive else sorted_ids.shape[1],
+                         block_m=block_size or 16, mul_routed_weight=mul_routed_weight,
+                         shared_a=_shares_a(lora_a),
                          dtypes=(_dtype_name(x), _dtype_name(lora_a[0]), _dtype_name(lora_b[0])))
     a0, a1 = lora_a[0], lora_a[-1]
     b0, b1 = lora_b[0], lora_b[-1]
