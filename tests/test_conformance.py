@@ -604,3 +604,22 @@ def test_fused_moe_lora_never_reads_unused_weights(impl, order):
                                  case.idx, case.enabled, False, 0)
     assert np.isfinite(got).all()
     assert_close(got, want, dtype, f"unused weights NaN, {order}")
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].moe_lora])
+@pytest.mark.parametrize("order", ["naive", "sorted"])
+def test_fused_moe_lora_long_hidden(impl, order):
+    """A hidden size of 1100 (the naive shrink's hidden split into partial-sum planes, a last
+    part shorter than the others) at rank 40, down projection with router weights."""
+    from lora_core.kernels.moe_lora import plan_moe_lora
+    plan = plan_moe_lora(num_pairs=10, num_slots=3, num_experts=4, hidden=1100, widths=(24,), rank=40, naive=True,
+                         sorted_len=0, block_m=16, mul_routed_weight=True, shared_a=False, dtypes=("float32",) * 3)
+    assert plan.k_split == 2 and plan.constexprs["K_PER"] == 640            # parts of 640 and 460
+    dtype = impl.dtypes[0]
+    case = MoeCase(47, dtype, num_tokens=5, experts=4, inter=1100, hidden=24, rank=40)
+    got = impl.fused_moe_lora(case.y2, case.h, case.dn_a, case.dn_b, case.topk_ids, case.topk_weights, case.idx,
+                              case.enabled, True, 0, order == "naive", 16, dtype)
+    want = oracle.fused_moe_lora(case.y2, case.h, case.dn_a, case.dn_b, case.topk_ids, case.topk_weights, case.idx,
+                                 case.enabled, True, 0)
+    assert_close(got, want, dtype, f"hidden 1100 {order}")
+    case.untouched(got, case.y2)

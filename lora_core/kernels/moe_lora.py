@@ -49,6 +49,8 @@ import triton.language as tl
 from .planning import cast_and_precision, next_pow2
 
 MAX_SLICES = 2            # gate_up (w13) has two slices, down (w2) one
+K_PER_SPLIT = 512         # naive shrink: hidden elements per program at least (about 1 KiB of x, 16 KiB of A)
+MAX_K_SPLIT = 8
 
 
 @triton.jit
@@ -70,15 +72,17 @@ def moe_lora_kernel(
         # meta-parameters
         PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
         N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
-    """PHASE 0: buf[s, p, :rank] = A_s[l, e] @ x[row(p)]; PHASE 1: y[p, cols of s] += w(p) * B_s[l, e] @ buf[s', p]
-    (s' = 0 with SHARED_A, else s), for the pairs of program 0's block (see the module docstring)."""
+        BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, K_SPLIT: tl.constexpr, K_PER: tl.constexpr,
+        SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """PHASE 0: buf[s * K_SPLIT + j, p, rank chunk] = A_s[l, e, chunk, K part j] @ x[row(p), K part j];
+    PHASE 1: y[p, cols of s] += w(p) * B_s[l, e] @ sum_j buf[s' * K_SPLIT + j, p] (s' = 0 with SHARED_A,
+    else s), for the pairs of the program's block (see the module docstring)."""
     pid = tl.program_id(0)
     axis1 = tl.program_id(1)
-    s = axis1 // N_TILES if PHASE == 1 else axis1 // (BLOCK_R // R_CHUNK)
+    k_split = axis1 % K_SPLIT
+    r_chunk = (axis1 // K_SPLIT) % (BLOCK_R // R_CHUNK)
+    s = axis1 // N_TILES if PHASE == 1 else axis1 // (K_SPLIT * (BLOCK_R // R_CHUNK))
     n_tile = axis1 % N_TILES
-    r_chunk = axis1 % (BLOCK_R // R_CHUNK)
     if PHASE == 0 and SHARED_A:  # noqa: SIM102 - constexpr test apart from the runtime one
         if s > 0:
             return
@@ -121,9 +125,11 @@ def moe_lora_kernel(
         rows = pairs if MUL_ROUTED_WEIGHT else pairs // top_k
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
         acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        k_lo = k_split * K_PER
+        k_hi = tl.minimum(hidden, k_lo + K_PER)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < hidden
+            k_ok = offs_k < k_hi
             xt = tl.load(x_rows + offs_k[None, :] * stride_x_hidden, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
                          mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
@@ -131,7 +137,8 @@ def moe_lora_kernel(
                 xt = xt.to(tl.float32)
                 at = at.to(tl.float32)
             acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
-        out = buf_ptr + s * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
+        plane = s * K_SPLIT + k_split
+        out = buf_ptr + plane * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
         tl.store(out, acc, mask=pair_ok[:, None] & rank_ok[None, :])
     else:
         # 3. Expand: the block's rank rows against B_s[l, e]'s BLOCK_N columns, weighted, added into y.
@@ -149,8 +156,11 @@ def moe_lora_kernel(
         if n_tile * BLOCK_N >= width:
             return
         src = 0 if SHARED_A else s
-        rows = tl.load(buf_ptr + src * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair
-                       + offs_r[None, :], mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
+        row_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
+        rows = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for j in tl.static_range(K_SPLIT):             # the shrink's partial sums, in plane order
+            rows += tl.load(row_ptrs + (src * K_SPLIT + j) * stride_buf_slice,
+                            mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
         bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                      mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
         bt = bt.to(tl.float32)
@@ -172,6 +182,8 @@ class MoePlan:
     expand_grid: tuple
     constexprs: dict
     max_blocks: int
+    k_split: int
+    """Partial-sum planes per slice: the rank buffer holds slices * k_split planes."""
 
 
 def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: int, widths: tuple, rank: int,
@@ -184,11 +196,14 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
        number of (slot, expert) runs, min(slots * experts, pairs) (each run wastes under one
        block), so the grid is that bound, never slots * sorted_len / block_m.
     2. BLOCK_R = the rank rounded up to a power of two >= 16; BLOCK_K 64 (32 under a wide rank);
-       BLOCK_N 64 (128 for wide outputs with a small rank). The naive shrink splits the rank into
-       16-wide chunks, one program each (a decode pair's shrink is a GEMV over the whole hidden
-       size: more programs read A's rows in parallel); the sorted one keeps the whole rank, so a
-       block's x rows are read once.
-    3. Shrink grid (blocks, slices * rank chunks); expand grid (blocks, slices * n-tiles).
+       BLOCK_N 64 (128 for wide outputs with a small rank).
+    3. The naive shrink (a decode pair's shrink is a GEMV over the whole hidden size) is spread over
+       more programs: the rank in 16-wide chunks and the hidden size in up to MAX_K_SPLIT parts of
+       at least K_PER_SPLIT elements (BLOCK_K 128), each part's partial sum in its own plane of
+       the rank buffer (slices * K_SPLIT planes), added by the expand in plane order: no atomics,
+       no zeroing. The sorted shrink keeps the whole rank and hidden size, so a block's x rows
+       are read once.
+    4. Shrink grid (blocks, slices * rank chunks * K_SPLIT); expand grid (blocks, slices * n-tiles).
     """
     if len(widths) not in (1, 2):
         raise ValueError(f"lora_b_stacked: expected 1 or {MAX_SLICES} slices, got {len(widths)}")
@@ -197,9 +212,14 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     widest = max(widths)
     block_n = 128 if (widest >= 1024 and block_r <= 32) else 64
     n_tiles = triton.cdiv(widest, block_n)
+    k_split, k_per = 1, hidden
     if naive:
         bm, max_blocks, blocks = 16, 1, num_pairs
         r_chunk = 16
+        block_k = 128
+        k_split = max(1, min(MAX_K_SPLIT, hidden // K_PER_SPLIT))
+        k_per = triton.cdiv(triton.cdiv(hidden, k_split), block_k) * block_k
+        k_split = triton.cdiv(hidden, k_per)
     else:
         if block_m < 16 or block_m & (block_m - 1):
             raise ValueError(f"block_size: expected a power of two >= 16, got {block_m}")
@@ -212,7 +232,7 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=shared_a and len(widths) > 1,
                       N_TILES=n_tiles, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-                      R_CHUNK=r_chunk, SLOTS_P2=next_pow2(max(num_slots, 2)), CAST_FP32=cast,
-                      DOT_PRECISION=precision)
-    return MoePlan((max(blocks, 1), len(widths) * (block_r // r_chunk)), (max(blocks, 1), len(widths) * n_tiles),
-                   constexprs, max_blocks)
+                      R_CHUNK=r_chunk, K_SPLIT=k_split, K_PER=k_per, SLOTS_P2=next_pow2(max(num_slots, 2)),
+                      CAST_FP32=cast, DOT_PRECISION=precision)
+    return MoePlan((max(blocks, 1), len(widths) * (block_r // r_chunk) * k_split),
+                   (max(blocks, 1), len(widths) * n_tiles), constexprs, max_blocks, k_split)
