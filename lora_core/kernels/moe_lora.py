@@ -51,6 +51,7 @@ from .planning import cast_and_precision, next_pow2
 MAX_SLICES = 2            # gate_up (w13) has two slices, down (w2) one
 K_PER_SPLIT = 512         # naive shrink: hidden elements per program at least (about 1 KiB of x, 16 KiB of A)
 MAX_K_SPLIT = 8
+SPLIT_PAIRS_MAX = 1024    # the hidden split runs up to this many pairs (decode); above, blocks fill the GPU
 
 
 @triton.jit
@@ -197,12 +198,13 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
        block), so the grid is that bound, never slots * sorted_len / block_m.
     2. BLOCK_R = the rank rounded up to a power of two >= 16; BLOCK_K 64 (32 under a wide rank);
        BLOCK_N 64 (128 for wide outputs with a small rank).
-    3. The naive shrink (a decode pair's shrink is a GEMV over the whole hidden size) is spread over
-       more programs: the rank in 16-wide chunks and the hidden size in up to MAX_K_SPLIT parts of
-       at least K_PER_SPLIT elements (BLOCK_K 128), each part's partial sum in its own plane of
-       the rank buffer (slices * K_SPLIT planes), added by the expand in plane order: no atomics,
-       no zeroing. The sorted shrink keeps the whole rank and hidden size, so a block's x rows
-       are read once.
+    3. Decode sizes (at most SPLIT_PAIRS_MAX pairs: few blocks, each a long reduction over the
+       hidden size) spread the shrink over more programs: the hidden size in up to MAX_K_SPLIT
+       parts of at least K_PER_SPLIT elements, each part's partial sum in its own plane of the
+       rank buffer (slices * K_SPLIT planes), added by the expand in plane order: no atomics, no
+       zeroing, x still read once. The naive shrink also splits the rank into 16-wide chunks
+       (BLOCK_K 128; a pair's x row is short); the sorted one keeps the whole rank, so a block's
+       x rows are read once.
     4. Shrink grid (blocks, slices * rank chunks * K_SPLIT); expand grid (blocks, slices * n-tiles).
     """
     if len(widths) not in (1, 2):
@@ -212,14 +214,10 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     widest = max(widths)
     block_n = 128 if (widest >= 1024 and block_r <= 32) else 64
     n_tiles = triton.cdiv(widest, block_n)
-    k_split, k_per = 1, hidden
     if naive:
         bm, max_blocks, blocks = 16, 1, num_pairs
         r_chunk = 16
         block_k = 128
-        k_split = max(1, min(MAX_K_SPLIT, hidden // K_PER_SPLIT))
-        k_per = triton.cdiv(triton.cdiv(hidden, k_split), block_k) * block_k
-        k_split = triton.cdiv(hidden, k_per)
     else:
         if block_m < 16 or block_m & (block_m - 1):
             raise ValueError(f"block_size: expected a power of two >= 16, got {block_m}")
@@ -229,6 +227,11 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
         bm, max_blocks = block_m, sorted_len // block_m
         blocks = triton.cdiv(num_pairs, bm) + min(num_slots * num_experts, num_pairs)
         r_chunk = block_r
+    k_split, k_per = 1, hidden
+    if num_pairs <= SPLIT_PAIRS_MAX:
+        k_split = max(1, min(MAX_K_SPLIT, hidden // K_PER_SPLIT))
+        k_per = triton.cdiv(triton.cdiv(hidden, k_split), block_k) * block_k
+        k_split = triton.cdiv(hidden, k_per)
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=shared_a and len(widths) > 1,
                       N_TILES=n_tiles, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
