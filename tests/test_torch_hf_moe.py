@@ -5,7 +5,8 @@ weights (gate_up_proj and / or down_proj), mixed with attention LoRA, expert LoR
 LoRA only, rank / alpha patterns and rsLoRA. A mixed batch (rows with different adapters and
 without one) must give, row by row, peft's logits for that request alone (float32, CPU), in a
 forward pass and through generate(); the Triton kernels (interpreter) too. unwrap() restores the
-experts' own forward.
+experts' own forward. An adapter on per-expert linears (the older Mixtral layout) equals the
+model with its deltas merged into the fused expert weights.
 """
 
 from __future__ import annotations
@@ -139,3 +140,46 @@ def test_triton_kernels_and_unwrap(tmp_path):
         plain = model(tokens).logits.numpy()
     for j in range(len(rows)):
         assert _rel(plain[j], fam.alone("__base__", tokens[j])) < RTOL
+
+
+def test_per_expert_linear_adapter_equals_merged_weights(tmp_path):
+    """An adapter saved on per-expert linears (`block_sparse_moe.experts.<e>.w1 / w3 / w2`, the
+    older Mixtral layout) served on the fused experts equals the base model with each expert's
+    B @ A * scaling merged into its gate / up / down rows."""
+    from lora_core.peft import save_peft_adapter
+    cfg_name, model_name, extra = FAMILIES["mixtral"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**COMMON, **extra)).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    hidden, inter, rank = 32, 24, 4
+    rng = np.random.default_rng(5)
+    modules = {}
+    for layer in (0, 1):
+        for e in (0, 3):
+            prefix = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+            for name, (n_in, n_out) in {"w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)}.items():
+                modules[f"{prefix}.{name}"] = (rng.normal(size=(rank, n_in)) / 2, rng.normal(size=(n_out, rank)) / 2)
+    save_peft_adapter(str(tmp_path / "per-expert"), modules, r=rank, lora_alpha=8)
+    merged = getattr(transformers, model_name)(model.config).eval()
+    merged.load_state_dict(state)
+    with torch.no_grad():
+        for key, (a, b) in modules.items():
+            layer, e, name = int(key.split(".")[2]), int(key.split(".")[5]), key.split(".")[6]
+            experts = merged.model.layers[layer].mlp.experts
+            delta = torch.as_tensor(2.0 * b @ a, dtype=torch.float32)
+            if name == "w2":
+                experts.down_proj[e] += delta
+            else:
+                rows = slice(0, inter) if name == "w1" else slice(inter, 2 * inter)
+                experts.gate_up_proj[e, rows] += delta
+    mm = MultiLoRAModel(model, max_loras=2, max_rank=8)
+    mm.load_adapter("per-expert", str(tmp_path / "per-expert"))
+    tokens = torch.as_tensor(np.random.default_rng(6).integers(1, VOCAB, size=(2, 6)))
+    out = mm(tokens, adapter_names=["per-expert", "__base__"]).logits.numpy()
+    with torch.no_grad():
+        want = merged(tokens[:1]).logits[0].numpy()
+    assert _rel(out[0], want) < RTOL
+    with torch.no_grad():
+        plain = mm.unwrap()(tokens).logits.numpy()                   # the base model
+    assert _rel(out[1], plain[1]) < RTOL                             # the row without adapter
+    assert _rel(want, plain[0]) > 1e-3                               # the adapter matters
