@@ -39,6 +39,8 @@ SLOW_TESTS = (
     "tests/test_deterministic.py::test_request_rows_bitwise_equal_in_every_batch[*]",
     "tests/test_deterministic.py::test_bridged_wrappers_pass_deterministic_on[*]",
     "tests/test_serving.py::test_deterministic_serving_gives_a_request_the_same_tokens_in_any_batch",
+    # the serving engine over a quantized Llama, per quantization (10-17 s each)
+    "tests/test_quantized_base_jax.py::test_serving_engine_on_quantized_llama_equals_dequantized_merged_model[*]",
     # whole demos and models in a subprocess or through the interpreter
     # the docs' examples in fresh interpreters: the tensor-parallel, serving and Hugging Face ones (15-45 s each)
     "tests/test_docs_snippets.py::test_snippet_runs_as_written[docs/parallel.md:*]",
