@@ -27,6 +27,16 @@ adds the LoRA term of each token's adapter to its module's output, through one s
   PEFT does for Gemma's scaled embeddings). The LM head: `add_lora_logits` on the rows of logits the
   model computes (`logits_to_keep`).
 
+Quantized bases. A hook never reads its module's weight (the module computes its own output), so a
+linear layer is any module that takes x (..., in_features) as its first argument and returns its base
+output (..., out_features): `nn.Linear` and its subclasses (torchao's int8 / float8 quantized
+linears keep the class and swap the weight for a tensor subclass; bitsandbytes' Linear8bitLt and
+Linear4bit subclass it), and, named in `target_modules`, any other module with int `in_features` and
+`out_features` (`select_target_modules`). The adapter weights' dtype is the module's weight dtype when
+that is a 16/32-bit float (torchao's tensors report their float dtype), else the model's activation
+dtype (its first 16/32-bit float parameter: the embedding of a bitsandbytes model). DoRA needs plain
+float base weights.
+
 Which adapter each token uses: a forward pre-hook on the model reads the batch shape (input_ids or
 inputs_embeds, and logits_to_keep) during `__call__` and `generate` and calls `prepare_step`:
 the batch's adapters are put into slots (`torch_lora.AdapterManager`: LRU, host cache, uploads
@@ -91,8 +101,12 @@ def select_target_modules(model: nn.Module, target_modules: None | str | Sequenc
     target_modules: None or "all-linear" (PEFT's meaning: every nn.Linear but the output layer);
     a list of names, each matching a module whose full name equals it or ends with "." + it (as in
     PEFT: "q_proj", "lm_head", "embed_tokens"); or a regex string matched against full names.
-    Matched modules must be nn.Linear or nn.Embedding. Raises ValueError when nothing matches (a
-    typo never yields a model without adapters), TypeError for a matched module of another type.
+    Matched modules must be nn.Linear (torchao- and bitsandbytes-quantized linears included),
+    nn.Embedding, or linear-like: a module with int `in_features` and `out_features` whose forward
+    returns its base output (..., out_features) for an input (..., in_features) (other quantized
+    linear classes); "all-linear" selects nn.Linear modules only, as PEFT does. Raises ValueError when
+    nothing matches (a typo never yields a model without adapters), TypeError for a matched module
+    of another type.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -115,9 +129,10 @@ def select_target_modules(model: nn.Module, target_modules: None | str | Sequenc
         matcher = AdapterConfig(r=1, lora_alpha=1.0, target_modules=patterns)
         for name, module in model.named_modules():
             if name and matcher.targets(name):
-                if not isinstance(module, (nn.Linear, nn.Embedding)):
+                if not isinstance(module, (nn.Linear, nn.Embedding)) and not _linear_like(module):
                     raise TypeError(f"target_modules={target_modules!r} matches {name!r}, a {type(module).__name__}; "
-                                    "only nn.Linear and nn.Embedding modules can hold LoRA layers")
+                                    "only nn.Linear, nn.Embedding and linear-like modules (int in_features and "
+                                    "out_features, forward(x) returning the base output) can hold LoRA layers")
                 selected[name] = module
         what = repr(target_modules)
         if selected and isinstance(patterns, tuple):              # each listed name must match (a typo among others)
@@ -144,6 +159,49 @@ def _embed_scale(module: nn.Module) -> float:
             raise ValueError(f"{type(module).__name__}.embed_scale must be a scalar, got shape {tuple(scale.shape)}")
         return float(scale.detach().to(module.weight.dtype).float().cpu())
     return float(torch.tensor(float(scale), dtype=module.weight.dtype))
+
+
+def _linear_like(module: nn.Module) -> bool:
+    """Whether a module that is not an nn.Linear declares a linear layer's widths (int
+    in_features, out_features > 0)."""
+    widths = (getattr(module, "in_features", None), getattr(module, "out_features", None))
+    return all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths)
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _plain_float_weight(module: nn.Module) -> bool:
+    """Whether the module's weight is a plain 16/32/64-bit float tensor (not quantized)."""
+    w = getattr(module, "weight", None)
+    return type(w) in (torch.Tensor, nn.Parameter) and w.dtype in _FLOAT_DTYPES
+
+
+def _activation_dtype(model: nn.Module) -> torch.dtype | None:
+    """The model's first 16/32-bit float parameter's dtype (quantized weights are skipped)."""
+    for p in model.parameters():
+        if p.dtype in _FLOAT_DTYPES:
+            return p.dtype
+    return None
+
+
+def _lora_dtype_and_device(name: str, module: nn.Module, model: nn.Module) -> tuple:
+    """(dtype, device) of the LoRA weights of a targeted module: the weight's dtype when it is a
+    16/32-bit float (torchao's quantized tensors report their float dtype), else the model's
+    activation dtype; the device of the module's weight, else of its first parameter or buffer."""
+    w = getattr(module, "weight", None)
+    tensors = ([w] if isinstance(w, torch.Tensor) else []) + list(module.parameters(recurse=False)) + list(
+        module.buffers(recurse=False))
+    if not tensors:
+        raise TypeError(f"module {name!r} ({type(module).__name__}) holds no parameter or buffer, so its device is "
+                        "unknown: it cannot hold a LoRA layer")
+    if isinstance(w, torch.Tensor) and w.dtype in _FLOAT_DTYPES:
+        return w.dtype, tensors[0].device
+    dtype = _activation_dtype(model)
+    if dtype is None:
+        raise TypeError(f"module {name!r} ({type(module).__name__}) has a quantized weight and the model has no float "
+                        "parameter to take the activation dtype from: the LoRA weights' dtype is unknown")
+    return dtype, tensors[0].device
 
 
 def _input(args: tuple, kwargs: dict, name: str) -> torch.Tensor:
@@ -196,7 +254,8 @@ class MultiLoRAModel:
             raise ValueError(f"this {type(model).__name__} is already wrapped by a MultiLoRAModel (its hooks would "
                              "add that wrapper's adapters too): call its unwrap() first")
         targets = select_target_modules(model, target_modules)
-        devices = {p.device for m in targets.values() for p in m.parameters(recurse=False)}
+        devices = {p.device for m in targets.values()
+                   for p in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
         if len(devices) != 1:
             raise ValueError(f"the targeted modules must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
@@ -233,8 +292,12 @@ class MultiLoRAModel:
         kw = dict(max_loras=self.max_loras, max_rank=self.max_rank, punica=self.punica)
         layers, members = {}, []
         by_parent: dict = collections.defaultdict(dict)
+        specs = {}                # linear name -> (dtype, device) of its LoRA weights
         for name, module in targets.items():
-            dtype, device = module.weight.dtype, module.weight.device
+            if isinstance(module, nn.Embedding):
+                dtype, device = module.weight.dtype, module.weight.device
+            else:
+                dtype, device = specs[name] = _lora_dtype_and_device(name, module, model)
             if isinstance(module, nn.Embedding):
                 layer = LoRAEmbedding(name, module.num_embeddings, module.embedding_dim, dtype=dtype, device=device,
                                       embed_scale=_embed_scale(module), **kw)
@@ -252,29 +315,38 @@ class MultiLoRAModel:
             for group in SHARED_INPUT_GROUPS:
                 leaves = [leaf for leaf in group if leaf in children]
                 mods = [children[leaf] for leaf in leaves]
-                if len(leaves) < 2 or len({(m.in_features, m.weight.dtype) for m in mods}) != 1:
-                    continue
                 names = [f"{parent}.{leaf}" if parent else leaf for leaf in leaves]
+                if len(leaves) < 2 or len({(m.in_features,) + specs[n] for m, n in zip(mods, names)}) != 1:
+                    continue
                 path = (f"{parent}." if parent else "") + "+".join(leaves)
-                layer = LoRALinear(names, mods[0].in_features, [m.out_features for m in mods],
-                                   dtype=mods[0].weight.dtype, device=mods[0].weight.device,
-                                   **self._dora_kw(mods), **kw)
+                dtype, device = specs[names[0]]
+                layer = LoRALinear(names, mods[0].in_features, [m.out_features for m in mods], dtype=dtype,
+                                   device=device, **self._dora_kw(names, mods), **kw)
                 layers[path] = layer
-                members += [(m, _linear_hook(layer, s)) for s, m in enumerate(mods)]
+                members += [(m, _linear_hook(layer, s, m)) for s, m in enumerate(mods)]
                 grouped.update(leaves)
             for leaf, module in children.items():
                 if leaf in grouped:
                     continue
                 name = f"{parent}.{leaf}" if parent else leaf
-                layer = LoRALinear((name,), module.in_features, (module.out_features,), dtype=module.weight.dtype,
-                                   device=module.weight.device, **self._dora_kw([module]), **kw)
+                dtype, device = specs[name]
+                layer = LoRALinear((name,), module.in_features, (module.out_features,), dtype=dtype, device=device,
+                                   **self._dora_kw([name], [module]), **kw)
                 layers[name] = layer
-                members.append((module, _linear_hook(layer, 0)))
+                members.append((module, _linear_hook(layer, 0, module)))
         return layers, members
 
-    def _dora_kw(self, modules: list) -> dict:
-        """A LoRALinear's DoRA arguments: with dora=True, the members' base weights (out, in)."""
-        return {"dora": True, "base_weights": [m.weight for m in modules]} if self.dora else {}
+    def _dora_kw(self, names: list, modules: list) -> dict:
+        """A LoRALinear's DoRA arguments: with dora=True, the members' base weights (out, in), which
+        must be plain float tensors (DoRA's column scale reads them)."""
+        if not self.dora:
+            return {}
+        for name, m in zip(names, modules):
+            if not _plain_float_weight(m):
+                raise TypeError(f"dora=True needs plain float base weights (DoRA's column scale reads them); module "
+                                f"{name!r} ({type(m).__name__}) holds a {type(getattr(m, 'weight', None)).__name__} "
+                                "weight (quantized): wrap the model with dora=False, or a float model")
+        return {"dora": True, "base_weights": [m.weight for m in modules]}
 
     def unwrap(self) -> nn.Module:
         """Removes every hook and returns the plain model (adapters no longer apply). The wrapper
@@ -513,7 +585,9 @@ def _logits_rows(logits_to_keep: Any, batch: int, seq: int) -> int | list:
     raise TypeError(f"logits_to_keep must be an int or a 1-D / 2-D tensor, got {logits_to_keep!r}")
 
 
-def _linear_hook(layer: LoRALinear, member: int):
+def _linear_hook(layer: LoRALinear, member: int, module: nn.Module | None = None):
+    if module is not None and not isinstance(module, nn.Linear):
+        return _checked_linear_hook(layer, member)
     if layer.dora:
         def dora_hook(module, args, kwargs, output):       # the bias is added after DoRA's scale
             return layer.apply(member, _input(args, kwargs, "input"), output, module.bias)
@@ -521,6 +595,22 @@ def _linear_hook(layer: LoRALinear, member: int):
 
     def hook(module, args, kwargs, output):
         return layer.apply(member, _input(args, kwargs, "input"), output)
+    return hook
+
+
+def _checked_linear_hook(layer: LoRALinear, member: int):
+    """The hook of a linear-like module that is not an nn.Linear: checks that its forward returned
+    its base output, a tensor (..., out_features), before adding the LoRA term."""
+    width = layer.output_slices[member]
+
+    def hook(module, args, kwargs, output):
+        if not isinstance(output, torch.Tensor) or output.dim() < 1 or output.shape[-1] != width:
+            got = (f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
+                   else f"a {type(output).__name__}")
+            raise TypeError(f"module {layer.module_names[member]!r} ({type(module).__name__}) returned {got}; a module "
+                            f"holding a LoRA layer must return its base output (..., out_features={width})")
+        bias = getattr(module, "bias", None) if layer.dora else None
+        return layer.apply(member, _input(args, kwargs, "input"), output, bias)
     return hook
 
 

@@ -4,7 +4,8 @@ Each layer holds the LoRA weights of every slot for one place of a model and add
 of the model's own module, each token's adapter's LoRA term:
 
 layer: base module; buffers (L = max_loras slots, r = max_rank); wrapper call
-  * `LoRALinear`: one `nn.Linear`, or several that read the same input (q/k/v, gate/up);
+  * `LoRALinear`: one linear module (`nn.Linear`, a quantized linear, any module computing
+    (..., in) -> (..., out)), or several that read the same input (q/k/v, gate/up);
     `lora_a` (S, L, r, in), `lora_b_<s>` (L, n_s, r); one `add_lora_linear` over the S slices.
   * `LoRAEmbedding`: `nn.Embedding`; `lora_a` (L, V, r), `lora_b` (L, D, r); row lookup at
     `embeddings_indices[1]`, then `add_lora_embedding`.
@@ -79,7 +80,11 @@ class _LoRALayer(nn.Module):
 
 
 class LoRALinear(_LoRALayer):
-    """Stacked LoRA weights of one `nn.Linear`, or of several linears that read the same input.
+    """Stacked LoRA weights of one linear module, or of several linears that read the same input.
+
+    The layer never reads its modules' weights (except a DoRA layer's `base_weights`): it adds to
+    the output each module computed, so a module with a quantized weight (torchao, bitsandbytes)
+    holds a LoRA layer as an `nn.Linear` does; the LoRA weights are in `dtype` (16/32-bit float).
 
     A group (q/k/v of an attention, gate/up of an MLP) is one multi-slice layer: the first member
     called with an input computes every slice's LoRA term in ONE `add_lora_linear` call into a
