@@ -106,12 +106,15 @@ def _bnb_8bit(model):
     return model
 
 
-def test_bitsandbytes_8bit_on_cpu_equals_peft_on_the_same_model(llama_assets):
+def test_bitsandbytes_8bit_on_cpu_equals_peft_on_the_same_model(llama_assets, caplog):
     """bitsandbytes' Linear8bitLt (int8 weight, an nn.Linear subclass) holds LoRA layers in the
-    model's activation dtype (its weight is int8); logits equal PEFT's; DoRA over it is refused."""
+    model's activation dtype (its weight is int8), said in one INFO line on the torch_lora logger;
+    logits equal PEFT's; DoRA over it is refused."""
     pytest.importorskip("bitsandbytes")
     fresh, dirs = llama_assets
-    mm = _peft_then_ours(lambda: _bnb_8bit(fresh()), dirs)
+    with caplog.at_level("INFO", logger="torch_lora"):
+        mm = _peft_then_ours(lambda: _bnb_8bit(fresh()), dirs)
+    assert any("14 targeted modules (Linear8bitLt) hold no float weight" in r.getMessage() for r in caplog.records)
     q_proj = mm.model.model.layers[0].self_attn.q_proj
     assert q_proj.weight.dtype == torch.int8
     assert mm.layers["model.layers.0.self_attn.q_proj+k_proj+v_proj"].lora_a.dtype == torch.float32

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -80,6 +81,8 @@ from .layers import LoRAEmbedding, LoRALinear, LoRALogits
 from .wrapper import PunicaWrapper
 
 __all__ = ["BASE", "SHARED_INPUT_GROUPS", "MultiLoRAModel", "select_target_modules"]
+
+_LOG = logging.getLogger("torch_lora")
 
 _WRAPPED_MARK = "_torch_lora_wrapped"     # set on a model while a MultiLoRAModel's hooks are on it
 
@@ -310,6 +313,12 @@ class MultiLoRAModel:
             else:
                 parent, _, leaf = name.rpartition(".")
                 by_parent[parent][leaf] = module
+        no_float = [n for n in specs
+                    if getattr(getattr(targets[n], "weight", None), "dtype", None) not in _FLOAT_DTYPES]
+        if no_float:
+            _LOG.info("MultiLoRAModel: %d targeted modules (%s) hold no float weight; their LoRA weights take the "
+                      "model's activation dtype %s", len(no_float),
+                      ", ".join(sorted({type(targets[n]).__name__ for n in no_float})), specs[no_float[0]][0])
         for parent, children in by_parent.items():
             grouped = set()
             for group in SHARED_INPUT_GROUPS:
