@@ -134,8 +134,8 @@ def select_target_modules(model: nn.Module, target_modules: None | str | Sequenc
             if name and matcher.targets(name):
                 if not isinstance(module, (nn.Linear, nn.Embedding)) and not _linear_like(module):
                     raise TypeError(f"target_modules={target_modules!r} matches {name!r}, a {type(module).__name__}; "
-                                    "only nn.Linear, nn.Embedding and linear-like modules (int in_features and "
-                                    "out_features, forward(x) returning the base output) can hold LoRA layers")
+                                    "only nn.Linear and nn.Embedding modules, and linear-like modules (int in_features "
+                                    "and out_features, forward(x) returning the base output), can hold LoRA layers")
                 selected[name] = module
         what = repr(target_modules)
         if selected and isinstance(patterns, tuple):              # each listed name must match (a typo among others)
