@@ -525,6 +525,12 @@ class TorchDecoder:
         from torch_lora.ops.fused_linear import gemm_lora, norm_shrink_config, rms_norm_shrink
         lora_of, eps = self.lora, self.cfg.rms_norm_eps
         buffers: dict = {}
+        # nn.Linear's (out, in) layout, K contiguous, as the kernel's tiles are read (the JAX
+        # model's (in, out) kernels seen transposed would read BLOCK_N-wide runs): copies, once
+        if not hasattr(self, "_weights_nk"):
+            self._weights_nk = [{name: w[name].t().contiguous() for name in ("qkv", "o", "gate_up", "down")}
+                                for w in self.layers]
+        weights_nk = self._weights_nk
 
         def buffer(key, shape, dtype, device):
             t = buffers.get(key)
@@ -539,7 +545,8 @@ class TorchDecoder:
                 buf = buffer((name, "buf", x.shape[0]), (len(a), x.shape[0], a[0].shape[-2]), torch.float32,
                              x.device)
                 punica.add_shrink(buf, x, a, 1.0, lora_ranks=ranks)
-                return gemm_lora(x, weight.t(), None, buf, b, punica.token_lora_indices, slices, lora_ranks=ranks)
+                return gemm_lora(x, weights_nk[i][name], None, buf, b, punica.token_lora_indices, slices,
+                                 lora_ranks=ranks)
 
             if fuse_norm:
                 @staticmethod
@@ -551,7 +558,7 @@ class TorchDecoder:
                     xn = buffer((name, "xn", m), (m, x.shape[1]), x.dtype, x.device)
                     slots = punica.token_lora_indices
                     rms_norm_shrink(x, norm_weight, eps, a, slots, 1.0, out=xn, buf=buf, lora_ranks=ranks)
-                    return gemm_lora(xn, weight.t(), None, buf, b, slots, slices, lora_ranks=ranks)
+                    return gemm_lora(xn, weights_nk[i][name], None, buf, b, slots, slices, lora_ranks=ranks)
         return Fused()
 
     def reference_lora(self, groups):
