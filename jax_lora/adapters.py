@@ -264,6 +264,9 @@ class AdapterManager(SlotTable):
     table, so concurrent callers never corrupt them; `register` reads files before taking it. A
     thread that runs a step on the slots holds `with manager.lock:` across `activate` and the step
     (another thread's activate may evict its slots).
+
+    Pinning: `pin(adapter)` / `unpin(adapter)` (a LoRA id or a registered name) keep an adapter in its
+    slot whatever the LRU would evict (lora_core.adapter_slots, "Pinning").
     """
 
     def __init__(self, model: nnx.Module, *, host_cache_size: int = 8):

@@ -282,6 +282,9 @@ class ServingEngine:
                 if r.lora_id not in self.adapters.registered:
                     raise ValueError(f"request {i}: LoRA id {r.lora_id} is not registered "
                                      f"(registered: {sorted(self.adapters.registered)})")
+                refused = self.adapters.activation_error([r.lora_id])      # pinned adapters fill every slot
+                if refused is not None:
+                    raise ValueError(f"request {i}: {refused}")
         ids = [i if r.request_id is None else r.request_id for i, r in enumerate(reqs)]
         repeat = checks.first_repeat(ids, "request {}: request_id", "it tells the Completions apart")
         if repeat is not None:

@@ -26,8 +26,18 @@ stays true only while no other thread activates: a caller that runs a step on th
 `with manager.lock:` across `activate` and the step (or one thread serves, as an engine does).
 
 `activate(ids)` puts a batch's adapters into slots: free slots first, then the least recently
-used slots whose adapter the batch does not need. Every adapter the batch needs is prepared before
-any slot is written, so an adapter that fails to load leaves the manager as it was.
+used slots whose adapter the batch does not need and that is not pinned. Every adapter the batch
+needs is prepared before any slot is written, so an adapter that fails to load leaves the manager
+as it was.
+
+Pinning. `pin(adapter)` puts a registered adapter (its LoRA id, or its registered name) into a
+slot and keeps it there: the LRU never evicts it, so a batch that names it never waits for a
+load. `unpin(adapter)` makes its slot evictable again (the adapter stays loaded until the LRU
+picks it). A batch that needs more slots than the unpinned ones (`num_slots - len(pinned)`, plus
+the pinned adapters it names itself) is refused with a ValueError naming the adapters that do not
+fit, the slot count and the pinned adapters, before anything changes; so is `pin` when every slot
+holds another pinned adapter. `unload` refuses a pinned adapter (unpin it first); `unregister`
+forgets the pin with the adapter; re-registering a pinned id (hot swap) keeps it pinned, in its slot.
 
 Adapter files are untrusted input: a directory is read with `load_peft_adapter(...,
 module_shapes=..., max_total_bytes=max_adapter_bytes)`, so every tensor's shape is checked against
@@ -80,6 +90,7 @@ class SlotTable:
         self._host: collections.OrderedDict = collections.OrderedDict()    # id -> prepared (LRU)
         self._slots: list = [None] * self.num_slots    # slot -> id
         self._slot_use: collections.OrderedDict = collections.OrderedDict()   # id -> None, LRU order
+        self._pinned: set = set()                       # ids the LRU never evicts (always in a slot)
         self.version = 0                                # +1 per slot write
         self.stats = collections.Counter()
         self.max_adapter_bytes: int | None = None       # None: the model's largest adapter (module docstring)
@@ -140,8 +151,9 @@ class SlotTable:
                            "times in a row; register it once they are written")
 
     def unregister(self, lora_id: int) -> None:
-        """Frees the adapter's slot (zeroed) and forgets it."""
+        """Frees the adapter's slot (zeroed) and forgets it (its pin too)."""
         with self.lock:
+            self._pinned.discard(lora_id)
             self.unload(lora_id)
             for table in (self._sources, self._stamps, self._names, self._ranks, self._host):
                 table.pop(lora_id, None)
@@ -171,7 +183,75 @@ class SlotTable:
             return self._slots.index(lora_id) if lora_id in self._slots else None
 
     def can_activate(self, ids: Iterable[int | None]) -> bool:
-        return len({i for i in ids if i}) <= self.num_slots
+        """Whether `activate(ids)` finds slots for every adapter of `ids` next to the pinned ones."""
+        with self.lock:
+            return len({int(i) for i in ids if i} | self._pinned) <= self.num_slots
+
+    # -------------------------------------------------------------- pinning
+    @property
+    def pinned(self) -> list:
+        """The pinned LoRA ids, sorted."""
+        with self.lock:
+            return sorted(self._pinned)
+
+    def lora_id_of(self, adapter: int | str) -> int:
+        """The registered LoRA id of `adapter`: a LoRA id, or a registered name (held by one id)."""
+        with self.lock:
+            if isinstance(adapter, str):
+                ids = [i for i, n in self._names.items() if n == adapter]
+                if len(ids) != 1:
+                    what = "no registered adapter" if not ids else f"{len(ids)} registered adapters (ids {sorted(ids)})"
+                    raise ValueError(f"adapter name {adapter!r} names {what}; pass its LoRA id (registered: "
+                                     f"{self.registered})")
+                return ids[0]
+            if not isinstance(adapter, (int, np.integer)) or isinstance(adapter, bool):
+                raise TypeError(f"adapter must be a LoRA id (int) or a registered name (str), got {adapter!r:.80}")
+            if int(adapter) not in self._sources:
+                raise ValueError(f"LoRA id {adapter} is not registered (registered: {sorted(self._sources)})")
+            return int(adapter)
+
+    def pin(self, adapter: int | str) -> int:
+        """Puts the registered `adapter` (LoRA id or name) into a slot, if it is in none, and keeps it
+        there: the LRU never evicts a pinned adapter. Returns its slot. Raises ValueError naming the
+        adapter and the slot count when every slot holds another pinned adapter (nothing changes)."""
+        with self.lock:
+            lora_id = self.lora_id_of(adapter)
+            if lora_id not in self._slots:
+                self.activate([lora_id])          # refuses when the pinned adapters fill every slot
+            self._pinned.add(lora_id)
+            return self._slots.index(lora_id)
+
+    def unpin(self, adapter: int | str) -> None:
+        """Makes the adapter's slot evictable by the LRU again (it stays loaded until then)."""
+        with self.lock:
+            lora_id = self.lora_id_of(adapter)
+            if lora_id not in self._pinned:
+                raise ValueError(f"adapter {self._label(lora_id)} is not pinned (pinned: "
+                                 f"{[self._label(i) for i in sorted(self._pinned)]})")
+            self._pinned.discard(lora_id)
+
+    def _label(self, lora_id: int) -> str:
+        return f"{self._names.get(lora_id)!r} (LoRA id {lora_id})"
+
+    def activation_error(self, ids: Iterable[int | None]) -> str | None:
+        """Why `activate(ids)` would be refused for lack of slots (None: it finds slots): the adapters
+        of `ids` not in a slot outnumber the slots that are free or hold an unpinned adapter `ids`
+        does not name, the pinned adapters filling the rest."""
+        with self.lock:
+            need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
+            if len(need) > self.num_slots:
+                return f"{len(need)} distinct adapters requested at once, but there are {self.num_slots} slots"
+            incoming = [i for i in need if i not in self._slots]
+            room = sum(1 for i in self._slots if i is None or (i not in self._pinned and i not in need))
+            if len(incoming) <= room:
+                return None
+            pinned = [self._label(i) for i in sorted(self._pinned)]
+            refused = [self._label(i) for i in incoming[room:]]
+            busy = sum(1 for i in self._slots if i in need and i not in self._pinned)
+            return (f"adapter{'s' if len(refused) > 1 else ''} {', '.join(refused)} cannot be loaded: "
+                    f"{len(pinned)} of the {self.num_slots} adapter slots (the capacity, max_loras) hold pinned "
+                    f"adapters {pinned}" + (f" and {busy} hold adapters the same batch needs" if busy else "")
+                    + "; unpin one (unpin(name)) or build the model with more slots")
 
     def activate(self, ids: Iterable[int | None]) -> list:
         """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
@@ -194,9 +274,9 @@ class SlotTable:
             unknown = [i for i in need if i not in self._sources]
             if unknown:
                 raise ValueError(f"LoRA ids {unknown} are not registered (registered: {sorted(self._sources)})")
-            if len(need) > self.num_slots:
-                raise ValueError(f"{len(need)} distinct adapters requested at once, but there are {self.num_slots} "
-                                 "slots")
+            refused = self.activation_error(need)
+            if refused is not None:
+                raise ValueError(refused)
             incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
             for i in need:
                 if i in self._slots:
@@ -223,8 +303,11 @@ class SlotTable:
             return self.slot_of(lora_id)
 
     def unload(self, lora_id: int) -> None:
-        """Frees the adapter's slot (zeroed, rank 0); it stays registered and in the host cache."""
+        """Frees the adapter's slot (zeroed, rank 0); it stays registered and in the host cache.
+        Raises ValueError for a pinned adapter (unpin it first)."""
         with self.lock:
+            if lora_id in self._pinned:
+                raise ValueError(f"adapter {self._label(lora_id)} is pinned: unpin it before unloading it")
             if lora_id in self._slots:
                 slot = self._slots.index(lora_id)
                 self._write(slot, None)
@@ -243,7 +326,7 @@ class SlotTable:
         if None in self._slots:
             return self._slots.index(None)
         for victim in self._slot_use:                  # least recently used first
-            if victim not in keep:
+            if victim not in keep and victim not in self._pinned:
                 self._slot_use.pop(victim)
                 self.stats["evictions"] += 1
                 return self._slots.index(victim)

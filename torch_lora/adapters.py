@@ -383,6 +383,9 @@ class AdapterManager(SlotTable):
     thread that runs a step on the slots holds `with manager.lock:` across `activate` and the step
     (another thread's activate may evict its slots).
 
+    Pinning: `pin(adapter)` / `unpin(adapter)` (a LoRA id or a registered name) keep an adapter in its
+    slot whatever the LRU would evict (lora_core.adapter_slots, "Pinning").
+
     Slot writes on CUDA. A write (load, eviction, hot swap, unload) is enqueued on the manager's
     upload stream: that stream first waits on an event recorded on the current stream at the time of
     the write, i.e. after every step already enqueued there (eager kernels or a CUDA graph replay),

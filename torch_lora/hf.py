@@ -331,6 +331,33 @@ class MultiLoRAModel:
                 raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
             self.adapters.unregister(self._ids.pop(name))
 
+    def pin(self, name: str) -> None:
+        """Keeps the adapter `name` in an adapter slot (loading it now if it is in none): the LRU
+        never evicts it, so batches that name it never wait for its upload, and a CUDA graph replay
+        finds it in the same slot. Raises ValueError naming the adapter and max_loras when every
+        slot already holds another pinned adapter. See `AdapterManager.pin`."""
+        self._check_open()
+        with self._lock:
+            self.adapters.pin(self._id_of(name))
+            self.adapters.wait_uploads()
+
+    def unpin(self, name: str) -> None:
+        """Makes the adapter `name` evictable by the LRU again (it stays in its slot until then)."""
+        with self._lock:
+            self.adapters.unpin(self._id_of(name))
+
+    @property
+    def pinned_adapters(self) -> list:
+        """The names of the pinned adapters, in load order."""
+        with self._lock:
+            pinned = set(self.adapters.pinned)
+            return [n for n, i in self._ids.items() if i in pinned]
+
+    def _id_of(self, name: str) -> int:
+        if name not in self._ids:
+            raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
+        return self._ids[name]
+
     def _lora_ids(self, adapter_names: Sequence[str]) -> list:
         if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
             raise TypeError(f"adapter_names must be a list of adapter names (one per row, {BASE!r} for none), got "
