@@ -87,6 +87,7 @@ class SlotTable:
         self._stamps: dict = {}                         # id -> its directory's file stamps at registration
         self._names: dict = {}
         self._ranks: dict = {}                          # id -> the adapter's largest rank
+        self._invocations: dict = {}                    # id -> aLoRA invocation token ids, or None
         self._host: collections.OrderedDict = collections.OrderedDict()    # id -> prepared (LRU)
         self._slots: list = [None] * self.num_slots    # slot -> id
         self._slot_use: collections.OrderedDict = collections.OrderedDict()   # id -> None, LRU order
@@ -126,9 +127,10 @@ class SlotTable:
         lora_id = int(lora_id)
         src = copy.deepcopy(adapter) if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
         name = name or (src.name if isinstance(src, PeftAdapter) else os.path.basename(os.path.normpath(src)))
-        prepared, stamp = self._read_stamped(src, name)   # raises for a bad adapter; nothing changed yet
+        (prepared, invocation), stamp = self._read_stamped(src, name)   # raises for a bad adapter; nothing changed
         with self.lock:
             self._count_prepare(src)
+            self._invocations[lora_id] = invocation
             self._ranks[lora_id] = self._largest_rank(prepared)
             self._sources[lora_id] = src
             self._stamps[lora_id] = stamp
@@ -140,8 +142,9 @@ class SlotTable:
                 self.stats["hot_swaps"] += 1
 
     def _read_stamped(self, src, name: str) -> tuple:
-        """(prepared, stamp) of `src`, the stamp taken before the read and equal to the files' after it;
-        a directory whose files change during the read is read again, AdapterError after STAMP_TRIES."""
+        """((prepared, invocation tokens), stamp) of `src`, the stamp taken before the read and equal to
+        the files' after it; a directory whose files change during the read is read again, AdapterError
+        after STAMP_TRIES."""
         for _ in range(STAMP_TRIES):
             before = _file_stamps(src)
             prepared = self._prepare(src, name)
@@ -155,8 +158,16 @@ class SlotTable:
         with self.lock:
             self._pinned.discard(lora_id)
             self.unload(lora_id)
-            for table in (self._sources, self._stamps, self._names, self._ranks, self._host):
+            for table in (self._sources, self._stamps, self._names, self._ranks, self._host, self._invocations):
                 table.pop(lora_id, None)
+
+    def invocation_tokens(self, lora_id: int) -> tuple | None:
+        """The registered adapter's aLoRA invocation token ids (lora_core.alora), or None when it
+        applies to every token (plain LoRA, DoRA)."""
+        with self.lock:
+            if lora_id not in self._sources:
+                raise ValueError(f"LoRA id {lora_id} is not registered (registered: {sorted(self._sources)})")
+            return self._invocations.get(lora_id)
 
     @property
     def registered(self) -> dict:
@@ -353,15 +364,16 @@ class SlotTable:
                    "registered; register it again to serve the new files")
         if _file_stamps(src) != self._stamps.get(lora_id):
             raise AdapterError(changed)
-        prepared = self._prepare(src, self._names[lora_id])
+        prepared, _invocation = self._prepare(src, self._names[lora_id])
         if _file_stamps(src) != self._stamps.get(lora_id):     # rewritten while being read
             raise AdapterError(changed)
         return prepared, False
 
-    def _prepare(self, src, name: str):
-        """`_prepare_uncounted` of `src` (a directory, read here, or a PeftAdapter) as the adapter
-        `name`: every AdapterError names it as registered (a directory's own name, or the name a
-        PeftAdapter was built with, is not what the caller called it), and the path."""
+    def _prepare(self, src, name: str) -> tuple:
+        """(`_prepare_uncounted` of `src` (a directory, read here, or a PeftAdapter) as the adapter
+        `name`, its aLoRA invocation tokens or None): every AdapterError names it as registered (a
+        directory's own name, or the name a PeftAdapter was built with, is not what the caller
+        called it), and the path."""
         if isinstance(src, PeftAdapter):
             adapter = src if src.name == name else dataclasses.replace(src, name=name)
         else:
@@ -372,7 +384,7 @@ class SlotTable:
                 text = str(e)           # checks against the model already name the adapter and its directory
                 named = text.startswith(f"adapter {name!r}")
                 raise AdapterError(text if named else f"adapter {name!r}: {text}") from None
-        return self._prepare_uncounted(adapter)
+        return self._prepare_uncounted(adapter), adapter.invocation_tokens
 
 
 def _file_stamps(src) -> tuple | None:
