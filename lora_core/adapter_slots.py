@@ -9,7 +9,10 @@ on the host and without any framework:
   host cache   LoRA id -> the adapter prepared for the slots (the framework's layout), LRU,
                at most `host_cache_size` entries (a reload then skips the disk);
   slot table   slot -> LoRA id or None (`lora_index_to_id`, the wrapper's table), with the slots'
-               use in LRU order.
+               use in LRU order, and the pinned ids the LRU skips.
+
+With each adapter it keeps its aLoRA invocation tokens (`invocation_tokens(lora_id)`, None for an
+adapter that applies to every token; lora_core.alora), read with the adapter.
 
 Registered files are stamped (name, size, modification and change times, inode of each file in
 the directory): the stamp is taken before the read and compared after it, so files rewritten
