@@ -298,7 +298,8 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
       max_loras, max_rank: slots and the largest adapter rank the slots hold.
       output_slices: {layer name (last part) or full path: slice widths} for fused projections.
       dtype: adapter weight dtype (default: each base layer's).
-      dora: the linear layers (not the logits or embeddings) also hold DoRA column scales.
+      dora: the linear layers (not the logits or embeddings) hold DoRA column scales from the start
+        (without it, `MultiLoRALinear.enable_dora` adds one when the first DoRA adapter reaches a layer).
 
     Returns {path: new layer}. Raises ValueError when nothing matches (a typo should not silently
     give a model without adapters).

@@ -16,6 +16,7 @@ import pytest
 from lora_core import alora
 from lora_core.peft import AdapterError, parse_adapter_config
 
+from .impls import torch_triton_device, triton_runs
 from .test_peft_roundtrip import VOCAB, build_peft_models
 
 torch = pytest.importorskip("torch")
@@ -112,26 +113,31 @@ def test_invocation_tokens_are_read_and_dora_with_alora_refused():
 
 # ----------------------------------------------------------------------------- torch
 
-def _mm(hf):
+def _mm(hf, backend="torch", device="cpu"):
     from torch_lora.hf import MultiLoRAModel
     root, dirs, _ = hf
-    mm = MultiLoRAModel(transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval(), max_loras=2,
-                        max_rank=8, backend="torch")
+    model = transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval().to(device)
+    mm = MultiLoRAModel(model, max_loras=2, max_rank=8, backend=backend)
     for lora_id, d in dirs.items():
         mm.load_adapter(NAMES[lora_id], d)
     return mm
 
 
-def test_torch_forward_equals_peft_per_row(hf, prompts):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_torch_forward_equals_peft_per_row(hf, prompts, backend):
     """One padded batch (right padding, every row of one length): each row's logits equal peft's
-    forward of that row alone, with peft's offsets computed from the same tokens."""
-    mm = _mm(hf)
+    forward of that row alone, with peft's offsets computed from the same tokens (triton: in the
+    interpreter on a CPU, compiled on a GPU)."""
+    if backend == "triton" and not triton_runs():
+        pytest.skip("no GPU and Triton's interpreter is not on")
+    device = torch_triton_device() if backend == "triton" else "cpu"
+    mm = _mm(hf, backend, device)
     assert mm.adapters.invocation_tokens(mm._ids["act"]) == tuple(INVOCATION)
     width = max(len(p) for p, _ in prompts)
     rows = [p + [11] * (width - len(p)) for p, _ in prompts]
     names = [NAMES[i] for _, i in prompts]
     with torch.no_grad():
-        out = mm(torch.tensor(rows), adapter_names=names).logits.numpy()
+        out = mm(torch.tensor(rows, device=device), adapter_names=names).logits.cpu().numpy()
     for j, (row, (_, lora_id)) in enumerate(zip(rows, prompts)):
         with torch.no_grad():
             want = hf[2][lora_id](torch.tensor([row])).logits[0].numpy()

@@ -321,7 +321,9 @@ class MultiLoRAModel:
         """Reads and checks the PEFT adapter at `path` (or a PeftAdapter) and makes it available as
         `name`. Loading a name again replaces its adapter (hot swap: the same slot gets the new
         weights, no CUDA graph needs re-capturing). A bad adapter raises AdapterError (a ValueError
-        naming the file, tensor or module) and leaves every loaded adapter as it was."""
+        naming the file, tensor or module) and leaves every loaded adapter as it was. A DoRA adapter
+        loads into any model (see `dora`); an aLoRA adapter (alora_invocation_tokens) applies to a
+        row from its invocation tokens on (docs/torch.md, "Activated LoRA")."""
         self._check_open()
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
