@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_lora import LoRAMapping, PunicaWrapper
 from jax_lora.meta import LoRAKernelMeta
-from jax_lora.ops import partition, pallas_tpu, xla
+from jax_lora.ops import pallas_tpu, partition, xla
 
 from . import oracle
 
@@ -198,7 +198,7 @@ def test_several_slices_with_y_split_run_replicated_and_say_so(caplog):
     mesh = _mesh()
     slices = (32, 16, 16)
     x, y, a, b, bias = _data(5, slices)
-    put = lambda v, spec: jax.device_put(jnp.asarray(v), NamedSharding(mesh, spec))  # noqa: E731
+    put = lambda v, spec: jax.device_put(jnp.asarray(v), NamedSharding(mesh, spec))
     args = (put(y, P(None, "tp")), jnp.asarray(x), tuple(jnp.asarray(v) for v in a),
             tuple(put(v, P(None, "tp")) for v in b), tuple(jnp.asarray(v) for v in bias),
             jnp.asarray(RANKS, jnp.int32))

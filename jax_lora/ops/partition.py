@@ -116,14 +116,6 @@ class _Call:
     options: tuple               # other keyword arguments of the backend op, as (name, value) pairs
 
     @property
-    def first_weight(self) -> int:
-        return int(self.has_x) + int(self.has_y) + int(self.has_buf)
-
-    @property
-    def first_meta(self) -> int:
-        return self.first_weight + self.weights
-
-    @property
     def b_row_dim(self) -> int:
         """The dimension of B holding the output features: 1 for (L, n, r), 2 for (L, r, n)."""
         return 2 if dict(self.options).get("b_layout", "nr") == "rn" else 1
@@ -174,11 +166,8 @@ class _Weights:
         if a is None:
             return None
         base, index = (a.base, a.index) if _is_view(a) else (a, None)
-        for pos, known in enumerate(self.arrays):
-            if known is base:
-                break
-        else:
-            pos = len(self.arrays)
+        pos = next((p for p, known in enumerate(self.arrays) if known is base), len(self.arrays))
+        if pos == len(self.arrays):
             self.arrays.append(base)
         return _Ref(pos, None if index is None else _index_key(index, base.shape))
 
@@ -332,12 +321,12 @@ def plan(call: _Call, shapes: Sequence, result) -> Plan:
     for what, n, axes in checks:
         if n % size(axes):
             return Plan(reason=f"{n} {what} do not split evenly over {axes} ({size(axes)} devices)")
-    for p, (kind, dims) in roles.items():
-        ref = next(r for r in (*call.a, *call.b, *(call.bias or ()), *(call.col_scale or ())) if r and r.pos == p)
-        if ref.index is not None:
-            for name, dim in dims.items():
-                if dim < len(ref.index) and ref.index[dim] != (0, None) and (inputs if name == "h" else outputs):
-                    return Plan(reason="a View reads part of a weight's split feature dimension")
+    for ref in (*call.a, *call.b, *(call.bias or ()), *(call.col_scale or ())):
+        if ref is None or ref.index is None:
+            continue
+        for name, dim in roles[ref.pos][1].items():
+            if dim < len(ref.index) and ref.index[dim] != (0, None) and (inputs if name == "h" else outputs):
+                return Plan(reason=f"a View of a weight (index {ref.index}) reads part of its split dimension {dim}")
     return Plan(tokens=tokens, inputs=inputs, outputs=outputs)
 
 
@@ -379,8 +368,8 @@ def _partition(call: _Call, traced, mesh, shapes, result):
         _LOG.warning("backend %r: %s runs replicated on every device (%s)", call.impl.NAME, call.op, plan_.reason)
     arg_shardings = tuple(NamedSharding(mesh, s) for s in _specs(call, plan_, shapes))
     count = len(traced.consts)
-    return mesh, (lambda *ops: _run(call, ops[:len(ops) - count], plan_)), NamedSharding(mesh, _result_spec(call, plan_)), \
-        arg_shardings
+    result_sharding = NamedSharding(mesh, _result_spec(call, plan_))
+    return mesh, (lambda *ops: _run(call, ops[:len(ops) - count], plan_)), result_sharding, arg_shardings
 
 
 def _infer(call: _Call, traced, mesh, shapes, result):
