@@ -303,3 +303,22 @@ def test_triton_column_split_takes_local_blocks():
     calls = [line for line in hlo.splitlines() if "custom-call(" in line]
     assert any(f"f32[{L},{N // 4},{R}]" in c for c in calls), calls
     assert not any(f"f32[{L},{N},{R}]" in c for c in calls)
+
+
+def test_triton_stacked_views_split_by_columns():
+    """add_lora_linear_stacked hands Triton Views of the stacked weights: a View over all of B's
+    rows reads each device's block (compiled, not run; no collective, local B in the launch)."""
+    pytest.importorskip("triton")
+    mesh = _mesh()
+    x, y, a, b, _ = _data(8)
+
+    def put(v, spec):
+        return jax.device_put(jnp.asarray(v), NamedSharding(mesh, spec))
+
+    step = jax.jit(lambda w, y, x, a, b: w.add_lora_linear_stacked(y, x, a, b, 0.5, (N,)))
+    args = (_wrapper("triton", mesh), put(y, P(None, "tp")), put(x, P()), put(np.stack(a), P()),
+            put(b[0], P(None, "tp")))
+    hlo = step.lower(*args).compile().as_text()
+    assert _collectives(hlo) == []
+    calls = [line for line in hlo.splitlines() if "custom-call(" in line]
+    assert any(f"f32[{L},{N // 4},{R}]" in c for c in calls) and not any(f"f32[{L},{N},{R}]" in c for c in calls)
