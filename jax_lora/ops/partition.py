@@ -32,12 +32,14 @@ split (device d's columns of y are then not one block of every slice in the natu
 axes than y's columns, a split slot or rank axis of a weight, a split that does not divide its
 dimension, shardings that are not `NamedSharding`s.
 
-Steps of one call (`Partitioned`): 1. the arrays are laid out as a flat list of operands (weights
-once each: a Triton `View` contributes its base array, its index is static); 2. `custom_partitioning`
-binds them with the op's Shardy sharding rule (tokens, H and N as shared factors, every other
-dimension its own), so the result follows y (or x for shrink) through propagation; 3. at partition
-time `plan` decides, the operands are requested with its shardings, and the local program calls the
-backend on local shapes (plus the psum for a split H). Outside a partitioned program (one device,
+Steps of one call (an op of `partitioned(impl)`): 1. the arrays are laid out as a flat list of
+operands (weights once each: a Triton `View` contributes its base array, its index is static), the
+op is traced once and the arrays it makes while traced become operands too (custom_partitioning
+takes no constants); 2. `custom_partitioning` binds them with the op's Shardy sharding rule
+(tokens, H and N as shared factors, every other dimension its own), so the result follows y (or x
+for shrink) through propagation; 3. at partition time `plan` decides, the operands are requested
+with its shardings, and the local program calls the backend on local shapes (plus the psum for a
+split H). Outside a partitioned program (one device,
 inside `jax.shard_map`, eager single-device calls) the backend runs directly.
 """
 
