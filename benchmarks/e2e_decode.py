@@ -462,8 +462,7 @@ class TorchDecoder:
             write_rows = rows
         x = F.embedding(tokens, self.embed)                                    # (B, S, H)
         for i, w in enumerate(self.layers):
-            h = self._rms(x, w["ln1"]).view(T, H)
-            qkv = self._linear(i, "qkv", h, w["qkv"], lora)
+            qkv = self._norm_linear(i, "qkv", x.view(T, H), w["ln1"], w["qkv"], lora)
             q = self._rope(qkv[:, :Q].view(B, S, nh, hd), cos, sin)
             k = self._rope(qkv[:, Q:Q + KV].view(B, S, nkv, hd), cos, sin)
             v = qkv[:, Q + KV:].view(B, S, nkv, hd)
@@ -490,8 +489,7 @@ class TorchDecoder:
                 att = att.transpose(1, 2).reshape(T, Q)
             o = self._linear(i, "o", att, w["o"], lora)
             x = x + o.view(B, S, H)
-            h = self._rms(x, w["ln2"]).view(T, H)
-            gu = self._linear(i, "gate_up", h, w["gate_up"], lora)
+            gu = self._norm_linear(i, "gate_up", x.view(T, H), w["ln2"], w["gate_up"], lora)
             act = F.silu(gu[:, :I]) * gu[:, I:]
             dn = self._linear(i, "down", act, w["down"], lora)
             x = x + dn.view(B, S, H)
@@ -500,10 +498,21 @@ class TorchDecoder:
         return logits, logits.argmax(-1)
 
     # ---------------------------------------------------------------- LoRA paths
+    def _norm_linear(self, i, name, x, norm_weight, weight, lora):
+        """RMSNorm(x) * norm_weight @ weight with the LoRA hook: a hook with `norm_linear` computes
+        the whole (the fused path: the norm with the shrink, the GEMM with the expand); else the
+        norm here and `_linear`."""
+        if lora is not None and hasattr(lora, "norm_linear"):
+            return lora.norm_linear(i, name, x, norm_weight, weight)
+        return self._linear(i, name, self._rms(x, norm_weight), weight, lora)
+
     def _linear(self, i, name, x, weight, lora):
-        """x @ weight (`base_product`) with the LoRA hook: lora(i, name, y, x) after the product,
-        or, for an overlapping hook (one with `begin`), lora.begin(i, name, x) before it and
-        lora.end(i, name, y, token) after it."""
+        """x @ weight (`base_product`) with the LoRA hook: lora(i, name, y, x) after the product; a
+        hook with `linear` computes the product itself (the fused path); an overlapping hook (one
+        with `begin`) gets lora.begin(i, name, x) before the product and lora.end(i, name, y, token)
+        after it."""
+        if lora is not None and hasattr(lora, "linear"):
+            return lora.linear(i, name, x, weight)
         if lora is not None and hasattr(lora, "begin"):
             token = lora.begin(i, name, x)
             y = base_product(x, weight, self.fp8_product)
@@ -559,6 +568,53 @@ class TorchDecoder:
                 torch.cuda.current_stream().wait_stream(side)
                 punica.add_expand(y, buf, b, None, slices, 0, True, lora_ranks=ranks)
         return Overlap()
+
+    def fused_lora(self, punica, fuse_norm: bool):
+        """The fused path (--torch-lora fused / fused-norm): each LoRA linear is one Triton GEMM
+        with the expand in its epilogue (`torch_lora.ops.fused_linear.gemm_lora`, replacing cuBLAS
+        and the expand kernel), its shrink before it: `punica.add_shrink` for o and down, and with
+        fuse_norm the RMSNorm kernel that also shrinks (`rms_norm_shrink`) for qkv and gate_up, so
+        that no LoRA kernel runs between the norm and the GEMM."""
+        import torch
+
+        from torch_lora.ops.fused_linear import gemm_lora, norm_shrink_config, rms_norm_shrink
+        lora_of, eps = self.lora, self.cfg.rms_norm_eps
+        buffers: dict = {}
+        # nn.Linear's (out, in) layout, K contiguous, as the kernel's tiles are read (the JAX
+        # model's (in, out) kernels seen transposed would read BLOCK_N-wide runs): copies, once
+        if not hasattr(self, "_weights_nk"):
+            self._weights_nk = [{name: w[name].t().contiguous() for name in ("qkv", "o", "gate_up", "down")}
+                                for w in self.layers]
+        weights_nk = self._weights_nk
+
+        def buffer(key, shape, dtype, device):
+            t = buffers.get(key)
+            if t is None or tuple(t.shape) != tuple(shape):
+                t = buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+            return t
+
+        class Fused:
+            @staticmethod
+            def linear(i, name, x, weight):
+                a, b, slices, ranks = lora_of[i][name]
+                buf = buffer((name, "buf", x.shape[0]), (len(a), x.shape[0], a[0].shape[-2]), torch.float32,
+                             x.device)
+                punica.add_shrink(buf, x, a, 1.0, lora_ranks=ranks)
+                return gemm_lora(x, weights_nk[i][name], None, buf, b, punica.token_lora_indices, slices,
+                                 lora_ranks=ranks)
+
+            if fuse_norm:
+                @staticmethod
+                def norm_linear(i, name, x, norm_weight, weight):
+                    a, b, slices, ranks = lora_of[i][name]
+                    m = x.shape[0]
+                    planes = norm_shrink_config(m, a[0].shape[-2])["SPLIT_K"]
+                    buf = buffer((name, "planes", m), (planes, len(a), m, a[0].shape[-2]), torch.float32, x.device)
+                    xn = buffer((name, "xn", m), (m, x.shape[1]), x.dtype, x.device)
+                    slots = punica.token_lora_indices
+                    rms_norm_shrink(x, norm_weight, eps, a, slots, 1.0, out=xn, buf=buf, lora_ranks=ranks)
+                    return gemm_lora(xn, weights_nk[i][name], None, buf, b, slots, slices, lora_ranks=ranks)
+        return Fused()
 
     def reference_lora(self, groups):
         """The LoRA hook of the reference: for each (slot, token indices) of `groups`, the delta
@@ -785,8 +841,12 @@ class Bench:
         if lora == "vllm":
             hook = self.td.vllm_lora(self.vk, self.v_meta)
         elif lora:
-            hook = (self.td.overlapped_lora(self.t_punica, self._torch_side) if self.args.torch_lora == "overlap"
-                    else self.td.wrapper_lora(self.t_punica))
+            if self.args.torch_lora == "overlap":
+                hook = self.td.overlapped_lora(self.t_punica, self._torch_side)
+            elif self.args.torch_lora.startswith("fused"):
+                hook = self.td.fused_lora(self.t_punica, fuse_norm=self.args.torch_lora == "fused-norm")
+            else:
+                hook = self.td.wrapper_lora(self.t_punica)
 
         def step():
             return self.td.forward(shape.t_tokens, shape.t_positions, shape.t_cache, lora=hook)
@@ -1535,9 +1595,11 @@ def main(argv=None) -> int:
     p.add_argument("--vllm", choices=("auto", "on", "off"), default="auto",
                    help="also time torch's step with vLLM's LoRA kernels (benchmarks/vllm_kernels.py; their files "
                         "in .vllm/ from benchmarks/fetch_vllm_kernels.sh): when present (auto), required (on) or not")
-    p.add_argument("--torch-lora", choices=("linear", "overlap"), default="linear",
-                   help="torch's LoRA path: add_lora_linear after the base product (linear), or the shrink on a "
-                        "side stream beside the base product and the expand after it (overlap; CUDA only)")
+    p.add_argument("--torch-lora", choices=("linear", "overlap", "fused", "fused-norm"), default="linear",
+                   help="torch's LoRA path: add_lora_linear after the base product (linear); the shrink on a "
+                        "side stream beside the base product and the expand after it (overlap; CUDA only); the "
+                        "shrink then a Triton GEMM with the expand in its epilogue (fused); the same with the "
+                        "RMSNorm kernel that also shrinks before qkv and gate_up (fused-norm)")
     p.add_argument("--jax-chain", type=int, default=1,
                    help="JAX samples of K steps dispatched back to back, one wait, divided by K (default 1: "
                         "each step waited for)")
@@ -1552,6 +1614,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke and args.torch_lora == "overlap":
         p.error("--torch-lora overlap needs CUDA streams (not --smoke)")
+    if args.base == "fp8" and args.torch_lora.startswith("fused"):
+        p.error(f"--torch-lora {args.torch_lora} runs a Triton GEMM over bf16 weights; with --base fp8 use "
+                "--torch-lora linear or overlap")
     if args.smoke and args.torch_fp8 == "scaled_mm":
         p.error("--torch-fp8 scaled_mm needs CUDA (not --smoke)")
     args.torch_fp8 = args.torch_fp8 or ("dequant" if args.smoke else "scaled_mm")

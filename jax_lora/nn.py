@@ -127,6 +127,9 @@ class MultiLoRALinear(nnx.Module):
     dora=True: the layer also holds `lora_scale` (L, out) float32, each slot's DoRA column scale
     g (lora_core.dora; 1 for plain LoRA slots), and a token with slot i gets
     g[i] * (x W + x A_s[i].T B_s[i].T) + bias instead (the base bias is added after the scale).
+    A layer built without it gets the scale from `enable_dora()` (the AdapterManager calls it when
+    the first DoRA adapter lands in the layer): a new variable, so the model's graph changes and a
+    jitted step that takes the model is traced and compiled again, once.
     """
 
     def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int,
@@ -153,6 +156,19 @@ class MultiLoRALinear(nnx.Module):
         if self.dora:
             self.lora_scale = LoRAWeight(jnp.ones((max_loras, self.out_features), jnp.float32))
         self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
+
+    def enable_dora(self) -> bool:
+        """Gives the layer its DoRA column scale `lora_scale` (L, out) float32, all ones (every slot
+        plain LoRA), unless it has one; returns whether it was added. Refused for a layer split over
+        a mesh (its scale would have to follow the row split's reduction)."""
+        if self.dora:
+            return False
+        if self.tp is not None:
+            raise ValueError("a LoRA layer split over a mesh cannot serve DoRA adapters (its column scale would have "
+                             "to follow the reduction): serve them with unsplit layers")
+        self.lora_scale = LoRAWeight(jnp.ones((self.max_loras, self.out_features), jnp.float32))
+        self.dora = True
+        return True
 
     def __call__(self, x: jax.Array, punica=None) -> jax.Array:
         w = _pick(punica)
@@ -300,7 +316,8 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
       max_loras, max_rank: slots and the largest adapter rank the slots hold.
       output_slices: {layer name (last part) or full path: slice widths} for fused projections.
       dtype: adapter weight dtype (default: each base layer's).
-      dora: the linear layers (not the logits or embeddings) also hold DoRA column scales.
+      dora: the linear layers (not the logits or embeddings) hold DoRA column scales from the start
+        (without it, `MultiLoRALinear.enable_dora` adds one when the first DoRA adapter reaches a layer).
 
     Returns {path: new layer}. Raises ValueError when nothing matches (a typo should not silently
     give a model without adapters).

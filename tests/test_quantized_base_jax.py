@@ -12,6 +12,8 @@ the Triton backend on a GPU (marked `gpu`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -20,7 +22,7 @@ from flax import nnx
 
 from jax_lora import nn as lnn
 from jax_lora import quant
-from jax_lora.adapters import AdapterManager, load_peft_adapter
+from jax_lora.adapters import AdapterError, AdapterManager, dora_scales, load_peft_adapter
 from jax_lora.cli import verify
 from jax_lora.models import add_lora, load_llama, save_llama
 from jax_lora.serving import Request, ServingEngine
@@ -165,9 +167,9 @@ def test_serving_engine_on_quantized_llama_equals_dequantized_merged_model(llama
 
 
 def test_quantized_base_refusals(llama_dirs, tmp_path):
-    """Unknown quantize names, DoRA over a quantized base, quantize_model after add_lora or with
-    nothing matching, save_llama of a quantized model and splitting it over a mesh are refused with
-    errors naming the cause."""
+    """Unknown quantize names, DoRA over a quantized base (dora=True, or a DoRA adapter loaded onto
+    it), quantize_model after add_lora or with nothing matching, save_llama of a quantized model and
+    splitting it over a mesh are refused with errors naming the cause."""
     with pytest.raises(ValueError, match="quantize"):
         load_llama(llama_dirs["model"], quantize="int4")
     with pytest.raises(ValueError, match="quantize"):
@@ -193,6 +195,13 @@ def test_quantized_base_refusals(llama_dirs, tmp_path):
     add_lora(model, max_loras=1, max_rank=2, target_modules=["q_proj"])
     with pytest.raises(ValueError, match="before adding multi-LoRA layers"):
         quant.quantize_model(model, "int8")
+    # A DoRA adapter (a1 with magnitudes on q_proj) over the quantized qkv_proj is refused at load.
+    add_lora(qmodel, max_loras=1, max_rank=8)
+    plain = load_peft_adapter(llama_dirs["a1"])
+    module = "model.layers.0.self_attn.q_proj"
+    dora_adapter = dataclasses.replace(plain, magnitudes={module: np.ones(32, np.float32)})
+    with pytest.raises(AdapterError, match="quantized layer"):
+        dora_scales(qmodel, dora_adapter)
 
 
 @pytest.mark.gpu

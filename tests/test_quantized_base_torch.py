@@ -27,6 +27,7 @@ pytest.importorskip("peft")
 
 from torch import nn  # noqa: E402
 
+from lora_core.peft import AdapterError  # noqa: E402
 from torch_lora.hf import MultiLoRAModel, select_target_modules  # noqa: E402
 
 from . import hf_llama, torch_helpers  # noqa: E402
@@ -181,11 +182,11 @@ def test_linear_like_module_equals_peft_on_its_dequantized_weights(llama_assets)
     assert _rel(got[2], base[2]) > 1e-2                  # "chat" targets o_proj
 
 
-def test_modules_that_cannot_hold_lora_layers_are_refused(llama_assets):
+def test_modules_that_cannot_hold_lora_layers_are_refused(llama_assets, tmp_path):
     """A targeted module without int in_features / out_features (the MLP block) is a TypeError that
     states the rule; a linear-like module whose forward returns a tuple fails at the call naming
     the module and the expected width; DoRA over a module whose weights are not float tensors (here
-    no `weight` at all) is refused at wrapping."""
+    no `weight` at all) is refused at wrapping (dora=True) and at load (a DoRA adapter)."""
     fresh, _ = llama_assets
     with pytest.raises(TypeError, match="linear-like modules"):
         MultiLoRAModel(fresh(), max_loras=1, max_rank=4, target_modules=["mlp"], backend="torch")
@@ -196,6 +197,12 @@ def test_modules_that_cannot_hold_lora_layers_are_refused(llama_assets):
     with pytest.raises(TypeError, match="dora=True needs plain float base weights"):
         MultiLoRAModel(_with_toy_o_proj(fresh()), max_loras=1, max_rank=4, target_modules=["o_proj"], dora=True,
                        backend="torch")
+    dora_dir = hf_llama.save_peft(fresh, tmp_path / "dora", 4, r=4, lora_alpha=8, use_dora=True,
+                                  target_modules=["o_proj"])
+    mm = MultiLoRAModel(_with_toy_o_proj(fresh()), max_loras=1, max_rank=4, target_modules=["o_proj"],
+                        backend="torch")
+    with pytest.raises(AdapterError, match="DoRA needs a float base"):
+        mm.load_adapter("dora", dora_dir)
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -73,6 +73,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lora_core import alora
 from lora_core.host_mapping import LoRAMapping
 from lora_core.peft import AdapterConfig, PeftAdapter
 
@@ -225,12 +226,15 @@ class MultiLoRAModel:
       max_num_tokens: tokens per forward pass (batch x sequence); max_num_seqs: rows per pass.
       host_cache_size: prepared adapters kept on the host (pinned on CUDA).
       backend: force the wrapper's backend ("torch" reference or "triton"); default: the device's.
-      dora: also serve DoRA adapters (PEFT's use_dora), mixed in one batch with plain LoRA
-        adapters and rows without one: the linear layers (not the embedding or the LM head) get a
-        (max_loras, out_features) float32 column-scale buffer, and a DoRA row gets
-        g * (x W^T + delta) + bias with g = m / ||W + s B A||_row computed at load from the
-        module's base weight (torch_lora.layers.LoRALinear). Without it a DoRA adapter is refused
-        at `load_adapter`.
+      dora: allocate the DoRA column scales now. DoRA adapters (PEFT's use_dora) are served in
+        any case, mixed in one batch with plain LoRA adapters and rows without one: a linear layer
+        (not the embedding or the LM head) a DoRA adapter touches holds a (max_loras, out_features)
+        float32 column-scale buffer, and a DoRA row gets g * (x W^T + delta) + bias with
+        g = m / ||W + s B A||_row computed at load from the module's base weight
+        (torch_lora.layers.LoRALinear). Without dora=True the buffer of a layer is allocated when
+        the first DoRA adapter touching it is put into a slot: a new tensor, so a CUDA graph
+        captured before then does not read it (capture after loading a DoRA adapter, or pass
+        dora=True to allocate every linear layer's scale up front). Plain LoRA never needs it.
 
     Attributes: `model`, `punica` (the PunicaWrapper), `adapters` (the AdapterManager), `layers`
     ({path: LoRA layer}; a group's path is its parent's name + "." + the members' names joined by "+"),
@@ -263,7 +267,7 @@ class MultiLoRAModel:
             raise ValueError(f"the targeted modules must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.model = model
-        self.max_loras, self.max_rank, self.dora = max_loras, max_rank, dora
+        self.max_loras, self.max_rank, self._dora = max_loras, max_rank, dora
         # Normal tensors even when built under torch.inference_mode(): the slots and the wrapper's
         # metadata block are updated in place later, which an inference tensor refuses outside it.
         with torch.inference_mode(False):
@@ -286,6 +290,7 @@ class MultiLoRAModel:
         self._next_id = 1
         self._rows: list | None = None    # the names of the rows being served (None: caller-managed)
         self._expand_rows = 1                # generate's rows per prompt (num_beams / num_return_sequences)
+        self._alora: dict | None = None      # generate's aLoRA rows: {"starts": [...], "position": int}
         self._closed = False
 
     # -------------------------------------------------------------- wrapping
@@ -346,16 +351,22 @@ class MultiLoRAModel:
         return layers, members
 
     def _dora_kw(self, names: list, modules: list) -> dict:
-        """A LoRALinear's DoRA arguments: with dora=True, the members' base weights (out, in), which
-        must be plain float tensors (DoRA's column scale reads them)."""
-        if not self.dora:
-            return {}
-        for name, m in zip(names, modules):
-            if not _plain_float_weight(m):
-                raise TypeError(f"dora=True needs plain float base weights (DoRA's column scale reads them); module "
-                                f"{name!r} ({type(m).__name__}) holds a {type(getattr(m, 'weight', None)).__name__} "
-                                "weight (quantized): wrap the model with dora=False, or a float model")
-        return {"dora": True, "base_weights": [m.weight for m in modules]}
+        """A LoRALinear's DoRA arguments: the members' base weights (out, in), read when a DoRA adapter
+        is placed; with dora=True the column scale is allocated now. DoRA reads plain float weights
+        only: over a quantized member, dora=True raises and no base weights are passed (a DoRA adapter
+        on such a layer is refused when it is loaded)."""
+        quantized = [(name, m) for name, m in zip(names, modules) if not _plain_float_weight(m)]
+        if quantized and self._dora:
+            name, m = quantized[0]
+            raise TypeError(f"dora=True needs plain float base weights (DoRA's column scale reads them); module "
+                            f"{name!r} ({type(m).__name__}) holds a {type(getattr(m, 'weight', None)).__name__} "
+                            "weight (quantized): wrap the model with dora=False, or a float model")
+        return {"dora": self._dora, "base_weights": None if quantized else [m.weight for m in modules]}
+
+    @property
+    def dora(self) -> bool:
+        """Whether any linear layer holds a DoRA column scale (dora=True, or a DoRA adapter loaded)."""
+        return any(getattr(layer, "dora", False) for layer in self.layers.values())
 
     def unwrap(self) -> nn.Module:
         """Removes every hook and returns the plain model (adapters no longer apply). The wrapper
@@ -391,7 +402,9 @@ class MultiLoRAModel:
         """Reads and checks the PEFT adapter at `path` (or a PeftAdapter) and makes it available as
         `name`. Loading a name again replaces its adapter (hot swap: the same slot gets the new
         weights, no CUDA graph needs re-capturing). A bad adapter raises AdapterError (a ValueError
-        naming the file, tensor or module) and leaves every loaded adapter as it was."""
+        naming the file, tensor or module) and leaves every loaded adapter as it was. A DoRA adapter
+        loads into any model (see `dora`); an aLoRA adapter (alora_invocation_tokens) applies to a
+        row from its invocation tokens on (docs/torch.md, "Activated LoRA")."""
         self._check_open()
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -412,6 +425,33 @@ class MultiLoRAModel:
                 raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
             self.adapters.unregister(self._ids.pop(name))
 
+    def pin(self, name: str) -> None:
+        """Keeps the adapter `name` in an adapter slot (loading it now if it is in none): the LRU
+        never evicts it, so batches that name it never wait for its upload, and a CUDA graph replay
+        finds it in the same slot. Raises ValueError naming the adapter and max_loras when every
+        slot already holds another pinned adapter. See `AdapterManager.pin`."""
+        self._check_open()
+        with self._lock:
+            self.adapters.pin(self._id_of(name))
+            self.adapters.wait_uploads()
+
+    def unpin(self, name: str) -> None:
+        """Makes the adapter `name` evictable by the LRU again (it stays in its slot until then)."""
+        with self._lock:
+            self.adapters.unpin(self._id_of(name))
+
+    @property
+    def pinned_adapters(self) -> list:
+        """The names of the pinned adapters, in load order."""
+        with self._lock:
+            pinned = set(self.adapters.pinned)
+            return [n for n, i in self._ids.items() if i in pinned]
+
+    def _id_of(self, name: str) -> int:
+        if name not in self._ids:
+            raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
+        return self._ids[name]
+
     def _lora_ids(self, adapter_names: Sequence[str]) -> list:
         if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
             raise TypeError(f"adapter_names must be a list of adapter names (one per row, {BASE!r} for none), got "
@@ -429,16 +469,19 @@ class MultiLoRAModel:
 
     # -------------------------------------------------------------- steps
     def prepare_step(self, adapter_names: Sequence[str], num_tokens_per_row: int,
-                     logits_per_row: None | int | Sequence[int] = None) -> None:
+                     logits_per_row: None | int | Sequence[int] = None, *,
+                     active_from: Sequence[int] | None = None) -> None:
         """Sets which adapter each token of the next forward pass uses.
 
         adapter_names: one name per row ("__base__" = none); num_tokens_per_row: the sequence length S
         of the pass (the model sees (rows, S) tokens); logits_per_row: rows of logits per batch row
         the LM head computes (S by default; 1 for a decode step or `logits_to_keep=1`; a list when
-        rows differ). Activates the adapters (loads into slots as needed), makes the current
-        stream wait for their uploads and updates the wrapper's metadata in place (one host-to-
-        device copy, no host sync). `__call__` and `generate` call it; call it yourself before a
-        direct `model(...)` call or a CUDA graph replay.
+        rows differ: a row's logits are its last positions). active_from: per row, the index in
+        0..S of the row's first token that uses its adapter (the earlier ones use none: aLoRA,
+        lora_core.alora.active_from); None: every token. Activates the adapters (loads into slots as
+        needed), makes the current stream wait for their uploads and updates the wrapper's metadata
+        in place (one host-to-device copy, no host sync). `__call__` and `generate` call it; call
+        it yourself before a direct `model(...)` call or a CUDA graph replay.
         """
         self._check_open()
         ids = self._lora_ids(adapter_names)
@@ -463,8 +506,16 @@ class MultiLoRAModel:
             raise ValueError(f"the batch names {_plural(len(distinct), 'distinct adapter')} {distinct}, more than "
                              f"max_loras={self.max_loras} (MultiLoRAModel's argument: the adapter slots, the most "
                              "distinct adapters in one batch)")
-        tokens = np.repeat(np.asarray(ids, np.int64), s)
-        rows = np.repeat(np.asarray(ids, np.int64), counts)
+        per_token = np.repeat(np.asarray(ids, np.int64)[:, None], s, axis=1)      # (rows, S)
+        if active_from is not None:
+            starts = list(active_from)
+            if len(starts) != len(ids) or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool)
+                                                  and 0 <= a <= s for a in starts):
+                raise ValueError(f"active_from must hold one int in 0..{s} (num_tokens_per_row) per row, got "
+                                 f"{active_from!r:.200} for {len(ids)} rows")
+            per_token[np.arange(s)[None, :] < np.asarray(starts, np.int64)[:, None]] = 0
+        tokens = per_token.reshape(-1)
+        rows = np.concatenate([per_token[j, s - c:] for j, c in enumerate(counts)]) if counts else tokens[:0]
         with self._lock:
             self.adapters.activate(ids)
             self.adapters.wait_uploads()
@@ -498,13 +549,35 @@ class MultiLoRAModel:
             raise ValueError("MultiLoRAModel needs input_ids (batch, seq) or inputs_embeds (batch, seq, hidden)")
         batch, seq = int(ref.shape[0]), int(ref.shape[1])
         names = self._rows
+        expand = 1
         if len(names) != batch:
             if self._expand_rows > 1 and batch == len(names) * self._expand_rows:   # generate's beams / sequences
-                names = [n for n in names for _ in range(self._expand_rows)]
+                expand = self._expand_rows
+                names = [n for n in names for _ in range(expand)]
             else:
                 raise ValueError(f"adapter_names has {len(names)} names, but the batch has {batch} rows "
                                  "(one name per row)")
-        self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq))
+        active = None
+        invocations = [self._invocation(n) for n in names]
+        if any(v is not None for v in invocations):
+            if self._alora is not None:             # generate: the prompt's invocation, positions counted
+                starts = [st for st in self._alora["starts"] for _ in range(expand)]
+                first = self._alora["position"]
+                self._alora["position"] += seq
+            else:                                    # a forward pass: the invocation in this pass's tokens
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if ids is None:
+                    raise ValueError(f"aLoRA adapters {sorted({n for n, v in zip(names, invocations) if v})} need "
+                                     "input_ids to find their invocation tokens; got inputs_embeds only")
+                host = ids.detach().to("cpu").numpy()
+                starts = [None if v is None else alora.invocation_start(host[j], v) for j, v in enumerate(invocations)]
+                first = 0
+            active = [0 if v is None else alora.active_from(st, first, seq) for v, st in zip(invocations, starts)]
+        self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq), active_from=active)
+
+    def _invocation(self, name: str) -> tuple | None:
+        """The aLoRA invocation tokens of the loaded adapter `name` (None: plain adapter, or BASE)."""
+        return None if name == BASE else self.adapters.invocation_tokens(self._ids[name])
 
     def _after_forward(self, module, args, output):
         """The model's forward hook (always called, also when the pass raises): gives back the
@@ -514,17 +587,26 @@ class MultiLoRAModel:
             self._lock.release()
 
     @contextlib.contextmanager
-    def _serving(self, adapter_names, expand: int):
-        """Holds the lock and sets the rows' adapters for the forward passes of one call."""
+    def _serving(self, adapter_names, expand: int, prompt: torch.Tensor | None = None):
+        """Holds the lock and sets the rows' adapters for the forward passes of one call. With
+        `prompt` (generate's input_ids), an aLoRA row's invocation is searched in its prompt once,
+        and the passes are taken to cover consecutive positions from 0 (prefill, then one token
+        per decode step), as transformers' generate runs them."""
         with self._lock:
             self._check_open()
-            previous = (self._rows, self._expand_rows)
+            previous = (self._rows, self._expand_rows, self._alora)
             self._lora_ids(adapter_names)                 # a bad name fails before the model runs
-            self._rows, self._expand_rows = list(adapter_names), expand
+            invocations = [self._invocation(n) for n in adapter_names]
+            state = None
+            if prompt is not None and any(v is not None for v in invocations):
+                host = prompt.detach().to("cpu").numpy()
+                state = {"starts": [None if v is None else alora.invocation_start(host[j], v)
+                                    for j, v in enumerate(invocations)], "position": 0}
+            self._rows, self._expand_rows, self._alora = list(adapter_names), expand, state
             try:
                 yield
             finally:
-                self._rows, self._expand_rows = previous
+                self._rows, self._expand_rows, self._alora = previous
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  adapter_names: Sequence[str] | None = None, **kwargs: Any):
@@ -554,7 +636,12 @@ class MultiLoRAModel:
         elif isinstance(adapter_names, (list, tuple)) and ref is not None and len(adapter_names) != prompts:
             raise ValueError(f"adapter_names has {len(adapter_names)} names, but the batch has {prompts} prompts "
                              "(one name per prompt)")
-        with torch.no_grad(), self._serving(adapter_names, expand=self._rows_per_prompt(generate_kwargs)):
+        alora_rows = [n for n in adapter_names if isinstance(n, str) and n in self._ids and self._invocation(n)]
+        if alora_rows and input_ids is None:
+            raise ValueError(f"aLoRA adapters {sorted(set(alora_rows))} need input_ids to find their invocation "
+                             "tokens in the prompt; got inputs_embeds only")
+        with torch.no_grad(), self._serving(adapter_names, expand=self._rows_per_prompt(generate_kwargs),
+                                            prompt=input_ids if alora_rows else None):
             return self.model.generate(input_ids, **generate_kwargs)
 
     def _rows_per_prompt(self, generate_kwargs: dict) -> int:
@@ -597,13 +684,9 @@ def _logits_rows(logits_to_keep: Any, batch: int, seq: int) -> int | list:
 def _linear_hook(layer: LoRALinear, member: int, module: nn.Module | None = None):
     if module is not None and not isinstance(module, nn.Linear):
         return _checked_linear_hook(layer, member)
-    if layer.dora:
-        def dora_hook(module, args, kwargs, output):       # the bias is added after DoRA's scale
-            return layer.apply(member, _input(args, kwargs, "input"), output, module.bias)
-        return dora_hook
 
-    def hook(module, args, kwargs, output):
-        return layer.apply(member, _input(args, kwargs, "input"), output)
+    def hook(module, args, kwargs, output):       # a DoRA layer adds the bias after its scale
+        return layer.apply(member, _input(args, kwargs, "input"), output, module.bias if layer.dora else None)
     return hook
 
 

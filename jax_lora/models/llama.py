@@ -410,7 +410,9 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
 
     q/k/v_proj select `qkv_proj`, gate/up_proj select `gate_up_proj` (all slices get slots; an
     adapter that targets only some of them has zeros in the others). dora=True: the linear layers
-    also hold DoRA column scales (needed to serve use_dora adapters). Returns {path: layer}.
+    hold DoRA column scales from the start; without it a layer gets its scale when the first
+    use_dora adapter reaches it (MultiLoRALinear.enable_dora: a new variable, so one recompilation
+    of a jitted step). Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
         raise TypeError(f"target_modules must be a list of module names from {HF_LORA_TARGETS} (e.g. "
