@@ -303,15 +303,13 @@ class MultiLoRAModel:
         specs = {}                # linear name -> (dtype, device) of its LoRA weights
         for name, module in targets.items():
             if isinstance(module, nn.Embedding):
-                dtype, device = module.weight.dtype, module.weight.device
-            else:
-                dtype, device = specs[name] = _lora_dtype_and_device(name, module, model)
-            if isinstance(module, nn.Embedding):
-                layer = LoRAEmbedding(name, module.num_embeddings, module.embedding_dim, dtype=dtype, device=device,
-                                      embed_scale=_embed_scale(module), **kw)
+                layer = LoRAEmbedding(name, module.num_embeddings, module.embedding_dim, dtype=module.weight.dtype,
+                                      device=module.weight.device, embed_scale=_embed_scale(module), **kw)
                 layers[name] = layer
                 members.append((module, _embedding_hook(layer)))
-            elif module is output:
+                continue
+            dtype, device = specs[name] = _lora_dtype_and_device(name, module, model)
+            if module is output:
                 layer = LoRALogits(name, module.in_features, module.out_features, dtype=dtype, device=device, **kw)
                 layers[name] = layer
                 members.append((module, _logits_hook(layer)))
