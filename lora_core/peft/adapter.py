@@ -312,7 +312,12 @@ def _module_plan(parts: dict, header: dict, config, raw: dict, weights_path: str
             raise AdapterError(f"{weights_path}: matching {CONFIG_NAME}'s patterns (target_modules, rank_pattern, ...) "
                                f"against the tensor names took more than {MATCH_BUDGET_S} s; refused")
         kind = next((k for k, pair in _PAIRS.items() if set(kinds) == set(pair)), None)
-        parameter = parameter_of(module, config, module_shapes, weights_path) if config.target_parameters else None
+        parameter = None
+        if config.target_parameters and kind == "linear":
+            parameter = parameter_of(module, config, module_shapes, weights_path,
+                                     (header[kinds["lora_A"]].shape, header[kinds["lora_B"]].shape))
+        elif config.target_parameters:
+            parameter = parameter_of(module, config, module_shapes, weights_path)
         if parameter is not None:
             if kind != "linear":
                 raise AdapterError(f"{weights_path}: parameter {parameter!r} (tensors of {module!r}) has tensors "
