@@ -6,7 +6,8 @@ LoRA only, rank / alpha patterns and rsLoRA. A mixed batch (rows with different 
 without one) must give, row by row, peft's logits for that request alone (float32, CPU), in a
 forward pass and through generate(); the Triton kernels (interpreter) too. unwrap() restores the
 experts' own forward. An adapter on per-expert linears (the older Mixtral layout) equals the
-model with its deltas merged into the fused expert weights.
+model with its deltas merged into the fused expert weights. LoRAExperts alone equals the
+float64 oracle of a whole MoE block (tests/oracle.py), on both backends.
 """
 
 from __future__ import annotations
@@ -183,3 +184,44 @@ def test_per_expert_linear_adapter_equals_merged_weights(tmp_path):
         plain = mm.unwrap()(tokens).logits.numpy()                   # the base model
     assert _rel(out[1], plain[1]) < RTOL                             # the row without adapter
     assert _rel(want, plain[0]) > 1e-3                               # the adapter matters
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lora_experts_forward_equals_the_float64_block(backend):
+    """LoRAExperts.forward_experts on a Mixtral experts module, slots filled directly, against the
+    oracle's whole MoE block (gate_up LoRA, SiLU gate, down LoRA, router weights) in float64."""
+    from lora_core.host_mapping import LoRAMapping
+    from torch_lora import PunicaWrapper
+    from torch_lora.experts import LoRAExperts
+
+    from . import oracle
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2)
+    experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(cfg)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.3)
+        experts.down_proj.normal_(0, 0.3)
+    tokens, slots = 6, 3
+    punica = PunicaWrapper(8, 4, "cpu", max_loras=slots, backend=backend)
+    layer = LoRAExperts("experts", 4, 16, 12, max_loras=slots, max_rank=4, punica=punica)
+    with torch.no_grad():
+        for t in (layer.gu_a, layer.gu_b, layer.dn_a, layer.dn_b):
+            t.normal_(0, 0.3)
+        layer.adapter_enabled[:slots] = torch.tensor([1, 1, 0], dtype=torch.int32)
+    idx = np.array([0, -1, 1, 2, 0, 1], np.int32)                 # slot 2: no expert LoRA
+    ids = [0 if i < 0 else 101 + i for i in idx]
+    punica.update_metadata(LoRAMapping(ids, ids, False), [101, 102, 103], slots + 1, 32)
+    x = torch.randn(tokens, 16)
+    top_k_index = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])
+    top_k_weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
+    with torch.no_grad():
+        got = layer.forward_experts(experts, x, top_k_index, top_k_weights).double().numpy()
+    enabled_idx = np.where((idx >= 0) & (layer.adapter_enabled[np.maximum(idx, 0)].numpy() != 0), idx, -1)
+    want = oracle.moe_block_lora(x.numpy(), experts.gate_up_proj.detach().numpy(), experts.down_proj.detach().numpy(),
+                                 top_k_index.numpy(), top_k_weights.numpy(), enabled_idx, layer.gu_a.numpy(),
+                                 layer.gu_b.numpy(), layer.dn_a.numpy(), layer.dn_b.numpy(), [1.0] * slots)
+    assert oracle.rel_err(got, want) < 1e-5
+    base = oracle.moe_block_lora(x.numpy(), experts.gate_up_proj.detach().numpy(), experts.down_proj.detach().numpy(),
+                                 top_k_index.numpy(), top_k_weights.numpy(), np.full(tokens, -1), None, None, None,
+                                 None, [])
+    assert oracle.rel_err(got, base) > 1e-3
