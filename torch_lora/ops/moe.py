@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lora_core.moe_order import moe_block_size, naive_block_assignment  # noqa: F401 - the order rules, shared
+
 from . import dispatch
 
 
@@ -54,22 +56,6 @@ def check_tensors(**named) -> None:
     if len(devices) > 1:
         raise ValueError("tensors are on different devices: "
                          + ", ".join(f"{label} on {dev}" for dev, label in devices.items()))
-
-
-SPARSITY_FACTOR = 8
-
-
-def naive_block_assignment(num_tokens: int, top_k: int, num_experts: int, max_loras: int, expert_map=None) -> bool:
-    """vLLM's rule for the naive pair order (no alignment, one pair per block): no expert_map and
-    num_tokens * top_k * 8 <= num_experts * max_loras (pairs so sparse that sorted blocks would be
-    mostly padding)."""
-    return expert_map is None and num_tokens * top_k * SPARSITY_FACTOR <= num_experts * max_loras
-
-
-def moe_block_size(num_pairs: int) -> int:
-    """The sorted order's block size for `num_pairs` routed pairs: 16 up to 1024 pairs (decode: few
-    pairs per expert, little padding), 64 above (prefill: fewer, fuller blocks)."""
-    return 16 if num_pairs <= 1024 else 64
 
 
 def max_num_tokens_padded(num_pairs: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
