@@ -1,0 +1,150 @@
+"""Several adapters per token, each with its own strength: the host build of the pair tables.
+
+Math (contract section 9): a token t carries up to k (slot, weight) pairs (slot_{t,j}, w_{t,j}) and
+computes
+
+  y[t] += sum_j w_{t,j} * scale * (x[t] @ A[slot_{t,j}].T) @ B[slot_{t,j}].T
+
+The kernels keep their grouping of tokens (contract section 3), over *groups* instead of slots: a
+group is one distinct tuple of slots, so the tokens of a tile share every pair's weights.
+
+  group[t]            = the rank of token t's slot tuple among the batch's distinct tuples
+                        (ascending), -1 when the token has no adapter
+  meta                = `kernel_meta.build_host(group, max_groups, capacity)`: the usual metadata,
+                        its ids being group ids
+  slots[g, j]         = slot of pair j of group g (-1: an empty pair), (max_groups, k) int32
+  weights[t, j]       = w_{t,j} (0 for empty pairs and padding), (capacity, k) float32
+
+k is a bucket (`PAIR_BUCKETS`), never a per-batch shape: a batch whose tokens name at most k
+adapters runs the k-pair kernels, the pairs past a token's own empty.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .kernel_meta import KernelMeta, build_host
+
+__all__ = ["AdapterPairs", "PAIR_BUCKETS", "pair_bucket", "as_pair_entries", "build_pairs_host", "pair_slots_of"]
+
+PAIR_BUCKETS = (1, 2, 4)
+"""The pair counts the kernels are compiled for: a token's adapters are padded up to one of them."""
+
+
+class AdapterPairs(NamedTuple):
+    """The pair tables a launch with several adapters per token takes beside its (group) metadata.
+
+    slots: (max_groups, k) int32, the slots of each group's pairs (-1: empty); weights:
+    (capacity, k) float32, each token's pair weights. Any array type (NumPy, torch, jax)."""
+
+    slots: Any
+    weights: Any
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.slots.shape[1])
+
+
+def pair_bucket(num_pairs: int) -> int:
+    """The smallest bucket of PAIR_BUCKETS holding `num_pairs` adapters (ValueError past the largest)."""
+    for k in PAIR_BUCKETS:
+        if num_pairs <= k:
+            return k
+    raise ValueError(f"a token takes at most {PAIR_BUCKETS[-1]} adapters, got {num_pairs}")
+
+
+def _as_weight(name: str, v: Any) -> float:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {v!r}")
+    w = float(v)
+    if not math.isfinite(w):
+        raise ValueError(f"{name} must be finite, got {w}")
+    return w
+
+
+def as_pair_entries(index_mapping: Sequence, index_weights: Sequence | None) -> tuple[tuple, tuple]:
+    """(ids, weights): per token a tuple of LoRA ids and a tuple of float weights of equal length.
+
+    index_mapping: per token an int id or a sequence of ids; index_weights: None (every weight
+    1.0), or per token a number (a token of one id) or a sequence with one weight per id.
+    TypeError / ValueError name the token and what was expected.
+    """
+    if index_mapping is None or isinstance(index_mapping, (str, bytes)):
+        raise TypeError(f"LoRAMapping.index_mapping must be a sequence, got {index_mapping!r}")
+    ids_out, w_out = [], []
+    if index_weights is not None and len(index_weights) != len(index_mapping):
+        raise ValueError(f"LoRAMapping.index_weights has {len(index_weights)} entries, index_mapping "
+                         f"{len(index_mapping)}: one per token expected")
+    for t, entry in enumerate(index_mapping):
+        ids = tuple(entry) if isinstance(entry, (list, tuple, np.ndarray)) else (entry,)
+        for v in ids:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"LoRAMapping.index_mapping[{t}] must hold integer LoRA ids, got {v!r}")
+        ids = tuple(int(v) for v in ids)
+        if index_weights is None:
+            ws = (1.0,) * len(ids)
+        else:
+            wt = index_weights[t]
+            wt = tuple(wt) if isinstance(wt, (list, tuple, np.ndarray)) else (wt,)
+            if len(wt) != len(ids):
+                raise ValueError(f"LoRAMapping.index_weights[{t}] has {len(wt)} weights for {len(ids)} LoRA ids")
+            ws = tuple(_as_weight(f"LoRAMapping.index_weights[{t}]", v) for v in wt)
+        ids_out.append(ids)
+        w_out.append(ws)
+    return tuple(ids_out), tuple(w_out)
+
+
+def pair_slots_of(ids: Sequence[Sequence[int]], weights: Sequence[Sequence[float]], slot_of, num_pairs: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """((T, num_pairs) int32 slots, (T, num_pairs) float32 weights): each token's ids through
+    `slot_of(id) -> slot or -1`, pairs without an adapter (id <= 0) dropped and the rest packed to
+    the front, padded with slot -1 and weight 0."""
+    n = len(ids)
+    slots = np.full((n, num_pairs), -1, np.int32)
+    ws = np.zeros((n, num_pairs), np.float32)
+    for t, (row, wrow) in enumerate(zip(ids, weights)):
+        j = 0
+        for i, w in zip(row, wrow):
+            s = slot_of(i)
+            if s < 0:
+                continue
+            if j >= num_pairs:
+                raise ValueError(f"token {t} names {sum(slot_of(v) >= 0 for v in row)} adapters, more than "
+                                 f"the {num_pairs} pairs of this step")
+            slots[t, j], ws[t, j] = s, w
+            j += 1
+    return slots, ws
+
+
+def build_pairs_host(token_slots: np.ndarray, token_weights: np.ndarray, max_groups: int, capacity: int
+                     ) -> tuple[KernelMeta, AdapterPairs]:
+    """(group metadata, pair tables) of a batch (module docstring for the values).
+
+    token_slots (T, k) int (-1: empty pair; a token's real pairs first), token_weights (T, k).
+
+    1. A token's group key is its slot tuple; tuples of only -1 are "no adapter" (group -1).
+    2. The distinct tuples, ascending, are numbered 0..G-1 (ValueError when G > max_groups).
+    3. The metadata: `build_host` over the group ids, with max_groups groups.
+    4. slots[g] = tuple g (rows past G: -1); weights = token_weights padded with zeros to capacity.
+    """
+    slots = np.asarray(token_slots, np.int64)
+    n, k = slots.shape
+    if n > capacity:
+        raise ValueError(f"the mapping has {n} tokens, more than the capacity {capacity}")
+    has = slots[:, 0] >= 0 if k else np.zeros(n, bool)
+    table = np.full((max_groups, k), -1, np.int32)
+    group = np.full(n, -1, np.int64)
+    if has.any():
+        uniq, inverse = np.unique(slots[has], axis=0, return_inverse=True)
+        if uniq.shape[0] > max_groups:
+            raise ValueError(f"the mapping has {uniq.shape[0]} distinct adapter combinations, more than the "
+                             f"{max_groups} groups one step holds (max_groups)")
+        table[:uniq.shape[0]] = uniq
+        group[has] = inverse.reshape(-1)
+    weights = np.zeros((capacity, k), np.float32)
+    weights[:n] = np.asarray(token_weights, np.float32)
+    return build_host(group, max_groups, capacity), AdapterPairs(table, weights)
