@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .kernel_meta import KernelMeta, build_host
+from .kernel_meta import KernelMeta, build_host, field_shapes
 
-__all__ = ["AdapterPairs", "PAIR_BUCKETS", "pair_bucket", "as_pair_entries", "build_pairs_host", "pair_slots_of"]
+__all__ = ["AdapterPairs", "PAIR_BUCKETS", "pair_bucket", "as_pair_entries", "build_pairs_host", "PairLayout"]
 
 PAIR_BUCKETS = (1, 2, 4)
 """The pair counts the kernels are compiled for: a token's adapters are padded up to one of them."""
@@ -98,28 +98,6 @@ def as_pair_entries(index_mapping: Sequence, index_weights: Sequence | None) -> 
     return tuple(ids_out), tuple(w_out)
 
 
-def pair_slots_of(ids: Sequence[Sequence[int]], weights: Sequence[Sequence[float]], slot_of, num_pairs: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """((T, num_pairs) int32 slots, (T, num_pairs) float32 weights): each token's ids through
-    `slot_of(id) -> slot or -1`, pairs without an adapter (id <= 0) dropped and the rest packed to
-    the front, padded with slot -1 and weight 0."""
-    n = len(ids)
-    slots = np.full((n, num_pairs), -1, np.int32)
-    ws = np.zeros((n, num_pairs), np.float32)
-    for t, (row, wrow) in enumerate(zip(ids, weights)):
-        j = 0
-        for i, w in zip(row, wrow):
-            s = slot_of(i)
-            if s < 0:
-                continue
-            if j >= num_pairs:
-                raise ValueError(f"token {t} names {sum(slot_of(v) >= 0 for v in row)} adapters, more than "
-                                 f"the {num_pairs} pairs of this step")
-            slots[t, j], ws[t, j] = s, w
-            j += 1
-    return slots, ws
-
-
 def build_pairs_host(token_slots: np.ndarray, token_weights: np.ndarray, max_groups: int, capacity: int
                      ) -> tuple[KernelMeta, AdapterPairs]:
     """(group metadata, pair tables) of a batch (module docstring for the values).
@@ -148,3 +126,40 @@ def build_pairs_host(token_slots: np.ndarray, token_weights: np.ndarray, max_gro
     weights = np.zeros((capacity, k), np.float32)
     weights[:n] = np.asarray(token_weights, np.float32)
     return build_host(group, max_groups, capacity), AdapterPairs(table, weights)
+
+
+class PairLayout:
+    """Where one step's pair metadata sits inside one flat int32 block (host staging and device copy),
+    for `capacity` tokens, `max_groups` groups and k pairs: the group KernelMeta's fields in its
+    order (`kernel_meta.field_shapes(capacity, max_groups)`), then slots (max_groups, k), then the
+    weights (capacity, k) as the bits of float32 values. A wrapper keeps one device block per k
+    bucket: its views never move (CUDA graphs), and one copy per step fills it.
+    """
+
+    def __init__(self, capacity: int, max_groups: int, num_pairs: int):
+        self.capacity, self.max_groups, self.num_pairs = int(capacity), int(max_groups), int(num_pairs)
+        shapes = [(f, shape) for f, shape in zip(KernelMeta._fields, field_shapes(self.capacity, self.max_groups))]
+        shapes += [("slots", (self.max_groups, self.num_pairs)), ("weights", (self.capacity, self.num_pairs))]
+        self.segments, offset = [], 0
+        for name, shape in shapes:
+            offset = -(-offset // 4) * 4                     # 16-byte aligned segments
+            size = int(np.prod(shape))
+            self.segments.append((name, offset, size, shape))
+            offset += size
+        self.size = offset
+
+    def views(self, block) -> tuple[KernelMeta, AdapterPairs]:
+        """(KernelMeta, AdapterPairs) of int32 views of `block` (the weights' view holds float32 bits:
+        the caller reinterprets it)."""
+        v = {name: block[off:off + size].reshape(shape) for name, off, size, shape in self.segments}
+        return KernelMeta(*(v[f] for f in KernelMeta._fields)), AdapterPairs(v["slots"], v["weights"])
+
+    def fill(self, block: np.ndarray, meta: KernelMeta, pairs: AdapterPairs) -> np.ndarray:
+        """Writes a host build (`build_pairs_host`) into the int32 NumPy array `block`; returns it."""
+        block[:] = 0
+        m, p = self.views(block)
+        for dst, src in zip(m, meta):
+            dst[...] = src
+        p.slots[...] = pairs.slots
+        p.weights[...] = np.ascontiguousarray(pairs.weights, np.float32).view(np.int32)
+        return block

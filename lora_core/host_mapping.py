@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import checks
+from .adapter_pairs import AdapterPairs, as_pair_entries, build_pairs_host, pair_bucket
 from .kernel_meta import KernelMeta, build_host, field_shapes
 
 __all__ = [
@@ -52,19 +53,43 @@ class LoRAMapping:
     """Which adapter each token and each sampled row uses, as LoRA ids (0 = no LoRA).
 
     Attributes:
-      index_mapping: one LoRA id per token of the batch, length T.
+      index_mapping: one LoRA id per token of the batch, length T; or, for several adapters per
+        token (contract section 9), per token a tuple of LoRA ids (up to PAIR_BUCKETS[-1]).
       prompt_mapping: one LoRA id per sampled row (logits row), length R.
       is_prefill: whether the batch is a prefill batch (tokens of a request contiguous).
+      index_weights: None (every adapter at strength 1), or per token one weight per id of
+        `index_mapping` (a number for a token of one id): the strength w of each adapter.
+
+    With tuples or weights, `index_pairs` keeps every token's ids and `index_weights` their
+    weights (tuples of floats), and `index_mapping` becomes each token's first id (0 for none):
+    what one-adapter consumers (embedding, prefill segments) read. `num_pairs` is the kernels'
+    pair bucket (0 for a plain mapping).
     """
 
     index_mapping: tuple[int, ...]
     prompt_mapping: tuple[int, ...]
     is_prefill: bool = False
+    index_weights: tuple | None = None
+    index_pairs: tuple | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self):
-        self.index_mapping = _as_id_tuple("index_mapping", self.index_mapping)
+        entries = self.index_mapping
+        paired = self.index_weights is not None or (
+            isinstance(entries, (list, tuple)) and any(isinstance(v, (list, tuple, np.ndarray)) for v in entries))
+        if paired:
+            self.index_pairs, self.index_weights = as_pair_entries(entries, self.index_weights)
+            entries = tuple(ids[0] if ids else 0 for ids in self.index_pairs)
+        self.index_mapping = _as_id_tuple("index_mapping", entries)
         self.prompt_mapping = _as_id_tuple("prompt_mapping", self.prompt_mapping)
         self.is_prefill = bool(self.is_prefill)
+
+    @property
+    def num_pairs(self) -> int:
+        """The pair bucket of the kernels (lora_core.adapter_pairs.PAIR_BUCKETS) holding every token's
+        adapters; 0 for a mapping of plain ids (the one-adapter kernels)."""
+        if self.index_pairs is None:
+            return 0
+        return pair_bucket(max((sum(1 for i in ids if i > 0) for ids in self.index_pairs), default=1))
 
 
 @dataclasses.dataclass
@@ -399,6 +424,7 @@ class HostStep:
     max_slot: int     # the largest slot the step uses (-1: none), to check weights on the host
     no_lora: bool     # no token uses a LoRA
     is_prefill: bool
+    pairs: tuple | None = None   # several adapters per token: (group KernelMeta, AdapterPairs), NumPy
 
     def buffers(self) -> tuple:
         h, p = self.indices, self.prefill
@@ -438,7 +464,43 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], m
     if prefill.batch_size > max_batches:
         raise ValueError(f"the prefill segments has {prefill.batch_size} entries, more than max_batches="
                          f"{max_batches}")
-    return HostStep(host, prefill, max_slot, bool(np.all(host.base_indices < 0)), mapping.is_prefill)
+    pairs = None
+    if mapping.index_pairs is not None:
+        pairs = pair_step(mapping, lora_index_to_id, max_loras, capacity=max_num_batched_tokens,
+                          max_groups=max_pair_groups(max_batches, num_slots))
+        max_slot = max(max_slot, int(pairs[1].slots.max(initial=-1)))
+        if max_slot >= num_slots:
+            raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras={num_slots} "
+                             f"(slots 0..{num_slots - 1})")
+    return HostStep(host, prefill, max_slot, bool(np.all(host.base_indices < 0)), mapping.is_prefill, pairs)
+
+
+def max_pair_groups(max_batches: int, num_slots: int) -> int:
+    """How many distinct adapter combinations one step holds (the pair metadata's group capacity):
+    one per request, or one per slot, whichever is larger."""
+    return max(int(max_batches), int(num_slots))
+
+
+def pair_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_loras: int, *, capacity: int,
+              max_groups: int) -> tuple[KernelMeta, AdapterPairs]:
+    """(group KernelMeta, AdapterPairs) of a mapping with several adapters per token
+    (lora_core.adapter_pairs): every id through the slot table (ValueError for an id in no slot),
+    ids <= 0 dropped, each token's pairs padded to the mapping's bucket `num_pairs`."""
+    table = _slot_table(lora_index_to_id)
+    flat = [i for ids in mapping.index_pairs for i in ids]
+    slots = _slots_of("index_mapping", flat, table, max_loras, none_value=-1)
+    k = mapping.num_pairs
+    token_slots = np.full((len(mapping.index_pairs), k), -1, np.int32)
+    token_weights = np.zeros((len(mapping.index_pairs), k), np.float32)
+    pos = 0
+    for t, (ids, ws) in enumerate(zip(mapping.index_pairs, mapping.index_weights)):
+        j = 0
+        for slot, w in zip(slots[pos:pos + len(ids)], ws):
+            if slot >= 0:
+                token_slots[t, j], token_weights[t, j] = slot, w
+                j += 1
+        pos += len(ids)
+    return build_pairs_host(token_slots, token_weights, max_groups, capacity)
 
 
 def kernel_meta_host(token_lora_mapping: np.ndarray, max_loras: int, capacity: int) -> dict:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from lora_core import checks
-from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
+from lora_core.adapter_pairs import AdapterPairs, PairLayout
+from lora_core.host_mapping import LoRAMapping, StepLayout, max_pair_groups, prepare_step
 
 from .meta import LoRAKernelMeta
 from .ops import dispatch
@@ -86,6 +87,10 @@ class PunicaWrapper:
         self._block.copy_(torch.from_numpy(self._layout.empty_block(pad_prompt=False)))
         self._plans: dict = {}
         self._token_meta_args: dict = {}   # T -> token_mapping_meta.meta_args(T): views, valid forever
+        # Several adapters per token: one device block per pair bucket k (stable views: CUDA graphs),
+        # and the bucket of this step (0: one adapter per token, the block above).
+        self._pair_blocks: dict = {}       # k -> (PairLayout, device block, KernelMeta views, AdapterPairs views)
+        self.num_pairs = 0
 
     # ------------------------------------------------------------------ metadata
     def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[int | None],
@@ -103,6 +108,9 @@ class PunicaWrapper:
         self._layout.fill(staging.numpy(), step)
         # The caching pinned allocator keeps `staging` alive until this copy has run.
         self._block.copy_(staging, non_blocking=True)
+        self.num_pairs = 0
+        if step.pairs is not None:
+            self.num_pairs = self._upload_pairs(*step.pairs)
 
         p = step.prefill
         self.indices_len = list(step.indices.indices_len)
@@ -111,6 +119,35 @@ class PunicaWrapper:
         self.no_lora = step.no_lora
         self._max_slot = step.max_slot
         self._embedding_rows = int(vocab_size) + int(extra_vocab_size)
+
+    def _upload_pairs(self, meta, pairs) -> int:
+        """Copies a step's pair metadata (lora_core.adapter_pairs) into its bucket's device block
+        (made on the bucket's first step); returns the bucket k."""
+        k = pairs.num_pairs
+        entry = self._pair_blocks.get(k)
+        if entry is None:
+            layout = PairLayout(self.max_num_batched_tokens, max_pair_groups(self.max_batches, self.max_loras), k)
+            block = torch.zeros(layout.size, dtype=torch.int32, device=self.device)
+            views, pair_views = layout.views(block)
+            entry = self._pair_blocks[k] = (layout, block, views,
+                                            AdapterPairs(pair_views.slots, pair_views.weights.view(torch.float32)))
+        layout, block, _, _ = entry
+        staging = torch.empty(layout.size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        layout.fill(staging.numpy(), meta, pairs)
+        block.copy_(staging, non_blocking=True)
+        return k
+
+    def _pair_args(self, t: int) -> tuple:
+        """(group metadata for T = t tokens, AdapterPairs) of this step's pair bucket."""
+        _, _, m, pairs = self._pair_blocks[self.num_pairs]
+        return m._replace(token_lora_mapping=m.token_lora_mapping[:t],
+                          token_indices_sorted_by_lora_ids=m.token_indices_sorted_by_lora_ids[:t]), pairs
+
+    def _refuse_pairs(self, method: str) -> None:
+        if self.num_pairs:
+            raise ValueError(f"{method} takes one adapter per token, but this step's mapping gives tokens several "
+                             "adapters or weights (LoRAMapping index_pairs / index_weights): only add_lora_linear "
+                             "and add_lora_logits serve such a step")
 
     def warmup(self, layers, token_counts=None, *, dtype=torch.bfloat16, lora_ranks: bool = False,
                bias: bool = False, dora: bool = False, progress: bool = True, workers=None) -> dict:
@@ -232,6 +269,7 @@ class PunicaWrapper:
     def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, scale: float, *, lora_ranks=None,
                    **kwargs) -> torch.Tensor:
         """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H)."""
+        self._refuse_pairs("add_shrink")
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         self._check_tensors(y=y, x=x, lora_a_stacked=lora_a)
         x2 = _flat_tokens(x, "x")
@@ -253,6 +291,7 @@ class PunicaWrapper:
         y: (..., N); x: (S, T, r) or S tensors (T, r). Rows with index -1 are untouched.
         dora_scale_stacked: see add_lora_linear (the new slice value times g_s[idx]).
         """
+        self._refuse_pairs("add_expand")
         if isinstance(x, (list, tuple)):
             check_tensors(x=list(x))
             checks.check_slice_buffers([tuple(p.shape) for p in x])
@@ -304,6 +343,7 @@ class PunicaWrapper:
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
                            add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> torch.Tensor:
         """y (+)= x @ lora_b_stacked[idx].T per token, in place. x: (T, r); y: (T, N)."""
+        self._refuse_pairs("add_lora_embedding")
         check_tensors(y=y, x=x, lora_b_stacked=lora_b_stacked)
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D (num_tokens, rank), got shape {tuple(x.shape)}")
@@ -345,10 +385,13 @@ class PunicaWrapper:
                                  f"(shape {tuple(y.shape)})")
             self._check_tokens("x", t, self.indices_len[0])
             self._check_slots("lora_a_stacked", plan.num_slots)
+        ranks = None if lora_ranks is None else as_lora_ranks(lora_ranks, plan.num_slots, x.device)
+        if self.num_pairs:
+            self._linear_pairs(y2, x2, plan, scale, ranks, buffer, dora_scale_stacked)
+            return y
         meta_args = self._token_meta_args.get(t)
         if meta_args is None:
             meta_args = self._token_meta_args[t] = self.token_mapping_meta.meta_args(t)
-        ranks = None if lora_ranks is None else as_lora_ranks(lora_ranks, plan.num_slots, x.device)
         if buffer is None and plan.prepare is not None:
             run = plan.prepared.get(t)
             if run is None:
@@ -369,6 +412,28 @@ class PunicaWrapper:
         self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks)
         plan.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, plan.bias)
         return y
+
+    def _linear_pairs(self, y2, x2, plan, scale, ranks, buffer, dora_scale_stacked) -> None:
+        """add_lora_linear for a step with several adapters per token (contract section 9):
+        y[t] += sum_j w[t, j] * scale * (x[t] @ A[slot_j].T) @ B[slot_j].T per slice, the pairs'
+        shrink products side by side in a (S, T, k * r) float32 buffer."""
+        if plan.bias is not None and any(b is not None for b in plan.bias) or dora_scale_stacked is not None:
+            raise ValueError("several adapters per token take no LoRA bias or DoRA column scale: "
+                             "lora_bias_stacked and dora_scale_stacked must be None for this step")
+        t = x2.shape[0]
+        meta_args, pairs = self._pair_args(t)
+        linear = getattr(self._impl, "linear", None)
+        if buffer is None and linear is not None:
+            linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, scale, plan.offsets, ranks, None, pairs=pairs)
+            return
+        shape = (len(plan.lora_a), t, plan.rank * self.num_pairs)
+        if buffer is None:
+            buffer = torch.empty(shape, dtype=torch.float32, device=x2.device)
+        else:
+            check_tensors(x=x2, buffer=buffer)
+            _check_buffer("buffer", buffer, shape, checks.SHRINK_BUFFER_DTYPES)
+        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks, pairs=pairs)
+        self._impl.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, None, pairs=pairs)
 
     def _linear_plan(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices,
                      dora_scale_stacked=None):
