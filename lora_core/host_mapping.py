@@ -60,36 +60,47 @@ class LoRAMapping:
       index_weights: None (every adapter at strength 1), or per token one weight per id of
         `index_mapping` (a number for a token of one id): the strength w of each adapter.
 
-    With tuples or weights, `index_pairs` keeps every token's ids and `index_weights` their
-    weights (tuples of floats), and `index_mapping` becomes each token's first id (0 for none):
-    what one-adapter consumers (embedding, prefill segments) read. `num_pairs` is the kernels'
-    pair bucket (0 for a plain mapping).
+    With tuples or weights (a *paired* mapping), `index_mapping` holds a tuple of ids per token
+    and `index_weights` a tuple of floats per token; `first_ids` is each token's first id (0 for
+    none): what one-adapter consumers (token indices, embedding, prefill segments) read.
+    `num_pairs` is the kernels' pair bucket (0 for a plain mapping).
     """
 
-    index_mapping: tuple[int, ...]
+    index_mapping: tuple
     prompt_mapping: tuple[int, ...]
     is_prefill: bool = False
     index_weights: tuple | None = None
-    index_pairs: tuple | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self):
         entries = self.index_mapping
         paired = self.index_weights is not None or (
             isinstance(entries, (list, tuple)) and any(isinstance(v, (list, tuple, np.ndarray)) for v in entries))
         if paired:
-            self.index_pairs, self.index_weights = as_pair_entries(entries, self.index_weights)
-            entries = tuple(ids[0] if ids else 0 for ids in self.index_pairs)
-        self.index_mapping = _as_id_tuple("index_mapping", entries)
+            self.index_mapping, self.index_weights = as_pair_entries(entries, self.index_weights)
+        else:
+            self.index_mapping = _as_id_tuple("index_mapping", entries)
         self.prompt_mapping = _as_id_tuple("prompt_mapping", self.prompt_mapping)
         self.is_prefill = bool(self.is_prefill)
 
     @property
+    def paired(self) -> bool:
+        """Whether the mapping gives tokens tuples of ids or weights (several adapters per token)."""
+        return self.index_weights is not None
+
+    @property
+    def first_ids(self) -> tuple[int, ...]:
+        """Each token's first LoRA id (0 for none); the ids themselves for a plain mapping."""
+        if not self.paired:
+            return self.index_mapping
+        return _as_id_tuple("index_mapping", tuple(ids[0] if ids else 0 for ids in self.index_mapping))
+
+    @property
     def num_pairs(self) -> int:
         """The pair bucket of the kernels (lora_core.adapter_pairs.PAIR_BUCKETS) holding every token's
-        adapters; 0 for a mapping of plain ids (the one-adapter kernels)."""
-        if self.index_pairs is None:
+        adapters; 0 for a plain mapping (the one-adapter kernels)."""
+        if not self.paired:
             return 0
-        return pair_bucket(max((sum(1 for i in ids if i > 0) for ids in self.index_pairs), default=1))
+        return pair_bucket(max((sum(1 for i in ids if i > 0) for ids in self.index_mapping), default=1))
 
 
 @dataclasses.dataclass
@@ -273,7 +284,7 @@ def convert_mapping_host(
     if not isinstance(mapping, LoRAMapping):
         raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
     _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context)
-    return _convert_ids(mapping.index_mapping, mapping.prompt_mapping, lora_index_to_id, max_loras, vocab_size,
+    return _convert_ids(mapping.first_ids, mapping.prompt_mapping, lora_index_to_id, max_loras, vocab_size,
                         extra_vocab_size, long_lora_context)
 
 
@@ -453,7 +464,7 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], m
     prompt = pad_prompt_mapping(mapping.prompt_mapping, max_num_batched_tokens) if pad_prompt \
         else mapping.prompt_mapping
     _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context)
-    host = _convert_ids(mapping.index_mapping, prompt, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
+    host = _convert_ids(mapping.first_ids, prompt, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                         long_lora_context)
     used = np.concatenate([host.base_indices, host.sampler_indices])
     max_slot = int(used.max()) if used.size else -1
@@ -465,7 +476,7 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], m
         raise ValueError(f"the prefill segments has {prefill.batch_size} entries, more than max_batches="
                          f"{max_batches}")
     pairs = None
-    if mapping.index_pairs is not None:
+    if mapping.paired:
         pairs = pair_step(mapping, lora_index_to_id, max_loras, capacity=max_num_batched_tokens,
                           max_groups=max_pair_groups(max_batches, num_slots))
         max_slot = max(max_slot, int(pairs[1].slots.max(initial=-1)))
@@ -487,13 +498,13 @@ def pair_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_
     (lora_core.adapter_pairs): every id through the slot table (ValueError for an id in no slot),
     ids <= 0 dropped, each token's pairs padded to the mapping's bucket `num_pairs`."""
     table = _slot_table(lora_index_to_id)
-    flat = [i for ids in mapping.index_pairs for i in ids]
+    flat = [i for ids in mapping.index_mapping for i in ids]
     slots = _slots_of("index_mapping", flat, table, max_loras, none_value=-1)
     k = mapping.num_pairs
-    token_slots = np.full((len(mapping.index_pairs), k), -1, np.int32)
-    token_weights = np.zeros((len(mapping.index_pairs), k), np.float32)
+    token_slots = np.full((len(mapping.index_mapping), k), -1, np.int32)
+    token_weights = np.zeros((len(mapping.index_mapping), k), np.float32)
     pos = 0
-    for t, (ids, ws) in enumerate(zip(mapping.index_pairs, mapping.index_weights)):
+    for t, (ids, ws) in enumerate(zip(mapping.index_mapping, mapping.index_weights)):
         j = 0
         for slot, w in zip(slots[pos:pos + len(ids)], ws):
             if slot >= 0:
