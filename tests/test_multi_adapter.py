@@ -47,7 +47,7 @@ def test_mapping_with_tuples_and_weights():
 ])
 def test_mapping_errors_name_the_token(entries, weights, error, words):
     with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
-        LoRAMapping(entries, (0,), False, weights).num_pairs
+        _ = LoRAMapping(entries, (0,), False, weights).num_pairs
 
 
 def test_pair_bucket():

@@ -364,7 +364,8 @@ class MultiLoRAModel:
         row_w = [tuple(w) if isinstance(w, (list, tuple)) else (w,) for w in adapter_weights]
         for j, (i, w) in enumerate(zip(row_ids, row_w)):
             if len(i) != len(w):
-                raise ValueError(f"adapter_weights[{j}] has {len(w)} weights for {len(i)} adapters (adapter_names[{j}])")
+                raise ValueError(f"adapter_weights[{j}] has {len(w)} weights for {len(i)} adapters "
+                                 f"(adapter_names[{j}])")
         return row_ids, row_w
 
     def _check_pairs_served(self) -> None:
