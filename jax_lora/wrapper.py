@@ -19,6 +19,7 @@ the real token count are treated as "no LoRA", so padded rows never change and c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lora_core import checks
-from lora_core.adapter_pairs import AdapterPairs, PairLayout
+from lora_core.adapter_pairs import AdapterPairs, PairLayout, PairRows
 from lora_core.host_mapping import LoRAMapping, StepLayout, max_pair_groups, prepare_step
 
 from .devices import resolve_device
@@ -138,16 +139,58 @@ class PunicaWrapper:
         return PairLayout(self.max_num_batched_tokens, max_pair_groups(self.max_batches, self.max_loras), num_pairs)
 
     def _pair_args(self) -> tuple:
-        """(group LoRAKernelMeta, AdapterPairs) of this step's pair block (static slices: free in jit)."""
-        meta, pairs = self._pair_layout(self.num_pairs).views(self._pair_block)
+        """(group LoRAKernelMeta, AdapterPairs, PairRows) of this step's pair block (static slices: free
+        in jit)."""
+        meta, pairs, rows = self._pair_layout(self.num_pairs).views(self._pair_block)
         meta = LoRAKernelMeta(**meta._replace(no_lora=meta.no_lora[0] != 0)._asdict())
-        return meta, AdapterPairs(pairs.slots, jax.lax.bitcast_convert_type(pairs.weights, jnp.float32))
+        as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+        return (meta, AdapterPairs(pairs.slots, as_f32(pairs.weights)),
+                PairRows(rows.token_slots, rows.row_slots, as_f32(rows.row_weights)))
 
     def _refuse_pairs(self, method: str) -> None:
         if self.num_pairs:
             raise ValueError(f"{method} takes one adapter per token, but this step's mapping gives tokens several "
-                             "adapters or weights (LoRAMapping index_pairs / index_weights): only add_lora_linear "
-                             "and add_lora_logits serve such a step")
+                             "adapters or weights (LoRAMapping tuples / index_weights): add_lora_linear, "
+                             "add_lora_embedding_ids and add_lora_logits serve such a step")
+
+    def _add_per_pair(self, y2, slots, weights, x, lora_b, shrink_a=None, scale: float = 1.0) -> jax.Array:
+        """y2[t] + sum_j weights[t, j] * (x[j][t] or scale * x[t] @ shrink_a[slot].T) @ lora_b[slot].T over
+        the pairs (slots (n, k), -1: empty), one float32 sum and one cast; rows without a pair
+        unchanged. The one-adapter BGMV ops once per pair (the embedding and LM head of a paired step)."""
+        from . import ops
+        n = y2.shape[0]
+        acc = y2.astype(jnp.float32)
+        for j in range(slots.shape[1]):
+            idx = slots[:n, j]
+            part = x[j].astype(jnp.float32) if shrink_a is None else ops.bgmv_shrink(x, shrink_a, idx, scale,
+                                                                                       backend=self.backend)
+            acc = ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend)
+        any_pair = jnp.any(slots[:n] >= 0, axis=1, keepdims=True)
+        return jnp.where(any_pair, acc.astype(y2.dtype), y2)
+
+    def add_lora_embedding_ids(self, y, ids, lora_a, lora_b, *, lora_ranks=None) -> jax.Array:
+        """The embedding's LoRA term from token ids: y[t] + sum_j w_tj * lora_a[slot_tj, ids[t]] @
+        lora_b[slot_tj].T over each token's pairs (a plain step: its one slot at weight 1, the same as
+        looking the rows up at `embeddings_indices[1]` and calling add_lora_embedding).
+
+        y: (T, D); ids: (T,) token ids; lora_a: (L, V, r) the LoRA-A embedding table; lora_b: (L, D, r).
+        Returns the new y.
+        """
+        y = as_array("y", y, checks.ACTIVATION_DTYPES)
+        lora_a = as_array("lora_a", lora_a, checks.WEIGHT_DTYPES)
+        flat = jnp.asarray(ids).reshape(-1).astype(jnp.int32)
+        t = flat.shape[0]
+        if not self.num_pairs:
+            rows = jnp.take(lora_a.reshape(-1, lora_a.shape[-1]), flat + self.embeddings_indices[1][:t], axis=0,
+                            mode="clip")
+            return self.add_lora_embedding(y, rows.astype(y.dtype), lora_b, lora_ranks=lora_ranks)
+        self._check_embedding_rows("lora_a", lora_a.shape[1])
+        self._check_tokens("ids", t)
+        _, pairs, rows = self._pair_args()
+        looked_up = [lora_a[jnp.maximum(rows.token_slots[:t, j], 0), jnp.clip(flat, 0, lora_a.shape[1] - 1)]
+                     for j in range(self.num_pairs)]
+        return self._add_per_pair(_flatten_tokens(y, "y"), rows.token_slots, pairs.weights, looked_up,
+                                  as_array("lora_b", lora_b, checks.WEIGHT_DTYPES)).reshape(y.shape)
 
     def _view(self, name: str) -> jax.Array:
         return self._layout.view(self._block, name)
@@ -482,7 +525,7 @@ class PunicaWrapper:
         lora_b3, offsets, _ = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32", lora_b, None,
                                                 output_slices, 0, num_slots_a=num_slots)
         self._check_devices(x=x2, lora_b_stacked=lora_b3, y=y2)
-        meta, pairs = self._pair_args()
+        meta, pairs, _ = self._pair_args()
         if hasattr(impl, "linear"):
             return impl.linear(y2, x2, lora_a3, lora_b3, meta, scale, offsets, ranks, None, pairs=pairs)
         buf = impl.shrink(x2, lora_a3, meta, scale, ranks, pairs=pairs)
@@ -570,6 +613,10 @@ class PunicaWrapper:
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
         self._check_devices(x=x2, lora_a_stacked=a, lora_b_stacked=b, y=y2)
+        if self.num_pairs:
+            rows = self._pair_args()[2]
+            return self._add_per_pair(y2, rows.row_slots, rows.row_weights, x2, to_3d(b), to_3d(a),
+                                      scale).reshape(y.shape)
         buf = self._impl().shrink(x2, (to_3d(a),), self.prompt_meta, scale,
                                   as_lora_ranks(lora_ranks, num_slots))
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")

@@ -17,6 +17,10 @@ group is one distinct tuple of slots, so the tokens of a tile share every pair's
 
 k is a bucket (`PAIR_BUCKETS`), never a per-batch shape: a batch whose tokens name at most k
 adapters runs the k-pair kernels, the pairs past a token's own empty.
+
+The embedding and the LM head run the one-adapter ops once per pair (`PairRows`: each token's and
+each sampled row's k slots, without groups): the wrappers' `add_lora_embedding_ids` and
+`add_lora_logits` of a paired step.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import numpy as np
 
 from .kernel_meta import KernelMeta, build_host, field_shapes
 
-__all__ = ["AdapterPairs", "PAIR_BUCKETS", "pair_bucket", "as_pair_entries", "build_pairs_host", "PairLayout"]
+__all__ = ["AdapterPairs", "PairRows", "PAIR_BUCKETS", "pair_bucket", "as_pair_entries", "build_pairs_host",
+           "PairLayout"]
 
 PAIR_BUCKETS = (1, 2, 4)
 """The pair counts the kernels are compiled for: a token's adapters are padded up to one of them."""
@@ -49,6 +54,18 @@ class AdapterPairs(NamedTuple):
         return int(self.slots.shape[1])
 
 
+class PairRows(NamedTuple):
+    """Per-token and per-sampled-row pairs, for the ops that run once per pair (embedding, LM head).
+
+    token_slots: (capacity, k) int32 (-1: empty); row_slots, row_weights: (capacity, k) int32 /
+    float32, the sampled rows' (prompt_mapping's) pairs. The tokens' weights are
+    AdapterPairs.weights."""
+
+    token_slots: Any
+    row_slots: Any
+    row_weights: Any
+
+
 def pair_bucket(num_pairs: int) -> int:
     """The smallest bucket of PAIR_BUCKETS holding `num_pairs` adapters (ValueError past the largest)."""
     for k in PAIR_BUCKETS:
@@ -66,7 +83,8 @@ def _as_weight(name: str, v: Any) -> float:
     return w
 
 
-def as_pair_entries(index_mapping: Sequence, index_weights: Sequence | None) -> tuple[tuple, tuple]:
+def as_pair_entries(index_mapping: Sequence, index_weights: Sequence | None, name: str = "index_mapping",
+                    weights_name: str = "index_weights") -> tuple[tuple, tuple]:
     """(ids, weights): per token a tuple of LoRA ids and a tuple of float weights of equal length.
 
     index_mapping: per token an int id or a sequence of ids; index_weights: None (every weight
@@ -74,16 +92,16 @@ def as_pair_entries(index_mapping: Sequence, index_weights: Sequence | None) -> 
     TypeError / ValueError name the token and what was expected.
     """
     if index_mapping is None or isinstance(index_mapping, (str, bytes)):
-        raise TypeError(f"LoRAMapping.index_mapping must be a sequence, got {index_mapping!r}")
+        raise TypeError(f"LoRAMapping.{name} must be a sequence, got {index_mapping!r}")
     ids_out, w_out = [], []
     if index_weights is not None and len(index_weights) != len(index_mapping):
-        raise ValueError(f"LoRAMapping.index_weights has {len(index_weights)} entries, index_mapping "
-                         f"{len(index_mapping)}: one per token expected")
+        raise ValueError(f"LoRAMapping.{weights_name} has {len(index_weights)} entries, {name} "
+                         f"{len(index_mapping)}: one per entry expected")
     for t, entry in enumerate(index_mapping):
         ids = tuple(entry) if isinstance(entry, (list, tuple, np.ndarray)) else (entry,)
         for v in ids:
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-                raise TypeError(f"LoRAMapping.index_mapping[{t}] must hold integer LoRA ids, got {v!r}")
+                raise TypeError(f"LoRAMapping.{name}[{t}] must hold integer LoRA ids, got {v!r}")
         ids = tuple(int(v) for v in ids)
         if index_weights is None:
             ws = (1.0,) * len(ids)
@@ -91,8 +109,8 @@ def as_pair_entries(index_mapping: Sequence, index_weights: Sequence | None) -> 
             wt = index_weights[t]
             wt = tuple(wt) if isinstance(wt, (list, tuple, np.ndarray)) else (wt,)
             if len(wt) != len(ids):
-                raise ValueError(f"LoRAMapping.index_weights[{t}] has {len(wt)} weights for {len(ids)} LoRA ids")
-            ws = tuple(_as_weight(f"LoRAMapping.index_weights[{t}]", v) for v in wt)
+                raise ValueError(f"LoRAMapping.{weights_name}[{t}] has {len(wt)} weights for {len(ids)} LoRA ids")
+            ws = tuple(_as_weight(f"LoRAMapping.{weights_name}[{t}]", v) for v in wt)
         ids_out.append(ids)
         w_out.append(ws)
     return tuple(ids_out), tuple(w_out)
@@ -139,7 +157,9 @@ class PairLayout:
     def __init__(self, capacity: int, max_groups: int, num_pairs: int):
         self.capacity, self.max_groups, self.num_pairs = int(capacity), int(max_groups), int(num_pairs)
         shapes = [(f, shape) for f, shape in zip(KernelMeta._fields, field_shapes(self.capacity, self.max_groups))]
-        shapes += [("slots", (self.max_groups, self.num_pairs)), ("weights", (self.capacity, self.num_pairs))]
+        rows = (self.capacity, self.num_pairs)
+        shapes += [("slots", (self.max_groups, self.num_pairs)), ("weights", rows), ("token_slots", rows),
+                   ("row_slots", rows), ("row_weights", rows)]
         self.segments, offset = [], 0
         for name, shape in shapes:
             offset = -(-offset // 4) * 4                     # 16-byte aligned segments
@@ -148,18 +168,22 @@ class PairLayout:
             offset += size
         self.size = offset
 
-    def views(self, block) -> tuple[KernelMeta, AdapterPairs]:
-        """(KernelMeta, AdapterPairs) of int32 views of `block` (the weights' view holds float32 bits:
-        the caller reinterprets it)."""
+    def views(self, block) -> tuple[KernelMeta, AdapterPairs, PairRows]:
+        """(KernelMeta, AdapterPairs, PairRows) of int32 views of `block` (the weights' views hold
+        float32 bits: the caller reinterprets them)."""
         v = {name: block[off:off + size].reshape(shape) for name, off, size, shape in self.segments}
-        return KernelMeta(*(v[f] for f in KernelMeta._fields)), AdapterPairs(v["slots"], v["weights"])
+        return (KernelMeta(*(v[f] for f in KernelMeta._fields)), AdapterPairs(v["slots"], v["weights"]),
+                PairRows(v["token_slots"], v["row_slots"], v["row_weights"]))
 
-    def fill(self, block: np.ndarray, meta: KernelMeta, pairs: AdapterPairs) -> np.ndarray:
-        """Writes a host build (`build_pairs_host`) into the int32 NumPy array `block`; returns it."""
+    def fill(self, block: np.ndarray, meta: KernelMeta, pairs: AdapterPairs, rows: PairRows) -> np.ndarray:
+        """Writes a host build (`host_mapping.pair_step`) into the int32 NumPy array `block`; returns it."""
         block[:] = 0
-        m, p = self.views(block)
+        m, p, r = self.views(block)
         for dst, src in zip(m, meta):
             dst[...] = src
         p.slots[...] = pairs.slots
         p.weights[...] = np.ascontiguousarray(pairs.weights, np.float32).view(np.int32)
+        r.token_slots[...] = rows.token_slots
+        r.row_slots[...] = rows.row_slots
+        r.row_weights[...] = np.ascontiguousarray(rows.row_weights, np.float32).view(np.int32)
         return block

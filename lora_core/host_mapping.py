@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import checks
-from .adapter_pairs import AdapterPairs, as_pair_entries, build_pairs_host, pair_bucket
+from .adapter_pairs import AdapterPairs, PairRows, as_pair_entries, build_pairs_host, pair_bucket
 from .kernel_meta import KernelMeta, build_host, field_shapes
 
 __all__ = [
@@ -59,32 +59,40 @@ class LoRAMapping:
       is_prefill: whether the batch is a prefill batch (tokens of a request contiguous).
       index_weights: None (every adapter at strength 1), or per token one weight per id of
         `index_mapping` (a number for a token of one id): the strength w of each adapter.
+      prompt_weights: the same for the sampled rows, whose `prompt_mapping` entries may be tuples
+        of ids too (the LM head's adapters per row of logits).
 
-    With tuples or weights (a *paired* mapping), `index_mapping` holds a tuple of ids per token
-    and `index_weights` a tuple of floats per token; `first_ids` is each token's first id (0 for
-    none): what one-adapter consumers (token indices, embedding, prefill segments) read.
+    With tuples or weights (a *paired* mapping), `index_mapping` / `prompt_mapping` hold a tuple
+    of ids per entry and `index_weights` / `prompt_weights` a tuple of floats per entry (both
+    sides become paired when either is); `first_ids` / `prompt_first_ids` are each entry's first
+    id (0 for none): what one-adapter consumers (token and sampler indices, prefill segments) read.
     `num_pairs` is the kernels' pair bucket (0 for a plain mapping).
     """
 
     index_mapping: tuple
-    prompt_mapping: tuple[int, ...]
+    prompt_mapping: tuple
     is_prefill: bool = False
     index_weights: tuple | None = None
+    prompt_weights: tuple | None = None
 
     def __post_init__(self):
-        entries = self.index_mapping
-        paired = self.index_weights is not None or (
-            isinstance(entries, (list, tuple)) and any(isinstance(v, (list, tuple, np.ndarray)) for v in entries))
+        def has_tuples(entries):
+            return isinstance(entries, (list, tuple)) and any(isinstance(v, (list, tuple, np.ndarray))
+                                                              for v in entries)
+        paired = (self.index_weights is not None or self.prompt_weights is not None
+                  or has_tuples(self.index_mapping) or has_tuples(self.prompt_mapping))
         if paired:
-            self.index_mapping, self.index_weights = as_pair_entries(entries, self.index_weights)
+            self.index_mapping, self.index_weights = as_pair_entries(self.index_mapping, self.index_weights)
+            self.prompt_mapping, self.prompt_weights = as_pair_entries(self.prompt_mapping, self.prompt_weights,
+                                                                       "prompt_mapping", "prompt_weights")
         else:
-            self.index_mapping = _as_id_tuple("index_mapping", entries)
-        self.prompt_mapping = _as_id_tuple("prompt_mapping", self.prompt_mapping)
+            self.index_mapping = _as_id_tuple("index_mapping", self.index_mapping)
+            self.prompt_mapping = _as_id_tuple("prompt_mapping", self.prompt_mapping)
         self.is_prefill = bool(self.is_prefill)
 
     @property
     def paired(self) -> bool:
-        """Whether the mapping gives tokens tuples of ids or weights (several adapters per token)."""
+        """Whether the mapping gives tokens (or rows) tuples of ids or weights: several adapters each."""
         return self.index_weights is not None
 
     @property
@@ -95,12 +103,20 @@ class LoRAMapping:
         return _as_id_tuple("index_mapping", tuple(ids[0] if ids else 0 for ids in self.index_mapping))
 
     @property
+    def prompt_first_ids(self) -> tuple[int, ...]:
+        """Each sampled row's first LoRA id (0 for none); the ids themselves for a plain mapping."""
+        if not self.paired:
+            return self.prompt_mapping
+        return _as_id_tuple("prompt_mapping", tuple(ids[0] if ids else 0 for ids in self.prompt_mapping))
+
+    @property
     def num_pairs(self) -> int:
         """The pair bucket of the kernels (lora_core.adapter_pairs.PAIR_BUCKETS) holding every token's
-        adapters; 0 for a plain mapping (the one-adapter kernels)."""
+        and row's adapters; 0 for a plain mapping (the one-adapter kernels)."""
         if not self.paired:
             return 0
-        return pair_bucket(max((sum(1 for i in ids if i > 0) for ids in self.index_mapping), default=1))
+        return pair_bucket(max((sum(1 for i in ids if i > 0) for ids in self.index_mapping + self.prompt_mapping),
+                               default=1))
 
 
 @dataclasses.dataclass
@@ -284,7 +300,7 @@ def convert_mapping_host(
     if not isinstance(mapping, LoRAMapping):
         raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
     _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context)
-    return _convert_ids(mapping.first_ids, mapping.prompt_mapping, lora_index_to_id, max_loras, vocab_size,
+    return _convert_ids(mapping.first_ids, mapping.prompt_first_ids, lora_index_to_id, max_loras, vocab_size,
                         extra_vocab_size, long_lora_context)
 
 
@@ -461,8 +477,8 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], m
         if len(ids) > max_num_batched_tokens:
             raise ValueError(f"{name} has {len(ids)} entries, more than max_num_batched_tokens="
                              f"{max_num_batched_tokens}")
-    prompt = pad_prompt_mapping(mapping.prompt_mapping, max_num_batched_tokens) if pad_prompt \
-        else mapping.prompt_mapping
+    prompt = pad_prompt_mapping(mapping.prompt_first_ids, max_num_batched_tokens) if pad_prompt \
+        else mapping.prompt_first_ids
     _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context)
     host = _convert_ids(mapping.first_ids, prompt, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                         long_lora_context)
@@ -479,7 +495,7 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], m
     if mapping.paired:
         pairs = pair_step(mapping, lora_index_to_id, max_loras, capacity=max_num_batched_tokens,
                           max_groups=max_pair_groups(max_batches, num_slots))
-        max_slot = max(max_slot, int(pairs[1].slots.max(initial=-1)))
+        max_slot = max(max_slot, int(pairs[1].slots.max(initial=-1)), int(pairs[2].row_slots.max(initial=-1)))
         if max_slot >= num_slots:
             raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras={num_slots} "
                              f"(slots 0..{num_slots - 1})")
@@ -492,26 +508,41 @@ def max_pair_groups(max_batches: int, num_slots: int) -> int:
     return max(int(max_batches), int(num_slots))
 
 
-def pair_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_loras: int, *, capacity: int,
-              max_groups: int) -> tuple[KernelMeta, AdapterPairs]:
-    """(group KernelMeta, AdapterPairs) of a mapping with several adapters per token
-    (lora_core.adapter_pairs): every id through the slot table (ValueError for an id in no slot),
-    ids <= 0 dropped, each token's pairs padded to the mapping's bucket `num_pairs`."""
-    table = _slot_table(lora_index_to_id)
-    flat = [i for ids in mapping.index_mapping for i in ids]
-    slots = _slots_of("index_mapping", flat, table, max_loras, none_value=-1)
-    k = mapping.num_pairs
-    token_slots = np.full((len(mapping.index_mapping), k), -1, np.int32)
-    token_weights = np.zeros((len(mapping.index_mapping), k), np.float32)
+def _pair_tables(name: str, entries: tuple, weights: tuple, table: _SlotTable, max_loras: int, k: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """((n, k) slots, (n, k) weights) of paired entries: every id through the slot table
+    (ValueError for an id in no slot), ids <= 0 dropped, each entry's pairs packed and padded."""
+    slots = _slots_of(name, [i for ids in entries for i in ids], table, max_loras, none_value=-1)
+    out_slots = np.full((len(entries), k), -1, np.int32)
+    out_weights = np.zeros((len(entries), k), np.float32)
     pos = 0
-    for t, (ids, ws) in enumerate(zip(mapping.index_mapping, mapping.index_weights)):
+    for t, (ids, ws) in enumerate(zip(entries, weights)):
         j = 0
         for slot, w in zip(slots[pos:pos + len(ids)], ws):
             if slot >= 0:
-                token_slots[t, j], token_weights[t, j] = slot, w
+                out_slots[t, j], out_weights[t, j] = slot, w
                 j += 1
         pos += len(ids)
-    return build_pairs_host(token_slots, token_weights, max_groups, capacity)
+    return out_slots, out_weights
+
+
+def pair_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_loras: int, *, capacity: int,
+              max_groups: int) -> tuple[KernelMeta, AdapterPairs, PairRows]:
+    """(group KernelMeta, AdapterPairs, PairRows) of a mapping with several adapters per token
+    (lora_core.adapter_pairs), each entry's pairs padded to the mapping's bucket `num_pairs`."""
+    table = _slot_table(lora_index_to_id)
+    k = mapping.num_pairs
+    token_slots, token_weights = _pair_tables("index_mapping", mapping.index_mapping, mapping.index_weights, table,
+                                              max_loras, k)
+    row_slots, row_weights = _pair_tables("prompt_mapping", mapping.prompt_mapping, mapping.prompt_weights, table,
+                                          max_loras, k)
+    meta, pairs = build_pairs_host(token_slots, token_weights, max_groups, capacity)
+    rows = PairRows(np.full((capacity, k), -1, np.int32), np.full((capacity, k), -1, np.int32),
+                    np.zeros((capacity, k), np.float32))
+    rows.token_slots[:len(token_slots)] = token_slots
+    rows.row_slots[:len(row_slots)] = row_slots
+    rows.row_weights[:len(row_slots)] = row_weights
+    return meta, pairs, rows
 
 
 def kernel_meta_host(token_lora_mapping: np.ndarray, max_loras: int, capacity: int) -> dict:

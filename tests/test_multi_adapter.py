@@ -74,17 +74,21 @@ def test_prepare_step_pairs_and_unknown_id():
     m = LoRAMapping([(7, 9), (9,), ()], (7, 0, 0), False, [(1.0, -0.5), (2.0,), ()])
     step = prepare_step(m, [9, None, 7], 4, 32, 0, None, max_num_batched_tokens=8, max_batches=4, num_slots=3,
                         pad_prompt=False)
-    meta, pairs = step.pairs
+    meta, pairs, rows = step.pairs
     np.testing.assert_array_equal(step.indices.base_indices, [2, 0, -1])     # first adapter per token
     group = meta.token_lora_mapping[:3]
     assert group[2] == -1
     np.testing.assert_array_equal(pairs.slots[group[0]], [2, 0])
     np.testing.assert_array_equal(pairs.slots[group[1]], [0, -1])
     np.testing.assert_array_equal(pairs.weights[:3], [[1.0, -0.5], [2.0, 0.0], [0.0, 0.0]])
+    np.testing.assert_array_equal(rows.token_slots[:3], [[2, 0], [0, -1], [-1, -1]])
+    np.testing.assert_array_equal(rows.row_slots[:3], [[2, -1], [-1, -1], [-1, -1]])   # prompt ids: (7,), 0, 0
+    np.testing.assert_array_equal(rows.row_weights[:1], [[1.0, 0.0]])
     layout = PairLayout(8, 4, 2)
-    block = layout.fill(np.empty(layout.size, np.int32), meta, pairs)
-    _, views = layout.views(block)
+    block = layout.fill(np.empty(layout.size, np.int32), meta, pairs, rows)
+    _, views, row_views = layout.views(block)
     np.testing.assert_array_equal(views.weights.view(np.float32), pairs.weights)
+    np.testing.assert_array_equal(row_views.token_slots, rows.token_slots)
     with pytest.raises(ValueError, match="LoRA id 8"):
         prepare_step(LoRAMapping([(7, 8)], (0,)), [9, None, 7], 4, 32, 0, None, max_num_batched_tokens=8,
                      max_batches=4, num_slots=3, pad_prompt=False)
@@ -194,15 +198,66 @@ def test_torch_wrapper_pair_steps_and_refusals():
     w = torch_lora.PunicaWrapper(8, 4, "cpu", max_loras=3, backend="torch")
     w.update_metadata(LoRAMapping([(5, 7), (7,)], (5, 7), False, [(0.5, 0.5), (2.0,)]), [5, 7, None], 4, 16)
     assert w.num_pairs == 2
+    assert w.token_lora_indices.tolist() == [0, 1]            # the first adapter of each token
     x, y = torch.zeros(2, 8), torch.zeros(2, 6)
     a, b = torch.zeros(3, 4, 8), torch.zeros(3, 6, 4)
     with pytest.raises(ValueError, match="add_lora_embedding takes one adapter per token"):
         w.add_lora_embedding(y, torch.zeros(2, 4), b)
+    with pytest.raises(ValueError, match="add_shrink takes one adapter per token"):
+        w.add_shrink(torch.zeros(1, 2, 4), x, a, 1.0)
     with pytest.raises(ValueError, match="no LoRA bias or DoRA column scale"):
         w.add_lora_linear(y, x, (a,), (b,), (torch.zeros(3, 6),), 1.0, (6,))
-    w.add_lora_logits(y, x, a, b, 1.0)                       # sampled rows: one adapter each (prompt_mapping)
     block = w._pair_blocks[2][1]
     w.update_metadata(LoRAMapping([(5,), (7, 5)], (0, 0), False), [5, 7, None], 4, 16)
     assert w.num_pairs == 2 and w._pair_blocks[2][1] is block     # one block per bucket: stable addresses
     w.update_metadata(LoRAMapping((5, 7), (0, 0)), [5, 7, None], 4, 16)
     assert w.num_pairs == 0
+
+
+@pytest.mark.parametrize("side", ["torch", "jax"])
+def test_wrapper_embedding_and_logits_per_pair(side):
+    """add_lora_embedding_ids and add_lora_logits of a paired step: each token's / row's pairs,
+    weighted, against float64 loops (torch and JAX wrappers, reference backends)."""
+    rng = np.random.default_rng(9)
+    vocab, dim, rank, slots_n = 12, 8, 4, 3
+    emb_a = rng.standard_normal((slots_n, vocab, rank)).astype(np.float32)
+    emb_b = rng.standard_normal((slots_n, dim, rank)).astype(np.float32)
+    head_a = rng.standard_normal((slots_n, rank, dim)).astype(np.float32)
+    head_b = rng.standard_normal((slots_n, vocab + 2, rank)).astype(np.float32)      # LoRA vocab wider: cut
+    ids = np.array([3, 7, 1, 0, 11])
+    tok = [(5, 7), (9,), (), (7, 9), (5, 7)]
+    tok_w = [(0.5, -1.0), (2.0,), (), (1.0, 0.25), (0.5, -1.0)]
+    rows_ids, rows_w = [(5, 7), (), (7, 9)], [(0.5, -1.0), (), (1.0, 0.25)]
+    slot = {5: 0, 7: 1, 9: 2}
+    mapping = LoRAMapping(tok, rows_ids, False, tok_w, rows_w)
+    y_emb = rng.standard_normal((5, dim)).astype(np.float32)
+    x_head = rng.standard_normal((3, dim)).astype(np.float32)
+    y_head = rng.standard_normal((3, vocab)).astype(np.float32)
+    want_emb = y_emb.astype(np.float64).copy()
+    for t, (i_s, w_s) in enumerate(zip(tok, tok_w)):
+        for i, w in zip(i_s, w_s):
+            want_emb[t] += w * (emb_b[slot[i]].astype(np.float64) @ emb_a[slot[i], ids[t]])
+    want_head = y_head.astype(np.float64).copy()
+    for r, (i_s, w_s) in enumerate(zip(rows_ids, rows_w)):
+        for i, w in zip(i_s, w_s):
+            want_head[r] += w * 0.5 * (head_b[slot[i], :vocab].astype(np.float64) @ (head_a[slot[i]] @ x_head[r]))
+    if side == "torch":
+        import torch_lora
+        w = torch_lora.PunicaWrapper(8, 4, "cpu", max_loras=3, backend="torch")
+        w.update_metadata(mapping, [5, 7, 9], 4, vocab)
+        t = torch.from_numpy
+        got_emb = w.add_lora_embedding_ids(t(y_emb.copy()), t(ids), t(emb_a), t(emb_b)).numpy()
+        got_head = w.add_lora_logits(t(y_head.copy()), t(x_head), t(head_a), t(head_b), 0.5).numpy()
+    else:
+        jnp = pytest.importorskip("jax.numpy")
+        import jax_lora
+        w = jax_lora.PunicaWrapper(8, 4, max_loras=3, backend="xla")
+        w.update_metadata(mapping, [5, 7, 9], 4, vocab)
+        got_emb = np.asarray(w.add_lora_embedding_ids(jnp.asarray(y_emb), jnp.asarray(ids), jnp.asarray(emb_a),
+                                                      jnp.asarray(emb_b)))
+        got_head = np.asarray(w.add_lora_logits(jnp.asarray(y_head), jnp.asarray(x_head), jnp.asarray(head_a),
+                                                jnp.asarray(head_b), 0.5))
+    assert oracle.rel_err(got_emb, want_emb) <= 1e-5
+    assert oracle.rel_err(got_head, want_head) <= 1e-5
+    np.testing.assert_array_equal(got_emb[2], y_emb[2])              # a token without adapters
+    np.testing.assert_array_equal(got_head[1], y_head[1])

@@ -1,8 +1,8 @@
 """Several adapters per request in whole models: equal to merging the weighted deltas into the base.
 
 torch: `MultiLoRAModel` on a tiny random transformers Llama (float32, CPU) with two PEFT adapters;
-a batch whose rows name two adapters with weights, one adapter with a strength, the base, and one
-adapter alone must give, row by row, the logits of the base model whose weights are
+a batch whose rows name two or three adapters with weights (one of them on the embedding and the
+LM head too), one adapter with a strength, the base, and one adapter alone must give, row by row, the logits of the base model whose weights are
 W + sum_i w_i * delta_i (delta_i = peft's own `get_delta_weight` of adapter i), in a forward pass
 and through generate(). JAX: the serving engine's `Request(lora_ids=..., lora_weights=...)` on
 the tiny Llama of jax_lora.models.llama against the same model with merged weights.
@@ -23,7 +23,9 @@ from torch_lora.hf import MultiLoRAModel  # noqa: E402
 
 RTOL = 1e-4
 TARGETS = {"x": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-           "y": dict(r=8, lora_alpha=4, target_modules=hf_llama.ALL7, rank_pattern={"o_proj": 2})}
+           "y": dict(r=8, lora_alpha=4, target_modules=hf_llama.ALL7, rank_pattern={"o_proj": 2}),
+           "z": dict(r=4, lora_alpha=4, target_modules=["embed_tokens", "lm_head", "up_proj"])}
+EVERY = hf_llama.ALL7 + ["embed_tokens", "lm_head"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,8 @@ def _deltas(fresh, dirs) -> dict:
         pm = peft.PeftModel.from_pretrained(fresh(), path, adapter_name=name).eval()
         out[name] = {mod_name.removeprefix("base_model.model."): module.get_delta_weight(name).detach().clone()
                      for mod_name, module in pm.named_modules()
-                     if hasattr(module, "get_delta_weight") and name in getattr(module, "lora_A", {})}
+                     if hasattr(module, "get_delta_weight")
+                     and (name in getattr(module, "lora_A", {}) or name in getattr(module, "lora_embedding_A", {}))}
     return out
 
 
@@ -61,7 +64,8 @@ def _merged(fresh, deltas, names_weights) -> torch.nn.Module:
     return model
 
 
-ROWS = [(["x", "y"], [0.7, -0.4]), ("x", 1.5), ("__base__", 1.0), (["y"], [0.5]), (["y", "x"], [1.0, 1.0])]
+ROWS = [(["x", "y"], [0.7, -0.4]), ("x", 1.5), ("__base__", 1.0), (["y"], [0.5]), (["y", "x"], [1.0, 1.0]),
+        (["z", "x", "y"], [0.8, 0.5, -1.2])]
 
 
 def _row_weights(row):
@@ -74,7 +78,7 @@ def _row_weights(row):
 def test_forward_equals_merged_weights(assets):
     fresh, dirs = assets
     deltas = _deltas(fresh, dirs)
-    mm = MultiLoRAModel(fresh(), max_loras=2, max_rank=8)
+    mm = MultiLoRAModel(fresh(), max_loras=3, max_rank=8, target_modules=EVERY)
     for name, path in dirs.items():
         mm.load_adapter(name, path)
     tokens = torch.as_tensor(np.random.default_rng(3).integers(1, 64, size=(len(ROWS), 6)))
@@ -92,11 +96,11 @@ def test_forward_equals_merged_weights(assets):
 def test_generate_equals_merged_weights(assets):
     fresh, dirs = assets
     deltas = _deltas(fresh, dirs)
-    mm = MultiLoRAModel(fresh(), max_loras=2, max_rank=8)
+    mm = MultiLoRAModel(fresh(), max_loras=3, max_rank=8, target_modules=EVERY)
     for name, path in dirs.items():
         mm.load_adapter(name, path)
-    prompts = torch.as_tensor(np.random.default_rng(4).integers(1, 64, size=(2, 5)))
-    rows = [ROWS[0], ROWS[1]]
+    prompts = torch.as_tensor(np.random.default_rng(4).integers(1, 64, size=(3, 5)))
+    rows = [ROWS[0], ROWS[1], ROWS[5]]
     got = mm.generate(prompts, adapter_names=[r[0] for r in rows], adapter_weights=[r[1] for r in rows],
                       max_new_tokens=4, do_sample=False, pad_token_id=0)
     for j, row in enumerate(rows):
@@ -116,7 +120,72 @@ def test_bad_weights_and_single_adapter_layers(assets):
         mm(tokens, adapter_names=["x", "x"], adapter_weights=[1.0])
     with pytest.raises(ValueError, match="not a loaded adapter"):
         mm(tokens, adapter_names=[["x", "nope"], "x"])
-    head = MultiLoRAModel(fresh(), max_loras=2, max_rank=8, target_modules=hf_llama.ALL7 + ["lm_head"])
-    head.load_adapter("x", dirs["x"])
-    with pytest.raises(ValueError, match="serve linear layers only"):
-        head(tokens, adapter_names=[["x"], "x"], adapter_weights=[[0.5], 1.0])
+
+
+# ----------------------------------------------------------------------------- JAX serving engine
+
+def test_serving_requests_with_several_adapters_equal_merged_weights(tmp_path):
+    """Requests naming two adapters with weights, one adapter with a strength, one plain adapter and
+    the base in one generate call: each completion's logits equal the model with the weighted
+    deltas merged (teacher-forced, float32)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_lora.adapters import AdapterManager, load_peft_adapter, merge_adapter
+    from jax_lora.cli import build_demo_assets
+    from jax_lora.models import add_lora, load_llama
+    from jax_lora.serving import Request, ServingEngine
+
+    max_len = 32
+    model_dir, dirs = build_demo_assets(str(tmp_path), seed=5)
+    model = load_llama(model_dir)
+    add_lora(model, max_loras=3, max_rank=16)
+    mgr = AdapterManager(model, host_cache_size=2)
+    for i, d in enumerate(dirs):
+        mgr.register(i + 1, d)
+    engine = ServingEngine(model, mgr, max_seqs=4, max_len=max_len, keep_logits=True)
+    rng = np.random.default_rng(6)
+    prompts = [[int(t) for t in rng.integers(0, 512, size=n)] for n in (5, 9, 4, 7)]
+    reqs = [Request(prompts[0], lora_ids=[1, 2], lora_weights=[0.6, -0.8], max_new_tokens=4),
+            Request(prompts[1], lora_id=3, lora_weights=1.7, max_new_tokens=3),
+            Request(prompts[2], lora_id=2, max_new_tokens=3),
+            Request(prompts[3], max_new_tokens=2)]
+    combos = [[(1, 0.6), (2, -0.8)], [(3, 1.7)], [(2, 1.0)], []]
+    out = engine.generate(reqs)
+
+    base = load_llama(model_dir)
+    adapters = {i + 1: load_peft_adapter(d) for i, d in enumerate(dirs)}
+
+    def weighted(adapter, w):
+        return dataclasses.replace(adapter, modules={m: mod._replace(scaling=mod.scaling * w)
+                                                     for m, mod in adapter.modules.items()})
+    graphdef, _ = nnx.split(base)
+
+    @jax.jit
+    def forward(state, tokens):
+        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return nnx.merge(graphdef, state)(tokens, pos)[0]
+
+    base_logits = None
+    for c, combo in zip(out, combos):
+        merged = base
+        for lora_id, w in combo:
+            merged = merge_adapter(merged, weighted(adapters[lora_id], w))
+        seq = np.zeros((1, max_len), np.int32)
+        full = list(c.prompt) + list(c.tokens[:-1])
+        seq[0, :len(full)] = full
+        n = len(c.prompt)
+        want = np.asarray(forward(nnx.state(merged), jnp.asarray(seq)))[0, n - 1:len(full)]
+        err = float(np.abs(want - np.asarray(c.logits)).max() / max(1.0, float(np.abs(want).max())))
+        assert err < RTOL, (combo, err)
+        assert list(np.asarray(want).argmax(-1)) == c.tokens, combo
+        if combo:
+            base_logits = np.asarray(forward(nnx.state(base), jnp.asarray(seq)))[0, n - 1:len(full)]
+            assert np.abs(base_logits - want).max() > 1e-3, combo          # the adapters matter
+    with pytest.raises(ValueError, match="lora_id or lora_ids, not both"):
+        engine.generate([Request(prompts[0], lora_id=1, lora_ids=[2])])
+    with pytest.raises(ValueError, match="one weight per id"):
+        engine.generate([Request(prompts[0], lora_ids=[1, 2], lora_weights=[0.5])])

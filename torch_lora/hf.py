@@ -368,13 +368,6 @@ class MultiLoRAModel:
                                  f"(adapter_names[{j}])")
         return row_ids, row_w
 
-    def _check_pairs_served(self) -> None:
-        """Several adapters per row reach the linear layers only (the embedding and LM head take one)."""
-        single = [name for name, layer in self.layers.items() if isinstance(layer, (LoRAEmbedding, LoRALogits))]
-        if single:
-            raise ValueError(f"several adapters per row (or adapter_weights) serve linear layers only, but this model "
-                             f"also targets {single} (target_modules): leave them out to mix adapters")
-
     # -------------------------------------------------------------- steps
     def prepare_step(self, adapter_names: Sequence[str], num_tokens_per_row: int,
                      logits_per_row: None | int | Sequence[int] = None, adapter_weights=None) -> None:
@@ -417,17 +410,17 @@ class MultiLoRAModel:
                              f"max_loras={self.max_loras} (MultiLoRAModel's argument: the adapter slots, the most "
                              "distinct adapters in one batch)")
         if pairs is None:
-            mapping_ids = flat_ids = ids
+            flat_ids = ids
             mapping = LoRAMapping(np.repeat(np.asarray(ids, np.int64), s), np.repeat(np.asarray(ids, np.int64), counts),
                                   is_prefill=s > 1)
         else:
-            self._check_pairs_served()
             row_ids, row_w = pairs
             flat_ids = [i for row in row_ids for i in row]
-            mapping_ids = [row[0] if row else 0 for row in row_ids]
+            row_w = row_w or [(1.0,) * len(row) for row in row_ids]
             mapping = LoRAMapping([row for row in row_ids for _ in range(s)],
-                                  np.repeat(np.asarray(mapping_ids, np.int64), counts), s > 1,
-                                  None if row_w is None else [w for w in row_w for _ in range(s)])
+                                  [row for row, c in zip(row_ids, counts) for _ in range(c)], s > 1,
+                                  [w for w in row_w for _ in range(s)],
+                                  [w for w, c in zip(row_w, counts) for _ in range(c)])
         with self._lock:
             self.adapters.activate(flat_ids)
             self.adapters.wait_uploads()

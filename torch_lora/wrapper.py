@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lora_core import checks
-from lora_core.adapter_pairs import AdapterPairs, PairLayout
+from lora_core.adapter_pairs import AdapterPairs, PairLayout, PairRows
 from lora_core.host_mapping import LoRAMapping, StepLayout, max_pair_groups, prepare_step
 
 from .meta import LoRAKernelMeta
@@ -89,7 +89,7 @@ class PunicaWrapper:
         self._token_meta_args: dict = {}   # T -> token_mapping_meta.meta_args(T): views, valid forever
         # Several adapters per token: one device block per pair bucket k (stable views: CUDA graphs),
         # and the bucket of this step (0: one adapter per token, the block above).
-        self._pair_blocks: dict = {}       # k -> (PairLayout, device block, KernelMeta views, AdapterPairs views)
+        self._pair_blocks: dict = {}       # k -> (PairLayout, block, KernelMeta, AdapterPairs, PairRows views)
         self.num_pairs = 0
 
     # ------------------------------------------------------------------ metadata
@@ -120,7 +120,7 @@ class PunicaWrapper:
         self._max_slot = step.max_slot
         self._embedding_rows = int(vocab_size) + int(extra_vocab_size)
 
-    def _upload_pairs(self, meta, pairs) -> int:
+    def _upload_pairs(self, meta, pairs, rows) -> int:
         """Copies a step's pair metadata (lora_core.adapter_pairs) into its bucket's device block
         (made on the bucket's first step); returns the bucket k."""
         k = pairs.num_pairs
@@ -128,26 +128,67 @@ class PunicaWrapper:
         if entry is None:
             layout = PairLayout(self.max_num_batched_tokens, max_pair_groups(self.max_batches, self.max_loras), k)
             block = torch.zeros(layout.size, dtype=torch.int32, device=self.device)
-            views, pair_views = layout.views(block)
-            entry = self._pair_blocks[k] = (layout, block, views,
-                                            AdapterPairs(pair_views.slots, pair_views.weights.view(torch.float32)))
-        layout, block, _, _ = entry
+            views, p, r = layout.views(block)
+            entry = self._pair_blocks[k] = (layout, block, views, AdapterPairs(p.slots, p.weights.view(torch.float32)),
+                                            PairRows(r.token_slots, r.row_slots, r.row_weights.view(torch.float32)))
+        layout, block = entry[:2]
         staging = torch.empty(layout.size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        layout.fill(staging.numpy(), meta, pairs)
+        layout.fill(staging.numpy(), meta, pairs, rows)
         block.copy_(staging, non_blocking=True)
         return k
 
     def _pair_args(self, t: int) -> tuple:
         """(group metadata for T = t tokens, AdapterPairs) of this step's pair bucket."""
-        _, _, m, pairs = self._pair_blocks[self.num_pairs]
+        m, pairs = self._pair_blocks[self.num_pairs][2:4]
         return m._replace(token_lora_mapping=m.token_lora_mapping[:t],
                           token_indices_sorted_by_lora_ids=m.token_indices_sorted_by_lora_ids[:t]), pairs
 
     def _refuse_pairs(self, method: str) -> None:
         if self.num_pairs:
             raise ValueError(f"{method} takes one adapter per token, but this step's mapping gives tokens several "
-                             "adapters or weights (LoRAMapping index_pairs / index_weights): only add_lora_linear "
-                             "and add_lora_logits serve such a step")
+                             "adapters or weights (LoRAMapping tuples / index_weights): add_lora_linear, "
+                             "add_lora_embedding_ids and add_lora_logits serve such a step")
+
+    def _add_per_pair(self, y2, slots, weights, x, lora_b, shrink_a=None, scale: float = 1.0) -> None:
+        """y2[t] (+)= sum_j weights[t, j] * (x[t] or scale * x[t] @ shrink_a[slot].T) @ lora_b[slot].T over
+        the pairs (slots (n, k), -1: empty), one float32 sum and one cast; rows without a pair untouched.
+        The one-adapter BGMV ops once per pair (the embedding and the LM head of a paired step)."""
+        from . import ops
+        n = y2.shape[0]
+        acc = y2.to(torch.float32)
+        for j in range(slots.shape[1]):
+            idx = slots[:n, j]
+            if shrink_a is None:
+                part = x[j].to(torch.float32)
+            else:
+                part = ops.bgmv_shrink(x, shrink_a, idx, scale, backend=self.backend)
+            ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend)
+        any_pair = (slots[:n] >= 0).any(dim=1, keepdim=True)
+        y2.copy_(torch.where(any_pair, acc.to(y2.dtype), y2))
+
+    def add_lora_embedding_ids(self, y: torch.Tensor, ids: torch.Tensor, lora_a: torch.Tensor,
+                               lora_b: torch.Tensor, *, lora_ranks=None) -> torch.Tensor:
+        """The embedding's LoRA term from token ids, in place: y[t] += sum_j w_tj * lora_a[slot_tj, ids[t]]
+        @ lora_b[slot_tj].T over each token's pairs (a plain step: its one slot at weight 1, the same
+        as looking the rows up at `embeddings_indices[1]` and calling add_lora_embedding).
+
+        y: (T, D); ids: (T,) token ids; lora_a: (L, V, r) the LoRA-A embedding table; lora_b: (L, D, r).
+        """
+        if not self.num_pairs:
+            rows = self.embeddings_indices[1][:ids.shape[0]] + ids.reshape(-1)
+            return self.add_lora_embedding(y, lora_a.reshape(-1, lora_a.shape[-1]).index_select(0, rows).to(y.dtype),
+                                           lora_b, lora_ranks=lora_ranks)
+        self._check_embedding_rows("lora_a", lora_a.shape[1])
+        rows = self._pair_blocks[self.num_pairs][4]
+        weights = self._pair_blocks[self.num_pairs][3].weights
+        t = ids.shape[0]
+        self._check_tokens("ids", t, self.indices_len[0])
+        looked_up = []
+        for j in range(self.num_pairs):
+            slot = rows.token_slots[:t, j]
+            looked_up.append(lora_a[slot.clamp(min=0).long(), ids.reshape(-1).long()])      # (T, r)
+        self._add_per_pair(y, rows.token_slots, weights, looked_up, lora_b)
+        return y
 
     def warmup(self, layers, token_counts=None, *, dtype=torch.bfloat16, lora_ranks: bool = False,
                bias: bool = False, dora: bool = False, progress: bool = True, workers=None) -> dict:
@@ -526,6 +567,11 @@ class PunicaWrapper:
             _check_buffer("buffer", buffer, shape, checks.SHRINK_BUFFER_DTYPES)
         self._check_tokens("x", x2.shape[0], self.indices_len[1])
         self._check_slots("lora_a_stacked", num_slots)
+        if self.num_pairs:
+            rows = self._pair_blocks[self.num_pairs][4]
+            self._add_per_pair(_token_view(y), rows.row_slots, rows.row_weights, x2, to_3d(lora_b_stacked),
+                               to_3d(lora_a_stacked), checks.as_scale(scale))
+            return y
         self._impl.shrink(x2, (to_3d(lora_a_stacked),), buffer, self.prompt_mapping_meta.meta_args(x2.shape[0]),
                           checks.as_scale(scale), as_lora_ranks(lora_ranks, num_slots, x.device))
         num_slots_b, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "vocab_size, rank")
