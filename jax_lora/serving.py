@@ -472,9 +472,8 @@ class ServingEngine:
                 longest = max([len(req.prompt)] + [len(q.req.prompt) for q in admitted])
                 if self.prefill_shape(len(admitted) + 1, longest) is None:
                     break
-                seq = _Seq(req if use_lora else dataclasses.replace(req, lora_id=None, lora_ids=None, lora_weights=None),
-                           waiting.popleft(),
-                           free[len(admitted)])
+                plain = dataclasses.replace(req, lora_id=None, lora_ids=None, lora_weights=None)
+                seq = _Seq(req if use_lora else plain, waiting.popleft(), free[len(admitted)])
                 admitted.append(seq)
             if not admitted and len(free) == self.max_seqs:
                 raise RuntimeError(f"request {waiting[0]} cannot be admitted into an empty batch")

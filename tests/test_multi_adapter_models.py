@@ -1,9 +1,9 @@
 """Several adapters per request in whole models: equal to merging the weighted deltas into the base.
 
-torch: `MultiLoRAModel` on a tiny random transformers Llama (float32, CPU) with two PEFT adapters;
-a batch whose rows name two or three adapters with weights (one of them on the embedding and the
-LM head too), one adapter with a strength, the base, and one adapter alone must give, row by row, the logits of the base model whose weights are
-W + sum_i w_i * delta_i (delta_i = peft's own `get_delta_weight` of adapter i), in a forward pass
+torch: `MultiLoRAModel` on a tiny random transformers Llama (float32, CPU) with three PEFT
+adapters; a batch whose rows name two or three adapters with weights (one of them on the embedding
+and the LM head too), one adapter with a strength, the base, and one adapter alone must give, row
+by row, the logits of the base model whose weights are W + sum_i w_i * delta_i (delta_i = peft's own `get_delta_weight` of adapter i), in a forward pass
 and through generate(). JAX: the serving engine's `Request(lora_ids=..., lora_weights=...)` on
 the tiny Llama of jax_lora.models.llama against the same model with merged weights.
 """
