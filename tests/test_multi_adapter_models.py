@@ -3,9 +3,10 @@
 torch: `MultiLoRAModel` on a tiny random transformers Llama (float32, CPU) with three PEFT
 adapters; a batch whose rows name two or three adapters with weights (one of them on the embedding
 and the LM head too), one adapter with a strength, the base, and one adapter alone must give, row
-by row, the logits of the base model whose weights are W + sum_i w_i * delta_i (delta_i = peft's own `get_delta_weight` of adapter i), in a forward pass
-and through generate(). JAX: the serving engine's `Request(lora_ids=..., lora_weights=...)` on
-the tiny Llama of jax_lora.models.llama against the same model with merged weights.
+by row, the logits of the base model whose weights are W + sum_i w_i * delta_i (delta_i: peft's
+own `get_delta_weight` of adapter i), in a forward pass and through generate(). JAX: the serving
+engine's `Request(lora_ids=..., lora_weights=...)` on the demo's tiny Llama against the same model
+with the weighted deltas merged (`merge_adapter` with scaled scalings), teacher-forced.
 """
 
 from __future__ import annotations
