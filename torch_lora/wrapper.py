@@ -463,6 +463,16 @@ class PunicaWrapper:
                              "lora_bias_stacked and dora_scale_stacked must be None for this step")
         t = x2.shape[0]
         meta_args, pairs = self._pair_args(t)
+        if buffer is None and plan.prepare is not None:
+            key = ("pairs", self.num_pairs, t)          # the bucket's block views: valid forever
+            run = plan.prepared.get(key)
+            if run is None:
+                if len(plan.prepared) >= 64:
+                    plan.prepared.clear()
+                run = plan.prepared[key] = plan.prepare(plan.lora_a, plan.lora_b, meta_args, plan.offsets, None,
+                                                        pairs=pairs)
+            run(y2, x2, scale, ranks)
+            return
         linear = getattr(self._impl, "linear", None)
         if buffer is None and linear is not None:
             linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, scale, plan.offsets, ranks, None, pairs=pairs)

@@ -302,9 +302,11 @@ class PreparedLinear:
                  "_sync_ints", "_ws_floats", "_ws_stream", "_ws_ptr")
 
     def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: bool | None = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, pairs=None):
         _check_fused_deterministic(fused, deterministic)
-        self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused, deterministic)
+        if pairs is not None:
+            fused = False                  # several adapters per token: always shrink + expand
+        self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused, deterministic, pairs)
         self._steps = None
         self._layout = None
         self._device = lora_a[0].device.index
@@ -353,14 +355,14 @@ class PreparedLinear:
                 return
         if x.shape[0] == 0:
             return
-        lora_a, lora_b, meta_args, offsets, bias, fused, deterministic = self._args
+        lora_a, lora_b, meta_args, offsets, bias, fused, deterministic, pairs = self._args
         T = x.shape[0]
         if fused is None:
             fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
                                       deterministic=deterministic)
         chunks = []
         for ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
-                                        deterministic=deterministic):
+                                        deterministic=deterministic, pairs=pairs):
             for call in calls:
                 _launch(call)
             chunks.append((ws, calls))
@@ -494,11 +496,12 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
 
 def prepare_linear(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], meta_args,
                    offsets: Sequence[int], bias=None, *, deterministic: bool = False,
-                   col_scale=None) -> PreparedLinear:
+                   col_scale=None, pairs=None) -> PreparedLinear:
     """`linear` with its persistent arguments bound, for repeated calls (see PreparedLinear);
-    col_scale (DoRA, as in `linear`) is bound too: its tensors are read in place at every call."""
+    col_scale (DoRA, as in `linear`) is bound too: its tensors are read in place at every call;
+    pairs (several adapters per token, lora_core.adapter_pairs) too: their tables are read in place."""
     return PreparedLinear(lora_a, lora_b, meta_args, offsets, arguments.epilogue(bias, col_scale, len(lora_b)),
-                          deterministic=deterministic)
+                          deterministic=deterministic, pairs=pairs)
 
 
 def _check_fused_deterministic(fused: bool | None, deterministic: bool) -> None:
