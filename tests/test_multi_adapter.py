@@ -4,7 +4,8 @@ Covers: `LoRAMapping` with per-token id tuples and weights (parsing, errors, the
 `first_ids`); the host build of the pair tables (`lora_core.adapter_pairs`: groups, slots,
 weights, the group capacity); the Triton kernels' PAIRS path (torch, Triton's interpreter on the
 CPU) against the float64 oracle for k = 1 (weighted), 2 and 4 pairs, with per-slot ranks, split-K
-workspaces, atomic split-K, one tile per batch (SMALL_T) and several rank blocks; that a plain
+workspaces, atomic split-K, one tile per batch (SMALL_T), several rank blocks and the fused
+one-launch kernel; that a plain
 mapping plans PAIRS = 0 (today's kernels); that the wrapper refuses the one-adapter methods and a
 bias in a paired step. The conformance suite (tests/test_conformance.py) runs every backend on
 paired mappings; the models' merged-weights parity is tests/test_multi_adapter_models.py.
@@ -148,6 +149,30 @@ def test_triton_linear_pairs_equal_oracle(num_pairs, small_t, split, tiles_n, ra
               meta, 0.75, (0, 24), None if lora_ranks is None else torch.from_numpy(lora_ranks), None, pairs=pairs,
               shrink_config=dict(SHRINK, SPLIT_K=split, SMALL_T=small_t),
               expand_config=dict(EXPAND, TILES_N=tiles_n, SMALL_T=small_t))
+    want = oracle.multi_lora_linear(y, x, lora_a, lora_b, 0.75, slots, weights)
+    assert oracle.rel_err(yt.numpy(), want) <= 1e-5
+    none = slots[:, 0] < 0
+    np.testing.assert_array_equal(yt.numpy()[none], y[none])
+
+
+@pytest.mark.parametrize("num_pairs,split,ranks", [(1, 2, False), (2, 0, True), (4, 2, True)])
+def test_triton_fused_kernel_pairs_equal_oracle(num_pairs, split, ranks):
+    """The one-launch fused kernel (decode sizes) with PAIRS: each pair's shrink into the workspace's
+    rank columns, the pairs summed through their own B after the barrier."""
+    from torch_lora.ops import triton as tt
+    x, lora_a, lora_b, slots, weights, y = _case(30 + num_pairs, 9, 64, 16, (32, 16), 5, num_pairs)
+    lora_ranks = np.array([16, 5, 8, 9, 12], np.int32) if ranks else None
+    if ranks:
+        for a, b in zip(lora_a, lora_b):
+            for s, r in enumerate(lora_ranks):
+                a[s, r:] = 0.0
+                b[s, :, r:] = 0.0
+    meta, pairs = _torch_meta(slots, weights, 16, 16)
+    yt = torch.from_numpy(y.copy())
+    tt.linear(yt, torch.from_numpy(x), [torch.from_numpy(a) for a in lora_a], [torch.from_numpy(b) for b in lora_b],
+              meta, 0.75, (0, 32), None if lora_ranks is None else torch.from_numpy(lora_ranks), None, pairs=pairs,
+              fused=True, fused_config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=split, num_warps=4,
+                                            num_stages=2, SMALL_T=split != 0))
     want = oracle.multi_lora_linear(y, x, lora_a, lora_b, 0.75, slots, weights)
     assert oracle.rel_err(yt.numpy(), want) <= 1e-5
     none = slots[:, 0] < 0

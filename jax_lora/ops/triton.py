@@ -214,7 +214,8 @@ def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, 
     return _Launch(call.with_alignment_hints(), 0, pdl and plan.launch_pdl)
 
 
-def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False) -> _Launch:
+def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False,
+                  pairs=None) -> _Launch:
     """lora_fused_kernel writing y (result 0); its workspace is result 1."""
     T, H = x.shape
     L, R, _ = lora_a[0].shape
@@ -223,10 +224,10 @@ def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, 
     plan = plan_fused(T, H, R, widths, meta.active_lora_ids.shape[0], _dtype_name(x), _dtype_name(lora_a[0]), cfg,
                       add_inputs=True,
                       bias_flags=arguments.bias_flags(bias, len(lora_b)),
-                      has_ranks=lora_ranks is not None, pdl=pdl)
+                      has_ranks=lora_ranks is not None, pdl=pdl, pairs=0 if pairs is None else pairs.num_pairs)
     workspace = _Result(1, plan.workspace_shape, jnp.float32)
     call = arguments.fused_call(plan, x, lora_a, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y,
-                                _Counters(plan.sync_ints), workspace, float(scale), offsets, _strides)
+                                _Counters(plan.sync_ints), workspace, float(scale), offsets, _strides, pairs)
     return _Launch(call.with_alignment_hints(), 0, pdl and plan.launch_pdl)
 
 
@@ -421,10 +422,8 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
     shrink into a float32 workspace plus an expand that sums the workspace planes.
     deterministic=True: always shrink + expand with the batch-invariant configs
     (configs.deterministic_config); fused=True is then an error. pairs: several adapters per token
-    (lora_core.adapter_pairs), summed; always shrink + expand.
+    (lora_core.adapter_pairs), summed, on either path.
     """
-    if pairs is not None and fused:
-        raise ValueError("fused=True takes one adapter per token: several adapters (pairs) run shrink + expand")
     if fused and deterministic:
         raise ValueError("fused=True cannot be deterministic: deterministic launches always run shrink + "
                          "expand (one kernel path for every token count); pass fused=None or False")
@@ -434,7 +433,7 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
     L, R, _ = lora_a[0].shape
     offsets = tuple(int(o) for o in offsets)
     bias = arguments.epilogue(bias, col_scale, len(lora_b))
-    if deterministic or pairs is not None:
+    if deterministic:
         fused = False
     elif fused is None:
         forced = configs.fused_forced()
@@ -448,7 +447,7 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
         y_shape = jax.ShapeDtypeStruct(y.shape, y.dtype)
         if fused:
             launch = _fused_launch(y, x, lora_a[lo:hi], lora_b[lo:hi], meta, scale, offsets[lo:hi], lora_ranks,
-                                   chunk_bias, fused_config, pdl)
+                                   chunk_bias, fused_config, pdl, pairs)
             y = _run([launch], [y_shape, _shape(launch.call.pointers[-1])], interpret)[0]
             continue
         shrink_launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=True,

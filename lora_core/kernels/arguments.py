@@ -251,15 +251,17 @@ def expand_call(plan, buf, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y
 
 
 def fused_call(plan, x, lora_a: Sequence, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y, sync, workspace,
-               scale: float, offsets: Sequence[int], strides: Strides) -> KernelCall:
+               scale: float, offsets: Sequence[int], strides: Strides, pairs=None) -> KernelCall:
     """`lora_fused_kernel`'s call, writing y in place. meta: a KernelMeta; sync: the int32 barrier
-    counters (plan.sync_ints, zeroed once); workspace: plan.workspace_shape float32."""
+    counters (plan.sync_ints, zeroed once); workspace: plan.workspace_shape float32; pairs: an
+    AdapterPairs, or None."""
     m = _as_kernel_meta(meta)
     sl = _slices(strides, lora_a=lora_a, lora_b=lora_b, bias=bias, offsets=offsets)
     ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
-    pointers = (x, *(s.a for s in sl), *(s.b for s in sl), *(s.bias for s in sl), ranks, *_index_pointers(m), y,
-                sync, workspace)
-    scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0], lora_a[0].shape[0],
+    pointers = (x, *(s.a for s in sl), *(s.b for s in sl), *(s.bias for s in sl), ranks, *_pair_pointers(m, pairs),
+                *_index_pointers(m), y, sync, workspace)
+    scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0],
+               _id_bound(m, lora_a[0], pairs),
                *strides(x), *(v for s in sl for v in s.a_strides), *(v for s in sl for v in s.b_strides),
                *(v for s in sl for v in s.bias_strides), *(s.width for s in sl), *(s.offset for s in sl),
                *strides(y), *strides(workspace)[:3])

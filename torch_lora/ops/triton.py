@@ -83,10 +83,10 @@ def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, h
 
 
 @functools.lru_cache(maxsize=4096)
-def _fused_plan(T, H, R, widths, G, L, xd, wd, bias_flags, has_ranks, cfg_key):
+def _fused_plan(T, H, R, widths, G, L, xd, wd, bias_flags, has_ranks, cfg_key, pairs=0):
     cfg = dict(cfg_key) if cfg_key else configs.fused_config(T, H, max(widths), R, len(widths), L)
     return plan_fused(T, H, R, widths, G, xd, wd, cfg, add_inputs=True, bias_flags=bias_flags,
-                        has_ranks=has_ranks, pdl=_pdl_enabled())
+                        has_ranks=has_ranks, pdl=_pdl_enabled(), pairs=pairs)
 
 
 # ------------------------------------------------------------------------------------- stream buffers
@@ -224,32 +224,33 @@ def _expand_call(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bia
     return arguments.expand_call(plan, buf4, lora_b, bias, lora_ranks, meta_args, y, offsets, _torch_strides, pairs)
 
 
-def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, config=None):
+def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, config=None, pairs=None):
     """(workspace, call) of the fused launch of slices lora_a / lora_b (the workspace allocated here)."""
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
     plan = _fused_plan(T, H, R, widths, meta_args.active_lora_ids.shape[0], L, _dtype_name(x), _dtype_name(lora_a[0]),
-                       arguments.bias_flags(bias, len(lora_b)), lora_ranks is not None, _key(config))
+                       arguments.bias_flags(bias, len(lora_b)), lora_ranks is not None, _key(config),
+                       _num_pairs(pairs))
     ws = torch.empty(plan.workspace_shape, dtype=torch.float32, device=x.device)
     sync = _sync_buffer(x.device, torch._C._cuda_getCurrentRawStream(x.device.index) if x.is_cuda else 0,
                         plan.sync_ints)
     return ws, arguments.fused_call(plan, x, lora_a, lora_b, bias, lora_ranks, meta_args, y, sync, ws, scale,
-                                    offsets, _torch_strides)
+                                    offsets, _torch_strides, pairs)
 
 
 def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
                    shrink_config=None, expand_config=None, fused_config=None, deterministic=False, pairs=None):
     """add_lora_linear's launches, per chunk of <= MAX_SLICES slices: (workspace, [calls]).
     Each chunk's workspace is allocated here; its launches must be enqueued before the next chunk.
-    With adapter pairs the workspace's rank axis holds k * r columns (never fused)."""
+    With adapter pairs the workspace's rank axis holds k * r columns."""
     T = x.shape[0]
     R = lora_a[0].shape[1]
     for lo, hi in slice_chunks(len(lora_a)):
         chunk_bias = None if bias is None else tuple(bias[lo:hi])
         if fused:
             ws, call = _fused_call(y, x, lora_a[lo:hi], lora_b[lo:hi], meta_args, scale, offsets[lo:hi], lora_ranks,
-                                   chunk_bias, config=fused_config)
+                                   chunk_bias, config=fused_config, pairs=pairs)
             yield ws, [call]
             continue
         plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config, deterministic,
@@ -304,8 +305,6 @@ class PreparedLinear:
     def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: bool | None = None,
                  deterministic: bool = False, pairs=None):
         _check_fused_deterministic(fused, deterministic)
-        if pairs is not None:
-            fused = False                  # several adapters per token: always shrink + expand
         self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused, deterministic, pairs)
         self._steps = None
         self._layout = None
@@ -476,18 +475,16 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
     a split-K shrink into a float32 workspace and an expand that sums its planes (launched as a
     programmatic dependent of the shrink on Hopper). deterministic=True: always shrink + expand
     with the batch-invariant configs (configs.deterministic_config); fused=True is then an error.
-    pairs: several adapters per token (lora_core.adapter_pairs), summed; always shrink + expand.
+    pairs: several adapters per token (lora_core.adapter_pairs), summed, on either path.
     """
     _check_fused_deterministic(fused, deterministic)
-    if pairs is not None and fused:
-        raise ValueError("fused=True takes one adapter per token: several adapters (pairs) run shrink + expand")
     T = x.shape[0]
     if T == 0:
         return
     bias = arguments.epilogue(bias, col_scale, len(lora_b))
     if fused is None:
-        fused = pairs is None and configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
-                                                    deterministic=deterministic)
+        fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
+                                  deterministic=deterministic)
     for _ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, tuple(offsets), lora_ranks, bias,
                                      fused, shrink_config, expand_config, fused_config, deterministic, pairs):
         for call in calls:
