@@ -286,3 +286,22 @@ def test_wrapper_embedding_and_logits_per_pair(side):
     assert oracle.rel_err(got_head, want_head) <= 1e-5
     np.testing.assert_array_equal(got_emb[2], y_emb[2])              # a token without adapters
     np.testing.assert_array_equal(got_head[1], y_head[1])
+
+
+def test_tensor_parallel_wrapper_refuses_paired_mappings(tmp_path):
+    """The tensor-parallel wrapper takes one adapter per token: a paired mapping is a ValueError
+    saying so (not the first adapter of each token in silence)."""
+    import torch.distributed as dist
+
+    from torch_lora.parallel.wrapper import ParallelPunicaWrapper
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for check in (False, True):
+            w = ParallelPunicaWrapper(16, 4, "cpu", max_loras=2, check_agreement=check)
+            with pytest.raises(ValueError, match="tensor-parallel wrapper takes one adapter per token"):
+                w.update_metadata(LoRAMapping([(1, 2)], [1], False), [1, 2], 3, 64)
+            w.update_metadata(LoRAMapping([1, 2], [1]), [1, 2], 3, 64)          # a plain mapping is served
+    finally:
+        dist.destroy_process_group()
