@@ -120,9 +120,11 @@ def build_pairs_host(token_slots: np.ndarray, token_weights: np.ndarray, max_gro
                      ) -> tuple[KernelMeta, AdapterPairs]:
     """(group metadata, pair tables) of a batch (module docstring for the values).
 
-    token_slots (T, k) int (-1: empty pair; a token's real pairs first), token_weights (T, k).
+    token_slots (T, k) int (-1: an empty pair, anywhere in the tuple), token_weights (T, k).
 
     1. A token's group key is its slot tuple; tuples of only -1 are "no adapter" (group -1).
+       (`host_mapping.pair_step` packs each token's adapters to the front; the kernels skip an
+       empty pair wherever it is.)
     2. The distinct tuples, ascending, are numbered 0..G-1 (ValueError when G > max_groups).
     3. The metadata: `build_host` over the group ids, with max_groups groups.
     4. slots[g] = tuple g (rows past G: -1); weights = token_weights padded with zeros to capacity.
@@ -131,7 +133,7 @@ def build_pairs_host(token_slots: np.ndarray, token_weights: np.ndarray, max_gro
     n, k = slots.shape
     if n > capacity:
         raise ValueError(f"the mapping has {n} tokens, more than the capacity {capacity}")
-    has = slots[:, 0] >= 0 if k else np.zeros(n, bool)
+    has = (slots >= 0).any(axis=1) if k else np.zeros(n, bool)
     table = np.full((max_groups, k), -1, np.int32)
     group = np.full(n, -1, np.int64)
     if has.any():

@@ -305,3 +305,37 @@ def test_tensor_parallel_wrapper_refuses_paired_mappings(tmp_path):
             w.update_metadata(LoRAMapping([1, 2], [1]), [1, 2], 3, 64)          # a plain mapping is served
     finally:
         dist.destroy_process_group()
+
+
+def test_jax_device_pair_meta_equals_host_build():
+    """jax_lora.meta.build_pair_meta (jitted, on the device) gives the host build's metadata and
+    tables; invalid slots and rows past num_tokens become "no adapter"."""
+    jnp = pytest.importorskip("jax.numpy")
+    from jax_lora.meta import build_pair_meta
+    rng = np.random.default_rng(11)
+    for k in (1, 2, 4):
+        slots = np.full((12, k), -1, np.int64)
+        for t in range(10):
+            n = int(rng.integers(0, k + 1))
+            slots[t, :n] = rng.choice(5, size=n, replace=False)
+        weights = rng.uniform(-1, 1, size=(12, k)).astype(np.float32) * (slots >= 0)
+        meta, pairs = build_pairs_host(slots[:10], weights[:10], 8, 12)
+        dmeta, dpairs = build_pair_meta(jnp.asarray(slots), jnp.asarray(weights), jnp.int32(10), max_loras=5,
+                                        max_groups=8)
+        for field in ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active_lora_ids",
+                      "num_tokens_per_lora", "lora_token_start_loc"):
+            np.testing.assert_array_equal(np.asarray(getattr(dmeta, field)), getattr(meta, field), err_msg=field)
+        np.testing.assert_array_equal(np.asarray(dpairs.slots), pairs.slots)
+        np.testing.assert_array_equal(np.asarray(dpairs.weights), pairs.weights)
+    bad = np.array([[7, 1], [-1, -1], [2, 9]])                  # slots past max_loras: empty pairs
+    dmeta, dpairs = build_pair_meta(jnp.asarray(bad), jnp.ones((3, 2)), jnp.int32(3), max_loras=5, max_groups=4)
+    group = np.asarray(dmeta.token_lora_mapping)
+    np.testing.assert_array_equal(np.asarray(dpairs.slots)[group[[0, 2]]], [[-1, 1], [2, -1]])
+    assert group[1] == -1
+
+
+def test_host_build_keeps_a_tuple_with_an_empty_first_pair():
+    meta, pairs = build_pairs_host(np.array([[-1, 2], [-1, -1]]), np.array([[0.0, 1.5], [0, 0]]), 4, 4)
+    g = meta.token_lora_mapping
+    assert g[0] >= 0 and g[1] == -1
+    np.testing.assert_array_equal(pairs.slots[g[0]], [-1, 2])
