@@ -14,10 +14,20 @@ Shapes are bucketed, so one compiled program serves every step of a bucket:
   decode:  (max_seqs, 1), every row, the cache read and written in place (rows=None: no gather of
            the KV rows); a free row writes its ignored token's key and value at position 0 of its
            own row, which the next request placed there overwrites in its prefill before any read.
+Activated LoRA (aLoRA: an adapter registered from a PEFT adapter with `alora_invocation_tokens`):
+the request's prompt is searched for the last occurrence of the invocation sequence
+(lora_core.alora); the prompt's tokens before it get LoRA id 0 (no adapter), the invocation, the
+rest of the prompt and every generated token get the adapter; a prompt without the invocation is
+served by the base model throughout (PEFT's rule). The KV cache of the tokens before the
+invocation is therefore the base model's. The engine has no prefix cache: each request's prompt is
+prefilled in full, so that base KV is computed again per request, not shared with base requests of
+the same prefix (see docs/flax.md, "Activated LoRA").
 The wrapper's buffers have fixed lengths (the prompt mapping padded by vLLM's rule, max(next
 power of two, 8) rows); padded tokens and rows use LoRA id 0 (no adapter) and never change real rows.
 Adapters are swapped by AdapterManager between steps with same-shape writes: no recompilation.
-`compile_count` counts the compiled step programs.
+`compile_count` counts the compiled step programs. The one exception: the first DoRA adapter in a
+model built without dora=True gives its layers a column-scale variable (AdapterManager's
+`layout_version` changes), and the step is traced and compiled again, once per bucket.
 
 With `mesh=` the model is split over the mesh's tensor-parallel axis (`LlamaForCausalLM.shard`,
 jax_lora.parallel): the wrapper's index block and the step inputs are replicated on the mesh, the
@@ -49,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lora_core import checks
+from lora_core import alora, checks
 from lora_core.adapter_pairs import PAIR_BUCKETS
 from lora_core.host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
 
@@ -65,7 +75,8 @@ _LOG = logging.getLogger("jax_lora")
 
 @dataclasses.dataclass
 class Request:
-    """prompt: token ids; lora_id: registered adapter id, or None / 0 for the base model.
+    """prompt: token ids; lora_id: registered adapter id, or None / 0 for the base model (an aLoRA
+    adapter applies from its invocation sequence in the prompt on; see the module docstring).
 
     request_id: any hashable value that tells the request's Completion apart (None: the request's
     index in the `generate` call); no two requests of one call may end up with the same id.
@@ -142,6 +153,8 @@ class _Seq:
     row: int
     tokens: list = dataclasses.field(default_factory=list)
     logits: list = dataclasses.field(default_factory=list)
+    invocation: tuple | None = None     # an aLoRA adapter's invocation tokens (None: every token)
+    start: int | None = None            # where the invocation starts in the prompt (aLoRA; None: absent)
 
     @property
     def lora(self) -> int:
@@ -158,6 +171,13 @@ class _Seq:
         """(ids, weights) of the request's tokens in a paired mapping."""
         ids, weights = self.req.adapters()
         return ids, (1.0,) * len(ids) if weights is None else weights
+
+    def lora_ids(self, first_position: int, num_tokens: int) -> np.ndarray:
+        """(num_tokens,) the LoRA id of each position first_position.. (0 before an aLoRA invocation,
+        and everywhere when the prompt holds none)."""
+        if self.invocation is None:
+            return np.full(num_tokens, self.lora, np.int64)
+        return alora.token_ids(self.lora, self.start, first_position, num_tokens)
 
     @property
     def done(self) -> bool:
@@ -243,6 +263,8 @@ class ServingEngine:
         self._state_def = self._jit_step = None
         self._set_state(state)
         self._state_version = adapters.version if adapters is not None else 0
+        self._layout_version = adapters.layout_version if adapters is not None else 0
+        self._compiled_before = 0                 # programs of step functions replaced by a new layout
         self.cache = init_cache(self.config, self.max_seqs, self.max_len, model.cache_dtype(), sharding=cache_sharding)
         capacity = max(self.max_prefill_tokens, self.max_seqs)
         self.punica = None
@@ -275,7 +297,7 @@ class ServingEngine:
     @property
     def compile_count(self) -> int:
         """Compiled step programs so far (one per bucket and LoRA on/off)."""
-        return self._jit_step._cache_size()
+        return self._compiled_before + self._jit_step._cache_size()
 
     def _bucket_len(self, n: int) -> int:
         return min(max(self.min_prefill_len, next_power_of_two(n)), self.max_len)
@@ -331,6 +353,10 @@ class ServingEngine:
             if r.lora_id is not None and not _is_int(r.lora_id):
                 raise TypeError(f"request {i}: lora_id must be None or an int (0: no adapter), got {r.lora_id!r}")
             _check_several(i, r)
+            for lora_id in r.lora_ids or () if use_lora and self.adapters is not None else ():
+                if lora_id in self.adapters.registered and self.adapters.invocation_tokens(lora_id) is not None:
+                    raise ValueError(f"request {i}: adapter {lora_id} is an activated LoRA (aLoRA), served alone "
+                                     "through lora_id (its invocation decides where it applies), not in lora_ids")
             for lora_id in r.adapters()[0] if use_lora else ():
                 if self.adapters is None:
                     raise ValueError(f"request {i} names adapter {lora_id} but the engine has no adapters "
@@ -338,6 +364,9 @@ class ServingEngine:
                 if lora_id not in self.adapters.registered:
                     raise ValueError(f"request {i}: LoRA id {lora_id} is not registered "
                                      f"(registered: {sorted(self.adapters.registered)})")
+                refused = self.adapters.activation_error(list(r.adapters()[0]))   # pinned adapters fill every slot
+                if refused is not None:
+                    raise ValueError(f"request {i}: {refused}")
         ids = [i if r.request_id is None else r.request_id for i, r in enumerate(reqs)]
         repeat = checks.first_repeat(ids, "request {}: request_id", "it tells the Completions apart")
         if repeat is not None:
@@ -350,7 +379,18 @@ class ServingEngine:
     # ------------------------------------------------------------------ steps
     def _run(self, tokens, positions, rows, sample_idx, token_ids, row_ids, is_prefill, use_lora, pairs=None):
         if self.adapters is not None and self.adapters.version != self._state_version:
-            self._set_state(nnx.state(self.model))
+            if self.adapters.layout_version != self._layout_version:
+                # A layer gained a variable (the first DoRA adapter in a layer built without dora=True):
+                # a new graph, so a new step function, traced and compiled again for each bucket.
+                self._compiled_before += self._jit_step._cache_size()
+                self.graphdef, state = nnx.split(self.model)
+                self._state_def = None
+                self._layout_version = self.adapters.layout_version
+                _LOG.info("ServingEngine: the model's LoRA layers gained DoRA column scales; the step programs are "
+                          "compiled again")
+            else:
+                state = nnx.state(self.model)
+            self._set_state(state)
             self._state_version = self.adapters.version
         punica = None
         if use_lora:
@@ -386,15 +426,16 @@ class ServingEngine:
         for i, q in enumerate(seqs):
             n = len(q.req.prompt)
             tokens[i, :n] = q.req.prompt
-            rows[i], sample[i], row_ids[i] = q.row, n - 1, q.lora
-            token_ids[i, :n] = q.lora                          # padded tokens: no adapter
+            token_ids[i, :n] = q.lora_ids(0, n)                # padded tokens: no adapter
+            rows[i], sample[i], row_ids[i] = q.row, n - 1, token_ids[i, n - 1]
         pairs = None
         if use_lora and any(q.req.adapters()[1] is not None for q in seqs):
             entries = [((), ())] * (b * s)                     # padded tokens and rows: no adapter
             rows_e = [((), ())] * b
             for i, q in enumerate(seqs):
-                entries[i * s:i * s + len(q.req.prompt)] = [q.pair_entry] * len(q.req.prompt)
-                rows_e[i] = q.pair_entry
+                n = len(q.req.prompt)
+                entries[i * s:i * s + n] = [q.pair_entry if lid else ((), ()) for lid in token_ids[i, :n]]
+                rows_e[i] = entries[i * s + n - 1]
             pairs = ([e[0] for e in entries], [e[1] for e in entries], [e[0] for e in rows_e], [e[1] for e in rows_e])
         next_tok, logits = self._run(tokens, positions, rows, sample, token_ids.reshape(-1), row_ids, True, use_lora,
                                      pairs)
@@ -412,8 +453,8 @@ class ServingEngine:
                 continue
             tokens[r, 0] = q.tokens[-1]
             positions[r, 0] = len(q.req.prompt) + len(q.tokens) - 1
-            ids[r] = q.lora
-            entries[r] = q.pair_entry
+            ids[r] = q.lora_ids(int(positions[r, 0]), 1)[0]
+            entries[r] = q.pair_entry if ids[r] else ((), ())
             live.append((q, r))
         if not live:
             return
@@ -474,6 +515,11 @@ class ServingEngine:
                     break
                 plain = dataclasses.replace(req, lora_id=None, lora_ids=None, lora_weights=None)
                 seq = _Seq(req if use_lora else plain, waiting.popleft(), free[len(admitted)])
+                lora = seq.lora if use_lora and req.lora_ids is None else 0     # (aLoRA: one adapter per request)
+                if lora:
+                    seq.invocation = self.adapters.invocation_tokens(lora)
+                    if seq.invocation is not None:
+                        seq.start = alora.invocation_start(req.prompt, seq.invocation)
                 admitted.append(seq)
             if not admitted and len(free) == self.max_seqs:
                 raise RuntimeError(f"request {waiting[0]} cannot be admitted into an empty batch")

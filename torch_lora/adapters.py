@@ -269,16 +269,18 @@ def _check_placed_values(arrays: dict, layers: Mapping, adapter: PeftAdapter) ->
 
 
 def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:
-    """{layer path: (out_features,) float32 DoRA column scale} for every DoRA layer (LoRALinear
-    with dora=True) that `adapter`'s DoRA modules touch, ones at the columns of its other members:
+    """{layer path: (out_features,) float32 DoRA column scale} for every LoRALinear that `adapter`'s
+    DoRA modules touch, ones at the columns of its other members:
     g = m / ||W + s B A||_row per member module (lora_core.dora.column_scale, float64), with W that
     member's base weight (out, in) (`LoRALinear.base_weights`; PEFT's fan_in_fan_out layouts are
     refused when the adapter is read). Empty for a plain LoRA adapter.
 
-    Raises AdapterError naming the adapter and the module when a DoRA module lands in a layer that
-    cannot scale (a LoRALinear built without dora=True: the message says how to enable it; the LM
-    head, an embedding, a tensor-parallel layer), or when g is undefined (an all-zero row of
-    W + s B A). Modules no layer holds are left to prepare_adapter's message."""
+    A LoRALinear built without dora=True but with its base_weights (as MultiLoRAModel builds them) is
+    given its scales all the same: the manager allocates the layer's dora_scale when it writes the
+    adapter (`LoRALinear.enable_dora`). Raises AdapterError naming the adapter and the module when a
+    DoRA module lands in a layer that cannot scale (a LoRALinear without base_weights, the LM head,
+    an embedding, a tensor-parallel layer), or when g is undefined (an all-zero row of W + s B A).
+    Modules no layer holds are left to prepare_adapter's message."""
     if not adapter.magnitudes:
         return {}
     layers = _check_layers(layers)
@@ -296,10 +298,11 @@ def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:
             raise AdapterError(f"adapter {adapter.label} is a DoRA adapter (use_dora) with a magnitude on {module!r}, "
                                f"which is {what} ({path!r}): DoRA is served on linear layers only (LoRALinear "
                                "with dora=True)")
-        if not layer.dora:
+        if layer.base_weights is None:
             raise AdapterError(f"adapter {adapter.label} is a DoRA adapter (use_dora; module {module!r}), but LoRA "
-                               f"layer {path!r} has no DoRA column scale: build the layers with dora=True "
-                               "(MultiLoRAModel(..., dora=True), or LoRALinear(..., dora=True, base_weights=...))")
+                               f"layer {path!r} has no base weights to compute its column scale from: build it with "
+                               "LoRALinear(..., base_weights=[each member's weight]) (MultiLoRAModel does, except over "
+                               "quantized modules, whose weights are not float: DoRA needs a float base)")
         a, b, scaling, _kind = adapter.modules[module]
         weight = layer.base_weights[s].detach().to("cpu", torch.float64).numpy()        # (n_s, H)
         try:
@@ -383,6 +386,9 @@ class AdapterManager(SlotTable):
     thread that runs a step on the slots holds `with manager.lock:` across `activate` and the step
     (another thread's activate may evict its slots).
 
+    Pinning: `pin(adapter)` / `unpin(adapter)` (a LoRA id or a registered name) keep an adapter in its
+    slot whatever the LRU would evict (lora_core.adapter_slots, "Pinning").
+
     Slot writes on CUDA. A write (load, eviction, hot swap, unload) is enqueued on the manager's
     upload stream: that stream first waits on an event recorded on the current stream at the time of
     the write, i.e. after every step already enqueued there (eager kernels or a CUDA graph replay),
@@ -426,7 +432,18 @@ class AdapterManager(SlotTable):
 
     def _write_slot(self, slot: int, prepared: PreparedAdapter | None) -> None:
         """Writes `prepared` (or zeros and rank 0 when None) into `slot` of every layer: on CUDA
-        enqueued on the upload stream after the steps already enqueued (see the class docstring)."""
+        enqueued on the upload stream after the steps already enqueued (see the class docstring).
+        The first DoRA adapter written into a LoRALinear built without dora=True allocates its
+        dora_scale first (ones, on the current stream, so the upload below is ordered after it)."""
+        if prepared is not None:
+            for path in sorted(prepared.scales):
+                layer = self.layers[path]
+                if not layer.dora:
+                    if self._upload_stream is not None and torch.cuda.is_current_stream_capturing():
+                        raise RuntimeError("adapter slots cannot be written while a CUDA graph is being captured; "
+                                           "load adapters before capturing or between replays")
+                    layer.enable_dora()
+                    self.stats["dora_layers_enabled"] += 1
         if self._upload_stream is None:
             self._copy(slot, prepared)
             return

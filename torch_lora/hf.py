@@ -27,6 +27,16 @@ adds the LoRA term of each token's adapter to its module's output, through one s
   PEFT does for Gemma's scaled embeddings). The LM head: `add_lora_logits` on the rows of logits the
   model computes (`logits_to_keep`).
 
+Quantized bases. A hook never reads its module's weight (the module computes its own output), so a
+linear layer is any module that takes x (..., in_features) as its first argument and returns its base
+output (..., out_features): `nn.Linear` and its subclasses (torchao's int8 / float8 quantized
+linears keep the class and swap the weight for a tensor subclass; bitsandbytes' Linear8bitLt and
+Linear4bit subclass it), and, named in `target_modules`, any other module with int `in_features` and
+`out_features` (`select_target_modules`). The adapter weights' dtype is the module's weight dtype when
+that is a 16/32-bit float (torchao's tensors report their float dtype), else the model's activation
+dtype (its first 16/32-bit float parameter: the embedding of a bitsandbytes model). DoRA needs plain
+float base weights.
+
 Which adapter each token uses: a forward pre-hook on the model reads the batch shape (input_ids or
 inputs_embeds, and logits_to_keep) during `__call__` and `generate` and calls `prepare_step`:
 the batch's adapters are put into slots (`torch_lora.AdapterManager`: LRU, host cache, uploads
@@ -53,6 +63,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -62,6 +73,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lora_core import alora
 from lora_core.host_mapping import LoRAMapping
 from lora_core.peft import AdapterConfig, PeftAdapter
 
@@ -70,6 +82,8 @@ from .layers import LoRAEmbedding, LoRALinear, LoRALogits
 from .wrapper import PunicaWrapper
 
 __all__ = ["BASE", "SHARED_INPUT_GROUPS", "MultiLoRAModel", "select_target_modules"]
+
+_LOG = logging.getLogger("torch_lora")
 
 _WRAPPED_MARK = "_torch_lora_wrapped"     # set on a model while a MultiLoRAModel's hooks are on it
 
@@ -91,8 +105,12 @@ def select_target_modules(model: nn.Module, target_modules: None | str | Sequenc
     target_modules: None or "all-linear" (PEFT's meaning: every nn.Linear but the output layer);
     a list of names, each matching a module whose full name equals it or ends with "." + it (as in
     PEFT: "q_proj", "lm_head", "embed_tokens"); or a regex string matched against full names.
-    Matched modules must be nn.Linear or nn.Embedding. Raises ValueError when nothing matches (a
-    typo never yields a model without adapters), TypeError for a matched module of another type.
+    Matched modules must be nn.Linear (torchao- and bitsandbytes-quantized linears included),
+    nn.Embedding, or linear-like: a module with int `in_features` and `out_features` whose forward
+    returns its base output (..., out_features) for an input (..., in_features) (other quantized
+    linear classes); "all-linear" selects nn.Linear modules only, as PEFT does. Raises ValueError when
+    nothing matches (a typo never yields a model without adapters), TypeError for a matched module
+    of another type.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -115,9 +133,10 @@ def select_target_modules(model: nn.Module, target_modules: None | str | Sequenc
         matcher = AdapterConfig(r=1, lora_alpha=1.0, target_modules=patterns)
         for name, module in model.named_modules():
             if name and matcher.targets(name):
-                if not isinstance(module, (nn.Linear, nn.Embedding)):
+                if not isinstance(module, (nn.Linear, nn.Embedding)) and not _linear_like(module):
                     raise TypeError(f"target_modules={target_modules!r} matches {name!r}, a {type(module).__name__}; "
-                                    "only nn.Linear and nn.Embedding modules can hold LoRA layers")
+                                    "only nn.Linear and nn.Embedding modules, and linear-like modules (int in_features "
+                                    "and out_features, forward(x) returning the base output), can hold LoRA layers")
                 selected[name] = module
         what = repr(target_modules)
         if selected and isinstance(patterns, tuple):              # each listed name must match (a typo among others)
@@ -146,6 +165,49 @@ def _embed_scale(module: nn.Module) -> float:
     return float(torch.tensor(float(scale), dtype=module.weight.dtype))
 
 
+def _linear_like(module: nn.Module) -> bool:
+    """Whether a module that is not an nn.Linear declares a linear layer's widths (int
+    in_features, out_features > 0)."""
+    widths = (getattr(module, "in_features", None), getattr(module, "out_features", None))
+    return all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths)
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _plain_float_weight(module: nn.Module) -> bool:
+    """Whether the module's weight is a plain 16/32/64-bit float tensor (not quantized)."""
+    w = getattr(module, "weight", None)
+    return type(w) in (torch.Tensor, nn.Parameter) and w.dtype in _FLOAT_DTYPES
+
+
+def _activation_dtype(model: nn.Module) -> torch.dtype | None:
+    """The model's first 16/32-bit float parameter's dtype (quantized weights are skipped)."""
+    for p in model.parameters():
+        if p.dtype in _FLOAT_DTYPES:
+            return p.dtype
+    return None
+
+
+def _lora_dtype_and_device(name: str, module: nn.Module, model: nn.Module) -> tuple:
+    """(dtype, device) of the LoRA weights of a targeted module: the weight's dtype when it is a
+    16/32-bit float (torchao's quantized tensors report their float dtype), else the model's
+    activation dtype; the device of the module's weight, else of its first parameter or buffer."""
+    w = getattr(module, "weight", None)
+    tensors = ([w] if isinstance(w, torch.Tensor) else []) + list(module.parameters(recurse=False)) + list(
+        module.buffers(recurse=False))
+    if not tensors:
+        raise TypeError(f"module {name!r} ({type(module).__name__}) holds no parameter or buffer, so its device is "
+                        "unknown: it cannot hold a LoRA layer")
+    if isinstance(w, torch.Tensor) and w.dtype in _FLOAT_DTYPES:
+        return w.dtype, tensors[0].device
+    dtype = _activation_dtype(model)
+    if dtype is None:
+        raise TypeError(f"module {name!r} ({type(module).__name__}) has a quantized weight and the model has no float "
+                        "parameter to take the activation dtype from: the LoRA weights' dtype is unknown")
+    return dtype, tensors[0].device
+
+
 def _input(args: tuple, kwargs: dict, name: str) -> torch.Tensor:
     return args[0] if args else kwargs[name]
 
@@ -164,12 +226,15 @@ class MultiLoRAModel:
       max_num_tokens: tokens per forward pass (batch x sequence); max_num_seqs: rows per pass.
       host_cache_size: prepared adapters kept on the host (pinned on CUDA).
       backend: force the wrapper's backend ("torch" reference or "triton"); default: the device's.
-      dora: also serve DoRA adapters (PEFT's use_dora), mixed in one batch with plain LoRA
-        adapters and rows without one: the linear layers (not the embedding or the LM head) get a
-        (max_loras, out_features) float32 column-scale buffer, and a DoRA row gets
-        g * (x W^T + delta) + bias with g = m / ||W + s B A||_row computed at load from the
-        module's base weight (torch_lora.layers.LoRALinear). Without it a DoRA adapter is refused
-        at `load_adapter`.
+      dora: allocate the DoRA column scales now. DoRA adapters (PEFT's use_dora) are served in
+        any case, mixed in one batch with plain LoRA adapters and rows without one: a linear layer
+        (not the embedding or the LM head) a DoRA adapter touches holds a (max_loras, out_features)
+        float32 column-scale buffer, and a DoRA row gets g * (x W^T + delta) + bias with
+        g = m / ||W + s B A||_row computed at load from the module's base weight
+        (torch_lora.layers.LoRALinear). Without dora=True the buffer of a layer is allocated when
+        the first DoRA adapter touching it is put into a slot: a new tensor, so a CUDA graph
+        captured before then does not read it (capture after loading a DoRA adapter, or pass
+        dora=True to allocate every linear layer's scale up front). Plain LoRA never needs it.
 
     Attributes: `model`, `punica` (the PunicaWrapper), `adapters` (the AdapterManager), `layers`
     ({path: LoRA layer}; a group's path is its parent's name + "." + the members' names joined by "+"),
@@ -196,12 +261,13 @@ class MultiLoRAModel:
             raise ValueError(f"this {type(model).__name__} is already wrapped by a MultiLoRAModel (its hooks would "
                              "add that wrapper's adapters too): call its unwrap() first")
         targets = select_target_modules(model, target_modules)
-        devices = {p.device for m in targets.values() for p in m.parameters(recurse=False)}
+        devices = {p.device for m in targets.values()
+                   for p in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
         if len(devices) != 1:
             raise ValueError(f"the targeted modules must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.model = model
-        self.max_loras, self.max_rank, self.dora = max_loras, max_rank, dora
+        self.max_loras, self.max_rank, self._dora = max_loras, max_rank, dora
         # Normal tensors even when built under torch.inference_mode(): the slots and the wrapper's
         # metadata block are updated in place later, which an inference tensor refuses outside it.
         with torch.inference_mode(False):
@@ -225,6 +291,7 @@ class MultiLoRAModel:
         self._rows: list | None = None    # the names of the rows being served (None: caller-managed)
         self._row_weights: list | None = None   # their adapter_weights (None: strength 1)
         self._expand_rows = 1                # generate's rows per prompt (num_beams / num_return_sequences)
+        self._alora: dict | None = None      # generate's aLoRA rows: {"starts": [...], "position": int}
         self._closed = False
 
     # -------------------------------------------------------------- wrapping
@@ -234,48 +301,71 @@ class MultiLoRAModel:
         kw = dict(max_loras=self.max_loras, max_rank=self.max_rank, punica=self.punica)
         layers, members = {}, []
         by_parent: dict = collections.defaultdict(dict)
+        specs = {}                # linear name -> (dtype, device) of its LoRA weights
         for name, module in targets.items():
-            dtype, device = module.weight.dtype, module.weight.device
             if isinstance(module, nn.Embedding):
-                layer = LoRAEmbedding(name, module.num_embeddings, module.embedding_dim, dtype=dtype, device=device,
-                                      embed_scale=_embed_scale(module), **kw)
+                layer = LoRAEmbedding(name, module.num_embeddings, module.embedding_dim, dtype=module.weight.dtype,
+                                      device=module.weight.device, embed_scale=_embed_scale(module), **kw)
                 layers[name] = layer
                 members.append((module, _embedding_hook(layer)))
-            elif module is output:
+                continue
+            dtype, device = specs[name] = _lora_dtype_and_device(name, module, model)
+            if module is output:
                 layer = LoRALogits(name, module.in_features, module.out_features, dtype=dtype, device=device, **kw)
                 layers[name] = layer
                 members.append((module, _logits_hook(layer)))
             else:
                 parent, _, leaf = name.rpartition(".")
                 by_parent[parent][leaf] = module
+        no_float = [n for n in specs
+                    if getattr(getattr(targets[n], "weight", None), "dtype", None) not in _FLOAT_DTYPES]
+        if no_float:
+            _LOG.info("MultiLoRAModel: %d targeted modules (%s) hold no float weight; their LoRA weights take the "
+                      "model's activation dtype %s", len(no_float),
+                      ", ".join(sorted({type(targets[n]).__name__ for n in no_float})), specs[no_float[0]][0])
         for parent, children in by_parent.items():
             grouped = set()
             for group in SHARED_INPUT_GROUPS:
                 leaves = [leaf for leaf in group if leaf in children]
                 mods = [children[leaf] for leaf in leaves]
-                if len(leaves) < 2 or len({(m.in_features, m.weight.dtype) for m in mods}) != 1:
-                    continue
                 names = [f"{parent}.{leaf}" if parent else leaf for leaf in leaves]
+                if len(leaves) < 2 or len({(m.in_features,) + specs[n] for m, n in zip(mods, names)}) != 1:
+                    continue
                 path = (f"{parent}." if parent else "") + "+".join(leaves)
-                layer = LoRALinear(names, mods[0].in_features, [m.out_features for m in mods],
-                                   dtype=mods[0].weight.dtype, device=mods[0].weight.device,
-                                   **self._dora_kw(mods), **kw)
+                dtype, device = specs[names[0]]
+                layer = LoRALinear(names, mods[0].in_features, [m.out_features for m in mods], dtype=dtype,
+                                   device=device, **self._dora_kw(names, mods), **kw)
                 layers[path] = layer
-                members += [(m, _linear_hook(layer, s)) for s, m in enumerate(mods)]
+                members += [(m, _linear_hook(layer, s, m)) for s, m in enumerate(mods)]
                 grouped.update(leaves)
             for leaf, module in children.items():
                 if leaf in grouped:
                     continue
                 name = f"{parent}.{leaf}" if parent else leaf
-                layer = LoRALinear((name,), module.in_features, (module.out_features,), dtype=module.weight.dtype,
-                                   device=module.weight.device, **self._dora_kw([module]), **kw)
+                dtype, device = specs[name]
+                layer = LoRALinear((name,), module.in_features, (module.out_features,), dtype=dtype, device=device,
+                                   **self._dora_kw([name], [module]), **kw)
                 layers[name] = layer
-                members.append((module, _linear_hook(layer, 0)))
+                members.append((module, _linear_hook(layer, 0, module)))
         return layers, members
 
-    def _dora_kw(self, modules: list) -> dict:
-        """A LoRALinear's DoRA arguments: with dora=True, the members' base weights (out, in)."""
-        return {"dora": True, "base_weights": [m.weight for m in modules]} if self.dora else {}
+    def _dora_kw(self, names: list, modules: list) -> dict:
+        """A LoRALinear's DoRA arguments: the members' base weights (out, in), read when a DoRA adapter
+        is placed; with dora=True the column scale is allocated now. DoRA reads plain float weights
+        only: over a quantized member, dora=True raises and no base weights are passed (a DoRA adapter
+        on such a layer is refused when it is loaded)."""
+        quantized = [(name, m) for name, m in zip(names, modules) if not _plain_float_weight(m)]
+        if quantized and self._dora:
+            name, m = quantized[0]
+            raise TypeError(f"dora=True needs plain float base weights (DoRA's column scale reads them); module "
+                            f"{name!r} ({type(m).__name__}) holds a {type(getattr(m, 'weight', None)).__name__} "
+                            "weight (quantized): wrap the model with dora=False, or a float model")
+        return {"dora": self._dora, "base_weights": None if quantized else [m.weight for m in modules]}
+
+    @property
+    def dora(self) -> bool:
+        """Whether any linear layer holds a DoRA column scale (dora=True, or a DoRA adapter loaded)."""
+        return any(getattr(layer, "dora", False) for layer in self.layers.values())
 
     def unwrap(self) -> nn.Module:
         """Removes every hook and returns the plain model (adapters no longer apply). The wrapper
@@ -311,7 +401,9 @@ class MultiLoRAModel:
         """Reads and checks the PEFT adapter at `path` (or a PeftAdapter) and makes it available as
         `name`. Loading a name again replaces its adapter (hot swap: the same slot gets the new
         weights, no CUDA graph needs re-capturing). A bad adapter raises AdapterError (a ValueError
-        naming the file, tensor or module) and leaves every loaded adapter as it was."""
+        naming the file, tensor or module) and leaves every loaded adapter as it was. A DoRA adapter
+        loads into any model (see `dora`); an aLoRA adapter (alora_invocation_tokens) applies to a
+        row from its invocation tokens on (docs/torch.md, "Activated LoRA")."""
         self._check_open()
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -332,13 +424,47 @@ class MultiLoRAModel:
                 raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
             self.adapters.unregister(self._ids.pop(name))
 
+    def pin(self, name: str) -> None:
+        """Keeps the adapter `name` in an adapter slot (loading it now if it is in none): the LRU
+        never evicts it, so batches that name it never wait for its upload, and a CUDA graph replay
+        finds it in the same slot. Raises ValueError naming the adapter and max_loras when every
+        slot already holds another pinned adapter. See `AdapterManager.pin`."""
+        self._check_open()
+        with self._lock:
+            self.adapters.pin(self._id_of(name))
+            self.adapters.wait_uploads()
+
+    def unpin(self, name: str) -> None:
+        """Makes the adapter `name` evictable by the LRU again (it stays in its slot until then)."""
+        with self._lock:
+            self.adapters.unpin(self._id_of(name))
+
+    @property
+    def pinned_adapters(self) -> list:
+        """The names of the pinned adapters, in load order."""
+        with self._lock:
+            pinned = set(self.adapters.pinned)
+            return [n for n, i in self._ids.items() if i in pinned]
+
+    def _id_of(self, name: str) -> int:
+        if name not in self._ids:
+            raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
+        return self._ids[name]
+
     def _lora_ids(self, adapter_names: Sequence[str]) -> list:
         """One LoRA id per row (0 for BASE), or per row a tuple of ids where the row names several."""
         if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
             raise TypeError(f"adapter_names must be a list of adapter names (one per row, {BASE!r} for none; a list "
                             f"of names for a row served by several), got {type(adapter_names).__name__}")
-        return [tuple(self._lora_id(n) for n in name) if isinstance(name, (list, tuple)) else self._lora_id(name)
-                for name in adapter_names]
+        ids = [tuple(self._lora_id(n) for n in name) if isinstance(name, (list, tuple)) else self._lora_id(name)
+               for name in adapter_names]
+        for name, row in zip(adapter_names, ids):
+            for n, i in zip(name, row) if isinstance(row, tuple) else ():
+                if i and self.adapters.invocation_tokens(i) is not None:
+                    raise ValueError(f"adapter_names holds {n!r}, an activated LoRA (aLoRA), in a row of several "
+                                     "adapters: an aLoRA adapter serves its row alone (its invocation decides where "
+                                     "it applies)")
+        return ids
 
     def _lora_id(self, name) -> int:
         if name == BASE:
@@ -370,7 +496,8 @@ class MultiLoRAModel:
 
     # -------------------------------------------------------------- steps
     def prepare_step(self, adapter_names: Sequence[str], num_tokens_per_row: int,
-                     logits_per_row: None | int | Sequence[int] = None, adapter_weights=None) -> None:
+                     logits_per_row: None | int | Sequence[int] = None, *,
+                     active_from: Sequence[int] | None = None, adapter_weights=None) -> None:
         """Sets which adapter each token of the next forward pass uses.
 
         adapter_names: one name per row ("__base__" = none), or for a row served by several adapters
@@ -379,10 +506,12 @@ class MultiLoRAModel:
         num_tokens_per_row: the sequence length S
         of the pass (the model sees (rows, S) tokens); logits_per_row: rows of logits per batch row
         the LM head computes (S by default; 1 for a decode step or `logits_to_keep=1`; a list when
-        rows differ). Activates the adapters (loads into slots as needed), makes the current
-        stream wait for their uploads and updates the wrapper's metadata in place (one host-to-
-        device copy, no host sync). `__call__` and `generate` call it; call it yourself before a
-        direct `model(...)` call or a CUDA graph replay.
+        rows differ: a row's logits are its last positions). active_from: per row, the index in
+        0..S of the row's first token that uses its adapter (the earlier ones use none: aLoRA,
+        lora_core.alora.active_from); None: every token. Activates the adapters (loads into slots as
+        needed), makes the current stream wait for their uploads and updates the wrapper's metadata
+        in place (one host-to-device copy, no host sync). `__call__` and `generate` call it; call
+        it yourself before a direct `model(...)` call or a CUDA graph replay.
         """
         self._check_open()
         ids = self._lora_ids(adapter_names)
@@ -409,18 +538,31 @@ class MultiLoRAModel:
             raise ValueError(f"the batch names {_plural(len(distinct), 'distinct adapter')} {distinct}, more than "
                              f"max_loras={self.max_loras} (MultiLoRAModel's argument: the adapter slots, the most "
                              "distinct adapters in one batch)")
+        on = np.ones((len(ids), s), bool)            # (rows, S): the tokens whose row's adapters apply
+        if active_from is not None:
+            starts = list(active_from)
+            if len(starts) != len(ids) or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool)
+                                                  and 0 <= a <= s for a in starts):
+                raise ValueError(f"active_from must hold one int in 0..{s} (num_tokens_per_row) per row, got "
+                                 f"{active_from!r:.200} for {len(ids)} rows")
+            on = np.arange(s)[None, :] >= np.asarray(starts, np.int64)[:, None]
         if pairs is None:
+            per_token = np.where(on, np.asarray(ids, np.int64)[:, None], 0)
             flat_ids = ids
-            mapping = LoRAMapping(np.repeat(np.asarray(ids, np.int64), s), np.repeat(np.asarray(ids, np.int64), counts),
-                                  is_prefill=s > 1)
+            tokens = per_token.reshape(-1)
+            rows = np.concatenate([per_token[j, s - c:] for j, c in enumerate(counts)]) if counts else tokens[:0]
+            mapping = LoRAMapping(tokens, rows, is_prefill=s > 1)
         else:
+            # several adapters per row (contract section 9): each token's tuple and weights, none where
+            # the row's adapter is not active (aLoRA) or the row has none
             row_ids, row_w = pairs
             flat_ids = [i for row in row_ids for i in row]
             row_w = row_w or [(1.0,) * len(row) for row in row_ids]
-            mapping = LoRAMapping([row for row in row_ids for _ in range(s)],
-                                  [row for row, c in zip(row_ids, counts) for _ in range(c)], s > 1,
-                                  [w for w in row_w for _ in range(s)],
-                                  [w for w, c in zip(row_w, counts) for _ in range(c)])
+            tok_ids = [row_ids[j] if on[j, p] else () for j in range(len(ids)) for p in range(s)]
+            tok_w = [row_w[j] if on[j, p] else () for j in range(len(ids)) for p in range(s)]
+            last = [(j, p) for j, c in enumerate(counts) for p in range(s - c, s)]
+            mapping = LoRAMapping(tok_ids, [tok_ids[j * s + p] for j, p in last], s > 1, tok_w,
+                                  [tok_w[j * s + p] for j, p in last])
         with self._lock:
             self.adapters.activate(flat_ids)
             self.adapters.wait_uploads()
@@ -453,14 +595,40 @@ class MultiLoRAModel:
             raise ValueError("MultiLoRAModel needs input_ids (batch, seq) or inputs_embeds (batch, seq, hidden)")
         batch, seq = int(ref.shape[0]), int(ref.shape[1])
         names, weights = self._rows, self._row_weights
+        expand = 1
         if len(names) != batch:
             if self._expand_rows > 1 and batch == len(names) * self._expand_rows:   # generate's beams / sequences
-                names = [n for n in names for _ in range(self._expand_rows)]
-                weights = None if weights is None else [w for w in weights for _ in range(self._expand_rows)]
+                expand = self._expand_rows
+                names = [n for n in names for _ in range(expand)]
+                weights = None if weights is None else [w for w in weights for _ in range(expand)]
             else:
                 raise ValueError(f"adapter_names has {len(names)} names, but the batch has {batch} rows "
                                  "(one name per row)")
-        self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq), weights)
+        active = None
+        invocations = [self._invocation(n) for n in names]
+        if any(v is not None for v in invocations):
+            if self._alora is not None:             # generate: the prompt's invocation, positions counted
+                starts = [st for st in self._alora["starts"] for _ in range(expand)]
+                first = self._alora["position"]
+                self._alora["position"] += seq
+            else:                                    # a forward pass: the invocation in this pass's tokens
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if ids is None:
+                    raise ValueError(f"aLoRA adapters {sorted({n for n, v in zip(names, invocations) if v})} need "
+                                     "input_ids to find their invocation tokens; got inputs_embeds only")
+                host = ids.detach().to("cpu").numpy()
+                starts = [None if v is None else alora.invocation_start(host[j], v) for j, v in enumerate(invocations)]
+                first = 0
+            active = [0 if v is None else alora.active_from(st, first, seq) for v, st in zip(invocations, starts)]
+        self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq), active_from=active,
+                          adapter_weights=weights)
+
+    def _invocation(self, name) -> tuple | None:
+        """The aLoRA invocation tokens of the loaded adapter `name` (None: plain adapter, BASE, or a
+        row of several adapters, which take no aLoRA adapter: `_lora_ids`)."""
+        if not isinstance(name, str) or name == BASE:
+            return None
+        return self.adapters.invocation_tokens(self._ids[name])
 
     def _after_forward(self, module, args, output):
         """The model's forward hook (always called, also when the pass raises): gives back the
@@ -470,18 +638,27 @@ class MultiLoRAModel:
             self._lock.release()
 
     @contextlib.contextmanager
-    def _serving(self, adapter_names, expand: int, adapter_weights=None):
-        """Holds the lock and sets the rows' adapters (and weights) for the forward passes of one call."""
+    def _serving(self, adapter_names, expand: int, prompt: torch.Tensor | None = None, adapter_weights=None):
+        """Holds the lock and sets the rows' adapters (and weights) for the forward passes of one call.
+        With `prompt` (generate's input_ids), an aLoRA row's invocation is searched in its prompt
+        once, and the passes are taken to cover consecutive positions from 0 (prefill, then one
+        token per decode step), as transformers' generate runs them."""
         with self._lock:
             self._check_open()
-            previous = (self._rows, self._expand_rows, self._row_weights)
+            previous = (self._rows, self._expand_rows, self._alora, self._row_weights)
             self._row_pairs(self._lora_ids(adapter_names), adapter_weights)   # bad names / weights fail first
-            self._rows, self._expand_rows = list(adapter_names), expand
+            invocations = [self._invocation(n) for n in adapter_names]
+            state = None
+            if prompt is not None and any(v is not None for v in invocations):
+                host = prompt.detach().to("cpu").numpy()
+                state = {"starts": [None if v is None else alora.invocation_start(host[j], v)
+                                    for j, v in enumerate(invocations)], "position": 0}
+            self._rows, self._expand_rows, self._alora = list(adapter_names), expand, state
             self._row_weights = None if adapter_weights is None else list(adapter_weights)
             try:
                 yield
             finally:
-                self._rows, self._expand_rows, self._row_weights = previous
+                self._rows, self._expand_rows, self._alora, self._row_weights = previous
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  adapter_names: Sequence[str] | None = None, adapter_weights=None, **kwargs: Any):
@@ -513,7 +690,12 @@ class MultiLoRAModel:
         elif isinstance(adapter_names, (list, tuple)) and ref is not None and len(adapter_names) != prompts:
             raise ValueError(f"adapter_names has {len(adapter_names)} names, but the batch has {prompts} prompts "
                              "(one name per prompt)")
+        alora_rows = [n for n in adapter_names if isinstance(n, str) and n in self._ids and self._invocation(n)]
+        if alora_rows and input_ids is None:
+            raise ValueError(f"aLoRA adapters {sorted(set(alora_rows))} need input_ids to find their invocation "
+                             "tokens in the prompt; got inputs_embeds only")
         with torch.no_grad(), self._serving(adapter_names, expand=self._rows_per_prompt(generate_kwargs),
+                                            prompt=input_ids if alora_rows else None,
                                             adapter_weights=adapter_weights):
             return self.model.generate(input_ids, **generate_kwargs)
 
@@ -554,14 +736,28 @@ def _logits_rows(logits_to_keep: Any, batch: int, seq: int) -> int | list:
     raise TypeError(f"logits_to_keep must be an int or a 1-D / 2-D tensor, got {logits_to_keep!r}")
 
 
-def _linear_hook(layer: LoRALinear, member: int):
-    if layer.dora:
-        def dora_hook(module, args, kwargs, output):       # the bias is added after DoRA's scale
-            return layer.apply(member, _input(args, kwargs, "input"), output, module.bias)
-        return dora_hook
+def _linear_hook(layer: LoRALinear, member: int, module: nn.Module | None = None):
+    if module is not None and not isinstance(module, nn.Linear):
+        return _checked_linear_hook(layer, member)
+
+    def hook(module, args, kwargs, output):       # a DoRA layer adds the bias after its scale
+        return layer.apply(member, _input(args, kwargs, "input"), output, module.bias if layer.dora else None)
+    return hook
+
+
+def _checked_linear_hook(layer: LoRALinear, member: int):
+    """The hook of a linear-like module that is not an nn.Linear: checks that its forward returned
+    its base output, a tensor (..., out_features), before adding the LoRA term."""
+    width = layer.output_slices[member]
 
     def hook(module, args, kwargs, output):
-        return layer.apply(member, _input(args, kwargs, "input"), output)
+        if not isinstance(output, torch.Tensor) or output.dim() < 1 or output.shape[-1] != width:
+            got = (f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
+                   else f"a {type(output).__name__}")
+            raise TypeError(f"module {layer.module_names[member]!r} ({type(module).__name__}) returned {got}; a module "
+                            f"holding a LoRA layer must return its base output (..., out_features={width})")
+        bias = getattr(module, "bias", None) if layer.dora else None
+        return layer.apply(member, _input(args, kwargs, "input"), output, bias)
     return hook
 
 

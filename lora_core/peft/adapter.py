@@ -85,6 +85,9 @@ class PeftAdapter:
     magnitudes: dict = dataclasses.field(default_factory=dict)
     """DoRA (use_dora): {module: its (out,) magnitude vector m, PEFT's lora_magnitude_vector};
     lora_core.dora turns it into the module's column scale. Empty for a plain LoRA adapter."""
+    invocation_tokens: tuple | None = None
+    """aLoRA (alora_invocation_tokens): the token ids from whose last occurrence in a request on the
+    adapter applies (lora_core.alora); None for an adapter that applies to every token."""
 
     @property
     def label(self) -> str:
@@ -150,8 +153,14 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
                                   config.scaling(module), kind)
                for module, (a, b, kind) in plan.items()}
     dora = {module: np.asarray(arrays[key], np.float32) for module, key in magnitudes.items()}
+    if config.alora_invocation_tokens is not None:
+        embeddings = sorted(m for m, (_a, _b, kind) in plan.items() if kind == "embedding")
+        if embeddings:
+            raise AdapterError(f"{weights_path}: an aLoRA adapter (alora_invocation_tokens) with embedding LoRA on "
+                               f"{embeddings}: PEFT applies aLoRA to linear layers only")
     return PeftAdapter(name, config.r, config.lora_alpha,
-                       config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora)
+                       config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora,
+                       config.alora_invocation_tokens)
 
 
 def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
