@@ -190,3 +190,50 @@ def test_serving_requests_with_several_adapters_equal_merged_weights(tmp_path):
         engine.generate([Request(prompts[0], lora_id=1, lora_ids=[2])])
     with pytest.raises(ValueError, match="one weight per id"):
         engine.generate([Request(prompts[0], lora_ids=[1, 2], lora_weights=[0.5])])
+
+
+# ----------------------------------------------------------------------------- beside activated LoRA
+
+def test_alora_with_a_weight_keeps_its_invocation_and_refuses_company(tmp_path):
+    """An aLoRA adapter with a strength (the paired path) applies from its invocation on: at weight 1
+    the same logits as the plain aLoRA request, on both sides; in a row / request of several
+    adapters it is refused by name."""
+    from .test_alora import ADAPTERS, INVOCATION, NAMES, _prompt
+    from .test_peft_roundtrip import build_peft_models
+    root, dirs, _ = build_peft_models(tmp_path, ADAPTERS)
+    rng = np.random.default_rng(8)
+    prompts = [_prompt(rng, 9, [3]), _prompt(rng, 7, [2]), _prompt(rng, 8, [])]
+    # torch: one padded batch, rows aLoRA / plain / aLoRA without invocation
+    model = transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval()
+    mm = MultiLoRAModel(model, max_loras=2, max_rank=8)
+    for lora_id, d in dirs.items():
+        mm.load_adapter(NAMES[lora_id], d)
+    tokens = torch.as_tensor([p + [p[-1]] * (9 - len(p)) for p in prompts])
+    names = [NAMES[1], NAMES[2], NAMES[1]]
+    plain = mm(tokens, adapter_names=names).logits.numpy()
+    weighted = mm(tokens, adapter_names=names, adapter_weights=[1.0, 1.0, 1.0]).logits.numpy()
+    np.testing.assert_allclose(weighted, plain, rtol=1e-5, atol=1e-5)
+    half = mm(tokens, adapter_names=names, adapter_weights=[0.5, 1.0, 1.0]).logits.numpy()
+    start = 3                                                      # the invocation's first token in row 0
+    np.testing.assert_allclose(half[0, :start], plain[0, :start], rtol=1e-5, atol=1e-5)    # base before it
+    assert np.abs(half[0, start + len(INVOCATION):] - plain[0, start + len(INVOCATION):]).max() > 1e-4
+    with pytest.raises(ValueError, match="activated LoRA"):
+        mm(tokens, adapter_names=[[NAMES[1], NAMES[2]], NAMES[2], NAMES[2]])
+    # JAX: the serving engine
+    from jax_lora.adapters import AdapterManager
+    from jax_lora.models import add_lora, load_llama
+    from jax_lora.serving import Request, ServingEngine
+    jmodel = load_llama(str(root / "base"))
+    add_lora(jmodel, max_loras=2, max_rank=8)
+    mgr = AdapterManager(jmodel)
+    for lora_id, d in dirs.items():
+        mgr.register(lora_id, d)
+    engine = ServingEngine(jmodel, mgr, max_seqs=4, max_len=32, keep_logits=True)
+    base = engine.generate([Request(p, lora_id=i, max_new_tokens=3) for p, i in zip(prompts, (1, 2, 1))])
+    paired = engine.generate([Request(p, lora_id=i, lora_weights=1.0, max_new_tokens=3)
+                              for p, i in zip(prompts, (1, 2, 1))])
+    for a, b in zip(base, paired):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="activated LoRA"):
+        engine.generate([Request(prompts[0], lora_ids=[1, 2])])
