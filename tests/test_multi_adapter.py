@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lora_core.adapter_pairs import PAIR_BUCKETS, PairLayout, build_pairs_host, pair_bucket
+from lora_core.adapter_pairs import PAIR_BUCKETS, AdapterPairs, PairLayout, build_pairs_host, pair_bucket
 from lora_core.host_mapping import LoRAMapping, prepare_step
 
 from . import oracle
@@ -113,7 +113,6 @@ def _case(seed, num_tokens, hidden, rank, widths, num_slots, num_pairs):
 
 
 def _torch_meta(slots, weights, max_groups, capacity):
-    from lora_core.adapter_pairs import AdapterPairs
     from lora_core.kernel_meta import KernelMeta
     meta, pairs = build_pairs_host(slots, weights, max_groups, capacity)
     t = slots.shape[0]
@@ -339,3 +338,39 @@ def test_host_build_keeps_a_tuple_with_an_empty_first_pair():
     g = meta.token_lora_mapping
     assert g[0] >= 0 and g[1] == -1
     np.testing.assert_array_equal(pairs.slots[g[0]], [-1, 2])
+
+
+def test_gspmd_partitioned_backend_runs_pairs_unpartitioned_and_says_so(caplog):
+    """Under plain jit with sharded inputs, a custom-call backend's ops (jax_lora.ops.partition) take
+    the pair tables by running the backend directly (XLA runs it replicated), said on the logger."""
+    import logging
+    import types
+
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_lora.meta import LoRAKernelMeta
+    from jax_lora.ops import partition, xla
+    if jax.default_backend() != "cpu" or len(jax.devices("cpu")) < 4:
+        pytest.skip("needs 4 CPU devices (tests/conftest.py)")
+    impl = types.SimpleNamespace(NAME="xla-as-custom-call-pairs", COLUMN_SCALE=True, CUSTOM_CALLS=True,
+                                 shrink=xla.shrink, expand=xla.expand)
+    ops = partition.partitioned(impl)
+    x, lora_a, lora_b, slots, weights, y = _case(12, 8, 32, 8, (16,), 3, 2)
+    meta, pairs = build_pairs_host(slots, weights, 8, 8)
+    jmeta = LoRAKernelMeta(*(jnp.asarray(v) for v in meta[:5]), no_lora=jnp.asarray(meta.no_lora[0] != 0))
+    jpairs = AdapterPairs(jnp.asarray(pairs.slots), jnp.asarray(pairs.weights))
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("tp",))
+    shard = NamedSharding(mesh, P("tp"))
+    a, b = (jnp.asarray(lora_a[0]),), (jnp.asarray(lora_b[0]),)
+
+    def step(x, y):
+        buf = ops.shrink(x, a, jmeta, 0.75, None, pairs=jpairs)
+        return ops.expand(buf, b, y, jmeta, (0,), True, None, None, pairs=jpairs)
+    with caplog.at_level(logging.INFO, logger="jax_lora"):
+        got = jax.jit(step)(jax.device_put(jnp.asarray(x), shard), jax.device_put(jnp.asarray(y), shard))
+    want = oracle.multi_lora_linear(y, x, lora_a, lora_b, 0.75, slots, weights)
+    assert oracle.rel_err(np.asarray(got), want) <= 1e-5
+    assert any("several adapters per token run its kernels unpartitioned" in r.getMessage() for r in caplog.records)
