@@ -22,6 +22,11 @@ the expand's epilogue multiplies each row's new value by its slot's g), reported
 `dora_cost` = dora_us / time_us, its error against the float64 reference of g * (y + delta).
 `--wrapper-graph`: every case is also timed through `PunicaWrapper.add_lora_linear` in the same
 graphs (`wrapper_us`, `wrapper_over_op`).
+`--pairs 2,4` (the default; "" for none): every case is also timed with k adapters per token, each
+with its own weight (contract section 10: shrink per pair, expand summed, one launch each): a
+token's first adapter is its k = 1 adapter, the others the next ones of the case's D adapters, so
+the batch has as many adapter combinations as adapters. Reported as `pairs{k}_us`, their cost
+`pairs{k}_cost` = pairs{k}_us / time_us beside the k = 1 time, and their error.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lora_core.adapter_pairs import AdapterPairs, build_pairs_host
+from lora_core.kernel_meta import KernelMeta
 from torch_lora.meta import LoRAKernelMeta
 from torch_lora.ops import triton as torch_triton
 
@@ -137,6 +144,27 @@ class InputSet:
         self.scale = 0.5
         self.deterministic = False
         self.col_scale = None          # DoRA: per slice (slots, n) float32, see with_dora_scales
+        self.pairs = None              # k adapters per token: (slots (T, k), weights, group meta, AdapterPairs)
+
+    def with_pairs(self, k: int, gen) -> None:
+        """k adapters per token (k = 0: back to one): a token's first is its own slot, pair j the
+        j-th next of the batch's adapters (in slot order), weights in [0.5, 1]."""
+        if not k:
+            self.pairs = None
+            return
+        idx = self.idx.cpu().numpy().astype(np.int64)
+        chosen = np.unique(idx[idx >= 0])
+        pos = {int(v): i for i, v in enumerate(chosen)}
+        slots = np.full((idx.shape[0], k), -1, np.int64)
+        for t, v in enumerate(idx):
+            if v >= 0:
+                slots[t] = [chosen[(pos[int(v)] + j) % len(chosen)] for j in range(k)]
+        weights = np.where(slots >= 0, 0.5 + 0.5 * torch.rand(slots.shape, generator=gen).numpy(), 0.0)
+        meta, tables = build_pairs_host(slots, weights, max(self.a[0].shape[0], idx.shape[0]), idx.shape[0])
+        dev = self.x.device
+        meta = KernelMeta(*(torch.from_numpy(np.ascontiguousarray(m)).to(dev) for m in meta))
+        self.pairs = (slots, weights.astype(np.float32), meta, AdapterPairs(torch.from_numpy(tables.slots).to(dev),
+                                                                           torch.from_numpy(tables.weights).to(dev)))
 
     def with_dora_scales(self, gen) -> None:
         """A DoRA column scale on every slice, g in [0.9, 1.1] (replays multiply y by it again and
@@ -147,13 +175,31 @@ class InputSet:
 
     def call(self, y=None):
         kw = {} if self.col_scale is None else {"col_scale": self.col_scale}
-        torch_triton.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
+        meta = self.meta.meta_args(self.x.shape[0])
+        if self.pairs is not None:
+            meta, kw = self.pairs[2], {**kw, "pairs": self.pairs[3]}
+        torch_triton.linear(self.y if y is None else y, self.x, self.a, self.b, meta,
                   self.scale, self.offsets, self.ranks, deterministic=self.deterministic, **kw)
 
     def reference(self):
-        """float64 y + sum_s (scale x A_s^T) B_s^T, grouped by adapter (no (T, r, H) gather)."""
+        """float64 y + sum_s (scale x A_s^T) B_s^T, grouped by adapter (no (T, r, H) gather); with
+        pairs, sum_j w_j * scale ... over each token's pairs, grouped by adapter combination."""
         y = self.y.double().clone()
         x = self.x.double()
+        if self.pairs is not None:
+            slots, weights = self.pairs[:2]
+            combos = {tuple(row) for row in slots.tolist() if row[0] >= 0}
+            for combo in combos:
+                rows = torch.as_tensor(np.flatnonzero((slots == np.asarray(combo)).all(axis=1)), device=y.device)
+                for j, slot in enumerate(combo):
+                    w = torch.as_tensor(weights[rows.cpu().numpy(), j], dtype=torch.float64, device=y.device)
+                    for a, b, off in zip(self.a, self.b, self.offsets):
+                        aa, bb = a[slot].double(), b[slot].double()
+                        if self.ranks is not None:
+                            k = int(self.ranks[slot])
+                            aa, bb = aa[:k], bb[:, :k]
+                        y[rows, off:off + b.shape[1]] += w[:, None] * ((self.scale * x[rows] @ aa.T) @ bb.T)
+            return y
         for slot in torch.unique(self.idx).tolist():
             if slot < 0:
                 continue
@@ -284,7 +330,7 @@ class WrapperCall:
                                self.widths, lora_ranks=self.s.ranks)
 
 
-def run_case(case, slice_name, device, seed=0, deterministic=False, wrapper_graph=False, dora=False):
+def run_case(case, slice_name, device, seed=0, deterministic=False, wrapper_graph=False, dora=False, pairs=()):
     name, kind, T, D, r, frac_none, ranks = case
     widths = SLICES[slice_name]
     slots = max(8, D)
@@ -329,6 +375,20 @@ def run_case(case, slice_name, device, seed=0, deterministic=False, wrapper_grap
         wrapper_us = graph_time_us(calls)
         det.update(wrapper_us=wrapper_us, wrapper_over_op=wrapper_us / t_us, wrapper_rel_err=rel_err(y, ref))
         del calls
+    for k in pairs:
+        # k adapters per token on the same input sets (before DoRA: pairs take no column scale)
+        for s in sets:
+            s.deterministic = False
+            s.with_pairs(k, gen)
+        first.y.copy_(y0)
+        pref = first.reference()
+        y = y0.clone()
+        first.call(y)
+        torch.cuda.synchronize()
+        k_us = graph_time_us(sets)
+        det.update({f"pairs{k}_us": k_us, f"pairs{k}_cost": k_us / t_us, f"pairs{k}_rel_err": rel_err(y, pref)})
+        for s in sets:
+            s.with_pairs(0, gen)
     if dora:
         for s in sets:
             s.deterministic = False
@@ -486,6 +546,21 @@ def markdown(res):
         lines.append("")
         lines.append(f"deterministic cost, geomean: {geomean([r['det_cost'] for r in det]):.2f}x over "
                      f"{len(det)} cases (worst {max(r['det_cost'] for r in det):.2f}x)")
+    pair_ks = sorted({int(k[5:-3]) for r in res["sweep"] for k in r if k.startswith("pairs") and k.endswith("_us")})
+    if pair_ks:
+        lines += ["", "| adapters per token | slices | k=1 us | " + " | ".join(f"k={k} us | cost" for k in pair_ks)
+                  + " | err |", "|---|---|---|" + "---|---|" * len(pair_ks) + "---|"]
+        for r in res["sweep"]:
+            if f"pairs{pair_ks[0]}_us" not in r:
+                continue
+            cols = " | ".join(f"{r[f'pairs{k}_us']:.2f} | {r[f'pairs{k}_cost']:.2f}x" for k in pair_ks)
+            err = max(r[f"pairs{k}_rel_err"] for k in pair_ks)
+            lines.append(f"| {r['case']}{' (fused)' if r['fused'] else ''} | {r['slices']} | {r['time_us']:.2f} "
+                         f"| {cols} | {err:.1e} |")
+        for k in pair_ks:
+            costs = [r[f"pairs{k}_cost"] for r in res["sweep"] if f"pairs{k}_cost" in r]
+            lines.append(f"\nk={k} / k=1, geomean: {geomean(costs):.2f}x over {len(costs)} cases "
+                         f"(range {min(costs):.2f}x-{max(costs):.2f}x)")
     for key, title, what in (("dora", "DoRA column scale", "DoRA"), ("wrapper", "PunicaWrapper.add_lora_linear",
                                                                      "wrapper path")):
         rows = [r for r in res["sweep"] if f"{key}_us" in r]
@@ -636,6 +711,8 @@ def main():
                         "(wrapper_us, wrapper_over_op: the wrapper path against the op)")
     p.add_argument("--dora", action="store_true",
                    help="also time every sweep case with a DoRA column scale on every slice (dora_us, dora_cost)")
+    p.add_argument("--pairs", default="2,4",
+                   help="comma list of adapters per token k also timed on every case (pairs{k}_us); '' for none")
     p.add_argument("--deterministic", action="store_true",
                    help="also time every sweep case with deterministic=True (batch-invariant launches), "
                         "reported beside the default as det_us and det_cost")
@@ -675,7 +752,7 @@ def main():
     for case in [] if args.host_only else cases:
         for sl in ("s1", "s3"):
             r = run_case(case, sl, device, deterministic=args.deterministic, wrapper_graph=args.wrapper_graph,
-                         dora=args.dora)
+                         dora=args.dora, pairs=tuple(int(k) for k in args.pairs.split(",") if k.strip()))
             res["sweep"].append(r)
             with open(partial, "w") as f:          # what a run cut short leaves (the sweep so far)
                 json.dump(res, f, indent=1)
@@ -686,6 +763,8 @@ def main():
                   if "wrapper_us" in r else "")
             d += (f" dora {r['dora_us']:8.2f} us ({r['dora_cost']:.2f}x, err {r['dora_rel_err']:.1e})"
                   if "dora_us" in r else "")
+            d += "".join(f" k={k[5:-3]} {r[k]:8.2f} us ({r[k[:-3] + '_cost']:.2f}x)" for k in r
+                         if k.startswith("pairs") and k.endswith("_us"))
             print(f"{r['case']:28s} {sl} {r['time_us']:8.2f} us {r['pct_peak']:5.1f}% err {r['rel_err']:.1e} "
                   f"{v}{d}", flush=True)
     for case in [] if args.no_host else [c for c in cases if c[0] in ("dec T8 D8 r64", "dec T8 D1 r16",

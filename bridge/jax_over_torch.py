@@ -138,7 +138,7 @@ class JaxPunicaWrapper:
             raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
         padded = LoRAMapping(mapping.index_mapping,
                              pad_prompt_mapping(mapping.prompt_mapping, self.max_num_batched_tokens),
-                             mapping.is_prefill)
+                             mapping.is_prefill, mapping.index_weights)
         self.torch_wrapper.update_metadata(padded, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                                            long_lora_context, **kwargs)
         self._props = {}

@@ -151,7 +151,8 @@ class TorchPunicaWrapper:
         # The largest slot in use, for the host check of the weights' slot count under jit (the JAX
         # wrapper checks it itself when eager; its update_metadata already rejected unknown ids).
         slot_of = {lid: slot for slot, lid in enumerate(lora_index_to_id) if lid is not None}
-        used = set(mapping.index_mapping) | set(mapping.prompt_mapping)
+        used = {i for ids in mapping.index_mapping + mapping.prompt_mapping
+                for i in (ids if mapping.paired else (ids,))}     # (a paired mapping: a tuple of ids each)
         self._max_slot = max((slot_of[i] for i in used if i > 0 and i in slot_of), default=-1)
 
     def _run(self, method: str, arrays: tuple, stacked, lora_ranks, **static):

@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from lora_core import checks
+from lora_core.adapter_pairs import AdapterPairs
 from lora_core.kernel_meta import KernelMeta
 
 from .devices import resolve_device
 
-__all__ = ["LoRAKernelMeta", "build_kernel_meta"]
+__all__ = ["LoRAKernelMeta", "build_kernel_meta", "build_pair_meta"]
 
 
 @functools.partial(jax.jit, static_argnames=("max_loras",))
@@ -73,6 +74,42 @@ def build_kernel_meta(token_lora_mapping: jax.Array, num_tokens: jax.Array, *, m
     return LoRAKernelMeta(token_lora_mapping=mapping, token_indices_sorted_by_lora_ids=sorted_tokens,
                           active_lora_ids=active_lora_ids, num_tokens_per_lora=num_tokens_per_lora,
                           lora_token_start_loc=lora_token_start_loc, no_lora=jnp.sum(counts[1:]) == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("max_loras", "max_groups"))
+def build_pair_meta(token_slots: jax.Array, token_weights: jax.Array, num_tokens: jax.Array, *, max_loras: int,
+                    max_groups: int) -> tuple:
+    """(LoRAKernelMeta over groups, AdapterPairs) of several adapters per token, on the device
+    (lora_core.adapter_pairs; equal to its host build `build_pairs_host` for valid inputs).
+
+    token_slots: (max_num_tokens, k) int slots (-1: empty pair), token_weights: (max_num_tokens, k);
+    the first `num_tokens` rows are real (may be traced).
+
+    1. Slots outside 0..max_loras-1 and rows past num_tokens become -1 (weight 0).
+    2. The rows are sorted lexicographically by their slot tuple (first pair primary); a row
+       whose tuple differs from the row before starts a new group: group ids follow the tuples in
+       ascending order, rows with no adapter (every slot -1) are group -1.
+    3. Groups past max_groups cannot be refused inside jit: their rows become group -1 (they add
+       nothing, as contract section 6 treats indices that cannot be checked).
+    4. slots[g] = group g's tuple (a scatter of each group's rows), weights padded with zeros;
+       the metadata: `build_kernel_meta` over the group ids with max_groups groups.
+    """
+    slots = jnp.asarray(token_slots).astype(jnp.int32)
+    capacity, k = slots.shape
+    real = (jnp.arange(capacity) < num_tokens)[:, None]
+    slots = jnp.where(real & (slots >= 0) & (slots < max_loras), slots, -1)
+    weights = jnp.where(slots >= 0, jnp.asarray(token_weights, jnp.float32), 0.0)
+    order = jnp.lexsort(tuple(slots[:, j] for j in reversed(range(k))))
+    ordered = slots[order]
+    has = ordered.max(axis=1) >= 0
+    new = jnp.concatenate([jnp.ones(1, bool), jnp.any(ordered[1:] != ordered[:-1], axis=1)]) & has
+    group_sorted = jnp.cumsum(new.astype(jnp.int32)) - 1
+    group_sorted = jnp.where(has & (group_sorted < max_groups), group_sorted, -1)
+    group = jnp.zeros(capacity, jnp.int32).at[order].set(group_sorted)
+    table = jnp.full((max_groups, k), -1, jnp.int32).at[jnp.where(group_sorted >= 0, group_sorted, max_groups)].set(
+        ordered, mode="drop")
+    meta = build_kernel_meta(group, jnp.asarray(num_tokens, jnp.int32), max_loras=max_groups)
+    return meta, AdapterPairs(table, weights)
 
 
 @jax.tree_util.register_dataclass

@@ -232,6 +232,10 @@ class MultiLoRAEmbed(nnx.Module):
             return y
         flat = ids.reshape(-1).astype(jnp.int32)
         t = flat.shape[0]
+        if getattr(w, "num_pairs", 0):       # several adapters per token: each pair's rows (the wrapper)
+            out = w.add_lora_embedding_ids(y.reshape(t, self.features), flat, self.lora_a.get_value(),
+                                           self.lora_b.get_value(), lora_ranks=self.lora_ranks.get_value())
+            return out.reshape(y.shape)
         check_rows = getattr(w, "_check_embedding_rows", None)     # (the bridge's wrappers have none)
         if check_rows is not None:
             check_rows("the embedding", self.num_embeddings)

@@ -60,6 +60,7 @@ import numpy as np
 from flax import nnx
 
 from lora_core import alora, checks
+from lora_core.adapter_pairs import PAIR_BUCKETS
 from lora_core.host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
 
 from . import nn as lnn
@@ -79,6 +80,9 @@ class Request:
 
     request_id: any hashable value that tells the request's Completion apart (None: the request's
     index in the `generate` call); no two requests of one call may end up with the same id.
+    lora_ids: several registered adapters for the request (instead of lora_id), summed
+    (contract section 10); lora_weights: their strengths, one per id of lora_ids, or one number
+    for lora_id (None: strength 1). Each token then computes x W + sum_i w_i s_i (x A_i) B_i.
     """
 
     prompt: Sequence[int]
@@ -86,6 +90,19 @@ class Request:
     max_new_tokens: int = 16
     request_id: Any = None
     eos_token_id: int | None = None
+    lora_ids: Sequence[int] | None = None
+    lora_weights: Sequence[float] | float | None = None
+
+    def adapters(self) -> tuple[tuple, tuple | None]:
+        """(the request's adapter ids, their weights or None for a plain one-adapter request)."""
+        if self.lora_ids is not None:
+            ids = tuple(int(i) for i in self.lora_ids)
+            weights = (1.0,) * len(ids) if self.lora_weights is None else tuple(float(w) for w in self.lora_weights)
+            return ids, weights
+        ids = (int(self.lora_id),) if self.lora_id else ()
+        if self.lora_weights is None:
+            return ids, None
+        return ids, (float(self.lora_weights),) * len(ids)
 
 
 @dataclasses.dataclass
@@ -103,6 +120,32 @@ def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def _check_several(i: int, r: Request) -> None:
+    """Request i's lora_ids / lora_weights: ids are positive ints (at most PAIR_BUCKETS[-1]), not
+    with lora_id; weights finite numbers, one per id (or one number for lora_id)."""
+    if r.lora_ids is not None:
+        if r.lora_id:
+            raise ValueError(f"request {i}: give lora_id or lora_ids, not both")
+        if isinstance(r.lora_ids, (str, bytes)) or not isinstance(r.lora_ids, Sequence) or not all(
+                _is_int(v) and v > 0 for v in r.lora_ids):
+            raise TypeError(f"request {i}: lora_ids must be a sequence of registered (positive int) LoRA ids, got "
+                            f"{r.lora_ids!r:.200}")
+        if len(r.lora_ids) > PAIR_BUCKETS[-1]:
+            raise ValueError(f"request {i}: lora_ids names {len(r.lora_ids)} adapters, at most {PAIR_BUCKETS[-1]}")
+    if r.lora_weights is None:
+        return
+    many = r.lora_ids is not None
+    values = r.lora_weights if many and isinstance(r.lora_weights, Sequence) else (
+        None if many else [r.lora_weights])
+    if values is None or isinstance(values, (str, bytes)) or (many and len(values) != len(r.lora_ids)):
+        raise ValueError(f"request {i}: lora_weights must be one weight per id of lora_ids, or one number for "
+                         f"lora_id, got {r.lora_weights!r:.200}")
+    for w in values:
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(w):
+            raise ValueError(f"request {i}: lora_weights must hold finite numbers, got {w!r}")
+
+
 @dataclasses.dataclass
 class _Seq:
     req: Request
@@ -115,7 +158,19 @@ class _Seq:
 
     @property
     def lora(self) -> int:
-        return int(self.req.lora_id or 0)
+        """The first adapter id (0: none): the sampled row's adapter and the one-adapter mapping's."""
+        ids, _ = self.req.adapters()
+        return ids[0] if ids else 0
+
+    @property
+    def loras(self) -> set:
+        return set(self.req.adapters()[0])
+
+    @property
+    def pair_entry(self) -> tuple:
+        """(ids, weights) of the request's tokens in a paired mapping."""
+        ids, weights = self.req.adapters()
+        return ids, (1.0,) * len(ids) if weights is None else weights
 
     def lora_ids(self, first_position: int, num_tokens: int) -> np.ndarray:
         """(num_tokens,) the LoRA id of each position first_position.. (0 before an aLoRA invocation,
@@ -297,14 +352,19 @@ class ServingEngine:
                                  f"{r.eos_token_id!r}")
             if r.lora_id is not None and not _is_int(r.lora_id):
                 raise TypeError(f"request {i}: lora_id must be None or an int (0: no adapter), got {r.lora_id!r}")
-            if use_lora and r.lora_id:
+            _check_several(i, r)
+            for lora_id in r.lora_ids or () if use_lora and self.adapters is not None else ():
+                if lora_id in self.adapters.registered and self.adapters.invocation_tokens(lora_id) is not None:
+                    raise ValueError(f"request {i}: adapter {lora_id} is an activated LoRA (aLoRA), served alone "
+                                     "through lora_id (its invocation decides where it applies), not in lora_ids")
+            for lora_id in r.adapters()[0] if use_lora else ():
                 if self.adapters is None:
-                    raise ValueError(f"request {i} names adapter {r.lora_id} but the engine has no adapters "
+                    raise ValueError(f"request {i} names adapter {lora_id} but the engine has no adapters "
                                      "(generate(..., use_lora=False) serves every request with the base model)")
-                if r.lora_id not in self.adapters.registered:
-                    raise ValueError(f"request {i}: LoRA id {r.lora_id} is not registered "
+                if lora_id not in self.adapters.registered:
+                    raise ValueError(f"request {i}: LoRA id {lora_id} is not registered "
                                      f"(registered: {sorted(self.adapters.registered)})")
-                refused = self.adapters.activation_error([r.lora_id])      # pinned adapters fill every slot
+                refused = self.adapters.activation_error(list(r.adapters()[0]))   # pinned adapters fill every slot
                 if refused is not None:
                     raise ValueError(f"request {i}: {refused}")
         ids = [i if r.request_id is None else r.request_id for i, r in enumerate(reqs)]
@@ -317,7 +377,7 @@ class ServingEngine:
                              "every request needs its own id")
 
     # ------------------------------------------------------------------ steps
-    def _run(self, tokens, positions, rows, sample_idx, token_ids, row_ids, is_prefill, use_lora):
+    def _run(self, tokens, positions, rows, sample_idx, token_ids, row_ids, is_prefill, use_lora, pairs=None):
         if self.adapters is not None and self.adapters.version != self._state_version:
             if self.adapters.layout_version != self._layout_version:
                 # A layer gained a variable (the first DoRA adapter in a layer built without dora=True):
@@ -334,7 +394,10 @@ class ServingEngine:
             self._state_version = self.adapters.version
         punica = None
         if use_lora:
-            self.punica.update_metadata(LoRAMapping(token_ids, row_ids, is_prefill),
+            # pairs: (token id tuples, token weights, row id tuples, row weights) of a paired step
+            mapping = (LoRAMapping(token_ids, row_ids, is_prefill) if pairs is None else
+                       LoRAMapping(pairs[0], pairs[2], is_prefill, pairs[1], pairs[3]))
+            self.punica.update_metadata(mapping,
                                         self.adapters.lora_index_to_id, self.adapters.num_slots + 1,
                                         self.config.vocab_size)
             punica = self.punica
@@ -365,7 +428,17 @@ class ServingEngine:
             tokens[i, :n] = q.req.prompt
             token_ids[i, :n] = q.lora_ids(0, n)                # padded tokens: no adapter
             rows[i], sample[i], row_ids[i] = q.row, n - 1, token_ids[i, n - 1]
-        next_tok, logits = self._run(tokens, positions, rows, sample, token_ids.reshape(-1), row_ids, True, use_lora)
+        pairs = None
+        if use_lora and any(q.req.adapters()[1] is not None for q in seqs):
+            entries = [((), ())] * (b * s)                     # padded tokens and rows: no adapter
+            rows_e = [((), ())] * b
+            for i, q in enumerate(seqs):
+                n = len(q.req.prompt)
+                entries[i * s:i * s + n] = [q.pair_entry if lid else ((), ()) for lid in token_ids[i, :n]]
+                rows_e[i] = entries[i * s + n - 1]
+            pairs = ([e[0] for e in entries], [e[1] for e in entries], [e[0] for e in rows_e], [e[1] for e in rows_e])
+        next_tok, logits = self._run(tokens, positions, rows, sample, token_ids.reshape(-1), row_ids, True, use_lora,
+                                     pairs)
         return [(q, i) for i, q in enumerate(seqs)], next_tok, logits
 
     def _decode(self, by_row: list, use_lora: bool):
@@ -373,6 +446,7 @@ class ServingEngine:
         tokens = np.zeros((m, 1), np.int32)
         positions = np.zeros((m, 1), np.int32)
         ids = np.zeros(m, np.int32)
+        entries = [((), ())] * m
         live = []
         for r, q in enumerate(by_row):
             if q is None or q.done:
@@ -380,10 +454,14 @@ class ServingEngine:
             tokens[r, 0] = q.tokens[-1]
             positions[r, 0] = len(q.req.prompt) + len(q.tokens) - 1
             ids[r] = q.lora_ids(int(positions[r, 0]), 1)[0]
+            entries[r] = q.pair_entry if ids[r] else ((), ())
             live.append((q, r))
         if not live:
             return
-        next_tok, logits = self._run(tokens, positions, None, np.zeros(m, np.int32), ids, ids, False, use_lora)
+        pairs = None
+        if use_lora and any(q.req.adapters()[1] is not None for q, _ in live):
+            pairs = ([e[0] for e in entries], [e[1] for e in entries]) * 2       # a decode row is its one token
+        next_tok, logits = self._run(tokens, positions, None, np.zeros(m, np.int32), ids, ids, False, use_lora, pairs)
         self._collect(live, next_tok, logits)
 
     def _collect(self, pairs, next_tok, logits):
@@ -426,18 +504,18 @@ class ServingEngine:
         while waiting or any(q is not None for q in by_row):
             admitted = []
             free = [r for r, q in enumerate(by_row) if q is None]
-            running = {q.lora for q in by_row if q is not None} if use_lora else set()
+            running = {i for q in by_row if q is not None for i in q.loras} if use_lora else set()
             while waiting and len(admitted) < len(free):
                 req = reqs[waiting[0]]
-                lora = int(req.lora_id or 0) if use_lora else 0
-                ids = running | {q.lora for q in admitted} | {lora}
+                ids = running | {i for q in admitted for i in q.loras} | (set(req.adapters()[0]) if use_lora else set())
                 if use_lora and not self.adapters.can_activate(ids):
                     break
                 longest = max([len(req.prompt)] + [len(q.req.prompt) for q in admitted])
                 if self.prefill_shape(len(admitted) + 1, longest) is None:
                     break
-                seq = _Seq(req if use_lora else dataclasses.replace(req, lora_id=None), waiting.popleft(),
-                           free[len(admitted)])
+                plain = dataclasses.replace(req, lora_id=None, lora_ids=None, lora_weights=None)
+                seq = _Seq(req if use_lora else plain, waiting.popleft(), free[len(admitted)])
+                lora = seq.lora if use_lora and req.lora_ids is None else 0     # (aLoRA: one adapter per request)
                 if lora:
                     seq.invocation = self.adapters.invocation_tokens(lora)
                     if seq.invocation is not None:
@@ -447,7 +525,7 @@ class ServingEngine:
                 raise RuntimeError(f"request {waiting[0]} cannot be admitted into an empty batch")
             if admitted:
                 if use_lora:
-                    self.adapters.activate(running | {q.lora for q in admitted})
+                    self.adapters.activate(running | {i for q in admitted for i in q.loras})
                 for q in admitted:
                     by_row[q.row] = q
                 pairs, next_tok, logits = self._prefill(admitted, use_lora)

@@ -19,6 +19,7 @@ the real token count are treated as "no LoRA", so padded rows never change and c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lora_core import checks
-from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
+from lora_core.adapter_pairs import AdapterPairs, PairLayout, PairRows
+from lora_core.host_mapping import LoRAMapping, StepLayout, max_pair_groups, prepare_step
 
 from .devices import resolve_device
 from .meta import LoRAKernelMeta
@@ -72,6 +74,9 @@ class PunicaWrapper:
         self.deterministic = dispatch.check_deterministic(deterministic)
         self._layout = StepLayout(self.max_num_batched_tokens, self.max_batches, self.max_loras)
         self._upload(self._layout.empty_block(pad_prompt=True))
+        # Several adapters per token: the step's pair block (lora_core.adapter_pairs.PairLayout) and
+        # its bucket k, a static size (one compiled program per bucket); None and 0 otherwise.
+        self._pair_block, self.num_pairs = None, 0
         self._host_max_slot = -1
         self._host_embedding_rows = None   # vocab_size + extra_vocab_size of the last update_metadata
 
@@ -81,15 +86,15 @@ class PunicaWrapper:
     # step flattens one array per wrapper instead of seventeen.
     def tree_flatten(self):
         aux = (self.max_num_batched_tokens, self.max_batches, self.max_loras, self.device, self.backend,
-               self._layout, self.deterministic)
-        return (self._block,), aux
+               self._layout, self.deterministic, self.num_pairs)
+        return (self._block, self._pair_block), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
         (obj.max_num_batched_tokens, obj.max_batches, obj.max_loras, obj.device, obj.backend,
-         obj._layout, obj.deterministic) = aux
-        (obj._block,) = children
+         obj._layout, obj.deterministic, obj.num_pairs) = aux
+        (obj._block, obj._pair_block) = children
         obj._host_tail = None       # read from the block when concrete; traced inside jit
         obj._host_max_slot = None   # unknown inside a trace: index values are masked, not checked
         obj._host_embedding_rows = None
@@ -108,6 +113,11 @@ class PunicaWrapper:
                             long_lora_context, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_batches=self.max_batches, num_slots=self.max_loras, pad_prompt=True)
         self._upload(self._layout.fill(np.empty(self._layout.size, np.int32), step))
+        self._pair_block, self.num_pairs = None, 0
+        if step.pairs is not None:
+            layout = self._pair_layout(step.pairs[1].num_pairs)
+            self._pair_block = jax.device_put(layout.fill(np.empty(layout.size, np.int32), *step.pairs), self.device)
+            self.num_pairs = layout.num_pairs
         self._host_max_slot = step.max_slot
         self._host_embedding_rows = int(vocab_size) + int(extra_vocab_size)
 
@@ -124,6 +134,63 @@ class PunicaWrapper:
         """The packed step (indices, segments, tail, both kernel metadata built on the host) to the device."""
         self._block = jax.device_put(block, self.device)
         self._host_tail = self._layout.views(block)["tail"].copy()
+
+    def _pair_layout(self, num_pairs: int) -> PairLayout:
+        return PairLayout(self.max_num_batched_tokens, max_pair_groups(self.max_batches, self.max_loras), num_pairs)
+
+    def _pair_args(self) -> tuple:
+        """(group LoRAKernelMeta, AdapterPairs, PairRows) of this step's pair block (static slices: free
+        in jit)."""
+        meta, pairs, rows = self._pair_layout(self.num_pairs).views(self._pair_block)
+        meta = LoRAKernelMeta(**meta._replace(no_lora=meta.no_lora[0] != 0)._asdict())
+        as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+        return (meta, AdapterPairs(pairs.slots, as_f32(pairs.weights)),
+                PairRows(rows.token_slots, rows.row_slots, as_f32(rows.row_weights)))
+
+    def _refuse_pairs(self, method: str) -> None:
+        if self.num_pairs:
+            raise ValueError(f"{method} takes one adapter per token, but this step's mapping gives tokens several "
+                             "adapters or weights (LoRAMapping tuples / index_weights): add_lora_linear, "
+                             "add_lora_embedding_ids and add_lora_logits serve such a step")
+
+    def _add_per_pair(self, y2, slots, weights, x, lora_b, shrink_a=None, scale: float = 1.0) -> jax.Array:
+        """y2[t] + sum_j weights[t, j] * (x[j][t] or scale * x[t] @ shrink_a[slot].T) @ lora_b[slot].T over
+        the pairs (slots (n, k), -1: empty), one float32 sum and one cast; rows without a pair
+        unchanged. The one-adapter BGMV ops once per pair (the embedding and LM head of a paired step)."""
+        from . import ops
+        n = y2.shape[0]
+        acc = y2.astype(jnp.float32)
+        for j in range(slots.shape[1]):
+            idx = slots[:n, j]
+            part = x[j].astype(jnp.float32) if shrink_a is None else ops.bgmv_shrink(x, shrink_a, idx, scale,
+                                                                                       backend=self.backend)
+            acc = ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend)
+        any_pair = jnp.any(slots[:n] >= 0, axis=1, keepdims=True)
+        return jnp.where(any_pair, acc.astype(y2.dtype), y2)
+
+    def add_lora_embedding_ids(self, y, ids, lora_a, lora_b, *, lora_ranks=None) -> jax.Array:
+        """The embedding's LoRA term from token ids: y[t] + sum_j w_tj * lora_a[slot_tj, ids[t]] @
+        lora_b[slot_tj].T over each token's pairs (a plain step: its one slot at weight 1, the same as
+        looking the rows up at `embeddings_indices[1]` and calling add_lora_embedding).
+
+        y: (T, D); ids: (T,) token ids; lora_a: (L, V, r) the LoRA-A embedding table; lora_b: (L, D, r).
+        Returns the new y.
+        """
+        y = as_array("y", y, checks.ACTIVATION_DTYPES)
+        lora_a = as_array("lora_a", lora_a, checks.WEIGHT_DTYPES)
+        flat = jnp.asarray(ids).reshape(-1).astype(jnp.int32)
+        t = flat.shape[0]
+        if not self.num_pairs:
+            rows = jnp.take(lora_a.reshape(-1, lora_a.shape[-1]), flat + self.embeddings_indices[1][:t], axis=0,
+                            mode="clip")
+            return self.add_lora_embedding(y, rows.astype(y.dtype), lora_b, lora_ranks=lora_ranks)
+        self._check_embedding_rows("lora_a", lora_a.shape[1])
+        self._check_tokens("ids", t)
+        _, pairs, rows = self._pair_args()
+        looked_up = [lora_a[jnp.maximum(rows.token_slots[:t, j], 0), jnp.clip(flat, 0, lora_a.shape[1] - 1)]
+                     for j in range(self.num_pairs)]
+        return self._add_per_pair(_flatten_tokens(y, "y"), rows.token_slots, pairs.weights, looked_up,
+                                  as_array("lora_b", lora_b, checks.WEIGHT_DTYPES)).reshape(y.shape)
 
     def _view(self, name: str) -> jax.Array:
         return self._layout.view(self._block, name)
@@ -289,6 +356,7 @@ class PunicaWrapper:
 
         y: (S, T, r) buffer (its dtype is kept); x: (..., H), flattened to (T, H).
         """
+        self._refuse_pairs("add_shrink")
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         x = _flatten_tokens(as_array("x", x, checks.ACTIVATION_DTYPES), "x")
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
@@ -313,6 +381,7 @@ class PunicaWrapper:
         index -1 are unchanged. Returns the new y (same shape). dora_scale_stacked: see
         add_lora_linear.
         """
+        self._refuse_pairs("add_expand")
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
         buf = _stack_buffer(x)
@@ -381,6 +450,7 @@ class PunicaWrapper:
     def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs: bool = True, *, lora_ranks=None,
                            **kwargs) -> jax.Array:
         """y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r) looked-up LoRA-A rows; y: (T, N)."""
+        self._refuse_pairs("add_lora_embedding")
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
         x = as_array("x", x, checks.ACTIVATION_DTYPES)
@@ -429,6 +499,9 @@ class PunicaWrapper:
         lora_a3 = tuple(to_3d(a) for a in lora_a)
         ranks = as_lora_ranks(lora_ranks, num_slots)
         impl = self._impl()
+        if self.num_pairs:
+            return self._linear_pairs(y2, x2, lora_a3, lora_b, lora_bias_stacked, dora_scale_stacked, scale,
+                                      output_slices, ranks, num_slots, rank, impl).reshape(y.shape)
         if buffer is None and hasattr(impl, "linear"):  # the backend may fuse shrink and expand
             lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32",
                                                        lora_b, lora_bias_stacked, output_slices, 0,
@@ -441,6 +514,22 @@ class PunicaWrapper:
         return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True, self.token_meta,
                             lora_ranks=lora_ranks, dora_scale_stacked=dora_scale_stacked,
                             num_slots_a=num_slots).reshape(y.shape)
+
+    def _linear_pairs(self, y2, x2, lora_a3, lora_b, lora_bias_stacked, dora_scale_stacked, scale, output_slices,
+                      ranks, num_slots, rank, impl) -> jax.Array:
+        """add_lora_linear for a step with several adapters per token (contract section 10):
+        y[t] += sum_j w[t, j] * scale * (x[t] @ A[slot_j].T) @ B[slot_j].T per slice."""
+        if lora_bias_stacked is not None or dora_scale_stacked is not None:
+            raise ValueError("several adapters per token take no LoRA bias or DoRA column scale: "
+                             "lora_bias_stacked and dora_scale_stacked must be None for this step")
+        lora_b3, offsets, _ = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32", lora_b, None,
+                                                output_slices, 0, num_slots_a=num_slots)
+        self._check_devices(x=x2, lora_b_stacked=lora_b3, y=y2)
+        meta, pairs, _ = self._pair_args()
+        if hasattr(impl, "linear"):
+            return impl.linear(y2, x2, lora_a3, lora_b3, meta, scale, offsets, ranks, None, pairs=pairs)
+        buf = impl.shrink(x2, lora_a3, meta, scale, ranks, pairs=pairs)
+        return impl.expand(buf, lora_b3, y2, meta, offsets, True, ranks, None, pairs=pairs)
 
     def add_lora_linear_stacked(self, y, x, lora_a, lora_b, scale: float, output_slices: Sequence[int], *,
                                 lora_ranks=None, dora_scale=None) -> jax.Array:
@@ -470,7 +559,7 @@ class PunicaWrapper:
             if dora_scale.shape != (lora_b.shape[0], lora_b.shape[1]):
                 raise ValueError(f"dora_scale must have shape {(lora_b.shape[0], lora_b.shape[1])} (slots, "
                                  f"sum(output_slices)), got {dora_scale.shape}")
-        if not getattr(impl, "READS_VIEWS", False):
+        if not getattr(impl, "READS_VIEWS", False) or self.num_pairs:   # (pairs: the slices, not views)
             return self.add_lora_linear(y, x, tuple(lora_a[s] for s in range(lora_a.shape[0])),
                                         tuple(lora_b[i] for i in b_index), None, scale, output_slices,
                                         lora_ranks=lora_ranks,
@@ -524,6 +613,10 @@ class PunicaWrapper:
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
         self._check_devices(x=x2, lora_a_stacked=a, lora_b_stacked=b, y=y2)
+        if self.num_pairs:
+            rows = self._pair_args()[2]
+            return self._add_per_pair(y2, rows.row_slots, rows.row_weights, x2, to_3d(b), to_3d(a),
+                                      scale).reshape(y.shape)
         buf = self._impl().shrink(x2, (to_3d(a),), self.prompt_meta, scale,
                                   as_lora_ranks(lora_ranks, num_slots))
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")

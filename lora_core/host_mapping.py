@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import checks
+from .adapter_pairs import AdapterPairs, PairRows, as_pair_entries, build_pairs_host, pair_bucket
 from .kernel_meta import KernelMeta, build_host, field_shapes
 
 __all__ = [
@@ -52,19 +53,70 @@ class LoRAMapping:
     """Which adapter each token and each sampled row uses, as LoRA ids (0 = no LoRA).
 
     Attributes:
-      index_mapping: one LoRA id per token of the batch, length T.
+      index_mapping: one LoRA id per token of the batch, length T; or, for several adapters per
+        token (contract section 10), per token a tuple of LoRA ids (up to PAIR_BUCKETS[-1]).
       prompt_mapping: one LoRA id per sampled row (logits row), length R.
       is_prefill: whether the batch is a prefill batch (tokens of a request contiguous).
+      index_weights: None (every adapter at strength 1), or per token one weight per id of
+        `index_mapping` (a number for a token of one id): the strength w of each adapter.
+      prompt_weights: the same for the sampled rows, whose `prompt_mapping` entries may be tuples
+        of ids too (the LM head's adapters per row of logits).
+
+    With tuples or weights (a *paired* mapping), `index_mapping` / `prompt_mapping` hold a tuple
+    of ids per entry and `index_weights` / `prompt_weights` a tuple of floats per entry (both
+    sides become paired when either is); `first_ids` / `prompt_first_ids` are each entry's first
+    id (0 for none): what one-adapter consumers (token and sampler indices, prefill segments) read.
+    `num_pairs` is the kernels' pair bucket (0 for a plain mapping).
     """
 
-    index_mapping: tuple[int, ...]
-    prompt_mapping: tuple[int, ...]
+    index_mapping: tuple
+    prompt_mapping: tuple
     is_prefill: bool = False
+    index_weights: tuple | None = None
+    prompt_weights: tuple | None = None
 
     def __post_init__(self):
-        self.index_mapping = _as_id_tuple("index_mapping", self.index_mapping)
-        self.prompt_mapping = _as_id_tuple("prompt_mapping", self.prompt_mapping)
+        def has_tuples(entries):
+            return isinstance(entries, (list, tuple)) and any(isinstance(v, (list, tuple, np.ndarray))
+                                                              for v in entries)
+        paired = (self.index_weights is not None or self.prompt_weights is not None
+                  or has_tuples(self.index_mapping) or has_tuples(self.prompt_mapping))
+        if paired:
+            self.index_mapping, self.index_weights = as_pair_entries(self.index_mapping, self.index_weights)
+            self.prompt_mapping, self.prompt_weights = as_pair_entries(self.prompt_mapping, self.prompt_weights,
+                                                                       "prompt_mapping", "prompt_weights")
+        else:
+            self.index_mapping = _as_id_tuple("index_mapping", self.index_mapping)
+            self.prompt_mapping = _as_id_tuple("prompt_mapping", self.prompt_mapping)
         self.is_prefill = bool(self.is_prefill)
+
+    @property
+    def paired(self) -> bool:
+        """Whether the mapping gives tokens (or rows) tuples of ids or weights: several adapters each."""
+        return self.index_weights is not None
+
+    @property
+    def first_ids(self) -> tuple[int, ...]:
+        """Each token's first LoRA id (0 for none); the ids themselves for a plain mapping."""
+        if not self.paired:
+            return self.index_mapping
+        return _as_id_tuple("index_mapping", tuple(ids[0] if ids else 0 for ids in self.index_mapping))
+
+    @property
+    def prompt_first_ids(self) -> tuple[int, ...]:
+        """Each sampled row's first LoRA id (0 for none); the ids themselves for a plain mapping."""
+        if not self.paired:
+            return self.prompt_mapping
+        return _as_id_tuple("prompt_mapping", tuple(ids[0] if ids else 0 for ids in self.prompt_mapping))
+
+    @property
+    def num_pairs(self) -> int:
+        """The pair bucket of the kernels (lora_core.adapter_pairs.PAIR_BUCKETS) holding every token's
+        and row's adapters; 0 for a plain mapping (the one-adapter kernels)."""
+        if not self.paired:
+            return 0
+        return pair_bucket(max((sum(1 for i in ids if i > 0) for ids in self.index_mapping + self.prompt_mapping),
+                               default=1))
 
 
 @dataclasses.dataclass
@@ -248,7 +300,7 @@ def convert_mapping_host(
     if not isinstance(mapping, LoRAMapping):
         raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
     _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context)
-    return _convert_ids(mapping.index_mapping, mapping.prompt_mapping, lora_index_to_id, max_loras, vocab_size,
+    return _convert_ids(mapping.first_ids, mapping.prompt_first_ids, lora_index_to_id, max_loras, vocab_size,
                         extra_vocab_size, long_lora_context)
 
 
@@ -399,6 +451,7 @@ class HostStep:
     max_slot: int     # the largest slot the step uses (-1: none), to check weights on the host
     no_lora: bool     # no token uses a LoRA
     is_prefill: bool
+    pairs: tuple | None = None   # several adapters per token: (group KernelMeta, AdapterPairs), NumPy
 
     def buffers(self) -> tuple:
         h, p = self.indices, self.prefill
@@ -424,10 +477,10 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], m
         if len(ids) > max_num_batched_tokens:
             raise ValueError(f"{name} has {len(ids)} entries, more than max_num_batched_tokens="
                              f"{max_num_batched_tokens}")
-    prompt = pad_prompt_mapping(mapping.prompt_mapping, max_num_batched_tokens) if pad_prompt \
-        else mapping.prompt_mapping
+    prompt = pad_prompt_mapping(mapping.prompt_first_ids, max_num_batched_tokens) if pad_prompt \
+        else mapping.prompt_first_ids
     _check_convert_args(max_loras, vocab_size, extra_vocab_size, long_lora_context)
-    host = _convert_ids(mapping.index_mapping, prompt, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
+    host = _convert_ids(mapping.first_ids, prompt, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                         long_lora_context)
     used = np.concatenate([host.base_indices, host.sampler_indices])
     max_slot = int(used.max()) if used.size else -1
@@ -438,7 +491,58 @@ def prepare_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], m
     if prefill.batch_size > max_batches:
         raise ValueError(f"the prefill segments has {prefill.batch_size} entries, more than max_batches="
                          f"{max_batches}")
-    return HostStep(host, prefill, max_slot, bool(np.all(host.base_indices < 0)), mapping.is_prefill)
+    pairs = None
+    if mapping.paired:
+        pairs = pair_step(mapping, lora_index_to_id, max_loras, capacity=max_num_batched_tokens,
+                          max_groups=max_pair_groups(max_batches, num_slots))
+        max_slot = max(max_slot, int(pairs[1].slots.max(initial=-1)), int(pairs[2].row_slots.max(initial=-1)))
+        if max_slot >= num_slots:
+            raise ValueError(f"slot {max_slot} is used, but the wrapper was made with max_loras={num_slots} "
+                             f"(slots 0..{num_slots - 1})")
+    return HostStep(host, prefill, max_slot, bool(np.all(host.base_indices < 0)), mapping.is_prefill, pairs)
+
+
+def max_pair_groups(max_batches: int, num_slots: int) -> int:
+    """How many distinct adapter combinations one step holds (the pair metadata's group capacity):
+    one per request, or one per slot, whichever is larger."""
+    return max(int(max_batches), int(num_slots))
+
+
+def _pair_tables(name: str, entries: tuple, weights: tuple, table: _SlotTable, max_loras: int, k: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """((n, k) slots, (n, k) weights) of paired entries: every id through the slot table
+    (ValueError for an id in no slot), ids <= 0 dropped, each entry's pairs packed and padded."""
+    slots = _slots_of(name, [i for ids in entries for i in ids], table, max_loras, none_value=-1)
+    out_slots = np.full((len(entries), k), -1, np.int32)
+    out_weights = np.zeros((len(entries), k), np.float32)
+    pos = 0
+    for t, (ids, ws) in enumerate(zip(entries, weights)):
+        j = 0
+        for slot, w in zip(slots[pos:pos + len(ids)], ws):
+            if slot >= 0:
+                out_slots[t, j], out_weights[t, j] = slot, w
+                j += 1
+        pos += len(ids)
+    return out_slots, out_weights
+
+
+def pair_step(mapping: LoRAMapping, lora_index_to_id: Sequence[int | None], max_loras: int, *, capacity: int,
+              max_groups: int) -> tuple[KernelMeta, AdapterPairs, PairRows]:
+    """(group KernelMeta, AdapterPairs, PairRows) of a mapping with several adapters per token
+    (lora_core.adapter_pairs), each entry's pairs padded to the mapping's bucket `num_pairs`."""
+    table = _slot_table(lora_index_to_id)
+    k = mapping.num_pairs
+    token_slots, token_weights = _pair_tables("index_mapping", mapping.index_mapping, mapping.index_weights, table,
+                                              max_loras, k)
+    row_slots, row_weights = _pair_tables("prompt_mapping", mapping.prompt_mapping, mapping.prompt_weights, table,
+                                          max_loras, k)
+    meta, pairs = build_pairs_host(token_slots, token_weights, max_groups, capacity)
+    rows = PairRows(np.full((capacity, k), -1, np.int32), np.full((capacity, k), -1, np.int32),
+                    np.zeros((capacity, k), np.float32))
+    rows.token_slots[:len(token_slots)] = token_slots
+    rows.row_slots[:len(row_slots)] = row_slots
+    rows.row_weights[:len(row_slots)] = row_weights
+    return meta, pairs, rows
 
 
 def kernel_meta_host(token_lora_mapping: np.ndarray, max_loras: int, capacity: int) -> dict:

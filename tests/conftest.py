@@ -86,6 +86,7 @@ SLOW_TESTS = (
     "tests/test_adapters.py::test_prepare_places_slices_pads_ranks_and_folds_scaling",
     "tests/test_nn.py::test_linear_fused_unequal_slices_matches_oracle",
     "tests/test_nn.py::test_replace_lora_layers_swaps_targets_in_place",
+    "tests/test_multi_adapter_models.py::*",
     # bridge equality sweeps and fresh interpreters
     "tests/test_bridge.py::test_torch_over_jax_equals_native_jax_bitwise[*]",
     "tests/test_bridge.py::test_every_method_and_op_equals_native_bitwise[torch-over-jax-bfloat16]",

@@ -56,6 +56,23 @@ def lora_linear(y, x, lora_a, lora_b, bias, scale, idx):
     return expand(shrink(x, lora_a, idx, scale), lora_b, y, idx, 0, True, bias)
 
 
+def multi_lora_linear(y, x, lora_a, lora_b, scale, pair_slots, pair_weights):
+    """Several adapters per token (contract section 10): y[t, slice s] += sum_j w[t, j] * scale *
+    (x[t] @ A_s[slot[t, j]].T) @ B_s[slot[t, j]].T over the pairs with slot >= 0, in float64."""
+    y = f64(y).copy()
+    x = f64(x)
+    off = 0
+    for a, b in zip(lora_a, lora_b):
+        a, b = f64(w3(a)), f64(w3(b))
+        n = b.shape[1]
+        for t in range(x.shape[0]):
+            for i, w in zip(pair_slots[t], pair_weights[t]):
+                if i >= 0:
+                    y[t, off:off + n] += float(w) * scale * (b[i] @ (a[i] @ x[t]))
+        off += n
+    return y
+
+
 def logits(y, x, lora_a, lora_b, scale, sampler_idx):
     """LM-head LoRA: one slice, sampler indices, B cut to y's width."""
     width = y.shape[1]

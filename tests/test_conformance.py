@@ -623,3 +623,54 @@ def test_fused_moe_lora_long_hidden(impl, order):
                                  case.enabled, True, 0)
     assert_close(got, want, dtype, f"hidden 1100 {order}")
     case.untouched(got, case.y2)
+
+
+# ----------------------------------------------------------------------------- several adapters per token
+
+def _pair_case(case, max_pairs):
+    """Per token up to `max_pairs` (LoRA id, weight) pairs over the case's filled slots (some tokens
+    none, some fewer), as the mapping's tuples and as the oracle's (T, max_pairs) slots / weights."""
+    usable = [s for s, i in enumerate(case.lora_index_to_id) if i is not None]
+    ids, weights = [], []
+    slots = np.full((case.num_tokens, max_pairs), -1, np.int64)
+    ws = np.zeros((case.num_tokens, max_pairs))
+    for t in range(case.num_tokens):
+        n = int(case.rng.integers(0, max_pairs + 1)) if t else max_pairs
+        chosen = case.rng.choice(usable, size=n, replace=n > len(usable))
+        w = np.round(case.rng.uniform(-1.0, 1.5, size=n), 3)
+        ids.append(tuple(case.lora_index_to_id[s] for s in chosen))
+        weights.append(tuple(float(v) for v in w))
+        slots[t, :n], ws[t, :n] = chosen, w
+    return ids, weights, slots, ws
+
+
+def _check_several_adapters(impl, dtype, max_pairs, seed):
+    case = Case(seed, dtype, slices=(24, 8, 16))
+    ids, weights, slots, ws = _pair_case(case, max_pairs)
+    w = make_wrapper(impl, case)
+    w.update_metadata(LoRAMapping(ids, case.ids(case.idx), False, weights), case.lora_index_to_id,
+                      case.num_slots + 1, 32, 0)
+    y0 = case.y.copy()
+    got = impl.wrapper_call(w, "add_lora_linear", impl.arr(y0, dtype), impl.arr(case.x, dtype),
+                            case.native(impl, case.lora_a), case.native(impl, case.lora_b), None, case.scale,
+                            case.slices)
+    want = oracle.multi_lora_linear(y0, case.x, case.lora_a, case.lora_b, case.scale, slots, ws)
+    assert_close(got, want, dtype, f"add_lora_linear with {max_pairs} adapters per token")
+    none = slots[:, 0] < 0
+    np.testing.assert_array_equal(got[none], np.asarray(y0, np.float64)[none],
+                                  err_msg="rows without any adapter changed")
+    np.testing.assert_array_equal(got[:, sum(case.slices):], y0[:, sum(case.slices):],
+                                  err_msg="columns outside the slices changed")
+
+
+@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
+def test_add_lora_linear_two_adapters_per_token(impl, dtype):
+    """Tokens with 0, 1 or 2 weighted adapters (contract section 10) against the float64 oracle."""
+    _check_several_adapters(impl, dtype, 2, 21)
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("max_pairs", [1, 3], ids=["one_weighted", "bucket4"])
+def test_add_lora_linear_weighted_and_four_adapters(impl, max_pairs):
+    """One adapter with a per-token strength (bucket 1), and up to 3 adapters (bucket 4)."""
+    _check_several_adapters(impl, impl.dtypes[0], max_pairs, 22 + max_pairs)

@@ -21,7 +21,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INT32_POINTERS = {"ranks_ptr", "mapping_ptr", "sorted_ptr", "counts_ptr", "starts_ptr", "active_ptr", "sync_ptr"}
+INT32_POINTERS = {"ranks_ptr", "mapping_ptr", "sorted_ptr", "counts_ptr", "starts_ptr", "active_ptr", "sync_ptr",
+                  "pair_slots_ptr"}
 
 
 def _signature(kernel, plan, act: str, float32_pointers=()) -> dict:
@@ -31,7 +32,7 @@ def _signature(kernel, plan, act: str, float32_pointers=()) -> dict:
             sig[name] = "constexpr"
         elif name in INT32_POINTERS:
             sig[name] = "*i32"
-        elif name in float32_pointers:
+        elif name in float32_pointers or name == "pair_weights_ptr":
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = f"*{act}"
@@ -68,6 +69,15 @@ def _variants(kernel_name: str):
             ("atomic", kernels.lora_shrink_kernel,
              kernels.plan_shrink(512, 4096, 16, 2, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4),
                            lora_only=False, workspace=False, has_ranks=False), "bf16", ("out_ptr",)),
+            # several adapters per token (PAIRS): the linear path with ranks and PDL, and the
+            # stand-alone shrink's atomics, one tile per batch
+            ("pairs2-decode-pdl-ranks", kernels.lora_shrink_kernel,
+             kernels.plan_shrink(8, 4096, 16, 3, 9, "bfloat16", "bfloat16", _cfg(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8),
+                           lora_only=True, workspace=True, has_ranks=True, pdl=True, pairs=2), "bf16", ("out_ptr",)),
+            ("pairs4-atomic-all-slices", kernels.lora_shrink_kernel,
+             kernels.plan_shrink(512, 4096, 64, 3, 257, "bfloat16", "bfloat16",
+                           _cfg(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4, ALL_SLICES=True),
+                           lora_only=False, workspace=False, has_ranks=False, pairs=4), "bf16", ("out_ptr",)),
         ] + [
             # deterministic launches (configs.deterministic_config): the linear path with PDL and
             # the stand-alone shrink, per rank class
@@ -120,6 +130,14 @@ def _variants(kernel_name: str):
                                        add_inputs=True, bias_flags=(True, False, False), has_ranks=False, pdl=True,
                                        deterministic=True)
             out.append((f"deterministic-r{rank}", kernels.lora_expand_kernel, plan, "bf16", ("buf_ptr",)))
+        # several adapters per token (PAIRS): decode with PDL, prefill with several tiles and ranks
+        for T, rank, k, tiles, ranks in ((8, 16, 2, 1, False), (2048, 64, 4, 4, True), (512, 128, 2, 2, True)):
+            plan = kernels.plan_expand(T, rank, (4096, 1024, 1024), 257, 2, "bfloat16", "bfloat16",
+                                       _cfg(BLOCK_M=16 if T <= 8 else 64, BLOCK_N=128, BLOCK_R=64, TILES_N=tiles),
+                                       add_inputs=True, bias_flags=(False, False, False), has_ranks=ranks,
+                                       pdl=T <= 8, pairs=k)
+            out.append((f"pairs{k}-T{T}-r{rank}-tiles{tiles}", kernels.lora_expand_kernel, plan, "bf16",
+                        ("buf_ptr",)))
         return out
     out = []
     # decode (one tile per group) and token tiles; rank 16 and 64; with and without PDL
@@ -128,6 +146,11 @@ def _variants(kernel_name: str):
                             _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128), add_inputs=True,
                             bias_flags=(False, True), has_ranks=True, pdl=pdl)
         out.append((f"T{T}-r{rank}-pdl{int(pdl)}", kernels.lora_fused_kernel, plan, "bf16", ("ws_ptr",)))
+    for T, rank, k in ((8, 16, 2), (32, 64, 4)):                 # several adapters per token (PAIRS)
+        plan = kernels.plan_fused(T, 4096, rank, (4096, 1024), 257, "bfloat16", "bfloat16",
+                                  _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128), add_inputs=True,
+                                  bias_flags=(False, False), has_ranks=True, pdl=True, pairs=k)
+        out.append((f"pairs{k}-T{T}-r{rank}", kernels.lora_fused_kernel, plan, "bf16", ("ws_ptr",)))
     return out
 
 

@@ -297,6 +297,7 @@ class MultiLoRAModel:
         self._ids: dict = {}                 # adapter name -> LoRA id
         self._next_id = 1
         self._rows: list | None = None    # the names of the rows being served (None: caller-managed)
+        self._row_weights: list | None = None   # their adapter_weights (None: strength 1)
         self._expand_rows = 1                # generate's rows per prompt (num_beams / num_return_sequences)
         self._alora: dict | None = None      # generate's aLoRA rows: {"starts": [...], "position": int}
         self._closed = False
@@ -478,27 +479,58 @@ class MultiLoRAModel:
         return self._ids[name]
 
     def _lora_ids(self, adapter_names: Sequence[str]) -> list:
+        """One LoRA id per row (0 for BASE), or per row a tuple of ids where the row names several."""
         if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
-            raise TypeError(f"adapter_names must be a list of adapter names (one per row, {BASE!r} for none), got "
-                            f"{type(adapter_names).__name__}")
-        ids = []
-        for name in adapter_names:
-            if name == BASE:
-                ids.append(0)
-            elif name in self._ids:
-                ids.append(self._ids[name])
-            else:
-                raise ValueError(f"adapter_names holds {name!r}, which is not a loaded adapter (loaded: "
-                                 f"{self.loaded_adapters}; {BASE!r} = no adapter)")
+            raise TypeError(f"adapter_names must be a list of adapter names (one per row, {BASE!r} for none; a list "
+                            f"of names for a row served by several), got {type(adapter_names).__name__}")
+        ids = [tuple(self._lora_id(n) for n in name) if isinstance(name, (list, tuple)) else self._lora_id(name)
+               for name in adapter_names]
+        for name, row in zip(adapter_names, ids):
+            for n, i in zip(name, row) if isinstance(row, tuple) else ():
+                if i and self.adapters.invocation_tokens(i) is not None:
+                    raise ValueError(f"adapter_names holds {n!r}, an activated LoRA (aLoRA), in a row of several "
+                                     "adapters: an aLoRA adapter serves its row alone (its invocation decides where "
+                                     "it applies)")
         return ids
+
+    def _lora_id(self, name) -> int:
+        if name == BASE:
+            return 0
+        if isinstance(name, str) and name in self._ids:
+            return self._ids[name]
+        raise ValueError(f"adapter_names holds {name!r}, which is not a loaded adapter (loaded: "
+                         f"{self.loaded_adapters}; {BASE!r} = no adapter)")
+
+    def _row_pairs(self, ids: list, adapter_weights) -> tuple | None:
+        """(per row a tuple of ids, per row a tuple of weights) when the rows name several adapters or
+        carry weights (contract section 10), else None (one adapter per row, at strength 1)."""
+        if adapter_weights is None and not any(isinstance(i, tuple) for i in ids):
+            return None
+        if adapter_weights is not None and (isinstance(adapter_weights, (str, bytes)) or
+                                            not isinstance(adapter_weights, (list, tuple))
+                                            or len(adapter_weights) != len(ids)):
+            raise ValueError(f"adapter_weights must hold one entry per row ({len(ids)}): a weight, or a list of "
+                             f"weights for a row of several adapters; got {adapter_weights!r:.200}")
+        row_ids = [i if isinstance(i, tuple) else (i,) for i in ids]
+        if adapter_weights is None:
+            return row_ids, None
+        row_w = [tuple(w) if isinstance(w, (list, tuple)) else (w,) for w in adapter_weights]
+        for j, (i, w) in enumerate(zip(row_ids, row_w)):
+            if len(i) != len(w):
+                raise ValueError(f"adapter_weights[{j}] has {len(w)} weights for {len(i)} adapters "
+                                 f"(adapter_names[{j}])")
+        return row_ids, row_w
 
     # -------------------------------------------------------------- steps
     def prepare_step(self, adapter_names: Sequence[str], num_tokens_per_row: int,
                      logits_per_row: None | int | Sequence[int] = None, *,
-                     active_from: Sequence[int] | None = None) -> None:
+                     active_from: Sequence[int] | None = None, adapter_weights=None) -> None:
         """Sets which adapter each token of the next forward pass uses.
 
-        adapter_names: one name per row ("__base__" = none); num_tokens_per_row: the sequence length S
+        adapter_names: one name per row ("__base__" = none), or for a row served by several adapters
+        a list of names; adapter_weights: None (strength 1), or per row a weight, or a list with one
+        weight per name: row j computes x W + sum_i w_i * s_i * (x A_i) B_i (contract section 10);
+        num_tokens_per_row: the sequence length S
         of the pass (the model sees (rows, S) tokens); logits_per_row: rows of logits per batch row
         the LM head computes (S by default; 1 for a decode step or `logits_to_keep=1`; a list when
         rows differ: a row's logits are its last positions). active_from: per row, the index in
@@ -526,26 +558,42 @@ class MultiLoRAModel:
         if len(ids) * s > self.punica.max_num_batched_tokens:
             raise ValueError(f"the batch has {len(ids)} x {s} = {len(ids) * s} tokens, more than max_num_tokens="
                              f"{self.punica.max_num_batched_tokens} (MultiLoRAModel's argument)")
-        distinct = sorted({n for n, i in zip(adapter_names, ids) if i})
+        pairs = self._row_pairs(ids, adapter_weights)
+        flat_names = [n for row in adapter_names for n in (row if isinstance(row, (list, tuple)) else (row,))]
+        distinct = sorted({n for n in flat_names if n != BASE})
         if len(distinct) > self.max_loras:
             raise ValueError(f"the batch names {_plural(len(distinct), 'distinct adapter')} {distinct}, more than "
                              f"max_loras={self.max_loras} (MultiLoRAModel's argument: the adapter slots, the most "
                              "distinct adapters in one batch)")
-        per_token = np.repeat(np.asarray(ids, np.int64)[:, None], s, axis=1)      # (rows, S)
+        on = np.ones((len(ids), s), bool)            # (rows, S): the tokens whose row's adapters apply
         if active_from is not None:
             starts = list(active_from)
             if len(starts) != len(ids) or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool)
                                                   and 0 <= a <= s for a in starts):
                 raise ValueError(f"active_from must hold one int in 0..{s} (num_tokens_per_row) per row, got "
                                  f"{active_from!r:.200} for {len(ids)} rows")
-            per_token[np.arange(s)[None, :] < np.asarray(starts, np.int64)[:, None]] = 0
-        tokens = per_token.reshape(-1)
-        rows = np.concatenate([per_token[j, s - c:] for j, c in enumerate(counts)]) if counts else tokens[:0]
+            on = np.arange(s)[None, :] >= np.asarray(starts, np.int64)[:, None]
+        if pairs is None:
+            per_token = np.where(on, np.asarray(ids, np.int64)[:, None], 0)
+            flat_ids = ids
+            tokens = per_token.reshape(-1)
+            rows = np.concatenate([per_token[j, s - c:] for j, c in enumerate(counts)]) if counts else tokens[:0]
+            mapping = LoRAMapping(tokens, rows, is_prefill=s > 1)
+        else:
+            # several adapters per row (contract section 10): each token's tuple and weights, none where
+            # the row's adapter is not active (aLoRA) or the row has none
+            row_ids, row_w = pairs
+            flat_ids = [i for row in row_ids for i in row]
+            row_w = row_w or [(1.0,) * len(row) for row in row_ids]
+            tok_ids = [row_ids[j] if on[j, p] else () for j in range(len(ids)) for p in range(s)]
+            tok_w = [row_w[j] if on[j, p] else () for j in range(len(ids)) for p in range(s)]
+            last = [(j, p) for j, c in enumerate(counts) for p in range(s - c, s)]
+            mapping = LoRAMapping(tok_ids, [tok_ids[j * s + p] for j, p in last], s > 1, tok_w,
+                                  [tok_w[j * s + p] for j, p in last])
         with self._lock:
-            self.adapters.activate(ids)
+            self.adapters.activate(flat_ids)
             self.adapters.wait_uploads()
-            self.punica.update_metadata(LoRAMapping(tokens, rows, is_prefill=s > 1), self.adapters.lora_index_to_id,
-                                        self.max_loras + 1, self.vocab_size)
+            self.punica.update_metadata(mapping, self.adapters.lora_index_to_id, self.max_loras + 1, self.vocab_size)
             self._prepared_by = threading.get_ident()
 
     def _before_forward(self, module, args, kwargs):
@@ -573,12 +621,13 @@ class MultiLoRAModel:
         if ref is None or ref.dim() < 2:
             raise ValueError("MultiLoRAModel needs input_ids (batch, seq) or inputs_embeds (batch, seq, hidden)")
         batch, seq = int(ref.shape[0]), int(ref.shape[1])
-        names = self._rows
+        names, weights = self._rows, self._row_weights
         expand = 1
         if len(names) != batch:
             if self._expand_rows > 1 and batch == len(names) * self._expand_rows:   # generate's beams / sequences
                 expand = self._expand_rows
                 names = [n for n in names for _ in range(expand)]
+                weights = None if weights is None else [w for w in weights for _ in range(expand)]
             else:
                 raise ValueError(f"adapter_names has {len(names)} names, but the batch has {batch} rows "
                                  "(one name per row)")
@@ -598,11 +647,15 @@ class MultiLoRAModel:
                 starts = [None if v is None else alora.invocation_start(host[j], v) for j, v in enumerate(invocations)]
                 first = 0
             active = [0 if v is None else alora.active_from(st, first, seq) for v, st in zip(invocations, starts)]
-        self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq), active_from=active)
+        self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq), active_from=active,
+                          adapter_weights=weights)
 
-    def _invocation(self, name: str) -> tuple | None:
-        """The aLoRA invocation tokens of the loaded adapter `name` (None: plain adapter, or BASE)."""
-        return None if name == BASE else self.adapters.invocation_tokens(self._ids[name])
+    def _invocation(self, name) -> tuple | None:
+        """The aLoRA invocation tokens of the loaded adapter `name` (None: plain adapter, BASE, or a
+        row of several adapters, which take no aLoRA adapter: `_lora_ids`)."""
+        if not isinstance(name, str) or name == BASE:
+            return None
+        return self.adapters.invocation_tokens(self._ids[name])
 
     def _after_forward(self, module, args, output):
         """The model's forward hook (always called, also when the pass raises): gives back the
@@ -612,15 +665,15 @@ class MultiLoRAModel:
             self._lock.release()
 
     @contextlib.contextmanager
-    def _serving(self, adapter_names, expand: int, prompt: torch.Tensor | None = None):
-        """Holds the lock and sets the rows' adapters for the forward passes of one call. With
-        `prompt` (generate's input_ids), an aLoRA row's invocation is searched in its prompt once,
-        and the passes are taken to cover consecutive positions from 0 (prefill, then one token
-        per decode step), as transformers' generate runs them."""
+    def _serving(self, adapter_names, expand: int, prompt: torch.Tensor | None = None, adapter_weights=None):
+        """Holds the lock and sets the rows' adapters (and weights) for the forward passes of one call.
+        With `prompt` (generate's input_ids), an aLoRA row's invocation is searched in its prompt
+        once, and the passes are taken to cover consecutive positions from 0 (prefill, then one
+        token per decode step), as transformers' generate runs them."""
         with self._lock:
             self._check_open()
-            previous = (self._rows, self._expand_rows, self._alora)
-            self._lora_ids(adapter_names)                 # a bad name fails before the model runs
+            previous = (self._rows, self._expand_rows, self._alora, self._row_weights)
+            self._row_pairs(self._lora_ids(adapter_names), adapter_weights)   # bad names / weights fail first
             invocations = [self._invocation(n) for n in adapter_names]
             state = None
             if prompt is not None and any(v is not None for v in invocations):
@@ -628,26 +681,29 @@ class MultiLoRAModel:
                 state = {"starts": [None if v is None else alora.invocation_start(host[j], v)
                                     for j, v in enumerate(invocations)], "position": 0}
             self._rows, self._expand_rows, self._alora = list(adapter_names), expand, state
+            self._row_weights = None if adapter_weights is None else list(adapter_weights)
             try:
                 yield
             finally:
-                self._rows, self._expand_rows, self._alora = previous
+                self._rows, self._expand_rows, self._alora, self._row_weights = previous
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 adapter_names: Sequence[str] | None = None, **kwargs: Any):
+                 adapter_names: Sequence[str] | None = None, adapter_weights=None, **kwargs: Any):
         """The wrapped model's forward pass with row j served by adapter adapter_names[j] (PEFT's
-        convention: "__base__" = no adapter; None = every row without adapter). Returns what the
-        model returns (logits (batch, seq or logits_to_keep, vocab), cache, ...)."""
+        convention: "__base__" = no adapter; None = every row without adapter; a list of names: the
+        row's adapters summed, each at its adapter_weights[j] strength; see `prepare_step`). Returns
+        what the model returns (logits (batch, seq or logits_to_keep, vocab), cache, ...)."""
         if adapter_names is None:
             ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
             adapter_names = [BASE] * (int(ref.shape[0]) if ref is not None else 0)
-        with torch.no_grad(), self._serving(adapter_names, expand=1):
+        with torch.no_grad(), self._serving(adapter_names, expand=1, adapter_weights=adapter_weights):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     def generate(self, input_ids: torch.Tensor | None = None, adapter_names: Sequence[str] | None = None,
-                 **generate_kwargs: Any):
+                 adapter_weights=None, **generate_kwargs: Any):
         """The model's `generate` with row j served by adapter adapter_names[j] for the whole
-        generation (rows expanded by num_return_sequences / num_beams keep their row's adapter).
+        generation (rows expanded by num_return_sequences / num_beams keep their row's adapter);
+        a row may name several adapters, with adapter_weights[j] their strengths (`prepare_step`).
         generate_kwargs go to transformers' generate (attention_mask, max_new_tokens, ...); the prompt
         may also be given as `inputs=`, transformers' name for it."""
         if "inputs" in generate_kwargs:
@@ -666,7 +722,8 @@ class MultiLoRAModel:
             raise ValueError(f"aLoRA adapters {sorted(set(alora_rows))} need input_ids to find their invocation "
                              "tokens in the prompt; got inputs_embeds only")
         with torch.no_grad(), self._serving(adapter_names, expand=self._rows_per_prompt(generate_kwargs),
-                                            prompt=input_ids if alora_rows else None):
+                                            prompt=input_ids if alora_rows else None,
+                                            adapter_weights=adapter_weights):
             return self.model.generate(input_ids, **generate_kwargs)
 
     def _rows_per_prompt(self, generate_kwargs: dict) -> int:

@@ -308,6 +308,10 @@ class LoRAEmbedding(_LoRALayer):
         check_rows = getattr(punica, "_check_embedding_rows", None)     # (the bridge's wrappers have none)
         if check_rows is not None:
             check_rows(f"LoRA layer for {self.module_names[0]!r}: the embedding", self.num_embeddings)
+        if getattr(punica, "num_pairs", 0):      # several adapters per token: each pair's rows (the wrapper)
+            punica.add_lora_embedding_ids(out.view(-1, self.embedding_dim), ids.reshape(-1), self.lora_a, self.lora_b,
+                                          lora_ranks=self.lora_ranks)
+            return out
         rows = punica.embeddings_indices[1] + ids.reshape(-1)
         after_a = self.lora_a.view(-1, self.max_rank).index_select(0, rows)
         punica.add_lora_embedding(out.view(-1, self.embedding_dim), after_a.to(out.dtype), self.lora_b,

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from lora_core import checks
-from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
+from lora_core.adapter_pairs import AdapterPairs, PairLayout, PairRows
+from lora_core.host_mapping import LoRAMapping, StepLayout, max_pair_groups, prepare_step
 
 from .meta import LoRAKernelMeta
 from .ops import dispatch
@@ -87,6 +88,10 @@ class PunicaWrapper:
         self._block.copy_(torch.from_numpy(self._layout.empty_block(pad_prompt=False)))
         self._plans: dict = {}
         self._token_meta_args: dict = {}   # T -> token_mapping_meta.meta_args(T): views, valid forever
+        # Several adapters per token: one device block per pair bucket k (stable views: CUDA graphs),
+        # and the bucket of this step (0: one adapter per token, the block above).
+        self._pair_blocks: dict = {}       # k -> (PairLayout, block, KernelMeta, AdapterPairs, PairRows views)
+        self.num_pairs = 0
 
     # ------------------------------------------------------------------ metadata
     def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[int | None],
@@ -104,6 +109,9 @@ class PunicaWrapper:
         self._layout.fill(staging.numpy(), step)
         # The caching pinned allocator keeps `staging` alive until this copy has run.
         self._block.copy_(staging, non_blocking=True)
+        self.num_pairs = 0
+        if step.pairs is not None:
+            self.num_pairs = self._upload_pairs(*step.pairs)
 
         p = step.prefill
         self.indices_len = list(step.indices.indices_len)
@@ -112,6 +120,76 @@ class PunicaWrapper:
         self.no_lora = step.no_lora
         self._max_slot = step.max_slot
         self._embedding_rows = int(vocab_size) + int(extra_vocab_size)
+
+    def _upload_pairs(self, meta, pairs, rows) -> int:
+        """Copies a step's pair metadata (lora_core.adapter_pairs) into its bucket's device block
+        (made on the bucket's first step); returns the bucket k."""
+        k = pairs.num_pairs
+        entry = self._pair_blocks.get(k)
+        if entry is None:
+            layout = PairLayout(self.max_num_batched_tokens, max_pair_groups(self.max_batches, self.max_loras), k)
+            block = torch.zeros(layout.size, dtype=torch.int32, device=self.device)
+            views, p, r = layout.views(block)
+            entry = self._pair_blocks[k] = (layout, block, views, AdapterPairs(p.slots, p.weights.view(torch.float32)),
+                                            PairRows(r.token_slots, r.row_slots, r.row_weights.view(torch.float32)))
+        layout, block = entry[:2]
+        staging = torch.empty(layout.size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        layout.fill(staging.numpy(), meta, pairs, rows)
+        block.copy_(staging, non_blocking=True)
+        return k
+
+    def _pair_args(self, t: int) -> tuple:
+        """(group metadata for T = t tokens, AdapterPairs) of this step's pair bucket."""
+        m, pairs = self._pair_blocks[self.num_pairs][2:4]
+        return m._replace(token_lora_mapping=m.token_lora_mapping[:t],
+                          token_indices_sorted_by_lora_ids=m.token_indices_sorted_by_lora_ids[:t]), pairs
+
+    def _refuse_pairs(self, method: str) -> None:
+        if self.num_pairs:
+            raise ValueError(f"{method} takes one adapter per token, but this step's mapping gives tokens several "
+                             "adapters or weights (LoRAMapping tuples / index_weights): add_lora_linear, "
+                             "add_lora_embedding_ids and add_lora_logits serve such a step")
+
+    def _add_per_pair(self, y2, slots, weights, x, lora_b, shrink_a=None, scale: float = 1.0) -> None:
+        """y2[t] (+)= sum_j weights[t, j] * (x[t] or scale * x[t] @ shrink_a[slot].T) @ lora_b[slot].T over
+        the pairs (slots (n, k), -1: empty), one float32 sum and one cast; rows without a pair untouched.
+        The one-adapter BGMV ops once per pair (the embedding and the LM head of a paired step)."""
+        from . import ops
+        n = y2.shape[0]
+        acc = y2.to(torch.float32)
+        for j in range(slots.shape[1]):
+            idx = slots[:n, j]
+            if shrink_a is None:
+                part = x[j].to(torch.float32)
+            else:
+                part = ops.bgmv_shrink(x, shrink_a, idx, scale, backend=self.backend)
+            ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend)
+        any_pair = (slots[:n] >= 0).any(dim=1, keepdim=True)
+        y2.copy_(torch.where(any_pair, acc.to(y2.dtype), y2))
+
+    def add_lora_embedding_ids(self, y: torch.Tensor, ids: torch.Tensor, lora_a: torch.Tensor,
+                               lora_b: torch.Tensor, *, lora_ranks=None) -> torch.Tensor:
+        """The embedding's LoRA term from token ids, in place: y[t] += sum_j w_tj * lora_a[slot_tj, ids[t]]
+        @ lora_b[slot_tj].T over each token's pairs (a plain step: its one slot at weight 1, the same
+        as looking the rows up at `embeddings_indices[1]` and calling add_lora_embedding).
+
+        y: (T, D); ids: (T,) token ids; lora_a: (L, V, r) the LoRA-A embedding table; lora_b: (L, D, r).
+        """
+        if not self.num_pairs:
+            rows = self.embeddings_indices[1][:ids.shape[0]] + ids.reshape(-1)
+            return self.add_lora_embedding(y, lora_a.reshape(-1, lora_a.shape[-1]).index_select(0, rows).to(y.dtype),
+                                           lora_b, lora_ranks=lora_ranks)
+        self._check_embedding_rows("lora_a", lora_a.shape[1])
+        rows = self._pair_blocks[self.num_pairs][4]
+        weights = self._pair_blocks[self.num_pairs][3].weights
+        t = ids.shape[0]
+        self._check_tokens("ids", t, self.indices_len[0])
+        looked_up = []
+        for j in range(self.num_pairs):
+            slot = rows.token_slots[:t, j]
+            looked_up.append(lora_a[slot.clamp(min=0).long(), ids.reshape(-1).long()])      # (T, r)
+        self._add_per_pair(y, rows.token_slots, weights, looked_up, lora_b)
+        return y
 
     def warmup(self, layers, token_counts=None, *, dtype=torch.bfloat16, lora_ranks: bool = False,
                bias: bool = False, dora: bool = False, progress: bool = True, workers=None) -> dict:
@@ -233,6 +311,7 @@ class PunicaWrapper:
     def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, scale: float, *, lora_ranks=None,
                    **kwargs) -> torch.Tensor:
         """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H)."""
+        self._refuse_pairs("add_shrink")
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         self._check_tensors(y=y, x=x, lora_a_stacked=lora_a)
         x2 = _flat_tokens(x, "x")
@@ -254,6 +333,7 @@ class PunicaWrapper:
         y: (..., N); x: (S, T, r) or S tensors (T, r). Rows with index -1 are untouched.
         dora_scale_stacked: see add_lora_linear (the new slice value times g_s[idx]).
         """
+        self._refuse_pairs("add_expand")
         if isinstance(x, (list, tuple)):
             check_tensors(x=list(x))
             checks.check_slice_buffers([tuple(p.shape) for p in x])
@@ -305,6 +385,7 @@ class PunicaWrapper:
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
                            add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> torch.Tensor:
         """y (+)= x @ lora_b_stacked[idx].T per token, in place. x: (T, r); y: (T, N)."""
+        self._refuse_pairs("add_lora_embedding")
         check_tensors(y=y, x=x, lora_b_stacked=lora_b_stacked)
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D (num_tokens, rank), got shape {tuple(x.shape)}")
@@ -346,10 +427,13 @@ class PunicaWrapper:
                                  f"(shape {tuple(y.shape)})")
             self._check_tokens("x", t, self.indices_len[0])
             self._check_slots("lora_a_stacked", plan.num_slots)
+        ranks = None if lora_ranks is None else as_lora_ranks(lora_ranks, plan.num_slots, x.device)
+        if self.num_pairs:
+            self._linear_pairs(y2, x2, plan, scale, ranks, buffer, dora_scale_stacked)
+            return y
         meta_args = self._token_meta_args.get(t)
         if meta_args is None:
             meta_args = self._token_meta_args[t] = self.token_mapping_meta.meta_args(t)
-        ranks = None if lora_ranks is None else as_lora_ranks(lora_ranks, plan.num_slots, x.device)
         if buffer is None and plan.prepare is not None:
             run = plan.prepared.get(t)
             if run is None:
@@ -370,6 +454,38 @@ class PunicaWrapper:
         self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks)
         plan.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, plan.bias)
         return y
+
+    def _linear_pairs(self, y2, x2, plan, scale, ranks, buffer, dora_scale_stacked) -> None:
+        """add_lora_linear for a step with several adapters per token (contract section 10):
+        y[t] += sum_j w[t, j] * scale * (x[t] @ A[slot_j].T) @ B[slot_j].T per slice, the pairs'
+        shrink products side by side in a (S, T, k * r) float32 buffer."""
+        if plan.bias is not None and any(b is not None for b in plan.bias) or dora_scale_stacked is not None:
+            raise ValueError("several adapters per token take no LoRA bias or DoRA column scale: "
+                             "lora_bias_stacked and dora_scale_stacked must be None for this step")
+        t = x2.shape[0]
+        meta_args, pairs = self._pair_args(t)
+        if buffer is None and plan.prepare is not None:
+            key = ("pairs", self.num_pairs, t)          # the bucket's block views: valid forever
+            run = plan.prepared.get(key)
+            if run is None:
+                if len(plan.prepared) >= 64:
+                    plan.prepared.clear()
+                run = plan.prepared[key] = plan.prepare(plan.lora_a, plan.lora_b, meta_args, plan.offsets, None,
+                                                        pairs=pairs)
+            run(y2, x2, scale, ranks)
+            return
+        linear = getattr(self._impl, "linear", None)
+        if buffer is None and linear is not None:
+            linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, scale, plan.offsets, ranks, None, pairs=pairs)
+            return
+        shape = (len(plan.lora_a), t, plan.rank * self.num_pairs)
+        if buffer is None:
+            buffer = torch.empty(shape, dtype=torch.float32, device=x2.device)
+        else:
+            check_tensors(x=x2, buffer=buffer)
+            _check_buffer("buffer", buffer, shape, checks.SHRINK_BUFFER_DTYPES)
+        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks, pairs=pairs)
+        self._impl.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, None, pairs=pairs)
 
     def _linear_plan(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices,
                      dora_scale_stacked=None):
@@ -462,6 +578,11 @@ class PunicaWrapper:
             _check_buffer("buffer", buffer, shape, checks.SHRINK_BUFFER_DTYPES)
         self._check_tokens("x", x2.shape[0], self.indices_len[1])
         self._check_slots("lora_a_stacked", num_slots)
+        if self.num_pairs:
+            rows = self._pair_blocks[self.num_pairs][4]
+            self._add_per_pair(_token_view(y), rows.row_slots, rows.row_weights, x2, to_3d(lora_b_stacked),
+                               to_3d(lora_a_stacked), checks.as_scale(scale))
+            return y
         self._impl.shrink(x2, (to_3d(lora_a_stacked),), buffer, self.prompt_mapping_meta.meta_args(x2.shape[0]),
                           checks.as_scale(scale), as_lora_ranks(lora_ranks, num_slots, x.device))
         num_slots_b, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "vocab_size, rank")

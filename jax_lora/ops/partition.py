@@ -490,8 +490,21 @@ def _widths(lora_b, options: dict) -> tuple:
     return tuple(int(b.shape[2 if options.get("b_layout", "nr") == "rn" else 1]) for b in lora_b)
 
 
+def _direct_pairs(impl, options: dict) -> bool:
+    """Whether the op takes adapter pairs (several adapters per token, contract section 10): their
+    tables are not partitioned here, so the backend runs directly (under a jit over several devices
+    XLA runs the custom call replicated), said once per backend."""
+    if options.get("pairs") is None:
+        return False
+    if ("pairs", id(impl)) not in _SAID_UNPARTITIONABLE:
+        _SAID_UNPARTITIONABLE.add(("pairs", id(impl)))
+        _LOG.info("backend %r: steps with several adapters per token run its kernels unpartitioned; under a jit "
+                  "over several devices XLA runs them replicated", impl.NAME)
+    return True
+
+
 def _shrink(impl, x, lora_a, meta, scale, lora_ranks=None, **options):
-    if x.shape[0] == 0:
+    if x.shape[0] == 0 or _direct_pairs(impl, options):
         return impl.shrink(x, lora_a, meta, scale, lora_ranks, **options)
     weights = _Weights()
     arrays = {"x": x}
@@ -502,7 +515,7 @@ def _shrink(impl, x, lora_a, meta, scale, lora_ranks=None, **options):
 
 def _expand(impl, buf, lora_b, y, meta, offsets, add_inputs, lora_ranks=None, bias=None, *, col_scale=None,
             **options):
-    if y.shape[0] == 0:
+    if y.shape[0] == 0 or _direct_pairs(impl, options):
         return impl.expand(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, col_scale=col_scale,
                            **options)
     weights = _Weights()
@@ -515,7 +528,7 @@ def _expand(impl, buf, lora_b, y, meta, offsets, add_inputs, lora_ranks=None, bi
 
 def _linear(impl, y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks=None, bias=None, *, col_scale=None,
             **options):
-    if x.shape[0] == 0:
+    if x.shape[0] == 0 or _direct_pairs(impl, options):
         return impl.linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, col_scale=col_scale,
                            **options)
     weights = _Weights()

@@ -182,23 +182,24 @@ def _pdl() -> bool:
 # --------------------------------------------------------------------------------- launches
 
 def _shrink_launch(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, config=None, pdl=False,
-                   result: int = 0, deterministic: bool = False) -> _Launch:
-    """lora_shrink_kernel into result `result`, (planes, S, T, r) float32 (planes = 1 unless workspace split-K)."""
+                   result: int = 0, deterministic: bool = False, pairs=None) -> _Launch:
+    """lora_shrink_kernel into result `result`, (planes, S, T, r) float32 (planes = 1 unless workspace split-K;
+    k * r rank columns with k adapter pairs)."""
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     S = len(lora_a)
     cfg = config or configs.shrink_config(T, H, R, S, L, deterministic=deterministic)
     plan = plan_shrink(T, H, R, S, meta.active_lora_ids.shape[0], _dtype_name(x), _dtype_name(lora_a[0]), cfg,
                        lora_only=workspace, workspace=workspace, has_ranks=lora_ranks is not None, pdl=pdl,
-                       deterministic=deterministic)
-    out = _Result(result, (plan.num_partials, S, T, R), jnp.float32)
+                       deterministic=deterministic, pairs=0 if pairs is None else pairs.num_pairs)
+    out = _Result(result, (plan.num_partials, S, T, R * (1 if pairs is None else pairs.num_pairs)), jnp.float32)
     call = arguments.shrink_call(plan, x, lora_a, _ranks(lora_ranks), _meta_arrays(meta), float(scale), out,
-                                 _strides)
+                                 _strides, pairs)
     return _Launch(call.with_alignment_hints(), result, pdl and plan.launch_pdl)
 
 
 def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config=None, pdl=False,
-                   deterministic: bool = False) -> _Launch:
+                   deterministic: bool = False, pairs=None) -> _Launch:
     """lora_expand_kernel writing y (result 0); buf: the (planes, S, T, r) float32 array or a _Result."""
     T = y.shape[0]
     L, _, R = lora_b[0].shape
@@ -207,13 +208,15 @@ def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, 
     plan = plan_expand(T, R, widths, meta.active_lora_ids.shape[0], buf.shape[0], _dtype_name(lora_b[0]),
                        _dtype_name(y), cfg, add_inputs=add_inputs,
                        bias_flags=arguments.bias_flags(bias, len(lora_b)),
-                       has_ranks=lora_ranks is not None, pdl=pdl, deterministic=deterministic)
+                       has_ranks=lora_ranks is not None, pdl=pdl, deterministic=deterministic,
+                       pairs=0 if pairs is None else pairs.num_pairs)
     call = arguments.expand_call(plan, buf, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y, offsets,
-                                 _strides)
+                                 _strides, pairs)
     return _Launch(call.with_alignment_hints(), 0, pdl and plan.launch_pdl)
 
 
-def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False) -> _Launch:
+def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False,
+                  pairs=None) -> _Launch:
     """lora_fused_kernel writing y (result 0); its workspace is result 1."""
     T, H = x.shape
     L, R, _ = lora_a[0].shape
@@ -222,10 +225,10 @@ def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, 
     plan = plan_fused(T, H, R, widths, meta.active_lora_ids.shape[0], _dtype_name(x), _dtype_name(lora_a[0]), cfg,
                       add_inputs=True,
                       bias_flags=arguments.bias_flags(bias, len(lora_b)),
-                      has_ranks=lora_ranks is not None, pdl=pdl)
+                      has_ranks=lora_ranks is not None, pdl=pdl, pairs=0 if pairs is None else pairs.num_pairs)
     workspace = _Result(1, plan.workspace_shape, jnp.float32)
     call = arguments.fused_call(plan, x, lora_a, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y,
-                                _Counters(plan.sync_ints), workspace, float(scale), offsets, _strides)
+                                _Counters(plan.sync_ints), workspace, float(scale), offsets, _strides, pairs)
     return _Launch(call.with_alignment_hints(), 0, pdl and plan.launch_pdl)
 
 
@@ -372,28 +375,30 @@ def _run(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtypeStruct], i
 # --------------------------------------------------------------------------------- backend API
 
 def shrink(x, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float, lora_ranks=None, *,
-           config: dict | None = None, deterministic: bool = False) -> jax.Array:
+           config: dict | None = None, deterministic: bool = False, pairs=None) -> jax.Array:
     """(S, T, r) float32: scale * x[t] @ lora_a[s][idx[t]].T, 0 for tokens without LoRA.
-    deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics)."""
+    deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics).
+    pairs: several adapters per token (lora_core.adapter_pairs): (S, T, k * r), pair j's weighted
+    product at columns j*r..(j+1)*r."""
     T = x.shape[0]
-    S, R = len(lora_a), lora_a[0].shape[1]
+    S, R = len(lora_a), lora_a[0].shape[1] * (1 if pairs is None else pairs.num_pairs)
     if T == 0:
         return jnp.zeros((S, 0, R), jnp.float32)
     interpret = _use_interpreter(x, *lora_a)
     parts = []
     for lo, hi in slice_chunks(S):
         launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=False, config=config,
-                                deterministic=deterministic)
+                                deterministic=deterministic, pairs=pairs)
         parts.append(_run([launch], [_shape(launch.call.out)], interpret)[0][0])
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: Sequence[int],
            add_inputs: bool, lora_ranks=None, bias=None, *, config: dict | None = None,
-           deterministic: bool = False, col_scale=None) -> jax.Array:
+           deterministic: bool = False, col_scale=None, pairs=None) -> jax.Array:
     """New y: y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias,
     times col_scale[s][idx[t]] where given (DoRA). deterministic: batch-invariant launches
-    (configs.deterministic_config)."""
+    (configs.deterministic_config). pairs: several adapters per token, summed (buf (S, T, k * r))."""
     if y.shape[0] == 0:
         return y
     offsets = tuple(int(o) for o in offsets)
@@ -401,7 +406,8 @@ def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: S
     interpret = _use_interpreter(y, buf, *lora_b)
     for lo, hi in slice_chunks(len(lora_b)):
         launch = _expand_launch(buf[None, lo:hi], lora_b[lo:hi], y, meta, offsets[lo:hi], add_inputs, lora_ranks,
-                                None if bias is None else tuple(bias[lo:hi]), config, deterministic=deterministic)
+                                None if bias is None else tuple(bias[lo:hi]), config, deterministic=deterministic,
+                                pairs=pairs)
         y = _run([launch], [jax.ShapeDtypeStruct(y.shape, y.dtype)], interpret)[0]
     return y
 
@@ -409,14 +415,15 @@ def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: S
 def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta: LoRAKernelMeta,
            scale: float, offsets: Sequence[int], lora_ranks=None, bias=None, *, fused: bool | None = None,
            shrink_config: dict | None = None, expand_config: dict | None = None,
-           fused_config: dict | None = None, deterministic: bool = False, col_scale=None) -> jax.Array:
+           fused_config: dict | None = None, deterministic: bool = False, col_scale=None, pairs=None) -> jax.Array:
     """add_lora_linear's math: new y with y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias
     (and, where col_scale[s] is given, the slice's new value times col_scale[s][idx[t]]: DoRA).
 
     The fused one-launch kernel where configs.use_fused says so (or fused=True), else a split-K
     shrink into a float32 workspace plus an expand that sums the workspace planes.
     deterministic=True: always shrink + expand with the batch-invariant configs
-    (configs.deterministic_config); fused=True is then an error.
+    (configs.deterministic_config); fused=True is then an error. pairs: several adapters per token
+    (lora_core.adapter_pairs), summed, on either path.
     """
     if fused and deterministic:
         raise ValueError("fused=True cannot be deterministic: deterministic launches always run shrink + "
@@ -441,14 +448,15 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
         y_shape = jax.ShapeDtypeStruct(y.shape, y.dtype)
         if fused:
             launch = _fused_launch(y, x, lora_a[lo:hi], lora_b[lo:hi], meta, scale, offsets[lo:hi], lora_ranks,
-                                   chunk_bias, fused_config, pdl)
+                                   chunk_bias, fused_config, pdl, pairs)
             y = _run([launch], [y_shape, _shape(launch.call.pointers[-1])], interpret)[0]
             continue
         shrink_launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=True,
-                                       config=shrink_config, pdl=pdl, result=1, deterministic=deterministic)
+                                       config=shrink_config, pdl=pdl, result=1, deterministic=deterministic,
+                                       pairs=pairs)
         workspace = shrink_launch.call.out
         expand_launch = _expand_launch(workspace, lora_b[lo:hi], y, meta, offsets[lo:hi], True, lora_ranks,
-                                       chunk_bias, expand_config, pdl, deterministic=deterministic)
+                                       chunk_bias, expand_config, pdl, deterministic=deterministic, pairs=pairs)
         y = _run([shrink_launch, expand_launch], [y_shape, _shape(workspace)], interpret)[0]
     return y
 

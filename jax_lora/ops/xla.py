@@ -16,6 +16,11 @@ of the batch NaN. For the same reason rank padding and no-LoRA rows are masked w
   expand: every slot's buf @ B_l.T, (T, L, n), then a gather of the token's own slot (small
           sizes), or a scan over the slots keeping slot l's product (`where`) only on slot l's
           tokens (memory (T, n) whatever L; about the cost of one matmul over all slots).
+Several adapters per token (`pairs`, lora_core.adapter_pairs): the metadata's ids are groups;
+pair j of token t is slot pairs.slots[group[t], j] with weight pairs.weights[t, j]. The shrink
+writes pair j's weighted product at the rank columns j*r .. (j+1)*r of the buffer, and the expand
+adds every pair's product to y once.
+
 Both read all slots' weights and compute every slot for every token (static shapes, no host sync,
 jit- and vmap-friendly), so this is the fallback, not the fast path.
 """
@@ -56,22 +61,38 @@ def _shrink_rows(xf: jax.Array, a: jax.Array, slot: jax.Array) -> jax.Array:
     return jnp.take_along_axis(every, slot[:, None, None], axis=1)[:, 0]
 
 
+def pair_columns(idx: jax.Array, pairs) -> list[tuple[jax.Array, jax.Array]]:
+    """[(slot (T,), weight (T,) float32) per pair]: each token's pair j, from its group id idx (-1:
+    no adapter, every pair's slot -1) and the pair tables."""
+    t = idx.shape[0]
+    slots, weights = jnp.asarray(pairs.slots), jnp.asarray(pairs.weights)
+    has = (idx >= 0) & (idx < slots.shape[0])
+    g = jnp.where(has, idx, 0)
+    return [(jnp.where(has, slots[g, j], -1), weights[:t, j].astype(jnp.float32)) for j in range(slots.shape[1])]
+
+
 def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float,
-           lora_ranks=None, *, rows=_shrink_rows) -> jax.Array:
-    """x (T, H); lora_a[s] (L, r, H) -> (S, T, r) float32. rows(xf, a, slot) -> (T, r): how each
-    token's own product is computed (jax_lora.ops.invariant passes its batch-invariant form)."""
+           lora_ranks=None, *, rows=_shrink_rows, pairs=None) -> jax.Array:
+    """x (T, H); lora_a[s] (L, r, H) -> (S, T, r) float32 ((S, T, k * r) with k adapter pairs, pair j
+    at columns j*r..). rows(xf, a, slot) -> (T, r): how each token's own product is computed
+    (jax_lora.ops.invariant passes its batch-invariant form)."""
     t = x.shape[0]
     idx = meta.token_lora_mapping[:t]
     xf = x.astype(jnp.float32)
+    columns = [(idx, None)] if pairs is None else pair_columns(idx, pairs)
     outs = []
     for a in lora_a:
         num_slots, rank, _ = a.shape
-        valid, slot = _slots(idx, num_slots)
-        own = rows(xf, a, slot)                                                           # (T, r)
-        keep = valid[:, None]
-        if lora_ranks is not None:
-            keep = keep & _rank_keep(lora_ranks, num_slots, rank)[slot]
-        outs.append(jnp.where(keep, scale * own, 0.0))
+        parts = []
+        for idx_j, weight in columns:
+            valid, slot = _slots(idx_j, num_slots)
+            own = rows(xf, a, slot)                                                       # (T, r)
+            keep = valid[:, None]
+            if lora_ranks is not None:
+                keep = keep & _rank_keep(lora_ranks, num_slots, rank)[slot]
+            own = scale * own if weight is None else (scale * weight)[:, None] * own
+            parts.append(jnp.where(keep, own, 0.0))
+        outs.append(jnp.concatenate(parts, axis=1))
     return jnp.stack(outs)
 
 
@@ -108,8 +129,9 @@ def _expand_slots(x: jax.Array, slot: jax.Array, b: jax.Array, keep=None) -> jax
 
 def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRAKernelMeta,
            offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None, *,
-           rows=None, col_scale=None) -> jax.Array:
+           rows=None, col_scale=None, pairs=None) -> jax.Array:
     """buf (S, T, r); lora_b[s] (L, n_s, r); y (T, N) -> y with the slices written.
+    pairs: several adapters per token (module docstring; buf (S, T, k * r); no bias or col_scale).
 
     bias: None or S entries, each None or (L, n_s): bias[s][idx[t]] is added to the slice too.
     With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are ignored.
@@ -121,6 +143,9 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
     rows = rows or _expand_slots
     t = y.shape[0]
     idx = meta.token_lora_mapping[:t]
+    if pairs is not None:
+        return _expand_pairs(buf, lora_b, y, pair_columns(idx, pairs), offsets, add_inputs, lora_ranks, bias,
+                             col_scale, rows)
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         num_slots, width, rank = b.shape
         valid, slot = _slots(idx, num_slots)
@@ -137,4 +162,29 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
         if col_scale is not None and col_scale[s] is not None:
             new = new * col_scale[s][slot].astype(jnp.float32)                # DoRA: g[slot] per column
         y = y.at[:, off:off + width].set(jnp.where(valid[:, None], new.astype(y.dtype), old))
+    return y
+
+
+def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias, col_scale, rows) -> jax.Array:
+    """`expand` with adapter pairs: y[t, slice s] (+)= sum_j buf[s, t, j*r:(j+1)*r] @ B_s[slot_j].T over
+    the token's pairs; rows without any pair are untouched."""
+    if bias is not None and any(b is not None for b in bias) or col_scale is not None and any(
+            g is not None for g in col_scale):
+        raise ValueError("several adapters per token take no LoRA bias or DoRA column scale (lora_bias_stacked / "
+                         "dora_scale_stacked must be None)")
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        num_slots, width, rank = b.shape
+        keep = None if lora_ranks is None else _rank_keep(lora_ranks, num_slots, rank)     # (L, r)
+        delta = jnp.zeros((y.shape[0], width), jnp.float32)
+        any_pair = jnp.zeros(y.shape[0], bool)
+        for j, (idx_j, _) in enumerate(columns):
+            valid, slot = _slots(idx_j, num_slots)
+            x = buf[s][:, j * rank:(j + 1) * rank].astype(jnp.float32)
+            if keep is not None:
+                x = jnp.where(keep[slot], x, 0.0)
+            delta = delta + jnp.where(valid[:, None], rows(x, slot, b, keep), 0.0)
+            any_pair = any_pair | valid
+        old = y[:, off:off + width]
+        new = (old.astype(jnp.float32) + delta) if add_inputs else delta
+        y = y.at[:, off:off + width].set(jnp.where(any_pair[:, None], new.astype(y.dtype), old))
     return y

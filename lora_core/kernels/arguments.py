@@ -13,7 +13,9 @@ row-major strides of the shape). Slices past the launch's own (up to MAX_SLICES 
 repeat slice 0's weights and strides; a missing bias passes another slice's bias / DoRA scale
 (else slice 0's B) with zero strides (its BIAS flag keeps it unread; the vectors of one launch share
 one dtype); without per-slot ranks the ranks pointer is the counts array (never
-read: HAS_RANKS is off).
+read: HAS_RANKS is off), and without adapter pairs (`lora_core.adapter_pairs`: several adapters
+per token) so are the pair-table pointers (PAIRS is 0). With pairs, the metadata's ids are group
+ids and the kernels' `num_slots` is the number of groups.
 
 The metadata arrives as a `KernelMeta` (lora_core.kernel_meta: its five index arrays are the
 kernels' metadata pointers, in its order); each slice's part of a launch is one `SliceArgs`
@@ -201,45 +203,65 @@ def _bias_args(bias, num_slices: int, dummy, strides: Strides) -> tuple:
     return pointers, pairs
 
 
+def _pair_pointers(m: KernelMeta, pairs) -> tuple:
+    """(pair slots, pair weights) of a launch with adapter pairs, else the counts array twice
+    (never read: PAIRS is 0)."""
+    if pairs is None:
+        return m.num_tokens_per_lora, m.num_tokens_per_lora
+    return pairs.slots, pairs.weights
+
+
+def _id_bound(m: KernelMeta, lora_a_or_b, pairs) -> int:
+    """The kernels' `num_slots`: the ids of the metadata below it are real (slots, or groups with
+    adapter pairs)."""
+    return int(lora_a_or_b.shape[0]) if pairs is None else int(m.active_lora_ids.shape[0]) - 1
+
+
 def shrink_call(plan, x, lora_a: Sequence, lora_ranks, meta: Sequence, scale: float, out,
-                strides: Strides) -> KernelCall:
+                strides: Strides, pairs=None) -> KernelCall:
     """`lora_shrink_kernel`'s call. x (T, H); lora_a: up to MAX_SLICES (L, r, H) weights; lora_ranks
     (L,) int32 or None; meta: a KernelMeta (its five index arrays are read); out: (planes, S, T, r)
-    float32."""
+    float32, (planes, S, T, k * r) with k adapter pairs (`pairs`: an AdapterPairs, or None)."""
     m = _as_kernel_meta(meta)
     sl = _slices(strides, lora_a=lora_a)
     ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
-    pointers = (x, *(s.a for s in sl), ranks, *_index_pointers(m))
-    scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0], lora_a[0].shape[0],
+    pointers = (x, *(s.a for s in sl), ranks, *_pair_pointers(m, pairs), *_index_pointers(m))
+    scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0],
+               _id_bound(m, lora_a[0], pairs),
                *strides(x), *(v for s in sl for v in s.a_strides), *strides(out))
     return KernelCall(lora_shrink_kernel, plan, pointers, scalars, out)
 
 
 def expand_call(plan, buf, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y, offsets: Sequence[int],
-                strides: Strides) -> KernelCall:
-    """`lora_expand_kernel`'s call, writing y in place. buf: (planes, S, T, r) float32; lora_b: up to
-    MAX_SLICES (L, n_s, r) weights; bias: None or per slice None / (L, n_s) (or (L, 1, n_s));
-    meta: a KernelMeta; offsets: the slices' first columns in y (T, N)."""
+                strides: Strides, pairs=None) -> KernelCall:
+    """`lora_expand_kernel`'s call, writing y in place. buf: (planes, S, T, r) float32 ((planes, S, T,
+    k * r) with k adapter pairs); lora_b: up to MAX_SLICES (L, n_s, r) weights; bias: None or per
+    slice None / (L, n_s) (or (L, 1, n_s)); meta: a KernelMeta; offsets: the slices' first columns
+    in y (T, N); pairs: an AdapterPairs, or None."""
     m = _as_kernel_meta(meta)
     sl = _slices(strides, lora_b=lora_b, bias=bias, offsets=offsets)
     ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
-    pointers = (buf, *(s.b for s in sl), *(s.bias for s in sl), ranks, *_index_pointers(m), y)
-    scalars = (y.shape[0], m.token_indices_sorted_by_lora_ids.shape[0], lora_b[0].shape[0], *strides(buf),
+    pointers = (buf, *(s.b for s in sl), *(s.bias for s in sl), ranks, _pair_pointers(m, pairs)[0],
+                *_index_pointers(m), y)
+    scalars = (y.shape[0], m.token_indices_sorted_by_lora_ids.shape[0], _id_bound(m, lora_b[0], pairs),
+               *strides(buf),
                *(v for s in sl for v in s.b_strides), *(v for s in sl for v in s.bias_strides),
                *(s.width for s in sl), *(s.offset for s in sl), *strides(y))
     return KernelCall(lora_expand_kernel, plan, pointers, scalars, y)
 
 
 def fused_call(plan, x, lora_a: Sequence, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y, sync, workspace,
-               scale: float, offsets: Sequence[int], strides: Strides) -> KernelCall:
+               scale: float, offsets: Sequence[int], strides: Strides, pairs=None) -> KernelCall:
     """`lora_fused_kernel`'s call, writing y in place. meta: a KernelMeta; sync: the int32 barrier
-    counters (plan.sync_ints, zeroed once); workspace: plan.workspace_shape float32."""
+    counters (plan.sync_ints, zeroed once); workspace: plan.workspace_shape float32; pairs: an
+    AdapterPairs, or None."""
     m = _as_kernel_meta(meta)
     sl = _slices(strides, lora_a=lora_a, lora_b=lora_b, bias=bias, offsets=offsets)
     ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
-    pointers = (x, *(s.a for s in sl), *(s.b for s in sl), *(s.bias for s in sl), ranks, *_index_pointers(m), y,
-                sync, workspace)
-    scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0], lora_a[0].shape[0],
+    pointers = (x, *(s.a for s in sl), *(s.b for s in sl), *(s.bias for s in sl), ranks, *_pair_pointers(m, pairs),
+                *_index_pointers(m), y, sync, workspace)
+    scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0],
+               _id_bound(m, lora_a[0], pairs),
                *strides(x), *(v for s in sl for v in s.a_strides), *(v for s in sl for v in s.b_strides),
                *(v for s in sl for v in s.bias_strides), *(s.width for s in sl), *(s.offset for s in sl),
                *strides(y), *strides(workspace)[:3])

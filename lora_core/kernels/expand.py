@@ -138,10 +138,61 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
                  BIAS0 + BIAS1 + BIAS2 + BIAS3 > 0)
 
 
+@triton.jit
+def _expand_pairs_tile(j, group, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, ranks_ptr, pair_slots_ptr,
+                       y_ptr, out_ptr, stride_buf_plane, stride_buf_slice, stride_buf_token, stride_buf_rank,
+                       stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank,
+                       stride_b2_slot, stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
+                       width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
+                       stride_y_col, RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_TILES: tl.constexpr,
+                       NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr, ADD_INPUTS: tl.constexpr,
+                       HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       ALIGNED: tl.constexpr, PAIRS: tl.constexpr):
+    """Output tile j of a token tile whose tokens share one tuple of PAIRS slots (group `group`):
+
+      y[t, off_s + n] = (y if ADD_INPUTS else 0)
+                        + sum_j sum_p buf[p, s, t, j * RANK : j * RANK + rank_j] @ B_s[slot_j, n, :rank_j]
+
+    slot_j = pair_slots[group, j] (-1: pair j is empty and adds nothing); the buffer rows are
+    already weighted by the shrink. One float32 accumulator for every pair: y is read and written
+    once. No epilogue vector (several adapters take no LoRA bias or DoRA scale).
+    """
+    s, n0 = slice_of_tile(tl.minimum(j, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
+    b_ptr = pick_slice(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
+    stride_bl = hint16(pick_slice(s, stride_b0_slot, stride_b1_slot, stride_b2_slot, stride_b3_slot), ALIGNED)
+    stride_bn = hint16(pick_slice(s, stride_b0_col, stride_b1_col, stride_b2_col, stride_b3_col), ALIGNED)
+    stride_bk = pick_slice(s, stride_b0_rank, stride_b1_rank, stride_b2_rank, stride_b3_rank)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = (cols < hint16(pick_slice(s, width0, width1, width2, width3), ALIGNED)) & ((cols * 0 + j) < NUM_TILES)
+    offs_r = tl.arange(0, BLOCK_R)
+    buf_rows = (buf_ptr + s * hint16(stride_buf_slice, ALIGNED) + tok[:, None] * hint16(stride_buf_token, ALIGNED))
+    y_offs, write, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok, hint16(pick_slice(s, offset0, offset1, offset2,
+                                                                                      offset3), ALIGNED),
+                                   hint16(stride_y_token, ALIGNED), stride_y_col, ADD_INPUTS)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for q in tl.static_range(PAIRS):
+        slot = tl.load(pair_slots_ptr + tl.maximum(group, 0) * PAIRS + q)
+        has_pair = (group >= 0) & (slot >= 0)
+        slot = tl.where(has_pair, slot, 0)
+        rank = slot_rank(ranks_ptr, slot, has_pair, RANK, HAS_RANKS)
+        b_rows = b_ptr + slot.to(tl.int64) * stride_bl + cols[:, None] * stride_bn
+        for k0 in range(0, rank, BLOCK_R):
+            kk = k0 + offs_r
+            bt = load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS, True)
+            lhs = workspace_lhs(buf_rows + (q * RANK) * stride_buf_rank, hint16(stride_buf_plane, ALIGNED),
+                                stride_buf_rank, kk, tok_ok, rank, RANK, HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R,
+                                True)
+            acc = rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
+    store_slice(acc, y_old, out_ptr, y_offs, write, b_ptr, group, cols, col_ok, 0, 0, 0, False)
+
+
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_expand_kernel(
-        # pointers: the buffer, B per slice, the epilogue vector per slice, the per-slot ranks
+        # pointers: the buffer, B per slice, the epilogue vector per slice, the per-slot ranks, the
+        # adapter pairs' slots
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr,
+        pair_slots_ptr,
         # pointers: the metadata, KernelMeta's index arrays in its order; then y
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
         # sizes
@@ -170,7 +221,7 @@ def lora_expand_kernel(
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
         PREFETCH_LINE: tl.constexpr, PREFETCH_Y_LINES: tl.constexpr, PREFETCH_Y_LINE: tl.constexpr,
-        B_SELECT: tl.constexpr):
+        B_SELECT: tl.constexpr, PAIRS: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + sum_p buf[p, s, t, :] @ B_s[idx[t], n, :] + bias.
 
     Grid (cdiv(NUM_TILES, TILES_N), token tiles): program (i, tile) writes output tiles
@@ -188,6 +239,8 @@ def lora_expand_kernel(
     all of them can be prefetched into L2 before it (loaded after it, by the pipelined loop).
     B_SELECT (one tile, one rank block): the B tile goes through the rank select even without
     per-slot ranks, which makes Triton stage it through shared memory (see `load_rank_cols`).
+    PAIRS > 0 (several adapters per token): `_expand_pairs_tile` per output tile; PAIRS == 0
+    compiles none of it.
     """
     if USE_PDL:
         # A programmatic dependent after this kernel (the next layer's shrink) may be scheduled
@@ -199,6 +252,19 @@ def lora_expand_kernel(
                                         num_slots, num_tokens, num_sorted, BLOCK_M, NUM_GROUPS, GROUPS_P2,
                                         True, SMALL_T)
     if n_tok <= 0:
+        return
+    if PAIRS > 0:
+        if USE_PDL:
+            gdc_wait()
+        for t in range(TILES_N):
+            _expand_pairs_tile(i * TILES_N + t, lora_id, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
+                               ranks_ptr, pair_slots_ptr, y_ptr, out_ptr, stride_buf_plane, stride_buf_slice,
+                               stride_buf_token, stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank,
+                               stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col,
+                               stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
+                               width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
+                               stride_y_col, RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, ADD_INPUTS, HAS_RANKS,
+                               BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, PAIRS)
         return
     rank = slot_rank(ranks_ptr, lora_id, lora_id >= 0, RANK, HAS_RANKS)
     # Two call sites on purpose: one tile waits (PDL) between its B/y loads and its workspace loads,
@@ -312,15 +378,22 @@ class ExpandPlan(PlanKey):
 def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: int, num_partials: int,
                 w_dtype: str, y_dtype: str, config: dict, *, add_inputs: bool, bias_flags: Sequence[bool],
                 has_ranks: bool, aligned: bool = False, pdl: bool = False,
-                deterministic: bool = False) -> ExpandPlan:
+                deterministic: bool = False, pairs: int = 0) -> ExpandPlan:
     """Grid and meta-parameters of `lora_expand_kernel`. config: BLOCK_M, BLOCK_N, BLOCK_R, warps, stages,
     TILES_N (output tiles per program, default 1), Y_AHEAD (with TILES_N > 1: load the next tile's y
     before this tile's math; default False), PREFETCH / PREFETCH_Y (with TILES_N > 1 and pdl:
     prefetch the program's B tiles / y rows into L2 before waiting for the shrink; default False),
     B_SELECT (with one tile and one rank block: B through shared memory, see the kernel; default
     True: faster at decode and mid sizes; docs/benchmarks_evidence.md has the measurement).
-    deterministic=True: never SMALL_T, whatever the config says (see configs.deterministic_config)."""
+    deterministic=True: never SMALL_T, whatever the config says (see configs.deterministic_config).
+    pairs > 0: several adapters per token (`_expand_pairs_tile`), the metadata's ids are group ids;
+    no epilogue vectors, no look-ahead or prefetch (their addresses depend on the group's slots)."""
     assert 1 <= len(widths) <= MAX_SLICES
+    if pairs and any(bias_flags):
+        raise ValueError("several adapters per token take no LoRA bias or DoRA column scale (lora_bias_stacked / "
+                         "dora_scale_stacked must be None)")
+    if pairs:
+        config = {**config, "Y_AHEAD": False, "PREFETCH": False, "PREFETCH_Y": False, "B_SELECT": False}
     if deterministic:
         config = {**config, "SMALL_T": False}
     block_m, block_n = int(config["BLOCK_M"]), int(config["BLOCK_N"])
@@ -339,6 +412,6 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
     y_prefetch = prefetch_constexprs(pdl and tiles_n > 1 and bool(config.get("PREFETCH_Y", False)),
                                      tiles_n * block_n, y_dtype)
     c.update(PREFETCH_Y_LINES=y_prefetch["PREFETCH_LINES"], PREFETCH_Y_LINE=y_prefetch["PREFETCH_LINE"],
-             B_SELECT=bool(config.get("B_SELECT", True)) and tiles_n == 1 and rank <= block_r)
+             B_SELECT=bool(config.get("B_SELECT", True)) and tiles_n == 1 and rank <= block_r, PAIRS=int(pairs))
     grid = (total // tiles_n, max_tiles(num_tokens, num_groups, block_m, small_t))
     return ExpandPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)))

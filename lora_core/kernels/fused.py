@@ -26,6 +26,7 @@ from .common import (
     load_rank_cols,
     pick_slice,
     prefetch_rows,
+    rank_dot,
     shrink_tile,
     slice_of_tile,
     slot_rank,
@@ -89,11 +90,62 @@ def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr, POLL_LIMIT: 
             _trap()
 
 
+@triton.jit
+def _fused_pairs_shrink(x_ptr, a_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, ws_ptr, group, tok, tok_ok, split,
+                        s_in, scale, k_begin, k_end, hidden, stride_x_token, stride_x_hidden, stride_a_slot,
+                        stride_a_rank, stride_a_hidden, stride_ws_plane, stride_ws_slice, stride_ws_token,
+                        RANK: tl.constexpr, HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        PAIRS: tl.constexpr):
+    """Step 1 with adapter pairs: ws[split, s_in, t, j*RANK + c] = w[t, j] * scale * x[t, chunk] @
+    A[slot_j, c, chunk].T for every pair j of the tile's group (zeros for an empty pair)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    ws0 = (ws_ptr + split.to(tl.int64) * stride_ws_plane + s_in * stride_ws_slice + tok[:, None] * stride_ws_token
+           + offs_r[None, :])
+    for j in tl.static_range(PAIRS):
+        slot = tl.load(pair_slots_ptr + group * PAIRS + j)
+        has_pair = slot >= 0
+        slot = tl.where(has_pair, slot, 0)
+        rank = slot_rank(ranks_ptr, slot, has_pair, RANK, HAS_RANKS)
+        acc = shrink_tile(x_ptr, a_ptr, tok, tok_ok, slot, rank, k_begin, tl.where(has_pair, k_end, k_begin), hidden,
+                          stride_x_token, stride_x_hidden, stride_a_slot, stride_a_rank, stride_a_hidden,
+                          BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
+        w = scale * tl.load(pair_weights_ptr + tok * PAIRS + j, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(ws0 + j * RANK, acc * w, mask=tok_ok[:, None] & (offs_r < RANK)[None, :])
+
+
+@triton.jit
+def _fused_pairs_out(b_ptr, ranks_ptr, pair_slots_ptr, ws_ptr, group, tok, tok_ok, cols, col_ok, s_out, y_old, out_ptr,
+                     y_offs, write, stride_b_slot, stride_b_col, stride_b_rank, stride_ws_plane, stride_ws_slice,
+                     stride_ws_token, RANK: tl.constexpr, HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, PAIRS: tl.constexpr):
+    """Step 3 with adapter pairs: the output tile's y + sum_j (sum_p ws[p, s_out, t, j*RANK:]) @
+    B[slot_j, cols].T over the tile's pairs, one float32 accumulator, one store (no epilogue)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(PAIRS):
+        slot = tl.load(pair_slots_ptr + group * PAIRS + j)
+        has_pair = slot >= 0
+        slot = tl.where(has_pair, slot, 0)
+        rank = slot_rank(ranks_ptr, slot, has_pair, RANK, HAS_RANKS)
+        bt = load_rank_cols(b_ptr + slot.to(tl.int64) * stride_b_slot + cols[:, None] * stride_b_col
+                            + offs_r[None, :] * stride_b_rank, col_ok, offs_r, rank, RANK, HAS_RANKS, True)
+        lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for p in tl.static_range(SPLIT_K):
+            lhs += tl.load(ws_ptr + p * stride_ws_plane + s_out * stride_ws_slice + tok[:, None] * stride_ws_token
+                           + (j * RANK + offs_r)[None, :], mask=tok_ok[:, None] & (offs_r < rank)[None, :],
+                           other=0.0, cache_modifier=".cg")
+        acc = rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
+    store_slice(acc, y_old, out_ptr, y_offs, write, b_ptr, group, cols, col_ok, 0, 0, 0, False)
+
+
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_fused_kernel(
-        # pointers: x, A per slice, B per slice, the epilogue vector per slice, the per-slot ranks
+        # pointers: x, A per slice, B per slice, the epilogue vector per slice, the per-slot ranks,
+        # the adapter pairs (slots, weights)
         x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-        bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr,
+        bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr,
         # pointers: the metadata, KernelMeta's index arrays in its order; then y, the barrier
         # counters and the float32 workspace
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr, sync_ptr, ws_ptr,
@@ -129,7 +181,7 @@ def lora_fused_kernel(
         NUM_GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, PHASE: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr, BARRIER_POLLS: tl.constexpr, B_SELECT: tl.constexpr):
+        PREFETCH_LINE: tl.constexpr, BARRIER_POLLS: tl.constexpr, B_SELECT: tl.constexpr, PAIRS: tl.constexpr):
     """y[t, off_s + n] = (y if ADD_INPUTS else 0) + (scale * x[t] @ A_s[idx].T) @ B_s[idx, n].T + bias.
 
     One launch, grid (P, token tiles): the P programs of a token tile share its work and meet once.
@@ -151,6 +203,11 @@ def lora_fused_kernel(
     (compiled) does everything in one launch. Needs BLOCK_R >= RANK (one rank block).
     USE_PDL: launched as a programmatic dependent of the kernel before it, waiting for it before
     reading x and y (metadata and weights are read, or prefetched, before: as in the shrink).
+    PAIRS > 0 (several adapters per token, contract section 10; the metadata's ids are group ids):
+    step 1 computes each pair j's weighted shrink (slot pairs.slots[group, j], weight
+    pairs.weights[t, j]) into the workspace's rank columns j*RANK.., step 3 sums every pair's
+    product through its own B (`_fused_pairs_shrink`, `_fused_pairs_out`); PAIRS == 0 compiles
+    none of it.
     """
     p = tl.program_id(0)
     row = tl.program_id(1)
@@ -161,7 +218,10 @@ def lora_fused_kernel(
                                         True, SMALL_T)
     busy = n_tok > 0
     lora_id = tl.where(busy, lora_id, 0)
-    rank = slot_rank(ranks_ptr, lora_id, busy, RANK, HAS_RANKS)
+    if PAIRS == 0:
+        rank = slot_rank(ranks_ptr, lora_id, busy, RANK, HAS_RANKS)
+    else:
+        rank = 0                                 # per pair (`_fused_pairs_shrink`, `_fused_pairs_out`)
     offs_r = tl.arange(0, BLOCK_R)
     stride_ws_token = hint16(stride_ws_token, ALIGNED)
     is_out = p < NUM_TILES
@@ -169,8 +229,8 @@ def lora_fused_kernel(
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = (cols < hint16(pick_slice(s_out, width0, width1, width2, width3),
                             ALIGNED)) & ((cols * 0 + p) < NUM_TILES)
-    if PHASE != 1:
-        b_ptr = pick_slice(s_out, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
+    b_ptr = pick_slice(s_out, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
+    if PHASE != 1 and PAIRS == 0:
         bt = load_rank_cols(b_ptr + lora_id.to(tl.int64) * hint16(pick_slice(s_out, stride_b0_slot, stride_b1_slot,
                                                                              stride_b2_slot, stride_b3_slot), ALIGNED)
                              + cols[:, None] * hint16(pick_slice(s_out, stride_b0_col, stride_b1_col, stride_b2_col,
@@ -199,7 +259,16 @@ def lora_fused_kernel(
         y_offs, write, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok,
                                        hint16(pick_slice(s_out, offset0, offset1, offset2, offset3), ALIGNED),
                                        hint16(stride_y_token, ALIGNED), stride_y_col, ADD_INPUTS)
-    if PHASE != 2:
+    if PHASE != 2 and PAIRS > 0:
+        if p < NUM_SLICES * SPLIT_K:
+            _fused_pairs_shrink(x_ptr, a_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, ws_ptr, lora_id, tok, tok_ok,
+                                split, s_in, scale, k_begin, tl.minimum(k_begin + K_PER_SPLIT, hidden), hidden,
+                                hint16(stride_x_token, ALIGNED), stride_x_hidden, stride_a_slot, stride_a_rank,
+                                stride_a_hidden, hint16(stride_ws_plane, ALIGNED), hint16(stride_ws_slice, ALIGNED),
+                                stride_ws_token, RANK, HAS_RANKS, BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION,
+                                PAIRS)
+        _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
+    if PHASE != 2 and PAIRS == 0:
         if p < NUM_SLICES * SPLIT_K:
             acc = shrink_tile(x_ptr, a_ptr, tok, tok_ok, lora_id, rank, k_begin, k_end, hidden,
                                hint16(stride_x_token, ALIGNED), stride_x_hidden, stride_a_slot, stride_a_rank,
@@ -210,7 +279,18 @@ def lora_fused_kernel(
                   + tok[:, None] * stride_ws_token + offs_r[None, :])
             tl.store(ws, acc * scale, mask=tok_ok[:, None] & (offs_r < RANK)[None, :])
         _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
-    if PHASE != 1:  # noqa: SIM102 - a constexpr test, resolved when the kernel compiles; is_out is a runtime value
+    if PHASE != 1 and PAIRS > 0:  # noqa: SIM102 - a constexpr test, resolved when the kernel compiles
+        if is_out:
+            _fused_pairs_out(b_ptr, ranks_ptr, pair_slots_ptr, ws_ptr, lora_id, tok, tok_ok, cols, col_ok, s_out,
+                             y_old, out_ptr, y_offs, write,
+                             hint16(pick_slice(s_out, stride_b0_slot, stride_b1_slot, stride_b2_slot, stride_b3_slot),
+                                    ALIGNED),
+                             hint16(pick_slice(s_out, stride_b0_col, stride_b1_col, stride_b2_col, stride_b3_col),
+                                    ALIGNED),
+                             pick_slice(s_out, stride_b0_rank, stride_b1_rank, stride_b2_rank, stride_b3_rank),
+                             hint16(stride_ws_plane, ALIGNED), hint16(stride_ws_slice, ALIGNED), stride_ws_token,
+                             RANK, HAS_RANKS, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, PAIRS)
+    if PHASE != 1 and PAIRS == 0:  # noqa: SIM102 - a constexpr test, resolved when the kernel compiles
         if is_out:
             # The SPLIT_K planes, WS_GROUP at a time in one load (all of a group in flight at once;
             # decode: every plane in one load), from L2 (".cg": not L1), summed.
@@ -272,14 +352,18 @@ WS_LOAD_MAX = 4096  # floats of workspace planes the fused kernel loads at once 
 def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], num_groups: int,
                x_dtype: str, w_dtype: str, config: dict, *, add_inputs: bool,
                bias_flags: Sequence[bool], has_ranks: bool, aligned: bool = False,
-               pdl: bool = False) -> FusedPlan:
+               pdl: bool = False, pairs: int = 0) -> FusedPlan:
     """Grid and meta-parameters of `lora_fused_kernel`.
 
     config: BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K (hidden chunks per slice; 0: one shrink program per
     output tile), num_warps, num_stages. P = max(output tiles, slices * SPLIT_K) programs per token
-    tile; the workspace has SPLIT_K planes (`FusedPlan.workspace_shape`).
+    tile; the workspace has SPLIT_K planes (`FusedPlan.workspace_shape`). pairs > 0: several
+    adapters per token (no epilogue vectors, no L2 prefetch; a workspace of pairs * rank columns).
     """
     assert 1 <= len(widths) <= MAX_SLICES
+    if pairs and any(bias_flags):
+        raise ValueError("several adapters per token take no LoRA bias or DoRA column scale (lora_bias_stacked / "
+                         "dora_scale_stacked must be None)")
     block_m, block_n, block_k = int(config["BLOCK_M"]), int(config["BLOCK_N"]), int(config["BLOCK_K"])
     small_t, block_m = small_t_block(num_tokens, block_m, config)
     block_r = max(16, next_pow2(rank))
@@ -298,8 +382,8 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
              NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups), PHASE=0, CAST_FP32=cast,
              DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t, USE_PDL=bool(pdl),
-             BARRIER_POLLS=BARRIER_POLL_LIMIT, B_SELECT=bool(config.get("B_SELECT", False)),
-             **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split, w_dtype))
+             BARRIER_POLLS=BARRIER_POLL_LIMIT, B_SELECT=bool(config.get("B_SELECT", False)), PAIRS=int(pairs),
+             **prefetch_constexprs(pdl and config.get("PREFETCH", True) and not pairs, k_per_split, w_dtype))
     grid = (max(total, num_slices * split), max_tiles(num_tokens, num_groups, block_m, small_t))
     return FusedPlan(grid, c, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),
-                     (split, num_slices, num_tokens, rank))
+                     (split, num_slices, num_tokens, rank * max(1, int(pairs))))

@@ -48,10 +48,69 @@ def _store_rank_rows(out, acc, write, ATOMIC: tl.constexpr):
         tl.store(out, acc, mask=write)
 
 
+@triton.jit
+def _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, group,
+                  has_group, tok, tok_ok, s, split, scale, hidden, stride_x_token, stride_x_hidden,
+                  stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden,
+                  stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
+                  stride_out_plane, stride_out_slice, stride_out_token, stride_out_rank, out_ptr,
+                  RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                  K_PER_SPLIT: tl.constexpr, ATOMIC: tl.constexpr, HAS_RANKS: tl.constexpr,
+                  CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
+                  SLICES: tl.constexpr, PAIRS: tl.constexpr):
+    """The shrink of a token tile whose tokens share one tuple of PAIRS slots (group `group`):
+
+      out[p, s, t, j * RANK + c] = w[t, j] * scale * x[t, chunk p] @ A_s[slot_j, c, chunk p].T
+
+    slot_j = pair_slots[group, j] (-1: no adapter in pair j, zero columns), w = pair_weights
+    (tokens, PAIRS) float32. The pairs' rank columns lie side by side in the buffer's rank axis.
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    k_begin = split * K_PER_SPLIT
+    plane = tl.where(ATOMIC, 0, split)
+    stride_out_slice = hint16(stride_out_slice, ALIGNED)
+    out0 = (out_ptr + plane.to(tl.int64) * hint16(stride_out_plane, ALIGNED) + s * stride_out_slice
+            + tok[:, None] * hint16(stride_out_token, ALIGNED) + offs_r[None, :] * stride_out_rank)
+    write = tok_ok[:, None] & (offs_r < RANK)[None, :]
+    for j in tl.static_range(PAIRS):
+        slot = tl.load(pair_slots_ptr + tl.where(has_group, group, 0) * PAIRS + j)
+        has_pair = has_group & (slot >= 0)
+        slot = tl.where(has_pair, slot, 0)
+        rank = slot_rank(ranks_ptr, slot, has_pair, RANK, HAS_RANKS)
+        if SLICES == 1:
+            a0_rows = lora_a_rows(pick_slice(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr), slot,
+                                  hint16(pick_slice(s, stride_a0_slot, stride_a1_slot, stride_a2_slot,
+                                                    stride_a3_slot), ALIGNED),
+                                  hint16(pick_slice(s, stride_a0_rank, stride_a1_rank, stride_a2_rank,
+                                                    stride_a3_rank), ALIGNED), BLOCK_R)
+            sa0_h = pick_slice(s, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden)
+        else:
+            a0_rows = lora_a_rows(a0_ptr, slot, hint16(stride_a0_slot, ALIGNED), hint16(stride_a0_rank, ALIGNED),
+                                  BLOCK_R)
+            sa0_h = stride_a0_hidden
+        a1_rows = lora_a_rows(a1_ptr, slot, hint16(stride_a1_slot, ALIGNED), hint16(stride_a1_rank, ALIGNED), BLOCK_R)
+        a2_rows = lora_a_rows(a2_ptr, slot, hint16(stride_a2_slot, ALIGNED), hint16(stride_a2_rank, ALIGNED), BLOCK_R)
+        a3_rows = lora_a_rows(a3_ptr, slot, hint16(stride_a3_slot, ALIGNED), hint16(stride_a3_rank, ALIGNED), BLOCK_R)
+        k_end = tl.where(has_pair, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)
+        acc0, acc1, acc2, acc3 = shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, sa0_h, stride_a1_hidden,
+                                               stride_a2_hidden, stride_a3_hidden, tok, tok_ok, rank, k_begin, k_end,
+                                               hidden, stride_x_token, stride_x_hidden, SLICES, BLOCK_M, BLOCK_K,
+                                               BLOCK_R, CAST_FP32, DOT_PRECISION)
+        w = scale * tl.load(pair_weights_ptr + tok * PAIRS + j, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
+        out = out0 + (j * RANK) * stride_out_rank
+        _store_rank_rows(out, acc0 * w, write, ATOMIC)
+        if SLICES > 1:
+            _store_rank_rows(out + stride_out_slice, acc1 * w, write, ATOMIC)
+        if SLICES > 2:
+            _store_rank_rows(out + 2 * stride_out_slice, acc2 * w, write, ATOMIC)
+        if SLICES > 3:
+            _store_rank_rows(out + 3 * stride_out_slice, acc3 * w, write, ATOMIC)
+
+
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_shrink_kernel(
-        # pointers: x, A per slice (slices 0..3), the per-slot ranks
-        x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr,
+        # pointers: x, A per slice (slices 0..3), the per-slot ranks, the adapter pairs (slots, weights)
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr,
         # pointers: the metadata, KernelMeta's index arrays in its order
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
         # scale and sizes
@@ -72,7 +131,7 @@ def lora_shrink_kernel(
         LORA_ONLY: tl.constexpr, ATOMIC: tl.constexpr, HAS_RANKS: tl.constexpr,
         CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
         SMALL_T: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PREFETCH_LINE: tl.constexpr, SLICES: tl.constexpr):
+        PREFETCH_LINE: tl.constexpr, SLICES: tl.constexpr, PAIRS: tl.constexpr):
     """out[p, s, t, :RANK] = scale * x[t, chunk p] @ A_s[idx[t], :, chunk p].T.
 
     Grid (slice programs, SPLIT_K, tiles). SLICES == 1: program (s, p, tile) computes slice s.
@@ -82,6 +141,8 @@ def lora_shrink_kernel(
     every split into plane 0 of a zeroed output. Without LORA_ONLY (stand-alone shrink, no
     atomics), tokens of non-slot groups get zero rows. PREFETCH_LINES > 0 (with USE_PDL): the
     program's A chunks are prefetched into L2 while the kernel before it still runs.
+    PAIRS > 0 (several adapters per token, `_shrink_pairs`): the metadata groups tokens by their
+    tuple of slots; PAIRS == 0 compiles none of that code.
     """
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -127,6 +188,15 @@ def lora_shrink_kernel(
         gdc_launch_dependents()
     if n_tok <= 0:
         return
+    if PAIRS > 0:
+        _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, lora_id,
+                      has_lora, tok, tok_ok, s, split, scale, hidden, stride_x_token, stride_x_hidden,
+                      stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank,
+                      stride_a1_hidden, stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot,
+                      stride_a3_rank, stride_a3_hidden, stride_out_plane, stride_out_slice, stride_out_token,
+                      stride_out_rank, out_ptr, RANK, BLOCK_M, BLOCK_K, BLOCK_R, K_PER_SPLIT, ATOMIC, HAS_RANKS,
+                      CAST_FP32, DOT_PRECISION, ALIGNED, SLICES, PAIRS)
+        return
     acc0, acc1, acc2, acc3 = shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden,
                                            stride_a1_hidden, stride_a2_hidden, stride_a3_hidden,
                                             tok, tok_ok, rank, k_begin, k_end, hidden, stride_x_token,
@@ -168,7 +238,7 @@ class ShrinkPlan(PlanKey):
 def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_groups: int,
                 x_dtype: str, w_dtype: str, config: dict, *, lora_only: bool, workspace: bool,
                 has_ranks: bool, aligned: bool = False, pdl: bool = False,
-                deterministic: bool = False) -> ShrinkPlan:
+                deterministic: bool = False, pairs: int = 0) -> ShrinkPlan:
     """Grid and meta-parameters of `lora_shrink_kernel`.
 
     workspace=True: the output has one plane per split (the linear path); else SPLIT_K > 1 means
@@ -178,6 +248,8 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
     x read once for them -- SLICES = num_slices, grid axis 0 of size 1).
     deterministic=True: never atomic adds (without a workspace the shrink runs unsplit) and never
     SMALL_T, whatever the config says (see configs.deterministic_config).
+    pairs > 0: several adapters per token (`_shrink_pairs`), the metadata's ids are group ids; no
+    L2 prefetch (the group's slots are known only after a load).
     """
     if deterministic:
         config = {**config, "SMALL_T": False, **({} if workspace else {"SPLIT_K": 1})}
@@ -192,9 +264,9 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
                       K_PER_SPLIT=k_per_split, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
                       LORA_ONLY=bool(lora_only or atomic), ATOMIC=atomic, HAS_RANKS=bool(has_ranks),
                       CAST_FP32=cast, DOT_PRECISION=precision, ALIGNED=bool(aligned), SMALL_T=small_t,
-                      USE_PDL=bool(pdl), **prefetch_constexprs(pdl and config.get("PREFETCH", True), k_per_split,
-                                                               w_dtype),
-                      SLICES=num_slices if config.get("ALL_SLICES") else 1)
+                      USE_PDL=bool(pdl), **prefetch_constexprs(pdl and config.get("PREFETCH", True) and not pairs,
+                                                               k_per_split, w_dtype),
+                      SLICES=num_slices if config.get("ALL_SLICES") else 1, PAIRS=int(pairs))
     grid = (num_slices // constexprs["SLICES"], split,
             max_tiles(num_tokens, num_groups, block_m, small_t, constexprs["LORA_ONLY"]))
     return ShrinkPlan(grid, constexprs, int(config.get("num_warps", 4)), int(config.get("num_stages", 2)),

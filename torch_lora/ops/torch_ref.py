@@ -16,6 +16,11 @@ of the batch NaN. For the same reason rank padding and no-LoRA rows are masked w
   expand: every slot's buf @ B_l.T, (T, L, n), then a gather of the token's own slot (small
           sizes), or a loop over the L slots keeping slot l's product only on slot l's tokens
           (memory (T, n) whatever L).
+Several adapters per token (`pairs`, lora_core.adapter_pairs): the metadata's ids are groups;
+pair j of token t is slot pairs.slots[group[t], j] with weight pairs.weights[t, j]. The shrink
+writes pair j's weighted product at the rank columns j*r .. (j+1)*r of the buffer, and the expand
+adds every pair's product to y once (one float32 sum, one write).
+
 No data-dependent shapes and no host sync on any device (CUDA-graph capturable), at the price of
 reading every slot's weights and computing every slot for every token: it is the fallback, not the
 fast path.
@@ -53,22 +58,40 @@ def _shrink_rows(xf: torch.Tensor, a: torch.Tensor, slot: torch.Tensor) -> torch
     return torch.take_along_dim(every, slot[:, None, None], dim=1)[:, 0]
 
 
+def pair_columns(idx: torch.Tensor, pairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(slot (T,), weight (T,) float32) per pair]: each token's pair j, from its group id idx (-1:
+    no adapter, every pair's slot -1) and the pair tables."""
+    t = idx.shape[0]
+    slots, weights = pairs.slots.to(idx.device), pairs.weights.to(idx.device)
+    has = (idx >= 0) & (idx < slots.shape[0])
+    g = torch.where(has, idx, torch.zeros_like(idx)).long()
+    out = []
+    for j in range(slots.shape[1]):
+        slot = torch.where(has, slots[g, j], torch.full_like(slots[g, j], -1))
+        out.append((slot, weights[:t, j].to(torch.float32)))
+    return out
+
+
 @torch.no_grad()
 def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args: tuple,
-           scale: float, lora_ranks: torch.Tensor | None = None, *, rows=_shrink_rows) -> None:
-    """out[s] (T, r) float32 written. rows(xf, a, slot) -> (T, r): how each token's own product is
-    computed (torch_lora.ops.invariant passes its batch-invariant form)."""
+           scale: float, lora_ranks: torch.Tensor | None = None, *, rows=_shrink_rows, pairs=None) -> None:
+    """out[s] (T, r) float32 written ((T, k * r) with k adapter pairs: pair j at columns j*r..). rows(xf,
+    a, slot) -> (T, r): how each token's own product is computed (torch_lora.ops.invariant passes
+    its batch-invariant form)."""
     t = x.shape[0]
     idx = meta_args[0][:t]   # token_lora_mapping, meta_args' first entry (the only one read here)
     xf = x.to(torch.float32)
+    columns = [(idx, None)] if pairs is None else pair_columns(idx, pairs)
     for s, a in enumerate(lora_a):
         num_slots, rank, _ = a.shape
-        valid, slot = _slots(idx, num_slots)
-        own = rows(xf, a, slot)                                                    # (T, r)
-        keep = valid[:, None]
-        if lora_ranks is not None:
-            keep = keep & _rank_keep(lora_ranks, num_slots, rank, x.device)[slot]
-        out[s].copy_(torch.where(keep, scale * own, torch.zeros_like(own)))
+        for j, (idx_j, weight) in enumerate(columns):
+            valid, slot = _slots(idx_j, num_slots)
+            own = rows(xf, a, slot)                                                # (T, r)
+            keep = valid[:, None]
+            if lora_ranks is not None:
+                keep = keep & _rank_keep(lora_ranks, num_slots, rank, x.device)[slot]
+            own = scale * own if weight is None else (scale * weight)[:, None] * own
+            out[s][:, j * rank:(j + 1) * rank].copy_(torch.where(keep, own, torch.zeros_like(own)))
 
 
 def _expand_slots(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor,
@@ -102,15 +125,20 @@ def _expand_slots(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor,
 @torch.no_grad()
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args: tuple,
            offsets: Sequence[int], add_inputs: bool, lora_ranks: torch.Tensor | None = None,
-           bias=None, *, rows=None, col_scale=None) -> None:
+           bias=None, *, rows=None, col_scale=None, pairs=None) -> None:
     """With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are
     ignored. rows(x, slot, b, keep) -> (T, n): each token's own product (default `_expand_slots`;
     torch_lora.ops.invariant passes its batch-invariant form). col_scale: None or S entries, each
     None or (L, n_s): a token's new slice values are multiplied by col_scale[s][idx[t]] (DoRA's
-    column scale, lora_core.dora), after the bias."""
+    column scale, lora_core.dora), after the bias. pairs: several adapters per token (the module
+    docstring; no bias or col_scale then)."""
     rows = rows or _expand_slots
     t = y.shape[0]
     idx = meta_args[0][:t]   # token_lora_mapping, meta_args' first entry (the only one read here)
+    if pairs is not None:
+        _expand_pairs(buf, lora_b, y, pair_columns(idx, pairs), offsets, add_inputs, lora_ranks, bias, col_scale,
+                      rows)
+        return
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         num_slots, width, rank = b.shape
         valid, slot = _slots(idx, num_slots)
@@ -127,5 +155,31 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
         if col_scale is not None and col_scale[s] is not None:
             new = new * col_scale[s][slot].to(torch.float32)                    # DoRA: g[slot] per column
         old.copy_(torch.where(valid[:, None], new.to(y.dtype), old))
+
+
+def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias, col_scale, rows) -> None:
+    """`expand` with adapter pairs: y[t, slice s] (+)= sum_j buf[s, t, j*r:(j+1)*r] @ B_s[slot_j].T over
+    the token's pairs; rows without any pair are untouched."""
+    if bias is not None and any(b is not None for b in bias) or col_scale is not None and any(
+            g is not None for g in col_scale):
+        raise ValueError("several adapters per token take no LoRA bias or DoRA column scale (lora_bias_stacked / "
+                         "dora_scale_stacked must be None)")
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        num_slots, width, rank = b.shape
+        keep = None if lora_ranks is None else _rank_keep(lora_ranks, num_slots, rank, y.device)   # (L, r)
+        delta = torch.zeros((y.shape[0], width), dtype=torch.float32, device=y.device)
+        any_pair = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
+        for j, (idx_j, _) in enumerate(columns):
+            valid, slot = _slots(idx_j, num_slots)
+            x = buf[s][:, j * rank:(j + 1) * rank].to(torch.float32)
+            if keep is not None:
+                x = torch.where(keep[slot], x, torch.zeros_like(x))
+            part = rows(x, slot, b, keep)
+            delta = delta + torch.where(valid[:, None], part, torch.zeros_like(part))
+            any_pair = any_pair | valid
+        old = y[:, off:off + width]
+        new = old.to(torch.float32) + delta if add_inputs else delta
+        old.copy_(torch.where(any_pair[:, None], new.to(y.dtype), old))
+
 
 from .moe_ref import fused_moe_lora  # noqa: E402,F401 - the MoE LoRA op of this backend

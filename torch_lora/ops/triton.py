@@ -65,27 +65,28 @@ def _torch_strides(t: torch.Tensor) -> tuple:
 # ------------------------------------------------------------------------------------- plans
 
 @functools.lru_cache(maxsize=4096)
-def _shrink_plan(T, H, R, S, G, L, xd, wd, lora_only, workspace, has_ranks, cfg_key, deterministic=False):
+def _shrink_plan(T, H, R, S, G, L, xd, wd, lora_only, workspace, has_ranks, cfg_key, deterministic=False, pairs=0):
     cfg = dict(cfg_key) if cfg_key else configs.shrink_config(T, H, R, S, L, deterministic=deterministic)
     return plan_shrink(T, H, R, S, G, xd, wd, cfg, lora_only=lora_only, workspace=workspace,
-                         has_ranks=has_ranks, pdl=workspace and _pdl_enabled(), deterministic=deterministic)
+                         has_ranks=has_ranks, pdl=workspace and _pdl_enabled(), deterministic=deterministic,
+                         pairs=pairs)
 
 
 @functools.lru_cache(maxsize=4096)
 def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, has_ranks, cfg_key, pdl,
-                 deterministic=False):
+                 deterministic=False, pairs=0):
     cfg = dict(cfg_key) if cfg_key else configs.expand_config(T, max(widths), R, len(widths), L,
                                                               deterministic=deterministic)
     return plan_expand(T, R, widths, G, partials, wd, yd, cfg, add_inputs=add_inputs,
                          bias_flags=bias_flags, has_ranks=has_ranks, pdl=pdl and _pdl_enabled(),
-                         deterministic=deterministic)
+                         deterministic=deterministic, pairs=pairs)
 
 
 @functools.lru_cache(maxsize=4096)
-def _fused_plan(T, H, R, widths, G, L, xd, wd, bias_flags, has_ranks, cfg_key):
+def _fused_plan(T, H, R, widths, G, L, xd, wd, bias_flags, has_ranks, cfg_key, pairs=0):
     cfg = dict(cfg_key) if cfg_key else configs.fused_config(T, H, max(widths), R, len(widths), L)
     return plan_fused(T, H, R, widths, G, xd, wd, cfg, add_inputs=True, bias_flags=bias_flags,
-                        has_ranks=has_ranks, pdl=_pdl_enabled())
+                        has_ranks=has_ranks, pdl=_pdl_enabled(), pairs=pairs)
 
 
 # ------------------------------------------------------------------------------------- stream buffers
@@ -190,22 +191,28 @@ def _launch(call: arguments.KernelCall) -> None:
                          type(e).__name__, e)
 
 
-def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, config, deterministic=False):
+def _num_pairs(pairs) -> int:
+    """The launch's PAIRS: 0 without adapter pairs (lora_core.adapter_pairs), else k."""
+    return 0 if pairs is None else pairs.num_pairs
+
+
+def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, config, deterministic=False,
+                     pairs=None):
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     return _shrink_plan(T, H, R, len(lora_a), meta_args.active_lora_ids.shape[0], L, _dtype_name(x),
                         _dtype_name(lora_a[0]), lora_only, workspace, lora_ranks is not None, _key(config),
-                        deterministic)
+                        deterministic, _num_pairs(pairs))
 
 
-def _shrink_call(x, lora_a, out, meta_args, scale, lora_ranks, plan) -> arguments.KernelCall:
+def _shrink_call(x, lora_a, out, meta_args, scale, lora_ranks, plan, pairs=None) -> arguments.KernelCall:
     return arguments.shrink_call(plan, x, lora_a, lora_ranks, meta_args, scale,
                                  out if out.dim() == 4 else out[None],
-                                 _torch_strides)
+                                 _torch_strides, pairs)
 
 
 def _expand_call(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bias, config=None,
-                 pdl=False, deterministic=False) -> arguments.KernelCall:
+                 pdl=False, deterministic=False, pairs=None) -> arguments.KernelCall:
     """The expand of slices lora_b (at most MAX_SLICES) from buf (S, T, r) or (planes, S, T, r)."""
     L, _, R = lora_b[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
@@ -213,42 +220,47 @@ def _expand_call(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bia
     plan = _expand_plan(y.shape[0], R, widths, meta_args.active_lora_ids.shape[0], L, buf4.shape[0],
                         _dtype_name(lora_b[0]), _dtype_name(y), bool(add_inputs),
                         arguments.bias_flags(bias, len(lora_b)), lora_ranks is not None, _key(config), pdl,
-                        deterministic)
-    return arguments.expand_call(plan, buf4, lora_b, bias, lora_ranks, meta_args, y, offsets, _torch_strides)
+                        deterministic, _num_pairs(pairs))
+    return arguments.expand_call(plan, buf4, lora_b, bias, lora_ranks, meta_args, y, offsets, _torch_strides, pairs)
 
 
-def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, config=None):
+def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, config=None, pairs=None):
     """(workspace, call) of the fused launch of slices lora_a / lora_b (the workspace allocated here)."""
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
     plan = _fused_plan(T, H, R, widths, meta_args.active_lora_ids.shape[0], L, _dtype_name(x), _dtype_name(lora_a[0]),
-                       arguments.bias_flags(bias, len(lora_b)), lora_ranks is not None, _key(config))
+                       arguments.bias_flags(bias, len(lora_b)), lora_ranks is not None, _key(config),
+                       _num_pairs(pairs))
     ws = torch.empty(plan.workspace_shape, dtype=torch.float32, device=x.device)
     sync = _sync_buffer(x.device, torch._C._cuda_getCurrentRawStream(x.device.index) if x.is_cuda else 0,
                         plan.sync_ints)
     return ws, arguments.fused_call(plan, x, lora_a, lora_b, bias, lora_ranks, meta_args, y, sync, ws, scale,
-                                    offsets, _torch_strides)
+                                    offsets, _torch_strides, pairs)
 
 
 def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
-                   shrink_config=None, expand_config=None, fused_config=None, deterministic=False):
+                   shrink_config=None, expand_config=None, fused_config=None, deterministic=False, pairs=None):
     """add_lora_linear's launches, per chunk of <= MAX_SLICES slices: (workspace, [calls]).
-    Each chunk's workspace is allocated here; its launches must be enqueued before the next chunk."""
+    Each chunk's workspace is allocated here; its launches must be enqueued before the next chunk.
+    With adapter pairs the workspace's rank axis holds k * r columns."""
     T = x.shape[0]
     R = lora_a[0].shape[1]
     for lo, hi in slice_chunks(len(lora_a)):
         chunk_bias = None if bias is None else tuple(bias[lo:hi])
         if fused:
             ws, call = _fused_call(y, x, lora_a[lo:hi], lora_b[lo:hi], meta_args, scale, offsets[lo:hi], lora_ranks,
-                                   chunk_bias, config=fused_config)
+                                   chunk_bias, config=fused_config, pairs=pairs)
             yield ws, [call]
             continue
-        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config, deterministic)
-        ws = torch.empty((plan.num_partials, hi - lo, T, R), dtype=torch.float32, device=x.device)
-        yield ws, [_shrink_call(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan),
+        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config, deterministic,
+                                pairs)
+        ws = torch.empty((plan.num_partials, hi - lo, T, R * max(1, _num_pairs(pairs))), dtype=torch.float32,
+                         device=x.device)
+        yield ws, [_shrink_call(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan, pairs),
                    _expand_call(ws, lora_b[lo:hi], y, meta_args, offsets[lo:hi], True, lora_ranks, chunk_bias,
-                                config=expand_config, pdl=plan.constexprs["USE_PDL"], deterministic=deterministic)]
+                                config=expand_config, pdl=plan.constexprs["USE_PDL"], deterministic=deterministic,
+                                pairs=pairs)]
 
 
 # ------------------------------------------------------------------------------------- prepared linear
@@ -291,9 +303,9 @@ class PreparedLinear:
                  "_sync_ints", "_ws_floats", "_ws_stream", "_ws_ptr")
 
     def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: bool | None = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, pairs=None):
         _check_fused_deterministic(fused, deterministic)
-        self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused, deterministic)
+        self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused, deterministic, pairs)
         self._steps = None
         self._layout = None
         self._device = lora_a[0].device.index
@@ -342,14 +354,14 @@ class PreparedLinear:
                 return
         if x.shape[0] == 0:
             return
-        lora_a, lora_b, meta_args, offsets, bias, fused, deterministic = self._args
+        lora_a, lora_b, meta_args, offsets, bias, fused, deterministic, pairs = self._args
         T = x.shape[0]
         if fused is None:
             fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
                                       deterministic=deterministic)
         chunks = []
         for ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
-                                        deterministic=deterministic):
+                                        deterministic=deterministic, pairs=pairs):
             for call in calls:
                 _launch(call)
             chunks.append((ws, calls))
@@ -420,23 +432,28 @@ class PreparedLinear:
 
 def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args, scale: float,
            lora_ranks: torch.Tensor | None = None, *, config: dict | None = None,
-           deterministic: bool = False) -> None:
+           deterministic: bool = False, pairs=None) -> None:
     """out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T (float32, 0 for tokens without LoRA).
-    deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics)."""
+    deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics).
+    pairs: several adapters per token (lora_core.adapter_pairs): out (S, T, k * r), pair j's
+    weighted product at columns j*r..(j+1)*r."""
     if x.shape[0] == 0:
         return
     for lo, hi in slice_chunks(len(lora_a)):
-        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, False, False, config, deterministic)
+        plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, False, False, config, deterministic,
+                                pairs)
         if plan.atomic:
             out[lo:hi].zero_()                       # split-K adds atomically into zeros
-        _launch(_shrink_call(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan))
+        _launch(_shrink_call(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan, pairs))
 
 
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args,
            offsets: Sequence[int], add_inputs: bool, lora_ranks: torch.Tensor | None = None,
-           bias=None, *, config: dict | None = None, deterministic: bool = False, col_scale=None) -> None:
+           bias=None, *, config: dict | None = None, deterministic: bool = False, col_scale=None,
+           pairs=None) -> None:
     """y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias, times
-    col_scale[s][idx[t]] where given (DoRA). deterministic: batch-invariant launches."""
+    col_scale[s][idx[t]] where given (DoRA). deterministic: batch-invariant launches. pairs: several
+    adapters per token, summed (buf (S, T, k * r) from `shrink`; no bias or col_scale)."""
     if y.shape[0] == 0:
         return
     bias = arguments.epilogue(bias, col_scale, len(lora_b))
@@ -444,20 +461,21 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
     for lo, hi in slice_chunks(len(lora_b)):
         _launch(_expand_call(buf4[:, lo:hi], lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), add_inputs,
                              lora_ranks, None if bias is None else tuple(bias[lo:hi]), config=config,
-                             deterministic=deterministic))
+                             deterministic=deterministic, pairs=pairs))
 
 
 def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
            meta_args, scale: float, offsets: Sequence[int], lora_ranks: torch.Tensor | None = None,
            bias=None, *, fused: bool | None = None, shrink_config: dict | None = None,
            expand_config: dict | None = None, fused_config: dict | None = None,
-           deterministic: bool = False, col_scale=None) -> None:
+           deterministic: bool = False, col_scale=None, pairs=None) -> None:
     """add_lora_linear's math in place: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx].
 
     One launch (fused kernel) when `configs.use_fused` says so for this size (or fused=True), else
     a split-K shrink into a float32 workspace and an expand that sums its planes (launched as a
     programmatic dependent of the shrink on Hopper). deterministic=True: always shrink + expand
     with the batch-invariant configs (configs.deterministic_config); fused=True is then an error.
+    pairs: several adapters per token (lora_core.adapter_pairs), summed, on either path.
     """
     _check_fused_deterministic(fused, deterministic)
     T = x.shape[0]
@@ -468,18 +486,19 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
         fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
                                   deterministic=deterministic)
     for _ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, tuple(offsets), lora_ranks, bias,
-                                     fused, shrink_config, expand_config, fused_config, deterministic):
+                                     fused, shrink_config, expand_config, fused_config, deterministic, pairs):
         for call in calls:
             _launch(call)
 
 
 def prepare_linear(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], meta_args,
                    offsets: Sequence[int], bias=None, *, deterministic: bool = False,
-                   col_scale=None) -> PreparedLinear:
+                   col_scale=None, pairs=None) -> PreparedLinear:
     """`linear` with its persistent arguments bound, for repeated calls (see PreparedLinear);
-    col_scale (DoRA, as in `linear`) is bound too: its tensors are read in place at every call."""
+    col_scale (DoRA, as in `linear`) is bound too: its tensors are read in place at every call;
+    pairs (several adapters per token, lora_core.adapter_pairs) too: their tables are read in place."""
     return PreparedLinear(lora_a, lora_b, meta_args, offsets, arguments.epilogue(bias, col_scale, len(lora_b)),
-                          deterministic=deterministic)
+                          deterministic=deterministic, pairs=pairs)
 
 
 def _check_fused_deterministic(fused: bool | None, deterministic: bool) -> None:

@@ -88,12 +88,22 @@ class ParallelPunicaWrapper(PunicaWrapper):
         """PunicaWrapper.update_metadata, then the agreement check (see the module docstring).
 
         Raises ValueError on every rank when the ranks disagree on the step, naming each field that
-        differs and which ranks hold which value."""
+        differs and which ranks hold which value. A mapping with several adapters per token
+        (contract section 10) is refused: the tensor-parallel layers take one adapter per token."""
+        paired = None
+        if getattr(mapping, "paired", False):
+            paired = ValueError("mapping: the tensor-parallel wrapper takes one adapter per token at strength 1; "
+                                "a mapping with id tuples or weights (several adapters per token) runs on "
+                                "torch_lora.PunicaWrapper")
         if not self.check_agreement or agreement.capturing():
+            if paired is not None:
+                raise paired
             return super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                                            long_lora_context, **kwargs)
         error = None
         try:
+            if paired is not None:
+                raise paired
             super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, extra_vocab_size,
                                     long_lora_context, **kwargs)
         except (ValueError, TypeError) as e:

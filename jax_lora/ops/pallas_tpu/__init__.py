@@ -67,13 +67,15 @@ Modules (the op modules are named *_op so that the package attributes `shrink`, 
   shrink_op.py  the shrink kernels and `shrink`
   expand_op.py  the expand kernels and `expand`, `transpose_lora_b`
   linear_op.py  `linear`: shrink and expand in one program
+  pairs_op.py   several adapters per token (`pairs=`): the one-adapter kernels once per pair
 """
 
 from __future__ import annotations
 
+from . import expand_op, linear_op, shrink_op
 from .common import DEFAULT_INTERPRET, HIGHEST, current_interpret, interpret_mode, partitionable
-from .expand_op import expand, transpose_lora_b
-from .linear_op import linear
+from .expand_op import transpose_lora_b
+from .pairs_op import expand_pairs, shrink_pairs
 from .plans import (
     VMEM_BUDGET,
     ExpandPlan,
@@ -98,11 +100,37 @@ from .schedule import (
     prefers_token_order,
     token_groups,
 )
-from .shrink_op import shrink
 
 NAME = "pallas_tpu"
 COLUMN_SCALE = True        # expand and linear take col_scale (DoRA)
 CUSTOM_CALLS = True        # pallas_call: partitioned by jax_lora.ops.partition under GSPMD
+
+
+def shrink(x, lora_a, meta, scale, lora_ranks=None, *, pairs=None, **options):
+    """`shrink_op.shrink`; with adapter pairs (lora_core.adapter_pairs) `pairs_op.shrink_pairs`."""
+    if pairs is not None:
+        return shrink_pairs(x, lora_a, meta, scale, lora_ranks, pairs, **options)
+    return shrink_op.shrink(x, lora_a, meta, scale, lora_ranks, **options)
+
+
+def expand(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks=None, bias=None, *, pairs=None, **options):
+    """`expand_op.expand`; with adapter pairs `pairs_op.expand_pairs` (no bias or col_scale then)."""
+    if pairs is not None:
+        if bias is not None or options.get("col_scale") is not None:
+            raise ValueError("several adapters per token take no LoRA bias or DoRA column scale (lora_bias_stacked "
+                             "/ dora_scale_stacked must be None)")
+        return expand_pairs(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, pairs,
+                            **{k: v for k, v in options.items() if k != "col_scale"})
+    return expand_op.expand(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, **options)
+
+
+def linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks=None, bias=None, *, pairs=None, **options):
+    """`linear_op.linear`; with adapter pairs the pairs' shrink then their expand (`pairs_op`)."""
+    if pairs is not None:
+        buf = shrink(x, lora_a, meta, scale, lora_ranks, pairs=pairs)
+        return expand(buf, lora_b, y, meta, offsets, True, lora_ranks, bias, pairs=pairs,
+                      col_scale=options.get("col_scale"))
+    return linear_op.linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, **options)
 
 __all__ = [
     "NAME", "shrink", "expand", "linear", "transpose_lora_b",                # the backend
