@@ -112,21 +112,25 @@ def test_bad_dora_files_name_what_is_wrong(dora_dir, tmp_path):
         load_peft_adapter(_edit(path, str(tmp_path / "d"), config={"use_dora": "yes"}))
 
 
-def test_torch_models_without_dora_refuse_dora_adapters(dora_dir):
-    """A MultiLoRAModel built without dora=True refuses a DoRA adapter, naming it and saying how to
-    enable DoRA; the same model built with dora=True takes it."""
+def test_torch_models_without_dora_take_dora_adapters(dora_dir):
+    """A MultiLoRAModel built without dora=True takes a DoRA adapter: the column scale of each
+    layer it reaches is allocated when the adapter is placed in a slot (ones for every other
+    slot), as with dora=True up front."""
     path, _ = dora_dir
     import torch_lora.hf
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG))
     mm = torch_lora.hf.MultiLoRAModel(model, max_loras=2, max_rank=8, backend="torch")
-    with pytest.raises(AdapterError, match=rf"adapter 'd' \({re.escape(path)}\) is a DoRA adapter .* build the "
-                                           r"layers with dora=True"):
-        mm.load_adapter("d", path)                          # named as given, not by its directory
-    assert mm.loaded_adapters == []
-    mm = torch_lora.hf.MultiLoRAModel(transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)), max_loras=2,
-                                      max_rank=8, backend="torch", dora=True)
+    assert not any(getattr(layer, "dora", False) for layer in mm.layers.values())
     mm.load_adapter("d", path)
     assert mm.loaded_adapters == ["d"]
+    import torch
+    with torch.no_grad():
+        mm(torch.tensor([[1, 2, 3]]), adapter_names=["d"])
+    scaled = [layer for layer in mm.layers.values() if getattr(layer, "dora", False)]
+    assert scaled, "no layer allocated a DoRA column scale"
+    for layer in scaled:
+        assert layer.dora_scale.shape == (2, layer.out_features)
+        assert not bool((layer.dora_scale == 1).all()), "the adapter's column scale was not written"
 
 
 def test_reference_expands_apply_the_column_scale_per_token_slot():

@@ -49,7 +49,6 @@ import dataclasses
 import functools
 import logging
 import math
-import types
 from collections.abc import Sequence
 
 import jax
@@ -554,7 +553,23 @@ def partitioned(impl):
         ops = {"shrink": functools.partial(_shrink, impl), "expand": functools.partial(_expand, impl)}
         if hasattr(impl, "linear"):
             ops["linear"] = functools.partial(_linear, impl)
-        attrs = {k: getattr(impl, k) for k in ("NAME", "COLUMN_SCALE", "READS_VIEWS", "deterministic", "partitionable")
-                 if hasattr(impl, k)}
-        _PARTITIONED[key] = (impl, types.SimpleNamespace(**attrs, **ops, PARTITIONED=True, backend=impl))
+        _PARTITIONED[key] = (impl, _Partitioned(impl, ops))
     return _PARTITIONED[key][1]
+
+
+class _Partitioned:
+    """A backend's partitioned ops (`shrink`, `expand`, `linear`) beside the backend itself
+    (`backend`); its declarations (NAME, COLUMN_SCALE, ...) are read from the backend at each
+    lookup, so they stay the backend's."""
+
+    PARTITIONED = True
+    _FORWARDED = frozenset(("NAME", "COLUMN_SCALE", "READS_VIEWS", "deterministic", "partitionable"))
+
+    def __init__(self, impl, ops: dict):
+        self.backend = impl
+        self.__dict__.update(ops)
+
+    def __getattr__(self, name):
+        if name in _Partitioned._FORWARDED:
+            return getattr(self.backend, name)
+        raise AttributeError(f"partitioned backend {getattr(self.backend, 'NAME', '?')!r} has no attribute {name!r}")
