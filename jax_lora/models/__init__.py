@@ -13,4 +13,5 @@ from .llama import (
 from .mixtral import MIXTRAL_LORA_TARGETS, MixtralConfig, MixtralForCausalLM, load_mixtral, save_mixtral
 
 __all__ = ["HF_LORA_TARGETS", "KVCache", "LlamaConfig", "LlamaForCausalLM", "add_lora", "init_cache",
-           "load_llama", "save_llama"]
+           "load_llama", "save_llama", "MIXTRAL_LORA_TARGETS", "MixtralConfig", "MixtralForCausalLM",
+           "load_mixtral", "save_mixtral"]
