@@ -31,7 +31,7 @@ from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .devices import resolve_device
 from .meta import LoRAKernelMeta
-from .ops import dispatch
+from .ops import dispatch, fused_moe
 from .ops.api import as_array, as_lora_ranks, as_slices, check_same_device, to_3d
 from .warmup import warmup as _warmup
 
@@ -529,6 +529,58 @@ class PunicaWrapper:
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")
         return self._expand(y2, buf, (b,), None, (width,), 0, True, self.prompt_meta, cut_to_y=True,
                             lora_ranks=lora_ranks, num_slots_a=num_slots).reshape(y.shape)
+
+    # ------------------------------------------------------------------ mixture of experts (vLLM 0.33's names)
+    def moe_lora_align_block_size(self, topk_ids, num_tokens: int, block_size: int, num_experts: int,
+                                  max_loras: int, adapter_enabled=None, expert_map=None,
+                                  pad_sorted_ids: bool = False) -> tuple:
+        """(sorted_token_ids (L, EM), expert_ids (L, EM / block_size), num_tokens_post_padded (L,)):
+        the step's routed pairs grouped per slot and expert in blocks (jax_lora.ops.fused_moe),
+        for `add_lora_fused_moe`. topk_ids (num_tokens, top_k); each token's slot is this step's
+        mapping (tokens past the mapped count: none). EM is always a multiple of block_size
+        (`pad_sorted_ids` is accepted for vLLM's signature)."""
+        topk_ids = as_array("topk_ids", topk_ids)
+        num_tokens = int(num_tokens)
+        if topk_ids.ndim != 2 or topk_ids.shape[0] != num_tokens:
+            raise ValueError(f"topk_ids must be (num_tokens, top_k) = ({num_tokens}, top_k), got shape "
+                             f"{topk_ids.shape}")
+        self._check_tokens("topk_ids", num_tokens)
+        self._check_slots("max_loras", int(max_loras))
+        mapping = self.token_meta.token_lora_mapping[:num_tokens]
+        return tuple(fused_moe.moe_lora_align_block_size(topk_ids, mapping, block_size, num_experts, max_loras,
+                                                         adapter_enabled, expert_map))
+
+    def add_lora_fused_moe(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
+                           num_tokens_post_padded, max_lora_rank: int, top_k_num: int, shrink_config=None,
+                           expand_config=None, adapter_enabled=None, mul_routed_weight: bool = False,
+                           fully_sharded: bool = False, offset: int = 0, *, lora_ranks=None) -> jax.Array:
+        """y[t, k, offset + slice s] += w * (x_p @ A_s[l, e].T) @ B_s[l, e].T for every routed pair (token t,
+        its k-th expert e) of a token with slot l (jax_lora.ops.fused_moe); returns the new y.
+
+        y: (M, top_k, N); x: (M, K) (w13: the hidden states) or (M * top_k, K) (w2: one row per pair);
+        lora_a_stacked: S arrays (L, E, r, K); lora_b_stacked: S arrays (L, E, n_s, r); topk_weights
+        (M, top_k), applied (w) when mul_routed_weight; the layout from `moe_lora_align_block_size`, or
+        sorted_token_ids=None and expert_ids the (M * top_k,) routed experts (vLLM's naive assignment).
+        adapter_enabled (L,): slots with 0 are skipped (None: all). shrink_config / expand_config
+        (vLLM's Triton launch settings) are accepted and unused; fully_sharded=True (tensor parallel
+        LoRA) is not supported. lora_ranks (L,), optional: each slot's real rank.
+        """
+        if fully_sharded:
+            raise NotImplementedError("add_lora_fused_moe(fully_sharded=True) is not supported: jax_lora splits "
+                                      "no MoE layer over a mesh")
+        weights = as_array("topk_weights", topk_weights)
+        if weights.ndim != 2:
+            raise ValueError(f"topk_weights must be (num_tokens, top_k), got shape {weights.shape}")
+        num_tokens = weights.shape[0]
+        self._check_tokens("topk_weights", num_tokens)
+        lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+        self._check_slots("lora_a_stacked", int(lora_a[0].shape[0]))
+        self._check_devices(x=as_array("x", x), y=as_array("y", y))
+        mapping = self.token_meta.token_lora_mapping[:num_tokens]
+        return fused_moe.fused_moe_lora(y, x, lora_a, as_slices("lora_b_stacked", lora_b_stacked), weights,
+                                        sorted_token_ids, expert_ids, num_tokens_post_padded, mapping,
+                                        max_lora_rank, top_k_num, adapter_enabled, mul_routed_weight, offset,
+                                        lora_ranks=lora_ranks, backend=self.backend)
 
 
 def _host_bool(v):

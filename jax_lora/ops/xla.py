@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ..meta import LoRAKernelMeta
+from .xla_moe import fused_moe_lora  # noqa: F401 - the backend's fused MoE LoRA (jax_lora.ops.fused_moe)
 
 NAME = "xla"
 COLUMN_SCALE = True        # expand takes col_scale (DoRA)
@@ -138,3 +139,4 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
             new = new * col_scale[s][slot].astype(jnp.float32)                # DoRA: g[slot] per column
         y = y.at[:, off:off + width].set(jnp.where(valid[:, None], new.astype(y.dtype), old))
     return y
+

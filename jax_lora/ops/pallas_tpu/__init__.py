@@ -66,6 +66,7 @@ Modules (the op modules are named *_op so that the package attributes `shrink`, 
   shrink_op.py  the shrink kernels and `shrink`
   expand_op.py  the expand kernels and `expand`, `transpose_lora_b`
   linear_op.py  `linear`: shrink and expand in one program
+  moe_op.py     `fused_moe_lora`: LoRA on the routed (token, expert) pairs of a MoE layer
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from __future__ import annotations
 from .common import DEFAULT_INTERPRET, HIGHEST, current_interpret, interpret_mode
 from .expand_op import expand, transpose_lora_b
 from .linear_op import linear
+from .moe_op import fused_moe_lora
 from .plans import (
     VMEM_BUDGET,
     ExpandPlan,
@@ -103,7 +105,7 @@ NAME = "pallas_tpu"
 COLUMN_SCALE = True        # expand and linear take col_scale (DoRA)
 
 __all__ = [
-    "NAME", "shrink", "expand", "linear", "transpose_lora_b",                # the backend
+    "NAME", "shrink", "expand", "linear", "transpose_lora_b", "fused_moe_lora",  # the backend
     "Schedule", "make_schedule", "make_token_schedule", "token_groups", "chunk_slots",  # schedules
     "num_steps", "num_token_steps",
     "OrderCost", "STEP_BYTES", "choose_token_order", "prefers_token_order", "shrink_order_cost",

@@ -1,0 +1,243 @@
+"""LoRA on the experts of a mixture-of-experts layer: vLLM's `fused_moe_lora` and
+`moe_lora_align_block_size`, functional (a new y is returned) and jittable.
+
+Math, for each routed pair p = t * top_k + k of token t (expert e = topk_ids[t, k], slot
+l = token_lora_mapping[t], l >= 0 and adapter_enabled[l] != 0), every product in float32:
+
+  y[t, k, offset + o_s : offset + o_s + n_s] += w_p * (x_p @ A_s[l, e].T) @ B_s[l, e].T
+
+with o_s = n_0 + ... + n_{s-1} (slices s: gate and up of w13, or the one slice of w2), w_p =
+topk_weights[t, k] when mul_routed_weight (the router weight, where the model applies it: after
+the down projection in Mixtral) else 1, and x_p = x[t] when x has one row per token (w13: the
+hidden states) or x[p] when it has one per pair (w2: the activated gate_up output). With
+lora_ranks, rank columns c >= lora_ranks[l] count as zero. Pairs of tokens without an adapter, of
+slots whose adapter_enabled is 0 and of experts routed to -1 (expert_map) are untouched and cost
+nothing.
+
+Layout (vLLM 0.33's, built by `moe_lora_align_block_size`): per slot l, the pairs of slot l's
+tokens grouped by expert (ascending expert, pairs ascending inside a group), each group padded to a
+multiple of block_size with the sentinel P = num_tokens * top_k:
+  sorted_token_ids (L, EM)       pair ids, EM = round_up(P + E * (block_size - 1), block_size)
+  expert_ids (L, EM / block_size) the expert of each block, -1 past the slot's last block
+  num_tokens_post_padded (L,)    the slot's padded length
+Every shape depends on (P, E, L, block_size) only: one compiled program for every routing.
+`sorted_token_ids=None` is vLLM's naive assignment: expert_ids is then topk_ids flattened (P,), and
+the layout is built here with block size 16.
+
+Backends: a backend module may define `fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight,
+layout, offsets, lora_ranks) -> y3` ("xla": jax_lora.ops.xla_moe; "pallas_tpu":
+jax_lora.ops.pallas_tpu.moe_op). A backend without it ("triton") runs the xla one, said once on
+the `jax_lora` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lora_core import checks
+
+from . import dispatch
+
+__all__ = ["MoELayout", "fused_moe_lora", "moe_lora_align_block_size", "pairs_of_layout"]
+
+_LOG = logging.getLogger("jax_lora")
+_FALLBACK_SAID: set = set()
+NAIVE_BLOCK_SIZE = 16
+
+
+class MoELayout(NamedTuple):
+    """The block-sorted pairs of one MoE call (module docstring)."""
+
+    sorted_token_ids: jax.Array      # (L, EM) int32
+    expert_ids: jax.Array            # (L, EM // block_size) int32
+    num_tokens_post_padded: jax.Array  # (L,) int32
+
+    @property
+    def block_size(self) -> int:
+        return self.sorted_token_ids.shape[1] // self.expert_ids.shape[1]
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size: int, num_experts: int, max_loras: int,
+                              adapter_enabled=None, expert_map=None) -> MoELayout:
+    """The block-sorted layout of the pairs (module docstring), on the device, jittable.
+
+    topk_ids (M, k) int: each token's experts; token_lora_mapping (M,) int: slot per token (-1 none,
+    out-of-range values none); adapter_enabled (L,) int or None (all enabled): a slot with 0 gets no
+    pairs; expert_map (E_global,) int or None: global expert -> local expert (-1: not here).
+
+    Steps: 1. each pair's (slot, expert), invalid ones keyed past every group; 2. counts per
+    (slot, expert) by a scatter-add, padded to block_size, their running sums the group starts;
+    3. a stable sort of the pairs by key gives each its rank in its group, hence its position;
+    4. scatter the pair ids, and the expert of every block from the group ends.
+    """
+    block_size = int(block_size)
+    if block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    ids = jnp.asarray(topk_ids).astype(jnp.int32)
+    if ids.ndim != 2:
+        raise ValueError(f"topk_ids must be (num_tokens, top_k), got shape {ids.shape}")
+    m, k = ids.shape
+    e, num_slots = int(num_experts), int(max_loras)
+    p = m * k
+    em = _round_up(p + e * (block_size - 1), block_size)
+    nb = em // block_size
+    if expert_map is not None:
+        emap = jnp.asarray(expert_map).astype(jnp.int32)
+        ids = jnp.where((ids >= 0) & (ids < emap.shape[0]), emap[jnp.clip(ids, 0, emap.shape[0] - 1)], -1)
+    slot = jnp.asarray(token_lora_mapping).astype(jnp.int32)[:m]
+    enabled = (jnp.ones((num_slots,), jnp.int32) if adapter_enabled is None
+               else jnp.asarray(adapter_enabled).astype(jnp.int32)[:num_slots])
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    slot_ok = slot_ok & (enabled[jnp.clip(slot, 0, num_slots - 1)] != 0)
+    pair_slot = jnp.repeat(jnp.where(slot_ok, slot, -1), k)                     # (P,)
+    pair_expert = ids.reshape(-1)
+    valid = (pair_slot >= 0) & (pair_expert >= 0) & (pair_expert < e)
+    groups = num_slots * e
+    key = jnp.where(valid, pair_slot * e + pair_expert, groups)                 # step 1
+    counts = jnp.zeros((groups + 1,), jnp.int32).at[key].add(1)[:groups].reshape(num_slots, e)
+    padded = _round_up_arr(counts, block_size)                                  # step 2
+    ends = jnp.cumsum(padded, axis=1)                                           # (L, E)
+    starts = ends - padded
+    order = jnp.argsort(key, stable=True)                                       # step 3
+    first_of_key = jnp.searchsorted(key[order], key[order], side="left")
+    rank = jnp.zeros((p,), jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32) - first_of_key)
+    safe_slot, safe_expert = jnp.maximum(pair_slot, 0), jnp.clip(pair_expert, 0, e - 1)
+    pos = starts[safe_slot, safe_expert] + rank
+    row = jnp.where(valid, safe_slot, num_slots)                                # invalid: dropped
+    sorted_ids = jnp.full((num_slots, em), p, jnp.int32).at[row, pos].set(
+        jnp.arange(p, dtype=jnp.int32), mode="drop")                            # step 4
+    block_start = jnp.arange(nb, dtype=jnp.int32) * block_size
+    total = ends[:, -1]
+    block_expert = jax.vmap(lambda end: jnp.searchsorted(end, block_start, side="right"))(ends)
+    expert_ids = jnp.where(block_start[None, :] < total[:, None], block_expert, -1).astype(jnp.int32)
+    return MoELayout(sorted_ids, expert_ids, total.astype(jnp.int32))
+
+
+def _round_up_arr(v: jax.Array, m: int) -> jax.Array:
+    return (v + m - 1) // m * m
+
+
+def pairs_of_layout(layout: MoELayout, num_pairs: int) -> tuple[jax.Array, jax.Array]:
+    """(pair_slot (P,), pair_expert (P,)) int32 of a layout, -1 for pairs it does not hold: entry j
+    of row l holds pair sorted_token_ids[l, j] (when < P and j < num_tokens_post_padded[l]) for
+    slot l and expert expert_ids[l, j // block_size] (when >= 0)."""
+    sorted_ids, expert_ids, ntp = layout
+    num_slots, em = sorted_ids.shape
+    j = jnp.arange(em, dtype=jnp.int32)
+    block_expert = jnp.repeat(expert_ids, layout.block_size, axis=1, total_repeat_length=em)
+    held = (sorted_ids >= 0) & (sorted_ids < num_pairs) & (j[None, :] < ntp[:, None]) & (block_expert >= 0)
+    target = jnp.where(held, sorted_ids, num_pairs)
+    slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32)[:, None], sorted_ids.shape)
+    pair_slot = jnp.full((num_pairs,), -1, jnp.int32).at[target.reshape(-1)].set(slots.reshape(-1), mode="drop")
+    pair_expert = jnp.full((num_pairs,), -1, jnp.int32).at[target.reshape(-1)].set(
+        block_expert.reshape(-1), mode="drop")
+    return pair_slot, pair_expert
+
+
+def _impl(backend: str | None):
+    module = dispatch.resolve(backend)
+    if hasattr(module, "fused_moe_lora"):
+        return module
+    xla = dispatch.load_backend("xla")
+    if module.NAME not in _FALLBACK_SAID:
+        _FALLBACK_SAID.add(module.NAME)
+        _LOG.info("jax_lora: backend %r has no fused MoE LoRA kernel; fused_moe_lora runs the xla backend's",
+                  module.NAME)
+    return xla
+
+
+def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, topk_weights, sorted_token_ids,
+                   expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank: int, top_k_num: int,
+                   adapter_enabled=None, mul_routed_weight: bool = False, offset: int = 0, *,
+                   lora_ranks=None, backend: str | None = None) -> jax.Array:
+    """The new y with every routed pair's LoRA term added (module docstring).
+
+    y (M, top_k, N) or (M * top_k, N); x (M, K) or (M * top_k, K); lora_a_stacked: S arrays
+    (L, E, r, K); lora_b_stacked: S arrays (L, E, n_s, r) with offset + sum n_s <= N;
+    topk_weights (M, top_k); the layout from `moe_lora_align_block_size` (or sorted_token_ids None
+    and expert_ids the (M * top_k,) experts); token_lora_mapping (M,) slots (-1 none).
+    """
+    lora_a = tuple(lora_a_stacked) if isinstance(lora_a_stacked, (list, tuple)) else (lora_a_stacked,)
+    lora_b = tuple(lora_b_stacked) if isinstance(lora_b_stacked, (list, tuple)) else (lora_b_stacked,)
+    if not lora_a or len(lora_a) != len(lora_b):
+        raise ValueError(f"lora_a_stacked and lora_b_stacked must have one entry per slice, got {len(lora_a)} "
+                         f"and {len(lora_b)}")
+    weights = jnp.asarray(topk_weights)
+    if weights.ndim != 2:
+        raise ValueError(f"topk_weights must be (num_tokens, top_k), got shape {weights.shape}")
+    m, k = weights.shape
+    if int(top_k_num) != k:
+        raise ValueError(f"top_k_num={top_k_num} but topk_weights has {k} columns")
+    p = m * k
+    y = jnp.asarray(y)
+    if y.dtype.name not in checks.ACTIVATION_DTYPES or x.dtype.name not in checks.ACTIVATION_DTYPES:
+        raise TypeError(f"y and x must be one of {checks.ACTIVATION_DTYPES}, got {y.dtype} and {x.dtype}")
+    if y.ndim == 2 and y.shape[0] == p:
+        y3 = y.reshape(m, k, y.shape[1])
+    elif y.ndim == 3 and y.shape[:2] == (m, k):
+        y3 = y
+    else:
+        raise ValueError(f"y must be (num_tokens, top_k, N) = ({m}, {k}, N) or ({p}, N), got shape {y.shape}")
+    if x.ndim != 2 or x.shape[0] not in (m, p):
+        raise ValueError(f"x must be (num_tokens, K) = ({m}, K) or (num_tokens * top_k, K) = ({p}, K), got "
+                         f"shape {x.shape}")
+    rows = jnp.repeat(x, k, axis=0) if x.shape[0] == m and k > 1 else x                       # (P, K)
+    num_slots, num_experts, rank, hidden = _check_weights(lora_a, lora_b, x.shape[1])
+    if int(max_lora_rank) < rank:
+        raise ValueError(f"max_lora_rank={max_lora_rank} is smaller than lora_a_stacked's rank {rank}")
+    widths = tuple(int(b.shape[2]) for b in lora_b)
+    offset = int(offset)
+    if offset < 0 or offset + sum(widths) > y3.shape[2]:
+        raise ValueError(f"offset {offset} + slice widths {widths} exceed y's {y3.shape[2]} columns")
+    offsets = tuple(offset + sum(widths[:s]) for s in range(len(widths)))
+    mapping = jnp.asarray(token_lora_mapping).astype(jnp.int32)
+    if mapping.ndim != 1 or mapping.shape[0] < m:
+        raise ValueError(f"token_lora_mapping must be (>= {m},) slots, got shape {mapping.shape}")
+    if sorted_token_ids is None:
+        topk_ids = jnp.asarray(expert_ids).astype(jnp.int32)
+        if topk_ids.size != p:
+            raise ValueError(f"with sorted_token_ids=None, expert_ids must hold the {p} routed experts, got shape "
+                             f"{topk_ids.shape}")
+        layout = moe_lora_align_block_size(topk_ids.reshape(m, k), mapping, NAIVE_BLOCK_SIZE, num_experts,
+                                           num_slots, adapter_enabled)
+    else:
+        layout = MoELayout(jnp.asarray(sorted_token_ids).astype(jnp.int32).reshape(num_slots, -1),
+                           jnp.asarray(expert_ids).astype(jnp.int32).reshape(num_slots, -1),
+                           jnp.asarray(num_tokens_post_padded).astype(jnp.int32).reshape(num_slots))
+        if layout.sorted_token_ids.shape[1] % layout.expert_ids.shape[1]:
+            raise ValueError(f"sorted_token_ids' row length {layout.sorted_token_ids.shape[1]} must be a multiple "
+                             f"of expert_ids' {layout.expert_ids.shape[1]} (one expert per block)")
+        if adapter_enabled is not None:          # a disabled slot's pairs cost nothing
+            enabled = jnp.asarray(adapter_enabled).astype(jnp.int32)[:num_slots] != 0
+            layout = layout._replace(num_tokens_post_padded=jnp.where(enabled, layout.num_tokens_post_padded, 0))
+    pair_weight = weights.reshape(p).astype(jnp.float32) if mul_routed_weight else None
+    ranks = None if lora_ranks is None else jnp.asarray(lora_ranks).astype(jnp.int32)
+    out = _impl(backend).fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, ranks)
+    return out.reshape(y.shape)
+
+
+def _check_weights(lora_a, lora_b, hidden: int) -> tuple[int, int, int, int]:
+    shapes_a = {tuple(a.shape) for a in lora_a}
+    if len(shapes_a) != 1 or len(next(iter(shapes_a))) != 4:
+        raise ValueError(f"lora_a_stacked must be arrays of one shape (L, E, r, K), got {sorted(shapes_a)}")
+    num_slots, num_experts, rank, k_dim = next(iter(shapes_a))
+    if k_dim != hidden:
+        raise ValueError(f"lora_a_stacked's K = {k_dim} but x has {hidden} columns")
+    for s, b in enumerate(lora_b):
+        if b.ndim != 4 or b.shape[0] != num_slots or b.shape[1] != num_experts or b.shape[3] != rank:
+            raise ValueError(f"lora_b_stacked[{s}] must be (L, E, n, r) = ({num_slots}, {num_experts}, n, {rank}), "
+                             f"got shape {tuple(b.shape)}")
+    for w in lora_a + lora_b:
+        if np.dtype(w.dtype).name not in checks.WEIGHT_DTYPES:
+            raise TypeError(f"LoRA weights must be one of {checks.WEIGHT_DTYPES}, got {w.dtype}")
+    return num_slots, num_experts, rank, k_dim
