@@ -266,11 +266,9 @@ class MultiLoRAExperts(nnx.Module):
     __call__(x (T, H), ids (T, k), weights (T, k), punica=None) -> (T, H): the experts' output, and
     with a wrapper, each routed pair (t, e) of a token with slot l adds (x[t] @ A13_s[l, e].T) @
     B13_s[l, e].T to gate_up's slice s, and weights[t, k] * (a_p @ A2[l, e].T) @ B2[l, e].T to the
-    weighted down output (the wrapper's moe_lora_align_block_size and add_lora_fused_moe, scale 1:
-    the scaling is folded into B).
+    weighted down output (the wrapper's add_lora_w13 and add_lora_w2, scale 1: the scaling is folded
+    into B).
     """
-
-    block_size: ClassVar[int] = 16      # rows of one (slot, expert) block of the aligned layout
 
     def __init__(self, base, *, max_loras: int, max_rank: int, dtype=None):
         if not isinstance(base, MoEExperts):
@@ -298,15 +296,15 @@ class MultiLoRAExperts(nnx.Module):
             return self.base(x, ids, weights)
         base, (t, k) = self.base, ids.shape
         ranks, enabled = self.lora_ranks.get_value(), self.adapter_enabled.get_value()
-        layout = w.moe_lora_align_block_size(ids, t, self.block_size, base.num_experts, self.max_loras, enabled)
         order = ExpertOrder(ids, base.num_experts)
         a13, b13 = self.w13_lora_a.get_value(), self.w13_lora_b.get_value()
-        h = w.add_lora_fused_moe(base.gate_up(x, ids, order), x, [a13[0], a13[1]], [b13[0], b13[1]], weights,
-                                 *layout, self.max_rank, k, None, None, enabled, False, lora_ranks=ranks)
+        h, *layout = w.add_lora_w13(base.gate_up(x, ids, order), x, (a13[0], a13[1]), (b13[0], b13[1]), ids,
+                                    weights, None, None, None, t, k, self.max_loras, enabled, base.num_experts, k, 2,
+                                    False, False, lora_ranks=ranks)
         a = base.activate(h)
-        d = w.add_lora_fused_moe(base.down(a, ids, weights, order), a, [self.w2_lora_a.get_value()],
-                                 [self.w2_lora_b.get_value()], weights, *layout, self.max_rank, k, None, None,
-                                 enabled, True, lora_ranks=ranks)
+        d = w.add_lora_w2(base.down(a, ids, weights, order), a, (self.w2_lora_a.get_value(),),
+                          (self.w2_lora_b.get_value(),), weights, *layout, t, None, None, k, self.max_loras, enabled,
+                          k, False, 0, False, lora_ranks=ranks)
         return d.sum(axis=1)
 
     slot_axis: ClassVar[dict] = {"w13_lora_a": 1, "w13_lora_b": 1, "w2_lora_a": 0, "w2_lora_b": 0,

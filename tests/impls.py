@@ -13,6 +13,8 @@ Fields an entry may set:
          Triton kernels), else the CPU (the Triton interpreter). JAX arrays go to JAX's default device.
   vllm_methods: the wrapper has vLLM's TPU wrapper's per-token `shrink` / `expand` / `expand_slice`
          (False for the bridged wrappers, which offer only the `add_*` methods).
+  moe_lora: the side has the mixture-of-experts LoRA op and wrapper methods (contract section 9),
+         run through `fused_moe_lora` and `moe_w13_w2` below.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Impl:
     marks: tuple = ()
     torch_device: str | None = None
     vllm_methods: bool = True
+    moe_lora: bool = False
 
     def __str__(self):
         return self.name
@@ -178,15 +181,67 @@ class Impl:
         return self.to_np(res)
 
 
+    # -------------------------------------------------------------- mixture-of-experts LoRA
+    def fused_moe_lora(self, y, x, lora_a, lora_b, topk_ids, topk_weights, token_lora, adapter_enabled,
+                       mul_routed_weight, offset, naive, block_size, dtype):
+        """The MoE LoRA op on one order (naive: topk_ids flattened; else the op's own alignment);
+        returns y as NumPy."""
+        ops = self.ops
+        ids = self.idx(topk_ids)
+        mapping, enabled = self.idx(token_lora), self.idx(adapter_enabled)
+        if naive:
+            sorted_ids, expert_ids, post_pad = None, ids.reshape(-1), None
+        else:
+            sorted_ids, expert_ids, post_pad = ops.moe_lora_align_block_size(
+                ids, mapping, lora_a[0].shape[1], block_size, lora_a[0].shape[0], enabled)
+        out = self.arr(y, dtype)
+        res = ops.fused_moe_lora(out, self.arr(x, dtype), [self.arr(a, dtype) for a in lora_a],
+                                 [self.arr(b, dtype) for b in lora_b], self.arr(topk_weights, "float32"),
+                                 sorted_ids, expert_ids, post_pad, mapping, lora_a[0].shape[2],
+                                 topk_ids.shape[1], enabled, mul_routed_weight, offset,
+                                 block_size=None if naive else block_size, backend=self.backend)
+        if self.side == "torch":
+            assert res is out
+            return self.to_np(out)
+        return self.to_np(res)
+
+    def moe_w13_w2(self, w, y13, x, gu_a, gu_b, y2, h, dn_a, dn_b, topk_ids, topk_weights, adapter_enabled,
+                   num_experts, dtype):
+        """The wrapper's add_lora_w13 then add_lora_w2 on its current metadata; returns (y13, y2,
+        whether add_lora_w13 chose the naive pair order)."""
+        num_tokens, top_k = topk_ids.shape
+        max_loras = gu_a[0].shape[0]
+        out13, out2 = self.arr(y13, dtype), self.arr(y2, dtype)
+        if self.side == "torch":
+            import torch
+            w1 = torch.empty((num_experts, 1, 1))
+        else:
+            w1 = None
+        res13 = w.add_lora_w13(
+            out13, self.arr(x, dtype), tuple(self.arr(a, dtype) for a in gu_a), tuple(self.arr(b, dtype) for b in gu_b),
+            self.idx(topk_ids), self.arr(topk_weights, "float32"), None, w1, w1, num_tokens, top_k, max_loras,
+            self.idx(adapter_enabled), num_experts, top_k, len(gu_a), False, False)
+        if self.side == "jax":          # functional: the new y comes first
+            out13, *res13 = res13
+        sorted_ids, expert_ids, post_pad, mapping = res13
+        res = w.add_lora_w2(out2, self.arr(h, dtype), (self.arr(dn_a[0], dtype),), (self.arr(dn_b[0], dtype),),
+                            self.arr(topk_weights, "float32"), sorted_ids, expert_ids, post_pad, mapping, num_tokens,
+                            w1, w1, top_k, max_loras, self.idx(adapter_enabled), top_k, False, 0, False)
+        if self.side == "torch":
+            assert res is out2
+        else:
+            out2 = res
+        return self.to_np(out13), self.to_np(out2), sorted_ids is None
+
 def _jax_impls():
     from .pallas_tpu_impl import make_impl as pallas_tpu_impl  # TPU interpret mode, races checked
-    return [Impl("jax-xla", "jax", "xla"), pallas_tpu_impl(Impl),
-            Impl("jax-triton", "jax", "triton", small=True)]  # Triton interpreter via pure_callback on CPU
+    return [Impl("jax-xla", "jax", "xla", moe_lora=True), pallas_tpu_impl(Impl),
+            Impl("jax-triton", "jax", "triton", small=True, moe_lora=True)]  # Triton interpreter via pure_callback
 
 
 def _torch_impls():
-    return [Impl("torch-ref", "torch", "torch"),
-            Impl("torch-triton", "torch", "triton", small=True)]  # Triton interpreter on CPU tensors
+    return [Impl("torch-ref", "torch", "torch", moe_lora=True),
+            Impl("torch-triton", "torch", "triton", small=True, moe_lora=True)]  # Triton interpreter on CPU tensors
 
 
 def _bridge_impls():

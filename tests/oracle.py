@@ -113,6 +113,61 @@ def kernel_meta(idx, max_loras):
     return idx, order, active, num, start, all(i == -1 for i in idx)
 
 
+def fused_moe_lora(y, x, lora_a, lora_b, topk_ids, topk_weights, token_lora, adapter_enabled, mul_routed_weight,
+                   offset=0):
+    """MoE LoRA (contract section 9), loops: for token t with slot l = token_lora[t] >= 0 and
+    adapter_enabled[l] != 0, each of its top-k choices k (expert e = topk_ids[t, k] >= 0) and each
+    slice s (output columns offset + sum of the widths before it):
+
+      y[t, k, cols_s] += w * B_s[l, e] @ (A_s[l, e] @ x[row])
+
+    row = t * top_k + k and w = topk_weights[t, k] when mul_routed_weight (the down projection:
+    one x row per pair), else row = t and w = 1 (gate_up: one x row per token). y is (T, top_k, N)."""
+    y = f64(y).copy()
+    x = f64(x)
+    num_tokens, top_k = np.asarray(topk_ids).shape
+    for t in range(num_tokens):
+        slot = int(token_lora[t])
+        if slot < 0 or not adapter_enabled[slot]:
+            continue
+        for k in range(top_k):
+            e = int(topk_ids[t, k])
+            if e < 0:
+                continue
+            row = x[t * top_k + k] if mul_routed_weight else x[t]
+            w = float(topk_weights[t, k]) if mul_routed_weight else 1.0
+            col = offset
+            for a, b in zip(lora_a, lora_b):
+                a, b = f64(a)[slot, e], f64(b)[slot, e]
+                y[t, k, col:col + b.shape[0]] += w * (b @ (a @ row))
+                col += b.shape[0]
+    return y
+
+
+def moe_block_lora(x, w_gate_up, w_down, topk_ids, topk_weights, token_lora, gu_a, gu_b, dn_a, dn_b, scales):
+    """A whole MoE block with expert LoRA, float64 (HF Mixtral's experts): per token t and choice k,
+    expert e, adapter slot l = token_lora[t] (-1: none), scaling c = scales[l]:
+
+      gu = W_gu[e] @ x[t] + c * B_gu[l, e] @ A_gu[l, e] @ x[t];  h = silu(gu[:I]) * gu[I:]
+      out[t] += w[t, k] * (W_dn[e] @ h + c * B_dn[l, e] @ A_dn[l, e] @ h)"""
+    x = f64(x)
+    out = np.zeros_like(x)
+    inter = w_gate_up.shape[1] // 2
+    for t in range(x.shape[0]):
+        slot = int(token_lora[t])
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            gu = f64(w_gate_up)[e] @ x[t]
+            if slot >= 0:
+                gu = gu + scales[slot] * (f64(gu_b)[slot, e] @ (f64(gu_a)[slot, e] @ x[t]))
+            h = gu[:inter] / (1 + np.exp(-gu[:inter])) * gu[inter:]
+            d = f64(w_down)[e] @ h
+            if slot >= 0:
+                d = d + scales[slot] * (f64(dn_b)[slot, e] @ (f64(dn_a)[slot, e] @ h))
+            out[t] += float(topk_weights[t, k]) * d
+    return out
+
+
 def rel_err(got, want):
     got, want = f64(got), f64(want)
     if not np.all(np.isfinite(got)):

@@ -471,127 +471,98 @@ def test_add_lora_linear_with_lora_ranks(impl):
     assert_close(got, want, dtype, "add_lora_linear lora_ranks")
 
 
-# ----------------------------------------------------------------------------- mixture of experts
+# ----------------------------------------------------------------------------- mixture-of-experts LoRA
 
-def moe_lora_oracle(y, x, lora_a, lora_b, topk_ids, topk_weights, slot_of_token, enabled, mul_routed_weight,
-                    offset, lora_ranks=None):
-    """float64: y (M, k, N) plus, per routed pair (t, j) of a token with an enabled slot l and expert
-    e = topk_ids[t, j], w * (x_p @ A_s[l, e][:rank].T) @ B_s[l, e][:, :rank].T at slice s's columns
-    (x_p = x[t] for a per-token x, x[t * k + j] for a per-pair one; w the router weight or 1)."""
-    y = np.asarray(y, np.float64).copy()
-    m, k = topk_ids.shape
-    per_pair = x.shape[0] == m * k and k > 1
-    for t in range(m):
-        l = slot_of_token[t]
-        if l < 0 or not enabled[l]:
-            continue
-        for j in range(k):
-            e = topk_ids[t, j]
-            row = np.asarray(x[t * k + j] if per_pair else x[t], np.float64)
-            w = float(topk_weights[t, j]) if mul_routed_weight else 1.0
-            col = offset
-            for a, b in zip(lora_a, lora_b):
-                r = a.shape[2] if lora_ranks is None else lora_ranks[l]
-                h = np.asarray(a[l, e, :r], np.float64) @ row
-                y[t, j, col:col + b.shape[2]] += w * (np.asarray(b[l, e, :, :r], np.float64) @ h)
-                col += b.shape[2]
-    return y
+MOE_PARAMS = [pytest.param(impl, dt, id=f"{impl.name}-{dt}", marks=impl.marks)
+              for impl in IMPLS if impl.moe_lora for dt in DTYPES if dt in impl.dtypes]
 
 
-class MoECase:
-    """7 tokens routed to 2 of 4 experts, 3 slots (slot 1 empty: its weights are NaN), a token
-    without adapter; gate_up (two slices of 12) over hidden 32, down (one slice of 32) over 12."""
+class MoeCase:
+    """Routing of T tokens to top_k of E experts, L slots (slot 1 without expert LoRA), weights."""
 
-    def __init__(self, seed, dtype, m=7, k=2, experts=4, slots=3, rank=8, hidden=32, inter=12):
+    def __init__(self, seed, dtype, num_tokens=7, top_k=2, experts=4, slots=3, hidden=32, inter=24, rank=8):
         rng = np.random.default_rng(seed)
-        self.m, self.k, self.experts, self.slots, self.rank = m, k, experts, slots, rank
-        self.topk_ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(m)]).astype(np.int32)
-        w = rng.random((m, k)) + 0.1
-        self.topk_weights = (w / w.sum(1, keepdims=True)).astype(np.float32)
-        self.slot = rng.choice([0, 2], m).astype(np.int32)
-        self.slot[1] = -1
-        self.lora_index_to_id = [101, None, 103]
-        self.x13 = round_to(rng.standard_normal((m, hidden)), dtype)
-        self.x2 = round_to(rng.standard_normal((m * k, inter)), dtype)
+        self.rng, self.top_k, self.experts = rng, top_k, experts
+        ids = [rng.choice(experts, top_k, replace=False) for _ in range(num_tokens)]
+        self.topk_ids = np.stack(ids).astype(np.int32)
+        w = rng.random((num_tokens, top_k)).astype(np.float32)
+        self.topk_weights = w / w.sum(1, keepdims=True)
+        self.idx = rng.choice([-1, 0, 1, 2], size=num_tokens).astype(np.int32)
+        self.enabled = np.array([1, 0, 1] + [0] * (slots - 3), np.int32)
+        self.lora_index_to_id = [101 + s for s in range(slots)]
 
-        def weights(shape, fan_in):
-            wt = round_to(rng.standard_normal(shape) / np.sqrt(fan_in), dtype)
-            wt[1] = np.nan                                                 # the empty slot: never read
-            return wt
-        self.a13 = [weights((slots, experts, rank, hidden), hidden) for _ in range(2)]
-        self.b13 = [weights((slots, experts, inter, rank), rank) for _ in range(2)]
-        self.a2 = [weights((slots, experts, rank, inter), inter)]
-        self.b2 = [weights((slots, experts, hidden, rank), rank)]
-        self.y13 = round_to(rng.standard_normal((m, k, 2 * inter + 3)), dtype)
-        self.y2 = round_to(rng.standard_normal((m, k, hidden)), dtype)
+        def weights(*shape):
+            return round_to(rng.standard_normal(shape) / np.sqrt(shape[-1]), dtype)
+
+        self.gu_a = [weights(slots, experts, rank, hidden) for _ in range(2)]
+        self.gu_b = [weights(slots, experts, inter, rank) for _ in range(2)]
+        self.dn_a = [weights(slots, experts, rank, inter)]
+        self.dn_b = [weights(slots, experts, hidden, rank)]
+        self.x = round_to(rng.standard_normal((num_tokens, hidden)), dtype)
+        self.h = round_to(rng.standard_normal((num_tokens * top_k, inter)), dtype)
+        self.y13 = round_to(rng.standard_normal((num_tokens, top_k, 2 * inter + 3)), dtype)
+        self.y2 = round_to(rng.standard_normal((num_tokens, top_k, hidden)), dtype)
 
     def mapping(self):
-        ids = tuple(0 if s < 0 else self.lora_index_to_id[s] for s in self.slot)
+        ids = tuple(0 if i < 0 else self.lora_index_to_id[i] for i in self.idx)
         return LoRAMapping(ids, ids, False)
 
-    @staticmethod
-    def native_list(impl, arrays, dtype):
-        return [impl.arr(a, dtype) for a in arrays]
+    def untouched(self, got, y0):
+        """Pairs without a live adapter are bit for bit what they were."""
+        dead = (self.idx < 0) | (self.enabled[np.maximum(self.idx, 0)] == 0)
+        np.testing.assert_array_equal(got[dead], np.asarray(y0, np.float64)[dead])
 
 
-def _moe_wrapper(impl, case):
-    w = impl.wrapper(case.m + 5, 16, case.slots)
-    if not hasattr(w, "add_lora_fused_moe"):
-        pytest.skip(f"{impl.name}'s wrapper has no add_lora_fused_moe")
-    w.update_metadata(case.mapping(), case.lora_index_to_id, case.slots + 1, 32, 0)
-    return w
+@pytest.mark.parametrize("impl,dtype", MOE_PARAMS)
+@pytest.mark.parametrize("order", ["naive", "sorted"])
+@pytest.mark.parametrize("down", [False, True], ids=["gate_up", "down"])
+def test_fused_moe_lora_op(impl, dtype, order, down):
+    """The op on both pair orders: gate_up (two slices, one x row per token, at an offset) and
+    down (one slice, one x row per pair, router weights applied)."""
+    case = MoeCase(40 + down, dtype)
+    a, b = (case.dn_a, case.dn_b) if down else (case.gu_a, case.gu_b)
+    x, y0, offset = (case.h, case.y2, 0) if down else (case.x, case.y13, 1)
+    got = impl.fused_moe_lora(y0, x, a, b, case.topk_ids, case.topk_weights, case.idx, case.enabled, down, offset,
+                              order == "naive", 16, dtype)
+    want = oracle.fused_moe_lora(y0, x, a, b, case.topk_ids, case.topk_weights, case.idx, case.enabled, down, offset)
+    assert_close(got, want, dtype, f"fused_moe_lora {order}")
+    case.untouched(got, y0)
 
 
-@pytest.mark.parametrize("impl,dtype", IMPL_DTYPE_PARAMS)
-@pytest.mark.parametrize("naive", [False, True], ids=["aligned", "naive"])
-def test_add_lora_fused_moe(impl, dtype, naive):
-    """w13 (two slices, per-token x, offset 1, no router weight) and w2 (one slice, per-pair x,
-    router weight applied) against the float64 oracle, through vLLM's align + add_lora_fused_moe
-    (or the naive assignment); pairs of the token without adapter untouched bit for bit; the empty
-    slot's NaN weights never reach a result."""
-    case = MoECase(11, dtype)
-    w = _moe_wrapper(impl, case)
-    enabled = np.ones(case.slots, np.int32)
-    if naive:
-        layout = (None, impl.idx(case.topk_ids.reshape(-1)), None)
-    else:
-        layout = w.moe_lora_align_block_size(impl.idx(case.topk_ids), case.m, 4, case.experts, case.slots,
-                                             impl.idx(enabled))
-    weights = impl.arr(case.topk_weights, "float32")
-    for y0, x, a, b, mul, offset in ((case.y13, case.x13, case.a13, case.b13, False, 1),
-                                     (case.y2, case.x2, case.a2, case.b2, True, 0)):
-        got = impl.wrapper_call(w, "add_lora_fused_moe", impl.arr(y0, dtype), impl.arr(x, dtype),
-                                case.native_list(impl, a, dtype), case.native_list(impl, b, dtype), weights,
-                                *layout, case.rank, case.k, {}, {}, impl.idx(enabled), mul, False, offset)
-        want = moe_lora_oracle(y0, x, a, b, case.topk_ids, case.topk_weights, case.slot, enabled, mul, offset)
-        assert_close(got, want, dtype, f"add_lora_fused_moe (mul_routed_weight={mul})")
-        np.testing.assert_array_equal(got[case.slot < 0], np.asarray(y0, np.float64)[case.slot < 0],
-                                      err_msg="pairs of a token without adapter changed")
-
-
-@pytest.mark.parametrize("impl", IMPL_PARAMS)
-def test_add_lora_fused_moe_disabled_slot_and_ranks(impl):
-    """adapter_enabled 0 leaves that slot's pairs untouched; lora_ranks counts columns past a slot's
-    rank as zero (NaN there never reaches a result)."""
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].moe_lora])
+def test_fused_moe_lora_shared_a_and_expert_minus_one(impl):
+    """One A tensor for both gate_up slices (PEFT's fused gate_up_proj) and an expert id of -1
+    (expert parallelism: not local) give the oracle's result."""
     dtype = impl.dtypes[0]
-    case = MoECase(12, dtype)
-    w = _moe_wrapper(impl, case)
-    if impl.side != "jax":
-        pytest.skip("lora_ranks= is the JAX wrapper's keyword")
-    enabled = np.array([1, 1, 0], np.int32)
-    ranks = np.array([5, 0, 8], np.int32)
-    a = [x.copy() for x in case.a13]
-    b = [x.copy() for x in case.b13]
-    a[0][0, :, 5:] = np.nan
-    b[1][0, :, :, 5:] = np.nan
-    layout = w.moe_lora_align_block_size(impl.idx(case.topk_ids), case.m, 4, case.experts, case.slots,
-                                         impl.idx(enabled))
-    got = impl.wrapper_call(w, "add_lora_fused_moe", impl.arr(case.y13, dtype), impl.arr(case.x13, dtype),
-                            case.native_list(impl, a, dtype), case.native_list(impl, b, dtype),
-                            impl.arr(case.topk_weights, "float32"), *layout, case.rank, case.k, {}, {},
-                            impl.idx(enabled), lora_ranks=impl.idx(ranks))
-    want = moe_lora_oracle(case.y13, case.x13, a, b, case.topk_ids, case.topk_weights, case.slot, enabled, False,
-                           0, lora_ranks=ranks)
-    assert_close(got, want, dtype, "add_lora_fused_moe with a disabled slot and ranks")
-    untouched = (case.slot < 0) | (case.slot == 2)
-    np.testing.assert_array_equal(got[untouched], np.asarray(case.y13, np.float64)[untouched])
+    case = MoeCase(43, dtype, num_tokens=9)
+    case.topk_ids[2, 1] = -1
+    a = [case.gu_a[0], case.gu_a[0]]
+    for naive in (True, False):
+        got = impl.fused_moe_lora(case.y13, case.x, a, case.gu_b, case.topk_ids, case.topk_weights, case.idx,
+                                  case.enabled, False, 0, naive, 16, dtype)
+        want = oracle.fused_moe_lora(case.y13, case.x, a, case.gu_b, case.topk_ids, case.topk_weights, case.idx,
+                                     case.enabled, False, 0)
+        assert_close(got, want, dtype, f"shared A naive={naive}")
+        np.testing.assert_array_equal(got[2, 1], case.y13[2, 1].astype(np.float64))
+
+
+@pytest.mark.parametrize("impl,dtype", MOE_PARAMS)
+@pytest.mark.parametrize("num_tokens,experts", [(1, 8), (24, 4)], ids=["naive", "sorted"])
+def test_wrapper_add_lora_w13_then_w2(impl, dtype, num_tokens, experts):
+    """vLLM's add_lora_w13 / add_lora_w2 on the wrapper's metadata: the pair order vLLM's rule
+    picks (naive for 1 token of 8 experts, sorted for 24 tokens), the router weights on w2 only."""
+    case = MoeCase(44, dtype, num_tokens=num_tokens, experts=experts)
+    w = impl.wrapper(num_tokens + 3, 8, len(case.lora_index_to_id))
+    w.update_metadata(case.mapping(), case.lora_index_to_id, len(case.lora_index_to_id) + 1, 32, 0)
+    got13, got2, naive = impl.moe_w13_w2(w, case.y13, case.x, case.gu_a, case.gu_b, case.y2, case.h, case.dn_a,
+                                         case.dn_b, case.topk_ids, case.topk_weights, case.enabled, case.experts,
+                                         dtype)
+    want13 = oracle.fused_moe_lora(case.y13, case.x, case.gu_a, case.gu_b, case.topk_ids, case.topk_weights,
+                                   case.idx, case.enabled, False)
+    want2 = oracle.fused_moe_lora(case.y2, case.h, case.dn_a, case.dn_b, case.topk_ids, case.topk_weights,
+                                  case.idx, case.enabled, True)
+    assert naive == (num_tokens == 1)
+    assert_close(got13, want13, dtype, "add_lora_w13")
+    assert_close(got2, want2, dtype, "add_lora_w2")
+    case.untouched(got13, case.y13)
+    case.untouched(got2, case.y2)

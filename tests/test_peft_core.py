@@ -124,7 +124,6 @@ def test_half_and_double_precision_tensors(tmp_path, dtype):
     ("layer_replication", [[0, 1], [0, 1]], "layer replication"),
     ("lora_bias", True, "LoRA bias"),
     ("use_qalora", True, "QALoRA"),
-    ("target_parameters", ["feed_forward.experts.down_proj"], "parameters"),
     ("trainable_token_indices", [5, 6], "trainable tokens"),
     ("megatron_config", {"tensor_model_parallel_size": 2}, "Megatron"),
     ("use_bdlora", {"nblocks": 2}, "BD-LoRA"),

@@ -27,6 +27,7 @@ from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .meta import LoRAKernelMeta
 from .ops import dispatch
+from .ops import moe as _moe
 from .ops.api import as_lora_ranks, as_slices, check_tensors, to_3d
 from .warmup import warmup as _warmup
 
@@ -468,6 +469,104 @@ class PunicaWrapper:
         self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
                      self.indices_len[1], cut_to_y=True, lora_ranks=lora_ranks)
         return y
+
+    # ------------------------------------------------------------------ mixture-of-experts LoRA
+
+    def moe_lora_align_block_size(self, topk_ids: torch.Tensor, num_tokens: int, block_size: int, num_experts: int,
+                                  max_loras: int, adapter_enabled: torch.Tensor, expert_map: torch.Tensor | None = None,
+                                  pad_sorted_ids: bool = False, naive_block_assignment: bool = False) -> tuple:
+        """The routed pairs of this step's tokens grouped by (slot, expert) for the MoE LoRA kernels
+        (contract section 9). Returns (token_lora_mapping (T,), sorted_token_ids (L * EM,) or None,
+        expert_ids, num_tokens_post_padded (L,) or None); naive_block_assignment: no grouping,
+        expert_ids = topk_ids flattened (mapped through expert_map when given)."""
+        self._check_tensors(topk_ids=topk_ids, adapter_enabled=adapter_enabled, expert_map=expert_map)
+        self._check_tokens("topk_ids", int(num_tokens), self.indices_len[0])
+        token_lora_mapping = self.token_mapping_meta.meta_args(int(num_tokens)).token_lora_mapping
+        if naive_block_assignment:
+            experts = topk_ids.reshape(-1)
+            if expert_map is not None:
+                experts = torch.where(experts >= 0, expert_map.to(experts.device)[experts.clamp(min=0).long()],
+                                      experts)
+            return token_lora_mapping, None, experts, None
+        sorted_ids, expert_ids, post_pad = _moe.moe_lora_align_block_size(
+            topk_ids, token_lora_mapping, num_experts, block_size, max_loras, adapter_enabled, expert_map,
+            pad_sorted_ids)
+        return token_lora_mapping, sorted_ids, expert_ids, post_pad
+
+    def add_lora_fused_moe(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
+                           topk_weights: torch.Tensor, sorted_token_ids: torch.Tensor | None, expert_ids: torch.Tensor,
+                           num_tokens_post_padded: torch.Tensor | None, max_lora_rank: int, top_k_num: int,
+                           shrink_config: dict, expand_config: dict, adapter_enabled: torch.Tensor,
+                           mul_routed_weight: bool = False, fully_sharded: bool = False, offset: int = 0,
+                           token_lora_mapping: torch.Tensor | None = None) -> torch.Tensor:
+        """y[t, k, offset + cols_s] += w(p) * B_s[l, e] @ A_s[l, e] @ x[row(p)] for every routed pair
+        (contract section 9), in place; returns y. A_s (L, E, r, K), B_s (L, E, n_s, r), the scaling
+        folded into B. The block size of a sorted order is read from the arrays (shrink_config /
+        expand_config choose vLLM's tiles and are not used by these kernels); fully_sharded (tensor
+        parallel LoRA) is refused."""
+        if fully_sharded:
+            raise ValueError("fully_sharded: expected False; fully sharded MoE LoRA across tensor-parallel ranks is "
+                             "not supported")
+        if token_lora_mapping is None:
+            token_lora_mapping = self.token_mapping_meta.meta_args(y.shape[0]).token_lora_mapping
+        self._check_tokens("y", y.shape[0], self.indices_len[0])
+        block = None
+        if sorted_token_ids is not None:
+            block = sorted_token_ids.numel() // max(expert_ids.numel(), 1)
+        _moe.fused_moe_lora(y, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
+                            num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, adapter_enabled,
+                            mul_routed_weight, offset, block_size=block, backend=self.backend)
+        return y
+
+    def add_lora_w13(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor, expert_map: torch.Tensor | None, w1: torch.Tensor, w2: torch.Tensor,
+                     num_tokens: int, top_k_num: int, max_loras: int, adapter_enabled: torch.Tensor,
+                     local_num_experts: int, top_k: int, num_slices: int, fully_sharded: bool,
+                     use_tuned_config: bool, token_lora_mapping: torch.Tensor | None = None,
+                     add_inputs: bool = True) -> tuple:
+        """The gate_up (w13) expert LoRA of a MoE layer: aligns the routed pairs (naive order when
+        pairs are sparse: num_tokens * top_k * 8 <= local_num_experts * max_loras and no
+        expert_map, vLLM's rule), then `add_lora_fused_moe` without routed weights into y
+        (T, top_k, N). Returns (sorted_token_ids, expert_ids, num_tokens_post_padded,
+        token_lora_mapping) for `add_lora_w2`. w1 / w2 (the base expert weights) and
+        use_tuned_config only steer vLLM's tile choice; add_inputs must be True (y accumulates)."""
+        if not add_inputs:
+            raise ValueError("add_inputs: expected True; the MoE LoRA ops add into y")
+        if len(lora_a_stacked) != num_slices or len(lora_b_stacked) != num_slices:
+            raise ValueError(f"num_slices: expected len(lora_a_stacked) = len(lora_b_stacked) = {num_slices}, got "
+                             f"{len(lora_a_stacked)} and {len(lora_b_stacked)}")
+        pairs = int(num_tokens) * int(top_k)
+        naive = expert_map is None and pairs * 8 <= int(local_num_experts) * int(max_loras)
+        block = 16 if pairs <= 1024 else 64
+        mapping, sorted_ids, expert_ids, post_pad = self.moe_lora_align_block_size(
+            topk_ids, num_tokens, block, local_num_experts, max_loras, adapter_enabled, expert_map,
+            naive_block_assignment=naive)
+        if token_lora_mapping is None:
+            token_lora_mapping = mapping
+        max_lora_rank = lora_a_stacked[0].shape[-2]
+        self.add_lora_fused_moe(y.view(-1, top_k_num, y.shape[-1]), x, lora_a_stacked, lora_b_stacked, topk_weights,
+                                sorted_ids, expert_ids, post_pad, max_lora_rank, top_k, {}, {}, adapter_enabled,
+                                fully_sharded=fully_sharded, token_lora_mapping=token_lora_mapping)
+        return sorted_ids, expert_ids, post_pad, token_lora_mapping
+
+    def add_lora_w2(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
+                    topk_weights: torch.Tensor, sorted_token_ids_lora: torch.Tensor | None,
+                    expert_ids_lora: torch.Tensor | None, num_tokens_post_padded_lora: torch.Tensor | None,
+                    token_lora_mapping: torch.Tensor | None, num_tokens: int, w1: torch.Tensor, w2: torch.Tensor,
+                    top_k_num: int, max_loras: int, adapter_enabled: torch.Tensor, top_k: int, fully_sharded: bool,
+                    tp_rank: int, use_tuned_config: bool, add_inputs: bool = True) -> torch.Tensor:
+        """The down (w2) expert LoRA: `add_lora_fused_moe` with the router weights applied
+        (mul_routed_weight) on the alignment `add_lora_w13` returned; x (T * top_k, I), one row per
+        pair; y (T, top_k, H), the per-pair output before the sum over k. Returns y."""
+        if not add_inputs:
+            raise ValueError("add_inputs: expected True; the MoE LoRA ops add into y")
+        if expert_ids_lora is None:
+            raise ValueError("expert_ids_lora: expected the expert ids add_lora_w13 returned, got None")
+        max_lora_rank = lora_a_stacked[0].shape[-2]
+        return self.add_lora_fused_moe(y, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids_lora,
+                                       expert_ids_lora, num_tokens_post_padded_lora, max_lora_rank, top_k, {}, {},
+                                       adapter_enabled, True, fully_sharded=fully_sharded,
+                                       token_lora_mapping=token_lora_mapping)
 
 
 def _meta_view(layout: StepLayout, block: torch.Tensor, prefix: str) -> LoRAKernelMeta:

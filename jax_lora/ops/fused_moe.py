@@ -6,20 +6,20 @@ l = token_lora_mapping[t], l >= 0 and adapter_enabled[l] != 0), every product in
 
   y[t, k, offset + o_s : offset + o_s + n_s] += w_p * (x_p @ A_s[l, e].T) @ B_s[l, e].T
 
-with o_s = n_0 + ... + n_{s-1} (slices s: gate and up of w13, or the one slice of w2), w_p =
-topk_weights[t, k] when mul_routed_weight (the router weight, where the model applies it: after
-the down projection in Mixtral) else 1, and x_p = x[t] when x has one row per token (w13: the
-hidden states) or x[p] when it has one per pair (w2: the activated gate_up output). With
+with o_s = n_0 + ... + n_{s-1} (slices s: gate and up of w13, or the one slice of w2). With
+mul_routed_weight (w2, contract section 9): w_p = topk_weights[t, k], the router weight where the
+model applies it (after the down projection in Mixtral), and x_p = x[p] (one row per pair: the
+activated gate_up output); without (w13): w_p = 1 and x_p = x[t] (the hidden states). With
 lora_ranks, rank columns c >= lora_ranks[l] count as zero. Pairs of tokens without an adapter, of
 slots whose adapter_enabled is 0 and of experts routed to -1 (expert_map) are untouched and cost
 nothing.
 
-Layout (vLLM 0.33's, built by `moe_lora_align_block_size`): per slot l, the pairs of slot l's
-tokens grouped by expert (ascending expert, pairs ascending inside a group), each group padded to a
-multiple of block_size with the sentinel P = num_tokens * top_k:
-  sorted_token_ids (L, EM)       pair ids, EM = round_up(P + E * (block_size - 1), block_size)
-  expert_ids (L, EM / block_size) the expert of each block, -1 past the slot's last block
-  num_tokens_post_padded (L,)    the slot's padded length
+Layout (vLLM 0.33's, built by `moe_lora_align_block_size`; flat, L rows of EM): per slot l, the
+pairs of slot l's tokens grouped by expert (ascending expert, pairs ascending inside a group), each
+group padded to a multiple of block_size with the sentinel P = num_tokens * top_k:
+  sorted_token_ids (L * EM,)      pair ids, EM = round_up(P + E * (block_size - 1), block_size)
+  expert_ids (L * EM / block_size,) the expert of each block, -1 past the slot's last block
+  num_tokens_post_padded (L,)     the slot's padded length
 Every shape depends on (P, E, L, block_size) only: one compiled program for every routing.
 `sorted_token_ids=None` is vLLM's naive assignment: expert_ids is then topk_ids flattened (P,), and
 the layout is built here with block size 16.
@@ -44,7 +44,7 @@ from lora_core import checks
 
 from . import dispatch
 
-__all__ = ["MoELayout", "fused_moe_lora", "moe_lora_align_block_size", "pairs_of_layout"]
+__all__ = ["MoELayout", "align_layout", "fused_moe_lora", "moe_lora_align_block_size", "pairs_of_layout"]
 
 _LOG = logging.getLogger("jax_lora")
 _FALLBACK_SAID: set = set()
@@ -67,9 +67,11 @@ def _round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
-def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size: int, num_experts: int, max_loras: int,
-                              adapter_enabled=None, expert_map=None) -> MoELayout:
-    """The block-sorted layout of the pairs (module docstring), on the device, jittable.
+def moe_lora_align_block_size(topk_ids, token_lora_mapping, num_experts: int, block_size: int, max_loras: int,
+                              adapter_enabled=None, expert_map=None, pad_sorted_ids: bool = False) -> tuple:
+    """(sorted_token_ids (L * EM,), expert_ids (L * EM / block_size,), num_tokens_post_padded (L,)),
+    int32: the block-sorted layout of the pairs (module docstring), on the device, jittable. EM is
+    a multiple of block_size whatever pad_sorted_ids (the kernels take whole blocks).
 
     topk_ids (M, k) int: each token's experts; token_lora_mapping (M,) int: slot per token (-1 none,
     out-of-range values none); adapter_enabled (L,) int or None (all enabled): a slot with 0 gets no
@@ -80,6 +82,14 @@ def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size: int, num
     3. a stable sort of the pairs by key gives each its rank in its group, hence its position;
     4. scatter the pair ids, and the expert of every block from the group ends.
     """
+    layout = align_layout(topk_ids, token_lora_mapping, num_experts, block_size, max_loras, adapter_enabled,
+                          expert_map)
+    return tuple(a.reshape(-1) for a in layout[:2]) + (layout[2],)
+
+
+def align_layout(topk_ids, token_lora_mapping, num_experts: int, block_size: int, max_loras: int,
+                 adapter_enabled=None, expert_map=None) -> MoELayout:
+    """`moe_lora_align_block_size` as a MoELayout (rows per slot)."""
     block_size = int(block_size)
     if block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -158,14 +168,16 @@ def _impl(backend: str | None):
 
 def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, topk_weights, sorted_token_ids,
                    expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank: int, top_k_num: int,
-                   adapter_enabled=None, mul_routed_weight: bool = False, offset: int = 0, *,
-                   lora_ranks=None, backend: str | None = None) -> jax.Array:
+                   adapter_enabled=None, mul_routed_weight: bool = False, offset: int = 0, *, block_size=None,
+                   backend: str | None = None, lora_ranks=None) -> jax.Array:
     """The new y with every routed pair's LoRA term added (module docstring).
 
-    y (M, top_k, N) or (M * top_k, N); x (M, K) or (M * top_k, K); lora_a_stacked: S arrays
+    y (M, top_k, N) or (M * top_k, N); x (M, K) (mul_routed_weight False: one row per token) or
+    (M * top_k, K) (mul_routed_weight True: one row per pair); lora_a_stacked: S arrays
     (L, E, r, K); lora_b_stacked: S arrays (L, E, n_s, r) with offset + sum n_s <= N;
-    topk_weights (M, top_k); the layout from `moe_lora_align_block_size` (or sorted_token_ids None
-    and expert_ids the (M * top_k,) experts); token_lora_mapping (M,) slots (-1 none).
+    topk_weights (M, top_k); the layout from `moe_lora_align_block_size` (flat or one row per slot;
+    block_size, when given, must be its block size) or sorted_token_ids None and expert_ids the
+    (M * top_k,) experts; token_lora_mapping (M,) slots (-1 none); lora_ranks (L,), optional.
     """
     lora_a = tuple(lora_a_stacked) if isinstance(lora_a_stacked, (list, tuple)) else (lora_a_stacked,)
     lora_b = tuple(lora_b_stacked) if isinstance(lora_b_stacked, (list, tuple)) else (lora_b_stacked,)
@@ -188,10 +200,11 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
         y3 = y
     else:
         raise ValueError(f"y must be (num_tokens, top_k, N) = ({m}, {k}, N) or ({p}, N), got shape {y.shape}")
-    if x.ndim != 2 or x.shape[0] not in (m, p):
-        raise ValueError(f"x must be (num_tokens, K) = ({m}, K) or (num_tokens * top_k, K) = ({p}, K), got "
-                         f"shape {x.shape}")
-    rows = jnp.repeat(x, k, axis=0) if x.shape[0] == m and k > 1 else x                       # (P, K)
+    want_rows = p if mul_routed_weight else m
+    if x.ndim != 2 or x.shape[0] != want_rows:
+        what = "one row per pair (mul_routed_weight=True)" if mul_routed_weight else "one row per token"
+        raise ValueError(f"x must be ({want_rows}, K), {what}, got shape {x.shape}")
+    rows = x if mul_routed_weight else jnp.repeat(x, k, axis=0)                                # (P, K)
     num_slots, num_experts, rank, hidden = _check_weights(lora_a, lora_b, x.shape[1])
     if int(max_lora_rank) < rank:
         raise ValueError(f"max_lora_rank={max_lora_rank} is smaller than lora_a_stacked's rank {rank}")
@@ -208,15 +221,16 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
         if topk_ids.size != p:
             raise ValueError(f"with sorted_token_ids=None, expert_ids must hold the {p} routed experts, got shape "
                              f"{topk_ids.shape}")
-        layout = moe_lora_align_block_size(topk_ids.reshape(m, k), mapping, NAIVE_BLOCK_SIZE, num_experts,
-                                           num_slots, adapter_enabled)
+        layout = align_layout(topk_ids.reshape(m, k), mapping, num_experts, NAIVE_BLOCK_SIZE, num_slots,
+                              adapter_enabled)
     else:
         layout = MoELayout(jnp.asarray(sorted_token_ids).astype(jnp.int32).reshape(num_slots, -1),
                            jnp.asarray(expert_ids).astype(jnp.int32).reshape(num_slots, -1),
                            jnp.asarray(num_tokens_post_padded).astype(jnp.int32).reshape(num_slots))
-        if layout.sorted_token_ids.shape[1] % layout.expert_ids.shape[1]:
-            raise ValueError(f"sorted_token_ids' row length {layout.sorted_token_ids.shape[1]} must be a multiple "
-                             f"of expert_ids' {layout.expert_ids.shape[1]} (one expert per block)")
+        em, nb = layout.sorted_token_ids.shape[1], layout.expert_ids.shape[1]
+        if em % nb or (block_size is not None and em != nb * int(block_size)):
+            raise ValueError(f"sorted_token_ids ({em} per slot) and expert_ids ({nb} per slot) must hold one expert "
+                             f"per block of block_size={block_size if block_size is not None else 'EM / blocks'} pairs")
         if adapter_enabled is not None:          # a disabled slot's pairs cost nothing
             enabled = jnp.asarray(adapter_enabled).astype(jnp.int32)[:num_slots] != 0
             layout = layout._replace(num_tokens_post_padded=jnp.where(enabled, layout.num_tokens_post_padded, 0))

@@ -24,6 +24,15 @@ from .config import (
     WEIGHTS_NAME,
     AdapterError,
 )
+from .experts import (
+    EXPERT_KIND,
+    experts_shapes,
+    group_expert_linears,
+    join_expert_factors,
+    parameter_of,
+    per_expert_target,
+    split_expert_factors,
+)
 from .files import read_adapter_config, resolve_adapter_file
 from .patterns import MATCH_BUDGET_S, MAX_NAME_CHARS
 from .safetensors_format import read_safetensors, read_safetensors_header
@@ -34,24 +43,28 @@ class ModuleShape(NamedTuple):
     """What a model's LoRA module accepts, to check an adapter file's header against before reading:
     kind "linear" takes lora_A (r, in_features) and lora_B (out_features, r); kind "embedding"
     takes lora_embedding_A (r, in_features = vocabulary) and lora_embedding_B (out_features =
-    embedding dim, r); r <= max_rank."""
+    embedding dim, r); kind "experts" (a 3-D expert weight, lora_core.peft.experts) takes per
+    expert A (r, in_features) and B (out_features, r) for num_experts experts; r <= max_rank."""
 
     kind: str
     in_features: int
     out_features: int
     max_rank: int
+    num_experts: int = 1
 
 
 def largest_adapter_bytes(module_shapes: Mapping[str, ModuleShape]) -> int:
     """The bytes of the largest adapter a model takes: every module at its max_rank, in float64 (the
     widest dtype read), plus a DoRA magnitude (out_features,) per module. An adapter file within the
     model's shapes never holds more LoRA data than this."""
-    return sum((m.max_rank * (m.in_features + m.out_features) + m.out_features) * 8 for m in module_shapes.values())
+    return sum((m.num_experts * m.max_rank * (m.in_features + m.out_features) + m.out_features) * 8
+               for m in module_shapes.values())
 
 
 class LoraModule(NamedTuple):
     """One module's LoRA: lora_a (r, in) and lora_b (out, r) for a linear layer, lora_a (r, vocab) and
-    lora_b (dim, r) for an embedding (kind "embedding"); float32. scaling is not applied."""
+    lora_b (dim, r) for an embedding (kind "embedding"), lora_a (E, r, in) and lora_b (E, out, r)
+    for a 3-D expert weight (kind "experts", one pair per expert); float32. scaling is not applied."""
 
     lora_a: np.ndarray
     lora_b: np.ndarray
@@ -60,7 +73,7 @@ class LoraModule(NamedTuple):
 
     @property
     def rank(self) -> int:
-        return int(self.lora_a.shape[0])
+        return int(self.lora_a.shape[-2])
 
 
 @dataclasses.dataclass
@@ -93,11 +106,16 @@ class PeftAdapter:
 
     @property
     def max_rank(self) -> int:
-        return max(m[0].shape[0] for m in self.modules.values())
+        return max(m[0].shape[-2] for m in self.modules.values())
 
     @property
     def ranks(self) -> set:
-        return {m[0].shape[0] for m in self.modules.values()}
+        return {m[0].shape[-2] for m in self.modules.values()}
+
+    @property
+    def expert_modules(self) -> dict:
+        """{parameter name: LoraModule} of the kind "experts" modules (empty: no expert LoRA)."""
+        return {name: m for name, m in self.modules.items() if m.kind == EXPERT_KIND}
 
 
 _KEY = re.compile(r"^(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?P<rest>(\.[^.]+)*)$")
@@ -112,7 +130,9 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
     Everything is checked before tensor data is read: the config (see the module docstring), the
     files' real paths, the safetensors header, and every module: a lora_A / lora_B (or
     lora_embedding_A / lora_embedding_B) pair of 2-D tensors with one rank equal to the config's r
-    for that module, on a module the config targets.
+    for that module, on a module the config targets. Expert LoRA (lora_core.peft.experts): a
+    target_parameters pair becomes a kind "experts" module named by its parameter; per-expert
+    linear layers of a model whose module_shapes hold the experts fused are gathered into them.
 
     module_shapes: {module name: ModuleShape} of the model the adapter is for (the managers pass
       theirs). Given, every module of the header must be one of them, of its kind, with a rank
@@ -146,9 +166,18 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
     names = [k for a, b, _ in plan.values() for k in (a, b)] + list(magnitudes.values())
     _check_total_bytes(header, names, weights_path, module_shapes, max_total_bytes)
     arrays = read_safetensors(weights, names, max_header_bytes=max_header_bytes, max_tensor_bytes=max_tensor_bytes)
-    modules = {module: LoraModule(np.asarray(arrays[a], np.float32), np.asarray(arrays[b], np.float32),
-                                  config.scaling(module), kind)
-               for module, (a, b, kind) in plan.items()}
+    modules = {}
+    pieces = {}
+    for module, (a, b, kind) in plan.items():
+        lora_a, lora_b = np.asarray(arrays[a], np.float32), np.asarray(arrays[b], np.float32)
+        if kind == EXPERT_KIND:
+            lora_a, lora_b = split_expert_factors(lora_a, lora_b, lora_a.shape[0] // config.rank(module))
+        if module_shapes is not None and module not in module_shapes:
+            pieces[module] = (lora_a, lora_b, config.scaling(module), per_expert_target(module, module_shapes))
+            continue
+        modules[module] = LoraModule(lora_a, lora_b, config.scaling(module), kind)
+    for target, (lora_a, lora_b) in group_expert_linears(pieces, module_shapes or {}).items():
+        modules[target] = LoraModule(lora_a, lora_b, 1.0, EXPERT_KIND)
     dora = {module: np.asarray(arrays[key], np.float32) for module, key in magnitudes.items()}
     return PeftAdapter(name, config.r, config.lora_alpha,
                        config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora)
@@ -221,8 +250,33 @@ def _check_fits_model(label: str, module: str, key_a: str, kind: str, shape_a: t
     adapter's label names its directory; the tensor named is in its adapter_model.safetensors)."""
     where = f"(tensor {key_a!r} of {WEIGHTS_NAME}, checked from its header)"
     want = module_shapes.get(module)
+    piece = per_expert_target(module, module_shapes) if want is None and kind == "linear" else None
+    if piece is not None:
+        target, expert, _part, parts = piece
+        fused = module_shapes[target]
+        want = ModuleShape("linear", fused.in_features, fused.out_features // parts, fused.max_rank)
+        if expert >= fused.num_experts:
+            raise AdapterError(f"adapter {label}, module {module!r}: expert {expert} of {target!r}, which has "
+                               f"{fused.num_experts} experts {where}")
     if want is None:
         raise AdapterError(f"{unknown_adapter_module(label, module, module_shapes)} {where}")
+    if kind == EXPERT_KIND:
+        if want.kind != EXPERT_KIND:
+            raise AdapterError(f"adapter {label}: {module!r} holds expert (target_parameters) factors but the model's "
+                               f"module is {'an embedding' if want.kind == 'embedding' else 'a linear layer'} {where}")
+        rank = shape_a[0] // want.num_experts
+        if shape_a[0] != rank * want.num_experts or shape_a[0] != shape_b[1]:
+            raise AdapterError(f"adapter {label}, module {module!r}: lora_A {shape_a} / lora_B {shape_b} do not stack "
+                               f"{want.num_experts} experts (expected r * {want.num_experts} rows) {where}")
+        if rank > want.max_rank:
+            raise AdapterError(f"adapter {label}, module {module!r}: rank {rank} exceeds the model's max_rank="
+                               f"{want.max_rank}; wrap the model with max_rank >= {rank} {where}")
+        if shape_a[1] != want.in_features or shape_b[0] != want.out_features:
+            raise AdapterError(f"adapter {label}, module {module!r}: lora_A {shape_a} / lora_B {shape_b} do not fit "
+                               f"the {want.num_experts} experts: expected lora_A ({rank} * {want.num_experts}, "
+                               f"{want.in_features}) and lora_B ({want.out_features}, {rank} * {want.num_experts}) "
+                               f"{where}")
+        return
     if kind != want.kind:
         raise AdapterError(f"adapter {label}: {module!r} holds {kind} factors but the model's module is "
                            f"{'an embedding' if want.kind == 'embedding' else 'a linear layer'} {where}")
@@ -249,6 +303,25 @@ def _module_plan(parts: dict, header: dict, config, raw: dict, weights_path: str
             raise AdapterError(f"{weights_path}: matching {CONFIG_NAME}'s patterns (target_modules, rank_pattern, ...) "
                                f"against the tensor names took more than {MATCH_BUDGET_S} s; refused")
         kind = next((k for k, pair in _PAIRS.items() if set(kinds) == set(pair)), None)
+        parameter = parameter_of(module, config, module_shapes, weights_path) if config.target_parameters else None
+        if parameter is not None:
+            if kind != "linear":
+                raise AdapterError(f"{weights_path}: parameter {parameter!r} (tensors of {module!r}) has tensors "
+                                   f"{sorted(kinds)}; expected lora_A and lora_B")
+            key_a, key_b = kinds["lora_A"], kinds["lora_B"]
+            shape_a, shape_b = header[key_a].shape, header[key_b].shape
+            experts, _, _ = experts_shapes(parameter, shape_a, shape_b, config.rank(parameter), weights_path)
+            want = (module_shapes or {}).get(parameter)
+            if want is not None and want.kind == EXPERT_KIND and experts != want.num_experts:
+                raise AdapterError(f"{weights_path}: parameter {parameter!r}: {key_a!r} {shape_a} is rank "
+                                   f"{config.rank(parameter)} (the config's) times {experts} experts, but the model's "
+                                   f"{parameter!r} has {want.num_experts} experts")
+            if module_shapes is not None:
+                _check_fits_model(label, parameter, key_a, EXPERT_KIND, shape_a, shape_b, module_shapes)
+            if parameter in plan:
+                raise AdapterError(f"{weights_path}: parameter {parameter!r} has two pairs of tensors")
+            plan[parameter] = (key_a, key_b, EXPERT_KIND)
+            continue
         if kind is None:
             raise AdapterError(f"{weights_path}: module {module!r} has tensors {sorted(kinds)}; expected lora_A and "
                                "lora_B (or lora_embedding_A and lora_embedding_B)")
@@ -295,22 +368,41 @@ def save_peft_adapter(path: str, modules: Mapping[str, tuple], *, r: int, lora_a
     """Writes an adapter in PEFT's format (what `PeftModel.save_pretrained` writes).
 
     modules: {Hugging Face module name: (A, B)}; embeddings are recognised by name ("embed_tokens")
-    and stored as lora_embedding_A (r, vocab) / lora_embedding_B (dim, r).
+    and stored as lora_embedding_A (r, vocab) / lora_embedding_B (dim, r). 3-D factors A (E, r, in),
+    B (E, out, r) name an expert parameter ("model.layers.0.mlp.experts.gate_up_proj") and are
+    stored as PEFT's target_parameters (lora_core.peft.experts): stacked, the parameters of one
+    experts module nested in transformers' registration order (gate_up_proj innermost).
     """
     from safetensors.numpy import save_file
     os.makedirs(path, exist_ok=True)
     tensors = {}
+    parameters = sorted(m for m, (a, _b) in modules.items() if np.ndim(a) == 3)
+    owners: dict = {}
+    for name in parameters:
+        owners.setdefault(name.rpartition(".")[0], []).append(name.rpartition(".")[2])
     for module, (a, b) in modules.items():
+        if np.ndim(a) == 3:
+            owner, _, param = module.rpartition(".")
+            order = sorted(owners[owner], key=lambda p: (p != "gate_up_proj", p != "down_proj", p))
+            depth = len(order) - 1 - order.index(param)
+            a, b = join_expert_factors(np.asarray(a, np.float32), np.asarray(b, np.float32))
+            prefix = f"base_model.model.{owner}" + ".base_layer" * depth
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = b
+            continue
         emb = module.split(".")[-1] in ("embed_tokens", "wte", "word_embeddings")
         ka, kb = ("lora_embedding_A", "lora_embedding_B") if emb else ("lora_A.weight", "lora_B.weight")
         tensors[f"base_model.model.{module}.{ka}"] = np.ascontiguousarray(a, np.float32)
         tensors[f"base_model.model.{module}.{kb}"] = np.ascontiguousarray(b, np.float32)
     save_file(tensors, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
-    targets = sorted({m.split(".")[-1] for m in modules})
+    targets = sorted({m.split(".")[-1] for m in modules if m not in parameters})
+    target_parameters = sorted({".".join(m.split(".")[-3:]) for m in parameters})
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(r), "lora_alpha": lora_alpha,
            "use_rslora": bool(use_rslora), "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
            "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None,
            "rank_pattern": rank_pattern or {}, "alpha_pattern": {}, "init_lora_weights": True,
            "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
+    if target_parameters:
+        cfg["target_parameters"] = target_parameters
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
         json.dump(cfg, f, indent=2)

@@ -45,6 +45,8 @@ IMPLEMENTED = {
     "rank_pattern": "per-module r ({regex matching a name's suffix: r})",
     "alpha_pattern": "per-module lora_alpha ({regex matching a name's suffix: alpha})",
     "peft_type": "must be 'LORA'",
+    "target_parameters": "which parameters hold LoRA (names or suffixes of 3-D expert weights such as "
+                         "'mlp.experts.gate_up_proj'; read as kind 'experts', see lora_core.peft.experts)",
 }
 
 # No effect on an adapter's output at inference: provenance, and training or initialisation
@@ -76,7 +78,6 @@ UNSUPPORTED = {
     "layer_replication": ((None, []), "layer replication serves a model with repeated base layers"),
     "lora_bias": ((False,), "LoRA bias adds a trained bias to lora_B"),
     "use_qalora": ((False,), "QALoRA pools the input in groups before lora_A"),
-    "target_parameters": ((None, []), "LoRA on parameters (e.g. MoE expert weights) is not supported"),
     "trainable_token_indices": ((None, [], {}), "trainable tokens replace rows of the embedding"),
     "megatron_config": ((None,), "Megatron parallel LoRA layers are not supported"),
     "use_bdlora": ((None,), "BD-LoRA uses block-diagonal factors"),
@@ -172,6 +173,7 @@ class AdapterConfig:
     layers_pattern: tuple | None = None
     rank_pattern: dict = dataclasses.field(default_factory=dict)
     alpha_pattern: dict = dataclasses.field(default_factory=dict)
+    target_parameters: tuple = ()
 
     @staticmethod
     def _lookup(pattern: Mapping[str, Any], module: str, default):
@@ -198,6 +200,12 @@ class AdapterConfig:
         """alpha / r, or alpha / sqrt(r) with use_rslora (per-module r and alpha)."""
         r = self.rank(module)
         return self.alpha(module) / (math.sqrt(r) if self.use_rslora else r)
+
+    def targets_parameter(self, parameter: str) -> bool:
+        """Whether PEFT wraps the parameter `parameter` (its full name in the base model, e.g.
+        "model.layers.0.mlp.experts.down_proj"): equal to an entry of target_parameters or ending
+        with "." + one (PEFT's `_inject_parameters`)."""
+        return any(parameter == t or parameter.endswith(f".{t}") for t in self.target_parameters)
 
     def targets(self, module: str) -> bool:
         """Whether PEFT puts a LoRA layer on `module` (its name in the base model), as
@@ -310,8 +318,12 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
             raise AdapterError(f"{where}: field 'rank_pattern': value for {key!r} = {_short(v)} is more than "
                                f"{MAX_DIM}, the largest rank (an int32)")
     alpha_pattern = _pattern_map(config.get("alpha_pattern"), where, "alpha_pattern", _is_number, "a finite number")
+    parameters = _patterns(config.get("target_parameters"), where, "target_parameters", allow_regex=False) or ()
+    if parameters and dora:
+        raise AdapterError(f"{where}: fields 'target_parameters' and 'use_dora' together: PEFT's parameter LoRA has "
+                           "no DoRA variant (PEFT refuses this config too)")
     return AdapterConfig(int(r), float(alpha), rslora, dora, targets, excluded, layers,
-                         tuple(layers_pattern) if layers_pattern else None, rank_pattern, alpha_pattern)
+                         tuple(layers_pattern) if layers_pattern else None, rank_pattern, alpha_pattern, parameters)
 
 
 def unique_json_keys(where: str, what: str):

@@ -4,6 +4,7 @@
                                                  (`*meta.meta_args(T)` after the output tensor)
   bgmv_shrink / bgmv_expand / bgmv_expand_slice  one index per token
   sgmv_shrink / sgmv_expand / sgmv_expand_slice  one index per prefill segment
+  fused_moe_lora / moe_lora_align_block_size     mixture-of-experts LoRA of routed pairs (`moe`)
 
 Backends live beside it (`torch_ref`, `triton`; chosen in `dispatch`). The argument helpers the
 wrapper and the bridge share are re-exported here too.
@@ -26,6 +27,7 @@ from .api import (  # noqa: F401 - the ops, and the argument helpers the wrapper
     sgmv_shrink,
     to_3d,
 )
+from .moe import fused_moe_lora, moe_lora_align_block_size
 
 __all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
-           "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]
+           "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice", "fused_moe_lora", "moe_lora_align_block_size"]

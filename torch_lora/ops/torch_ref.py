@@ -127,3 +127,5 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
         if col_scale is not None and col_scale[s] is not None:
             new = new * col_scale[s][slot].to(torch.float32)                    # DoRA: g[slot] per column
         old.copy_(torch.where(valid[:, None], new.to(y.dtype), old))
+
+from .moe_ref import fused_moe_lora  # noqa: E402,F401 - the MoE LoRA op of this backend

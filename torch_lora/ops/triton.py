@@ -499,3 +499,5 @@ _DETERMINISTIC = types.SimpleNamespace(
     shrink=functools.partial(shrink, deterministic=True), expand=functools.partial(expand, deterministic=True),
     linear=functools.partial(linear, deterministic=True),
     prepare_linear=functools.partial(prepare_linear, deterministic=True))
+
+from .moe_triton import fused_moe_lora  # noqa: E402,F401 - the MoE LoRA op of this backend

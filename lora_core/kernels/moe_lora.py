@@ -1,0 +1,196 @@
+"""The mixture-of-experts LoRA kernel: each routed (token, expert) pair through its adapter's A / B of that expert.
+
+Math (contract section 9), pair p = t * top_k + k of token t's k-th expert e = topk_ids[t, k],
+slot l = token_lora_mapping[t], products accumulated in float32:
+
+  shrink:  buf[s, p, :] = A_s[l, e] @ x[row(p)]                  A_s (L, E, r, K)
+  expand:  y[p, offset + off_s : ... + n_s] += w(p) * B_s[l, e] @ buf[s, p]      B_s (L, E, n_s, r)
+
+row(p) = p and w(p) = topk_weights[t, k] with MUL_ROUTED_WEIGHT (the down projection, whose
+input has one row per pair and whose output the model weights by the router), else row(p) = t
+and w(p) = 1 (gate_up, one input row per token). Pairs whose token has no adapter (l = -1), whose
+slot's adapter has no expert LoRA (adapter_enabled[l] == 0) or whose expert is -1 are neither
+read nor written: they cost nothing. vLLM folds the LoRA scaling into B; so does the caller here.
+
+Work decomposition (vLLM's `moe_lora_align_block_size` layout). Two pair orders, one kernel:
+
+1. Sorted (prefill, many pairs): per slot l, `sorted_token_ids[l]` lists the slot's pairs grouped
+   by expert, each group padded with the sentinel num_pairs to a multiple of BLOCK_M;
+   `expert_ids[l, m]` is block m's expert (-1: none) and `num_tokens_post_padded[l]` the slot's
+   padded length. Program (l * max_blocks + m) takes block m of slot l: one expert, one slot, so
+   A_s[l, e] and B_s[l, e] are loaded once for BLOCK_M pairs (tl.dot on tiles).
+2. Naive (decode, few pairs: sorted_token_ids None): `expert_ids` is topk_ids flattened (P,),
+   program p takes pair p alone; its slot comes from token_lora_mapping[p // top_k].
+
+The kernel runs in two phases (PHASE constexpr, two launches on one grid of blocks):
+PHASE 0 (shrink) writes the float32 rank-sized rows buf[s, p, :r] of its pairs, reading x once per
+block for every slice (grid axis 1 = slice); PHASE 1 (expand) reads them back and adds B's tile of
+BLOCK_N output columns (grid axis 1 = slice * n-tiles + n-tile). The shrink of a slice is never
+recomputed per output tile, and a pair's rows of buf and y are touched by one program per tile, so
+no atomics. When the slices share one A (PEFT's fused gate_up_proj, split into gate and up
+halves), SHARED_A: the shrink runs once (slice 0) and every expand reads slice 0's rows.
+
+Grid sizes depend only on (num_pairs, max_loras, E, BLOCK_M) and the widths, never on the routing:
+the launch is CUDA-graph capturable. Blocks past a slot's padded length return at once.
+
+Interpreter: under TRITON_INTERPRET=1 tiles are upcast to float32 after loading (CAST_FP32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from .planning import cast_and_precision, next_pow2
+
+MAX_SLICES = 2            # gate_up (w13) has two slices, down (w2) one
+
+
+@triton.jit
+def moe_lora_kernel(
+        # pointers: input rows, A and B per slice (slices 0..1), the float32 rank buffer, y
+        x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, buf_ptr, y_ptr,
+        # pointers: routing and adapter metadata
+        topk_weights_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, token_lora_ptr, enabled_ptr,
+        # sizes
+        num_pairs, top_k, hidden, n0, n1, rank, max_blocks, num_slots, y_offset,
+        # strides: x (row, hidden); A per slice (slot, expert, rank, hidden); B per slice (slot, expert, n, rank)
+        stride_x_row, stride_x_hidden,
+        stride_a0_slot, stride_a0_expert, stride_a0_rank, stride_a0_hidden,
+        stride_a1_slot, stride_a1_expert, stride_a1_rank, stride_a1_hidden,
+        stride_b0_slot, stride_b0_expert, stride_b0_n, stride_b0_rank,
+        stride_b1_slot, stride_b1_expert, stride_b1_n, stride_b1_rank,
+        # strides: buf (slice, pair, rank), y (pair, column), sorted ids / expert ids per slot
+        stride_buf_slice, stride_buf_pair, stride_y_pair, stride_y_col, stride_sorted_slot, stride_expert_slot,
+        # meta-parameters
+        PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
+        N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """PHASE 0: buf[s, p, :rank] = A_s[l, e] @ x[row(p)]; PHASE 1: y[p, cols of s] += w(p) * B_s[l, e] @ buf[s', p]
+    (s' = 0 with SHARED_A, else s), for the pairs of program 0's block (see the module docstring)."""
+    pid = tl.program_id(0)
+    axis1 = tl.program_id(1)
+    s = axis1 // N_TILES if PHASE == 1 else axis1
+    n_tile = axis1 % N_TILES
+    if PHASE == 0 and SHARED_A:  # noqa: SIM102 - constexpr test apart from the runtime one
+        if s > 0:
+            return
+    offs_m = tl.arange(0, BLOCK_M)
+    # 1. The block's slot, expert and pairs.
+    if NAIVE:
+        slot = tl.load(token_lora_ptr + pid // top_k)
+        expert = tl.load(expert_ids_ptr + pid)
+        pairs = tl.where(offs_m == 0, pid, num_pairs)
+    else:
+        slot = pid // max_blocks
+        block = pid % max_blocks
+        expert = tl.load(expert_ids_ptr + slot * stride_expert_slot + block)
+        padded = tl.load(post_pad_ptr + slot)
+        if block * BLOCK_M >= padded:
+            return
+        pairs = tl.load(sorted_ptr + slot * stride_sorted_slot + block * BLOCK_M + offs_m)
+    if (slot < 0) | (slot >= num_slots) | (expert < 0):
+        return
+    if tl.load(enabled_ptr + slot) == 0:
+        return
+    pair_ok = pairs < num_pairs
+    pairs = tl.where(pair_ok, pairs, 0)
+    slot64 = slot.to(tl.int64)
+    expert64 = expert.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    rank_ok = offs_r < rank
+    if PHASE == 0:
+        # 2. Shrink: (BLOCK_M, BLOCK_K) x tiles against A_s[l, e] (rank, BLOCK_K), over the hidden size.
+        first = s == 0
+        a_ptr = tl.where(first, a0_ptr + slot64 * stride_a0_slot + expert64 * stride_a0_expert,
+                         a1_ptr + slot64 * stride_a1_slot + expert64 * stride_a1_expert)
+        stride_ar = tl.where(first, stride_a0_rank, stride_a1_rank)
+        stride_ak = tl.where(first, stride_a0_hidden, stride_a1_hidden)
+        rows = pairs if MUL_ROUTED_WEIGHT else pairs // top_k
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < hidden
+            xt = tl.load(x_rows + offs_k[None, :] * stride_x_hidden, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                         mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
+            if CAST_FP32:
+                xt = xt.to(tl.float32)
+                at = at.to(tl.float32)
+            acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
+        out = buf_ptr + s * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
+        tl.store(out, acc, mask=pair_ok[:, None] & rank_ok[None, :])
+    else:
+        # 3. Expand: the block's rank rows against B_s[l, e]'s BLOCK_N columns, weighted, added into y.
+        first = s == 0
+        b_ptr = tl.where(first, b0_ptr + slot64 * stride_b0_slot + expert64 * stride_b0_expert,
+                         b1_ptr + slot64 * stride_b1_slot + expert64 * stride_b1_expert)
+        stride_bn = tl.where(first, stride_b0_n, stride_b1_n)
+        stride_br = tl.where(first, stride_b0_rank, stride_b1_rank)
+        width = tl.where(first, n0, n1)
+        col0 = tl.where(first, y_offset, y_offset + n0)
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < width
+        if n_tile * BLOCK_N >= width:
+            return
+        src = 0 if SHARED_A else s
+        rows = tl.load(buf_ptr + src * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair
+                       + offs_r[None, :], mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
+        bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                     mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
+        bt = bt.to(tl.float32)
+        acc = tl.dot(rows, bt, input_precision=DOT_PRECISION)
+        if MUL_ROUTED_WEIGHT:
+            w = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+            acc = acc * w[:, None]
+        y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y_pair + (col0 + offs_n)[None, :] * stride_y_col
+        ok = pair_ok[:, None] & n_ok[None, :]
+        prev = tl.load(y_ptrs, mask=ok, other=0.0)
+        tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoePlan:
+    """A launch of `moe_lora_kernel`: its grids (shrink, expand) and meta-parameters."""
+
+    shrink_grid: tuple
+    expand_grid: tuple
+    constexprs: dict
+    max_blocks: int
+
+
+def plan_moe_lora(*, num_pairs: int, num_slots: int, hidden: int, widths: tuple, rank: int, naive: bool,
+                  sorted_len: int, block_m: int, mul_routed_weight: bool, shared_a: bool, dtypes: tuple) -> MoePlan:
+    """The grids and meta-parameters of one MoE LoRA call.
+
+    1. Blocks: naive, one program per pair (BLOCK_M 16, only row 0 live: tl.dot's smallest tile);
+       sorted, max_blocks = sorted_len / block_m blocks per slot.
+    2. BLOCK_R = the rank rounded up to a power of two >= 16; BLOCK_K 64 (32 under a wide rank);
+       BLOCK_N 64 (128 for wide outputs with a small rank).
+    3. Shrink grid (blocks, slices); expand grid (blocks, slices * n-tiles).
+    """
+    if len(widths) not in (1, 2):
+        raise ValueError(f"lora_b_stacked: expected 1 or {MAX_SLICES} slices, got {len(widths)}")
+    block_r = max(16, next_pow2(rank))
+    block_k = 64 if block_r <= 64 else 32
+    widest = max(widths)
+    block_n = 128 if (widest >= 1024 and block_r <= 32) else 64
+    n_tiles = triton.cdiv(widest, block_n)
+    if naive:
+        bm, max_blocks, blocks = 16, 1, num_pairs
+    else:
+        if block_m < 16 or block_m & (block_m - 1):
+            raise ValueError(f"block_size: expected a power of two >= 16, got {block_m}")
+        if sorted_len % block_m:
+            raise ValueError(f"sorted_token_ids: expected a length per slot that is a multiple of block_size "
+                             f"{block_m}, got {sorted_len}")
+        bm, max_blocks = block_m, sorted_len // block_m
+        blocks = num_slots * max_blocks
+    cast, precision = cast_and_precision(dtypes)
+    constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=shared_a and len(widths) > 1,
+                      N_TILES=n_tiles, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+                      CAST_FP32=cast, DOT_PRECISION=precision)
+    return MoePlan((max(blocks, 1), len(widths)), (max(blocks, 1), len(widths) * n_tiles), constexprs, max_blocks)

@@ -1,0 +1,115 @@
+"""Expert LoRA served by the Flax Mixtral against PEFT: adapters made by peft itself on a tiny random
+transformers Mixtral (`target_parameters` on the fused experts, with and without attention
+`target_modules`, and attention only), loaded by AdapterManager, served by the ServingEngine in one
+mixed batch with a base-model request; each request's greedy tokens equal PEFT's generate with its
+adapter (fp32, CPU); the MoE block with LoRA equals the float64 oracle (tests/oracle.py's
+moe_block_lora); an expert adapter refused by a model without expert LoRA layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_lora.adapters import AdapterError, AdapterManager, load_peft_adapter, module_shapes
+from jax_lora.models import load_mixtral
+from jax_lora.models.mixtral import add_lora
+
+from . import hf_mixtral, oracle
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+ADAPTERS = {   # name: (seed, LoraConfig keywords)
+    "experts": (5, dict(r=4, lora_alpha=8, target_modules=[], target_parameters=hf_mixtral.EXPERT_PARAMS)),
+    "mixed": (6, dict(r=8, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"],
+                      target_parameters=hf_mixtral.EXPERT_PARAMS)),
+    "attn": (7, dict(r=4, lora_alpha=16, target_modules=["q_proj", "o_proj"])),
+}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixtral_lora")
+    hf_mixtral.tiny_mixtral().save_pretrained(str(root / "model"))
+    dirs = {name: hf_mixtral.save_expert_adapter(hf_mixtral.tiny_mixtral, root / name, seed, **kw)
+            for name, (seed, kw) in ADAPTERS.items()}
+    return str(root / "model"), dirs
+
+
+def _peft_greedy(dirs, name, prompt, new_tokens):
+    model = peft.PeftModel.from_pretrained(hf_mixtral.tiny_mixtral(), dirs[name]).eval()
+    return hf_mixtral.hf_greedy(model, prompt, new_tokens)
+
+
+def test_mixed_batch_greedy_tokens_equal_peft(assets):
+    """Four requests in one engine (expert-only, attention + expert, attention-only adapters and the
+    base model): each request's tokens equal PEFT's."""
+    from jax_lora.serving import Request, ServingEngine
+    model_dir, dirs = assets
+    model = load_mixtral(model_dir)
+    add_lora(model, max_loras=3, max_rank=8)
+    manager = AdapterManager(model)
+    for lora_id, name in enumerate(ADAPTERS, start=1):
+        manager.register(lora_id, dirs[name])
+    prompts = {1: [3, 7, 11, 5], 2: [9, 2, 40], 3: [1, 2, 3, 4, 5], 0: [3, 7, 11, 5]}
+    engine = ServingEngine(model, manager, max_seqs=4, max_len=32)
+    out = engine.generate([Request(p, lora_id=i or None, max_new_tokens=6) for i, p in prompts.items()])
+    names = {i: name for i, name in enumerate(ADAPTERS, start=1)}
+    for completion, (lora_id, prompt) in zip(out, prompts.items()):
+        want = (hf_mixtral.hf_greedy(hf_mixtral.tiny_mixtral(), prompt, 6) if lora_id == 0
+                else _peft_greedy(dirs, names[lora_id], prompt, 6))
+        assert completion.tokens == want, f"request with adapter {names.get(lora_id, 'none')}"
+    assert out[0].tokens != out[3].tokens, "the expert adapter changed nothing: the test would not see a bug"
+
+
+def test_moe_block_with_lora_equals_the_oracle(assets):
+    """One MoE block's output under a wrapper (tokens of two adapters and none) against the float64
+    oracle of the whole block (routing from the same router)."""
+    import jax.numpy as jnp
+
+    from jax_lora import moe, nn as lnn
+    from jax_lora.wrapper import PunicaWrapper
+    from lora_core.host_mapping import LoRAMapping
+    model_dir, dirs = assets
+    model = load_mixtral(model_dir)
+    add_lora(model, max_loras=2, max_rank=8, target_modules=["experts"])
+    manager = AdapterManager(model)
+    manager.register(1, dirs["experts"])
+    manager.activate([1])
+    block = model.model.layers[0].mlp
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 32)).astype(np.float32)
+    ids_per_token = [1, 0, 1, 1, 0, 1]
+    w = PunicaWrapper(8, 4, max_loras=2, backend="xla")
+    w.update_metadata(LoRAMapping(tuple(ids_per_token), tuple(ids_per_token), False), manager.lora_index_to_id, 3,
+                      64)
+    with lnn.punica_context(w):
+        got = np.asarray(block(jnp.asarray(x)[None]))[0]
+    weights, ids = moe.route_top_k(block.gate(jnp.asarray(x)), 2)
+    experts = block.experts
+    slot = manager.lora_index_to_id.index(1)
+    token_lora = np.array([slot if i else -1 for i in ids_per_token])
+    a13, b13 = np.asarray(experts.w13_lora_a.get_value()), np.asarray(experts.w13_lora_b.get_value())
+    gu_b = np.concatenate([b13[0], b13[1]], axis=2)                         # (L, E, 2I, r)
+    want = oracle.moe_block_lora(x, np.asarray(experts.base.gate_up_proj.get_value()).transpose(0, 2, 1),
+                                 np.asarray(experts.base.down_proj.get_value()).transpose(0, 2, 1),
+                                 np.asarray(ids), np.asarray(weights), token_lora, a13[0], gu_b,
+                                 np.asarray(experts.w2_lora_a.get_value()), np.asarray(experts.w2_lora_b.get_value()),
+                                 [1.0, 1.0])
+    assert oracle.rel_err(got, want) <= oracle.TOL["float32"]
+    base = np.asarray(experts.base(jnp.asarray(x), ids, weights))
+    assert oracle.rel_err(base, want) > 1e-3, "the adapter changed nothing"
+
+
+def test_expert_adapter_needs_expert_lora_layers(assets):
+    """A model whose experts have no LoRA layers refuses an adapter with expert LoRA, naming the
+    module; the attention-only adapter loads."""
+    model_dir, dirs = assets
+    model = load_mixtral(model_dir)
+    add_lora(model, max_loras=1, max_rank=8, target_modules=["q_proj", "v_proj", "o_proj"])
+    with pytest.raises(AdapterError, match="experts"):
+        load_peft_adapter(dirs["experts"], module_shapes=module_shapes(model))
+    manager = AdapterManager(model)
+    manager.register(1, dirs["attn"])
+    manager.activate([1])

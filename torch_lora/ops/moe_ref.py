@@ -1,0 +1,57 @@
+"""Reference MoE LoRA ("torch" backend's `fused_moe_lora`): the routed pairs gathered, in plain torch.
+
+Math: `torch_lora.ops.moe` (contract section 9). Steps:
+
+1. The pairs and their experts from the order given: sorted (each slot's blocks; position j of
+   slot l is pair sorted[l, j] with expert expert_ids[l, j // block_size], live when j < its padded
+   length and the pair is not the sentinel) or naive (pair p, expert expert_ids[p], slot from its
+   token).
+2. Live pairs: slot in range, adapter_enabled[slot] != 0, expert >= 0.
+3. Per slice: rows = x[row(p)] (float32), t = A_s[slot, e] @ rows (gathered (P, r, K) weights),
+   delta = B_s[slot, e] @ t, times the routed weight; added into the pair's output columns.
+The gathers select the pair's own slot and expert (never a one-hot product), so NaN in weights
+no live pair uses cannot reach the output. Shapes depend on the live-pair count (a host sync on
+CUDA): the reference, not the fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_ids, post_pad, token_lora,
+                   max_lora_rank, top_k, adapter_enabled, mul_routed_weight, offset, block_size) -> None:
+    num_tokens = output.shape[0]
+    num_pairs = num_tokens * top_k
+    num_slots = lora_a[0].shape[0]
+    device = output.device
+    if sorted_ids is None:
+        pairs = torch.arange(num_pairs, device=device)
+        experts = expert_ids.reshape(-1).long()
+        slots = token_lora[:num_tokens].long().to(device).repeat_interleave(top_k)
+        live = torch.ones_like(pairs, dtype=torch.bool)
+    else:
+        em = sorted_ids.shape[1]
+        pos = torch.arange(em, device=device)
+        pairs = sorted_ids.long().reshape(-1)
+        experts = expert_ids.long()[:, pos // block_size].reshape(-1)
+        slots = torch.arange(num_slots, device=device).repeat_interleave(em)
+        live = (pos[None, :] < post_pad.long()[:num_slots, None]).reshape(-1) & (pairs < num_pairs) & (pairs >= 0)
+    live &= (slots >= 0) & (slots < num_slots) & (experts >= 0) & (experts < lora_a[0].shape[1])
+    enabled = adapter_enabled.to(device)[torch.where(live, slots, torch.zeros_like(slots))] != 0
+    live &= enabled
+    pairs, slots, experts = pairs[live], slots[live], experts[live]
+    rows = pairs if mul_routed_weight else pairs // top_k
+    xf = x.float()[rows]
+    weight = topk_weights.reshape(-1).float()[pairs] if mul_routed_weight else None
+    flat = output.view(num_pairs, output.shape[2])
+    col = offset
+    for a, b in zip(lora_a, lora_b):
+        t = torch.einsum("prk,pk->pr", a[slots, experts].float(), xf)
+        delta = torch.einsum("pnr,pr->pn", b[slots, experts].float(), t)
+        if weight is not None:
+            delta = delta * weight[:, None]
+        n = b.shape[2]
+        flat[pairs, col:col + n] = (flat[pairs, col:col + n].float() + delta).to(output.dtype)
+        col += n

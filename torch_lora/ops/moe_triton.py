@@ -1,0 +1,62 @@
+"""The "triton" backend's `fused_moe_lora`: `lora_core.kernels.moe_lora` launched on torch tensors.
+
+Math: `torch_lora.ops.moe` (contract section 9). Steps:
+1. The plan (`plan_moe_lora`): naive or sorted blocks, tile sizes, SHARED_A when both slices'
+   A are one tensor (PEFT's fused gate_up_proj), so its shrink runs once.
+2. A float32 rank buffer (slices, pairs, r), never zeroed: each live pair's rows are written by
+   the shrink launch before the expand launch reads them; other rows are never read.
+3. The shrink launch, then the expand launch, on one grid of blocks (Triton's own launcher).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lora_core.kernels.moe_lora import moe_lora_kernel, plan_moe_lora
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _shares_a(lora_a) -> bool:
+    return (len(lora_a) == 2 and lora_a[0].data_ptr() == lora_a[1].data_ptr()
+            and lora_a[0].shape == lora_a[1].shape and lora_a[0].stride() == lora_a[1].stride())
+
+
+@torch.no_grad()
+def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_ids, post_pad, token_lora,
+                   max_lora_rank, top_k, adapter_enabled, mul_routed_weight, offset, block_size) -> None:
+    num_tokens = output.shape[0]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return
+    num_slots, _experts, rank, hidden = lora_a[0].shape
+    widths = tuple(b.shape[2] for b in lora_b)
+    naive = sorted_ids is None
+    plan = plan_moe_lora(num_pairs=num_pairs, num_slots=num_slots, hidden=hidden, widths=widths, rank=rank,
+                         naive=naive, sorted_len=0 if naive else sorted_ids.shape[1], block_m=block_size or 16,
+                         mul_routed_weight=mul_routed_weight, shared_a=_shares_a(lora_a),
+                         dtypes=(_dtype_name(x), _dtype_name(lora_a[0]), _dtype_name(lora_b[0])))
+    a0, a1 = lora_a[0], lora_a[-1]
+    b0, b1 = lora_b[0], lora_b[-1]
+    buf = torch.empty((len(lora_a), num_pairs, rank), dtype=torch.float32, device=output.device)
+    y = output.view(num_pairs, output.shape[2]) if output.is_contiguous() else output.reshape(num_pairs, -1)
+    weights = topk_weights.reshape(-1)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    experts = expert_ids if naive else expert_ids.reshape(num_slots, -1)
+    sorted_t = experts if naive else sorted_ids
+    pads = experts if naive else post_pad
+    token_map = token_lora.to(device=output.device)
+    enabled = adapter_enabled.to(device=output.device)
+    args = (x, a0, a1, b0, b1, buf, y,
+            weights, sorted_t, experts, pads, token_map, enabled,
+            num_pairs, top_k, hidden, widths[0], widths[-1], rank, plan.max_blocks, num_slots, offset,
+            x.stride(0), x.stride(1), *a0.stride(), *a1.stride(), *b0.stride(), *b1.stride(),
+            buf.stride(0), buf.stride(1), y.stride(0), y.stride(1),
+            0 if naive else sorted_t.stride(0), 0 if naive else experts.stride(0))
+    moe_lora_kernel[plan.shrink_grid](*args, PHASE=0, **plan.constexprs)
+    moe_lora_kernel[plan.expand_grid](*args, PHASE=1, **plan.constexprs)
+    if y.data_ptr() != output.data_ptr():
+        output.copy_(y.view_as(output))
