@@ -55,7 +55,7 @@ def test_mixed_batch_greedy_tokens_equal_peft(assets):
     prompts = {1: [3, 7, 11, 5], 2: [9, 2, 40], 3: [1, 2, 3, 4, 5], 0: [3, 7, 11, 5]}
     engine = ServingEngine(model, manager, max_seqs=4, max_len=32)
     out = engine.generate([Request(p, lora_id=i or None, max_new_tokens=6) for i, p in prompts.items()])
-    names = {i: name for i, name in enumerate(ADAPTERS, start=1)}
+    names = dict(enumerate(ADAPTERS, start=1))
     for completion, (lora_id, prompt) in zip(out, prompts.items()):
         want = (hf_mixtral.hf_greedy(hf_mixtral.tiny_mixtral(), prompt, 6) if lora_id == 0
                 else _peft_greedy(dirs, names[lora_id], prompt, 6))
@@ -68,7 +68,8 @@ def test_moe_block_with_lora_equals_the_oracle(assets):
     oracle of the whole block (routing from the same router)."""
     import jax.numpy as jnp
 
-    from jax_lora import moe, nn as lnn
+    from jax_lora import moe
+    from jax_lora import nn as lnn
     from jax_lora.wrapper import PunicaWrapper
     from lora_core.host_mapping import LoRAMapping
     model_dir, dirs = assets

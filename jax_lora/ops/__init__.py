@@ -18,15 +18,16 @@ from .api import (  # noqa: F401 - the ops, and the argument helpers the wrapper
     bgmv_expand_slice,
     bgmv_shrink,
     check_same_device,
+    fused_moe_lora,
     lora_expand,
     lora_shrink,
+    moe_lora_align_block_size,
     segment_indices,
     sgmv_expand,
     sgmv_expand_slice,
     sgmv_shrink,
     to_3d,
 )
-from .fused_moe import fused_moe_lora, moe_lora_align_block_size
 
 __all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
            "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice", "fused_moe_lora", "moe_lora_align_block_size"]

@@ -14,13 +14,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .moe_layout import pairs_of_layout
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks):
     """y3 (M, k, N); rows (P, K) pair order; lora_a / lora_b: S arrays (L, E, r, K) / (L, E, n_s, r);
     pair_weight (P,) float32 or None; offsets: S static column offsets -> the new y3."""
-    from .fused_moe import pairs_of_layout
     m, k, n_total = y3.shape
     p = m * k
     pair_slot, pair_expert = pairs_of_layout(layout, p)                              # step 1
