@@ -38,6 +38,7 @@ from lora_core.peft.experts import EXPERT_KIND
 
 from . import nn as lnn
 from . import parallel
+from .moe import MoEExperts
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -403,7 +404,8 @@ def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
     """A copy of a plain model (no multi-LoRA layers) with `adapter` merged into its weights.
 
     W' = W + scaling * B @ A for linear layers (at the slice's columns of fused layers; for a DoRA
-    module each row of W' then rescaled to its magnitude m: (m / ||W'||_row) * W'),
+    module each row of W' then rescaled to its magnitude m: (m / ||W'||_row) * W'), and per expert
+    W_e' = W_e + scaling * B_e @ A_e for the experts of a MoE layer (jax_lora.moe.MoEExperts),
     E' = E + scaling * A.T @ B.T for embeddings. Computed in float64. This is the test oracle; the
     serving path never merges.
     """
@@ -413,11 +415,21 @@ def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     slices = model.lora_slices() if hasattr(model, "lora_slices") else {}
     index = _module_index(modules, packed, lambda path, _layer: len(slices.get(path.rsplit(".", 1)[-1], (0,))))
+    experts = {".".join(str(p) for p in path): node for path, node in nnx.iter_graph(merged)
+               if isinstance(node, MoEExperts)}
+    for path in experts:
+        for s, param in enumerate(EXPERT_PARAMS):
+            index[f"{path}.{param}"] = (path, s)
     for module, (a, b, scaling, _kind) in adapter.modules.items():
         where = index.get(module)
         if where is None:
             raise AdapterError(f"adapter {adapter.label} targets {module!r}, which the model does not have")
         path, s = where
+        if path in experts:                  # W_e' = W_e + scaling * B_e @ A_e, stored (E, in, out)
+            var = experts[path].gate_up_proj if s == 0 else experts[path].down_proj
+            delta = scaling * np.einsum("eor,eri->eio", b.astype(np.float64), a.astype(np.float64))
+            var.set_value(jnp.asarray(np.asarray(var.get_value(), np.float64) + delta, var.get_value().dtype))
+            continue
         layer = modules[path]
         delta = scaling * (b.astype(np.float64) @ a.astype(np.float64))      # (out, in) / (dim, vocab)
         if isinstance(layer, nnx.Embed):

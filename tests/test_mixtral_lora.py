@@ -114,3 +114,13 @@ def test_expert_adapter_needs_expert_lora_layers(assets):
     manager = AdapterManager(model)
     manager.register(1, dirs["attn"])
     manager.activate([1])
+
+
+def test_demo_with_the_built_in_mixtral_verifies_every_request(capsys):
+    """`jax-lora demo --model mixtral`: expert adapters served and checked against merged weights."""
+    from jax_lora.cli import main
+    assert main(["demo", "--model", "mixtral", "--requests", "6", "--max-new-tokens", "3", "--slots", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "verified: 6/6 requests match merged-weights outputs"
+    assert any("4 experts (top 2)" in line for line in out)
+    assert any(line.startswith("recompilations after warm-up: 0") for line in out)
