@@ -47,7 +47,7 @@ from .llama import (
 __all__ = ["MIXTRAL_LORA_TARGETS", "MixtralConfig", "MixtralForCausalLM", "add_lora", "load_mixtral", "save_mixtral"]
 
 MIXTRAL_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts", "embed_tokens", "lm_head")
-_EXPERT_NAMES = ("experts", "gate_up_proj", "down_proj", "w1", "w2", "w3")
+_EXPERT_NAMES = ("experts", "gate_up_proj", "down_proj", "w1", "w2", "w3", "gate_proj", "up_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +202,9 @@ def add_lora(model: MixtralForCausalLM, *, max_loras: int, max_rank: int,
              target_modules: Sequence[str] = MIXTRAL_LORA_TARGETS, dtype=None) -> dict:
     """Replaces the layers `target_modules` names (Hugging Face / PEFT names) by multi-LoRA layers.
 
-    q/k/v_proj select `qkv_proj`; `experts` (or `gate_up_proj`, `down_proj`, `w1`, `w2`, `w3`)
-    selects every layer's experts (jax_lora.nn.MultiLoRAExperts: both projections get slots).
+    q/k/v_proj select `qkv_proj`; `experts` (or an expert weight's name: `gate_up_proj`,
+    `down_proj`, `w1`, `w2`, `w3`, `gate_proj`, `up_proj`) selects every layer's experts
+    (jax_lora.nn.MultiLoRAExperts: both projections get slots).
     Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):

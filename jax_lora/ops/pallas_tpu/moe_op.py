@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import HIGHEST, _ranks_or_full, current_interpret
+from .common import HIGHEST, _ranks_or_full, _two_jits, current_interpret
 
 __all__ = ["fused_moe_lora"]
 
@@ -54,7 +54,6 @@ def _kernel(expert_ref, live_ref, ranks_ref, x_ref, a_ref, b_ref, o_ref, *, bloc
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "interpret"))
 def _slice_delta(rows_sorted, a, b, expert, live, ranks, *, block_size: int, interpret):
     """(L * EM, n) float32 delta of one slice over the gathered rows (step 2)."""
     num_slots, _, rank, hidden = a.shape
@@ -87,21 +86,26 @@ def _slice_delta(rows_sorted, a, b, expert, live, ranks, *, block_size: int, int
 def fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks):
     """y3 (M, k, N); rows (P, K) pair order; lora_a / lora_b: S arrays (L, E, r, K) / (L, E, n_s, r);
     pair_weight (P,) float32 or None; offsets: S static column offsets -> the new y3."""
+    ranks = _ranks_or_full(lora_ranks, layout.sorted_token_ids.shape[0], lora_a[0].shape[2])
+    return _moe_call(y3, rows, tuple(lora_a), tuple(lora_b), pair_weight, tuple(layout), ranks,
+                     offsets=tuple(offsets), interpret=current_interpret())
+
+
+def _moe_call(y3, rows, lora_a, lora_b, pair_weight, layout, ranks, *, offsets, interpret):
+    """Steps 1-3 of the module docstring in one program."""
     m, k, n_total = y3.shape
     p = m * k
     sorted_ids, expert_ids, ntp = layout
     num_slots, em = sorted_ids.shape
-    bs = layout.block_size
-    nb = em // bs
+    nb = expert_ids.shape[1]
+    bs = em // nb
     j = jnp.arange(em, dtype=jnp.int32)
     held = (sorted_ids < p) & (sorted_ids >= 0) & (j[None, :] < ntp[:, None])              # (L, EM)
     block_live = (expert_ids >= 0) & (jnp.arange(nb, dtype=jnp.int32)[None, :] * bs < ntp[:, None])
     held = held & jnp.repeat(block_live, bs, axis=1, total_repeat_length=em)
     target = jnp.where(held, sorted_ids, p).reshape(-1)                                     # (L * EM,)
     rows_sorted = jnp.where(held.reshape(-1, 1), rows[jnp.minimum(target, p - 1)], 0).astype(rows.dtype)  # 1
-    ranks = _ranks_or_full(lora_ranks, num_slots, lora_a[0].shape[2])
     weight = None if pair_weight is None else pair_weight[jnp.minimum(target, p - 1)]
-    interpret = current_interpret()
     y = y3.reshape(p, n_total)
     for a, b, off in zip(lora_a, lora_b, offsets):
         delta = _slice_delta(rows_sorted, a, b, expert_ids.reshape(-1), block_live.reshape(-1).astype(jnp.int32),
@@ -115,3 +119,6 @@ def fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, lora_
         y = y.at[:, off:off + width].set(jnp.where(has[:, None], (old.astype(jnp.float32) + added).astype(y.dtype),
                                                    old))
     return y.reshape(y3.shape)
+
+
+_moe_call = _two_jits(_moe_call, ("offsets", "interpret"))
