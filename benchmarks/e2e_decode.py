@@ -5,6 +5,7 @@ in torch, base step against LoRA step, and the LoRA overhead against its bytes f
     PYTHONPATH=. python benchmarks/e2e_decode.py --quick --out /tmp/e2e            # three step shapes
     PYTHONPATH=. python benchmarks/e2e_decode.py --cases 'dec B32' --out /tmp/e2e  # a regex over names
     PYTHONPATH=. python benchmarks/e2e_decode.py --smoke --out /tmp/e2e            # CPU, tiny model
+    PYTHONPATH=. python benchmarks/e2e_decode.py --base fp8 --out /tmp/e2e-fp8     # an fp8 base model
 
 The model: 32 layers, hidden 4096, 32 query / 8 key-value heads of 128, intermediate 14336, vocab
 128256, bf16, random weights (never zeros), LoRA on q, k, v, o, gate, up, down in 32 slots (every
@@ -25,6 +26,16 @@ each sequence's last position (greedy next token too), as jax_lora.serving's ste
     is written with `update_metadata` (in place) before the replays. Timed with CUDA events around
     each replay, median of N.
   * Base and LoRA steps are timed alternately (base, LoRA, base, ...), so drift hits both alike.
+
+Base model (--base): bf16 (default), or fp8: the decoder's linears (qkv, o, gate_up, down) quantized to
+float8_e4m3fn with per-output-channel scales (`jax_lora.quant.quantize_model`; the embedding and the
+LM head stay bf16), the adapters bf16 on top. JAX computes it weight-only, (x @ Q) * s with Q
+converted inside the product (`jax_lora.quant.QuantizedLinear`). torch reads the same Q and s and
+computes, on CUDA, `torch._scaled_mm` with each token's activations quantized to e4m3 (row-wise
+scales: the W8A8 path fp8 serving engines run; --torch-fp8 scaled_mm), or weight-only like JAX
+(--torch-fp8 dequant; always on the CPU). The reference step computes the base products weight-only
+(dequantized Q s), so the JAX step matches it to bf16 rounding and the torch W8A8 step to the
+activations' e4m3 rounding as well.
 
 Cases: decode steps (every sequence one token, its own request) at batch 1, 8, 32, 128, 256 with
 1, 8 and 32 distinct adapters (at most the batch), rank 16 and 64; prefill of one sequence of 2048
@@ -80,6 +91,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 PEAK_GBS = 4300.0
 NUM_SLOTS = 32
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the torch decoder's name of each linear -> the JAX model's (quantized with --base fp8)
+QUANTIZED_LINEARS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 # Scale of B against a unit-variance LoRA path: each adapter changes its projection's output by
 # about half the base output's size, so a wrong or missing delta moves the logits far outside the
 # bf16 noise of a correct one (the check needs that contrast; timing does not depend on it).
@@ -193,11 +206,12 @@ class JaxModel:
     slot with a random rank-r adapter: A (S, L, r, in) ~ N(0, 1/in), B (L, out, r) ~ N(0, B_SCALE^2/r),
     lora_ranks r."""
 
-    def __init__(self, cfg, seed: int = 0):
+    def __init__(self, cfg, seed: int = 0, base: str = "bf16"):
         import jax
         import jax.numpy as jnp
         from flax import nnx
 
+        from jax_lora import quant
         from jax_lora.models import llama
 
         self.cfg = cfg
@@ -216,6 +230,8 @@ class JaxModel:
                 specs.append((tuple(leaf.shape), leaf.dtype.name, scale, 0.0))
         state = jax.tree_util.tree_unflatten(treedef, self.random(specs))
         self.model = nnx.merge(graphdef, state)
+        if base == "fp8":                   # the decoder's linears; the embedding and LM head stay bf16
+            quant.quantize_model(self.model, "fp8", target_modules=list(QUANTIZED_LINEARS.values()))
         llama.add_lora(self.model, max_loras=NUM_SLOTS, max_rank=1, target_modules=LORA_TARGETS,
                        dtype=jnp.bfloat16)
         self.rank = None
@@ -310,22 +326,61 @@ def _jax_step(graphdef, lora_def, rest_def, lora_leaves, rest_leaves, cache, pun
 
 # ------------------------------------------------------------------------------------------ torch model
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """An fp8 base linear as torch reads it: q (in, out) float8_e4m3fn and s (out,) float32 (views
+    of the JAX layer's arrays), and q_col, q in column-major order (what `torch._scaled_mm` takes as
+    its second operand; None unless the scaled_mm product is used)."""
+
+    q: object
+    s: object
+    q_col: object = None
+
+
+def base_product(x, weight, fp8_product: str = "dequant"):
+    """The base linear's output (T, out) in x's dtype.
+
+    A bf16 kernel: x @ W. An `Fp8Weight`:
+      dequant    (x @ q.to(x.dtype)) * s, in float32 after the product, rounded to x's dtype
+                 (jax_lora.quant.QuantizedLinear's math);
+      scaled_mm  x_q = e4m3(x / a) with a = max|x_t| / 448 per token t, then
+                 torch._scaled_mm(x_q, q_col, scale_a=a (T, 1), scale_b=s (1, out)) in bf16 (CUDA).
+    """
+    import torch
+    if not isinstance(weight, Fp8Weight):
+        return x @ weight
+    if fp8_product == "scaled_mm":
+        amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
+        a = amax / 448.0
+        x_q = (x.float() / a).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(x_q, weight.q_col, scale_a=a, scale_b=weight.s[None, :], out_dtype=x.dtype)
+    return ((x @ weight.q.to(x.dtype)).float() * weight.s).to(x.dtype)
+
+
 class TorchDecoder:
     """A Llama decoder step in plain torch over the JAX model's weights (DLPack views, no copies).
 
-    Kernels keep JAX's (in, out) layout, so a projection is `x @ W`. Caches are per layer
+    Kernels keep JAX's (in, out) layout, so a projection is `x @ W`; an fp8 base's linears are
+    `Fp8Weight`s (`base_product`). Caches are per layer
     (k, v), each (R, kv_heads, M, head_dim) bf16: a decode step writes its token's key/value at
     (row, position) and attends over the row's M positions with a mask (position <= its own); a
     prefill step writes positions 0..S-1 and attends causally within the sequence.
     """
 
-    def __init__(self, cfg, jm: JaxModel, device):
+    def __init__(self, cfg, jm: JaxModel, device, fp8_product: str = "dequant"):
         import torch
         self.cfg, self.device = cfg, device
         m = jm.model.model
 
         def t(var):
             return torch.from_dlpack(var.get_value())
+
+        def linear(layer):
+            base = layer.base
+            if not hasattr(base, "qkernel"):
+                return t(base.kernel)
+            q, s = t(base.qkernel), t(base.scale)
+            return Fp8Weight(q, s, q.t().contiguous().t() if fp8_product == "scaled_mm" else None)
 
         self.embed = t(m.embed_tokens.embedding)                               # (V, H)
         self.norm = t(m.norm.weight)                                           # (H,)
@@ -334,10 +389,11 @@ class TorchDecoder:
         for layer in m.layers:
             at, mlp = layer.self_attn, layer.mlp
             self.layers.append(dict(ln1=t(layer.input_layernorm.weight), ln2=t(layer.post_attention_layernorm.weight),
-                                    qkv=t(at.qkv_proj.base.kernel), o=t(at.o_proj.base.kernel),
-                                    gate_up=t(mlp.gate_up_proj.base.kernel), down=t(mlp.down_proj.base.kernel)))
+                                    qkv=linear(at.qkv_proj), o=linear(at.o_proj),
+                                    gate_up=linear(mlp.gate_up_proj), down=linear(mlp.down_proj)))
         self._jm = jm
         self.lora = None
+        self.fp8_product = fp8_product       # an fp8 base's product: "scaled_mm" (W8A8, CUDA) or "dequant"
         d = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
 
@@ -406,8 +462,7 @@ class TorchDecoder:
             write_rows = rows
         x = F.embedding(tokens, self.embed)                                    # (B, S, H)
         for i, w in enumerate(self.layers):
-            h = self._rms(x, w["ln1"]).view(T, H)
-            qkv = self._linear(i, "qkv", h, w["qkv"], lora)
+            qkv = self._norm_linear(i, "qkv", x.view(T, H), w["ln1"], w["qkv"], lora)
             q = self._rope(qkv[:, :Q].view(B, S, nh, hd), cos, sin)
             k = self._rope(qkv[:, Q:Q + KV].view(B, S, nkv, hd), cos, sin)
             v = qkv[:, Q + KV:].view(B, S, nkv, hd)
@@ -434,8 +489,7 @@ class TorchDecoder:
                 att = att.transpose(1, 2).reshape(T, Q)
             o = self._linear(i, "o", att, w["o"], lora)
             x = x + o.view(B, S, H)
-            h = self._rms(x, w["ln2"]).view(T, H)
-            gu = self._linear(i, "gate_up", h, w["gate_up"], lora)
+            gu = self._norm_linear(i, "gate_up", x.view(T, H), w["ln2"], w["gate_up"], lora)
             act = F.silu(gu[:, :I]) * gu[:, I:]
             dn = self._linear(i, "down", act, w["down"], lora)
             x = x + dn.view(B, S, H)
@@ -444,17 +498,27 @@ class TorchDecoder:
         return logits, logits.argmax(-1)
 
     # ---------------------------------------------------------------- LoRA paths
-    @staticmethod
-    def _linear(i, name, x, weight, lora):
-        """x @ weight with the LoRA hook: lora(i, name, y, x) after the product, or, for an
-        overlapping hook (one with `begin`), lora.begin(i, name, x) before it and
-        lora.end(i, name, y, token) after it."""
+    def _norm_linear(self, i, name, x, norm_weight, weight, lora):
+        """RMSNorm(x) * norm_weight @ weight with the LoRA hook: a hook with `norm_linear` computes
+        the whole (the fused path: the norm with the shrink, the GEMM with the expand); else the
+        norm here and `_linear`."""
+        if lora is not None and hasattr(lora, "norm_linear"):
+            return lora.norm_linear(i, name, x, norm_weight, weight)
+        return self._linear(i, name, self._rms(x, norm_weight), weight, lora)
+
+    def _linear(self, i, name, x, weight, lora):
+        """x @ weight (`base_product`) with the LoRA hook: lora(i, name, y, x) after the product; a
+        hook with `linear` computes the product itself (the fused path); an overlapping hook (one
+        with `begin`) gets lora.begin(i, name, x) before the product and lora.end(i, name, y, token)
+        after it."""
+        if lora is not None and hasattr(lora, "linear"):
+            return lora.linear(i, name, x, weight)
         if lora is not None and hasattr(lora, "begin"):
             token = lora.begin(i, name, x)
-            y = x @ weight
+            y = base_product(x, weight, self.fp8_product)
             lora.end(i, name, y, token)
             return y
-        y = x @ weight
+        y = base_product(x, weight, self.fp8_product)
         if lora is not None:
             lora(i, name, y, x)
         return y
@@ -504,6 +568,53 @@ class TorchDecoder:
                 torch.cuda.current_stream().wait_stream(side)
                 punica.add_expand(y, buf, b, None, slices, 0, True, lora_ranks=ranks)
         return Overlap()
+
+    def fused_lora(self, punica, fuse_norm: bool):
+        """The fused path (--torch-lora fused / fused-norm): each LoRA linear is one Triton GEMM
+        with the expand in its epilogue (`torch_lora.ops.fused_linear.gemm_lora`, replacing cuBLAS
+        and the expand kernel), its shrink before it: `punica.add_shrink` for o and down, and with
+        fuse_norm the RMSNorm kernel that also shrinks (`rms_norm_shrink`) for qkv and gate_up, so
+        that no LoRA kernel runs between the norm and the GEMM."""
+        import torch
+
+        from torch_lora.ops.fused_linear import gemm_lora, norm_shrink_config, rms_norm_shrink
+        lora_of, eps = self.lora, self.cfg.rms_norm_eps
+        buffers: dict = {}
+        # nn.Linear's (out, in) layout, K contiguous, as the kernel's tiles are read (the JAX
+        # model's (in, out) kernels seen transposed would read BLOCK_N-wide runs): copies, once
+        if not hasattr(self, "_weights_nk"):
+            self._weights_nk = [{name: w[name].t().contiguous() for name in ("qkv", "o", "gate_up", "down")}
+                                for w in self.layers]
+        weights_nk = self._weights_nk
+
+        def buffer(key, shape, dtype, device):
+            t = buffers.get(key)
+            if t is None or tuple(t.shape) != tuple(shape):
+                t = buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+            return t
+
+        class Fused:
+            @staticmethod
+            def linear(i, name, x, weight):
+                a, b, slices, ranks = lora_of[i][name]
+                buf = buffer((name, "buf", x.shape[0]), (len(a), x.shape[0], a[0].shape[-2]), torch.float32,
+                             x.device)
+                punica.add_shrink(buf, x, a, 1.0, lora_ranks=ranks)
+                return gemm_lora(x, weights_nk[i][name], None, buf, b, punica.token_lora_indices, slices,
+                                 lora_ranks=ranks)
+
+            if fuse_norm:
+                @staticmethod
+                def norm_linear(i, name, x, norm_weight, weight):
+                    a, b, slices, ranks = lora_of[i][name]
+                    m = x.shape[0]
+                    planes = norm_shrink_config(m, a[0].shape[-2])["SPLIT_K"]
+                    buf = buffer((name, "planes", m), (planes, len(a), m, a[0].shape[-2]), torch.float32, x.device)
+                    xn = buffer((name, "xn", m), (m, x.shape[1]), x.dtype, x.device)
+                    slots = punica.token_lora_indices
+                    rms_norm_shrink(x, norm_weight, eps, a, slots, 1.0, out=xn, buf=buf, lora_ranks=ranks)
+                    return gemm_lora(xn, weights_nk[i][name], None, buf, b, slots, slices, lora_ranks=ranks)
+        return Fused()
 
     def reference_lora(self, groups):
         """The LoRA hook of the reference: for each (slot, token indices) of `groups`, the delta
@@ -586,11 +697,13 @@ class Bench:
         self.t_start = getattr(args, "t_start", None) or time.perf_counter()
         self.phases = _Phases(self.t_start)
         t0 = time.perf_counter()
-        self.jm = JaxModel(cfg)
+        self.jm = JaxModel(cfg, base=args.base)
         self._sync_jax()
+        from jax_lora import quant
+        self.quantized_linears = len(quant.quantized_layers(self.jm.model))     # 4 per layer with --base fp8
         self.phases["jax_model_init_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.td = TorchDecoder(cfg, self.jm, self.device)
+        self.td = TorchDecoder(cfg, self.jm, self.device, fp8_product=args.torch_fp8)
         self.phases["torch_decoder_init_s"] = time.perf_counter() - t0
         dec_rows = max([c.rows for c in cases if c.kind == "dec"], default=0)
         self.max_len = args.max_len
@@ -711,9 +824,13 @@ class Bench:
             for slot in sorted({int(slots[r]) for r in rows}):
                 toks = [i * shape.seq + j for i, r in enumerate(rows) if slots[r] == slot for j in range(shape.seq)]
                 groups.append((slot, torch.tensor(toks, dtype=torch.int64, device=self.device)))
-        with torch.no_grad():
-            logits, _ = self.td.forward(shape.t_tokens[idx], shape.t_positions[idx], shape.t_cache, rows=idx,
-                                        lora=self.td.reference_lora(groups) if lora else None)
+        product, self.td.fp8_product = self.td.fp8_product, "dequant"     # fp8 base: weight-only products
+        try:
+            with torch.no_grad():
+                logits, _ = self.td.forward(shape.t_tokens[idx], shape.t_positions[idx], shape.t_cache, rows=idx,
+                                            lora=self.td.reference_lora(groups) if lora else None)
+        finally:
+            self.td.fp8_product = product
         self._torch_sync()
         return logits.double().cpu().numpy()
 
@@ -724,8 +841,12 @@ class Bench:
         if lora == "vllm":
             hook = self.td.vllm_lora(self.vk, self.v_meta)
         elif lora:
-            hook = (self.td.overlapped_lora(self.t_punica, self._torch_side) if self.args.torch_lora == "overlap"
-                    else self.td.wrapper_lora(self.t_punica))
+            if self.args.torch_lora == "overlap":
+                hook = self.td.overlapped_lora(self.t_punica, self._torch_side)
+            elif self.args.torch_lora.startswith("fused"):
+                hook = self.td.fused_lora(self.t_punica, fuse_norm=self.args.torch_lora == "fused-norm")
+            else:
+                hook = self.td.wrapper_lora(self.t_punica)
 
         def step():
             return self.td.forward(shape.t_tokens, shape.t_positions, shape.t_cache, lora=hook)
@@ -1392,7 +1513,8 @@ def env_meta(args, cfg) -> dict:
                 tolerances=dict(err=TOL_ERR, err_over_effect=TOL_ERR_OVER_EFFECT),
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                            vocab=cfg.vocab_size, dtype="bfloat16"),
+                            vocab=cfg.vocab_size, dtype="bfloat16", base=args.base,
+                            torch_fp8=args.torch_fp8 if args.base == "fp8" else None),
                 backends=dict(jax="xla" if args.smoke else "triton (XLA FFI launcher)",
                               torch="torch" if args.smoke else "triton, CUDA graph"))
     from importlib import metadata
@@ -1473,17 +1595,31 @@ def main(argv=None) -> int:
     p.add_argument("--vllm", choices=("auto", "on", "off"), default="auto",
                    help="also time torch's step with vLLM's LoRA kernels (benchmarks/vllm_kernels.py; their files "
                         "in .vllm/ from benchmarks/fetch_vllm_kernels.sh): when present (auto), required (on) or not")
-    p.add_argument("--torch-lora", choices=("linear", "overlap"), default="linear",
-                   help="torch's LoRA path: add_lora_linear after the base product (linear), or the shrink on a "
-                        "side stream beside the base product and the expand after it (overlap; CUDA only)")
+    p.add_argument("--torch-lora", choices=("linear", "overlap", "fused", "fused-norm"), default="linear",
+                   help="torch's LoRA path: add_lora_linear after the base product (linear); the shrink on a "
+                        "side stream beside the base product and the expand after it (overlap; CUDA only); the "
+                        "shrink then a Triton GEMM with the expand in its epilogue (fused); the same with the "
+                        "RMSNorm kernel that also shrinks before qkv and gate_up (fused-norm)")
     p.add_argument("--jax-chain", type=int, default=1,
                    help="JAX samples of K steps dispatched back to back, one wait, divided by K (default 1: "
                         "each step waited for)")
+    p.add_argument("--base", choices=("bf16", "fp8"), default="bf16",
+                   help="the base model's linears: bf16, or fp8 (float8_e4m3fn, per-channel scales; the adapters "
+                        "stay bf16)")
+    p.add_argument("--torch-fp8", choices=("scaled_mm", "dequant"), default=None,
+                   help="torch's product with an fp8 base: torch._scaled_mm with per-token e4m3 activations "
+                        "(default on CUDA) or weight-only dequantization as JAX computes it (the CPU's)")
     p.add_argument("--tag", default="")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
     args = p.parse_args(argv)
     if args.smoke and args.torch_lora == "overlap":
         p.error("--torch-lora overlap needs CUDA streams (not --smoke)")
+    if args.base == "fp8" and args.torch_lora.startswith("fused"):
+        p.error(f"--torch-lora {args.torch_lora} runs a Triton GEMM over bf16 weights; with --base fp8 use "
+                "--torch-lora linear or overlap")
+    if args.smoke and args.torch_fp8 == "scaled_mm":
+        p.error("--torch-fp8 scaled_mm needs CUDA (not --smoke)")
+    args.torch_fp8 = args.torch_fp8 or ("dequant" if args.smoke else "scaled_mm")
     args.steps = args.steps or (3 if args.smoke else 20)
     args.max_len = args.max_len or (32 if args.smoke else 1024)
     if args.budget_s is None and not args.smoke:
@@ -1521,14 +1657,16 @@ def run(args, cases) -> int:
     cfg = model_config(args.smoke)
     meta = env_meta(args, cfg)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    base = os.path.join(args.out, f"e2e_{'smoke' if args.smoke else 'h200'}_{stamp}{args.tag}")
+    fp8 = "_fp8" if args.base == "fp8" else ""
+    base = os.path.join(args.out, f"e2e_{'smoke' if args.smoke else 'h200'}{fp8}_{stamp}{args.tag}")
     os.makedirs(args.out, exist_ok=True)
     bench = Bench(args, cfg, cases)
 
     def report(final: bool) -> dict:
         failed = [r["case"] for r in bench.results for fw in bench.frameworks if not r[fw]["check_passed"]]
         out = dict(meta={**meta, "phases_s": bench.phases, "wall_s": time.perf_counter() - t_start,
-                         "complete": final, "memory_gb": memory_meta(args)},
+                         "complete": final, "memory_gb": memory_meta(args),
+                         "quantized_linears": bench.quantized_linears},
                    cases=bench.results,
                    summary=dict(cases=len(bench.results), planned=len(cases), checks_failed=failed,
                                 skipped=bench.skipped))

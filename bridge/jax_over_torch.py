@@ -46,8 +46,7 @@ from lora_core import checks, segments
 from lora_core.host_mapping import LoRAMapping, pad_prompt_mapping
 from lora_core.kernel_meta import KernelMeta
 
-from .dlpack import (_ARRAY_IMPL, ConversionCache, current_stream, default_jax_device, to_jax, to_torch,
-                     torch_device_for)
+from .dlpack import _ARRAY_IMPL, ConversionCache, current_stream, default_jax_device, to_jax, to_torch, torch_device_for
 
 __all__ = ["JaxPunicaWrapper", "lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand",
            "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]

@@ -21,7 +21,8 @@ _EXPORTS = {
     "LoRAKernelMeta": "jax_lora.meta",
     "PunicaWrapper": "jax_lora.wrapper",
 }
-_SUBMODULES = ("ops", "nn", "meta", "mapping", "wrapper", "models", "adapters", "serving", "cli", "parallel")
+_SUBMODULES = ("ops", "nn", "meta", "mapping", "wrapper", "models", "adapters", "serving", "cli", "parallel",
+               "quant")
 
 __all__ = list(_EXPORTS) + ["ops", "nn"]
 

@@ -39,6 +39,7 @@ from lora_core.peft.experts import EXPERT_KIND
 from . import nn as lnn
 from . import parallel
 from .moe import MoEExperts
+from .quant import QuantizedLinear
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -249,24 +250,30 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
 
 
 def dora_scales(model: nnx.Module, adapter: PeftAdapter) -> dict:
-    """{layer path: (out,) float32 DoRA column scale} for every DoRA-capable MultiLoRALinear of the
-    model (ones where the adapter is plain LoRA or absent): g = m / ||W + s B A||_row per member
+    """{layer path: (out,) float32 DoRA column scale} for every MultiLoRALinear that `adapter`'s DoRA
+    modules touch (ones at the columns of its other members): g = m / ||W + s B A||_row per member
     module (lora_core.dora.column_scale) with W the layer's base kernel at that member's columns.
-    Raises AdapterError when a DoRA module lands in a layer built without dora=True."""
+    Empty for a plain LoRA adapter. A layer built without dora=True is given to it all the same:
+    the AdapterManager adds the layer's scale when it writes the adapter (`enable_dora`). Raises
+    AdapterError when a DoRA module lands in an embedding, the LM head, a layer split over a mesh or
+    a quantized layer."""
     layers = lnn.lora_layers(model)
     index = _lora_index(model, layers)
-    out = {path: np.ones(layer.out_features, np.float32) for path, layer in layers.items()
-           if isinstance(layer, lnn.MultiLoRALinear) and layer.dora}
+    out: dict = {}
     for module, m in sorted(adapter.magnitudes.items()):
         where = index.get(module)
         if where is None:
             continue                                   # prepare_adapter names unknown modules
         path, s = where
         layer = layers[path]
-        if path not in out:
-            raise AdapterError(f"adapter {adapter.label} is a DoRA adapter (module {module!r}), but layer {path!r} "
-                               "has no DoRA column scale: build the LoRA layers with dora=True (add_lora(..., "
-                               "dora=True))")
+        quantized = isinstance(layer, lnn.MultiLoRALinear) and isinstance(layer.base, QuantizedLinear)
+        if not isinstance(layer, lnn.MultiLoRALinear) or layer.tp is not None or quantized:
+            what = ("a quantized layer (its column scale reads a float kernel)" if quantized else
+                    "a layer split over a mesh" if isinstance(layer, lnn.MultiLoRALinear) else
+                    "an embedding" if isinstance(layer, lnn.MultiLoRAEmbed) else "the LM head")
+            raise AdapterError(f"adapter {adapter.label} is a DoRA adapter (use_dora) with a magnitude on {module!r}, "
+                               f"which is {what} ({path!r}): DoRA is served on unsplit float linear layers only")
+        out.setdefault(path, np.ones(layer.out_features, np.float32))
         a, b, scaling, _kind = adapter.modules[module]
         off, width = sum(layer.output_slices[:s]), layer.output_slices[s]
         kernel = np.asarray(layer.base.kernel[...], np.float64)[:, off:off + width]        # (in, n_s)
@@ -338,6 +345,9 @@ class AdapterManager(SlotTable):
     table, so concurrent callers never corrupt them; `register` reads files before taking it. A
     thread that runs a step on the slots holds `with manager.lock:` across `activate` and the step
     (another thread's activate may evict its slots).
+
+    Pinning: `pin(adapter)` / `unpin(adapter)` (a LoRA id or a registered name) keep an adapter in its
+    slot whatever the LRU would evict (lora_core.adapter_slots, "Pinning").
     """
 
     def __init__(self, model: nnx.Module, *, host_cache_size: int = 8):
@@ -350,10 +360,15 @@ class AdapterManager(SlotTable):
             raise AdapterError(f"the model's LoRA layers disagree on max_loras: {sorted(slots)}")
         super().__init__(slots.pop(), host_cache_size=host_cache_size)
         self._paths = sorted(self.layers)
-        self._vars = [(self.layers[p], n) for p in self._paths for n in _slot_variables(self.layers[p])]
         self._path_by_id = {id(self.layers[p]): p for p in self._paths}
-        self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
+        self._list_variables()
+        self.layout_version = 0             # +1 each time a layer gains variables (a DoRA scale)
         self._shapes = module_shapes(model)
+
+    def _list_variables(self) -> None:
+        """The (layer, variable name) pairs a slot write updates, and their slot axes."""
+        self._vars = [(self.layers[p], n) for p in self._paths for n in _slot_variables(self.layers[p])]
+        self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
 
     # -------------------------------------------------------------- SlotTable's framework part
     def _module_shapes(self) -> dict:
@@ -370,14 +385,23 @@ class AdapterManager(SlotTable):
 
     def _write_slot(self, slot: int, prepared: tuple | None) -> None:
         """One jitted update of every LoRA variable at `slot`: the adapter's weights and per-layer
-        ranks, or zeros (rank 0: the kernels skip the slot) when prepared is None."""
+        ranks, or zeros (rank 0: the kernels skip the slot) when prepared is None. The first DoRA
+        adapter written into a layer built without dora=True gives that layer its column scale
+        (`MultiLoRALinear.enable_dora`, ones in every slot) and bumps `layout_version`: the model's
+        graph has a new variable, so a jitted step that takes it is compiled again, once."""
+        if prepared is not None:
+            added = [self.layers[p].enable_dora() for p in sorted(prepared[2])]
+            if any(added):
+                self._list_variables()
+                self.layout_version += 1
         new = []
         for layer, n in self._vars:
             shape = list(getattr(layer, n).get_value().shape)
             del shape[type(layer).slot_axis[n]]
             path = self._path_by_id[id(layer)]
-            if n == "lora_scale":                  # an empty slot or a plain LoRA adapter: scale 1
-                new.append(np.ones(shape, np.float32) if prepared is None else prepared[2][path])
+            if n == "lora_scale":                  # an empty slot, a plain LoRA adapter, a layer it skips: 1
+                g = None if prepared is None else prepared[2].get(path)
+                new.append(np.ones(shape, np.float32) if g is None else g)
             elif isinstance(layer, lnn.MultiLoRAExperts) and n != "lora_ranks":
                 new.append((_experts_zeros(layer) if prepared is None else prepared[0][path])[n])
             elif prepared is None:

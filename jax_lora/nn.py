@@ -1,6 +1,7 @@
 """Flax NNX multi-adapter layers driven by the PunicaWrapper (contract section 5 and 8).
 
-Every layer keeps its base layer (`.base`, an `nnx.Linear` / `nnx.Embed`, untouched) and adds the
+Every layer keeps its base layer (`.base`, an `nnx.Linear` / `nnx.Embed`, untouched; a linear base
+may also be a `jax_lora.quant.QuantizedLinear`, int8 / fp8 weight-only) and adds the
 stacked per-slot adapter weights as `LoRAWeight` variables, in the layouts the wrapper takes:
 
   MultiLoRALinear   lora_a (S, L, r, in)   lora_b (L, out, r)    slices of out: `output_slices`
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .moe import ExpertOrder, MoEExperts
+from .quant import QuantizedLinear
 
 __all__ = [
     "LORA_LAYER_TYPES",
@@ -98,14 +100,28 @@ def _check_int(name: str, v: int) -> int:
     return int(v)
 
 
+def _check_linear_base(base) -> None:
+    if not isinstance(base, (nnx.Linear, QuantizedLinear)):
+        raise TypeError(f"base must be an nnx.Linear or a jax_lora.quant.QuantizedLinear, got {type(base).__name__}")
+
+
+def _base_dtype(base):
+    """The adapter weights' default dtype: a float base's kernel dtype, a quantized base's activation
+    dtype."""
+    return base.dtype if isinstance(base, QuantizedLinear) else base.kernel.get_value().dtype
+
+
 class MultiLoRALinear(nnx.Module):
     """An `nnx.Linear` plus one adapter per token, with fused output slices.
 
     Args:
-      base: the layer (kernel (in, out)); kept as `self.base`.
+      base: the layer (kernel (in, out)), an nnx.Linear or a jax_lora.quant.QuantizedLinear (int8 /
+        fp8 weights, per-channel scales: the LoRA terms are added in `dtype` to its output, as over a
+        float base); kept as `self.base`.
       max_loras: slots L. max_rank: r (adapters of smaller rank are zero-padded).
       output_slices: widths of the fused outputs (q, k, v / gate, up), summing to `out`; default
-        one slice. dtype: of the adapter weights (default: the base kernel's).
+        one slice. dtype: of the adapter weights (default: the base kernel's; over a quantized
+        base, its activation dtype).
 
     __call__(x (..., in), punica=None) -> (..., out): `base(x)` plus, per token t with slot
     i = idx[t] >= 0, `x[t] @ A_s[i].T @ B_s[i].T` at each slice's columns (the wrapper's
@@ -114,12 +130,17 @@ class MultiLoRALinear(nnx.Module):
     dora=True: the layer also holds `lora_scale` (L, out) float32, each slot's DoRA column scale
     g (lora_core.dora; 1 for plain LoRA slots), and a token with slot i gets
     g[i] * (x W + x A_s[i].T B_s[i].T) + bias instead (the base bias is added after the scale).
+    A layer built without it gets the scale from `enable_dora()` (the AdapterManager calls it when
+    the first DoRA adapter lands in the layer): a new variable, so the model's graph changes and a
+    jitted step that takes the model is traced and compiled again, once.
     """
 
     def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int,
                  output_slices: Sequence[int] | None = None, dtype=None, dora: bool = False):
-        if not isinstance(base, nnx.Linear):
-            raise TypeError(f"base must be an nnx.Linear, got {type(base).__name__}")
+        _check_linear_base(base)
+        if dora and isinstance(base, QuantizedLinear):
+            raise ValueError("dora=True needs a float base layer (DoRA's column scale reads the base kernel); this "
+                             f"base is a {base.quantize} QuantizedLinear: serve DoRA adapters over a float model")
         self.base = base
         self.in_features = int(base.in_features)
         self.out_features = int(base.out_features)
@@ -130,7 +151,7 @@ class MultiLoRALinear(nnx.Module):
         self.output_slices = slices
         self.max_loras = max_loras = _check_int("max_loras", max_loras)
         self.max_rank = max_rank = _check_int("max_rank", max_rank)
-        dtype = dtype or base.kernel.get_value().dtype
+        dtype = dtype or _base_dtype(base)
         self.lora_a = LoRAWeight(jnp.zeros((len(slices), max_loras, max_rank, self.in_features), dtype))
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
         self.lora_ranks = _ranks_variable(max_loras, max_rank)
@@ -138,6 +159,19 @@ class MultiLoRALinear(nnx.Module):
         if self.dora:
             self.lora_scale = LoRAWeight(jnp.ones((max_loras, self.out_features), jnp.float32))
         self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
+
+    def enable_dora(self) -> bool:
+        """Gives the layer its DoRA column scale `lora_scale` (L, out) float32, all ones (every slot
+        plain LoRA), unless it has one; returns whether it was added. Refused for a layer split over
+        a mesh (its scale would have to follow the row split's reduction)."""
+        if self.dora:
+            return False
+        if self.tp is not None:
+            raise ValueError("a LoRA layer split over a mesh cannot serve DoRA adapters (its column scale would have "
+                             "to follow the reduction): serve them with unsplit layers")
+        self.lora_scale = LoRAWeight(jnp.ones((self.max_loras, self.out_features), jnp.float32))
+        self.dora = True
+        return True
 
     def __call__(self, x: jax.Array, punica=None) -> jax.Array:
         w = _pick(punica)
@@ -225,14 +259,13 @@ class MultiLoRALogits(nnx.Module):
     """
 
     def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int, dtype=None):
-        if not isinstance(base, nnx.Linear):
-            raise TypeError(f"base must be an nnx.Linear, got {type(base).__name__}")
+        _check_linear_base(base)
         self.base = base
         self.in_features = int(base.in_features)
         self.out_features = int(base.out_features)
         self.max_loras = max_loras = _check_int("max_loras", max_loras)
         self.max_rank = max_rank = _check_int("max_rank", max_rank)
-        dtype = dtype or base.kernel.get_value().dtype
+        dtype = dtype or _base_dtype(base)
         self.lora_a = LoRAWeight(jnp.zeros((max_loras, max_rank, self.in_features), dtype))
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
         self.lora_ranks = _ranks_variable(max_loras, max_rank)
@@ -344,7 +377,8 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
       max_loras, max_rank: slots and the largest adapter rank the slots hold.
       output_slices: {layer name (last part) or full path: slice widths} for fused projections.
       dtype: adapter weight dtype (default: each base layer's).
-      dora: the linear layers (not the logits or embeddings) also hold DoRA column scales.
+      dora: the linear layers (not the logits or embeddings) hold DoRA column scales from the start
+        (without it, `MultiLoRALinear.enable_dora` adds one when the first DoRA adapter reaches a layer).
 
     Returns {path: new layer}. Raises ValueError when nothing matches (a typo should not silently
     give a model without adapters).
@@ -354,7 +388,8 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
     nodes = list(nnx.iter_graph(model))
     inside = [p for p, n in nodes if isinstance(n, LORA_LAYER_TYPES)]   # already multi-LoRA: skip their bases
     for path, node in nodes:
-        if not path or not isinstance(node, (nnx.Linear, nnx.Embed)) or isinstance(node, LORA_LAYER_TYPES):
+        if not path or not isinstance(node, (nnx.Linear, QuantizedLinear, nnx.Embed)) or isinstance(
+                node, LORA_LAYER_TYPES):
             continue
         if any(tuple(path[:len(p)]) == tuple(p) for p in inside):
             continue
@@ -362,8 +397,8 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
         if _matches(name, leaf, target_modules):
             found.append((path, node))
     if not found:
-        raise ValueError(f"target_modules {target_modules!r} match no nnx.Linear / nnx.Embed layer of "
-                         f"{type(model).__name__}")
+        raise ValueError(f"target_modules {target_modules!r} match no nnx.Linear / QuantizedLinear / nnx.Embed "
+                         f"layer of {type(model).__name__}")
     replaced = {}
     for path, node in found:
         name, leaf = _path_str(path), str(path[-1])

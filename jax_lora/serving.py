@@ -14,10 +14,20 @@ Shapes are bucketed, so one compiled program serves every step of a bucket:
   decode:  (max_seqs, 1), every row, the cache read and written in place (rows=None: no gather of
            the KV rows); a free row writes its ignored token's key and value at position 0 of its
            own row, which the next request placed there overwrites in its prefill before any read.
+Activated LoRA (aLoRA: an adapter registered from a PEFT adapter with `alora_invocation_tokens`):
+the request's prompt is searched for the last occurrence of the invocation sequence
+(lora_core.alora); the prompt's tokens before it get LoRA id 0 (no adapter), the invocation, the
+rest of the prompt and every generated token get the adapter; a prompt without the invocation is
+served by the base model throughout (PEFT's rule). The KV cache of the tokens before the
+invocation is therefore the base model's. The engine has no prefix cache: each request's prompt is
+prefilled in full, so that base KV is computed again per request, not shared with base requests of
+the same prefix (see docs/flax.md, "Activated LoRA").
 The wrapper's buffers have fixed lengths (the prompt mapping padded by vLLM's rule, max(next
 power of two, 8) rows); padded tokens and rows use LoRA id 0 (no adapter) and never change real rows.
 Adapters are swapped by AdapterManager between steps with same-shape writes: no recompilation.
-`compile_count` counts the compiled step programs.
+`compile_count` counts the compiled step programs. The one exception: the first DoRA adapter in a
+model built without dora=True gives its layers a column-scale variable (AdapterManager's
+`layout_version` changes), and the step is traced and compiled again, once per bucket.
 
 With `mesh=` the model is split over the mesh's tensor-parallel axis (`LlamaForCausalLM.shard`,
 jax_lora.parallel): the wrapper's index block and the step inputs are replicated on the mesh, the
@@ -49,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lora_core import checks
+from lora_core import alora, checks
 from lora_core.host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
 
 from . import nn as lnn
@@ -64,7 +74,8 @@ _LOG = logging.getLogger("jax_lora")
 
 @dataclasses.dataclass
 class Request:
-    """prompt: token ids; lora_id: registered adapter id, or None / 0 for the base model.
+    """prompt: token ids; lora_id: registered adapter id, or None / 0 for the base model (an aLoRA
+    adapter applies from its invocation sequence in the prompt on; see the module docstring).
 
     request_id: any hashable value that tells the request's Completion apart (None: the request's
     index in the `generate` call); no two requests of one call may end up with the same id.
@@ -99,10 +110,19 @@ class _Seq:
     row: int
     tokens: list = dataclasses.field(default_factory=list)
     logits: list = dataclasses.field(default_factory=list)
+    invocation: tuple | None = None     # an aLoRA adapter's invocation tokens (None: every token)
+    start: int | None = None            # where the invocation starts in the prompt (aLoRA; None: absent)
 
     @property
     def lora(self) -> int:
         return int(self.req.lora_id or 0)
+
+    def lora_ids(self, first_position: int, num_tokens: int) -> np.ndarray:
+        """(num_tokens,) the LoRA id of each position first_position.. (0 before an aLoRA invocation,
+        and everywhere when the prompt holds none)."""
+        if self.invocation is None:
+            return np.full(num_tokens, self.lora, np.int64)
+        return alora.token_ids(self.lora, self.start, first_position, num_tokens)
 
     @property
     def done(self) -> bool:
@@ -189,6 +209,8 @@ class ServingEngine:
         self._state_def = self._jit_step = None
         self._set_state(state)
         self._state_version = adapters.version if adapters is not None else 0
+        self._layout_version = adapters.layout_version if adapters is not None else 0
+        self._compiled_before = 0                 # programs of step functions replaced by a new layout
         self.cache = init_cache(self.config, self.max_seqs, self.max_len, model.cache_dtype(), sharding=cache_sharding)
         capacity = max(self.max_prefill_tokens, self.max_seqs)
         self.punica = None
@@ -221,7 +243,7 @@ class ServingEngine:
     @property
     def compile_count(self) -> int:
         """Compiled step programs so far (one per bucket and LoRA on/off)."""
-        return self._jit_step._cache_size()
+        return self._compiled_before + self._jit_step._cache_size()
 
     def _bucket_len(self, n: int) -> int:
         return min(max(self.min_prefill_len, next_power_of_two(n)), self.max_len)
@@ -283,6 +305,9 @@ class ServingEngine:
                 if r.lora_id not in self.adapters.registered:
                     raise ValueError(f"request {i}: LoRA id {r.lora_id} is not registered "
                                      f"(registered: {sorted(self.adapters.registered)})")
+                refused = self.adapters.activation_error([r.lora_id])      # pinned adapters fill every slot
+                if refused is not None:
+                    raise ValueError(f"request {i}: {refused}")
         ids = [i if r.request_id is None else r.request_id for i, r in enumerate(reqs)]
         repeat = checks.first_repeat(ids, "request {}: request_id", "it tells the Completions apart")
         if repeat is not None:
@@ -295,7 +320,18 @@ class ServingEngine:
     # ------------------------------------------------------------------ steps
     def _run(self, tokens, positions, rows, sample_idx, token_ids, row_ids, is_prefill, use_lora):
         if self.adapters is not None and self.adapters.version != self._state_version:
-            self._set_state(nnx.state(self.model))
+            if self.adapters.layout_version != self._layout_version:
+                # A layer gained a variable (the first DoRA adapter in a layer built without dora=True):
+                # a new graph, so a new step function, traced and compiled again for each bucket.
+                self._compiled_before += self._jit_step._cache_size()
+                self.graphdef, state = nnx.split(self.model)
+                self._state_def = None
+                self._layout_version = self.adapters.layout_version
+                _LOG.info("ServingEngine: the model's LoRA layers gained DoRA column scales; the step programs are "
+                          "compiled again")
+            else:
+                state = nnx.state(self.model)
+            self._set_state(state)
             self._state_version = self.adapters.version
         punica = None
         if use_lora:
@@ -328,8 +364,8 @@ class ServingEngine:
         for i, q in enumerate(seqs):
             n = len(q.req.prompt)
             tokens[i, :n] = q.req.prompt
-            rows[i], sample[i], row_ids[i] = q.row, n - 1, q.lora
-            token_ids[i, :n] = q.lora                          # padded tokens: no adapter
+            token_ids[i, :n] = q.lora_ids(0, n)                # padded tokens: no adapter
+            rows[i], sample[i], row_ids[i] = q.row, n - 1, token_ids[i, n - 1]
         next_tok, logits = self._run(tokens, positions, rows, sample, token_ids.reshape(-1), row_ids, True, use_lora)
         return [(q, i) for i, q in enumerate(seqs)], next_tok, logits
 
@@ -344,7 +380,7 @@ class ServingEngine:
                 continue
             tokens[r, 0] = q.tokens[-1]
             positions[r, 0] = len(q.req.prompt) + len(q.tokens) - 1
-            ids[r] = q.lora
+            ids[r] = q.lora_ids(int(positions[r, 0]), 1)[0]
             live.append((q, r))
         if not live:
             return
@@ -403,6 +439,10 @@ class ServingEngine:
                     break
                 seq = _Seq(req if use_lora else dataclasses.replace(req, lora_id=None), waiting.popleft(),
                            free[len(admitted)])
+                if lora:
+                    seq.invocation = self.adapters.invocation_tokens(lora)
+                    if seq.invocation is not None:
+                        seq.start = alora.invocation_start(req.prompt, seq.invocation)
                 admitted.append(seq)
             if not admitted and len(free) == self.max_seqs:
                 raise RuntimeError(f"request {waiting[0]} cannot be admitted into an empty batch")

@@ -31,7 +31,7 @@ from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .devices import resolve_device
 from .meta import LoRAKernelMeta
-from .ops import dispatch, fused_moe
+from .ops import dispatch, fused_moe, partition
 from .ops.api import as_array, as_lora_ranks, as_slices, check_same_device, to_3d
 from .warmup import warmup as _warmup
 
@@ -259,7 +259,7 @@ class PunicaWrapper:
     # ------------------------------------------------------------------ ops
     def _impl(self):
         impl = dispatch.load_backend(self.backend)
-        return dispatch.deterministic_impl(impl) if self.deterministic else impl
+        return partition.partitioned(dispatch.deterministic_impl(impl) if self.deterministic else impl)
 
     def _check_tokens(self, name: str, num_tokens: int) -> None:
         checks.check_capacity(f"{name} (tokens)", num_tokens, self.max_num_batched_tokens,

@@ -9,7 +9,10 @@ on the host and without any framework:
   host cache   LoRA id -> the adapter prepared for the slots (the framework's layout), LRU,
                at most `host_cache_size` entries (a reload then skips the disk);
   slot table   slot -> LoRA id or None (`lora_index_to_id`, the wrapper's table), with the slots'
-               use in LRU order.
+               use in LRU order, and the pinned ids the LRU skips.
+
+With each adapter it keeps its aLoRA invocation tokens (`invocation_tokens(lora_id)`, None for an
+adapter that applies to every token; lora_core.alora), read with the adapter.
 
 Registered files are stamped (name, size, modification and change times, inode of each file in
 the directory): the stamp is taken before the read and compared after it, so files rewritten
@@ -26,8 +29,18 @@ stays true only while no other thread activates: a caller that runs a step on th
 `with manager.lock:` across `activate` and the step (or one thread serves, as an engine does).
 
 `activate(ids)` puts a batch's adapters into slots: free slots first, then the least recently
-used slots whose adapter the batch does not need. Every adapter the batch needs is prepared before
-any slot is written, so an adapter that fails to load leaves the manager as it was.
+used slots whose adapter the batch does not need and that is not pinned. Every adapter the batch
+needs is prepared before any slot is written, so an adapter that fails to load leaves the manager
+as it was.
+
+Pinning. `pin(adapter)` puts a registered adapter (its LoRA id, or its registered name) into a
+slot and keeps it there: the LRU never evicts it, so a batch that names it never waits for a
+load. `unpin(adapter)` makes its slot evictable again (the adapter stays loaded until the LRU
+picks it). A batch that needs more slots than the unpinned ones (`num_slots - len(pinned)`, plus
+the pinned adapters it names itself) is refused with a ValueError naming the adapters that do not
+fit, the slot count and the pinned adapters, before anything changes; so is `pin` when every slot
+holds another pinned adapter. `unload` refuses a pinned adapter (unpin it first); `unregister`
+forgets the pin with the adapter; re-registering a pinned id (hot swap) keeps it pinned, in its slot.
 
 Adapter files are untrusted input: a directory is read with `load_peft_adapter(...,
 module_shapes=..., max_total_bytes=max_adapter_bytes)`, so every tensor's shape is checked against
@@ -77,9 +90,11 @@ class SlotTable:
         self._stamps: dict = {}                         # id -> its directory's file stamps at registration
         self._names: dict = {}
         self._ranks: dict = {}                          # id -> the adapter's largest rank
+        self._invocations: dict = {}                    # id -> aLoRA invocation token ids, or None
         self._host: collections.OrderedDict = collections.OrderedDict()    # id -> prepared (LRU)
         self._slots: list = [None] * self.num_slots    # slot -> id
         self._slot_use: collections.OrderedDict = collections.OrderedDict()   # id -> None, LRU order
+        self._pinned: set = set()                       # ids the LRU never evicts (always in a slot)
         self.version = 0                                # +1 per slot write
         self.stats = collections.Counter()
         self.max_adapter_bytes: int | None = None       # None: the model's largest adapter (module docstring)
@@ -115,9 +130,10 @@ class SlotTable:
         lora_id = int(lora_id)
         src = copy.deepcopy(adapter) if isinstance(adapter, PeftAdapter) else os.fspath(adapter)
         name = name or (src.name if isinstance(src, PeftAdapter) else os.path.basename(os.path.normpath(src)))
-        prepared, stamp = self._read_stamped(src, name)   # raises for a bad adapter; nothing changed yet
+        (prepared, invocation), stamp = self._read_stamped(src, name)   # raises for a bad adapter; nothing changed
         with self.lock:
             self._count_prepare(src)
+            self._invocations[lora_id] = invocation
             self._ranks[lora_id] = self._largest_rank(prepared)
             self._sources[lora_id] = src
             self._stamps[lora_id] = stamp
@@ -129,8 +145,9 @@ class SlotTable:
                 self.stats["hot_swaps"] += 1
 
     def _read_stamped(self, src, name: str) -> tuple:
-        """(prepared, stamp) of `src`, the stamp taken before the read and equal to the files' after it;
-        a directory whose files change during the read is read again, AdapterError after STAMP_TRIES."""
+        """((prepared, invocation tokens), stamp) of `src`, the stamp taken before the read and equal to
+        the files' after it; a directory whose files change during the read is read again, AdapterError
+        after STAMP_TRIES."""
         for _ in range(STAMP_TRIES):
             before = _file_stamps(src)
             prepared = self._prepare(src, name)
@@ -140,11 +157,20 @@ class SlotTable:
                            "times in a row; register it once they are written")
 
     def unregister(self, lora_id: int) -> None:
-        """Frees the adapter's slot (zeroed) and forgets it."""
+        """Frees the adapter's slot (zeroed) and forgets it (its pin too)."""
         with self.lock:
+            self._pinned.discard(lora_id)
             self.unload(lora_id)
-            for table in (self._sources, self._stamps, self._names, self._ranks, self._host):
+            for table in (self._sources, self._stamps, self._names, self._ranks, self._host, self._invocations):
                 table.pop(lora_id, None)
+
+    def invocation_tokens(self, lora_id: int) -> tuple | None:
+        """The registered adapter's aLoRA invocation token ids (lora_core.alora), or None when it
+        applies to every token (plain LoRA, DoRA)."""
+        with self.lock:
+            if lora_id not in self._sources:
+                raise ValueError(f"LoRA id {lora_id} is not registered (registered: {sorted(self._sources)})")
+            return self._invocations.get(lora_id)
 
     @property
     def registered(self) -> dict:
@@ -171,7 +197,75 @@ class SlotTable:
             return self._slots.index(lora_id) if lora_id in self._slots else None
 
     def can_activate(self, ids: Iterable[int | None]) -> bool:
-        return len({i for i in ids if i}) <= self.num_slots
+        """Whether `activate(ids)` finds slots for every adapter of `ids` next to the pinned ones."""
+        with self.lock:
+            return len({int(i) for i in ids if i} | self._pinned) <= self.num_slots
+
+    # -------------------------------------------------------------- pinning
+    @property
+    def pinned(self) -> list:
+        """The pinned LoRA ids, sorted."""
+        with self.lock:
+            return sorted(self._pinned)
+
+    def lora_id_of(self, adapter: int | str) -> int:
+        """The registered LoRA id of `adapter`: a LoRA id, or a registered name (held by one id)."""
+        with self.lock:
+            if isinstance(adapter, str):
+                ids = [i for i, n in self._names.items() if n == adapter]
+                if len(ids) != 1:
+                    what = "no registered adapter" if not ids else f"{len(ids)} registered adapters (ids {sorted(ids)})"
+                    raise ValueError(f"adapter name {adapter!r} names {what}; pass its LoRA id (registered: "
+                                     f"{self.registered})")
+                return ids[0]
+            if not isinstance(adapter, (int, np.integer)) or isinstance(adapter, bool):
+                raise TypeError(f"adapter must be a LoRA id (int) or a registered name (str), got {adapter!r:.80}")
+            if int(adapter) not in self._sources:
+                raise ValueError(f"LoRA id {adapter} is not registered (registered: {sorted(self._sources)})")
+            return int(adapter)
+
+    def pin(self, adapter: int | str) -> int:
+        """Puts the registered `adapter` (LoRA id or name) into a slot, if it is in none, and keeps it
+        there: the LRU never evicts a pinned adapter. Returns its slot. Raises ValueError naming the
+        adapter and the slot count when every slot holds another pinned adapter (nothing changes)."""
+        with self.lock:
+            lora_id = self.lora_id_of(adapter)
+            if lora_id not in self._slots:
+                self.activate([lora_id])          # refuses when the pinned adapters fill every slot
+            self._pinned.add(lora_id)
+            return self._slots.index(lora_id)
+
+    def unpin(self, adapter: int | str) -> None:
+        """Makes the adapter's slot evictable by the LRU again (it stays loaded until then)."""
+        with self.lock:
+            lora_id = self.lora_id_of(adapter)
+            if lora_id not in self._pinned:
+                raise ValueError(f"adapter {self._label(lora_id)} is not pinned (pinned: "
+                                 f"{[self._label(i) for i in sorted(self._pinned)]})")
+            self._pinned.discard(lora_id)
+
+    def _label(self, lora_id: int) -> str:
+        return f"{self._names.get(lora_id)!r} (LoRA id {lora_id})"
+
+    def activation_error(self, ids: Iterable[int | None]) -> str | None:
+        """Why `activate(ids)` would be refused for lack of slots (None: it finds slots): the adapters
+        of `ids` not in a slot outnumber the slots that are free or hold an unpinned adapter `ids`
+        does not name, the pinned adapters filling the rest."""
+        with self.lock:
+            need = [int(i) for i in dict.fromkeys(i for i in ids if i)]
+            if len(need) > self.num_slots:
+                return f"{len(need)} distinct adapters requested at once, but there are {self.num_slots} slots"
+            incoming = [i for i in need if i not in self._slots]
+            room = sum(1 for i in self._slots if i is None or (i not in self._pinned and i not in need))
+            if len(incoming) <= room:
+                return None
+            pinned = [self._label(i) for i in sorted(self._pinned)]
+            refused = [self._label(i) for i in incoming[room:]]
+            busy = sum(1 for i in self._slots if i in need and i not in self._pinned)
+            return (f"adapter{'s' if len(refused) > 1 else ''} {', '.join(refused)} cannot be loaded: "
+                    f"{len(pinned)} of the {self.num_slots} adapter slots (the capacity, max_loras) hold pinned "
+                    f"adapters {pinned}" + (f" and {busy} hold adapters the same batch needs" if busy else "")
+                    + "; unpin one (unpin(name)) or build the model with more slots")
 
     def activate(self, ids: Iterable[int | None]) -> list:
         """Puts every adapter in `ids` (0 / None ignored) into a slot; returns lora_index_to_id.
@@ -194,9 +288,9 @@ class SlotTable:
             unknown = [i for i in need if i not in self._sources]
             if unknown:
                 raise ValueError(f"LoRA ids {unknown} are not registered (registered: {sorted(self._sources)})")
-            if len(need) > self.num_slots:
-                raise ValueError(f"{len(need)} distinct adapters requested at once, but there are {self.num_slots} "
-                                 "slots")
+            refused = self.activation_error(need)
+            if refused is not None:
+                raise ValueError(refused)
             incoming = {i: self._host_peek(i) for i in need if i not in self._slots}   # may raise
             for i in need:
                 if i in self._slots:
@@ -223,8 +317,11 @@ class SlotTable:
             return self.slot_of(lora_id)
 
     def unload(self, lora_id: int) -> None:
-        """Frees the adapter's slot (zeroed, rank 0); it stays registered and in the host cache."""
+        """Frees the adapter's slot (zeroed, rank 0); it stays registered and in the host cache.
+        Raises ValueError for a pinned adapter (unpin it first)."""
         with self.lock:
+            if lora_id in self._pinned:
+                raise ValueError(f"adapter {self._label(lora_id)} is pinned: unpin it before unloading it")
             if lora_id in self._slots:
                 slot = self._slots.index(lora_id)
                 self._write(slot, None)
@@ -243,7 +340,7 @@ class SlotTable:
         if None in self._slots:
             return self._slots.index(None)
         for victim in self._slot_use:                  # least recently used first
-            if victim not in keep:
+            if victim not in keep and victim not in self._pinned:
                 self._slot_use.pop(victim)
                 self.stats["evictions"] += 1
                 return self._slots.index(victim)
@@ -270,15 +367,16 @@ class SlotTable:
                    "registered; register it again to serve the new files")
         if _file_stamps(src) != self._stamps.get(lora_id):
             raise AdapterError(changed)
-        prepared = self._prepare(src, self._names[lora_id])
+        prepared, _invocation = self._prepare(src, self._names[lora_id])
         if _file_stamps(src) != self._stamps.get(lora_id):     # rewritten while being read
             raise AdapterError(changed)
         return prepared, False
 
-    def _prepare(self, src, name: str):
-        """`_prepare_uncounted` of `src` (a directory, read here, or a PeftAdapter) as the adapter
-        `name`: every AdapterError names it as registered (a directory's own name, or the name a
-        PeftAdapter was built with, is not what the caller called it), and the path."""
+    def _prepare(self, src, name: str) -> tuple:
+        """(`_prepare_uncounted` of `src` (a directory, read here, or a PeftAdapter) as the adapter
+        `name`, its aLoRA invocation tokens or None): every AdapterError names it as registered (a
+        directory's own name, or the name a PeftAdapter was built with, is not what the caller
+        called it), and the path."""
         if isinstance(src, PeftAdapter):
             adapter = src if src.name == name else dataclasses.replace(src, name=name)
         else:
@@ -289,7 +387,7 @@ class SlotTable:
                 text = str(e)           # checks against the model already name the adapter and its directory
                 named = text.startswith(f"adapter {name!r}")
                 raise AdapterError(text if named else f"adapter {name!r}: {text}") from None
-        return self._prepare_uncounted(adapter)
+        return self._prepare_uncounted(adapter), adapter.invocation_tokens
 
 
 def _file_stamps(src) -> tuple | None:

@@ -39,6 +39,8 @@ SLOW_TESTS = (
     "tests/test_deterministic.py::test_request_rows_bitwise_equal_in_every_batch[*]",
     "tests/test_deterministic.py::test_bridged_wrappers_pass_deterministic_on[*]",
     "tests/test_serving.py::test_deterministic_serving_gives_a_request_the_same_tokens_in_any_batch",
+    # the serving engine over a quantized Llama, per quantization (10-17 s each)
+    "tests/test_quantized_base_jax.py::test_serving_engine_on_quantized_llama_equals_dequantized_merged_model[*]",
     # whole demos and models in a subprocess or through the interpreter
     # the docs' examples in fresh interpreters: the tensor-parallel, serving and Hugging Face ones (15-45 s each)
     "tests/test_docs_snippets.py::test_snippet_runs_as_written[docs/parallel.md:*]",
@@ -46,6 +48,8 @@ SLOW_TESTS = (
     "tests/test_docs_snippets.py::test_snippet_runs_as_written[docs/torch.md:*]",
     "tests/test_parallel_serving.py::test_demo_with_tp_4_verifies_every_request",
     "tests/test_torch_hf.py::test_triton_kernels_match_peft",
+    "tests/test_torch_hf_moe.py::test_triton_kernels_and_unwrap",
+    "tests/test_torch_cli.py::test_demo_mixtral_serves_expert_lora_and_verifies",
     # the conformance suite over the Pallas TPU kernels in TPU interpret mode (10-28 s a case);
     # tests/test_pallas_tpu.py keeps its quicker cases in the quick subset
     "tests/test_conformance.py::*[*jax-pallas_tpu*]",
@@ -77,6 +81,9 @@ SLOW_TESTS = (
     "tests/test_cli.py::test_prompt_through_the_checkpoints_tokenizer_in_its_dtype",
     "tests/test_cli.py::test_dtype_option_and_byte_prompts_on_the_built_in_model",
     "tests/test_peft_roundtrip.py::*",
+    "tests/test_alora.py::test_serving_engine_equals_peft_generate",
+    "tests/test_alora.py::test_torch_forward_equals_peft_per_row[triton]",
+    "tests/test_dora_peft.py::test_dora_loads_into_a_model_built_without_dora",
     "tests/test_adapters.py::test_merge_adapter_matches_the_lora_layers",
     "tests/test_adapters.py::test_prepare_places_slices_pads_ranks_and_folds_scaling",
     "tests/test_nn.py::test_linear_fused_unequal_slices_matches_oracle",

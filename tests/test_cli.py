@@ -428,9 +428,9 @@ def test_cli_version(capsys):
 
 def test_cli_bad_directories_and_adapters_one_line_exit_2(llama_dirs, tmp_path, capsys):
     """`jax-lora demo MODEL_DIR ADAPTER_DIR` with an adapter that cannot be loaded (an
-    aLoRA field), a missing directory, no adapter after MODEL_DIR, or --prompt with a MODEL_DIR that
+    empty aLoRA invocation), a missing directory, no adapter after MODEL_DIR, or --prompt with a MODEL_DIR that
     has no tokenizer exits 2 with one line `jax-lora demo: error: <what and why>`, no traceback."""
-    bad = write_adapter(tmp_path / "alora", plain_config(alora_invocation_tokens=[5]), q_tensors(
+    bad = write_adapter(tmp_path / "alora", plain_config(alora_invocation_tokens=[]), q_tensors(
         2, "model.layers.0.self_attn.q_proj", 32, 32))
     for argv, word in [([llama_dirs["model"], bad], "alora_invocation_tokens"),
                        ([llama_dirs["model"], str(tmp_path / "missing")], "missing"),

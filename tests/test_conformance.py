@@ -530,6 +530,23 @@ def test_fused_moe_lora_op(impl, dtype, order, down):
 
 
 @pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].moe_lora])
+@pytest.mark.parametrize("order", ["naive", "sorted"])
+def test_fused_moe_lora_wide_rank_many_slots(impl, order):
+    """Rank 40 (the naive shrink's rank chunks, a padded rank block), 6 slots (5 with expert
+    LoRA), 6 experts, top 3, 30 tokens, blocks of 32 pairs; both slices of gate_up."""
+    dtype = impl.dtypes[0]
+    case = MoeCase(45, dtype, num_tokens=30, top_k=3, experts=6, slots=6, rank=40)
+    case.enabled = np.array([1, 0, 1, 1, 1, 1], np.int32)
+    case.idx = case.rng.choice([-1, 0, 1, 2, 3, 4, 5], size=30).astype(np.int32)
+    got = impl.fused_moe_lora(case.y13, case.x, case.gu_a, case.gu_b, case.topk_ids, case.topk_weights, case.idx,
+                              case.enabled, False, 2, order == "naive", 32, dtype)
+    want = oracle.fused_moe_lora(case.y13, case.x, case.gu_a, case.gu_b, case.topk_ids, case.topk_weights, case.idx,
+                                 case.enabled, False, 2)
+    assert_close(got, want, dtype, f"rank 40 {order}")
+    case.untouched(got, case.y13)
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].moe_lora])
 def test_fused_moe_lora_shared_a_and_expert_minus_one(impl):
     """One A tensor for both gate_up slices (PEFT's fused gate_up_proj) and an expert id of -1
     (expert parallelism: not local) give the oracle's result."""
@@ -566,3 +583,43 @@ def test_wrapper_add_lora_w13_then_w2(impl, dtype, num_tokens, experts):
     assert_close(got2, want2, dtype, "add_lora_w2")
     case.untouched(got13, case.y13)
     case.untouched(got2, case.y2)
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].moe_lora])
+@pytest.mark.parametrize("order", ["naive", "sorted"])
+def test_fused_moe_lora_never_reads_unused_weights(impl, order):
+    """NaN in the weights of the slot without expert LoRA and of an expert no token is routed to
+    never reaches y: those weights are not read (or not used)."""
+    dtype = impl.dtypes[0]
+    case = MoeCase(46, dtype, num_tokens=6, experts=5)
+    case.topk_ids = np.stack([case.rng.choice(4, 2, replace=False) for _ in range(6)]).astype(np.int32)  # not 4
+    a = [w.copy() for w in case.gu_a]
+    b = [w.copy() for w in case.gu_b]
+    for w in a + b:
+        w[1] = np.nan                       # slot 1: adapter_enabled 0
+        w[:, 4] = np.nan                    # expert 4: no pair
+    got = impl.fused_moe_lora(case.y13, case.x, a, b, case.topk_ids, case.topk_weights, case.idx, case.enabled,
+                              False, 0, order == "naive", 16, dtype)
+    want = oracle.fused_moe_lora(case.y13, case.x, case.gu_a, case.gu_b, case.topk_ids, case.topk_weights,
+                                 case.idx, case.enabled, False, 0)
+    assert np.isfinite(got).all()
+    assert_close(got, want, dtype, f"unused weights NaN, {order}")
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].moe_lora])
+@pytest.mark.parametrize("order", ["naive", "sorted"])
+def test_fused_moe_lora_long_hidden(impl, order):
+    """A hidden size of 1100 (the naive shrink's hidden split into partial-sum planes, a last
+    part shorter than the others) at rank 40, down projection with router weights."""
+    from lora_core.kernels.moe_lora import plan_moe_lora
+    plan = plan_moe_lora(num_pairs=10, num_slots=3, num_experts=4, hidden=1100, widths=(24,), rank=40, naive=True,
+                         sorted_len=0, block_m=16, mul_routed_weight=True, shared_a=False, dtypes=("float32",) * 3)
+    assert plan.k_split == 2 and plan.constexprs["K_PER"] == 640            # parts of 640 and 460
+    dtype = impl.dtypes[0]
+    case = MoeCase(47, dtype, num_tokens=5, experts=4, inter=1100, hidden=24, rank=40)
+    got = impl.fused_moe_lora(case.y2, case.h, case.dn_a, case.dn_b, case.topk_ids, case.topk_weights, case.idx,
+                              case.enabled, True, 0, order == "naive", 16, dtype)
+    want = oracle.fused_moe_lora(case.y2, case.h, case.dn_a, case.dn_b, case.topk_ids, case.topk_weights, case.idx,
+                                 case.enabled, True, 0)
+    assert_close(got, want, dtype, f"hidden 1100 {order}")
+    case.untouched(got, case.y2)

@@ -5,6 +5,8 @@ away from their initial norms) loaded by lora_core.peft, column scales computed 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,12 +94,52 @@ def test_merged_dora_weights_equal_peft(hf):
     assert _rel(ours, _torch_logits(peft_models[1], tokens)) < RTOL
 
 
-def test_dora_adapters_need_dora_layers(hf):
-    root, dirs, _ = hf
+def _serve_equals_peft(engine, peft_models, lora_ids, seed):
+    rng = np.random.default_rng(seed)
+    reqs = [Request([int(t) for t in rng.integers(0, VOCAB, size=int(rng.integers(3, 9)))], lora_id=i,
+                    max_new_tokens=3) for i in lora_ids]
+    for req, c in zip(reqs, engine.generate(reqs)):
+        seq = np.array([list(req.prompt) + c.tokens[:-1]])
+        ref = _torch_logits(peft_models[req.lora_id], seq)[0, len(req.prompt) - 1:]
+        assert _rel(c.logits, ref) < RTOL
+        assert list(ref.argmax(-1)) == c.tokens
+
+
+def test_dora_loads_into_a_model_built_without_dora(hf):
+    """add_lora without dora=True: plain LoRA is served with no column scale anywhere; the first
+    DoRA adapter written gives the layers it touches their scale (layout_version 1, the serving
+    step compiled again) and every row, DoRA, plain and base, equals peft before and after."""
+    root, dirs, peft_models = hf
     model = load_llama(str(root / "base"))
-    add_lora(model, max_loras=2, max_rank=8)
-    with pytest.raises(AdapterError, match=r"dora=True"):
-        AdapterManager(model).register(1, dirs[1])
+    add_lora(model, max_loras=3, max_rank=8)
+    mgr = AdapterManager(model)
+    mgr.register(2, dirs[2])
+    engine = ServingEngine(model, mgr, max_seqs=4, max_len=32, keep_logits=True)
+    _serve_equals_peft(engine, peft_models, [2, None], 3)
+    assert not any(getattr(layer, "dora", False) for layer in mgr.layers.values())
+    compiled = engine.compile_count
+    mgr.register(1, dirs[1])                      # read and prepared; the layers change when it is written
+    assert mgr.layout_version == 0
+    _serve_equals_peft(engine, peft_models, [1, 2, None, 1], 4)
+    assert mgr.layout_version == 1 and engine.compile_count > compiled
+    with_scale = sorted(p for p, layer in mgr.layers.items() if getattr(layer, "dora", False))
+    assert with_scale == [f"model.layers.{i}.{m}" for i in range(2) for m in ("mlp.down_proj", "self_attn.qkv_proj")]
+    check_mixed_batch_equals_peft(model, mgr, peft_models, [1, 2, None, 1], 6, 3, "xla")
+
+
+def test_dora_on_the_lm_head_is_refused_by_name(hf, tmp_path):
+    root, _, _ = hf
+    model = load_llama(str(root / "base"))
+    add_lora(model, max_loras=2, max_rank=8, target_modules=["q_proj", "lm_head"])
+    a = load_peft_adapter(hf[1][1])
+    rng = np.random.default_rng(0)
+    head = model.lm_head                          # MultiLoRALogits
+    factors = (rng.standard_normal((2, head.in_features)).astype(np.float32),
+               rng.standard_normal((head.out_features, 2)).astype(np.float32), 1.0, "linear")
+    bad = dataclasses.replace(a, modules={"lm_head": factors}, magnitudes={"lm_head": np.ones(head.out_features,
+                                                                                              np.float32)})
+    with pytest.raises(AdapterError, match=r"magnitude on 'lm_head', which is the LM head"):
+        AdapterManager(model).register(1, bad)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ LoRA rows and rows without an adapter in one batch, through a forward pass, gene
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
@@ -21,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import torch_lora  # noqa: E402
-from torch_lora import AdapterError, LoRAMapping  # noqa: E402
+from torch_lora import LoRAMapping  # noqa: E402
 from torch_lora.hf import MultiLoRAModel  # noqa: E402
 from torch_lora.layers import LoRALinear  # noqa: E402
 
@@ -275,16 +273,31 @@ def test_slot_churn_rewrites_scales_from_the_host_cache(hf):
     assert torch.equal(down.dora_scale[slot], torch.ones(32))
 
 
-def test_dora_adapters_need_a_dora_model(hf):
+def test_dora_loads_into_a_model_built_without_dora(hf):
+    """MultiLoRAModel without dora=True: plain LoRA rows are served with no column scale; the first
+    DoRA adapter put into a slot allocates the scale of the layers it touches only (a new buffer,
+    counted in the manager's stats), and every row then equals peft; the plain rows are bitwise what
+    they were before."""
     root, dirs, _ = hf
-    mm = MultiLoRAModel(transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval(), max_loras=2,
+    mm = MultiLoRAModel(transformers.LlamaForCausalLM.from_pretrained(str(root / "base")).eval(), max_loras=3,
                         max_rank=8, backend="torch")
+    assert not mm.dora and not any(hasattr(layer, "dora_scale") for layer in mm.layers.values())
     mm.load_adapter("lora", dirs[2])
-    with pytest.raises(AdapterError, match=rf"adapter 'dora-a' \({re.escape(str(dirs[1]))}\) is a DoRA adapter .* has "
-                                           r"no DoRA column scale: build the layers with dora=True "
-                                           r"\(MultiLoRAModel\(\.\.\., dora=True\)"):
-        mm.load_adapter("dora-a", dirs[1])
-    assert mm.loaded_adapters == ["lora"]
+    tokens = torch.as_tensor(np.random.default_rng(5).integers(0, VOCAB, size=(4, 6)))
+    before = mm(tokens[:2], adapter_names=["lora", "__base__"]).logits
+    mm.load_adapter("dora-b", dirs[3])                     # k_proj, gate_proj: the q/k/v and gate/up groups
+    assert not mm.dora                                     # read and prepared; allocated when put into a slot
+    mm(tokens[:1], adapter_names=["dora-b"])
+    scaled = sorted(p.rsplit(".", 1)[-1] for p, layer in mm.layers.items() if layer.dora and ".layers.0." in p)
+    assert scaled == ["gate_proj+up_proj", "q_proj+k_proj+v_proj"] and mm.dora
+    assert mm.adapters.stats["dora_layers_enabled"] == 4
+    mm.load_adapter("dora-a", dirs[1])                     # q, v, o, up, down: o_proj and down_proj now too
+    rows = [1, 2, None, 3]
+    out = mm(tokens, adapter_names=[NAMES.get(r, "__base__") for r in rows]).logits.numpy()
+    for j, lora_id in enumerate(rows):
+        assert _rel(out[j], _alone(hf, lora_id, tokens[j].numpy())) < RTOL, (j, lora_id)
+    assert all(layer.dora for layer in mm.layers.values())
+    torch.testing.assert_close(mm(tokens[:2], adapter_names=["lora", "__base__"]).logits, before, rtol=0, atol=0)
     with pytest.raises(TypeError, match="dora must be a bool"):
         MultiLoRAModel(transformers.LlamaForCausalLM.from_pretrained(str(root / "base")), max_loras=2, max_rank=8,
                        dora="yes")
@@ -298,8 +311,14 @@ def test_dora_layer_arguments():
     with pytest.raises(ValueError, match=r"base_weights must have shapes \[\(8, 6\), \(4, 6\)\] .* got "
                                          r"\[\(8, 6\), \(6, 4\)\]"):
         LoRALinear(("q", "k"), 6, (8, 4), dora=True, base_weights=[torch.zeros(8, 6), torch.zeros(6, 4)], **kw)
-    with pytest.raises(ValueError, match="base_weights are read only by DoRA layers"):
-        LoRALinear(("q",), 6, (8,), base_weights=[torch.zeros(8, 6)], **kw)
+    later = LoRALinear(("q",), 6, (8,), base_weights=[torch.zeros(8, 6)], **kw)     # DoRA allowed, not allocated
+    assert not later.dora and not hasattr(later, "dora_scale")
+    assert later.enable_dora() and not later.enable_dora()
+    assert torch.equal(later.dora_scale, torch.ones(2, 8))
+    with pytest.raises(ValueError, match="has no base_weights, which DoRA's column scale is computed from"):
+        LoRALinear(("q",), 6, (8,), **kw).enable_dora()
+    with pytest.raises(ValueError, match=r"base_weights must be one tensor per member module with shapes \[\(8, 6\)\]"):
+        LoRALinear(("q",), 6, (8,), base_weights=torch.zeros(8, 6), **kw)
     layer = LoRALinear(("q", "k"), 6, (8, 4), dora=True, base_weights=[torch.zeros(8, 6), torch.zeros(4, 6)], **kw)
     assert torch.equal(layer.dora_scale, torch.ones(2, 12)) and layer.dora_scale.dtype == torch.float32
     assert not hasattr(LoRALinear(("q",), 6, (8,), **kw), "dora_scale")
@@ -311,19 +330,23 @@ def llama_assets(tmp_path_factory):
     return hf_llama.write_assets(tmp_path_factory.mktemp("hf_llama"))
 
 
-def test_dora_adapter_refused_without_dora_true(llama_assets, tmp_path):
-    """docs/torch.md: without dora=True, load_adapter of a use_dora adapter raises
-    AdapterError naming the adapter and saying to build with dora=True; nothing changes."""
+def test_dora_adapter_without_dora_true_equals_peft(llama_assets, tmp_path):
+    """docs/torch.md: a use_dora adapter loads into a MultiLoRAModel built without dora=True, and
+    its rows equal peft's, next to a plain LoRA adapter's rows and base rows."""
     from torch_lora.hf import MultiLoRAModel
     fresh, dirs = llama_assets
     d = hf_llama.save_peft(fresh, tmp_path / "dora", 5, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                   use_dora=True)
+                           use_dora=True)
     mm = MultiLoRAModel(fresh(), max_loras=2, max_rank=8, backend="torch")
     mm.load_adapter("sql", dirs["sql"])
-    with pytest.raises(torch_lora.AdapterError, match="dora=True") as info:
-        mm.load_adapter("my-dora", d)
-    assert "my-dora" in str(info.value)
-    assert mm.loaded_adapters == ["sql"]
+    mm.load_adapter("my-dora", d)
+    pm = hf_llama.peft_model(fresh, {"my-dora": d, "sql": dirs["sql"]})
+    ids = torch.as_tensor(np.random.default_rng(6).integers(0, 64, size=(3, 5)))
+    names = ["my-dora", "sql", "__base__"]
+    with torch.no_grad():
+        out = mm(ids, adapter_names=names).logits
+    for j, name in enumerate(names):
+        torch.testing.assert_close(out[j], hf_llama.peft_logits(pm, ids[j:j + 1], name)[0], rtol=1e-4, atol=1e-5)
 
 
 def test_dora_mixed_with_lora_and_base_rows_equals_peft(tmp_path):

@@ -1,6 +1,7 @@
 """benchmarks/e2e_decode.py in --smoke mode: the model-step benchmark's whole pipeline (JAX model with
 LoRA under jit, the torch decoder over the same weights, metadata updates between cases, the
-reference check, timing, the JSON/markdown report) on the CPU with a tiny model."""
+reference check, timing, the JSON/markdown report) on the CPU with a tiny model; and with an fp8 base
+(--base fp8: the decoder's linears float8_e4m3fn, both frameworks checked against the reference)."""
 
 from __future__ import annotations
 
@@ -169,3 +170,48 @@ def test_gpu_timeline_splits_busy_idle_and_lora_gaps():
     assert tl["gap_after_lora_us"] == pytest.approx(0.5)
     md = e2e_decode._timeline_markdown("case", 2, {False: tl, True: tl})
     assert "| base | 4 | 18.0 | 1.5 | 19.5 |" in md and "| lora_shrink | 1 | 4.00 | 1.00 |" in md
+
+
+@pytest.mark.slow
+def test_smoke_run_with_an_fp8_base_passes_its_checks(tmp_path):
+    """--base fp8: the 8 decoder linears of the 2 layers are quantized, and both frameworks' base
+    and LoRA steps pass the reference check on one decode case."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke", "--base",
+                           "fp8", "--cases", "dec B4 D2 r4", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = glob.glob(str(tmp_path / "e2e_smoke_fp8_*.json"))
+    assert len(files) == 1
+    with open(files[0]) as f:
+        res = json.load(f)
+    assert res["meta"]["config"]["base"] == "fp8" and res["meta"]["config"]["torch_fp8"] == "dequant"
+    assert res["meta"]["quantized_linears"] == 8
+    assert res["summary"]["checks_failed"] == [] and [c["case"] for c in res["cases"]] == ["dec B4 D2 r4"]
+    for fw in ("torch", "jax"):
+        assert res["cases"][0][fw]["check_passed"] is True
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_base_products_match_the_float64_oracle():
+    """The benchmark's torch products over an fp8 base on CUDA: weight-only (dequant) within bf16
+    rounding of x @ (Q s) in float64, torch._scaled_mm with per-token e4m3 activations (scaled_mm)
+    within the activations' e4m3 rounding (6% relative, Frobenius)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import e2e_decode
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(5, 64, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(64, 48, generator=g) / 8
+    s = w.abs().amax(dim=0) / 448
+    q = (w / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    weight = e2e_decode.Fp8Weight(q.cuda(), s.cuda(), q.cuda().t().contiguous().t())
+    want = x.double().cpu() @ (q.double() * s.double())
+    for product, tol in (("dequant", 1e-2), ("scaled_mm", 6e-2)):
+        got = e2e_decode.base_product(x, weight, product)
+        assert got.dtype == torch.bfloat16 and got.shape == (5, 48), product
+        got = got.double().cpu()
+        assert float((got - want).norm() / want.norm()) < tol, product

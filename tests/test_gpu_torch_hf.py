@@ -7,6 +7,8 @@
   without re-capturing (slot tensors and index tensors keep their addresses).
 - Eviction under churn with a captured graph: more adapters than slots, each replay's batch
   activates its adapters (LRU) before the replay, and every replay equals eager.
+- A DoRA adapter loaded into a model built without dora=True, then a graph captured: equal to peft.
+- aLoRA rows (invocation found and absent) and generate() through the compiled kernels equal peft.
 
 The models run in float32 (no TF32), so every comparison is at the CPU tests' 1e-4.
 """
@@ -203,3 +205,65 @@ def test_eviction_under_churn_with_a_captured_graph(assets):
         want = mm(tokens, adapter_names=names, logits_to_keep=1).logits[:, -1]
         assert _rel(got, want) < RTOL, (step, names, _rel(got, want))
     assert mm.adapters.stats["evictions"] >= 6
+
+
+def _peft_dir(assets, path, seed, **kw):
+    """An adapter saved by peft for the base model; DoRA magnitudes moved off their initial norms."""
+    base, _ = assets
+    torch.manual_seed(seed)
+    pm = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(base),
+                             peft.LoraConfig(init_lora_weights=False, **kw))
+    with torch.no_grad():
+        for module in pm.modules():
+            mags = getattr(module, "lora_magnitude_vector", None)
+            if mags is not None and "default" in mags:
+                mags["default"].weight.mul_(1.3).add_(0.05)
+    pm.save_pretrained(str(path))
+    return str(path)
+
+
+def _peft_logits(assets, adapter_dir, tokens):
+    base, _ = assets
+    ref = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base).cuda(),
+                                         adapter_dir).eval()
+    with torch.no_grad():
+        return ref(tokens).logits
+
+
+def test_dora_loaded_late_then_a_captured_graph_equals_peft(assets, tmp_path):
+    """A DoRA adapter loaded into a model built without dora=True (its scales allocated then), a
+    graph captured after it: replays equal eager and peft, next to plain LoRA and base rows."""
+    d = _peft_dir(assets, tmp_path / "dora", 30, r=4, lora_alpha=8, use_dora=True,
+                  target_modules=["q_proj", "v_proj", "down_proj"])
+    mm = _wrapped(assets, adapters=("a", "b"))
+    assert not mm.dora
+    mm.load_adapter("dora", d)
+    names = ["dora", "a", "__base__", "b"]
+    tokens = torch.randint(1, VOCAB, (len(names), 7), device="cuda")
+    eager = mm(tokens, adapter_names=names, logits_to_keep=1).logits[:, -1]
+    assert mm.dora
+    assert _rel(eager[0], _peft_logits(assets, d, tokens[:1])[0, -1]) < RTOL
+    g = Graphed(mm, len(names), 7, names)
+    assert _rel(g(tokens, names), eager) < RTOL
+
+
+def test_alora_rows_on_cuda_equal_peft(assets, tmp_path):
+    """An aLoRA adapter through the compiled kernels: forward rows with the invocation and without,
+    and greedy generate, equal peft."""
+    d = _peft_dir(assets, tmp_path / "alora", 31, r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                  alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM")
+    mm = _wrapped(assets, adapters=("a",))
+    mm.load_adapter("act", d)
+    tokens = torch.randint(10, VOCAB, (3, 8), device="cuda")
+    tokens[0, 2:4] = torch.tensor([5, 6])
+    tokens[2, 5:7] = torch.tensor([5, 6])
+    got = mm(tokens, adapter_names=["act", "act", "a"]).logits
+    want = _peft_logits(assets, d, tokens[:2])
+    assert _rel(got[0], want[0]) < RTOL and _rel(got[1], want[1]) < RTOL
+    base, _ = assets
+    ref = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base).cuda(), d).eval()
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = mm.generate(tokens[:1], attention_mask=torch.ones_like(tokens[:1]), adapter_names=["act"], **gen)
+    with torch.no_grad():
+        ref_out = ref.generate(input_ids=tokens[:1], attention_mask=torch.ones_like(tokens[:1]), **gen)
+    assert out[0].tolist() == ref_out[0].tolist()

@@ -120,7 +120,6 @@ def test_half_and_double_precision_tensors(tmp_path, dtype):
 # ----------------------------------------------------------------------------- config fields
 
 @pytest.mark.parametrize("field, value, reason", [
-    ("alora_invocation_tokens", [32001, 32002], "aLoRA"),
     ("layer_replication", [[0, 1], [0, 1]], "layer replication"),
     ("lora_bias", True, "LoRA bias"),
     ("use_qalora", True, "QALoRA"),
@@ -479,7 +478,7 @@ def test_peft_scaling_rslora_rank_and_alpha_patterns(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("alora_invocation_tokens", [32001, 32002]),
+    ("alora_invocation_tokens", []),
     ("lora_bias", True),
     ("modules_to_save", ["lm_head"]),
     ("init_lora_weights", "pissa"),
@@ -487,7 +486,7 @@ def test_peft_scaling_rslora_rank_and_alpha_patterns(tmp_path):
     ("r", 0),
 ])
 def test_peft_fields_that_change_the_math_are_refused(tmp_path, field, value):
-    """An allowlist of PEFT fields: aLoRA, LoRA bias, modules_to_save, PiSSA init, an
+    """An allowlist of PEFT fields: an empty aLoRA invocation, LoRA bias, modules_to_save, PiSSA init, an
     unknown field and r=0 raise AdapterError (a ValueError) naming the file and the field."""
     d = write_adapter(tmp_path / "a", plain_config(**{field: value}), q_tensors())
     with pytest.raises(AdapterError) as e:

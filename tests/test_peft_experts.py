@@ -155,3 +155,24 @@ def test_target_parameters_with_dora_refused(tmp_path):
     _write_header_only(tmp_path, {}, {"r": 2, "use_dora": True, "target_parameters": ["mlp.experts.down_proj"]})
     with pytest.raises(AdapterError, match="target_parameters"):
         load_peft_adapter(tmp_path)
+
+
+def test_nesting_in_another_order_is_read_by_shape(tmp_path):
+    """A class that registers down_proj before gate_up_proj nests them the other way round (down_proj
+    innermost, under ".base_layer"): given the model's shapes, each pair goes to the parameter it fits."""
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(3)
+    gu_a, gu_b = rng.normal(size=(E, 2, H)), rng.normal(size=(E, 2 * I, 2))
+    dn_a, dn_b = rng.normal(size=(E, 2, I)), rng.normal(size=(E, H, 2))
+    prefix = "base_model.model.model.layers.0.mlp.experts"
+    tensors = {}
+    for where, (a, b) in ((prefix + ".base_layer", (dn_a, dn_b)), (prefix, (gu_a, gu_b))):
+        a2, b2 = join_expert_factors(a.astype(np.float32), b.astype(np.float32))
+        tensors[f"{where}.lora_A.weight"], tensors[f"{where}.lora_B.weight"] = a2, b2
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"r": 2, "lora_alpha": 2, "target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj",
+                                                                              "mlp.experts.down_proj"]}))
+    adapter = load_peft_adapter(tmp_path, module_shapes=SHAPES)
+    np.testing.assert_allclose(adapter.modules[GU].lora_b, gu_b.astype(np.float32))
+    np.testing.assert_allclose(adapter.modules[DN].lora_a, dn_a.astype(np.float32))

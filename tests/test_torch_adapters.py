@@ -535,7 +535,7 @@ def test_bad_adapter_files_raise_adapter_error_naming_file_and_field(tmp_path, c
         elif case == "r_zero":
             cfg["r"] = 0
         else:
-            cfg["alora_invocation_tokens"] = [1, 2]
+            cfg["alora_invocation_tokens"] = []
         pathlib.Path(cfg_path).write_text(json.dumps(cfg))
         expect.append({"missing_r": "r", "r_zero": "r", "alora": "alora_invocation_tokens"}[case])
     elif case == "pickle_only":

@@ -55,6 +55,20 @@ def test_demo_serves_and_verifies_every_request_with_lru_swaps(assets):
     assert text.rstrip().endswith("verified: 8/8 requests match PEFT outputs")
 
 
+def test_demo_mixtral_serves_expert_lora_and_verifies(tmp_path):
+    """--model mixtral: a tiny mixture of experts, adapters with expert LoRA (target_parameters),
+    attention LoRA and both, every request equal to PEFT's."""
+    out = io.StringIO()
+    model_dir, adapter_dirs = cli.build_demo_assets(str(tmp_path), seed=0, model="mixtral")
+    status = cli.run_demo(model_dir, adapter_dirs, num_requests=6, batch_size=3, max_new_tokens=2, out=out)
+    text = out.getvalue()
+    assert status == 0, text
+    assert "rank 8, alpha 16, rank_pattern: down_proj, gate_up_proj" in text
+    assert "model: MixtralForCausalLM" in text
+    assert text.rstrip().endswith("verified: 6/6 requests match PEFT outputs")
+    assert cli.main(["demo", "--model", "gpt"]) == 2
+
+
 def test_the_check_fails_on_a_wrong_logit(assets):
     """verify() is what the demo's last line counts: a served logit off by 1e-3 (relative) fails."""
     import peft

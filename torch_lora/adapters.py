@@ -41,6 +41,7 @@ from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file
     save_peft_adapter,
 )
 
+from .experts import LoRAExperts
 from .layers import LoRAEmbedding, LoRALinear, LoRALogits
 from .parallel import loading as parallel_loading
 from .parallel.layer import ParallelLoRALayer
@@ -58,10 +59,12 @@ __all__ = [
     "save_peft_adapter",
 ]
 
-_LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits, ParallelLoRALayer)
+_LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits, LoRAExperts, ParallelLoRALayer)
 
 
 def _layer_dtype(layer) -> torch.dtype:
+    if isinstance(layer, LoRAExperts):
+        return layer.gu_a.dtype
     return layer.dtype if isinstance(layer, ParallelLoRALayer) else layer.lora_a.dtype
 
 
@@ -142,6 +145,9 @@ def module_shapes(layers: Mapping) -> dict:
                                       layer.max_rank)
         elif isinstance(layer, LoRALinear):
             out[module] = ModuleShape("linear", layer.in_features, layer.output_slices[s], layer.max_rank)
+        elif isinstance(layer, LoRAExperts):
+            out[module] = ModuleShape("experts", layer.in_features[s], layer.out_features[s], layer.max_rank,
+                                      layer.num_experts)
         elif isinstance(layer, LoRAEmbedding):
             out[module] = ModuleShape("embedding", layer.num_embeddings, layer.embedding_dim, layer.max_rank)
         else:
@@ -178,7 +184,7 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
             raise AdapterError(checks.unknown_adapter_module(adapter.label, module, index))
         path, s = where
         layer = layers[path]
-        rank = int(a.shape[0])
+        rank = int(a.shape[-2])
         if rank > layer.max_rank:
             raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
                                f"max_rank={layer.max_rank}; wrap the model with max_rank >= {rank}")
@@ -217,7 +223,19 @@ def _place_module(arrays: dict, path: str, layer, s: int, module: str, adapter: 
     layer's slot layout (see prepare_adapter), zero-padded to max_rank, scaling folded into B;
     refuses factors of the wrong kind or shape for the layer."""
     r = layer.max_rank
-    if isinstance(layer, ParallelLoRALayer):
+    if isinstance(layer, LoRAExperts):
+        if kind != "experts":
+            raise AdapterError(f"adapter {adapter.label}: {module!r} holds {kind} factors but the model's module is "
+                               f"a 3-D expert weight (expected target_parameters factors)")
+        want_a = (layer.num_experts, rank, layer.in_features[s])
+        want_b = (layer.num_experts, layer.out_features[s], rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise AdapterError(f"adapter {adapter.label}, module {module!r}: expert factors {a.shape} / {b.shape} do "
+                               f"not fit the experts: expected A {want_a} and B {want_b}")
+        out = arrays.setdefault(path, [np.zeros(v.shape, np.float32) for v in layer.slot_views(0)])
+        out[2 * s][:, :rank] = a
+        out[2 * s + 1][:, :, :rank] = b * scaling
+    elif isinstance(layer, ParallelLoRALayer):
         _place_shard(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
     elif isinstance(layer, LoRALinear):
         if kind != "linear":
@@ -269,16 +287,18 @@ def _check_placed_values(arrays: dict, layers: Mapping, adapter: PeftAdapter) ->
 
 
 def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:
-    """{layer path: (out_features,) float32 DoRA column scale} for every DoRA layer (LoRALinear
-    with dora=True) that `adapter`'s DoRA modules touch, ones at the columns of its other members:
+    """{layer path: (out_features,) float32 DoRA column scale} for every LoRALinear that `adapter`'s
+    DoRA modules touch, ones at the columns of its other members:
     g = m / ||W + s B A||_row per member module (lora_core.dora.column_scale, float64), with W that
     member's base weight (out, in) (`LoRALinear.base_weights`; PEFT's fan_in_fan_out layouts are
     refused when the adapter is read). Empty for a plain LoRA adapter.
 
-    Raises AdapterError naming the adapter and the module when a DoRA module lands in a layer that
-    cannot scale (a LoRALinear built without dora=True: the message says how to enable it; the LM
-    head, an embedding, a tensor-parallel layer), or when g is undefined (an all-zero row of
-    W + s B A). Modules no layer holds are left to prepare_adapter's message."""
+    A LoRALinear built without dora=True but with its base_weights (as MultiLoRAModel builds them) is
+    given its scales all the same: the manager allocates the layer's dora_scale when it writes the
+    adapter (`LoRALinear.enable_dora`). Raises AdapterError naming the adapter and the module when a
+    DoRA module lands in a layer that cannot scale (a LoRALinear without base_weights, the LM head,
+    an embedding, a tensor-parallel layer), or when g is undefined (an all-zero row of W + s B A).
+    Modules no layer holds are left to prepare_adapter's message."""
     if not adapter.magnitudes:
         return {}
     layers = _check_layers(layers)
@@ -296,10 +316,11 @@ def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:
             raise AdapterError(f"adapter {adapter.label} is a DoRA adapter (use_dora) with a magnitude on {module!r}, "
                                f"which is {what} ({path!r}): DoRA is served on linear layers only (LoRALinear "
                                "with dora=True)")
-        if not layer.dora:
+        if layer.base_weights is None:
             raise AdapterError(f"adapter {adapter.label} is a DoRA adapter (use_dora; module {module!r}), but LoRA "
-                               f"layer {path!r} has no DoRA column scale: build the layers with dora=True "
-                               "(MultiLoRAModel(..., dora=True), or LoRALinear(..., dora=True, base_weights=...))")
+                               f"layer {path!r} has no base weights to compute its column scale from: build it with "
+                               "LoRALinear(..., base_weights=[each member's weight]) (MultiLoRAModel does, except over "
+                               "quantized modules, whose weights are not float: DoRA needs a float base)")
         a, b, scaling, _kind = adapter.modules[module]
         weight = layer.base_weights[s].detach().to("cpu", torch.float64).numpy()        # (n_s, H)
         try:
@@ -383,6 +404,9 @@ class AdapterManager(SlotTable):
     thread that runs a step on the slots holds `with manager.lock:` across `activate` and the step
     (another thread's activate may evict its slots).
 
+    Pinning: `pin(adapter)` / `unpin(adapter)` (a LoRA id or a registered name) keep an adapter in its
+    slot whatever the LRU would evict (lora_core.adapter_slots, "Pinning").
+
     Slot writes on CUDA. A write (load, eviction, hot swap, unload) is enqueued on the manager's
     upload stream: that stream first waits on an event recorded on the current stream at the time of
     the write, i.e. after every step already enqueued there (eager kernels or a CUDA graph replay),
@@ -426,7 +450,18 @@ class AdapterManager(SlotTable):
 
     def _write_slot(self, slot: int, prepared: PreparedAdapter | None) -> None:
         """Writes `prepared` (or zeros and rank 0 when None) into `slot` of every layer: on CUDA
-        enqueued on the upload stream after the steps already enqueued (see the class docstring)."""
+        enqueued on the upload stream after the steps already enqueued (see the class docstring).
+        The first DoRA adapter written into a LoRALinear built without dora=True allocates its
+        dora_scale first (ones, on the current stream, so the upload below is ordered after it)."""
+        if prepared is not None:
+            for path in sorted(prepared.scales):
+                layer = self.layers[path]
+                if not layer.dora:
+                    if self._upload_stream is not None and torch.cuda.is_current_stream_capturing():
+                        raise RuntimeError("adapter slots cannot be written while a CUDA graph is being captured; "
+                                           "load adapters before capturing or between replays")
+                    layer.enable_dora()
+                    self.stats["dora_layers_enabled"] += 1
         if self._upload_stream is None:
             self._copy(slot, prepared)
             return
@@ -461,5 +496,7 @@ class AdapterManager(SlotTable):
                     layer.dora_scale[slot].copy_(g, non_blocking=non_blocking)
             rank = 0 if prepared is None else prepared.ranks[path]
             layer.lora_ranks[slot].fill_(rank)
+            if isinstance(layer, LoRAExperts):              # no expert LoRA in the slot: its pairs cost nothing
+                layer.adapter_enabled[slot].fill_(int(host is not None))
             if isinstance(layer, ParallelLoRALayer):
                 layer.lora_ranks_local[slot].fill_(parallel_loading.local_rank(layer.slice_shards[0], rank))

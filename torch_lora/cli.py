@@ -2,6 +2,7 @@
 model through torch_lora.hf.MultiLoRAModel, and verify every request against PEFT.
 
     torch-lora demo                                  # a tiny random Llama + 3 adapters saved by peft
+    torch-lora demo --model mixtral                  # a tiny random Mixtral + 3 adapters, expert LoRA included
     torch-lora demo MODEL_DIR ADAPTER_DIR [...]      # any transformers causal LM + PEFT LoRA directories
     python -m torch_lora.cli demo                    # the same without the script
 
@@ -63,24 +64,44 @@ DEMO_ADAPTERS = (
               "target_modules": ["q_proj", "o_proj", "down_proj", "embed_tokens", "lm_head"]}),
 )
 
+# The mixture-of-experts demo (--model mixtral): attention LoRA only; expert LoRA only (PEFT's
+# target_parameters on the fused expert weights, rank_pattern); both, with rsLoRA and the LM head.
+EXPERT_WEIGHTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+MOE_DEMO_ADAPTERS = (
+    ("attn", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}),
+    ("experts", {"r": 8, "lora_alpha": 16, "rank_pattern": {"down_proj": 4}, "target_modules": [],
+                 "target_parameters": EXPERT_WEIGHTS}),
+    ("mixed", {"r": 16, "lora_alpha": 16, "use_rslora": True, "target_modules": ["q_proj", "o_proj", "lm_head"],
+               "target_parameters": EXPERT_WEIGHTS}),
+)
+DEMO_MODELS = ("llama", "mixtral")
 
-def build_demo_assets(root: str, seed: int = 0) -> tuple:
-    """Writes a tiny random Llama (Hugging Face format) and the demo's adapters, made and saved by
-    peft itself, under `root`. Returns (model_dir, [adapter dirs])."""
+
+def build_demo_assets(root: str, seed: int = 0, model: str = "llama") -> tuple:
+    """Writes a tiny random Llama or Mixtral (model="mixtral": 4 experts, 2 per token; Hugging Face
+    format) and the demo's adapters, made and saved by peft itself, under `root`. Returns
+    (model_dir, [adapter dirs])."""
     import peft
     import torch
     import transformers
 
+    if model not in DEMO_MODELS:
+        raise ValueError(f"model must be one of {', '.join(DEMO_MODELS)}, got {model!r}")
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
-    model_dir = os.path.join(root, "tiny-llama")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    if model == "mixtral":
+        cls, cfg = transformers.MixtralForCausalLM, transformers.MixtralConfig(num_local_experts=4,
+                                                                               num_experts_per_tok=2, **common)
+        adapters = MOE_DEMO_ADAPTERS
+    else:
+        cls, cfg, adapters = transformers.LlamaForCausalLM, transformers.LlamaConfig(**common), DEMO_ADAPTERS
+    model_dir = os.path.join(root, f"tiny-{model}")
+    cls(cfg).save_pretrained(model_dir)
     dirs = []
-    for i, (name, kw) in enumerate(DEMO_ADAPTERS):
+    for i, (name, kw) in enumerate(adapters):
         torch.manual_seed(seed + 1 + i)
-        base = transformers.LlamaForCausalLM.from_pretrained(model_dir)
+        base = cls.from_pretrained(model_dir)
         # init_lora_weights=False: random non-zero B, so every adapter changes the outputs (a trained
         # adapter's B is non-zero too; PEFT's default B = 0 would make the check vacuous).
         lora = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **kw))
@@ -235,7 +256,7 @@ def _full_float32():
 
 def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, num_requests: int = 24,
              batch_size: int = 8, max_new_tokens: int = 8, slots: int | None = None, device: str | None = None,
-             backend: str | None = None, seed: int = 0, out=None, verbose: bool = False) -> int:
+             backend: str | None = None, seed: int = 0, out=None, verbose: bool = False, model: str = "llama") -> int:
     """The demo; returns the process exit status (0 when every request verifies).
 
     Every path is checked before anything loads, and the counts against the memory they need
@@ -258,6 +279,8 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
     check_size("--batch-size", batch_size, cap=BATCH_CAP, per_item=0, available=None, what="", where="")
     if model_dir is None and adapter_dirs:
         raise ValueError("adapter directories need a MODEL_DIR first")
+    if model not in DEMO_MODELS:
+        raise ValueError(f"model must be one of {', '.join(DEMO_MODELS)}, got {model!r}")
     if model_dir is not None:
         _check_paths(model_dir, adapter_dirs)
     import torch
@@ -276,8 +299,9 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
             tmp = tempfile.TemporaryDirectory(prefix="torch-lora-demo-")
             scope.callback(tmp.cleanup)
             scope.enter_context(on_interrupt(tmp.cleanup))       # Ctrl-C removes it too
-            model_dir, adapter_dirs = build_demo_assets(tmp.name, seed)
-            say(f"built a tiny random Llama and {plural(len(adapter_dirs), 'adapter')} saved by peft in {tmp.name}")
+            model_dir, adapter_dirs = build_demo_assets(tmp.name, seed, model)
+            say(f"built a tiny random {model.capitalize()} and {plural(len(adapter_dirs), 'adapter')} saved by peft "
+                f"in {tmp.name}")
         _check_sizes(model_dir, num_requests, batch_size, max_new_tokens, device)
         scope.enter_context(_full_float32())
         return _serve_and_verify(model_dir, list(adapter_dirs), num_requests, batch_size, max_new_tokens, slots,
@@ -372,7 +396,9 @@ def _serve_and_verify(model_dir, adapter_dirs, num_requests, batch_size, max_new
     for d in adapter_dirs:
         name = os.path.basename(os.path.normpath(d))
         adapters[name if name not in adapters else f"{name}-{len(adapters)}"] = load_peft_adapter(d)
-    targets = sorted({m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules})
+    # Expert LoRA (kind "experts") needs no target: every fused experts module gets its layer.
+    targets = sorted({m.rsplit(".", 1)[-1] for a in adapters.values() for m, mod in a.modules.items()
+                      if mod.kind != "experts"}) or None
     max_rank = max(a.max_rank for a in adapters.values())
     num_slots = len(adapters) + 1 if slots is None else slots
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -482,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", choices=BACKENDS, default=None,
                       help="force the wrapper's backend (default: the device's: triton on CUDA, torch on the CPU)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the built-in model and random requests")
+    demo.add_argument("--model", choices=DEMO_MODELS, default="llama",
+                      help="the built-in model without MODEL_DIR: a tiny random Llama (default) or Mixtral (a "
+                           "mixture of experts, with expert LoRA adapters)")
     demo.add_argument("--verbose", action="store_true",
                       help="also show transformers' and peft's progress bars and warnings")
     return parser
@@ -508,7 +537,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         return run_demo(args.model_dir, args.adapter_dirs, num_requests=args.requests, batch_size=args.batch_size,
                         max_new_tokens=args.max_new_tokens, slots=args.slots, device=args.device,
-                        backend=args.backend, seed=args.seed, verbose=args.verbose)
+                        backend=args.backend, seed=args.seed, verbose=args.verbose, model=args.model)
     except (AdapterError, ValueError, OSError) as e:       # SizeError is a ValueError
         print(f"torch-lora demo: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -23,9 +23,24 @@ adds the LoRA term of each token's adapter to its module's output, through one s
   `torch_lora.layers.LoRALinear`). In the Llama, Mistral, Qwen2, Qwen3 and Gemma families the
   members read the very same tensor, so a group costs one call.
 - `o_proj`, `down_proj` and other lone linears: one `add_lora_linear` each, into the output in place.
+- Mixture-of-experts layers: every experts module holding fused `gate_up_proj` (E, 2I, H) and
+  `down_proj` (E, H, I) parameters (Mixtral, Qwen2-MoE, Qwen3-MoE) gets a `torch_lora.experts.LoRAExperts`
+  and runs its `forward_experts` as its forward (the one module whose forward is replaced, put back
+  by `unwrap()`): the base experts plus each routed pair's expert LoRA (PEFT's `target_parameters`
+  on those weights), through the wrapper's `add_lora_w13` / `add_lora_w2`.
 - The input embedding: `add_lora_embedding` (times the module's `embed_scale` where it has one, as
   PEFT does for Gemma's scaled embeddings). The LM head: `add_lora_logits` on the rows of logits the
   model computes (`logits_to_keep`).
+
+Quantized bases. A hook never reads its module's weight (the module computes its own output), so a
+linear layer is any module that takes x (..., in_features) as its first argument and returns its base
+output (..., out_features): `nn.Linear` and its subclasses (torchao's int8 / float8 quantized
+linears keep the class and swap the weight for a tensor subclass; bitsandbytes' Linear8bitLt and
+Linear4bit subclass it), and, named in `target_modules`, any other module with int `in_features` and
+`out_features` (`select_target_modules`). The adapter weights' dtype is the module's weight dtype when
+that is a 16/32-bit float (torchao's tensors report their float dtype), else the model's activation
+dtype (its first 16/32-bit float parameter: the embedding of a bitsandbytes model). DoRA needs plain
+float base weights.
 
 Which adapter each token uses: a forward pre-hook on the model reads the batch shape (input_ids or
 inputs_embeds, and logits_to_keep) during `__call__` and `generate` and calls `prepare_step`:
@@ -53,6 +68,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -62,14 +78,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from lora_core import alora
 from lora_core.host_mapping import LoRAMapping
 from lora_core.peft import AdapterConfig, PeftAdapter
 
 from .adapters import AdapterManager
+from .experts import LoRAExperts, is_experts_module
 from .layers import LoRAEmbedding, LoRALinear, LoRALogits
 from .wrapper import PunicaWrapper
 
 __all__ = ["BASE", "SHARED_INPUT_GROUPS", "MultiLoRAModel", "select_target_modules"]
+
+_LOG = logging.getLogger("torch_lora")
 
 _WRAPPED_MARK = "_torch_lora_wrapped"     # set on a model while a MultiLoRAModel's hooks are on it
 
@@ -91,8 +111,12 @@ def select_target_modules(model: nn.Module, target_modules: None | str | Sequenc
     target_modules: None or "all-linear" (PEFT's meaning: every nn.Linear but the output layer);
     a list of names, each matching a module whose full name equals it or ends with "." + it (as in
     PEFT: "q_proj", "lm_head", "embed_tokens"); or a regex string matched against full names.
-    Matched modules must be nn.Linear or nn.Embedding. Raises ValueError when nothing matches (a
-    typo never yields a model without adapters), TypeError for a matched module of another type.
+    Matched modules must be nn.Linear (torchao- and bitsandbytes-quantized linears included),
+    nn.Embedding, or linear-like: a module with int `in_features` and `out_features` whose forward
+    returns its base output (..., out_features) for an input (..., in_features) (other quantized
+    linear classes); "all-linear" selects nn.Linear modules only, as PEFT does. Raises ValueError when
+    nothing matches (a typo never yields a model without adapters), TypeError for a matched module
+    of another type.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -115,9 +139,10 @@ def select_target_modules(model: nn.Module, target_modules: None | str | Sequenc
         matcher = AdapterConfig(r=1, lora_alpha=1.0, target_modules=patterns)
         for name, module in model.named_modules():
             if name and matcher.targets(name):
-                if not isinstance(module, (nn.Linear, nn.Embedding)):
+                if not isinstance(module, (nn.Linear, nn.Embedding)) and not _linear_like(module):
                     raise TypeError(f"target_modules={target_modules!r} matches {name!r}, a {type(module).__name__}; "
-                                    "only nn.Linear and nn.Embedding modules can hold LoRA layers")
+                                    "only nn.Linear and nn.Embedding modules, and linear-like modules (int in_features "
+                                    "and out_features, forward(x) returning the base output), can hold LoRA layers")
                 selected[name] = module
         what = repr(target_modules)
         if selected and isinstance(patterns, tuple):              # each listed name must match (a typo among others)
@@ -146,6 +171,49 @@ def _embed_scale(module: nn.Module) -> float:
     return float(torch.tensor(float(scale), dtype=module.weight.dtype))
 
 
+def _linear_like(module: nn.Module) -> bool:
+    """Whether a module that is not an nn.Linear declares a linear layer's widths (int
+    in_features, out_features > 0)."""
+    widths = (getattr(module, "in_features", None), getattr(module, "out_features", None))
+    return all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths)
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _plain_float_weight(module: nn.Module) -> bool:
+    """Whether the module's weight is a plain 16/32/64-bit float tensor (not quantized)."""
+    w = getattr(module, "weight", None)
+    return type(w) in (torch.Tensor, nn.Parameter) and w.dtype in _FLOAT_DTYPES
+
+
+def _activation_dtype(model: nn.Module) -> torch.dtype | None:
+    """The model's first 16/32-bit float parameter's dtype (quantized weights are skipped)."""
+    for p in model.parameters():
+        if p.dtype in _FLOAT_DTYPES:
+            return p.dtype
+    return None
+
+
+def _lora_dtype_and_device(name: str, module: nn.Module, model: nn.Module) -> tuple:
+    """(dtype, device) of the LoRA weights of a targeted module: the weight's dtype when it is a
+    16/32-bit float (torchao's quantized tensors report their float dtype), else the model's
+    activation dtype; the device of the module's weight, else of its first parameter or buffer."""
+    w = getattr(module, "weight", None)
+    tensors = ([w] if isinstance(w, torch.Tensor) else []) + list(module.parameters(recurse=False)) + list(
+        module.buffers(recurse=False))
+    if not tensors:
+        raise TypeError(f"module {name!r} ({type(module).__name__}) holds no parameter or buffer, so its device is "
+                        "unknown: it cannot hold a LoRA layer")
+    if isinstance(w, torch.Tensor) and w.dtype in _FLOAT_DTYPES:
+        return w.dtype, tensors[0].device
+    dtype = _activation_dtype(model)
+    if dtype is None:
+        raise TypeError(f"module {name!r} ({type(module).__name__}) has a quantized weight and the model has no float "
+                        "parameter to take the activation dtype from: the LoRA weights' dtype is unknown")
+    return dtype, tensors[0].device
+
+
 def _input(args: tuple, kwargs: dict, name: str) -> torch.Tensor:
     return args[0] if args else kwargs[name]
 
@@ -155,7 +223,8 @@ class MultiLoRAModel:
 
     Args:
       model: a transformers causal LM (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-        Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, ...), on one device.
+        Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, and the mixtures of
+        experts MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, ...), on one device.
         It gets hooks; `unwrap()` removes them.
       max_loras: adapter slots (distinct adapters in one batch).
       max_rank: the largest adapter rank the slots hold.
@@ -164,12 +233,15 @@ class MultiLoRAModel:
       max_num_tokens: tokens per forward pass (batch x sequence); max_num_seqs: rows per pass.
       host_cache_size: prepared adapters kept on the host (pinned on CUDA).
       backend: force the wrapper's backend ("torch" reference or "triton"); default: the device's.
-      dora: also serve DoRA adapters (PEFT's use_dora), mixed in one batch with plain LoRA
-        adapters and rows without one: the linear layers (not the embedding or the LM head) get a
-        (max_loras, out_features) float32 column-scale buffer, and a DoRA row gets
-        g * (x W^T + delta) + bias with g = m / ||W + s B A||_row computed at load from the
-        module's base weight (torch_lora.layers.LoRALinear). Without it a DoRA adapter is refused
-        at `load_adapter`.
+      dora: allocate the DoRA column scales now. DoRA adapters (PEFT's use_dora) are served in
+        any case, mixed in one batch with plain LoRA adapters and rows without one: a linear layer
+        (not the embedding or the LM head) a DoRA adapter touches holds a (max_loras, out_features)
+        float32 column-scale buffer, and a DoRA row gets g * (x W^T + delta) + bias with
+        g = m / ||W + s B A||_row computed at load from the module's base weight
+        (torch_lora.layers.LoRALinear). Without dora=True the buffer of a layer is allocated when
+        the first DoRA adapter touching it is put into a slot: a new tensor, so a CUDA graph
+        captured before then does not read it (capture after loading a DoRA adapter, or pass
+        dora=True to allocate every linear layer's scale up front). Plain LoRA never needs it.
 
     Attributes: `model`, `punica` (the PunicaWrapper), `adapters` (the AdapterManager), `layers`
     ({path: LoRA layer}; a group's path is its parent's name + "." + the members' names joined by "+"),
@@ -196,12 +268,13 @@ class MultiLoRAModel:
             raise ValueError(f"this {type(model).__name__} is already wrapped by a MultiLoRAModel (its hooks would "
                              "add that wrapper's adapters too): call its unwrap() first")
         targets = select_target_modules(model, target_modules)
-        devices = {p.device for m in targets.values() for p in m.parameters(recurse=False)}
+        devices = {p.device for m in targets.values()
+                   for p in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
         if len(devices) != 1:
             raise ValueError(f"the targeted modules must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.model = model
-        self.max_loras, self.max_rank, self.dora = max_loras, max_rank, dora
+        self.max_loras, self.max_rank, self._dora = max_loras, max_rank, dora
         # Normal tensors even when built under torch.inference_mode(): the slots and the wrapper's
         # metadata block are updated in place later, which an inference tensor refuses outside it.
         with torch.inference_mode(False):
@@ -217,6 +290,7 @@ class MultiLoRAModel:
         self._held = threading.local()        # .depth: forward passes of this thread holding the lock
         self._prepared_by: int | None = None  # the thread of the last prepare_step
         self._hooks = [module.register_forward_hook(hook, with_kwargs=True) for module, hook in members]
+        self._experts = self._install_experts(model)
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._after_forward, always_call=True))
         setattr(model, _WRAPPED_MARK, True)
@@ -224,6 +298,7 @@ class MultiLoRAModel:
         self._next_id = 1
         self._rows: list | None = None    # the names of the rows being served (None: caller-managed)
         self._expand_rows = 1                # generate's rows per prompt (num_beams / num_return_sequences)
+        self._alora: dict | None = None      # generate's aLoRA rows: {"starts": [...], "position": int}
         self._closed = False
 
     # -------------------------------------------------------------- wrapping
@@ -233,48 +308,87 @@ class MultiLoRAModel:
         kw = dict(max_loras=self.max_loras, max_rank=self.max_rank, punica=self.punica)
         layers, members = {}, []
         by_parent: dict = collections.defaultdict(dict)
+        specs = {}                # linear name -> (dtype, device) of its LoRA weights
         for name, module in targets.items():
-            dtype, device = module.weight.dtype, module.weight.device
             if isinstance(module, nn.Embedding):
-                layer = LoRAEmbedding(name, module.num_embeddings, module.embedding_dim, dtype=dtype, device=device,
-                                      embed_scale=_embed_scale(module), **kw)
+                layer = LoRAEmbedding(name, module.num_embeddings, module.embedding_dim, dtype=module.weight.dtype,
+                                      device=module.weight.device, embed_scale=_embed_scale(module), **kw)
                 layers[name] = layer
                 members.append((module, _embedding_hook(layer)))
-            elif module is output:
+                continue
+            dtype, device = specs[name] = _lora_dtype_and_device(name, module, model)
+            if module is output:
                 layer = LoRALogits(name, module.in_features, module.out_features, dtype=dtype, device=device, **kw)
                 layers[name] = layer
                 members.append((module, _logits_hook(layer)))
             else:
                 parent, _, leaf = name.rpartition(".")
                 by_parent[parent][leaf] = module
+        no_float = [n for n in specs
+                    if getattr(getattr(targets[n], "weight", None), "dtype", None) not in _FLOAT_DTYPES]
+        if no_float:
+            _LOG.info("MultiLoRAModel: %d targeted modules (%s) hold no float weight; their LoRA weights take the "
+                      "model's activation dtype %s", len(no_float),
+                      ", ".join(sorted({type(targets[n]).__name__ for n in no_float})), specs[no_float[0]][0])
+        for name, module in model.named_modules():
+            if name and is_experts_module(module):
+                weight = module.gate_up_proj
+                layers[name] = LoRAExperts(name, weight.shape[0], weight.shape[2], module.down_proj.shape[2],
+                                           dtype=weight.dtype, device=weight.device, **kw)
         for parent, children in by_parent.items():
             grouped = set()
             for group in SHARED_INPUT_GROUPS:
                 leaves = [leaf for leaf in group if leaf in children]
                 mods = [children[leaf] for leaf in leaves]
-                if len(leaves) < 2 or len({(m.in_features, m.weight.dtype) for m in mods}) != 1:
-                    continue
                 names = [f"{parent}.{leaf}" if parent else leaf for leaf in leaves]
+                if len(leaves) < 2 or len({(m.in_features,) + specs[n] for m, n in zip(mods, names)}) != 1:
+                    continue
                 path = (f"{parent}." if parent else "") + "+".join(leaves)
-                layer = LoRALinear(names, mods[0].in_features, [m.out_features for m in mods],
-                                   dtype=mods[0].weight.dtype, device=mods[0].weight.device,
-                                   **self._dora_kw(mods), **kw)
+                dtype, device = specs[names[0]]
+                layer = LoRALinear(names, mods[0].in_features, [m.out_features for m in mods], dtype=dtype,
+                                   device=device, **self._dora_kw(names, mods), **kw)
                 layers[path] = layer
-                members += [(m, _linear_hook(layer, s)) for s, m in enumerate(mods)]
+                members += [(m, _linear_hook(layer, s, m)) for s, m in enumerate(mods)]
                 grouped.update(leaves)
             for leaf, module in children.items():
                 if leaf in grouped:
                     continue
                 name = f"{parent}.{leaf}" if parent else leaf
-                layer = LoRALinear((name,), module.in_features, (module.out_features,), dtype=module.weight.dtype,
-                                   device=module.weight.device, **self._dora_kw([module]), **kw)
+                dtype, device = specs[name]
+                layer = LoRALinear((name,), module.in_features, (module.out_features,), dtype=dtype, device=device,
+                                   **self._dora_kw([name], [module]), **kw)
                 layers[name] = layer
-                members.append((module, _linear_hook(layer, 0)))
+                members.append((module, _linear_hook(layer, 0, module)))
         return layers, members
 
-    def _dora_kw(self, modules: list) -> dict:
-        """A LoRALinear's DoRA arguments: with dora=True, the members' base weights (out, in)."""
-        return {"dora": True, "base_weights": [m.weight for m in modules]} if self.dora else {}
+    def _dora_kw(self, names: list, modules: list) -> dict:
+        """A LoRALinear's DoRA arguments: the members' base weights (out, in), read when a DoRA adapter
+        is placed; with dora=True the column scale is allocated now. DoRA reads plain float weights
+        only: over a quantized member, dora=True raises and no base weights are passed (a DoRA adapter
+        on such a layer is refused when it is loaded)."""
+        quantized = [(name, m) for name, m in zip(names, modules) if not _plain_float_weight(m)]
+        if quantized and self._dora:
+            name, m = quantized[0]
+            raise TypeError(f"dora=True needs plain float base weights (DoRA's column scale reads them); module "
+                            f"{name!r} ({type(m).__name__}) holds a {type(getattr(m, 'weight', None)).__name__} "
+                            "weight (quantized): wrap the model with dora=False, or a float model")
+        return {"dora": self._dora, "base_weights": None if quantized else [m.weight for m in modules]}
+
+    @property
+    def dora(self) -> bool:
+        """Whether any linear layer holds a DoRA column scale (dora=True, or a DoRA adapter loaded)."""
+        return any(getattr(layer, "dora", False) for layer in self.layers.values())
+
+    def _install_experts(self, model: nn.Module) -> list:
+        """Each experts module's forward set to its LoRAExperts' `forward_experts` (an instance
+        attribute, removed by unwrap); returns the modules."""
+        modules = []
+        for name, module in model.named_modules():
+            layer = self.layers.get(name)
+            if isinstance(layer, LoRAExperts):
+                module.forward = _experts_forward(layer, module)
+                modules.append(module)
+        return modules
 
     def unwrap(self) -> nn.Module:
         """Removes every hook and returns the plain model (adapters no longer apply). The wrapper
@@ -283,6 +397,9 @@ class MultiLoRAModel:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            for module in self._experts:
+                module.__dict__.pop("forward", None)
+            self._experts = []
             if getattr(self.model, _WRAPPED_MARK, False):
                 delattr(self.model, _WRAPPED_MARK)
             self._closed = True
@@ -310,7 +427,9 @@ class MultiLoRAModel:
         """Reads and checks the PEFT adapter at `path` (or a PeftAdapter) and makes it available as
         `name`. Loading a name again replaces its adapter (hot swap: the same slot gets the new
         weights, no CUDA graph needs re-capturing). A bad adapter raises AdapterError (a ValueError
-        naming the file, tensor or module) and leaves every loaded adapter as it was."""
+        naming the file, tensor or module) and leaves every loaded adapter as it was. A DoRA adapter
+        loads into any model (see `dora`); an aLoRA adapter (alora_invocation_tokens) applies to a
+        row from its invocation tokens on (docs/torch.md, "Activated LoRA")."""
         self._check_open()
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -331,6 +450,33 @@ class MultiLoRAModel:
                 raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
             self.adapters.unregister(self._ids.pop(name))
 
+    def pin(self, name: str) -> None:
+        """Keeps the adapter `name` in an adapter slot (loading it now if it is in none): the LRU
+        never evicts it, so batches that name it never wait for its upload, and a CUDA graph replay
+        finds it in the same slot. Raises ValueError naming the adapter and max_loras when every
+        slot already holds another pinned adapter. See `AdapterManager.pin`."""
+        self._check_open()
+        with self._lock:
+            self.adapters.pin(self._id_of(name))
+            self.adapters.wait_uploads()
+
+    def unpin(self, name: str) -> None:
+        """Makes the adapter `name` evictable by the LRU again (it stays in its slot until then)."""
+        with self._lock:
+            self.adapters.unpin(self._id_of(name))
+
+    @property
+    def pinned_adapters(self) -> list:
+        """The names of the pinned adapters, in load order."""
+        with self._lock:
+            pinned = set(self.adapters.pinned)
+            return [n for n, i in self._ids.items() if i in pinned]
+
+    def _id_of(self, name: str) -> int:
+        if name not in self._ids:
+            raise ValueError(f"no adapter named {name!r} is loaded (loaded: {self.loaded_adapters})")
+        return self._ids[name]
+
     def _lora_ids(self, adapter_names: Sequence[str]) -> list:
         if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
             raise TypeError(f"adapter_names must be a list of adapter names (one per row, {BASE!r} for none), got "
@@ -348,16 +494,19 @@ class MultiLoRAModel:
 
     # -------------------------------------------------------------- steps
     def prepare_step(self, adapter_names: Sequence[str], num_tokens_per_row: int,
-                     logits_per_row: None | int | Sequence[int] = None) -> None:
+                     logits_per_row: None | int | Sequence[int] = None, *,
+                     active_from: Sequence[int] | None = None) -> None:
         """Sets which adapter each token of the next forward pass uses.
 
         adapter_names: one name per row ("__base__" = none); num_tokens_per_row: the sequence length S
         of the pass (the model sees (rows, S) tokens); logits_per_row: rows of logits per batch row
         the LM head computes (S by default; 1 for a decode step or `logits_to_keep=1`; a list when
-        rows differ). Activates the adapters (loads into slots as needed), makes the current
-        stream wait for their uploads and updates the wrapper's metadata in place (one host-to-
-        device copy, no host sync). `__call__` and `generate` call it; call it yourself before a
-        direct `model(...)` call or a CUDA graph replay.
+        rows differ: a row's logits are its last positions). active_from: per row, the index in
+        0..S of the row's first token that uses its adapter (the earlier ones use none: aLoRA,
+        lora_core.alora.active_from); None: every token. Activates the adapters (loads into slots as
+        needed), makes the current stream wait for their uploads and updates the wrapper's metadata
+        in place (one host-to-device copy, no host sync). `__call__` and `generate` call it; call
+        it yourself before a direct `model(...)` call or a CUDA graph replay.
         """
         self._check_open()
         ids = self._lora_ids(adapter_names)
@@ -382,8 +531,16 @@ class MultiLoRAModel:
             raise ValueError(f"the batch names {_plural(len(distinct), 'distinct adapter')} {distinct}, more than "
                              f"max_loras={self.max_loras} (MultiLoRAModel's argument: the adapter slots, the most "
                              "distinct adapters in one batch)")
-        tokens = np.repeat(np.asarray(ids, np.int64), s)
-        rows = np.repeat(np.asarray(ids, np.int64), counts)
+        per_token = np.repeat(np.asarray(ids, np.int64)[:, None], s, axis=1)      # (rows, S)
+        if active_from is not None:
+            starts = list(active_from)
+            if len(starts) != len(ids) or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool)
+                                                  and 0 <= a <= s for a in starts):
+                raise ValueError(f"active_from must hold one int in 0..{s} (num_tokens_per_row) per row, got "
+                                 f"{active_from!r:.200} for {len(ids)} rows")
+            per_token[np.arange(s)[None, :] < np.asarray(starts, np.int64)[:, None]] = 0
+        tokens = per_token.reshape(-1)
+        rows = np.concatenate([per_token[j, s - c:] for j, c in enumerate(counts)]) if counts else tokens[:0]
         with self._lock:
             self.adapters.activate(ids)
             self.adapters.wait_uploads()
@@ -417,13 +574,35 @@ class MultiLoRAModel:
             raise ValueError("MultiLoRAModel needs input_ids (batch, seq) or inputs_embeds (batch, seq, hidden)")
         batch, seq = int(ref.shape[0]), int(ref.shape[1])
         names = self._rows
+        expand = 1
         if len(names) != batch:
             if self._expand_rows > 1 and batch == len(names) * self._expand_rows:   # generate's beams / sequences
-                names = [n for n in names for _ in range(self._expand_rows)]
+                expand = self._expand_rows
+                names = [n for n in names for _ in range(expand)]
             else:
                 raise ValueError(f"adapter_names has {len(names)} names, but the batch has {batch} rows "
                                  "(one name per row)")
-        self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq))
+        active = None
+        invocations = [self._invocation(n) for n in names]
+        if any(v is not None for v in invocations):
+            if self._alora is not None:             # generate: the prompt's invocation, positions counted
+                starts = [st for st in self._alora["starts"] for _ in range(expand)]
+                first = self._alora["position"]
+                self._alora["position"] += seq
+            else:                                    # a forward pass: the invocation in this pass's tokens
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if ids is None:
+                    raise ValueError(f"aLoRA adapters {sorted({n for n, v in zip(names, invocations) if v})} need "
+                                     "input_ids to find their invocation tokens; got inputs_embeds only")
+                host = ids.detach().to("cpu").numpy()
+                starts = [None if v is None else alora.invocation_start(host[j], v) for j, v in enumerate(invocations)]
+                first = 0
+            active = [0 if v is None else alora.active_from(st, first, seq) for v, st in zip(invocations, starts)]
+        self.prepare_step(names, seq, _logits_rows(kwargs.get("logits_to_keep", 0), batch, seq), active_from=active)
+
+    def _invocation(self, name: str) -> tuple | None:
+        """The aLoRA invocation tokens of the loaded adapter `name` (None: plain adapter, or BASE)."""
+        return None if name == BASE else self.adapters.invocation_tokens(self._ids[name])
 
     def _after_forward(self, module, args, output):
         """The model's forward hook (always called, also when the pass raises): gives back the
@@ -433,17 +612,26 @@ class MultiLoRAModel:
             self._lock.release()
 
     @contextlib.contextmanager
-    def _serving(self, adapter_names, expand: int):
-        """Holds the lock and sets the rows' adapters for the forward passes of one call."""
+    def _serving(self, adapter_names, expand: int, prompt: torch.Tensor | None = None):
+        """Holds the lock and sets the rows' adapters for the forward passes of one call. With
+        `prompt` (generate's input_ids), an aLoRA row's invocation is searched in its prompt once,
+        and the passes are taken to cover consecutive positions from 0 (prefill, then one token
+        per decode step), as transformers' generate runs them."""
         with self._lock:
             self._check_open()
-            previous = (self._rows, self._expand_rows)
+            previous = (self._rows, self._expand_rows, self._alora)
             self._lora_ids(adapter_names)                 # a bad name fails before the model runs
-            self._rows, self._expand_rows = list(adapter_names), expand
+            invocations = [self._invocation(n) for n in adapter_names]
+            state = None
+            if prompt is not None and any(v is not None for v in invocations):
+                host = prompt.detach().to("cpu").numpy()
+                state = {"starts": [None if v is None else alora.invocation_start(host[j], v)
+                                    for j, v in enumerate(invocations)], "position": 0}
+            self._rows, self._expand_rows, self._alora = list(adapter_names), expand, state
             try:
                 yield
             finally:
-                self._rows, self._expand_rows = previous
+                self._rows, self._expand_rows, self._alora = previous
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  adapter_names: Sequence[str] | None = None, **kwargs: Any):
@@ -473,7 +661,12 @@ class MultiLoRAModel:
         elif isinstance(adapter_names, (list, tuple)) and ref is not None and len(adapter_names) != prompts:
             raise ValueError(f"adapter_names has {len(adapter_names)} names, but the batch has {prompts} prompts "
                              "(one name per prompt)")
-        with torch.no_grad(), self._serving(adapter_names, expand=self._rows_per_prompt(generate_kwargs)):
+        alora_rows = [n for n in adapter_names if isinstance(n, str) and n in self._ids and self._invocation(n)]
+        if alora_rows and input_ids is None:
+            raise ValueError(f"aLoRA adapters {sorted(set(alora_rows))} need input_ids to find their invocation "
+                             "tokens in the prompt; got inputs_embeds only")
+        with torch.no_grad(), self._serving(adapter_names, expand=self._rows_per_prompt(generate_kwargs),
+                                            prompt=input_ids if alora_rows else None):
             return self.model.generate(input_ids, **generate_kwargs)
 
     def _rows_per_prompt(self, generate_kwargs: dict) -> int:
@@ -513,15 +706,35 @@ def _logits_rows(logits_to_keep: Any, batch: int, seq: int) -> int | list:
     raise TypeError(f"logits_to_keep must be an int or a 1-D / 2-D tensor, got {logits_to_keep!r}")
 
 
-def _linear_hook(layer: LoRALinear, member: int):
-    if layer.dora:
-        def dora_hook(module, args, kwargs, output):       # the bias is added after DoRA's scale
-            return layer.apply(member, _input(args, kwargs, "input"), output, module.bias)
-        return dora_hook
+def _linear_hook(layer: LoRALinear, member: int, module: nn.Module | None = None):
+    if module is not None and not isinstance(module, nn.Linear):
+        return _checked_linear_hook(layer, member)
+
+    def hook(module, args, kwargs, output):       # a DoRA layer adds the bias after its scale
+        return layer.apply(member, _input(args, kwargs, "input"), output, module.bias if layer.dora else None)
+    return hook
+
+
+def _checked_linear_hook(layer: LoRALinear, member: int):
+    """The hook of a linear-like module that is not an nn.Linear: checks that its forward returned
+    its base output, a tensor (..., out_features), before adding the LoRA term."""
+    width = layer.output_slices[member]
 
     def hook(module, args, kwargs, output):
-        return layer.apply(member, _input(args, kwargs, "input"), output)
+        if not isinstance(output, torch.Tensor) or output.dim() < 1 or output.shape[-1] != width:
+            got = (f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
+                   else f"a {type(output).__name__}")
+            raise TypeError(f"module {layer.module_names[member]!r} ({type(module).__name__}) returned {got}; a module "
+                            f"holding a LoRA layer must return its base output (..., out_features={width})")
+        bias = getattr(module, "bias", None) if layer.dora else None
+        return layer.apply(member, _input(args, kwargs, "input"), output, bias)
     return hook
+
+
+def _experts_forward(layer: LoRAExperts, module: nn.Module):
+    def forward(hidden_states, top_k_index, top_k_weights):
+        return layer.forward_experts(module, hidden_states, top_k_index, top_k_weights)
+    return forward
 
 
 def _embedding_hook(layer: LoRAEmbedding):

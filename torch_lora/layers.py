@@ -4,7 +4,8 @@ Each layer holds the LoRA weights of every slot for one place of a model and add
 of the model's own module, each token's adapter's LoRA term:
 
 layer: base module; buffers (L = max_loras slots, r = max_rank); wrapper call
-  * `LoRALinear`: one `nn.Linear`, or several that read the same input (q/k/v, gate/up);
+  * `LoRALinear`: one linear module (`nn.Linear`, a quantized linear, any module computing
+    (..., in) -> (..., out)), or several that read the same input (q/k/v, gate/up);
     `lora_a` (S, L, r, in), `lora_b_<s>` (L, n_s, r); one `add_lora_linear` over the S slices.
   * `LoRAEmbedding`: `nn.Embedding`; `lora_a` (L, V, r), `lora_b` (L, D, r); row lookup at
     `embeddings_indices[1]`, then `add_lora_embedding`.
@@ -13,8 +14,9 @@ layer: base module; buffers (L = max_loras slots, r = max_rank); wrapper call
 
 Every layer also has `lora_ranks` (L,) int32: each slot's real rank in this layer (0 for an empty
 slot), passed to the kernels as `lora_ranks` so they skip the zero padding. A `LoRALinear` built
-with `dora=True` also has `dora_scale` (L, out_features) float32: each slot's DoRA column scale
-(lora_core.dora; 1 for plain LoRA adapters and empty slots), passed as `dora_scale_stacked`. The adapter's scaling is
+with `dora=True`, or given a DoRA adapter later (`enable_dora()`), also has `dora_scale`
+(L, out_features) float32: each slot's DoRA column scale (lora_core.dora; 1 for plain LoRA adapters
+and empty slots), passed as `dora_scale_stacked`. The adapter's scaling is
 folded into `lora_b` when it is placed (`torch_lora.adapters`), so the layers call the wrapper with
 scale 1. The buffers are allocated once and written in place (slot by slot): their addresses never
 change, so a CUDA graph captured once keeps reading the current adapters.
@@ -79,7 +81,11 @@ class _LoRALayer(nn.Module):
 
 
 class LoRALinear(_LoRALayer):
-    """Stacked LoRA weights of one `nn.Linear`, or of several linears that read the same input.
+    """Stacked LoRA weights of one linear module, or of several linears that read the same input.
+
+    The layer never reads its modules' weights (except a DoRA layer's `base_weights`): it adds to
+    the output each module computed, so a module with a quantized weight (torchao, bitsandbytes)
+    holds a LoRA layer as an `nn.Linear` does; the LoRA weights are in `dtype` (16/32-bit float).
 
     A group (q/k/v of an attention, gate/up of an MLP) is one multi-slice layer: the first member
     called with an input computes every slice's LoRA term in ONE `add_lora_linear` call into a
@@ -97,12 +103,14 @@ class LoRALinear(_LoRALayer):
             y = g_s[slot] * (x W_s^T + delta_s) + bias_s
         (W_s, bias_s the member's base weight and bias; delta_s the LoRA term). `apply` then needs
         the member's bias (the base output it receives holds it; it is added after the scale).
-      base_weights: with dora=True, the S members' base weights (n_s, H) (references to the
-        modules' weights, not copies): torch_lora.adapters reads them to compute g when it places a
-        DoRA adapter (g = m / ||W + s B A||_row, lora_core.dora.column_scale).
+      base_weights: the S members' base weights (n_s, H) (references to the modules' weights, not
+        copies): torch_lora.adapters reads them to compute g when it places a DoRA adapter
+        (g = m / ||W + s B A||_row, lora_core.dora.column_scale). Needed with dora=True; without
+        it they let a DoRA adapter in later: its first placement calls `enable_dora()`, which
+        allocates dora_scale then (MultiLoRAModel passes them always).
     Buffers: lora_a (S, L, r, H); lora_b_<s> (L, n_s, r) (scaling folded in); lora_ranks (L,) int32;
-    with dora=True, dora_scale (L, out_features) float32 (slice s at columns offsets[s]:, ones
-    where the slot's adapter is plain LoRA or the slot is empty).
+    with dora=True (or after `enable_dora()`), dora_scale (L, out_features) float32 (slice s at
+    columns offsets[s]:, ones where the slot's adapter is plain LoRA or the slot is empty).
     """
 
     kind = "linear"
@@ -125,24 +133,39 @@ class LoRALinear(_LoRALayer):
                                  persistent=False)
         if not isinstance(dora, bool):
             raise TypeError(f"dora must be a bool, got {dora!r}")
-        self.dora = dora
-        self.base_weights = self._check_base_weights(base_weights) if dora else None
-        if base_weights is not None and not dora:
-            raise ValueError(f"LoRA layer for {self.module_names[0]!r}: base_weights are read only by DoRA layers; "
-                             "pass dora=True with them (or leave them out)")
+        self.dora = False
+        self.base_weights = (self._check_base_weights(base_weights) if dora or base_weights is not None else None)
         if dora:
-            self.register_buffer("dora_scale", torch.ones(max_loras, self.out_features, dtype=torch.float32,
-                                                          device=device), persistent=False)
+            self.enable_dora()
         self._stacks = None
         self._pending = None          # [input, LoRA terms (..., out_features), members served, token scales,
                                       #  the input's version counter when the terms were computed]
+
+    def enable_dora(self) -> bool:
+        """Allocates `dora_scale` (L, out_features) float32, all ones (every slot plain LoRA), on the
+        layer's device unless the layer has it; returns whether it was allocated. Needs base_weights.
+        The buffer is new: a CUDA graph captured before it existed does not read it (capture again
+        after the first DoRA adapter is loaded, or build with dora=True)."""
+        if self.dora:
+            return False
+        if self.base_weights is None:
+            raise ValueError(f"LoRA layer for {self.module_names[0]!r} has no base_weights, which DoRA's column "
+                             "scale is computed from: build it with base_weights=[each member's weight] "
+                             "(MultiLoRAModel does)")
+        self.register_buffer("dora_scale", torch.ones(self.max_loras, self.out_features, dtype=torch.float32,
+                                                      device=self.lora_a.device), persistent=False)
+        self.dora = True
+        return True
 
     def _check_base_weights(self, base_weights) -> tuple:
         want = [(n, self.in_features) for n in self.output_slices]
         if not isinstance(base_weights, (list, tuple)) or len(base_weights) != len(self.module_names) or not all(
                 isinstance(w, torch.Tensor) for w in base_weights):
             raise ValueError(f"LoRA layer for {self.module_names[0]!r}: dora=True needs base_weights, one tensor per "
-                             f"member module with shapes {want} (out, in), got {base_weights!r:.200}")
+                             f"member module with shapes {want} (out, in), got {base_weights!r:.200}"
+                             if base_weights is None else
+                             f"LoRA layer for {self.module_names[0]!r}: base_weights must be one tensor per member "
+                             f"module with shapes {want} (out, in), got {base_weights!r:.200}")
         got = [tuple(w.shape) for w in base_weights]
         if got != want:
             raise ValueError(f"LoRA layer for {self.module_names[0]!r}: base_weights must have shapes {want} "

@@ -535,9 +535,9 @@ class PunicaWrapper:
         if len(lora_a_stacked) != num_slices or len(lora_b_stacked) != num_slices:
             raise ValueError(f"num_slices: expected len(lora_a_stacked) = len(lora_b_stacked) = {num_slices}, got "
                              f"{len(lora_a_stacked)} and {len(lora_b_stacked)}")
-        pairs = int(num_tokens) * int(top_k)
-        naive = expert_map is None and pairs * 8 <= int(local_num_experts) * int(max_loras)
-        block = 16 if pairs <= 1024 else 64
+        naive = _moe.naive_block_assignment(int(num_tokens), int(top_k), int(local_num_experts), int(max_loras),
+                                            expert_map)
+        block = _moe.moe_block_size(int(num_tokens) * int(top_k))
         mapping, sorted_ids, expert_ids, post_pad = self.moe_lora_align_block_size(
             topk_ids, num_tokens, block, local_num_experts, max_loras, adapter_enabled, expert_map,
             naive_block_assignment=naive)

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from .. import nn as lnn
-from .. import parallel
+from .. import parallel, quant
 from ..ops.api import _on_host
 from .attention import decode_attention, prefill_attention
 
@@ -330,6 +330,9 @@ class LlamaForCausalLM(nnx.Module):
         `layouts` ({path or layer name: layout}) overrides it. Raises ValueError when a size is not
         divisible by the device count, or when the model is already split over another mesh.
         """
+        if quant.quantized_layers(self):
+            raise NotImplementedError("a model with quantized layers (quantize=...) cannot be split over a mesh: "
+                                      "serve it on one device, or split the float model")
         if self.mesh is not None and (self.mesh != mesh or self.tp_axis != axis):
             raise ValueError(f"the model is already split over axis {self.tp_axis!r} of another mesh "
                              f"{dict(self.mesh.shape)}; load it again to split it differently")
@@ -407,7 +410,9 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
 
     q/k/v_proj select `qkv_proj`, gate/up_proj select `gate_up_proj` (all slices get slots; an
     adapter that targets only some of them has zeros in the others). dora=True: the linear layers
-    also hold DoRA column scales (needed to serve use_dora adapters). Returns {path: layer}.
+    hold DoRA column scales from the start; without it a layer gets its scale when the first
+    use_dora adapter reaches it (MultiLoRALinear.enable_dora: a new variable, so one recompilation
+    of a jitted step). Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
         raise TypeError(f"target_modules must be a list of module names from {HF_LORA_TARGETS} (e.g. "
@@ -449,9 +454,20 @@ def _read_safetensors_dir(model_dir: str) -> dict:
     return out
 
 
-def load_llama(model_dir: str, *, dtype=jnp.float32, mesh=None, tp_axis: str = "tp") -> LlamaForCausalLM:
+def load_llama(model_dir: str, *, dtype=jnp.float32, mesh=None, tp_axis: str = "tp",
+               quantize: str | None = None) -> LlamaForCausalLM:
     """Builds the model from `config.json` and Hugging Face-format safetensors in `model_dir`;
-    with `mesh`, split over its `tp_axis` (`LlamaForCausalLM.shard`)."""
+    with `mesh`, split over its `tp_axis` (`LlamaForCausalLM.shard`).
+
+    quantize: None (float layers in `dtype`), "int8" or "fp8": the decoder's linears are quantized
+    while loading (`jax_lora.quant.QuantizedLinear`, activations in `dtype`), each from its float32
+    host copy, so the device never holds the model's float linears. Not with `mesh`.
+    """
+    if quantize is not None:
+        quant._check_quantize(quantize)
+        if mesh is not None:
+            raise NotImplementedError("load_llama: quantize= with mesh= is not supported (quantized layers are "
+                                      "served on one device)")
     cfg = LlamaConfig.from_json(os.path.join(model_dir, "config.json"))
     weights = _read_safetensors_dir(model_dir)
     model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -470,6 +486,16 @@ def load_llama(model_dir: str, *, dtype=jnp.float32, mesh=None, tp_axis: str = "
     def put(var, value):
         var.set_value(jnp.asarray(value, dtype))
 
+    def put_linear(parent, attr, kernel, bias=None):
+        """Sets the float kernel (in, out) (and bias) of parent.attr, or, with quantize, replaces the
+        layer by its quantized twin."""
+        if quantize is None:
+            put(getattr(parent, attr).kernel, kernel)
+            if bias is not None:
+                put(getattr(parent, attr).bias, bias)
+        else:
+            setattr(parent, attr, quant.QuantizedLinear.from_kernel(kernel, bias, quantize=quantize, dtype=dtype))
+
     c = cfg
     put(model.model.embed_tokens.embedding, get("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
     for i, layer in enumerate(model.model.layers):
@@ -478,20 +504,22 @@ def load_llama(model_dir: str, *, dtype=jnp.float32, mesh=None, tp_axis: str = "
         q = get(p + "self_attn.q_proj.weight", (c.q_size, c.hidden_size))
         k = get(p + "self_attn.k_proj.weight", (c.kv_size, c.hidden_size))
         v = get(p + "self_attn.v_proj.weight", (c.kv_size, c.hidden_size))
-        put(at.qkv_proj.kernel, np.concatenate([q, k, v]).T)
-        put(at.o_proj.kernel, get(p + "self_attn.o_proj.weight", (c.hidden_size, c.q_size)).T)
+        qkv_bias = o_bias = gu_bias = down_bias = None
         if c.attention_bias:
-            put(at.qkv_proj.bias, np.concatenate([get(p + f"self_attn.{n}_proj.bias", (s,)) for n, s in
-                                                  (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size))]))
-            put(at.o_proj.bias, get(p + "self_attn.o_proj.bias", (c.hidden_size,)))
+            qkv_bias = np.concatenate([get(p + f"self_attn.{n}_proj.bias", (s,)) for n, s in
+                                       (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size))])
+            o_bias = get(p + "self_attn.o_proj.bias", (c.hidden_size,))
+        put_linear(at, "qkv_proj", np.concatenate([q, k, v]).T, qkv_bias)
+        put_linear(at, "o_proj", get(p + "self_attn.o_proj.weight", (c.hidden_size, c.q_size)).T, o_bias)
         g = get(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
         u = get(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
-        put(layer.mlp.gate_up_proj.kernel, np.concatenate([g, u]).T)
-        put(layer.mlp.down_proj.kernel, get(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)).T)
         if c.mlp_bias:
-            put(layer.mlp.gate_up_proj.bias, np.concatenate([get(p + "mlp.gate_proj.bias", (c.intermediate_size,)),
-                                                             get(p + "mlp.up_proj.bias", (c.intermediate_size,))]))
-            put(layer.mlp.down_proj.bias, get(p + "mlp.down_proj.bias", (c.hidden_size,)))
+            gu_bias = np.concatenate([get(p + "mlp.gate_proj.bias", (c.intermediate_size,)),
+                                      get(p + "mlp.up_proj.bias", (c.intermediate_size,))])
+            down_bias = get(p + "mlp.down_proj.bias", (c.hidden_size,))
+        put_linear(layer.mlp, "gate_up_proj", np.concatenate([g, u]).T, gu_bias)
+        put_linear(layer.mlp, "down_proj", get(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)).T,
+                   down_bias)
         put(layer.input_layernorm.weight, get(p + "input_layernorm.weight", (c.hidden_size,)))
         put(layer.post_attention_layernorm.weight, get(p + "post_attention_layernorm.weight", (c.hidden_size,)))
     put(model.model.norm.weight, get("model.norm.weight", (c.hidden_size,)))
@@ -509,6 +537,10 @@ def load_llama(model_dir: str, *, dtype=jnp.float32, mesh=None, tp_axis: str = "
 def save_llama(model: LlamaForCausalLM, model_dir: str) -> None:
     """Writes `config.json` and `model.safetensors` in the Hugging Face layout (unfused q/k/v etc.)."""
     from safetensors.numpy import save_file
+    quantized = quant.quantized_layers(model)
+    if quantized:
+        raise ValueError("save_llama writes float checkpoints; this model has quantized layers "
+                         f"({sorted(quantized)[:2]} ...): save the model before quantizing it")
     os.makedirs(model_dir, exist_ok=True)
     c = model.config
     out = {}

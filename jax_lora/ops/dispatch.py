@@ -8,6 +8,9 @@ A backend is a module (or object) with:
   COLUMN_SCALE: True when expand (and linear) also take col_scale= (S entries of None / (L, n_s):
       a slice's new value times g[idx] instead of plus a bias, DoRA); the wrapper refuses DoRA
       scales for a backend without it
+  CUSTOM_CALLS: True when the ops run custom calls XLA's partitioner cannot look into (Pallas,
+      Triton): `resolve` then hands out `jax_lora.ops.partition.partitioned(impl)`, whose ops run
+      per device like their math under a jit with sharded inputs
 Weights arrive as 3-D arrays (the size-1 axis removed), indices through the metadata (contract
 section 3), already checked. Adding a backend means registering it here; callers never change.
 
@@ -27,7 +30,7 @@ from lora_core.backend_registry import BackendRegistry
 from lora_core.checks import check_deterministic
 
 from ..devices import platform_of
-from . import invariant
+from . import invariant, partition
 
 _REGISTRY = BackendRegistry({
     "xla": "jax_lora.ops.xla",
@@ -60,12 +63,13 @@ def default_backend_name(device=None, *, log: bool = False) -> str:
 
 def resolve(backend: str | None, device=None, *, deterministic: bool = False):
     """The backend module for an explicit name, or the device's default (said once on the
-    `jax_lora` logger); its batch-invariant form with deterministic=True (`deterministic_impl`)."""
+    `jax_lora` logger); its batch-invariant form with deterministic=True (`deterministic_impl`);
+    partitioned under GSPMD when it runs custom calls (`partition.partitioned`)."""
     if backend is not None:
         impl = load_backend(backend)
     else:
         impl = load_backend(default_backend_name(device, log=True))
-    return deterministic_impl(impl) if check_deterministic(deterministic) else impl
+    return partition.partitioned(deterministic_impl(impl) if check_deterministic(deterministic) else impl)
 
 
 def deterministic_impl(impl):

@@ -50,6 +50,7 @@ from ..meta import LoRAKernelMeta
 NAME = "triton"
 COLUMN_SCALE = True        # expand and linear take col_scale (DoRA)
 READS_VIEWS = True          # lora_a / lora_b entries may be `View`s (jax_lora.wrapper, nn.MultiLoRALinear)
+CUSTOM_CALLS = True         # FFI / legacy custom calls, callbacks: partitioned by jax_lora.ops.partition
 _LOG = logging.getLogger("jax_lora")
 
 
@@ -459,6 +460,6 @@ def deterministic_backend():
 
 
 _DETERMINISTIC = types.SimpleNamespace(
-    NAME=NAME, deterministic=True, READS_VIEWS=True, COLUMN_SCALE=True,
+    NAME=NAME, deterministic=True, READS_VIEWS=True, COLUMN_SCALE=True, CUSTOM_CALLS=True,
     shrink=functools.partial(shrink, deterministic=True), expand=functools.partial(expand, deterministic=True),
     linear=functools.partial(linear, deterministic=True))

@@ -17,21 +17,24 @@ Work decomposition (vLLM's `moe_lora_align_block_size` layout). Two pair orders,
 1. Sorted (prefill, many pairs): per slot l, `sorted_token_ids[l]` lists the slot's pairs grouped
    by expert, each group padded with the sentinel num_pairs to a multiple of BLOCK_M;
    `expert_ids[l, m]` is block m's expert (-1: none) and `num_tokens_post_padded[l]` the slot's
-   padded length. Program (l * max_blocks + m) takes block m of slot l: one expert, one slot, so
-   A_s[l, e] and B_s[l, e] are loaded once for BLOCK_M pairs (tl.dot on tiles).
+   padded length. The blocks of all slots are numbered one after another (slot l's first block is
+   the sum of the earlier slots' num_tokens_post_padded / BLOCK_M, found by a prefix sum over the
+   slots in registers); each block is one expert of one slot, so A_s[l, e] and B_s[l, e] are loaded
+   once for BLOCK_M pairs (tl.dot on tiles).
 2. Naive (decode, few pairs: sorted_token_ids None): `expert_ids` is topk_ids flattened (P,),
    program p takes pair p alone; its slot comes from token_lora_mapping[p // top_k].
 
-The kernel runs in two phases (PHASE constexpr, two launches on one grid of blocks):
-PHASE 0 (shrink) writes the float32 rank-sized rows buf[s, p, :r] of its pairs, reading x once per
-block for every slice (grid axis 1 = slice); PHASE 1 (expand) reads them back and adds B's tile of
-BLOCK_N output columns (grid axis 1 = slice * n-tiles + n-tile). The shrink of a slice is never
-recomputed per output tile, and a pair's rows of buf and y are touched by one program per tile, so
-no atomics. When the slices share one A (PEFT's fused gate_up_proj, split into gate and up
-halves), SHARED_A: the shrink runs once (slice 0) and every expand reads slice 0's rows.
+The kernel runs in two phases (PHASE constexpr, two launches on one grid of blocks). PHASE 0
+(shrink) writes the float32 rank-sized rows buf[s, p, :r] of its pairs (grid axis 1 = slice *
+rank chunks: the naive order splits the rank over programs). PHASE 1 (expand) reads them back and
+adds B's tile of BLOCK_N output columns (grid axis 1 = slice * n-tiles + n-tile). The shrink of a
+slice is never recomputed per output tile, and a pair's rows of buf and y are touched by one
+program per tile, so no atomics. When the slices share one A (PEFT's fused gate_up_proj, split
+into gate and up halves), SHARED_A: the shrink runs once (slice 0) and every expand reads slice
+0's rows.
 
-Grid sizes depend only on (num_pairs, max_loras, E, BLOCK_M) and the widths, never on the routing:
-the launch is CUDA-graph capturable. Blocks past a slot's padded length return at once.
+Grid sizes depend only on (num_pairs, max_loras, E, BLOCK_M), the rank and the widths, never on
+the routing: the launch is CUDA-graph capturable. Programs past the last block return at once.
 
 Interpreter: under TRITON_INTERPRET=1 tiles are upcast to float32 after loading (CAST_FP32).
 """
@@ -46,6 +49,9 @@ import triton.language as tl
 from .planning import cast_and_precision, next_pow2
 
 MAX_SLICES = 2            # gate_up (w13) has two slices, down (w2) one
+K_PER_SPLIT = 512         # naive shrink: hidden elements per program at least (about 1 KiB of x, 16 KiB of A)
+MAX_K_SPLIT = 8
+SPLIT_PAIRS_MAX = 1024    # the hidden split runs up to this many pairs (decode); above, blocks fill the GPU
 
 
 @triton.jit
@@ -67,12 +73,16 @@ def moe_lora_kernel(
         # meta-parameters
         PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
         N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """PHASE 0: buf[s, p, :rank] = A_s[l, e] @ x[row(p)]; PHASE 1: y[p, cols of s] += w(p) * B_s[l, e] @ buf[s', p]
-    (s' = 0 with SHARED_A, else s), for the pairs of program 0's block (see the module docstring)."""
+        BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, K_SPLIT: tl.constexpr, K_PER: tl.constexpr,
+        SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """PHASE 0: buf[s * K_SPLIT + j, p, rank chunk] = A_s[l, e, chunk, K part j] @ x[row(p), K part j];
+    PHASE 1: y[p, cols of s] += w(p) * B_s[l, e] @ sum_j buf[s' * K_SPLIT + j, p] (s' = 0 with SHARED_A,
+    else s), for the pairs of the program's block (see the module docstring)."""
     pid = tl.program_id(0)
     axis1 = tl.program_id(1)
-    s = axis1 // N_TILES if PHASE == 1 else axis1
+    k_split = axis1 % K_SPLIT
+    r_chunk = (axis1 // K_SPLIT) % (BLOCK_R // R_CHUNK)
+    s = axis1 // N_TILES if PHASE == 1 else axis1 // (K_SPLIT * (BLOCK_R // R_CHUNK))
     n_tile = axis1 % N_TILES
     if PHASE == 0 and SHARED_A:  # noqa: SIM102 - constexpr test apart from the runtime one
         if s > 0:
@@ -84,12 +94,17 @@ def moe_lora_kernel(
         expert = tl.load(expert_ids_ptr + pid)
         pairs = tl.where(offs_m == 0, pid, num_pairs)
     else:
-        slot = pid // max_blocks
-        block = pid % max_blocks
-        expert = tl.load(expert_ids_ptr + slot * stride_expert_slot + block)
-        padded = tl.load(post_pad_ptr + slot)
-        if block * BLOCK_M >= padded:
+        # Blocks of all slots one after another: slot l owns num_tokens_post_padded[l] / BLOCK_M of them.
+        offs_l = tl.arange(0, SLOTS_P2)
+        blocks = tl.load(post_pad_ptr + offs_l, mask=offs_l < num_slots, other=0) // BLOCK_M
+        ends = tl.cumsum(blocks, 0)
+        slot = tl.sum((ends <= pid).to(tl.int32), 0)
+        if slot >= num_slots:
             return
+        block = pid - tl.sum(tl.where(offs_l < slot, blocks, 0), 0)
+        if block >= max_blocks:
+            return
+        expert = tl.load(expert_ids_ptr + slot * stride_expert_slot + block)
         pairs = tl.load(sorted_ptr + slot * stride_sorted_slot + block * BLOCK_M + offs_m)
     if (slot < 0) | (slot >= num_slots) | (expert < 0):
         return
@@ -99,9 +114,9 @@ def moe_lora_kernel(
     pairs = tl.where(pair_ok, pairs, 0)
     slot64 = slot.to(tl.int64)
     expert64 = expert.to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    rank_ok = offs_r < rank
     if PHASE == 0:
+        offs_r = r_chunk * R_CHUNK + tl.arange(0, R_CHUNK)
+        rank_ok = offs_r < rank
         # 2. Shrink: (BLOCK_M, BLOCK_K) x tiles against A_s[l, e] (rank, BLOCK_K), over the hidden size.
         first = s == 0
         a_ptr = tl.where(first, a0_ptr + slot64 * stride_a0_slot + expert64 * stride_a0_expert,
@@ -110,10 +125,12 @@ def moe_lora_kernel(
         stride_ak = tl.where(first, stride_a0_hidden, stride_a1_hidden)
         rows = pairs if MUL_ROUTED_WEIGHT else pairs // top_k
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
+        k_lo = k_split * K_PER
+        k_hi = tl.minimum(hidden, k_lo + K_PER)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < hidden
+            k_ok = offs_k < k_hi
             xt = tl.load(x_rows + offs_k[None, :] * stride_x_hidden, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
                          mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
@@ -121,10 +138,13 @@ def moe_lora_kernel(
                 xt = xt.to(tl.float32)
                 at = at.to(tl.float32)
             acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
-        out = buf_ptr + s * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
+        plane = s * K_SPLIT + k_split
+        out = buf_ptr + plane * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
         tl.store(out, acc, mask=pair_ok[:, None] & rank_ok[None, :])
     else:
         # 3. Expand: the block's rank rows against B_s[l, e]'s BLOCK_N columns, weighted, added into y.
+        offs_r = tl.arange(0, BLOCK_R)
+        rank_ok = offs_r < rank
         first = s == 0
         b_ptr = tl.where(first, b0_ptr + slot64 * stride_b0_slot + expert64 * stride_b0_expert,
                          b1_ptr + slot64 * stride_b1_slot + expert64 * stride_b1_expert)
@@ -137,8 +157,11 @@ def moe_lora_kernel(
         if n_tile * BLOCK_N >= width:
             return
         src = 0 if SHARED_A else s
-        rows = tl.load(buf_ptr + src * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair
-                       + offs_r[None, :], mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
+        row_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
+        rows = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for j in tl.static_range(K_SPLIT):             # the shrink's partial sums, in plane order
+            rows += tl.load(row_ptrs + (src * K_SPLIT + j) * stride_buf_slice,
+                            mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
         bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                      mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
         bt = bt.to(tl.float32)
@@ -160,17 +183,29 @@ class MoePlan:
     expand_grid: tuple
     constexprs: dict
     max_blocks: int
+    k_split: int
+    """Partial-sum planes per slice: the rank buffer holds slices * k_split planes."""
 
 
-def plan_moe_lora(*, num_pairs: int, num_slots: int, hidden: int, widths: tuple, rank: int, naive: bool,
-                  sorted_len: int, block_m: int, mul_routed_weight: bool, shared_a: bool, dtypes: tuple) -> MoePlan:
+def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: int, widths: tuple, rank: int,
+                  naive: bool, sorted_len: int, block_m: int, mul_routed_weight: bool, shared_a: bool,
+                  dtypes: tuple) -> MoePlan:
     """The grids and meta-parameters of one MoE LoRA call.
 
     1. Blocks: naive, one program per pair (BLOCK_M 16, only row 0 live: tl.dot's smallest tile);
-       sorted, max_blocks = sorted_len / block_m blocks per slot.
+       sorted, the blocks of every slot one after another: at most cdiv(pairs, block_m) + the
+       number of (slot, expert) runs, min(slots * experts, pairs) (each run wastes under one
+       block), so the grid is that bound, never slots * sorted_len / block_m.
     2. BLOCK_R = the rank rounded up to a power of two >= 16; BLOCK_K 64 (32 under a wide rank);
        BLOCK_N 64 (128 for wide outputs with a small rank).
-    3. Shrink grid (blocks, slices); expand grid (blocks, slices * n-tiles).
+    3. Decode sizes (at most SPLIT_PAIRS_MAX pairs: few blocks, each a long reduction over the
+       hidden size) spread the shrink over more programs: the hidden size in up to MAX_K_SPLIT
+       parts of at least K_PER_SPLIT elements, each part's partial sum in its own plane of the
+       rank buffer (slices * K_SPLIT planes), added by the expand in plane order: no atomics, no
+       zeroing, x still read once. The naive shrink also splits the rank into 16-wide chunks
+       (BLOCK_K 128; a pair's x row is short); the sorted one keeps the whole rank, so a block's
+       x rows are read once.
+    4. Shrink grid (blocks, slices * rank chunks * K_SPLIT); expand grid (blocks, slices * n-tiles).
     """
     if len(widths) not in (1, 2):
         raise ValueError(f"lora_b_stacked: expected 1 or {MAX_SLICES} slices, got {len(widths)}")
@@ -181,6 +216,8 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, hidden: int, widths: tuple,
     n_tiles = triton.cdiv(widest, block_n)
     if naive:
         bm, max_blocks, blocks = 16, 1, num_pairs
+        r_chunk = 16
+        block_k = 128
     else:
         if block_m < 16 or block_m & (block_m - 1):
             raise ValueError(f"block_size: expected a power of two >= 16, got {block_m}")
@@ -188,9 +225,17 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, hidden: int, widths: tuple,
             raise ValueError(f"sorted_token_ids: expected a length per slot that is a multiple of block_size "
                              f"{block_m}, got {sorted_len}")
         bm, max_blocks = block_m, sorted_len // block_m
-        blocks = num_slots * max_blocks
+        blocks = triton.cdiv(num_pairs, bm) + min(num_slots * num_experts, num_pairs)
+        r_chunk = block_r
+    k_split, k_per = 1, hidden
+    if num_pairs <= SPLIT_PAIRS_MAX:
+        k_split = max(1, min(MAX_K_SPLIT, hidden // K_PER_SPLIT))
+        k_per = triton.cdiv(triton.cdiv(hidden, k_split), block_k) * block_k
+        k_split = triton.cdiv(hidden, k_per)
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=shared_a and len(widths) > 1,
                       N_TILES=n_tiles, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+                      R_CHUNK=r_chunk, K_SPLIT=k_split, K_PER=k_per, SLOTS_P2=next_pow2(max(num_slots, 2)),
                       CAST_FP32=cast, DOT_PRECISION=precision)
-    return MoePlan((max(blocks, 1), len(widths)), (max(blocks, 1), len(widths) * n_tiles), constexprs, max_blocks)
+    return MoePlan((max(blocks, 1), len(widths) * (block_r // r_chunk) * k_split),
+                   (max(blocks, 1), len(widths) * n_tiles), constexprs, max_blocks, k_split)

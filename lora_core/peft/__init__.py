@@ -20,7 +20,7 @@ What is refused, and why:
 - Config fields: every field of adapter_config.json is looked up in three tables. `IMPLEMENTED`
   fields are read; `METADATA` fields do not change an adapter's output at inference (training and
   initialisation settings, provenance); `UNSUPPORTED` fields change the output in a way this
-  package does not compute (DoRA, aLoRA, LoRA bias, ...) and are accepted only at their default
+  package does not compute (LoRA bias, QALoRA, modules_to_save, ...) and are accepted only at their default
   value. A field in none of the tables is refused too: an unknown field may change the math.
   The tables classify every field of peft 0.21's `LoraConfig` (tests/test_peft_core.py checks the
   installed peft against them).

@@ -98,6 +98,9 @@ class PeftAdapter:
     magnitudes: dict = dataclasses.field(default_factory=dict)
     """DoRA (use_dora): {module: its (out,) magnitude vector m, PEFT's lora_magnitude_vector};
     lora_core.dora turns it into the module's column scale. Empty for a plain LoRA adapter."""
+    invocation_tokens: tuple | None = None
+    """aLoRA (alora_invocation_tokens): the token ids from whose last occurrence in a request on the
+    adapter applies (lora_core.alora); None for an adapter that applies to every token."""
 
     @property
     def label(self) -> str:
@@ -179,8 +182,14 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
     for target, (lora_a, lora_b) in group_expert_linears(pieces, module_shapes or {}).items():
         modules[target] = LoraModule(lora_a, lora_b, 1.0, EXPERT_KIND)
     dora = {module: np.asarray(arrays[key], np.float32) for module, key in magnitudes.items()}
+    if config.alora_invocation_tokens is not None:
+        embeddings = sorted(m for m, (_a, _b, kind) in plan.items() if kind == "embedding")
+        if embeddings:
+            raise AdapterError(f"{weights_path}: an aLoRA adapter (alora_invocation_tokens) with embedding LoRA on "
+                               f"{embeddings}: PEFT applies aLoRA to linear layers only")
     return PeftAdapter(name, config.r, config.lora_alpha,
-                       config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora)
+                       config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora,
+                       config.alora_invocation_tokens)
 
 
 def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
@@ -303,7 +312,12 @@ def _module_plan(parts: dict, header: dict, config, raw: dict, weights_path: str
             raise AdapterError(f"{weights_path}: matching {CONFIG_NAME}'s patterns (target_modules, rank_pattern, ...) "
                                f"against the tensor names took more than {MATCH_BUDGET_S} s; refused")
         kind = next((k for k, pair in _PAIRS.items() if set(kinds) == set(pair)), None)
-        parameter = parameter_of(module, config, module_shapes, weights_path) if config.target_parameters else None
+        parameter = None
+        if config.target_parameters and kind == "linear":
+            parameter = parameter_of(module, config, module_shapes, weights_path,
+                                     (header[kinds["lora_A"]].shape, header[kinds["lora_B"]].shape))
+        elif config.target_parameters:
+            parameter = parameter_of(module, config, module_shapes, weights_path)
         if parameter is not None:
             if kind != "linear":
                 raise AdapterError(f"{weights_path}: parameter {parameter!r} (tensors of {module!r}) has tensors "

@@ -28,6 +28,7 @@ MAX_HEADER_BYTES = 100_000_000         # the safetensors library's own limit
 MAX_TENSOR_BYTES = 2**31               # per LoRA tensor; vocab 256k x rank 256 in fp32 is 256 MiB
 MAX_ADAPTER_BYTES = 2**34              # all LoRA tensors of one adapter read without a model to size them by
 MAX_DIM = 2**31 - 1                    # a rank or a tensor dimension (the kernels index with int32)
+MAX_INVOCATION_TOKENS = 4096          # an aLoRA invocation sequence (a chat-template turn marker is a few tokens)
 
 
 # ----------------------------------------------------------------------------- config fields
@@ -45,6 +46,8 @@ IMPLEMENTED = {
     "rank_pattern": "per-module r ({regex matching a name's suffix: r})",
     "alpha_pattern": "per-module lora_alpha ({regex matching a name's suffix: alpha})",
     "peft_type": "must be 'LORA'",
+    "alora_invocation_tokens": "aLoRA: the adapter applies from the last occurrence of these token ids on "
+                               "(lora_core.alora); a non-empty list of token ids, or null",
     "target_parameters": "which parameters hold LoRA (names or suffixes of 3-D expert weights such as "
                          "'mlp.experts.gate_up_proj'; read as kind 'experts', see lora_core.peft.experts)",
 }
@@ -74,7 +77,6 @@ METADATA = {
 
 # Change an adapter's output in a way this package does not compute: accepted only at a default.
 UNSUPPORTED = {
-    "alora_invocation_tokens": ((None,), "aLoRA applies the adapter only from its invocation tokens on"),
     "layer_replication": ((None, []), "layer replication serves a model with repeated base layers"),
     "lora_bias": ((False,), "LoRA bias adds a trained bias to lora_B"),
     "use_qalora": ((False,), "QALoRA pools the input in groups before lora_A"),
@@ -173,6 +175,7 @@ class AdapterConfig:
     layers_pattern: tuple | None = None
     rank_pattern: dict = dataclasses.field(default_factory=dict)
     alpha_pattern: dict = dataclasses.field(default_factory=dict)
+    alora_invocation_tokens: tuple | None = None
     target_parameters: tuple = ()
 
     @staticmethod
@@ -318,12 +321,23 @@ def parse_adapter_config(config: Any, source: str = CONFIG_NAME) -> AdapterConfi
             raise AdapterError(f"{where}: field 'rank_pattern': value for {key!r} = {_short(v)} is more than "
                                f"{MAX_DIM}, the largest rank (an int32)")
     alpha_pattern = _pattern_map(config.get("alpha_pattern"), where, "alpha_pattern", _is_number, "a finite number")
+    invocation = config.get("alora_invocation_tokens")
+    if invocation is not None:
+        if (not isinstance(invocation, list) or not invocation or len(invocation) > MAX_INVOCATION_TOKENS
+                or not all(_is_int(t) and 0 <= t <= MAX_DIM for t in invocation)):
+            raise AdapterError(f"{where}: field 'alora_invocation_tokens' must be null or a non-empty list of at most "
+                               f"{MAX_INVOCATION_TOKENS} token ids (ints in 0..{MAX_DIM}), got {_short(invocation)}")
+        if dora:
+            raise AdapterError(f"{where}: fields 'alora_invocation_tokens' and 'use_dora' together are not supported "
+                               "(an aLoRA adapter is plain LoRA from its invocation on)")
+        invocation = tuple(int(t) for t in invocation)
     parameters = _patterns(config.get("target_parameters"), where, "target_parameters", allow_regex=False) or ()
     if parameters and dora:
         raise AdapterError(f"{where}: fields 'target_parameters' and 'use_dora' together: PEFT's parameter LoRA has "
                            "no DoRA variant (PEFT refuses this config too)")
     return AdapterConfig(int(r), float(alpha), rslora, dora, targets, excluded, layers,
-                         tuple(layers_pattern) if layers_pattern else None, rank_pattern, alpha_pattern, parameters)
+                         tuple(layers_pattern) if layers_pattern else None, rank_pattern, alpha_pattern, invocation,
+                         parameters)
 
 
 def unique_json_keys(where: str, what: str):

@@ -59,7 +59,8 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<linear
 _BASE_LAYER = ".base_layer"
 
 
-def parameter_of(module: str, config, module_shapes: Mapping | None, where: str) -> str | None:
+def parameter_of(module: str, config, module_shapes: Mapping | None, where: str,
+                 shapes: tuple | None = None) -> str | None:
     """The full name of the parameter whose PEFT ParamWrapper saved its tensors under `module`
     (e.g. "model.layers.0.mlp.experts.base_layer" -> "model.layers.0.mlp.experts.gate_up_proj"),
     or None when `module` holds no parameter LoRA (no target_parameters entry names a parameter of it).
@@ -68,6 +69,10 @@ def parameter_of(module: str, config, module_shapes: Mapping | None, where: str)
     2. The parameters of the module that target_parameters names, in registration order: the
        model's (the order of module_shapes) where given, else transformers' (gate_up_proj before
        down_proj); the one at depth d is the (n - 1 - d)-th.
+    3. With module_shapes and the tensors' header shapes (A, B): when exactly one targeted
+       parameter's ModuleShape fits them (in, out, a multiple of its experts), that one. A class
+       registering its parameters in another order nests them in that order, which neither
+       module_shapes' order nor transformers' need follow; the shapes decide where they can.
     """
     depth = 0
     owner = module
@@ -93,10 +98,22 @@ def parameter_of(module: str, config, module_shapes: Mapping | None, where: str)
         return 0
 
     targeted.sort(key=rank)
+    if module_shapes is not None and shapes is not None:
+        shape_a, shape_b = shapes
+        fits = [p for p in targeted if _fits(module_shapes.get(f"{owner}.{p}"), shape_a, shape_b)]
+        if len(fits) == 1:
+            return f"{owner}.{fits[0]}"
     if depth >= len(targeted):
         raise AdapterError(f"{where}: tensors of {module!r} are nested {depth} wrappers deep, but target_parameters "
                            f"names only {len(targeted)} parameter(s) of {owner!r}: {targeted}")
     return f"{owner}.{targeted[len(targeted) - 1 - depth]}"
+
+
+def _fits(shape, shape_a: tuple, shape_b: tuple) -> bool:
+    """Whether A (r * E, in) and B (out, r * E) header shapes fit a kind "experts" ModuleShape."""
+    return (shape is not None and shape.kind == EXPERT_KIND and len(shape_a) == 2 and len(shape_b) == 2
+            and shape_a[1] == shape.in_features and shape_b[0] == shape.out_features
+            and shape_a[0] % shape.num_experts == 0)
 
 
 def experts_shapes(name: str, shape_a: tuple, shape_b: tuple, rank: int, where: str) -> tuple[int, int, int]:

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lora_core.moe_order import moe_block_size, naive_block_assignment  # noqa: F401 - the order rules, shared
+
 from . import dispatch
 
 

@@ -3,8 +3,9 @@
 Math: `torch_lora.ops.moe` (contract section 9). Steps:
 1. The plan (`plan_moe_lora`): naive or sorted blocks, tile sizes, SHARED_A when both slices'
    A are one tensor (PEFT's fused gate_up_proj), so its shrink runs once.
-2. A float32 rank buffer (slices, pairs, r), never zeroed: each live pair's rows are written by
-   the shrink launch before the expand launch reads them; other rows are never read.
+2. A float32 rank buffer (slices * K_SPLIT partial-sum planes, pairs, r), never zeroed: each live
+   pair's rows are written by the shrink launch before the expand launch reads them; other rows
+   are never read.
 3. The shrink launch, then the expand launch, on one grid of blocks (Triton's own launcher).
 """
 
@@ -31,16 +32,17 @@ def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_i
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return
-    num_slots, _experts, rank, hidden = lora_a[0].shape
+    num_slots, num_experts, rank, hidden = lora_a[0].shape
     widths = tuple(b.shape[2] for b in lora_b)
     naive = sorted_ids is None
-    plan = plan_moe_lora(num_pairs=num_pairs, num_slots=num_slots, hidden=hidden, widths=widths, rank=rank,
-                         naive=naive, sorted_len=0 if naive else sorted_ids.shape[1], block_m=block_size or 16,
-                         mul_routed_weight=mul_routed_weight, shared_a=_shares_a(lora_a),
+    plan = plan_moe_lora(num_pairs=num_pairs, num_slots=num_slots, num_experts=num_experts, hidden=hidden,
+                         widths=widths, rank=rank, naive=naive, sorted_len=0 if naive else sorted_ids.shape[1],
+                         block_m=block_size or 16, mul_routed_weight=mul_routed_weight,
+                         shared_a=_shares_a(lora_a),
                          dtypes=(_dtype_name(x), _dtype_name(lora_a[0]), _dtype_name(lora_b[0])))
     a0, a1 = lora_a[0], lora_a[-1]
     b0, b1 = lora_b[0], lora_b[-1]
-    buf = torch.empty((len(lora_a), num_pairs, rank), dtype=torch.float32, device=output.device)
+    buf = torch.empty((len(lora_a) * plan.k_split, num_pairs, rank), dtype=torch.float32, device=output.device)
     y = output.view(num_pairs, output.shape[2]) if output.is_contiguous() else output.reshape(num_pairs, -1)
     weights = topk_weights.reshape(-1)
     if not weights.is_contiguous():

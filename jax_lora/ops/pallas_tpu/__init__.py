@@ -57,7 +57,8 @@ rank-major, (L, r, n), via `transpose_lora_b` once at load time (see docs/tpu.md
 
 Modules (the op modules are named *_op so that the package attributes `shrink`, `expand` and
 `linear` are the backend's functions, not modules):
-  common.py     interpret vs compiled (`current_interpret`, `interpret_mode`), small array helpers,
+  common.py     interpret vs compiled (`current_interpret`, `interpret_mode`, `partitionable`: whether
+                jax_lora.ops.partition can split the kernels now), small array helpers,
                 helpers used inside kernels (row mask, lane placement, float32 dot, row DMAs)
   schedule.py   `Schedule`, `make_schedule`, `make_token_schedule`, the row orders of a call,
                 `chunk_slots` (heterogeneous ranks), `choose_token_order`
@@ -71,7 +72,7 @@ Modules (the op modules are named *_op so that the package attributes `shrink`, 
 
 from __future__ import annotations
 
-from .common import DEFAULT_INTERPRET, HIGHEST, current_interpret, interpret_mode
+from .common import DEFAULT_INTERPRET, HIGHEST, current_interpret, interpret_mode, partitionable
 from .expand_op import expand, transpose_lora_b
 from .linear_op import linear
 from .moe_op import fused_moe_lora
@@ -103,6 +104,7 @@ from .shrink_op import shrink
 
 NAME = "pallas_tpu"
 COLUMN_SCALE = True        # expand and linear take col_scale (DoRA)
+CUSTOM_CALLS = True        # pallas_call: partitioned by jax_lora.ops.partition under GSPMD
 
 __all__ = [
     "NAME", "shrink", "expand", "linear", "transpose_lora_b", "fused_moe_lora",  # the backend
@@ -111,5 +113,5 @@ __all__ = [
     "OrderCost", "STEP_BYTES", "choose_token_order", "prefers_token_order", "shrink_order_cost",
     "expand_order_cost",
     "ShrinkPlan", "ExpandPlan", "plan_shrink", "plan_expand", "plan_inplace", "rank_chunk_for", "VMEM_BUDGET",
-    "interpret_mode", "current_interpret", "DEFAULT_INTERPRET", "HIGHEST",
+    "interpret_mode", "current_interpret", "partitionable", "DEFAULT_INTERPRET", "HIGHEST",
 ]

@@ -43,6 +43,13 @@ def current_interpret():
     return False if jax.default_backend() == "tpu" else DEFAULT_INTERPRET
 
 
+def partitionable() -> bool:
+    """Whether the kernels traced now can run inside a custom-partitioned sub-program
+    (jax_lora.ops.partition): compiled (Mosaic) or in Pallas' generic interpreter (interpret=True);
+    not in TPU interpret mode, whose ordered host callbacks such a sub-program cannot carry."""
+    return not isinstance(current_interpret(), pltpu.InterpretParams)
+
+
 @contextlib.contextmanager
 def interpret_mode(params):
     """Runs the kernels traced in this context with `interpret=params` (InterpretParams or False)."""
