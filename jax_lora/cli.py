@@ -215,14 +215,16 @@ def package_version() -> str:
 
 
 def model_family(model_dir: str) -> str:
-    """"mixtral" when the checkpoint's config.json names a Mixtral-style MoE model, else "llama"."""
+    """"mixtral" when the checkpoint's config.json names a Mixtral-style MoE model (Qwen3-MoE included),
+    else "llama"."""
     import json
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             raw = json.load(f)
     except (OSError, ValueError):
         return "llama"                        # loading reports the problem
-    moe = isinstance(raw, dict) and (raw.get("model_type") == "mixtral" or bool(raw.get("num_local_experts")))
+    moe = isinstance(raw, dict) and (raw.get("model_type") in ("mixtral", "qwen3_moe")
+                                     or bool(raw.get("num_local_experts") or raw.get("num_experts")))
     return "mixtral" if moe else "llama"
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lora_core import checks
+from lora_core import checks, moe_order
 from lora_core.host_mapping import LoRAMapping, StepLayout, prepare_step
 
 from .devices import resolve_device
@@ -607,9 +607,9 @@ class PunicaWrapper:
         if len(lora_a) != num_slices or len(lora_b) != num_slices:
             raise ValueError(f"num_slices: expected len(lora_a_stacked) = len(lora_b_stacked) = {num_slices}, got "
                              f"{len(lora_a)} and {len(lora_b)}")
-        pairs = int(num_tokens) * int(top_k)
-        naive = expert_map is None and pairs * 8 <= int(local_num_experts) * int(max_loras)
-        block = 16 if pairs <= 1024 else 64
+        naive = moe_order.naive_block_assignment(int(num_tokens), int(top_k), int(local_num_experts), int(max_loras),
+                                                 expert_map)
+        block = moe_order.moe_block_size(int(num_tokens) * int(top_k))
         mapping, sorted_ids, expert_ids, post_pad = self.moe_lora_align_block_size(
             topk_ids, num_tokens, block, local_num_experts, max_loras, adapter_enabled, expert_map,
             naive_block_assignment=naive)

@@ -2,7 +2,7 @@
 transformers Mixtral (`target_parameters` on the fused experts, with and without attention
 `target_modules`, and attention only), loaded by AdapterManager, served by the ServingEngine in one
 mixed batch with a base-model request; each request's greedy tokens equal PEFT's generate with its
-adapter (fp32, CPU); the MoE block with LoRA equals the float64 oracle (tests/oracle.py's
+adapter (fp32, CPU), on a Qwen3-MoE too; the MoE block with LoRA equals the float64 oracle (tests/oracle.py's
 moe_block_lora); an expert adapter refused by a model without expert LoRA layers.
 """
 
@@ -61,6 +61,27 @@ def test_mixed_batch_greedy_tokens_equal_peft(assets):
                 else _peft_greedy(dirs, names[lora_id], prompt, 6))
         assert completion.tokens == want, f"request with adapter {names.get(lora_id, 'none')}"
     assert out[0].tokens != out[3].tokens, "the expert adapter changed nothing: the test would not see a bug"
+
+
+def test_qwen3_moe_expert_adapter_equals_peft(tmp_path):
+    """A Qwen3-MoE (q/k norms, no top-k renormalisation) with an adapter on attention and the
+    experts: greedy tokens equal PEFT's, beside a base-model request."""
+    from jax_lora.models import add_lora as add_lora_any
+    from jax_lora.serving import Request, ServingEngine
+    hf_mixtral.tiny_qwen3_moe().save_pretrained(str(tmp_path / "model"))
+    path = hf_mixtral.save_expert_adapter(hf_mixtral.tiny_qwen3_moe, tmp_path / "adapter", 9, r=4, lora_alpha=8,
+                                          target_modules=["k_proj", "o_proj"],
+                                          target_parameters=hf_mixtral.EXPERT_PARAMS)
+    model = load_mixtral(str(tmp_path / "model"))
+    add_lora_any(model, max_loras=1, max_rank=4, target_modules=["k_proj", "o_proj", "experts"])
+    manager = AdapterManager(model)
+    manager.register(1, path)
+    prompt = [3, 7, 11, 5]
+    out = ServingEngine(model, manager, max_seqs=2, max_len=32).generate(
+        [Request(prompt, lora_id=1, max_new_tokens=6), Request(prompt, max_new_tokens=6)])
+    lora = peft.PeftModel.from_pretrained(hf_mixtral.tiny_qwen3_moe(), path).eval()
+    assert out[0].tokens == hf_mixtral.hf_greedy(lora, prompt, 6)
+    assert out[1].tokens == hf_mixtral.hf_greedy(hf_mixtral.tiny_qwen3_moe(), prompt, 6)
 
 
 def test_moe_block_with_lora_equals_the_oracle(assets):

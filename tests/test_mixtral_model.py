@@ -1,8 +1,9 @@
 """The Flax Mixtral (jax_lora.models.MixtralForCausalLM) against transformers' Mixtral: a tiny random
 checkpoint saved by transformers loads with `load_mixtral`, its logits equal transformers' (fp32,
-CPU), greedy tokens from the ServingEngine equal `generate`'s; the three expert layouts (Mixtral's
-per-expert w1/w2/w3, per-expert gate/up/down, fused gate_up_proj/down_proj) load to the same model;
-the router matches a float64 top-k softmax; configs the model cannot serve are refused by name.
+CPU), greedy tokens from the ServingEngine equal `generate`'s, and so for a Qwen3-MoE checkpoint;
+the three expert layouts (Mixtral's per-expert w1/w2/w3, per-expert gate/up/down, fused
+gate_up_proj/down_proj) load to the same model; the router matches a float64 top-k softmax;
+configs the model cannot serve are refused by name.
 """
 
 from __future__ import annotations
@@ -45,6 +46,23 @@ def test_logits_and_greedy_tokens_equal_transformers(hf_model_dir):
     engine = ServingEngine(model, None, max_seqs=2, max_len=32)
     got = [c.tokens for c in engine.generate([Request(p, max_new_tokens=8) for p in prompts])]
     assert got == [hf_mixtral.hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_qwen3_moe_logits_and_greedy_tokens_equal_transformers(tmp_path):
+    """A Qwen3-MoE checkpoint (q/k norms, explicit head_dim, norm_topk_prob false) loads with
+    load_mixtral: same logits and greedy tokens as transformers'."""
+    from jax_lora.serving import Request, ServingEngine
+    hf = hf_mixtral.tiny_qwen3_moe()
+    hf.save_pretrained(str(tmp_path / "qwen"))
+    model = load_mixtral(str(tmp_path / "qwen"))
+    assert model.config.qk_norm and not model.config.norm_topk_prob and model.config.head_dim == 16
+    tokens = np.array([[3, 7, 11, 5, 9, 2]], np.int32)
+    ours = np.asarray(model(tokens, np.arange(6, dtype=np.int32)[None])[0])
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens.astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=0)
+    got = ServingEngine(model, None, max_seqs=1, max_len=32).generate([Request([3, 7, 11, 5], max_new_tokens=6)])
+    assert got[0].tokens == hf_mixtral.hf_greedy(hf, [3, 7, 11, 5], 6)
 
 
 def test_expert_layouts_load_the_same_model(hf_model_dir, tmp_path):

@@ -59,6 +59,7 @@ class MixtralConfig(LlamaConfig):
     num_experts_per_tok: int = 2
     norm_topk_prob: bool = True
     rope_theta: float = 1e6
+    qk_norm: bool = False          # Qwen3-MoE: RMSNorm of each head's q and k before RoPE
 
     def __post_init__(self):
         super().__post_init__()
@@ -69,8 +70,9 @@ class MixtralConfig(LlamaConfig):
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError(f"MixtralConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                              f"num_local_experts={self.num_local_experts}")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"MixtralConfig.norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        for name in ("norm_topk_prob", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MixtralConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.mlp_bias:
             raise ValueError("MixtralConfig.mlp_bias must be false (the experts have no bias)")
 
@@ -79,9 +81,16 @@ class MixtralConfig(LlamaConfig):
         if not isinstance(d, dict):
             raise ValueError(f"a Mixtral config must be a JSON object, got {type(d).__name__}")
         d = dict(d)
-        if d.get("sliding_window") is not None:
+        if d.get("sliding_window") is not None and d.get("use_sliding_window", True):
             raise NotImplementedError(f"sliding_window={d['sliding_window']!r} is not supported by jax_lora's "
                                       "Mixtral (full attention only)")
+        if d.get("model_type") == "qwen3_moe":
+            d.setdefault("qk_norm", True)
+            d.setdefault("norm_topk_prob", False)
+        if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+            raise NotImplementedError(f"mlp_only_layers={d.get('mlp_only_layers')!r} / decoder_sparse_step="
+                                      f"{d.get('decoder_sparse_step')!r}: layers without experts are not supported "
+                                      "(every layer must be a MoE layer)")
         if d.get("num_experts") is not None and "num_local_experts" not in d:     # Qwen-MoE spelling
             d["num_local_experts"] = d["num_experts"]
         if d.get("moe_intermediate_size") is not None:
@@ -96,6 +105,9 @@ class MixtralConfig(LlamaConfig):
     def to_dict(self) -> dict:
         d = super().to_dict()
         d.update(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None)
+        if self.qk_norm:
+            d.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=self.num_local_experts,
+                     moe_intermediate_size=self.intermediate_size)
         del d["mlp_bias"]
         return d
 
@@ -297,6 +309,9 @@ def load_mixtral(model_dir: str, *, dtype=jnp.float32) -> MixtralForCausalLM:
             put(at.qkv_proj.bias, np.concatenate([get(p + f"self_attn.{m}_proj.bias", (s,)) for m, s in
                                                   (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size))]))
             put(at.o_proj.bias, get(p + "self_attn.o_proj.bias", (c.hidden_size,)))
+        if c.qk_norm:
+            put(at.q_norm.weight, get(p + "self_attn.q_norm.weight", (c.head_dim,)))
+            put(at.k_norm.weight, get(p + "self_attn.k_norm.weight", (c.head_dim,)))
         router, gate_up, down = _expert_weights(get, lambda name: name in weights, p, c)
         put(layer.mlp.gate.kernel, router.T)
         put(layer.mlp.experts.gate_up_proj, gate_up)
@@ -342,6 +357,9 @@ def save_mixtral(model: MixtralForCausalLM, model_dir: str, *, fused_experts: bo
             out[p + "self_attn.k_proj.bias"] = qkv_b[c.q_size: c.q_size + c.kv_size]
             out[p + "self_attn.v_proj.bias"] = qkv_b[c.q_size + c.kv_size:]
             out[p + "self_attn.o_proj.bias"] = arr(base(layer.self_attn.o_proj).bias)
+        if c.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = arr(layer.self_attn.q_norm.weight)
+            out[p + "self_attn.k_norm.weight"] = arr(layer.self_attn.k_norm.weight)
         experts = base(layer.mlp.experts)
         gate_up = arr(experts.gate_up_proj).transpose(0, 2, 1)                 # (E, 2I, H)
         down = arr(experts.down_proj).transpose(0, 2, 1)                       # (E, H, I)
