@@ -82,7 +82,7 @@ MOE_DEMO_ADAPTERS = (   # attention only, attention + experts, experts + embeddi
     (3, 16, 16.0, True, ("gate_up_proj", "down_proj", "embed_tokens", "lm_head")),
 )
 MODELS = ("llama", "mixtral")          # the built-in demo model's family (--model)
-ROUTER_GAIN = 8.0
+ROUTER_GAIN = 32.0
 """The built-in Mixtral's router weights are scaled by this, so that each token's top-k experts
 lead the next by a clear margin: served and merged-weights models then route alike although
 their values round differently."""
