@@ -1,6 +1,7 @@
 """The JAX MoE LoRA op beyond the conformance cases: NaN or Inf in weights no routed pair may read
 (an empty slot, a slot whose adapter_enabled is 0, rank padding past lora_ranks) never reaches a
-result, on backends xla and pallas_tpu (TPU interpret mode, races checked); the wrapper's
+result, on backends xla and pallas_tpu (TPU interpret mode, races checked), each running its own
+kernel; the wrapper's
 add_lora_w13 / add_lora_w2 under jax.jit with the wrapper a traced argument and a bucket-padded
 batch equal the float64 oracle on the real tokens and leave the padded ones untouched; the
 aligned layout holds every live pair once.
@@ -63,6 +64,14 @@ def test_weights_no_pair_reads_never_reach_a_result(backend, naive):
     assert oracle.rel_err(np.asarray(got), want) <= oracle.TOL["float32"]
     dead = (slot < 0) | (slot == 1)
     np.testing.assert_array_equal(np.asarray(got)[dead], y[dead])
+
+
+def test_each_backend_runs_its_own_kernel():
+    """pallas_tpu runs its Pallas kernel and xla its gather; triton, without a MoE kernel, runs xla's."""
+    from jax_lora.ops import fused_moe, pallas_tpu, xla_moe
+    assert fused_moe.backend_module("pallas_tpu").fused_moe_lora is pallas_tpu.fused_moe_lora
+    assert fused_moe.backend_module("xla").fused_moe_lora is xla_moe.fused_moe_lora
+    assert fused_moe.backend_module("triton").fused_moe_lora is xla_moe.fused_moe_lora
 
 
 def test_layout_holds_every_live_pair_once():

@@ -71,8 +71,11 @@ def moe_lora_align_block_size(topk_ids, token_lora_mapping, num_experts: int, bl
     return tuple(a.reshape(-1) for a in layout[:2]) + (layout[2],)
 
 
-def _impl(backend: str | None):
-    module = dispatch.resolve(backend)
+def backend_module(backend: str | None):
+    """The module whose `fused_moe_lora` runs for `backend` (None: the device's default): the
+    backend itself (unpartitioned: no MoE layer is split over a mesh), or "xla" for a backend
+    without a MoE kernel, said once on the `jax_lora` logger."""
+    module = dispatch.load_backend(backend if backend is not None else dispatch.default_backend_name(log=True))
     if hasattr(module, "fused_moe_lora"):
         return module
     xla = dispatch.load_backend("xla")
@@ -153,7 +156,7 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
             layout = layout._replace(num_tokens_post_padded=jnp.where(enabled, layout.num_tokens_post_padded, 0))
     pair_weight = weights.reshape(p).astype(jnp.float32) if mul_routed_weight else None
     ranks = None if lora_ranks is None else jnp.asarray(lora_ranks).astype(jnp.int32)
-    out = _impl(backend).fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, ranks)
+    out = backend_module(backend).fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, ranks)
     return out.reshape(y.shape)
 
 
