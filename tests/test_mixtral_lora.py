@@ -3,7 +3,8 @@ transformers Mixtral (`target_parameters` on the fused experts, with and without
 `target_modules`, and attention only), loaded by AdapterManager, served by the ServingEngine in one
 mixed batch with a base-model request; each request's greedy tokens equal PEFT's generate with its
 adapter (fp32, CPU), on a Qwen3-MoE too; the MoE block with LoRA equals the float64 oracle (tests/oracle.py's
-moe_block_lora); an expert adapter refused by a model without expert LoRA layers.
+moe_block_lora); an expert adapter refused by a model without expert LoRA layers; backend
+pallas_tpu (interpret mode) serving equal to xla.
 """
 
 from __future__ import annotations
@@ -145,3 +146,29 @@ def test_demo_with_the_built_in_mixtral_verifies_every_request(capsys):
     assert out[-1] == "verified: 6/6 requests match merged-weights outputs"
     assert any("4 experts (top 2)" in line for line in out)
     assert any(line.startswith("recompilations after warm-up: 0") for line in out)
+
+
+def test_pallas_tpu_serving_equals_xla():
+    """The demo Mixtral with an attention + expert adapter served on backend pallas_tpu (TPU
+    interpret mode on a CPU) gives xla's tokens and logits."""
+    import tempfile
+
+    from jax_lora.cli import build_demo_assets
+    from jax_lora.models import add_lora as add_lora_any
+    from jax_lora.serving import Request, ServingEngine
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, adapter_dirs = build_demo_assets(tmp, model="mixtral")
+        served = {}
+        for backend in ("xla", "pallas_tpu"):
+            model = load_mixtral(model_dir)
+            add_lora_any(model, max_loras=1, max_rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                         "experts"])
+            manager = AdapterManager(model)
+            manager.register(1, adapter_dirs[1])
+            engine = ServingEngine(model, manager, max_seqs=2, max_len=32, backend=backend, min_prefill_rows=1,
+                                   keep_logits=True)
+            served[backend] = engine.generate([Request([5, 6, 7], lora_id=1, max_new_tokens=3),
+                                               Request([9, 8], max_new_tokens=3)])
+    for a, b in zip(served["xla"], served["pallas_tpu"]):
+        assert a.tokens == b.tokens
+        assert oracle.rel_err(b.logits, a.logits) <= oracle.TOL["float32"]
