@@ -3,8 +3,9 @@ transformers Mixtral (`target_parameters` on the fused experts, with and without
 `target_modules`, and attention only), loaded by AdapterManager, served by the ServingEngine in one
 mixed batch with a base-model request; each request's greedy tokens equal PEFT's generate with its
 adapter (fp32, CPU), on a Qwen3-MoE too; the MoE block with LoRA equals the float64 oracle (tests/oracle.py's
-moe_block_lora); an expert adapter refused by a model without expert LoRA layers; backend
-pallas_tpu (interpret mode) serving equal to xla.
+moe_block_lora); an adapter on per-expert linears (w1 / w3 / w2) equal to hand-merged weights; an
+expert adapter refused by a model without expert LoRA layers; backend pallas_tpu (interpret mode)
+serving equal to xla.
 """
 
 from __future__ import annotations
@@ -172,3 +173,55 @@ def test_pallas_tpu_serving_equals_xla():
     for a, b in zip(served["xla"], served["pallas_tpu"]):
         assert a.tokens == b.tokens
         assert oracle.rel_err(b.logits, a.logits) <= oracle.TOL["float32"]
+
+
+def test_per_expert_linear_adapter_equals_hand_merged_weights(assets, tmp_path):
+    """An adapter on Mixtral's per-expert linears (`block_sparse_moe.experts.E.w1 / w3 / w2`, some
+    experts only, gate and up of different ranks), served through the fused experts' LoRA, equals
+    the plain model with each expert's W += scaling * B @ A merged by hand in float64."""
+    import jax.numpy as jnp
+
+    from jax_lora import nn as lnn
+    from jax_lora.adapters import save_peft_adapter
+    from jax_lora.wrapper import PunicaWrapper
+    from lora_core.host_mapping import LoRAMapping
+    model_dir, _ = assets
+    rng = np.random.default_rng(3)
+    shapes = {"w1": (24, 32), "w3": (24, 32), "w2": (32, 24)}          # (out, in)
+    ranks = {"w1": 2, "w3": 3, "w2": 2}
+    modules = {}
+    for layer in range(2):
+        for expert in (0, 2, 3):
+            for name, (n_out, n_in) in shapes.items():
+                r = ranks[name]
+                modules[f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}"] = (
+                    rng.standard_normal((r, n_in)) / 4, rng.standard_normal((n_out, r)) / 4)
+    save_peft_adapter(str(tmp_path / "per_expert"), modules, r=3, lora_alpha=6,
+                      rank_pattern={"w1": 2, "w2": 2})
+    served = load_mixtral(model_dir)
+    add_lora(served, max_loras=1, max_rank=8, target_modules=["experts"])
+    manager = AdapterManager(served)
+    manager.register(1, str(tmp_path / "per_expert"))
+    manager.activate([1])
+    merged = load_mixtral(model_dir)
+    for (name, (a, b)) in modules.items():
+        parts = name.split(".")
+        layer, expert, linear = int(parts[2]), int(parts[5]), parts[6]
+        scaling = 6 / ranks[linear]
+        delta = scaling * (b @ a).T                                           # (in, out)
+        experts = merged.model.layers[layer].mlp.experts
+        var = experts.down_proj if linear == "w2" else experts.gate_up_proj
+        w = np.asarray(var.get_value(), np.float64)
+        cols = slice(None) if linear == "w2" else (slice(0, 24) if linear == "w1" else slice(24, 48))
+        w[expert, :, cols] += delta
+        var.set_value(jnp.asarray(w, jnp.float32))
+    tokens = np.array([[3, 7, 11, 5, 9, 2, 40, 33]], np.int32)
+    positions = np.arange(8, dtype=np.int32)[None]
+    w = PunicaWrapper(8, 4, max_loras=1, backend="xla")
+    w.update_metadata(LoRAMapping((1,) * 8, (1,), False), manager.lora_index_to_id, 2, 64)
+    with lnn.punica_context(w):
+        got = np.asarray(served(tokens, positions)[0])
+    want = np.asarray(merged(tokens, positions)[0])
+    base = np.asarray(load_mixtral(model_dir)(tokens, positions)[0])
+    assert oracle.rel_err(got, want) <= 1e-5
+    assert oracle.rel_err(base, want) > 1e-3, "the adapter changed nothing"
