@@ -34,10 +34,14 @@ from lora_core.peft import (  # noqa: F401  (CONFIG_NAME, WEIGHTS_NAME: the file
     load_peft_adapter,
     save_peft_adapter,
 )
+from lora_core.peft.experts import EXPERT_KIND
 
 from . import nn as lnn
 from . import parallel
+from .moe import MoEExperts
 from .quant import QuantizedLinear
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 __all__ = [
     "AdapterError",
@@ -61,13 +65,17 @@ def _module_index(layers: Mapping[str, nnx.Module], packed: Mapping[str, Sequenc
     q_proj, k_proj, v_proj) with one output slice per member holds the members' names, one per
     slice; any other single-slice layer holds its own path. A fused layer's own name (qkv_proj of a
     layer with q / k / v slices) names no module: an adapter targeting it is refused, never placed
-    into its first slice. num_slices(path, layer) -> the layer's number of output slices."""
+    into its first slice. A MultiLoRAExperts layer holds its parameters' names, `<path>.gate_up_proj`
+    (0) and `<path>.down_proj` (1), PEFT's target_parameters names (lora_core.peft.experts).
+    num_slices(path, layer) -> the layer's number of output slices."""
     index = {}
     for path, layer in layers.items():
         head, _, leaf = path.rpartition(".")
         n = num_slices(path, layer)
         subs = tuple(packed.get(leaf) or ())
-        if subs and len(subs) == n:
+        if isinstance(layer, lnn.MultiLoRAExperts):         # its two 3-D parameters, by name
+            names = [f"{path}.{param}" for param in EXPERT_PARAMS]
+        elif subs and len(subs) == n:
             names = [f"{head}.{sub}" if head else sub for sub in subs]
         else:
             names = [path] if n == 1 else []
@@ -91,7 +99,9 @@ def module_shapes(model: nnx.Module) -> dict:
     out = {}
     for module, (path, s) in _lora_index(model, layers).items():
         layer = layers[path]
-        if isinstance(layer, lnn.MultiLoRALinear):
+        if isinstance(layer, lnn.MultiLoRAExperts):
+            out[module] = ModuleShape(EXPERT_KIND, *_expert_dims(layer, s), layer.max_rank, layer.num_experts)
+        elif isinstance(layer, lnn.MultiLoRALinear):
             out[module] = ModuleShape("linear", layer.in_features, layer.output_slices[s], layer.max_rank)
         elif isinstance(layer, lnn.MultiLoRAEmbed):
             out[module] = ModuleShape("embedding", layer.num_embeddings, layer.features, layer.max_rank)
@@ -100,13 +110,57 @@ def module_shapes(model: nnx.Module) -> dict:
     return out
 
 
+def _expert_dims(layer, s: int) -> tuple[int, int]:
+    """(in_features, out_features) of a MultiLoRAExperts layer's parameter s (gate_up_proj: H -> 2I,
+    down_proj: I -> H), in Hugging Face's (experts, out, in) orientation."""
+    base = layer.base
+    return ((base.hidden_size, 2 * base.intermediate_size) if s == 0
+            else (base.intermediate_size, base.hidden_size))
+
+
+def _experts_zeros(layer) -> dict:
+    """A MultiLoRAExperts layer's slot data, zeros (adapter_enabled 0: the slot's pairs cost nothing)."""
+    e, r, h, i = layer.num_experts, layer.max_rank, layer.base.hidden_size, layer.base.intermediate_size
+    return {"w13_lora_a": np.zeros((2, e, r, h), np.float32), "w13_lora_b": np.zeros((2, e, i, r), np.float32),
+            "w2_lora_a": np.zeros((e, r, i), np.float32), "w2_lora_b": np.zeros((e, h, r), np.float32),
+            "adapter_enabled": np.int32(0)}
+
+
+def _place_experts(adapter: PeftAdapter, module: str, layer, s: int, slot: dict, a, b, scaling, kind) -> None:
+    """One kind "experts" module (A (E, r, in), B (E, out, r)) into a MultiLoRAExperts slot: gate_up's
+    A in both w13 slices and B's halves (gate rows first), down's into w2; scaling folded into B."""
+    if kind != EXPERT_KIND:
+        raise AdapterError(f"adapter {adapter.label}: {module!r} is an expert parameter, but the adapter holds "
+                           f"{kind} weights for it")
+    in_f, out_f = _expert_dims(layer, s)
+    e, rank = layer.num_experts, a.shape[1]
+    if a.shape != (e, rank, in_f) or b.shape != (e, out_f, rank):
+        raise AdapterError(f"adapter {adapter.label}, module {module!r}: lora_A {a.shape} / lora_B {b.shape} do not "
+                           f"fit the experts: expected ({e}, r, {in_f}) and ({e}, {out_f}, r)")
+    if rank > layer.max_rank:
+        raise AdapterError(f"adapter {adapter.label}, module {module!r}: rank {rank} exceeds the model's "
+                           f"max_rank={layer.max_rank}; rebuild the LoRA layers with max_rank >= {rank}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        bs = (b * scaling).astype(np.float32)
+    if s == 0:
+        i = layer.base.intermediate_size
+        slot["w13_lora_a"][:, :, :rank] = a[None]
+        slot["w13_lora_b"][0, :, :, :rank] = bs[:, :i]
+        slot["w13_lora_b"][1, :, :, :rank] = bs[:, i:]
+    else:
+        slot["w2_lora_a"][:, :rank] = a
+        slot["w2_lora_b"][:, :, :rank] = bs
+    slot["adapter_enabled"] = np.int32(1)
+
+
 def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
     """Checks `adapter` against the model's multi-LoRA layers and returns slot data on the host.
 
     Returns {layer path: (A, B)} with every layer of the model present (zeros where the adapter has
     nothing): MultiLoRALinear A (S, max_rank, in), B (out, max_rank); MultiLoRAEmbed A (vocab,
-    max_rank), B (dim, max_rank); MultiLoRALogits A (max_rank, in), B (vocab, max_rank). Scaling is
-    folded into B. Raises AdapterError naming the module, expected and received shapes.
+    max_rank), B (dim, max_rank); MultiLoRALogits A (max_rank, in), B (vocab, max_rank);
+    MultiLoRAExperts {variable name: one slot's value} (`_experts_zeros`). Scaling is folded into B.
+    Raises AdapterError naming the module, expected and received shapes.
     """
     layers = lnn.lora_layers(model)
     if not layers:
@@ -116,7 +170,9 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
     out = {}
     for path, layer in layers.items():
         r = layer.max_rank
-        if isinstance(layer, lnn.MultiLoRALinear):
+        if isinstance(layer, lnn.MultiLoRAExperts):
+            out[path] = _experts_zeros(layer)
+        elif isinstance(layer, lnn.MultiLoRALinear):
             out[path] = (np.zeros((len(layer.output_slices), r, layer.in_features), np.float32),
                          np.zeros((layer.out_features, r), np.float32))
         elif isinstance(layer, lnn.MultiLoRAEmbed):
@@ -131,6 +187,12 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
             raise AdapterError(checks.unknown_adapter_module(adapter.label, module, index))
         path, s = where
         layer = layers[path]
+        if isinstance(layer, lnn.MultiLoRAExperts):
+            _place_experts(adapter, module, layer, s, out[path], a, b, scaling, kind)
+            continue
+        if kind == EXPERT_KIND:
+            raise AdapterError(f"adapter {adapter.label}: {module!r} holds expert weights but {path!r} is not an "
+                               "experts layer")
         rank = a.shape[0]
         saved = adapter.base_layer_shapes.get(module)
         if saved is not None:
@@ -178,7 +240,12 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
             A[:rank] = a
             B[:, :rank] = bs
     for path, parts in out.items():             # the check torch's placement runs too
-        checks.check_placed_adapter(adapter.label, path, parts, layers[path].lora_a.get_value().dtype)
+        if isinstance(parts, dict):
+            dtype = layers[path].w13_lora_a.get_value().dtype
+            parts = [v for k, v in parts.items() if k != "adapter_enabled"]
+        else:
+            dtype = layers[path].lora_a.get_value().dtype
+        checks.check_placed_adapter(adapter.label, path, parts, dtype)
     return out
 
 
@@ -230,8 +297,15 @@ def adapter_ranks(model: nnx.Module, adapter: PeftAdapter) -> dict:
     for module, (a, _b, _scaling, _kind) in adapter.modules.items():
         where = index.get(module)
         if where is not None:
-            ranks[where[0]] = max(ranks[where[0]], int(a.shape[0]))
+            ranks[where[0]] = max(ranks[where[0]], int(a.shape[-2]))        # (E,) r, in
     return ranks
+
+
+def _slot_variables(layer) -> tuple:
+    """The names of a multi-LoRA layer's per-slot variables, in the order AdapterManager writes them."""
+    if isinstance(layer, lnn.MultiLoRAExperts):
+        return tuple(type(layer).slot_axis)
+    return ("lora_a", "lora_b", "lora_ranks") + (("lora_scale",) if getattr(layer, "dora", False) else ())
 
 
 def _largest_rank(prepared: tuple) -> int:
@@ -293,9 +367,7 @@ class AdapterManager(SlotTable):
 
     def _list_variables(self) -> None:
         """The (layer, variable name) pairs a slot write updates, and their slot axes."""
-        self._vars = [(self.layers[p], n) for p in self._paths
-                      for n in ("lora_a", "lora_b", "lora_ranks") + (("lora_scale",) if getattr(self.layers[p], "dora",
-                                                                                                False) else ())]
+        self._vars = [(self.layers[p], n) for p in self._paths for n in _slot_variables(self.layers[p])]
         self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
 
     # -------------------------------------------------------------- SlotTable's framework part
@@ -330,6 +402,8 @@ class AdapterManager(SlotTable):
             if n == "lora_scale":                  # an empty slot, a plain LoRA adapter, a layer it skips: 1
                 g = None if prepared is None else prepared[2].get(path)
                 new.append(np.ones(shape, np.float32) if g is None else g)
+            elif isinstance(layer, lnn.MultiLoRAExperts) and n != "lora_ranks":
+                new.append((_experts_zeros(layer) if prepared is None else prepared[0][path])[n])
             elif prepared is None:
                 new.append(np.zeros(shape, np.float32))
             elif n == "lora_ranks":
@@ -354,7 +428,8 @@ def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
     """A copy of a plain model (no multi-LoRA layers) with `adapter` merged into its weights.
 
     W' = W + scaling * B @ A for linear layers (at the slice's columns of fused layers; for a DoRA
-    module each row of W' then rescaled to its magnitude m: (m / ||W'||_row) * W'),
+    module each row of W' then rescaled to its magnitude m: (m / ||W'||_row) * W'), and per expert
+    W_e' = W_e + scaling * B_e @ A_e for the experts of a MoE layer (jax_lora.moe.MoEExperts),
     E' = E + scaling * A.T @ B.T for embeddings. Computed in float64. This is the test oracle; the
     serving path never merges.
     """
@@ -364,11 +439,21 @@ def merge_adapter(model: nnx.Module, adapter: PeftAdapter) -> nnx.Module:
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     slices = model.lora_slices() if hasattr(model, "lora_slices") else {}
     index = _module_index(modules, packed, lambda path, _layer: len(slices.get(path.rsplit(".", 1)[-1], (0,))))
+    experts = {".".join(str(p) for p in path): node for path, node in nnx.iter_graph(merged)
+               if isinstance(node, MoEExperts)}
+    for path in experts:
+        for s, param in enumerate(EXPERT_PARAMS):
+            index[f"{path}.{param}"] = (path, s)
     for module, (a, b, scaling, _kind) in adapter.modules.items():
         where = index.get(module)
         if where is None:
             raise AdapterError(f"adapter {adapter.label} targets {module!r}, which the model does not have")
         path, s = where
+        if path in experts:                  # W_e' = W_e + scaling * B_e @ A_e, stored (E, in, out)
+            var = experts[path].gate_up_proj if s == 0 else experts[path].down_proj
+            delta = scaling * np.einsum("eor,eri->eio", b.astype(np.float64), a.astype(np.float64))
+            var.set_value(jnp.asarray(np.asarray(var.get_value(), np.float64) + delta, var.get_value().dtype))
+            continue
         layer = modules[path]
         delta = scaling * (b.astype(np.float64) @ a.astype(np.float64))      # (out, in) / (dim, vocab)
         if isinstance(layer, nnx.Embed):

@@ -1,7 +1,8 @@
 """The `jax-lora` console script. `jax-lora demo`: serve one batch with many adapters, and verify it.
 
     jax-lora demo                                  # builds a small model + 3 PEFT adapters, CPU is fine
-    jax-lora demo MODEL_DIR ADAPTER_DIR [...]      # a Hugging Face Llama directory + PEFT adapter dirs
+    jax-lora demo --model mixtral                  # a small mixture of experts, expert LoRA adapters
+    jax-lora demo MODEL_DIR ADAPTER_DIR [...]      # a Hugging Face Llama / Mixtral directory + PEFT adapter dirs
     jax-lora demo --prompt "Hello" [--prompt ...]  # serve texts (each without and with every adapter)
     jax-lora --version
     python -m jax_lora.cli demo                    # the same without the script
@@ -75,8 +76,22 @@ DEMO_ADAPTERS = (   # (lora id, rank, alpha, rslora, target modules)
 )
 
 
-def build_demo_assets(root: str, seed: int = 0) -> tuple:
-    """Writes a small random Llama (HF format) and the demo's PEFT adapters under `root`.
+MOE_DEMO_ADAPTERS = (   # attention only, attention + experts, experts + embeddings (target_parameters)
+    (1, 4, 8.0, False, ("q_proj", "v_proj")),
+    (2, 8, 16.0, False, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")),
+    (3, 16, 16.0, True, ("gate_up_proj", "down_proj", "embed_tokens", "lm_head")),
+)
+MODELS = ("llama", "mixtral")          # the built-in demo model's family (--model)
+ROUTER_GAIN = 32.0
+"""The built-in Mixtral's router weights are scaled by this, so that each token's top-k experts
+lead the next by a clear margin: served and merged-weights models then route alike although
+their values round differently."""
+
+
+def build_demo_assets(root: str, seed: int = 0, model: str = "llama") -> tuple:
+    """Writes a small random Llama, or Mixtral (model="mixtral": 4 experts, top 2), in Hugging Face
+    format and the demo's PEFT adapters under `root` (the Mixtral's with expert LoRA as PEFT's
+    target_parameters on the fused experts).
 
     Returns (model_dir, [adapter dirs]).
     """
@@ -85,20 +100,34 @@ def build_demo_assets(root: str, seed: int = 0) -> tuple:
 
     from .adapters import save_peft_adapter
     from .models.llama import LlamaConfig, LlamaForCausalLM, save_llama
+    from .models.mixtral import MixtralConfig, MixtralForCausalLM, save_mixtral
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rope_theta=10000.0, rms_norm_eps=1e-5)
-    model_dir = os.path.join(root, "tiny-llama")
-    save_llama(LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed)), model_dir)
+    if model not in MODELS:
+        raise DemoError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    sizes = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5)
+    if model == "mixtral":
+        cfg = MixtralConfig(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, **sizes)
+        model_dir = os.path.join(root, "tiny-mixtral")
+        net = MixtralForCausalLM(cfg, rngs=nnx.Rngs(seed))
+        for layer in net.model.layers:
+            layer.mlp.gate.kernel.set_value(layer.mlp.gate.kernel.get_value() * ROUTER_GAIN)
+        save_mixtral(net, model_dir)
+        adapters = MOE_DEMO_ADAPTERS
+    else:
+        cfg = LlamaConfig(intermediate_size=256, **sizes)
+        model_dir = os.path.join(root, "tiny-llama")
+        save_llama(LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed)), model_dir)
+        adapters = DEMO_ADAPTERS
     rng = np.random.default_rng(seed + 1)
     dims = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
             "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
             "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
             "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-            "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+            "down_proj": (cfg.intermediate_size, cfg.hidden_size),
+            "gate_up_proj": (cfg.hidden_size, 2 * cfg.intermediate_size)}
     dirs = []
-    for lora_id, r, alpha, rslora, targets in DEMO_ADAPTERS:
+    for lora_id, r, alpha, rslora, targets in adapters:
         modules = {}
         for t in targets:
             if t == "embed_tokens":
@@ -111,6 +140,12 @@ def build_demo_assets(root: str, seed: int = 0) -> tuple:
                 continue
             n_in, n_out = dims[t]
             part = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            if model == "mixtral" and part == "mlp":          # per expert: A (E, r, in), B (E, out, r)
+                e = cfg.num_local_experts
+                for i in range(cfg.num_hidden_layers):
+                    modules[f"model.layers.{i}.mlp.experts.{t}"] = (
+                        rng.normal(size=(e, r, n_in)) / np.sqrt(n_in), rng.normal(size=(e, n_out, r)) * 0.4 / r)
+                continue
             for i in range(cfg.num_hidden_layers):
                 # PEFT's A init scale (kaiming-uniform-like) and a trained-looking, non-zero B.
                 modules[f"model.layers.{i}.{part}.{t}"] = (rng.normal(size=(r, n_in)) / np.sqrt(n_in),
@@ -179,13 +214,38 @@ def package_version() -> str:
     return cli_support.package_version(__version__)
 
 
+def model_family(model_dir: str) -> str:
+    """"mixtral" when the checkpoint's config.json names a Mixtral-style MoE model (Qwen3-MoE included),
+    else "llama"."""
+    import json
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return "llama"                        # loading reports the problem
+    moe = isinstance(raw, dict) and (raw.get("model_type") in ("mixtral", "qwen3_moe")
+                                     or bool(raw.get("num_local_experts") or raw.get("num_experts")))
+    return "mixtral" if moe else "llama"
+
+
+def _family(model_dir: str) -> tuple:
+    """(name, loader, add_lora, targetable leaf names) of the checkpoint's model family."""
+    if model_family(model_dir) == "mixtral":
+        from .models import mixtral
+        return ("Mixtral", mixtral.load_mixtral, mixtral.add_lora,
+                mixtral.MIXTRAL_LORA_TARGETS + ("gate_up_proj", "down_proj"))
+    from .models import llama
+    return "Llama", llama.load_llama, llama.add_lora, llama.HF_LORA_TARGETS
+
+
 def _load_demo_model(model_dir, adapter_dirs, slots, dtype):
     """(model with LoRA layers, its AdapterManager, {lora id: adapter}, slot count) of the demo."""
     import jax.numpy as jnp
     from safetensors import SafetensorError
 
     from .adapters import AdapterError, AdapterManager, load_peft_adapter
-    from .models.llama import HF_LORA_TARGETS, add_lora, load_llama
+
+    _, load_model, add_lora, lora_targets = _family(model_dir)
 
     def named(what, load, *args, **kwargs):
         """load(...), its errors as DemoError prefixed by `what` (JSON, safetensors and shape
@@ -205,9 +265,9 @@ def _load_demo_model(model_dir, adapter_dirs, slots, dtype):
         check_slots(model_dir, adapters, num_slots, dtype)          # before the model and its slots exist
     except SizeError as e:
         raise DemoError(str(e)) from None
-    model = named(f"model {model_dir}", load_llama, model_dir, dtype=jnp.dtype(dtype))
+    model = named(f"model {model_dir}", load_model, model_dir, dtype=jnp.dtype(dtype))
     leaves = {m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules}
-    targets = [t for t in HF_LORA_TARGETS if t in leaves]
+    targets = [t for t in lora_targets if t in leaves]
     max_rank = max(a.max_rank for a in adapters.values())
     named(f"adapters on {model_dir}", add_lora, model, max_loras=num_slots, max_rank=max_rank,
           target_modules=targets)
@@ -219,8 +279,10 @@ def _load_demo_model(model_dir, adapter_dirs, slots, dtype):
 
 def _describe(model, adapters, model_dir, adapter_dirs, dtype, say) -> None:
     cfg = model.config
-    say(f"model: {model_dir}: Llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-        f"heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} (q/kv), vocab {cfg.vocab_size}, {dtype}")
+    experts = getattr(cfg, "num_local_experts", None)
+    moe = f", {experts} experts (top {cfg.num_experts_per_tok})" if experts else ""
+    say(f"model: {model_dir}: {_family(model_dir)[0]}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}"
+        f"{moe}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} (q/kv), vocab {cfg.vocab_size}, {dtype}")
     for lora_id, a in adapters.items():
         mods = sorted({m.rsplit(".", 1)[-1] for m in a.modules})
         say(f"adapter {lora_id}: {os.path.basename(os.path.normpath(adapter_dirs[lora_id - 1]))}  rank "
@@ -370,13 +432,14 @@ def _tp_mesh(tp: int):
 def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, num_requests: int = 24,
              max_new_tokens: int = 16, max_seqs: int = 8, slots: int | None = None, seed: int = 0,
              backend: str | None = None, dtype: str | None = None, prompts: Sequence[str] = (),
-             out=None, tp: int = 1) -> int:
+             out=None, tp: int = 1, model: str = "llama") -> int:
     """The demo; returns the process exit status (0 when every request verifies).
 
     dtype: "float32", "bfloat16" or "float16"; None: the checkpoint's (config.json), float32 for the
     built-in model. prompts: texts to serve (each once without and once per adapter) instead of
     random token ids. tp > 1: serve the model split over that many devices (tensor parallelism,
-    jax_lora.parallel). Raises DemoError for bad input.
+    jax_lora.parallel). model: the built-in model's family, "llama" or "mixtral" (a MODEL_DIR's
+    config.json says its own). Raises DemoError for bad input.
     """
     t_start = time.perf_counter()
     stream = out if out is not None else sys.stdout
@@ -393,15 +456,20 @@ def run_demo(model_dir: str | None = None, adapter_dirs: Sequence[str] = (), *, 
 
     if model_dir is None and adapter_dirs:
         raise DemoError("adapter directories need a MODEL_DIR first")
+    if model not in MODELS:
+        raise DemoError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    if model != "llama" and model_dir is not None:
+        raise DemoError("--model chooses the built-in model; a MODEL_DIR's config.json names its own")
     tmp = None
     scope = contextlib.ExitStack()         # the float32 precision and the Ctrl-C clean-up
     try:
         if model_dir is None:
             tmp = tempfile.TemporaryDirectory(prefix="jax-lora-demo-")
             scope.enter_context(on_interrupt(tmp.cleanup))       # Ctrl-C removes it too
-            say("building a small random Llama and 3 PEFT adapters ...", end="")
+            say(f"building a small random {'Mixtral' if model == 'mixtral' else 'Llama'} and 3 PEFT adapters ...",
+                end="")
             t0 = time.perf_counter()
-            model_dir, adapter_dirs = build_demo_assets(tmp.name, seed)
+            model_dir, adapter_dirs = build_demo_assets(tmp.name, seed, model)
             say(f" {time.perf_counter() - t0:.1f}s, in {tmp.name}")
         import jax
 
@@ -508,13 +576,12 @@ def _verify_and_report(model_dir: str, dtype: str, adapters, completions, max_le
     the outcome; the ids of the requests that do not match."""
     import jax.numpy as jnp
 
-    from .models.llama import load_llama
-
+    load_model = _family(model_dir)[1]
     rtol = RTOL_BY_DTYPE[dtype]
     say(f"verifying {len(completions)} requests against the model with each adapter merged into its "
         "weights ...", end="")
     t0 = time.perf_counter()
-    matches, worst, differ = verify(load_llama(model_dir, dtype=jnp.dtype(dtype)), adapters, completions,
+    matches, worst, differ = verify(load_model(model_dir, dtype=jnp.dtype(dtype)), adapters, completions,
                                     max_len=max_len, rtol=rtol)
     say(f" {time.perf_counter() - t0:.1f}s")
     say(f"adapters changed {differ * 100:.0f}% of generated tokens against the base model")
@@ -562,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tp", type=cli_support.positive_int, default=1, metavar="N",
                       help="serve split over N devices (tensor parallelism; on a CPU: "
                            "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    demo.add_argument("--model", choices=MODELS, default="llama",
+                      help="the built-in model: a dense Llama, or a Mixtral-style mixture of experts whose adapters "
+                           "put LoRA on the experts (without MODEL_DIR)")
     return parser
 
 
@@ -583,7 +653,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return run_demo(args.model_dir, args.adapter_dirs,
                             num_requests=args.num_requests if args.num_requests is not None else 24,
                             max_new_tokens=args.max_new_tokens, max_seqs=args.max_seqs, slots=args.slots,
-                            seed=args.seed, backend=args.backend, dtype=args.dtype, prompts=args.prompt, tp=args.tp)
+                            seed=args.seed, backend=args.backend, dtype=args.dtype, prompts=args.prompt, tp=args.tp,
+                            model=args.model)
         except DemoError as e:
             print(f"jax-lora demo: error: {e}", file=sys.stderr)
             return 2

@@ -37,15 +37,27 @@ def check_caps(*, num_requests: int, max_seqs: int, slots: int | None) -> None:
 
 
 def module_dims(cfg: dict) -> dict:
-    """{target leaf: (in, out)} of a Llama layer."""
+    """{target leaf: (in, out)} of a Llama layer, and of a MoE layer's fused expert parameters
+    (gate_up_proj; down_proj as the Llama's), each expert's."""
     q, kv, h, i = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"], cfg["hidden"], cfg["inter"]
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-            "up_proj": (h, i), "down_proj": (i, h)}
+            "up_proj": (h, i), "down_proj": (i, h), "gate_up_proj": (h, 2 * i)}
+
+
+MLP_LEAVES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def _copies(cfg: dict, leaf: str) -> int:
+    """How many of `leaf` a layer holds: one per expert for the MLP of a MoE model, else one."""
+    return cfg.get("experts", 1) if leaf in MLP_LEAVES else 1
 
 
 def weight_bytes(cfg: dict, dtype: str) -> int:
-    """The model's weights (embedding, LM head and every layer's linears)."""
-    per_layer = sum(a * b for a, b in module_dims(cfg).values())
+    """The model's weights (embedding, LM head and every layer's linears; a MoE layer's experts and router)."""
+    dims = module_dims(cfg)
+    per_layer = sum(a * b * _copies(cfg, leaf) for leaf, (a, b) in dims.items() if leaf != "gate_up_proj")
+    if cfg.get("experts", 1) > 1:
+        per_layer += cfg["experts"] * cfg["hidden"]
     return (2 * cfg["vocab"] * cfg["hidden"] + cfg["layers"] * per_layer) * DTYPE_BYTES[dtype]
 
 
@@ -99,7 +111,7 @@ def check_slots(model_dir: str, adapters: dict, slots: int, dtype: str) -> None:
     dims = module_dims(cfg)
     leaves = {m.rsplit(".", 1)[-1] for a in adapters.values() for m in a.modules}
     rank = max(a.max_rank for a in adapters.values())
-    width = sum(cfg["layers"] * sum(dims[leaf]) for leaf in leaves if leaf in dims)
+    width = sum(cfg["layers"] * sum(dims[leaf]) * _copies(cfg, leaf) for leaf in leaves if leaf in dims)
     width += sum(cfg["vocab"] + cfg["hidden"] for leaf in ("embed_tokens", "lm_head") if leaf in leaves)
     per_slot = width * rank * DTYPE_BYTES[dtype]
     available, where = device_memory()

@@ -7,6 +7,7 @@ stacked per-slot adapter weights as `LoRAWeight` variables, in the layouts the w
   MultiLoRALinear   lora_a (S, L, r, in)   lora_b (L, out, r)    slices of out: `output_slices`
   MultiLoRAEmbed    lora_a (L, V, r)       lora_b (L, D, r)      (PEFT lora_embedding_A.T / _B)
   MultiLoRALogits   lora_a (L, r, H)       lora_b (L, V, r)      the LM head, on sampled rows
+  MultiLoRAExperts  the experts of a MoE layer, per expert (its docstring)
 
 with L = max_loras slots, r = max_rank (a smaller adapter rank is zero-padded), S = number of
 slices of a fused projection (QKV, gate_up; widths may differ), and `lora_ranks` (L,) int32, each
@@ -40,12 +41,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .moe import ExpertOrder, MoEExperts
 from .quant import QuantizedLinear
 
 __all__ = [
     "LORA_LAYER_TYPES",
     "LoRAWeight",
     "MultiLoRAEmbed",
+    "MultiLoRAExperts",
     "MultiLoRALinear",
     "MultiLoRALogits",
     "current_punica",
@@ -287,7 +290,65 @@ class MultiLoRALogits(nnx.Module):
     slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0, "lora_ranks": 0}
 
 
-LORA_LAYER_TYPES = (MultiLoRALinear, MultiLoRAEmbed, MultiLoRALogits)
+class MultiLoRAExperts(nnx.Module):
+    """The experts of a MoE layer (jax_lora.moe.MoEExperts) plus one adapter per token on every expert.
+
+    Slot weights, in vLLM's fused MoE LoRA layouts (E experts, H hidden, I each expert's width):
+      w13_lora_a (2, L, E, r, H)   w13_lora_b (2, L, E, I, r)   gate (0) and up (1) of gate_up_proj
+      w2_lora_a  (L, E, r, I)      w2_lora_b  (L, E, H, r)      down_proj
+      lora_ranks (L,) int32        adapter_enabled (L,) int32 (0: the slot's adapter has no expert
+                                   LoRA in this layer, and its tokens' pairs cost nothing)
+    PEFT's gate_up_proj LoRA (one A, B (2I, r)) lands as A in both slices and B's halves.
+
+    __call__(x (T, H), ids (T, k), weights (T, k), punica=None) -> (T, H): the experts' output, and
+    with a wrapper, each routed pair (t, e) of a token with slot l adds (x[t] @ A13_s[l, e].T) @
+    B13_s[l, e].T to gate_up's slice s, and weights[t, k] * (a_p @ A2[l, e].T) @ B2[l, e].T to the
+    weighted down output (the wrapper's add_lora_w13 and add_lora_w2, scale 1: the scaling is folded
+    into B).
+    """
+
+    def __init__(self, base, *, max_loras: int, max_rank: int, dtype=None):
+        if not isinstance(base, MoEExperts):
+            raise TypeError(f"base must be a jax_lora.moe.MoEExperts, got {type(base).__name__}")
+        self.base = base
+        e, h, i = base.num_experts, base.hidden_size, base.intermediate_size
+        self.max_loras = max_loras = _check_int("max_loras", max_loras)
+        self.max_rank = max_rank = _check_int("max_rank", max_rank)
+        dtype = dtype or base.gate_up_proj.get_value().dtype
+        self.w13_lora_a = LoRAWeight(jnp.zeros((2, max_loras, e, max_rank, h), dtype))
+        self.w13_lora_b = LoRAWeight(jnp.zeros((2, max_loras, e, i, max_rank), dtype))
+        self.w2_lora_a = LoRAWeight(jnp.zeros((max_loras, e, max_rank, i), dtype))
+        self.w2_lora_b = LoRAWeight(jnp.zeros((max_loras, e, h, max_rank), dtype))
+        self.lora_ranks = _ranks_variable(max_loras, max_rank)
+        self.adapter_enabled = LoRAWeight(jnp.ones((max_loras,), jnp.int32))
+        self.tp = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.base.num_experts
+
+    def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, punica=None) -> jax.Array:
+        w = _pick(punica)
+        if w is None:
+            return self.base(x, ids, weights)
+        base, (t, k) = self.base, ids.shape
+        ranks, enabled = self.lora_ranks.get_value(), self.adapter_enabled.get_value()
+        order = ExpertOrder(ids, base.num_experts)
+        a13, b13 = self.w13_lora_a.get_value(), self.w13_lora_b.get_value()
+        h, *layout = w.add_lora_w13(base.gate_up(x, ids, order), x, (a13[0], a13[1]), (b13[0], b13[1]), ids,
+                                    weights, None, None, None, t, k, self.max_loras, enabled, base.num_experts, k, 2,
+                                    False, False, lora_ranks=ranks)
+        a = base.activate(h)
+        d = w.add_lora_w2(base.down(a, ids, weights, order), a, (self.w2_lora_a.get_value(),),
+                          (self.w2_lora_b.get_value(),), weights, *layout, t, None, None, k, self.max_loras, enabled,
+                          k, False, 0, False, lora_ranks=ranks)
+        return d.sum(axis=1)
+
+    slot_axis: ClassVar[dict] = {"w13_lora_a": 1, "w13_lora_b": 1, "w2_lora_a": 0, "w2_lora_b": 0,
+                                 "lora_ranks": 0, "adapter_enabled": 0}
+
+
+LORA_LAYER_TYPES = (MultiLoRALinear, MultiLoRAEmbed, MultiLoRALogits, MultiLoRAExperts)
 
 
 def _path_str(path: Sequence[Any]) -> str:

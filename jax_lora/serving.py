@@ -200,7 +200,8 @@ class ServingEngine:
     """Greedy generation for many requests, each with its own adapter, through one jitted step.
 
     Args:
-      model: a LlamaForCausalLM (jax_lora.models) after `add_lora` (or a plain one: base only).
+      model: a LlamaForCausalLM or MixtralForCausalLM (jax_lora.models) after `add_lora` (or a plain
+        one: base only).
       adapters: the AdapterManager of `model` (None: no adapters).
       max_seqs: rows of the KV cache = most requests in flight.
       max_len: positions per row (prompt + generated tokens must fit).

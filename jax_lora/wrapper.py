@@ -27,13 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lora_core import checks
+from lora_core import checks, moe_order
 from lora_core.adapter_pairs import AdapterPairs, PairLayout, PairRows
 from lora_core.host_mapping import LoRAMapping, StepLayout, max_pair_groups, prepare_step
 
 from .devices import resolve_device
 from .meta import LoRAKernelMeta
-from .ops import dispatch, partition
+from .ops import dispatch, fused_moe, partition
 from .ops.api import as_array, as_lora_ranks, as_slices, check_same_device, to_3d
 from .warmup import warmup as _warmup
 
@@ -623,6 +623,114 @@ class PunicaWrapper:
         return self._expand(y2, buf, (b,), None, (width,), 0, True, self.prompt_meta, cut_to_y=True,
                             lora_ranks=lora_ranks, num_slots_a=num_slots).reshape(y.shape)
 
+    # ------------------------------------------------------------------ mixture of experts (contract section 9)
+    def moe_lora_align_block_size(self, topk_ids, num_tokens: int, block_size: int, num_experts: int,
+                                  max_loras: int, adapter_enabled=None, expert_map=None, pad_sorted_ids: bool = False,
+                                  naive_block_assignment: bool = False) -> tuple:
+        """The routed pairs of this step's tokens grouped by (slot, expert) for `add_lora_fused_moe`
+        (jax_lora.ops.fused_moe). Returns (token_lora_mapping (T,), sorted_token_ids (L * EM,) or None,
+        expert_ids, num_tokens_post_padded (L,) or None); naive_block_assignment: no grouping,
+        expert_ids = topk_ids flattened (mapped through expert_map when given). topk_ids
+        (num_tokens, top_k); tokens past the mapped count have no adapter."""
+        topk_ids = as_array("topk_ids", topk_ids)
+        num_tokens = int(num_tokens)
+        if topk_ids.ndim != 2 or topk_ids.shape[0] != num_tokens:
+            raise ValueError(f"topk_ids must be (num_tokens, top_k) = ({num_tokens}, top_k), got shape "
+                             f"{topk_ids.shape}")
+        self._check_tokens("topk_ids", num_tokens)
+        mapping = self.token_meta.token_lora_mapping[:num_tokens]
+        if naive_block_assignment:
+            experts = topk_ids.reshape(-1).astype(jnp.int32)
+            if expert_map is not None:
+                emap = jnp.asarray(expert_map).astype(jnp.int32)
+                experts = jnp.where(experts >= 0, emap[jnp.clip(experts, 0, emap.shape[0] - 1)], experts)
+            return mapping, None, experts, None
+        layout = fused_moe.moe_lora_align_block_size(topk_ids, mapping, num_experts, block_size, max_loras,
+                                                     adapter_enabled, expert_map, pad_sorted_ids)
+        return (mapping,) + layout
+
+    def add_lora_fused_moe(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
+                           num_tokens_post_padded, max_lora_rank: int, top_k_num: int, shrink_config=None,
+                           expand_config=None, adapter_enabled=None, mul_routed_weight: bool = False,
+                           fully_sharded: bool = False, offset: int = 0, token_lora_mapping=None, *,
+                           lora_ranks=None) -> jax.Array:
+        """y[t, k, offset + cols_s] += w(p) * B_s[l, e] @ A_s[l, e] @ x[row(p)] for every routed pair
+        (contract section 9; jax_lora.ops.fused_moe); returns the new y (T, top_k, N).
+
+        A_s (L, E, r, K), B_s (L, E, n_s, r), the scaling folded into B. x: (T, K) without
+        mul_routed_weight, (T * top_k, K) with it (then w(p) = topk_weights[t, k]). The layout from
+        `moe_lora_align_block_size`, or sorted_token_ids None and expert_ids the routed experts
+        (naive). token_lora_mapping: default this step's. shrink_config / expand_config (vLLM's
+        Triton tiles) are accepted and unused; fully_sharded=True is refused. lora_ranks (L,),
+        optional: each slot's real rank.
+        """
+        if fully_sharded:
+            raise ValueError("fully_sharded: expected False; fully sharded MoE LoRA across tensor-parallel ranks is "
+                             "not supported")
+        weights = as_array("topk_weights", topk_weights)
+        if weights.ndim != 2:
+            raise ValueError(f"topk_weights must be (num_tokens, top_k), got shape {weights.shape}")
+        num_tokens = weights.shape[0]
+        self._check_tokens("topk_weights", num_tokens)
+        lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+        lora_b = as_slices("lora_b_stacked", lora_b_stacked)
+        self._check_slots("lora_a_stacked", int(lora_a[0].shape[0]))
+        self._check_devices(x=as_array("x", x), y=as_array("y", y), lora_a_stacked=lora_a, lora_b_stacked=lora_b)
+        if token_lora_mapping is None:
+            token_lora_mapping = self.token_meta.token_lora_mapping[:num_tokens]
+        return fused_moe.fused_moe_lora(y, x, lora_a, lora_b, weights, sorted_token_ids, expert_ids,
+                                        num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num,
+                                        adapter_enabled, mul_routed_weight, offset, lora_ranks=lora_ranks,
+                                        backend=self.backend)
+
+    def add_lora_w13(self, y, x, lora_a_stacked, lora_b_stacked, topk_ids, topk_weights, expert_map, w1, w2,
+                     num_tokens: int, top_k_num: int, max_loras: int, adapter_enabled, local_num_experts: int,
+                     top_k: int, num_slices: int, fully_sharded: bool, use_tuned_config: bool,
+                     token_lora_mapping=None, add_inputs: bool = True, *, lora_ranks=None) -> tuple:
+        """The gate_up (w13) expert LoRA of a MoE layer: aligns the routed pairs (the naive order when
+        pairs are sparse, num_tokens * top_k * 8 <= local_num_experts * max_loras without expert_map,
+        vLLM's rule; static under jit), then `add_lora_fused_moe` without router weights into y
+        (T, top_k, N). Returns (the new y, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        token_lora_mapping), the last four for `add_lora_w2`. w1 / w2 (the base expert weights) and
+        use_tuned_config only steer vLLM's tiles and are unused; add_inputs must be True."""
+        if not add_inputs:
+            raise ValueError("add_inputs: expected True; the MoE LoRA ops add into y")
+        lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+        lora_b = as_slices("lora_b_stacked", lora_b_stacked)
+        if len(lora_a) != num_slices or len(lora_b) != num_slices:
+            raise ValueError(f"num_slices: expected len(lora_a_stacked) = len(lora_b_stacked) = {num_slices}, got "
+                             f"{len(lora_a)} and {len(lora_b)}")
+        naive = moe_order.naive_block_assignment(int(num_tokens), int(top_k), int(local_num_experts), int(max_loras),
+                                                 expert_map)
+        block = moe_order.moe_block_size(int(num_tokens) * int(top_k))
+        mapping, sorted_ids, expert_ids, post_pad = self.moe_lora_align_block_size(
+            topk_ids, num_tokens, block, local_num_experts, max_loras, adapter_enabled, expert_map,
+            naive_block_assignment=naive)
+        if token_lora_mapping is None:
+            token_lora_mapping = mapping
+        y = as_array("y", y)
+        out = self.add_lora_fused_moe(y.reshape(-1, top_k_num, y.shape[-1]), x, lora_a, lora_b, topk_weights,
+                                      sorted_ids, expert_ids, post_pad, lora_a[0].shape[-2], top_k, None, None,
+                                      adapter_enabled, False, fully_sharded, 0, token_lora_mapping,
+                                      lora_ranks=lora_ranks)
+        return out.reshape(y.shape), sorted_ids, expert_ids, post_pad, token_lora_mapping
+
+    def add_lora_w2(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids_lora,
+                    expert_ids_lora, num_tokens_post_padded_lora, token_lora_mapping, num_tokens: int, w1, w2,
+                    top_k_num: int, max_loras: int, adapter_enabled, top_k: int, fully_sharded: bool, tp_rank: int,
+                    use_tuned_config: bool, add_inputs: bool = True, *, lora_ranks=None) -> jax.Array:
+        """The down (w2) expert LoRA: `add_lora_fused_moe` with the router weights applied
+        (mul_routed_weight) on the alignment `add_lora_w13` returned; x (T * top_k, I), one row per
+        pair; y (T, top_k, H), the per-pair output before the sum over k. Returns the new y."""
+        if not add_inputs:
+            raise ValueError("add_inputs: expected True; the MoE LoRA ops add into y")
+        if expert_ids_lora is None:
+            raise ValueError("expert_ids_lora: expected the expert ids add_lora_w13 returned, got None")
+        lora_a = as_slices("lora_a_stacked", lora_a_stacked)
+        return self.add_lora_fused_moe(y, x, lora_a, lora_b_stacked, topk_weights, sorted_token_ids_lora,
+                                       expert_ids_lora, num_tokens_post_padded_lora, lora_a[0].shape[-2], top_k, None,
+                                       None, adapter_enabled, True, fully_sharded, 0, token_lora_mapping,
+                                       lora_ranks=lora_ranks)
 
 def _host_bool(v):
     return v if isinstance(v, jax.core.Tracer) else bool(np.asarray(v))

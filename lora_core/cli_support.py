@@ -133,7 +133,8 @@ def check_size(option: str, value: int, *, cap: int, per_item: float, available:
 
 def read_model_sizes(model_dir: str) -> dict | None:
     """A Hugging Face checkpoint's sizes from its config.json: {hidden, layers, heads, kv_heads,
-    head_dim, inter, vocab, max_pos} (ints; max_pos 0 when the config has none); None when the file
+    head_dim, inter, vocab, max_pos, experts} (ints; max_pos 0 when the config has none, experts 1
+    for a dense model; inter is each expert's width in a MoE model); None when the file
     cannot be read or lacks them (loading the model then reports the problem)."""
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -143,7 +144,8 @@ def read_model_sizes(model_dir: str) -> dict | None:
         return {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv,
                 "head_dim": int(raw.get("head_dim") or hidden // heads),
                 "inter": int(raw.get("intermediate_size") or 0), "vocab": int(raw["vocab_size"]),
-                "max_pos": int(raw.get("max_position_embeddings") or 0)}
+                "max_pos": int(raw.get("max_position_embeddings") or 0),
+                "experts": int(raw.get("num_local_experts") or raw.get("num_experts") or 1)}
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, RecursionError):
         return None
 

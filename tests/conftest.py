@@ -76,6 +76,11 @@ SLOW_TESTS = (
     "tests/test_properties.py::test_kernel_meta_invariants[*]",
     # whole models: the demo, serving, peft and transformers round trips, merge checks
     "tests/test_serving.py::test_demo_command_verifies_every_request",
+    "tests/test_mixtral_lora.py::test_mixed_batch_greedy_tokens_equal_peft",
+    "tests/test_mixtral_lora.py::test_qwen3_moe_expert_adapter_equals_peft",
+    "tests/test_mixtral_lora.py::test_pallas_tpu_serving_equals_xla",
+    "tests/test_mixtral_model.py::test_qwen3_moe_logits_and_greedy_tokens_equal_transformers",
+    "tests/test_mixtral_lora.py::test_demo_with_the_built_in_mixtral_verifies_every_request",
     "tests/test_cli.py::test_prompt_through_the_checkpoints_tokenizer_in_its_dtype",
     "tests/test_cli.py::test_dtype_option_and_byte_prompts_on_the_built_in_model",
     "tests/test_peft_roundtrip.py::*",

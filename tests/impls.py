@@ -186,8 +186,6 @@ class Impl:
                        mul_routed_weight, offset, naive, block_size, dtype):
         """The MoE LoRA op on one order (naive: topk_ids flattened; else the op's own alignment);
         returns y as NumPy."""
-        if self.side != "torch":
-            raise NotImplementedError(f"{self.name}: no MoE LoRA adapter for side {self.side!r}")
         ops = self.ops
         ids = self.idx(topk_ids)
         mapping, enabled = self.idx(token_lora), self.idx(adapter_enabled)
@@ -202,35 +200,43 @@ class Impl:
                                  sorted_ids, expert_ids, post_pad, mapping, lora_a[0].shape[2],
                                  topk_ids.shape[1], enabled, mul_routed_weight, offset,
                                  block_size=None if naive else block_size, backend=self.backend)
-        assert res is out
-        return self.to_np(out)
+        if self.side == "torch":
+            assert res is out
+            return self.to_np(out)
+        return self.to_np(res)
 
     def moe_w13_w2(self, w, y13, x, gu_a, gu_b, y2, h, dn_a, dn_b, topk_ids, topk_weights, adapter_enabled,
                    num_experts, dtype):
         """The wrapper's add_lora_w13 then add_lora_w2 on its current metadata; returns (y13, y2,
         whether add_lora_w13 chose the naive pair order)."""
-        if self.side != "torch":
-            raise NotImplementedError(f"{self.name}: no MoE LoRA adapter for side {self.side!r}")
-        import torch
         num_tokens, top_k = topk_ids.shape
         max_loras = gu_a[0].shape[0]
         out13, out2 = self.arr(y13, dtype), self.arr(y2, dtype)
-        w1 = torch.empty((num_experts, 1, 1))
-        sorted_ids, expert_ids, post_pad, mapping = w.add_lora_w13(
+        if self.side == "torch":
+            import torch
+            w1 = torch.empty((num_experts, 1, 1))
+        else:
+            w1 = None
+        res13 = w.add_lora_w13(
             out13, self.arr(x, dtype), tuple(self.arr(a, dtype) for a in gu_a), tuple(self.arr(b, dtype) for b in gu_b),
             self.idx(topk_ids), self.arr(topk_weights, "float32"), None, w1, w1, num_tokens, top_k, max_loras,
             self.idx(adapter_enabled), num_experts, top_k, len(gu_a), False, False)
+        if self.side == "jax":          # functional: the new y comes first
+            out13, *res13 = res13
+        sorted_ids, expert_ids, post_pad, mapping = res13
         res = w.add_lora_w2(out2, self.arr(h, dtype), (self.arr(dn_a[0], dtype),), (self.arr(dn_b[0], dtype),),
                             self.arr(topk_weights, "float32"), sorted_ids, expert_ids, post_pad, mapping, num_tokens,
                             w1, w1, top_k, max_loras, self.idx(adapter_enabled), top_k, False, 0, False)
-        assert res is out2
+        if self.side == "torch":
+            assert res is out2
+        else:
+            out2 = res
         return self.to_np(out13), self.to_np(out2), sorted_ids is None
-
 
 def _jax_impls():
     from .pallas_tpu_impl import make_impl as pallas_tpu_impl  # TPU interpret mode, races checked
-    return [Impl("jax-xla", "jax", "xla"), pallas_tpu_impl(Impl),
-            Impl("jax-triton", "jax", "triton", small=True)]  # Triton interpreter via pure_callback on CPU
+    return [Impl("jax-xla", "jax", "xla", moe_lora=True), pallas_tpu_impl(Impl),
+            Impl("jax-triton", "jax", "triton", small=True, moe_lora=True)]  # Triton interpreter via pure_callback
 
 
 def _torch_impls():

@@ -72,4 +72,12 @@ def make_impl(impl_cls):
             with races_checked():
                 return super().wrapper_value(*args, **kwargs)
 
-    return PallasTPUImpl("jax-pallas_tpu", "jax", "pallas_tpu", small=True)
+        def fused_moe_lora(self, *args, **kwargs):
+            with races_checked():
+                return super().fused_moe_lora(*args, **kwargs)
+
+        def moe_w13_w2(self, *args, **kwargs):
+            with races_checked():
+                return super().moe_w13_w2(*args, **kwargs)
+
+    return PallasTPUImpl("jax-pallas_tpu", "jax", "pallas_tpu", small=True, moe_lora=True)

@@ -184,6 +184,9 @@ class LlamaAttention(nnx.Module):
         self.o_proj = nnx.Linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.attention_bias, dtype=dtype,
                                  param_dtype=dtype, rngs=rngs)
         self.fused_shards = 1      # devices qkv_proj's columns are split over (shard-major order)
+        if getattr(cfg, "qk_norm", False):     # Qwen3's RMSNorm of each head's q and k before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, x, positions, kv=None, rows=None):
         cfg = self.cfg
@@ -191,6 +194,8 @@ class LlamaAttention(nnx.Module):
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, k, v = parallel.split_fused(self.qkv_proj(x), (cfg.q_size, cfg.kv_size, cfg.kv_size), self.fused_shards)
         q, k, v = q.reshape(b, s, nh, hd), k.reshape(b, s, nkv, hd), v.reshape(b, s, nkv, hd)
+        if getattr(cfg, "qk_norm", False):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = _rope(q, positions, cfg.rope_theta)
         k = _rope(k, positions, cfg.rope_theta)
         if kv is None:                     # no cache: attend within the sequence (causal)

@@ -3,6 +3,7 @@
   lora_shrink / lora_expand                      the grouped ops, driven by `LoRAKernelMeta`
   bgmv_shrink / bgmv_expand / bgmv_expand_slice  one index per token
   sgmv_shrink / sgmv_expand / sgmv_expand_slice  one index per prefill segment
+  fused_moe_lora / moe_lora_align_block_size     LoRA on a MoE layer's routed pairs (`fused_moe`)
 
 Backends live beside it (`xla`, `pallas_tpu`, `triton`; chosen in `dispatch`). The argument
 helpers the wrapper and the bridge share are re-exported here too.
@@ -17,8 +18,10 @@ from .api import (  # noqa: F401 - the ops, and the argument helpers the wrapper
     bgmv_expand_slice,
     bgmv_shrink,
     check_same_device,
+    fused_moe_lora,
     lora_expand,
     lora_shrink,
+    moe_lora_align_block_size,
     segment_indices,
     sgmv_expand,
     sgmv_expand_slice,
@@ -27,4 +30,4 @@ from .api import (  # noqa: F401 - the ops, and the argument helpers the wrapper
 )
 
 __all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
-           "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]
+           "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice", "fused_moe_lora", "moe_lora_align_block_size"]

@@ -39,6 +39,7 @@ from lora_core.kernel_meta import KernelMeta
 
 from ..meta import LoRAKernelMeta, build_kernel_meta
 from . import dispatch
+from .fused_moe import fused_moe_lora, moe_lora_align_block_size  # noqa: F401 - re-exported with the other ops
 
 __all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
            "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ..meta import LoRAKernelMeta
+from .xla_moe import fused_moe_lora  # noqa: F401 - the backend's fused MoE LoRA (jax_lora.ops.fused_moe)
 
 NAME = "xla"
 COLUMN_SCALE = True        # expand takes col_scale (DoRA)

@@ -68,6 +68,7 @@ Modules (the op modules are named *_op so that the package attributes `shrink`, 
   expand_op.py  the expand kernels and `expand`, `transpose_lora_b`
   linear_op.py  `linear`: shrink and expand in one program
   pairs_op.py   several adapters per token (`pairs=`): the one-adapter kernels once per pair
+  moe_op.py     `fused_moe_lora`: LoRA on the routed (token, expert) pairs of a MoE layer
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from __future__ import annotations
 from . import expand_op, linear_op, shrink_op
 from .common import DEFAULT_INTERPRET, HIGHEST, current_interpret, interpret_mode, partitionable
 from .expand_op import transpose_lora_b
+from .moe_op import fused_moe_lora
 from .pairs_op import expand_pairs, shrink_pairs
 from .plans import (
     VMEM_BUDGET,
@@ -133,7 +135,7 @@ def linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks=None, bias=Non
     return linear_op.linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, **options)
 
 __all__ = [
-    "NAME", "shrink", "expand", "linear", "transpose_lora_b",                # the backend
+    "NAME", "shrink", "expand", "linear", "transpose_lora_b", "fused_moe_lora",  # the backend
     "Schedule", "make_schedule", "make_token_schedule", "token_groups", "chunk_slots",  # schedules
     "num_steps", "num_token_steps",
     "OrderCost", "STEP_BYTES", "choose_token_order", "prefers_token_order", "shrink_order_cost",

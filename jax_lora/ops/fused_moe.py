@@ -1,0 +1,177 @@
+"""LoRA on the experts of a mixture-of-experts layer: vLLM's `fused_moe_lora` and
+`moe_lora_align_block_size`, functional (a new y is returned) and jittable.
+
+Math, for each routed pair p = t * top_k + k of token t (expert e = topk_ids[t, k], slot
+l = token_lora_mapping[t], l >= 0 and adapter_enabled[l] != 0), every product in float32:
+
+  y[t, k, offset + o_s : offset + o_s + n_s] += w_p * (x_p @ A_s[l, e].T) @ B_s[l, e].T
+
+with o_s = n_0 + ... + n_{s-1} (slices s: gate and up of w13, or the one slice of w2). With
+mul_routed_weight (w2, contract section 9): w_p = topk_weights[t, k], the router weight where the
+model applies it (after the down projection in Mixtral), and x_p = x[p] (one row per pair: the
+activated gate_up output); without (w13): w_p = 1 and x_p = x[t] (the hidden states). With
+lora_ranks, rank columns c >= lora_ranks[l] count as zero. Pairs of tokens without an adapter, of
+slots whose adapter_enabled is 0 and of experts routed to -1 (expert_map) are untouched and cost
+nothing.
+
+Layout (vLLM 0.33's, built by `moe_lora_align_block_size`; flat, L rows of EM): per slot l, the
+pairs of slot l's tokens grouped by expert (ascending expert, pairs ascending inside a group), each
+group padded to a multiple of block_size with the sentinel P = num_tokens * top_k:
+  sorted_token_ids (L * EM,)      pair ids, EM = round_up(P + E * (block_size - 1), block_size)
+  expert_ids (L * EM / block_size,) the expert of each block, -1 past the slot's last block
+  num_tokens_post_padded (L,)     the slot's padded length
+Every shape depends on (P, E, L, block_size) only: one compiled program for every routing.
+`sorted_token_ids=None` is vLLM's naive assignment: expert_ids is then topk_ids flattened (P,), and
+the layout is built here with block size 16.
+
+Backends: a backend module may define `fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight,
+layout, offsets, lora_ranks) -> y3` ("xla": jax_lora.ops.xla_moe; "pallas_tpu":
+jax_lora.ops.pallas_tpu.moe_op). A backend without it ("triton") runs the xla one, said once on
+the `jax_lora` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lora_core import checks
+
+from . import dispatch
+from .moe_layout import MoELayout, align_layout
+
+__all__ = ["fused_moe_lora", "moe_lora_align_block_size"]
+
+_LOG = logging.getLogger("jax_lora")
+_FALLBACK_SAID: set = set()
+NAIVE_BLOCK_SIZE = 16
+
+
+def moe_lora_align_block_size(topk_ids, token_lora_mapping, num_experts: int, block_size: int, max_loras: int,
+                              adapter_enabled=None, expert_map=None, pad_sorted_ids: bool = False) -> tuple:
+    """(sorted_token_ids (L * EM,), expert_ids (L * EM / block_size,), num_tokens_post_padded (L,)),
+    int32: the block-sorted layout of the pairs (module docstring), on the device, jittable. EM is
+    a multiple of block_size whatever pad_sorted_ids (the kernels take whole blocks).
+
+    topk_ids (M, k) int: each token's experts; token_lora_mapping (M,) int: slot per token (-1 none,
+    out-of-range values none); adapter_enabled (L,) int or None (all enabled): a slot with 0 gets no
+    pairs; expert_map (E_global,) int or None: global expert -> local expert (-1: not here).
+
+    Steps: 1. each pair's (slot, expert), invalid ones keyed past every group; 2. counts per
+    (slot, expert) by a scatter-add, padded to block_size, their running sums the group starts;
+    3. a stable sort of the pairs by key gives each its rank in its group, hence its position;
+    4. scatter the pair ids, and the expert of every block from the group ends.
+    """
+    layout = align_layout(topk_ids, token_lora_mapping, num_experts, block_size, max_loras, adapter_enabled,
+                          expert_map)
+    return tuple(a.reshape(-1) for a in layout[:2]) + (layout[2],)
+
+
+def backend_module(backend: str | None):
+    """The module whose `fused_moe_lora` runs for `backend` (None: the device's default): the
+    backend itself (unpartitioned: no MoE layer is split over a mesh), or "xla" for a backend
+    without a MoE kernel, said once on the `jax_lora` logger."""
+    module = dispatch.load_backend(backend if backend is not None else dispatch.default_backend_name(log=True))
+    if hasattr(module, "fused_moe_lora"):
+        return module
+    xla = dispatch.load_backend("xla")
+    if module.NAME not in _FALLBACK_SAID:
+        _FALLBACK_SAID.add(module.NAME)
+        _LOG.info("jax_lora: backend %r has no fused MoE LoRA kernel; fused_moe_lora runs the xla backend's",
+                  module.NAME)
+    return xla
+
+
+def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, topk_weights, sorted_token_ids,
+                   expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank: int, top_k_num: int,
+                   adapter_enabled=None, mul_routed_weight: bool = False, offset: int = 0, *, block_size=None,
+                   backend: str | None = None, lora_ranks=None) -> jax.Array:
+    """The new y with every routed pair's LoRA term added (module docstring).
+
+    y (M, top_k, N) or (M * top_k, N); x (M, K) (mul_routed_weight False: one row per token) or
+    (M * top_k, K) (mul_routed_weight True: one row per pair); lora_a_stacked: S arrays
+    (L, E, r, K); lora_b_stacked: S arrays (L, E, n_s, r) with offset + sum n_s <= N;
+    topk_weights (M, top_k); the layout from `moe_lora_align_block_size` (flat or one row per slot;
+    block_size, when given, must be its block size) or sorted_token_ids None and expert_ids the
+    (M * top_k,) experts; token_lora_mapping (M,) slots (-1 none); lora_ranks (L,), optional.
+    """
+    lora_a = tuple(lora_a_stacked) if isinstance(lora_a_stacked, (list, tuple)) else (lora_a_stacked,)
+    lora_b = tuple(lora_b_stacked) if isinstance(lora_b_stacked, (list, tuple)) else (lora_b_stacked,)
+    if not lora_a or len(lora_a) != len(lora_b):
+        raise ValueError(f"lora_a_stacked and lora_b_stacked must have one entry per slice, got {len(lora_a)} "
+                         f"and {len(lora_b)}")
+    weights = jnp.asarray(topk_weights)
+    if weights.ndim != 2:
+        raise ValueError(f"topk_weights must be (num_tokens, top_k), got shape {weights.shape}")
+    m, k = weights.shape
+    if int(top_k_num) != k:
+        raise ValueError(f"top_k_num={top_k_num} but topk_weights has {k} columns")
+    p = m * k
+    y = jnp.asarray(y)
+    if y.dtype.name not in checks.ACTIVATION_DTYPES or x.dtype.name not in checks.ACTIVATION_DTYPES:
+        raise TypeError(f"y and x must be one of {checks.ACTIVATION_DTYPES}, got {y.dtype} and {x.dtype}")
+    if y.ndim == 2 and y.shape[0] == p:
+        y3 = y.reshape(m, k, y.shape[1])
+    elif y.ndim == 3 and y.shape[:2] == (m, k):
+        y3 = y
+    else:
+        raise ValueError(f"y must be (num_tokens, top_k, N) = ({m}, {k}, N) or ({p}, N), got shape {y.shape}")
+    want_rows = p if mul_routed_weight else m
+    if x.ndim != 2 or x.shape[0] != want_rows:
+        what = "one row per pair (mul_routed_weight=True)" if mul_routed_weight else "one row per token"
+        raise ValueError(f"x must be ({want_rows}, K), {what}, got shape {x.shape}")
+    rows = x if mul_routed_weight else jnp.repeat(x, k, axis=0)                                # (P, K)
+    num_slots, num_experts, rank, hidden = _check_weights(lora_a, lora_b, x.shape[1])
+    if int(max_lora_rank) < rank:
+        raise ValueError(f"max_lora_rank={max_lora_rank} is smaller than lora_a_stacked's rank {rank}")
+    widths = tuple(int(b.shape[2]) for b in lora_b)
+    offset = int(offset)
+    if offset < 0 or offset + sum(widths) > y3.shape[2]:
+        raise ValueError(f"offset {offset} + slice widths {widths} exceed y's {y3.shape[2]} columns")
+    offsets = tuple(offset + sum(widths[:s]) for s in range(len(widths)))
+    mapping = jnp.asarray(token_lora_mapping).astype(jnp.int32)
+    if mapping.ndim != 1 or mapping.shape[0] < m:
+        raise ValueError(f"token_lora_mapping must be (>= {m},) slots, got shape {mapping.shape}")
+    if sorted_token_ids is None:
+        topk_ids = jnp.asarray(expert_ids).astype(jnp.int32)
+        if topk_ids.size != p:
+            raise ValueError(f"with sorted_token_ids=None, expert_ids must hold the {p} routed experts, got shape "
+                             f"{topk_ids.shape}")
+        layout = align_layout(topk_ids.reshape(m, k), mapping, num_experts, NAIVE_BLOCK_SIZE, num_slots,
+                              adapter_enabled)
+    else:
+        layout = MoELayout(jnp.asarray(sorted_token_ids).astype(jnp.int32).reshape(num_slots, -1),
+                           jnp.asarray(expert_ids).astype(jnp.int32).reshape(num_slots, -1),
+                           jnp.asarray(num_tokens_post_padded).astype(jnp.int32).reshape(num_slots))
+        em, nb = layout.sorted_token_ids.shape[1], layout.expert_ids.shape[1]
+        if em % nb or (block_size is not None and em != nb * int(block_size)):
+            raise ValueError(f"sorted_token_ids ({em} per slot) and expert_ids ({nb} per slot) must hold one expert "
+                             f"per block of block_size={block_size if block_size is not None else 'EM / blocks'} pairs")
+        if adapter_enabled is not None:          # a disabled slot's pairs cost nothing
+            enabled = jnp.asarray(adapter_enabled).astype(jnp.int32)[:num_slots] != 0
+            layout = layout._replace(num_tokens_post_padded=jnp.where(enabled, layout.num_tokens_post_padded, 0))
+    pair_weight = weights.reshape(p).astype(jnp.float32) if mul_routed_weight else None
+    ranks = None if lora_ranks is None else jnp.asarray(lora_ranks).astype(jnp.int32)
+    out = backend_module(backend).fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, ranks)
+    return out.reshape(y.shape)
+
+
+def _check_weights(lora_a, lora_b, hidden: int) -> tuple[int, int, int, int]:
+    shapes_a = {tuple(a.shape) for a in lora_a}
+    if len(shapes_a) != 1 or len(next(iter(shapes_a))) != 4:
+        raise ValueError(f"lora_a_stacked must be arrays of one shape (L, E, r, K), got {sorted(shapes_a)}")
+    num_slots, num_experts, rank, k_dim = next(iter(shapes_a))
+    if k_dim != hidden:
+        raise ValueError(f"lora_a_stacked's K = {k_dim} but x has {hidden} columns")
+    for s, b in enumerate(lora_b):
+        if b.ndim != 4 or b.shape[0] != num_slots or b.shape[1] != num_experts or b.shape[3] != rank:
+            raise ValueError(f"lora_b_stacked[{s}] must be (L, E, n, r) = ({num_slots}, {num_experts}, n, {rank}), "
+                             f"got shape {tuple(b.shape)}")
+    for w in lora_a + lora_b:
+        if np.dtype(w.dtype).name not in checks.WEIGHT_DTYPES:
+            raise TypeError(f"LoRA weights must be one of {checks.WEIGHT_DTYPES}, got {w.dtype}")
+    return num_slots, num_experts, rank, k_dim

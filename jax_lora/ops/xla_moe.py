@@ -1,0 +1,48 @@
+"""Reference fused MoE LoRA (backend "xla"): per routed pair, a gather of its own (slot, expert)
+weights, in plain jnp (the oracle's twin; math in jax_lora.ops.fused_moe).
+
+Steps: 1. each pair's (slot, expert) from the block-sorted layout (`pairs_of_layout`), -1 where the
+layout holds no pair; 2. per slice s, A_s[slot, expert] (P, r, K) and B_s[slot, expert] (P, n_s, r)
+gathered and contracted with the pair's row in float32, rank padding masked with `where`; 3. times
+the router weight when given; 4. y's slice updated with `where` on the pairs with an adapter (0 *
+NaN = NaN: weights of a slot or expert no pair uses are never multiplied by anything).
+Memory: P * r * (K + n_s) gathered weights per slice, so this is the fallback, not the fast path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .moe_layout import pairs_of_layout
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks):
+    """y3 (M, k, N); rows (P, K) pair order; lora_a / lora_b: S arrays (L, E, r, K) / (L, E, n_s, r);
+    pair_weight (P,) float32 or None; offsets: S static column offsets -> the new y3."""
+    m, k, n_total = y3.shape
+    p = m * k
+    pair_slot, pair_expert = pairs_of_layout(layout, p)                              # step 1
+    has = (pair_slot >= 0) & (pair_expert >= 0)
+    slot, expert = jnp.maximum(pair_slot, 0), jnp.maximum(pair_expert, 0)
+    xf = rows.astype(jnp.float32)
+    y = y3.reshape(p, n_total)
+    for a, b, off in zip(lora_a, lora_b, offsets):
+        rank, width = a.shape[2], b.shape[2]
+        keep = has[:, None]
+        if lora_ranks is not None:
+            keep = keep & (jnp.arange(rank)[None, :] < lora_ranks[slot][:, None])
+        a_p = a[slot, expert].astype(jnp.float32)                                    # step 2: (P, r, K)
+        h = jnp.where(keep, jnp.einsum("pk,prk->pr", xf, a_p, precision=HIGHEST), 0.0)
+        b_p = b[slot, expert].astype(jnp.float32)                                    # (P, n, r)
+        if lora_ranks is not None:
+            b_p = jnp.where(keep[:, None, :], b_p, 0.0)
+        delta = jnp.einsum("pr,pnr->pn", h, b_p, precision=HIGHEST)
+        if pair_weight is not None:                                                  # step 3
+            delta = delta * pair_weight[:, None]
+        old = y[:, off:off + width]
+        new = (old.astype(jnp.float32) + delta).astype(y.dtype)
+        y = y.at[:, off:off + width].set(jnp.where(has[:, None], new, old))          # step 4
+    return y.reshape(y3.shape)
