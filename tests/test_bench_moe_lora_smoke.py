@@ -17,6 +17,16 @@ pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _interpreter_runs_kernels() -> bool:
+    """Triton's interpreter before 3.8 fails on the kernel's K loops (a scalar argument as a loop
+    bound: "only 0-dimensional arrays can be converted"); the project needs Triton >= 3.8
+    (pyproject.toml); GPU images may carry an older one for the compiled kernels, which
+    tests/test_gpu_moe_lora.py runs."""
+    import triton
+    return tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
+
+
+@pytest.mark.skipif(not _interpreter_runs_kernels(), reason="Triton's interpreter before 3.8")
 def test_quick_run_writes_checked_results(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
@@ -28,11 +38,15 @@ def test_quick_run_writes_checked_results(tmp_path):
         res = json.load(f)
     assert {"date", "device", "torch", "triton", "commit"} <= set(res["meta"])
     rows = res["rows"]
+    vllm_present = "vllm" not in res["meta"]        # absent: meta says how to fetch vLLM's kernels
     assert {(r["layer"], r["order"]) for r in rows} == {("w13", "naive"), ("w13", "sorted"), ("w2", "naive"),
                                                         ("w2", "sorted")}
     for r in rows:
         assert r["err_ours"] <= 2e-2, r                     # bf16 against the float64 reference
         assert isinstance(r["ours_us"], float)
-        assert ("vllm_us" in r) != ("vllm_error" in r), r   # vLLM timed, or why not
+        if vllm_present:
+            assert ("vllm_us" in r) != ("vllm_error" in r), r   # vLLM timed, or why not
+        else:
+            assert "vllm_us" not in r and "vllm_error" not in r, r
     md = (tmp_path / "moe_lora.md").read_text()
     assert "| tiny | w13 | 1 | 1 | 16 | naive |" in md and "Geometric mean" in md

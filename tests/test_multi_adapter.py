@@ -13,6 +13,8 @@ paired mappings; the models' merged-weights parity is tests/test_multi_adapter_m
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -112,14 +114,22 @@ def _case(seed, num_tokens, hidden, rank, widths, num_slots, num_pairs):
     return x, lora_a, lora_b, slots, weights, y
 
 
+# compiled on a GPU machine (tests/conftest.py sets TRITON_INTERPRET=1 only without CUDA)
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _dev(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
+
+
 def _torch_meta(slots, weights, max_groups, capacity):
     from lora_core.kernel_meta import KernelMeta
     meta, pairs = build_pairs_host(slots, weights, max_groups, capacity)
     t = slots.shape[0]
-    m = KernelMeta(*[torch.from_numpy(np.ascontiguousarray(a)) for a in meta])
+    m = KernelMeta(*[_dev(np.ascontiguousarray(a)) for a in meta])
     m = m._replace(token_lora_mapping=m.token_lora_mapping[:t],
                    token_indices_sorted_by_lora_ids=m.token_indices_sorted_by_lora_ids[:t])
-    return m, AdapterPairs(torch.from_numpy(pairs.slots), torch.from_numpy(pairs.weights))
+    return m, AdapterPairs(_dev(pairs.slots), _dev(pairs.weights))
 
 
 SHRINK = dict(BLOCK_M=16, BLOCK_K=32, num_warps=4, num_stages=2)
@@ -143,15 +153,15 @@ def test_triton_linear_pairs_equal_oracle(num_pairs, small_t, split, tiles_n, ra
                 a[s, r:] = 0.0                                   # the oracle's weights: zero past each rank
                 b[s, :, r:] = 0.0
     meta, pairs = _torch_meta(slots, weights, 16, 16)
-    yt = torch.from_numpy(y.copy())
-    tt.linear(yt, torch.from_numpy(x), [torch.from_numpy(a) for a in lora_a], [torch.from_numpy(b) for b in lora_b],
-              meta, 0.75, (0, 24), None if lora_ranks is None else torch.from_numpy(lora_ranks), None, pairs=pairs,
+    yt = _dev(y.copy())
+    tt.linear(yt, _dev(x), [_dev(a) for a in lora_a], [_dev(b) for b in lora_b],
+              meta, 0.75, (0, 24), None if lora_ranks is None else _dev(lora_ranks), None, pairs=pairs,
               shrink_config=dict(SHRINK, SPLIT_K=split, SMALL_T=small_t),
               expand_config=dict(EXPAND, TILES_N=tiles_n, SMALL_T=small_t))
     want = oracle.multi_lora_linear(y, x, lora_a, lora_b, 0.75, slots, weights)
-    assert oracle.rel_err(yt.numpy(), want) <= 1e-5
+    assert oracle.rel_err(yt.cpu().numpy(), want) <= 1e-5
     none = slots[:, 0] < 0
-    np.testing.assert_array_equal(yt.numpy()[none], y[none])
+    np.testing.assert_array_equal(yt.cpu().numpy()[none], y[none])
 
 
 @pytest.mark.parametrize("num_pairs,split,ranks", [(1, 2, False), (2, 0, True), (4, 2, True)])
@@ -167,15 +177,15 @@ def test_triton_fused_kernel_pairs_equal_oracle(num_pairs, split, ranks):
                 a[s, r:] = 0.0
                 b[s, :, r:] = 0.0
     meta, pairs = _torch_meta(slots, weights, 16, 16)
-    yt = torch.from_numpy(y.copy())
-    tt.linear(yt, torch.from_numpy(x), [torch.from_numpy(a) for a in lora_a], [torch.from_numpy(b) for b in lora_b],
-              meta, 0.75, (0, 32), None if lora_ranks is None else torch.from_numpy(lora_ranks), None, pairs=pairs,
+    yt = _dev(y.copy())
+    tt.linear(yt, _dev(x), [_dev(a) for a in lora_a], [_dev(b) for b in lora_b],
+              meta, 0.75, (0, 32), None if lora_ranks is None else _dev(lora_ranks), None, pairs=pairs,
               fused=True, fused_config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=split, num_warps=4,
                                             num_stages=2, SMALL_T=split != 0))
     want = oracle.multi_lora_linear(y, x, lora_a, lora_b, 0.75, slots, weights)
-    assert oracle.rel_err(yt.numpy(), want) <= 1e-5
+    assert oracle.rel_err(yt.cpu().numpy(), want) <= 1e-5
     none = slots[:, 0] < 0
-    np.testing.assert_array_equal(yt.numpy()[none], y[none])
+    np.testing.assert_array_equal(yt.cpu().numpy()[none], y[none])
 
 
 def test_triton_standalone_shrink_atomic_split_and_expand():
@@ -185,20 +195,20 @@ def test_triton_standalone_shrink_atomic_split_and_expand():
     num_pairs, rank = 2, 16
     x, lora_a, lora_b, slots, weights, y = _case(7, 11, 64, rank, (24,), 4, num_pairs)
     meta, pairs = _torch_meta(slots, weights, 8, 16)
-    buf = torch.full((1, 11, num_pairs * rank), float("nan"))
-    tt.shrink(torch.from_numpy(x), [torch.from_numpy(lora_a[0])], buf, meta, 0.5, pairs=pairs,
+    buf = torch.full((1, 11, num_pairs * rank), float("nan"), device=DEV)
+    tt.shrink(_dev(x), [_dev(lora_a[0])], buf, meta, 0.5, pairs=pairs,
               config=dict(SHRINK, SPLIT_K=2, SMALL_T=False))
     for j in range(num_pairs):
         for t in range(11):
             s = slots[t, j]
             want = 0.0 if s < 0 else 0.5 * weights[t, j] * (lora_a[0][s] @ x[t])
-            np.testing.assert_allclose(buf[0, t, j * rank:(j + 1) * rank].numpy(), want, rtol=1e-5, atol=1e-5)
-    yt = torch.from_numpy(y.copy())
-    tt.expand(buf, [torch.from_numpy(lora_b[0])], yt, meta, (2,), True, pairs=pairs,
+            np.testing.assert_allclose(buf[0, t, j * rank:(j + 1) * rank].cpu().numpy(), want, rtol=1e-5, atol=1e-5)
+    yt = _dev(y.copy())
+    tt.expand(buf, [_dev(lora_b[0])], yt, meta, (2,), True, pairs=pairs,
               config=dict(EXPAND, SMALL_T=False))
     want = y.astype(np.float64).copy()
     want[:, 2:26] = oracle.multi_lora_linear(y[:, 2:26], x, lora_a, lora_b, 0.5, slots, weights)
-    assert oracle.rel_err(yt.numpy(), want) <= 1e-5
+    assert oracle.rel_err(yt.cpu().numpy(), want) <= 1e-5
 
 
 def test_plain_mapping_plans_today_kernels():
