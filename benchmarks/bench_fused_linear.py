@@ -147,34 +147,6 @@ class InputSet:
         return ref
 
 
-class Clock:
-    """us per call: CUDA-graph replays on a GPU, or the host clock of one eager call (--quick)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def __call__(self, calls: list, m: int, replays: int = 5) -> float:
-        import torch
-        if not self.cuda:
-            for c in calls:
-                c()                                  # compile (interpreter: nothing) and warm
-            t0 = time.perf_counter()
-            for c in calls:
-                c()
-            return (time.perf_counter() - t0) * 1e6 / len(calls)
-        target = 48 if m <= 256 else (8 if m <= 2048 else 4)
-        seq = calls * max(1, math.ceil(target / len(calls)))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for c in calls:
-                c()                                  # compiles and plans outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        from bench_triton import graph_replay_us
-        return graph_replay_us(seq, replays) / len(seq)
-
-
 def best_of(clock, grid: list, make, m: int) -> tuple:
     """(best us, its config, [(config, us or error)]) over the grid; make(cfg) -> the calls."""
     results = []
@@ -196,6 +168,7 @@ class Bench:
         self.args, self.quick = args, args.quick
         self.cuda = not args.quick
         self.device = torch.device("cuda" if self.cuda else "cpu")
+        from bench_triton import Clock
         self.clock = Clock(self.cuda)
         self.layers = QUICK_LAYERS if self.quick else LAYERS
         self.slots_n = 4 if self.quick else NUM_SLOTS

@@ -81,34 +81,6 @@ def rel_err(got, ref) -> float:
     return float(torch.linalg.norm(got - ref) / max(float(torch.linalg.norm(ref)), 1e-30))
 
 
-class Clock:
-    """us per call: CUDA-graph replays on a GPU, the host clock of eager calls (--quick)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def __call__(self, calls: list, tokens: int, replays: int = 5) -> float:
-        import torch
-        if not self.cuda:
-            for c in calls:
-                c()
-            t0 = time.perf_counter()
-            for c in calls:
-                c()
-            return (time.perf_counter() - t0) * 1e6 / len(calls)
-        target = 32 if tokens <= 256 else 4
-        seq = calls * max(1, math.ceil(target / len(calls)))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for c in calls:
-                c()                                  # compile outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        from bench_triton import graph_replay_us
-        return graph_replay_us(seq, replays) / len(seq)
-
-
 class Case:
     """One layer call's inputs: weights in NUM_SLOTS slots, routing, x, y, the alignment."""
 
@@ -267,7 +239,8 @@ def main(argv=None) -> int:
     ranks = _ints(args.ranks) or (QUICK_RANKS if args.quick else RANKS)
     slots = QUICK_SLOTS if args.quick else NUM_SLOTS
     device = torch.device("cuda" if cuda else "cpu")
-    clock = Clock(cuda)
+    from bench_triton import Clock
+    clock = Clock(cuda, target=lambda tokens: 32 if tokens <= 256 else 4)
     os.makedirs(args.out, exist_ok=True)
     res = dict(meta=env_meta(cuda), rows=[], skipped=[])
     if vk is None:

@@ -14,19 +14,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from . import torch_helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _interpreter_runs_kernels() -> bool:
-    """Triton's interpreter before 3.8 fails on the fused kernels' K loops (a scalar argument as a
-    loop bound: "only 0-dimensional arrays can be converted"); the project needs Triton >= 3.8
-    (pyproject.toml); GPU images may carry an older one for the compiled kernels, which
-    tests/test_fused_linear_kernels.py runs."""
-    import triton
-    return tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
-
-
-@pytest.mark.skipif(not _interpreter_runs_kernels(), reason="Triton's interpreter before 3.8")
+@pytest.mark.skipif(not torch_helpers.triton_interpreter_runs_loops(), reason="Triton's interpreter before 3.8")
 def test_quick_run_writes_checked_results(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")

@@ -58,3 +58,12 @@ def wrapper(token_ids, lora_index_to_id, *, prompt_ids=None, num_slots=None, bac
     prompt_ids = token_ids if prompt_ids is None else prompt_ids
     w.update_metadata(LoRAMapping(tuple(token_ids), tuple(prompt_ids)), list(lora_index_to_id), num_slots + 1, 16)
     return w
+
+
+def triton_interpreter_runs_loops() -> bool:
+    """Whether Triton's interpreter runs the kernels whose loop bounds are scalar arguments (the
+    fused linear and MoE kernels): before Triton 3.8 it fails on them ("only 0-dimensional arrays
+    can be converted"); the project needs Triton >= 3.8 (pyproject.toml), GPU images may carry an
+    older one for the compiled kernels."""
+    import triton
+    return tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
