@@ -372,26 +372,7 @@ class LlamaForCausalLM(nnx.Module):
         return jax.sharding.NamedSharding(self.mesh, spec)
 
     def __call__(self, tokens, positions, cache: KVCache | None = None, rows=None, sample_idx=None):
-        vocab = self.config.vocab_size
-        s = np.shape(tokens)[1]
-        _check_host_range("tokens", tokens, vocab, f"token ids, vocab_size = {vocab}")
-        if sample_idx is not None:
-            _check_host_range("sample_idx", sample_idx, s, f"a position of the step's S = {s}")
-        # nnx.Embed's lookup fills an out-of-range id's row with NaN; clamped, every read is in bounds.
-        x = self.model.embed_tokens(jnp.clip(jnp.asarray(tokens), 0, vocab - 1))
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer(x, positions, kv, rows)
-            if cache is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
-        x = self.model.norm(x)
-        if sample_idx is not None:
-            idx = jnp.clip(jnp.asarray(sample_idx).astype(jnp.int32), 0, s - 1)
-            x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
-        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits.astype(jnp.float32), (None if cache is None else KVCache(tuple(new_k), tuple(new_v)))
+        return causal_lm_step(self, tokens, positions, cache, rows, sample_idx)
 
 
 def _check_host_range(name: str, values, stop: int, what: str) -> None:
@@ -595,3 +576,30 @@ def save_llama(model: LlamaForCausalLM, model_dir: str) -> None:
               metadata={"format": "pt"})
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(c.to_dict(), f, indent=2)
+
+
+def causal_lm_step(lm, tokens, positions, cache: KVCache | None = None, rows=None, sample_idx=None):
+    """One step of a decoder-only model holding `config`, `model.embed_tokens`, `model.layers`
+    (each `layer(x, positions, kv, rows) -> (x, kv)`), `model.norm` and `lm_head` (None: the tied
+    embedding): (logits (B, V) or (B, S, V) float32, the new KVCache or None). The Llama's and the
+    Mixtral's `__call__`."""
+    vocab = lm.config.vocab_size
+    s = np.shape(tokens)[1]
+    _check_host_range("tokens", tokens, vocab, f"token ids, vocab_size = {vocab}")
+    if sample_idx is not None:
+        _check_host_range("sample_idx", sample_idx, s, f"a position of the step's S = {s}")
+    # nnx.Embed's lookup fills an out-of-range id's row with NaN; clamped, every read is in bounds.
+    x = lm.model.embed_tokens(jnp.clip(jnp.asarray(tokens), 0, vocab - 1))
+    new_k, new_v = [], []
+    for i, layer in enumerate(lm.model.layers):
+        kv = None if cache is None else (cache.k[i], cache.v[i])
+        x, kv = layer(x, positions, kv, rows)
+        if cache is not None:
+            new_k.append(kv[0])
+            new_v.append(kv[1])
+    x = lm.model.norm(x)
+    if sample_idx is not None:
+        idx = jnp.clip(jnp.asarray(sample_idx).astype(jnp.int32), 0, s - 1)
+        x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+    logits = lm.model.embed_tokens.attend(x) if lm.lm_head is None else lm.lm_head(x)
+    return logits.astype(jnp.float32), (None if cache is None else KVCache(tuple(new_k), tuple(new_v)))

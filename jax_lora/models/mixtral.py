@@ -40,8 +40,8 @@ from .llama import (
     LlamaAttention,
     LlamaConfig,
     RMSNorm,
-    _check_host_range,
     _read_safetensors_dir,
+    causal_lm_step,
 )
 
 __all__ = ["MIXTRAL_LORA_TARGETS", "MixtralConfig", "MixtralForCausalLM", "add_lora", "load_mixtral", "save_mixtral"]
@@ -187,25 +187,7 @@ class MixtralForCausalLM(nnx.Module):
         return None
 
     def __call__(self, tokens, positions, cache: KVCache | None = None, rows=None, sample_idx=None):
-        vocab = self.config.vocab_size
-        s = np.shape(tokens)[1]
-        _check_host_range("tokens", tokens, vocab, f"token ids, vocab_size = {vocab}")
-        if sample_idx is not None:
-            _check_host_range("sample_idx", sample_idx, s, f"a position of the step's S = {s}")
-        x = self.model.embed_tokens(jnp.clip(jnp.asarray(tokens), 0, vocab - 1))
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer(x, positions, kv, rows)
-            if cache is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
-        x = self.model.norm(x)
-        if sample_idx is not None:
-            idx = jnp.clip(jnp.asarray(sample_idx).astype(jnp.int32), 0, s - 1)
-            x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
-        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits.astype(jnp.float32), (None if cache is None else KVCache(tuple(new_k), tuple(new_v)))
+        return causal_lm_step(self, tokens, positions, cache, rows, sample_idx)
 
 
 # ----------------------------------------------------------------------------- LoRA
