@@ -12,52 +12,15 @@ from __future__ import annotations
 import random
 import threading
 
-import numpy as np
 import pytest
 
-from lora_core.peft import save_peft_adapter
-
-H, Q, KV, V = 16, 16, 8, 32
-QMOD = "model.layers.0.self_attn.q_proj"
-IDS = (1, 2, 3, 4)
-
-
-def _jax(slots):
-    from flax import nnx
-
-    from jax_lora.adapters import AdapterManager
-    from jax_lora.models import LlamaConfig, LlamaForCausalLM, add_lora
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2)
-    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
-    add_lora(model, max_loras=slots, max_rank=4, target_modules=("q_proj",))
-    mgr = AdapterManager(model, host_cache_size=2)
-    layer = mgr.layers["model.layers.0.self_attn.qkv_proj"]
-    return mgr, lambda slot: float(np.asarray(layer.lora_a.get_value())[0, slot, 0, 0])
-
-
-def _torch(slots):
-    import torch
-
-    from torch_lora.adapters import AdapterManager
-    from torch_lora.layers import LoRALinear
-    layer = LoRALinear((QMOD,), H, (Q,), max_loras=slots, max_rank=4, dtype=torch.float32, device="cpu")
-    mgr = AdapterManager({"q": layer}, host_cache_size=2)
-    return mgr, lambda slot: float(layer.slot_views(slot)[0][0, 0])
-
-
-MANAGERS = {"jax": _jax, "torch": _torch}
+from .slot_managers import IDS, MANAGERS, write_constant_adapters
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     """{id: directory} of adapters on q_proj whose lora_A is the constant id."""
-    root = tmp_path_factory.mktemp("pinning")
-    out = {}
-    for i in IDS:
-        out[i] = str(root / f"a{i}")
-        save_peft_adapter(out[i], {QMOD: (np.full((2, H), float(i)), np.ones((Q, 2)))}, r=2, lora_alpha=2)
-    return out
+    return write_constant_adapters(tmp_path_factory.mktemp("pinning"))
 
 
 def _holds(mgr, read_slot, lora_id):
@@ -196,7 +159,7 @@ def test_multilora_model_pin_by_name(tmp_path):
 
 def test_serving_engine_refuses_a_request_pinned_adapters_leave_no_room_for(adapters):
     from jax_lora.serving import Request, ServingEngine
-    mgr, _ = _jax(1)
+    mgr, _ = MANAGERS["jax"](1)
     for i in (1, 2):
         mgr.register(i, adapters[i], name=f"a{i}")
     mgr.pin(1)
