@@ -38,7 +38,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -382,14 +381,8 @@ def markdown(res) -> str:
 
 
 def env_meta(cuda: bool) -> dict:
-    import torch
-    import triton
-    from bench_triton import git_commit, host_cpu, source_digest
-    commit = git_commit()
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=torch.cuda.get_device_name() if cuda else f"CPU (Triton interpreter, {host_cpu()})",
-                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(), commit=commit,
-                source_digest=source_digest(), host_cpu=host_cpu(), l2_bytes=L2_BYTES, slots=NUM_SLOTS)
+    from bench_triton import kernel_bench_meta
+    return kernel_bench_meta(cuda, l2_bytes=L2_BYTES, slots=NUM_SLOTS)
 
 
 def main(argv=None) -> int:

@@ -196,15 +196,8 @@ def _fmt(v, spec=".1f") -> str:
 
 
 def env_meta(cuda: bool) -> dict:
-    import platform
-
-    import torch
-    import triton
-    from bench_triton import git_commit, host_cpu, source_digest
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=torch.cuda.get_device_name() if cuda else f"CPU (Triton interpreter, {host_cpu()})",
-                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                commit=git_commit(), source_digest=source_digest(), slots=NUM_SLOTS if cuda else QUICK_SLOTS)
+    from bench_triton import kernel_bench_meta
+    return kernel_bench_meta(cuda, slots=NUM_SLOTS if cuda else QUICK_SLOTS)
 
 
 def _ints(text: str) -> tuple:

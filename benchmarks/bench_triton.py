@@ -707,6 +707,16 @@ def git_commit() -> str:
         return "unknown"
 
 
+def kernel_bench_meta(cuda: bool, **extra) -> dict:
+    """The provenance of a kernel benchmark's results (date, device, torch, Triton, Python, commit,
+    source digest, host CPU), with `extra` keys; cuda=False names the CPU and Triton's interpreter."""
+    import triton
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=torch.cuda.get_device_name() if cuda else f"CPU (Triton interpreter, {host_cpu()})",
+                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                commit=git_commit(), source_digest=source_digest(), host_cpu=host_cpu(), **extra)
+
+
 def env_meta():
     commit = git_commit()
     import triton
