@@ -440,6 +440,34 @@ def _read_safetensors_dir(model_dir: str) -> dict:
     return out
 
 
+class _Checkpoint:
+    """A Hugging Face safetensors checkpoint (`_read_safetensors_dir`): `get(name, shape)` reads a
+    tensor as float32, checked against the shape config.json implies; `unused()` names the tensors
+    no `get` took (a tied lm_head and RoPE's inv_freq buffers aside)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.weights = _read_safetensors_dir(model_dir)
+        self.used: set = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.weights
+
+    def get(self, name: str, shape) -> np.ndarray:
+        if name not in self.weights:
+            raise ValueError(f"checkpoint {self.model_dir} lacks tensor {name!r}")
+        w = self.weights[name]
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)} "
+                             "from config.json")
+        self.used.add(name)
+        return np.asarray(w, np.float32)
+
+    def unused(self) -> list:
+        extra = sorted(set(self.weights) - self.used - {"lm_head.weight"})
+        return [e for e in extra if "rotary_emb.inv_freq" not in e]
+
+
 def load_llama(model_dir: str, *, dtype=jnp.float32, mesh=None, tp_axis: str = "tp",
                quantize: str | None = None) -> LlamaForCausalLM:
     """Builds the model from `config.json` and Hugging Face-format safetensors in `model_dir`;
@@ -455,19 +483,9 @@ def load_llama(model_dir: str, *, dtype=jnp.float32, mesh=None, tp_axis: str = "
             raise NotImplementedError("load_llama: quantize= with mesh= is not supported (quantized layers are "
                                       "served on one device)")
     cfg = LlamaConfig.from_json(os.path.join(model_dir, "config.json"))
-    weights = _read_safetensors_dir(model_dir)
+    ckpt = _Checkpoint(model_dir)
+    get = ckpt.get
     model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    used = set()
-
-    def get(name, shape):
-        if name not in weights:
-            raise ValueError(f"checkpoint {model_dir} lacks tensor {name!r}")
-        w = weights[name]
-        if tuple(w.shape) != tuple(shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)} "
-                             "from config.json")
-        used.add(name)
-        return np.asarray(w, np.float32)
 
     def put(var, value):
         var.set_value(jnp.asarray(value, dtype))
@@ -511,8 +529,7 @@ def load_llama(model_dir: str, *, dtype=jnp.float32, mesh=None, tp_axis: str = "
     put(model.model.norm.weight, get("model.norm.weight", (c.hidden_size,)))
     if model.lm_head is not None:
         put(model.lm_head.kernel, get("lm_head.weight", (c.vocab_size, c.hidden_size)).T)
-    extra = sorted(set(weights) - used - {"lm_head.weight"})
-    extra = [e for e in extra if "rotary_emb.inv_freq" not in e]
+    extra = ckpt.unused()
     if extra:
         raise ValueError(f"checkpoint {model_dir} has tensors this Llama does not use: {extra[:5]}")
     if mesh is not None:

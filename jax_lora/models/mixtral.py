@@ -40,7 +40,7 @@ from .llama import (
     LlamaAttention,
     LlamaConfig,
     RMSNorm,
-    _read_safetensors_dir,
+    _Checkpoint,
     causal_lm_step,
 )
 
@@ -260,19 +260,9 @@ def load_mixtral(model_dir: str, *, dtype=jnp.float32) -> MixtralForCausalLM:
     """Builds the model from `config.json` and Hugging Face-format safetensors in `model_dir`
     (any expert layout of the module docstring)."""
     cfg = MixtralConfig.from_json(os.path.join(model_dir, "config.json"))
-    weights = _read_safetensors_dir(model_dir)
+    ckpt = _Checkpoint(model_dir)
+    get = ckpt.get
     model = nnx.eval_shape(lambda: MixtralForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    used = set()
-
-    def get(name, shape):
-        if name not in weights:
-            raise ValueError(f"checkpoint {model_dir} lacks tensor {name!r}")
-        w = weights[name]
-        if tuple(w.shape) != tuple(shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)} "
-                             "from config.json")
-        used.add(name)
-        return np.asarray(w, np.float32)
 
     def put(var, value):
         var.set_value(jnp.asarray(value, dtype))
@@ -294,7 +284,7 @@ def load_mixtral(model_dir: str, *, dtype=jnp.float32) -> MixtralForCausalLM:
         if c.qk_norm:
             put(at.q_norm.weight, get(p + "self_attn.q_norm.weight", (c.head_dim,)))
             put(at.k_norm.weight, get(p + "self_attn.k_norm.weight", (c.head_dim,)))
-        router, gate_up, down = _expert_weights(get, lambda name: name in weights, p, c)
+        router, gate_up, down = _expert_weights(get, ckpt.has, p, c)
         put(layer.mlp.gate.kernel, router.T)
         put(layer.mlp.experts.gate_up_proj, gate_up)
         put(layer.mlp.experts.down_proj, down)
@@ -303,8 +293,7 @@ def load_mixtral(model_dir: str, *, dtype=jnp.float32) -> MixtralForCausalLM:
     put(model.model.norm.weight, get("model.norm.weight", (c.hidden_size,)))
     if model.lm_head is not None:
         put(model.lm_head.kernel, get("lm_head.weight", (c.vocab_size, c.hidden_size)).T)
-    extra = sorted(set(weights) - used - {"lm_head.weight"})
-    extra = [e for e in extra if "rotary_emb.inv_freq" not in e]
+    extra = ckpt.unused()
     if extra:
         raise ValueError(f"checkpoint {model_dir} has tensors this Mixtral does not use: {extra[:5]}")
     return model
