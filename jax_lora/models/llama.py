@@ -263,11 +263,16 @@ class RMSNorm(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP blocks with residuals; `MLP` builds the feed-forward block (the
+    Mixtral's layer is this one with its sparse MoE block)."""
+
+    MLP = LlamaMLP
+
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = LlamaMLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = self.MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, kv=None, rows=None):
         h, kv = self.self_attn(self.input_layernorm(x), positions, kv, rows)

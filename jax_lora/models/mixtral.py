@@ -37,8 +37,8 @@ from .. import moe
 from .. import nn as lnn
 from .llama import (
     KVCache,
-    LlamaAttention,
     LlamaConfig,
+    LlamaDecoderLayer,
     RMSNorm,
     _Checkpoint,
     causal_lm_step,
@@ -130,17 +130,8 @@ class MixtralSparseMoeBlock(nnx.Module):
         return self.experts(flat, ids, weights).reshape(b, s, h)
 
 
-class MixtralDecoderLayer(nnx.Module):
-    def __init__(self, cfg: MixtralConfig, *, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MixtralSparseMoeBlock(cfg, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x, positions, kv=None, rows=None):
-        h, kv = self.self_attn(self.input_layernorm(x), positions, kv, rows)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    MLP = MixtralSparseMoeBlock
 
 
 class MixtralModel(nnx.Module):
