@@ -9,8 +9,10 @@
   activates its adapters (LRU) before the replay, and every replay equals eager.
 - A DoRA adapter loaded into a model built without dora=True, then a graph captured: equal to peft.
 - aLoRA rows (invocation found and absent) and generate() through the compiled kernels equal peft.
+- aLoRA and DoRA in bfloat16: the model's error against peft in float32 is within twice peft's
+  own bfloat16 error (plus a small floor), row by row.
 
-The models run in float32 (no TF32), so every comparison is at the CPU tests' 1e-4.
+The other models run in float32 (no TF32), so those comparisons are at the CPU tests' 1e-4.
 """
 
 from __future__ import annotations
@@ -267,3 +269,37 @@ def test_alora_rows_on_cuda_equal_peft(assets, tmp_path):
     with torch.no_grad():
         ref_out = ref.generate(input_ids=tokens[:1], attention_mask=torch.ones_like(tokens[:1]), **gen)
     assert out[0].tolist() == ref_out[0].tolist()
+
+
+def test_alora_and_dora_in_bfloat16_as_close_as_peft_in_bfloat16(assets, tmp_path):
+    """bfloat16 serving: an aLoRA adapter (rows with and without the invocation) and a DoRA adapter
+    loaded late, in one mixed batch of a bfloat16 MultiLoRAModel. Each row's distance to peft in
+    float32 is at most 2x (+ 2e-3) the distance of peft itself run in bfloat16: our kernels' float32
+    accumulation may not add error beyond bfloat16's own rounding."""
+    base, _ = assets
+    d_act = _peft_dir(assets, tmp_path / "alora16", 32, r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                      alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM")
+    d_dora = _peft_dir(assets, tmp_path / "dora16", 33, r=4, lora_alpha=8, use_dora=True,
+                       target_modules=["q_proj", "v_proj", "down_proj"])
+    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16).cuda().eval()
+    mm = MultiLoRAModel(model, max_loras=4, max_rank=8, target_modules=ALL)
+    mm.load_adapter("act", d_act)
+    mm.load_adapter("dora", d_dora)
+    tokens = torch.randint(10, VOCAB, (4, 8), device="cuda")
+    tokens[0, 2:4] = torch.tensor([5, 6])
+    tokens[3, 4:6] = torch.tensor([5, 6])
+    names = ["act", "act", "dora", "__base__"]
+    with torch.no_grad():
+        got = mm(tokens, adapter_names=names).logits.float()
+    for j, name in enumerate(names):
+        want, peft16 = {}, {}
+        for dtype, out in ((torch.float32, want), (torch.bfloat16, peft16)):
+            ref_model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=dtype).cuda()
+            if name == "__base__":
+                ref = ref_model.eval()
+            else:
+                ref = peft.PeftModel.from_pretrained(ref_model, d_act if name == "act" else d_dora).eval()
+            with torch.no_grad():
+                out["logits"] = ref(tokens[j:j + 1]).logits[0].float()
+        ours, theirs = _rel(got[j], want["logits"]), _rel(peft16["logits"], want["logits"])
+        assert ours <= 2 * theirs + 2e-3, (j, name, ours, theirs)
