@@ -23,8 +23,8 @@ from jax_lora import nn as lnn
 
 from . import jax_helpers, oracle
 
-# The meshes here are of host CPU devices. On a GPU machine (JAX 0.11.2 on the H200 image) XLA's
-# CPU compiler crashed compiling these shard_map programs; multi-GPU meshes are tested apart.
+# The meshes here are of host CPU devices: on a machine whose default backend is an accelerator,
+# run these with JAX_PLATFORMS=cpu. Multi-GPU meshes are tested apart.
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
                                 reason="CPU-device meshes; JAX's default backend here is not the CPU")
 
