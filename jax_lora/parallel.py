@@ -425,9 +425,14 @@ def _local_ranks(tp: TensorParallel, ranks: jax.Array, local_rank: int) -> jax.A
 
 
 def _shard_map(tp: TensorParallel, body, in_specs, out_specs):
+    # The operands of the manual computation are exactly the arrays the call passes: the body is
+    # traced as a function of its own (jax.jit), so the array constants its ops create stay inside
+    # it instead of becoming operands of the shard_map. A constant can be zero-sized (the index
+    # array of a scatter over whole axes), and XLA does not compile a manual computation that reads
+    # a zero-sized operand (jaxlib 0.11 crashes in Shardy's canonicalization).
     # check_vma=False: the kernels (pallas_call, callbacks, custom calls) carry no varying-axis
     # types; the specs below state what is split and what is replicated.
-    return jax.shard_map(body, mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.shard_map(jax.jit(body), mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def _bias_or_none(layer):

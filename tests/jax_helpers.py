@@ -2,10 +2,13 @@
 
 `rand` draws float32 normal arrays from one seeded generator; `shrink_ref` / `expand_ref` are the
 ops' math as plain loops (contract section 5); `wrapper` builds a jax_lora.PunicaWrapper already
-updated with a mapping. Slot i holds LoRA id LORA_INDEX_TO_ID[i]; id 0 is "no LoRA".
+updated with a mapping; `shard_map_operands` reads the operand types of a lowered program's
+shard_maps. Slot i holds LoRA id LORA_INDEX_TO_ID[i]; id 0 is "no LoRA".
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -58,6 +61,19 @@ def wrapper(idx_ids, lora_index_to_id, *, prompt=None, prefill=False, capacity=3
     w.update_metadata(LoRAMapping(tuple(idx_ids), tuple(prompt if prompt is not None else idx_ids), prefill),
                       lora_index_to_id, max_loras=len(lora_index_to_id) + 1, vocab_size=vocab)
     return w
+
+
+def shard_map_operands(stablehlo: str) -> list:
+    """[[operand type, ...] per sdy.manual_computation] of StableHLO text (`jax.jit(f).lower(...).as_text()`):
+    a manual computation lists its block arguments, one `%argN: tensor<...>` per operand, on its
+    first line."""
+    return [re.findall(r"%arg\d+: (tensor<[^>]*>)", line) for line in stablehlo.splitlines()
+            if "sdy.manual_computation(" in line]
+
+
+def zero_sized(tensor_type: str) -> bool:
+    """Whether a `tensor<d0xd1x...xdtype>` type has a dimension of size 0."""
+    return "0" in tensor_type[len("tensor<"):-1].split("x")[:-1]
 
 
 def ids_to_slots(ids):

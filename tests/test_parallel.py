@@ -23,8 +23,8 @@ from jax_lora import nn as lnn
 
 from . import jax_helpers, oracle
 
-# The meshes here are of host CPU devices. On a GPU machine (JAX 0.11.2 on the H200 image) XLA's
-# CPU compiler crashed compiling these shard_map programs; multi-GPU meshes are tested apart.
+# The meshes here are of host CPU devices: on a machine whose default backend is an accelerator,
+# run these with JAX_PLATFORMS=cpu. Multi-GPU meshes are tested apart.
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
                                 reason="CPU-device meshes; JAX's default backend here is not the CPU")
 
@@ -291,6 +291,48 @@ def test_only_the_layout_collectives_are_compiled(kind, layout):
     dims = [[int(v) for v in s[s.index("[") + 1:-1].split(",")] for _, s in found]
     lora = [d for d in dims if len(d) == 3]                  # the (S, T, r) buffers; y is (T, N)
     assert sum(4 * int(np.prod(d)) for d in lora) == model.collective
+
+
+# ----------------------------------------------------------------------------- operands of the shard_maps
+
+@pytest.mark.parametrize("kind,layout", CASES)
+def test_shard_map_operands_are_the_arrays_the_call_passes(kind, layout):
+    """A split layer's manual computation takes exactly the wrapper's block, x and the layer's
+    arrays, none zero-sized: the ops' constants (the empty index array of a scatter over whole
+    axes among them) stay inside the per-device function, and XLA does not compile a manual
+    computation that reads a zero-sized operand (jaxlib 0.11 crashes in Shardy)."""
+    rng = np.random.default_rng(8)
+    layer = _layer(kind, rng)
+    x = _input(kind, rng)
+    mesh = _mesh(2)
+    parallel.shard_layer(layer, mesh, kind=kind, layout=layout)
+    w = _wrapper(NamedSharding(mesh, P()))
+    call, state = _run(layer, w, x)
+    (operands,) = jax_helpers.shard_map_operands(call.lower(state, w, x).as_text())
+    passed = len(jax.tree_util.tree_leaves(w)) + 1 + len(parallel._base_vars(layer)) + len(parallel._lora_vars(layer))
+    assert len(operands) == passed, operands
+    assert not [t for t in operands if jax_helpers.zero_sized(t)]
+
+
+def test_ops_in_a_shard_map_of_ones_own_pass_no_constant_operand():
+    """The xla backend writes column blocks with update slices (no index array), so a shard_map of
+    the caller's around add_lora_linear of one slice spanning y's width takes only its arguments,
+    and it computes what the call without a mesh computes."""
+    rng = np.random.default_rng(9)
+    mesh = _mesh(2)
+    w = _wrapper(NamedSharding(mesh, P()))
+    t, n = len(IDS), 2 * H
+    y, x = jnp.asarray(rng.normal(size=(t, n)), jnp.float32), jnp.asarray(rng.normal(size=(t, H)), jnp.float32)
+    a, b = jnp.asarray(rng.normal(size=(L, R, H)), jnp.float32), jnp.asarray(rng.normal(size=(L, n, R)), jnp.float32)
+
+    def body(w, y, x, a, b):
+        return w.add_lora_linear(y, x, (a,), (b,), None, 1.0, (n,))
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    (operands,) = jax_helpers.shard_map_operands(step.lower(w, y, x, a, b).as_text())
+    assert len(operands) == len(jax.tree_util.tree_leaves((w, y, x, a, b))), operands
+    plain = _wrapper()
+    np.testing.assert_array_equal(np.asarray(step(w, y, x, a, b)), np.asarray(jax.jit(body)(plain, y, x, a, b)))
 
 
 # ----------------------------------------------------------------------------- the byte model

@@ -22,10 +22,10 @@ from jax_lora.cli import build_demo_assets, verify
 from jax_lora.models import add_lora, load_llama, save_llama
 from jax_lora.serving import Request, ServingEngine
 
-from . import llama_checkpoint
+from . import jax_helpers, llama_checkpoint
 
-# The meshes here are of host CPU devices. On a GPU machine (JAX 0.11.2 on the H200 image) XLA's
-# CPU compiler crashed compiling these shard_map programs; multi-GPU meshes are tested apart.
+# The meshes here are of host CPU devices: on a machine whose default backend is an accelerator,
+# run these with JAX_PLATFORMS=cpu. Multi-GPU meshes are tested apart.
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
                                 reason="CPU-device meshes; JAX's default backend here is not the CPU")
 
@@ -116,6 +116,21 @@ def test_step_program_gathers_no_weight(split):
     gathered = [tuple(int(d) for d in dims.split(",")) for dims in
                 re.findall(r"=\s*[a-z0-9]+\[([0-9,]+)\][^ ]*\s+all-gather(?:-start)?\(", hlo)]
     assert not [g for g in gathered if g in weights]
+
+
+def test_step_shard_maps_take_no_zero_sized_operand(split):
+    """Every layer's manual computation in the serving step takes only arrays that hold data: XLA
+    does not compile a manual computation that reads a zero-sized operand (jaxlib 0.11 crashes in
+    Shardy), and the ops' constants stay inside the per-device functions."""
+    engine, _, _, _ = split
+    m = engine.max_seqs
+    z = np.zeros((m, 1), np.int32)
+    text = engine._jit_step.lower(engine._state_leaves, engine.cache, engine.punica, z, z, np.arange(m, dtype=np.int32),
+                                  np.zeros(m, np.int32), True).as_text()
+    operands = jax_helpers.shard_map_operands(text)
+    layers = 2 + 4 * engine.config.num_hidden_layers          # embedding, LM head, 4 per decoder layer
+    assert len(operands) == layers
+    assert not [t for ops in operands for t in ops if jax_helpers.zero_sized(t)]
 
 
 def test_save_from_a_split_model_writes_natural_order(split, tmp_path):

@@ -162,8 +162,20 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
         new = (old.astype(jnp.float32) + delta) if add_inputs else delta
         if col_scale is not None and col_scale[s] is not None:
             new = new * col_scale[s][slot].astype(jnp.float32)                # DoRA: g[slot] per column
-        y = y.at[:, off:off + width].set(jnp.where(valid[:, None], new.astype(y.dtype), old))
+        y = set_columns(y, jnp.where(valid[:, None], new.astype(y.dtype), old), off)
     return y
+
+
+def set_columns(y: jax.Array, block: jax.Array, start: int) -> jax.Array:
+    """y (T, N) with its columns [start, start + n) replaced by block (T, n); start is static.
+
+    An update slice, whose offsets are scalars, rather than `y.at[:, start:start + n].set(block)`: that
+    scatter carries an index array, empty when the block spans y's whole width, and an op called
+    inside `jax.shard_map` hands its array constants to the manual computation as operands. XLA's
+    Shardy partitioner does not take a zero-sized operand of a manual computation (jaxlib 0.11 crashes
+    canonicalizing it), so the ops write column blocks without index arrays.
+    """
+    return jax.lax.dynamic_update_slice_in_dim(y, block, start, axis=1)
 
 
 def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias, col_scale, rows) -> jax.Array:
@@ -187,5 +199,5 @@ def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias
             any_pair = any_pair | valid
         old = y[:, off:off + width]
         new = (old.astype(jnp.float32) + delta) if add_inputs else delta
-        y = y.at[:, off:off + width].set(jnp.where(any_pair[:, None], new.astype(y.dtype), old))
+        y = set_columns(y, jnp.where(any_pair[:, None], new.astype(y.dtype), old), off)
     return y

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..xla import set_columns
 from .common import HIGHEST, _ranks_or_full, _two_jits, current_interpret
 
 __all__ = ["fused_moe_lora"]
@@ -116,8 +117,7 @@ def _moe_call(y3, rows, lora_a, lora_b, pair_weight, layout, ranks, *, offsets, 
         added = jnp.zeros((p, width), jnp.float32).at[target].add(delta, mode="drop")
         has = jnp.zeros((p,), bool).at[target].set(True, mode="drop")
         old = y[:, off:off + width]
-        y = y.at[:, off:off + width].set(jnp.where(has[:, None], (old.astype(jnp.float32) + added).astype(y.dtype),
-                                                   old))
+        y = set_columns(y, jnp.where(has[:, None], (old.astype(jnp.float32) + added).astype(y.dtype), old), off)
     return y.reshape(y3.shape)
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ...meta import build_kernel_meta
-from ..xla import pair_columns
+from ..xla import pair_columns, set_columns
 from .expand_op import expand as expand_one
 from .shrink_op import shrink as shrink_one
 
@@ -57,7 +57,7 @@ def expand_pairs(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta
     acc = y.astype(jnp.float32)
     if not add_inputs:
         for b, off in zip(lora_b, offsets):
-            acc = acc.at[:, off:off + b.shape[1]].set(jnp.where(any_pair[:, None], 0.0, acc[:, off:off + b.shape[1]]))
+            acc = set_columns(acc, jnp.where(any_pair[:, None], 0.0, acc[:, off:off + b.shape[1]]), off)
     for j, (meta_j, _, _) in enumerate(metas):
         acc = expand_one(buf[:, :, j * rank:(j + 1) * rank], lora_b, acc, meta_j, offsets, True, lora_ranks,
                          **options)
