@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["MoELayout", "align_layout", "max_num_tokens_padded", "pairs_of_layout"]
+__all__ = ["MoELayout", "align_layout", "max_num_tokens_padded", "pair_rows", "pairs_of_layout"]
 
 
 def max_num_tokens_padded(num_pairs: int, num_experts: int, block_size: int) -> int:
@@ -105,3 +105,11 @@ def pairs_of_layout(layout: MoELayout, num_pairs: int) -> tuple[jax.Array, jax.A
     pair_expert = jnp.full((num_pairs,), -1, jnp.int32).at[target.reshape(-1)].set(
         block_expert.reshape(-1), mode="drop")
     return pair_slot, pair_expert
+
+
+def pair_rows(x: jax.Array, num_pairs: int) -> jax.Array:
+    """(P, K): the input row of every pair. x holds one row per pair (P, K) (the down projection)
+    or one per token (M, K), each repeated for the token's P / M pairs (gate_up)."""
+    if x.shape[0] == num_pairs:
+        return x
+    return jnp.repeat(x, num_pairs // x.shape[0], axis=0)

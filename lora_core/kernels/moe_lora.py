@@ -36,6 +36,19 @@ into gate and up halves), SHARED_A: the shrink runs once (slice 0) and every exp
 Grid sizes depend only on (num_pairs, max_loras, E, BLOCK_M), the rank and the widths, never on
 the routing: the launch is CUDA-graph capturable. Programs past the last block return at once.
 
+HAS_RANKS: rank columns c >= ranks[l] (each slot's real rank) are neither read nor written, so
+they count as zero whatever the padded weights hold.
+
+Deterministic plans (`plan_moe_lora(deterministic=True)`, the naive order only): one launch
+configuration for every batch -- no hidden split, the whole rank in one chunk, fixed tiles -- and
+each program's one live pair in row 0 of its tile. A pair's values then come from one sequence of
+float32 operations that depends on the weight shapes only: bitwise the same whatever the other
+pairs of the batch and the pair's position.
+
+`moe_lora_calls` builds the two launches' parameter lists once for every launcher (torch's,
+jax_lora's FFI handler, the interpreter). The kernel writes two of its pointer parameters (the
+rank buffer `buf_ptr` and `y_ptr`, in the middle of the list): it has no trailing `out`.
+
 Interpreter: under TRITON_INTERPRET=1 tiles are upcast to float32 after loading (CAST_FP32).
 """
 
@@ -46,6 +59,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
+from .arguments import KernelCall, Strides
 from .planning import cast_and_precision, next_pow2
 
 MAX_SLICES = 2            # gate_up (w13) has two slices, down (w2) one
@@ -58,8 +72,8 @@ SPLIT_PAIRS_MAX = 1024    # the hidden split runs up to this many pairs (decode)
 def moe_lora_kernel(
         # pointers: input rows, A and B per slice (slices 0..1), the float32 rank buffer, y
         x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, buf_ptr, y_ptr,
-        # pointers: routing and adapter metadata
-        topk_weights_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, token_lora_ptr, enabled_ptr,
+        # pointers: routing and adapter metadata, each slot's real rank (read with HAS_RANKS)
+        topk_weights_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
         # sizes
         num_pairs, top_k, hidden, n0, n1, rank, max_blocks, num_slots, y_offset,
         # strides: x (row, hidden); A per slice (slot, expert, rank, hidden); B per slice (slot, expert, n, rank)
@@ -72,6 +86,7 @@ def moe_lora_kernel(
         stride_buf_slice, stride_buf_pair, stride_y_pair, stride_y_col, stride_sorted_slot, stride_expert_slot,
         # meta-parameters
         PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
+        HAS_RANKS: tl.constexpr,
         N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, K_SPLIT: tl.constexpr, K_PER: tl.constexpr,
         SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -112,11 +127,14 @@ def moe_lora_kernel(
         return
     pair_ok = pairs < num_pairs
     pairs = tl.where(pair_ok, pairs, 0)
+    live_rank = rank
+    if HAS_RANKS:                                    # rank columns past the slot's own are neither read nor written
+        live_rank = tl.minimum(rank, tl.load(ranks_ptr + slot))
     slot64 = slot.to(tl.int64)
     expert64 = expert.to(tl.int64)
     if PHASE == 0:
         offs_r = r_chunk * R_CHUNK + tl.arange(0, R_CHUNK)
-        rank_ok = offs_r < rank
+        rank_ok = offs_r < live_rank
         # 2. Shrink: (BLOCK_M, BLOCK_K) x tiles against A_s[l, e] (rank, BLOCK_K), over the hidden size.
         first = s == 0
         a_ptr = tl.where(first, a0_ptr + slot64 * stride_a0_slot + expert64 * stride_a0_expert,
@@ -144,7 +162,7 @@ def moe_lora_kernel(
     else:
         # 3. Expand: the block's rank rows against B_s[l, e]'s BLOCK_N columns, weighted, added into y.
         offs_r = tl.arange(0, BLOCK_R)
-        rank_ok = offs_r < rank
+        rank_ok = offs_r < live_rank
         first = s == 0
         b_ptr = tl.where(first, b0_ptr + slot64 * stride_b0_slot + expert64 * stride_b0_expert,
                          b1_ptr + slot64 * stride_b1_slot + expert64 * stride_b1_expert)
@@ -186,10 +204,25 @@ class MoePlan:
     k_split: int
     """Partial-sum planes per slice: the rank buffer holds slices * k_split planes."""
 
+    def phase(self, phase: int) -> MoePhase:
+        """The launch plan of PHASE `phase` (0 shrink, 1 expand)."""
+        return MoePhase(self.shrink_grid if phase == 0 else self.expand_grid, {**self.constexprs, "PHASE": phase})
+
+
+@dataclasses.dataclass(frozen=True)
+class MoePhase:
+    """One launch of `moe_lora_kernel` (what a launcher reads of a plan: grid, warps, stages,
+    constexprs; Triton's default warps and stages)."""
+
+    grid: tuple
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 3
+
 
 def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: int, widths: tuple, rank: int,
                   naive: bool, sorted_len: int, block_m: int, mul_routed_weight: bool, shared_a: bool,
-                  dtypes: tuple) -> MoePlan:
+                  dtypes: tuple, has_ranks: bool = False, deterministic: bool = False) -> MoePlan:
     """The grids and meta-parameters of one MoE LoRA call.
 
     1. Blocks: naive, one program per pair (BLOCK_M 16, only row 0 live: tl.dot's smallest tile);
@@ -206,7 +239,12 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
        (BLOCK_K 128; a pair's x row is short); the sorted one keeps the whole rank, so a block's
        x rows are read once.
     4. Shrink grid (blocks, slices * rank chunks * K_SPLIT); expand grid (blocks, slices * n-tiles).
+    deterministic (naive only): steps 2-3 fixed by the weight shapes alone -- the sorted order's
+    BLOCK_K, the whole rank in one chunk, no hidden split -- so every batch runs one configuration.
+    has_ranks: the kernel reads each slot's rank (HAS_RANKS).
     """
+    if deterministic and not naive:
+        raise ValueError("plan_moe_lora: deterministic plans take the naive order (one pair per program)")
     if len(widths) not in (1, 2):
         raise ValueError(f"lora_b_stacked: expected 1 or {MAX_SLICES} slices, got {len(widths)}")
     block_r = max(16, next_pow2(rank))
@@ -214,7 +252,10 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     widest = max(widths)
     block_n = 128 if (widest >= 1024 and block_r <= 32) else 64
     n_tiles = triton.cdiv(widest, block_n)
-    if naive:
+    if naive and deterministic:
+        bm, max_blocks, blocks = 16, 1, num_pairs
+        r_chunk = block_r
+    elif naive:
         bm, max_blocks, blocks = 16, 1, num_pairs
         r_chunk = 16
         block_k = 128
@@ -228,14 +269,42 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
         blocks = triton.cdiv(num_pairs, bm) + min(num_slots * num_experts, num_pairs)
         r_chunk = block_r
     k_split, k_per = 1, hidden
-    if num_pairs <= SPLIT_PAIRS_MAX:
+    if num_pairs <= SPLIT_PAIRS_MAX and not deterministic:
         k_split = max(1, min(MAX_K_SPLIT, hidden // K_PER_SPLIT))
         k_per = triton.cdiv(triton.cdiv(hidden, k_split), block_k) * block_k
         k_split = triton.cdiv(hidden, k_per)
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=shared_a and len(widths) > 1,
+                      HAS_RANKS=bool(has_ranks),
                       N_TILES=n_tiles, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
                       R_CHUNK=r_chunk, K_SPLIT=k_split, K_PER=k_per, SLOTS_P2=next_pow2(max(num_slots, 2)),
                       CAST_FP32=cast, DOT_PRECISION=precision)
     return MoePlan((max(blocks, 1), len(widths) * (block_r // r_chunk) * k_split),
                    (max(blocks, 1), len(widths) * n_tiles), constexprs, max_blocks, k_split)
+
+
+def moe_lora_calls(plan: MoePlan, x, lora_a, lora_b, buf, y, topk_weights, sorted_ids, expert_ids, post_pad,
+                   token_lora, enabled, ranks, *, num_pairs: int, top_k: int, offset: int,
+                   strides: Strides) -> tuple[KernelCall, KernelCall]:
+    """The (shrink, expand) `KernelCall`s of one MoE LoRA call: the kernel's parameters in order,
+    `out` None (the kernel writes `buf` and `y`, pointer parameters among the others).
+
+    x (rows, K); lora_a / lora_b: 1 or 2 slices (L, E, r, K) / (L, E, n_s, r) (a second slice
+    missing: slice 0 again); buf (slices * k_split, P, r) float32; y (P, N); topk_weights (P,)
+    float32; sorted_ids (L, EM) and post_pad (L,) (naive order: any int32 array, never read);
+    expert_ids (L, EM / BLOCK_M) or, naive, (P,); token_lora (>= P / top_k,); enabled (L,);
+    ranks (L,) int32 (without HAS_RANKS: any int32 array, never read). Arrays are whatever the
+    launcher passes (tensors, jax arrays, placeholders); `strides(a)` gives their element strides.
+    """
+    a0, a1 = lora_a[0], lora_a[-1]
+    b0, b1 = lora_b[0], lora_b[-1]
+    num_slots, _, rank, hidden = a0.shape
+    widths = (int(b0.shape[2]), int(b1.shape[2]))
+    naive = bool(plan.constexprs["NAIVE"])
+    pointers = (x, a0, a1, b0, b1, buf, y, topk_weights, sorted_ids, expert_ids, post_pad, token_lora, enabled,
+                ranks)
+    scalars = (int(num_pairs), int(top_k), int(hidden), widths[0], widths[1], int(rank), plan.max_blocks,
+               int(num_slots), int(offset), *strides(x), *strides(a0), *strides(a1), *strides(b0), *strides(b1),
+               *strides(buf)[:2], *strides(y), 0 if naive else strides(sorted_ids)[0],
+               0 if naive else strides(expert_ids)[0])
+    return tuple(KernelCall(moe_lora_kernel, plan.phase(phase), pointers, scalars, None) for phase in (0, 1))
