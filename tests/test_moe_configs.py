@@ -71,11 +71,12 @@ def test_defaults_fill_the_gpu_and_cover_the_shape(compiled_defaults):
                 assert naive == r.config.GEMV
 
 
-def test_sorted_defaults_use_wider_tiles_and_more_warps_for_big_tiles(compiled_defaults):
+def test_sorted_defaults_give_64_row_blocks_8_warps(compiled_defaults):
+    """16-row blocks: 4 warps, B tiles of 128 columns at rank 64; 64-row blocks: 8 warps in both launches."""
     small = moe_configs.default_moe_config(_shape(512, 64, naive=False, block_m=16))
     big = moe_configs.default_moe_config(_shape(16384, 16, naive=False, block_m=64))
-    assert small.BLOCK_N == 128 and small.expand_warps == 4
-    assert big.BLOCK_N == 256 and big.expand_warps == 8
+    assert small.BLOCK_N == 128 and small.expand_warps == small.shrink_warps == 4 and not small.GEMV
+    assert big.expand_warps == big.shrink_warps == 8 and not big.GEMV
 
 
 def test_bucket_keys_name_the_order_and_sizes():

@@ -29,11 +29,13 @@ under one given config (the tuner's candidates).
 
 The default (`default_moe_config`), from the bytes each program moves and the programs per SM:
   * naive order: GEMV; the whole rank (up to 64) per shrink program, so a pair's x row is read
-    once per hidden part, and tiles of about 8192 elements (BLOCK_K = 8192 / rank chunk,
-    BLOCK_N = 8192 / rank) so that rank 64 does not take 4x the programs of rank 16;
+    once per hidden part, and tiles of a fixed element count (BLOCK_K = GEMV_SHRINK_TILE / rank
+    chunk, BLOCK_N = GEMV_EXPAND_TILE / rank) so that rank 64 does not take 4x the programs of
+    rank 16;
   * sorted order: tl.dot on BLOCK_M-row tiles; the whole rank per shrink program (a block's x
-    rows read once); BLOCK_K 128 up to rank 32, 64 above; BLOCK_N 256 up to rank 32, 128 above;
-    8 warps for tiles of 8192 or more accumulator elements;
+    rows read once); blocks of 16 rows: BLOCK_K 128 up to rank 32, 64 above, BLOCK_N 256 / 128,
+    4 warps; blocks of 64 rows: BLOCK_K 64, BLOCK_N 128 / 64, 8 warps (a 64-row tile's gathered
+    row pointers and dot operands fill a 4-warp program's registers);
   * both: K_SPLIT and TILES_N from TARGET_PER_SM programs per SM (`device_sm_count`, else
     FALLBACK_SMS): the hidden split until the shrink has that many programs (parts of at least
     MIN_K_PER elements), the expand's tiles grouped until it has about that many; TILES_N a power
@@ -60,7 +62,8 @@ TARGET_PER_SM = 4          # programs per SM the K split and the tile grouping a
 FALLBACK_SMS = 132         # SMs assumed without a CUDA driver to ask
 MIN_K_PER = 256            # hidden elements per shrink program at least
 MAX_K_SPLIT = 16           # partial-sum planes per slice at most (the expand adds them, unrolled)
-GEMV_TILE = 8192           # elements of one GEMV tile (rank chunk x BLOCK_K, BLOCK_N x rank)
+GEMV_SHRINK_TILE = 4096    # elements of one GEMV shrink tile (rank chunk x BLOCK_K)
+GEMV_EXPAND_TILE = 8192    # elements of one GEMV expand tile (BLOCK_N x rank)
 FIELDS = ("BLOCK_K", "R_CHUNK", "K_SPLIT", "shrink_warps", "shrink_stages",
           "BLOCK_N", "TILES_N", "expand_warps", "expand_stages", "GEMV")
 
@@ -160,16 +163,19 @@ def default_moe_config(shape: MoeShape) -> MoeConfig:
                          shrink_stages=1, BLOCK_N=64, TILES_N=0, expand_warps=4, expand_stages=1, GEMV=shape.naive)
     if shape.naive:
         r_chunk = min(br, 64)
-        block_k = max(32, min(512, GEMV_TILE // r_chunk))
-        block_n = max(32, min(512, GEMV_TILE // br))
+        block_k = max(32, min(512, GEMV_SHRINK_TILE // r_chunk))
+        block_n = max(32, min(512, GEMV_EXPAND_TILE // br))
         return MoeConfig(BLOCK_K=block_k, R_CHUNK=r_chunk, K_SPLIT=0, shrink_warps=4, shrink_stages=3,
                          BLOCK_N=block_n, TILES_N=0, expand_warps=4, expand_stages=3, GEMV=True)
     bm = shape.block_m
-    block_k = 128 if br <= 32 else 64
-    block_n = 256 if br <= 32 else 128
-    return MoeConfig(BLOCK_K=block_k, R_CHUNK=min(br, 128), K_SPLIT=0, shrink_warps=8 if bm * br >= 8192 else 4,
-                     shrink_stages=3, BLOCK_N=block_n, TILES_N=0, expand_warps=8 if bm * block_n >= 8192 else 4,
-                     expand_stages=3, GEMV=False)
+    if bm >= 64:
+        # 64-row tiles: 8 warps for both launches (the gathered rows' pointer tiles and the tf32 /
+        # split-bfloat16 operands fill a 4-warp program's registers), narrower B tiles at rank 64.
+        return MoeConfig(BLOCK_K=64, R_CHUNK=min(br, 128), K_SPLIT=0, shrink_warps=8, shrink_stages=3,
+                         BLOCK_N=128 if br <= 32 else 64, TILES_N=0, expand_warps=8, expand_stages=2, GEMV=False)
+    return MoeConfig(BLOCK_K=128 if br <= 32 else 64, R_CHUNK=min(br, 128), K_SPLIT=0, shrink_warps=4,
+                     shrink_stages=3, BLOCK_N=256 if br <= 32 else 128, TILES_N=0, expand_warps=4, expand_stages=2,
+                     GEMV=False)
 
 
 def live_blocks(shape: MoeShape) -> int:

@@ -87,7 +87,7 @@ def moe_lora_kernel(
         stride_buf_slice, stride_buf_pair, stride_y_pair, stride_y_col, stride_sorted_slot, stride_expert_slot,
         # meta-parameters
         PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
-        HAS_RANKS: tl.constexpr, GEMV: tl.constexpr,
+        HAS_RANKS: tl.constexpr, GEMV: tl.constexpr, BF16_SPLIT: tl.constexpr,
         N_TILES: tl.constexpr, TILES_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, K_SPLIT: tl.constexpr,
         K_PER: tl.constexpr, SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -219,13 +219,20 @@ def moe_lora_kernel(
                                 mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
             if MUL_ROUTED_WEIGHT:
                 w = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+            if BF16_SPLIT:                             # rows = hi + lo, two bfloat16 terms (16 mantissa bits)
+                hi = rows.to(tl.bfloat16)
+                lo = (rows - hi.to(tl.float32)).to(tl.bfloat16)
             y_rows = y_ptr + pairs.to(tl.int64)[:, None] * stride_y_pair
             for t in range(TILES_N):
                 offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_ok = offs_n < width
                 bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                              mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
-                acc = tl.dot(rows, bt.to(tl.float32), input_precision=DOT_PRECISION)
+                if BF16_SPLIT:
+                    acc = tl.dot(lo, bt)
+                    acc = tl.dot(hi, bt, acc)
+                else:
+                    acc = tl.dot(rows, bt.to(tl.float32), input_precision=DOT_PRECISION)
                 if MUL_ROUTED_WEIGHT:
                     acc = acc * w[:, None]
                 y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_y_col
@@ -253,10 +260,16 @@ class MoePlan:
     """The config the plan came from (None: a deterministic plan's fixed one)."""
 
     def phase(self, phase: int) -> MoePhase:
-        """The launch plan of PHASE `phase` (0 shrink, 1 expand)."""
+        """The launch plan of PHASE `phase` (0 shrink, 1 expand). The meta-parameters the phase does
+        not read are set to fixed values (the shrink's N_TILES, TILES_N, BLOCK_N; the expand's
+        BLOCK_K, R_CHUNK, K_PER), so that plans differing only in the other phase's tiles share
+        its compiled kernel."""
+        c = self.constexprs
         if phase == 0:
-            return MoePhase(self.shrink_grid, {**self.constexprs, "PHASE": 0}, self.shrink_warps, self.shrink_stages)
-        return MoePhase(self.expand_grid, {**self.constexprs, "PHASE": 1}, self.expand_warps, self.expand_stages)
+            return MoePhase(self.shrink_grid, {**c, "PHASE": 0, "N_TILES": 1, "TILES_N": 1, "BLOCK_N": 16},
+                            self.shrink_warps, self.shrink_stages)
+        return MoePhase(self.expand_grid, {**c, "PHASE": 1, "BLOCK_K": 16, "R_CHUNK": c["BLOCK_R"], "K_PER": 16},
+                        self.expand_warps, self.expand_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +340,7 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=slices_shared,
                       HAS_RANKS=bool(has_ranks), GEMV=bool(cfg.GEMV),
+                      BF16_SPLIT=not cast and set(dtypes) == {"bfloat16"} and not deterministic,
                       N_TILES=r.n_programs, TILES_N=r.tiles_n, BLOCK_M=bm, BLOCK_N=r.block_n, BLOCK_K=r.block_k,
                       BLOCK_R=block_r, R_CHUNK=r.r_chunk, K_SPLIT=r.k_split, K_PER=r.k_per,
                       SLOTS_P2=next_pow2(max(num_slots, 2)), CAST_FP32=cast, DOT_PRECISION=precision)
