@@ -165,8 +165,10 @@ def default_moe_config(shape: MoeShape) -> MoeConfig:
         r_chunk = min(br, 64)
         block_k = max(32, min(512, GEMV_SHRINK_TILE // r_chunk))
         block_n = max(32, min(512, GEMV_EXPAND_TILE // br))
+        # A narrow rank's B tile is BLOCK_N rows of a few elements each: 8 warps hold it in fewer
+        # registers a thread (more programs resident), a rank-64 tile fits 4.
         return MoeConfig(BLOCK_K=block_k, R_CHUNK=r_chunk, K_SPLIT=0, shrink_warps=4, shrink_stages=3,
-                         BLOCK_N=block_n, TILES_N=0, expand_warps=4, expand_stages=3, GEMV=True)
+                         BLOCK_N=block_n, TILES_N=0, expand_warps=8 if br <= 32 else 4, expand_stages=3, GEMV=True)
     bm = shape.block_m
     if bm >= 64:
         # 64-row tiles: 8 warps for both launches (the gathered rows' pointer tiles and the tf32 /
