@@ -267,36 +267,45 @@ def case_list(models: dict, layers, tokens, adapters, ranks) -> list:
 def _warm_one(job) -> str:
     """A worker's case: built and run once (ours, then vLLM's), compiling into Triton's on-disk cache."""
     import torch
-    models, label, (model, layer, t, d, r), slots, seed, config = job
+    models, label, (model, layer, t, d, r), slots, seed, device = job
     try:
         import vllm_kernels
         vk = vllm_kernels.load()
-        case = Case(models[model], layer, t, d, r, slots, torch.device("cuda"), seed)
-        if config is None:
-            case.ours()()
-        else:
-            from lora_core.kernels.moe_configs import MoeConfig, override_moe_config
-            with override_moe_config(MoeConfig(**config)):
-                case.ours()()
-        if vk is not None and config is None:
+        case = Case(models[model], layer, t, d, r, slots, torch.device(device), seed)
+        case.ours()()
+        if vk is not None and device == "cuda":
             case.vllm(vk)[0]()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
         return ""
     except Exception as e:                                 # said; the timed run compiles what is missing
         return f"{label}: {type(e).__name__}: {str(e)[:120]}"
 
 
-def warm_compile(jobs: list, workers: int) -> list:
-    """Runs jobs ((models, label, case, slots, seed, config or None), ...) in `workers` spawned
-    processes; returns the failures' messages. Triton compiles each distinct launch once per
-    process and keeps it in its on-disk cache, which the timed process then reads."""
+def pool_run(fn, jobs: list, workers: int, deadline: float) -> list:
+    """fn(job) for every job in `workers` spawned processes, in order, until `deadline` (time.time()):
+    jobs not started by then are cancelled, the running ones finish. Returns fn's non-empty
+    results (messages) and one line per stop. Each process compiles a distinct launch once and
+    keeps it in Triton's on-disk cache, which the timed process then reads."""
     import concurrent.futures
     import multiprocessing
     if workers <= 0 or not jobs:
         return []
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        return [m for m in pool.map(_warm_one, jobs, chunksize=max(1, len(jobs) // (4 * workers))) if m]
+    messages = []
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = [pool.submit(fn, j) for j in jobs]
+        for f in futures:
+            try:
+                msg = f.result(timeout=max(0.0, deadline - time.time()))
+            except concurrent.futures.TimeoutError:
+                messages.append(f"stopped at the deadline ({sum(not g.done() for g in futures)} of "
+                                f"{len(futures)} jobs left)")
+                break
+            if msg:
+                messages.append(msg)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return messages
 
 
 def main(argv=None) -> int:
@@ -311,7 +320,8 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", default="", help="comma list of adapter counts")
     p.add_argument("--ranks", default="", help="comma list of ranks")
     p.add_argument("--warm-jobs", type=int, default=0,
-                   help="worker processes that compile every case's kernels first (GPU only; 0: none)")
+                   help="worker processes that run every case once first, compiling its kernels (0: none)")
+    p.add_argument("--warm-share", type=float, default=0.35, help="share of --budget-s the compile workers may take")
     args = p.parse_args(argv)
     if args.quick:
         os.environ["TRITON_INTERPRET"] = "1"          # before Triton is imported
@@ -348,9 +358,13 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     cases = case_list(models, layers, tokens, adapters, ranks)
-    if cuda and args.warm_jobs > 0:
-        failed = warm_compile([(models, f"{m} {ly} T{t} D{d} r{r}", (m, ly, t, d, r), slots, i + 1, None)
-                               for i, (m, ly, t, d, r) in enumerate(cases)], args.warm_jobs)
+    if args.warm_jobs > 0:
+        jobs = [(models, f"{m} {ly} T{t} D{d} r{r}", (m, ly, t, d, r), slots, i, device.type)
+                for i, (m, ly, t, d, r) in enumerate(cases, 1)]
+        try:
+            failed = pool_run(_warm_one, jobs, args.warm_jobs, time.time() + args.budget_s * args.warm_share)
+        except Exception as e:                   # the pool itself failed: the timed loop compiles everything
+            failed = [f"compile workers: {type(e).__name__}: {str(e)[:200]}"]
         res["meta"]["warm_s"] = round(time.perf_counter() - t0, 1)
         res["meta"]["warm_failures"] = failed
         print(f"compiled in {args.warm_jobs} workers: {res['meta']['warm_s']} s, {len(failed)} failures", flush=True)

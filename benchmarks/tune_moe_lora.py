@@ -127,47 +127,28 @@ def _bucket_cases(models, model, layer, tokens, rank, slots, device, seed):
     return [bench.Case(models[model], layer, tokens, d, rank, slots, device, seed + d) for d in adapters]
 
 
+_WORKER_CASE: dict = {}
+
+
 def _compile_job(job) -> str:
-    """A worker's bucket: every candidate run once (compiling its kernels into Triton's cache)."""
+    """A worker's candidate: run once on its bucket's case (compiling its kernels into Triton's
+    on-disk cache); the worker keeps its last bucket's case for the next candidate."""
     import torch
 
     from lora_core.kernels.moe_configs import MoeConfig, override_moe_config
-    models, (model, layer, tokens, rank), slots, configs = job
+    models, (model, layer, tokens, rank), slots, cfg, device = job
     try:
-        case = bench.Case(models[model], layer, tokens, 1, rank, slots, torch.device("cuda"), 0)
-        call = case.ours()
-        for cfg in configs:
-            with override_moe_config(MoeConfig(**cfg)):
-                call()
-        torch.cuda.synchronize()
+        key = (model, layer, tokens, rank)
+        if key not in _WORKER_CASE:
+            _WORKER_CASE.clear()
+            _WORKER_CASE[key] = bench.Case(models[model], layer, tokens, 1, rank, slots, torch.device(device), 0)
+        with override_moe_config(MoeConfig(**cfg)):
+            _WORKER_CASE[key].ours()()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return ""
     except Exception as e:                       # said; the timing compiles what is missing
-        return f"{model} {layer} T{tokens} r{rank}: {type(e).__name__}: {str(e)[:160]}"
-
-
-def precompile(jobs: list, workers: int, deadline: float) -> list:
-    """Runs the buckets' compile jobs in `workers` spawned processes until `deadline` (time.time());
-    returns failure messages (jobs not started by the deadline are dropped)."""
-    import concurrent.futures
-    import multiprocessing
-    if workers <= 0 or not jobs:
-        return []
-    ctx = multiprocessing.get_context("spawn")
-    failures = []
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = [pool.submit(_compile_job, j) for j in jobs]
-        for f in futures:
-            left = deadline - time.time()
-            try:
-                msg = f.result(timeout=max(0.0, left))
-            except concurrent.futures.TimeoutError:
-                for g in futures:
-                    g.cancel()
-                failures.append("compilation stopped at its share of the budget")
-                break
-            if msg:
-                failures.append(msg)
-    return failures
+        return f"{model} {layer} T{tokens} r{rank} {cfg}: {type(e).__name__}: {str(e)[:160]}"
 
 
 def time_candidate(cfg: dict, cases, clock, tokens: int) -> dict:
@@ -206,8 +187,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0, help="stop starting buckets past this many seconds")
     p.add_argument("--compile-share", type=float, default=0.45,
                    help="share of the budget the parallel compilation may take at most")
-    p.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
-                   help="worker processes compiling the candidates first (0: compile while timing)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes compiling the candidates first (0: compile while timing; default: "
+                        "the CPU count less 2, at most 14; --quick: 0)")
     p.add_argument("--quick", action="store_true", help="CPU, Triton's interpreter, tiny shapes (times mean nothing)")
     p.add_argument("--models", default="", help="comma list of model names (default: all)")
     p.add_argument("--layers", default="w13,w2", help="comma list of layers: w13, w2")
@@ -261,12 +243,17 @@ def main(argv=None) -> int:
     print(f"{len(work)} buckets, {sum(len(w[-1]) for w in work)} candidates -> {path}", flush=True)
 
     # 2. Compilation in parallel, bounded by its share of the budget.
-    if cuda and args.jobs > 0:
-        jobs = [(models, (m, ly, t, r), slots, cands) for m, ly, t, r, _, _, cands in work]
-        failures = precompile(jobs, args.jobs, t0 + args.budget_s * args.compile_share)
+    jobs_n = args.jobs if args.jobs is not None else (0 if args.quick else max(1, min(14, (os.cpu_count() or 2) - 2)))
+    if jobs_n > 0:
+        dev = "cuda" if cuda else "cpu"
+        jobs = [(models, (m, ly, t, r), slots, c, dev) for m, ly, t, r, _, _, cands in work for c in cands]
+        try:
+            failures = bench.pool_run(_compile_job, jobs, jobs_n, t0 + args.budget_s * args.compile_share)
+        except Exception as e:                   # the pool itself failed: the timing compiles everything
+            failures = [f"compile workers: {type(e).__name__}: {str(e)[:200]}"]
         log["compile_s"] = round(time.time() - t0, 1)
         log["compile_failures"] = failures
-        print(f"compiled in {args.jobs} workers: {log['compile_s']} s; {len(failures)} failures", flush=True)
+        print(f"compiled in {jobs_n} workers: {log['compile_s']} s; {len(failures)} failures", flush=True)
 
     # 3. Timing, bucket by bucket; each winner written at once.
     clock = Clock(cuda, target=lambda m: 32 if m <= 256 else 4)

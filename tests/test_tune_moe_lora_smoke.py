@@ -1,6 +1,7 @@
-"""benchmarks/tune_moe_lora.py --quick: the MoE tuner's whole pipeline (buckets, candidates checked against
-the reference and timed, the winners written into a MoE table the plan reads, the log beside it, a budget
-that stops it with what it finished) on the CPU in Triton's interpreter at tiny shapes."""
+"""benchmarks/tune_moe_lora.py --quick: the MoE tuner's whole pipeline (buckets, every candidate run first in a
+worker process, candidates checked against the reference and timed, the winners written into a MoE table the
+plan reads, the log beside it, a budget that stops it with what it finished) on the CPU in Triton's
+interpreter at tiny shapes."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def _tune(table, *extra):
 def test_quick_run_writes_a_table_the_plan_reads(tmp_path, monkeypatch):
     from lora_core.kernels import moe_configs
     table = tmp_path / "moe.json"
-    proc = _tune(table, "--tokens", "1,3")
+    proc = _tune(table, "--tokens", "1,3", "--jobs", "1")      # one worker process runs every candidate first
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compiled in 1 workers" in proc.stdout and "0 failures" in proc.stdout, proc.stdout
     buckets = moe_configs.read_table(str(table))
     assert sorted(k.split("/")[0] for k in buckets) == ["naive", "sorted16"]          # T1 naive, T3 sorted
     with open(str(table) + ".log.json") as f:
