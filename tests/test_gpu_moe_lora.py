@@ -95,6 +95,31 @@ def test_compiled_kernel_matches_float64(shape, tokens, rank, down):
     assert _rel(c["y"], _reference(c)) < 2e-2
 
 
+_CONFIGS = {  # one knob of the default moved per config (lora_core.kernels.moe_configs), compiled for the GPU
+    "dot-naive": dict(GEMV=False, R_CHUNK=16, BLOCK_K=128),
+    "many-tiles": dict(BLOCK_N=32, TILES_N=16, expand_warps=8, expand_stages=4),
+    "split-16": dict(K_SPLIT=16, BLOCK_K=32, shrink_warps=8, shrink_stages=2),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("tokens", [16, 256])
+@pytest.mark.parametrize("name", sorted(_CONFIGS))
+def test_compiled_kernel_under_moved_configs(shape, tokens, name):
+    """The tuner's kinds of candidates (the naive order's tl.dot path, many narrow tiles per expand
+    program, a 16-way hidden split) at both models' gate_up shapes, rank 64, against float64."""
+    from lora_core.kernels import moe_configs
+    c = _case(shape, tokens, 64, 8, False, seed=tokens + 3)
+    hidden, inter, experts, top_k = SHAPES[shape]
+    base = moe_configs.default_moe_config(moe_configs.MoeShape(
+        num_pairs=tokens * top_k, naive=c["block"] is None, block_m=c["block"] or 16, num_slots=8,
+        num_experts=experts, hidden=hidden, widest=inter, slices=2, shrink_slices=2, rank=64))
+    with moe_configs.override_moe_config(base.replace(**_CONFIGS[name])):
+        _run(c)
+    torch.cuda.synchronize()
+    assert _rel(c["y"], _reference(c)) < 2e-2
+
+
 def test_graph_replay_follows_a_new_routing():
     """Captured once, replayed after the routing, the mapping and the alignment changed in place."""
     c = _case("qwen3", 64, 16, 8, False, seed=7)
