@@ -62,11 +62,12 @@ def test_defaults_fill_the_gpu_and_cover_the_shape(compiled_defaults):
                 shape = _shape(pairs, rank, naive, bm, **sizes)
                 r, shrink, expand = _programs(shape)
                 assert r.k_per % r.block_k == 0 and (r.k_split - 1) * r.k_per < shape.hidden <= r.k_split * r.k_per
-                assert 1 <= r.k_split <= moe_configs.MAX_K_SPLIT
+                assert 1 <= r.k_split <= (moe_configs.MAX_K_SPLIT_NAIVE if naive else moe_configs.MAX_K_SPLIT)
                 assert r.tiles_n & (r.tiles_n - 1) == 0
                 assert (r.n_programs - 1) * r.tiles_n * r.block_n < shape.widest <= r.n_programs * r.tiles_n * r.block_n
                 units = moe_configs.live_blocks(shape) * shape.shrink_slices * (shape.block_r // r.r_chunk)
-                parts = min(moe_configs.MAX_K_SPLIT, shape.hidden // max(moe_configs.MIN_K_PER, r.block_k))
+                cap = moe_configs.MAX_K_SPLIT_NAIVE if naive else moe_configs.MAX_K_SPLIT
+                parts = min(cap, shape.hidden // max(moe_configs.MIN_K_PER, r.block_k))
                 assert shrink >= min(4 * 132, units * parts) // 2, (shape, r)     # parts rounded to BLOCK_K
                 assert naive == r.config.GEMV
 

@@ -38,8 +38,9 @@ The default (`default_moe_config`), from the bytes each program moves and the pr
     row pointers and dot operands fill a 4-warp program's registers);
   * both: K_SPLIT and TILES_N from TARGET_PER_SM programs per SM (`device_sm_count`, else
     FALLBACK_SMS): the hidden split until the shrink has that many programs (parts of at least
-    MIN_K_PER elements), the expand's tiles grouped until it has about that many; TILES_N a power
-    of two (few compiled variants), so programs past the width return at once.
+    MIN_K_PER elements, at most MAX_K_SPLIT planes, MAX_K_SPLIT_NAIVE in the naive order, whose
+    planes are single rows), the expand's tiles grouped until it has about that many; TILES_N a
+    power of two (few compiled variants), so programs past the width return at once.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ TARGET_PER_SM = 4          # programs per SM the K split and the tile grouping a
 FALLBACK_SMS = 132         # SMs assumed without a CUDA driver to ask
 MIN_K_PER = 256            # hidden elements per shrink program at least
 MAX_K_SPLIT = 16           # partial-sum planes per slice at most (the expand adds them, unrolled)
+MAX_K_SPLIT_NAIVE = 32     # the naive order's: a pair's planes are single rank rows
 GEMV_SHRINK_TILE = 4096    # elements of one GEMV shrink tile (rank chunk x BLOCK_K)
 GEMV_EXPAND_TILE = 8192    # elements of one GEMV expand tile (BLOCK_N x rank)
 FIELDS = ("BLOCK_K", "R_CHUNK", "K_SPLIT", "shrink_warps", "shrink_stages",
@@ -210,10 +212,11 @@ def resolve(cfg: MoeConfig, shape: MoeShape, *, sms: int | None = None) -> Resol
     r_chunk = min(cfg.R_CHUNK, br)
     block_k = min(cfg.BLOCK_K, max(16, next_pow2(shape.hidden)))
     units = live_blocks(shape) * shape.shrink_slices * (br // r_chunk)
+    cap = MAX_K_SPLIT_NAIVE if shape.naive else MAX_K_SPLIT
     k_split = cfg.K_SPLIT
     if k_split == 0:
-        k_split = max(1, min(MAX_K_SPLIT, shape.hidden // MIN_K_PER, triton.cdiv(target, units)))
-    k_split = max(1, min(k_split, MAX_K_SPLIT, triton.cdiv(shape.hidden, block_k)))
+        k_split = max(1, min(cap, shape.hidden // MIN_K_PER, triton.cdiv(target, units)))
+    k_split = max(1, min(k_split, cap, triton.cdiv(shape.hidden, block_k)))
     k_per = triton.cdiv(triton.cdiv(shape.hidden, k_split), block_k) * block_k
     k_split = triton.cdiv(shape.hidden, k_per)
     block_n = min(cfg.BLOCK_N, max(16, next_pow2(shape.widest)))
