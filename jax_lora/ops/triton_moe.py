@@ -76,6 +76,18 @@ def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offset
         _log_fallback(ffi_launcher.unavailable_reason())
         reference = invariant if deterministic else xla_moe
         return reference.fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks)
+    launches, results = moe_launches(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks,
+                                     deterministic=deterministic)
+    out = triton._run(launches, results, interpret)[0]                                      # step 3
+    return out.reshape(y3.shape)
+
+
+def moe_launches(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offsets, lora_ranks, *,
+                 deterministic: bool = False) -> tuple[list, list]:
+    """(the shrink and expand `_Launch`es, the call's results [y (P, N), the rank buffer]) of
+    `fused_moe_lora`'s arguments (steps 1-2)."""
+    m, k, n_total = y3.shape
+    p = m * k
     lora_a, lora_b = tuple(lora_a), tuple(lora_b)
     num_slots, num_experts, rank, hidden = lora_a[0].shape
     block = layout.block_size
@@ -101,8 +113,7 @@ def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offset
     calls = moe_lora_calls(plan, x, lora_a, lora_b, buf, y, weights, sorted_ids, experts, post_pad, token_slots,
                            enabled, ranks, num_pairs=p, top_k=k, offset=int(offsets[0]), strides=triton._strides)
     results = [jax.ShapeDtypeStruct((p, n_total), y3.dtype), jax.ShapeDtypeStruct(buf.shape, jnp.float32)]
-    out = triton._run([triton._Launch(call, -1) for call in calls], results, interpret)[0]      # step 3
-    return out.reshape(y3.shape)
+    return [triton._Launch(call, -1) for call in calls], results
 
 
 def deterministic_backend():
