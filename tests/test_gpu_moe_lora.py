@@ -204,3 +204,37 @@ def test_jax_triton_moe_per_slot_ranks():
     got = torch.as_tensor(np.asarray(got.astype(jax.numpy.float32)), device="cuda")
     assert torch.isfinite(got).all()
     assert _rel(got, _reference(c)) < 2e-2
+
+
+def test_wrapper_add_lora_w13_captures_with_its_alignment():
+    """torch_lora.PunicaWrapper.add_lora_w13 (the sorted order: its alignment runs in the graph too,
+    no host read) captured once and replayed after a new routing and new inputs written in place."""
+    import torch_lora
+    from lora_core.host_mapping import LoRAMapping
+    c = _case("qwen3", 64, 16, 8, False, seed=11)
+    slots = 8
+    w = torch_lora.PunicaWrapper(64, 64, "cuda", max_loras=slots, backend="triton")
+    ids = tuple(int(s) + 1 for s in c["token_lora"].tolist())
+    w.update_metadata(LoRAMapping(ids, ids, False), list(range(1, slots + 1)), slots, 32000)
+    experts, top_k = c["a"][0].shape[1], c["top_k"]
+
+    def step():
+        c["y"].zero_()
+        return w.add_lora_w13(c["y"], c["x"], tuple(c["a"]), tuple(c["b"]), c["topk_ids"], c["topk_weights"], None,
+                              c["a"][0], c["a"][0], 64, top_k, slots, c["enabled"], experts, top_k, 2, False, False)
+    align = step()
+    assert align[0] is not None, "expected the sorted order at 64 tokens of 128 experts"
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    fresh = _case("qwen3", 64, 16, 8, False, seed=12)
+    for key in ("topk_ids", "topk_weights", "x"):
+        c[key].copy_(fresh[key])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(c["y"], _reference(c)) < 2e-2
