@@ -38,6 +38,7 @@ SLOW_TESTS = (
     # batch invariance: one request inside many random batches, per backend (15-50 s a case)
     "tests/test_deterministic.py::test_request_rows_bitwise_equal_in_every_batch[*]",
     "tests/test_deterministic.py::test_bridged_wrappers_pass_deterministic_on[*]",
+    "tests/test_moe_deterministic.py::test_request_rows_bitwise_equal_in_every_batch[jax-xla]",
     "tests/test_serving.py::test_deterministic_serving_gives_a_request_the_same_tokens_in_any_batch",
     # the serving engine over a quantized Llama, per quantization (10-17 s each)
     "tests/test_quantized_base_jax.py::test_serving_engine_on_quantized_llama_equals_dequantized_merged_model[*]",

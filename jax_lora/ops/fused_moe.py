@@ -25,7 +25,9 @@ Every shape depends on (P, E, L, block_size) only: one compiled program for ever
 the layout is built here with block size 16.
 
 Backends: a backend's MoE module defines `fused_moe_lora(y3, x, lora_a, lora_b, pair_weight,
-layout, offsets, lora_ranks) -> y3` (x: one row per token or per pair; "xla": jax_lora.ops.xla_moe;
+layout, offsets, lora_ranks) -> y3` (x: one row per token or per pair; a module with NAIVE_ORDER
+True receives a `moe_layout.NaiveOrder` as layout when sorted_token_ids is None, the others a
+layout built here; "xla": jax_lora.ops.xla_moe;
 "pallas_tpu": jax_lora.ops.pallas_tpu.moe_op; "triton": jax_lora.ops.triton_moe, the shared Triton
 kernel). A backend without one runs the xla one, said once on the `jax_lora` logger.
 
@@ -46,7 +48,7 @@ import numpy as np
 from lora_core import checks
 
 from . import dispatch
-from .moe_layout import MoELayout, align_layout
+from .moe_layout import MoELayout, align_layout, naive_order
 
 __all__ = ["fused_moe_lora", "moe_lora_align_block_size"]
 
@@ -146,13 +148,17 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
     mapping = jnp.asarray(token_lora_mapping).astype(jnp.int32)
     if mapping.ndim != 1 or mapping.shape[0] < m:
         raise ValueError(f"token_lora_mapping must be (>= {m},) slots, got shape {mapping.shape}")
+    module = backend_module(backend, deterministic)
     if sorted_token_ids is None:
         topk_ids = jnp.asarray(expert_ids).astype(jnp.int32)
         if topk_ids.size != p:
             raise ValueError(f"with sorted_token_ids=None, expert_ids must hold the {p} routed experts, got shape "
                              f"{topk_ids.shape}")
-        layout = align_layout(topk_ids.reshape(m, k), mapping, num_experts, NAIVE_BLOCK_SIZE, num_slots,
-                              adapter_enabled)
+        if getattr(module, "NAIVE_ORDER", False):
+            layout = naive_order(topk_ids.reshape(m, k), mapping, num_experts, num_slots, adapter_enabled)
+        else:
+            layout = align_layout(topk_ids.reshape(m, k), mapping, num_experts, NAIVE_BLOCK_SIZE, num_slots,
+                                  adapter_enabled)
     else:
         layout = MoELayout(jnp.asarray(sorted_token_ids).astype(jnp.int32).reshape(num_slots, -1),
                            jnp.asarray(expert_ids).astype(jnp.int32).reshape(num_slots, -1),
@@ -166,7 +172,6 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
             layout = layout._replace(num_tokens_post_padded=jnp.where(enabled, layout.num_tokens_post_padded, 0))
     pair_weight = weights.reshape(p).astype(jnp.float32) if mul_routed_weight else None
     ranks = None if lora_ranks is None else jnp.asarray(lora_ranks).astype(jnp.int32)
-    module = backend_module(backend, deterministic)
     out = module.fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, ranks)
     return out.reshape(y.shape)
 

@@ -17,8 +17,12 @@ torch_lora.ops.moe_triton; both take the kernel's parameter lists from `moe_lora
    call with both launches on the GPU (command-buffer compatible), Triton's interpreter inside
    `jax.pure_callback` on the CPU (TRITON_INTERPRET=1).
 
+The naive order (NAIVE_ORDER: without sorted ids the op hands this module a `NaiveOrder`, each
+pair's expert and each token's slot, instead of building a layout) takes one pair per program, as
+vLLM's decode path does.
+
 deterministic=True (`deterministic_backend()`): the pairs in the naive order, one per program
-(each pair's expert and its token's slot read back from the layout, `pairs_of_layout`), with the
+(from a layout, each pair's expert and its token's slot are read back, `pairs_of_layout`), with the
 batch-invariant plan (`plan_moe_lora(deterministic=True)`): a pair's values are bitwise the same
 whatever the other pairs and its position.
 
@@ -40,9 +44,10 @@ import jax.numpy as jnp
 from lora_core.kernels.moe_lora import moe_lora_calls, plan_moe_lora
 
 from . import invariant, triton, xla_moe
-from .moe_layout import MoELayout, pairs_of_layout
+from .moe_layout import MoELayout, NaiveOrder, align_layout, pairs_of_layout
 
 NAME = "triton"
+NAIVE_ORDER = True          # takes a NaiveOrder when the caller gives no sorted ids
 _LOG = logging.getLogger("jax_lora")
 
 
@@ -52,19 +57,22 @@ def _log_fallback(reason: str) -> None:
               "launcher: %s)", reason)
 
 
-def _naive_order(layout: MoELayout, num_tokens: int, top_k: int) -> tuple:
-    """(expert per pair (P,), slot per token (M,)) int32 of the layout's pairs, -1 where it holds
-    none: a token's live pairs all carry its slot, so the largest of its pairs' slots is it."""
+def _naive_order(layout, num_tokens: int, top_k: int) -> NaiveOrder:
+    """The NaiveOrder of a layout's pairs, -1 where it holds none (a token's live pairs all carry
+    its slot, so the largest of its pairs' slots is it); a NaiveOrder as it is."""
+    if isinstance(layout, NaiveOrder):
+        return layout
     pair_slot, pair_expert = pairs_of_layout(layout, num_tokens * top_k)
     experts = jnp.where(pair_slot >= 0, pair_expert, -1)
-    return experts, pair_slot.reshape(num_tokens, top_k).max(axis=1)
+    return NaiveOrder(experts, pair_slot.reshape(num_tokens, top_k).max(axis=1))
 
 
 def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offsets, lora_ranks, *,
                    deterministic: bool = False) -> jax.Array:
     """y3 (M, k, N); x (M, K) one row per token (pair_weight None) or (P, K) one per pair;
     lora_a / lora_b: S arrays (L, E, r, K) / (L, E, n_s, r); pair_weight (P,) float32 or None
-    (the router weights, mul_routed_weight); layout: one row per slot; offsets: S static column
+    (the router weights, mul_routed_weight); layout: a MoELayout (one row per slot) or a
+    NaiveOrder; offsets: S static column
     offsets, slice 1 right after slice 0; lora_ranks (L,) int32 or None -> the new y3."""
     m, k, n_total = y3.shape
     p = m * k
@@ -75,11 +83,26 @@ def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offset
         from . import ffi_launcher
         _log_fallback(ffi_launcher.unavailable_reason())
         reference = invariant if deterministic else xla_moe
+        if isinstance(layout, NaiveOrder):
+            layout = align_layout(layout.experts.reshape(m, k), layout.token_slots, lora_a[0].shape[1], 16,
+                                  lora_a[0].shape[0])
         return reference.fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks)
+    launches, results = moe_launches(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks,
+                                     deterministic=deterministic)
+    out = triton._run(launches, results, interpret)[0]                                      # step 3
+    return out.reshape(y3.shape)
+
+
+def moe_launches(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offsets, lora_ranks, *,
+                 deterministic: bool = False) -> tuple[list, list]:
+    """(the shrink and expand `_Launch`es, the call's results [y (P, N), the rank buffer]) of
+    `fused_moe_lora`'s arguments (steps 1-2)."""
+    m, k, n_total = y3.shape
+    p = m * k
     lora_a, lora_b = tuple(lora_a), tuple(lora_b)
     num_slots, num_experts, rank, hidden = lora_a[0].shape
-    block = layout.block_size
-    naive = deterministic or block < 16 or block & (block - 1) != 0
+    block = 16 if isinstance(layout, NaiveOrder) else layout.block_size
+    naive = deterministic or isinstance(layout, NaiveOrder) or block < 16 or block & (block - 1) != 0
     if naive:
         experts, token_slots = _naive_order(layout, m, k)
         sorted_ids = post_pad = experts                                  # never read in the naive order
@@ -101,8 +124,7 @@ def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offset
     calls = moe_lora_calls(plan, x, lora_a, lora_b, buf, y, weights, sorted_ids, experts, post_pad, token_slots,
                            enabled, ranks, num_pairs=p, top_k=k, offset=int(offsets[0]), strides=triton._strides)
     results = [jax.ShapeDtypeStruct((p, n_total), y3.dtype), jax.ShapeDtypeStruct(buf.shape, jnp.float32)]
-    out = triton._run([triton._Launch(call, -1) for call in calls], results, interpret)[0]      # step 3
-    return out.reshape(y3.shape)
+    return [triton._Launch(call, -1) for call in calls], results
 
 
 def deterministic_backend():
@@ -111,5 +133,5 @@ def deterministic_backend():
     return _DETERMINISTIC
 
 
-_DETERMINISTIC = types.SimpleNamespace(NAME=NAME, deterministic=True,
+_DETERMINISTIC = types.SimpleNamespace(NAME=NAME, deterministic=True, NAIVE_ORDER=True,
                                        fused_moe_lora=functools.partial(fused_moe_lora, deterministic=True))

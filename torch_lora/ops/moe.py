@@ -101,7 +101,10 @@ def moe_lora_align_block_size(topk_ids: torch.Tensor, token_lora_mapping: torch.
     groups = max_loras * num_experts
     key = torch.where(keep, safe_lora * num_experts + expert.clamp(0, num_experts - 1),
                       torch.full_like(lora, groups))
-    counts = torch.bincount(key, minlength=groups + 1)[:groups].view(max_loras, num_experts)
+    # a scatter-add, not torch.bincount, whose CUDA kernel reads the largest key on the host (no
+    # capture in a CUDA graph)
+    counts = torch.zeros(groups + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:groups].view(max_loras, num_experts)
     padded = (counts + block_size - 1) // block_size * block_size
     run_end = torch.cumsum(padded, dim=1)
     run_start = run_end - padded
