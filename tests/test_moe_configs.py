@@ -113,6 +113,21 @@ def test_table_entries_are_read_checked_and_applied(tmp_path, monkeypatch, compi
         moe_configs.table.cache_clear()
 
 
+def test_untuned_pair_counts_borrow_the_nearest_bucket_without_its_counts():
+    """A batch between tuned ones takes the nearest tuned pair count's tiles (same order and sizes),
+    never its K_SPLIT / TILES_N; another order or size borrows nothing."""
+    tuned = {"sorted16/p128/r64/k4096/n14336/s2": {"BLOCK_N": 64, "K_SPLIT": 3, "TILES_N": 4, "expand_warps": 8},
+             "sorted16/p1024/r64/k4096/n14336/s2": {"BLOCK_N": 256},
+             "sorted64/p256/r64/k4096/n14336/s2": {"BLOCK_N": 32}}
+    exact = moe_configs.table_entry(tuned, _shape(128, 64, naive=False, block_m=16))
+    assert exact == tuned["sorted16/p128/r64/k4096/n14336/s2"]
+    assert moe_configs.table_entry(tuned, _shape(200, 64, naive=False, block_m=16)) == \
+        {"BLOCK_N": 64, "expand_warps": 8}                                          # p256: p128 is nearest
+    assert moe_configs.table_entry(tuned, _shape(600, 64, naive=False, block_m=16)) == {"BLOCK_N": 256}
+    assert moe_configs.table_entry(tuned, _shape(600, 16, naive=False, block_m=16)) == {}      # rank 16
+    assert moe_configs.table_entry(tuned, _shape(600, 64, naive=True)) == {}                    # naive
+
+
 def test_override_and_deterministic_plans():
     """override_moe_config governs a block's plans; deterministic plans keep their fixed config."""
     from lora_core.kernels.moe_lora import DETERMINISTIC_CONFIG, plan_moe_lora

@@ -23,7 +23,9 @@ first use and cached; LORA_CORE_MOE_TABLE names another file of the same format 
     {"device": "NVIDIA H200", "format": 1,
      "buckets": {"naive/p64/r64/k4096/n14336/s2": {"BLOCK_K": 128, "R_CHUNK": 64, ...}, ...}}
 
-a bucket's entry may name only some fields: the others come from the default. Under Triton's
+a bucket's entry may name only some fields: the others come from the default. A shape whose
+bucket has no entry borrows the tile fields of the nearest tuned pair count of its order and sizes
+(`table_entry`: K_SPLIT and TILES_N then follow its own program count). Under Triton's
 interpreter (CPU tests) the table is never read. `override_moe_config` runs a block of launches
 under one given config (the tuner's candidates).
 
@@ -288,13 +290,33 @@ def override_moe_config(cfg: MoeConfig):
         _OVERRIDE.pop()
 
 
+def table_entry(buckets: dict, shape: MoeShape) -> dict:
+    """The fields a table gives a shape: its bucket's entry; else the entry of the nearest pair count
+    of the same order, rank and sizes (an untuned batch size between tuned ones) without its
+    K_SPLIT and TILES_N, which the shape's own program count decides; else {}."""
+    key = bucket_key(shape)
+    if key in buckets:
+        return dict(buckets[key])
+    order, pairs, *rest = key.split("/")
+    want = int(pairs[1:])
+    near = []
+    for other, entry in buckets.items():
+        o_order, o_pairs, *o_rest = other.split("/")
+        if o_order == order and o_rest == rest and o_pairs[1:].isdigit():
+            near.append((abs(int(o_pairs[1:]).bit_length() - want.bit_length()), int(o_pairs[1:]), entry))
+    if not near:
+        return {}
+    entry = min(near, key=lambda n: (n[0], n[1]))[2]
+    return {k: v for k, v in entry.items() if k not in ("K_SPLIT", "TILES_N")}
+
+
 def moe_config(shape: MoeShape, *, device: str | None = None) -> MoeConfig:
-    """The config of a call: the innermost override, else the device table's entry for the shape's
-    bucket over the default, else the default."""
+    """The config of a call: the innermost override, else the device table's entry for the shape
+    (`table_entry`) over the default, else the default."""
     if _OVERRIDE:
         return _OVERRIDE[-1]
     base = default_moe_config(shape)
     if interpreting():
         return base
-    entry = table(device if device is not None else device_name()).get(bucket_key(shape))
+    entry = table_entry(table(device if device is not None else device_name()), shape)
     return base.replace(**entry) if entry else base
