@@ -228,11 +228,12 @@ def main(argv=None) -> int:
     log = {"meta": bench.env_meta(cuda), "budget_s": args.budget_s, "buckets": {}}
     log_path = path + ".log.json"
 
-    # 1. The buckets and their candidates (one bucket per key: the first (model, layer, T, r) that maps to it).
+    # 1. The buckets and their candidates (one bucket per key: the first (model, layer, T, r) that maps
+    # to it), token counts outermost: a budget cut drops the largest batches of every layer alike.
     work, keys = [], set()
-    for model in models:
-        for layer in layers:
-            for t in tokens:
+    for t in tokens:
+        for model in models:
+            for layer in layers:
                 for r in ranks:
                     shape, key = bucket_of(models[model], layer, t, r, slots)
                     if key in keys:
