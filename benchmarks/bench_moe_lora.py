@@ -1,6 +1,7 @@
 """Mixture-of-experts LoRA: our kernel (`lora_core.kernels.moe_lora`) against vLLM 0.33's fused MoE LoRA kernels.
 
     PYTHONPATH=. python benchmarks/bench_moe_lora.py --out $OUT            # one GPU (vLLM's files in .vllm/)
+    PYTHONPATH=. python benchmarks/bench_moe_lora.py --layers w2 --models qwen3-30b-a3b --out $OUT
     PYTHONPATH=. python benchmarks/bench_moe_lora.py --quick --out /tmp/m  # CPU interpreter, tiny shapes
 
 Layer shapes (bf16): Mixtral-8x7B (H 4096, I 14336, 8 experts, top 2) and Qwen3-30B-A3B (H 2048,
@@ -15,11 +16,17 @@ T * top_k * 8 <= E * 32 slots, else sorted by (slot, expert) in blocks of 16 up 
 each from `torch_lora.ops.moe_lora_align_block_size` (vLLM's alignment is a CUDA extension outside
 its Triton files); the alignment is done once per layer call in the engine and is not timed here.
 
+Weights are drawn on the device, once per (model, layer, rank) and shared by that layer's cases
+(the routing and adapters change per case); `--warm-jobs N` first runs every case once in N
+worker processes, so that Triton's compilations (ours and vLLM's, into Triton's on-disk cache)
+overlap instead of adding up in the timed loop.
+
 Per case: us per call from a CUDA graph of many calls replayed (median), for `ours`
 (`torch_lora.ops.fused_moe_lora`, backend triton) and `vllm` (`fused_moe_lora` with the configs
 vLLM's `get_lora_op_configs` gives: its defaults without a tuned-config folder); the speed-up
-vllm / ours; each side's relative Frobenius error against a float64 reference (the added LoRA
-term of every live pair, grouped by (slot, expert)). vLLM folds the LoRA scaling into B; so do we.
+vllm / ours; each side's relative Frobenius error against a float32 reference computed once per case on the
+device (the added LoRA term of every live pair, grouped by (slot, expert); the error's norms in
+float64). vLLM folds the LoRA scaling into B; so do we.
 Output: `moe_lora.json` (meta, rows, skipped) and `moe_lora.md` in --out, rewritten after every
 case, with the geometric mean of the speed-ups. `--budget-s` skips cases past it (listed).
 """
@@ -49,36 +56,70 @@ QUICK_RANKS = (16,)
 NUM_SLOTS = 32
 QUICK_SLOTS = 8
 def reference(x, a, b, topk_ids, topk_weights, token_lora, pair_rows: bool):
-    """(T, top_k, N) float64: every live pair's LoRA term (slices concatenated), grouped by (slot, expert)."""
+    """(T, top_k, N) float32: every live pair's LoRA term (slices concatenated), grouped by (slot, expert),
+    on x's device (TF32 off: float32 products, far below bf16's rounding)."""
     import torch
     num_tokens, top_k = topk_ids.shape
     lora = token_lora.long().repeat_interleave(top_k)
     expert = topk_ids.reshape(-1).long()
     rows = torch.arange(num_tokens * top_k, device=x.device)
     xrow = rows if pair_rows else rows // top_k
-    out = torch.zeros(num_tokens * top_k, sum(bb.shape[2] for bb in b), dtype=torch.float64, device=x.device)
+    out = torch.zeros(num_tokens * top_k, sum(bb.shape[2] for bb in b), dtype=torch.float32, device=x.device)
     live = lora >= 0
     key = torch.where(live, lora * 100000 + expert, torch.full_like(lora, -1))      # (slot, expert) groups
-    for k in torch.unique(key[live]).tolist():
-        pick = (key == k).nonzero().squeeze(1)
-        slot, e = divmod(k, 100000)
-        xs = x[xrow[pick]].double()
-        col = 0
-        for aa, bb in zip(a, b):
-            term = (xs @ aa[slot, e].double().T) @ bb[slot, e].double().T
-            if pair_rows:
-                term = term * topk_weights.reshape(-1)[pick].double()[:, None]
-            out[pick, col:col + bb.shape[2]] = term
-            col += bb.shape[2]
+    order = torch.argsort(key)
+    keys, counts = torch.unique_consecutive(key[order], return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for k, start, count in zip(keys.tolist(), starts.tolist(), counts.tolist()):
+            if k < 0:
+                continue
+            pick = order[start:start + count]
+            slot, e = divmod(k, 100000)
+            xs = x[xrow[pick]].float()
+            col = 0
+            for aa, bb in zip(a, b):
+                term = (xs @ aa[slot, e].float().T) @ bb[slot, e].float().T
+                if pair_rows:
+                    term = term * topk_weights.reshape(-1)[pick].float()[:, None]
+                out[pick, col:col + bb.shape[2]] = term
+                col += bb.shape[2]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return out.view(num_tokens, top_k, -1)
 
 
 def rel_err(got, ref) -> float:
+    """||got - ref|| / ||ref|| (Frobenius, the norms in float64), inf for a non-finite result."""
     import torch
-    got = got.double()
     if not torch.isfinite(got).all():
         return float("inf")
-    return float(torch.linalg.norm(got - ref) / max(float(torch.linalg.norm(ref)), 1e-30))
+    diff = float(torch.linalg.vector_norm((got.float() - ref).reshape(-1), dtype=torch.float64))
+    return diff / max(float(torch.linalg.vector_norm(ref.reshape(-1), dtype=torch.float64)), 1e-30)
+
+
+_WEIGHTS: dict = {}
+
+
+def layer_weights(shape: dict, layer: str, rank: int, slots: int, device, seed: int):
+    """(A slices, B slices) of a layer at a rank, drawn on the device once and shared by its cases
+    (the previous layer's are dropped: one layer's weights in memory at a time)."""
+    import torch
+    key = (tuple(sorted(shape.items())), layer, rank, slots, str(device))
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        gen = torch.Generator(device=device).manual_seed(seed)
+        H, I, E = shape["hidden"], shape["inter"], shape["experts"]
+        k_in, widths = (I, (H,)) if layer == "w2" else (H, (I, I))
+
+        def rand(*size, scale):
+            return (torch.randn(*size, generator=gen, device=device, dtype=torch.bfloat16) * scale)
+
+        _WEIGHTS[key] = ([rand(slots, E, rank, k_in, scale=k_in ** -0.5) for _ in widths],
+                         [rand(slots, E, n, rank, scale=rank ** -0.5) for n in widths])
+    return _WEIGHTS[key]
 
 
 class Case:
@@ -93,24 +134,19 @@ class Case:
         H, I, E, k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
         self.top_k, self.rank, self.experts, self.slots = k, rank, E, slots
         dt = torch.bfloat16
-
-        def rand(*size, scale=1.0):
-            return (torch.randn(*size, generator=gen) * scale).to(device, dt)
-
         self.w2 = layer == "w2"
         k_in, widths = (I, (H,)) if self.w2 else (H, (I, I))
-        self.a = [rand(slots, E, rank, k_in, scale=k_in ** -0.5) for _ in widths]
-        self.b = [rand(slots, E, n, rank, scale=rank ** -0.5) for n in widths]
-        self.x = rand(tokens * k if self.w2 else tokens, k_in)
+        self.a, self.b = layer_weights(shape, layer, rank, slots, device, seed=rank * 7 + self.w2)
+        self.x = (torch.randn(tokens * k if self.w2 else tokens, k_in, generator=gen)).to(device, dt)
         self.y = torch.zeros(tokens, k, sum(widths), dtype=dt, device=device)
-        self.topk_ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)]).to(device,
-                                                                                                       torch.int32)
+        self.topk_ids = torch.argsort(torch.rand(tokens, E, generator=gen), dim=1)[:, :k].to(device, torch.int32)
         w = torch.rand(tokens, k, generator=gen) + 0.1
         self.topk_weights = (w / w.sum(1, keepdim=True)).to(device, torch.float32)
         used = torch.randperm(slots, generator=gen)[:adapters]
         self.token_lora = used[torch.randint(0, adapters, (tokens,), generator=gen)].to(device, torch.int32)
         self.enabled = torch.zeros(slots + 1, dtype=torch.int32, device=device)
         self.enabled[used.to(device)] = 1
+        self._ref = None
         self.naive = naive_block_assignment(tokens, k, E, slots)
         self.block = moe_block_size(tokens * k)
         self.align = {}
@@ -159,10 +195,12 @@ class Case:
         return call, cfg
 
     def error(self, call) -> float:
+        """call's relative error against the reference (computed once per case)."""
         self.y.zero_()
         call()
-        ref = reference(self.x, self.a, self.b, self.topk_ids, self.topk_weights, self.token_lora, self.w2)
-        return rel_err(self.y, ref)
+        if self._ref is None:
+            self._ref = reference(self.x, self.a, self.b, self.topk_ids, self.topk_weights, self.token_lora, self.w2)
+        return rel_err(self.y, self._ref)
 
 
 def geomean(values) -> float | None:
@@ -183,6 +221,15 @@ def markdown(res) -> str:
     g = geomean(r.get("speedup") for r in rows)
     slower = [r for r in rows if r.get("speedup") is not None and r["speedup"] < 1.0]
     out += ["", f"Geometric mean of vLLM/ours: {_fmt(g, '.2f')}; cases slower than vLLM: {len(slower)}"]
+    groups = sorted({(r["model"], r["layer"]) for r in rows})
+    if len(groups) > 1:
+        out += ["", "Per model and layer: " + "; ".join(
+            f"{m} {ly} {_fmt(geomean(r.get('speedup') for r in rows if (r['model'], r['layer']) == (m, ly)), '.2f')}"
+            for m, ly in groups)]
+    if slower:
+        out += ["", "Slower than vLLM: " + "; ".join(
+            f"{r['model']} {r['layer']} T{r['tokens']} D{r['adapters']} r{r['rank']} ({r['speedup']:.2f})"
+            for r in slower)]
     errors = sorted({r["vllm_error"] for r in rows if r.get("vllm_error")})
     if errors:
         out += ["", "vLLM not run: " + "; ".join(errors)]
@@ -204,6 +251,63 @@ def _ints(text: str) -> tuple:
     return tuple(int(v) for v in text.split(",") if v)
 
 
+def case_list(models: dict, layers, tokens, adapters, ranks) -> list:
+    """(model, layer, T, D, r) of every case in run order (D past T only for the first adapter count)."""
+    out = []
+    for model in models:
+        for layer in layers:
+            for t in tokens:
+                for d in adapters:
+                    if d > t and d != adapters[0]:
+                        continue
+                    out.extend((model, layer, t, min(d, t), r) for r in ranks)
+    return out
+
+
+def _warm_one(job) -> str:
+    """A worker's case: built and run once (ours, then vLLM's), compiling into Triton's on-disk cache."""
+    import torch
+    models, label, (model, layer, t, d, r), slots, seed, device = job
+    try:
+        import vllm_kernels
+        vk = vllm_kernels.load()
+        case = Case(models[model], layer, t, d, r, slots, torch.device(device), seed)
+        case.ours()()
+        if vk is not None and device == "cuda":
+            case.vllm(vk)[0]()
+            torch.cuda.synchronize()
+        return ""
+    except Exception as e:                                 # said; the timed run compiles what is missing
+        return f"{label}: {type(e).__name__}: {str(e)[:120]}"
+
+
+def pool_run(fn, jobs: list, workers: int, deadline: float) -> list:
+    """fn(job) for every job in `workers` spawned processes, in order, until `deadline` (time.time()):
+    jobs not started by then are cancelled, the running ones finish. Returns fn's non-empty
+    results (messages) and one line per stop. Each process compiles a distinct launch once and
+    keeps it in Triton's on-disk cache, which the timed process then reads."""
+    import concurrent.futures
+    import multiprocessing
+    if workers <= 0 or not jobs:
+        return []
+    messages = []
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = [pool.submit(fn, j) for j in jobs]
+        for f in futures:
+            try:
+                msg = f.result(timeout=max(0.0, deadline - time.time()))
+            except concurrent.futures.TimeoutError:
+                messages.append(f"stopped at the deadline ({sum(not g.done() for g in futures)} of "
+                                f"{len(futures)} jobs left)")
+                break
+            if msg:
+                messages.append(msg)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return messages
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
@@ -211,9 +315,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="CPU, Triton's interpreter, tiny shapes (times mean nothing)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no case past this many seconds")
     p.add_argument("--models", default="", help="comma list of model names (default: all)")
+    p.add_argument("--layers", default="w13,w2", help="comma list of layers: w13 (gate_up), w2 (down)")
     p.add_argument("--tokens", default="", help="comma list of token counts")
     p.add_argument("--adapters", default="", help="comma list of adapter counts")
     p.add_argument("--ranks", default="", help="comma list of ranks")
+    p.add_argument("--warm-jobs", type=int, default=0,
+                   help="worker processes that run every case once first, compiling its kernels (0: none)")
+    p.add_argument("--warm-share", type=float, default=0.35, help="share of --budget-s the compile workers may take")
     args = p.parse_args(argv)
     if args.quick:
         os.environ["TRITON_INTERPRET"] = "1"          # before Triton is imported
@@ -227,6 +335,9 @@ def main(argv=None) -> int:
     models = QUICK_MODELS if args.quick else MODELS
     if args.models:
         models = {m: models[m] for m in args.models.split(",")}
+    layers = [v for v in args.layers.split(",") if v]
+    if not layers or set(layers) - {"w13", "w2"}:
+        p.error(f"--layers: expected a comma list of w13, w2, got {args.layers!r}")
     tokens = _ints(args.tokens) or (QUICK_TOKENS if args.quick else TOKENS)
     adapters = _ints(args.adapters) or (QUICK_ADAPTERS if args.quick else ADAPTERS)
     ranks = _ints(args.ranks) or (QUICK_RANKS if args.quick else RANKS)
@@ -246,37 +357,40 @@ def main(argv=None) -> int:
             f.write(markdown(res))
 
     t0 = time.perf_counter()
-    seed = 0
-    for model, shape in models.items():
-        for layer in ("w13", "w2"):
-            for t in tokens:
-                for d in adapters:
-                    if d > t and d != adapters[0]:
-                        continue
-                    for r in ranks:
-                        label = f"{model} {layer} T{t} D{d} r{r}"
-                        if time.perf_counter() - t0 > args.budget_s:
-                            res["skipped"].append(label)
-                            continue
-                        seed += 1
-                        case = Case(shape, layer, t, min(d, t), r, slots, device, seed)
-                        ours = case.ours()
-                        row = dict(model=model, layer=layer, tokens=t, adapters=min(d, t), rank=r,
-                                   order="naive" if case.naive else "sorted", err_ours=case.error(ours),
-                                   ours_us=clock([ours], t))
-                        if vk is not None:
-                            try:
-                                call, cfg = case.vllm(vk)
-                                row["err_vllm"] = case.error(call)
-                                row["vllm_us"] = clock([call], t)
-                                row["vllm_configs"] = cfg
-                                row["speedup"] = row["vllm_us"] / row["ours_us"]
-                            except Exception as e:           # vLLM's kernels need a GPU (CUDA queries): said
-                                row["vllm_error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                        res["rows"].append(row)
-                        print(label, {k: v for k, v in row.items() if k != "vllm_configs"}, flush=True)
-                        del case
-                        write()
+    cases = case_list(models, layers, tokens, adapters, ranks)
+    if args.warm_jobs > 0:
+        jobs = [(models, f"{m} {ly} T{t} D{d} r{r}", (m, ly, t, d, r), slots, i, device.type)
+                for i, (m, ly, t, d, r) in enumerate(cases, 1)]
+        try:
+            failed = pool_run(_warm_one, jobs, args.warm_jobs, time.time() + args.budget_s * args.warm_share)
+        except Exception as e:                   # the pool itself failed: the timed loop compiles everything
+            failed = [f"compile workers: {type(e).__name__}: {str(e)[:200]}"]
+        res["meta"]["warm_s"] = round(time.perf_counter() - t0, 1)
+        res["meta"]["warm_failures"] = failed
+        print(f"compiled in {args.warm_jobs} workers: {res['meta']['warm_s']} s, {len(failed)} failures", flush=True)
+    for seed, (model, layer, t, d, r) in enumerate(cases, 1):
+        label = f"{model} {layer} T{t} D{d} r{r}"
+        if time.perf_counter() - t0 > args.budget_s:
+            res["skipped"].append(label)
+            continue
+        case = Case(models[model], layer, t, d, r, slots, device, seed)
+        ours = case.ours()
+        row = dict(model=model, layer=layer, tokens=t, adapters=d, rank=r,
+                   order="naive" if case.naive else "sorted", err_ours=case.error(ours),
+                   ours_us=clock([ours], t))
+        if vk is not None:
+            try:
+                call, cfg = case.vllm(vk)
+                row["err_vllm"] = case.error(call)
+                row["vllm_us"] = clock([call], t)
+                row["vllm_configs"] = cfg
+                row["speedup"] = row["vllm_us"] / row["ours_us"]
+            except Exception as e:           # vLLM's kernels need a GPU (CUDA queries): said
+                row["vllm_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        res["rows"].append(row)
+        print(label, {k: v for k, v in row.items() if k != "vllm_configs"}, flush=True)
+        del case
+        write()
     res["seconds"] = time.perf_counter() - t0
     res["geomean_speedup"] = geomean(r.get("speedup") for r in res["rows"])
     write()

@@ -451,7 +451,7 @@ class TorchDecoder:
         cfg = self.cfg
         B, S = tokens.shape
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        Q, KV, I = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        Q, KV = cfg.q_size, cfg.kv_size
         T = B * S
         freqs = positions.float()[..., None] * self.inv_freq                  # (B, S, d/2)
         emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
@@ -489,13 +489,19 @@ class TorchDecoder:
                 att = att.transpose(1, 2).reshape(T, Q)
             o = self._linear(i, "o", att, w["o"], lora)
             x = x + o.view(B, S, H)
-            gu = self._norm_linear(i, "gate_up", x.view(T, H), w["ln2"], w["gate_up"], lora)
-            act = F.silu(gu[:, :I]) * gu[:, I:]
-            dn = self._linear(i, "down", act, w["down"], lora)
-            x = x + dn.view(B, S, H)
+            x = x + self._mlp(i, w, x.view(T, H), lora).view(B, S, H)
         last = self._rms(x[:, S - 1], self.norm)                               # (B, H)
         logits = (last @ self.lm_head).float()
         return logits, logits.argmax(-1)
+
+    def _mlp(self, i, w, x, lora):
+        """Layer i's feed-forward of the residual x (T, H): RMSNorm, gate_up, SiLU-gated, down
+        (benchmarks/e2e_moe.py's decoder replaces it by a mixture of experts)."""
+        import torch.nn.functional as F
+        inter = self.cfg.intermediate_size
+        gu = self._norm_linear(i, "gate_up", x, w["ln2"], w["gate_up"], lora)
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        return self._linear(i, "down", act, w["down"], lora)
 
     # ---------------------------------------------------------------- LoRA paths
     def _norm_linear(self, i, name, x, norm_weight, weight, lora):

@@ -681,7 +681,7 @@ class PunicaWrapper:
         return fused_moe.fused_moe_lora(y, x, lora_a, lora_b, weights, sorted_token_ids, expert_ids,
                                         num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num,
                                         adapter_enabled, mul_routed_weight, offset, lora_ranks=lora_ranks,
-                                        backend=self.backend)
+                                        backend=self.backend, deterministic=self.deterministic)
 
     def add_lora_w13(self, y, x, lora_a_stacked, lora_b_stacked, topk_ids, topk_weights, expert_map, w1, w2,
                      num_tokens: int, top_k_num: int, max_loras: int, adapter_enabled, local_num_experts: int,

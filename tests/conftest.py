@@ -38,6 +38,7 @@ SLOW_TESTS = (
     # batch invariance: one request inside many random batches, per backend (15-50 s a case)
     "tests/test_deterministic.py::test_request_rows_bitwise_equal_in_every_batch[*]",
     "tests/test_deterministic.py::test_bridged_wrappers_pass_deterministic_on[*]",
+    "tests/test_moe_deterministic.py::test_request_rows_bitwise_equal_in_every_batch[jax-xla]",
     "tests/test_serving.py::test_deterministic_serving_gives_a_request_the_same_tokens_in_any_batch",
     # the serving engine over a quantized Llama, per quantization (10-17 s each)
     "tests/test_quantized_base_jax.py::test_serving_engine_on_quantized_llama_equals_dequantized_merged_model[*]",
@@ -98,6 +99,9 @@ SLOW_TESTS = (
     "tests/test_package_imports.py::test_the_jax_interpreter_path_runs_without_torch",
     "tests/test_package_imports.py::test_torch_lora_loads_nothing_of_jax[*]",
     "tests/test_benchmark_provenance.py::test_the_digest_is_printed_without_a_gpu",
+    "tests/test_tune_moe_lora_smoke.py::test_quick_run_writes_a_table_the_plan_reads",
+    "tests/test_bench_moe_lora_smoke.py::test_quick_run_writes_checked_results",
+    "tests/test_triton_compile.py::test_kernel_compiles_for_sm90[moe]",
     "tests/test_wrapper_torch.py::test_cache_does_not_keep_weights_alive",
 )
 

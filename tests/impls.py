@@ -183,7 +183,7 @@ class Impl:
 
     # -------------------------------------------------------------- mixture-of-experts LoRA
     def fused_moe_lora(self, y, x, lora_a, lora_b, topk_ids, topk_weights, token_lora, adapter_enabled,
-                       mul_routed_weight, offset, naive, block_size, dtype):
+                       mul_routed_weight, offset, naive, block_size, dtype, deterministic=False):
         """The MoE LoRA op on one order (naive: topk_ids flattened; else the op's own alignment);
         returns y as NumPy."""
         ops = self.ops
@@ -199,7 +199,8 @@ class Impl:
                                  [self.arr(b, dtype) for b in lora_b], self.arr(topk_weights, "float32"),
                                  sorted_ids, expert_ids, post_pad, mapping, lora_a[0].shape[2],
                                  topk_ids.shape[1], enabled, mul_routed_weight, offset,
-                                 block_size=None if naive else block_size, backend=self.backend)
+                                 block_size=None if naive else block_size, backend=self.backend,
+                                 deterministic=deterministic)
         if self.side == "torch":
             assert res is out
             return self.to_np(out)

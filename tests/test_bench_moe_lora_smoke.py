@@ -1,6 +1,6 @@
-"""benchmarks/bench_moe_lora.py --quick: the MoE LoRA benchmark's whole pipeline (routing, alignment, our
-kernel against the float64 reference in both pair orders, vLLM's kernels attempted, the JSON and markdown
-report) on the CPU in Triton's interpreter at tiny shapes."""
+"""benchmarks/bench_moe_lora.py --quick: the MoE LoRA benchmark's whole pipeline (every case run first in a
+worker process, routing, alignment, our kernel against the reference in both pair orders, vLLM's kernels
+attempted, the JSON and markdown report) on the CPU in Triton's interpreter at tiny shapes."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ def test_quick_run_writes_checked_results(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_moe_lora.py"), "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
-                          check=False)
+                           "--warm-jobs", "1", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compiled in 1 workers" in proc.stdout and "0 failures" in proc.stdout, proc.stdout[-3000:]
     with open(tmp_path / "moe_lora.json") as f:
         res = json.load(f)
     assert {"date", "device", "torch", "triton", "commit"} <= set(res["meta"])

@@ -614,7 +614,8 @@ def test_fused_moe_lora_long_hidden(impl, order):
     from lora_core.kernels.moe_lora import plan_moe_lora
     plan = plan_moe_lora(num_pairs=10, num_slots=3, num_experts=4, hidden=1100, widths=(24,), rank=40, naive=True,
                          sorted_len=0, block_m=16, mul_routed_weight=True, shared_a=False, dtypes=("float32",) * 3)
-    assert plan.k_split == 2 and plan.constexprs["K_PER"] == 640            # parts of 640 and 460
+    k_per = plan.constexprs["K_PER"]
+    assert plan.k_split >= 2 and 0 < 1100 - (plan.k_split - 1) * k_per < k_per     # a shorter last part
     dtype = impl.dtypes[0]
     case = MoeCase(47, dtype, num_tokens=5, experts=4, inter=1100, hidden=24, rank=40)
     got = impl.fused_moe_lora(case.y2, case.h, case.dn_a, case.dn_b, case.topk_ids, case.topk_weights, case.idx,

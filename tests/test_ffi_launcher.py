@@ -149,6 +149,38 @@ def test_the_fused_kernel_gets_the_persistent_barrier_counters_not_a_result():
     assert fused.call.plan.sync_ints == fused.call.plan.grid[1]
 
 
+def test_a_kernel_writing_mid_list_gets_its_results_in_place_of_those_parameters():
+    """The MoE kernel writes its rank buffer and y, pointer parameters in the middle of its list:
+    both launches (shrink, expand) of one call pass result 1 as buf_ptr and result 0 as y_ptr, y's
+    operand is aliased to result 0 (updated in place), and nothing follows the scalars; the
+    jax_triton launcher, which appends outputs after the inputs, refuses such launches."""
+    from jax_lora.ops import triton as jax_triton_backend
+    from jax_lora.ops.moe_layout import align_layout
+    from jax_lora.ops.triton_moe import moe_launches
+    M, K, E, L, R, H, N = 8, 2, 4, 3, 16, 64, 48
+    ids = jnp.asarray(np.arange(M * K, dtype=np.int32).reshape(M, K) % E)
+    layout = align_layout(ids, jnp.asarray(np.arange(M, dtype=np.int32) % L), E, 16, L)
+    y3 = jnp.zeros((M, K, N), jnp.bfloat16)
+    x = jnp.zeros((M, H), jnp.bfloat16)
+    a = [jnp.zeros((L, E, R, H), jnp.bfloat16) for _ in range(2)]
+    b = [jnp.zeros((L, E, N // 2, R), jnp.bfloat16) for _ in range(2)]
+    launches, results = moe_launches(y3, x, a, b, None, layout, (0, N // 2), None)
+    ffi, operands, aliases = jax_triton_backend._ffi_launches(launches)
+    assert [ln.constexprs["PHASE"] for ln in ffi] == [0, 1] and len(results) == 2
+    y_operand = next(i for i, v in enumerate(operands) if v.shape == (M * K, N))
+    assert aliases == {y_operand: 0}
+    for ln in ffi:
+        sig, _, _, passed = ffi_launcher._specialise(ln, operands, results)
+        free = [n for n in ln.kernel.arg_names if sig[n] != "constexpr"]
+        assert passed[free.index("buf_ptr")] == (ffi_launcher._OUT, 1)
+        assert passed[free.index("y_ptr")] == (ffi_launcher._OUT, 0)
+        assert sig["buf_ptr"] == "*fp32" and sig["y_ptr"] == "*bf16"
+        assert len(passed) == len(free) and passed[-1][0] != ffi_launcher._OUT
+    assert jax_triton_backend.writes_mid_list(launches)
+    with pytest.raises(NotImplementedError, match="writes mid-list"):
+        jax_triton_backend._run_jax_triton(launches, results)
+
+
 def test_counter_allocation_without_a_driver_fails_with_a_message(library):
     err = ctypes.create_string_buffer(512)
     assert library.jl_ensure_counters(-1, 4, err, len(err)) == -1

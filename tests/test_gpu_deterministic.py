@@ -3,9 +3,12 @@
 A request's rows of every op (lora_shrink, lora_expand, BGMV, SGMV) and of add_lora_linear, on the
 torch and the JAX Triton backends, are bitwise the same alone and inside 100 random batches of
 1-512 tokens (random neighbours, adapters and positions), at ranks 16 and 64 with three slices of
-a 4096-wide layer; the same batch twice gives the same bits. And the Flax serving loop with the
-Triton backend gives a request the same greedy tokens alone and in any batch.
-(tests/test_deterministic.py runs the same checks on the CPU: reference backends, interpreter.)
+a 4096-wide layer; the same batch twice gives the same bits. The MoE LoRA op's request rows
+(gate_up and down, Mixtral's hidden size, 8 experts, top 2) likewise in 40 batches of 2-512 tokens
+in the naive and sorted pair orders. And the Flax serving loop with the Triton backend gives a
+request the same greedy tokens alone and in any batch.
+(tests/test_deterministic.py and tests/test_moe_deterministic.py run the same checks on the CPU:
+reference backends, interpreter.)
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from . import test_moe_deterministic as moe
 from .impls import IMPLS
 from .test_deterministic import Shapes, Traffic, check_request_invariance
 from .test_serving import check_deterministic_tokens, served  # noqa: F401 - the module's engine fixture
@@ -32,6 +36,13 @@ def test_request_rows_bitwise_equal_in_100_batches(impl, rank):
     traffic = Traffic("bfloat16", shapes, seed=rank)
     sizes = np.random.default_rng(rank).choice(SIZES, size=100)
     check_request_invariance(impl, traffic, sizes, oracle_every=10)
+
+
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+def test_moe_request_rows_bitwise_equal_in_40_batches(impl):
+    traffic = moe.Traffic("bfloat16", hidden=4096, inter=1024, experts=8, top_k=2, slots=4, rank=16, seed=3)
+    sizes = np.random.default_rng(3).integers(2, 513, size=40)
+    moe.check_request_invariance(impl, traffic, sizes, orders=(None, 16, 32, 64), oracle_every=10)
 
 
 def test_deterministic_serving_with_triton(served):  # noqa: F811 - the imported fixture

@@ -4,6 +4,8 @@ The compiled kernel (`lora_core.kernels.moe_lora` through `torch_lora.ops.fused_
 float64 reference at Mixtral-8x7B and Qwen3-30B-A3B layer shapes (hidden / intermediate sizes, 8 or
 128 experts, top 2 or 8), both pair orders, ranks 16 and 64, gate_up and down; a CUDA-graph replay
 with a new routing; and MultiLoRAModel on a tiny Mixtral on CUDA (Triton backend) against PEFT.
+The JAX side's Triton backend (`jax_lora.ops.triton_moe`, the same kernel through the XLA FFI
+launcher) under jax.jit on the same cases, both pair orders, per-slot ranks.
 """
 
 from __future__ import annotations
@@ -95,6 +97,31 @@ def test_compiled_kernel_matches_float64(shape, tokens, rank, down):
     assert _rel(c["y"], _reference(c)) < 2e-2
 
 
+_CONFIGS = {  # one knob of the default moved per config (lora_core.kernels.moe_configs), compiled for the GPU
+    "dot-naive": dict(GEMV=False, R_CHUNK=16, BLOCK_K=128),
+    "many-tiles": dict(BLOCK_N=32, TILES_N=16, expand_warps=8, expand_stages=4),
+    "split-16": dict(K_SPLIT=16, BLOCK_K=32, shrink_warps=8, shrink_stages=2),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("tokens", [16, 256])
+@pytest.mark.parametrize("name", sorted(_CONFIGS))
+def test_compiled_kernel_under_moved_configs(shape, tokens, name):
+    """The tuner's kinds of candidates (the naive order's tl.dot path, many narrow tiles per expand
+    program, a 16-way hidden split) at both models' gate_up shapes, rank 64, against float64."""
+    from lora_core.kernels import moe_configs
+    c = _case(shape, tokens, 64, 8, False, seed=tokens + 3)
+    hidden, inter, experts, top_k = SHAPES[shape]
+    base = moe_configs.default_moe_config(moe_configs.MoeShape(
+        num_pairs=tokens * top_k, naive=c["block"] is None, block_m=c["block"] or 16, num_slots=8,
+        num_experts=experts, hidden=hidden, widest=inter, slices=2, shrink_slices=2, rank=64))
+    with moe_configs.override_moe_config(base.replace(**_CONFIGS[name])):
+        _run(c)
+    torch.cuda.synchronize()
+    assert _rel(c["y"], _reference(c)) < 2e-2
+
+
 def test_graph_replay_follows_a_new_routing():
     """Captured once, replayed after the routing, the mapping and the alignment changed in place."""
     c = _case("qwen3", 64, 16, 8, False, seed=7)
@@ -142,3 +169,97 @@ def test_multilora_mixtral_on_cuda_matches_peft(tmp_path):
             base = pm(tokens[1:]).logits[0]
     assert float((out[0] - want).abs().max() / want.abs().max()) < 1e-4
     assert float((out[1] - base).abs().max() / base.abs().max()) < 1e-4
+
+
+def _jax(t):
+    """A torch CUDA tensor as a jax array of the same dtype (bfloat16 values pass exactly)."""
+    import jax.numpy as jnp
+    if t is None:
+        return None
+    if t.dtype == torch.bfloat16:
+        return jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16)
+    return jnp.asarray(t.cpu().numpy())
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 32, 2048])
+@pytest.mark.parametrize("down", [False, True], ids=["w13", "w2"])
+def test_jax_triton_moe_under_jit_matches_float64(shape, tokens, down):
+    """jax_lora.ops.fused_moe_lora(backend="triton") under jax.jit runs the Triton kernel through
+    the FFI launcher (never the xla fallback) and matches the float64 reference."""
+    jax = pytest.importorskip("jax")
+    from jax_lora.ops import ffi_launcher, fused_moe, fused_moe_lora, triton_moe
+    ffi_launcher.unavailable_reason.cache_clear()
+    assert ffi_launcher.available(), ffi_launcher.unavailable_reason()
+    assert fused_moe.backend_module("triton") is triton_moe
+    c = _case(shape, tokens, 16, 8, down, seed=100 + tokens + down)
+    sorted_ids, expert_ids, post_pad = (_jax(v) for v in c["align"])
+    args = [_jax(v) for v in (c["y"], c["x"])] + [[_jax(a) for a in c["a"]], [_jax(b) for b in c["b"]]]
+    weights, mapping, enabled = _jax(c["topk_weights"]), _jax(c["token_lora"]), _jax(c["enabled"])
+    top_k, block = c["top_k"], c["block"]
+
+    @jax.jit
+    def step(y, x, a, b, sorted_ids, expert_ids, post_pad, weights, mapping, enabled):
+        return fused_moe_lora(y, x, a, b, weights, sorted_ids, expert_ids, post_pad, mapping, 16, top_k, enabled,
+                              down, 0, block_size=block, backend="triton")
+
+    got = step(*args, sorted_ids, expert_ids, post_pad, weights, mapping, enabled)
+    got = torch.as_tensor(np.asarray(got.astype(jax.numpy.float32)), device="cuda")
+    assert _rel(got, _reference(c)) < 2e-2
+
+
+def test_jax_triton_moe_per_slot_ranks():
+    """lora_ranks: rank columns past a slot's rank are never read (Inf there), on the compiled kernel."""
+    jax = pytest.importorskip("jax")
+    from jax_lora.ops import fused_moe_lora
+    c = _case("mixtral", 32, 16, 4, False, seed=5)
+    ranks = torch.tensor([16, 5, 9, 16], dtype=torch.int32, device="cuda")
+    poisoned = []
+    for a in c["a"]:
+        p = a.clone()
+        for slot, r in enumerate(ranks.tolist()):
+            a[slot, :, r:] = 0
+            p[slot, :, r:] = float("inf")
+        poisoned.append(p)
+    sorted_ids, expert_ids, post_pad = (_jax(v) for v in c["align"])
+    got = fused_moe_lora(_jax(c["y"]), _jax(c["x"]), [_jax(a) for a in poisoned], [_jax(b) for b in c["b"]],
+                         _jax(c["topk_weights"]), sorted_ids, expert_ids, post_pad, _jax(c["token_lora"]), 16,
+                         c["top_k"], _jax(c["enabled"]), False, 0, block_size=c["block"], backend="triton",
+                         lora_ranks=_jax(ranks))
+    got = torch.as_tensor(np.asarray(got.astype(jax.numpy.float32)), device="cuda")
+    assert torch.isfinite(got).all()
+    assert _rel(got, _reference(c)) < 2e-2
+
+
+def test_wrapper_add_lora_w13_captures_with_its_alignment():
+    """torch_lora.PunicaWrapper.add_lora_w13 (the sorted order: its alignment runs in the graph too,
+    no host read) captured once and replayed after a new routing and new inputs written in place."""
+    import torch_lora
+    from lora_core.host_mapping import LoRAMapping
+    c = _case("qwen3", 64, 16, 8, False, seed=11)
+    slots = 8
+    w = torch_lora.PunicaWrapper(64, 64, "cuda", max_loras=slots, backend="triton")
+    ids = tuple(int(s) + 1 for s in c["token_lora"].tolist())
+    w.update_metadata(LoRAMapping(ids, ids, False), list(range(1, slots + 1)), slots, 32000)
+    experts, top_k = c["a"][0].shape[1], c["top_k"]
+
+    def step():
+        c["y"].zero_()
+        return w.add_lora_w13(c["y"], c["x"], tuple(c["a"]), tuple(c["b"]), c["topk_ids"], c["topk_weights"], None,
+                              c["a"][0], c["a"][0], 64, top_k, slots, c["enabled"], experts, top_k, 2, False, False)
+    align = step()
+    assert align[0] is not None, "expected the sorted order at 64 tokens of 128 experts"
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    fresh = _case("qwen3", 64, 16, 8, False, seed=12)
+    for key in ("topk_ids", "topk_weights", "x"):
+        c[key].copy_(fresh[key])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(c["y"], _reference(c)) < 2e-2

@@ -1,7 +1,7 @@
 """The JAX MoE LoRA op beyond the conformance cases: NaN or Inf in weights no routed pair may read
 (an empty slot, a slot whose adapter_enabled is 0, rank padding past lora_ranks) never reaches a
-result, on backends xla and pallas_tpu (TPU interpret mode, races checked), each running its own
-kernel; the wrapper's
+result, on backends xla, pallas_tpu (TPU interpret mode, races checked) and triton (Triton's
+interpreter; blocks of 4 pairs take its naive order), each running its own kernel; the wrapper's
 add_lora_w13 / add_lora_w2 under jax.jit with the wrapper a traced argument and a bucket-padded
 batch equal the float64 oracle on the real tokens and leave the padded ones untouched; the
 aligned layout holds every live pair once.
@@ -36,7 +36,7 @@ def _case(seed):
     return ids, weights, slot, a, b, x, y
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "triton"])
 @pytest.mark.parametrize("naive", [False, True], ids=["aligned", "naive"])
 def test_weights_no_pair_reads_never_reach_a_result(backend, naive):
     """Slot 1 disabled (adapter_enabled 0) and its weights NaN; slot 0's columns past its rank 5
@@ -67,11 +67,16 @@ def test_weights_no_pair_reads_never_reach_a_result(backend, naive):
 
 
 def test_each_backend_runs_its_own_kernel():
-    """pallas_tpu runs its Pallas kernel and xla its gather; triton, without a MoE kernel, runs xla's."""
-    from jax_lora.ops import fused_moe, pallas_tpu, xla_moe
+    """pallas_tpu runs its Pallas kernel, xla its gather, triton the shared Triton kernel; their
+    deterministic forms: Triton's with the batch-invariant plan, the others the invariant sums."""
+    from jax_lora.ops import fused_moe, invariant, pallas_tpu, triton_moe, xla_moe
     assert fused_moe.backend_module("pallas_tpu").fused_moe_lora is pallas_tpu.fused_moe_lora
     assert fused_moe.backend_module("xla").fused_moe_lora is xla_moe.fused_moe_lora
-    assert fused_moe.backend_module("triton").fused_moe_lora is xla_moe.fused_moe_lora
+    assert fused_moe.backend_module("triton").fused_moe_lora is triton_moe.fused_moe_lora
+    for name in ("xla", "pallas_tpu"):
+        assert fused_moe.backend_module(name, True).fused_moe_lora is invariant.fused_moe_lora
+    det = fused_moe.backend_module("triton", True).fused_moe_lora
+    assert det.func is triton_moe.fused_moe_lora and det.keywords == {"deterministic": True}
 
 
 def test_layout_holds_every_live_pair_once():

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INT32_POINTERS = {"ranks_ptr", "mapping_ptr", "sorted_ptr", "counts_ptr", "starts_ptr", "active_ptr", "sync_ptr",
-                  "pair_slots_ptr"}
+                  "pair_slots_ptr", "expert_ids_ptr", "post_pad_ptr", "token_lora_ptr", "enabled_ptr"}
 
 
 def _signature(kernel, plan, act: str, float32_pointers=()) -> dict:
@@ -139,6 +139,8 @@ def _variants(kernel_name: str):
             out.append((f"pairs{k}-T{T}-r{rank}-tiles{tiles}", kernels.lora_expand_kernel, plan, "bf16",
                         ("buf_ptr",)))
         return out
+    if kernel_name == "moe":
+        return _moe_variants()
     out = []
     # decode (one tile per group) and token tiles; rank 16 and 64; with and without PDL
     for T, rank, pdl in ((8, 16, True), (8, 64, False), (100, 16, True)):
@@ -151,6 +153,36 @@ def _variants(kernel_name: str):
                                   _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128), add_inputs=True,
                                   bias_flags=(False, False), has_ranks=True, pdl=True, pairs=k)
         out.append((f"pairs{k}-T{T}-r{rank}", kernels.lora_fused_kernel, plan, "bf16", ("ws_ptr",)))
+    return out
+
+
+def _moe_variants():
+    """The MoE LoRA kernel's two launches at Mixtral-8x7B / Qwen3-30B-A3B shapes: the naive order's
+    GEMV and tl.dot paths, sorted blocks of 16 and 64 rows (the split-bfloat16 expand), router
+    weights, per-slot ranks, a shared A, the deterministic plan, and a config of every knob moved."""
+    from lora_core.kernels import moe_configs
+    from lora_core.kernels.moe_lora import moe_lora_kernel, plan_moe_lora
+    moved = moe_configs.MoeConfig(BLOCK_K=256, R_CHUNK=16, K_SPLIT=4, shrink_warps=8, shrink_stages=4, BLOCK_N=32,
+                                  TILES_N=8, expand_warps=8, expand_stages=4, GEMV=False)
+    out = []
+    for label, pairs, naive, bm, rank, hidden, widths, down, extra in (
+            ("mixtral-w13-T16-r64-gemv", 32, True, 16, 64, 4096, (14336, 14336), False, {}),
+            ("mixtral-w2-T1-r16-gemv-ranks", 2, True, 16, 16, 14336, (4096,), True, dict(has_ranks=True)),
+            ("qwen-w13-T64-r16-dot", 512, True, 16, 16, 2048, (768, 768), False,
+             dict(config=moved.replace(R_CHUNK=16, BLOCK_N=64, TILES_N=2, shrink_warps=4, expand_warps=4))),
+            ("mixtral-w13-T256-r64-sorted16", 512, False, 16, 64, 4096, (14336, 14336), False, {}),
+            ("mixtral-w13-T2048-r16-sorted64-shared-a", 4096, False, 64, 16, 4096, (14336, 14336), False,
+             dict(shared_a=True)),
+            ("qwen-w2-T2048-r64-sorted64", 16384, False, 64, 64, 768, (2048,), True, {}),
+            ("mixtral-w13-T64-r64-moved", 128, False, 16, 64, 4096, (14336, 14336), False, dict(config=moved)),
+            ("deterministic-r64", 32, True, 16, 64, 4096, (14336, 14336), False, dict(deterministic=True))):
+        em = -(-(pairs + 128 * (bm - 1)) // bm) * bm
+        plan = plan_moe_lora(num_pairs=pairs, num_slots=32, num_experts=128, hidden=hidden, widths=widths, rank=rank,
+                             naive=naive, sorted_len=0 if naive else em, block_m=bm, mul_routed_weight=down,
+                             dtypes=("bfloat16",) * 3, **{"shared_a": False, **extra})
+        for phase in (0, 1):
+            out.append((f"{label}-{'shrink' if phase == 0 else 'expand'}", moe_lora_kernel, plan.phase(phase), "bf16",
+                        ("buf_ptr", "topk_weights_ptr")))
     return out
 
 
@@ -216,7 +248,7 @@ def compare_deterministic() -> int:
     return failed
 
 
-@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused", "deterministic"])
+@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused", "deterministic", "moe"])
 def test_kernel_compiles_for_sm90(kernel_name):
     triton = pytest.importorskip("triton")
     try:

@@ -227,7 +227,7 @@ def test_a_gpu_without_a_table_gets_the_generic_defaults(monkeypatch, caplog):
 
 def test_every_tuned_table_is_data_only():
     """One JSON per device: classes of configs and decisions, no tuning history."""
-    files = [f for f in os.listdir(configs.TUNED_DIR) if f.endswith(".json")]
+    files = [f for f in os.listdir(configs.TUNED_DIR) if f.endswith(".json") and not f.endswith("_moe.json")]
     assert "NVIDIA_H200.json" in files
     for name in files:
         with open(os.path.join(configs.TUNED_DIR, name)) as f:
@@ -241,6 +241,19 @@ def test_every_tuned_table_is_data_only():
             for variant in entry.get("variants", ()):
                 assert set(variant) <= {"max_slots", "min_slices", "shrink", "expand", "fused", "use_fused"}
         assert configs._table_file(data["device"]).endswith(name)
+
+
+def test_every_tuned_moe_table_is_data_only():
+    """The MoE kernel's tables (`<device>_moe.json`, lora_core/kernels/moe_configs.py): buckets of
+    checked configs, no tuning history (benchmarks/tune_moe_lora.py keeps that in its log)."""
+    from lora_core.kernels import moe_configs
+    for name in [f for f in os.listdir(configs.TUNED_DIR) if f.endswith("_moe.json")]:
+        path = os.path.join(configs.TUNED_DIR, name)
+        with open(path) as f:
+            data = json.load(f)
+        assert set(data) == {"device", "format", "buckets"}, name
+        assert moe_configs.read_table(path) == data["buckets"]
+        assert moe_configs.table_file(data["device"]).endswith(name)
 
 
 TOKEN_COUNTS = (1, 2, 7, 16, 17, 31, 32, 33, 64, 100, 256, 1000, 1024, 4096, 8192)

@@ -636,7 +636,8 @@ class PunicaWrapper:
             block = sorted_token_ids.numel() // max(expert_ids.numel(), 1)
         _moe.fused_moe_lora(y, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
                             num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, adapter_enabled,
-                            mul_routed_weight, offset, block_size=block, backend=self.backend)
+                            mul_routed_weight, offset, block_size=block, backend=self.backend,
+                            deterministic=self.deterministic)
         return y
 
     def add_lora_w13(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked, topk_ids: torch.Tensor,

@@ -11,9 +11,10 @@ A backend is a module (or object) with:
   CUSTOM_CALLS: True when the ops run custom calls XLA's partitioner cannot look into (Pallas,
       Triton): `resolve` then hands out `jax_lora.ops.partition.partitioned(impl)`, whose ops run
       per device like their math under a jit with sharded inputs
-  fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks) -> y3, optional:
+  fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks) -> y3, optional:
       LoRA on a mixture-of-experts layer's routed pairs (jax_lora.ops.fused_moe; "xla" and
-      "pallas_tpu" have it, a backend without it runs the xla one, said on the logger)
+      "pallas_tpu" have it, "triton" in its MoE module jax_lora.ops.triton_moe; a backend without
+      it runs the xla one, said on the logger)
 Weights arrive as 3-D arrays (the size-1 axis removed), indices through the metadata (contract
 section 3), already checked. Adding a backend means registering it here; callers never change.
 

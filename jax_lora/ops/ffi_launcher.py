@@ -16,8 +16,11 @@ the whole cost of a LoRA layer (docs/benchmarks.md). This module instead:
 A call is a sequence of `Launch`es. Each names the kernel, grid, warps, stages and constexprs, and
 gives every non-constexpr kernel parameter in order as `Arg(i)` (operand i's pointer), `Out(j)`
 (result j's pointer), `Counters(n)` (n int32 of the device's persistent barrier counters), an int
-or a float. Kernels that need Triton's global or profile scratch
-memory are refused (the LoRA kernels need none).
+or a float. `Out(j)` may stand anywhere in the list and in several launches of one call: a kernel
+that writes several buffers gets one result per buffer (the MoE LoRA kernel: its rank buffer and
+y, in the middle of its parameters), and a result aliased to an operand (`input_output_aliases`)
+is that operand updated in place. Kernels that need Triton's global or profile scratch memory are
+refused (the LoRA kernels need none).
 
 `available()` says whether the launcher can be used here (a CUDA backend and a C compiler);
 jax_lora's backend "triton" falls back to jax_triton otherwise, or when JAX_LORA_TRITON_LAUNCHER=jax_triton.

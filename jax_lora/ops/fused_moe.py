@@ -24,10 +24,16 @@ Every shape depends on (P, E, L, block_size) only: one compiled program for ever
 `sorted_token_ids=None` is vLLM's naive assignment: expert_ids is then topk_ids flattened (P,), and
 the layout is built here with block size 16.
 
-Backends: a backend module may define `fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight,
-layout, offsets, lora_ranks) -> y3` ("xla": jax_lora.ops.xla_moe; "pallas_tpu":
-jax_lora.ops.pallas_tpu.moe_op). A backend without it ("triton") runs the xla one, said once on
-the `jax_lora` logger.
+Backends: a backend's MoE module defines `fused_moe_lora(y3, x, lora_a, lora_b, pair_weight,
+layout, offsets, lora_ranks) -> y3` (x: one row per token or per pair; a module with NAIVE_ORDER
+True receives a `moe_layout.NaiveOrder` as layout when sorted_token_ids is None, the others a
+layout built here; "xla": jax_lora.ops.xla_moe;
+"pallas_tpu": jax_lora.ops.pallas_tpu.moe_op; "triton": jax_lora.ops.triton_moe, the shared Triton
+kernel). A backend without one runs the xla one, said once on the `jax_lora` logger.
+
+deterministic=True: the backend's batch-invariant form (dispatch.deterministic_impl: Triton's
+deterministic plan, else jax_lora.ops.invariant's elementwise sums): a pair's values are bitwise
+the same whatever the other pairs of the batch and its position.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import numpy as np
 from lora_core import checks
 
 from . import dispatch
-from .moe_layout import MoELayout, align_layout
+from .moe_layout import MoELayout, align_layout, naive_order
 
 __all__ = ["fused_moe_lora", "moe_lora_align_block_size"]
 
@@ -71,11 +77,17 @@ def moe_lora_align_block_size(topk_ids, token_lora_mapping, num_experts: int, bl
     return tuple(a.reshape(-1) for a in layout[:2]) + (layout[2],)
 
 
-def backend_module(backend: str | None):
+def backend_module(backend: str | None, deterministic: bool = False):
     """The module whose `fused_moe_lora` runs for `backend` (None: the device's default): the
-    backend itself (unpartitioned: no MoE layer is split over a mesh), or "xla" for a backend
-    without a MoE kernel, said once on the `jax_lora` logger."""
+    backend's MoE module (unpartitioned: no MoE layer is split over a mesh; "triton":
+    jax_lora.ops.triton_moe), its batch-invariant form with deterministic=True, or "xla"'s for a
+    backend without a MoE kernel, said once on the `jax_lora` logger."""
     module = dispatch.load_backend(backend if backend is not None else dispatch.default_backend_name(log=True))
+    if module.NAME == "triton":
+        from . import triton_moe
+        module = triton_moe
+    if dispatch.check_deterministic(deterministic):
+        module = dispatch.deterministic_impl(module)
     if hasattr(module, "fused_moe_lora"):
         return module
     xla = dispatch.load_backend("xla")
@@ -83,13 +95,13 @@ def backend_module(backend: str | None):
         _FALLBACK_SAID.add(module.NAME)
         _LOG.info("jax_lora: backend %r has no fused MoE LoRA kernel; fused_moe_lora runs the xla backend's",
                   module.NAME)
-    return xla
+    return dispatch.deterministic_impl(xla) if deterministic else xla
 
 
 def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, topk_weights, sorted_token_ids,
                    expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank: int, top_k_num: int,
                    adapter_enabled=None, mul_routed_weight: bool = False, offset: int = 0, *, block_size=None,
-                   backend: str | None = None, lora_ranks=None) -> jax.Array:
+                   backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
     """The new y with every routed pair's LoRA term added (module docstring).
 
     y (M, top_k, N) or (M * top_k, N); x (M, K) (mul_routed_weight False: one row per token) or
@@ -97,7 +109,8 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
     (L, E, r, K); lora_b_stacked: S arrays (L, E, n_s, r) with offset + sum n_s <= N;
     topk_weights (M, top_k); the layout from `moe_lora_align_block_size` (flat or one row per slot;
     block_size, when given, must be its block size) or sorted_token_ids None and expert_ids the
-    (M * top_k,) experts; token_lora_mapping (M,) slots (-1 none); lora_ranks (L,), optional.
+    (M * top_k,) experts; token_lora_mapping (M,) slots (-1 none); lora_ranks (L,), optional;
+    deterministic: batch-invariant (module docstring).
     """
     lora_a = tuple(lora_a_stacked) if isinstance(lora_a_stacked, (list, tuple)) else (lora_a_stacked,)
     lora_b = tuple(lora_b_stacked) if isinstance(lora_b_stacked, (list, tuple)) else (lora_b_stacked,)
@@ -124,7 +137,6 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
     if x.ndim != 2 or x.shape[0] != want_rows:
         what = "one row per pair (mul_routed_weight=True)" if mul_routed_weight else "one row per token"
         raise ValueError(f"x must be ({want_rows}, K), {what}, got shape {x.shape}")
-    rows = x if mul_routed_weight else jnp.repeat(x, k, axis=0)                                # (P, K)
     num_slots, num_experts, rank, hidden = _check_weights(lora_a, lora_b, x.shape[1])
     if int(max_lora_rank) < rank:
         raise ValueError(f"max_lora_rank={max_lora_rank} is smaller than lora_a_stacked's rank {rank}")
@@ -136,13 +148,17 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
     mapping = jnp.asarray(token_lora_mapping).astype(jnp.int32)
     if mapping.ndim != 1 or mapping.shape[0] < m:
         raise ValueError(f"token_lora_mapping must be (>= {m},) slots, got shape {mapping.shape}")
+    module = backend_module(backend, deterministic)
     if sorted_token_ids is None:
         topk_ids = jnp.asarray(expert_ids).astype(jnp.int32)
         if topk_ids.size != p:
             raise ValueError(f"with sorted_token_ids=None, expert_ids must hold the {p} routed experts, got shape "
                              f"{topk_ids.shape}")
-        layout = align_layout(topk_ids.reshape(m, k), mapping, num_experts, NAIVE_BLOCK_SIZE, num_slots,
-                              adapter_enabled)
+        if getattr(module, "NAIVE_ORDER", False):
+            layout = naive_order(topk_ids.reshape(m, k), mapping, num_experts, num_slots, adapter_enabled)
+        else:
+            layout = align_layout(topk_ids.reshape(m, k), mapping, num_experts, NAIVE_BLOCK_SIZE, num_slots,
+                                  adapter_enabled)
     else:
         layout = MoELayout(jnp.asarray(sorted_token_ids).astype(jnp.int32).reshape(num_slots, -1),
                            jnp.asarray(expert_ids).astype(jnp.int32).reshape(num_slots, -1),
@@ -156,7 +172,7 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
             layout = layout._replace(num_tokens_post_padded=jnp.where(enabled, layout.num_tokens_post_padded, 0))
     pair_weight = weights.reshape(p).astype(jnp.float32) if mul_routed_weight else None
     ranks = None if lora_ranks is None else jnp.asarray(lora_ranks).astype(jnp.int32)
-    out = backend_module(backend).fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, ranks)
+    out = module.fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, ranks)
     return out.reshape(y.shape)
 
 

@@ -22,6 +22,10 @@ which is why the xla backend without `deterministic` gives a token slightly diff
 different batches. Elementwise code is the same for every element; XLA may fuse a product with the
 first addition into one FMA, and then does so for every element alike.
 
+The mixture-of-experts op (`fused_moe_lora`, contract section 9) is xla_moe's with each routed
+pair's products computed the same way (`pair_products`): a pair's values depend on its own row and
+its own (slot, expert) weights only.
+
 The module supplies only how each token's own product is computed (`shrink_rows`, `expand_rows`);
 slot selection, rank masking, bias and the masked write are the xla backend's (`xla.shrink` and
 `xla.expand` with these rows).
@@ -39,7 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import xla
+from . import xla, xla_moe
 
 NAME = "xla"
 COLUMN_SCALE = True        # expand takes col_scale (DoRA)
@@ -99,3 +103,15 @@ shrink = functools.partial(xla.shrink, rows=shrink_rows)
 shrink.__doc__ = "xla.shrink with the batch-invariant rows: x (T, H); lora_a[s] (L, r, H) -> (S, T, r) float32."
 expand = functools.partial(xla.expand, rows=expand_rows)
 expand.__doc__ = "xla.expand with the batch-invariant rows: buf (S, T, r); lora_b[s] (L, n_s, r); y (T, N) -> y."
+
+
+def pair_products(rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """(P, n) float32: rows[p] (P, m) float32 against the pair's own weights (P, n, m) as
+    elementwise products, (c, n, m) per chunk of pairs, summed by `tree_sum`."""
+    num_pairs, width, inner = weights.shape
+    return _rows([tree_sum(rows[lo:hi, None, :] * weights[lo:hi].astype(jnp.float32))
+                  for lo, hi in _chunks(num_pairs, width * inner)], width)
+
+
+fused_moe_lora = functools.partial(xla_moe.fused_moe_lora, products=pair_products)
+fused_moe_lora.__doc__ = "xla_moe.fused_moe_lora with the batch-invariant pair products -> the new y3."

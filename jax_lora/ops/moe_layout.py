@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["MoELayout", "align_layout", "max_num_tokens_padded", "pairs_of_layout"]
+__all__ = ["MoELayout", "NaiveOrder", "align_layout", "max_num_tokens_padded", "pair_rows", "pairs_of_layout"]
 
 
 def max_num_tokens_padded(num_pairs: int, num_experts: int, block_size: int) -> int:
@@ -33,6 +33,28 @@ class MoELayout(NamedTuple):
     @property
     def block_size(self) -> int:
         return self.sorted_token_ids.shape[1] // self.expert_ids.shape[1]
+
+
+class NaiveOrder(NamedTuple):
+    """The pairs unsorted (vLLM's naive block assignment, one pair per kernel program): what a
+    backend with NAIVE_ORDER receives instead of a layout when the caller gives no sorted ids."""
+
+    experts: jax.Array         # (P,) int32: pair p's expert, -1 when it has none here
+    token_slots: jax.Array     # (M,) int32: token t's slot, -1 for none (or a disabled slot)
+
+
+def naive_order(topk_ids, token_lora_mapping, num_experts: int, max_loras: int, adapter_enabled=None) -> NaiveOrder:
+    """The NaiveOrder of routed experts topk_ids (M, k) (out-of-range experts: none) and slots
+    token_lora_mapping (>= M,) (out-of-range or disabled slots: none)."""
+    ids = jnp.asarray(topk_ids).astype(jnp.int32)
+    m = ids.shape[0]
+    experts = jnp.where((ids >= 0) & (ids < num_experts), ids, -1).reshape(-1)
+    slot = jnp.asarray(token_lora_mapping).astype(jnp.int32)[:m]
+    ok = (slot >= 0) & (slot < max_loras)
+    if adapter_enabled is not None:
+        enabled = jnp.asarray(adapter_enabled).astype(jnp.int32)[:max_loras]
+        ok = ok & (enabled[jnp.clip(slot, 0, max_loras - 1)] != 0)
+    return NaiveOrder(experts, jnp.where(ok, slot, -1))
 
 
 def _round_up(v: int, m: int) -> int:
@@ -105,3 +127,11 @@ def pairs_of_layout(layout: MoELayout, num_pairs: int) -> tuple[jax.Array, jax.A
     pair_expert = jnp.full((num_pairs,), -1, jnp.int32).at[target.reshape(-1)].set(
         block_expert.reshape(-1), mode="drop")
     return pair_slot, pair_expert
+
+
+def pair_rows(x: jax.Array, num_pairs: int) -> jax.Array:
+    """(P, K): the input row of every pair. x holds one row per pair (P, K) (the down projection)
+    or one per token (M, K), each repeated for the token's P / M pairs (gate_up)."""
+    if x.shape[0] == num_pairs:
+        return x
+    return jnp.repeat(x, num_pairs // x.shape[0], axis=0)

@@ -4,8 +4,18 @@ A call is planned once and described as `_Launch`es: the `KernelCall` that `lora
 builder makes (the same builder the torch launchers use, so both sides launch identical kernels),
 and the result it writes. Buffers the call itself provides are placeholders among the call's
 arguments: `_Result(i, shape, dtype)` for result i (the shrink's workspace, the stand-alone
-shrink's output), `_Counters(n)` for the fused kernel's barrier counters. Three runners execute
-launches:
+shrink's output), `_Counters(n)` for the fused kernel's barrier counters.
+
+What a launch writes, two ways:
+
+  * a trailing `out` parameter (`KernelCall.out`, the dense kernels): the array there is an
+    operand aliased to result `_Launch.result`, and the kernel gets that result's pointer last;
+  * pointer parameters anywhere in the list (`KernelCall.out` None; the MoE kernel writes its rank
+    buffer and y mid-list): a `_Result` placeholder there is a fresh result, an `_InPlace(i, array)`
+    placeholder is result i aliased to `array` (it starts as `array` and the kernel updates it in
+    place). The call's results are then exactly its placeholders; `_Launch.result` is -1.
+
+Three runners execute launches:
 
   * GPU, default: one XLA FFI call (`ffi_launcher`), declared command-buffer compatible so XLA
     records it into its CUDA graphs; add_lora_linear's shrink and expand are one call with two
@@ -14,7 +24,8 @@ launches:
     per-device buffer.
   * GPU, without a C compiler, on a non-CUDA GPU, or with JAX_LORA_TRITON_LAUNCHER=jax_triton:
     `jax_triton.triton_call`, one legacy custom call per launch, without PDL (and never the fused
-    kernel, which needs the handler's counters).
+    kernel, which needs the handler's counters, nor a kernel that writes mid-list: jax_triton
+    hands its outputs to the kernel after all inputs; `writes_mid_list` says so beforehand).
   * CPU (tests), with TRITON_INTERPRET=1 set before import: Triton's interpreter inside
     `jax.pure_callback`, on NumPy memory (`lora_core.kernels.launch.HostArray`): no other framework.
 
@@ -59,6 +70,21 @@ class _Result(NamedTuple):
     index: int
     shape: tuple
     dtype: object
+
+
+class _InPlace(NamedTuple):
+    """An array a kernel updates in place through a pointer parameter anywhere in its list:
+    result `index` of the call, aliased to the operand `array` (the result starts as it)."""
+    index: int
+    array: object
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self):
+        return self.array.dtype
 
 
 class _Counters(NamedTuple):
@@ -122,8 +148,9 @@ def _strides(a) -> tuple:
 
 
 class _Launch(NamedTuple):
-    """A kernel call and the result its `out` parameter writes (pdl: a programmatic dependent of
-    the kernel before it on the stream)."""
+    """A kernel call and the result its `out` parameter writes (-1: the call has no `out`; it
+    writes through `_Result` / `_InPlace` placeholders among its pointers); pdl: a programmatic
+    dependent of the kernel before it on the stream."""
     call: arguments.KernelCall
     result: int
     pdl: bool = False
@@ -138,7 +165,14 @@ def _dtype_name(a) -> str:
 
 
 def _is_array(v) -> bool:
-    return hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, (int, float, np.generic, _Result, View))
+    return hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(
+        v, (int, float, np.generic, _Result, _InPlace, View))
+
+
+def writes_mid_list(launches: Sequence[_Launch]) -> bool:
+    """Whether a launch writes through a pointer parameter that is not its last (`out` None):
+    what the jax_triton launcher cannot run."""
+    return any(launch.call.out is None for launch in launches)
 
 
 def _platform(*arrays) -> str:
@@ -235,14 +269,18 @@ def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, 
 # --------------------------------------------------------------------------------- runners
 
 def _operands(launches: Sequence[_Launch]) -> tuple:
-    """(operands, {id(array): operand index}, {operand index: result index} of arrays written in place)."""
+    """(operands, {id(array): operand index}, {operand index: result index} of arrays written in
+    place: a trailing `out` array, or the array of an `_InPlace` placeholder)."""
     operands, index, aliases = [], {}, {}
     for launch in launches:
         for v in launch.call.pointers:
-            v = v.base if isinstance(v, View) else v
+            written = v.index if isinstance(v, _InPlace) else None
+            v = v.base if isinstance(v, View) else v.array if isinstance(v, _InPlace) else v
             if _is_array(v) and id(v) not in index:
                 index[id(v)] = len(operands)
                 operands.append(v)
+            if written is not None:
+                aliases[index[id(v)]] = written
         if _is_array(launch.call.out):
             aliases[index[id(launch.call.out)]] = launch.result
     return operands, index, aliases
@@ -250,13 +288,15 @@ def _operands(launches: Sequence[_Launch]) -> tuple:
 
 def _ffi_launches(launches: Sequence[_Launch]) -> tuple:
     """(ffi_launcher.Launch list, operands, aliases) of the launches: arrays become operands,
-    _Result placeholders and every `out` the call's results, _Counters the handler's counters."""
+    _Result and _InPlace placeholders and every `out` the call's results (an _InPlace result is
+    aliased to its operand, so the kernel's pointer is the operand's buffer), _Counters the
+    handler's counters."""
     from . import ffi_launcher
 
     operands, index, aliases = _operands(launches)
 
     def parameter(v):
-        if isinstance(v, _Result):
+        if isinstance(v, (_Result, _InPlace)):
             return ffi_launcher.Out(v.index)
         if isinstance(v, _Counters):
             return ffi_launcher.Counters(v.ints)
@@ -269,7 +309,9 @@ def _ffi_launches(launches: Sequence[_Launch]) -> tuple:
     ffi = []
     for launch in launches:
         call, plan = launch.call, launch.call.plan
-        params = tuple(parameter(v) for v in (*call.pointers, *call.scalars)) + (ffi_launcher.Out(launch.result),)
+        params = tuple(parameter(v) for v in (*call.pointers, *call.scalars))
+        if call.out is not None:
+            params += (ffi_launcher.Out(launch.result),)
         ffi.append(ffi_launcher.Launch(call.kernel, plan.grid, plan.num_warps, plan.num_stages, plan.constexprs,
                                        params, zero_out=launch.result if getattr(plan, "atomic", False) else -1,
                                        pdl=launch.pdl, cooperative=bool(getattr(plan, "cooperative", False))))
@@ -300,7 +342,11 @@ def _jax_triton():
 
 
 def _run_jax_triton(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtypeStruct]) -> list:
-    """One `jax_triton.triton_call` per launch, in order (no PDL, no barrier counters)."""
+    """One `jax_triton.triton_call` per launch, in order (no PDL, no barrier counters, no writes
+    mid-list: `writes_mid_list`)."""
+    if writes_mid_list(launches):
+        raise NotImplementedError("the jax_triton launcher passes a kernel's outputs after its inputs; a kernel "
+                                  "that writes mid-list runs through the FFI handler or the interpreter")
     jax_triton = _jax_triton()
     produced = {}
     for launch in launches:
@@ -318,7 +364,7 @@ def _run_jax_triton(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtyp
 
 def _run_interpreter(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtypeStruct]) -> list:
     """The launches in Triton's interpreter, inside `jax.pure_callback`, on NumPy copies: results
-    start as zeros, or as a copy of the array written in place."""
+    start as zeros, or as a copy of the array written in place (a trailing `out`, an _InPlace)."""
     operands, index, aliases = _operands(launches)
 
     def host(*arrays):
@@ -331,7 +377,7 @@ def _run_interpreter(launches: Sequence[_Launch], results: Sequence[jax.ShapeDty
         wrapped_outputs = [HostArray(o) for o in outputs]
 
         def host_value(v):
-            if isinstance(v, _Result):
+            if isinstance(v, (_Result, _InPlace)):
                 return wrapped_outputs[v.index]
             if isinstance(v, _Counters):
                 return HostArray(np.zeros(v.ints, np.int32))
@@ -343,8 +389,8 @@ def _run_interpreter(launches: Sequence[_Launch], results: Sequence[jax.ShapeDty
 
         for launch in launches:
             call = launch.call
-            triton_launch(dataclasses.replace(call, pointers=tuple(host_value(v) for v in call.pointers),
-                                              out=wrapped_outputs[launch.result]))
+            out = None if call.out is None else wrapped_outputs[launch.result]
+            triton_launch(dataclasses.replace(call, pointers=tuple(host_value(v) for v in call.pointers), out=out))
         return tuple(outputs)
 
     return list(jax.pure_callback(host, tuple(results), *operands, vmap_method="sequential"))

@@ -3,7 +3,8 @@ weights, in plain jnp (the oracle's twin; math in jax_lora.ops.fused_moe).
 
 Steps: 1. each pair's (slot, expert) from the block-sorted layout (`pairs_of_layout`), -1 where the
 layout holds no pair; 2. per slice s, A_s[slot, expert] (P, r, K) and B_s[slot, expert] (P, n_s, r)
-gathered and contracted with the pair's row in float32, rank padding masked with `where`; 3. times
+gathered and contracted with the pair's row in float32 (`products`: an einsum here, the
+batch-invariant elementwise sums in jax_lora.ops.invariant), rank padding masked with `where`; 3. times
 the router weight when given; 4. y's slice updated with `where` on the pairs with an adapter (0 *
 NaN = NaN: weights of a slot or expert no pair uses are never multiplied by anything).
 Memory: P * r * (K + n_s) gathered weights per slice, so this is the fallback, not the fast path.
@@ -14,16 +15,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .moe_layout import pairs_of_layout
+from .moe_layout import pair_rows, pairs_of_layout
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks):
-    """y3 (M, k, N); rows (P, K) pair order; lora_a / lora_b: S arrays (L, E, r, K) / (L, E, n_s, r);
-    pair_weight (P,) float32 or None; offsets: S static column offsets -> the new y3."""
+def pair_products(rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """(P, n) float32: rows[p] (P, m) float32 against the pair's own weights (P, n, m), an einsum."""
+    return jnp.einsum("pm,pnm->pn", rows, weights.astype(jnp.float32), precision=HIGHEST)
+
+
+def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks, *, products=pair_products):
+    """y3 (M, k, N); x (M, K) one row per token or (P, K) one per pair; lora_a / lora_b: S arrays
+    (L, E, r, K) / (L, E, n_s, r); pair_weight (P,) float32 or None; offsets: S static column
+    offsets; products(rows (P, m) float32, weights (P, n, m)) -> (P, n) float32 -> the new y3."""
     m, k, n_total = y3.shape
     p = m * k
+    rows = pair_rows(x, p)
     pair_slot, pair_expert = pairs_of_layout(layout, p)                              # step 1
     has = (pair_slot >= 0) & (pair_expert >= 0)
     slot, expert = jnp.maximum(pair_slot, 0), jnp.maximum(pair_expert, 0)
@@ -34,12 +42,11 @@ def fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, lora_
         keep = has[:, None]
         if lora_ranks is not None:
             keep = keep & (jnp.arange(rank)[None, :] < lora_ranks[slot][:, None])
-        a_p = a[slot, expert].astype(jnp.float32)                                    # step 2: (P, r, K)
-        h = jnp.where(keep, jnp.einsum("pk,prk->pr", xf, a_p, precision=HIGHEST), 0.0)
-        b_p = b[slot, expert].astype(jnp.float32)                                    # (P, n, r)
+        h = jnp.where(keep, products(xf, a[slot, expert]), 0.0)                      # step 2: (P, r)
+        b_p = b[slot, expert]                                                        # (P, n, r)
         if lora_ranks is not None:
-            b_p = jnp.where(keep[:, None, :], b_p, 0.0)
-        delta = jnp.einsum("pr,pnr->pn", h, b_p, precision=HIGHEST)
+            b_p = jnp.where(keep[:, None, :], b_p, 0)
+        delta = products(h, b_p)
         if pair_weight is not None:                                                  # step 3
             delta = delta * pair_weight[:, None]
         old = y[:, off:off + width]

@@ -63,17 +63,20 @@ class KernelCall:
     """One launch: `kernel[plan.grid](*pointers, *scalars, out, **plan.constexprs)`.
 
     pointers: the array parameters before the scalars, in the kernel's order; scalars: the scale,
-    sizes and strides, in order; out: the array the kernel writes (its last parameter)."""
+    sizes and strides, in order; out: the array the kernel writes (its last parameter), or None
+    for a kernel without a trailing out parameter, which writes arrays among its pointers
+    (`lora_core.kernels.moe_lora`: its rank buffer and y; each launcher says how such a call
+    names the arrays it writes)."""
     kernel: object
     plan: object
     pointers: tuple
     scalars: tuple
-    out: object
+    out: object = None
 
     @property
     def args(self) -> tuple:
         """Every non-constexpr parameter, in the kernel's order."""
-        return (*self.pointers, *self.scalars, self.out)
+        return (*self.pointers, *self.scalars) + (() if self.out is None else (self.out,))
 
     def named_scalars(self) -> dict:
         """{parameter name: value} of the scalar parameters."""

@@ -26,15 +26,31 @@ Work decomposition (vLLM's `moe_lora_align_block_size` layout). Two pair orders,
 
 The kernel runs in two phases (PHASE constexpr, two launches on one grid of blocks). PHASE 0
 (shrink) writes the float32 rank-sized rows buf[s, p, :r] of its pairs (grid axis 1 = slice *
-rank chunks: the naive order splits the rank over programs). PHASE 1 (expand) reads them back and
-adds B's tile of BLOCK_N output columns (grid axis 1 = slice * n-tiles + n-tile). The shrink of a
-slice is never recomputed per output tile, and a pair's rows of buf and y are touched by one
-program per tile, so no atomics. When the slices share one A (PEFT's fused gate_up_proj, split
-into gate and up halves), SHARED_A: the shrink runs once (slice 0) and every expand reads slice
-0's rows.
+rank chunks * hidden parts). PHASE 1 (expand) reads them back, adds the hidden parts' planes once,
+and adds B's columns in TILES_N tiles of BLOCK_N (grid axis 1 = slice * N_TILES + the program's
+group of tiles). The shrink of a slice is never recomputed per output tile, and a pair's rows of
+buf and y are touched by one program per tile, so no atomics. When the slices share one A (PEFT's
+fused gate_up_proj, split into gate and up halves), SHARED_A: the shrink runs once (slice 0) and
+every expand reads slice 0's rows. GEMV (naive order): a program's one pair as vectors -- x row
+times an A tile summed over the hidden axis, B tile times the rank row summed over the rank axis --
+instead of a 16-row tl.dot tile with one live row. Every tile and launch size comes from a
+`moe_configs.MoeConfig` (per-device table, else defaults).
 
 Grid sizes depend only on (num_pairs, max_loras, E, BLOCK_M), the rank and the widths, never on
 the routing: the launch is CUDA-graph capturable. Programs past the last block return at once.
+
+HAS_RANKS: rank columns c >= ranks[l] (each slot's real rank) are neither read nor written, so
+they count as zero whatever the padded weights hold.
+
+Deterministic plans (`plan_moe_lora(deterministic=True)`, the naive order only): one launch
+configuration for every batch -- no hidden split, the whole rank in one chunk, fixed tiles -- and
+each program's one live pair in row 0 of its tile. A pair's values then come from one sequence of
+float32 operations that depends on the weight shapes only: bitwise the same whatever the other
+pairs of the batch and the pair's position.
+
+`moe_lora_calls` builds the two launches' parameter lists once for every launcher (torch's,
+jax_lora's FFI handler, the interpreter). The kernel writes two of its pointer parameters (the
+rank buffer `buf_ptr` and `y_ptr`, in the middle of the list): it has no trailing `out`.
 
 Interpreter: under TRITON_INTERPRET=1 tiles are upcast to float32 after loading (CAST_FP32).
 """
@@ -46,20 +62,19 @@ import dataclasses
 import triton
 import triton.language as tl
 
+from .arguments import KernelCall, Strides
+from .moe_configs import MoeConfig, MoeShape, check_config, moe_config, resolve
 from .planning import cast_and_precision, next_pow2
 
 MAX_SLICES = 2            # gate_up (w13) has two slices, down (w2) one
-K_PER_SPLIT = 512         # naive shrink: hidden elements per program at least (about 1 KiB of x, 16 KiB of A)
-MAX_K_SPLIT = 8
-SPLIT_PAIRS_MAX = 1024    # the hidden split runs up to this many pairs (decode); above, blocks fill the GPU
 
 
 @triton.jit
 def moe_lora_kernel(
         # pointers: input rows, A and B per slice (slices 0..1), the float32 rank buffer, y
         x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, buf_ptr, y_ptr,
-        # pointers: routing and adapter metadata
-        topk_weights_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, token_lora_ptr, enabled_ptr,
+        # pointers: routing and adapter metadata, each slot's real rank (read with HAS_RANKS)
+        topk_weights_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
         # sizes
         num_pairs, top_k, hidden, n0, n1, rank, max_blocks, num_slots, y_offset,
         # strides: x (row, hidden); A per slice (slot, expert, rank, hidden); B per slice (slot, expert, n, rank)
@@ -72,18 +87,21 @@ def moe_lora_kernel(
         stride_buf_slice, stride_buf_pair, stride_y_pair, stride_y_col, stride_sorted_slot, stride_expert_slot,
         # meta-parameters
         PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
-        N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, K_SPLIT: tl.constexpr, K_PER: tl.constexpr,
-        SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        HAS_RANKS: tl.constexpr, GEMV: tl.constexpr, BF16_SPLIT: tl.constexpr,
+        N_TILES: tl.constexpr, TILES_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, K_SPLIT: tl.constexpr,
+        K_PER: tl.constexpr, SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """PHASE 0: buf[s * K_SPLIT + j, p, rank chunk] = A_s[l, e, chunk, K part j] @ x[row(p), K part j];
     PHASE 1: y[p, cols of s] += w(p) * B_s[l, e] @ sum_j buf[s' * K_SPLIT + j, p] (s' = 0 with SHARED_A,
-    else s), for the pairs of the program's block (see the module docstring)."""
+    else s), for the pairs of the program's block, over TILES_N tiles of BLOCK_N columns (N_TILES
+    programs per slice). GEMV (naive order): the pair's rows as vectors, products summed with tl.sum
+    instead of tl.dot on a 16-row tile (see the module docstring)."""
     pid = tl.program_id(0)
     axis1 = tl.program_id(1)
     k_split = axis1 % K_SPLIT
     r_chunk = (axis1 // K_SPLIT) % (BLOCK_R // R_CHUNK)
     s = axis1 // N_TILES if PHASE == 1 else axis1 // (K_SPLIT * (BLOCK_R // R_CHUNK))
-    n_tile = axis1 % N_TILES
+    n_prog = axis1 % N_TILES
     if PHASE == 0 and SHARED_A:  # noqa: SIM102 - constexpr test apart from the runtime one
         if s > 0:
             return
@@ -112,72 +130,121 @@ def moe_lora_kernel(
         return
     pair_ok = pairs < num_pairs
     pairs = tl.where(pair_ok, pairs, 0)
+    live_rank = rank
+    if HAS_RANKS:                                    # rank columns past the slot's own are neither read nor written
+        live_rank = tl.minimum(rank, tl.load(ranks_ptr + slot))
     slot64 = slot.to(tl.int64)
     expert64 = expert.to(tl.int64)
+    pid64 = pid.to(tl.int64)
+    first = s == 0
     if PHASE == 0:
         offs_r = r_chunk * R_CHUNK + tl.arange(0, R_CHUNK)
-        rank_ok = offs_r < rank
-        # 2. Shrink: (BLOCK_M, BLOCK_K) x tiles against A_s[l, e] (rank, BLOCK_K), over the hidden size.
-        first = s == 0
+        rank_ok = offs_r < live_rank
+        # 2. Shrink: x rows against A_s[l, e] (rank chunk, BLOCK_K) tiles, over the hidden part.
         a_ptr = tl.where(first, a0_ptr + slot64 * stride_a0_slot + expert64 * stride_a0_expert,
                          a1_ptr + slot64 * stride_a1_slot + expert64 * stride_a1_expert)
         stride_ar = tl.where(first, stride_a0_rank, stride_a1_rank)
         stride_ak = tl.where(first, stride_a0_hidden, stride_a1_hidden)
-        rows = pairs if MUL_ROUTED_WEIGHT else pairs // top_k
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
-        acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
         k_lo = k_split * K_PER
         k_hi = tl.minimum(hidden, k_lo + K_PER)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_hi
-            xt = tl.load(x_rows + offs_k[None, :] * stride_x_hidden, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-            at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                         mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
-            if CAST_FP32:
-                xt = xt.to(tl.float32)
-                at = at.to(tl.float32)
-            acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
         plane = s * K_SPLIT + k_split
-        out = buf_ptr + plane * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
-        tl.store(out, acc, mask=pair_ok[:, None] & rank_ok[None, :])
+        if GEMV:
+            row = pid64 if MUL_ROUTED_WEIGHT else pid64 // top_k
+            x_row = x_ptr + row * stride_x_row
+            vec = tl.zeros((R_CHUNK,), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < k_hi
+                xv = tl.load(x_row + offs_k * stride_x_hidden, mask=k_ok, other=0.0).to(tl.float32)
+                at = tl.load(a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                             mask=rank_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                vec += tl.sum(at * xv[None, :], axis=1)
+            tl.store(buf_ptr + plane * stride_buf_slice + pid64 * stride_buf_pair + offs_r, vec, mask=rank_ok)
+        else:
+            rows = pairs if MUL_ROUTED_WEIGHT else pairs // top_k
+            x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
+            acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < k_hi
+                xt = tl.load(x_rows + offs_k[None, :] * stride_x_hidden, mask=pair_ok[:, None] & k_ok[None, :],
+                             other=0.0)
+                at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                             mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
+                if CAST_FP32:
+                    xt = xt.to(tl.float32)
+                    at = at.to(tl.float32)
+                acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
+            out = buf_ptr + plane * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
+            tl.store(out, acc, mask=pair_ok[:, None] & rank_ok[None, :])
     else:
-        # 3. Expand: the block's rank rows against B_s[l, e]'s BLOCK_N columns, weighted, added into y.
+        # 3. Expand: the block's rank rows (the planes summed once) against B_s[l, e]'s TILES_N tiles
+        # of BLOCK_N columns, weighted, added into y.
         offs_r = tl.arange(0, BLOCK_R)
-        rank_ok = offs_r < rank
-        first = s == 0
+        rank_ok = offs_r < live_rank
         b_ptr = tl.where(first, b0_ptr + slot64 * stride_b0_slot + expert64 * stride_b0_expert,
                          b1_ptr + slot64 * stride_b1_slot + expert64 * stride_b1_expert)
         stride_bn = tl.where(first, stride_b0_n, stride_b1_n)
         stride_br = tl.where(first, stride_b0_rank, stride_b1_rank)
         width = tl.where(first, n0, n1)
         col0 = tl.where(first, y_offset, y_offset + n0)
-        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < width
-        if n_tile * BLOCK_N >= width:
+        n_lo = n_prog * (TILES_N * BLOCK_N)
+        if n_lo >= width:
             return
         src = 0 if SHARED_A else s
-        row_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
-        rows = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for j in tl.static_range(K_SPLIT):             # the shrink's partial sums, in plane order
-            rows += tl.load(row_ptrs + (src * K_SPLIT + j) * stride_buf_slice,
-                            mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
-        bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                     mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
-        bt = bt.to(tl.float32)
-        acc = tl.dot(rows, bt, input_precision=DOT_PRECISION)
-        if MUL_ROUTED_WEIGHT:
-            w = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
-            acc = acc * w[:, None]
-        y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y_pair + (col0 + offs_n)[None, :] * stride_y_col
-        ok = pair_ok[:, None] & n_ok[None, :]
-        prev = tl.load(y_ptrs, mask=ok, other=0.0)
-        tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=ok)
+        if GEMV:
+            vec = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for j in tl.static_range(K_SPLIT):         # the shrink's partial sums, in plane order
+                vec += tl.load(buf_ptr + (src * K_SPLIT + j) * stride_buf_slice + pid64 * stride_buf_pair + offs_r,
+                               mask=rank_ok, other=0.0)
+            if MUL_ROUTED_WEIGHT:
+                w = tl.load(topk_weights_ptr + pid).to(tl.float32)
+            y_row = y_ptr + pid64 * stride_y_pair
+            for t in range(TILES_N):
+                offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < width
+                bt = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                             mask=n_ok[:, None] & rank_ok[None, :], other=0.0).to(tl.float32)
+                acc = tl.sum(bt * vec[None, :], axis=1)
+                if MUL_ROUTED_WEIGHT:
+                    acc = acc * w
+                y_ptrs = y_row + (col0 + offs_n) * stride_y_col
+                prev = tl.load(y_ptrs, mask=n_ok, other=0.0)
+                tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            row_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
+            rows = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for j in tl.static_range(K_SPLIT):         # the shrink's partial sums, in plane order
+                rows += tl.load(row_ptrs + (src * K_SPLIT + j) * stride_buf_slice,
+                                mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
+            if MUL_ROUTED_WEIGHT:
+                w = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+            if BF16_SPLIT:                             # rows = hi + lo, two bfloat16 terms (16 mantissa bits)
+                hi = rows.to(tl.bfloat16)
+                lo = (rows - hi.to(tl.float32)).to(tl.bfloat16)
+            y_rows = y_ptr + pairs.to(tl.int64)[:, None] * stride_y_pair
+            for t in range(TILES_N):
+                offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < width
+                bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                             mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
+                if BF16_SPLIT:
+                    acc = tl.dot(lo, bt)
+                    acc = tl.dot(hi, bt, acc)
+                else:
+                    acc = tl.dot(rows, bt.to(tl.float32), input_precision=DOT_PRECISION)
+                if MUL_ROUTED_WEIGHT:
+                    acc = acc * w[:, None]
+                y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_y_col
+                ok = pair_ok[:, None] & n_ok[None, :]
+                prev = tl.load(y_ptrs, mask=ok, other=0.0)
+                tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @dataclasses.dataclass(frozen=True)
 class MoePlan:
-    """A launch of `moe_lora_kernel`: its grids (shrink, expand) and meta-parameters."""
+    """A launch of `moe_lora_kernel`: its grids (shrink, expand), meta-parameters, and each launch's
+    warps and stages (from its `MoeConfig`)."""
 
     shrink_grid: tuple
     expand_grid: tuple
@@ -185,39 +252,71 @@ class MoePlan:
     max_blocks: int
     k_split: int
     """Partial-sum planes per slice: the rank buffer holds slices * k_split planes."""
+    shrink_warps: int = 4
+    shrink_stages: int = 3
+    expand_warps: int = 4
+    expand_stages: int = 3
+    config: MoeConfig | None = None
+    """The config the plan came from (None: a deterministic plan's fixed one)."""
+
+    def phase(self, phase: int) -> MoePhase:
+        """The launch plan of PHASE `phase` (0 shrink, 1 expand). The meta-parameters the phase does
+        not read are set to fixed values (the shrink's N_TILES, TILES_N, BLOCK_N; the expand's
+        BLOCK_K, R_CHUNK, K_PER), so that plans differing only in the other phase's tiles share
+        its compiled kernel."""
+        c = self.constexprs
+        if phase == 0:
+            return MoePhase(self.shrink_grid, {**c, "PHASE": 0, "N_TILES": 1, "TILES_N": 1, "BLOCK_N": 16},
+                            self.shrink_warps, self.shrink_stages)
+        return MoePhase(self.expand_grid, {**c, "PHASE": 1, "BLOCK_K": 16, "R_CHUNK": c["BLOCK_R"], "K_PER": 16},
+                        self.expand_warps, self.expand_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoePhase:
+    """One launch of `moe_lora_kernel` (what a launcher reads of a plan: grid, warps, stages,
+    constexprs)."""
+
+    grid: tuple
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# The deterministic plan's fixed config: a function of nothing but the weight shapes (the rank
+# chunk is the whole rank, no hidden split, one tile per expand program, the 16-row tile path).
+DETERMINISTIC_CONFIG = MoeConfig(BLOCK_K=64, R_CHUNK=1 << 30, K_SPLIT=1, shrink_warps=4, shrink_stages=3,
+                                 BLOCK_N=64, TILES_N=1, expand_warps=4, expand_stages=3, GEMV=False)
 
 
 def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: int, widths: tuple, rank: int,
                   naive: bool, sorted_len: int, block_m: int, mul_routed_weight: bool, shared_a: bool,
-                  dtypes: tuple) -> MoePlan:
+                  dtypes: tuple, has_ranks: bool = False, deterministic: bool = False,
+                  config: MoeConfig | None = None, device: str | None = None) -> MoePlan:
     """The grids and meta-parameters of one MoE LoRA call.
 
-    1. Blocks: naive, one program per pair (BLOCK_M 16, only row 0 live: tl.dot's smallest tile);
-       sorted, the blocks of every slot one after another: at most cdiv(pairs, block_m) + the
-       number of (slot, expert) runs, min(slots * experts, pairs) (each run wastes under one
-       block), so the grid is that bound, never slots * sorted_len / block_m.
-    2. BLOCK_R = the rank rounded up to a power of two >= 16; BLOCK_K 64 (32 under a wide rank);
-       BLOCK_N 64 (128 for wide outputs with a small rank).
-    3. Decode sizes (at most SPLIT_PAIRS_MAX pairs: few blocks, each a long reduction over the
-       hidden size) spread the shrink over more programs: the hidden size in up to MAX_K_SPLIT
-       parts of at least K_PER_SPLIT elements, each part's partial sum in its own plane of the
-       rank buffer (slices * K_SPLIT planes), added by the expand in plane order: no atomics, no
-       zeroing, x still read once. The naive shrink also splits the rank into 16-wide chunks
-       (BLOCK_K 128; a pair's x row is short); the sorted one keeps the whole rank, so a block's
-       x rows are read once.
-    4. Shrink grid (blocks, slices * rank chunks * K_SPLIT); expand grid (blocks, slices * n-tiles).
+    1. Blocks: naive, one program per pair (the GEMV path: vectors; else BLOCK_M 16, only row 0
+       live: tl.dot's smallest tile); sorted, the blocks of every slot one after another: at most
+       cdiv(pairs, block_m) + the number of (slot, expert) runs, min(slots * experts, pairs) (each
+       run wastes under one block), so the grid is that bound, never slots * sorted_len / block_m.
+    2. The config: `config` if given, else `moe_configs.moe_config` (an override, the device
+       table's entry for the shape's bucket, the default); BLOCK_R = the rank rounded up to a
+       power of two >= 16; K_SPLIT / TILES_N resolved for the shape (`moe_configs.resolve`).
+    3. The hidden size in K_SPLIT parts of K_PER elements (a multiple of BLOCK_K), each part's
+       partial sum in its own plane of the rank buffer (slices * K_SPLIT planes), added by the
+       expand in plane order: no atomics, no zeroing, x still read once.
+    4. Shrink grid (blocks, slices * rank chunks * K_SPLIT); expand grid (blocks, slices *
+       N_TILES), N_TILES = programs per slice, each over TILES_N tiles of BLOCK_N columns.
+    deterministic (naive only): DETERMINISTIC_CONFIG whatever the table says -- the whole rank in
+    one chunk, no hidden split, fixed tiles -- so every batch runs one configuration.
+    has_ranks: the kernel reads each slot's rank (HAS_RANKS).
     """
+    if deterministic and not naive:
+        raise ValueError("plan_moe_lora: deterministic plans take the naive order (one pair per program)")
     if len(widths) not in (1, 2):
         raise ValueError(f"lora_b_stacked: expected 1 or {MAX_SLICES} slices, got {len(widths)}")
-    block_r = max(16, next_pow2(rank))
-    block_k = 64 if block_r <= 64 else 32
-    widest = max(widths)
-    block_n = 128 if (widest >= 1024 and block_r <= 32) else 64
-    n_tiles = triton.cdiv(widest, block_n)
     if naive:
         bm, max_blocks, blocks = 16, 1, num_pairs
-        r_chunk = 16
-        block_k = 128
     else:
         if block_m < 16 or block_m & (block_m - 1):
             raise ValueError(f"block_size: expected a power of two >= 16, got {block_m}")
@@ -226,16 +325,53 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
                              f"{block_m}, got {sorted_len}")
         bm, max_blocks = block_m, sorted_len // block_m
         blocks = triton.cdiv(num_pairs, bm) + min(num_slots * num_experts, num_pairs)
-        r_chunk = block_r
-    k_split, k_per = 1, hidden
-    if num_pairs <= SPLIT_PAIRS_MAX:
-        k_split = max(1, min(MAX_K_SPLIT, hidden // K_PER_SPLIT))
-        k_per = triton.cdiv(triton.cdiv(hidden, k_split), block_k) * block_k
-        k_split = triton.cdiv(hidden, k_per)
+    slices_shared = shared_a and len(widths) > 1
+    shape = MoeShape(num_pairs=num_pairs, naive=naive, block_m=bm, num_slots=num_slots, num_experts=num_experts,
+                     hidden=hidden, widest=max(widths), slices=len(widths),
+                     shrink_slices=1 if slices_shared else len(widths), rank=rank)
+    if deterministic:
+        cfg = DETERMINISTIC_CONFIG
+    else:
+        cfg = check_config(config) if config is not None else moe_config(shape, device=device)
+        if not naive and cfg.GEMV:
+            cfg = cfg.replace(GEMV=False)             # a sorted block holds many pairs: tl.dot
+    r = resolve(cfg, shape)
+    block_r = shape.block_r
     cast, precision = cast_and_precision(dtypes)
-    constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=shared_a and len(widths) > 1,
-                      N_TILES=n_tiles, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-                      R_CHUNK=r_chunk, K_SPLIT=k_split, K_PER=k_per, SLOTS_P2=next_pow2(max(num_slots, 2)),
-                      CAST_FP32=cast, DOT_PRECISION=precision)
-    return MoePlan((max(blocks, 1), len(widths) * (block_r // r_chunk) * k_split),
-                   (max(blocks, 1), len(widths) * n_tiles), constexprs, max_blocks, k_split)
+    constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=slices_shared,
+                      HAS_RANKS=bool(has_ranks), GEMV=bool(cfg.GEMV),
+                      BF16_SPLIT=not cast and set(dtypes) == {"bfloat16"} and not deterministic,
+                      N_TILES=r.n_programs, TILES_N=r.tiles_n, BLOCK_M=bm, BLOCK_N=r.block_n, BLOCK_K=r.block_k,
+                      BLOCK_R=block_r, R_CHUNK=r.r_chunk, K_SPLIT=r.k_split, K_PER=r.k_per,
+                      SLOTS_P2=next_pow2(max(num_slots, 2)), CAST_FP32=cast, DOT_PRECISION=precision)
+    return MoePlan((max(blocks, 1), len(widths) * (block_r // r.r_chunk) * r.k_split),
+                   (max(blocks, 1), len(widths) * r.n_programs), constexprs, max_blocks, r.k_split,
+                   cfg.shrink_warps, cfg.shrink_stages, cfg.expand_warps, cfg.expand_stages,
+                   None if deterministic else cfg)
+
+
+def moe_lora_calls(plan: MoePlan, x, lora_a, lora_b, buf, y, topk_weights, sorted_ids, expert_ids, post_pad,
+                   token_lora, enabled, ranks, *, num_pairs: int, top_k: int, offset: int,
+                   strides: Strides) -> tuple[KernelCall, KernelCall]:
+    """The (shrink, expand) `KernelCall`s of one MoE LoRA call: the kernel's parameters in order,
+    `out` None (the kernel writes `buf` and `y`, pointer parameters among the others).
+
+    x (rows, K); lora_a / lora_b: 1 or 2 slices (L, E, r, K) / (L, E, n_s, r) (a second slice
+    missing: slice 0 again); buf (slices * k_split, P, r) float32; y (P, N); topk_weights (P,)
+    float32; sorted_ids (L, EM) and post_pad (L,) (naive order: any int32 array, never read);
+    expert_ids (L, EM / BLOCK_M) or, naive, (P,); token_lora (>= P / top_k,); enabled (L,);
+    ranks (L,) int32 (without HAS_RANKS: any int32 array, never read). Arrays are whatever the
+    launcher passes (tensors, jax arrays, placeholders); `strides(a)` gives their element strides.
+    """
+    a0, a1 = lora_a[0], lora_a[-1]
+    b0, b1 = lora_b[0], lora_b[-1]
+    num_slots, _, rank, hidden = a0.shape
+    widths = (int(b0.shape[2]), int(b1.shape[2]))
+    naive = bool(plan.constexprs["NAIVE"])
+    pointers = (x, a0, a1, b0, b1, buf, y, topk_weights, sorted_ids, expert_ids, post_pad, token_lora, enabled,
+                ranks)
+    scalars = (int(num_pairs), int(top_k), int(hidden), widths[0], widths[1], int(rank), plan.max_blocks,
+               int(num_slots), int(offset), *strides(x), *strides(a0), *strides(a1), *strides(b0), *strides(b1),
+               *strides(buf)[:2], *strides(y), 0 if naive else strides(sorted_ids)[0],
+               0 if naive else strides(expert_ids)[0])
+    return tuple(KernelCall(moe_lora_kernel, plan.phase(phase), pointers, scalars, None) for phase in (0, 1))

@@ -15,6 +15,10 @@ token's result is bitwise the same in every batch and in every run. How:
   * products are elementwise, x[t, k] * A[idx[t], j, k];
   * the sum over k is `tree_sum`: a fixed pairwise tree of elementwise float32 adds.
 
+The mixture-of-experts op (`fused_moe_lora`, contract section 9) is moe_ref's with each routed
+pair's products computed the same way (`pair_products`): a pair's values depend on its own row
+and its own (slot, expert) weights only.
+
 The module supplies only how each token's own product is computed (`shrink_rows`, `expand_rows`);
 slot selection, rank masking, bias and the masked write are torch_ref's (`torch_ref.shrink` and
 `torch_ref.expand` with these rows).
@@ -32,7 +36,7 @@ import functools
 
 import torch
 
-from . import torch_ref
+from . import moe_ref, torch_ref
 
 NAME = "torch"
 CHUNK_VALUES = 1 << 22
@@ -86,3 +90,17 @@ shrink = functools.partial(torch_ref.shrink, rows=shrink_rows)
 shrink.__doc__ = "torch_ref.shrink with the batch-invariant rows: writes out[s] (T, r) float32."
 expand = functools.partial(torch_ref.expand, rows=expand_rows)
 expand.__doc__ = "torch_ref.expand with the batch-invariant rows: writes y's slices in place."
+
+
+def pair_products(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(P, n) float32: rows[p] (P, m) float32 against the pair's own weights (P, n, m) as
+    elementwise products, (c, n, m) per chunk of pairs, summed by `tree_sum`."""
+    num_pairs, width, inner = weights.shape
+    out = rows.new_empty((num_pairs, width))
+    for lo, hi in _chunks(num_pairs, width * inner):
+        out[lo:hi] = tree_sum(rows[lo:hi, None, :] * weights[lo:hi].to(torch.float32))
+    return out
+
+
+fused_moe_lora = functools.partial(moe_ref.fused_moe_lora, products=pair_products)
+fused_moe_lora.__doc__ = "moe_ref.fused_moe_lora with the batch-invariant pair products: updates output in place."

@@ -21,7 +21,9 @@ expert -1 are untouched.
 The alignment groups each slot's pairs by expert, padded to block_size (sentinel: the number of
 pairs), all in tensors of sizes fixed by (pairs, L, E, block_size): no host sync, capturable.
 sorted_token_ids None with expert_ids = topk_ids flattened is the naive order (one pair per block).
-Backends: "torch" (reference, `moe_ref`), "triton" (`lora_core.kernels.moe_lora`).
+Backends: "torch" (reference, `moe_ref`), "triton" (`lora_core.kernels.moe_lora`); with
+deterministic=True their batch-invariant forms (`invariant.fused_moe_lora`, the Triton kernel's
+deterministic plan).
 """
 
 from __future__ import annotations
@@ -99,7 +101,10 @@ def moe_lora_align_block_size(topk_ids: torch.Tensor, token_lora_mapping: torch.
     groups = max_loras * num_experts
     key = torch.where(keep, safe_lora * num_experts + expert.clamp(0, num_experts - 1),
                       torch.full_like(lora, groups))
-    counts = torch.bincount(key, minlength=groups + 1)[:groups].view(max_loras, num_experts)
+    # a scatter-add, not torch.bincount, whose CUDA kernel reads the largest key on the host (no
+    # capture in a CUDA graph)
+    counts = torch.zeros(groups + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:groups].view(max_loras, num_experts)
     padded = (counts + block_size - 1) // block_size * block_size
     run_end = torch.cumsum(padded, dim=1)
     run_start = run_end - padded
@@ -170,11 +175,13 @@ def fused_moe_lora(output: torch.Tensor, x: torch.Tensor, lora_a_stacked: Sequen
                    num_tokens_post_padded: torch.Tensor | None, token_lora_mapping: torch.Tensor,
                    max_lora_rank: int, top_k_num: int, adapter_enabled: torch.Tensor,
                    mul_routed_weight: bool = False, offset: int = 0, *, block_size: int | None = None,
-                   backend: str | None = None) -> torch.Tensor:
+                   backend: str | None = None, deterministic: bool = False) -> torch.Tensor:
     """output (T, top_k, N) updated in place with the slices' LoRA of every routed pair (module
     docstring) and returned. sorted_token_ids (L, EM) or (L * EM,) and expert_ids from
     `moe_lora_align_block_size` with block_size (default: EM's largest power-of-two divisor, at
-    most 64), or None and topk_ids flattened (the naive order)."""
+    most 64), or None and topk_ids flattened (the naive order). deterministic: a pair's values
+    bitwise the same whatever the other pairs and its position (the backend's batch-invariant
+    form, dispatch.deterministic_impl)."""
     lora_a, lora_b = tuple(lora_a_stacked), tuple(lora_b_stacked)
     _check_fused_args(output, x, lora_a, lora_b, topk_weights, sorted_token_ids, expert_ids,
                       num_tokens_post_padded, token_lora_mapping, top_k_num, adapter_enabled, mul_routed_weight,
@@ -189,7 +196,7 @@ def fused_moe_lora(output: torch.Tensor, x: torch.Tensor, lora_a_stacked: Sequen
         if expert_ids.shape[1] * block_size != em:
             raise ValueError(f"expert_ids: expected {em // block_size} blocks per slot for block_size {block_size}, "
                              f"got {expert_ids.shape[1]}")
-    impl = dispatch.resolve(backend, output.device)
+    impl = dispatch.resolve(backend, output.device, deterministic=deterministic)
     run = getattr(impl, "fused_moe_lora", None)
     if run is None:
         raise ValueError(f"backend {impl.NAME!r} has no fused_moe_lora")

@@ -19,9 +19,17 @@ from __future__ import annotations
 import torch
 
 
+def pair_products(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(P, n) float32: rows[p] (P, m) float32 against the pair's own weights (P, n, m), an einsum."""
+    return torch.einsum("pnm,pm->pn", weights.float(), rows)
+
+
 @torch.no_grad()
 def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_ids, post_pad, token_lora,
-                   max_lora_rank, top_k, adapter_enabled, mul_routed_weight, offset, block_size) -> None:
+                   max_lora_rank, top_k, adapter_enabled, mul_routed_weight, offset, block_size, *,
+                   products=pair_products) -> None:
+    """Step 3's products through `products(rows (P, m) float32, weights (P, n, m)) -> (P, n)`
+    (torch_lora.ops.invariant: the batch-invariant ones)."""
     num_tokens = output.shape[0]
     num_pairs = num_tokens * top_k
     num_slots = lora_a[0].shape[0]
@@ -48,8 +56,8 @@ def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_i
     flat = output.view(num_pairs, output.shape[2])
     col = offset
     for a, b in zip(lora_a, lora_b):
-        t = torch.einsum("prk,pk->pr", a[slots, experts].float(), xf)
-        delta = torch.einsum("pnr,pr->pn", b[slots, experts].float(), t)
+        t = products(xf, a[slots, experts])
+        delta = products(t, b[slots, experts])
         if weight is not None:
             delta = delta * weight[:, None]
         n = b.shape[2]

@@ -6,14 +6,19 @@ Math: `torch_lora.ops.moe` (contract section 9). Steps:
 2. A float32 rank buffer (slices * K_SPLIT partial-sum planes, pairs, r), never zeroed: each live
    pair's rows are written by the shrink launch before the expand launch reads them; other rows
    are never read.
-3. The shrink launch, then the expand launch, on one grid of blocks (Triton's own launcher).
+3. The shrink launch, then the expand launch, on one grid of blocks (Triton's own launcher; the
+   parameter lists from `moe_lora_calls`).
+deterministic: the pairs in the naive order (a sorted layout is read back into each pair's
+expert) with the batch-invariant plan (`plan_moe_lora(deterministic=True)`): a pair's values are
+bitwise the same whatever the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lora_core.kernels.moe_lora import moe_lora_kernel, plan_moe_lora
+from lora_core.kernels.launch import triton_launch
+from lora_core.kernels.moe_lora import moe_lora_calls, plan_moe_lora
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -25,23 +30,40 @@ def _shares_a(lora_a) -> bool:
             and lora_a[0].shape == lora_a[1].shape and lora_a[0].stride() == lora_a[1].stride())
 
 
+def _naive_experts(sorted_ids, expert_ids, post_pad, num_pairs: int, block_size: int) -> torch.Tensor:
+    """(P,) int32: each pair's expert in a block-sorted layout, -1 for pairs it does not hold (the
+    naive order's expert_ids; the slot still comes from token_lora_mapping, whose disabled slots
+    the kernel skips)."""
+    num_slots, em = sorted_ids.shape
+    pos = torch.arange(em, device=sorted_ids.device)
+    experts = expert_ids.long()[:, pos // block_size]
+    held = (pos[None, :] < post_pad.long()[:num_slots, None]) & (sorted_ids >= 0) & (sorted_ids < num_pairs)
+    target = torch.where(held, sorted_ids.long(), torch.full_like(experts, num_pairs)).reshape(-1)
+    out = torch.full((num_pairs + 1,), -1, dtype=torch.int32, device=sorted_ids.device)
+    out.scatter_(0, target, experts.reshape(-1).to(torch.int32))
+    out[num_pairs] = -1
+    return out[:num_pairs]
+
+
 @torch.no_grad()
 def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_ids, post_pad, token_lora,
-                   max_lora_rank, top_k, adapter_enabled, mul_routed_weight, offset, block_size) -> None:
+                   max_lora_rank, top_k, adapter_enabled, mul_routed_weight, offset, block_size, *,
+                   deterministic: bool = False) -> None:
     num_tokens = output.shape[0]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return
+    if deterministic and sorted_ids is not None:      # step 1: one pair per program
+        expert_ids = _naive_experts(sorted_ids, expert_ids, post_pad, num_pairs, block_size)
+        sorted_ids = None
     num_slots, num_experts, rank, hidden = lora_a[0].shape
     widths = tuple(b.shape[2] for b in lora_b)
     naive = sorted_ids is None
     plan = plan_moe_lora(num_pairs=num_pairs, num_slots=num_slots, num_experts=num_experts, hidden=hidden,
                          widths=widths, rank=rank, naive=naive, sorted_len=0 if naive else sorted_ids.shape[1],
                          block_m=block_size or 16, mul_routed_weight=mul_routed_weight,
-                         shared_a=_shares_a(lora_a),
+                         shared_a=_shares_a(lora_a), deterministic=deterministic,
                          dtypes=(_dtype_name(x), _dtype_name(lora_a[0]), _dtype_name(lora_b[0])))
-    a0, a1 = lora_a[0], lora_a[-1]
-    b0, b1 = lora_b[0], lora_b[-1]
     buf = torch.empty((len(lora_a) * plan.k_split, num_pairs, rank), dtype=torch.float32, device=output.device)
     y = output.view(num_pairs, output.shape[2]) if output.is_contiguous() else output.reshape(num_pairs, -1)
     weights = topk_weights.reshape(-1)
@@ -52,13 +74,9 @@ def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_i
     pads = experts if naive else post_pad
     token_map = token_lora.to(device=output.device)
     enabled = adapter_enabled.to(device=output.device)
-    args = (x, a0, a1, b0, b1, buf, y,
-            weights, sorted_t, experts, pads, token_map, enabled,
-            num_pairs, top_k, hidden, widths[0], widths[-1], rank, plan.max_blocks, num_slots, offset,
-            x.stride(0), x.stride(1), *a0.stride(), *a1.stride(), *b0.stride(), *b1.stride(),
-            buf.stride(0), buf.stride(1), y.stride(0), y.stride(1),
-            0 if naive else sorted_t.stride(0), 0 if naive else experts.stride(0))
-    moe_lora_kernel[plan.shrink_grid](*args, PHASE=0, **plan.constexprs)
-    moe_lora_kernel[plan.expand_grid](*args, PHASE=1, **plan.constexprs)
+    for call in moe_lora_calls(plan, x, lora_a, lora_b, buf, y, weights, sorted_t, experts, pads, token_map,
+                               enabled, enabled, num_pairs=num_pairs, top_k=top_k, offset=offset,
+                               strides=torch.Tensor.stride):
+        triton_launch(call)
     if y.data_ptr() != output.data_ptr():
         output.copy_(y.view_as(output))

@@ -513,10 +513,11 @@ def deterministic_backend():
     return _DETERMINISTIC
 
 
+from .moe_triton import fused_moe_lora  # noqa: E402 - the MoE LoRA op of this backend
+
 _DETERMINISTIC = types.SimpleNamespace(
     NAME=NAME, deterministic=True,
     shrink=functools.partial(shrink, deterministic=True), expand=functools.partial(expand, deterministic=True),
     linear=functools.partial(linear, deterministic=True),
-    prepare_linear=functools.partial(prepare_linear, deterministic=True))
-
-from .moe_triton import fused_moe_lora  # noqa: E402,F401 - the MoE LoRA op of this backend
+    prepare_linear=functools.partial(prepare_linear, deterministic=True),
+    fused_moe_lora=functools.partial(fused_moe_lora, deterministic=True))

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..xla import set_columns
+from ..moe_layout import pair_rows
 from .common import HIGHEST, _ranks_or_full, _two_jits, current_interpret
 
 __all__ = ["fused_moe_lora"]
@@ -84,10 +85,12 @@ def _slice_delta(rows_sorted, a, b, expert, live, ranks, *, block_size: int, int
     )(expert, live, ranks, rows_sorted, a, b)
 
 
-def fused_moe_lora(y3, rows, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks):
-    """y3 (M, k, N); rows (P, K) pair order; lora_a / lora_b: S arrays (L, E, r, K) / (L, E, n_s, r);
-    pair_weight (P,) float32 or None; offsets: S static column offsets -> the new y3."""
+def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks):
+    """y3 (M, k, N); x (M, K) one row per token or (P, K) one per pair; lora_a / lora_b: S arrays
+    (L, E, r, K) / (L, E, n_s, r); pair_weight (P,) float32 or None; offsets: S static column
+    offsets -> the new y3."""
     ranks = _ranks_or_full(lora_ranks, layout.sorted_token_ids.shape[0], lora_a[0].shape[2])
+    rows = pair_rows(x, y3.shape[0] * y3.shape[1])
     return _moe_call(y3, rows, tuple(lora_a), tuple(lora_b), pair_weight, tuple(layout), ranks,
                      offsets=tuple(offsets), interpret=current_interpret())
 
