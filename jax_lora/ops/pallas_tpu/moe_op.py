@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..xla import set_columns
 from ..moe_layout import pair_rows
+from ..xla import set_columns
 from .common import HIGHEST, _ranks_or_full, _two_jits, current_interpret
 
 __all__ = ["fused_moe_lora"]
