@@ -249,7 +249,7 @@ def test_scale_for_a_16_bit_weight_is_refused():
     (np.ones((3,), np.float32), r"lora_a_scale must have shape \(2, 4\)"),
     (np.ones((2, 4), np.float16), "lora_a_scale must be a float32 array"),
     (np.ones((2, 4), np.float64), "lora_a_scale must be a float32 array"),
-    ([[1.0] * 4] * 2, "lora_a_scale must be a float32 array"),
+    (1.0, "lora_a_scale must be a float32 array, got float"),
 ])
 def test_scale_of_wrong_shape_or_dtype_is_refused(bad, match):
     x, q, _, meta = _shrink_args()
