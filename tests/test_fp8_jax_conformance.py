@@ -26,7 +26,7 @@ from jax_lora.meta import build_kernel_meta
 from jax_lora.ops import api as ops_api
 from jax_lora.quant import dequantize_rows, quantize_rows
 
-from . import oracle
+from . import jax_helpers, oracle
 from .pallas_tpu_impl import races_checked
 
 IMPLS = ("xla", "deterministic", "pallas_tpu")
@@ -215,6 +215,74 @@ def test_deterministic_fp8_is_batch_invariant():
     perm = rng.permutation(len(IDX))
     np.testing.assert_array_equal(run(perm), full[perm])
     np.testing.assert_array_equal(run(np.array([3])), full[3:4])
+
+
+# ----------------------------------------------------------------------------- the wrapper
+
+def _wrapper(impl: str):
+    """A PunicaWrapper over 3 slots whose tokens use IDX (id i + 1 is slot i)."""
+    ids = [i + 1 if i >= 0 else 0 for i in IDX]
+    if impl == "deterministic":
+        return jax_helpers.wrapper(ids, [1, 2, 3], backend="xla", deterministic=True)
+    return jax_helpers.wrapper(ids, [1, 2, 3], backend=impl)
+
+
+def _call(impl: str, fn, *args, **kwargs):
+    if impl == "pallas_tpu":
+        with races_checked():
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wrapper_add_lora_linear_fp8_matches_oracle(impl):
+    """PunicaWrapper.add_lora_linear with fp8 A and B (one slice 16-bit, one with per-tensor B scales)
+    and a LoRA bias, then add_lora_linear_stacked with stacked scales: y += (scale * a_scale * x @
+    A_q.T) @ (b_scale * B_q).T + bias, against the oracle on the dequantised weights."""
+    rng = np.random.default_rng(8)
+    widths = (16, 8)
+    w = _wrapper(impl)
+    x, y = _rand(rng, len(IDX), H), _rand(rng, len(IDX), sum(widths))
+    (qa0, sa0), (qb0, sb0) = quantise(_rand(rng, L, R, H)), quantise(_rand(rng, L, widths[0], R))
+    a1 = _rand(rng, L, R, H)
+    qb1 = np.clip(_rand(rng, L, widths[1], R) * 30, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    sb1 = np.array([0.1, 0.2, 0.3], np.float32)
+    bias = [_rand(rng, L, widths[0]), None]
+    got = _call(impl, w.add_lora_linear, y, x, (qa0, a1), (qb0, qb1), bias, 0.5, widths,
+                lora_a_scale=(sa0, None), lora_b_scale=(sb0, sb1))
+    b1 = dequantise(qb1, np.broadcast_to(sb1[:, None], (L, widths[1])))
+    want = oracle.lora_linear(y, x, [dequantise(qa0, sa0), a1], [dequantise(qb0, sb0), b1], bias, 0.5, IDX)
+    _assert_close(got, want, "float32")
+    # stacked: lora_a (S, L, r, H), lora_b (L, N, r), scales (S, L, r) / (L, N)
+    qa, sa = quantise(_rand(rng, 2, L, R, H))
+    qb, sb = quantise(_rand(rng, L, sum(widths), R))
+    got = _call(impl, w.add_lora_linear_stacked, y, x, qa, qb, 1.0, widths, lora_a_scale=sa, lora_b_scale=sb)
+    b_deq = dequantise(qb, sb)
+    want = oracle.lora_linear(y, x, [dequantise(qa[0], sa[0]), dequantise(qa[1], sa[1])],
+                              [b_deq[:, :16], b_deq[:, 16:]], None, 1.0, IDX)
+    _assert_close(got, want, "float32")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wrapper_shrink_expand_and_embedding_take_scales(impl):
+    """add_shrink (lora_a_scale), add_expand (lora_b_scale) and add_lora_embedding (lora_b_scale) with
+    e4m3 weights, against the oracle; an fp8 weight without its scale is a ValueError there too."""
+    rng = np.random.default_rng(9)
+    w = _wrapper(impl)
+    x = _rand(rng, len(IDX), H)
+    qa, sa = quantise(_rand(rng, L, R, H))
+    qb, sb = quantise(_rand(rng, L, 24, R))
+    buf = _call(impl, w.add_shrink, np.zeros((1, len(IDX), R), np.float32), x, (qa,), 2.0, lora_a_scale=(sa,))
+    want_buf = oracle.shrink(x, [dequantise(qa, sa)], IDX, 2.0)
+    _assert_close(buf, want_buf, "float32")
+    y = _rand(rng, len(IDX), 24)
+    got = _call(impl, w.add_expand, y, want_buf.astype(np.float32), (qb,), None, (24,), lora_b_scale=(sb,))
+    _assert_close(got, oracle.expand(want_buf, [dequantise(qb, sb)], y, IDX, 0, True), "float32")
+    rows = _rand(rng, len(IDX), R)
+    got = _call(impl, w.add_lora_embedding, y, rows, qb, lora_b_scale=sb)
+    _assert_close(got, oracle.expand(rows[None], [dequantise(qb, sb)], y, IDX, 0, True), "float32")
+    with pytest.raises(ValueError, match="lora_b_scale"):
+        w.add_expand(y, want_buf.astype(np.float32), (qb,), None, (24,))
 
 
 # ----------------------------------------------------------------------------- bad inputs

@@ -105,6 +105,7 @@ from .schedule import (
 
 NAME = "pallas_tpu"
 COLUMN_SCALE = True        # expand and linear take col_scale (DoRA)
+WEIGHT_SCALES = True       # shrink / expand / linear take a_scales / b_scales (fp8 weights, e4m3)
 CUSTOM_CALLS = True        # pallas_call: partitioned by jax_lora.ops.partition under GSPMD
 
 

@@ -10,6 +10,11 @@ Kernels:
 The two in-place kernels need one 128-multiple column tile that divides every slice offset and
 width (`plan_inplace`). B comes in vLLM's layout (L, n, r) or rank-major (L, r, n)
 (`transpose_lora_b`).
+
+fp8 weights: an e4m3 B block is loaded as stored and upcast in the kernel (`_dot`), the product
+accumulates in float32, and the output-row scale b_scale_s[idx[t], n] multiplies it once per
+column in the XLA epilogue (`_add_deltas`), before the bias: a call with B scales runs the delta
+kernel (the in-place kernels take no scale blocks).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from .common import (
     _two_jits,
     _window,
     current_interpret,
+    scales_by_slice,
 )
 from .plans import ExpandPlan, _compiler_params, expand_order_cost, plan_expand, plan_inplace
 from .schedule import (
@@ -246,6 +252,7 @@ class _ExpandOperands(NamedTuple):
     offsets: jax.Array  # (S,) int32 column offsets of the slices in y
     add_inputs: bool
     interpret: object  # False or pltpu.InterpretParams
+    b_scales: tuple | None = None  # None or S (L, n_s) float32 (ones for 16-bit slices): fp8 B scales
 
 
 def _delta_blocks(plan: ExpandPlan, lora_b, bias):
@@ -279,7 +286,7 @@ def _run_delta(args: _ExpandOperands, plan: ExpandPlan, blocks, sched: Schedule,
     of scheduled groups written. blocks: `_delta_blocks(plan, ...)`."""
     in_specs, operands, out_specs, out_shapes = blocks
     r, tp, n_total = plan.rank, plan.tiles_m * plan.tm, sum(plan.widths)
-    b_item = args.lora_b[0].dtype.itemsize
+    b_item = max(b.dtype.itemsize for b in args.lora_b)
     return pl.pallas_call(
         functools.partial(_expand_kernel, plan=plan),
         out_shape=tuple(out_shapes),
@@ -302,13 +309,19 @@ def _run_delta(args: _ExpandOperands, plan: ExpandPlan, blocks, sched: Schedule,
 def _add_deltas(args: _ExpandOperands, plan: ExpandPlan, rows: _Rows, deltas) -> jax.Array:
     """The delta path's XLA epilogue: y[:, slice s] = cast((y if add_inputs else 0) + deltas[s])
     in float32 with one cast, times g[idx[t]] for a DoRA slice; rows without LoRA keep y.
-    deltas: S (T, n_s) in token order."""
+    deltas: S (T, n_s) in token order. With fp8 B scales the deltas come without bias: each is
+    multiplied by b_scale_s[idx[t]] and the bias added here."""
     out = args.y
     has_lora = rows.has_lora
+    own = jnp.maximum(rows.idx, 0)
     for s in range(len(plan.widths)):
         width = plan.widths[s]
         old = lax.dynamic_slice_in_dim(out, args.offsets[s], width, axis=1)
         new = deltas[s]
+        if args.b_scales is not None:
+            new = new * jnp.take(args.b_scales[s], own, axis=0)
+            if plan.has_bias[s] and not plan.is_scaled(s):
+                new = new + jnp.take(args.bias[s], own, axis=0).astype(jnp.float32)
         if args.add_inputs:
             new = new + old.astype(jnp.float32)
         if plan.is_scaled(s):
@@ -402,18 +415,25 @@ def _run_scatter(args: _ExpandOperands, plan: ExpandPlan, scatter: ExpandPlan, s
 
 
 def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPlan,
-                   inplace: ExpandPlan | None, scatter: ExpandPlan | None, add_inputs: bool, interpret):
+                   inplace: ExpandPlan | None, scatter: ExpandPlan | None, add_inputs: bool, interpret,
+                   b_scales=None):
     """(token-order fn, sorted-order fn): each takes the packed (tp, P) rank rows in its own order
     and returns the new y.
 
     Token order updates y in place by blocks when `inplace` is given, sorted order by row DMAs when
     `scatter` is given; otherwise either runs the delta kernel and the XLA epilogue adds the deltas."""
-    args = _ExpandOperands(lora_b, y, ranks, bias, offsets, add_inputs, interpret)
+    args = _ExpandOperands(lora_b, y, ranks, bias, offsets, add_inputs, interpret, b_scales)
     t, tp = plan.num_tokens, plan.tiles_m * plan.tm
     # The delta kernel adds biases only: a DoRA scale multiplies y + delta, which only the XLA
-    # epilogue sees on that path (`_add_deltas`), so its plan reads no scale blocks.
-    dplan = dataclasses.replace(plan, has_bias=tuple(b and not plan.is_scaled(s) for s, b in enumerate(plan.has_bias)),
-                                scaled=()) if plan.scaled else plan
+    # epilogue sees on that path (`_add_deltas`), so its plan reads no scale blocks. With fp8 B
+    # scales the epilogue scales the delta and then adds the bias: the kernel reads neither.
+    if b_scales is not None:
+        dplan = dataclasses.replace(plan, has_bias=tuple(False for _ in plan.has_bias), scaled=())
+    elif plan.scaled:
+        dplan = dataclasses.replace(plan, has_bias=tuple(b and not plan.is_scaled(s) for s, b in
+                                                         enumerate(plan.has_bias)), scaled=())
+    else:
+        dplan = plan
     blocks = _delta_blocks(dplan, lora_b, bias)  # traced here, outside the branches that share it
 
     def token_order(packed_rows):
@@ -433,7 +453,7 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
     return token_order, sorted_order
 
 
-def _expand_call(buf, lora_b, y, meta, ranks, bias, offsets, *, plan: ExpandPlan,
+def _expand_call(buf, lora_b, y, meta, ranks, bias, offsets, b_scales, *, plan: ExpandPlan,
                  inplace: ExpandPlan | None, scatter: ExpandPlan | None, add_inputs, row_order, interpret):
     t, r, s_count = plan.num_tokens, plan.rank, len(plan.widths)
     tp = plan.tiles_m * plan.tm
@@ -442,7 +462,7 @@ def _expand_call(buf, lora_b, y, meta, ranks, bias, offsets, *, plan: ExpandPlan
     packed = jnp.transpose(buf.astype(jnp.float32), (1, 0, 2)).reshape(t, s_count * r)
     packed = jnp.pad(packed, ((0, 0), (0, plan.lanes - s_count * r)))
     token_order, sorted_order = _expand_orders(lora_b, y, ranks, bias, offsets, rows, plan, inplace,
-                                               scatter, add_inputs, interpret)
+                                               scatter, add_inputs, interpret, b_scales)
     # As in shrink: the row order estimated cheaper (either can update y in place).
     cost = expand_order_cost(plan, inplace, lora_b[0].dtype.itemsize, y.dtype.itemsize, scatter)
     return _pick_order(row_order, choose_token_order(rows.token_sched, rows.sorted_sched, cost),
@@ -469,7 +489,7 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
            offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None, *,
            b_layout: str = "nr", tm_max: int = 256, tn_max: int = 4096,
            allow_inplace: bool = True, row_order: str | None = None, row_dma: bool = True,
-           col_scale=None) -> jax.Array:
+           col_scale=None, b_scales=None) -> jax.Array:
     """buf (S, T, r); lora_b: S arrays (L, n_s, r) (or (L, r, n_s) with b_layout="rn");
     y (T, N); offsets: S column offsets (slices inside y); bias, col_scale: None or S entries of
     None / (L, n_s), never both for one slice.
@@ -480,7 +500,8 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
     epilogue; rows with idx -1 and columns outside the slices unchanged. One pallas_call covers all
     slices. When the slices sit on 128-column boundaries and T is a multiple of the row tile, the
     token-order path updates y in place in the kernel (`plan_inplace`); otherwise the kernel writes
-    a float32 delta that XLA adds to y.
+    a float32 delta that XLA adds to y. b_scales: None or S entries of None / (L, n_s) float32, the
+    output-row scales of e4m3 slices (module docstring; the delta path).
     """
     if b_layout not in ("nr", "rn"):
         raise ValueError(f"b_layout must be 'nr' (L, n, r) or 'rn' (L, r, n), got {b_layout!r}")
@@ -495,7 +516,7 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
     widths = []
     for s, b in enumerate(lora_b):
         width, b_rank = (b.shape[1], b.shape[2]) if b_layout == "nr" else (b.shape[2], b.shape[1])
-        if b.shape[0] != num_slots or b_rank != r or b.dtype != lora_b[0].dtype:
+        if b.shape[0] != num_slots or b_rank != r or (b.dtype != lora_b[0].dtype and b_scales is None):
             raise ValueError(f"lora_b[{s}] has shape {b.shape} dtype {b.dtype}; expected {num_slots} "
                              f"slots, rank {r} in layout {b_layout!r}, dtype {lora_b[0].dtype}")
         if not 0 <= int(offsets[s]) <= y.shape[1] - width:
@@ -504,14 +525,16 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
         widths.append(width)
     bias, has_bias, scaled = epilogue_vectors(bias, col_scale, s_count)
     plan = plan_expand(t, widths, r, num_slots, _round_up(s_count * r, 128), b_layout, has_bias,
-                       lora_b[0].dtype.itemsize, tm_max=tm_max, tn_max=tn_max,
+                       max(b.dtype.itemsize for b in lora_b), tm_max=tm_max, tn_max=tn_max,
                        chunked=lora_ranks is not None, scaled=scaled)
     tpu_rules.check_blocks(plan.block_uses())
-    inplace, scatter = _inplace_plans(plan, offsets, y, tn_max) if allow_inplace else (None, None)
+    b_scales = scales_by_slice(b_scales, s_count, num_slots, widths)
+    inplace_ok = allow_inplace and b_scales is None
+    inplace, scatter = _inplace_plans(plan, offsets, y, tn_max) if inplace_ok else (None, None)
     scatter = scatter if row_dma else None
     ranks = _ranks_or_full(lora_ranks, num_slots, r)
     return _expand_call(buf, tuple(lora_b), y, meta, ranks, bias,
-                        jnp.asarray([int(o) for o in offsets], jnp.int32), plan=plan, inplace=inplace,
+                        jnp.asarray([int(o) for o in offsets], jnp.int32), b_scales, plan=plan, inplace=inplace,
                         scatter=scatter,
                         add_inputs=bool(add_inputs), row_order=row_order, interpret=current_interpret())
 
