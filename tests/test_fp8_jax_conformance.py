@@ -285,6 +285,27 @@ def test_wrapper_shrink_expand_and_embedding_take_scales(impl):
         w.add_expand(y, want_buf.astype(np.float32), (qb,), None, (24,))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wrapper_several_adapters_per_token_fp8(impl):
+    """A step with several adapters per token (weighted pairs) and fp8 A / B: y[t] += sum_j w[t, j] *
+    (scale * a_scale * x @ A_q.T) @ (b_scale * B_q).T over the token's pairs, against the oracle."""
+    from jax_lora import LoRAMapping, PunicaWrapper
+
+    rng = np.random.default_rng(10)
+    ids = [(1, 3), (2,), (), (3, 1), (1,), (2, 3)]
+    weights = [(0.5, -0.25), (2.0,), (), (1.0, 1.5), (0.75,), (0.3, 0.6)]
+    w = PunicaWrapper(max_num_batched_tokens=8, max_batches=8, max_loras=L,
+                      backend="xla" if impl == "deterministic" else impl, deterministic=impl == "deterministic")
+    w.update_metadata(LoRAMapping(ids, (0,) * len(ids), False, weights), [1, 2, 3], L + 1, 64)
+    x, y = _rand(rng, len(ids), H), _rand(rng, len(ids), 24)
+    (qa, sa), (qb, sb) = quantise(_rand(rng, L, R, H)), quantise(_rand(rng, L, 24, R))
+    got = _call(impl, w.add_lora_linear, y, x, (qa,), (qb,), None, 0.5, (24,), lora_a_scale=(sa,),
+                lora_b_scale=(sb,))
+    slots = [[i - 1 for i in t] for t in ids]
+    want = oracle.multi_lora_linear(y, x, [dequantise(qa, sa)], [dequantise(qb, sb)], 0.5, slots, weights)
+    _assert_close(got, want, "float32")
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 def _shrink_args():

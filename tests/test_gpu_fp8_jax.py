@@ -50,7 +50,7 @@ def test_jax_fp8_ops_on_the_default_gpu_backend(caplog, dtype, tol):
     qb0, sb0 = quantise(rng.standard_normal((slots, widths[0], rank)).astype(np.float32) / 4)
     b1 = np.asarray(jnp.asarray(rng.standard_normal((slots, widths[1], rank)).astype(np.float32) / 4, dtype))
     y = np.asarray(jnp.asarray(rng.standard_normal((t, sum(widths))).astype(np.float32), dtype))
-    put = lambda v: jax.device_put(v, dev)                                           # noqa: E731
+    put = lambda v: jax.device_put(v, dev)
     meta = jax.device_put(build_kernel_meta(idx, t, max_loras=slots), dev)
     with caplog.at_level(logging.INFO, logger="jax_lora"):
         buf = ops.lora_shrink(put(x), [put(q) for q, _ in a], meta, 0.5, lora_a_scale=[put(s) for _, s in a])

@@ -130,9 +130,9 @@ def expand(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks=None, bias=None
 def linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks=None, bias=None, *, pairs=None, **options):
     """`linear_op.linear`; with adapter pairs the pairs' shrink then their expand (`pairs_op`)."""
     if pairs is not None:
-        buf = shrink(x, lora_a, meta, scale, lora_ranks, pairs=pairs)
+        buf = shrink(x, lora_a, meta, scale, lora_ranks, pairs=pairs, a_scales=options.get("a_scales"))
         return expand(buf, lora_b, y, meta, offsets, True, lora_ranks, bias, pairs=pairs,
-                      col_scale=options.get("col_scale"))
+                      col_scale=options.get("col_scale"), b_scales=options.get("b_scales"))
     return linear_op.linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, **options)
 
 __all__ = [
