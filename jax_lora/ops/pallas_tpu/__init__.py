@@ -49,6 +49,11 @@ How (the megablox `gmm` pattern, applied to the LoRA metadata of contract sectio
      path); shrink's epilogue puts rows back in token order (sorted order), applies `scale` and
      zeroes rows without a LoRA.
 
+fp8 weights (e4m3, `a_scales` / `b_scales`): the weight blocks are fetched as stored, 1 byte per
+weight, and upcast in the kernels (`common._dot`); the per-channel scales multiply the float32
+products once, in the shrink's epilogue (with `scale`) and in the expand's XLA epilogue (before the
+bias), so an fp8 expand runs the delta kernel and an fp8 `linear` a shrink then an expand.
+
 Layouts, dense in the 128 lanes: the shrink output packs the S slices side by side in the lane
 dim, (rows, P) with P = round_up(S * r, 128) (three rank-16 slices share one lane tile); the expand
 kernel reads that packed buffer. A (L, r, H) is lane-dense as stored (H in lanes). vLLM's B layout
