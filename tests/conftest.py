@@ -48,6 +48,7 @@ SLOW_TESTS = (
     "tests/test_fp8_jax_conformance.py::test_wrapper_add_lora_linear_fp8_matches_oracle[*pallas_tpu]",
     "tests/test_fp8_jax_conformance.py::test_wrapper_shrink_expand_and_embedding_take_scales[*pallas_tpu]",
     "tests/test_fp8_jax_conformance.py::test_wrapper_several_adapters_per_token_fp8[*]",
+    "tests/test_fp8_jax_conformance.py::test_pallas_expand_fp8_in_place_kernels[*]",
     "tests/test_fp8_jax_serving.py::test_fp8_slot_writes_keep_one_compiled_program",
     "tests/test_fp8_jax_serving.py::test_serving_engine_with_fp8_adapters_equals_dequantised_merged_model",
     # the serving engine over a quantized Llama, per quantization (10-17 s each)

@@ -179,6 +179,31 @@ def test_bgmv_and_sgmv_take_w_scale(impl):
     _assert_close(got, oracle.shrink(x, [a_deq], seg_idx, 1.0)[0], "float32")
 
 
+@pytest.mark.parametrize("row_order", ["token", "sorted"])
+def test_pallas_expand_fp8_in_place_kernels(row_order):
+    """pallas_tpu.expand on 128-aligned slices (y updated in place: by blocks in token order, by row
+    DMAs in sorted order) with fp8 B scales read as (1, tn) blocks and a LoRA bias on one slice:
+    y += b_scale * buf @ B_q.T + bias, against the oracle."""
+    from jax_lora.ops import pallas_tpu
+    from jax_lora.ops.pallas_tpu import plans
+
+    rng = np.random.default_rng(11)
+    idx = np.array([0, 2, -1, 1, 1, 0, 2, -1, 0, 2, 1, 0, 1, 1, -1, 2], np.int32)
+    t, widths = len(idx), (128, 128)
+    buf = _rand(rng, 2, t, R)
+    (q0, s0), (q1, s1) = quantise(_rand(rng, L, 128, R)), quantise(_rand(rng, L, 128, R))
+    bias = (None, _rand(rng, L, 128))
+    y = _rand(rng, t, 384)
+    plan = plans.plan_expand(t, widths, R, L, 128, "nr", (False, True), 1, w_scaled=(True, True))
+    assert plans.plan_inplace(plan, (128, 256), 384, 4, by_rows=row_order == "sorted") is not None
+    meta = build_kernel_meta(idx, t, max_loras=L)
+    with races_checked():
+        got = pallas_tpu.expand(buf, (q0, q1), y, meta, (128, 256), True, None, bias, row_order=row_order,
+                                b_scales=(s0, s1))
+    want = oracle.expand(buf, [dequantise(q0, s0), dequantise(q1, s1)], y, idx, 128, True, bias)
+    _assert_close(got, want, "float32")
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas_tpu"])
 def test_fp8_accuracy_against_16_bit_weights(impl):
     """Quantised on the fly from bfloat16 weights, the fp8 LoRA delta (shrink then expand) is within

@@ -51,8 +51,8 @@ How (the megablox `gmm` pattern, applied to the LoRA metadata of contract sectio
 
 fp8 weights (e4m3, `a_scales` / `b_scales`): the weight blocks are fetched as stored, 1 byte per
 weight, and upcast in the kernels (`common._dot`); the per-channel scales multiply the float32
-products once, in the shrink's epilogue (with `scale`) and in the expand's XLA epilogue (before the
-bias), so an fp8 expand runs the delta kernel and an fp8 `linear` a shrink then an expand.
+products once, in the shrink's epilogue (with `scale`) and in the expand kernels ((1, tn) blocks of
+the B scales, before the bias); an fp8 `linear` runs as a shrink then an expand.
 
 Layouts, dense in the 128 lanes: the shrink output packs the S slices side by side in the lane
 dim, (rows, P) with P = round_up(S * r, 128) (three rank-16 slices share one lane tile); the expand

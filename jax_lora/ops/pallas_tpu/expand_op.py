@@ -12,9 +12,9 @@ width (`plan_inplace`). B comes in vLLM's layout (L, n, r) or rank-major (L, r, 
 (`transpose_lora_b`).
 
 fp8 weights: an e4m3 B block is loaded as stored and upcast in the kernel (`_dot`), the product
-accumulates in float32, and the output-row scale b_scale_s[idx[t], n] multiplies it once per
-column in the XLA epilogue (`_add_deltas`), before the bias: a call with B scales runs the delta
-kernel (the in-place kernels take no scale blocks).
+accumulates in float32 over the rank chunks, and the slot's output-row scales (a (1, tn) block of
+b_scale_s (L, n_s), fetched like the bias) multiply it once, before the bias (`_slice_delta`), in
+every kernel.
 """
 
 from __future__ import annotations
@@ -63,9 +63,22 @@ from .schedule import (
 
 # -------------------------------------------------------------------------------------- kernels
 
-def _slice_delta(plan: ExpandPlan, s: int, buf_ref, b_refs, bias_ref, slot_rank):
-    """(tm, tn) float32: extract_s(buf_tile) @ B_s[slot].T (+ bias; a DoRA scale is applied by the
-    caller, after y is added: `_scaled`), summed over B's rank chunks;
+def _slice_refs(plan: ExpandPlan, refs) -> tuple:
+    """(per slice (B chunk refs, epilogue vector ref or None, fp8 B scale ref or None), the index of
+    the first ref after them): the kernels' weight operands, in `_weight_specs` order."""
+    ins, k = [], 0
+    for s in range(len(plan.widths)):
+        vec = refs[k + plan.chunks] if plan.has_bias[s] else None
+        k_scale = k + plan.chunks + plan.has_bias[s]
+        ins.append((refs[k:k + plan.chunks], vec, refs[k_scale] if plan.has_w_scale(s) else None))
+        k = k_scale + plan.has_w_scale(s)
+    return ins, k
+
+
+def _slice_delta(plan: ExpandPlan, s: int, buf_ref, b_refs, bias_ref, slot_rank, w_scale_ref=None):
+    """(tm, tn) float32: extract_s(buf_tile) @ B_s[slot].T (times the fp8 B's output-row scales
+    `w_scale_ref`, once after the sum; + bias; a DoRA scale is applied by the caller, after y is
+    added: `_scaled`), summed over B's rank chunks;
     a chunk past the slot's rank (another slot's rows, its fetch skipped) is masked out. Buffer lanes
     outside the chunk's real rank columns and B's rank padding are selected away before any product
     (values there may be anything, NaN included)."""
@@ -78,6 +91,8 @@ def _slice_delta(plan: ExpandPlan, s: int, buf_ref, b_refs, bias_ref, slot_rank)
         b_tile = _below(b_refs[c][...], rank_here, 1 if plan.b_layout == "nr" else 0)
         d = _dot(part, b_tile, (1, 1) if plan.b_layout == "nr" else (1, 0))          # (tm, tn)
         delta = d if delta is None else delta + d
+    if w_scale_ref is not None:
+        delta = delta * w_scale_ref[...]
     if bias_ref is not None and not plan.is_scaled(s):
         delta = delta + bias_ref[...].astype(jnp.float32)
     return delta
@@ -94,10 +109,7 @@ def _expand_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, row_s
     """Grid (j, i): for the slice s owning column tile j,
     delta_s[tile rows, tile cols] = extract_s(buf_tile) @ B_s[slot].T (+ bias_s[slot]), group rows only."""
     s_count = len(plan.widths)
-    ins, k = [], 0  # per slice: (B chunk refs, bias ref or None)
-    for s in range(s_count):
-        ins.append((refs[k:k + plan.chunks], refs[k + plan.chunks] if plan.has_bias[s] else None))
-        k += plan.chunks + plan.has_bias[s]
+    ins, k = _slice_refs(plan, refs)
     outs = refs[k:k + s_count]
     j, i = pl.program_id(0), pl.program_id(1)
     live = live_ref[i] == 1
@@ -108,7 +120,7 @@ def _expand_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, row_s
 
         @pl.when(live & mine)
         def _compute(s=s):
-            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]])
+            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]], ins[s][2])
             out_ref = outs[s]
             rows = _row_mask(row_slot_ref, slot_ref[i])
             out_ref[...] = jnp.where(rows, delta, out_ref[...])
@@ -120,10 +132,7 @@ def _expand_inplace_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
     each group writes its rows: y = cast((y if add_inputs else 0) + buf @ B.T + bias), once (a
     DoRA slice: cast(g * ((y if add_inputs else 0) + buf @ B.T)))."""
     s_count = len(plan.widths)
-    ins, k = [], 0  # per slice: (B chunk refs, bias ref or None)
-    for s in range(s_count):
-        ins.append((refs[k:k + plan.chunks], refs[k + plan.chunks] if plan.has_bias[s] else None))
-        k += plan.chunks + plan.has_bias[s]
+    ins, k = _slice_refs(plan, refs)
     y_in, y_out = refs[k], refs[k + 1]
     j, i = pl.program_id(0), pl.program_id(1)
     live = live_ref[i] == 1
@@ -138,7 +147,7 @@ def _expand_inplace_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
 
         @pl.when(live & mine)
         def _compute(s=s):
-            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]])
+            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]], ins[s][2])
             if add_inputs:
                 delta = delta + y_in[...].astype(jnp.float32)
             delta = _scaled(plan, s, delta, ins[s][1])
@@ -163,10 +172,7 @@ def _expand_scatter_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
     tile's last step the rows are
     DMA'd back. Only tokens with a LoRA are read or written."""
     s_count, tm, tn = len(plan.widths), plan.tm, plan.tn[0]
-    ins, k = [], 0
-    for s in range(s_count):
-        ins.append((refs[k:k + plan.chunks], refs[k + plan.chunks] if plan.has_bias[s] else None))
-        k += plan.chunks + plan.has_bias[s]
+    ins, k = _slice_refs(plan, refs)
     _, y_hbm, ybuf, sem = refs[k], refs[k + 1], refs[k + 2], refs[k + 3]  # y in (aliased), y out
     j, i = pl.program_id(0), pl.program_id(1)
     cap = tile_ref.shape[0]
@@ -192,7 +198,7 @@ def _expand_scatter_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
 
         @pl.when((live_ref[i] == 1) & mine)
         def _compute(s=s):
-            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]])
+            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]], ins[s][2])
             if add_inputs:
                 delta = delta + ybuf[...].astype(jnp.float32)
             delta = _scaled(plan, s, delta, ins[s][1])
@@ -255,7 +261,7 @@ class _ExpandOperands(NamedTuple):
     b_scales: tuple | None = None  # None or S (L, n_s) float32 (ones for 16-bit slices): fp8 B scales
 
 
-def _delta_blocks(plan: ExpandPlan, lora_b, bias):
+def _delta_blocks(plan: ExpandPlan, lora_b, bias, b_scales=None):
     """BlockSpecs and operands of the delta kernel (`_expand_kernel`) on grid (j, i):
     (in_specs, weight operands, out_specs, out_shapes), one float32 (tp, n_s) delta per slice."""
     r, tm = plan.rank, plan.tm
@@ -276,6 +282,9 @@ def _delta_blocks(plan: ExpandPlan, lora_b, bias):
         if plan.has_bias[s]:
             in_specs.append(pl.BlockSpec((None, 1, tn), bias_map))
             operands.append(bias[s].reshape(plan.num_slots, 1, width))
+        if plan.has_w_scale(s):
+            in_specs.append(pl.BlockSpec((None, 1, tn), bias_map))
+            operands.append(b_scales[s].reshape(plan.num_slots, 1, width))
         out_specs.append(pl.BlockSpec((tm, tn), out_map))
         out_shapes.append(jax.ShapeDtypeStruct((tp, width), jnp.float32))
     return in_specs, operands, out_specs, out_shapes
@@ -309,19 +318,13 @@ def _run_delta(args: _ExpandOperands, plan: ExpandPlan, blocks, sched: Schedule,
 def _add_deltas(args: _ExpandOperands, plan: ExpandPlan, rows: _Rows, deltas) -> jax.Array:
     """The delta path's XLA epilogue: y[:, slice s] = cast((y if add_inputs else 0) + deltas[s])
     in float32 with one cast, times g[idx[t]] for a DoRA slice; rows without LoRA keep y.
-    deltas: S (T, n_s) in token order. With fp8 B scales the deltas come without bias: each is
-    multiplied by b_scale_s[idx[t]] and the bias added here."""
+    deltas: S (T, n_s) in token order."""
     out = args.y
     has_lora = rows.has_lora
-    own = jnp.maximum(rows.idx, 0)
     for s in range(len(plan.widths)):
         width = plan.widths[s]
         old = lax.dynamic_slice_in_dim(out, args.offsets[s], width, axis=1)
         new = deltas[s]
-        if args.b_scales is not None:
-            new = new * jnp.take(args.b_scales[s], own, axis=0)
-            if plan.has_bias[s] and not plan.is_scaled(s):
-                new = new + jnp.take(args.bias[s], own, axis=0).astype(jnp.float32)
         if args.add_inputs:
             new = new + old.astype(jnp.float32)
         if plan.is_scaled(s):
@@ -344,6 +347,9 @@ def _weight_blocks(args: _ExpandOperands, plan: ExpandPlan, inplace: ExpandPlan,
         if plan.has_bias[s]:
             specs.append(pl.BlockSpec((None, 1, tn), bias_map))
             ops.append(args.bias[s].reshape(plan.num_slots, 1, plan.widths[s]))
+        if plan.has_w_scale(s):
+            specs.append(pl.BlockSpec((None, 1, tn), bias_map))
+            ops.append(args.b_scales[s].reshape(plan.num_slots, 1, plan.widths[s]))
     return specs, ops
 
 
@@ -425,16 +431,11 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
     args = _ExpandOperands(lora_b, y, ranks, bias, offsets, add_inputs, interpret, b_scales)
     t, tp = plan.num_tokens, plan.tiles_m * plan.tm
     # The delta kernel adds biases only: a DoRA scale multiplies y + delta, which only the XLA
-    # epilogue sees on that path (`_add_deltas`), so its plan reads no scale blocks. With fp8 B
-    # scales the epilogue scales the delta and then adds the bias: the kernel reads neither.
-    if b_scales is not None:
-        dplan = dataclasses.replace(plan, has_bias=tuple(False for _ in plan.has_bias), scaled=())
-    elif plan.scaled:
-        dplan = dataclasses.replace(plan, has_bias=tuple(b and not plan.is_scaled(s) for s, b in
-                                                         enumerate(plan.has_bias)), scaled=())
-    else:
-        dplan = plan
-    blocks = _delta_blocks(dplan, lora_b, bias)  # traced here, outside the branches that share it
+    # epilogue sees on that path (`_add_deltas`), so its plan reads no DoRA blocks (fp8 B scales
+    # multiply the product itself: the kernel reads them on every path).
+    dplan = dataclasses.replace(plan, has_bias=tuple(b and not plan.is_scaled(s) for s, b in enumerate(plan.has_bias)),
+                                scaled=()) if plan.scaled else plan
+    blocks = _delta_blocks(dplan, lora_b, bias, b_scales)  # traced here, outside the branches that share it
 
     def token_order(packed_rows):
         row_slot = _pad_rows(rows.idx, tp, -1)
@@ -501,7 +502,7 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
     slices. When the slices sit on 128-column boundaries and T is a multiple of the row tile, the
     token-order path updates y in place in the kernel (`plan_inplace`); otherwise the kernel writes
     a float32 delta that XLA adds to y. b_scales: None or S entries of None / (L, n_s) float32, the
-    output-row scales of e4m3 slices (module docstring; the delta path).
+    output-row scales of e4m3 slices (module docstring).
     """
     if b_layout not in ("nr", "rn"):
         raise ValueError(f"b_layout must be 'nr' (L, n, r) or 'rn' (L, r, n), got {b_layout!r}")
@@ -524,13 +525,13 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
                              f"{y.shape[1]} columns")
         widths.append(width)
     bias, has_bias, scaled = epilogue_vectors(bias, col_scale, s_count)
+    b_scales = scales_by_slice(b_scales, s_count, num_slots, widths)
     plan = plan_expand(t, widths, r, num_slots, _round_up(s_count * r, 128), b_layout, has_bias,
                        max(b.dtype.itemsize for b in lora_b), tm_max=tm_max, tn_max=tn_max,
-                       chunked=lora_ranks is not None, scaled=scaled)
+                       chunked=lora_ranks is not None, scaled=scaled,
+                       w_scaled=None if b_scales is None else (True,) * s_count)
     tpu_rules.check_blocks(plan.block_uses())
-    b_scales = scales_by_slice(b_scales, s_count, num_slots, widths)
-    inplace_ok = allow_inplace and b_scales is None
-    inplace, scatter = _inplace_plans(plan, offsets, y, tn_max) if inplace_ok else (None, None)
+    inplace, scatter = _inplace_plans(plan, offsets, y, tn_max) if allow_inplace else (None, None)
     scatter = scatter if row_dma else None
     ranks = _ranks_or_full(lora_ranks, num_slots, r)
     return _expand_call(buf, tuple(lora_b), y, meta, ranks, bias,
