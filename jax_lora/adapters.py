@@ -12,10 +12,19 @@ loads adapters on demand (host LRU cache, then disk), evicts the least recently 
 by the current batch, and writes a slot with one jitted update whose shapes never change, so
 load / unload / hot-swap never recompile the serving step. For layers split over a mesh
 (jax_lora.parallel), a slot's weights go to each device as that device's block only.
+
+fp8 storage: `AdapterManager(model, lora_dtype="fp8")` (or layers built with lora_dtype="fp8")
+keeps the linear layers' adapter weights in e4m3 with per-channel float32 scales. A 16-bit (or
+float32) PEFT adapter is quantised when it is prepared, after its scaling is folded into B: per
+output channel c of each weight, scale[c] = amax(|w[c, :]|) / 448 (1 for an all-zero channel),
+w_q = e4m3(clip(w / scale[c], -448, 448)) (jax_lora.quant.quantize_rows); the host cache holds the
+quantised form. The scales are arrays of fixed shape beside the weights, so the serving step is
+still compiled once per bucket.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -39,9 +48,10 @@ from lora_core.peft.experts import EXPERT_KIND
 from . import nn as lnn
 from . import parallel
 from .moe import MoEExperts
-from .quant import QuantizedLinear
+from .quant import QuantizedLinear, quantize_rows
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+_LOG = logging.getLogger("jax_lora")
 
 __all__ = [
     "AdapterError",
@@ -244,8 +254,26 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
             dtype = layers[path].w13_lora_a.get_value().dtype
             parts = [v for k, v in parts.items() if k != "adapter_enabled"]
         else:
-            dtype = layers[path].lora_a.get_value().dtype
+            # fp8 layers hold the factors quantised with a float32 scale: their range is float32's
+            dtype = "float32" if _is_fp8(layers[path]) else layers[path].lora_a.get_value().dtype
         checks.check_placed_adapter(adapter.label, path, parts, dtype)
+    return out
+
+
+def _is_fp8(layer) -> bool:
+    return getattr(layer, "lora_dtype", None) == "fp8"
+
+
+def quantize_prepared(model: nnx.Module, placed: dict) -> dict:
+    """prepare_adapter's {path: (A, B)} with the fp8 layers' entries quantised per output channel:
+    (A_q (S, r, in) e4m3, B_q (out, r) e4m3, a_scale (S, r), b_scale (out,) float32)
+    (jax_lora.quant.quantize_rows); other layers' entries unchanged."""
+    layers = lnn.lora_layers(model)
+    out = dict(placed)
+    for path, parts in placed.items():
+        if _is_fp8(layers[path]):
+            (qa, sa), (qb, sb) = quantize_rows(parts[0]), quantize_rows(parts[1])
+            out[path] = (qa, qb, sa, sb)
     return out
 
 
@@ -305,7 +333,8 @@ def _slot_variables(layer) -> tuple:
     """The names of a multi-LoRA layer's per-slot variables, in the order AdapterManager writes them."""
     if isinstance(layer, lnn.MultiLoRAExperts):
         return tuple(type(layer).slot_axis)
-    return ("lora_a", "lora_b", "lora_ranks") + (("lora_scale",) if getattr(layer, "dora", False) else ())
+    return (("lora_a", "lora_b", "lora_ranks") + (("lora_scale",) if getattr(layer, "dora", False) else ())
+            + (("lora_a_scale", "lora_b_scale") if _is_fp8(layer) else ()))
 
 
 def _largest_rank(prepared: tuple) -> int:
@@ -332,6 +361,11 @@ class AdapterManager(SlotTable):
       model: the NNX model (after add_lora / replace_lora_layers). Its LoRA layers' variables are
         updated in place (new arrays of the same shapes); `version` increases with every write.
       host_cache_size: adapters kept prepared on the host (LRU) so a reload skips the disk.
+      lora_dtype: None (each layer's storage as built) or "fp8": every MultiLoRALinear stores its
+        adapter weights in e4m3 with per-channel float32 scales (`MultiLoRALinear.use_fp8`; new
+        variables, so build the manager before the serving step is first traced); adapters are
+        quantised when prepared (module docstring). Embedding, LM-head and expert layers keep their
+        16-bit storage (said on the `jax_lora` logger).
 
     Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
     `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
@@ -350,11 +384,20 @@ class AdapterManager(SlotTable):
     slot whatever the LRU would evict (lora_core.adapter_slots, "Pinning").
     """
 
-    def __init__(self, model: nnx.Module, *, host_cache_size: int = 8):
+    def __init__(self, model: nnx.Module, *, host_cache_size: int = 8, lora_dtype=None):
         self.model = model
         self.layers = lnn.lora_layers(model)
         if not self.layers:
             raise AdapterError(f"{type(model).__name__} has no multi-LoRA layers")
+        self.lora_dtype = lnn.check_lora_dtype(lora_dtype)
+        if lora_dtype == "fp8":
+            for layer in self.layers.values():
+                if isinstance(layer, lnn.MultiLoRALinear):
+                    layer.use_fp8()
+            kept = sorted(p for p, layer in self.layers.items() if not isinstance(layer, lnn.MultiLoRALinear))
+            if kept:
+                _LOG.info("lora_dtype='fp8': the linear layers store e4m3 adapter weights; %s keep 16-bit storage "
+                          "(embeddings, LM head, experts)", ", ".join(kept))
         slots = {l.max_loras for l in self.layers.values()}
         if len(slots) != 1:
             raise AdapterError(f"the model's LoRA layers disagree on max_loras: {sorted(slots)}")
@@ -377,7 +420,7 @@ class AdapterManager(SlotTable):
     def _prepare_uncounted(self, adapter: PeftAdapter) -> tuple:
         """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}, dora_scales' {path: g}): one
         slot's host data."""
-        return (prepare_adapter(self.model, adapter), adapter_ranks(self.model, adapter),
+        return (quantize_prepared(self.model, prepare_adapter(self.model, adapter)), adapter_ranks(self.model, adapter),
                 dora_scales(self.model, adapter))
 
     def _largest_rank(self, prepared: tuple) -> int:
@@ -402,6 +445,9 @@ class AdapterManager(SlotTable):
             if n == "lora_scale":                  # an empty slot, a plain LoRA adapter, a layer it skips: 1
                 g = None if prepared is None else prepared[2].get(path)
                 new.append(np.ones(shape, np.float32) if g is None else g)
+            elif n in ("lora_a_scale", "lora_b_scale"):    # fp8 channel scales; an empty slot: 1
+                new.append(np.ones(shape, np.float32) if prepared is None
+                           else prepared[0][path][2 if n == "lora_a_scale" else 3])
             elif isinstance(layer, lnn.MultiLoRAExperts) and n != "lora_ranks":
                 new.append((_experts_zeros(layer) if prepared is None else prepared[0][path])[n])
             elif prepared is None:

@@ -23,6 +23,13 @@ layer only, so the same model serves the "no adapters" baseline.
 `replace_lora_layers(model, targets, ...)` swaps the targeted `nnx.Linear` / `nnx.Embed` layers of any
 NNX model for these layers, in place. Filter the adapter state with `nnx.state(model, LoRAWeight)`.
 
+fp8 adapter weights: `MultiLoRALinear(..., lora_dtype="fp8")` (or `replace_lora_layers(...,
+lora_dtype="fp8")`, `AdapterManager(model, lora_dtype="fp8")`) stores lora_a and lora_b in e4m3
+with per-output-channel float32 scales beside them, `lora_a_scale` (S, L, r) and `lora_b_scale`
+(L, out): w[..., c, k] ~ scale[..., c] * float32(w_q[..., c, k]) (jax_lora.quant.quantize_rows). The
+wrapper applies the scales once per channel after the float32 sums. Embedding, LM-head and expert
+layers keep their 16-bit storage.
+
 Tensor parallelism: `jax_lora.parallel.shard_layer` splits a layer over a mesh axis and sets its
 static `tp` attribute; with a wrapper installed, the call then runs per device (`tp.apply`), and
 without one the base layer runs as XLA partitions it.
@@ -42,7 +49,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .moe import ExpertOrder, MoEExperts
-from .quant import QuantizedLinear
+from .quant import QuantizedLinear, quantize_rows
 
 __all__ = [
     "LORA_LAYER_TYPES",
@@ -100,6 +107,18 @@ def _check_int(name: str, v: int) -> int:
     return int(v)
 
 
+LORA_DTYPES = (None, "fp8")
+"""The adapter storage choices: None (the layer's dtype) or "fp8" (e4m3 + per-channel float32 scales)."""
+
+
+def check_lora_dtype(lora_dtype) -> str | None:
+    """lora_dtype as given when it is None or "fp8"; a ValueError naming it otherwise."""
+    if lora_dtype not in LORA_DTYPES:
+        raise ValueError(f"lora_dtype must be None (the adapter weights in the layer's dtype) or 'fp8' (e4m3 with "
+                         f"per-channel float32 scales), got {lora_dtype!r}")
+    return lora_dtype
+
+
 def _check_linear_base(base) -> None:
     if not isinstance(base, (nnx.Linear, QuantizedLinear)):
         raise TypeError(f"base must be an nnx.Linear or a jax_lora.quant.QuantizedLinear, got {type(base).__name__}")
@@ -122,6 +141,8 @@ class MultiLoRALinear(nnx.Module):
       output_slices: widths of the fused outputs (q, k, v / gate, up), summing to `out`; default
         one slice. dtype: of the adapter weights (default: the base kernel's; over a quantized
         base, its activation dtype).
+      lora_dtype: None (weights in `dtype`) or "fp8": lora_a / lora_b in e4m3 with float32 scales
+        `lora_a_scale` (S, L, r) and `lora_b_scale` (L, out) (ones until an adapter is written).
 
     __call__(x (..., in), punica=None) -> (..., out): `base(x)` plus, per token t with slot
     i = idx[t] >= 0, `x[t] @ A_s[i].T @ B_s[i].T` at each slice's columns (the wrapper's
@@ -136,8 +157,9 @@ class MultiLoRALinear(nnx.Module):
     """
 
     def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int,
-                 output_slices: Sequence[int] | None = None, dtype=None, dora: bool = False):
+                 output_slices: Sequence[int] | None = None, dtype=None, dora: bool = False, lora_dtype=None):
         _check_linear_base(base)
+        check_lora_dtype(lora_dtype)
         if dora and isinstance(base, QuantizedLinear):
             raise ValueError("dora=True needs a float base layer (DoRA's column scale reads the base kernel); this "
                              f"base is a {base.quantize} QuantizedLinear: serve DoRA adapters over a float model")
@@ -159,6 +181,26 @@ class MultiLoRALinear(nnx.Module):
         if self.dora:
             self.lora_scale = LoRAWeight(jnp.ones((max_loras, self.out_features), jnp.float32))
         self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
+        self.lora_dtype = None
+        if lora_dtype == "fp8":
+            self.use_fp8()
+
+    def use_fp8(self) -> bool:
+        """Stores the adapter weights in e4m3 with per-channel float32 scales (`lora_a_scale` (S, L, r),
+        `lora_b_scale` (L, out)), the weights held now quantised (jax_lora.quant.quantize_rows);
+        returns whether the storage changed (False when it is fp8 already). New variables: call it
+        before the serving step is first traced. Refused for a layer split over a mesh."""
+        if self.lora_dtype == "fp8":
+            return False
+        if self.tp is not None:
+            raise ValueError("fp8 adapter weights are not supported on a LoRA layer split over a mesh: build the "
+                             "layers with lora_dtype='fp8' before splitting, or serve 16-bit adapters")
+        qa, sa = quantize_rows(self.lora_a.get_value())
+        qb, sb = quantize_rows(self.lora_b.get_value())
+        self.lora_a, self.lora_b = LoRAWeight(jnp.asarray(qa)), LoRAWeight(jnp.asarray(qb))
+        self.lora_a_scale, self.lora_b_scale = LoRAWeight(jnp.asarray(sa)), LoRAWeight(jnp.asarray(sb))
+        self.lora_dtype = "fp8"
+        return True
 
     def enable_dora(self) -> bool:
         """Gives the layer its DoRA column scale `lora_scale` (L, out) float32, all ones (every slot
@@ -183,9 +225,12 @@ class MultiLoRALinear(nnx.Module):
         if w is None:
             return self.base(x)
         y = self._base_without_bias(x) if self.dora else self.base(x)
+        fp8 = self.lora_dtype == "fp8"
         y = w.add_lora_linear_stacked(y, x, self.lora_a.get_value(), self.lora_b.get_value(), 1.0,
                                       self.output_slices, lora_ranks=self.lora_ranks.get_value(),
-                                      dora_scale=self.lora_scale.get_value() if self.dora else None)
+                                      dora_scale=self.lora_scale.get_value() if self.dora else None,
+                                      lora_a_scale=self.lora_a_scale.get_value() if fp8 else None,
+                                      lora_b_scale=self.lora_b_scale.get_value() if fp8 else None)
         if self.dora and self.base.bias is not None:
             y = y + self.base.bias[...].astype(y.dtype)
         return y
@@ -197,7 +242,8 @@ class MultiLoRALinear(nnx.Module):
         kwargs = {} if base.preferred_element_type is None else {"preferred_element_type": base.preferred_element_type}
         return base.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=base.precision, **kwargs)
 
-    slot_axis: ClassVar[dict] = {"lora_a": 1, "lora_b": 0, "lora_ranks": 0, "lora_scale": 0}
+    slot_axis: ClassVar[dict] = {"lora_a": 1, "lora_b": 0, "lora_ranks": 0, "lora_scale": 0, "lora_a_scale": 1,
+                                 "lora_b_scale": 0}
 
 
 class MultiLoRAEmbed(nnx.Module):
@@ -370,7 +416,7 @@ def lora_layers(model: nnx.Module) -> dict[str, nnx.Module]:
 def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], *, max_loras: int,
                         max_rank: int, output_slices: Mapping[str, Sequence[int]] | None = None,
                         logits_modules: Sequence[str] = ("lm_head",), dtype=None,
-                        dora: bool = False) -> dict[str, nnx.Module]:
+                        dora: bool = False, lora_dtype=None) -> dict[str, nnx.Module]:
     """Replaces the targeted layers of an NNX model by multi-adapter layers, in place.
 
     Args:
@@ -383,10 +429,13 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
       dtype: adapter weight dtype (default: each base layer's).
       dora: the linear layers (not the logits or embeddings) hold DoRA column scales from the start
         (without it, `MultiLoRALinear.enable_dora` adds one when the first DoRA adapter reaches a layer).
+      lora_dtype: None or "fp8": the linear layers store e4m3 weights with per-channel float32 scales
+        (MultiLoRALinear); embeddings and the logits keep `dtype`.
 
     Returns {path: new layer}. Raises ValueError when nothing matches (a typo should not silently
     give a model without adapters).
     """
+    check_lora_dtype(lora_dtype)
     output_slices = dict(output_slices or {})
     found = []
     nodes = list(nnx.iter_graph(model))
@@ -413,7 +462,7 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
         else:
             slices = output_slices.get(name, output_slices.get(leaf))
             new = MultiLoRALinear(node, max_loras=max_loras, max_rank=max_rank, output_slices=slices,
-                                  dtype=dtype, dora=dora)
+                                  dtype=dtype, dora=dora, lora_dtype=lora_dtype)
         parent = model
         for p in path[:-1]:
             parent = parent[p] if isinstance(p, int) or not hasattr(parent, str(p)) else getattr(parent, p)

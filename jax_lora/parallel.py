@@ -258,6 +258,9 @@ def shard_layer(layer, mesh: Mesh, *, kind: str, layout: str | None = None, axis
     if getattr(layer, "dora", False):
         raise ValueError("a DoRA layer (dora=True) cannot be split over a mesh: its column scale would have to "
                          "follow the layout's reduction; serve DoRA adapters with unsplit layers")
+    if getattr(layer, "lora_dtype", None) == "fp8":
+        raise ValueError("a layer with fp8 adapter weights (lora_dtype='fp8') cannot be split over a mesh yet: its "
+                         "channel scales are not laid out per device; serve fp8 adapters with unsplit layers")
     n = int(mesh.shape[axis])
     slices, in_features, rank = _layer_sizes(layer, kind)
     if layout is None:

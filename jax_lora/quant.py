@@ -35,9 +35,11 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-__all__ = ["QUANTIZED_DTYPES", "QuantizedLinear", "quantize_kernel", "quantize_model", "quantized_layers"]
+__all__ = ["QUANTIZED_DTYPES", "QuantizedLinear", "dequantize_rows", "quantize_kernel", "quantize_model",
+           "quantize_rows", "quantized_layers"]
 
 # quantize= name -> (storage dtype, qmax: the largest magnitude Q holds)
 QUANTIZED_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
@@ -68,6 +70,33 @@ def quantize_kernel(kernel, quantize: str) -> tuple:
     else:
         q = jnp.clip(q, -qmax, qmax)
     return q.astype(storage), scale
+
+
+def quantize_rows(w, quantize: str = "fp8") -> tuple:
+    """(Q (..., c, k), s (..., c) float32) of float weights (..., c, k) with one scale per row c: the
+    rule of `quantize_kernel` with the row as the channel (fp8 LoRA weights: the rows of A (L, r, H)
+    are its rank channels, those of B (L, n, r) its output channels). s = amax(|w[..., c, :]|) / qmax
+    (1 for an all-zero row); Q = e4m3(clip(w / s, -448, 448)) (int8: round then clip).
+
+    Computed in NumPy float32 on the host (adapters are quantised once, on load): the scales are the
+    correctly rounded quotients amax / qmax on every platform (XLA may divide by a constant as a
+    multiplication by its reciprocal, one ulp away). Returns NumPy arrays."""
+    storage, qmax = QUANTIZED_DTYPES[_check_quantize(quantize)]
+    w = np.asarray(w).astype(np.float32)
+    if w.ndim < 2:
+        raise ValueError(f"w must be at least 2-D (..., channels, k), got shape {tuple(w.shape)}")
+    if not np.all(np.isfinite(w)):
+        raise ValueError("w holds NaN or Inf: it cannot be quantized (no finite scale represents it)")
+    amax = np.abs(w).max(axis=-1) if w.shape[-1] else np.zeros(w.shape[:-1], np.float32)   # (..., c)
+    scale = np.where(amax > 0, amax / np.float32(qmax), np.float32(1.0)).astype(np.float32)
+    q = w / scale[..., None]
+    q = np.clip(np.round(q), -qmax, qmax) if quantize == "int8" else np.clip(q, -qmax, qmax)
+    return q.astype(jnp.dtype(storage)), scale
+
+
+def dequantize_rows(q, scale) -> jax.Array:
+    """float32 Q[..., c, k] * s[..., c]: the weights `quantize_rows` stands for."""
+    return jnp.asarray(q).astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[..., None]
 
 
 class QuantizedLinear(nnx.Module):

@@ -34,7 +34,17 @@ from lora_core.host_mapping import LoRAMapping, StepLayout, max_pair_groups, pre
 from .devices import resolve_device
 from .meta import LoRAKernelMeta
 from .ops import dispatch, fused_moe, partition
-from .ops.api import as_array, as_lora_ranks, as_slices, check_same_device, to_3d
+from .ops.api import (
+    WEIGHT_DTYPES,
+    as_array,
+    as_lora_ranks,
+    as_slices,
+    check_same_device,
+    checked_dtypes,
+    scale_keywords,
+    to_3d,
+    weight_scales,
+)
 from .warmup import warmup as _warmup
 
 __all__ = ["PunicaWrapper"]
@@ -351,35 +361,39 @@ class PunicaWrapper:
     def _check_rank(self, name: str, rank: int) -> None:
         checks.check_backend_rank(self.backend, rank, name)
 
-    def add_shrink(self, y, x, lora_a_stacked, scale: float, *, lora_ranks=None, **kwargs) -> jax.Array:
+    def add_shrink(self, y, x, lora_a_stacked, scale: float, *, lora_ranks=None, lora_a_scale=None,
+                   **kwargs) -> jax.Array:
         """y[s] = scale * x @ lora_a_stacked[s][idx].T per token (0 for -1): returns y (S, T, r).
 
-        y: (S, T, r) buffer (its dtype is kept); x: (..., H), flattened to (T, H).
+        y: (S, T, r) buffer (its dtype is kept); x: (..., H), flattened to (T, H). lora_a_scale: the
+        float32 scales of e4m3 slices (ops.lora_shrink's; None without fp8 weights).
         """
         self._refuse_pairs("add_shrink")
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         x = _flatten_tokens(as_array("x", x, checks.ACTIVATION_DTYPES), "x")
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
-                                                 [a.dtype for a in lora_a])
+                                                 checked_dtypes([a.dtype for a in lora_a]))
+        a_scales = weight_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked")
         scale = checks.as_scale(scale)
         _check_buffer("y", y, (len(lora_a), x.shape[0], rank))
         self._check_tokens("x", x.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
-        self._check_devices(x=x, lora_a_stacked=lora_a, y=y)
-        out = self._impl().shrink(x, tuple(to_3d(a) for a in lora_a), self.token_meta, scale,
-                                  as_lora_ranks(lora_ranks, num_slots))
+        self._check_devices(x=x, lora_a_stacked=lora_a, y=y, lora_a_scale=_present(a_scales))
+        impl, kw = scale_keywords(self._impl(), self.deterministic, a_scales=a_scales)
+        out = impl.shrink(x, tuple(to_3d(a) for a in lora_a), self.token_meta, scale,
+                          as_lora_ranks(lora_ranks, num_slots), **kw)
         return out.astype(y.dtype)
 
     def add_expand(self, y, x, lora_b_stacked, lora_bias_stacked, output_slices: Sequence[int],
                    offset_start: int = 0, add_inputs: bool = True, *, lora_ranks=None, dora_scale_stacked=None,
-                   **kwargs) -> jax.Array:
+                   lora_b_scale=None, **kwargs) -> jax.Array:
         """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx].
 
         y: (..., N); x: (S, T, r) or S arrays (T, r); slices laid from `offset_start`. Rows with
         index -1 are unchanged. Returns the new y (same shape). dora_scale_stacked: see
-        add_lora_linear.
+        add_lora_linear. lora_b_scale: the float32 scales of e4m3 slices (ops.lora_expand's).
         """
         self._refuse_pairs("add_expand")
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
@@ -387,17 +401,21 @@ class PunicaWrapper:
         buf = _stack_buffer(x)
         return self._expand(y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start,
                             add_inputs, self.token_meta, lora_ranks=lora_ranks,
-                            dora_scale_stacked=dora_scale_stacked).reshape(y.shape)
+                            dora_scale_stacked=dora_scale_stacked, lora_b_scale=lora_b_scale).reshape(y.shape)
 
     def _expand(self, y2, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
-                meta, cut_to_y=False, lora_ranks=None, dora_scale_stacked=None, num_slots_a=None):
+                meta, cut_to_y=False, lora_ranks=None, dora_scale_stacked=None, num_slots_a=None,
+                lora_b_scale=None):
         lora_b, offsets, bias = self._expand_args(y2, buf.shape, buf.dtype, lora_b_stacked, lora_bias_stacked,
                                                   output_slices, offset_start, cut_to_y, num_slots_a)
-        self._check_devices(x=buf, lora_b_stacked=lora_b, y=y2, lora_bias_stacked=bias)
+        b_scales = _b_scales(lora_b_stacked, lora_b_scale, lora_b)
+        self._check_devices(x=buf, lora_b_stacked=lora_b, y=y2, lora_bias_stacked=bias,
+                            lora_b_scale=_present(b_scales))
         impl = self._impl()
         extra = self._col_scale(impl, dora_scale_stacked, lora_b, bias)
+        impl, kw = scale_keywords(impl, self.deterministic, b_scales=b_scales)
         return impl.expand(buf, lora_b, y2, meta, offsets, checks.as_flag("add_inputs", add_inputs),
-                           as_lora_ranks(lora_ranks, lora_b[0].shape[0]), bias, **extra)
+                           as_lora_ranks(lora_ranks, lora_b[0].shape[0]), bias, **extra, **kw)
 
     def _col_scale(self, impl, dora_scale_stacked, lora_b, bias) -> dict:
         """{"col_scale": per slice None or (L, n_s)} for the backend, or {} without scales; checks
@@ -428,8 +446,8 @@ class PunicaWrapper:
             lora_b = tuple(b[..., : y2.shape[1], :] for b in lora_b)
             slices = tuple(min(s, y2.shape[1]) for s in slices)
         num_slots, rank, widths = checks.check_expand(buf_shape, buf_dtype, [b.shape for b in lora_b],
-                                                      [b.dtype for b in lora_b], y2.shape, y2.dtype,
-                                                      offset_start)
+                                                      checked_dtypes([b.dtype for b in lora_b]), y2.shape,
+                                                      y2.dtype, offset_start)
         checks.check_slice_widths(slices, widths)
         if num_slots_a is not None:
             checks.check_slot_counts(num_slots_a, num_slots)
@@ -448,22 +466,23 @@ class PunicaWrapper:
         return tuple(to_3d(b) for b in lora_b), offsets, bias
 
     def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs: bool = True, *, lora_ranks=None,
-                           **kwargs) -> jax.Array:
-        """y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r) looked-up LoRA-A rows; y: (T, N)."""
+                           lora_b_scale=None, **kwargs) -> jax.Array:
+        """y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r) looked-up LoRA-A rows; y: (T, N).
+        lora_b_scale: float32 (L, N) or (L,), the scale of an e4m3 lora_b_stacked."""
         self._refuse_pairs("add_lora_embedding")
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
         x = as_array("x", x, checks.ACTIVATION_DTYPES)
         if x.ndim != 2:
             raise ValueError(f"x must be 2-D (num_tokens, rank), got shape {x.shape}")
-        b = as_array("lora_b_stacked", lora_b_stacked, checks.WEIGHT_DTYPES)
+        b = as_array("lora_b_stacked", lora_b_stacked, WEIGHT_DTYPES)
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "out_features, rank")
         return self._expand(y2, x[None], (b,), None, (width,), 0, add_inputs, self.token_meta,
-                            lora_ranks=lora_ranks).reshape(y.shape)
+                            lora_ranks=lora_ranks, lora_b_scale=lora_b_scale).reshape(y.shape)
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, scale: float,
                         output_slices: Sequence[int], *, buffer=None, lora_ranks=None, dora_scale_stacked=None,
-                        **kwargs) -> jax.Array:
+                        lora_a_scale=None, lora_b_scale=None, **kwargs) -> jax.Array:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], at the slice offsets.
 
         x: (..., H) -> (T, H); y: (..., N) with N >= sum(output_slices); A_s: (L, [1,] r, H);
@@ -472,7 +491,9 @@ class PunicaWrapper:
         optional: each slot's real rank (kernels then skip the zero padding). `dora_scale_stacked`,
         optional: per slice None or (L, [1,] n_s), DoRA's column scale g of each slot
         (lora_core.dora; 1 for plain LoRA slots): a token's new slice value is g[idx] times
-        (y + delta), in the expand's epilogue. Returns the new y.
+        (y + delta), in the expand's epilogue. `lora_a_scale` / `lora_b_scale`: the float32
+        per-channel scales of e4m3 slices (per slice None or (L, r) / (L, n_s), or (L,) per tensor;
+        None without fp8 weights), applied once per channel after the float32 sums. Returns the new y.
         """
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
@@ -487,7 +508,9 @@ class PunicaWrapper:
             raise ValueError(f"x has {x2.shape[0]} tokens (shape {jnp.shape(x)}) but y has {y2.shape[0]} "
                              f"(shape {y.shape})")
         num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [a.shape for a in lora_a],
-                                                 [a.dtype for a in lora_a])
+                                                 checked_dtypes([a.dtype for a in lora_a]))
+        a_scales = weight_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked")
+        b_scales = _b_scales(lora_b_stacked, lora_b_scale, lora_b)
         scale = checks.as_scale(scale)
         if buffer is not None:
             _check_buffer("buffer", as_array("buffer", buffer, checks.SHRINK_BUFFER_DTYPES),
@@ -495,13 +518,15 @@ class PunicaWrapper:
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
-        self._check_devices(x=x2, lora_a_stacked=lora_a)
+        self._check_devices(x=x2, lora_a_stacked=lora_a, lora_a_scale=_present(a_scales),
+                            lora_b_scale=_present(b_scales))
         lora_a3 = tuple(to_3d(a) for a in lora_a)
         ranks = as_lora_ranks(lora_ranks, num_slots)
-        impl = self._impl()
+        impl, kw = scale_keywords(self._impl(), self.deterministic, a_scales=a_scales, b_scales=b_scales)
+        a_kw = {k: v for k, v in kw.items() if k == "a_scales"}
         if self.num_pairs:
             return self._linear_pairs(y2, x2, lora_a3, lora_b, lora_bias_stacked, dora_scale_stacked, scale,
-                                      output_slices, ranks, num_slots, rank, impl).reshape(y.shape)
+                                      output_slices, ranks, num_slots, rank, impl, kw).reshape(y.shape)
         if buffer is None and hasattr(impl, "linear"):  # the backend may fuse shrink and expand
             lora_b3, offsets, bias = self._expand_args(y2, (len(lora_b), x2.shape[0], rank), "float32",
                                                        lora_b, lora_bias_stacked, output_slices, 0,
@@ -509,14 +534,14 @@ class PunicaWrapper:
             self._check_devices(x=x2, lora_b_stacked=lora_b3, y=y2, lora_bias_stacked=bias)
             extra = self._col_scale(impl, dora_scale_stacked, lora_b3, bias)
             return impl.linear(y2, x2, lora_a3, lora_b3, self.token_meta, scale, offsets, ranks,
-                               bias, **extra).reshape(y.shape)
-        buf = impl.shrink(x2, lora_a3, self.token_meta, scale, ranks)
+                               bias, **extra, **kw).reshape(y.shape)
+        buf = impl.shrink(x2, lora_a3, self.token_meta, scale, ranks, **a_kw)
         return self._expand(y2, buf, lora_b, lora_bias_stacked, output_slices, 0, True, self.token_meta,
                             lora_ranks=lora_ranks, dora_scale_stacked=dora_scale_stacked,
-                            num_slots_a=num_slots).reshape(y.shape)
+                            num_slots_a=num_slots, lora_b_scale=b_scales).reshape(y.shape)
 
     def _linear_pairs(self, y2, x2, lora_a3, lora_b, lora_bias_stacked, dora_scale_stacked, scale, output_slices,
-                      ranks, num_slots, rank, impl) -> jax.Array:
+                      ranks, num_slots, rank, impl, kw=None) -> jax.Array:
         """add_lora_linear for a step with several adapters per token (contract section 10):
         y[t] += sum_j w[t, j] * scale * (x[t] @ A[slot_j].T) @ B[slot_j].T per slice."""
         if lora_bias_stacked is not None or dora_scale_stacked is not None:
@@ -526,13 +551,16 @@ class PunicaWrapper:
                                                 output_slices, 0, num_slots_a=num_slots)
         self._check_devices(x=x2, lora_b_stacked=lora_b3, y=y2)
         meta, pairs, _ = self._pair_args()
+        kw = kw or {}
         if hasattr(impl, "linear"):
-            return impl.linear(y2, x2, lora_a3, lora_b3, meta, scale, offsets, ranks, None, pairs=pairs)
-        buf = impl.shrink(x2, lora_a3, meta, scale, ranks, pairs=pairs)
-        return impl.expand(buf, lora_b3, y2, meta, offsets, True, ranks, None, pairs=pairs)
+            return impl.linear(y2, x2, lora_a3, lora_b3, meta, scale, offsets, ranks, None, pairs=pairs, **kw)
+        buf = impl.shrink(x2, lora_a3, meta, scale, ranks, pairs=pairs,
+                          **{k: v for k, v in kw.items() if k == "a_scales"})
+        return impl.expand(buf, lora_b3, y2, meta, offsets, True, ranks, None, pairs=pairs,
+                           **{k: v for k, v in kw.items() if k == "b_scales"})
 
     def add_lora_linear_stacked(self, y, x, lora_a, lora_b, scale: float, output_slices: Sequence[int], *,
-                                lora_ranks=None, dora_scale=None) -> jax.Array:
+                                lora_ranks=None, dora_scale=None, lora_a_scale=None, lora_b_scale=None) -> jax.Array:
         """add_lora_linear with the slices' weights stacked, as jax_lora.nn.MultiLoRALinear keeps them.
 
         lora_a: (S, L, r, H), slice s's A is lora_a[s]; lora_b: (L, N, r) with N = sum(output_slices),
@@ -541,7 +569,9 @@ class PunicaWrapper:
         Backend "triton" reads the slices in place (ops.triton.View: no copy of every slot's
         weights per call, which XLA makes for a slice handed to a custom call); the others get
         the slices. dora_scale: None or (L, N), the slots' DoRA column scales (add_lora_linear's
-        dora_scale_stacked, stacked the same way as B's columns).
+        dora_scale_stacked, stacked the same way as B's columns). fp8 (e4m3) lora_a / lora_b take
+        lora_a_scale (S, L, r) / lora_b_scale (L, N) float32, stacked the same way (per-tensor
+        scales: give per-slice (L,) entries to add_lora_linear).
         """
         lora_a, lora_b = as_array("lora_a", lora_a), as_array("lora_b", lora_b)
         if lora_a.ndim != 4 or lora_b.ndim != 3:
@@ -559,12 +589,17 @@ class PunicaWrapper:
             if dora_scale.shape != (lora_b.shape[0], lora_b.shape[1]):
                 raise ValueError(f"dora_scale must have shape {(lora_b.shape[0], lora_b.shape[1])} (slots, "
                                  f"sum(output_slices)), got {dora_scale.shape}")
-        if not getattr(impl, "READS_VIEWS", False) or self.num_pairs:   # (pairs: the slices, not views)
+        scaled = lora_a_scale is not None or lora_b_scale is not None
+        if not getattr(impl, "READS_VIEWS", False) or self.num_pairs or scaled:   # pairs, fp8: the slices
             return self.add_lora_linear(y, x, tuple(lora_a[s] for s in range(lora_a.shape[0])),
                                         tuple(lora_b[i] for i in b_index), None, scale, output_slices,
                                         lora_ranks=lora_ranks,
                                         dora_scale_stacked=None if dora_scale is None else
-                                        tuple(dora_scale[i] for i in b_index))
+                                        tuple(dora_scale[i] for i in b_index),
+                                        lora_a_scale=_stacked_scales("lora_a_scale", lora_a_scale, lora_a.shape[:3],
+                                                                     [(s,) for s in range(lora_a.shape[0])]),
+                                        lora_b_scale=_stacked_scales("lora_b_scale", lora_b_scale, lora_b.shape[:2],
+                                                                     b_index))
         from .ops import triton as triton_ops
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
@@ -731,6 +766,36 @@ class PunicaWrapper:
                                        expert_ids_lora, num_tokens_post_padded_lora, lora_a[0].shape[-2], top_k, None,
                                        None, adapter_enabled, True, fully_sharded, 0, token_lora_mapping,
                                        lora_ranks=lora_ranks)
+
+def _present(scales) -> list:
+    """The given (not None) entries of per-slice weight scales, for the device check."""
+    return [v for v in scales or () if v is not None]
+
+
+def _b_scales(lora_b_stacked, lora_b_scale, lora_b) -> tuple | None:
+    """Per-slice B scales checked against the B slices as given (`weight_scales`), cut to the widths
+    of `lora_b` (the 3-D slices the expand uses: a logits B is cut to y's width)."""
+    given = as_slices("lora_b_stacked", lora_b_stacked) if lora_b_scale is not None else lora_b
+    scales = weight_scales("lora_b_scale", lora_b_scale, given, "lora_b_stacked")
+    if scales is None:
+        return None
+    return tuple(None if v is None else v[:, :b.shape[-2]] for v, b in zip(scales, lora_b))
+
+
+def _stacked_scales(name: str, scales, shape: tuple, index: list):
+    """A stacked scale array (add_lora_linear_stacked's) as per-slice entries: scales[index[s]];
+    None stays None. shape: the leading weight dims it must have ((S, L, r) or (L, N))."""
+    if scales is None:
+        return None
+    got = checks.dtype_name(getattr(scales, "dtype", type(scales).__name__))
+    if got != "float32":
+        raise ValueError(f"{name} must be a float32 array, got {got}")
+    scales = jnp.asarray(scales)
+    if tuple(scales.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (one float32 scale per slot and channel, stacked "
+                         f"as the weights), got {tuple(scales.shape)}")
+    return tuple(scales[i] for i in index)
+
 
 def _host_bool(v):
     return v if isinstance(v, jax.core.Tracer) else bool(np.asarray(v))

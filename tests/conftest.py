@@ -40,6 +40,18 @@ SLOW_TESTS = (
     "tests/test_deterministic.py::test_bridged_wrappers_pass_deterministic_on[*]",
     "tests/test_moe_deterministic.py::test_request_rows_bitwise_equal_in_every_batch[jax-xla]",
     "tests/test_serving.py::test_deterministic_serving_gives_a_request_the_same_tokens_in_any_batch",
+    # fp8 adapter weights: the Pallas TPU cases in interpret mode, the pair steps, the fp8 Llama (9-35 s each)
+    "tests/test_fp8_jax_conformance.py::test_lora_shrink_fp8_slices_match_oracle[*pallas_tpu]",
+    "tests/test_fp8_jax_conformance.py::test_lora_expand_fp8_slices_match_oracle[*pallas_tpu]",
+    "tests/test_fp8_jax_conformance.py::test_fp8_with_lora_ranks_matches_oracle[*pallas_tpu]",
+    "tests/test_fp8_jax_conformance.py::test_bgmv_and_sgmv_take_w_scale[*pallas_tpu]",
+    "tests/test_fp8_jax_conformance.py::test_fp8_accuracy_against_16_bit_weights[*pallas_tpu]",
+    "tests/test_fp8_jax_conformance.py::test_wrapper_add_lora_linear_fp8_matches_oracle[*pallas_tpu]",
+    "tests/test_fp8_jax_conformance.py::test_wrapper_shrink_expand_and_embedding_take_scales[*pallas_tpu]",
+    "tests/test_fp8_jax_conformance.py::test_wrapper_several_adapters_per_token_fp8[*]",
+    "tests/test_fp8_jax_conformance.py::test_pallas_expand_fp8_in_place_kernels[*]",
+    "tests/test_fp8_jax_serving.py::test_fp8_slot_writes_keep_one_compiled_program",
+    "tests/test_fp8_jax_serving.py::test_serving_engine_with_fp8_adapters_equals_dequantised_merged_model",
     # the serving engine over a quantized Llama, per quantization (10-17 s each)
     "tests/test_quantized_base_jax.py::test_serving_engine_on_quantized_llama_equals_dequantized_merged_model[*]",
     # whole demos and models in a subprocess or through the interpreter

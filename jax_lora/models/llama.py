@@ -396,14 +396,16 @@ def _check_host_range(name: str, values, stop: int, what: str) -> None:
 # ----------------------------------------------------------------------------- LoRA
 
 def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
-             target_modules: Sequence[str] = HF_LORA_TARGETS, dtype=None, dora: bool = False) -> dict:
+             target_modules: Sequence[str] = HF_LORA_TARGETS, dtype=None, dora: bool = False,
+             lora_dtype=None) -> dict:
     """Replaces the layers that `target_modules` (Hugging Face / PEFT names) name by multi-LoRA layers.
 
     q/k/v_proj select `qkv_proj`, gate/up_proj select `gate_up_proj` (all slices get slots; an
     adapter that targets only some of them has zeros in the others). dora=True: the linear layers
     hold DoRA column scales from the start; without it a layer gets its scale when the first
     use_dora adapter reaches it (MultiLoRALinear.enable_dora: a new variable, so one recompilation
-    of a jitted step). Returns {path: layer}.
+    of a jitted step). lora_dtype="fp8": the linear layers store e4m3 adapter weights with per-channel
+    float32 scales (jax_lora.nn.MultiLoRALinear). Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
         raise TypeError(f"target_modules must be a list of module names from {HF_LORA_TARGETS} (e.g. "
@@ -420,7 +422,8 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
         raise ValueError("lm_head is tied to embed_tokens in this model (tie_word_embeddings=True); "
                          "LoRA on a tied lm_head is not supported")
     layers = lnn.replace_lora_layers(model, sorted(ours), max_loras=max_loras, max_rank=max_rank,
-                                     output_slices=model.lora_slices(), dtype=dtype, dora=dora)
+                                     output_slices=model.lora_slices(), dtype=dtype, dora=dora,
+                                     lora_dtype=lora_dtype)
     if model.mesh is not None:         # a split model: the new layers are split the same way
         model.shard(model.mesh, axis=model.tp_axis)
     return layers

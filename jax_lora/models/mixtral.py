@@ -184,12 +184,13 @@ class MixtralForCausalLM(nnx.Module):
 # ----------------------------------------------------------------------------- LoRA
 
 def add_lora(model: MixtralForCausalLM, *, max_loras: int, max_rank: int,
-             target_modules: Sequence[str] = MIXTRAL_LORA_TARGETS, dtype=None) -> dict:
+             target_modules: Sequence[str] = MIXTRAL_LORA_TARGETS, dtype=None, lora_dtype=None) -> dict:
     """Replaces the layers `target_modules` names (Hugging Face / PEFT names) by multi-LoRA layers.
 
     q/k/v_proj select `qkv_proj`; `experts` (or an expert weight's name: `gate_up_proj`,
     `down_proj`, `w1`, `w2`, `w3`, `gate_proj`, `up_proj`) selects every layer's experts
-    (jax_lora.nn.MultiLoRAExperts: both projections get slots).
+    (jax_lora.nn.MultiLoRAExperts: both projections get slots). lora_dtype="fp8": the dense linear
+    layers store e4m3 adapter weights with per-channel float32 scales; the experts keep `dtype`.
     Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
@@ -215,7 +216,8 @@ def add_lora(model: MixtralForCausalLM, *, max_loras: int, max_rank: int,
     dense = sorted(ours - {"experts"})
     if dense:
         layers.update(lnn.replace_lora_layers(model, dense, max_loras=max_loras, max_rank=max_rank,
-                                              output_slices=model.lora_slices(), dtype=dtype))
+                                              output_slices=model.lora_slices(), dtype=dtype,
+                                              lora_dtype=lora_dtype))
     if "experts" in ours:
         for i, layer in enumerate(model.model.layers):
             if isinstance(layer.mlp.experts, lnn.MultiLoRAExperts):

@@ -9,6 +9,12 @@
       metadata values (seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
       token_nums): every token of a segment uses the segment's index.
 
+fp8 weights (e4m3, `jnp.float8_e4m3fn`) come with float32 per-output-channel scales (keyword-only
+`lora_a_scale` / `lora_b_scale`, `w_scale` for BGMV/SGMV; (L, c) per channel or (L,) per tensor,
+broadcast here): w[l, c, k] ~ scale[l, c] * float32(w_q[l, c, k]); the scale is applied once per
+output channel after the float32 sum (`weight_scales`). A backend that does not apply scales hands
+the call to the xla reference, said on the logger (`scale_keywords`).
+
 Every op accumulates in float32; tokens with index -1 contribute nothing (shrink rows are 0, expand
 rows are left untouched). `backend=` forces "xla", "pallas_tpu" or "triton"; None lets the device
 decide. `deterministic=True` (every op): a token's result is bitwise the same whatever the batch it
@@ -28,6 +34,8 @@ of bounds and contribute nothing. SGMV segment arguments: see segment_indices.
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -38,13 +46,14 @@ from lora_core import checks, segments
 from lora_core.kernel_meta import KernelMeta
 
 from ..meta import LoRAKernelMeta, build_kernel_meta
-from . import dispatch
+from . import dispatch, invariant
 from .fused_moe import fused_moe_lora, moe_lora_align_block_size  # noqa: F401 - re-exported with the other ops
 
 __all__ = ["lora_shrink", "lora_expand", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
            "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"]
 
 ArrayLike = jax.Array | np.ndarray
+_LOG = logging.getLogger("jax_lora")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -103,8 +112,10 @@ def check_host_int32(name: str, a) -> None:
         checks.check_int32_range(name, int(a.min()), int(a.max()))
 
 
-def as_slices(name: str, stacked, dtypes: Sequence[str] = checks.WEIGHT_DTYPES) -> tuple:
-    """A tuple of arrays from a tuple/list of stacked weights or one stacked array."""
+def as_slices(name: str, stacked, dtypes: Sequence[str] | None = None) -> tuple:
+    """A tuple of arrays from a tuple/list of stacked weights or one stacked array (dtypes: default
+    WEIGHT_DTYPES, the 16-bit, float32 and fp8 weights)."""
+    dtypes = WEIGHT_DTYPES if dtypes is None else dtypes
     if isinstance(stacked, (list, tuple)):
         if any(w is None for w in stacked):
             raise ValueError(f"{name} holds None; every slice needs weights")
@@ -254,42 +265,153 @@ def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_s
     return (jnp.max(jnp.where(inside, loras[None] + 1, 0), axis=1, initial=0) - 1).astype(jnp.int32)
 
 
+# ----------------------------------------------------------------------------- fp8 weight scales
+
+FP8_DTYPE = "float8_e4m3fn"
+WEIGHT_DTYPES = tuple(checks.WEIGHT_DTYPES) + (() if FP8_DTYPE in checks.WEIGHT_DTYPES else (FP8_DTYPE,))
+"""The weight dtypes the ops take: lora_core.checks' plus e4m3 (with a per-channel float32 scale)."""
+
+
+def is_fp8(dtype) -> bool:
+    """Whether `dtype` is the fp8 weight dtype (e4m3)."""
+    return checks.dtype_name(dtype) == FP8_DTYPE
+
+
+def checked_dtypes(dtypes) -> list:
+    """Weight dtypes as lora_core.checks' shape checks take them: an fp8 weight is checked with its
+    scale (`weight_scales`), so where checks.WEIGHT_DTYPES does not name e4m3 it is passed on as the
+    16-bit dtype it is upcast to."""
+    if FP8_DTYPE in checks.WEIGHT_DTYPES:
+        return list(dtypes)
+    return ["bfloat16" if is_fp8(d) else d for d in dtypes]
+
+
+def weight_scales(name: str, scales, weights: Sequence, arg_w: str) -> tuple | None:
+    """The per-channel float32 scales of fp8 weights, as the backends take them.
+
+    `weights`: the S slices, (L, [1,] c, k) (c: the output channels, rows of A or B). `scales`: None
+    (no fp8 slice), one array (S = 1) or S entries, each None for a 16-bit slice or, for an fp8
+    slice, float32 (L, c) per channel or (L,) per tensor (one per slot, broadcast to (L, c)).
+    Returns None when no slice is fp8, else S entries of None / (L, c) float32. Errors name `name`:
+    an fp8 slice without a scale, a scale for a 16-bit slice, a wrong entry count, shape or dtype.
+    """
+    fp8 = [is_fp8(w.dtype) for w in weights]
+    if scales is None:
+        if any(fp8):
+            s = fp8.index(True)
+            label = arg_w if len(weights) == 1 else f"{arg_w}[{s}]"
+            raise ValueError(f"{label} is {FP8_DTYPE}: {name} must give its per-channel float32 scale "
+                             f"((num_slots, {weights[s].shape[-2]}) or (num_slots,) per tensor)")
+        return None
+    entries = list(scales) if isinstance(scales, (list, tuple)) else [scales]
+    if len(entries) != len(weights):
+        raise ValueError(f"{name} must have one entry per slice of {arg_w} ({len(weights)}), got {len(entries)}")
+    out = []
+    for s, (sc, w, q) in enumerate(zip(entries, weights, fp8)):
+        label = name if not isinstance(scales, (list, tuple)) else f"{name}[{s}]"
+        w_label = arg_w if len(weights) == 1 else f"{arg_w}[{s}]"
+        if sc is None:
+            if q:
+                raise ValueError(f"{label} is None, but {w_label} is {FP8_DTYPE}: an fp8 weight needs its "
+                                 f"per-channel float32 scale (shape ({w.shape[0]}, {w.shape[-2]}) or ({w.shape[0]},))")
+            out.append(None)
+            continue
+        if not q:
+            raise ValueError(f"{label} is given, but {w_label} has dtype {checks.dtype_name(w.dtype)}: a scale "
+                             f"belongs to an {FP8_DTYPE} weight only (None for a 16-bit slice)")
+        dtype = getattr(sc, "dtype", None)
+        if dtype is None or checks.dtype_name(dtype) != "float32":
+            got = "no dtype" if dtype is None else checks.dtype_name(dtype)
+            raise ValueError(f"{label} must be a float32 array, got {type(sc).__name__} with {got}")
+        sc = jnp.asarray(sc)
+        num_slots, channels = int(w.shape[0]), int(w.shape[-2])
+        if sc.shape == (num_slots,):
+            sc = jnp.broadcast_to(sc[:, None], (num_slots, channels))
+        elif sc.shape != (num_slots, channels):
+            raise ValueError(f"{label} must have shape ({num_slots}, {channels}) (one scale per slot and output "
+                             f"channel of {w_label}, shape {tuple(w.shape)}) or ({num_slots},) per tensor, got "
+                             f"{tuple(sc.shape)}")
+        out.append(sc)
+    return tuple(out) if any(q for q in fp8) else None
+
+
+def scale_keywords(impl, deterministic: bool, a_scales=None, b_scales=None) -> tuple:
+    """(impl, keywords) for a call with fp8 weight scales: {} and `impl` as it is without scales; with
+    them the backend if it applies weight scales, else the xla reference (jax_lora.ops.invariant when
+    deterministic), said once per backend on the `jax_lora` logger -- never dropped in silence."""
+    kw = {k: v for k, v in (("a_scales", a_scales), ("b_scales", b_scales)) if v is not None}
+    if not kw or takes_weight_scales(impl):
+        return impl, kw
+    fallback = invariant if deterministic else dispatch.load_backend("xla")
+    name = getattr(impl, "NAME", "?")
+    if name not in _SAID_SCALE_FALLBACK:
+        _SAID_SCALE_FALLBACK.add(name)
+        _LOG.warning("backend %r does not apply fp8 weight scales: fp8 adapter weights run on the xla reference "
+                     "instead", name)
+    return fallback, kw
+
+
+_SAID_SCALE_FALLBACK: set = set()
+
+
+def takes_weight_scales(impl) -> bool:
+    """Whether backend `impl` applies fp8 weight scales: its `WEIGHT_SCALES` declaration, else an
+    explicit `a_scales` parameter of its shrink."""
+    declared = getattr(impl, "WEIGHT_SCALES", None)
+    if declared is not None:
+        return bool(declared)
+    base = getattr(impl, "backend", impl)
+    try:
+        return "a_scales" in inspect.signature(base.shrink).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
 # ----------------------------------------------------------------------------- metadata-driven ops
 
 def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: str | None = None,
-                lora_ranks=None, deterministic: bool = False) -> jax.Array:
-    """buf[s, t] = scale * x[t] @ lora_a_stacked[s][idx[t]].T, 0 for idx -1.
+                lora_ranks=None, deterministic: bool = False, lora_a_scale=None) -> jax.Array:
+    """buf[s, t] = scale * x[t] @ lora_a_stacked[s][idx[t]].T, 0 for idx -1; for an fp8 slice
+    buf[s, t, c] = scale * a_scale_s[idx[t], c] * x[t] @ float32(A_s[idx[t], c]).
 
     Args:
       x: (T, H) fp16/bf16/fp32.
-      lora_a_stacked: S arrays (L, 1, r, H) or (L, r, H) (or one array: S = 1).
+      lora_a_stacked: S arrays (L, 1, r, H) or (L, r, H) (or one array: S = 1), 16-bit, float32 or
+        e4m3 (float8_e4m3fn).
       meta: LoRAKernelMeta covering >= T tokens (or its `meta_args(T)` tuple).
       scale: float multiplier.
+      lora_a_scale: None without fp8 slices; else one array (S = 1) or S entries, each None (16-bit
+        slice) or float32 (L, r) per rank row, or (L,) per tensor (broadcast).
     Returns: (S, T, r) float32.
     """
     x = as_array("x", x, checks.ACTIVATION_DTYPES)
     lora_a = as_slices("lora_a_stacked", lora_a_stacked)
     num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
-                                             [a.dtype for a in lora_a])
+                                             checked_dtypes([a.dtype for a in lora_a]))
+    a_scales = weight_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked")
     scale = checks.as_scale(scale)
     meta = as_meta(meta)
-    check_same_device(x=x, lora_a_stacked=lora_a)
+    check_same_device(x=x, lora_a_stacked=lora_a, lora_a_scale=[v for v in a_scales or () if v is not None])
     _check_meta(meta, x.shape[0], num_slots, "lora_a_stacked")
     impl = dispatch.resolve(backend, _device_of(x), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_a_stacked")
-    return impl.shrink(x, tuple(to_3d(a) for a in lora_a), meta, scale, as_lora_ranks(lora_ranks, num_slots))
+    impl, kw = scale_keywords(impl, deterministic, a_scales=a_scales)
+    return impl.shrink(x, tuple(to_3d(a) for a in lora_a), meta, scale, as_lora_ranks(lora_ranks, num_slots), **kw)
 
 
 def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start: int = 0,
                 add_inputs: bool = False, *, backend: str | None = None, lora_ranks=None,
-                deterministic: bool = False) -> jax.Array:
-    """y[t, off_s:off_s+n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T.
+                deterministic: bool = False, lora_b_scale=None) -> jax.Array:
+    """y[t, off_s:off_s+n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T; for an fp8
+    slice the product is b_scale_s[idx[t], n] * buf[s, t] @ float32(B_s[idx[t], n]).
 
     Args:
       buf: (S, T, r) float (the shrink buffer, normally float32).
-      lora_b_stacked: S arrays (L, 1, n_s, r) or (L, n_s, r); widths may differ.
+      lora_b_stacked: S arrays (L, 1, n_s, r) or (L, n_s, r); widths may differ; 16-bit, float32 or e4m3.
       y: (T, N); slices start at `offset_start` and are laid side by side.
       meta: LoRAKernelMeta covering >= T tokens (or its `meta_args(T)` tuple).
+      lora_b_scale: None without fp8 slices; else one array (S = 1) or S entries, each None (16-bit
+        slice) or float32 (L, n_s) per output row, or (L,) per tensor (broadcast).
     Returns: a new y (same shape and dtype). Rows with index -1 and columns outside the slices are
     unchanged.
     """
@@ -297,15 +419,18 @@ def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start
     lora_b = as_slices("lora_b_stacked", lora_b_stacked)
     offset_start = checks.as_offset("offset_start", offset_start)
     num_slots, rank, widths = checks.check_expand(buf.shape, buf.dtype, [b.shape for b in lora_b],
-                                                  [b.dtype for b in lora_b], y.shape, y.dtype,
+                                                  checked_dtypes([b.dtype for b in lora_b]), y.shape, y.dtype,
                                                   offset_start, arg_buf="inputs")
+    b_scales = weight_scales("lora_b_scale", lora_b_scale, lora_b, "lora_b_stacked")
     meta = as_meta(meta)
-    check_same_device(inputs=buf, lora_b_stacked=lora_b, y=y)
+    check_same_device(inputs=buf, lora_b_stacked=lora_b, y=y,
+                      lora_b_scale=[v for v in b_scales or () if v is not None])
     _check_meta(meta, y.shape[0], num_slots, "lora_b_stacked")
     impl = dispatch.resolve(backend, _device_of(y), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_b_stacked")
+    impl, kw = scale_keywords(impl, deterministic, b_scales=b_scales)
     return impl.expand(buf, tuple(to_3d(b) for b in lora_b), y, meta, _offsets(offset_start, widths),
-                       checks.as_flag("add_inputs", add_inputs), as_lora_ranks(lora_ranks, num_slots))
+                       checks.as_flag("add_inputs", add_inputs), as_lora_ranks(lora_ranks, num_slots), **kw)
 
 
 def _offsets(offset_start: int, widths: Sequence[int]) -> tuple[int, ...]:
@@ -328,36 +453,46 @@ def _device_of(a):
 # ----------------------------------------------------------------------------- BGMV
 
 def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, *,
-                backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
-    """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
-    x, w = as_array("x", x, checks.ACTIVATION_DTYPES), as_array("lora_a_weights", w, checks.WEIGHT_DTYPES)
-    num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype], arg_a="lora_a_weights")
+                backend: str | None = None, lora_ranks=None, deterministic: bool = False,
+                w_scale=None) -> jax.Array:
+    """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H); an e4m3 w
+    takes w_scale, float32 (L, r) per rank row or (L,) per tensor: w[l, c] ~ w_scale[l, c] * w_q[l, c]."""
+    x, w = as_array("x", x, checks.ACTIVATION_DTYPES), as_array("lora_a_weights", w, WEIGHT_DTYPES)
+    num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], checked_dtypes([w.dtype]),
+                                             arg_a="lora_a_weights")
+    a_scales = weight_scales("w_scale", w_scale, (w,), "lora_a_weights")
     scale = checks.as_scale(scale)
-    check_same_device(x=x, lora_a_weights=w, lora_indices_tensor=idx)
+    check_same_device(x=x, lora_a_weights=w, lora_indices_tensor=idx, w_scale=a_scales[0] if a_scales else None)
     meta = _index_meta(idx, x.shape[0], num_slots, "lora_a_weights")
     impl = dispatch.resolve(backend, _device_of(x), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_a_weights")
-    return impl.shrink(x, (to_3d(w),), meta, scale, as_lora_ranks(lora_ranks, num_slots))[0]
+    impl, kw = scale_keywords(impl, deterministic, a_scales=a_scales)
+    return impl.shrink(x, (to_3d(w),), meta, scale, as_lora_ranks(lora_ranks, num_slots), **kw)[0]
 
 
 def bgmv_expand(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, add_inputs: bool = True, *,
-                backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
+                backend: str | None = None, lora_ranks=None, deterministic: bool = False,
+                w_scale=None) -> jax.Array:
     """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w[idx[t]].T)[:c], c = min(n, N).
 
     x: (T, r); w: (L, [1,] n, r); y: (T, N). Rows with idx -1 untouched. A LoRA output wider than y
-    (vocabulary padding) is cut to y's width, as in vLLM.
+    (vocabulary padding) is cut to y's width, as in vLLM. An e4m3 w takes w_scale, float32 (L, n) per
+    output row or (L,) per tensor.
     """
     x, w, y = _expand_inputs(x, w, y)
     w3 = to_3d(w) if w.ndim in (3, 4) else w
-    if w.ndim in (3, 4) and y.ndim == 2 and w3.shape[1] > y.shape[1]:
+    cut = w.ndim in (3, 4) and y.ndim == 2 and w3.shape[1] > y.shape[1]
+    if cut:
         w3 = w3[:, : y.shape[1]]
-    return _expand_one(x, w3, w, y, idx, 0, add_inputs, backend, lora_ranks, deterministic)
+    return _expand_one(x, w3, w, y, idx, 0, add_inputs, backend, lora_ranks, deterministic, w_scale,
+                       y.shape[1] if cut else None)
 
 
 def bgmv_expand_slice(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, y_offset: int,
                       y_slice_size: int, add_inputs: bool = True, *, backend: str | None = None,
-                      lora_ranks=None, deterministic: bool = False) -> jax.Array:
-    """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T; w: (L, [1,] y_slice_size, r)."""
+                      lora_ranks=None, deterministic: bool = False, w_scale=None) -> jax.Array:
+    """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T; w: (L, [1,] y_slice_size, r)
+    (e4m3 with w_scale: float32 (L, y_slice_size) or (L,), as bgmv_expand)."""
     # Types first: a y_slice_size of "16" or 16.0 is a TypeError, not a width mismatch.
     y_offset = checks.as_offset("y_offset", y_offset)
     y_slice_size = checks.as_offset("y_slice_size", y_slice_size)
@@ -366,35 +501,42 @@ def bgmv_expand_slice(x: ArrayLike, w: ArrayLike, y: ArrayLike, idx: ArrayLike, 
     if w.ndim in (3, 4) and w3.shape[1] != y_slice_size:
         raise ValueError(f"lora_b_weights has {w3.shape[1]} output rows (shape {w.shape}), but "
                          f"y_slice_size is {y_slice_size}")
-    return _expand_one(x, w3, w, y, idx, y_offset, add_inputs, backend, lora_ranks, deterministic)
+    return _expand_one(x, w3, w, y, idx, y_offset, add_inputs, backend, lora_ranks, deterministic, w_scale)
 
 
 def _expand_inputs(x, w, y) -> tuple:
-    return (as_array("inputs", x, checks.ACTIVATION_DTYPES), as_array("lora_b_weights", w, checks.WEIGHT_DTYPES),
+    return (as_array("inputs", x, checks.ACTIVATION_DTYPES), as_array("lora_b_weights", w, WEIGHT_DTYPES),
             as_array("y", y, checks.ACTIVATION_DTYPES))
 
 
-def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks, deterministic=False):
+def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks, deterministic=False, w_scale=None,
+                cut: int | None = None):
+    """The BGMV expand of one weight w3 (w_orig cut to `cut` output rows when given; its scale too)."""
     if x.ndim != 2:
         raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {x.shape}")
     checks.weight_dims("lora_b_weights", w_orig.shape, "out_features, rank")
     offset = checks.as_offset("y_offset", offset)
-    num_slots, rank, widths = checks.check_expand((1,) + x.shape, x.dtype, [w3.shape], [w3.dtype], y.shape,
-                                                  y.dtype, offset, arg_buf="inputs",
+    num_slots, rank, widths = checks.check_expand((1,) + x.shape, x.dtype, [w3.shape], checked_dtypes([w3.dtype]),
+                                                  y.shape, y.dtype, offset, arg_buf="inputs",
                                                   arg_b="lora_b_weights")
-    check_same_device(inputs=x, lora_b_weights=w3, y=y, lora_indices_tensor=idx)
+    b_scales = weight_scales("w_scale", w_scale, (w_orig,), "lora_b_weights")
+    if b_scales is not None and cut is not None:
+        b_scales = (b_scales[0][:, :cut],)
+    check_same_device(inputs=x, lora_b_weights=w3, y=y, lora_indices_tensor=idx,
+                      w_scale=b_scales[0] if b_scales else None)
     meta = _index_meta(idx, y.shape[0], num_slots, "lora_b_weights")
     impl = dispatch.resolve(backend, _device_of(y), deterministic=deterministic)
     checks.check_backend_rank(impl.NAME, rank, "lora_b_weights")
+    impl, kw = scale_keywords(impl, deterministic, b_scales=b_scales)
     return impl.expand(x[None], (w3,), y, meta, (offset,), checks.as_flag("add_inputs", add_inputs),
-                       as_lora_ranks(lora_ranks, num_slots))
+                       as_lora_ranks(lora_ranks, num_slots), **kw)
 
 
 # ----------------------------------------------------------------------------- SGMV
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, scale: float = 1.0, *, backend: str | None = None, lora_ranks=None,
-                deterministic: bool = False):
+                deterministic: bool = False, w_scale=None):
     """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata).
 
     x: (T, H); w: (L, [1,] r, H); seq_start_locs / seq_lengths / lora_indices_per_batch: (B,) integer
@@ -404,12 +546,13 @@ def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch
     x = as_array("x", x, checks.ACTIVATION_DTYPES)
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                           x.shape[0] if x.ndim else 0, _num_slots(w))
-    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks, deterministic=deterministic)
+    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks, deterministic=deterministic,
+                       w_scale=w_scale)
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None,
-                deterministic: bool = False):
+                deterministic: bool = False, w_scale=None):
     """bgmv_expand with each segment's tokens using the segment's index (prefill metadata).
 
     x: (T, r); w: (L, [1,] n, r); y: (T, N). Returns a new y. The segment arguments are checked as in
@@ -419,12 +562,13 @@ def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, ba
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                           y.shape[0] if y.ndim else 0, _num_slots(w))
     return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks,
-                       deterministic=deterministic)
+                       deterministic=deterministic, w_scale=w_scale)
 
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size,
                       max_length, token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True,
-                      *, backend: str | None = None, lora_ranks=None, deterministic: bool = False):
+                      *, backend: str | None = None, lora_ranks=None, deterministic: bool = False,
+                      w_scale=None):
     """bgmv_expand_slice with each segment's tokens using the segment's index.
 
     x: (T, r); w: (L, [1,] y_slice_size, r); y: (T, N). Returns a new y with columns [y_offset,
@@ -434,4 +578,4 @@ def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_bat
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                           y.shape[0] if y.ndim else 0, _num_slots(w))
     return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,
-                             lora_ranks=lora_ranks, deterministic=deterministic)
+                             lora_ranks=lora_ranks, deterministic=deterministic, w_scale=w_scale)

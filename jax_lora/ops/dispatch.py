@@ -8,6 +8,11 @@ A backend is a module (or object) with:
   COLUMN_SCALE: True when expand (and linear) also take col_scale= (S entries of None / (L, n_s):
       a slice's new value times g[idx] instead of plus a bias, DoRA); the wrapper refuses DoRA
       scales for a backend without it
+  WEIGHT_SCALES: True when shrink / expand (and linear) also take a_scales= / b_scales= (S entries
+      of None / (L, r) and (L, n_s) float32, already per channel: the scales of e4m3 weights,
+      applied once per output channel after the float32 sum); the ops hand fp8 calls of a backend
+      without them to the xla reference, said on the logger (`api.scale_keywords`). A backend that
+      does not declare it is read from its shrink's signature (an explicit `a_scales` parameter)
   CUSTOM_CALLS: True when the ops run custom calls XLA's partitioner cannot look into (Pallas,
       Triton): `resolve` then hands out `jax_lora.ops.partition.partitioned(impl)`, whose ops run
       per device like their math under a jit with sharded inputs

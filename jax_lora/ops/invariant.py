@@ -27,8 +27,9 @@ pair's products computed the same way (`pair_products`): a pair's values depend 
 its own (slot, expert) weights only.
 
 The module supplies only how each token's own product is computed (`shrink_rows`, `expand_rows`);
-slot selection, rank masking, bias and the masked write are the xla backend's (`xla.shrink` and
-`xla.expand` with these rows).
+slot selection, rank masking, bias, fp8 weight scales (one elementwise multiply per token and
+channel, after the tree sum: batch invariant too) and the masked write are the xla backend's
+(`xla.shrink` and `xla.expand` with these rows).
 
 The Pallas TPU kernels tile rows and the hidden size by the token count (plans.py) and choose the
 row order per call, so with `deterministic=True` the pallas_tpu backend runs this formulation too.
@@ -47,6 +48,7 @@ from . import xla, xla_moe
 
 NAME = "xla"
 COLUMN_SCALE = True        # expand takes col_scale (DoRA)
+WEIGHT_SCALES = True       # shrink / expand take a_scales / b_scales (fp8 weights; xla's per-token epilogue)
 CHUNK_VALUES = 1 << 22
 """float32 products materialised at once (16 MiB): tokens are processed in static chunks of
 max(1, CHUNK_VALUES // (values per token)); chunking never changes a token's result."""

@@ -490,16 +490,20 @@ def _widths(lora_b, options: dict) -> tuple:
 
 
 def _direct_pairs(impl, options: dict) -> bool:
-    """Whether the op takes adapter pairs (several adapters per token, contract section 10): their
-    tables are not partitioned here, so the backend runs directly (under a jit over several devices
-    XLA runs the custom call replicated), said once per backend."""
-    if options.get("pairs") is None:
-        return False
-    if ("pairs", id(impl)) not in _SAID_UNPARTITIONABLE:
-        _SAID_UNPARTITIONABLE.add(("pairs", id(impl)))
-        _LOG.info("backend %r: steps with several adapters per token run its kernels unpartitioned; under a jit "
-                  "over several devices XLA runs them replicated", impl.NAME)
-    return True
+    """Whether the op takes adapter pairs (several adapters per token, contract section 10) or fp8
+    weight scales (`a_scales` / `b_scales`): neither is partitioned here, so the backend runs
+    directly (under a jit over several devices XLA runs the custom call replicated), said once per
+    backend and kind."""
+    for key, what in (("pairs", "steps with several adapters per token"),
+                      ("a_scales", "fp8 adapter weights"), ("b_scales", "fp8 adapter weights")):
+        if options.get(key) is None:
+            continue
+        if (what, id(impl)) not in _SAID_UNPARTITIONABLE:
+            _SAID_UNPARTITIONABLE.add((what, id(impl)))
+            _LOG.info("backend %r: %s run its kernels unpartitioned; under a jit over several devices XLA runs "
+                      "them replicated", impl.NAME, what)
+        return True
+    return False
 
 
 def _shrink(impl, x, lora_a, meta, scale, lora_ranks=None, **options):
@@ -563,7 +567,8 @@ class _Partitioned:
     lookup, so they stay the backend's."""
 
     PARTITIONED = True
-    _FORWARDED = frozenset(("NAME", "COLUMN_SCALE", "READS_VIEWS", "deterministic", "partitionable"))
+    _FORWARDED = frozenset(("NAME", "COLUMN_SCALE", "WEIGHT_SCALES", "READS_VIEWS", "deterministic",
+                            "partitionable"))
 
     def __init__(self, impl, ops: dict):
         self.backend = impl

@@ -16,6 +16,13 @@ of the batch NaN. For the same reason rank padding and no-LoRA rows are masked w
   expand: every slot's buf @ B_l.T, (T, L, n), then a gather of the token's own slot (small
           sizes), or a scan over the slots keeping slot l's product (`where`) only on slot l's
           tokens (memory (T, n) whatever L; about the cost of one matmul over all slots).
+fp8 weights (e4m3): a slice's weights are upcast to float32 in the product, and its per-channel
+float32 scale multiplies the float32 sum once per output channel (shrink: a_scale_s[idx[t], c] on
+rank column c; expand: b_scale_s[idx[t], n] on output column n, before the bias):
+
+  shrink:  buf[s, t, c] = scale * a_scale_s[idx[t], c] * sum_k x[t, k] * float32(A_s[idx[t], c, k])
+  expand:  y[t, off_s + n] (+)= b_scale_s[idx[t], n] * sum_c buf[s, t, c] * float32(B_s[idx[t], n, c])
+
 Several adapters per token (`pairs`, lora_core.adapter_pairs): the metadata's ids are groups;
 pair j of token t is slot pairs.slots[group[t], j] with weight pairs.weights[t, j]. The shrink
 writes pair j's weighted product at the rank columns j*r .. (j+1)*r of the buffer, and the expand
@@ -37,6 +44,7 @@ from .xla_moe import fused_moe_lora  # noqa: F401 - the backend's fused MoE LoRA
 
 NAME = "xla"
 COLUMN_SCALE = True        # expand takes col_scale (DoRA)
+WEIGHT_SCALES = True       # shrink / expand take a_scales / b_scales (fp8 weights)
 HIGHEST = jax.lax.Precision.HIGHEST
 EXPAND_GATHER_MAX = 1 << 20
 """Expand computes all slots at once while T * L * n_s <= this many float32 values (4 MiB), and
@@ -72,22 +80,31 @@ def pair_columns(idx: jax.Array, pairs) -> list[tuple[jax.Array, jax.Array]]:
     return [(jnp.where(has, slots[g, j], -1), weights[:t, j].astype(jnp.float32)) for j in range(slots.shape[1])]
 
 
+def _scale_of(scales, s: int):
+    """Slice s's per-channel weight scale (L, c), or None (no scales, or a 16-bit slice)."""
+    return None if scales is None else scales[s]
+
+
 def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float,
-           lora_ranks=None, *, rows=_shrink_rows, pairs=None) -> jax.Array:
+           lora_ranks=None, *, rows=_shrink_rows, pairs=None, a_scales=None) -> jax.Array:
     """x (T, H); lora_a[s] (L, r, H) -> (S, T, r) float32 ((S, T, k * r) with k adapter pairs, pair j
     at columns j*r..). rows(xf, a, slot) -> (T, r): how each token's own product is computed
-    (jax_lora.ops.invariant passes its batch-invariant form)."""
+    (jax_lora.ops.invariant passes its batch-invariant form). a_scales: None or S entries of None /
+    (L, r) float32, the per-rank-row scales of fp8 slices (applied to each token's own row)."""
     t = x.shape[0]
     idx = meta.token_lora_mapping[:t]
     xf = x.astype(jnp.float32)
     columns = [(idx, None)] if pairs is None else pair_columns(idx, pairs)
     outs = []
-    for a in lora_a:
+    for s, a in enumerate(lora_a):
         num_slots, rank, _ = a.shape
+        a_scale = _scale_of(a_scales, s)
         parts = []
         for idx_j, weight in columns:
             valid, slot = _slots(idx_j, num_slots)
             own = rows(xf, a, slot)                                                       # (T, r)
+            if a_scale is not None:
+                own = own * a_scale[slot].astype(jnp.float32)                             # per rank row
             keep = valid[:, None]
             if lora_ranks is not None:
                 keep = keep & _rank_keep(lora_ranks, num_slots, rank)[slot]
@@ -130,7 +147,7 @@ def _expand_slots(x: jax.Array, slot: jax.Array, b: jax.Array, keep=None) -> jax
 
 def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRAKernelMeta,
            offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None, *,
-           rows=None, col_scale=None, pairs=None) -> jax.Array:
+           rows=None, col_scale=None, pairs=None, b_scales=None) -> jax.Array:
     """buf (S, T, r); lora_b[s] (L, n_s, r); y (T, N) -> y with the slices written.
     pairs: several adapters per token (module docstring; buf (S, T, k * r); no bias or col_scale).
 
@@ -139,14 +156,16 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
     rows(x, slot, b, keep) -> (T, n): each token's own product (default `_expand_slots`;
     jax_lora.ops.invariant passes its batch-invariant form). col_scale: None or S entries, each None
     or (L, n_s): the new slice values of a token are multiplied by col_scale[s][idx[t]] (DoRA's
-    column scale, lora_core.dora), after the bias.
+    column scale, lora_core.dora), after the bias. b_scales: None or S entries of None / (L, n_s)
+    float32, the per-output-row scales of fp8 slices: the product of a token is multiplied by
+    b_scales[s][idx[t]] before the bias.
     """
     rows = rows or _expand_slots
     t = y.shape[0]
     idx = meta.token_lora_mapping[:t]
     if pairs is not None:
         return _expand_pairs(buf, lora_b, y, pair_columns(idx, pairs), offsets, add_inputs, lora_ranks, bias,
-                             col_scale, rows)
+                             col_scale, rows, b_scales)
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         num_slots, width, rank = b.shape
         valid, slot = _slots(idx, num_slots)
@@ -156,6 +175,8 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
             keep = _rank_keep(lora_ranks, num_slots, rank)                   # (L, r)
             x = jnp.where(keep[slot], x, 0.0)                                # past the token's rank
         delta = rows(x, slot, b, keep)
+        if _scale_of(b_scales, s) is not None:
+            delta = delta * b_scales[s][slot].astype(jnp.float32)                # per output column
         if bias is not None and bias[s] is not None:
             delta = delta + bias[s][slot].astype(jnp.float32)                 # (T, n): own slot only
         old = y[:, off:off + width]
@@ -178,7 +199,8 @@ def set_columns(y: jax.Array, block: jax.Array, start: int) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(y, block, start, axis=1)
 
 
-def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias, col_scale, rows) -> jax.Array:
+def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias, col_scale, rows,
+                  b_scales=None) -> jax.Array:
     """`expand` with adapter pairs: y[t, slice s] (+)= sum_j buf[s, t, j*r:(j+1)*r] @ B_s[slot_j].T over
     the token's pairs; rows without any pair are untouched."""
     if bias is not None and any(b is not None for b in bias) or col_scale is not None and any(
@@ -195,7 +217,10 @@ def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias
             x = buf[s][:, j * rank:(j + 1) * rank].astype(jnp.float32)
             if keep is not None:
                 x = jnp.where(keep[slot], x, 0.0)
-            delta = delta + jnp.where(valid[:, None], rows(x, slot, b, keep), 0.0)
+            own = rows(x, slot, b, keep)
+            if _scale_of(b_scales, s) is not None:
+                own = own * b_scales[s][slot].astype(jnp.float32)
+            delta = delta + jnp.where(valid[:, None], own, 0.0)
             any_pair = any_pair | valid
         old = y[:, off:off + width]
         new = (old.astype(jnp.float32) + delta) if add_inputs else delta

@@ -49,6 +49,11 @@ How (the megablox `gmm` pattern, applied to the LoRA metadata of contract sectio
      path); shrink's epilogue puts rows back in token order (sorted order), applies `scale` and
      zeroes rows without a LoRA.
 
+fp8 weights (e4m3, `a_scales` / `b_scales`): the weight blocks are fetched as stored, 1 byte per
+weight, and upcast in the kernels (`common._dot`); the per-channel scales multiply the float32
+products once, in the shrink's epilogue (with `scale`) and in the expand kernels ((1, tn) blocks of
+the B scales, before the bias); an fp8 `linear` runs as a shrink then an expand.
+
 Layouts, dense in the 128 lanes: the shrink output packs the S slices side by side in the lane
 dim, (rows, P) with P = round_up(S * r, 128) (three rank-16 slices share one lane tile); the expand
 kernel reads that packed buffer. A (L, r, H) is lane-dense as stored (H in lanes). vLLM's B layout
@@ -105,6 +110,7 @@ from .schedule import (
 
 NAME = "pallas_tpu"
 COLUMN_SCALE = True        # expand and linear take col_scale (DoRA)
+WEIGHT_SCALES = True       # shrink / expand / linear take a_scales / b_scales (fp8 weights, e4m3)
 CUSTOM_CALLS = True        # pallas_call: partitioned by jax_lora.ops.partition under GSPMD
 
 
@@ -129,9 +135,9 @@ def expand(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks=None, bias=None
 def linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks=None, bias=None, *, pairs=None, **options):
     """`linear_op.linear`; with adapter pairs the pairs' shrink then their expand (`pairs_op`)."""
     if pairs is not None:
-        buf = shrink(x, lora_a, meta, scale, lora_ranks, pairs=pairs)
+        buf = shrink(x, lora_a, meta, scale, lora_ranks, pairs=pairs, a_scales=options.get("a_scales"))
         return expand(buf, lora_b, y, meta, offsets, True, lora_ranks, bias, pairs=pairs,
-                      col_scale=options.get("col_scale"))
+                      col_scale=options.get("col_scale"), b_scales=options.get("b_scales"))
     return linear_op.linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, **options)
 
 __all__ = [

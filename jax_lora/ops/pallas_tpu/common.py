@@ -138,13 +138,33 @@ def _window(values: jax.Array, start: int, limit, axis: int) -> jax.Array:
 
 def _dot(a, b, contract):
     """a @ b in float32; contract = (a_dim, b_dim). bf16 x bf16 goes to the MXU natively; any other
-    pair is upcast to float32 at HIGHEST precision."""
+    pair is upcast to float32 at HIGHEST precision. An e4m3 (fp8 weight) block is upcast first, to
+    bf16 beside a bf16 operand (exact: every e4m3 value is a bf16 value), else to float32."""
+    a, b = _upcast_fp8(a, b.dtype), _upcast_fp8(b, a.dtype)
     if a.dtype == b.dtype == jnp.bfloat16:
         return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
                                preferred_element_type=jnp.float32)
     return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
                            ((contract[:1], contract[1:]), ((), ())), precision=HIGHEST,
                            preferred_element_type=jnp.float32)
+
+
+def _upcast_fp8(v, other):
+    """v in bf16 (other bf16) or float32 when v is e4m3; otherwise v unchanged."""
+    if v.dtype != jnp.float8_e4m3fn:
+        return v
+    return v.astype(jnp.bfloat16 if other == jnp.bfloat16 else jnp.float32)
+
+
+def scales_by_slice(scales, count: int, num_slots: int, widths) -> jax.Array | None:
+    """Per-slice fp8 weight scales as one float32 array per call: None when no slice has one, else
+    S arrays (L, c_s) (ones for a 16-bit slice), as a tuple for the kernels' epilogues."""
+    if scales is None or all(v is None for v in scales):
+        return None
+    if len(scales) != count:
+        raise ValueError(f"weight scales must have one entry per slice ({count}), got {len(scales)}")
+    return tuple(jnp.ones((num_slots, w), jnp.float32) if v is None else jnp.asarray(v, jnp.float32)
+                 for v, w in zip(scales, widths))
 
 
 def _rows_dma(row_tok_ref, tile, tm: int, wait: bool, make_copy) -> None:

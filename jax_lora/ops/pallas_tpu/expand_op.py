@@ -10,6 +10,11 @@ Kernels:
 The two in-place kernels need one 128-multiple column tile that divides every slice offset and
 width (`plan_inplace`). B comes in vLLM's layout (L, n, r) or rank-major (L, r, n)
 (`transpose_lora_b`).
+
+fp8 weights: an e4m3 B block is loaded as stored and upcast in the kernel (`_dot`), the product
+accumulates in float32 over the rank chunks, and the slot's output-row scales (a (1, tn) block of
+b_scale_s (L, n_s), fetched like the bias) multiply it once, before the bias (`_slice_delta`), in
+every kernel.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from .common import (
     _two_jits,
     _window,
     current_interpret,
+    scales_by_slice,
 )
 from .plans import ExpandPlan, _compiler_params, expand_order_cost, plan_expand, plan_inplace
 from .schedule import (
@@ -57,9 +63,22 @@ from .schedule import (
 
 # -------------------------------------------------------------------------------------- kernels
 
-def _slice_delta(plan: ExpandPlan, s: int, buf_ref, b_refs, bias_ref, slot_rank):
-    """(tm, tn) float32: extract_s(buf_tile) @ B_s[slot].T (+ bias; a DoRA scale is applied by the
-    caller, after y is added: `_scaled`), summed over B's rank chunks;
+def _slice_refs(plan: ExpandPlan, refs) -> tuple:
+    """(per slice (B chunk refs, epilogue vector ref or None, fp8 B scale ref or None), the index of
+    the first ref after them): the kernels' weight operands, in `_weight_specs` order."""
+    ins, k = [], 0
+    for s in range(len(plan.widths)):
+        vec = refs[k + plan.chunks] if plan.has_bias[s] else None
+        k_scale = k + plan.chunks + plan.has_bias[s]
+        ins.append((refs[k:k + plan.chunks], vec, refs[k_scale] if plan.has_w_scale(s) else None))
+        k = k_scale + plan.has_w_scale(s)
+    return ins, k
+
+
+def _slice_delta(plan: ExpandPlan, s: int, buf_ref, b_refs, bias_ref, slot_rank, w_scale_ref=None):
+    """(tm, tn) float32: extract_s(buf_tile) @ B_s[slot].T (times the fp8 B's output-row scales
+    `w_scale_ref`, once after the sum; + bias; a DoRA scale is applied by the caller, after y is
+    added: `_scaled`), summed over B's rank chunks;
     a chunk past the slot's rank (another slot's rows, its fetch skipped) is masked out. Buffer lanes
     outside the chunk's real rank columns and B's rank padding are selected away before any product
     (values there may be anything, NaN included)."""
@@ -72,6 +91,8 @@ def _slice_delta(plan: ExpandPlan, s: int, buf_ref, b_refs, bias_ref, slot_rank)
         b_tile = _below(b_refs[c][...], rank_here, 1 if plan.b_layout == "nr" else 0)
         d = _dot(part, b_tile, (1, 1) if plan.b_layout == "nr" else (1, 0))          # (tm, tn)
         delta = d if delta is None else delta + d
+    if w_scale_ref is not None:
+        delta = delta * w_scale_ref[...]
     if bias_ref is not None and not plan.is_scaled(s):
         delta = delta + bias_ref[...].astype(jnp.float32)
     return delta
@@ -88,10 +109,7 @@ def _expand_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, row_s
     """Grid (j, i): for the slice s owning column tile j,
     delta_s[tile rows, tile cols] = extract_s(buf_tile) @ B_s[slot].T (+ bias_s[slot]), group rows only."""
     s_count = len(plan.widths)
-    ins, k = [], 0  # per slice: (B chunk refs, bias ref or None)
-    for s in range(s_count):
-        ins.append((refs[k:k + plan.chunks], refs[k + plan.chunks] if plan.has_bias[s] else None))
-        k += plan.chunks + plan.has_bias[s]
+    ins, k = _slice_refs(plan, refs)
     outs = refs[k:k + s_count]
     j, i = pl.program_id(0), pl.program_id(1)
     live = live_ref[i] == 1
@@ -102,7 +120,7 @@ def _expand_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_ref, row_s
 
         @pl.when(live & mine)
         def _compute(s=s):
-            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]])
+            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]], ins[s][2])
             out_ref = outs[s]
             rows = _row_mask(row_slot_ref, slot_ref[i])
             out_ref[...] = jnp.where(rows, delta, out_ref[...])
@@ -114,10 +132,7 @@ def _expand_inplace_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
     each group writes its rows: y = cast((y if add_inputs else 0) + buf @ B.T + bias), once (a
     DoRA slice: cast(g * ((y if add_inputs else 0) + buf @ B.T)))."""
     s_count = len(plan.widths)
-    ins, k = [], 0  # per slice: (B chunk refs, bias ref or None)
-    for s in range(s_count):
-        ins.append((refs[k:k + plan.chunks], refs[k + plan.chunks] if plan.has_bias[s] else None))
-        k += plan.chunks + plan.has_bias[s]
+    ins, k = _slice_refs(plan, refs)
     y_in, y_out = refs[k], refs[k + 1]
     j, i = pl.program_id(0), pl.program_id(1)
     live = live_ref[i] == 1
@@ -132,7 +147,7 @@ def _expand_inplace_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
 
         @pl.when(live & mine)
         def _compute(s=s):
-            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]])
+            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]], ins[s][2])
             if add_inputs:
                 delta = delta + y_in[...].astype(jnp.float32)
             delta = _scaled(plan, s, delta, ins[s][1])
@@ -157,10 +172,7 @@ def _expand_scatter_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
     tile's last step the rows are
     DMA'd back. Only tokens with a LoRA are read or written."""
     s_count, tm, tn = len(plan.widths), plan.tm, plan.tn[0]
-    ins, k = [], 0
-    for s in range(s_count):
-        ins.append((refs[k:k + plan.chunks], refs[k + plan.chunks] if plan.has_bias[s] else None))
-        k += plan.chunks + plan.has_bias[s]
+    ins, k = _slice_refs(plan, refs)
     _, y_hbm, ybuf, sem = refs[k], refs[k + 1], refs[k + 2], refs[k + 3]  # y in (aliased), y out
     j, i = pl.program_id(0), pl.program_id(1)
     cap = tile_ref.shape[0]
@@ -186,7 +198,7 @@ def _expand_scatter_kernel(tile_ref, slot_ref, live_ref, rank_ref, chunk_slot_re
 
         @pl.when((live_ref[i] == 1) & mine)
         def _compute(s=s):
-            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]])
+            delta = _slice_delta(plan, s, buf_ref, ins[s][0], ins[s][1], rank_ref[slot_ref[i]], ins[s][2])
             if add_inputs:
                 delta = delta + ybuf[...].astype(jnp.float32)
             delta = _scaled(plan, s, delta, ins[s][1])
@@ -246,9 +258,10 @@ class _ExpandOperands(NamedTuple):
     offsets: jax.Array  # (S,) int32 column offsets of the slices in y
     add_inputs: bool
     interpret: object  # False or pltpu.InterpretParams
+    b_scales: tuple | None = None  # None or S (L, n_s) float32 (ones for 16-bit slices): fp8 B scales
 
 
-def _delta_blocks(plan: ExpandPlan, lora_b, bias):
+def _delta_blocks(plan: ExpandPlan, lora_b, bias, b_scales=None):
     """BlockSpecs and operands of the delta kernel (`_expand_kernel`) on grid (j, i):
     (in_specs, weight operands, out_specs, out_shapes), one float32 (tp, n_s) delta per slice."""
     r, tm = plan.rank, plan.tm
@@ -269,6 +282,9 @@ def _delta_blocks(plan: ExpandPlan, lora_b, bias):
         if plan.has_bias[s]:
             in_specs.append(pl.BlockSpec((None, 1, tn), bias_map))
             operands.append(bias[s].reshape(plan.num_slots, 1, width))
+        if plan.has_w_scale(s):
+            in_specs.append(pl.BlockSpec((None, 1, tn), bias_map))
+            operands.append(b_scales[s].reshape(plan.num_slots, 1, width))
         out_specs.append(pl.BlockSpec((tm, tn), out_map))
         out_shapes.append(jax.ShapeDtypeStruct((tp, width), jnp.float32))
     return in_specs, operands, out_specs, out_shapes
@@ -279,7 +295,7 @@ def _run_delta(args: _ExpandOperands, plan: ExpandPlan, blocks, sched: Schedule,
     of scheduled groups written. blocks: `_delta_blocks(plan, ...)`."""
     in_specs, operands, out_specs, out_shapes = blocks
     r, tp, n_total = plan.rank, plan.tiles_m * plan.tm, sum(plan.widths)
-    b_item = args.lora_b[0].dtype.itemsize
+    b_item = max(b.dtype.itemsize for b in args.lora_b)
     return pl.pallas_call(
         functools.partial(_expand_kernel, plan=plan),
         out_shape=tuple(out_shapes),
@@ -331,6 +347,9 @@ def _weight_blocks(args: _ExpandOperands, plan: ExpandPlan, inplace: ExpandPlan,
         if plan.has_bias[s]:
             specs.append(pl.BlockSpec((None, 1, tn), bias_map))
             ops.append(args.bias[s].reshape(plan.num_slots, 1, plan.widths[s]))
+        if plan.has_w_scale(s):
+            specs.append(pl.BlockSpec((None, 1, tn), bias_map))
+            ops.append(args.b_scales[s].reshape(plan.num_slots, 1, plan.widths[s]))
     return specs, ops
 
 
@@ -402,19 +421,21 @@ def _run_scatter(args: _ExpandOperands, plan: ExpandPlan, scatter: ExpandPlan, s
 
 
 def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPlan,
-                   inplace: ExpandPlan | None, scatter: ExpandPlan | None, add_inputs: bool, interpret):
+                   inplace: ExpandPlan | None, scatter: ExpandPlan | None, add_inputs: bool, interpret,
+                   b_scales=None):
     """(token-order fn, sorted-order fn): each takes the packed (tp, P) rank rows in its own order
     and returns the new y.
 
     Token order updates y in place by blocks when `inplace` is given, sorted order by row DMAs when
     `scatter` is given; otherwise either runs the delta kernel and the XLA epilogue adds the deltas."""
-    args = _ExpandOperands(lora_b, y, ranks, bias, offsets, add_inputs, interpret)
+    args = _ExpandOperands(lora_b, y, ranks, bias, offsets, add_inputs, interpret, b_scales)
     t, tp = plan.num_tokens, plan.tiles_m * plan.tm
     # The delta kernel adds biases only: a DoRA scale multiplies y + delta, which only the XLA
-    # epilogue sees on that path (`_add_deltas`), so its plan reads no scale blocks.
+    # epilogue sees on that path (`_add_deltas`), so its plan reads no DoRA blocks (fp8 B scales
+    # multiply the product itself: the kernel reads them on every path).
     dplan = dataclasses.replace(plan, has_bias=tuple(b and not plan.is_scaled(s) for s, b in enumerate(plan.has_bias)),
                                 scaled=()) if plan.scaled else plan
-    blocks = _delta_blocks(dplan, lora_b, bias)  # traced here, outside the branches that share it
+    blocks = _delta_blocks(dplan, lora_b, bias, b_scales)  # traced here, outside the branches that share it
 
     def token_order(packed_rows):
         row_slot = _pad_rows(rows.idx, tp, -1)
@@ -433,7 +454,7 @@ def _expand_orders(lora_b, y, ranks, bias, offsets, rows: _Rows, plan: ExpandPla
     return token_order, sorted_order
 
 
-def _expand_call(buf, lora_b, y, meta, ranks, bias, offsets, *, plan: ExpandPlan,
+def _expand_call(buf, lora_b, y, meta, ranks, bias, offsets, b_scales, *, plan: ExpandPlan,
                  inplace: ExpandPlan | None, scatter: ExpandPlan | None, add_inputs, row_order, interpret):
     t, r, s_count = plan.num_tokens, plan.rank, len(plan.widths)
     tp = plan.tiles_m * plan.tm
@@ -442,7 +463,7 @@ def _expand_call(buf, lora_b, y, meta, ranks, bias, offsets, *, plan: ExpandPlan
     packed = jnp.transpose(buf.astype(jnp.float32), (1, 0, 2)).reshape(t, s_count * r)
     packed = jnp.pad(packed, ((0, 0), (0, plan.lanes - s_count * r)))
     token_order, sorted_order = _expand_orders(lora_b, y, ranks, bias, offsets, rows, plan, inplace,
-                                               scatter, add_inputs, interpret)
+                                               scatter, add_inputs, interpret, b_scales)
     # As in shrink: the row order estimated cheaper (either can update y in place).
     cost = expand_order_cost(plan, inplace, lora_b[0].dtype.itemsize, y.dtype.itemsize, scatter)
     return _pick_order(row_order, choose_token_order(rows.token_sched, rows.sorted_sched, cost),
@@ -469,7 +490,7 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
            offsets: Sequence[int], add_inputs: bool, lora_ranks=None, bias=None, *,
            b_layout: str = "nr", tm_max: int = 256, tn_max: int = 4096,
            allow_inplace: bool = True, row_order: str | None = None, row_dma: bool = True,
-           col_scale=None) -> jax.Array:
+           col_scale=None, b_scales=None) -> jax.Array:
     """buf (S, T, r); lora_b: S arrays (L, n_s, r) (or (L, r, n_s) with b_layout="rn");
     y (T, N); offsets: S column offsets (slices inside y); bias, col_scale: None or S entries of
     None / (L, n_s), never both for one slice.
@@ -480,7 +501,8 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
     epilogue; rows with idx -1 and columns outside the slices unchanged. One pallas_call covers all
     slices. When the slices sit on 128-column boundaries and T is a multiple of the row tile, the
     token-order path updates y in place in the kernel (`plan_inplace`); otherwise the kernel writes
-    a float32 delta that XLA adds to y.
+    a float32 delta that XLA adds to y. b_scales: None or S entries of None / (L, n_s) float32, the
+    output-row scales of e4m3 slices (module docstring).
     """
     if b_layout not in ("nr", "rn"):
         raise ValueError(f"b_layout must be 'nr' (L, n, r) or 'rn' (L, r, n), got {b_layout!r}")
@@ -495,7 +517,7 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
     widths = []
     for s, b in enumerate(lora_b):
         width, b_rank = (b.shape[1], b.shape[2]) if b_layout == "nr" else (b.shape[2], b.shape[1])
-        if b.shape[0] != num_slots or b_rank != r or b.dtype != lora_b[0].dtype:
+        if b.shape[0] != num_slots or b_rank != r or (b.dtype != lora_b[0].dtype and b_scales is None):
             raise ValueError(f"lora_b[{s}] has shape {b.shape} dtype {b.dtype}; expected {num_slots} "
                              f"slots, rank {r} in layout {b_layout!r}, dtype {lora_b[0].dtype}")
         if not 0 <= int(offsets[s]) <= y.shape[1] - width:
@@ -503,15 +525,17 @@ def expand(buf: jax.Array, lora_b: Sequence[jax.Array], y: jax.Array, meta: LoRA
                              f"{y.shape[1]} columns")
         widths.append(width)
     bias, has_bias, scaled = epilogue_vectors(bias, col_scale, s_count)
+    b_scales = scales_by_slice(b_scales, s_count, num_slots, widths)
     plan = plan_expand(t, widths, r, num_slots, _round_up(s_count * r, 128), b_layout, has_bias,
-                       lora_b[0].dtype.itemsize, tm_max=tm_max, tn_max=tn_max,
-                       chunked=lora_ranks is not None, scaled=scaled)
+                       max(b.dtype.itemsize for b in lora_b), tm_max=tm_max, tn_max=tn_max,
+                       chunked=lora_ranks is not None, scaled=scaled,
+                       w_scaled=None if b_scales is None else (True,) * s_count)
     tpu_rules.check_blocks(plan.block_uses())
     inplace, scatter = _inplace_plans(plan, offsets, y, tn_max) if allow_inplace else (None, None)
     scatter = scatter if row_dma else None
     ranks = _ranks_or_full(lora_ranks, num_slots, r)
     return _expand_call(buf, tuple(lora_b), y, meta, ranks, bias,
-                        jnp.asarray([int(o) for o in offsets], jnp.int32), plan=plan, inplace=inplace,
+                        jnp.asarray([int(o) for o in offsets], jnp.int32), b_scales, plan=plan, inplace=inplace,
                         scatter=scatter,
                         add_inputs=bool(add_inputs), row_order=row_order, interpret=current_interpret())
 

@@ -45,7 +45,8 @@ _linear_call = _two_jits(_linear_call, ("splan", "eplan", "inplace", "scatter", 
 def linear(y: jax.Array, x: jax.Array, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array],
            meta: LoRAKernelMeta, scale: float, offsets: Sequence[int], lora_ranks=None, bias=None, *,
            b_layout: str = "nr", tm_max: int = 256, tk_max: int = 8192, tn_max: int = 4096,
-           row_order: str | None = None, row_dma: bool = True, col_scale=None) -> jax.Array:
+           row_order: str | None = None, row_dma: bool = True, col_scale=None, a_scales=None,
+           b_scales=None) -> jax.Array:
     """add_lora_linear's math in one program: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T
     + bias_s[idx] (float32, one cast), rows with idx -1 and other columns untouched; a slice with a
     DoRA column scale (col_scale: None or S entries of None / (L, n_s)) gets
@@ -54,7 +55,9 @@ def linear(y: jax.Array, x: jax.Array, lora_a: Sequence[jax.Array], lora_b: Sequ
     Shrink and expand share one row order (one `lax.cond`) and the packed rank rows pass between
     them in that order. The wrapper calls it when no shrink buffer is requested. row_order: None
     (chosen per call on the device), or force "token" / "sorted" (for measurements). row_dma:
-    False replaces the sorted order's row DMAs by XLA gathers and a float32 delta.
+    False replaces the sorted order's row DMAs by XLA gathers and a float32 delta. a_scales /
+    b_scales: the per-channel scales of e4m3 slices (`shrink`, `expand`); with them the shrink and
+    the expand run as two calls, each applying its scales in its epilogue.
     """
     _check_row_order(row_order)
     t, h = x.shape
@@ -73,11 +76,13 @@ def linear(y: jax.Array, x: jax.Array, lora_a: Sequence[jax.Array], lora_b: Sequ
     if eplan.tm != splan.tm:
         splan = plan_shrink(t, h, s_count, r, num_slots, x_item, a_item, tm_max=eplan.tm, tk_max=tk_max,
                             chunked=chunked, row_dma=row_dma)
-    if eplan.tm != splan.tm or len(lora_b) != s_count:  # no common row tile: two calls
+    fp8 = a_scales is not None or b_scales is not None
+    if eplan.tm != splan.tm or len(lora_b) != s_count or fp8:  # no common row tile, or fp8 scales: two calls
         buf = shrink(x, lora_a, meta, scale, lora_ranks, tm_max=tm_max, tk_max=tk_max, row_order=row_order,
-                     row_dma=row_dma)
+                     row_dma=row_dma, a_scales=a_scales)
         return expand(buf, lora_b, y, meta, offsets, True, lora_ranks, bias, b_layout=b_layout,
-                      tm_max=tm_max, tn_max=tn_max, row_order=row_order, row_dma=row_dma, col_scale=col_scale)
+                      tm_max=tm_max, tn_max=tn_max, row_order=row_order, row_dma=row_dma, col_scale=col_scale,
+                      b_scales=b_scales)
     for s in range(len(lora_b)):
         if not 0 <= int(offsets[s]) <= y.shape[1] - widths[s]:
             raise ValueError(f"slice {s} (offset {offsets[s]}, width {widths[s]}) falls outside y's "

@@ -150,10 +150,15 @@ class ExpandPlan(_RankChunked):
     rank_chunk: int = 0  # rank-major B only: rows per block, fetched only up to each slot's rank
     by_rows: bool = False  # with inplace: y rows moved by DMA (sorted order), no y BlockSpec
     scaled: tuple = ()  # per slice: its epilogue vector (has_bias) is a DoRA column scale g, not a bias
+    w_scaled: tuple = ()  # per slice: an fp8 B's output-row scale (L, n_s) multiplies the product
 
     def is_scaled(self, s: int) -> bool:
         """Slice s's (1, tn) epilogue block multiplies the new value (DoRA) instead of adding."""
         return bool(self.scaled) and bool(self.scaled[s])
+
+    def has_w_scale(self, s: int) -> bool:
+        """Slice s reads a (1, tn) block of its fp8 B's scales, which multiplies buf @ B.T."""
+        return bool(self.w_scaled) and bool(self.w_scaled[s])
 
     @property
     def tiles_n(self) -> tuple:
@@ -191,6 +196,8 @@ class ExpandPlan(_RankChunked):
             if self.has_bias[s]:
                 what = "col_scale" if self.is_scaled(s) else "bias"
                 uses.append(tpu_rules.BlockUse(f"{what}[{s}]", (self.num_slots, 1, width), (None, 1, tn)))
+            if self.has_w_scale(s):
+                uses.append(tpu_rules.BlockUse(f"b_scale[{s}]", (self.num_slots, 1, width), (None, 1, tn)))
             if not self.inplace:
                 uses.append(tpu_rules.BlockUse(f"delta[{s}]", (tp, width), (self.tm, tn)))
         if self.inplace and not self.by_rows:
@@ -205,7 +212,7 @@ class ExpandPlan(_RankChunked):
                 total += tn * _round_up(self.rank, 128) * b_bytes
             else:
                 total += _round_up(self.rank, 16) * tn * b_bytes
-            total += (8 * tn * 4 if self.has_bias[s] else 0)
+            total += (8 * tn * 4 if self.has_bias[s] else 0) + (8 * tn * 4 if self.has_w_scale(s) else 0)
             total += 0 if self.inplace else self.tm * tn * 4
         if self.inplace:  # y in and y out blocks
             total += 2 * self.tm * self.tn[0] * self.y_bytes
@@ -215,14 +222,17 @@ class ExpandPlan(_RankChunked):
 def plan_expand(num_tokens: int, widths: Sequence[int], rank: int, num_slots: int, lanes: int,
                 b_layout: str = "nr", has_bias: Sequence[bool] | None = None, b_bytes: int = 2,
                 tm_max: int = 256, tn_max: int = 4096, vmem_budget: int = VMEM_BUDGET,
-                chunked: bool = False, scaled: Sequence[bool] | None = None) -> ExpandPlan:
+                chunked: bool = False, scaled: Sequence[bool] | None = None,
+                w_scaled: Sequence[bool] | None = None) -> ExpandPlan:
     """Large column tiles (few re-reads of the buffer) and tm under the VMEM budget: halves the
     widest tile, then tm, until the blocks fit. `chunked` (rank-major B only): 16-row rank blocks.
     has_bias: per slice, an epilogue vector (L, n_s) is read; scaled: per slice, that vector is a
-    DoRA column scale (the new value is multiplied by it) rather than a bias (added)."""
+    DoRA column scale (the new value is multiplied by it) rather than a bias (added); w_scaled: per
+    slice, an fp8 B's scales (L, n_s) are read too."""
     widths = tuple(int(w) for w in widths)
     has_bias = tuple(bool(b) for b in (has_bias or (False,) * len(widths)))
     scaled = tuple(bool(g) for g in scaled) if scaled and any(scaled) else ()
+    w_scaled = tuple(bool(g) for g in w_scaled) if w_scaled and any(w_scaled) else ()
     options = [_lane_divisors(w, tn_max) for w in widths]  # per slice, largest first
     choice = [0] * len(widths)
     tm = _pick_tm(num_tokens, num_slots, tm_max)
@@ -230,7 +240,8 @@ def plan_expand(num_tokens: int, widths: Sequence[int], rank: int, num_slots: in
     def make():
         return ExpandPlan(num_tokens, widths, rank, num_slots, lanes, tm,
                           tuple(o[c] for o, c in zip(options, choice)), b_layout, has_bias,
-                          rank_chunk=rank_chunk_for(rank, chunked and b_layout == "rn"), scaled=scaled)
+                          rank_chunk=rank_chunk_for(rank, chunked and b_layout == "rn"), scaled=scaled,
+                          w_scaled=w_scaled)
 
     plan = make()
     while plan.vmem_bytes(b_bytes) > vmem_budget:

@@ -5,6 +5,11 @@ Kernels: `_shrink_kernel` (x rows by BlockSpec, grid (steps, tiles_k), either ro
 positions, no XLA gather). Both write the S rank blocks packed side by side in the lanes, (rows, P)
 float32, only the rows of scheduled groups; the epilogue puts rows back in token order, unpacks,
 applies `scale` and zeroes rows without a LoRA.
+
+fp8 weights: an e4m3 A block is loaded as it is stored (1 byte per weight from HBM) and upcast in
+the kernel (`_dot`: to bf16 beside bf16 activations, exact, else float32); the product accumulates
+in float32 and the rank-row scale a_scale_s[idx[t], c] multiplies it once, in the epilogue, with
+`scale`: buf[s, t, c] = scale * a_scale_s[idx[t], c] * sum_k x[t, k] * A_q,s[idx[t], c, k].
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from .common import (
     _rows_dma,
     _two_jits,
     current_interpret,
+    scales_by_slice,
 )
 from .plans import ShrinkPlan, _compiler_params, plan_shrink, shrink_order_cost
 from .schedule import (
@@ -211,7 +217,7 @@ def _shrink_orders(x, lora_a, ranks, rows: _Rows, plan: ShrinkPlan, interpret):
     return token_order, sorted_order
 
 
-def _shrink_call(x, lora_a, meta, scale, ranks, *, plan: ShrinkPlan, row_order, interpret):
+def _shrink_call(x, lora_a, meta, scale, ranks, a_scales, *, plan: ShrinkPlan, row_order, interpret):
     t, s_count, r = plan.num_tokens, plan.num_slices, plan.rank
     rows = _rows(meta, t, plan.num_slots, plan.tm, plan.tiles_m * plan.tm)
     # Two row orders, one kernel. Token order needs no gather; the sorted order reads each
@@ -222,6 +228,9 @@ def _shrink_call(x, lora_a, meta, scale, ranks, *, plan: ShrinkPlan, row_order, 
                       lambda: token_order()[:t], lambda: jnp.take(sorted_order(), rows.position, axis=0))
     # Epilogue: unpack the slices, scale; rows without LoRA are 0 (their rows were never written).
     packed = out[:, : s_count * r].reshape(t, s_count, r)
+    if a_scales is not None:  # fp8: each token's own slot's rank-row scales, once per channel
+        own = jnp.clip(rows.idx, 0, plan.num_slots - 1)
+        packed = packed * jnp.stack([jnp.take(v, own, axis=0) for v in a_scales], axis=1)
     packed = jnp.where(rows.has_lora[:, None, None], packed * scale, 0.0)
     return jnp.transpose(packed, (1, 0, 2))
 
@@ -231,10 +240,12 @@ _shrink_call = _two_jits(_shrink_call, ("plan", "row_order", "interpret"))
 
 def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float,
            lora_ranks=None, *, tm_max: int = 256, tk_max: int = 8192,
-           row_order: str | None = None, row_dma: bool = True) -> jax.Array:
+           row_order: str | None = None, row_dma: bool = True, a_scales=None) -> jax.Array:
     """x (T, H); lora_a: S arrays (L, r, H), one (L, r) shape -> (S, T, r) float32.
 
     buf[s, t] = scale * x[t] @ lora_a[s][idx[t]].T, zero rows where idx[t] is -1 or out of range.
+    a_scales: None or S entries of None / (L, r) float32, the rank-row scales of e4m3 slices
+    (module docstring).
     row_order: None (chosen per call on the device), or force "token" / "sorted" (measurements).
     row_dma: in sorted order let the kernel DMA x rows from their token positions (False: an XLA
     gather; a switch for TPU bring-up and measurement).
@@ -251,5 +262,6 @@ def shrink(x: jax.Array, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scal
                        chunked=lora_ranks is not None, row_dma=row_dma)
     tpu_rules.check_blocks(plan.block_uses())
     ranks = _ranks_or_full(lora_ranks, num_slots, r)
-    return _shrink_call(x, tuple(lora_a), meta, jnp.float32(scale), ranks, plan=plan, row_order=row_order,
-                        interpret=current_interpret())
+    return _shrink_call(x, tuple(lora_a), meta, jnp.float32(scale), ranks,
+                        scales_by_slice(a_scales, len(lora_a), num_slots, [r] * len(lora_a)), plan=plan,
+                        row_order=row_order, interpret=current_interpret())
