@@ -188,7 +188,8 @@ class ExpertOrder:
 
 
 def grouped_mm_probe(device) -> str:
-    """"" when `torch._grouped_mm` runs here (CUDA, bf16, offsets), else why not."""
+    """"" when `torch._grouped_mm` runs here (CUDA, bf16, offsets, eagerly and from a CUDA
+    graph), else why not."""
     import torch
     if getattr(device, "type", device) != "cuda" or not hasattr(torch, "_grouped_mm"):
         return "not a CUDA device" if getattr(device, "type", device) != "cuda" else "torch has no _grouped_mm"
@@ -200,6 +201,13 @@ def grouped_mm_probe(device) -> str:
         want = torch.cat([a[:16] @ w[0].T, a[16:] @ w[1].T])
         if float((out.float() - want.float()).abs().max()) > 0.1 * float(want.float().abs().max()):
             return "torch._grouped_mm gave a wrong product"
+        graph = torch.cuda.CUDAGraph()                     # the steps are captured: so must it be
+        with torch.cuda.graph(graph):
+            captured = torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(captured, out):
+            return "torch._grouped_mm replayed from a CUDA graph gave another product"
         return ""
     except Exception as e:
         return f"torch._grouped_mm failed: {type(e).__name__}: {e}"
