@@ -541,18 +541,14 @@ class Bench:
         n = self.args.steps
         j_args, t_args, slots = self._inputs(case)
         jw, tw = self._wrappers(case, slots, "triton" if self.cuda else "xla")
-        # torch: check eagerly, then graphs of both steps, timed alternately
-        jc, tc = self._caches(case)
-        check = self._torch_check(case, t_args, tc, tw, slots)
         row = dict(case=case.name, kind=case.kind, rows=case.rows, seq=case.seq, adapters=case.adapters, rank=RANK)
-        base_run, _ = self._torch_graph(lambda: self.td.forward(*t_args, tc, lora=None))
-        lora_hook = self.td.wrapper_lora(tw)
-        lora_run, lora_out = self._torch_graph(lambda: self.td.forward(*t_args, tc, lora=lora_hook))
-        graph_err = float(row_errors(lora_out[0].double().cpu().numpy(), check.pop("eager")).max())
-        check["ok"] = check["ok"] and graph_err <= TOL_GRAPH
-        base_us, lora_us = self._time_torch([base_run, lora_run], n)
-        self._record(row, "torch", base_us, lora_us, dict(check, graph_err=graph_err))
-        del base_run, lora_run
+        jc, tc = self._caches(case)
+        try:
+            self._run_torch(case, row, t_args, tc, tw, slots, n)
+        except Exception as e:
+            self.td.route = None
+            print(f"{case.name}: torch failed: {type(e).__name__}: {e}", file=sys.stderr)
+            self._record(row, "torch", 0.0, 0.0, dict(ok=False, error=f"{type(e).__name__}: {e}"))
         # JAX: both steps compiled and warmed, the check, then timed alternately
         _, lora_logits = self._jax_step(case, j_args, jc, jw, True)
         jc, _ = self._caches(case)
@@ -571,6 +567,17 @@ class Bench:
                 jc, _ = self._jax_step(case, j_args, jc, jw, lora)
                 times[i].append((time.perf_counter() - t0) * 1e6)
         self._record(row, "jax", float(np.median(times[0])), float(np.median(times[1])), jcheck)
+
+    def _run_torch(self, case, row, t_args, tc, tw, slots, n) -> None:
+        """torch: the eager check, then graphs of both steps, timed alternately."""
+        check = self._torch_check(case, t_args, tc, tw, slots)
+        base_run, _ = self._torch_graph(lambda: self.td.forward(*t_args, tc, lora=None))
+        lora_hook = self.td.wrapper_lora(tw)
+        lora_run, lora_out = self._torch_graph(lambda: self.td.forward(*t_args, tc, lora=lora_hook))
+        graph_err = float(row_errors(lora_out[0].double().cpu().numpy(), check.pop("eager")).max())
+        check["ok"] = check["ok"] and graph_err <= TOL_GRAPH
+        base_us, lora_us = self._time_torch([base_run, lora_run], n)
+        self._record(row, "torch", base_us, lora_us, dict(check, graph_err=graph_err))
 
     def _record(self, row: dict, fw: str, base_us: float, lora_us: float, check: dict) -> None:
         ok = bool(check.get("ok"))
