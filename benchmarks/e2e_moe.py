@@ -188,7 +188,8 @@ class ExpertOrder:
 
 
 def grouped_mm_probe(device) -> str:
-    """"" when `torch._grouped_mm` runs here (CUDA, bf16, offsets), else why not."""
+    """"" when `torch._grouped_mm` runs here (CUDA, bf16, offsets, eagerly and from a CUDA
+    graph), else why not."""
     import torch
     if getattr(device, "type", device) != "cuda" or not hasattr(torch, "_grouped_mm"):
         return "not a CUDA device" if getattr(device, "type", device) != "cuda" else "torch has no _grouped_mm"
@@ -200,6 +201,13 @@ def grouped_mm_probe(device) -> str:
         want = torch.cat([a[:16] @ w[0].T, a[16:] @ w[1].T])
         if float((out.float() - want.float()).abs().max()) > 0.1 * float(want.float().abs().max()):
             return "torch._grouped_mm gave a wrong product"
+        graph = torch.cuda.CUDAGraph()                     # the steps are captured: so must it be
+        with torch.cuda.graph(graph):
+            captured = torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(captured, out):
+            return "torch._grouped_mm replayed from a CUDA graph gave another product"
         return ""
     except Exception as e:
         return f"torch._grouped_mm failed: {type(e).__name__}: {e}"
@@ -533,18 +541,14 @@ class Bench:
         n = self.args.steps
         j_args, t_args, slots = self._inputs(case)
         jw, tw = self._wrappers(case, slots, "triton" if self.cuda else "xla")
-        # torch: check eagerly, then graphs of both steps, timed alternately
-        jc, tc = self._caches(case)
-        check = self._torch_check(case, t_args, tc, tw, slots)
         row = dict(case=case.name, kind=case.kind, rows=case.rows, seq=case.seq, adapters=case.adapters, rank=RANK)
-        base_run, _ = self._torch_graph(lambda: self.td.forward(*t_args, tc, lora=None))
-        lora_hook = self.td.wrapper_lora(tw)
-        lora_run, lora_out = self._torch_graph(lambda: self.td.forward(*t_args, tc, lora=lora_hook))
-        graph_err = float(row_errors(lora_out[0].double().cpu().numpy(), check.pop("eager")).max())
-        check["ok"] = check["ok"] and graph_err <= TOL_GRAPH
-        base_us, lora_us = self._time_torch([base_run, lora_run], n)
-        self._record(row, "torch", base_us, lora_us, dict(check, graph_err=graph_err))
-        del base_run, lora_run
+        jc, tc = self._caches(case)
+        try:
+            self._run_torch(case, row, t_args, tc, tw, slots, n)
+        except Exception as e:
+            self.td.route = None
+            print(f"{case.name}: torch failed: {type(e).__name__}: {e}", file=sys.stderr)
+            self._record(row, "torch", 0.0, 0.0, dict(ok=False, error=f"{type(e).__name__}: {e}"))
         # JAX: both steps compiled and warmed, the check, then timed alternately
         _, lora_logits = self._jax_step(case, j_args, jc, jw, True)
         jc, _ = self._caches(case)
@@ -563,6 +567,17 @@ class Bench:
                 jc, _ = self._jax_step(case, j_args, jc, jw, lora)
                 times[i].append((time.perf_counter() - t0) * 1e6)
         self._record(row, "jax", float(np.median(times[0])), float(np.median(times[1])), jcheck)
+
+    def _run_torch(self, case, row, t_args, tc, tw, slots, n) -> None:
+        """torch: the eager check, then graphs of both steps, timed alternately."""
+        check = self._torch_check(case, t_args, tc, tw, slots)
+        base_run, _ = self._torch_graph(lambda: self.td.forward(*t_args, tc, lora=None))
+        lora_hook = self.td.wrapper_lora(tw)
+        lora_run, lora_out = self._torch_graph(lambda: self.td.forward(*t_args, tc, lora=lora_hook))
+        graph_err = float(row_errors(lora_out[0].double().cpu().numpy(), check.pop("eager")).max())
+        check["ok"] = check["ok"] and graph_err <= TOL_GRAPH
+        base_us, lora_us = self._time_torch([base_run, lora_run], n)
+        self._record(row, "torch", base_us, lora_us, dict(check, graph_err=graph_err))
 
     def _record(self, row: dict, fw: str, base_us: float, lora_us: float, check: dict) -> None:
         ok = bool(check.get("ok"))

@@ -1,7 +1,8 @@
 """The JAX MoE LoRA op beyond the conformance cases: NaN or Inf in weights no routed pair may read
 (an empty slot, a slot whose adapter_enabled is 0, rank padding past lora_ranks) never reaches a
 result, on backends xla, pallas_tpu (TPU interpret mode, races checked) and triton (Triton's
-interpreter; blocks of 4 pairs take its naive order), each running its own kernel; the wrapper's
+interpreter; blocks of 4 pairs take its naive order), each running its own kernel (triton: the
+xla one, logged, where the FFI launcher cannot run); the wrapper's
 add_lora_w13 / add_lora_w2 under jax.jit with the wrapper a traced argument and a bucket-padded
 batch equal the float64 oracle on the real tokens and leave the padded ones untouched; the
 aligned layout holds every live pair once.
@@ -135,3 +136,24 @@ def test_w13_w2_under_jit_with_a_padded_bucket():
     assert oracle.rel_err(got2, want2) <= oracle.TOL["float32"]
     np.testing.assert_array_equal(got13[M:], y_p[M:])
     np.testing.assert_array_equal(got2[M:], y2[M:])
+
+
+@pytest.mark.parametrize("naive", [False, True], ids=["aligned", "naive"])
+def test_triton_without_the_ffi_launcher_runs_xla_and_says_so(monkeypatch, caplog, naive):
+    """On a GPU where the FFI launcher cannot run (jax_triton cannot pass the kernel's mid-list
+    outputs), the triton MoE op runs the xla backend's, from a naive order too, and logs why."""
+    import logging
+
+    from jax_lora.ops import ffi_launcher, triton, triton_moe
+    ids, weights, slot, a, b, x, y = _case(3)
+    enabled = np.array([1, 0, 1], np.int32)
+    layout = (None, ids.reshape(-1), None) if naive else moe_lora_align_block_size(ids, slot, E, 16, L, enabled)
+    monkeypatch.setattr(triton, "_use_interpreter", lambda *arrays: False)
+    monkeypatch.setattr(triton, "_use_ffi", lambda: False)
+    monkeypatch.setattr(ffi_launcher, "unavailable_reason", lambda: "JAX_LORA_TRITON_LAUNCHER=jax_triton")
+    triton_moe._log_fallback.cache_clear()
+    with caplog.at_level(logging.INFO, logger="jax_lora"):
+        got = fused_moe_lora(y, x, a, b, weights, *layout, slot, R, K, enabled, False, 0, backend="triton")
+    assert "runs the xla backend's" in caplog.text and "jax_triton" in caplog.text
+    want = oracle.fused_moe_lora(y, x, a, b, ids, weights, slot, enabled, False)
+    assert oracle.rel_err(np.asarray(got), want) <= oracle.TOL["float32"]
