@@ -51,5 +51,6 @@ def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ran
             delta = delta * pair_weight[:, None]
         old = y[:, off:off + width]
         new = (old.astype(jnp.float32) + delta).astype(y.dtype)
-        y = y.at[:, off:off + width].set(jnp.where(has[:, None], new, old))          # step 4
+        # step 4, an update slice (no index array: the rule of xla.set_columns, which imports this module)
+        y = jax.lax.dynamic_update_slice_in_dim(y, jnp.where(has[:, None], new, old), off, axis=1)
     return y.reshape(y3.shape)
