@@ -1,0 +1,240 @@
+"""The base-model prefix cache (lora_core.prefix_blocks's token-block trie, jax_lora.prefix_cache in
+the ServingEngine; float32, CPU, a tiny random Llama with peft's aLoRA and plain LoRA adapters).
+
+The index: whole blocks only, a prefix that differs at token t matches the blocks before t, LRU
+eviction of leaves (never a block whose chain is still cached), a full pool never evicts the
+chain being stored. The engine: an aLoRA request after a base request with the same prefix reuses
+the whole blocks before its invocation (Completion.cached_tokens, the engine's counters) and still
+equals peft's aLoRA generate and the engine without the cache; a prefix one token different reuses
+nothing past the difference; K/V computed with an adapter (plain LoRA, an aLoRA request from its
+invocation on) are never stored; eviction in the engine; the reused prefill runs in the existing
+prefill buckets (no compilation once warm).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lora_core.prefix_blocks import PrefixBlockIndex
+
+from .test_alora import ADAPTERS, INVOCATION, MAX_NEW, _peft_generate
+from .test_peft_roundtrip import VOCAB, build_peft_models
+from .test_serving import count_compilations
+
+BLOCK = 4
+
+
+# ----------------------------------------------------------------------------- the index
+
+def test_index_matches_whole_blocks_up_to_the_first_difference():
+    idx = PrefixBlockIndex(num_blocks=8, block_size=4)
+    p = list(range(10, 21))                                     # 11 tokens: 2 whole blocks
+    assert idx.match(p, len(p)) == []
+    new = idx.insert(p, len(p))
+    assert [b for b, _ in new] == [0, 1] and idx.cached_blocks == 2
+    assert idx.match(p, len(p)) == [s for _, s in new]
+    assert idx.match(p, 7) == [new[0][1]]                       # the limit cuts block 1
+    q = list(p)
+    q[5] = 99                                                   # differs in block 1
+    assert idx.match(q, len(q)) == [new[0][1]]
+    q[0] = 99                                                   # differs in block 0
+    assert idx.match(q, len(q)) == []
+    assert idx.insert(p, len(p)) == []                          # cached already: nothing to write
+    r = p[:4] + [1, 2, 3, 4]                                    # shares block 0, branches at block 1
+    assert [b for b, _ in idx.insert(r, 8)] == [1] and idx.cached_blocks == 3
+
+
+def test_index_keys_are_token_ids_not_positions_alone():
+    idx = PrefixBlockIndex(num_blocks=4, block_size=2)
+    idx.insert([1, 2, 3, 4], 4)
+    assert idx.match([3, 4, 1, 2], 4) == []                     # block (3, 4) cached only after (1, 2)
+    assert len(idx.match([1, 2, 3, 4, 5], 5)) == 2
+
+
+def test_index_evicts_least_recently_used_leaves():
+    idx = PrefixBlockIndex(num_blocks=3, block_size=2)
+    a, b, c = [1, 1, 2, 2], [3, 3], [4, 4]
+    idx.insert(a, 4)                                            # two blocks: (1,1) <- (2,2)
+    idx.insert(b, 2)
+    assert idx.cached_blocks == 3
+    idx.match(a, 4)                                             # a is now the most recent
+    idx.insert(c, 2)                                            # evicts b (the LRU leaf)
+    assert idx.match(b, 2) == [] and len(idx.match(a, 4)) == 2 and idx.evicted_blocks == 1
+    idx.insert([5, 5], 2)                                       # LRU is c now
+    assert idx.match(c, 2) == []
+    idx.insert([6, 6], 2)                                       # LRU: a's two blocks; the leaf goes, not its root
+    assert idx.match(a, 4) == idx.match([1, 1], 2) and len(idx.match(a, 4)) == 1
+    assert idx.evicted_blocks == 3 and idx.stored_blocks == 6
+
+
+def test_index_does_not_evict_the_chain_it_stores():
+    idx = PrefixBlockIndex(num_blocks=2, block_size=1)
+    assert [b for b, _ in idx.insert([1, 2, 3, 4], 4)] == [0, 1]        # the pool holds two of the four
+    assert len(idx.match([1, 2, 3, 4], 4)) == 2 and idx.evicted_blocks == 0
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        PrefixBlockIndex(2, 0)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return build_peft_models(tmp_path_factory.mktemp("prefix"), ADAPTERS)
+
+
+def _engine(hf, **kw):
+    from jax_lora.adapters import AdapterManager
+    from jax_lora.models import add_lora, load_llama
+    from jax_lora.serving import ServingEngine
+    root, dirs, _ = hf
+    model = load_llama(str(root / "base"))
+    add_lora(model, max_loras=2, max_rank=8)
+    mgr = AdapterManager(model)
+    for lora_id, d in dirs.items():
+        mgr.register(lora_id, d)
+    return ServingEngine(model, mgr, max_seqs=4, max_len=40, keep_logits=True, **kw)
+
+
+def _tokens(rng, n):
+    return [int(t) for t in rng.integers(10, VOCAB, size=n)]       # ids >= 10: no accidental invocation
+
+
+def _req(prompt, lora_id=None):
+    from jax_lora.serving import Request
+    return Request(prompt, lora_id=lora_id, max_new_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def cached(hf):
+    return _engine(hf, prefix_cache_tokens=64, prefix_block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def plain(hf):
+    return _engine(hf)
+
+
+def test_alora_request_reuses_the_base_prefix_and_equals_peft(hf, cached, plain):
+    rng = np.random.default_rng(0)
+    prefix = _tokens(rng, 10)                                   # 2 whole blocks of 4
+    base = prefix + _tokens(rng, 3)
+    act = prefix + INVOCATION + _tokens(rng, 2)                 # invocation at 10
+    before = cached.prefix_cache_stats()
+    first = cached.generate([_req(base)])[0]
+    assert first.cached_tokens == 0
+    stats = cached.prefix_cache_stats()
+    assert stats["stored_tokens"] - before["stored_tokens"] == 12          # the base prompt's 3 whole blocks
+    done = cached.generate([_req(act, 1)])[0]
+    assert done.cached_tokens == 8                              # blocks 0, 1: before the invocation
+    assert cached.last_stats["prefix_reused_tokens"] == 8
+    after = cached.prefix_cache_stats()
+    assert after["reused_tokens"] - stats["reused_tokens"] == 8
+    assert after["stored_tokens"] == stats["stored_tokens"]     # its base blocks were cached already
+    tokens, want = _peft_generate(hf[2][1], act)
+    assert done.tokens == tokens
+    np.testing.assert_allclose(done.logits, want, rtol=1e-4, atol=1e-4)
+    ref = plain.generate([_req(act, 1)])[0]
+    assert ref.cached_tokens == 0 and ref.tokens == done.tokens
+    np.testing.assert_allclose(done.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    again = cached.generate([_req(base)])[0]                    # the whole prompt cached: all but its last
+    assert again.cached_tokens == len(base) - 1 and again.tokens == first.tokens
+    np.testing.assert_allclose(again.logits, first.logits, rtol=1e-5, atol=1e-5)
+    tokens, want = _peft_generate(hf[2][None], base)
+    assert first.tokens == tokens
+    np.testing.assert_allclose(first.logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_batch_with_reuse_equals_peft_per_request(hf, cached):
+    """Base, aLoRA (invocation present and absent) and plain LoRA requests sharing one prefix, served
+    after the prefix was cached: each equals peft's generate for the request alone."""
+    rng = np.random.default_rng(1)
+    prefix = _tokens(rng, 9)
+    cached.generate([_req(prefix + _tokens(rng, 2))])
+    reqs = [(prefix + INVOCATION + _tokens(rng, 1), 1), (prefix + _tokens(rng, 4), 1),
+            (prefix + _tokens(rng, 3), 2), (prefix + _tokens(rng, 2), None)]
+    out = cached.generate([_req(p, i) for p, i in reqs])
+    assert [c.cached_tokens for c in out] == [8, 8, 0, 8]       # plain LoRA: an adapter on every token
+    for (p, lora_id), c in zip(reqs, out):
+        tokens, want = _peft_generate(hf[2][lora_id], p)
+        assert c.tokens == tokens, (p, lora_id)
+        np.testing.assert_allclose(c.logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_token_difference_reuses_nothing_past_it(cached, plain):
+    rng = np.random.default_rng(2)
+    p = _tokens(rng, 14)
+    cached.generate([_req(p)])
+    for t in (0, 3, 6, 12):
+        q = list(p)
+        q[t] = 10 + (q[t] - 9) % (VOCAB - 10)                   # another token id, still >= 10
+        got = cached.generate([_req(q)])[0]
+        assert got.cached_tokens == (t // BLOCK) * BLOCK, t
+        want = plain.generate([_req(q)])[0]
+        assert got.tokens == want.tokens
+        np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_computed_kv_is_never_stored(hf):
+    engine = _engine(hf, prefix_cache_tokens=64, prefix_block_size=BLOCK)
+    rng = np.random.default_rng(3)
+    p = _tokens(rng, 12)
+    engine.generate([_req(p, 2)])                               # plain LoRA: every token has the adapter
+    assert engine.prefix_cache_stats()["stored_tokens"] == 0
+    assert engine.generate([_req(p)])[0].cached_tokens == 0
+    act = _tokens(rng, 5) + INVOCATION + _tokens(rng, 6)        # invocation at 5: only block 0 is base
+    engine.generate([_req(act, 1)])
+    stored = engine.prefix_cache_stats()["stored_tokens"]
+    assert stored == 12 + 4
+    base = engine.generate([_req(act)])[0]                      # the same prompt served by the base model
+    assert base.cached_tokens == 4                              # not the aLoRA request's blocks from 5 on
+    again = engine.generate([_req(act, 1)])[0]                  # the base request stored them: reused up to 5
+    assert again.cached_tokens == 4
+    tokens, want = _peft_generate(hf[2][1], act)
+    assert again.tokens == tokens
+    np.testing.assert_allclose(again.logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_eviction_in_the_engine(hf, plain):
+    engine = _engine(hf, prefix_cache_tokens=2 * BLOCK + 3, prefix_block_size=BLOCK)     # two blocks
+    assert engine.prefix_cache_stats()["capacity_tokens"] == 2 * BLOCK
+    rng = np.random.default_rng(4)
+    a, b = _tokens(rng, 6), _tokens(rng, 6)                     # one whole block each
+    engine.generate([_req(a)])
+    engine.generate([_req(b)])
+    assert engine.generate([_req(a + [11])])[0].cached_tokens == BLOCK         # a is the most recent now
+    c = _tokens(rng, 5)
+    engine.generate([_req(c)])                                  # evicts b
+    stats = engine.prefix_cache_stats()
+    assert stats["evicted_tokens"] == BLOCK and stats["cached_tokens"] == 2 * BLOCK
+    got = engine.generate([_req(b)])[0]
+    assert got.cached_tokens == 0
+    want = plain.generate([_req(b)])[0]
+    assert got.tokens == want.tokens
+    engine.clear_prefix_cache()
+    assert engine.generate([_req(a + [12])])[0].cached_tokens == 0
+    off = _engine(hf)
+    assert off.prefix_cache_stats() is None and off.prefix_cache is None
+
+
+def test_reuse_compiles_nothing_once_warm(hf):
+    """The rest of a prompt is prefilled in an existing bucket; the two block copies are one program
+    each: a second round of the same shapes compiles nothing."""
+    engine = _engine(hf, prefix_cache_tokens=64, prefix_block_size=BLOCK)
+    for seed in (5, 6):
+        rng = np.random.default_rng(seed)
+        prefix = _tokens(rng, 8)
+        with count_compilations() as events:
+            engine.generate([_req(prefix + _tokens(rng, 3))])
+            engine.generate([_req(prefix + INVOCATION + _tokens(rng, 2), 1), _req(_tokens(rng, 20))])
+        if seed == 6:
+            assert events == []
+
+
+@pytest.mark.parametrize("kw, match", [({"prefix_cache_tokens": -1}, "prefix_cache_tokens must be an int >= 0"),
+                                       ({"prefix_cache_tokens": 1.5}, "prefix_cache_tokens must be an int >= 0"),
+                                       ({"prefix_block_size": 0}, "prefix_block_size must be an int >= 1"),
+                                       ({"prefix_cache_tokens": 3, "prefix_block_size": 4}, "holds no whole block")])
+def test_bad_prefix_cache_arguments(hf, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _engine(hf, **kw)
