@@ -257,7 +257,8 @@ class ServingEngine:
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
-            raise ValueError(f"prefix_cache_tokens must be an int >= 0 (0: no prefix cache), got {prefix_cache_tokens!r}")
+            raise ValueError(f"prefix_cache_tokens must be an int >= 0 (0: no prefix cache), got "
+                             f"{prefix_cache_tokens!r}")
         if not _is_int(prefix_block_size) or prefix_block_size < 1:
             raise ValueError(f"prefix_block_size must be an int >= 1, got {prefix_block_size!r}")
         if adapters is not None and adapters.model is not model:
