@@ -77,11 +77,12 @@ def _run(impl, traffic: PairTraffic, x, y, slots, weights):
                                deterministic=True)
     w.update_metadata(_mapping(slots, weights), LORA_IDS, SLOTS + 1, VOCAB)
     assert w.num_pairs == traffic.k
-    lin = w.add_lora_linear(impl.arr(y), impl.arr(x), [impl.arr(a) for a in traffic.lora_a],
+    lin, head = impl.arr(y.copy()), impl.arr(np.zeros((n, VOCAB), np.float32))   # torch shares NumPy memory
+    out = w.add_lora_linear(lin, impl.arr(x), [impl.arr(a) for a in traffic.lora_a],
                             [impl.arr(b) for b in traffic.lora_b], None, SCALE, SLICES)
-    head_y = np.zeros((n, VOCAB), np.float32)
-    head = w.add_lora_logits(impl.arr(head_y), impl.arr(x), impl.arr(traffic.head_a), impl.arr(traffic.head_b),
-                             SCALE)
+    lin = lin if impl.mutates else out                  # torch writes y in place, JAX returns the new y
+    out = w.add_lora_logits(head, impl.arr(x), impl.arr(traffic.head_a), impl.arr(traffic.head_b), SCALE)
+    head = head if impl.mutates else out
     return impl.to_np(lin), impl.to_np(head)
 
 
