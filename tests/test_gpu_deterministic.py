@@ -4,8 +4,11 @@ A request's rows of every op (lora_shrink, lora_expand, BGMV, SGMV) and of add_l
 torch and the JAX Triton backends, are bitwise the same alone and inside 100 random batches of
 1-512 tokens (random neighbours, adapters and positions), at ranks 16 and 64 with three slices of
 a 4096-wide layer; the same batch twice gives the same bits. And the Flax serving loop with the
-Triton backend gives a request the same greedy tokens alone and in any batch.
-(tests/test_deterministic.py runs the same checks on the CPU: reference backends, interpreter.)
+Triton backend gives a request the same greedy tokens alone and in any batch. With several adapters
+per token (k = 2 and 4 weighted pairs), a probe token's add_lora_linear and add_lora_logits rows are
+bitwise the same alone and in 40 random mixed batches of 1-512 tokens.
+(tests/test_deterministic.py and tests/test_deterministic_pairs.py run the same checks on the CPU:
+reference backends, interpreter.)
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 
 from .impls import IMPLS
 from .test_deterministic import Shapes, Traffic, check_request_invariance
+from .test_deterministic_pairs import PairShapes, PairTraffic, check_pairs_invariance
 from .test_serving import check_deterministic_tokens, served  # noqa: F401 - the module's engine fixture
 
 pytestmark = pytest.mark.gpu
@@ -37,3 +41,11 @@ def test_request_rows_bitwise_equal_in_100_batches(impl, rank):
 def test_deterministic_serving_with_triton(served):  # noqa: F811 - the imported fixture
     engine, base, adapters, _ = served
     check_deterministic_tokens(engine.model, engine.adapters, base, adapters, "triton", np.random.default_rng(9))
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+def test_pairs_rows_bitwise_equal_in_40_batches(impl, k):
+    shapes = PairShapes(hidden=4096, rank=64, slots=8, slices=(4096, 1024, 1024), vocab=2048, dtype="bfloat16")
+    sizes = np.random.default_rng(k).choice(SIZES, size=40)
+    check_pairs_invariance(impl, PairTraffic(k, shapes, seed=k), sizes, oracle_every=10)
