@@ -52,6 +52,7 @@ the same engine raises RuntimeError (it would interleave with the call in progre
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -331,15 +332,20 @@ class ServingEngine:
     def prefix_cache_stats(self) -> dict | None:
         """The prefix cache's cumulative counters (None when it is off): block_size, capacity_tokens,
         cached_tokens (held now), lookups, reused_tokens (prompt tokens not prefilled thanks to it),
-        stored_tokens, evicted_tokens."""
-        with self._lock:
+        stored_tokens, evicted_tokens. Callable from a `progress` callback (the lock is then this
+        thread's already)."""
+        with self._held_lock():
             return None if self.prefix_cache is None else self.prefix_cache.stats()
 
     def clear_prefix_cache(self) -> None:
-        """Forgets every cached prefix (e.g. after the base model's weights changed)."""
-        with self._lock:
+        """Forgets every cached prefix (e.g. after the base model's weights were changed in place)."""
+        with self._held_lock():
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
+
+    def _held_lock(self):
+        """The engine's lock, or nothing when this thread holds it (inside generate: a callback)."""
+        return contextlib.nullcontext() if self._owner == threading.get_ident() else self._lock
 
     @property
     def compile_count(self) -> int:

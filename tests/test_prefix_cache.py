@@ -8,10 +8,15 @@ the whole blocks before its invocation (Completion.cached_tokens, the engine's c
 equals peft's aLoRA generate and the engine without the cache; a prefix one token different reuses
 nothing past the difference; K/V computed with an adapter (plain LoRA, an aLoRA request from its
 invocation on) are never stored; eviction in the engine; the reused prefill runs in the existing
-prefill buckets (no compilation once warm).
+prefill buckets (no compilation once warm); the counters read from a progress callback; a model
+split over 2 CPU devices (the pool split like the cache). Marked
+`gpu`: a bfloat16 model (a 16-bit cache: cuDNN's attention reads the copied keys) with the Triton
+backend gives the tokens of the engine without the cache.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -83,12 +88,12 @@ def hf(tmp_path_factory):
     return build_peft_models(tmp_path_factory.mktemp("prefix"), ADAPTERS)
 
 
-def _engine(hf, **kw):
+def _engine(hf, dtype=None, **kw):
     from jax_lora.adapters import AdapterManager
     from jax_lora.models import add_lora, load_llama
     from jax_lora.serving import ServingEngine
     root, dirs, _ = hf
-    model = load_llama(str(root / "base"))
+    model = load_llama(str(root / "base")) if dtype is None else load_llama(str(root / "base"), dtype=dtype)
     add_lora(model, max_loras=2, max_rank=8)
     mgr = AdapterManager(model)
     for lora_id, d in dirs.items():
@@ -175,17 +180,17 @@ def test_one_token_difference_reuses_nothing_past_it(cached, plain):
         np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
 
 
-def test_adapter_computed_kv_is_never_stored(hf):
-    engine = _engine(hf, prefix_cache_tokens=64, prefix_block_size=BLOCK)
+def test_adapter_computed_kv_is_never_stored(hf, cached):
+    engine = cached
     rng = np.random.default_rng(3)
     p = _tokens(rng, 12)
+    before = engine.prefix_cache_stats()["stored_tokens"]
     engine.generate([_req(p, 2)])                               # plain LoRA: every token has the adapter
-    assert engine.prefix_cache_stats()["stored_tokens"] == 0
+    assert engine.prefix_cache_stats()["stored_tokens"] == before
     assert engine.generate([_req(p)])[0].cached_tokens == 0
     act = _tokens(rng, 5) + INVOCATION + _tokens(rng, 6)        # invocation at 5: only block 0 is base
     engine.generate([_req(act, 1)])
-    stored = engine.prefix_cache_stats()["stored_tokens"]
-    assert stored == 12 + 4
+    assert engine.prefix_cache_stats()["stored_tokens"] - before == 12 + 4
     base = engine.generate([_req(act)])[0]                      # the same prompt served by the base model
     assert base.cached_tokens == 4                              # not the aLoRA request's blocks from 5 on
     again = engine.generate([_req(act, 1)])[0]                  # the base request stored them: reused up to 5
@@ -217,10 +222,10 @@ def test_eviction_in_the_engine(hf, plain):
     assert off.prefix_cache_stats() is None and off.prefix_cache is None
 
 
-def test_reuse_compiles_nothing_once_warm(hf):
+def test_reuse_compiles_nothing_once_warm(cached):
     """The rest of a prompt is prefilled in an existing bucket; the two block copies are one program
     each: a second round of the same shapes compiles nothing."""
-    engine = _engine(hf, prefix_cache_tokens=64, prefix_block_size=BLOCK)
+    engine = cached
     for seed in (5, 6):
         rng = np.random.default_rng(seed)
         prefix = _tokens(rng, 8)
@@ -238,3 +243,57 @@ def test_reuse_compiles_nothing_once_warm(hf):
 def test_bad_prefix_cache_arguments(hf, kw, match):
     with pytest.raises(ValueError, match=match):
         _engine(hf, **kw)
+
+
+def test_stats_from_a_progress_callback(cached):
+    """progress runs inside generate (the engine's lock held by this thread): the counters are read
+    without waiting for the lock."""
+    seen, finished = [], []
+
+    def serve():
+        cached.generate([_req(_tokens(np.random.default_rng(8), 6))],
+                        progress=lambda done, total: seen.append(cached.prefix_cache_stats()["lookups"]))
+        finished.append(True)
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert finished and len(seen) == 1 and seen[0] >= 1
+
+
+@pytest.mark.gpu
+def test_reuse_with_triton_and_a_16_bit_cache(hf):
+    import jax.numpy as jnp
+    cached16 = _engine(hf, jnp.bfloat16, backend="triton", prefix_cache_tokens=64, prefix_block_size=BLOCK)
+    plain16 = _engine(hf, jnp.bfloat16, backend="triton")
+    rng = np.random.default_rng(9)
+    prefix = _tokens(rng, 11)
+    reqs = [_req(prefix + _tokens(rng, 3)), _req(prefix + INVOCATION + _tokens(rng, 2), 1),
+            _req(prefix + _tokens(rng, 5))]
+    cached16.generate(reqs[:1])
+    got = cached16.generate(reqs[1:])
+    want = plain16.generate(reqs[1:])
+    assert [c.cached_tokens for c in got] == [8, 8]
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.logits, w.logits, rtol=5e-2, atol=5e-2)
+
+
+def test_reuse_on_a_mesh(hf, plain):
+    """The model split over 2 CPU devices (the pool split along the KV heads like the cache): an aLoRA
+    request reusing a base prefix gives the unsplit engine's tokens."""
+    import jax
+    from jax.sharding import Mesh
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU-device meshes; JAX's default backend here is not the CPU")
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("tp",))
+    engine = _engine(hf, mesh=mesh, prefix_cache_tokens=32, prefix_block_size=BLOCK)
+    assert engine.prefix_cache.pool.k[0].sharding == engine.model.cache_sharding()
+    rng = np.random.default_rng(10)
+    prefix = _tokens(rng, 9)
+    engine.generate([_req(prefix + _tokens(rng, 2))])
+    act = prefix + INVOCATION + _tokens(rng, 2)
+    got = engine.generate([_req(act, 1)])[0]
+    assert got.cached_tokens == 8
+    want = plain.generate([_req(act, 1)])[0]
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logits, want.logits, rtol=1e-4, atol=1e-4)
