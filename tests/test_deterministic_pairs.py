@@ -11,7 +11,8 @@ whose neighbour names 4 adapters (the 4-pair kernels) as alone, and the one-adap
 equal those of the plain (unweighted, pair-free) step.
 
 On the CPU: the reference backends (jax xla, torch) and the Triton kernels in Triton's
-interpreter (jax-triton through its callback, torch-triton on CPU tensors), tiny shapes.
+interpreter (jax-triton through its callback, torch-triton on CPU tensors; the bucket check on
+torch-triton only), tiny shapes.
 tests/test_gpu_deterministic.py runs `check_pairs_invariance` on the compiled kernels (bfloat16,
 a 4096-wide layer, batches up to 512 tokens).
 """
@@ -144,10 +145,14 @@ def check_pairs_invariance(impl, traffic: PairTraffic, sizes, oracle_every: int 
 
 @pytest.mark.parametrize("impl,k", CPU_PARAMS)
 def test_pairs_rows_bitwise_equal_in_every_batch(impl, k):
-    check_pairs_invariance(impl, PairTraffic(k, seed=k), sizes=(5, 19))
+    # The interpreters take one batch (19 tokens: past the 1-16 launch class), the references two.
+    check_pairs_invariance(impl, PairTraffic(k, seed=k), sizes=(19,) if impl.small else (5, 19))
 
 
-@pytest.mark.parametrize("impl", [pytest.param(i, id=i.name, marks=i.marks) for i in IMPLS if i.name in CPU_NAMES])
+# jax-triton launches the same kernels as torch-triton (lora_core.kernels) through a callback: the
+# bucket check runs once, on the torch side, to keep the interpreter's time down.
+@pytest.mark.parametrize("impl", [pytest.param(i, id=i.name, marks=i.marks) for i in IMPLS
+                                  if i.name in CPU_NAMES and i.name != "jax-triton"])
 def test_a_token_keeps_its_bits_across_pair_buckets(impl):
     """A 2-pair token and a one-adapter token next to a 4-adapter neighbour (the step runs the 4-pair
     kernels) give the bits they get alone (2-pair and 1-pair steps); the one-adapter token's bits
