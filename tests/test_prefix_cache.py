@@ -152,7 +152,8 @@ def test_alora_request_reuses_the_base_prefix_and_equals_peft(hf, cached, plain)
 
 def test_mixed_batch_with_reuse_equals_peft_per_request(hf, cached):
     """Base, aLoRA (invocation present and absent) and plain LoRA requests sharing one prefix, served
-    after the prefix was cached: each equals peft's generate for the request alone."""
+    after the prefix was cached, and an aLoRA request with a strength (the paired step): each equals
+    peft's generate for the request alone."""
     rng = np.random.default_rng(1)
     prefix = _tokens(rng, 9)
     cached.generate([_req(prefix + _tokens(rng, 2))])
@@ -160,6 +161,11 @@ def test_mixed_batch_with_reuse_equals_peft_per_request(hf, cached):
             (prefix + _tokens(rng, 3), 2), (prefix + _tokens(rng, 2), None)]
     out = cached.generate([_req(p, i) for p, i in reqs])
     assert [c.cached_tokens for c in out] == [8, 8, 0, 8]       # plain LoRA: an adapter on every token
+    weighted = _req(prefix + INVOCATION + _tokens(rng, 2), 1)   # the paired step (a strength given)
+    weighted.lora_weights = 1.0
+    reqs.append((weighted.prompt, 1))
+    out += cached.generate([weighted])
+    assert out[-1].cached_tokens == 8
     for (p, lora_id), c in zip(reqs, out):
         tokens, want = _peft_generate(hf[2][lora_id], p)
         assert c.tokens == tokens, (p, lora_id)
