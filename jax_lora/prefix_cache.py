@@ -147,8 +147,8 @@ class PrefixCache:
     def store(self, cache: KVCache, rows: list) -> None:
         """Caches the base-computed whole blocks of rows = [(row, prompt, base_len)] from the KV cache
         (after their prefill); blocks already cached are only touched."""
-        entries = []
+        entries, held = [], set()          # one write batch: no slot given out twice in it
         for row, prompt, base_len in rows:
-            entries += [(row, b * self.block_size, slot) for b, slot in self.index.insert(prompt, base_len)]
+            entries += [(row, b * self.block_size, slot) for b, slot in self.index.insert(prompt, base_len, held)]
         if entries:
             self.pool = self._copy(self._save, self.pool, cache, entries, 0, self.num_blocks)

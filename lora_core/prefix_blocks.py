@@ -14,9 +14,10 @@ is a leaf, and evicting it never orphans a cached block.
 
   1. `match(tokens, limit)`: the slots of the longest cached chain of whole blocks inside
      tokens[:limit] (touched: most recent);
-  2. `insert(tokens, limit)`: the whole blocks of tokens[:limit] not cached yet get slots (evicting
-     the LRU leaves outside this chain when the pool is full; when only this chain's own blocks are
-     left, the rest is not stored); returns (block index, slot) of the blocks to write.
+  2. `insert(tokens, limit, held)`: the whole blocks of tokens[:limit] not cached yet get slots
+     (evicting the LRU leaves outside this chain and outside `held`, the chains of the same write
+     batch, when the pool is full; when none is left, the rest is not stored); returns (block
+     index, slot) of the blocks to write.
 
 The index is not thread-safe on its own: its owner (the serving engine) calls it under its lock.
 """
@@ -94,7 +95,7 @@ class PrefixBlockIndex:
         if not self._nodes:
             return None
         oldest = next(iter(self._nodes.values()))
-        if oldest in protected:           # only this chain is left: it is not evicted for its own tail
+        if oldest in protected:           # only protected chains are left: none is evicted for another
             return None
         if oldest.children:
             raise AssertionError("prefix index: the least recently used block has children")
@@ -104,11 +105,15 @@ class PrefixBlockIndex:
         self.evicted_blocks += 1
         return oldest.slot
 
-    def insert(self, tokens: Sequence[int], limit: int) -> list:
+    def insert(self, tokens: Sequence[int], limit: int, held: set | None = None) -> list:
         """Caches the whole blocks of tokens[:limit] that are not cached yet; returns the
-        (block index, slot) pairs whose keys and values the caller writes into the pool."""
+        (block index, slot) pairs whose keys and values the caller writes into the pool.
+
+        held: a set shared by the inserts of one write batch: each insert adds its chain to it and
+        evicts none of it, so no slot is handed out twice before the batch is written."""
         path = self._walk(tokens, limit)
-        protected = set(path)
+        protected = held if held is not None else set()
+        protected.update(path)
         new = []
         for b in range(len(path), max(0, min(limit, len(tokens))) // self.block_size):
             slot = self._take_slot(protected)

@@ -77,6 +77,12 @@ def test_index_does_not_evict_the_chain_it_stores():
     idx = PrefixBlockIndex(num_blocks=2, block_size=1)
     assert [b for b, _ in idx.insert([1, 2, 3, 4], 4)] == [0, 1]        # the pool holds two of the four
     assert len(idx.match([1, 2, 3, 4], 4)) == 2 and idx.evicted_blocks == 0
+    held = set()                                                        # one write batch of two prompts
+    first = idx.insert([5, 6], 2, held)
+    second = idx.insert([7, 8], 2, held)
+    assert len(first) == 2 and second == []                             # no slot handed out twice
+    assert len(idx.match([5, 6], 2)) == 2 and idx.match([7], 1) == []
+    assert len({s for _, s in first}) == 2
     with pytest.raises(ValueError, match="block_size must be an int >= 1"):
         PrefixBlockIndex(2, 0)
 
@@ -224,6 +230,14 @@ def test_eviction_in_the_engine(hf, plain):
     assert got.tokens == want.tokens
     engine.clear_prefix_cache()
     assert engine.generate([_req(a + [12])])[0].cached_tokens == 0
+    engine.clear_prefix_cache()
+    x, y = _tokens(rng, 9), _tokens(rng, 9)                     # two blocks each, prefilled in one step
+    engine.generate([_req(x), _req(y)])
+    got = engine.generate([_req(x)])[0]                         # x stored; y finds the pool held by x
+    assert got.cached_tokens == 2 * BLOCK and engine.prefix_cache_stats()["cached_tokens"] == 2 * BLOCK
+    want = plain.generate([_req(x)])[0]
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
     off = _engine(hf)
     assert off.prefix_cache_stats() is None and off.prefix_cache is None
 
