@@ -45,6 +45,7 @@ SLOW_TESTS = (
     # the prefix cache's serving engines: compilation of each engine's programs (10-50 s each)
     "tests/test_prefix_cache.py::test_alora_request_reuses_the_base_prefix_and_equals_peft",
     "tests/test_prefix_cache.py::test_eviction_in_the_engine",
+    "tests/test_prefix_cache.py::test_mixed_batch_with_reuse_equals_peft_per_request",
     "tests/test_prefix_cache.py::test_reuse_on_a_mesh",
     # the serving engine over a quantized Llama, per quantization (10-17 s each)
     "tests/test_quantized_base_jax.py::test_serving_engine_on_quantized_llama_equals_dequantized_merged_model[*]",
