@@ -42,6 +42,7 @@ SLOW_TESTS = (
     # several adapters per token in deterministic mode, Triton's interpreter (20-100 s a case)
     "tests/test_deterministic_pairs.py::test_pairs_rows_bitwise_equal_in_every_batch[*triton*]",
     "tests/test_deterministic_pairs.py::test_a_token_keeps_its_bits_across_pair_buckets[*triton*]",
+    "tests/test_deterministic_pairs.py::test_deterministic_serving_of_several_adapters_per_request",
     # the prefix cache's serving engines: compilation of each engine's programs (10-50 s each)
     "tests/test_prefix_cache.py::test_alora_request_reuses_the_base_prefix_and_equals_peft",
     "tests/test_prefix_cache.py::test_eviction_in_the_engine",

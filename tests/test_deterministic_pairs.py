@@ -8,7 +8,8 @@ random position. The rows must be bitwise the same in every batch, and every bat
 match the float64 oracle (`oracle.multi_lora_linear`), so a path that is invariant but wrong fails
 too. Across pair buckets: a 2-pair token and a one-adapter token give the same bits in a batch
 whose neighbour names 4 adapters (the 4-pair kernels) as alone, and the one-adapter token's bits
-equal those of the plain (unweighted, pair-free) step.
+equal those of the plain (unweighted, pair-free) step. Through the serving loop (xla): a request
+with two weighted adapters gets the same tokens alone and in batches with four-adapter neighbours.
 
 On the CPU: the reference backends (jax xla, torch) and the Triton kernels in Triton's
 interpreter (jax-triton through its callback, torch-triton on CPU tensors; the bucket check on
@@ -182,3 +183,41 @@ def test_a_token_keeps_its_bits_across_pair_buckets(impl):
         if k == 1:
             for name, a, b in zip(("add_lora_linear", "add_lora_logits"), got, plain):
                 assert a[row].tobytes() == b[0].tobytes(), f"{name}: the plain step vs a 4-pair step"
+
+
+def check_deterministic_pair_tokens(model, adapters, backend, rng) -> None:
+    """The serving loop in deterministic mode: a request summing two weighted adapters, served alone
+    (a 2-row engine) and inside batches with one-adapter, base and four-adapter requests (an 8-row
+    engine, other prefill buckets, the 4-pair kernels), gets the same greedy tokens and logits."""
+    from jax_lora.serving import Request, ServingEngine
+    kw = dict(max_len=48, min_prefill_rows=1, keep_logits=True, backend=backend, deterministic=True)
+    alone_engine = ServingEngine(model, adapters, max_seqs=2, **kw)
+    batch_engine = ServingEngine(model, adapters, max_seqs=8, **kw)
+    request = Request([int(t) for t in rng.integers(0, 512, size=5)], lora_ids=(3, 1), lora_weights=(0.7, -0.4),
+                      max_new_tokens=5, request_id="r")
+    alone = alone_engine.generate([request])[0]
+
+    def other(i):
+        prompt = [int(t) for t in rng.integers(0, 512, size=int(rng.integers(2, 12)))]
+        if i % 3 == 2:
+            return Request(prompt, lora_ids=(1, 2, 3, 4), lora_weights=(0.5, 0.5, -0.25, 1.0), max_new_tokens=4)
+        return Request(prompt, lora_id=[2, None][i % 3], max_new_tokens=4)
+    for size in (3, 7):
+        others = [other(i) for i in range(size - 1)]
+        pos = int(rng.integers(0, size))
+        out = batch_engine.generate(others[:pos] + [request] + others[pos:])
+        assert out[pos].request_id == "r" and out[pos].tokens == alone.tokens, (size, pos)
+        np.testing.assert_allclose(out[pos].logits, alone.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_serving_of_several_adapters_per_request(tmp_path):
+    from jax_lora.adapters import AdapterManager
+    from jax_lora.cli import build_demo_assets
+    from jax_lora.models import add_lora, load_llama
+    model_dir, dirs = build_demo_assets(str(tmp_path), seed=3)
+    model = load_llama(model_dir)
+    add_lora(model, max_loras=4, max_rank=16)
+    mgr = AdapterManager(model)
+    for i, d in enumerate(dirs + dirs[:1]):
+        mgr.register(i + 1, d)
+    check_deterministic_pair_tokens(model, mgr, "xla", np.random.default_rng(11))
