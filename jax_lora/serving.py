@@ -260,8 +260,8 @@ class ServingEngine:
         if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be an int >= 0 (0: no prefix cache), got "
                              f"{prefix_cache_tokens!r}")
-        if not _is_int(prefix_block_size) or prefix_block_size < 1:
-            raise ValueError(f"prefix_block_size must be an int >= 1, got {prefix_block_size!r}")
+        if not _is_int(prefix_block_size) or not 1 <= prefix_block_size <= max_len:
+            raise ValueError(f"prefix_block_size must be an int in [1, max_len={max_len}], got {prefix_block_size!r}")
         if adapters is not None and adapters.model is not model:
             raise ValueError("adapters must be the AdapterManager of this model")
         self.model = model

@@ -258,7 +258,8 @@ def test_reuse_compiles_nothing_once_warm(cached):
 
 @pytest.mark.parametrize("kw, match", [({"prefix_cache_tokens": -1}, "prefix_cache_tokens must be an int >= 0"),
                                        ({"prefix_cache_tokens": 1.5}, "prefix_cache_tokens must be an int >= 0"),
-                                       ({"prefix_block_size": 0}, "prefix_block_size must be an int >= 1"),
+                                       ({"prefix_block_size": 0}, r"prefix_block_size must be an int in \[1, max_len"),
+                                       ({"prefix_block_size": 41}, r"prefix_block_size must be an int in \[1, max_len"),
                                        ({"prefix_cache_tokens": 3, "prefix_block_size": 4}, "holds no whole block")])
 def test_bad_prefix_cache_arguments(hf, kw, match):
     with pytest.raises(ValueError, match=match):
