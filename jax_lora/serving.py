@@ -19,9 +19,15 @@ the request's prompt is searched for the last occurrence of the invocation seque
 (lora_core.alora); the prompt's tokens before it get LoRA id 0 (no adapter), the invocation, the
 rest of the prompt and every generated token get the adapter; a prompt without the invocation is
 served by the base model throughout (PEFT's rule). The KV cache of the tokens before the
-invocation is therefore the base model's. The engine has no prefix cache: each request's prompt is
-prefilled in full, so that base KV is computed again per request, not shared with base requests of
-the same prefix (see docs/flax.md, "Activated LoRA").
+invocation is therefore the base model's.
+Base-model prefix cache (`prefix_cache_tokens` > 0; jax_lora.prefix_cache): whole blocks of
+`prefix_block_size` prompt tokens computed with no adapter (a base request's prompt, an aLoRA
+request's tokens before its invocation) are kept in a device pool after their prefill, LRU-bounded.
+A later request whose base-computed prefix starts with cached blocks gets them copied into its KV
+row, and its prefill runs over the rest of its prompt only, at positions from the reused length on
+(the prefill bucket is that of the rest: no new program). K/V computed with an adapter are never
+stored. Generated tokens are not stored. Completion.cached_tokens says how many prompt tokens a
+request reused; `prefix_cache_stats()` gives the cumulative counters.
 The wrapper's buffers have fixed lengths (the prompt mapping padded by vLLM's rule, max(next
 power of two, 8) rows); padded tokens and rows use LoRA id 0 (no adapter) and never change real rows.
 Adapters are swapped by AdapterManager between steps with same-shape writes: no recompilation.
@@ -46,6 +52,7 @@ the same engine raises RuntimeError (it would interleave with the call in progre
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -66,6 +73,7 @@ from lora_core.host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
 from . import nn as lnn
 from .adapters import AdapterManager
 from .models.llama import init_cache
+from .prefix_cache import PrefixCache
 from .wrapper import PunicaWrapper
 
 __all__ = ["Completion", "Request", "ServingEngine"]
@@ -107,13 +115,15 @@ class Request:
 
 @dataclasses.dataclass
 class Completion:
-    """tokens: the generated ids. logits: (len(tokens), vocab) float32 when the engine keeps logits."""
+    """tokens: the generated ids. logits: (len(tokens), vocab) float32 when the engine keeps logits.
+    cached_tokens: the prompt tokens whose K/V came from the base-model prefix cache (not prefilled)."""
 
     request_id: Any
     prompt: list
     lora_id: int | None
     tokens: list
     logits: np.ndarray | None = None
+    cached_tokens: int = 0
 
 
 def _is_int(value) -> bool:
@@ -155,6 +165,15 @@ class _Seq:
     logits: list = dataclasses.field(default_factory=list)
     invocation: tuple | None = None     # an aLoRA adapter's invocation tokens (None: every token)
     start: int | None = None            # where the invocation starts in the prompt (aLoRA; None: absent)
+    cached: int = 0                     # leading prompt tokens whose K/V the prefix cache supplied
+
+    @property
+    def base_len(self) -> int:
+        """The prompt's leading tokens computed with no adapter (LoRA id 0): the whole prompt of a base
+        request, an aLoRA request's tokens before its invocation, none for an adapter on every token."""
+        n = len(self.req.prompt)
+        nonzero = np.flatnonzero(self.lora_ids(0, n))
+        return int(nonzero[0]) if nonzero.size else n
 
     @property
     def lora(self) -> int:
@@ -216,6 +235,10 @@ class ServingEngine:
       tp_axis: the mesh axis the model is split over.
       deterministic: the PunicaWrapper's deterministic mode: a request's LoRA contributions are
         bitwise the same whatever it is batched with (the base model's own layers are not changed).
+      prefix_cache_tokens: capacity, in tokens, of the base-model prefix cache (0: off; rounded down
+        to whole blocks): K/V of prompt blocks computed with no adapter, reused by later requests
+        that start with them (module docstring, jax_lora.prefix_cache).
+      prefix_block_size: tokens per prefix-cache block (the granularity of reuse).
 
     Thread safety: `generate` may be called from several threads; the calls run one after another
     (the engine's lock), each request served with its own adapter. Each program compiled on a
@@ -225,7 +248,8 @@ class ServingEngine:
     def __init__(self, model: nnx.Module, adapters: AdapterManager | None = None, *, max_seqs: int = 8,
                  max_len: int = 256, max_prefill_tokens: int = 512, min_prefill_len: int = 16,
                  min_prefill_rows: int = MIN_NUM_SEQS, keep_logits: bool = False, backend: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None, tp_axis: str = "tp", deterministic: bool = False):
+                 mesh: jax.sharding.Mesh | None = None, tp_axis: str = "tp", deterministic: bool = False,
+                 prefix_cache_tokens: int = 0, prefix_block_size: int = 16):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a jax_lora.models LlamaForCausalLM (an nnx.Module with a config), got "
                             f"{type(model).__name__}")
@@ -233,6 +257,11 @@ class ServingEngine:
                             ("min_prefill_len", min_prefill_len), ("min_prefill_rows", min_prefill_rows)):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be an int >= 0 (0: no prefix cache), got "
+                             f"{prefix_cache_tokens!r}")
+        if not _is_int(prefix_block_size) or not 1 <= prefix_block_size <= max_len:
+            raise ValueError(f"prefix_block_size must be an int in [1, max_len={max_len}], got {prefix_block_size!r}")
         if adapters is not None and adapters.model is not model:
             raise ValueError("adapters must be the AdapterManager of this model")
         self.model = model
@@ -273,6 +302,11 @@ class ServingEngine:
             self.punica = PunicaWrapper(capacity, capacity, self._replicated, max_loras=adapters.num_slots,
                                         backend=backend,
                                         deterministic=deterministic)
+        self.prefix_cache = None
+        if prefix_cache_tokens:
+            block = int(prefix_block_size)
+            self.prefix_cache = PrefixCache(self.config, int(prefix_cache_tokens), block, model.cache_dtype(),
+                                            cache_sharding, copy_blocks=-(-self.max_prefill_tokens // block))
         self.last_stats: dict = {}
         self._lock = threading.Lock()
         self._owner: int | None = None            # the thread inside generate
@@ -295,6 +329,24 @@ class ServingEngine:
         self._state_leaves = leaves
 
     # ------------------------------------------------------------------ introspection
+    def prefix_cache_stats(self) -> dict | None:
+        """The prefix cache's cumulative counters (None when it is off): block_size, capacity_tokens,
+        cached_tokens (held now), lookups, reused_tokens (prompt tokens not prefilled thanks to it),
+        stored_tokens, evicted_tokens. Callable from a `progress` callback (the lock is then this
+        thread's already)."""
+        with self._held_lock():
+            return None if self.prefix_cache is None else self.prefix_cache.stats()
+
+    def clear_prefix_cache(self) -> None:
+        """Forgets every cached prefix (e.g. after the base model's weights were changed in place)."""
+        with self._held_lock():
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+
+    def _held_lock(self):
+        """The engine's lock, or nothing when this thread holds it (inside generate: a callback)."""
+        return contextlib.nullcontext() if self._owner == threading.get_ident() else self._lock
+
     @property
     def compile_count(self) -> int:
         """Compiled step programs so far (one per bucket and LoRA on/off)."""
@@ -417,7 +469,9 @@ class ServingEngine:
         return next_tok, logits
 
     def _prefill(self, seqs: list, use_lora: bool):
-        b, s = self.prefill_shape(len(seqs), max(len(q.req.prompt) for q in seqs))
+        # A row's prefill covers its prompt from q.cached on (the tokens before it are in its KV row
+        # already, copied from the prefix cache), at positions q.cached, q.cached + 1, ...
+        b, s = self.prefill_shape(len(seqs), max(len(q.req.prompt) - q.cached for q in seqs))
         tokens = np.zeros((b, s), np.int32)
         positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
         rows = np.full(b, self.max_seqs, np.int32)          # padding rows: out of range, writes dropped
@@ -425,22 +479,35 @@ class ServingEngine:
         token_ids = np.zeros((b, s), np.int32)
         row_ids = np.zeros(b, np.int32)
         for i, q in enumerate(seqs):
-            n = len(q.req.prompt)
-            tokens[i, :n] = q.req.prompt
-            token_ids[i, :n] = q.lora_ids(0, n)                # padded tokens: no adapter
+            n = len(q.req.prompt) - q.cached
+            tokens[i, :n] = q.req.prompt[q.cached:]
+            positions[i] += q.cached
+            token_ids[i, :n] = q.lora_ids(q.cached, n)         # padded tokens: no adapter
             rows[i], sample[i], row_ids[i] = q.row, n - 1, token_ids[i, n - 1]
         pairs = None
         if use_lora and any(q.req.adapters()[1] is not None for q in seqs):
             entries = [((), ())] * (b * s)                     # padded tokens and rows: no adapter
             rows_e = [((), ())] * b
             for i, q in enumerate(seqs):
-                n = len(q.req.prompt)
+                n = len(q.req.prompt) - q.cached
                 entries[i * s:i * s + n] = [q.pair_entry if lid else ((), ()) for lid in token_ids[i, :n]]
                 rows_e[i] = entries[i * s + n - 1]
             pairs = ([e[0] for e in entries], [e[1] for e in entries], [e[0] for e in rows_e], [e[1] for e in rows_e])
         next_tok, logits = self._run(tokens, positions, rows, sample, token_ids.reshape(-1), row_ids, True, use_lora,
                                      pairs)
         return [(q, i) for i, q in enumerate(seqs)], next_tok, logits
+
+    def _reuse_prefixes(self, seqs: list) -> None:
+        """Looks each admitted request's base-computed prefix up in the prefix cache, sets q.cached
+        and copies the cached blocks into its KV row (before its prefill)."""
+        if self.prefix_cache is None:
+            return
+        loads = []
+        for q in seqs:
+            q.cached, slots = self.prefix_cache.lookup(q.req.prompt, q.base_len)
+            if slots:
+                loads.append((q.row, q.cached, slots))
+        self.cache = self.prefix_cache.load(self.cache, loads)
 
     def _decode(self, by_row: list, use_lora: bool):
         m = self.max_seqs
@@ -500,7 +567,7 @@ class ServingEngine:
         waiting = collections.deque(range(len(reqs)))
         by_row: list = [None] * self.max_seqs
         done: dict = {}
-        steps = generated = 0
+        steps = generated = reused = 0
         t0 = time.perf_counter()
         while waiting or any(q is not None for q in by_row):
             admitted = []
@@ -529,8 +596,12 @@ class ServingEngine:
                     self.adapters.activate(running | {i for q in admitted for i in q.loras})
                 for q in admitted:
                     by_row[q.row] = q
+                self._reuse_prefixes(admitted)
                 pairs, next_tok, logits = self._prefill(admitted, use_lora)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.store(self.cache, [(q.row, q.req.prompt, q.base_len) for q in admitted])
                 self._collect(pairs, next_tok, logits)
+                reused += sum(q.cached for q in admitted)
                 steps += 1
             if any(q is not None and not q.done for q in by_row):
                 self._decode(by_row, use_lora)
@@ -544,11 +615,12 @@ class ServingEngine:
                         progress(len(done), len(reqs))
         seconds = time.perf_counter() - t0
         self.last_stats = {"requests": len(reqs), "generated_tokens": generated, "steps": steps,
-                           "seconds": seconds, "tokens_per_s": generated / seconds if seconds > 0 else 0.0}
+                           "seconds": seconds, "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+                           "prefix_reused_tokens": reused}
         out = []
         for i in range(len(reqs)):
             q = done[i]
             out.append(Completion(reqs[i].request_id if reqs[i].request_id is not None else i,
                                   list(reqs[i].prompt), reqs[i].lora_id if use_lora else None, q.tokens,
-                                  np.stack(q.logits) if q.logits else None))
+                                  np.stack(q.logits) if q.logits else None, q.cached))
         return out

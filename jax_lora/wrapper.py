@@ -172,9 +172,10 @@ class PunicaWrapper:
         acc = y2.astype(jnp.float32)
         for j in range(slots.shape[1]):
             idx = slots[:n, j]
-            part = x[j].astype(jnp.float32) if shrink_a is None else ops.bgmv_shrink(x, shrink_a, idx, scale,
-                                                                                       backend=self.backend)
-            acc = ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend)
+            part = x[j].astype(jnp.float32) if shrink_a is None else ops.bgmv_shrink(
+                x, shrink_a, idx, scale, backend=self.backend, deterministic=self.deterministic)
+            acc = ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend,
+                                  deterministic=self.deterministic)
         any_pair = jnp.any(slots[:n] >= 0, axis=1, keepdims=True)
         return jnp.where(any_pair, acc.astype(y2.dtype), y2)
 

@@ -52,6 +52,15 @@ SLOW_TESTS = (
     "tests/test_fp8_jax_conformance.py::test_pallas_expand_fp8_in_place_kernels[*]",
     "tests/test_fp8_jax_serving.py::test_fp8_slot_writes_keep_one_compiled_program",
     "tests/test_fp8_jax_serving.py::test_serving_engine_with_fp8_adapters_equals_dequantised_merged_model",
+    # several adapters per token in deterministic mode, Triton's interpreter (20-100 s a case)
+    "tests/test_deterministic_pairs.py::test_pairs_rows_bitwise_equal_in_every_batch[*triton*]",
+    "tests/test_deterministic_pairs.py::test_a_token_keeps_its_bits_across_pair_buckets[*triton*]",
+    "tests/test_deterministic_pairs.py::test_deterministic_serving_of_several_adapters_per_request",
+    # the prefix cache's serving engines: compilation of each engine's programs (10-50 s each)
+    "tests/test_prefix_cache.py::test_alora_request_reuses_the_base_prefix_and_equals_peft",
+    "tests/test_prefix_cache.py::test_eviction_in_the_engine",
+    "tests/test_prefix_cache.py::test_mixed_batch_with_reuse_equals_peft_per_request",
+    "tests/test_prefix_cache.py::test_reuse_on_a_mesh",
     # the serving engine over a quantized Llama, per quantization (10-17 s each)
     "tests/test_quantized_base_jax.py::test_serving_engine_on_quantized_llama_equals_dequantized_merged_model[*]",
     # whole demos and models in a subprocess or through the interpreter

@@ -162,8 +162,10 @@ class PunicaWrapper:
             if shrink_a is None:
                 part = x[j].to(torch.float32)
             else:
-                part = ops.bgmv_shrink(x, shrink_a, idx, scale, backend=self.backend)
-            ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend)
+                part = ops.bgmv_shrink(x, shrink_a, idx, scale, backend=self.backend,
+                                       deterministic=self.deterministic)
+            ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend,
+                            deterministic=self.deterministic)
         any_pair = (slots[:n] >= 0).any(dim=1, keepdim=True)
         y2.copy_(torch.where(any_pair, acc.to(y2.dtype), y2))
 
