@@ -219,3 +219,11 @@ def rel_err(got, want):
 
 
 TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 2e-2}
+# fp8 (e4m3) weights (contract section 11), by activation dtype, against this oracle run on the
+# DEQUANTISED weights (`fp8_dequantize`): the e4m3 values are exact in every activation dtype and
+# the channel scale is one more float32 rounding, so the 16-bit tolerances hold.
+FP8_TOL = dict(TOL)
+# The fp8 result against the oracle on the original (unquantised) 16-bit weights: e4m3 keeps 3
+# mantissa bits (each weight off by at most 2^-4 relative, 2^-5 on average), and the errors of a
+# product's terms are independent, so a result's relative error is a few percent at most.
+FP8_QUANT_TOL = 0.05
