@@ -747,3 +747,41 @@ def test_fp8_bgmv_ops(impl, dtype, granularity):
                        w_scale=b_s)
     assert_close(got, oracle.expand(buf, [b_deq], y0, case.idx, 9, False), dtype, "fp8 bgmv_expand_slice")
     assert_rows_untouched(got, y0, case.idx, "fp8 bgmv_expand_slice")
+
+
+@pytest.mark.parametrize("impl,dtype,granularity", FP8_PARAMS)
+def test_fp8_add_lora_linear(impl, dtype, granularity):
+    """The wrapper's add_lora_linear with fp8 A and B (lora_a_scale / lora_b_scale), twice (the
+    second call takes the cached plan), then with fp8 A and 16-bit B (mixed)."""
+    case = Case(33, dtype)
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    a_q, a_s, a_deq = _fp8_slices(impl, case.lora_a, granularity)
+    b_q, b_s, b_deq = _fp8_slices(impl, case.lora_b, granularity)
+    want = oracle.lora_linear(case.y, case.x, a_deq, b_deq, None, case.scale, case.idx)
+    for _ in range(2):
+        got = impl.wrapper_call(w, "add_lora_linear", impl.arr(case.y, dtype), impl.arr(case.x, dtype), a_q, b_q,
+                                None, case.scale, case.slices, lora_a_scale=a_s, lora_b_scale=b_s)
+        assert_close(got, want, dtype, "fp8 add_lora_linear")
+        assert_rows_untouched(got, case.y, case.idx, "fp8 add_lora_linear")
+    got = impl.wrapper_call(w, "add_lora_linear", impl.arr(case.y, dtype), impl.arr(case.x, dtype), a_q,
+                            case.native(impl, case.lora_b), None, case.scale, case.slices, lora_a_scale=a_s)
+    assert_close(got, oracle.lora_linear(case.y, case.x, a_deq, case.lora_b, None, case.scale, case.idx), dtype,
+                 "fp8 A with 16-bit B")
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].fp8])
+def test_fp8_two_adapters_per_token(impl):
+    """Several adapters per token (contract section 10) with fp8 weights."""
+    dtype = impl.dtypes[0]
+    case = Case(34, dtype, slices=(24, 8, 16))
+    ids, weights, slots, ws = _pair_case(case, 2)
+    w = make_wrapper(impl, case)
+    w.update_metadata(LoRAMapping(ids, case.ids(case.idx), False, weights), case.lora_index_to_id,
+                      case.num_slots + 1, 32, 0)
+    a_q, a_s, a_deq = _fp8_slices(impl, case.lora_a, "channel")
+    b_q, b_s, b_deq = _fp8_slices(impl, case.lora_b, "channel")
+    got = impl.wrapper_call(w, "add_lora_linear", impl.arr(case.y, dtype), impl.arr(case.x, dtype), a_q, b_q, None,
+                            case.scale, case.slices, lora_a_scale=a_s, lora_b_scale=b_s)
+    want = oracle.multi_lora_linear(case.y, case.x, a_deq, b_deq, case.scale, slots, ws)
+    assert_close(got, want, dtype, "fp8 add_lora_linear with 2 adapters per token")

@@ -315,7 +315,8 @@ def lora_expand_kernel(
         for b_tail in tl.static_range(1 + TWO_COPIES):
             if runs_copy(odd_rank, b_tail, TWO_COPIES):
                 _expand_tile(i, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-                             bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr, stride_buf_plane,
+                             bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr,
+                             out_ptr, stride_buf_plane,
                              stride_buf_slice, stride_buf_token,
                              stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot,
                              stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col, stride_b2_rank,
@@ -379,7 +380,8 @@ def lora_expand_kernel(
                                            stride_y_token, stride_y_col,
                                            NUM_TILES, NT1, NT2, NT3, ADD_INPUTS, BLOCK_N, ALIGNED)
                     _expand_tile(i * TILES_N + t, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
-                                 b3_ptr, bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr,
+                                 b3_ptr, bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr,
+                                 y_ptr, out_ptr,
                                  stride_buf_plane, stride_buf_slice,
                                  stride_buf_token, stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank,
                                  stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col,

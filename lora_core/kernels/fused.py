@@ -96,7 +96,8 @@ def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr, POLL_LIMIT: 
 @triton.jit
 def _fused_pairs_shrink(x_ptr, a_ptr, as_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, ws_ptr, group, tok, tok_ok,
                         split, s_in, scale, k_begin, k_end, hidden, stride_x_token, stride_x_hidden, stride_a_slot,
-                        stride_a_rank, stride_a_hidden, stride_as_slot, stride_ws_plane, stride_ws_slice, stride_ws_token,
+                        stride_a_rank, stride_a_hidden, stride_as_slot, stride_ws_plane, stride_ws_slice,
+                        stride_ws_token,
                         RANK: tl.constexpr, HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         PAIRS: tl.constexpr):
@@ -287,7 +288,8 @@ def lora_fused_kernel(
                                 split, s_in, scale, k_begin, tl.minimum(k_begin + K_PER_SPLIT, hidden), hidden,
                                 hint16(stride_x_token, ALIGNED), stride_x_hidden, stride_a_slot, stride_a_rank,
                                 stride_a_hidden, pick_slice(s_in, stride_as0_slot, stride_as1_slot, stride_as2_slot,
-                                                            stride_as3_slot), hint16(stride_ws_plane, ALIGNED), hint16(stride_ws_slice, ALIGNED),
+                                                            stride_as3_slot), hint16(stride_ws_plane, ALIGNED),
+                                hint16(stride_ws_slice, ALIGNED),
                                 stride_ws_token, RANK, HAS_RANKS, BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION,
                                 PAIRS)
         _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
