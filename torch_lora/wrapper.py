@@ -580,6 +580,9 @@ class PunicaWrapper:
                                        for f in (linear, prepare, expand))
         if fp8 is not None:
             shrink, linear, prepare, expand = _bind_fp8_scales(fp8, lora_a, lora_b, shrink, linear, prepare, expand)
+        else:   # fp8 weights without scales: the ValueError naming the missing argument
+            weight_scales("lora_a_scale", None, lora_a, "lora_a_stacked")
+            weight_scales("lora_b_scale", None, lora_b, "lora_b_stacked")
         return _LinearPlan(hidden, num_slots, rank, tuple(to_3d(a.detach()) for a in lora_a),
                            tuple(to_3d(b.detach()) for b in lora_b), bias, offsets, linear, prepare, expand,
                            shrink)
