@@ -39,8 +39,8 @@ def llama(tmp_path_factory):
     return Family(tmp_path_factory.mktemp("fp8-llama"), "llama")
 
 
-def _tokens(n=len(ROWS)):
-    return torch.as_tensor(np.random.default_rng(5).integers(1, VOCAB, size=(n, 6)))
+def _tokens(n=None):
+    return torch.as_tensor(np.random.default_rng(5).integers(1, VOCAB, size=(n or len(ROWS), 6)))
 
 
 def test_fp8_slots_match_peft_within_the_quantisation_error(llama):
