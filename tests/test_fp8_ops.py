@@ -157,3 +157,41 @@ def test_oracle_quantize_matches_torch_cast_and_bounds():
     assert np.allclose(np.abs(q.astype(np.float32)).max(axis=-1)[:, [0, 1, 2, 4]], 448.0)
     deq = oracle.fp8_dequantize(q, scale)
     assert oracle.rel_err(deq, w.numpy()) < oracle.FP8_QUANT_TOL
+
+
+# ----------------------------------------------------------------------------- JAX's Triton backend
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
+def test_jax_triton_backend_takes_channel_scales(fused):
+    """jax_lora.ops.triton (the backend contract: a_scales / b_scales per slice, per channel) in
+    Triton's interpreter: shrink, expand and linear with fp8 A and B against the float64 oracle on
+    the dequantised weights; a 16-bit B beside fp8 A (b_scales None)."""
+    jnp = pytest.importorskip("jax.numpy")
+    from jax_lora.meta import LoRAKernelMeta as JaxMeta
+    from jax_lora.ops import triton as jt
+    rng = np.random.default_rng(3)
+    T, H, R, L, widths = 6, 64, 16, 3, (32, 16)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    qa = [oracle.fp8_quantize(rng.standard_normal((L, R, H)) / 8) for _ in widths]
+    qb = [oracle.fp8_quantize(rng.standard_normal((L, n, R)) / 4) for n in widths]
+    idx = np.array([0, 2, -1, 1, 2, 0], np.int32)
+    meta = JaxMeta.build(idx, L, T)
+    xj = jnp.asarray(x).astype(jnp.bfloat16)
+    xr = np.asarray(xj.astype(jnp.float32))
+    a_deq = [oracle.fp8_dequantize(q, s) for q, s in qa]
+    b_deq = [oracle.fp8_dequantize(q, s) for q, s in qb]
+    buf = jt.shrink(xj, tuple(jnp.asarray(q) for q, _ in qa), meta, 0.5, a_scales=tuple(jnp.asarray(s) for _, s in qa))
+    assert oracle.rel_err(np.asarray(buf), oracle.shrink(xr, a_deq, idx, 0.5)) < oracle.FP8_TOL["float32"]
+    y0 = rng.standard_normal((T, sum(widths) + 3)).astype(np.float32)
+    y = jt.expand(buf, tuple(jnp.asarray(q) for q, _ in qb), jnp.asarray(y0), meta, (0, 32), True,
+                  b_scales=tuple(jnp.asarray(s) for _, s in qb))
+    want = oracle.expand(np.asarray(buf), b_deq, y0, idx, 0, True)
+    assert oracle.rel_err(np.asarray(y), want) < oracle.FP8_TOL["float32"]
+    b16 = [np.asarray(d, np.float32) for d in b_deq]
+    y = jt.linear(jnp.asarray(y0).astype(jnp.bfloat16), xj, tuple(jnp.asarray(q) for q, _ in qa),
+                  tuple(jnp.asarray(b).astype(jnp.bfloat16) for b in b16), meta, 0.5, (0, 32), fused=fused,
+                  a_scales=tuple(jnp.asarray(s) for _, s in qa))
+    b16r = [np.asarray(jnp.asarray(b).astype(jnp.bfloat16).astype(jnp.float32)) for b in b16]
+    want = oracle.lora_linear(np.asarray(jnp.asarray(y0).astype(jnp.bfloat16).astype(jnp.float32)), xr, a_deq, b16r,
+                              None, 0.5, idx)
+    assert oracle.rel_err(np.asarray(y.astype(jnp.float32)), want) < oracle.FP8_TOL["bfloat16"]

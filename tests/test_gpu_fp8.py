@@ -4,7 +4,8 @@ Compiled kernels on CUDA, bf16 activations, weights quantised per output channel
 by the contract's rule, against a float64 reference computed from the DEQUANTISED weights: the
 stand-alone shrink and expand ops, `linear` on both paths (fused kernel, shrink + expand), the
 prepared launches (`prepare_linear`: the C launcher), heterogeneous ranks, bias, fp8 A with bf16 B,
-several adapters per token, ranks above one rank block, 1-3 slices and more slices than one launch.
+several adapters per token, ranks above one rank block, 1-3 slices; and JAX's Triton backend (the XLA FFI
+launcher) under jax.jit.
 """
 
 from __future__ import annotations
@@ -192,3 +193,33 @@ def test_fp8_several_adapters_per_token(T):
                     A, B = dequantize(*qa[s])[int(slot[t])], dequantize(*qb[s])[int(slot[t])]
                     want[t, off:off + B.shape[0]] += float(w[t]) * (B @ (0.5 * A @ x[t].double()))
         assert _rel(y, want) < TOL, f"fused={fused}"
+
+
+@pytest.mark.parametrize("T", [4, 300])
+@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
+def test_fp8_jax_triton_backend_on_gpu(T, fused):
+    """JAX's Triton backend (the XLA FFI launcher) with fp8 A and B under jax.jit on the GPU."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from jax_lora.meta import LoRAKernelMeta as JaxMeta
+    from jax_lora.ops import triton as jt
+
+    from . import oracle
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU here")
+    rng = np.random.default_rng(T)
+    H, R, L, widths = 2048, 32, 8, (1024, 512)
+    x = jnp.asarray(rng.standard_normal((T, H)).astype(np.float32)).astype(jnp.bfloat16)
+    qa = [oracle.fp8_quantize(rng.standard_normal((L, R, H)) / math.sqrt(H)) for _ in widths]
+    qb = [oracle.fp8_quantize(rng.standard_normal((L, n, R)) / math.sqrt(R)) for n in widths]
+    idx = np.where(rng.random(T) < 0.2, -1, rng.integers(0, L, T)).astype(np.int32)
+    meta = JaxMeta.build(idx, L, T)
+    y0 = jnp.asarray(rng.standard_normal((T, sum(widths))).astype(np.float32)).astype(jnp.bfloat16)
+    run = jax.jit(lambda y, x, a, b, sa, sb, m: jt.linear(y, x, a, b, m, 0.5, (0, widths[0]), fused=fused,
+                                                          a_scales=sa, b_scales=sb))
+    y = run(y0, x, tuple(jnp.asarray(q) for q, _ in qa), tuple(jnp.asarray(q) for q, _ in qb),
+            tuple(jnp.asarray(s) for _, s in qa), tuple(jnp.asarray(s) for _, s in qb), meta)
+    want = oracle.lora_linear(np.asarray(y0.astype(jnp.float32)), np.asarray(x.astype(jnp.float32)),
+                              [oracle.fp8_dequantize(q, s) for q, s in qa],
+                              [oracle.fp8_dequantize(q, s) for q, s in qb], None, 0.5, idx)
+    assert oracle.rel_err(np.asarray(y.astype(jnp.float32)), want) < TOL
