@@ -785,3 +785,34 @@ def test_fp8_two_adapters_per_token(impl):
                             case.scale, case.slices, lora_a_scale=a_s, lora_b_scale=b_s)
     want = oracle.multi_lora_linear(case.y, case.x, a_deq, b_deq, case.scale, slots, ws)
     assert_close(got, want, dtype, "fp8 add_lora_linear with 2 adapters per token")
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].fp8])
+def test_fp8_wrapper_shrink_expand_embedding_logits(impl):
+    """add_shrink / add_expand (with a bias), add_lora_embedding and add_lora_logits (a B wider than
+    y, cut with its scales) with fp8 weights and their scales."""
+    dtype = impl.dtypes[0]
+    case = Case(35, dtype, slices=(24, 8))
+    w = make_wrapper(impl, case)
+    prompt_idx = np.array([0, -1, 3, 2, 0] + [0] * (case.num_tokens - 5), np.int32)
+    w.update_metadata(case.mapping(prompt_idx=prompt_idx), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    a_q, a_s, a_deq = _fp8_slices(impl, case.lora_a, "channel")
+    b_q, b_s, b_deq = _fp8_slices(impl, case.lora_b, "tensor")
+    buf = impl.wrapper_call(w, "add_shrink", impl.arr(np.zeros((2, case.num_tokens, case.rank), np.float32)),
+                            impl.arr(case.x, dtype), a_q, case.scale, lora_a_scale=a_s)
+    want_buf = oracle.shrink(case.x, a_deq, case.idx, case.scale)
+    assert_close(buf, want_buf, dtype, "fp8 add_shrink")
+    got = impl.wrapper_call(w, "add_expand", impl.arr(case.y, dtype), impl.arr(want_buf.astype(np.float32)), b_q,
+                            case.native(impl, case.bias), case.slices, offset_start=3, lora_b_scale=b_s)
+    assert_close(got, oracle.expand(want_buf, b_deq, case.y, case.idx, 3, True, case.bias), dtype, "fp8 add_expand")
+    x = round_to(case.rng.standard_normal((case.num_tokens, case.rank)), dtype)
+    got = impl.wrapper_call(w, "add_lora_embedding", impl.arr(case.y[:, :24], dtype), impl.arr(x, dtype), b_q[0],
+                            lora_b_scale=b_s[0])
+    assert_close(got, oracle.expand(x[None], [b_deq[0]], case.y[:, :24], case.idx, 0, True), dtype,
+                 "fp8 add_lora_embedding")
+    rows = 5
+    y0 = case.y[:rows, :20]
+    got = impl.wrapper_call(w, "add_lora_logits", impl.arr(y0, dtype), impl.arr(case.x[:rows], dtype), a_q[0],
+                            b_q[0], case.scale, lora_a_scale=a_s[0], lora_b_scale=b_s[0])
+    assert_close(got, oracle.logits(y0, case.x[:rows], a_deq[0], b_deq[0], case.scale, prompt_idx[:rows]), dtype,
+                 "fp8 add_lora_logits")

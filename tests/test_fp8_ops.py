@@ -195,3 +195,17 @@ def test_jax_triton_backend_takes_channel_scales(fused):
     want = oracle.lora_linear(np.asarray(jnp.asarray(y0).astype(jnp.bfloat16).astype(jnp.float32)), xr, a_deq, b16r,
                               None, 0.5, idx)
     assert oracle.rel_err(np.asarray(y.astype(jnp.float32)), want) < oracle.FP8_TOL["bfloat16"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_deterministic_rows_are_batch_invariant(backend):
+    """deterministic=True with fp8 weights: a token's shrink row is bitwise the same alone and inside
+    a larger batch, and equals the default mode's within float32 rounding."""
+    x, a, a_scale, _, _, idx = _setup(num_tokens=4)
+    big = torch.cat([x, torch.randn(9, 32, generator=torch.Generator().manual_seed(1))])
+    big_idx = torch.cat([idx, torch.tensor([2, 1, 0, -1, 2, 2, 1, 0, 1], dtype=torch.int32)])
+    alone = ops.bgmv_shrink(x[:1], a, idx[:1], 0.5, backend=backend, deterministic=True, w_scale=a_scale)
+    batch = ops.bgmv_shrink(big, a, big_idx, 0.5, backend=backend, deterministic=True, w_scale=a_scale)
+    assert torch.equal(alone[0], batch[0])
+    default = ops.bgmv_shrink(big, a, big_idx, 0.5, backend=backend, w_scale=a_scale)
+    torch.testing.assert_close(batch, default, rtol=1e-5, atol=1e-5)
