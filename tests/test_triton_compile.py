@@ -99,6 +99,13 @@ def _fp8_variants():
                                    "bfloat16", cfg, add_inputs=True, **kw)
         f32 = ("buf_ptr",) + b_sc + (tuple(f"bias{s}_ptr" for s in range(4)) if "dora" in label else ())
         out.append((f"expand-{label}", kernels.lora_expand_kernel, plan, "bf16", f32, b8))
+    # float32 activations: the e4m3 tiles enter an IEEE float32 dot
+    plan = kernels.plan_shrink(8, 4096, 16, 1, 9, "float32", fp8, _cfg(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4),
+                               lora_only=True, workspace=True, has_ranks=False)
+    out.append(("shrink-fp32-activations", kernels.lora_shrink_kernel, plan, "fp32", ("out_ptr",) + a_sc, a8))
+    plan = kernels.plan_expand(8, 16, (4096,), 9, 4, fp8, "float32", _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16),
+                               add_inputs=True, bias_flags=(False,), has_ranks=False)
+    out.append(("expand-fp32-y", kernels.lora_expand_kernel, plan, "fp32", ("buf_ptr",) + b_sc, b8))
     for label, T, rank, a_fp8, b_fp8, pairs in (("T8-r16-both", 8, 16, True, True, 0),
                                                  ("T100-r64-a-only", 100, 64, True, False, 0),
                                                  ("T8-r16-b-only", 8, 16, False, True, 0),
