@@ -23,8 +23,10 @@ from .errors import AdapterError
 ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 FP8_DTYPES = ("float8_e4m3fn",)
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32") + FP8_DTYPES
-# LoRA biases and DoRA column scales: 16-bit or float32 (never fp8).
-VECTOR_DTYPES = ("float16", "bfloat16", "float32")
+# Weights that take no scale (the layers that keep fp8 out: tensor-parallel, experts), and LoRA
+# biases and DoRA column scales: 16-bit or float32, never fp8.
+UNSCALED_WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
+VECTOR_DTYPES = UNSCALED_WEIGHT_DTYPES
 # contract section 11: the largest finite e4m3 value, what a channel's amax maps to.
 FP8_MAX = 448.0
 INDEX_DTYPES = ("int32", "int64", "int16", "int8", "uint8")
