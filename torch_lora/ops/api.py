@@ -191,6 +191,8 @@ def weight_scales(name: str, scales, weights: Sequence[torch.Tensor], arg_w: str
     (an (L,) per-tensor scale broadcast to every channel). `scales`: None, one tensor (one slice) or
     a sequence with one entry per slice. Checked by `checks.check_weight_scales` (ValueError naming
     `name`); a non-tensor entry is a TypeError."""
+    if scales is None and not any(w.dtype == torch.float8_e4m3fn for w in weights):
+        return None                                   # 16-bit weights, no scales: nothing to check
     if scales is not None and not isinstance(scales, (list, tuple)):
         scales = (scales,)
     if scales is not None:
