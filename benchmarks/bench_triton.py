@@ -22,6 +22,15 @@ the expand's epilogue multiplies each row's new value by its slot's g), reported
 `dora_cost` = dora_us / time_us, its error against the float64 reference of g * (y + delta).
 `--wrapper-graph`: every case is also timed through `PunicaWrapper.add_lora_linear` in the same
 graphs (`wrapper_us`, `wrapper_over_op`).
+`--lora-dtype fp8`: the sweep with fp8 (e4m3) adapter weights (contract section 11), quantised per
+output channel from each input set's bf16 weights: our kernels with fp8 weights (`fp8_us`), beside
+ours with the bf16 weights (`time_us`) and vLLM 0.33's fp8 kernels loaded in the same process
+(`vllm_fp8_us`; benchmarks/vllm_kernels.FP8_MODE says which mode, printed and recorded in the
+results), timed the same way on the same input sets. Errors against the float64 oracle on the
+dequantised weights (`fp8_rel_err`, `vllm_fp8_rel_err`) and ours against the bf16 weights
+(`fp8_vs_bf16_err`: the quantisation itself). Decode cases with D >= 8 in about two minutes:
+    PYTHONPATH=. python benchmarks/bench_triton.py --lora-dtype fp8 --cases 'dec T[0-9]+ D(8|32|64) r' \
+        --pairs '' --no-host --no-jax --out /tmp/fp8
 `--pairs 2,4` (the default; "" for none): every case is also timed with k adapters per token, each
 with its own weight (contract section 10: shrink per pair, expand summed, one launch each): a
 token's first adapter is its k = 1 adapter, the others the next ones of the case's D adapters, so
@@ -173,6 +182,27 @@ class InputSet:
         self.col_scale = [0.9 + 0.2 * torch.rand(b.shape[0], b.shape[1], generator=dg, device=self.x.device)
                           for b in self.b]
 
+    def with_fp8(self) -> None:
+        """fp8 copies of the weights (contract section 11's rule, per output channel) beside the bf16
+        ones: a_q / b_q e4m3, a_scales / b_scales float32, and their dequantised float64 values."""
+        self.fp8 = [quantize_fp8(w) for w in self.a], [quantize_fp8(w) for w in self.b]
+
+    def call_fp8(self, y=None):
+        (qa, qb) = self.fp8
+        torch_triton.linear(self.y if y is None else y, self.x, [q for q, _ in qa], [q for q, _ in qb],
+                            self.meta.meta_args(self.x.shape[0]), self.scale, self.offsets, self.ranks,
+                            a_scales=tuple(s for _, s in qa), b_scales=tuple(s for _, s in qb))
+
+    def reference_fp8(self):
+        """float64 reference of `call_fp8`: `reference` with the dequantised weights."""
+        a, b = self.a, self.b
+        self.a = [dequantize_fp8(*p) for p in self.fp8[0]]
+        self.b = [dequantize_fp8(*p) for p in self.fp8[1]]
+        try:
+            return self.reference()
+        finally:
+            self.a, self.b = a, b
+
     def call(self, y=None):
         kw = {} if self.col_scale is None else {"col_scale": self.col_scale}
         meta = self.meta.meta_args(self.x.shape[0])
@@ -215,6 +245,110 @@ class InputSet:
             for g, b, off in zip(self.col_scale, self.b, self.offsets):
                 y[live, off:off + b.shape[1]] *= g[self.idx[live].long()].double()
         return y
+
+
+def quantize_fp8(w):
+    """(w_q e4m3, scale (L, rows) float32): contract section 11's rule per output channel (row)."""
+    w32 = w.float()
+    amax = w32.abs().amax(dim=-1)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
+    return (w32 / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+def dequantize_fp8(q, scale):
+    return q.double() * scale.double()[..., None]
+
+
+def run_fp8_case(case, slice_name, device, vk, seed=0):
+    """One case with fp8 weights (--lora-dtype fp8): ours fp8, ours bf16 and vLLM's fp8 kernels
+    (vllm_kernels.FP8_MODE; None without .vllm/) on the same input sets, graph-timed as run_case."""
+    import vllm_kernels
+    name, kind, T, D, r, frac_none, ranks = case
+    widths = SLICES[slice_name]
+    slots = max(8, D)
+    gen = torch.Generator().manual_seed(seed)
+    first = InputSet(kind, T, D, r, widths, slots, frac_none, ranks, gen, device)
+    first.with_fp8()
+    ref16, ref8 = first.reference(), first.reference_fp8()
+    y0 = first.y.clone()
+    y = y0.clone()
+    first.call_fp8(y)
+    y16 = y0.clone()
+    first.call(y16)
+    torch.cuda.synchronize()
+    out = dict(case=name, slices=slice_name, kind=kind, T=T, D=D, rank=r, slots=slots, lora_dtype="fp8",
+               fp8_rel_err=rel_err(y, ref8), fp8_vs_bf16_err=rel_err(y, ref16), rel_err=rel_err(y16, ref16))
+    T_l = int((first.idx >= 0).sum())
+    nbytes = min_bytes(T_l, D, widths, r)
+    mem_per_set = sum(t.numel() * t.element_size() for t in [first.x, first.y, *first.a, *first.b])
+    n_sets = int(max(3, min(400, math.ceil(4 * L2_BYTES / (nbytes / 2)), 20e9 // (2 * mem_per_set))))
+    sets = [first] + [InputSet(kind, T, D, r, widths, slots, frac_none, ranks, gen, device)
+                      for _ in range(n_sets - 1)]
+    for s in sets[1:]:
+        s.with_fp8()
+    out["time_us"] = graph_time_us(sets)
+    out["fp8_us"] = graph_replay_us_warm([s.call_fp8 for s in sets]) / len(sets)
+    out["fp8_over_bf16"] = out["fp8_us"] / out["time_us"]
+    out["n_sets"] = n_sets
+    if vk is not None:
+        calls = []
+        for s in sets:
+            vmeta = vk.LoRAKernelMeta.make(slots, T, device)     # each set's own mapping
+            vmeta.prepare_tensors(s.idx)
+            qa, qb = s.fp8
+            x_q, x_scale = vllm_kernels.quantize_per_token(s.x)
+            buffer = torch.zeros((len(widths), T, r), dtype=torch.float32, device=device)
+            shrink, _ = vllm_kernels.lora_linear_fp8_calls(vk, vmeta, s.y, x_q, x_scale, [q for q, _ in qa],
+                                                          [sc for _, sc in qa], [q for q, _ in qb],
+                                                          [sc for _, sc in qb], s.scale, buffer, None, None)
+            shrink()
+            buf_q, buf_scale = vllm_kernels.quantize_per_token(buffer)
+            yv = y0.clone() if s is first else s.y
+            shrink, expand = vllm_kernels.lora_linear_fp8_calls(vk, vmeta, yv, x_q, x_scale, [q for q, _ in qa],
+                                                               [sc for _, sc in qa], [q for q, _ in qb],
+                                                               [sc for _, sc in qb], s.scale, buffer, buf_q,
+                                                               buf_scale)
+            if s is first:
+                expand()                               # the end-to-end W8A8 result, checked
+                torch.cuda.synchronize()
+                out["vllm_fp8_rel_err"] = rel_err(yv, ref8)
+                shrink, expand = vllm_kernels.lora_linear_fp8_calls(
+                    vk, vmeta, s.y, x_q, x_scale, [q for q, _ in qa], [sc for _, sc in qa], [q for q, _ in qb],
+                    [sc for _, sc in qb], s.scale, buffer, buf_q, buf_scale)
+            calls += [shrink, expand]
+        out["vllm_fp8_us"] = graph_replay_us_warm(calls) / len(sets)
+        out["fp8_speedup_vs_vllm_fp8"] = out["vllm_fp8_us"] / out["fp8_us"]
+    base = VLLM.get(name)
+    out["vllm_bf16_us"] = base[0 if slice_name == "s1" else 1] if base else None
+    del sets
+    torch.cuda.empty_cache()
+    return out
+
+
+def graph_replay_us_warm(calls, replays=10):
+    """`graph_replay_us` after one eager pass of the calls on a side stream (compiles, plans)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graph_replay_us(calls, replays)
+
+
+def fp8_markdown(res) -> str:
+    lines = [f"fp8 weights; vLLM: {res['meta'].get('vllm_fp8_mode', 'absent')}", "",
+             "| case | slices | ours bf16 us | ours fp8 us | fp8/bf16 | vLLM fp8 us | ours fp8 vs vLLM fp8 "
+             "| fp8 err | vLLM fp8 err | fp8 vs bf16 weights |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["sweep"]:
+        v = f"{r['vllm_fp8_us']:.2f}" if r.get("vllm_fp8_us") else "-"
+        sp = f"{r['fp8_speedup_vs_vllm_fp8']:.2f}x" if r.get("fp8_speedup_vs_vllm_fp8") else "-"
+        ve = f"{r['vllm_fp8_rel_err']:.1e}" if "vllm_fp8_rel_err" in r else "-"
+        lines.append(f"| {r['case']} | {r['slices']} | {r['time_us']:.2f} | {r['fp8_us']:.2f} "
+                     f"| {r['fp8_over_bf16']:.2f}x | {v} | {sp} | {r['fp8_rel_err']:.1e} | {ve} "
+                     f"| {r['fp8_vs_bf16_err']:.1e} |")
+    return "\n".join(lines)
 
 
 def rel_err(got, ref):
@@ -751,6 +885,9 @@ def main():
                    help="also time every sweep case with a DoRA column scale on every slice (dora_us, dora_cost)")
     p.add_argument("--pairs", default="2,4",
                    help="comma list of adapters per token k also timed on every case (pairs{k}_us); '' for none")
+    p.add_argument("--lora-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="fp8: the sweep with fp8 (e4m3) adapter weights, ours fp8 vs ours bf16 vs vLLM's fp8 "
+                        "kernels (see the module docstring)")
     p.add_argument("--deterministic", action="store_true",
                    help="also time every sweep case with deterministic=True (batch-invariant launches), "
                         "reported beside the default as det_us and det_cost")
@@ -786,6 +923,9 @@ def main():
             print(f.read()[:6000])
         print(host_breakdown(s.s), flush=True)
     os.makedirs(args.out, exist_ok=True)
+    if args.lora_dtype == "fp8":
+        run_fp8_sweep(args, cases, device, res)
+        return
     partial = os.path.join(args.out, f"triton_h200_partial{args.tag}.json")
     for case in [] if args.host_only else cases:
         for sl in ("s1", "s3"):
@@ -861,6 +1001,34 @@ def main():
         plot(res, base + ".png")
     except Exception as e:
         print("plot failed:", e)
+    print(md)
+
+
+def run_fp8_sweep(args, cases, device, res) -> None:
+    """--lora-dtype fp8: `run_fp8_case` over the cases and both slice sets; JSON + markdown."""
+    import vllm_kernels
+    vk = vllm_kernels.load()
+    mode = vllm_kernels.FP8_MODE if vk is not None else "absent: run benchmarks/fetch_vllm_kernels.sh"
+    res["meta"]["vllm_fp8_mode"] = mode
+    print(f"vLLM fp8 side: {mode}", flush=True)
+    t0 = time.perf_counter()
+    for case in cases:
+        for sl in ("s1", "s3"):
+            r = run_fp8_case(case, sl, device, vk)
+            res["sweep"].append(r)
+            v = (f" vLLM fp8 {r['vllm_fp8_us']:8.2f} us (err {r['vllm_fp8_rel_err']:.1e})"
+                 if r.get("vllm_fp8_us") else "")
+            print(f"{r['case']:28s} {sl} bf16 {r['time_us']:8.2f} us  fp8 {r['fp8_us']:8.2f} us "
+                  f"({r['fp8_over_bf16']:.2f}x, err {r['fp8_rel_err']:.1e}, vs bf16 weights "
+                  f"{r['fp8_vs_bf16_err']:.1e}){v}", flush=True)
+    res["meta"]["fp8_sweep_seconds"] = time.perf_counter() - t0
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M")
+    base = os.path.join(args.out, f"triton_h200_fp8_{stamp}{args.tag}")
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    md = fp8_markdown(res)
+    with open(base + ".md", "w") as f:
+        f.write(f"run {res['meta']}\n\n" + md)
     print(md)
 
 

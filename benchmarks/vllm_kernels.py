@@ -147,3 +147,44 @@ def add_lora_linear(vk, meta, y, x, lora_a, lora_b, scale: float) -> None:
     buffer = torch.empty((len(lora_b), t, r), dtype=torch.float32, device=x.device)
     vk.lora_shrink(x, list(lora_a), buffer, *meta.meta_args(t, False), scale)
     vk.lora_expand(buffer, list(lora_b), y, *meta.meta_args(t, False), offset_start=0, add_inputs=True)
+
+
+# vLLM 0.33's fp8 LoRA kernels (lora_shrink_fp8_op.py / lora_expand_fp8_op.py) scale their weights
+# only in their W8A8 mode (use_fp8_w8a8=True): e4m3 activations with per-token scales; their other
+# mode takes 16-bit weights only (lora_expand_fp8 asserts it). The mode closest to weight-only e4m3
+# weights with per-output-channel scales is therefore W8A8 with per_channel_quant=True.
+FP8_MODE = ("vLLM lora_shrink_fp8 / lora_expand_fp8, use_fp8_w8a8=True, per_channel_quant=True: e4m3 weights "
+            "with per-output-channel float32 scales, e4m3 activations (x, the shrink buffer) with per-token "
+            "scales; the activations are quantised before the timed kernels and that step is not timed")
+
+
+def quantize_per_token(t):
+    """(t_q e4m3, scale (T, 1) float32) of t (T, K) or (S, T, K): one scale per token (over every
+    slice), amax / 448, as vLLM's W8A8 path takes its activations."""
+    import torch
+    t32 = t.float()
+    amax = t32.abs().amax(dim=-1)
+    if t32.dim() == 3:
+        amax = amax.amax(dim=0)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))[:, None]
+    full = scale if t32.dim() == 2 else scale[None]
+    return (t32 / full).clamp(-448, 448).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+def lora_linear_fp8_calls(vk, meta, y, x_q, x_scale, a_q, a_scales, b_q, b_scales, scale: float, buffer, buf_q,
+                          buf_scale):
+    """(shrink, expand) callables of vLLM's fp8 kernels (FP8_MODE) for one add_lora_linear: the shrink
+    of x_q into the float32 `buffer`, the expand of buf_q (the buffer quantised per token,
+    `quantize_per_token`, prepared by the caller) into y with add_inputs. a_q / b_q: per slice
+    contiguous (L, r, H) / (L, n, r) e4m3; a_scales / b_scales: per slice (L, r) / (L, n) float32."""
+    t = x_q.size(0)
+
+    def shrink():
+        vk.lora_shrink_fp8(x_q, list(a_q), buffer, *meta.meta_args(t, False), scale, list(a_scales), x_scale,
+                           0, 0, True, True)
+
+    def expand():
+        vk.lora_expand_fp8(buf_q, list(b_q), y, *meta.meta_args(t, False), list(b_scales), buf_scale,
+                           offset_start=0, add_inputs=True, group_k=0, group_n=0, use_fp8_w8a8=True,
+                           per_channel_quant=True)
+    return shrink, expand

@@ -18,9 +18,17 @@ import numpy as np
 
 from .errors import AdapterError
 
-# contract section 4: activations fp16/bf16/fp32; weights fp16/bf16 (fp32 on reference paths too).
+# contract section 4: activations fp16/bf16/fp32; weights fp16/bf16 (fp32 on reference paths too),
+# or fp8 e4m3 with per-output-channel float32 scales (contract section 11, `check_weight_scales`).
 ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
-WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
+FP8_DTYPES = ("float8_e4m3fn",)
+WEIGHT_DTYPES = ("float16", "bfloat16", "float32") + FP8_DTYPES
+# Weights that take no scale (the layers that keep fp8 out: tensor-parallel, experts), and LoRA
+# biases and DoRA column scales: 16-bit or float32, never fp8.
+UNSCALED_WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
+VECTOR_DTYPES = UNSCALED_WEIGHT_DTYPES
+# contract section 11: the largest finite e4m3 value, what a channel's amax maps to.
+FP8_MAX = 448.0
 INDEX_DTYPES = ("int32", "int64", "int16", "int8", "uint8")
 # contract section 4: the shrink buffer (add_lora_linear's and add_lora_logits' `buffer`) is float32.
 SHRINK_BUFFER_DTYPES = ("float32",)
@@ -113,6 +121,52 @@ def check_shrink(x_shape, x_dtype, a_shapes, a_dtypes, arg_x="x", arg_a="lora_a_
     if len(set(dims)) != 1:
         raise ValueError(f"every slice of {arg_a} must have the same (num_slots, rank), got {dims}")
     return dims[0][0], dims[0][1], hidden
+
+
+def is_fp8(dtype: Any) -> bool:
+    """Whether a weight dtype is fp8 (e4m3): such a weight needs channel scales."""
+    return dtype_name(dtype) in FP8_DTYPES
+
+
+def check_weight_scales(name: str, scales: Sequence[Any] | None, weight_shapes: Sequence[Sequence[int]],
+                        weight_dtypes: Sequence[Any], arg_w: str) -> tuple:
+    """Checks the fp8 scales of a stacked weight's slices (contract section 11).
+
+    scales: None, or one entry per slice: None, or (shape, dtype) of that slice's scale.
+    weight_shapes: (L, [1,] rows, cols) per slice; a slice's channels are its rows (A: the rank,
+    B: the output columns). A slice's scale is given iff its weight is fp8; it is float32,
+    (L, rows) per channel or (L,) per tensor (one per slot).
+    Returns per slice None (16-bit weight), "channel" or "tensor". ValueError naming `name` (and
+    the slice) otherwise.
+    """
+    n = len(weight_shapes)
+    if scales is not None and len(scales) != n:
+        raise ValueError(f"{name} must hold one entry per slice of {arg_w} ({n}), got {len(scales)}")
+    kinds = []
+    for s in range(n):
+        entry = None if scales is None else scales[s]
+        label = name if n == 1 else f"{name}[{s}]"
+        wlabel = arg_w if n == 1 else f"{arg_w}[{s}]"
+        num_slots, rows, _ = weight_dims(wlabel, weight_shapes[s], "rows, cols")
+        want = f"({num_slots}, {rows}) per channel or ({num_slots},) per tensor, float32"
+        if not is_fp8(weight_dtypes[s]):
+            if entry is not None:
+                raise ValueError(f"{label} is given, but {wlabel} is {dtype_name(weight_dtypes[s])}, not fp8 "
+                                 f"({FP8_DTYPES[0]}): only fp8 weights take scales")
+            kinds.append(None)
+            continue
+        if entry is None:
+            raise ValueError(f"{wlabel} is {FP8_DTYPES[0]}: {label} must give its scales, {want}")
+        shape, dtype = tuple(int(d) for d in entry[0]), entry[1]
+        if dtype_name(dtype) != "float32":
+            raise ValueError(f"{label} must be float32 ({want}), got dtype {dtype_name(dtype)}")
+        if shape == (num_slots, rows):
+            kinds.append("channel")
+        elif shape == (num_slots,):
+            kinds.append("tensor")
+        else:
+            raise ValueError(f"{label} must have shape {want}, got shape {shape}")
+    return tuple(kinds)
 
 
 def check_expand(buf_shape, buf_dtype, b_shapes, b_dtypes, y_shape, y_dtype, offset_start: int,
@@ -235,7 +289,7 @@ def check_bias(bias_shapes: Sequence[Sequence[int] | None], output_slices: Seque
         if shape is None:
             continue
         if bias_dtypes is not None:
-            check_dtype(f"{arg}[{s}]", bias_dtypes[s], WEIGHT_DTYPES)
+            check_dtype(f"{arg}[{s}]", bias_dtypes[s], VECTOR_DTYPES)
         shape = tuple(int(v) for v in shape)
         core = shape if len(shape) == 2 else (shape[0], shape[2]) if len(shape) == 3 and shape[1] == 1 else None
         if core is None or core != (num_slots, width):
@@ -255,7 +309,7 @@ def check_dora_scales(scale_shapes: Sequence[Sequence[int] | None], scale_dtypes
     for s, (shape, width) in enumerate(zip(scale_shapes, output_slices)):
         if shape is None:
             continue
-        check_dtype(f"{arg}[{s}]", scale_dtypes[s], WEIGHT_DTYPES)
+        check_dtype(f"{arg}[{s}]", scale_dtypes[s], VECTOR_DTYPES)
         shape = tuple(int(v) for v in shape)
         if shape not in ((num_slots, width), (num_slots, 1, width)):
             raise ValueError(f"{arg}[{s}] must have shape ({num_slots}, {width}) or ({num_slots}, 1, {width}) "

@@ -15,6 +15,8 @@ Fields an entry may set:
          (False for the bridged wrappers, which offer only the `add_*` methods).
   moe_lora: the side has the mixture-of-experts LoRA op and wrapper methods (contract section 9),
          run through `fused_moe_lora` and `moe_w13_w2` below.
+  fp8: the side's ops and wrapper take fp8 (e4m3) weights with their scales (contract section 11;
+         `fp8_weight` makes one, `lora_shrink` / `lora_expand` pass `scales`).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Impl:
     torch_device: str | None = None
     vllm_methods: bool = True
     moe_lora: bool = False
+    fp8: bool = False
 
     def __str__(self):
         return self.name
@@ -92,6 +95,15 @@ class Impl:
             return self.torch_device
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def fp8_weight(self, q):
+        """A native float8_e4m3fn array from ml_dtypes float8_e4m3fn values (bit for bit)."""
+        q = np.ascontiguousarray(q)
+        if self.side == "jax":
+            import jax.numpy as jnp
+            return jnp.asarray(q)
+        import torch
+        return torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn).to(self.device)
 
     def idx(self, a):
         return self.arr(np.asarray(a, np.int32))
@@ -140,9 +152,11 @@ class Impl:
         meta.prepare_tensors(self.idx(idx))
         return meta
 
-    def lora_shrink(self, x, lora_a, idx, scale, max_loras, lora_ranks=None):
+    def lora_shrink(self, x, lora_a, idx, scale, max_loras, lora_ranks=None, scales=None):
         meta = self.meta(idx, max_loras, capacity=len(idx) + 3)
         kw = dict(backend=self.backend, lora_ranks=lora_ranks)
+        if scales is not None:
+            kw["lora_a_scale"] = scales
         if self.side == "jax":
             return self.to_np(self.ops.lora_shrink(x, lora_a, meta, scale, **kw))
         import torch
@@ -152,9 +166,11 @@ class Impl:
         assert res is out
         return self.to_np(out)
 
-    def lora_expand(self, buf, lora_b, y, idx, offset_start, add_inputs, max_loras, lora_ranks=None):
+    def lora_expand(self, buf, lora_b, y, idx, offset_start, add_inputs, max_loras, lora_ranks=None, scales=None):
         meta = self.meta(idx, max_loras, capacity=len(idx) + 3)
         kw = dict(backend=self.backend, lora_ranks=lora_ranks)
+        if scales is not None:
+            kw["lora_b_scale"] = scales
         if self.side == "jax":
             return self.to_np(self.ops.lora_expand(buf, lora_b, y, meta, offset_start, add_inputs, **kw))
         res = self.ops.lora_expand(buf, lora_b, y, *meta.meta_args(y.shape[0]), offset_start=offset_start,
@@ -241,8 +257,8 @@ def _jax_impls():
 
 
 def _torch_impls():
-    return [Impl("torch-ref", "torch", "torch", moe_lora=True),
-            Impl("torch-triton", "torch", "triton", small=True, moe_lora=True)]  # Triton interpreter on CPU tensors
+    return [Impl("torch-ref", "torch", "torch", moe_lora=True, fp8=True),
+            Impl("torch-triton", "torch", "triton", small=True, moe_lora=True, fp8=True)]  # Triton interpreter on CPU
 
 
 def _bridge_impls():

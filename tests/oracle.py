@@ -7,7 +7,10 @@ arithmetic here is float64.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn value (contract section 11)
 
 
 def f64(a):
@@ -18,6 +21,28 @@ def w3(w):
     """(L, 1, a, b) -> (L, a, b)."""
     w = np.asarray(w)
     return w.reshape(w.shape[0], w.shape[-2], w.shape[-1]) if w.ndim == 4 else w
+
+
+def fp8_quantize(w):
+    """Contract section 11's rule for a stacked weight (..., rows, cols), per output channel (row):
+    scale = amax(|w[row]|) / 448 as float32 (1 where the row is all zeros), w_q = e4m3(clip(w /
+    scale, -448, 448)) rounded to nearest even (ml_dtypes). Returns (w_q as ml_dtypes
+    float8_e4m3fn, scale (..., rows) float32); the division is float64."""
+    w = f64(w)
+    amax = np.abs(w).max(axis=-1)
+    scale = np.where(amax == 0, 1.0, amax / FP8_MAX).astype(np.float32)
+    q = np.clip(w / f64(scale)[..., None], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_dequantize(q, scale):
+    """float64 w[..., row, k] = float(w_q[..., row, k]) * scale[..., row] (scale (..., rows), or one
+    per slot (L,) broadcast to the rows)."""
+    scale = f64(scale)
+    q = f64(np.asarray(q).astype(np.float32))
+    if scale.ndim == q.ndim - 2:          # per tensor: one scale per slot
+        scale = np.broadcast_to(scale[..., None], q.shape[:-1])
+    return q * scale[..., None]
 
 
 def shrink(x, lora_a, idx, scale):
@@ -194,3 +219,11 @@ def rel_err(got, want):
 
 
 TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 2e-2}
+# fp8 (e4m3) weights (contract section 11), by activation dtype, against this oracle run on the
+# DEQUANTISED weights (`fp8_dequantize`): the e4m3 values are exact in every activation dtype and
+# the channel scale is one more float32 rounding, so the 16-bit tolerances hold.
+FP8_TOL = dict(TOL)
+# The fp8 result against the oracle on the original (unquantised) 16-bit weights: e4m3 keeps 3
+# mantissa bits (each weight off by at most 2^-4 relative, 2^-5 on average), and the errors of a
+# product's terms are independent, so a result's relative error is a few percent at most.
+FP8_QUANT_TOL = 0.05

@@ -675,3 +675,145 @@ def test_add_lora_linear_two_adapters_per_token(impl, dtype):
 def test_add_lora_linear_weighted_and_four_adapters(impl, max_pairs):
     """One adapter with a per-token strength (bucket 1), and up to 3 adapters (bucket 4)."""
     _check_several_adapters(impl, impl.dtypes[0], max_pairs, 22 + max_pairs)
+
+
+# ----------------------------------------------------------------------------- fp8 adapter weights
+# Contract section 11: e4m3 weights with float32 scales per output channel ((L, rows)) or per
+# tensor ((L,), one per slot). Checked against the oracle on the DEQUANTISED weights (oracle.FP8_TOL)
+# and, for accuracy, against the oracle on the original 16-bit weights (oracle.FP8_QUANT_TOL).
+
+FP8_PARAMS = [pytest.param(impl, dt, gran, id=f"{impl.name}-{dt}-{gran}", marks=impl.marks)
+              for impl in IMPLS if impl.fp8 for dt in DTYPES if dt in impl.dtypes
+              for gran in ("channel", "tensor")]
+
+
+def fp8_quantize(w, granularity):
+    """(w_q, scale, dequantised float64 w) of a stacked weight (L, [1,] rows, cols) by contract
+    section 11's rule, per output channel or per tensor (one scale per slot)."""
+    w = np.asarray(w, np.float64)
+    if granularity == "channel":
+        q, scale = oracle.fp8_quantize(w.reshape(w.shape[0], w.shape[-2], w.shape[-1]))
+    else:
+        q, scale = oracle.fp8_quantize(w.reshape(w.shape[0], -1))
+    q = q.reshape(w.shape)
+    return q, scale, oracle.fp8_dequantize(q.reshape(w.shape[0], w.shape[-2], w.shape[-1]), scale)
+
+
+def _fp8_slices(impl, weights, granularity):
+    qs = [fp8_quantize(w, granularity) for w in weights]
+    return ([impl.fp8_weight(q) for q, _, _ in qs], [impl.arr(s) for _, s, _ in qs], [d for _, _, d in qs])
+
+
+@pytest.mark.parametrize("impl,dtype,granularity", FP8_PARAMS)
+def test_fp8_lora_shrink_expand_ops(impl, dtype, granularity):
+    """lora_shrink / lora_expand with fp8 A and B (three slices of unequal widths)."""
+    case = Case(31, dtype)
+    a_q, a_s, a_deq = _fp8_slices(impl, case.lora_a, granularity)
+    got_buf = impl.lora_shrink(impl.arr(case.x, dtype), a_q, case.idx, case.scale, case.num_slots, scales=a_s)
+    assert_close(got_buf, oracle.shrink(case.x, a_deq, case.idx, case.scale), dtype, "fp8 lora_shrink")
+    assert np.all(got_buf[:, case.idx < 0] == 0)
+    err16 = oracle.rel_err(got_buf, oracle.shrink(case.x, case.lora_a, case.idx, case.scale))
+    assert err16 <= oracle.FP8_QUANT_TOL, f"fp8 lora_shrink vs the 16-bit weights: {err16:.3g}"
+    b_q, b_s, b_deq = _fp8_slices(impl, case.lora_b, granularity)
+    buf = oracle.shrink(case.x, case.lora_a, case.idx, case.scale).astype(np.float32)
+    for add_inputs in (False, True):
+        y0 = case.y.copy()
+        got = impl.lora_expand(impl.arr(buf, "float32"), b_q, impl.arr(y0, dtype), case.idx, 2, add_inputs,
+                               case.num_slots, scales=b_s)
+        assert_close(got, oracle.expand(buf, b_deq, y0, case.idx, 2, add_inputs), dtype,
+                     f"fp8 lora_expand add_inputs={add_inputs}")
+        assert_rows_untouched(got, y0, case.idx, "fp8 lora_expand")
+        if not add_inputs:
+            err16 = oracle.rel_err(got[:, 2:2 + sum(case.slices)],
+                                   oracle.expand(buf, case.lora_b, y0, case.idx, 2, False)[:, 2:2 + sum(case.slices)])
+            assert err16 <= oracle.FP8_QUANT_TOL + oracle.FP8_TOL[dtype], f"fp8 lora_expand vs 16-bit: {err16:.3g}"
+
+
+@pytest.mark.parametrize("impl,dtype,granularity", FP8_PARAMS)
+def test_fp8_bgmv_ops(impl, dtype, granularity):
+    """bgmv_shrink / bgmv_expand / bgmv_expand_slice with an fp8 weight and w_scale."""
+    case = Case(32, dtype, slices=(24, 24))
+    (a_q, _), (a_s, _), (a_deq, _) = _fp8_slices(impl, case.lora_a, granularity)
+    (b_q, _), (b_s, _), (b_deq, _) = _fp8_slices(impl, case.lora_b, granularity)
+    idx = impl.idx(case.idx)
+    got = impl.call_op("bgmv_shrink", impl.arr(case.x, dtype), a_q, idx, case.scale, w_scale=a_s)
+    buf = oracle.shrink(case.x, [a_deq], case.idx, case.scale)
+    assert_close(got, buf[0], dtype, "fp8 bgmv_shrink")
+    xb = buf[0].astype(np.float32)
+    y0 = case.y.copy()
+    got = impl.call_op("bgmv_expand", impl.arr(xb, "float32"), b_q, impl.arr(y0, dtype), idx, True, w_scale=b_s)
+    assert_close(got, oracle.expand(buf, [b_deq], y0, case.idx, 0, True), dtype, "fp8 bgmv_expand")
+    y0 = case.y.copy()
+    got = impl.call_op("bgmv_expand_slice", impl.arr(xb, "float32"), b_q, impl.arr(y0, dtype), idx, 9, 24, False,
+                       w_scale=b_s)
+    assert_close(got, oracle.expand(buf, [b_deq], y0, case.idx, 9, False), dtype, "fp8 bgmv_expand_slice")
+    assert_rows_untouched(got, y0, case.idx, "fp8 bgmv_expand_slice")
+
+
+@pytest.mark.parametrize("impl,dtype,granularity", FP8_PARAMS)
+def test_fp8_add_lora_linear(impl, dtype, granularity):
+    """The wrapper's add_lora_linear with fp8 A and B (lora_a_scale / lora_b_scale), twice (the
+    second call takes the cached plan), then with fp8 A and 16-bit B (mixed)."""
+    case = Case(33, dtype)
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    a_q, a_s, a_deq = _fp8_slices(impl, case.lora_a, granularity)
+    b_q, b_s, b_deq = _fp8_slices(impl, case.lora_b, granularity)
+    want = oracle.lora_linear(case.y, case.x, a_deq, b_deq, None, case.scale, case.idx)
+    for _ in range(2):
+        got = impl.wrapper_call(w, "add_lora_linear", impl.arr(case.y, dtype), impl.arr(case.x, dtype), a_q, b_q,
+                                None, case.scale, case.slices, lora_a_scale=a_s, lora_b_scale=b_s)
+        assert_close(got, want, dtype, "fp8 add_lora_linear")
+        assert_rows_untouched(got, case.y, case.idx, "fp8 add_lora_linear")
+    got = impl.wrapper_call(w, "add_lora_linear", impl.arr(case.y, dtype), impl.arr(case.x, dtype), a_q,
+                            case.native(impl, case.lora_b), None, case.scale, case.slices, lora_a_scale=a_s)
+    assert_close(got, oracle.lora_linear(case.y, case.x, a_deq, case.lora_b, None, case.scale, case.idx), dtype,
+                 "fp8 A with 16-bit B")
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].fp8])
+def test_fp8_two_adapters_per_token(impl):
+    """Several adapters per token (contract section 10) with fp8 weights."""
+    dtype = impl.dtypes[0]
+    case = Case(34, dtype, slices=(24, 8, 16))
+    ids, weights, slots, ws = _pair_case(case, 2)
+    w = make_wrapper(impl, case)
+    w.update_metadata(LoRAMapping(ids, case.ids(case.idx), False, weights), case.lora_index_to_id,
+                      case.num_slots + 1, 32, 0)
+    a_q, a_s, a_deq = _fp8_slices(impl, case.lora_a, "channel")
+    b_q, b_s, b_deq = _fp8_slices(impl, case.lora_b, "channel")
+    got = impl.wrapper_call(w, "add_lora_linear", impl.arr(case.y, dtype), impl.arr(case.x, dtype), a_q, b_q, None,
+                            case.scale, case.slices, lora_a_scale=a_s, lora_b_scale=b_s)
+    want = oracle.multi_lora_linear(case.y, case.x, a_deq, b_deq, case.scale, slots, ws)
+    assert_close(got, want, dtype, "fp8 add_lora_linear with 2 adapters per token")
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].fp8])
+def test_fp8_wrapper_shrink_expand_embedding_logits(impl):
+    """add_shrink / add_expand (with a bias), add_lora_embedding and add_lora_logits (a B wider than
+    y, cut with its scales) with fp8 weights and their scales."""
+    dtype = impl.dtypes[0]
+    case = Case(35, dtype, slices=(24, 8))
+    w = make_wrapper(impl, case)
+    prompt_idx = np.array([0, -1, 3, 2, 0] + [0] * (case.num_tokens - 5), np.int32)
+    w.update_metadata(case.mapping(prompt_idx=prompt_idx), case.lora_index_to_id, case.num_slots + 1, 32, 0)
+    a_q, a_s, a_deq = _fp8_slices(impl, case.lora_a, "channel")
+    b_q, b_s, b_deq = _fp8_slices(impl, case.lora_b, "tensor")
+    buf = impl.wrapper_call(w, "add_shrink", impl.arr(np.zeros((2, case.num_tokens, case.rank), np.float32)),
+                            impl.arr(case.x, dtype), a_q, case.scale, lora_a_scale=a_s)
+    want_buf = oracle.shrink(case.x, a_deq, case.idx, case.scale)
+    assert_close(buf, want_buf, dtype, "fp8 add_shrink")
+    got = impl.wrapper_call(w, "add_expand", impl.arr(case.y, dtype), impl.arr(want_buf.astype(np.float32)), b_q,
+                            case.native(impl, case.bias), case.slices, offset_start=3, lora_b_scale=b_s)
+    assert_close(got, oracle.expand(want_buf, b_deq, case.y, case.idx, 3, True, case.bias), dtype, "fp8 add_expand")
+    x = round_to(case.rng.standard_normal((case.num_tokens, case.rank)), dtype)
+    got = impl.wrapper_call(w, "add_lora_embedding", impl.arr(case.y[:, :24], dtype), impl.arr(x, dtype), b_q[0],
+                            lora_b_scale=b_s[0])
+    assert_close(got, oracle.expand(x[None], [b_deq[0]], case.y[:, :24], case.idx, 0, True), dtype,
+                 "fp8 add_lora_embedding")
+    rows = 5
+    y0 = case.y[:rows, :20]
+    got = impl.wrapper_call(w, "add_lora_logits", impl.arr(y0, dtype), impl.arr(case.x[:rows], dtype), a_q[0],
+                            b_q[0], case.scale, lora_a_scale=a_s[0], lora_b_scale=b_s[0])
+    assert_close(got, oracle.logits(y0, case.x[:rows], a_deq[0], b_deq[0], case.scale, prompt_idx[:rows]), dtype,
+                 "fp8 add_lora_logits")

@@ -31,6 +31,7 @@ from . import oracle
 BIG = 2 ** 32 + 1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = r"\('float16', 'bfloat16', 'float32'\)"
+WEIGHTS = r"\('float16', 'bfloat16', 'float32', 'float8_e4m3fn'\)"     # checks.WEIGHT_DTYPES: fp8 too
 
 
 def _run_child(code: str) -> subprocess.CompletedProcess:
@@ -106,7 +107,7 @@ def test_torch_over_jax_refuses_float64_even_with_copy():
     a, b = torch.randn(3, 1, 4, 16), torch.randn(3, 1, 8, 4)
     with pytest.raises(TypeError, match=rf"^x must have dtype in {F32}, got float64$"):
         w.add_lora_linear(y, x.double(), [a], [b], None, 1.0, (8,))
-    with pytest.raises(TypeError, match=rf"^lora_a_stacked\[0\] must have dtype in {F32}, got float64$"):
+    with pytest.raises(TypeError, match=rf"^lora_a_stacked\[0\] must have dtype in {WEIGHTS}, got float64$"):
         w.add_lora_linear(y, x, [a.double()], [b], None, 1.0, (8,))
     with pytest.raises(TypeError, match=rf"^x must have dtype in {F32}, got float64$"):
         bridge.torch_over_jax.bgmv_shrink(x.double(), a[:, 0], torch.zeros(4, dtype=torch.int32), copy=True)

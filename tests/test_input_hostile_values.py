@@ -26,6 +26,7 @@ SIDE_PARAMS = [pytest.param(impl, id=impl.side) for impl in SIDES.values()]
 BIG = 2 ** 32 + 1       # int64; cut to int32 it would be slot 1
 HUGE_ID = 2 ** 70       # beyond int64
 F32 = r"\('float16', 'bfloat16', 'float32'\)"
+WEIGHTS = r"\('float16', 'bfloat16', 'float32', 'float8_e4m3fn'\)"     # checks.WEIGHT_DTYPES: fp8 too
 
 
 def on_host(impl):
@@ -345,7 +346,7 @@ def test_float64_is_refused_with_the_same_message_on_both_sides(impl):
         w.add_lora_linear(y, x64, a, b, None, 1.0, (8, 4))
     with pytest.raises(TypeError, match=rf"^y must have dtype in {F32}, got float64$"):
         w.add_lora_linear(y64, x, a, b, None, 1.0, (8, 4))
-    with pytest.raises(TypeError, match=rf"^lora_a_stacked\[0\] must have dtype in {F32}, got float64$"):
+    with pytest.raises(TypeError, match=rf"^lora_a_stacked\[0\] must have dtype in {WEIGHTS}, got float64$"):
         w.add_lora_linear(y, x, a64, b, None, 1.0, (8, 4))
     with pytest.raises(TypeError, match=rf"^lora_bias_stacked\[1\] must have dtype in {F32}, got float64$"):
         w.add_lora_linear(y, x, a, b, [None, host(impl, np.zeros((3, 4)))], 1.0, (8, 4))

@@ -5,7 +5,9 @@ but not that Triton's compiler accepts them: loop-carried types, constexpr branc
 instructions and dot shapes are only checked when compiling. Triton compiles to PTX and a cubin
 without a GPU (its bundled ptxas), so each launch variant the backends use is compiled here for
 GPUTarget("cuda", 90, 32). Running them stays with the `gpu` tests. "deterministic": the
-deterministic launches' tensor-core instruction sequence is the same for any token count.
+deterministic launches' tensor-core instruction sequence is the same for any token count. "fp8":
+the three kernels with fp8 (e4m3) weights and float32 channel scales (contract section 11), A and
+B both fp8 or one of them.
 
 The test session runs with TRITON_INTERPRET=1 (kernels become interpreted functions), so the
 compiles run in a child process without it: `python tests/test_triton_compile.py KERNEL`.
@@ -25,13 +27,15 @@ INT32_POINTERS = {"ranks_ptr", "mapping_ptr", "sorted_ptr", "counts_ptr", "start
                   "pair_slots_ptr", "expert_ids_ptr", "post_pad_ptr", "token_lora_ptr", "enabled_ptr"}
 
 
-def _signature(kernel, plan, act: str, float32_pointers=()) -> dict:
+def _signature(kernel, plan, act: str, float32_pointers=(), fp8_pointers=()) -> dict:
     sig = {}
     for name in kernel.arg_names:
         if name in plan.constexprs:
             sig[name] = "constexpr"
         elif name in INT32_POINTERS:
             sig[name] = "*i32"
+        elif name in fp8_pointers:
+            sig[name] = "*fp8e4nv"
         elif name in float32_pointers or name == "pair_weights_ptr":
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
@@ -47,10 +51,80 @@ def _cfg(**kw):
     return dict(num_warps=4, num_stages=2, **kw)
 
 
+def _weights(kind: str, fp8: bool) -> tuple:
+    """(fp8 pointers, float32 scale pointers) of a launch whose `kind` weights ("a", "b") are fp8."""
+    if not fp8:
+        return (), ()
+    return tuple(f"{kind}{s}_ptr" for s in range(4)), tuple(f"{kind}s{s}_ptr" for s in range(4))
+
+
+def _fp8_variants():
+    """(label, kernel, plan, activation dtype, float32 pointers, fp8 pointers): the kernels with fp8
+    weights (the plans name the weight dtype "float8_e4m3fn")."""
+    import lora_core.kernels as kernels
+    fp8 = "float8_e4m3fn"
+    a8, a_sc = _weights("a", True)
+    b8, b_sc = _weights("b", True)
+    out = []
+    for label, T, rank, S, cfg, kw in (
+            ("decode-pdl-ranks", 8, 16, 3, _cfg(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8),
+             dict(lora_only=True, workspace=True, has_ranks=True, pdl=True)),
+            ("all-slices-prefetch", 512, 64, 3, _cfg(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4, ALL_SLICES=True,
+                                                     PREFETCH=True),
+             dict(lora_only=True, workspace=True, has_ranks=True, pdl=True)),
+            ("atomic-fp16", 512, 16, 2, _cfg(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4),
+             dict(lora_only=False, workspace=False, has_ranks=False)),
+            ("pairs2", 8, 16, 3, _cfg(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8),
+             dict(lora_only=True, workspace=True, has_ranks=True, pdl=True, pairs=2)),
+            ("pairs4-all-slices", 512, 64, 3, _cfg(BLOCK_M=32, BLOCK_K=128, SPLIT_K=4, ALL_SLICES=True),
+             dict(lora_only=False, workspace=False, has_ranks=False, pairs=4))):
+        act = "float16" if "fp16" in label else "bfloat16"
+        plan = kernels.plan_shrink(T, 4096, rank, S, 9 if "pairs" not in label else 257, act, fp8, cfg, **kw)
+        assert not plan.constexprs["CAST_FP32"]           # the dot runs in the activations' dtype
+        out.append((f"shrink-{label}", kernels.lora_shrink_kernel, plan, "fp16" if act == "float16" else "bf16",
+                    ("out_ptr",) + a_sc, a8))
+    for label, T, rank, block_r, cfg_extra, kw in (
+            ("r16-pdl-ranks-bias", 8, 16, 16, {}, dict(bias_flags=(True, False, False), has_ranks=True, pdl=True)),
+            ("r128-looped", 8, 128, 64, {}, dict(bias_flags=(False,) * 3, has_ranks=False)),
+            ("b-select-r64", 128, 64, 64, dict(B_SELECT=True, BLOCK_N=256), dict(bias_flags=(False,) * 3,
+                                                                                 has_ranks=False, pdl=True)),
+            ("tiles4-ahead-prefetch", 8192, 16, 16, dict(TILES_N=4, Y_AHEAD=True, PREFETCH=True, PREFETCH_Y=True,
+                                                         BLOCK_M=32),
+             dict(bias_flags=(False,) * 3, has_ranks=True, pdl=True)),
+            ("dora-tiles2", 512, 64, 64, dict(TILES_N=2, BLOCK_M=64), dict(bias_flags=(2, 2, 2), has_ranks=False)),
+            ("pairs2-tiles2-ranks", 512, 128, 64, dict(TILES_N=2, BLOCK_M=64),
+             dict(bias_flags=(False,) * 3, has_ranks=True, pairs=2))):
+        cfg = _cfg(**{"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_R": block_r, **cfg_extra})
+        plan = kernels.plan_expand(T, rank, (4096, 1024, 1024), 9 if "pairs" not in label else 257, 2, fp8,
+                                   "bfloat16", cfg, add_inputs=True, **kw)
+        f32 = ("buf_ptr",) + b_sc + (tuple(f"bias{s}_ptr" for s in range(4)) if "dora" in label else ())
+        out.append((f"expand-{label}", kernels.lora_expand_kernel, plan, "bf16", f32, b8))
+    # float32 activations: the e4m3 tiles enter an IEEE float32 dot
+    plan = kernels.plan_shrink(8, 4096, 16, 1, 9, "float32", fp8, _cfg(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4),
+                               lora_only=True, workspace=True, has_ranks=False)
+    out.append(("shrink-fp32-activations", kernels.lora_shrink_kernel, plan, "fp32", ("out_ptr",) + a_sc, a8))
+    plan = kernels.plan_expand(8, 16, (4096,), 9, 4, fp8, "float32", _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16),
+                               add_inputs=True, bias_flags=(False,), has_ranks=False)
+    out.append(("expand-fp32-y", kernels.lora_expand_kernel, plan, "fp32", ("buf_ptr",) + b_sc, b8))
+    for label, T, rank, a_fp8, b_fp8, pairs in (("T8-r16-both", 8, 16, True, True, 0),
+                                                 ("T100-r64-a-only", 100, 64, True, False, 0),
+                                                 ("T8-r16-b-only", 8, 16, False, True, 0),
+                                                 ("pairs2-T8-r16-both", 8, 16, True, True, 2)):
+        plan = kernels.plan_fused(T, 4096, rank, (4096, 1024), 9 if not pairs else 257,
+                                  "bfloat16", fp8 if a_fp8 else "bfloat16", _cfg(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128),
+                                  add_inputs=True, bias_flags=(False, not pairs), has_ranks=True, pdl=True,
+                                  pairs=pairs)
+        (pa, sa), (pb, sb) = _weights("a", a_fp8), _weights("b", b_fp8)
+        out.append((f"fused-{label}", kernels.lora_fused_kernel, plan, "bf16", ("ws_ptr",) + sa + sb, pa + pb))
+    return out
+
+
 def _variants(kernel_name: str):
     """(label, kernel, plan, activation dtype, float32 pointer arguments) per launch variant."""
     import lora_core.kernels as kernels
     from lora_core.kernels import configs
+    if kernel_name == "fp8":
+        return _fp8_variants()
     if kernel_name == "shrink":
         return [
             # the linear path at decode on Hopper: workspace planes, per-slot ranks, PDL
@@ -192,9 +266,9 @@ def compile_all(kernel_name: str) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     failed = 0
-    for label, kernel, plan, act, f32 in _variants(kernel_name):
+    for label, kernel, plan, act, f32, *fp8 in _variants(kernel_name):
         names = kernel.arg_names
-        src = ASTSource(kernel, _signature(kernel, plan, act, f32),
+        src = ASTSource(kernel, _signature(kernel, plan, act, f32, *fp8),
                         constexprs={(names.index(k),): v for k, v in plan.constexprs.items()})
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -248,7 +322,7 @@ def compare_deterministic() -> int:
     return failed
 
 
-@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused", "deterministic", "moe"])
+@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused", "deterministic", "moe", "fp8"])
 def test_kernel_compiles_for_sm90(kernel_name):
     triton = pytest.importorskip("triton")
     try:

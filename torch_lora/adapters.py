@@ -10,7 +10,10 @@ multi-LoRA layers (`torch_lora.layers`) and lays it out on the host in slot orde
 the layers' max_rank, scaling folded into B, in the layers' dtype, in one pinned buffer when the
 layers are on CUDA (so uploads are asynchronous copies). A DoRA adapter (PEFT's use_dora) also gets
 each DoRA layer's column scale g = m / ||W + s B A||_row (`dora_scales`, from the layer's base
-weights), which the layers need `dora=True` to hold.
+weights), which the layers need `dora=True` to hold. A `LoRALinear` with `lora_dtype="fp8"` gets its
+slices quantised to e4m3 per output channel (contract section 11: scale = amax / 448, the cast
+rounds to nearest even), or, for an adapter read from an fp8 PEFT file (`PeftAdapter.fp8`), the
+file's e4m3 values and scales as they are (B's scale times the module's scaling).
 
 `AdapterManager` owns the slots: adapters are registered under a LoRA id, `activate(ids)` puts a
 batch's adapters into slots (free slots first, then the least recently used slot the batch does not
@@ -60,6 +63,10 @@ __all__ = [
 ]
 
 _LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits, LoRAExperts, ParallelLoRALayer)
+
+
+def _is_fp8_layer(layer) -> bool:
+    return isinstance(layer, LoRALinear) and layer.lora_dtype == "fp8"
 
 
 def _layer_dtype(layer) -> torch.dtype:
@@ -177,6 +184,7 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
         raise TypeError(f"adapter must be a PeftAdapter (from load_peft_adapter), got {type(adapter).__name__}")
     index = _module_index(layers)
     arrays: dict = {}
+    exact: dict = {}                 # (path, part): (e4m3 values, scales) of an fp8 file's module
     ranks = dict.fromkeys(layers, 0)
     for module, (a, b, scaling, kind) in sorted(adapter.modules.items()):
         where = index.get(module)
@@ -192,12 +200,19 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
         with np.errstate(over="ignore", invalid="ignore"):     # non-finite results: refused below, by name
             _place_module(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
         ranks[path] = max(ranks[path], rank)
+        if _is_fp8_layer(layer) and module in adapter.fp8:
+            _keep_fp8(exact, path, layer, s, adapter.fp8[module], scaling, rank)
     _check_placed_values(arrays, layers, adapter)
+    for path, layer in layers.items():
+        if _is_fp8_layer(layer) and path in arrays:
+            arrays[path], arrays[(path, "fp8")] = _quantize_parts(path, arrays[path], exact)
     scales = dora_scales(layers, adapter)
     for path, g in scales.items():
         checks.check_dora_scale(adapter.label, path, g)
     tensors, nbytes = _pack(layers, {**arrays, **{(path, "dora"): [g] for path, g in scales.items()}}, pin_memory)
     scale_tensors = {path: tensors.pop((path, "dora"))[0] for path in scales}
+    for path in [key[0] for key in tensors if isinstance(key, tuple) and key[1] == "fp8"]:
+        tensors[path] = tensors[path] + tensors.pop((path, "fp8"))      # slot_views' order: weights, scales
     return PreparedAdapter(adapter.name, tensors, ranks, nbytes, scale_tensors)
 
 
@@ -279,11 +294,46 @@ def _place_module(arrays: dict, path: str, layer, s: int, module: str, adapter: 
         arrays[path] = [A, B]
 
 
+def _keep_fp8(exact: dict, path: str, layer: LoRALinear, s: int, factors, scaling: float, rank: int) -> None:
+    """Records an fp8 file's module for slice s of an fp8 layer as it is: A's e4m3 values (rank, in)
+    and row scales, B's values (out, rank) and row scales times the module's scaling (B holds the
+    scaling), zero-padded to the layer's max_rank (padding rows of A get scale 1)."""
+    n, r = len(layer.module_names), layer.max_rank
+    a_q = np.zeros((r, layer.in_features), np.float32)
+    a_q[:rank] = factors.a_q
+    a_scale = np.ones(r, np.float32)
+    a_scale[:rank] = factors.a_scale
+    b_q = np.zeros((layer.output_slices[s], r), np.float32)
+    b_q[:, :rank] = factors.b_q
+    exact[(path, s)] = (a_q, a_scale)
+    exact[(path, n + s)] = (b_q, (factors.b_scale.astype(np.float64) * scaling).astype(np.float32))
+
+
+def _quantize_parts(path: str, parts: list, exact: dict) -> tuple:
+    """(values to store, float32 per-row scales) of an fp8 layer's placed float32 parts (A_0..,
+    B_0.. as `_place_module` lays them out): contract section 11's rule per output channel, scale
+    = amax / 448 (1 for an all-zero row), values clip(w / scale, -448, 448), which the e4m3 cast in
+    `_pack` rounds to nearest even; an fp8 file's module (`exact`) is kept as it is."""
+    values, scales = [], []
+    for i, p in enumerate(parts):
+        if (path, i) in exact:
+            q, scale = exact[(path, i)]
+        else:
+            amax = np.abs(p).max(axis=1) if p.size else np.zeros(p.shape[0], np.float32)
+            scale = np.where(amax == 0, 1.0, amax / checks.FP8_MAX).astype(np.float32)
+            q = np.clip(p / scale[:, None], -checks.FP8_MAX, checks.FP8_MAX).astype(np.float32)
+        values.append(q)
+        scales.append(scale)
+    return values, scales
+
+
 def _check_placed_values(arrays: dict, layers: Mapping, adapter: PeftAdapter) -> None:
     """Refuses placed factors that hold NaN / infinities or overflow their layer's dtype (the check
     JAX's placement runs too: lora_core.checks.check_placed_adapter)."""
     for path, parts in arrays.items():
-        checks.check_placed_adapter(adapter.label, path, parts, _layer_dtype(layers[path]))
+        # fp8 layers: the float32 factors before quantisation (their scales keep every value in range)
+        dtype = torch.float32 if _is_fp8_layer(layers[path]) else _layer_dtype(layers[path])
+        checks.check_placed_adapter(adapter.label, path, parts, dtype)
 
 
 def dora_scales(layers: Mapping, adapter: PeftAdapter) -> dict:

@@ -84,7 +84,7 @@ from lora_core.peft import AdapterConfig, PeftAdapter
 
 from .adapters import AdapterManager
 from .experts import LoRAExperts, is_experts_module
-from .layers import LoRAEmbedding, LoRALinear, LoRALogits
+from .layers import LoRAEmbedding, LoRALinear, LoRALogits, check_lora_dtype
 from .wrapper import PunicaWrapper
 
 __all__ = ["BASE", "SHARED_INPUT_GROUPS", "MultiLoRAModel", "select_target_modules"]
@@ -242,6 +242,10 @@ class MultiLoRAModel:
         the first DoRA adapter touching it is put into a slot: a new tensor, so a CUDA graph
         captured before then does not read it (capture after loading a DoRA adapter, or pass
         dora=True to allocate every linear layer's scale up front). Plain LoRA never needs it.
+      lora_dtype: None (the LoRA weights in the modules' dtype) or "fp8": every linear layer's slots
+        in float8_e4m3fn with float32 per-output-channel scales (contract section 11), a 16-bit
+        adapter quantised when it is placed, an fp8 PEFT file's values kept as they are; half
+        the slot memory of bf16. The embedding and the LM head keep the model's dtype.
 
     Attributes: `model`, `punica` (the PunicaWrapper), `adapters` (the AdapterManager), `layers`
     ({path: LoRA layer}; a group's path is its parent's name + "." + the members' names joined by "+"),
@@ -257,9 +261,10 @@ class MultiLoRAModel:
     def __init__(self, model: nn.Module, *, max_loras: int, max_rank: int,
                  target_modules: None | str | Sequence[str] = None, max_num_tokens: int = 2048,
                  max_num_seqs: int = 256, host_cache_size: int = 8, backend: str | None = None,
-                 dora: bool = False):
+                 dora: bool = False, lora_dtype: str | None = None):
         if not isinstance(dora, bool):
             raise TypeError(f"dora must be a bool, got {dora!r}")
+        self.lora_dtype = check_lora_dtype(lora_dtype)
         _positive_int("max_loras", max_loras)
         _positive_int("max_rank", max_rank)
         _positive_int("max_num_tokens", max_num_tokens)
@@ -347,7 +352,7 @@ class MultiLoRAModel:
                 path = (f"{parent}." if parent else "") + "+".join(leaves)
                 dtype, device = specs[names[0]]
                 layer = LoRALinear(names, mods[0].in_features, [m.out_features for m in mods], dtype=dtype,
-                                   device=device, **self._dora_kw(names, mods), **kw)
+                                   device=device, lora_dtype=self.lora_dtype, **self._dora_kw(names, mods), **kw)
                 layers[path] = layer
                 members += [(m, _linear_hook(layer, s, m)) for s, m in enumerate(mods)]
                 grouped.update(leaves)
@@ -357,7 +362,7 @@ class MultiLoRAModel:
                 name = f"{parent}.{leaf}" if parent else leaf
                 dtype, device = specs[name]
                 layer = LoRALinear((name,), module.in_features, (module.out_features,), dtype=dtype, device=device,
-                                   **self._dora_kw([name], [module]), **kw)
+                                   lora_dtype=self.lora_dtype, **self._dora_kw([name], [module]), **kw)
                 layers[name] = layer
                 members.append((module, _linear_hook(layer, 0, module)))
         return layers, members

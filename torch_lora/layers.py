@@ -12,6 +12,11 @@ layer: base module; buffers (L = max_loras slots, r = max_rank); wrapper call
   * `LoRALogits`: the LM head (`nn.Linear`); `lora_a` (L, r, H), `lora_b` (L, V, r);
     `add_lora_logits` on the sampled rows.
 
+A `LoRALinear` built with `lora_dtype="fp8"` stores `lora_a` / `lora_b_<s>` in e4m3 with float32
+per-output-channel scales beside them, `lora_a_scale` (S, L, r) and `lora_b_scale_<s>` (L, n_s)
+(contract section 11; `torch_lora.adapters` quantises a 16-bit adapter when it places it); the
+embedding and the LM head keep the model's dtype.
+
 Every layer also has `lora_ranks` (L,) int32: each slot's real rank in this layer (0 for an empty
 slot), passed to the kernels as `lora_ranks` so they skip the zero padding. A `LoRALinear` built
 with `dora=True`, or given a DoRA adapter later (`enable_dora()`), also has `dora_scale`
@@ -36,6 +41,14 @@ from torch import nn
 from .wrapper import PunicaWrapper
 
 __all__ = ["LoRAEmbedding", "LoRALinear", "LoRALogits"]
+
+
+def check_lora_dtype(lora_dtype) -> str | None:
+    """lora_dtype as a layer takes it: None (the weights in the layer's dtype) or "fp8"."""
+    if lora_dtype is not None and lora_dtype != "fp8":
+        raise ValueError(f"lora_dtype must be None (the model's dtype) or 'fp8' (e4m3 weights with per-channel "
+                         f"float32 scales), got {lora_dtype!r}")
+    return lora_dtype
 
 
 def _positive(name: str, value) -> int:
@@ -108,6 +121,10 @@ class LoRALinear(_LoRALayer):
         (g = m / ||W + s B A||_row, lora_core.dora.column_scale). Needed with dora=True; without
         it they let a DoRA adapter in later: its first placement calls `enable_dora()`, which
         allocates dora_scale then (MultiLoRAModel passes them always).
+      lora_dtype: None (the weights in `dtype`) or "fp8": lora_a and lora_b_<s> in float8_e4m3fn with
+        float32 per-output-channel scales lora_a_scale (S, L, r) and lora_b_scale_<s> (L, n_s)
+        (contract section 11), passed to the wrapper as lora_a_scale / lora_b_scale; `dtype` is then
+        only the dtype of the terms `lora_terms` is asked for.
     Buffers: lora_a (S, L, r, H); lora_b_<s> (L, n_s, r) (scaling folded in); lora_ranks (L,) int32;
     with dora=True (or after `enable_dora()`), dora_scale (L, out_features) float32 (slice s at
     columns offsets[s]:, ones where the slot's adapter is plain LoRA or the slot is empty).
@@ -117,8 +134,11 @@ class LoRALinear(_LoRALayer):
 
     def __init__(self, module_names: Sequence[str], in_features: int, output_slices: Sequence[int], *,
                  max_loras: int, max_rank: int, dtype: torch.dtype, device, punica=None, dora: bool = False,
-                 base_weights: Sequence[torch.Tensor] | None = None):
+                 base_weights: Sequence[torch.Tensor] | None = None, lora_dtype: str | None = None):
         super().__init__(module_names, max_loras=max_loras, max_rank=max_rank, device=device, punica=punica)
+        self.lora_dtype = check_lora_dtype(lora_dtype)
+        if self.lora_dtype == "fp8":
+            dtype = torch.float8_e4m3fn
         self.in_features = _positive("in_features", in_features)
         self.output_slices = tuple(_positive("output_slices[i]", int(n)) for n in output_slices)
         if len(self.output_slices) != len(self.module_names):
@@ -131,6 +151,13 @@ class LoRALinear(_LoRALayer):
         for s, n in enumerate(self.output_slices):
             self.register_buffer(f"lora_b_{s}", torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device),
                                  persistent=False)
+        if self.lora_dtype == "fp8":
+            self.register_buffer("lora_a_scale", torch.ones(len(self.module_names), max_loras, max_rank,
+                                                            dtype=torch.float32, device=device), persistent=False)
+            for s, n in enumerate(self.output_slices):
+                self.register_buffer(f"lora_b_scale_{s}", torch.ones(max_loras, n, dtype=torch.float32,
+                                                                     device=device), persistent=False)
+        self._fp8_stacks = None
         if not isinstance(dora, bool):
             raise TypeError(f"dora must be a bool, got {dora!r}")
         self.dora = False
@@ -189,10 +216,29 @@ class LoRALinear(_LoRALayer):
                             self.lora_b, views)
         return self._stacks[2:]
 
+    def _fp8_scales(self) -> dict:
+        """{} for 16-bit weights; with lora_dtype="fp8" the wrapper's keywords lora_a_scale (per-slice
+        views (L, r) of lora_a_scale) and lora_b_scale (the lora_b_scale_<s> buffers), as persistent
+        objects (the wrapper caches its checks per tensor object); rebuilt if the buffers were replaced."""
+        if self.lora_dtype != "fp8":
+            return {}
+        if self._fp8_stacks is None or self._fp8_stacks[0] is not self.lora_a_scale:
+            b_scales = tuple(getattr(self, f"lora_b_scale_{s}") for s in range(len(self.module_names)))
+            self._fp8_stacks = (self.lora_a_scale, dict(
+                lora_a_scale=tuple(self.lora_a_scale[s] for s in range(len(self.module_names))),
+                lora_b_scale=b_scales))
+        return self._fp8_stacks[1]
+
     def slot_views(self, slot: int) -> tuple:
-        """(A_0 (r, H), ..., A_{S-1}, B_0 (n_0, r), ..., B_{S-1}) of `slot` (a DoRA layer's
-        dora_scale[slot] is written apart: ones, not zeros, where the slot has no DoRA adapter)."""
-        return tuple(self.lora_a[s, slot] for s in range(len(self.module_names))) + tuple(b[slot] for b in self.lora_b)
+        """(A_0 (r, H), ..., A_{S-1}, B_0 (n_0, r), ..., B_{S-1}) of `slot`, then with lora_dtype="fp8"
+        their scales (a_scale_0 (r,), ..., b_scale_0 (n_0,), ...) (a DoRA layer's dora_scale[slot] is
+        written apart: ones, not zeros, where the slot has no DoRA adapter)."""
+        views = (tuple(self.lora_a[s, slot] for s in range(len(self.module_names)))
+                 + tuple(b[slot] for b in self.lora_b))
+        if self.lora_dtype == "fp8":
+            views += (tuple(self.lora_a_scale[s, slot] for s in range(len(self.module_names)))
+                      + tuple(getattr(self, f"lora_b_scale_{s}")[slot] for s in range(len(self.module_names))))
+        return views
 
     def lora_terms(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(..., out_features) in `dtype`: every slice's LoRA term for x (..., H), 0 for tokens without
@@ -202,7 +248,7 @@ class LoRALinear(_LoRALayer):
         a, b, scales = self._weights()
         terms = torch.zeros(x.shape[:-1] + (self.out_features,), dtype=dtype, device=x.device)
         punica.add_lora_linear(terms, x, a, b, None, 1.0, self.output_slices, lora_ranks=self.lora_ranks,
-                               dora_scale_stacked=scales)
+                               dora_scale_stacked=scales, **self._fp8_scales())
         return terms
 
     def apply(self, member: int, x: torch.Tensor, out: torch.Tensor,
@@ -218,7 +264,7 @@ class LoRALinear(_LoRALayer):
         if len(self.module_names) == 1:
             a, b, scales = self._weights()
             punica.add_lora_linear(out, x, a, b, None, 1.0, self.output_slices, lora_ranks=self.lora_ranks,
-                                   dora_scale_stacked=scales)
+                                   dora_scale_stacked=scales, **self._fp8_scales())
             if scales is not None and bias is not None:
                 # The kernel scaled the bias with the rest: out = g * (x W^T + bias + delta). Add
                 # (1 - g) * bias (0 where g = 1: plain LoRA slots, tokens without an adapter).
@@ -232,8 +278,9 @@ class LoRALinear(_LoRALayer):
         version = None if x.is_inference() else x._version
         if version is None and not self.dora:
             a, b, _ = self._weights()
+            fp8 = {k: (v[member],) for k, v in self._fp8_scales().items()}
             punica.add_lora_linear(out, x, (a[member],), (b[member],), None, 1.0, (self.output_slices[member],),
-                                   lora_ranks=self.lora_ranks)
+                                   lora_ranks=self.lora_ranks, **fp8)
             return out
         pending = self._pending
         if (pending is None or pending[0] is not x or version is None or pending[4] != version

@@ -29,7 +29,7 @@ from lora_core.host_mapping import LoRAMapping, StepLayout, max_pair_groups, pre
 from .meta import LoRAKernelMeta
 from .ops import dispatch
 from .ops import moe as _moe
-from .ops.api import as_lora_ranks, as_slices, check_tensors, to_3d
+from .ops.api import as_lora_ranks, as_slices, check_tensors, to_3d, weight_scales
 from .warmup import warmup as _warmup
 
 __all__ = ["PunicaWrapper"]
@@ -311,29 +311,32 @@ class PunicaWrapper:
                              f"(0..{num_slots - 1})")
 
     def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, scale: float, *, lora_ranks=None,
-                   **kwargs) -> torch.Tensor:
-        """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H)."""
+                   lora_a_scale=None, **kwargs) -> torch.Tensor:
+        """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H).
+        lora_a_scale: the float32 scales of fp8 slices (contract section 11; see add_lora_linear)."""
         self._refuse_pairs("add_shrink")
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
-        self._check_tensors(y=y, x=x, lora_a_stacked=lora_a)
+        self._check_tensors(y=y, x=x, lora_a_stacked=lora_a, lora_a_scale=_tensors_of(lora_a_scale))
         x2 = _flat_tokens(x, "x")
         num_slots, rank, _ = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
                                                  [a.dtype for a in lora_a])
         _check_buffer("y", y, (len(lora_a), x2.shape[0], rank))
         self._check_tokens("x", x2.shape[0], self.indices_len[0])
         self._check_slots("lora_a_stacked", num_slots)
+        a_scales = weight_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked")
         self._impl.shrink(x2, tuple(to_3d(a) for a in lora_a), y,
                           self.token_mapping_meta.meta_args(x2.shape[0]), checks.as_scale(scale),
-                          as_lora_ranks(lora_ranks, num_slots, x.device))
+                          as_lora_ranks(lora_ranks, num_slots, x.device), **_scale_kw(a_scales=a_scales))
         return y
 
     def add_expand(self, y: torch.Tensor, x, lora_b_stacked, lora_bias_stacked,
                    output_slices: Sequence[int], offset_start: int = 0, add_inputs: bool = True, *,
-                   lora_ranks=None, dora_scale_stacked=None, **kwargs) -> torch.Tensor:
+                   lora_ranks=None, dora_scale_stacked=None, lora_b_scale=None, **kwargs) -> torch.Tensor:
         """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx], in place.
 
         y: (..., N); x: (S, T, r) or S tensors (T, r). Rows with index -1 are untouched.
-        dora_scale_stacked: see add_lora_linear (the new slice value times g_s[idx]).
+        dora_scale_stacked: see add_lora_linear (the new slice value times g_s[idx]). lora_b_scale:
+        the float32 scales of fp8 slices (see add_lora_linear).
         """
         self._refuse_pairs("add_expand")
         if isinstance(x, (list, tuple)):
@@ -344,19 +347,22 @@ class PunicaWrapper:
             buf = x
         self._expand(y, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
                      self.token_mapping_meta, self.indices_len[0], lora_ranks=lora_ranks,
-                     dora_scale_stacked=dora_scale_stacked)
+                     dora_scale_stacked=dora_scale_stacked, lora_b_scale=lora_b_scale)
         return y
 
     def _expand(self, y, buf, lora_b_stacked, lora_bias_stacked, output_slices, offset_start, add_inputs,
                 meta: LoRAKernelMeta, available, cut_to_y: bool = False, lora_ranks=None,
-                dora_scale_stacked=None) -> None:
+                dora_scale_stacked=None, lora_b_scale=None) -> None:
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
-        self._check_tensors(y=y, x=buf, lora_b_stacked=lora_b)
+        self._check_tensors(y=y, x=buf, lora_b_stacked=lora_b, lora_b_scale=_tensors_of(lora_b_scale))
+        b_scales = weight_scales("lora_b_scale", lora_b_scale, lora_b, "lora_b_stacked")
         y2 = _token_view(y)
         slices = checks.check_output_slices(output_slices, len(lora_b))
         offset_start = checks.as_offset("offset_start", offset_start)
         if cut_to_y:  # logits: a LoRA vocabulary wider than y is cut to y's width (vLLM)
             lora_b = tuple(b[..., : y2.shape[1], :] for b in lora_b)
+            b_scales = None if b_scales is None else tuple(None if sc is None else sc[:, : y2.shape[1]]
+                                                           for sc in b_scales)
             slices = tuple(min(s, y2.shape[1]) for s in slices)
         num_slots, _, widths = checks.check_expand(tuple(buf.shape), buf.dtype, [b.shape for b in lora_b],
                                                    [b.dtype for b in lora_b], tuple(y2.shape), y2.dtype,
@@ -376,7 +382,7 @@ class PunicaWrapper:
         for s in slices:
             offsets.append(off)
             off += s
-        extra = {}
+        extra = _scale_kw(b_scales=b_scales)
         if dora_scale_stacked is not None:
             extra["col_scale"] = _dora_scales(y, dora_scale_stacked, slices, num_slots, bias)
         self._impl.expand(buf, tuple(to_3d(b) for b in lora_b), y2, meta.meta_args(y2.shape[0]),
@@ -385,21 +391,22 @@ class PunicaWrapper:
                           **extra)
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
-                           add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> torch.Tensor:
-        """y (+)= x @ lora_b_stacked[idx].T per token, in place. x: (T, r); y: (T, N)."""
+                           add_inputs: bool = True, *, lora_ranks=None, lora_b_scale=None, **kwargs) -> torch.Tensor:
+        """y (+)= x @ lora_b_stacked[idx].T per token, in place. x: (T, r); y: (T, N). lora_b_scale:
+        an fp8 lora_b_stacked's float32 scales, (L, N) per channel or (L,) per tensor."""
         self._refuse_pairs("add_lora_embedding")
         check_tensors(y=y, x=x, lora_b_stacked=lora_b_stacked)
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D (num_tokens, rank), got shape {tuple(x.shape)}")
         _, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "out_features, rank")
         self._expand(y, x.unsqueeze(0), (lora_b_stacked,), None, (width,), 0, add_inputs,
-                     self.token_mapping_meta, self.indices_len[0], lora_ranks=lora_ranks)
+                     self.token_mapping_meta, self.indices_len[0], lora_ranks=lora_ranks, lora_b_scale=lora_b_scale)
         return y
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
                         lora_bias_stacked, scale: float, output_slices: Sequence[int], *,
                         buffer: torch.Tensor | None = None, lora_ranks=None, dora_scale_stacked=None,
-                        **kwargs) -> torch.Tensor:
+                        lora_a_scale=None, lora_b_scale=None, **kwargs) -> torch.Tensor:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], in place.
 
         x: (..., H); y: (..., N); `buffer` (S, T, r) float32, optional: when given, the shrink result
@@ -409,6 +416,10 @@ class PunicaWrapper:
         column scale g (lora_core.dora; 1 for plain LoRA slots): a token with slot i gets
         y[t, slice s] = g_s[i] * (y[t, slice s] + delta), in the expand's epilogue. A slice takes a
         LoRA bias or a DoRA scale, not both.
+        `lora_a_scale` / `lora_b_scale`, optional (contract section 11): the float32 scales of
+        fp8 (e4m3) slices, one entry per slice (None for a 16-bit slice; one tensor for one slice),
+        (L, r) / (L, n_s) per output channel or (L,) per tensor. Per-channel scales are read in
+        place (like the weights); per-tensor ones are broadcast to the channels at every call.
 
         The hot path of a forward pass: the checks of the persistent arguments (weights, bias,
         DoRA scales, slices, dtypes, devices) run once per combination and are cached (see
@@ -419,7 +430,7 @@ class PunicaWrapper:
         if type(scale) is not float or not isfinite(scale):
             scale = checks.as_scale(scale)          # raises for NaN and infinities
         plan = self._linear_plan(y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices,
-                                 dora_scale_stacked)
+                                 dora_scale_stacked, lora_a_scale, lora_b_scale)
         x2 = x if x.dim() == 2 else x.reshape(-1, plan.hidden)
         y2 = y if y.dim() == 2 else _token_view(y)
         t = x2.shape[0]
@@ -453,7 +464,7 @@ class PunicaWrapper:
         else:
             check_tensors(x=x, buffer=buffer)
             _check_buffer("buffer", buffer, shape, checks.SHRINK_BUFFER_DTYPES)
-        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks)
+        plan.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks)
         plan.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, plan.bias)
         return y
 
@@ -476,9 +487,8 @@ class PunicaWrapper:
                                                         pairs=pairs)
             run(y2, x2, scale, ranks)
             return
-        linear = getattr(self._impl, "linear", None)
-        if buffer is None and linear is not None:
-            linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, scale, plan.offsets, ranks, None, pairs=pairs)
+        if buffer is None and plan.linear is not None:
+            plan.linear(y2, x2, plan.lora_a, plan.lora_b, meta_args, scale, plan.offsets, ranks, None, pairs=pairs)
             return
         shape = (len(plan.lora_a), t, plan.rank * self.num_pairs)
         if buffer is None:
@@ -486,11 +496,11 @@ class PunicaWrapper:
         else:
             check_tensors(x=x2, buffer=buffer)
             _check_buffer("buffer", buffer, shape, checks.SHRINK_BUFFER_DTYPES)
-        self._impl.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks, pairs=pairs)
-        self._impl.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, None, pairs=pairs)
+        plan.shrink(x2, plan.lora_a, buffer, meta_args, scale, ranks, pairs=pairs)
+        plan.expand(buffer, plan.lora_b, y2, meta_args, plan.offsets, True, ranks, None, pairs=pairs)
 
     def _linear_plan(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, output_slices,
-                     dora_scale_stacked=None):
+                     dora_scale_stacked=None, lora_a_scale=None, lora_b_scale=None):
         seq = (list, tuple)
         lora_a = tuple(lora_a_stacked) if isinstance(lora_a_stacked, seq) else (lora_a_stacked,)
         lora_b = tuple(lora_b_stacked) if isinstance(lora_b_stacked, seq) else (lora_b_stacked,)
@@ -511,21 +521,31 @@ class PunicaWrapper:
             scales = tuple(dora_scale_stacked) if isinstance(dora_scale_stacked, seq) else (dora_scale_stacked,)
             key = ("dora", key, tuple(map(id, scales)))
             tensors = tensors + scales
+        fp8 = None
+        if lora_a_scale is not None or lora_b_scale is not None:
+            # fp8 weights: the key names the scale tensors too (watched like the weights)
+            fp8 = (lora_a_scale, lora_b_scale)
+            fp8_tensors = tuple(_scale_entries(lora_a_scale)) + tuple(_scale_entries(lora_b_scale))
+            key = ("fp8", key, tuple(map(id, fp8_tensors)), len(_scale_entries(lora_a_scale)))
+            tensors = tensors + fp8_tensors
         plan = self._plans.get(key)
         if plan is not None and plan.refers_to(tensors):
             return plan
         if plan is not None:   # a weight's storage, shape, strides or dtype changed (`.data =`, `set_`)
             del self._plans[key]
-        plan = self._build_linear_plan(y, x, lora_a, lora_b, bias_list, output_slices, scales)
+        plan = self._build_linear_plan(y, x, lora_a, lora_b, bias_list, output_slices, scales, fp8)
         plan.watch(tensors, self._plans, key)
         if len(self._plans) >= 1024:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
         return plan
 
-    def _build_linear_plan(self, y, x, lora_a, lora_b, bias_list, output_slices, scales=None) -> _LinearPlan:
+    def _build_linear_plan(self, y, x, lora_a, lora_b, bias_list, output_slices, scales=None,
+                           fp8=None) -> _LinearPlan:
         """Every check of contract section 6 that does not depend on the step. With DoRA scales, the
-        plan's backend entry points (linear, prepare_linear, expand) have them bound as col_scale."""
+        plan's backend entry points (linear, prepare_linear, expand) have them bound as col_scale;
+        with fp8 weights (fp8 = (lora_a_scale, lora_b_scale)) the channel scales are bound as
+        a_scales / b_scales (`_bind_fp8_scales`)."""
         lora_a = as_slices("lora_a_stacked", lora_a)
         lora_b = as_slices("lora_b_stacked", lora_b)
         output_slices = checks.check_output_slices(output_slices, len(lora_b))
@@ -533,7 +553,9 @@ class PunicaWrapper:
             raise ValueError(f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
                              f"slice, got {len(lora_a)}, {len(lora_b)} and {len(output_slices)}")
         self._check_tensors(y=y, x=x, lora_a_stacked=lora_a, lora_b_stacked=lora_b,
-                      lora_bias_stacked=[b for b in (bias_list or ()) if b is not None])
+                      lora_bias_stacked=[b for b in (bias_list or ()) if b is not None],
+                      **({} if fp8 is None else {"lora_a_scale": _tensors_of(fp8[0]),
+                                                  "lora_b_scale": _tensors_of(fp8[1])}))
         x2 = _flat_tokens(x, "x")
         num_slots, rank, hidden = checks.check_shrink(tuple(x2.shape), x2.dtype, [a.shape for a in lora_a],
                                                       [a.dtype for a in lora_a])
@@ -553,19 +575,27 @@ class PunicaWrapper:
         linear = getattr(self._impl, "linear", None)
         prepare = getattr(self._impl, "prepare_linear", None)
         expand = self._impl.expand
+        shrink = self._impl.shrink
         if scales is not None:
             col_scale = _dora_scales(y, scales, slices, num_slots, bias)
             linear, prepare, expand = (None if f is None else functools.partial(f, col_scale=col_scale)
                                        for f in (linear, prepare, expand))
+        if fp8 is not None:
+            shrink, linear, prepare, expand = _bind_fp8_scales(fp8, lora_a, lora_b, shrink, linear, prepare, expand)
+        else:   # fp8 weights without scales: the ValueError naming the missing argument
+            weight_scales("lora_a_scale", None, lora_a, "lora_a_stacked")
+            weight_scales("lora_b_scale", None, lora_b, "lora_b_stacked")
         return _LinearPlan(hidden, num_slots, rank, tuple(to_3d(a.detach()) for a in lora_a),
-                           tuple(to_3d(b.detach()) for b in lora_b), bias, offsets, linear, prepare, expand)
+                           tuple(to_3d(b.detach()) for b in lora_b), bias, offsets, linear, prepare, expand,
+                           shrink)
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
                         lora_b_stacked: torch.Tensor, scale: float, *, buffer: torch.Tensor | None = None,
-                        lora_ranks=None, **kwargs) -> torch.Tensor:
+                        lora_ranks=None, lora_a_scale=None, lora_b_scale=None, **kwargs) -> torch.Tensor:
         """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j, in place.
 
-        x: (R, H); y: (R, V); B: (L, [1,] V', r), cut to V columns when V' > V.
+        x: (R, H); y: (R, V); B: (L, [1,] V', r), cut to V columns when V' > V. lora_a_scale /
+        lora_b_scale: the float32 scales of an fp8 A / B (see add_lora_linear).
         """
         checks.check_single_weight(lora_a_stacked=lora_a_stacked, lora_b_stacked=lora_b_stacked)
         self._check_tensors(y=y, x=x, lora_a_stacked=lora_a_stacked, lora_b_stacked=lora_b_stacked, buffer=buffer)
@@ -580,17 +610,22 @@ class PunicaWrapper:
             _check_buffer("buffer", buffer, shape, checks.SHRINK_BUFFER_DTYPES)
         self._check_tokens("x", x2.shape[0], self.indices_len[1])
         self._check_slots("lora_a_stacked", num_slots)
+        a_scales = weight_scales("lora_a_scale", lora_a_scale, (lora_a_stacked,), "lora_a_stacked")
         if self.num_pairs:
+            if a_scales is not None or lora_b_scale is not None:
+                raise ValueError("add_lora_logits with several adapters per token takes 16-bit weights only "
+                                 "(lora_a_scale / lora_b_scale must be None)")
             rows = self._pair_blocks[self.num_pairs][4]
             self._add_per_pair(_token_view(y), rows.row_slots, rows.row_weights, x2, to_3d(lora_b_stacked),
                                to_3d(lora_a_stacked), checks.as_scale(scale))
             return y
         self._impl.shrink(x2, (to_3d(lora_a_stacked),), buffer, self.prompt_mapping_meta.meta_args(x2.shape[0]),
-                          checks.as_scale(scale), as_lora_ranks(lora_ranks, num_slots, x.device))
+                          checks.as_scale(scale), as_lora_ranks(lora_ranks, num_slots, x.device),
+                          **_scale_kw(a_scales=a_scales))
         num_slots_b, width, _ = checks.weight_dims("lora_b_stacked", tuple(lora_b_stacked.shape), "vocab_size, rank")
         checks.check_slot_counts(num_slots, num_slots_b)
         self._expand(y, buffer, (lora_b_stacked,), None, (width,), 0, True, self.prompt_mapping_meta,
-                     self.indices_len[1], cut_to_y=True, lora_ranks=lora_ranks)
+                     self.indices_len[1], cut_to_y=True, lora_ranks=lora_ranks, lora_b_scale=lora_b_scale)
         return y
 
     # ------------------------------------------------------------------ mixture-of-experts LoRA
@@ -700,6 +735,53 @@ def _meta_view(layout: StepLayout, block: torch.Tensor, prefix: str) -> LoRAKern
     return LoRAKernelMeta(**meta._replace(no_lora=meta.no_lora.view(torch.bool)[:1])._asdict())
 
 
+def _scale_entries(scales) -> list:
+    """The tensors among fp8 scale arguments (None, one tensor, or a sequence per slice), in order."""
+    items = scales if isinstance(scales, (list, tuple)) else (scales,)
+    return [sc for sc in items if sc is not None]
+
+
+def _tensors_of(scales) -> list:
+    """fp8 scale arguments as a list for `check_tensors` (which names a non-tensor entry)."""
+    return _scale_entries(scales)
+
+
+def _scale_kw(**scales) -> dict:
+    """The backend keywords of fp8 channel scales that are given ({} for 16-bit weights)."""
+    return {k: v for k, v in scales.items() if v is not None}
+
+
+def _bind_fp8_scales(fp8, lora_a, lora_b, shrink, linear, prepare, expand) -> tuple:
+    """(shrink, linear, prepare, expand) with the fp8 weights' channel scales bound (a_scales,
+    b_scales; checked here, `weight_scales`). Per-channel scales are views of the caller's tensors
+    (in-place updates are seen), bound once. A per-tensor scale (L,) is broadcast to its channels
+    (a new tensor) at every call instead, so an in-place update of it is seen too; the prepared
+    launches, which hold pointers, are then not used (prepare is None)."""
+    a_src, b_src = fp8
+
+    def current():
+        return (weight_scales("lora_a_scale", a_src, lora_a, "lora_a_stacked"),
+                weight_scales("lora_b_scale", b_src, lora_b, "lora_b_stacked"))
+
+    a_scales, b_scales = current()
+    per_tensor = any(sc.dim() == 1 for sc in _scale_entries(a_src) + _scale_entries(b_src))
+    if not per_tensor:
+        bind = functools.partial
+        return (bind(shrink, **_scale_kw(a_scales=a_scales)),
+                None if linear is None else bind(linear, **_scale_kw(a_scales=a_scales, b_scales=b_scales)),
+                None if prepare is None else bind(prepare, **_scale_kw(a_scales=a_scales, b_scales=b_scales)),
+                bind(expand, **_scale_kw(b_scales=b_scales)))
+
+    def per_call(f, which):
+        def run(*args, **kwargs):
+            a, b = current()
+            given = {"a_scales": a, "b_scales": b}
+            return f(*args, **kwargs, **_scale_kw(**{k: given[k] for k in which}))
+        return run
+    return (per_call(shrink, ("a_scales",)), None if linear is None else per_call(linear, ("a_scales", "b_scales")),
+            None, per_call(expand, ("b_scales",)))
+
+
 class _LinearPlan:
     """The checked, normalised persistent arguments of `add_lora_linear`: weights as 3-D tensors
     sharing the caller's storage, bias as (L, n_s), slice offsets.
@@ -723,13 +805,13 @@ class _LinearPlan:
     """
 
     __slots__ = ("_aliases", "_refs", "bias", "expand", "hidden", "linear", "lora_a", "lora_b", "num_slots",
-                 "offsets", "prepare", "prepared", "rank")
+                 "offsets", "prepare", "prepared", "rank", "shrink")
 
-    def __init__(self, hidden, num_slots, rank, lora_a, lora_b, bias, offsets, linear, prepare, expand):
+    def __init__(self, hidden, num_slots, rank, lora_a, lora_b, bias, offsets, linear, prepare, expand, shrink):
         self._refs, self._aliases = (), ()
         self.hidden, self.num_slots, self.rank = hidden, num_slots, rank
         self.lora_a, self.lora_b, self.bias, self.offsets, self.linear = lora_a, lora_b, bias, offsets, linear
-        self.prepare, self.prepared, self.expand = prepare, {}, expand
+        self.prepare, self.prepared, self.expand, self.shrink = prepare, {}, expand, shrink
 
     def watch(self, tensors, cache: dict, key) -> None:
         """Weak references to `tensors` (None entries, bias slices without bias, stay None: the

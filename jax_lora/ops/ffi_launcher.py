@@ -46,7 +46,8 @@ from lora_core.kernels.planning import TOKEN_COUNT_PARAMS
 TARGET = "jax_lora_triton_launch"
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
                  "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8",
-                 "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1"}
+                 "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1",
+                 "float8_e4m3fn": "fp8e4nv"}     # fp8 adapter weights (contract section 11)
 # parameter kinds of the handler's `params` attribute (cuda_launch.c)
 _ARG, _OUT, _I32, _F32, _I64, _NULL = (cuda_launch.ARG, cuda_launch.OUT, cuda_launch.I32, cuda_launch.F32,
                                        cuda_launch.I64, cuda_launch.NULL)

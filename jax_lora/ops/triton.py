@@ -31,7 +31,9 @@ Three runners execute launches:
 
 Contract (jax_lora.ops.dispatch): shrink -> (S, T, r) float32; expand -> new y; `linear` is the
 add_lora_linear path (y + sum_s slices, add_inputs=True): split-K shrink into a workspace + expand,
-or the one-launch fused kernel where the launch configs say it wins.
+or the one-launch fused kernel where the launch configs say it wins. fp8 (e4m3) weights (contract
+section 11) come with `a_scales` / `b_scales`: per slice None or the (L, r) / (L, n_s) float32
+channel scales, handed to the kernels beside the weights (`arguments`).
 """
 from __future__ import annotations
 
@@ -215,8 +217,13 @@ def _pdl() -> bool:
 
 # --------------------------------------------------------------------------------- launches
 
+def _part(scales, lo: int, hi: int):
+    """Slices lo..hi of per-slice fp8 channel scales (None stays None)."""
+    return None if scales is None else tuple(scales[lo:hi])
+
+
 def _shrink_launch(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, config=None, pdl=False,
-                   result: int = 0, deterministic: bool = False, pairs=None) -> _Launch:
+                   result: int = 0, deterministic: bool = False, pairs=None, a_scales=None) -> _Launch:
     """lora_shrink_kernel into result `result`, (planes, S, T, r) float32 (planes = 1 unless workspace split-K;
     k * r rank columns with k adapter pairs)."""
     T, H = x.shape
@@ -228,12 +235,12 @@ def _shrink_launch(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, confi
                        deterministic=deterministic, pairs=0 if pairs is None else pairs.num_pairs)
     out = _Result(result, (plan.num_partials, S, T, R * (1 if pairs is None else pairs.num_pairs)), jnp.float32)
     call = arguments.shrink_call(plan, x, lora_a, _ranks(lora_ranks), _meta_arrays(meta), float(scale), out,
-                                 _strides, pairs)
+                                 _strides, pairs, a_scales)
     return _Launch(call.with_alignment_hints(), result, pdl and plan.launch_pdl)
 
 
 def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, config=None, pdl=False,
-                   deterministic: bool = False, pairs=None) -> _Launch:
+                   deterministic: bool = False, pairs=None, b_scales=None) -> _Launch:
     """lora_expand_kernel writing y (result 0); buf: the (planes, S, T, r) float32 array or a _Result."""
     T = y.shape[0]
     L, _, R = lora_b[0].shape
@@ -245,12 +252,12 @@ def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, 
                        has_ranks=lora_ranks is not None, pdl=pdl, deterministic=deterministic,
                        pairs=0 if pairs is None else pairs.num_pairs)
     call = arguments.expand_call(plan, buf, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y, offsets,
-                                 _strides, pairs)
+                                 _strides, pairs, b_scales)
     return _Launch(call.with_alignment_hints(), 0, pdl and plan.launch_pdl)
 
 
 def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, config=None, pdl=False,
-                  pairs=None) -> _Launch:
+                  pairs=None, a_scales=None, b_scales=None) -> _Launch:
     """lora_fused_kernel writing y (result 0); its workspace is result 1."""
     T, H = x.shape
     L, R, _ = lora_a[0].shape
@@ -262,7 +269,8 @@ def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, 
                       has_ranks=lora_ranks is not None, pdl=pdl, pairs=0 if pairs is None else pairs.num_pairs)
     workspace = _Result(1, plan.workspace_shape, jnp.float32)
     call = arguments.fused_call(plan, x, lora_a, lora_b, bias, _ranks(lora_ranks), _meta_arrays(meta), y,
-                                _Counters(plan.sync_ints), workspace, float(scale), offsets, _strides, pairs)
+                                _Counters(plan.sync_ints), workspace, float(scale), offsets, _strides, pairs,
+                                a_scales, b_scales)
     return _Launch(call.with_alignment_hints(), 0, pdl and plan.launch_pdl)
 
 
@@ -421,8 +429,9 @@ def _run(launches: Sequence[_Launch], results: Sequence[jax.ShapeDtypeStruct], i
 # --------------------------------------------------------------------------------- backend API
 
 def shrink(x, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float, lora_ranks=None, *,
-           config: dict | None = None, deterministic: bool = False, pairs=None) -> jax.Array:
-    """(S, T, r) float32: scale * x[t] @ lora_a[s][idx[t]].T, 0 for tokens without LoRA.
+           config: dict | None = None, deterministic: bool = False, pairs=None, a_scales=None) -> jax.Array:
+    """(S, T, r) float32: scale * x[t] @ lora_a[s][idx[t]].T, 0 for tokens without LoRA (fp8 A_s:
+    times a_scales[s][idx[t]], its (L, r) float32 channel scales).
     deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics).
     pairs: several adapters per token (lora_core.adapter_pairs): (S, T, k * r), pair j's weighted
     product at columns j*r..(j+1)*r."""
@@ -434,17 +443,18 @@ def shrink(x, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float, l
     parts = []
     for lo, hi in slice_chunks(S):
         launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=False, config=config,
-                                deterministic=deterministic, pairs=pairs)
+                                deterministic=deterministic, pairs=pairs, a_scales=_part(a_scales, lo, hi))
         parts.append(_run([launch], [_shape(launch.call.out)], interpret)[0][0])
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: Sequence[int],
            add_inputs: bool, lora_ranks=None, bias=None, *, config: dict | None = None,
-           deterministic: bool = False, col_scale=None, pairs=None) -> jax.Array:
+           deterministic: bool = False, col_scale=None, pairs=None, b_scales=None) -> jax.Array:
     """New y: y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias,
     times col_scale[s][idx[t]] where given (DoRA). deterministic: batch-invariant launches
-    (configs.deterministic_config). pairs: several adapters per token, summed (buf (S, T, k * r))."""
+    (configs.deterministic_config). pairs: several adapters per token, summed (buf (S, T, k * r)).
+    b_scales: per slice None or the (L, n_s) float32 channel scales of an fp8 B_s."""
     if y.shape[0] == 0:
         return y
     offsets = tuple(int(o) for o in offsets)
@@ -453,7 +463,7 @@ def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: S
     for lo, hi in slice_chunks(len(lora_b)):
         launch = _expand_launch(buf[None, lo:hi], lora_b[lo:hi], y, meta, offsets[lo:hi], add_inputs, lora_ranks,
                                 None if bias is None else tuple(bias[lo:hi]), config, deterministic=deterministic,
-                                pairs=pairs)
+                                pairs=pairs, b_scales=_part(b_scales, lo, hi))
         y = _run([launch], [jax.ShapeDtypeStruct(y.shape, y.dtype)], interpret)[0]
     return y
 
@@ -461,7 +471,8 @@ def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: S
 def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta: LoRAKernelMeta,
            scale: float, offsets: Sequence[int], lora_ranks=None, bias=None, *, fused: bool | None = None,
            shrink_config: dict | None = None, expand_config: dict | None = None,
-           fused_config: dict | None = None, deterministic: bool = False, col_scale=None, pairs=None) -> jax.Array:
+           fused_config: dict | None = None, deterministic: bool = False, col_scale=None, pairs=None,
+           a_scales=None, b_scales=None) -> jax.Array:
     """add_lora_linear's math: new y with y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias
     (and, where col_scale[s] is given, the slice's new value times col_scale[s][idx[t]]: DoRA).
 
@@ -469,7 +480,8 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
     shrink into a float32 workspace plus an expand that sums the workspace planes.
     deterministic=True: always shrink + expand with the batch-invariant configs
     (configs.deterministic_config); fused=True is then an error. pairs: several adapters per token
-    (lora_core.adapter_pairs), summed, on either path.
+    (lora_core.adapter_pairs), summed, on either path. a_scales / b_scales: per slice None or the
+    channel scales of an fp8 A_s (L, r) / B_s (L, n_s).
     """
     if fused and deterministic:
         raise ValueError("fused=True cannot be deterministic: deterministic launches always run shrink + "
@@ -494,15 +506,17 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
         y_shape = jax.ShapeDtypeStruct(y.shape, y.dtype)
         if fused:
             launch = _fused_launch(y, x, lora_a[lo:hi], lora_b[lo:hi], meta, scale, offsets[lo:hi], lora_ranks,
-                                   chunk_bias, fused_config, pdl, pairs)
+                                   chunk_bias, fused_config, pdl, pairs, _part(a_scales, lo, hi),
+                                   _part(b_scales, lo, hi))
             y = _run([launch], [y_shape, _shape(launch.call.pointers[-1])], interpret)[0]
             continue
         shrink_launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=True,
                                        config=shrink_config, pdl=pdl, result=1, deterministic=deterministic,
-                                       pairs=pairs)
+                                       pairs=pairs, a_scales=_part(a_scales, lo, hi))
         workspace = shrink_launch.call.out
         expand_launch = _expand_launch(workspace, lora_b[lo:hi], y, meta, offsets[lo:hi], True, lora_ranks,
-                                       chunk_bias, expand_config, pdl, deterministic=deterministic, pairs=pairs)
+                                       chunk_bias, expand_config, pdl, deterministic=deterministic, pairs=pairs,
+                                       b_scales=_part(b_scales, lo, hi))
         y = _run([shrink_launch, expand_launch], [y_shape, _shape(workspace)], interpret)[0]
     return y
 

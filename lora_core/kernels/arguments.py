@@ -17,6 +17,12 @@ read: HAS_RANKS is off), and without adapter pairs (`lora_core.adapter_pairs`: s
 per token) so are the pair-table pointers (PAIRS is 0). With pairs, the metadata's ids are group
 ids and the kernels' `num_slots` is the number of groups.
 
+fp8 (e4m3) weights come with per-output-channel float32 scales (`a_scales` (L, r) / `b_scales`
+(L, n_s) per slice, channels contiguous): each slice's scale pointer and slot stride follow its
+weights' (as0..as3 / bs0..bs3). The kernels read them only when the weight's element type is fp8
+(a compile-time constant), so a 16-bit launch passes the counts array with stride 0 there. A
+launch's slices share one weight dtype (the kernels pick a slice's pointer with `tl.where`).
+
 The metadata arrives as a `KernelMeta` (lora_core.kernel_meta: its five index arrays are the
 kernels' metadata pointers, in its order); each slice's part of a launch is one `SliceArgs`
 record, and a kernel's per-slice parameter groups (a0..a3, their strides, widths, offsets) are
@@ -120,20 +126,65 @@ class SliceArgs(NamedTuple):
     bias_strides: tuple = ()     # its (slot, col) element strides; (0, 0) when the slice has none
     width: int = 0               # n, the slice's columns in y (expand, fused)
     offset: int = 0              # the slice's first column in y
+    a_scale: object = None       # (L, r) float32 channel scales of an fp8 A (else the dummy, never read)
+    a_scale_stride: int = 0      # its slot stride
+    b_scale: object = None       # (L, n) float32 channel scales of an fp8 B (else the dummy, never read)
+    b_scale_stride: int = 0      # its slot stride
+
+
+def _is_fp8(w) -> bool:
+    return "float8" in str(getattr(w, "dtype", ""))
+
+
+def _scale_args(name: str, weights: Sequence, scales, strides: Strides, dummy) -> list:
+    """[(pointer, slot stride)] per slice of `weights`: a slice's channel scales when its weight is
+    fp8, else (dummy, 0). Checked here, whatever the launcher: the slices share one weight dtype,
+    an fp8 weight has a scale and a 16-bit one none, and a scale is (L, rows) with contiguous
+    channels (ValueError naming `name`)."""
+    scales = tuple(scales) if scales is not None else (None,) * len(weights)
+    if len(scales) != len(weights):
+        raise ValueError(f"{name} must hold one entry per slice ({len(weights)}), got {len(scales)}")
+    dtypes = {str(w.dtype) for w in weights}
+    if len(dtypes) > 1 and any(_is_fp8(w) for w in weights):
+        raise ValueError(f"the slices of one launch of the Triton kernels must share one weight dtype, got "
+                         f"{sorted(dtypes)}")
+    out = []
+    for s, (w, sc) in enumerate(zip(weights, scales)):
+        if not _is_fp8(w):
+            if sc is not None:
+                raise ValueError(f"{name}[{s}] is given, but the weight of slice {s} is {w.dtype}, not fp8")
+            out.append((dummy, 0))
+            continue
+        want = (int(w.shape[0]), int(w.shape[1]))
+        if sc is None or tuple(int(d) for d in sc.shape) != want:
+            raise ValueError(f"{name}[{s}] must be the (num_slots, channels) = {want} float32 channel scales of "
+                             f"the fp8 weight of slice {s}, got "
+                             f"{None if sc is None else tuple(int(d) for d in sc.shape)}")
+        slot_stride, chan_stride = (int(v) for v in strides(sc))
+        if chan_stride != 1 and want[1] > 1:
+            raise ValueError(f"{name}[{s}] must have contiguous channels (stride 1), got strides "
+                             f"{(slot_stride, chan_stride)}")
+        out.append((sc, slot_stride))
+    return out
 
 
 def _slices(strides: Strides, lora_a: Sequence = (), lora_b: Sequence = (), bias=None,
-            offsets: Sequence[int] = ()) -> list:
+            offsets: Sequence[int] = (), a_scales=None, b_scales=None, dummy=None) -> list:
     """The launch's MAX_SLICES SliceArgs, slice 0 first. Slices past the launch's own repeat slice
-    0's weights and strides with width and offset 0; the epilogue vectors: `_bias_args`."""
+    0's weights and strides with width and offset 0; the epilogue vectors: `_bias_args`; the fp8
+    channel scales: `_scale_args` (`dummy` where there are none)."""
     num_slices = max(len(lora_a), len(lora_b))
+    a_sc = _scale_args("a_scales", lora_a, a_scales, strides, dummy) if lora_a else [(None, 0)] * num_slices
+    b_sc = _scale_args("b_scales", lora_b, b_scales, strides, dummy) if lora_b else [(None, 0)] * num_slices
     bias_pointers, bias_strides = _bias_args(bias, num_slices, lora_b[0], strides) if lora_b else ((), ())
     own = []
     for s in range(num_slices):
         a = lora_a[s] if lora_a else None
         b = lora_b[s] if lora_b else None
         own.append(SliceArgs(a, () if a is None else tuple(strides(a)), b, () if b is None else tuple(strides(b)),
-                             width=0 if b is None else int(b.shape[1]), offset=int(offsets[s]) if offsets else 0))
+                             width=0 if b is None else int(b.shape[1]), offset=int(offsets[s]) if offsets else 0,
+                             a_scale=a_sc[s][0], a_scale_stride=a_sc[s][1], b_scale=b_sc[s][0],
+                             b_scale_stride=b_sc[s][1]))
     slices = own + [own[0]._replace(width=0, offset=0)] * (MAX_SLICES - num_slices)
     if lora_b:
         slices = [sl._replace(bias=p, bias_strides=st) for sl, p, st in zip(slices, bias_pointers, bias_strides)]
@@ -221,51 +272,59 @@ def _id_bound(m: KernelMeta, lora_a_or_b, pairs) -> int:
 
 
 def shrink_call(plan, x, lora_a: Sequence, lora_ranks, meta: Sequence, scale: float, out,
-                strides: Strides, pairs=None) -> KernelCall:
+                strides: Strides, pairs=None, a_scales=None) -> KernelCall:
     """`lora_shrink_kernel`'s call. x (T, H); lora_a: up to MAX_SLICES (L, r, H) weights; lora_ranks
     (L,) int32 or None; meta: a KernelMeta (its five index arrays are read); out: (planes, S, T, r)
-    float32, (planes, S, T, k * r) with k adapter pairs (`pairs`: an AdapterPairs, or None)."""
+    float32, (planes, S, T, k * r) with k adapter pairs (`pairs`: an AdapterPairs, or None);
+    a_scales: None, or per slice None / the (L, r) float32 channel scales of an fp8 A."""
     m = _as_kernel_meta(meta)
-    sl = _slices(strides, lora_a=lora_a)
+    sl = _slices(strides, lora_a=lora_a, a_scales=a_scales, dummy=m.num_tokens_per_lora)
     ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
-    pointers = (x, *(s.a for s in sl), ranks, *_pair_pointers(m, pairs), *_index_pointers(m))
+    pointers = (x, *(s.a for s in sl), *(s.a_scale for s in sl), ranks, *_pair_pointers(m, pairs),
+                *_index_pointers(m))
     scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0],
                _id_bound(m, lora_a[0], pairs),
-               *strides(x), *(v for s in sl for v in s.a_strides), *strides(out))
+               *strides(x), *(v for s in sl for v in s.a_strides), *(s.a_scale_stride for s in sl),
+               *strides(out))
     return KernelCall(lora_shrink_kernel, plan, pointers, scalars, out)
 
 
 def expand_call(plan, buf, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y, offsets: Sequence[int],
-                strides: Strides, pairs=None) -> KernelCall:
+                strides: Strides, pairs=None, b_scales=None) -> KernelCall:
     """`lora_expand_kernel`'s call, writing y in place. buf: (planes, S, T, r) float32 ((planes, S, T,
     k * r) with k adapter pairs); lora_b: up to MAX_SLICES (L, n_s, r) weights; bias: None or per
     slice None / (L, n_s) (or (L, 1, n_s)); meta: a KernelMeta; offsets: the slices' first columns
-    in y (T, N); pairs: an AdapterPairs, or None."""
+    in y (T, N); pairs: an AdapterPairs, or None; b_scales: None, or per slice None / the (L, n_s)
+    float32 channel scales of an fp8 B."""
     m = _as_kernel_meta(meta)
-    sl = _slices(strides, lora_b=lora_b, bias=bias, offsets=offsets)
+    sl = _slices(strides, lora_b=lora_b, bias=bias, offsets=offsets, b_scales=b_scales, dummy=m.num_tokens_per_lora)
     ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
-    pointers = (buf, *(s.b for s in sl), *(s.bias for s in sl), ranks, _pair_pointers(m, pairs)[0],
-                *_index_pointers(m), y)
+    pointers = (buf, *(s.b for s in sl), *(s.b_scale for s in sl), *(s.bias for s in sl), ranks,
+                _pair_pointers(m, pairs)[0], *_index_pointers(m), y)
     scalars = (y.shape[0], m.token_indices_sorted_by_lora_ids.shape[0], _id_bound(m, lora_b[0], pairs),
                *strides(buf),
-               *(v for s in sl for v in s.b_strides), *(v for s in sl for v in s.bias_strides),
+               *(v for s in sl for v in s.b_strides), *(s.b_scale_stride for s in sl),
+               *(v for s in sl for v in s.bias_strides),
                *(s.width for s in sl), *(s.offset for s in sl), *strides(y))
     return KernelCall(lora_expand_kernel, plan, pointers, scalars, y)
 
 
 def fused_call(plan, x, lora_a: Sequence, lora_b: Sequence, bias, lora_ranks, meta: Sequence, y, sync, workspace,
-               scale: float, offsets: Sequence[int], strides: Strides, pairs=None) -> KernelCall:
+               scale: float, offsets: Sequence[int], strides: Strides, pairs=None, a_scales=None,
+               b_scales=None) -> KernelCall:
     """`lora_fused_kernel`'s call, writing y in place. meta: a KernelMeta; sync: the int32 barrier
     counters (plan.sync_ints, zeroed once); workspace: plan.workspace_shape float32; pairs: an
-    AdapterPairs, or None."""
+    AdapterPairs, or None; a_scales / b_scales: as in `shrink_call` / `expand_call`."""
     m = _as_kernel_meta(meta)
-    sl = _slices(strides, lora_a=lora_a, lora_b=lora_b, bias=bias, offsets=offsets)
+    sl = _slices(strides, lora_a=lora_a, lora_b=lora_b, bias=bias, offsets=offsets, a_scales=a_scales,
+                 b_scales=b_scales, dummy=m.num_tokens_per_lora)
     ranks = m.num_tokens_per_lora if lora_ranks is None else lora_ranks
-    pointers = (x, *(s.a for s in sl), *(s.b for s in sl), *(s.bias for s in sl), ranks, *_pair_pointers(m, pairs),
-                *_index_pointers(m), y, sync, workspace)
+    pointers = (x, *(s.a for s in sl), *(s.b for s in sl), *(s.a_scale for s in sl), *(s.b_scale for s in sl),
+                *(s.bias for s in sl), ranks, *_pair_pointers(m, pairs), *_index_pointers(m), y, sync, workspace)
     scalars = (scale, x.shape[0], x.shape[1], m.token_indices_sorted_by_lora_ids.shape[0],
                _id_bound(m, lora_a[0], pairs),
                *strides(x), *(v for s in sl for v in s.a_strides), *(v for s in sl for v in s.b_strides),
+               *(s.a_scale_stride for s in sl), *(s.b_scale_stride for s in sl),
                *(v for s in sl for v in s.bias_strides), *(s.width for s in sl), *(s.offset for s in sl),
                *strides(y), *strides(workspace)[:3])
     return KernelCall(lora_fused_kernel, plan, pointers, scalars, y)

@@ -205,7 +205,7 @@ def shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden, s
         if CAST_FP32:
             xt = xt.to(tl.float32)
             at0 = at0.to(tl.float32)
-        acc0 = tl.dot(xt, tl.trans(at0), acc0, input_precision=DOT_PRECISION)
+        acc0 = tl.dot(xt, tl.trans(at0.to(xt.dtype)), acc0, input_precision=DOT_PRECISION)
         if NUM_SLICES > 1:
             at1 = tl.load(a1_rows[:, None] + k[None, :] * stride_a1_hidden, mask=a_ok, other=0.0)
             acc1 = tl.dot(xt, tl.trans(at1.to(xt.dtype)), acc1, input_precision=DOT_PRECISION)
@@ -216,6 +216,32 @@ def shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden, s
             at3 = tl.load(a3_rows[:, None] + k[None, :] * stride_a3_hidden, mask=a_ok, other=0.0)
             acc3 = tl.dot(xt, tl.trans(at3.to(xt.dtype)), acc3, input_precision=DOT_PRECISION)
     return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def weight_operand(t, like_ptr, CAST_FP32: tl.constexpr):
+    """A weight tile as a tl.dot operand: an fp8 (e4m3) tile becomes float32 under CAST_FP32, else
+    the element type of `like_ptr` (the activations': e4m3 values are exact in fp16, bf16 and
+    float32); a 16-bit tile is returned as it is. The test is on the tile's dtype, which Triton
+    specialises on: a 16-bit launch compiles none of this."""
+    if t.dtype.is_fp8():
+        if CAST_FP32:
+            t = t.to(tl.float32)
+        else:
+            t = t.to(like_ptr.dtype.element_ty)
+    return t
+
+
+@triton.jit
+def channel_scaled(acc, w_ptr, scale_ptr, slot, stride_scale_slot, chans, ok):
+    """acc (rows, len(chans)) float32 times the per-output-channel scales of slot `slot`'s weight,
+    scale[slot, chans] (contiguous per slot; masked-off channels read 1.0), when w_ptr points at fp8
+    weights; acc itself otherwise (nothing loaded or multiplied: the weight's element type is a
+    compile-time constant, so a 16-bit launch compiles none of this)."""
+    if w_ptr.dtype.element_ty.is_fp8():
+        v = tl.load(scale_ptr + slot.to(tl.int64) * stride_scale_slot + chans, mask=ok, other=1.0)
+        acc = acc * v.to(tl.float32)[None, :]
+    return acc
 
 
 @triton.jit

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    channel_scaled,
     gdc_launch_dependents,
     gdc_wait,
     hint16,
@@ -31,6 +32,7 @@ from .common import (
     slot_rank,
     store_slice,
     token_tile,
+    weight_operand,
     workspace_lhs,
     y_tile,
 )
@@ -40,6 +42,7 @@ from .planning import (
     PlanKey,
     cast_and_precision,
     check_dot_dims,
+    dot_dtype,
     epilogue_constexprs,
     interpreting,
     max_tiles,
@@ -68,10 +71,11 @@ def _expand_y(j, live, tok, tok_ok, y_ptr, width0, width1, width2, width3, offse
 
 @triton.jit
 def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-                 bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr,
+                 bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr,
                  stride_buf_plane, stride_buf_slice, stride_buf_token, stride_buf_rank,
                  stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank,
                  stride_b2_slot, stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
+                 stride_bs0_slot, stride_bs1_slot, stride_bs2_slot, stride_bs3_slot,
                  stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
                  stride_bias2_col, stride_bias3_slot, stride_bias3_col,
                  width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token, stride_y_col,
@@ -88,7 +92,9 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
     WAIT: gdc_wait (PDL) after the loads the shrink does not write (B tile, y tile), before the
     workspace's. Y_GIVEN: y_given is the tile's current y (`_expand_y`, loaded ahead), else loaded here.
     LHS_GIVEN (one rank block): lhs_given is the token tile's summed workspace rows of this tile's
-    slice (`workspace_lhs`, loaded once per program), else loaded here."""
+    slice (`workspace_lhs`, loaded once per program), else loaded here.
+    fp8 B: tiles enter the dot in y's dtype (`weight_operand`), and the float32 product is
+    multiplied once by the slot's channel scales b_scale_s[lora_id, cols] before the epilogue."""
     s, n0 = slice_of_tile(tl.minimum(j, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     b_ptr = pick_slice(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
     stride_bl = hint16(pick_slice(s, stride_b0_slot, stride_b1_slot, stride_b2_slot, stride_b3_slot), ALIGNED)
@@ -109,7 +115,8 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
     if RANK <= BLOCK_R:
         # One rank block (decode ranks): its B tile -- cold weights the shrink does not write --
         # is loaded before waiting for the shrink, off the critical path.
-        bt = load_rank_cols(b_rows + offs_r[None, :] * stride_bk, col_ok, offs_r, rank, RANK, HAS_RANKS, B_TAIL)
+        bt = weight_operand(load_rank_cols(b_rows + offs_r[None, :] * stride_bk, col_ok, offs_r, rank, RANK,
+                                           HAS_RANKS, B_TAIL), y_ptr, CAST_FP32)
     if WAIT:
         # The shrink's workspace is complete past this point. Outside the rank loop on purpose:
         # the software pipeliner hoists the first iteration's loads above anything inside it.
@@ -125,10 +132,14 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
     else:
         for k0 in range(0, rank, BLOCK_R):                   # real rank only
             kk = k0 + offs_r
-            bt = load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS, B_TAIL)
+            bt = weight_operand(load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS,
+                                               B_TAIL), y_ptr, CAST_FP32)
             lhs = workspace_lhs(buf_rows, stride_buf_plane, stride_buf_rank, kk, tok_ok, rank, RANK, HAS_RANKS,
                                  NUM_PARTIALS, BLOCK_M, BLOCK_R, HAS_RANKS)
             acc = rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
+    acc = channel_scaled(acc, b_ptr, pick_slice(s, bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr), lora_id,
+                         pick_slice(s, stride_bs0_slot, stride_bs1_slot, stride_bs2_slot, stride_bs3_slot), cols,
+                         col_ok)
     has_bias = pick_slice(s, BIAS0, BIAS1, BIAS2, BIAS3)
     store_slice(acc, y_old, out_ptr, y_offs, write, pick_slice(s, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr),
                 lora_id,
@@ -139,10 +150,12 @@ def _expand_tile(j, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
 
 
 @triton.jit
-def _expand_pairs_tile(j, group, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, ranks_ptr, pair_slots_ptr,
+def _expand_pairs_tile(j, group, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, bs0_ptr, bs1_ptr, bs2_ptr,
+                       bs3_ptr, ranks_ptr, pair_slots_ptr,
                        y_ptr, out_ptr, stride_buf_plane, stride_buf_slice, stride_buf_token, stride_buf_rank,
                        stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot, stride_b1_col, stride_b1_rank,
                        stride_b2_slot, stride_b2_col, stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
+                       stride_bs0_slot, stride_bs1_slot, stride_bs2_slot, stride_bs3_slot,
                        width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
                        stride_y_col, RANK: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_TILES: tl.constexpr,
                        NT1: tl.constexpr, NT2: tl.constexpr, NT3: tl.constexpr, ADD_INPUTS: tl.constexpr,
@@ -156,7 +169,8 @@ def _expand_pairs_tile(j, group, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b
 
     slot_j = pair_slots[group, j] (-1: pair j is empty and adds nothing); the buffer rows are
     already weighted by the shrink. One float32 accumulator for every pair: y is read and written
-    once. No epilogue vector (several adapters take no LoRA bias or DoRA scale).
+    once. No epilogue vector (several adapters take no LoRA bias or DoRA scale). fp8 B: each
+    pair's product is multiplied by its slot's channel scales b_scale_s[slot_j, n] before it is added.
     """
     s, n0 = slice_of_tile(tl.minimum(j, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     b_ptr = pick_slice(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
@@ -177,22 +191,36 @@ def _expand_pairs_tile(j, group, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b
         slot = tl.where(has_pair, slot, 0)
         rank = slot_rank(ranks_ptr, slot, has_pair, RANK, HAS_RANKS)
         b_rows = b_ptr + slot.to(tl.int64) * stride_bl + cols[:, None] * stride_bn
-        for k0 in range(0, rank, BLOCK_R):
-            kk = k0 + offs_r
-            bt = load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS, True)
-            lhs = workspace_lhs(buf_rows + (q * RANK) * stride_buf_rank, hint16(stride_buf_plane, ALIGNED),
-                                stride_buf_rank, kk, tok_ok, rank, RANK, HAS_RANKS, NUM_PARTIALS, BLOCK_M, BLOCK_R,
-                                True)
-            acc = rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
+        if b_ptr.dtype.element_ty.is_fp8():
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, rank, BLOCK_R):
+                kk = k0 + offs_r
+                bt = weight_operand(load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK,
+                                                   HAS_RANKS, True), y_ptr, CAST_FP32)
+                lhs = workspace_lhs(buf_rows + (q * RANK) * stride_buf_rank, hint16(stride_buf_plane, ALIGNED),
+                                    stride_buf_rank, kk, tok_ok, rank, RANK, HAS_RANKS, NUM_PARTIALS, BLOCK_M,
+                                    BLOCK_R, True)
+                part = rank_dot(part, lhs, bt, CAST_FP32, DOT_PRECISION)
+            acc += channel_scaled(part, b_ptr, pick_slice(s, bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr), slot,
+                                  pick_slice(s, stride_bs0_slot, stride_bs1_slot, stride_bs2_slot, stride_bs3_slot),
+                                  cols, col_ok)
+        else:
+            for k0 in range(0, rank, BLOCK_R):
+                kk = k0 + offs_r
+                bt = load_rank_cols(b_rows + kk[None, :] * stride_bk, col_ok, kk, rank, RANK, HAS_RANKS, True)
+                lhs = workspace_lhs(buf_rows + (q * RANK) * stride_buf_rank, hint16(stride_buf_plane, ALIGNED),
+                                    stride_buf_rank, kk, tok_ok, rank, RANK, HAS_RANKS, NUM_PARTIALS, BLOCK_M,
+                                    BLOCK_R, True)
+                acc = rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
     store_slice(acc, y_old, out_ptr, y_offs, write, b_ptr, group, cols, col_ok, 0, 0, 0, False)
 
 
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_expand_kernel(
-        # pointers: the buffer, B per slice, the epilogue vector per slice, the per-slot ranks, the
-        # adapter pairs' slots
-        buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr,
-        pair_slots_ptr,
+        # pointers: the buffer, B per slice, B's fp8 channel scales per slice, the epilogue vector per
+        # slice, the per-slot ranks, the adapter pairs' slots
+        buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr, bias0_ptr, bias1_ptr,
+        bias2_ptr, bias3_ptr, ranks_ptr, pair_slots_ptr,
         # pointers: the metadata, KernelMeta's index arrays in its order; then y
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr, y_ptr,
         # sizes
@@ -203,6 +231,8 @@ def lora_expand_kernel(
         stride_b1_slot, stride_b1_col, stride_b1_rank,
         stride_b2_slot, stride_b2_col, stride_b2_rank,
         stride_b3_slot, stride_b3_col, stride_b3_rank,
+        # strides: B's channel scales per slice (slot; channels contiguous)
+        stride_bs0_slot, stride_bs1_slot, stride_bs2_slot, stride_bs3_slot,
         # strides: the epilogue vector per slice (slot, col)
         stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col,
         stride_bias2_slot, stride_bias2_col, stride_bias3_slot, stride_bias3_col,
@@ -258,10 +288,12 @@ def lora_expand_kernel(
             gdc_wait()
         for t in range(TILES_N):
             _expand_pairs_tile(i * TILES_N + t, lora_id, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
+                               bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr,
                                ranks_ptr, pair_slots_ptr, y_ptr, out_ptr, stride_buf_plane, stride_buf_slice,
                                stride_buf_token, stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank,
                                stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col,
                                stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank,
+                               stride_bs0_slot, stride_bs1_slot, stride_bs2_slot, stride_bs3_slot,
                                width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
                                stride_y_col, RANK, NUM_PARTIALS, NUM_TILES, NT1, NT2, NT3, ADD_INPUTS, HAS_RANKS,
                                BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, ALIGNED, PAIRS)
@@ -283,11 +315,13 @@ def lora_expand_kernel(
         for b_tail in tl.static_range(1 + TWO_COPIES):
             if runs_copy(odd_rank, b_tail, TWO_COPIES):
                 _expand_tile(i, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
-                             bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr, stride_buf_plane,
+                             bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr,
+                             out_ptr, stride_buf_plane,
                              stride_buf_slice, stride_buf_token,
                              stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank, stride_b1_slot,
                              stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col, stride_b2_rank,
-                             stride_b3_slot, stride_b3_col, stride_b3_rank, stride_bias0_slot, stride_bias0_col,
+                             stride_b3_slot, stride_b3_col, stride_b3_rank, stride_bs0_slot, stride_bs1_slot,
+                             stride_bs2_slot, stride_bs3_slot, stride_bias0_slot, stride_bias0_col,
                              stride_bias1_slot, stride_bias1_col, stride_bias2_slot, stride_bias2_col,
                              stride_bias3_slot, stride_bias3_col,
                              width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
@@ -346,11 +380,13 @@ def lora_expand_kernel(
                                            stride_y_token, stride_y_col,
                                            NUM_TILES, NT1, NT2, NT3, ADD_INPUTS, BLOCK_N, ALIGNED)
                     _expand_tile(i * TILES_N + t, lora_id, tok, tok_ok, rank, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
-                                 b3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, y_ptr, out_ptr,
+                                 b3_ptr, bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr, bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr,
+                                 y_ptr, out_ptr,
                                  stride_buf_plane, stride_buf_slice,
                                  stride_buf_token, stride_buf_rank, stride_b0_slot, stride_b0_col, stride_b0_rank,
                                  stride_b1_slot, stride_b1_col, stride_b1_rank, stride_b2_slot, stride_b2_col,
-                                 stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank, stride_bias0_slot,
+                                 stride_b2_rank, stride_b3_slot, stride_b3_col, stride_b3_rank, stride_bs0_slot,
+                                 stride_bs1_slot, stride_bs2_slot, stride_bs3_slot, stride_bias0_slot,
                                  stride_bias0_col, stride_bias1_slot, stride_bias1_col, stride_bias2_slot,
                                  stride_bias2_col, stride_bias3_slot, stride_bias3_col,
                                  width0, width1, width2, width3, offset0, offset1, offset2, offset3, stride_y_token,
@@ -400,7 +436,7 @@ def plan_expand(num_tokens: int, rank: int, widths: Sequence[int], num_groups: i
     small_t, block_m = small_t_block(num_tokens, block_m, config)
     block_r = max(16, min(next_pow2(rank), int(config.get("BLOCK_R", 64))))
     check_dot_dims(block_m, block_n, block_r)
-    cast, precision = cast_and_precision((w_dtype,) if not interpreting() else (w_dtype, y_dtype))
+    cast, precision = cast_and_precision((dot_dtype(w_dtype, y_dtype),) if not interpreting() else (w_dtype, y_dtype))
     tiles_n = max(1, min(int(config.get("TILES_N", 1)), max(triton.cdiv(int(w), block_n) for w in widths)))
     c, total = epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n, tiles_n)
     c.update(RANK=rank, NUM_PARTIALS=int(num_partials), NUM_TILES=total, BLOCK_M=block_m, BLOCK_N=block_n,

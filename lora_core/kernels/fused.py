@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    channel_scaled,
     gdc_launch_dependents,
     gdc_wait,
     hint16,
@@ -32,6 +33,7 @@ from .common import (
     slot_rank,
     store_slice,
     token_tile,
+    weight_operand,
     y_tile,
 )
 from .expand import ExpandPlan
@@ -40,6 +42,7 @@ from .planning import (
     TOKEN_COUNT_PARAMS,
     cast_and_precision,
     check_dot_dims,
+    dot_dtype,
     epilogue_constexprs,
     hidden_split,
     interpreting,
@@ -91,14 +94,16 @@ def _row_barrier(sync_ptr, first, num_programs, WAIT: tl.constexpr, POLL_LIMIT: 
 
 
 @triton.jit
-def _fused_pairs_shrink(x_ptr, a_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, ws_ptr, group, tok, tok_ok, split,
-                        s_in, scale, k_begin, k_end, hidden, stride_x_token, stride_x_hidden, stride_a_slot,
-                        stride_a_rank, stride_a_hidden, stride_ws_plane, stride_ws_slice, stride_ws_token,
+def _fused_pairs_shrink(x_ptr, a_ptr, as_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, ws_ptr, group, tok, tok_ok,
+                        split, s_in, scale, k_begin, k_end, hidden, stride_x_token, stride_x_hidden, stride_a_slot,
+                        stride_a_rank, stride_a_hidden, stride_as_slot, stride_ws_plane, stride_ws_slice,
+                        stride_ws_token,
                         RANK: tl.constexpr, HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         PAIRS: tl.constexpr):
     """Step 1 with adapter pairs: ws[split, s_in, t, j*RANK + c] = w[t, j] * scale * x[t, chunk] @
-    A[slot_j, c, chunk].T for every pair j of the tile's group (zeros for an empty pair)."""
+    A[slot_j, c, chunk].T for every pair j of the tile's group (zeros for an empty pair), times
+    a_scale[slot_j, c] for fp8 A."""
     offs_r = tl.arange(0, BLOCK_R)
     ws0 = (ws_ptr + split.to(tl.int64) * stride_ws_plane + s_in * stride_ws_slice + tok[:, None] * stride_ws_token
            + offs_r[None, :])
@@ -110,18 +115,21 @@ def _fused_pairs_shrink(x_ptr, a_ptr, ranks_ptr, pair_slots_ptr, pair_weights_pt
         acc = shrink_tile(x_ptr, a_ptr, tok, tok_ok, slot, rank, k_begin, tl.where(has_pair, k_end, k_begin), hidden,
                           stride_x_token, stride_x_hidden, stride_a_slot, stride_a_rank, stride_a_hidden,
                           BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION)
+        acc = channel_scaled(acc, a_ptr, as_ptr, slot, stride_as_slot, offs_r, offs_r < RANK)
         w = scale * tl.load(pair_weights_ptr + tok * PAIRS + j, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(ws0 + j * RANK, acc * w, mask=tok_ok[:, None] & (offs_r < RANK)[None, :])
 
 
 @triton.jit
-def _fused_pairs_out(b_ptr, ranks_ptr, pair_slots_ptr, ws_ptr, group, tok, tok_ok, cols, col_ok, s_out, y_old, out_ptr,
-                     y_offs, write, stride_b_slot, stride_b_col, stride_b_rank, stride_ws_plane, stride_ws_slice,
+def _fused_pairs_out(b_ptr, bs_ptr, ranks_ptr, pair_slots_ptr, ws_ptr, group, tok, tok_ok, cols, col_ok, s_out, y_old,
+                     out_ptr, y_offs, write, stride_b_slot, stride_b_col, stride_b_rank, stride_bs_slot,
+                     stride_ws_plane, stride_ws_slice,
                      stride_ws_token, RANK: tl.constexpr, HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CAST_FP32: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, PAIRS: tl.constexpr):
     """Step 3 with adapter pairs: the output tile's y + sum_j (sum_p ws[p, s_out, t, j*RANK:]) @
-    B[slot_j, cols].T over the tile's pairs, one float32 accumulator, one store (no epilogue)."""
+    B[slot_j, cols].T over the tile's pairs (fp8 B: each pair's product times b_scale[slot_j, cols]),
+    one float32 accumulator, one store (no epilogue)."""
     offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(PAIRS):
@@ -129,22 +137,28 @@ def _fused_pairs_out(b_ptr, ranks_ptr, pair_slots_ptr, ws_ptr, group, tok, tok_o
         has_pair = slot >= 0
         slot = tl.where(has_pair, slot, 0)
         rank = slot_rank(ranks_ptr, slot, has_pair, RANK, HAS_RANKS)
-        bt = load_rank_cols(b_ptr + slot.to(tl.int64) * stride_b_slot + cols[:, None] * stride_b_col
-                            + offs_r[None, :] * stride_b_rank, col_ok, offs_r, rank, RANK, HAS_RANKS, True)
+        bt = weight_operand(load_rank_cols(b_ptr + slot.to(tl.int64) * stride_b_slot + cols[:, None] * stride_b_col
+                                           + offs_r[None, :] * stride_b_rank, col_ok, offs_r, rank, RANK, HAS_RANKS,
+                                           True), out_ptr, CAST_FP32)
         lhs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for p in tl.static_range(SPLIT_K):
             lhs += tl.load(ws_ptr + p * stride_ws_plane + s_out * stride_ws_slice + tok[:, None] * stride_ws_token
                            + (j * RANK + offs_r)[None, :], mask=tok_ok[:, None] & (offs_r < rank)[None, :],
                            other=0.0, cache_modifier=".cg")
-        acc = rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
+        if b_ptr.dtype.element_ty.is_fp8():
+            acc += channel_scaled(rank_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), lhs, bt, CAST_FP32,
+                                           DOT_PRECISION), b_ptr, bs_ptr, slot, stride_bs_slot, cols, col_ok)
+        else:
+            acc = rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
     store_slice(acc, y_old, out_ptr, y_offs, write, b_ptr, group, cols, col_ok, 0, 0, 0, False)
 
 
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_fused_kernel(
-        # pointers: x, A per slice, B per slice, the epilogue vector per slice, the per-slot ranks,
-        # the adapter pairs (slots, weights)
+        # pointers: x, A per slice, B per slice, their fp8 channel scales per slice, the epilogue
+        # vector per slice, the per-slot ranks, the adapter pairs (slots, weights)
         x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr,
+        as0_ptr, as1_ptr, as2_ptr, as3_ptr, bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr,
         bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr,
         # pointers: the metadata, KernelMeta's index arrays in its order; then y, the barrier
         # counters and the float32 workspace
@@ -162,6 +176,9 @@ def lora_fused_kernel(
         stride_b1_slot, stride_b1_col, stride_b1_rank,
         stride_b2_slot, stride_b2_col, stride_b2_rank,
         stride_b3_slot, stride_b3_col, stride_b3_rank,
+        # strides: the channel scales of A, then of B, per slice (slot; channels contiguous)
+        stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot,
+        stride_bs0_slot, stride_bs1_slot, stride_bs2_slot, stride_bs3_slot,
         # strides: the epilogue vector per slice (slot, col)
         stride_bias0_slot, stride_bias0_col, stride_bias1_slot, stride_bias1_col,
         stride_bias2_slot, stride_bias2_col, stride_bias3_slot, stride_bias3_col,
@@ -208,6 +225,10 @@ def lora_fused_kernel(
     pairs.weights[t, j]) into the workspace's rank columns j*RANK.., step 3 sums every pair's
     product through its own B (`_fused_pairs_shrink`, `_fused_pairs_out`); PAIRS == 0 compiles
     none of it.
+    fp8 (e4m3) A / B (each of one dtype over the launch's slices): tiles enter the dots in x's
+    dtype (`weight_operand`); step 1 multiplies its float32 partial by a_scale[slot, c] (per split:
+    the scale distributes over the planes' sum), step 3 its product by b_scale[slot, cols], each
+    once per tile; 16-bit weights compile none of it.
     """
     p = tl.program_id(0)
     row = tl.program_id(1)
@@ -238,6 +259,7 @@ def lora_fused_kernel(
                              + offs_r[None, :] * pick_slice(s_out, stride_b0_rank, stride_b1_rank, stride_b2_rank,
                                                             stride_b3_rank),
                              col_ok, offs_r, rank, RANK, HAS_RANKS, HAS_RANKS or B_SELECT)
+        bt = weight_operand(bt, x_ptr, CAST_FP32)
     s_in = p % NUM_SLICES
     split = p // NUM_SLICES
     a_ptr = pick_slice(s_in, a0_ptr, a1_ptr, a2_ptr, a3_ptr)
@@ -261,10 +283,13 @@ def lora_fused_kernel(
                                        hint16(stride_y_token, ALIGNED), stride_y_col, ADD_INPUTS)
     if PHASE != 2 and PAIRS > 0:
         if p < NUM_SLICES * SPLIT_K:
-            _fused_pairs_shrink(x_ptr, a_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, ws_ptr, lora_id, tok, tok_ok,
+            _fused_pairs_shrink(x_ptr, a_ptr, pick_slice(s_in, as0_ptr, as1_ptr, as2_ptr, as3_ptr), ranks_ptr,
+                                pair_slots_ptr, pair_weights_ptr, ws_ptr, lora_id, tok, tok_ok,
                                 split, s_in, scale, k_begin, tl.minimum(k_begin + K_PER_SPLIT, hidden), hidden,
                                 hint16(stride_x_token, ALIGNED), stride_x_hidden, stride_a_slot, stride_a_rank,
-                                stride_a_hidden, hint16(stride_ws_plane, ALIGNED), hint16(stride_ws_slice, ALIGNED),
+                                stride_a_hidden, pick_slice(s_in, stride_as0_slot, stride_as1_slot, stride_as2_slot,
+                                                            stride_as3_slot), hint16(stride_ws_plane, ALIGNED),
+                                hint16(stride_ws_slice, ALIGNED),
                                 stride_ws_token, RANK, HAS_RANKS, BLOCK_M, BLOCK_K, BLOCK_R, CAST_FP32, DOT_PRECISION,
                                 PAIRS)
         _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
@@ -277,17 +302,21 @@ def lora_fused_kernel(
             ws = (ws_ptr + split.to(tl.int64) * hint16(stride_ws_plane, ALIGNED) + s_in * hint16(stride_ws_slice,
                                                                                                  ALIGNED)
                   + tok[:, None] * stride_ws_token + offs_r[None, :])
+            acc = channel_scaled(acc, a_ptr, pick_slice(s_in, as0_ptr, as1_ptr, as2_ptr, as3_ptr), lora_id,
+                                 pick_slice(s_in, stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot),
+                                 offs_r, offs_r < RANK)
             tl.store(ws, acc * scale, mask=tok_ok[:, None] & (offs_r < RANK)[None, :])
         _row_barrier(sync_ptr + row, p == 0, tl.num_programs(0), PHASE == 0, BARRIER_POLLS)
     if PHASE != 1 and PAIRS > 0:  # noqa: SIM102 - a constexpr test, resolved when the kernel compiles
         if is_out:
-            _fused_pairs_out(b_ptr, ranks_ptr, pair_slots_ptr, ws_ptr, lora_id, tok, tok_ok, cols, col_ok, s_out,
-                             y_old, out_ptr, y_offs, write,
+            _fused_pairs_out(b_ptr, pick_slice(s_out, bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr), ranks_ptr, pair_slots_ptr,
+                             ws_ptr, lora_id, tok, tok_ok, cols, col_ok, s_out, y_old, out_ptr, y_offs, write,
                              hint16(pick_slice(s_out, stride_b0_slot, stride_b1_slot, stride_b2_slot, stride_b3_slot),
                                     ALIGNED),
                              hint16(pick_slice(s_out, stride_b0_col, stride_b1_col, stride_b2_col, stride_b3_col),
                                     ALIGNED),
                              pick_slice(s_out, stride_b0_rank, stride_b1_rank, stride_b2_rank, stride_b3_rank),
+                             pick_slice(s_out, stride_bs0_slot, stride_bs1_slot, stride_bs2_slot, stride_bs3_slot),
                              hint16(stride_ws_plane, ALIGNED), hint16(stride_ws_slice, ALIGNED), stride_ws_token,
                              RANK, HAS_RANKS, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, CAST_FP32, DOT_PRECISION, PAIRS)
     if PHASE != 1 and PAIRS == 0:  # noqa: SIM102 - a constexpr test, resolved when the kernel compiles
@@ -308,6 +337,9 @@ def lora_fused_kernel(
             else:
                 lhs = lhs.to(bt.dtype)
             acc = tl.dot(lhs, tl.trans(bt), input_precision=DOT_PRECISION)
+            acc = channel_scaled(acc, b_ptr, pick_slice(s_out, bs0_ptr, bs1_ptr, bs2_ptr, bs3_ptr), lora_id,
+                                 pick_slice(s_out, stride_bs0_slot, stride_bs1_slot, stride_bs2_slot, stride_bs3_slot),
+                                 cols, col_ok)
             store_slice(acc, y_old, out_ptr, y_offs, write, pick_slice(s_out, bias0_ptr, bias1_ptr, bias2_ptr,
                                                                        bias3_ptr), lora_id,
                          cols, col_ok, hint16(pick_slice(s_out, stride_bias0_slot, stride_bias1_slot,
@@ -368,7 +400,7 @@ def plan_fused(num_tokens: int, hidden: int, rank: int, widths: Sequence[int], n
     small_t, block_m = small_t_block(num_tokens, block_m, config)
     block_r = max(16, next_pow2(rank))
     check_dot_dims(block_m, block_n, block_k, block_r)
-    cast, precision = cast_and_precision((x_dtype, w_dtype))
+    cast, precision = cast_and_precision((x_dtype, dot_dtype(w_dtype, x_dtype)))
     c, total = epilogue_constexprs(widths, bias_flags, add_inputs, has_ranks, block_n)
     num_slices = len(widths)
     split, k_per_split = hidden_split(hidden, int(config.get("SPLIT_K", 0)) or max(1, total // num_slices),

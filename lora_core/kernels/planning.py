@@ -190,7 +190,15 @@ def hidden_split(hidden: int, split: int, block_k: int) -> tuple[int, int]:
     return triton.cdiv(hidden, k_per_split), k_per_split
 
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+FP8_DTYPES = ("float8_e4m3fn",)
+
+
+def dot_dtype(w_dtype: str, act_dtype: str) -> str:
+    """The dtype a weight enters tl.dot in: its own, or for fp8 (e4m3) weights the activations'
+    (`common.weight_operand` converts the tile after its load; the per-channel scale is applied
+    to the float32 result)."""
+    return act_dtype if w_dtype in FP8_DTYPES else w_dtype
 
 
 def prefetch_constexprs(pdl: bool, columns: int, w_dtype: str) -> dict:

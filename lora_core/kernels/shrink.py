@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    channel_scaled,
     gdc_launch_dependents,
     gdc_wait,
     hint16,
@@ -32,6 +33,7 @@ from .planning import (
     PlanKey,
     cast_and_precision,
     check_dot_dims,
+    dot_dtype,
     hidden_split,
     max_tiles,
     next_pow2,
@@ -49,11 +51,13 @@ def _store_rank_rows(out, acc, write, ATOMIC: tl.constexpr):
 
 
 @triton.jit
-def _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, group,
+def _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, as0_ptr, as1_ptr, as2_ptr, as3_ptr, ranks_ptr,
+                  pair_slots_ptr, pair_weights_ptr, group,
                   has_group, tok, tok_ok, s, split, scale, hidden, stride_x_token, stride_x_hidden,
                   stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank, stride_a1_hidden,
                   stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot, stride_a3_rank, stride_a3_hidden,
-                  stride_out_plane, stride_out_slice, stride_out_token, stride_out_rank, out_ptr,
+                  stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot, stride_out_plane,
+                  stride_out_slice, stride_out_token, stride_out_rank, out_ptr,
                   RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                   K_PER_SPLIT: tl.constexpr, ATOMIC: tl.constexpr, HAS_RANKS: tl.constexpr,
                   CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
@@ -64,6 +68,7 @@ def _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr, pair_slots_p
 
     slot_j = pair_slots[group, j] (-1: no adapter in pair j, zero columns), w = pair_weights
     (tokens, PAIRS) float32. The pairs' rank columns lie side by side in the buffer's rank axis.
+    fp8 A: each pair's columns are also multiplied by its slot's channel scales a_scale_s[slot_j, c].
     """
     offs_r = tl.arange(0, BLOCK_R)
     k_begin = split * K_PER_SPLIT
@@ -98,19 +103,31 @@ def _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr, pair_slots_p
                                                BLOCK_R, CAST_FP32, DOT_PRECISION)
         w = scale * tl.load(pair_weights_ptr + tok * PAIRS + j, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
         out = out0 + (j * RANK) * stride_out_rank
+        rank_ok = offs_r < RANK
+        if SLICES == 1:
+            acc0 = channel_scaled(acc0, a0_ptr, pick_slice(s, as0_ptr, as1_ptr, as2_ptr, as3_ptr), slot,
+                                  pick_slice(s, stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot),
+                                  offs_r, rank_ok)
+        else:
+            acc0 = channel_scaled(acc0, a0_ptr, as0_ptr, slot, stride_as0_slot, offs_r, rank_ok)
         _store_rank_rows(out, acc0 * w, write, ATOMIC)
         if SLICES > 1:
+            acc1 = channel_scaled(acc1, a1_ptr, as1_ptr, slot, stride_as1_slot, offs_r, rank_ok)
             _store_rank_rows(out + stride_out_slice, acc1 * w, write, ATOMIC)
         if SLICES > 2:
+            acc2 = channel_scaled(acc2, a2_ptr, as2_ptr, slot, stride_as2_slot, offs_r, rank_ok)
             _store_rank_rows(out + 2 * stride_out_slice, acc2 * w, write, ATOMIC)
         if SLICES > 3:
+            acc3 = channel_scaled(acc3, a3_ptr, as3_ptr, slot, stride_as3_slot, offs_r, rank_ok)
             _store_rank_rows(out + 3 * stride_out_slice, acc3 * w, write, ATOMIC)
 
 
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
 def lora_shrink_kernel(
-        # pointers: x, A per slice (slices 0..3), the per-slot ranks, the adapter pairs (slots, weights)
-        x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr,
+        # pointers: x, A per slice (slices 0..3), A's fp8 channel scales per slice, the per-slot ranks,
+        # the adapter pairs (slots, weights)
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, as0_ptr, as1_ptr, as2_ptr, as3_ptr, ranks_ptr, pair_slots_ptr,
+        pair_weights_ptr,
         # pointers: the metadata, KernelMeta's index arrays in its order
         mapping_ptr, sorted_ptr, counts_ptr, starts_ptr, active_ptr,
         # scale and sizes
@@ -121,6 +138,8 @@ def lora_shrink_kernel(
         stride_a1_slot, stride_a1_rank, stride_a1_hidden,
         stride_a2_slot, stride_a2_rank, stride_a2_hidden,
         stride_a3_slot, stride_a3_rank, stride_a3_hidden,
+        # strides: A's channel scales per slice (slot; channels contiguous)
+        stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot,
         # strides: out (plane, slice, token, rank)
         stride_out_plane, stride_out_slice, stride_out_token, stride_out_rank,
         # the output pointer
@@ -143,6 +162,9 @@ def lora_shrink_kernel(
     program's A chunks are prefetched into L2 while the kernel before it still runs.
     PAIRS > 0 (several adapters per token, `_shrink_pairs`): the metadata groups tokens by their
     tuple of slots; PAIRS == 0 compiles none of that code.
+    fp8 (e4m3) A (every slice of a launch one dtype): tiles enter the dot in x's dtype, and the
+    float32 result is multiplied once by the slot's channel scales a_scale_s[idx[t], c] (as{s}_ptr,
+    (L, r) float32, contiguous per slot) before the store; 16-bit A compiles none of it.
     """
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -189,11 +211,13 @@ def lora_shrink_kernel(
     if n_tok <= 0:
         return
     if PAIRS > 0:
-        _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, ranks_ptr, pair_slots_ptr, pair_weights_ptr, lora_id,
+        _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, as0_ptr, as1_ptr, as2_ptr, as3_ptr, ranks_ptr,
+                      pair_slots_ptr, pair_weights_ptr, lora_id,
                       has_lora, tok, tok_ok, s, split, scale, hidden, stride_x_token, stride_x_hidden,
                       stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot, stride_a1_rank,
                       stride_a1_hidden, stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot,
-                      stride_a3_rank, stride_a3_hidden, stride_out_plane, stride_out_slice, stride_out_token,
+                      stride_a3_rank, stride_a3_hidden, stride_as0_slot, stride_as1_slot, stride_as2_slot,
+                      stride_as3_slot, stride_out_plane, stride_out_slice, stride_out_token,
                       stride_out_rank, out_ptr, RANK, BLOCK_M, BLOCK_K, BLOCK_R, K_PER_SPLIT, ATOMIC, HAS_RANKS,
                       CAST_FP32, DOT_PRECISION, ALIGNED, SLICES, PAIRS)
         return
@@ -208,12 +232,22 @@ def lora_shrink_kernel(
     out = (out_ptr + plane.to(tl.int64) * hint16(stride_out_plane, ALIGNED) + s * stride_out_slice
            + tok[:, None] * hint16(stride_out_token, ALIGNED) + offs_r[None, :] * stride_out_rank)
     write = tok_ok[:, None] & (offs_r < RANK)[None, :]       # real tokens, the buffer's rank columns
+    rank_ok = offs_r < RANK
+    if SLICES == 1:
+        acc0 = channel_scaled(acc0, a0_ptr, pick_slice(s, as0_ptr, as1_ptr, as2_ptr, as3_ptr), slot,
+                              pick_slice(s, stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot),
+                              offs_r, rank_ok)
+    else:
+        acc0 = channel_scaled(acc0, a0_ptr, as0_ptr, slot, stride_as0_slot, offs_r, rank_ok)
     _store_rank_rows(out, acc0 * scale, write, ATOMIC)
     if SLICES > 1:
+        acc1 = channel_scaled(acc1, a1_ptr, as1_ptr, slot, stride_as1_slot, offs_r, rank_ok)
         _store_rank_rows(out + stride_out_slice, acc1 * scale, write, ATOMIC)
     if SLICES > 2:
+        acc2 = channel_scaled(acc2, a2_ptr, as2_ptr, slot, stride_as2_slot, offs_r, rank_ok)
         _store_rank_rows(out + 2 * stride_out_slice, acc2 * scale, write, ATOMIC)
     if SLICES > 3:
+        acc3 = channel_scaled(acc3, a3_ptr, as3_ptr, slot, stride_as3_slot, offs_r, rank_ok)
         _store_rank_rows(out + 3 * stride_out_slice, acc3 * scale, write, ATOMIC)
 
 
@@ -259,7 +293,7 @@ def plan_shrink(num_tokens: int, hidden: int, rank: int, num_slices: int, num_gr
     check_dot_dims(block_m, block_k, block_r)
     split, k_per_split = hidden_split(hidden, int(config.get("SPLIT_K", 1)), block_k)
     atomic = split > 1 and not workspace
-    cast, precision = cast_and_precision((x_dtype, w_dtype))
+    cast, precision = cast_and_precision((x_dtype, dot_dtype(w_dtype, x_dtype)))
     constexprs = dict(RANK=rank, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
                       K_PER_SPLIT=k_per_split, NUM_GROUPS=num_groups, GROUPS_P2=next_pow2(num_groups),
                       LORA_ONLY=bool(lora_only or atomic), ATOMIC=atomic, HAS_RANKS=bool(has_ranks),

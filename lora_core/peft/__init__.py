@@ -48,6 +48,7 @@ expected and what was received.
 from __future__ import annotations
 
 from .adapter import (
+    Fp8Factors,
     LoraModule,
     ModuleShape,
     PeftAdapter,
@@ -88,6 +89,7 @@ __all__ = [
     "WEIGHTS_NAME",
     "AdapterConfig",
     "AdapterError",
+    "Fp8Factors",
     "LoraModule",
     "ModuleShape",
     "PeftAdapter",

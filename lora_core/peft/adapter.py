@@ -76,6 +76,18 @@ class LoraModule(NamedTuple):
         return int(self.lora_a.shape[-2])
 
 
+class Fp8Factors(NamedTuple):
+    """An fp8 (e4m3) module of a PEFT file as it is stored (contract section 11): a_q (r, in) and
+    b_q (out, r), the e4m3 values as float32 (exactly), and their per-row float32 scales a_scale (r,)
+    and b_scale (out,) (a per-tensor scale broadcast to the rows). The module's LoraModule holds the
+    dequantised factors a_q * a_scale[:, None], b_q * b_scale[:, None]."""
+
+    a_q: np.ndarray
+    a_scale: np.ndarray
+    b_q: np.ndarray
+    b_scale: np.ndarray
+
+
 @dataclasses.dataclass
 class PeftAdapter:
     """A LoRA adapter in PEFT terms, weights on the host as NumPy.
@@ -101,6 +113,10 @@ class PeftAdapter:
     invocation_tokens: tuple | None = None
     """aLoRA (alora_invocation_tokens): the token ids from whose last occurrence in a request on the
     adapter applies (lora_core.alora); None for an adapter that applies to every token."""
+    fp8: dict = dataclasses.field(default_factory=dict)
+    """fp8 files (safetensors F8_E4M3 with `...lora_A.weight_scale` / `...lora_B.weight_scale`):
+    {module: Fp8Factors} as stored, for layers that keep e4m3 weights (no requantisation); `modules`
+    holds the same factors dequantised. Empty for a 16-bit adapter."""
 
     @property
     def label(self) -> str:
@@ -162,17 +178,26 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
                                "save_pretrained(..., safe_serialization=True)")
         raise AdapterError(f"{weights_path}: missing ({CONFIG_NAME} is there)")
     header = read_safetensors_header(weights, max_header_bytes=max_header_bytes)
-    parts, base_layers, magnitudes = _sort_tensors(header, config, raw, weights_path)
+    parts, base_layers, magnitudes, weight_scales = _sort_tensors(header, config, raw, weights_path)
     name = name or os.path.basename(os.path.normpath(directory))
     plan = _module_plan(parts, header, config, raw, weights_path, module_shapes, f"{name!r} ({directory})")
     _check_magnitudes(magnitudes, plan, header, config, weights_path)
-    names = [k for a, b, _ in plan.values() for k in (a, b)] + list(magnitudes.values())
+    _check_fp8_scales(weight_scales, plan, header, weights_path)
+    names = ([k for a, b, _ in plan.values() for k in (a, b)] + list(magnitudes.values())
+             + [k for pair in weight_scales.values() for k in pair.values()])
     _check_total_bytes(header, names, weights_path, module_shapes, max_total_bytes)
     arrays = read_safetensors(weights, names, max_header_bytes=max_header_bytes, max_tensor_bytes=max_tensor_bytes)
     modules = {}
     pieces = {}
+    fp8 = {}
     for module, (a, b, kind) in plan.items():
         lora_a, lora_b = np.asarray(arrays[a], np.float32), np.asarray(arrays[b], np.float32)
+        if module in weight_scales:
+            factors = _fp8_factors(lora_a, lora_b, arrays[weight_scales[module]["lora_A"]],
+                                   arrays[weight_scales[module]["lora_B"]])
+            fp8[module] = factors
+            lora_a = factors.a_q * factors.a_scale[:, None]
+            lora_b = factors.b_q * factors.b_scale[:, None]
         if kind == EXPERT_KIND:
             lora_a, lora_b = split_expert_factors(lora_a, lora_b, lora_a.shape[0] // config.rank(module))
         if module_shapes is not None and module not in module_shapes:
@@ -189,18 +214,59 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
                                f"{embeddings}: PEFT applies aLoRA to linear layers only")
     return PeftAdapter(name, config.r, config.lora_alpha,
                        config.use_rslora, raw.get("target_modules"), modules, raw, base_layers, directory, dora,
-                       config.alora_invocation_tokens)
+                       config.alora_invocation_tokens, fp8)
+
+
+def _fp8_factors(a_q, b_q, a_scale, b_scale) -> Fp8Factors:
+    """An fp8 module's stored values and its scales broadcast to one per row (shapes checked from the
+    header: `_check_fp8_scales`)."""
+    a_scale = np.broadcast_to(np.asarray(a_scale, np.float32).reshape(-1), (a_q.shape[0],)).copy()
+    b_scale = np.broadcast_to(np.asarray(b_scale, np.float32).reshape(-1), (b_q.shape[0],)).copy()
+    return Fp8Factors(a_q, a_scale, b_q, b_scale)
+
+
+def _check_fp8_scales(weight_scales: dict, plan: dict, header: dict, weights_path: str) -> None:
+    """fp8 files (contract section 11), from the header before any data is read: a module's lora_A /
+    lora_B are F8_E4M3 exactly when both have a `weight_scale`, a float32 (rows,) per channel or
+    () / (1,) per tensor; only linear modules (not embeddings or expert weights)."""
+    for module, (key_a, key_b, kind) in sorted(plan.items()):
+        dtypes = {header[key_a].dtype, header[key_b].dtype}
+        scales = weight_scales.get(module, {})
+        if "F8_E4M3" not in dtypes and not scales:
+            continue
+        if kind != "linear":
+            raise AdapterError(f"{weights_path}: module {module!r}: fp8 weights are read for linear modules "
+                               f"(lora_A / lora_B) only, not for {'an embedding' if kind == 'embedding' else kind}")
+        for part, key in (("lora_A", key_a), ("lora_B", key_b)):
+            scale = scales.get(part)
+            if header[key].dtype != "F8_E4M3":
+                raise AdapterError(f"{weights_path}: tensor {key!r} is {header[key].dtype} but module {module!r} has "
+                                   f"fp8 tensors: both lora_A and lora_B are F8_E4M3 with their weight_scale, or "
+                                   "neither")
+            if scale is None:
+                raise AdapterError(f"{weights_path}: tensor {key!r} is F8_E4M3 without its scale "
+                                   f"{key.removesuffix('.weight') + '.weight_scale'!r} (float32 per channel)")
+            rows = header[key].shape[0]
+            shape = tuple(header[scale].shape)
+            if header[scale].dtype != "F32" or shape not in ((rows,), (), (1,)):
+                raise AdapterError(f"{weights_path}: tensor {scale!r} is {header[scale].dtype} {shape}; expected "
+                                   f"F32 ({rows},) per channel or () / (1,) per tensor")
+    stray = sorted(set(weight_scales) - set(plan))
+    if stray:
+        raise AdapterError(f"{weights_path}: weight_scale tensors of module {stray[0]!r} have no lora_A / lora_B pair")
 
 
 def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
     """The safetensors header's names sorted into modules before any data is read: ({module:
     {kind: tensor name}}, {module: shape of PEFT's base-layer copy}, {module: DoRA magnitude
-    tensor name}); training-state tensors the config names are skipped, anything else refused."""
+    tensor name}, {module: {kind: fp8 weight_scale tensor name}}); training-state tensors the
+    config names are skipped, anything else refused."""
     skip = tuple(part for field, parts in TRAINING_STATE_TENSORS.items() if raw.get(field) is not None
                  for part in parts)
     parts: dict = {}
     base_layers = {}
     magnitudes = {}
+    weight_scales: dict = {}
     for key, info in header.items():
         if len(key) > MAX_NAME_CHARS + len("base_model.model.") + len(".lora_embedding_A.weight"):
             raise AdapterError(f"{weights_path}: tensor name {key[:80]!r} ... has {len(key)} characters; module names "
@@ -222,6 +288,14 @@ def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
             continue
         m = _KEY.match(name_in_model)
         rest = m.group("rest").split(".")[1:] if m else []
+        if m is not None and rest and rest[-1] == "weight_scale" and len(rest) <= 2 and "bias" not in rest:
+            # an fp8 file's per-channel (or per-tensor) scale of lora_A / lora_B (checked with the pair)
+            pair = weight_scales.setdefault(m.group("module"), {})
+            if m.group("kind") in pair:
+                raise AdapterError(f"{weights_path}: tensors {pair[m.group('kind')]!r} and {key!r} are both the "
+                                   f"weight_scale of {m.group('kind')} of module {m.group('module')!r}")
+            pair[m.group("kind")] = key
+            continue
         if m is None or "bias" in rest or len(rest) > 2 or (len(rest) == 2 and rest[-1] != "weight"):
             raise AdapterError(f"{weights_path}: tensor {key!r} is not a LoRA A/B weight (expected "
                                "<module>.lora_A.weight, .lora_B.weight, .lora_embedding_A or .lora_embedding_B); "
@@ -234,7 +308,7 @@ def _sort_tensors(header: dict, config, raw: dict, weights_path: str) -> tuple:
     if not parts:
         raise AdapterError(f"{weights_path}: expected LoRA weights, got none (tensors: {sorted(header)[:6]})")
 
-    return parts, base_layers, magnitudes
+    return parts, base_layers, magnitudes, weight_scales
 
 
 def _check_total_bytes(header: dict, names: list, weights_path: str, module_shapes, max_total_bytes) -> None:

@@ -25,7 +25,7 @@ from .config import (
 
 # safetensors dtype -> (item size in bytes, NumPy dtype read, or None for dtypes never read).
 _DTYPES = {
-    "BOOL": (1, None), "U8": (1, None), "I8": (1, None), "F8_E5M2": (1, None), "F8_E4M3": (1, None),
+    "BOOL": (1, None), "U8": (1, None), "I8": (1, None), "F8_E5M2": (1, None), "F8_E4M3": (1, "u1"),
     "F8_E8M0": (1, None), "I16": (2, None), "U16": (2, None), "I32": (4, None), "U32": (4, None),
     "I64": (8, None), "U64": (8, None),
     "F16": (2, "<f2"), "BF16": (2, "<u2"), "F32": (4, "<f4"), "F64": (8, "<f8"),
@@ -124,11 +124,27 @@ def read_safetensors_header(path: str, *, max_header_bytes: int = MAX_HEADER_BYT
     return tensors
 
 
+def _e4m3_values() -> np.ndarray:
+    """(256,) float32: the value of every float8_e4m3fn bit pattern (sign, 4 exponent bits with bias
+    7, 3 mantissa bits; exponent 0 subnormal; S.1111.111 NaN, no infinities)."""
+    bits = np.arange(256)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exp, mant = (bits >> 3) & 0xF, bits & 0x7
+    mag = np.where(exp == 0, mant / 8.0 * 2.0 ** -6, (1 + mant / 8.0) * 2.0 ** (exp - 7.0))
+    values = sign * mag
+    values[(exp == 15) & (mant == 7)] = np.nan
+    return values.astype(np.float32)
+
+
+E4M3_VALUES = _e4m3_values()
+
+
 def read_safetensors(path: str, names=None, *, max_header_bytes: int = MAX_HEADER_BYTES,
                      max_tensor_bytes: int = MAX_TENSOR_BYTES) -> dict[str, np.ndarray]:
     """{name: array} for `names` (all tensors when None) of a safetensors file, after
-    `read_safetensors_header`'s checks. F16 / F32 / F64 keep their dtype; BF16 is widened to
-    float32 (exactly); other dtypes are refused. Each tensor must hold at most max_tensor_bytes."""
+    `read_safetensors_header`'s checks. F16 / F32 / F64 keep their dtype; BF16 and F8_E4M3 (fp8
+    adapter weights, contract section 11) are widened to float32 (exactly); other dtypes are
+    refused. Each tensor must hold at most max_tensor_bytes."""
     header = read_safetensors_header(path, max_header_bytes=max_header_bytes)
     names = list(header) if names is None else list(names)
     for name in names:
@@ -136,7 +152,7 @@ def read_safetensors(path: str, names=None, *, max_header_bytes: int = MAX_HEADE
             raise AdapterError(f"{path}: tensor {name!r} is missing")
         info = header[name]
         if _DTYPES[info.dtype][1] is None:
-            raise AdapterError(f"{path}: tensor {name!r}: expected a float dtype (F16, BF16, F32, F64), "
+            raise AdapterError(f"{path}: tensor {name!r}: expected a float dtype (F16, BF16, F32, F64, F8_E4M3), "
                                f"got {info.dtype}")
         if info.nbytes > max_tensor_bytes:
             raise AdapterError(f"{path}: tensor {name!r}: {info.dtype} {info.shape} is {info.nbytes} bytes, more than "
@@ -154,5 +170,7 @@ def read_safetensors(path: str, names=None, *, max_header_bytes: int = MAX_HEADE
             array = np.frombuffer(data, _DTYPES[info.dtype][1]).reshape(info.shape)
             if info.dtype == "BF16":
                 array = (array.astype(np.uint32) << 16).view(np.float32)
+            elif info.dtype == "F8_E4M3":
+                array = E4M3_VALUES[array]
             out[name] = array
     return out

@@ -14,7 +14,10 @@ BGMV / SGMV, as in contract section 4 (shrink returns a new float32 tensor, expa
   sgmv_*: BGMV with `idx` replaced by the six prefill-metadata values (seq_start_locs, seq_lengths,
           lora_indices_per_batch, batch_size, max_length, token_nums).
 
-Every op accumulates in float32; tokens with index -1 contribute nothing. `backend=` forces "torch"
+Every op accumulates in float32; tokens with index -1 contribute nothing. fp8 (e4m3) weights
+(contract section 11) take their float32 scales as keyword arguments: `lora_a_scale` /
+`lora_b_scale` (lora_shrink / lora_expand, one entry per slice) and `w_scale` (BGMV / SGMV), each
+(L, rows) per output channel or (L,) per tensor (broadcast to the channels here). `backend=` forces "torch"
 or "triton". `deterministic=True` (every op): a token's result is bitwise the same whatever the
 batch it is in (size, position, other tokens and their adapters) and from run to run
 (dispatch.deterministic_impl; docs/api.md, "Deterministic mode"). Index *values* are checked when
@@ -182,6 +185,37 @@ def as_lora_ranks(lora_ranks, num_slots: int, device):
     return int32_on("lora_ranks", r, device).contiguous()
 
 
+def weight_scales(name: str, scales, weights: Sequence[torch.Tensor], arg_w: str) -> tuple | None:
+    """The fp8 channel scales of `weights` (S slices (L, [1,] rows, cols)) as the backends take them:
+    None when no slice is fp8, else per slice None (16-bit) or a contiguous (L, rows) float32 tensor
+    (an (L,) per-tensor scale broadcast to every channel). `scales`: None, one tensor (one slice) or
+    a sequence with one entry per slice. Checked by `checks.check_weight_scales` (ValueError naming
+    `name`); a non-tensor entry is a TypeError."""
+    if scales is None and not any(w.dtype == torch.float8_e4m3fn for w in weights):
+        return None                                   # 16-bit weights, no scales: nothing to check
+    if scales is not None and not isinstance(scales, (list, tuple)):
+        scales = (scales,)
+    if scales is not None:
+        for s, sc in enumerate(scales):
+            if sc is not None and not isinstance(sc, torch.Tensor):
+                label = name if len(scales) == 1 else f"{name}[{s}]"
+                raise TypeError(f"{label} must be a torch.Tensor (float32 scales) or None, got {type(sc).__name__}")
+    kinds = checks.check_weight_scales(name, None if scales is None else
+                                       [None if sc is None else (tuple(sc.shape), sc.dtype) for sc in scales],
+                                       [tuple(w.shape) for w in weights], [w.dtype for w in weights], arg_w)
+    if all(k is None for k in kinds):
+        return None
+    out = []
+    for w, sc, kind in zip(weights, scales, kinds):
+        if kind is None:
+            out.append(None)
+            continue
+        rows = to_3d(w).shape[1]
+        full = sc[:, None].expand(sc.shape[0], rows) if kind == "tensor" else sc
+        out.append(full.to(device=w.device).contiguous())
+    return tuple(out)
+
+
 def _offsets(offset_start: int, widths: Sequence[int]) -> tuple:
     out, off = [], offset_start
     for w in widths:
@@ -196,20 +230,23 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
                 token_lora_mapping: torch.Tensor, token_indices_sorted_by_lora_ids: torch.Tensor,
                 num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor,
                 lora_ids: torch.Tensor, no_lora_flag: torch.Tensor, scaling: float, *,
-                backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
+                backend: str | None = None, lora_ranks=None, deterministic: bool = False,
+                lora_a_scale=None) -> torch.Tensor:
     """output_tensor[s, t] = scaling * inputs[t] @ lora_a_weights[s][idx[t]].T (0 for idx -1).
 
     inputs: (T, H); lora_a_weights: S tensors (L, [1,] r, H); output_tensor: (S, T, r), written
-    whole. The six metadata tensors are `LoRAKernelMeta.meta_args(T)`.
+    whole. The six metadata tensors are `LoRAKernelMeta.meta_args(T)`. lora_a_scale: the float32
+    scales of fp8 slices, per slice (L, r) or (L,) (None for a 16-bit slice; `weight_scales`).
     """
     require_tensors(inputs=inputs, output_tensor=output_tensor)
     _require_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                   lora_ids)
     lora_a = as_slices("lora_a_weights", lora_a_weights)
     check_tensors(inputs=inputs, lora_a_weights=lora_a, output_tensor=output_tensor,
-                  token_lora_mapping=token_lora_mapping)
+                  token_lora_mapping=token_lora_mapping, lora_a_scale=_scale_list(lora_a_scale))
     num_slots, rank, _ = checks.check_shrink(tuple(inputs.shape), inputs.dtype, [a.shape for a in lora_a],
                                              [a.dtype for a in lora_a], arg_x="inputs", arg_a="lora_a_weights")
+    a_scales = weight_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_weights")
     _check_out("output_tensor", output_tensor, (len(lora_a), inputs.shape[0], rank))
     _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
                      lora_token_start_loc, lora_ids, inputs.shape[0], num_slots, "lora_a_weights")
@@ -218,7 +255,7 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
     scaling = checks.as_scale(scaling)
     impl = dispatch.resolve(backend, inputs.device, deterministic=deterministic)
     impl.shrink(inputs, tuple(to_3d(a) for a in lora_a), output_tensor, meta, scaling,
-                as_lora_ranks(lora_ranks, num_slots, inputs.device))
+                as_lora_ranks(lora_ranks, num_slots, inputs.device), **_kw("a_scales", a_scales))
     return output_tensor
 
 
@@ -227,18 +264,19 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
                 num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor,
                 lora_ids: torch.Tensor, no_lora_flag: torch.Tensor, offset_start: int = 0,
                 add_inputs: bool = False, *, backend: str | None = None, lora_ranks=None,
-                deterministic: bool = False) -> torch.Tensor:
+                deterministic: bool = False, lora_b_scale=None) -> torch.Tensor:
     """output_tensor[t, off_s:off_s+n_s] = (old if add_inputs else 0) + inputs[s, t] @ B_s[idx[t]].T.
 
     inputs: (S, T, r); lora_b_weights: S tensors (L, [1,] n_s, r); output_tensor: (T, N), updated in
     place from column `offset_start`. Rows with idx -1 and columns outside the slices are untouched.
+    lora_b_scale: the float32 scales of fp8 slices, per slice (L, n_s) or (L,) (`weight_scales`).
     """
     require_tensors(inputs=inputs, output_tensor=output_tensor)
     _require_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                   lora_ids)
     lora_b = as_slices("lora_b_weights", lora_b_weights)
     check_tensors(inputs=inputs, lora_b_weights=lora_b, output_tensor=output_tensor,
-                  token_lora_mapping=token_lora_mapping)
+                  token_lora_mapping=token_lora_mapping, lora_b_scale=_scale_list(lora_b_scale))
     offset_start = checks.as_offset("offset_start", offset_start)
     num_slots, _, widths = checks.check_expand(tuple(inputs.shape), inputs.dtype, [b.shape for b in lora_b],
                                                [b.dtype for b in lora_b], tuple(output_tensor.shape),
@@ -246,13 +284,26 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
                                                arg_b="lora_b_weights", arg_y="output_tensor")
     _check_meta_args(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
                      lora_token_start_loc, lora_ids, output_tensor.shape[0], num_slots, "lora_b_weights")
+    b_scales = weight_scales("lora_b_scale", lora_b_scale, lora_b, "lora_b_weights")
     meta = _kernel_meta(token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora,
                         lora_token_start_loc, lora_ids, no_lora_flag)
     impl = dispatch.resolve(backend, output_tensor.device, deterministic=deterministic)
     impl.expand(inputs, tuple(to_3d(b) for b in lora_b), output_tensor, meta, _offsets(offset_start, widths),
                 checks.as_flag("add_inputs", add_inputs),
-                as_lora_ranks(lora_ranks, num_slots, output_tensor.device), None)
+                as_lora_ranks(lora_ranks, num_slots, output_tensor.device), None, **_kw("b_scales", b_scales))
     return output_tensor
+
+
+def _scale_list(scales) -> tuple:
+    """scales as a tuple of its tensors, for the device check (non-tensors are refused later)."""
+    items = scales if isinstance(scales, (list, tuple)) else (scales,)
+    return tuple(sc for sc in items if isinstance(sc, torch.Tensor))
+
+
+def _kw(name: str, scales) -> dict:
+    """{name: scales} for a backend call with fp8 weights; {} for 16-bit ones (backends called as
+    before)."""
+    return {} if scales is None else {name: scales}
 
 
 def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
@@ -276,17 +327,19 @@ def _index_meta(idx: torch.Tensor, num_tokens: int, num_slots: int, arg_w: str) 
 
 def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float = 1.0, *,
                 out: torch.Tensor | None = None, backend: str | None = None,
-                lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
-    """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H)."""
+                lora_ranks=None, deterministic: bool = False, w_scale=None) -> torch.Tensor:
+    """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H); w_scale:
+    an fp8 w's float32 scales, (L, r) per channel or (L,) per tensor."""
     require_tensors(x=x, lora_a_weights=w)
-    check_tensors(x=x, lora_a_weights=w, lora_indices_tensor=idx, out=out)
+    check_tensors(x=x, lora_a_weights=w, lora_indices_tensor=idx, out=out, w_scale=_scale_list(w_scale))
     num_slots, rank, _ = checks.check_shrink(tuple(x.shape), x.dtype, [w.shape], [w.dtype],
                                              arg_a="lora_a_weights")
+    a_scales = weight_scales("w_scale", w_scale, (w,), "lora_a_weights")
     scale = checks.as_scale(scale)
     result = torch.empty((1, x.shape[0], rank), dtype=torch.float32, device=x.device)
     impl = dispatch.resolve(backend, x.device, deterministic=deterministic)
     impl.shrink(x, (to_3d(w),), result, _index_meta(idx, x.shape[0], num_slots, "lora_a_weights"), scale,
-                as_lora_ranks(lora_ranks, num_slots, x.device))
+                as_lora_ranks(lora_ranks, num_slots, x.device), **_kw("a_scales", a_scales))
     if out is None:
         return result[0]
     _check_out("out", out, (x.shape[0], rank))
@@ -295,26 +348,31 @@ def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: floa
 
 def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
                 add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None,
-                deterministic: bool = False) -> torch.Tensor:
+                deterministic: bool = False, w_scale=None) -> torch.Tensor:
     """y[t, :c] = (y[t, :c] if add_inputs else 0) + (x[t] @ w[idx[t]].T)[:c], c = min(n, N), in place.
 
     x: (T, r); w: (L, [1,] n, r); y: (T, N). A LoRA output wider than y is cut to y's width (vLLM).
+    w_scale: an fp8 w's float32 scales, (L, n) per channel or (L,) per tensor.
     """
     require_tensors(inputs=x, lora_b_weights=w, y=y)
-    check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
+    check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx, w_scale=_scale_list(w_scale))
     checks.weight_dims("lora_b_weights", tuple(w.shape), "out_features, rank")
     w3 = to_3d(w)
+    scales = weight_scales("w_scale", w_scale, (w3,), "lora_b_weights")
     if y.dim() == 2 and w3.shape[1] > y.shape[1]:
         w3 = w3[:, : y.shape[1]]
-    return _expand_one(x, w3, y, idx, 0, add_inputs, backend, lora_ranks, deterministic)
+        scales = None if scales is None else (scales[0][:, : y.shape[1]],)
+    return _expand_one(x, w3, y, idx, 0, add_inputs, backend, lora_ranks, deterministic, scales)
 
 
 def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
                       y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> torch.Tensor:
-    """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T in place; w: (L, [1,] y_slice_size, r)."""
+                      backend: str | None = None, lora_ranks=None, deterministic: bool = False,
+                      w_scale=None) -> torch.Tensor:
+    """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T in place; w: (L, [1,] y_slice_size, r);
+    w_scale: an fp8 w's float32 scales, (L, y_slice_size) per channel or (L,) per tensor."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)
-    check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
+    check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx, w_scale=_scale_list(w_scale))
     # Types first: a y_slice_size of "16" or 16.0 is a TypeError, not a width mismatch.
     y_offset = checks.as_offset("y_offset", y_offset)
     y_slice_size = checks.as_offset("y_slice_size", y_slice_size)
@@ -322,10 +380,11 @@ def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: to
     if n != y_slice_size:
         raise ValueError(f"lora_b_weights has {n} output rows (shape {tuple(w.shape)}), but y_slice_size "
                          f"is {y_slice_size}")
-    return _expand_one(x, to_3d(w), y, idx, y_offset, add_inputs, backend, lora_ranks, deterministic)
+    scales = weight_scales("w_scale", w_scale, (w,), "lora_b_weights")
+    return _expand_one(x, to_3d(w), y, idx, y_offset, add_inputs, backend, lora_ranks, deterministic, scales)
 
 
-def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks, deterministic=False):
+def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks, deterministic=False, b_scales=None):
     if x.dim() != 2:
         raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {tuple(x.shape)}")
     offset = checks.as_offset("y_offset", offset)
@@ -334,7 +393,8 @@ def _expand_one(x, w3, y, idx, offset, add_inputs, backend, lora_ranks, determin
                                                arg_b="lora_b_weights")
     impl = dispatch.resolve(backend, y.device, deterministic=deterministic)
     impl.expand(x[None], (w3,), y, _index_meta(idx, y.shape[0], num_slots, "lora_b_weights"), (offset,),
-                checks.as_flag("add_inputs", add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), None)
+                checks.as_flag("add_inputs", add_inputs), as_lora_ranks(lora_ranks, num_slots, y.device), None,
+                **_kw("b_scales", b_scales))
     return y
 
 
@@ -403,7 +463,7 @@ def _rows(name: str, t) -> int:
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, scale: float = 1.0, *, backend: str | None = None, lora_ranks=None,
-                deterministic: bool = False):
+                deterministic: bool = False, w_scale=None):
     """bgmv_shrink with each segment's tokens using the segment's index (prefill metadata).
 
     x: (T, H); w: (L, [1,] r, H); seq_start_locs / seq_lengths / lora_indices_per_batch: (B,) integer
@@ -414,12 +474,13 @@ def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch
     num_tokens = _rows("x", x)
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                           num_tokens, x.device, _num_slots(w))
-    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks, deterministic=deterministic)
+    return bgmv_shrink(x, w, idx, scale, backend=backend, lora_ranks=lora_ranks, deterministic=deterministic,
+                       w_scale=w_scale)
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                 token_nums, add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None,
-                deterministic: bool = False):
+                deterministic: bool = False, w_scale=None):
     """bgmv_expand with each segment's tokens using the segment's index (prefill metadata).
 
     x: (T, r); w: (L, [1,] n, r); y: (T, N), updated in place and returned. The segment arguments
@@ -429,12 +490,12 @@ def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, ba
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                           num_tokens, y.device, _num_slots(w))
     return bgmv_expand(x, w, y, idx, add_inputs, backend=backend, lora_ranks=lora_ranks,
-                       deterministic=deterministic)
+                       deterministic=deterministic, w_scale=w_scale)
 
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                       token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: str | None = None, lora_ranks=None, deterministic: bool = False):
+                      backend: str | None = None, lora_ranks=None, deterministic: bool = False, w_scale=None):
     """bgmv_expand_slice with each segment's tokens using the segment's index.
 
     x: (T, r); w: (L, [1,] y_slice_size, r); y: (T, N), columns [y_offset, y_offset + y_slice_size)
@@ -444,4 +505,4 @@ def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_bat
     idx = segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
                           num_tokens, y.device, _num_slots(w))
     return bgmv_expand_slice(x, w, y, idx, y_offset, y_slice_size, add_inputs, backend=backend,
-                             lora_ranks=lora_ranks, deterministic=deterministic)
+                             lora_ranks=lora_ranks, deterministic=deterministic, w_scale=w_scale)

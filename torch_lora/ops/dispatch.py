@@ -14,6 +14,10 @@ Optional:
   prepare_linear(lora_a, lora_b, meta_args, offsets, bias, *, col_scale=None) -> run(y, x, scale, lora_ranks)
       `linear` with the persistent arguments bound, for repeated calls with new activations
       (the wrapper keeps one per layer and token count; see torch_lora.ops.triton.PreparedLinear)
+fp8 (e4m3) weights (contract section 11): `shrink(..., a_scales=)`, `expand(..., b_scales=)`,
+`linear` / `prepare_linear(..., a_scales=, b_scales=)`, each a tuple per slice of None (a 16-bit
+slice) or the (L, r) / (L, n_s) float32 per-channel scales (the ops broadcast per-tensor scales
+first); passed only when some weight is fp8, so a backend without fp8 keeps its signature.
 `meta_args` is `LoRAKernelMeta.meta_args(T)`: a `lora_core.kernel_meta.KernelMeta` (contract section
 3), whose fields the backends read by name (the reference backend reads only its first,
 `token_lora_mapping`). Weights arrive as 3-D views (the size-1 axis removed), arguments already

@@ -6,6 +6,13 @@ Math (contract section 4), idx[t] the slot of token t or -1, every product in fl
   expand:  y[t, off_s : off_s + n_s] = (y[t, ...] if add_inputs else 0) + buf[s, t] @ B_s[idx[t]].T
            + bias_s[idx[t]]                                         (rows with idx -1 untouched)
 
+fp8 (e4m3) weights (contract section 11): every product is computed with the fp8 values as float32
+and each token's own (T, r) / (T, n) product is multiplied once by its slot's channel scales
+(a_scales[s] (L, r), b_scales[s] (L, n_s)), as the kernels do:
+
+  shrink:  out[s, t, c] = scale * a_scale_s[idx[t], c] * x[t] @ float32(A_q,s[idx[t], c]).T
+  expand:  delta[t, n]  = b_scale_s[idx[t], n] * buf[s, t] @ float32(B_q,s[idx[t], n]).T
+
 Invariant: a slot's weights reach only the tokens of that slot. A slot is *selected* (a gather, or
 `where` on the token's slot), never multiplied by a one-hot 0: 0 * NaN = NaN, so a NaN or Inf in
 any slot -- one no token uses, an empty one, the rank padding -- would otherwise turn every LoRA row
@@ -74,10 +81,12 @@ def pair_columns(idx: torch.Tensor, pairs) -> list[tuple[torch.Tensor, torch.Ten
 
 @torch.no_grad()
 def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args: tuple,
-           scale: float, lora_ranks: torch.Tensor | None = None, *, rows=_shrink_rows, pairs=None) -> None:
+           scale: float, lora_ranks: torch.Tensor | None = None, *, rows=_shrink_rows, pairs=None,
+           a_scales=None) -> None:
     """out[s] (T, r) float32 written ((T, k * r) with k adapter pairs: pair j at columns j*r..). rows(xf,
     a, slot) -> (T, r): how each token's own product is computed (torch_lora.ops.invariant passes
-    its batch-invariant form)."""
+    its batch-invariant form). a_scales: None or S entries, each None or the (L, r) float32
+    channel scales of an fp8 A_s."""
     t = x.shape[0]
     idx = meta_args[0][:t]   # token_lora_mapping, meta_args' first entry (the only one read here)
     xf = x.to(torch.float32)
@@ -87,6 +96,8 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
         for j, (idx_j, weight) in enumerate(columns):
             valid, slot = _slots(idx_j, num_slots)
             own = rows(xf, a, slot)                                                # (T, r)
+            if a_scales is not None and a_scales[s] is not None:
+                own = own * a_scales[s].to(torch.float32)[slot]                    # fp8: own slot's scales
             keep = valid[:, None]
             if lora_ranks is not None:
                 keep = keep & _rank_keep(lora_ranks, num_slots, rank, x.device)[slot]
@@ -125,19 +136,20 @@ def _expand_slots(x: torch.Tensor, slot: torch.Tensor, b: torch.Tensor,
 @torch.no_grad()
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args: tuple,
            offsets: Sequence[int], add_inputs: bool, lora_ranks: torch.Tensor | None = None,
-           bias=None, *, rows=None, col_scale=None, pairs=None) -> None:
+           bias=None, *, rows=None, col_scale=None, pairs=None, b_scales=None) -> None:
     """With lora_ranks, B's columns past a slot's rank and buf's values past a token's rank are
     ignored. rows(x, slot, b, keep) -> (T, n): each token's own product (default `_expand_slots`;
     torch_lora.ops.invariant passes its batch-invariant form). col_scale: None or S entries, each
     None or (L, n_s): a token's new slice values are multiplied by col_scale[s][idx[t]] (DoRA's
     column scale, lora_core.dora), after the bias. pairs: several adapters per token (the module
-    docstring; no bias or col_scale then)."""
+    docstring; no bias or col_scale then). b_scales: None or S entries, each None or the (L, n_s)
+    float32 channel scales of an fp8 B_s (a token's product times its slot's row, before the bias)."""
     rows = rows or _expand_slots
     t = y.shape[0]
     idx = meta_args[0][:t]   # token_lora_mapping, meta_args' first entry (the only one read here)
     if pairs is not None:
         _expand_pairs(buf, lora_b, y, pair_columns(idx, pairs), offsets, add_inputs, lora_ranks, bias, col_scale,
-                      rows)
+                      rows, b_scales)
         return
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         num_slots, width, rank = b.shape
@@ -147,7 +159,7 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
         if lora_ranks is not None:
             keep = _rank_keep(lora_ranks, num_slots, rank, y.device)              # (L, r)
             x = torch.where(keep[slot], x, torch.zeros_like(x))                    # past the token's rank
-        delta = rows(x, slot, b, keep)
+        delta = _channel_scaled(rows(x, slot, b, keep), b_scales, s, slot)
         if bias is not None and bias[s] is not None:
             delta = delta + bias[s][slot].to(torch.float32)                        # own slot only
         old = y[:, off:off + width]
@@ -157,7 +169,15 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
         old.copy_(torch.where(valid[:, None], new.to(y.dtype), old))
 
 
-def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias, col_scale, rows) -> None:
+def _channel_scaled(delta: torch.Tensor, scales, s: int, slot: torch.Tensor) -> torch.Tensor:
+    """delta (T, n) times slot[t]'s row of scales[s] (an fp8 weight's channel scales), or delta."""
+    if scales is None or scales[s] is None:
+        return delta
+    return delta * scales[s].to(torch.float32)[slot]
+
+
+def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias, col_scale, rows,
+                  b_scales=None) -> None:
     """`expand` with adapter pairs: y[t, slice s] (+)= sum_j buf[s, t, j*r:(j+1)*r] @ B_s[slot_j].T over
     the token's pairs; rows without any pair are untouched."""
     if bias is not None and any(b is not None for b in bias) or col_scale is not None and any(
@@ -174,7 +194,7 @@ def _expand_pairs(buf, lora_b, y, columns, offsets, add_inputs, lora_ranks, bias
             x = buf[s][:, j * rank:(j + 1) * rank].to(torch.float32)
             if keep is not None:
                 x = torch.where(keep[slot], x, torch.zeros_like(x))
-            part = rows(x, slot, b, keep)
+            part = _channel_scaled(rows(x, slot, b, keep), b_scales, s, slot)
             delta = delta + torch.where(valid[:, None], part, torch.zeros_like(part))
             any_pair = any_pair | valid
         old = y[:, off:off + width]

@@ -51,7 +51,8 @@ def _pdl_enabled() -> bool:
     return (HAVE_PDL and not interpreting() and pdl_allowed()
             and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                torch.float8_e4m3fn: "float8_e4m3fn"}
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -205,14 +206,20 @@ def _plan_for_shrink(x, lora_a, meta_args, lora_ranks, lora_only, workspace, con
                         deterministic, _num_pairs(pairs))
 
 
-def _shrink_call(x, lora_a, out, meta_args, scale, lora_ranks, plan, pairs=None) -> arguments.KernelCall:
+def _part(scales, lo: int, hi: int):
+    """Slices lo..hi of per-slice fp8 channel scales (None stays None)."""
+    return None if scales is None else tuple(scales[lo:hi])
+
+
+def _shrink_call(x, lora_a, out, meta_args, scale, lora_ranks, plan, pairs=None,
+                 a_scales=None) -> arguments.KernelCall:
     return arguments.shrink_call(plan, x, lora_a, lora_ranks, meta_args, scale,
                                  out if out.dim() == 4 else out[None],
-                                 _torch_strides, pairs)
+                                 _torch_strides, pairs, a_scales)
 
 
 def _expand_call(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bias, config=None,
-                 pdl=False, deterministic=False, pairs=None) -> arguments.KernelCall:
+                 pdl=False, deterministic=False, pairs=None, b_scales=None) -> arguments.KernelCall:
     """The expand of slices lora_b (at most MAX_SLICES) from buf (S, T, r) or (planes, S, T, r)."""
     L, _, R = lora_b[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
@@ -221,10 +228,12 @@ def _expand_call(buf, lora_b, y, meta_args, offsets, add_inputs, lora_ranks, bia
                         _dtype_name(lora_b[0]), _dtype_name(y), bool(add_inputs),
                         arguments.bias_flags(bias, len(lora_b)), lora_ranks is not None, _key(config), pdl,
                         deterministic, _num_pairs(pairs))
-    return arguments.expand_call(plan, buf4, lora_b, bias, lora_ranks, meta_args, y, offsets, _torch_strides, pairs)
+    return arguments.expand_call(plan, buf4, lora_b, bias, lora_ranks, meta_args, y, offsets, _torch_strides, pairs,
+                                 b_scales)
 
 
-def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, config=None, pairs=None):
+def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, config=None, pairs=None,
+                a_scales=None, b_scales=None):
     """(workspace, call) of the fused launch of slices lora_a / lora_b (the workspace allocated here)."""
     T, H = x.shape
     L, R, _ = lora_a[0].shape
@@ -236,31 +245,35 @@ def _fused_call(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bia
     sync = _sync_buffer(x.device, torch._C._cuda_getCurrentRawStream(x.device.index) if x.is_cuda else 0,
                         plan.sync_ints)
     return ws, arguments.fused_call(plan, x, lora_a, lora_b, bias, lora_ranks, meta_args, y, sync, ws, scale,
-                                    offsets, _torch_strides, pairs)
+                                    offsets, _torch_strides, pairs, a_scales, b_scales)
 
 
 def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
-                   shrink_config=None, expand_config=None, fused_config=None, deterministic=False, pairs=None):
+                   shrink_config=None, expand_config=None, fused_config=None, deterministic=False, pairs=None,
+                   a_scales=None, b_scales=None):
     """add_lora_linear's launches, per chunk of <= MAX_SLICES slices: (workspace, [calls]).
     Each chunk's workspace is allocated here; its launches must be enqueued before the next chunk.
-    With adapter pairs the workspace's rank axis holds k * r columns."""
+    With adapter pairs the workspace's rank axis holds k * r columns. a_scales / b_scales: the fp8
+    weights' channel scales per slice (None where 16-bit)."""
     T = x.shape[0]
     R = lora_a[0].shape[1]
     for lo, hi in slice_chunks(len(lora_a)):
         chunk_bias = None if bias is None else tuple(bias[lo:hi])
         if fused:
             ws, call = _fused_call(y, x, lora_a[lo:hi], lora_b[lo:hi], meta_args, scale, offsets[lo:hi], lora_ranks,
-                                   chunk_bias, config=fused_config, pairs=pairs)
+                                   chunk_bias, config=fused_config, pairs=pairs, a_scales=_part(a_scales, lo, hi),
+                                   b_scales=_part(b_scales, lo, hi))
             yield ws, [call]
             continue
         plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, True, True, shrink_config, deterministic,
                                 pairs)
         ws = torch.empty((plan.num_partials, hi - lo, T, R * max(1, _num_pairs(pairs))), dtype=torch.float32,
                          device=x.device)
-        yield ws, [_shrink_call(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan, pairs),
+        yield ws, [_shrink_call(x, lora_a[lo:hi], ws, meta_args, scale, lora_ranks, plan, pairs,
+                                _part(a_scales, lo, hi)),
                    _expand_call(ws, lora_b[lo:hi], y, meta_args, offsets[lo:hi], True, lora_ranks, chunk_bias,
                                 config=expand_config, pdl=plan.constexprs["USE_PDL"], deterministic=deterministic,
-                                pairs=pairs)]
+                                pairs=pairs, b_scales=_part(b_scales, lo, hi))]
 
 
 # ------------------------------------------------------------------------------------- prepared linear
@@ -303,9 +316,10 @@ class PreparedLinear:
                  "_sync_ints", "_ws_floats", "_ws_stream", "_ws_ptr")
 
     def __init__(self, lora_a, lora_b, meta_args, offsets, bias=None, *, fused: bool | None = None,
-                 deterministic: bool = False, pairs=None):
+                 deterministic: bool = False, pairs=None, a_scales=None, b_scales=None):
         _check_fused_deterministic(fused, deterministic)
-        self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused, deterministic, pairs)
+        self._args = (tuple(lora_a), tuple(lora_b), meta_args, tuple(offsets), bias, fused, deterministic, pairs,
+                      a_scales, b_scales)
         self._steps = None
         self._layout = None
         self._device = lora_a[0].device.index
@@ -354,14 +368,15 @@ class PreparedLinear:
                 return
         if x.shape[0] == 0:
             return
-        lora_a, lora_b, meta_args, offsets, bias, fused, deterministic, pairs = self._args
+        lora_a, lora_b, meta_args, offsets, bias, fused, deterministic, pairs, a_scales, b_scales = self._args
         T = x.shape[0]
         if fused is None:
             fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
                                       deterministic=deterministic)
         chunks = []
         for ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
-                                        deterministic=deterministic, pairs=pairs):
+                                        deterministic=deterministic, pairs=pairs, a_scales=a_scales,
+                                        b_scales=b_scales):
             for call in calls:
                 _launch(call)
             chunks.append((ws, calls))
@@ -432,8 +447,9 @@ class PreparedLinear:
 
 def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, meta_args, scale: float,
            lora_ranks: torch.Tensor | None = None, *, config: dict | None = None,
-           deterministic: bool = False, pairs=None) -> None:
-    """out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T (float32, 0 for tokens without LoRA).
+           deterministic: bool = False, pairs=None, a_scales=None) -> None:
+    """out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T (float32, 0 for tokens without LoRA); fp8 A_s:
+    times a_scales[s][idx[t]] (its (L, r) float32 channel scales).
     deterministic: batch-invariant launches (configs.deterministic_config; unsplit, no atomics).
     pairs: several adapters per token (lora_core.adapter_pairs): out (S, T, k * r), pair j's
     weighted product at columns j*r..(j+1)*r."""
@@ -444,16 +460,18 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
                                 pairs)
         if plan.atomic:
             out[lo:hi].zero_()                       # split-K adds atomically into zeros
-        _launch(_shrink_call(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan, pairs))
+        _launch(_shrink_call(x, lora_a[lo:hi], out[lo:hi], meta_args, scale, lora_ranks, plan, pairs,
+                             _part(a_scales, lo, hi)))
 
 
 def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, meta_args,
            offsets: Sequence[int], add_inputs: bool, lora_ranks: torch.Tensor | None = None,
            bias=None, *, config: dict | None = None, deterministic: bool = False, col_scale=None,
-           pairs=None) -> None:
+           pairs=None, b_scales=None) -> None:
     """y[t, off_s:off_s+n_s] = (y if add_inputs else 0) + buf[s, t] @ lora_b[s][idx[t]].T + bias, times
     col_scale[s][idx[t]] where given (DoRA). deterministic: batch-invariant launches. pairs: several
-    adapters per token, summed (buf (S, T, k * r) from `shrink`; no bias or col_scale)."""
+    adapters per token, summed (buf (S, T, k * r) from `shrink`; no bias or col_scale). b_scales:
+    per slice None or the (L, n_s) float32 channel scales of an fp8 B_s (its product times them)."""
     if y.shape[0] == 0:
         return
     bias = arguments.epilogue(bias, col_scale, len(lora_b))
@@ -461,14 +479,14 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
     for lo, hi in slice_chunks(len(lora_b)):
         _launch(_expand_call(buf4[:, lo:hi], lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), add_inputs,
                              lora_ranks, None if bias is None else tuple(bias[lo:hi]), config=config,
-                             deterministic=deterministic, pairs=pairs))
+                             deterministic=deterministic, pairs=pairs, b_scales=_part(b_scales, lo, hi)))
 
 
 def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
            meta_args, scale: float, offsets: Sequence[int], lora_ranks: torch.Tensor | None = None,
            bias=None, *, fused: bool | None = None, shrink_config: dict | None = None,
            expand_config: dict | None = None, fused_config: dict | None = None,
-           deterministic: bool = False, col_scale=None, pairs=None) -> None:
+           deterministic: bool = False, col_scale=None, pairs=None, a_scales=None, b_scales=None) -> None:
     """add_lora_linear's math in place: y[t, slice s] += (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx].
 
     One launch (fused kernel) when `configs.use_fused` says so for this size (or fused=True), else
@@ -476,6 +494,7 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
     programmatic dependent of the shrink on Hopper). deterministic=True: always shrink + expand
     with the batch-invariant configs (configs.deterministic_config); fused=True is then an error.
     pairs: several adapters per token (lora_core.adapter_pairs), summed, on either path.
+    a_scales / b_scales: per slice None or the channel scales of an fp8 A_s (L, r) / B_s (L, n_s).
     """
     _check_fused_deterministic(fused, deterministic)
     T = x.shape[0]
@@ -486,19 +505,21 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
         fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
                                   deterministic=deterministic)
     for _ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, tuple(offsets), lora_ranks, bias,
-                                     fused, shrink_config, expand_config, fused_config, deterministic, pairs):
+                                     fused, shrink_config, expand_config, fused_config, deterministic, pairs,
+                                     a_scales, b_scales):
         for call in calls:
             _launch(call)
 
 
 def prepare_linear(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], meta_args,
                    offsets: Sequence[int], bias=None, *, deterministic: bool = False,
-                   col_scale=None, pairs=None) -> PreparedLinear:
+                   col_scale=None, pairs=None, a_scales=None, b_scales=None) -> PreparedLinear:
     """`linear` with its persistent arguments bound, for repeated calls (see PreparedLinear);
     col_scale (DoRA, as in `linear`) is bound too: its tensors are read in place at every call;
-    pairs (several adapters per token, lora_core.adapter_pairs) too: their tables are read in place."""
+    pairs (several adapters per token, lora_core.adapter_pairs) too: their tables are read in place;
+    so are a_scales / b_scales (fp8 weights' channel scales)."""
     return PreparedLinear(lora_a, lora_b, meta_args, offsets, arguments.epilogue(bias, col_scale, len(lora_b)),
-                          deterministic=deterministic, pairs=pairs)
+                          deterministic=deterministic, pairs=pairs, a_scales=a_scales, b_scales=b_scales)
 
 
 def _check_fused_deterministic(fused: bool | None, deterministic: bool) -> None:

@@ -108,7 +108,7 @@ class ParallelLoRALayer(torch.nn.Module):
         self.dtype = dtype if dtype is not None else (param.dtype if param is not None else torch.get_default_dtype())
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
-        checks.check_dtype("dtype", self.dtype, checks.WEIGHT_DTYPES)
+        checks.check_dtype("dtype", self.dtype, checks.UNSCALED_WEIGHT_DTYPES)
         device = torch.device(device) if device is not None else (param.device if param is not None
                                                                   else torch.device("cpu"))
         problem = self._sharding_problem()

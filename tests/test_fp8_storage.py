@@ -1,0 +1,150 @@
+"""fp8 (e4m3) adapter storage on the torch side (contract section 11): `MultiLoRAModel(...,
+lora_dtype="fp8")` against PEFT, and fp8 PEFT files.
+
+A tiny random Llama in float32 on the CPU (tests/test_torch_hf.py's `Family`). With fp8 slots a
+mixed batch stays within FP8_OF_EFFECT of PEFT relative to the adapter's own effect on the logits
+(the quantisation error of e4m3: a few percent of the LoRA term, never of the base model); an fp8
+PEFT file (F8_E4M3 weights with `weight_scale` tensors) loads as it is into fp8 slots (the stored
+bits are the file's) and dequantised into 16/32-bit slots, both equal to PEFT running the
+dequantised weights within float32's tolerance; bad fp8 files are refused from their header.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from torch_lora import AdapterError  # noqa: E402
+
+from . import oracle  # noqa: E402
+from .test_torch_hf import RTOL, VOCAB, Family, _rel  # noqa: E402
+
+# A mixed batch's logits through fp8 slots differ from PEFT's by at most this fraction of the
+# adapter's own effect (max |peft - base|): e4m3 rounds each weight by at most 2^-4 relative, so a
+# product of an A and a B term by at most about 2 * 2^-4 = 0.125 (measured here: 0.05-0.10).
+FP8_OF_EFFECT = 0.15
+ROWS = ["a", "b", "__base__", "c", "d", "b"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return Family(tmp_path_factory.mktemp("fp8-llama"), "llama")
+
+
+def _tokens(n=None):
+    return torch.as_tensor(np.random.default_rng(5).integers(1, VOCAB, size=(n or len(ROWS), 6)))
+
+
+def test_fp8_slots_match_peft_within_the_quantisation_error(llama):
+    mm = llama.wrapped(lora_dtype="fp8")
+    linear = [layer for layer in mm.layers.values() if type(layer).__name__ == "LoRALinear"]
+    assert linear and all(layer.lora_a.dtype == torch.float8_e4m3fn and layer.lora_b[0].dtype == torch.float8_e4m3fn
+                          for layer in linear)
+    assert all(layer.lora_a.dtype == torch.float32 for path, layer in mm.layers.items() if layer not in linear)
+    tokens = _tokens()
+    out = mm(tokens, adapter_names=ROWS).logits.numpy()
+    full = llama.wrapped()(tokens, adapter_names=ROWS).logits.numpy()
+    for j, adapter in enumerate(ROWS):
+        want = llama.alone(adapter, tokens[j])
+        if adapter == "__base__":
+            assert _rel(out[j], want) < RTOL
+            continue
+        effect = _rel(want, llama.alone("__base__", tokens[j]))
+        assert _rel(out[j], want) <= FP8_OF_EFFECT * effect, (adapter, _rel(out[j], want), effect)
+        assert _rel(out[j], full[j]) > 1e-7                        # the slots really hold e4m3 values
+
+
+def _quantize_file(src: str, dst: str, per_tensor_b: bool) -> dict:
+    """dst: src's PEFT adapter with every linear lora_A / lora_B in F8_E4M3 (contract section 11's
+    rule, tests/oracle.py) and their weight_scale tensors (A per channel, B per channel or per
+    tensor); returns {tensor name: dequantised float64 array}."""
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "adapter_config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(dst, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    tensors = safetensors_torch.load_file(os.path.join(src, "adapter_model.safetensors"))
+    out, deq = {}, {}
+    for name, t in tensors.items():
+        if ".lora_A." not in name and ".lora_B." not in name:
+            out[name] = t
+            continue
+        w = t.double().numpy()
+        if per_tensor_b and ".lora_B." in name:
+            q, scale = oracle.fp8_quantize(w.reshape(1, -1))
+            q, scale = q.reshape(w.shape), scale.reshape(())
+        else:
+            q, scale = oracle.fp8_quantize(w)
+        out[name] = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8)).view(torch.float8_e4m3fn)
+        out[name.removesuffix(".weight") + ".weight_scale"] = torch.from_numpy(np.asarray(scale, np.float32))
+        deq[name] = oracle.fp8_dequantize(q[None], np.reshape(scale, (1,) + np.shape(scale)))[0] \
+            if np.ndim(scale) else oracle.fp8_dequantize(q[None], np.reshape(scale, (1,)))[0]
+    safetensors_torch.save_file(out, os.path.join(dst, "adapter_model.safetensors"))
+    return deq
+
+
+def test_fp8_peft_file_loads_as_it_is(llama, tmp_path):
+    """An fp8 file of adapter "b" (every linear module, rank_pattern, rslora): into fp8 slots its e4m3
+    bits unchanged, into float32 slots dequantised; both equal PEFT with the dequantised weights."""
+    deq = _quantize_file(llama.dirs["b"], str(tmp_path / "b8"), per_tensor_b=True)
+    pm = llama.peft["b"]
+    with torch.no_grad():
+        state = {k: v.clone() for k, v in pm.state_dict().items()}
+        for k in state:
+            key = k.replace(".default", "")
+            if key in deq:
+                state[k] = torch.from_numpy(deq[key]).float()
+        dequantised = peft.get_peft_model(llama.fresh(), pm.peft_config["default"]).eval()
+        dequantised.load_state_dict(state)
+    tokens = _tokens(3)
+    with torch.no_grad():
+        want = [dequantised(tokens[j][None]).logits[0].numpy() for j in range(3)]
+    for lora_dtype in ("fp8", None):
+        mm = llama.wrapped(adapters=(), lora_dtype=lora_dtype)
+        mm.load_adapter("b8", str(tmp_path / "b8"))
+        out = mm(tokens, adapter_names=["b8", "b8", "__base__"]).logits.numpy()
+        assert _rel(out[0], want[0]) < RTOL and _rel(out[1], want[1]) < RTOL, lora_dtype
+        if lora_dtype == "fp8":
+            q_file = safetensors_torch.load_file(str(tmp_path / "b8" / "adapter_model.safetensors"))
+            layer = mm.layers["model.layers.0.self_attn.q_proj+k_proj+v_proj"]
+            slot = int(np.flatnonzero(np.asarray([i or 0 for i in mm.adapters.lora_index_to_id]) == mm._ids["b8"])[0])
+            a_file = q_file["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+            assert torch.equal(layer.lora_a[0, slot, :a_file.shape[0]].view(torch.uint8), a_file.view(torch.uint8))
+
+
+@pytest.mark.parametrize("change,match", [
+    ("drop_scale", "F8_E4M3 without its scale"),
+    ("scale_shape", r"expected F32 \(\d+,\) per channel or \(\) / \(1,\) per tensor"),
+    ("scale_f16", "expected F32"),
+    ("one_side", "both lora_A and lora_B are F8_E4M3"),
+    ("stray_scale", "have no lora_A / lora_B pair"),
+])
+def test_bad_fp8_files_are_refused_from_the_header(llama, tmp_path, change, match):
+    _quantize_file(llama.dirs["a"], str(tmp_path / "ok"), per_tensor_b=False)
+    path = str(tmp_path / "ok" / "adapter_model.safetensors")
+    tensors = safetensors_torch.load_file(path)
+    a_key = next(k for k in sorted(tensors) if k.endswith("lora_A.weight"))
+    scale_key = a_key.removesuffix(".weight") + ".weight_scale"
+    if change == "drop_scale":
+        del tensors[scale_key]
+    elif change == "scale_shape":
+        tensors[scale_key] = torch.ones(3)
+    elif change == "scale_f16":
+        tensors[scale_key] = tensors[scale_key].half()
+    elif change == "one_side":
+        tensors[a_key] = tensors[a_key].float()
+        del tensors[scale_key]
+    else:
+        tensors["base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight_scale"] = torch.ones(4)
+    safetensors_torch.save_file(tensors, path)
+    mm = llama.wrapped(adapters=(), lora_dtype="fp8")
+    with pytest.raises(AdapterError, match=match):
+        mm.load_adapter("bad", str(tmp_path / "ok"))
