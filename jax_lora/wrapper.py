@@ -40,7 +40,6 @@ from .ops.api import (
     as_lora_ranks,
     as_slices,
     check_same_device,
-    checked_dtypes,
     scale_keywords,
     to_3d,
     weight_scales,
@@ -374,7 +373,7 @@ class PunicaWrapper:
         x = _flatten_tokens(as_array("x", x, checks.ACTIVATION_DTYPES), "x")
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
-                                                 checked_dtypes([a.dtype for a in lora_a]))
+                                                 [a.dtype for a in lora_a])
         a_scales = weight_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked")
         scale = checks.as_scale(scale)
         _check_buffer("y", y, (len(lora_a), x.shape[0], rank))
@@ -425,7 +424,7 @@ class PunicaWrapper:
         if dora_scale_stacked is None:
             return {}
         scales = list(dora_scale_stacked) if isinstance(dora_scale_stacked, (list, tuple)) else [dora_scale_stacked]
-        scales = [None if g is None else as_array(f"dora_scale_stacked[{i}]", g, checks.WEIGHT_DTYPES)
+        scales = [None if g is None else as_array(f"dora_scale_stacked[{i}]", g, checks.VECTOR_DTYPES)
                   for i, g in enumerate(scales)]
         widths = [b.shape[1] for b in lora_b]
         checks.check_dora_scales([None if g is None else g.shape for g in scales],
@@ -447,7 +446,7 @@ class PunicaWrapper:
             lora_b = tuple(b[..., : y2.shape[1], :] for b in lora_b)
             slices = tuple(min(s, y2.shape[1]) for s in slices)
         num_slots, rank, widths = checks.check_expand(buf_shape, buf_dtype, [b.shape for b in lora_b],
-                                                      checked_dtypes([b.dtype for b in lora_b]), y2.shape,
+                                                      [b.dtype for b in lora_b], y2.shape,
                                                       y2.dtype, offset_start)
         checks.check_slice_widths(slices, widths)
         if num_slots_a is not None:
@@ -509,7 +508,7 @@ class PunicaWrapper:
             raise ValueError(f"x has {x2.shape[0]} tokens (shape {jnp.shape(x)}) but y has {y2.shape[0]} "
                              f"(shape {y.shape})")
         num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [a.shape for a in lora_a],
-                                                 checked_dtypes([a.dtype for a in lora_a]))
+                                                 [a.dtype for a in lora_a])
         a_scales = weight_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked")
         b_scales = _b_scales(lora_b_stacked, lora_b_scale, lora_b)
         scale = checks.as_scale(scale)
@@ -586,7 +585,7 @@ class PunicaWrapper:
         offsets = tuple(sum(output_slices[:s]) for s in range(len(output_slices)))
         b_index = [(slice(None), slice(o, o + n)) for o, n in zip(offsets, output_slices)]
         if dora_scale is not None:
-            dora_scale = as_array("dora_scale", dora_scale, checks.WEIGHT_DTYPES)
+            dora_scale = as_array("dora_scale", dora_scale, checks.VECTOR_DTYPES)
             if dora_scale.shape != (lora_b.shape[0], lora_b.shape[1]):
                 raise ValueError(f"dora_scale must have shape {(lora_b.shape[0], lora_b.shape[1])} (slots, "
                                  f"sum(output_slices)), got {dora_scale.shape}")

@@ -268,22 +268,13 @@ def segment_indices(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_s
 # ----------------------------------------------------------------------------- fp8 weight scales
 
 FP8_DTYPE = "float8_e4m3fn"
-WEIGHT_DTYPES = tuple(checks.WEIGHT_DTYPES) + (() if FP8_DTYPE in checks.WEIGHT_DTYPES else (FP8_DTYPE,))
-"""The weight dtypes the ops take: lora_core.checks' plus e4m3 (with a per-channel float32 scale)."""
+WEIGHT_DTYPES = tuple(checks.WEIGHT_DTYPES)
+"""The weight dtypes the ops take: 16-bit, float32 and e4m3 (with a per-channel float32 scale)."""
 
 
 def is_fp8(dtype) -> bool:
     """Whether `dtype` is the fp8 weight dtype (e4m3)."""
     return checks.dtype_name(dtype) == FP8_DTYPE
-
-
-def checked_dtypes(dtypes) -> list:
-    """Weight dtypes as lora_core.checks' shape checks take them: an fp8 weight is checked with its
-    scale (`weight_scales`), so where checks.WEIGHT_DTYPES does not name e4m3 it is passed on as the
-    16-bit dtype it is upcast to."""
-    if FP8_DTYPE in checks.WEIGHT_DTYPES:
-        return list(dtypes)
-    return ["bfloat16" if is_fp8(d) else d for d in dtypes]
 
 
 def weight_scales(name: str, scales, weights: Sequence, arg_w: str) -> tuple | None:
@@ -387,7 +378,7 @@ def lora_shrink(x: ArrayLike, lora_a_stacked, meta, scale: float, *, backend: st
     x = as_array("x", x, checks.ACTIVATION_DTYPES)
     lora_a = as_slices("lora_a_stacked", lora_a_stacked)
     num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [a.shape for a in lora_a],
-                                             checked_dtypes([a.dtype for a in lora_a]))
+                                             [a.dtype for a in lora_a])
     a_scales = weight_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked")
     scale = checks.as_scale(scale)
     meta = as_meta(meta)
@@ -419,7 +410,7 @@ def lora_expand(buf: ArrayLike, lora_b_stacked, y: ArrayLike, meta, offset_start
     lora_b = as_slices("lora_b_stacked", lora_b_stacked)
     offset_start = checks.as_offset("offset_start", offset_start)
     num_slots, rank, widths = checks.check_expand(buf.shape, buf.dtype, [b.shape for b in lora_b],
-                                                  checked_dtypes([b.dtype for b in lora_b]), y.shape, y.dtype,
+                                                  [b.dtype for b in lora_b], y.shape, y.dtype,
                                                   offset_start, arg_buf="inputs")
     b_scales = weight_scales("lora_b_scale", lora_b_scale, lora_b, "lora_b_stacked")
     meta = as_meta(meta)
@@ -458,7 +449,7 @@ def bgmv_shrink(x: ArrayLike, w: ArrayLike, idx: ArrayLike, scale: float = 1.0, 
     """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1. w: (L, [1,] r, H); an e4m3 w
     takes w_scale, float32 (L, r) per rank row or (L,) per tensor: w[l, c] ~ w_scale[l, c] * w_q[l, c]."""
     x, w = as_array("x", x, checks.ACTIVATION_DTYPES), as_array("lora_a_weights", w, WEIGHT_DTYPES)
-    num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], checked_dtypes([w.dtype]),
+    num_slots, rank, _ = checks.check_shrink(x.shape, x.dtype, [w.shape], [w.dtype],
                                              arg_a="lora_a_weights")
     a_scales = weight_scales("w_scale", w_scale, (w,), "lora_a_weights")
     scale = checks.as_scale(scale)
@@ -516,7 +507,7 @@ def _expand_one(x, w3, w_orig, y, idx, offset, add_inputs, backend, lora_ranks, 
         raise ValueError(f"inputs must be 2-D (num_tokens, rank), got shape {x.shape}")
     checks.weight_dims("lora_b_weights", w_orig.shape, "out_features, rank")
     offset = checks.as_offset("y_offset", offset)
-    num_slots, rank, widths = checks.check_expand((1,) + x.shape, x.dtype, [w3.shape], checked_dtypes([w3.dtype]),
+    num_slots, rank, widths = checks.check_expand((1,) + x.shape, x.dtype, [w3.shape], [w3.dtype],
                                                   y.shape, y.dtype, offset, arg_buf="inputs",
                                                   arg_b="lora_b_weights")
     b_scales = weight_scales("w_scale", w_scale, (w_orig,), "lora_b_weights")

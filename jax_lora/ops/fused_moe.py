@@ -188,6 +188,7 @@ def _check_weights(lora_a, lora_b, hidden: int) -> tuple[int, int, int, int]:
             raise ValueError(f"lora_b_stacked[{s}] must be (L, E, n, r) = ({num_slots}, {num_experts}, n, {rank}), "
                              f"got shape {tuple(b.shape)}")
     for w in lora_a + lora_b:
-        if np.dtype(w.dtype).name not in checks.WEIGHT_DTYPES:
-            raise TypeError(f"LoRA weights must be one of {checks.WEIGHT_DTYPES}, got {w.dtype}")
+        if np.dtype(w.dtype).name not in checks.UNSCALED_WEIGHT_DTYPES:
+            raise TypeError(f"LoRA weights must be one of {checks.UNSCALED_WEIGHT_DTYPES} (expert LoRA has no "
+                            f"fp8 weights), got {w.dtype}")
     return num_slots, num_experts, rank, k_dim

@@ -63,6 +63,7 @@ from ..meta import LoRAKernelMeta
 NAME = "triton"
 COLUMN_SCALE = True        # expand and linear take col_scale (DoRA)
 READS_VIEWS = True          # lora_a / lora_b entries may be `View`s (jax_lora.wrapper, nn.MultiLoRALinear)
+WEIGHT_SCALES = True        # shrink / expand / linear take a_scales / b_scales (fp8 weights, e4m3)
 CUSTOM_CALLS = True         # FFI / legacy custom calls, callbacks: partitioned by jax_lora.ops.partition
 _LOG = logging.getLogger("jax_lora")
 
