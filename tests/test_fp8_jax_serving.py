@@ -127,3 +127,34 @@ def test_serving_engine_with_fp8_adapters_equals_dequantised_merged_model(llama_
     assert all(matches), worst
     _, worst16, _ = verify(ref, adapters, [c for c in out if c.lora_id == 2], max_len=MAX_LEN, rtol=1e-4)
     assert worst16 > 1e-4, worst16
+
+
+def test_fp8_peft_file_keeps_its_values_in_jax_fp8_slots(llama_dirs, tmp_path):
+    """An fp8 PEFT file (per-channel scales from the largest magnitude, the contract's rule; its
+    scaling alpha / r = 2) reaches the JAX manager dequantised and is quantised again on load: the
+    slots hold the file's e4m3 bits, A's scales equal the file's and B's the file's times the
+    scaling (folded into B)."""
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+
+    from .test_fp8_storage import _quantize_file
+    _quantize_file(llama_dirs["a1"], str(tmp_path / "a1_fp8"), per_tensor_b=False)
+    model = load_llama(llama_dirs["model"])
+    layers = add_lora(model, max_loras=2, max_rank=8, lora_dtype="fp8")
+    mgr = AdapterManager(model, lora_dtype="fp8")
+    mgr.register(1, str(tmp_path / "a1_fp8"))
+    slot = list(mgr.activate([1])).index(1)
+    raw = {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).numpy()
+           for k, v in safetensors_torch.load_file(str(tmp_path / "a1_fp8" / "adapter_model.safetensors")).items()}
+    qkv = next(layer for p, layer in layers.items() if p.endswith("layers.0.self_attn.qkv_proj"))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj."
+    a_q, b_q = raw[prefix + "lora_A.weight"], raw[prefix + "lora_B.weight"]
+    rank, out_q = a_q.shape[0], b_q.shape[0]
+    np.testing.assert_array_equal(np.asarray(qkv.lora_a.get_value())[0, slot, :rank].view(np.uint8),
+                                  a_q)
+    np.testing.assert_array_equal(np.asarray(qkv.lora_a_scale.get_value())[0, slot, :rank],
+                                  raw[prefix + "lora_A.weight_scale"])
+    np.testing.assert_array_equal(np.asarray(qkv.lora_b.get_value())[slot, :out_q, :rank].view(np.uint8),
+                                  b_q)
+    np.testing.assert_array_equal(np.asarray(qkv.lora_b_scale.get_value())[slot, :out_q],
+                                  raw[prefix + "lora_B.weight_scale"] * np.float32(2.0))
