@@ -1,10 +1,12 @@
-"""The one kernel-argument builder: every launcher's parameter list for the three kernels.
+"""The one kernel-argument builder: every launcher's parameter list for the Triton kernels.
 
 Each kernel takes ~30-90 non-constexpr parameters in a fixed order: its arrays (pointer
 parameters), then scalars (scale, sizes, element strides, slice widths and offsets), then the
-array it writes (`out_ptr`). `shrink_call`, `expand_call` and `fused_call` build that list once,
-for every launcher: torch's (Triton's launcher, the direct launch and the C launcher of
-`PreparedLinear`), JAX's (the XLA FFI handler, jax_triton) and the interpreter's.
+array it writes (`out_ptr`). `shrink_call`, `expand_call` and `fused_call` build that list once
+(and `gemm_lora_call` / `norm_shrink_call` for the fused linear kernels: the base GEMM with the
+LoRA expand in its epilogue, RMSNorm with the LoRA shrink), for every launcher: torch's
+(Triton's launcher, the direct launch and the C launcher of `PreparedLinear`), JAX's (the XLA
+FFI handler, jax_triton) and the interpreter's.
 
 Arrays are whatever the launcher passes (torch tensors, jax arrays, NumPy arrays, or a launcher's
 placeholders for buffers it provides itself); the builder reads only their `.shape`, and their
@@ -43,6 +45,8 @@ from ..dora import epilogue_vectors
 from ..kernel_meta import KernelMeta
 from .expand import lora_expand_kernel
 from .fused import lora_fused_kernel
+from .gemm_lora import gemm_lora_kernel
+from .norm_shrink import rms_norm_shrink_kernel
 from .planning import MAX_SLICES
 from .shrink import lora_shrink_kernel
 
@@ -328,3 +332,55 @@ def fused_call(plan, x, lora_a: Sequence, lora_b: Sequence, bias, lora_ranks, me
                *(v for s in sl for v in s.bias_strides), *(s.width for s in sl), *(s.offset for s in sl),
                *strides(y), *strides(workspace)[:3])
     return KernelCall(lora_fused_kernel, plan, pointers, scalars, y)
+
+
+def _padded4(values: Sequence, fill) -> list:
+    """values followed by `fill` up to MAX_SLICES entries (the kernels' per-slice parameters)."""
+    values = list(values)
+    return values + [fill] * (MAX_SLICES - len(values))
+
+
+def gemm_lora_call(plan, x, weight, bias, buf, lora_b: Sequence | None, slots, lora_ranks, y, workspace, lock,
+                   strides: Strides) -> KernelCall:
+    """`gemm_lora_kernel`'s call (lora_core.kernels.gemm_lora), writing y whole: y_ptr (read with
+    ADD_INPUTS) and the trailing out_ptr are both y. x (M, K); weight (N, K); bias (N,) or None;
+    buf (P, S, M, R) float32 or None; lora_b: S (L, n_s, R) weights of one dtype, or None with
+    slots, buf and lora_ranks None (the GEMM alone); slots (M,) int32; lora_ranks (L,) int32 or
+    None; workspace (SPLIT_K, M, N) float32 and lock (one int32 counter per output tile, 0 between
+    launches) when plan.split_k > 1, else None. Absent arrays pass slots (or x) in their place,
+    never read (their flags are off); slices past lora_b's repeat slice 0 with zero strides."""
+    has_lora = lora_b is not None
+    m, k = (int(d) for d in x.shape)
+    n = int(weight.shape[0])
+    dummy = slots if has_lora else x
+    b = tuple(lora_b) if has_lora else (weight,)
+    b_strides = [v for t in b for v in strides(t)] if has_lora else [0, 0, 0] * len(b)
+    b_strides += [0, 0, 0] * (MAX_SLICES - len(b))
+    num_slots = int(b[0].shape[0]) if has_lora else 0
+    pointers = (x, weight, dummy if bias is None else bias, buf if has_lora else dummy, *_padded4(b, b[0]), dummy,
+                dummy if lora_ranks is None else lora_ranks, y,
+                dummy if workspace is None else workspace, dummy if lock is None else lock)
+    scalars = (m, n, k, plan.k_per_split, num_slots, int(buf.shape[0]) if has_lora else 1, *plan.slice_tiles,
+               *strides(x), *strides(weight), *strides(y), 0 if bias is None else strides(bias)[0],
+               *(strides(buf) if has_lora else (0, 0, 0, 0)), *b_strides)
+    return KernelCall(gemm_lora_kernel, plan, pointers, scalars, y)
+
+
+def norm_shrink_call(plan, h, norm_weight, lora_a: Sequence | None, slots, lora_ranks, xn, buf, eps: float,
+                     scale: float, strides: Strides) -> KernelCall:
+    """`rms_norm_shrink_kernel`'s call (lora_core.kernels.norm_shrink): it writes xn (M, K), a
+    pointer mid-list, and buf (P, S, M, R) float32, its trailing parameter. h (M, K); norm_weight
+    (K,); lora_a: S (L, R, K) weights of one dtype, or None with slots, lora_ranks and buf None (the
+    norm alone: xn is then also the trailing parameter, never written there: LORA_MODE 0); slots
+    (M,) int32; lora_ranks (L,) int32 or None."""
+    has_lora = lora_a is not None
+    m, k = (int(d) for d in h.shape)
+    dummy = slots if has_lora else norm_weight
+    a = tuple(lora_a) if has_lora else (norm_weight,)
+    a_strides = [v for t in a for v in strides(t)] if has_lora else [0, 0, 0] * len(a)
+    a_strides += [0, 0, 0] * (MAX_SLICES - len(a))
+    pointers = (h, norm_weight, *_padded4(a, a[0]), dummy, dummy if lora_ranks is None else lora_ranks, xn)
+    scalars = (m, k, plan.k_per_split, int(a[0].shape[0]) if has_lora else 0, float(eps),
+               float(scale) if has_lora else 1.0, *strides(h), strides(norm_weight)[0], *strides(xn), *a_strides,
+               *(strides(buf) if has_lora else (0, 0, 0, 0)))
+    return KernelCall(rms_norm_shrink_kernel, plan, pointers, scalars, buf if has_lora else xn)

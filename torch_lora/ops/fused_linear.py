@@ -9,7 +9,9 @@ Together they compute a LoRA linear after an RMSNorm without a LoRA kernel on th
 Math: lora_core/kernels/gemm_lora.py and norm_shrink.py. `slots` (M,) int32 holds each row's slot
 (-1: no adapter; values >= L are treated as -1); it is not read on the host (no sync), so both
 calls can be captured in a CUDA graph and replayed with new slots. Launch configs come from the
-tables below (by row count M), or `config=` (a dict of the plan's keys).
+tables of lora_core.kernels.fused_linear_configs (by row count M), or `config=` (a dict of the
+plan's keys). The kernels' parameter lists come from lora_core.kernels.arguments
+(`gemm_lora_call`, `norm_shrink_call`), the builder JAX's launchers use too.
 
 Split-K of the GEMM (config SPLIT_K > 1) uses a float32 workspace (SPLIT_K, M, N) and one int32
 counter per output tile, shared by the launches of one (device, stream) (they run one after
@@ -19,74 +21,23 @@ is allocated in the graph's pool; an outgrown buffer is kept (graphs captured ea
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Sequence
 
 import torch
 
-from lora_core.kernels.gemm_lora import gemm_lora_kernel, plan_gemm_lora
-from lora_core.kernels.norm_shrink import plan_norm_shrink, rms_norm_shrink_kernel
+from lora_core.kernels.arguments import gemm_lora_call, norm_shrink_call
+from lora_core.kernels.fused_linear_configs import GEMM_CONFIGS, NORM_SHRINK_CONFIGS, gemm_config, norm_shrink_config
+from lora_core.kernels.gemm_lora import plan_gemm_lora
+from lora_core.kernels.launch import triton_launch
+from lora_core.kernels.norm_shrink import plan_norm_shrink
 from lora_core.kernels.planning import MAX_SLICES, next_pow2
 
 from .api import as_int32, as_lora_ranks, check_tensors, to_3d
 
 __all__ = ["gemm_lora", "rms_norm_shrink", "GEMM_CONFIGS", "NORM_SHRINK_CONFIGS", "gemm_config", "norm_shrink_config"]
 
-_LOG = logging.getLogger("torch_lora")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
-# UNTUNED DEFAULTS, to be replaced from a GPU run of benchmarks/bench_fused_linear.py (its
-# "best config" column per row count). Key: the largest M (rows) a config serves.
-GEMM_CONFIGS = {
-    # decode: 32-wide column tiles, so that N = 4096 (o, down) makes 128 programs for the 132 SMs
-    16: dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5, LORA_MODE="rows"),
-    32: dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=5, LORA_MODE="rows"),
-    64: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, LORA_MODE="slots"),
-    128: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, LORA_MODE="slots"),
-    256: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, LORA_MODE="slots"),
-    1 << 62: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, LORA_MODE="slots"),
-}
-# UNTUNED DEFAULTS, as above. SPLIT_K is P, the planes of the shrink buffer (decode: the hidden size
-# is split so that enough programs read the adapters' A).
-NORM_SHRINK_CONFIGS = {
-    1: dict(BLOCK_M=2, BLOCK_K=64, SPLIT_K=32, num_warps=2, num_stages=2, LORA_MODE="rows"),
-    8: dict(BLOCK_M=2, BLOCK_K=64, SPLIT_K=16, num_warps=4, num_stages=2, LORA_MODE="rows"),
-    32: dict(BLOCK_M=4, BLOCK_K=64, SPLIT_K=16, num_warps=4, num_stages=2, LORA_MODE="rows"),
-    256: dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=2, LORA_MODE="slots"),
-    1 << 62: dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2, LORA_MODE="slots"),
-}
-
-
-def _bucket(table: dict, m: int) -> dict:
-    return dict(table[min(k for k in table if m <= k)])
-
-
-def gemm_config(m: int, widths: Sequence[int]) -> dict:
-    """The table's config for M rows, BLOCK_N halved (logged) until every slice but the last is a
-    whole number of column tiles."""
-    cfg = _bucket(GEMM_CONFIGS, m)
-    while cfg["BLOCK_N"] > 16 and any(w % cfg["BLOCK_N"] for w in widths[:-1]):
-        cfg["BLOCK_N"] //= 2
-    if cfg != _bucket(GEMM_CONFIGS, m):
-        _log_block_n(m, tuple(widths), cfg["BLOCK_N"])
-    return cfg
-
-
-@functools.cache
-def _log_block_n(m: int, widths: tuple, block_n: int) -> None:
-    _LOG.info("gemm_lora: BLOCK_N %d for M=%d (output slices %s are not multiples of the table's)", block_n, m, widths)
-
-
-def norm_shrink_config(m: int, rank: int) -> dict:
-    """The table's config for M rows; in rows mode BLOCK_K shrinks with the rank (the gathered A
-    tile is BLOCK_M x rank x BLOCK_K)."""
-    cfg = _bucket(NORM_SHRINK_CONFIGS, m)
-    if cfg["LORA_MODE"] == "rows":
-        cfg["BLOCK_K"] = max(16, min(cfg["BLOCK_K"], 4096 // (cfg["BLOCK_M"] * max(16, next_pow2(rank)))))
-    return cfg
-
 
 # ------------------------------------------------------------------------------------- buffers
 
@@ -160,9 +111,8 @@ def _a_slices(lora_a_stacked) -> tuple:
     return tuple(to_3d(t) for t in a)
 
 
-def _padded(values: Sequence, fill) -> list:
-    values = list(values)
-    return values + [fill] * (MAX_SLICES - len(values))
+def _stride(t: torch.Tensor) -> tuple:
+    return t.stride()
 
 
 # ------------------------------------------------------------------------------------- gemm_lora
@@ -233,22 +183,12 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     plan = plan_gemm_lora(m, n, k, widths, rank, _NAMES[x.dtype], _NAMES[weight.dtype],
                           _NAMES[b[0].dtype] if has_lora else None, cfg, has_bias=bias is not None,
                           add_inputs=add_inputs, has_lora=has_lora, has_ranks=ranks is not None)
-    dummy = slots if has_lora else x
-    ws = lock = dummy
+    ws = lock = None
     if plan.split_k > 1:
         ws = _stream_buffer(_WORKSPACES, torch.float32, plan.split_k * m * n, x.device)
         lock = _stream_buffer(_LOCKS, torch.int32, plan.grid[0], x.device)
-    b_strides = [0] * (3 * MAX_SLICES)
-    if has_lora:
-        b_strides = [v for t in _padded(b, b[0]) for v in t.stride()]
-    buf_strides = buf.stride() if has_lora else (0, 0, 0, 0)
-    gemm_lora_kernel[plan.grid](
-        x, weight, bias if bias is not None else x, buf if has_lora else x, *_padded(b, b[0]), dummy,
-        ranks if ranks is not None else dummy, y, ws, lock,
-        m, n, k, plan.k_per_split, num_slots, buf.shape[0] if has_lora else 1, *plan.slice_tiles,
-        *x.stride(), *weight.stride(), *y.stride(), bias.stride(0) if bias is not None else 0,
-        *buf_strides, *b_strides, y,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
+    triton_launch(gemm_lora_call(plan, x, weight, bias, buf if has_lora else None, b if has_lora else None,
+                                 slots if has_lora else None, ranks, y, ws, lock, _stride))
     return y
 
 
@@ -326,14 +266,6 @@ def rms_norm_shrink(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, lora
         buf = torch.empty(plan.planes, len(a), m, rank, dtype=torch.float32, device=h.device)
     if m == 0:
         return out, buf
-    dummy = slots if has_lora else norm_weight
-    a_strides = []
-    for t in _padded(a, a[0]):
-        a_strides.extend(t.stride())
-    rms_norm_shrink_kernel[plan.grid](
-        h, norm_weight, *_padded(a, a[0]), dummy, ranks if ranks is not None else dummy, out,
-        m, k, plan.k_per_split, num_slots, float(eps), float(scale) if has_lora else 1.0,
-        *h.stride(), norm_weight.stride(0), *out.stride(), *a_strides,
-        *(buf.stride() if has_lora else (0, 0, 0, 0)), buf if has_lora else out,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs)
+    triton_launch(norm_shrink_call(plan, h, norm_weight, a if has_lora else None, slots if has_lora else None,
+                                   ranks, out, buf if has_lora else None, eps, scale if has_lora else 1.0, _stride))
     return out, buf
