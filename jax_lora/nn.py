@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import logging
 import numbers
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,6 +54,8 @@ from .moe import ExpertOrder, MoEExperts
 from .quant import QuantizedLinear, quantize_rows
 
 __all__ = [
+    "FUSED_MODES",
+    "FusedKernel",
     "LORA_LAYER_TYPES",
     "LoRAWeight",
     "MultiLoRAEmbed",
@@ -65,10 +69,22 @@ __all__ = [
 ]
 
 _ACTIVE = contextvars.ContextVar("jax_lora_punica", default=None)
+_LOG = logging.getLogger("jax_lora")
 
 
 class LoRAWeight(nnx.Variable):
     """Stacked per-slot adapter weights: served, not trained (filter with `nnx.state(m, LoRAWeight)`)."""
+
+
+class FusedKernel(nnx.Variable):
+    """A base kernel transposed to (out, in), in, contiguous: the layout the fused GEMM's tiles read
+    in long runs (`MultiLoRALinear.use_fused`). A copy of the base layer's kernel, not a parameter."""
+
+
+FUSED_MODES = (None, "gemm", "norm")
+"""MultiLoRALinear's fused paths: None (the base product, then the wrapper's add_lora_linear);
+"gemm" (the wrapper's shrink, then one Triton GEMM with the expand in its epilogue); "norm"
+(also: the RMSNorm before the layer computes the shrink, for layers behind a norm)."""
 
 
 @contextlib.contextmanager
@@ -154,6 +170,12 @@ class MultiLoRALinear(nnx.Module):
     A layer built without it gets the scale from `enable_dora()` (the AdapterManager calls it when
     the first DoRA adapter lands in the layer): a new variable, so the model's graph changes and a
     jitted step that takes the model is traced and compiled again, once.
+
+    fused ("gemm" or "norm"; `use_fused`): with a wrapper installed the layer computes
+    y = x @ W + bias + LoRA term in one Triton GEMM whose epilogue adds each token's expand
+    (jax_lora.ops.fused_linear.gemm_lora), after the wrapper's shrink ("gemm") or after the
+    RMSNorm kernel that also shrinks (`norm_linear`, "norm": the model calls it with the norm in
+    front of the layer). Its docstring says what it needs and refuses.
     """
 
     def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int,
@@ -182,8 +204,44 @@ class MultiLoRALinear(nnx.Module):
             self.lora_scale = LoRAWeight(jnp.ones((max_loras, self.out_features), jnp.float32))
         self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
         self.lora_dtype = None
+        self.fused = None
         if lora_dtype == "fp8":
             self.use_fp8()
+
+    def use_fused(self, mode) -> bool:
+        """Turns the fused path on ("gemm" or "norm") or off (None); returns whether it changed.
+
+        The fused GEMM reads the base weight as (out, in) with `in` contiguous, so turning it on
+        stores a transposed copy of the base kernel, `kernel_nk` (a `FusedKernel` variable: the
+        layer's base weight bytes twice; made here, once; call `use_fused` again after changing
+        the base kernel). The layer stays unfused without a wrapper (the base layer alone) and
+        with a deterministic wrapper (logged: the fused kernels are not batch invariant).
+        Refused (ValueError): a quantized base, DoRA (`dora=True`: the GEMM has no column scale),
+        fp8 adapter weights (the kernels read 16-bit weights), a layer split over a mesh, a base
+        dtype other than float16 / bfloat16 / float32. A step with several adapters per token is
+        refused when it runs (NotImplementedError). New variables: call it before the serving
+        step is first traced.
+        """
+        if mode not in FUSED_MODES:
+            raise ValueError(f"fused must be one of {FUSED_MODES} (None: off), got {mode!r}")
+        if mode == self.fused:
+            return False
+        if mode is None:
+            del self.kernel_nk
+            self.fused = None
+            return True
+        what = ("a quantized base layer (the fused GEMM reads float weights)" if isinstance(self.base, QuantizedLinear)
+                else "DoRA (the fused GEMM has no column scale)" if self.dora
+                else "fp8 adapter weights (the fused kernels read 16-bit weights)" if self.lora_dtype == "fp8"
+                else "a layer split over a mesh" if self.tp is not None else None)
+        if what is None and jnp.dtype(self.base.kernel.get_value().dtype).name not in ("float16", "bfloat16",
+                                                                                        "float32"):
+            what = f"a {self.base.kernel.get_value().dtype} base kernel (float16, bfloat16 or float32 only)"
+        if what is not None:
+            raise ValueError(f"fused={mode!r} is not supported with {what}: serve this layer unfused (fused=None)")
+        self.kernel_nk = FusedKernel(jnp.asarray(self.base.kernel.get_value()).T.copy())
+        self.fused = mode
+        return True
 
     def use_fp8(self) -> bool:
         """Stores the adapter weights in e4m3 with per-channel float32 scales (`lora_a_scale` (S, L, r),
@@ -192,6 +250,9 @@ class MultiLoRALinear(nnx.Module):
         before the serving step is first traced. Refused for a layer split over a mesh."""
         if self.lora_dtype == "fp8":
             return False
+        if self.fused is not None:
+            raise ValueError(f"fp8 adapter weights are not supported on a fused LoRA layer (fused={self.fused!r}): "
+                             "turn the fused path off (use_fused(None)) first")
         if self.tp is not None:
             raise ValueError("fp8 adapter weights are not supported on a LoRA layer split over a mesh: build the "
                              "layers with lora_dtype='fp8' before splitting, or serve 16-bit adapters")
@@ -205,9 +266,12 @@ class MultiLoRALinear(nnx.Module):
     def enable_dora(self) -> bool:
         """Gives the layer its DoRA column scale `lora_scale` (L, out) float32, all ones (every slot
         plain LoRA), unless it has one; returns whether it was added. Refused for a layer split over
-        a mesh (its scale would have to follow the row split's reduction)."""
+        a mesh (its scale would have to follow the row split's reduction) and for a fused layer."""
         if self.dora:
             return False
+        if self.fused is not None:
+            raise ValueError(f"a fused LoRA layer (fused={self.fused!r}) cannot serve DoRA adapters (the fused GEMM "
+                             "has no column scale): turn the fused path off (use_fused(None)) first")
         if self.tp is not None:
             raise ValueError("a LoRA layer split over a mesh cannot serve DoRA adapters (its column scale would have "
                              "to follow the reduction): serve them with unsplit layers")
@@ -220,6 +284,8 @@ class MultiLoRALinear(nnx.Module):
         if self.dora and self.tp is not None:
             raise NotImplementedError("DoRA layers (dora=True) split over a mesh are not supported: serve "
                                       "DoRA adapters with unsplit layers")
+        if w is not None and self.fuses(w):
+            return self._fused_linear(x, w)
         if w is not None and self.tp is not None:
             return self.tp.apply(self, x, w)
         if w is None:
@@ -235,6 +301,63 @@ class MultiLoRALinear(nnx.Module):
             y = y + self.base.bias[...].astype(y.dtype)
         return y
 
+    def fuses(self, punica=None) -> bool:
+        """Whether a call with this wrapper (default: the installed one) takes the fused path: fused
+        on, a wrapper installed, and the wrapper not deterministic (then the unfused path, logged
+        once). Raises NotImplementedError for a step with several adapters per token, and
+        ValueError for a fused layer split over a mesh since `use_fused`."""
+        w = _pick(punica)
+        if self.fused is None or w is None:
+            return False
+        if self.tp is not None:
+            raise ValueError("a fused LoRA layer cannot run split over a mesh: turn the fused path off "
+                             "(use_fused(None)) before splitting the model")
+        if getattr(w, "num_pairs", 0):
+            raise NotImplementedError("the fused LoRA linear kernels take one adapter per token; this step maps "
+                                      "several adapters per token: serve it with fused=None")
+        if getattr(w, "deterministic", False):
+            _log_fused_fallback("the wrapper is deterministic (the fused kernels are not batch invariant)")
+            return False
+        return True
+
+    def _fused_linear(self, x, w, xn=None, buf=None) -> jax.Array:
+        """x @ W + bias + each token's LoRA term through jax_lora.ops.fused_linear.gemm_lora; buf
+        (P, S, T, r) float32 is the shrink of x (`norm_linear` gives it), else the wrapper's
+        shrink computes it here."""
+        from .ops.fused_linear import gemm_lora
+        x2 = (x if xn is None else xn).reshape(-1, self.in_features)
+        t = x2.shape[0]
+        w._check_tokens("x", t)
+        ranks = self.lora_ranks.get_value()
+        lora_a = self.lora_a.get_value()
+        if buf is None:
+            s, r = lora_a.shape[0], lora_a.shape[2]
+            buf = w.add_shrink(jnp.zeros((s, t, r), jnp.float32), x2, tuple(lora_a[i] for i in range(s)), 1.0,
+                               lora_ranks=ranks)
+        bias = None if self.base.bias is None else self.base.bias.get_value()
+        slots = w.token_meta.token_lora_mapping[:t]
+        y = gemm_lora(x2.astype(self.kernel_nk.get_value().dtype), self.kernel_nk.get_value(), bias, buf,
+                      self.lora_b.get_value(), slots, self.output_slices, lora_ranks=ranks)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def norm_linear(self, h: jax.Array, norm_weight: jax.Array, eps: float, punica=None) -> jax.Array | None:
+        """The layer of RMSNorm(h) * norm_weight (Hugging Face's LlamaRMSNorm rounding) through the
+        fused "norm" path: one kernel for the norm and the shrink (rms_norm_shrink), one GEMM with
+        the expand; None when this call does not take it (fused is not "norm", or `fuses` says
+        no): the caller then runs its norm and the layer.
+
+        h: (..., in) float16 / bfloat16 / float32; norm_weight (in,); returns (..., out)."""
+        w = _pick(punica)
+        if self.fused != "norm" or not self.fuses(w):
+            return None
+        from .ops.fused_linear import rms_norm_shrink
+        h2 = h.reshape(-1, self.in_features)
+        w._check_tokens("h", h2.shape[0])
+        slots = w.token_meta.token_lora_mapping[:h2.shape[0]]
+        xn, buf = rms_norm_shrink(h2, norm_weight, float(eps), self.lora_a.get_value(), slots, 1.0,
+                                  lora_ranks=self.lora_ranks.get_value())
+        return self._fused_linear(h, w, xn, buf)
+
     def _base_without_bias(self, x):
         """nnx.Linear's product without its bias (the bias is added after DoRA's scale)."""
         base = self.base
@@ -244,6 +367,11 @@ class MultiLoRALinear(nnx.Module):
 
     slot_axis: ClassVar[dict] = {"lora_a": 1, "lora_b": 0, "lora_ranks": 0, "lora_scale": 0, "lora_a_scale": 1,
                                  "lora_b_scale": 0}
+
+
+@functools.cache
+def _log_fused_fallback(reason: str) -> None:
+    _LOG.info("fused LoRA linear: the unfused path (base product + add_lora_linear) runs: %s", reason)
 
 
 class MultiLoRAEmbed(nnx.Module):

@@ -55,6 +55,7 @@ __all__ = [
     "init_cache",
     "load_llama",
     "save_llama",
+    "use_fused_lora",
 ]
 
 HF_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -188,11 +189,15 @@ class LlamaAttention(nnx.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, positions, kv=None, rows=None):
+    def __call__(self, x, positions, kv=None, rows=None, norm=None):
+        """x (B, S, H): the normed hidden states, or with `norm` (an RMSNorm) the residual stream
+        that norm(x) is taken of (`normed_linear`: the fused "norm" LoRA path computes the two
+        together)."""
         cfg = self.cfg
         b, s, _ = x.shape
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q, k, v = parallel.split_fused(self.qkv_proj(x), (cfg.q_size, cfg.kv_size, cfg.kv_size), self.fused_shards)
+        q, k, v = parallel.split_fused(normed_linear(norm, self.qkv_proj, x), (cfg.q_size, cfg.kv_size, cfg.kv_size),
+                                       self.fused_shards)
         q, k, v = q.reshape(b, s, nh, hd), k.reshape(b, s, nkv, hd), v.reshape(b, s, nkv, hd)
         if getattr(cfg, "qk_norm", False):
             q, k = self.q_norm(q), self.k_norm(k)
@@ -243,9 +248,10 @@ class LlamaMLP(nnx.Module):
                                     dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.fused_shards = 1      # devices gate_up_proj's columns are split over (shard-major order)
 
-    def __call__(self, x):
+    def __call__(self, x, norm=None):
+        """x (B, S, H): the normed hidden states, or with `norm` the residual stream (as the attention's)."""
         i = self.intermediate_size
-        gate, up = parallel.split_fused(self.gate_up_proj(x), (i, i), self.fused_shards)
+        gate, up = parallel.split_fused(normed_linear(norm, self.gate_up_proj, x), (i, i), self.fused_shards)
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
@@ -262,6 +268,19 @@ class RMSNorm(nnx.Module):
         return self.weight.get_value() * xf.astype(x.dtype)
 
 
+def normed_linear(norm: RMSNorm | None, proj, x):
+    """proj(norm(x)) (proj(x) without a norm). A multi-LoRA layer on its fused "norm" path, with a
+    wrapper installed, computes the whole in two kernels (`jax_lora.nn.MultiLoRALinear.norm_linear`:
+    the norm with the LoRA shrink, the GEMM with the expand)."""
+    if norm is None:
+        return proj(x)
+    if isinstance(proj, lnn.MultiLoRALinear):
+        y = proj.norm_linear(x, norm.weight.get_value(), norm.eps)
+        if y is not None:
+            return y
+    return proj(norm(x))
+
+
 class LlamaDecoderLayer(nnx.Module):
     """Pre-norm attention and MLP blocks with residuals; `MLP` builds the feed-forward block (the
     Mixtral's layer is this one with its sparse MoE block)."""
@@ -275,8 +294,10 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp = self.MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, kv=None, rows=None):
-        h, kv = self.self_attn(self.input_layernorm(x), positions, kv, rows)
+        h, kv = self.self_attn(x, positions, kv, rows, norm=self.input_layernorm)
         x = x + h
+        if isinstance(self.mlp, LlamaMLP):          # its gate_up may compute the norm (normed_linear)
+            return x + self.mlp(x, norm=self.post_attention_layernorm), kv
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
@@ -397,7 +418,7 @@ def _check_host_range(name: str, values, stop: int, what: str) -> None:
 
 def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
              target_modules: Sequence[str] = HF_LORA_TARGETS, dtype=None, dora: bool = False,
-             lora_dtype=None) -> dict:
+             lora_dtype=None, fused=None) -> dict:
     """Replaces the layers that `target_modules` (Hugging Face / PEFT names) name by multi-LoRA layers.
 
     q/k/v_proj select `qkv_proj`, gate/up_proj select `gate_up_proj` (all slices get slots; an
@@ -405,7 +426,8 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
     hold DoRA column scales from the start; without it a layer gets its scale when the first
     use_dora adapter reaches it (MultiLoRALinear.enable_dora: a new variable, so one recompilation
     of a jitted step). lora_dtype="fp8": the linear layers store e4m3 adapter weights with per-channel
-    float32 scales (jax_lora.nn.MultiLoRALinear). Returns {path: layer}.
+    float32 scales (jax_lora.nn.MultiLoRALinear). fused: None (default), "gemm" or "norm": the
+    decoder's LoRA linears take the fused path (`use_fused_lora`). Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
         raise TypeError(f"target_modules must be a list of module names from {HF_LORA_TARGETS} (e.g. "
@@ -426,7 +448,42 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
                                      lora_dtype=lora_dtype)
     if model.mesh is not None:         # a split model: the new layers are split the same way
         model.shard(model.mesh, axis=model.tp_axis)
+    if fused is not None:
+        use_fused_lora(model, fused)
     return layers
+
+
+def use_fused_lora(model: LlamaForCausalLM, mode) -> list:
+    """Sets the fused LoRA path of the decoder's multi-LoRA linears (jax_lora.nn.MultiLoRALinear.use_fused).
+
+    mode None: off (the base product, then the wrapper's add_lora_linear). "gemm": every LoRA
+    linear (qkv, o, gate_up, down) is the wrapper's shrink, then one Triton GEMM with the expand in
+    its epilogue (jax_lora.ops.fused_linear.gemm_lora) over a transposed copy of its base kernel.
+    "norm": the same, and qkv_proj and gate_up_proj also take the RMSNorm in front of them into
+    the shrink (rms_norm_shrink: no LoRA kernel between the norm and the GEMM); o and down stay
+    "gemm". Embeddings and the LM head are unchanged. Returns the paths of the layers it changed.
+    Refused (ValueError naming the layer): a split model, and what `use_fused` refuses.
+    """
+    if mode not in lnn.FUSED_MODES:
+        raise ValueError(f"fused must be one of {lnn.FUSED_MODES} (None: off), got {mode!r}")
+    if mode is not None and model.mesh is not None:
+        raise ValueError("fused LoRA linears are not supported on a model split over a mesh")
+    changed = []
+    for i, layer in enumerate(model.model.layers):
+        for path, parent, name in ((f"model.layers.{i}.self_attn.qkv_proj", layer.self_attn, "qkv_proj"),
+                                   (f"model.layers.{i}.self_attn.o_proj", layer.self_attn, "o_proj"),
+                                   (f"model.layers.{i}.mlp.gate_up_proj", layer.mlp, "gate_up_proj"),
+                                   (f"model.layers.{i}.mlp.down_proj", layer.mlp, "down_proj")):
+            proj = getattr(parent, name, None)
+            if not isinstance(proj, lnn.MultiLoRALinear):
+                continue
+            want = "gemm" if mode == "norm" and name in ("o_proj", "down_proj") else mode
+            try:
+                if proj.use_fused(want):
+                    changed.append(path)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from e
+    return changed
 
 
 # ----------------------------------------------------------------------------- checkpoints
