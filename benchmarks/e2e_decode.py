@@ -6,6 +6,7 @@ in torch, base step against LoRA step, and the LoRA overhead against its bytes f
     PYTHONPATH=. python benchmarks/e2e_decode.py --cases 'dec B32' --out /tmp/e2e  # a regex over names
     PYTHONPATH=. python benchmarks/e2e_decode.py --smoke --out /tmp/e2e            # CPU, tiny model
     PYTHONPATH=. python benchmarks/e2e_decode.py --base fp8 --out /tmp/e2e-fp8     # an fp8 base model
+    PYTHONPATH=. python benchmarks/e2e_decode.py --frameworks jax --jax-lora fused --out /tmp/e2e-jf
 
 The model: 32 layers, hidden 4096, 32 query / 8 key-value heads of 128, intermediate 14336, vocab
 128256, bf16, random weights (never zeros), LoRA on q, k, v, o, gate, up, down in 32 slots (every
@@ -17,7 +18,11 @@ each sequence's last position (greedy next token too), as jax_lora.serving's ste
   * JAX: `jax_lora.models.llama.LlamaForCausalLM` after `add_lora`, the step body of
     `jax_lora.serving` under `jax.jit` (KV cache donated), `jax_lora.PunicaWrapper` with the
     Triton backend (the XLA FFI launcher). Base step: the same program with the LoRA layers off
-    (no wrapper). Timed per step on the host: the call to `block_until_ready`, median of N steps,
+    (no wrapper). --jax-lora fused / fused-norm: the model's fused LoRA linears
+    (`jax_lora.models.llama.use_fused_lora` "gemm" / "norm": each LoRA linear one Triton GEMM with
+    the expand in its epilogue over a transposed copy of its kernel, after the wrapper's shrink, or
+    for qkv and gate_up after the RMSNorm kernel that also shrinks); --smoke runs them in Triton's
+    interpreter. Timed per step on the host: the call to `block_until_ready`, median of N steps,
     so JAX's dispatch of the step is included.
   * torch: a lean decoder written here (RMSNorm, rotate-half RoPE, GQA attention over a static KV
     cache with `scaled_dot_product_attention`, SiLU MLP), LoRA through
@@ -104,6 +109,8 @@ B_SCALE = 0.5
 TOL_ERR = 0.15
 TOL_ERR_OVER_EFFECT = 0.2
 HOST_RANDOM_ELEMENTS = 1 << 24
+# --jax-lora -> the JAX model's fused LoRA path (jax_lora.models.llama.use_fused_lora)
+JAX_FUSED = {"linear": None, "fused": "gemm", "fused-norm": "norm"}
 
 
 # ------------------------------------------------------------------------------------------ cases
@@ -206,7 +213,7 @@ class JaxModel:
     slot with a random rank-r adapter: A (S, L, r, in) ~ N(0, 1/in), B (L, out, r) ~ N(0, B_SCALE^2/r),
     lora_ranks r."""
 
-    def __init__(self, cfg, seed: int = 0, base: str = "bf16"):
+    def __init__(self, cfg, seed: int = 0, base: str = "bf16", fused=None):
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -233,7 +240,7 @@ class JaxModel:
         if base == "fp8":                   # the decoder's linears; the embedding and LM head stay bf16
             quant.quantize_model(self.model, "fp8", target_modules=list(QUANTIZED_LINEARS.values()))
         llama.add_lora(self.model, max_loras=NUM_SLOTS, max_rank=1, target_modules=LORA_TARGETS,
-                       dtype=jnp.bfloat16)
+                       dtype=jnp.bfloat16, fused=fused)
         self.rank = None
 
     def random(self, specs) -> list:
@@ -703,7 +710,7 @@ class Bench:
         self.t_start = getattr(args, "t_start", None) or time.perf_counter()
         self.phases = _Phases(self.t_start)
         t0 = time.perf_counter()
-        self.jm = JaxModel(cfg, base=args.base)
+        self.jm = JaxModel(cfg, base=args.base, fused=JAX_FUSED[getattr(args, "jax_lora", "linear")])
         self._sync_jax()
         from jax_lora import quant
         self.quantized_linears = len(quant.quantized_layers(self.jm.model))     # 4 per layer with --base fp8
@@ -1515,7 +1522,8 @@ def env_meta(args, cfg) -> dict:
                 smoke=bool(args.smoke), peak_gbs=PEAK_GBS, num_slots=NUM_SLOTS, b_scale=B_SCALE,
                 max_len=args.max_len, steps=args.steps, frameworks=args.frameworks, budget_s=args.budget_s,
                 jax_chain=args.jax_chain,
-                fused=args.fused, torch_lora=args.torch_lora, vllm_kernels=_vllm_version(args),
+                fused=args.fused, torch_lora=args.torch_lora, jax_lora=getattr(args, "jax_lora", "linear"),
+                vllm_kernels=_vllm_version(args),
                 tolerances=dict(err=TOL_ERR, err_over_effect=TOL_ERR_OVER_EFFECT),
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -1606,6 +1614,11 @@ def main(argv=None) -> int:
                         "side stream beside the base product and the expand after it (overlap; CUDA only); the "
                         "shrink then a Triton GEMM with the expand in its epilogue (fused); the same with the "
                         "RMSNorm kernel that also shrinks before qkv and gate_up (fused-norm)")
+    p.add_argument("--jax-lora", choices=tuple(JAX_FUSED), default="linear",
+                   help="JAX's LoRA path: add_lora_linear after the base product (linear); the wrapper's shrink "
+                        "then a Triton GEMM with the expand in its epilogue over (out, in) copies of the kernels "
+                        "(fused); the same with the RMSNorm kernel that also shrinks before qkv and gate_up "
+                        "(fused-norm). Not with --base fp8")
     p.add_argument("--jax-chain", type=int, default=1,
                    help="JAX samples of K steps dispatched back to back, one wait, divided by K (default 1: "
                         "each step waited for)")
@@ -1623,6 +1636,11 @@ def main(argv=None) -> int:
     if args.base == "fp8" and args.torch_lora.startswith("fused"):
         p.error(f"--torch-lora {args.torch_lora} runs a Triton GEMM over bf16 weights; with --base fp8 use "
                 "--torch-lora linear or overlap")
+    if args.base == "fp8" and args.jax_lora != "linear":
+        p.error(f"--jax-lora {args.jax_lora} runs a Triton GEMM over bf16 weights; with --base fp8 use "
+                "--jax-lora linear")
+    if args.smoke and args.jax_lora != "linear":
+        os.environ.setdefault("TRITON_INTERPRET", "1")       # the fused kernels on the CPU: Triton's interpreter
     if args.smoke and args.torch_fp8 == "scaled_mm":
         p.error("--torch-fp8 scaled_mm needs CUDA (not --smoke)")
     args.torch_fp8 = args.torch_fp8 or ("dequant" if args.smoke else "scaled_mm")

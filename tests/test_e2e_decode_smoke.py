@@ -1,7 +1,8 @@
 """benchmarks/e2e_decode.py in --smoke mode: the model-step benchmark's whole pipeline (JAX model with
 LoRA under jit, the torch decoder over the same weights, metadata updates between cases, the
-reference check, timing, the JSON/markdown report) on the CPU with a tiny model; and with an fp8 base
-(--base fp8: the decoder's linears float8_e4m3fn, both frameworks checked against the reference)."""
+reference check, timing, the JSON/markdown report) on the CPU with a tiny model; with an fp8 base
+(--base fp8: the decoder's linears float8_e4m3fn, both frameworks checked against the reference); and
+JAX's fused LoRA linears (--jax-lora fused-norm, in Triton's interpreter) checked against the reference."""
 
 from __future__ import annotations
 
@@ -191,6 +192,24 @@ def test_smoke_run_with_an_fp8_base_passes_its_checks(tmp_path):
     assert res["summary"]["checks_failed"] == [] and [c["case"] for c in res["cases"]] == ["dec B4 D2 r4"]
     for fw in ("torch", "jax"):
         assert res["cases"][0][fw]["check_passed"] is True
+
+
+@pytest.mark.slow
+def test_smoke_run_with_jax_fused_lora_passes_its_check(tmp_path):
+    """--jax-lora fused-norm: the JAX model's LoRA linears are the fused kernels (the RMSNorm that
+    shrinks, the GEMM with the expand), and its LoRA step passes the reference check."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke", "--frameworks",
+                           "jax", "--jax-lora", "fused-norm", "--cases", "dec B4 D2 r4", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "e2e_smoke_*.json"))
+    with open(path) as f:
+        res = json.load(f)
+    assert res["meta"]["jax_lora"] == "fused-norm" and res["summary"]["checks_failed"] == []
+    (case,) = res["cases"]
+    assert case["jax"]["check_passed"] is True and case["jax"]["lora_err"] <= 0.2 * case["lora_effect"]
 
 
 @pytest.mark.gpu
