@@ -7,6 +7,7 @@ in torch, base step against LoRA step, and the LoRA overhead against its bytes f
     PYTHONPATH=. python benchmarks/e2e_decode.py --smoke --out /tmp/e2e            # CPU, tiny model
     PYTHONPATH=. python benchmarks/e2e_decode.py --base fp8 --out /tmp/e2e-fp8     # an fp8 base model
     PYTHONPATH=. python benchmarks/e2e_decode.py --frameworks jax --jax-lora fused --out /tmp/e2e-jf
+    PYTHONPATH=. python benchmarks/e2e_decode.py --base fp8 --lora-dtype fp8 --out /tmp/e2e-fp8   # and fp8 adapters
 
 The model: 32 layers, hidden 4096, 32 query / 8 key-value heads of 128, intermediate 14336, vocab
 128256, bf16, random weights (never zeros), LoRA on q, k, v, o, gate, up, down in 32 slots (every
@@ -41,6 +42,18 @@ scales: the W8A8 path fp8 serving engines run; --torch-fp8 scaled_mm), or weight
 (--torch-fp8 dequant; always on the CPU). The reference step computes the base products weight-only
 (dequantized Q s), so the JAX step matches it to bf16 rounding and the torch W8A8 step to the
 activations' e4m3 rounding as well.
+
+Adapters (--lora-dtype): bf16 (default), or fp8: every slot's A and B stored in float8_e4m3fn with
+one float32 scale per output channel (contract section 11: A's rank rows, B's output rows), the drawn
+bf16 adapters quantised on the device by that section's rule (`quantize_rows_on_device`). JAX builds
+its layers with `add_lora(..., lora_dtype="fp8")` (the scales are the layers' `lora_a_scale` /
+`lora_b_scale`); torch reads the same e4m3 weights and scales through DLPack and hands the scales to
+`add_lora_linear(..., lora_a_scale=, lora_b_scale=)`. The reference adds the deltas of the
+dequantised weights (float32 Q * s), so the checks keep their tolerances. The floor counts the
+weights at 1 byte plus their scales. vLLM's kernels are not timed beside ours then (their fp8 mode
+quantises the activations as well), and torch's fused paths (--torch-lora fused*) take bf16
+adapters only. Results record the adapter dtype (meta.config.lora_dtype, each case's `lora_dtype`,
+"_lora-fp8" in the file names); case names stay as they are, so one --cases regex selects both.
 
 Cases: decode steps (every sequence one token, its own request) at batch 1, 8, 32, 128, 256 with
 1, 8 and 32 distinct adapters (at most the batch), rank 16 and 64; prefill of one sequence of 2048
@@ -182,18 +195,25 @@ def projections(cfg) -> dict:
             "gate_up": (h, (i, i)), "down": (i, (h,))}
 
 
-def floor_bytes(cfg, tokens: int, adapters: int, rank: int) -> int:
+def floor_bytes(cfg, tokens: int, adapters: int, rank: int, lora_dtype: str = "bf16") -> int:
     """Minimal bytes of the LoRA path of one step (module docstring): docs/benchmarks.md's
-    `add_lora_linear` bytes of every LoRA'd linear, all `tokens` with an adapter."""
+    `add_lora_linear` bytes of every LoRA'd linear, all `tokens` with an adapter. fp8 adapters: their
+    weights at 1 byte an element instead of 2, plus their float32 channel scales (`adapter_bytes`)."""
     from bench_triton import min_bytes
     per_layer = sum(min_bytes(tokens, adapters, widths, rank, H=h_in) for h_in, widths in projections(cfg).values())
-    return per_layer * cfg.num_hidden_layers
+    bf16_weights = adapters * adapter_bytes(cfg, rank) // cfg.num_hidden_layers
+    weights = adapters * adapter_bytes(cfg, rank, lora_dtype) // cfg.num_hidden_layers
+    return (per_layer - bf16_weights + weights) * cfg.num_hidden_layers
 
 
-def adapter_bytes(cfg, rank: int) -> int:
-    """bf16 bytes of one adapter's A and B over the 7 targets and all layers."""
-    per_layer = sum(rank * (len(w) * h_in + sum(w)) for h_in, w in projections(cfg).values())
-    return 2 * per_layer * cfg.num_hidden_layers
+def adapter_bytes(cfg, rank: int, lora_dtype: str = "bf16") -> int:
+    """Bytes of one adapter's A and B over the 7 targets and all layers: bf16, 2 bytes an element;
+    fp8, 1 byte an element plus a float32 scale per channel (S * r of A's, N of B's per linear)."""
+    elements = sum(rank * (len(w) * h_in + sum(w)) for h_in, w in projections(cfg).values())
+    if lora_dtype != "fp8":
+        return 2 * elements * cfg.num_hidden_layers
+    channels = sum(len(w) * rank + sum(w) for h_in, w in projections(cfg).values())
+    return (elements + 4 * channels) * cfg.num_hidden_layers
 
 
 def slots_of(case: Case, seed: int) -> np.ndarray:
@@ -211,9 +231,10 @@ class JaxModel:
     """The JAX model with random bf16 weights: kernels N(0, 1/in), embeddings N(0, 1), norm weights
     1 + N(0, 0.1^2); after `add_lora` on the 7 targets with NUM_SLOTS slots. `set_rank(r)` fills every
     slot with a random rank-r adapter: A (S, L, r, in) ~ N(0, 1/in), B (L, out, r) ~ N(0, B_SCALE^2/r),
-    lora_ranks r."""
+    lora_ranks r. lora_dtype "fp8": the layers store A and B in e4m3 with per-channel float32 scales
+    (`add_lora(..., lora_dtype="fp8")`), the drawn bf16 adapters quantised by `quantize_rows_on_device`."""
 
-    def __init__(self, cfg, seed: int = 0, base: str = "bf16", fused=None):
+    def __init__(self, cfg, seed: int = 0, base: str = "bf16", fused=None, lora_dtype: str = "bf16"):
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -239,8 +260,9 @@ class JaxModel:
         self.model = nnx.merge(graphdef, state)
         if base == "fp8":                   # the decoder's linears; the embedding and LM head stay bf16
             quant.quantize_model(self.model, "fp8", target_modules=list(QUANTIZED_LINEARS.values()))
+        self.lora_dtype = lora_dtype
         llama.add_lora(self.model, max_loras=NUM_SLOTS, max_rank=1, target_modules=LORA_TARGETS,
-                       dtype=jnp.bfloat16, fused=fused)
+                       dtype=jnp.bfloat16, fused=fused, lora_dtype="fp8" if lora_dtype == "fp8" else None)
         self.rank = None
 
     def random(self, specs) -> list:
@@ -276,9 +298,13 @@ class JaxModel:
     def set_rank(self, rank: int) -> None:
         import jax.numpy as jnp
         layers = list(self.lora_layers().values())
+        fp8 = self.lora_dtype == "fp8"
         for layer in layers:                              # free the previous rank's weights first
-            layer.lora_a.set_value(jnp.zeros((0,), jnp.bfloat16))
-            layer.lora_b.set_value(jnp.zeros((0,), jnp.bfloat16))
+            layer.lora_a.set_value(jnp.zeros((0,), layer.lora_a.get_value().dtype))
+            layer.lora_b.set_value(jnp.zeros((0,), layer.lora_b.get_value().dtype))
+            if fp8:
+                layer.lora_a_scale.set_value(jnp.zeros((0,), jnp.float32))
+                layer.lora_b_scale.set_value(jnp.zeros((0,), jnp.float32))
         specs = []
         for layer in layers:
             specs.append(((len(layer.output_slices), NUM_SLOTS, rank, layer.in_features), "bfloat16",
@@ -286,8 +312,14 @@ class JaxModel:
             specs.append(((NUM_SLOTS, layer.out_features, rank), "bfloat16", B_SCALE / math.sqrt(rank), 0.0))
         arrays = self.random(specs)
         for i, layer in enumerate(layers):
-            layer.lora_a.set_value(arrays[2 * i])
-            layer.lora_b.set_value(arrays[2 * i + 1])
+            a, b = arrays[2 * i], arrays[2 * i + 1]
+            arrays[2 * i] = arrays[2 * i + 1] = None      # the bf16 draws are freed as the layers take theirs
+            if fp8:
+                (a, a_scale), (b, b_scale) = quantize_rows_on_device(a), quantize_rows_on_device(b)
+                layer.lora_a_scale.set_value(a_scale)
+                layer.lora_b_scale.set_value(b_scale)
+            layer.lora_a.set_value(a)
+            layer.lora_b.set_value(b)
             layer.lora_ranks.set_value(jnp.full((NUM_SLOTS,), rank, jnp.int32))
             layer.max_rank = rank
         self.rank = rank
@@ -309,6 +341,30 @@ class JaxModel:
         rest_leaves, rest_def = jax.tree.flatten(rest)
         empty = [jnp.zeros((0,), a.dtype) for a in lora_leaves]
         return (graphdef, lora_def, rest_def), lora_leaves, rest_leaves, empty
+
+
+@functools.cache
+def _quantize_rows_jit():
+    import jax
+    import jax.numpy as jnp
+
+    def quantize(w):
+        w = w.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(w), axis=-1)
+        scale = jnp.where(amax > 0, amax / 448.0, 1.0).astype(jnp.float32)
+        q = jnp.clip(w / scale[..., None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
+        return q, scale
+    return jax.jit(quantize)
+
+
+def quantize_rows_on_device(w):
+    """(Q (..., c, k) float8_e4m3fn, s (..., c) float32) of the weights w (..., c, k): contract section
+    11's rule, one scale per row c (A's rank rows, B's output rows), s = amax(|w[..., c, :]|) / 448 (1
+    for a zero row), Q = e4m3(clip(w / s, -448, 448)). `jax_lora.quant.quantize_rows` computes the
+    same on the host in NumPy; here it runs where w lives (the 8B model's adapters are gigabytes),
+    under jit, so a scale may be one float32 ulp from the host's (XLA may divide by 448 as a product
+    with its reciprocal): both frameworks and the reference read these same Q and s."""
+    return _quantize_rows_jit()(w)
 
 
 def _jax_step(graphdef, lora_def, rest_def, lora_leaves, rest_leaves, cache, punica, tokens, positions, rows,
@@ -374,6 +430,8 @@ class TorchDecoder:
     prefill step writes positions 0..S-1 and attends causally within the sequence.
     """
 
+    lora_scales = None      # fp8 adapters' channel scales (load_lora), None for 16-bit adapters
+
     def __init__(self, cfg, jm: JaxModel, device, fp8_product: str = "dequant"):
         import torch
         self.cfg, self.device = cfg, device
@@ -406,11 +464,15 @@ class TorchDecoder:
 
     def load_lora(self) -> None:
         """Views of the JAX model's current adapters, per layer and linear: (A slices (L, r, in),
-        B slices (L, n_s, r) strided views of the fused B, slice widths, lora_ranks (L,) int32)."""
+        B slices (L, n_s, r) strided views of the fused B, slice widths, lora_ranks (L,) int32).
+        fp8 adapters: `lora_scales`, per layer and linear, (A's channel scales per slice (L, r), B's
+        per slice (L, n_s): views of the fused (L, out) scales, channels contiguous, rows strided),
+        else None."""
         import torch
         self.lora = []
+        self.lora_scales = None
         for layer in self._jm.model.model.layers:
-            per = {}
+            per, scales = {}, {}
             for name, mod in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
                               ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
                 a = torch.from_dlpack(mod.lora_a.get_value())
@@ -421,10 +483,38 @@ class TorchDecoder:
                     off += n
                 per[name] = (tuple(a[s] for s in range(len(slices))), tuple(bs), slices,
                              torch.from_dlpack(mod.lora_ranks.get_value()))
+                if mod.lora_dtype == "fp8":
+                    sa = torch.from_dlpack(mod.lora_a_scale.get_value())                   # (S, L, r)
+                    sb = torch.from_dlpack(mod.lora_b_scale.get_value())                   # (L, out)
+                    offsets = np.cumsum((0,) + slices)
+                    scales[name] = (tuple(sa[s] for s in range(len(slices))),
+                                    tuple(sb[:, int(lo):int(hi)] for lo, hi in zip(offsets[:-1], offsets[1:])))
             self.lora.append(per)
+            if scales:
+                self.lora_scales = (self.lora_scales or []) + [scales]
+
+    def scales_of(self, i: int, name: str) -> dict:
+        """The keyword arguments that hand layer i's `name` adapters' fp8 scales to the wrapper
+        (`lora_a_scale`, `lora_b_scale`), or none for 16-bit adapters."""
+        if self.lora_scales is None:
+            return {}
+        a_scales, b_scales = self.lora_scales[i][name]
+        return dict(lora_a_scale=a_scales, lora_b_scale=b_scales)
+
+    def dequantized(self, i: int, name: str, slot: int) -> tuple:
+        """Slot `slot`'s adapter of layer i's `name` in float32, (A slices (r, in), B slices (n_s, r)):
+        fp8 weights times their channel scales (the weights the fp8 step stands for), 16-bit ones
+        cast."""
+        a, b, _slices, _ranks = self.lora[i][name]
+        if self.lora_scales is None:
+            return tuple(w[slot].float() for w in a), tuple(w[slot].float() for w in b)
+        a_scales, b_scales = self.lora_scales[i][name]
+        return (tuple(w[slot].float() * sc[slot][:, None] for w, sc in zip(a, a_scales)),
+                tuple(w[slot].float() * sc[slot][:, None] for w, sc in zip(b, b_scales)))
 
     def drop_lora(self) -> None:
         self.lora = None
+        self.lora_scales = None
         self.vllm_weights = None
 
     def load_vllm_weights(self) -> None:
@@ -540,7 +630,7 @@ class TorchDecoder:
         """The LoRA hook through `torch_lora.PunicaWrapper.add_lora_linear` (scale 1: B holds it)."""
         def lora(i, name, y, x):
             a, b, slices, ranks = self.lora[i][name]
-            punica.add_lora_linear(y, x, a, b, None, 1.0, slices, lora_ranks=ranks)
+            punica.add_lora_linear(y, x, a, b, None, 1.0, slices, lora_ranks=ranks, **self.scales_of(i, name))
         return lora
 
     def vllm_lora(self, vk, meta):
@@ -559,7 +649,7 @@ class TorchDecoder:
         captured step replays the fork and join as parallel graph branches."""
         import torch
         buffers: dict = {}
-        lora_of = self.lora
+        lora_of, scales_of = self.lora, self.scales_of
 
         class Overlap:
             @staticmethod
@@ -572,14 +662,16 @@ class TorchDecoder:
                                                      device=x.device)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    punica.add_shrink(buf, x, a, 1.0, lora_ranks=ranks)
+                    punica.add_shrink(buf, x, a, 1.0, lora_ranks=ranks,
+                                      **{k: v for k, v in scales_of(i, name).items() if k == "lora_a_scale"})
                 return buf
 
             @staticmethod
             def end(i, name, y, buf):
                 _a, b, slices, ranks = lora_of[i][name]
                 torch.cuda.current_stream().wait_stream(side)
-                punica.add_expand(y, buf, b, None, slices, 0, True, lora_ranks=ranks)
+                punica.add_expand(y, buf, b, None, slices, 0, True, lora_ranks=ranks,
+                                  **{k: v for k, v in scales_of(i, name).items() if k == "lora_b_scale"})
         return Overlap()
 
     def fused_lora(self, punica, fuse_norm: bool):
@@ -631,14 +723,16 @@ class TorchDecoder:
 
     def reference_lora(self, groups):
         """The LoRA hook of the reference: for each (slot, token indices) of `groups`, the delta
-        (x @ A_s[slot].T) @ B_s[slot].T in float32 per slice, added to y and rounded to y's dtype."""
+        (x @ A_s[slot].T) @ B_s[slot].T in float32 per slice, added to y and rounded to y's dtype
+        (fp8 adapters: A and B dequantised, `dequantized`)."""
         def lora(i, name, y, x):
-            a, b, slices, _ranks = self.lora[i][name]
+            slices = self.lora[i][name][2]
             for slot, tok in groups:
                 xs = x[tok].float()
+                a, b = self.dequantized(i, name, int(slot))
                 off = 0
                 for s, n in enumerate(slices):
-                    delta = (xs @ a[s][slot].float().T) @ b[s][slot].float().T
+                    delta = (xs @ a[s].T) @ b[s].T
                     y[tok, off:off + n] = (y[tok, off:off + n].float() + delta).to(y.dtype)
                     off += n
         return lora
@@ -710,10 +804,16 @@ class Bench:
         self.t_start = getattr(args, "t_start", None) or time.perf_counter()
         self.phases = _Phases(self.t_start)
         t0 = time.perf_counter()
-        self.jm = JaxModel(cfg, base=args.base, fused=JAX_FUSED[getattr(args, "jax_lora", "linear")])
+        self.jm = JaxModel(cfg, base=args.base, fused=JAX_FUSED[getattr(args, "jax_lora", "linear")],
+                           lora_dtype=args.lora_dtype)
         self._sync_jax()
         from jax_lora import quant
         self.quantized_linears = len(quant.quantized_layers(self.jm.model))     # 4 per layer with --base fp8
+        # what the JAX layers store (torch reads the same arrays): e4m3 weights and float32 scales with fp8
+        self.adapter_storage = sorted({f"{name}:{getattr(layer, name).get_value().dtype}"
+                                       for layer in self.jm.lora_layers().values()
+                                       for name in ("lora_a", "lora_b", "lora_a_scale", "lora_b_scale")
+                                       if hasattr(layer, name)})
         self.phases["jax_model_init_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.td = TorchDecoder(cfg, self.jm, self.device, fp8_product=args.torch_fp8)
@@ -801,7 +901,9 @@ class Bench:
         self.t_punica = torch_lora.PunicaWrapper(cap, cap, self.device, max_loras=NUM_SLOTS,
                                                  backend="torch" if self.smoke else "triton")
         self.vk = self.v_meta = None
-        if self.cuda and "torch" in self.frameworks and self.args.vllm != "off":
+        # vLLM's fp8 LoRA kernels quantise the activations too (W8A8, benchmarks/vllm_kernels.py):
+        # another computation than e4m3 adapter weights over bf16 activations, so not beside ours
+        if self.cuda and "torch" in self.frameworks and self.args.vllm != "off" and self.args.lora_dtype != "fp8":
             import vllm_kernels
             self.vk = vllm_kernels.load()
             if self.vk is None and self.args.vllm == "on":
@@ -1123,11 +1225,13 @@ class Bench:
             self.update_metadata(shape, slots)
             ref = self.reference(shape, slots, lora=True)
             n = self.steps if case.kind == "dec" else max(3, self.steps // 2)
-            fb = floor_bytes(self.cfg, case.tokens, case.adapters, case.rank)
+            lora_dtype = self.args.lora_dtype
+            fb = floor_bytes(self.cfg, case.tokens, case.adapters, case.rank, lora_dtype)
             res = dict(case=case.name, kind=case.kind, rows=case.rows, seq=case.seq, tokens=case.tokens,
-                       adapters=case.adapters, rank=case.rank, slots=NUM_SLOTS, slots_used=sorted(set(slots.tolist())),
+                       adapters=case.adapters, rank=case.rank, lora_dtype=lora_dtype, base=self.args.base,
+                       slots=NUM_SLOTS, slots_used=sorted(set(slots.tolist())),
                        floor_bytes=fb, floor_us=fb / (PEAK_GBS * 1e3),
-                       adapter_bytes=case.adapters * adapter_bytes(self.cfg, case.rank),
+                       adapter_bytes=case.adapters * adapter_bytes(self.cfg, case.rank, lora_dtype),
                        lora_effect=rel_err(base_ref, ref), checked_rows=rows, steps_timed=n, setup_s=setup)
             for fw in self.frameworks:
                 if fw not in runs:
@@ -1408,6 +1512,11 @@ def line(res) -> str:
     return " | ".join(parts)
 
 
+def cfg_of(out) -> dict:
+    """The model configuration a results dict records (meta.config)."""
+    return out.get("meta", {}).get("config", {})
+
+
 def markdown(out) -> str:
     torch_how = ("eager steps, host clock (--smoke: times mean nothing)" if out["meta"]["smoke"]
                  else "CUDA-graph replay, CUDA events")
@@ -1418,6 +1527,10 @@ def markdown(out) -> str:
         f"Times: median per step. torch: {torch_how}; JAX: {jax_how}. overhead = LoRA step - base step; "
         f"floor = LoRA path's minimal bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits "
         "against the reference.",
+        "",
+        f"Base linears {cfg_of(out).get('base', 'bf16')}, adapters {cfg_of(out).get('lora_dtype', 'bf16')}"
+        + (" (e4m3 with per-channel float32 scales; the reference reads the dequantised weights)"
+           if cfg_of(out).get("lora_dtype") == "fp8" else "") + ".",
         "",
         "| case | tokens | floor us | torch base us | torch LoRA us | torch overhead us (% base) | torch x floor "
         "| vLLM kernels in torch's step: overhead us (% base) | vLLM x floor "
@@ -1527,7 +1640,7 @@ def env_meta(args, cfg) -> dict:
                 tolerances=dict(err=TOL_ERR, err_over_effect=TOL_ERR_OVER_EFFECT),
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                            vocab=cfg.vocab_size, dtype="bfloat16", base=args.base,
+                            vocab=cfg.vocab_size, dtype="bfloat16", base=args.base, lora_dtype=args.lora_dtype,
                             torch_fp8=args.torch_fp8 if args.base == "fp8" else None),
                 backends=dict(jax="xla" if args.smoke else "triton (XLA FFI launcher)",
                               torch="torch" if args.smoke else "triton, CUDA graph"))
@@ -1624,7 +1737,10 @@ def main(argv=None) -> int:
                         "each step waited for)")
     p.add_argument("--base", choices=("bf16", "fp8"), default="bf16",
                    help="the base model's linears: bf16, or fp8 (float8_e4m3fn, per-channel scales; the adapters "
-                        "stay bf16)")
+                        "as --lora-dtype says)")
+    p.add_argument("--lora-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="the adapters' storage in both frameworks: bf16, or fp8 (float8_e4m3fn with per-channel "
+                        "float32 scales, contract section 11; the reference reads the dequantised weights)")
     p.add_argument("--torch-fp8", choices=("scaled_mm", "dequant"), default=None,
                    help="torch's product with an fp8 base: torch._scaled_mm with per-token e4m3 activations "
                         "(default on CUDA) or weight-only dequantization as JAX computes it (the CPU's)")
@@ -1641,6 +1757,15 @@ def main(argv=None) -> int:
                 "--jax-lora linear")
     if args.smoke and args.jax_lora != "linear":
         os.environ.setdefault("TRITON_INTERPRET", "1")       # the fused kernels on the CPU: Triton's interpreter
+    if args.lora_dtype == "fp8" and args.torch_lora.startswith("fused"):
+        p.error(f"--torch-lora {args.torch_lora}'s fused GEMM takes bf16 adapters; with --lora-dtype fp8 use "
+                "--torch-lora linear or overlap")
+    if args.lora_dtype == "fp8" and args.jax_lora != "linear":
+        p.error(f"--jax-lora {args.jax_lora}'s fused GEMM takes bf16 adapters; with --lora-dtype fp8 use "
+                "--jax-lora linear")
+    if args.lora_dtype == "fp8" and args.vllm == "on":
+        p.error("--vllm on: vLLM's fp8 LoRA kernels quantise the activations too (W8A8), another computation than "
+                "--lora-dtype fp8's; use --vllm auto or off")
     if args.smoke and args.torch_fp8 == "scaled_mm":
         p.error("--torch-fp8 scaled_mm needs CUDA (not --smoke)")
     args.torch_fp8 = args.torch_fp8 or ("dequant" if args.smoke else "scaled_mm")
@@ -1681,7 +1806,7 @@ def run(args, cases) -> int:
     cfg = model_config(args.smoke)
     meta = env_meta(args, cfg)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    fp8 = "_fp8" if args.base == "fp8" else ""
+    fp8 = ("_fp8" if args.base == "fp8" else "") + ("_lora-fp8" if args.lora_dtype == "fp8" else "")
     base = os.path.join(args.out, f"e2e_{'smoke' if args.smoke else 'h200'}{fp8}_{stamp}{args.tag}")
     os.makedirs(args.out, exist_ok=True)
     bench = Bench(args, cfg, cases)
@@ -1690,7 +1815,7 @@ def run(args, cases) -> int:
         failed = [r["case"] for r in bench.results for fw in bench.frameworks if not r[fw]["check_passed"]]
         out = dict(meta={**meta, "phases_s": bench.phases, "wall_s": time.perf_counter() - t_start,
                          "complete": final, "memory_gb": memory_meta(args),
-                         "quantized_linears": bench.quantized_linears},
+                         "quantized_linears": bench.quantized_linears, "adapter_storage": bench.adapter_storage},
                    cases=bench.results,
                    summary=dict(cases=len(bench.results), planned=len(cases), checks_failed=failed,
                                 skipped=bench.skipped))

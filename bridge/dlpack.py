@@ -5,7 +5,8 @@
 
 The result shares the input's memory: pointer identity holds (`to_jax(t).unsafe_buffer_pointer()
 == t.data_ptr()`), nothing is copied, on the CPU and on CUDA, for every dtype the contract uses (float32,
-bfloat16, float16, int32, int8, uint8, bool; int64/float64 only with `jax_enable_x64`).
+bfloat16, float16, int32, int8, uint8, bool, float8_e4m3fn (fp8 adapter weights); int64/float64 only
+with `jax_enable_x64`).
 
 What cannot be shared without a copy is refused with `CopyRequiredError` (a ValueError naming the
 tensor's shape, strides, dtype or address and the rule it breaks), unless `copy=True` permits a copy
@@ -82,7 +83,7 @@ _TORCH_TO_JAX_DTYPE = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
     torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
     torch.bool: "bool", torch.int64: "int64", torch.float64: "float64", torch.complex64: "complex64",
-    torch.complex128: "complex128",
+    torch.complex128: "complex128", torch.float8_e4m3fn: "float8_e4m3fn",
 }
 # 64-bit dtypes JAX keeps only with jax_enable_x64, and the 32-bit dtype JAX would otherwise use.
 _X64_NARROW = {torch.int64: torch.int32, torch.float64: torch.float32, torch.complex128: torch.complex64}
@@ -90,7 +91,7 @@ _JAX_TO_TORCH_DTYPE = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32,
     "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
     "int64": torch.int64, "float64": torch.float64, "complex64": torch.complex64,
-    "complex128": torch.complex128,
+    "complex128": torch.complex128, "float8_e4m3fn": torch.float8_e4m3fn,
 }
 _DL_CPU, _DL_CUDA = 1, 2  # DLDeviceType codes
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -326,7 +327,7 @@ def _copy_for_jax(x: torch.Tensor) -> torch.Tensor:
 
 # dtypes shared as they are (64-bit ones depend on jax_enable_x64, complex on the conjugate bit).
 _DIRECT = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int16, torch.int8,
-                     torch.uint8, torch.bool})
+                     torch.uint8, torch.bool, torch.float8_e4m3fn})
 _STRIDED = torch.strided
 
 

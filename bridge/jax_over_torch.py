@@ -233,25 +233,30 @@ class JaxPunicaWrapper:
         return to_jax(out)
 
     # ------------------------------------------------------------------ ops
-    def add_shrink(self, y, x, lora_a_stacked, scale: float, *, lora_ranks=None, **kwargs) -> jax.Array:
-        """Returns y' (S, T, r) with y's dtype: scale * x @ A_s[idx].T per token (0 for -1 and unmapped rows)."""
+    def add_shrink(self, y, x, lora_a_stacked, scale: float, *, lora_ranks=None, lora_a_scale=None,
+                   **kwargs) -> jax.Array:
+        """Returns y' (S, T, r) with y's dtype: scale * x @ A_s[idx].T per token (0 for -1 and unmapped rows).
+        lora_a_scale: fp8 A's float32 scales (contract section 11), shared and cached like the weights."""
         y_t, x_t = _as_torch(y, "y"), self._rows(_as_torch(x, "x"), "x")
+        a_scale = self._weight(lora_a_scale, "lora_a_scale")
         n = self._num_tokens
         if y_t.dim() != 3 or y_t.shape[1] <= n:  # every row is mapped (or a bad y: the torch wrapper says so)
             out = torch.empty(y_t.shape, dtype=y_t.dtype, device=y_t.device)  # shrink writes every row
             self.torch_wrapper.add_shrink(out, x_t, self._weight(lora_a_stacked, "lora_a_stacked"), scale,
-                                          lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                                          lora_ranks=_as_torch(lora_ranks, "lora_ranks"), lora_a_scale=a_scale)
         else:  # a bucket-padded batch: rows past the mapping are 0
             out = torch.zeros(y_t.shape, dtype=y_t.dtype, device=y_t.device)
             part = out[:, :n].contiguous()
             self.torch_wrapper.add_shrink(part, self._mapped(x_t, n), self._weight(lora_a_stacked, "lora_a_stacked"),
-                                          scale, lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                                          scale, lora_ranks=_as_torch(lora_ranks, "lora_ranks"), lora_a_scale=a_scale)
             out[:, :n] = part
         return self._finish(out, x_t, y_t)
 
     def add_expand(self, y, x, lora_b_stacked, lora_bias_stacked, output_slices: Sequence[int],
-                   offset_start: int = 0, add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> jax.Array:
-        """Returns y' with y'[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx]."""
+                   offset_start: int = 0, add_inputs: bool = True, *, lora_ranks=None, lora_b_scale=None,
+                   **kwargs) -> jax.Array:
+        """Returns y' with y'[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx].
+        lora_b_scale: fp8 B's float32 scales, shared and cached like the weights."""
         out = self._out(y)
         out2 = self._rows(out, "y")
         n = self._num_tokens
@@ -263,25 +268,30 @@ class JaxPunicaWrapper:
         self.torch_wrapper.add_expand(self._mapped(out2, n), buf, self._weight(lora_b_stacked, "lora_b_stacked"),
                                       self._weight(lora_bias_stacked, "lora_bias_stacked"), output_slices,
                                       offset_start=offset_start, add_inputs=add_inputs,
-                                      lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                                      lora_ranks=_as_torch(lora_ranks, "lora_ranks"),
+                                      lora_b_scale=self._weight(lora_b_scale, "lora_b_scale"))
         return self._finish(out, buf)
 
     def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs: bool = True, *, lora_ranks=None,
-                           **kwargs) -> jax.Array:
-        """Returns y' = y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r); y: (T, N)."""
+                           lora_b_scale=None, **kwargs) -> jax.Array:
+        """Returns y' = y (+)= x @ lora_b_stacked[idx].T per token. x: (T, r); y: (T, N). lora_b_scale:
+        an fp8 B's float32 scales."""
         out = self._out(y)
         x_t = _as_torch(x, "x")
         n = self._num_tokens
         self.torch_wrapper.add_lora_embedding(self._mapped(self._rows(out, "y"), n), self._mapped(x_t, n),
                                               self._weight(lora_b_stacked, "lora_b_stacked"), add_inputs=add_inputs,
-                                              lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                                              lora_ranks=_as_torch(lora_ranks, "lora_ranks"),
+                                              lora_b_scale=self._weight(lora_b_scale, "lora_b_scale"))
         return self._finish(out, x_t)
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, scale: float,
-                        output_slices: Sequence[int], *, buffer=None, lora_ranks=None, **kwargs) -> jax.Array:
+                        output_slices: Sequence[int], *, buffer=None, lora_ranks=None, lora_a_scale=None,
+                        lora_b_scale=None, **kwargs) -> jax.Array:
         """Returns y' = y + sum_s (scale * x @ A_s[idx].T) @ B_s[idx].T + bias_s[idx] at the slice offsets.
 
-        `buffer` is only checked (as in jax_lora: JAX is functional).
+        `buffer` is only checked (as in jax_lora: JAX is functional). lora_a_scale / lora_b_scale:
+        fp8 weights' float32 scales (contract section 11), shared zero-copy and cached like the weights.
         """
         out = self._out(y)
         out2, x_t = self._rows(out, "y"), self._rows(_as_torch(x, "x"), "x")
@@ -296,12 +306,15 @@ class JaxPunicaWrapper:
                                            self._weight(lora_a_stacked, "lora_a_stacked"),
                                            self._weight(lora_b_stacked, "lora_b_stacked"),
                                            self._weight(lora_bias_stacked, "lora_bias_stacked"), scale, output_slices,
-                                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"),
+                                           lora_a_scale=self._weight(lora_a_scale, "lora_a_scale"),
+                                           lora_b_scale=self._weight(lora_b_scale, "lora_b_scale"))
         return self._finish(out, x_t)
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale: float, *, buffer=None, lora_ranks=None,
-                        **kwargs) -> jax.Array:
-        """Returns y' with y'[j] = y[j] + (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j."""
+                        lora_a_scale=None, lora_b_scale=None, **kwargs) -> jax.Array:
+        """Returns y' with y'[j] = y[j] + (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j.
+        lora_a_scale / lora_b_scale: fp8 weights' float32 scales (torch_lora's add_lora_logits takes them)."""
         out = self._out(y)
         out2, x_t = self._rows(out, "y"), self._rows(_as_torch(x, "x"), "x")
         if x_t.shape[0] != out2.shape[0]:
@@ -313,7 +326,9 @@ class JaxPunicaWrapper:
         self.torch_wrapper.add_lora_logits(self._mapped(out2, n), self._mapped(x_t, n),
                                            self._weight(lora_a_stacked, "lora_a_stacked"),
                                            self._weight(lora_b_stacked, "lora_b_stacked"), scale,
-                                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"),
+                                           lora_a_scale=self._weight(lora_a_scale, "lora_a_scale"),
+                                           lora_b_scale=self._weight(lora_b_scale, "lora_b_scale"))
         return self._finish(out, x_t)
 
 
@@ -335,6 +350,16 @@ def _torch_all(value, name: str):
     return _as_torch(value, name)
 
 
+def _scales_torch(value, name: str):
+    """fp8 scales for torch_lora.ops (None, one array, or a list/tuple per slice with None entries):
+    torch views of the arrays (zero-copy)."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [None if v is None else _as_torch(v, f"{name}[{i}]") for i, v in enumerate(value)]
+    return _as_torch(value, name)
+
+
 def _meta_args(meta, num_tokens: int) -> tuple:
     """torch meta_args(T) from a jax_lora LoRAKernelMeta or its meta_args tuple (vLLM's order)."""
     m = KernelMeta(*meta) if isinstance(meta, (list, tuple)) else KernelMeta(
@@ -349,8 +374,9 @@ def _meta_args(meta, num_tokens: int) -> tuple:
 
 
 def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: str | None = None,
-                lora_ranks=None) -> jax.Array:
-    """jax_lora.ops.lora_shrink over torch_lora.ops.lora_shrink: returns (S, T, r) float32."""
+                lora_ranks=None, lora_a_scale=None) -> jax.Array:
+    """jax_lora.ops.lora_shrink over torch_lora.ops.lora_shrink: returns (S, T, r) float32. lora_a_scale:
+    fp8 slices' float32 scales, shared like the weights."""
     x_t = _required(x, "x")
     a_t = _torch_all(lora_a_stacked, "lora_a_stacked")
     a_list = a_t if isinstance(a_t, list) else [a_t]
@@ -358,51 +384,56 @@ def lora_shrink(x, lora_a_stacked, meta, scale: float, *, backend: str | None = 
                                              [a.dtype for a in a_list])
     out = torch.empty((len(a_list), x_t.shape[0], rank), dtype=torch.float32, device=x_t.device)
     tops.lora_shrink(x_t, a_t, out, *_meta_args(meta, x_t.shape[0]), scale, backend=backend,
-                     lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                     lora_ranks=_as_torch(lora_ranks, "lora_ranks"),
+                     lora_a_scale=_scales_torch(lora_a_scale, "lora_a_scale"))
     _keepalive.hold(x_t.device, x_t, a_t)
     return to_jax(out)
 
 
 def lora_expand(buf, lora_b_stacked, y, meta, offset_start: int = 0, add_inputs: bool = False, *,
-                backend: str | None = None, lora_ranks=None) -> jax.Array:
-    """jax_lora.ops.lora_expand over torch_lora.ops.lora_expand: returns a new y."""
+                backend: str | None = None, lora_ranks=None, lora_b_scale=None) -> jax.Array:
+    """jax_lora.ops.lora_expand over torch_lora.ops.lora_expand: returns a new y. lora_b_scale: fp8
+    slices' float32 scales, shared like the weights."""
     out = _required(y, "y").clone(memory_format=torch.contiguous_format)
     buf_t = _required(buf, "buf")
     tops.lora_expand(buf_t, _torch_all(lora_b_stacked, "lora_b_stacked"), out, *_meta_args(meta, out.shape[0]),
                      offset_start=offset_start, add_inputs=add_inputs, backend=backend,
-                     lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                     lora_ranks=_as_torch(lora_ranks, "lora_ranks"),
+                     lora_b_scale=_scales_torch(lora_b_scale, "lora_b_scale"))
     _keepalive.hold(out.device, buf_t)
     return to_jax(out)
 
 
-def bgmv_shrink(x, w, idx, scale: float = 1.0, *, backend: str | None = None, lora_ranks=None) -> jax.Array:
-    """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1."""
+def bgmv_shrink(x, w, idx, scale: float = 1.0, *, backend: str | None = None, lora_ranks=None,
+                w_scale=None) -> jax.Array:
+    """(T, r) float32: scale * x[t] @ w[idx[t]].T, 0 where idx[t] = -1; w_scale: an fp8 w's scales."""
     x_t = _required(x, "x")
     res = tops.bgmv_shrink(x_t, _required(w, "w"), _as_torch(idx, "idx"), scale, backend=backend,
-                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"), w_scale=_as_torch(w_scale, "w_scale"))
     _keepalive.hold(x_t.device, x_t)
     return to_jax(res)
 
 
-def _expand(fn, x, w, y, idx_args, tail, backend, lora_ranks) -> jax.Array:
+def _expand(fn, x, w, y, idx_args, tail, backend, lora_ranks, w_scale=None) -> jax.Array:
     out = _required(y, "y").clone(memory_format=torch.contiguous_format)
     x_t = _required(x, "x")
-    fn(x_t, _required(w, "w"), out, *idx_args, *tail, backend=backend, lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+    fn(x_t, _required(w, "w"), out, *idx_args, *tail, backend=backend, lora_ranks=_as_torch(lora_ranks, "lora_ranks"),
+       w_scale=_as_torch(w_scale, "w_scale"))
     _keepalive.hold(out.device, x_t)
     return to_jax(out)
 
 
 def bgmv_expand(x, w, y, idx, add_inputs: bool = True, *, backend: str | None = None,
-                lora_ranks=None) -> jax.Array:
+                lora_ranks=None, w_scale=None) -> jax.Array:
     """A new y with y[t, :c] (+)= (x[t] @ w[idx[t]].T)[:c]."""
-    return _expand(tops.bgmv_expand, x, w, y, (_as_torch(idx, "idx"),), (add_inputs,), backend, lora_ranks)
+    return _expand(tops.bgmv_expand, x, w, y, (_as_torch(idx, "idx"),), (add_inputs,), backend, lora_ranks, w_scale)
 
 
 def bgmv_expand_slice(x, w, y, idx, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: str | None = None, lora_ranks=None) -> jax.Array:
+                      backend: str | None = None, lora_ranks=None, w_scale=None) -> jax.Array:
     """A new y with y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T."""
     return _expand(tops.bgmv_expand_slice, x, w, y, (_as_torch(idx, "idx"),), (y_offset, y_slice_size, add_inputs),
-                   backend, lora_ranks)
+                   backend, lora_ranks, w_scale)
 
 
 def _segment_scalar(name: str, v):
@@ -437,26 +468,27 @@ def _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, m
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                scale: float = 1.0, *, backend: str | None = None, lora_ranks=None) -> jax.Array:
+                scale: float = 1.0, *, backend: str | None = None, lora_ranks=None, w_scale=None) -> jax.Array:
     """bgmv_shrink with each segment's tokens using the segment's index."""
     x_t = _required(x, "x")
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
     res = tops.sgmv_shrink(x_t, _required(w, "w"), *seg, scale, backend=backend,
-                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"))
+                           lora_ranks=_as_torch(lora_ranks, "lora_ranks"), w_scale=_as_torch(w_scale, "w_scale"))
     _keepalive.hold(x_t.device, x_t)
     return to_jax(res)
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None) -> jax.Array:
+                add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None, w_scale=None) -> jax.Array:
     """bgmv_expand with each segment's tokens using the segment's index; returns a new y."""
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
-    return _expand(tops.sgmv_expand, x, w, y, seg, (add_inputs,), backend, lora_ranks)
+    return _expand(tops.sgmv_expand, x, w, y, seg, (add_inputs,), backend, lora_ranks, w_scale)
 
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                       token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: str | None = None, lora_ranks=None) -> jax.Array:
+                      backend: str | None = None, lora_ranks=None, w_scale=None) -> jax.Array:
     """bgmv_expand_slice with each segment's tokens using the segment's index; returns a new y."""
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
-    return _expand(tops.sgmv_expand_slice, x, w, y, seg, (y_offset, y_slice_size, add_inputs), backend, lora_ranks)
+    return _expand(tops.sgmv_expand_slice, x, w, y, seg, (y_offset, y_slice_size, add_inputs), backend, lora_ranks,
+                   w_scale)

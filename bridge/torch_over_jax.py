@@ -95,6 +95,14 @@ def _check_not_wide(t: torch.Tensor, name: str, allowed) -> None:
         checks.check_dtype(name, t.dtype, allowed)
 
 
+def _check_scale_not_wide(t, name: str) -> None:
+    """An fp8 scale of a 64-bit dtype is refused here (ValueError, as jax_lora refuses a scale of a
+    wrong dtype): the conversion would narrow it to float32 in silence."""
+    if isinstance(t, torch.Tensor) and t.dtype in _WIDE:
+        raise ValueError(f"{name} must be float32 (fp8 weight scales, contract section 11), got dtype "
+                         f"{checks.dtype_name(t.dtype)}")
+
+
 # ----------------------------------------------------------------------------- wrapper
 
 class TorchPunicaWrapper:
@@ -155,12 +163,15 @@ class TorchPunicaWrapper:
                 for i in (ids if mapping.paired else (ids,))}     # (a paired mapping: a tuple of ids each)
         self._max_slot = max((slot_of[i] for i in used if i > 0 and i in slot_of), default=-1)
 
-    def _run(self, method: str, arrays: tuple, stacked, lora_ranks, **static):
+    def _run(self, method: str, arrays: tuple, stacked, lora_ranks, scales=None, **static):
         """Calls the JAX wrapper's `method`: eagerly, or as one jitted program (static: hashable args).
 
         `lora_ranks` (a torch tensor, array-like or None) is converted here: an int32 array for JAX.
+        `scales`: the fp8 scale keywords ({"lora_a_scale": ..., "lora_b_scale": ...}), converted
+        already (`_scales`), passed as arrays (traced under jit) where given.
         """
         dyn = {"lora_ranks": _index(lora_ranks, "lora_ranks")}
+        dyn.update({k: v for k, v in (scales or {}).items() if v is not None})
         if not self.jit:
             return getattr(self.jax_wrapper, method)(*arrays, **dyn, **static)
         first = stacked[0] if isinstance(stacked, tuple) else stacked
@@ -272,6 +283,18 @@ class TorchPunicaWrapper:
             _usable(stacked, name)
         return get(stacked, convert, name, None)
 
+    def _scales(self, scales, name: str):
+        """fp8 weight scales (one tensor, or a list/tuple per slice with None entries) for JAX:
+        shared zero-copy and cached like the weights (a scale is persistent beside its weight). A
+        float64 scale is refused (contract section 11: float32), not narrowed; jax_lora checks the
+        rest (shapes, which slices take scales) and names `name`."""
+        if scales is None:
+            return None
+        entries = scales if isinstance(scales, (list, tuple)) else (scales,)
+        for i, sc in enumerate(entries):
+            _check_scale_not_wide(sc, name if not isinstance(scales, (list, tuple)) else f"{name}[{i}]")
+        return self._weight(scales, name)
+
     def _convert_weight(self, w, name: str, i: int | None):
         """A cache miss: the cache passes a detached alias of the caller's tensor."""
         label = name if i is None else f"{name}[{i}]"
@@ -290,16 +313,20 @@ class TorchPunicaWrapper:
 
     # ------------------------------------------------------------------ ops
     def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, scale: float, *, lora_ranks=None,
-                   **kwargs) -> torch.Tensor:
-        """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H)."""
+                   lora_a_scale=None, **kwargs) -> torch.Tensor:
+        """y[s] = scale * x @ A_s[idx].T per token (0 for -1), written into y (S, T, r). x: (..., H).
+        lora_a_scale: fp8 A's float32 scales (contract section 11), shared like the weights."""
         xj = self._act(x, "x", self._num_tokens)
         a = self._weight(lora_a_stacked, "lora_a_stacked")
-        res = self._run("add_shrink", (self._act(y, "y"), xj, a), a, lora_ranks, scale=checks.as_scale(scale))
+        res = self._run("add_shrink", (self._act(y, "y"), xj, a), a, lora_ranks,
+                        {"lora_a_scale": self._scales(lora_a_scale, "lora_a_scale")}, scale=checks.as_scale(scale))
         return self._write_back(y, res)
 
     def add_expand(self, y: torch.Tensor, x, lora_b_stacked, lora_bias_stacked, output_slices: Sequence[int],
-                   offset_start: int = 0, add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> torch.Tensor:
-        """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx], in place."""
+                   offset_start: int = 0, add_inputs: bool = True, *, lora_ranks=None, lora_b_scale=None,
+                   **kwargs) -> torch.Tensor:
+        """y[:, off_s:off_s+n_s] = (y if add_inputs else 0) + x[s] @ B_s[idx].T + bias_s[idx], in place.
+        lora_b_scale: fp8 B's float32 scales (contract section 11), shared like the weights."""
         yj = self._act(y, "y", self._num_tokens)
         if isinstance(x, (list, tuple)):
             buf = [self._act(p, f"x[{i}]") for i, p in enumerate(x)]
@@ -307,26 +334,32 @@ class TorchPunicaWrapper:
             buf = self._act(x, "x")
         b = self._weight(lora_b_stacked, "lora_b_stacked")
         res = self._run("add_expand", (yj, buf, b, self._weight(lora_bias_stacked, "lora_bias_stacked")), b,
-                        lora_ranks, output_slices=_static_ints(output_slices),
+                        lora_ranks, {"lora_b_scale": self._scales(lora_b_scale, "lora_b_scale")},
+                        output_slices=_static_ints(output_slices),
                         offset_start=checks.as_offset("offset_start", offset_start),
                         add_inputs=checks.as_flag("add_inputs", add_inputs))
         return self._write_back(y, res)
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
-                           add_inputs: bool = True, *, lora_ranks=None, **kwargs) -> torch.Tensor:
-        """y (+)= x @ lora_b_stacked[idx].T per token, in place. x: (T, r); y: (T, N)."""
+                           add_inputs: bool = True, *, lora_ranks=None, lora_b_scale=None,
+                           **kwargs) -> torch.Tensor:
+        """y (+)= x @ lora_b_stacked[idx].T per token, in place. x: (T, r); y: (T, N). lora_b_scale:
+        an fp8 B's float32 scales, (L, N) or (L,)."""
         yj = self._act(y, "y", self._num_tokens)
         b = self._weight(lora_b_stacked, "lora_b_stacked")
         res = self._run("add_lora_embedding", (yj, self._act(x, "x"), b), b, lora_ranks,
+                        {"lora_b_scale": self._scales(lora_b_scale, "lora_b_scale")},
                         add_inputs=checks.as_flag("add_inputs", add_inputs))
         return self._write_back(y, res)
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked, lora_bias_stacked,
                         scale: float, output_slices: Sequence[int], *, buffer: torch.Tensor | None = None,
-                        lora_ranks=None, **kwargs) -> torch.Tensor:
+                        lora_ranks=None, lora_a_scale=None, lora_b_scale=None, **kwargs) -> torch.Tensor:
         """y[t] += sum_s (scale * x[t] @ A_s[idx].T) @ B_s[idx].T + bias_s[idx], in place; returns y.
 
         `buffer` (S, T, r) float32 is checked but not needed (the JAX kernels allocate their own).
+        lora_a_scale / lora_b_scale: fp8 weights' float32 scales (contract section 11), shared
+        zero-copy and cached like the weights.
         """
         xj = self._act(x, "x", self._num_tokens)
         if buffer is not None:
@@ -335,13 +368,22 @@ class TorchPunicaWrapper:
         a = self._weight(lora_a_stacked, "lora_a_stacked")
         res = self._run("add_lora_linear", (self._act(y, "y"), xj, a, self._weight(lora_b_stacked, "lora_b_stacked"),
                                             self._weight(lora_bias_stacked, "lora_bias_stacked")), a,
-                        lora_ranks, scale=checks.as_scale(scale), output_slices=_static_ints(output_slices))
+                        lora_ranks, {"lora_a_scale": self._scales(lora_a_scale, "lora_a_scale"),
+                                     "lora_b_scale": self._scales(lora_b_scale, "lora_b_scale")},
+                        scale=checks.as_scale(scale), output_slices=_static_ints(output_slices))
         return self._write_back(y, res)
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
                         lora_b_stacked: torch.Tensor, scale: float, *, buffer: torch.Tensor | None = None,
-                        lora_ranks=None, **kwargs) -> torch.Tensor:
-        """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j, in place."""
+                        lora_ranks=None, lora_a_scale=None, lora_b_scale=None, **kwargs) -> torch.Tensor:
+        """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j, in place.
+        jax_lora's add_lora_logits takes 16-bit weights only: fp8 weights or scales are a ValueError."""
+        fp8 = [n for n, w in (("lora_a_stacked", lora_a_stacked), ("lora_b_stacked", lora_b_stacked))
+               if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn]
+        given = [n for n, v in (("lora_a_scale", lora_a_scale), ("lora_b_scale", lora_b_scale)) if v is not None]
+        if fp8 or given:
+            raise ValueError(f"add_lora_logits over jax_lora's kernels takes 16-bit lora_a_stacked / lora_b_stacked "
+                             f"without scales (jax_lora has no fp8 LM-head LoRA), got {', '.join(fp8 + given)}")
         xj = self._act(x, "x", self._num_rows, "sampled rows")
         if buffer is not None:  # (1, R, r), or any shape of R * r elements (torch_lora's rule)
             rows, rank = math.prod(x.shape[:-1]), lora_a_stacked.shape[-2]
@@ -398,6 +440,17 @@ def _act(t, name: str, copy: bool):
     return to_jax(_usable(t, name), copy=copy)
 
 
+def _weight_scales(value, name: str, copy: bool):
+    """fp8 scales for jax_lora.ops (None, one tensor, or a list/tuple per slice with None entries):
+    shared zero-copy like the weights; a float64 scale is refused (float32 only), not narrowed."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return tuple(None if v is None else _weight_scales(v, f"{name}[{i}]", copy) for i, v in enumerate(value))
+    _check_scale_not_wide(value, name)
+    return to_jax(_usable(value, name), copy=copy)
+
+
 def _method_call(method: str, static: dict):
     """f(wrapper, args, dyn) = wrapper.<method>(*args, **dyn, **static): what the wrapper jits once
     per (method, static arguments)."""
@@ -439,8 +492,9 @@ def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
 def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tensor, token_lora_mapping,
                 token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids,
                 no_lora_flag, scaling: float, *, backend: str | None = None, lora_ranks=None,
-                copy: bool = False) -> torch.Tensor:
-    """torch_lora.ops.lora_shrink over jax_lora.ops.lora_shrink: writes output_tensor (S, T, r), returns it."""
+                copy: bool = False, lora_a_scale=None) -> torch.Tensor:
+    """torch_lora.ops.lora_shrink over jax_lora.ops.lora_shrink: writes output_tensor (S, T, r), returns it.
+    lora_a_scale: fp8 slices' float32 scales, shared like the weights."""
     require_tensors(inputs=inputs, output_tensor=output_tensor)
     a = _slices("lora_a_weights", lora_a_weights)
     check_tensors(inputs=inputs, lora_a_weights=list(a), output_tensor=output_tensor)
@@ -448,7 +502,8 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
     meta = _meta((token_lora_mapping, token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                   lora_ids, no_lora_flag))
     res = jops.lora_shrink(_acts(inputs, "inputs", copy), _acts(a, "lora_a_weights", copy), meta, scaling,
-                           backend=backend, lora_ranks=_index(lora_ranks, "lora_ranks"))
+                           backend=backend, lora_ranks=_index(lora_ranks, "lora_ranks"),
+                           lora_a_scale=_weight_scales(lora_a_scale, "lora_a_scale", copy))
     output_tensor.copy_(to_torch(res))
     return output_tensor
 
@@ -456,8 +511,9 @@ def lora_shrink(inputs: torch.Tensor, lora_a_weights, output_tensor: torch.Tenso
 def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tensor, token_lora_mapping,
                 token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids,
                 no_lora_flag, offset_start: int = 0, add_inputs: bool = False, *, backend: str | None = None,
-                lora_ranks=None, copy: bool = False) -> torch.Tensor:
-    """torch_lora.ops.lora_expand over jax_lora.ops.lora_expand: updates output_tensor in place, returns it."""
+                lora_ranks=None, copy: bool = False, lora_b_scale=None) -> torch.Tensor:
+    """torch_lora.ops.lora_expand over jax_lora.ops.lora_expand: updates output_tensor in place, returns it.
+    lora_b_scale: fp8 slices' float32 scales, shared like the weights."""
     require_tensors(inputs=inputs, output_tensor=output_tensor)
     b = _slices("lora_b_weights", lora_b_weights)
     check_tensors(inputs=inputs, lora_b_weights=list(b), output_tensor=output_tensor)
@@ -465,50 +521,54 @@ def lora_expand(inputs: torch.Tensor, lora_b_weights, output_tensor: torch.Tenso
                   lora_ids, no_lora_flag))
     res = jops.lora_expand(_acts(inputs, "inputs", copy), _acts(b, "lora_b_weights", copy),
                            _acts(output_tensor, "output_tensor", copy), meta, offset_start, add_inputs,
-                           backend=backend, lora_ranks=_index(lora_ranks, "lora_ranks"))
+                           backend=backend, lora_ranks=_index(lora_ranks, "lora_ranks"),
+                           lora_b_scale=_weight_scales(lora_b_scale, "lora_b_scale", copy))
     output_tensor.copy_(to_torch(res))
     return output_tensor
 
 
 def bgmv_shrink(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float = 1.0, *,
                 out: torch.Tensor | None = None, backend: str | None = None, lora_ranks=None,
-                copy: bool = False) -> torch.Tensor:
-    """(T, r) float32: scale * x[t] @ w[idx[t]].T (a new tensor, or written into `out`)."""
+                copy: bool = False, w_scale=None) -> torch.Tensor:
+    """(T, r) float32: scale * x[t] @ w[idx[t]].T (a new tensor, or written into `out`); w_scale: an
+    fp8 w's float32 scales."""
     require_tensors(x=x, lora_a_weights=w)
     check_tensors(x=x, lora_a_weights=w, lora_indices_tensor=idx, out=out)
     res = to_torch(jops.bgmv_shrink(_acts(x, "x", copy), _acts(w, "lora_a_weights", copy),
                                     _index(idx, "lora_indices_tensor"), scale, backend=backend,
-                                    lora_ranks=_index(lora_ranks, "lora_ranks")))
+                                    lora_ranks=_index(lora_ranks, "lora_ranks"),
+                                    w_scale=_weight_scales(w_scale, "w_scale", copy)))
     if out is None:
         return res  # owns its (JAX-allocated) buffer: nothing else references it
     _check_out("out", out, tuple(res.shape))
     return out.copy_(res)
 
 
-def _expand_call(fn, x, w, y, idx_args, tail, copy, backend, lora_ranks, **kw):
+def _expand_call(fn, x, w, y, idx_args, tail, copy, backend, lora_ranks, w_scale=None):
     res = fn(_acts(x, "inputs", copy), _acts(w, "lora_b_weights", copy), _acts(y, "y", copy), *idx_args, *tail,
-             backend=backend, lora_ranks=_index(lora_ranks, "lora_ranks"), **kw)
+             backend=backend, lora_ranks=_index(lora_ranks, "lora_ranks"),
+             w_scale=_weight_scales(w_scale, "w_scale", copy))
     y.copy_(to_torch(res))
     return y
 
 
 def bgmv_expand(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, add_inputs: bool = True, *,
-                backend: str | None = None, lora_ranks=None, copy: bool = False) -> torch.Tensor:
+                backend: str | None = None, lora_ranks=None, copy: bool = False, w_scale=None) -> torch.Tensor:
     """y[t, :c] (+)= (x[t] @ w[idx[t]].T)[:c], in place; returns y."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
     return _expand_call(jops.bgmv_expand, x, w, y, (_index(idx, "lora_indices_tensor"),), (add_inputs,), copy,
-                        backend, lora_ranks)
+                        backend, lora_ranks, w_scale)
 
 
 def bgmv_expand_slice(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, y_offset: int,
                       y_slice_size: int, add_inputs: bool = True, *, backend: str | None = None,
-                      lora_ranks=None, copy: bool = False) -> torch.Tensor:
+                      lora_ranks=None, copy: bool = False, w_scale=None) -> torch.Tensor:
     """y[t, y_offset:y_offset+y_slice_size] (+)= x[t] @ w[idx[t]].T, in place; returns y."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y, lora_indices_tensor=idx)
     return _expand_call(jops.bgmv_expand_slice, x, w, y, (_index(idx, "lora_indices_tensor"),),
-                        (y_offset, y_slice_size, add_inputs), copy, backend, lora_ranks)
+                        (y_offset, y_slice_size, add_inputs), copy, backend, lora_ranks, w_scale)
 
 
 def _segment_scalar(name: str, v):
@@ -537,7 +597,8 @@ def _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, m
 
 
 def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                scale: float = 1.0, *, backend: str | None = None, lora_ranks=None, copy: bool = False):
+                scale: float = 1.0, *, backend: str | None = None, lora_ranks=None, copy: bool = False,
+                w_scale=None):
     """bgmv_shrink with each segment's tokens using the segment's index; returns a new (T, r) tensor.
 
     Segment arguments as in torch_lora.ops.sgmv_shrink: integer (B,) arrays of one length, integer
@@ -547,26 +608,28 @@ def sgmv_shrink(x, w, seq_start_locs, seq_lengths, lora_indices_per_batch, batch
     check_tensors(x=x, lora_a_weights=w)
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
     return to_torch(jops.sgmv_shrink(_acts(x, "x", copy), _acts(w, "lora_a_weights", copy), *seg, scale,
-                                     backend=backend, lora_ranks=_index(lora_ranks, "lora_ranks")))
+                                     backend=backend, lora_ranks=_index(lora_ranks, "lora_ranks"),
+                                     w_scale=_weight_scales(w_scale, "w_scale", copy)))
 
 
 def sgmv_expand(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums,
-                add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None, copy: bool = False):
+                add_inputs: bool = True, *, backend: str | None = None, lora_ranks=None, copy: bool = False,
+                w_scale=None):
     """bgmv_expand with each segment's tokens using the segment's index; y in place. Segment
     arguments checked as in sgmv_shrink."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y)
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
-    return _expand_call(jops.sgmv_expand, x, w, y, seg, (add_inputs,), copy, backend, lora_ranks)
+    return _expand_call(jops.sgmv_expand, x, w, y, seg, (add_inputs,), copy, backend, lora_ranks, w_scale)
 
 
 def sgmv_expand_slice(x, w, y, seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length,
                       token_nums, y_offset: int, y_slice_size: int, add_inputs: bool = True, *,
-                      backend: str | None = None, lora_ranks=None, copy: bool = False):
+                      backend: str | None = None, lora_ranks=None, copy: bool = False, w_scale=None):
     """bgmv_expand_slice with each segment's tokens using the segment's index; y in place. Segment
     arguments checked as in sgmv_shrink."""
     require_tensors(inputs=x, lora_b_weights=w, y=y)
     check_tensors(inputs=x, lora_b_weights=w, y=y)
     seg = _segments(seq_start_locs, seq_lengths, lora_indices_per_batch, batch_size, max_length, token_nums)
     return _expand_call(jops.sgmv_expand_slice, x, w, y, seg, (y_offset, y_slice_size, add_inputs), copy, backend,
-                        lora_ranks)
+                        lora_ranks, w_scale)

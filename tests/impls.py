@@ -17,6 +17,8 @@ Fields an entry may set:
          run through `fused_moe_lora` and `moe_w13_w2` below.
   fp8: the side's ops and wrapper take fp8 (e4m3) weights with their scales (contract section 11;
          `fp8_weight` makes one, `lora_shrink` / `lora_expand` pass `scales`).
+  fp8_logits: with fp8, the wrapper's add_lora_logits takes fp8 weights too (False where the
+         kernels underneath have no fp8 LM-head LoRA: jax_lora's, so torch-over-jax).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Impl:
     vllm_methods: bool = True
     moe_lora: bool = False
     fp8: bool = False
+    fp8_logits: bool = True
 
     def __str__(self):
         return self.name
@@ -266,6 +269,7 @@ def _bridge_impls():
     impls = [bridge_impl.torch_over_jax(Impl), bridge_impl.jax_over_torch(Impl)]
     for impl in impls:
         impl.vllm_methods = False
+        impl.fp8 = True              # the scales travel zero-copy beside the weights
     return impls
 
 

@@ -370,6 +370,111 @@ def test_jax_wrapper_converts_weights_once(monkeypatch):
     assert out2.unsafe_buffer_pointer() not in (y.unsafe_buffer_pointer(), out1.unsafe_buffer_pointer())
 
 
+def _fp8_linear_setup(wrapper_cls, conv):
+    """_linear_setup's case with A and B quantised to e4m3 with per-channel float32 scales
+    (tests/oracle.py's rule), each converted by `conv` from NumPy: (c, w, a_q, b_q, a_scale, b_scale)."""
+    from tests import oracle
+    c, w, _, _ = _linear_setup(wrapper_cls, lambda v: v)
+    a_q, a_s = oracle.fp8_quantize(c["a"][0])
+    b_q, b_s = oracle.fp8_quantize(c["b"][0])
+    a_s, b_s = a_s.reshape(a_s.shape[0], -1), b_s.reshape(b_s.shape[0], -1)     # (L, 1, rows) -> (L, rows)
+    return c, w, conv(a_q), conv(b_q), conv(a_s), conv(b_s)
+
+
+def _torch_fp8(v):
+    """A torch tensor (torch's allocator: 64-byte aligned) of a NumPy array, e4m3 kept bit for bit."""
+    v = np.ascontiguousarray(v)
+    if v.dtype == np.dtype(jnp.float8_e4m3fn):
+        return torch.from_numpy(v.view(np.uint8)).view(torch.float8_e4m3fn).clone()
+    return torch.from_numpy(v).clone()
+
+
+def test_fp8_tensors_are_shared_both_ways():
+    t = _torch_fp8(np.arange(64, dtype=np.float32).reshape(4, 16).astype(jnp.float8_e4m3fn))
+    a = bridge.to_jax(t)
+    assert a.dtype == jnp.float8_e4m3fn and a.unsafe_buffer_pointer() == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(a).astype(np.float32), t.float().numpy())
+    back = bridge.to_torch(jnp.asarray(np.arange(8, dtype=np.float32)).astype(jnp.float8_e4m3fn))
+    assert back.dtype == torch.float8_e4m3fn and back.float().tolist() == list(range(8))
+
+
+def test_torch_wrapper_shares_and_caches_fp8_scales(monkeypatch):
+    """fp8 weights and their scales cross to JAX once (pointer identity), later calls convert only the
+    activations, and the result is bit for bit the JAX wrapper's on the same arrays."""
+    c, w, a, b, sa, sb = _fp8_linear_setup(bridge.TorchPunicaWrapper, _torch_fp8)
+    seen, shared = [], {}
+    real = bridge.torch_over_jax.to_jax
+
+    def spy(t, **kw):
+        out = real(t, **kw)
+        seen.append(t.data_ptr())
+        shared[t.data_ptr()] = out.unsafe_buffer_pointer()
+        return out
+
+    monkeypatch.setattr(bridge.torch_over_jax, "to_jax", spy)
+    x = torch.from_numpy(c["x"]).clone()
+    results = []
+    for _ in range(2):
+        seen.clear()
+        y = torch.from_numpy(c["y"][:, :16]).clone()
+        results.append(w.add_lora_linear(y, x, [a], [b], None, 1.0, (16,), lora_a_scale=[sa], lora_b_scale=[sb]))
+        if len(results) == 1:
+            assert {t.data_ptr() for t in (a, b, sa, sb)} <= set(seen)
+            assert all(shared[t.data_ptr()] == t.data_ptr() for t in (a, b, sa, sb))    # zero-copy
+    assert sorted(seen) == sorted([y.data_ptr(), x.data_ptr()])                         # per call: activations
+    native = jax_lora.PunicaWrapper(16, 4, None, max_loras=c["slots"])
+    native.update_metadata(c["mapping"], c["ids"], c["slots"] + 1, 32)
+    want = native.add_lora_linear(jnp.asarray(c["y"][:, :16]), jnp.asarray(c["x"]), [bridge.to_jax(a)],
+                                  [bridge.to_jax(b)], None, 1.0, (16,), lora_a_scale=[bridge.to_jax(sa)],
+                                  lora_b_scale=[bridge.to_jax(sb)])
+    np.testing.assert_array_equal(results[1].numpy(), np.asarray(want))
+    unscaled = torch.from_numpy(c["y"][:, :16]).clone()
+    with pytest.raises(ValueError, match="lora_b_stacked is float8_e4m3fn: lora_b_scale must give"):
+        w.add_lora_linear(unscaled, x, [a], [b], None, 1.0, (16,), lora_a_scale=[sa])
+
+
+def test_torch_wrapper_fp8_scale_refusals():
+    """A float64 scale is refused (not narrowed to float32); add_lora_logits, which jax_lora offers for
+    16-bit weights only, refuses fp8 weights and scales by name."""
+    c, w, a, b, sa, sb = _fp8_linear_setup(bridge.TorchPunicaWrapper, _torch_fp8)
+    x, y = torch.from_numpy(c["x"]).clone(), torch.from_numpy(c["y"][:, :16]).clone()
+    with pytest.raises(ValueError, match="lora_a_scale"):
+        w.add_lora_linear(y, x, [a], [b], None, 1.0, (16,), lora_a_scale=[sa.double()], lora_b_scale=[sb])
+    with pytest.raises(ValueError, match="add_lora_logits .* lora_a_stacked, lora_b_stacked, lora_a_scale"):
+        w.add_lora_logits(y, x, a, b, 1.0, lora_a_scale=sa, lora_b_scale=sb)
+    with pytest.raises(ValueError, match="16-bit .* got lora_b_scale"):
+        w.add_lora_logits(y, x, a.float(), b.float(), 1.0, lora_b_scale=sb)
+
+
+def test_jax_wrapper_shares_and_caches_fp8_scales(monkeypatch):
+    """The JAX-facing wrapper hands fp8 weights and scales to torch once (pointer identity), then only
+    the activations; the result is bit for bit torch_lora's wrapper's on the same tensors."""
+    c, w, a, b, sa, sb = _fp8_linear_setup(bridge.JaxPunicaWrapper, jnp.asarray)
+    seen = []
+    real = bridge.jax_over_torch.to_torch
+
+    def spy(v, **kw):
+        out = real(v, **kw)
+        seen.append(v.unsafe_buffer_pointer())
+        assert out.data_ptr() == v.unsafe_buffer_pointer()
+        return out
+
+    monkeypatch.setattr(bridge.jax_over_torch, "to_torch", spy)
+    x, y = jnp.asarray(c["x"]), jnp.asarray(c["y"][:, :16])
+    out1 = w.add_lora_linear(y, x, [a], [b], None, 1.0, (16,), lora_a_scale=[sa], lora_b_scale=[sb])
+    assert {v.unsafe_buffer_pointer() for v in (a, b, sa, sb)} <= set(seen)
+    seen.clear()
+    out2 = w.add_lora_linear(y, x, [a], [b], None, 1.0, (16,), lora_a_scale=[sa], lora_b_scale=[sb])
+    assert sorted(seen) == sorted([y.unsafe_buffer_pointer(), x.unsafe_buffer_pointer()])
+    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+    native = torch_lora.PunicaWrapper(16, 4, "cpu", max_loras=c["slots"], backend=w.torch_wrapper.backend)
+    native.update_metadata(c["mapping"], c["ids"], c["slots"] + 1, 32)
+    y_t = torch.from_numpy(c["y"][:, :16]).clone()
+    native.add_lora_linear(y_t, torch.from_numpy(c["x"]), [real(a)], [real(b)], None, 1.0, (16,),
+                           lora_a_scale=[real(sa)], lora_b_scale=[real(sb)])
+    np.testing.assert_array_equal(np.asarray(out2), y_t.numpy())
+
+
 def test_torch_wrapper_result_is_written_in_place_zero_copy_inputs(monkeypatch):
     """Every tensor handed to JAX is the caller's own memory (pointer identity), none a copy."""
     c, w, a, b = _linear_setup(bridge.TorchPunicaWrapper, lambda v: torch.from_numpy(v).clone())

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -234,3 +235,81 @@ def test_gpu_fp8_base_products_match_the_float64_oracle():
         assert got.dtype == torch.bfloat16 and got.shape == (5, 48), product
         got = got.double().cpu()
         assert float((got - want).norm() / want.norm()) < tol, product
+
+
+@pytest.mark.slow
+def test_smoke_run_with_an_fp8_base_and_fp8_adapters_passes_its_checks(tmp_path):
+    """--base fp8 --lora-dtype fp8: the JAX layers store e4m3 adapters with float32 channel scales,
+    torch reads the same through DLPack, and both frameworks' LoRA steps match the reference built
+    on the dequantised adapters; the results carry the adapter dtype."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke", "--base",
+                           "fp8", "--lora-dtype", "fp8", "--cases", "dec B4 D2 r4", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = glob.glob(str(tmp_path / "e2e_smoke_fp8_lora-fp8_*.json"))
+    assert len(files) == 1
+    with open(files[0]) as f:
+        res = json.load(f)
+    meta = res["meta"]
+    assert meta["config"]["base"] == "fp8" and meta["config"]["lora_dtype"] == "fp8"
+    assert meta["adapter_storage"] == ["lora_a:float8_e4m3fn", "lora_a_scale:float32", "lora_b:float8_e4m3fn",
+                                       "lora_b_scale:float32"]
+    assert meta["vllm_kernels"] is None
+    (case,) = res["cases"]
+    assert case["case"] == "dec B4 D2 r4" and case["lora_dtype"] == "fp8" and case["base"] == "fp8"
+    assert res["summary"]["checks_failed"] == []
+    assert case["lora_effect"] > 0.05
+    for fw in ("torch", "jax"):
+        assert case[fw]["check_passed"] is True and case[fw]["lora_err"] <= 0.2 * case["lora_effect"]
+
+
+def test_fp8_adapter_bytes_count_one_byte_a_weight_and_the_channel_scales():
+    """fp8 adapters in the floor, counted by hand for the 8B shapes: 1 byte per weight element plus a
+    float32 scale per channel (S * r for A, N for B, per linear), the rest of the floor unchanged."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import e2e_decode
+    cfg = e2e_decode.model_config(smoke=False)
+    r, T, D = 16, 4, 3
+    h, i, q, kv = 4096, 14336, 4096, 1024
+    elements = r * ((3 * h + q + 2 * kv) + (h + h) + (2 * h + 2 * i) + (i + h))
+    channels = (3 * r + q + 2 * kv) + (r + h) + (2 * r + 2 * i) + (r + h)
+    assert e2e_decode.adapter_bytes(cfg, r, "fp8") == 32 * (elements + 4 * channels)
+    assert (e2e_decode.floor_bytes(cfg, T, D, r) - e2e_decode.floor_bytes(cfg, T, D, r, "fp8")
+            == D * 32 * (2 * elements - elements - 4 * channels))
+
+
+def test_fp8_adapters_refuse_the_paths_that_take_bf16_adapters_only(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import e2e_decode
+    for extra in (["--torch-lora", "fused"], ["--vllm", "on"]):
+        with pytest.raises(SystemExit):
+            e2e_decode.main(["--smoke", "--lora-dtype", "fp8", "--list"] + extra)
+        assert "--lora-dtype fp8" in capsys.readouterr().err
+
+
+def test_quantize_rows_on_device_follows_the_contract_rule():
+    """The benchmark's device quantiser against contract section 11's rule in float64 NumPy: scales
+    amax / 448 per row (1 for a zero row) within a float32 ulp, e4m3 values equal except where the
+    scale's last-ulp difference tips a rounding, dequantised within e4m3's 2^-4 relative step."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import ml_dtypes
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import e2e_decode
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((2, 3, 5, 40)) * rng.uniform(0.01, 3.0, (2, 3, 5, 1))).astype(np.float32)
+    w[1, 2, 4] = 0.0                                                  # a zero row: scale 1, zeros
+    q, s = e2e_decode.quantize_rows_on_device(jnp.asarray(w, jnp.bfloat16))
+    assert q.dtype == jnp.float8_e4m3fn and s.dtype == jnp.float32 and q.shape == w.shape and s.shape == w.shape[:-1]
+    w64 = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float64)
+    amax = np.abs(w64).max(-1)
+    want_s = np.where(amax > 0, amax / 448.0, 1.0)
+    np.testing.assert_allclose(np.asarray(s, np.float64), want_s, rtol=2 ** -23)
+    want_q = np.clip(w64 / want_s[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    got_q = np.asarray(q.astype(jnp.float32), np.float64)
+    assert np.mean(got_q == want_q) > 0.99
+    assert s[1, 2, 4] == 1.0 and not np.any(got_q[1, 2, 4])
+    deq = got_q * np.asarray(s, np.float64)[..., None]
+    assert np.all(np.abs(deq - w64) <= 2 ** -4 * np.abs(w64) + 1e-12 + 2 ** -9 * amax[..., None] / 448)

@@ -119,6 +119,39 @@ def test_wrapper_add_lora_linear_scale_errors():
     assert torch.isfinite(y).all() and y.abs().sum() > 0
 
 
+def test_column_views_of_a_fused_scale_reach_the_kernels_uncopied():
+    """A fused layer's B scale (L, out) split into its slices' columns: each view (channels
+    contiguous, slot stride out) is handed on as it is (no copy), and the Triton expand over the
+    views equals the expand over contiguous copies."""
+    from torch_lora.ops.api import weight_scales
+    g = torch.Generator().manual_seed(1)
+    widths = (24, 8)
+    b_q, fused = _fp8(torch.randn(3, sum(widths), 16, generator=g))            # (L, out, r), (L, out)
+    b = (b_q[:, :24], b_q[:, 24:])
+    views = (fused[:, :24], fused[:, 24:])
+    got = weight_scales("lora_b_scale", views, b, "lora_b_weights")
+    assert all(v.data_ptr() == w.data_ptr() and v.stride() == w.stride() == (32, 1) for v, w in zip(got, views))
+    per_tensor = weight_scales("lora_b_scale", (fused[:, 0], fused[:, 1]), b, "lora_b_weights")
+    assert all(t.is_contiguous() and t.shape == (3, n) for t, n in zip(per_tensor, widths))
+    buf = torch.randn(2, 4, 16, generator=g)
+    idx = torch.tensor([0, 2, -1, 1], dtype=torch.int32)
+    meta = LoRAKernelMeta.make(3, 4, "cpu")
+    meta.prepare_tensors(idx)
+    outs = []
+    for scales in (views, tuple(v.contiguous() for v in views)):
+        y = torch.zeros(4, 32)
+        ops.lora_expand(buf, b, y, *meta.meta_args(4), backend="triton", lora_b_scale=scales)
+        outs.append(y)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    want = torch.zeros(4, 32, dtype=torch.float64)
+    for t, slot in enumerate(idx.tolist()):
+        if slot >= 0:
+            for s, (lo, hi) in enumerate(((0, 24), (24, 32))):
+                deq = b_q[slot, lo:hi].double() * fused[slot, lo:hi, None].double()
+                want[t, lo:hi] = buf[s, t].double() @ deq.T
+    torch.testing.assert_close(outs[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- the argument builder
 
 def test_builder_refuses_mixed_slices_and_strided_channels():

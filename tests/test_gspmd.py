@@ -322,3 +322,92 @@ def test_triton_stacked_views_split_by_columns():
     assert _collectives(hlo) == []
     calls = [line for line in hlo.splitlines() if "custom-call(" in line]
     assert any(f"f32[{L},{N // 4},{R}]" in c for c in calls) and not any(f"f32[{L},{N},{R}]" in c for c in calls)
+
+
+# ----------------------------------------------------------------------------- fp8 adapter weights
+
+# The reference math with fp8 weight scales, declared a custom-call backend (contract section 11).
+XLA_FP8_AS_CUSTOM_CALL = types.SimpleNamespace(NAME="xla-fp8-as-custom-call", COLUMN_SCALE=True, CUSTOM_CALLS=True,
+                                               WEIGHT_SCALES=True, shrink=xla.shrink, expand=xla.expand)
+
+
+def _fp8(weights):
+    """(e4m3 weights as jnp, (L, rows) float32 scales, dequantised float64) per slice (tests/oracle.py's rule)."""
+    out = []
+    for w in weights:
+        q, s = oracle.fp8_quantize(w)
+        out.append((jnp.asarray(q), s, oracle.fp8_dequantize(q, s)))
+    return out
+
+
+def _fp8_sharded_call(backend, case):
+    """(result, want, compiled HLO) of add_lora_linear with fp8 A and B and their scales under the
+    case's shardings (B's scales split with B's rows, A's whole)."""
+    y_spec, x_spec, a_spec, b_spec, bias_spec, _, _ = CASES[case]
+    mesh = _mesh()
+    x, y, a, b, bias = _data(9)
+    a8, b8 = _fp8(a), _fp8(b)
+
+    def put(v, spec):
+        return jax.device_put(jnp.asarray(v), NamedSharding(mesh, spec))
+
+    b_scale_spec = P(None, "tp") if case == "column" else P()
+    args = (_wrapper(backend, mesh), put(y, y_spec), put(x, x_spec), tuple(put(q, a_spec) for q, _, _ in a8),
+            tuple(put(q, b_spec) for q, _, _ in b8), tuple(put(v, bias_spec) for v in bias),
+            put(np.asarray(RANKS, np.int32), P()), tuple(put(s, P()) for _, s, _ in a8),
+            tuple(put(s, b_scale_spec) for _, s, _ in b8))
+
+    def step(w, y, x, a, b, bias, ranks, sa, sb):
+        return w.add_lora_linear(y, x, a, b, bias, 0.5, (N,), lora_ranks=ranks, lora_a_scale=sa, lora_b_scale=sb)
+
+    fn = jax.jit(step)
+    return fn(*args), _want(x, y, [d for *_, d in a8], [d for *_, d in b8], bias), fn.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_weights_split_like_16_bit_ones(case, monkeypatch):
+    """fp8 A and B with their channel scales under each split: B's scales follow B's output rows
+    (column), A's stay whole (row: the psum of the scaled partial shrinks; tokens: replicated). The
+    result matches the oracle on the dequantised weights, and the program has exactly the 16-bit
+    case's collectives (the op is partitioned, not run replicated)."""
+    monkeypatch.setattr(PunicaWrapper, "_impl", lambda self: partition.partitioned(XLA_FP8_AS_CUSTOM_CALL))
+    _check(*_fp8_sharded_call("xla", case), case)
+
+
+@pytest.mark.parametrize("case", ["column", "row"])
+def test_pallas_tpu_fp8_splits_like_the_math(case):
+    """The Pallas kernels (generic interpreter: a custom-partitioned op XLA cannot look into) with fp8
+    weights: per device, no all-gather of B or A, the row split's only collective the buffer's psum."""
+    with pallas_tpu.interpret_mode(True):
+        got, want, hlo = _fp8_sharded_call("pallas_tpu", case)
+    _check(got, want, hlo, case)
+
+
+def test_fp8_scales_in_the_plan():
+    """B's scales split with B's rows (and y's columns); a B scale split otherwise, or an A scale split
+    at all, runs replicated with the reason."""
+    mesh = _mesh((2, 2), ("data", "tp"))
+    weights = partition._Weights()
+    a = weights.refs([np.zeros((L, R, H), np.float32)])
+    b = weights.refs([np.zeros((L, N, R), np.float32)])
+    sa = weights.refs([np.zeros((L, R), np.float32)])
+    sb = weights.refs([np.zeros((L, N), np.float32)])
+    call = partition._describe("linear", XLA_FP8_AS_CUSTOM_CALL, {"x": 0, "y": 0}, weights, a=a, b=b, widths=(N,),
+                               a_scale=sa, b_scale=sb, scale=1.0, offsets=(0,))
+    meta = [jax.ShapeDtypeStruct((16,), jnp.int32, sharding=NamedSharding(mesh, P()))] * 6
+
+    whole = P()
+
+    def plan(b_spec, out, sa_spec=whole, sb_spec=whole, a_spec=whole, x=whole):
+        s = _shapes(mesh, x=((T, H), x), y=((T, N), out), a=((L, R, H), a_spec), b=((L, N, R), b_spec),
+                    sa=((L, R), sa_spec), sb=((L, N), sb_spec), out=((T, N), out))
+        return partition.plan(call, [s["x"], s["y"], s["a"], s["b"], s["sa"], s["sb"], *meta], s["out"])
+
+    assert plan(P(None, "tp"), P(None, "tp"), sb_spec=P(None, "tp")) == partition.Plan(outputs=("tp",))
+    assert plan(P(), P(), a_spec=P(None, None, "tp")) == partition.Plan(inputs=("tp",))
+    assert plan(P(), P("data"), x=P("data")) == partition.Plan(tokens=("data",))
+    assert "lora_b's output rows" in plan(P(), P(), sb_spec=P(None, "tp")).reason
+    assert "a lora_a scale" in plan(P(), P(), sa_spec=P(None, "tp")).reason
+    assert "a lora_a scale" in plan(P(), P(), sa_spec=P("data")).reason
+    specs = partition._specs(call, partition.Plan(outputs=("tp",)), [None] * (call.weights + 8))
+    assert specs[2:6] == (P(None, None, None), P(None, "tp", None), P(None, None), P(None, "tp"))

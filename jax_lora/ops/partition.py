@@ -19,7 +19,13 @@ operands' shardings and the op runs per device on local blocks, with these split
   input features H (row)          x dim 1, every A_s dim 2               a partial shrink, then one psum
                                                                          of the (S, T_local, r) buffer
   output features N (column)      y dim 1, B_s dim 1, bias_s /           its columns of y with its rows
-                                  col_scale_s dim 1 (one slice, all y)   of B: no collective
+                                  col_scale_s / b_scale_s dim 1          of B: no collective
+                                  (one slice, all y)
+
+fp8 weights (contract section 11) carry their float32 channel scales as operands beside them:
+b_scale_s (L, n_s) is split with B's output rows (column parallel), a_scale_s (L, r) is never split
+(its channels are the rank; a row split shards A's input features, and each device's partial
+shrink is scaled by the whole a_scale before the psum, which the scale commutes with).
 
 Any combination of the three (over distinct mesh axes) composes: e.g. tokens over "data" and H over
 "tp". The slot and rank axes of the weights, the metadata and lora_ranks are replicated. A weight
@@ -109,6 +115,8 @@ class _Call:
     b: tuple                     # _Ref per slice (expand, linear)
     bias: tuple | None           # None or per slice None / _Ref
     col_scale: tuple | None
+    a_scale: tuple | None        # fp8: None or per slice None / _Ref of A's (L, r) channel scales
+    b_scale: tuple | None        # fp8: None or per slice None / _Ref of B's (L, n_s) channel scales
     has_ranks: bool
     scale: float
     offsets: tuple
@@ -193,15 +201,17 @@ def _run(call: _Call, leaves: Sequence, plan_: Plan = _REPLICATED):
     b = tuple(_read(weights, r) for r in call.b)
     bias = None if call.bias is None else tuple(_read(weights, r) for r in call.bias)
     extra = {} if call.col_scale is None else {"col_scale": tuple(_read(weights, r) for r in call.col_scale)}
+    a_sc = {} if call.a_scale is None else {"a_scales": tuple(_read(weights, r) for r in call.a_scale)}
+    b_sc = {} if call.b_scale is None else {"b_scales": tuple(_read(weights, r) for r in call.b_scale)}
     if call.op == "shrink":
-        out = impl.shrink(x, a, meta, call.scale, ranks, **options)
+        out = impl.shrink(x, a, meta, call.scale, ranks, **options, **a_sc)
         return lax.psum(out, plan_.inputs) if plan_.inputs else out
     if call.op == "expand":
-        return impl.expand(buf, b, y, meta, call.offsets, call.add_inputs, ranks, bias, **options, **extra)
+        return impl.expand(buf, b, y, meta, call.offsets, call.add_inputs, ranks, bias, **options, **extra, **b_sc)
     if plan_.inputs:  # row parallel: partial shrinks, one psum of the rank-r buffer, then the expand
-        buf = lax.psum(impl.shrink(x, a, meta, call.scale, ranks), plan_.inputs)
-        return impl.expand(buf, b, y, meta, call.offsets, True, ranks, bias, **extra)
-    return impl.linear(y, x, a, b, meta, call.scale, call.offsets, ranks, bias, **options, **extra)
+        buf = lax.psum(impl.shrink(x, a, meta, call.scale, ranks, **a_sc), plan_.inputs)
+        return impl.expand(buf, b, y, meta, call.offsets, True, ranks, bias, **extra, **b_sc)
+    return impl.linear(y, x, a, b, meta, call.scale, call.offsets, ranks, bias, **options, **extra, **a_sc, **b_sc)
 
 
 def _local_meta(meta: LoRAKernelMeta, axes: tuple, local_tokens: int) -> LoRAKernelMeta:
@@ -224,9 +234,10 @@ def _axes(sharding, ndim: int) -> tuple:
 
 
 def _weight_roles(call: _Call) -> dict:
-    """{weight operand: (kind, dims)}: kind "a" / "b" / "vector" (bias, col_scale); dims maps the
-    dimension meaning ("h" for A's input features, "n" for output features) to the operand's
-    dimension, counting a View's index."""
+    """{weight operand: (kind, dims)}: kind "a" / "b" / "vector" (bias, col_scale, b_scale) /
+    "a_scale" (A's fp8 channel scales, no dimension that splits); dims maps the dimension meaning
+    ("h" for A's input features, "n" for output features) to the operand's dimension, counting a
+    View's index."""
     roles = {}
 
     def add(ref, kind, dim_name, view_dim):
@@ -240,9 +251,12 @@ def _weight_roles(call: _Call) -> dict:
         add(r, "a", "h", 2)
     for r in call.b:
         add(r, "b", "n", call.b_row_dim)
-    for entries in (call.bias, call.col_scale):
+    for entries in (call.bias, call.col_scale, call.b_scale):
         for r in entries or ():
             add(r, "vector", "n", 1)
+    for r in call.a_scale or ():
+        if r is not None:
+            roles.setdefault(r.pos, ("a_scale", {}))
     return roles
 
 
@@ -300,7 +314,8 @@ def plan(call: _Call, shapes: Sequence, result) -> Plan:
         free = set(dims.values())
         for dim, axes in enumerate(_axes(weights[p].sharding, weights[p].ndim)):
             if axes and dim not in free:
-                name = {"a": "lora_a", "b": "lora_b", "vector": "a bias / DoRA scale"}[kind]
+                name = {"a": "lora_a", "b": "lora_b", "vector": "a bias / DoRA scale / lora_b scale",
+                        "a_scale": "a lora_a scale"}[kind]
                 return Plan(reason=f"{name} (shape {tuple(weights[p].shape)}) is split along dimension {dim} over "
                                    f"{axes}: only its feature dimension splits")
     if buf is not None:
@@ -322,7 +337,7 @@ def plan(call: _Call, shapes: Sequence, result) -> Plan:
     for what, n, axes in checks:
         if n % size(axes):
             return Plan(reason=f"{n} {what} do not split evenly over {axes} ({size(axes)} devices)")
-    for ref in (*call.a, *call.b, *(call.bias or ()), *(call.col_scale or ())):
+    for ref in (*call.a, *call.b, *(call.bias or ()), *(call.col_scale or ()), *(call.b_scale or ())):
         if ref is None or ref.index is None:
             continue
         for name, dim in roles[ref.pos][1].items():
@@ -477,10 +492,11 @@ def _leaves(call_args: dict, weights: _Weights, meta: LoRAKernelMeta, ranks) -> 
 
 
 def _describe(op, impl, arrays: dict, weights: _Weights, *, a=(), b=(), widths=(), bias=None, col_scale=None,
-              ranks=None, scale=1.0, offsets=(), add_inputs=True, options=None) -> _Call:
+              a_scale=None, b_scale=None, ranks=None, scale=1.0, offsets=(), add_inputs=True, options=None) -> _Call:
     return _Call(op=op, impl=impl, impl_id=id(impl), has_x="x" in arrays, has_y="y" in arrays, has_buf="buf" in arrays,
                  weights=len(weights.arrays), weight_ndims=tuple(w.ndim for w in weights.arrays), a=a, b=b,
-                 bias=bias, col_scale=col_scale, has_ranks=ranks is not None, scale=float(scale),
+                 bias=bias, col_scale=col_scale, a_scale=a_scale, b_scale=b_scale, has_ranks=ranks is not None,
+                 scale=float(scale),
                  offsets=tuple(int(o) for o in offsets), add_inputs=bool(add_inputs), widths=tuple(widths),
                  options=tuple(sorted((options or {}).items())))
 
@@ -490,12 +506,10 @@ def _widths(lora_b, options: dict) -> tuple:
 
 
 def _direct_pairs(impl, options: dict) -> bool:
-    """Whether the op takes adapter pairs (several adapters per token, contract section 10) or fp8
-    weight scales (`a_scales` / `b_scales`): neither is partitioned here, so the backend runs
-    directly (under a jit over several devices XLA runs the custom call replicated), said once per
-    backend and kind."""
-    for key, what in (("pairs", "steps with several adapters per token"),
-                      ("a_scales", "fp8 adapter weights"), ("b_scales", "fp8 adapter weights")):
+    """Whether the op takes adapter pairs (several adapters per token, contract section 10): they are
+    not partitioned here, so the backend runs directly (under a jit over several devices XLA runs
+    the custom call replicated), said once per backend."""
+    for key, what in (("pairs", "steps with several adapters per token"),):
         if options.get(key) is None:
             continue
         if (what, id(impl)) not in _SAID_UNPARTITIONABLE:
@@ -506,38 +520,45 @@ def _direct_pairs(impl, options: dict) -> bool:
     return False
 
 
-def _shrink(impl, x, lora_a, meta, scale, lora_ranks=None, **options):
+def _scale_kw(a_scales=None, b_scales=None) -> dict:
+    """The fp8 scale keywords that are given (the backend's defaults otherwise)."""
+    return {k: v for k, v in (("a_scales", a_scales), ("b_scales", b_scales)) if v is not None}
+
+
+def _shrink(impl, x, lora_a, meta, scale, lora_ranks=None, *, a_scales=None, **options):
     if x.shape[0] == 0 or _direct_pairs(impl, options):
-        return impl.shrink(x, lora_a, meta, scale, lora_ranks, **options)
+        return impl.shrink(x, lora_a, meta, scale, lora_ranks, **options, **_scale_kw(a_scales))
     weights = _Weights()
     arrays = {"x": x}
-    call = _describe("shrink", impl, arrays, weights, a=weights.refs(lora_a), ranks=lora_ranks, scale=scale,
-                     options=options)
+    call = _describe("shrink", impl, arrays, weights, a=weights.refs(lora_a), a_scale=weights.refs(a_scales),
+                     ranks=lora_ranks, scale=scale, options=options)
     return _call(call, _leaves(arrays, weights, meta, lora_ranks))
 
 
 def _expand(impl, buf, lora_b, y, meta, offsets, add_inputs, lora_ranks=None, bias=None, *, col_scale=None,
-            **options):
+            b_scales=None, **options):
     if y.shape[0] == 0 or _direct_pairs(impl, options):
         return impl.expand(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, col_scale=col_scale,
-                           **options)
+                           **options, **_scale_kw(b_scales=b_scales))
     weights = _Weights()
     arrays = {"y": y, "buf": buf}
     call = _describe("expand", impl, arrays, weights, b=weights.refs(lora_b), widths=_widths(lora_b, options),
-                     bias=weights.refs(bias), col_scale=weights.refs(col_scale), ranks=lora_ranks,
+                     bias=weights.refs(bias), col_scale=weights.refs(col_scale), b_scale=weights.refs(b_scales),
+                     ranks=lora_ranks,
                      offsets=offsets, add_inputs=add_inputs, options=options)
     return _call(call, _leaves(arrays, weights, meta, lora_ranks))
 
 
 def _linear(impl, y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks=None, bias=None, *, col_scale=None,
-            **options):
+            a_scales=None, b_scales=None, **options):
     if x.shape[0] == 0 or _direct_pairs(impl, options):
         return impl.linear(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, col_scale=col_scale,
-                           **options)
+                           **options, **_scale_kw(a_scales, b_scales))
     weights = _Weights()
     arrays = {"x": x, "y": y}
     call = _describe("linear", impl, arrays, weights, a=weights.refs(lora_a), b=weights.refs(lora_b),
                      widths=_widths(lora_b, options), bias=weights.refs(bias), col_scale=weights.refs(col_scale),
+                     a_scale=weights.refs(a_scales), b_scale=weights.refs(b_scales),
                      ranks=lora_ranks, scale=scale, offsets=offsets, options=options)
     return _call(call, _leaves(arrays, weights, meta, lora_ranks))
 

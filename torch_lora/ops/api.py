@@ -187,8 +187,10 @@ def as_lora_ranks(lora_ranks, num_slots: int, device):
 
 def weight_scales(name: str, scales, weights: Sequence[torch.Tensor], arg_w: str) -> tuple | None:
     """The fp8 channel scales of `weights` (S slices (L, [1,] rows, cols)) as the backends take them:
-    None when no slice is fp8, else per slice None (16-bit) or a contiguous (L, rows) float32 tensor
-    (an (L,) per-tensor scale broadcast to every channel). `scales`: None, one tensor (one slice) or
+    None when no slice is fp8, else per slice None (16-bit) or an (L, rows) float32 tensor with
+    contiguous channels: the given one itself when its channels are (a view such as one slice's
+    columns of a fused (L, out) scale is not copied; the kernels take its slot stride), else a
+    contiguous copy (an (L,) per-tensor scale broadcast to every channel). `scales`: None, one tensor (one slice) or
     a sequence with one entry per slice. Checked by `checks.check_weight_scales` (ValueError naming
     `name`); a non-tensor entry is a TypeError."""
     if scales is None and not any(w.dtype == torch.float8_e4m3fn for w in weights):
@@ -211,8 +213,8 @@ def weight_scales(name: str, scales, weights: Sequence[torch.Tensor], arg_w: str
             out.append(None)
             continue
         rows = to_3d(w).shape[1]
-        full = sc[:, None].expand(sc.shape[0], rows) if kind == "tensor" else sc
-        out.append(full.to(device=w.device).contiguous())
+        full = (sc[:, None].expand(sc.shape[0], rows) if kind == "tensor" else sc).to(device=w.device)
+        out.append(full if full.stride(-1) == 1 or rows == 1 else full.contiguous())
     return tuple(out)
 
 
