@@ -162,19 +162,21 @@ class PunicaWrapper:
                              "adapters or weights (LoRAMapping tuples / index_weights): add_lora_linear, "
                              "add_lora_embedding_ids and add_lora_logits serve such a step")
 
-    def _add_per_pair(self, y2, slots, weights, x, lora_b, shrink_a=None, scale: float = 1.0) -> jax.Array:
+    def _add_per_pair(self, y2, slots, weights, x, lora_b, shrink_a=None, scale: float = 1.0, *,
+                      a_scale=None, b_scale=None) -> jax.Array:
         """y2[t] + sum_j weights[t, j] * (x[j][t] or scale * x[t] @ shrink_a[slot].T) @ lora_b[slot].T over
         the pairs (slots (n, k), -1: empty), one float32 sum and one cast; rows without a pair
-        unchanged. The one-adapter BGMV ops once per pair (the embedding and LM head of a paired step)."""
+        unchanged. The one-adapter BGMV ops once per pair (the embedding and LM head of a paired step).
+        a_scale / b_scale: (L, r) / (L, V') float32 scales of an fp8 shrink_a / lora_b (else None)."""
         from . import ops
         n = y2.shape[0]
         acc = y2.astype(jnp.float32)
         for j in range(slots.shape[1]):
             idx = slots[:n, j]
             part = x[j].astype(jnp.float32) if shrink_a is None else ops.bgmv_shrink(
-                x, shrink_a, idx, scale, backend=self.backend, deterministic=self.deterministic)
+                x, shrink_a, idx, scale, backend=self.backend, deterministic=self.deterministic, w_scale=a_scale)
             acc = ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend,
-                                  deterministic=self.deterministic)
+                                  deterministic=self.deterministic, w_scale=b_scale)
         any_pair = jnp.any(slots[:n] >= 0, axis=1, keepdims=True)
         return jnp.where(any_pair, acc.astype(y2.dtype), y2)
 
@@ -187,7 +189,7 @@ class PunicaWrapper:
         Returns the new y.
         """
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
-        lora_a = as_array("lora_a", lora_a, checks.WEIGHT_DTYPES)
+        lora_a = as_array("lora_a", lora_a, checks.UNSCALED_WEIGHT_DTYPES)
         flat = jnp.asarray(ids).reshape(-1).astype(jnp.int32)
         t = flat.shape[0]
         if not self.num_pairs:
@@ -624,12 +626,13 @@ class PunicaWrapper:
                            as_lora_ranks(lora_ranks, num_slots), None, **extra).reshape(y.shape)
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale: float, *, buffer=None,
-                        lora_ranks=None, **kwargs) -> jax.Array:
+                        lora_ranks=None, lora_a_scale=None, lora_b_scale=None, **kwargs) -> jax.Array:
         """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T with s_j the sampler index of row j.
 
         x: (R, H) hidden states of the sampled rows; y: (R, V) logits; A: (L, [1,] r, H);
         B: (L, [1,] V', r), cut to V columns when V' > V. Rows past the sampler indices, and rows
-        whose sampler index is -1, are unchanged.
+        whose sampler index is -1, are unchanged. lora_a_scale / lora_b_scale: the float32 scales
+        of an fp8 A / B ((L, r) / (L, V') per channel or (L,) per tensor; see add_lora_linear).
         """
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
         y2 = _flatten_tokens(y, "y")
@@ -641,22 +644,26 @@ class PunicaWrapper:
         b = as_array("lora_b_stacked", lora_b_stacked, checks.WEIGHT_DTYPES)
         num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [a.shape], [a.dtype])
         scale = checks.as_scale(scale)
+        a_scales = weight_scales("lora_a_scale", lora_a_scale, (a,), "lora_a_stacked")
+        b_scales = weight_scales("lora_b_scale", lora_b_scale, (b,), "lora_b_stacked")
         if buffer is not None:
             _check_buffer("buffer", as_array("buffer", buffer, checks.SHRINK_BUFFER_DTYPES), (x2.shape[0], rank),
                           allow_leading_one=True, dtypes=checks.SHRINK_BUFFER_DTYPES)
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a_stacked", num_slots)
         self._check_rank("lora_a_stacked", rank)
-        self._check_devices(x=x2, lora_a_stacked=a, lora_b_stacked=b, y=y2)
+        self._check_devices(x=x2, lora_a_stacked=a, lora_b_stacked=b, y=y2, lora_a_scale=_present(a_scales),
+                            lora_b_scale=_present(b_scales))
         if self.num_pairs:
             rows = self._pair_args()[2]
-            return self._add_per_pair(y2, rows.row_slots, rows.row_weights, x2, to_3d(b), to_3d(a),
-                                      scale).reshape(y.shape)
-        buf = self._impl().shrink(x2, (to_3d(a),), self.prompt_meta, scale,
-                                  as_lora_ranks(lora_ranks, num_slots))
+            return self._add_per_pair(y2, rows.row_slots, rows.row_weights, x2, to_3d(b), to_3d(a), scale,
+                                      a_scale=a_scales and a_scales[0],
+                                      b_scale=b_scales and b_scales[0]).reshape(y.shape)
+        impl, kw = scale_keywords(self._impl(), self.deterministic, a_scales=a_scales)
+        buf = impl.shrink(x2, (to_3d(a),), self.prompt_meta, scale, as_lora_ranks(lora_ranks, num_slots), **kw)
         _, width, _ = checks.weight_dims("lora_b_stacked", b.shape, "vocab_size, rank")
         return self._expand(y2, buf, (b,), None, (width,), 0, True, self.prompt_meta, cut_to_y=True,
-                            lora_ranks=lora_ranks, num_slots_a=num_slots).reshape(y.shape)
+                            lora_ranks=lora_ranks, num_slots_a=num_slots, lora_b_scale=b_scales).reshape(y.shape)
 
     # ------------------------------------------------------------------ mixture of experts (contract section 9)
     def moe_lora_align_block_size(self, topk_ids, num_tokens: int, block_size: int, num_experts: int,

@@ -311,6 +311,22 @@ def test_wrapper_shrink_expand_and_embedding_take_scales(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_wrapper_logits_take_scales(impl):
+    """add_lora_logits with e4m3 A and B (B wider than y: cut with its scale) against the oracle; an
+    fp8 A without its scale is a ValueError naming lora_a_scale (never used unscaled)."""
+    rng = np.random.default_rng(11)
+    w = _wrapper(impl)
+    x, y = _rand(rng, len(IDX), H), _rand(rng, len(IDX), 32)
+    qa, sa = quantise(_rand(rng, L, R, H))
+    qb, sb = quantise(_rand(rng, L, 40, R))
+    got = _call(impl, w.add_lora_logits, y, x, qa, qb, 0.5, lora_a_scale=sa, lora_b_scale=sb)
+    buf = oracle.shrink(x, [dequantise(qa, sa)], IDX, 0.5)
+    _assert_close(got, oracle.expand(buf, [dequantise(qb, sb)[:, :32]], y, IDX, 0, True), "float32")
+    with pytest.raises(ValueError, match="lora_a_scale"):
+        w.add_lora_logits(y, x, qa, qb, 0.5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_wrapper_several_adapters_per_token_fp8(impl):
     """A step with several adapters per token (weighted pairs) and fp8 A / B: y[t] += sum_j w[t, j] *
     (scale * a_scale * x @ A_q.T) @ (b_scale * B_q).T over the token's pairs, against the oracle."""
