@@ -242,3 +242,51 @@ def test_fp8_deterministic_rows_are_batch_invariant(backend):
     assert torch.equal(alone[0], batch[0])
     default = ops.bgmv_shrink(big, a, big_idx, 0.5, backend=backend, w_scale=a_scale)
     torch.testing.assert_close(batch, default, rtol=1e-5, atol=1e-5)
+
+
+def test_slices_mixing_fp8_and_16_bit_weights_run_as_separate_launches():
+    """One call whose slices mix fp8 and float32 weights (A: [fp8, f32, fp8]; B: [f32, fp8, fp8]) on
+    the Triton backends of both frameworks, in Triton's interpreter: the fp8 and the 16-bit runs of
+    slices go in separate launches (`planning.slice_chunks`), and the result equals the float64
+    oracle on the dequantised weights."""
+    from lora_core.kernels.planning import slice_chunks
+    from torch_lora.ops import triton as tt
+    jnp = pytest.importorskip("jax.numpy")
+    from jax_lora.meta import LoRAKernelMeta as JaxMeta
+    from jax_lora.ops import triton as jt
+    rng = np.random.default_rng(5)
+    T, H, R, L, widths = 5, 32, 16, 3, (16, 24, 8)
+    idx = np.array([0, 2, -1, 1, 2], np.int32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    y0 = rng.standard_normal((T, sum(widths))).astype(np.float32)
+    a_fp8, b_fp8 = (True, False, True), (False, True, True)
+    a = [oracle.fp8_quantize(rng.standard_normal((L, R, H)) / 8) if q else (rng.standard_normal((L, R, H)) / 8, None)
+         for q in a_fp8]
+    b = [oracle.fp8_quantize(rng.standard_normal((L, n, R)) / 4) if q else (rng.standard_normal((L, n, R)) / 4, None)
+         for q, n in zip(b_fp8, widths)]
+    a_ref = [np.asarray(w, np.float32) if s is None else oracle.fp8_dequantize(w, s) for w, s in a]
+    b_ref = [np.asarray(w, np.float32) if s is None else oracle.fp8_dequantize(w, s) for w, s in b]
+    want = oracle.lora_linear(y0, x, a_ref, b_ref, None, 0.5, idx)
+
+    def torch_w(w, s):
+        return (torch.from_numpy(np.asarray(w).view(np.uint8)).view(FP8) if s is not None
+                else torch.from_numpy(np.asarray(w, np.float32)))
+
+    ta, tb = [torch_w(*p) for p in a], [torch_w(*p) for p in b]
+    assert slice_chunks(3, ta, tb) == [(0, 1), (1, 2), (2, 3)] and slice_chunks(3, ta) == [(0, 1), (1, 2), (2, 3)]
+    t_scales = lambda ps: tuple(None if s is None else torch.from_numpy(np.asarray(s, np.float32)) for _, s in ps)
+    meta = LoRAKernelMeta.make(L, T, "cpu")
+    meta.prepare_tensors(torch.from_numpy(idx))
+    y = torch.from_numpy(y0.copy())
+    tt.linear(y, torch.from_numpy(x), ta, tb, meta.meta_args(T), 0.5, (0, 16, 40), fused=False,
+              a_scales=t_scales(a), b_scales=t_scales(b))
+    assert oracle.rel_err(y.numpy(), want) < oracle.FP8_TOL["float32"]
+
+    def jax_w(w, s):
+        return jnp.asarray(np.asarray(w)) if s is not None else jnp.asarray(np.asarray(w, np.float32))
+
+    j_scales = lambda ps: tuple(None if s is None else jnp.asarray(np.asarray(s, np.float32)) for _, s in ps)
+    got = jt.linear(jnp.asarray(y0), jnp.asarray(x), tuple(jax_w(*p) for p in a), tuple(jax_w(*p) for p in b),
+                    JaxMeta.build(idx, L, T), 0.5, (0, 16, 40), fused=False, a_scales=j_scales(a),
+                    b_scales=j_scales(b))
+    assert oracle.rel_err(np.asarray(got), want) < oracle.FP8_TOL["float32"]

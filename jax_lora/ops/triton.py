@@ -442,7 +442,7 @@ def shrink(x, lora_a: Sequence[jax.Array], meta: LoRAKernelMeta, scale: float, l
         return jnp.zeros((S, 0, R), jnp.float32)
     interpret = _use_interpreter(x, *lora_a)
     parts = []
-    for lo, hi in slice_chunks(S):
+    for lo, hi in slice_chunks(S, lora_a):
         launch = _shrink_launch(x, lora_a[lo:hi], meta, scale, lora_ranks, workspace=False, config=config,
                                 deterministic=deterministic, pairs=pairs, a_scales=_part(a_scales, lo, hi))
         parts.append(_run([launch], [_shape(launch.call.out)], interpret)[0][0])
@@ -461,7 +461,7 @@ def expand(buf, lora_b: Sequence[jax.Array], y, meta: LoRAKernelMeta, offsets: S
     offsets = tuple(int(o) for o in offsets)
     bias = arguments.epilogue(bias, col_scale, len(lora_b))
     interpret = _use_interpreter(y, buf, *lora_b)
-    for lo, hi in slice_chunks(len(lora_b)):
+    for lo, hi in slice_chunks(len(lora_b), lora_b):
         launch = _expand_launch(buf[None, lo:hi], lora_b[lo:hi], y, meta, offsets[lo:hi], add_inputs, lora_ranks,
                                 None if bias is None else tuple(bias[lo:hi]), config, deterministic=deterministic,
                                 pairs=pairs, b_scales=_part(b_scales, lo, hi))
@@ -502,7 +502,7 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
     on_handler = interpret or _use_ffi()
     fused = fused and on_handler            # jax_triton launches: always shrink + expand
     pdl = _pdl() and on_handler and not interpret
-    for lo, hi in slice_chunks(len(lora_a)):
+    for lo, hi in slice_chunks(len(lora_a), lora_a, lora_b):
         chunk_bias = None if bias is None else tuple(bias[lo:hi])
         y_shape = jax.ShapeDtypeStruct(y.shape, y.dtype)
         if fused:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import triton
 
+from ..checks import is_fp8
 from .configs import interpreting, launch_policy, next_pow2
 
 MAX_SLICES = 4  # slices handled by one launch; more are launched in groups of MAX_SLICES
@@ -131,9 +132,20 @@ def spread_shared_bytes(programs: int, shared: int, num_sms: int, max_shared: in
     return shared
 
 
-def slice_chunks(num_slices: int) -> list:
-    """(lo, hi) slice ranges of at most MAX_SLICES slices: one launch each."""
-    return [(i, min(i + MAX_SLICES, num_slices)) for i in range(0, num_slices, MAX_SLICES)]
+def slice_chunks(num_slices: int, *weights: Sequence) -> list:
+    """(lo, hi) slice ranges of at most MAX_SLICES slices: one launch each.
+
+    weights: per-slice weight lists (A, and B for a linear); a launch's slices share one weight
+    dtype per list (the kernels specialise on the pointer's element type), so a range ends where
+    a slice's fp8-ness changes in any of them: fp8 and 16-bit slices of one layer go in separate
+    launches (contract section 11)."""
+    kinds = [tuple(is_fp8(ws[s].dtype) for ws in weights) for s in range(num_slices)]
+    chunks, lo = [], 0
+    for s in range(1, num_slices + 1):
+        if s == num_slices or s - lo == MAX_SLICES or kinds[s] != kinds[lo]:
+            chunks.append((lo, s))
+            lo = s
+    return chunks
 
 
 def cast_and_precision(dtypes: Sequence[str]) -> tuple[bool, str]:

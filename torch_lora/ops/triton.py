@@ -257,7 +257,7 @@ def _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, 
     weights' channel scales per slice (None where 16-bit)."""
     T = x.shape[0]
     R = lora_a[0].shape[1]
-    for lo, hi in slice_chunks(len(lora_a)):
+    for lo, hi in slice_chunks(len(lora_a), lora_a, lora_b):
         chunk_bias = None if bias is None else tuple(bias[lo:hi])
         if fused:
             ws, call = _fused_call(y, x, lora_a[lo:hi], lora_b[lo:hi], meta_args, scale, offsets[lo:hi], lora_ranks,
@@ -455,7 +455,7 @@ def shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], out: torch.Tensor, m
     weighted product at columns j*r..(j+1)*r."""
     if x.shape[0] == 0:
         return
-    for lo, hi in slice_chunks(len(lora_a)):
+    for lo, hi in slice_chunks(len(lora_a), lora_a):
         plan = _plan_for_shrink(x, lora_a[lo:hi], meta_args, lora_ranks, False, False, config, deterministic,
                                 pairs)
         if plan.atomic:
@@ -476,7 +476,7 @@ def expand(buf: torch.Tensor, lora_b: Sequence[torch.Tensor], y: torch.Tensor, m
         return
     bias = arguments.epilogue(bias, col_scale, len(lora_b))
     buf4 = buf if buf.dim() == 4 else buf[None]
-    for lo, hi in slice_chunks(len(lora_b)):
+    for lo, hi in slice_chunks(len(lora_b), lora_b):
         _launch(_expand_call(buf4[:, lo:hi], lora_b[lo:hi], y, meta_args, tuple(offsets[lo:hi]), add_inputs,
                              lora_ranks, None if bias is None else tuple(bias[lo:hi]), config=config,
                              deterministic=deterministic, pairs=pairs, b_scales=_part(b_scales, lo, hi)))
