@@ -422,11 +422,13 @@ def test_torch_wrapper_shares_and_caches_fp8_scales(monkeypatch):
             assert {t.data_ptr() for t in (a, b, sa, sb)} <= set(seen)
             assert all(shared[t.data_ptr()] == t.data_ptr() for t in (a, b, sa, sb))    # zero-copy
     assert sorted(seen) == sorted([y.data_ptr(), x.data_ptr()])                         # per call: activations
-    native = jax_lora.PunicaWrapper(16, 4, None, max_loras=c["slots"])
+    weights = [bridge.to_jax(t) for t in (a, b, sa, sb)]
+    dev = next(iter(weights[0].devices()))               # the bridge's JAX device for CPU tensors
+    native = jax_lora.PunicaWrapper(16, 4, dev, max_loras=c["slots"])
     native.update_metadata(c["mapping"], c["ids"], c["slots"] + 1, 32)
-    want = native.add_lora_linear(jnp.asarray(c["y"][:, :16]), jnp.asarray(c["x"]), [bridge.to_jax(a)],
-                                  [bridge.to_jax(b)], None, 1.0, (16,), lora_a_scale=[bridge.to_jax(sa)],
-                                  lora_b_scale=[bridge.to_jax(sb)])
+    want = native.add_lora_linear(jax.device_put(c["y"][:, :16], dev), jax.device_put(c["x"], dev), [weights[0]],
+                                  [weights[1]], None, 1.0, (16,), lora_a_scale=[weights[2]],
+                                  lora_b_scale=[weights[3]])
     np.testing.assert_array_equal(results[1].numpy(), np.asarray(want))
     unscaled = torch.from_numpy(c["y"][:, :16]).clone()
     with pytest.raises(ValueError, match="lora_b_stacked is float8_e4m3fn: lora_b_scale must give"):

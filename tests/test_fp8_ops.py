@@ -10,6 +10,8 @@ themselves are checked by the conformance suite (tests/test_conformance.py, `fp8
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,9 @@ from torch_lora import ops
 from torch_lora.meta import LoRAKernelMeta
 
 from . import oracle
+
+# the compiled kernels where a CUDA GPU is present and the interpreter is off, else the interpreter
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 FP8 = torch.float8_e4m3fn
 
@@ -127,19 +132,20 @@ def test_column_views_of_a_fused_scale_reach_the_kernels_uncopied():
     g = torch.Generator().manual_seed(1)
     widths = (24, 8)
     b_q, fused = _fp8(torch.randn(3, sum(widths), 16, generator=g))            # (L, out, r), (L, out)
+    b_q, fused = b_q.to(DEV), fused.to(DEV)
     b = (b_q[:, :24], b_q[:, 24:])
     views = (fused[:, :24], fused[:, 24:])
     got = weight_scales("lora_b_scale", views, b, "lora_b_weights")
     assert all(v.data_ptr() == w.data_ptr() and v.stride() == w.stride() == (32, 1) for v, w in zip(got, views))
     per_tensor = weight_scales("lora_b_scale", (fused[:, 0], fused[:, 1]), b, "lora_b_weights")
     assert all(t.is_contiguous() and t.shape == (3, n) for t, n in zip(per_tensor, widths))
-    buf = torch.randn(2, 4, 16, generator=g)
+    buf = torch.randn(2, 4, 16, generator=g).to(DEV)
     idx = torch.tensor([0, 2, -1, 1], dtype=torch.int32)
-    meta = LoRAKernelMeta.make(3, 4, "cpu")
-    meta.prepare_tensors(idx)
+    meta = LoRAKernelMeta.make(3, 4, DEV)
+    meta.prepare_tensors(idx.to(DEV))
     outs = []
     for scales in (views, tuple(v.contiguous() for v in views)):
-        y = torch.zeros(4, 32)
+        y = torch.zeros(4, 32, device=DEV)
         ops.lora_expand(buf, b, y, *meta.meta_args(4), backend="triton", lora_b_scale=scales)
         outs.append(y)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
@@ -147,9 +153,9 @@ def test_column_views_of_a_fused_scale_reach_the_kernels_uncopied():
     for t, slot in enumerate(idx.tolist()):
         if slot >= 0:
             for s, (lo, hi) in enumerate(((0, 24), (24, 32))):
-                deq = b_q[slot, lo:hi].double() * fused[slot, lo:hi, None].double()
-                want[t, lo:hi] = buf[s, t].double() @ deq.T
-    torch.testing.assert_close(outs[0].double(), want, rtol=1e-5, atol=1e-5)
+                deq = b_q[slot, lo:hi].double().cpu() * fused[slot, lo:hi, None].double().cpu()
+                want[t, lo:hi] = buf[s, t].double().cpu() @ deq.T
+    torch.testing.assert_close(outs[0].double().cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- the argument builder
@@ -237,6 +243,8 @@ def test_fp8_deterministic_rows_are_batch_invariant(backend):
     x, a, a_scale, _, _, idx = _setup(num_tokens=4)
     big = torch.cat([x, torch.randn(9, 32, generator=torch.Generator().manual_seed(1))])
     big_idx = torch.cat([idx, torch.tensor([2, 1, 0, -1, 2, 2, 1, 0, 1], dtype=torch.int32)])
+    dev = DEV if backend == "triton" else "cpu"
+    x, a, a_scale, idx, big, big_idx = (t.to(dev) for t in (x, a, a_scale, idx, big, big_idx))
     alone = ops.bgmv_shrink(x[:1], a, idx[:1], 0.5, backend=backend, deterministic=True, w_scale=a_scale)
     batch = ops.bgmv_shrink(big, a, big_idx, 0.5, backend=backend, deterministic=True, w_scale=a_scale)
     assert torch.equal(alone[0], batch[0])
@@ -270,17 +278,18 @@ def test_slices_mixing_fp8_and_16_bit_weights_run_as_separate_launches():
 
     def torch_w(w, s):
         return (torch.from_numpy(np.asarray(w).view(np.uint8)).view(FP8) if s is not None
-                else torch.from_numpy(np.asarray(w, np.float32)))
+                else torch.from_numpy(np.asarray(w, np.float32))).to(DEV)
 
     ta, tb = [torch_w(*p) for p in a], [torch_w(*p) for p in b]
     assert slice_chunks(3, ta, tb) == [(0, 1), (1, 2), (2, 3)] and slice_chunks(3, ta) == [(0, 1), (1, 2), (2, 3)]
-    t_scales = lambda ps: tuple(None if s is None else torch.from_numpy(np.asarray(s, np.float32)) for _, s in ps)
-    meta = LoRAKernelMeta.make(L, T, "cpu")
-    meta.prepare_tensors(torch.from_numpy(idx))
-    y = torch.from_numpy(y0.copy())
-    tt.linear(y, torch.from_numpy(x), ta, tb, meta.meta_args(T), 0.5, (0, 16, 40), fused=False,
+    t_scales = lambda ps: tuple(None if s is None else torch.from_numpy(np.asarray(s, np.float32)).to(DEV)
+                                for _, s in ps)
+    meta = LoRAKernelMeta.make(L, T, DEV)
+    meta.prepare_tensors(torch.from_numpy(idx).to(DEV))
+    y = torch.from_numpy(y0.copy()).to(DEV)
+    tt.linear(y, torch.from_numpy(x).to(DEV), ta, tb, meta.meta_args(T), 0.5, (0, 16, 40), fused=False,
               a_scales=t_scales(a), b_scales=t_scales(b))
-    assert oracle.rel_err(y.numpy(), want) < oracle.FP8_TOL["float32"]
+    assert oracle.rel_err(y.cpu().numpy(), want) < oracle.FP8_TOL["float32"]
 
     def jax_w(w, s):
         return jnp.asarray(np.asarray(w)) if s is not None else jnp.asarray(np.asarray(w, np.float32))
