@@ -235,7 +235,6 @@ class JaxModel:
     (`add_lora(..., lora_dtype="fp8")`), the drawn bf16 adapters quantised by `quantize_rows_on_device`."""
 
     def __init__(self, cfg, seed: int = 0, base: str = "bf16", fused=None, lora_dtype: str = "bf16"):
-        import jax
         import jax.numpy as jnp
         from flax import nnx
 
@@ -245,8 +244,20 @@ class JaxModel:
         self.cfg = cfg
         self._rng = np.random.default_rng(seed)
         self._torch_gen = None
-        model = nnx.eval_shape(lambda: llama.LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-        graphdef, state = nnx.split(model)
+        self.model = self.random_model(lambda: llama.LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+        if base == "fp8":                   # the decoder's linears; the embedding and LM head stay bf16
+            quant.quantize_model(self.model, "fp8", target_modules=list(QUANTIZED_LINEARS.values()))
+        self.lora_dtype = lora_dtype
+        llama.add_lora(self.model, max_loras=NUM_SLOTS, max_rank=1, target_modules=LORA_TARGETS,
+                       dtype=jnp.bfloat16, fused=fused, lora_dtype="fp8" if lora_dtype == "fp8" else None)
+        self.rank = None
+
+    def random_model(self, make):
+        """The model `make()` builds, with random weights: kernels N(0, 1/in) (expert weights (E, in,
+        out): in = shape[-2]), embeddings N(0, 1), norm weights 1 + N(0, 0.1^2)."""
+        import jax
+        from flax import nnx
+        graphdef, state = nnx.split(nnx.eval_shape(make))
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         specs = []
         for path, leaf in leaves:
@@ -254,16 +265,10 @@ class JaxModel:
             if "norm" in name:
                 specs.append((tuple(leaf.shape), leaf.dtype.name, 0.1, 1.0))
             else:
-                scale = 1.0 if "embedding" in name else 1.0 / math.sqrt(leaf.shape[0])
+                fan_in = leaf.shape[-2] if leaf.ndim == 3 else leaf.shape[0]
+                scale = 1.0 if "embedding" in name else 1.0 / math.sqrt(fan_in)
                 specs.append((tuple(leaf.shape), leaf.dtype.name, scale, 0.0))
-        state = jax.tree_util.tree_unflatten(treedef, self.random(specs))
-        self.model = nnx.merge(graphdef, state)
-        if base == "fp8":                   # the decoder's linears; the embedding and LM head stay bf16
-            quant.quantize_model(self.model, "fp8", target_modules=list(QUANTIZED_LINEARS.values()))
-        self.lora_dtype = lora_dtype
-        llama.add_lora(self.model, max_loras=NUM_SLOTS, max_rank=1, target_modules=LORA_TARGETS,
-                       dtype=jnp.bfloat16, fused=fused, lora_dtype="fp8" if lora_dtype == "fp8" else None)
-        self.rank = None
+        return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, self.random(specs)))
 
     def random(self, specs) -> list:
         """Arrays for (shape, dtype name, scale, offset) specs: N(offset, scale^2), fresh keys.

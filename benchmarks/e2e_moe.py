@@ -140,19 +140,8 @@ class MoEJaxModel(e2e_decode.JaxModel):
         self.cfg = cfg
         self._rng = np.random.default_rng(seed)
         self._torch_gen = None
-        model = nnx.eval_shape(lambda: mixtral.MixtralForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-        graphdef, state = nnx.split(model)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-        specs = []
-        for path, leaf in leaves:
-            name = jax.tree_util.keystr(path)
-            if "norm" in name:
-                specs.append((tuple(leaf.shape), leaf.dtype.name, 0.1, 1.0))
-            else:
-                fan_in = leaf.shape[-2] if leaf.ndim == 3 else leaf.shape[0]
-                specs.append((tuple(leaf.shape), leaf.dtype.name, 1.0 if "embedding" in name else fan_in ** -0.5,
-                              0.0))
-        self.model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, self.random(specs)))
+        self.model = self.random_model(
+            lambda: mixtral.MixtralForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
         mixtral.add_lora(self.model, max_loras=NUM_SLOTS, max_rank=RANK, target_modules=LORA_TARGETS,
                          dtype=jnp.bfloat16)
         lora = nnx.state(self.model, lnn.LoRAWeight)
