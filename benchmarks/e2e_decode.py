@@ -225,6 +225,26 @@ def slots_of(case: Case, seed: int) -> np.ndarray:
     return per_row[rng.permutation(case.rows)] if case.kind == "dec" else per_row
 
 
+def capture_cuda_graph(step, stream):
+    """`step()` captured in a CUDA graph on `stream`, after two eager calls there (Triton compiles,
+    plans are built, the allocator settles), and replayed once: (graph, step's output: the tensors
+    each replay writes)."""
+    import torch
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    # thread_local: JAX's runtime threads may touch CUDA while this thread captures
+    with torch.no_grad(), torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
+        out = step()
+    g.replay()
+    torch.cuda.synchronize()
+    return g, out
+
+
 # ------------------------------------------------------------------------------------------ JAX model
 
 class JaxModel:
@@ -983,19 +1003,7 @@ class Bench:
             with torch.no_grad():
                 step()
             return step, time.perf_counter() - t0
-        s = self._torch_stream
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(s):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        # thread_local: JAX's runtime threads may touch CUDA while this thread captures
-        with torch.no_grad(), torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
-            out = step()
-        g.replay()
-        torch.cuda.synchronize()
+        g, out = capture_cuda_graph(step, self._torch_stream)
 
         def run():
             g.replay()

@@ -488,18 +488,7 @@ class Bench:
             with torch.no_grad():
                 out = step()
             return (lambda: step()), out
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(s):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
-            out = step()
-        g.replay()
-        torch.cuda.synchronize()
+        g, out = e2e_decode.capture_cuda_graph(step, torch.cuda.Stream())
         return g.replay, out
 
     def _time_torch(self, runs, n):
