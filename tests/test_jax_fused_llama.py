@@ -7,7 +7,8 @@ the fused step ("gemm": the wrapper's shrink then the GEMM with the expand; "nor
 kernel that also shrinks before qkv and gate_up) gives the unfused step's logits within float
 tolerance, eagerly and under jit; the transposed base kernel is the base kernel's copy. A
 deterministic wrapper takes the unfused path (logged); a step with several adapters per token,
-DoRA, fp8 adapters and a quantized base are refused by name.
+DoRA, fp8 adapters and a quantized base are refused by name. "auto" runs the fused GEMM in exactly
+the layers a fused linear table marks fused for the step's token count and rank.
 """
 
 from __future__ import annotations

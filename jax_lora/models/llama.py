@@ -463,8 +463,8 @@ def use_fused_lora(model: LlamaForCausalLM, mode) -> list:
     the shrink (rms_norm_shrink: no LoRA kernel between the norm and the GEMM); o and down stay
     "gemm". "auto": "gemm" for the calls the device's tuned fused linear table marks fused (by
     layer shape, token count and rank: lora_core.kernels.fused_linear_configs.use_fused_linear),
-    the unfused path for the others. Embeddings and the LM head are unchanged. Returns the paths of the layers it changed.
-    Refused (ValueError naming the layer): a split model, and what `use_fused` refuses.
+    the unfused path for the others. Embeddings and the LM head are unchanged. Returns the paths of
+    the layers it changed. Refused (ValueError naming the layer): a split model, and what `use_fused` refuses.
     """
     if mode not in lnn.FUSED_MODES:
         raise ValueError(f"fused must be one of {lnn.FUSED_MODES} (None: off), got {mode!r}")
