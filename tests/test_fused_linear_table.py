@@ -9,7 +9,8 @@ untuned layers on today's path, each decision logged once with its reason); `gem
 Triton's interpreter with BLOCK_M 16-128, BLOCK_N 32-256, BLOCK_K 64-256, split-K 1-8, GROUP_M 8,
 both epilogue modes and PREFETCH_B, with and without LoRA, against a float64 NumPy oracle (outputs
 poisoned with NaN first); every candidate the tuner makes for the Llama-3-8B and Qwen2-7B layers
-plans (no config the kernel refuses) and fits the shared memory bound.
+plans (no config the kernel refuses) and fits the shared memory bound. GPU (`gpu`): every entry
+of the GPU's own table, compiled at its layer shape, against float64.
 """
 
 from __future__ import annotations
@@ -249,3 +250,37 @@ def test_gemm_lora_matches_oracle_at_every_tuner_config_class(cls, m, k, widths,
     if split > 1 and dev == "cpu":       # the split-K counters are back at 0 for the next launch
         from torch_lora.ops import fused_linear as tfl
         assert all(int(c.abs().sum()) == 0 for c in tfl._LOCKS.values())
+
+
+@pytest.mark.gpu
+def test_gpu_every_entry_of_the_device_table_matches_float64():
+    """The GPU's own fused linear table (tuned/<device>_fused_linear.json): every entry's config at its
+    layer shape, M bucket and rank, compiled, with LoRA against float64 (bf16, 8 slots, slot -1 rows)."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiled kernels need a CUDA GPU")
+    from torch_lora.ops.fused_linear import gemm_lora
+    table = flc.fused_linear_table(torch.cuda.get_device_name())
+    if not table:
+        pytest.skip(f"no fused linear table for {torch.cuda.get_device_name()}")
+    rng = np.random.default_rng(0)
+    for key, entry in table.items():
+        k_part, n_part, m_part, r_part = key.split("/")
+        k, widths, m, rank = int(k_part[1:]), tuple(int(w) for w in n_part[1:].split("+")), int(m_part[1:]), \
+            int(r_part[1:])
+        n = sum(widths)
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+        buf = torch.randn(len(widths), m, rank, device="cuda")
+        b = [(torch.randn(8, wd, rank, device="cuda") / rank ** 0.5).bfloat16() for wd in widths]
+        slots_np = rng.integers(-1, 8, m).astype(np.int32)
+        out = gemm_lora(x, w, None, buf, b, torch.from_numpy(slots_np).cuda(), widths, config=entry["config"])
+        ref = x.double() @ w.double().T                    # float64 on the GPU: the layer sizes are large for NumPy
+        bufd = buf.double()
+        off = 0
+        for s, width in enumerate(widths):
+            for row, slot in enumerate(slots_np.tolist()):
+                if slot >= 0:
+                    ref[row, off:off + width] += bufd[s, row] @ b[s][slot].double().T
+            off += width
+        err = float(torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref))
+        assert err <= 2e-2, (key, entry["config"], err)
