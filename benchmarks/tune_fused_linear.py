@@ -279,7 +279,8 @@ def _compile_job(job) -> str:
 
 
 def _plan_key(kind, shape, cfg):
-    """What decides the compiled kernel of a launch (its constexprs, warps, stages)."""
+    """What decides the compiled kernel of a launch (its constexprs, warps, stages, and how its
+    integer arguments specialize)."""
     from lora_core.kernels.gemm_lora import plan_gemm_lora
     k, widths, m, rank, _ = shape
     if kind == "today":
@@ -292,7 +293,11 @@ def _plan_key(kind, shape, cfg):
                               has_ranks=False)
     except ValueError:
         return (kind, k, widths, m, rank, tuple(sorted(cfg.items())))
-    return (tuple(sorted(plan.constexprs.items())), plan.num_warps, plan.num_stages)
+    # Triton specializes integer arguments equal to 1 or divisible by 16: the layer's sizes, the
+    # split's K chunk, the slices' first tiles and their B strides
+    ints = (sum(widths), k, plan.k_per_split, *plan.slice_tiles, *(w * rank for w in widths))
+    spec = tuple((v == 1, v % 16 == 0) for v in ints)
+    return (tuple(sorted(plan.constexprs.items())), plan.num_warps, plan.num_stages, spec)
 
 
 def _write_json(path: str, data) -> None:
