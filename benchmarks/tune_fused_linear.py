@@ -243,7 +243,7 @@ def _compile_job(job) -> str:
 
     import torch_lora
     from torch_lora.ops.fused_linear import gemm_lora
-    kind, (k, widths, m, rank, slots_n), cfg, device = job
+    number, kind, (k, widths, m, rank, slots_n), cfg, device = job
     try:
         key = (k, widths, m, rank)
         if key not in _WORKER:
@@ -275,7 +275,7 @@ def _compile_job(job) -> str:
             torch.cuda.synchronize()
         return ""
     except Exception as e:                       # said; the timing compiles what is missing (or fails it)
-        return f"{kind} K{k} N{widths} M{m} r{rank} {cfg}: {type(e).__name__}: {str(e)[:160]}"
+        return f"#{number} {kind} K{k} N{widths} M{m} r{rank} {cfg}: {type(e).__name__}: {str(e)[:160]}"
 
 
 def _plan_key(kind, shape, cfg):
@@ -381,7 +381,9 @@ def main(argv=None) -> int:
                     work.append((key, model, layer, k, widths, m, r, candidates(m, k, widths, sms, limit)))
     print(f"{len(work)} cases, {sum(len(w[-1]) for w in work)} candidates -> {path}", flush=True)
 
-    # 2. Compilation in parallel (the variants of step 3 compile while timing), bounded by its share.
+    # 2. Compilation in parallel, bounded by its share of the budget (what is left compiles while
+    # timing); a launch that failed to compile is not tried again.
+    failed: dict = {}
     jobs_n = args.jobs if args.jobs is not None else (0 if args.quick else max(1, min(14, (os.cpu_count() or 2) - 2)))
     if jobs_n > 0:
         dev = "cuda" if cuda else "cpu"
@@ -392,11 +394,15 @@ def main(argv=None) -> int:
                 pk = _plan_key(kind, shape, cfg)
                 if pk not in seen:
                     seen.add(pk)
-                    jobs.append((kind, shape, cfg, dev))
+                    jobs.append((len(jobs), kind, shape, cfg, dev))
         try:
             failures = pool_run(_compile_job, jobs, jobs_n, t0 + args.budget_s * args.compile_share)
         except Exception as e:                   # the pool itself failed: the timing compiles everything
             failures = [f"compile workers: {type(e).__name__}: {str(e)[:200]}"]
+        for msg in failures:
+            if msg.startswith("#"):
+                _n, kind, shape, cfg, _dev = jobs[int(msg[1:].split(" ", 1)[0])]
+                failed[_plan_key(kind, shape, cfg)] = msg.split(" ", 1)[1]
         log["compile_s"] = round(time.time() - t0, 1)
         log["compile_jobs"] = len(jobs)
         log["compile_failures"] = failures
@@ -418,7 +424,10 @@ def main(argv=None) -> int:
             row["cublas_us"] = clock(case.cublas(), m)
             today = timed(clock, case, case.today(), m)
             row["today_us"] = today.get("us")
-            results = [{"config": c, **timed(clock, case, case.epilogue(c), m)} for c in cands]
+            shape = (k, tuple(widths), m, r, slots_n)
+            results = [{"config": c, "error": f"did not compile: {failed[_plan_key('lora', shape, c)]}"}
+                       if _plan_key("lora", shape, c) in failed else
+                       {"config": c, **timed(clock, case, case.epilogue(c), m)} for c in cands]
             ok = sorted((x for x in results if "us" in x), key=lambda x: x["us"])
             row["epilogue"] = results
             fused = [{"config": x["config"], **timed(clock, case, case.fused(x["config"]), m)} for x in ok[:FUSED_TOP]]
