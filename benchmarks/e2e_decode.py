@@ -22,13 +22,17 @@ each sequence's last position (greedy next token too), as jax_lora.serving's ste
     (no wrapper). --jax-lora fused / fused-norm: the model's fused LoRA linears
     (`jax_lora.models.llama.use_fused_lora` "gemm" / "norm": each LoRA linear one Triton GEMM with
     the expand in its epilogue over a transposed copy of its kernel, after the wrapper's shrink, or
-    for qkv and gate_up after the RMSNorm kernel that also shrinks); --smoke runs them in Triton's
-    interpreter. Timed per step on the host: the call to `block_until_ready`, median of N steps,
-    so JAX's dispatch of the step is included.
+    for qkv and gate_up after the RMSNorm kernel that also shrinks); --jax-lora auto: each LoRA
+    linear fused ("gemm") where the device's tuned fused linear table says so for its layer, row
+    count and rank (`lora_core.kernels.fused_linear_configs.use_fused_linear`), else the base
+    product and add_lora_linear; --smoke runs them in Triton's interpreter. Timed per step on
+    the host: the call to `block_until_ready`, median of N steps, so JAX's dispatch of the step
+    is included.
   * torch: a lean decoder written here (RMSNorm, rotate-half RoPE, GQA attention over a static KV
     cache with `scaled_dot_product_attention`, SiLU MLP), LoRA through
     `torch_lora.PunicaWrapper.add_lora_linear` on the fused qkv (3 slices), o, gate_up (2 slices)
-    and down. Each step is one CUDA graph, captured once per step shape and rank; a case's mapping
+    and down (--torch-lora fused / fused-norm / auto: the fused paths as JAX's, `fused_lora` and
+    `auto_lora`). Each step is one CUDA graph, captured once per step shape and rank; a case's mapping
     is written with `update_metadata` (in place) before the replays. Timed with CUDA events around
     each replay, median of N.
   * Base and LoRA steps are timed alternately (base, LoRA, base, ...), so drift hits both alike.
@@ -123,7 +127,7 @@ TOL_ERR = 0.15
 TOL_ERR_OVER_EFFECT = 0.2
 HOST_RANDOM_ELEMENTS = 1 << 24
 # --jax-lora -> the JAX model's fused LoRA path (jax_lora.models.llama.use_fused_lora)
-JAX_FUSED = {"linear": None, "fused": "gemm", "fused-norm": "norm"}
+JAX_FUSED = {"linear": None, "fused": "gemm", "fused-norm": "norm", "auto": "auto"}
 
 
 # ------------------------------------------------------------------------------------------ cases
@@ -746,6 +750,32 @@ class TorchDecoder:
                     return gemm_lora(xn, weights_nk[i][name], None, buf, b, slots, slices, lora_ranks=ranks)
         return Fused()
 
+    def auto_lora(self, punica):
+        """--torch-lora auto: each LoRA linear takes the fused path of `fused_lora` (the shrink, then
+        gemm_lora) where the device's tuned fused linear table says it beats today's path for its
+        layer (K, slices), row count and rank (`lora_core.kernels.fused_linear_configs.use_fused_linear`,
+        logged once per choice), else today's (the base product, then add_lora_linear). Without a
+        table every linear takes today's path."""
+        from lora_core.kernels.fused_linear_configs import use_fused_linear
+        fused, today, lora_of, fp8_product = self.fused_lora(punica, False), self.wrapper_lora(punica), self.lora, \
+            self.fp8_product
+        chosen: dict = {}
+
+        class Auto:
+            @staticmethod
+            def linear(i, name, x, weight):
+                a, _b, slices, _ranks = lora_of[i][name]
+                key = (name, x.shape[0])
+                if key not in chosen:
+                    chosen[key] = use_fused_linear((int(x.shape[1]), tuple(int(w) for w in slices)), int(x.shape[0]),
+                                                   int(a[0].shape[-2]))
+                if chosen[key]:
+                    return fused.linear(i, name, x, weight)
+                y = base_product(x, weight, fp8_product)
+                today(i, name, y, x)
+                return y
+        return Auto()
+
     def reference_lora(self, groups):
         """The LoRA hook of the reference: for each (slot, token indices) of `groups`, the delta
         (x @ A_s[slot].T) @ B_s[slot].T in float32 per slice, added to y and rounded to y's dtype
@@ -983,6 +1013,8 @@ class Bench:
         elif lora:
             if self.args.torch_lora == "overlap":
                 hook = self.td.overlapped_lora(self.t_punica, self._torch_side)
+            elif self.args.torch_lora == "auto":
+                hook = self.td.auto_lora(self.t_punica)
             elif self.args.torch_lora.startswith("fused"):
                 hook = self.td.fused_lora(self.t_punica, fuse_norm=self.args.torch_lora == "fused-norm")
             else:
@@ -1735,16 +1767,18 @@ def main(argv=None) -> int:
     p.add_argument("--vllm", choices=("auto", "on", "off"), default="auto",
                    help="also time torch's step with vLLM's LoRA kernels (benchmarks/vllm_kernels.py; their files "
                         "in .vllm/ from benchmarks/fetch_vllm_kernels.sh): when present (auto), required (on) or not")
-    p.add_argument("--torch-lora", choices=("linear", "overlap", "fused", "fused-norm"), default="linear",
+    p.add_argument("--torch-lora", choices=("linear", "overlap", "fused", "fused-norm", "auto"), default="linear",
                    help="torch's LoRA path: add_lora_linear after the base product (linear); the shrink on a "
                         "side stream beside the base product and the expand after it (overlap; CUDA only); the "
                         "shrink then a Triton GEMM with the expand in its epilogue (fused); the same with the "
-                        "RMSNorm kernel that also shrinks before qkv and gate_up (fused-norm)")
+                        "RMSNorm kernel that also shrinks before qkv and gate_up (fused-norm); per layer and row "
+                        "count, fused where the device's tuned fused linear table says it wins, else linear (auto)")
     p.add_argument("--jax-lora", choices=tuple(JAX_FUSED), default="linear",
                    help="JAX's LoRA path: add_lora_linear after the base product (linear); the wrapper's shrink "
                         "then a Triton GEMM with the expand in its epilogue over (out, in) copies of the kernels "
                         "(fused); the same with the RMSNorm kernel that also shrinks before qkv and gate_up "
-                        "(fused-norm). Not with --base fp8")
+                        "(fused-norm); per layer and row count, fused where the device's tuned fused linear table "
+                        "says it wins, else linear (auto). Not with --base fp8")
     p.add_argument("--jax-chain", type=int, default=1,
                    help="JAX samples of K steps dispatched back to back, one wait, divided by K (default 1: "
                         "each step waited for)")
@@ -1762,15 +1796,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke and args.torch_lora == "overlap":
         p.error("--torch-lora overlap needs CUDA streams (not --smoke)")
-    if args.base == "fp8" and args.torch_lora.startswith("fused"):
+    if args.base == "fp8" and args.torch_lora in ("fused", "fused-norm", "auto"):
         p.error(f"--torch-lora {args.torch_lora} runs a Triton GEMM over bf16 weights; with --base fp8 use "
                 "--torch-lora linear or overlap")
     if args.base == "fp8" and args.jax_lora != "linear":
         p.error(f"--jax-lora {args.jax_lora} runs a Triton GEMM over bf16 weights; with --base fp8 use "
                 "--jax-lora linear")
-    if args.smoke and args.jax_lora != "linear":
+    if args.smoke and (args.jax_lora != "linear" or args.torch_lora in ("fused", "fused-norm", "auto")):
         os.environ.setdefault("TRITON_INTERPRET", "1")       # the fused kernels on the CPU: Triton's interpreter
-    if args.lora_dtype == "fp8" and args.torch_lora.startswith("fused"):
+    if "auto" in (args.torch_lora, args.jax_lora):
+        show_fused_linear_choices()
+    if args.lora_dtype == "fp8" and args.torch_lora in ("fused", "fused-norm", "auto"):
         p.error(f"--torch-lora {args.torch_lora}'s fused GEMM takes bf16 adapters; with --lora-dtype fp8 use "
                 "--torch-lora linear or overlap")
     if args.lora_dtype == "fp8" and args.jax_lora != "linear":
@@ -1803,6 +1839,22 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     with launch_policy(args):
         return run(args, cases)
+
+
+def show_fused_linear_choices() -> None:
+    """Prints the fused linear table's decisions (--torch-lora / --jax-lora auto) as the package logs
+    them, once per (layer, M bucket, rank): which path each layer takes and why."""
+    import logging
+
+    class Choices(logging.Filter):
+        def filter(self, record):
+            return record.getMessage().startswith(("LoRA linear ", "fused linear table"))
+    handler = logging.StreamHandler(sys.stdout)
+    handler.addFilter(Choices())
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    log = logging.getLogger("lora_core")
+    log.addHandler(handler)
+    log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
 
 
 def launch_policy(args):

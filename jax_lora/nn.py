@@ -81,10 +81,12 @@ class FusedKernel(nnx.Variable):
     in long runs (`MultiLoRALinear.use_fused`). A copy of the base layer's kernel, not a parameter."""
 
 
-FUSED_MODES = (None, "gemm", "norm")
+FUSED_MODES = (None, "gemm", "norm", "auto")
 """MultiLoRALinear's fused paths: None (the base product, then the wrapper's add_lora_linear);
 "gemm" (the wrapper's shrink, then one Triton GEMM with the expand in its epilogue); "norm"
-(also: the RMSNorm before the layer computes the shrink, for layers behind a norm)."""
+(also: the RMSNorm before the layer computes the shrink, for layers behind a norm); "auto" ("gemm"
+for the calls whose layer shape, token count and rank the device's tuned fused linear table marks
+fused, `lora_core.kernels.fused_linear_configs.use_fused_linear`; None for the others)."""
 
 
 @contextlib.contextmanager
@@ -171,11 +173,13 @@ class MultiLoRALinear(nnx.Module):
     the first DoRA adapter lands in the layer): a new variable, so the model's graph changes and a
     jitted step that takes the model is traced and compiled again, once.
 
-    fused ("gemm" or "norm"; `use_fused`): with a wrapper installed the layer computes
+    fused ("gemm", "norm" or "auto"; `use_fused`): with a wrapper installed the layer computes
     y = x @ W + bias + LoRA term in one Triton GEMM whose epilogue adds each token's expand
     (jax_lora.ops.fused_linear.gemm_lora), after the wrapper's shrink ("gemm") or after the
     RMSNorm kernel that also shrinks (`norm_linear`, "norm": the model calls it with the norm in
-    front of the layer). Its docstring says what it needs and refuses.
+    front of the layer); "auto": "gemm" where the device's tuned fused linear table says the fused
+    GEMM wins for the layer, the call's token count and max_rank, else the unfused path, decided
+    when the call is traced. Its docstring says what it needs and refuses.
     """
 
     def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int,
@@ -209,7 +213,7 @@ class MultiLoRALinear(nnx.Module):
             self.use_fp8()
 
     def use_fused(self, mode) -> bool:
-        """Turns the fused path on ("gemm" or "norm") or off (None); returns whether it changed.
+        """Turns the fused path on ("gemm", "norm" or "auto") or off (None); returns whether it changed.
 
         The fused GEMM reads the base weight as (out, in) with `in` contiguous, so turning it on
         stores a transposed copy of the base kernel, `kernel_nk` (a `FusedKernel` variable: the
@@ -284,7 +288,7 @@ class MultiLoRALinear(nnx.Module):
         if self.dora and self.tp is not None:
             raise NotImplementedError("DoRA layers (dora=True) split over a mesh are not supported: serve "
                                       "DoRA adapters with unsplit layers")
-        if w is not None and self.fuses(w):
+        if w is not None and self.fuses(w) and self._fused_for(x):
             return self._fused_linear(x, w)
         if w is not None and self.tp is not None:
             return self.tp.apply(self, x, w)
@@ -319,6 +323,16 @@ class MultiLoRALinear(nnx.Module):
             _log_fused_fallback("the wrapper is deterministic (the fused kernels are not batch invariant)")
             return False
         return True
+
+    def _fused_for(self, x) -> bool:
+        """Whether this call (x (..., in)) takes the fused GEMM: always with "gemm" / "norm"; with
+        "auto" the tuned fused linear table's choice for (in, output_slices), the token count and
+        max_rank (False without an entry: the unfused path)."""
+        if self.fused != "auto":
+            return True
+        from lora_core.kernels.fused_linear_configs import use_fused_linear
+        tokens = x.size // self.in_features if self.in_features else 0
+        return use_fused_linear((self.in_features, self.output_slices), int(tokens), self.max_rank)
 
     def _fused_linear(self, x, w, xn=None, buf=None) -> jax.Array:
         """x @ W + bias + each token's LoRA term through jax_lora.ops.fused_linear.gemm_lora; buf

@@ -123,6 +123,9 @@ SLOW_TESTS = (
     "tests/test_package_imports.py::test_torch_lora_loads_nothing_of_jax[*]",
     "tests/test_benchmark_provenance.py::test_the_digest_is_printed_without_a_gpu",
     "tests/test_tune_moe_lora_smoke.py::test_quick_run_writes_a_table_the_plan_reads",
+    # the fused linear tuner in fresh interpreters, and the JAX Llama's fused="auto" step (~20-40 s)
+    "tests/test_tune_fused_linear_smoke.py::*",
+    "tests/test_jax_fused_llama.py::test_auto_fuses_the_layers_the_tuned_table_marks",
     "tests/test_bench_moe_lora_smoke.py::test_quick_run_writes_checked_results",
     "tests/test_triton_compile.py::test_kernel_compiles_for_sm90[moe]",
     "tests/test_wrapper_torch.py::test_cache_does_not_keep_weights_alive",

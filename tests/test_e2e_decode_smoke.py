@@ -2,7 +2,8 @@
 LoRA under jit, the torch decoder over the same weights, metadata updates between cases, the
 reference check, timing, the JSON/markdown report) on the CPU with a tiny model; with an fp8 base
 (--base fp8: the decoder's linears float8_e4m3fn, both frameworks checked against the reference); and
-JAX's fused LoRA linears (--jax-lora fused-norm, in Triton's interpreter) checked against the reference."""
+JAX's fused LoRA linears (--jax-lora fused-norm, in Triton's interpreter) checked against the reference; and
+both frameworks' --torch-lora / --jax-lora auto over a small fused linear table, checked the same way."""
 
 from __future__ import annotations
 
@@ -313,3 +314,36 @@ def test_quantize_rows_on_device_follows_the_contract_rule():
     assert s[1, 2, 4] == 1.0 and not np.any(got_q[1, 2, 4])
     deq = got_q * np.asarray(s, np.float64)[..., None]
     assert np.all(np.abs(deq - w64) <= 2 ** -4 * np.abs(w64) + 1e-12 + 2 ** -9 * amax[..., None] / 448)
+
+
+@pytest.mark.slow
+def test_smoke_run_with_auto_fused_linears_passes_its_checks(tmp_path):
+    """--torch-lora auto --jax-lora auto with a fused linear table that marks qkv and down fused, o
+    today's and leaves gate_up out: each framework's step takes the path the table says per layer
+    (the decisions printed) and passes the reference check."""
+    table = tmp_path / "fl.json"
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+    # the smoke model: hidden 64, 4 heads / 2 KV heads of 16, intermediate 128; dec B4 -> M bucket 8, rank 4 -> r16
+    table.write_text(json.dumps({"device": "test", "format": 1, "entries": {
+        "k64/n64+32+32/m8/r16": {"config": cfg, "use_fused": True, "reason": "marked fused"},
+        "k64/n64/m8/r16": {"config": cfg, "use_fused": False, "reason": "marked today"},
+        "k128/n64/m8/r16": {"config": {**cfg, "SPLIT_K": 2}, "use_fused": True, "reason": "marked fused"}}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", LORA_CORE_FUSED_LINEAR_TABLE=str(table))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke", "--frameworks",
+                           "torch,jax", "--torch-lora", "auto", "--jax-lora", "auto", "--vllm", "off", "--cases",
+                           "dec B4 D2 r4", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for line in ("LoRA linear k64/n64+32+32/m8/r16: the fused GEMM (shrink, then gemm_lora): marked fused",
+                 "LoRA linear k64/n64/m8/r16: today's path (library GEMM + add_lora_linear): marked today",
+                 "LoRA linear k128/n64/m8/r16: the fused GEMM (shrink, then gemm_lora): marked fused",
+                 "LoRA linear k64/n128+128/m8/r16: today's path (library GEMM + add_lora_linear): no tuned entry"):
+        assert line in proc.stdout, proc.stdout[-3000:]
+    (path,) = glob.glob(str(tmp_path / "e2e_smoke_*.json"))
+    with open(path) as f:
+        res = json.load(f)
+    assert res["meta"]["torch_lora"] == res["meta"]["jax_lora"] == "auto" and res["summary"]["checks_failed"] == []
+    (case,) = res["cases"]
+    for fw in ("torch", "jax"):
+        assert case[fw]["check_passed"] is True and case[fw]["lora_err"] <= 0.2 * case["lora_effect"]

@@ -7,7 +7,8 @@ the fused step ("gemm": the wrapper's shrink then the GEMM with the expand; "nor
 kernel that also shrinks before qkv and gate_up) gives the unfused step's logits within float
 tolerance, eagerly and under jit; the transposed base kernel is the base kernel's copy. A
 deterministic wrapper takes the unfused path (logged); a step with several adapters per token,
-DoRA, fp8 adapters and a quantized base are refused by name.
+DoRA, fp8 adapters and a quantized base are refused by name. "auto" runs the fused GEMM in exactly
+the layers a fused linear table marks fused for the step's token count and rank.
 """
 
 from __future__ import annotations
@@ -153,3 +154,50 @@ def test_fused_path_refusals_name_the_reason():
         np.ones((8, 16), np.float32), None, quantize="int8", dtype=jnp.float32), max_loras=2, max_rank=4)
     with pytest.raises(ValueError, match="quantized base layer"):
         quantized.use_fused("gemm")
+
+
+def test_auto_fuses_the_layers_the_tuned_table_marks(tmp_path, monkeypatch, caplog):
+    """fused="auto": the layers whose (in, slices), token count and rank the fused linear table marks
+    fused run the fused GEMM (qkv and down here), the others the unfused path (o: marked today;
+    gate_up: no entry), and the step equals the unfused one; each choice is logged with its reason."""
+    import json
+
+    from jax_lora.ops import fused_linear as jfl
+    from lora_core.kernels import fused_linear_configs as flc
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    h, kv = CFG.num_attention_heads * CFG.head_dim, CFG.num_key_value_heads * CFG.head_dim
+    qkv_key = flc.table_key((CFG.hidden_size, (h, kv, kv)), TOKENS.size, RANK)
+    down_key = flc.table_key((CFG.intermediate_size, (CFG.hidden_size,)), TOKENS.size, RANK)
+    o_key = flc.table_key((h, (CFG.hidden_size,)), TOKENS.size, RANK)
+    entries = {qkv_key: {"config": cfg, "use_fused": True, "reason": "marked fused"},
+               down_key: {"config": {**cfg, "SPLIT_K": 2}, "use_fused": True, "reason": "marked fused"},
+               o_key: {"config": cfg, "use_fused": False, "reason": "marked today"}}
+    table = tmp_path / "fl.json"
+    table.write_text(json.dumps({"device": "test", "format": 1, "entries": entries}))
+    monkeypatch.setenv("LORA_CORE_FUSED_LINEAR_TABLE", str(table))
+    flc.fused_linear_table.cache_clear()
+    flc._log_choice.cache_clear()
+    calls = []
+    real = jfl.gemm_lora
+
+    def counted(x, weight, *args, **kwargs):
+        calls.append(tuple(weight.shape))
+        return real(x, weight, *args, **kwargs)
+    monkeypatch.setattr(jfl, "gemm_lora", counted)
+    try:
+        model = _model(jnp.float32)
+        w = _wrapper(IDS)
+        want = _logits(model, w)
+        assert calls == []
+        assert len(use_fused_lora(model, "auto")) == 4 * CFG.num_hidden_layers
+        with caplog.at_level(logging.INFO, logger="lora_core"):
+            got = _logits(model, w)
+    finally:
+        flc.fused_linear_table.cache_clear()
+        flc._log_choice.cache_clear()
+    assert sorted(set(calls)) == sorted({(h + 2 * kv, CFG.hidden_size), (CFG.hidden_size, CFG.intermediate_size)})
+    assert _rel(got, want) <= 1e-5
+    msgs = [r.getMessage() for r in caplog.records]
+    assert f"LoRA linear {qkv_key}: the fused GEMM (shrink, then gemm_lora): marked fused" in msgs
+    assert f"LoRA linear {o_key}: today's path (library GEMM + add_lora_linear): marked today" in msgs
+    assert any("no tuned entry" in m and f"k{CFG.hidden_size}/n{CFG.intermediate_size}+" in m for m in msgs)

@@ -426,7 +426,7 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
     hold DoRA column scales from the start; without it a layer gets its scale when the first
     use_dora adapter reaches it (MultiLoRALinear.enable_dora: a new variable, so one recompilation
     of a jitted step). lora_dtype="fp8": the linear layers store e4m3 adapter weights with per-channel
-    float32 scales (jax_lora.nn.MultiLoRALinear). fused: None (default), "gemm" or "norm": the
+    float32 scales (jax_lora.nn.MultiLoRALinear). fused: None (default), "gemm", "norm" or "auto": the
     decoder's LoRA linears take the fused path (`use_fused_lora`). Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
@@ -461,8 +461,10 @@ def use_fused_lora(model: LlamaForCausalLM, mode) -> list:
     its epilogue (jax_lora.ops.fused_linear.gemm_lora) over a transposed copy of its base kernel.
     "norm": the same, and qkv_proj and gate_up_proj also take the RMSNorm in front of them into
     the shrink (rms_norm_shrink: no LoRA kernel between the norm and the GEMM); o and down stay
-    "gemm". Embeddings and the LM head are unchanged. Returns the paths of the layers it changed.
-    Refused (ValueError naming the layer): a split model, and what `use_fused` refuses.
+    "gemm". "auto": "gemm" for the calls the device's tuned fused linear table marks fused (by
+    layer shape, token count and rank: lora_core.kernels.fused_linear_configs.use_fused_linear),
+    the unfused path for the others. Embeddings and the LM head are unchanged. Returns the paths of
+    the layers it changed. Refused (ValueError naming the layer): a split model, and what `use_fused` refuses.
     """
     if mode not in lnn.FUSED_MODES:
         raise ValueError(f"fused must be one of {lnn.FUSED_MODES} (None: off), got {mode!r}")

@@ -13,9 +13,10 @@ with, per row m of slot i = slots[m] (no term for -1 or i >= L) and output slice
   y[m, slice s] = xn[m] @ W[slice s].T + bias[slice s] + (sum_p buf[p, s, m]) @ B_s[i].T
 
 Math and launch plans: lora_core/kernels/gemm_lora.py and norm_shrink.py; launch configs:
-lora_core.kernels.fused_linear_configs (by row count M, or `config=`); parameter lists:
-lora_core.kernels.arguments (`gemm_lora_call`, `norm_shrink_call`), the builder the torch
-launchers (torch_lora.ops.fused_linear) use too, so both frameworks launch identical kernels.
+lora_core.kernels.fused_linear_configs (the device's tuned table by layer, M and rank, else by row
+count M; or `config=`); parameter lists: lora_core.kernels.arguments (`gemm_lora_call`,
+`norm_shrink_call`), the builder the torch launchers (torch_lora.ops.fused_linear) use too, so
+both frameworks launch identical kernels.
 
 Launching is backend "triton"'s (jax_lora.ops.triton): one XLA FFI call per op on a CUDA GPU
 (command-buffer compatible; the norm is inside the custom call, so XLA cannot split the fusion
@@ -242,7 +243,7 @@ def gemm_lora(x, weight, bias=None, buf=None, lora_b_stacked=None, slots=None,
     result = jax.ShapeDtypeStruct((m, n), x.dtype)
     if m == 0:
         return y if add_inputs else jnp.zeros((0, n), x.dtype)
-    cfg = dict(config) if config else gemm_config(m, widths)
+    cfg = dict(config) if config else gemm_config(m, widths, k, rank if has_lora else None)
     plan = plan_gemm_lora(m, n, k, widths, rank, _dtype(x), _dtype(weight), _dtype(b[0]) if has_lora else None,
                           cfg, has_bias=bias is not None, add_inputs=bool(add_inputs), has_lora=has_lora,
                           has_ranks=ranks is not None)

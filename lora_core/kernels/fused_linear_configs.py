@@ -1,21 +1,50 @@
-"""Launch configs of the fused linear kernels (`gemm_lora`, `rms_norm_shrink`), by row count M: the
-tables both frameworks' launchers read (torch_lora.ops.fused_linear, jax_lora.ops.fused_linear).
+"""Launch configs of the fused linear kernels (`gemm_lora`, `rms_norm_shrink`), by row count M, and
+the per-device choice between the fused LoRA linear and today's path: the tables both frameworks'
+launchers read (torch_lora.ops.fused_linear, jax_lora.ops.fused_linear).
 
-`gemm_config(m, widths)` is GEMM_CONFIGS' entry for M rows with BLOCK_N halved until every output
-slice but the last is a whole number of column tiles (the kernel's one-slice-per-tile rule);
-`norm_shrink_config(m, rank)` is NORM_SHRINK_CONFIGS' entry with, in rows mode, BLOCK_K shrunk
-with the rank.
+`gemm_config(m, widths, k, rank)` is the tuned table's config for the layer (K, widths) at M rows
+and the rank when the device has one (below), else GEMM_CONFIGS' entry for M rows; either with
+BLOCK_N halved until every output slice but the last is a whole number of column tiles (the
+kernel's one-slice-per-tile rule). `norm_shrink_config(m, rank)` is NORM_SHRINK_CONFIGS' entry
+with, in rows mode, BLOCK_K shrunk with the rank.
+
+The tuned table: `tuned/<device name>_fused_linear.json` beside this file (e.g.
+`NVIDIA_H200_fused_linear.json`, written by `benchmarks/tune_fused_linear.py`) for the GPU present,
+read at first use and cached; LORA_CORE_FUSED_LINEAR_TABLE names another file of the same format
+instead. Format:
+
+    {"device": "NVIDIA H200", "format": 1, "margin": 0.02,
+     "entries": {"k4096/n4096+1024+1024/m8/r16": {"config": {"BLOCK_M": 16, ...}, "use_fused": false,
+                                                  "reason": "...", "fused_us": ..., "today_us": ..., ...}}}
+
+An entry's key is the layer (K, the output slices' widths), the M bucket (the smallest of
+M_BUCKETS at or above M) and the rank bucket (the rank rounded up to a power of two, at least 16).
+`config` is the tuned `gemm_lora` launch (LoRA in the epilogue); `use_fused` says whether the LoRA
+linear of that layer, M and rank runs as the fused GEMM (the shrink, then `gemm_lora`) instead of
+today's path (the library GEMM, then `add_lora_linear`); the timings and `reason` are what the
+tuner decided it from. The fused GEMM serves LoRA steps only: a step without LoRA keeps the
+library GEMM whatever the table says.
+
+`use_fused_linear((k, widths), m, rank)` is that decision: False without a table entry (a shape,
+M or rank the table does not hold: today's path, no silent change), logged once per (layer, M
+bucket, rank) with its reason through the package logger.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import re
 from collections.abc import Sequence
 
+from .. import safe_json
+from .configs import TUNED_DIR, device_name
 from .planning import next_pow2
 
-__all__ = ["GEMM_CONFIGS", "NORM_SHRINK_CONFIGS", "gemm_config", "norm_shrink_config"]
+__all__ = ["GEMM_CONFIGS", "NORM_SHRINK_CONFIGS", "M_BUCKETS", "gemm_config", "norm_shrink_config",
+           "fused_linear_table", "fused_linear_table_file", "read_fused_linear_table", "table_key", "tuned_entry",
+           "use_fused_linear"]
 
 _LOG = logging.getLogger("lora_core")
 
@@ -45,13 +74,18 @@ def _bucket(table: dict, m: int) -> dict:
     return dict(table[min(k for k in table if m <= k)])
 
 
-def gemm_config(m: int, widths: Sequence[int]) -> dict:
-    """The table's config for M rows, BLOCK_N halved (logged) until every slice but the last is a
-    whole number of column tiles."""
-    cfg = _bucket(GEMM_CONFIGS, m)
+def gemm_config(m: int, widths: Sequence[int], k: int | None = None, rank: int | None = None, *,
+                device: str | None = None, table: dict | None = None) -> dict:
+    """The launch config of `gemm_lora` for M rows: the tuned table's (of `device`, default the GPU
+    present; or `table`, a `read_fused_linear_table` result) for the layer (k, widths) at M and
+    `rank` when k and rank are given and it holds one, else GEMM_CONFIGS' entry for M rows; BLOCK_N
+    halved (logged) until every slice but the last is a whole number of column tiles."""
+    entry = tuned_entry((k, widths), m, rank, device=device, table=table) if k is not None and rank else None
+    base = dict(entry["config"]) if entry else _bucket(GEMM_CONFIGS, m)
+    cfg = dict(base)
     while cfg["BLOCK_N"] > 16 and any(w % cfg["BLOCK_N"] for w in widths[:-1]):
         cfg["BLOCK_N"] //= 2
-    if cfg != _bucket(GEMM_CONFIGS, m):
+    if cfg != base:
         _log_block_n(m, tuple(widths), cfg["BLOCK_N"])
     return cfg
 
@@ -68,3 +102,145 @@ def norm_shrink_config(m: int, rank: int) -> dict:
     if cfg["LORA_MODE"] == "rows":
         cfg["BLOCK_K"] = max(16, min(cfg["BLOCK_K"], 4096 // (cfg["BLOCK_M"] * max(16, next_pow2(rank)))))
     return cfg
+
+
+# ------------------------------------------------------------------------------ the tuned table
+
+# The row counts the tuned table is keyed by: an entry serves M up to its bucket (M 2..8 read the
+# entry of 8); M above the last bucket has no entry (today's path).
+M_BUCKETS = (1, 8, 16, 32, 64, 128, 256)
+_CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages", "LORA_MODE",
+                "R_CHUNK", "PREFETCH_B"}
+_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")
+
+
+def _widths(layer_shape) -> tuple:
+    """(k, widths) of a layer shape (k, widths or N)."""
+    if not (isinstance(layer_shape, (tuple, list)) and len(layer_shape) == 2):
+        raise TypeError(f"layer_shape must be (k, output slice widths), got {layer_shape!r}")
+    k, widths = layer_shape
+    widths = (widths,) if isinstance(widths, int) else tuple(widths)
+    if not (isinstance(k, int) and k >= 1 and widths and all(isinstance(w, int) and w >= 1 for w in widths)):
+        raise ValueError(f"layer_shape must be (k >= 1, positive output slice widths), got {layer_shape!r}")
+    return k, widths
+
+
+def m_bucket(m: int) -> int | None:
+    """The M bucket of m rows (the smallest of M_BUCKETS >= m), None above the last."""
+    return next((b for b in M_BUCKETS if m <= b), None)
+
+
+def rank_bucket(rank: int) -> int:
+    return max(16, next_pow2(int(rank)))
+
+
+def table_key(layer_shape, m: int, rank: int) -> str | None:
+    """The table key of a layer (k, widths) at m rows and a rank, "k4096/n4096+1024+1024/m8/r16";
+    None when m is above the last M bucket."""
+    k, widths = _widths(layer_shape)
+    mb = m_bucket(m)
+    if mb is None:
+        return None
+    return f"k{k}/n{'+'.join(str(w) for w in widths)}/m{mb}/r{rank_bucket(rank)}"
+
+
+_KEY = re.compile(r"k\d+/n\d+(\+\d+)*/m\d+/r\d+")
+
+
+def read_fused_linear_table(path: str) -> dict:
+    """{key: entry} of a fused linear table file (module docstring), each entry checked: a key as
+    `table_key` writes it, a `config` object of the plan's keys with power-of-two block sizes and
+    warps, `use_fused` a bool. ValueError names the file and the entry."""
+    with open(path) as f:
+        data = safe_json.load(f, path)
+    name = os.path.basename(path)
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, dict):
+        raise ValueError(f"{name}: expected {{\"entries\": {{key: entry, ...}}}}, got {type(data).__name__}")
+    for key, entry in entries.items():
+        where = f"{name} entry {key!r}"
+        if not _KEY.fullmatch(key):
+            raise ValueError(f"{where}: keys are 'k<K>/n<w1>+<w2>.../m<M>/r<rank>'")
+        if not isinstance(entry, dict) or not isinstance(entry.get("use_fused"), bool):
+            raise ValueError(f"{where}: expected an object with a bool 'use_fused', got {entry!r}")
+        cfg = entry.get("config")
+        if not isinstance(cfg, dict) or set(cfg) - _CONFIG_KEYS:
+            raise ValueError(f"{where}: 'config' must be an object with keys among {sorted(_CONFIG_KEYS)}, "
+                             f"got {cfg!r}")
+        for k in _POW2_KEYS:
+            v = cfg.get(k)
+            required = k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+            if (required or v is not None) and not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0):
+                raise ValueError(f"{where}: config {k} must be a power of two, got {v!r}")
+        for k in ("SPLIT_K", "GROUP_M", "num_stages"):
+            if k in cfg and not (isinstance(cfg[k], int) and cfg[k] >= 1):
+                raise ValueError(f"{where}: config {k} must be an int >= 1, got {cfg[k]!r}")
+    return {k: dict(v) for k, v in entries.items()}
+
+
+def fused_linear_table_file(device: str) -> str:
+    return os.path.join(TUNED_DIR, re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + "_fused_linear.json")
+
+
+@functools.cache
+def fused_linear_table(device: str | None) -> dict:
+    """The fused linear table of a device by name: LORA_CORE_FUSED_LINEAR_TABLE's file if set, else
+    its tuned file, else {} (every layer on today's path)."""
+    override = os.environ.get("LORA_CORE_FUSED_LINEAR_TABLE")
+    if override:
+        if not os.path.isfile(override):
+            raise FileNotFoundError(f"LORA_CORE_FUSED_LINEAR_TABLE: no fused linear table file at {override!r}")
+        found = read_fused_linear_table(override)
+        _LOG.info("fused linear table: %s (LORA_CORE_FUSED_LINEAR_TABLE, %d entries)", override, len(found))
+        return found
+    if device:
+        path = fused_linear_table_file(device)
+        if os.path.exists(path):
+            found = read_fused_linear_table(path)
+            _LOG.info("fused linear table: %s (%d entries)", os.path.basename(path), len(found))
+            return found
+        _LOG.info("fused linear table: none for %s (%s): every LoRA linear on today's path", device,
+                  os.path.basename(path))
+    return {}
+
+
+def _device_table(device: str | None) -> dict:
+    return fused_linear_table(device if device is not None else device_name())
+
+
+def tuned_entry(layer_shape, m: int, rank: int, *, device: str | None = None, table: dict | None = None) -> dict | None:
+    """The table entry of a layer (k, widths) at m rows and a rank; None without one. table: a
+    `read_fused_linear_table` result (default: the table of `device`, default the GPU present)."""
+    key = table_key(layer_shape, m, rank)
+    if key is None:
+        return None
+    found = (table if table is not None else _device_table(device)).get(key)
+    return dict(found) if found is not None else None
+
+
+def use_fused_linear(layer_shape, m: int, rank: int, device: str | None = None, *, table: dict | None = None) -> bool:
+    """Whether the LoRA linear of a layer (k, output slice widths) at m rows and a rank runs fused
+    (the shrink, then `gemm_lora` with the expand in its epilogue) rather than today's path (the
+    library GEMM, then `add_lora_linear`): the tuned table entry's `use_fused`; False without an
+    entry. Logged once per (layer, M bucket, rank) with the reason."""
+    k, widths = _widths(layer_shape)
+    if not isinstance(m, int) or m < 0:
+        raise ValueError(f"m must be an int >= 0 (rows), got {m!r}")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    key = table_key((k, widths), m, rank)
+    entry = tuned_entry((k, widths), m, rank, device=device, table=table)
+    if entry is None:
+        why = (f"M={m} is above the tuned row counts (at most {M_BUCKETS[-1]})" if key is None
+               else "no tuned entry for it")
+        _log_choice(f"k{k}/n{'+'.join(map(str, widths))}/m{m_bucket(m)}/r{rank_bucket(rank)}", False, why)
+        return False
+    fused = bool(entry["use_fused"])
+    _log_choice(key, fused, str(entry.get("reason") or "the tuned table's decision"))
+    return fused
+
+
+@functools.cache
+def _log_choice(key: str, fused: bool, why: str) -> None:
+    path = "the fused GEMM (shrink, then gemm_lora)" if fused else "today's path (library GEMM + add_lora_linear)"
+    _LOG.info("LoRA linear %s: %s: %s", key, path, why)

@@ -9,9 +9,10 @@ Together they compute a LoRA linear after an RMSNorm without a LoRA kernel on th
 Math: lora_core/kernels/gemm_lora.py and norm_shrink.py. `slots` (M,) int32 holds each row's slot
 (-1: no adapter; values >= L are treated as -1); it is not read on the host (no sync), so both
 calls can be captured in a CUDA graph and replayed with new slots. Launch configs come from the
-tables of lora_core.kernels.fused_linear_configs (by row count M), or `config=` (a dict of the
-plan's keys). The kernels' parameter lists come from lora_core.kernels.arguments
-(`gemm_lora_call`, `norm_shrink_call`), the builder JAX's launchers use too.
+tables of lora_core.kernels.fused_linear_configs (the device's tuned table by layer, M and rank,
+else by row count M), or `config=` (a dict of the plan's keys). The kernels' parameter lists come
+from lora_core.kernels.arguments (`gemm_lora_call`, `norm_shrink_call`), the builder JAX's
+launchers use too.
 
 Split-K of the GEMM (config SPLIT_K > 1) uses a float32 workspace (SPLIT_K, M, N) and one int32
 counter per output tile, shared by the launches of one (device, stream) (they run one after
@@ -179,7 +180,7 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         b, num_slots, rank, ranks = (weight,), 0, 16, None
     if m == 0:
         return y
-    cfg = dict(config) if config else gemm_config(m, widths)
+    cfg = dict(config) if config else gemm_config(m, widths, k, rank if has_lora else None)
     plan = plan_gemm_lora(m, n, k, widths, rank, _NAMES[x.dtype], _NAMES[weight.dtype],
                           _NAMES[b[0].dtype] if has_lora else None, cfg, has_bias=bias is not None,
                           add_inputs=add_inputs, has_lora=has_lora, has_ranks=ranks is not None)
