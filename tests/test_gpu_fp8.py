@@ -17,6 +17,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from lora_core.kernels import common as kernel_common  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -255,3 +259,30 @@ def test_fp8_multilora_model_triton_equals_reference(tmp_path):
             out[backend] = mm(tokens.cuda(), adapter_names=rows).logits.float().cpu()
     rel = float((out["triton"] - out["torch"]).abs().max() / out["torch"].abs().max())
     assert rel < 1e-4, rel
+
+
+@triton.jit
+def _convert_e4m3(w_ptr, out_ptr, dot_ptr, DT: tl.constexpr):
+    """out = as_operand(w, DT) and dot = I @ as_operand(w, DT) (float32) for a 16 x 16 e4m3 tile."""
+    r = tl.arange(0, 16)
+    offs = r[:, None] * 16 + r[None, :]
+    w = tl.load(w_ptr + offs)
+    tl.store(out_ptr + offs, kernel_common.as_operand(w, DT))
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0).to(DT)
+    tl.store(dot_ptr + offs, tl.dot(eye, kernel_common.as_operand(w, DT)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_e4m3_operand_conversion_is_exact(dtype):
+    """common.as_operand's bit moves (inline PTX) on all 256 e4m3 codes, compiled: stored as they
+    come out, and as the B operand of a tl.dot with the identity (the dot-operand register layout
+    packs other values together); both equal torch's e4m3 -> 16-bit cast at every finite code."""
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda").view(FP8).reshape(16, 16)
+    out = torch.empty(16, 16, dtype=dtype, device="cuda")
+    dot = torch.empty(16, 16, dtype=torch.float32, device="cuda")
+    _convert_e4m3[(1,)](codes, out, dot, tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
+    want = codes.to(torch.float32)
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) == 254
+    assert torch.equal(out.float()[finite], want[finite])
+    assert torch.equal(dot[finite], want[finite])
