@@ -34,17 +34,18 @@ FP8 = "float8_e4m3fn"
 
 # ----------------------------------------------------------------------------- the rule
 
-def test_fp8_scaled_doubles_the_contiguous_tile():
+def test_fp8_scaled_doubles_the_contiguous_tile_and_the_warps():
     s = configs.shrink_params(16, 128, 0, 4, 3)
-    assert configs.fp8_scaled("shrink", s) == {**s, "BLOCK_K": 256}
+    assert configs.fp8_scaled("shrink", s) == {**s, "BLOCK_K": 256, "num_warps": 8}
     assert configs.fp8_scaled("shrink", s, size=200)["BLOCK_K"] == 256      # next_pow2(200) = 256
-    assert configs.fp8_scaled("shrink", s, size=100)["BLOCK_K"] == 128      # capped at next_pow2(100)
-    assert configs.fp8_scaled("shrink", configs.shrink_params(16, 512, 0, 8, 3))["BLOCK_K"] == configs.FP8_MAX_BLOCK
+    assert configs.fp8_scaled("shrink", s, size=100) == s                    # capped at next_pow2(100): kept
+    assert configs.fp8_scaled("shrink", configs.shrink_params(16, 256, 0, 8, 3))["BLOCK_K"] == 256  # 8 warps: kept
+    assert configs.fp8_scaled("shrink", configs.shrink_params(16, 512, 0, 2, 3))["BLOCK_K"] == configs.FP8_MAX_BLOCK
     e = dict(configs.expand_params(16, 128, 64, 4, 3), TILES_N=4)
-    assert configs.fp8_scaled("expand", e) == {**e, "BLOCK_N": 256, "TILES_N": 2}   # same columns per program
-    assert configs.fp8_scaled("expand", configs.expand_params(16, 512, 16, 8, 2))["BLOCK_N"] == 512
+    assert configs.fp8_scaled("expand", e) == {**e, "BLOCK_N": 256, "TILES_N": 2, "num_warps": 8}  # same columns
+    assert configs.fp8_scaled("expand", configs.expand_params(16, 128, 16, 2, 2))["num_warps"] == 4
     f = configs.fused_params(16, 256, 128, 4, 2)
-    assert configs.fp8_scaled("fused", f) == {**f, "BLOCK_K": 256}
+    assert configs.fp8_scaled("fused", f) == {**f, "BLOCK_K": 256, "num_warps": 8}
     assert s == configs.shrink_params(16, 128, 0, 4, 3)                      # a copy, the input unchanged
     with pytest.raises(ValueError, match="kind must be"):
         configs.fp8_scaled("gemm", s)
@@ -69,9 +70,10 @@ def _table(tmp_path, fp8_entry=None):
 def test_lookup_without_fp8_entries_follows_the_rule(tmp_path):
     t, shrink16, expand16 = _table(tmp_path)
     assert t.config("shrink", 200, 16, 1, 64) == shrink16                           # 16-bit: as written
-    assert t.config("shrink", 200, 16, 1, 64, FP8) == {**shrink16, "BLOCK_K": 256}
+    assert t.config("shrink", 200, 16, 1, 64, FP8) == {**shrink16, "BLOCK_K": 256, "num_warps": 8}
     assert t.config("shrink", 200, 16, 1, 64, "bfloat16") == shrink16
-    assert t.config("expand", 200, 16, 1, 64, FP8, 4096) == {**expand16, "BLOCK_N": 256, "TILES_N": 1}
+    assert t.config("expand", 200, 16, 1, 64, FP8, 4096) == {**expand16, "BLOCK_N": 256, "TILES_N": 1,
+                                                             "num_warps": 8}
     assert t.config("shrink", 200, 16, 1, 8, FP8)["BLOCK_K"] == 128                 # the 16-bit variant, doubled
     assert t.config("fused", 40, 16, 1, 64, FP8)["BLOCK_K"] == 256
     assert t.fused_wins(40, 16, 64, 1, FP8) and not t.fused_wins(200, 16, 64, 1, FP8)
@@ -112,6 +114,7 @@ def test_h200_table_fp8_lookups_are_valid_launches():
             s = t.config("shrink", T, r, slices, slots, FP8, 4096)
             e = t.config("expand", T, r, slices, slots, FP8, 4096)
             assert s["BLOCK_K"] >= t.config("shrink", T, r, slices, slots)["BLOCK_K"]
+            assert s["num_warps"] <= configs.FP8_MAX_WARPS and e["num_warps"] <= configs.FP8_MAX_WARPS
             s = configs.resolve_split(s, T, 4096, r, slices, slots, device="NVIDIA H200")
             sp = plan_shrink(T, 4096, r, slices, slots + 1, "bfloat16", FP8, s, lora_only=True, workspace=True,
                              has_ranks=False)
