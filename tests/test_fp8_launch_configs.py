@@ -182,27 +182,33 @@ def test_fp8_linear_with_its_own_configs_matches_float64(fused):
 
 # ----------------------------------------------------------------------------- the operand conversion
 
-def _replay(asm: str, codes: np.ndarray, target) -> np.ndarray:
-    """The bit moves of `asm` (E4M3_TO_BF16_ASM / _FP16_) on one byte per 16-bit lane, in numpy:
-    prmt puts the byte in the lane's high byte; shr, and (mask), and 0x8000, or; times the fma's
-    multiplier (read from the PTX text, as the 16-bit value the kernel uses)."""
-    shift = int(re.search(r"shr\.b32 t, lo, (\d+);", asm).group(1))
-    mask = int(re.search(r"and\.b32 t, t, (0x[0-9A-Fa-f]+);", asm).group(1), 16) & 0xFFFF
-    mul = int(re.search(r"mov\.b32 m, (0x[0-9A-Fa-f]+);", asm).group(1), 16) & 0xFFFF
-    assert re.search(r"prmt\.b32 lo, \$2, 0, 0x1404;", asm) and re.search(r"prmt\.b32 hi, \$2, 0, 0x3424;", asm)
-    lane = (codes.astype(np.uint32) << 8) & 0xFFFF
-    bits = ((lane >> shift) & mask) | (lane & 0x8000)
-    as16 = bits.astype(np.uint16).view(target).astype(np.float64)
-    return as16 * np.array([mul], np.uint16).view(target).astype(np.float64)[0]
+def _replay(asm: str, pairs: np.ndarray, target) -> np.ndarray:
+    """The bit moves of `asm` (E4M3_TO_BF16_ASM / _FP16_) in numpy, on a 32-bit register holding
+    two codes (pairs (n, 2) uint8: the low lane's and the high lane's, as prmt 0x4140 / 0x4342
+    spreads them); shl, and (sign mask), multiply-add (carry) in 32-bit arithmetic as the PTX does
+    them, times the fma's multiplier -- every constant read from the PTX text. Returns (n, 2)."""
+    assert re.search(r"prmt\.b32 lo, \$2, 0, 0x4140;", asm) and re.search(r"prmt\.b32 hi, \$2, 0, 0x4342;", asm)
+    shift = int(re.search(r"shl\.b32 lo, lo, (\d+);", asm).group(1))
+    sign = int(re.search(r"and\.b32 s, lo, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
+    carry = int(re.search(r"mad\.lo\.u32 lo, s, (\d+), lo;", asm).group(1))
+    mul = int(re.search(r"mov\.b32 m, (0x[0-9A-Fa-f]+);", asm).group(1), 16)
+    assert mul >> 16 == mul & 0xFFFF
+    reg = pairs[:, 0].astype(np.uint64) | (pairs[:, 1].astype(np.uint64) << np.uint64(16))
+    t = (reg << np.uint64(shift)) & np.uint64(0xFFFFFFFF)
+    out = (t + (t & np.uint64(sign)) * np.uint64(carry)) & np.uint64(0xFFFFFFFF)
+    lanes = np.stack([out & np.uint64(0xFFFF), out >> np.uint64(16)], axis=1).astype(np.uint16)
+    factor = np.array([mul & 0xFFFF], np.uint16).view(target).astype(np.float64)[0]
+    return lanes.view(target).astype(np.float64) * factor
 
 
 @pytest.mark.parametrize("name,target", [("E4M3_TO_BF16_ASM", ml_dtypes.bfloat16), ("E4M3_TO_FP16_ASM", np.float16)])
 def test_e4m3_bit_moves_are_exact(name, target):
     asm = getattr(common, name).value
     codes = np.arange(256, dtype=np.uint8)
-    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    finite = np.isfinite(want)
-    got = _replay(asm, codes, target)
-    assert finite.sum() == 254
-    np.testing.assert_array_equal(got[finite], want[finite])        # normals, subnormals, +-0
+    pairs = np.stack(np.meshgrid(codes, codes, indexing="ij"), axis=-1).reshape(-1, 2)   # every (low, high)
+    want = pairs.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    finite = np.isfinite(want).all(axis=1)
+    got = _replay(asm, pairs, target)
+    assert finite.sum() == 254 * 254
+    np.testing.assert_array_equal(got[finite], want[finite])        # normals, subnormals, +-0, both lanes
     assert np.all(np.isfinite(got))

@@ -219,32 +219,39 @@ def shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden, s
 
 
 # e4m3 -> 16-bit by moving bits, 4 values (one 32-bit register) per step. A byte s eeee mmm goes to
-# the high byte of a 16-bit lane (prmt), its 7 magnitude bits move right into the 16-bit format's
-# exponent and mantissa fields (shr, and) beside the sign (or): the same significand, the exponent
-# still biased by e4m3's 7, i.e. the value times 2^(7 - bias) -- exact for normal and subnormal
-# e4m3 values alike (subnormals land on 16-bit subnormals). One fma by 2^(bias - 7) restores it:
-# bf16 (bias 127, 8 exponent bits): shift 4, times 2^120 (0x7B80); fp16 (bias 15, 5 bits): shift 1,
-# times 2^8 (0x5C00). The adding term is -0.0 (0x8000), so the fma is the exact product. e4m3's NaN
-# (s 1111 111) comes out finite: quantised weights are clipped to +-448 and never NaN.
+# the low byte of a 16-bit lane (prmt) and moves left (shl) until its 7 magnitude bits sit in the
+# 16-bit format's exponent and mantissa fields; its sign, then one bit above them, is carried up to
+# the lane's top bit by one multiply-add (t + (t & sign) * k: k = 2^(15 - sign position) - 1
+# clears the bit and sets bit 15; multiply-adds run beside the integer unit). That is the same
+# significand with the exponent still biased by e4m3's 7, i.e. the value times 2^(7 - bias) --
+# exact for normal and subnormal e4m3 values alike (subnormals land on 16-bit subnormals). One fma
+# by 2^(bias - 7) restores it: bf16 (bias 127, 8 exponent bits): shift 4, sign at bit 11, times
+# 2^120 (0x7B80); fp16 (bias 15, 5 bits): shift 7, sign at bit 14, times 2^8 (0x5C00). The adding
+# term is -0.0 (0x8000), so the fma is the exact product. e4m3's NaN (s 1111 111) comes out
+# finite: quantised weights are clipped to +-448 and never NaN.
 _E4M3_TO_16 = """{{
-.reg .b32 lo, hi, m, z;
-prmt.b32 lo, $2, 0, 0x1404;
-prmt.b32 hi, $2, 0, 0x3424;
+.reg .b32 lo, hi, s, m, z;
+prmt.b32 lo, $2, 0, 0x4140;
+prmt.b32 hi, $2, 0, 0x4342;
+shl.b32 lo, lo, {shift};
+shl.b32 hi, hi, {shift};
+and.b32 s, lo, {sign};
+mad.lo.u32 lo, s, {carry}, lo;
+and.b32 s, hi, {sign};
+mad.lo.u32 hi, s, {carry}, hi;
 mov.b32 m, {mul};
 mov.b32 z, 0x80008000;
-{{ .reg .b32 t; shr.b32 t, lo, {shift}; and.b32 t, t, {mask}; and.b32 lo, lo, 0x80008000; or.b32 lo, lo, t; }}
-{{ .reg .b32 t; shr.b32 t, hi, {shift}; and.b32 t, t, {mask}; and.b32 hi, hi, 0x80008000; or.b32 hi, hi, t; }}
 fma.rn.{ty}x2 $0, lo, m, z;
 fma.rn.{ty}x2 $1, hi, m, z;
 }}"""
-E4M3_TO_BF16_ASM = tl.constexpr(_E4M3_TO_16.format(shift=4, mask="0x07F007F0", mul="0x7B807B80", ty="bf16"))
-E4M3_TO_FP16_ASM = tl.constexpr(_E4M3_TO_16.format(shift=1, mask="0x3F803F80", mul="0x5C005C00", ty="f16"))
+E4M3_TO_BF16_ASM = tl.constexpr(_E4M3_TO_16.format(shift=4, sign="0x08000800", carry=15, mul="0x7B807B80", ty="bf16"))
+E4M3_TO_FP16_ASM = tl.constexpr(_E4M3_TO_16.format(shift=7, sign="0x40004000", carry=1, mul="0x5C005C00", ty="f16"))
 
 
 @triton.jit
 def as_operand(t, dtype: tl.constexpr):
     """t converted to `dtype` for tl.dot. An e4m3 tile going to bf16 or fp16 takes the bit moves of
-    E4M3_TO_BF16_ASM / E4M3_TO_FP16_ASM (about 2.5 integer and float instructions per value), not
+    E4M3_TO_BF16_ASM / E4M3_TO_FP16_ASM (2.5 integer and float instructions per value), not
     Triton's conversion (e4m3 -> fp16 pairs, then one fp16 -> bf16 conversion per value: 1.5
     conversion-unit instructions per value, a unit that runs at a quarter of the integer rate and
     halves the bandwidth an fp8 kernel reaches). Compiled kernels only: the interpreter (float32
