@@ -19,6 +19,8 @@ and every 16-bit candidate made for fp8; the winners go into the class's "fp8" o
 expand, fused, use_fused), which fp8 launches read; the 16-bit side of the table is left as it is.
 `--budget-s` also stops a class's candidate list once spent (the class keeps the best timed).
     PYTHONPATH=. python benchmarks/tune_triton.py --lora-dtype fp8 --classes t64,t256,t1024 --budget-s 150
+With --no-fused an fp8 object gets no "use_fused" of its own (fp8 launches then follow the
+class's 16-bit decision and variants).
 """
 
 from __future__ import annotations
@@ -329,7 +331,10 @@ def main():
             # the class's 16-bit side as it was; the fp8 object: the new configs, their use_fused
             base = best.get(key) or {kind: configs.current_table().config(kind, T, r, 3, slots)
                                      for kind in ("shrink", "expand")}
-            best[key] = {**base, "fp8": table_entry(kept_variants(old, entry))}
+            own = table_entry(kept_variants(old, entry))
+            if "fused_us" not in entry and "use_fused" not in old:
+                own.pop("use_fused")        # the fused kernel not timed with fp8: the 16-bit decision stands
+            best[key] = {**base, "fp8": own}
         else:
             best[key] = kept_variants(old, {**entry, **({"fp8": old["fp8"]} if "fp8" in old else {})})
         print(f"{key}: two-kernel {t_e:.2f} us shrink {c_s} expand {c_e}"
