@@ -4,7 +4,8 @@ Compiled kernels on CUDA, bf16 activations, weights quantised per output channel
 by the contract's rule, against a float64 reference computed from the DEQUANTISED weights: the
 stand-alone shrink and expand ops, `linear` on both paths (fused kernel, shrink + expand), the
 prepared launches (`prepare_linear`: the C launcher), heterogeneous ranks, bias, fp8 A with bf16 B,
-several adapters per token, ranks above one rank block, 1-3 slices; JAX's Triton backend (the XLA
+several adapters per token, ranks above one rank block, 1-3 slices, deterministic mode's batch
+invariance; the e4m3 -> 16-bit operand conversion on all 256 codes; JAX's Triton backend (the XLA
 FFI launcher) under jax.jit; MultiLoRAModel(lora_dtype="fp8") with the compiled kernels against the
 torch reference.
 """
@@ -259,6 +260,32 @@ def test_fp8_multilora_model_triton_equals_reference(tmp_path):
             out[backend] = mm(tokens.cuda(), adapter_names=rows).logits.float().cpu()
     rel = float((out["triton"] - out["torch"]).abs().max() / out["torch"].abs().max())
     assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_fp8_deterministic_is_batch_invariant(S):
+    """deterministic=True with fp8 weights (the fp8 deterministic configs: configs.fp8_scaled of the
+    rank's): the first rows' outputs are bitwise the same in a batch of 4 and of 300 tokens, and
+    match the float64 reference on the dequantised weights."""
+    from torch_lora.meta import LoRAKernelMeta
+    from torch_lora.ops import triton as tri
+    H, R, L = 4096, 16, 8
+    widths = (4096, 1024, 1024)[:S]
+    x, a, b, idx, _, _, _ = _setup(300, H, R, widths, L, 8, seed=5)
+    qa, qb = [quantize(w) for w in a], [quantize(w) for w in b]
+    offsets = tuple(sum(widths[:s]) for s in range(S))
+    y0 = torch.randn(300, sum(widths), device="cuda").to(torch.bfloat16)
+    outs = []
+    for T in (4, 300):
+        meta = LoRAKernelMeta.make(L, T, "cuda")
+        meta.prepare_tensors(torch.from_numpy(idx[:T]).cuda())
+        y = y0[:T].clone()
+        tri.linear(y, x[:T], [q for q, _ in qa], [q for q, _ in qb], meta.meta_args(T), 0.5, offsets,
+                   deterministic=True, a_scales=tuple(s for _, s in qa), b_scales=tuple(s for _, s in qb))
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1][:4])
+    want = _ref_linear(y0, x, [dequantize(*p) for p in qa], [dequantize(*p) for p in qb], idx, 0.5, offsets)
+    assert _rel(outs[1], want) < TOL
 
 
 @triton.jit
