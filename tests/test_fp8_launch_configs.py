@@ -212,3 +212,39 @@ def test_e4m3_bit_moves_are_exact(name, target):
     assert finite.sum() == 254 * 254
     np.testing.assert_array_equal(got[finite], want[finite])        # normals, subnormals, +-0, both lanes
     assert np.all(np.isfinite(got))
+
+
+# ----------------------------------------------------------------------------- the tuner's fp8 candidates
+
+def test_tuner_fp8_candidates_start_with_the_lookup_and_all_plan():
+    """benchmarks/tune_triton.py --lora-dtype fp8: each class's candidate list starts with the
+    table's fp8 config (the baseline), repeats nothing, and every candidate is an fp8 launch the
+    planners accept at the class's shape (one and three slices)."""
+    import os
+    import sys
+
+    from lora_core.kernels import plan_expand, plan_shrink
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import tune_triton
+    finally:
+        sys.path.pop(0)
+    t = configs.table("NVIDIA H200")
+    for (tc, rc), (_kind, T, ds) in tune_triton.SHAPES.items():
+        r, slots = tune_triton.RANK_OF[rc], max(8, ds[-1])
+        base = t.config("shrink", T, r, 3, slots, FP8, 4096)
+        cands = tune_triton.fp8_candidates("shrink", [tune_triton.class_keys(tc, c)
+                                                      for c in tune_triton.shrink_candidates(tc)], base, 4096)
+        assert cands[0] == base and all(c not in cands[:i] for i, c in enumerate(cands))
+        e_cands = tune_triton.fp8_candidates("expand", [tune_triton.class_keys(tc, c)
+                                                        for c in tune_triton.expand_candidates(tc, r)],
+                                             t.config("expand", T, r, 3, slots, FP8, 4096), 4096)
+        for widths in ((4096,), tune_triton.WIDTHS):
+            for c in cands:
+                cfg = configs.resolve_split(dict(c), T, 4096, r, len(widths), slots, device="NVIDIA H200")
+                plan_shrink(T, 4096, r, len(widths), 9, "bfloat16", FP8, cfg, lora_only=True, workspace=True,
+                            has_ranks=False, pdl=True)
+            for c in e_cands:
+                plan = plan_expand(T, r, widths, 9, 2, FP8, "bfloat16", c, add_inputs=True,
+                                   bias_flags=(0,) * len(widths), has_ranks=False, pdl=True)
+                assert plan.grid[0] * plan.constexprs["TILES_N"] == plan.constexprs["NUM_TILES"]
