@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/compile_launches.py                        # the installed Triton
     PYTHONPATH=/tmp/triton36:. python benchmarks/compile_launches.py          # another Triton (a wheel
                                                                               # unpacked with pip --target)
+    PYTHONPATH=. python benchmarks/compile_launches.py --lora-dtype fp8 --modes 0   # fp8 adapter weights
 
 The GPU image can carry another Triton than the development machine (3.6 against 3.9 here), and
 Triton's compiler passes differ between versions: a launch that compiles here can fail there. This
@@ -13,7 +14,10 @@ table picks it, else the shrink and the expand -- and compiles each kernel for s
 argument specialisations a real launch gets (integers equal to 1 become constants, multiples of 16
 get divisibility hints except the token counts, `planning.TOKEN_COUNT_PARAMS`, pointers are
 16-byte aligned), as Triton's launcher and the JAX FFI launcher do. Prints one line per distinct
-launch and the failures; exits 1 if any failed. Compiling is CPU work (about 0.5 s a kernel).
+launch and the failures; exits 1 if any failed. A kernel whose shared memory exceeds an H200
+block's (SMEM_LIMIT) counts as failed: it compiles, but its launch would be refused. `--lora-dtype
+fp8`: e4m3 weights with float32 channel scales and the fp8 launch configs (configs.fp8_scaled or the
+table's "fp8" entries). Compiling is CPU work (about 0.5 s a kernel).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from lora_core.kernels.planning import TOKEN_COUNT_PARAMS  # noqa: E402
 
 DEVICE = "NVIDIA H200"
 HIDDEN = 4096
+SMEM_LIMIT = 232448          # bytes of shared memory one block may use on an H200 (227 KiB)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-          torch.int64: "i64"}
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def _strides(t: torch.Tensor) -> tuple:
@@ -86,26 +91,32 @@ def compile_call(call: arguments.KernelCall, capability: int = 90) -> str:
     from triton.compiler import ASTSource
     sig, consts, attrs = signature(call)
     try:
-        triton.compile(ASTSource(call.kernel, sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", capability, 32),
-                       options=dict(num_warps=call.plan.num_warps, num_stages=call.plan.num_stages))
-        return "ok"
+        compiled = triton.compile(ASTSource(call.kernel, sig, constexprs=consts, attrs=attrs),
+                                  target=GPUTarget("cuda", capability, 32),
+                                  options=dict(num_warps=call.plan.num_warps, num_stages=call.plan.num_stages))
+        shared = int(compiled.metadata.shared)
+        return "ok" if shared <= SMEM_LIMIT else f"FAILED shared memory {shared} > {SMEM_LIMIT} bytes"
     except Exception as e:
         return f"FAILED {type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
 
 
 def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torch.bfloat16,
-             hidden: int = HIDDEN, fused_extra: dict | None = None) -> list:
+             hidden: int = HIDDEN, fused_extra: dict | None = None, fp8: bool = False) -> list:
     """[(label, KernelCall)] of one add_lora_linear as the torch Triton backend launches it on an
     H200; mode: 0 no epilogue vector, 1 a LoRA bias on every slice, 2 a DoRA scale on every slice.
     fused_extra: the fused kernel for every launch it can take (rank <= 64), its table config
-    updated with these keys (configs to try on the GPU, e.g. {"BLOCK_N": 128, "BLOCK_K": 256})."""
+    updated with these keys (configs to try on the GPU, e.g. {"BLOCK_N": 128, "BLOCK_K": 256}).
+    fp8: e4m3 A and B with float32 channel scales, launched with the fp8 configs."""
     from torch_lora.meta import LoRAKernelMeta
     wd = "bfloat16" if dtype == torch.bfloat16 else "float16"
     S = len(widths)
     x = torch.zeros(T, hidden, dtype=dtype)
-    a = [torch.zeros(slots, rank, hidden, dtype=dtype) for _ in widths]
-    b = [torch.zeros(slots, n, rank, dtype=dtype) for n in widths]
+    w_torch = torch.float8_e4m3fn if fp8 else dtype
+    w_name = "float8_e4m3fn" if fp8 else wd
+    a = [torch.zeros(slots, rank, hidden, dtype=w_torch) for _ in widths]
+    b = [torch.zeros(slots, n, rank, dtype=w_torch) for n in widths]
+    a_scales = tuple(torch.ones(slots, rank) for _ in widths) if fp8 else None
+    b_scales = tuple(torch.ones(slots, n) for n in widths) if fp8 else None
     y = torch.zeros(T, sum(widths), dtype=dtype)
     vec_dtype = torch.float32 if mode == 2 else dtype
     vectors = [torch.zeros(slots, n, dtype=vec_dtype) for n in widths] if mode else None
@@ -116,22 +127,25 @@ def launches(T: int, rank: int, widths: tuple, slots: int, mode: int, dtype=torc
     m = meta.meta_args(T)[:5]
     groups = m[4].shape[0]
     offsets = tuple(int(sum(widths[:i])) for i in range(S))
-    if rank <= 64 and (fused_extra is not None or configs.use_fused(T, rank, S, slots, device=DEVICE)):
-        cfg = {**configs.fused_config(T, hidden, max(widths), rank, S, slots, device=DEVICE), **(fused_extra or {})}
-        plan = fused.plan_fused(T, hidden, rank, widths, groups, wd, wd, cfg, add_inputs=True, bias_flags=flags,
+    if rank <= 64 and (fused_extra is not None or configs.use_fused(T, rank, S, slots, device=DEVICE,
+                                                                    w_dtype=w_name)):
+        cfg = {**configs.fused_config(T, hidden, max(widths), rank, S, slots, device=DEVICE, w_dtype=w_name),
+               **(fused_extra or {})}
+        plan = fused.plan_fused(T, hidden, rank, widths, groups, wd, w_name, cfg, add_inputs=True, bias_flags=flags,
                                 has_ranks=False, pdl=True)
         ws = torch.zeros(plan.workspace_shape)
         sync = torch.zeros(plan.sync_ints, dtype=torch.int32)
-        return [("fused", arguments.fused_call(plan, x, a, b, bias, None, m, y, sync, ws, 0.5, offsets, _strides))]
-    scfg = configs.shrink_config(T, hidden, rank, S, slots, device=DEVICE)
-    splan = plan_shrink(T, hidden, rank, S, groups, wd, wd, scfg, lora_only=True, workspace=True, has_ranks=False,
-                        pdl=True)
+        return [("fused", arguments.fused_call(plan, x, a, b, bias, None, m, y, sync, ws, 0.5, offsets, _strides,
+                                               a_scales=a_scales, b_scales=b_scales))]
+    scfg = configs.shrink_config(T, hidden, rank, S, slots, device=DEVICE, w_dtype=w_name)
+    splan = plan_shrink(T, hidden, rank, S, groups, wd, w_name, scfg, lora_only=True, workspace=True,
+                        has_ranks=False, pdl=True)
     ws = torch.zeros(splan.num_partials, S, T, rank)
-    ecfg = configs.expand_config(T, max(widths), rank, S, slots, device=DEVICE)
-    eplan = plan_expand(T, rank, widths, groups, splan.num_partials, wd, wd, ecfg, add_inputs=True, bias_flags=flags,
-                        has_ranks=False, pdl=bool(splan.constexprs.get("USE_PDL")))
-    return [("shrink", arguments.shrink_call(splan, x, a, None, m, 0.5, ws, _strides)),
-            ("expand", arguments.expand_call(eplan, ws, b, bias, None, m, y, offsets, _strides))]
+    ecfg = configs.expand_config(T, max(widths), rank, S, slots, device=DEVICE, w_dtype=w_name)
+    eplan = plan_expand(T, rank, widths, groups, splan.num_partials, w_name, wd, ecfg, add_inputs=True,
+                        bias_flags=flags, has_ranks=False, pdl=bool(splan.constexprs.get("USE_PDL")))
+    return [("shrink", arguments.shrink_call(splan, x, a, None, m, 0.5, ws, _strides, a_scales=a_scales)),
+            ("expand", arguments.expand_call(eplan, ws, b, bias, None, m, y, offsets, _strides, b_scales=b_scales))]
 
 
 def main(argv=None) -> int:
@@ -144,10 +158,12 @@ def main(argv=None) -> int:
                    help="JSON: force the fused kernel (rank <= 64) with these keys over the table's fused config, "
                         "e.g. '{\"BLOCK_N\": 128, \"BLOCK_K\": 256}'")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="the hidden size (the sweep's is 4096)")
+    p.add_argument("--lora-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="the adapter weights' dtype (fp8: e4m3 with channel scales, the fp8 launch configs)")
     args = p.parse_args(argv)
     fused_extra = json.loads(args.fused_extra) if args.fused_extra else None
     modes = [int(v) for v in args.modes.split(",")]
-    print(f"Triton {triton.__version__}, sm_90, launch table of {DEVICE}", flush=True)
+    print(f"Triton {triton.__version__}, sm_90, launch table of {DEVICE}, {args.lora_dtype} weights", flush=True)
     seen, failed, t0 = set(), [], time.perf_counter()
     for name, _kind, T, D, rank, _frac, _ranks in bench_triton.sweep_cases():
         if args.cases and args.cases not in name:
@@ -157,7 +173,7 @@ def main(argv=None) -> int:
                 if fused_extra is not None and rank > 64:
                     continue
                 for label, call in launches(T, rank, tuple(widths), max(8, D), mode, hidden=args.hidden,
-                                            fused_extra=fused_extra):
+                                            fused_extra=fused_extra, fp8=args.lora_dtype == "fp8"):
                     key = variant_key(call)
                     if key in seen:
                         continue

@@ -11,6 +11,16 @@ kernel. It writes the winning table into `lora_core/kernels/tuned/<device>.json`
 reads it; the classes not tuned this time keep their entries, the table its "policy" and
 "deterministic" keys) and every timing into
 `--out`/tune_triton_<device>_all.json (the measurements behind the table's choices).
+
+`--lora-dtype fp8`: the same with fp8 (e4m3) adapter weights (quantised per output channel from the
+bf16 ones, as bench_triton.py does). Candidates are the table's fp8 lookup for the class (its
+"fp8" entry, else the 16-bit config made for fp8 by configs.fp8_scaled: timed first, the baseline)
+and every 16-bit candidate made for fp8; the winners go into the class's "fp8" object (shrink,
+expand, fused, use_fused), which fp8 launches read; the 16-bit side of the table is left as it is.
+`--budget-s` also stops a class's candidate list once spent (the class keeps the best timed).
+    PYTHONPATH=. python benchmarks/tune_triton.py --lora-dtype fp8 --classes t64,t256,t1024 --budget-s 150
+With --no-fused an fp8 object gets no "use_fused" of its own (fp8 launches then follow the
+class's 16-bit decision and variants).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_triton import L2_BYTES, InputSet, graph_time_us, min_bytes
+from bench_triton import L2_BYTES, InputSet, graph_time_us, min_bytes, quantize_fp8
 
 from lora_core.kernels import configs
 from torch_lora.ops import triton as torch_triton
@@ -162,12 +172,34 @@ def fused_candidates(rank):
     return out
 
 
+FP8 = "float8_e4m3fn"
+
+
+def fp8_candidates(kind: str, cands: list, table_cfg: dict, size: int) -> list:
+    """fp8 candidates of one kind: the table's fp8 config for the class first (the baseline), then
+    each 16-bit candidate made for fp8 (configs.fp8_scaled), without repeats."""
+    out = []
+    for c in [table_cfg] + [configs.fp8_scaled(kind, c, size) for c in cands]:
+        if c not in out:
+            out.append(c)
+    return out
+
+
 class Tuned(InputSet):
     mode = dict(fused=False, shrink_config=None, expand_config=None, fused_config=None)
+    fp8 = False                     # --lora-dtype fp8: the weights quantised to e4m3 per output channel
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.scales = {}
+        if Tuned.fp8:
+            qa, qb = [quantize_fp8(w) for w in self.a], [quantize_fp8(w) for w in self.b]
+            self.a, self.b = [q for q, _ in qa], [q for q, _ in qb]
+            self.scales = dict(a_scales=tuple(sc for _, sc in qa), b_scales=tuple(sc for _, sc in qb))
 
     def call(self, y=None):
         torch_triton.linear(self.y if y is None else y, self.x, self.a, self.b, self.meta.meta_args(self.x.shape[0]),
-                  self.scale, self.offsets, self.ranks, **Tuned.mode)
+                  self.scale, self.offsets, self.ranks, **Tuned.mode, **self.scales)
 
 
 def timed(sets, **mode):
@@ -190,7 +222,12 @@ def main():
                    help="skip the fused kernel's candidates (each class keeps its fused config and use_fused)")
     p.add_argument("--fused-only", action="store_true",
                    help="time the table's shrink + expand once, then only the fused candidates")
+    p.add_argument("--lora-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="the adapter weights' dtype: fp8 tunes the classes' \"fp8\" entries (fp8 launches' configs)")
     args = p.parse_args()
+    fp8 = args.lora_dtype == "fp8"
+    Tuned.fp8 = fp8
+    w_dtype = FP8 if fp8 else None
     t_start = time.time()
     device = torch.device("cuda")
     results, best = {}, {}
@@ -208,6 +245,13 @@ def main():
         if time.time() - t_start > args.budget_s:
             print("budget exhausted; remaining classes keep their defaults", flush=True)
             break
+
+        def spent(done: int) -> bool:
+            """Past the budget with at least one candidate of the list timed: skip the rest."""
+            if done and time.time() - t_start > args.budget_s:
+                print("   budget exhausted: the rest of this candidate list is skipped", flush=True)
+                return True
+            return False
         r = RANK_OF[rc]
         slots = max(8, Ds[-1])
         gen = torch.Generator().manual_seed(0)
@@ -224,7 +268,18 @@ def main():
                                 for _ in range(n_sets)]))
         key = f"{tc}/{rc}"
         results[key] = dict(shrink=[], expand=[], fused=[])
-        e_default = configs.expand_config(T, 4096, r, 3, slots)
+        e_default = configs.expand_config(T, 4096, r, 3, slots, w_dtype=w_dtype)
+        if fp8:
+            lookup = configs.current_table()
+            s_cands = fp8_candidates("shrink", [class_keys(tc, c) for c in shrink_candidates(tc)],
+                                     lookup.config("shrink", T, r, 3, slots, FP8, 4096), 4096)
+            e_cands = fp8_candidates("expand", [class_keys(tc, c) for c in expand_candidates(tc, r)], e_default, 4096)
+            f_cands = fp8_candidates("fused", [class_keys(tc, c) for c in fused_candidates(r)],
+                                     lookup.config("fused", T, r, 3, slots, FP8, 4096), 4096)
+        else:
+            s_cands = [class_keys(tc, c) for c in shrink_candidates(tc)]
+            e_cands = [class_keys(tc, c) for c in expand_candidates(tc, r)]
+            f_cands = [class_keys(tc, c) for c in fused_candidates(r)]
 
         def score(shrink_cfg, expand_cfg, groups=groups):
             ts = [timed(sets_, shrink_config=_resolve_split(shrink_cfg, T, sl, r, n_sl), expand_config=expand_cfg)
@@ -232,33 +287,37 @@ def main():
             return math.prod(ts) ** (1 / len(ts)), ts
 
         if args.fused_only:
-            c_s = configs.current_table().shrink[(tc, rc)]
-            c_e = configs.current_table().expand[(tc, rc)]
+            c_s = configs.current_table().config("shrink", T, r, 3, slots, w_dtype, 4096)
+            c_e = configs.current_table().config("expand", T, r, 3, slots, w_dtype, 4096)
             t_e, ts = score(c_s, c_e)
             results[key]["expand"].append(dict(config=c_e, us=t_e, us_s1_s3=ts, table=True))
         shr = []
-        for c in shrink_candidates(tc) if not args.fused_only else ():
-            c = class_keys(tc, c)
+        for c in s_cands if not args.fused_only else ():
+            if spent(len(shr)):
+                break
             t, ts = score(c, e_default)
             shr.append((t, c))
             results[key]["shrink"].append(dict(config=c, us=t, us_s1_s3=ts))
         if not args.fused_only:
             t_s, c_s = min(shr, key=lambda v: v[0])
             exp = []
-            for c in expand_candidates(tc, r):
-                c = class_keys(tc, c)
+            for c in e_cands:
+                if spent(len(exp)):
+                    break
                 t, ts = score(c_s, c)
                 exp.append((t, c))
                 results[key]["expand"].append(dict(config=c, us=t, us_s1_s3=ts))
             t_e, c_e = min(exp, key=lambda v: v[0])
         entry = dict(shrink=c_s, expand=c_e, two_kernel_us=t_e)
-        if args.fused_only and key in best:          # the table's two-kernel entry stays as it was
-            entry = {**best[key], "two_kernel_us": t_e}
+        old = best.get(key, {}).get("fp8", {}) if fp8 else best.get(key, {})
+        if args.fused_only and old:                  # the table's two-kernel entry stays as it was
+            entry = {**old, "two_kernel_us": t_e}
             entry.pop("use_fused", None)
         if tc in ("t16", "t64") and not args.no_fused:
             fus = []
-            for c in fused_candidates(r):
-                c = class_keys(tc, c)
+            for c in f_cands:
+                if spent(len(fus)):
+                    break
                 ts = [timed(sets_, fused=True, fused_config=c) for _, _, sets_ in groups]
                 t = math.prod(ts) ** (1 / len(groups))
                 fus.append((t, c))
@@ -267,8 +326,17 @@ def main():
             t_f, c_f = min(fus, key=lambda v: v[0])
             entry.update(fused=c_f, fused_us=t_f)
         if args.no_fused:
-            entry = kept_fused(best.get(key, {}), entry)
-        best[key] = kept_variants(best.get(key, {}), entry)
+            entry = kept_fused(old, entry)
+        if fp8:
+            # the class's 16-bit side as it was; the fp8 object: the new configs, their use_fused
+            base = best.get(key) or {kind: configs.current_table().config(kind, T, r, 3, slots)
+                                     for kind in ("shrink", "expand")}
+            own = table_entry(kept_variants(old, entry))
+            if "fused_us" not in entry and "use_fused" not in old:
+                own.pop("use_fused")        # the fused kernel not timed with fp8: the 16-bit decision stands
+            best[key] = {**base, "fp8": own}
+        else:
+            best[key] = kept_variants(old, {**entry, **({"fp8": old["fp8"]} if "fp8" in old else {})})
         print(f"{key}: two-kernel {t_e:.2f} us shrink {c_s} expand {c_e}"
               + (f" | fused {entry.get('fused_us', float('nan')):.2f} us {entry['fused']}" if "fused" in entry else ""),
               flush=True)
@@ -285,14 +353,17 @@ def main():
         json.dump(table, f, indent=1)
     print(f"# ---- {table_path}")
     for key, e in best.items():
-        print(f"{key} SHRINK {e['shrink']} EXPAND {e['expand']} FUSED {e.get('fused')} "
+        e = e.get("fp8", {}) if fp8 else e
+        if not e:
+            continue
+        print(f"{key} SHRINK {e.get('shrink')} EXPAND {e.get('expand')} FUSED {e.get('fused')} "
               f"two={e.get('two_kernel_us', float('nan')):.2f} fused={e.get('fused_us', float('nan')):.2f}")
 
 
 def table_entry(entry: dict) -> dict:
     """What the device table keeps of a class's tuning: its configs and the fused/two-kernel
     decision (the timings stay in the results file)."""
-    kept = {k: entry[k] for k in ("shrink", "expand", "fused", "variants") if k in entry}
+    kept = {k: entry[k] for k in ("shrink", "expand", "fused", "variants", "fp8") if k in entry}
     kept["use_fused"] = bool(entry.get("use_fused", entry.get("fused_us", float("inf"))
                                        < entry.get("two_kernel_us", float("inf"))))
     return kept

@@ -4,7 +4,8 @@ Compiled kernels on CUDA, bf16 activations, weights quantised per output channel
 by the contract's rule, against a float64 reference computed from the DEQUANTISED weights: the
 stand-alone shrink and expand ops, `linear` on both paths (fused kernel, shrink + expand), the
 prepared launches (`prepare_linear`: the C launcher), heterogeneous ranks, bias, fp8 A with bf16 B,
-several adapters per token, ranks above one rank block, 1-3 slices; JAX's Triton backend (the XLA
+several adapters per token, ranks above one rank block, 1-3 slices, deterministic mode's batch
+invariance; the e4m3 -> 16-bit operand conversion on all 256 codes; JAX's Triton backend (the XLA
 FFI launcher) under jax.jit; MultiLoRAModel(lora_dtype="fp8") with the compiled kernels against the
 torch reference.
 """
@@ -17,6 +18,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from lora_core.kernels import common as kernel_common  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -255,3 +260,56 @@ def test_fp8_multilora_model_triton_equals_reference(tmp_path):
             out[backend] = mm(tokens.cuda(), adapter_names=rows).logits.float().cpu()
     rel = float((out["triton"] - out["torch"]).abs().max() / out["torch"].abs().max())
     assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_fp8_deterministic_is_batch_invariant(S):
+    """deterministic=True with fp8 weights (the fp8 deterministic configs: configs.fp8_scaled of the
+    rank's): the first rows' outputs are bitwise the same in a batch of 4 and of 300 tokens, and
+    match the float64 reference on the dequantised weights."""
+    from torch_lora.meta import LoRAKernelMeta
+    from torch_lora.ops import triton as tri
+    H, R, L = 4096, 16, 8
+    widths = (4096, 1024, 1024)[:S]
+    x, a, b, idx, _, _, _ = _setup(300, H, R, widths, L, 8, seed=5)
+    qa, qb = [quantize(w) for w in a], [quantize(w) for w in b]
+    offsets = tuple(sum(widths[:s]) for s in range(S))
+    y0 = torch.randn(300, sum(widths), device="cuda").to(torch.bfloat16)
+    outs = []
+    for T in (4, 300):
+        meta = LoRAKernelMeta.make(L, T, "cuda")
+        meta.prepare_tensors(torch.from_numpy(idx[:T]).cuda())
+        y = y0[:T].clone()
+        tri.linear(y, x[:T], [q for q, _ in qa], [q for q, _ in qb], meta.meta_args(T), 0.5, offsets,
+                   deterministic=True, a_scales=tuple(s for _, s in qa), b_scales=tuple(s for _, s in qb))
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1][:4])
+    want = _ref_linear(y0, x, [dequantize(*p) for p in qa], [dequantize(*p) for p in qb], idx, 0.5, offsets)
+    assert _rel(outs[1], want) < TOL
+
+
+@triton.jit
+def _convert_e4m3(w_ptr, out_ptr, dot_ptr, DT: tl.constexpr):
+    """out = as_operand(w, DT) and dot = I @ as_operand(w, DT) (float32) for a 16 x 16 e4m3 tile."""
+    r = tl.arange(0, 16)
+    offs = r[:, None] * 16 + r[None, :]
+    w = tl.load(w_ptr + offs)
+    tl.store(out_ptr + offs, kernel_common.as_operand(w, DT))
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0).to(DT)
+    tl.store(dot_ptr + offs, tl.dot(eye, kernel_common.as_operand(w, DT)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_e4m3_operand_conversion_is_exact(dtype):
+    """common.as_operand's bit moves (inline PTX) on all 256 e4m3 codes, compiled: stored as they
+    come out, and as the B operand of a tl.dot with the identity (the dot-operand register layout
+    packs other values together); both equal torch's e4m3 -> 16-bit cast at every finite code."""
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda").view(FP8).reshape(16, 16)
+    out = torch.empty(16, 16, dtype=dtype, device="cuda")
+    dot = torch.empty(16, 16, dtype=torch.float32, device="cuda")
+    _convert_e4m3[(1,)](codes, out, dot, tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
+    want = codes.to(torch.float32)
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) == 254
+    assert torch.equal(out.float()[finite], want[finite])
+    assert torch.equal(dot[finite], want[finite])

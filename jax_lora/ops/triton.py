@@ -230,7 +230,8 @@ def _shrink_launch(x, lora_a, meta, scale, lora_ranks, *, workspace: bool, confi
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     S = len(lora_a)
-    cfg = config or configs.shrink_config(T, H, R, S, L, deterministic=deterministic)
+    cfg = config or configs.shrink_config(T, H, R, S, L, deterministic=deterministic,
+                                           w_dtype=_dtype_name(lora_a[0]))
     plan = plan_shrink(T, H, R, S, meta.active_lora_ids.shape[0], _dtype_name(x), _dtype_name(lora_a[0]), cfg,
                        lora_only=workspace, workspace=workspace, has_ranks=lora_ranks is not None, pdl=pdl,
                        deterministic=deterministic, pairs=0 if pairs is None else pairs.num_pairs)
@@ -246,7 +247,8 @@ def _expand_launch(buf, lora_b, y, meta, offsets, add_inputs, lora_ranks, bias, 
     T = y.shape[0]
     L, _, R = lora_b[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
-    cfg = config or configs.expand_config(T, max(widths), R, len(widths), L, deterministic=deterministic)
+    cfg = config or configs.expand_config(T, max(widths), R, len(widths), L, deterministic=deterministic,
+                                           w_dtype=_dtype_name(lora_b[0]))
     plan = plan_expand(T, R, widths, meta.active_lora_ids.shape[0], buf.shape[0], _dtype_name(lora_b[0]),
                        _dtype_name(y), cfg, add_inputs=add_inputs,
                        bias_flags=arguments.bias_flags(bias, len(lora_b)),
@@ -263,7 +265,7 @@ def _fused_launch(y, x, lora_a, lora_b, meta, scale, offsets, lora_ranks, bias, 
     T, H = x.shape
     L, R, _ = lora_a[0].shape
     widths = tuple(int(b.shape[1]) for b in lora_b)
-    cfg = config or configs.fused_config(T, H, max(widths), R, len(widths), L)
+    cfg = config or configs.fused_config(T, H, max(widths), R, len(widths), L, w_dtype=_dtype_name(lora_a[0]))
     plan = plan_fused(T, H, R, widths, meta.active_lora_ids.shape[0], _dtype_name(x), _dtype_name(lora_a[0]), cfg,
                       add_inputs=True,
                       bias_flags=arguments.bias_flags(bias, len(lora_b)),
@@ -497,7 +499,8 @@ def linear(y, x, lora_a: Sequence[jax.Array], lora_b: Sequence[jax.Array], meta:
         fused = False
     elif fused is None:
         forced = configs.fused_forced()
-        fused = forced if forced is not None else configs.use_fused(T, R, len(lora_a), L)
+        fused = forced if forced is not None else configs.use_fused(T, R, len(lora_a), L,
+                                                                                  w_dtype=_dtype_name(lora_a[0]))
     interpret = _use_interpreter(y, x, *lora_a)
     on_handler = interpret or _use_ffi()
     fused = fused and on_handler            # jax_triton launches: always shrink + expand

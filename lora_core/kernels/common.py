@@ -205,17 +205,66 @@ def shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden, s
         if CAST_FP32:
             xt = xt.to(tl.float32)
             at0 = at0.to(tl.float32)
-        acc0 = tl.dot(xt, tl.trans(at0.to(xt.dtype)), acc0, input_precision=DOT_PRECISION)
+        acc0 = tl.dot(xt, tl.trans(as_operand(at0, xt.dtype)), acc0, input_precision=DOT_PRECISION)
         if NUM_SLICES > 1:
             at1 = tl.load(a1_rows[:, None] + k[None, :] * stride_a1_hidden, mask=a_ok, other=0.0)
-            acc1 = tl.dot(xt, tl.trans(at1.to(xt.dtype)), acc1, input_precision=DOT_PRECISION)
+            acc1 = tl.dot(xt, tl.trans(as_operand(at1, xt.dtype)), acc1, input_precision=DOT_PRECISION)
         if NUM_SLICES > 2:
             at2 = tl.load(a2_rows[:, None] + k[None, :] * stride_a2_hidden, mask=a_ok, other=0.0)
-            acc2 = tl.dot(xt, tl.trans(at2.to(xt.dtype)), acc2, input_precision=DOT_PRECISION)
+            acc2 = tl.dot(xt, tl.trans(as_operand(at2, xt.dtype)), acc2, input_precision=DOT_PRECISION)
         if NUM_SLICES > 3:
             at3 = tl.load(a3_rows[:, None] + k[None, :] * stride_a3_hidden, mask=a_ok, other=0.0)
-            acc3 = tl.dot(xt, tl.trans(at3.to(xt.dtype)), acc3, input_precision=DOT_PRECISION)
+            acc3 = tl.dot(xt, tl.trans(as_operand(at3, xt.dtype)), acc3, input_precision=DOT_PRECISION)
     return acc0, acc1, acc2, acc3
+
+
+# e4m3 -> 16-bit by moving bits, 4 values (one 32-bit register) per step. A byte s eeee mmm goes to
+# the low byte of a 16-bit lane (prmt) and moves left (shl) until its 7 magnitude bits sit in the
+# 16-bit format's exponent and mantissa fields; its sign, then one bit above them, is carried up to
+# the lane's top bit by one multiply-add (t + (t & sign) * k: k = 2^(15 - sign position) - 1
+# clears the bit and sets bit 15; multiply-adds run beside the integer unit). That is the same
+# significand with the exponent still biased by e4m3's 7, i.e. the value times 2^(7 - bias) --
+# exact for normal and subnormal e4m3 values alike (subnormals land on 16-bit subnormals). One fma
+# by 2^(bias - 7) restores it: bf16 (bias 127, 8 exponent bits): shift 4, sign at bit 11, times
+# 2^120 (0x7B80); fp16 (bias 15, 5 bits): shift 7, sign at bit 14, times 2^8 (0x5C00). The adding
+# term is -0.0 (0x8000), so the fma is the exact product. e4m3's NaN (s 1111 111) comes out
+# finite: quantised weights are clipped to +-448 and never NaN.
+_E4M3_TO_16 = """{{
+.reg .b32 lo, hi, s, m, z;
+prmt.b32 lo, $2, 0, 0x4140;
+prmt.b32 hi, $2, 0, 0x4342;
+shl.b32 lo, lo, {shift};
+shl.b32 hi, hi, {shift};
+and.b32 s, lo, {sign};
+mad.lo.u32 lo, s, {carry}, lo;
+and.b32 s, hi, {sign};
+mad.lo.u32 hi, s, {carry}, hi;
+mov.b32 m, {mul};
+mov.b32 z, 0x80008000;
+fma.rn.{ty}x2 $0, lo, m, z;
+fma.rn.{ty}x2 $1, hi, m, z;
+}}"""
+E4M3_TO_BF16_ASM = tl.constexpr(_E4M3_TO_16.format(shift=4, sign="0x08000800", carry=15, mul="0x7B807B80", ty="bf16"))
+E4M3_TO_FP16_ASM = tl.constexpr(_E4M3_TO_16.format(shift=7, sign="0x40004000", carry=1, mul="0x5C005C00", ty="f16"))
+
+
+@triton.jit
+def as_operand(t, dtype: tl.constexpr):
+    """t converted to `dtype` for tl.dot. An e4m3 tile going to bf16 or fp16 takes the bit moves of
+    E4M3_TO_BF16_ASM / E4M3_TO_FP16_ASM (2.5 integer and float instructions per value), not
+    Triton's conversion (e4m3 -> fp16 pairs, then one fp16 -> bf16 conversion per value: 1.5
+    conversion-unit instructions per value, a unit that runs at a quarter of the integer rate and
+    halves the bandwidth an fp8 kernel reaches). Compiled kernels only: the interpreter (float32
+    operands, CAST_FP32) never asks for a 16-bit operand; everything else is `t.to(dtype)`."""
+    if t.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        t = tl.inline_asm_elementwise(E4M3_TO_BF16_ASM, "=r,=r,r", [t.to(tl.uint8, bitcast=True)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+    elif t.dtype == tl.float8e4nv and dtype == tl.float16:
+        t = tl.inline_asm_elementwise(E4M3_TO_FP16_ASM, "=r,=r,r", [t.to(tl.uint8, bitcast=True)],
+                                      dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        t = t.to(dtype)
+    return t
 
 
 @triton.jit
@@ -228,7 +277,7 @@ def weight_operand(t, like_ptr, CAST_FP32: tl.constexpr):
         if CAST_FP32:
             t = t.to(tl.float32)
         else:
-            t = t.to(like_ptr.dtype.element_ty)
+            t = as_operand(t, like_ptr.dtype.element_ty)
     return t
 
 

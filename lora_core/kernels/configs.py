@@ -32,6 +32,15 @@ config per rank class whatever the token count, with a fixed SPLIT_K, SMALL_T of
 fused kernel, so that a token's result does not depend on the batch it is in (see
 `deterministic_config`). A table may override them under a top-level "deterministic" key:
 {"r16": {"shrink": {...}, "expand": {...}}, ...}.
+
+fp8 (e4m3) weights (`w_dtype="float8_e4m3fn"` on every lookup): a load of an fp8 tile moves half
+the bytes of the same 16-bit tile, so the 16-bit configs would keep half as many bytes in flight
+per program. A class entry's "fp8" object ({"shrink", "expand", "fused", "use_fused", "variants"}
+like the class itself, written by `benchmarks/tune_triton.py --lora-dtype fp8`) gives fp8 launches
+their own configs; a kind it does not give follows the rule `fp8_scaled`: the 16-bit config with
+its tile doubled along the weight's contiguous axis (the shrink's and the fused kernel's BLOCK_K,
+the expand's BLOCK_N with half the TILES_N) and its warps doubled, so that each load moves the
+16-bit tile's bytes and each thread holds as many weight values.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import os
 import re
 
 from .. import safe_json
+from ..checks import FP8_DTYPES
 from .policy import FALLBACK_TARGET_PROGRAMS, GENERIC_POLICY, PROGRAMS_PER_SM, LaunchPolicy
 
 _LOG = logging.getLogger("lora_core")
@@ -134,6 +144,39 @@ GENERIC_DETERMINISTIC = {
 }
 
 
+FP8_MAX_BLOCK = 512  # the fp8 rule doubles a tile up to this many elements along the weight's contiguous axis
+FP8_MAX_WARPS = 8    # ... and the warps with it, up to this many
+
+
+def fp8_scaled(kind: str, cfg: dict, size: int | None = None) -> dict:
+    """A 16-bit launch config made for fp8 (e4m3) weights: the tile along the weight's contiguous
+    axis doubled, so that each load moves as many bytes as the 16-bit launch's -- the shrink's and
+    the fused kernel's BLOCK_K (A's hidden axis), the expand's BLOCK_N (B's rows, whose rank columns
+    are contiguous: the rank is one block at decode ranks) with TILES_N halved (a program spans as
+    many output columns) -- and num_warps doubled with it: a thread holds as many weight values
+    as in the 16-bit launch (ptxas, Triton 3.6, sm_90, T512 rank 64: the doubled tile on 4 warps
+    takes 128-140 registers, on 8 warps 78-100, the 16-bit launch 76-86). Applied only where both
+    can double: the tile up to FP8_MAX_BLOCK and up to next_pow2(size) (the hidden size for the
+    shrink and the fused kernel, the widest slice for the expand; None: no such cap), the warps up
+    to FP8_MAX_WARPS; otherwise the config is kept as it is. Returns a new dict."""
+    key = {"shrink": "BLOCK_K", "fused": "BLOCK_K", "expand": "BLOCK_N"}.get(kind)
+    if key is None:
+        raise ValueError(f"kind must be 'shrink', 'expand' or 'fused', got {kind!r}")
+    cfg = dict(cfg)
+    cap = FP8_MAX_BLOCK if size is None else min(FP8_MAX_BLOCK, max(16, next_pow2(size)))
+    block, warps = int(cfg[key]), int(cfg.get("num_warps", 4))
+    if 2 * block <= cap and 2 * warps <= FP8_MAX_WARPS:
+        if kind == "expand" and int(cfg.get("TILES_N", 1)) > 1:
+            cfg["TILES_N"] = int(cfg["TILES_N"]) // 2
+        cfg[key], cfg["num_warps"] = 2 * block, 2 * warps
+    return cfg
+
+
+def is_fp8_dtype(w_dtype: str | None) -> bool:
+    """Whether a weight dtype name (as the plans take it: "float8_e4m3fn", "bfloat16", ...) is fp8."""
+    return w_dtype in FP8_DTYPES
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchTable:
     """The launch configs of one device: per class `shrink`, `expand`, `fused` configs, the classes
@@ -146,23 +189,47 @@ class LaunchTable:
     variants: dict
     deterministic: dict = dataclasses.field(default_factory=lambda: GENERIC_DETERMINISTIC)
     policy: LaunchPolicy = GENERIC_POLICY
+    # per class: the class entry's "fp8" object ({"shrink", "expand", "fused", "use_fused"} as
+    # given, "variants" as (max_slots, min_slices, overrides) like `variants`)
+    fp8: dict = dataclasses.field(default_factory=dict)
 
-    def variant(self, num_tokens: int, rank: int, num_slots: int, num_slices: int) -> dict:
-        """The first variant of the shape class that applies to num_slots slots and num_slices slices ({} if none)."""
-        for max_slots, min_slices, overrides in self.variants.get((token_class(num_tokens), rank_class(rank)), ()):
+    def variant(self, num_tokens: int, rank: int, num_slots: int, num_slices: int, w_dtype: str | None = None) -> dict:
+        """The first variant of the shape class that applies to num_slots slots and num_slices slices ({} if none);
+        with fp8 weights, of the class's "fp8" variants."""
+        key = (token_class(num_tokens), rank_class(rank))
+        found = self.fp8.get(key, {}).get("variants", ()) if is_fp8_dtype(w_dtype) else self.variants.get(key, ())
+        for max_slots, min_slices, overrides in found:
             if num_slots <= max_slots and num_slices >= min_slices:
                 return overrides
         return {}
 
-    def config(self, kind: str, num_tokens: int, rank: int, num_slices: int, num_slots: int) -> dict:
-        """A copy of the "shrink", "expand" or "fused" config of a launch, as the table writes it."""
+    def config(self, kind: str, num_tokens: int, rank: int, num_slices: int, num_slots: int,
+               w_dtype: str | None = None, size: int | None = None) -> dict:
+        """A copy of the "shrink", "expand" or "fused" config of a launch, as the table writes it.
+        fp8 weights (w_dtype): the class's "fp8" variant, else its "fp8" config of `kind`, else
+        `fp8_scaled` of the 16-bit config (doubled up to next_pow2(size) when size is given)."""
         key = (token_class(num_tokens), rank_class(rank))
+        if is_fp8_dtype(w_dtype):
+            chosen = (self.variant(num_tokens, rank, num_slots, num_slices, w_dtype).get(kind)
+                      or self.fp8.get(key, {}).get(kind))
+            if chosen is not None:
+                return dict(chosen)
+            return fp8_scaled(kind, self.config(kind, num_tokens, rank, num_slices, num_slots), size)
         chosen = self.variant(num_tokens, rank, num_slots, num_slices).get(kind)
         if chosen is None:
             chosen = getattr(self, kind).get(key, _FUSED_FALLBACK) if kind == "fused" else getattr(self, kind)[key]
         return dict(chosen)
 
-    def fused_wins(self, num_tokens: int, rank: int, num_slots: int, num_slices: int) -> bool:
+    def fused_wins(self, num_tokens: int, rank: int, num_slots: int, num_slices: int,
+                   w_dtype: str | None = None) -> bool:
+        """Whether the class (or its variant) uses the fused kernel; fp8 weights: the class's "fp8"
+        variant or object where it says ("use_fused"), else the 16-bit answer."""
+        if is_fp8_dtype(w_dtype):
+            variant = self.variant(num_tokens, rank, num_slots, num_slices, w_dtype)
+            own = self.fp8.get((token_class(num_tokens), rank_class(rank)), {})
+            for where in (variant, own):
+                if "use_fused" in where:
+                    return bool(where["use_fused"])
         variant = self.variant(num_tokens, rank, num_slots, num_slices)
         if "use_fused" in variant:
             return bool(variant["use_fused"])
@@ -187,6 +254,13 @@ def _check_config(where: str, kind: str, cfg) -> None:
             raise ValueError(f"{where}: {kind} {key} must be a power of two, got {v!r}")
 
 
+def _variants(entry: dict) -> tuple:
+    """A class entry's (or its "fp8" object's) "variants" as (max_slots, min_slices, overrides)."""
+    return tuple((int(v.get("max_slots", ANY_SLOTS)), int(v.get("min_slices", 1)),
+                  {n: v[n] for n in ("shrink", "expand", "fused", "use_fused") if n in v})
+                 for v in entry.get("variants", ()))
+
+
 def _read_table(path: str, device: str) -> LaunchTable:
     with open(path) as f:
         data = safe_json.load(f, path)
@@ -194,12 +268,20 @@ def _read_table(path: str, device: str) -> LaunchTable:
         for kind in ("shrink", "expand", "fused"):
             if kind in entry or kind != "fused":
                 _check_config(f"{os.path.basename(path)} class {name}", kind, entry.get(kind))
-        for v in entry.get("variants", ()):
+        fp8_entry = entry.get("fp8", {})
+        if not isinstance(fp8_entry, dict):
+            raise ValueError(f"{os.path.basename(path)} class {name}: \"fp8\" must be an object, "
+                             f"got {type(fp8_entry).__name__}")
+        for where, e in (("", entry), (" fp8", fp8_entry)):
             for kind in ("shrink", "expand", "fused"):
-                if kind in v:
-                    _check_config(f"{os.path.basename(path)} class {name} variant", kind, v[kind])
+                if where and kind in e:
+                    _check_config(f"{os.path.basename(path)} class {name}{where}", kind, e[kind])
+            for v in e.get("variants", ()):
+                for kind in ("shrink", "expand", "fused"):
+                    if kind in v:
+                        _check_config(f"{os.path.basename(path)} class {name}{where} variant", kind, v[kind])
     shrink, expand, fused = dict(GENERIC_SHRINK), dict(GENERIC_EXPAND), dict(GENERIC_FUSED)
-    fused_classes, variants = set(), {}
+    fused_classes, variants, fp8 = set(), {}, {}
     for name, entry in data["classes"].items():
         key = tuple(name.split("/"))
         shrink[key] = dict(entry["shrink"])
@@ -208,16 +290,17 @@ def _read_table(path: str, device: str) -> LaunchTable:
             fused[key] = dict(entry["fused"])
         if entry.get("use_fused"):
             fused_classes.add(key)
-        variants[key] = tuple((int(v.get("max_slots", ANY_SLOTS)), int(v.get("min_slices", 1)),
-                               {n: v[n] for n in ("shrink", "expand", "fused", "use_fused") if n in v})
-                              for v in entry.get("variants", ()))
+        variants[key] = _variants(entry)
+        if entry.get("fp8"):
+            fp8[key] = {**{n: entry["fp8"][n] for n in ("shrink", "expand", "fused", "use_fused")
+                           if n in entry["fp8"]}, "variants": _variants(entry["fp8"])}
     deterministic = {r: dict(kinds) for r, kinds in GENERIC_DETERMINISTIC.items()}
     for rank_name, kinds in data.get("deterministic", {}).items():
         deterministic[rank_name] = {**deterministic.get(rank_name, {}),
                                     **{k: {**v, "SMALL_T": False} for k, v in kinds.items()}}
     policy = LaunchPolicy.from_table(data.get("policy", {}), f"{os.path.basename(path)} policy")
     return LaunchTable(f"{device} ({os.path.basename(path)})", shrink, expand, fused, frozenset(fused_classes),
-                       variants, deterministic, policy)
+                       variants, deterministic, policy, fp8)
 
 
 GENERIC = LaunchTable("generic defaults", GENERIC_SHRINK, GENERIC_EXPAND, GENERIC_FUSED, frozenset(), {})
@@ -338,18 +421,28 @@ def _estimated_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
 
 
 def table_shrink_config(num_tokens: int, rank: int, num_slices: int, num_slots: int, *,
-                        device: str | None = None) -> dict:
-    """The table's shrink config for a launch as written (SPLIT_K 0 and TARGET not yet resolved)."""
-    return _table(device).config("shrink", num_tokens, rank, num_slices, num_slots)
+                        device: str | None = None, w_dtype: str | None = None, hidden: int | None = None) -> dict:
+    """The table's shrink config for a launch as written (SPLIT_K 0 and TARGET not yet resolved);
+    fp8 weights (w_dtype): see `LaunchTable.config` (hidden caps the fp8 rule's BLOCK_K)."""
+    return _table(device).config("shrink", num_tokens, rank, num_slices, num_slots, w_dtype, hidden)
+
+
+def _interpreter_fp8(kind: str, cfg: dict, size: int, w_dtype: str | None) -> dict:
+    """Under the interpreter, fp8 launches follow the same rule as on a GPU without fp8 entries."""
+    return fp8_scaled(kind, cfg, size) if is_fp8_dtype(w_dtype) else cfg
 
 
 def shrink_config(num_tokens: int, hidden: int, rank: int, num_slices: int, num_slots: int, *,
-                  device: str | None = None, deterministic: bool = False) -> dict:
+                  device: str | None = None, deterministic: bool = False, w_dtype: str | None = None) -> dict:
+    """The shrink config of a launch, SPLIT_K resolved. w_dtype: A's dtype name (fp8 launches get
+    their own configs: the module docstring); None or a 16-bit name: the 16-bit configs."""
     if deterministic:
-        return deterministic_config("shrink", hidden, rank, device=device)
+        return deterministic_config("shrink", hidden, rank, device=device, w_dtype=w_dtype)
     if interpreting():
-        return shrink_params(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1)
-    return resolve_split(table_shrink_config(num_tokens, rank, num_slices, num_slots, device=device), num_tokens,
+        return _interpreter_fp8("shrink", shrink_params(16, min(256, max(16, next_pow2(hidden))), 1, 4, 1), hidden,
+                                w_dtype)
+    return resolve_split(table_shrink_config(num_tokens, rank, num_slices, num_slots, device=device, w_dtype=w_dtype,
+                                             hidden=hidden), num_tokens,
                          hidden, rank, num_slices, num_slots, device=device)
 
 
@@ -398,19 +491,23 @@ def resolve_split(cfg: dict, num_tokens: int, hidden: int, rank: int, num_slices
 
 
 def expand_config(num_tokens: int, width: int, rank: int, num_slices: int, num_slots: int, *,
-                  device: str | None = None, deterministic: bool = False) -> dict:
+                  device: str | None = None, deterministic: bool = False, w_dtype: str | None = None) -> dict:
+    """The expand config of a launch; w_dtype: B's dtype name (as in `shrink_config`)."""
     if deterministic:
-        return deterministic_config("expand", width, rank, device=device)
+        return deterministic_config("expand", width, rank, device=device, w_dtype=w_dtype)
     if interpreting():
-        return expand_params(16, min(256, max(16, next_pow2(width))), 64, 4, 1)
-    return _table(device).config("expand", num_tokens, rank, num_slices, num_slots)
+        return _interpreter_fp8("expand", expand_params(16, min(256, max(16, next_pow2(width))), 64, 4, 1), width,
+                                w_dtype)
+    return _table(device).config("expand", num_tokens, rank, num_slices, num_slots, w_dtype, width)
 
 
 def fused_config(num_tokens: int, hidden: int, width: int, rank: int, num_slices: int,
-                 num_slots: int, *, device: str | None = None) -> dict:
+                 num_slots: int, *, device: str | None = None, w_dtype: str | None = None) -> dict:
+    """The fused kernel's config of a launch; w_dtype: A's dtype name (as in `shrink_config`)."""
     if interpreting():
-        return fused_params(16, min(256, max(16, next_pow2(width))), min(256, max(16, next_pow2(hidden))), 4, 1, 0)
-    return _table(device).config("fused", num_tokens, rank, num_slices, num_slots)
+        return _interpreter_fp8("fused", fused_params(16, min(256, max(16, next_pow2(width))),
+                                                      min(256, max(16, next_pow2(hidden))), 4, 1, 0), hidden, w_dtype)
+    return _table(device).config("fused", num_tokens, rank, num_slices, num_slots, w_dtype, hidden)
 
 
 def fused_forced():
@@ -419,7 +516,7 @@ def fused_forced():
 
 
 def use_fused(num_tokens: int, rank: int, num_slices: int, num_slots: int, *,
-              device: str | None = None, deterministic: bool = False) -> bool:
+              device: str | None = None, deterministic: bool = False, w_dtype: str | None = None) -> bool:
     """True when the one-launch fused kernel is expected to beat shrink + expand (decode sizes).
     The fused kernel needs the whole rank in one block (rank <= 64 here). Deterministic launches
     never use it (one kernel path for every token count), the policy's `force_fused`
@@ -431,10 +528,11 @@ def use_fused(num_tokens: int, rank: int, num_slices: int, num_slots: int, *,
         return policy.force_fused
     if num_tokens < policy.fused_min_tokens:
         return False
-    return _table(device).fused_wins(num_tokens, rank, num_slots, num_slices)
+    return _table(device).fused_wins(num_tokens, rank, num_slots, num_slices, w_dtype)
 
 
-def deterministic_config(kind: str, size: int, rank: int, *, device: str | None = None) -> dict:
+def deterministic_config(kind: str, size: int, rank: int, *, device: str | None = None,
+                         w_dtype: str | None = None) -> dict:
     """The "shrink" or "expand" config of a deterministic launch: a function of the rank (and,
     under the interpreter, of `size`: the hidden size for the shrink, the widest slice for the
     expand), never of the token count or the mapping.
@@ -449,6 +547,9 @@ def deterministic_config(kind: str, size: int, rank: int, *, device: str | None 
       * BLOCK_R fixed: the expand's rank loop adds the same rank blocks in the same order;
       * SMALL_T off: the same tile scheme (sorted token tiles) for every T;
       * shrink + expand always, never the fused kernel (`use_fused`).
+    fp8 weights (w_dtype) on a GPU: `fp8_scaled` of the rank's config (a function of the rank and
+    the weights' dtype, which one adapter stack never changes); under the interpreter the same
+    small tiles as 16-bit weights.
     """
     if kind not in ("shrink", "expand"):
         raise ValueError(f"kind must be 'shrink' or 'expand', got {kind!r}")
@@ -458,4 +559,5 @@ def deterministic_config(kind: str, size: int, rank: int, *, device: str | None 
         if kind == "shrink":
             return dict(shrink_params(16, min(256, max(16, next_pow2(size) // 2)), 2, 4, 1), SMALL_T=False)
         return dict(expand_params(16, min(256, max(16, next_pow2(size))), 16, 4, 1), SMALL_T=False)
-    return dict(_table(device).deterministic[rank_class(rank)][kind])
+    cfg = dict(_table(device).deterministic[rank_class(rank)][kind])
+    return fp8_scaled(kind, cfg) if is_fp8_dtype(w_dtype) else cfg

@@ -67,7 +67,7 @@ def _torch_strides(t: torch.Tensor) -> tuple:
 
 @functools.lru_cache(maxsize=4096)
 def _shrink_plan(T, H, R, S, G, L, xd, wd, lora_only, workspace, has_ranks, cfg_key, deterministic=False, pairs=0):
-    cfg = dict(cfg_key) if cfg_key else configs.shrink_config(T, H, R, S, L, deterministic=deterministic)
+    cfg = dict(cfg_key) if cfg_key else configs.shrink_config(T, H, R, S, L, deterministic=deterministic, w_dtype=wd)
     return plan_shrink(T, H, R, S, G, xd, wd, cfg, lora_only=lora_only, workspace=workspace,
                          has_ranks=has_ranks, pdl=workspace and _pdl_enabled(), deterministic=deterministic,
                          pairs=pairs)
@@ -77,7 +77,7 @@ def _shrink_plan(T, H, R, S, G, L, xd, wd, lora_only, workspace, has_ranks, cfg_
 def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, has_ranks, cfg_key, pdl,
                  deterministic=False, pairs=0):
     cfg = dict(cfg_key) if cfg_key else configs.expand_config(T, max(widths), R, len(widths), L,
-                                                              deterministic=deterministic)
+                                                              deterministic=deterministic, w_dtype=wd)
     return plan_expand(T, R, widths, G, partials, wd, yd, cfg, add_inputs=add_inputs,
                          bias_flags=bias_flags, has_ranks=has_ranks, pdl=pdl and _pdl_enabled(),
                          deterministic=deterministic, pairs=pairs)
@@ -85,7 +85,7 @@ def _expand_plan(T, R, widths, G, L, partials, wd, yd, add_inputs, bias_flags, h
 
 @functools.lru_cache(maxsize=4096)
 def _fused_plan(T, H, R, widths, G, L, xd, wd, bias_flags, has_ranks, cfg_key, pairs=0):
-    cfg = dict(cfg_key) if cfg_key else configs.fused_config(T, H, max(widths), R, len(widths), L)
+    cfg = dict(cfg_key) if cfg_key else configs.fused_config(T, H, max(widths), R, len(widths), L, w_dtype=wd)
     return plan_fused(T, H, R, widths, G, xd, wd, cfg, add_inputs=True, bias_flags=bias_flags,
                         has_ranks=has_ranks, pdl=_pdl_enabled(), pairs=pairs)
 
@@ -372,7 +372,7 @@ class PreparedLinear:
         T = x.shape[0]
         if fused is None:
             fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, w_dtype=_dtype_name(lora_a[0]))
         chunks = []
         for ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, offsets, lora_ranks, bias, fused,
                                         deterministic=deterministic, pairs=pairs, a_scales=a_scales,
@@ -503,7 +503,7 @@ def linear(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lor
     bias = arguments.epilogue(bias, col_scale, len(lora_b))
     if fused is None:
         fused = configs.use_fused(T, lora_a[0].shape[1], len(lora_a), lora_a[0].shape[0],
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, w_dtype=_dtype_name(lora_a[0]))
     for _ws, calls in _linear_chunks(y, x, lora_a, lora_b, meta_args, scale, tuple(offsets), lora_ranks, bias,
                                      fused, shrink_config, expand_config, fused_config, deterministic, pairs,
                                      a_scales, b_scales):
