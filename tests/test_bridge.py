@@ -459,17 +459,19 @@ def test_torch_wrapper_fp8_logits_equal_native_and_the_oracle(jit):
     sb_tensor = sb.amax(dim=1).contiguous()                        # (L,): one scale per slot for B
     x = torch.from_numpy(c["x"][:5]).clone()
     ys = torch.from_numpy(c["y"][:5, :16]).clone()
+    dev = next(iter(bridge.to_jax(a).devices()))               # the bridge's JAX device for CPU tensors
+    native = jax_lora.PunicaWrapper(16, 4, dev, max_loras=c["slots"])
+    native.update_metadata(c["mapping"], c["ids"], c["slots"] + 1, 32)
+
+    def call(yj, xj, aj, bj, saj, sbj):
+        return native.add_lora_logits(yj, xj, aj, bj, 0.5, lora_a_scale=saj, lora_b_scale=sbj)
+
     for a_scale, b_scale in ((sa, sb), (sa, sb_tensor)):
         y = ys.clone()
         got = w.add_lora_logits(y, x, a, b, 0.5, lora_a_scale=a_scale, lora_b_scale=b_scale)
         assert got is y
         weights = [bridge.to_jax(t) for t in (a, b, a_scale, b_scale)]
         assert all(v.unsafe_buffer_pointer() == t.data_ptr() for v, t in zip(weights, (a, b, a_scale, b_scale)))
-        dev = next(iter(weights[0].devices()))
-        native = jax_lora.PunicaWrapper(16, 4, dev, max_loras=c["slots"])
-        native.update_metadata(c["mapping"], c["ids"], c["slots"] + 1, 32)
-        call = lambda yj, xj, aj, bj, saj, sbj: native.add_lora_logits(yj, xj, aj, bj, 0.5, lora_a_scale=saj,
-                                                                       lora_b_scale=sbj)
         want = (jax.jit(call) if jit else call)(jax.device_put(c["y"][:5, :16], dev), jax.device_put(c["x"][:5], dev),
                                                 *weights)
         np.testing.assert_array_equal(got.numpy(), np.asarray(want))
