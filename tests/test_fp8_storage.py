@@ -157,11 +157,13 @@ def test_bad_fp8_files_are_refused_from_the_header(llama, tmp_path, change, matc
         mm.load_adapter("bad", str(tmp_path / "ok"))
 
 
-def test_fp8_lm_head_slot_holds_the_contract_quantisation_and_matches_the_float64_oracle(tmp_path):
+@pytest.mark.parametrize("backend, device", [("torch", "cpu"), ("triton", "cpu"),
+                                             pytest.param("triton", "cuda", marks=pytest.mark.gpu)])
+def test_fp8_lm_head_slot_holds_the_contract_quantisation_and_matches_the_float64_oracle(tmp_path, backend, device):
     """LoRALogits(lora_dtype="fp8") under AdapterManager: the slot holds contract section 11's e4m3
     values and scales of the placed A (r, H) and B * scaling (V, r) (tests/oracle.py's rule), and
-    the layer's logits equal the float64 oracle on those dequantised weights (a row without an
-    adapter unchanged)."""
+    the layer's logits (torch reference ops, Triton's kernels) equal the float64 oracle on those
+    dequantised weights (a row without an adapter unchanged)."""
     from lora_core.host_mapping import LoRAMapping
     from torch_lora import PunicaWrapper
     from torch_lora.adapters import AdapterManager, load_peft_adapter, save_peft_adapter
@@ -171,8 +173,8 @@ def test_fp8_lm_head_slot_holds_the_contract_quantisation_and_matches_the_float6
     rng = np.random.default_rng(3)
     path = str(tmp_path / "head")
     save_peft_adapter(path, {"lm_head": (rng.normal(size=(4, H)) / 4, rng.normal(size=(V, 4)))}, r=4, lora_alpha=8)
-    punica = PunicaWrapper(8, 4, "cpu", max_loras=L, backend="torch")
-    head = LoRALogits("lm_head", H, V, max_loras=L, max_rank=R, dtype=torch.float32, device="cpu", punica=punica,
+    punica = PunicaWrapper(8, 4, device, max_loras=L, backend=backend)
+    head = LoRALogits("lm_head", H, V, max_loras=L, max_rank=R, dtype=torch.float32, device=device, punica=punica,
                       lora_dtype="fp8")
     assert head.lora_a.dtype == head.lora_b.dtype == torch.float8_e4m3fn
     assert head.lora_a_scale.shape == (L, R) and head.lora_b_scale.shape == (L, V)
@@ -183,19 +185,21 @@ def test_fp8_lm_head_slot_holds_the_contract_quantisation_and_matches_the_float6
     a_pad, b_pad = np.zeros((R, H)), np.zeros((V, R))
     a_pad[:4], b_pad[:, :4] = a, b * scaling
     (a_q, a_s), (b_q, b_s) = oracle.fp8_quantize(a_pad), oracle.fp8_quantize(b_pad)
-    assert np.array_equal(head.lora_a[slot].view(torch.uint8).numpy(), np.asarray(a_q).view(np.uint8))
-    assert np.array_equal(head.lora_b[slot].view(torch.uint8).numpy(), np.asarray(b_q).view(np.uint8))
-    assert np.array_equal(head.lora_a_scale[slot].numpy(), a_s) and np.array_equal(head.lora_b_scale[slot].numpy(), b_s)
+    host = {name: getattr(head, name).cpu() for name in ("lora_a", "lora_b", "lora_a_scale", "lora_b_scale")}
+    assert np.array_equal(host["lora_a"][slot].view(torch.uint8).numpy(), np.asarray(a_q).view(np.uint8))
+    assert np.array_equal(host["lora_b"][slot].view(torch.uint8).numpy(), np.asarray(b_q).view(np.uint8))
+    assert np.array_equal(host["lora_a_scale"][slot].numpy(), a_s)
+    assert np.array_equal(host["lora_b_scale"][slot].numpy(), b_s)
     rows = (7, 0, 7)
     punica.update_metadata(LoRAMapping(rows, rows), mgr.lora_index_to_id, mgr.num_slots + 1, V)
     x = rng.standard_normal((3, H)).astype(np.float32)
     y = rng.standard_normal((3, V)).astype(np.float32)
-    got = head.apply(torch.from_numpy(x), torch.from_numpy(y.copy())).numpy()
+    got = head.apply(torch.from_numpy(x).to(device), torch.from_numpy(y.copy()).to(device)).cpu().numpy()
     stacked = lambda w, s: oracle.fp8_dequantize(w.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn),
                                                  s.numpy())
     idx = np.array([slot if r else -1 for r in rows])
-    want = oracle.logits(y, x, stacked(head.lora_a, head.lora_a_scale), stacked(head.lora_b, head.lora_b_scale), 1.0,
-                         idx)
+    a64, b64 = stacked(host["lora_a"], host["lora_a_scale"]), stacked(host["lora_b"], host["lora_b_scale"])
+    want = oracle.logits(y, x, a64, b64, 1.0, idx)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[1], y[1])
 
