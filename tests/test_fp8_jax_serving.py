@@ -13,6 +13,7 @@ dtypes: one compiled step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ def dequantised_adapter(adapter):
     return dataclasses.replace(adapter, modules=modules)
 
 
-def test_fp8_layer_storage_and_manager_quantise_on_load(llama_dirs):
+def test_fp8_layer_storage_and_manager_quantise_on_load(llama_dirs, caplog):
     """add_lora(lora_dtype="fp8") gives the decoder linears e4m3 weights with (S, L, r) / (L, out)
     float32 scales (ones while empty) and the LM head e4m3 weights with (L, r) / (L, V) scales, keeps
     the embedding 16-bit (said once on the jax_lora logger); activating an adapter writes exactly
@@ -72,7 +73,10 @@ def test_fp8_layer_storage_and_manager_quantise_on_load(llama_dirs):
     assert head.lora_b_scale.get_value().shape == (2, head.out_features)
     embeds = [layer for layer in layers.values() if type(layer) is lnn.MultiLoRAEmbed]
     assert embeds and all(layer.lora_a.get_value().dtype == jnp.float32 for layer in embeds)
-    mgr = AdapterManager(model, lora_dtype="fp8")
+    with caplog.at_level(logging.INFO, logger="jax_lora"):
+        mgr = AdapterManager(model, lora_dtype="fp8")
+    said = [r.getMessage() for r in caplog.records if "keep 16-bit storage" in r.getMessage()]
+    assert len(said) == 1 and "embed_tokens" in said[0] and "lm_head" not in said[0]
     mgr.register(2, llama_dirs["a2"])
     slot = list(mgr.activate([2])).index(2)
     placed = prepare_adapter(model, load_peft_adapter(llama_dirs["a2"]))

@@ -14,6 +14,7 @@ LM-head values kept as they are); the embedding keeps the model's dtype.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import ml_dtypes
@@ -46,8 +47,11 @@ def _tokens(n=None):
     return torch.as_tensor(np.random.default_rng(5).integers(1, VOCAB, size=(n or len(ROWS), 6)))
 
 
-def test_fp8_slots_match_peft_within_the_quantisation_error(llama):
-    mm = llama.wrapped(lora_dtype="fp8")
+def test_fp8_slots_match_peft_within_the_quantisation_error(llama, caplog):
+    with caplog.at_level(logging.INFO, logger="torch_lora"):
+        mm = llama.wrapped(lora_dtype="fp8")
+    said = [r.getMessage() for r in caplog.records if "keeps the model's dtype" in r.getMessage()]
+    assert len(said) == 1 and "model.embed_tokens" in said[0]           # the 16-bit embedding, said once
     linear = [layer for layer in mm.layers.values() if type(layer).__name__ == "LoRALinear"]
     assert linear and all(layer.lora_a.dtype == torch.float8_e4m3fn and layer.lora_b[0].dtype == torch.float8_e4m3fn
                           for layer in linear)
