@@ -377,13 +377,8 @@ class TorchPunicaWrapper:
                         lora_b_stacked: torch.Tensor, scale: float, *, buffer: torch.Tensor | None = None,
                         lora_ranks=None, lora_a_scale=None, lora_b_scale=None, **kwargs) -> torch.Tensor:
         """y[j] += (scale * x[j] @ A[s_j].T) @ B[s_j].T, s_j the sampler index of row j, in place.
-        jax_lora's add_lora_logits takes 16-bit weights only: fp8 weights or scales are a ValueError."""
-        fp8 = [n for n, w in (("lora_a_stacked", lora_a_stacked), ("lora_b_stacked", lora_b_stacked))
-               if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn]
-        given = [n for n, v in (("lora_a_scale", lora_a_scale), ("lora_b_scale", lora_b_scale)) if v is not None]
-        if fp8 or given:
-            raise ValueError(f"add_lora_logits over jax_lora's kernels takes 16-bit lora_a_stacked / lora_b_stacked "
-                             f"without scales (jax_lora has no fp8 LM-head LoRA), got {', '.join(fp8 + given)}")
+        lora_a_scale / lora_b_scale: fp8 weights' float32 scales ((L, r) / (L, V') per channel or
+        (L,) per tensor; contract section 11), shared zero-copy and cached like the weights."""
         xj = self._act(x, "x", self._num_rows, "sampled rows")
         if buffer is not None:  # (1, R, r), or any shape of R * r elements (torch_lora's rule)
             rows, rank = math.prod(x.shape[:-1]), lora_a_stacked.shape[-2]
@@ -391,7 +386,9 @@ class TorchPunicaWrapper:
                                (1, rows, rank))
         a = self._weight(lora_a_stacked, "lora_a_stacked")
         res = self._run("add_lora_logits", (self._act(y, "y"), xj, a, self._weight(lora_b_stacked, "lora_b_stacked")),
-                        a, lora_ranks, scale=checks.as_scale(scale))
+                        a, lora_ranks, {"lora_a_scale": self._scales(lora_a_scale, "lora_a_scale"),
+                                        "lora_b_scale": self._scales(lora_b_scale, "lora_b_scale")},
+                        scale=checks.as_scale(scale))
         return self._write_back(y, res)
 
     def _check_buffer(self, buf, shape: tuple) -> None:

@@ -27,8 +27,9 @@ fp8 adapter weights: `MultiLoRALinear(..., lora_dtype="fp8")` (or `replace_lora_
 lora_dtype="fp8")`, `AdapterManager(model, lora_dtype="fp8")`) stores lora_a and lora_b in e4m3
 with per-output-channel float32 scales beside them, `lora_a_scale` (S, L, r) and `lora_b_scale`
 (L, out): w[..., c, k] ~ scale[..., c] * float32(w_q[..., c, k]) (jax_lora.quant.quantize_rows). The
-wrapper applies the scales once per channel after the float32 sums. Embedding, LM-head and expert
-layers keep their 16-bit storage.
+wrapper applies the scales once per channel after the float32 sums. `MultiLoRALogits` takes
+lora_dtype="fp8" too (lora_a_scale (L, r), lora_b_scale (L, V)); embedding and expert layers keep
+their 16-bit storage.
 
 Tensor parallelism: `jax_lora.parallel.shard_layer` splits a layer over a mesh axis and sets its
 static `tp` attribute; with a wrapper installed, the call then runs per device (`tp.apply`), and
@@ -448,9 +449,14 @@ class MultiLoRALogits(nnx.Module):
 
     __call__(h (R, H)) -> (R, V): rows are the sampled rows of the step, in the order of the
     mapping's `prompt_mapping` (the wrapper's sampler indices; add_lora_logits).
+
+    lora_dtype: None (weights in `dtype`) or "fp8": lora_a (L, r, H) and lora_b (L, V, r) in e4m3
+    with float32 per-channel scales `lora_a_scale` (L, r) and `lora_b_scale` (L, V) (contract
+    section 11), handed to add_lora_logits (`use_fp8`).
     """
 
-    def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int, dtype=None):
+    def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int, dtype=None, lora_dtype=None):
+        check_lora_dtype(lora_dtype)
         _check_linear_base(base)
         self.base = base
         self.in_features = int(base.in_features)
@@ -462,6 +468,26 @@ class MultiLoRALogits(nnx.Module):
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.out_features, max_rank), dtype))
         self.lora_ranks = _ranks_variable(max_loras, max_rank)
         self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
+        self.lora_dtype = None
+        if lora_dtype == "fp8":
+            self.use_fp8()
+
+    def use_fp8(self) -> bool:
+        """Stores the adapter weights in e4m3 with per-channel float32 scales (`lora_a_scale` (L, r),
+        `lora_b_scale` (L, V)), the weights held now quantised (jax_lora.quant.quantize_rows);
+        returns whether the storage changed. New variables: call it before the serving step is
+        first traced. Refused for a layer split over a mesh."""
+        if self.lora_dtype == "fp8":
+            return False
+        if self.tp is not None:
+            raise ValueError("fp8 adapter weights are not supported on a LoRA layer split over a mesh: build the "
+                             "layers with lora_dtype='fp8' before splitting, or serve 16-bit adapters")
+        qa, sa = quantize_rows(self.lora_a.get_value())
+        qb, sb = quantize_rows(self.lora_b.get_value())
+        self.lora_a, self.lora_b = LoRAWeight(jnp.asarray(qa)), LoRAWeight(jnp.asarray(qb))
+        self.lora_a_scale, self.lora_b_scale = LoRAWeight(jnp.asarray(sa)), LoRAWeight(jnp.asarray(sb))
+        self.lora_dtype = "fp8"
+        return True
 
     def __call__(self, h: jax.Array, punica=None) -> jax.Array:
         w = _pick(punica)
@@ -471,11 +497,13 @@ class MultiLoRALogits(nnx.Module):
         if w is None:
             return y
         h2 = h.reshape(-1, h.shape[-1])
+        fp8 = ({} if self.lora_dtype != "fp8" else
+               dict(lora_a_scale=self.lora_a_scale.get_value(), lora_b_scale=self.lora_b_scale.get_value()))
         out = w.add_lora_logits(y.reshape(h2.shape[0], -1), h2, self.lora_a.get_value(), self.lora_b.get_value(), 1.0,
-                                lora_ranks=self.lora_ranks.get_value())
+                                lora_ranks=self.lora_ranks.get_value(), **fp8)
         return out.reshape(y.shape)
 
-    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0, "lora_ranks": 0}
+    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0, "lora_ranks": 0, "lora_a_scale": 0, "lora_b_scale": 0}
 
 
 class MultiLoRAExperts(nnx.Module):
@@ -571,8 +599,9 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
       dtype: adapter weight dtype (default: each base layer's).
       dora: the linear layers (not the logits or embeddings) hold DoRA column scales from the start
         (without it, `MultiLoRALinear.enable_dora` adds one when the first DoRA adapter reaches a layer).
-      lora_dtype: None or "fp8": the linear layers store e4m3 weights with per-channel float32 scales
-        (MultiLoRALinear); embeddings and the logits keep `dtype`.
+      lora_dtype: None or "fp8": the linear layers and the logits store e4m3 weights with per-channel
+        float32 scales (MultiLoRALinear, MultiLoRALogits); embeddings keep `dtype` (their LoRA A is a
+        gather of one row per token, contract section 11).
 
     Returns {path: new layer}. Raises ValueError when nothing matches (a typo should not silently
     give a model without adapters).
@@ -600,7 +629,7 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
         if isinstance(node, nnx.Embed):
             new = MultiLoRAEmbed(node, max_loras=max_loras, max_rank=max_rank, dtype=dtype)
         elif leaf in logits_modules:
-            new = MultiLoRALogits(node, max_loras=max_loras, max_rank=max_rank, dtype=dtype)
+            new = MultiLoRALogits(node, max_loras=max_loras, max_rank=max_rank, dtype=dtype, lora_dtype=lora_dtype)
         else:
             slices = output_slices.get(name, output_slices.get(leaf))
             new = MultiLoRALinear(node, max_loras=max_loras, max_rank=max_rank, output_slices=slices,

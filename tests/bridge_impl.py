@@ -26,7 +26,7 @@ def torch_over_jax(impl_cls):
             return super().fp8_weight(q).clone()
 
     return TorchOverJaxImpl(
-        "torch-over-jax", "torch", "xla", ops_module=bridge.torch_over_jax, torch_device="cpu", fp8_logits=False,
+        "torch-over-jax", "torch", "xla", ops_module=bridge.torch_over_jax, torch_device="cpu",
         wrapper_factory=lambda T, B, L, backend: bridge.TorchPunicaWrapper(T, B, "cpu", max_loras=L, backend=backend))
 
 

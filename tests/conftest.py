@@ -54,6 +54,8 @@ SLOW_TESTS = (
     "tests/test_fp8_jax_conformance.py::test_pallas_expand_fp8_in_place_kernels[*]",
     "tests/test_fp8_jax_serving.py::test_fp8_slot_writes_keep_one_compiled_program",
     "tests/test_fp8_jax_serving.py::test_serving_engine_with_fp8_adapters_equals_dequantised_merged_model",
+    # MultiLoRAModel over torchao's int8 weight-only linears: the first case pays torchao's import (7 s)
+    "tests/test_quantized_base_torch.py::test_torchao_weight_only_equals_peft_on_the_same_model[*]",
     # several adapters per token in deterministic mode, Triton's interpreter (20-100 s a case)
     "tests/test_deterministic_pairs.py::test_pairs_rows_bitwise_equal_in_every_batch[*triton*]",
     "tests/test_deterministic_pairs.py::test_a_token_keeps_its_bits_across_pair_buckets[*triton*]",

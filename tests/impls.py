@@ -17,8 +17,6 @@ Fields an entry may set:
          run through `fused_moe_lora` and `moe_w13_w2` below.
   fp8: the side's ops and wrapper take fp8 (e4m3) weights with their scales (contract section 11;
          `fp8_weight` makes one, `lora_shrink` / `lora_expand` pass `scales`).
-  fp8_logits: with fp8, the wrapper's add_lora_logits takes fp8 weights too (False where the
-         kernels underneath have no fp8 LM-head LoRA: jax_lora's, so torch-over-jax).
 """
 
 from __future__ import annotations
@@ -73,7 +71,6 @@ class Impl:
     vllm_methods: bool = True
     moe_lora: bool = False
     fp8: bool = False
-    fp8_logits: bool = True
 
     def __str__(self):
         return self.name

@@ -436,16 +436,55 @@ def test_torch_wrapper_shares_and_caches_fp8_scales(monkeypatch):
 
 
 def test_torch_wrapper_fp8_scale_refusals():
-    """A float64 scale is refused (not narrowed to float32); add_lora_logits, which jax_lora offers for
-    16-bit weights only, refuses fp8 weights and scales by name."""
+    """A float64 scale is refused (not narrowed to float32), by add_lora_linear and add_lora_logits
+    alike; fp8 weights without their scales are refused by name."""
     c, w, a, b, sa, sb = _fp8_linear_setup(bridge.TorchPunicaWrapper, _torch_fp8)
     x, y = torch.from_numpy(c["x"]).clone(), torch.from_numpy(c["y"][:, :16]).clone()
     with pytest.raises(ValueError, match="lora_a_scale"):
         w.add_lora_linear(y, x, [a], [b], None, 1.0, (16,), lora_a_scale=[sa.double()], lora_b_scale=[sb])
-    with pytest.raises(ValueError, match="add_lora_logits .* lora_a_stacked, lora_b_stacked, lora_a_scale"):
-        w.add_lora_logits(y, x, a, b, 1.0, lora_a_scale=sa, lora_b_scale=sb)
-    with pytest.raises(ValueError, match="16-bit .* got lora_b_scale"):
-        w.add_lora_logits(y, x, a.float(), b.float(), 1.0, lora_b_scale=sb)
+    with pytest.raises(ValueError, match="lora_b_scale must be float32"):
+        w.add_lora_logits(y[:5], x[:5], a, b, 1.0, lora_a_scale=sa, lora_b_scale=sb.double())
+    with pytest.raises(ValueError, match="lora_a_stacked is float8_e4m3fn: lora_a_scale must give"):
+        w.add_lora_logits(y[:5], x[:5], a, b, 1.0, lora_b_scale=sb)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_torch_wrapper_fp8_logits_equal_native_and_the_oracle(jit):
+    """add_lora_logits with fp8 A and B: per-channel and per-tensor scales cross like the weights
+    (zero-copy), the result is bit for bit the JAX wrapper's on the same arrays (jitted alike) and
+    matches the float64 oracle on the dequantised weights (rows of sampler index -1 unchanged)."""
+    from tests import oracle
+    c, w, a, b, sa, sb = _fp8_linear_setup(bridge.TorchPunicaWrapper, _torch_fp8)
+    w.jit = jit
+    sb_tensor = sb.amax(dim=1).contiguous()                        # (L,): one scale per slot for B
+    x = torch.from_numpy(c["x"][:5]).clone()
+    ys = torch.from_numpy(c["y"][:5, :16]).clone()
+    dev = next(iter(bridge.to_jax(a).devices()))               # the bridge's JAX device for CPU tensors
+    native = jax_lora.PunicaWrapper(16, 4, dev, max_loras=c["slots"])
+    native.update_metadata(c["mapping"], c["ids"], c["slots"] + 1, 32)
+
+    def call(yj, xj, aj, bj, saj, sbj):
+        return native.add_lora_logits(yj, xj, aj, bj, 0.5, lora_a_scale=saj, lora_b_scale=sbj)
+
+    for a_scale, b_scale in ((sa, sb), (sa, sb_tensor)):
+        y = ys.clone()
+        got = w.add_lora_logits(y, x, a, b, 0.5, lora_a_scale=a_scale, lora_b_scale=b_scale)
+        assert got is y
+        weights = [bridge.to_jax(t) for t in (a, b, a_scale, b_scale)]
+        assert all(v.unsafe_buffer_pointer() == t.data_ptr() for v, t in zip(weights, (a, b, a_scale, b_scale)))
+        want = (jax.jit(call) if jit else call)(jax.device_put(c["y"][:5, :16], dev), jax.device_put(c["x"][:5], dev),
+                                                *weights)
+        np.testing.assert_array_equal(got.numpy(), np.asarray(want))
+        a64 = oracle.fp8_dequantize(a.view(torch.uint8).numpy().view(jnp.float8_e4m3fn)[:, 0], a_scale.numpy())
+        b64 = oracle.fp8_dequantize(b.view(torch.uint8).numpy().view(jnp.float8_e4m3fn)[:, 0], b_scale.numpy())
+        slot_of = {lid: s for s, lid in enumerate(c["ids"]) if lid is not None}
+        ref = oracle.f64(c["y"][:5, :16]).copy()
+        for j, lid in enumerate(c["mapping"].prompt_mapping):
+            if lid > 0:
+                s = slot_of[lid]
+                ref[j] += (0.5 * oracle.f64(c["x"][j]) @ a64[s].T) @ b64[s].T
+        assert any(lid <= 0 for lid in c["mapping"].prompt_mapping)           # a row that stays unchanged
+        np.testing.assert_allclose(got.numpy(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_jax_wrapper_shares_and_caches_fp8_scales(monkeypatch):

@@ -786,6 +786,12 @@ def test_fp8_two_adapters_per_token(impl):
                             case.scale, case.slices, lora_a_scale=a_s, lora_b_scale=b_s)
     want = oracle.multi_lora_linear(case.y, case.x, a_deq, b_deq, case.scale, slots, ws)
     assert_close(got, want, dtype, "fp8 add_lora_linear with 2 adapters per token")
+    rows = 5                                     # the LM head of the paired step: one adapter per sampled row
+    y0 = case.y[:rows, :20]
+    got = impl.wrapper_call(w, "add_lora_logits", impl.arr(y0, dtype), impl.arr(case.x[:rows], dtype), a_q[0],
+                            b_q[0], case.scale, lora_a_scale=a_s[0], lora_b_scale=b_s[0])
+    assert_close(got, oracle.logits(y0, case.x[:rows], a_deq[0], b_deq[0], case.scale, case.idx[:rows]), dtype,
+                 "fp8 add_lora_logits in a paired step")
 
 
 @pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].fp8])
@@ -811,8 +817,6 @@ def test_fp8_wrapper_shrink_expand_embedding_logits(impl):
                             lora_b_scale=b_s[0])
     assert_close(got, oracle.expand(x[None], [b_deq[0]], case.y[:, :24], case.idx, 0, True), dtype,
                  "fp8 add_lora_embedding")
-    if not impl.fp8_logits:
-        return
     rows = 5
     y0 = case.y[:rows, :20]
     got = impl.wrapper_call(w, "add_lora_logits", impl.arr(y0, dtype), impl.arr(case.x[:rows], dtype), a_q[0],

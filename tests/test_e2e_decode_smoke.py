@@ -214,6 +214,29 @@ def test_smoke_run_with_jax_fused_lora_passes_its_check(tmp_path):
     assert case["jax"]["check_passed"] is True and case["jax"]["lora_err"] <= 0.2 * case["lora_effect"]
 
 
+@pytest.mark.slow
+def test_smoke_run_with_a_w8a8_torch_base_checks_each_framework_over_its_own_base(tmp_path):
+    """--base fp8 --torch-fp8 scaled_mm (torch's CPU kernel): torch's reference step computes the same
+    per-token e4m3 products as its step, JAX's stays weight-only; both pass, and the case records
+    how far the W8A8 base logits are from the weight-only ones."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke", "--base",
+                           "fp8", "--lora-dtype", "fp8", "--torch-fp8", "scaled_mm", "--cases", "dec B4 D2 r4",
+                           "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "e2e_smoke_fp8_lora-fp8_*.json"))
+    with open(path) as f:
+        res = json.load(f)
+    assert res["meta"]["config"]["torch_fp8"] == "scaled_mm" and res["summary"]["checks_failed"] == []
+    (case,) = res["cases"]
+    assert case["torch"]["reference_product"] == "scaled_mm" and case["jax"]["reference_product"] == "dequant"
+    assert case["torch"]["check_passed"] is True and case["jax"]["check_passed"] is True
+    # two layers of e4m3 activations move the base logits by a few percent (measurable, under the bound)
+    assert 1e-3 < case["w8a8_base_vs_weight_only"] < 0.15
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_base_products_match_the_float64_oracle():
     """The benchmark's torch products over an fp8 base on CUDA: weight-only (dequant) within bf16

@@ -5,13 +5,15 @@ Llama (tests/llama_checkpoint.py) on the CPU.
 The reference is the float model with each adapter merged after the same quantisation, its weights
 dequantised (float32(w_q) * scale, B with its scaling folded in first, as the manager quantises it):
 the served completions match it in greedy tokens and within 1e-4 relative logits (cli.verify), while
-the 16-bit adapters' merged model differs (the quantisation is applied). Embedding and LM-head
-adapters keep 16-bit storage. Slot writes keep the variables' shapes and dtypes: one compiled step.
+the 16-bit adapters' merged model differs (the quantisation is applied). The LM head's adapters
+are fp8 too; embedding adapters keep 16-bit storage. Slot writes keep the variables' shapes and
+dtypes: one compiled step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +39,12 @@ def llama_dirs(tmp_path_factory):
 
 
 def dequantised_adapter(adapter):
-    """The adapter with every decoder-linear module replaced by its fp8 round trip: A per rank row,
-    B * scaling per output row (scaling then 1), each float32(w_q) * scale. Embedding and LM-head
-    modules, stored 16-bit, are unchanged."""
+    """The adapter with every linear module (the decoder's and the LM head's) replaced by its fp8
+    round trip: A per rank row, B * scaling per output row (scaling then 1), each float32(w_q) *
+    scale. Embedding modules, stored 16-bit, are unchanged."""
     modules = {}
     for name, m in adapter.modules.items():
-        if m.kind != "linear" or name == "lm_head":
+        if m.kind != "linear":
             modules[name] = m
             continue
         a = np.asarray(dequantize_rows(*quantize_rows(np.asarray(m.lora_a, np.float32))))
@@ -51,11 +53,12 @@ def dequantised_adapter(adapter):
     return dataclasses.replace(adapter, modules=modules)
 
 
-def test_fp8_layer_storage_and_manager_quantise_on_load(llama_dirs):
+def test_fp8_layer_storage_and_manager_quantise_on_load(llama_dirs, caplog):
     """add_lora(lora_dtype="fp8") gives the decoder linears e4m3 weights with (S, L, r) / (L, out)
-    float32 scales (ones while empty), keeps the embedding and LM head 16-bit; activating an adapter
-    writes exactly quantize_rows of its placed (scaling-folded) weights; an unknown lora_dtype is a
-    ValueError naming it."""
+    float32 scales (ones while empty) and the LM head e4m3 weights with (L, r) / (L, V) scales, keeps
+    the embedding 16-bit (said once on the jax_lora logger); activating an adapter writes exactly
+    quantize_rows of its placed (scaling-folded) weights; an unknown lora_dtype is a ValueError
+    naming it."""
     model = load_llama(llama_dirs["model"])
     layers = add_lora(model, max_loras=2, max_rank=8, lora_dtype="fp8")
     linears = {p: layer for p, layer in layers.items() if type(layer) is lnn.MultiLoRALinear}
@@ -64,18 +67,26 @@ def test_fp8_layer_storage_and_manager_quantise_on_load(llama_dirs):
     assert qkv.lora_a_scale.get_value().shape == (3, 2, 8)
     assert qkv.lora_b_scale.get_value().shape == (2, qkv.out_features)
     assert np.all(np.asarray(qkv.lora_b_scale.get_value()) == 1.0)
-    others = [layer for layer in layers.values() if type(layer) is not lnn.MultiLoRALinear]
-    assert all(layer.lora_a.get_value().dtype == jnp.float32 for layer in others)
-    mgr = AdapterManager(model, lora_dtype="fp8")
+    (head_path, head), = ((p, layer) for p, layer in layers.items() if type(layer) is lnn.MultiLoRALogits)
+    assert head.lora_a.get_value().dtype == head.lora_b.get_value().dtype == jnp.float8_e4m3fn
+    assert head.lora_a_scale.get_value().shape == (2, 8)
+    assert head.lora_b_scale.get_value().shape == (2, head.out_features)
+    embeds = [layer for layer in layers.values() if type(layer) is lnn.MultiLoRAEmbed]
+    assert embeds and all(layer.lora_a.get_value().dtype == jnp.float32 for layer in embeds)
+    with caplog.at_level(logging.INFO, logger="jax_lora"):
+        mgr = AdapterManager(model, lora_dtype="fp8")
+    said = [r.getMessage() for r in caplog.records if "keep 16-bit storage" in r.getMessage()]
+    assert len(said) == 1 and "embed_tokens" in said[0] and "lm_head" not in said[0]
     mgr.register(2, llama_dirs["a2"])
     slot = list(mgr.activate([2])).index(2)
     placed = prepare_adapter(model, load_peft_adapter(llama_dirs["a2"]))
-    for path, layer in linears.items():
+    for path, layer in {**linears, head_path: head}.items():
         qa, sa = quantize_rows(placed[path][0])
         qb, sb = quantize_rows(placed[path][1])
-        np.testing.assert_array_equal(np.asarray(layer.lora_a_scale.get_value())[:, slot], sa)
+        a_slot = (slice(None), slot) if layer is not head else slot     # the linears' A: (S, L, ...)
+        np.testing.assert_array_equal(np.asarray(layer.lora_a_scale.get_value())[a_slot], sa)
         np.testing.assert_array_equal(np.asarray(layer.lora_b_scale.get_value())[slot], sb)
-        np.testing.assert_array_equal(np.asarray(layer.lora_a.get_value())[:, slot].view(np.uint8), qa.view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(layer.lora_a.get_value())[a_slot].view(np.uint8), qa.view(np.uint8))
         np.testing.assert_array_equal(np.asarray(layer.lora_b.get_value())[slot].view(np.uint8), qb.view(np.uint8))
     with pytest.raises(ValueError, match="lora_dtype"):
         AdapterManager(model, lora_dtype="int4")

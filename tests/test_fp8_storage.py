@@ -6,14 +6,18 @@ mixed batch stays within FP8_OF_EFFECT of PEFT relative to the adapter's own eff
 (the quantisation error of e4m3: a few percent of the LoRA term, never of the base model); an fp8
 PEFT file (F8_E4M3 weights with `weight_scale` tensors) loads as it is into fp8 slots (the stored
 bits are the file's) and dequantised into 16/32-bit slots, both equal to PEFT running the
-dequantised weights within float32's tolerance; bad fp8 files are refused from their header.
+dequantised weights within float32's tolerance; bad fp8 files are refused from their header. The LM
+head's slots are fp8 too (against the float64 oracle on its dequantised slot, and an fp8 file's
+LM-head values kept as they are); the embedding keeps the model's dtype.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -43,12 +47,19 @@ def _tokens(n=None):
     return torch.as_tensor(np.random.default_rng(5).integers(1, VOCAB, size=(n or len(ROWS), 6)))
 
 
-def test_fp8_slots_match_peft_within_the_quantisation_error(llama):
-    mm = llama.wrapped(lora_dtype="fp8")
+def test_fp8_slots_match_peft_within_the_quantisation_error(llama, caplog):
+    with caplog.at_level(logging.INFO, logger="torch_lora"):
+        mm = llama.wrapped(lora_dtype="fp8")
+    said = [r.getMessage() for r in caplog.records if "keeps the model's dtype" in r.getMessage()]
+    assert len(said) == 1 and "model.embed_tokens" in said[0]           # the 16-bit embedding, said once
     linear = [layer for layer in mm.layers.values() if type(layer).__name__ == "LoRALinear"]
     assert linear and all(layer.lora_a.dtype == torch.float8_e4m3fn and layer.lora_b[0].dtype == torch.float8_e4m3fn
                           for layer in linear)
-    assert all(layer.lora_a.dtype == torch.float32 for path, layer in mm.layers.items() if layer not in linear)
+    head = [layer for layer in mm.layers.values() if type(layer).__name__ == "LoRALogits"]
+    assert head and all(layer.lora_a.dtype == torch.float8_e4m3fn and layer.lora_b.dtype == torch.float8_e4m3fn
+                        for layer in head)                   # the LM head's slots: fp8 too ("c" targets it)
+    assert all(layer.lora_a.dtype == torch.float32 for layer in mm.layers.values()
+               if type(layer).__name__ == "LoRAEmbedding")   # the embedding keeps the model's dtype
     tokens = _tokens()
     out = mm(tokens, adapter_names=ROWS).logits.numpy()
     full = llama.wrapped()(tokens, adapter_names=ROWS).logits.numpy()
@@ -148,3 +159,75 @@ def test_bad_fp8_files_are_refused_from_the_header(llama, tmp_path, change, matc
     mm = llama.wrapped(adapters=(), lora_dtype="fp8")
     with pytest.raises(AdapterError, match=match):
         mm.load_adapter("bad", str(tmp_path / "ok"))
+
+
+@pytest.mark.parametrize("backend, device", [("torch", "cpu"), ("triton", "cpu"),
+                                             pytest.param("triton", "cuda", marks=pytest.mark.gpu)])
+def test_fp8_lm_head_slot_holds_the_contract_quantisation_and_matches_the_float64_oracle(tmp_path, backend, device):
+    """LoRALogits(lora_dtype="fp8") under AdapterManager: the slot holds contract section 11's e4m3
+    values and scales of the placed A (r, H) and B * scaling (V, r) (tests/oracle.py's rule), and
+    the layer's logits (torch reference ops, Triton's kernels) equal the float64 oracle on those
+    dequantised weights (a row without an adapter unchanged)."""
+    from lora_core.host_mapping import LoRAMapping
+    from torch_lora import PunicaWrapper
+    from torch_lora.adapters import AdapterManager, load_peft_adapter, save_peft_adapter
+    from torch_lora.layers import LoRALogits
+
+    H, V, R, L = 16, 40, 8, 2
+    rng = np.random.default_rng(3)
+    path = str(tmp_path / "head")
+    save_peft_adapter(path, {"lm_head": (rng.normal(size=(4, H)) / 4, rng.normal(size=(V, 4)))}, r=4, lora_alpha=8)
+    punica = PunicaWrapper(8, 4, device, max_loras=L, backend=backend)
+    head = LoRALogits("lm_head", H, V, max_loras=L, max_rank=R, dtype=torch.float32, device=device, punica=punica,
+                      lora_dtype="fp8")
+    assert head.lora_a.dtype == head.lora_b.dtype == torch.float8_e4m3fn
+    assert head.lora_a_scale.shape == (L, R) and head.lora_b_scale.shape == (L, V)
+    mgr = AdapterManager({"head": head})
+    mgr.register(7, path)
+    slot = list(mgr.activate([7])).index(7)
+    a, b, scaling, _ = load_peft_adapter(path).modules["lm_head"]
+    a_pad, b_pad = np.zeros((R, H)), np.zeros((V, R))
+    a_pad[:4], b_pad[:, :4] = a, b * scaling
+    (a_q, a_s), (b_q, b_s) = oracle.fp8_quantize(a_pad), oracle.fp8_quantize(b_pad)
+    host = {name: getattr(head, name).cpu() for name in ("lora_a", "lora_b", "lora_a_scale", "lora_b_scale")}
+    assert np.array_equal(host["lora_a"][slot].view(torch.uint8).numpy(), np.asarray(a_q).view(np.uint8))
+    assert np.array_equal(host["lora_b"][slot].view(torch.uint8).numpy(), np.asarray(b_q).view(np.uint8))
+    assert np.array_equal(host["lora_a_scale"][slot].numpy(), a_s)
+    assert np.array_equal(host["lora_b_scale"][slot].numpy(), b_s)
+    rows = (7, 0, 7)
+    punica.update_metadata(LoRAMapping(rows, rows), mgr.lora_index_to_id, mgr.num_slots + 1, V)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    y = rng.standard_normal((3, V)).astype(np.float32)
+    got = head.apply(torch.from_numpy(x).to(device), torch.from_numpy(y.copy()).to(device)).cpu().numpy()
+    stacked = lambda w, s: oracle.fp8_dequantize(w.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn),
+                                                 s.numpy())
+    idx = np.array([slot if r else -1 for r in rows])
+    a64, b64 = stacked(host["lora_a"], host["lora_a_scale"]), stacked(host["lora_b"], host["lora_b_scale"])
+    want = oracle.logits(y, x, a64, b64, 1.0, idx)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[1], y[1])
+
+
+def test_fp8_peft_file_keeps_its_lm_head_values_in_fp8_slots(llama, tmp_path):
+    """An fp8 file of adapter "c" (embedding, LM head, up_proj): the LM head's fp8 slot holds the
+    file's A bits and scales as they are, B's scales times the module's scaling; the logits equal
+    the float32 slots' of the same file (the dequantised values) within float32 rounding."""
+    _quantize_file(llama.dirs["c"], str(tmp_path / "c8"), per_tensor_b=False)
+    q_file = safetensors_torch.load_file(str(tmp_path / "c8" / "adapter_model.safetensors"))
+    tokens = _tokens(2)
+    outs = {}
+    for lora_dtype in ("fp8", None):
+        mm = llama.wrapped(adapters=(), lora_dtype=lora_dtype)
+        mm.load_adapter("c8", str(tmp_path / "c8"))
+        outs[lora_dtype] = mm(tokens, adapter_names=["c8", "__base__"]).logits.numpy()
+        if lora_dtype == "fp8":
+            head = mm.layers["lm_head"]
+            slot = int(np.flatnonzero(np.asarray([i or 0 for i in mm.adapters.lora_index_to_id]) == mm._ids["c8"])[0])
+            a_file = q_file["base_model.model.lm_head.lora_A.weight"]
+            r = a_file.shape[0]
+            assert torch.equal(head.lora_a[slot, :r].view(torch.uint8), a_file.view(torch.uint8))
+            assert torch.equal(head.lora_a_scale[slot, :r], q_file["base_model.model.lm_head.lora_A.weight_scale"])
+            scaling = 4 / 2                                                      # lora_alpha / r
+            assert torch.allclose(head.lora_b_scale[slot],
+                                  q_file["base_model.model.lm_head.lora_B.weight_scale"] * scaling, rtol=1e-7)
+    assert _rel(outs["fp8"][0], outs[None][0]) < RTOL and _rel(outs["fp8"][1], outs[None][1]) < RTOL

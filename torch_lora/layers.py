@@ -14,8 +14,10 @@ layer: base module; buffers (L = max_loras slots, r = max_rank); wrapper call
 
 A `LoRALinear` built with `lora_dtype="fp8"` stores `lora_a` / `lora_b_<s>` in e4m3 with float32
 per-output-channel scales beside them, `lora_a_scale` (S, L, r) and `lora_b_scale_<s>` (L, n_s)
-(contract section 11; `torch_lora.adapters` quantises a 16-bit adapter when it places it); the
-embedding and the LM head keep the model's dtype.
+(contract section 11; `torch_lora.adapters` quantises a 16-bit adapter when it places it). A
+`LoRALogits` built so stores `lora_a` (L, r, H) / `lora_b` (L, V, r) in e4m3 with `lora_a_scale`
+(L, r) and `lora_b_scale` (L, V). The embedding keeps the model's dtype: its LoRA A is a gather of
+one row per token, so fp8 would save slot memory but no step bandwidth.
 
 Every layer also has `lora_ranks` (L,) int32: each slot's real rank in this layer (0 for an empty
 slot), passed to the kernels as `lora_ranks` so they skip the zero padding. A `LoRALinear` built
@@ -374,34 +376,51 @@ class LoRALogits(_LoRALayer):
     """Stacked LoRA weights of the LM head; each logits row uses its sampled row's adapter (the
     wrapper's sampler indices: `prompt_mapping`, one entry per row of logits).
 
+    lora_dtype: None (the weights in `dtype`) or "fp8": lora_a and lora_b in float8_e4m3fn with
+    float32 per-output-channel scales lora_a_scale (L, r) and lora_b_scale (L, V) (contract section
+    11), passed to add_lora_logits.
     Buffers: lora_a (L, r, H); lora_b (L, V, r) (scaling folded in); lora_ranks (L,) int32.
     """
 
     kind = "logits"
 
     def __init__(self, module: str, in_features: int, out_features: int, *, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device, punica=None):
+                 dtype: torch.dtype, device, punica=None, lora_dtype: str | None = None):
         super().__init__((module,), max_loras=max_loras, max_rank=max_rank, device=device, punica=punica)
+        self.lora_dtype = check_lora_dtype(lora_dtype)
+        if self.lora_dtype == "fp8":
+            dtype = torch.float8_e4m3fn
         self.in_features = _positive("in_features", in_features)
         self.out_features = _positive("out_features", out_features)
         self.register_buffer("lora_a", torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device),
                              persistent=False)
+        if self.lora_dtype == "fp8":
+            self.register_buffer("lora_a_scale", torch.ones(max_loras, max_rank, dtype=torch.float32, device=device),
+                                 persistent=False)
+            self.register_buffer("lora_b_scale", torch.ones(max_loras, out_features, dtype=torch.float32,
+                                                            device=device), persistent=False)
 
     def slot_views(self, slot: int) -> tuple:
-        """(A (r, H), B (V, r)) of `slot`."""
-        return self.lora_a[slot], self.lora_b[slot]
+        """(A (r, H), B (V, r)) of `slot`, then with lora_dtype="fp8" their scales (a_scale (r,),
+        b_scale (V,))."""
+        views = (self.lora_a[slot], self.lora_b[slot])
+        if self.lora_dtype == "fp8":
+            views += (self.lora_a_scale[slot], self.lora_b_scale[slot])
+        return views
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += the LoRA term of each logits row, in place; returns out. x: (..., H), the head's
         input; out: (..., V), its output (one row per entry of the step's prompt mapping)."""
         punica = self._wrapper()
         self._check_step(out, x.numel() // self.in_features, punica.indices_len[1], "rows of logits")
+        fp8 = ({} if self.lora_dtype != "fp8" else dict(lora_a_scale=self.lora_a_scale, lora_b_scale=self.lora_b_scale))
         punica.add_lora_logits(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a,
-                               self.lora_b, 1.0, lora_ranks=self.lora_ranks)
+                               self.lora_b, 1.0, lora_ranks=self.lora_ranks, **fp8)
         return out
 
     def extra_repr(self) -> str:
         return (f"module={self.module_names[0]!r}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"max_loras={self.max_loras}, max_rank={self.max_rank}")
+                f"max_loras={self.max_loras}, max_rank={self.max_rank}"
+                f"{', lora_dtype=fp8' if self.lora_dtype == 'fp8' else ''}")

@@ -150,10 +150,12 @@ class PunicaWrapper:
                              "adapters or weights (LoRAMapping tuples / index_weights): add_lora_linear, "
                              "add_lora_embedding_ids and add_lora_logits serve such a step")
 
-    def _add_per_pair(self, y2, slots, weights, x, lora_b, shrink_a=None, scale: float = 1.0) -> None:
+    def _add_per_pair(self, y2, slots, weights, x, lora_b, shrink_a=None, scale: float = 1.0, *,
+                      a_scale=None, b_scale=None) -> None:
         """y2[t] (+)= sum_j weights[t, j] * (x[t] or scale * x[t] @ shrink_a[slot].T) @ lora_b[slot].T over
         the pairs (slots (n, k), -1: empty), one float32 sum and one cast; rows without a pair untouched.
-        The one-adapter BGMV ops once per pair (the embedding and the LM head of a paired step)."""
+        The one-adapter BGMV ops once per pair (the embedding and the LM head of a paired step);
+        a_scale / b_scale: fp8 shrink_a's / lora_b's channel scales (the ops' w_scale)."""
         from . import ops
         n = y2.shape[0]
         acc = y2.to(torch.float32)
@@ -163,9 +165,9 @@ class PunicaWrapper:
                 part = x[j].to(torch.float32)
             else:
                 part = ops.bgmv_shrink(x, shrink_a, idx, scale, backend=self.backend,
-                                       deterministic=self.deterministic)
+                                       deterministic=self.deterministic, w_scale=a_scale)
             ops.bgmv_expand(part * weights[:n, j, None], lora_b, acc, idx, True, backend=self.backend,
-                            deterministic=self.deterministic)
+                            deterministic=self.deterministic, w_scale=b_scale)
         any_pair = (slots[:n] >= 0).any(dim=1, keepdim=True)
         y2.copy_(torch.where(any_pair, acc.to(y2.dtype), y2))
 
@@ -612,12 +614,11 @@ class PunicaWrapper:
         self._check_slots("lora_a_stacked", num_slots)
         a_scales = weight_scales("lora_a_scale", lora_a_scale, (lora_a_stacked,), "lora_a_stacked")
         if self.num_pairs:
-            if a_scales is not None or lora_b_scale is not None:
-                raise ValueError("add_lora_logits with several adapters per token takes 16-bit weights only "
-                                 "(lora_a_scale / lora_b_scale must be None)")
+            b_scales = weight_scales("lora_b_scale", lora_b_scale, (lora_b_stacked,), "lora_b_stacked")
             rows = self._pair_blocks[self.num_pairs][4]
             self._add_per_pair(_token_view(y), rows.row_slots, rows.row_weights, x2, to_3d(lora_b_stacked),
-                               to_3d(lora_a_stacked), checks.as_scale(scale))
+                               to_3d(lora_a_stacked), checks.as_scale(scale), a_scale=a_scales and a_scales[0],
+                               b_scale=b_scales and b_scales[0])
             return y
         self._impl.shrink(x2, (to_3d(lora_a_stacked),), buffer, self.prompt_mapping_meta.meta_args(x2.shape[0]),
                           checks.as_scale(scale), as_lora_ranks(lora_ranks, num_slots, x.device),

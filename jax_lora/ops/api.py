@@ -283,47 +283,32 @@ def weight_scales(name: str, scales, weights: Sequence, arg_w: str) -> tuple | N
     `weights`: the S slices, (L, [1,] c, k) (c: the output channels, rows of A or B). `scales`: None
     (no fp8 slice), one array (S = 1) or S entries, each None for a 16-bit slice or, for an fp8
     slice, float32 (L, c) per channel or (L,) per tensor (one per slot, broadcast to (L, c)).
-    Returns None when no slice is fp8, else S entries of None / (L, c) float32. Errors name `name`:
-    an fp8 slice without a scale, a scale for a 16-bit slice, a wrong entry count, shape or dtype.
+    Returns None when no slice is fp8, else S entries of None / (L, c) float32.
+
+    1. The rules are `lora_core.checks.check_weight_scales` (shared with torch_lora): ValueError
+       naming `name` (and the slice) for an fp8 slice without a scale, a scale for a 16-bit slice,
+       a wrong entry count, shape or dtype. An entry without a dtype is read as a NumPy array.
+    2. Here the arrays are only converted: a per-tensor (L,) scale is broadcast to (L, c).
     """
-    fp8 = [is_fp8(w.dtype) for w in weights]
-    if scales is None:
-        if any(fp8):
-            s = fp8.index(True)
-            label = arg_w if len(weights) == 1 else f"{arg_w}[{s}]"
-            raise ValueError(f"{label} is {FP8_DTYPE}: {name} must give its per-channel float32 scale "
-                             f"((num_slots, {weights[s].shape[-2]}) or (num_slots,) per tensor)")
+    if scales is None and not any(is_fp8(w.dtype) for w in weights):
+        return None                                   # 16-bit weights, no scales: nothing to check
+    entries = None if scales is None else (list(scales) if isinstance(scales, (list, tuple)) else [scales])
+    if entries is not None:
+        entries = [None if sc is None else sc if hasattr(sc, "dtype") and hasattr(sc, "shape") else np.asarray(sc)
+                   for sc in entries]
+    kinds = checks.check_weight_scales(name, None if entries is None else
+                                       [None if sc is None else (tuple(sc.shape), sc.dtype) for sc in entries],
+                                       [tuple(w.shape) for w in weights], [w.dtype for w in weights], arg_w)
+    if all(k is None for k in kinds):
         return None
-    entries = list(scales) if isinstance(scales, (list, tuple)) else [scales]
-    if len(entries) != len(weights):
-        raise ValueError(f"{name} must have one entry per slice of {arg_w} ({len(weights)}), got {len(entries)}")
     out = []
-    for s, (sc, w, q) in enumerate(zip(entries, weights, fp8)):
-        label = name if not isinstance(scales, (list, tuple)) else f"{name}[{s}]"
-        w_label = arg_w if len(weights) == 1 else f"{arg_w}[{s}]"
-        if sc is None:
-            if q:
-                raise ValueError(f"{label} is None, but {w_label} is {FP8_DTYPE}: an fp8 weight needs its "
-                                 f"per-channel float32 scale (shape ({w.shape[0]}, {w.shape[-2]}) or ({w.shape[0]},))")
+    for w, sc, kind in zip(weights, entries, kinds):
+        if kind is None:
             out.append(None)
             continue
-        if not q:
-            raise ValueError(f"{label} is given, but {w_label} has dtype {checks.dtype_name(w.dtype)}: a scale "
-                             f"belongs to an {FP8_DTYPE} weight only (None for a 16-bit slice)")
-        dtype = getattr(sc, "dtype", None)
-        if dtype is None or checks.dtype_name(dtype) != "float32":
-            got = "no dtype" if dtype is None else checks.dtype_name(dtype)
-            raise ValueError(f"{label} must be a float32 array, got {type(sc).__name__} with {got}")
         sc = jnp.asarray(sc)
-        num_slots, channels = int(w.shape[0]), int(w.shape[-2])
-        if sc.shape == (num_slots,):
-            sc = jnp.broadcast_to(sc[:, None], (num_slots, channels))
-        elif sc.shape != (num_slots, channels):
-            raise ValueError(f"{label} must have shape ({num_slots}, {channels}) (one scale per slot and output "
-                             f"channel of {w_label}, shape {tuple(w.shape)}) or ({num_slots},) per tensor, got "
-                             f"{tuple(sc.shape)}")
-        out.append(sc)
-    return tuple(out) if any(q for q in fp8) else None
+        out.append(jnp.broadcast_to(sc[:, None], (int(w.shape[0]), int(w.shape[-2]))) if kind == "tensor" else sc)
+    return tuple(out)
 
 
 def scale_keywords(impl, deterministic: bool, a_scales=None, b_scales=None) -> tuple:
