@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .module_paths import path_name, set_submodule
 from .moe import ExpertOrder, MoEExperts
 from .quant import QuantizedLinear, quantize_rows
 
@@ -567,10 +568,6 @@ class MultiLoRAExperts(nnx.Module):
 LORA_LAYER_TYPES = (MultiLoRALinear, MultiLoRAEmbed, MultiLoRALogits, MultiLoRAExperts)
 
 
-def _path_str(path: Sequence[Any]) -> str:
-    return ".".join(str(p) for p in path)
-
-
 def _matches(name: str, leaf: str, targets: str | Sequence[str]) -> bool:
     """PEFT's rule: a string is a regex over the full name; a list matches the last name part(s)."""
     if isinstance(targets, str):
@@ -580,7 +577,7 @@ def _matches(name: str, leaf: str, targets: str | Sequence[str]) -> bool:
 
 def lora_layers(model: nnx.Module) -> dict[str, nnx.Module]:
     """The multi-LoRA layers of `model`, by dotted path ("model.layers.0.self_attn.qkv_proj")."""
-    return {_path_str(p): node for p, node in nnx.iter_graph(model) if isinstance(node, LORA_LAYER_TYPES)}
+    return {path_name(p): node for p, node in nnx.iter_graph(model) if isinstance(node, LORA_LAYER_TYPES)}
 
 
 def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], *, max_loras: int,
@@ -617,7 +614,7 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
             continue
         if any(tuple(path[:len(p)]) == tuple(p) for p in inside):
             continue
-        name, leaf = _path_str(path), str(path[-1])
+        name, leaf = path_name(path), str(path[-1])
         if _matches(name, leaf, target_modules):
             found.append((path, node))
     if not found:
@@ -625,7 +622,7 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
                          f"layer of {type(model).__name__}")
     replaced = {}
     for path, node in found:
-        name, leaf = _path_str(path), str(path[-1])
+        name, leaf = path_name(path), str(path[-1])
         if isinstance(node, nnx.Embed):
             new = MultiLoRAEmbed(node, max_loras=max_loras, max_rank=max_rank, dtype=dtype)
         elif leaf in logits_modules:
@@ -634,12 +631,6 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
             slices = output_slices.get(name, output_slices.get(leaf))
             new = MultiLoRALinear(node, max_loras=max_loras, max_rank=max_rank, output_slices=slices,
                                   dtype=dtype, dora=dora, lora_dtype=lora_dtype)
-        parent = model
-        for p in path[:-1]:
-            parent = parent[p] if isinstance(p, int) or not hasattr(parent, str(p)) else getattr(parent, p)
-        if isinstance(path[-1], int):
-            parent[path[-1]] = new
-        else:
-            setattr(parent, path[-1], new)
+        set_submodule(model, path, new)
         replaced[name] = new
     return replaced

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .module_paths import path_name, set_submodule
+
 __all__ = ["QUANTIZED_DTYPES", "QuantizedLinear", "dequantize_rows", "quantize_kernel", "quantize_model",
            "quantize_rows", "quantized_layers"]
 
@@ -189,7 +191,7 @@ def quantize_model(model: nnx.Module, quantize: str, *, target_modules: None | s
         raise NotImplementedError("quantize_model on a model split over a mesh is not supported: quantize the "
                                   "unsplit model (quantized layers are served on one device)")
     nodes = list(nnx.iter_graph(model))
-    lora = [".".join(map(str, p)) for p, n in nodes if p and hasattr(n, "lora_a")]
+    lora = [path_name(p) for p, n in nodes if p and hasattr(n, "lora_a")]
     if lora:
         raise ValueError(f"quantize the model before adding multi-LoRA layers: it already has {lora[:3]}; call "
                          "quantize_model first, then add_lora / replace_lora_layers")
@@ -197,7 +199,7 @@ def quantize_model(model: nnx.Module, quantize: str, *, target_modules: None | s
     for path, node in nodes:
         if not path or type(node) is not nnx.Linear or str(path[-1]) in skip_modules:
             continue
-        name = ".".join(str(p) for p in path)
+        name = path_name(path)
         if target_modules is None or (re.fullmatch(target_modules, name) is not None if isinstance(target_modules, str)
                                       else any(name == t or name.endswith("." + t) for t in target_modules)):
             found.append((path, node))
@@ -207,13 +209,7 @@ def quantize_model(model: nnx.Module, quantize: str, *, target_modules: None | s
     done = {}
     for path, node in found:
         new = QuantizedLinear.from_linear(node, quantize)
-        parent = model
-        for p in path[:-1]:
-            parent = parent[p] if isinstance(p, int) or not hasattr(parent, str(p)) else getattr(parent, p)
-        if isinstance(path[-1], int):
-            parent[path[-1]] = new
-        else:
-            setattr(parent, path[-1], new)
-        done[".".join(str(p) for p in path)] = new
+        set_submodule(model, path, new)
+        done[path_name(path)] = new
     return done
 

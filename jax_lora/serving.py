@@ -59,7 +59,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,142 +66,18 @@ import numpy as np
 from flax import nnx
 
 from lora_core import alora, checks
-from lora_core.adapter_pairs import PAIR_BUCKETS
 from lora_core.host_mapping import MIN_NUM_SEQS, LoRAMapping, next_power_of_two
 
 from . import nn as lnn
 from .adapters import AdapterManager
 from .models.llama import init_cache
 from .prefix_cache import PrefixCache
+from .serving_requests import Completion, InFlight, Request, check_adapter_fields, is_int
 from .wrapper import PunicaWrapper
 
 __all__ = ["Completion", "Request", "ServingEngine"]
 
 _LOG = logging.getLogger("jax_lora")
-
-
-@dataclasses.dataclass
-class Request:
-    """prompt: token ids; lora_id: registered adapter id, or None / 0 for the base model (an aLoRA
-    adapter applies from its invocation sequence in the prompt on; see the module docstring).
-
-    request_id: any hashable value that tells the request's Completion apart (None: the request's
-    index in the `generate` call); no two requests of one call may end up with the same id.
-    lora_ids: several registered adapters for the request (instead of lora_id), summed
-    (contract section 10); lora_weights: their strengths, one per id of lora_ids, or one number
-    for lora_id (None: strength 1). Each token then computes x W + sum_i w_i s_i (x A_i) B_i.
-    """
-
-    prompt: Sequence[int]
-    lora_id: int | None = None
-    max_new_tokens: int = 16
-    request_id: Any = None
-    eos_token_id: int | None = None
-    lora_ids: Sequence[int] | None = None
-    lora_weights: Sequence[float] | float | None = None
-
-    def adapters(self) -> tuple[tuple, tuple | None]:
-        """(the request's adapter ids, their weights or None for a plain one-adapter request)."""
-        if self.lora_ids is not None:
-            ids = tuple(int(i) for i in self.lora_ids)
-            weights = (1.0,) * len(ids) if self.lora_weights is None else tuple(float(w) for w in self.lora_weights)
-            return ids, weights
-        ids = (int(self.lora_id),) if self.lora_id else ()
-        if self.lora_weights is None:
-            return ids, None
-        return ids, (float(self.lora_weights),) * len(ids)
-
-
-@dataclasses.dataclass
-class Completion:
-    """tokens: the generated ids. logits: (len(tokens), vocab) float32 when the engine keeps logits.
-    cached_tokens: the prompt tokens whose K/V came from the base-model prefix cache (not prefilled)."""
-
-    request_id: Any
-    prompt: list
-    lora_id: int | None
-    tokens: list
-    logits: np.ndarray | None = None
-    cached_tokens: int = 0
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _check_several(i: int, r: Request) -> None:
-    """Request i's lora_ids / lora_weights: ids are positive ints (at most PAIR_BUCKETS[-1]), not
-    with lora_id; weights finite numbers, one per id (or one number for lora_id)."""
-    if r.lora_ids is not None:
-        if r.lora_id:
-            raise ValueError(f"request {i}: give lora_id or lora_ids, not both")
-        if isinstance(r.lora_ids, (str, bytes)) or not isinstance(r.lora_ids, Sequence) or not all(
-                _is_int(v) and v > 0 for v in r.lora_ids):
-            raise TypeError(f"request {i}: lora_ids must be a sequence of registered (positive int) LoRA ids, got "
-                            f"{r.lora_ids!r:.200}")
-        if len(r.lora_ids) > PAIR_BUCKETS[-1]:
-            raise ValueError(f"request {i}: lora_ids names {len(r.lora_ids)} adapters, at most {PAIR_BUCKETS[-1]}")
-    if r.lora_weights is None:
-        return
-    many = r.lora_ids is not None
-    values = r.lora_weights if many and isinstance(r.lora_weights, Sequence) else (
-        None if many else [r.lora_weights])
-    if values is None or isinstance(values, (str, bytes)) or (many and len(values) != len(r.lora_ids)):
-        raise ValueError(f"request {i}: lora_weights must be one weight per id of lora_ids, or one number for "
-                         f"lora_id, got {r.lora_weights!r:.200}")
-    for w in values:
-        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, float, np.integer, np.floating)) \
-                or not np.isfinite(w):
-            raise ValueError(f"request {i}: lora_weights must hold finite numbers, got {w!r}")
-
-
-@dataclasses.dataclass
-class _Seq:
-    req: Request
-    index: int
-    row: int
-    tokens: list = dataclasses.field(default_factory=list)
-    logits: list = dataclasses.field(default_factory=list)
-    invocation: tuple | None = None     # an aLoRA adapter's invocation tokens (None: every token)
-    start: int | None = None            # where the invocation starts in the prompt (aLoRA; None: absent)
-    cached: int = 0                     # leading prompt tokens whose K/V the prefix cache supplied
-
-    @property
-    def base_len(self) -> int:
-        """The prompt's leading tokens computed with no adapter (LoRA id 0): the whole prompt of a base
-        request, an aLoRA request's tokens before its invocation, none for an adapter on every token."""
-        n = len(self.req.prompt)
-        nonzero = np.flatnonzero(self.lora_ids(0, n))
-        return int(nonzero[0]) if nonzero.size else n
-
-    @property
-    def lora(self) -> int:
-        """The first adapter id (0: none): the sampled row's adapter and the one-adapter mapping's."""
-        ids, _ = self.req.adapters()
-        return ids[0] if ids else 0
-
-    @property
-    def loras(self) -> set:
-        return set(self.req.adapters()[0])
-
-    @property
-    def pair_entry(self) -> tuple:
-        """(ids, weights) of the request's tokens in a paired mapping."""
-        ids, weights = self.req.adapters()
-        return ids, (1.0,) * len(ids) if weights is None else weights
-
-    def lora_ids(self, first_position: int, num_tokens: int) -> np.ndarray:
-        """(num_tokens,) the LoRA id of each position first_position.. (0 before an aLoRA invocation,
-        and everywhere when the prompt holds none)."""
-        if self.invocation is None:
-            return np.full(num_tokens, self.lora, np.int64)
-        return alora.token_ids(self.lora, self.start, first_position, num_tokens)
-
-    @property
-    def done(self) -> bool:
-        eos = self.req.eos_token_id
-        return len(self.tokens) >= self.req.max_new_tokens or (eos is not None and bool(self.tokens)
-                                                               and self.tokens[-1] == eos)
 
 
 def _step(graphdef, state_def, cache_sharding, state_leaves, cache, punica, tokens, positions, rows, sample_idx,
@@ -255,12 +130,12 @@ class ServingEngine:
                             f"{type(model).__name__}")
         for name, value in (("max_seqs", max_seqs), ("max_len", max_len), ("max_prefill_tokens", max_prefill_tokens),
                             ("min_prefill_len", min_prefill_len), ("min_prefill_rows", min_prefill_rows)):
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
+        if not is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be an int >= 0 (0: no prefix cache), got "
                              f"{prefix_cache_tokens!r}")
-        if not _is_int(prefix_block_size) or not 1 <= prefix_block_size <= max_len:
+        if not is_int(prefix_block_size) or not 1 <= prefix_block_size <= max_len:
             raise ValueError(f"prefix_block_size must be an int in [1, max_len={max_len}], got {prefix_block_size!r}")
         if adapters is not None and adapters.model is not model:
             raise ValueError("adapters must be the AdapterManager of this model")
@@ -390,7 +265,7 @@ class ServingEngine:
                 raise ValueError(f"request {i}: empty prompt")
             if p.min() < 0 or p.max() >= vocab:
                 raise ValueError(f"request {i}: token ids must be in [0, {vocab}), got {p.min()}..{p.max()}")
-            if not _is_int(r.max_new_tokens):
+            if not is_int(r.max_new_tokens):
                 raise TypeError(f"request {i}: max_new_tokens must be an int, got {r.max_new_tokens!r}")
             if r.max_new_tokens < 1:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
@@ -400,12 +275,12 @@ class ServingEngine:
             if self._bucket_len(n) > self.max_prefill_tokens:
                 raise ValueError(f"request {i}: prompt of {n} tokens does not fit max_prefill_tokens="
                                  f"{self.max_prefill_tokens}")
-            if r.eos_token_id is not None and not (_is_int(r.eos_token_id) and 0 <= r.eos_token_id < vocab):
+            if r.eos_token_id is not None and not (is_int(r.eos_token_id) and 0 <= r.eos_token_id < vocab):
                 raise ValueError(f"request {i}: eos_token_id must be None or a token id in [0, {vocab}), got "
                                  f"{r.eos_token_id!r}")
-            if r.lora_id is not None and not _is_int(r.lora_id):
+            if r.lora_id is not None and not is_int(r.lora_id):
                 raise TypeError(f"request {i}: lora_id must be None or an int (0: no adapter), got {r.lora_id!r}")
-            _check_several(i, r)
+            check_adapter_fields(i, r)
             for lora_id in r.lora_ids or () if use_lora and self.adapters is not None else ():
                 if lora_id in self.adapters.registered and self.adapters.invocation_tokens(lora_id) is not None:
                     raise ValueError(f"request {i}: adapter {lora_id} is an activated LoRA (aLoRA), served alone "
@@ -582,7 +457,7 @@ class ServingEngine:
                 if self.prefill_shape(len(admitted) + 1, longest) is None:
                     break
                 plain = dataclasses.replace(req, lora_id=None, lora_ids=None, lora_weights=None)
-                seq = _Seq(req if use_lora else plain, waiting.popleft(), free[len(admitted)])
+                seq = InFlight(req if use_lora else plain, waiting.popleft(), free[len(admitted)])
                 lora = seq.lora if use_lora and req.lora_ids is None else 0     # (aLoRA: one adapter per request)
                 if lora:
                     seq.invocation = self.adapters.invocation_tokens(lora)

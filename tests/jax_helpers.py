@@ -3,14 +3,19 @@
 `rand` draws float32 normal arrays from one seeded generator; `shrink_ref` / `expand_ref` are the
 ops' math as plain loops (contract section 5); `wrapper` builds a jax_lora.PunicaWrapper already
 updated with a mapping; `shard_map_operands` reads the operand types of a lowered program's
-shard_maps. Slot i holds LoRA id LORA_INDEX_TO_ID[i]; id 0 is "no LoRA".
+shard_maps, `hlo_collectives` the collectives of a compiled one; `cpu_mesh` is a mesh of the
+host's CPU devices (tests/conftest.py asks XLA for eight). Slot i holds LoRA id LORA_INDEX_TO_ID[i];
+id 0 is "no LoRA".
 """
 
 from __future__ import annotations
 
 import re
 
+import jax
 import numpy as np
+import pytest
+from jax.sharding import Mesh
 
 from jax_lora import LoRAMapping, PunicaWrapper
 
@@ -69,6 +74,27 @@ def shard_map_operands(stablehlo: str) -> list:
     first line."""
     return [re.findall(r"%arg\d+: (tensor<[^>]*>)", line) for line in stablehlo.splitlines()
             if "sdy.manual_computation(" in line]
+
+
+def hlo_collectives(hlo: str) -> list:
+    """[(op, result shape)] of every collective in compiled HLO text."""
+    ops = r"(all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all|collective-broadcast)"
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(\S+)\s+" + ops + r"(?:-start)?\(", line)
+        if m:
+            found.append((m.group(2), m.group(1).split("{")[0]))
+    return found
+
+
+def cpu_mesh(shape=(4,), names=("tp",)):
+    """A jax.sharding.Mesh of the first prod(shape) CPU devices, axes `names`; the test fails (not
+    skips) when there are fewer: tests/conftest.py sets xla_force_host_platform_device_count=8."""
+    n = int(np.prod(shape))
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        pytest.fail(f"needs {n} CPU devices; tests/conftest.py sets xla_force_host_platform_device_count=8")
+    return Mesh(np.array(devices[:n]).reshape(shape), names)
 
 
 def zero_sized(tensor_type: str) -> bool:

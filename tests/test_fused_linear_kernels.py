@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
 
 from torch_lora.ops.fused_linear import gemm_config, gemm_lora, rms_norm_shrink  # noqa: E402
 
+from .fused_linear_cases import gemm_lora_oracle, lora_slots, rel_err  # noqa: E402
+
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -46,23 +48,11 @@ def _assert_rounds_like_hf(out: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def _rel(got, ref) -> float:
-    got = np.asarray(got.double().cpu() if isinstance(got, torch.Tensor) else got, np.float64)
-    assert not np.isnan(got).any(), "NaN in the result (an unwritten output, or padding that was read)"
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+    return rel_err(got.double().cpu() if isinstance(got, torch.Tensor) else got, ref)
 
 
 def _t(a, dtype):
     return torch.from_numpy(np.asarray(a, np.float32)).to(DEV, dtype)
-
-
-def _slots(rng, m: int) -> np.ndarray:
-    """Slots of m rows: every slot, -1 and L (past the slots: no LoRA) when there is room."""
-    s = rng.integers(0, L, m).astype(np.int32)
-    if m > 1:
-        s[rng.permutation(m)[: max(1, m // 4)]] = -1
-    if m > 4:
-        s[rng.integers(0, m)] = L
-    return s
 
 
 def _gemm_problem(seed, m, rank, dtype, widths=WIDTHS, planes=1):
@@ -74,23 +64,11 @@ def _gemm_problem(seed, m, rank, dtype, widths=WIDTHS, planes=1):
     buf = rng.standard_normal((planes, len(widths), m, rank)).astype(np.float32)
     b = [rng.standard_normal((L, wd, rank)) / np.sqrt(rank) for wd in widths]
     y0 = rng.standard_normal((m, n))
-    return rng, x, w, bias, buf, b, y0, _slots(rng, m)
+    return rng, x, w, bias, buf, b, y0, lora_slots(rng, m, L)
 
 
 def _gemm_oracle(x, w, bias, buf, b, slots, y0, widths, ranks=None):
-    """float64 (y0 or 0) + x @ w.T + bias + sum over slices of buf[s, m, :rank] @ B_s[slot, :, :rank].T."""
-    ref = x @ w.T + (0 if bias is None else bias[None, :]) + (0 if y0 is None else y0)
-    if buf is None:
-        return ref
-    s_buf = buf.astype(np.float64).sum(0)
-    off = 0
-    for s, n in enumerate(widths):
-        for m, slot in enumerate(slots):
-            if 0 <= slot < L:
-                r = b[s].shape[2] if ranks is None else ranks[slot]
-                ref[m, off:off + n] += s_buf[s, m, :r] @ b[s][slot][:, :r].T
-        off += n
-    return ref
+    return gemm_lora_oracle(x, w, bias, buf, b, slots, y0, widths, L, ranks)
 
 
 def _q(a, dtype):
@@ -131,7 +109,7 @@ def test_gemm_lora_split_k_planes_ragged_last_slice_and_ranks(mode):
     buf = rng.standard_normal((3, 3, m, rank)).astype(np.float32)
     b = [rng.standard_normal((L, n, rank)) / 4 for n in widths]
     ranks = np.array([16, 3, 8, 0], np.int32)
-    slots = _slots(rng, m)
+    slots = lora_slots(rng, m, L)
     bt = [_t(v, dtype) for v in b]
     for slot, r in enumerate(ranks):
         buf[:, :, slots == slot, r:] = np.nan
@@ -181,7 +159,7 @@ def test_rms_norm_shrink_matches_hf_norm_and_oracle(dtype, m, mode, planes):
     g = _t(1 + 0.2 * rng.standard_normal(K), dtype)
     a = [rng.standard_normal((L, rank, K)) / np.sqrt(K) for _ in range(3)]
     at = [_t(v, dtype) for v in a]
-    slots = _slots(rng, m)
+    slots = lora_slots(rng, m, L)
     out = torch.full((m, K), float("nan"), dtype=dtype, device=DEV)
     buf = torch.full((planes, 3, m, rank), float("nan"), dtype=torch.float32, device=DEV)
     cfg = dict(BLOCK_M=16 if mode == "slots" else 4, BLOCK_K=64, LORA_MODE=mode)
@@ -243,7 +221,7 @@ def test_norm_shrink_then_gemm_lora_is_the_lora_linear():
     w = _t(rng.standard_normal((sum(WIDTHS), K)) / 16, dtype)
     a = [_t(rng.standard_normal((L, rank, K)) / 16, dtype) for _ in WIDTHS]
     b = [_t(rng.standard_normal((L, n, rank)) / 4, dtype) for n in WIDTHS]
-    slots = torch.from_numpy(_slots(rng, m)).to(DEV)
+    slots = torch.from_numpy(lora_slots(rng, m, L)).to(DEV)
     xn, buf = rms_norm_shrink(h, g, 1e-5, a, slots, 2.0)
     y = gemm_lora(xn, w, None, buf, b, slots, WIDTHS)
     xd = _hf_rms_norm(h, g, 1e-5).double()

@@ -23,6 +23,8 @@ tl = pytest.importorskip("triton.language")
 
 from lora_core.kernels import common as kernel_common  # noqa: E402
 
+from .cuda_cases import linear_problem, ref_linear  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 TOL = 2e-2          # bf16 activations and outputs (tests/oracle.py FP8_TOL["bfloat16"])
@@ -41,44 +43,6 @@ def quantize(w: torch.Tensor, per_tensor: bool = False):
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     full = scale[:, None, None] if scale.dim() == 1 else scale[:, :, None]
     return q.double() * full.double()
-
-
-def _setup(T, H, R, widths, L, D, seed, ranks=False, bias=False):
-    from torch_lora.meta import LoRAKernelMeta
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    kw = dict(device="cuda", generator=g)
-    rng = np.random.default_rng(seed)
-    x = torch.randn(T, H, **kw).to(torch.bfloat16)
-    a = [(torch.randn(L, R, H, **kw) / math.sqrt(H)).to(torch.bfloat16) for _ in widths]
-    b = [(torch.randn(L, n, R, **kw) / math.sqrt(R)).to(torch.bfloat16) for n in widths]
-    chosen = rng.choice(L, size=min(D, L), replace=False)
-    idx = chosen[rng.integers(0, len(chosen), T)]
-    idx = np.where(rng.random(T) < 0.2, -1, idx).astype(np.int32)
-    meta = LoRAKernelMeta.make(L, T + 5, "cuda")
-    meta.prepare_tensors(torch.from_numpy(idx).cuda())
-    rk = torch.from_numpy(rng.integers(0, R + 1, L).astype(np.int32)).cuda() if ranks else None
-    c = [torch.randn(L, n, **kw).to(torch.bfloat16) if i != 1 else None for i, n in enumerate(widths)] if bias else None
-    return x, a, b, idx, meta, rk, c
-
-
-def _ref_linear(y, x, a, b, idx, scale, offsets, ranks=None, bias=None):
-    """float64: y + per slice (scale * x @ A[idx].T) @ B[idx].T + bias, A and B float64 already."""
-    out = y.double().clone()
-    x = x.double()
-    for slot in np.unique(idx):
-        if slot < 0:
-            continue
-        rows = torch.from_numpy(np.nonzero(idx == slot)[0]).cuda()
-        for s, (aa, bb, off) in enumerate(zip(a, b, offsets)):
-            A, B = aa[slot], bb[slot]
-            if ranks is not None:
-                k = int(ranks[slot])
-                A, B = A[:k], B[:, :k]
-            d = (scale * x[rows] @ A.T) @ B.T
-            if bias is not None and bias[s] is not None:
-                d = d + bias[s][slot].double()
-            out[rows, off:off + bb.shape[1]] += d
-    return out
 
 
 def _rel(got, want) -> float:
@@ -102,7 +66,7 @@ CASES = [  # (T, H, R, widths, L, D)
 def test_fp8_linear_matches_float64(case, fused):
     from torch_lora.ops import triton as tri
     T, H, R, widths, L, D = case
-    x, a, b, idx, meta, _, _ = _setup(T, H, R, widths, L, D, seed=T + R)
+    x, a, b, idx, meta, _, _ = linear_problem(T, H, R, widths, L, D, torch.bfloat16, seed=T + R)
     qa = [quantize(w) for w in a]
     qb = [quantize(w) for w in b]
     offsets = tuple(sum(widths[:s]) for s in range(len(widths)))
@@ -110,7 +74,7 @@ def test_fp8_linear_matches_float64(case, fused):
     y0 = y.clone()
     tri.linear(y, x, [q for q, _ in qa], [q for q, _ in qb], meta.meta_args(T), 0.5, offsets, fused=fused,
                a_scales=tuple(s for _, s in qa), b_scales=tuple(s for _, s in qb))
-    want = _ref_linear(y0, x, [dequantize(*p) for p in qa], [dequantize(*p) for p in qb], idx, 0.5, offsets)
+    want = ref_linear(y0, x, [dequantize(*p) for p in qa], [dequantize(*p) for p in qb], idx, 0.5, offsets)
     assert _rel(y, want) < TOL
     assert torch.equal(y[torch.from_numpy(idx < 0).cuda()], y0[torch.from_numpy(idx < 0).cuda()])
 
@@ -120,7 +84,7 @@ def test_fp8_linear_matches_float64(case, fused):
 def test_fp8_shrink_expand_ops(per_tensor, T):
     """The public ops (lora_shrink / lora_expand) with fp8 weights and lora_a_scale / lora_b_scale."""
     from torch_lora import ops
-    x, a, b, idx, meta, _, _ = _setup(T, 2048, 16, (1024, 256), 8, 4, seed=7 + T)
+    x, a, b, idx, meta, _, _ = linear_problem(T, 2048, 16, (1024, 256), 8, 4, torch.bfloat16, seed=7 + T)
     qa = [quantize(w, per_tensor) for w in a]
     qb = [quantize(w, per_tensor) for w in b]
     out = torch.full((2, T, 16), float("nan"), device="cuda")
@@ -151,7 +115,8 @@ def test_fp8_prepared_linear_ranks_bias_mixed(T):
     of three slices, and fp8 A with bf16 B; called twice (the second call is the prepared path)."""
     from torch_lora.ops import triton as tri
     widths = (1024, 512, 512)
-    x, a, b, idx, meta, rk, c = _setup(T, 2048, 32, widths, 16, 6, seed=40 + T, ranks=True, bias=True)
+    x, a, b, idx, meta, rk, c = linear_problem(T, 2048, 32, widths, 16, 6, torch.bfloat16, seed=40 + T, ranks=True,
+                                               bias=True)
     qa = [quantize(w) for w in a]
     offsets = tuple(sum(widths[:s]) for s in range(len(widths)))
     run = tri.prepare_linear([q for q, _ in qa], b, meta.meta_args(T), offsets, tuple(c),
@@ -161,7 +126,7 @@ def test_fp8_prepared_linear_ranks_bias_mixed(T):
         y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
         y0 = y.clone()
         run(y, x, 0.25, rk)
-        want = _ref_linear(y0, x, [dequantize(*p) for p in qa], [w.double() for w in b], idx, 0.25, offsets,
+        want = ref_linear(y0, x, [dequantize(*p) for p in qa], [w.double() for w in b], idx, 0.25, offsets,
                            ranks=rk.cpu(), bias=c)
         assert _rel(y, want) < TOL
 
@@ -173,7 +138,7 @@ def test_fp8_several_adapters_per_token(T):
     from torch_lora.ops import triton as tri
     from torch_lora.ops.torch_ref import pair_columns
     L, R, H, widths = 8, 16, 1024, (512, 256)
-    x, a, b, _, _, _, _ = _setup(T, H, R, widths, L, L, seed=60 + T)
+    x, a, b, _, _, _, _ = linear_problem(T, H, R, widths, L, L, torch.bfloat16, seed=60 + T)
     qa = [quantize(w) for w in a]
     qb = [quantize(w) for w in b]
     rng = np.random.default_rng(T)

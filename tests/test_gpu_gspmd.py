@@ -10,12 +10,11 @@ local blocks. The same partitioning code runs on the CPU in tests/test_gspmd.py.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
 from . import oracle
+from .jax_helpers import hlo_collectives
 
 pytestmark = pytest.mark.gpu
 
@@ -30,16 +29,6 @@ def _setup():
         pytest.skip(f"needs 2 GPUs of one host, found {len(gpus)}")
     from jax.sharding import Mesh
     return jax, Mesh(np.array(gpus[:2]), ("tp",))
-
-
-def _collectives(hlo: str) -> list:
-    ops = r"(all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all|collective-broadcast)"
-    found = []
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*(\S+)\s+" + ops + r"(?:-start)?\(", line)
-        if m:
-            found.append((m.group(2), m.group(1).split("{")[0]))
-    return found
 
 
 @pytest.mark.parametrize("case", ["column", "row", "tokens", "column_stacked"])
@@ -85,7 +74,7 @@ def test_triton_ffi_splits_like_the_math(case):
     assert oracle.rel_err(np.asarray(got), want) < 1e-4
     assert got.sharding.spec == out_spec
     hlo = jitted.lower(*args).compile().as_text()
-    assert sorted(_collectives(hlo)) == sorted(expected)
+    assert sorted(hlo_collectives(hlo)) == sorted(expected)
     if case.startswith("column"):
         calls = [line for line in hlo.splitlines() if "custom-call(" in line]
         assert any(f"f32[{T},{N // 2}]" in c for c in calls) and not any(f"f32[{L},{N},{R}]" in c for c in calls)

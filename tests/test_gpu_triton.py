@@ -15,49 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from .cuda_cases import linear_problem, ref_linear  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-
-
-def _setup(T, H, R, widths, L, D, dtype, seed, frac_none=0.2, ranks=False, bias=False, kind="dec"):
-    from torch_lora.meta import LoRAKernelMeta
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    kw = dict(device="cuda", generator=g)
-    rng = np.random.default_rng(seed)
-    x = torch.randn(T, H, **kw).to(dtype)
-    a = [(torch.randn(L, R, H, **kw) / math.sqrt(H)).to(dtype) for _ in widths]
-    b = [(torch.randn(L, n, R, **kw) / math.sqrt(R)).to(dtype) for n in widths]
-    chosen = rng.choice(L, size=min(D, L), replace=False)
-    if kind == "dec":
-        idx = chosen[rng.integers(0, len(chosen), T)]
-    else:
-        idx = np.sort(chosen[rng.integers(0, len(chosen), T)])
-    idx = np.where(rng.random(T) < frac_none, -1, idx).astype(np.int32)
-    meta = LoRAKernelMeta.make(L, T + 5, "cuda")
-    meta.prepare_tensors(torch.from_numpy(idx).cuda())
-    rk = torch.from_numpy(rng.integers(0, R + 1, L).astype(np.int32)).cuda() if ranks else None
-    c = [(torch.randn(L, n, **kw)).to(dtype) if i != 1 else None for i, n in enumerate(widths)] if bias else None
-    return x, a, b, idx, meta, rk, c
-
-
-def _ref_linear(y, x, a, b, idx, scale, offsets, ranks=None, bias=None):
-    out = y.double().clone()
-    x = x.double()
-    for slot in np.unique(idx):
-        if slot < 0:
-            continue
-        rows = torch.from_numpy(np.nonzero(idx == slot)[0]).cuda()
-        for s, (aa, bb, off) in enumerate(zip(a, b, offsets)):
-            A, B = aa[slot].double(), bb[slot].double()
-            if ranks is not None:
-                k = int(ranks[slot])
-                A, B = A[:k], B[:, :k]
-            d = (scale * x[rows] @ A.T) @ B.T
-            if bias is not None and bias[s] is not None:
-                d = d + bias[s][slot].double()
-            out[rows, off:off + bb.shape[1]] += d
-    return out
 
 
 def _err(got, ref):
@@ -72,11 +34,11 @@ def _err(got, ref):
 def test_linear(dtype, fused, ranks):
     from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 37, 1000, 32, (520, 130, 130), 6
-    x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, 5, dtype, 1, ranks=ranks, bias=True)
+    x, a, b, idx, meta, rk, c = linear_problem(T, H, R, widths, L, 5, dtype, 1, ranks=ranks, bias=True)
     N = sum(widths) + 10
     y = torch.randn(T, N, device="cuda").to(dtype)
     offsets = (10, 530, 660)
-    ref = _ref_linear(y, x, a, b, idx, 0.7, offsets, None if rk is None else rk.cpu(), c)
+    ref = ref_linear(y, x, a, b, idx, 0.7, offsets, None if rk is None else rk.cpu(), c)
     y2 = y.clone()
     torch_triton.linear(y2, x, a, b, meta.meta_args(T), 0.7, offsets, rk, c, fused=fused)
     assert _err(y2, ref) < TOL[dtype]
@@ -89,7 +51,7 @@ def test_linear(dtype, fused, ranks):
 def test_shrink_expand(dtype):
     from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 64, 4096 + 24, 16, (4096, 1024, 1024), 8
-    x, a, b, idx, meta, rk, _ = _setup(T, H, R, widths, L, 8, dtype, 2)
+    x, a, b, idx, meta, rk, _ = linear_problem(T, H, R, widths, L, 8, dtype, 2)
     buf = torch.full((3, T, R), float("nan"), device="cuda")
     torch_triton.shrink(x, a, buf, meta.meta_args(T), 0.5, None)
     sel = torch.from_numpy(np.maximum(idx, 0)).cuda()
@@ -121,10 +83,10 @@ SWEEP = [  # (T, H, rank, widths, slots, adapters, kind)
 def test_vllm_scale_sweep(case):
     from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L, D, kind = case
-    x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, D, torch.bfloat16, 3, kind=kind)
+    x, a, b, idx, meta, rk, c = linear_problem(T, H, R, widths, L, D, torch.bfloat16, 3, kind=kind)
     y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
     offsets = tuple(int(v) for v in np.cumsum((0,) + widths)[:-1])
-    ref = _ref_linear(y, x, a, b, idx, 1.0, offsets)
+    ref = ref_linear(y, x, a, b, idx, 1.0, offsets)
     for fused in (False, True):
         y2 = y.clone()
         torch_triton.linear(y2, x, a, b, meta.meta_args(T), 1.0, offsets, None, None, fused=fused)
@@ -136,7 +98,7 @@ def test_graph_capture_replay_with_new_mappings():
     from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 24, 2048, 16, (2048, 512, 512), 8
     for fused in (False, True):
-        x, a, b, idx, meta, rk, _ = _setup(T, H, R, widths, L, 6, torch.bfloat16, 4)
+        x, a, b, idx, meta, rk, _ = linear_problem(T, H, R, widths, L, 6, torch.bfloat16, 4)
         y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
         offsets = (0, 2048, 2560)
         work = y.clone()
@@ -157,7 +119,7 @@ def test_graph_capture_replay_with_new_mappings():
             work.copy_(y)
             g.replay()
             torch.cuda.synchronize()
-            ref = _ref_linear(y, x, a, b, new_idx, 0.5, offsets)
+            ref = ref_linear(y, x, a, b, new_idx, 0.5, offsets)
             assert _err(work, ref) < 2e-2, (fused, trial)
 
 
@@ -174,7 +136,7 @@ def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
     from torch_lora.ops import triton as torch_triton
     monkeypatch.setattr(torch_c_launch, "_ENABLED", [c_launch])
     T, H, R, widths, L = 24, 1000, 32, (520, 130, 130), 6
-    x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, 5, torch.bfloat16, 7, ranks=ranks, bias=True)
+    x, a, b, idx, meta, rk, c = linear_problem(T, H, R, widths, L, 5, torch.bfloat16, 7, ranks=ranks, bias=True)
     offsets = (0, 520, 650)
     run = torch_triton.PreparedLinear(a, b, meta.meta_args(T), offsets, c, fused=fused)
     g = torch.Generator(device="cuda").manual_seed(8)
@@ -190,7 +152,7 @@ def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
         assert run._steps is not None, "the direct path was not built"
         assert (run._c_steps is not None) == c_launch, "the C launches were not built"
         assert torch.equal(got, want), call
-        ref = _ref_linear(ys, xs, a, b, idx, scale, offsets, None if rks is None else rks.cpu(), c)
+        ref = ref_linear(ys, xs, a, b, idx, scale, offsets, None if rks is None else rks.cpu(), c)
         assert _err(got, ref) < 2e-2
     # misaligned x (2 bytes off a 16-byte boundary) and another layout: generic path, same result
     big = torch.randn(T * H + 1, device="cuda").to(torch.bfloat16)
@@ -212,7 +174,7 @@ def test_prepared_linear_direct_path(fused, ranks, c_launch, monkeypatch):
         work.copy_(ys)
         graph.replay()
         torch.cuda.synchronize()
-        ref = _ref_linear(ys, xs, a, b, new_idx, 0.5, offsets, None if rks is None else rks.cpu(), c)
+        ref = ref_linear(ys, xs, a, b, new_idx, 0.5, offsets, None if rks is None else rks.cpu(), c)
         assert _err(work, ref) < 2e-2, trial
 
 
@@ -225,7 +187,7 @@ def test_chained_calls_wait_for_the_previous_kernel(fused):
     overlap possible)."""
     from torch_lora.ops import triton as torch_triton
     T, H, R, L = 16, 2048, 16, 4
-    x, a, b, idx, meta, _, _ = _setup(T, H, R, (H,), L, 4, torch.bfloat16, 12, frac_none=0.0)
+    x, a, b, idx, meta, _, _ = linear_problem(T, H, R, (H,), L, 4, torch.bfloat16, 12, frac_none=0.0)
     ys0 = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(12)]
 
     def chain(ys, sync):
@@ -265,8 +227,8 @@ def test_prepared_linears_share_the_stream_workspace(fused):
     from torch_lora.ops import triton as torch_triton
     T, H, L = 16, 2048, 4
     widths3 = (1024, 512, 512)
-    _, a16, b16, idx, meta, _, _ = _setup(T, H, 16, widths3, L, 4, torch.bfloat16, 21, frac_none=0.1)
-    _, a64, b64, _, _, _, _ = _setup(T, H, 64, (H,), L, 4, torch.bfloat16, 22)
+    _, a16, b16, idx, meta, _, _ = linear_problem(T, H, 16, widths3, L, 4, torch.bfloat16, 21, frac_none=0.1)
+    _, a64, b64, _, _, _, _ = linear_problem(T, H, 64, (H,), L, 4, torch.bfloat16, 22)
     layers = [(a16, b16, (0, 1024, 1536)), (a64, b64, (0,))]
     preps = [torch_triton.PreparedLinear(a, b, meta.meta_args(T), off, fused=fused) for a, b, off in layers]
     streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
@@ -359,7 +321,7 @@ def test_prepared_linear_spreads_a_dependent_decode_shrink(monkeypatch):
     num_sms, max_shared = torch_c_launch.sm_resources(torch.cuda.current_device())
     SPREAD_MAX = configs.launch_policy().spread_pdl_max_tokens
     for T in (8, SPREAD_MAX, 64):
-        x, a, b, idx, meta, _, _ = _setup(T, H, 16, (H,), L, 8, torch.bfloat16, 30 + T, frac_none=0.0)
+        x, a, b, idx, meta, _, _ = linear_problem(T, H, 16, (H,), L, 8, torch.bfloat16, 30 + T, frac_none=0.0)
         run = torch_triton.PreparedLinear(a, b, meta.meta_args(T), (0,), fused=False)
         ys0 = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(6)]
         want, prev = [y.clone() for y in ys0], x
@@ -429,14 +391,14 @@ def test_wrapper_add_lora_linear_many_steps():
         y = torch.randn(T, sum(widths), device="cuda", generator=g).to(torch.bfloat16)
         y0 = y.clone()
         w.add_lora_linear(y, x, a, b, None, 0.5, widths)
-        ref = _ref_linear(y0, x, [t[:, 0] for t in a], [t[:, 0] for t in b], idx, 0.5, (0, 512, 640))
+        ref = ref_linear(y0, x, [t[:, 0] for t in a], [t[:, 0] for t in b], idx, 0.5, (0, 512, 640))
         assert _err(y, ref) < 2e-2, (step, T)
 
 
 def test_heterogeneous_ranks_equal_padded():
     from torch_lora.ops import triton as torch_triton
     T, H, R, widths, L = 96, 4096, 64, (4096, 1024, 1024), 8
-    x, a, b, idx, meta, _, _ = _setup(T, H, R, widths, L, 8, torch.bfloat16, 6, frac_none=0.0)
+    x, a, b, idx, meta, _, _ = linear_problem(T, H, R, widths, L, 8, torch.bfloat16, 6, frac_none=0.0)
     ranks = torch.tensor([8, 16, 32, 64, 8, 16, 32, 64], dtype=torch.int32, device="cuda")
     pa, pb = [aa.clone() for aa in a], [bb.clone() for bb in b]
     for l in range(L):
@@ -475,10 +437,10 @@ def test_jax_triton_under_jit(fused, jax_launcher):
     from jax_lora.meta import LoRAKernelMeta as JMeta
     from jax_lora.ops import triton as jax_triton_backend
     T, H, R, widths, L = 40, 1500, 16, (1500, 300, 300), 8
-    x, a, b, idx, meta, rk, c = _setup(T, H, R, widths, L, 6, torch.bfloat16, 7, ranks=True, bias=True)
+    x, a, b, idx, meta, rk, c = linear_problem(T, H, R, widths, L, 6, torch.bfloat16, 7, ranks=True, bias=True)
     y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
     offsets = (0, 1500, 1800)
-    ref = _ref_linear(y, x, a, b, idx, 0.5, offsets, rk.cpu(), c)
+    ref = ref_linear(y, x, a, b, idx, 0.5, offsets, rk.cpu(), c)
     j = lambda t: jnp.from_dlpack(t.contiguous())
     jm = JMeta.build(jnp.asarray(idx), L, T + 3)
     ja, jb = tuple(j(t) for t in a), tuple(j(t) for t in b)
@@ -503,7 +465,7 @@ def test_jax_chained_calls_under_jit_match_separate_calls(jax_launcher):
     from jax_lora.meta import LoRAKernelMeta as JMeta
     from jax_lora.ops import triton as jax_triton_backend
     T, H, R, L, steps = 16, 2048, 16, 4, 12
-    x, a, b, idx, _, _, _ = _setup(T, H, R, (H,), L, 4, torch.bfloat16, 13, frac_none=0.0)
+    x, a, b, idx, _, _, _ = linear_problem(T, H, R, (H,), L, 4, torch.bfloat16, 13, frac_none=0.0)
     j = lambda t: jnp.from_dlpack(t.contiguous())
     jm = JMeta.build(jnp.asarray(idx), L, T)
     ja, jb = (j(a[0]),), (j(b[0]),)
@@ -560,10 +522,11 @@ def test_tuned_table_multi_tile_configs_torch_and_jax(case):
     T, R, L, S = case
     widths = (4096,) if S == 1 else (4096, 1024, 1024)
     D = min(L, 8 if T >= 2048 else L)
-    x, a, b, idx, meta, _, _ = _setup(T, 4096, R, widths, L, D, torch.bfloat16, 17, kind="pre" if T >= 2048 else "dec")
+    x, a, b, idx, meta, _, _ = linear_problem(T, 4096, R, widths, L, D, torch.bfloat16, 17,
+                                              kind="pre" if T >= 2048 else "dec")
     y = torch.randn(T, sum(widths), device="cuda").to(torch.bfloat16)
     offsets = tuple(int(v) for v in np.cumsum((0,) + widths)[:-1])
-    ref = _ref_linear(y, x, a, b, idx, 0.5, offsets)
+    ref = ref_linear(y, x, a, b, idx, 0.5, offsets)
     y_t = y.clone()
     torch_triton.linear(y_t, x, a, b, meta.meta_args(T), 0.5, offsets)
     assert _err(y_t, ref) < 2e-2

@@ -13,14 +13,13 @@ math (fast). Also the fallbacks (replicated, with a log line), eager calls on sh
 """
 
 import logging
-import re
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_lora import LoRAMapping, PunicaWrapper
@@ -28,6 +27,7 @@ from jax_lora.meta import LoRAKernelMeta
 from jax_lora.ops import pallas_tpu, partition, xla
 
 from . import oracle
+from .jax_helpers import cpu_mesh, hlo_collectives
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
                                 reason="CPU-device meshes; JAX's default backend here is not the CPU")
@@ -47,13 +47,6 @@ CASES = {
 # The reference math declared a custom-call backend: the partitioning rule at the speed of plain XLA.
 XLA_AS_CUSTOM_CALL = types.SimpleNamespace(NAME="xla-as-custom-call", COLUMN_SCALE=True, CUSTOM_CALLS=True,
                                            shrink=xla.shrink, expand=xla.expand)
-
-
-def _mesh(shape=(4,), names=("tp",)):
-    devices = jax.devices("cpu")
-    if len(devices) < int(np.prod(shape)):
-        pytest.fail("needs 8 CPU devices; tests/conftest.py sets xla_force_host_platform_device_count=8")
-    return Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), names)
 
 
 def _data(seed=0, slices=(N,)):
@@ -91,21 +84,10 @@ def _linear(w, y, x, a, b, bias, ranks):
     return w.add_lora_linear(y, x, a, b, bias, 0.5, tuple(v.shape[1] for v in b), lora_ranks=ranks)
 
 
-def _collectives(hlo: str) -> list:
-    """[(op, result shape)] of every collective in compiled HLO text."""
-    ops = r"(all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all|collective-broadcast)"
-    found = []
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*(\S+)\s+" + ops + r"(?:-start)?\(", line)
-        if m:
-            found.append((m.group(2), m.group(1).split("{")[0]))
-    return found
-
-
 def _sharded_call(backend, case, seed=0):
     """(result, want, compiled HLO text) of add_lora_linear under jit with the case's shardings."""
     y_spec, x_spec, a_spec, b_spec, bias_spec, _, _ = CASES[case]
-    mesh = _mesh()
+    mesh = cpu_mesh()
     x, y, a, b, bias = _data(seed)
 
     def put(v, spec):
@@ -122,7 +104,7 @@ def _check(got, want, hlo, case):
     *_, out_spec, collectives = CASES[case]
     assert oracle.rel_err(np.asarray(got), want) < TOL
     assert got.sharding.spec == out_spec
-    assert sorted(_collectives(hlo)) == sorted(collectives)
+    assert sorted(hlo_collectives(hlo)) == sorted(collectives)
 
 
 # ----------------------------------------------------------------------------- the three splits
@@ -133,7 +115,7 @@ def test_xla_backend_splits_like_the_math(case):
     got, want, hlo = _sharded_call("xla", case)
     *_, out_spec, _ = CASES[case]
     assert oracle.rel_err(np.asarray(got), want) < TOL and got.sharding.spec == out_spec
-    found = _collectives(hlo)
+    found = hlo_collectives(hlo)
     if case == "tokens":      # XLA moves a few index entries between devices for the token-split gathers
         assert all(op == "collective-permute" and shape.startswith("s32") for op, shape in found)
     elif case == "row":       # the reference shrink multiplies x by every slot's A: a (T, L, r) psum
@@ -162,7 +144,7 @@ def test_the_rule_on_the_reference_math(case, monkeypatch):
 def test_tokens_and_input_features_on_a_2d_mesh():
     """Tokens over "data", the input features over "tp": each device shrinks its tokens' part of H,
     one psum over "tp" of its (1, T/2, r) buffer."""
-    mesh = _mesh((2, 2), ("data", "tp"))
+    mesh = cpu_mesh((2, 2), ("data", "tp"))
     x, y, a, b, bias = _data(3)
     xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("data", "tp")))
     ys = jax.device_put(jnp.asarray(y), NamedSharding(mesh, P("data")))
@@ -174,12 +156,12 @@ def test_tokens_and_input_features_on_a_2d_mesh():
     got = step(*args)
     assert oracle.rel_err(np.asarray(got), oracle.lora_linear(y, x, a, b, None, 0.5, [i - 1 for i in IDS])) < TOL
     assert got.sharding.spec == P("data")
-    assert _collectives(step.lower(*args).compile().as_text()) == [("all-reduce", f"f32[1,{T // 2},{R}]")]
+    assert hlo_collectives(step.lower(*args).compile().as_text()) == [("all-reduce", f"f32[1,{T // 2},{R}]")]
 
 
 def test_eager_call_on_sharded_arrays_runs_per_device():
     """Outside jit, concrete arrays on several devices: the op is jitted once and splits the same way."""
-    mesh = _mesh()
+    mesh = cpu_mesh()
     x, y, a, b, _ = _data(4)
     w = partition.partitioned(XLA_AS_CUSTOM_CALL)
     meta = LoRAKernelMeta.build(np.asarray(IDS, np.int32) - 1, L, T)
@@ -195,7 +177,7 @@ def test_eager_call_on_sharded_arrays_runs_per_device():
 def test_several_slices_with_y_split_run_replicated_and_say_so(caplog):
     """q, k, v slices with y's columns split in natural order: a device's columns are not a block of
     every slice, so the op runs replicated (the right result) and the log says why."""
-    mesh = _mesh()
+    mesh = cpu_mesh()
     slices = (32, 16, 16)
     x, y, a, b, bias = _data(5, slices)
     put = lambda v, spec: jax.device_put(jnp.asarray(v), NamedSharding(mesh, spec))
@@ -237,7 +219,7 @@ def _plan(call, mesh, x, y, a, b, out):
 
 def test_plan_reasons():
     """What runs replicated, and why; what splits."""
-    mesh = _mesh((2, 2), ("data", "tp"))
+    mesh = cpu_mesh((2, 2), ("data", "tp"))
     call = _linear_call()
     assert _plan(call, mesh, P(), P(None, "tp"), P(), P(None, "tp"), P(None, "tp")) == \
         partition.Plan(outputs=("tp",))
@@ -254,10 +236,10 @@ def test_plan_reasons():
     }
     for name, plan in reasons.items():
         assert plan.reason is not None and (plan.tokens, plan.inputs, plan.outputs) == ((), (), ()), name
-    uneven = _plan(call, _mesh((8,), ("tp",)), P(), P(None, "tp"), P(), P(None, "tp"), P(None, "tp"))
+    uneven = _plan(call, cpu_mesh((8,), ("tp",)), P(), P(None, "tp"), P(), P(None, "tp"), P(None, "tp"))
     assert uneven.outputs == ("tp",)                               # 64 columns over 8: even
     odd = partition._describe("shrink", XLA_AS_CUSTOM_CALL, {"x": 0}, partition._Weights())
-    s = _shapes(_mesh((8,), ("tp",)), x=((6, H), P("tp")), out=((1, 6, R), P(None, "tp")))
+    s = _shapes(cpu_mesh((8,), ("tp",)), x=((6, H), P("tp")), out=((1, 6, R), P(None, "tp")))
     meta = [jax.ShapeDtypeStruct((16,), jnp.int32, sharding=None)] * 6
     assert "do not split evenly" in partition.plan(odd, [s["x"], *meta], s["out"]).reason
 
@@ -289,7 +271,7 @@ def test_triton_column_split_takes_local_blocks():
     through the same partitioning code."""
     pytest.importorskip("triton")
     y_spec, x_spec, a_spec, b_spec, bias_spec, _, _ = CASES["column"]
-    mesh = _mesh()
+    mesh = cpu_mesh()
     x, y, a, b, bias = _data(7)
 
     def put(v, spec):
@@ -299,7 +281,7 @@ def test_triton_column_split_takes_local_blocks():
             tuple(put(v, b_spec) for v in b), tuple(put(v, bias_spec) for v in bias),
             put(np.asarray(RANKS, np.int32), P()))
     hlo = jax.jit(_linear).lower(*args).compile().as_text()
-    assert _collectives(hlo) == []
+    assert hlo_collectives(hlo) == []
     calls = [line for line in hlo.splitlines() if "custom-call(" in line]
     assert any(f"f32[{L},{N // 4},{R}]" in c for c in calls), calls
     assert not any(f"f32[{L},{N},{R}]" in c for c in calls)
@@ -309,7 +291,7 @@ def test_triton_stacked_views_split_by_columns():
     """add_lora_linear_stacked hands Triton Views of the stacked weights: a View over all of B's
     rows reads each device's block (compiled, not run; no collective, local B in the launch)."""
     pytest.importorskip("triton")
-    mesh = _mesh()
+    mesh = cpu_mesh()
     x, y, a, b, _ = _data(8)
 
     def put(v, spec):
@@ -319,7 +301,7 @@ def test_triton_stacked_views_split_by_columns():
     args = (_wrapper("triton", mesh), put(y, P(None, "tp")), put(x, P()), put(np.stack(a), P()),
             put(b[0], P(None, "tp")))
     hlo = step.lower(*args).compile().as_text()
-    assert _collectives(hlo) == []
+    assert hlo_collectives(hlo) == []
     calls = [line for line in hlo.splitlines() if "custom-call(" in line]
     assert any(f"f32[{L},{N // 4},{R}]" in c for c in calls) and not any(f"f32[{L},{N},{R}]" in c for c in calls)
 
@@ -344,7 +326,7 @@ def _fp8_sharded_call(backend, case):
     """(result, want, compiled HLO) of add_lora_linear with fp8 A and B and their scales under the
     case's shardings (B's scales split with B's rows, A's whole)."""
     y_spec, x_spec, a_spec, b_spec, bias_spec, _, _ = CASES[case]
-    mesh = _mesh()
+    mesh = cpu_mesh()
     x, y, a, b, bias = _data(9)
     a8, b8 = _fp8(a), _fp8(b)
 
@@ -386,7 +368,7 @@ def test_pallas_tpu_fp8_splits_like_the_math(case):
 def test_fp8_scales_in_the_plan():
     """B's scales split with B's rows (and y's columns); a B scale split otherwise, or an A scale split
     at all, runs replicated with the reason."""
-    mesh = _mesh((2, 2), ("data", "tp"))
+    mesh = cpu_mesh((2, 2), ("data", "tp"))
     weights = partition._Weights()
     a = weights.refs([np.zeros((L, R, H), np.float32)])
     b = weights.refs([np.zeros((L, N, R), np.float32)])

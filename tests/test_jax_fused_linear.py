@@ -29,19 +29,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 from jax_lora.ops.fused_linear import gemm_lora, rms_norm_shrink  # noqa: E402
 from torch_lora.ops import fused_linear as torch_fused  # noqa: E402
 
+from .fused_linear_cases import gemm_lora_oracle, lora_slots, rel_err  # noqa: E402
+
 L, K = 4, 64
 WIDTHS = (32, 16, 16)                  # q, k, v of a small GQA layer
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
-
-
-def _slots(rng, m: int) -> np.ndarray:
-    """Slots of m rows: random slots, -1 (no LoRA) and L (past the slots) where there is room."""
-    s = rng.integers(0, L, m).astype(np.int32)
-    if m > 1:
-        s[rng.permutation(m)[: max(1, m // 4)]] = -1
-    if m > 4:
-        s[rng.integers(0, m)] = L
-    return s
 
 
 def _j(a, dtype: str):
@@ -60,23 +52,11 @@ def _f64(a) -> np.ndarray:
 
 
 def _rel(got, ref) -> float:
-    got = _f64(got)
-    assert not np.isnan(got).any(), "NaN in the result (an unwritten output, or padding that was read)"
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+    return rel_err(_f64(got), ref)
 
 
 def _gemm_oracle(x, w, bias, buf, b, slots, y0, ranks=None):
-    """float64 (y0 or 0) + x @ w.T + bias + per slice (sum_p buf[p, s, m, :r]) @ B_s[slot, :, :r].T."""
-    ref = x @ w.T + (0 if bias is None else bias[None, :]) + (0 if y0 is None else y0)
-    s_buf = np.asarray(buf, np.float64).sum(0)
-    off = 0
-    for s, n in enumerate(WIDTHS):
-        for m, slot in enumerate(slots):
-            if 0 <= slot < L:
-                r = b[s].shape[2] if ranks is None else ranks[slot]
-                ref[m, off:off + n] += s_buf[s, m, :r] @ b[s][slot][:, :r].T
-        off += n
-    return ref
+    return gemm_lora_oracle(x, w, bias, buf, b, slots, y0, WIDTHS, L, ranks)
 
 
 GEMM_CASES = [("float32", 5, "rows", True, False), ("bfloat16", 1, "rows", False, True),
@@ -92,7 +72,7 @@ def test_gemm_lora_matches_oracle_and_the_torch_launcher(dtype, m, mode, with_bi
     buf = jnp.asarray(rng.standard_normal((2, 3, m, rank)), jnp.float32)
     b = [_j(rng.standard_normal((L, wd, rank)) / 3, dtype) for wd in WIDTHS]
     y0 = _j(rng.standard_normal((m, n)), dtype)
-    slots = jnp.asarray(_slots(rng, m))
+    slots = jnp.asarray(lora_slots(rng, m, L))
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, LORA_MODE=mode)
 
     @jax.jit
@@ -156,7 +136,7 @@ def test_rms_norm_shrink_matches_hf_norm_oracle_and_the_torch_launcher(dtype, m,
     h = _j(rng.standard_normal((m, K)) * 3 + 0.5, dtype)
     g = _j(1 + 0.2 * rng.standard_normal(K), dtype)
     a = _j(rng.standard_normal((3, L, rank, K)) / 8, dtype)          # (S, L, R, K): read in place
-    slots = jnp.asarray(_slots(rng, m))
+    slots = jnp.asarray(lora_slots(rng, m, L))
     cfg = dict(BLOCK_M=16 if mode == "slots" else 4, BLOCK_K=16, LORA_MODE=mode)
     xn, buf = jax.jit(lambda h, g, a, s: rms_norm_shrink(h, g, 1e-5, a, s, 0.5, planes=planes, config=cfg))(
         h, g, a, slots)

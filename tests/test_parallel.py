@@ -8,7 +8,6 @@ Also the layouts on 2 devices with the wrapper's index arrays replicated, and sh
 refusals. CPU-device meshes; skipped where JAX's default backend is not the CPU.
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from jax_lora import LoRAMapping, PunicaWrapper, parallel
 from jax_lora import nn as lnn
 
 from . import jax_helpers, oracle
+from .jax_helpers import cpu_mesh, hlo_collectives
 
 # The meshes here are of host CPU devices: on a machine whose default backend is an accelerator,
 # run these with JAX_PLATFORMS=cpu. Multi-GPU meshes are tested apart.
@@ -38,13 +38,6 @@ TOL = 1e-5
 
 CASES = [("column", "column"), ("column", "column_gather"), ("row", "row_reduce"), ("row", "row_partial"),
          ("embed", "vocab"), ("logits", "column"), ("logits", "column_gather")]
-
-
-def _mesh(n):
-    devices = jax.devices("cpu")
-    if len(devices) < n:
-        pytest.fail(f"needs {n} CPU devices; tests/conftest.py sets xla_force_host_platform_device_count=8")
-    return Mesh(np.array(devices[:n]), ("tp",))
 
 
 def _wrapper(device=None, backend="xla", ids=IDS):
@@ -153,7 +146,7 @@ def test_split_layer_equals_unsplit_layer_and_oracle(kind, layout, n):
     unsplit = np.asarray(call(state, _wrapper(), x)).reshape(expect.shape)
     assert oracle.rel_err(unsplit, expect) < TOL
 
-    mesh = _mesh(n)
+    mesh = cpu_mesh((n,))
     tp = parallel.shard_layer(layer, mesh, kind=kind, layout=layout)
     assert (layer.tp, tp.layout, tp.size) == (tp, layout, n)
     w = _wrapper(NamedSharding(mesh, P()))
@@ -183,7 +176,7 @@ def test_split_layer_without_wrapper_runs_the_base_layer():
     rng = np.random.default_rng(3)
     layer = _layer("column", rng)
     x = _input("column", rng)
-    parallel.shard_layer(layer, _mesh(4), kind="column")
+    parallel.shard_layer(layer, cpu_mesh((4,)), kind="column")
     got = _natural("column", layer, jax.jit(lambda x: layer(x))(x), 4)
     np.testing.assert_allclose(got, _expected_base("column", layer, x, 4), rtol=1e-5, atol=1e-5)
 
@@ -196,7 +189,7 @@ def test_fused_columns_are_split_per_slice():
     layer = _layer("column", rng)
     natural_b = np.asarray(layer.lora_b.get_value())
     n = 4
-    parallel.shard_layer(layer, _mesh(n), kind="column", layout="column")
+    parallel.shard_layer(layer, cpu_mesh((n,)), kind="column", layout="column")
     stored = layer.lora_b.get_value()
     for shard in stored.addressable_shards:
         d = shard.index[1].start // (sum(SLICES) // n)
@@ -217,23 +210,12 @@ def test_pallas_tpu_runs_per_shard(kind, layout):
     layer = _layer(kind, rng)
     x = _input(kind, rng)
     expect = _expected(kind, layer, x)
-    mesh = _mesh(2)
+    mesh = cpu_mesh((2,))
     parallel.shard_layer(layer, mesh, kind=kind, layout=layout)
     w = _wrapper(NamedSharding(mesh, P()), backend="pallas_tpu")
     call, state = _run(layer, w, x)
     got = _natural(kind, layer, call(state, w, x), 2)
     assert oracle.rel_err(got, expect) < TOL
-
-
-def _collectives(hlo: str) -> list:
-    """[(op, result shape)] of every collective in compiled HLO text."""
-    ops = r"(all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all|collective-broadcast)"
-    found = []
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*(\S+)\s+" + ops + r"(?:-start)?\(", line)
-        if m:
-            found.append((m.group(2), m.group(1).split("{")[0]))
-    return found
 
 
 def _compiled(layer, w, x):
@@ -248,10 +230,10 @@ def test_triton_path_sees_local_shapes_only():
     rng = np.random.default_rng(6)
     layer = _layer("column", rng)
     x = _input("column", rng)
-    mesh = _mesh(4)
+    mesh = cpu_mesh((4,))
     parallel.shard_layer(layer, mesh, kind="column", layout="column")
     hlo = _compiled(layer, _wrapper(NamedSharding(mesh, P()), backend="triton"), x)
-    assert _collectives(hlo) == []
+    assert hlo_collectives(hlo) == []
     calls = [line for line in hlo.splitlines() if "custom-call(" in line]
     assert calls, "expected the Triton launch as a custom call"
     local_b = f"f32[{L},{SLICES[0] // 4},{R}]"
@@ -281,9 +263,9 @@ def test_only_the_layout_collectives_are_compiled(kind, layout):
     rng = np.random.default_rng(7)
     layer = _layer(kind, rng)
     x = _input(kind, rng)
-    mesh = _mesh(4)
+    mesh = cpu_mesh((4,))
     parallel.shard_layer(layer, mesh, kind=kind, layout=layout)
-    found = _collectives(_compiled(layer, _wrapper(NamedSharding(mesh, P())), x))
+    found = hlo_collectives(_compiled(layer, _wrapper(NamedSharding(mesh, P())), x))
     assert sorted(found) == sorted(EXPECTED_COLLECTIVES[kind, layout])
     slices, in_features, rank = parallel._layer_sizes(layer, kind)
     model = parallel.layer_bytes(kind, layout, tokens=len(IDS), active=3, slices=slices, in_features=in_features,
@@ -304,7 +286,7 @@ def test_shard_map_operands_are_the_arrays_the_call_passes(kind, layout):
     rng = np.random.default_rng(8)
     layer = _layer(kind, rng)
     x = _input(kind, rng)
-    mesh = _mesh(2)
+    mesh = cpu_mesh((2,))
     parallel.shard_layer(layer, mesh, kind=kind, layout=layout)
     w = _wrapper(NamedSharding(mesh, P()))
     call, state = _run(layer, w, x)
@@ -319,7 +301,7 @@ def test_ops_in_a_shard_map_of_ones_own_pass_no_constant_operand():
     the caller's around add_lora_linear of one slice spanning y's width takes only its arguments,
     and it computes what the call without a mesh computes."""
     rng = np.random.default_rng(9)
-    mesh = _mesh(2)
+    mesh = cpu_mesh((2,))
     w = _wrapper(NamedSharding(mesh, P()))
     t, n = len(IDS), 2 * H
     y, x = jnp.asarray(rng.normal(size=(t, n)), jnp.float32), jnp.asarray(rng.normal(size=(t, H)), jnp.float32)
@@ -361,15 +343,15 @@ def test_shard_layer_picks_the_layout_by_bytes():
     rng = np.random.default_rng(8)
     small, large = _layer("column", rng), _layer("column", rng)
     # 3 slots, H = 24, float32: column_gather when 4 T < 3 * 4 * 24 = 288.
-    assert parallel.shard_layer(small, _mesh(2), kind="column", tokens=8).layout == "column_gather"
-    assert parallel.shard_layer(large, _mesh(2), kind="column", tokens=512).layout == "column"
+    assert parallel.shard_layer(small, cpu_mesh((2,)), kind="column", tokens=8).layout == "column_gather"
+    assert parallel.shard_layer(large, cpu_mesh((2,)), kind="column", tokens=512).layout == "column"
 
 
 # ----------------------------------------------------------------------------- bad input
 
 def test_bad_input_is_refused_with_the_argument_named():
     rng = np.random.default_rng(9)
-    mesh = _mesh(8)
+    mesh = cpu_mesh((8,))
     odd = lnn.MultiLoRALinear(nnx.Linear(H, 36, rngs=nnx.Rngs(0)), max_loras=L, max_rank=R,
                               output_slices=(20, 8, 8))
     with pytest.raises(ValueError, match=r"output slice widths \(20, 8, 8\) must each be divisible by 8"):

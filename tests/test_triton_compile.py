@@ -5,7 +5,10 @@ but not that Triton's compiler accepts them: loop-carried types, constexpr branc
 instructions and dot shapes are only checked when compiling. Triton compiles to PTX and a cubin
 without a GPU (its bundled ptxas), so each launch variant the backends use is compiled here for
 GPUTarget("cuda", 90, 32). Running them stays with the `gpu` tests. "deterministic": the
-deterministic launches' tensor-core instruction sequence is the same for any token count. "fp8":
+deterministic launches' tensor-core instruction sequence is the same for any token count.
+"pair-order": a one-adapter token's deterministic expand adds up in the same order in the pair
+kernels as in the pair-free ones (the same instructions, the output's old value entering the sum at
+the same place: tests/test_deterministic_pairs.py checks the bits on a GPU). "fp8":
 the three kernels with fp8 (e4m3) weights and float32 channel scales (contract section 11), A and
 B both fp8 or one of them.
 
@@ -322,7 +325,68 @@ def compare_deterministic() -> int:
     return failed
 
 
-@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused", "deterministic", "moe", "fp8"])
+def _dot_starts(ttgir: str) -> list:
+    """Where the accumulator chain of each tt.dot of a TTGIR module starts, in order: "y" (a value
+    loaded from memory: the output tile y, which Triton folds into the dot as `dot(a, b, 0) + y` ->
+    `dot(a, b, y)`), "0" (a zero constant) or the defining op. Followed back through layout
+    conversions, float extensions and loop-carried values (to their initial value)."""
+    defs = {}
+    for line in ttgir.splitlines():
+        m = re.match(r"\s*(%[\w.]+)(?::\d+)? = (\S+) (.*)", line)
+        if m:
+            defs[m.group(1)] = (m.group(2), m.group(3))
+        for args in re.findall(r"iter_args\(([^)]*)\)", line):
+            for pair in args.split(", "):
+                name, _, init = pair.partition(" = ")
+                defs[name.strip()] = ("iter_arg", init.strip())
+    starts = []
+    for line in ttgir.splitlines():
+        m = re.search(r"= tt\.dot (%[\w.]+), (%[\w.]+), (%[\w.]+)", line)
+        if not m:
+            continue
+        value = m.group(3)
+        while value in defs and defs[value][0] in ("iter_arg", "ttg.convert_layout", "arith.extf"):
+            value = defs[value][1].split()[0].rstrip(",")
+        op, rest = defs.get(value, ("?", ""))
+        starts.append("y" if op == "tt.load" else "0" if op == "arith.constant" and "dense<0.0" in rest else op)
+    return starts
+
+
+def compare_pair_order() -> int:
+    """Child process: a token with one adapter adds up its expand in the same order in a paired step
+    (the PAIRS kernels) as in a plain one, for the deterministic launches: the same tensor-core
+    instructions, and every dot's accumulator chain starting where the pair-free kernel's does -- from
+    y for 16-bit weights and one rank block (Triton folds the pair-free `dot(lhs, B, 0) + y`), from 0
+    with rank blocks in a loop (y added last) -- bfloat16 (tensor cores) and float32 (FMA chains)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import lora_core.kernels as kernels
+    from lora_core.kernels import configs
+    failed = 0
+    for dtype, act, rank, start in (("bfloat16", "bf16", 16, "y"), ("bfloat16", "bf16", 64, "y"),
+                                    ("bfloat16", "bf16", 128, "0"), ("float32", "fp32", 16, "y")):
+        found = []
+        for pairs in (0, 1):
+            plan = kernels.plan_expand(100, rank, (4096,), 9, 2, dtype, dtype,
+                                       configs.expand_config(100, 4096, rank, 1, 8, deterministic=True),
+                                       add_inputs=True, bias_flags=(False,), has_ranks=False, pdl=True,
+                                       deterministic=True, pairs=pairs)
+            kernel, names = kernels.lora_expand_kernel, kernels.lora_expand_kernel.arg_names
+            src = ASTSource(kernel, _signature(kernel, plan, act, ("buf_ptr",)),
+                            constexprs={(names.index(k),): v for k, v in plan.constexprs.items()})
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
+            found.append((_mma_lines(compiled.asm["ptx"]), sorted(set(_dot_starts(compiled.asm["ttgir"])))))
+        ok = found[0] == found[1] and found[0][1] == [start]
+        print(f"pair order {dtype} r{rank} (starts plain {found[0][1]}, paired {found[1][1]}; {len(found[0][0])} mma): "
+              f"{'ok' if ok else 'DIFFERENT'}", flush=True)
+        failed += not ok
+    return failed
+
+
+@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused", "deterministic", "pair-order", "moe", "fp8"])
 def test_kernel_compiles_for_sm90(kernel_name):
     triton = pytest.importorskip("triton")
     try:
@@ -370,4 +434,5 @@ def test_importing_compile_launches_keeps_the_interpreter_setting(monkeypatch):
     assert os.environ.get("TRITON_INTERPRET") == "1"
 
 if __name__ == "__main__":
-    sys.exit(min(1, compare_deterministic() if sys.argv[1] == "deterministic" else compile_all(sys.argv[1])))
+    MODES = {"deterministic": compare_deterministic, "pair-order": compare_pair_order}
+    sys.exit(min(1, MODES[sys.argv[1]]() if sys.argv[1] in MODES else compile_all(sys.argv[1])))

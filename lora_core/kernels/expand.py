@@ -171,6 +171,14 @@ def _expand_pairs_tile(j, group, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b
     already weighted by the shrink. One float32 accumulator for every pair: y is read and written
     once. No epilogue vector (several adapters take no LoRA bias or DoRA scale). fp8 B: each
     pair's product is multiplied by its slot's channel scales b_scale_s[slot_j, n] before it is added.
+
+    y enters the float32 sum where it enters the pair-free tile's (`_expand_tile`), so that a token
+    with one adapter gets the bits of a plain step in a paired one, compiled too:
+      1. 16-bit B, one rank block (RANK <= BLOCK_R): Triton's compiler folds the pair-free tile's
+         `dot(lhs, B, 0) + y` into `dot(lhs, B, y)`, the dot's chain of products starting from y;
+         here the accumulator starts at y (Y_FIRST) and the first pair's dot continues from it;
+      2. fp8 B: the pair-free tile adds y to the scaled product, y + scale * (lhs @ B); Y_FIRST too;
+      3. 16-bit B, rank blocks in a loop: the chain starts from 0 and y is added last, in both.
     """
     s, n0 = slice_of_tile(tl.minimum(j, NUM_TILES - 1), NT1, NT2, NT3, BLOCK_N)
     b_ptr = pick_slice(s, b0_ptr, b1_ptr, b2_ptr, b3_ptr)
@@ -184,7 +192,11 @@ def _expand_pairs_tile(j, group, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b
     y_offs, write, y_old = y_tile(y_ptr, tok, tok_ok, cols, col_ok, hint16(pick_slice(s, offset0, offset1, offset2,
                                                                                       offset3), ALIGNED),
                                    hint16(stride_y_token, ALIGNED), stride_y_col, ADD_INPUTS)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    Y_FIRST: tl.constexpr = (RANK <= BLOCK_R) or b_ptr.dtype.element_ty.is_fp8()
+    if Y_FIRST:
+        acc = y_old.to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for q in tl.static_range(PAIRS):
         slot = tl.load(pair_slots_ptr + tl.maximum(group, 0) * PAIRS + q)
         has_pair = (group >= 0) & (slot >= 0)
@@ -212,7 +224,10 @@ def _expand_pairs_tile(j, group, tok, tok_ok, buf_ptr, b0_ptr, b1_ptr, b2_ptr, b
                                     stride_buf_rank, kk, tok_ok, rank, RANK, HAS_RANKS, NUM_PARTIALS, BLOCK_M,
                                     BLOCK_R, True)
                 acc = rank_dot(acc, lhs, bt, CAST_FP32, DOT_PRECISION)
-    store_slice(acc, y_old, out_ptr, y_offs, write, b_ptr, group, cols, col_ok, 0, 0, 0, False)
+    if Y_FIRST:
+        tl.store(out_ptr + y_offs, acc.to(out_ptr.dtype.element_ty), mask=write)
+    else:
+        store_slice(acc, y_old, out_ptr, y_offs, write, b_ptr, group, cols, col_ok, 0, 0, 0, False)
 
 
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)

@@ -51,6 +51,57 @@ def _store_rank_rows(out, acc, write, ATOMIC: tl.constexpr):
 
 
 @triton.jit
+def _slot_a_rows(s, slot, a0_ptr, a1_ptr, a2_ptr, a3_ptr, stride_a0_slot, stride_a0_rank, stride_a0_hidden,
+                 stride_a1_slot, stride_a1_rank, stride_a1_hidden, stride_a2_slot, stride_a2_rank, stride_a2_hidden,
+                 stride_a3_slot, stride_a3_rank, stride_a3_hidden, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr,
+                 SLICES: tl.constexpr):
+    """(a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden): (BLOCK_R,) pointers to the rank rows of
+    slot `slot`'s A in each slice, and slice 0's column stride. SLICES == 1: "slice 0" is slice s of
+    the launch (the program's own slice), its pointer and strides picked from the four."""
+    if SLICES == 1:
+        a0_rows = lora_a_rows(pick_slice(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr), slot,
+                              hint16(pick_slice(s, stride_a0_slot, stride_a1_slot, stride_a2_slot, stride_a3_slot),
+                                     ALIGNED),
+                              hint16(pick_slice(s, stride_a0_rank, stride_a1_rank, stride_a2_rank, stride_a3_rank),
+                                     ALIGNED), BLOCK_R)
+        stride_a0_hidden = pick_slice(s, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden)
+    else:
+        a0_rows = lora_a_rows(a0_ptr, slot, hint16(stride_a0_slot, ALIGNED), hint16(stride_a0_rank, ALIGNED), BLOCK_R)
+    a1_rows = lora_a_rows(a1_ptr, slot, hint16(stride_a1_slot, ALIGNED), hint16(stride_a1_rank, ALIGNED), BLOCK_R)
+    a2_rows = lora_a_rows(a2_ptr, slot, hint16(stride_a2_slot, ALIGNED), hint16(stride_a2_rank, ALIGNED), BLOCK_R)
+    a3_rows = lora_a_rows(a3_ptr, slot, hint16(stride_a3_slot, ALIGNED), hint16(stride_a3_rank, ALIGNED), BLOCK_R)
+    return a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden
+
+
+@triton.jit
+def _store_slices(out, acc0, acc1, acc2, acc3, factor, s, slot, a0_ptr, a1_ptr, a2_ptr, a3_ptr, as0_ptr, as1_ptr,
+                  as2_ptr, as3_ptr, stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot,
+                  stride_out_slice, write, RANK: tl.constexpr, BLOCK_R: tl.constexpr, ATOMIC: tl.constexpr,
+                  SLICES: tl.constexpr):
+    """Stores (or atomically adds) acc_s * a_scale_s[slot, :] * factor at out + s * stride_out_slice
+    for the first SLICES slices (the fp8 channel scales only for fp8 A; factor: scale, or a (rows, 1)
+    column of per-token weights). SLICES == 1: acc0 is slice s of the launch, its scales picked."""
+    offs_r = tl.arange(0, BLOCK_R)
+    rank_ok = offs_r < RANK
+    if SLICES == 1:
+        acc0 = channel_scaled(acc0, a0_ptr, pick_slice(s, as0_ptr, as1_ptr, as2_ptr, as3_ptr), slot,
+                              pick_slice(s, stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot),
+                              offs_r, rank_ok)
+    else:
+        acc0 = channel_scaled(acc0, a0_ptr, as0_ptr, slot, stride_as0_slot, offs_r, rank_ok)
+    _store_rank_rows(out, acc0 * factor, write, ATOMIC)
+    if SLICES > 1:
+        acc1 = channel_scaled(acc1, a1_ptr, as1_ptr, slot, stride_as1_slot, offs_r, rank_ok)
+        _store_rank_rows(out + stride_out_slice, acc1 * factor, write, ATOMIC)
+    if SLICES > 2:
+        acc2 = channel_scaled(acc2, a2_ptr, as2_ptr, slot, stride_as2_slot, offs_r, rank_ok)
+        _store_rank_rows(out + 2 * stride_out_slice, acc2 * factor, write, ATOMIC)
+    if SLICES > 3:
+        acc3 = channel_scaled(acc3, a3_ptr, as3_ptr, slot, stride_as3_slot, offs_r, rank_ok)
+        _store_rank_rows(out + 3 * stride_out_slice, acc3 * factor, write, ATOMIC)
+
+
+@triton.jit
 def _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, as0_ptr, as1_ptr, as2_ptr, as3_ptr, ranks_ptr,
                   pair_slots_ptr, pair_weights_ptr, group,
                   has_group, tok, tok_ok, s, split, scale, hidden, stride_x_token, stride_x_hidden,
@@ -82,44 +133,19 @@ def _shrink_pairs(x_ptr, a0_ptr, a1_ptr, a2_ptr, a3_ptr, as0_ptr, as1_ptr, as2_p
         has_pair = has_group & (slot >= 0)
         slot = tl.where(has_pair, slot, 0)
         rank = slot_rank(ranks_ptr, slot, has_pair, RANK, HAS_RANKS)
-        if SLICES == 1:
-            a0_rows = lora_a_rows(pick_slice(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr), slot,
-                                  hint16(pick_slice(s, stride_a0_slot, stride_a1_slot, stride_a2_slot,
-                                                    stride_a3_slot), ALIGNED),
-                                  hint16(pick_slice(s, stride_a0_rank, stride_a1_rank, stride_a2_rank,
-                                                    stride_a3_rank), ALIGNED), BLOCK_R)
-            sa0_h = pick_slice(s, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden)
-        else:
-            a0_rows = lora_a_rows(a0_ptr, slot, hint16(stride_a0_slot, ALIGNED), hint16(stride_a0_rank, ALIGNED),
-                                  BLOCK_R)
-            sa0_h = stride_a0_hidden
-        a1_rows = lora_a_rows(a1_ptr, slot, hint16(stride_a1_slot, ALIGNED), hint16(stride_a1_rank, ALIGNED), BLOCK_R)
-        a2_rows = lora_a_rows(a2_ptr, slot, hint16(stride_a2_slot, ALIGNED), hint16(stride_a2_rank, ALIGNED), BLOCK_R)
-        a3_rows = lora_a_rows(a3_ptr, slot, hint16(stride_a3_slot, ALIGNED), hint16(stride_a3_rank, ALIGNED), BLOCK_R)
+        a0_rows, a1_rows, a2_rows, a3_rows, sa0_h = _slot_a_rows(
+            s, slot, a0_ptr, a1_ptr, a2_ptr, a3_ptr, stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot,
+            stride_a1_rank, stride_a1_hidden, stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot,
+            stride_a3_rank, stride_a3_hidden, ALIGNED, BLOCK_R, SLICES)
         k_end = tl.where(has_pair, tl.minimum(k_begin + K_PER_SPLIT, hidden), k_begin)
         acc0, acc1, acc2, acc3 = shrink_slices(x_ptr, a0_rows, a1_rows, a2_rows, a3_rows, sa0_h, stride_a1_hidden,
                                                stride_a2_hidden, stride_a3_hidden, tok, tok_ok, rank, k_begin, k_end,
                                                hidden, stride_x_token, stride_x_hidden, SLICES, BLOCK_M, BLOCK_K,
                                                BLOCK_R, CAST_FP32, DOT_PRECISION)
         w = scale * tl.load(pair_weights_ptr + tok * PAIRS + j, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
-        out = out0 + (j * RANK) * stride_out_rank
-        rank_ok = offs_r < RANK
-        if SLICES == 1:
-            acc0 = channel_scaled(acc0, a0_ptr, pick_slice(s, as0_ptr, as1_ptr, as2_ptr, as3_ptr), slot,
-                                  pick_slice(s, stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot),
-                                  offs_r, rank_ok)
-        else:
-            acc0 = channel_scaled(acc0, a0_ptr, as0_ptr, slot, stride_as0_slot, offs_r, rank_ok)
-        _store_rank_rows(out, acc0 * w, write, ATOMIC)
-        if SLICES > 1:
-            acc1 = channel_scaled(acc1, a1_ptr, as1_ptr, slot, stride_as1_slot, offs_r, rank_ok)
-            _store_rank_rows(out + stride_out_slice, acc1 * w, write, ATOMIC)
-        if SLICES > 2:
-            acc2 = channel_scaled(acc2, a2_ptr, as2_ptr, slot, stride_as2_slot, offs_r, rank_ok)
-            _store_rank_rows(out + 2 * stride_out_slice, acc2 * w, write, ATOMIC)
-        if SLICES > 3:
-            acc3 = channel_scaled(acc3, a3_ptr, as3_ptr, slot, stride_as3_slot, offs_r, rank_ok)
-            _store_rank_rows(out + 3 * stride_out_slice, acc3 * w, write, ATOMIC)
+        _store_slices(out0 + (j * RANK) * stride_out_rank, acc0, acc1, acc2, acc3, w, s, slot, a0_ptr, a1_ptr, a2_ptr,
+                      a3_ptr, as0_ptr, as1_ptr, as2_ptr, as3_ptr, stride_as0_slot, stride_as1_slot, stride_as2_slot,
+                      stride_as3_slot, stride_out_slice, write, RANK, BLOCK_R, ATOMIC, SLICES)
 
 
 @triton.jit(do_not_specialize_on_alignment=TOKEN_COUNT_PARAMS)
@@ -178,18 +204,10 @@ def lora_shrink_kernel(
     has_lora = (lora_id >= 0) & (lora_id < num_slots) & (n_tok > 0)  # False without LORA_ONLY: no-LoRA rows
     rank = slot_rank(ranks_ptr, lora_id, has_lora, RANK, HAS_RANKS)
     slot = tl.where(has_lora, lora_id, 0)
-    if SLICES == 1:
-        a0_rows = lora_a_rows(pick_slice(s, a0_ptr, a1_ptr, a2_ptr, a3_ptr), slot,
-                          hint16(pick_slice(s, stride_a0_slot, stride_a1_slot, stride_a2_slot, stride_a3_slot),
-                                 ALIGNED),
-                          hint16(pick_slice(s, stride_a0_rank, stride_a1_rank, stride_a2_rank, stride_a3_rank),
-                                 ALIGNED), BLOCK_R)
-        stride_a0_hidden = pick_slice(s, stride_a0_hidden, stride_a1_hidden, stride_a2_hidden, stride_a3_hidden)
-    else:
-        a0_rows = lora_a_rows(a0_ptr, slot, hint16(stride_a0_slot, ALIGNED), hint16(stride_a0_rank, ALIGNED), BLOCK_R)
-    a1_rows = lora_a_rows(a1_ptr, slot, hint16(stride_a1_slot, ALIGNED), hint16(stride_a1_rank, ALIGNED), BLOCK_R)
-    a2_rows = lora_a_rows(a2_ptr, slot, hint16(stride_a2_slot, ALIGNED), hint16(stride_a2_rank, ALIGNED), BLOCK_R)
-    a3_rows = lora_a_rows(a3_ptr, slot, hint16(stride_a3_slot, ALIGNED), hint16(stride_a3_rank, ALIGNED), BLOCK_R)
+    a0_rows, a1_rows, a2_rows, a3_rows, stride_a0_hidden = _slot_a_rows(
+        s, slot, a0_ptr, a1_ptr, a2_ptr, a3_ptr, stride_a0_slot, stride_a0_rank, stride_a0_hidden, stride_a1_slot,
+        stride_a1_rank, stride_a1_hidden, stride_a2_slot, stride_a2_rank, stride_a2_hidden, stride_a3_slot,
+        stride_a3_rank, stride_a3_hidden, ALIGNED, BLOCK_R, SLICES)
     hidden = hint16(hidden, ALIGNED)
     stride_x_token = hint16(stride_x_token, ALIGNED)
     k_begin = split * K_PER_SPLIT
@@ -232,23 +250,9 @@ def lora_shrink_kernel(
     out = (out_ptr + plane.to(tl.int64) * hint16(stride_out_plane, ALIGNED) + s * stride_out_slice
            + tok[:, None] * hint16(stride_out_token, ALIGNED) + offs_r[None, :] * stride_out_rank)
     write = tok_ok[:, None] & (offs_r < RANK)[None, :]       # real tokens, the buffer's rank columns
-    rank_ok = offs_r < RANK
-    if SLICES == 1:
-        acc0 = channel_scaled(acc0, a0_ptr, pick_slice(s, as0_ptr, as1_ptr, as2_ptr, as3_ptr), slot,
-                              pick_slice(s, stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot),
-                              offs_r, rank_ok)
-    else:
-        acc0 = channel_scaled(acc0, a0_ptr, as0_ptr, slot, stride_as0_slot, offs_r, rank_ok)
-    _store_rank_rows(out, acc0 * scale, write, ATOMIC)
-    if SLICES > 1:
-        acc1 = channel_scaled(acc1, a1_ptr, as1_ptr, slot, stride_as1_slot, offs_r, rank_ok)
-        _store_rank_rows(out + stride_out_slice, acc1 * scale, write, ATOMIC)
-    if SLICES > 2:
-        acc2 = channel_scaled(acc2, a2_ptr, as2_ptr, slot, stride_as2_slot, offs_r, rank_ok)
-        _store_rank_rows(out + 2 * stride_out_slice, acc2 * scale, write, ATOMIC)
-    if SLICES > 3:
-        acc3 = channel_scaled(acc3, a3_ptr, as3_ptr, slot, stride_as3_slot, offs_r, rank_ok)
-        _store_rank_rows(out + 3 * stride_out_slice, acc3 * scale, write, ATOMIC)
+    _store_slices(out, acc0, acc1, acc2, acc3, scale, s, slot, a0_ptr, a1_ptr, a2_ptr, a3_ptr, as0_ptr, as1_ptr,
+                  as2_ptr, as3_ptr, stride_as0_slot, stride_as1_slot, stride_as2_slot, stride_as3_slot,
+                  stride_out_slice, write, RANK, BLOCK_R, ATOMIC, SLICES)
 
 
 # ------------------------------------------------------------------------------- launch plan
