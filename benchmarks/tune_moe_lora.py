@@ -59,7 +59,7 @@ def bucket_of(shape: dict, layer: str, tokens: int, rank: int, slots: int):
     w2 = layer == "w2"
     hidden, widest = (shape["inter"], shape["hidden"]) if w2 else (shape["hidden"], shape["inter"])
     slices = 1 if w2 else 2
-    s = MoeShape(num_pairs=pairs, naive=naive, block_m=16 if naive else moe_block_size(pairs), num_slots=slots,
+    s = MoeShape(num_pairs=pairs, naive=naive, block_m=16 if naive else moe_block_size(pairs, E), num_slots=slots,
                  num_experts=E, hidden=hidden, widest=widest, slices=slices, shrink_slices=slices, rank=rank)
     return s, bucket_key(s)
 

@@ -39,7 +39,7 @@ def _case(shape, tokens, rank, slots, down, seed):
     enabled = torch.ones(slots + 1, dtype=torch.int32, device="cuda")
     enabled[0] = 0
     naive = naive_block_assignment(tokens, top_k, experts, slots)
-    block = moe_block_size(tokens * top_k)
+    block = moe_block_size(tokens * top_k, experts)
     align = ((None, topk_ids.reshape(-1), None) if naive else
              moe_lora_align_block_size(topk_ids, token_lora, experts, block, slots, enabled))
     return dict(a=a, b=b, x=x, topk_ids=topk_ids, topk_weights=topk_weights, token_lora=token_lora, enabled=enabled,

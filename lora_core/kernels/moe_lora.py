@@ -20,7 +20,10 @@ Work decomposition (vLLM's `moe_lora_align_block_size` layout). Two pair orders,
    padded length. The blocks of all slots are numbered one after another (slot l's first block is
    the sum of the earlier slots' num_tokens_post_padded / BLOCK_M, found by a prefix sum over the
    slots in registers); each block is one expert of one slot, so A_s[l, e] and B_s[l, e] are loaded
-   once for BLOCK_M pairs (tl.dot on tiles).
+   once for BLOCK_M pairs (tl.dot on tiles). A config may take the alignment's blocks in SUBS
+   sub-blocks of BLOCK_M = block_size / SUBS rows each (a run of few pairs then pays for fewer
+   padded rows; sub-block m's expert is expert_ids[l, m // SUBS]); a sub-block holding only
+   padding returns at once.
 2. Naive (decode, few pairs: sorted_token_ids None): `expert_ids` is topk_ids flattened (P,),
    program p takes pair p alone; its slot comes from token_lora_mapping[p // top_k].
 
@@ -88,7 +91,7 @@ def moe_lora_kernel(
         # meta-parameters
         PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
         HAS_RANKS: tl.constexpr, GEMV: tl.constexpr, BF16_SPLIT: tl.constexpr,
-        N_TILES: tl.constexpr, TILES_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        N_TILES: tl.constexpr, TILES_N: tl.constexpr, BLOCK_M: tl.constexpr, SUBS: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, K_SPLIT: tl.constexpr,
         K_PER: tl.constexpr, SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """PHASE 0: buf[s * K_SPLIT + j, p, rank chunk] = A_s[l, e, chunk, K part j] @ x[row(p), K part j];
@@ -122,8 +125,11 @@ def moe_lora_kernel(
         block = pid - tl.sum(tl.where(offs_l < slot, blocks, 0), 0)
         if block >= max_blocks:
             return
-        expert = tl.load(expert_ids_ptr + slot * stride_expert_slot + block)
+        expert = tl.load(expert_ids_ptr + slot * stride_expert_slot + block // SUBS)
         pairs = tl.load(sorted_ptr + slot * stride_sorted_slot + block * BLOCK_M + offs_m)
+        if SUBS > 1:                                  # a sub-block of the run's padding only: no work
+            if tl.min(pairs, 0) >= num_pairs:
+                return
     if (slot < 0) | (slot >= num_slots) | (expert < 0):
         return
     if tl.load(enabled_ptr + slot) == 0:
@@ -296,9 +302,10 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     """The grids and meta-parameters of one MoE LoRA call.
 
     1. Blocks: naive, one program per pair (the GEMV path: vectors; else BLOCK_M 16, only row 0
-       live: tl.dot's smallest tile); sorted, the blocks of every slot one after another: at most
-       cdiv(pairs, block_m) + the number of (slot, expert) runs, min(slots * experts, pairs) (each
-       run wastes under one block), so the grid is that bound, never slots * sorted_len / block_m.
+       live: tl.dot's smallest tile); sorted, the blocks of every slot one after another, each in
+       SUBS = block_m / BLOCK_M sub-blocks (the config's BLOCK_M, `moe_configs.resolve`): at most
+       cdiv(pairs, BLOCK_M) + SUBS * the number of (slot, expert) runs, min(slots * experts, pairs)
+       (each run wastes under one block), so the grid is that bound, never slots * sorted_len / BLOCK_M.
     2. The config: `config` if given, else `moe_configs.moe_config` (an override, the device
        table's entry for the shape's bucket, the default); BLOCK_R = the rank rounded up to a
        power of two >= 16; K_SPLIT / TILES_N resolved for the shape (`moe_configs.resolve`).
@@ -323,8 +330,7 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
         if sorted_len % block_m:
             raise ValueError(f"sorted_token_ids: expected a length per slot that is a multiple of block_size "
                              f"{block_m}, got {sorted_len}")
-        bm, max_blocks = block_m, sorted_len // block_m
-        blocks = triton.cdiv(num_pairs, bm) + min(num_slots * num_experts, num_pairs)
+        bm = block_m
     slices_shared = shared_a and len(widths) > 1
     shape = MoeShape(num_pairs=num_pairs, naive=naive, block_m=bm, num_slots=num_slots, num_experts=num_experts,
                      hidden=hidden, widest=max(widths), slices=len(widths),
@@ -336,13 +342,17 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
         if not naive and cfg.GEMV:
             cfg = cfg.replace(GEMV=False)             # a sorted block holds many pairs: tl.dot
     r = resolve(cfg, shape)
+    subs = bm // r.block_m
+    if not naive:
+        max_blocks = sorted_len // r.block_m
+        blocks = triton.cdiv(num_pairs, r.block_m) + subs * min(num_slots * num_experts, num_pairs)
     block_r = shape.block_r
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=slices_shared,
                       HAS_RANKS=bool(has_ranks), GEMV=bool(cfg.GEMV),
                       BF16_SPLIT=not cast and set(dtypes) == {"bfloat16"} and not deterministic,
-                      N_TILES=r.n_programs, TILES_N=r.tiles_n, BLOCK_M=bm, BLOCK_N=r.block_n, BLOCK_K=r.block_k,
-                      BLOCK_R=block_r, R_CHUNK=r.r_chunk, K_SPLIT=r.k_split, K_PER=r.k_per,
+                      N_TILES=r.n_programs, TILES_N=r.tiles_n, BLOCK_M=r.block_m, SUBS=subs, BLOCK_N=r.block_n,
+                      BLOCK_K=r.block_k, BLOCK_R=block_r, R_CHUNK=r.r_chunk, K_SPLIT=r.k_split, K_PER=r.k_per,
                       SLOTS_P2=next_pow2(max(num_slots, 2)), CAST_FP32=cast, DOT_PRECISION=precision)
     return MoePlan((max(blocks, 1), len(widths) * (block_r // r.r_chunk) * r.k_split),
                    (max(blocks, 1), len(widths) * r.n_programs), constexprs, max_blocks, r.k_split,
