@@ -211,8 +211,8 @@ def rows_per_block(cfg: MoeConfig, shape: MoeShape) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
-    """A config with its derived sizes: the kernel's BLOCK_M (rows per program), BLOCK_K, R_CHUNK, K_SPLIT, K_PER, BLOCK_N, TILES_N and
-    N_PROGRAMS (expand programs per slice)."""
+    """A config with its derived sizes: the kernel's BLOCK_M (rows per program), BLOCK_K, R_CHUNK,
+    K_SPLIT, K_PER, BLOCK_N, TILES_N and N_PROGRAMS (expand programs per slice)."""
 
     config: MoeConfig
     block_m: int

@@ -127,7 +127,7 @@ def moe_lora_kernel(
             return
         expert = tl.load(expert_ids_ptr + slot * stride_expert_slot + block // SUBS)
         pairs = tl.load(sorted_ptr + slot * stride_sorted_slot + block * BLOCK_M + offs_m)
-        if SUBS > 1:                                  # a sub-block of the run's padding only: no work
+        if SUBS > 1:  # noqa: SIM102 - constexpr test apart from the runtime one (padding only: no work)
             if tl.min(pairs, 0) >= num_pairs:
                 return
     if (slot < 0) | (slot >= num_slots) | (expert < 0):
