@@ -195,12 +195,14 @@ def test_kernel_matches_the_oracle_under_each_config(name, order, down):
     np.testing.assert_allclose(y.numpy(), want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("sub", [16, 32])
+@pytest.mark.parametrize("sub,persist", [(16, 0), (16, 1), (32, 2)])
 @pytest.mark.parametrize("down", [False, True], ids=["gate_up", "down"])
-def test_sub_blocks_of_an_aligned_block_match_the_oracle(sub, down):
+def test_sub_blocks_of_an_aligned_block_match_the_oracle(sub, persist, down):
     """The alignment in blocks of 64, the kernel in sub-blocks of `sub` rows (config BLOCK_M): a run
     of 30 pairs (two 16-row sub-blocks live, the rest padding), short runs (one live sub-block,
-    the others padding only), a disabled slot and tokens without an adapter equal the float64 oracle."""
+    the others padding only), a disabled slot and tokens without an adapter equal the float64
+    oracle, with one program per block of the bound (PERSIST 0) or fewer programs than blocks,
+    each looping over several (PERSIST 1, 2)."""
     torch = pytest.importorskip("torch")
     from lora_core.kernels.moe_lora import plan_moe_lora
     from torch_lora.ops import fused_moe_lora, moe_lora_align_block_size
@@ -220,12 +222,16 @@ def test_sub_blocks_of_an_aligned_block_match_the_oracle(sub, down):
     t = torch.from_numpy
     ids, lmap, en = t(topk_ids), t(token_lora), t(enabled)
     align_out = moe_lora_align_block_size(ids, lmap, experts, align, slots, en)
-    cfg = CONFIGS["dot"].replace(BLOCK_M=sub)
+    cfg = CONFIGS["dot"].replace(BLOCK_M=sub, PERSIST=persist)
     plan = plan_moe_lora(num_pairs=tokens * top_k, num_slots=slots, num_experts=experts, hidden=k_in, widths=widths,
                          rank=rank, naive=False, sorted_len=align_out[0].numel() // slots, block_m=align,
                          mul_routed_weight=down, shared_a=False, dtypes=("float32",) * 3, config=cfg)
     assert plan.constexprs["BLOCK_M"] == sub and plan.constexprs["SUBS"] == align // sub
-    assert plan.shrink_grid[0] >= -(-tokens * top_k // sub) + (align // sub) * min(slots * experts, tokens * top_k)
+    bound = -(-tokens * top_k // sub) + (align // sub) * min(slots * experts, tokens * top_k)
+    live = -(-tokens * top_k // sub) + experts                       # moe_configs.live_blocks
+    assert plan.shrink_grid[0] == plan.expand_grid[0] == (min(bound, persist * live) if persist else bound)
+    blocks = int(align_out[2].sum()) // sub
+    assert persist != 1 or plan.shrink_grid[0] < blocks              # some programs take several blocks
     y = t(y0.copy())
     with moe_configs.override_moe_config(cfg):
         fused_moe_lora(y, t(x), [t(v) for v in a], [t(v) for v in b], t(w), *align_out, lmap, rank, top_k, en, down,

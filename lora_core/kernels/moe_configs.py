@@ -11,7 +11,12 @@ semantics (which pairs are read and written, the float32 accumulation), only the
   GEMV:   the naive order's programs as vector products (one pair, no 16-row tile);
   BLOCK_M: the sorted order's rows per program, a divisor of the alignment's block size (0: the
           whole block): a 64-row block in sub-blocks of 16 or 32 rows pays for fewer padded rows
-          where the (adapter, expert) runs are short, at the cost of more loads of A and B.
+          where the (adapter, expert) runs are short, at the cost of more loads of A and B;
+  PERSIST: the sorted order's programs, PERSIST per block `live_blocks` expects (at most the
+          routing-free bound on the blocks), each looping over the blocks that many programs
+          apart (0: one program per block of the bound: most find no block and return). The
+          bound counts a run for every (slot, expert), 4096 at 32 slots of 128 experts: a grid
+          that large spends its time starting programs without work.
 
 A bucket is (pair order, pairs, rank, hidden, widest output, slices): `bucket_key` writes it
 "naive/p64/r64/k4096/n14336/s2" or "sorted16/...": the order (naive, or sorted in blocks of
@@ -72,13 +77,14 @@ MAX_K_SPLIT_NAIVE = 32     # the naive order's: a pair's planes are single rank 
 GEMV_SHRINK_TILE = 4096    # elements of one GEMV shrink tile (rank chunk x BLOCK_K)
 GEMV_EXPAND_TILE = 8192    # elements of one GEMV expand tile (BLOCK_N x rank)
 FIELDS = ("BLOCK_K", "R_CHUNK", "K_SPLIT", "shrink_warps", "shrink_stages",
-          "BLOCK_N", "TILES_N", "expand_warps", "expand_stages", "GEMV", "BLOCK_M")
+          "BLOCK_N", "TILES_N", "expand_warps", "expand_stages", "GEMV", "BLOCK_M", "PERSIST")
 
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
     """Every tile and launch choice of one MoE LoRA call (see the module docstring). K_SPLIT and
-    TILES_N 0 mean "from the target program count" (`resolve`); BLOCK_M 0, the alignment's block."""
+    TILES_N 0 mean "from the target program count" (`resolve`); BLOCK_M 0, the alignment's block;
+    PERSIST 0, one program per block of the bound."""
 
     BLOCK_K: int
     R_CHUNK: int
@@ -91,6 +97,7 @@ class MoeConfig:
     expand_stages: int
     GEMV: bool
     BLOCK_M: int = 0
+    PERSIST: int = 2
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -126,6 +133,8 @@ def check_config(cfg: MoeConfig, where: str = "MoE config") -> MoeConfig:
         if cfg.BLOCK_M != 0 and not (isinstance(cfg.BLOCK_M, int) and not isinstance(cfg.BLOCK_M, bool)
                                      and cfg.BLOCK_M >= 16 and cfg.BLOCK_M & (cfg.BLOCK_M - 1) == 0):
             raise ValueError(f"MoE config BLOCK_M: expected 0 or a power of two >= 16, got {cfg.BLOCK_M!r}")
+        if not (isinstance(cfg.PERSIST, int) and not isinstance(cfg.PERSIST, bool) and 0 <= cfg.PERSIST <= 64):
+            raise ValueError(f"MoE config PERSIST: expected an int in 0..64, got {cfg.PERSIST!r}")
         if not isinstance(cfg.GEMV, bool):
             raise ValueError(f"MoE config GEMV: expected a bool, got {cfg.GEMV!r}")
     except ValueError as e:

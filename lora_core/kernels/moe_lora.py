@@ -40,7 +40,10 @@ instead of a 16-row tl.dot tile with one live row. Every tile and launch size co
 `moe_configs.MoeConfig` (per-device table, else defaults).
 
 Grid sizes depend only on (num_pairs, max_loras, E, BLOCK_M), the rank and the widths, never on
-the routing: the launch is CUDA-graph capturable. Programs past the last block return at once.
+the routing: the launch is CUDA-graph capturable. In the sorted order a program loops over blocks
+pid, pid + G, ... (G programs) up to the routing's last block (the slots' num_tokens_post_padded
+summed on the device), so a grid smaller than the bound on the blocks still covers any routing
+and no program starts only to find no block.
 
 HAS_RANKS: rank columns c >= ranks[l] (each slot's real rank) are neither read nor written, so
 they count as zero whatever the padded weights hold.
@@ -66,7 +69,7 @@ import triton
 import triton.language as tl
 
 from .arguments import KernelCall, Strides
-from .moe_configs import MoeConfig, MoeShape, check_config, moe_config, resolve
+from .moe_configs import MoeConfig, MoeShape, check_config, live_blocks, moe_config, resolve
 from .planning import cast_and_precision, next_pow2
 
 MAX_SLICES = 2            # gate_up (w13) has two slices, down (w2) one
@@ -108,143 +111,152 @@ def moe_lora_kernel(
     if PHASE == 0 and SHARED_A:  # noqa: SIM102 - constexpr test apart from the runtime one
         if s > 0:
             return
-    offs_m = tl.arange(0, BLOCK_M)
-    # 1. The block's slot, expert and pairs.
-    if NAIVE:
-        slot = tl.load(token_lora_ptr + pid // top_k)
-        expert = tl.load(expert_ids_ptr + pid)
-        pairs = tl.where(offs_m == 0, pid, num_pairs)
-    else:
-        # Blocks of all slots one after another: slot l owns num_tokens_post_padded[l] / BLOCK_M of them.
-        offs_l = tl.arange(0, SLOTS_P2)
-        blocks = tl.load(post_pad_ptr + offs_l, mask=offs_l < num_slots, other=0) // BLOCK_M
-        ends = tl.cumsum(blocks, 0)
-        slot = tl.sum((ends <= pid).to(tl.int32), 0)
-        if slot >= num_slots:
-            return
-        block = pid - tl.sum(tl.where(offs_l < slot, blocks, 0), 0)
-        if block >= max_blocks:
-            return
-        expert = tl.load(expert_ids_ptr + slot * stride_expert_slot + block // SUBS)
-        pairs = tl.load(sorted_ptr + slot * stride_sorted_slot + block * BLOCK_M + offs_m)
-        if SUBS > 1:  # noqa: SIM102 - constexpr test apart from the runtime one (padding only: no work)
-            if tl.min(pairs, 0) >= num_pairs:
-                return
-    if (slot < 0) | (slot >= num_slots) | (expert < 0):
-        return
-    if tl.load(enabled_ptr + slot) == 0:
-        return
-    pair_ok = pairs < num_pairs
-    pairs = tl.where(pair_ok, pairs, 0)
-    live_rank = rank
-    if HAS_RANKS:                                    # rank columns past the slot's own are neither read nor written
-        live_rank = tl.minimum(rank, tl.load(ranks_ptr + slot))
-    slot64 = slot.to(tl.int64)
-    expert64 = expert.to(tl.int64)
-    pid64 = pid.to(tl.int64)
-    first = s == 0
-    if PHASE == 0:
-        offs_r = r_chunk * R_CHUNK + tl.arange(0, R_CHUNK)
-        rank_ok = offs_r < live_rank
-        # 2. Shrink: x rows against A_s[l, e] (rank chunk, BLOCK_K) tiles, over the hidden part.
-        a_ptr = tl.where(first, a0_ptr + slot64 * stride_a0_slot + expert64 * stride_a0_expert,
-                         a1_ptr + slot64 * stride_a1_slot + expert64 * stride_a1_expert)
-        stride_ar = tl.where(first, stride_a0_rank, stride_a1_rank)
-        stride_ak = tl.where(first, stride_a0_hidden, stride_a1_hidden)
-        k_lo = k_split * K_PER
-        k_hi = tl.minimum(hidden, k_lo + K_PER)
-        plane = s * K_SPLIT + k_split
-        if GEMV:
-            row = pid64 if MUL_ROUTED_WEIGHT else pid64 // top_k
-            x_row = x_ptr + row * stride_x_row
-            vec = tl.zeros((R_CHUNK,), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < k_hi
-                xv = tl.load(x_row + offs_k * stride_x_hidden, mask=k_ok, other=0.0).to(tl.float32)
-                at = tl.load(a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
-                             mask=rank_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                vec += tl.sum(at * xv[None, :], axis=1)
-            tl.store(buf_ptr + plane * stride_buf_slice + pid64 * stride_buf_pair + offs_r, vec, mask=rank_ok)
-        else:
-            rows = pairs if MUL_ROUTED_WEIGHT else pairs // top_k
-            x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
-            acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < k_hi
-                xt = tl.load(x_rows + offs_k[None, :] * stride_x_hidden, mask=pair_ok[:, None] & k_ok[None, :],
-                             other=0.0)
-                at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                             mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
-                if CAST_FP32:
-                    xt = xt.to(tl.float32)
-                    at = at.to(tl.float32)
-                acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
-            out = buf_ptr + plane * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
-            tl.store(out, acc, mask=pair_ok[:, None] & rank_ok[None, :])
-    else:
-        # 3. Expand: the block's rank rows (the planes summed once) against B_s[l, e]'s TILES_N tiles
-        # of BLOCK_N columns, weighted, added into y.
-        offs_r = tl.arange(0, BLOCK_R)
-        rank_ok = offs_r < live_rank
-        b_ptr = tl.where(first, b0_ptr + slot64 * stride_b0_slot + expert64 * stride_b0_expert,
-                         b1_ptr + slot64 * stride_b1_slot + expert64 * stride_b1_expert)
-        stride_bn = tl.where(first, stride_b0_n, stride_b1_n)
-        stride_br = tl.where(first, stride_b0_rank, stride_b1_rank)
-        width = tl.where(first, n0, n1)
-        col0 = tl.where(first, y_offset, y_offset + n0)
+    if PHASE == 1:                                   # the program's columns of slice s
+        width = tl.where(s == 0, n0, n1)
         n_lo = n_prog * (TILES_N * BLOCK_N)
         if n_lo >= width:
             return
-        src = 0 if SHARED_A else s
-        if GEMV:
-            vec = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            for j in tl.static_range(K_SPLIT):         # the shrink's partial sums, in plane order
-                vec += tl.load(buf_ptr + (src * K_SPLIT + j) * stride_buf_slice + pid64 * stride_buf_pair + offs_r,
-                               mask=rank_ok, other=0.0)
-            if MUL_ROUTED_WEIGHT:
-                w = tl.load(topk_weights_ptr + pid).to(tl.float32)
-            y_row = y_ptr + pid64 * stride_y_pair
-            for t in range(TILES_N):
-                offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < width
-                bt = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                             mask=n_ok[:, None] & rank_ok[None, :], other=0.0).to(tl.float32)
-                acc = tl.sum(bt * vec[None, :], axis=1)
-                if MUL_ROUTED_WEIGHT:
-                    acc = acc * w
-                y_ptrs = y_row + (col0 + offs_n) * stride_y_col
-                prev = tl.load(y_ptrs, mask=n_ok, other=0.0)
-                tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
+    offs_m = tl.arange(0, BLOCK_M)
+    # 1. The program's blocks: naive, pair pid alone; sorted, blocks pid, pid + G, pid + 2G, ... (G
+    # programs) of all slots' blocks one after another: slot l owns num_tokens_post_padded[l] /
+    # BLOCK_M of them, so no program waits on a block past the routing's last.
+    if NAIVE:
+        blk_end = pid + 1
+        step = 1
+    else:
+        offs_l = tl.arange(0, SLOTS_P2)
+        blocks = tl.load(post_pad_ptr + offs_l, mask=offs_l < num_slots, other=0) // BLOCK_M
+        ends = tl.cumsum(blocks, 0)
+        blk_end = tl.sum(blocks, 0)
+        step = tl.num_programs(0)
+    for blk in range(pid, blk_end, step):
+        # 2. The block's slot, expert and pairs; a block without work (no adapter, a disabled slot,
+        # expert -1, a sub-block of padding only) is skipped.
+        if NAIVE:
+            slot = tl.load(token_lora_ptr + blk // top_k)
+            expert = tl.load(expert_ids_ptr + blk)
+            pairs = tl.where(offs_m == 0, blk, num_pairs)
+            live = (slot >= 0) & (slot < num_slots) & (expert >= 0)
         else:
-            row_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
-            rows = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for j in tl.static_range(K_SPLIT):         # the shrink's partial sums, in plane order
-                rows += tl.load(row_ptrs + (src * K_SPLIT + j) * stride_buf_slice,
-                                mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
-            if MUL_ROUTED_WEIGHT:
-                w = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
-            if BF16_SPLIT:                             # rows = hi + lo, two bfloat16 terms (16 mantissa bits)
-                hi = rows.to(tl.bfloat16)
-                lo = (rows - hi.to(tl.float32)).to(tl.bfloat16)
-            y_rows = y_ptr + pairs.to(tl.int64)[:, None] * stride_y_pair
-            for t in range(TILES_N):
-                offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < width
-                bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                             mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
-                if BF16_SPLIT:
-                    acc = tl.dot(lo, bt)
-                    acc = tl.dot(hi, bt, acc)
+            slot = tl.sum((ends <= blk).to(tl.int32), 0)
+            block = blk - tl.sum(tl.where(offs_l < slot, blocks, 0), 0)
+            live = (slot < num_slots) & (block < max_blocks)
+            at_slot = tl.where(live, slot, 0)
+            at_block = tl.where(live, block, 0)
+            expert = tl.load(expert_ids_ptr + at_slot * stride_expert_slot + at_block // SUBS)
+            pairs = tl.load(sorted_ptr + at_slot * stride_sorted_slot + at_block * BLOCK_M + offs_m)
+            live = live & (expert >= 0) & (tl.min(pairs, 0) < num_pairs)
+        slot = tl.where(live, slot, 0)                   # a real slot's index to read, live or not
+        live = live & (tl.load(enabled_ptr + slot) != 0)
+        if live:
+            pair_ok = pairs < num_pairs
+            pairs = tl.where(pair_ok, pairs, 0)
+            live_rank = rank
+            if HAS_RANKS:                            # rank columns past the slot's own are neither read nor written
+                live_rank = tl.minimum(rank, tl.load(ranks_ptr + slot))
+            slot64 = slot.to(tl.int64)
+            expert64 = expert.to(tl.int64)
+            blk64 = tl.cast(blk, tl.int64)
+            first = s == 0
+            if PHASE == 0:
+                offs_r = r_chunk * R_CHUNK + tl.arange(0, R_CHUNK)
+                rank_ok = offs_r < live_rank
+                # 3. Shrink: x rows against A_s[l, e] (rank chunk, BLOCK_K) tiles, over the hidden part.
+                a_ptr = tl.where(first, a0_ptr + slot64 * stride_a0_slot + expert64 * stride_a0_expert,
+                                 a1_ptr + slot64 * stride_a1_slot + expert64 * stride_a1_expert)
+                stride_ar = tl.where(first, stride_a0_rank, stride_a1_rank)
+                stride_ak = tl.where(first, stride_a0_hidden, stride_a1_hidden)
+                k_lo = k_split * K_PER
+                k_hi = tl.minimum(hidden, k_lo + K_PER)
+                plane = s * K_SPLIT + k_split
+                if GEMV:
+                    row = blk64 if MUL_ROUTED_WEIGHT else blk64 // top_k
+                    x_row = x_ptr + row * stride_x_row
+                    vec = tl.zeros((R_CHUNK,), dtype=tl.float32)
+                    for k0 in range(k_lo, k_hi, BLOCK_K):
+                        offs_k = k0 + tl.arange(0, BLOCK_K)
+                        k_ok = offs_k < k_hi
+                        xv = tl.load(x_row + offs_k * stride_x_hidden, mask=k_ok, other=0.0).to(tl.float32)
+                        at = tl.load(a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                                     mask=rank_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                        vec += tl.sum(at * xv[None, :], axis=1)
+                    tl.store(buf_ptr + plane * stride_buf_slice + blk64 * stride_buf_pair + offs_r, vec, mask=rank_ok)
                 else:
-                    acc = tl.dot(rows, bt.to(tl.float32), input_precision=DOT_PRECISION)
-                if MUL_ROUTED_WEIGHT:
-                    acc = acc * w[:, None]
-                y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_y_col
-                ok = pair_ok[:, None] & n_ok[None, :]
-                prev = tl.load(y_ptrs, mask=ok, other=0.0)
-                tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=ok)
+                    rows = pairs if MUL_ROUTED_WEIGHT else pairs // top_k
+                    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
+                    acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
+                    for k0 in range(k_lo, k_hi, BLOCK_K):
+                        offs_k = k0 + tl.arange(0, BLOCK_K)
+                        k_ok = offs_k < k_hi
+                        xt = tl.load(x_rows + offs_k[None, :] * stride_x_hidden, mask=pair_ok[:, None] & k_ok[None, :],
+                                     other=0.0)
+                        at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                                     mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
+                        if CAST_FP32:
+                            xt = xt.to(tl.float32)
+                            at = at.to(tl.float32)
+                        acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
+                    out = (buf_ptr + plane * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair
+                           + offs_r[None, :])
+                    tl.store(out, acc, mask=pair_ok[:, None] & rank_ok[None, :])
+            else:
+                # 4. Expand: the block's rank rows (the planes summed once) against B_s[l, e]'s TILES_N tiles
+                # of BLOCK_N columns, weighted, added into y.
+                offs_r = tl.arange(0, BLOCK_R)
+                rank_ok = offs_r < live_rank
+                b_ptr = tl.where(first, b0_ptr + slot64 * stride_b0_slot + expert64 * stride_b0_expert,
+                                 b1_ptr + slot64 * stride_b1_slot + expert64 * stride_b1_expert)
+                stride_bn = tl.where(first, stride_b0_n, stride_b1_n)
+                stride_br = tl.where(first, stride_b0_rank, stride_b1_rank)
+                col0 = tl.where(first, y_offset, y_offset + n0)
+                src = 0 if SHARED_A else s
+                if GEMV:
+                    vec = tl.zeros((BLOCK_R,), dtype=tl.float32)
+                    for j in tl.static_range(K_SPLIT):         # the shrink's partial sums, in plane order
+                        vec += tl.load(buf_ptr + (src * K_SPLIT + j) * stride_buf_slice + blk64 * stride_buf_pair
+                                       + offs_r, mask=rank_ok, other=0.0)
+                    if MUL_ROUTED_WEIGHT:
+                        w = tl.load(topk_weights_ptr + blk).to(tl.float32)
+                    y_row = y_ptr + blk64 * stride_y_pair
+                    for t in range(TILES_N):
+                        offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+                        n_ok = offs_n < width
+                        bt = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                                     mask=n_ok[:, None] & rank_ok[None, :], other=0.0).to(tl.float32)
+                        acc = tl.sum(bt * vec[None, :], axis=1)
+                        if MUL_ROUTED_WEIGHT:
+                            acc = acc * w
+                        y_ptrs = y_row + (col0 + offs_n) * stride_y_col
+                        prev = tl.load(y_ptrs, mask=n_ok, other=0.0)
+                        tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
+                else:
+                    row_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
+                    rows = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    for j in tl.static_range(K_SPLIT):         # the shrink's partial sums, in plane order
+                        rows += tl.load(row_ptrs + (src * K_SPLIT + j) * stride_buf_slice,
+                                        mask=pair_ok[:, None] & rank_ok[None, :], other=0.0)
+                    if MUL_ROUTED_WEIGHT:
+                        w = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+                    if BF16_SPLIT:                             # rows = hi + lo, two bfloat16 terms (16 mantissa bits)
+                        hi = rows.to(tl.bfloat16)
+                        lo = (rows - hi.to(tl.float32)).to(tl.bfloat16)
+                    y_rows = y_ptr + pairs.to(tl.int64)[:, None] * stride_y_pair
+                    for t in range(TILES_N):
+                        offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+                        n_ok = offs_n < width
+                        bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                                     mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
+                        if BF16_SPLIT:
+                            acc = tl.dot(lo, bt)
+                            acc = tl.dot(hi, bt, acc)
+                        else:
+                            acc = tl.dot(rows, bt.to(tl.float32), input_precision=DOT_PRECISION)
+                        if MUL_ROUTED_WEIGHT:
+                            acc = acc * w[:, None]
+                        y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_y_col
+                        ok = pair_ok[:, None] & n_ok[None, :]
+                        prev = tl.load(y_ptrs, mask=ok, other=0.0)
+                        tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +317,9 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
        live: tl.dot's smallest tile); sorted, the blocks of every slot one after another, each in
        SUBS = block_m / BLOCK_M sub-blocks (the config's BLOCK_M, `moe_configs.resolve`): at most
        cdiv(pairs, BLOCK_M) + SUBS * the number of (slot, expert) runs, min(slots * experts, pairs)
-       (each run wastes under one block), so the grid is that bound, never slots * sorted_len / BLOCK_M.
+       (each run wastes under one block), never slots * sorted_len / BLOCK_M; with the config's
+       PERSIST, at most PERSIST programs per block `moe_configs.live_blocks` expects, each looping
+       over the blocks that many programs apart.
     2. The config: `config` if given, else `moe_configs.moe_config` (an override, the device
        table's entry for the shape's bucket, the default); BLOCK_R = the rank rounded up to a
        power of two >= 16; K_SPLIT / TILES_N resolved for the shape (`moe_configs.resolve`).
@@ -346,6 +360,8 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     if not naive:
         max_blocks = sorted_len // r.block_m
         blocks = triton.cdiv(num_pairs, r.block_m) + subs * min(num_slots * num_experts, num_pairs)
+        if cfg.PERSIST:
+            blocks = min(blocks, cfg.PERSIST * live_blocks(shape, r.block_m))
     block_r = shape.block_r
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=slices_shared,
