@@ -262,3 +262,22 @@ def test_block_size_follows_the_pairs_per_expert():
     assert moe_block_size(2048) == 64 and moe_block_size(1024) == 16
     with pytest.raises(ValueError, match="num_experts"):
         moe_block_size(64, 0)
+
+
+def test_pdl_plans_launch_the_expand_as_a_dependent(monkeypatch):
+    """pdl=True: the kernel compiled with USE_PDL (where this Triton has PDL), the expand launched as
+    a programmatic dependent of the shrink, the shrink plainly; LORA_CORE_PDL=0 launches neither."""
+    from lora_core.kernels.common import HAVE_PDL
+    from lora_core.kernels.moe_lora import plan_moe_lora
+
+    def plan(pdl):
+        return plan_moe_lora(num_pairs=64, num_slots=4, num_experts=8, hidden=256, widths=(64, 64), rank=16,
+                             naive=False, sorted_len=256, block_m=16, mul_routed_weight=False, shared_a=False,
+                             dtypes=("bfloat16",) * 3, pdl=pdl)
+    monkeypatch.delenv("LORA_CORE_PDL", raising=False)
+    p = plan(True)
+    assert p.constexprs["USE_PDL"] is HAVE_PDL
+    assert p.phase(1).launch_pdl is HAVE_PDL and p.phase(0).launch_pdl is False
+    assert plan(False).constexprs["USE_PDL"] is False and plan(False).phase(1).launch_pdl is False
+    monkeypatch.setenv("LORA_CORE_PDL", "0")
+    assert plan(True).phase(1).launch_pdl is False

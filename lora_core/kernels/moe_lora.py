@@ -69,8 +69,9 @@ import triton
 import triton.language as tl
 
 from .arguments import KernelCall, Strides
+from .common import HAVE_PDL, gdc_launch_dependents, gdc_wait
 from .moe_configs import MoeConfig, MoeShape, check_config, live_blocks, moe_config, resolve
-from .planning import cast_and_precision, next_pow2
+from .planning import cast_and_precision, next_pow2, pdl_launch
 
 MAX_SLICES = 2            # gate_up (w13) has two slices, down (w2) one
 
@@ -93,7 +94,7 @@ def moe_lora_kernel(
         stride_buf_slice, stride_buf_pair, stride_y_pair, stride_y_col, stride_sorted_slot, stride_expert_slot,
         # meta-parameters
         PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
-        HAS_RANKS: tl.constexpr, GEMV: tl.constexpr, BF16_SPLIT: tl.constexpr,
+        HAS_RANKS: tl.constexpr, GEMV: tl.constexpr, BF16_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
         N_TILES: tl.constexpr, TILES_N: tl.constexpr, BLOCK_M: tl.constexpr, SUBS: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, K_SPLIT: tl.constexpr,
         K_PER: tl.constexpr, SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -108,6 +109,8 @@ def moe_lora_kernel(
     r_chunk = (axis1 // K_SPLIT) % (BLOCK_R // R_CHUNK)
     s = axis1 // N_TILES if PHASE == 1 else axis1 // (K_SPLIT * (BLOCK_R // R_CHUNK))
     n_prog = axis1 % N_TILES
+    if PHASE == 0 and USE_PDL:
+        gdc_launch_dependents()                      # the expand's programs may start (they wait below)
     if PHASE == 0 and SHARED_A:  # noqa: SIM102 - constexpr test apart from the runtime one
         if s > 0:
             return
@@ -129,6 +132,8 @@ def moe_lora_kernel(
         ends = tl.cumsum(blocks, 0)
         blk_end = tl.sum(blocks, 0)
         step = tl.num_programs(0)
+    if PHASE == 1 and USE_PDL:
+        gdc_wait()                                   # the shrink's rank rows written and visible
     for blk in range(pid, blk_end, step):
         # 2. The block's slot, expert and pairs; a block without work (no adapter, a disabled slot,
         # expert -1, a sub-block of padding only) is skipped.
@@ -276,6 +281,7 @@ class MoePlan:
     expand_stages: int = 3
     config: MoeConfig | None = None
     """The config the plan came from (None: a deterministic plan's fixed one)."""
+    num_pairs: int = 0
 
     def phase(self, phase: int) -> MoePhase:
         """The launch plan of PHASE `phase` (0 shrink, 1 expand). The meta-parameters the phase does
@@ -287,7 +293,8 @@ class MoePlan:
             return MoePhase(self.shrink_grid, {**c, "PHASE": 0, "N_TILES": 1, "TILES_N": 1, "BLOCK_N": 16},
                             self.shrink_warps, self.shrink_stages)
         return MoePhase(self.expand_grid, {**c, "PHASE": 1, "BLOCK_K": 16, "R_CHUNK": c["BLOCK_R"], "K_PER": 16},
-                        self.expand_warps, self.expand_stages)
+                        self.expand_warps, self.expand_stages,
+                        bool(c.get("USE_PDL")) and pdl_launch("expand", self.num_pairs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +306,8 @@ class MoePhase:
     constexprs: dict
     num_warps: int = 4
     num_stages: int = 3
+    launch_pdl: bool = False
+    """Launched as a programmatic dependent of the launch before it (the expand after its shrink)."""
 
 
 # The deterministic plan's fixed config: a function of nothing but the weight shapes (the rank
@@ -310,7 +319,7 @@ DETERMINISTIC_CONFIG = MoeConfig(BLOCK_K=64, R_CHUNK=1 << 30, K_SPLIT=1, shrink_
 def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: int, widths: tuple, rank: int,
                   naive: bool, sorted_len: int, block_m: int, mul_routed_weight: bool, shared_a: bool,
                   dtypes: tuple, has_ranks: bool = False, deterministic: bool = False,
-                  config: MoeConfig | None = None, device: str | None = None) -> MoePlan:
+                  config: MoeConfig | None = None, device: str | None = None, pdl: bool = False) -> MoePlan:
     """The grids and meta-parameters of one MoE LoRA call.
 
     1. Blocks: naive, one program per pair (the GEMV path: vectors; else BLOCK_M 16, only row 0
@@ -330,7 +339,10 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
        N_TILES), N_TILES = programs per slice, each over TILES_N tiles of BLOCK_N columns.
     deterministic (naive only): DETERMINISTIC_CONFIG whatever the table says -- the whole rank in
     one chunk, no hidden split, fixed tiles -- so every batch runs one configuration.
-    has_ranks: the kernel reads each slot's rank (HAS_RANKS).
+    has_ranks: the kernel reads each slot's rank (HAS_RANKS). pdl (Hopper and newer, the launcher's
+    choice): USE_PDL, the expand launched as a programmatic dependent of the shrink (when
+    `planning.pdl_launch("expand", ...)` allows it): its programs start while the shrink's last
+    run, work out their blocks, and wait (gdc_wait) before reading the rank buffer and y.
     """
     if deterministic and not naive:
         raise ValueError("plan_moe_lora: deterministic plans take the naive order (one pair per program)")
@@ -365,7 +377,7 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     block_r = shape.block_r
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=slices_shared,
-                      HAS_RANKS=bool(has_ranks), GEMV=bool(cfg.GEMV),
+                      HAS_RANKS=bool(has_ranks), GEMV=bool(cfg.GEMV), USE_PDL=bool(pdl and HAVE_PDL),
                       BF16_SPLIT=not cast and set(dtypes) == {"bfloat16"} and not deterministic,
                       N_TILES=r.n_programs, TILES_N=r.tiles_n, BLOCK_M=r.block_m, SUBS=subs, BLOCK_N=r.block_n,
                       BLOCK_K=r.block_k, BLOCK_R=block_r, R_CHUNK=r.r_chunk, K_SPLIT=r.k_split, K_PER=r.k_per,
@@ -373,7 +385,7 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     return MoePlan((max(blocks, 1), len(widths) * (block_r // r.r_chunk) * r.k_split),
                    (max(blocks, 1), len(widths) * r.n_programs), constexprs, max_blocks, r.k_split,
                    cfg.shrink_warps, cfg.shrink_stages, cfg.expand_warps, cfg.expand_stages,
-                   None if deterministic else cfg)
+                   None if deterministic else cfg, num_pairs)
 
 
 def moe_lora_calls(plan: MoePlan, x, lora_a, lora_b, buf, y, topk_weights, sorted_ids, expert_ids, post_pad,
