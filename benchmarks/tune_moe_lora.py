@@ -10,11 +10,12 @@ the pair order and block size the engine gives it (`lora_core.moe_order`).
 
 Candidates per bucket (a small curated grid, not a product): the default config with its K_SPLIT
 and TILES_N resolved, the table's current entry if any, for the sorted order the structural moves
-(`sorted_moves`: the alignment's block in sub-blocks of half and a quarter its rows, 128-column B
-tiles at 4 and 8 warps, one tile per expand program), and the default with one knob moved at a
-time -- K_SPLIT halved / doubled, TILES_N halved / doubled, BLOCK_N halved / doubled at the same
-columns per program, BLOCK_K halved / doubled, the naive rank in 16-wide chunks, the other path
-(GEMV or tl.dot) for the naive order, the other warp count and one stage more / fewer per launch.
+(`sorted_moves`: the alignment's block in sub-blocks of half and a quarter its rows, 1 and 4
+programs per expected block, 128-column B tiles at 4 and 8 warps, one tile per expand program),
+and the default with one knob moved at a time -- K_SPLIT halved / doubled, TILES_N halved /
+doubled, BLOCK_N halved / doubled at the same columns per program, BLOCK_K halved / doubled, the
+naive rank in 16-wide chunks, the other path (GEMV or tl.dot) for the naive order, the other warp
+count and one stage more / fewer per launch.
 After the single moves, the best value of each knob that won is combined into one more candidate.
 
 Each candidate is checked against the benchmark's reference (relative error <= 2e-2) before it is
@@ -76,7 +77,8 @@ def bucket_of(shape: dict, layer: str, tokens: int, rank: int, slots: int):
 
 def sorted_moves(d, shape) -> list:
     """The sorted order's structural candidates, tried before the single knob moves: the alignment's
-    block in sub-blocks of half and a quarter its rows (their own K_SPLIT / TILES_N), wide B tiles
+    block in sub-blocks of half and a quarter its rows (their own K_SPLIT / TILES_N), 1 and 4
+    programs per expected block (PERSIST), wide B tiles
     (128 columns: 4 warps, and 8 at 64-row blocks) at one tile per program and at the default's
     columns per program, and one expand program per tile (the most programs)."""
     from lora_core.kernels import moe_configs
@@ -86,6 +88,9 @@ def sorted_moves(d, shape) -> list:
             sub = d.replace(BLOCK_M=rows, K_SPLIT=0, TILES_N=0)
             r = moe_configs.resolve(sub, shape)
             out.append(sub.replace(K_SPLIT=r.k_split, TILES_N=r.tiles_n))
+    for persist in (1, 4):
+        if persist != d.PERSIST:
+            out.append(d.replace(PERSIST=persist))
     cols = d.BLOCK_N * d.TILES_N
     for warps in (4, 8) if shape.block_m >= 64 else (4,):
         for tiles in sorted({1, max(1, cols // 128)}):

@@ -88,8 +88,9 @@ def test_losing_buckets_go_first_and_tuned_ones_are_skipped(tmp_path):
 
 
 def test_sorted_candidates_include_sub_blocks_and_wide_tiles():
-    """A 64-row bucket's candidates: sub-blocks of 32 and 16 rows with their own counts, 128-column
-    B tiles at 4 and 8 warps, one tile per expand program; every candidate a valid config."""
+    """A 64-row bucket's candidates: sub-blocks of 32 and 16 rows with their own counts, 1 and 4
+    programs per expected block, 128-column B tiles at 4 and 8 warps, one tile per expand program;
+    every candidate a valid config."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import tune_moe_lora
 
@@ -99,6 +100,6 @@ def test_sorted_candidates_include_sub_blocks_and_wide_tiles():
     cands = tune_moe_lora.candidates(shape, None)
     for c in cands:
         check_config(MoeConfig(**c))
-    assert {c["BLOCK_M"] for c in cands} == {0, 32, 16}
+    assert {c["BLOCK_M"] for c in cands} == {0, 32, 16} and {c["PERSIST"] for c in cands} == {1, 2, 4}
     assert {c["expand_warps"] for c in cands if c["BLOCK_N"] == 128 and c["TILES_N"] == 1} == {4, 8}
     assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)

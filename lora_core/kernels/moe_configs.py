@@ -46,6 +46,8 @@ The default (`default_moe_config`), from the bytes each program moves and the pr
     rows read once); blocks of 16 rows: BLOCK_K 128 up to rank 32, 64 above, BLOCK_N 256 / 128,
     4 warps; blocks of 64 rows: BLOCK_K 64, BLOCK_N 128 / 64, 8 warps (a 64-row tile's gathered
     row pointers and dot operands fill a 4-warp program's registers);
+  * sorted order: BLOCK_M 0 (the alignment's block: `moe_order.moe_block_size` already sizes it
+    by the pairs per expert) and PERSIST 2;
   * both: K_SPLIT and TILES_N from TARGET_PER_SM programs per SM (`device_sm_count`, else
     FALLBACK_SMS): the hidden split until the shrink has that many programs (parts of at least
     MIN_K_PER elements, at most MAX_K_SPLIT planes, MAX_K_SPLIT_NAIVE in the naive order, whose
