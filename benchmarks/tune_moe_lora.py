@@ -25,12 +25,12 @@ bucket's cases -- one adapter, and 8 or 32 where the tokens allow (the routing's
 `--jobs` worker processes run every candidate once (Triton keeps the kernels in its on-disk
 cache), then the timing runs alone on the GPU.
 
-Which buckets first: token counts outermost, unless `--losing FILE` (a `bench_moe_lora` result,
-its moe_lora.json or moe_lora.md) names cases slower than vLLM: their buckets go first, the
-slowest first; `--only-untuned` skips the buckets the table already holds (losing ones excepted).
-A run cut by the budget has then spent it where vLLM wins:
+Which buckets first: those the table lacks, then the tuned ones again, token counts outermost in
+each; `--losing FILE` (a `bench_moe_lora` result, its moe_lora.json or moe_lora.md) puts the
+buckets of its cases slower than vLLM before all, the slowest first; `--only-untuned` skips the
+tuned ones (losing ones excepted). A run cut by the budget has then spent it where vLLM wins:
 
-    PYTHONPATH=. python benchmarks/tune_moe_lora.py --budget-s 130 --jobs 14 --max-candidates 12 \
+    PYTHONPATH=. python benchmarks/tune_moe_lora.py --budget-s 140 --jobs 14 --max-candidates 10 \
         --losing benchmarks/results/moe_lora_20261203/moe_lora.md --only-untuned
 
 Output: `--table` (default lora_core/kernels/tuned/<device>_moe.json) gets each bucket's winner
@@ -237,11 +237,12 @@ def losing_cases(path: str, below: float = 1.0) -> list:
 
 def order_work(work: list, tuned: dict, losing: dict, only_untuned: bool) -> list:
     """The buckets in tuning order: those in `losing` ({key: worst speed-up}) first, the slowest
-    first, then the rest in their order; with only_untuned, buckets the table already holds are
-    dropped unless they are losing."""
+    first, then the ones the table lacks, then the tuned ones again, each group in its order; with
+    only_untuned, the tuned ones are dropped (unless losing)."""
     first = sorted((w for w in work if w[5] in losing), key=lambda w: losing[w[5]])
-    rest = [w for w in work if w[5] not in losing and not (only_untuned and w[5] in tuned)]
-    return first + rest
+    untuned = [w for w in work if w[5] not in losing and w[5] not in tuned]
+    again = [] if only_untuned else [w for w in work if w[5] not in losing and w[5] in tuned]
+    return first + untuned + again
 
 
 def _write_json(path: str, data) -> None:

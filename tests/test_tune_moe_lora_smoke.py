@@ -65,8 +65,9 @@ def test_budget_stops_before_the_buckets_and_keeps_the_table(tmp_path):
 
 def test_losing_buckets_go_first_and_tuned_ones_are_skipped(tmp_path):
     """--losing (a bench_moe_lora markdown table) puts the buckets of cases slower than vLLM first,
-    the slowest first; --only-untuned drops the buckets the table holds unless they are losing
-    (--budget-s 0: the order shows in the skipped list)."""
+    the slowest first; --only-untuned drops the buckets the table holds unless they are losing;
+    without either, the buckets the table lacks go first (--budget-s 0: the order shows in the
+    skipped list)."""
     md = tmp_path / "moe_lora.md"
     md.write_text("| model | layer | T | D | r | order | ours us | vLLM us | vLLM/ours | err ours | err vLLM |\n"
                   "|---|---|---|---|---|---|---|---|---|---|---|\n"
@@ -81,9 +82,9 @@ def test_losing_buckets_go_first_and_tuned_ones_are_skipped(tmp_path):
     with open(str(table) + ".log.json") as f:
         skipped = json.load(f)["skipped"]
     assert skipped == ["naive/p16/r16/k48/n64/s1", "sorted16/p16/r16/k48/n64/s1"]      # T40's bucket: tuned
-    proc = _tune(table, "--tokens", "1,3,40", "--budget-s", "0")
+    proc = _tune(table, "--tokens", "1,3,40", "--budget-s", "0")                  # untuned first, then the tuned
     with open(str(table) + ".log.json") as f:
-        assert json.load(f)["skipped"] == ["naive/p16/r16/k48/n64/s1", "sorted16/p16/r16/k48/n64/s1",
+        assert json.load(f)["skipped"] == ["sorted16/p16/r16/k48/n64/s1", "naive/p16/r16/k48/n64/s1",
                                            "sorted16/p128/r16/k48/n64/s1"]
 
 
