@@ -3,9 +3,10 @@
 The compiled kernel (`lora_core.kernels.moe_lora` through `torch_lora.ops.fused_moe_lora`) against a
 float64 reference at Mixtral-8x7B and Qwen3-30B-A3B layer shapes (hidden / intermediate sizes, 8 or
 128 experts, top 2 or 8), both pair orders, ranks 16 and 64, gate_up and down, the sorted order's
-sub-blocks and grids; a CUDA-graph replay with a new routing; and MultiLoRAModel on a tiny Mixtral on CUDA (Triton backend) against PEFT.
-The JAX side's Triton backend (`jax_lora.ops.triton_moe`, the same kernel through the XLA FFI
-launcher) under jax.jit on the same cases, both pair orders, per-slot ranks.
+sub-blocks and grids; a CUDA-graph replay with a new routing; and MultiLoRAModel on a tiny Mixtral
+on CUDA (Triton backend) against PEFT. The JAX side's Triton backend (`jax_lora.ops.triton_moe`,
+the same kernel through the XLA FFI launcher) under jax.jit on the same cases, both pair orders,
+per-slot ranks.
 """
 
 from __future__ import annotations

@@ -195,19 +195,20 @@ def test_kernel_matches_the_oracle_under_each_config(name, order, down):
     np.testing.assert_allclose(y.numpy(), want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("sub,persist", [(16, 0), (16, 1), (32, 2)])
+@pytest.mark.parametrize("sub,persist,rank", [(16, 0, 16), (16, 1, 16), (32, 2, 40)])
 @pytest.mark.parametrize("down", [False, True], ids=["gate_up", "down"])
-def test_sub_blocks_of_an_aligned_block_match_the_oracle(sub, persist, down):
+def test_sub_blocks_of_an_aligned_block_match_the_oracle(sub, persist, rank, down):
     """The alignment in blocks of 64, the kernel in sub-blocks of `sub` rows (config BLOCK_M): a run
     of 30 pairs (two 16-row sub-blocks live, the rest padding), short runs (one live sub-block,
     the others padding only), a disabled slot and tokens without an adapter equal the float64
     oracle, with one program per block of the bound (PERSIST 0) or fewer programs than blocks,
-    each looping over several (PERSIST 1, 2)."""
+    each looping over several (PERSIST 1, 2); rank 40 (past Y_FIRST_MAX_RANK: y loaded after the
+    dots) as well as 16."""
     torch = pytest.importorskip("torch")
     from lora_core.kernels.moe_lora import plan_moe_lora
     from torch_lora.ops import fused_moe_lora, moe_lora_align_block_size
     rng = np.random.default_rng(11 + down)
-    tokens, top_k, experts, slots, rank, align = 20, 2, 3, 3, 16, 64
+    tokens, top_k, experts, slots, align = 20, 2, 3, 3, 64
     hidden, inter = (24, 40) if down else (40, 24)
     k_in, widths = (inter, (hidden,)) if down else (hidden, (inter, inter))
     a = [rng.standard_normal((slots, experts, rank, k_in)).astype(np.float32) / np.sqrt(k_in) for _ in widths]
@@ -227,6 +228,7 @@ def test_sub_blocks_of_an_aligned_block_match_the_oracle(sub, persist, down):
                          rank=rank, naive=False, sorted_len=align_out[0].numel() // slots, block_m=align,
                          mul_routed_weight=down, shared_a=False, dtypes=("float32",) * 3, config=cfg)
     assert plan.constexprs["BLOCK_M"] == sub and plan.constexprs["SUBS"] == align // sub
+    assert plan.constexprs["Y_FIRST"] == (rank <= 32)
     bound = -(-tokens * top_k // sub) + (align // sub) * min(slots * experts, tokens * top_k)
     live = -(-tokens * top_k // sub) + experts                       # moe_configs.live_blocks
     assert plan.shrink_grid[0] == plan.expand_grid[0] == (min(bound, persist * live) if persist else bound)

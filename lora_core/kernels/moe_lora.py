@@ -74,6 +74,10 @@ from .moe_configs import MoeConfig, MoeShape, check_config, live_blocks, moe_con
 from .planning import cast_and_precision, next_pow2, pdl_launch
 
 MAX_SLICES = 2            # gate_up (w13) has two slices, down (w2) one
+# The tl.dot expand loads a tile's y before its B tile and dots (both loads in flight at once) up
+# to this rank; above it the y tile held across the dots spills registers at 64-row blocks
+# (ptxas for sm_90), so y is loaded after them.
+Y_FIRST_MAX_RANK = 32
 
 
 @triton.jit
@@ -95,6 +99,7 @@ def moe_lora_kernel(
         # meta-parameters
         PHASE: tl.constexpr, NAIVE: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, SHARED_A: tl.constexpr,
         HAS_RANKS: tl.constexpr, GEMV: tl.constexpr, BF16_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+        Y_FIRST: tl.constexpr,
         N_TILES: tl.constexpr, TILES_N: tl.constexpr, BLOCK_M: tl.constexpr, SUBS: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, K_SPLIT: tl.constexpr,
         K_PER: tl.constexpr, SLOTS_P2: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -226,13 +231,13 @@ def moe_lora_kernel(
                     for t in range(TILES_N):
                         offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
                         n_ok = offs_n < width
+                        y_ptrs = y_row + (col0 + offs_n) * stride_y_col
+                        prev = tl.load(y_ptrs, mask=n_ok, other=0.0)
                         bt = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
                                      mask=n_ok[:, None] & rank_ok[None, :], other=0.0).to(tl.float32)
                         acc = tl.sum(bt * vec[None, :], axis=1)
                         if MUL_ROUTED_WEIGHT:
                             acc = acc * w
-                        y_ptrs = y_row + (col0 + offs_n) * stride_y_col
-                        prev = tl.load(y_ptrs, mask=n_ok, other=0.0)
                         tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
                 else:
                     row_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * stride_buf_pair + offs_r[None, :]
@@ -249,6 +254,10 @@ def moe_lora_kernel(
                     for t in range(TILES_N):
                         offs_n = n_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
                         n_ok = offs_n < width
+                        y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_y_col
+                        ok = pair_ok[:, None] & n_ok[None, :]
+                        if Y_FIRST:                    # y's load and B's in flight together, before the dots
+                            prev = tl.load(y_ptrs, mask=ok, other=0.0)
                         bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                                      mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
                         if BF16_SPLIT:
@@ -258,9 +267,8 @@ def moe_lora_kernel(
                             acc = tl.dot(rows, bt.to(tl.float32), input_precision=DOT_PRECISION)
                         if MUL_ROUTED_WEIGHT:
                             acc = acc * w[:, None]
-                        y_ptrs = y_rows + (col0 + offs_n)[None, :] * stride_y_col
-                        ok = pair_ok[:, None] & n_ok[None, :]
-                        prev = tl.load(y_ptrs, mask=ok, other=0.0)
+                        if not Y_FIRST:
+                            prev = tl.load(y_ptrs, mask=ok, other=0.0)
                         tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -378,6 +386,7 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
     cast, precision = cast_and_precision(dtypes)
     constexprs = dict(NAIVE=naive, MUL_ROUTED_WEIGHT=mul_routed_weight, SHARED_A=slices_shared,
                       HAS_RANKS=bool(has_ranks), GEMV=bool(cfg.GEMV), USE_PDL=bool(pdl and HAVE_PDL),
+                      Y_FIRST=block_r <= Y_FIRST_MAX_RANK,
                       BF16_SPLIT=not cast and set(dtypes) == {"bfloat16"} and not deterministic,
                       N_TILES=r.n_programs, TILES_N=r.tiles_n, BLOCK_M=r.block_m, SUBS=subs, BLOCK_N=r.block_n,
                       BLOCK_K=r.block_k, BLOCK_R=block_r, R_CHUNK=r.r_chunk, K_SPLIT=r.k_split, K_PER=r.k_per,
