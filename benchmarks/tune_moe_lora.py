@@ -44,6 +44,7 @@ H200) or the file LORA_CORE_MOE_TABLE names.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -77,17 +78,19 @@ def bucket_of(shape: dict, layer: str, tokens: int, rank: int, slots: int):
 
 def sorted_moves(d, shape) -> list:
     """The sorted order's structural candidates, tried before the single knob moves: the alignment's
-    block in sub-blocks of half and a quarter its rows (their own K_SPLIT / TILES_N), 1 and 4
+    block in sub-blocks of half and a quarter its rows (the default of blocks that size), 1 and 4
     programs per expected block (PERSIST), wide B tiles
     (128 columns: 4 warps, and 8 at 64-row blocks) at one tile per program and at the default's
     columns per program, and one expand program per tile (the most programs)."""
     from lora_core.kernels import moe_configs
     out = []
     for rows in (shape.block_m // 2, shape.block_m // 4):
-        if rows >= 16:
-            sub = d.replace(BLOCK_M=rows, K_SPLIT=0, TILES_N=0)
+        if rows >= 16:                           # the default of blocks that size, on this alignment
+            sub = moe_configs.default_moe_config(dataclasses.replace(shape, block_m=rows)).replace(
+                BLOCK_M=rows, PERSIST=d.PERSIST)
             r = moe_configs.resolve(sub, shape)
-            out.append(sub.replace(K_SPLIT=r.k_split, TILES_N=r.tiles_n))
+            out.append(sub.replace(K_SPLIT=r.k_split, TILES_N=r.tiles_n, BLOCK_K=r.block_k, BLOCK_N=r.block_n,
+                                   R_CHUNK=r.r_chunk))
     for persist in (1, 4):
         if persist != d.PERSIST:
             out.append(d.replace(PERSIST=persist))
