@@ -16,8 +16,8 @@ get divisibility hints except the token counts, `planning.TOKEN_COUNT_PARAMS`, p
 16-byte aligned), as Triton's launcher and the JAX FFI launcher do. Prints one line per distinct
 launch and the failures; exits 1 if any failed. A kernel whose shared memory exceeds an H200
 block's (SMEM_LIMIT) counts as failed: it compiles, but its launch would be refused. `--lora-dtype
-fp8`: e4m3 weights with float32 channel scales and the fp8 launch configs (configs.fp8_scaled or the
-table's "fp8" entries). Compiling is CPU work (about 0.5 s a kernel).
+fp8`: e4m3 weights with float32 channel scales and the fp8 launch configs (the table's "fp8" entries,
+else its 16-bit configs). Compiling is CPU work (about 0.5 s a kernel).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ reads it; the classes not tuned this time keep their entries, the table its "pol
 
 `--lora-dtype fp8`: the same with fp8 (e4m3) adapter weights (quantised per output channel from the
 bf16 ones, as bench_triton.py does). Candidates are the table's fp8 lookup for the class (its
-"fp8" entry, else the 16-bit config made for fp8 by configs.fp8_scaled: timed first, the baseline)
-and every 16-bit candidate made for fp8; the winners go into the class's "fp8" object (shrink,
+"fp8" entry, else its 16-bit config: timed first, the baseline), every 16-bit candidate as it is
+and each made for fp8 by configs.fp8_scaled; the winners go into the class's "fp8" object (shrink,
 expand, fused, use_fused), which fp8 launches read; the 16-bit side of the table is left as it is.
 `--budget-s` also stops a class's candidate list once spent (the class keeps the best timed).
     PYTHONPATH=. python benchmarks/tune_triton.py --lora-dtype fp8 --classes t64,t256,t1024 --budget-s 150
@@ -177,9 +177,9 @@ FP8 = "float8_e4m3fn"
 
 def fp8_candidates(kind: str, cands: list, table_cfg: dict, size: int) -> list:
     """fp8 candidates of one kind: the table's fp8 config for the class first (the baseline), then
-    each 16-bit candidate made for fp8 (configs.fp8_scaled), without repeats."""
+    each 16-bit candidate as it is and made for fp8 (configs.fp8_scaled), without repeats."""
     out = []
-    for c in [table_cfg] + [configs.fp8_scaled(kind, c, size) for c in cands]:
+    for c in [table_cfg] + [v for cand in cands for v in (dict(cand), configs.fp8_scaled(kind, cand, size))]:
         if c not in out:
             out.append(c)
     return out

@@ -229,14 +229,14 @@ def test_fp8_multilora_model_triton_equals_reference(tmp_path):
 
 @pytest.mark.parametrize("S", [1, 3])
 def test_fp8_deterministic_is_batch_invariant(S):
-    """deterministic=True with fp8 weights (the fp8 deterministic configs: configs.fp8_scaled of the
+    """deterministic=True with fp8 weights (the deterministic configs of the
     rank's): the first rows' outputs are bitwise the same in a batch of 4 and of 300 tokens, and
     match the float64 reference on the dequantised weights."""
     from torch_lora.meta import LoRAKernelMeta
     from torch_lora.ops import triton as tri
     H, R, L = 4096, 16, 8
     widths = (4096, 1024, 1024)[:S]
-    x, a, b, idx, _, _, _ = _setup(300, H, R, widths, L, 8, seed=5)
+    x, a, b, idx, _, _, _ = linear_problem(300, H, R, widths, L, 8, torch.bfloat16, seed=5)
     qa, qb = [quantize(w) for w in a], [quantize(w) for w in b]
     offsets = tuple(sum(widths[:s]) for s in range(S))
     y0 = torch.randn(300, sum(widths), device="cuda").to(torch.bfloat16)
@@ -249,7 +249,7 @@ def test_fp8_deterministic_is_batch_invariant(S):
                    deterministic=True, a_scales=tuple(s for _, s in qa), b_scales=tuple(s for _, s in qb))
         outs.append(y)
     assert torch.equal(outs[0], outs[1][:4])
-    want = _ref_linear(y0, x, [dequantize(*p) for p in qa], [dequantize(*p) for p in qb], idx, 0.5, offsets)
+    want = ref_linear(y0, x, [dequantize(*p) for p in qa], [dequantize(*p) for p in qb], idx, 0.5, offsets)
     assert _rel(outs[1], want) < TOL
 
 

@@ -37,10 +37,12 @@ fp8 (e4m3) weights (`w_dtype="float8_e4m3fn"` on every lookup): a load of an fp8
 the bytes of the same 16-bit tile, so the 16-bit configs would keep half as many bytes in flight
 per program. A class entry's "fp8" object ({"shrink", "expand", "fused", "use_fused", "variants"}
 like the class itself, written by `benchmarks/tune_triton.py --lora-dtype fp8`) gives fp8 launches
-their own configs; a kind it does not give follows the rule `fp8_scaled`: the 16-bit config with
-its tile doubled along the weight's contiguous axis (the shrink's and the fused kernel's BLOCK_K,
-the expand's BLOCK_N with half the TILES_N) and its warps doubled, so that each load moves the
-16-bit tile's bytes and each thread holds as many weight values.
+their own configs; a kind it does not give takes the class's 16-bit config as it is. The rule
+`fp8_scaled` (the tile doubled along the weight's contiguous axis -- the shrink's and the fused
+kernel's BLOCK_K, the expand's BLOCK_N with half the TILES_N -- and the warps doubled, so that each
+load moves the 16-bit tile's bytes) is a tuner candidate and the interpreter's fp8 config; on the
+H200 it was slower than the 16-bit configs at most decode cases (docs/benchmarks.md, fp8), so a
+GPU table does not apply it by default.
 """
 
 from __future__ import annotations
@@ -207,14 +209,14 @@ class LaunchTable:
                w_dtype: str | None = None, size: int | None = None) -> dict:
         """A copy of the "shrink", "expand" or "fused" config of a launch, as the table writes it.
         fp8 weights (w_dtype): the class's "fp8" variant, else its "fp8" config of `kind`, else
-        `fp8_scaled` of the 16-bit config (doubled up to next_pow2(size) when size is given)."""
+        the 16-bit config (`size` is kept for the lookups' signature: the interpreter's rule uses it)."""
         key = (token_class(num_tokens), rank_class(rank))
         if is_fp8_dtype(w_dtype):
             chosen = (self.variant(num_tokens, rank, num_slots, num_slices, w_dtype).get(kind)
                       or self.fp8.get(key, {}).get(kind))
             if chosen is not None:
                 return dict(chosen)
-            return fp8_scaled(kind, self.config(kind, num_tokens, rank, num_slices, num_slots), size)
+            return self.config(kind, num_tokens, rank, num_slices, num_slots)
         chosen = self.variant(num_tokens, rank, num_slots, num_slices).get(kind)
         if chosen is None:
             chosen = getattr(self, kind).get(key, _FUSED_FALLBACK) if kind == "fused" else getattr(self, kind)[key]
@@ -547,9 +549,8 @@ def deterministic_config(kind: str, size: int, rank: int, *, device: str | None 
       * BLOCK_R fixed: the expand's rank loop adds the same rank blocks in the same order;
       * SMALL_T off: the same tile scheme (sorted token tiles) for every T;
       * shrink + expand always, never the fused kernel (`use_fused`).
-    fp8 weights (w_dtype) on a GPU: `fp8_scaled` of the rank's config (a function of the rank and
-    the weights' dtype, which one adapter stack never changes); under the interpreter the same
-    small tiles as 16-bit weights.
+    fp8 weights (w_dtype): the rank's 16-bit config on a GPU, under the interpreter the same small
+    tiles as 16-bit weights.
     """
     if kind not in ("shrink", "expand"):
         raise ValueError(f"kind must be 'shrink' or 'expand', got {kind!r}")
@@ -559,5 +560,4 @@ def deterministic_config(kind: str, size: int, rank: int, *, device: str | None 
         if kind == "shrink":
             return dict(shrink_params(16, min(256, max(16, next_pow2(size) // 2)), 2, 4, 1), SMALL_T=False)
         return dict(expand_params(16, min(256, max(16, next_pow2(size))), 16, 4, 1), SMALL_T=False)
-    cfg = dict(_table(device).deterministic[rank_class(rank)][kind])
-    return fp8_scaled(kind, cfg) if is_fp8_dtype(w_dtype) else cfg
+    return dict(_table(device).deterministic[rank_class(rank)][kind])
