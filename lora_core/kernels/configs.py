@@ -40,8 +40,8 @@ like the class itself, written by `benchmarks/tune_triton.py --lora-dtype fp8`) 
 their own configs; a kind it does not give takes the class's 16-bit config as it is. The rule
 `fp8_scaled` (the tile doubled along the weight's contiguous axis -- the shrink's and the fused
 kernel's BLOCK_K, the expand's BLOCK_N with half the TILES_N -- and the warps doubled, so that each
-load moves the 16-bit tile's bytes) is a tuner candidate and the interpreter's fp8 config; on the
-H200 it was slower than the 16-bit configs at most decode cases (docs/benchmarks.md, fp8), so a
+load moves the 16-bit tile's bytes) is a tuner candidate and the interpreter's fp8 config; measured
+on a GPU it was slower than the 16-bit configs at most decode cases (docs/benchmarks.md, fp8), so a
 GPU table does not apply it by default.
 """
 
