@@ -3,7 +3,8 @@ LoRA under jit, the torch decoder over the same weights, metadata updates betwee
 reference check, timing, the JSON/markdown report) on the CPU with a tiny model; with an fp8 base
 (--base fp8: the decoder's linears float8_e4m3fn, both frameworks checked against the reference); and
 JAX's fused LoRA linears (--jax-lora fused-norm, in Triton's interpreter) checked against the reference; and
-both frameworks' --torch-lora / --jax-lora auto over a small fused linear table, checked the same way."""
+both frameworks' --torch-lora / --jax-lora auto over a small fused linear table, checked the same way;
+and JAX's steps called as their precompiled ahead-of-time programs (--jax-call aot)."""
 
 from __future__ import annotations
 
