@@ -383,11 +383,11 @@ class ServingEngine:
             self._programs[key] = program
         try:
             return program(*args)
-        except TypeError as e:        # the arguments' avals or tree differ from those it was compiled for
-            raise TypeError(f"ServingEngine: the step's arguments for the bucket {key} (tokens shape, decode, "
-                            "use_lora, pair bucket) differ from those its ahead-of-time program was compiled for "
-                            f"(shapes, dtypes, shardings or tree structure): {e}. ServingEngine(..., "
-                            "aot_calls=False) calls the jitted step, which compiles again instead") from e
+        except (TypeError, ValueError) as e:  # avals or tree (TypeError), shardings (ValueError) differ
+            raise type(e)(f"ServingEngine: the step's arguments for the bucket {key} (tokens shape, decode, "
+                          "use_lora, pair bucket) differ from those its ahead-of-time program was compiled for "
+                          f"(shapes, dtypes, shardings or tree structure): {e}. ServingEngine(..., "
+                          "aot_calls=False) calls the jitted step, which compiles again instead") from e
 
     def _prefill(self, seqs: list, use_lora: bool):
         # A row's prefill covers its prompt from q.cached on (the tokens before it are in its KV row
