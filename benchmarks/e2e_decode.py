@@ -27,7 +27,11 @@ each sequence's last position (greedy next token too), as jax_lora.serving's ste
     count and rank (`lora_core.kernels.fused_linear_configs.use_fused_linear`), else the base
     product and add_lora_linear; --smoke runs them in Triton's interpreter. Timed per step on
     the host: the call to `block_until_ready`, median of N steps, so JAX's dispatch of the step
-    is included.
+    is included. --jax-call: how the step is called, `jit` (default: the jitted function, which
+    looks the program up from its ~800 arguments on every call) or `aot` (each step shape's
+    ahead-of-time compiled program, `jit.lower(...).compile()`, called directly, as
+    `jax_lora.serving.ServingEngine` calls its steps with aot_calls=True): the two differ in the
+    host's dispatch time only (meta.jax_call; "_aot" in the file names).
   * torch: a lean decoder written here (RMSNorm, rotate-half RoPE, GQA attention over a static KV
     cache with `scaled_dot_product_attention`, SiLU MLP), LoRA through
     `torch_lora.PunicaWrapper.add_lora_linear` on the fused qkv (3 slices), o, gate_up (2 slices)
@@ -899,6 +903,8 @@ class Bench:
         self.budget_s = args.budget_s
         self.shape_costs = {}          # step kind -> seconds each step shape took (set-up, checks, timing)
         self._jax_base_compiled = set()
+        self._jax_programs = {}        # --jax-call aot: ("base", shape key) / ("lora", rank, shape key) -> Compiled
+        self.jax_aot_programs = dict(precompiled=0, on_first_call=0)     # Compiled programs kept, by where built
         self._last_precompile_s = 0.0
         self.on_result = None          # called after every case (the partial results are written)
 
@@ -1101,18 +1107,44 @@ class Bench:
             self._jax_base = make(key)
         if self._jax_lora_rank != self.jm.rank:
             self._jax_lora, self._jax_lora_rank = make(key), self.jm.rank
+            self._jax_programs = {k: v for k, v in self._jax_programs.items() if k[0] == "base"}
         return self._jax_base, self._jax_lora
+
+    @property
+    def jax_aot(self) -> bool:
+        """`--jax-call aot`: the steps are called as ahead-of-time compiled programs."""
+        return getattr(self.args, "jax_call", "jit") == "aot"
+
+    def _program_key(self, shape: Shape, lora: bool) -> tuple:
+        """The key of a step shape's Compiled program: the base programs serve every rank (as the
+        base jit does), the LoRA ones one rank."""
+        return ("lora", self.jm.rank, shape.key) if lora else ("base", shape.key)
+
+    def jax_step_fn(self, shape: Shape, lora: bool) -> tuple:
+        """(callable, trailing arguments) of a step: the jitted step and its static LoRA flag, or
+        with --jax-call aot the shape's Compiled program (lowered and compiled here unless the
+        precompile kept it) and nothing, the flag being baked into the program."""
+        base_fn, lora_fn = self._jax_jits()
+        fn = lora_fn if lora else base_fn
+        if not self.jax_aot:
+            return fn, (lora,)
+        key = self._program_key(shape, lora)
+        if key not in self._jax_programs:
+            _key, lora_leaves, rest, empty = self._states
+            self._jax_programs[key] = fn.lower(lora_leaves if lora else empty, rest, self._jax_cache_spec(shape),
+                                               self.j_punica if lora else None, *shape.j_args, lora).compile()
+            self.jax_aot_programs["on_first_call"] += 1
+        return self._jax_programs[key], ()
 
     def jax_run(self, shape: Shape, lora: bool, wait=True):
         """One JAX step on the shape's cache (donated: the new cache replaces it); returns
         (logits (B, V) float32, next tokens (B,)), ready unless wait=False."""
         import jax
         _key, lora_leaves, rest, empty = self._states
-        base_fn, lora_fn = self._jax_jits()
+        fn, flag = self.jax_step_fn(shape, lora)
         cache = self._jax_cache(shape)
-        fn = lora_fn if lora else base_fn
         cache, tok, logits = fn(lora_leaves if lora else empty, rest, cache, self.j_punica if lora else None,
-                                *shape.j_args, lora)
+                                *shape.j_args, *flag)
         if shape.kind == "dec":
             self.dec_cache = cache
         else:
@@ -1134,16 +1166,16 @@ class Bench:
         overlap the device's work, as in a serving loop that keeps the device fed."""
         import jax
         _key, lora_leaves, rest, empty = self._states
-        base_fn, lora_fn = self._jax_jits()
-        calls = [(lora_fn, lora_leaves, self.j_punica) if lora else (base_fn, empty, None) for lora in flags]
+        calls = [(*self.jax_step_fn(shape, lora), lora_leaves if lora else empty, self.j_punica if lora else None)
+                 for lora in flags]
         cache = self._jax_cache(shape)
         times = [[] for _ in flags]
         chain = self.jax_chain
         for _ in range(n):
-            for i, (fn, lora_arg, punica) in enumerate(calls):
+            for i, (fn, flag, lora_arg, punica) in enumerate(calls):
                 t0 = time.perf_counter()
                 for _step in range(chain):
-                    cache, tok, _logits = fn(lora_arg, rest, cache, punica, *shape.j_args, flags[i])
+                    cache, tok, _logits = fn(lora_arg, rest, cache, punica, *shape.j_args, *flag)
                 tok.block_until_ready()
                 times[i].append((time.perf_counter() - t0) * 1e6 / chain)
         jax.block_until_ready(cache)
@@ -1208,7 +1240,8 @@ class Bench:
         not compiled yet one after another (each autotunes its own matrix products on the GPU),
         then the current rank's LoRA programs concurrently (the compiler releases the GIL; their
         matrix products are the base programs', already tuned). The jitted calls then find the
-        compiled programs in JAX's cache."""
+        compiled programs in JAX's cache; with --jax-call aot the Compiled programs are kept and
+        called."""
         from concurrent.futures import ThreadPoolExecutor
         base_fn, lora_fn = self._jax_jits()
         _key, lora_leaves, rest, empty = self._states
@@ -1216,14 +1249,22 @@ class Bench:
         for shape in shapes:
             if shape.key not in self._jax_base_compiled:
                 t_shape = time.perf_counter()
-                base_fn.lower(empty, rest, self._jax_cache_spec(shape), None, *shape.j_args, False).compile()
+                program = base_fn.lower(empty, rest, self._jax_cache_spec(shape), None, *shape.j_args,
+                                        False).compile()
+                if self.jax_aot:
+                    self._jax_programs[self._program_key(shape, False)] = program
+                    self.jax_aot_programs["precompiled"] += 1
                 self._jax_base_compiled.add(shape.key)
                 self.phases[f"jax_compile_base_{shape.key}_s"] = time.perf_counter() - t_shape
         t1 = time.perf_counter()
         lowered = [lora_fn.lower(lora_leaves, rest, self._jax_cache_spec(shape), self.j_punica, *shape.j_args, True)
                    for shape in shapes]
         with ThreadPoolExecutor(max_workers=min(8, len(lowered))) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))
+            programs = list(pool.map(lambda low: low.compile(), lowered))
+        if self.jax_aot:
+            self._jax_programs.update({self._program_key(shape, True): program
+                                       for shape, program in zip(shapes, programs)})
+            self.jax_aot_programs["precompiled"] += len(programs)
         t2 = time.perf_counter()
         rank = self.jm.rank
         self.phases[f"jax_precompile_base_r{rank}_s"] = t1 - t0
@@ -1591,8 +1632,9 @@ def markdown(out) -> str:
     torch_how = ("eager steps, host clock (--smoke: times mean nothing)" if out["meta"]["smoke"]
                  else "CUDA-graph replay, CUDA events")
     chain = int(out["meta"].get("jax_chain", 1) or 1)
-    jax_how = ("host clock from the jitted call to block_until_ready (dispatch included)" if chain == 1 else
-               f"host clock over {chain} steps dispatched back to back and one block_until_ready, / {chain}")
+    call = "ahead-of-time compiled" if out["meta"].get("jax_call") == "aot" else "jitted"
+    jax_how = (f"host clock from the {call} call to block_until_ready (dispatch included)" if chain == 1 else
+               f"host clock over {chain} {call} steps dispatched back to back and one block_until_ready, / {chain}")
     lines = [
         f"Times: median per step. torch: {torch_how}; JAX: {jax_how}. overhead = LoRA step - base step; "
         f"floor = LoRA path's minimal bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits "
@@ -1704,7 +1746,7 @@ def env_meta(args, cfg) -> dict:
                 numpy=np.__version__, commit=commit, source_digest=source_digest(), host_cpu=host_cpu(),
                 smoke=bool(args.smoke), peak_gbs=PEAK_GBS, num_slots=NUM_SLOTS, b_scale=B_SCALE,
                 max_len=args.max_len, steps=args.steps, frameworks=args.frameworks, budget_s=args.budget_s,
-                jax_chain=args.jax_chain,
+                jax_chain=args.jax_chain, jax_call=args.jax_call,
                 fused=args.fused, torch_lora=args.torch_lora, jax_lora=getattr(args, "jax_lora", "linear"),
                 vllm_kernels=_vllm_version(args),
                 tolerances=dict(err=TOL_ERR, err_over_effect=TOL_ERR_OVER_EFFECT),
@@ -1807,6 +1849,10 @@ def main(argv=None) -> int:
     p.add_argument("--jax-chain", type=int, default=1,
                    help="JAX samples of K steps dispatched back to back, one wait, divided by K (default 1: "
                         "each step waited for)")
+    p.add_argument("--jax-call", choices=("jit", "aot"), default="jit",
+                   help="how the JAX steps are called: the jitted function (jit), or each step shape's ahead-of-time "
+                        "compiled program (aot: jit.lower(...).compile(), as ServingEngine(aot_calls=True) calls its "
+                        "steps; the dispatch skips jit's per-call lookup)")
     p.add_argument("--base", choices=("bf16", "fp8"), default="bf16",
                    help="the base model's linears: bf16, or fp8 (float8_e4m3fn, per-channel scales; the adapters "
                         "as --lora-dtype says)")
@@ -1895,7 +1941,8 @@ def run(args, cases) -> int:
     cfg = model_config(args.smoke)
     meta = env_meta(args, cfg)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    fp8 = ("_fp8" if args.base == "fp8" else "") + ("_lora-fp8" if args.lora_dtype == "fp8" else "")
+    fp8 = (("_fp8" if args.base == "fp8" else "") + ("_lora-fp8" if args.lora_dtype == "fp8" else "")
+           + ("_aot" if args.jax_call == "aot" else ""))
     base = os.path.join(args.out, f"e2e_{'smoke' if args.smoke else 'h200'}{fp8}_{stamp}{args.tag}")
     os.makedirs(args.out, exist_ok=True)
     bench = Bench(args, cfg, cases)
@@ -1904,7 +1951,8 @@ def run(args, cases) -> int:
         failed = [r["case"] for r in bench.results for fw in bench.frameworks if not r[fw]["check_passed"]]
         out = dict(meta={**meta, "phases_s": bench.phases, "wall_s": time.perf_counter() - t_start,
                          "complete": final, "memory_gb": memory_meta(args),
-                         "quantized_linears": bench.quantized_linears, "adapter_storage": bench.adapter_storage},
+                         "quantized_linears": bench.quantized_linears, "adapter_storage": bench.adapter_storage,
+                         "jax_aot_programs": bench.jax_aot_programs if args.jax_call == "aot" else None},
                    cases=bench.results,
                    summary=dict(cases=len(bench.results), planned=len(cases), checks_failed=failed,
                                 skipped=bench.skipped))

@@ -42,6 +42,13 @@ written shard by shard (AdapterManager). The step is the same jitted function.
 
 The first step of each bucket compiles its program (seconds on a large model): the engine logs one
 INFO line per program on the "jax_lora" logger, naming the bucket and the time the compilation took.
+With `aot_calls=True` (the default) each bucket's program is compiled ahead of time on its first
+step (`jit.lower(...).compile()`), kept in a dict keyed by what selects the program -- the tokens'
+(rows, length), whether the step gathers KV rows (prefill) or not (decode), LoRA on/off and the
+wrapper's pair bucket -- and called directly afterwards: the call skips jax.jit's per-call
+signature and cache lookup over the step's arguments (one per model array: hundreds for a
+full-size model), host time the serving loop waits for. The Compiled program keeps the jitted
+step's donation and shardings. aot_calls=False calls the jitted step instead.
 
 Thread safety: `generate` holds the engine's lock for the whole call (the KV cache, the wrapper's
 metadata and the adapter slots are the engine's own), so concurrent calls from several threads run
@@ -114,6 +121,9 @@ class ServingEngine:
         to whole blocks): K/V of prompt blocks computed with no adapter, reused by later requests
         that start with them (module docstring, jax_lora.prefix_cache).
       prefix_block_size: tokens per prefix-cache block (the granularity of reuse).
+      aot_calls: call each bucket's ahead-of-time compiled program (compiled on the bucket's first
+        step) instead of the jitted step, which looks the program up from its arguments on every
+        call (module docstring). Same programs, same results; False: the jitted call.
 
     Thread safety: `generate` may be called from several threads; the calls run one after another
     (the engine's lock), each request served with its own adapter. Each program compiled on a
@@ -124,7 +134,7 @@ class ServingEngine:
                  max_len: int = 256, max_prefill_tokens: int = 512, min_prefill_len: int = 16,
                  min_prefill_rows: int = MIN_NUM_SEQS, keep_logits: bool = False, backend: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, tp_axis: str = "tp", deterministic: bool = False,
-                 prefix_cache_tokens: int = 0, prefix_block_size: int = 16):
+                 prefix_cache_tokens: int = 0, prefix_block_size: int = 16, aot_calls: bool = True):
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a jax_lora.models LlamaForCausalLM (an nnx.Module with a config), got "
                             f"{type(model).__name__}")
@@ -139,6 +149,9 @@ class ServingEngine:
             raise ValueError(f"prefix_block_size must be an int in [1, max_len={max_len}], got {prefix_block_size!r}")
         if adapters is not None and adapters.model is not model:
             raise ValueError("adapters must be the AdapterManager of this model")
+        if not isinstance(aot_calls, bool):
+            raise TypeError(f"aot_calls must be a bool, got {aot_calls!r}")
+        self.aot_calls = aot_calls
         self.model = model
         self.config = model.config
         self.adapters = adapters
@@ -166,10 +179,11 @@ class ServingEngine:
         self._cache_sharding = cache_sharding
         self.graphdef, state = nnx.split(model)
         self._state_def = self._jit_step = None
+        self._compiled_before = 0                 # programs of step functions replaced by a new layout
+        self._programs: dict = {}                 # aot_calls: the bucket's key -> its Compiled step
         self._set_state(state)
         self._state_version = adapters.version if adapters is not None else 0
         self._layout_version = adapters.layout_version if adapters is not None else 0
-        self._compiled_before = 0                 # programs of step functions replaced by a new layout
         self.cache = init_cache(self.config, self.max_seqs, self.max_len, model.cache_dtype(), sharding=cache_sharding)
         capacity = max(self.max_prefill_tokens, self.max_seqs)
         self.punica = None
@@ -194,10 +208,14 @@ class ServingEngine:
         model. A list of arrays flattens in C++. The tree structure and the graph definition are closed over,
         not static arguments (hashing them on every call would cost more than the step at small
         sizes); the step is jitted again only if the structure changes (adapter swaps write
-        same-shape arrays, so they do not).
+        same-shape arrays, so they do not), and its ahead-of-time compiled programs are dropped
+        with it (compile_count keeps counting them).
         """
         leaves, state_def = jax.tree.flatten(state)
         if self._state_def is None or state_def != self._state_def:
+            if self._jit_step is not None:
+                self._compiled_before += self._programs_now()
+            self._programs = {}
             self._state_def = state_def
             self._jit_step = jax.jit(functools.partial(_step, self.graphdef, state_def, self._cache_sharding),
                                      static_argnums=(7,), donate_argnums=(1,))
@@ -225,7 +243,11 @@ class ServingEngine:
     @property
     def compile_count(self) -> int:
         """Compiled step programs so far (one per bucket and LoRA on/off)."""
-        return self._compiled_before + self._jit_step._cache_size()
+        return self._compiled_before + self._programs_now()
+
+    def _programs_now(self) -> int:
+        """Programs of the current step function: the ahead-of-time ones, or those in jit's cache."""
+        return len(self._programs) if self.aot_calls else self._jit_step._cache_size()
 
     def _bucket_len(self, n: int) -> int:
         return min(max(self.min_prefill_len, next_power_of_two(n)), self.max_len)
@@ -310,7 +332,6 @@ class ServingEngine:
             if self.adapters.layout_version != self._layout_version:
                 # A layer gained a variable (the first DoRA adapter in a layer built without dora=True):
                 # a new graph, so a new step function, traced and compiled again for each bucket.
-                self._compiled_before += self._jit_step._cache_size()
                 self.graphdef, state = nnx.split(self.model)
                 self._state_def = None
                 self._layout_version = self.adapters.layout_version
@@ -332,8 +353,7 @@ class ServingEngine:
         # One explicit upload of the step's inputs (so a transfer guard can prove there is no other).
         tokens, positions, rows, sample_idx = jax.device_put((tokens, positions, rows, sample_idx), self._replicated)
         before, t0 = self.compile_count, time.perf_counter()
-        self.cache, next_tok, logits = self._jit_step(self._state_leaves, self.cache, punica, tokens, positions, rows,
-                                                      sample_idx, use_lora)
+        self.cache, next_tok, logits = self._call_step(punica, tokens, positions, rows, sample_idx, use_lora)
         if self.compile_count != before:       # the call compiled (dispatch returns once the program is built)
             kind = "prefill" if is_prefill else "decode"
             n = self.compile_count
@@ -342,6 +362,32 @@ class ServingEngine:
                       "with adapters" if use_lora else "without adapters", time.perf_counter() - t0, n,
                       "" if n == 1 else "s")
         return next_tok, logits
+
+    def _call_step(self, punica, tokens, positions, rows, sample_idx, use_lora: bool):
+        """One step: the jitted call, or (aot_calls) the bucket's Compiled program, compiled first
+        if it is the bucket's first step. Returns (cache, next tokens, logits).
+
+        The key holds everything besides the state's structure (fixed per step function: the dict
+        is rebuilt with it) that selects a program: the tokens' (rows, length) -- positions, rows
+        and sample_idx follow from it, all int32 arrays built the same way every step --, whether
+        the step gathers KV rows (rows given: prefill) and the static LoRA on/off and pair bucket
+        (the wrapper's pytree).
+        """
+        args = (self._state_leaves, self.cache, punica, tokens, positions, rows, sample_idx)
+        if not self.aot_calls:
+            return self._jit_step(*args, use_lora)
+        key = (tokens.shape, rows is None, use_lora, punica.num_pairs if punica is not None else 0)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._jit_step.lower(*args, use_lora).compile()
+            self._programs[key] = program
+        try:
+            return program(*args)
+        except (TypeError, ValueError) as e:  # avals or tree (TypeError), shardings (ValueError) differ
+            raise type(e)(f"ServingEngine: the step's arguments for the bucket {key} (tokens shape, decode, "
+                          "use_lora, pair bucket) differ from those its ahead-of-time program was compiled for "
+                          f"(shapes, dtypes, shardings or tree structure): {e}. ServingEngine(..., "
+                          "aot_calls=False) calls the jitted step, which compiles again instead") from e
 
     def _prefill(self, seqs: list, use_lora: bool):
         # A row's prefill covers its prompt from q.cached on (the tokens before it are in its KV row

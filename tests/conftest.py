@@ -60,6 +60,8 @@ SLOW_TESTS = (
     "tests/test_deterministic_pairs.py::test_pairs_rows_bitwise_equal_in_every_batch[*triton*]",
     "tests/test_deterministic_pairs.py::test_a_token_keeps_its_bits_across_pair_buckets[*triton*]",
     "tests/test_deterministic_pairs.py::test_deterministic_serving_of_several_adapters_per_request",
+    # the serving engine's ahead-of-time calls against its jitted calls: two engines' programs (~30 s)
+    "tests/test_serving_aot.py::test_aot_calls_equal_jit_calls_and_compile_each_bucket_once",
     # the prefix cache's serving engines: compilation of each engine's programs (10-50 s each)
     "tests/test_prefix_cache.py::test_alora_request_reuses_the_base_prefix_and_equals_peft",
     "tests/test_prefix_cache.py::test_eviction_in_the_engine",

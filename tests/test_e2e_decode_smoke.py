@@ -3,7 +3,8 @@ LoRA under jit, the torch decoder over the same weights, metadata updates betwee
 reference check, timing, the JSON/markdown report) on the CPU with a tiny model; with an fp8 base
 (--base fp8: the decoder's linears float8_e4m3fn, both frameworks checked against the reference); and
 JAX's fused LoRA linears (--jax-lora fused-norm, in Triton's interpreter) checked against the reference; and
-both frameworks' --torch-lora / --jax-lora auto over a small fused linear table, checked the same way."""
+both frameworks' --torch-lora / --jax-lora auto over a small fused linear table, checked the same way;
+and JAX's steps called as their precompiled ahead-of-time programs (--jax-call aot)."""
 
 from __future__ import annotations
 
@@ -212,6 +213,32 @@ def test_smoke_run_with_jax_fused_lora_passes_its_check(tmp_path):
     assert res["meta"]["jax_lora"] == "fused-norm" and res["summary"]["checks_failed"] == []
     (case,) = res["cases"]
     assert case["jax"]["check_passed"] is True and case["jax"]["lora_err"] <= 0.2 * case["lora_effect"]
+
+
+@pytest.mark.slow
+def test_smoke_run_with_aot_calls_passes_its_checks(tmp_path):
+    """--jax-call aot: the JAX base and LoRA steps are the precompiled Compiled programs, called
+    directly (two ranks: the LoRA programs per rank, the base programs shared), and pass the
+    reference check; the run records the call and how many programs it kept."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke", "--frameworks",
+                           "jax", "--jax-call", "aot", "--cases", "dec B4 D2 r(4|8)$|pre 2x16 D2 r4", "--out",
+                           str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "e2e_smoke_aot_*.json"))
+    with open(path) as f:
+        res = json.load(f)
+    assert res["meta"]["jax_call"] == "aot" and res["summary"]["checks_failed"] == []
+    # base: dec B4, pre 2x16 (every rank); LoRA: both at rank 4, dec B4 at rank 8; none built on a first call
+    assert res["meta"]["jax_aot_programs"] == {"precompiled": 5, "on_first_call": 0}
+    assert {c["case"] for c in res["cases"]} == {"dec B4 D2 r4", "dec B4 D2 r8", "pre 2x16 D2 r4"}
+    for case in res["cases"]:
+        assert case["jax"]["check_passed"] is True and case["jax"]["lora_err"] <= 0.2 * case["lora_effect"]
+        assert case["jax"]["base_us"] > 0 and case["jax"]["lora_us"] > 0
+    with open(path[:-len(".json")] + ".md") as f:
+        assert "JAX: host clock from the ahead-of-time compiled call to block_until_ready" in f.read()
 
 
 @pytest.mark.slow
