@@ -328,8 +328,8 @@ def test_fp8_embedding_slot_holds_the_contract_quantisation_and_matches_the_floa
         save_peft_adapter(paths[-1], {"embed_tokens": (rng.normal(size=(4, V)), rng.normal(size=(D, 4)))}, r=4,
                           lora_alpha=8)
     punica = PunicaWrapper(8, 4, device, max_loras=L, backend=backend)
-    emb = LoRAEmbedding("embed_tokens", V, D, max_loras=L, max_rank=R, dtype=torch.float32, device=device, punica=punica,
-                        lora_dtype="fp8")
+    emb = LoRAEmbedding("embed_tokens", V, D, max_loras=L, max_rank=R, dtype=torch.float32, device=device,
+                        punica=punica, lora_dtype="fp8")
     assert emb.lora_a.dtype == emb.lora_b.dtype == torch.float8_e4m3fn
     assert emb.lora_a_scale.shape == (L, V) and emb.lora_b_scale.shape == (L, D)
     mgr = AdapterManager({"embed": emb})
