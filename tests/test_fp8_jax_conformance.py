@@ -356,12 +356,13 @@ def _embedding_oracle(y, ids, table, lora_b, slots, weights):
     return out
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS + ("triton",))
 @pytest.mark.parametrize("granularity", ["row", "tensor"])
 def test_wrapper_embedding_ids_take_scales(impl, granularity):
     """add_lora_embedding_ids with an e4m3 LoRA-A table (one scale per table row (L, V), or per slot
     (L,)) and an e4m3 B (per output channel): the looked-up row is float32(A_q[l, v]) * a_scale[l, v];
-    then the e4m3 table with a 16-bit B; and inside jax.jit."""
+    then the e4m3 table with a 16-bit B; and inside jax.jit. "triton": JAX's Triton backend (the
+    interpreter on the CPU)."""
     import jax
 
     rng = np.random.default_rng(12)
