@@ -364,12 +364,12 @@ class AdapterManager(SlotTable):
       model: the NNX model (after add_lora / replace_lora_layers). Its LoRA layers' variables are
         updated in place (new arrays of the same shapes); `version` increases with every write.
       host_cache_size: adapters kept prepared on the host (LRU) so a reload skips the disk.
-      lora_dtype: None (each layer's storage as built) or "fp8": every MultiLoRALinear and the
-        MultiLoRALogits store their adapter weights in e4m3 with per-channel float32 scales
-        and every MultiLoRAEmbed (its table with one scale per row) store their adapter weights in
-        e4m3 with float32 scales (`use_fp8`; new variables, so build the manager before the serving
-        step is first traced); adapters are quantised when prepared (module docstring). Expert
-        layers keep their 16-bit storage (said on the `jax_lora` logger).
+      lora_dtype: None (each layer's storage as built) or "fp8": every MultiLoRALinear, the
+        MultiLoRALogits and every MultiLoRAEmbed store their adapter weights in e4m3 with float32
+        scales, per output channel (an embedding's table: per row) (`use_fp8`; new variables, so
+        build the manager before the serving step is first traced); adapters are quantised when
+        prepared (module docstring). Expert layers keep their 16-bit storage (said on the
+        `jax_lora` logger).
 
     Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
     `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
