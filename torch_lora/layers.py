@@ -7,8 +7,8 @@ layer: base module; buffers (L = max_loras slots, r = max_rank); wrapper call
   * `LoRALinear`: one linear module (`nn.Linear`, a quantized linear, any module computing
     (..., in) -> (..., out)), or several that read the same input (q/k/v, gate/up);
     `lora_a` (S, L, r, in), `lora_b_<s>` (L, n_s, r); one `add_lora_linear` over the S slices.
-  * `LoRAEmbedding`: `nn.Embedding`; `lora_a` (L, V, r), `lora_b` (L, D, r); row lookup at
-    `embeddings_indices[1]`, then `add_lora_embedding`.
+  * `LoRAEmbedding`: `nn.Embedding`; `lora_a` (L, V, r), `lora_b` (L, D, r); `add_lora_embedding_ids`
+    (row lookup at `embeddings_indices[1]`, then the expand).
   * `LoRALogits`: the LM head (`nn.Linear`); `lora_a` (L, r, H), `lora_b` (L, V, r);
     `add_lora_logits` on the sampled rows.
 
