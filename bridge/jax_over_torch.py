@@ -285,6 +285,22 @@ class JaxPunicaWrapper:
                                               lora_b_scale=self._weight(lora_b_scale, "lora_b_scale"))
         return self._finish(out, x_t)
 
+    def add_lora_embedding_ids(self, y, ids, lora_a, lora_b, *, lora_ranks=None, lora_a_scale=None,
+                               lora_b_scale=None, **kwargs) -> jax.Array:
+        """Returns y' = y + lora_a[slot_t, ids[t]] @ lora_b[slot_t].T per token (each token's pairs in a
+        paired step). y: (T, D); ids: (T,) token ids; lora_a: (L, V, r); lora_b: (L, D, r).
+        lora_a_scale / lora_b_scale: an fp8 table's / B's float32 scales, shared and cached like the
+        weights."""
+        out = self._out(y)
+        ids_t = _as_torch(ids, "ids").reshape(-1)
+        n = self._num_tokens
+        self.torch_wrapper.add_lora_embedding_ids(self._mapped(self._rows(out, "y"), n), self._mapped(ids_t, n),
+                                                  self._weight(lora_a, "lora_a"), self._weight(lora_b, "lora_b"),
+                                                  lora_ranks=_as_torch(lora_ranks, "lora_ranks"),
+                                                  lora_a_scale=self._weight(lora_a_scale, "lora_a_scale"),
+                                                  lora_b_scale=self._weight(lora_b_scale, "lora_b_scale"))
+        return self._finish(out, ids_t)
+
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, scale: float,
                         output_slices: Sequence[int], *, buffer=None, lora_ranks=None, lora_a_scale=None,
                         lora_b_scale=None, **kwargs) -> jax.Array:

@@ -352,6 +352,19 @@ class TorchPunicaWrapper:
                         add_inputs=checks.as_flag("add_inputs", add_inputs))
         return self._write_back(y, res)
 
+    def add_lora_embedding_ids(self, y: torch.Tensor, ids: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                               *, lora_ranks=None, lora_a_scale=None, lora_b_scale=None, **kwargs) -> torch.Tensor:
+        """y[t] += lora_a[slot_t, ids[t]] @ lora_b[slot_t].T (each token's pairs in a paired step), in
+        place. y: (T, D); ids: (T,) token ids; lora_a: (L, V, r); lora_b: (L, D, r). lora_a_scale /
+        lora_b_scale: an fp8 table's / B's float32 scales ((L, V) / (L, D) or (L,); contract section
+        11), shared zero-copy and cached like the weights."""
+        yj = self._act(y, "y", self._num_tokens)
+        a, b = self._weight(lora_a, "lora_a"), self._weight(lora_b, "lora_b")
+        res = self._run("add_lora_embedding_ids", (yj, _index(ids, "ids"), a, b), a, lora_ranks,
+                        {"lora_a_scale": self._scales(lora_a_scale, "lora_a_scale"),
+                         "lora_b_scale": self._scales(lora_b_scale, "lora_b_scale")})
+        return self._write_back(y, res)
+
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked, lora_bias_stacked,
                         scale: float, output_slices: Sequence[int], *, buffer: torch.Tensor | None = None,
                         lora_ranks=None, lora_a_scale=None, lora_b_scale=None, **kwargs) -> torch.Tensor:

@@ -14,11 +14,11 @@ load / unload / hot-swap never recompile the serving step. For layers split over
 (jax_lora.parallel), a slot's weights go to each device as that device's block only.
 
 fp8 storage: `AdapterManager(model, lora_dtype="fp8")` (or layers built with lora_dtype="fp8")
-keeps the linear layers' and the LM head's adapter weights in e4m3 with per-channel float32 scales
-(embeddings and experts keep 16-bit storage: an embedding's LoRA A is a gather of one row per
-token, so fp8 would save memory but no step bandwidth; said once on the `jax_lora` logger). A 16-bit (or
+keeps the linear layers', the LM head's and the embeddings' adapter weights in e4m3 with float32
+scales (expert layers keep 16-bit storage, said once on the `jax_lora` logger). A 16-bit (or
 float32) PEFT adapter is quantised when it is prepared, after its scaling is folded into B: per
-output channel c of each weight, scale[c] = amax(|w[c, :]|) / 448 (1 for an all-zero channel),
+row c of each placed weight (an output channel; a token's row of an embedding's table A.T (V, r)),
+scale[c] = amax(|w[c, :]|) / 448 (1 for an all-zero row),
 w_q = e4m3(clip(w / scale[c], -448, 448)) (jax_lora.quant.quantize_rows); the host cache holds the
 quantised form. The scales are arrays of fixed shape beside the weights, so the serving step is
 still compiled once per bucket.
@@ -267,9 +267,10 @@ def _is_fp8(layer) -> bool:
 
 
 def quantize_prepared(model: nnx.Module, placed: dict) -> dict:
-    """prepare_adapter's {path: (A, B)} with the fp8 layers' entries quantised per output channel:
-    (A_q (S, r, in) e4m3, B_q (out, r) e4m3, a_scale (S, r), b_scale (out,) float32)
-    (jax_lora.quant.quantize_rows); other layers' entries unchanged."""
+    """prepare_adapter's {path: (A, B)} with the fp8 layers' entries quantised per row (an output
+    channel; a token's row of an embedding's table): (A_q (S, r, in) e4m3, or an embedding's (V, r),
+    B_q (out, r) e4m3, a_scale (S, r) or (V,), b_scale (out,) float32) (jax_lora.quant.quantize_rows);
+    other layers' entries unchanged."""
     layers = lnn.lora_layers(model)
     out = dict(placed)
     for path, parts in placed.items():
@@ -363,11 +364,12 @@ class AdapterManager(SlotTable):
       model: the NNX model (after add_lora / replace_lora_layers). Its LoRA layers' variables are
         updated in place (new arrays of the same shapes); `version` increases with every write.
       host_cache_size: adapters kept prepared on the host (LRU) so a reload skips the disk.
-      lora_dtype: None (each layer's storage as built) or "fp8": every MultiLoRALinear and the
-        MultiLoRALogits store their adapter weights in e4m3 with per-channel float32 scales
-        (`use_fp8`; new variables, so build the manager before the serving step is first traced);
-        adapters are quantised when prepared (module docstring). Embedding and expert layers keep
-        their 16-bit storage (said on the `jax_lora` logger).
+      lora_dtype: None (each layer's storage as built) or "fp8": every MultiLoRALinear, the
+        MultiLoRALogits and every MultiLoRAEmbed store their adapter weights in e4m3 with float32
+        scales, per output channel (an embedding's table: per row) (`use_fp8`; new variables, so
+        build the manager before the serving step is first traced); adapters are quantised when
+        prepared (module docstring). Expert layers keep their 16-bit storage (said on the
+        `jax_lora` logger).
 
     Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
     `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
@@ -393,14 +395,14 @@ class AdapterManager(SlotTable):
             raise AdapterError(f"{type(model).__name__} has no multi-LoRA layers")
         self.lora_dtype = lnn.check_lora_dtype(lora_dtype)
         if lora_dtype == "fp8":
+            fp8_types = (lnn.MultiLoRALinear, lnn.MultiLoRALogits, lnn.MultiLoRAEmbed)
             for layer in self.layers.values():
-                if isinstance(layer, (lnn.MultiLoRALinear, lnn.MultiLoRALogits)):
+                if isinstance(layer, fp8_types):
                     layer.use_fp8()
-            kept = sorted(p for p, layer in self.layers.items()
-                          if not isinstance(layer, (lnn.MultiLoRALinear, lnn.MultiLoRALogits)))
+            kept = sorted(p for p, layer in self.layers.items() if not isinstance(layer, fp8_types))
             if kept:
-                _LOG.info("lora_dtype='fp8': the linear layers and the LM head store e4m3 adapter weights; %s keep "
-                          "16-bit storage (embeddings, experts)", ", ".join(kept))
+                _LOG.info("lora_dtype='fp8': the linear layers, the LM head and the embeddings store e4m3 adapter "
+                          "weights; %s keep 16-bit storage (experts)", ", ".join(kept))
         slots = {l.max_loras for l in self.layers.values()}
         if len(slots) != 1:
             raise AdapterError(f"the model's LoRA layers disagree on max_loras: {sorted(slots)}")

@@ -28,8 +28,9 @@ lora_dtype="fp8")`, `AdapterManager(model, lora_dtype="fp8")`) stores lora_a and
 with per-output-channel float32 scales beside them, `lora_a_scale` (S, L, r) and `lora_b_scale`
 (L, out): w[..., c, k] ~ scale[..., c] * float32(w_q[..., c, k]) (jax_lora.quant.quantize_rows). The
 wrapper applies the scales once per channel after the float32 sums. `MultiLoRALogits` takes
-lora_dtype="fp8" too (lora_a_scale (L, r), lora_b_scale (L, V)); embedding and expert layers keep
-their 16-bit storage.
+lora_dtype="fp8" too (lora_a_scale (L, r), lora_b_scale (L, V)), and so does `MultiLoRAEmbed`
+(its table lora_a (L, V, r) with lora_a_scale (L, V), one per table row: the row a token looks up;
+lora_b_scale (L, D)); expert layers keep their 16-bit storage.
 
 Tensor parallelism: `jax_lora.parallel.shard_layer` splits a layer over a mesh axis and sets its
 static `tp` attribute; with a wrapper installed, the call then runs per device (`tp.apply`), and
@@ -394,13 +395,19 @@ class MultiLoRAEmbed(nnx.Module):
     """An `nnx.Embed` plus one adapter per token.
 
     The token's LoRA-A row is looked up in the flattened (L * V, r) table at `id + slot * V` (the
-    wrapper's `embeddings_indices[1]`), then the wrapper's add_lora_embedding adds `row @ B[slot].T`.
-    Tokens without adapter keep the base embedding.
+    wrapper's `embeddings_indices[1]`), then `row @ B[slot].T` is added (the wrapper's
+    add_lora_embedding_ids). Tokens without adapter keep the base embedding.
+
+    lora_dtype: None (weights in `dtype`) or "fp8": lora_a (L, V, r) and lora_b (L, D, r) in e4m3
+    with float32 scales `lora_a_scale` (L, V) (one per table row) and `lora_b_scale` (L, D) (one per
+    output channel) (contract section 11; `use_fp8`): a token's row is float32(A_q[l, v]) *
+    lora_a_scale[l, v].
     """
 
-    def __init__(self, base: nnx.Embed, *, max_loras: int, max_rank: int, dtype=None):
+    def __init__(self, base: nnx.Embed, *, max_loras: int, max_rank: int, dtype=None, lora_dtype=None):
         if not isinstance(base, nnx.Embed):
             raise TypeError(f"base must be an nnx.Embed, got {type(base).__name__}")
+        check_lora_dtype(lora_dtype)
         self.base = base
         self.num_embeddings = int(base.num_embeddings)
         self.features = int(base.features)
@@ -411,6 +418,26 @@ class MultiLoRAEmbed(nnx.Module):
         self.lora_b = LoRAWeight(jnp.zeros((max_loras, self.features, max_rank), dtype))
         self.lora_ranks = _ranks_variable(max_loras, max_rank)
         self.tp = None      # jax_lora.parallel.TensorParallel once split over a mesh
+        self.lora_dtype = None
+        if lora_dtype == "fp8":
+            self.use_fp8()
+
+    def use_fp8(self) -> bool:
+        """Stores the adapter weights in e4m3 with float32 scales (`lora_a_scale` (L, V), one per table
+        row; `lora_b_scale` (L, D), one per output channel), the weights held now quantised
+        (jax_lora.quant.quantize_rows); returns whether the storage changed. New variables: call it
+        before the serving step is first traced. Refused for a layer split over a mesh."""
+        if self.lora_dtype == "fp8":
+            return False
+        if self.tp is not None:
+            raise ValueError("fp8 adapter weights are not supported on a LoRA layer split over a mesh: build the "
+                             "layers with lora_dtype='fp8' before splitting, or serve 16-bit adapters")
+        qa, sa = quantize_rows(self.lora_a.get_value())
+        qb, sb = quantize_rows(self.lora_b.get_value())
+        self.lora_a, self.lora_b = LoRAWeight(jnp.asarray(qa)), LoRAWeight(jnp.asarray(qb))
+        self.lora_a_scale, self.lora_b_scale = LoRAWeight(jnp.asarray(sa)), LoRAWeight(jnp.asarray(sb))
+        self.lora_dtype = "fp8"
+        return True
 
     def attend(self, query: jax.Array) -> jax.Array:
         """The base embedding's `attend` (tied LM heads): adapters do not apply here."""
@@ -425,24 +452,20 @@ class MultiLoRAEmbed(nnx.Module):
             return y
         flat = ids.reshape(-1).astype(jnp.int32)
         t = flat.shape[0]
-        if getattr(w, "num_pairs", 0):       # several adapters per token: each pair's rows (the wrapper)
-            out = w.add_lora_embedding_ids(y.reshape(t, self.features), flat, self.lora_a.get_value(),
-                                           self.lora_b.get_value(), lora_ranks=self.lora_ranks.get_value())
-            return out.reshape(y.shape)
         check_rows = getattr(w, "_check_embedding_rows", None)     # (the bridge's wrappers have none)
         if check_rows is not None:
             check_rows("the embedding", self.num_embeddings)
-        offsets = w.embeddings_indices[1]
-        if offsets.shape[0] < t:
-            raise ValueError(f"ids has {t} tokens but the wrapper's mapping has {offsets.shape[0]}")
-        table = self.lora_a.get_value().reshape(self.max_loras * self.num_embeddings, self.max_rank)
-        # Slot offsets are < L * V by construction; clip anyway so no read is out of bounds.
-        rows = jnp.take(table, flat + offsets[:t], axis=0, mode="clip")
-        out = w.add_lora_embedding(y.reshape(t, self.features), rows.astype(y.dtype), self.lora_b.get_value(),
-                                   lora_ranks=self.lora_ranks.get_value())
+        if not getattr(w, "num_pairs", 0) and w.embeddings_indices.shape[1] < t:
+            raise ValueError(f"ids has {t} tokens but the wrapper's mapping has {w.embeddings_indices.shape[1]}")
+        # Row `id + slot * V` of the flattened table (several adapters per token: each pair's rows),
+        # clipped so no read is out of bounds; tokens without an adapter are skipped by the expand.
+        fp8 = ({} if self.lora_dtype != "fp8" else
+               dict(lora_a_scale=self.lora_a_scale.get_value(), lora_b_scale=self.lora_b_scale.get_value()))
+        out = w.add_lora_embedding_ids(y.reshape(t, self.features), flat, self.lora_a.get_value(),
+                                       self.lora_b.get_value(), lora_ranks=self.lora_ranks.get_value(), **fp8)
         return out.reshape(y.shape)
 
-    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0, "lora_ranks": 0}
+    slot_axis: ClassVar[dict] = {"lora_a": 0, "lora_b": 0, "lora_ranks": 0, "lora_a_scale": 0, "lora_b_scale": 0}
 
 
 class MultiLoRALogits(nnx.Module):
@@ -596,9 +619,8 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
       dtype: adapter weight dtype (default: each base layer's).
       dora: the linear layers (not the logits or embeddings) hold DoRA column scales from the start
         (without it, `MultiLoRALinear.enable_dora` adds one when the first DoRA adapter reaches a layer).
-      lora_dtype: None or "fp8": the linear layers and the logits store e4m3 weights with per-channel
-        float32 scales (MultiLoRALinear, MultiLoRALogits); embeddings keep `dtype` (their LoRA A is a
-        gather of one row per token, contract section 11).
+      lora_dtype: None or "fp8": the linear layers, the logits and the embeddings store e4m3 weights
+        with float32 scales (MultiLoRALinear, MultiLoRALogits, MultiLoRAEmbed; contract section 11).
 
     Returns {path: new layer}. Raises ValueError when nothing matches (a typo should not silently
     give a model without adapters).
@@ -624,7 +646,7 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
     for path, node in found:
         name, leaf = path_name(path), str(path[-1])
         if isinstance(node, nnx.Embed):
-            new = MultiLoRAEmbed(node, max_loras=max_loras, max_rank=max_rank, dtype=dtype)
+            new = MultiLoRAEmbed(node, max_loras=max_loras, max_rank=max_rank, dtype=dtype, lora_dtype=lora_dtype)
         elif leaf in logits_modules:
             new = MultiLoRALogits(node, max_loras=max_loras, max_rank=max_rank, dtype=dtype, lora_dtype=lora_dtype)
         else:

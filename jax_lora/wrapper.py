@@ -180,29 +180,47 @@ class PunicaWrapper:
         any_pair = jnp.any(slots[:n] >= 0, axis=1, keepdims=True)
         return jnp.where(any_pair, acc.astype(y2.dtype), y2)
 
-    def add_lora_embedding_ids(self, y, ids, lora_a, lora_b, *, lora_ranks=None) -> jax.Array:
+    def add_lora_embedding_ids(self, y, ids, lora_a, lora_b, *, lora_ranks=None, lora_a_scale=None,
+                               lora_b_scale=None) -> jax.Array:
         """The embedding's LoRA term from token ids: y[t] + sum_j w_tj * lora_a[slot_tj, ids[t]] @
         lora_b[slot_tj].T over each token's pairs (a plain step: its one slot at weight 1, the same as
         looking the rows up at `embeddings_indices[1]` and calling add_lora_embedding).
 
         y: (T, D); ids: (T,) token ids; lora_a: (L, V, r) the LoRA-A embedding table; lora_b: (L, D, r).
+        lora_a_scale / lora_b_scale (contract section 11): the float32 scales of an fp8 lora_a / lora_b,
+        (L, V) (one per table row) / (L, D) (one per output channel), or (L,) per tensor. An fp8 row
+        is looked up as float32(lora_a[l, v]) * a_scale[l, v], kept in float32 for the expand.
         Returns the new y.
         """
         y = as_array("y", y, checks.ACTIVATION_DTYPES)
-        lora_a = as_array("lora_a", lora_a, checks.UNSCALED_WEIGHT_DTYPES)
+        lora_a = as_array("lora_a", lora_a, checks.WEIGHT_DTYPES)
+        lora_b = as_array("lora_b", lora_b, checks.WEIGHT_DTYPES)
+        checks.check_ndim("lora_a", lora_a.shape, (3,), "3-D (max_loras, num_embeddings, rank)")
+        a_scales = weight_scales("lora_a_scale", lora_a_scale, (lora_a,), "lora_a")
+        a_scale = None if a_scales is None else a_scales[0]          # (L, V) float32
+        b_scales = weight_scales("lora_b_scale", lora_b_scale, (lora_b,), "lora_b")
+        b_scale = None if b_scales is None else b_scales[0]          # (L, D) float32
         flat = jnp.asarray(ids).reshape(-1).astype(jnp.int32)
         t = flat.shape[0]
         if not self.num_pairs:
-            rows = jnp.take(lora_a.reshape(-1, lora_a.shape[-1]), flat + self.embeddings_indices[1][:t], axis=0,
-                            mode="clip")
-            return self.add_lora_embedding(y, rows.astype(y.dtype), lora_b, lora_ranks=lora_ranks)
+            rows = flat + self.embeddings_indices[1][:t]
+            looked_up = jnp.take(lora_a.reshape(-1, lora_a.shape[-1]), rows, axis=0, mode="clip")
+            if a_scale is None:
+                looked_up = looked_up.astype(y.dtype)
+            else:
+                looked_up = (looked_up.astype(jnp.float32)
+                             * jnp.take(a_scale.reshape(-1), rows, axis=0, mode="clip")[:, None])
+            return self.add_lora_embedding(y, looked_up, lora_b, lora_ranks=lora_ranks, lora_b_scale=b_scale)
         self._check_embedding_rows("lora_a", lora_a.shape[1])
         self._check_tokens("ids", t)
         _, pairs, rows = self._pair_args()
-        looked_up = [lora_a[jnp.maximum(rows.token_slots[:t, j], 0), jnp.clip(flat, 0, lora_a.shape[1] - 1)]
-                     for j in range(self.num_pairs)]
-        return self._add_per_pair(_flatten_tokens(y, "y"), rows.token_slots, pairs.weights, looked_up,
-                                  as_array("lora_b", lora_b, checks.WEIGHT_DTYPES)).reshape(y.shape)
+        looked_up = []
+        for j in range(self.num_pairs):
+            slot, token = jnp.maximum(rows.token_slots[:t, j], 0), jnp.clip(flat, 0, lora_a.shape[1] - 1)
+            row = lora_a[slot, token]                                                     # (T, r)
+            looked_up.append(row if a_scale is None else row.astype(jnp.float32) * a_scale[slot, token][:, None])
+        return self._add_per_pair(_flatten_tokens(y, "y"), rows.token_slots, pairs.weights, looked_up, lora_b,
+                                  b_scale=b_scale).reshape(y.shape)
 
     def _view(self, name: str) -> jax.Array:
         return self._layout.view(self._block, name)

@@ -823,3 +823,62 @@ def test_fp8_wrapper_shrink_expand_embedding_logits(impl):
                             b_q[0], case.scale, lora_a_scale=a_s[0], lora_b_scale=b_s[0])
     assert_close(got, oracle.logits(y0, case.x[:rows], a_deq[0], b_deq[0], case.scale, prompt_idx[:rows]), dtype,
                  "fp8 add_lora_logits")
+
+
+def _embedding_oracle(y, ids, table, lora_b, slots, weights):
+    """y[t] + sum_j weights[t, j] * table[slot_j, ids[t]] @ B[slot_j].T over the token's pairs (slot
+    -1: none), float64: the embedding's LoRA term (contract sections 5, 10 and 11)."""
+    out = np.asarray(y, np.float64).copy()
+    b = oracle.w3(lora_b)
+    for t in range(len(ids)):
+        for s, wt in zip(slots[t], weights[t]):
+            if s >= 0:
+                out[t] += wt * (b[s] @ table[s, ids[t]])
+    return out
+
+
+@pytest.mark.parametrize("impl,dtype,granularity", FP8_PARAMS)
+def test_fp8_add_lora_embedding_ids(impl, dtype, granularity):
+    """add_lora_embedding_ids with an fp8 LoRA-A table (one scale per table row, (L, V), or per slot)
+    and an fp8 B (one per output channel, or per slot): the looked-up row is float32(A_q[l, v]) *
+    a_scale[l, v]; then fp8 A with a 16-bit B (mixed)."""
+    vocab = 13
+    case = Case(36, dtype, slices=(24,))
+    w = make_wrapper(impl, case)
+    w.update_metadata(case.mapping(), case.lora_index_to_id, case.num_slots + 1, vocab, 0)
+    ids = case.rng.integers(0, vocab, case.num_tokens).astype(np.int32)
+    table = round_to(case.rng.standard_normal((case.num_slots, vocab, case.rank)), dtype)
+    a_q, a_s, a_deq = fp8_quantize(table, granularity)
+    (b_q,), (b_s,), (b_deq,) = _fp8_slices(impl, case.lora_b, granularity)
+    y0 = case.y[:, :24]
+    one = (case.idx[:, None], np.ones((case.num_tokens, 1)))
+    got = impl.wrapper_call(w, "add_lora_embedding_ids", impl.arr(y0, dtype), impl.idx(ids), impl.fp8_weight(a_q),
+                            b_q, lora_a_scale=impl.arr(a_s), lora_b_scale=b_s)
+    assert_close(got, _embedding_oracle(y0, ids, a_deq, b_deq, *one), dtype, "fp8 add_lora_embedding_ids")
+    assert_rows_untouched(got, y0, case.idx, "fp8 add_lora_embedding_ids")
+    err16 = oracle.rel_err(got - y0, _embedding_oracle(y0, ids, table, case.lora_b[0], *one) - y0)
+    assert err16 <= oracle.FP8_QUANT_TOL + oracle.FP8_TOL[dtype], f"fp8 embedding vs the 16-bit weights: {err16:.3g}"
+    got = impl.wrapper_call(w, "add_lora_embedding_ids", impl.arr(y0, dtype), impl.idx(ids), impl.fp8_weight(a_q),
+                            impl.arr(case.lora_b[0], dtype), lora_a_scale=impl.arr(a_s))
+    assert_close(got, _embedding_oracle(y0, ids, a_deq, case.lora_b[0], *one), dtype, "fp8 table with 16-bit B")
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if p.values[0].fp8])
+def test_fp8_add_lora_embedding_ids_two_adapters_per_token(impl):
+    """The embedding of a paired step (contract section 10) from an fp8 table and B: each pair's row
+    scaled by its table row's scale, weighted and summed in float32."""
+    dtype, vocab = impl.dtypes[0], 13
+    case = Case(37, dtype, slices=(24,))
+    ids_pairs, weights, slots, ws = _pair_case(case, 2)
+    w = make_wrapper(impl, case)
+    w.update_metadata(LoRAMapping(ids_pairs, case.ids(case.idx), False, weights), case.lora_index_to_id,
+                      case.num_slots + 1, vocab, 0)
+    ids = case.rng.integers(0, vocab, case.num_tokens).astype(np.int32)
+    table = round_to(case.rng.standard_normal((case.num_slots, vocab, case.rank)), dtype)
+    a_q, a_s, a_deq = fp8_quantize(table, "channel")
+    (b_q,), (b_s,), (b_deq,) = _fp8_slices(impl, case.lora_b, "channel")
+    y0 = case.y[:, :24]
+    got = impl.wrapper_call(w, "add_lora_embedding_ids", impl.arr(y0, dtype), impl.idx(ids), impl.fp8_weight(a_q),
+                            b_q, lora_a_scale=impl.arr(a_s), lora_b_scale=b_s)
+    assert_close(got, _embedding_oracle(y0, ids, a_deq, b_deq, slots, ws), dtype,
+                 "fp8 add_lora_embedding_ids with 2 adapters per token")

@@ -347,6 +347,91 @@ def test_wrapper_several_adapters_per_token_fp8(impl):
     _assert_close(got, want, "float32")
 
 
+def _embedding_oracle(y, ids, table, lora_b, slots, weights):
+    """y[t] + sum_j weights[t][j] * table[slots[t][j], ids[t]] @ lora_b[slots[t][j]].T, float64."""
+    out = np.asarray(y, np.float64).copy()
+    for t in range(len(ids)):
+        for s, wt in zip(slots[t], weights[t]):
+            out[t] += wt * (np.asarray(lora_b[s], np.float64) @ np.asarray(table[s, ids[t]], np.float64))
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS + ("triton",))
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_wrapper_embedding_ids_take_scales(impl, granularity):
+    """add_lora_embedding_ids with an e4m3 LoRA-A table (one scale per table row (L, V), or per slot
+    (L,)) and an e4m3 B (per output channel): the looked-up row is float32(A_q[l, v]) * a_scale[l, v];
+    then the e4m3 table with a 16-bit B; and inside jax.jit. "triton": JAX's Triton backend (the
+    interpreter on the CPU)."""
+    import jax
+
+    rng = np.random.default_rng(12)
+    vocab = 64                               # jax_helpers.wrapper's vocab_size
+    w = _wrapper(impl)
+    ids = rng.integers(0, vocab, len(IDX)).astype(np.int32)
+    table = _rand(rng, L, vocab, R)
+    if granularity == "row":
+        qa, sa = quantise(table)
+    else:
+        qa, s_all = quantise(table.reshape(L, 1, -1))
+        qa, sa = qa.reshape(table.shape), s_all[:, 0]
+    a_deq = dequantise(qa, sa if granularity == "row" else np.broadcast_to(sa[:, None], (L, vocab)))
+    qb, sb = quantise(_rand(rng, L, 24, R))
+    y = _rand(rng, len(IDX), 24)
+    one = ([[i] if i >= 0 else [] for i in IDX], [[1.0] if i >= 0 else [] for i in IDX])
+    got = _call(impl, w.add_lora_embedding_ids, y, ids, qa, qb, lora_a_scale=sa, lora_b_scale=sb)
+    _assert_close(got, _embedding_oracle(y, ids, a_deq, dequantise(qb, sb), *one), "float32")
+    np.testing.assert_array_equal(np.asarray(got)[IDX < 0], y[IDX < 0])
+    b16 = _rand(rng, L, 24, R)
+    got = _call(impl, w.add_lora_embedding_ids, y, ids, qa, b16, lora_a_scale=sa)
+    _assert_close(got, _embedding_oracle(y, ids, a_deq, b16, *one), "float32")
+    jitted = jax.jit(lambda wr, yy, ii, a, b, s_a, s_b: wr.add_lora_embedding_ids(yy, ii, a, b, lora_a_scale=s_a,
+                                                                                    lora_b_scale=s_b))
+    got = _call(impl, jitted, w, y, ids, qa, qb, sa, sb)
+    _assert_close(got, _embedding_oracle(y, ids, a_deq, dequantise(qb, sb), *one), "float32")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wrapper_embedding_ids_fp8_several_adapters_per_token(impl):
+    """The embedding of a paired step with an e4m3 table and B: each pair's row times its table
+    row's scale, weighted, summed in float32."""
+    from jax_lora import LoRAMapping, PunicaWrapper
+
+    rng = np.random.default_rng(13)
+    pair_ids = [(1, 3), (2,), (), (3, 1), (1,), (2, 3)]
+    weights = [(0.5, -0.25), (2.0,), (), (1.0, 1.5), (0.75,), (0.3, 0.6)]
+    vocab = 16
+    w = PunicaWrapper(max_num_batched_tokens=8, max_batches=8, max_loras=L,
+                      backend="xla" if impl == "deterministic" else impl, deterministic=impl == "deterministic")
+    w.update_metadata(LoRAMapping(pair_ids, (0,) * len(pair_ids), False, weights), [1, 2, 3], L + 1, vocab)
+    ids = rng.integers(0, vocab, len(pair_ids)).astype(np.int32)
+    (qa, sa), (qb, sb) = quantise(_rand(rng, L, vocab, R)), quantise(_rand(rng, L, 24, R))
+    y = _rand(rng, len(pair_ids), 24)
+    got = _call(impl, w.add_lora_embedding_ids, y, ids, qa, qb, lora_a_scale=sa, lora_b_scale=sb)
+    slots = [[i - 1 for i in t] for t in pair_ids]
+    _assert_close(got, _embedding_oracle(y, ids, dequantise(qa, sa), dequantise(qb, sb), slots, weights), "float32")
+
+
+def test_embedding_ids_scale_errors_name_the_argument():
+    """add_lora_embedding_ids: an e4m3 table or B without its scale, a scale for a 16-bit table, a
+    scale of another shape or dtype: ValueError naming lora_a_scale / lora_b_scale."""
+    rng = np.random.default_rng(14)
+    w = _wrapper("xla")
+    ids = rng.integers(0, 64, len(IDX)).astype(np.int32)
+    (qa, sa), (qb, sb) = quantise(_rand(rng, L, 64, R)), quantise(_rand(rng, L, 24, R))
+    y = _rand(rng, len(IDX), 24)
+    with pytest.raises(ValueError, match="lora_a is float8_e4m3fn: lora_a_scale must give its scales"):
+        w.add_lora_embedding_ids(y, ids, qa, qb, lora_b_scale=sb)
+    with pytest.raises(ValueError, match="lora_b is float8_e4m3fn: lora_b_scale must give its scales"):
+        w.add_lora_embedding_ids(y, ids, qa, qb, lora_a_scale=sa)
+    with pytest.raises(ValueError, match="lora_a_scale is given, but lora_a is float32, not fp8"):
+        w.add_lora_embedding_ids(y, ids, np.asarray(qa, np.float32), qb, lora_a_scale=sa, lora_b_scale=sb)
+    with pytest.raises(ValueError, match=r"lora_a_scale must have shape \(3, 64\) per channel"):
+        w.add_lora_embedding_ids(y, ids, qa, qb, lora_a_scale=np.ones((L, R), np.float32), lora_b_scale=sb)
+    with pytest.raises(ValueError, match="lora_b_scale must be float32"):
+        w.add_lora_embedding_ids(y, ids, qa, qb, lora_a_scale=sa, lora_b_scale=sb.astype(np.float16))
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 def _shrink_args():

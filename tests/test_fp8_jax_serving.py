@@ -6,8 +6,8 @@ The reference is the float model with each adapter merged after the same quantis
 dequantised (float32(w_q) * scale, B with its scaling folded in first, as the manager quantises it):
 the served completions match it in greedy tokens and within 1e-4 relative logits (cli.verify), while
 the 16-bit adapters' merged model differs (the quantisation is applied). The LM head's adapters
-are fp8 too; embedding adapters keep 16-bit storage. Slot writes keep the variables' shapes and
-dtypes: one compiled step.
+and the embedding's adapters are fp8 too (the embedding's table with one scale per token row).
+Slot writes keep the variables' shapes and dtypes: one compiled step.
 """
 
 from __future__ import annotations
@@ -39,15 +39,18 @@ def llama_dirs(tmp_path_factory):
 
 
 def dequantised_adapter(adapter):
-    """The adapter with every linear module (the decoder's and the LM head's) replaced by its fp8
-    round trip: A per rank row, B * scaling per output row (scaling then 1), each float32(w_q) *
-    scale. Embedding modules, stored 16-bit, are unchanged."""
+    """The adapter with every module (the decoder's linears, the LM head, the embedding) replaced by
+    its fp8 round trip: A per rank row (an embedding's table A.T (V, r) per token row), B * scaling
+    per output row (scaling then 1), each float32(w_q) * scale."""
     modules = {}
     for name, m in adapter.modules.items():
-        if m.kind != "linear":
+        if m.kind not in ("linear", "embedding"):
             modules[name] = m
             continue
-        a = np.asarray(dequantize_rows(*quantize_rows(np.asarray(m.lora_a, np.float32))))
+        if m.kind == "embedding":
+            a = np.asarray(dequantize_rows(*quantize_rows(np.asarray(m.lora_a, np.float32).T))).T
+        else:
+            a = np.asarray(dequantize_rows(*quantize_rows(np.asarray(m.lora_a, np.float32))))
         b = np.asarray(dequantize_rows(*quantize_rows((m.lora_b * m.scaling).astype(np.float32))))
         modules[name] = m._replace(lora_a=a, lora_b=b, scaling=1.0)
     return dataclasses.replace(adapter, modules=modules)
@@ -55,10 +58,10 @@ def dequantised_adapter(adapter):
 
 def test_fp8_layer_storage_and_manager_quantise_on_load(llama_dirs, caplog):
     """add_lora(lora_dtype="fp8") gives the decoder linears e4m3 weights with (S, L, r) / (L, out)
-    float32 scales (ones while empty) and the LM head e4m3 weights with (L, r) / (L, V) scales, keeps
-    the embedding 16-bit (said once on the jax_lora logger); activating an adapter writes exactly
-    quantize_rows of its placed (scaling-folded) weights; an unknown lora_dtype is a ValueError
-    naming it."""
+    float32 scales (ones while empty), the LM head e4m3 weights with (L, r) / (L, V) scales and the
+    embedding an e4m3 table with (L, V) / (L, D) scales (nothing kept 16-bit, nothing said);
+    activating an adapter writes exactly quantize_rows of its placed (scaling-folded) weights; an
+    unknown lora_dtype is a ValueError naming it."""
     model = load_llama(llama_dirs["model"])
     layers = add_lora(model, max_loras=2, max_rank=8, lora_dtype="fp8")
     linears = {p: layer for p, layer in layers.items() if type(layer) is lnn.MultiLoRALinear}
@@ -71,19 +74,21 @@ def test_fp8_layer_storage_and_manager_quantise_on_load(llama_dirs, caplog):
     assert head.lora_a.get_value().dtype == head.lora_b.get_value().dtype == jnp.float8_e4m3fn
     assert head.lora_a_scale.get_value().shape == (2, 8)
     assert head.lora_b_scale.get_value().shape == (2, head.out_features)
-    embeds = [layer for layer in layers.values() if type(layer) is lnn.MultiLoRAEmbed]
-    assert embeds and all(layer.lora_a.get_value().dtype == jnp.float32 for layer in embeds)
+    (embed_path, embed), = ((p, layer) for p, layer in layers.items() if type(layer) is lnn.MultiLoRAEmbed)
+    assert embed.lora_a.get_value().dtype == embed.lora_b.get_value().dtype == jnp.float8_e4m3fn
+    assert embed.lora_a_scale.get_value().shape == (2, embed.num_embeddings)
+    assert embed.lora_b_scale.get_value().shape == (2, embed.features)
     with caplog.at_level(logging.INFO, logger="jax_lora"):
         mgr = AdapterManager(model, lora_dtype="fp8")
-    said = [r.getMessage() for r in caplog.records if "keep 16-bit storage" in r.getMessage()]
-    assert len(said) == 1 and "embed_tokens" in said[0] and "lm_head" not in said[0]
-    mgr.register(2, llama_dirs["a2"])
+    assert not [r for r in caplog.records if "16-bit storage" in r.getMessage()]
+    mgr.register(2, llama_dirs["a2"])                       # a2 targets embed_tokens and lm_head too
     slot = list(mgr.activate([2])).index(2)
     placed = prepare_adapter(model, load_peft_adapter(llama_dirs["a2"]))
-    for path, layer in {**linears, head_path: head}.items():
+    assert np.any(placed[embed_path][0])
+    for path, layer in {**linears, head_path: head, embed_path: embed}.items():
         qa, sa = quantize_rows(placed[path][0])
         qb, sb = quantize_rows(placed[path][1])
-        a_slot = (slice(None), slot) if layer is not head else slot     # the linears' A: (S, L, ...)
+        a_slot = (slice(None), slot) if layer in linears.values() else slot     # the linears' A: (S, L, ...)
         np.testing.assert_array_equal(np.asarray(layer.lora_a_scale.get_value())[a_slot], sa)
         np.testing.assert_array_equal(np.asarray(layer.lora_b_scale.get_value())[slot], sb)
         np.testing.assert_array_equal(np.asarray(layer.lora_a.get_value())[a_slot].view(np.uint8), qa.view(np.uint8))

@@ -124,6 +124,35 @@ def test_wrapper_add_lora_linear_scale_errors():
     assert torch.isfinite(y).all() and y.abs().sum() > 0
 
 
+def test_wrapper_add_lora_embedding_ids_scale_errors():
+    """add_lora_embedding_ids: an e4m3 table or B without its scale, a scale for a 16-bit table, a
+    table scale of another shape ((L, V) per row or (L,)) or dtype: ValueError naming the argument."""
+    import torch_lora
+    w = torch_lora.PunicaWrapper(8, 4, "cpu", max_loras=3, backend="torch")
+    w.update_metadata(torch_lora.LoRAMapping((1, 3, 0, 2), (1, 3, 0, 2), False), [1, 2, 3], 3, 16)
+    q, s = oracle.fp8_quantize(np.random.default_rng(3).standard_normal((3, 16, 4)))
+    table = torch.from_numpy(q.view(np.uint8)).view(FP8)
+    a_scale = torch.from_numpy(s)
+    b = torch.randn(3, 24, 4).to(FP8)
+    b_scale = torch.ones(3)
+    y, ids = torch.zeros(4, 24), torch.tensor([1, 5, 0, 15])
+    with pytest.raises(ValueError, match="lora_a is float8_e4m3fn: lora_a_scale must give its scales"):
+        w.add_lora_embedding_ids(y, ids, table, b, lora_b_scale=b_scale)
+    with pytest.raises(ValueError, match="lora_b is float8_e4m3fn: lora_b_scale must give its scales"):
+        w.add_lora_embedding_ids(y, ids, table, b, lora_a_scale=a_scale)
+    with pytest.raises(ValueError, match="lora_a_scale is given, but lora_a is float32, not fp8"):
+        w.add_lora_embedding_ids(y, ids, table.float(), b, lora_a_scale=a_scale, lora_b_scale=b_scale)
+    with pytest.raises(ValueError, match=r"lora_a_scale must have shape \(3, 16\) per channel"):
+        w.add_lora_embedding_ids(y, ids, table, b, lora_a_scale=torch.ones(3, 4), lora_b_scale=b_scale)
+    with pytest.raises(ValueError, match="lora_a_scale must be float32"):
+        w.add_lora_embedding_ids(y, ids, table, b, lora_a_scale=a_scale.half(), lora_b_scale=b_scale)
+    with pytest.raises(TypeError, match="lora_b_scale must be a torch.Tensor"):
+        w.add_lora_embedding_ids(y, ids, table, b, lora_a_scale=a_scale, lora_b_scale=[1.0])
+    assert not y.any()
+    w.add_lora_embedding_ids(y, ids, table, b, lora_a_scale=a_scale, lora_b_scale=b_scale)
+    assert torch.isfinite(y).all() and y[2].abs().sum() == 0 and y.abs().sum() > 0
+
+
 def test_column_views_of_a_fused_scale_reach_the_kernels_uncopied():
     """A fused layer's B scale (L, out) split into its slices' columns: each view (channels
     contiguous, slot stride out) is handed on as it is (no copy), and the Triton expand over the

@@ -198,7 +198,8 @@ def test_fp8_jax_triton_backend_on_gpu(T, fused):
 
 def test_fp8_multilora_model_triton_equals_reference(tmp_path):
     """MultiLoRAModel(lora_dtype="fp8") of a tiny float32 Llama on CUDA: the compiled kernels equal
-    the torch reference on the same fp8 slots (1e-4)."""
+    the torch reference on the same fp8 slots (1e-4); adapter a1 targets the embedding and the LM
+    head too (their fp8 slots: the embedding's table with one scale per row)."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from torch_lora.hf import MultiLoRAModel
@@ -210,15 +211,19 @@ def test_fp8_multilora_model_triton_equals_reference(tmp_path):
     for i, r in enumerate((4, 8)):
         torch.manual_seed(10 + i)
         model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "base"))
+        extra = ["embed_tokens", "lm_head"] if i else []
         peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).save_pretrained(
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] + extra)).save_pretrained(
             str(tmp_path / f"a{i}"))
     tokens = torch.randint(1, 128, (3, 7), generator=torch.Generator().manual_seed(1))
     rows = ["a0", "__base__", "a1"]
     out = {}
     for backend in ("torch", "triton"):
         base = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "base")).cuda().eval()
-        mm = MultiLoRAModel(base, max_loras=2, max_rank=8, backend=backend, lora_dtype="fp8")
+        mm = MultiLoRAModel(base, max_loras=2, max_rank=8, backend=backend, lora_dtype="fp8",
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                            "embed_tokens", "lm_head"])
+        assert mm.layers["model.embed_tokens"].lora_a.dtype == torch.float8_e4m3fn
         for i in range(2):
             mm.load_adapter(f"a{i}", str(tmp_path / f"a{i}"))
         with torch.no_grad():

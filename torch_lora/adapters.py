@@ -67,7 +67,7 @@ _LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits, LoRAExperts, ParallelLoRA
 
 
 def _is_fp8_layer(layer) -> bool:
-    return isinstance(layer, (LoRALinear, LoRALogits)) and layer.lora_dtype == "fp8"
+    return isinstance(layer, (LoRALinear, LoRAEmbedding, LoRALogits)) and layer.lora_dtype == "fp8"
 
 
 def _layer_dtype(layer) -> torch.dtype:

@@ -245,9 +245,8 @@ class MultiLoRAModel:
       lora_dtype: None (the LoRA weights in the modules' dtype) or "fp8": every linear layer's slots
         in float8_e4m3fn with float32 per-output-channel scales (contract section 11), a 16-bit
         adapter quantised when it is placed, an fp8 PEFT file's values kept as they are; half
-        the slot memory of bf16; the LM head's slots too. The embedding keeps the model's dtype (its
-        LoRA A is a gather of one row per token: fp8 would save memory, no step bandwidth; said
-        once on the `torch_lora` logger).
+        the slot memory of bf16; the LM head's and the embedding's slots too (the embedding's LoRA-A
+        table with one scale per row).
 
     Attributes: `model`, `punica` (the PunicaWrapper), `adapters` (the AdapterManager), `layers`
     ({path: LoRA layer}; a group's path is its parent's name + "." + the members' names joined by "+"),
@@ -320,7 +319,8 @@ class MultiLoRAModel:
         for name, module in targets.items():
             if isinstance(module, nn.Embedding):
                 layer = LoRAEmbedding(name, module.num_embeddings, module.embedding_dim, dtype=module.weight.dtype,
-                                      device=module.weight.device, embed_scale=_embed_scale(module), **kw)
+                                      device=module.weight.device, embed_scale=_embed_scale(module),
+                                      lora_dtype=self.lora_dtype, **kw)
                 layers[name] = layer
                 members.append((module, _embedding_hook(layer)))
                 continue
@@ -333,11 +333,6 @@ class MultiLoRAModel:
             else:
                 parent, _, leaf = name.rpartition(".")
                 by_parent[parent][leaf] = module
-        embeds = sorted(n for n, layer in layers.items() if isinstance(layer, LoRAEmbedding))
-        if self.lora_dtype == "fp8" and embeds:
-            _LOG.info("MultiLoRAModel: lora_dtype='fp8': the linear layers and the LM head store e4m3 adapter "
-                      "weights; the embedding %s keeps the model's dtype (its LoRA A is read one row per token)",
-                      ", ".join(embeds))
         no_float = [n for n in specs
                     if getattr(getattr(targets[n], "weight", None), "dtype", None) not in _FLOAT_DTYPES]
         if no_float:

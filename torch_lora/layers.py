@@ -7,8 +7,8 @@ layer: base module; buffers (L = max_loras slots, r = max_rank); wrapper call
   * `LoRALinear`: one linear module (`nn.Linear`, a quantized linear, any module computing
     (..., in) -> (..., out)), or several that read the same input (q/k/v, gate/up);
     `lora_a` (S, L, r, in), `lora_b_<s>` (L, n_s, r); one `add_lora_linear` over the S slices.
-  * `LoRAEmbedding`: `nn.Embedding`; `lora_a` (L, V, r), `lora_b` (L, D, r); row lookup at
-    `embeddings_indices[1]`, then `add_lora_embedding`.
+  * `LoRAEmbedding`: `nn.Embedding`; `lora_a` (L, V, r), `lora_b` (L, D, r); `add_lora_embedding_ids`
+    (row lookup at `embeddings_indices[1]`, then the expand).
   * `LoRALogits`: the LM head (`nn.Linear`); `lora_a` (L, r, H), `lora_b` (L, V, r);
     `add_lora_logits` on the sampled rows.
 
@@ -16,8 +16,9 @@ A `LoRALinear` built with `lora_dtype="fp8"` stores `lora_a` / `lora_b_<s>` in e
 per-output-channel scales beside them, `lora_a_scale` (S, L, r) and `lora_b_scale_<s>` (L, n_s)
 (contract section 11; `torch_lora.adapters` quantises a 16-bit adapter when it places it). A
 `LoRALogits` built so stores `lora_a` (L, r, H) / `lora_b` (L, V, r) in e4m3 with `lora_a_scale`
-(L, r) and `lora_b_scale` (L, V). The embedding keeps the model's dtype: its LoRA A is a gather of
-one row per token, so fp8 would save slot memory but no step bandwidth.
+(L, r) and `lora_b_scale` (L, V). A `LoRAEmbedding` built so stores its table `lora_a` (L, V, r)
+and `lora_b` (L, D, r) in e4m3 with `lora_a_scale` (L, V) (one per table row: the row a token
+looks up) and `lora_b_scale` (L, D), passed to `add_lora_embedding_ids`.
 
 Every layer also has `lora_ranks` (L,) int32: each slot's real rank in this layer (0 for an empty
 slot), passed to the kernels as `lora_ranks` so they skip the zero padding. A `LoRALinear` built
@@ -326,14 +327,20 @@ class LoRAEmbedding(_LoRALayer):
     module's `embed_scale` when it has one (Gemma 3's scaled embedding; PEFT scales the LoRA term
     the same way), folded into lora_b when the adapter is placed.
 
+    lora_dtype: None (weights in `dtype`) or "fp8": lora_a and lora_b in float8_e4m3fn with float32
+    scales lora_a_scale (L, V) (one per table row) and lora_b_scale (L, D) (one per output channel)
+    (contract section 11): a token's row is float32(lora_a[l, v]) * lora_a_scale[l, v].
     Buffers: lora_a (L, V, r) (A transposed: one row per token id); lora_b (L, D, r); lora_ranks.
     """
 
     kind = "embedding"
 
     def __init__(self, module: str, num_embeddings: int, embedding_dim: int, *, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device, embed_scale: float = 1.0, punica=None):
+                 dtype: torch.dtype, device, embed_scale: float = 1.0, punica=None, lora_dtype: str | None = None):
         super().__init__((module,), max_loras=max_loras, max_rank=max_rank, device=device, punica=punica)
+        self.lora_dtype = check_lora_dtype(lora_dtype)
+        if self.lora_dtype == "fp8":
+            dtype = torch.float8_e4m3fn
         self.num_embeddings = _positive("num_embeddings", num_embeddings)
         self.embedding_dim = _positive("embedding_dim", embedding_dim)
         self.embed_scale = float(embed_scale)
@@ -341,10 +348,19 @@ class LoRAEmbedding(_LoRALayer):
                              persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, embedding_dim, max_rank, dtype=dtype, device=device),
                              persistent=False)
+        if self.lora_dtype == "fp8":
+            self.register_buffer("lora_a_scale", torch.ones(max_loras, num_embeddings, dtype=torch.float32,
+                                                            device=device), persistent=False)
+            self.register_buffer("lora_b_scale", torch.ones(max_loras, embedding_dim, dtype=torch.float32,
+                                                            device=device), persistent=False)
 
     def slot_views(self, slot: int) -> tuple:
-        """(A (V, r), B (D, r)) of `slot`."""
-        return self.lora_a[slot], self.lora_b[slot]
+        """(A (V, r), B (D, r)) of `slot`, then with lora_dtype="fp8" their scales (a_scale (V,),
+        b_scale (D,))."""
+        views = (self.lora_a[slot], self.lora_b[slot])
+        if self.lora_dtype == "fp8":
+            views += (self.lora_a_scale[slot], self.lora_b_scale[slot])
+        return views
 
     def apply(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += the LoRA term of each token, in place; returns out. ids: (...) token ids (int);
@@ -353,23 +369,20 @@ class LoRAEmbedding(_LoRALayer):
         self._check_step(out, ids.numel(), punica.indices_len[0], "tokens")
         # Row `slot * V + id` of the flattened (L * V, r) table (embeddings_indices[1] = slot * V: the
         # step must be prepared with vocab_size = V); tokens without adapter read slot 0's row and
-        # are then skipped by add_lora_embedding (their index is -1).
+        # are then skipped by the expand (their index is -1). Several adapters per token: each pair's
+        # rows (the wrapper).
         check_rows = getattr(punica, "_check_embedding_rows", None)     # (the bridge's wrappers have none)
         if check_rows is not None:
             check_rows(f"LoRA layer for {self.module_names[0]!r}: the embedding", self.num_embeddings)
-        if getattr(punica, "num_pairs", 0):      # several adapters per token: each pair's rows (the wrapper)
-            punica.add_lora_embedding_ids(out.view(-1, self.embedding_dim), ids.reshape(-1), self.lora_a, self.lora_b,
-                                          lora_ranks=self.lora_ranks)
-            return out
-        rows = punica.embeddings_indices[1] + ids.reshape(-1)
-        after_a = self.lora_a.view(-1, self.max_rank).index_select(0, rows)
-        punica.add_lora_embedding(out.view(-1, self.embedding_dim), after_a.to(out.dtype), self.lora_b,
-                                  lora_ranks=self.lora_ranks)
+        fp8 = ({} if self.lora_dtype != "fp8" else dict(lora_a_scale=self.lora_a_scale, lora_b_scale=self.lora_b_scale))
+        punica.add_lora_embedding_ids(out.view(-1, self.embedding_dim), ids.reshape(-1), self.lora_a, self.lora_b,
+                                      lora_ranks=self.lora_ranks, **fp8)
         return out
 
     def extra_repr(self) -> str:
         return (f"module={self.module_names[0]!r}, num_embeddings={self.num_embeddings}, embedding_dim="
-                f"{self.embedding_dim}, max_loras={self.max_loras}, max_rank={self.max_rank}")
+                f"{self.embedding_dim}, max_loras={self.max_loras}, max_rank={self.max_rank}"
+                f"{', lora_dtype=fp8' if self.lora_dtype == 'fp8' else ''}")
 
 
 class LoRALogits(_LoRALayer):

@@ -172,27 +172,44 @@ class PunicaWrapper:
         y2.copy_(torch.where(any_pair, acc.to(y2.dtype), y2))
 
     def add_lora_embedding_ids(self, y: torch.Tensor, ids: torch.Tensor, lora_a: torch.Tensor,
-                               lora_b: torch.Tensor, *, lora_ranks=None) -> torch.Tensor:
+                               lora_b: torch.Tensor, *, lora_ranks=None, lora_a_scale=None,
+                               lora_b_scale=None) -> torch.Tensor:
         """The embedding's LoRA term from token ids, in place: y[t] += sum_j w_tj * lora_a[slot_tj, ids[t]]
         @ lora_b[slot_tj].T over each token's pairs (a plain step: its one slot at weight 1, the same
         as looking the rows up at `embeddings_indices[1]` and calling add_lora_embedding).
 
         y: (T, D); ids: (T,) token ids; lora_a: (L, V, r) the LoRA-A embedding table; lora_b: (L, D, r).
+        lora_a_scale / lora_b_scale (contract section 11): the float32 scales of an fp8 lora_a / lora_b,
+        (L, V) (one per table row) / (L, D) (one per output channel), or (L,) per tensor. An fp8 row
+        is looked up as float32(lora_a[l, v]) * a_scale[l, v], kept in float32 for the expand.
         """
+        check_tensors(y=y, ids=ids, lora_a=lora_a, lora_b=lora_b, lora_a_scale=lora_a_scale,
+                      lora_b_scale=lora_b_scale)
+        checks.check_ndim("lora_a", tuple(lora_a.shape), (3,), "3-D (max_loras, num_embeddings, rank)")
+        a_scales = weight_scales("lora_a_scale", lora_a_scale, (lora_a,), "lora_a")
+        a_scale = None if a_scales is None else a_scales[0]          # (L, V) float32
+        b_scales = weight_scales("lora_b_scale", lora_b_scale, (lora_b,), "lora_b")
+        b_scale = None if b_scales is None else b_scales[0]          # (L, D) float32
+        flat = ids.reshape(-1)
         if not self.num_pairs:
-            rows = self.embeddings_indices[1][:ids.shape[0]] + ids.reshape(-1)
-            return self.add_lora_embedding(y, lora_a.reshape(-1, lora_a.shape[-1]).index_select(0, rows).to(y.dtype),
-                                           lora_b, lora_ranks=lora_ranks)
+            rows = self.embeddings_indices[1][:flat.shape[0]] + flat
+            looked_up = lora_a.reshape(-1, lora_a.shape[-1]).index_select(0, rows)
+            if a_scale is None:
+                looked_up = looked_up.to(y.dtype)
+            else:
+                looked_up = looked_up.to(torch.float32) * a_scale.reshape(-1).index_select(0, rows)[:, None]
+            return self.add_lora_embedding(y, looked_up, lora_b, lora_ranks=lora_ranks, lora_b_scale=b_scale)
         self._check_embedding_rows("lora_a", lora_a.shape[1])
         rows = self._pair_blocks[self.num_pairs][4]
         weights = self._pair_blocks[self.num_pairs][3].weights
-        t = ids.shape[0]
+        t = flat.shape[0]
         self._check_tokens("ids", t, self.indices_len[0])
         looked_up = []
         for j in range(self.num_pairs):
-            slot = rows.token_slots[:t, j]
-            looked_up.append(lora_a[slot.clamp(min=0).long(), ids.reshape(-1).long()])      # (T, r)
-        self._add_per_pair(y, rows.token_slots, weights, looked_up, lora_b)
+            slot = rows.token_slots[:t, j].clamp(min=0).long()
+            row = lora_a[slot, flat.long()]                                               # (T, r)
+            looked_up.append(row if a_scale is None else row.to(torch.float32) * a_scale[slot, flat.long()][:, None])
+        self._add_per_pair(y, rows.token_slots, weights, looked_up, lora_b, b_scale=b_scale)
         return y
 
     def warmup(self, layers, token_counts=None, *, dtype=torch.bfloat16, lora_ranks: bool = False,
