@@ -151,6 +151,21 @@ def _base_dtype(base):
     return base.dtype if isinstance(base, QuantizedLinear) else base.kernel.get_value().dtype
 
 
+def _store_fp8(layer) -> bool:
+    """A LoRA layer's `use_fp8` after its own checks: refused when the layer is split over a mesh,
+    else its `lora_a` / `lora_b` quantised to e4m3 along their last axis (jax_lora.quant.quantize_rows)
+    with the float32 scales as new `lora_a_scale` / `lora_b_scale` variables; returns True."""
+    if layer.tp is not None:
+        raise ValueError("fp8 adapter weights are not supported on a LoRA layer split over a mesh: build the "
+                         "layers with lora_dtype='fp8' before splitting, or serve 16-bit adapters")
+    qa, sa = quantize_rows(layer.lora_a.get_value())
+    qb, sb = quantize_rows(layer.lora_b.get_value())
+    layer.lora_a, layer.lora_b = LoRAWeight(jnp.asarray(qa)), LoRAWeight(jnp.asarray(qb))
+    layer.lora_a_scale, layer.lora_b_scale = LoRAWeight(jnp.asarray(sa)), LoRAWeight(jnp.asarray(sb))
+    layer.lora_dtype = "fp8"
+    return True
+
+
 class MultiLoRALinear(nnx.Module):
     """An `nnx.Linear` plus one adapter per token, with fused output slices.
 
@@ -260,15 +275,7 @@ class MultiLoRALinear(nnx.Module):
         if self.fused is not None:
             raise ValueError(f"fp8 adapter weights are not supported on a fused LoRA layer (fused={self.fused!r}): "
                              "turn the fused path off (use_fused(None)) first")
-        if self.tp is not None:
-            raise ValueError("fp8 adapter weights are not supported on a LoRA layer split over a mesh: build the "
-                             "layers with lora_dtype='fp8' before splitting, or serve 16-bit adapters")
-        qa, sa = quantize_rows(self.lora_a.get_value())
-        qb, sb = quantize_rows(self.lora_b.get_value())
-        self.lora_a, self.lora_b = LoRAWeight(jnp.asarray(qa)), LoRAWeight(jnp.asarray(qb))
-        self.lora_a_scale, self.lora_b_scale = LoRAWeight(jnp.asarray(sa)), LoRAWeight(jnp.asarray(sb))
-        self.lora_dtype = "fp8"
-        return True
+        return _store_fp8(self)
 
     def enable_dora(self) -> bool:
         """Gives the layer its DoRA column scale `lora_scale` (L, out) float32, all ones (every slot
@@ -429,15 +436,7 @@ class MultiLoRAEmbed(nnx.Module):
         before the serving step is first traced. Refused for a layer split over a mesh."""
         if self.lora_dtype == "fp8":
             return False
-        if self.tp is not None:
-            raise ValueError("fp8 adapter weights are not supported on a LoRA layer split over a mesh: build the "
-                             "layers with lora_dtype='fp8' before splitting, or serve 16-bit adapters")
-        qa, sa = quantize_rows(self.lora_a.get_value())
-        qb, sb = quantize_rows(self.lora_b.get_value())
-        self.lora_a, self.lora_b = LoRAWeight(jnp.asarray(qa)), LoRAWeight(jnp.asarray(qb))
-        self.lora_a_scale, self.lora_b_scale = LoRAWeight(jnp.asarray(sa)), LoRAWeight(jnp.asarray(sb))
-        self.lora_dtype = "fp8"
-        return True
+        return _store_fp8(self)
 
     def attend(self, query: jax.Array) -> jax.Array:
         """The base embedding's `attend` (tied LM heads): adapters do not apply here."""
@@ -503,15 +502,7 @@ class MultiLoRALogits(nnx.Module):
         first traced. Refused for a layer split over a mesh."""
         if self.lora_dtype == "fp8":
             return False
-        if self.tp is not None:
-            raise ValueError("fp8 adapter weights are not supported on a LoRA layer split over a mesh: build the "
-                             "layers with lora_dtype='fp8' before splitting, or serve 16-bit adapters")
-        qa, sa = quantize_rows(self.lora_a.get_value())
-        qb, sb = quantize_rows(self.lora_b.get_value())
-        self.lora_a, self.lora_b = LoRAWeight(jnp.asarray(qa)), LoRAWeight(jnp.asarray(qb))
-        self.lora_a_scale, self.lora_b_scale = LoRAWeight(jnp.asarray(sa)), LoRAWeight(jnp.asarray(sb))
-        self.lora_dtype = "fp8"
-        return True
+        return _store_fp8(self)
 
     def __call__(self, h: jax.Array, punica=None) -> jax.Array:
         w = _pick(punica)
