@@ -1632,9 +1632,11 @@ def markdown(out) -> str:
     torch_how = ("eager steps, host clock (--smoke: times mean nothing)" if out["meta"]["smoke"]
                  else "CUDA-graph replay, CUDA events")
     chain = int(out["meta"].get("jax_chain", 1) or 1)
-    call = "ahead-of-time compiled" if out["meta"].get("jax_call") == "aot" else "jitted"
+    aot = out["meta"].get("jax_call") == "aot"
+    call = "ahead-of-time compiled" if aot else "jitted"
+    steps = "ahead-of-time compiled steps" if aot else "steps"
     jax_how = (f"host clock from the {call} call to block_until_ready (dispatch included)" if chain == 1 else
-               f"host clock over {chain} {call} steps dispatched back to back and one block_until_ready, / {chain}")
+               f"host clock over {chain} {steps} dispatched back to back and one block_until_ready, / {chain}")
     lines = [
         f"Times: median per step. torch: {torch_how}; JAX: {jax_how}. overhead = LoRA step - base step; "
         f"floor = LoRA path's minimal bytes / {PEAK_GBS:.0f} GB/s; err = relative error of the LoRA step's logits "
