@@ -11,7 +11,10 @@ dispatch time and dispatch + wait of 20 steps each waited for, and the per-step 
 dispatched back to back with one wait (and their median dispatch); then compiles the other shapes'
 programs (DBL_ROWS, default 1,8,32,128,256) and measures again, twice; then a cProfile of ten LoRA
 dispatches (Python frames: empty when jit's C++ fast path takes every call) and the dispatch of the
-same program called as an ahead-of-time `Compiled` object. The process exits after that.
+same program called as an ahead-of-time `Compiled` object; last, the base program's `Compiled`
+dispatch with its usual zero-sized LoRA arguments and with the real LoRA weights in their place
+(which the base step does not read): the share of PJRT's time the weight arguments take, against
+the LoRA program's custom calls. The process exits after that.
 """
 from __future__ import annotations
 
@@ -100,6 +103,17 @@ def probe(bench, shape) -> None:
         dispatch.append((time.perf_counter() - t0) * 1e6)
         tok.block_until_ready()
     print(f"[compiled object] lora dispatch {statistics.median(dispatch):.0f} us", flush=True)
+    base_fn = bench._jax_jits()[0]
+    for label, lora_arg in (("empty placeholders", bench._states[3]), ("the LoRA weights", bench._states[1])):
+        compiled = base_fn.lower(lora_arg, rest, bench._jax_cache_spec(shape), None, *shape.j_args, False).compile()
+        dispatch = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            cache, tok, _logits = compiled(lora_arg, rest, cache, None, *shape.j_args)
+            dispatch.append((time.perf_counter() - t0) * 1e6)
+            tok.block_until_ready()
+        print(f"[compiled object] base dispatch with {label} as its LoRA arguments "
+              f"{statistics.median(dispatch):.0f} us", flush=True)
     os._exit(0)
 
 
