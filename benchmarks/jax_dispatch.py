@@ -95,26 +95,27 @@ def probe(bench, shape) -> None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(order).print_stats(top)
         print(out.getvalue()[:6000])
-    compiled = fn.lower(lora_arg, rest, bench._jax_cache_spec(shape), punica, *shape.j_args, True).compile()
+    dispatch, cache = compiled_dispatch(bench, shape, fn, lora_arg, punica, True, cache)
+    print(f"[compiled object] lora dispatch {dispatch:.0f} us", flush=True)
+    base_fn = bench._jax_jits()[0]
+    for label, lora_arg in (("empty placeholders", bench._states[3]), ("the LoRA weights", bench._states[1])):
+        dispatch, cache = compiled_dispatch(bench, shape, base_fn, lora_arg, None, False, cache)
+        print(f"[compiled object] base dispatch with {label} as its LoRA arguments {dispatch:.0f} us", flush=True)
+    os._exit(0)
+
+
+def compiled_dispatch(bench, shape, fn, lora_arg, punica, lora: bool, cache, n: int = 20):
+    """(median dispatch in us of n steps of `fn` called as an ahead-of-time `Compiled` object, each
+    waited for; the cache after them)."""
+    rest = bench._states[2]
+    compiled = fn.lower(lora_arg, rest, bench._jax_cache_spec(shape), punica, *shape.j_args, lora).compile()
     dispatch = []
-    for _ in range(20):
+    for _ in range(n):
         t0 = time.perf_counter()
         cache, tok, _logits = compiled(lora_arg, rest, cache, punica, *shape.j_args)
         dispatch.append((time.perf_counter() - t0) * 1e6)
         tok.block_until_ready()
-    print(f"[compiled object] lora dispatch {statistics.median(dispatch):.0f} us", flush=True)
-    base_fn = bench._jax_jits()[0]
-    for label, lora_arg in (("empty placeholders", bench._states[3]), ("the LoRA weights", bench._states[1])):
-        compiled = base_fn.lower(lora_arg, rest, bench._jax_cache_spec(shape), None, *shape.j_args, False).compile()
-        dispatch = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            cache, tok, _logits = compiled(lora_arg, rest, cache, None, *shape.j_args)
-            dispatch.append((time.perf_counter() - t0) * 1e6)
-            tok.block_until_ready()
-        print(f"[compiled object] base dispatch with {label} as its LoRA arguments "
-              f"{statistics.median(dispatch):.0f} us", flush=True)
-    os._exit(0)
+    return statistics.median(dispatch), cache
 
 
 def jax_time(self, shape, flags, n):

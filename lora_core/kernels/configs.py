@@ -335,6 +335,20 @@ def table(device: str | None) -> LaunchTable:
     return GENERIC
 
 
+def tuned_file(env_var: str, default_path: str | None, what: str) -> tuple[str | None, bool]:
+    """(the file a tuned table is read from, whether the environment named it): the path in
+    `env_var` when it is set (FileNotFoundError naming the variable and `what` when no file is
+    there), else `default_path` when that file exists, else None."""
+    override = os.environ.get(env_var)
+    if override:
+        if not os.path.isfile(override):
+            raise FileNotFoundError(f"{env_var}: no {what} file at {override!r}")
+        return override, True
+    if default_path and os.path.exists(default_path):
+        return default_path, False
+    return None, False
+
+
 @functools.cache
 def device_name() -> str | None:
     """The name of CUDA device 0 as the driver reports it ("NVIDIA H200"), None without a CUDA driver."""

@@ -39,7 +39,7 @@ import re
 from collections.abc import Sequence
 
 from .. import safe_json
-from .configs import TUNED_DIR, device_name
+from .configs import TUNED_DIR, device_name, tuned_file
 from .planning import next_pow2
 
 __all__ = ["GEMM_CONFIGS", "NORM_SHRINK_CONFIGS", "M_BUCKETS", "gemm_config", "norm_shrink_config",
@@ -186,22 +186,19 @@ def fused_linear_table_file(device: str) -> str:
 def fused_linear_table(device: str | None) -> dict:
     """The fused linear table of a device by name: LORA_CORE_FUSED_LINEAR_TABLE's file if set, else
     its tuned file, else {} (every layer on today's path)."""
-    override = os.environ.get("LORA_CORE_FUSED_LINEAR_TABLE")
-    if override:
-        if not os.path.isfile(override):
-            raise FileNotFoundError(f"LORA_CORE_FUSED_LINEAR_TABLE: no fused linear table file at {override!r}")
-        found = read_fused_linear_table(override)
-        _LOG.info("fused linear table: %s (LORA_CORE_FUSED_LINEAR_TABLE, %d entries)", override, len(found))
-        return found
-    if device:
-        path = fused_linear_table_file(device)
-        if os.path.exists(path):
-            found = read_fused_linear_table(path)
-            _LOG.info("fused linear table: %s (%d entries)", os.path.basename(path), len(found))
-            return found
-        _LOG.info("fused linear table: none for %s (%s): every LoRA linear on today's path", device,
-                  os.path.basename(path))
-    return {}
+    path, from_env = tuned_file("LORA_CORE_FUSED_LINEAR_TABLE",
+                                fused_linear_table_file(device) if device else None, "fused linear table")
+    if path is None:
+        if device:
+            _LOG.info("fused linear table: none for %s (%s): every LoRA linear on today's path", device,
+                      os.path.basename(fused_linear_table_file(device)))
+        return {}
+    found = read_fused_linear_table(path)
+    if from_env:
+        _LOG.info("fused linear table: %s (LORA_CORE_FUSED_LINEAR_TABLE, %d entries)", path, len(found))
+    else:
+        _LOG.info("fused linear table: %s (%d entries)", os.path.basename(path), len(found))
+    return found
 
 
 def _device_table(device: str | None) -> dict:

@@ -57,7 +57,7 @@ import re
 import triton
 
 from .. import safe_json
-from .configs import TUNED_DIR, device_name, device_sm_count, interpreting, next_pow2
+from .configs import TUNED_DIR, device_name, device_sm_count, interpreting, next_pow2, tuned_file
 
 _LOG = logging.getLogger("lora_core")
 
@@ -257,21 +257,18 @@ def read_table(path: str) -> dict:
 @functools.cache
 def table(device: str | None) -> dict:
     """The MoE table of a device by name: LORA_CORE_MOE_TABLE's file if set, else its tuned file, else {}."""
-    override = os.environ.get("LORA_CORE_MOE_TABLE")
-    if override:
-        if not os.path.isfile(override):
-            raise FileNotFoundError(f"LORA_CORE_MOE_TABLE: no MoE launch table file at {override!r}")
-        found = read_table(override)
-        _LOG.info("MoE launch configs: %s (LORA_CORE_MOE_TABLE, %d buckets)", override, len(found))
-        return found
-    if device:
-        path = table_file(device)
-        if os.path.exists(path):
-            found = read_table(path)
-            _LOG.info("MoE launch configs: %s (%d buckets)", os.path.basename(path), len(found))
-            return found
-        _LOG.info("MoE launch configs: no tuned table for %s (%s): defaults", device, os.path.basename(path))
-    return {}
+    path, from_env = tuned_file("LORA_CORE_MOE_TABLE", table_file(device) if device else None, "MoE launch table")
+    if path is None:
+        if device:
+            _LOG.info("MoE launch configs: no tuned table for %s (%s): defaults", device,
+                      os.path.basename(table_file(device)))
+        return {}
+    found = read_table(path)
+    if from_env:
+        _LOG.info("MoE launch configs: %s (LORA_CORE_MOE_TABLE, %d buckets)", path, len(found))
+    else:
+        _LOG.info("MoE launch configs: %s (%d buckets)", os.path.basename(path), len(found))
+    return found
 
 
 _OVERRIDE: list = []
