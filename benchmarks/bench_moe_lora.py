@@ -11,8 +11,8 @@ applied). T tokens: decode 1, 16, 64, 256 and prefill 2048, 8192 (`--tokens`); D
 32 slots: 1, 8, 32 (at most T; `--adapters`); ranks 16 and 64. Routing: each token's top_k distinct
 experts uniformly at random, router weights normalised; tokens assigned to the D adapters in
 random order. The pair order both sides get is vLLM's choice (`add_lora_w13`): naive when
-T * top_k * 8 <= E * 32 slots, else sorted by (slot, expert) in blocks of 16 up to 1024 pairs and
-64 above (ours: `torch_lora.ops.moe.moe_block_size`) / of vLLM's configured BLOCK_SIZE_M (64),
+T * top_k * 8 <= E * 32 slots, else sorted by (slot, expert) in blocks of 16, 32 or 64 rows by the
+pairs per expert (ours: `torch_lora.ops.moe.moe_block_size`) / of vLLM's configured BLOCK_SIZE_M (64),
 each from `torch_lora.ops.moe_lora_align_block_size` (vLLM's alignment is a CUDA extension outside
 its Triton files); the alignment is done once per layer call in the engine and is not timed here.
 
@@ -148,7 +148,7 @@ class Case:
         self.enabled[used.to(device)] = 1
         self._ref = None
         self.naive = naive_block_assignment(tokens, k, E, slots)
-        self.block = moe_block_size(tokens * k)
+        self.block = moe_block_size(tokens * k, E)
         self.align = {}
         for block in {self.block, 64}:
             self.align[block] = ((None, self.topk_ids.reshape(-1), None) if self.naive else

@@ -9,10 +9,13 @@ What it tunes: the buckets (`lora_core.kernels.moe_configs.bucket_key`) of the b
 the pair order and block size the engine gives it (`lora_core.moe_order`).
 
 Candidates per bucket (a small curated grid, not a product): the default config with its K_SPLIT
-and TILES_N resolved, the table's current entry if any, and the default with one knob moved at a
-time -- K_SPLIT halved / doubled, TILES_N halved / doubled, BLOCK_N halved / doubled at the same
-columns per program, BLOCK_K halved / doubled, the naive rank in 16-wide chunks, the other path
-(GEMV or tl.dot) for the naive order, the other warp count and one stage more / fewer per launch.
+and TILES_N resolved, the table's current entry if any, for the sorted order the structural moves
+(`sorted_moves`: the alignment's block in sub-blocks of half and a quarter its rows, 1 and 4
+programs per expected block, 128-column B tiles at 4 and 8 warps, one tile per expand program),
+and the default with one knob moved at a time -- K_SPLIT halved / doubled, TILES_N halved /
+doubled, BLOCK_N halved / doubled at the same columns per program, BLOCK_K halved / doubled, the
+naive rank in 16-wide chunks, the other path (GEMV or tl.dot) for the naive order, the other warp
+count and one stage more / fewer per launch.
 After the single moves, the best value of each knob that won is combined into one more candidate.
 
 Each candidate is checked against the benchmark's reference (relative error <= 2e-2) before it is
@@ -21,6 +24,14 @@ bucket's cases -- one adapter, and 8 or 32 where the tokens allow (the routing's
 (adapter, expert) runs changes which config wins). Compilation comes first and in parallel:
 `--jobs` worker processes run every candidate once (Triton keeps the kernels in its on-disk
 cache), then the timing runs alone on the GPU.
+
+Which buckets first: those the table lacks, then the tuned ones again, token counts outermost in
+each; `--losing FILE` (a `bench_moe_lora` result, its moe_lora.json or moe_lora.md) puts the
+buckets of its cases slower than vLLM before all, the slowest first; `--only-untuned` skips the
+tuned ones (losing ones excepted). A run cut by the budget has then spent it where vLLM wins:
+
+    PYTHONPATH=. python benchmarks/tune_moe_lora.py --budget-s 140 --jobs 14 --max-candidates 10 \
+        --losing benchmarks/results/moe_lora_20261203/moe_lora.md --only-untuned
 
 Output: `--table` (default lora_core/kernels/tuned/<device>_moe.json) gets each bucket's winner
 as soon as the bucket is done (entries of other buckets already in the file are kept), so a run
@@ -33,6 +44,7 @@ H200) or the file LORA_CORE_MOE_TABLE names.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -59,9 +71,35 @@ def bucket_of(shape: dict, layer: str, tokens: int, rank: int, slots: int):
     w2 = layer == "w2"
     hidden, widest = (shape["inter"], shape["hidden"]) if w2 else (shape["hidden"], shape["inter"])
     slices = 1 if w2 else 2
-    s = MoeShape(num_pairs=pairs, naive=naive, block_m=16 if naive else moe_block_size(pairs), num_slots=slots,
+    s = MoeShape(num_pairs=pairs, naive=naive, block_m=16 if naive else moe_block_size(pairs, E), num_slots=slots,
                  num_experts=E, hidden=hidden, widest=widest, slices=slices, shrink_slices=slices, rank=rank)
     return s, bucket_key(s)
+
+
+def sorted_moves(d, shape) -> list:
+    """The sorted order's structural candidates, tried before the single knob moves: the alignment's
+    block in sub-blocks of half and a quarter its rows (the default of blocks that size), 1 and 4
+    programs per expected block (PERSIST), wide B tiles
+    (128 columns: 4 warps, and 8 at 64-row blocks) at one tile per program and at the default's
+    columns per program, and one expand program per tile (the most programs)."""
+    from lora_core.kernels import moe_configs
+    out = []
+    for rows in (shape.block_m // 2, shape.block_m // 4):
+        if rows >= 16:                           # the default of blocks that size, on this alignment
+            sub = moe_configs.default_moe_config(dataclasses.replace(shape, block_m=rows)).replace(
+                BLOCK_M=rows, PERSIST=d.PERSIST)
+            r = moe_configs.resolve(sub, shape)
+            out.append(sub.replace(K_SPLIT=r.k_split, TILES_N=r.tiles_n, BLOCK_K=r.block_k, BLOCK_N=r.block_n,
+                                   R_CHUNK=r.r_chunk))
+    for persist in (1, 4):
+        if persist != d.PERSIST:
+            out.append(d.replace(PERSIST=persist))
+    cols = d.BLOCK_N * d.TILES_N
+    for warps in (4, 8) if shape.block_m >= 64 else (4,):
+        for tiles in sorted({1, max(1, cols // 128)}):
+            out.append(d.replace(BLOCK_N=128, TILES_N=tiles, expand_warps=warps, expand_stages=3))
+    out.append(d.replace(TILES_N=1))
+    return out
 
 
 def candidates(shape, current: dict | None) -> list:
@@ -74,6 +112,8 @@ def candidates(shape, current: dict | None) -> list:
     out = [d]
     if current:
         out.append(d.replace(**current))
+    if not shape.naive:
+        out.extend(sorted_moves(d, shape))
     moves = [("K_SPLIT", max(1, d.K_SPLIT // 2)), ("K_SPLIT", d.K_SPLIT * 2),
              ("TILES_N", max(1, d.TILES_N // 2)), ("TILES_N", d.TILES_N * 2),
              ("BLOCK_K", max(16, d.BLOCK_K // 2)), ("BLOCK_K", d.BLOCK_K * 2),
@@ -172,6 +212,42 @@ def time_candidate(cfg: dict, cases, clock, tokens: int) -> dict:
     return out
 
 
+def losing_cases(path: str, below: float = 1.0) -> list:
+    """(model, layer, tokens, rank, speed-up) of every case of a `bench_moe_lora` result slower
+    than `below` x vLLM: its moe_lora.json (rows with "speedup") or its moe_lora.md (the table)."""
+    with open(path) as f:
+        text = f.read()
+    rows = []
+    if path.endswith(".json"):
+        data = json.loads(text)
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise ValueError(f"--losing {path}: expected a bench_moe_lora JSON with a list of rows")
+        for r in data["rows"]:
+            if r.get("speedup") is not None:
+                rows.append((r["model"], r["layer"], int(r["tokens"]), int(r["rank"]), float(r["speedup"])))
+    else:
+        for line in text.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) >= 9 and cells[2].isdigit() and cells[4].isdigit():
+                try:
+                    rows.append((cells[0], cells[1], int(cells[2]), int(cells[4]), float(cells[8])))
+                except ValueError:                   # "-": no vLLM time
+                    continue
+    if not rows:
+        raise ValueError(f"--losing {path}: no case with a speed-up found")
+    return [r for r in rows if r[4] < below]
+
+
+def order_work(work: list, tuned: dict, losing: dict, only_untuned: bool) -> list:
+    """The buckets in tuning order: those in `losing` ({key: worst speed-up}) first, the slowest
+    first, then the ones the table lacks, then the tuned ones again, each group in its order; with
+    only_untuned, the tuned ones are dropped (unless losing)."""
+    first = sorted((w for w in work if w[5] in losing), key=lambda w: losing[w[5]])
+    untuned = [w for w in work if w[5] not in losing and w[5] not in tuned]
+    again = [] if only_untuned else [w for w in work if w[5] not in losing and w[5] in tuned]
+    return first + untuned + again
+
+
 def _write_json(path: str, data) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -197,6 +273,12 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", default="", help="comma list of ranks")
     p.add_argument("--max-candidates", type=int, default=0, help="candidates per bucket at most (0: all; "
                                                                  "--quick: 3)")
+    p.add_argument("--losing", default="", help="a bench_moe_lora result (moe_lora.json or moe_lora.md): the "
+                                                "buckets of its cases slower than vLLM go first, slowest first")
+    p.add_argument("--losing-below", type=float, default=1.0,
+                   help="with --losing: a case counts when its vLLM/ours speed-up is below this")
+    p.add_argument("--only-untuned", action="store_true",
+                   help="skip the buckets the table already holds (unless --losing names them)")
     args = p.parse_args(argv)
     limit = args.max_candidates or (3 if args.quick else 0)
     if args.quick:
@@ -241,6 +323,14 @@ def main(argv=None) -> int:
                     keys.add(key)
                     cands = candidates(shape, table["buckets"].get(key))
                     work.append((model, layer, t, r, shape, key, cands[:limit] if limit else cands))
+    losing = {}
+    if args.losing:
+        for model, layer, t, r, speedup in losing_cases(args.losing, args.losing_below):
+            if model in models and layer in layers:
+                key = bucket_of(models[model], layer, t, r, slots)[1]
+                losing[key] = min(speedup, losing.get(key, speedup))
+        print(f"--losing: {len(losing)} buckets slower than {args.losing_below} x vLLM first", flush=True)
+    work = order_work(work, table["buckets"], losing, args.only_untuned)
     print(f"{len(work)} buckets, {sum(len(w[-1]) for w in work)} candidates -> {path}", flush=True)
 
     # 2. Compilation in parallel, bounded by its share of the budget.

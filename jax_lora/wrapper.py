@@ -762,7 +762,7 @@ class PunicaWrapper:
                              f"{len(lora_a)} and {len(lora_b)}")
         naive = moe_order.naive_block_assignment(int(num_tokens), int(top_k), int(local_num_experts), int(max_loras),
                                                  expert_map)
-        block = moe_order.moe_block_size(int(num_tokens) * int(top_k))
+        block = moe_order.moe_block_size(int(num_tokens) * int(top_k), int(local_num_experts))
         mapping, sorted_ids, expert_ids, post_pad = self.moe_lora_align_block_size(
             topk_ids, num_tokens, block, local_num_experts, max_loras, adapter_enabled, expert_map,
             naive_block_assignment=naive)

@@ -15,7 +15,17 @@ def naive_block_assignment(num_tokens: int, top_k: int, num_experts: int, max_lo
     return expert_map is None and num_tokens * top_k * SPARSITY_FACTOR <= num_experts * max_loras
 
 
-def moe_block_size(num_pairs: int) -> int:
-    """The sorted order's block size for `num_pairs` routed pairs: 16 up to 1024 pairs (decode: few
-    pairs per expert, little padding), 64 above (prefill: fewer, fuller blocks)."""
-    return 16 if num_pairs <= 1024 else 64
+def moe_block_size(num_pairs: int, num_experts: int | None = None) -> int:
+    """The sorted order's block size for `num_pairs` routed pairs over `num_experts` experts.
+
+    Each (adapter, expert) run is padded to a whole block, so the block follows the pairs one
+    expert gets: 16 up to 64 pairs per expert, 32 up to 256, 64 above (many experts and few pairs
+    each, e.g. 128 experts at top 8, keep short blocks where a 64-row block would be mostly
+    padding; few experts with long runs take fuller blocks, fewer loads of A and B). Without
+    num_experts: 16 up to 1024 pairs, 64 above."""
+    if num_experts is None:
+        return 16 if num_pairs <= 1024 else 64
+    if num_experts < 1:
+        raise ValueError(f"num_experts: expected an int >= 1, got {num_experts}")
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 64 else 32 if per_expert <= 256 else 64

@@ -2,10 +2,11 @@
 
 The compiled kernel (`lora_core.kernels.moe_lora` through `torch_lora.ops.fused_moe_lora`) against a
 float64 reference at Mixtral-8x7B and Qwen3-30B-A3B layer shapes (hidden / intermediate sizes, 8 or
-128 experts, top 2 or 8), both pair orders, ranks 16 and 64, gate_up and down; a CUDA-graph replay
-with a new routing; and MultiLoRAModel on a tiny Mixtral on CUDA (Triton backend) against PEFT.
-The JAX side's Triton backend (`jax_lora.ops.triton_moe`, the same kernel through the XLA FFI
-launcher) under jax.jit on the same cases, both pair orders, per-slot ranks.
+128 experts, top 2 or 8), both pair orders, ranks 16 and 64, gate_up and down, the sorted order's
+sub-blocks and grids; a CUDA-graph replay with a new routing; and MultiLoRAModel on a tiny Mixtral
+on CUDA (Triton backend) against PEFT. The JAX side's Triton backend (`jax_lora.ops.triton_moe`,
+the same kernel through the XLA FFI launcher) under jax.jit on the same cases, both pair orders,
+per-slot ranks.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _case(shape, tokens, rank, slots, down, seed):
     enabled = torch.ones(slots + 1, dtype=torch.int32, device="cuda")
     enabled[0] = 0
     naive = naive_block_assignment(tokens, top_k, experts, slots)
-    block = moe_block_size(tokens * top_k)
+    block = moe_block_size(tokens * top_k, experts)
     align = ((None, topk_ids.reshape(-1), None) if naive else
              moe_lora_align_block_size(topk_ids, token_lora, experts, block, slots, enabled))
     return dict(a=a, b=b, x=x, topk_ids=topk_ids, topk_weights=topk_weights, token_lora=token_lora, enabled=enabled,
@@ -117,6 +118,33 @@ def test_compiled_kernel_under_moved_configs(shape, tokens, name):
         num_pairs=tokens * top_k, naive=c["block"] is None, block_m=c["block"] or 16, num_slots=8,
         num_experts=experts, hidden=hidden, widest=inter, slices=2, shrink_slices=2, rank=64))
     with moe_configs.override_moe_config(base.replace(**_CONFIGS[name])):
+        _run(c)
+    torch.cuda.synchronize()
+    assert _rel(c["y"], _reference(c)) < 2e-2
+
+
+_SORTED_CONFIGS = {  # the sorted order's structural knobs (tune_moe_lora.sorted_moves), compiled for the GPU
+    "sub-16": dict(BLOCK_M=16),
+    "bound-grid": dict(PERSIST=0),
+    "one-per-block-wide": dict(PERSIST=1, BLOCK_N=128, TILES_N=1, expand_warps=4, expand_stages=3),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("down", [False, True], ids=["w13", "w2"])
+@pytest.mark.parametrize("name", sorted(_SORTED_CONFIGS))
+def test_compiled_sorted_kernel_under_structural_configs(shape, down, name):
+    """Prefill (2048 tokens, 8 adapters: blocks of 64 rows for Mixtral, 32 for Qwen3) in sub-blocks,
+    on the routing-free bound's grid, and with fewer programs than blocks (each looping), rank 64,
+    against float64."""
+    from lora_core.kernels import moe_configs
+    c = _case(shape, 2048, 64, 8, down, seed=11 + down)
+    hidden, inter, experts, top_k = SHAPES[shape]
+    k_in, widest = (inter, hidden) if down else (hidden, inter)
+    base = moe_configs.default_moe_config(moe_configs.MoeShape(
+        num_pairs=2048 * top_k, naive=False, block_m=c["block"], num_slots=8, num_experts=experts, hidden=k_in,
+        widest=widest, slices=1 if down else 2, shrink_slices=1 if down else 2, rank=64))
+    with moe_configs.override_moe_config(base.replace(**_SORTED_CONFIGS[name])):
         _run(c)
     torch.cuda.synchronize()
     assert _rel(c["y"], _reference(c)) < 2e-2

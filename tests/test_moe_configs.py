@@ -193,3 +193,93 @@ def test_kernel_matches_the_oracle_under_each_config(name, order, down):
                        block_size=block, backend="triton")
     want = oracle.fused_moe_lora(y0, x, a, b, topk_ids, w, token_lora, enabled, down, 1)
     np.testing.assert_allclose(y.numpy(), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("sub,persist,rank", [(16, 0, 16), (16, 1, 16), (32, 2, 40)])
+@pytest.mark.parametrize("down", [False, True], ids=["gate_up", "down"])
+def test_sub_blocks_of_an_aligned_block_match_the_oracle(sub, persist, rank, down):
+    """The alignment in blocks of 64, the kernel in sub-blocks of `sub` rows (config BLOCK_M): a run
+    of 30 pairs (two 16-row sub-blocks live, the rest padding), short runs (one live sub-block,
+    the others padding only), a disabled slot and tokens without an adapter equal the float64
+    oracle, with one program per block of the bound (PERSIST 0) or fewer programs than blocks,
+    each looping over several (PERSIST 1, 2); rank 40 (past Y_FIRST_MAX_RANK: y loaded after the
+    dots) as well as 16."""
+    torch = pytest.importorskip("torch")
+    from lora_core.kernels.moe_lora import plan_moe_lora
+    from torch_lora.ops import fused_moe_lora, moe_lora_align_block_size
+    rng = np.random.default_rng(11 + down)
+    tokens, top_k, experts, slots, align = 20, 2, 3, 3, 64
+    hidden, inter = (24, 40) if down else (40, 24)
+    k_in, widths = (inter, (hidden,)) if down else (hidden, (inter, inter))
+    a = [rng.standard_normal((slots, experts, rank, k_in)).astype(np.float32) / np.sqrt(k_in) for _ in widths]
+    b = [rng.standard_normal((slots, experts, n, rank)).astype(np.float32) / np.sqrt(rank) for n in widths]
+    x = rng.standard_normal((tokens * top_k if down else tokens, k_in)).astype(np.float32)
+    topk_ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    topk_ids[:15] = [0, 1]                                  # slot 0's runs of experts 0 and 1: 15+ pairs each
+    w = rng.random((tokens, top_k)).astype(np.float32) + 0.1
+    token_lora = np.array([0] * 15 + [2, -1, 1, 2, 0], np.int32)
+    enabled = np.array([1, 0, 1], np.int32)
+    y0 = rng.standard_normal((tokens, top_k, sum(widths))).astype(np.float32)
+    t = torch.from_numpy
+    ids, lmap, en = t(topk_ids), t(token_lora), t(enabled)
+    align_out = moe_lora_align_block_size(ids, lmap, experts, align, slots, en)
+    cfg = CONFIGS["dot"].replace(BLOCK_M=sub, PERSIST=persist)
+    plan = plan_moe_lora(num_pairs=tokens * top_k, num_slots=slots, num_experts=experts, hidden=k_in, widths=widths,
+                         rank=rank, naive=False, sorted_len=align_out[0].numel() // slots, block_m=align,
+                         mul_routed_weight=down, shared_a=False, dtypes=("float32",) * 3, config=cfg)
+    assert plan.constexprs["BLOCK_M"] == sub and plan.constexprs["SUBS"] == align // sub
+    assert plan.constexprs["Y_FIRST"] == (rank <= 32)
+    bound = -(-tokens * top_k // sub) + (align // sub) * min(slots * experts, tokens * top_k)
+    live = -(-tokens * top_k // sub) + experts                       # moe_configs.live_blocks
+    assert plan.shrink_grid[0] == plan.expand_grid[0] == (min(bound, persist * live) if persist else bound)
+    blocks = int(align_out[2].sum()) // sub
+    assert persist != 1 or plan.shrink_grid[0] < blocks              # some programs take several blocks
+    y = t(y0.copy())
+    with moe_configs.override_moe_config(cfg):
+        fused_moe_lora(y, t(x), [t(v) for v in a], [t(v) for v in b], t(w), *align_out, lmap, rank, top_k, en, down,
+                       0, block_size=align, backend="triton")
+    want = oracle.fused_moe_lora(y0, x, a, b, topk_ids, w, token_lora, enabled, down, 0)
+    np.testing.assert_allclose(y.numpy(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_block_m_is_checked_and_clipped_to_the_alignment(compiled_defaults):
+    """BLOCK_M: 0 (the whole block) or a power of two >= 16, clipped to the alignment's block; the
+    naive order always takes 16 rows."""
+    base = moe_configs.default_moe_config(_shape(4096, 16, naive=False, block_m=64))
+    for bad in (8, 24, True):
+        with pytest.raises(ValueError, match="BLOCK_M"):
+            moe_configs.check_config(base.replace(BLOCK_M=bad))
+    assert moe_configs.resolve(base, _shape(4096, 16, naive=False, block_m=64)).block_m == 64
+    assert moe_configs.resolve(base.replace(BLOCK_M=16), _shape(4096, 16, naive=False, block_m=64)).block_m == 16
+    assert moe_configs.resolve(base.replace(BLOCK_M=128), _shape(4096, 16, naive=False, block_m=32)).block_m == 32
+    assert moe_configs.resolve(base.replace(BLOCK_M=64), _shape(32, 16)).block_m == 16
+
+
+def test_block_size_follows_the_pairs_per_expert():
+    """Few pairs per expert (128 experts at top 8) take 16- or 32-row blocks where 64 rows would be
+    mostly padding; 8 experts keep their blocks (16 through 256 tokens, 64 at prefill)."""
+    from lora_core.moe_order import moe_block_size
+    assert [moe_block_size(t * 8, 128) for t in (256, 2048, 8192)] == [16, 32, 64]
+    assert [moe_block_size(t * 2, 8) for t in (64, 256, 2048, 8192)] == [16, 16, 64, 64]
+    assert moe_block_size(2048) == 64 and moe_block_size(1024) == 16
+    with pytest.raises(ValueError, match="num_experts"):
+        moe_block_size(64, 0)
+
+
+def test_pdl_plans_launch_the_expand_as_a_dependent(monkeypatch):
+    """pdl=True: the kernel compiled with USE_PDL (where this Triton has PDL), the expand launched as
+    a programmatic dependent of the shrink, the shrink plainly; LORA_CORE_PDL=0 launches neither."""
+    from lora_core.kernels.common import HAVE_PDL
+    from lora_core.kernels.moe_lora import plan_moe_lora
+
+    def plan(pdl):
+        return plan_moe_lora(num_pairs=64, num_slots=4, num_experts=8, hidden=256, widths=(64, 64), rank=16,
+                             naive=False, sorted_len=256, block_m=16, mul_routed_weight=False, shared_a=False,
+                             dtypes=("bfloat16",) * 3, pdl=pdl)
+    monkeypatch.delenv("LORA_CORE_PDL", raising=False)
+    p = plan(True)
+    assert p.constexprs["USE_PDL"] is HAVE_PDL
+    assert p.phase(1).launch_pdl is HAVE_PDL and p.phase(0).launch_pdl is False
+    assert plan(False).constexprs["USE_PDL"] is False and plan(False).phase(1).launch_pdl is False
+    monkeypatch.setenv("LORA_CORE_PDL", "0")
+    assert plan(True).phase(1).launch_pdl is False

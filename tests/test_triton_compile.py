@@ -252,7 +252,10 @@ def _moe_variants():
              dict(shared_a=True)),
             ("qwen-w2-T2048-r64-sorted64", 16384, False, 64, 64, 768, (2048,), True, {}),
             ("mixtral-w13-T64-r64-moved", 128, False, 16, 64, 4096, (14336, 14336), False, dict(config=moved)),
-            ("deterministic-r64", 32, True, 16, 64, 4096, (14336, 14336), False, dict(deterministic=True))):
+            ("deterministic-r64", 32, True, 16, 64, 4096, (14336, 14336), False, dict(deterministic=True)),
+            ("qwen-w13-T256-r16-sorted16-pdl", 2048, False, 16, 16, 2048, (768, 768), False, dict(pdl=True)),
+            ("mixtral-w13-T8192-r64-sub32-pdl", 16384, False, 64, 64, 4096, (14336, 14336), False,
+             dict(pdl=True, config=moved.replace(BLOCK_M=32, PERSIST=1, BLOCK_N=128, TILES_N=1)))):
         em = -(-(pairs + 128 * (bm - 1)) // bm) * bm
         plan = plan_moe_lora(num_pairs=pairs, num_slots=32, num_experts=128, hidden=hidden, widths=widths, rank=rank,
                              naive=naive, sorted_len=0 if naive else em, block_m=bm, mul_routed_weight=down,

@@ -714,7 +714,7 @@ class PunicaWrapper:
                              f"{len(lora_a_stacked)} and {len(lora_b_stacked)}")
         naive = _moe.naive_block_assignment(int(num_tokens), int(top_k), int(local_num_experts), int(max_loras),
                                             expert_map)
-        block = _moe.moe_block_size(int(num_tokens) * int(top_k))
+        block = _moe.moe_block_size(int(num_tokens) * int(top_k), int(local_num_experts))
         mapping, sorted_ids, expert_ids, post_pad = self.moe_lora_align_block_size(
             topk_ids, num_tokens, block, local_num_experts, max_loras, adapter_enabled, expert_map,
             naive_block_assignment=naive)

@@ -14,7 +14,8 @@ torch_lora.ops.moe_triton; both take the kernel's parameter lists from `moe_lora
    never zeroed: each live pair's rows are written by the shrink launch before the expand launch
    reads them.
 3. The shrink launch, then the expand launch, through jax_lora.ops.triton's runners: one XLA FFI
-   call with both launches on the GPU (command-buffer compatible), Triton's interpreter inside
+   call with both launches on the GPU (command-buffer compatible; on sm_90 and newer the expand a
+   programmatic dependent of the shrink, `triton._pdl`), Triton's interpreter inside
    `jax.pure_callback` on the CPU (TRITON_INTERPRET=1).
 
 The naive order (NAIVE_ORDER: without sorted ids the op hands this module a `NaiveOrder`, each
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from lora_core.kernels.moe_lora import moe_lora_calls, plan_moe_lora
+from lora_core.kernels.planning import interpreting
 
 from . import invariant, triton, xla_moe
 from .moe_layout import MoELayout, NaiveOrder, align_layout, pairs_of_layout
@@ -115,7 +117,8 @@ def moe_launches(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offsets,
                          mul_routed_weight=pair_weight is not None,
                          shared_a=len(lora_a) == 2 and lora_a[0] is lora_a[1], has_ranks=lora_ranks is not None,
                          deterministic=deterministic,
-                         dtypes=tuple(jnp.dtype(a.dtype).name for a in (x, lora_a[0], lora_b[0])))
+                         dtypes=tuple(jnp.dtype(a.dtype).name for a in (x, lora_a[0], lora_b[0])),
+                         pdl=not interpreting() and triton._pdl())
     y = triton._InPlace(0, y3.reshape(p, n_total))                                          # step 2
     buf = triton._Result(1, (len(lora_a) * plan.k_split, p, rank), jnp.float32)
     enabled = jnp.ones((num_slots,), jnp.int32)
@@ -124,7 +127,7 @@ def moe_launches(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offsets,
     calls = moe_lora_calls(plan, x, lora_a, lora_b, buf, y, weights, sorted_ids, experts, post_pad, token_slots,
                            enabled, ranks, num_pairs=p, top_k=k, offset=int(offsets[0]), strides=triton._strides)
     results = [jax.ShapeDtypeStruct((p, n_total), y3.dtype), jax.ShapeDtypeStruct(buf.shape, jnp.float32)]
-    return [triton._Launch(call, -1) for call in calls], results
+    return [triton._Launch(call, -1, call.plan.launch_pdl) for call in calls], results
 
 
 def deterministic_backend():

@@ -8,7 +8,15 @@ semantics (which pairs are read and written, the float32 accumulation), only the
           num_warps, num_stages;
   expand: BLOCK_N (output columns per tile), TILES_N (tiles per program, one rank row sum for
           all of them; 0: from the target program count), num_warps, num_stages;
-  GEMV:   the naive order's programs as vector products (one pair, no 16-row tile).
+  GEMV:   the naive order's programs as vector products (one pair, no 16-row tile);
+  BLOCK_M: the sorted order's rows per program, a divisor of the alignment's block size (0: the
+          whole block): a 64-row block in sub-blocks of 16 or 32 rows pays for fewer padded rows
+          where the (adapter, expert) runs are short, at the cost of more loads of A and B;
+  PERSIST: the sorted order's programs, PERSIST per block `live_blocks` expects (at most the
+          routing-free bound on the blocks), each looping over the blocks that many programs
+          apart (0: one program per block of the bound: most find no block and return). The
+          bound counts a run for every (slot, expert), 4096 at 32 slots of 128 experts: a grid
+          that large spends its time starting programs without work.
 
 A bucket is (pair order, pairs, rank, hidden, widest output, slices): `bucket_key` writes it
 "naive/p64/r64/k4096/n14336/s2" or "sorted16/...": the order (naive, or sorted in blocks of
@@ -38,6 +46,8 @@ The default (`default_moe_config`), from the bytes each program moves and the pr
     rows read once); blocks of 16 rows: BLOCK_K 128 up to rank 32, 64 above, BLOCK_N 256 / 128,
     4 warps; blocks of 64 rows: BLOCK_K 64, BLOCK_N 128 / 64, 8 warps (a 64-row tile's gathered
     row pointers and dot operands fill a 4-warp program's registers);
+  * sorted order: BLOCK_M 0 (the alignment's block: `moe_order.moe_block_size` already sizes it
+    by the pairs per expert) and PERSIST 2;
   * both: K_SPLIT and TILES_N from TARGET_PER_SM programs per SM (`device_sm_count`, else
     FALLBACK_SMS): the hidden split until the shrink has that many programs (parts of at least
     MIN_K_PER elements, at most MAX_K_SPLIT planes, MAX_K_SPLIT_NAIVE in the naive order, whose
@@ -69,13 +79,14 @@ MAX_K_SPLIT_NAIVE = 32     # the naive order's: a pair's planes are single rank 
 GEMV_SHRINK_TILE = 4096    # elements of one GEMV shrink tile (rank chunk x BLOCK_K)
 GEMV_EXPAND_TILE = 8192    # elements of one GEMV expand tile (BLOCK_N x rank)
 FIELDS = ("BLOCK_K", "R_CHUNK", "K_SPLIT", "shrink_warps", "shrink_stages",
-          "BLOCK_N", "TILES_N", "expand_warps", "expand_stages", "GEMV")
+          "BLOCK_N", "TILES_N", "expand_warps", "expand_stages", "GEMV", "BLOCK_M", "PERSIST")
 
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
     """Every tile and launch choice of one MoE LoRA call (see the module docstring). K_SPLIT and
-    TILES_N 0 mean "from the target program count" (`resolve`)."""
+    TILES_N 0 mean "from the target program count" (`resolve`); BLOCK_M 0, the alignment's block;
+    PERSIST 0, one program per block of the bound."""
 
     BLOCK_K: int
     R_CHUNK: int
@@ -87,6 +98,8 @@ class MoeConfig:
     expand_warps: int
     expand_stages: int
     GEMV: bool
+    BLOCK_M: int = 0
+    PERSIST: int = 2
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -119,6 +132,11 @@ def check_config(cfg: MoeConfig, where: str = "MoE config") -> MoeConfig:
             v = getattr(cfg, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 8):
                 raise ValueError(f"MoE config {name}: expected an int in 1..8, got {v!r}")
+        if cfg.BLOCK_M != 0 and not (isinstance(cfg.BLOCK_M, int) and not isinstance(cfg.BLOCK_M, bool)
+                                     and cfg.BLOCK_M >= 16 and cfg.BLOCK_M & (cfg.BLOCK_M - 1) == 0):
+            raise ValueError(f"MoE config BLOCK_M: expected 0 or a power of two >= 16, got {cfg.BLOCK_M!r}")
+        if not (isinstance(cfg.PERSIST, int) and not isinstance(cfg.PERSIST, bool) and 0 <= cfg.PERSIST <= 64):
+            raise ValueError(f"MoE config PERSIST: expected an int in 0..64, got {cfg.PERSIST!r}")
         if not isinstance(cfg.GEMV, bool):
             raise ValueError(f"MoE config GEMV: expected a bool, got {cfg.GEMV!r}")
     except ValueError as e:
@@ -184,20 +202,31 @@ def default_moe_config(shape: MoeShape) -> MoeConfig:
                      GEMV=False)
 
 
-def live_blocks(shape: MoeShape) -> int:
+def live_blocks(shape: MoeShape, block_m: int | None = None) -> int:
     """Blocks with work to expect without reading the routing: every pair (naive), else one block
-    per BLOCK_M pairs plus a partial block per expert of one adapter (few adapters: the common case)."""
+    per block_m pairs (default: the alignment's block) plus a partial block per expert of one
+    adapter (few adapters: the common case)."""
     if shape.naive:
         return max(1, shape.num_pairs)
-    return max(1, triton.cdiv(shape.num_pairs, shape.block_m) + min(shape.num_experts, shape.num_pairs))
+    rows = block_m or shape.block_m
+    return max(1, triton.cdiv(shape.num_pairs, rows) + min(shape.num_experts, shape.num_pairs))
+
+
+def rows_per_block(cfg: MoeConfig, shape: MoeShape) -> int:
+    """The rows one program takes: 16 in the naive order, else the config's BLOCK_M clipped to the
+    alignment's block (0: the whole block)."""
+    if shape.naive:
+        return 16
+    return min(cfg.BLOCK_M or shape.block_m, shape.block_m)
 
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
-    """A config with its derived sizes: the kernel's BLOCK_K, R_CHUNK, K_SPLIT, K_PER, BLOCK_N, TILES_N and
-    N_PROGRAMS (expand programs per slice)."""
+    """A config with its derived sizes: the kernel's BLOCK_M (rows per program), BLOCK_K, R_CHUNK,
+    K_SPLIT, K_PER, BLOCK_N, TILES_N and N_PROGRAMS (expand programs per slice)."""
 
     config: MoeConfig
+    block_m: int
     block_k: int
     r_chunk: int
     k_split: int
@@ -211,9 +240,11 @@ def resolve(cfg: MoeConfig, shape: MoeShape, *, sms: int | None = None) -> Resol
     """cfg's K_SPLIT / TILES_N 0 resolved for `shape`, every size clipped to the shape (module docstring)."""
     target = TARGET_PER_SM * (sms or sm_count())
     br = shape.block_r
+    block_m = rows_per_block(cfg, shape)
+    live = live_blocks(shape, block_m)
     r_chunk = min(cfg.R_CHUNK, br)
     block_k = min(cfg.BLOCK_K, max(16, next_pow2(shape.hidden)))
-    units = live_blocks(shape) * shape.shrink_slices * (br // r_chunk)
+    units = live * shape.shrink_slices * (br // r_chunk)
     cap = MAX_K_SPLIT_NAIVE if shape.naive else MAX_K_SPLIT
     k_split = cfg.K_SPLIT
     if k_split == 0:
@@ -225,10 +256,10 @@ def resolve(cfg: MoeConfig, shape: MoeShape, *, sms: int | None = None) -> Resol
     n_tiles = triton.cdiv(shape.widest, block_n)
     tiles_n = cfg.TILES_N
     if tiles_n == 0:
-        programs = max(1, min(n_tiles, triton.cdiv(target, live_blocks(shape) * shape.slices)))
+        programs = max(1, min(n_tiles, triton.cdiv(target, live * shape.slices)))
         tiles_n = next_pow2(triton.cdiv(n_tiles, programs))
     tiles_n = max(1, min(tiles_n, next_pow2(n_tiles)))
-    return Resolved(cfg, block_k, r_chunk, k_split, k_per, block_n, tiles_n, triton.cdiv(n_tiles, tiles_n))
+    return Resolved(cfg, block_m, block_k, r_chunk, k_split, k_per, block_n, tiles_n, triton.cdiv(n_tiles, tiles_n))
 
 
 # ----------------------------------------------------------------------------- the per-device table

@@ -7,7 +7,8 @@ Math: `torch_lora.ops.moe` (contract section 9). Steps:
    pair's rows are written by the shrink launch before the expand launch reads them; other rows
    are never read.
 3. The shrink launch, then the expand launch, on one grid of blocks (Triton's own launcher; the
-   parameter lists from `moe_lora_calls`).
+   parameter lists from `moe_lora_calls`); on sm_90 and newer the expand is a programmatic
+   dependent of the shrink (`pdl.pdl_enabled`).
 deterministic: the pairs in the naive order (a sorted layout is read back into each pair's
 expert) with the batch-invariant plan (`plan_moe_lora(deterministic=True)`): a pair's values are
 bitwise the same whatever the batch.
@@ -19,6 +20,8 @@ import torch
 
 from lora_core.kernels.launch import triton_launch
 from lora_core.kernels.moe_lora import moe_lora_calls, plan_moe_lora
+
+from .pdl import pdl_enabled
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -63,7 +66,8 @@ def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_i
                          widths=widths, rank=rank, naive=naive, sorted_len=0 if naive else sorted_ids.shape[1],
                          block_m=block_size or 16, mul_routed_weight=mul_routed_weight,
                          shared_a=_shares_a(lora_a), deterministic=deterministic,
-                         dtypes=(_dtype_name(x), _dtype_name(lora_a[0]), _dtype_name(lora_b[0])))
+                         dtypes=(_dtype_name(x), _dtype_name(lora_a[0]), _dtype_name(lora_b[0])),
+                         pdl=pdl_enabled())
     buf = torch.empty((len(lora_a) * plan.k_split, num_pairs, rank), dtype=torch.float32, device=output.device)
     y = output.view(num_pairs, output.shape[2]) if output.is_contiguous() else output.reshape(num_pairs, -1)
     weights = topk_weights.reshape(-1)
@@ -77,6 +81,6 @@ def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_i
     for call in moe_lora_calls(plan, x, lora_a, lora_b, buf, y, weights, sorted_t, experts, pads, token_map,
                                enabled, enabled, num_pairs=num_pairs, top_k=top_k, offset=offset,
                                strides=torch.Tensor.stride):
-        triton_launch(call)
+        triton_launch(call, **({"launch_pdl": True} if call.plan.launch_pdl else {}))
     if y.data_ptr() != output.data_ptr():
         output.copy_(y.view_as(output))

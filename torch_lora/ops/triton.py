@@ -28,28 +28,21 @@ from collections.abc import Sequence
 import torch
 
 from lora_core.kernels import arguments, configs
-from lora_core.kernels.common import HAVE_PDL
 from lora_core.kernels.expand import plan_expand
 from lora_core.kernels.fused import plan_fused
 from lora_core.kernels.launch import triton_launch
-from lora_core.kernels.planning import interpreting, next_pow2, pdl_allowed, slice_chunks
+from lora_core.kernels.planning import interpreting, next_pow2, slice_chunks
 from lora_core.kernels.shrink import plan_shrink
 
 from . import c_launch
+from .pdl import pdl_enabled
 
 NAME = "triton"
 _LOG = logging.getLogger("torch_lora")
-# Programmatic dependent launch for `linear` (Hopper and newer): the expand's prologue (metadata, y
-# and B loads) overlaps the shrink, and a one-token call's shrink overlaps the kernel before it;
-# both kernels gdc_wait before reading what the kernel before them wrote. Which launches are
-# dependents: lora_core.kernels.planning.pdl_launch (LORA_CORE_PDL). Decided at the first launch,
-# not at import (importing must not initialise CUDA).
-
-
-@functools.cache
-def _pdl_enabled() -> bool:
-    return (HAVE_PDL and not interpreting() and pdl_allowed()
-            and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+# Programmatic dependent launch for `linear` (Hopper and newer, `pdl.pdl_enabled`): the expand's
+# prologue (metadata, y and B loads) overlaps the shrink, and a one-token call's shrink overlaps the
+# kernel before it; both kernels gdc_wait before reading what the kernel before them wrote.
+_pdl_enabled = pdl_enabled
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                 torch.float8_e4m3fn: "float8_e4m3fn"}
