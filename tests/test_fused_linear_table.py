@@ -189,7 +189,7 @@ CLASSES = [
     ((16, 32, 128, 1, 1, "rows", False, 4, 5), 5, 256, (64, 32, 32), torch.float32),
     ((16, 64, 64, 8, 1, "rows", False, 4, 6), 7, 512, (64, 64), torch.float32),            # split-K 8
     ((16, 256, 64, 2, 1, "rows", True, 8, 4), 3, 256, (256, 128), torch.bfloat16),        # wide tiles, prefetch
-    ((32, 128, 256, 4, 1, "slots", False, 8, 3), 20, 1024, (128, 64), torch.float32),     # split-K 4
+    ((32, 128, 256, 4, 1, "slots", False, 8, 3), 20, 1024, (128, 64), torch.bfloat16),    # split-K 4 (16-bit smem)
     ((64, 64, 64, 1, 8, "slots", False, 4, 4), 150, 128, (64, 64), torch.float32),        # GROUP_M 8
     ((128, 128, 64, 2, 8, "slots", False, 8, 3), 260, 256, (128, 64), torch.bfloat16),    # 3 row tiles
 ]

@@ -6,6 +6,7 @@ per expand program) in Triton's interpreter against the float64 oracle."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -17,6 +18,12 @@ from . import oracle
 
 MIXTRAL_W13 = dict(num_slots=32, num_experts=8, hidden=4096, widest=14336, slices=2, shrink_slices=2)
 QWEN_W2 = dict(num_slots=32, num_experts=128, hidden=768, widest=2048, slices=1, shrink_slices=1)
+
+
+def _device() -> str:
+    """Where the kernel tests run: compiled on a CUDA GPU when one is present, else the interpreter."""
+    import torch
+    return "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def _shape(pairs, rank, naive=True, block_m=16, **sizes) -> MoeShape:
@@ -181,7 +188,11 @@ def test_kernel_matches_the_oracle_under_each_config(name, order, down):
     token_lora = np.array([0, 2, -1, 1, 2, 0], np.int32)
     enabled = np.array([1, 0, 1], np.int32)
     y0 = rng.standard_normal((tokens, top_k, sum(widths) + 1)).astype(np.float32)
-    t = torch.from_numpy
+    dev = _device()
+
+    def t(v):
+        return torch.from_numpy(v).to(dev)
+
     ids, lmap, en = t(topk_ids), t(token_lora), t(enabled)
     if order == "naive":
         align, block = (None, ids.reshape(-1), None), None
@@ -192,7 +203,7 @@ def test_kernel_matches_the_oracle_under_each_config(name, order, down):
         fused_moe_lora(y, t(x), [t(v) for v in a], [t(v) for v in b], t(w), *align, lmap, rank, top_k, en, down, 1,
                        block_size=block, backend="triton")
     want = oracle.fused_moe_lora(y0, x, a, b, topk_ids, w, token_lora, enabled, down, 1)
-    np.testing.assert_allclose(y.numpy(), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(y.cpu().numpy(), want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("sub,persist,rank", [(16, 0, 16), (16, 1, 16), (32, 2, 40)])
@@ -220,7 +231,11 @@ def test_sub_blocks_of_an_aligned_block_match_the_oracle(sub, persist, rank, dow
     token_lora = np.array([0] * 15 + [2, -1, 1, 2, 0], np.int32)
     enabled = np.array([1, 0, 1], np.int32)
     y0 = rng.standard_normal((tokens, top_k, sum(widths))).astype(np.float32)
-    t = torch.from_numpy
+    dev = _device()
+
+    def t(v):
+        return torch.from_numpy(v).to(dev)
+
     ids, lmap, en = t(topk_ids), t(token_lora), t(enabled)
     align_out = moe_lora_align_block_size(ids, lmap, experts, align, slots, en)
     cfg = CONFIGS["dot"].replace(BLOCK_M=sub, PERSIST=persist)
@@ -239,7 +254,7 @@ def test_sub_blocks_of_an_aligned_block_match_the_oracle(sub, persist, rank, dow
         fused_moe_lora(y, t(x), [t(v) for v in a], [t(v) for v in b], t(w), *align_out, lmap, rank, top_k, en, down,
                        0, block_size=align, backend="triton")
     want = oracle.fused_moe_lora(y0, x, a, b, topk_ids, w, token_lora, enabled, down, 0)
-    np.testing.assert_allclose(y.numpy(), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(y.cpu().numpy(), want, rtol=2e-5, atol=2e-5)
 
 
 def test_block_m_is_checked_and_clipped_to_the_alignment(compiled_defaults):
