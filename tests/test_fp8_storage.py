@@ -38,7 +38,7 @@ from .test_torch_hf import RTOL, VOCAB, Family, _rel  # noqa: E402
 FP8_OF_EFFECT = 0.15
 ROWS = ["a", "b", "__base__", "c", "d", "b"]
 INTERPRETER_ONLY = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                      reason="Triton on CPU tensors runs in the interpreter (a GPU run takes the cuda case)")
+                                      reason="Triton on CPU tensors needs the interpreter (a GPU takes the cuda case)")
 
 
 @pytest.fixture(scope="module")
