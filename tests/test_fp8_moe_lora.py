@@ -71,7 +71,7 @@ def _case(down: bool, a_fp8: bool, b_fp8: bool, per_tensor: bool, seed: int, dev
 def _run(c: dict, backend: str, order: str) -> np.ndarray:
     from torch_lora.ops import fused_moe_lora, moe_lora_align_block_size
     dev = c["device"]
-    t = lambda v, dt=None: torch.from_numpy(v).to(dev) if dt is None else torch.from_numpy(v).to(dev, dt)  # noqa: E731
+    t = lambda v, dt=None: torch.from_numpy(v).to(dev) if dt is None else torch.from_numpy(v).to(dev, dt)
     topk_ids, token_lora, enabled = t(c["topk_ids"]), t(c["token_lora"]), t(c["enabled"])
     if order == "naive":
         sorted_ids, expert_ids, post_pad, block = None, topk_ids.reshape(-1), None, None
@@ -146,8 +146,8 @@ def test_bad_fp8_moe_scales_are_refused(change, match):
     else:
         a[1] = a[1].float()
     with pytest.raises(ValueError, match=match):
-        fused_moe_lora(torch.from_numpy(c["y"].copy()), torch.from_numpy(c["x"]), a, b, torch.from_numpy(c["topk_weights"]),
-                       None, torch.from_numpy(c["topk_ids"]).reshape(-1), None, torch.from_numpy(c["token_lora"]), RANK,
+        fused_moe_lora(torch.from_numpy(c["y"].copy()), torch.from_numpy(c["x"]), a, b,
+                       torch.from_numpy(c["topk_weights"]), None, torch.from_numpy(c["topk_ids"]).reshape(-1), None, torch.from_numpy(c["token_lora"]), RANK,
                        TOP_K, torch.from_numpy(c["enabled"]), False, 0, backend="torch", lora_a_scale=a_scale,
                        lora_b_scale=b_scale)
 
@@ -169,7 +169,7 @@ def test_gpu_fp8_moe_lora_matches_the_float64_oracle(order, down, a_fp8, b_fp8, 
     c16 = dict(c, x=x16, y=y16)
     got = _run(c16, "triton", order)
     want = _want(c16)
-    tol = 2e-2 if dtype == "bfloat16" else 4e-3
+    tol = 2e-2 if dtype == "bfloat16" else 1e-2      # the output's rounding; the float16 expand's tf32 dot
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     untouched = (c["token_lora"] == -1) | (c["enabled"][np.maximum(c["token_lora"], 0)] == 0)
     np.testing.assert_array_equal(got[untouched], y16[untouched])
