@@ -148,8 +148,8 @@ def test_bad_fp8_moe_scales_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
         fused_moe_lora(torch.from_numpy(c["y"].copy()), torch.from_numpy(c["x"]), a, b,
                        torch.from_numpy(c["topk_weights"]), None, torch.from_numpy(c["topk_ids"]).reshape(-1), None,
-                       torch.from_numpy(c["token_lora"]), RANK, TOP_K, torch.from_numpy(c["enabled"]), False, 0, backend="torch", lora_a_scale=a_scale,
-                       lora_b_scale=b_scale)
+                       torch.from_numpy(c["token_lora"]), RANK, TOP_K, torch.from_numpy(c["enabled"]), False, 0,
+                       backend="torch", lora_a_scale=a_scale, lora_b_scale=b_scale)
 
 
 @pytest.mark.gpu
