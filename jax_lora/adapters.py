@@ -20,8 +20,9 @@ float32) PEFT adapter is quantised when it is prepared, after its scaling is fol
 row c of each placed weight (an output channel; a token's row of an embedding's table A.T (V, r)),
 scale[c] = amax(|w[c, :]|) / 448 (1 for an all-zero row),
 w_q = e4m3(clip(w / scale[c], -448, 448)) (jax_lora.quant.quantize_rows); the host cache holds the
-quantised form. The scales are arrays of fixed shape beside the weights, so the serving step is
-still compiled once per bucket.
+quantised form. An fp8 PEFT file's linear, LM-head and embedding modules (`PeftAdapter.fp8`) keep
+the file's e4m3 values and scales as they are (B's scales times the module's scaling). The scales
+are arrays of fixed shape beside the weights, so the serving step is still compiled once per bucket.
 """
 
 from __future__ import annotations
@@ -266,18 +267,48 @@ def _is_fp8(layer) -> bool:
     return getattr(layer, "lora_dtype", None) == "fp8"
 
 
-def quantize_prepared(model: nnx.Module, placed: dict) -> dict:
+def quantize_prepared(model: nnx.Module, placed: dict, adapter: PeftAdapter | None = None) -> dict:
     """prepare_adapter's {path: (A, B)} with the fp8 layers' entries quantised per row (an output
     channel; a token's row of an embedding's table): (A_q (S, r, in) e4m3, or an embedding's (V, r),
     B_q (out, r) e4m3, a_scale (S, r) or (V,), b_scale (out,) float32) (jax_lora.quant.quantize_rows);
-    other layers' entries unchanged."""
+    other layers' entries unchanged. `adapter`, when given and read from an fp8 PEFT file
+    (`adapter.fp8`): its modules' rows hold the file's e4m3 values and scales as they are (B's
+    scales times the module's scaling, which B holds), not a requantisation of the dequantised
+    values (a row's quantisation depends on that row alone, so the other rows are unchanged)."""
     layers = lnn.lora_layers(model)
     out = dict(placed)
     for path, parts in placed.items():
         if _is_fp8(layers[path]):
             (qa, sa), (qb, sb) = quantize_rows(parts[0]), quantize_rows(parts[1])
             out[path] = (qa, qb, sa, sb)
+    if adapter is not None and adapter.fp8:
+        index = _lora_index(model, layers)
+        for module, factors in adapter.fp8.items():
+            path, s = index[module]
+            if _is_fp8(layers[path]):
+                _keep_fp8(layers[path], s, factors, adapter.modules[module].scaling, out[path])
     return out
+
+
+def _keep_fp8(layer, s: int, factors, scaling: float, quantised: tuple) -> None:
+    """Writes an fp8 file's module (lora_core.peft.Fp8Factors) as it is into slice s of a quantised
+    entry (A_q, B_q, a_scale, b_scale) of `quantize_prepared`, in place: A's rows (an embedding's
+    table A.T, one row per token id) and their scales, B's rows with scale * scaling."""
+    qa, qb, sa, sb = quantised
+    rank = factors.a_q.shape[0]
+    fp8 = qa.dtype
+    b_scale = (factors.b_scale.astype(np.float64) * scaling).astype(np.float32)
+    if isinstance(layer, lnn.MultiLoRAEmbed):
+        qa[:, :rank], sa[:] = factors.a_q.T.astype(fp8), factors.a_scale
+        rows = slice(0, layer.features)
+    elif isinstance(layer, lnn.MultiLoRALinear):
+        qa[s, :rank], sa[s, :rank] = factors.a_q.astype(fp8), factors.a_scale
+        off = sum(layer.output_slices[:s])
+        rows = slice(off, off + layer.output_slices[s])
+    else:
+        qa[:rank], sa[:rank] = factors.a_q.astype(fp8), factors.a_scale
+        rows = slice(0, layer.out_features)
+    qb[rows, :rank], sb[rows] = factors.b_q.astype(fp8), b_scale
 
 
 def dora_scales(model: nnx.Module, adapter: PeftAdapter) -> dict:
@@ -425,8 +456,8 @@ class AdapterManager(SlotTable):
     def _prepare_uncounted(self, adapter: PeftAdapter) -> tuple:
         """(prepare_adapter's {path: (A, B)}, adapter_ranks' {path: rank}, dora_scales' {path: g}): one
         slot's host data."""
-        return (quantize_prepared(self.model, prepare_adapter(self.model, adapter)), adapter_ranks(self.model, adapter),
-                dora_scales(self.model, adapter))
+        return (quantize_prepared(self.model, prepare_adapter(self.model, adapter), adapter),
+                adapter_ranks(self.model, adapter), dora_scales(self.model, adapter))
 
     def _largest_rank(self, prepared: tuple) -> int:
         return _largest_rank(prepared)

@@ -169,6 +169,50 @@ def check_weight_scales(name: str, scales: Sequence[Any] | None, weight_shapes: 
     return tuple(kinds)
 
 
+def check_expert_scales(name: str, scales: Sequence[Any] | None, weight_shapes: Sequence[Sequence[int]],
+                        weight_dtypes: Sequence[Any], arg_w: str) -> tuple:
+    """Checks the fp8 scales of the MoE LoRA op's stacked expert weights (contract sections 9, 11).
+
+    scales: None, or one entry per slice: None, or (shape, dtype) of that slice's scale.
+    weight_shapes: (L, E, rows, cols) per slice; a slice's channels are its rows (A: the rank, B:
+    the output columns). The slices of one argument share one weight dtype (a launch reads them
+    alike). A slice's scale is given iff its weight is fp8; it is float32, (L, E, rows) per
+    channel or (L,) per tensor (one per slot, every expert). Returns per slice None (16-bit),
+    "channel" or "tensor". ValueError naming `name` (and the slice) otherwise.
+    """
+    n = len(weight_shapes)
+    if len({is_fp8(d) for d in weight_dtypes}) > 1:
+        raise ValueError(f"the slices of {arg_w} must be all fp8 ({FP8_DTYPES[0]}) or all 16-bit, got "
+                         f"{[dtype_name(d) for d in weight_dtypes]}")
+    if scales is not None and len(scales) != n:
+        raise ValueError(f"{name} must hold one entry per slice of {arg_w} ({n}), got {len(scales)}")
+    kinds = []
+    for s in range(n):
+        entry = None if scales is None else scales[s]
+        label = name if n == 1 else f"{name}[{s}]"
+        wlabel = arg_w if n == 1 else f"{arg_w}[{s}]"
+        num_slots, experts, rows = (int(d) for d in weight_shapes[s][:3])
+        want = f"({num_slots}, {experts}, {rows}) per channel or ({num_slots},) per tensor, float32"
+        if not is_fp8(weight_dtypes[s]):
+            if entry is not None:
+                raise ValueError(f"{label} is given, but {wlabel} is {dtype_name(weight_dtypes[s])}, not fp8 "
+                                 f"({FP8_DTYPES[0]}): only fp8 weights take scales")
+            kinds.append(None)
+            continue
+        if entry is None:
+            raise ValueError(f"{wlabel} is {FP8_DTYPES[0]}: {label} must give its scales, {want}")
+        shape, dtype = tuple(int(d) for d in entry[0]), entry[1]
+        if dtype_name(dtype) != "float32":
+            raise ValueError(f"{label} must be float32 ({want}), got dtype {dtype_name(dtype)}")
+        if shape == (num_slots, experts, rows):
+            kinds.append("channel")
+        elif shape == (num_slots,):
+            kinds.append("tensor")
+        else:
+            raise ValueError(f"{label} must have shape {want}, got shape {shape}")
+    return tuple(kinds)
+
+
 def check_expand(buf_shape, buf_dtype, b_shapes, b_dtypes, y_shape, y_dtype, offset_start: int,
                  arg_buf="x", arg_b="lora_b_stacked", arg_y="y") -> tuple[int, int, list[int]]:
     """Checks buf (S, T, r), lora_b slices (L, [1,] n_s, r) and y (T, N).

@@ -147,9 +147,8 @@ def test_serving_engine_with_fp8_adapters_equals_dequantised_merged_model(llama_
 
 def test_fp8_peft_file_keeps_its_values_in_jax_fp8_slots(llama_dirs, tmp_path):
     """An fp8 PEFT file (per-channel scales from the largest magnitude, the contract's rule; its
-    scaling alpha / r = 2) reaches the JAX manager dequantised and is quantised again on load: the
-    slots hold the file's e4m3 bits, A's scales equal the file's and B's the file's times the
-    scaling (folded into B)."""
+    scaling alpha / r = 2) loads into the JAX manager's fp8 slots as it is: the slots hold the file's
+    e4m3 bits, A's scales equal the file's and B's the file's times the scaling (folded into B)."""
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
 

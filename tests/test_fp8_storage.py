@@ -37,8 +37,9 @@ from .test_torch_hf import RTOL, VOCAB, Family, _rel  # noqa: E402
 # product of an A and a B term by at most about 2 * 2^-4 = 0.125 (measured here: 0.05-0.10).
 FP8_OF_EFFECT = 0.15
 ROWS = ["a", "b", "__base__", "c", "d", "b"]
-INTERPRETER_ONLY = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                      reason="Triton on CPU tensors needs the interpreter (a GPU takes the cuda case)")
+INTERPRETER_ONLY = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton on CPU tensors runs in the interpreter (a GPU run takes the cuda case)")
 
 
 @pytest.fixture(scope="module")

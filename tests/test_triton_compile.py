@@ -218,6 +218,8 @@ def _variants(kernel_name: str):
         return out
     if kernel_name == "moe":
         return _moe_variants()
+    if kernel_name == "moe-fp8":
+        return _moe_fp8_variants()
     out = []
     # decode (one tile per group) and token tiles; rank 16 and 64; with and without PDL
     for T, rank, pdl in ((8, 16, True), (8, 64, False), (100, 16, True)):
@@ -263,6 +265,35 @@ def _moe_variants():
         for phase in (0, 1):
             out.append((f"{label}-{'shrink' if phase == 0 else 'expand'}", moe_lora_kernel, plan.phase(phase), "bf16",
                         ("buf_ptr", "topk_weights_ptr")))
+    return out
+
+
+def _moe_fp8_variants():
+    """The MoE LoRA kernel's launches with fp8 (e4m3) expert weights and float32 channel scales: A
+    and B both fp8 or one of them, the naive order's GEMV and tl.dot paths, sorted blocks of 16 and
+    64 rows (64: the split-bfloat16 expand with an e4m3 B tile), float16 and float32 activations."""
+    from lora_core.kernels.moe_lora import moe_lora_kernel, plan_moe_lora
+    from lora_core.kernels.planning import dot_dtype
+    fp8 = "float8_e4m3fn"
+    out = []
+    for label, pairs, naive, bm, rank, widths, down, act, a_fp8, b_fp8 in (
+            ("w13-T16-r64-gemv-both", 32, True, 16, 64, (14336, 14336), False, "bfloat16", True, True),
+            ("w2-T64-r16-dot-b-only", 512, True, 16, 16, (4096,), True, "bfloat16", False, True),
+            ("w13-T256-r64-sorted16-a-only-fp16", 512, False, 16, 64, (14336, 14336), False, "float16", True, False),
+            ("w13-T2048-r16-sorted64-both-split", 4096, False, 64, 16, (14336, 14336), False, "bfloat16", True, True),
+            ("w2-T256-r16-sorted16-both-fp32", 512, False, 16, 16, (4096,), True, "float32", True, True)):
+        em = -(-(pairs + 128 * (bm - 1)) // bm) * bm
+        w_a, w_b = fp8 if a_fp8 else act, fp8 if b_fp8 else act
+        plan = plan_moe_lora(num_pairs=pairs, num_slots=32, num_experts=128, hidden=4096, widths=widths, rank=rank,
+                             naive=naive, sorted_len=0 if naive else em, block_m=bm, mul_routed_weight=down,
+                             shared_a=False, dtypes=(act, dot_dtype(w_a, act), dot_dtype(w_b, act)))
+        assert not plan.constexprs["CAST_FP32"]           # the tiles enter the products in the activations' dtype
+        fp8_ptrs = (("a0_ptr", "a1_ptr") if a_fp8 else ()) + (("b0_ptr", "b1_ptr") if b_fp8 else ())
+        f32 = ("buf_ptr", "topk_weights_ptr", "as0_ptr", "as1_ptr", "bs0_ptr", "bs1_ptr")
+        short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[act]
+        for phase in (0, 1):
+            out.append((f"{label}-{'shrink' if phase == 0 else 'expand'}", moe_lora_kernel, plan.phase(phase), short,
+                        f32, fp8_ptrs))
     return out
 
 
@@ -389,7 +420,8 @@ def compare_pair_order() -> int:
     return failed
 
 
-@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused", "deterministic", "pair-order", "moe", "fp8"])
+@pytest.mark.parametrize("kernel_name", ["shrink", "expand", "fused", "deterministic", "pair-order", "moe", "fp8",
+                                         "moe-fp8"])
 def test_kernel_compiles_for_sm90(kernel_name):
     triton = pytest.importorskip("triton")
     try:

@@ -10,11 +10,11 @@ multi-LoRA layers (`torch_lora.layers`) and lays it out on the host in slot orde
 the layers' max_rank, scaling folded into B, in the layers' dtype, in one pinned buffer when the
 layers are on CUDA (so uploads are asynchronous copies). A DoRA adapter (PEFT's use_dora) also gets
 each DoRA layer's column scale g = m / ||W + s B A||_row (`dora_scales`, from the layer's base
-weights), which the layers need `dora=True` to hold. A `LoRALinear` (or the LM head's `LoRALogits`)
-with `lora_dtype="fp8"` gets its slices quantised to e4m3 per output channel (contract section 11:
-scale = amax / 448, the cast rounds to nearest even), or, for an adapter read from an fp8 PEFT file
-(`PeftAdapter.fp8`), the file's e4m3 values and scales as they are (B's scale times the module's
-scaling).
+weights), which the layers need `dora=True` to hold. A `LoRALinear` (or the LM head's `LoRALogits`,
+or a `LoRAEmbedding`: its table per token row) with `lora_dtype="fp8"` gets its slices quantised to
+e4m3 per output channel (contract section 11: scale = amax / 448, the cast rounds to nearest even),
+or, for an adapter read from an fp8 PEFT file (`PeftAdapter.fp8`), the file's e4m3 values and scales
+as they are (B's scale times the module's scaling).
 
 `AdapterManager` owns the slots: adapters are registered under a LoRA id, `activate(ids)` puts a
 batch's adapters into slots (free slots first, then the least recently used slot the batch does not
@@ -296,11 +296,23 @@ def _place_module(arrays: dict, path: str, layer, s: int, module: str, adapter: 
 
 
 def _keep_fp8(exact: dict, path: str, layer, s: int, factors, scaling: float, rank: int) -> None:
-    """Records an fp8 file's module for slice s of an fp8 layer (a LoRALinear, or the LM head's
-    LoRALogits: one slice) as it is: A's e4m3 values (rank, in) and row scales, B's values (out,
-    rank) and row scales times the module's scaling (B holds the scaling), zero-padded to the
-    layer's max_rank (padding rows of A get scale 1)."""
-    n, r = len(layer.module_names), layer.max_rank
+    """Records an fp8 file's module for slice s of an fp8 layer (a LoRALinear, the LM head's
+    LoRALogits or a LoRAEmbedding: one slice) as it is: A's e4m3 values and channel scales, B's
+    values (out, rank) and row scales times the module's scaling (B holds the scaling; an
+    embedding's B its embed_scale too), zero-padded to the layer's max_rank (padding rows of A get
+    scale 1). An embedding's A is its table lora_embedding_A.T (vocab, rank) with the file's one
+    scale per token row."""
+    r = layer.max_rank
+    if isinstance(layer, LoRAEmbedding):
+        a_q = np.zeros((layer.num_embeddings, r), np.float32)
+        a_q[:, :rank] = factors.a_q.T
+        exact[(path, 0)] = (a_q, factors.a_scale)
+        b_q = np.zeros((layer.embedding_dim, r), np.float32)
+        b_q[:, :rank] = factors.b_q
+        exact[(path, 1)] = (b_q, (factors.b_scale.astype(np.float64) * (scaling * layer.embed_scale))
+                            .astype(np.float32))
+        return
+    n = len(layer.module_names)
     a_q = np.zeros((r, layer.in_features), np.float32)
     a_q[:rank] = factors.a_q
     a_scale = np.ones(r, np.float32)

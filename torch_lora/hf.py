@@ -344,6 +344,11 @@ class MultiLoRAModel:
                 weight = module.gate_up_proj
                 layers[name] = LoRAExperts(name, weight.shape[0], weight.shape[2], module.down_proj.shape[2],
                                            dtype=weight.dtype, device=weight.device, **kw)
+        experts = sorted(n for n, layer in layers.items() if isinstance(layer, LoRAExperts))
+        if experts and self.lora_dtype == "fp8":
+            _LOG.info("MultiLoRAModel(lora_dtype='fp8'): the expert LoRA slots of %d experts modules (%s, ...) keep "
+                      "the model's dtype (fp8 storage covers the linear, LM-head and embedding slots; the MoE op "
+                      "itself takes fp8 expert weights)", len(experts), experts[0])
         for parent, children in by_parent.items():
             grouped = set()
             for group in SHARED_INPUT_GROUPS:

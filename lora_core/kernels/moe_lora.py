@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from .arguments import KernelCall, Strides
-from .common import HAVE_PDL, gdc_launch_dependents, gdc_wait
+from .common import HAVE_PDL, gdc_launch_dependents, gdc_wait, weight_operand
 from .moe_configs import MoeConfig, MoeShape, check_config, live_blocks, moe_config, resolve
 from .planning import cast_and_precision, next_pow2, pdl_launch
 
@@ -84,6 +84,8 @@ Y_FIRST_MAX_RANK = 32
 def moe_lora_kernel(
         # pointers: input rows, A and B per slice (slices 0..1), the float32 rank buffer, y
         x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, buf_ptr, y_ptr,
+        # pointers: fp8 channel scales of A (L, E, r) and B (L, E, n_s) per slice (read for e4m3 weights only)
+        as0_ptr, as1_ptr, bs0_ptr, bs1_ptr,
         # pointers: routing and adapter metadata, each slot's real rank (read with HAS_RANKS)
         topk_weights_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, token_lora_ptr, enabled_ptr, ranks_ptr,
         # sizes
@@ -94,6 +96,9 @@ def moe_lora_kernel(
         stride_a1_slot, stride_a1_expert, stride_a1_rank, stride_a1_hidden,
         stride_b0_slot, stride_b0_expert, stride_b0_n, stride_b0_rank,
         stride_b1_slot, stride_b1_expert, stride_b1_n, stride_b1_rank,
+        # strides: the fp8 scales per slice (slot, expert; the channel axis contiguous)
+        stride_as0_slot, stride_as0_expert, stride_as1_slot, stride_as1_expert,
+        stride_bs0_slot, stride_bs0_expert, stride_bs1_slot, stride_bs1_expert,
         # strides: buf (slice, pair, rank), y (pair, column), sorted ids / expert ids per slot
         stride_buf_slice, stride_buf_pair, stride_y_pair, stride_y_col, stride_sorted_slot, stride_expert_slot,
         # meta-parameters
@@ -107,7 +112,10 @@ def moe_lora_kernel(
     PHASE 1: y[p, cols of s] += w(p) * B_s[l, e] @ sum_j buf[s' * K_SPLIT + j, p] (s' = 0 with SHARED_A,
     else s), for the pairs of the program's block, over TILES_N tiles of BLOCK_N columns (N_TILES
     programs per slice). GEMV (naive order): the pair's rows as vectors, products summed with tl.sum
-    instead of tl.dot on a 16-row tile (see the module docstring)."""
+    instead of tl.dot on a 16-row tile (see the module docstring). fp8 (e4m3) A or B: tiles enter
+    the products in x's dtype (float32 under CAST_FP32 and in the GEMV path), and the float32
+    result is multiplied once by the channel scales: buf's rank columns by a_scale_s[l, e, c], the
+    expand's columns by b_scale_s[l, e, n] (before the routed weight)."""
     pid = tl.program_id(0)
     axis1 = tl.program_id(1)
     k_split = axis1 % K_SPLIT
@@ -176,6 +184,8 @@ def moe_lora_kernel(
                                  a1_ptr + slot64 * stride_a1_slot + expert64 * stride_a1_expert)
                 stride_ar = tl.where(first, stride_a0_rank, stride_a1_rank)
                 stride_ak = tl.where(first, stride_a0_hidden, stride_a1_hidden)
+                as_ptr = tl.where(first, as0_ptr + slot64 * stride_as0_slot + expert64 * stride_as0_expert,
+                                  as1_ptr + slot64 * stride_as1_slot + expert64 * stride_as1_expert)
                 k_lo = k_split * K_PER
                 k_hi = tl.minimum(hidden, k_lo + K_PER)
                 plane = s * K_SPLIT + k_split
@@ -190,6 +200,8 @@ def moe_lora_kernel(
                         at = tl.load(a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
                                      mask=rank_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
                         vec += tl.sum(at * xv[None, :], axis=1)
+                    if a0_ptr.dtype.element_ty.is_fp8():
+                        vec = vec * tl.load(as_ptr + offs_r, mask=rank_ok, other=1.0).to(tl.float32)
                     tl.store(buf_ptr + plane * stride_buf_slice + blk64 * stride_buf_pair + offs_r, vec, mask=rank_ok)
                 else:
                     rows = pairs if MUL_ROUTED_WEIGHT else pairs // top_k
@@ -205,7 +217,11 @@ def moe_lora_kernel(
                         if CAST_FP32:
                             xt = xt.to(tl.float32)
                             at = at.to(tl.float32)
+                        else:
+                            at = weight_operand(at, x_ptr, CAST_FP32)
                         acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
+                    if a0_ptr.dtype.element_ty.is_fp8():
+                        acc = acc * tl.load(as_ptr + offs_r, mask=rank_ok, other=1.0).to(tl.float32)[None, :]
                     out = (buf_ptr + plane * stride_buf_slice + pairs.to(tl.int64)[:, None] * stride_buf_pair
                            + offs_r[None, :])
                     tl.store(out, acc, mask=pair_ok[:, None] & rank_ok[None, :])
@@ -218,6 +234,8 @@ def moe_lora_kernel(
                                  b1_ptr + slot64 * stride_b1_slot + expert64 * stride_b1_expert)
                 stride_bn = tl.where(first, stride_b0_n, stride_b1_n)
                 stride_br = tl.where(first, stride_b0_rank, stride_b1_rank)
+                bs_ptr = tl.where(first, bs0_ptr + slot64 * stride_bs0_slot + expert64 * stride_bs0_expert,
+                                  bs1_ptr + slot64 * stride_bs1_slot + expert64 * stride_bs1_expert)
                 col0 = tl.where(first, y_offset, y_offset + n0)
                 src = 0 if SHARED_A else s
                 if GEMV:
@@ -236,6 +254,8 @@ def moe_lora_kernel(
                         bt = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
                                      mask=n_ok[:, None] & rank_ok[None, :], other=0.0).to(tl.float32)
                         acc = tl.sum(bt * vec[None, :], axis=1)
+                        if b0_ptr.dtype.element_ty.is_fp8():
+                            acc = acc * tl.load(bs_ptr + offs_n, mask=n_ok, other=1.0).to(tl.float32)
                         if MUL_ROUTED_WEIGHT:
                             acc = acc * w
                         tl.store(y_ptrs, (prev.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -261,10 +281,13 @@ def moe_lora_kernel(
                         bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                                      mask=n_ok[None, :] & rank_ok[:, None], other=0.0)
                         if BF16_SPLIT:
+                            bt = weight_operand(bt, y_ptr, CAST_FP32)
                             acc = tl.dot(lo, bt)
                             acc = tl.dot(hi, bt, acc)
                         else:
                             acc = tl.dot(rows, bt.to(tl.float32), input_precision=DOT_PRECISION)
+                        if b0_ptr.dtype.element_ty.is_fp8():
+                            acc = acc * tl.load(bs_ptr + offs_n, mask=n_ok, other=1.0).to(tl.float32)[None, :]
                         if MUL_ROUTED_WEIGHT:
                             acc = acc * w[:, None]
                         if not Y_FIRST:
@@ -399,7 +422,7 @@ def plan_moe_lora(*, num_pairs: int, num_slots: int, num_experts: int, hidden: i
 
 def moe_lora_calls(plan: MoePlan, x, lora_a, lora_b, buf, y, topk_weights, sorted_ids, expert_ids, post_pad,
                    token_lora, enabled, ranks, *, num_pairs: int, top_k: int, offset: int,
-                   strides: Strides) -> tuple[KernelCall, KernelCall]:
+                   strides: Strides, lora_a_scale=None, lora_b_scale=None) -> tuple[KernelCall, KernelCall]:
     """The (shrink, expand) `KernelCall`s of one MoE LoRA call: the kernel's parameters in order,
     `out` None (the kernel writes `buf` and `y`, pointer parameters among the others).
 
@@ -407,18 +430,26 @@ def moe_lora_calls(plan: MoePlan, x, lora_a, lora_b, buf, y, topk_weights, sorte
     missing: slice 0 again); buf (slices * k_split, P, r) float32; y (P, N); topk_weights (P,)
     float32; sorted_ids (L, EM) and post_pad (L,) (naive order: any int32 array, never read);
     expert_ids (L, EM / BLOCK_M) or, naive, (P,); token_lora (>= P / top_k,); enabled (L,);
-    ranks (L,) int32 (without HAS_RANKS: any int32 array, never read). Arrays are whatever the
-    launcher passes (tensors, jax arrays, placeholders); `strides(a)` gives their element strides.
+    ranks (L,) int32 (without HAS_RANKS: any int32 array, never read). lora_a_scale /
+    lora_b_scale: None (16-bit weights) or, for e4m3 weights (every slice of A, or of B, one
+    dtype), one float32 scale array per slice, (L, E, r) / (L, E, n_s), channel axis contiguous
+    (a 16-bit side's scale pointers are `enabled`, never read). Arrays are whatever the launcher
+    passes (tensors, jax arrays, placeholders); `strides(a)` gives their element strides.
     """
     a0, a1 = lora_a[0], lora_a[-1]
     b0, b1 = lora_b[0], lora_b[-1]
     num_slots, _, rank, hidden = a0.shape
     widths = (int(b0.shape[2]), int(b1.shape[2]))
     naive = bool(plan.constexprs["NAIVE"])
-    pointers = (x, a0, a1, b0, b1, buf, y, topk_weights, sorted_ids, expert_ids, post_pad, token_lora, enabled,
-                ranks)
+    as0, as1 = (enabled, enabled) if lora_a_scale is None else (lora_a_scale[0], lora_a_scale[-1])
+    bs0, bs1 = (enabled, enabled) if lora_b_scale is None else (lora_b_scale[0], lora_b_scale[-1])
+    scale_strides = tuple(v for sc, given in ((as0, lora_a_scale), (as1, lora_a_scale), (bs0, lora_b_scale),
+                                              (bs1, lora_b_scale))
+                          for v in (tuple(strides(sc)[:2]) if given is not None else (0, 0)))
+    pointers = (x, a0, a1, b0, b1, buf, y, as0, as1, bs0, bs1, topk_weights, sorted_ids, expert_ids, post_pad,
+                token_lora, enabled, ranks)
     scalars = (int(num_pairs), int(top_k), int(hidden), widths[0], widths[1], int(rank), plan.max_blocks,
                int(num_slots), int(offset), *strides(x), *strides(a0), *strides(a1), *strides(b0), *strides(b1),
-               *strides(buf)[:2], *strides(y), 0 if naive else strides(sorted_ids)[0],
+               *scale_strides, *strides(buf)[:2], *strides(y), 0 if naive else strides(sorted_ids)[0],
                0 if naive else strides(expert_ids)[0])
     return tuple(KernelCall(moe_lora_kernel, plan.phase(phase), pointers, scalars, None) for phase in (0, 1))

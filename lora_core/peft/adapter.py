@@ -78,9 +78,12 @@ class LoraModule(NamedTuple):
 
 class Fp8Factors(NamedTuple):
     """An fp8 (e4m3) module of a PEFT file as it is stored (contract section 11): a_q (r, in) and
-    b_q (out, r), the e4m3 values as float32 (exactly), and their per-row float32 scales a_scale (r,)
-    and b_scale (out,) (a per-tensor scale broadcast to the rows). The module's LoraModule holds the
-    dequantised factors a_q * a_scale[:, None], b_q * b_scale[:, None]."""
+    b_q (out, r), the e4m3 values as float32 (exactly), and their per-channel float32 scales (a
+    per-tensor scale broadcast to the channels). A linear module's a_scale (r,) is per row of a_q
+    (a rank channel); an embedding's (kind "embedding": a_q is lora_embedding_A (r, vocab)) a_scale
+    (vocab,) is per column of a_q, one per token id (the row of the table A.T a token looks up);
+    b_scale (out,) is per row of b_q. The module's LoraModule holds the dequantised factors:
+    a_q * a_scale[:, None] (an embedding's a_q * a_scale[None, :]), b_q * b_scale[:, None]."""
 
     a_q: np.ndarray
     a_scale: np.ndarray
@@ -193,10 +196,11 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
     for module, (a, b, kind) in plan.items():
         lora_a, lora_b = np.asarray(arrays[a], np.float32), np.asarray(arrays[b], np.float32)
         if module in weight_scales:
-            factors = _fp8_factors(lora_a, lora_b, arrays[weight_scales[module]["lora_A"]],
-                                   arrays[weight_scales[module]["lora_B"]])
+            kind_a, kind_b = _PAIRS["embedding" if kind == "embedding" else "linear"]
+            factors = _fp8_factors(lora_a, lora_b, arrays[weight_scales[module][kind_a]],
+                                   arrays[weight_scales[module][kind_b]], kind)
             fp8[module] = factors
-            lora_a = factors.a_q * factors.a_scale[:, None]
+            lora_a = factors.a_q * (factors.a_scale[None, :] if kind == "embedding" else factors.a_scale[:, None])
             lora_b = factors.b_q * factors.b_scale[:, None]
         if kind == EXPERT_KIND:
             lora_a, lora_b = split_expert_factors(lora_a, lora_b, lora_a.shape[0] // config.rank(module))
@@ -217,40 +221,54 @@ def load_peft_adapter(path: str | os.PathLike, name: str | None = None, *, max_t
                        config.alora_invocation_tokens, fp8)
 
 
-def _fp8_factors(a_q, b_q, a_scale, b_scale) -> Fp8Factors:
-    """An fp8 module's stored values and its scales broadcast to one per row (shapes checked from the
-    header: `_check_fp8_scales`)."""
-    a_scale = np.broadcast_to(np.asarray(a_scale, np.float32).reshape(-1), (a_q.shape[0],)).copy()
+def _fp8_factors(a_q, b_q, a_scale, b_scale, kind: str = "linear") -> Fp8Factors:
+    """An fp8 module's stored values and its scales broadcast to one per channel: a linear A's rows,
+    an embedding A's columns (token ids), B's rows (shapes checked from the header:
+    `_check_fp8_scales`)."""
+    channels_a = a_q.shape[1] if kind == "embedding" else a_q.shape[0]
+    a_scale = np.broadcast_to(np.asarray(a_scale, np.float32).reshape(-1), (channels_a,)).copy()
     b_scale = np.broadcast_to(np.asarray(b_scale, np.float32).reshape(-1), (b_q.shape[0],)).copy()
     return Fp8Factors(a_q, a_scale, b_q, b_scale)
 
 
 def _check_fp8_scales(weight_scales: dict, plan: dict, header: dict, weights_path: str) -> None:
-    """fp8 files (contract section 11), from the header before any data is read: a module's lora_A /
-    lora_B are F8_E4M3 exactly when both have a `weight_scale`, a float32 (rows,) per channel or
-    () / (1,) per tensor; only linear modules (not embeddings or expert weights)."""
+    """fp8 files (contract section 11), from the header before any data is read: a module's A / B
+    are F8_E4M3 exactly when both have a `weight_scale`, float32, one per channel or () / (1,) per
+    tensor. The channels: a linear module's lora_A (r, in) per row (r,), lora_B (out, r) per row
+    (out,); an embedding's lora_embedding_A (r, vocab) per column (vocab,), one per token id (the
+    row of the table A.T the token looks up), lora_embedding_B (dim, r) per row (dim,). Expert
+    weights (target_parameters) are refused."""
     for module, (key_a, key_b, kind) in sorted(plan.items()):
         dtypes = {header[key_a].dtype, header[key_b].dtype}
         scales = weight_scales.get(module, {})
         if "F8_E4M3" not in dtypes and not scales:
             continue
-        if kind != "linear":
+        if kind not in _PAIRS:
             raise AdapterError(f"{weights_path}: module {module!r}: fp8 weights are read for linear modules "
-                               f"(lora_A / lora_B) only, not for {'an embedding' if kind == 'embedding' else kind}")
-        for part, key in (("lora_A", key_a), ("lora_B", key_b)):
+                               f"(lora_A / lora_B) and embeddings (lora_embedding_A / lora_embedding_B) only, not "
+                               f"for {kind} (target_parameters) weights")
+        part_a, part_b = _PAIRS[kind]
+        stray = sorted(set(scales) - {part_a, part_b})
+        if stray:
+            what = "an embedding" if kind == "embedding" else "a linear module"
+            raise AdapterError(f"{weights_path}: module {module!r} is {what} ({part_a} / {part_b}) but has a "
+                               f"weight_scale of {stray[0]}")
+        for part, key in ((part_a, key_a), (part_b, key_b)):
             scale = scales.get(part)
             if header[key].dtype != "F8_E4M3":
                 raise AdapterError(f"{weights_path}: tensor {key!r} is {header[key].dtype} but module {module!r} has "
-                                   f"fp8 tensors: both lora_A and lora_B are F8_E4M3 with their weight_scale, or "
-                                   "neither")
+                                   f"fp8 tensors: both {part_a} and {part_b} are F8_E4M3 with their weight_scale, "
+                                   "or neither")
             if scale is None:
                 raise AdapterError(f"{weights_path}: tensor {key!r} is F8_E4M3 without its scale "
                                    f"{key.removesuffix('.weight') + '.weight_scale'!r} (float32 per channel)")
-            rows = header[key].shape[0]
+            per_column = part == "lora_embedding_A"
+            channels = header[key].shape[1 if per_column else 0]
+            what = "per token id (a column of lora_embedding_A)" if per_column else "per channel"
             shape = tuple(header[scale].shape)
-            if header[scale].dtype != "F32" or shape not in ((rows,), (), (1,)):
+            if header[scale].dtype != "F32" or shape not in ((channels,), (), (1,)):
                 raise AdapterError(f"{weights_path}: tensor {scale!r} is {header[scale].dtype} {shape}; expected "
-                                   f"F32 ({rows},) per channel or () / (1,) per tensor")
+                                   f"F32 ({channels},) {what} or () / (1,) per tensor")
     stray = sorted(set(weight_scales) - set(plan))
     if stray:
         raise AdapterError(f"{weights_path}: weight_scale tensors of module {stray[0]!r} have no lora_A / lora_B pair")

@@ -16,7 +16,14 @@ expert -1 are untouched.
       -> (sorted_token_ids (L * EM,), expert_ids (L * EM / block_size,), num_tokens_post_padded (L,))
   fused_moe_lora(output, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
                  expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num,
-                 adapter_enabled, mul_routed_weight=False, offset=0, *, block_size=None, backend=None)
+                 adapter_enabled, mul_routed_weight=False, offset=0, *, block_size=None, backend=None,
+                 lora_a_scale=None, lora_b_scale=None)
+
+fp8 (e4m3) expert weights (contract section 11): A_s and / or B_s in float8_e4m3fn with float32
+channel scales a_scale_s (L, E, r) (per rank row) and b_scale_s (L, E, n_s) (per output column),
+or (L,) per slot; the scale multiplies the float32 product once:
+
+  output[t, k, offset + cols of s] += w(p) * b_scale_s[l, e] * (B_s[l, e] @ (a_scale_s[l, e] * (A_s[l, e] @ x)))
 
 The alignment groups each slot's pairs by expert, padded to block_size (sentinel: the number of
 pairs), all in tensors of sizes fixed by (pairs, L, E, block_size): no host sync, capturable.
@@ -32,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lora_core import checks
 from lora_core.moe_order import moe_block_size, naive_block_assignment  # noqa: F401 - the order rules, shared
 
 from . import dispatch
@@ -169,23 +177,55 @@ def _check_fused_args(output, x, lora_a, lora_b, topk_weights, sorted_ids, exper
         raise ValueError("num_tokens_post_padded: required with sorted_token_ids")
 
 
+def expert_scales(name: str, scales, weights: Sequence[torch.Tensor], arg_w: str) -> tuple | None:
+    """The fp8 scales of the MoE op's expert weights checked (`checks.check_expert_scales`) and made
+    float32 (L, E, rows) contiguous per slice (a per-slot (L,) scale broadcast to every expert and
+    channel); None for 16-bit weights."""
+    if isinstance(scales, torch.Tensor):
+        scales = (scales,)
+    if scales is not None:
+        scales = tuple(scales)
+        for s, sc in enumerate(scales):
+            if sc is not None and not isinstance(sc, torch.Tensor):
+                raise TypeError(f"{name}[{s}] must be a torch.Tensor or None, got {type(sc).__name__}")
+    kinds = checks.check_expert_scales(name, None if scales is None else
+                                       [None if sc is None else (sc.shape, sc.dtype) for sc in scales],
+                                       [w.shape for w in weights], [w.dtype for w in weights], arg_w)
+    if all(k is None for k in kinds):
+        return None
+    out = []
+    for sc, w, kind in zip(scales, weights, kinds):
+        if kind == "tensor":
+            sc = sc[:, None, None].expand(w.shape[:3])
+        out.append(sc.to(w.device).contiguous())
+    return tuple(out)
+
+
 def fused_moe_lora(output: torch.Tensor, x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
                    lora_b_stacked: Sequence[torch.Tensor], topk_weights: torch.Tensor,
                    sorted_token_ids: torch.Tensor | None, expert_ids: torch.Tensor,
                    num_tokens_post_padded: torch.Tensor | None, token_lora_mapping: torch.Tensor,
                    max_lora_rank: int, top_k_num: int, adapter_enabled: torch.Tensor,
                    mul_routed_weight: bool = False, offset: int = 0, *, block_size: int | None = None,
-                   backend: str | None = None, deterministic: bool = False) -> torch.Tensor:
+                   backend: str | None = None, deterministic: bool = False, lora_a_scale=None,
+                   lora_b_scale=None) -> torch.Tensor:
     """output (T, top_k, N) updated in place with the slices' LoRA of every routed pair (module
     docstring) and returned. sorted_token_ids (L, EM) or (L * EM,) and expert_ids from
     `moe_lora_align_block_size` with block_size (default: EM's largest power-of-two divisor, at
     most 64), or None and topk_ids flattened (the naive order). deterministic: a pair's values
     bitwise the same whatever the other pairs and its position (the backend's batch-invariant
-    form, dispatch.deterministic_impl)."""
+    form, dispatch.deterministic_impl). lora_a_scale / lora_b_scale: one entry per slice for fp8
+    weights (module docstring), None for 16-bit ones."""
     lora_a, lora_b = tuple(lora_a_stacked), tuple(lora_b_stacked)
     _check_fused_args(output, x, lora_a, lora_b, topk_weights, sorted_token_ids, expert_ids,
                       num_tokens_post_padded, token_lora_mapping, top_k_num, adapter_enabled, mul_routed_weight,
                       offset)
+    fp8 = {}
+    for key, name, scales, weights, arg_w in (("lora_a_scale", "lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked"),
+                                              ("lora_b_scale", "lora_b_scale", lora_b_scale, lora_b, "lora_b_stacked")):
+        checked = expert_scales(name, scales, weights, arg_w)
+        if checked is not None:
+            fp8[key] = checked
     num_slots = lora_a[0].shape[0]
     if sorted_token_ids is not None:
         sorted_token_ids = sorted_token_ids.reshape(num_slots, -1)
@@ -202,5 +242,5 @@ def fused_moe_lora(output: torch.Tensor, x: torch.Tensor, lora_a_stacked: Sequen
         raise ValueError(f"backend {impl.NAME!r} has no fused_moe_lora")
     run(output, x, lora_a, lora_b, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
         token_lora_mapping, max_lora_rank, top_k_num, adapter_enabled, bool(mul_routed_weight), int(offset),
-        block_size)
+        block_size, **fp8)
     return output

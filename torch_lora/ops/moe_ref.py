@@ -8,7 +8,9 @@ Math: `torch_lora.ops.moe` (contract section 9). Steps:
    token).
 2. Live pairs: slot in range, adapter_enabled[slot] != 0, expert >= 0.
 3. Per slice: rows = x[row(p)] (float32), t = A_s[slot, e] @ rows (gathered (P, r, K) weights),
-   delta = B_s[slot, e] @ t, times the routed weight; added into the pair's output columns.
+   delta = B_s[slot, e] @ t, times the routed weight; added into the pair's output columns. fp8
+   (e4m3) weights: t times a_scale_s[slot, e] per rank channel, delta times b_scale_s[slot, e]
+   per output column (contract section 11: the scale applied once, to the float32 product).
 The gathers select the pair's own slot and expert (never a one-hot product), so NaN in weights
 no live pair uses cannot reach the output. Shapes depend on the live-pair count (a host sync on
 CUDA): the reference, not the fast path.
@@ -27,7 +29,7 @@ def pair_products(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_ids, post_pad, token_lora,
                    max_lora_rank, top_k, adapter_enabled, mul_routed_weight, offset, block_size, *,
-                   products=pair_products) -> None:
+                   products=pair_products, lora_a_scale=None, lora_b_scale=None) -> None:
     """Step 3's products through `products(rows (P, m) float32, weights (P, n, m)) -> (P, n)`
     (torch_lora.ops.invariant: the batch-invariant ones)."""
     num_tokens = output.shape[0]
@@ -55,9 +57,15 @@ def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_i
     weight = topk_weights.reshape(-1).float()[pairs] if mul_routed_weight else None
     flat = output.view(num_pairs, output.shape[2])
     col = offset
-    for a, b in zip(lora_a, lora_b):
+    a_scales = lora_a_scale if lora_a_scale is not None else (None,) * len(lora_a)
+    b_scales = lora_b_scale if lora_b_scale is not None else (None,) * len(lora_b)
+    for a, b, a_scale, b_scale in zip(lora_a, lora_b, a_scales, b_scales):
         t = products(xf, a[slots, experts])
+        if a_scale is not None:
+            t = t * a_scale[slots, experts].float()
         delta = products(t, b[slots, experts])
+        if b_scale is not None:
+            delta = delta * b_scale[slots, experts].float()
         if weight is not None:
             delta = delta * weight[:, None]
         n = b.shape[2]

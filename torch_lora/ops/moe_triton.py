@@ -9,6 +9,9 @@ Math: `torch_lora.ops.moe` (contract section 9). Steps:
 3. The shrink launch, then the expand launch, on one grid of blocks (Triton's own launcher; the
    parameter lists from `moe_lora_calls`); on sm_90 and newer the expand is a programmatic
    dependent of the shrink (`pdl.pdl_enabled`).
+fp8 (e4m3) A and / or B (contract section 11): the float32 channel scales (`lora_a_scale` (L, E,
+r), `lora_b_scale` (L, E, n) per slice) go to the kernel beside the weights; the plan takes the
+dtype the weight tiles enter the products in (the activations').
 deterministic: the pairs in the naive order (a sorted layout is read back into each pair's
 expert) with the batch-invariant plan (`plan_moe_lora(deterministic=True)`): a pair's values are
 bitwise the same whatever the batch.
@@ -20,6 +23,7 @@ import torch
 
 from lora_core.kernels.launch import triton_launch
 from lora_core.kernels.moe_lora import moe_lora_calls, plan_moe_lora
+from lora_core.kernels.planning import dot_dtype
 
 from .pdl import pdl_enabled
 
@@ -51,7 +55,7 @@ def _naive_experts(sorted_ids, expert_ids, post_pad, num_pairs: int, block_size:
 @torch.no_grad()
 def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_ids, post_pad, token_lora,
                    max_lora_rank, top_k, adapter_enabled, mul_routed_weight, offset, block_size, *,
-                   deterministic: bool = False) -> None:
+                   deterministic: bool = False, lora_a_scale=None, lora_b_scale=None) -> None:
     num_tokens = output.shape[0]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
@@ -66,7 +70,8 @@ def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_i
                          widths=widths, rank=rank, naive=naive, sorted_len=0 if naive else sorted_ids.shape[1],
                          block_m=block_size or 16, mul_routed_weight=mul_routed_weight,
                          shared_a=_shares_a(lora_a), deterministic=deterministic,
-                         dtypes=(_dtype_name(x), _dtype_name(lora_a[0]), _dtype_name(lora_b[0])),
+                         dtypes=(_dtype_name(x), dot_dtype(_dtype_name(lora_a[0]), _dtype_name(x)),
+                                 dot_dtype(_dtype_name(lora_b[0]), _dtype_name(x))),
                          pdl=pdl_enabled())
     buf = torch.empty((len(lora_a) * plan.k_split, num_pairs, rank), dtype=torch.float32, device=output.device)
     y = output.view(num_pairs, output.shape[2]) if output.is_contiguous() else output.reshape(num_pairs, -1)
@@ -80,7 +85,7 @@ def fused_moe_lora(output, x, lora_a, lora_b, topk_weights, sorted_ids, expert_i
     enabled = adapter_enabled.to(device=output.device)
     for call in moe_lora_calls(plan, x, lora_a, lora_b, buf, y, weights, sorted_t, experts, pads, token_map,
                                enabled, enabled, num_pairs=num_pairs, top_k=top_k, offset=offset,
-                               strides=torch.Tensor.stride):
+                               strides=torch.Tensor.stride, lora_a_scale=lora_a_scale, lora_b_scale=lora_b_scale):
         triton_launch(call, **({"launch_pdl": True} if call.plan.launch_pdl else {}))
     if y.data_ptr() != output.data_ptr():
         output.copy_(y.view_as(output))
