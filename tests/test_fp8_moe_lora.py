@@ -184,20 +184,3 @@ def test_quantized_fixture_is_the_contract_rule():
     np.testing.assert_array_equal(scale.numpy(), (np.abs(w).max(-1) / 448).astype(np.float32))
     np.testing.assert_array_equal(deq, q.astype(np.float64) * scale.numpy().astype(np.float64)[..., None])
 
-
-def test_fp8_model_says_its_expert_slots_keep_the_model_dtype(caplog):
-    """MultiLoRAModel(lora_dtype="fp8") on a tiny Mixtral: the linear slots are e4m3, the expert
-    slots keep the model's dtype, said once on the `torch_lora` logger."""
-    import logging
-
-    pytest.importorskip("transformers")
-    from torch_lora.hf import MultiLoRAModel
-
-    from .hf_mixtral import tiny_mixtral
-    with caplog.at_level(logging.INFO, logger="torch_lora"):
-        mm = MultiLoRAModel(tiny_mixtral(), max_loras=2, max_rank=8, lora_dtype="fp8")
-    kinds = {type(layer).__name__: layer for layer in mm.layers.values()}
-    assert kinds["LoRALinear"].lora_a.dtype == torch.float8_e4m3fn
-    experts = [layer for layer in mm.layers.values() if type(layer).__name__ == "LoRAExperts"]
-    assert experts and all(not any(t.dtype == torch.float8_e4m3fn for t in layer.slot_views(0)) for layer in experts)
-    assert sum("expert LoRA slots of 2 experts modules" in r.getMessage() for r in caplog.records) == 1

@@ -11,10 +11,11 @@ the layers' max_rank, scaling folded into B, in the layers' dtype, in one pinned
 layers are on CUDA (so uploads are asynchronous copies). A DoRA adapter (PEFT's use_dora) also gets
 each DoRA layer's column scale g = m / ||W + s B A||_row (`dora_scales`, from the layer's base
 weights), which the layers need `dora=True` to hold. A `LoRALinear` (or the LM head's `LoRALogits`,
-or a `LoRAEmbedding`: its table per token row) with `lora_dtype="fp8"` gets its slices quantised to
-e4m3 per output channel (contract section 11: scale = amax / 448, the cast rounds to nearest even),
-or, for an adapter read from an fp8 PEFT file (`PeftAdapter.fp8`), the file's e4m3 values and scales
-as they are (B's scale times the module's scaling).
+a `LoRAEmbedding`: its table per token row, or a `LoRAExperts`: per expert and row) with
+`lora_dtype="fp8"` gets its slices quantised to e4m3 per output channel (contract section 11:
+scale = amax / 448, the cast rounds to nearest even), or, for an adapter read from an fp8 PEFT file
+(`PeftAdapter.fp8`), the file's e4m3 values and scales as they are (B's scale times the module's
+scaling; expert factors are never read from fp8 files).
 
 `AdapterManager` owns the slots: adapters are registered under a LoRA id, `activate(ids)` puts a
 batch's adapters into slots (free slots first, then the least recently used slot the batch does not
@@ -67,7 +68,7 @@ _LAYER_TYPES = (LoRALinear, LoRAEmbedding, LoRALogits, LoRAExperts, ParallelLoRA
 
 
 def _is_fp8_layer(layer) -> bool:
-    return isinstance(layer, (LoRALinear, LoRAEmbedding, LoRALogits)) and layer.lora_dtype == "fp8"
+    return isinstance(layer, (LoRALinear, LoRAEmbedding, LoRALogits, LoRAExperts)) and layer.lora_dtype == "fp8"
 
 
 def _layer_dtype(layer) -> torch.dtype:
@@ -201,7 +202,7 @@ def prepare_adapter(layers: Mapping, adapter: PeftAdapter, *, pin_memory: bool =
         with np.errstate(over="ignore", invalid="ignore"):     # non-finite results: refused below, by name
             _place_module(arrays, path, layer, s, module, adapter, a, b, scaling, kind, rank)
         ranks[path] = max(ranks[path], rank)
-        if _is_fp8_layer(layer) and module in adapter.fp8:
+        if _is_fp8_layer(layer) and module in adapter.fp8 and not isinstance(layer, LoRAExperts):
             _keep_fp8(exact, path, layer, s, adapter.fp8[module], scaling, rank)
     _check_placed_values(arrays, layers, adapter)
     for path, layer in layers.items():
@@ -248,7 +249,7 @@ def _place_module(arrays: dict, path: str, layer, s: int, module: str, adapter: 
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise AdapterError(f"adapter {adapter.label}, module {module!r}: expert factors {a.shape} / {b.shape} do "
                                f"not fit the experts: expected A {want_a} and B {want_b}")
-        out = arrays.setdefault(path, [np.zeros(v.shape, np.float32) for v in layer.slot_views(0)])
+        out = arrays.setdefault(path, [np.zeros(v.shape, np.float32) for v in layer.slot_views(0)[:4]])
         out[2 * s][:, :rank] = a
         out[2 * s + 1][:, :, :rank] = b * scaling
     elif isinstance(layer, ParallelLoRALayer):
@@ -326,7 +327,8 @@ def _keep_fp8(exact: dict, path: str, layer, s: int, factors, scaling: float, ra
 
 def _quantize_parts(path: str, parts: list, exact: dict) -> tuple:
     """(values to store, float32 per-row scales) of an fp8 layer's placed float32 parts (A_0..,
-    B_0.. as `_place_module` lays them out): contract section 11's rule per output channel, scale
+    B_0.. as `_place_module` lays them out; an expert layer's (E, rows, cols) parts per expert and
+    row, scales (E, rows)): contract section 11's rule per output channel, scale
     = amax / 448 (1 for an all-zero row), values clip(w / scale, -448, 448), which the e4m3 cast in
     `_pack` rounds to nearest even; an fp8 file's module (`exact`) is kept as it is."""
     values, scales = [], []
@@ -334,9 +336,9 @@ def _quantize_parts(path: str, parts: list, exact: dict) -> tuple:
         if (path, i) in exact:
             q, scale = exact[(path, i)]
         else:
-            amax = np.abs(p).max(axis=1) if p.size else np.zeros(p.shape[0], np.float32)
+            amax = np.abs(p).max(axis=-1) if p.size else np.zeros(p.shape[:-1], np.float32)
             scale = np.where(amax == 0, 1.0, amax / checks.FP8_MAX).astype(np.float32)
-            q = np.clip(p / scale[:, None], -checks.FP8_MAX, checks.FP8_MAX).astype(np.float32)
+            q = np.clip(p / scale[..., None], -checks.FP8_MAX, checks.FP8_MAX).astype(np.float32)
         values.append(q)
         scales.append(scale)
     return values, scales

@@ -245,8 +245,8 @@ class MultiLoRAModel:
       lora_dtype: None (the LoRA weights in the modules' dtype) or "fp8": every linear layer's slots
         in float8_e4m3fn with float32 per-output-channel scales (contract section 11), a 16-bit
         adapter quantised when it is placed, an fp8 PEFT file's values kept as they are; half
-        the slot memory of bf16; the LM head's and the embedding's slots too (the embedding's LoRA-A
-        table with one scale per row).
+        the slot memory of bf16; the LM head's, the embedding's (its LoRA-A table with one scale
+        per row) and the experts' slots too (`LoRAExperts`: per expert and output channel).
 
     Attributes: `model`, `punica` (the PunicaWrapper), `adapters` (the AdapterManager), `layers`
     ({path: LoRA layer}; a group's path is its parent's name + "." + the members' names joined by "+"),
@@ -343,12 +343,7 @@ class MultiLoRAModel:
             if name and is_experts_module(module):
                 weight = module.gate_up_proj
                 layers[name] = LoRAExperts(name, weight.shape[0], weight.shape[2], module.down_proj.shape[2],
-                                           dtype=weight.dtype, device=weight.device, **kw)
-        experts = sorted(n for n, layer in layers.items() if isinstance(layer, LoRAExperts))
-        if experts and self.lora_dtype == "fp8":
-            _LOG.info("MultiLoRAModel(lora_dtype='fp8'): the expert LoRA slots of %d experts modules (%s, ...) keep "
-                      "the model's dtype (fp8 storage covers the linear, LM-head and embedding slots; the MoE op "
-                      "itself takes fp8 expert weights)", len(experts), experts[0])
+                                           dtype=weight.dtype, device=weight.device, lora_dtype=self.lora_dtype, **kw)
         for parent, children in by_parent.items():
             grouped = set()
             for group in SHARED_INPUT_GROUPS:

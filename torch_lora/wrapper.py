@@ -674,25 +674,29 @@ class PunicaWrapper:
                            num_tokens_post_padded: torch.Tensor | None, max_lora_rank: int, top_k_num: int,
                            shrink_config: dict, expand_config: dict, adapter_enabled: torch.Tensor,
                            mul_routed_weight: bool = False, fully_sharded: bool = False, offset: int = 0,
-                           token_lora_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                           token_lora_mapping: torch.Tensor | None = None, *, lora_a_scale=None,
+                           lora_b_scale=None) -> torch.Tensor:
         """y[t, k, offset + cols_s] += w(p) * B_s[l, e] @ A_s[l, e] @ x[row(p)] for every routed pair
         (contract section 9), in place; returns y. A_s (L, E, r, K), B_s (L, E, n_s, r), the scaling
         folded into B. The block size of a sorted order is read from the arrays (shrink_config /
         expand_config choose vLLM's tiles and are not used by these kernels); fully_sharded (tensor
-        parallel LoRA) is refused."""
+        parallel LoRA) is refused. lora_a_scale / lora_b_scale (contract section 11): for fp8 (e4m3)
+        A_s / B_s, one float32 scale per slice, (L, E, r) / (L, E, n_s) per channel or (L,) per slot
+        (`torch_lora.ops.fused_moe_lora`'s arguments); None for 16-bit weights."""
         if fully_sharded:
             raise ValueError("fully_sharded: expected False; fully sharded MoE LoRA across tensor-parallel ranks is "
                              "not supported")
         if token_lora_mapping is None:
             token_lora_mapping = self.token_mapping_meta.meta_args(y.shape[0]).token_lora_mapping
         self._check_tokens("y", y.shape[0], self.indices_len[0])
+        self._check_tensors(y=y, lora_a_scale=_tensors_of(lora_a_scale), lora_b_scale=_tensors_of(lora_b_scale))
         block = None
         if sorted_token_ids is not None:
             block = sorted_token_ids.numel() // max(expert_ids.numel(), 1)
         _moe.fused_moe_lora(y, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
                             num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, adapter_enabled,
                             mul_routed_weight, offset, block_size=block, backend=self.backend,
-                            deterministic=self.deterministic)
+                            deterministic=self.deterministic, lora_a_scale=lora_a_scale, lora_b_scale=lora_b_scale)
         return y
 
     def add_lora_w13(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked, topk_ids: torch.Tensor,
@@ -700,13 +704,14 @@ class PunicaWrapper:
                      num_tokens: int, top_k_num: int, max_loras: int, adapter_enabled: torch.Tensor,
                      local_num_experts: int, top_k: int, num_slices: int, fully_sharded: bool,
                      use_tuned_config: bool, token_lora_mapping: torch.Tensor | None = None,
-                     add_inputs: bool = True) -> tuple:
+                     add_inputs: bool = True, *, lora_a_scale=None, lora_b_scale=None) -> tuple:
         """The gate_up (w13) expert LoRA of a MoE layer: aligns the routed pairs (naive order when
         pairs are sparse: num_tokens * top_k * 8 <= local_num_experts * max_loras and no
         expert_map, vLLM's rule), then `add_lora_fused_moe` without routed weights into y
         (T, top_k, N). Returns (sorted_token_ids, expert_ids, num_tokens_post_padded,
         token_lora_mapping) for `add_lora_w2`. w1 / w2 (the base expert weights) and
-        use_tuned_config only steer vLLM's tile choice; add_inputs must be True (y accumulates)."""
+        use_tuned_config only steer vLLM's tile choice; add_inputs must be True (y accumulates).
+        lora_a_scale / lora_b_scale: the fp8 slices' scales (`add_lora_fused_moe`)."""
         if not add_inputs:
             raise ValueError("add_inputs: expected True; the MoE LoRA ops add into y")
         if len(lora_a_stacked) != num_slices or len(lora_b_stacked) != num_slices:
@@ -723,7 +728,8 @@ class PunicaWrapper:
         max_lora_rank = lora_a_stacked[0].shape[-2]
         self.add_lora_fused_moe(y.view(-1, top_k_num, y.shape[-1]), x, lora_a_stacked, lora_b_stacked, topk_weights,
                                 sorted_ids, expert_ids, post_pad, max_lora_rank, top_k, {}, {}, adapter_enabled,
-                                fully_sharded=fully_sharded, token_lora_mapping=token_lora_mapping)
+                                fully_sharded=fully_sharded, token_lora_mapping=token_lora_mapping,
+                                lora_a_scale=lora_a_scale, lora_b_scale=lora_b_scale)
         return sorted_ids, expert_ids, post_pad, token_lora_mapping
 
     def add_lora_w2(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, lora_b_stacked,
@@ -731,10 +737,12 @@ class PunicaWrapper:
                     expert_ids_lora: torch.Tensor | None, num_tokens_post_padded_lora: torch.Tensor | None,
                     token_lora_mapping: torch.Tensor | None, num_tokens: int, w1: torch.Tensor, w2: torch.Tensor,
                     top_k_num: int, max_loras: int, adapter_enabled: torch.Tensor, top_k: int, fully_sharded: bool,
-                    tp_rank: int, use_tuned_config: bool, add_inputs: bool = True) -> torch.Tensor:
+                    tp_rank: int, use_tuned_config: bool, add_inputs: bool = True, *, lora_a_scale=None,
+                    lora_b_scale=None) -> torch.Tensor:
         """The down (w2) expert LoRA: `add_lora_fused_moe` with the router weights applied
         (mul_routed_weight) on the alignment `add_lora_w13` returned; x (T * top_k, I), one row per
-        pair; y (T, top_k, H), the per-pair output before the sum over k. Returns y."""
+        pair; y (T, top_k, H), the per-pair output before the sum over k. Returns y.
+        lora_a_scale / lora_b_scale: the fp8 slices' scales (`add_lora_fused_moe`)."""
         if not add_inputs:
             raise ValueError("add_inputs: expected True; the MoE LoRA ops add into y")
         if expert_ids_lora is None:
@@ -743,7 +751,8 @@ class PunicaWrapper:
         return self.add_lora_fused_moe(y, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids_lora,
                                        expert_ids_lora, num_tokens_post_padded_lora, max_lora_rank, top_k, {}, {},
                                        adapter_enabled, True, fully_sharded=fully_sharded,
-                                       token_lora_mapping=token_lora_mapping)
+                                       token_lora_mapping=token_lora_mapping, lora_a_scale=lora_a_scale,
+                                       lora_b_scale=lora_b_scale)
 
 
 def _meta_view(layout: StepLayout, block: torch.Tensor, prefix: str) -> LoRAKernelMeta:
