@@ -201,3 +201,28 @@ def test_wrapper_moe_methods_take_and_check_the_scales():
     with pytest.raises(ValueError, match="lora_b_scale is given"):
         punica.add_lora_w2(y, torch.randn(4, 8), (a,), (b.float(),), w, *align, 2, None, None, 2, 2, enabled, 2,
                            False, 0, False, lora_a_scale=(torch.ones(2, 4, 2),), lora_b_scale=(torch.ones(2),))
+
+
+@pytest.mark.gpu
+def test_fp8_expert_slots_on_cuda_match_the_dequantised_model(family):
+    """The compiled Triton kernels on CUDA (float32 model): the fp8 model equals the float32 model
+    holding its dequantised slots, and its expert stacks are e4m3."""
+    if family.name != "mixtral":
+        pytest.skip("one family on the GPU")
+    from torch_lora.hf import MultiLoRAModel
+    torch.backends.cuda.matmul.allow_tf32 = False
+    models = []
+    for kw in ({"lora_dtype": "fp8"}, {}):
+        mm = MultiLoRAModel(family.fresh().cuda(), max_loras=4, max_rank=8, backend="triton", **kw)
+        for name in ("both", "experts", "down"):
+            mm.load_adapter(name, family.dirs[name])
+        mm.adapters.activate([mm._ids[name] for name in ("both", "experts", "down")])
+        models.append(mm)
+    mm, deq = models
+    assert all(t.dtype == torch.float8_e4m3fn for layer in _experts(mm) for t in layer.slot_views(0)[:4])
+    _dequantise_into(mm, deq)
+    rows = ["both", "experts", "__base__", "down"]
+    tokens = torch.as_tensor(np.random.default_rng(9).integers(1, VOCAB, size=(len(rows), 5))).cuda()
+    out = mm(tokens, adapter_names=rows).logits.cpu().numpy()
+    want = deq(tokens, adapter_names=rows).logits.cpu().numpy()
+    assert _rel(out, want) < 1e-4
