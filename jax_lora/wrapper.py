@@ -713,7 +713,7 @@ class PunicaWrapper:
                            num_tokens_post_padded, max_lora_rank: int, top_k_num: int, shrink_config=None,
                            expand_config=None, adapter_enabled=None, mul_routed_weight: bool = False,
                            fully_sharded: bool = False, offset: int = 0, token_lora_mapping=None, *,
-                           lora_ranks=None) -> jax.Array:
+                           lora_ranks=None, lora_a_scale=None, lora_b_scale=None) -> jax.Array:
         """y[t, k, offset + cols_s] += w(p) * B_s[l, e] @ A_s[l, e] @ x[row(p)] for every routed pair
         (contract section 9; jax_lora.ops.fused_moe); returns the new y (T, top_k, N).
 
@@ -722,7 +722,9 @@ class PunicaWrapper:
         `moe_lora_align_block_size`, or sorted_token_ids None and expert_ids the routed experts
         (naive). token_lora_mapping: default this step's. shrink_config / expand_config (vLLM's
         Triton tiles) are accepted and unused; fully_sharded=True is refused. lora_ranks (L,),
-        optional: each slot's real rank.
+        optional: each slot's real rank. lora_a_scale / lora_b_scale (contract section 11): for fp8
+        (e4m3) A_s / B_s, one float32 scale per slice, (L, E, r) / (L, E, n_s) per channel or (L,)
+        per slot; None for 16-bit weights.
         """
         if fully_sharded:
             raise ValueError("fully_sharded: expected False; fully sharded MoE LoRA across tensor-parallel ranks is "
@@ -735,24 +737,30 @@ class PunicaWrapper:
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
         lora_b = as_slices("lora_b_stacked", lora_b_stacked)
         self._check_slots("lora_a_stacked", int(lora_a[0].shape[0]))
-        self._check_devices(x=as_array("x", x), y=as_array("y", y), lora_a_stacked=lora_a, lora_b_stacked=lora_b)
+        a_scales = fused_moe.expert_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked")
+        b_scales = fused_moe.expert_scales("lora_b_scale", lora_b_scale, lora_b, "lora_b_stacked")
+        self._check_devices(x=as_array("x", x), y=as_array("y", y), lora_a_stacked=lora_a, lora_b_stacked=lora_b,
+                            lora_a_scale=_present(a_scales), lora_b_scale=_present(b_scales))
         if token_lora_mapping is None:
             token_lora_mapping = self.token_meta.token_lora_mapping[:num_tokens]
         return fused_moe.fused_moe_lora(y, x, lora_a, lora_b, weights, sorted_token_ids, expert_ids,
                                         num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num,
                                         adapter_enabled, mul_routed_weight, offset, lora_ranks=lora_ranks,
-                                        backend=self.backend, deterministic=self.deterministic)
+                                        backend=self.backend, deterministic=self.deterministic,
+                                        lora_a_scale=a_scales, lora_b_scale=b_scales)
 
     def add_lora_w13(self, y, x, lora_a_stacked, lora_b_stacked, topk_ids, topk_weights, expert_map, w1, w2,
                      num_tokens: int, top_k_num: int, max_loras: int, adapter_enabled, local_num_experts: int,
                      top_k: int, num_slices: int, fully_sharded: bool, use_tuned_config: bool,
-                     token_lora_mapping=None, add_inputs: bool = True, *, lora_ranks=None) -> tuple:
+                     token_lora_mapping=None, add_inputs: bool = True, *, lora_ranks=None, lora_a_scale=None,
+                     lora_b_scale=None) -> tuple:
         """The gate_up (w13) expert LoRA of a MoE layer: aligns the routed pairs (the naive order when
         pairs are sparse, num_tokens * top_k * 8 <= local_num_experts * max_loras without expert_map,
         vLLM's rule; static under jit), then `add_lora_fused_moe` without router weights into y
         (T, top_k, N). Returns (the new y, sorted_token_ids, expert_ids, num_tokens_post_padded,
         token_lora_mapping), the last four for `add_lora_w2`. w1 / w2 (the base expert weights) and
-        use_tuned_config only steer vLLM's tiles and are unused; add_inputs must be True."""
+        use_tuned_config only steer vLLM's tiles and are unused; add_inputs must be True.
+        lora_a_scale / lora_b_scale: the fp8 slices' scales (`add_lora_fused_moe`)."""
         if not add_inputs:
             raise ValueError("add_inputs: expected True; the MoE LoRA ops add into y")
         lora_a = as_slices("lora_a_stacked", lora_a_stacked)
@@ -772,16 +780,18 @@ class PunicaWrapper:
         out = self.add_lora_fused_moe(y.reshape(-1, top_k_num, y.shape[-1]), x, lora_a, lora_b, topk_weights,
                                       sorted_ids, expert_ids, post_pad, lora_a[0].shape[-2], top_k, None, None,
                                       adapter_enabled, False, fully_sharded, 0, token_lora_mapping,
-                                      lora_ranks=lora_ranks)
+                                      lora_ranks=lora_ranks, lora_a_scale=lora_a_scale, lora_b_scale=lora_b_scale)
         return out.reshape(y.shape), sorted_ids, expert_ids, post_pad, token_lora_mapping
 
     def add_lora_w2(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids_lora,
                     expert_ids_lora, num_tokens_post_padded_lora, token_lora_mapping, num_tokens: int, w1, w2,
                     top_k_num: int, max_loras: int, adapter_enabled, top_k: int, fully_sharded: bool, tp_rank: int,
-                    use_tuned_config: bool, add_inputs: bool = True, *, lora_ranks=None) -> jax.Array:
+                    use_tuned_config: bool, add_inputs: bool = True, *, lora_ranks=None, lora_a_scale=None,
+                    lora_b_scale=None) -> jax.Array:
         """The down (w2) expert LoRA: `add_lora_fused_moe` with the router weights applied
         (mul_routed_weight) on the alignment `add_lora_w13` returned; x (T * top_k, I), one row per
-        pair; y (T, top_k, H), the per-pair output before the sum over k. Returns the new y."""
+        pair; y (T, top_k, H), the per-pair output before the sum over k. Returns the new y.
+        lora_a_scale / lora_b_scale: the fp8 slices' scales (`add_lora_fused_moe`)."""
         if not add_inputs:
             raise ValueError("add_inputs: expected True; the MoE LoRA ops add into y")
         if expert_ids_lora is None:
@@ -790,7 +800,7 @@ class PunicaWrapper:
         return self.add_lora_fused_moe(y, x, lora_a, lora_b_stacked, topk_weights, sorted_token_ids_lora,
                                        expert_ids_lora, num_tokens_post_padded_lora, lora_a[0].shape[-2], top_k, None,
                                        None, adapter_enabled, True, fully_sharded, 0, token_lora_mapping,
-                                       lora_ranks=lora_ranks)
+                                       lora_ranks=lora_ranks, lora_a_scale=lora_a_scale, lora_b_scale=lora_b_scale)
 
 def _present(scales) -> list:
     """The given (not None) entries of per-slice weight scales, for the device check."""

@@ -24,6 +24,18 @@ Every shape depends on (P, E, L, block_size) only: one compiled program for ever
 `sorted_token_ids=None` is vLLM's naive assignment: expert_ids is then topk_ids flattened (P,), and
 the layout is built here with block size 16.
 
+fp8 (e4m3) expert weights (contract section 11): A_s and / or B_s in float8_e4m3fn with float32
+channel scales `lora_a_scale` (one per slice, (L, E, r)) / `lora_b_scale` ((L, E, n_s)), or (L,)
+per slot (broadcast here to every expert and channel); each scale multiplies the float32 product
+once, before the router weight:
+
+  y[t, k, cols of s] += w_p * b_scale_s[l, e] * ((a_scale_s[l, e] * (x_p @ A_s[l, e].T)) @ B_s[l, e].T)
+
+The rules are `lora_core.checks.check_expert_scales` (torch_lora.ops.fused_moe_lora's). A backend
+takes them as keywords `lora_a_scale` / `lora_b_scale` ((L, E, rows) float32 per slice, None for a
+16-bit side); one whose `fused_moe_lora` has no such parameter runs the xla backend's, said once
+on the `jax_lora` logger.
+
 Backends: a backend's MoE module defines `fused_moe_lora(y3, x, lora_a, lora_b, pair_weight,
 layout, offsets, lora_ranks) -> y3` (x: one row per token or per pair; a module with NAIVE_ORDER
 True receives a `moe_layout.NaiveOrder` as layout when sorted_token_ids is None, the others a
@@ -38,6 +50,7 @@ the same whatever the other pairs of the batch and its position.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 
@@ -98,10 +111,59 @@ def backend_module(backend: str | None, deterministic: bool = False):
     return dispatch.deterministic_impl(xla) if deterministic else xla
 
 
+def takes_expert_scales(module) -> bool:
+    """Whether a backend's MoE module applies fp8 expert weight scales (a `lora_a_scale` parameter
+    of its fused_moe_lora)."""
+    try:
+        return "lora_a_scale" in inspect.signature(module.fused_moe_lora).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def scaled_backend_module(module, deterministic: bool):
+    """`module` when it applies fp8 expert scales, else the xla backend's (its batch-invariant form
+    when deterministic), said once per backend on the `jax_lora` logger."""
+    if takes_expert_scales(module):
+        return module
+    if module.NAME not in _SCALE_FALLBACK_SAID:
+        _SCALE_FALLBACK_SAID.add(module.NAME)
+        _LOG.warning("jax_lora: backend %r's fused MoE LoRA does not apply fp8 expert weight scales; fp8 expert "
+                     "weights run on the xla backend's", module.NAME)
+    xla = dispatch.load_backend("xla")
+    return dispatch.deterministic_impl(xla) if deterministic else xla
+
+
+_SCALE_FALLBACK_SAID: set = set()
+
+
+def expert_scales(name: str, scales, weights: Sequence, arg_w: str) -> tuple | None:
+    """The fp8 scales of the expert weights checked (`checks.check_expert_scales`) and made float32
+    (L, E, rows) per slice (a per-slot (L,) scale broadcast to every expert and channel; None for a
+    16-bit slice); None when no slice is fp8."""
+    if scales is not None and not isinstance(scales, (list, tuple)):
+        scales = (scales,)
+    if scales is None and not any(checks.is_fp8(w.dtype) for w in weights):
+        return None
+    entries = None if scales is None else [None if sc is None else sc if hasattr(sc, "shape") and
+                                           hasattr(sc, "dtype") else np.asarray(sc) for sc in scales]
+    kinds = checks.check_expert_scales(name, None if entries is None else
+                                       [None if sc is None else (tuple(sc.shape), sc.dtype) for sc in entries],
+                                       [tuple(w.shape) for w in weights], [w.dtype for w in weights], arg_w)
+    if all(k is None for k in kinds):
+        return None
+    out = []
+    for w, sc, kind in zip(weights, entries, kinds):
+        sc = jnp.asarray(sc)
+        out.append(jnp.broadcast_to(sc[:, None, None], tuple(int(d) for d in w.shape[:3])) if kind == "tensor"
+                   else sc)
+    return tuple(out)
+
+
 def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, topk_weights, sorted_token_ids,
                    expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank: int, top_k_num: int,
                    adapter_enabled=None, mul_routed_weight: bool = False, offset: int = 0, *, block_size=None,
-                   backend: str | None = None, lora_ranks=None, deterministic: bool = False) -> jax.Array:
+                   backend: str | None = None, lora_ranks=None, deterministic: bool = False, lora_a_scale=None,
+                   lora_b_scale=None) -> jax.Array:
     """The new y with every routed pair's LoRA term added (module docstring).
 
     y (M, top_k, N) or (M * top_k, N); x (M, K) (mul_routed_weight False: one row per token) or
@@ -110,7 +172,9 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
     topk_weights (M, top_k); the layout from `moe_lora_align_block_size` (flat or one row per slot;
     block_size, when given, must be its block size) or sorted_token_ids None and expert_ids the
     (M * top_k,) experts; token_lora_mapping (M,) slots (-1 none); lora_ranks (L,), optional;
-    deterministic: batch-invariant (module docstring).
+    deterministic: batch-invariant (module docstring). lora_a_scale / lora_b_scale: for fp8 A / B,
+    one float32 scale per slice, (L, E, r) / (L, E, n_s) per channel or (L,) per slot (module
+    docstring); None for 16-bit weights.
     """
     lora_a = tuple(lora_a_stacked) if isinstance(lora_a_stacked, (list, tuple)) else (lora_a_stacked,)
     lora_b = tuple(lora_b_stacked) if isinstance(lora_b_stacked, (list, tuple)) else (lora_b_stacked,)
@@ -138,6 +202,10 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
         what = "one row per pair (mul_routed_weight=True)" if mul_routed_weight else "one row per token"
         raise ValueError(f"x must be ({want_rows}, K), {what}, got shape {x.shape}")
     num_slots, num_experts, rank, hidden = _check_weights(lora_a, lora_b, x.shape[1])
+    fp8 = {key: checked for key, checked in (
+        ("lora_a_scale", expert_scales("lora_a_scale", lora_a_scale, lora_a, "lora_a_stacked")),
+        ("lora_b_scale", expert_scales("lora_b_scale", lora_b_scale, lora_b, "lora_b_stacked")))
+        if checked is not None}
     if int(max_lora_rank) < rank:
         raise ValueError(f"max_lora_rank={max_lora_rank} is smaller than lora_a_stacked's rank {rank}")
     widths = tuple(int(b.shape[2]) for b in lora_b)
@@ -149,6 +217,8 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
     if mapping.ndim != 1 or mapping.shape[0] < m:
         raise ValueError(f"token_lora_mapping must be (>= {m},) slots, got shape {mapping.shape}")
     module = backend_module(backend, deterministic)
+    if fp8:
+        module = scaled_backend_module(module, deterministic)
     if sorted_token_ids is None:
         topk_ids = jnp.asarray(expert_ids).astype(jnp.int32)
         if topk_ids.size != p:
@@ -172,7 +242,7 @@ def fused_moe_lora(y, x, lora_a_stacked: Sequence, lora_b_stacked: Sequence, top
             layout = layout._replace(num_tokens_post_padded=jnp.where(enabled, layout.num_tokens_post_padded, 0))
     pair_weight = weights.reshape(p).astype(jnp.float32) if mul_routed_weight else None
     ranks = None if lora_ranks is None else jnp.asarray(lora_ranks).astype(jnp.int32)
-    out = module.fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, ranks)
+    out = module.fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, ranks, **fp8)
     return out.reshape(y.shape)
 
 
@@ -188,7 +258,7 @@ def _check_weights(lora_a, lora_b, hidden: int) -> tuple[int, int, int, int]:
             raise ValueError(f"lora_b_stacked[{s}] must be (L, E, n, r) = ({num_slots}, {num_experts}, n, {rank}), "
                              f"got shape {tuple(b.shape)}")
     for w in lora_a + lora_b:
-        if np.dtype(w.dtype).name not in checks.UNSCALED_WEIGHT_DTYPES:
-            raise TypeError(f"LoRA weights must be one of {checks.UNSCALED_WEIGHT_DTYPES} (expert LoRA has no "
-                            f"fp8 weights), got {w.dtype}")
+        if checks.dtype_name(w.dtype) not in checks.WEIGHT_DTYPES:
+            raise TypeError(f"LoRA weights must be one of {checks.WEIGHT_DTYPES} (fp8 with lora_a_scale / "
+                            f"lora_b_scale), got {w.dtype}")
     return num_slots, num_experts, rank, k_dim

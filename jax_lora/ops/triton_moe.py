@@ -18,6 +18,10 @@ torch_lora.ops.moe_triton; both take the kernel's parameter lists from `moe_lora
    programmatic dependent of the shrink, `triton._pdl`), Triton's interpreter inside
    `jax.pure_callback` on the CPU (TRITON_INTERPRET=1).
 
+fp8 (e4m3) expert weights: `lora_a_scale` / `lora_b_scale` ((L, E, rows) float32 per slice) are
+the kernel's scale pointers (`moe_lora_calls`); the tiles enter tl.dot in the activations' dtype
+(`planning.dot_dtype`) and the float32 products are scaled once per channel.
+
 The naive order (NAIVE_ORDER: without sorted ids the op hands this module a `NaiveOrder`, each
 pair's expert and each token's slot, instead of building a layout) takes one pair per program, as
 vLLM's decode path does.
@@ -43,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from lora_core.kernels.moe_lora import moe_lora_calls, plan_moe_lora
-from lora_core.kernels.planning import interpreting
+from lora_core.kernels.planning import dot_dtype, interpreting
 
 from . import invariant, triton, xla_moe
 from .moe_layout import MoELayout, NaiveOrder, align_layout, pairs_of_layout
@@ -70,12 +74,13 @@ def _naive_order(layout, num_tokens: int, top_k: int) -> NaiveOrder:
 
 
 def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offsets, lora_ranks, *,
-                   deterministic: bool = False) -> jax.Array:
+                   deterministic: bool = False, lora_a_scale=None, lora_b_scale=None) -> jax.Array:
     """y3 (M, k, N); x (M, K) one row per token (pair_weight None) or (P, K) one per pair;
     lora_a / lora_b: S arrays (L, E, r, K) / (L, E, n_s, r); pair_weight (P,) float32 or None
     (the router weights, mul_routed_weight); layout: a MoELayout (one row per slot) or a
     NaiveOrder; offsets: S static column
-    offsets, slice 1 right after slice 0; lora_ranks (L,) int32 or None -> the new y3."""
+    offsets, slice 1 right after slice 0; lora_ranks (L,) int32 or None; lora_a_scale /
+    lora_b_scale: None or S float32 arrays (L, E, r) / (L, E, n_s) of fp8 weights -> the new y3."""
     m, k, n_total = y3.shape
     p = m * k
     if p == 0:
@@ -88,15 +93,17 @@ def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offset
         if isinstance(layout, NaiveOrder):
             layout = align_layout(layout.experts.reshape(m, k), layout.token_slots, lora_a[0].shape[1], 16,
                                   lora_a[0].shape[0])
-        return reference.fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks)
+        return reference.fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks,
+                                        lora_a_scale=lora_a_scale, lora_b_scale=lora_b_scale)
     launches, results = moe_launches(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks,
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, lora_a_scale=lora_a_scale,
+                                     lora_b_scale=lora_b_scale)
     out = triton._run(launches, results, interpret)[0]                                      # step 3
     return out.reshape(y3.shape)
 
 
 def moe_launches(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offsets, lora_ranks, *,
-                 deterministic: bool = False) -> tuple[list, list]:
+                 deterministic: bool = False, lora_a_scale=None, lora_b_scale=None) -> tuple[list, list]:
     """(the shrink and expand `_Launch`es, the call's results [y (P, N), the rank buffer]) of
     `fused_moe_lora`'s arguments (steps 1-2)."""
     m, k, n_total = y3.shape
@@ -117,7 +124,9 @@ def moe_launches(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offsets,
                          mul_routed_weight=pair_weight is not None,
                          shared_a=len(lora_a) == 2 and lora_a[0] is lora_a[1], has_ranks=lora_ranks is not None,
                          deterministic=deterministic,
-                         dtypes=tuple(jnp.dtype(a.dtype).name for a in (x, lora_a[0], lora_b[0])),
+                         dtypes=(jnp.dtype(x.dtype).name,
+                                 *(dot_dtype(jnp.dtype(w.dtype).name, jnp.dtype(x.dtype).name)
+                                   for w in (lora_a[0], lora_b[0]))),
                          pdl=not interpreting() and triton._pdl())
     y = triton._InPlace(0, y3.reshape(p, n_total))                                          # step 2
     buf = triton._Result(1, (len(lora_a) * plan.k_split, p, rank), jnp.float32)
@@ -125,7 +134,8 @@ def moe_launches(y3, x, lora_a, lora_b, pair_weight, layout: MoELayout, offsets,
     ranks = enabled if lora_ranks is None else lora_ranks.astype(jnp.int32)
     weights = x if pair_weight is None else pair_weight                 # never read without router weights
     calls = moe_lora_calls(plan, x, lora_a, lora_b, buf, y, weights, sorted_ids, experts, post_pad, token_slots,
-                           enabled, ranks, num_pairs=p, top_k=k, offset=int(offsets[0]), strides=triton._strides)
+                           enabled, ranks, num_pairs=p, top_k=k, offset=int(offsets[0]), strides=triton._strides,
+                           lora_a_scale=lora_a_scale, lora_b_scale=lora_b_scale)
     results = [jax.ShapeDtypeStruct((p, n_total), y3.dtype), jax.ShapeDtypeStruct(buf.shape, jnp.float32)]
     return [triton._Launch(call, -1, call.plan.launch_pdl) for call in calls], results
 

@@ -11,7 +11,9 @@ weights, the megablox pattern with the expert ids as the schedule:
      into SMEM; the index maps fetch A_s[l, e] (r, K) and B_s[l, e] (n_s, r) of the step's group
      (consecutive blocks of one group ask for the same weights, which the pipeline does not fetch
      again). The kernel computes (rows @ A.T) @ B.T in float32, rank columns >= lora_ranks[l]
-     masked with `where`, and stores the (block_size, n_s) delta; a dead step stores zeros and
+     masked with `where`, and stores the (block_size, n_s) delta; with fp8 (e4m3) weights the
+     group's channel scales (a_scale_s[l, e] (r,), b_scale_s[l, e] (n_s,)) are fetched the same
+     way and multiply the rank columns and the delta's columns once, in float32; a dead step stores zeros and
      reads nothing it uses (its weight blocks are clamped to expert 0).
   3. XLA multiplies each row's delta by its pair's router weight (when given) and adds it into y
      at the pair (a scatter-add with the sentinel dropped; each pair occurs at most once), in
@@ -34,7 +36,11 @@ from .common import HIGHEST, _ranks_or_full, _two_jits, current_interpret
 __all__ = ["fused_moe_lora"]
 
 
-def _kernel(expert_ref, live_ref, ranks_ref, x_ref, a_ref, b_ref, o_ref, *, blocks_per_slot: int):
+def _kernel(expert_ref, live_ref, ranks_ref, x_ref, a_ref, b_ref, *refs, blocks_per_slot: int, scaled_a: bool,
+            scaled_b: bool):
+    *scale_refs, o_ref = refs
+    a_scale_ref = scale_refs.pop(0) if scaled_a else None
+    b_scale_ref = scale_refs.pop(0) if scaled_b else None
     g = pl.program_id(0)
 
     @pl.when(live_ref[g] != 0)
@@ -43,21 +49,28 @@ def _kernel(expert_ref, live_ref, ranks_ref, x_ref, a_ref, b_ref, o_ref, *, bloc
         a = a_ref[...].astype(jnp.float32)                                      # (r, K)
         h = jax.lax.dot_general(x_ref[...].astype(jnp.float32), a, (((1,), (1,)), ((), ())),
                                 precision=HIGHEST, preferred_element_type=jnp.float32)    # (bs, r)
+        if a_scale_ref is not None:
+            h = h * a_scale_ref[...][None, :]
         col = jax.lax.broadcasted_iota(jnp.int32, h.shape, 1)
         h = jnp.where(col < ranks_ref[slot], h, 0.0)
         b = b_ref[...].astype(jnp.float32)                                      # (n, r)
         col_b = jax.lax.broadcasted_iota(jnp.int32, b.shape, 1)
         b = jnp.where(col_b < ranks_ref[slot], b, 0.0)
-        o_ref[...] = jax.lax.dot_general(h, b, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                                         preferred_element_type=jnp.float32)
+        out = jax.lax.dot_general(h, b, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                                  preferred_element_type=jnp.float32)
+        if b_scale_ref is not None:
+            out = out * b_scale_ref[...][None, :]
+        o_ref[...] = out
 
     @pl.when(live_ref[g] == 0)
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _slice_delta(rows_sorted, a, b, expert, live, ranks, *, block_size: int, interpret):
-    """(L * EM, n) float32 delta of one slice over the gathered rows (step 2)."""
+def _slice_delta(rows_sorted, a, b, expert, live, ranks, a_scale=None, b_scale=None, *, block_size: int,
+                 interpret):
+    """(L * EM, n) float32 delta of one slice over the gathered rows (step 2); a_scale (L, E, r) /
+    b_scale (L, E, n) float32 or None: fp8 channel scales."""
     num_slots, _, rank, hidden = a.shape
     width = b.shape[2]
     total = rows_sorted.shape[0]
@@ -70,32 +83,43 @@ def _slice_delta(rows_sorted, a, b, expert, live, ranks, *, block_size: int, int
     def row_map(g, *_):
         return g, 0
 
+    def scale_map(g, expert_ref, live_ref, ranks_ref):
+        return g // blocks_per_slot, jnp.maximum(expert_ref[g], 0), 0
+
+    scale_specs = ([pl.BlockSpec((None, None, rank), scale_map)] if a_scale is not None else []) + (
+        [pl.BlockSpec((None, None, width), scale_map)] if b_scale is not None else [])
+    scales = [sc for sc in (a_scale, b_scale) if sc is not None]
     return pl.pallas_call(
-        functools.partial(_kernel, blocks_per_slot=blocks_per_slot),
+        functools.partial(_kernel, blocks_per_slot=blocks_per_slot, scaled_a=a_scale is not None,
+                          scaled_b=b_scale is not None),
         out_shape=jax.ShapeDtypeStruct((total, width), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(grid,),
             in_specs=[pl.BlockSpec((block_size, hidden), row_map),
                       pl.BlockSpec((None, None, rank, hidden), w_map),
-                      pl.BlockSpec((None, None, width, rank), w_map)],
+                      pl.BlockSpec((None, None, width, rank), w_map)] + scale_specs,
             out_specs=pl.BlockSpec((block_size, width), row_map),
         ),
         interpret=interpret,
-    )(expert, live, ranks, rows_sorted, a, b)
+    )(expert, live, ranks, rows_sorted, a, b, *scales)
 
 
-def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks):
+def fused_moe_lora(y3, x, lora_a, lora_b, pair_weight, layout, offsets, lora_ranks, *, lora_a_scale=None,
+                   lora_b_scale=None):
     """y3 (M, k, N); x (M, K) one row per token or (P, K) one per pair; lora_a / lora_b: S arrays
     (L, E, r, K) / (L, E, n_s, r); pair_weight (P,) float32 or None; offsets: S static column
-    offsets -> the new y3."""
+    offsets; lora_a_scale / lora_b_scale: None or S float32 arrays (L, E, r) / (L, E, n_s) of fp8
+    weights -> the new y3."""
     ranks = _ranks_or_full(lora_ranks, layout.sorted_token_ids.shape[0], lora_a[0].shape[2])
     rows = pair_rows(x, y3.shape[0] * y3.shape[1])
-    return _moe_call(y3, rows, tuple(lora_a), tuple(lora_b), pair_weight, tuple(layout), ranks,
+    a_scales = (None,) * len(lora_a) if lora_a_scale is None else tuple(lora_a_scale)
+    b_scales = (None,) * len(lora_b) if lora_b_scale is None else tuple(lora_b_scale)
+    return _moe_call(y3, rows, tuple(lora_a), tuple(lora_b), pair_weight, tuple(layout), ranks, a_scales, b_scales,
                      offsets=tuple(offsets), interpret=current_interpret())
 
 
-def _moe_call(y3, rows, lora_a, lora_b, pair_weight, layout, ranks, *, offsets, interpret):
+def _moe_call(y3, rows, lora_a, lora_b, pair_weight, layout, ranks, a_scales, b_scales, *, offsets, interpret):
     """Steps 1-3 of the module docstring in one program."""
     m, k, n_total = y3.shape
     p = m * k
@@ -111,9 +135,9 @@ def _moe_call(y3, rows, lora_a, lora_b, pair_weight, layout, ranks, *, offsets, 
     rows_sorted = jnp.where(held.reshape(-1, 1), rows[jnp.minimum(target, p - 1)], 0).astype(rows.dtype)  # 1
     weight = None if pair_weight is None else pair_weight[jnp.minimum(target, p - 1)]
     y = y3.reshape(p, n_total)
-    for a, b, off in zip(lora_a, lora_b, offsets):
+    for a, b, off, a_scale, b_scale in zip(lora_a, lora_b, offsets, a_scales, b_scales):
         delta = _slice_delta(rows_sorted, a, b, expert_ids.reshape(-1), block_live.reshape(-1).astype(jnp.int32),
-                             ranks, block_size=bs, interpret=interpret)                   # 2
+                             ranks, a_scale, b_scale, block_size=bs, interpret=interpret)  # 2
         if weight is not None:
             delta = delta * weight[:, None]                                                  # 3
         width = b.shape[2]
