@@ -14,10 +14,10 @@ load / unload / hot-swap never recompile the serving step. For layers split over
 (jax_lora.parallel), a slot's weights go to each device as that device's block only.
 
 fp8 storage: `AdapterManager(model, lora_dtype="fp8")` (or layers built with lora_dtype="fp8")
-keeps the linear layers', the LM head's and the embeddings' adapter weights in e4m3 with float32
-scales (expert layers keep 16-bit storage, said once on the `jax_lora` logger). A 16-bit (or
-float32) PEFT adapter is quantised when it is prepared, after its scaling is folded into B: per
-row c of each placed weight (an output channel; a token's row of an embedding's table A.T (V, r)),
+keeps the linear layers', the LM head's, the embeddings' and the experts' adapter weights in e4m3
+with float32 scales. A 16-bit (or float32) PEFT adapter is quantised when it is prepared, after
+its scaling is folded into B: per row c of each placed weight (an output channel; a token's row of
+an embedding's table A.T (V, r); an expert stack's rows per expert),
 scale[c] = amax(|w[c, :]|) / 448 (1 for an all-zero row),
 w_q = e4m3(clip(w / scale[c], -448, 448)) (jax_lora.quant.quantize_rows); the host cache holds the
 quantised form. An fp8 PEFT file's linear, LM-head and embedding modules (`PeftAdapter.fp8`) keep
@@ -254,7 +254,8 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
             B[:, :rank] = bs
     for path, parts in out.items():             # the check torch's placement runs too
         if isinstance(parts, dict):
-            dtype = layers[path].w13_lora_a.get_value().dtype
+            # fp8 experts hold the factors quantised with a float32 scale: their range is float32's
+            dtype = "float32" if _is_fp8(layers[path]) else layers[path].w13_lora_a.get_value().dtype
             parts = [v for k, v in parts.items() if k != "adapter_enabled"]
         else:
             # fp8 layers hold the factors quantised with a float32 scale: their range is float32's
@@ -271,14 +272,21 @@ def quantize_prepared(model: nnx.Module, placed: dict, adapter: PeftAdapter | No
     """prepare_adapter's {path: (A, B)} with the fp8 layers' entries quantised per row (an output
     channel; a token's row of an embedding's table): (A_q (S, r, in) e4m3, or an embedding's (V, r),
     B_q (out, r) e4m3, a_scale (S, r) or (V,), b_scale (out,) float32) (jax_lora.quant.quantize_rows);
-    other layers' entries unchanged. `adapter`, when given and read from an fp8 PEFT file
+    an fp8 MultiLoRAExperts layer's entry (a dict) gets each stack quantised per expert and row, its
+    scales under `<stack>_scale`; other layers' entries unchanged. `adapter`, when given and read
+    from an fp8 PEFT file
     (`adapter.fp8`): its modules' rows hold the file's e4m3 values and scales as they are (B's
     scales times the module's scaling, which B holds), not a requantisation of the dequantised
     values (a row's quantisation depends on that row alone, so the other rows are unchanged)."""
     layers = lnn.lora_layers(model)
     out = dict(placed)
     for path, parts in placed.items():
-        if _is_fp8(layers[path]):
+        if _is_fp8(layers[path]) and isinstance(parts, dict):
+            quantised = dict(parts)
+            for name in lnn.MultiLoRAExperts.STACKS:
+                quantised[name], quantised[f"{name}_scale"] = quantize_rows(parts[name])
+            out[path] = quantised
+        elif _is_fp8(layers[path]):
             (qa, sa), (qb, sb) = quantize_rows(parts[0]), quantize_rows(parts[1])
             out[path] = (qa, qb, sa, sb)
     if adapter is not None and adapter.fp8:
@@ -366,7 +374,7 @@ def adapter_ranks(model: nnx.Module, adapter: PeftAdapter) -> dict:
 def _slot_variables(layer) -> tuple:
     """The names of a multi-LoRA layer's per-slot variables, in the order AdapterManager writes them."""
     if isinstance(layer, lnn.MultiLoRAExperts):
-        return tuple(type(layer).slot_axis)
+        return tuple(n for n in type(layer).slot_axis if _is_fp8(layer) or not n.endswith("_scale"))
     return (("lora_a", "lora_b", "lora_ranks") + (("lora_scale",) if getattr(layer, "dora", False) else ())
             + (("lora_a_scale", "lora_b_scale") if _is_fp8(layer) else ()))
 
@@ -399,8 +407,8 @@ class AdapterManager(SlotTable):
         MultiLoRALogits and every MultiLoRAEmbed store their adapter weights in e4m3 with float32
         scales, per output channel (an embedding's table: per row) (`use_fp8`; new variables, so
         build the manager before the serving step is first traced); adapters are quantised when
-        prepared (module docstring). Expert layers keep their 16-bit storage (said on the
-        `jax_lora` logger).
+        prepared (module docstring); so do the MultiLoRAExperts layers (per expert and output
+        channel).
 
     Adapters are registered under a LoRA id (int > 0) from a directory or a PeftAdapter;
     `activate(ids)` puts them into slots; `lora_index_to_id` is the wrapper's slot table (the
@@ -426,14 +434,8 @@ class AdapterManager(SlotTable):
             raise AdapterError(f"{type(model).__name__} has no multi-LoRA layers")
         self.lora_dtype = lnn.check_lora_dtype(lora_dtype)
         if lora_dtype == "fp8":
-            fp8_types = (lnn.MultiLoRALinear, lnn.MultiLoRALogits, lnn.MultiLoRAEmbed)
             for layer in self.layers.values():
-                if isinstance(layer, fp8_types):
-                    layer.use_fp8()
-            kept = sorted(p for p, layer in self.layers.items() if not isinstance(layer, fp8_types))
-            if kept:
-                _LOG.info("lora_dtype='fp8': the linear layers, the LM head and the embeddings store e4m3 adapter "
-                          "weights; %s keep 16-bit storage (experts)", ", ".join(kept))
+                layer.use_fp8()
         slots = {l.max_loras for l in self.layers.values()}
         if len(slots) != 1:
             raise AdapterError(f"the model's LoRA layers disagree on max_loras: {sorted(slots)}")
@@ -484,6 +486,8 @@ class AdapterManager(SlotTable):
             elif n in ("lora_a_scale", "lora_b_scale"):    # fp8 channel scales; an empty slot: 1
                 new.append(np.ones(shape, np.float32) if prepared is None
                            else prepared[0][path][2 if n == "lora_a_scale" else 3])
+            elif isinstance(layer, lnn.MultiLoRAExperts) and n.endswith("_scale") and prepared is None:
+                new.append(np.ones(shape, np.float32))     # an empty slot's fp8 expert scales: 1
             elif isinstance(layer, lnn.MultiLoRAExperts) and n != "lora_ranks":
                 new.append((_experts_zeros(layer) if prepared is None else prepared[0][path])[n])
             elif prepared is None:

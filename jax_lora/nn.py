@@ -30,7 +30,8 @@ with per-output-channel float32 scales beside them, `lora_a_scale` (S, L, r) and
 wrapper applies the scales once per channel after the float32 sums. `MultiLoRALogits` takes
 lora_dtype="fp8" too (lora_a_scale (L, r), lora_b_scale (L, V)), and so does `MultiLoRAEmbed`
 (its table lora_a (L, V, r) with lora_a_scale (L, V), one per table row: the row a token looks up;
-lora_b_scale (L, D)); expert layers keep their 16-bit storage.
+lora_b_scale (L, D)), and so does `MultiLoRAExperts` (each of its four stacks with float32 scales
+per expert and output channel, `<stack>_scale`).
 
 Tensor parallelism: `jax_lora.parallel.shard_layer` splits a layer over a mesh axis and sets its
 static `tp` attribute; with a wrapper installed, the call then runs per device (`tp.apply`), and
@@ -531,6 +532,11 @@ class MultiLoRAExperts(nnx.Module):
                                    LoRA in this layer, and its tokens' pairs cost nothing)
     PEFT's gate_up_proj LoRA (one A, B (2I, r)) lands as A in both slices and B's halves.
 
+    lora_dtype: None (the stacks in `dtype`) or "fp8" (`use_fp8`): the four stacks in e4m3 with
+    float32 scales per expert and output channel (contract section 11), w13_lora_a_scale
+    (2, L, E, r), w13_lora_b_scale (2, L, E, I), w2_lora_a_scale (L, E, r), w2_lora_b_scale
+    (L, E, H), handed to add_lora_w13 / add_lora_w2 as lora_a_scale / lora_b_scale.
+
     __call__(x (T, H), ids (T, k), weights (T, k), punica=None) -> (T, H): the experts' output, and
     with a wrapper, each routed pair (t, e) of a token with slot l adds (x[t] @ A13_s[l, e].T) @
     B13_s[l, e].T to gate_up's slice s, and weights[t, k] * (a_p @ A2[l, e].T) @ B2[l, e].T to the
@@ -538,7 +544,8 @@ class MultiLoRAExperts(nnx.Module):
     into B).
     """
 
-    def __init__(self, base, *, max_loras: int, max_rank: int, dtype=None):
+    def __init__(self, base, *, max_loras: int, max_rank: int, dtype=None, lora_dtype=None):
+        check_lora_dtype(lora_dtype)
         if not isinstance(base, MoEExperts):
             raise TypeError(f"base must be a jax_lora.moe.MoEExperts, got {type(base).__name__}")
         self.base = base
@@ -553,6 +560,37 @@ class MultiLoRAExperts(nnx.Module):
         self.lora_ranks = _ranks_variable(max_loras, max_rank)
         self.adapter_enabled = LoRAWeight(jnp.ones((max_loras,), jnp.int32))
         self.tp = None
+        self.lora_dtype = None
+        if lora_dtype == "fp8":
+            self.use_fp8()
+
+    STACKS: ClassVar[tuple] = ("w13_lora_a", "w13_lora_b", "w2_lora_a", "w2_lora_b")
+
+    def use_fp8(self) -> bool:
+        """Stores the four stacks in e4m3 with float32 scales per expert and output channel (their
+        last axis quantised, jax_lora.quant.quantize_rows), as new `<stack>_scale` variables; returns
+        whether the storage changed (False when it is fp8 already). Refused on a layer split over
+        a mesh. New variables: call it before the serving step is first traced."""
+        if self.lora_dtype == "fp8":
+            return False
+        if self.tp is not None:
+            raise ValueError("fp8 adapter weights are not supported on a LoRA layer split over a mesh: build the "
+                             "layers with lora_dtype='fp8' before splitting, or serve 16-bit adapters")
+        for name in self.STACKS:
+            q, scale = quantize_rows(getattr(self, name).get_value())
+            setattr(self, name, LoRAWeight(jnp.asarray(q)))
+            setattr(self, f"{name}_scale", LoRAWeight(jnp.asarray(scale)))
+        self.lora_dtype = "fp8"
+        return True
+
+    def _fp8_scales(self) -> tuple:
+        """({}, {}) for 16-bit stacks; with fp8 the wrapper keywords of gate_up (per slice) and of down."""
+        if self.lora_dtype != "fp8":
+            return {}, {}
+        a13, b13 = self.w13_lora_a_scale.get_value(), self.w13_lora_b_scale.get_value()
+        return (dict(lora_a_scale=(a13[0], a13[1]), lora_b_scale=(b13[0], b13[1])),
+                dict(lora_a_scale=(self.w2_lora_a_scale.get_value(),),
+                     lora_b_scale=(self.w2_lora_b_scale.get_value(),)))
 
     @property
     def num_experts(self) -> int:
@@ -566,17 +604,19 @@ class MultiLoRAExperts(nnx.Module):
         ranks, enabled = self.lora_ranks.get_value(), self.adapter_enabled.get_value()
         order = ExpertOrder(ids, base.num_experts)
         a13, b13 = self.w13_lora_a.get_value(), self.w13_lora_b.get_value()
+        fp8_13, fp8_2 = self._fp8_scales()
         h, *layout = w.add_lora_w13(base.gate_up(x, ids, order), x, (a13[0], a13[1]), (b13[0], b13[1]), ids,
                                     weights, None, None, None, t, k, self.max_loras, enabled, base.num_experts, k, 2,
-                                    False, False, lora_ranks=ranks)
+                                    False, False, lora_ranks=ranks, **fp8_13)
         a = base.activate(h)
         d = w.add_lora_w2(base.down(a, ids, weights, order), a, (self.w2_lora_a.get_value(),),
                           (self.w2_lora_b.get_value(),), weights, *layout, t, None, None, k, self.max_loras, enabled,
-                          k, False, 0, False, lora_ranks=ranks)
+                          k, False, 0, False, lora_ranks=ranks, **fp8_2)
         return d.sum(axis=1)
 
     slot_axis: ClassVar[dict] = {"w13_lora_a": 1, "w13_lora_b": 1, "w2_lora_a": 0, "w2_lora_b": 0,
-                                 "lora_ranks": 0, "adapter_enabled": 0}
+                                 "lora_ranks": 0, "adapter_enabled": 0, "w13_lora_a_scale": 1, "w13_lora_b_scale": 1,
+                                 "w2_lora_a_scale": 0, "w2_lora_b_scale": 0}
 
 
 LORA_LAYER_TYPES = (MultiLoRALinear, MultiLoRAEmbed, MultiLoRALogits, MultiLoRAExperts)
@@ -611,7 +651,8 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
       dora: the linear layers (not the logits or embeddings) hold DoRA column scales from the start
         (without it, `MultiLoRALinear.enable_dora` adds one when the first DoRA adapter reaches a layer).
       lora_dtype: None or "fp8": the linear layers, the logits and the embeddings store e4m3 weights
-        with float32 scales (MultiLoRALinear, MultiLoRALogits, MultiLoRAEmbed; contract section 11).
+        with float32 scales (MultiLoRALinear, MultiLoRALogits, MultiLoRAEmbed; contract section 11;
+        expert layers are not replaced here: `MultiLoRAExperts(..., lora_dtype="fp8")`).
 
     Returns {path: new layer}. Raises ValueError when nothing matches (a typo should not silently
     give a model without adapters).

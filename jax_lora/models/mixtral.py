@@ -190,7 +190,8 @@ def add_lora(model: MixtralForCausalLM, *, max_loras: int, max_rank: int,
     q/k/v_proj select `qkv_proj`; `experts` (or an expert weight's name: `gate_up_proj`,
     `down_proj`, `w1`, `w2`, `w3`, `gate_proj`, `up_proj`) selects every layer's experts
     (jax_lora.nn.MultiLoRAExperts: both projections get slots). lora_dtype="fp8": the dense linear
-    layers store e4m3 adapter weights with per-channel float32 scales; the experts keep `dtype`.
+    layers and the experts store e4m3 adapter weights with per-channel float32 scales (the experts
+    per expert and output channel).
     Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
@@ -223,7 +224,7 @@ def add_lora(model: MixtralForCausalLM, *, max_loras: int, max_rank: int,
             if isinstance(layer.mlp.experts, lnn.MultiLoRAExperts):
                 continue
             layer.mlp.experts = lnn.MultiLoRAExperts(layer.mlp.experts, max_loras=max_loras, max_rank=max_rank,
-                                                     dtype=dtype)
+                                                     dtype=dtype, lora_dtype=lora_dtype)
             layers[f"model.layers.{i}.mlp.experts"] = layer.mlp.experts
     return layers
 
