@@ -14,6 +14,8 @@ the adapter's effect.
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,6 +39,8 @@ ADAPTERS = {   # name: (seed, LoraConfig keywords)
                       target_parameters=hf_mixtral.EXPERT_PARAMS)),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "experts"]
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton on the CPU needs the interpreter (CUDA: tests/test_fp8_moe_lora_jax.py's gpu test)")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +96,7 @@ def test_fp8_expert_slots_hold_quantize_rows_of_the_16_bit_slots(assets):
                                       np.asarray(twins[path].adapter_enabled.get_value()))
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "triton"])
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", pytest.param("triton", marks=INTERPRETED)])
 def test_fp8_moe_block_equals_the_float64_block_on_the_dequantised_slots(assets, backend):
     """One MoE block of the fp8 model under a wrapper (tokens of both adapters and none) against the
     oracle's whole block on the dequantised expert slots (routing from the same router)."""
