@@ -40,7 +40,7 @@ ADAPTERS = {   # name: (seed, LoraConfig keywords)
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "experts"]
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="Triton on the CPU needs the interpreter (CUDA: tests/test_fp8_moe_lora_jax.py's gpu test)")
+                                 reason="Triton on the CPU needs the interpreter (CUDA: the gpu test of the op)")
 
 
 @pytest.fixture(scope="module")
