@@ -17,6 +17,8 @@ Fields an entry may set:
          run through `fused_moe_lora` and `moe_w13_w2` below.
   fp8: the side's ops and wrapper take fp8 (e4m3) weights with their scales (contract section 11;
          `fp8_weight` makes one, `lora_shrink` / `lora_expand` pass `scales`).
+  fp8_moe: the side's `fused_moe_lora` takes fp8 expert weights with their scales (`fused_moe_lora`
+         below with `a_scales` / `b_scales`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Impl:
     vllm_methods: bool = True
     moe_lora: bool = False
     fp8: bool = False
+    fp8_moe: bool = False
 
     def __str__(self):
         return self.name
@@ -199,9 +202,11 @@ class Impl:
 
     # -------------------------------------------------------------- mixture-of-experts LoRA
     def fused_moe_lora(self, y, x, lora_a, lora_b, topk_ids, topk_weights, token_lora, adapter_enabled,
-                       mul_routed_weight, offset, naive, block_size, dtype, deterministic=False):
+                       mul_routed_weight, offset, naive, block_size, dtype, deterministic=False, a_scales=None,
+                       b_scales=None):
         """The MoE LoRA op on one order (naive: topk_ids flattened; else the op's own alignment);
-        returns y as NumPy."""
+        returns y as NumPy. a_scales / b_scales: per slice float32 scales of fp8 A / B (then the
+        weights are ml_dtypes e4m3 values, passed bit for bit)."""
         ops = self.ops
         ids = self.idx(topk_ids)
         mapping, enabled = self.idx(token_lora), self.idx(adapter_enabled)
@@ -211,12 +216,18 @@ class Impl:
             sorted_ids, expert_ids, post_pad = ops.moe_lora_align_block_size(
                 ids, mapping, lora_a[0].shape[1], block_size, lora_a[0].shape[0], enabled)
         out = self.arr(y, dtype)
-        res = ops.fused_moe_lora(out, self.arr(x, dtype), [self.arr(a, dtype) for a in lora_a],
-                                 [self.arr(b, dtype) for b in lora_b], self.arr(topk_weights, "float32"),
-                                 sorted_ids, expert_ids, post_pad, mapping, lora_a[0].shape[2],
-                                 topk_ids.shape[1], enabled, mul_routed_weight, offset,
+        fp8 = {}
+        if a_scales is not None:
+            fp8["lora_a_scale"] = [self.arr(s) for s in a_scales]
+        if b_scales is not None:
+            fp8["lora_b_scale"] = [self.arr(s) for s in b_scales]
+        res = ops.fused_moe_lora(out, self.arr(x, dtype),
+                                 [self.fp8_weight(a) if a_scales is not None else self.arr(a, dtype) for a in lora_a],
+                                 [self.fp8_weight(b) if b_scales is not None else self.arr(b, dtype) for b in lora_b],
+                                 self.arr(topk_weights, "float32"), sorted_ids, expert_ids, post_pad, mapping,
+                                 lora_a[0].shape[2], topk_ids.shape[1], enabled, mul_routed_weight, offset,
                                  block_size=None if naive else block_size, backend=self.backend,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic, **fp8)
         if self.side == "torch":
             assert res is out
             return self.to_np(out)
@@ -252,13 +263,14 @@ class Impl:
 
 def _jax_impls():
     from .pallas_tpu_impl import make_impl as pallas_tpu_impl  # TPU interpret mode, races checked
-    return [Impl("jax-xla", "jax", "xla", moe_lora=True), pallas_tpu_impl(Impl),
-            Impl("jax-triton", "jax", "triton", small=True, moe_lora=True)]  # Triton interpreter via pure_callback
+    return [Impl("jax-xla", "jax", "xla", moe_lora=True, fp8_moe=True), pallas_tpu_impl(Impl),
+            Impl("jax-triton", "jax", "triton", small=True, moe_lora=True, fp8_moe=True)]  # Triton interpreter
 
 
 def _torch_impls():
-    return [Impl("torch-ref", "torch", "torch", moe_lora=True, fp8=True),
-            Impl("torch-triton", "torch", "triton", small=True, moe_lora=True, fp8=True)]  # Triton interpreter on CPU
+    return [Impl("torch-ref", "torch", "torch", moe_lora=True, fp8=True, fp8_moe=True),
+            Impl("torch-triton", "torch", "triton", small=True, moe_lora=True, fp8=True,
+                 fp8_moe=True)]  # Triton interpreter on CPU
 
 
 def _bridge_impls():

@@ -80,4 +80,4 @@ def make_impl(impl_cls):
             with races_checked():
                 return super().moe_w13_w2(*args, **kwargs)
 
-    return PallasTPUImpl("jax-pallas_tpu", "jax", "pallas_tpu", small=True, moe_lora=True)
+    return PallasTPUImpl("jax-pallas_tpu", "jax", "pallas_tpu", small=True, moe_lora=True, fp8_moe=True)

@@ -704,6 +704,47 @@ def _fp8_slices(impl, weights, granularity):
     return ([impl.fp8_weight(q) for q, _, _ in qs], [impl.arr(s) for _, s, _ in qs], [d for _, _, d in qs])
 
 
+FP8_MOE_PARAMS = [pytest.param(impl, dt, id=f"{impl.name}-{dt}", marks=impl.marks)
+                  for impl in IMPLS if impl.fp8_moe for dt in DTYPES if dt in impl.dtypes]
+
+
+def fp8_quantize_experts(w, granularity):
+    """(w_q, scale, dequantised float64 w) of stacked expert weights (L, E, rows, cols) by contract
+    section 11's rule: scale (L, E, rows) per channel, or (L,) per tensor (one per slot)."""
+    w = np.asarray(w, np.float64)
+    if granularity == "channel":
+        q, scale = oracle.fp8_quantize(w)
+        return q, scale, oracle.fp8_dequantize(q, scale)
+    q, scale = oracle.fp8_quantize(w.reshape(w.shape[0], 1, -1))
+    q, scale = q.reshape(w.shape), scale.reshape(-1)
+    return q, scale, q.astype(np.float64) * scale.astype(np.float64)[:, None, None, None]
+
+
+@pytest.mark.parametrize("impl,dtype", FP8_MOE_PARAMS)
+@pytest.mark.parametrize("order", ["naive", "sorted"])
+@pytest.mark.parametrize("down,granularity", [(False, "channel"), (True, "tensor")], ids=["gate_up", "down"])
+def test_fp8_fused_moe_lora_op(impl, dtype, order, down, granularity):
+    """fused_moe_lora with fp8 expert A and B (gate_up: two slices at an offset, per-channel scales
+    (L, E, rows); down: router-weighted, per-slot scales (L,)) against the oracle on the dequantised
+    weights, and within the quantisation's accuracy of the 16-bit weights."""
+    case = MoeCase(48 + down, dtype)
+    a, b = (case.dn_a, case.dn_b) if down else (case.gu_a, case.gu_b)
+    x, y0, offset = (case.h, case.y2, 0) if down else (case.x, case.y13, 1)
+    qa = [fp8_quantize_experts(w, granularity) for w in a]
+    qb = [fp8_quantize_experts(w, granularity) for w in b]
+    got = impl.fused_moe_lora(y0, x, [q for q, _, _ in qa], [q for q, _, _ in qb], case.topk_ids, case.topk_weights,
+                              case.idx, case.enabled, down, offset, order == "naive", 16, dtype,
+                              a_scales=[s for _, s, _ in qa], b_scales=[s for _, s, _ in qb])
+    want = oracle.fused_moe_lora(y0, x, [d for _, _, d in qa], [d for _, _, d in qb], case.topk_ids,
+                                 case.topk_weights, case.idx, case.enabled, down, offset)
+    assert_close(got, want, dtype, f"fp8 fused_moe_lora {order}")
+    case.untouched(got, y0)
+    want16 = oracle.fused_moe_lora(y0, x, a, b, case.topk_ids, case.topk_weights, case.idx, case.enabled, down,
+                                   offset)
+    err16 = oracle.rel_err(got - np.asarray(y0, np.float64), want16 - np.asarray(y0, np.float64))
+    assert err16 <= oracle.FP8_QUANT_TOL + oracle.FP8_TOL[dtype], f"fp8 fused_moe_lora vs 16-bit: {err16:.3g}"
+
+
 @pytest.mark.parametrize("impl,dtype,granularity", FP8_PARAMS)
 def test_fp8_lora_shrink_expand_ops(impl, dtype, granularity):
     """lora_shrink / lora_expand with fp8 A and B (three slices of unequal widths)."""
