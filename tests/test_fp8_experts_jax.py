@@ -75,6 +75,11 @@ def test_fp8_expert_slots_hold_quantize_rows_of_the_16_bit_slots(assets):
     for layer in _experts(empty).values():
         assert layer.lora_dtype == "fp8"
         assert np.all(np.asarray(layer.w13_lora_b_scale.get_value()) == 1.0)       # ones while empty
+    late = load_mixtral(model_dir)                  # 16-bit layers, made fp8 by the manager
+    add_lora(late, max_loras=2, max_rank=8, target_modules=["experts"])
+    AdapterManager(late, lora_dtype="fp8")
+    assert all(layer.lora_dtype == "fp8" and layer.w2_lora_b.get_value().dtype == jnp.float8_e4m3fn
+               for layer in _experts(late).values())
     fp8, manager = _served(assets, "fp8")
     full, full_manager = _served(assets)
     assert manager.lora_index_to_id == full_manager.lora_index_to_id
