@@ -415,14 +415,15 @@ class AdapterManager(SlotTable):
         self._shapes = module_shapes(model)
 
     def _list_variables(self) -> None:
-        """The variables a slot write updates, as (owner, variable name, layer paths) with owner a layer
-        (paths: its own) or a shared LoRABank (jax_lora.lora_bank; paths: its layers', in its layer
-        order), and their slot axes (a bank's one more: its leading axis is the layer)."""
-        self._vars, banks = [], set()
+        """The variables a slot write updates, as (owner, variable name) with owner a layer or a shared
+        LoRABank (jax_lora.lora_bank); the layer paths whose values each holds (a layer's own path, a
+        bank's layers' in its layer order); their slot axes (a bank's one more: its leading axis is
+        the layer)."""
+        entries, banks = [], set()
         for p in self._paths:
             layer = self.layers[p]
             if not getattr(layer, "banked", False):
-                self._vars += [(layer, n, (p,)) for n in _slot_variables(layer)]
+                entries += [(layer, n, (p,)) for n in _slot_variables(layer)]
             elif id(layer.bank) not in banks:
                 banks.add(id(layer.bank))
                 members = sorted((q for q in self._paths if getattr(self.layers[q], "banked", False)
@@ -430,9 +431,11 @@ class AdapterManager(SlotTable):
                 if [self.layers[q].layer_index for q in members] != list(range(layer.bank.num_layers)):
                     raise AdapterError(f"the LoRA bank of {p!r} holds {layer.bank.num_layers} layers, but the model's "
                                        f"LoRA layers sharing it are {members}")
-                self._vars += [(layer.bank, n, tuple(members)) for n in layer.bank.names()]
+                entries += [(layer.bank, n, tuple(members)) for n in layer.bank.names()]
+        self._vars = [(owner, n) for owner, n, _paths in entries]
+        self._var_paths = [paths for _owner, _n, paths in entries]
         self._axes = tuple(lnn.MultiLoRALinear.slot_axis[n] + 1 if isinstance(owner, LoRABank)
-                           else type(owner).slot_axis[n] for owner, n, _paths in self._vars)
+                           else type(owner).slot_axis[n] for owner, n in self._vars)
 
     # -------------------------------------------------------------- SlotTable's framework part
     def _module_shapes(self) -> dict:
@@ -456,26 +459,28 @@ class AdapterManager(SlotTable):
         if prepared is not None:
             added = [self.layers[p].enable_dora() for p in sorted(prepared[2])]
             if any(added):
-                self._list_variables()
                 self.layout_version += 1
+        # Listed now: the layers may have joined or left banks since (a model split over a mesh
+        # gives its layers their own variables back), or gained variables (DoRA, fp8 scales).
+        self._list_variables()
         new = []
-        for (owner, n, paths), axis in zip(self._vars, self._axes):
+        for (owner, n), paths, axis in zip(self._vars, self._var_paths, self._axes):
             shape = list(getattr(owner, n).get_value().shape)
             del shape[axis]
             if isinstance(owner, LoRABank):      # the bank's layers' values, stacked in its layer order
                 new.append(np.stack([self._slot_value(self.layers[p], n, p, shape[1:], prepared) for p in paths]))
             else:
                 new.append(self._slot_value(owner, n, paths[0], shape, prepared))
-        old = tuple(getattr(owner, n).get_value() for owner, n, _paths in self._vars)
-        if any(getattr(owner, "tp", None) is not None for owner, _n, _paths in self._vars):
+        old = tuple(getattr(owner, n).get_value() for owner, n in self._vars)
+        if any(getattr(owner, "tp", None) is not None for owner, _n in self._vars):
             # Layers split over a mesh (jax_lora.parallel): each device receives its block of the slot.
             slot_dev = np.int32(slot)
             new_dev = tuple(v if isinstance(owner, LoRABank) else parallel.place_slot_value(owner, n, v)
-                            for (owner, n, _paths), v in zip(self._vars, new))
+                            for (owner, n), v in zip(self._vars, new))
         else:
             slot_dev, new_dev = jax.device_put((np.int32(slot), tuple(new)))
         updated = _write_slot(old, slot_dev, new_dev, axes=self._axes)
-        for (owner, n, _paths), arr in zip(self._vars, updated):
+        for (owner, n), arr in zip(self._vars, updated):
             getattr(owner, n).set_value(arr)
 
     @staticmethod
