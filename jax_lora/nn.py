@@ -403,16 +403,16 @@ class MultiLoRALinear(nnx.Module):
         x2 = (x if xn is None else xn).reshape(-1, self.in_features)
         t = x2.shape[0]
         w._check_tokens("x", t)
-        ranks = self.lora_ranks.get_value()
-        lora_a = self.lora_a.get_value()
+        _, lora_b, ranks = self._fused_weights()
         if buf is None:
+            lora_a = self.lora_a.get_value()
             s, r = lora_a.shape[0], lora_a.shape[2]
             buf = w.add_shrink(jnp.zeros((s, t, r), jnp.float32), x2, tuple(lora_a[i] for i in range(s)), 1.0,
                                lora_ranks=ranks)
         bias = None if self.base.bias is None else self.base.bias.get_value()
         slots = w.token_meta.token_lora_mapping[:t]
         y = gemm_lora(x2.astype(self.kernel_nk.get_value().dtype), self.kernel_nk.get_value(), bias, buf,
-                      self.lora_b.get_value(), slots, self.output_slices, lora_ranks=ranks)
+                      lora_b, slots, self.output_slices, lora_ranks=ranks)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def norm_linear(self, h: jax.Array, norm_weight: jax.Array, eps: float, punica=None) -> jax.Array | None:
@@ -429,9 +429,22 @@ class MultiLoRALinear(nnx.Module):
         h2 = h.reshape(-1, self.in_features)
         w._check_tokens("h", h2.shape[0])
         slots = w.token_meta.token_lora_mapping[:h2.shape[0]]
-        xn, buf = rms_norm_shrink(h2, norm_weight, float(eps), self.lora_a.get_value(), slots, 1.0,
-                                  lora_ranks=self.lora_ranks.get_value())
+        lora_a, _, ranks = self._fused_weights()
+        xn, buf = rms_norm_shrink(h2, norm_weight, float(eps), lora_a, slots, 1.0, lora_ranks=ranks)
         return self._fused_linear(h, w, xn, buf)
+
+    def _fused_weights(self) -> tuple:
+        """(lora_a, lora_b, lora_ranks) as the fused kernels take them: the layer's own arrays, or for
+        a banked layer per-slice Views of its entry of the bank's arrays (jax_lora.ops.triton.View:
+        read in place, no copy per layer) and its ranks."""
+        if not self.banked:
+            return self.lora_a.get_value(), self.lora_b.get_value(), self.lora_ranks.get_value()
+        from .ops.triton import view
+        layer, a, b = self.layer_index, self.bank.lora_a.get_value(), self.bank.lora_b.get_value()
+        offsets = [sum(self.output_slices[:s]) for s in range(len(self.output_slices))]
+        return (tuple(view(a, (layer, s)) for s in range(len(self.output_slices))),
+                tuple(view(b, (layer, slice(None), slice(o, o + n))) for o, n in zip(offsets, self.output_slices)),
+                self.bank.lora_ranks.get_value()[layer])
 
     def _base_without_bias(self, x):
         """nnx.Linear's product without its bias (the bias is added after DoRA's scale)."""
