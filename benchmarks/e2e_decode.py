@@ -538,7 +538,6 @@ class TorchDecoder:
         fp8 adapters: `lora_scales`, per layer and linear, (A's channel scales per slice (L, r), B's
         per slice (L, n_s): views of the fused (L, out) scales, channels contiguous, rows strided),
         else None."""
-        import torch
         self.lora = []
         self.lora_scales = None
         for layer in self._jm.model.model.layers:

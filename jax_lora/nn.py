@@ -15,6 +15,11 @@ slot's real rank in the layer, passed to the wrapper so kernels skip the zero pa
 rank_pattern gives modules of one adapter different ranks). The adapter scaling is folded into
 `lora_b` when an adapter is loaded (jax_lora.adapters), so the layers call the wrapper with scale 1.
 
+In a model, the MultiLoRALinears of one projection kind across the decoder layers may share one
+layer-stacked `jax_lora.lora_bank.LoRABank` instead of holding their own variables
+(`stack_lora_layers`, the models' `add_lora` default): each layer then reads entry `layer_index` of
+the bank's arrays, and `layer.lora_a` etc. are `BankedVariable`s of that entry.
+
 Which adapter each token uses is not a module attribute: it is the wrapper of the current step,
 installed with `punica_context(wrapper)` around the model call (inside `jax.jit`, where the wrapper
 is a traced argument) or passed as `punica=` to a layer. Without a wrapper a layer computes its base

@@ -106,7 +106,8 @@ def _serve(model, backend: str, lora_dtype=None) -> list:
     out = []
 
     def run(ids):
-        reqs = [Request([5 + i, 7, 11 + 2 * i], lora_id=lid, max_new_tokens=2, request_id=i) for i, lid in enumerate(ids)]
+        reqs = [Request([5 + i, 7, 11 + 2 * i], lora_id=lid, max_new_tokens=2, request_id=i)
+                for i, lid in enumerate(ids)]
         out.extend(np.asarray(c.logits) for c in engine.generate(reqs))
     run([1, 2])
     run([3, None])                           # DoRA arrives: the banks gain lora_scale (layout change)
