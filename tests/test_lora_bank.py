@@ -9,7 +9,8 @@ Covered on the CPU with a tiny random Llama:
   arriving in a model built without dora (the banks gain their scale), fp8 storage, more adapters
   than slots (LRU eviction writes), an adapter unloaded and one replaced under its id; on the xla
   backend and on the Triton backend in Triton's interpreter (its views read a layer's entry of the
-  stacked arrays at the layer's offset);
+  stacked arrays at the layer's offset), the fused LoRA linears included; on a CUDA GPU (marked
+  `gpu`) through the XLA FFI launcher;
 - a banked layer's `lora_a` etc. read and write its entry; `unstack_lora_layers` gives the layers
   their own arrays back, unchanged; the wrapper's `layer=` checks its arguments.
 """
@@ -41,8 +42,8 @@ SHAPES = {"self_attn.q_proj": (32, 32), "self_attn.k_proj": (32, 16), "self_attn
           "mlp.down_proj": (48, 32)}
 
 
-def _model(layers: int = 2, *, stack: bool = True, **kw) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(dataclasses.replace(CFG, num_hidden_layers=layers), rngs=nnx.Rngs(0))
+def _model(layers: int = 2, *, stack: bool = True, dtype=jnp.float32, **kw) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(dataclasses.replace(CFG, num_hidden_layers=layers), dtype=dtype, rngs=nnx.Rngs(0))
     add_lora(model, max_loras=2, max_rank=8, stack_layers=stack, **kw)
     return model
 
@@ -96,12 +97,12 @@ def test_adapter_arrays_do_not_grow_with_layers():
         assert jax.tree.leaves(program.args_info[0][0][0]) == []    # no adapter argument
 
 
-def _serve(model, backend: str, lora_dtype=None) -> list:
-    """Logits of a scripted run: three adapters over two slots (evictions), DoRA arriving late,
-    an adapter unloaded, one replaced under its id."""
+def _serve(model, backend: str, lora_dtype=None, dora: bool = True) -> list:
+    """Logits of a scripted run: three adapters over two slots (evictions), DoRA arriving late
+    (adapter 3; without `dora`, its plain LoRA twin), an adapter unloaded, one replaced under its id."""
     mgr = AdapterManager(model, lora_dtype=lora_dtype)
-    for lora_id, (name, seed, ranks, dora) in ADAPTERS.items():
-        mgr.register(lora_id, _adapter(name, seed, ranks, dora=dora))
+    for lora_id, (name, seed, ranks, is_dora) in ADAPTERS.items():
+        mgr.register(lora_id, _adapter(name, seed, ranks, dora=is_dora and dora))
     engine = ServingEngine(model, mgr, max_seqs=2, max_len=16, min_prefill_len=8, keep_logits=True, backend=backend)
     out = []
 
@@ -134,6 +135,15 @@ def test_stacked_equals_per_layer_triton_interpreter():
     element offset); Triton's interpreter runs the kernels on the CPU."""
     got = _serve(_model(stack=True), "triton")
     want = _serve(_model(stack=False), "triton")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_stacked_fused_path_equals_per_layer_triton_interpreter():
+    """fused="norm" (qkv and gate_up: the norm with the shrink, then the GEMM with the expand; o and
+    down: "gemm"): a banked layer hands the fused kernels views of its entry of the stacked arrays."""
+    got = _serve(_model(stack=True, fused="norm"), "triton", dora=False)
+    want = _serve(_model(stack=False, fused="norm"), "triton", dora=False)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 
@@ -177,3 +187,38 @@ def test_wrapper_layer_argument_is_checked():
         w.add_lora_linear_stacked(*args, lora_ranks=jnp.full((3,), 4, jnp.int32), layer=0)
     with pytest.raises(ValueError, match=r"with layer=, lora_a must be \(n, S, L, r, H\)"):
         w.add_lora_linear_stacked(y, x, jnp.zeros((1, 2, 4, 8)), jnp.zeros((2, 8, 4)), 1.0, (8,), layer=0)
+
+
+def _gpu():
+    from jax_lora.ops import ffi_launcher
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU for JAX")
+    if not ffi_launcher.available():
+        pytest.skip(f"the XLA FFI launcher cannot be used here: {ffi_launcher.unavailable_reason()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_stacked_equals_per_layer_ffi(dtype):
+    """On a CUDA GPU the Triton kernels run through the XLA FFI launcher, reading a banked layer's
+    weights at its byte offset into the stacked operands: the same logits bit for bit as per-layer
+    variables (16-bit and fp8 storage)."""
+    _gpu()
+    for lora_dtype in (None, "fp8"):
+        got = _serve(_model(stack=True, dtype=dtype), "triton", lora_dtype)
+        want = _serve(_model(stack=False, dtype=dtype), "triton", lora_dtype)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", ["gemm", "norm"])
+def test_gpu_stacked_fused_path_equals_per_layer(fused):
+    """The fused LoRA linears (jax_lora.ops.fused_linear) of banked layers read their entry of the
+    stacked arrays as views: the same logits as per-layer variables (no DoRA: the fused path has
+    no column scale)."""
+    _gpu()
+    got = _serve(_model(stack=True, dtype=jnp.bfloat16, fused=fused), "triton", dora=False)
+    want = _serve(_model(stack=False, dtype=jnp.bfloat16, fused=fused), "triton", dora=False)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
