@@ -173,6 +173,22 @@ def test_banked_variables_read_and_write_their_entry():
     assert _lora_leaves(model) == 5 * 2 + 3 * 3 * 2 + 6          # fp8 qkv per layer, 3 kinds, embedding, head
 
 
+def test_split_model_gives_the_layers_their_variables_back():
+    """shard (tensor parallelism) splits layers one by one: the banks are given back first (the
+    values kept), and shard_layer refuses a banked layer by name."""
+    from jax_lora import parallel
+    model = _model(2)
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    value = jax_helpers.rand(3, 2, 8, 32)
+    qkv.lora_a.set_value(value)
+    with pytest.raises(ValueError, match="layer-stacked LoRA bank"):
+        parallel.shard_layer(qkv, jax_helpers.cpu_mesh((2,)), kind="column")
+    model.shard(jax_helpers.cpu_mesh((2,)))
+    assert not qkv.banked and qkv.tp is not None and getattr(model, "lora_banks", None) is None
+    assert _lora_leaves(model) == 3 * 4 * 2 + 6
+    np.testing.assert_array_equal(np.asarray(qkv.lora_a.get_value()), value)     # A's global value
+
+
 def test_wrapper_layer_argument_is_checked():
     bank = LoRABank({"lora_a": jnp.zeros((2, 1, 2, 4, 8)), "lora_b": jnp.zeros((2, 2, 8, 4)),
                      "lora_ranks": jnp.full((2, 2), 4, jnp.int32)})

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -58,8 +57,6 @@ __all__ = [
     "save_llama",
     "use_fused_lora",
 ]
-
-_LOG = logging.getLogger("jax_lora")
 
 HF_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "embed_tokens", "lm_head")
@@ -361,7 +358,7 @@ class LlamaForCausalLM(nnx.Module):
 
         Multi-LoRA layers added later (`add_lora`) are split when they are added. Layer-stacked
         LoRA banks (`add_lora`'s stack_layers) are first given back to the layers (per-layer
-        variables, `jax_lora.nn.unstack_lora_layers`), which are split one by one. `tokens`: the
+        variables, `jax_lora.parallel.shard_model`), which are split one by one. `tokens`: the
         step size the byte model picks each multi-LoRA layer's layout for (`parallel.choose_layout`);
         `layouts` ({path or layer name: layout}) overrides it. Raises ValueError when a size is not
         divisible by the device count, or when the model is already split over another mesh.
@@ -379,9 +376,6 @@ class LlamaForCausalLM(nnx.Module):
         if c.num_attention_heads % n:
             raise ValueError(f"num_attention_heads={c.num_attention_heads} must be divisible by the {n} devices "
                              f"of axis {axis!r}")
-        if lnn.unstack_lora_layers(self):     # split layers hold their own (per-device) adapter blocks
-            _LOG.info("LlamaForCausalLM.shard: the layer-stacked LoRA banks are split back into per-layer "
-                      "variables (a model split over a mesh keeps them per layer)")
         done = parallel.shard_model(self, mesh, self.tp_plan(), axis=axis, tokens=tokens, layouts=layouts)
         self.mesh, self.tp_axis = mesh, axis
         for layer in self.model.layers:
