@@ -345,33 +345,52 @@ class JaxModel:
         from jax_lora import nn as lnn
         return lnn.lora_layers(self.model)
 
+    def lora_holders(self) -> list:
+        """[(holder, its layers)] of the adapter arrays: each LoRA bank (jax_lora.lora_bank: a
+        projection kind's variables stacked over the decoder layers, `add_lora`'s default) with its
+        layers in layer order, or a layer that holds its own with [layer]."""
+        holders, banks = [], {}
+        for layer in self.lora_layers().values():
+            if not getattr(layer, "banked", False):
+                holders.append((layer, [layer]))
+            elif id(layer.bank) not in banks:
+                banks[id(layer.bank)] = (layer.bank, [layer])
+                holders.append(banks[id(layer.bank)])
+            else:
+                banks[id(layer.bank)][1].append(layer)
+        return holders
+
     def set_rank(self, rank: int) -> None:
         import jax.numpy as jnp
-        layers = list(self.lora_layers().values())
+        holders = self.lora_holders()
         fp8 = self.lora_dtype == "fp8"
-        for layer in layers:                              # free the previous rank's weights first
-            layer.lora_a.set_value(jnp.zeros((0,), layer.lora_a.get_value().dtype))
-            layer.lora_b.set_value(jnp.zeros((0,), layer.lora_b.get_value().dtype))
+        for holder, _ in holders:                         # free the previous rank's weights first
+            holder.lora_a.set_value(jnp.zeros((0,), holder.lora_a.get_value().dtype))
+            holder.lora_b.set_value(jnp.zeros((0,), holder.lora_b.get_value().dtype))
             if fp8:
-                layer.lora_a_scale.set_value(jnp.zeros((0,), jnp.float32))
-                layer.lora_b_scale.set_value(jnp.zeros((0,), jnp.float32))
-        specs = []
-        for layer in layers:
-            specs.append(((len(layer.output_slices), NUM_SLOTS, rank, layer.in_features), "bfloat16",
+                holder.lora_a_scale.set_value(jnp.zeros((0,), jnp.float32))
+                holder.lora_b_scale.set_value(jnp.zeros((0,), jnp.float32))
+        specs, leads = [], []
+        for holder, layers in holders:
+            layer = layers[0]
+            lead = (len(layers),) if holder is not layer else ()     # a bank's leading layer axis
+            leads.append(lead)
+            specs.append(((*lead, len(layer.output_slices), NUM_SLOTS, rank, layer.in_features), "bfloat16",
                           1.0 / math.sqrt(layer.in_features), 0.0))
-            specs.append(((NUM_SLOTS, layer.out_features, rank), "bfloat16", B_SCALE / math.sqrt(rank), 0.0))
+            specs.append(((*lead, NUM_SLOTS, layer.out_features, rank), "bfloat16", B_SCALE / math.sqrt(rank), 0.0))
         arrays = self.random(specs)
-        for i, layer in enumerate(layers):
+        for i, ((holder, layers), lead) in enumerate(zip(holders, leads)):
             a, b = arrays[2 * i], arrays[2 * i + 1]
-            arrays[2 * i] = arrays[2 * i + 1] = None      # the bf16 draws are freed as the layers take theirs
+            arrays[2 * i] = arrays[2 * i + 1] = None      # the bf16 draws are freed as the holders take theirs
             if fp8:
                 (a, a_scale), (b, b_scale) = quantize_rows_on_device(a), quantize_rows_on_device(b)
-                layer.lora_a_scale.set_value(a_scale)
-                layer.lora_b_scale.set_value(b_scale)
-            layer.lora_a.set_value(a)
-            layer.lora_b.set_value(b)
-            layer.lora_ranks.set_value(jnp.full((NUM_SLOTS,), rank, jnp.int32))
-            layer.max_rank = rank
+                holder.lora_a_scale.set_value(a_scale)
+                holder.lora_b_scale.set_value(b_scale)
+            holder.lora_a.set_value(a)
+            holder.lora_b.set_value(b)
+            holder.lora_ranks.set_value(jnp.full((*lead, NUM_SLOTS), rank, jnp.int32))
+            for layer in layers:
+                layer.max_rank = rank
         self.rank = rank
 
     def states(self):
@@ -391,6 +410,15 @@ class JaxModel:
         rest_leaves, rest_def = jax.tree.flatten(rest)
         empty = [jnp.zeros((0,), a.dtype) for a in lora_leaves]
         return (graphdef, lora_def, rest_def), lora_leaves, rest_leaves, empty
+
+
+def _torch_lora(layer, name: str):
+    """A JAX LoRA layer's adapter variable `name` as a torch view (DLPack, no copy): of the layer's
+    own array, or of its entry in its bank's layer-stacked array (jax_lora.lora_bank)."""
+    import torch
+    if getattr(layer, "banked", False):
+        return torch.from_dlpack(getattr(layer.bank, name).get_value())[layer.layer_index]
+    return torch.from_dlpack(getattr(layer, name).get_value())
 
 
 @functools.cache
@@ -520,24 +548,22 @@ class TorchDecoder:
         fp8 adapters: `lora_scales`, per layer and linear, (A's channel scales per slice (L, r), B's
         per slice (L, n_s): views of the fused (L, out) scales, channels contiguous, rows strided),
         else None."""
-        import torch
         self.lora = []
         self.lora_scales = None
         for layer in self._jm.model.model.layers:
             per, scales = {}, {}
             for name, mod in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
                               ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
-                a = torch.from_dlpack(mod.lora_a.get_value())
-                b = torch.from_dlpack(mod.lora_b.get_value())
+                a, b = _torch_lora(mod, "lora_a"), _torch_lora(mod, "lora_b")
                 slices, off, bs = tuple(mod.output_slices), 0, []
                 for n in slices:
                     bs.append(b[:, off:off + n, :])
                     off += n
                 per[name] = (tuple(a[s] for s in range(len(slices))), tuple(bs), slices,
-                             torch.from_dlpack(mod.lora_ranks.get_value()))
+                             _torch_lora(mod, "lora_ranks"))
                 if mod.lora_dtype == "fp8":
-                    sa = torch.from_dlpack(mod.lora_a_scale.get_value())                   # (S, L, r)
-                    sb = torch.from_dlpack(mod.lora_b_scale.get_value())                   # (L, out)
+                    sa = _torch_lora(mod, "lora_a_scale")                                  # (S, L, r)
+                    sb = _torch_lora(mod, "lora_b_scale")                                  # (L, out)
                     offsets = np.cumsum((0,) + slices)
                     scales[name] = (tuple(sa[s] for s in range(len(slices))),
                                     tuple(sb[:, int(lo):int(hi)] for lo, hi in zip(offsets[:-1], offsets[1:])))

@@ -50,6 +50,7 @@ from lora_core.peft.experts import EXPERT_KIND
 
 from . import nn as lnn
 from . import parallel
+from .lora_bank import LoRABank
 from .moe import MoEExperts
 from .quant import QuantizedLinear, quantize_rows
 
@@ -259,7 +260,7 @@ def prepare_adapter(model: nnx.Module, adapter: PeftAdapter) -> dict:
             parts = [v for k, v in parts.items() if k != "adapter_enabled"]
         else:
             # fp8 layers hold the factors quantised with a float32 scale: their range is float32's
-            dtype = "float32" if _is_fp8(layers[path]) else layers[path].lora_a.get_value().dtype
+            dtype = "float32" if _is_fp8(layers[path]) else layers[path].lora_a.dtype
         checks.check_placed_adapter(adapter.label, path, parts, dtype)
     return out
 
@@ -447,9 +448,27 @@ class AdapterManager(SlotTable):
         self._shapes = module_shapes(model)
 
     def _list_variables(self) -> None:
-        """The (layer, variable name) pairs a slot write updates, and their slot axes."""
-        self._vars = [(self.layers[p], n) for p in self._paths for n in _slot_variables(self.layers[p])]
-        self._axes = tuple(type(layer).slot_axis[n] for layer, n in self._vars)
+        """The variables a slot write updates, as (owner, variable name) with owner a layer or a shared
+        LoRABank (jax_lora.lora_bank); the layer paths whose values each holds (a layer's own path, a
+        bank's layers' in its layer order); their slot axes (a bank's one more: its leading axis is
+        the layer)."""
+        entries, banks = [], set()
+        for p in self._paths:
+            layer = self.layers[p]
+            if not getattr(layer, "banked", False):
+                entries += [(layer, n, (p,)) for n in _slot_variables(layer)]
+            elif id(layer.bank) not in banks:
+                banks.add(id(layer.bank))
+                members = sorted((q for q in self._paths if getattr(self.layers[q], "banked", False)
+                                  and self.layers[q].bank is layer.bank), key=lambda q: self.layers[q].layer_index)
+                if [self.layers[q].layer_index for q in members] != list(range(layer.bank.num_layers)):
+                    raise AdapterError(f"the LoRA bank of {p!r} holds {layer.bank.num_layers} layers, but the model's "
+                                       f"LoRA layers sharing it are {members}")
+                entries += [(layer.bank, n, tuple(members)) for n in layer.bank.names()]
+        self._vars = [(owner, n) for owner, n, _paths in entries]
+        self._var_paths = [paths for _owner, _n, paths in entries]
+        self._axes = tuple(lnn.MultiLoRALinear.slot_axis[n] + 1 if isinstance(owner, LoRABank)
+                           else type(owner).slot_axis[n] for owner, n in self._vars)
 
     # -------------------------------------------------------------- SlotTable's framework part
     def _module_shapes(self) -> dict:
@@ -473,40 +492,49 @@ class AdapterManager(SlotTable):
         if prepared is not None:
             added = [self.layers[p].enable_dora() for p in sorted(prepared[2])]
             if any(added):
-                self._list_variables()
                 self.layout_version += 1
+        # Listed now: the layers may have joined or left banks since (a model split over a mesh
+        # gives its layers their own variables back), or gained variables (DoRA, fp8 scales).
+        self._list_variables()
         new = []
-        for layer, n in self._vars:
-            shape = list(getattr(layer, n).get_value().shape)
-            del shape[type(layer).slot_axis[n]]
-            path = self._path_by_id[id(layer)]
-            if n == "lora_scale":                  # an empty slot, a plain LoRA adapter, a layer it skips: 1
-                g = None if prepared is None else prepared[2].get(path)
-                new.append(np.ones(shape, np.float32) if g is None else g)
-            elif n in ("lora_a_scale", "lora_b_scale"):    # fp8 channel scales; an empty slot: 1
-                new.append(np.ones(shape, np.float32) if prepared is None
-                           else prepared[0][path][2 if n == "lora_a_scale" else 3])
-            elif isinstance(layer, lnn.MultiLoRAExperts) and n.endswith("_scale") and prepared is None:
-                new.append(np.ones(shape, np.float32))     # an empty slot's fp8 expert scales: 1
-            elif isinstance(layer, lnn.MultiLoRAExperts) and n != "lora_ranks":
-                new.append((_experts_zeros(layer) if prepared is None else prepared[0][path])[n])
-            elif prepared is None:
-                new.append(np.zeros(shape, np.float32))
-            elif n == "lora_ranks":
-                new.append(np.int32(prepared[1][path]))
+        for (owner, n), paths, axis in zip(self._vars, self._var_paths, self._axes):
+            shape = list(getattr(owner, n).get_value().shape)
+            del shape[axis]
+            if isinstance(owner, LoRABank):      # the bank's layers' values, stacked in its layer order
+                new.append(np.stack([self._slot_value(self.layers[p], n, p, shape[1:], prepared) for p in paths]))
             else:
-                new.append(prepared[0][path][0 if n == "lora_a" else 1])
-        old = tuple(getattr(layer, n).get_value() for layer, n in self._vars)
-        if any(layer.tp is not None for layer, _ in self._vars):
+                new.append(self._slot_value(owner, n, paths[0], shape, prepared))
+        old = tuple(getattr(owner, n).get_value() for owner, n in self._vars)
+        if any(getattr(owner, "tp", None) is not None for owner, _n in self._vars):
             # Layers split over a mesh (jax_lora.parallel): each device receives its block of the slot.
             slot_dev = np.int32(slot)
-            new_dev = tuple(parallel.place_slot_value(layer, n, v) for (layer, n), v in zip(self._vars, new))
+            new_dev = tuple(v if isinstance(owner, LoRABank) else parallel.place_slot_value(owner, n, v)
+                            for (owner, n), v in zip(self._vars, new))
         else:
             slot_dev, new_dev = jax.device_put((np.int32(slot), tuple(new)))
         updated = _write_slot(old, slot_dev, new_dev, axes=self._axes)
-        for (layer, n), arr in zip(self._vars, updated):
-            getattr(layer, n).set_value(arr)
+        for (owner, n), arr in zip(self._vars, updated):
+            getattr(owner, n).set_value(arr)
 
+    @staticmethod
+    def _slot_value(layer, n: str, path: str, shape: list, prepared: tuple | None):
+        """One layer's value of variable `n` at a slot (its shape without the slot axis): the
+        adapter's, or an empty slot's (zeros; rank 0; scales 1)."""
+        if n == "lora_scale":                  # an empty slot, a plain LoRA adapter, a layer it skips: 1
+            g = None if prepared is None else prepared[2].get(path)
+            return np.ones(shape, np.float32) if g is None else g
+        if n in ("lora_a_scale", "lora_b_scale"):    # fp8 channel scales; an empty slot: 1
+            return (np.ones(shape, np.float32) if prepared is None
+                    else prepared[0][path][2 if n == "lora_a_scale" else 3])
+        if isinstance(layer, lnn.MultiLoRAExperts) and n.endswith("_scale") and prepared is None:
+            return np.ones(shape, np.float32)     # an empty slot's fp8 expert scales: 1
+        if isinstance(layer, lnn.MultiLoRAExperts) and n != "lora_ranks":
+            return (_experts_zeros(layer) if prepared is None else prepared[0][path])[n]
+        if prepared is None:
+            return np.zeros(shape, np.float32)
+        if n == "lora_ranks":
+            return np.int32(prepared[1][path])
+        return prepared[0][path][0 if n == "lora_a" else 1]
 
 # ----------------------------------------------------------------------------- merged weights (oracle)
 

@@ -15,6 +15,11 @@ slot's real rank in the layer, passed to the wrapper so kernels skip the zero pa
 rank_pattern gives modules of one adapter different ranks). The adapter scaling is folded into
 `lora_b` when an adapter is loaded (jax_lora.adapters), so the layers call the wrapper with scale 1.
 
+In a model, the MultiLoRALinears of one projection kind across the decoder layers may share one
+layer-stacked `jax_lora.lora_bank.LoRABank` instead of holding their own variables
+(`stack_lora_layers`, the models' `add_lora` default): each layer then reads entry `layer_index` of
+the bank's arrays, and `layer.lora_a` etc. are `BankedVariable`s of that entry.
+
 Which adapter each token uses is not a module attribute: it is the wrapper of the current step,
 installed with `punica_context(wrapper)` around the model call (inside `jax.jit`, where the wrapper
 is a traced argument) or passed as `punica=` to a layer. Without a wrapper a layer computes its base
@@ -53,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .lora_bank import BANKED_VARIABLES, BankedVariable, LoRABank, LoRAWeight
 from .module_paths import path_name, set_submodule
 from .moe import ExpertOrder, MoEExperts
 from .quant import QuantizedLinear, quantize_rows
@@ -70,14 +76,12 @@ __all__ = [
     "lora_layers",
     "punica_context",
     "replace_lora_layers",
+    "stack_lora_layers",
+    "unstack_lora_layers",
 ]
 
 _ACTIVE = contextvars.ContextVar("jax_lora_punica", default=None)
 _LOG = logging.getLogger("jax_lora")
-
-
-class LoRAWeight(nnx.Variable):
-    """Stacked per-slot adapter weights: served, not trained (filter with `nnx.state(m, LoRAWeight)`)."""
 
 
 class FusedKernel(nnx.Variable):
@@ -231,6 +235,60 @@ class MultiLoRALinear(nnx.Module):
         if lora_dtype == "fp8":
             self.use_fp8()
 
+    def __getattr__(self, name: str):
+        # Called only for names the layer does not hold: a banked layer (`join_bank`) reads its
+        # adapter variables (entry `layer_index` of the bank's), `dora` and `lora_dtype` from its bank.
+        bank = self.__dict__.get("bank")
+        if bank is not None:
+            if name in ("dora", "lora_dtype"):
+                return getattr(bank, name)
+            if name in BANKED_VARIABLES and name in vars(bank):
+                return BankedVariable(bank, name, self.__dict__["layer_index"])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def banked(self) -> bool:
+        """Whether the layer's adapter variables live in a shared LoRABank (`join_bank`)."""
+        return "bank" in vars(self)
+
+    def join_bank(self, bank: LoRABank, layer_index: int) -> None:
+        """Hands the layer's adapter variables to `bank` (jax_lora.lora_bank): they are entry
+        `layer_index` of its stacked arrays from now on (`stack_lora_layers` builds the bank from the
+        layers' own values), and `dora` / `lora_dtype` are the bank's. `self.lora_a` etc. then read
+        and write that entry (lora_bank.BankedVariable)."""
+        for name in (*BANKED_VARIABLES, "dora", "lora_dtype"):
+            if name in vars(self):
+                delattr(self, name)
+        self.bank = bank
+        self.layer_index = int(layer_index)
+
+    def leave_bank(self) -> None:
+        """The inverse of `join_bank`: the layer holds its entry of the bank's arrays as its own
+        variables again (the bank keeps its arrays for the other layers)."""
+        if not self.banked:
+            return
+        bank, layer = self.bank, self.layer_index
+        values = {name: getattr(bank, name).get_value()[layer] for name in bank.names()}
+        del self.bank, self.layer_index
+        for name, value in values.items():
+            setattr(self, name, LoRAWeight(value))
+        self.dora, self.lora_dtype = bank.dora, bank.lora_dtype
+
+    def _adapter_arrays(self) -> tuple:
+        """(lora_a, lora_b, keywords of add_lora_linear_stacked) of a wrapper call: the layer's own
+        arrays, or its bank's stacked arrays with `layer` = its index (the Triton backend reads the
+        entry in place; the others slice it)."""
+        bank = self.__dict__.get("bank")
+        owner = self if bank is None else bank
+        fp8 = self.lora_dtype == "fp8"
+        kw = dict(lora_ranks=owner.lora_ranks.get_value(),
+                  dora_scale=owner.lora_scale.get_value() if self.dora else None,
+                  lora_a_scale=owner.lora_a_scale.get_value() if fp8 else None,
+                  lora_b_scale=owner.lora_b_scale.get_value() if fp8 else None)
+        if bank is not None:
+            kw["layer"] = self.layer_index
+        return owner.lora_a.get_value(), owner.lora_b.get_value(), kw
+
     def use_fused(self, mode) -> bool:
         """Turns the fused path on ("gemm", "norm" or "auto") or off (None); returns whether it changed.
 
@@ -276,7 +334,7 @@ class MultiLoRALinear(nnx.Module):
         if self.fused is not None:
             raise ValueError(f"fp8 adapter weights are not supported on a fused LoRA layer (fused={self.fused!r}): "
                              "turn the fused path off (use_fused(None)) first")
-        return _store_fp8(self)
+        return self.bank.use_fp8() if self.banked else _store_fp8(self)
 
     def enable_dora(self) -> bool:
         """Gives the layer its DoRA column scale `lora_scale` (L, out) float32, all ones (every slot
@@ -290,6 +348,8 @@ class MultiLoRALinear(nnx.Module):
         if self.tp is not None:
             raise ValueError("a LoRA layer split over a mesh cannot serve DoRA adapters (its column scale would have "
                              "to follow the reduction): serve them with unsplit layers")
+        if self.banked:                    # every layer of the bank gets its scale
+            return self.bank.enable_dora(self.out_features)
         self.lora_scale = LoRAWeight(jnp.ones((self.max_loras, self.out_features), jnp.float32))
         self.dora = True
         return True
@@ -306,12 +366,8 @@ class MultiLoRALinear(nnx.Module):
         if w is None:
             return self.base(x)
         y = self._base_without_bias(x) if self.dora else self.base(x)
-        fp8 = self.lora_dtype == "fp8"
-        y = w.add_lora_linear_stacked(y, x, self.lora_a.get_value(), self.lora_b.get_value(), 1.0,
-                                      self.output_slices, lora_ranks=self.lora_ranks.get_value(),
-                                      dora_scale=self.lora_scale.get_value() if self.dora else None,
-                                      lora_a_scale=self.lora_a_scale.get_value() if fp8 else None,
-                                      lora_b_scale=self.lora_b_scale.get_value() if fp8 else None)
+        lora_a, lora_b, kw = self._adapter_arrays()
+        y = w.add_lora_linear_stacked(y, x, lora_a, lora_b, 1.0, self.output_slices, **kw)
         if self.dora and self.base.bias is not None:
             y = y + self.base.bias[...].astype(y.dtype)
         return y
@@ -353,16 +409,16 @@ class MultiLoRALinear(nnx.Module):
         x2 = (x if xn is None else xn).reshape(-1, self.in_features)
         t = x2.shape[0]
         w._check_tokens("x", t)
-        ranks = self.lora_ranks.get_value()
-        lora_a = self.lora_a.get_value()
+        _, lora_b, ranks = self._fused_weights()
         if buf is None:
+            lora_a = self.lora_a.get_value()
             s, r = lora_a.shape[0], lora_a.shape[2]
             buf = w.add_shrink(jnp.zeros((s, t, r), jnp.float32), x2, tuple(lora_a[i] for i in range(s)), 1.0,
                                lora_ranks=ranks)
         bias = None if self.base.bias is None else self.base.bias.get_value()
         slots = w.token_meta.token_lora_mapping[:t]
         y = gemm_lora(x2.astype(self.kernel_nk.get_value().dtype), self.kernel_nk.get_value(), bias, buf,
-                      self.lora_b.get_value(), slots, self.output_slices, lora_ranks=ranks)
+                      lora_b, slots, self.output_slices, lora_ranks=ranks)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def norm_linear(self, h: jax.Array, norm_weight: jax.Array, eps: float, punica=None) -> jax.Array | None:
@@ -379,9 +435,22 @@ class MultiLoRALinear(nnx.Module):
         h2 = h.reshape(-1, self.in_features)
         w._check_tokens("h", h2.shape[0])
         slots = w.token_meta.token_lora_mapping[:h2.shape[0]]
-        xn, buf = rms_norm_shrink(h2, norm_weight, float(eps), self.lora_a.get_value(), slots, 1.0,
-                                  lora_ranks=self.lora_ranks.get_value())
+        lora_a, _, ranks = self._fused_weights()
+        xn, buf = rms_norm_shrink(h2, norm_weight, float(eps), lora_a, slots, 1.0, lora_ranks=ranks)
         return self._fused_linear(h, w, xn, buf)
+
+    def _fused_weights(self) -> tuple:
+        """(lora_a, lora_b, lora_ranks) as the fused kernels take them: the layer's own arrays, or for
+        a banked layer per-slice Views of its entry of the bank's arrays (jax_lora.ops.triton.View:
+        read in place, no copy per layer) and its ranks."""
+        if not self.banked:
+            return self.lora_a.get_value(), self.lora_b.get_value(), self.lora_ranks.get_value()
+        from .ops.triton import view
+        layer, a, b = self.layer_index, self.bank.lora_a.get_value(), self.bank.lora_b.get_value()
+        offsets = [sum(self.output_slices[:s]) for s in range(len(self.output_slices))]
+        return (tuple(view(a, (layer, s)) for s in range(len(self.output_slices))),
+                tuple(view(b, (layer, slice(None), slice(o, o + n))) for o, n in zip(offsets, self.output_slices)),
+                self.bank.lora_ranks.get_value()[layer])
 
     def _base_without_bias(self, x):
         """nnx.Linear's product without its bias (the bias is added after DoRA's scale)."""
@@ -688,3 +757,74 @@ def replace_lora_layers(model: nnx.Module, target_modules: str | Sequence[str], 
         set_submodule(model, path, new)
         replaced[name] = new
     return replaced
+
+
+def _bank_kind(path) -> str | None:
+    """A decoder layer's projection kind from its graph path: the parts after its one layer index
+    joined by "_" ("model.layers.3.self_attn.qkv_proj" -> "self_attn_qkv_proj"); None for a path
+    without exactly one index."""
+    at = [i for i, p in enumerate(path) if isinstance(p, int)]
+    return "_".join(str(p) for p in path[at[0] + 1:]) if len(at) == 1 and at[0] + 1 < len(path) else None
+
+
+def _bank_signature(layer: MultiLoRALinear) -> tuple:
+    """What the layers of one bank must share: their adapter arrays' shapes and dtypes, DoRA, storage."""
+    return (tuple((n, getattr(layer, n).get_value().shape, getattr(layer, n).get_value().dtype)
+                  for n in BANKED_VARIABLES if n in vars(layer)), layer.dora, layer.lora_dtype)
+
+
+def stack_lora_layers(model: nnx.Module) -> dict:
+    """Moves the adapter variables of the decoder layers' MultiLoRALinears into shared, layer-stacked
+    LoRABanks (jax_lora.lora_bank), in place; returns {kind: bank} of the banks made.
+
+    1. The MultiLoRALinears of `model` whose graph path holds one integer (the decoder layer's
+       index: "model.layers.3.self_attn.qkv_proj") are grouped by the path around it (the kind);
+       a layer already banked, split over a mesh (`tp`) or on the fused path stays as it is.
+    2. Per kind whose layers agree on their variables' shapes and dtypes, DoRA and storage: a bank
+       whose arrays stack each layer's, in layer order (entry l = the layer's values, bit for bit),
+       held by the model as `model.lora_banks[kind]` (an nnx.Dict).
+    3. Each layer `join_bank`s it with its position l in the stack.
+
+    The model's state then holds each kind's arrays once (NNX keeps a shared module once): a
+    jitted step over it takes O(kinds) adapter arrays instead of O(layers x kinds). Results are
+    unchanged. `unstack_lora_layers` undoes it.
+    """
+    groups: dict = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, MultiLoRALinear) and not node.banked and node.tp is None and node.fused is None:
+            kind = _bank_kind(path)
+            if kind is not None:
+                groups.setdefault(kind, []).append((path, node))
+    made = {}
+    for kind, members in sorted(groups.items()):
+        members.sort(key=lambda pn: [p for p in pn[0] if isinstance(p, int)])
+        layers = [node for _path, node in members]
+        if len({_bank_signature(layer) for layer in layers}) != 1:
+            _LOG.info("LoRA banks: the %s layers differ in their adapter variables; they keep their own arrays", kind)
+            continue
+        values = {n: jnp.stack([getattr(layer, n).get_value() for layer in layers])
+                  for n in BANKED_VARIABLES if n in vars(layers[0])}
+        bank = LoRABank(values, dora=layers[0].dora, lora_dtype=layers[0].lora_dtype)
+        for i, layer in enumerate(layers):
+            layer.join_bank(bank, i)
+        made[kind] = bank
+    if made:
+        banks = getattr(model, "lora_banks", None)
+        if banks is None:
+            model.lora_banks = banks = nnx.Dict()
+        for kind, bank in made.items():
+            banks[kind] = bank
+    return made
+
+
+def unstack_lora_layers(model: nnx.Module) -> list:
+    """Gives every banked MultiLoRALinear of `model` its own adapter variables again (its entry of
+    its bank's arrays) and drops `model.lora_banks`; returns the paths of the layers changed."""
+    changed = []
+    for path, node in list(nnx.iter_graph(model)):
+        if isinstance(node, MultiLoRALinear) and node.banked:
+            node.leave_bank()
+            changed.append(path_name(path))
+    if getattr(model, "lora_banks", None) is not None:
+        del model.lora_banks
+    return changed

@@ -62,6 +62,7 @@ weights.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -75,6 +76,8 @@ from jax.sharding import PartitionSpec as P
 from . import nn as lnn
 from .ops import dispatch
 from .parallel_layouts import KINDS, LAYOUTS, LayoutBytes, check_layout, choose_layout, layer_bytes, split_problem
+
+_LOG = logging.getLogger("jax_lora")
 
 __all__ = [
     "KINDS",
@@ -252,6 +255,9 @@ def shard_layer(layer, mesh: Mesh, *, kind: str, layout: str | None = None, axis
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis not in mesh.shape:
         raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if getattr(layer, "banked", False):
+        raise ValueError("the layer's adapter variables live in a layer-stacked LoRA bank: give them back to "
+                         "the layers first (jax_lora.nn.unstack_lora_layers(model); shard_model does)")
     if getattr(layer, "tp", None) is not None:
         raise ValueError(f"the layer is already split ({layer.tp.kind}, {layer.tp.layout}); build a new layer "
                          "to split it again")
@@ -323,8 +329,13 @@ def shard_model(model: nnx.Module, mesh: Mesh, plan: Mapping[str, tuple], *, axi
     `tokens` tokens), plain nnx.Linear / nnx.Embed through `shard_plain_layer`. Layers already split
     are left alone; a multi-LoRA layer whose base is already on `mesh` (split as a plain layer
     before adapters were added) gets only its adapter variables placed. Every other array variable
-    is replicated on the mesh. Returns {path: layout or "plain"} for the layers split now.
+    is replicated on the mesh. Layer-stacked LoRA banks (jax_lora.lora_bank) are first given back
+    to their layers (`jax_lora.nn.unstack_lora_layers`, logged): split layers keep per-layer,
+    per-device adapter blocks. Returns {path: layout or "plain"} for the layers split now.
     """
+    if lnn.unstack_lora_layers(model):
+        _LOG.info("shard_model: the layer-stacked LoRA banks are split back into per-layer variables (a layer "
+                  "split over a mesh holds its own adapter blocks)")
     layouts = dict(layouts or {})
     done = {}
     inside = [p for p, node in nnx.iter_graph(model) if isinstance(node, lnn.LORA_LAYER_TYPES)]

@@ -50,6 +50,12 @@ signature and cache lookup over the step's arguments (one per model array: hundr
 full-size model), host time the serving loop waits for. The Compiled program keeps the jitted
 step's donation and shardings. aot_calls=False calls the jitted step instead.
 
+The step's arguments: the model's arrays as two flat lists, the adapter arrays (`LoRAWeight`
+leaves) and the others. Each costs host time per call. The models' `add_lora` keeps a projection
+kind's adapter variables stacked over the decoder layers (jax_lora.lora_bank), so the adapter
+list holds a few arrays per kind, not per layer; the base step (use_lora=False) takes no adapter
+array at all (zero-sized constants stand in for them inside its program, which reads none).
+
 Thread safety: `generate` holds the engine's lock for the whole call (the KV cache, the wrapper's
 metadata and the adapter slots are the engine's own), so concurrent calls from several threads run
 one after another, each request with its own adapter. A call from inside a `progress` callback of
@@ -87,9 +93,16 @@ __all__ = ["Completion", "Request", "ServingEngine"]
 _LOG = logging.getLogger("jax_lora")
 
 
-def _step(graphdef, state_def, cache_sharding, state_leaves, cache, punica, tokens, positions, rows, sample_idx,
-          use_lora):
-    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+def _step(graphdef, state_defs, lora_dtypes, cache_sharding, state_leaves, cache, punica, tokens, positions, rows,
+          sample_idx, use_lora):
+    """The model under `punica_context`, greedy next tokens. state_leaves: (the adapter arrays (the
+    LoRAWeight leaves), the other arrays), each flat; the base step (use_lora False) gets no adapter
+    arrays: zero-sized constants stand in for them (it reads none), so its program takes none."""
+    lora_leaves, rest_leaves = state_leaves
+    if not use_lora:
+        lora_leaves = [jnp.zeros((0,), dtype) for dtype in lora_dtypes]
+    lora_def, rest_def = state_defs
+    model = nnx.merge(graphdef, jax.tree.unflatten(lora_def, lora_leaves), jax.tree.unflatten(rest_def, rest_leaves))
     with lnn.punica_context(punica if use_lora else None):
         logits, cache = model(tokens, positions, cache=cache, rows=rows, sample_idx=sample_idx)
     if cache_sharding is not None:     # the next step takes the cache as this one did: no recompilation
@@ -177,11 +190,11 @@ class ServingEngine:
             self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         cache_sharding = model.cache_sharding() if mesh is not None else None
         self._cache_sharding = cache_sharding
-        self.graphdef, state = nnx.split(model)
+        self.graphdef, *state = nnx.split(model, lnn.LoRAWeight, ...)
         self._state_def = self._jit_step = None
         self._compiled_before = 0                 # programs of step functions replaced by a new layout
         self._programs: dict = {}                 # aot_calls: the bucket's key -> its Compiled step
-        self._set_state(state)
+        self._set_state(*state)
         self._state_version = adapters.version if adapters is not None else 0
         self._layout_version = adapters.layout_version if adapters is not None else 0
         self.cache = init_cache(self.config, self.max_seqs, self.max_len, model.cache_dtype(), sharding=cache_sharding)
@@ -200,8 +213,9 @@ class ServingEngine:
         self._lock = threading.Lock()
         self._owner: int | None = None            # the thread inside generate
 
-    def _set_state(self, state: nnx.State) -> None:
-        """Keeps the model state as its flat list of arrays, the form the step takes.
+    def _set_state(self, lora_state: nnx.State, rest_state: nnx.State) -> None:
+        """Keeps the model state as flat lists of arrays, the form the step takes: (the adapter
+        arrays, the others). The base step takes the second only (`_step`).
 
         jax.jit flattens its arguments on every call, and an nnx.State flattens in Python, a cost
         that grows with the layer count and is a sizeable part of a decode step for a full-size
@@ -211,15 +225,18 @@ class ServingEngine:
         same-shape arrays, so they do not), and its ahead-of-time compiled programs are dropped
         with it (compile_count keeps counting them).
         """
-        leaves, state_def = jax.tree.flatten(state)
+        lora_leaves, lora_def = jax.tree.flatten(lora_state)
+        rest_leaves, rest_def = jax.tree.flatten(rest_state)
+        state_def = (lora_def, rest_def)
         if self._state_def is None or state_def != self._state_def:
             if self._jit_step is not None:
                 self._compiled_before += self._programs_now()
             self._programs = {}
             self._state_def = state_def
-            self._jit_step = jax.jit(functools.partial(_step, self.graphdef, state_def, self._cache_sharding),
+            dtypes = tuple(jnp.dtype(a.dtype) for a in lora_leaves)
+            self._jit_step = jax.jit(functools.partial(_step, self.graphdef, state_def, dtypes, self._cache_sharding),
                                      static_argnums=(7,), donate_argnums=(1,))
-        self._state_leaves = leaves
+        self._state_leaves = (lora_leaves, rest_leaves)
 
     # ------------------------------------------------------------------ introspection
     def prefix_cache_stats(self) -> dict | None:
@@ -332,14 +349,14 @@ class ServingEngine:
             if self.adapters.layout_version != self._layout_version:
                 # A layer gained a variable (the first DoRA adapter in a layer built without dora=True):
                 # a new graph, so a new step function, traced and compiled again for each bucket.
-                self.graphdef, state = nnx.split(self.model)
+                self.graphdef, *state = nnx.split(self.model, lnn.LoRAWeight, ...)
                 self._state_def = None
                 self._layout_version = self.adapters.layout_version
                 _LOG.info("ServingEngine: the model's LoRA layers gained DoRA column scales; the step programs are "
                           "compiled again")
             else:
-                state = nnx.state(self.model)
-            self._set_state(state)
+                state = nnx.state(self.model, lnn.LoRAWeight, ...)
+            self._set_state(*state)
             self._state_version = self.adapters.version
         punica = None
         if use_lora:
@@ -373,7 +390,8 @@ class ServingEngine:
         the step gathers KV rows (rows given: prefill) and the static LoRA on/off and pair bucket
         (the wrapper's pytree).
         """
-        args = (self._state_leaves, self.cache, punica, tokens, positions, rows, sample_idx)
+        state = self._state_leaves if use_lora else ((), self._state_leaves[1])     # the base step: no adapters
+        args = (state, self.cache, punica, tokens, positions, rows, sample_idx)
         if not self.aot_calls:
             return self._jit_step(*args, use_lora)
         key = (tokens.shape, rows is None, use_lora, punica.num_pairs if punica is not None else 0)

@@ -580,7 +580,8 @@ class PunicaWrapper:
                            **{k: v for k, v in kw.items() if k == "b_scales"})
 
     def add_lora_linear_stacked(self, y, x, lora_a, lora_b, scale: float, output_slices: Sequence[int], *,
-                                lora_ranks=None, dora_scale=None, lora_a_scale=None, lora_b_scale=None) -> jax.Array:
+                                lora_ranks=None, dora_scale=None, lora_a_scale=None, lora_b_scale=None,
+                                layer: int | None = None) -> jax.Array:
         """add_lora_linear with the slices' weights stacked, as jax_lora.nn.MultiLoRALinear keeps them.
 
         lora_a: (S, L, r, H), slice s's A is lora_a[s]; lora_b: (L, N, r) with N = sum(output_slices),
@@ -592,25 +593,43 @@ class PunicaWrapper:
         dora_scale_stacked, stacked the same way as B's columns). fp8 (e4m3) lora_a / lora_b take
         lora_a_scale (S, L, r) / lora_b_scale (L, N) float32, stacked the same way (per-tensor
         scales: give per-slice (L,) entries to add_lora_linear).
+
+        layer: None, or an int l: every weight argument carries a leading layer axis (lora_a
+        (n, S, L, r, H), lora_b (n, L, N, r), lora_ranks (n, L), dora_scale (n, L, N), the fp8 scales
+        likewise: a jax_lora.lora_bank.LoRABank's arrays) and the call reads entry l of each, with
+        the result of passing those entries. Backend "triton" reads them in place at layer l's
+        offset; the others get the entries (a static slice in the program).
         """
         lora_a, lora_b = as_array("lora_a", lora_a), as_array("lora_b", lora_b)
-        if lora_a.ndim != 4 or lora_b.ndim != 3:
-            raise ValueError(f"lora_a must be (S, L, r, H) and lora_b (L, N, r), got shapes {lora_a.shape} "
-                             f"and {lora_b.shape}")
-        output_slices = checks.check_output_slices(output_slices, lora_a.shape[0])
-        if sum(output_slices) != lora_b.shape[1] or lora_b.shape[0] != lora_a.shape[1]:
-            raise ValueError(f"lora_b {lora_b.shape} must be (L, sum(output_slices), r) with L = "
-                             f"lora_a.shape[1] = {lora_a.shape[1]} and output_slices {output_slices}")
         impl = self._impl()
+        scaled = lora_a_scale is not None or lora_b_scale is not None
+        views = getattr(impl, "READS_VIEWS", False) and not self.num_pairs and not scaled   # pairs, fp8: slices
+        pre = ()                               # the index of the weights' layer entry the views read
+        if layer is not None:
+            entries = _layer_entries(layer, lora_a=lora_a, lora_b=lora_b, lora_ranks=lora_ranks,
+                                     dora_scale=dora_scale, lora_a_scale=lora_a_scale, lora_b_scale=lora_b_scale)
+            lora_ranks = entries["lora_ranks"]
+            if views:
+                pre = (int(layer),)
+            else:
+                lora_a, lora_b, dora_scale = entries["lora_a"], entries["lora_b"], entries["dora_scale"]
+                lora_a_scale, lora_b_scale = entries["lora_a_scale"], entries["lora_b_scale"]
+        a_shape, b_shape = lora_a.shape[len(pre):], lora_b.shape[len(pre):]
+        if len(a_shape) != 4 or len(b_shape) != 3:
+            raise ValueError(f"lora_a must be (S, L, r, H) and lora_b (L, N, r), got shapes {a_shape} "
+                             f"and {b_shape}")
+        output_slices = checks.check_output_slices(output_slices, a_shape[0])
+        if sum(output_slices) != b_shape[1] or b_shape[0] != a_shape[1]:
+            raise ValueError(f"lora_b {b_shape} must be (L, sum(output_slices), r) with L = "
+                             f"lora_a.shape[1] = {a_shape[1]} and output_slices {output_slices}")
         offsets = tuple(sum(output_slices[:s]) for s in range(len(output_slices)))
         b_index = [(slice(None), slice(o, o + n)) for o, n in zip(offsets, output_slices)]
         if dora_scale is not None:
             dora_scale = as_array("dora_scale", dora_scale, checks.VECTOR_DTYPES)
-            if dora_scale.shape != (lora_b.shape[0], lora_b.shape[1]):
-                raise ValueError(f"dora_scale must have shape {(lora_b.shape[0], lora_b.shape[1])} (slots, "
-                                 f"sum(output_slices)), got {dora_scale.shape}")
-        scaled = lora_a_scale is not None or lora_b_scale is not None
-        if not getattr(impl, "READS_VIEWS", False) or self.num_pairs or scaled:   # pairs, fp8: the slices
+            if dora_scale.shape[len(pre):] != (b_shape[0], b_shape[1]):
+                raise ValueError(f"dora_scale must have shape {(b_shape[0], b_shape[1])} (slots, "
+                                 f"sum(output_slices)), got {dora_scale.shape[len(pre):]}")
+        if not views:
             return self.add_lora_linear(y, x, tuple(lora_a[s] for s in range(lora_a.shape[0])),
                                         tuple(lora_b[i] for i in b_index), None, scale, output_slices,
                                         lora_ranks=lora_ranks,
@@ -627,19 +646,20 @@ class PunicaWrapper:
         if x2.shape[0] != y2.shape[0]:
             raise ValueError(f"x has {x2.shape[0]} tokens (shape {jnp.shape(x)}) but y has {y2.shape[0]} "
                              f"(shape {y.shape})")
-        S = lora_a.shape[0]
-        num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [lora_a.shape[1:]] * S, [lora_a.dtype] * S,
+        S = a_shape[0]
+        num_slots, rank, _ = checks.check_shrink(x2.shape, x2.dtype, [a_shape[1:]] * S, [lora_a.dtype] * S,
                                                  arg_a="lora_a")
         checks.check_expand((S, x2.shape[0], rank), "float32",
-                            [(lora_b.shape[0], n, lora_b.shape[2]) for n in output_slices],
+                            [(b_shape[0], n, b_shape[2]) for n in output_slices],
                             [lora_b.dtype] * S, y2.shape, y2.dtype, 0, arg_b="lora_b")
         self._check_tokens("x", x2.shape[0])
         self._check_slots("lora_a", num_slots)
         self._check_rank("lora_a", rank)
         self._check_devices(x=x2, lora_a=lora_a, lora_b=lora_b, y=y2)
-        a_views = tuple(triton_ops.view(lora_a, (s,)) for s in range(S))
-        b_views = tuple(triton_ops.view(lora_b, i) for i in b_index)
-        extra = {} if dora_scale is None else {"col_scale": tuple(triton_ops.view(dora_scale, i) for i in b_index)}
+        a_views = tuple(triton_ops.view(lora_a, (*pre, s)) for s in range(S))
+        b_views = tuple(triton_ops.view(lora_b, (*pre, *i)) for i in b_index)
+        extra = {} if dora_scale is None else {"col_scale": tuple(triton_ops.view(dora_scale, (*pre, *i))
+                                                                  for i in b_index)}
         return impl.linear(y2, x2, a_views, b_views, self.token_meta, checks.as_scale(scale), offsets,
                            as_lora_ranks(lora_ranks, num_slots), None, **extra).reshape(y.shape)
 
@@ -815,6 +835,32 @@ def _b_scales(lora_b_stacked, lora_b_scale, lora_b) -> tuple | None:
     if scales is None:
         return None
     return tuple(None if v is None else v[:, :b.shape[-2]] for v, b in zip(scales, lora_b))
+
+
+def _layer_entries(layer, **stacked) -> dict:
+    """add_lora_linear_stacked's weight arguments stacked over layers ({name: array (n, ...) or None})
+    as entry `layer` of each ({name: array or None}): a ValueError unless layer is an int in [0, n)
+    and every given array has the same leading size n (lora_a 5-D, lora_b 4-D)."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"layer must be an int (the entry of the layer-stacked weights to read), got {layer!r}")
+    a, b = stacked["lora_a"], stacked["lora_b"]
+    if a.ndim != 5 or b.ndim != 4:
+        raise ValueError(f"with layer=, lora_a must be (n, S, L, r, H) and lora_b (n, L, N, r) (stacked over n "
+                         f"layers), got shapes {a.shape} and {b.shape}")
+    n = a.shape[0]
+    if not 0 <= int(layer) < n:
+        raise ValueError(f"layer must be in [0, {n}) (the weights' leading layer axis), got {layer}")
+    out = {}
+    for name, value in stacked.items():
+        if value is None:
+            out[name] = None
+            continue
+        value = as_array(name, value, None) if name not in ("lora_a", "lora_b") else value
+        if value.ndim < 1 or value.shape[0] != n:
+            raise ValueError(f"with layer=, {name} must be stacked over the same {n} layers as lora_a (leading "
+                             f"axis {n}), got shape {value.shape}")
+        out[name] = value[int(layer)]
+    return out
 
 
 def _stacked_scales(name: str, scales, shape: tuple, index: list):

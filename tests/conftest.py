@@ -35,6 +35,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # Triton's interpreter), whole-model serving and the demo, hypothesis sweeps, fresh interpreters.
 # test_slow_tests_name_existing_tests (test_cli.py) fails on a pattern naming a missing test.
 SLOW_TESTS = (
+    # layer-stacked LoRA banks against per-layer variables: two served models per case (~12-20 s)
+    "tests/test_lora_bank.py::test_stacked_equals_per_layer_xla[*]",
+    "tests/test_lora_bank.py::test_stacked_equals_per_layer_triton_interpreter",
+    "tests/test_lora_bank.py::test_stacked_fused_path_equals_per_layer_triton_interpreter",
     # the JAX Llama's fused LoRA path: whole steps in Triton's interpreter, eagerly and under jit (~10 s)
     "tests/test_jax_fused_llama.py::test_fused_step_matches_the_unfused_step[*bfloat16*]",
     # batch invariance: one request inside many random batches, per backend (15-50 s a case)

@@ -356,7 +356,9 @@ class LlamaForCausalLM(nnx.Module):
         """Splits the model over `axis` of `mesh` (tensor parallelism), in place; returns
         {layer path: layout, or "plain" for a layer without adapters} for the layers split now.
 
-        Multi-LoRA layers added later (`add_lora`) are split when they are added. `tokens`: the
+        Multi-LoRA layers added later (`add_lora`) are split when they are added. Layer-stacked
+        LoRA banks (`add_lora`'s stack_layers) are first given back to the layers (per-layer
+        variables, `jax_lora.parallel.shard_model`), which are split one by one. `tokens`: the
         step size the byte model picks each multi-LoRA layer's layout for (`parallel.choose_layout`);
         `layouts` ({path or layer name: layout}) overrides it. Raises ValueError when a size is not
         divisible by the device count, or when the model is already split over another mesh.
@@ -418,7 +420,7 @@ def _check_host_range(name: str, values, stop: int, what: str) -> None:
 
 def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
              target_modules: Sequence[str] = HF_LORA_TARGETS, dtype=None, dora: bool = False,
-             lora_dtype=None, fused=None) -> dict:
+             lora_dtype=None, fused=None, stack_layers: bool = True) -> dict:
     """Replaces the layers that `target_modules` (Hugging Face / PEFT names) name by multi-LoRA layers.
 
     q/k/v_proj select `qkv_proj`, gate/up_proj select `gate_up_proj` (all slices get slots; an
@@ -427,7 +429,11 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
     use_dora adapter reaches it (MultiLoRALinear.enable_dora: a new variable, so one recompilation
     of a jitted step). lora_dtype="fp8": the linear layers store e4m3 adapter weights with per-channel
     float32 scales (jax_lora.nn.MultiLoRALinear). fused: None (default), "gemm", "norm" or "auto": the
-    decoder's LoRA linears take the fused path (`use_fused_lora`). Returns {path: layer}.
+    decoder's LoRA linears take the fused path (`use_fused_lora`). stack_layers (default True): the
+    decoder layers' LoRA linears of each projection kind keep their adapter variables in one
+    layer-stacked bank (`jax_lora.nn.stack_lora_layers`, jax_lora.lora_bank: a jitted step takes
+    O(kinds) adapter arrays, not O(layers x kinds)); a model split over a mesh keeps per-layer
+    variables. Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
         raise TypeError(f"target_modules must be a list of module names from {HF_LORA_TARGETS} (e.g. "
@@ -448,6 +454,8 @@ def add_lora(model: LlamaForCausalLM, *, max_loras: int, max_rank: int,
                                      lora_dtype=lora_dtype)
     if model.mesh is not None:         # a split model: the new layers are split the same way
         model.shard(model.mesh, axis=model.tp_axis)
+    elif stack_layers:
+        lnn.stack_lora_layers(model)
     if fused is not None:
         use_fused_lora(model, fused)
     return layers

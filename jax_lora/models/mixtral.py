@@ -184,7 +184,8 @@ class MixtralForCausalLM(nnx.Module):
 # ----------------------------------------------------------------------------- LoRA
 
 def add_lora(model: MixtralForCausalLM, *, max_loras: int, max_rank: int,
-             target_modules: Sequence[str] = MIXTRAL_LORA_TARGETS, dtype=None, lora_dtype=None) -> dict:
+             target_modules: Sequence[str] = MIXTRAL_LORA_TARGETS, dtype=None, lora_dtype=None,
+             stack_layers: bool = True) -> dict:
     """Replaces the layers `target_modules` names (Hugging Face / PEFT names) by multi-LoRA layers.
 
     q/k/v_proj select `qkv_proj`; `experts` (or an expert weight's name: `gate_up_proj`,
@@ -192,7 +193,8 @@ def add_lora(model: MixtralForCausalLM, *, max_loras: int, max_rank: int,
     (jax_lora.nn.MultiLoRAExperts: both projections get slots). lora_dtype="fp8": the dense linear
     layers and the experts store e4m3 adapter weights with per-channel float32 scales (the experts
     per expert and output channel).
-    Returns {path: layer}.
+    stack_layers (default True): the decoder layers' dense LoRA linears of each kind keep their
+    adapter variables in one layer-stacked bank (as the Llama's `add_lora`). Returns {path: layer}.
     """
     if isinstance(target_modules, (str, bytes)) or not isinstance(target_modules, Iterable):
         raise TypeError(f"target_modules must be a list of module names from {MIXTRAL_LORA_TARGETS} (e.g. "
@@ -219,6 +221,8 @@ def add_lora(model: MixtralForCausalLM, *, max_loras: int, max_rank: int,
         layers.update(lnn.replace_lora_layers(model, dense, max_loras=max_loras, max_rank=max_rank,
                                               output_slices=model.lora_slices(), dtype=dtype,
                                               lora_dtype=lora_dtype))
+        if stack_layers:
+            lnn.stack_lora_layers(model)
     if "experts" in ours:
         for i, layer in enumerate(model.model.layers):
             if isinstance(layer.mlp.experts, lnn.MultiLoRAExperts):
