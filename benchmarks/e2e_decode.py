@@ -1901,8 +1901,8 @@ def main(argv=None) -> int:
                         "side stream beside the base product and the expand after it (overlap; CUDA only); the "
                         "shrink then a Triton GEMM with the expand in its epilogue (fused); the same with the "
                         "RMSNorm kernel that also shrinks before qkv and gate_up (fused-norm); per layer and row "
-                        "count, fused or fused-norm where the device's tuned fused linear table says it wins, else linear "
-                        "(auto)")
+                        "count, fused or fused-norm where the device's tuned fused linear table says it wins, else "
+                        "linear (auto)")
     p.add_argument("--jax-lora", choices=tuple(JAX_FUSED), default="linear",
                    help="JAX's LoRA path: add_lora_linear after the base product (linear); the wrapper's shrink "
                         "then a Triton GEMM with the expand in its epilogue over (out, in) copies of the kernels "

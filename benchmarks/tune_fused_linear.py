@@ -507,8 +507,8 @@ def main(argv=None) -> int:
                 if fused_ok and _plan_key("norm", shape, case.norm_config) in failed:
                     row["norm"] = {"error": f"did not compile: {failed[_plan_key('norm', shape, case.norm_config)]}"}
                 elif fused_ok:
-                    row["norm"] = {"config": fused_ok[0]["config"], **timed(clock, case, case.norm(fused_ok[0]["config"]),
-                                                                             m)}
+                    best_cfg = fused_ok[0]["config"]
+                    row["norm"] = {"config": best_cfg, **timed(clock, case, case.norm(best_cfg), m)}
                     row["norm_us"] = row["norm"].get("us")
         if fused_ok:
             best = fused_ok[0]

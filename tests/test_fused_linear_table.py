@@ -1,5 +1,6 @@
 """The tuned fused linear table (`lora_core.kernels.fused_linear_configs`): its keys, its reader, the
-fused-or-today policy `use_fused_linear`, the norm path's policy `use_norm_fused_linear`, `gemm_config`'s tuned configs, and `gemm_lora` at every
+fused-or-today policy `use_fused_linear`, the norm path's policy `use_norm_fused_linear`,
+`gemm_config`'s tuned configs, and `gemm_lora` at every
 config shape class the tuner (benchmarks/tune_fused_linear.py) proposes.
 
 CPU: the reader on tables written here (a tuner-shaped table read back; bad keys, configs and
