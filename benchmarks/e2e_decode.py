@@ -25,7 +25,8 @@ each sequence's last position (greedy next token too), as jax_lora.serving's ste
     for qkv and gate_up after the RMSNorm kernel that also shrinks); --jax-lora auto: each LoRA
     linear fused ("gemm") where the device's tuned fused linear table says so for its layer, row
     count and rank (`lora_core.kernels.fused_linear_configs.use_fused_linear`), else the base
-    product and add_lora_linear; --smoke runs them in Triton's interpreter. Timed per step on
+    product and add_lora_linear, and qkv and gate_up on the "norm" path where the table's
+    `use_norm_fused` says so (`use_norm_fused_linear`); --smoke runs them in Triton's interpreter. Timed per step on
     the host: the call to `block_until_ready`, median of N steps, so JAX's dispatch of the step
     is included. --jax-call: how the step is called, `jit` (default: the jitted function, which
     looks the program up from its ~800 arguments on every call) or `aot` (each step shape's
@@ -803,26 +804,39 @@ class TorchDecoder:
         """--torch-lora auto: each LoRA linear takes the fused path of `fused_lora` (the shrink, then
         gemm_lora) where the device's tuned fused linear table says it beats today's path for its
         layer (K, slices), row count and rank (`lora_core.kernels.fused_linear_configs.use_fused_linear`,
-        logged once per choice), else today's (the base product, then add_lora_linear). Without a
-        table every linear takes today's path."""
-        from lora_core.kernels.fused_linear_configs import use_fused_linear
-        fused, today, lora_of, fp8_product = self.fused_lora(punica, False), self.wrapper_lora(punica), self.lora, \
+        logged once per choice), else today's (the base product, then add_lora_linear). The layers
+        behind an RMSNorm (qkv, gate_up) take `fused_lora(fuse_norm=True)`'s norm path (the norm
+        with the shrink, then gemm_lora) where the table's `use_norm_fused` says it beats the
+        step's norm + today's path (`use_norm_fused_linear`), else the norm here and the choice
+        above. Without a table every linear takes today's path."""
+        from lora_core.kernels.fused_linear_configs import use_fused_linear, use_norm_fused_linear
+        fused, today, lora_of, fp8_product = self.fused_lora(punica, True), self.wrapper_lora(punica), self.lora, \
             self.fp8_product
+        rms = self._rms
         chosen: dict = {}
+
+        def choice(policy, i, name, x):
+            a, _b, slices, _ranks = lora_of[i][name]
+            key = (policy.__name__, name, x.shape[0])
+            if key not in chosen:
+                chosen[key] = policy((int(x.shape[1]), tuple(int(w) for w in slices)), int(x.shape[0]),
+                                     int(a[0].shape[-2]))
+            return chosen[key]
 
         class Auto:
             @staticmethod
             def linear(i, name, x, weight):
-                a, _b, slices, _ranks = lora_of[i][name]
-                key = (name, x.shape[0])
-                if key not in chosen:
-                    chosen[key] = use_fused_linear((int(x.shape[1]), tuple(int(w) for w in slices)), int(x.shape[0]),
-                                                   int(a[0].shape[-2]))
-                if chosen[key]:
+                if choice(use_fused_linear, i, name, x):
                     return fused.linear(i, name, x, weight)
                 y = base_product(x, weight, fp8_product)
                 today(i, name, y, x)
                 return y
+
+            @staticmethod
+            def norm_linear(i, name, x, norm_weight, weight):
+                if choice(use_norm_fused_linear, i, name, x):
+                    return fused.norm_linear(i, name, x, norm_weight, weight)
+                return Auto.linear(i, name, rms(x, norm_weight), weight)
         return Auto()
 
     def reference_lora(self, groups, regroup: bool = False):
@@ -1887,13 +1901,14 @@ def main(argv=None) -> int:
                         "side stream beside the base product and the expand after it (overlap; CUDA only); the "
                         "shrink then a Triton GEMM with the expand in its epilogue (fused); the same with the "
                         "RMSNorm kernel that also shrinks before qkv and gate_up (fused-norm); per layer and row "
-                        "count, fused where the device's tuned fused linear table says it wins, else linear (auto)")
+                        "count, fused or fused-norm where the device's tuned fused linear table says it wins, else "
+                        "linear (auto)")
     p.add_argument("--jax-lora", choices=tuple(JAX_FUSED), default="linear",
                    help="JAX's LoRA path: add_lora_linear after the base product (linear); the wrapper's shrink "
                         "then a Triton GEMM with the expand in its epilogue over (out, in) copies of the kernels "
                         "(fused); the same with the RMSNorm kernel that also shrinks before qkv and gate_up "
-                        "(fused-norm); per layer and row count, fused where the device's tuned fused linear table "
-                        "says it wins, else linear (auto). Not with --base fp8")
+                        "(fused-norm); per layer and row count, fused or fused-norm where the device's tuned fused "
+                        "linear table says it wins, else linear (auto). Not with --base fp8")
     p.add_argument("--jax-chain", type=int, default=1,
                    help="JAX samples of K steps dispatched back to back, one wait, divided by K (default 1: "
                         "each step waited for)")
@@ -1966,7 +1981,7 @@ def show_fused_linear_choices() -> None:
 
     class Choices(logging.Filter):
         def filter(self, record):
-            return record.getMessage().startswith(("LoRA linear ", "fused linear table"))
+            return record.getMessage().startswith(("LoRA linear ", "RMSNorm + LoRA linear ", "fused linear table"))
     handler = logging.StreamHandler(sys.stdout)
     handler.addFilter(Choices())
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))

@@ -24,11 +24,19 @@ the calls rotating over enough input sets that the weights they read exceed 2x t
   3. fused: `PunicaWrapper.add_shrink` + `gemm_lora`, for the FUSED_TOP best epilogue configs:
      what the fused LoRA linear runs; its best config is the entry's `config`;
   4. nolora: `gemm_lora` without LoRA for the same configs and the default (recorded, not
-     decided on: the fused GEMM serves LoRA steps only, steps without LoRA keep cuBLAS).
-Decision: use_fused = fused <= (1 - --margin) * today; `reason` says the figures.
+     decided on: the fused GEMM serves LoRA steps only, steps without LoRA keep cuBLAS);
+  5. for the layers whose input is an RMSNorm's output (NORMED: qkv, gate_up; x is then the
+     RMSNorm of a residual h, rounded as Hugging Face's LlamaRMSNorm): norm: `rms_norm_shrink`
+     (the norm and the LoRA shrink in one kernel, its default launch config) + `gemm_lora` with
+     the entry's config, what the fused "norm" path runs; today_with_norm: the base step's own
+     norm (torch ops, as benchmarks/e2e_decode.py's TorchDecoder runs it) + cuBLAS +
+     add_lora_linear.
+Decisions: use_fused = fused <= (1 - --margin) * today (`reason` says the figures); for the NORMED
+layers also use_norm_fused = norm <= (1 - --margin) * today_with_norm (`norm_reason`).
 
 Compilation comes first and in parallel: `--jobs` worker processes run every distinct launch
-(candidate x with / without LoRA, and today's kernels per case) once, into Triton's on-disk cache,
+(candidate x with / without LoRA, today's kernels and, for the NORMED layers, `rms_norm_shrink`
+per case) once, into Triton's on-disk cache,
 bounded by `--compile-share` of the budget; then the timing runs alone on the GPU.
 
 Output: `--table` (default lora_core/kernels/tuned/<device>_fused_linear.json, the file
@@ -56,6 +64,9 @@ MODELS = {
                  "down": (18944, (3584,))},
 }
 QUICK_MODELS = {"tiny": {"qkv": (128, (64, 32, 32)), "down": (192, (64,))}}
+NORMED = ("qkv", "gate_up")                     # the layers whose input is an RMSNorm's output
+# rms_norm_shrink's config in Triton's interpreter (--quick: few programs); on a GPU its launcher's default
+QUICK_NORM_CONFIG = dict(BLOCK_M=4, BLOCK_K=64, SPLIT_K=2, LORA_MODE="rows")
 MS = (8, 1, 32, 128, 16, 64, 256)              # the e2e decode batches first
 QUICK_MS = (1, 8)
 RANKS = (16,)
@@ -144,13 +155,15 @@ def _unique(cfgs: list) -> list:
 class Case:
     """One (layer, M, rank): input sets rotating past the L2, the adapters' mapping, the references."""
 
-    def __init__(self, k, widths, m, rank, slots_n, quick, device, seed):
+    def __init__(self, k, widths, m, rank, slots_n, quick, device, seed, normed=False):
         import bench_fused_linear as bfl
         import torch
         from bench_triton import make_mapping
 
         import torch_lora
         self.k, self.widths, self.m, self.rank = k, tuple(widths), m, rank
+        self.normed = normed
+        self.norm_config = QUICK_NORM_CONFIG if quick else None
         gen = torch.Generator().manual_seed(seed)
         d = min(m, 8, slots_n)
         idx = make_mapping("dec", m, d, slots_n, 0.0, gen)
@@ -161,13 +174,18 @@ class Case:
         self.slots = idx.to(device)
         self.d = d
         n_sets = 1 if quick else max(1, math.ceil(2 * bfl.L2_BYTES / (k * sum(widths) * 2)))
-        self.sets = [bfl.InputSet(k, widths, m, rank, slots_n, False, gen, device) for _ in range(n_sets)]
+        self.sets = [bfl.InputSet(k, widths, m, rank, slots_n, normed, gen, device) for _ in range(n_sets)]
         s0 = self.sets[0]
         self.punica.add_shrink(s0.buf, s0.x, s0.a, 1.0)
         self.ref = s0.reference(self.slots, self.widths)
         self.ref_base = s0.reference(self.slots, self.widths, lora=False)
         for s in self.sets[1:]:
             self.punica.add_shrink(s.buf, s.x, s.a, 1.0)
+        if normed:                                  # the norm path's shrink planes (P, S, M, R), one per set
+            from torch_lora.ops.fused_linear import rms_norm_shrink
+            for s in self.sets:
+                s.planes = rms_norm_shrink(s.h, s.g, bfl.EPS, s.a, self.slots, 1.0, out=s.xn,
+                                           config=self.norm_config)[1]
 
     # the timed calls, one per input set
     def cublas(self):
@@ -203,6 +221,35 @@ class Case:
         return [lambda s=s: gemm_lora(s.x, s.w, None, None, None, None, None, y=s.y, config=plain)
                 for s in self.sets]
 
+    def rms_norm(self):
+        """The base step's RMSNorm alone (torch ops, LlamaRMSNorm's rounding)."""
+        import bench_fused_linear as bfl
+        return [lambda s=s: bfl.hf_rms_norm(s.h, s.g) for s in self.sets]
+
+    def today_with_norm(self):
+        """The base step's RMSNorm, then today's path (cuBLAS + add_lora_linear) on its output."""
+        import bench_fused_linear as bfl
+        import torch.nn.functional as F
+        punica, widths = self.punica, self.widths
+
+        def call(s):
+            xn = bfl.hf_rms_norm(s.h, s.g)
+            y = F.linear(xn, s.w)
+            punica.add_lora_linear(y, xn, s.a, s.b, None, 1.0, widths)
+            return y
+        return [lambda s=s: call(s) for s in self.sets]
+
+    def norm(self, cfg):
+        """The fused "norm" path: rms_norm_shrink (norm + shrink), then gemm_lora with config cfg."""
+        import bench_fused_linear as bfl
+
+        from torch_lora.ops.fused_linear import gemm_lora, rms_norm_shrink
+
+        def call(s):
+            rms_norm_shrink(s.h, s.g, bfl.EPS, s.a, self.slots, 1.0, out=s.xn, buf=s.planes, config=self.norm_config)
+            return gemm_lora(s.xn, s.w, None, s.planes, s.b, self.slots, self.widths, y=s.y, config=cfg)
+        return [lambda s=s: call(s) for s in self.sets]
+
     def error(self, calls, lora=True) -> float:
         import bench_fused_linear as bfl
         return bfl.rel_err(calls[0](), self.ref if lora else self.ref_base)
@@ -231,6 +278,19 @@ def decide(row: dict, margin: float) -> tuple:
     return False, f"{figures}: the fused GEMM is not {100 * margin:.0f}% faster than today's path"
 
 
+def decide_norm(row: dict, margin: float) -> tuple:
+    """(use_norm_fused, norm_reason) of a layer behind an RMSNorm: the fused "norm" path
+    (rms_norm_shrink + gemm_lora) where it beats the base step's norm + cuBLAS + add_lora_linear by
+    the margin."""
+    norm, today = row.get("norm_us"), row.get("today_with_norm_us")
+    if norm is None or today is None:
+        return False, "no norm path or today-with-norm timing (the tuner could not run it)"
+    figures = f"norm path {norm:.1f} us, norm + today {today:.1f} us"
+    if norm <= (1 - margin) * today:
+        return True, f"{figures}: the norm path beats the norm + today's path by {100 * (1 - norm / today):.1f}%"
+    return False, f"{figures}: the norm path is not {100 * margin:.0f}% faster than the norm + today's path"
+
+
 # ------------------------------------------------------------------------------ parallel compilation
 
 _WORKER: dict = {}
@@ -238,11 +298,12 @@ _WORKER: dict = {}
 
 def _compile_job(job) -> str:
     """A worker's launch: run once (compiling into Triton's on-disk cache) on empty tensors of the
-    case's shape; kind "lora" / "nolora" one gemm_lora config, "today" add_shrink + add_lora_linear."""
+    case's shape; kind "lora" / "nolora" one gemm_lora config, "today" add_shrink + add_lora_linear,
+    "norm" rms_norm_shrink with config cfg (None: its default)."""
     import torch
 
     import torch_lora
-    from torch_lora.ops.fused_linear import gemm_lora
+    from torch_lora.ops.fused_linear import gemm_lora, rms_norm_shrink
     number, kind, (k, widths, m, rank, slots_n), cfg, device = job
     try:
         key = (k, widths, m, rank)
@@ -267,6 +328,8 @@ def _compile_job(job) -> str:
         if kind == "today":
             t["punica"].add_shrink(t["buf"], t["x"], t["a"], 1.0)
             t["punica"].add_lora_linear(t["y"], t["x"], t["a"], t["b"], None, 1.0, widths)
+        elif kind == "norm":
+            rms_norm_shrink(t["x"], t["x"][0], 1e-5, t["a"], t["slots"], 1.0, config=cfg)
         elif kind == "lora":
             gemm_lora(t["x"], t["w"], None, t["buf"], t["b"], t["slots"], widths, y=t["y"], config=cfg)
         else:
@@ -283,8 +346,8 @@ def _plan_key(kind, shape, cfg):
     integer arguments specialize)."""
     from lora_core.kernels.gemm_lora import plan_gemm_lora
     k, widths, m, rank, _ = shape
-    if kind == "today":
-        return ("today", k, widths, m, rank)
+    if kind in ("today", "norm"):
+        return (kind, k, len(widths) if kind == "norm" else widths, m, rank)
     try:
         lora = kind == "lora"
         cfg = cfg if lora else without_lora(cfg)
@@ -388,9 +451,10 @@ def main(argv=None) -> int:
     if jobs_n > 0:
         dev = "cuda" if cuda else "cpu"
         jobs, seen = [], set()
-        for _key, _model, _layer, k, widths, m, r, cands in work:
+        for _key, _model, layer, k, widths, m, r, cands in work:
             shape = (k, tuple(widths), m, r, slots_n)
-            for kind, cfg in [("today", None)] + [(kd, c) for c in cands for kd in ("lora", "nolora")]:
+            norm = [("norm", QUICK_NORM_CONFIG if args.quick else None)] if layer in NORMED else []
+            for kind, cfg in [("today", None)] + norm + [(kd, c) for c in cands for kd in ("lora", "nolora")]:
                 pk = _plan_key(kind, shape, cfg)
                 if pk not in seen:
                     seen.add(pk)
@@ -419,7 +483,7 @@ def main(argv=None) -> int:
             continue
         t_case = time.time()
         with torch.no_grad():
-            case = Case(k, widths, m, r, slots_n, args.quick, device, seed=1000 + i)
+            case = Case(k, widths, m, r, slots_n, args.quick, device, seed=1000 + i, normed=layer in NORMED)
             row = {"case": f"{model} {layer} M{m} r{r}", "D": case.d, "n_sets": len(case.sets)}
             row["cublas_us"] = clock(case.cublas(), m)
             today = timed(clock, case, case.today(), m)
@@ -437,6 +501,15 @@ def main(argv=None) -> int:
             nolora = [{"config": c, **timed(clock, case, case.nolora(c), m, lora=False)} for c in nolora_cfgs]
             row["nolora"] = nolora
             nolora_ok = [x for x in nolora if "us" in x]
+            if case.normed:
+                row["rms_norm_us"] = clock(case.rms_norm(), m)
+                row["today_with_norm_us"] = timed(clock, case, case.today_with_norm(), m).get("us")
+                if fused_ok and _plan_key("norm", shape, case.norm_config) in failed:
+                    row["norm"] = {"error": f"did not compile: {failed[_plan_key('norm', shape, case.norm_config)]}"}
+                elif fused_ok:
+                    best_cfg = fused_ok[0]["config"]
+                    row["norm"] = {"config": best_cfg, **timed(clock, case, case.norm(best_cfg), m)}
+                    row["norm_us"] = row["norm"].get("us")
         if fused_ok:
             best = fused_ok[0]
             row.update(fused_us=best["us"], epilogue_us=next(x["us"] for x in ok if x["config"] == best["config"]),
@@ -450,12 +523,21 @@ def main(argv=None) -> int:
                      **{f: round(row[f], 3) for f in ("cublas_us", "today_us", "epilogue_us", "fused_us", "nolora_us",
                                                       "nolora_vs_cublas") if row.get(f) is not None},
                      "case": row["case"]}
+            if case.normed:
+                use_norm, norm_reason = decide_norm(row, args.margin)
+                entry.update(use_norm_fused=use_norm, norm_reason=norm_reason,
+                             **{f: round(row[f], 3) for f in ("norm_us", "today_with_norm_us", "rms_norm_us")
+                                if row.get(f) is not None})
             table["entries"][key] = entry
         row["seconds"] = round(time.time() - t_case, 1)
         log["cases"][key] = row
         print(f"{key} ({row['case']}): cuBLAS {row['cublas_us']:.1f} today {_fmt(row.get('today_us'))} epilogue "
               f"{_fmt(row.get('epilogue_us'))} fused {_fmt(row.get('fused_us'))} no-LoRA {_fmt(row.get('nolora_us'))} "
-              f"-> {'FUSED' if use else 'today'} ({len(ok)}/{len(results)} ran, {row['seconds']} s)", flush=True)
+              f"-> {'FUSED' if use else 'today'}"
+              + (f"; norm + today {_fmt(row.get('today_with_norm_us'))} norm path {_fmt(row.get('norm_us'))} -> "
+                 f"{'NORM' if table['entries'].get(key, {}).get('use_norm_fused') else 'norm + above'}"
+                 if case.normed else "")
+              + f" ({len(ok)}/{len(results)} ran, {row['seconds']} s)", flush=True)
         del case
         if cuda:
             torch.cuda.empty_cache()
@@ -468,8 +550,9 @@ def main(argv=None) -> int:
     _write_json(path, table)
     _write_json(log_path, log)
     fused_n = sum(e["use_fused"] for e in table["entries"].values())
+    norm_n = sum(e.get("use_norm_fused", False) for e in table["entries"].values())
     print(f"{len(work) - len(skipped)} cases tuned, {len(skipped)} skipped (budget) in {log['seconds']} s; "
-          f"{fused_n} of {len(table['entries'])} entries use the fused GEMM: {path}")
+          f"{fused_n} of {len(table['entries'])} entries use the fused GEMM, {norm_n} the norm path: {path}")
     return 0
 
 

@@ -92,9 +92,10 @@ class FusedKernel(nnx.Variable):
 FUSED_MODES = (None, "gemm", "norm", "auto")
 """MultiLoRALinear's fused paths: None (the base product, then the wrapper's add_lora_linear);
 "gemm" (the wrapper's shrink, then one Triton GEMM with the expand in its epilogue); "norm"
-(also: the RMSNorm before the layer computes the shrink, for layers behind a norm); "auto" ("gemm"
-for the calls whose layer shape, token count and rank the device's tuned fused linear table marks
-fused, `lora_core.kernels.fused_linear_configs.use_fused_linear`; None for the others)."""
+(also: the RMSNorm before the layer computes the shrink, for layers behind a norm); "auto" ("norm"
+for the `norm_linear` calls whose layer shape, token count and rank the device's tuned fused linear
+table marks `use_norm_fused`, `lora_core.kernels.fused_linear_configs.use_norm_fused_linear`; else
+"gemm" for the calls it marks fused, `use_fused_linear`; None for the others)."""
 
 
 @contextlib.contextmanager
@@ -200,9 +201,10 @@ class MultiLoRALinear(nnx.Module):
     y = x @ W + bias + LoRA term in one Triton GEMM whose epilogue adds each token's expand
     (jax_lora.ops.fused_linear.gemm_lora), after the wrapper's shrink ("gemm") or after the
     RMSNorm kernel that also shrinks (`norm_linear`, "norm": the model calls it with the norm in
-    front of the layer); "auto": "gemm" where the device's tuned fused linear table says the fused
-    GEMM wins for the layer, the call's token count and max_rank, else the unfused path, decided
-    when the call is traced. Its docstring says what it needs and refuses.
+    front of the layer); "auto": "norm" for a `norm_linear` call where the device's tuned fused
+    linear table says the norm path wins for the layer, the call's token count and max_rank, else
+    "gemm" where it says the fused GEMM wins, else the unfused path, decided when the call is
+    traced. Its docstring says what it needs and refuses.
     """
 
     def __init__(self, base: nnx.Linear, *, max_loras: int, max_rank: int,
@@ -424,13 +426,19 @@ class MultiLoRALinear(nnx.Module):
     def norm_linear(self, h: jax.Array, norm_weight: jax.Array, eps: float, punica=None) -> jax.Array | None:
         """The layer of RMSNorm(h) * norm_weight (Hugging Face's LlamaRMSNorm rounding) through the
         fused "norm" path: one kernel for the norm and the shrink (rms_norm_shrink), one GEMM with
-        the expand; None when this call does not take it (fused is not "norm", or `fuses` says
-        no): the caller then runs its norm and the layer.
+        the expand; None when this call does not take it (fused is not "norm" or "auto", `fuses`
+        says no, or with "auto" the tuned table's `use_norm_fused_linear` says no): the caller then
+        runs its norm and the layer.
 
         h: (..., in) float16 / bfloat16 / float32; norm_weight (in,); returns (..., out)."""
         w = _pick(punica)
-        if self.fused != "norm" or not self.fuses(w):
+        if self.fused not in ("norm", "auto") or not self.fuses(w):
             return None
+        if self.fused == "auto":
+            from lora_core.kernels.fused_linear_configs import use_norm_fused_linear
+            tokens = h.size // self.in_features if self.in_features else 0
+            if not use_norm_fused_linear((self.in_features, self.output_slices), int(tokens), self.max_rank):
+                return None
         from .ops.fused_linear import rms_norm_shrink
         h2 = h.reshape(-1, self.in_features)
         w._check_tokens("h", h2.shape[0])

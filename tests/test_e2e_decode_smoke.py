@@ -369,15 +369,18 @@ def test_quantize_rows_on_device_follows_the_contract_rule():
 @pytest.mark.slow
 def test_smoke_run_with_auto_fused_linears_passes_its_checks(tmp_path):
     """--torch-lora auto --jax-lora auto with a fused linear table that marks qkv and down fused, o
-    today's and leaves gate_up out: each framework's step takes the path the table says per layer
-    (the decisions printed) and passes the reference check."""
+    today's, gate_up's norm path (use_norm_fused) and qkv's entry without a norm decision (an older
+    table's): each framework's step takes the path the table says per layer (the decisions printed)
+    and passes the reference check."""
     table = tmp_path / "fl.json"
     cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
     # the smoke model: hidden 64, 4 heads / 2 KV heads of 16, intermediate 128; dec B4 -> M bucket 8, rank 4 -> r16
     table.write_text(json.dumps({"device": "test", "format": 1, "entries": {
         "k64/n64+32+32/m8/r16": {"config": cfg, "use_fused": True, "reason": "marked fused"},
         "k64/n64/m8/r16": {"config": cfg, "use_fused": False, "reason": "marked today"},
-        "k128/n64/m8/r16": {"config": {**cfg, "SPLIT_K": 2}, "use_fused": True, "reason": "marked fused"}}}))
+        "k128/n64/m8/r16": {"config": {**cfg, "SPLIT_K": 2}, "use_fused": True, "reason": "marked fused"},
+        "k64/n128+128/m8/r16": {"config": cfg, "use_fused": False, "reason": "marked today", "use_norm_fused": True,
+                                "norm_reason": "marked norm"}}}))
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}
     env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", LORA_CORE_FUSED_LINEAR_TABLE=str(table))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--smoke", "--frameworks",
@@ -388,8 +391,12 @@ def test_smoke_run_with_auto_fused_linears_passes_its_checks(tmp_path):
     for line in ("LoRA linear k64/n64+32+32/m8/r16: the fused GEMM (shrink, then gemm_lora): marked fused",
                  "LoRA linear k64/n64/m8/r16: today's path (library GEMM + add_lora_linear): marked today",
                  "LoRA linear k128/n64/m8/r16: the fused GEMM (shrink, then gemm_lora): marked fused",
-                 "LoRA linear k64/n128+128/m8/r16: today's path (library GEMM + add_lora_linear): no tuned entry"):
+                 "RMSNorm + LoRA linear k64/n128+128/m8/r16: the fused norm path (rms_norm_shrink, then gemm_lora): "
+                 "marked norm",
+                 "RMSNorm + LoRA linear k64/n64+32+32/m8/r16: the norm, then the LoRA linear's own choice: the tuned "
+                 "entry has no norm path decision (use_norm_fused)"):
         assert line in proc.stdout, proc.stdout[-3000:]
+    assert "LoRA linear k64/n128+128/m8/r16: today's path" not in proc.stdout      # gate_up never asks use_fused
     (path,) = glob.glob(str(tmp_path / "e2e_smoke_*.json"))
     with open(path) as f:
         res = json.load(f)

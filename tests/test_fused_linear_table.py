@@ -1,11 +1,13 @@
 """The tuned fused linear table (`lora_core.kernels.fused_linear_configs`): its keys, its reader, the
-fused-or-today policy `use_fused_linear`, `gemm_config`'s tuned configs, and `gemm_lora` at every
+fused-or-today policy `use_fused_linear`, the norm path's policy `use_norm_fused_linear`,
+`gemm_config`'s tuned configs, and `gemm_lora` at every
 config shape class the tuner (benchmarks/tune_fused_linear.py) proposes.
 
 CPU: the reader on tables written here (a tuner-shaped table read back; bad keys, configs and
 decisions refused by name; the LORA_CORE_FUSED_LINEAR_TABLE override, a missing file); the policy's
 decisions from a small synthetic table (M and rank buckets, shapes, M above the buckets and
-untuned layers on today's path, each decision logged once with its reason); `gemm_lora` in
+untuned layers on today's path, each decision logged once with its reason; the norm path's
+decision from `use_norm_fused`, False for entries without the key); `gemm_lora` in
 Triton's interpreter with BLOCK_M 16-128, BLOCK_N 32-256, BLOCK_K 64-256, split-K 1-8, GROUP_M 8,
 both epilogue modes and PREFETCH_B, with and without LoRA, against a float64 NumPy oracle (outputs
 poisoned with NaN first); every candidate the tuner makes for the Llama-3-8B and Qwen2-7B layers
@@ -54,9 +56,11 @@ SYNTHETIC = {
 def _fresh_caches():
     flc.fused_linear_table.cache_clear()
     flc._log_choice.cache_clear()
+    flc._log_norm_choice.cache_clear()
     yield
     flc.fused_linear_table.cache_clear()
     flc._log_choice.cache_clear()
+    flc._log_norm_choice.cache_clear()
 
 
 def test_table_keys_bucket_rows_and_ranks():
@@ -87,6 +91,7 @@ def test_reader_takes_a_table_and_refuses_bad_entries_by_name(tmp_path):
                ({"config": {**CFG, "SPLIT_K": 0}, "use_fused": True}, "SPLIT_K must be an int >= 1"),
                ({"config": {**CFG, "TILES": 2}, "use_fused": True}, "keys among"),
                ({"use_fused": True}, "'config' must be an object"),
+               ({"config": CFG, "use_fused": True, "use_norm_fused": 1}, "'use_norm_fused' must be a bool"),
                ([1], "bool 'use_fused'")]
     for entry, match in entries:
         with pytest.raises(ValueError, match=f"entry 'k1/n2/m8/r16'.*{match}|{match}"):
@@ -118,6 +123,41 @@ def test_policy_decides_from_the_table_and_says_why_once(caplog):
         flc.use_fused_linear(QKV, 8, 0, table=SYNTHETIC)
     with pytest.raises(ValueError, match="m must be"):
         flc.use_fused_linear(QKV, -1, 16, table=SYNTHETIC)
+
+
+def test_norm_policy_decides_from_use_norm_fused_and_old_entries_mean_false(tmp_path, caplog):
+    """use_norm_fused_linear: the entry's use_norm_fused (independent of use_fused), False for an
+    entry without the key (a table from before it), without an entry and above the M buckets;
+    logged once per (layer, M bucket, rank) with the reason; a tuner-shaped table with the new keys
+    reads back whole."""
+    gate_up = (4096, (14336, 14336))
+    table = {**SYNTHETIC,
+             "k4096/n14336+14336/m8/r16": {**_entry(False), "use_norm_fused": True, "norm_reason": "norm wins",
+                                            "norm_us": 1.0, "today_with_norm_us": 2.0},
+             "k4096/n14336+14336/m1/r16": {**_entry(True), "use_norm_fused": False, "norm_reason": "norm loses"}}
+    assert flc.read_fused_linear_table(_write(tmp_path / "t.json", table)) == table
+    with caplog.at_level(logging.INFO, logger="lora_core"):
+        assert flc.use_norm_fused_linear(gate_up, 8, 16, table=table)
+        assert flc.use_norm_fused_linear(gate_up, 2, 9, table=table)          # same bucket: logged once
+        assert not flc.use_fused_linear(gate_up, 8, 16, table=table)          # use_fused unchanged
+        assert not flc.use_norm_fused_linear(gate_up, 1, 16, table=table)
+        assert flc.use_fused_linear(gate_up, 1, 16, table=table)
+        assert not flc.use_norm_fused_linear(QKV, 8, 16, table=table)         # an old entry: no key
+        assert flc.use_fused_linear(QKV, 8, 16, table=table)
+        assert not flc.use_norm_fused_linear(gate_up, 32, 16, table=table)    # no entry
+        assert not flc.use_norm_fused_linear(gate_up, 300, 16, table=table)   # above the M buckets
+    msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RMSNorm + LoRA linear")]
+    assert msgs.count("RMSNorm + LoRA linear k4096/n14336+14336/m8/r16: the fused norm path (rms_norm_shrink, "
+                      "then gemm_lora): norm wins") == 1
+    assert ("RMSNorm + LoRA linear k4096/n14336+14336/m1/r16: the norm, then the LoRA linear's own choice: "
+            "norm loses") in msgs
+    assert any("k4096/n4096+1024+1024/m8/r16: the norm, then" in m and "no norm path decision" in m for m in msgs)
+    assert any("m32/r16: the norm, then" in m and "no tuned entry" in m for m in msgs)
+    assert any("/mNone/r16: the norm, then" in m and "above the tuned row counts" in m for m in msgs)
+    with pytest.raises(ValueError, match="rank must be"):
+        flc.use_norm_fused_linear(gate_up, 8, 0, table=table)
+    with pytest.raises(TypeError, match="layer_shape"):
+        flc.use_norm_fused_linear(4096, 8, 16, table=table)
 
 
 def test_gemm_config_takes_the_tuned_entry_else_the_row_table():

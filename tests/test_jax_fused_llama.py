@@ -8,7 +8,8 @@ kernel that also shrinks before qkv and gate_up) gives the unfused step's logits
 tolerance, eagerly and under jit; the transposed base kernel is the base kernel's copy. A
 deterministic wrapper takes the unfused path (logged); a step with several adapters per token,
 DoRA, fp8 adapters and a quantized base are refused by name. "auto" runs the fused GEMM in exactly
-the layers a fused linear table marks fused for the step's token count and rank.
+the layers a fused linear table marks fused for the step's token count and rank, and the norm path
+(rms_norm_shrink, then the GEMM) in the layers behind a norm it marks `use_norm_fused`.
 """
 
 from __future__ import annotations
@@ -158,8 +159,10 @@ def test_fused_path_refusals_name_the_reason():
 
 def test_auto_fuses_the_layers_the_tuned_table_marks(tmp_path, monkeypatch, caplog):
     """fused="auto": the layers whose (in, slices), token count and rank the fused linear table marks
-    fused run the fused GEMM (qkv and down here), the others the unfused path (o: marked today;
-    gate_up: no entry), and the step equals the unfused one; each choice is logged with its reason."""
+    fused run the fused GEMM (qkv and down here), gate_up, marked use_norm_fused, the norm path
+    (rms_norm_shrink, then the GEMM), o the unfused path (marked today); qkv's entry has no
+    use_norm_fused (an older table's): its norm runs unfused; the step equals the unfused one; each
+    choice is logged with its reason."""
     import json
 
     from jax_lora.ops import fused_linear as jfl
@@ -169,7 +172,10 @@ def test_auto_fuses_the_layers_the_tuned_table_marks(tmp_path, monkeypatch, capl
     qkv_key = flc.table_key((CFG.hidden_size, (h, kv, kv)), TOKENS.size, RANK)
     down_key = flc.table_key((CFG.intermediate_size, (CFG.hidden_size,)), TOKENS.size, RANK)
     o_key = flc.table_key((h, (CFG.hidden_size,)), TOKENS.size, RANK)
+    gate_up_key = flc.table_key((CFG.hidden_size, (CFG.intermediate_size,) * 2), TOKENS.size, RANK)
     entries = {qkv_key: {"config": cfg, "use_fused": True, "reason": "marked fused"},
+               gate_up_key: {"config": cfg, "use_fused": False, "reason": "marked today", "use_norm_fused": True,
+                             "norm_reason": "marked norm"},
                down_key: {"config": {**cfg, "SPLIT_K": 2}, "use_fused": True, "reason": "marked fused"},
                o_key: {"config": cfg, "use_fused": False, "reason": "marked today"}}
     table = tmp_path / "fl.json"
@@ -177,13 +183,19 @@ def test_auto_fuses_the_layers_the_tuned_table_marks(tmp_path, monkeypatch, capl
     monkeypatch.setenv("LORA_CORE_FUSED_LINEAR_TABLE", str(table))
     flc.fused_linear_table.cache_clear()
     flc._log_choice.cache_clear()
-    calls = []
-    real = jfl.gemm_lora
+    flc._log_norm_choice.cache_clear()
+    calls, norm_calls = [], []
+    real, real_norm = jfl.gemm_lora, jfl.rms_norm_shrink
 
     def counted(x, weight, *args, **kwargs):
         calls.append(tuple(weight.shape))
         return real(x, weight, *args, **kwargs)
+
+    def counted_norm(h, norm_weight, eps, lora_a, *args, **kwargs):
+        norm_calls.append(len(lora_a))                # the layer's output slices
+        return real_norm(h, norm_weight, eps, lora_a, *args, **kwargs)
     monkeypatch.setattr(jfl, "gemm_lora", counted)
+    monkeypatch.setattr(jfl, "rms_norm_shrink", counted_norm)
     try:
         model = _model(jnp.float32)
         w = _wrapper(IDS)
@@ -195,9 +207,16 @@ def test_auto_fuses_the_layers_the_tuned_table_marks(tmp_path, monkeypatch, capl
     finally:
         flc.fused_linear_table.cache_clear()
         flc._log_choice.cache_clear()
-    assert sorted(set(calls)) == sorted({(h + 2 * kv, CFG.hidden_size), (CFG.hidden_size, CFG.intermediate_size)})
+        flc._log_norm_choice.cache_clear()
+    assert sorted(set(calls)) == sorted({(h + 2 * kv, CFG.hidden_size), (CFG.hidden_size, CFG.intermediate_size),
+                                         (2 * CFG.intermediate_size, CFG.hidden_size)})
+    assert norm_calls and set(norm_calls) == {2}      # gate_up only
     assert _rel(got, want) <= 1e-5
     msgs = [r.getMessage() for r in caplog.records]
     assert f"LoRA linear {qkv_key}: the fused GEMM (shrink, then gemm_lora): marked fused" in msgs
     assert f"LoRA linear {o_key}: today's path (library GEMM + add_lora_linear): marked today" in msgs
-    assert any("no tuned entry" in m and f"k{CFG.hidden_size}/n{CFG.intermediate_size}+" in m for m in msgs)
+    assert f"RMSNorm + LoRA linear {gate_up_key}: the fused norm path (rms_norm_shrink, then gemm_lora): " \
+           "marked norm" in msgs
+    assert any(m.startswith(f"RMSNorm + LoRA linear {qkv_key}: the norm, then") and "no norm path decision" in m
+               for m in msgs)
+    assert not any(f"LoRA linear {gate_up_key}: today's path" in m for m in msgs)   # no call asked use_fused

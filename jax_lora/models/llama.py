@@ -469,10 +469,12 @@ def use_fused_lora(model: LlamaForCausalLM, mode) -> list:
     its epilogue (jax_lora.ops.fused_linear.gemm_lora) over a transposed copy of its base kernel.
     "norm": the same, and qkv_proj and gate_up_proj also take the RMSNorm in front of them into
     the shrink (rms_norm_shrink: no LoRA kernel between the norm and the GEMM); o and down stay
-    "gemm". "auto": "gemm" for the calls the device's tuned fused linear table marks fused (by
-    layer shape, token count and rank: lora_core.kernels.fused_linear_configs.use_fused_linear),
-    the unfused path for the others. Embeddings and the LM head are unchanged. Returns the paths of
-    the layers it changed. Refused (ValueError naming the layer): a split model, and what `use_fused` refuses.
+    "gemm". "auto": "norm" for the qkv_proj / gate_up_proj calls the device's tuned fused linear
+    table marks `use_norm_fused` (by layer shape, token count and rank:
+    lora_core.kernels.fused_linear_configs.use_norm_fused_linear), else "gemm" for the calls it
+    marks fused (`use_fused_linear`), the unfused path for the others. Embeddings and the LM head
+    are unchanged. Returns the paths of the layers it changed. Refused (ValueError naming the
+    layer): a split model, and what `use_fused` refuses.
     """
     if mode not in lnn.FUSED_MODES:
         raise ValueError(f"fused must be one of {lnn.FUSED_MODES} (None: off), got {mode!r}")

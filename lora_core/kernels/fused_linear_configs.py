@@ -15,19 +15,27 @@ instead. Format:
 
     {"device": "NVIDIA H200", "format": 1, "margin": 0.02,
      "entries": {"k4096/n4096+1024+1024/m8/r16": {"config": {"BLOCK_M": 16, ...}, "use_fused": false,
-                                                  "reason": "...", "fused_us": ..., "today_us": ..., ...}}}
+                                                  "reason": "...", "fused_us": ..., "today_us": ..., ...,
+                                                  "use_norm_fused": true, "norm_reason": "...",
+                                                  "norm_us": ..., "today_with_norm_us": ...}}}
 
 An entry's key is the layer (K, the output slices' widths), the M bucket (the smallest of
 M_BUCKETS at or above M) and the rank bucket (the rank rounded up to a power of two, at least 16).
 `config` is the tuned `gemm_lora` launch (LoRA in the epilogue); `use_fused` says whether the LoRA
 linear of that layer, M and rank runs as the fused GEMM (the shrink, then `gemm_lora`) instead of
 today's path (the library GEMM, then `add_lora_linear`); the timings and `reason` are what the
-tuner decided it from. The fused GEMM serves LoRA steps only: a step without LoRA keeps the
-library GEMM whatever the table says.
+tuner decided it from. For a layer whose input is an RMSNorm's output (qkv, gate_up), an entry
+may also hold `use_norm_fused`: whether the norm and the LoRA linear run as the fused "norm" path
+(`rms_norm_shrink`, the norm with the shrink in one kernel, then `gemm_lora`) instead of the
+step's own norm and today's path; `norm_us`, `today_with_norm_us` and `norm_reason` are its
+timings and reason. An entry without it (a table of an older tuner, a layer without a norm in
+front) means False. The fused GEMM serves LoRA steps only: a step without LoRA keeps the library
+GEMM whatever the table says.
 
 `use_fused_linear((k, widths), m, rank)` is that decision: False without a table entry (a shape,
 M or rank the table does not hold: today's path, no silent change), logged once per (layer, M
-bucket, rank) with its reason through the package logger.
+bucket, rank) with its reason through the package logger. `use_norm_fused_linear` is the "norm"
+path's decision, read and logged the same way (False without an entry or without the key).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from .planning import next_pow2
 
 __all__ = ["GEMM_CONFIGS", "NORM_SHRINK_CONFIGS", "M_BUCKETS", "gemm_config", "norm_shrink_config",
            "fused_linear_table", "fused_linear_table_file", "read_fused_linear_table", "table_key", "tuned_entry",
-           "use_fused_linear"]
+           "use_fused_linear", "use_norm_fused_linear"]
 
 _LOG = logging.getLogger("lora_core")
 
@@ -150,7 +158,7 @@ _KEY = re.compile(r"k\d+/n\d+(\+\d+)*/m\d+/r\d+")
 def read_fused_linear_table(path: str) -> dict:
     """{key: entry} of a fused linear table file (module docstring), each entry checked: a key as
     `table_key` writes it, a `config` object of the plan's keys with power-of-two block sizes and
-    warps, `use_fused` a bool. ValueError names the file and the entry."""
+    warps, `use_fused` a bool, `use_norm_fused` a bool when present. ValueError names the file and the entry."""
     with open(path) as f:
         data = safe_json.load(f, path)
     name = os.path.basename(path)
@@ -163,6 +171,9 @@ def read_fused_linear_table(path: str) -> dict:
             raise ValueError(f"{where}: keys are 'k<K>/n<w1>+<w2>.../m<M>/r<rank>'")
         if not isinstance(entry, dict) or not isinstance(entry.get("use_fused"), bool):
             raise ValueError(f"{where}: expected an object with a bool 'use_fused', got {entry!r}")
+        if not isinstance(entry.get("use_norm_fused", False), bool):
+            raise ValueError(f"{where}: 'use_norm_fused' must be a bool when present, got "
+                             f"{entry['use_norm_fused']!r}")
         cfg = entry.get("config")
         if not isinstance(cfg, dict) or set(cfg) - _CONFIG_KEYS:
             raise ValueError(f"{where}: 'config' must be an object with keys among {sorted(_CONFIG_KEYS)}, "
@@ -215,11 +226,8 @@ def tuned_entry(layer_shape, m: int, rank: int, *, device: str | None = None, ta
     return dict(found) if found is not None else None
 
 
-def use_fused_linear(layer_shape, m: int, rank: int, device: str | None = None, *, table: dict | None = None) -> bool:
-    """Whether the LoRA linear of a layer (k, output slice widths) at m rows and a rank runs fused
-    (the shrink, then `gemm_lora` with the expand in its epilogue) rather than today's path (the
-    library GEMM, then `add_lora_linear`): the tuned table entry's `use_fused`; False without an
-    entry. Logged once per (layer, M bucket, rank) with the reason."""
+def _decision_entry(layer_shape, m: int, rank: int, device, table) -> tuple:
+    """(key for the log, entry or None, why there is none) of a policy call, its arguments checked."""
     k, widths = _widths(layer_shape)
     if not isinstance(m, int) or m < 0:
         raise ValueError(f"m must be an int >= 0 (rows), got {m!r}")
@@ -227,13 +235,44 @@ def use_fused_linear(layer_shape, m: int, rank: int, device: str | None = None, 
         raise ValueError(f"rank must be an int >= 1, got {rank!r}")
     key = table_key((k, widths), m, rank)
     entry = tuned_entry((k, widths), m, rank, device=device, table=table)
+    if entry is not None:
+        return key, entry, ""
+    why = (f"M={m} is above the tuned row counts (at most {M_BUCKETS[-1]})" if key is None
+           else "no tuned entry for it")
+    return f"k{k}/n{'+'.join(map(str, widths))}/m{m_bucket(m)}/r{rank_bucket(rank)}", None, why
+
+
+def use_fused_linear(layer_shape, m: int, rank: int, device: str | None = None, *, table: dict | None = None) -> bool:
+    """Whether the LoRA linear of a layer (k, output slice widths) at m rows and a rank runs fused
+    (the shrink, then `gemm_lora` with the expand in its epilogue) rather than today's path (the
+    library GEMM, then `add_lora_linear`): the tuned table entry's `use_fused`; False without an
+    entry. Logged once per (layer, M bucket, rank) with the reason."""
+    key, entry, why = _decision_entry(layer_shape, m, rank, device, table)
     if entry is None:
-        why = (f"M={m} is above the tuned row counts (at most {M_BUCKETS[-1]})" if key is None
-               else "no tuned entry for it")
-        _log_choice(f"k{k}/n{'+'.join(map(str, widths))}/m{m_bucket(m)}/r{rank_bucket(rank)}", False, why)
+        _log_choice(key, False, why)
         return False
     fused = bool(entry["use_fused"])
     _log_choice(key, fused, str(entry.get("reason") or "the tuned table's decision"))
+    return fused
+
+
+def use_norm_fused_linear(layer_shape, m: int, rank: int, device: str | None = None, *,
+                          table: dict | None = None) -> bool:
+    """Whether RMSNorm(x) * w followed by the LoRA linear of a layer (k, output slice widths) at m
+    rows and a rank runs as the fused "norm" path (`rms_norm_shrink`: the norm and the LoRA shrink
+    in one kernel, then `gemm_lora` with the expand in its epilogue) rather than the step's own
+    norm and the path `use_fused_linear` picks: the tuned table entry's `use_norm_fused`; False
+    without an entry or without the key (a table from before the key, a layer the tuner did not
+    time behind a norm). Logged once per (layer, M bucket, rank) with the reason."""
+    key, entry, why = _decision_entry(layer_shape, m, rank, device, table)
+    if entry is None:
+        _log_norm_choice(key, False, why)
+        return False
+    if "use_norm_fused" not in entry:
+        _log_norm_choice(key, False, "the tuned entry has no norm path decision (use_norm_fused)")
+        return False
+    fused = bool(entry["use_norm_fused"])
+    _log_norm_choice(key, fused, str(entry.get("norm_reason") or "the tuned table's decision"))
     return fused
 
 
@@ -241,3 +280,10 @@ def use_fused_linear(layer_shape, m: int, rank: int, device: str | None = None, 
 def _log_choice(key: str, fused: bool, why: str) -> None:
     path = "the fused GEMM (shrink, then gemm_lora)" if fused else "today's path (library GEMM + add_lora_linear)"
     _LOG.info("LoRA linear %s: %s: %s", key, path, why)
+
+
+@functools.cache
+def _log_norm_choice(key: str, fused: bool, why: str) -> None:
+    path = ("the fused norm path (rms_norm_shrink, then gemm_lora)" if fused
+            else "the norm, then the LoRA linear's own choice")
+    _LOG.info("RMSNorm + LoRA linear %s: %s: %s", key, path, why)
