@@ -227,7 +227,8 @@ def test_a_gpu_without_a_table_gets_the_generic_defaults(monkeypatch, caplog):
 
 def test_every_tuned_table_is_data_only():
     """One JSON per device: classes of configs and decisions, no tuning history."""
-    files = [f for f in os.listdir(configs.TUNED_DIR) if f.endswith(".json") and not f.endswith("_moe.json")]
+    files = [f for f in os.listdir(configs.TUNED_DIR)
+             if f.endswith(".json") and not f.endswith(("_moe.json", "_fused_linear.json"))]
     assert "NVIDIA_H200.json" in files
     for name in files:
         with open(os.path.join(configs.TUNED_DIR, name)) as f:
@@ -241,6 +242,20 @@ def test_every_tuned_table_is_data_only():
             for variant in entry.get("variants", ()):
                 assert set(variant) <= {"max_slots", "min_slices", "shrink", "expand", "fused", "use_fused"}
         assert configs._table_file(data["device"]).endswith(name)
+
+
+def test_every_tuned_fused_linear_table_reads_and_holds_decisions():
+    """The fused linear tables (`<device>_fused_linear.json`, lora_core/kernels/fused_linear_configs.py):
+    each passes the reader's checks, names the device whose file it is, and every entry holds a
+    config and a decision (its timings and reason are the decision's record)."""
+    from lora_core.kernels import fused_linear_configs as flc
+    for name in [f for f in os.listdir(configs.TUNED_DIR) if f.endswith("_fused_linear.json")]:
+        path = os.path.join(configs.TUNED_DIR, name)
+        entries = flc.read_fused_linear_table(path)
+        with open(path) as f:
+            data = json.load(f)
+        assert name == data["device"].replace(" ", "_") + "_fused_linear.json", name
+        assert entries and all({"config", "use_fused"} <= set(e) for e in entries.values()), name
 
 
 def test_every_tuned_moe_table_is_data_only():
