@@ -9,7 +9,9 @@
 Each case is warmed up (compiled) first; only the profiled call sits between cudaProfilerStart and
 cudaProfilerStop. Cases: (kind, T, adapters, rank, slices, slots) of bench_triton's sweep; `--cases
 pre:2048:4:64:s1,dec:512:1:16:s1` profiles others (kind:T:D:rank:slices[:slots], slots -- the
-adapter slots, max_loras -- defaulting to max(8, D) as in bench_triton).
+adapter slots, max_loras -- defaulting to max(8, D) as in bench_triton). `--lora-dtype fp8` profiles
+the same calls with e4m3 weights (per output channel scales, bench_triton's quantize_fp8); `--lora-dtype
+both` profiles bf16 then fp8 for each case, so the two sit side by side in one report.
 """
 
 from __future__ import annotations
@@ -47,18 +49,27 @@ def parse_cases(text: str) -> list:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default="", help="kind:T:D:rank:slices[:slots][:het],... (default: CASES)")
-    cases = parse_cases(p.parse_args().cases) or CASES
+    p.add_argument("--lora-dtype", choices=("bf16", "fp8", "both"), default="bf16",
+                   help="the adapter weights' dtype (both: bf16 then fp8 per case)")
+    args = p.parse_args()
+    cases = parse_cases(args.cases) or CASES
+    dtypes = ("bf16", "fp8") if args.lora_dtype == "both" else (args.lora_dtype,)
     device = torch.device("cuda")
     for kind, T, D, r, sl, slots, ranks in cases:
         s = InputSet(kind, T, D, r, SLICES[sl], slots, 0.0, ranks, torch.Generator().manual_seed(0), device)
-        for _ in range(3):
-            s.call()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        s.call()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
-        print(f"profiled {kind} T{T} D{D} r{r} {sl} L{slots}{' ranks ' + str(ranks) if ranks else ''}", flush=True)
+        for dtype in dtypes:
+            if dtype == "fp8":
+                s.with_fp8()
+            call = s.call_fp8 if dtype == "fp8" else s.call
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            call()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(f"profiled {kind} T{T} D{D} r{r} {sl} L{slots}{' ranks ' + str(ranks) if ranks else ''} {dtype}",
+                  flush=True)
 
 
 if __name__ == "__main__":
